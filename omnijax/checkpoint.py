@@ -1,0 +1,146 @@
+"""The omnijax on-disk checkpoint format.
+
+A converted checkpoint is a directory:
+
+    DST/omnijax.json   manifest: {"format": "omnijax", "format_version": 1, "model_type": ...,
+                                  "decoder": DecoderConfig.to_json(), "source": {...}}
+    DST/params/        orbax (StandardCheckpointer) checkpoint of the decoder's pure-dict parameter tree
+    DST/tokenizer.json ... tokenizer and processor files copied from the source, when present
+
+The manifest is written after the parameters, so a directory with a manifest holds a complete parameter tree.
+Parameters are stored in the decoder's dtype (`decoder.dtype`); restoring bfloat16 is bit exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from omnijax.config import DecoderConfig
+
+FORMAT = "omnijax"
+FORMAT_VERSION = 1
+MANIFEST = "omnijax.json"
+PARAMS_DIR = "params"
+
+
+class CheckpointFormatError(ValueError):
+    """A directory is not a readable omnijax checkpoint, or its parameters do not match the requested tree."""
+
+
+def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConfig, params_pure_dict: dict,
+                source_info: dict[str, Any] | None = None) -> Path:
+    """Writes `params/` and then the manifest into `dst_dir` (created if needed; `params/` must not exist).
+
+    Args:
+        dst_dir: output directory.
+        model_type: omnijax model type (e.g. "qwen2_5_omni").
+        config: decoder config; its `dtype` should be the dtype of the parameter arrays.
+        params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout.
+        source_info: JSON-serialisable provenance (source path, skipped tensors, ...).
+
+    Returns:
+        The checkpoint directory.
+    """
+    dst = Path(dst_dir).resolve()
+    dst.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(dst / PARAMS_DIR, params_pure_dict)
+        checkpointer.wait_until_finished()
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_type": model_type,
+        "decoder": config.to_json(),
+        "source": source_info or {},
+    }
+    tmp = dst / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, dst / MANIFEST)
+    return dst
+
+
+def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """The validated manifest of a checkpoint as a dict (see the module docstring for its keys).
+
+    Raises:
+        CheckpointFormatError: no manifest, unreadable JSON, another format, an unsupported version, or no decoder.
+    """
+    path = Path(ckpt_dir) / MANIFEST
+    if not path.is_file():
+        raise CheckpointFormatError(
+            f"{path} not found: {ckpt_dir} is not an omnijax checkpoint (convert one with omnijax-convert)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{path}: cannot read manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointFormatError(f"{path}: format is {found!r}, expected {FORMAT!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path}: format_version {manifest.get('format_version')!r} is not supported "
+                                    f"(this omnijax reads version {FORMAT_VERSION})")
+    if not isinstance(manifest.get("model_type"), str) or not isinstance(manifest.get("decoder"), dict):
+        raise CheckpointFormatError(f"{path}: manifest needs a 'model_type' string and a 'decoder' object")
+    return manifest
+
+
+def read_manifest(ckpt_dir: str | os.PathLike) -> tuple[str, DecoderConfig]:
+    """`(model_type, DecoderConfig)` of a converted checkpoint.
+
+    Raises:
+        CheckpointFormatError: see `read_manifest_dict`; also when the decoder config does not parse.
+    """
+    manifest = read_manifest_dict(ckpt_dir)
+    try:
+        config = DecoderConfig.from_json(manifest["decoder"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"{Path(ckpt_dir) / MANIFEST}: invalid decoder config: {e}") from e
+    return manifest["model_type"], config
+
+
+def _describe(leaf) -> str:
+    return f"{tuple(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
+
+
+def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict) -> dict:
+    """Restores the parameter tree as jax arrays.
+
+    Args:
+        ckpt_dir: a converted checkpoint directory.
+        abstract_pure_dict: the target tree of `jax.ShapeDtypeStruct`s (e.g. from
+            `nnx.state(nnx.eval_shape(lambda: Decoder(config))).to_pure_dict()`). Leaves without a sharding are placed
+            on the default device.
+
+    Returns:
+        The restored pure-dict tree with the same structure, shapes and dtypes as the target.
+
+    Raises:
+        CheckpointFormatError: the parameters are missing, or their tree, shapes or dtypes differ from the target
+            (orbax would silently cast a dtype; this refuses instead).
+    """
+    path = (Path(ckpt_dir) / PARAMS_DIR).resolve()
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path} not found: the checkpoint has no parameters")
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(path).item_metadata.tree
+        stored_leaves = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+        target_leaves = dict(jax.tree_util.tree_flatten_with_path(abstract_pure_dict)[0])
+        problems = [f"missing {jax.tree_util.keystr(k)}" for k in target_leaves if k not in stored_leaves]
+        problems += [f"unexpected {jax.tree_util.keystr(k)}" for k in stored_leaves if k not in target_leaves]
+        problems += [
+            f"{jax.tree_util.keystr(k)}: stored {_describe(stored_leaves[k])}, expected {_describe(t)}"
+            for k, t in target_leaves.items()
+            if k in stored_leaves and _describe(stored_leaves[k]) != _describe(t)]
+        if problems:
+            raise CheckpointFormatError(f"{path}: parameters do not match the model: " + "; ".join(problems))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None) or device),
+            abstract_pure_dict)
+        return checkpointer.restore(path, target)

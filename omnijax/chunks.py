@@ -1,0 +1,123 @@
+"""`Chunk`: one streaming event's tokens, positions and span metadata, padded to a fixed length.
+
+Positions in a chunk are offsets relative to the stream's next-position cursor, so retention that re-indexes the
+cache (and moves the cursor) never invalidates chunks built in advance. The cursor advances by the chunk's largest
+offset + 1 over its valid tokens (TMRoPE rule: the next segment starts after the previous one's max position).
+
+Shapes for one chunk (B sequences, T padded length, A position axes, D hidden); a stack of chunks for
+`omnijax.stream` has a leading `[num_chunks]` axis on every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from omnijax.units import SpanKind
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A chunk of a streaming session.
+
+    Attributes:
+        token_ids: `[B, T]` int32 token ids (placeholders where `embed_mask` is set).
+        valid: `[B, T]` bool; padding is False and is neither written nor attended.
+        positions: `[A, B, T]` int32 position offsets relative to the cursor.
+        unit: `[B, T]` int32 unit id of each token.
+        span: `[B, T]` int32 `SpanKind` of each token.
+        offset: `[B, T]` int32 offset within the span.
+        answer_tokens: `[B]` int32 greedy tokens to generate after the chunk (0 = no answer; at most the stream's
+            `max_answer_tokens`).
+        answer_unit: `[B]` int32 unit id given to the generated response.
+        embeds: optional `[B, T, D]` embeddings used where `embed_mask` is True (multimodal features).
+        embed_mask: optional `[B, T]` bool.
+    """
+
+    token_ids: jax.Array
+    valid: jax.Array
+    positions: jax.Array
+    unit: jax.Array
+    span: jax.Array
+    offset: jax.Array
+    answer_tokens: jax.Array
+    answer_unit: jax.Array
+    embeds: jax.Array | None = None
+    embed_mask: jax.Array | None = None
+
+    @property
+    def length(self) -> int:
+        return self.token_ids.shape[-1]
+
+
+def text_chunk(tokens: Sequence[int], *, length: int | None = None, unit: int = 0, span: SpanKind = SpanKind.TEXT,
+               position_axes: int = 3, answer_tokens: int = 0) -> Chunk:
+    """A batch-1 chunk of text tokens at consecutive positions, padded to `length`."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    n = tokens.shape[0]
+    length = n if length is None else length
+    if n == 0 or n > length:
+        raise ValueError(f"a text chunk needs 1..{length} tokens, got {n}")
+    ids = np.zeros((1, length), np.int32)
+    ids[0, :n] = tokens
+    valid = np.zeros((1, length), bool)
+    valid[0, :n] = True
+    offs = np.where(valid, np.arange(length, dtype=np.int32)[None], 0).astype(np.int32)
+    return Chunk(
+        token_ids=ids, valid=valid, positions=np.broadcast_to(offs, (position_axes, 1, length)).copy(),
+        unit=np.full((1, length), unit, np.int32), span=np.full((1, length), int(span), np.int32),
+        offset=offs, answer_tokens=np.asarray([answer_tokens], np.int32),
+        answer_unit=np.asarray([unit + 1], np.int32))
+
+
+def stack_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """Stacks equally shaped chunks along a new leading `[num_chunks]` axis (padding each to the longest first)."""
+    if not chunks:
+        raise ValueError("no chunks to stack")
+    length = max(c.length for c in chunks)
+    padded = [pad_chunk(c, length) for c in chunks]
+    kinds = {(c.embeds is None, c.embed_mask is None) for c in padded}
+    if len(kinds) != 1:
+        raise ValueError("either every chunk carries embeddings or none does")
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *padded)
+
+
+def pad_chunk(chunk: Chunk, length: int) -> Chunk:
+    """Pads a chunk's token axis to `length` with invalid tokens."""
+    extra = length - chunk.length
+    if extra < 0:
+        raise ValueError(f"chunk of length {chunk.length} is longer than {length}")
+    if extra == 0:
+        return chunk
+
+    def pad(x, axis):
+        x = np.asarray(x)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return np.pad(x, widths)
+
+    return dataclasses.replace(
+        chunk, token_ids=pad(chunk.token_ids, 1), valid=pad(chunk.valid, 1), positions=pad(chunk.positions, 2),
+        unit=pad(chunk.unit, 1), span=pad(chunk.span, 1), offset=pad(chunk.offset, 1),
+        embeds=None if chunk.embeds is None else pad(chunk.embeds, 1),
+        embed_mask=None if chunk.embed_mask is None else pad(chunk.embed_mask, 1))
+
+
+def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 3,
+               answer_tokens: int = 0) -> Chunk:
+    """Splits one token sequence into `num_chunks` near-equal text chunks (units 0, 1, ...), stacked.
+
+    The last chunk asks for `answer_tokens` greedy tokens.
+    """
+    parts = np.array_split(np.asarray(tokens, np.int32), num_chunks)
+    if any(len(p) == 0 for p in parts):
+        raise ValueError(f"cannot split {len(tokens)} tokens into {num_chunks} non-empty chunks")
+    length = max(len(p) for p in parts)
+    return stack_chunks([
+        text_chunk(p, length=length, unit=i, position_axes=position_axes,
+                   answer_tokens=answer_tokens if i == num_chunks - 1 else 0)
+        for i, p in enumerate(parts)])

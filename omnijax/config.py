@@ -1,0 +1,124 @@
+"""Model configuration: frozen dataclasses with presets.
+
+A `DecoderConfig` describes a Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker, Qwen3 with q/k norm). It holds only
+static hyperparameters; weights live in the parameter pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Static hyperparameters of a Qwen2-family decoder.
+
+    Attributes:
+        vocab_size: rows of the embedding table (and columns of the lm head).
+        hidden_size: model width D.
+        intermediate_size: SwiGLU width I.
+        num_layers: decoder layers L.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads (GQA groups), divides `num_heads`.
+        head_dim: per-head width; even.
+        rope_theta: RoPE base.
+        mrope_section: rotary frequency split over the (t, h, w) position axes; `None` for plain 1D RoPE. The sum must
+            equal `head_dim // 2`.
+        rms_norm_eps: RMSNorm epsilon.
+        qkv_bias: q/k/v projections carry a bias (Qwen2); o_proj never does.
+        qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+        tie_embeddings: the lm head reuses the embedding table.
+        dtype: compute dtype name ("float32" or "bfloat16"); parameters are stored in it too.
+        eos_token_ids: tokens that end a greedy answer.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1e6
+    mrope_section: tuple[int, int, int] | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"DecoderConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mrope_section is not None:
+            section = tuple(int(s) for s in self.mrope_section)
+            if len(section) != 3 or sum(section) != self.head_dim // 2:
+                raise ValueError(
+                    f"mrope_section {section} must have 3 entries summing to head_dim // 2 = {self.head_dim // 2}")
+            object.__setattr__(self, "mrope_section", section)
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def position_axes(self) -> int:
+        """Number of position components per token: 3 for mrope (t, h, w), 1 for plain RoPE."""
+        return 1 if self.mrope_section is None else 3
+
+    def replace(self, **changes: Any) -> "DecoderConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["mrope_section"] = None if self.mrope_section is None else list(self.mrope_section)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "DecoderConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown DecoderConfig fields: {unknown}; known fields are {sorted(names)}")
+        data = dict(data)
+        if data.get("mrope_section") is not None:
+            data["mrope_section"] = tuple(data["mrope_section"])
+        return cls(**data)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+
+# Presets. Real sizes come from the published checkpoints; `tiny` variants are for tests and the demo.
+QWEN2_5_OMNI_7B = DecoderConfig(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+    head_dim=128, rope_theta=1e6, mrope_section=(16, 24, 24), qkv_bias=True, tie_embeddings=False,
+    eos_token_ids=(151645,))
+QWEN2_5_OMNI_3B = QWEN2_5_OMNI_7B.replace(
+    vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2)
+QWEN3_8B = DecoderConfig(
+    vocab_size=151748, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+    head_dim=128, rope_theta=1e6, mrope_section=None, qkv_bias=False, qk_norm=True, tie_embeddings=False)
+TINY_OMNI = DecoderConfig(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    rope_theta=1e6, mrope_section=(2, 3, 3), qkv_bias=True, tie_embeddings=False)
+
+PRESETS = {
+    "qwen2_5_omni_7b": QWEN2_5_OMNI_7B,
+    "qwen2_5_omni_3b": QWEN2_5_OMNI_3B,
+    "qwen3_8b": QWEN3_8B,
+    "tiny_omni": TINY_OMNI,
+}

@@ -1,0 +1,252 @@
+"""`PagedKV`: the immutable paged KV cache pytree shared by every capability.
+
+One pool of pages serves a batch of sequences (a single session is the batch-1 case). Keys are stored after RoPE.
+Every update returns a new `PagedKV`; nothing is mutated. Slots of freed pages are dirty: they keep whatever they
+held, and every reader masks by `valid`.
+
+Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes, B sequences, M max pages/sequence):
+
+    k, v        [L, N, P, G, d]   keys (post-RoPE) and values
+    valid       [N, P] bool       slot holds a live token
+    pos         [A, N, P] int32   logical position (A = 3 for mrope t/h/w, 1 for plain RoPE)
+    order       [N, P] int32      per-sequence write order (causality inside a chunk; survives re-indexing)
+    unit        [N, P] int32      unit id of the token
+    span        [N, P] int8       span kind (`omnijax.units.SpanKind`)
+    offset      [N, P] int32      offset of the token within its span
+    page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
+    page_class  [N] int8          `PageClass` of each page
+    seq_slots   [B] int32         slots used in page-table space (next write goes to slot index `seq_slots`)
+    next_order  [B] int32         tokens ever written per sequence
+    free_stack  [N] int32         free page ids; the top `num_free` entries are free
+    num_free    [] int32
+    exhausted   [B] bool          sticky: a write found no free page or no page-table room
+    dropped     [B] int32         tokens not written because of exhaustion
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class PageClass(enum.IntEnum):
+    FREE = 0
+    MUST_KEEP = 1
+    SELECTED = 2
+    RECENT = 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    pos: jax.Array
+    order: jax.Array
+    unit: jax.Array
+    span: jax.Array
+    offset: jax.Array
+    page_table: jax.Array
+    page_class: jax.Array
+    seq_slots: jax.Array
+    next_order: jax.Array
+    free_stack: jax.Array
+    num_free: jax.Array
+    exhausted: jax.Array
+    dropped: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    def replace(self, **changes) -> "PagedKV":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMeta:
+    """Per-token metadata of a chunk being written, each `[B, T]` (pos `[A, B, T]`)."""
+
+    pos: jax.Array
+    unit: jax.Array
+    span: jax.Array
+    offset: jax.Array
+
+
+def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, batch: int = 1,
+         max_pages: int | None = None, position_axes: int = 3, dtype=jnp.float32) -> PagedKV:
+    """An empty cache: every page free, every page-table entry -1.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape.
+        num_pages: pool size N.
+        page_size: slots per page P (a power of two).
+        batch: sequences B sharing the pool.
+        max_pages: page-table width M per sequence (default: the whole pool).
+        position_axes: 3 for mrope, 1 for plain RoPE.
+        dtype: storage and compute dtype of keys and values.
+    """
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a positive power of two, got {page_size}")
+    if num_pages <= 0 or batch <= 0:
+        raise ValueError(f"num_pages and batch must be positive, got num_pages={num_pages}, batch={batch}")
+    max_pages = num_pages if max_pages is None else max_pages
+    shape = (num_pages, page_size)
+    return PagedKV(
+        k=jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype),
+        v=jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype),
+        valid=jnp.zeros(shape, bool),
+        pos=jnp.zeros((position_axes,) + shape, jnp.int32),
+        order=jnp.zeros(shape, jnp.int32),
+        unit=jnp.full(shape, -1, jnp.int32),
+        span=jnp.zeros(shape, jnp.int8),
+        offset=jnp.zeros(shape, jnp.int32),
+        page_table=jnp.full((batch, max_pages), -1, jnp.int32),
+        page_class=jnp.full((num_pages,), PageClass.FREE, jnp.int8),
+        seq_slots=jnp.zeros((batch,), jnp.int32),
+        next_order=jnp.zeros((batch,), jnp.int32),
+        # Pages are popped from the top of the stack, so page 0 is handed out first.
+        free_stack=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.asarray(num_pages, jnp.int32),
+        exhausted=jnp.zeros((batch,), bool),
+        dropped=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedKV, jax.Array, jax.Array]:
+    """Assigns cache slots to a chunk's valid tokens and records their metadata.
+
+    Valid tokens of sequence b take consecutive slots from `seq_slots[b]` on, in token order; pages they need are
+    popped from the free stack, sequences in batch order. A token with no slot (pool empty or page table full) is not
+    written: it gets slot -1, `exhausted[b]` is set and `dropped[b]` counts it. Nothing is ever overwritten.
+
+    Args:
+        kv: the cache.
+        token_valid: `[B, T]` bool, tokens to write (padding is False).
+        meta: the chunk's positions and span metadata.
+
+    Returns:
+        `(kv, write_slots [B, T] int32 flat slot index page * P + offset or -1, token_order [B, T] int32)`.
+    """
+    B, T = token_valid.shape
+    P, M = kv.page_size, kv.max_pages
+    token_valid = token_valid.astype(bool)
+    rank = jnp.cumsum(token_valid, axis=1) - 1  # [B, T] index among the chunk's valid tokens
+    count = jnp.sum(token_valid, axis=1).astype(jnp.int32)  # [B]
+    logical = kv.seq_slots[:, None] + rank  # [B, T] slot index in page-table space
+
+    pages_held = (kv.seq_slots + P - 1) // P  # [B] page-table entries in use
+    pages_wanted = jnp.minimum((kv.seq_slots + count + P - 1) // P, M)  # capped by page-table width
+    need = jnp.maximum(pages_wanted - pages_held, 0)  # [B]
+    need_before = jnp.cumsum(need) - need
+    granted = jnp.clip(kv.num_free - need_before, 0, need)  # [B] pages actually available, batch order
+    taken_before = jnp.cumsum(granted) - granted
+    total_taken = jnp.sum(granted)
+
+    # New page-table entries: entry j (pages_held <= j < pages_held + granted) gets the (taken_before + j -
+    # pages_held)-th page popped from the stack top.
+    entry = jnp.arange(M)[None, :]  # [1, M]
+    k_new = entry - pages_held[:, None]  # [B, M]
+    is_new = (k_new >= 0) & (k_new < granted[:, None])
+    stack_idx = kv.num_free - 1 - (taken_before[:, None] + k_new)
+    popped = kv.free_stack[jnp.clip(stack_idx, 0, kv.num_pages - 1)]
+    page_table = jnp.where(is_new, popped, kv.page_table)
+    new_pages = jnp.where(is_new, popped, kv.num_pages)  # out of range = dropped update
+    page_class = kv.page_class.at[new_pages.reshape(-1)].set(PageClass.RECENT, mode="drop")
+
+    # Slots: a token is written when its page-table entry exists after allocation.
+    entry_of_token = logical // P
+    page_of_token = jnp.take_along_axis(page_table, jnp.clip(entry_of_token, 0, M - 1), axis=1)
+    writable = token_valid & (entry_of_token < M) & (page_of_token >= 0)
+    writable = writable & (entry_of_token < pages_held[:, None] + granted[:, None])
+    write_slots = jnp.where(writable, page_of_token * P + logical % P, -1)
+    written = jnp.sum(writable, axis=1).astype(jnp.int32)
+    lost = count - written
+
+    token_order = kv.next_order[:, None] + rank
+    flat = jnp.where(writable, write_slots, kv.num_pages * P).reshape(-1)  # out of range = dropped
+
+    def put(field, values):
+        return field.reshape(-1).at[flat].set(values.reshape(-1).astype(field.dtype), mode="drop").reshape(
+            field.shape)
+
+    A = kv.pos.shape[0]
+    pos = meta.pos if meta.pos.shape[0] == A else jnp.broadcast_to(meta.pos[:1], (A,) + meta.pos.shape[1:])
+    new_pos = jnp.stack([put(kv.pos[a], pos[a]) for a in range(A)])
+    kv = kv.replace(
+        valid=put(kv.valid, jnp.ones((B, T), bool)),
+        pos=new_pos,
+        order=put(kv.order, token_order),
+        unit=put(kv.unit, meta.unit),
+        span=put(kv.span, meta.span),
+        offset=put(kv.offset, meta.offset),
+        page_table=page_table,
+        page_class=page_class,
+        seq_slots=kv.seq_slots + written,
+        next_order=kv.next_order + count,
+        num_free=kv.num_free - total_taken,
+        exhausted=kv.exhausted | (lost > 0),
+        dropped=kv.dropped + lost,
+    )
+    return kv, write_slots, token_order
+
+
+def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array) -> jax.Array:
+    """Scatters one layer's chunk keys or values into its pages; slots of -1 are dropped.
+
+    Args:
+        pages: `[N, P, G, d]` one layer's cache.
+        write_slots: `[B, T]` flat slot indices from `reserve`.
+        values: `[B, T, G, d]`.
+    """
+    N, P, G, d = pages.shape
+    flat_idx = jnp.where(write_slots >= 0, write_slots, N * P).reshape(-1)
+    flat = pages.reshape(N * P, G, d).at[flat_idx].set(values.reshape(-1, G, d).astype(pages.dtype), mode="drop")
+    return flat.reshape(N, P, G, d)
+
+
+def append(kv: PagedKV, k_new: jax.Array, v_new: jax.Array, token_valid: jax.Array,
+           meta: SlotMeta) -> tuple[PagedKV, jax.Array]:
+    """Appends a chunk's keys and values of every layer (`[L, B, T, G, d]`) to the sequences' pages.
+
+    Returns `(kv, write_slots [B, T])`; see `reserve` for slot assignment and exhaustion.
+    """
+    kv, slots, _ = reserve(kv, token_valid, meta)
+    k = jax.vmap(write_layer, in_axes=(0, None, 0))(kv.k, slots, k_new)
+    v = jax.vmap(write_layer, in_axes=(0, None, 0))(kv.v, slots, v_new)
+    return kv.replace(k=k, v=v), slots
+
+
+def release_pages(kv: PagedKV, pages: jax.Array) -> PagedKV:
+    """Returns pages (`[K]` ids, -1 entries ignored) to the pool: pushed on the free stack, class FREE, slots invalid.
+
+    The page table is not touched; callers remove the entries they release.
+    """
+    pages = pages.astype(jnp.int32)
+    ok = pages >= 0
+    rank = jnp.cumsum(ok) - 1
+    dst = jnp.where(ok, kv.num_free + rank, kv.num_pages)
+    free_stack = kv.free_stack.at[dst].set(pages, mode="drop")
+    target = jnp.where(ok, pages, kv.num_pages)
+    return kv.replace(
+        free_stack=free_stack,
+        num_free=kv.num_free + jnp.sum(ok).astype(jnp.int32),
+        page_class=kv.page_class.at[target].set(PageClass.FREE, mode="drop"),
+        valid=kv.valid.at[target].set(False, mode="drop"),
+    )

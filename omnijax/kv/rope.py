@@ -1,0 +1,64 @@
+"""Rotary position embedding: 1D RoPE and Qwen's 3-axis mrope, plus re-rotation of cached keys.
+
+Layout is rotate-half (the two halves of the head dimension pair up). With `mrope_section = (s_t, s_h, s_w)`,
+frequency j uses the t position for j < s_t, h for s_t <= j < s_t + s_h, and w after that; the same split repeats on
+the second half. Angles are always computed in float32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def inverse_frequencies(head_dim: int, theta: float) -> jnp.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, `theta ** (-2j / head_dim)`."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    return jnp.asarray(1.0 / (theta ** exponents), dtype=jnp.float32)
+
+
+def axis_of_frequency(head_dim: int, mrope_section: tuple[int, int, int] | None) -> np.ndarray:
+    """[head_dim // 2] int: which position axis drives each rotary frequency (all 0 for 1D RoPE)."""
+    if mrope_section is None:
+        return np.zeros(head_dim // 2, dtype=np.int32)
+    return np.repeat(np.arange(3, dtype=np.int32), mrope_section)
+
+
+def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float,
+                mrope_section: tuple[int, int, int] | None) -> jnp.ndarray:
+    """Rotation angles per token and frequency.
+
+    Args:
+        positions: `[axes, ...]` integer positions; `axes` is 3 for mrope or 1 for plain RoPE (a 1-axis input drives
+            all three mrope axes).
+        head_dim: per-head width.
+        theta: RoPE base.
+        mrope_section: per-axis frequency split, or None.
+
+    Returns:
+        `[..., head_dim // 2]` float32 angles.
+    """
+    inv_freq = inverse_frequencies(head_dim, theta)
+    axis = axis_of_frequency(head_dim, mrope_section)
+    pos = positions.astype(jnp.float32)
+    if pos.shape[0] == 1:
+        chosen = pos[0][..., None] * inv_freq  # [..., head_dim // 2]
+    else:
+        per_axis = pos[..., None] * inv_freq  # [axes, ..., head_dim // 2]
+        chosen = jnp.take_along_axis(
+            per_axis, jnp.asarray(axis).reshape((1,) + (1,) * (pos.ndim - 1) + (-1,)), axis=0)[0]
+    return chosen
+
+
+def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x` `[..., heads, head_dim]` by `angles` `[..., head_dim // 2]` (broadcast over heads).
+
+    The rotation runs in float32 and the result is cast back to `x.dtype`, so bfloat16 inputs see one rounding.
+    """
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,151 @@
+"""Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker LLM, Qwen3) in Flax NNX over the paged KV cache.
+
+The module carries only its config and its parameters. Layer parameters are stacked along a leading `layers` axis
+and the layers run in one `lax.scan`, so compile time does not grow with depth. Attention reads and writes the
+paged cache through `omnijax.attention`; the decoder itself never branches on traced values.
+
+Parameter pytree (`nnx.state(model).to_pure_dict()`), shapes for L layers, D hidden, H heads, G kv heads, d head
+dim, I intermediate, V vocab:
+
+    embed        [V, D]
+    layers:
+      input_norm [L, D]         post_norm [L, D]
+      q_proj     [L, D, H*d]    q_bias    [L, H*d]   (qkv_bias)
+      k_proj     [L, D, G*d]    k_bias    [L, G*d]   (qkv_bias)
+      v_proj     [L, D, G*d]    v_bias    [L, G*d]   (qkv_bias)
+      o_proj     [L, H*d, D]
+      q_norm     [L, d]         k_norm    [L, d]     (qk_norm)
+      gate_proj  [L, D, I]      up_proj   [L, D, I]  down_proj [L, I, D]
+    final_norm   [D]
+    lm_head      [D, V]                              (unless tie_embeddings)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omnijax import attention as attention_lib
+from omnijax.config import DecoderConfig
+from omnijax.kv import rope as rope_lib
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """RMSNorm with statistics in float32; the normalised value is cast to `x.dtype` before the weight multiply."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _param(shape, dtype, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False, std: float = 0.02):
+    if ones:
+        return nnx.Param(jnp.ones(shape, dtype))
+    if zeros:
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' parameters, stacked along a leading `layers` axis."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        L, D, I = c.num_layers, c.hidden_size, c.intermediate_size
+        qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_norm = _param((L, D), dt, rngs, ones=True)
+        self.post_norm = _param((L, D), dt, rngs, ones=True)
+        self.q_proj = _param((L, D, qd), dt, rngs)
+        self.k_proj = _param((L, D, kvd), dt, rngs)
+        self.v_proj = _param((L, D, kvd), dt, rngs)
+        self.o_proj = _param((L, qd, D), dt, rngs)
+        if c.qkv_bias:
+            self.q_bias = _param((L, qd), dt, rngs, zeros=True)
+            self.k_bias = _param((L, kvd), dt, rngs, zeros=True)
+            self.v_bias = _param((L, kvd), dt, rngs, zeros=True)
+        if c.qk_norm:
+            self.q_norm = _param((L, c.head_dim), dt, rngs, ones=True)
+            self.k_norm = _param((L, c.head_dim), dt, rngs, ones=True)
+        self.gate_proj = _param((L, D, I), dt, rngs)
+        self.up_proj = _param((L, D, I), dt, rngs)
+        self.down_proj = _param((L, I, D), dt, rngs)
+
+    def stacked(self) -> dict[str, jnp.ndarray]:
+        """The stacked parameter arrays as a plain dict (scanned over in `Decoder.run_layers`)."""
+        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+class Decoder(nnx.Module):
+    """Qwen2-family causal LM over a paged KV cache."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        c, dt = config, config.jnp_dtype
+        self.config = config
+        self.embed = _param((c.vocab_size, c.hidden_size), dt, rngs)
+        self.layers = DecoderLayers(config, rngs=rngs)
+        self.final_norm = _param((c.hidden_size,), dt, rngs, ones=True)
+        if not c.tie_embeddings:
+            self.lm_head = _param((c.hidden_size, c.vocab_size), dt, rngs)
+
+    def embed_tokens(self, token_ids: jnp.ndarray) -> jnp.ndarray:
+        """`[B, T]` ids -> `[B, T, D]` embeddings in the compute dtype."""
+        return jnp.take(self.embed[...], token_ids, axis=0)
+
+    def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
+        """Final norm and lm head: `[..., D]` -> `[..., V]` float32 logits."""
+        c = self.config
+        h = rms_norm(hidden, self.final_norm[...], c.rms_norm_eps)
+        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
+
+    def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
+                   k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "reference"):
+        """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
+
+        Args:
+            x: `[B, T, D]` input embeddings (compute dtype).
+            positions: `[A, B, T]` absolute positions (A = config.position_axes, or 1 to drive all mrope axes).
+            cache: slot bookkeeping shared by all layers (where the chunk's tokens are written, what is visible).
+            k_pages, v_pages: `[L, num_pages, page_size, G, d]` cached keys (post-RoPE) and values.
+            impl: attention implementation (see `omnijax.attention.attend`).
+
+        Returns:
+            `(hidden [B, T, D], k_pages, v_pages)` with the chunk's keys and values written into every layer.
+        """
+        c = self.config
+        dt = c.jnp_dtype
+        B, T, _ = x.shape
+        angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)  # [B, T, d/2]
+
+        def proj(h, w, bias_name, p):
+            out = jnp.einsum("btd,de->bte", h, w, preferred_element_type=jnp.float32)
+            if bias_name in p:
+                out = out + p[bias_name].astype(jnp.float32)
+            return out.astype(dt)
+
+        def layer(h, xs):
+            p, k_layer, v_layer = xs
+            normed = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q = proj(normed, p["q_proj"], "q_bias", p).reshape(B, T, c.num_heads, c.head_dim)
+            k = proj(normed, p["k_proj"], "k_bias", p).reshape(B, T, c.num_kv_heads, c.head_dim)
+            v = proj(normed, p["v_proj"], "v_bias", p).reshape(B, T, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+            q = rope_lib.apply_rope(q, angles)
+            k = rope_lib.apply_rope(k, angles)
+            k_layer = attention_lib.write_slots(k_layer, cache.write_slots, k)
+            v_layer = attention_lib.write_slots(v_layer, cache.write_slots, v)
+            attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl)  # [B, T, H, d]
+            attn = attn.reshape(B, T, c.num_heads * c.head_dim)
+            h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
+            normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+            gate = jnp.einsum("btd,di->bti", normed, p["gate_proj"], preferred_element_type=jnp.float32)
+            up = jnp.einsum("btd,di->bti", normed, p["up_proj"], preferred_element_type=jnp.float32)
+            act = (jax.nn.silu(gate.astype(dt)) * up.astype(dt))
+            h = h + jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
+            return h, (k_layer, v_layer)
+
+        h, (k_pages, v_pages) = jax.lax.scan(layer, x.astype(dt), (self.layers.stacked(), k_pages, v_pages))
+        return h, k_pages, v_pages

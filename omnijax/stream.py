@@ -1,0 +1,241 @@
+"""Streaming: a whole session is one `lax.scan` over chunks; `Session` runs the same jitted step chunk by chunk.
+
+Per chunk: prefill the chunk into the paged cache (all layers), take the logits of its last valid token, let the
+retention policy trim (inside the program, `lax.cond` on its own trigger), then answer with up to `max_answer_tokens`
+greedy tokens when the chunk asks for it. Generated tokens are fed back, so the response is part of the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omnijax import attention as attention_lib
+from omnijax.chunks import Chunk
+from omnijax.kv import layout as layout_lib
+from omnijax.kv import paged as paged_lib
+from omnijax.models.decoder import Decoder
+from omnijax.retention.base import NoSlide, RetentionPolicy
+from omnijax.units import SpanKind
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamState:
+    """Carried state: the cache and each sequence's next-position cursor `[B]`."""
+
+    kv: paged_lib.PagedKV
+    next_pos: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkStats:
+    """Per-chunk statistics (each `[B]`, pool figures scalar) after the chunk and its answer."""
+
+    layout: layout_lib.LayoutStats
+    evicted: jax.Array
+    next_pos: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkOutput:
+    """What one step returns: last-position logits `[B, V]` (float32), tokens `[B, tau]` (-1 = none), stats."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    stats: ChunkStats
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamResult:
+    """`logits [C, B, V]`, `tokens [C, B, tau]`, `stats` stacked over C chunks, and the final `StreamState`."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    stats: ChunkStats
+    state: StreamState
+
+
+def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
+            meta: paged_lib.SlotMeta, *, impl: str = "reference"):
+    """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
+
+    Returns `(kv, hidden [B, T, D])`.
+    """
+    kv, slots, q_order = paged_lib.reserve(kv, valid, meta)
+    view = attention_lib.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
+                                   slot_order=kv.order, q_order=q_order)
+    hidden, k, v = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl)
+    return kv.replace(k=k, v=v), hidden
+
+
+def _advance(next_pos: jax.Array, rel_positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Cursor after a chunk: previous cursor + (max valid offset + 1); unchanged for an empty chunk."""
+    top = jnp.max(jnp.where(valid[None], rel_positions, -1), axis=(0, 2))  # [B]
+    return next_pos + top + 1
+
+
+def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str):
+    """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
+    B = next_pos.shape[0]
+    eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
+    tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, active, _ = carry
+        return (i < max_tokens) & jnp.any(active)
+
+    def body(carry):
+        i, kv, next_pos, logits, active, tokens = carry
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+        tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
+        x = model.embed_tokens(token[:, None])
+        pos = next_pos[None, :, None]  # [1, B, 1]
+        meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
+                                  offset=jnp.full((B, 1), i, jnp.int32))
+        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl)
+        logits = model.logits(hidden[:, 0])
+        next_pos = next_pos + active.astype(jnp.int32)
+        stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
+        active = active & ~stop & (i + 1 < count)
+        return i + 1, kv, next_pos, logits, active, tokens
+
+    carry = (jnp.asarray(0), kv, next_pos, first_logits, count > 0, tokens0)
+    _, kv, next_pos, _, _, tokens = jax.lax.while_loop(cond, body, carry)
+    return kv, next_pos, tokens
+
+
+def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: RetentionPolicy,
+               max_answer_tokens: int, impl: str = "reference", subblock: int = 32):
+    """One streaming step (the `lax.scan` body): prefill, last logits, retention, optional greedy answer."""
+    kv, next_pos = state.kv, state.next_pos
+    x = model.embed_tokens(chunk.token_ids)
+    if chunk.embeds is not None:
+        x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
+    positions = chunk.positions + next_pos[None, :, None]
+    meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
+    kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl)
+    T = chunk.valid.shape[1]
+    last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
+    logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
+    next_pos = _advance(next_pos, chunk.positions, chunk.valid)
+    kv, next_pos, evicted = policy.trim(kv, next_pos)
+    if max_answer_tokens > 0:
+        count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
+        kv, next_pos, tokens = jax.lax.cond(
+            jnp.any(count > 0),
+            lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl),
+            lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
+    else:
+        tokens = jnp.zeros((kv.batch, 0), jnp.int32)
+    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), evicted=evicted, next_pos=next_pos)
+    return StreamState(kv=kv, next_pos=next_pos), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+
+
+def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
+               start_pos: int = 0) -> StreamState:
+    """An empty `StreamState` for a decoder config."""
+    kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
+                        position_axes=config.position_axes, dtype=config.jnp_dtype)
+    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32))
+
+
+def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
+    """Pool pages that hold a whole stacked session (every chunk and answer) without eviction."""
+    per_seq = jnp.sum(chunks.valid, axis=(0, 2)) + jnp.sum(jnp.minimum(chunks.answer_tokens, max_answer_tokens), 0)
+    return int(jnp.sum(-(-per_seq // page_size)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_answer_tokens", "impl", "subblock"))
+def _scan(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock):
+    model = nnx.merge(graphdef, params)
+
+    def body(state, chunk):
+        return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
+                          subblock=subblock)
+
+    return jax.lax.scan(body, state, chunks)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_answer_tokens", "impl", "subblock"))
+def _step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl, subblock):
+    model = nnx.merge(graphdef, params)
+    return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
+                      subblock=subblock)
+
+
+def _parts(model) -> tuple[Any, Any]:
+    decoder = getattr(model, "decoder", model)
+    graphdef, params = nnx.split(decoder)
+    return graphdef, params
+
+
+def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
+           impl: str = "reference", state: StreamState | None = None, num_pages: int | None = None,
+           page_size: int = 64, subblock: int = 32) -> StreamResult:
+    """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
+
+    Args:
+        model: an `omnijax.Model` or a `Decoder`.
+        chunks: stacked chunks (see `omnijax.chunks.stack_chunks`).
+        policy: retention policy (static; part of the compiled program).
+        max_answer_tokens: tau, the most greedy tokens any chunk may ask for.
+        impl: attention implementation.
+        state: state to continue from; default an empty cache sized by `num_pages`.
+        num_pages: pool size when `state` is None (default: enough pages for the whole session without eviction).
+        page_size: slots per page when `state` is None.
+        subblock: subblock size for the active-subblock statistic.
+    """
+    graphdef, params = _parts(model)
+    config = graphdef_config(model)
+    chunks = jax.tree.map(jnp.asarray, chunks)
+    if chunks.token_ids.ndim != 3:
+        raise ValueError(f"stacked chunks need token_ids [C, B, T], got shape {chunks.token_ids.shape}; "
+                         "use omnijax.chunks.stack_chunks")
+    if state is None:
+        if num_pages is None:
+            num_pages = max(1, pages_needed(chunks, max_answer_tokens, page_size))
+        state = init_state(config, num_pages=num_pages, page_size=page_size, batch=chunks.token_ids.shape[1])
+    final, out = _scan(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
+                       impl=impl, subblock=subblock)
+    return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
+
+
+def graphdef_config(model):
+    decoder = getattr(model, "decoder", model)
+    return decoder.config
+
+
+class Session:
+    """Step-wise streaming for real-time use: the same jitted step as `stream`, one chunk per call.
+
+    Example:
+        session = Session(model, num_pages=64, max_answer_tokens=16)
+        out = session.feed(text_chunk(ids, answer_tokens=8))
+    """
+
+    def __init__(self, model, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
+                 impl: str = "reference", num_pages: int = 64, page_size: int = 64, batch: int = 1,
+                 subblock: int = 32, state: StreamState | None = None):
+        self._graphdef, self._params = _parts(model)
+        self.config = graphdef_config(model)
+        self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
+        self.state = state if state is not None else init_state(
+            self.config, num_pages=num_pages, page_size=page_size, batch=batch)
+
+    def feed(self, chunk: Chunk) -> ChunkOutput:
+        """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state."""
+        chunk = jax.tree.map(jnp.asarray, chunk)
+        if chunk.token_ids.ndim != 2:
+            raise ValueError(f"Session.feed takes one chunk with token_ids [B, T], got {chunk.token_ids.shape}")
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, policy=self.policy,
+                                max_answer_tokens=self.max_answer_tokens, impl=self.impl, subblock=self.subblock)
+        return out
