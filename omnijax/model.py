@@ -45,6 +45,10 @@ def _forward(graphdef, params, token_ids, valid, positions, *, page_size):
     return decoder.logits(hidden)
 
 
+class UnsupportedInputError(ValueError):
+    """An input the loaded model cannot take (e.g. multimodal features without the encoders)."""
+
+
 class Model:
     """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
 
@@ -76,8 +80,8 @@ class Model:
             other = [k for k in given if k not in _MULTIMODAL_INPUTS]
             if other:
                 raise TypeError(f"Model() got unexpected keyword arguments {other}")
-            raise NotImplementedError(f"multimodal inputs {multimodal} need the audio/vision encoders, "
-                                      "which this version does not include")
+            raise UnsupportedInputError(f"multimodal inputs {multimodal} need the audio/vision encoders, "
+                                        "which this version does not include")
         if input_ids is None:
             raise ValueError("input_ids is required")
         ids = np.asarray(input_ids)

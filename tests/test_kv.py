@@ -1,0 +1,188 @@
+"""Paged KV pytree: allocation, exhaustion, page reuse, layout stats, and reference attention vs a dense cache."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from omnijax import attention
+from omnijax.kv import paged, layout
+
+G, D, H = 2, 8, 4  # kv heads, head dim, query heads
+
+
+def _meta(B, T, start=0):
+    pos = np.broadcast_to(np.arange(start, start + T, dtype=np.int32), (1, B, T))
+    z = np.zeros((B, T), np.int32)
+    return paged.SlotMeta(pos=jnp.asarray(pos), unit=jnp.asarray(z), span=jnp.asarray(z), offset=jnp.asarray(z))
+
+
+def _shuffled(kv, seed):
+    """Permutes the free stack so sequences get pages in a random physical order."""
+    perm = np.random.default_rng(seed).permutation(kv.num_pages).astype(np.int32)
+    return kv.replace(free_stack=jnp.asarray(perm))
+
+
+def _dense_attention(q, k, v, q_index, k_len):
+    """Plain causal attention over contiguous keys `[S, G, d]` for queries at `q_index` (numpy float64)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    T = q.shape[0]
+    out = np.zeros_like(q)
+    for t in range(T):
+        for h in range(H):
+            g = h // (H // G)
+            s = k[: q_index[t] + 1, g] @ q[t, h] / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v[: q_index[t] + 1, g]
+    return out
+
+
+def _write_sequence_chunks(kv, rng, lengths, B):
+    """Appends chunks of the given lengths to B sequences; returns kv and the contiguous k/v per sequence."""
+    ks = [[] for _ in range(B)]
+    vs = [[] for _ in range(B)]
+    q_chunks = []
+    for T in lengths:
+        k = rng.standard_normal((1, B, T, G, D)).astype(np.float32)
+        v = rng.standard_normal((1, B, T, G, D)).astype(np.float32)
+        kv, slots = paged.append(kv, jnp.asarray(k), jnp.asarray(v), jnp.ones((B, T), bool), _meta(B, T))
+        for b in range(B):
+            ks[b].append(k[0, b])
+            vs[b].append(v[0, b])
+        q_chunks.append(T)
+    return kv, [np.concatenate(x) for x in ks], [np.concatenate(x) for x in vs]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_permuted_page_table_matches_dense_cache(seed):
+    rng = np.random.default_rng(seed)
+    B, P = 2, 4
+    kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=16, page_size=P, batch=B,
+                              max_pages=8, position_axes=1), seed)
+    lengths = [5, 3, 6]  # totals 5, 8, 14: not page multiples
+    kv, ks, vs = _write_sequence_chunks(kv, rng, lengths[:-1], B)
+    # The last chunk: reserve slots for its queries, write keys, attend.
+    T = lengths[-1]
+    k_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    v_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv, slots, q_order = paged.reserve(kv, jnp.ones((B, T), bool), _meta(B, T))
+    k_pages = paged.write_layer(kv.k[0], slots, jnp.asarray(k_new))
+    v_pages = paged.write_layer(kv.v[0], slots, jnp.asarray(v_new))
+    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
+                               slot_order=kv.order, q_order=q_order)
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl="reference"))
+    table = np.asarray(kv.page_table)
+    assert len(set(table[table >= 0].tolist())) == (table >= 0).sum()  # no page shared
+    prior = sum(lengths[:-1])
+    for b in range(B):
+        k_all = np.concatenate([ks[b], k_new[b]])
+        v_all = np.concatenate([vs[b], v_new[b]])
+        want = _dense_attention(q[b], k_all, v_all, prior + np.arange(T), prior + T)
+        np.testing.assert_allclose(out[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_reused_page_never_leaks_old_values():
+    rng = np.random.default_rng(3)
+    B, P = 1, 4
+    kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=4, page_size=P, batch=B, position_axes=1)
+    kv, _, _ = _write_sequence_chunks(kv, rng, [8], B)
+    used = np.asarray(kv.page_table[0, :2])
+    # Poison the pages, release them and drop them from the sequence: the slots stay dirty.
+    poisoned = kv.replace(k=kv.k.at[:, used].set(jnp.nan), v=kv.v.at[:, used].set(1e6))
+    kv2 = paged.release_pages(poisoned, jnp.asarray(used)).replace(
+        page_table=jnp.full_like(kv.page_table, -1), seq_slots=jnp.zeros_like(kv.seq_slots))
+    assert int(kv2.num_free) == 4
+    # A new 3-token sequence reuses a dirty page (the last released page is on top of the stack).
+    T = 3
+    k_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    v_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv3, slots, q_order = paged.reserve(kv2, jnp.ones((B, T), bool), _meta(B, T))
+    assert int(kv3.page_table[0, 0]) in used.tolist()
+    k_pages = paged.write_layer(kv3.k[0], slots, jnp.asarray(k_new))
+    v_pages = paged.write_layer(kv3.v[0], slots, jnp.asarray(v_new))
+    view = attention.CacheView(write_slots=slots, page_table=kv3.page_table, slot_valid=kv3.valid,
+                               slot_order=kv3.order, q_order=q_order)
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view))
+    assert np.isfinite(out).all()
+    want = _dense_attention(q[0], k_new[0], v_new[0], np.arange(T), T)
+    np.testing.assert_allclose(out[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_pool_exhaustion_is_reported_and_nothing_is_overwritten():
+    rng = np.random.default_rng(4)
+    B, P = 2, 4
+    kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=3, page_size=P, batch=B, position_axes=1)
+    kv, _, _ = _write_sequence_chunks(kv, rng, [4], B)  # two pages used, one free
+    before_k = np.asarray(kv.k)
+    k = jnp.asarray(rng.standard_normal((1, B, 6, G, D)).astype(np.float32))
+    kv2, slots = paged.append(kv, k, k, jnp.ones((B, 6), bool), _meta(B, 6, 4))
+    # Sequence 0 gets the last free page (4 of its 6 tokens), sequence 1 gets nothing.
+    assert np.asarray(kv2.exhausted).tolist() == [True, True]
+    assert np.asarray(kv2.dropped).tolist() == [2, 6]
+    assert int(kv2.num_free) == 0
+    written = np.asarray(slots)
+    assert (written[1] == -1).all() and (written[0, :4] >= 0).all() and (written[0, 4:] == -1).all()
+    # The previously written slots are untouched.
+    old_slots = [(int(kv.page_table[b, 0]), s) for b in range(B) for s in range(P)]
+    after_k = np.asarray(kv2.k)
+    for page, s in old_slots:
+        np.testing.assert_array_equal(after_k[:, page, s], before_k[:, page, s])
+    stats = layout.layout_stats(kv2, subblock=2)
+    assert np.asarray(stats.retained_cells).tolist() == [8, 4]
+
+
+def test_page_table_width_limit_is_exhaustion():
+    kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=8, page_size=4, batch=1, max_pages=2,
+                    position_axes=1)
+    k = jnp.zeros((1, 1, 10, G, D))
+    kv, slots = paged.append(kv, k, k, jnp.ones((1, 10), bool), _meta(1, 10))
+    assert bool(kv.exhausted[0]) and int(kv.dropped[0]) == 2 and int(kv.num_free) == 6
+    assert (np.asarray(slots)[0, 8:] == -1).all()
+
+
+def _python_stats(valid, table, P, sub):
+    out = []
+    for row in table:
+        pages = [p for p in row if p >= 0]
+        cells = sum(int(valid[p].sum()) for p in pages)
+        nonempty = [i for i, p in enumerate(row) if p >= 0 and valid[p].any()]
+        span = (max(nonempty) + 1) * P if nonempty else 0
+        subs = sum(int(valid[p, s:s + sub].any()) for p in pages for s in range(0, P, sub))
+        out.append((cells, span, len(nonempty), subs))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_layout_stats_match_python(seed):
+    rng = np.random.default_rng(seed)
+    N, P, B, M = 12, 8, 3, 5
+    valid = rng.random((N, P)) < 0.3
+    valid[rng.random(N) < 0.3] = False  # some fully empty pages
+    perm = rng.permutation(N)
+    table = np.full((B, M), -1, np.int32)
+    k = 0
+    for b in range(B):
+        n = rng.integers(0, M + 1)
+        table[b, :n] = perm[k:k + n]
+        k += n
+    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=N, page_size=P, batch=B, max_pages=M)
+    kv = kv.replace(valid=jnp.asarray(valid), page_table=jnp.asarray(table))
+    stats = layout.layout_stats(kv, subblock=4)
+    got = list(zip(*(np.asarray(x).tolist() for x in (stats.retained_cells, stats.physical_span,
+                                                      stats.active_pages, stats.active_subblocks))))
+    assert got == _python_stats(valid, table, P, 4)
+
+
+def test_init_rejects_bad_page_size():
+    with pytest.raises(ValueError, match="power of two"):
+        paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=4, page_size=48)
+
+
+def test_unknown_attention_impl_is_an_error():
+    kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=2, page_size=4, position_axes=1)
+    view = attention.CacheView(write_slots=jnp.zeros((1, 1), jnp.int32), page_table=kv.page_table,
+                               slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        attention.attend(jnp.zeros((1, 1, H, D)), kv.k[0], kv.v[0], view, impl="fast")
