@@ -101,8 +101,9 @@ def main(argv=None) -> int:
         shutil.rmtree(out)
     hf_dir = write_tiny_hf_checkpoint(out / "hf")
     print(f"wrote a tiny random Qwen2.5-Omni checkpoint (Hugging Face layout) to {hf_dir}")
-    cmd = [sys.executable, "-m", "convert", str(hf_dir), str(out / "omnijax"), "--dtype", "float32"]
-    print("$ omnijax-convert", " ".join(cmd[3:]), flush=True)
+    script = Path(sys.executable).parent / "omnijax-convert"  # the console script installed beside this Python
+    cmd = [str(script), str(hf_dir), str(out / "omnijax"), "--dtype", "float32"]
+    print("$ omnijax-convert", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     model = omnijax.load(out / "omnijax")
     print(f"loaded: {model.config.num_layers} layers, hidden {model.config.hidden_size}, "

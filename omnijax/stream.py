@@ -228,8 +228,13 @@ class Session:
         self._graphdef, self._params = _parts(model)
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
-        self.state = state if state is not None else init_state(
+        state = state if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=page_size, batch=batch)
+        # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
+        # first call would otherwise compile the step a second time on the second call.
+        device = jax.devices()[0]
+        self._params = jax.device_put(self._params, device)
+        self.state = jax.device_put(state, device)
 
     def feed(self, chunk: Chunk) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state."""
