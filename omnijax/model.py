@@ -122,7 +122,7 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
     stored = config
     abstract = nnx.eval_shape(lambda: Decoder(stored, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    restored = checkpoint.load_params(directory, abstract_state.to_pure_dict())
+    restored = checkpoint.load_params(directory, nnx.to_pure_dict(abstract_state))
     if dtype is not None and dtype != stored.dtype:
         config = stored.replace(dtype=dtype)
         restored = jax.tree.map(lambda a: a.astype(config.jnp_dtype), restored)

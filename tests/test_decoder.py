@@ -148,3 +148,19 @@ def test_model_rejects_bad_inputs(model, tokens):
         model(input_ids=tokens, pixel_values=np.zeros((4, 1176)))
     with pytest.raises(TypeError, match="unexpected keyword"):
         model(input_ids=tokens, bogus=1)
+
+
+def test_chunks_of_embeddings_equal_chunks_of_tokens(model, tokens):
+    import dataclasses
+
+    chunks = split_text(tokens[0], 3)
+    table = np.asarray(model.decoder.embed[...])
+    mask = np.zeros(chunks.token_ids.shape, bool)
+    mask[:, :, ::2] = True  # every other token arrives as an embedding, its id zeroed
+    embedded = dataclasses.replace(
+        chunks, token_ids=np.where(mask, 0, chunks.token_ids), embeds=table[chunks.token_ids], embed_mask=mask)
+    want = omnijax.stream(model, chunks, page_size=4)
+    got = omnijax.stream(model, embedded, page_size=4)
+    np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(want.logits))
+    wrong = dataclasses.replace(embedded, embeds=np.zeros_like(embedded.embeds))
+    assert np.abs(np.asarray(omnijax.stream(model, wrong, page_size=4).logits) - np.asarray(want.logits)).max() > 1e-3
