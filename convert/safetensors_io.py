@@ -229,8 +229,7 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} found", path=self.directory)
         self.index_path = index
         weight_map = _read_index(index)
-        shards = list(dict.fromkeys(weight_map.values()))  # first-seen order, deduplicated
-        self.files = tuple(self.directory / s for s in sorted(shards))
+        self.files = tuple(self.directory / s for s in sorted(set(weight_map.values())))
         for shard_path in self.files:
             if not shard_path.is_file():
                 first = next(n for n, s in weight_map.items() if s == shard_path.name)

@@ -1,0 +1,412 @@
+"""Qwen2.5-Omni (thinker LLM) -> omnijax decoder conversion.
+
+Three parts:
+- `config_from_hf`: the Hugging Face config (full model or thinker only) -> `DecoderConfig`, refusing every
+  attribute that would change the math in a way the decoder does not implement.
+- `NAME_TABLE`: a declarative map from Hugging Face tensor names to paths of the decoder's pure-dict parameter tree
+  (`omnijax/models/decoder.py`), plus the few prefixes that are skipped on purpose.
+- `convert_params`: validates the whole checkpoint against the table (names and shapes, from the headers only), then
+  fills pre-allocated memory-mapped output arrays tensor by tensor, so resident memory stays near the largest
+  single tensor whatever the model size.
+
+Tied embeddings are decided from the tensors present, not from the config alone: `lm_head.weight` present -> a
+separate head is loaded (even if a `tie_word_embeddings` flag says tied); absent -> the head is tied to the
+embedding, provided the config's flag says so (otherwise the tensor is reported missing).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import tqdm
+
+from convert.errors import (ConfigError, MissingTensorError, ShapeMismatchError, TensorError, UnexpectedTensorError,
+                            UnsupportedConfigError)
+from convert.safetensors_io import SafetensorsCheckpoint
+from omnijax.config import DecoderConfig
+
+HF_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
+MODEL_TYPE = "qwen2_5_omni"  # the omnijax model type written to the manifest
+IM_END_TOKEN_ID = 151645  # <|im_end|>
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+FLOAT_SOURCE_DTYPES = ("F64", "F32", "F16", "BF16")
+
+# ---------------------------------------------------------------------------------------------------------- config
+
+
+def _text_config(hf: Mapping[str, Any]) -> tuple[dict, str, bool | None]:
+    """Returns `(text_config, its dotted scope, tie flag)` of a full or thinker-only config."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen2_5_omni":
+        thinker, scope = hf.get("thinker_config"), "thinker_config"
+        if not isinstance(thinker, dict):
+            raise ConfigError("qwen2_5_omni config has no 'thinker_config' object")
+    elif model_type == "qwen2_5_omni_thinker":
+        thinker, scope = hf, ""
+    else:
+        raise ConfigError(f"model_type {model_type!r} is not one of {HF_MODEL_TYPES}")
+    text = thinker.get("text_config")
+    text_scope = f"{scope}.text_config" if scope else "text_config"
+    if not isinstance(text, dict):
+        raise ConfigError(f"config has no '{text_scope}' object")
+    # The thinker's own flag is the one transformers applies; the text config's is a fallback.
+    tie = thinker.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return text, text_scope, tie
+
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "mrope_section", "factor", "mrope_interleaved",
+              "partial_rotary_factor"}
+
+
+def _parse_rope(rope: Mapping[str, Any], scope: str) -> tuple[float | None, tuple[int, ...] | None]:
+    """Validates a `rope_parameters` / legacy `rope_scaling` dict; returns `(theta or None, mrope_section)`."""
+    for key, value in rope.items():
+        if key not in _ROPE_KEYS:
+            raise UnsupportedConfigError(f"{scope}.{key}", value, "RoPE scaling parameters are not implemented")
+    for key in ("rope_type", "type"):
+        if rope.get(key, "default") not in ("default", "mrope"):
+            raise UnsupportedConfigError(f"{scope}.{key}", rope[key], "only 'default' and 'mrope' RoPE are implemented")
+    if rope.get("factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.factor", rope["factor"], "RoPE scaling is not implemented")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.partial_rotary_factor", rope["partial_rotary_factor"],
+                                     "partial rotary embeddings are not implemented")
+    if rope.get("mrope_interleaved"):
+        raise UnsupportedConfigError(f"{scope}.mrope_interleaved", rope["mrope_interleaved"],
+                                     "interleaved mrope (Qwen3-Omni) is not implemented")
+    section = rope.get("mrope_section")
+    theta = rope.get("rope_theta")
+    return (None if theta is None else float(theta)), (None if section is None else tuple(int(s) for s in section))
+
+
+def _check_math(text: Mapping[str, Any], scope: str) -> None:
+    """Refuses attributes that change the decoder's math and are not implemented."""
+    act = text.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedConfigError(f"{scope}.hidden_act", act, "only the SiLU-gated MLP is implemented")
+    if text.get("use_sliding_window"):
+        raise UnsupportedConfigError(f"{scope}.use_sliding_window", text["use_sliding_window"],
+                                     "sliding-window attention is not implemented")
+    for i, kind in enumerate(text.get("layer_types") or ()):
+        if kind != "full_attention":
+            raise UnsupportedConfigError(f"{scope}.layer_types[{i}]", kind, "only full attention is implemented")
+    if "attention_bias" in text and text["attention_bias"] is not True:
+        raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
+                                     "Qwen2 attention has q/k/v biases; other layouts are not implemented")
+    if text.get("mlp_bias"):
+        raise UnsupportedConfigError(f"{scope}.mlp_bias", text["mlp_bias"], "MLP biases are not implemented")
+    if text.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.partial_rotary_factor", text["partial_rotary_factor"],
+                                     "partial rotary embeddings are not implemented")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
+        if text.get(key) is not None:
+            raise UnsupportedConfigError(f"{scope}.{key}", text[key], "not implemented by the Qwen2 decoder")
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
+    """Builds the decoder config of a Qwen2.5-Omni thinker.
+
+    Args:
+        hf_config: a parsed `config.json`: the full model (`model_type` "qwen2_5_omni", text settings under
+            `thinker_config.text_config`) or the thinker alone ("qwen2_5_omni_thinker", under `text_config`).
+            RoPE settings may use the current `rope_parameters` dict or the legacy `rope_scaling` dict plus a
+            `rope_theta` attribute.
+        dtype: parameter and compute dtype of the converted model ("float32" or "bfloat16").
+
+    Returns:
+        The `DecoderConfig`. `tie_embeddings` reflects the config's flag only; `convert_params` settles it from the
+        tensors present.
+
+    Raises:
+        UnsupportedConfigError: an attribute changes the math in a way the decoder does not implement.
+        ConfigError: a required attribute is missing or the values are inconsistent.
+    """
+    text, scope, tie = _text_config(hf_config)
+    _check_math(text, scope)
+    theta, section = None, None
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{scope}.{key} must be an object, got {rope!r}")
+        t, s = _parse_rope(rope, f"{scope}.{key}")
+        if (theta is not None and t is not None and t != theta) or (section and s and s != section):
+            raise ConfigError(f"{scope}.rope_parameters and {scope}.rope_scaling disagree")
+        theta, section = theta if theta is not None else t, section or s
+    if theta is None:
+        theta = text.get("rope_theta")
+    if theta is None:
+        raise ConfigError(f"{scope} sets no rope_theta (neither in rope_parameters nor as an attribute)")
+    if section is None:
+        raise ConfigError(f"{scope} sets no mrope_section: the Qwen2.5-Omni thinker needs 3-axis TMRoPE")
+
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if text.get(k) is None]
+    if missing:
+        raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
+    heads = int(text["num_attention_heads"])
+    vocab = int(text["vocab_size"])
+    try:
+        return DecoderConfig(
+            vocab_size=vocab,
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_layers=int(text["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+            rope_theta=float(theta),
+            mrope_section=section,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            qkv_bias=True,
+            qk_norm=False,
+            tie_embeddings=bool(tie),
+            dtype=dtype,
+            eos_token_ids=(IM_END_TOKEN_ID,) if vocab > IM_END_TOKEN_ID else (),
+        )
+    except ValueError as e:
+        raise ConfigError(f"{scope}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------------ name table
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Where one Hugging Face tensor goes.
+
+    Attributes:
+        hf_name: name below the thinker (no `thinker.` prefix); `{i}` stands for the layer index.
+        path: `/`-separated path in the decoder's pure-dict parameter tree.
+        dims: the destination shape per layer, in symbols of `_dims` (e.g. "D Q" = [hidden, heads * head_dim]).
+        transpose: the HF tensor is the transpose (torch Linear stores [out, in]; the decoder stores [in, out]).
+        when: config condition under which the parameter exists ("qkv_bias", "qk_norm", "untied"), or None.
+    """
+
+    hf_name: str
+    path: str
+    dims: str
+    transpose: bool = False
+    when: str | None = None
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf_name
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return re.compile(re.escape(self.hf_name).replace(r"\{i\}", r"(0|[1-9][0-9]*)") + r"\Z")
+
+
+_L = "model.layers.{i}."
+NAME_TABLE: tuple[Rule, ...] = (
+    Rule("model.embed_tokens.weight", "embed", "V D"),
+    Rule(_L + "input_layernorm.weight", "layers/input_norm", "D"),
+    Rule(_L + "post_attention_layernorm.weight", "layers/post_norm", "D"),
+    Rule(_L + "self_attn.q_proj.weight", "layers/q_proj", "D Q", transpose=True),
+    Rule(_L + "self_attn.q_proj.bias", "layers/q_bias", "Q", when="qkv_bias"),
+    Rule(_L + "self_attn.k_proj.weight", "layers/k_proj", "D K", transpose=True),
+    Rule(_L + "self_attn.k_proj.bias", "layers/k_bias", "K", when="qkv_bias"),
+    Rule(_L + "self_attn.v_proj.weight", "layers/v_proj", "D K", transpose=True),
+    Rule(_L + "self_attn.v_proj.bias", "layers/v_bias", "K", when="qkv_bias"),
+    Rule(_L + "self_attn.o_proj.weight", "layers/o_proj", "Q D", transpose=True),
+    Rule(_L + "self_attn.q_norm.weight", "layers/q_norm", "d", when="qk_norm"),
+    Rule(_L + "self_attn.k_norm.weight", "layers/k_norm", "d", when="qk_norm"),
+    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transpose=True),
+    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transpose=True),
+    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transpose=True),
+    Rule("model.norm.weight", "final_norm", "D"),
+    Rule("lm_head.weight", "lm_head", "D V", transpose=True, when="untied"),
+)
+THINKER_PREFIX = "thinker."
+# Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
+SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
+# Encoders (below the thinker prefix): skipped until the encoder conversion lands; replace this one constant then.
+ENCODERS_NOT_CONVERTED_YET = ("audio_tower.", "visual.")
+
+
+def _dims(c: DecoderConfig) -> dict[str, int]:
+    return {"V": c.vocab_size, "D": c.hidden_size, "I": c.intermediate_size, "d": c.head_dim,
+            "Q": c.num_heads * c.head_dim, "K": c.num_kv_heads * c.head_dim}
+
+
+def active_rules(config: DecoderConfig) -> tuple[Rule, ...]:
+    """The table entries the config needs."""
+    flags = {None: True, "qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm, "untied": not config.tie_embeddings}
+    return tuple(r for r in NAME_TABLE if flags[r.when])
+
+
+def param_shapes(config: DecoderConfig) -> dict[str, Any]:
+    """The decoder's pure-dict parameter tree as nested dicts of shape tuples (layer params lead with `L`)."""
+    dims, tree = _dims(config), {}
+    for rule in active_rules(config):
+        shape = tuple(dims[s] for s in rule.dims.split())
+        *parents, leaf = rule.path.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = (config.num_layers, *shape) if rule.layered else shape
+    return tree
+
+
+def _leaf(tree: dict, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The validated mapping of a checkpoint: `assign` is HF name -> (rule, layer index or None)."""
+
+    assign: dict[str, tuple[Rule, int | None]]
+    skipped_speech: dict[str, int]
+    skipped_encoders: dict[str, int]
+
+
+def plan_conversion(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]], config: DecoderConfig) -> Plan:
+    """Maps every tensor name to a table entry and checks that every entry is filled once with the right shape.
+
+    Raises:
+        UnexpectedTensorError: a name matches no entry, names a layer beyond the config, or fills an entry twice.
+        MissingTensorError: an entry (for some layer) has no tensor.
+        ShapeMismatchError: a tensor's shape is not the one the config implies.
+    """
+    rules, dims = active_rules(config), _dims(config)
+    patterns = [(r, r.pattern) for r in rules]
+    assign: dict[str, tuple[Rule, int | None]] = {}
+    filled: dict[tuple[str, int | None], str] = {}
+    speech, encoders = collections.Counter(), collections.Counter()
+    prefixed = 0
+    for name in names:
+        speech_prefix = next((p for p in SPEECH_OUTPUT_PREFIXES if name.startswith(p)), None)
+        if speech_prefix:
+            speech[speech_prefix] += 1
+            continue
+        local = name.removeprefix(THINKER_PREFIX)
+        prefixed += local != name
+        enc = next((p for p in ENCODERS_NOT_CONVERTED_YET if local.startswith(p)), None)
+        if enc:
+            encoders[name[: len(name) - len(local)] + enc] += 1
+            continue
+        for rule, pattern in patterns:
+            m = pattern.match(local)
+            if m:
+                break
+        else:
+            raise UnexpectedTensorError(f"tensor {name!r} maps to no decoder parameter")
+        layer = int(m.group(1)) if rule.layered else None
+        if layer is not None and layer >= config.num_layers:
+            raise UnexpectedTensorError(
+                f"tensor {name!r} names layer {layer} but the config has {config.num_layers} layers")
+        if (rule.path, layer) in filled:
+            raise UnexpectedTensorError(f"tensors {filled[rule.path, layer]!r} and {name!r} fill the same parameter")
+        expected = tuple(dims[s] for s in rule.dims.split())
+        expected = expected[::-1] if rule.transpose else expected
+        if tuple(shapes[name]) != expected:
+            raise ShapeMismatchError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {expected}")
+        filled[rule.path, layer] = name
+        assign[name] = (rule, layer)
+    prefix = THINKER_PREFIX if prefixed else ""
+    missing = [prefix + (r.hf_name.format(i=i) if r.layered else r.hf_name)
+               for r in rules for i in (range(config.num_layers) if r.layered else (None,))
+               if (r.path, i) not in filled]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise MissingTensorError(f"checkpoint lacks tensor(s) {', '.join(map(repr, missing[:5]))}{more}")
+    return Plan(assign, dict(speech), dict(encoders))
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
+                   progress: bool = True, log: Callable[[str], None] = _stderr):
+    """Converts the thinker LLM's weights into memory-mapped arrays in the decoder's layout.
+
+    Args:
+        ckpt: the validated source checkpoint.
+        hf_config: its parsed `config.json`.
+        dtype: target dtype, "float32" or "bfloat16" (float32 sources cast with round-to-nearest-even).
+        staging_dir: directory for the output arrays' memory-mapped files (created; the caller deletes it).
+        progress: show a tqdm bar over tensors on stderr.
+        log: receives the one-line summaries of skipped tensors.
+
+    Returns:
+        `(config, params, source_info)`: the final `DecoderConfig`, the pure-dict tree of `np.memmap` arrays, and a
+        JSON-serialisable summary for the manifest.
+    """
+    config = config_from_hf(hf_config, dtype=dtype)
+    names = ckpt.names()
+    has_head = any(n.removeprefix(THINKER_PREFIX) == "lm_head.weight" for n in names)
+    if not has_head and not config.tie_embeddings:
+        raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
+    config = config.replace(tie_embeddings=not has_head)
+    plan = plan_conversion(names, {n: ckpt.info(n).shape for n in names}, config)
+    for name in plan.assign:
+        if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
+            raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "
+                              f"{', '.join(FLOAT_SOURCE_DTYPES)}")
+    if plan.skipped_speech:
+        counts = ", ".join(f"{p}: {n}" for p, n in sorted(plan.skipped_speech.items()))
+        log(f"skipped {sum(plan.skipped_speech.values())} speech-output tensors ({counts}): not used by omnijax")
+    if plan.skipped_encoders:
+        counts = ", ".join(f"{p}: {n}" for p, n in sorted(plan.skipped_encoders.items()))
+        log(f"skipped {sum(plan.skipped_encoders.values())} encoder tensors ({counts}): the audio and vision "
+            "encoders are converted by a later version of omnijax-convert")
+
+    target = NP_DTYPES[dtype]
+    staging_dir.mkdir(parents=True, exist_ok=True)
+
+    def allocate(shape_tree: dict, prefix: str) -> dict:
+        return {k: allocate(v, f"{prefix}{k}.") if isinstance(v, dict) else
+                np.memmap(staging_dir / f"{prefix}{k}.bin", dtype=target, mode="w+", shape=v)
+                for k, v in shape_tree.items()}
+
+    params = allocate(param_shapes(config), "")
+    source_dtypes = collections.Counter()
+    for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
+        if name not in plan.assign:
+            continue
+        rule, layer = plan.assign[name]
+        array = ckpt.read(name)  # memory-mapped; [out, in] for Linear weights
+        source_dtypes[ckpt.info(name).dtype] += 1
+        if rule.transpose:
+            array = array.T
+        out = _leaf(params, rule.path)
+        np.copyto(out if layer is None else out[layer], array.astype(target))
+    # Reopen read-only: orbax/tensorstore write read-only host arrays without copying them.
+    params = _reopen_read_only(params)
+    source_info = {
+        "tensors_converted": len(plan.assign),
+        "source_dtypes": dict(sorted(source_dtypes.items())),
+        "skipped": {**plan.skipped_speech, **plan.skipped_encoders},
+        "encoders_converted": False,
+        "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
+    }
+    return config, params, source_info
+
+
+def _reopen_read_only(tree: dict) -> dict:
+    """Flushes every writable memory map of `tree` and returns read-only maps of the same files."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = _reopen_read_only(value)
+        else:
+            value.flush()
+            out[key] = np.memmap(value.filename, dtype=value.dtype, mode="r", shape=value.shape)
+    return out
