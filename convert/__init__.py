@@ -2,7 +2,7 @@
 
 `convert_checkpoint(src, dst)` is the Python entry point; `omnijax-convert SRC DST` (or `python -m convert`) is the
 command line (`convert/__main__.py`). The model type is detected from `SRC/config.json`; every model converter
-module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir, progress, log)` and `MODEL_TYPE`.
+module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir, progress, log)` and `model_type_for(hf_config)`.
 
 Output is written into a temporary directory next to DST and renamed into place only after everything succeeded:
 a failure leaves neither a half-written DST nor the temporary directory, and a pre-existing DST is untouched.
@@ -131,7 +131,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
                                                         progress=progress, **kwargs)
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
-        checkpoint.save_params(tmp, converter.MODEL_TYPE, config, params, source_info)
+        checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info)
         del params
         shutil.rmtree(staging)
         for name in TOKENIZER_FILES:

@@ -1,4 +1,4 @@
-"""Qwen2.5-Omni (thinker LLM) -> omnijax decoder conversion.
+"""Qwen2.5-Omni thinker LLM (and plain Qwen2 / Qwen3 LLMs) -> omnijax decoder conversion.
 
 Three parts:
 - `config_from_hf`: the Hugging Face config (full model or thinker only) -> `DecoderConfig`, refusing every
@@ -33,8 +33,11 @@ from convert.errors import (ConfigError, MissingTensorError, ShapeMismatchError,
 from convert.safetensors_io import SafetensorsCheckpoint
 from omnijax.config import DecoderConfig
 
-HF_MODEL_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
-MODEL_TYPE = "qwen2_5_omni"  # the omnijax model type written to the manifest
+# Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
+# decoder and the name table (Qwen3: q/k norm, no attention biases; both: 1D RoPE unless an mrope_section is set).
+OMNIJAX_MODEL_TYPES = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
+                       "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
 IM_END_TOKEN_ID = 151645  # <|im_end|>
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_SOURCE_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -51,6 +54,8 @@ def _text_config(hf: Mapping[str, Any]) -> tuple[dict, str, bool | None]:
             raise ConfigError("qwen2_5_omni config has no 'thinker_config' object")
     elif model_type == "qwen2_5_omni_thinker":
         thinker, scope = hf, ""
+    elif model_type in ("qwen2", "qwen3"):
+        return dict(hf), "config", hf.get("tie_word_embeddings")
     else:
         raise ConfigError(f"model_type {model_type!r} is not one of {HF_MODEL_TYPES}")
     text = thinker.get("text_config")
@@ -87,7 +92,12 @@ def _parse_rope(rope: Mapping[str, Any], scope: str) -> tuple[float | None, tupl
     return (None if theta is None else float(theta)), (None if section is None else tuple(int(s) for s in section))
 
 
-def _check_math(text: Mapping[str, Any], scope: str) -> None:
+def model_type_for(hf_config: Mapping[str, Any]) -> str:
+    """The omnijax model type of a parsed Hugging Face config."""
+    return OMNIJAX_MODEL_TYPES[hf_config.get("model_type")]
+
+
+def _check_math(text: Mapping[str, Any], scope: str, model_type: str) -> None:
     """Refuses attributes that change the decoder's math and are not implemented."""
     act = text.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -98,7 +108,11 @@ def _check_math(text: Mapping[str, Any], scope: str) -> None:
     for i, kind in enumerate(text.get("layer_types") or ()):
         if kind != "full_attention":
             raise UnsupportedConfigError(f"{scope}.layer_types[{i}]", kind, "only full attention is implemented")
-    if "attention_bias" in text and text["attention_bias"] is not True:
+    if model_type == "qwen3":
+        if text.get("attention_bias"):
+            raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
+                                         "Qwen3 attention biases (including o_proj) are not implemented")
+    elif model_type != "qwen2" and "attention_bias" in text and text["attention_bias"] is not True:
         raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
                                      "Qwen2 attention has q/k/v biases; other layouts are not implemented")
     if text.get("mlp_bias"):
@@ -112,11 +126,12 @@ def _check_math(text: Mapping[str, Any], scope: str) -> None:
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
-    """Builds the decoder config of a Qwen2.5-Omni thinker.
+    """Builds the decoder config of a Qwen2.5-Omni thinker (or of a plain Qwen2 / Qwen3 LLM).
 
     Args:
         hf_config: a parsed `config.json`: the full model (`model_type` "qwen2_5_omni", text settings under
-            `thinker_config.text_config`) or the thinker alone ("qwen2_5_omni_thinker", under `text_config`).
+            `thinker_config.text_config`), the thinker alone ("qwen2_5_omni_thinker", under `text_config`), or a
+            plain "qwen2" / "qwen3" LLM (top-level settings; 1D RoPE, Qwen3 with q/k norm and no biases).
             RoPE settings may use the current `rope_parameters` dict or the legacy `rope_scaling` dict plus a
             `rope_theta` attribute.
         dtype: parameter and compute dtype of the converted model ("float32" or "bfloat16").
@@ -130,7 +145,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         ConfigError: a required attribute is missing or the values are inconsistent.
     """
     text, scope, tie = _text_config(hf_config)
-    _check_math(text, scope)
+    model_type = model_type_for(hf_config)
+    _check_math(text, scope, model_type)
     theta, section = None, None
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
@@ -146,7 +162,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         theta = text.get("rope_theta")
     if theta is None:
         raise ConfigError(f"{scope} sets no rope_theta (neither in rope_parameters nor as an attribute)")
-    if section is None:
+    if section is None and model_type == "qwen2_5_omni":
         raise ConfigError(f"{scope} sets no mrope_section: the Qwen2.5-Omni thinker needs 3-axis TMRoPE")
 
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -167,8 +183,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
             rope_theta=float(theta),
             mrope_section=section,
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            qkv_bias=True,
-            qk_norm=False,
+            qkv_bias=model_type != "qwen3",
+            qk_norm=model_type == "qwen3",
             tie_embeddings=bool(tie),
             dtype=dtype,
             eos_token_ids=(IM_END_TOKEN_ID,) if vocab > IM_END_TOKEN_ID else (),
