@@ -58,6 +58,23 @@ def converter_for(hf_config: dict, path: Path):
         f"{path}: model_type {model_type!r} is not supported; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def _with_generation_eos(config, src: Path):
+    """Takes the end-of-answer tokens from `generation_config.json` when the checkpoint ships one."""
+    path = src / "generation_config.json"
+    if not path.is_file():
+        return config
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{path}: cannot parse: {e}") from e
+    if eos is None:
+        return config
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ConfigError(f"{path}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return config.replace(eos_token_ids=tuple(i for i in ids if 0 <= i < config.vocab_size))
+
+
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
     if dst == src or dst.is_relative_to(src) or src.is_relative_to(dst):
         raise DestinationError(f"destination {dst} overlaps the source {src}")
@@ -129,6 +146,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
         kwargs = {} if log is None else {"log": log}
         config, params, info = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
                                                         progress=progress, **kwargs)
+        config = _with_generation_eos(config, src)
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
         checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info)

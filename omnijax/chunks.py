@@ -55,8 +55,12 @@ class Chunk:
 
 
 def text_chunk(tokens: Sequence[int], *, length: int | None = None, unit: int = 0, span: SpanKind = SpanKind.TEXT,
-               position_axes: int = 3, answer_tokens: int = 0) -> Chunk:
-    """A batch-1 chunk of text tokens at consecutive positions, padded to `length`."""
+               position_axes: int = 1, answer_tokens: int = 0) -> Chunk:
+    """A batch-1 chunk of text tokens at consecutive positions, padded to `length`.
+
+    Text has equal t/h/w positions, so one position axis suffices (it drives all three mrope axes); pass
+    `position_axes=3` to spell the axes out.
+    """
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     n = tokens.shape[0]
     length = n if length is None else length
@@ -107,7 +111,7 @@ def pad_chunk(chunk: Chunk, length: int) -> Chunk:
         embed_mask=None if chunk.embed_mask is None else pad(chunk.embed_mask, 1))
 
 
-def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 3,
+def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 1,
                answer_tokens: int = 0) -> Chunk:
     """Splits one token sequence into `num_chunks` near-equal text chunks (units 0, 1, ...), stacked.
 
@@ -121,3 +125,55 @@ def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 3
         text_chunk(p, length=length, unit=i, position_axes=position_axes,
                    answer_tokens=answer_tokens if i == num_chunks - 1 else 0)
         for i, p in enumerate(parts)])
+
+
+def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> None:
+    """Checks a chunk (or a stack of chunks) on the host before it enters a compiled program.
+
+    Args:
+        chunk: the chunk; with `stacked`, every field has a leading `[num_chunks]` axis.
+        config: the model's `DecoderConfig`.
+        max_answer_tokens: tau of the stream or session.
+        stacked: whether `chunk` is a stack.
+
+    Raises:
+        ValueError: naming the field and what is wrong with it.
+    """
+    lead = 1 if stacked else 0
+    what = "stacked chunks" if stacked else "chunk"
+    ids = np.asarray(chunk.token_ids)
+    if ids.ndim != 2 + lead:
+        want = "[C, B, T]" if stacked else "[B, T]"
+        raise ValueError(f"{what}: token_ids must be {want}, got shape {ids.shape}"
+                         + ("; stack chunks with omnijax.chunks.stack_chunks" if stacked and ids.ndim == 2 else ""))
+    bt = ids.shape
+    for name in ("valid", "unit", "span", "offset"):
+        if np.shape(getattr(chunk, name)) != bt:
+            raise ValueError(f"{what}: {name} has shape {np.shape(getattr(chunk, name))}, token_ids has {bt}")
+    pos = np.asarray(chunk.positions)
+    axes = pos.shape[lead] if pos.ndim == 3 + lead else None
+    if axes not in (1, config.position_axes) or pos.shape[:lead] + pos.shape[lead + 1:] != bt:
+        raise ValueError(f"{what}: positions must have {config.position_axes} (or 1) axes before the token shape "
+                         f"{bt[lead:]}, got shape {pos.shape}")
+    valid = np.asarray(chunk.valid).astype(bool)
+    if valid.any() and (pos.min(axis=lead)[valid] < 0).any():
+        raise ValueError(f"{what}: position offsets must be non-negative")
+    plain = valid if chunk.embed_mask is None else valid & ~np.asarray(chunk.embed_mask).astype(bool)
+    if plain.any() and (ids[plain].min() < 0 or ids[plain].max() >= config.vocab_size):
+        raise ValueError(f"{what}: token ids must lie in [0, {config.vocab_size}), got range "
+                         f"[{ids[plain].min()}, {ids[plain].max()}]")
+    answers = np.asarray(chunk.answer_tokens)
+    if answers.shape != bt[:-1] or np.shape(chunk.answer_unit) != bt[:-1]:
+        raise ValueError(f"{what}: answer_tokens and answer_unit must have shape {bt[:-1]}, got "
+                         f"{answers.shape} and {np.shape(chunk.answer_unit)}")
+    if answers.size and (answers.min() < 0 or answers.max() > max_answer_tokens):
+        raise ValueError(f"{what}: answer_tokens must lie in [0, max_answer_tokens={max_answer_tokens}], got "
+                         f"up to {answers.max()}")
+    if (chunk.embeds is None) != (chunk.embed_mask is None):
+        raise ValueError(f"{what}: embeds and embed_mask come together")
+    if chunk.embeds is not None:
+        if np.shape(chunk.embed_mask) != bt or np.shape(chunk.embeds) != bt + (config.hidden_size,):
+            raise ValueError(f"{what}: embeds must be {bt + (config.hidden_size,)} with embed_mask {bt}, got "
+                             f"{np.shape(chunk.embeds)} and {np.shape(chunk.embed_mask)}")
+        if not np.isfinite(np.asarray(chunk.embeds, np.float32)[np.asarray(chunk.embed_mask, bool)]).all():
+            raise ValueError(f"{what}: embeds hold NaN or infinite values")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax import attention as attention_lib
+from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
@@ -196,14 +197,14 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
     """
     graphdef, params = _parts(model)
     config = graphdef_config(model)
+    chunks_lib.validate(chunks, config, max_answer_tokens=max_answer_tokens, stacked=True)
     chunks = jax.tree.map(jnp.asarray, chunks)
-    if chunks.token_ids.ndim != 3:
-        raise ValueError(f"stacked chunks need token_ids [C, B, T], got shape {chunks.token_ids.shape}; "
-                         "use omnijax.chunks.stack_chunks")
     if state is None:
         if num_pages is None:
             num_pages = max(1, pages_needed(chunks, max_answer_tokens, page_size))
         state = init_state(config, num_pages=num_pages, page_size=page_size, batch=chunks.token_ids.shape[1])
+    elif state.kv.batch != chunks.token_ids.shape[1]:
+        raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
     final, out = _scan(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
                        impl=impl, subblock=subblock)
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
@@ -238,9 +239,10 @@ class Session:
 
     def feed(self, chunk: Chunk) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state."""
+        chunks_lib.validate(chunk, self.config, max_answer_tokens=self.max_answer_tokens, stacked=False)
+        if chunk.token_ids.shape[0] != self.state.kv.batch:
+            raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)
-        if chunk.token_ids.ndim != 2:
-            raise ValueError(f"Session.feed takes one chunk with token_ids [B, T], got {chunk.token_ids.shape}")
         self.state, out = _step(self._graphdef, self._params, self.state, chunk, policy=self.policy,
                                 max_answer_tokens=self.max_answer_tokens, impl=self.impl, subblock=self.subblock)
         return out

@@ -21,7 +21,7 @@ import torch
 
 from convert import convert_checkpoint
 from convert.__main__ import main
-from convert.errors import (CheckpointError, DestinationError, MissingTensorError, ShapeMismatchError, TensorError,
+from convert.errors import (CheckpointError, ConfigError, DestinationError, MissingTensorError, ShapeMismatchError, TensorError,
                             UnexpectedTensorError, UnsupportedConfigError, UnsupportedModelError)
 from convert import qwen2_5_omni
 from convert.qwen2_5_omni import config_from_hf, param_shapes
@@ -415,3 +415,18 @@ def test_manifest_and_load_errors(hf, tmp_path):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a.view(np.uint16) == b.view(np.uint16)).all()),
                                      params, again))
     assert checkpoint.read_manifest_dict(tmp_path / "again")["source"] == {"note": "resaved"}
+
+
+def test_generation_config_sets_answer_end_tokens(tmp_path):
+    from omnijax import demo
+    from omnijax.checkpoint import read_manifest
+
+    src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 151645, 3]}))
+    _, config = read_manifest(convert_checkpoint(src, tmp_path / "out", progress=False))
+    assert config.eos_token_ids == (7, 3)  # ids outside the vocabulary are dropped
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    (src / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ConfigError, match="eos_token_id"):
+        convert_checkpoint(src, tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,57 @@
+"""Chunk builders and the host-side validation every chunk passes before it enters a compiled program."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax.chunks import split_text, stack_chunks, text_chunk
+from omnijax.config import TINY_OMNI
+from omnijax.units import SpanKind
+
+
+@pytest.fixture(scope="module")
+def model():
+    return omnijax.Decoder(TINY_OMNI)
+
+
+def test_text_chunk_layout():
+    c = text_chunk([5, 6, 7], length=5, unit=3, span=SpanKind.SYSTEM, answer_tokens=2)
+    assert c.valid.tolist() == [[True, True, True, False, False]]
+    assert c.positions.shape == (1, 1, 5) and c.positions[0, 0, :3].tolist() == [0, 1, 2]
+    assert text_chunk([5, 6], position_axes=3).positions.shape == (3, 1, 2)
+    assert (c.span[0, :3] == int(SpanKind.SYSTEM)).all() and c.answer_unit.tolist() == [4]
+    stacked = split_text(np.arange(10), 3, answer_tokens=4)
+    assert stacked.token_ids.shape == (3, 1, 4) and stacked.answer_tokens[:, 0].tolist() == [0, 0, 4]
+    assert stacked.valid.sum() == 10
+    with pytest.raises(ValueError, match="non-empty"):
+        split_text(np.arange(2), 3)
+    with pytest.raises(ValueError, match="1..2 tokens"):
+        text_chunk([1, 2, 3], length=2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(token_ids=np.full((2, 1, 4), 999)), "token ids must lie in"),
+    (dict(valid=np.ones((2, 1, 3), bool)), "valid has shape"),
+    (dict(positions=np.zeros((2, 2, 1, 4), np.int32)), "positions must have 3"),
+    (dict(positions=np.full((2, 1, 1, 4), -1, np.int32)), "non-negative"),
+    (dict(answer_tokens=np.array([[0], [9]], np.int32)), "max_answer_tokens=4"),
+    (dict(embeds=np.zeros((2, 1, 4, 64), np.float32)), "come together"),
+    (dict(embeds=np.zeros((2, 1, 4, 8), np.float32), embed_mask=np.ones((2, 1, 4), bool)), "embeds must be"),
+    (dict(embeds=np.full((2, 1, 4, 64), np.nan, np.float32), embed_mask=np.ones((2, 1, 4), bool)), "NaN"),
+])
+def test_stream_rejects_bad_chunks(model, change, message):
+    chunks = stack_chunks([text_chunk([1, 2, 3, 4]), text_chunk([5, 6])])
+    with pytest.raises(ValueError, match=message):
+        omnijax.stream(model, dataclasses.replace(chunks, **change), max_answer_tokens=4)
+
+
+def test_stream_and_session_reject_wrong_rank_and_batch(model):
+    with pytest.raises(ValueError, match="stack_chunks"):
+        omnijax.stream(model, text_chunk([1, 2]))
+    session = omnijax.Session(model, num_pages=4, page_size=4, batch=2)
+    with pytest.raises(ValueError, match="chunk batch 1 != session batch 2"):
+        session.feed(text_chunk([1, 2]))
+    with pytest.raises(ValueError, match=r"token_ids must be \[B, T\]"):
+        session.feed(split_text([1, 2, 3], 1))
