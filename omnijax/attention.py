@@ -16,8 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from omnijax.kv.paged import write_layer
-
 IMPLEMENTATIONS = ("reference",)
 
 
@@ -40,8 +38,6 @@ class CacheView:
     slot_order: jax.Array
     q_order: jax.Array
 
-
-write_slots = write_layer
 
 
 def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> None:

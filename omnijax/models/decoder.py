@@ -29,6 +29,7 @@ from flax import nnx
 from omnijax import attention as attention_lib
 from omnijax.config import DecoderConfig
 from omnijax.kv import rope as rope_lib
+from omnijax.kv.paged import write_layer
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -135,8 +136,8 @@ class Decoder(nnx.Module):
                 k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q = rope_lib.apply_rope(q, angles)
             k = rope_lib.apply_rope(k, angles)
-            k_layer = attention_lib.write_slots(k_layer, cache.write_slots, k)
-            v_layer = attention_lib.write_slots(v_layer, cache.write_slots, v)
+            k_layer = write_layer(k_layer, cache.write_slots, k)
+            v_layer = write_layer(v_layer, cache.write_slots, v)
             attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl)  # [B, T, H, d]
             attn = attn.reshape(B, T, c.num_heads * c.head_dim)
             h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
