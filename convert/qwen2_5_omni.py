@@ -17,10 +17,8 @@ embedding, provided the config's flag says so (otherwise the tensor is reported 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +26,10 @@ import ml_dtypes
 import numpy as np
 import tqdm
 
-from convert.errors import (ConfigError, MissingTensorError, ShapeMismatchError, TensorError, UnexpectedTensorError,
-                            UnsupportedConfigError)
+from convert import tables
+from convert.errors import ConfigError, MissingTensorError, TensorError, UnsupportedConfigError
 from convert.safetensors_io import SafetensorsCheckpoint
+from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
 
 # Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
@@ -196,52 +195,25 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
 # ------------------------------------------------------------------------------------------------------ name table
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """Where one Hugging Face tensor goes.
-
-    Attributes:
-        hf_name: name below the thinker (no `thinker.` prefix); `{i}` stands for the layer index.
-        path: `/`-separated path in the decoder's pure-dict parameter tree.
-        dims: the destination shape per layer, in symbols of `_dims` (e.g. "D Q" = [hidden, heads * head_dim]).
-        transpose: the HF tensor is the transpose (torch Linear stores [out, in]; the decoder stores [in, out]).
-        when: config condition under which the parameter exists ("qkv_bias", "qk_norm", "untied"), or None.
-    """
-
-    hf_name: str
-    path: str
-    dims: str
-    transpose: bool = False
-    when: str | None = None
-
-    @property
-    def layered(self) -> bool:
-        return "{i}" in self.hf_name
-
-    @property
-    def pattern(self) -> re.Pattern:
-        return re.compile(re.escape(self.hf_name).replace(r"\{i\}", r"(0|[1-9][0-9]*)") + r"\Z")
-
-
 _L = "model.layers.{i}."
 NAME_TABLE: tuple[Rule, ...] = (
     Rule("model.embed_tokens.weight", "embed", "V D"),
     Rule(_L + "input_layernorm.weight", "layers/input_norm", "D"),
     Rule(_L + "post_attention_layernorm.weight", "layers/post_norm", "D"),
-    Rule(_L + "self_attn.q_proj.weight", "layers/q_proj", "D Q", transpose=True),
+    Rule(_L + "self_attn.q_proj.weight", "layers/q_proj", "D Q", transform="T"),
     Rule(_L + "self_attn.q_proj.bias", "layers/q_bias", "Q", when="qkv_bias"),
-    Rule(_L + "self_attn.k_proj.weight", "layers/k_proj", "D K", transpose=True),
+    Rule(_L + "self_attn.k_proj.weight", "layers/k_proj", "D K", transform="T"),
     Rule(_L + "self_attn.k_proj.bias", "layers/k_bias", "K", when="qkv_bias"),
-    Rule(_L + "self_attn.v_proj.weight", "layers/v_proj", "D K", transpose=True),
+    Rule(_L + "self_attn.v_proj.weight", "layers/v_proj", "D K", transform="T"),
     Rule(_L + "self_attn.v_proj.bias", "layers/v_bias", "K", when="qkv_bias"),
-    Rule(_L + "self_attn.o_proj.weight", "layers/o_proj", "Q D", transpose=True),
+    Rule(_L + "self_attn.o_proj.weight", "layers/o_proj", "Q D", transform="T"),
     Rule(_L + "self_attn.q_norm.weight", "layers/q_norm", "d", when="qk_norm"),
     Rule(_L + "self_attn.k_norm.weight", "layers/k_norm", "d", when="qk_norm"),
-    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transpose=True),
-    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transpose=True),
-    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transpose=True),
+    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transform="T"),
+    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transform="T"),
+    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T"),
     Rule("model.norm.weight", "final_norm", "D"),
-    Rule("lm_head.weight", "lm_head", "D V", transpose=True, when="untied"),
+    Rule("lm_head.weight", "lm_head", "D V", transform="T", when="untied"),
 )
 THINKER_PREFIX = "thinker."
 # Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
@@ -250,99 +222,21 @@ SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
 ENCODERS_NOT_CONVERTED_YET = ("audio_tower.", "visual.")
 
 
-def _dims(c: DecoderConfig) -> dict[str, int]:
-    return {"V": c.vocab_size, "D": c.hidden_size, "I": c.intermediate_size, "d": c.head_dim,
+def decoder_component(config: DecoderConfig) -> Component:
+    """The decoder's conversion table with its sizes (`Component.name` "decoder")."""
+    c = config
+    dims = {"V": c.vocab_size, "D": c.hidden_size, "I": c.intermediate_size, "d": c.head_dim,
             "Q": c.num_heads * c.head_dim, "K": c.num_kv_heads * c.head_dim}
-
-
-def active_rules(config: DecoderConfig) -> tuple[Rule, ...]:
-    """The table entries the config needs."""
-    flags = {None: True, "qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm, "untied": not config.tie_embeddings}
-    return tuple(r for r in NAME_TABLE if flags[r.when])
+    flags = {"qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "untied": not c.tie_embeddings}
+    return Component(name="decoder", prefix="", rules=NAME_TABLE, dims=dims, num_layers=c.num_layers, flags=flags)
 
 
 def param_shapes(config: DecoderConfig) -> dict[str, Any]:
     """The decoder's pure-dict parameter tree as nested dicts of shape tuples (layer params lead with `L`)."""
-    dims, tree = _dims(config), {}
-    for rule in active_rules(config):
-        shape = tuple(dims[s] for s in rule.dims.split())
-        *parents, leaf = rule.path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = (config.num_layers, *shape) if rule.layered else shape
-    return tree
-
-
-def _leaf(tree: dict, path: str):
-    for part in path.split("/"):
-        tree = tree[part]
-    return tree
+    return tables.param_shapes(decoder_component(config))
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The validated mapping of a checkpoint: `assign` is HF name -> (rule, layer index or None)."""
-
-    assign: dict[str, tuple[Rule, int | None]]
-    skipped_speech: dict[str, int]
-    skipped_encoders: dict[str, int]
-
-
-def plan_conversion(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]], config: DecoderConfig) -> Plan:
-    """Maps every tensor name to a table entry and checks that every entry is filled once with the right shape.
-
-    Raises:
-        UnexpectedTensorError: a name matches no entry, names a layer beyond the config, or fills an entry twice.
-        MissingTensorError: an entry (for some layer) has no tensor.
-        ShapeMismatchError: a tensor's shape is not the one the config implies.
-    """
-    rules, dims = active_rules(config), _dims(config)
-    patterns = [(r, r.pattern) for r in rules]
-    assign: dict[str, tuple[Rule, int | None]] = {}
-    filled: dict[tuple[str, int | None], str] = {}
-    speech, encoders = collections.Counter(), collections.Counter()
-    prefixed = 0
-    for name in names:
-        speech_prefix = next((p for p in SPEECH_OUTPUT_PREFIXES if name.startswith(p)), None)
-        if speech_prefix:
-            speech[speech_prefix] += 1
-            continue
-        local = name.removeprefix(THINKER_PREFIX)
-        prefixed += local != name
-        enc = next((p for p in ENCODERS_NOT_CONVERTED_YET if local.startswith(p)), None)
-        if enc:
-            encoders[name[: len(name) - len(local)] + enc] += 1
-            continue
-        for rule, pattern in patterns:
-            m = pattern.match(local)
-            if m:
-                break
-        else:
-            raise UnexpectedTensorError(f"tensor {name!r} maps to no decoder parameter")
-        layer = int(m.group(1)) if rule.layered else None
-        if layer is not None and layer >= config.num_layers:
-            raise UnexpectedTensorError(
-                f"tensor {name!r} names layer {layer} but the config has {config.num_layers} layers")
-        if (rule.path, layer) in filled:
-            raise UnexpectedTensorError(f"tensors {filled[rule.path, layer]!r} and {name!r} fill the same parameter")
-        expected = tuple(dims[s] for s in rule.dims.split())
-        expected = expected[::-1] if rule.transpose else expected
-        if tuple(shapes[name]) != expected:
-            raise ShapeMismatchError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {expected}")
-        filled[rule.path, layer] = name
-        assign[name] = (rule, layer)
-    prefix = THINKER_PREFIX if prefixed else ""
-    missing = [prefix + (r.hf_name.format(i=i) if r.layered else r.hf_name)
-               for r in rules for i in (range(config.num_layers) if r.layered else (None,))
-               if (r.path, i) not in filled]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise MissingTensorError(f"checkpoint lacks tensor(s) {', '.join(map(repr, missing[:5]))}{more}")
-    return Plan(assign, dict(speech), dict(encoders))
 
 
 def _stderr(message: str) -> None:
@@ -371,49 +265,48 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     if not has_head and not config.tie_embeddings:
         raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
     config = config.replace(tie_embeddings=not has_head)
-    plan = plan_conversion(names, {n: ckpt.info(n).shape for n in names}, config)
+    components = [decoder_component(config)]
+    plan = tables.plan_conversion(names, {n: ckpt.info(n).shape for n in names}, components,
+                                  strip_prefix=THINKER_PREFIX,
+                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + ENCODERS_NOT_CONVERTED_YET)
     for name in plan.assign:
         if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
             raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "
                               f"{', '.join(FLOAT_SOURCE_DTYPES)}")
-    if plan.skipped_speech:
-        counts = ", ".join(f"{p}: {n}" for p, n in sorted(plan.skipped_speech.items()))
-        log(f"skipped {sum(plan.skipped_speech.values())} speech-output tensors ({counts}): not used by omnijax")
-    if plan.skipped_encoders:
-        counts = ", ".join(f"{p}: {n}" for p, n in sorted(plan.skipped_encoders.items()))
-        log(f"skipped {sum(plan.skipped_encoders.values())} encoder tensors ({counts}): the audio and vision "
-            "encoders are converted by a later version of omnijax-convert")
+    _log_skipped(plan.skipped, log)
 
     target = NP_DTYPES[dtype]
     staging_dir.mkdir(parents=True, exist_ok=True)
-
-    def allocate(shape_tree: dict, prefix: str) -> dict:
-        return {k: allocate(v, f"{prefix}{k}.") if isinstance(v, dict) else
-                np.memmap(staging_dir / f"{prefix}{k}.bin", dtype=target, mode="w+", shape=v)
-                for k, v in shape_tree.items()}
-
-    params = allocate(param_shapes(config), "")
+    trees = {c.name: tables.allocate(tables.param_shapes(c), lambda shape, dotted, name=c.name: np.memmap(
+        staging_dir / f"{name}.{dotted}.bin", dtype=target, mode="w+", shape=shape)) for c in components}
     source_dtypes = collections.Counter()
     for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
-        if name not in plan.assign:
-            continue
-        rule, layer = plan.assign[name]
-        array = ckpt.read(name)  # memory-mapped; [out, in] for Linear weights
-        source_dtypes[ckpt.info(name).dtype] += 1
-        if rule.transpose:
-            array = array.T
-        out = _leaf(params, rule.path)
-        np.copyto(out if layer is None else out[layer], array.astype(target))
+        if name in plan.assign:
+            source_dtypes[ckpt.info(name).dtype] += 1
+            tables.fill(trees, name, ckpt.read(name), plan)  # read() memory-maps just this tensor
     # Reopen read-only: orbax/tensorstore write read-only host arrays without copying them.
-    params = _reopen_read_only(params)
+    params = _reopen_read_only(trees["decoder"])
     source_info = {
         "tensors_converted": len(plan.assign),
         "source_dtypes": dict(sorted(source_dtypes.items())),
-        "skipped": {**plan.skipped_speech, **plan.skipped_encoders},
+        "skipped": plan.skipped,
         "encoders_converted": False,
         "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
     }
     return config, params, source_info
+
+
+def _log_skipped(skipped: dict[str, int], log: Callable[[str], None]) -> None:
+    """One summary line per kind of deliberately skipped tensors."""
+    speech = {p: n for p, n in skipped.items() if p.startswith(SPEECH_OUTPUT_PREFIXES)}
+    encoders = {p: n for p, n in skipped.items() if p not in speech}
+    if speech:
+        counts = ", ".join(f"{p}: {n}" for p, n in sorted(speech.items()))
+        log(f"skipped {sum(speech.values())} speech-output tensors ({counts}): not used by omnijax")
+    if encoders:
+        counts = ", ".join(f"{p}: {n}" for p, n in sorted(encoders.items()))
+        log(f"skipped {sum(encoders.values())} encoder tensors ({counts}): the audio and vision "
+            "encoders are converted by a later version of omnijax-convert")
 
 
 def _reopen_read_only(tree: dict) -> dict:

@@ -1,7 +1,6 @@
 """Paged KV pytree: allocation, exhaustion, page reuse, layout stats, and reference attention vs a dense cache."""
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 

@@ -2,3 +2,6 @@
 
 from omnijax.kv.paged import PageClass, PagedKV, SlotMeta, append, init, release_pages, reserve, write_layer
 from omnijax.kv.layout import LayoutStats, layout_stats
+
+__all__ = ["LayoutStats", "PageClass", "PagedKV", "SlotMeta", "append", "init", "layout_stats", "release_pages",
+           "reserve", "write_layer"]
