@@ -26,7 +26,7 @@ def _tensors(rng, bias=True):
         t[f"thinker.enc.blocks.{i}.fc.weight"] = rng.standard_normal((4, 4))
         if bias:
             t[f"thinker.enc.blocks.{i}.fc.bias"] = rng.standard_normal(4)
-    return t
+    return {k: v.astype(np.float32) for k, v in t.items()}  # exact after the float32 cast
 
 
 def test_transforms_and_stacking():
