@@ -6,6 +6,8 @@ A converted checkpoint is a directory:
                                   "decoder": DecoderConfig.to_json(), "source": {...}}
     DST/params/        orbax PyTree checkpoint (restored with StandardCheckpointer) of the decoder's pure-dict
                        parameter tree
+    DST/<component>/   the same for each optional component (e.g. `audio`, `vision` encoders), whose config is
+                       the manifest entry of the same name
     DST/tokenizer.json ... tokenizer and processor files copied from the source, when present
 
 The manifest is written after the parameters, so a directory with a manifest holds a complete parameter tree.
@@ -71,28 +73,38 @@ def _drop_ocdbt_merge_notice(record: logging.LogRecord) -> bool:
 
 
 def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConfig, params_pure_dict: dict,
-                source_info: dict[str, Any] | None = None) -> Path:
-    """Writes `params/` and then the manifest into `dst_dir` (created if needed; `params/` must not exist).
+                source_info: dict[str, Any] | None = None, *,
+                components: dict[str, tuple[dict[str, Any], dict]] | None = None) -> Path:
+    """Writes `params/` (and each component's directory), then the manifest, into `dst_dir`.
 
     Args:
-        dst_dir: output directory.
+        dst_dir: output directory (created if needed; the parameter directories must not exist).
         model_type: omnijax model type (e.g. "qwen2_5_omni").
         config: decoder config; its `dtype` should be the dtype of the parameter arrays.
         params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout.
         source_info: JSON-serialisable provenance (source path, skipped tensors, ...).
+        components: optional extra parts such as encoders, name -> (JSON config, parameter tree); each tree is
+            stored in `DST/<name>/` and its config under the manifest key `<name>`.
 
     Returns:
         The checkpoint directory.
     """
     dst = Path(dst_dir).resolve()
     dst.mkdir(parents=True, exist_ok=True)
+    components = components or {}
+    reserved = {"format", "format_version", "model_type", "decoder", "source", PARAMS_DIR}
+    if reserved & set(components):
+        raise ValueError(f"component names {sorted(reserved & set(components))} are reserved")
     _save_tree(dst / PARAMS_DIR, params_pure_dict)
+    for name, (_, tree) in components.items():
+        _save_tree(dst / name, tree)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model_type": model_type,
         "decoder": config.to_json(),
         "source": source_info or {},
+        **{name: component_config for name, (component_config, _) in components.items()},
     }
     tmp = dst / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -143,11 +155,12 @@ def _describe(leaf) -> str:
     return f"{tuple(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
 
 
-def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict) -> dict:
-    """Restores the parameter tree as jax arrays.
+def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict, component: str = PARAMS_DIR) -> dict:
+    """Restores a parameter tree (the decoder's, or a component's) as jax arrays.
 
     Args:
         ckpt_dir: a converted checkpoint directory.
+        component: the directory of the tree: `params` for the decoder, or a component name (e.g. "audio").
         abstract_pure_dict: the target tree of `jax.ShapeDtypeStruct`s (e.g. from
             `nnx.state(nnx.eval_shape(lambda: Decoder(config))).to_pure_dict()`). Leaves without a sharding are placed
             on the default device.
@@ -159,9 +172,9 @@ def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict) -> dict:
         CheckpointFormatError: the parameters are missing, or their tree, shapes or dtypes differ from the target
             (orbax would silently cast a dtype; this refuses instead).
     """
-    path = (Path(ckpt_dir) / PARAMS_DIR).resolve()
+    path = (Path(ckpt_dir) / component).resolve()
     if not path.is_dir():
-        raise CheckpointFormatError(f"{path} not found: the checkpoint has no parameters")
+        raise CheckpointFormatError(f"{path} not found: the checkpoint has no {component!r} parameters")
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(path).item_metadata.tree
         stored_leaves = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
