@@ -144,12 +144,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
         ckpt = SafetensorsCheckpoint(src)
         staging = tmp / ".staging"
         kwargs = {} if log is None else {"log": log}
-        config, params, info = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
+        config, params, info, extras = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
                                                         progress=progress, **kwargs)
         config = _with_generation_eos(config, src)
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
-        checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info)
+        checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info,
+                               components=extras)
         del params
         shutil.rmtree(staging)
         for name in TOKENIZER_FILES:

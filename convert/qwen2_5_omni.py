@@ -31,6 +31,8 @@ from convert.errors import ConfigError, MissingTensorError, TensorError, Unsuppo
 from convert.safetensors_io import SafetensorsCheckpoint
 from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
+from omnijax.models.qwen2_5_omni import audio as audio_lib
+from omnijax.models.qwen2_5_omni.config import OmniConfig
 
 # Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
 # decoder and the name table (Qwen3: q/k norm, no attention biases; both: 1D RoPE unless an mrope_section is set).
@@ -218,8 +220,30 @@ NAME_TABLE: tuple[Rule, ...] = (
 THINKER_PREFIX = "thinker."
 # Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
 SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
-# Encoders (below the thinker prefix): skipped until the encoder conversion lands; replace this one constant then.
-ENCODERS_NOT_CONVERTED_YET = ("audio_tower.", "visual.")
+# Encoders (below the thinker prefix) not converted yet; replace this one constant when they are.
+ENCODERS_NOT_CONVERTED_YET = ("visual.",)
+# Tensors present in releases that the model never reads.
+UNUSED = tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
+
+
+def _thinker_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return hf_config.get("thinker_config", {}) if hf_config.get("model_type") == "qwen2_5_omni" else hf_config
+
+
+def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:
+    """The encoder components a Qwen2.5-Omni config declares: name -> (component, JSON config)."""
+    if model_type_for(hf_config) != "qwen2_5_omni":
+        return {}
+    thinker = _thinker_config(hf_config)
+    out = {}
+    if thinker.get("audio_config") is not None:
+        try:
+            audio = audio_lib.AudioConfig.from_hf(thinker["audio_config"], dtype=dtype)
+        except ValueError as e:
+            raise UnsupportedConfigError(getattr(e, "attribute", "audio_config"), getattr(e, "value", None),
+                                         str(e)) from e
+        out["audio"] = (audio_lib.audio_component(audio), audio.to_json())
+    return out
 
 
 def decoder_component(config: DecoderConfig) -> Component:
@@ -256,8 +280,9 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         log: receives the one-line summaries of skipped tensors.
 
     Returns:
-        `(config, params, source_info)`: the final `DecoderConfig`, the pure-dict tree of `np.memmap` arrays, and a
-        JSON-serialisable summary for the manifest.
+        `(config, params, source_info, extras)`: the final `DecoderConfig`, the decoder's pure-dict tree of
+        `np.memmap` arrays, a JSON-serialisable summary for the manifest, and the other checkpoint components as
+        name -> (JSON config, tree or None): the encoders, and the thinker's token ids and TMRoPE timing ("omni").
     """
     config = config_from_hf(hf_config, dtype=dtype)
     names = ckpt.names()
@@ -265,10 +290,11 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     if not has_head and not config.tie_embeddings:
         raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
     config = config.replace(tie_embeddings=not has_head)
-    components = [decoder_component(config)]
+    encoders = encoder_components(hf_config, dtype)
+    components = [decoder_component(config)] + [component for component, _ in encoders.values()]
     plan = tables.plan_conversion(names, {n: ckpt.info(n).shape for n in names}, components,
                                   strip_prefix=THINKER_PREFIX,
-                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + ENCODERS_NOT_CONVERTED_YET)
+                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + ENCODERS_NOT_CONVERTED_YET + UNUSED)
     for name in plan.assign:
         if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
             raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "
@@ -285,15 +311,18 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
             source_dtypes[ckpt.info(name).dtype] += 1
             tables.fill(trees, name, ckpt.read(name), plan)  # read() memory-maps just this tensor
     # Reopen read-only: orbax/tensorstore write read-only host arrays without copying them.
-    params = _reopen_read_only(trees["decoder"])
+    trees = {name: _reopen_read_only(tree) for name, tree in trees.items()}
     source_info = {
         "tensors_converted": len(plan.assign),
         "source_dtypes": dict(sorted(source_dtypes.items())),
         "skipped": plan.skipped,
-        "encoders_converted": False,
+        "encoders_converted": sorted(encoders),
         "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
     }
-    return config, params, source_info
+    extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
+    if model_type_for(hf_config) == "qwen2_5_omni":
+        extras["omni"] = (OmniConfig.from_hf(_thinker_config(hf_config)).to_json(), None)
+    return config, trees["decoder"], source_info, extras
 
 
 def _log_skipped(skipped: dict[str, int], log: Callable[[str], None]) -> None:

@@ -83,8 +83,8 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConf
         config: decoder config; its `dtype` should be the dtype of the parameter arrays.
         params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout.
         source_info: JSON-serialisable provenance (source path, skipped tensors, ...).
-        components: optional extra parts such as encoders, name -> (JSON config, parameter tree); each tree is
-            stored in `DST/<name>/` and its config under the manifest key `<name>`.
+        components: optional extra parts such as encoders, name -> (JSON config, parameter tree or None); each
+            tree is stored in `DST/<name>/` and each config under the manifest key `<name>`.
 
     Returns:
         The checkpoint directory.
@@ -97,7 +97,8 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConf
         raise ValueError(f"component names {sorted(reserved & set(components))} are reserved")
     _save_tree(dst / PARAMS_DIR, params_pure_dict)
     for name, (_, tree) in components.items():
-        _save_tree(dst / name, tree)
+        if tree is not None:
+            _save_tree(dst / name, tree)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

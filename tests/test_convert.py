@@ -26,6 +26,7 @@ from convert.errors import (CheckpointError, ConfigError, DestinationError, Miss
 from convert import qwen2_5_omni
 from convert.qwen2_5_omni import config_from_hf, param_shapes
 from convert.safetensors_io import SafetensorsCheckpoint, read_header
+from convert.tables import param_shapes as param_shapes_tree
 from omnijax import checkpoint
 from omnijax.config import DecoderConfig
 from tests import hf_models
@@ -134,8 +135,19 @@ def test_convert_round_trip(hf, tmp_path, source, dtype):
                                    num_kv_heads=2, head_dim=16, rope_theta=1e6, mrope_section=(2, 3, 3),
                                    tie_embeddings=False, dtype=dtype, eos_token_ids=())
     manifest = checkpoint.read_manifest_dict(out)
-    assert manifest["source"]["skipped"] == {"thinker.audio_tower." if source != "thinker" else "audio_tower.": 24,
-                                             "thinker.visual." if source != "thinker" else "visual.": 22}
+    prefix = "thinker." if source != "thinker" else ""
+    assert manifest["source"]["skipped"] == {prefix + "audio_tower.audio_bos_eos_token.weight": 1,
+                                             prefix + "visual.": 22}
+    assert manifest["omni"]["audio_token_id"] == 151646 and manifest["omni"]["vision_start_token_id"] == 151652
+    # The audio tower is a component of its own, restored bit-exactly in the requested dtype.
+    from omnijax.models.qwen2_5_omni import audio
+    audio_config = audio.AudioConfig.from_json(manifest["audio"])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, audio_config.jnp_dtype),
+                            param_shapes_tree(audio.audio_component(audio_config)), is_leaf=lambda x: isinstance(x, tuple))
+    restored = checkpoint.load_params(out, abstract, "audio")
+    want = hf[1]["audio_tower.conv1.weight"].float().numpy().transpose(2, 1, 0)
+    np.testing.assert_array_equal(np.asarray(restored["conv1_kernel"], np.float32),
+                                  want.astype(ml_dtypes.bfloat16).astype(np.float32) if dtype == "bfloat16" else want)
 
 
 def test_param_layout_matches_decoder():
@@ -229,7 +241,7 @@ def test_memory_stays_near_one_tensor(tmp_path):
     hf_config = json.loads((src / "config.json").read_text())
     tracemalloc.start()  # numpy's heap allocations are traced; memory maps are not
     try:
-        _, params, _ = qwen2_5_omni.convert_params(ckpt, hf_config, dtype="float32", staging_dir=tmp_path / "stage",
+        _, params, _, _ = qwen2_5_omni.convert_params(ckpt, hf_config, dtype="float32", staging_dir=tmp_path / "stage",
                                                    progress=False)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
