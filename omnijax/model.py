@@ -52,10 +52,14 @@ class UnsupportedInputError(ValueError):
 class Model:
     """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
 
-    def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None):
+    def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None,
+                 audio=None, vision=None, omni=None):
         self.decoder = decoder
         self.model_type = model_type
         self.source = source
+        self.audio = audio  # AudioEncoder or None
+        self.vision = vision  # VisionEncoder or None
+        self.omni = omni  # OmniConfig (placeholder ids, TMRoPE timing) or None
 
     @property
     def config(self) -> DecoderConfig:
@@ -108,24 +112,42 @@ class Model:
                         jnp.asarray(positions), page_size=page_size)
 
 
+def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):
+    """Restores one module: `build(config)` defines it; weights are read in the stored dtype, then cast."""
+    from omnijax import checkpoint
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
+    restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component)
+    if dtype is not None and dtype != stored_config.dtype:
+        config = stored_config.replace(dtype=dtype)
+        restored = jax.tree.map(lambda a: a.astype(config.jnp_dtype), restored)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config)))
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
 def load(directory: str | Path, *, dtype: str | None = None) -> Model:
-    """Loads a directory written by `omnijax-convert` into a `Model`.
+    """Loads a directory written by `omnijax-convert` into a `Model` (with its encoders when converted).
 
     Args:
         directory: the converted checkpoint (holding `omnijax.json` and `params/`).
         dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load.
     """
     from omnijax import checkpoint
+    from omnijax.models.qwen2_5_omni import audio as audio_lib
+    from omnijax.models.qwen2_5_omni.config import OmniConfig
 
     directory = Path(directory)
     model_type, config = checkpoint.read_manifest(directory)
-    stored = config
-    abstract = nnx.eval_shape(lambda: Decoder(stored, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
-    restored = checkpoint.load_params(directory, nnx.to_pure_dict(abstract_state))
-    if dtype is not None and dtype != stored.dtype:
-        config = stored.replace(dtype=dtype)
-        restored = jax.tree.map(lambda a: a.astype(config.jnp_dtype), restored)
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(abstract_state, restored)
-    return Model(nnx.merge(graphdef, abstract_state), model_type=model_type, source=str(directory))
+    manifest = checkpoint.read_manifest_dict(directory)
+    decoder = _restore(directory, checkpoint.PARAMS_DIR, config, dtype,
+                       lambda c: Decoder(c, rngs=nnx.Rngs(0)))
+    encoders = {}
+    try:
+        if "audio" in manifest:
+            encoders["audio"] = _restore(directory, "audio", audio_lib.AudioConfig.from_json(manifest["audio"]), dtype,
+                                         lambda c: audio_lib.AudioEncoder(c, rngs=nnx.Rngs(0)))
+        omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+    return Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders)
