@@ -32,6 +32,7 @@ from convert.safetensors_io import SafetensorsCheckpoint
 from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
 from omnijax.models.qwen2_5_omni import audio as audio_lib
+from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig
 
 # Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
@@ -220,8 +221,6 @@ NAME_TABLE: tuple[Rule, ...] = (
 THINKER_PREFIX = "thinker."
 # Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
 SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
-# Encoders (below the thinker prefix) not converted yet; replace this one constant when they are.
-ENCODERS_NOT_CONVERTED_YET = ("visual.",)
 # Tensors present in releases that the model never reads.
 UNUSED = tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
 
@@ -243,6 +242,9 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
             raise UnsupportedConfigError(getattr(e, "attribute", "audio_config"), getattr(e, "value", None),
                                          str(e)) from e
         out["audio"] = (audio_lib.audio_component(audio), audio.to_json())
+    if thinker.get("vision_config") is not None:
+        vision = vision_lib.VisionConfig.from_hf(thinker["vision_config"], dtype=dtype)
+        out["vision"] = (vision_lib.vision_component(vision), vision.to_json())
     return out
 
 
@@ -294,7 +296,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     components = [decoder_component(config)] + [component for component, _ in encoders.values()]
     plan = tables.plan_conversion(names, {n: ckpt.info(n).shape for n in names}, components,
                                   strip_prefix=THINKER_PREFIX,
-                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + ENCODERS_NOT_CONVERTED_YET + UNUSED)
+                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + UNUSED)
     for name in plan.assign:
         if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
             raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "
@@ -328,14 +330,12 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
 def _log_skipped(skipped: dict[str, int], log: Callable[[str], None]) -> None:
     """One summary line per kind of deliberately skipped tensors."""
     speech = {p: n for p, n in skipped.items() if p.startswith(SPEECH_OUTPUT_PREFIXES)}
-    encoders = {p: n for p, n in skipped.items() if p not in speech}
+    unused = {p: n for p, n in skipped.items() if p not in speech}
     if speech:
         counts = ", ".join(f"{p}: {n}" for p, n in sorted(speech.items()))
         log(f"skipped {sum(speech.values())} speech-output tensors ({counts}): not used by omnijax")
-    if encoders:
-        counts = ", ".join(f"{p}: {n}" for p, n in sorted(encoders.items()))
-        log(f"skipped {sum(encoders.values())} encoder tensors ({counts}): the audio and vision "
-            "encoders are converted by a later version of omnijax-convert")
+    if unused:
+        log(f"skipped {sum(unused.values())} tensor(s) the model never reads: {', '.join(sorted(unused))}")
 
 
 def _reopen_read_only(tree: dict) -> dict:
