@@ -1,8 +1,10 @@
 """`Chunk`: one streaming event's tokens, positions and span metadata, padded to a fixed length.
 
 Positions in a chunk are offsets relative to the stream's next-position cursor, so retention that re-indexes the
-cache (and moves the cursor) never invalidates chunks built in advance. The cursor advances by the chunk's largest
-offset + 1 over its valid tokens (TMRoPE rule: the next segment starts after the previous one's max position).
+cache (and moves the cursor) never invalidates chunks built in advance. After the chunk the cursor moves by the
+chunk's `advance`: usually its largest valid offset + 1 (TMRoPE: the next segment starts after the previous one's
+max position), but an audio-in-video unit ends with eos markers that can sit below an earlier video position, and
+the next segment starts after those markers.
 
 Shapes for one chunk (B sequences, T padded length, A position axes, D hidden); a stack of chunks for
 `omnijax.stream` has a leading `[num_chunks]` axis on every field.
@@ -34,6 +36,7 @@ class Chunk:
         answer_tokens: `[B]` int32 greedy tokens to generate after the chunk (0 = no answer; at most the stream's
             `max_answer_tokens`).
         answer_unit: `[B]` int32 unit id given to the generated response.
+        advance: `[B]` int32 cursor move after the chunk (0 for a sequence with no valid token).
         embeds: optional `[B, T, D]` embeddings used where `embed_mask` is True (multimodal features).
         embed_mask: optional `[B, T]` bool.
     """
@@ -46,6 +49,7 @@ class Chunk:
     offset: jax.Array
     answer_tokens: jax.Array
     answer_unit: jax.Array
+    advance: jax.Array
     embeds: jax.Array | None = None
     embed_mask: jax.Array | None = None
 
@@ -75,7 +79,7 @@ def text_chunk(tokens: Sequence[int], *, length: int | None = None, unit: int = 
         token_ids=ids, valid=valid, positions=np.broadcast_to(offs, (position_axes, 1, length)).copy(),
         unit=np.full((1, length), unit, np.int32), span=np.full((1, length), int(span), np.int32),
         offset=offs, answer_tokens=np.asarray([answer_tokens], np.int32),
-        answer_unit=np.asarray([unit + 1], np.int32))
+        answer_unit=np.asarray([unit + 1], np.int32), advance=np.asarray([n], np.int32))
 
 
 def stack_chunks(chunks: Sequence[Chunk]) -> Chunk:
@@ -163,9 +167,12 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
         raise ValueError(f"{what}: token ids must lie in [0, {config.vocab_size}), got range "
                          f"[{ids[plain].min()}, {ids[plain].max()}]")
     answers = np.asarray(chunk.answer_tokens)
-    if answers.shape != bt[:-1] or np.shape(chunk.answer_unit) != bt[:-1]:
-        raise ValueError(f"{what}: answer_tokens and answer_unit must have shape {bt[:-1]}, got "
-                         f"{answers.shape} and {np.shape(chunk.answer_unit)}")
+    per_sequence = {"answer_tokens": answers, "answer_unit": chunk.answer_unit, "advance": chunk.advance}
+    for name, value in per_sequence.items():
+        if np.shape(value) != bt[:-1]:
+            raise ValueError(f"{what}: {name} must have shape {bt[:-1]}, got {np.shape(value)}")
+    if (np.asarray(chunk.advance) < 0).any():
+        raise ValueError(f"{what}: advance must be non-negative")
     if answers.size and (answers.min() < 0 or answers.max() > max_answer_tokens):
         raise ValueError(f"{what}: answer_tokens must lie in [0, max_answer_tokens={max_answer_tokens}], got "
                          f"up to {answers.max()}")

@@ -77,12 +77,6 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     return kv.replace(k=k, v=v), hidden
 
 
-def _advance(next_pos: jax.Array, rel_positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """Cursor after a chunk: previous cursor + (max valid offset + 1); unchanged for an empty chunk."""
-    top = jnp.max(jnp.where(valid[None], rel_positions, -1), axis=(0, 2))  # [B]
-    return next_pos + top + 1
-
-
 def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str):
     """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
     B = next_pos.shape[0]
@@ -126,7 +120,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
-    next_pos = _advance(next_pos, chunk.positions, chunk.valid)
+    next_pos = next_pos + chunk.advance
     kv, next_pos, evicted = policy.trim(kv, next_pos)
     if max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)

@@ -5,7 +5,7 @@ chunk per streaming unit (or per segment of a unit; `concat` joins segments). Th
 building a chunk from per-token arrays, offsets within span runs, joining chunks, adding zero embeddings, and
 `token_layout`, which flattens chunks into the token ids and absolute positions a one-shot forward would see.
 
-Positions in a chunk are offsets from the stream's cursor; the cursor advances by the chunk's max valid offset + 1
+Positions in a chunk are offsets from the stream's cursor; the cursor moves by each chunk's `advance` after it
 (`omnijax.stream`), and `token_layout` / `concat` apply the same rule.
 """
 
@@ -38,7 +38,7 @@ def span_offsets(span: np.ndarray, unit: np.ndarray | None = None) -> np.ndarray
 
 def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[int], unit: int | Sequence[int], *,
                answer_tokens: int = 0, answer_unit: int | None = None, embed_mask: np.ndarray | None = None,
-               embeds: np.ndarray | None = None) -> Chunk:
+               embeds: np.ndarray | None = None, advance: int | None = None) -> Chunk:
     """A batch-1, unpadded `Chunk` from per-token host arrays.
 
     Args:
@@ -50,6 +50,7 @@ def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[i
         answer_unit: unit id of the generated response; default the chunk's last unit + 1.
         embed_mask: `[T]` bool, tokens whose embedding comes from `embeds`.
         embeds: `[T, D]` embeddings (zero where `embed_mask` is False); given with `embed_mask` or not at all.
+        advance: cursor move after the chunk; default the largest offset + 1.
     """
     ids = np.asarray(token_ids, np.int64).reshape(-1)
     T = ids.shape[0]
@@ -70,6 +71,7 @@ def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[i
         token_ids=ids.astype(np.int32)[None], valid=np.ones((1, T), bool), positions=pos.astype(np.int32)[:, None],
         unit=units[None], span=span[None], offset=span_offsets(span, units)[None],
         answer_tokens=np.asarray([answer_tokens], np.int32), answer_unit=np.asarray([answer_unit], np.int32),
+        advance=np.asarray([int(pos.max()) + 1 if advance is None else advance], np.int32),
         embeds=None if embeds is None else np.asarray(embeds)[None],
         embed_mask=None if embed_mask is None else np.asarray(embed_mask, bool).reshape(1, T))
 
@@ -134,8 +136,8 @@ def unstack(chunks: Chunk | Sequence[Chunk]) -> list[Chunk]:
 def token_layout(chunks: Chunk | Sequence[Chunk], start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Token ids `[N]` and absolute positions `[A, N]` of batch-1 chunks streamed one after another.
 
-    Valid tokens only, in order; positions = offsets + the cursor, which starts at `start` and advances by each
-    chunk's max valid offset + 1 (the rule of `omnijax.stream`). Generated answers are not included: a stream that
+    Valid tokens only, in order; positions = offsets + the cursor, which starts at `start` and moves by each
+    chunk's `advance` (the rule of `omnijax.stream`). Generated answers are not included: a stream that
     generates tokens moves its cursor by their count, so represent them as response chunks here. Chunks with one
     position axis are broadcast to the widest axis count.
     """
@@ -150,8 +152,7 @@ def token_layout(chunks: Chunk | Sequence[Chunk], start: int = 0) -> tuple[np.nd
         p = np.asarray(c.positions, np.int64)[:, 0][:, valid]
         ids.append(tok[0][valid].astype(np.int64))
         pos.append(np.broadcast_to(p, (axes, p.shape[1])) + cursor)
-        if p.size:
-            cursor += int(p.max()) + 1
+        cursor += int(np.asarray(c.advance)[0])
     if not ids:
         return np.zeros(0, np.int64), np.zeros((axes, 0), np.int64)
     return np.concatenate(ids), np.concatenate(pos, axis=1)
@@ -181,12 +182,11 @@ def concat(chunks: Sequence[Chunk]) -> Chunk:
         if c.embeds is not None:
             emb.append(np.asarray(c.embeds)[0][valid])
             mask.append(np.asarray(c.embed_mask, bool)[0][valid])
-        if p.size:
-            cursor += int(p.max()) + 1
+        cursor += int(np.asarray(c.advance)[0])
     last = chunks[-1]
     return make_chunk(np.concatenate(ids), np.concatenate(pos, axis=1), np.concatenate(span), np.concatenate(unit),
                       answer_tokens=int(np.asarray(last.answer_tokens)[0]),
-                      answer_unit=int(np.asarray(last.answer_unit)[0]),
+                      answer_unit=int(np.asarray(last.answer_unit)[0]), advance=cursor,
                       embeds=np.concatenate(emb) if emb else None, embed_mask=np.concatenate(mask) if mask else None)
 
 

@@ -96,7 +96,7 @@ def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = Non
 
 def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, second_per_grid: float, unit: int,
                      video_embeds: np.ndarray | None = None, audio_embeds: np.ndarray | None = None, *,
-                     hidden_size: int | None = None, answer_tokens: int = 0, strict: bool = True,
+                     hidden_size: int | None = None, answer_tokens: int = 0,
                      spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE) -> Chunk:
     """One audiovisual unit (typically 2 s): `<|vision_bos|><|audio_bos|> V0 A0 [V1 A1 …] <|audio_eos|>
     <|vision_eos|>`.
@@ -113,25 +113,17 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
         second_per_grid: seconds per temporal patch (temporal_patch_size / fps).
         unit: unit id.
         video_embeds, audio_embeds: `[n_video, D]`, `[n_audio, D]` features in encoder order.
-        strict: transformers starts the next segment after the eos markers, the stream after the chunk's maximum
-            position. They differ when the last chunk is audio that ends below an earlier video chunk's top: audio
-            shorter than the frames' temporal extent (24 audio tokens with a frame at t = 25) or than their merged
-            height/width. Then `strict` raises; with `strict=False` the chunk is built and the stream's cursor runs
-            ahead of transformers by the difference.
+
+    The cursor moves past the eos markers (`Chunk.advance`), exactly as transformers continues after the group,
+    even when the last interleaved chunk is audio ending below an earlier video position.
     """
     seg = tmrope.audio_in_video_positions(video_grid_thw, num_audio_tokens, second_per_grid,
                                           spatial_merge_size=spatial_merge_size)
-    top = int(seg.positions.max()) + 1
-    if strict and top != seg.advance:
-        raise ValueError(
-            f"this audiovisual unit's eos markers sit at {seg.advance - 1} but a video token reaches {top - 1}: "
-            f"transformers continues at {seg.advance}, a stream at {top} (the last interleaved chunk is audio ending "
-            f"below the video's temporal id or merged height/width); pass strict=False to accept the shifted cursor")
     ids = _ROLE_IDS[seg.roles]
     embeds, mask = adapters.place_embeds(ids, [(ids == VIDEO, video_embeds), (ids == AUDIO, audio_embeds)],
                                          hidden_size)
     return adapters.make_chunk(ids, seg.positions, _ROLE_SPANS[seg.roles], unit, answer_tokens=answer_tokens,
-                               embeds=embeds, embed_mask=mask)
+                               embeds=embeds, embed_mask=mask, advance=seg.advance)
 
 
 def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32) -> Chunk:
