@@ -15,11 +15,6 @@ from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
 from omnijax.units import SpanKind
 
-# Keyword inputs of the Hugging Face thinker that later versions accept (the encoders); refused here by name.
-_MULTIMODAL_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw",
-                      "pixel_values_videos", "video_grid_thw", "video_second_per_grid", "use_audio_in_video")
-
-
 def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
     """Positions of a (possibly left-padded) text batch: `cumsum(mask) - 1`, padding at 1 (as `get_rope_index`)."""
     pos = np.cumsum(attention_mask, axis=-1) - 1
@@ -28,7 +23,7 @@ def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
-def _forward(graphdef, params, token_ids, valid, positions, *, page_size):
+def _forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, *, page_size):
     from omnijax.stream import prefill  # local import: stream imports this module's siblings
 
     decoder = nnx.merge(graphdef, params)
@@ -41,6 +36,8 @@ def _forward(graphdef, params, token_ids, valid, positions, *, page_size):
     zeros = jnp.zeros((B, T), jnp.int32)
     meta = paged_lib.SlotMeta(pos=positions, unit=zeros, span=zeros + int(SpanKind.TEXT), offset=zeros)
     x = decoder.embed_tokens(token_ids)
+    if embeds is not None:
+        x = jnp.where(embed_mask[..., None], embeds.astype(x.dtype), x)
     _, hidden = prefill(decoder, kv, x, valid, positions, meta)
     return decoder.logits(hidden)
 
@@ -65,40 +62,62 @@ class Model:
     def config(self) -> DecoderConfig:
         return self.decoder.config
 
-    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, *, page_size: int = 64, **kwargs):
-        """One-shot forward over a batch of token ids.
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, *, page_size: int = 64,
+                 input_features=None, feature_attention_mask=None, pixel_values=None, image_grid_thw=None,
+                 pixel_values_videos=None, video_grid_thw=None, video_second_per_grid=None,
+                 use_audio_in_video: bool = False, **kwargs):
+        """One-shot forward with the Hugging Face thinker's keyword inputs.
 
         Args:
-            input_ids: `[B, T]` token ids (numpy or jax).
+            input_ids: `[B, T]` token ids (numpy or jax), multimodal placeholders expanded.
             attention_mask: optional `[B, T]` 1 for tokens, 0 for padding (left or right).
             position_ids: optional `[3, B, T]` (or `[B, T]`) positions; default as the Hugging Face thinker computes
-                for text.
+                them (`get_rope_index`: TMRoPE when image or video grids are given, else consecutive).
             page_size: page size of the temporary cache.
+            input_features, feature_attention_mask: `[num_audios, mel_bins, frames]` log-mel features and their
+                valid-frame mask.
+            pixel_values, image_grid_thw: image patch rows `[patches, 1176]` and grids `[num_images, 3]`.
+            pixel_values_videos, video_grid_thw, video_second_per_grid: the same for videos, with seconds per
+                temporal patch.
+            use_audio_in_video: the videos' audio is interleaved with their frames.
 
         Returns:
             `[B, T, V]` float32 logits (rows of padding tokens are not meaningful).
         """
-        given = sorted(k for k, v in kwargs.items() if v is not None)
-        if given:
-            multimodal = [k for k in given if k in _MULTIMODAL_INPUTS]
-            other = [k for k in given if k not in _MULTIMODAL_INPUTS]
-            if other:
-                raise TypeError(f"Model() got unexpected keyword arguments {other}")
-            raise UnsupportedInputError(f"multimodal inputs {multimodal} need the audio/vision encoders, "
-                                        "which this version does not include")
+        if kwargs:
+            raise TypeError(f"Model() got unexpected keyword arguments {sorted(kwargs)}")
         if input_ids is None:
             raise ValueError("input_ids is required")
         ids = np.asarray(input_ids)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got range "
-                             f"[{ids.min()}, {ids.max()}]")
         mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask).astype(np.int32)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        media = dict(input_features=input_features, feature_attention_mask=feature_attention_mask,
+                     pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                     pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+        embeds = embed_mask = None
+        audio_lengths: list[int] = []
+        if any(v is not None for v in media.values()):
+            if self.omni is None:
+                raise UnsupportedInputError(f"multimodal inputs need a Qwen2.5-Omni thinker checkpoint with "
+                                            f"encoders; this is a {self.model_type!r} model")
+            from omnijax.models.qwen2_5_omni import thinker
+            embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(self, ids, **media)
+        text = mask.astype(bool) if embed_mask is None else mask.astype(bool) & ~embed_mask
+        if text.any() and (ids[text].min() < 0 or ids[text].max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got range "
+                             f"[{ids[text].min()}, {ids[text].max()}]")
         axes = self.config.position_axes
-        if position_ids is None:
+        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
+            from omnijax.models.qwen2_5_omni import thinker
+            spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
+            positions = thinker.rope_index(
+                ids, mask, self.omni, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video,
+                spatial_merge_size=self.vision.config.spatial_merge_size)
+        elif position_ids is None:
             positions = text_positions(mask, axes)
         else:
             positions = np.asarray(position_ids).astype(np.int32)
@@ -108,8 +127,10 @@ class Model:
                 raise ValueError(f"position_ids must be [{axes}, B, T] = {(axes,) + ids.shape}, "
                                  f"got {positions.shape}")
         graphdef, params = nnx.split(self.decoder)
-        return _forward(graphdef, params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask.astype(bool)),
-                        jnp.asarray(positions), page_size=page_size)
+        return _forward(graphdef, params, jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32),
+                        jnp.asarray(mask.astype(bool)), jnp.asarray(positions),
+                        None if embeds is None else jnp.asarray(embeds), None if embed_mask is None else
+                        jnp.asarray(embed_mask), page_size=page_size)
 
 
 def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):
@@ -135,6 +156,7 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
     """
     from omnijax import checkpoint
     from omnijax.models.qwen2_5_omni import audio as audio_lib
+    from omnijax.models.qwen2_5_omni import vision as vision_lib
     from omnijax.models.qwen2_5_omni.config import OmniConfig
 
     directory = Path(directory)
@@ -147,6 +169,9 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
         if "audio" in manifest:
             encoders["audio"] = _restore(directory, "audio", audio_lib.AudioConfig.from_json(manifest["audio"]), dtype,
                                          lambda c: audio_lib.AudioEncoder(c, rngs=nnx.Rngs(0)))
+        if "vision" in manifest:
+            encoders["vision"] = _restore(directory, "vision", vision_lib.VisionConfig.from_json(manifest["vision"]),
+                                          dtype, lambda c: vision_lib.VisionEncoder(c, rngs=nnx.Rngs(0)))
         omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e

@@ -144,7 +144,7 @@ def test_model_rejects_bad_inputs(model, tokens):
         model(input_ids=tokens + 1000)
     with pytest.raises(ValueError, match="attention_mask shape"):
         model(input_ids=tokens, attention_mask=np.ones((2, 3)))
-    with pytest.raises(ValueError, match="pixel_values"):
+    with pytest.raises(ValueError, match="image_grid_thw"):
         model(input_ids=tokens, pixel_values=np.zeros((4, 1176)))
     with pytest.raises(TypeError, match="unexpected keyword"):
         model(input_ids=tokens, bogus=1)
