@@ -12,11 +12,38 @@ from typing import Any
 
 import jax.numpy as jnp
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class JsonConfig:
+    """What every frozen-dataclass config shares: `replace`, the jnp dtype, and a JSON round trip that refuses
+    unknown fields (tuples are stored as lists and read back as tuples)."""
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}; known fields are {sorted(names)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(JsonConfig):
     """Static hyperparameters of a Qwen2-family decoder.
 
     Attributes:
@@ -55,8 +82,8 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"DecoderConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"DecoderConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -70,36 +97,9 @@ class DecoderConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
-    def jnp_dtype(self):
-        return _DTYPES[self.dtype]
-
-    @property
     def position_axes(self) -> int:
         """Number of position components per token: 3 for mrope (t, h, w), 1 for plain RoPE."""
         return 1 if self.mrope_section is None else 3
-
-    def replace(self, **changes: Any) -> "DecoderConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["mrope_section"] = None if self.mrope_section is None else list(self.mrope_section)
-        out["eos_token_ids"] = list(self.eos_token_ids)
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "DecoderConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown DecoderConfig fields: {unknown}; known fields are {sorted(names)}")
-        data = dict(data)
-        if data.get("mrope_section") is not None:
-            data["mrope_section"] = tuple(data["mrope_section"])
-        return cls(**data)
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
 # Presets. Real sizes come from the published checkpoints; `tiny` variants are for tests and the demo.

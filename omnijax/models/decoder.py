@@ -30,21 +30,7 @@ from omnijax import attention as attention_lib
 from omnijax.config import DecoderConfig
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
-
-
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """RMSNorm with statistics in float32; the normalised value is cast to `x.dtype` before the weight multiply."""
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
-
-
-def _param(shape, dtype, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False, std: float = 0.02):
-    if ones:
-        return nnx.Param(jnp.ones(shape, dtype))
-    if zeros:
-        return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+from omnijax.models.common import new_param, rms_norm
 
 
 class DecoderLayers(nnx.Module):
@@ -54,22 +40,22 @@ class DecoderLayers(nnx.Module):
         c, dt = config, config.jnp_dtype
         L, D, I = c.num_layers, c.hidden_size, c.intermediate_size
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.input_norm = _param((L, D), dt, rngs, ones=True)
-        self.post_norm = _param((L, D), dt, rngs, ones=True)
-        self.q_proj = _param((L, D, qd), dt, rngs)
-        self.k_proj = _param((L, D, kvd), dt, rngs)
-        self.v_proj = _param((L, D, kvd), dt, rngs)
-        self.o_proj = _param((L, qd, D), dt, rngs)
+        self.input_norm = new_param((L, D), dt, rngs, ones=True)
+        self.post_norm = new_param((L, D), dt, rngs, ones=True)
+        self.q_proj = new_param((L, D, qd), dt, rngs)
+        self.k_proj = new_param((L, D, kvd), dt, rngs)
+        self.v_proj = new_param((L, D, kvd), dt, rngs)
+        self.o_proj = new_param((L, qd, D), dt, rngs)
         if c.qkv_bias:
-            self.q_bias = _param((L, qd), dt, rngs, zeros=True)
-            self.k_bias = _param((L, kvd), dt, rngs, zeros=True)
-            self.v_bias = _param((L, kvd), dt, rngs, zeros=True)
+            self.q_bias = new_param((L, qd), dt, rngs, zeros=True)
+            self.k_bias = new_param((L, kvd), dt, rngs, zeros=True)
+            self.v_bias = new_param((L, kvd), dt, rngs, zeros=True)
         if c.qk_norm:
-            self.q_norm = _param((L, c.head_dim), dt, rngs, ones=True)
-            self.k_norm = _param((L, c.head_dim), dt, rngs, ones=True)
-        self.gate_proj = _param((L, D, I), dt, rngs)
-        self.up_proj = _param((L, D, I), dt, rngs)
-        self.down_proj = _param((L, I, D), dt, rngs)
+            self.q_norm = new_param((L, c.head_dim), dt, rngs, ones=True)
+            self.k_norm = new_param((L, c.head_dim), dt, rngs, ones=True)
+        self.gate_proj = new_param((L, D, I), dt, rngs)
+        self.up_proj = new_param((L, D, I), dt, rngs)
+        self.down_proj = new_param((L, I, D), dt, rngs)
 
     def stacked(self) -> dict[str, jnp.ndarray]:
         """The stacked parameter arrays as a plain dict (scanned over in `Decoder.run_layers`)."""
@@ -83,11 +69,11 @@ class Decoder(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         c, dt = config, config.jnp_dtype
         self.config = config
-        self.embed = _param((c.vocab_size, c.hidden_size), dt, rngs)
+        self.embed = new_param((c.vocab_size, c.hidden_size), dt, rngs)
         self.layers = DecoderLayers(config, rngs=rngs)
-        self.final_norm = _param((c.hidden_size,), dt, rngs, ones=True)
+        self.final_norm = new_param((c.hidden_size,), dt, rngs, ones=True)
         if not c.tie_embeddings:
-            self.lm_head = _param((c.hidden_size, c.vocab_size), dt, rngs)
+            self.lm_head = new_param((c.hidden_size, c.vocab_size), dt, rngs)
 
     def embed_tokens(self, token_ids: jnp.ndarray) -> jnp.ndarray:
         """`[B, T]` ids -> `[B, T, D]` embeddings in the compute dtype."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +45,8 @@ import numpy as np
 from flax import nnx
 
 from convert.tables import Component, Rule
+from omnijax.config import DTYPES, JsonConfig
+from omnijax.models.common import new_param
 from omnijax.models.qwen2_5_omni.audio_features import (
     AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, log_mel)
 
@@ -53,7 +54,6 @@ __all__ = ["AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError", "Fea
            "UnsupportedAudioConfigError", "UnsupportedSampleRateError", "audio_component", "audio_token_count",
            "encode_audio", "encoder_from_params", "log_mel"]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _LN_EPS = 1e-5  # torch.nn.LayerNorm default, used by every norm of the tower
 _MASK = -1e30  # finite, so fully padded chunks give a uniform (not NaN) softmax
 
@@ -78,7 +78,7 @@ class UnsupportedAudioConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class AudioConfig:
+class AudioConfig(JsonConfig):
     """Static hyperparameters of the Qwen2.5-Omni audio encoder.
 
     Attributes:
@@ -105,8 +105,8 @@ class AudioConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"AudioConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"AudioConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "dtype" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -120,10 +120,6 @@ class AudioConfig:
             raise ValueError(f"n_window={self.n_window} exceeds max_source_positions={self.max_source_positions}")
 
     @property
-    def jnp_dtype(self):
-        return _DTYPES[self.dtype]
-
-    @property
     def head_dim(self) -> int:
         return self.d_model // self.encoder_attention_heads
 
@@ -131,23 +127,6 @@ class AudioConfig:
     def chunk_frames(self) -> int:
         """Mel frames per chunk (`2 * n_window`)."""
         return 2 * self.n_window
-
-    def replace(self, **changes: Any) -> "AudioConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "AudioConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown AudioConfig fields: {unknown}; known fields are {sorted(names)}")
-        return cls(**data)
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
     @classmethod
     def from_hf(cls, audio_config: Mapping[str, Any], dtype: str = "float32") -> "AudioConfig":
@@ -218,14 +197,6 @@ def layer_norm(x: jnp.ndarray, scale: jnp.ndarray, bias: jnp.ndarray) -> jnp.nda
     return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _param(shape, dtype, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False, std: float = 0.02):
-    if ones:
-        return nnx.Param(jnp.ones(shape, dtype))
-    if zeros:
-        return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
 def _dense(x, w, b, dt):
     """`x @ w + b` accumulated in float32, cast to the compute dtype."""
     out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
@@ -253,21 +224,21 @@ class AudioLayers(nnx.Module):
     def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         L, D, F = c.encoder_layers, c.d_model, c.encoder_ffn_dim
-        self.attn_norm_scale = _param((L, D), dt, rngs, ones=True)
-        self.attn_norm_bias = _param((L, D), dt, rngs, zeros=True)
-        self.q_proj = _param((L, D, D), dt, rngs)
-        self.q_bias = _param((L, D), dt, rngs, zeros=True)
-        self.k_proj = _param((L, D, D), dt, rngs)
-        self.v_proj = _param((L, D, D), dt, rngs)
-        self.v_bias = _param((L, D), dt, rngs, zeros=True)
-        self.o_proj = _param((L, D, D), dt, rngs)
-        self.o_bias = _param((L, D), dt, rngs, zeros=True)
-        self.mlp_norm_scale = _param((L, D), dt, rngs, ones=True)
-        self.mlp_norm_bias = _param((L, D), dt, rngs, zeros=True)
-        self.fc1 = _param((L, D, F), dt, rngs)
-        self.fc1_bias = _param((L, F), dt, rngs, zeros=True)
-        self.fc2 = _param((L, F, D), dt, rngs)
-        self.fc2_bias = _param((L, D), dt, rngs, zeros=True)
+        self.attn_norm_scale = new_param((L, D), dt, rngs, ones=True)
+        self.attn_norm_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.q_proj = new_param((L, D, D), dt, rngs)
+        self.q_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.k_proj = new_param((L, D, D), dt, rngs)
+        self.v_proj = new_param((L, D, D), dt, rngs)
+        self.v_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.o_proj = new_param((L, D, D), dt, rngs)
+        self.o_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.mlp_norm_scale = new_param((L, D), dt, rngs, ones=True)
+        self.mlp_norm_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.fc1 = new_param((L, D, F), dt, rngs)
+        self.fc1_bias = new_param((L, F), dt, rngs, zeros=True)
+        self.fc2 = new_param((L, F, D), dt, rngs)
+        self.fc2_bias = new_param((L, D), dt, rngs, zeros=True)
 
     def stacked(self) -> dict[str, jnp.ndarray]:
         """The stacked parameter arrays as a plain dict (scanned over in `AudioEncoder.encode_chunks`)."""
@@ -282,15 +253,15 @@ class AudioEncoder(nnx.Module):
         c, dt = config, config.jnp_dtype
         M, D, O = c.num_mel_bins, c.d_model, c.output_dim
         self.config = config
-        self.conv1_kernel = _param((3, M, D), dt, rngs)
-        self.conv1_bias = _param((D,), dt, rngs, zeros=True)
-        self.conv2_kernel = _param((3, D, D), dt, rngs)
-        self.conv2_bias = _param((D,), dt, rngs, zeros=True)
+        self.conv1_kernel = new_param((3, M, D), dt, rngs)
+        self.conv1_bias = new_param((D,), dt, rngs, zeros=True)
+        self.conv2_kernel = new_param((3, D, D), dt, rngs)
+        self.conv2_bias = new_param((D,), dt, rngs, zeros=True)
         self.layers = AudioLayers(config, rngs=rngs)
-        self.post_norm_scale = _param((D,), dt, rngs, ones=True)
-        self.post_norm_bias = _param((D,), dt, rngs, zeros=True)
-        self.proj = _param((D, O), dt, rngs)
-        self.proj_bias = _param((O,), dt, rngs, zeros=True)
+        self.post_norm_scale = new_param((D,), dt, rngs, ones=True)
+        self.post_norm_bias = new_param((D,), dt, rngs, zeros=True)
+        self.proj = new_param((D, O), dt, rngs)
+        self.proj_bias = new_param((O,), dt, rngs, zeros=True)
 
     def encode_chunks(self, chunks: jnp.ndarray, num_frames: jnp.ndarray) -> jnp.ndarray:
         """Runs the tower on zero-padded chunks.

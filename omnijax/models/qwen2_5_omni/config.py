@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from omnijax.config import JsonConfig
+
 
 @dataclasses.dataclass(frozen=True)
-class OmniConfig:
+class OmniConfig(JsonConfig):
     """Token ids of the multimodal placeholders and markers, and the TMRoPE time scale.
 
     Attributes:
@@ -40,14 +42,3 @@ class OmniConfig:
                     values[field.name] = int(thinker_config[key])
                     break
         return cls(**values)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "OmniConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown OmniConfig fields: {unknown}; known fields are {sorted(names)}")
-        return cls(**data)

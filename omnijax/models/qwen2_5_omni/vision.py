@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -43,10 +42,10 @@ from flax import nnx
 
 from convert.errors import ConfigError, UnsupportedConfigError
 from convert.tables import Component, Rule
+from omnijax.config import DTYPES, JsonConfig
 from omnijax.kv import rope as rope_lib
-from omnijax.models.decoder import rms_norm
+from omnijax.models.common import new_param, rms_norm
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NORM_EPS = 1e-6  # fixed in the reference implementation
 ROPE_THETA = 10000.0
 
@@ -64,7 +63,7 @@ class UnsupportedVisionConfigError(UnsupportedConfigError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(JsonConfig):
     """Static hyperparameters of the Qwen2.5-VL vision encoder.
 
     Attributes:
@@ -97,8 +96,8 @@ class VisionConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
-        if self.dtype not in _DTYPES:
-            raise VisionConfigError("dtype", self.dtype, f"must be one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise VisionConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
         for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
                      "spatial_merge_size", "temporal_patch_size", "window_size", "in_channels"):
             if int(getattr(self, name)) < 1:
@@ -113,10 +112,6 @@ class VisionConfig:
         if bad:
             raise VisionConfigError("fullatt_block_indexes", list(self.fullatt_block_indexes),
                                     f"{bad} outside the {self.depth} blocks")
-
-    @property
-    def jnp_dtype(self):
-        return _DTYPES[self.dtype]
 
     @property
     def head_dim(self) -> int:
@@ -136,9 +131,6 @@ class VisionConfig:
     def full_attention(self) -> tuple[bool, ...]:
         """Per block: attends over whole frames (True) or windows (False)."""
         return tuple(i in self.fullatt_block_indexes for i in range(self.depth))
-
-    def replace(self, **changes: Any) -> "VisionConfig":
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, vision_config: Mapping[str, Any], dtype: str = "float32") -> "VisionConfig":
@@ -164,22 +156,6 @@ class VisionConfig:
         del v["hidden_act"]
         v["fullatt_block_indexes"] = tuple(v["fullatt_block_indexes"] or ())
         return cls(**v, dtype=dtype)
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["fullatt_block_indexes"] = list(self.fullatt_block_indexes)
-        return out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "VisionConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown VisionConfig fields: {unknown}; known fields are {sorted(names)}")
-        return cls(**data)
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
 # Math-bearing attributes and the Hugging Face class defaults.
@@ -289,12 +265,6 @@ def vision_plan(grid_thw, config: VisionConfig) -> VisionPlan:
 # --------------------------------------------------------------------------------------------------------- module
 
 
-def _param(shape, dtype, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False, std: float = 0.02):
-    if ones or zeros:
-        return nnx.Param((jnp.ones if ones else jnp.zeros)(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
 def _linear(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray, dtype) -> jnp.ndarray:
     """`x @ w + b` accumulated in float32, returned in `dtype`."""
     out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
@@ -318,12 +288,12 @@ class VisionLayers(nnx.Module):
 
     def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs):
         L, D, I, dt = config.depth, config.hidden_size, config.intermediate_size, config.jnp_dtype
-        self.norm1 = _param((L, D), dt, rngs, ones=True)
-        self.norm2 = _param((L, D), dt, rngs, ones=True)
+        self.norm1 = new_param((L, D), dt, rngs, ones=True)
+        self.norm2 = new_param((L, D), dt, rngs, ones=True)
         for name, (fan_in, fan_out) in (("q", (D, D)), ("k", (D, D)), ("v", (D, D)), ("o", (D, D)),
                                         ("gate", (D, I)), ("up", (D, I)), ("down", (I, D))):
-            setattr(self, f"{name}_proj", _param((L, fan_in, fan_out), dt, rngs))
-            setattr(self, f"{name}_bias", _param((L, fan_out), dt, rngs, zeros=True))
+            setattr(self, f"{name}_proj", new_param((L, fan_in, fan_out), dt, rngs))
+            setattr(self, f"{name}_bias", new_param((L, fan_out), dt, rngs, zeros=True))
 
     def stacked(self) -> dict[str, jnp.ndarray]:
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
@@ -335,11 +305,11 @@ class VisionMerger(nnx.Module):
     def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs):
         D, O, dt = config.hidden_size, config.out_hidden_size, config.jnp_dtype
         E = config.merge_unit * D
-        self.norm = _param((D,), dt, rngs, ones=True)
-        self.fc1 = _param((E, E), dt, rngs)
-        self.fc1_bias = _param((E,), dt, rngs, zeros=True)
-        self.fc2 = _param((E, O), dt, rngs)
-        self.fc2_bias = _param((O,), dt, rngs, zeros=True)
+        self.norm = new_param((D,), dt, rngs, ones=True)
+        self.fc1 = new_param((E, E), dt, rngs)
+        self.fc1_bias = new_param((E,), dt, rngs, zeros=True)
+        self.fc2 = new_param((E, O), dt, rngs)
+        self.fc2_bias = new_param((O,), dt, rngs, zeros=True)
 
     def __call__(self, h: jnp.ndarray, merge_unit: int) -> jnp.ndarray:
         dt = h.dtype
@@ -354,7 +324,7 @@ class VisionEncoder(nnx.Module):
     def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
-        self.patch_embed = _param((config.patch_dim, config.hidden_size), config.jnp_dtype, rngs)
+        self.patch_embed = new_param((config.patch_dim, config.hidden_size), config.jnp_dtype, rngs)
         self.layers = VisionLayers(config, rngs=rngs)
         self.merger = VisionMerger(config, rngs=rngs)
 
