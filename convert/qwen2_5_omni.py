@@ -27,7 +27,7 @@ import numpy as np
 import tqdm
 
 from convert import tables
-from convert.errors import ConfigError, MissingTensorError, TensorError, UnsupportedConfigError
+from convert.errors import ConfigError, ConvertError, MissingTensorError, TensorError, UnsupportedConfigError
 from convert.safetensors_io import SafetensorsCheckpoint
 from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
@@ -235,16 +235,18 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
         return {}
     thinker = _thinker_config(hf_config)
     out = {}
-    if thinker.get("audio_config") is not None:
+    for name, key, config_cls, component in (
+            ("audio", "audio_config", audio_lib.AudioConfig, audio_lib.audio_component),
+            ("vision", "vision_config", vision_lib.VisionConfig, vision_lib.vision_component)):
+        if thinker.get(key) is None:
+            continue
         try:
-            audio = audio_lib.AudioConfig.from_hf(thinker["audio_config"], dtype=dtype)
-        except ValueError as e:
-            raise UnsupportedConfigError(getattr(e, "attribute", "audio_config"), getattr(e, "value", None),
-                                         str(e)) from e
-        out["audio"] = (audio_lib.audio_component(audio), audio.to_json())
-    if thinker.get("vision_config") is not None:
-        vision = vision_lib.VisionConfig.from_hf(thinker["vision_config"], dtype=dtype)
-        out["vision"] = (vision_lib.vision_component(vision), vision.to_json())
+            config = config_cls.from_hf(thinker[key], dtype=dtype)
+        except ConvertError:
+            raise
+        except ValueError as e:  # inconsistent values
+            raise ConfigError(f"{key}: {e}") from e
+        out[name] = (component(config), config.to_json())
     return out
 
 

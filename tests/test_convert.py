@@ -443,3 +443,19 @@ def test_generation_config_sets_answer_end_tokens(tmp_path):
     with pytest.raises(ConfigError, match="eos_token_id"):
         convert_checkpoint(src, tmp_path / "bad", progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("key, attribute, value, error", [
+    ("audio_config", "activation_function", "relu", UnsupportedConfigError),
+    ("audio_config", "encoder_attention_heads", 5, ConfigError),  # d_model 32 does not split into 5 heads
+    ("vision_config", "hidden_act", "gelu", UnsupportedConfigError),
+    ("vision_config", "window_size", 100, ConfigError),  # not a multiple of 28
+])
+def test_encoder_config_errors_name_the_attribute(hf, tmp_path, key, attribute, value, error):
+    src = copy_src(hf, "full", tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["thinker_config"][key][attribute] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(error, match=attribute if error is UnsupportedConfigError or key == "vision_config" else key):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

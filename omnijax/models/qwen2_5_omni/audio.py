@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from convert.errors import UnsupportedConfigError
 from convert.tables import Component, Rule
 from omnijax.config import DTYPES, JsonConfig
 from omnijax.models.common import new_param
@@ -63,18 +64,8 @@ _MODEL_TYPE = "qwen2_5_omni_audio_encoder"
 UNUSED_HF_TENSORS = ("audio_bos_eos_token.weight",)  # below the `audio_tower.` prefix; converters skip these
 
 
-class UnsupportedAudioConfigError(ValueError):
-    """The audio config sets an attribute that changes the encoder's math in a way omnijax does not implement.
-
-    Attributes:
-        attribute: dotted name of the attribute (e.g. `audio_config.activation_function`).
-        value: its value in the config.
-    """
-
-    def __init__(self, attribute: str, value, reason: str):
-        self.attribute = attribute
-        self.value = value
-        super().__init__(f"unsupported config attribute {attribute}={value!r}: {reason}")
+class UnsupportedAudioConfigError(UnsupportedConfigError, ValueError):
+    """An audio config attribute changes the encoder's math in a way omnijax does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)
