@@ -221,8 +221,12 @@ NAME_TABLE: tuple[Rule, ...] = (
 THINKER_PREFIX = "thinker."
 # Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
 SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
-# Tensors present in releases that the model never reads.
-UNUSED = tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
+
+
+def _unused_tensors() -> tuple[str, ...]:
+    """Tensors present in releases that the model never reads (read at call time: the encoder modules import
+    `convert.tables`, so this module must not touch them while it is being imported)."""
+    return tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
 
 
 def _thinker_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -298,7 +302,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     components = [decoder_component(config)] + [component for component, _ in encoders.values()]
     plan = tables.plan_conversion(names, {n: ckpt.info(n).shape for n in names}, components,
                                   strip_prefix=THINKER_PREFIX,
-                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + UNUSED)
+                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + _unused_tensors())
     for name in plan.assign:
         if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
             raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "

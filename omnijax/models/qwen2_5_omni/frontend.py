@@ -1,0 +1,318 @@
+"""Raw media -> ready Qwen2.5-Omni chunks: preprocessing, the encoders, and the unit adapters in one call.
+
+Every builder returns a batch-1, unpadded `Chunk` that carries embeddings (`[1, T, hidden]` float32 with the
+placeholder mask), so the chunks of a whole session can be stacked (`omnijax.chunks.stack_chunks`) and streamed:
+
+    model = omnijax.load(path)
+    chunks = [frontend.system(model, system_ids, unit=0)]
+    for k in range(n):
+        chunks.append(frontend.audiovisual_chunk(model, frames[k], pcm[k], unit=1 + k))
+    chunks.append(frontend.text(model, question_ids, unit=n + 1, answer_tokens=8))
+    result = omnijax.stream(model, stack_chunks(chunks), max_answer_tokens=8)
+
+- `audiovisual_chunk`: one streaming unit (typically 2 s) of video frames and the 16 kHz audio recorded with them:
+  `preprocess_video` -> `encode_vision` gives the video features, `log_mel` -> `encode_audio` the audio features,
+  and `adapters.qwen2_5_omni.audiovisual_unit` lays them out as transformers does for a clip with
+  `use_audio_in_video=True` (`second_per_grid = temporal_patch_size / fps`, the processor's value).
+- `image_chunk`, `audio_chunk`: one image, one audio clip.
+- `system`, `text`, `response`: text units with zero embeddings (no placeholders).
+
+Frame count rule (`expected_frames`). The frames must be the ones transformers' video processor would sample from
+the clip at `fps`: its `sample_frames` takes `duration * fps` frames and floors the count to a multiple of
+`temporal_patch_size`. The duration is that of the audio's valid feature frames, `ceil(samples / 160) / 100` s, so a
+clip a few samples short of or beyond a whole number of frames is not pushed across a boundary. A unit's frames are
+accepted when they fill the same number of temporal patches as that count, i.e. when padding them to a multiple of
+`temporal_patch_size` by repeating the last frame (which `preprocess_video`, like the processor, does) gives it:
+2 s at fps 2 expects 4 frames and accepts 3 or 4; 2.4 s at fps 2 also expects 4. Unlike the processor, no minimum
+of 4 frames is imposed: stretching a short clip to 4 frames would break the audio-video alignment of TMRoPE
+(positions assume `temporal_patch_size / fps` seconds per temporal patch), so a clip shorter than one temporal patch
+(under 1 s at fps 2) is refused.
+
+Errors: a bad input raises a `ValueError` subclass whose message starts with the unit id (`unit 3 (audio): ...`);
+the classes of the underlying validators (`audio_features.AudioInputError`, `vision_preprocess.VisionInputError`
+and their subclasses) are kept. A missing encoder raises `MissingEncoderError`, a frame/audio mismatch
+`FrameCountError` naming both counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from omnijax.adapters import qwen2_5_omni as adapter
+from omnijax.chunks import Chunk
+from omnijax.models.qwen2_5_omni import vision_preprocess
+# vision before audio: importing `audio` first runs into the `convert` package importing `audio` back.
+from omnijax.models.qwen2_5_omni.vision import encode_vision  # isort: skip
+from omnijax.models.qwen2_5_omni.audio import AudioInputError, audio_token_count, encode_audio  # isort: skip
+from omnijax.models.qwen2_5_omni.audio_features import HOP_LENGTH, SAMPLE_RATE, log_mel
+from omnijax.models.qwen2_5_omni.vision_preprocess import VisionInputError
+
+__all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
+           "expected_frames", "image_chunk", "num_audio_tokens", "response", "synthetic_frames", "system", "text",
+           "tone"]
+
+FEATURE_FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 log-mel frames per second
+_EPS = 1e-6  # tolerance of the frame-count floor against float rounding of duration * fps
+
+
+class FrontendError(ValueError):
+    """Base class of the errors raised here (beside the validators' own classes, which are kept)."""
+
+
+class MissingEncoderError(FrontendError):
+    """The loaded checkpoint has no encoder for the given modality."""
+
+
+class FrameCountError(FrontendError):
+    """The number of video frames does not match the duration of the unit's audio.
+
+    Attributes:
+        frames: frames given.
+        expected: frames the audio's duration implies at the unit's fps.
+    """
+
+    def __init__(self, message: str, frames: int, expected: int):
+        self.frames, self.expected = frames, expected
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+
+
+def _unit(unit) -> int:
+    if isinstance(unit, bool) or not isinstance(unit, (int, np.integer)) or unit < 0:
+        raise FrontendError(f"unit must be a non-negative integer, got {unit!r}")
+    return int(unit)
+
+
+def _encoder(model, kind: str):
+    encoder = getattr(model, kind, None)
+    if encoder is None:
+        source = getattr(model, "source", None)
+        where = f" ({source})" if source else ""
+        tensors = "thinker.audio_tower.*" if kind == "audio" else "thinker.visual.*"
+        raise MissingEncoderError(f"this checkpoint has no {kind} encoder{where}; {kind} chunks need a checkpoint "
+                                  f"converted with a {kind}_config and its {tensors} tensors")
+    out = encoder.config.output_dim if kind == "audio" else encoder.config.out_hidden_size
+    if out != model.config.hidden_size:
+        raise FrontendError(f"the {kind} encoder outputs width {out} but the decoder's hidden size is "
+                            f"{model.config.hidden_size}")
+    return encoder
+
+
+def _relabel(error: ValueError, unit: int, what: str) -> ValueError:
+    """The same error class with the unit id (and the kind of input) in front of the message."""
+    message = f"unit {unit} ({what}): {error}"
+    try:
+        relabelled = type(error)(message)
+    except TypeError:  # a class with a richer constructor
+        relabelled = FrontendError(message)
+    return relabelled
+
+
+def _log_mel(encoder, pcm, sample_rate: int, unit: int) -> np.ndarray:
+    """`[mel, frames]` features of one clip; PCM errors carry the unit id."""
+    try:
+        return log_mel(pcm, sample_rate, num_mel_bins=encoder.config.num_mel_bins)
+    except AudioInputError as e:
+        raise _relabel(e, unit, "audio") from e
+
+
+def _encode_audio(encoder, features: np.ndarray, unit: int) -> np.ndarray:
+    """`[n_audio, hidden]` float32 audio features (too-short clips raise with the unit id)."""
+    try:
+        return np.asarray(encode_audio(encoder, features), np.float32)
+    except AudioInputError as e:
+        raise _relabel(e, unit, "audio") from e
+
+
+def _preprocess_kwargs(config) -> dict:
+    return dict(patch_size=config.patch_size, merge_size=config.spatial_merge_size,
+                temporal_patch_size=config.temporal_patch_size)
+
+
+def _vision_features(encoder, pixel_values, grid, unit: int, what: str) -> np.ndarray:
+    try:
+        return np.asarray(encode_vision(encoder, pixel_values, grid), np.float32)
+    except ValueError as e:
+        raise _relabel(e, unit, what) from e
+
+
+def expected_frames(num_samples: int, fps: float, *, sample_rate: int = SAMPLE_RATE,
+                    temporal_patch_size: int = vision_preprocess.TEMPORAL_PATCH_SIZE) -> int:
+    """Frames transformers' video processor samples at `fps` from a clip with `num_samples` audio samples.
+
+    `floor(duration * fps)` rounded down to a multiple of `temporal_patch_size`, where the duration is that of the
+    audio's log-mel frames (`ceil(num_samples / 160) / 100` s at 16 kHz). May be 0 for a clip shorter than one
+    temporal patch. See the module docstring for the accepted frame counts.
+    """
+    if not fps > 0:
+        raise FrontendError(f"fps must be positive, got {fps!r}")
+    hop = sample_rate // FEATURE_FRAMES_PER_SECOND
+    mel_frames = -(-int(num_samples) // hop)
+    nominal = mel_frames * float(fps) / FEATURE_FRAMES_PER_SECOND
+    return int(math.floor(nominal / temporal_patch_size + _EPS)) * temporal_patch_size
+
+
+# ------------------------------------------------------------------------------------------------------- builders
+
+
+def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample_rate: int = SAMPLE_RATE,
+                      answer_tokens: int = 0, **video_kwargs) -> Chunk:
+    """One audiovisual streaming unit (typically 2 s): `<|vision_bos|><|audio_bos|> V A <|audio_eos|><|vision_eos|>`.
+
+    Args:
+        model: an `omnijax.Model` with audio and vision encoders.
+        frames: `[T, H, W, 3]` video frames sampled at `fps` (uint8, or floating point in [0, 1]).
+        pcm: `[samples]` float mono audio of the same stretch of time.
+        unit: unit id.
+        fps: frame rate the frames were sampled at; sets `second_per_grid = temporal_patch_size / fps`.
+        sample_rate: must be 16000.
+        answer_tokens: greedy tokens to generate after the unit.
+        **video_kwargs: passed to `vision_preprocess.preprocess_video` (`min_pixels`, `max_pixels`, `resize_impl`,
+            `mean`, `std`); the patch sizes come from the vision encoder's config.
+
+    Returns:
+        A batch-1 `Chunk` with 3 position axes and embeddings (video features, then audio features, placed on their
+        placeholders in token order).
+
+    Raises:
+        MissingEncoderError: the model lacks the audio or the vision encoder.
+        FrameCountError: the frame count does not match the audio's duration (see `expected_frames`).
+        AudioInputError, VisionInputError (subclasses): bad PCM or pixels, with the unit id in the message.
+    """
+    unit = _unit(unit)
+    vision = _encoder(model, "vision")
+    audio = _encoder(model, "audio")
+    mel = _log_mel(audio, pcm, sample_rate, unit)  # validates the PCM
+    frames = frames if isinstance(frames, np.ndarray) else np.asarray(frames)
+    if frames.ndim != 4:
+        raise _relabel(vision_preprocess.ChannelError(
+            f"video must be a [T, H, W, 3] array of frames, got shape {frames.shape}"), unit, "video")
+    tp = vision.config.temporal_patch_size
+    num_frames = int(frames.shape[0])
+    samples = int(np.shape(pcm)[0])
+    expected = expected_frames(samples, fps, sample_rate=sample_rate, temporal_patch_size=tp)
+    seconds = samples / sample_rate
+    if expected == 0:
+        raise FrameCountError(
+            f"unit {unit} (audiovisual): {seconds:.3f} s of audio is shorter than one temporal patch "
+            f"({tp} frames at fps {fps:g}, {tp / fps:g} s); a unit needs at least {tp / fps:g} s", num_frames, expected)
+    if -(-num_frames // tp) * tp != expected:
+        raise FrameCountError(
+            f"unit {unit} (audiovisual): got {num_frames} video frame(s), but {seconds:.3f} s of audio at fps "
+            f"{fps:g} implies {expected} frames (accepted: {expected - tp + 1} to {expected}, a short tail is padded "
+            "by repeating the last frame); a video needs the frames its audio implies", num_frames, expected)
+    try:
+        pixel_values, grid = vision_preprocess.preprocess_video(frames, **video_kwargs,
+                                                                **_preprocess_kwargs(vision.config))
+    except VisionInputError as e:
+        raise _relabel(e, unit, "video") from e
+    video_features = _vision_features(vision, pixel_values, grid, unit, "video")
+    audio_features = _encode_audio(audio, mel, unit)
+    return adapter.audiovisual_unit(
+        tuple(int(g) for g in grid[0]), audio_features.shape[0], tp / float(fps), unit, video_features,
+        audio_features, answer_tokens=answer_tokens, spatial_merge_size=vision.config.spatial_merge_size)
+
+
+def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwargs) -> Chunk:
+    """`<|vision_bos|> <|IMAGE|>×n <|vision_eos|>` for one `[H, W, 3]` image, with its features.
+
+    `image_kwargs` go to `vision_preprocess.preprocess_images` (`min_pixels`, `max_pixels`, `resize_impl`, ...).
+    """
+    unit = _unit(unit)
+    vision = _encoder(model, "vision")
+    if isinstance(image, (list, tuple)) or np.ndim(image) != 3:
+        raise _relabel(vision_preprocess.ChannelError(
+            f"image_chunk takes one [H, W, 3] image, got shape {np.shape(image)}"), unit, "image")
+    try:
+        pixel_values, grid = vision_preprocess.preprocess_images(image, **image_kwargs,
+                                                                 **_preprocess_kwargs(vision.config))
+    except VisionInputError as e:
+        raise _relabel(e, unit, "image") from e
+    features = _vision_features(vision, pixel_values, grid, unit, "image")
+    return adapter.image_unit(tuple(int(g) for g in grid[0]), unit, features, answer_tokens=answer_tokens,
+                              spatial_merge_size=vision.config.spatial_merge_size)
+
+
+def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
+    """`<|audio_bos|> <|AUDIO|>×n <|audio_eos|>` for one mono 16 kHz clip (25 tokens per second)."""
+    unit = _unit(unit)
+    encoder = _encoder(model, "audio")
+    features = _encode_audio(encoder, _log_mel(encoder, pcm, sample_rate, unit), unit)
+    return adapter.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens)
+
+
+def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
+    """The system prompt (every token SYSTEM), with zero embeddings."""
+    return adapter.system_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size)
+
+
+def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
+         answer_unit: int | None = None) -> Chunk:
+    """User text (chat markers BOUNDARY), with zero embeddings; `answer_tokens` greedy tokens follow."""
+    return adapter.text_unit(token_ids, _unit(unit), answer_tokens, answer_unit=answer_unit,
+                             hidden_size=model.config.hidden_size)
+
+
+def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
+    """A model response fed back as input, with zero embeddings."""
+    return adapter.response_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size)
+
+
+def num_audio_tokens(num_samples: int) -> int:
+    """Audio tokens of a 16 kHz clip of `num_samples` samples (25 per second)."""
+    return audio_token_count(-(-int(num_samples) // HOP_LENGTH))
+
+
+# ------------------------------------------------------------------------------------------------- synthetic media
+
+
+def synthetic_frames(seconds: float, fps: float = 2.0, height: int = 56, width: int = 84, seed: int = 0, *,
+                     start: float = 0.0) -> np.ndarray:
+    """`[round(seconds * fps), height, width, 3]` uint8 frames of coloured shapes moving over a gradient.
+
+    Frame k shows time `start + k / fps`, so consecutive units continue the same motion when `start` advances by
+    their duration. Deterministic for a seed.
+    """
+    count = int(round(seconds * fps))
+    if count < 1 or height < 1 or width < 1:
+        raise ValueError(f"synthetic_frames needs at least one frame of at least 1x1 px, got {count} frames of "
+                         f"{height}x{width}")
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    background = np.stack([x / max(width - 1, 1), y / max(height - 1, 1), np.full_like(x, 0.3)], -1) * 80.0
+    shapes = 3
+    colours = rng.integers(80, 256, (shapes, 3)).astype(np.float32)
+    origin = rng.uniform(0.0, 1.0, (shapes, 2)) * (height, width)
+    velocity = rng.uniform(-0.4, 0.4, (shapes, 2)) * (height, width)  # px per second
+    radius = rng.uniform(0.12, 0.25, shapes) * min(height, width)
+    frames = np.empty((count, height, width, 3), np.uint8)
+    for k in range(count):
+        t = start + k / fps
+        frame = background.copy()
+        centre = np.mod(origin + velocity * t, (height, width))
+        for s in range(shapes):
+            dy, dx = np.abs(y - centre[s, 0]), np.abs(x - centre[s, 1])
+            inside = (dy * dy + dx * dx <= radius[s] ** 2) if s % 2 == 0 else (np.maximum(dy, dx) <= radius[s])
+            frame[inside] = colours[s]
+        frames[k] = np.clip(frame, 0, 255).astype(np.uint8)
+    return frames
+
+
+def tone(seconds: float, frequency: float = 440.0, sample_rate: int = SAMPLE_RATE, seed: int = 0, *,
+         start: float = 0.0, amplitude: float = 0.5, noise: float = 0.01) -> np.ndarray:
+    """`[round(seconds * sample_rate)]` float32 samples: a sine at `frequency` Hz plus a little Gaussian noise.
+
+    Sample i is at time `start + i / sample_rate`, so consecutive clips continue the same wave.
+    """
+    count = int(round(seconds * sample_rate))
+    if count < 1:
+        raise ValueError(f"tone needs at least one sample, got {seconds} s at {sample_rate} Hz")
+    t = start + np.arange(count, dtype=np.float64) / sample_rate
+    wave = amplitude * np.sin(2.0 * np.pi * frequency * t)
+    wave += noise * np.random.default_rng(seed).standard_normal(count)
+    return wave.astype(np.float32)
