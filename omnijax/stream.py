@@ -21,6 +21,7 @@ from omnijax.chunks import Chunk
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
+from omnijax.retention import base as retention_lib
 from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.units import SpanKind
 
@@ -121,7 +122,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
     next_pos = next_pos + chunk.advance
-    kv, next_pos, evicted = policy.trim(kv, next_pos)
+    kv, next_pos, evicted = retention_lib.trim(
+        policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
     if max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
         kv, next_pos, tokens = jax.lax.cond(

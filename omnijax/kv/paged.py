@@ -13,6 +13,7 @@ Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes,
     unit        [N, P] int32      unit id of the token
     span        [N, P] int8       span kind (`omnijax.units.SpanKind`)
     offset      [N, P] int32      offset of the token within its span
+    score       [N, P] float32    accumulated attention mass the slot received (H2O; zero unless tracked)
     page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
     page_class  [N] int8          `PageClass` of each page
     seq_slots   [B] int32         slots used in page-table space (next write goes to slot index `seq_slots`)
@@ -50,6 +51,7 @@ class PagedKV:
     unit: jax.Array
     span: jax.Array
     offset: jax.Array
+    score: jax.Array
     page_table: jax.Array
     page_class: jax.Array
     seq_slots: jax.Array
@@ -117,6 +119,7 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
         unit=jnp.full(shape, -1, jnp.int32),
         span=jnp.zeros(shape, jnp.int8),
         offset=jnp.zeros(shape, jnp.int32),
+        score=jnp.zeros(shape, jnp.float32),
         page_table=jnp.full((batch, max_pages), -1, jnp.int32),
         page_class=jnp.full((num_pages,), PageClass.FREE, jnp.int8),
         seq_slots=jnp.zeros((batch,), jnp.int32),
@@ -196,6 +199,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
         unit=put(kv.unit, meta.unit),
         span=put(kv.span, meta.span),
         offset=put(kv.offset, meta.offset),
+        score=put(kv.score, jnp.zeros((B, T), jnp.float32)),
         page_table=page_table,
         page_class=page_class,
         seq_slots=kv.seq_slots + written,

@@ -1,5 +1,8 @@
-"""Logical retention policies: frozen dataclasses of static hyperparameters with pure, jittable trimming."""
+"""Logical retention policies: frozen dataclasses of static hyperparameters with pure, vectorised plans that run
+inside the streaming scan (see `omnijax.retention.base`)."""
 
-from omnijax.retention.base import REGISTRY, NoSlide, RetentionPolicy, get_policy, register
+from omnijax.retention.base import (REGISTRY, NoSlide, RetentionPolicy, SequenceView, apply, get_policy, register,
+                                    sequence_view, trim)
 
-__all__ = ["REGISTRY", "NoSlide", "RetentionPolicy", "get_policy", "register"]
+__all__ = ["REGISTRY", "NoSlide", "RetentionPolicy", "SequenceView", "apply", "get_policy", "register",
+           "sequence_view", "trim"]

@@ -1,26 +1,70 @@
-"""Retention policy contract and registry.
+"""Retention policy contract, registry, and the shared machinery that applies a plan to the cache.
 
-A policy is a frozen dataclass of static hyperparameters. `trim(kv, next_pos)` is pure and jittable: it returns the
-new cache, the new next-position cursor and the number of evicted tokens per sequence. The streaming scan calls it
-after every chunk; a policy decides with `lax.cond` (never Python branching on traced values) whether to act.
+A policy is a frozen dataclass of static hyperparameters (hashable, so it is part of the compiled program) with two
+pure, vectorised methods over a `SequenceView` (each sequence's slots gathered in page-table order):
+
+    trigger(view) -> [B] bool       trim this sequence now (e.g. retained cells above the high watermark)
+    plan(view)    -> [B, S] bool    keep mask, a subset of `view.live` (read only where `trigger` is True)
+
+and a class attribute `reindex`: whether survivors' positions are closed up after eviction. `trim` runs both inside
+`lax.cond` (no work unless some sequence triggers) and `apply` writes the plan back: dropped slots become invalid
+and, when re-indexing, every survivor's position is shifted down by the freed position values below it and its
+cached key is re-rotated by the same delta (all layers; angles in float32; a uniform shift on Qwen's three axes is the
+1D rotation). Causality is by write order, which re-indexing never changes.
+
+Re-indexing rule (DESIGN.md): a survivor occupies [min(p), max(p)] over its position components; every value in
+[0, next_pos) covered by no survivor is freed; a survivor's delta is the number of freed values below its min(p);
+`next_pos` drops by the total freed. For contiguous 1D positions that is the number of deleted tokens before it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV
+from omnijax.units import SpanKind
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequenceView:
+    """Each sequence's slots in page-table order (S = max_pages * page_size); dead slots have `live` False.
+
+    Attributes:
+        live: `[B, S]` bool, slot holds a live token of the sequence.
+        pos: `[A, B, S]` int32 positions.
+        unit: `[B, S]` int32 unit ids.
+        span: `[B, S]` int32 `SpanKind`.
+        offset: `[B, S]` int32 offset within the span.
+        order: `[B, S]` int32 write order: larger is newer. Use it (never the slot index) for age.
+        score: `[B, S]` float32 accumulated attention mass received (H2O); zero where never tracked.
+        retained: `[B]` int32 live slots.
+    """
+
+    live: jax.Array
+    pos: jax.Array
+    unit: jax.Array
+    span: jax.Array
+    offset: jax.Array
+    order: jax.Array
+    score: jax.Array
+    retained: jax.Array
 
 
 class RetentionPolicy(Protocol):
-    name: str
+    name: ClassVar[str]
+    reindex: ClassVar[bool]
 
-    def trim(self, kv: PagedKV, next_pos: jax.Array) -> tuple[PagedKV, jax.Array, jax.Array]:
-        """Returns `(kv, next_pos [B], evicted [B] int32)`."""
+    def trigger(self, view: SequenceView) -> jax.Array:
+        """`[B]` bool: trim these sequences now."""
+
+    def plan(self, view: SequenceView) -> jax.Array:
+        """`[B, S]` bool keep mask (subset of `view.live`)."""
 
 
 REGISTRY: dict[str, Callable[..., RetentionPolicy]] = {}
@@ -38,12 +82,126 @@ def get_policy(name: str, **hyperparameters) -> RetentionPolicy:
     return REGISTRY[name](**hyperparameters)
 
 
+def _slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
+    """`(flat slot index [B, S], slot exists [B, S])` of each sequence's page-table order."""
+    P = kv.page_size
+    table = kv.page_table
+    exists = jnp.repeat(table >= 0, P, axis=1)
+    flat = (jnp.clip(table, 0, kv.num_pages - 1)[:, :, None] * P + jnp.arange(P)).reshape(table.shape[0], -1)
+    return flat, exists
+
+
+def sequence_view(kv: PagedKV) -> SequenceView:
+    """Gathers the slot metadata of every sequence in page-table order."""
+    flat, exists = _slots(kv)
+    take = lambda field: field.reshape(-1)[flat]  # noqa: E731
+    live = take(kv.valid) & exists
+    return SequenceView(
+        live=live, pos=jax.vmap(take)(kv.pos), unit=take(kv.unit), span=take(kv.span).astype(jnp.int32),
+        offset=take(kv.offset), order=take(kv.order), score=take(kv.score),
+        retained=jnp.sum(live, axis=1).astype(jnp.int32))
+
+
+def freed_below(view: SequenceView, keep: jax.Array, next_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Re-indexing deltas: `(delta [B, S] int32, total freed [B] int32)` (see the module docstring).
+
+    Survivors sorted by min(p); a running max of max(p) is the covered extent so far; the uncovered values just
+    before survivor k number max(min(p)_k - extent_before_k - 1, 0), and their cumsum is k's delta. Values above
+    the top survivor up to `next_pos` are freed too. Sort-based, so it needs no array as long as the position range.
+    """
+    lo = jnp.min(view.pos, axis=0)  # [B, S]
+    hi = jnp.max(view.pos, axis=0)
+    big = jnp.iinfo(jnp.int32).max
+
+    def one(keep_b, lo_b, hi_b, next_b):
+        # Covered values = union of [lo, hi] over survivors. Sort survivors by lo; a running max of hi gives the
+        # covered extent so far; a gap before survivor k is lo_k - (running max hi before k + 1) when positive.
+        lo_k = jnp.where(keep_b, lo_b, big)
+        idx = jnp.argsort(lo_k)
+        lo_s, hi_s, keep_s = lo_k[idx], jnp.where(keep_b, hi_b, -1)[idx], keep_b[idx]
+        reach = jax.lax.associative_scan(jnp.maximum, hi_s)  # covered extent up to and including k
+        before = jnp.concatenate([jnp.array([-1], reach.dtype), reach[:-1]])  # extent before k
+        gap = jnp.where(keep_s, jnp.maximum(lo_s - before - 1, 0), 0)
+        freed_before = jnp.cumsum(gap)  # freed values below lo of survivor k
+        top = jnp.max(jnp.where(keep_s, reach, -1))
+        total = freed_before[-1] + jnp.maximum(next_b - top - 1, 0)
+        delta = jnp.zeros_like(lo_b).at[idx].set(freed_before.astype(lo_b.dtype))
+        return jnp.where(keep_b, delta, 0), total.astype(jnp.int32)
+
+    return jax.vmap(one)(keep, lo, hi, next_pos)
+
+
+def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, rope: tuple[float, tuple | None]
+          ) -> tuple[PagedKV, jax.Array, jax.Array]:
+    """Applies a keep mask `[B, S]` (page-table order) to the cache.
+
+    Args:
+        kv: the cache.
+        keep: slots to keep (dead slots are ignored).
+        next_pos: `[B]` position cursor.
+        reindex: close the freed position gaps, re-rotating cached keys.
+        rope: `(theta, mrope_section)` of the model, for re-rotation.
+
+    Returns:
+        `(kv, next_pos, evicted [B] int32)`.
+    """
+    view = sequence_view(kv)
+    keep = keep & view.live
+    drop = view.live & ~keep
+    flat, _ = _slots(kv)
+    N, P = kv.num_pages, kv.page_size
+    target = jnp.where(drop, flat, N * P).reshape(-1)
+    valid = kv.valid.reshape(-1).at[target].set(False, mode="drop").reshape(N, P)
+    evicted = jnp.sum(drop, axis=1).astype(jnp.int32)
+    kv = kv.replace(valid=valid)
+    if not reindex:
+        return kv, next_pos, evicted
+    delta, total = freed_below(view, keep, next_pos)
+    moved = jnp.where(keep & (delta > 0), flat, N * P).reshape(-1)  # only survivors that shift
+    d = delta.reshape(-1)
+    pos = jax.vmap(lambda p: p.reshape(-1).at[moved].add(-d, mode="drop").reshape(N, P))(kv.pos)
+    # Re-rotate keys by -delta: the rotation by a position shift is the rotation at that (negative) position.
+    slot_delta = jnp.zeros((N * P,), jnp.int32).at[moved].set(d, mode="drop").reshape(N, P)
+    theta, section = rope
+    angles = rope_lib.rope_angles(-slot_delta[None], kv.k.shape[-1], theta, section)  # [N, P, d/2]
+    k = jax.vmap(lambda layer: rope_lib.apply_rope(layer, angles))(kv.k)
+    return kv.replace(pos=pos, k=k), next_pos - total, evicted
+
+
+def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tuple[float, tuple | None]
+         ) -> tuple[PagedKV, jax.Array, jax.Array]:
+    """Runs a policy inside the compiled program: `lax.cond` on any sequence triggering, then plan and apply.
+
+    Returns `(kv, next_pos, evicted [B] int32)`.
+    """
+    view = sequence_view(kv)
+    fire = policy.trigger(view)
+
+    def run(kv, next_pos):
+        keep = jnp.where(fire[:, None], policy.plan(view), view.live)
+        return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope)
+
+    def skip(kv, next_pos):
+        return kv, next_pos, jnp.zeros(next_pos.shape, jnp.int32)
+
+    return jax.lax.cond(jnp.any(fire), run, skip, kv, next_pos)
+
+
+def is_system(view: SequenceView) -> jax.Array:
+    """`[B, S]` live slots of the pinned system prefix."""
+    return view.live & (view.span == SpanKind.SYSTEM)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class NoSlide:
     """Full context: never evicts."""
 
-    name = "no_slide"
+    name: ClassVar[str] = "no_slide"
+    reindex: ClassVar[bool] = False
 
-    def trim(self, kv: PagedKV, next_pos: jax.Array) -> tuple[PagedKV, jax.Array, jax.Array]:
-        return kv, next_pos, jnp.zeros(next_pos.shape, jnp.int32)
+    def trigger(self, view: SequenceView) -> jax.Array:
+        return jnp.zeros(view.retained.shape, bool)
+
+    def plan(self, view: SequenceView) -> jax.Array:
+        return view.live
