@@ -59,8 +59,13 @@ def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheV
         raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {cache.slot_valid.shape}")
 
 
-def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> jax.Array:
-    """Dense masked attention over each sequence's gathered pages. Returns `[B, T, H, d]` in `q.dtype`."""
+def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
+                     with_mass: bool = False):
+    """Dense masked attention over each sequence's gathered pages. Returns `[B, T, H, d]` in `q.dtype`.
+
+    With `with_mass`, also returns `[N, P]` float32: the attention probability each slot received, summed over the
+    chunk's written queries and averaged over heads (the accumulated-attention signal of H2O).
+    """
     validate(q, k_pages, v_pages, cache)
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
@@ -87,12 +92,23 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = (weights / jnp.where(denom > 0, denom, 1.0)).astype(q.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, d).astype(q.dtype)
+    out = out.reshape(B, T, H, d).astype(q.dtype)
+    if not with_mass:
+        return out
+    written = (cache.write_slots >= 0)[:, None, None, :, None]  # padding queries do not vote
+    per_slot = jnp.sum(jnp.where(written, probs.astype(jnp.float32), 0.0), axis=(1, 2, 3)) / H  # [B, S]
+    flat = (pages[:, :, None] * P + jnp.arange(P)).reshape(B, M * P)
+    target = jnp.where(live, flat, N * P).reshape(-1)
+    mass = jnp.zeros((N * P,), jnp.float32).at[target].add(per_slot.reshape(-1), mode="drop")
+    return out, mass.reshape(N, P)
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-           impl: str = "reference") -> jax.Array:
-    """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer."""
+           impl: str = "reference", with_mass: bool = False):
+    """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
+
+    With `with_mass`, returns `(out, mass [N, P])` (see `attend_reference`).
+    """
     if impl == "reference":
-        return attend_reference(q, k_pages, v_pages, cache)
+        return attend_reference(q, k_pages, v_pages, cache, with_mass=with_mass)
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")

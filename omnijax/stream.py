@@ -66,19 +66,24 @@ class StreamResult:
 
 
 def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
-            meta: paged_lib.SlotMeta, *, impl: str = "reference"):
+            meta: paged_lib.SlotMeta, *, impl: str = "reference", track_scores: bool = False):
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
+    With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O).
     Returns `(kv, hidden [B, T, D])`.
     """
     kv, slots, q_order = paged_lib.reserve(kv, valid, meta)
     view = attention_lib.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
                                    slot_order=kv.order, q_order=q_order)
-    hidden, k, v = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl)
-    return kv.replace(k=k, v=v), hidden
+    hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores)
+    kv = kv.replace(k=k, v=v)
+    if mass is not None:
+        kv = kv.replace(score=kv.score + mass)
+    return kv, hidden
 
 
-def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str):
+def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str,
+                   track_scores: bool):
     """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
     B = next_pos.shape[0]
     eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
@@ -96,7 +101,7 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
         pos = next_pos[None, :, None]  # [1, B, 1]
         meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
                                   offset=jnp.full((B, 1), i, jnp.int32))
-        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl)
+        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl, track_scores=track_scores)
         logits = model.logits(hidden[:, 0])
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
@@ -117,7 +122,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
         x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
     positions = chunk.positions + next_pos[None, :, None]
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
-    kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl)
+    track = getattr(policy, "needs_scores", False)
+    kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
@@ -128,7 +134,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
         count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
         kv, next_pos, tokens = jax.lax.cond(
             jnp.any(count > 0),
-            lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl),
+            lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl,
+                                   track),
             lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)

@@ -185,3 +185,35 @@ def test_unknown_attention_impl_is_an_error():
                                slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.zeros((1, 1), jnp.int32))
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention.attend(jnp.zeros((1, 1, H, D)), kv.k[0], kv.v[0], view, impl="fast")
+
+
+def test_attention_mass_per_slot_matches_dense_probabilities():
+    rng = np.random.default_rng(9)
+    B, P = 1, 4
+    kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=8, page_size=P, batch=B,
+                              position_axes=1), 9)
+    kv, ks, vs = _write_sequence_chunks(kv, rng, [6], B)
+    T = 3
+    k_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    valid = np.array([[True, True, False]])  # the padded query must not vote
+    kv, slots, q_order = paged.reserve(kv, jnp.asarray(valid), _meta(B, T))
+    k_pages = paged.write_layer(kv.k[0], slots, jnp.asarray(k_new))
+    v_pages = paged.write_layer(kv.v[0], slots, jnp.asarray(k_new))
+    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
+                               slot_order=kv.order, q_order=q_order)
+    _, mass = attention.attend(jnp.asarray(q), k_pages, v_pages, view, with_mass=True)
+    keys = np.concatenate([ks[0], k_new[0, :2]]).astype(np.float64)  # 8 live keys in write order
+    want = np.zeros(8)
+    for t in range(2):
+        for h in range(H):
+            s = keys[: 6 + t + 1, h // (H // G)] @ q[0, t, h] / np.sqrt(D)
+            p = np.exp(s - s.max())
+            want[: 6 + t + 1] += p / p.sum() / H
+    order = np.asarray(kv.order)
+    live = np.asarray(kv.valid)
+    got = np.zeros(8)
+    for page, off in zip(*np.nonzero(live)):
+        got[order[page, off]] = np.asarray(mass)[page, off]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.asarray(mass)[~live].max(initial=0) == 0

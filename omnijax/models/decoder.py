@@ -87,7 +87,8 @@ class Decoder(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
-                   k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "reference"):
+                   k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "reference",
+                   track_scores: bool = False):
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 
         Args:
@@ -96,9 +97,11 @@ class Decoder(nnx.Module):
             cache: slot bookkeeping shared by all layers (where the chunk's tokens are written, what is visible).
             k_pages, v_pages: `[L, num_pages, page_size, G, d]` cached keys (post-RoPE) and values.
             impl: attention implementation (see `omnijax.attention.attend`).
+            track_scores: also return the attention mass each slot received, averaged over layers and heads.
 
         Returns:
-            `(hidden [B, T, D], k_pages, v_pages)` with the chunk's keys and values written into every layer.
+            `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None)` with the chunk's keys and values
+            written into every layer.
         """
         c = self.config
         dt = c.jnp_dtype
@@ -124,7 +127,8 @@ class Decoder(nnx.Module):
             k = rope_lib.apply_rope(k, angles)
             k_layer = write_layer(k_layer, cache.write_slots, k)
             v_layer = write_layer(v_layer, cache.write_slots, v)
-            attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl)  # [B, T, H, d]
+            attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl, with_mass=track_scores)
+            attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
             attn = attn.reshape(B, T, c.num_heads * c.head_dim)
             h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
             normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
@@ -132,7 +136,7 @@ class Decoder(nnx.Module):
             up = jnp.einsum("btd,di->bti", normed, p["up_proj"], preferred_element_type=jnp.float32)
             act = (jax.nn.silu(gate.astype(dt)) * up.astype(dt))
             h = h + jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
-            return h, (k_layer, v_layer)
+            return h, (k_layer, v_layer, mass)
 
-        h, (k_pages, v_pages) = jax.lax.scan(layer, x.astype(dt), (self.layers.stacked(), k_pages, v_pages))
-        return h, k_pages, v_pages
+        h, (k_pages, v_pages, mass) = jax.lax.scan(layer, x.astype(dt), (self.layers.stacked(), k_pages, v_pages))
+        return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)
