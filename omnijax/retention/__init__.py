@@ -3,6 +3,10 @@ inside the streaming scan (see `omnijax.retention.base`)."""
 
 from omnijax.retention.base import (REGISTRY, NoSlide, RetentionPolicy, SequenceView, apply, get_policy, register,
                                     sequence_view, trim)
+from omnijax.retention.baselines import H2O, SinkWindow, StreamingLLM, TokenSliding
+from omnijax.retention.omnipick import OmniPick
+from omnijax.retention.units import OfficialUnitWindow, UnitFIFO
 
-__all__ = ["REGISTRY", "NoSlide", "RetentionPolicy", "SequenceView", "apply", "get_policy", "register",
+__all__ = ["H2O", "REGISTRY", "NoSlide", "OfficialUnitWindow", "OmniPick", "SinkWindow", "StreamingLLM",
+           "TokenSliding", "UnitFIFO", "RetentionPolicy", "SequenceView", "apply", "get_policy", "register",
            "sequence_view", "trim"]

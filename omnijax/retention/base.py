@@ -59,6 +59,7 @@ class SequenceView:
 class RetentionPolicy(Protocol):
     name: ClassVar[str]
     reindex: ClassVar[bool]
+    # Optional ClassVar `needs_scores = True`: the stream then accumulates attention mass into `kv.score`.
 
     def trigger(self, view: SequenceView) -> jax.Array:
         """`[B]` bool: trim these sequences now."""
