@@ -217,3 +217,44 @@ def test_attention_mass_per_slot_matches_dense_probabilities():
         got[order[page, off]] = np.asarray(mass)[page, off]
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert np.asarray(mass)[~live].max(initial=0) == 0
+
+
+def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order():
+    rng = np.random.default_rng(11)
+    B, P = 1, 4
+    kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=6, page_size=P, batch=B,
+                              max_pages=4, position_axes=1), 11)
+    kv, ks, vs = _write_sequence_chunks(kv, rng, [10], B)
+    table = np.asarray(kv.page_table[0])
+    holes = [(table[0], 1), (table[1], 0), (table[1], 3)]  # evict tokens 1, 4 and 7
+    valid = np.asarray(kv.valid).copy()
+    for page, off in holes:
+        valid[page, off] = False
+    kv = kv.replace(valid=jnp.asarray(valid))
+    T = 5
+    k_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    v_new = rng.standard_normal((B, T, G, D)).astype(np.float32)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv2, slots, q_order = paged.reserve(kv, jnp.ones((B, T), bool), _meta(B, T))
+    # Three holes in page-table order, then the two free slots after the high-water mark (10, 11).
+    want_slots = [page * P + off for page, off in holes] + [table[2] * P + 2, table[2] * P + 3]
+    assert np.asarray(slots)[0].tolist() == want_slots
+    assert int(kv2.seq_slots[0]) == 12 and int(kv2.num_free) == kv.num_free  # no new page needed
+    k_pages = paged.write_layer(kv2.k[0], slots, jnp.asarray(k_new))
+    v_pages = paged.write_layer(kv2.v[0], slots, jnp.asarray(v_new))
+    view = attention.CacheView(write_slots=slots, page_table=kv2.page_table, slot_valid=kv2.valid,
+                               slot_order=kv2.order, q_order=q_order)
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view))
+    kept = [i for i in range(10) if i not in (1, 4, 7)]
+    k_all = np.concatenate([ks[0][kept], k_new[0]])
+    v_all = np.concatenate([vs[0][kept], v_new[0]])
+    want = _dense_attention(q[0], k_all, v_all, len(kept) + np.arange(T), len(kept) + T)
+    np.testing.assert_allclose(out[0], want, atol=1e-5, rtol=1e-5)
+    # No hole left: the next tokens take a new page (the fourth and last page-table entry); nothing is overwritten.
+    kv3, slots3 = paged.append(kv2, jnp.zeros((1, 1, 6, G, D)), jnp.zeros((1, 1, 6, G, D)), jnp.ones((1, 6), bool),
+                               _meta(1, 6))
+    assert int(kv3.num_free) == int(kv2.num_free) - 1
+    assert bool(kv3.exhausted[0]) and int(kv3.dropped[0]) == 2  # 4 fit, the page table is full
+    used = {int(s) for s in np.asarray(kv.page_table[0, :3, None] * P + np.arange(P)).reshape(-1)}
+    written = [s for s in np.asarray(slots3)[0].tolist() if s >= 0]
+    assert len(written) == 4 and used.isdisjoint(written)

@@ -16,7 +16,7 @@ Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes,
     score       [N, P] float32    accumulated attention mass the slot received (H2O; zero unless tracked)
     page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
     page_class  [N] int8          `PageClass` of each page
-    seq_slots   [B] int32         slots used in page-table space (next write goes to slot index `seq_slots`)
+    seq_slots   [B] int32         high-water mark in page-table space: slots below it were written at some time
     next_order  [B] int32         tokens ever written per sequence
     free_stack  [N] int32         free page ids; the top `num_free` entries are free
     num_free    [] int32
@@ -135,9 +135,12 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
 def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Assigns cache slots to a chunk's valid tokens and records their metadata.
 
-    Valid tokens of sequence b take consecutive slots from `seq_slots[b]` on, in token order; pages they need are
-    popped from the free stack, sequences in batch order. A token with no slot (pool empty or page table full) is not
-    written: it gets slot -1, `exhausted[b]` is set and `dropped[b]` counts it. Nothing is ever overwritten.
+    Valid tokens of sequence b take free slots first-fit in page-table order: the holes eviction left below the
+    sequence's high-water mark `seq_slots[b]` first, then fresh slots from `seq_slots[b]` on (as a contiguous ring
+    cache reuses its free cells, so a trimmed session's memory stays bounded). Write order, not slot order, carries
+    causality. Pages the tokens need are popped from the free stack, sequences in batch order. A token with no slot
+    (pool empty or page table full) is not written: it gets slot -1, `exhausted[b]` is set and `dropped[b]` counts
+    it. Nothing is ever overwritten.
 
     Args:
         kv: the cache.
@@ -152,10 +155,18 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
     token_valid = token_valid.astype(bool)
     rank = jnp.cumsum(token_valid, axis=1) - 1  # [B, T] index among the chunk's valid tokens
     count = jnp.sum(token_valid, axis=1).astype(jnp.int32)  # [B]
-    logical = kv.seq_slots[:, None] + rank  # [B, T] slot index in page-table space
+
+    # Free slots in page-table space: holes below the high-water mark, and everything from it on.
+    j = jnp.arange(M * P)[None, :]  # [1, M*P]
+    table_pages = jnp.clip(kv.page_table, 0, kv.num_pages - 1)
+    live = jnp.repeat(kv.page_table >= 0, P, axis=1) & kv.valid[table_pages].reshape(B, M * P)
+    free = jnp.where(j < kv.seq_slots[:, None], ~live, True)
+    cum_free = jnp.cumsum(free, axis=1)  # [B, M*P]
+    logical = jax.vmap(lambda c, r: jnp.searchsorted(c, r + 1))(cum_free, rank)  # [B, T]; M*P when none left
+    wanted_top = jnp.max(jnp.where(token_valid, logical + 1, 0), axis=1)  # [B] high-water mark the chunk wants
 
     pages_held = (kv.seq_slots + P - 1) // P  # [B] page-table entries in use
-    pages_wanted = jnp.minimum((kv.seq_slots + count + P - 1) // P, M)  # capped by page-table width
+    pages_wanted = jnp.minimum((jnp.maximum(kv.seq_slots, wanted_top) + P - 1) // P, M)  # capped by the table
     need = jnp.maximum(pages_wanted - pages_held, 0)  # [B]
     need_before = jnp.cumsum(need) - need
     granted = jnp.clip(kv.num_free - need_before, 0, need)  # [B] pages actually available, batch order
@@ -181,6 +192,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
     write_slots = jnp.where(writable, page_of_token * P + logical % P, -1)
     written = jnp.sum(writable, axis=1).astype(jnp.int32)
     lost = count - written
+    high_water = jnp.maximum(kv.seq_slots, jnp.max(jnp.where(writable, logical + 1, 0), axis=1))
 
     token_order = kv.next_order[:, None] + rank
     flat = jnp.where(writable, write_slots, kv.num_pages * P).reshape(-1)  # out of range = dropped
@@ -202,7 +214,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
         score=put(kv.score, jnp.zeros((B, T), jnp.float32)),
         page_table=page_table,
         page_class=page_class,
-        seq_slots=kv.seq_slots + written,
+        seq_slots=high_water.astype(jnp.int32),
         next_order=kv.next_order + count,
         num_free=kv.num_free - total_taken,
         exhausted=kv.exhausted | (lost > 0),
