@@ -1,0 +1,99 @@
+"""One-hour streaming sessions under OmniPick: per-chunk latency and retained cells over time, step-wise.
+
+The test suite checks that retained cells, span and cursor stay flat (`tests/test_endurance.py`); this script
+measures what the tests may not assert: that per-chunk latency is flat too once trimming starts. Each layout runs
+through `omnijax.Session` (one jitted step, compiled once) chunk by chunk; the table compares the median latency of
+the first and last tenth of the steady state (after the first trim) side by side.
+
+Run: `python bench/endurance.py [--minutes 60] [--out bench/out]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import omnijax
+from omnijax import synthetic
+from omnijax.config import TINY_OMNI
+from omnijax.retention import OmniPick
+
+QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)
+
+
+def run(layout: str, minutes: float) -> dict:
+    if layout == "qwen2_5_omni":
+        model, units = omnijax.Decoder(TINY_OMNI), int(minutes * 30)  # 2 s units
+        chunks = synthetic.qwen_av_session(units, vocab_size=TINY_OMNI.vocab_size, question_every=30)
+        policy = OmniPick()
+    else:
+        model, units = omnijax.Decoder(QWEN3_TINY), int(minutes * 60)  # 1 s units
+        chunks = synthetic.minicpm_duplex_session(units, vocab_size=QWEN3_TINY.vocab_size, slices_every=0)
+        policy = OmniPick(source_image_whole=True)
+    longest = int(np.asarray(chunks.valid).sum(axis=(1, 2)).max())
+    session = omnijax.Session(model, policy=policy, page_size=64,
+                              num_pages=-(-(policy.high_watermark + longest) // 64) + 2)
+    n = chunks.token_ids.shape[0]
+    ms, retained, evicted = np.zeros(n), np.zeros(n, int), np.zeros(n, int)
+    for i in range(n):
+        chunk = jax.tree.map(lambda x: x[i], chunks)
+        start = time.perf_counter()
+        out = session.feed(chunk)
+        jax.block_until_ready(out.logits)
+        ms[i] = 1e3 * (time.perf_counter() - start)
+        retained[i], evicted[i] = int(out.stats.layout.retained_cells[0]), int(out.stats.evicted[0])
+    first = int(np.argmax(evicted > 0))
+    steady = np.arange(first, n)
+    tenth = max(1, len(steady) // 10)
+    early, late = np.median(ms[steady[:tenth]]), np.median(ms[steady[-tenth:]])
+    trims = ms[evicted > 0]
+    return {"layout": layout, "chunks": n, "tokens": int(np.asarray(chunks.valid).sum()), "first_trim": first,
+            "early_ms": float(early), "late_ms": float(late), "late_over_early": float(late / early),
+            "trim_chunk_ms": float(np.median(trims)) if trims.size else None,
+            "retained_max_after_trim": int(retained[first:].max()), "retained_last": int(retained[-1]),
+            "ms": ms.round(3).tolist(), "retained": retained.tolist()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run(layout, args.minutes) for layout in ("qwen2_5_omni", "minicpmo_4_5")]
+    print(f"{'layout':>14} {'chunks':>6} {'tokens':>8} {'1st trim':>8} {'early ms':>8} {'late ms':>8} "
+          f"{'late/early':>10} {'trim ms':>8} {'max kept':>8}")
+    for r in rows:
+        print(f"{r['layout']:>14} {r['chunks']:>6} {r['tokens']:>8} {r['first_trim']:>8} {r['early_ms']:>8.2f} "
+              f"{r['late_ms']:>8.2f} {r['late_over_early']:>10.2f} {r['trim_chunk_ms']:>8.2f} "
+              f"{r['retained_max_after_trim']:>8}")
+    (out / "endurance.json").write_text(json.dumps(rows))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 5), sharex="col")
+    for col, r in enumerate(rows):
+        minutes = np.arange(r["chunks"]) * args.minutes / r["chunks"]
+        axes[0, col].plot(minutes, r["retained"], lw=0.8)
+        axes[0, col].set_title(f"{r['layout']} under OmniPick")
+        axes[0, col].set_ylabel("retained cells")
+        axes[1, col].plot(minutes, r["ms"], lw=0.5)
+        axes[1, col].set_ylim(0, np.percentile(r["ms"], 99.5) * 1.2)
+        axes[1, col].set_ylabel("ms per chunk")
+        axes[1, col].set_xlabel("session minute")
+    fig.tight_layout()
+    fig.savefig(out / "endurance.png", dpi=110)
+    print(f"wrote {out / 'endurance.json'} and {out / 'endurance.png'}")
+
+
+if __name__ == "__main__":
+    main()
