@@ -132,8 +132,8 @@ def freed_below(view: SequenceView, keep: jax.Array, next_pos: jax.Array) -> tup
     return jax.vmap(one)(keep, lo, hi, next_pos)
 
 
-def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, rope: tuple[float, tuple | None]
-          ) -> tuple[PagedKV, jax.Array, jax.Array]:
+def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, rope: tuple[float, tuple | None],
+          view: SequenceView | None = None) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Applies a keep mask `[B, S]` (page-table order) to the cache.
 
     Args:
@@ -142,11 +142,12 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
         next_pos: `[B]` position cursor.
         reindex: close the freed position gaps, re-rotating cached keys.
         rope: `(theta, mrope_section)` of the model, for re-rotation.
+        view: `sequence_view(kv)` when the caller has it already.
 
     Returns:
         `(kv, next_pos, evicted [B] int32)`.
     """
-    view = sequence_view(kv)
+    view = sequence_view(kv) if view is None else view
     keep = keep & view.live
     drop = view.live & ~keep
     flat, _ = _slots(kv)
@@ -180,7 +181,7 @@ def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tup
 
     def run(kv, next_pos):
         keep = jnp.where(fire[:, None], policy.plan(view), view.live)
-        return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope)
+        return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope, view=view)
 
     def skip(kv, next_pos):
         return kv, next_pos, jnp.zeros(next_pos.shape, jnp.int32)
