@@ -3,6 +3,8 @@
 `attend(q, k_pages, v_pages, cache, impl=...)`:
     impl="reference": dense jnp over every page-table entry of each sequence, masked by slot validity and write
         order (the oracle every other implementation is tested against).
+    impl="xla": visits only each sequence's active pages (pages holding a live slot), in page-table order, with a
+        dynamic trip count and an online softmax, so its cost follows active pages on any backend.
 
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
@@ -16,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("reference", "xla")
 
 
 @jax.tree_util.register_dataclass
@@ -103,6 +105,55 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
     return out, mass.reshape(N, P)
 
 
+def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's pages holding at least one live slot, compacted in page-table order.
+
+    Returns `(ids [B, M] int32, count [B] int32)`; entries from `count` on are -1.
+    """
+    has = (page_table >= 0) & jnp.any(slot_valid[jnp.clip(page_table, 0, slot_valid.shape[0] - 1)], axis=-1)
+    idx = jnp.argsort(~has, axis=1, stable=True)
+    ids = jnp.take_along_axis(jnp.where(has, page_table, -1), idx, axis=1)
+    return ids.astype(jnp.int32), jnp.sum(has, axis=1).astype(jnp.int32)
+
+
+def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> jax.Array:
+    """Online-softmax attention over active pages only (`fori_loop` with each sequence's active-page count)."""
+    validate(q, k_pages, v_pages, cache)
+    B, T, H, d = q.shape
+    N, P, G, _ = k_pages.shape
+    R = H // G
+    ids, count = active_pages(cache.page_table, cache.slot_valid)
+
+    def one(q_b, ids_b, count_b, q_order_b):
+        qg = q_b.reshape(T, G, R, d)
+
+        def body(i, carry):
+            m, l, acc = carry  # [G, R, T], [G, R, T], [G, R, T, d]
+            page = ids_b[i]
+            live = cache.slot_valid[page]  # [P]
+            k = jnp.where(live[:, None, None], k_pages[page], 0)  # dead slots may hold anything, even NaN
+            v = jnp.where(live[:, None, None], v_pages[page], 0)
+            ok = live[None, :] & (cache.slot_order[page][None, :] <= q_order_b[:, None])  # [T, P]
+            s = jnp.einsum("tgrd,pgd->grtp", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+            s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(ok, jnp.exp(s - m_safe[..., None]), 0.0)
+            scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            l = l * scale + jnp.sum(p, axis=-1)
+            acc = acc * scale[..., None] + jnp.einsum("grtp,pgd->grtd", p.astype(q.dtype), v,
+                                                      preferred_element_type=jnp.float32)
+            return m_new, l, acc
+
+        init = (jnp.full((G, R, T), -jnp.inf, jnp.float32), jnp.zeros((G, R, T), jnp.float32),
+                jnp.zeros((G, R, T, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, count_b, body, init)
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing returns zeros
+        return out.transpose(2, 0, 1, 3).reshape(T, H, d)
+
+    return jax.vmap(one)(q, ids, count, cache.q_order).astype(q.dtype)
+
+
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
            impl: str = "reference", with_mass: bool = False):
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
@@ -111,4 +162,8 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
     """
     if impl == "reference":
         return attend_reference(q, k_pages, v_pages, cache, with_mass=with_mass)
+    if with_mass:
+        raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
+    if impl == "xla":
+        return attend_xla(q, k_pages, v_pages, cache)
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")

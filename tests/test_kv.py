@@ -52,8 +52,9 @@ def _write_sequence_chunks(kv, rng, lengths, B):
     return kv, [np.concatenate(x) for x in ks], [np.concatenate(x) for x in vs]
 
 
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_permuted_page_table_matches_dense_cache(seed):
+def test_permuted_page_table_matches_dense_cache(seed, impl):
     rng = np.random.default_rng(seed)
     B, P = 2, 4
     kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=16, page_size=P, batch=B,
@@ -70,7 +71,7 @@ def test_permuted_page_table_matches_dense_cache(seed):
     v_pages = paged.write_layer(kv.v[0], slots, jnp.asarray(v_new))
     view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
                                slot_order=kv.order, q_order=q_order)
-    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl="reference"))
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     table = np.asarray(kv.page_table)
     assert len(set(table[table >= 0].tolist())) == (table >= 0).sum()  # no page shared
     prior = sum(lengths[:-1])
@@ -81,7 +82,8 @@ def test_permuted_page_table_matches_dense_cache(seed):
         np.testing.assert_allclose(out[b], want, atol=1e-5, rtol=1e-5)
 
 
-def test_reused_page_never_leaks_old_values():
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
+def test_reused_page_never_leaks_old_values(impl):
     rng = np.random.default_rng(3)
     B, P = 1, 4
     kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=4, page_size=P, batch=B, position_axes=1)
@@ -103,7 +105,7 @@ def test_reused_page_never_leaks_old_values():
     v_pages = paged.write_layer(kv3.v[0], slots, jnp.asarray(v_new))
     view = attention.CacheView(write_slots=slots, page_table=kv3.page_table, slot_valid=kv3.valid,
                                slot_order=kv3.order, q_order=q_order)
-    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view))
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     assert np.isfinite(out).all()
     want = _dense_attention(q[0], k_new[0], v_new[0], np.arange(T), T)
     np.testing.assert_allclose(out[0], want, atol=1e-5, rtol=1e-5)
@@ -219,7 +221,8 @@ def test_attention_mass_per_slot_matches_dense_probabilities():
     assert np.asarray(mass)[~live].max(initial=0) == 0
 
 
-def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order():
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
+def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order(impl):
     rng = np.random.default_rng(11)
     B, P = 1, 4
     kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=6, page_size=P, batch=B,
@@ -244,7 +247,7 @@ def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order():
     v_pages = paged.write_layer(kv2.v[0], slots, jnp.asarray(v_new))
     view = attention.CacheView(write_slots=slots, page_table=kv2.page_table, slot_valid=kv2.valid,
                                slot_order=kv2.order, q_order=q_order)
-    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view))
+    out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     kept = [i for i in range(10) if i not in (1, 4, 7)]
     k_all = np.concatenate([ks[0][kept], k_new[0]])
     v_all = np.concatenate([vs[0][kept], v_new[0]])
@@ -258,3 +261,31 @@ def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order():
     used = {int(s) for s in np.asarray(kv.page_table[0, :3, None] * P + np.arange(P)).reshape(-1)}
     written = [s for s in np.asarray(slots3)[0].tolist() if s >= 0]
     assert len(written) == 4 and used.isdisjoint(written)
+
+
+def test_xla_skips_inactive_pages_even_when_they_hold_nan():
+    rng = np.random.default_rng(12)
+    B, P = 2, 4
+    kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=12, page_size=P, batch=B,
+                              max_pages=6, position_axes=1), 12)
+    kv, _, _ = _write_sequence_chunks(kv, rng, [9, 7], B)
+    valid = np.asarray(kv.valid).copy()
+    empty = np.asarray(kv.page_table[0, 1])
+    valid[empty] = False  # a fully evicted page inside sequence 0's table
+    k = np.asarray(kv.k).copy()
+    k[:, empty] = np.nan
+    k[:, ~np.isin(np.arange(12), np.asarray(kv.page_table))] = np.nan  # pages nobody holds
+    kv = kv.replace(valid=jnp.asarray(valid), k=jnp.asarray(k))
+    ids, count = attention.active_pages(kv.page_table, kv.valid)
+    assert np.asarray(count).tolist() == [int((np.asarray(kv.page_table[0]) >= 0).sum()) - 1,
+                                          int((np.asarray(kv.page_table[1]) >= 0).sum())]
+    assert empty not in np.asarray(ids[0])[: int(count[0])]
+    q = jnp.asarray(rng.standard_normal((B, 3, H, D)).astype(np.float32))
+    view = attention.CacheView(write_slots=jnp.full((B, 3), -1, jnp.int32), page_table=kv.page_table,
+                               slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.full((B, 3), 100, jnp.int32))
+    ref = attention.attend(q, kv.k[0], kv.v[0], view, impl="reference")
+    xla = attention.attend(q, kv.k[0], kv.v[0], view, impl="xla")
+    assert np.isfinite(np.asarray(xla)).all()
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), atol=1e-5)
+    with pytest.raises(ValueError, match="needs impl='reference'"):
+        attention.attend(q, kv.k[0], kv.v[0], view, impl="xla", with_mass=True)
