@@ -1,0 +1,217 @@
+"""Block-sparse flash attention over a paged KV cache (prefill chunks and decode).
+
+`block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)` computes, for every query
+token of a chunk, softmax attention over the key slots it may see:
+
+* the slot's page is listed in the query's sequence's page table (`page_table[b]`, -1 = no page),
+* the slot is live (`slot_valid`),
+* the slot was written no later than the query (`slot_order <= q_order`): causal masking by write order, which
+  survives position re-indexing and holes left by eviction.
+
+A query that sees no key returns zeros. Dead slots may hold anything, NaN included; they never reach the output.
+
+Layout: `q [B, T, H, d]`, `k_pages`/`v_pages [N, P, G, d]` (N physical pages of P slots, G kv heads, H = G * R),
+`page_table [B, M]` int32, `slot_valid [N, P]` bool, `slot_order [N, P]` int32, `q_order [B, T]` int32.
+
+The kernel's grid is (batch, kv head, query block). The R query heads that share a kv head are processed together:
+query rows are laid out as `t * R + r`, so one block of rows mixes heads and tokens and every key page is loaded once
+per block. Inside, the kernel loops (`lax.fori_loop` with a dynamic trip count) over the sequence's ACTIVE pages only:
+a compact per-sequence list of pages that hold at least one live slot, in page-table order, computed outside the
+kernel by `active_pages`. Empty pages and -1 entries cost nothing. Within a page, slots are masked by liveness and
+write order. Softmax is online (flash) with float32 accumulators.
+
+Slot liveness and order travel into the kernel as one int32 key per slot (`slot_order` where live, INT32_MAX where
+dead), so `q_order` must be below INT32_MAX.
+
+On GPU the kernel lowers to Triton (`interpret=False`); on CPU run it with `interpret=True` under `jax.jit`. Triton
+wants power-of-two block shapes, and its matrix units want `block_q`, the page size and head_dim of at least 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_DEAD = jnp.iinfo(jnp.int32).max  # key of a dead slot: never <= a query's order
+_PAD_ORDER = jnp.iinfo(jnp.int32).min  # order of a padding query row: sees nothing
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None) -> None:
+    """Static checks shared by the kernel and the reference (shapes, dtypes, power-of-two sizes)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, d], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k/v pages must both be [N, P, G, d], got {k_pages.shape} and {v_pages.shape}")
+    B, T, H, d = q.shape
+    N, P, G, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, keys have {dk}")
+    if G == 0 or H % G:
+        raise ValueError(f"query heads {H} not a multiple of kv heads {G}")
+    if not _is_pow2(P):
+        raise ValueError(f"page size must be a power of two, got {P}")
+    if not _is_pow2(d):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    if block_q is not None and not _is_pow2(block_q):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if jnp.dtype(x.dtype) not in _DTYPES:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be [B={B}, M], got {page_table.shape}")
+    if q_order.shape != (B, T):
+        raise ValueError(f"q_order must be [B, T] = {(B, T)}, got {q_order.shape}")
+    if slot_valid.shape != (N, P) or slot_order.shape != (N, P):
+        raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {slot_valid.shape} and {slot_order.shape}")
+    if slot_valid.dtype != jnp.bool_:
+        raise ValueError(f"slot_valid must be bool, got {slot_valid.dtype}")
+    for name, x in (("page_table", page_table), ("slot_order", slot_order), ("q_order", q_order)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compact list of each sequence's pages that hold at least one live slot.
+
+    Returns `(ids [B, M] int32, count [B] int32)`: `ids[b, :count[b]]` are the active pages of sequence b in
+    page-table order; the tail is padded with page 0 (never read by the kernel's loop).
+    """
+    B, M = page_table.shape
+    N = slot_valid.shape[0]
+    has_page = page_table >= 0
+    pages = jnp.clip(page_table, 0, N - 1)
+    active = has_page & jnp.any(slot_valid, axis=1)[pages]  # [B, M]
+    pos = jnp.cumsum(active.astype(jnp.int32), axis=1) - 1
+    dest = jnp.where(active, pos, M)  # inactive entries scatter out of bounds and are dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, M))
+    ids = jnp.zeros((B, M), jnp.int32).at[rows, dest].set(pages.astype(jnp.int32), mode="drop")
+    count = jnp.sum(active, axis=1, dtype=jnp.int32)
+    return ids, count
+
+
+def _kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
+    """One (batch, kv head, query block) program.
+
+    ids_ref [B, M], count_ref [B]: active page lists (whole arrays). qo_ref [block_q]: order of each query row.
+    q_ref [block_q, d]. k_ref, v_ref [N, P, d]: this kv head's pages. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    """
+    b = pl.program_id(0)
+    block_q, d = q_ref.shape
+    q = q_ref[...]
+    qo = qo_ref[...]
+    exact = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for float32 inputs
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        page = ids_ref[b, i]
+        key = key_ref[page, :]  # [P]
+        live = key != _DEAD
+        k = k_ref[page, :, :]  # [P, d]
+        v = v_ref[page, :, :]
+        v = jnp.where(live[:, None], v, jnp.zeros_like(v))  # dead slots may hold NaN
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=exact,
+                            preferred_element_type=jnp.float32) * scale  # [block_q, P]
+        visible = key[None, :] <= qo[:, None]
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that have seen nothing yet
+        p = jnp.where(visible, jnp.exp(s - m_safe[:, None]), 0.0)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=exact,
+                             preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_next, l_next
+
+    init = (jnp.zeros((block_q, d), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, count_ref[b], body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw nothing stays zero
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "interpret", "num_warps", "num_stages"))
+def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
+                           block_q: int = 16, interpret: bool = False, num_warps: int = 4,
+                           num_stages: int = 2) -> jax.Array:
+    """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring)."""
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q)
+    B, T, H, d = q.shape
+    N, P, G, _ = k_pages.shape
+    R = H // G
+    rows = T * R
+    rows_pad = pl.cdiv(rows, block_q) * block_q
+
+    # Query rows of one kv head: row t * R + r is token t, query head g * R + r.
+    qg = q.reshape(B, T, G, R, d).transpose(0, 2, 1, 3, 4).reshape(B, G, rows, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    qo = jnp.repeat(q_order, R, axis=1)
+    qo = jnp.pad(qo, ((0, 0), (0, rows_pad - rows)), constant_values=_PAD_ORDER)
+    key = jnp.where(slot_valid, slot_order, _DEAD).astype(jnp.int32)
+    ids, count = active_pages(page_table, slot_valid)
+    M = ids.shape[1]
+
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=float(d) ** -0.5),
+        grid=(B, G, rows_pad // block_q),
+        in_specs=[
+            pl.BlockSpec((B, M), lambda b, g, i: (0, 0)),  # active page ids
+            pl.BlockSpec((B,), lambda b, g, i: (0,)),  # active page counts
+            pl.BlockSpec((None, block_q), lambda b, g, i: (b, i)),  # query row orders
+            pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),  # queries
+            pl.BlockSpec((N, P, None, d), lambda b, g, i: (0, 0, g, 0)),  # keys of kv head g
+            pl.BlockSpec((N, P, None, d), lambda b, g, i: (0, 0, g, 0)),  # values of kv head g
+            pl.BlockSpec((N, P), lambda b, g, i: (0, 0)),  # slot keys
+        ],
+        out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="block_sparse_attention",
+    )(ids, count, qo, qg, k_pages, v_pages, key)
+
+    out = out[:, :, :rows].reshape(B, G, T, R, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(B, T, H, d)
+
+
+@jax.jit
+def block_sparse_attention_reference(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order) -> jax.Array:
+    """Dense masked attention over every page-table entry of each sequence (the oracle). Returns `[B, T, H, d]`."""
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
+    B, T, H, d = q.shape
+    N, P, G, _ = k_pages.shape
+    M = page_table.shape[1]
+    has_page = page_table >= 0
+    pages = jnp.clip(page_table, 0, N - 1)
+    k = k_pages[pages].reshape(B, M * P, G, d)
+    v = v_pages[pages].reshape(B, M * P, G, d)
+    live = (slot_valid[pages] & has_page[..., None]).reshape(B, M * P)
+    order = slot_order[pages].reshape(B, M * P)
+    k = jnp.where(live[..., None, None], k, jnp.zeros_like(k))
+    v = jnp.where(live[..., None, None], v, jnp.zeros_like(v))
+    visible = live[:, None, :] & (order[:, None, :] <= q_order[:, :, None])  # [B, T, S]
+    qg = q.reshape(B, T, G, H // G, d)
+    exact = lax.Precision.HIGHEST
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, precision=exact,
+                        preferred_element_type=jnp.float32) * (float(d) ** -0.5)
+    mask = visible[:, None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = (weights / jnp.where(denom > 0, denom, 1.0)).astype(q.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, precision=exact, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, d).astype(q.dtype)

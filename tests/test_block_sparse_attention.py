@@ -1,0 +1,169 @@
+"""Block-sparse paged flash attention: interpret-mode kernel vs dense reference vs a plain numpy oracle, and Triton
+lowering for cuda on CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_sparse_attention import (
+    _validate,
+    active_pages,
+    block_sparse_attention,
+    block_sparse_attention_reference,
+)
+from pallas_kernels.lowering import has_triton_call, lower_for_cuda
+
+# float32: kernel, reference and oracle differ only by summation order.
+# bfloat16: inputs are exact in every path, but the kernel and the reference round probabilities to bfloat16 before
+# the value product (relative error 2**-9 each) and round the output to bfloat16, so allow about 4 bf16 ulps.
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+N_PAGES, PAGE, M = 12, 16, 5
+
+
+def make_case(seed, *, T, H, G, d=16, lengths=(37, 22), dtype=jnp.float32):
+    """A paged cache for two sequences of different lengths, like the KV manager leaves it.
+
+    Pages come from a random permutation of the pool; each sequence writes its tokens in order (order = position)
+    into its pages in page-table order; the last page is partly filled. Eviction leaves random holes and empties one
+    whole page of the first sequence (which stays in its page table). Every dead slot holds NaN. The chunk's queries
+    are the last T tokens of each sequence.
+    """
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    perm = rng.permutation(N_PAGES)
+    table = np.full((B, M), -1, np.int32)
+    valid = np.zeros((N_PAGES, PAGE), bool)
+    order = rng.integers(-5, 100, (N_PAGES, PAGE)).astype(np.int32)  # garbage in slots never written
+    q_order = np.zeros((B, T), np.int32)
+    used = 0
+    for b, L in enumerate(lengths):
+        n = -(-L // PAGE)
+        pages = perm[used:used + n]
+        used += n
+        table[b, :n] = pages
+        for pos in range(L):
+            p, s = pages[pos // PAGE], pos % PAGE
+            valid[p, s] = True
+            order[p, s] = pos
+        q_order[b] = np.arange(L - T, L)
+        # Holes from eviction among the tokens before the chunk.
+        old = [(pages[pos // PAGE], pos % PAGE) for pos in range(L - T)]
+        for i in rng.choice(len(old), size=len(old) // 4, replace=False):
+            valid[old[i]] = False
+    valid[table[0, 1]] = False  # a fully empty page still listed in the page table
+    k = rng.standard_normal((N_PAGES, PAGE, G, d)).astype(np.float32)
+    v = rng.standard_normal((N_PAGES, PAGE, G, d)).astype(np.float32)
+    k[~valid] = np.nan
+    v[~valid] = np.nan
+    q = rng.standard_normal((B, T, H, d)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table),
+            jnp.asarray(valid), jnp.asarray(order), jnp.asarray(q_order))
+
+
+def numpy_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order):
+    """Plain float64 causal attention over each sequence's live keys gathered in write order."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    page_table, slot_valid, slot_order, q_order = map(np.asarray, (page_table, slot_valid, slot_order, q_order))
+    B, T, H, d = q.shape
+    G = k_pages.shape[2]
+    R = H // G
+    out = np.zeros((B, T, H, d))
+    for b in range(B):
+        slots = [(slot_order[p, s], p, s) for p in page_table[b] if p >= 0
+                 for s in range(k_pages.shape[1]) if slot_valid[p, s]]
+        slots.sort()
+        orders = np.array([o for o, _, _ in slots], np.int64)
+        keys = np.array([k_pages[p, s] for _, p, s in slots]).reshape(len(slots), G, d)
+        vals = np.array([v_pages[p, s] for _, p, s in slots]).reshape(len(slots), G, d)
+        for t in range(T):
+            seen = orders <= q_order[b, t]
+            if not seen.any():
+                continue
+            for h in range(H):
+                g = h // R
+                s = keys[seen, g] @ q[b, t, h] / np.sqrt(d)
+                w = np.exp(s - s.max())
+                out[b, t, h] = (w / w.sum()) @ vals[seen, g]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("block_q",))
+def kernel_interpret(*args, block_q=16):
+    return block_sparse_attention(*args, block_q=block_q, interpret=True)
+
+
+def check(args, *, block_q=16):
+    dtype = jnp.dtype(args[0].dtype)
+    tol = TOL[dtype]
+    got = kernel_interpret(*args, block_q=block_q)
+    ref = block_sparse_attention_reference(*args)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), "NaN from dead slots leaked"
+    oracle = numpy_attention(*args)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got, np.float32), oracle, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), oracle, rtol=tol, atol=tol)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("H,G", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
+def test_kernel_matches_reference_and_numpy(dtype, H, G, T):
+    check(make_case(T * 10 + H, T=T, H=H, G=G, dtype=dtype))
+
+
+def test_query_blocks_split_rows():
+    # block_q smaller than T * R: several query blocks per (batch, kv head), with a partial last block.
+    args = make_case(3, T=5, H=4, G=1, lengths=(40, 9))
+    check(args, block_q=8)
+
+
+def test_queries_that_see_nothing_return_zeros():
+    q, k, v, table, valid, order, q_order = make_case(4, T=4, H=4, G=2)
+    table = table.at[1].set(jnp.array([table[0, 1], -1, -1, -1, -1], jnp.int32))  # only the empty page
+    q_order = q_order.at[0, 0].set(-10)  # before every write of sequence 0
+    got = check((q, k, v, table, valid, order, q_order))
+    assert np.all(np.asarray(got[1]) == 0) and np.all(np.asarray(got[0, 0]) == 0)
+
+
+def test_active_pages_compacts_in_table_order():
+    table = jnp.array([[5, 2, -1, 7, 0], [-1, -1, -1, -1, -1]], jnp.int32)
+    valid = jnp.zeros((8, 4), bool).at[5, 1].set(True).at[7, 3].set(True).at[0, 0].set(True)
+    ids, count = active_pages(table, valid)
+    assert count.tolist() == [3, 0]
+    assert ids[0, :3].tolist() == [5, 7, 0]
+
+
+def test_validation_is_shared():
+    args = make_case(5, T=2, H=4, G=2)
+    q, k, v, table, valid, order, q_order = args
+    bad = [
+        ((q, k[:, :12], v[:, :12], table, valid[:, :12], order[:, :12], q_order), "page size"),
+        ((q[..., :12], k[..., :12], v[..., :12], table, valid, order, q_order), "head_dim"),
+        ((q.astype(jnp.float16), k, v, table, valid, order, q_order), "float32 or bfloat16"),
+        ((q[:, :, :3], k, v, table, valid, order, q_order), "multiple of kv heads"),
+        ((q, k, v, table, valid.astype(jnp.int32), order, q_order), "bool"),
+    ]
+    for bad_args, msg in bad:
+        for fn in (_validate, block_sparse_attention, block_sparse_attention_reference):
+            with pytest.raises(ValueError, match=msg):
+                fn(*bad_args)
+    with pytest.raises(ValueError, match="block_q"):
+        block_sparse_attention(*args, block_q=24, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
+def test_lowers_to_triton_for_cuda(dtype, T):
+    args = make_case(6, T=T, H=4, G=2, d=32, dtype=dtype)
+    text = lower_for_cuda(lambda *a: block_sparse_attention(*a, block_q=16, interpret=False), *args)
+    assert has_triton_call(text)
+    interp = lower_for_cuda(lambda *a: block_sparse_attention(*a, interpret=True), *args)
+    assert not has_triton_call(interp)
