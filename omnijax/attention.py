@@ -5,6 +5,8 @@
         order (the oracle every other implementation is tested against).
     impl="xla": visits only each sequence's active pages (pages holding a live slot), in page-table order, with a
         dynamic trip count and an online softmax, so its cost follows active pages on any backend.
+    impl="pallas": the block-sparse flash-attention kernel of `pallas_kernels.block_sparse_attention` (Triton on a
+        GPU; the same kernel in Pallas interpret mode on CPU, chosen by the default backend).
 
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
@@ -18,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference", "xla")
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
 
 @jax.tree_util.register_dataclass
@@ -166,4 +168,10 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
         raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
     if impl == "xla":
         return attend_xla(q, k_pages, v_pages, cache)
+    if impl == "pallas":
+        from pallas_kernels.block_sparse_attention import block_sparse_attention
+
+        validate(q, k_pages, v_pages, cache)
+        return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid,
+                                      cache.slot_order, cache.q_order, interpret=jax.default_backend() == "cpu")
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")

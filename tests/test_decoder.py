@@ -166,9 +166,10 @@ def test_chunks_of_embeddings_equal_chunks_of_tokens(model, tokens):
     assert np.abs(np.asarray(omnijax.stream(model, wrong, page_size=4).logits) - np.asarray(want.logits)).max() > 1e-3
 
 
-def test_xla_attention_streams_like_the_reference(model, tokens):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_attention_impls_stream_like_the_reference(model, tokens, impl):
     chunks = split_text(tokens[0], 3, answer_tokens=4)
-    ref = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=4)
-    xla = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=4, impl="xla")
-    np.testing.assert_allclose(np.asarray(xla.logits), np.asarray(ref.logits), atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(np.asarray(xla.tokens), np.asarray(ref.tokens))
+    ref = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=16)
+    got = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=16, impl=impl)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
