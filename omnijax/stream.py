@@ -21,6 +21,7 @@ from omnijax.chunks import Chunk
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
+from omnijax.paging import eager
 from omnijax.retention import base as retention_lib
 from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.units import SpanKind
@@ -42,6 +43,7 @@ class ChunkStats:
 
     layout: layout_lib.LayoutStats
     evicted: jax.Array
+    moved: jax.Array  # [B] slots copied by the paging mode after the eviction (its copy cost)
     next_pos: jax.Array
 
 
@@ -113,9 +115,16 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
     return kv, next_pos, tokens
 
 
+PAGING_MODES = ("native", "eager")
+
+
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: RetentionPolicy,
-               max_answer_tokens: int, impl: str = "reference", subblock: int = 32):
-    """One streaming step (the `lax.scan` body): prefill, last logits, retention, optional greedy answer."""
+               max_answer_tokens: int, impl: str = "reference", subblock: int = 32, paging: str = "native"):
+    """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional greedy answer.
+
+    `paging="native"` leaves eviction holes in place (new tokens refill them); `"eager"` packs the survivors into
+    their sequence's first pages after every eviction and returns the emptied pages to the pool.
+    """
     kv, next_pos = state.kv, state.next_pos
     x = model.embed_tokens(chunk.token_ids)
     if chunk.embeds is not None:
@@ -130,6 +139,13 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     next_pos = next_pos + chunk.advance
     kv, next_pos, evicted = retention_lib.trim(
         policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
+    no_moves = jnp.zeros(evicted.shape, jnp.int32)
+    if paging == "eager":
+        kv, moved = jax.lax.cond(jnp.any(evicted > 0), eager.compact, lambda kv: (kv, no_moves), kv)
+    elif paging == "native":
+        moved = no_moves
+    else:
+        raise ValueError(f"unknown paging mode {paging!r}; available: {PAGING_MODES}")
     if max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
         kv, next_pos, tokens = jax.lax.cond(
@@ -139,7 +155,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
             lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)
-    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), evicted=evicted, next_pos=next_pos)
+    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), evicted=evicted, moved=moved,
+                       next_pos=next_pos)
     return StreamState(kv=kv, next_pos=next_pos), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
 
 
@@ -158,22 +175,25 @@ def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
     return int(jnp.sum(-(-per_seq // page_size)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_answer_tokens", "impl", "subblock"))
-def _scan(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock):
+_STATIC = ("graphdef", "policy", "max_answer_tokens", "impl", "subblock", "paging")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _scan(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock, paging):
     model = nnx.merge(graphdef, params)
 
     def body(state, chunk):
         return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
-                          subblock=subblock)
+                          subblock=subblock, paging=paging)
 
     return jax.lax.scan(body, state, chunks)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_answer_tokens", "impl", "subblock"))
-def _step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl, subblock):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl, subblock, paging):
     model = nnx.merge(graphdef, params)
     return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
-                      subblock=subblock)
+                      subblock=subblock, paging=paging)
 
 
 def _parts(model) -> tuple[Any, Any]:
@@ -184,7 +204,7 @@ def _parts(model) -> tuple[Any, Any]:
 
 def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
            impl: str = "reference", state: StreamState | None = None, num_pages: int | None = None,
-           page_size: int = 64, subblock: int = 32) -> StreamResult:
+           page_size: int = 64, subblock: int = 32, paging: str = "native") -> StreamResult:
     """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
 
     Args:
@@ -197,6 +217,7 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         num_pages: pool size when `state` is None (default: enough pages for the whole session without eviction).
         page_size: slots per page when `state` is None.
         subblock: subblock size for the active-subblock statistic.
+        paging: physical layout mode, one of `PAGING_MODES` (see `chunk_step`).
     """
     graphdef, params = _parts(model)
     config = graphdef_config(model)
@@ -209,7 +230,7 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
     elif state.kv.batch != chunks.token_ids.shape[1]:
         raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
     final, out = _scan(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
-                       impl=impl, subblock=subblock)
+                       impl=impl, subblock=subblock, paging=paging)
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
 
 
@@ -228,10 +249,11 @@ class Session:
 
     def __init__(self, model, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
                  impl: str = "reference", num_pages: int = 64, page_size: int = 64, batch: int = 1,
-                 subblock: int = 32, state: StreamState | None = None):
+                 subblock: int = 32, state: StreamState | None = None, paging: str = "native"):
         self._graphdef, self._params = _parts(model)
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
+        self.paging = paging
         state = state if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=page_size, batch=batch)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
@@ -247,5 +269,6 @@ class Session:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)
         self.state, out = _step(self._graphdef, self._params, self.state, chunk, policy=self.policy,
-                                max_answer_tokens=self.max_answer_tokens, impl=self.impl, subblock=self.subblock)
+                                max_answer_tokens=self.max_answer_tokens, impl=self.impl, subblock=self.subblock,
+                                paging=self.paging)
         return out
