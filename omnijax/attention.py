@@ -20,6 +20,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
+from pallas_kernels.block_sparse_attention import active_pages, block_sparse_attention
+
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
 
@@ -107,24 +110,13 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
     return out, mass.reshape(N, P)
 
 
-def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each sequence's pages holding at least one live slot, compacted in page-table order.
-
-    Returns `(ids [B, M] int32, count [B] int32)`; entries from `count` on are -1.
-    """
-    has = (page_table >= 0) & jnp.any(slot_valid[jnp.clip(page_table, 0, slot_valid.shape[0] - 1)], axis=-1)
-    idx = jnp.argsort(~has, axis=1, stable=True)
-    ids = jnp.take_along_axis(jnp.where(has, page_table, -1), idx, axis=1)
-    return ids.astype(jnp.int32), jnp.sum(has, axis=1).astype(jnp.int32)
-
-
 def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> jax.Array:
     """Online-softmax attention over active pages only (`fori_loop` with each sequence's active-page count)."""
     validate(q, k_pages, v_pages, cache)
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
-    ids, count = active_pages(cache.page_table, cache.slot_valid)
+    ids, count = active_pages(cache.page_table, cache.slot_valid)  # ids[b, :count[b]] are read
 
     def one(q_b, ids_b, count_b, q_order_b):
         qg = q_b.reshape(T, G, R, d)
@@ -169,8 +161,6 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
     if impl == "xla":
         return attend_xla(q, k_pages, v_pages, cache)
     if impl == "pallas":
-        from pallas_kernels.block_sparse_attention import block_sparse_attention
-
         validate(q, k_pages, v_pages, cache)
         return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid,
                                       cache.slot_order, cache.q_order, interpret=jax.default_backend() == "cpu")
