@@ -21,7 +21,8 @@ from omnijax.chunks import Chunk
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
-from omnijax.paging import eager
+from omnijax import paging as paging_lib
+from omnijax.paging import Paging
 from omnijax.retention import base as retention_lib
 from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.units import SpanKind
@@ -68,13 +69,14 @@ class StreamResult:
 
 
 def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
-            meta: paged_lib.SlotMeta, *, impl: str = "reference", track_scores: bool = False):
+            meta: paged_lib.SlotMeta, *, impl: str = "reference", track_scores: bool = False,
+            recent_only: bool = False):
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
-    With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O).
-    Returns `(kv, hidden [B, T, D])`.
+    With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `recent_only` is the
+    class-aware placement of paging mode `tile_skip`. Returns `(kv, hidden [B, T, D])`.
     """
-    kv, slots, q_order = paged_lib.reserve(kv, valid, meta)
+    kv, slots, q_order = paged_lib.reserve(kv, valid, meta, recent_only=recent_only)
     view = attention_lib.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
                                    slot_order=kv.order, q_order=q_order)
     hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores)
@@ -85,7 +87,7 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
 
 
 def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str,
-                   track_scores: bool):
+                   track_scores: bool, recent_only: bool):
     """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
     B = next_pos.shape[0]
     eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
@@ -103,7 +105,8 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
         pos = next_pos[None, :, None]  # [1, B, 1]
         meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
                                   offset=jnp.full((B, 1), i, jnp.int32))
-        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl, track_scores=track_scores)
+        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl, track_scores=track_scores,
+                             recent_only=recent_only)
         logits = model.logits(hidden[:, 0])
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
@@ -115,16 +118,16 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
     return kv, next_pos, tokens
 
 
-PAGING_MODES = ("native", "eager")
-
-
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: RetentionPolicy,
-               max_answer_tokens: int, impl: str = "reference", subblock: int = 32, paging: str = "native"):
+               max_answer_tokens: int, impl: str = "reference", subblock: int = 32,
+               paging: str | Paging = "native"):
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional greedy answer.
 
-    `paging="native"` leaves eviction holes in place (new tokens refill them); `"eager"` packs the survivors into
-    their sequence's first pages after every eviction and returns the emptied pages to the pool.
+    `paging` is a mode of `omnijax.paging.PAGING_MODES` or a `Paging`; it places new tokens and, after an
+    eviction, re-lays out the survivors (`omnijax.paging.relayout`); `subblock` is the subblock size it and the
+    statistics use.
     """
+    paging = paging_lib.as_paging(paging)
     kv, next_pos = state.kv, state.next_pos
     x = model.embed_tokens(chunk.token_ids)
     if chunk.embeds is not None:
@@ -132,26 +135,21 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     positions = chunk.positions + next_pos[None, :, None]
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
-    kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track)
+    kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
+                         recent_only=paging.recent_only)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
     next_pos = next_pos + chunk.advance
     kv, next_pos, evicted = retention_lib.trim(
         policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
-    no_moves = jnp.zeros(evicted.shape, jnp.int32)
-    if paging == "eager":
-        kv, moved = jax.lax.cond(jnp.any(evicted > 0), eager.compact, lambda kv: (kv, no_moves), kv)
-    elif paging == "native":
-        moved = no_moves
-    else:
-        raise ValueError(f"unknown paging mode {paging!r}; available: {PAGING_MODES}")
+    kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     if max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
         kv, next_pos, tokens = jax.lax.cond(
             jnp.any(count > 0),
             lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl,
-                                   track),
+                                   track, paging.recent_only),
             lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)
@@ -204,7 +202,7 @@ def _parts(model) -> tuple[Any, Any]:
 
 def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
            impl: str = "reference", state: StreamState | None = None, num_pages: int | None = None,
-           page_size: int = 64, subblock: int = 32, paging: str = "native") -> StreamResult:
+           page_size: int = 64, subblock: int = 32, paging: str | Paging = "native") -> StreamResult:
     """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
 
     Args:
@@ -217,8 +215,9 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         num_pages: pool size when `state` is None (default: enough pages for the whole session without eviction).
         page_size: slots per page when `state` is None.
         subblock: subblock size for the active-subblock statistic.
-        paging: physical layout mode, one of `PAGING_MODES` (see `chunk_step`).
+        paging: physical layout mode: a name in `PAGING_MODES` or a `Paging` (see `omnijax.paging`).
     """
+    paging = paging_lib.as_paging(paging)
     graphdef, params = _parts(model)
     config = graphdef_config(model)
     chunks_lib.validate(chunks, config, max_answer_tokens=max_answer_tokens, stacked=True)
@@ -249,11 +248,11 @@ class Session:
 
     def __init__(self, model, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
                  impl: str = "reference", num_pages: int = 64, page_size: int = 64, batch: int = 1,
-                 subblock: int = 32, state: StreamState | None = None, paging: str = "native"):
+                 subblock: int = 32, state: StreamState | None = None, paging: str | Paging = "native"):
         self._graphdef, self._params = _parts(model)
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
-        self.paging = paging
+        self.paging = paging_lib.as_paging(paging)
         state = state if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=page_size, batch=batch)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the

@@ -132,7 +132,8 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
     )
 
 
-def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedKV, jax.Array, jax.Array]:
+def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, recent_only: bool = False
+            ) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Assigns cache slots to a chunk's valid tokens and records their metadata.
 
     Valid tokens of sequence b take free slots first-fit in page-table order: the holes eviction left below the
@@ -146,6 +147,8 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
         kv: the cache.
         token_valid: `[B, T]` bool, tokens to write (padding is False).
         meta: the chunk's positions and span metadata.
+        recent_only: class-aware placement (paging mode `tile_skip`): only holes in RECENT pages take new tokens,
+            so SELECTED and MUST_KEEP pages never mix with new content. New pages are always RECENT.
 
     Returns:
         `(kv, write_slots [B, T] int32 flat slot index page * P + offset or -1, token_order [B, T] int32)`.
@@ -160,7 +163,10 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
     j = jnp.arange(M * P)[None, :]  # [1, M*P]
     table_pages = jnp.clip(kv.page_table, 0, kv.num_pages - 1)
     live = jnp.repeat(kv.page_table >= 0, P, axis=1) & kv.valid[table_pages].reshape(B, M * P)
-    free = jnp.where(j < kv.seq_slots[:, None], ~live, True)
+    hole = ~live
+    if recent_only:
+        hole = hole & jnp.repeat(kv.page_class[table_pages] == PageClass.RECENT, P, axis=1)
+    free = jnp.where(j < kv.seq_slots[:, None], hole, True)
     cum_free = jnp.cumsum(free, axis=1)  # [B, M*P]
     logical = jax.vmap(lambda c, r: jnp.searchsorted(c, r + 1))(cum_free, rank)  # [B, T]; M*P when none left
     wanted_top = jnp.max(jnp.where(token_valid, logical + 1, 0), axis=1)  # [B] high-water mark the chunk wants
@@ -221,6 +227,19 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta) -> tuple[PagedK
         dropped=kv.dropped + lost,
     )
     return kv, write_slots, token_order
+
+
+def table_slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
+    """Table space: `(flat slot index [B, S], entry exists [B, S])`, S = max_pages * page_size.
+
+    Slot j = e * page_size + o of sequence b is offset o of page-table entry e; `flat` is its physical slot
+    `page * page_size + o` (page 0 where the entry is -1, so always mask by `exists`).
+    """
+    P = kv.page_size
+    table = kv.page_table
+    exists = jnp.repeat(table >= 0, P, axis=1)
+    flat = (jnp.clip(table, 0, kv.num_pages - 1)[:, :, None] * P + jnp.arange(P)).reshape(table.shape[0], -1)
+    return flat, exists
 
 
 def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array) -> jax.Array:

@@ -1,0 +1,70 @@
+"""Physical KV layout modes (DESIGN.md "Physical layout — OmniPage").
+
+`Paging(mode=...)` picks what happens to the physical layout after a retention policy evicts:
+
+    native          holes stay where eviction left them (new tokens refill them first-fit); the page table is
+                    never shortened, as in a contiguous cache
+    tile_skip       OmniPage for tile-skipping kernels: class-aware placement (new tokens in RECENT pages only),
+                    selective migration accepted only if active pages or subblocks decrease (`omnipage`)
+    ordered_suffix  OmniPage for span-traversing kernels: pack the shortest suffix that shortens the page-rounded
+                    span by at least `min_pages` pages, order preserved (`omnipage`)
+    eager           pack every survivor after every eviction: the attention-time oracle (`eager`)
+
+Every mode but `native` also drops emptied pages from the page table and returns them to the pool. Each mode
+reports the slots it copied (`ChunkStats.moved`), which is its migration cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from omnijax.kv.paged import PagedKV
+from omnijax.paging import eager, migration, omnipage
+
+PAGING_MODES = ("native", "tile_skip", "ordered_suffix", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Paging:
+    """A paging mode and its settings (static: part of the compiled program).
+
+    Attributes:
+        mode: one of `PAGING_MODES`.
+        min_pages: `ordered_suffix` only: the least span reduction, in pages, worth a migration.
+    """
+
+    mode: str = "native"
+    min_pages: int = 1
+
+    def __post_init__(self):
+        if self.mode not in PAGING_MODES:
+            raise ValueError(f"unknown paging mode {self.mode!r}; available: {PAGING_MODES}")
+        if self.min_pages < 1:
+            raise ValueError(f"min_pages must be >= 1, got {self.min_pages}")
+
+    @property
+    def recent_only(self) -> bool:
+        """New tokens may only fill holes of RECENT pages (class-aware placement)."""
+        return self.mode == "tile_skip"
+
+
+def as_paging(paging: str | Paging) -> Paging:
+    """Accepts a mode name or a `Paging`."""
+    return paging if isinstance(paging, Paging) else Paging(mode=paging)
+
+
+def relayout(paging: Paging, kv: PagedKV, evicted: jax.Array, subblock: int) -> tuple[PagedKV, jax.Array]:
+    """Runs the mode after retention, only when some sequence evicted. Returns `(kv, moved [B] int32)`."""
+    none = jnp.zeros(evicted.shape, jnp.int32)
+    if paging.mode == "native":
+        return kv, none
+    run = {"tile_skip": lambda kv: omnipage.tile_skip(kv, subblock),
+           "ordered_suffix": lambda kv: omnipage.ordered_suffix(kv, paging.min_pages),
+           "eager": eager.compact}[paging.mode]
+    return jax.lax.cond(jnp.any(evicted > 0), run, lambda kv: (kv, none), kv)
+
+
+__all__ = ["PAGING_MODES", "Paging", "as_paging", "relayout", "eager", "migration", "omnipage"]

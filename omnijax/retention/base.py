@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.kv import rope as rope_lib
-from omnijax.kv.paged import PagedKV
+from omnijax.kv.paged import PagedKV, table_slots
 from omnijax.units import SpanKind
 
 
@@ -83,18 +83,9 @@ def get_policy(name: str, **hyperparameters) -> RetentionPolicy:
     return REGISTRY[name](**hyperparameters)
 
 
-def _slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
-    """`(flat slot index [B, S], slot exists [B, S])` of each sequence's page-table order."""
-    P = kv.page_size
-    table = kv.page_table
-    exists = jnp.repeat(table >= 0, P, axis=1)
-    flat = (jnp.clip(table, 0, kv.num_pages - 1)[:, :, None] * P + jnp.arange(P)).reshape(table.shape[0], -1)
-    return flat, exists
-
-
 def sequence_view(kv: PagedKV) -> SequenceView:
     """Gathers the slot metadata of every sequence in page-table order."""
-    flat, exists = _slots(kv)
+    flat, exists = table_slots(kv)
     take = lambda field: field.reshape(-1)[flat]  # noqa: E731
     live = take(kv.valid) & exists
     return SequenceView(
@@ -150,7 +141,7 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     view = sequence_view(kv) if view is None else view
     keep = keep & view.live
     drop = view.live & ~keep
-    flat, _ = _slots(kv)
+    flat, _ = table_slots(kv)
     N, P = kv.num_pages, kv.page_size
     target = jnp.where(drop, flat, N * P).reshape(-1)
     valid = kv.valid.reshape(-1).at[target].set(False, mode="drop").reshape(N, P)

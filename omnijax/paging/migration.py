@@ -1,0 +1,86 @@
+"""Moving survivors between slots and dropping empty pages: the two physical operations every paging mode uses.
+
+A migration plan is a `dst [B, S]` table-space map (see `omnijax.kv.paged.table_slots`): `dst[b, j]` is where the
+survivor now at slot j of sequence b goes, -1 where it stays. `apply_plan` turns the accepted sequences' moves into
+one fixed-capacity `(src, dst)` list of physical slots and applies it to every layer's K and V and to every slot
+field by gather-then-scatter: all sources are read before any destination is written, so a slot may be both the
+source of one move and the destination of another. A move carries the slot's key (already rotated for its
+position), value, positions, write order, unit, span, offset and score unchanged, so attention outputs do not change.
+
+`drop_empty_entries` removes page-table entries whose page holds no live slot (later entries shift left, order
+kept) and returns those pages to the pool. It copies nothing: attention follows the page table, so an emptied page
+simply leaves the span.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from omnijax.kv.paged import PagedKV, release_pages, table_slots
+
+
+def live_slots(kv: PagedKV) -> jax.Array:
+    """`[B, S]` bool: table-space slots holding a live token."""
+    flat, exists = table_slots(kv)
+    return kv.valid.reshape(-1)[flat] & exists
+
+
+def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
+    """Moves physical slots `src [K]` to `dst [K]` (flat `page * P + offset`; `N * P` marks an unused entry).
+
+    Every source is read first; then sources are invalidated and destinations written, so destinations win where a
+    slot is both. Destinations must be distinct.
+    """
+    N, P = kv.num_pages, kv.page_size
+    gather_at = jnp.clip(src, 0, N * P - 1)
+
+    def migrate(field, axis):  # the page and slot axes of `field` sit at `axis`, `axis + 1`
+        shape = field.shape
+        merged = field.reshape(shape[:axis] + (N * P,) + shape[axis + 2:])
+        taken = jnp.take(merged, gather_at, axis=axis)
+        return merged.at[(slice(None),) * axis + (dst,)].set(taken, mode="drop").reshape(shape)
+
+    valid = kv.valid.reshape(-1).at[src].set(False, mode="drop").at[dst].set(True, mode="drop").reshape(N, P)
+    return kv.replace(
+        k=migrate(kv.k, 1), v=migrate(kv.v, 1), pos=migrate(kv.pos, 1), order=migrate(kv.order, 0),
+        unit=migrate(kv.unit, 0), span=migrate(kv.span, 0), offset=migrate(kv.offset, 0),
+        score=migrate(kv.score, 0), valid=valid)
+
+
+def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array) -> tuple[PagedKV, jax.Array]:
+    """Applies the moves `dst [B, S]` of the sequences where `accepted [B]` holds.
+
+    Returns `(kv, moved [B] int32)`: the new cache and the number of slots each sequence copied (its copy cost in
+    slots; every move copies one key and one value row per layer).
+    """
+    N, P = kv.num_pages, kv.page_size
+    flat, _ = table_slots(kv)
+    move = (dst >= 0) & accepted[:, None]
+    src_flat = jnp.where(move, flat, N * P)
+    dst_flat = jnp.where(move, jnp.take_along_axis(flat, jnp.clip(dst, 0, flat.shape[1] - 1), axis=1), N * P)
+    kv = apply_moves(kv, src_flat.reshape(-1), dst_flat.reshape(-1))
+    return kv, jnp.sum(move, axis=1).astype(jnp.int32)
+
+
+def drop_empty_entries(kv: PagedKV) -> PagedKV:
+    """Removes page-table entries whose page holds no live slot and returns their pages to the pool.
+
+    The remaining entries keep their order and shift left; each sequence's high-water mark moves with them (to the
+    end of its last entry when the entry holding the mark was dropped).
+    """
+    B, M = kv.page_table.shape
+    P = kv.page_size
+    table = kv.page_table
+    has_page = table >= 0
+    active = has_page & jnp.any(kv.valid, axis=1)[jnp.clip(table, 0, kv.num_pages - 1)]  # [B, M]
+    dropped = has_page & ~active
+    new_entry = jnp.where(active, jnp.cumsum(active, axis=1) - 1, M)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, M))
+    new_table = jnp.full_like(table, -1).at[rows, new_entry].set(table, mode="drop")
+    mark_entry = jnp.clip((kv.seq_slots - 1) // P, 0, M - 1)
+    mark_kept = (kv.seq_slots > 0) & jnp.take_along_axis(active, mark_entry[:, None], axis=1)[:, 0]
+    kept = jnp.sum(active, axis=1)
+    seq_slots = jnp.where(mark_kept, kv.seq_slots - P * jnp.sum(dropped, axis=1), kept * P)
+    kv = release_pages(kv, jnp.where(dropped, table, -1).reshape(-1))
+    return kv.replace(page_table=new_table, seq_slots=seq_slots.astype(jnp.int32))
