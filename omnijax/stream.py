@@ -70,13 +70,13 @@ class StreamResult:
 
 def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
             meta: paged_lib.SlotMeta, *, impl: str = "reference", track_scores: bool = False,
-            recent_only: bool = False):
+            placement: str = "first_fit"):
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
-    With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `recent_only` is the
-    class-aware placement of paging mode `tile_skip`. Returns `(kv, hidden [B, T, D])`.
+    With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `placement` picks the
+    free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it). Returns `(kv, hidden [B, T, D])`.
     """
-    kv, slots, q_order = paged_lib.reserve(kv, valid, meta, recent_only=recent_only)
+    kv, slots, q_order = paged_lib.reserve(kv, valid, meta, placement=placement)
     view = attention_lib.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
                                    slot_order=kv.order, q_order=q_order)
     hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores)
@@ -87,7 +87,7 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
 
 
 def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str,
-                   track_scores: bool, recent_only: bool):
+                   track_scores: bool, placement: str):
     """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
     B = next_pos.shape[0]
     eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
@@ -106,7 +106,7 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
         meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
                                   offset=jnp.full((B, 1), i, jnp.int32))
         kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl, track_scores=track_scores,
-                             recent_only=recent_only)
+                             placement=placement)
         logits = model.logits(hidden[:, 0])
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
@@ -136,7 +136,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
     kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
-                         recent_only=paging.recent_only)
+                         placement=paging.placement)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
@@ -149,7 +149,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
         kv, next_pos, tokens = jax.lax.cond(
             jnp.any(count > 0),
             lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl,
-                                   track, paging.recent_only),
+                                   track, paging.placement),
             lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)

@@ -132,27 +132,35 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
     )
 
 
-def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, recent_only: bool = False
+PLACEMENTS = ("first_fit", "recent")
+
+
+def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: str = "first_fit"
             ) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Assigns cache slots to a chunk's valid tokens and records their metadata.
 
-    Valid tokens of sequence b take free slots first-fit in page-table order: the holes eviction left below the
-    sequence's high-water mark `seq_slots[b]` first, then fresh slots from `seq_slots[b]` on (as a contiguous ring
-    cache reuses its free cells, so a trimmed session's memory stays bounded). Write order, not slot order, carries
-    causality. Pages the tokens need are popped from the free stack, sequences in batch order. A token with no slot
-    (pool empty or page table full) is not written: it gets slot -1, `exhausted[b]` is set and `dropped[b]` counts
-    it. Nothing is ever overwritten.
+    Free slots of sequence b, in page-table order, are the holes eviction left below its high-water mark
+    `seq_slots[b]` and every slot from the mark on; reusing holes keeps a trimmed session's memory bounded. Write
+    order, not slot order, carries causality. Pages the tokens need are popped from the free stack, sequences in
+    batch order. A token with no slot (pool empty or page table full) is not written: it gets slot -1,
+    `exhausted[b]` is set and `dropped[b]` counts it. Nothing is ever overwritten.
+
+    Placements (which free slots a chunk takes):
+        first_fit: token by token, the first free slots (every hole is refilled).
+        recent: first_fit over holes of RECENT pages only (OmniPage's class-aware placement), so SELECTED and
+            MUST_KEEP pages never mix with new content. New pages are always RECENT.
 
     Args:
         kv: the cache.
         token_valid: `[B, T]` bool, tokens to write (padding is False).
         meta: the chunk's positions and span metadata.
-        recent_only: class-aware placement (paging mode `tile_skip`): only holes in RECENT pages take new tokens,
-            so SELECTED and MUST_KEEP pages never mix with new content. New pages are always RECENT.
+        placement: one of `PLACEMENTS` (static).
 
     Returns:
         `(kv, write_slots [B, T] int32 flat slot index page * P + offset or -1, token_order [B, T] int32)`.
     """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; available: {PLACEMENTS}")
     B, T = token_valid.shape
     P, M = kv.page_size, kv.max_pages
     token_valid = token_valid.astype(bool)
@@ -164,7 +172,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, recent_only:
     table_pages = jnp.clip(kv.page_table, 0, kv.num_pages - 1)
     live = jnp.repeat(kv.page_table >= 0, P, axis=1) & kv.valid[table_pages].reshape(B, M * P)
     hole = ~live
-    if recent_only:
+    if placement == "recent":
         hole = hole & jnp.repeat(kv.page_class[table_pages] == PageClass.RECENT, P, axis=1)
     free = jnp.where(j < kv.seq_slots[:, None], hole, True)
     cum_free = jnp.cumsum(free, axis=1)  # [B, M*P]

@@ -2,8 +2,8 @@
 
 `Paging(mode=...)` picks what happens to the physical layout after a retention policy evicts:
 
-    native          holes stay where eviction left them (new tokens refill them first-fit); the page table is
-                    never shortened, as in a contiguous cache
+    native          holes stay where eviction left them until new tokens refill them (first-fit, token by token);
+                    the page table is never shortened
     tile_skip       OmniPage for tile-skipping kernels: class-aware placement (new tokens in RECENT pages only),
                     selective migration accepted only if active pages or subblocks decrease (`omnipage`)
     ordered_suffix  OmniPage for span-traversing kernels: pack the shortest suffix that shortens the page-rounded
@@ -46,9 +46,10 @@ class Paging:
             raise ValueError(f"min_pages must be >= 1, got {self.min_pages}")
 
     @property
-    def recent_only(self) -> bool:
-        """New tokens may only fill holes of RECENT pages (class-aware placement)."""
-        return self.mode == "tile_skip"
+    def placement(self) -> str:
+        """Which free slots new tokens take (`omnijax.kv.paged.reserve`): OmniPage's class-aware placement for
+        `tile_skip`, every hole first-fit otherwise."""
+        return "recent" if self.mode == "tile_skip" else "first_fit"
 
 
 def as_paging(paging: str | Paging) -> Paging:

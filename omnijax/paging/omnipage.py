@@ -3,7 +3,7 @@
 Two modes, both run after an eviction inside the streaming scan:
 
 `tile_skip` — for kernels that skip empty pages or subblocks. New tokens go to RECENT pages only (class-aware
-placement, `reserve(recent_only=True)`). After an eviction, survivors in partially filled pages are candidates; each
+placement, `reserve(placement="recent")`). After an eviction, survivors in partially filled pages are candidates; each
 class (MUST_KEEP, SELECTED, RECENT) is planned on its own, so a destination page always holds entries of the
 candidate's class: candidates sorted by table slot descending are paired with the same class's holes in active
 pages sorted ascending, the k-th with the k-th, while the hole lies before the candidate (the latest survivors fill
