@@ -1,4 +1,6 @@
-"""Eager compaction: a migration never changes what attention sees, shortens the span and returns pages."""
+"""Paging modes on real caches: a migration never changes what attention sees or any survivor's metadata; class-aware
+placement and promotion; every mode streams exactly like native while shortening the layout. (Planner rules against
+a plain-Python planner on random layouts: `test_omnipage_plans.py`.)"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,9 @@ from omnijax import attention
 from omnijax.chunks import stack_chunks, text_chunk
 from omnijax.config import TINY_OMNI
 from omnijax.kv import paged
-from omnijax.paging import eager
+from omnijax.kv.paged import PageClass
+from omnijax.paging import PAGING_MODES, Paging, eager, migration, omnipage
+from omnijax.units import SpanKind
 from omnijax.retention import OmniPick, StreamingLLM, base
 
 
@@ -62,17 +66,127 @@ def test_compaction_keeps_content_and_attention_and_releases_pages():
     assert int(again[0]) == 0
 
 
+def _fragmented_cache(seed, *, page_size=8, num_pages=12, keep=0.35, classes=True):
+    """One sequence of 70 tokens (3 position axes, 2 layers) on a permuted pool, then random evictions; page classes
+    random among MUST_KEEP / SELECTED / RECENT when `classes`."""
+    rng = np.random.default_rng(seed)
+    kv = paged.init(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=num_pages, page_size=page_size, batch=1,
+                    position_axes=3)
+    kv = kv.replace(free_stack=jnp.asarray(rng.permutation(num_pages).astype(np.int32)))
+    n = 70
+    k = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
+    z = jnp.zeros((1, n), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 50, (3, 1, n)).astype(np.int32))
+    meta = paged.SlotMeta(pos=pos, unit=z + jnp.arange(n) // 9, span=z + jnp.arange(n) % 7, offset=z + jnp.arange(n))
+    kv, _ = paged.append(kv, k, v, jnp.ones((1, n), bool), meta)
+    view = base.sequence_view(kv)
+    kv, _, _ = base.apply(kv, view.live & jnp.asarray(rng.random(view.live.shape) < keep), jnp.asarray([n]),
+                          reindex=False, rope=(1e4, None))
+    if classes:  # pages in the table get random classes; free pages stay FREE
+        held = np.asarray(kv.page_class) != PageClass.FREE
+        cls = np.where(held, rng.integers(1, 4, num_pages), PageClass.FREE).astype(np.int8)
+        kv = kv.replace(page_class=jnp.asarray(cls))
+    return kv
+
+
+def _survivor_classes(kv):
+    """{order: class of the page holding it} for every live slot of sequence 0."""
+    P = kv.page_size
+    table, valid, order = map(np.asarray, (kv.page_table[0], kv.valid, kv.order))
+    cls = np.asarray(kv.page_class)
+    return {int(order[p, s]): int(cls[p]) for p in table if p >= 0 for s in range(P) if valid[p, s]}
+
+
+@pytest.mark.parametrize("mode", ["tile_skip", "ordered_suffix"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_migration_keeps_attention_positions_units_and_classes(mode, seed):
+    kv = _fragmented_cache(seed)
+    plan = omnipage.plan_tile_skip(kv, 4) if mode == "tile_skip" else omnipage.plan_ordered_suffix(kv, 1)
+    assert bool(plan.accepted[0])  # these layouts are fragmented enough for both modes
+    moved_kv, moved = migration.apply_plan(kv, plan.dst, plan.accepted)
+    assert int(moved[0]) == int(jnp.sum(plan.dst >= 0)) > 0
+    assert _survivors(moved_kv) == _survivors(kv)  # every survivor's positions, unit, span and offset travel with it
+    if mode == "tile_skip":  # moves stay inside one class, so no survivor changes class
+        assert _survivor_classes(moved_kv) == _survivor_classes(kv)
+    rng = np.random.default_rng(seed + 100)
+    q = jnp.asarray(rng.standard_normal((1, 3, 4, 8)).astype(np.float32))
+    for impl in ("reference", "xla"):
+        def attend(cache):
+            view = attention.CacheView(write_slots=jnp.full((1, 3), -1, jnp.int32), page_table=cache.page_table,
+                                       slot_valid=cache.valid, slot_order=cache.order,
+                                       q_order=jnp.full((1, 3), 70, jnp.int32))
+            return np.asarray(attention.attend(q, cache.k[1], cache.v[1], view, impl=impl))
+        np.testing.assert_allclose(attend(moved_kv), attend(kv), atol=1e-6, rtol=0)
+    # The full mode (promotion, dropping emptied pages) keeps content and attention too, and gives pages back.
+    run = omnipage.tile_skip(kv, 4) if mode == "tile_skip" else omnipage.ordered_suffix(kv, 1)
+    after, _ = run
+    assert _survivors(after) == _survivors(kv)
+    table = np.asarray(after.page_table[0])
+    held = table[table >= 0]
+    assert len(set(held.tolist())) == len(held) and int(after.num_free) + len(held) == kv.num_pages
+    free = np.asarray(after.free_stack)[:int(after.num_free)]
+    assert not set(free.tolist()) & set(held.tolist())
+    assert (np.asarray(after.page_class)[free] == PageClass.FREE).all()
+
+
+def test_tile_skip_promotes_filled_pages_and_system_pages():
+    P = 4
+    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)
+    n = 4 * P
+    z = jnp.zeros((1, n), jnp.int32)
+    span = jnp.where(jnp.arange(n) < P, SpanKind.SYSTEM, SpanKind.IMAGE)[None]
+    meta = paged.SlotMeta(pos=jnp.arange(n)[None, None], unit=z, span=span, offset=z)
+    kv, _ = paged.append(kv, jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)), jnp.ones((1, n), bool), meta)
+    # Page 0: the whole system prompt. Page 1 loses two tokens, page 3 keeps two: those fill page 1's holes.
+    keep = jnp.ones((1, 6 * P), bool).at[0, jnp.asarray([5, 6, 8, 9, 10, 11, 12, 13])].set(False)
+    kv, _, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=False, rope=(1e4, None))
+    out, moved = omnipage.tile_skip(kv, 2)
+    assert int(moved[0]) == 2
+    np.testing.assert_array_equal(np.asarray(out.page_table[0, :3]), [0, 1, -1])
+    assert int(out.page_class[0]) == PageClass.MUST_KEEP and int(out.page_class[1]) == PageClass.SELECTED
+    assert int(out.num_free) == 4 and int(out.seq_slots[0]) == 2 * P
+
+
+def test_recent_placement_never_writes_into_selected_pages():
+    P = 4
+    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)
+    n = 3 * P
+    z = jnp.zeros((1, n), jnp.int32)
+    meta = paged.SlotMeta(pos=jnp.arange(n)[None, None], unit=z, span=z + SpanKind.IMAGE, offset=z)
+    kv, _ = paged.append(kv, jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)), jnp.ones((1, n), bool), meta)
+    keep = jnp.ones((1, 6 * P), bool).at[0, jnp.asarray([1, 2, 5, 6])].set(False)  # holes in pages 0 and 1
+    kv, _, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=False, rope=(1e4, None))
+    kv = kv.replace(page_class=kv.page_class.at[0].set(PageClass.SELECTED))
+    new = paged.SlotMeta(pos=jnp.asarray([[[20, 21, 22]]]), unit=jnp.ones((1, 3), jnp.int32),
+                         span=jnp.full((1, 3), SpanKind.TEXT), offset=jnp.zeros((1, 3), jnp.int32))
+    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="recent")
+    np.testing.assert_array_equal(np.asarray(slots[0]), [5, 6, 12])  # page 1's holes, then a fresh page
+    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="first_fit")
+    np.testing.assert_array_equal(np.asarray(slots[0]), [1, 2, 5])
+    with pytest.raises(ValueError, match="unknown placement"):
+        paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="best_fit")
+
+
 @pytest.mark.parametrize("policy", [StreamingLLM(sink_tokens=2, window=22, high_watermark=40),
                                     OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)])
-def test_eager_paging_streams_like_native(model, policy):
+def test_every_paging_mode_streams_like_native(model, policy):
     rng = np.random.default_rng(1)
     chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(14)])
-    native = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16)
-    packed = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, paging="eager")
-    np.testing.assert_allclose(np.asarray(packed.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(np.asarray(packed.stats.layout.retained_cells),
-                                  np.asarray(native.stats.layout.retained_cells))
-    assert (np.asarray(packed.stats.layout.physical_span) <= np.asarray(native.stats.layout.physical_span)).all()
-    assert int(np.asarray(packed.stats.moved).sum()) > 0 and int(np.asarray(native.stats.moved).sum()) == 0
+    native = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, subblock=4)
+    for mode in PAGING_MODES[1:]:
+        other = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, subblock=4,
+                               paging=Paging(mode))
+        np.testing.assert_allclose(np.asarray(other.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(np.asarray(other.stats.layout.retained_cells),
+                                      np.asarray(native.stats.layout.retained_cells))
+        assert int(np.asarray(other.stats.moved).sum()) > 0, mode
+        assert not bool(np.asarray(other.stats.layout.exhausted).any()), mode
+        if mode == "eager":  # the oracle: never a longer span than native
+            assert (np.asarray(other.stats.layout.physical_span)
+                    <= np.asarray(native.stats.layout.physical_span)).all()
+    assert int(np.asarray(native.stats.moved).sum()) == 0
     with pytest.raises(ValueError, match="unknown paging mode"):
         omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, paging="lazy")
+    with pytest.raises(ValueError, match="min_pages"):
+        Paging("ordered_suffix", min_pages=0)

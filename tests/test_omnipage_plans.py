@@ -1,0 +1,411 @@
+"""OmniPage paging modes: the jitted planners equal plain-Python reference planners on random paged layouts (shared
+pools, full, empty and single-survivor pages, mixed classes), no accepted plan fails its mode's criterion, and the
+mode functions move exactly the planned survivors, reclassify, drop emptied entries and conserve the pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from omnijax.kv import layout_stats, paged
+from omnijax.kv.paged import PageClass
+from omnijax.paging import omnipage
+from omnijax.units import SpanKind as K
+from tests import reference_paging as ref
+
+# (page size, batch) -> (pool pages N, page-table width M). With B = 3 the sequences compete for the pool.
+SHAPES = {(4, 1): (10, 8), (4, 3): (16, 8), (8, 1): (8, 6), (8, 3): (12, 6)}
+LAYOUTS = 60  # per shape: 240 layouts, 480 sequences
+CLASSES = (PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT)
+PAGE_KINDS = ("full", "empty", "single", "all_but_one", "random")
+PAGE_KIND_P = (0.2, 0.15, 0.2, 0.1, 0.35)
+
+SUBBLOCKS = {4: (2, 4), 8: (2, 4, 8)}  # {2, P / 2, P}
+MIN_PAGES = (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A random cache as numpy arrays (for the references) and as a `PagedKV` (for the jitted code)."""
+
+    table: np.ndarray  # [B, M]
+    valid: np.ndarray  # [N, P]
+    page_class: np.ndarray  # [N]
+    span: np.ndarray  # [N, P]
+    free: np.ndarray  # pages on the free stack
+    fields: dict  # every slot field of the pool, for content checks
+    kv: paged.PagedKV
+
+
+@functools.cache
+def _empty(P, B):
+    N, M = SHAPES[(P, B)]
+    return jax.jit(lambda: paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=N, page_size=P, batch=B,
+                                      max_pages=M, position_axes=1))()
+
+
+def _page_valid(rng, P, kind):
+    if kind == "full":
+        return np.ones(P, bool)
+    if kind == "empty":
+        return np.zeros(P, bool)
+    if kind in ("single", "all_but_one"):
+        out = np.full(P, kind == "all_but_one")
+        out[rng.integers(P)] = kind == "single"
+        return out
+    return rng.random(P) < rng.uniform(0.1, 0.9)
+
+
+def build(P, B, table, valid, page_class, span, rng):
+    """A `PagedKV` whose tables, validity, classes and spans are given; the other slot fields are random and
+    distinct, the free stack holds the pages in no table, each sequence's high-water mark lies in its last entry."""
+    N, M = SHAPES[(P, B)]
+    used = table[table >= 0]
+    free = rng.permutation(np.setdiff1d(np.arange(N), used)).astype(np.int32)
+    seq_slots = np.zeros(B, np.int32)
+    for b in range(B):
+        n = int(np.sum(table[b] >= 0))
+        if n:
+            last = max([j for j, x in enumerate(ref.live_slots(table[b], valid, P)) if x], default=-1)
+            seq_slots[b] = rng.integers(max(last + 1, (n - 1) * P + 1), n * P + 1)
+    fields = {
+        "k": rng.standard_normal((1, N, P, 1, 2)).astype(np.float32),
+        "v": rng.standard_normal((1, N, P, 1, 2)).astype(np.float32),
+        "pos": rng.integers(0, 1000, (1, N, P)).astype(np.int32),
+        "order": rng.permutation(N * P).reshape(N, P).astype(np.int32),
+        "unit": rng.integers(0, 50, (N, P)).astype(np.int32),
+        "span": span.astype(np.int8),
+        "offset": rng.integers(0, 50, (N, P)).astype(np.int32),
+        "score": rng.random((N, P)).astype(np.float32),
+    }
+    kv = _empty(P, B).replace(
+        **{name: jnp.asarray(value) for name, value in fields.items()},
+        valid=jnp.asarray(valid), page_table=jnp.asarray(table, jnp.int32),
+        page_class=jnp.asarray(page_class, jnp.int8), seq_slots=jnp.asarray(seq_slots),
+        next_order=jnp.full((B,), N * P, jnp.int32),
+        free_stack=jnp.asarray(np.concatenate([free, rng.permutation(used)]).astype(np.int32)),
+        num_free=jnp.asarray(len(free), jnp.int32))
+    return Layout(table=table, valid=valid, page_class=page_class, span=span, free=free, fields=fields, kv=kv)
+
+
+def random_layout(rng, P, B):
+    N, M = SHAPES[(P, B)]
+    pages = rng.permutation(N)
+    table = np.full((B, M), -1, np.int32)
+    used = 0
+    for b in range(B):
+        n = min(int(rng.integers(0, M + 1)), N - used)
+        table[b, :n] = pages[used:used + n]
+        used += n
+    valid = np.zeros((N, P), bool)
+    page_class = np.full(N, PageClass.FREE, np.int8)
+    span = rng.choice([K.SYSTEM, K.TEXT, K.IMAGE], size=(N, P)).astype(np.int8)
+    for b in range(B):
+        one_class = CLASSES[rng.integers(3)] if rng.random() < 0.4 else None  # more same-class neighbours
+        for page in table[b][table[b] >= 0]:
+            valid[page] = _page_valid(rng, P, PAGE_KINDS[rng.choice(len(PAGE_KINDS), p=PAGE_KIND_P)])
+            page_class[page] = one_class if one_class is not None else CLASSES[rng.integers(3)]
+            if rng.random() < 0.3:
+                span[page] = K.SYSTEM
+    return build(P, B, table, valid, page_class, span, rng)
+
+
+@functools.cache
+def layouts(P, B):
+    rng = np.random.default_rng(zlib.crc32(f"omnipage-{P}-{B}".encode()))
+    return tuple(random_layout(rng, P, B) for _ in range(LAYOUTS))
+
+
+# Compiles dominate the module's time, so each shape compiles every planner setting together, once.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _plans(kv, subblocks, min_pages):
+    return ({sb: omnipage.plan_tile_skip(kv, sb) for sb in subblocks},
+            {m: omnipage.plan_ordered_suffix(kv, m) for m in min_pages})
+
+
+def all_plans(kv):
+    """`({subblock: MigrationPlan}, {min_pages: MigrationPlan})` as numpy."""
+    return jax.device_get(_plans(kv, SUBBLOCKS[kv.page_size], MIN_PAGES))
+
+
+@functools.cache
+def plans(P, B):
+    return tuple(all_plans(layout.kv) for layout in layouts(P, B))
+
+
+def moves_of(dst_row) -> dict[int, int]:
+    return {int(j): int(d) for j, d in enumerate(dst_row) if d >= 0}
+
+
+def describe(layout, b, P) -> str:
+    """One sequence's entries as `page:class:live bits`, for failure messages."""
+    rows = []
+    for page in layout.table[b]:
+        if page < 0:
+            break
+        bits = "".join("1" if x else "0" for x in layout.valid[page])
+        rows.append(f"{page}:{PageClass(int(layout.page_class[page])).name}:{bits}")
+    return f"P={P} seq {b}: " + " ".join(rows)
+
+
+def check_plan_shape(plan, P, B):
+    M = SHAPES[(P, B)][1]
+    assert plan.dst.shape == (B, M * P) and plan.dst.dtype == jnp.int32
+    assert plan.accepted.shape == (B,) and plan.accepted.dtype == jnp.bool_
+
+
+TILE_CASES = [(P, B, sb) for P in (4, 8) for B in (1, 3) for sb in SUBBLOCKS[P]]
+SUFFIX_CASES = [(P, B, m) for P in (4, 8) for B in (1, 3) for m in MIN_PAGES]
+
+
+@pytest.mark.parametrize("P,B,subblock", TILE_CASES)
+def test_plan_tile_skip_matches_reference(P, B, subblock):
+    for layout, (tile, _) in zip(layouts(P, B), plans(P, B)):
+        plan = tile[subblock]
+        check_plan_shape(plan, P, B)
+        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
+        for b in range(B):
+            want = ref.tile_skip_plan(layout.table[b], layout.valid, layout.page_class, P, subblock)
+            assert (moves_of(dst[b]), bool(accepted[b])) == want, describe(layout, b, P)
+
+
+@pytest.mark.parametrize("P,B,min_pages", SUFFIX_CASES)
+def test_plan_ordered_suffix_matches_reference(P, B, min_pages):
+    for layout, (_, suffix) in zip(layouts(P, B), plans(P, B)):
+        plan = suffix[min_pages]
+        check_plan_shape(plan, P, B)
+        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
+        for b in range(B):
+            want = ref.ordered_suffix_plan(layout.table[b], layout.valid, P, min_pages)
+            assert (moves_of(dst[b]), bool(accepted[b])) == want, describe(layout, b, P)
+
+
+def _common_move_checks(live, row, moves, P):
+    """Sources live, destinations distinct, in existing entries and before their sources."""
+    destinations = list(moves.values())
+    assert len(set(destinations)) == len(destinations)
+    for src, dst in moves.items():
+        assert live[src] and 0 <= dst < src and row[dst // P] >= 0
+
+
+@pytest.mark.parametrize("P,B,subblock", TILE_CASES)
+def test_tile_skip_plans_meet_criterion(P, B, subblock):
+    counts = {"accepted": 0, "rejected": 0, "rejected_with_moves": 0}
+    for layout, (tile, _) in zip(layouts(P, B), plans(P, B)):
+        plan = tile[subblock]
+        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
+        for b in range(B):
+            row, moves, ok = layout.table[b], moves_of(dst[b]), bool(accepted[b])
+            live = ref.live_slots(row, layout.valid, P)
+            note = describe(layout, b, P)
+            _common_move_checks(live, row, moves, P)
+            for src, dst_j in moves.items():
+                src_entry, dst_entry = live[src // P * P:][:P], live[dst_j // P * P:][:P]
+                assert not live[dst_j], note
+                assert layout.page_class[row[src // P]] == layout.page_class[row[dst_j // P]], note
+                assert not all(src_entry), note  # sources come from partly filled entries
+                assert any(dst_entry), note  # holes are in active entries
+            after = ref.apply_moves(live, moves)
+            better = (ref.count_active(after, P) < ref.count_active(live, P)
+                      or ref.count_active(after, subblock) < ref.count_active(live, subblock))
+            assert ok == (bool(moves) and better), note
+            counts["accepted" if ok else "rejected"] += 1
+            counts["rejected_with_moves"] += (not ok) and bool(moves)
+    assert counts["accepted"] and counts["rejected"], counts
+    if subblock == P:
+        assert counts["rejected_with_moves"], counts  # proposals that free no page are turned down
+
+
+@pytest.mark.parametrize("P,B,min_pages", SUFFIX_CASES)
+def test_ordered_suffix_plans_meet_criterion(P, B, min_pages):
+    counts = {"accepted": 0, "rejected": 0}
+    for layout, (_, suffix) in zip(layouts(P, B), plans(P, B)):
+        plan = suffix[min_pages]
+        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
+        for b in range(B):
+            row, moves, ok = layout.table[b], moves_of(dst[b]), bool(accepted[b])
+            live = ref.live_slots(row, layout.valid, P)
+            note = describe(layout, b, P)
+            counts["accepted" if ok else "rejected"] += 1
+            if not ok:
+                assert moves == {}, note
+                continue
+            assert moves, note
+            _common_move_checks(live, row, moves, P)
+            for dst_j in moves.values():  # a destination is a hole or a slot its own survivor leaves
+                assert not live[dst_j] or dst_j in moves, note
+            # Gather-then-scatter on slot identities: survivors keep their relative order, the moved ones end up
+            # as one contiguous run to the end, and the span shrinks by at least min_pages pages.
+            content = [j if x else None for j, x in enumerate(live)]
+            moved_content = list(content)
+            for src in moves:
+                moved_content[src] = None
+            for src, dst_j in moves.items():
+                moved_content[dst_j] = content[src]
+            survivors = [s for s in moved_content if s is not None]
+            assert survivors == sorted(survivors) and len(survivors) == sum(live), note
+            start = min(moves.values())
+            tail = [s is not None for s in moved_content[start:]]
+            assert tail == sorted(tail, reverse=True), note
+            after = ref.apply_moves(live, moves)
+            assert ref.span_pages(live, P) - ref.span_pages(after, P) >= min_pages, note
+    assert counts["accepted"] and counts["rejected"], counts
+
+
+# Worked examples of the spec, P = 4 (M = MUST_KEEP, S = SELECTED, R = RECENT).
+HAND_TILE = [
+    # Same class: 5 -> 1, 4 -> 3, then hole 6 is past mover 2; entry 1 empties.
+    (("S", "1010"), ("S", "1100"), 2, {5: 1, 4: 3}, True),
+    # Different classes: only the SELECTED page packs (2 -> 1); one subblock fewer, no page fewer.
+    (("S", "1010"), ("R", "1100"), 2, {2: 1}, True),
+    (("S", "1010"), ("R", "1100"), 4, {2: 1}, False),
+    # Full pages give no movers; the single RECENT survivor at 9 fills hole 5 of the other RECENT page.
+    (("R", "1111"), ("R", "1011"), ("R", "0100"), 2, {9: 5}, True),
+    # Empty entries offer no holes; packing within entry 1 frees no subblock, so the proposal is turned down.
+    (("S", "0000"), ("S", "0011"), 2, {7: 4, 6: 5}, False),
+]
+HAND_SUFFIX = [
+    # Span 3 pages; min_pages 1: the shortest suffix that saves a page starts at 7 (8 -> 7).
+    (("R", "1000"), ("R", "0100"), ("R", "1000"), 1, {8: 7}, True),
+    # min_pages 2: everything from 2 on packs into the first page.
+    (("R", "1000"), ("R", "0100"), ("R", "1000"), 2, {5: 2, 8: 3}, True),
+    # Already packed: nothing to gain.
+    (("S", "1111"), ("M", "1100"), 1, {}, False),
+    # Classes are ignored; the empty middle entry counts in the span.
+    (("M", "1000"), ("S", "0000"), ("R", "0010"), 1, {10: 7}, True),
+]
+_CODES = {"M": PageClass.MUST_KEEP, "S": PageClass.SELECTED, "R": PageClass.RECENT}
+
+
+def _hand_layout(entries, P=4, B=1):
+    N, M = SHAPES[(P, B)]
+    table = np.full((B, M), -1, np.int32)
+    valid = np.zeros((N, P), bool)
+    page_class = np.full(N, PageClass.FREE, np.int8)
+    for e, (code, bits) in enumerate(entries):
+        page = N - 1 - 2 * e  # not in table order
+        table[0, e] = page
+        valid[page] = [c == "1" for c in bits]
+        page_class[page] = _CODES[code]
+    return build(P, B, table, valid, page_class, np.full((N, P), K.TEXT, np.int8), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("case", HAND_TILE)
+def test_tile_skip_worked_examples(case):
+    *entries, subblock, moves, accepted = case
+    layout = _hand_layout(entries)
+    assert ref.tile_skip_plan(layout.table[0], layout.valid, layout.page_class, 4, subblock) == (moves, accepted)
+    plan = all_plans(layout.kv)[0][subblock]
+    assert (moves_of(np.asarray(plan.dst)[0]), bool(plan.accepted[0])) == (moves, accepted)
+
+
+@pytest.mark.parametrize("case", HAND_SUFFIX)
+def test_ordered_suffix_worked_examples(case):
+    *entries, min_pages, moves, accepted = case
+    layout = _hand_layout(entries)
+    assert ref.ordered_suffix_plan(layout.table[0], layout.valid, 4, min_pages) == (moves, accepted)
+    plan = all_plans(layout.kv)[1][min_pages]
+    assert (moves_of(np.asarray(plan.dst)[0]), bool(plan.accepted[0])) == (moves, accepted)
+
+
+def check_mode_result(layout, out, moved, expected, P, B):
+    """The returned cache against the per-sequence reference results, plus the pool's and tables' invariants."""
+    N, M = SHAPES[(P, B)]
+    table, valid = np.asarray(out.page_table), np.asarray(out.valid)
+    fields = {name: np.asarray(getattr(out, name)) for name in layout.fields}
+    moved, seq_slots = np.asarray(moved), np.asarray(out.seq_slots)
+    assert moved.shape == (B,) and moved.dtype == np.int32
+    released = set()
+    for b, exp in enumerate(expected):
+        note = describe(layout, b, P)
+        assert int(moved[b]) == exp["moved"], note
+        assert table[b].tolist() == exp["row"], note
+        exists = table[b] >= 0
+        assert (exists[:-1] >= exists[1:]).all(), note  # no -1 before an entry
+        live = ref.live_slots(table[b], valid, P)
+        assert live == [s is not None for s in exp["source"]], note
+        assert sum(live) == sum(ref.live_slots(layout.table[b], layout.valid, P)), note  # retained cells
+        for j, s in enumerate(exp["source"]):  # every survivor carries its key, value and metadata
+            if s is None:
+                continue
+            new, old = (int(table[b, j // P]), j % P), (int(layout.table[b, s // P]), s % P)
+            for name, value in layout.fields.items():
+                if name in ("k", "v", "pos"):
+                    np.testing.assert_array_equal(fields[name][:, new[0], new[1]], value[:, old[0], old[1]],
+                                                  err_msg=f"{name} {note}")
+                else:
+                    assert fields[name][new] == value[old], f"{name} {note}"
+        # The high-water mark stays above every survivor and inside the entries (reserve relies on both).
+        last = max([j for j, x in enumerate(live) if x], default=-1)
+        assert last < seq_slots[b] and -(-int(seq_slots[b]) // P) == int(exists.sum()), note
+        released |= set(exp["released"])
+    num_free = int(out.num_free)
+    free = np.asarray(out.free_stack)[:num_free]
+    referenced = table[table >= 0]
+    assert num_free + len(referenced) == N
+    assert len(set(free.tolist()) | set(referenced.tolist())) == N  # no page twice, none lost
+    assert set(free.tolist()) == set(layout.free.tolist()) | released
+    page_class = np.asarray(out.page_class)
+    assert (page_class[free] == PageClass.FREE).all() and not valid[free].any()
+    assert (page_class[referenced] != PageClass.FREE).all()
+
+
+MODE_CASES = [(4, 3, 2, 1), (8, 1, 8, 2), (8, 3, 4, 2)]  # (P, B, subblock, min_pages)
+MODE_LAYOUTS = 10
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _modes(kv, subblock, min_pages):
+    tiled, tile_moved = omnipage.tile_skip(kv, subblock)
+    packed, pack_moved = omnipage.ordered_suffix(kv, min_pages)
+    return ((tiled, tile_moved, layout_stats(kv, subblock), layout_stats(tiled, subblock)),
+            (packed, pack_moved, layout_stats(packed, kv.page_size)))
+
+
+@functools.cache
+def mode_results(P, B, subblock, min_pages):
+    """Per layout: `((tile_skip kv, moved, stats before, stats after), (ordered_suffix kv, moved, stats after))`."""
+    return tuple(jax.device_get(_modes(layout.kv, subblock, min_pages)) for layout in layouts(P, B)[:MODE_LAYOUTS])
+
+
+@pytest.mark.parametrize("P,B,subblock,min_pages", MODE_CASES)
+def test_tile_skip_mode(P, B, subblock, min_pages):
+    accepted_seen = 0
+    for layout, (result, _) in zip(layouts(P, B), mode_results(P, B, subblock, min_pages)):
+        out, moved, before, after = result
+        expected = [ref.tile_skip_mode(layout.table[b], layout.valid, layout.page_class, layout.span, P, subblock)
+                    for b in range(B)]
+        check_mode_result(layout, out, moved, expected, P, B)
+        page_class = np.asarray(out.page_class)
+        for b, exp in enumerate(expected):
+            note = describe(layout, b, P)
+            assert {int(p): int(page_class[p]) for p in exp["row"] if p >= 0} == exp["classes"], note
+            _, ok = ref.tile_skip_plan(layout.table[b], layout.valid, layout.page_class, P, subblock)
+            if ok:
+                accepted_seen += 1
+                assert (after.active_pages[b] < before.active_pages[b]
+                        or after.active_subblocks[b] < before.active_subblocks[b]), note
+    assert accepted_seen
+
+
+@pytest.mark.parametrize("P,B,subblock,min_pages", MODE_CASES)
+def test_ordered_suffix_mode(P, B, subblock, min_pages):
+    accepted_seen = 0
+    for layout, (_, result) in zip(layouts(P, B), mode_results(P, B, subblock, min_pages)):
+        out, moved, after = result
+        expected = [ref.ordered_suffix_mode(layout.table[b], layout.valid, P, min_pages) for b in range(B)]
+        check_mode_result(layout, out, moved, expected, P, B)
+        for b, exp in enumerate(expected):
+            note = describe(layout, b, P)
+            packed = ref.span_pages(ref.live_slots(exp["compacted_row"], layout.valid, P), P) * P
+            assert int(after.physical_span[b]) <= packed, note
+            if ref.ordered_suffix_plan(exp["compacted_row"], layout.valid, P, min_pages)[1]:
+                accepted_seen += 1
+                assert int(after.physical_span[b]) <= packed - min_pages * P, note
+    assert accepted_seen
