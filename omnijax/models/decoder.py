@@ -33,6 +33,51 @@ from omnijax.kv.paged import write_layer
 from omnijax.models.common import new_param, rms_norm
 
 
+def _proj(config: DecoderConfig, h: jnp.ndarray, p: dict, name: str) -> jnp.ndarray:
+    out = jnp.einsum("btd,de->bte", h, p[name + "_proj"], preferred_element_type=jnp.float32)
+    if name + "_bias" in p:
+        out = out + p[name + "_bias"].astype(jnp.float32)
+    return out.astype(config.jnp_dtype)
+
+
+def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, angles: jnp.ndarray):
+    """One layer's attention inputs for a chunk: `(q [B, T, H, d], k [B, T, G, d], v [B, T, G, d])`, q and k rotated.
+
+    Args:
+        config: the decoder config.
+        p: one layer's parameters (the stacked dict sliced at a layer).
+        h: `[B, T, D]` the layer's input hidden states.
+        angles: `[B, T, d/2]` RoPE angles of the chunk's positions (`rope.rope_angles`).
+    """
+    c = config
+    B, T, _ = h.shape
+    normed = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+    q = _proj(c, normed, p, "q").reshape(B, T, c.num_heads, c.head_dim)
+    k = _proj(c, normed, p, "k").reshape(B, T, c.num_kv_heads, c.head_dim)
+    v = _proj(c, normed, p, "v").reshape(B, T, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    return rope_lib.apply_rope(q, angles), rope_lib.apply_rope(k, angles), v
+
+
+def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
+    """The rest of a layer after attention: output projection and residual, then the gated MLP and residual.
+
+    Args:
+        h: `[B, T, D]` the layer's input hidden states; attn: `[B, T, H, d]` attention outputs.
+    """
+    c, dt = config, config.jnp_dtype
+    B, T, _ = h.shape
+    attn = attn.reshape(B, T, c.num_heads * c.head_dim)
+    h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
+    normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+    gate = jnp.einsum("btd,di->bti", normed, p["gate_proj"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("btd,di->bti", normed, p["up_proj"], preferred_element_type=jnp.float32)
+    act = jax.nn.silu(gate.astype(dt)) * up.astype(dt)
+    return h + jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers' parameters, stacked along a leading `layers` axis."""
 
@@ -105,38 +150,16 @@ class Decoder(nnx.Module):
         """
         c = self.config
         dt = c.jnp_dtype
-        B, T, _ = x.shape
         angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)  # [B, T, d/2]
-
-        def proj(h, w, bias_name, p):
-            out = jnp.einsum("btd,de->bte", h, w, preferred_element_type=jnp.float32)
-            if bias_name in p:
-                out = out + p[bias_name].astype(jnp.float32)
-            return out.astype(dt)
 
         def layer(h, xs):
             p, k_layer, v_layer = xs
-            normed = rms_norm(h, p["input_norm"], c.rms_norm_eps)
-            q = proj(normed, p["q_proj"], "q_bias", p).reshape(B, T, c.num_heads, c.head_dim)
-            k = proj(normed, p["k_proj"], "k_bias", p).reshape(B, T, c.num_kv_heads, c.head_dim)
-            v = proj(normed, p["v_proj"], "v_bias", p).reshape(B, T, c.num_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-            q = rope_lib.apply_rope(q, angles)
-            k = rope_lib.apply_rope(k, angles)
+            q, k, v = layer_qkv(c, p, h, angles)
             k_layer = write_layer(k_layer, cache.write_slots, k)
             v_layer = write_layer(v_layer, cache.write_slots, v)
             attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl, with_mass=track_scores)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
-            attn = attn.reshape(B, T, c.num_heads * c.head_dim)
-            h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
-            normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            gate = jnp.einsum("btd,di->bti", normed, p["gate_proj"], preferred_element_type=jnp.float32)
-            up = jnp.einsum("btd,di->bti", normed, p["up_proj"], preferred_element_type=jnp.float32)
-            act = (jax.nn.silu(gate.astype(dt)) * up.astype(dt))
-            h = h + jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
-            return h, (k_layer, v_layer, mass)
+            return layer_finish(c, p, h, attn), (k_layer, v_layer, mass)
 
         h, (k_pages, v_pages, mass) = jax.lax.scan(layer, x.astype(dt), (self.layers.stacked(), k_pages, v_pages))
         return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)
