@@ -1,0 +1,178 @@
+"""The compressed initial decode cache prefill compression builds, and greedy decoding on it.
+
+Each layer keeps, per KV head, its own set of prompt tokens (SnapKV selects per head; AdaKV even gives heads
+different budgets), so a layer's cache is one flattened row per sequence with a segment per KV head:
+
+    k, v     [B, T, d]      T = sum over heads of (selected tokens + decode room); real memory, no masking
+    index    [B, T] int32   prompt index (decoding: absolute write index) of each entry, -1 = empty
+    offset   [B, G + 1]     segment g of sequence b is [offset[b, g], offset[b, g + 1])
+    length   [B, G]         filled entries of each segment
+
+Layers may differ in T (PyramidKV budgets), so the cache is a tuple of `LayerCache`, one per layer, and decoding
+loops over layers in Python (unrolled under jit). Keys are stored after RoPE at their true absolute positions, and
+decoding continues from the prompt's true next position, never from the shortened cache length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from omnijax.kv import rope as rope_lib
+from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which prompt tokens a layer keeps: `index [B, K]` in per-KV-head segments `offset [B, G + 1]`.
+
+    Within a segment the indices are ascending; `K = offset[:, -1]` for every sequence.
+    """
+
+    index: jax.Array
+    offset: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    offset: jax.Array
+    length: jax.Array
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.length.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CompressedCache:
+    """Per-layer caches, the next absolute position `next_pos [B]` and the next write index `next_index [B]`."""
+
+    layers: tuple[LayerCache, ...]
+    next_pos: jax.Array
+    next_index: jax.Array
+
+    def cells(self) -> jax.Array:
+        """`[B]` int32: filled entries over all layers and heads."""
+        return sum(jnp.sum(layer.length, axis=1) for layer in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (allocated, filled or not)."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+
+def segment_owner(offset: jax.Array, size: int) -> jax.Array:
+    """`[B, size]` int32: the KV head whose segment holds each flattened entry."""
+    t = jnp.arange(size)
+    return jax.vmap(lambda off: jnp.searchsorted(off[1:], t, side="right"))(offset).astype(jnp.int32)
+
+
+def pack(keys: jax.Array, values: jax.Array, selection: Selection, *, room: int = 0) -> LayerCache:
+    """Gathers one layer's selected entries into a `LayerCache`, leaving `room` empty entries per head for decoding.
+
+    Args:
+        keys, values: `[B, S, G, d]` the layer's full prompt keys (post-RoPE) and values.
+        selection: the kept prompt indices per head.
+        room: decode capacity appended to every head's segment.
+    """
+    B, S, G, d = keys.shape
+    K = selection.index.shape[1]
+    owner = segment_owner(selection.offset, K)  # [B, K]
+    rows = jnp.arange(B)[:, None]
+    k_sel = keys[rows, selection.index, owner]  # [B, K, d]
+    v_sel = values[rows, selection.index, owner]
+    counts = selection.offset[:, 1:] - selection.offset[:, :-1]  # [B, G]
+    offset = selection.offset + room * jnp.arange(G + 1)[None, :]
+    dest = jnp.arange(K)[None, :] + room * owner  # entry k of head g shifts by g * room
+    T = K + G * room
+    put = lambda x, fill: jnp.full((B, T) + x.shape[2:], fill, x.dtype).at[rows, dest].set(x)  # noqa: E731
+    return LayerCache(k=put(k_sel, 0), v=put(v_sel, 0), index=put(selection.index.astype(jnp.int32), -1),
+                      offset=offset.astype(jnp.int32), length=counts.astype(jnp.int32))
+
+
+def from_heads(keys: jax.Array, values: jax.Array, index: jax.Array, *, room: int = 0) -> LayerCache:
+    """A `LayerCache` from per-head rectangular entries `keys, values [B, G, n, d]`, `index [B, G, n]`."""
+    B, G, n, d = keys.shape
+    pad = ((0, 0), (0, 0), (0, room))
+    k = jnp.pad(keys, pad + ((0, 0),)).reshape(B, G * (n + room), d)
+    v = jnp.pad(values, pad + ((0, 0),)).reshape(B, G * (n + room), d)
+    index = jnp.pad(index.astype(jnp.int32), pad, constant_values=-1).reshape(B, G * (n + room))
+    offset = jnp.broadcast_to(jnp.arange(G + 1, dtype=jnp.int32) * (n + room), (B, G + 1))
+    return LayerCache(k=k, v=v, index=index, offset=offset, length=jnp.full((B, G), n, jnp.int32))
+
+
+def keep_all(batch: int, length: int, num_kv_heads: int) -> Selection:
+    """Every prompt token in every head (no compression)."""
+    index = jnp.broadcast_to(jnp.tile(jnp.arange(length, dtype=jnp.int32), num_kv_heads), (batch, num_kv_heads * length))
+    offset = jnp.broadcast_to(jnp.arange(num_kv_heads + 1, dtype=jnp.int32) * length, (batch, num_kv_heads + 1))
+    return Selection(index=index, offset=offset)
+
+
+def attend_segments(q: jax.Array, layer: LayerCache) -> jax.Array:
+    """One decode query per sequence `q [B, H, d]` against each head's filled segment. Returns `[B, H, d]`."""
+    B, H, d = q.shape
+    G = layer.num_kv_heads
+    T = layer.k.shape[1]
+    owner = segment_owner(layer.offset, T)  # [B, T]
+    filled = jnp.arange(T)[None, :] - jnp.take_along_axis(layer.offset, owner, axis=1) < jnp.take_along_axis(
+        layer.length, owner, axis=1)
+    head_of_q = jnp.arange(H) // (H // G)  # [H]
+    visible = filled[:, None, :] & (owner[:, None, :] == head_of_q[None, :, None])  # [B, H, T]
+    s = jnp.einsum("bhd,btd->bht", q, layer.k, preferred_element_type=jnp.float32) * d ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(visible, p, 0.0).astype(q.dtype)
+    return jnp.einsum("bht,btd->bhd", p, layer.v, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tuple[jax.Array, CompressedCache]:
+    """Feeds one token `[B]` at the cache's next position; returns `(logits [B, V] float32, cache)`.
+
+    The token's key and value are appended to every head's segment of every layer (dropped, not wrapped, when a
+    segment is full: size `room` accordingly). Text positions move all position axes together.
+    """
+    c = model.config
+    B = token.shape[0]
+    h = model.embed_tokens(token[:, None])
+    positions = jnp.broadcast_to(cache.next_pos[None, :, None], (c.position_axes, B, 1))
+    angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)
+    stacked = model.layers.stacked()
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        p = {name: value[i] for name, value in stacked.items()}
+        q, k, v = layer_qkv(c, p, h, angles)  # [B, 1, H, d], [B, 1, G, d]
+        G = layer.num_kv_heads
+        T = layer.k.shape[1]
+        slot = layer.offset[:, :G] + layer.length  # [B, G]
+        slot = jnp.where(slot < layer.offset[:, 1:], slot, T)  # a full segment drops the write
+        rows = jnp.arange(B)[:, None]
+        layer = LayerCache(
+            k=layer.k.at[rows, slot].set(k[:, 0], mode="drop"), v=layer.v.at[rows, slot].set(v[:, 0], mode="drop"),
+            index=layer.index.at[rows, slot].set(jnp.broadcast_to(cache.next_index[:, None], (B, G)), mode="drop"),
+            offset=layer.offset, length=jnp.minimum(layer.length + 1, layer.offset[:, 1:] - layer.offset[:, :G]))
+        attn = attend_segments(q[:, 0], layer)
+        h = layer_finish(c, p, h, attn[:, None])
+        layers.append(layer)
+    logits = model.logits(h[:, 0])
+    return logits, CompressedCache(layers=tuple(layers), next_pos=cache.next_pos + 1,
+                                   next_index=cache.next_index + 1)
+
+
+def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int
+           ) -> tuple[jax.Array, jax.Array, CompressedCache]:
+    """Greedy decoding: `(tokens [B, steps], logits [B, steps, V], cache)`; the first token comes from
+    `first_logits` (the prompt's last logits)."""
+    logits, tokens, all_logits = first_logits, [], []
+    for _ in range(steps):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, cache = decode_step(model, cache, token)
+        tokens.append(token)
+        all_logits.append(logits)
+    return jnp.stack(tokens, 1), jnp.stack(all_logits, 1), cache

@@ -1,0 +1,194 @@
+"""TideKV: layer-major chunked prefill with delayed, layer-end eviction (seed 001 §4–§5).
+
+For each layer in turn, the prompt streams through that layer chunk by chunk against the layer's accumulated
+uncompressed KV; only after the last chunk is the layer's KV scored, compressed to its budget and packed, and the
+full KV released; the chunk outputs, written back over the chunk inputs, are the hidden-state bridge to the next
+layer. So the uncompressed KV of one layer and the activations of one chunk are the only prompt-sized transients
+(the bridge is `[B, S, D]`, the prompt's hidden states).
+
+Memory is the point, so it is made true by construction: a host loop over layers calls one jitted layer step that
+donates the bridge (updated in place) and returns the layer's packed cache; the layer's full KV lives only inside
+that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far through
+`omnijax.attention` on a contiguous paged view (impl "xla" visits only the pages written so far).
+
+Without eviction (`budgets=None`) the bridge equals one-shot prefill's hidden states; eviction never changes them,
+only what the decode cache keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from omnijax import attention as attention_lib
+from omnijax.config import DecoderConfig
+from omnijax.kv import rope as rope_lib
+from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
+from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
+from omnijax.prefill.selectors import Selector
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    """`cache` for decoding, the prompt's last-token `logits [B, V]` and final `hidden [B, S, D]` states."""
+
+    cache: CompressedCache
+    logits: jax.Array
+    hidden: jax.Array
+
+
+def contiguous_view(length: int, batch: int, page: int, start: jax.Array, chunk: int, written: jax.Array
+                    ) -> attention_lib.CacheView:
+    """A paged `CacheView` over contiguous per-sequence buffers `[B, length]` cut into pages of `page` slots.
+
+    Slots `< written` are live; a query at absolute index i sees slots j <= i (write order = index).
+    """
+    pages = length // page
+    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)).reshape(batch * pages, page)
+    q_order = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    return attention_lib.CacheView(write_slots=jnp.zeros((batch, chunk), jnp.int32), page_table=table,
+                                   slot_valid=slot < written, slot_order=slot, q_order=q_order)
+
+
+def window_rows(q_obs: jax.Array, q: jax.Array, start: jax.Array, prompt_len: int) -> jax.Array:
+    """Copies the rows of chunk queries `q [B, C, H, d]` (absolute indices start..) that fall in the observation
+    window (the prompt's last W indices) into `q_obs [B, W, H, d]`."""
+    W = q_obs.shape[1]
+    C = q.shape[1]
+    target = start + jnp.arange(C) - (prompt_len - W)
+    target = jnp.where((target >= 0) & (target < W), target, W)
+    return q_obs.at[:, target].set(q, mode="drop")
+
+
+def padded_length(prompt_len: int, chunk: int, page: int) -> int:
+    """The buffer length: the prompt rounded up to whole chunks and whole pages."""
+    step = chunk * page // _gcd(chunk, page)
+    return -(-prompt_len // step) * step
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector",
+                                             "budget", "window", "room"), donate_argnums=(1,))
+def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
+               chunk: int, page: int, impl: str, selector: Selector | None, budget: int | None, window: int,
+               room: int) -> tuple[jax.Array, LayerCache]:
+    """One layer over the whole prompt, chunk by chunk, then layer-end compression.
+
+    Args:
+        p: the layer's parameters.
+        bridge: `[B, Spad, D]` the layer's input hidden states (donated; returned holding its outputs).
+        positions: `[A, B, Spad]` absolute positions.
+        prompt_len: S, the real prompt length (rows beyond it are padding, never visible to real tokens).
+        budget: tokens kept per KV head; None keeps every token.
+        window: observation-window rows to capture for the selector (0 when it needs none).
+        room: decode capacity per head in the packed cache.
+
+    Returns:
+        `(bridge, layer_cache)`.
+    """
+    c = config
+    B, Spad, _ = bridge.shape
+    G, d, H = c.num_kv_heads, c.head_dim, c.num_heads
+    k_buf = jnp.zeros((B, Spad, G, d), c.jnp_dtype)  # the layer's full KV: alive only inside this step
+    v_buf = jnp.zeros((B, Spad, G, d), c.jnp_dtype)
+    q_obs = jnp.zeros((B, max(window, 1), H, d), c.jnp_dtype)
+
+    def run_chunk(i, carry):
+        bridge, k_buf, v_buf, q_obs = carry
+        start = i * chunk
+        h = jax.lax.dynamic_slice_in_dim(bridge, start, chunk, axis=1)
+        pos = jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=2)
+        angles = rope_lib.rope_angles(pos, d, c.rope_theta, c.mrope_section)
+        q, k, v = layer_qkv(c, p, h, angles)
+        k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
+        v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
+        view = contiguous_view(Spad, B, page, start, chunk, start + chunk)
+        attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view, impl=impl)
+        if window:
+            q_obs = window_rows(q_obs, q, start, prompt_len)
+        bridge = jax.lax.dynamic_update_slice_in_dim(bridge, layer_finish(c, p, h, attn), start, axis=1)
+        return bridge, k_buf, v_buf, q_obs
+
+    bridge, k_buf, v_buf, q_obs = jax.lax.fori_loop(0, -(-prompt_len // chunk), run_chunk,
+                                                    (bridge, k_buf, v_buf, q_obs))
+    keys, values = k_buf[:, :prompt_len], v_buf[:, :prompt_len]
+    if budget is None:
+        selection = keep_all(B, prompt_len, G)
+    else:
+        selection = selector.select(q_obs if window else None, keys, budget)
+    return bridge, pack(keys, values, selection, room=room)
+
+
+def layer_params(model: Decoder, layer: int) -> dict:
+    """One layer's parameters sliced out of the stacked arrays."""
+    return {name: value[layer] for name, value in model.layers.stacked().items()}
+
+
+def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
+    if budgets is None:
+        return None
+    budgets = (budgets,) * num_layers if isinstance(budgets, int) else tuple(int(b) for b in budgets)
+    if len(budgets) != num_layers or min(budgets) < 1:
+        raise ValueError(f"need one positive budget per layer ({num_layers}), got {budgets}")
+    return budgets
+
+
+def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, selector: Selector | None = None,
+                   budgets=None, chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0,
+                   next_pos: jax.Array | None = None, progress: bool = False) -> PrefillResult:
+    """Layer-major delayed-eviction prefill of a prompt's embeddings.
+
+    Args:
+        model: the decoder (for Qwen2.5-Omni, `model.decoder` with `x` from the thinker's multimodal embeddings).
+        x: `[B, S, D]` prompt embeddings.
+        positions: `[A, B, S]` absolute positions (A = 1 drives every mrope axis).
+        selector: compression selector (`omnijax.prefill.selectors`); required with `budgets`.
+        budgets: tokens kept per KV head, one int for every layer or one per layer (`uniform_budgets`,
+            `pyramid_budgets`); None keeps everything (layer-major prefill without eviction).
+        chunk: prompt chunk length C.
+        page: page length of the contiguous attention view (a power of two).
+        impl: attention implementation for the chunks.
+        room: decode capacity per head in the returned cache.
+        next_pos: `[B]` the position decoding continues from (default: max prompt position + 1).
+        progress: print one line per layer to stderr.
+    """
+    c = model.config
+    B, S, D = x.shape
+    budgets = check_budgets(budgets, c.num_layers)
+    if budgets is not None and selector is None:
+        raise ValueError("budgets need a selector")
+    window = getattr(selector, "window", 0) if budgets is not None and selector.needs_window else 0
+    if window > S:
+        raise ValueError(f"observation window {window} longer than the prompt ({S})")
+    Spad = padded_length(S, chunk, page)
+    positions = jnp.asarray(positions, jnp.int32)
+    if next_pos is None:
+        next_pos = jnp.max(positions, axis=(0, 2)) + 1
+    pad = Spad - S
+    positions = jnp.pad(positions, ((0, 0), (0, 0), (0, pad)), mode="edge")
+    bridge = jnp.pad(jnp.asarray(x, c.jnp_dtype), ((0, 0), (0, pad), (0, 0)))
+    layers = []
+    for layer in range(c.num_layers):
+        start = time.perf_counter()
+        bridge, cache = layer_step(layer_params(model, layer), bridge, positions, config=c, prompt_len=S,
+                                   chunk=chunk, page=page, impl=impl, selector=selector,
+                                   budget=None if budgets is None else budgets[layer], window=window, room=room)
+        layers.append(cache)
+        if progress:
+            jax.block_until_ready(bridge)
+            print(f"  layer {layer + 1}/{c.num_layers}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    hidden = bridge[:, :S]
+    cache = CompressedCache(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
+                            next_index=jnp.full((B,), S, jnp.int32))
+    return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)

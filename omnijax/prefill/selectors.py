@@ -1,0 +1,201 @@
+"""Prefill compression selectors and per-layer budget schedules.
+
+A selector is a frozen dataclass (static, part of the compiled program) with
+
+    select(q_obs, keys, budget) -> Selection
+
+where `q_obs [B, W, H, d]` are the queries of the prompt's last W tokens (post-RoPE; None for selectors that need
+none), `keys [B, S, G, d]` the layer's full prompt keys and `budget` the tokens kept per KV head (a layer keeps
+`G * budget` entries). Budgets are token counts and include the observation window. Scoring (SnapKV's pooled
+window attention) is separate from selection (per-head or head-adaptive top-k), and scoring runs with memory
+independent of the prompt length unless `impl="reference"`.
+
+Budget schedules turn a total token budget into per-layer budgets that sum to it exactly: `uniform_budgets` and
+`pyramid_budgets` (PyramidKV: more tokens in lower layers, an arithmetic ramp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from omnijax.prefill.cache import Selection
+from pallas_kernels import streaming_topk as topk_lib
+
+SCORE_IMPLS = ("reference", "xla", "pallas")
+
+
+class Selector(Protocol):
+    name: ClassVar[str]
+    needs_window: ClassVar[bool]
+
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
+        ...
+
+
+REGISTRY: dict[str, Callable[..., Selector]] = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _uniform_offsets(batch: int, num_kv_heads: int, per_head: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(num_kv_heads + 1, dtype=jnp.int32) * per_head, (batch, num_kv_heads + 1))
+
+
+def _with_window(prefix_index: jax.Array, S: int, window: int) -> jax.Array:
+    """`[B, G, k]` ascending prefix indices + the window's `window` indices -> `[B, G, k + window]` ascending."""
+    B, G, _ = prefix_index.shape
+    win = jnp.broadcast_to(jnp.arange(S - window, S, dtype=jnp.int32), (B, G, window))
+    return jnp.concatenate([prefix_index.astype(jnp.int32), win], axis=-1)
+
+
+def topk_scores(q_obs: jax.Array, keys: jax.Array, k: int, *, impl: str, block_size: int, pool_kernel: int):
+    """SnapKV top-k over the prompt prefix (window excluded): `(index [B, G, k] ascending, score [B, G, k])`."""
+    if impl == "reference":
+        return topk_lib.streaming_topk_reference(q_obs, keys, k=k, pool_kernel=pool_kernel)
+    if impl == "xla":
+        return topk_lib.streaming_topk_blockwise(q_obs, keys, k=k, block_size=block_size, pool_kernel=pool_kernel)
+    if impl == "pallas":
+        return topk_lib.streaming_topk(q_obs, keys, k=k, block_size=block_size, pool_kernel=pool_kernel,
+                                       interpret=jax.default_backend() == "cpu")
+    raise ValueError(f"unknown scoring impl {impl!r}; available: {SCORE_IMPLS}")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SnapKV:
+    """SnapKV as published: pooled window attention per KV head; the window is always kept.
+
+    Attributes:
+        window: observation window W (the prompt's last W tokens).
+        pool_kernel: average-pooling kernel over keys (odd).
+        impl: scoring implementation: "reference" (dense W x S scores), "xla" (two-pass blockwise, memory
+            independent of S) or "pallas" (the Pallas kernels of `pallas_kernels.streaming_topk`).
+        block_size: key block of the blockwise passes (a power of two).
+    """
+
+    window: int = 64
+    pool_kernel: int = 5
+    impl: str = "xla"
+    block_size: int = 512
+
+    name: ClassVar[str] = "snapkv"
+    needs_window: ClassVar[bool] = True
+
+    def select(self, q_obs, keys, budget):
+        B, S, G, _ = keys.shape
+        if budget >= S:
+            return _keep_all(B, S, G)
+        if budget <= self.window:
+            raise ValueError(f"SnapKV budget {budget} must exceed its window {self.window}")
+        index, _ = topk_scores(q_obs, keys, budget - self.window, impl=self.impl, block_size=self.block_size,
+                               pool_kernel=self.pool_kernel)
+        return Selection(index=_with_window(index, S, self.window).reshape(B, G * budget),
+                         offset=_uniform_offsets(B, G, budget))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class RecentTokens:
+    """The last `budget` prompt tokens in every head."""
+
+    name: ClassVar[str] = "recent"
+    needs_window: ClassVar[bool] = False
+
+    def select(self, q_obs, keys, budget):
+        B, S, G, _ = keys.shape
+        budget = min(budget, S)
+        index = jnp.broadcast_to(jnp.tile(jnp.arange(S - budget, S, dtype=jnp.int32), G), (B, G * budget))
+        return Selection(index=index, offset=_uniform_offsets(B, G, budget))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AdaKV:
+    """Head-adaptive budgets (AdaKV) over SnapKV scores, in the flattened per-head layout.
+
+    A layer keeps `G * budget` tokens in all: each head keeps its window and at least `floor` of its uniform share
+    of prefix tokens; the rest of the layer's prefix budget goes to the highest-scoring (head, token) pairs across
+    heads. Heads therefore get different segment lengths, and the layer stores exactly `G * budget` entries.
+    Candidates come from each head's own top list, so scoring memory stays independent of the prompt length.
+    """
+
+    window: int = 64
+    pool_kernel: int = 5
+    floor: float = 0.2
+    impl: str = "xla"
+    block_size: int = 512
+
+    name: ClassVar[str] = "adakv"
+    needs_window: ClassVar[bool] = True
+
+    def select(self, q_obs, keys, budget):
+        B, S, G, _ = keys.shape
+        if budget >= S:
+            return _keep_all(B, S, G)
+        if budget <= self.window:
+            raise ValueError(f"AdaKV budget {budget} must exceed its window {self.window}")
+        share = budget - self.window  # uniform prefix share per head
+        total = G * share  # the layer's prefix budget
+        guaranteed = int(self.floor * share)
+        candidates = min(total, S - self.window)  # the global top-`total` lies within each head's top-`candidates`
+        index, score = topk_scores(q_obs, keys, candidates, impl=self.impl, block_size=self.block_size,
+                                   pool_kernel=self.pool_kernel)  # [B, G, c] ascending index
+        # Rank within head by score (descending, ties to the lower index); the first `guaranteed` are kept outright.
+        order = jnp.argsort(-score, axis=-1, stable=True)
+        rank = jnp.argsort(order, axis=-1)
+        must = rank < guaranteed
+        pool = jnp.where(must, jnp.inf, score).reshape(B, G * candidates)  # guaranteed entries sort first
+        _, chosen = jax.lax.top_k(pool, total)  # [B, total] positions in the flattened candidate list
+        keep = jnp.zeros((B, G * candidates), bool).at[jnp.arange(B)[:, None], chosen].set(True)
+        keep = keep.reshape(B, G, candidates)
+        counts = jnp.sum(keep, axis=-1).astype(jnp.int32) + self.window  # [B, G] per-head budgets
+        offset = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)
+        # Flatten: each head's kept prefix indices (ascending), then its window, into its segment.
+        rank_in_head = jnp.cumsum(keep, axis=-1) - 1  # [B, G, c]
+        dest = jnp.where(keep, offset[:, :G, None] + rank_in_head, G * budget)
+        rows = jnp.arange(B)[:, None, None]
+        flat = jnp.zeros((B, G * budget), jnp.int32).at[rows, dest].set(index.astype(jnp.int32), mode="drop")
+        win_dest = offset[:, 1:, None] - self.window + jnp.arange(self.window)  # [B, G, W]
+        flat = flat.at[rows, win_dest].set(jnp.arange(S - self.window, S, dtype=jnp.int32))
+        return Selection(index=flat, offset=offset)
+
+
+def _keep_all(B: int, S: int, G: int) -> Selection:
+    index = jnp.broadcast_to(jnp.tile(jnp.arange(S, dtype=jnp.int32), G), (B, G * S))
+    return Selection(index=index, offset=_uniform_offsets(B, G, S))
+
+
+def uniform_budgets(total: int, num_layers: int) -> tuple[int, ...]:
+    """`total` tokens per head over all layers, split as evenly as possible (earlier layers get the remainder)."""
+    base, extra = divmod(total, num_layers)
+    return tuple(base + (1 if layer < extra else 0) for layer in range(num_layers))
+
+
+def pyramid_budgets(total: int, num_layers: int, *, window: int = 64, beta: float = 20.0) -> tuple[int, ...]:
+    """PyramidKV: per-layer budgets on an arithmetic ramp from the bottom layer down to the top, summing to `total`.
+
+    Beyond the window every layer keeps, the mean prefix share `a = total / L - window` is spread as a ramp from
+    `2a - a / beta` (layer 0) to `a / beta` (last layer); rounding by largest remainders keeps the sum exact.
+    """
+    if total < num_layers * window:
+        raise ValueError(f"total budget {total} cannot hold a {window}-token window in each of {num_layers} layers")
+    prefix = total - num_layers * window
+    mean = prefix / num_layers
+    low, high = mean / beta, 2 * mean - mean / beta
+    if num_layers == 1:
+        ideal = [float(prefix)]
+    else:
+        ideal = [high - (high - low) * layer / (num_layers - 1) for layer in range(num_layers)]
+    floors = [int(x) for x in ideal]
+    short = prefix - sum(floors)
+    by_remainder = sorted(range(num_layers), key=lambda layer: (-(ideal[layer] - floors[layer]), layer))
+    for layer in by_remainder[:short]:
+        floors[layer] += 1
+    return tuple(window + f for f in floors)
