@@ -84,6 +84,22 @@ class Model:
         Returns:
             `[B, T, V]` float32 logits (rows of padding tokens are not meaningful).
         """
+        ids, mask, embeds, embed_mask, positions = self._prepare(
+            input_ids, attention_mask, position_ids, input_features=input_features,
+            feature_attention_mask=feature_attention_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+            video_second_per_grid=video_second_per_grid, use_audio_in_video=use_audio_in_video, **kwargs)
+        graphdef, params = nnx.split(self.decoder)
+        return _forward(graphdef, params, jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32),
+                        jnp.asarray(mask.astype(bool)), jnp.asarray(positions),
+                        None if embeds is None else jnp.asarray(embeds), None if embed_mask is None else
+                        jnp.asarray(embed_mask), page_size=page_size)
+
+    def _prepare(self, input_ids, attention_mask, position_ids, *, input_features=None, feature_attention_mask=None,
+                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+                 video_second_per_grid=None, use_audio_in_video: bool = False, **kwargs):
+        """Validated numpy inputs of a forward: `(ids, mask, embeds | None, embed_mask | None, positions [A, B, T])`
+        (multimodal features already encoded into `embeds` at `embed_mask`)."""
         if kwargs:
             raise TypeError(f"Model() got unexpected keyword arguments {sorted(kwargs)}")
         if input_ids is None:
@@ -126,11 +142,25 @@ class Model:
             if positions.shape != (axes,) + ids.shape:
                 raise ValueError(f"position_ids must be [{axes}, B, T] = {(axes,) + ids.shape}, "
                                  f"got {positions.shape}")
-        graphdef, params = nnx.split(self.decoder)
-        return _forward(graphdef, params, jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32),
-                        jnp.asarray(mask.astype(bool)), jnp.asarray(positions),
-                        None if embeds is None else jnp.asarray(embeds), None if embed_mask is None else
-                        jnp.asarray(embed_mask), page_size=page_size)
+        return ids, mask, embeds, embed_mask, positions
+
+    def prefill(self, input_ids=None, attention_mask=None, position_ids=None, *, selector=None, budgets=None,
+                chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0, progress: bool = False,
+                **media):
+        """TideKV prefill of one prompt (layer-major, compression at each layer's end) with the same keyword inputs
+        as `__call__`; returns an `omnijax.prefill.PrefillResult` whose cache decodes with
+        `omnijax.prefill.decode_step` from the prompt's true next position. `budgets=None` compresses nothing.
+        Padded batches are refused (every sequence must be a whole prompt).
+        """
+        from omnijax.prefill import tidekv_prefill
+        ids, mask, embeds, embed_mask, positions = self._prepare(input_ids, attention_mask, position_ids, **media)
+        if not mask.all():
+            raise ValueError("prefill takes unpadded prompts: attention_mask must be all ones")
+        x = self.decoder.embed_tokens(jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32))
+        if embeds is not None:
+            x = jnp.where(jnp.asarray(embed_mask)[..., None], jnp.asarray(embeds).astype(x.dtype), x)
+        return tidekv_prefill(self.decoder, x, jnp.asarray(positions), selector=selector, budgets=budgets,
+                              chunk=chunk, page=page, impl=impl, room=room, progress=progress)
 
 
 def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):

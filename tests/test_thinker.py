@@ -148,3 +148,28 @@ def test_mismatched_inputs_are_refused(model):
     pixels, grid = preprocess_images([frames(1)[0]])
     with pytest.raises(thinker.ThinkerInputError, match="image_grid_thw"):
         model(input_ids=ids, pixel_values=pixels)
+
+
+def test_tidekv_prefill_of_an_audiovisual_prompt(model, hf):
+    """Layer-major prefill of the thinker (multimodal embeddings, TMRoPE) ends at transformers' last logits and its
+    compressed cache decodes from the true next position."""
+    from omnijax.prefill import SnapKV, greedy
+    chunks, media = av_session(model, units=2)
+    ids, _ = token_layout(chunks)
+    features, fmask, _ = audio_inputs(media["clips"])
+    grids = np.stack(media["grid"])
+    inputs = dict(input_ids=ids[None], input_features=features, feature_attention_mask=fmask,
+                  pixel_values_videos=np.concatenate(media["pix"]), video_grid_thw=grids,
+                  video_second_per_grid=[1.0] * len(grids), use_audio_in_video=True)
+    _, want = compare(model, hf, ids, **{k: v for k, v in inputs.items() if k != "input_ids"})
+    full = model.prefill(chunk=32, page=16, room=3, **inputs)
+    np.testing.assert_allclose(np.asarray(full.logits[0]), want[0, -1], atol=1e-4, rtol=0)
+    compressed = model.prefill(chunk=32, page=16, room=3, selector=SnapKV(window=8, block_size=16), budgets=24,
+                               **inputs)
+    np.testing.assert_allclose(np.asarray(compressed.logits), np.asarray(full.logits), atol=1e-5, rtol=0)
+    assert int(compressed.cache.next_pos[0]) == int(full.cache.next_pos[0]) > 0
+    tokens, logits, cache = greedy(model.decoder, compressed.cache, compressed.logits, 3)
+    assert tokens.shape == (1, 3) and np.isfinite(np.asarray(logits)).all()
+    assert int(cache.layers[0].length[0, 0]) == 24 + 3
+    with pytest.raises(ValueError, match="unpadded"):
+        model.prefill(input_ids=ids[None], attention_mask=np.r_[0, np.ones(len(ids) - 1)][None])
