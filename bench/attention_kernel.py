@@ -1,0 +1,323 @@
+"""Attention time over captured cache layouts: full context vs OmniPick under each paging mode (seed 000 Figures
+10/11 kernel panels and Figure 15).
+
+Layout capture. A synthetic Qwen2.5-Omni session (`synthetic.qwen_av_session`: a system prompt, then 2 s audiovisual
+units of 124 tokens) is streamed past `--tokens` tokens, one chunk per `Session.feed` (`impl="xla"`), through a
+narrow one-layer writer decoder (`TINY_OMNI` with one layer). Retention and paging decide from unit, span, order and
+position metadata only, never from the cached values, so the layout a writer leaves (page table, live slots, write
+order) is the layout the real model would leave. Configurations: NoSlide (full context, a pool large enough for the
+whole stream; only its 4K/8K/16K/32K checkpoints are kept: the first chunk whose streamed total reaches each), and
+`OmniPick()` (2500/1800 watermarks, a 48-page pool) under paging `native`, `tile_skip`, `ordered_suffix`, `eager`,
+kept after every chunk together with the chunk's `stats.moved`.
+
+Attention timing. Qwen2.5-Omni-7B attention shapes (28 query heads, 4 KV heads, head dim 128), float32, random K/V
+pages `[N, 64, 4, 128]` sized to the configuration's pool (one compile per pool shape), one layer, jitted
+`attention.attend(..., impl="xla")`, which loops over each sequence's active pages only. For each captured layout:
+prefill = the next unit's 124 queries, decode = 1 query; their `q_order` follows every cached write order and their
+`write_slots` are -1, so they attend to the cached slots only (the chunk's own tokens are not part of the layout).
+
+Migration cost (OmniPage modes). A mode runs once per evicting chunk. To time what it does, a shadow session with
+the same placement but no relayout re-feeds that chunk from the previous state, which yields the exact cache the
+mode received; the mode function itself (`omnipage.tile_skip`, `omnipage.ordered_suffix`, `eager.compact`: plan,
+gather-then-scatter copy, page bookkeeping) is then timed on a one-layer cache of the 7B shapes holding that layout,
+with its input buffer donated. The copy gathers and scatters the whole table space whenever any slot moves, so its
+cost hardly depends on how many slots move. Its returned moved count is checked against the session's `stats.moved`.
+Attention is per layer and the copy is per layer, so the units match; the planner runs once per chunk for the whole
+model, so charging it per layer overstates OmniPage's cost. The migration total is added to both the prefill and the
+decode totals of `tile_skip` and `ordered_suffix`; `eager` is the oracle and excludes it (its cost is still
+reported). The share of eager's saving recovered is also given for attention alone, without migration.
+
+Timing discipline: every case (checkpoint layouts, sampled session layouts, migration events) is run once per round,
+interleaved, after two warm-up calls per compiled shape; figures are medians over `--repeats` rounds, and ratios are
+medians of same-round ratios. The cumulative attention time uses every `--every`-th chunk, scaled by `--every`
+(migration events are all timed). The exact active-page sums over all chunks are reported alongside as the
+layout-only prediction of the same ratios.
+
+Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--out bench/out]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import omnijax
+from omnijax import attention, synthetic
+from omnijax.config import TINY_OMNI
+from omnijax.paging import Paging, eager, omnipage
+from omnijax.retention import NoSlide, OmniPick
+
+H, G, D = 28, 4, 128  # Qwen2.5-Omni-7B attention
+PAGE, UNIT, OMNI_POOL = 64, 124, 48
+CHECKPOINTS = (4096, 8192, 16384, 32768)
+MODES = ("native", "tile_skip", "ordered_suffix", "eager")
+MODE_FNS = {"tile_skip": lambda kv: omnipage.tile_skip(kv, 32),
+            "ordered_suffix": lambda kv: omnipage.ordered_suffix(kv, 1), "eager": eager.compact}
+PAPER = {"speedup_32k": 12.72, "recovered": {"prefill": 0.885, "decode": 0.821}}
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlaceOnly(Paging):
+    """Mode `native` (no relayout) with another mode's placement: yields the cache a paging mode receives."""
+
+    place: str = "first_fit"
+
+    @property
+    def placement(self) -> str:
+        return self.place
+
+
+def capture(model, chunks, policy, paging, num_pages, keep=None):
+    """Streams `chunks` one at a time; returns one numpy layout row per kept chunk (all chunks when `keep` is None)."""
+    session = omnijax.Session(model, policy=policy, paging=paging, num_pages=num_pages, page_size=PAGE, impl="xla")
+    shadow = None
+    if paging in MODE_FNS:
+        shadow = omnijax.Session(model, policy=policy, paging=_PlaceOnly(place=Paging(paging).placement),
+                                 num_pages=num_pages, page_size=PAGE, impl="xla")
+    rows, tokens = [], 0
+    for i in range(chunks.token_ids.shape[0]):
+        chunk = jax.tree.map(lambda x: x[i], chunks)
+        prev = session.state
+        out = session.feed(chunk)
+        tokens += int(np.asarray(chunk.valid).sum())
+        kv, st = session.state.kv, out.stats
+        if bool(kv.exhausted.any()):
+            raise RuntimeError(f"{paging}: pool of {num_pages} pages ran out at chunk {i}")
+        if keep is not None and i not in keep:
+            continue
+        row = {"chunk": i, "tokens": tokens, "page_table": np.asarray(kv.page_table), "valid": np.asarray(kv.valid),
+               "order": np.asarray(kv.order), "moved": int(st.moved[0]), "evicted": int(st.evicted[0]),
+               "active_pages": int(st.layout.active_pages[0]), "retained": int(st.layout.retained_cells[0]),
+               "span": int(st.layout.physical_span[0])}
+        if shadow is not None and row["evicted"] > 0:
+            shadow.state = prev
+            shadow.feed(chunk)
+            row["pre_kv"] = jax.tree.map(np.asarray, shadow.state.kv)
+        rows.append(row)
+    return rows
+
+
+def attention_case(row, q, kv_pages):
+    """Arguments of one attention call over a captured layout (queries after every cached write order)."""
+    table, valid, order = row["page_table"], row["valid"], row["order"]
+    pages = table[table >= 0]
+    q0 = int(order[pages][valid[pages]].max()) + 1 if valid[pages].any() else 0
+    T = q.shape[1]
+    view = attention.CacheView(write_slots=jnp.full((1, T), -1, jnp.int32), page_table=jnp.asarray(table),
+                               slot_valid=jnp.asarray(valid), slot_order=jnp.asarray(order),
+                               q_order=jnp.asarray(q0 + np.arange(T, dtype=np.int32))[None])
+    return (q,) + kv_pages + (view,)
+
+
+def timed_rounds(cases, repeats):
+    """Runs every case once per round, interleaved; `case = (key, prepare, fn)`, only `fn(*prepare())` is timed.
+    One warm-up call per distinct `key` (compiled shape) comes first. Returns `[repeats, cases]` ms."""
+    seen = set()
+    for key, prepare, fn in cases:
+        if key not in seen:
+            seen.add(key)
+            for _ in range(2):
+                jax.block_until_ready(fn(*prepare()))
+    ms = np.zeros((repeats, len(cases)))
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        for i, (_, prepare, fn) in enumerate(cases):
+            args = prepare()
+            jax.block_until_ready(args)
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ms[r, i] = 1e3 * (time.perf_counter() - start)
+        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return ms
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32768, help="stream until the session has this many tokens")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--every", type=int, default=3, help="chunk stride of the cumulative attention time")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_run = time.perf_counter()
+    writer_cfg = TINY_OMNI.replace(num_layers=1)
+    writer = omnijax.Decoder(writer_cfg)
+    chunks = synthetic.qwen_av_session(math.ceil(args.tokens / UNIT) + 1, vocab_size=writer_cfg.vocab_size)
+    cum = np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2)))
+    n = int(np.argmax(cum >= args.tokens)) + 1  # stop at the first chunk past --tokens
+    chunks = jax.tree.map(lambda x: x[:n], chunks)
+    checkpoints = {L: int(np.argmax(cum >= L)) for L in CHECKPOINTS if L <= cum[n - 1]}
+    full_pool = math.ceil(int(cum[n - 1]) / PAGE) + 2
+
+    layouts = {}
+    for name, policy, paging, pool, keep in [("full", NoSlide(), "native", full_pool, set(checkpoints.values()))] + [
+            (m, OmniPick(), m, OMNI_POOL, None) for m in MODES]:
+        start = time.perf_counter()
+        layouts[name] = capture(writer, chunks, policy, paging, pool, keep)
+        print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
+    kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, OMNI_POOL)}
+    attend = jax.jit(lambda q, k, v, view: attention.attend(q, k, v, view, impl="xla"))
+    cases, index = [], {}  # index[(kind, config, chunk, phase)] = case column
+
+    def add(key, prepare, fn, tag):
+        index[tag] = len(cases)
+        cases.append((key, prepare, fn))
+
+    for L, c in checkpoints.items():  # Figure 10/11 analogue
+        for name in ("full",) + MODES:
+            row = next(r for r in layouts[name] if r["chunk"] == c)
+            pool = full_pool if name == "full" else OMNI_POOL
+            for phase, q in qs.items():
+                a = attention_case(row, q, kv_pages[pool])
+                add((pool, phase), lambda a=a: a, attend, ("ckpt", name, c, phase))
+    sampled = list(range(0, n, args.every))
+    for c in sampled:  # Figure 15 analogue: the four modes side by side at every sampled chunk
+        for m in MODES:
+            for phase, q in qs.items():
+                a = attention_case(layouts[m][c], q, kv_pages[OMNI_POOL])
+                add((OMNI_POOL, phase), lambda a=a: a, attend, ("cum", m, c, phase))
+    k7, v7 = (np.asarray(rng.standard_normal((1, OMNI_POOL, PAGE, G, D), dtype=np.float32)) for _ in range(2))
+    for m, fn in MODE_FNS.items():
+        jfn = jax.jit(fn, donate_argnums=0)
+        for row in layouts[m]:
+            if "pre_kv" in row:
+                prepare = lambda kv=row["pre_kv"]: (jax.device_put(kv.replace(k=k7, v=v7)),)
+                got = int(jfn(*prepare())[1][0])
+                if got != row["moved"]:
+                    raise RuntimeError(f"{m} chunk {row['chunk']}: mode moved {got}, session moved {row['moved']}")
+                add(("mig", m), prepare, jfn, ("mig", m, row["chunk"], None))
+    print(f"timing {len(cases)} cases per round ({len(checkpoints)} checkpoints, {len(sampled)} sampled chunks x "
+          f"{len(MODES)} modes, {sum(1 for t in index if t[0] == 'mig')} migration events)", flush=True)
+    ms = timed_rounds(cases, args.repeats)  # [R, cases]
+    col = lambda *tag: ms[:, index[tag]]
+
+    ckpt_rows = []
+    for L, c in checkpoints.items():
+        for name in ("full",) + MODES:
+            row = next(r for r in layouts[name] if r["chunk"] == c)
+            full_pages = next(r for r in layouts["full"] if r["chunk"] == c)["active_pages"]
+            entry = {"checkpoint": L, "history_tokens": row["tokens"], "config": name, "retained": row["retained"],
+                     "active_pages": row["active_pages"], "pages_ratio": full_pages / row["active_pages"]}
+            for phase in qs:
+                t = col("ckpt", name, c, phase)
+                entry[f"{phase}_ms"] = float(np.median(t))
+                entry[f"{phase}_speedup"] = float(np.median(col("ckpt", "full", c, phase) / t))
+            ckpt_rows.append(entry)
+
+    totals = {}  # [R] seconds per (mode, phase): attention (scaled by --every) and migration
+    for m in MODES:
+        mig = sum((col("mig", m, r["chunk"], None) for r in layouts[m] if "pre_kv" in r), np.zeros(args.repeats))
+        totals[m, "mig"] = mig / 1e3
+        for phase in qs:
+            totals[m, phase] = args.every * sum(col("cum", m, c, phase) for c in sampled) / 1e3
+    charged = lambda m, phase: totals[m, phase] + (totals[m, "mig"] if m in ("tile_skip", "ordered_suffix") else 0)
+    pages_sum = {m: sum(r["active_pages"] for r in layouts[m]) for m in MODES}
+    cum_rows = []
+    for m in MODES:
+        entry = {"mode": m, "migration_s": float(np.median(totals[m, "mig"])), "migration_charged": m != "eager"
+                 and m != "native", "moved_slots": sum(r["moved"] for r in layouts[m]),
+                 "migration_events": sum(1 for r in layouts[m] if "pre_kv" in r), "active_page_chunks": pages_sum[m],
+                 "pages_reduction": 1 - pages_sum[m] / pages_sum["native"],
+                 "pages_recovered": (pages_sum["native"] - pages_sum[m]) / (pages_sum["native"] - pages_sum["eager"])}
+        for phase in qs:
+            nat, eag, mine = charged("native", phase), charged("eager", phase), charged(m, phase)
+            entry[f"{phase}_attention_s"] = float(np.median(totals[m, phase]))
+            entry[f"{phase}_total_s"] = float(np.median(mine))
+            entry[f"{phase}_reduction"] = float(np.median(1 - mine / nat))
+            entry[f"{phase}_recovered"] = float(np.median((nat - mine) / (nat - eag)))
+            a_nat, a_eag, a_mine = totals["native", phase], totals["eager", phase], totals[m, phase]
+            entry[f"{phase}_recovered_attention_only"] = float(np.median((a_nat - a_mine) / (a_nat - a_eag)))
+        cum_rows.append(entry)
+
+    print(f"\nattention per layer (ms, median of {args.repeats}) at history checkpoints; speedup vs full context")
+    print(f"{'ckpt':>6} {'tokens':>6} {'config':>14} {'pages':>5} {'x':>5} {'prefill':>8} {'x':>6} {'decode':>7} "
+          f"{'x':>6}")
+    for r in ckpt_rows:
+        print(f"{r['checkpoint']:>6} {r['history_tokens']:>6} {r['config']:>14} {r['active_pages']:>5} "
+              f"{r['pages_ratio']:>5.1f} {r['prefill_ms']:>8.1f} {r['prefill_speedup']:>6.2f} {r['decode_ms']:>7.2f} "
+              f"{r['decode_speedup']:>6.2f}")
+    print(f"\ncumulative attention over {n} chunks (every {args.every}-th timed, x{args.every}), seconds per layer; "
+          "OmniPage modes include migration, eager excludes it; (attn) = recovered share without migration")
+    print(f"{'mode':>14} {'prefill':>8} {'red.':>6} {'recov.':>6} {'(attn)':>6} {'decode':>7} {'red.':>6} "
+          f"{'recov.':>6} {'(attn)':>6} {'mig s':>6} {'moved':>6} {'pages':>6} {'p.red':>6} {'p.rec':>6}")
+    for r in cum_rows:
+        print(f"{r['mode']:>14} {r['prefill_total_s']:>8.2f} {r['prefill_reduction']:>6.1%} "
+              f"{r['prefill_recovered']:>6.1%} {r['prefill_recovered_attention_only']:>6.1%} "
+              f"{r['decode_total_s']:>7.3f} {r['decode_reduction']:>6.1%} {r['decode_recovered']:>6.1%} "
+              f"{r['decode_recovered_attention_only']:>6.1%} {r['migration_s']:>6.3f} {r['moved_slots']:>6} "
+              f"{r['active_page_chunks']:>6} {r['pages_reduction']:>6.1%} {r['pages_recovered']:>6.1%}")
+    top = max(checkpoints)
+    best = {r["config"]: r for r in ckpt_rows if r["checkpoint"] == top}
+    print(f"speedup vs full context at {top}: " + ", ".join(
+        f"{m} {best[m]['prefill_speedup']:.2f}x/{best[m]['decode_speedup']:.2f}x (prefill/decode)" for m in MODES)
+          + f"; paper {PAPER['speedup_32k']}x")
+    runtime = time.perf_counter() - t_run
+    print(f"total runtime {runtime:.0f} s")
+    summary = {"attention_shapes": {"heads": H, "kv_heads": G, "head_dim": D, "dtype": "float32", "impl": "xla"},
+               "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
+               "full_pool_pages": full_pool, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
+               "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
+               "cumulative": cum_rows}
+    (out / "attention_kernel.json").write_text(json.dumps(summary, indent=2))
+    plot(ckpt_rows, cum_rows, out / "attention_kernel.png")
+    print(f"wrote {out / 'attention_kernel.json'} and {out / 'attention_kernel.png'}")
+
+
+def plot(ckpt_rows, cum_rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    ax = axes[0]
+    for i, name in enumerate(("full",) + MODES):
+        mine = [r for r in ckpt_rows if r["config"] == name]
+        x = [r["checkpoint"] for r in mine]
+        ax.plot(x, [r["prefill_ms"] for r in mine], "o-", color=f"C{i}", label=f"{name} prefill (124 q)")
+        ax.plot(x, [r["decode_ms"] for r in mine], "s--", color=f"C{i}", label=f"{name} decode (1 q)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(CHECKPOINTS, [f"{c // 1024}K" for c in CHECKPOINTS])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("streamed history")
+    ax.set_ylabel("attention ms per layer (median)")
+    ax.set_title("Qwen-7B attention shapes, CPU, impl=xla")
+    ax.legend(fontsize=6, ncol=2)
+    for ax, phase in zip(axes[1:], ("prefill", "decode")):
+        x = np.arange(len(cum_rows))
+        attn = [r[f"{phase}_attention_s"] for r in cum_rows]
+        mig = [r["migration_s"] if r["migration_charged"] else 0.0 for r in cum_rows]
+        ax.bar(x, attn, color=[f"C{i + 1}" for i in x])
+        ax.bar(x, mig, bottom=attn, color="k", alpha=0.5, label="migration (charged)")
+        for i, r in enumerate(cum_rows):
+            note = "copy excluded" if r["mode"] == "eager" else "" if r["mode"] == "native" \
+                else f"{r[f'{phase}_recovered']:.0%} of eager"
+            label = "baseline" if r["mode"] == "native" else f"{-r[f'{phase}_reduction']:+.1%}\n{note}"
+            ax.text(i, attn[i] + mig[i], label, ha="center",
+                    va="bottom", fontsize=7)
+        ax.set_xticks(x, [r["mode"] for r in cum_rows], fontsize=8)
+        ax.set_ylabel("cumulative attention s per layer")
+        ax.set_title(f"{phase}: whole OmniPick session")
+        ax.set_ylim(0, 1.4 * max(a + m for a, m in zip(attn, mig)))
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
