@@ -54,3 +54,48 @@ def test_case1_text_logits(llm):
     np.testing.assert_allclose(np.asarray(x), case["inputs_embeds"], atol=0)
     full = token_major_prefill(llm, x, jnp.asarray(case["position_ids"])[None], page=16)
     np.testing.assert_allclose(np.asarray(llm.logits(full.hidden)), case["logits"], atol=1e-4, rtol=0)
+
+
+def test_case4_duplex_stream_and_greedy_decisions(llm):
+    """The duplex session fed as the release fed it (one chunk per recorded `feed` call, embedding rows included)
+    through the step-wise session: incremental logits and every greedy decision match; the one-shot forward over
+    everything fed matches the reference's one-shot logits."""
+    import omnijax
+    from omnijax.chunks import Chunk, pad_chunk
+    from omnijax.models.minicpmo.duplex import DuplexDecodeRule
+    case = np.load(GOLDEN / "case4_duplex.npz")
+    meta = json.loads((GOLDEN / "case4_duplex.json").read_text())["meta"]
+    ids, embeds = case["input_ids"][0], case["inputs_embeds"][0]
+    width = int(case["feed_table"][:, 1].max())
+    session = omnijax.Session(llm, num_pages=16, page_size=16)
+    got = {}
+    for start, length, kind, returns in case["feed_table"]:
+        is_token = ids[start:start + length] >= 0
+        chunk = Chunk(token_ids=np.where(is_token, ids[start:start + length], 0)[None],
+                      valid=np.ones((1, length), bool), positions=np.arange(length)[None, None],
+                      unit=np.zeros((1, length), np.int32), span=np.zeros((1, length), np.int8),
+                      offset=np.zeros((1, length), np.int32), answer_tokens=np.zeros((1,), np.int32),
+                      answer_unit=np.zeros((1,), np.int32), advance=np.full((1,), length, np.int32),
+                      embeds=embeds[start:start + length][None], embed_mask=~is_token[None])
+        out = session.feed(pad_chunk(chunk, width))
+        if returns:
+            got[int(start + length - 1)] = np.asarray(out.logits[0])
+    positions = case["incremental_logits_positions"]
+    np.testing.assert_allclose(np.stack([got[int(p)] for p in positions]), case["incremental_logits"], atol=1e-4,
+                               rtol=0)
+    special = json.loads((GOLDEN / "info.json").read_text())["special_token_ids_tiny"]
+    rule = DuplexDecodeRule(chunk_eos=special["<|chunk_eos|>"], turn_eos=special["<|turn_eos|>"],
+                            listen=special["<|listen|>"], tts_bos=special["<|tts_bos|>"],
+                            forbidden=tuple(meta["decoder_forbidden_token_ids"]))
+    # Decisions: the logits at position p chose the token fed at p + 1, for the text tokens of speaking units.
+    history = []
+    for p in positions:
+        fed = int(ids[p + 1])
+        if fed not in meta["decoder_generated_tokens_history"]:
+            continue
+        assert rule.choose(got[int(p)], history) == fed
+        history.append(fed)
+    assert history == meta["decoder_generated_tokens_history"]
+    from omnijax.prefill import token_major_prefill
+    full = token_major_prefill(llm, jnp.asarray(embeds)[None], jnp.asarray(case["position_ids"])[None], page=16)
+    np.testing.assert_allclose(np.asarray(llm.logits(full.hidden)), case["logits"], atol=1e-4, rtol=0)
