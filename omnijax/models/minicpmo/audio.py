@@ -1,0 +1,740 @@
+"""MiniCPM-o 4.5 audio path in Flax NNX: Whisper encoder (`apm`) + projector + average pooling.
+
+Log-mel features `[80, T]` (100 frames per second, `audio_features.log_mel`) go through conv1 (k3, p1) + GELU and
+conv2 (k3, stride 2, p1) + GELU, giving `T' = (T - 1) // 2 + 1` frames (50 per second), plus the learned position
+table `embed_positions[:T']` (loaded from the checkpoint, never recomputed). Pre-LayerNorm transformer layers
+(q/v/out projections with bias, k without; exact GELU feed-forward; LayerNorm eps 1e-5), the final `layer_norm`,
+then the projector Linear(D -> H) -> ReLU -> Linear(H -> H) and AvgPool1d(pool_step = 5) over time: 10 tokens per
+second, `audio_token_count(T) = ((T - 1) // 2 + 1 - 5) // 5 + 1`.
+
+Offline attention (`MiniCPMO.get_audio_embedding(chunk_length = audio_chunk_length)`): block-causal chunks of
+`int(audio_chunk_length * 50)` frames (frame i sees frames `[0, (i // C + 1) * C)`), plus padding. Reference quirk,
+reproduced: padding is decided by comparing the CNN frame index with the clip's **mel** length, so in a batch of
+clips padded to a common length, a shorter clip's frames in `[T'_i, T_i)` (computed from its zero padding) are not
+masked, and its tokens depend on how long the other clips of the batch are (`encode_audio_batch` reproduces a
+batch exactly; `encode_audio` is a batch of one, where the quirk cannot arise).
+
+Streaming (`encode_audio_streaming`, the 4.5 duplex path `get_audio_embedding_streaming`): each chunk's features
+(with extra context frames, `audio_features.mel_stream_step`) run conv1/conv2 on their own; then
+`(prefix_extra + 1) // 2` frames are dropped at the start and `(suffix_extra + 1) // 2` at the end (when fewer than
+all), the rest get positions `embed_positions[past : past + n]` (indices past the table repeat its last row) and
+attend to the cached keys/values of earlier chunks plus themselves (full attention); only these frames enter the
+cache. Before a chunk, if `cache_length + T'_chunk >= max_source_positions` the cache is reset (the release's rule,
+with T' counted before dropping the extra frames). The cache lives in `AudioStreamState`, an immutable pytree of
+fixed capacity returned by every call.
+
+Parameter pytree (`nnx.state(encoder).to_pure_dict()`), L layers, M mel bins, D d_model, F ffn, P positions,
+H output_dim (Linear weights `[in, out]`, conv kernels `[k, in, out]`):
+
+    conv1_kernel [3, M, D]   conv1_bias [D]      conv2_kernel [3, D, D]   conv2_bias [D]
+    embed_positions [P, D]
+    layers: attn_norm_scale/bias [L, D], q_proj [L, D, D], q_bias [L, D], k_proj [L, D, D], v_proj [L, D, D],
+            v_bias [L, D], o_proj [L, D, D], o_bias [L, D], mlp_norm_scale/bias [L, D], fc1 [L, D, F],
+            fc1_bias [L, F], fc2 [L, F, D], fc2_bias [L, D]
+    post_norm_scale [D]      post_norm_bias [D]                      (apm.layer_norm)
+    projection: linear1 [D, H], linear1_bias [H], linear2 [H, H], linear2_bias [H]
+
+Checkpoint tensors: `apm.*` (component "audio", `AUDIO_RULES`) and `audio_projection_layer.*` (component
+"audio_projection", `PROJECTION_RULES`); `audio_components(config)` gives both for `convert.tables`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from convert.errors import MissingTensorError, UnsupportedConfigError
+from convert.tables import Component, Rule, convert_in_memory
+from omnijax.config import DTYPES, JsonConfig
+from omnijax.models.common import new_param
+from omnijax.models.minicpmo.audio_features import (
+    AudioInputError, AudioTooShortError, FeatureShapeError, InvalidPcmError, MelChunk,
+    UnsupportedSampleRateError, log_mel, log_mel_clips, mel_stream_start, mel_stream_step)
+
+__all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError", "AudioStreamState",
+           "AudioTooShortError", "FeatureShapeError", "InvalidPcmError", "MINICPMO_4_5_AUDIO", "PROJECTION_PREFIX",
+           "PROJECTION_RULES", "UnsupportedAudioConfigError", "UnsupportedSampleRateError", "attention_mask",
+           "audio_component", "audio_components", "audio_token_count", "cnn_frames", "encode_audio",
+           "encode_audio_batch", "encode_audio_streaming", "encoder_from_checkpoint", "encoder_from_params",
+           "log_mel", "log_mel_clips", "mel_stream_start", "mel_stream_step", "projection_component"]
+
+_LN_EPS = 1e-5  # torch.nn.LayerNorm default: every norm of the Whisper encoder
+_MASK = -1e30  # finite stand-in for the reference's -inf (no row is ever fully masked)
+_MODEL_TYPE = "whisper"
+_FRAMES_PER_SECOND_AFTER_CNN = 50
+AUDIO_PREFIX = "apm."
+PROJECTION_PREFIX = "audio_projection_layer."
+
+
+class UnsupportedAudioConfigError(UnsupportedConfigError, ValueError):
+    """An audio config attribute changes the encoder's math in a way omnijax does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioConfig(JsonConfig):
+    """Static hyperparameters of the MiniCPM-o 4.5 audio path.
+
+    Attributes:
+        num_mel_bins: mel bins M of the input features (80).
+        d_model: encoder width D; divisible by the head count. The projector's input width is
+            `encoder_ffn_dim // 4` in the release, so `encoder_ffn_dim == 4 * d_model` is required.
+        encoder_layers: transformer layers L.
+        encoder_attention_heads: attention heads.
+        encoder_ffn_dim: feed-forward width F.
+        max_source_positions: rows P of the learned position table (1500 = 30 s).
+        output_dim: projector width H (the LLM hidden size).
+        chunk_length: `audio_chunk_length` in seconds: offline attention is block-causal over chunks of
+            `int(chunk_length * 50)` CNN frames; 0 or less means full attention.
+        pool_step: `audio_pool_step`, the AvgPool1d kernel and stride over CNN frames.
+        dtype: compute dtype name ("float32" or "bfloat16"); parameters are stored in it too.
+    """
+
+    num_mel_bins: int = 80
+    d_model: int = 1024
+    encoder_layers: int = 24
+    encoder_attention_heads: int = 16
+    encoder_ffn_dim: int = 4096
+    max_source_positions: int = 1500
+    output_dim: int = 4096
+    chunk_length: float = 1.0
+    pool_step: int = 5
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"AudioConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("dtype", "chunk_length"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AudioConfig.{f.name} must be a positive integer, got {value!r}")
+        if isinstance(self.chunk_length, bool) or not isinstance(self.chunk_length, (int, float)) or \
+                not math.isfinite(self.chunk_length):
+            raise ValueError(f"AudioConfig.chunk_length must be a finite number, got {self.chunk_length!r}")
+        if self.chunk_length > 0 and self.chunk_frames < 1:
+            raise ValueError(f"chunk_length={self.chunk_length} s is shorter than one CNN frame (20 ms)")
+        if self.d_model % self.encoder_attention_heads:
+            raise ValueError(f"d_model={self.d_model} is not a multiple of "
+                             f"encoder_attention_heads={self.encoder_attention_heads}")
+        if self.encoder_ffn_dim // 4 != self.d_model:
+            raise ValueError(f"the projector reads encoder_ffn_dim // 4 = {self.encoder_ffn_dim // 4} features but "
+                             f"the encoder outputs d_model = {self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.encoder_attention_heads
+
+    @property
+    def chunk_frames(self) -> int:
+        """CNN frames per offline attention chunk (`int(chunk_length * 50)`; 0 = full attention)."""
+        return int(self.chunk_length * _FRAMES_PER_SECOND_AFTER_CNN) if self.chunk_length > 0 else 0
+
+    @property
+    def max_mel_frames(self) -> int:
+        """Longest offline clip in mel frames: one that fills the position table (3000 = 30 s)."""
+        return 2 * self.max_source_positions
+
+    @classmethod
+    def from_hf(cls, hf_config: Mapping[str, Any], dtype: str = "float32") -> "AudioConfig":
+        """Reads a MiniCPM-o `config.json` (the whole model's config: a dict or an object with `to_dict`).
+
+        Uses `audio_config` (a Whisper config), the LLM `hidden_size`, `audio_chunk_length` and `audio_pool_step`.
+        Whisper decoder attributes, dropout rates, spec-augment and other training-only attributes are ignored.
+
+        Raises:
+            UnsupportedAudioConfigError: `init_audio` is false or `audio_config` is missing; the audio config's
+                `model_type` is not `whisper`; `activation_function` is not `gelu`; `scale_embedding` is true;
+                `num_hidden_layers` differs from `encoder_layers`; `layer_norm_eps` is set to other than 1e-5; or
+                `hidden_size` is missing.
+            ValueError: inconsistent sizes (e.g. `encoder_ffn_dim != 4 * d_model`, as `AudioConfig` checks).
+        """
+        data = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
+        if data.get("init_audio", True) is False:
+            raise UnsupportedAudioConfigError("init_audio", False, "the checkpoint has no audio encoder")
+        audio = data.get("audio_config")
+        if hasattr(audio, "to_dict"):
+            audio = audio.to_dict()
+        if not isinstance(audio, Mapping):
+            raise UnsupportedAudioConfigError("audio_config", audio, "a MiniCPM-o config needs an audio_config object")
+        audio = dict(audio)
+        where = "audio_config."
+        model_type = audio.get("model_type", _MODEL_TYPE)
+        if model_type != _MODEL_TYPE:
+            raise UnsupportedAudioConfigError(where + "model_type", model_type,
+                                              "only the Whisper encoder is implemented")
+        act = audio.get("activation_function", "gelu")
+        if act != "gelu":
+            raise UnsupportedAudioConfigError(where + "activation_function", act,
+                                              "only the exact (erf) GELU is implemented")
+        if audio.get("scale_embedding", False):
+            raise UnsupportedAudioConfigError(
+                where + "scale_embedding", audio["scale_embedding"],
+                "the reference encoder never applies the sqrt(d_model) scale the flag asks for, so the checkpoint's "
+                "intended math is ambiguous")
+        eps = audio.get("layer_norm_eps", _LN_EPS)
+        if eps != _LN_EPS:
+            raise UnsupportedAudioConfigError(where + "layer_norm_eps", eps,
+                                              "the reference's LayerNorms always use eps 1e-5")
+        defaults = cls()
+        values = {name: audio.get(name, getattr(defaults, name))
+                  for name in ("num_mel_bins", "d_model", "encoder_layers", "encoder_attention_heads",
+                               "encoder_ffn_dim", "max_source_positions")}
+        layers = audio.get("num_hidden_layers", values["encoder_layers"])
+        if layers != values["encoder_layers"]:
+            raise UnsupportedAudioConfigError(where + "num_hidden_layers", layers,
+                                              f"differs from encoder_layers={values['encoder_layers']}")
+        if "hidden_size" not in data:
+            raise UnsupportedAudioConfigError("hidden_size", None, "the LLM hidden size (projector width) is missing")
+        return cls(**values, output_dim=data["hidden_size"],
+                   chunk_length=data.get("audio_chunk_length", defaults.chunk_length),
+                   pool_step=data.get("audio_pool_step", defaults.pool_step), dtype=dtype)
+
+
+MINICPMO_4_5_AUDIO = AudioConfig()  # Whisper-medium encoder, Qwen3-8B width
+
+
+def cnn_frames(mel_frames):
+    """CNN frames for `mel_frames` mel frames: `(T - 1) // 2 + 1` (ints or integer arrays)."""
+    return (mel_frames - 1) // 2 + 1
+
+
+def audio_token_count(mel_frames: int, pool_step: int = 5) -> int:
+    """Audio tokens of a clip of `mel_frames` mel frames: `(cnn_frames(T) - pool_step) // pool_step + 1`, 0 when the
+    clip is too short for one pooling window (below 9 mel frames for pool_step 5)."""
+    if isinstance(mel_frames, bool) or not isinstance(mel_frames, (int, np.integer)) or mel_frames < 0:
+        raise ValueError(f"mel_frames must be a non-negative integer, got {mel_frames!r}")
+    if mel_frames == 0:
+        return 0
+    return max(0, (cnn_frames(int(mel_frames)) - pool_step) // pool_step + 1)
+
+
+def attention_mask(mel_lengths, mel_frames: int, chunk_frames: int, valid_frames=None):
+    """The offline encoder's mask, True where attention is blocked: `[B, T', T']` bool (jnp; works traced).
+
+    Args:
+        mel_lengths: `[B]` mel frames of each clip (the reference compares CNN frame indices with these).
+        mel_frames: padded mel length of the batch tensor the encoder runs on (T' = cnn_frames of it).
+        chunk_frames: attention chunk in CNN frames (0: no chunking).
+        valid_frames: CNN frames that exist in the reference's batch (default: all T'); frames beyond it are extra
+            padding of this implementation and always masked as keys.
+    """
+    t = cnn_frames(mel_frames)
+    idx = jnp.arange(t)
+    key_pad = idx[None, :] >= jnp.asarray(mel_lengths)[:, None]  # the quirk: CNN index vs mel length
+    if valid_frames is not None:
+        key_pad = key_pad | (idx[None, :] >= valid_frames)
+    masked = jnp.broadcast_to(key_pad[:, None, :], (key_pad.shape[0], t, t))
+    if chunk_frames > 0:
+        visible = idx[None, :] < (idx[:, None] // chunk_frames + 1) * chunk_frames
+        masked = masked | ~visible[None]
+    return masked
+
+
+# ------------------------------------------------------------------------------------------------------- numerics
+
+
+def _layer_norm(x, scale, bias):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    normed = (xf - mean) * jax.lax.rsqrt(var + _LN_EPS)
+    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(x, w, b, dt):
+    out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        out = out + b.astype(jnp.float32)
+    return out.astype(dt)
+
+
+def _gelu(x):
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
+
+
+def _conv3(x, kernel, bias, stride, dt):
+    """Conv1d, kernel 3, padding 1: `[B, T, I]` -> `[B, (T - 1) // stride + 1, O]` (kernel `[3, I, O]`)."""
+    t_out = (x.shape[1] - 1) // stride + 1
+    xp = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))
+    taps = jnp.stack([xp[:, k:k + stride * (t_out - 1) + 1:stride] for k in range(3)], axis=2)  # [B, T_out, 3, I]
+    out = jnp.einsum("btki,kio->bto", taps, kernel, preferred_element_type=jnp.float32)
+    return (out + bias.astype(jnp.float32)).astype(dt)
+
+
+class AudioLayers(nnx.Module):
+    """All encoder layers' parameters, stacked along a leading `layers` axis."""
+
+    def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        L, D, F = c.encoder_layers, c.d_model, c.encoder_ffn_dim
+        self.attn_norm_scale = new_param((L, D), dt, rngs, ones=True)
+        self.attn_norm_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.q_proj = new_param((L, D, D), dt, rngs)
+        self.q_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.k_proj = new_param((L, D, D), dt, rngs)
+        self.v_proj = new_param((L, D, D), dt, rngs)
+        self.v_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.o_proj = new_param((L, D, D), dt, rngs)
+        self.o_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.mlp_norm_scale = new_param((L, D), dt, rngs, ones=True)
+        self.mlp_norm_bias = new_param((L, D), dt, rngs, zeros=True)
+        self.fc1 = new_param((L, D, F), dt, rngs)
+        self.fc1_bias = new_param((L, F), dt, rngs, zeros=True)
+        self.fc2 = new_param((L, F, D), dt, rngs)
+        self.fc2_bias = new_param((L, D), dt, rngs, zeros=True)
+
+    def stacked(self) -> dict[str, jnp.ndarray]:
+        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+class AudioProjection(nnx.Module):
+    """`audio_projection_layer`: Linear(D -> H) -> ReLU -> Linear(H -> H)."""
+
+    def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs):
+        dt, D, H = config.jnp_dtype, config.d_model, config.output_dim
+        self.linear1 = new_param((D, H), dt, rngs)
+        self.linear1_bias = new_param((H,), dt, rngs, zeros=True)
+        self.linear2 = new_param((H, H), dt, rngs)
+        self.linear2_bias = new_param((H,), dt, rngs, zeros=True)
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = jax.nn.relu(_dense(x, self.linear1[...], self.linear1_bias[...], dt))
+        return _dense(h, self.linear2[...], self.linear2_bias[...], dt)
+
+
+class AudioEncoder(nnx.Module):
+    """MiniCPM-o 4.5 audio path: log-mel features -> LLM-width audio tokens (10 per second)."""
+
+    def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        c, dt = config, config.jnp_dtype
+        M, D = c.num_mel_bins, c.d_model
+        self.config = config
+        self.conv1_kernel = new_param((3, M, D), dt, rngs)
+        self.conv1_bias = new_param((D,), dt, rngs, zeros=True)
+        self.conv2_kernel = new_param((3, D, D), dt, rngs)
+        self.conv2_bias = new_param((D,), dt, rngs, zeros=True)
+        self.embed_positions = new_param((c.max_source_positions, D), dt, rngs)
+        self.layers = AudioLayers(config, rngs=rngs)
+        self.post_norm_scale = new_param((D,), dt, rngs, ones=True)
+        self.post_norm_bias = new_param((D,), dt, rngs, zeros=True)
+        self.projection = AudioProjection(config, rngs=rngs)
+
+    def convolve(self, features: jnp.ndarray, valid_mel=None, *, pre_activation: bool = False):
+        """conv1 + GELU, conv2 + GELU: `[B, T, M]` -> `[B, T', D]`. Mel frames at or past `valid_mel` are treated
+        as absent (their conv1 outputs are zeroed, as conv2's zero padding would be). With `pre_activation`, returns
+        `(conv2 output before its GELU, after)`."""
+        dt = self.config.jnp_dtype
+        h = _gelu(_conv3(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1, dt))
+        if valid_mel is not None:
+            h = h * (jnp.arange(h.shape[1]) < valid_mel)[None, :, None].astype(dt)
+        pre = _conv3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt)
+        return (pre, _gelu(pre)) if pre_activation else _gelu(pre)
+
+    def transformer(self, h: jnp.ndarray, bias: jnp.ndarray, cache=None, cache_start=None, collect: bool = False):
+        """The encoder layers and the final `layer_norm`.
+
+        Args:
+            h: `[B, S, D]` embedded frames (positions added).
+            bias: additive mask broadcastable to `[B, 1, S, K]`, K = S without a cache, the cache capacity with one.
+            cache: optional `(keys, values)` `[L, B, C, heads, head_dim]`; this call's keys/values are written at
+                `cache_start` and attention runs over the whole (masked) cache.
+            collect: also return the output of every layer but the last.
+
+        Returns:
+            `(out [B, S, D], layer_outputs [L - 1, B, S, D] or None, new_cache or None)`.
+        """
+        c, dt = self.config, self.config.jnp_dtype
+        B, S, _ = h.shape
+        nh, hd = c.encoder_attention_heads, c.head_dim
+        scale = hd ** -0.5
+
+        def layer(x, xs):
+            p, ck, cv = xs
+            n = _layer_norm(x, p["attn_norm_scale"], p["attn_norm_bias"])
+            q = _dense(n, p["q_proj"], p["q_bias"], dt).reshape(B, S, nh, hd)
+            k = _dense(n, p["k_proj"], None, dt).reshape(B, S, nh, hd)
+            v = _dense(n, p["v_proj"], p["v_bias"], dt).reshape(B, S, nh, hd)
+            if ck is not None:
+                ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1)
+                cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1)
+                k_all, v_all = ck, cv
+            else:
+                k_all, v_all = k, v
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_all, preferred_element_type=jnp.float32) * scale + bias
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v_all, preferred_element_type=jnp.float32).astype(dt)
+            x = x + _dense(attn.reshape(B, S, nh * hd), p["o_proj"], p["o_bias"], dt)
+            n = _layer_norm(x, p["mlp_norm_scale"], p["mlp_norm_bias"])
+            x = x + _dense(_gelu(_dense(n, p["fc1"], p["fc1_bias"], dt)), p["fc2"], p["fc2_bias"], dt)
+            return x, (x if collect else None, ck, cv)
+
+        ck, cv = (None, None) if cache is None else cache
+        h, (outs, ck, cv) = jax.lax.scan(layer, h, (self.layers.stacked(), ck, cv))
+        out = _layer_norm(h, self.post_norm_scale[...], self.post_norm_bias[...])
+        return out, (outs[:-1] if collect else None), (None if cache is None else (ck, cv))
+
+    def pool(self, x: jnp.ndarray) -> jnp.ndarray:
+        """AvgPool1d(pool_step, stride pool_step) over time: `[B, S, H]` -> `[B, S // pool_step, H]`."""
+        step = self.config.pool_step
+        B, S, H = x.shape
+        n = S // step
+        pooled = jnp.mean(x[:, :n * step].astype(jnp.float32).reshape(B, n, step, H), axis=2)
+        return pooled.astype(x.dtype)
+
+    def encode_offline(self, features, mel_lengths, valid_mel, *, collect: bool = False) -> dict[str, jnp.ndarray]:
+        """Offline encoding of a zero-padded batch, mask as the reference builds it.
+
+        Args:
+            features: `[B, T, M]` features (time-major), zero past each clip.
+            mel_lengths: `[B]` int32 mel frames per clip.
+            valid_mel: int32 scalar, the padded length of the reference's batch (<= T); frames past it are this
+                implementation's extra (bucket) padding.
+            collect: also return the intermediates.
+
+        Returns:
+            dict with `pooled [B, T' // pool_step, H]`; with `collect`: `conv2_out [B, T', D]` (the `conv2` module's
+            output, before its GELU), `hidden_states [L + 1, B, T', D]` (input embeddings = GELU(conv2_out) +
+            positions, each layer's output, the last after the final `layer_norm`), `projection [B, T', H]`.
+        """
+        c = self.config
+        conv2_out, conv = self.convolve(features, valid_mel, pre_activation=True)
+        t = conv.shape[1]
+        h = conv + self.embed_positions[:t].astype(conv.dtype)[None]
+        masked = attention_mask(mel_lengths, features.shape[1], c.chunk_frames, cnn_frames(valid_mel))
+        bias = jnp.where(masked, _MASK, 0.0)[:, None]  # [B, 1, T', T']
+        out, layer_outs, _ = self.transformer(h, bias, collect=collect)
+        proj = self.projection(out)
+        result = {"pooled": self.pool(proj)}
+        if collect:
+            result.update(conv2_out=conv2_out, projection=proj,
+                          hidden_states=jnp.concatenate([h[None], layer_outs, out[None]], axis=0))
+        return result
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "collect"))
+def _encode_offline(graphdef, params, features, mel_lengths, valid_mel, collect):
+    return nnx.merge(graphdef, params).encode_offline(features, mel_lengths, valid_mel, collect=collect)
+
+
+def _split(encoder):
+    if isinstance(encoder, tuple):
+        graphdef, params = encoder
+        return graphdef, params, nnx.merge(graphdef, params).config
+    graphdef, params = nnx.split(encoder)
+    return graphdef, params, encoder.config
+
+
+def _check_features(feats: np.ndarray, config: AudioConfig, what: str = "audio features") -> np.ndarray:
+    if feats.ndim != 2:
+        raise FeatureShapeError(f"{what} must be [num_mel_bins, frames], got shape {feats.shape}")
+    if feats.shape[0] != config.num_mel_bins:
+        hint = "; features look transposed ([frames, mel])" if feats.shape[1] == config.num_mel_bins else ""
+        raise FeatureShapeError(f"{what} have {feats.shape[0]} mel bins but the encoder expects "
+                                f"{config.num_mel_bins}{hint}")
+    if feats.shape[1] == 0:
+        raise FeatureShapeError(f"{what} have no frames (audio shorter than one 10 ms mel frame)")
+    if not np.isfinite(feats).all():
+        raise FeatureShapeError(f"{what} hold NaN or inf")
+    return feats.astype(np.float32)
+
+
+def _bucket(frames: int, config: AudioConfig) -> int:
+    """Mel frames a batch is padded to: 100 * the next power of two seconds, capped at the position table."""
+    seconds = -(-frames // 100)
+    return min(config.max_mel_frames, 100 * (1 << max(0, seconds - 1).bit_length()))
+
+
+def encode_audio_batch(encoder: AudioEncoder | tuple[Any, Any], clips, *, intermediates: bool = False,
+                       bucket: bool = True):
+    """Encodes several clips together exactly as the reference does (one padded batch, same mask quirk).
+
+    Args:
+        encoder: an `AudioEncoder`, or its `(graphdef, params)` from `nnx.split`.
+        clips: a list of `[num_mel_bins, T_i]` features (e.g. `log_mel_clips` pieces), padded here into one batch of
+            length `max T_i`, as the processor pads them.
+        intermediates: also return a dict of the batch's intermediates, cut to the reference batch length:
+            `conv2_out`, `hidden_states`, `projection`, `pooled` (see `AudioEncoder.encode_offline`) and
+            `attention_masked` (`[B, T', T']`, True where the reference's mask is -inf).
+        bucket: pad further (beyond the reference length, masked out) to 1, 2, 4, ... s or 30 s to bound compiles.
+
+    Returns:
+        a list of `[audio_token_count(T_i), output_dim]` arrays (the clip's tokens), or `(tokens, intermediates)`.
+
+    Raises:
+        FeatureShapeError: a clip has the wrong shape, no frames, NaN/inf, or more than `2 * max_source_positions`
+            (30 s) frames.
+    """
+    graphdef, params, config = _split(encoder)
+    clips = [_check_features(np.asarray(c), config, f"clip {i} features") for i, c in enumerate(clips)]
+    if not clips:
+        raise FeatureShapeError("no audio clips given")
+    features, lengths = _pad(clips)
+    frames = features.shape[2]
+    if frames > config.max_mel_frames:
+        raise FeatureShapeError(f"a clip has {frames} mel frames, over the {config.max_mel_frames} (30 s) the "
+                                f"position table covers; split long audio with log_mel_clips")
+    padded = _bucket(frames, config) if bucket else frames
+    batch = np.zeros((len(clips), padded, config.num_mel_bins), np.float32)
+    batch[:, :frames] = features.transpose(0, 2, 1)
+    out = _encode_offline(graphdef, params, jnp.asarray(batch), jnp.asarray(lengths, jnp.int32),
+                          jnp.asarray(frames, jnp.int32), intermediates)
+    tokens = [out["pooled"][i, :audio_token_count(int(n), config.pool_step)] for i, n in enumerate(lengths)]
+    if not intermediates:
+        return tokens
+    t = cnn_frames(frames)
+    extra = {"conv2_out": out["conv2_out"][:, :t], "hidden_states": out["hidden_states"][:, :, :t],
+             "projection": out["projection"][:, :t], "pooled": out["pooled"][:, :t // config.pool_step],
+             "attention_masked": attention_mask(jnp.asarray(lengths), frames, config.chunk_frames)}
+    return tokens, extra
+
+
+def _pad(clips):
+    lengths = np.array([c.shape[1] for c in clips], np.int64)
+    out = np.zeros((len(clips), clips[0].shape[0], int(lengths.max())), np.float32)
+    for i, c in enumerate(clips):
+        out[i, :, :c.shape[1]] = c
+    return out, lengths
+
+
+def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features, *, bucket: bool = True) -> jnp.ndarray:
+    """Encodes one clip (at most 30 s) into LLM-width audio tokens, as the reference does for a batch of one.
+
+    Args:
+        encoder: an `AudioEncoder`, or its `(graphdef, params)`.
+        features: `[num_mel_bins, T]` log-mel features (`audio_features.log_mel`), 1 <= T <= 3000.
+        bucket: pad to 1, 2, 4, ... s or 30 s (masked out) so clips of similar length share one compile.
+
+    Returns:
+        `[audio_token_count(T), output_dim]` tokens in the compute dtype (no rows below 9 mel frames, as in the
+        reference).
+
+    Raises:
+        FeatureShapeError: features are not `[num_mel_bins, T]`, have no frames, hold NaN/inf, or exceed 30 s.
+    """
+    return encode_audio_batch(encoder, [features], bucket=bucket)[0]
+
+
+# ------------------------------------------------------------------------------------------------------ streaming
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AudioStreamState:
+    """Immutable streaming-encoder cache: per-layer keys/values of the frames encoded so far.
+
+    Attributes:
+        keys, values: `[L, 1, capacity, heads, head_dim]`; rows `[0, length)` are valid.
+        length: cached frames (a static int: the reset rule and the positions are decided on host).
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    length: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @classmethod
+    def empty(cls, config: AudioConfig, capacity: int | None = None) -> "AudioStreamState":
+        """An empty cache holding up to `capacity` frames (default `max_source_positions`, the most the release's
+        reset rule lets accumulate)."""
+        capacity = config.max_source_positions if capacity is None else int(capacity)
+        shape = (config.encoder_layers, 1, capacity, config.encoder_attention_heads, config.head_dim)
+        return cls(keys=jnp.zeros(shape, config.jnp_dtype), values=jnp.zeros(shape, config.jnp_dtype), length=0)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[2])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "drop_front", "keep", "collect"))
+def _stream_step(graphdef, params, features, keys, values, past, drop_front, keep, collect):
+    encoder = nnx.merge(graphdef, params)
+    c = encoder.config
+    conv = encoder.convolve(features)[:, drop_front:drop_front + keep]  # [1, n, D]
+    pos = jnp.minimum(past + jnp.arange(keep), c.max_source_positions - 1)  # past the table: repeat the last row
+    h = conv + encoder.embed_positions[...][pos].astype(conv.dtype)[None]
+    key_valid = jnp.arange(keys.shape[2]) < past + keep
+    bias = jnp.where(key_valid, 0.0, _MASK)[None, None, None, :]  # full attention over cache + chunk
+    out, layer_outs, (keys, values) = encoder.transformer(h, bias, cache=(keys, values), cache_start=past,
+                                                          collect=collect)
+    proj = encoder.projection(out)
+    pooled = encoder.pool(proj)
+    hidden = jnp.concatenate([h[None], layer_outs, out[None]], axis=0) if collect else None
+    return pooled[0], keys, values, hidden
+
+
+def encode_audio_streaming(encoder: AudioEncoder | tuple[Any, Any], chunk: MelChunk | Any,
+                           state: AudioStreamState | None = None, *, prefix_extra_frames: int | None = None,
+                           suffix_extra_frames: int | None = None, use_extra_context: bool = True,
+                           intermediates: bool = False):
+    """Encodes one streaming chunk on top of the cache of the previous ones (the 4.5 duplex audio path).
+
+    Args:
+        encoder: an `AudioEncoder`, or its `(graphdef, params)`.
+        chunk: a `MelChunk` from `audio_features.mel_stream_step`, or `[num_mel_bins, T]` features (then give the
+            extra-frame counts).
+        state: the cache returned by the previous call (None or `AudioStreamState.empty(config)` to start).
+        prefix_extra_frames, suffix_extra_frames: context frames on each side of the chunk's new frames (default:
+            the `MelChunk`'s, i.e. 0/2 for the first chunk, 2/2 after).
+        use_extra_context: drop the CNN frames of the extra context (the duplex path does; False keeps them all).
+        intermediates: also return the chunk's hidden states `[L + 1, n, D]` (same convention as offline).
+
+    Returns:
+        `(tokens [n_tokens, output_dim], new_state)` or `(tokens, new_state, hidden_states)`; 10 tokens per 1 s
+        chunk with the duplex settings.
+
+    Raises:
+        FeatureShapeError: bad features, or a chunk longer than the cache capacity.
+    """
+    graphdef, params, config = _split(encoder)
+    if isinstance(chunk, MelChunk):
+        features = chunk.features
+        prefix = chunk.prefix_extra_frames if prefix_extra_frames is None else prefix_extra_frames
+        suffix = chunk.suffix_extra_frames if suffix_extra_frames is None else suffix_extra_frames
+    else:
+        features, prefix, suffix = chunk, prefix_extra_frames or 0, suffix_extra_frames or 0
+    feats = _check_features(np.asarray(features), config, "streaming chunk features")
+    if prefix < 0 or suffix < 0:
+        raise ValueError(f"extra frame counts must be non-negative, got {prefix}, {suffix}")
+    state = AudioStreamState.empty(config) if state is None else state
+    frames = feats.shape[1]
+    t = cnn_frames(frames)
+    if state.length > 0 and state.length + t >= config.max_source_positions:
+        state = AudioStreamState.empty(config, state.capacity)  # the release's reset rule
+    drop_front = (prefix + 1) // 2 if use_extra_context and prefix > 0 else 0
+    drop_back = (suffix + 1) // 2 if use_extra_context and suffix > 0 else 0
+    keep = t - drop_front
+    if 0 < drop_back < keep:
+        keep -= drop_back
+    if keep < 1:
+        raise FeatureShapeError(f"streaming chunk of {frames} mel frames has no frames left after dropping "
+                                f"{drop_front} context frame(s)")
+    if state.length + keep > state.capacity:
+        raise FeatureShapeError(f"streaming chunk of {keep} CNN frames does not fit the audio cache "
+                                f"({state.length} + {keep} > capacity {state.capacity})")
+    pooled, keys, values, hidden = _stream_step(
+        graphdef, params, jnp.asarray(feats.T[None]), state.keys, state.values,
+        jnp.asarray(state.length, jnp.int32), drop_front, keep, intermediates)
+    tokens = pooled[:audio_token_count(frames, config.pool_step)]
+    new_state = AudioStreamState(keys=keys, values=values, length=state.length + keep)
+    if intermediates:
+        return tokens, new_state, hidden[:, 0]
+    return tokens, new_state
+
+
+# ---------------------------------------------------------------------------------------------------- conversion
+
+# `apm.*` below the prefix. Symbols: K conv taps, M mel bins, D d_model, F ffn, P positions.
+AUDIO_RULES: tuple[Rule, ...] = (
+    Rule("conv1.weight", "conv1_kernel", "K M D", "conv1d"),
+    Rule("conv1.bias", "conv1_bias", "D"),
+    Rule("conv2.weight", "conv2_kernel", "K D D", "conv1d"),
+    Rule("conv2.bias", "conv2_bias", "D"),
+    Rule("embed_positions.weight", "embed_positions", "P D"),
+    Rule("layers.{i}.self_attn_layer_norm.weight", "layers/attn_norm_scale", "D"),
+    Rule("layers.{i}.self_attn_layer_norm.bias", "layers/attn_norm_bias", "D"),
+    Rule("layers.{i}.self_attn.q_proj.weight", "layers/q_proj", "D D", "T"),
+    Rule("layers.{i}.self_attn.q_proj.bias", "layers/q_bias", "D"),
+    Rule("layers.{i}.self_attn.k_proj.weight", "layers/k_proj", "D D", "T"),
+    Rule("layers.{i}.self_attn.v_proj.weight", "layers/v_proj", "D D", "T"),
+    Rule("layers.{i}.self_attn.v_proj.bias", "layers/v_bias", "D"),
+    Rule("layers.{i}.self_attn.out_proj.weight", "layers/o_proj", "D D", "T"),
+    Rule("layers.{i}.self_attn.out_proj.bias", "layers/o_bias", "D"),
+    Rule("layers.{i}.final_layer_norm.weight", "layers/mlp_norm_scale", "D"),
+    Rule("layers.{i}.final_layer_norm.bias", "layers/mlp_norm_bias", "D"),
+    Rule("layers.{i}.fc1.weight", "layers/fc1", "D F", "T"),
+    Rule("layers.{i}.fc1.bias", "layers/fc1_bias", "F"),
+    Rule("layers.{i}.fc2.weight", "layers/fc2", "F D", "T"),
+    Rule("layers.{i}.fc2.bias", "layers/fc2_bias", "D"),
+    Rule("layer_norm.weight", "post_norm_scale", "D"),
+    Rule("layer_norm.bias", "post_norm_bias", "D"),
+)
+
+# `audio_projection_layer.*` below the prefix. Symbols: D d_model (= encoder_ffn_dim // 4), H output_dim.
+PROJECTION_RULES: tuple[Rule, ...] = (
+    Rule("linear1.weight", "linear1", "D H", "T"),
+    Rule("linear1.bias", "linear1_bias", "H"),
+    Rule("linear2.weight", "linear2", "H H", "T"),
+    Rule("linear2.bias", "linear2_bias", "H"),
+)
+
+
+def audio_component(config: AudioConfig) -> Component:
+    """The Whisper encoder's conversion table (component "audio", HF prefix `apm.`)."""
+    dims = {"K": 3, "M": config.num_mel_bins, "D": config.d_model, "F": config.encoder_ffn_dim,
+            "P": config.max_source_positions}
+    return Component(name="audio", prefix=AUDIO_PREFIX, rules=AUDIO_RULES, dims=dims,
+                     num_layers=config.encoder_layers)
+
+
+def projection_component(config: AudioConfig) -> Component:
+    """The projector's conversion table (component "audio_projection", HF prefix `audio_projection_layer.`)."""
+    dims = {"D": config.d_model, "H": config.output_dim}
+    return Component(name="audio_projection", prefix=PROJECTION_PREFIX, rules=PROJECTION_RULES, dims=dims,
+                     num_layers=0)
+
+
+def audio_components(config: AudioConfig) -> tuple[Component, Component]:
+    """Both conversion tables of the audio path: `(audio_component, projection_component)`."""
+    return audio_component(config), projection_component(config)
+
+
+def encoder_from_params(config: AudioConfig, audio_params: Mapping[str, Any],
+                        projection_params: Mapping[str, Any] | None = None) -> AudioEncoder:
+    """Builds an `AudioEncoder` from pure-dict trees.
+
+    Args:
+        config: the audio config.
+        audio_params: the encoder tree (the "audio" component's tree from `convert_in_memory`), or the whole
+            module tree including `projection` when `projection_params` is None.
+        projection_params: the "audio_projection" component's tree.
+
+    Leaves are cast to the config's dtype; shapes must match the tree documented at the top of this module.
+    """
+    tree = dict(audio_params)
+    if projection_params is not None:
+        tree["projection"] = projection_params
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: AudioEncoder(config, rngs=nnx.Rngs(0))))
+    want = nnx.to_pure_dict(state)
+    dt = config.jnp_dtype
+
+    def cast(path, expected):
+        got = tree
+        names = [str(getattr(k, "key", k)) for k in path]
+        for key in names:
+            if not isinstance(got, Mapping) or key not in got:
+                raise KeyError(f"audio parameter {'/'.join(names)} is missing")
+            got = got[key]
+        if tuple(np.shape(got)) != tuple(expected.shape):
+            raise ValueError(f"audio parameter {'/'.join(names)} has shape {tuple(np.shape(got))}, expected "
+                             f"{tuple(expected.shape)}")
+        return jnp.asarray(got, dt)
+
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(cast, want))
+    return nnx.merge(graphdef, state)
+
+
+def encoder_from_checkpoint(tensors: Mapping[str, Any], config: AudioConfig) -> AudioEncoder:
+    """Builds an `AudioEncoder` from a MiniCPM-o state dict (name -> array; other components' tensors ignored).
+
+    Raises:
+        MissingTensorError: the checkpoint has no `apm.*` tensors at all, or lacks some `apm.*` /
+            `audio_projection_layer.*` tensor the config needs (named in the message).
+        ShapeMismatchError / UnexpectedTensorError: as `convert.tables.plan_conversion`.
+    """
+    names = [n for n in tensors if n.startswith((AUDIO_PREFIX, PROJECTION_PREFIX))]
+    if not any(n.startswith(AUDIO_PREFIX) for n in names):
+        raise MissingTensorError("checkpoint has no audio encoder tensors (apm.*); was it saved with "
+                                 "init_audio=false?")
+    trees = convert_in_memory({n: tensors[n] for n in names}, audio_components(config), np.float32,
+                              strip_prefix="")
+    return encoder_from_params(config, trees["audio"], trees["audio_projection"])
