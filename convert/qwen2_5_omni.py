@@ -16,18 +16,13 @@ embedding, provided the config's flag says so (otherwise the tensor is reported 
 
 from __future__ import annotations
 
-import collections
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-import tqdm
 
-from convert import tables
-from convert.errors import ConfigError, ConvertError, MissingTensorError, TensorError, UnsupportedConfigError
+from convert import streaming, tables
+from convert.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
 from convert.safetensors_io import SafetensorsCheckpoint
 from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
@@ -41,8 +36,6 @@ OMNIJAX_MODEL_TYPES = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "
                        "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
 IM_END_TOKEN_ID = 151645  # <|im_end|>
-NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-FLOAT_SOURCE_DTYPES = ("F64", "F32", "F16", "BF16")
 
 # ---------------------------------------------------------------------------------------------------------- config
 
@@ -271,12 +264,8 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------ conversion
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
-                   progress: bool = True, log: Callable[[str], None] = _stderr):
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
     """Converts the thinker LLM's weights into memory-mapped arrays in the decoder's layout.
 
     Args:
@@ -300,26 +289,10 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     config = config.replace(tie_embeddings=not has_head)
     encoders = encoder_components(hf_config, dtype)
     components = [decoder_component(config)] + [component for component, _ in encoders.values()]
-    plan = tables.plan_conversion(names, {n: ckpt.info(n).shape for n in names}, components,
-                                  strip_prefix=THINKER_PREFIX,
-                                  skip_prefixes=SPEECH_OUTPUT_PREFIXES + _unused_tensors())
-    for name in plan.assign:
-        if ckpt.info(name).dtype not in FLOAT_SOURCE_DTYPES:
-            raise TensorError(f"tensor {name!r} has dtype {ckpt.info(name).dtype}, expected one of "
-                              f"{', '.join(FLOAT_SOURCE_DTYPES)}")
-    _log_skipped(plan.skipped, log)
-
-    target = NP_DTYPES[dtype]
-    staging_dir.mkdir(parents=True, exist_ok=True)
-    trees = {c.name: tables.allocate(tables.param_shapes(c), lambda shape, dotted, name=c.name: np.memmap(
-        staging_dir / f"{name}.{dotted}.bin", dtype=target, mode="w+", shape=shape)) for c in components}
-    source_dtypes = collections.Counter()
-    for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
-        if name in plan.assign:
-            source_dtypes[ckpt.info(name).dtype] += 1
-            tables.fill(trees, name, ckpt.read(name), plan)  # read() memory-maps just this tensor
-    # Reopen read-only: orbax/tensorstore write read-only host arrays without copying them.
-    trees = {name: _reopen_read_only(tree) for name, tree in trees.items()}
+    trees, plan, source_dtypes = streaming.convert_components(
+        ckpt, components, dtype=dtype, staging_dir=staging_dir, strip_prefix=THINKER_PREFIX,
+        skip_prefixes=SPEECH_OUTPUT_PREFIXES + _unused_tensors(), progress=progress)
+    streaming.log_skipped(plan.skipped, SPEECH_OUTPUT_PREFIXES, log)
     source_info = {
         "tensors_converted": len(plan.assign),
         "source_dtypes": dict(sorted(source_dtypes.items())),
@@ -331,26 +304,3 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     if model_type_for(hf_config) == "qwen2_5_omni":
         extras["omni"] = (OmniConfig.from_hf(_thinker_config(hf_config)).to_json(), None)
     return config, trees["decoder"], source_info, extras
-
-
-def _log_skipped(skipped: dict[str, int], log: Callable[[str], None]) -> None:
-    """One summary line per kind of deliberately skipped tensors."""
-    speech = {p: n for p, n in skipped.items() if p.startswith(SPEECH_OUTPUT_PREFIXES)}
-    unused = {p: n for p, n in skipped.items() if p not in speech}
-    if speech:
-        counts = ", ".join(f"{p}: {n}" for p, n in sorted(speech.items()))
-        log(f"skipped {sum(speech.values())} speech-output tensors ({counts}): not used by omnijax")
-    if unused:
-        log(f"skipped {sum(unused.values())} tensor(s) the model never reads: {', '.join(sorted(unused))}")
-
-
-def _reopen_read_only(tree: dict) -> dict:
-    """Flushes every writable memory map of `tree` and returns read-only maps of the same files."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out[key] = _reopen_read_only(value)
-        else:
-            value.flush()
-            out[key] = np.memmap(value.filename, dtype=value.dtype, mode="r", shape=value.shape)
-    return out
