@@ -16,7 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from convert import qwen2_5_omni
+from convert import minicpmo, qwen2_5_omni
 from convert.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from convert.safetensors_io import SafetensorsCheckpoint
 from omnijax import checkpoint
@@ -26,8 +26,9 @@ __all__ = ["convert_checkpoint", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPE
 DTYPES = ("float32", "bfloat16")
 # Hugging Face model_type -> converter module.
 CONVERTERS = {hf_type: qwen2_5_omni for hf_type in qwen2_5_omni.HF_MODEL_TYPES}
-# Model types with a planned converter (convert/minicpmo.py); a clear error until it lands.
-NOT_SUPPORTED_YET = {"minicpmo": "MiniCPM-o conversion is not supported yet"}
+CONVERTERS.update({hf_type: minicpmo for hf_type in minicpmo.HF_MODEL_TYPES})
+# Model types recognised but not converted, with the reason.
+NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.json", "generation_config.json", "preprocessor_config.json")

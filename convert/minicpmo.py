@@ -8,17 +8,20 @@ name table as the Qwen checkpoints (`convert.qwen2_5_omni.NAME_TABLE`) under the
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 from convert import qwen2_5_omni as qwen
-from convert.errors import ConfigError
+from convert import streaming
+from convert.errors import ConfigError, ConvertError, MissingTensorError
+from convert.safetensors_io import SafetensorsCheckpoint
 from convert.tables import Component
 from omnijax.config import DecoderConfig
 
 HF_MODEL_TYPES = ("minicpmo",)
 LLM_PREFIX = "llm."
 SPEECH_OUTPUT_PREFIXES = ("tts.",)
-IM_END = "<|im_end|>"
 
 
 def model_type_for(hf_config: Mapping[str, Any]) -> str:
@@ -47,3 +50,48 @@ def decoder_component(config: DecoderConfig) -> Component:
     base = qwen.decoder_component(config)
     return Component(name="decoder", prefix=LLM_PREFIX, rules=base.rules, dims=base.dims,
                      num_layers=base.num_layers, flags=base.flags)
+
+
+def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:
+    """The encoder parts a MiniCPM-o config declares: component name -> (component, JSON config)."""
+    from omnijax.models.minicpmo import audio as audio_lib
+    from omnijax.models.minicpmo import vision as vision_lib
+    out = {}
+    try:
+        if hf_config.get("init_vision", True):
+            vision = vision_lib.VisionConfig.from_hf(hf_config, dtype=dtype)
+            for component in vision_lib.vision_components(vision):
+                out[component.name] = (component, vision.to_json())
+        if hf_config.get("init_audio", True):
+            audio = audio_lib.AudioConfig.from_hf(hf_config, dtype=dtype)
+            for component in audio_lib.audio_components(audio):
+                out[component.name] = (component, audio.to_json())
+    except ConvertError:
+        raise
+    except ValueError as e:  # inconsistent sizes
+        raise ConfigError(str(e)) from e
+    return out
+
+
+def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+    """Converts a MiniCPM-o 4.5 checkpoint: the LLM, the vision encoder and resampler, the audio encoder and
+    projector (the converter's contract: see `convert.qwen2_5_omni.convert_params`)."""
+    config = config_from_hf(hf_config, dtype=dtype)
+    if LLM_PREFIX + "lm_head.weight" not in ckpt.names():
+        if not config.tie_embeddings:
+            raise MissingTensorError("checkpoint lacks tensor 'llm.lm_head.weight' and the config does not tie "
+                                     "embeddings")
+    else:
+        config = config.replace(tie_embeddings=False)
+    encoders = encoder_components(hf_config, dtype)
+    components = [decoder_component(config)] + [component for component, _ in encoders.values()]
+    trees, plan, source_dtypes = streaming.convert_components(
+        ckpt, components, dtype=dtype, staging_dir=staging_dir, skip_prefixes=SPEECH_OUTPUT_PREFIXES,
+        progress=progress)
+    streaming.log_skipped(plan.skipped, SPEECH_OUTPUT_PREFIXES, log)
+    source_info = {"tensors_converted": len(plan.assign), "source_dtypes": dict(sorted(source_dtypes.items())),
+                   "skipped": plan.skipped, "encoders_converted": sorted(encoders),
+                   "lm_head": "tied to embed" if config.tie_embeddings else "llm.lm_head.weight"}
+    extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
+    return config, trees["decoder"], source_info, extras

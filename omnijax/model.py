@@ -194,6 +194,15 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
     manifest = checkpoint.read_manifest_dict(directory)
     decoder = _restore(directory, checkpoint.PARAMS_DIR, config, dtype,
                        lambda c: Decoder(c, rngs=nnx.Rngs(0)))
+    if model_type == "minicpmo":
+        from omnijax.models.minicpmo import model as minicpmo
+        if dtype is not None:
+            raise ValueError("dtype overrides are not implemented for MiniCPM-o checkpoints yet; convert with "
+                             "--dtype instead")
+        try:
+            return minicpmo.load(directory, manifest, decoder)
+        except (TypeError, ValueError) as e:
+            raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
     encoders = {}
     try:
         if "audio" in manifest:

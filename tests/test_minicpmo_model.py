@@ -1,0 +1,86 @@
+"""MiniCPM-o 4.5 end to end: `omnijax-convert` of the golden checkpoint (release tensor layout), `omnijax.load`, and
+the turn-based omni prompt of golden case 5 (image source + slices, audio, text) against the official logits."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import omnijax
+from convert import convert_checkpoint
+from convert.errors import MissingTensorError, UnsupportedConfigError
+from omnijax.models.minicpmo.model import MiniCPMOInputError, MiniCPMOModel
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
+pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("minicpmo") / "converted"
+    convert_checkpoint(GOLDEN / "checkpoint", out, progress=False)
+    manifest = json.loads((out / "omnijax.json").read_text())
+    assert manifest["model_type"] == "minicpmo"
+    assert {"vpm", "resampler", "audio", "audio_projection"} <= set(manifest)
+    return omnijax.load(out)
+
+
+def test_loaded_model_has_every_part(model):
+    assert isinstance(model, MiniCPMOModel) and model.vision is not None and model.audio is not None
+    assert model.config.qk_norm and model.config.vocab_size == 2048
+
+
+def test_case1_text(model):
+    case = np.load(GOLDEN / "case1_text.npz")
+    np.testing.assert_allclose(np.asarray(model(case["input_ids"])), case["logits"], atol=1e-4, rtol=0)
+
+
+def test_case5_image_audio_text_prompt(model):
+    case, vision = np.load(GOLDEN / "case5_chat.npz"), np.load(GOLDEN / "case2_vision.npz")
+    media = dict(pixel_values=[vision[f"pixel_values_{i}"] for i in range(3)], tgt_sizes=case["tgt_sizes"],
+                 image_bound=case["image_bound"], audio_features=case["audio_features"],
+                 audio_feature_lens=case["audio_feature_lens"], audio_bounds=case["audio_bounds"])
+    np.testing.assert_allclose(np.asarray(model.embed(case["input_ids"], **media))[0], case["inputs_embeds"][0],
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(model(case["input_ids"], **media)), case["logits"], atol=1e-4, rtol=0)
+    with pytest.raises(MiniCPMOInputError, match="image_bound span"):
+        model(case["input_ids"], **{**media, "image_bound": case["image_bound"] + 300})
+    with pytest.raises(MiniCPMOInputError, match="cover"):
+        model(case["input_ids"], **{**media, "image_bound": case["image_bound"][:2]})
+
+
+def _copy_checkpoint(tmp_path, drop_prefix=None, config_edit=None):
+    src = tmp_path / "src"
+    shutil.copytree(GOLDEN / "checkpoint", src)
+    if drop_prefix:
+        tensors = load_file(src / "model.safetensors")
+        save_file({k: v for k, v in tensors.items() if not k.startswith(drop_prefix)}, src / "model.safetensors")
+    if config_edit:
+        config = json.loads((src / "config.json").read_text())
+        config_edit(config)
+        (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_checkpoint_missing_the_resampler_is_refused(tmp_path):
+    src = _copy_checkpoint(tmp_path, drop_prefix="resampler.")
+    with pytest.raises(MissingTensorError, match="resampler"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_math_changing_config_attributes_are_refused(tmp_path):
+    src = _copy_checkpoint(tmp_path, config_edit=lambda c: c.update(use_sliding_window=True))
+    with pytest.raises(UnsupportedConfigError, match="use_sliding_window"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    src2 = tmp_path / "src2"
+    shutil.copytree(src, src2)
+    (src2 / "config.json").write_text(json.dumps({**json.loads((GOLDEN / "checkpoint" / "config.json").read_text()),
+                                                  "vision_config": {**json.loads(
+                                                      (GOLDEN / "checkpoint" / "config.json").read_text())[
+                                                      "vision_config"], "hidden_act": "relu"}}))
+    with pytest.raises(UnsupportedConfigError, match="hidden_act"):
+        convert_checkpoint(src2, tmp_path / "out", progress=False)
