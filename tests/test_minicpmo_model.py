@@ -84,3 +84,34 @@ def test_math_changing_config_attributes_are_refused(tmp_path):
                                                       "vision_config"], "hidden_act": "relu"}}))
     with pytest.raises(UnsupportedConfigError, match="hidden_act"):
         convert_checkpoint(src2, tmp_path / "out", progress=False)
+
+
+def test_case4_duplex_session_from_raw_frames_and_audio(model):
+    """The whole 4.5 duplex flow from the raw inputs: system prompt with the reference clip, three units of frames
+    and streamed audio; every decoded token equals the release's, and the decision logits match."""
+    from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens
+    case = np.load(GOLDEN / "case4_duplex.npz")
+    meta = json.loads((GOLDEN / "case4_duplex.json").read_text())["meta"]
+    sp = json.loads((GOLDEN / "info.json").read_text())["special_token_ids_tiny"]
+    ids = case["input_ids"][0]
+    tokens = DuplexTokens(unit_start=sp["<unit>"], unit_end=sp["</unit>"], image_start=sp["<image>"],
+                          image_end=sp["</image>"], listen=sp["<|listen|>"], chunk_eos=sp["<|chunk_eos|>"],
+                          chunk_tts_eos=sp["<|chunk_tts_eos|>"])
+    rule = DuplexDecodeRule(chunk_eos=sp["<|chunk_eos|>"], turn_eos=sp["<|turn_eos|>"], listen=sp["<|listen|>"],
+                            tts_bos=sp["<|tts_bos|>"], forbidden=tuple(meta["decoder_forbidden_token_ids"]))
+    duplex = DuplexSession(model, tokens=tokens, rule=rule, max_speak_tokens=meta["max_new_speak_tokens_per_chunk"],
+                           force_listen=meta["force_listen_count"], num_pages=8, page_size=32)
+    kind = case["position_kind"][0]
+    ref_start = int(np.argmax(kind == 1))
+    duplex.prepare(ids[:ref_start].tolist(), ids[ref_start + 12:ref_start + 14].tolist(), case["ref_audio_waveform"])
+    frames = {0: case["frame0_uint8"], 2: case["frame1_uint8"]}
+    audio = case["stream_audio_waveform"]
+    results = [duplex.step(audio[16000 * u:16000 * (u + 1)], frames.get(u)) for u in range(3)]
+    assert [r.listened for r in results] == [u["is_listen"] for u in meta["units"]]
+    assert duplex.decoded == meta["decoder_generated_tokens_history"]
+    # The speaking units' decision logits, as the release computed them on its KV cache.
+    positions = list(case["incremental_logits_positions"])
+    got = [r.logits[i] for r in results[1:] for i in range(3)]
+    want = [case["incremental_logits"][positions.index(p)] for p in (111, 112, 113, 193, 194, 195)]
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
+    assert int(duplex.session.state.next_pos[0]) == meta["seq_len"]  # exactly the release's 199 fed positions
