@@ -115,3 +115,38 @@ def test_case4_duplex_session_from_raw_frames_and_audio(model):
     want = [case["incremental_logits"][positions.index(p)] for p in (111, 112, 113, 193, 194, 195)]
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
     assert int(duplex.session.state.next_pos[0]) == meta["seq_len"]  # exactly the release's 199 fed positions
+
+
+def test_retention_and_omnipage_on_minicpmo_duplex_sessions(model):
+    """OmniPick (source image whole, slice and audio sinks), the official unit window and OmniPage on 4.5 duplex units
+    with high-resolution slices, through the converted MiniCPM-o LLM: bounded, and paging never changes the logits."""
+    from omnijax import synthetic
+    from omnijax.retention import OfficialUnitWindow, OmniPick
+    from omnijax.units import SpanKind
+    chunks = synthetic.minicpm_duplex_session(20, vocab_size=model.config.vocab_size, slices_every=2)
+    high, low = 1200, 800
+    omnipick = OmniPick(high_watermark=high, low_watermark=low, source_image_whole=True)
+    native = omnijax.stream(model.decoder, chunks, policy=omnipick, num_pages=56, page_size=32, impl="xla")
+    paged = omnijax.stream(model.decoder, chunks, policy=omnipick, num_pages=56, page_size=32, impl="xla",
+                           subblock=16, paging="tile_skip")
+    np.testing.assert_allclose(np.asarray(paged.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
+    retained = np.asarray(native.stats.layout.retained_cells[:, 0])
+    assert int(np.asarray(native.stats.evicted).sum()) > 0 and retained.max() <= high + chunks.valid.shape[-1]
+    assert int(np.asarray(paged.stats.moved).sum()) > 0
+    # Over the session OmniPage keeps fewer pages active (a single chunk may differ: placement differs).
+    assert np.asarray(paged.stats.layout.active_pages).mean() < np.asarray(native.stats.layout.active_pages).mean()
+    # Older units keep their source image whole and only the sink prefix of each slice and of the audio.
+    from omnijax.retention.base import sequence_view
+    view = sequence_view(native.state.kv)
+    live, unit, span = (np.asarray(a[0]) for a in (view.live, view.unit, view.span))
+    newest = unit[live].max()
+    old_units = sorted(set(unit[live & (span == SpanKind.SLICE)].tolist()) - {newest, newest - 1})
+    assert old_units, "no older unit with slices survived"
+    for u in old_units:
+        here = live & (unit == u)
+        assert int((here & (span == SpanKind.IMAGE)).sum()) == 64
+        assert int((here & (span == SpanKind.SLICE)).sum()) < 4 * 64
+    official = omnijax.stream(model.decoder, chunks, policy=OfficialUnitWindow(high_watermark=high,
+                                                                               low_watermark=low),
+                              num_pages=56, page_size=32, impl="xla")
+    assert np.asarray(official.stats.layout.retained_cells).max() <= high + chunks.valid.shape[-1]
