@@ -3,6 +3,8 @@ stream through a tiny model under OmniPick as one compiled program, with retaine
 position cursor flat after the first trim and the pool never exhausted. (Per-chunk latency is measured by
 `bench/endurance.py`, not asserted here.)"""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,27 @@ from omnijax.retention import OmniPick
 from omnijax.stream import _step
 
 QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)  # 1D positions, MiniCPM-o 4.5 LLM
+GOLDEN_MINICPMO = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45" / "checkpoint"
+
+
+def minicpmo_llm():
+    """MiniCPM-o 4.5's LLM: the converted tiny release checkpoint when present, else the same architecture at
+    random (Qwen3 mode, 1D positions)."""
+    if not GOLDEN_MINICPMO.is_dir():
+        return omnijax.Decoder(QWEN3_TINY)
+    import json
+
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from convert import minicpmo
+    from convert.tables import convert_in_memory
+    config = minicpmo.config_from_hf(json.loads((GOLDEN_MINICPMO / "config.json").read_text()))
+    tensors = {k: v for k, v in load_file(GOLDEN_MINICPMO / "model.safetensors").items() if k.startswith("llm.")}
+    params = convert_in_memory(tensors, [minicpmo.decoder_component(config)], strip_prefix="")["decoder"]
+    graphdef, state = nnx.split(omnijax.Decoder(config))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
+    return nnx.merge(graphdef, state)
 HIGH, LOW = 2500, 1800
 
 
@@ -43,10 +66,10 @@ def test_one_hour_session_is_flat_under_omnipick(layout):
         chunks = synthetic.qwen_av_session(1800, vocab_size=TINY_OMNI.vocab_size, question_every=30)  # 2 s units
         policy = OmniPick(high_watermark=HIGH, low_watermark=LOW)
     else:
-        model = omnijax.Decoder(QWEN3_TINY)
+        model = minicpmo_llm()
         # 1 s units without slices (slices pad every chunk of the stacked session to their length; their retention is
         # covered by the policy tests).
-        chunks = synthetic.minicpm_duplex_session(3600, vocab_size=QWEN3_TINY.vocab_size, slices_every=0)
+        chunks = synthetic.minicpm_duplex_session(3600, vocab_size=model.config.vocab_size, slices_every=0)
         policy = OmniPick(high_watermark=HIGH, low_watermark=LOW, source_image_whole=True)
     chunk_tokens = int(np.asarray(chunks.valid).sum(axis=(1, 2)).max())
     pages = -(-(HIGH + chunk_tokens) // 64) + 2  # the budget plus one unit: memory is bounded by construction

@@ -68,7 +68,7 @@ def test_case4_duplex_stream_and_greedy_decisions(llm):
     ids, embeds = case["input_ids"][0], case["inputs_embeds"][0]
     width = int(case["feed_table"][:, 1].max())
     session = omnijax.Session(llm, num_pages=16, page_size=16)
-    got = {}
+    got, chunks = {}, []
     for start, length, kind, returns in case["feed_table"]:
         is_token = ids[start:start + length] >= 0
         chunk = Chunk(token_ids=np.where(is_token, ids[start:start + length], 0)[None],
@@ -77,9 +77,14 @@ def test_case4_duplex_stream_and_greedy_decisions(llm):
                       offset=np.zeros((1, length), np.int32), answer_tokens=np.zeros((1,), np.int32),
                       answer_unit=np.zeros((1,), np.int32), advance=np.full((1,), length, np.int32),
                       embeds=embeds[start:start + length][None], embed_mask=~is_token[None])
-        out = session.feed(pad_chunk(chunk, width))
+        chunks.append(pad_chunk(chunk, width))
+        out = session.feed(chunks[-1])
         if returns:
             got[int(start + length - 1)] = np.asarray(out.logits[0])
+    # The same feeds as one compiled scan: each feed's last-position logits equal the one-shot logits there.
+    scanned = omnijax.stream(llm, omnijax.stack_chunks(chunks), page_size=16, num_pages=16)
+    ends = case["feed_table"][:, 0] + case["feed_table"][:, 1] - 1
+    np.testing.assert_allclose(np.asarray(scanned.logits[:, 0]), case["logits"][0, ends], atol=1e-4, rtol=0)
     positions = case["incremental_logits_positions"]
     np.testing.assert_allclose(np.stack([got[int(p)] for p in positions]), case["incremental_logits"], atol=1e-4,
                                rtol=0)
