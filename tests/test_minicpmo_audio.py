@@ -19,6 +19,7 @@ from convert.errors import MissingTensorError
 from convert.tables import param_shapes
 from omnijax.models.minicpmo import audio as A
 from omnijax.models.minicpmo import audio_features as af
+from omnijax.models.minicpmo import audio_stream as S
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
 pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
@@ -204,30 +205,30 @@ def test_streaming_encoder_matches_golden(encoder, case4):
     for i in range(3):
         chunk, mel_state = af.mel_stream_step(mel_state, case4["stream_audio_waveform"][16000 * i:16000 * (i + 1)])
         golden_chunk = chunk._replace(features=case4[f"chunk{i}_mel"][0])
-        tokens, new_state, hidden = A.encode_audio_streaming(encoder, golden_chunk, state, intermediates=True)
+        tokens, new_state, hidden = S.encode_audio_streaming(encoder, golden_chunk, state, intermediates=True)
         assert new_state.length == case4[f"chunk{i}_apm_attention_mask"].shape[-1] == 50 * (i + 1)
         assert not case4[f"chunk{i}_apm_attention_mask"].any()  # full attention over cache + chunk
         assert maxdiff(hidden, case4[f"chunk{i}_apm_hidden_states"][:, 0]) < TOL
         assert maxdiff(tokens, case4[f"chunk{i}_audio_embeds"]) < TOL
-        e2e, e2e_state, _ = A.encode_audio_streaming(encoder, chunk, state, intermediates=True)
+        e2e, e2e_state, _ = S.encode_audio_streaming(encoder, chunk, state, intermediates=True)
         assert maxdiff(e2e, case4[f"chunk{i}_audio_embeds"]) < TOL
         assert (state.length if state is not None else 0) == 50 * i  # the previous state is untouched
         state = new_state
 
 
 def test_stream_state_is_a_pytree_and_resets_like_the_release(encoder, config, case4):
-    empty = A.AudioStreamState.empty(config)
+    empty = S.AudioStreamState.empty(config)
     leaves, treedef = jax.tree_util.tree_flatten(empty)
     assert len(leaves) == 2 and leaves[0].shape == (2, 1, 1500, 2, 16)
     assert jax.tree_util.tree_unflatten(treedef, leaves).length == 0
     # 1449 cached frames + 52 CNN frames of the next chunk reach the 1500 positions: the cache restarts.
-    full = A.AudioStreamState(keys=empty.keys, values=empty.values, length=1449)
+    full = S.AudioStreamState(keys=empty.keys, values=empty.values, length=1449)
     chunk = af.MelChunk(case4["chunk1_mel"][0], 2, 2, 1, 98)
-    tokens, state = A.encode_audio_streaming(encoder, chunk, full)
-    fresh, fresh_state = A.encode_audio_streaming(encoder, chunk, empty)
+    tokens, state = S.encode_audio_streaming(encoder, chunk, full)
+    fresh, fresh_state = S.encode_audio_streaming(encoder, chunk, empty)
     assert state.length == fresh_state.length == 50
     assert maxdiff(tokens, fresh) == 0.0
-    _, kept = A.encode_audio_streaming(encoder, chunk, A.AudioStreamState(empty.keys, empty.values, length=1447))
+    _, kept = S.encode_audio_streaming(encoder, chunk, S.AudioStreamState(empty.keys, empty.values, length=1447))
     assert kept.length == 1497
 
 

@@ -136,14 +136,13 @@ class DuplexSession:
 
     def step(self, pcm, frame=None) -> UnitResult:
         """One unit: `<unit>` [`<image>` frame `</image>`] audio, then the listen/speak decision and its tokens."""
-        from omnijax.models.minicpmo import audio as audio_lib
-        from omnijax.models.minicpmo import audio_features
+        from omnijax.models.minicpmo import audio_features, audio_stream
         from omnijax.models.minicpmo import vision as vision_lib
         t = self.tokens
         chunk, self._mel = audio_features.mel_stream_step(self._mel or audio_features.mel_stream_start(), pcm)
         if chunk is None:
             raise ValueError("not enough audio for a unit yet (the first unit needs its full 1 s chunk)")
-        audio, self._audio_cache = audio_lib.encode_audio_streaming(self.model.audio, chunk, self._audio_cache)
+        audio, self._audio_cache = audio_stream.encode_audio_streaming(self.model.audio, chunk, self._audio_cache)
         rows = [t.unit_start]
         if frame is not None:
             embeds, _ = vision_lib.encode_image(self.model.vision, frame, max_slice_nums=self.max_slice_nums)
