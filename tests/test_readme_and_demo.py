@@ -36,5 +36,7 @@ def test_readme_quick_start(tmp_path):
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     result, out = namespace["result"], namespace["out"]
+    assert namespace["answer"].shape == (1, 8)
+    assert int(namespace["compressed"].cache.layers[0].length[0, 0]) == 64
     assert result.tokens.shape == (2, 1, 16) and (result.tokens[-1, 0] >= 0).all()
     assert out.tokens.shape == (1, 16) and int((out.tokens[0] >= 0).sum()) == 8
