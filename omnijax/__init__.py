@@ -13,9 +13,10 @@ from omnijax.retention import REGISTRY as RETENTION_POLICIES
 from omnijax.retention import NoSlide
 from omnijax.stream import ChunkOutput, Session, StreamResult, StreamState, init_state, stream
 from omnijax.units import SpanKind
+from omnijax.evaluate import EvalConfig, evaluate
 
 __all__ = [
     "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "Model", "NoSlide", "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES",
     "Session", "SpanKind", "StreamResult", "StreamState", "init_state", "load", "split_text", "stack_chunks",
-    "stream", "text_chunk",
+    "stream", "text_chunk", "EvalConfig", "evaluate",
 ]

@@ -1,0 +1,17 @@
+"""Evaluation harness: StreamingBench questions asked at their timestamps in streaming sessions, scored per task
+type and per retention / paging configuration with `omnijax.evaluate`.
+
+Modules: `annotations` (files -> videos, questions, timeline), `media` (text encoders, decoded or synthetic
+video units), `sessions` (a video -> its chunks), `streamingbench` (run, score, report, CLI:
+`python -m omnijax.evalharness.streamingbench --help`).
+"""
+
+from omnijax.evalharness.annotations import (AnnotationError, Question, Video, load_all, load_file, parse_timestamp,
+                                             place_questions, unit_of)
+from omnijax.evalharness.media import ByteTextEncoder, HFTextEncoder, TextEncoder, open_media, text_encoder
+from omnijax.evalharness.sessions import BenchSession, ChunkBuilder, build_session
+from omnijax.evalharness.streamingbench import BenchReport, parse_config, run, select_videos
+
+__all__ = ["AnnotationError", "BenchReport", "BenchSession", "ByteTextEncoder", "ChunkBuilder", "HFTextEncoder",
+           "Question", "TextEncoder", "Video", "build_session", "load_all", "load_file", "open_media", "parse_config",
+           "parse_timestamp", "place_questions", "run", "select_videos", "text_encoder", "unit_of"]

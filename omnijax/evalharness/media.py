@@ -1,0 +1,226 @@
+"""Text and media for the harness: a `TextEncoder` protocol, and each video's 2 s units of frames plus audio.
+
+Text: `text_encoder(checkpoint_dir, vocab_size)` returns a transformers tokenizer (`AutoTokenizer` on the
+converted checkpoint's tokenizer files) when both exist, else `ByteTextEncoder`: UTF-8 bytes folded into the
+vocabulary, deterministic, for checkpoints without a tokenizer such as the tiny demo model.
+
+Media: `open_media` decodes a real video file with PyAV (`pip install av`) when the file and the library exist:
+frames sampled at `fps` and resized to `frame_size`, audio resampled to 16 kHz mono. Otherwise it falls back to
+`SyntheticMedia` (moving shapes and a tone from `omnijax.models.qwen2_5_omni.frontend`, seeded by the video path)
+and says why in `source.notice`. A last partial unit is completed by repeating the last frame and with silence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import zlib
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+SAMPLE_RATE = 16_000
+QWEN_SPECIALS = {"<|im_start|>": 151644, "<|im_end|>": 151645}
+
+
+class TextEncoder(Protocol):
+    """What the harness needs from a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids."""
+
+    def special(self, token: str) -> int:
+        """Id of a chat marker such as `<|im_start|>`."""
+
+    def letter_id(self, letter: str) -> int:
+        """The single id an option letter ("A") is scored and generated as."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteTextEncoder:
+    """UTF-8 bytes folded into `[0, vocab_size)` (`byte % vocab_size`); chat markers keep Qwen's ids when the
+    vocabulary holds them, else are folded the same way. Decoding maps ids below 256 back to bytes."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def special(self, token: str) -> int:
+        if token not in QWEN_SPECIALS:
+            raise KeyError(f"unknown special token {token!r}; known: {sorted(QWEN_SPECIALS)}")
+        return QWEN_SPECIALS[token] % self.vocab_size
+
+    def letter_id(self, letter: str) -> int:
+        return self.encode(letter)[0]
+
+
+class HFTextEncoder:
+    """A transformers tokenizer behind the `TextEncoder` protocol."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def special(self, token: str) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(token))
+
+    def letter_id(self, letter: str) -> int:
+        ids = self.encode(letter)
+        if len(ids) != 1:
+            raise ValueError(f"option letter {letter!r} is {len(ids)} tokens for this tokenizer; want one")
+        return ids[0]
+
+
+def text_encoder(checkpoint_dir: str | Path | None, vocab_size: int, notices: list[str] | None = None) -> TextEncoder:
+    """The checkpoint's tokenizer when its files and transformers are present, else a `ByteTextEncoder`."""
+    notices = [] if notices is None else notices
+    directory = None if checkpoint_dir is None else Path(checkpoint_dir)
+    has_files = directory is not None and any((directory / f).exists() for f in ("tokenizer.json", "vocab.json"))
+    if has_files and importlib.util.find_spec("transformers") is not None:
+        from transformers import AutoTokenizer
+        return HFTextEncoder(AutoTokenizer.from_pretrained(str(directory)), vocab_size)
+    why = "no checkpoint directory" if directory is None else (
+        f"no tokenizer files in {directory}" if not has_files else "transformers is not installed")
+    notices.append(f"text: {why}; using ByteTextEncoder (UTF-8 bytes folded into the {vocab_size}-token vocabulary)")
+    return ByteTextEncoder(vocab_size)
+
+
+class MediaSource(Protocol):
+    """A video's units: `units(count)` yields `count` pairs `(frames [n, H, W, 3] uint8, pcm [samples] float32)`."""
+
+    duration_s: float | None
+    kind: str
+    notice: str
+
+    def units(self, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        ...
+
+
+@dataclasses.dataclass
+class SyntheticMedia:
+    """Moving coloured shapes and a tone, deterministic for a seed; no duration of its own."""
+
+    seed: int
+    unit_seconds: float = 2.0
+    fps: float = 2.0
+    frame_size: tuple[int, int] = (56, 84)
+    notice: str = ""
+    kind: str = "synthetic"
+    duration_s: float | None = None
+
+    def units(self, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        from omnijax.models.qwen2_5_omni import frontend
+        h, w = self.frame_size
+        for k in range(count):
+            start = k * self.unit_seconds
+            frames = frontend.synthetic_frames(self.unit_seconds, self.fps, h, w, seed=self.seed, start=start)
+            pcm = frontend.tone(self.unit_seconds, 220.0 * (1 + self.seed % 4), seed=self.seed + k, start=start)
+            yield frames, pcm
+
+
+@dataclasses.dataclass
+class DecodedVideo:
+    """A video file decoded with PyAV, unit by unit (frames sampled at `fps`, audio at 16 kHz mono)."""
+
+    path: Path
+    unit_seconds: float = 2.0
+    fps: float = 2.0
+    frame_size: tuple[int, int] = (252, 448)
+    notice: str = ""
+    kind: str = "video file"
+    duration_s: float | None = None
+
+    def __post_init__(self):
+        import av
+        with av.open(str(self.path)) as container:
+            if container.duration is not None:
+                self.duration_s = container.duration / av.time_base
+            elif container.streams.video and container.streams.video[0].duration is not None:
+                stream = container.streams.video[0]
+                self.duration_s = float(stream.duration * stream.time_base)
+
+    def _frames(self) -> Iterator[np.ndarray]:
+        import av
+        h, w = self.frame_size
+        with av.open(str(self.path)) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            next_t = 0.0
+            for frame in container.decode(stream):
+                t = float(frame.time or 0.0)
+                while t + 0.5 / self.fps >= next_t:  # the frame nearest each sampling instant
+                    yield frame.to_ndarray(format="rgb24", width=w, height=h)
+                    next_t += 1.0 / self.fps
+
+    def _audio(self) -> Iterator[np.ndarray]:
+        import av
+        with av.open(str(self.path)) as container:
+            if not container.streams.audio:
+                return
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            for frame in container.decode(container.streams.audio[0]):
+                for out in resampler.resample(frame):
+                    yield out.to_ndarray().reshape(-1).astype(np.float32)
+            for out in resampler.resample(None):
+                yield out.to_ndarray().reshape(-1).astype(np.float32)
+
+    def units(self, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        per_unit = int(round(self.unit_seconds * self.fps))
+        samples = int(round(self.unit_seconds * SAMPLE_RATE))
+        frames, audio = self._frames(), self._audio()
+        last = np.zeros(self.frame_size + (3,), np.uint8)
+        buffer = np.zeros(0, np.float32)
+        for _ in range(count):
+            unit_frames = []
+            for frame in frames:
+                unit_frames.append(frame)
+                if len(unit_frames) == per_unit:
+                    break
+            if unit_frames:
+                last = unit_frames[-1]
+            unit_frames += [last] * (per_unit - len(unit_frames))  # a partial (or absent) tail repeats the last frame
+            while buffer.shape[0] < samples:
+                piece = next(audio, None)
+                if piece is None:
+                    break
+                buffer = np.concatenate([buffer, piece])
+            pcm = np.zeros(samples, np.float32)
+            pcm[:min(samples, buffer.shape[0])] = buffer[:samples]
+            buffer = buffer[samples:]
+            yield np.stack(unit_frames), pcm
+
+
+def open_media(video_root: str | Path | None, video_path: str, *, unit_seconds: float = 2.0, fps: float = 2.0,
+               frame_size: tuple[int, int] | None = None, synthetic_size: tuple[int, int] = (56, 84)) -> MediaSource:
+    """The video's decoded file when it and PyAV exist, else synthetic media with a notice saying why."""
+    path = None if video_root is None else Path(video_root) / video_path
+    if path is not None and path.is_file() and importlib.util.find_spec("av") is not None:
+        return DecodedVideo(path, unit_seconds, fps, frame_size or (252, 448))
+    if path is None:
+        why = "no video root given"
+    elif not path.is_file():
+        why = f"{path} not found"
+    else:
+        why = "PyAV is not installed (pip install av)"
+    seed = zlib.crc32(video_path.encode("utf-8")) % (2 ** 31)
+    return SyntheticMedia(seed, unit_seconds, fps, frame_size or synthetic_size,
+                          notice=f"{video_path}: {why}; using synthetic frames and a tone")
+
+
+__all__ = ["ByteTextEncoder", "DecodedVideo", "HFTextEncoder", "MediaSource", "QWEN_SPECIALS", "SyntheticMedia",
+           "TextEncoder", "open_media", "text_encoder"]
