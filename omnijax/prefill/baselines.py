@@ -119,7 +119,8 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
                        preferred_element_type=jnp.float32) * d ** -0.5
         visible = (index[:, :, None, None, :] <= q_index[None, None, None, :, None]) & (index >= 0)[:, :, None, None]
         probs = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1).astype(q.dtype)
-        attn = jnp.einsum("bgrct,bgtd->bcgrd", probs, values, preferred_element_type=jnp.float32)
+        # float32 product: XLA:CPU has no bf16 x bf16 -> f32 dot for this batched layout.
+        attn = jnp.einsum("bgrct,bgtd->bcgrd", probs.astype(jnp.float32), values.astype(jnp.float32))
         h = layer_finish(c, p, h, attn.reshape(B, C, H, d).astype(q.dtype))
         n = keys.shape[2]
         if n > budget:  # static: evict now, scoring the chunk's last `window` queries against every held entry
