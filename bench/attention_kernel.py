@@ -33,7 +33,15 @@ medians of same-round ratios. The cumulative attention time uses every `--every`
 (migration events are all timed). The exact active-page sums over all chunks are reported alongside as the
 layout-only prediction of the same ratios.
 
-Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--out bench/out]`
+Accelerators. `--impl pallas` times the block-sparse Triton kernel instead (a GPU; on CPU it would time the Pallas
+interpreter). `--inner L` runs each attention call L times in sequence inside one jitted loop (each repetition's
+queries depend on the previous output, like stacked layers) and migrates an L-layer cache in one call, then divides
+by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead.
+`--save-layouts F` pickles the captured layouts and `--layouts F` loads them instead of capturing (capture is host
+work; it can run on another machine).
+
+Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--impl xla] [--dtype float32]
+[--inner 1] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import argparse
 import dataclasses
 import json
 import math
+import pickle
 import time
 from pathlib import Path
 
@@ -100,7 +109,7 @@ def capture(model, chunks, policy, paging, num_pages, keep=None):
         if shadow is not None and row["evicted"] > 0:
             shadow.state = prev
             shadow.feed(chunk)
-            row["pre_kv"] = jax.tree.map(np.asarray, shadow.state.kv)
+            row["pre_kv"] = jax.tree.map(np.asarray, shadow.state.kv.replace(k=None, v=None))  # K/V come later
         rows.append(row)
     return rows
 
@@ -115,6 +124,28 @@ def attention_case(row, q, kv_pages):
                                slot_valid=jnp.asarray(valid), slot_order=jnp.asarray(order),
                                q_order=jnp.asarray(q0 + np.arange(T, dtype=np.int32))[None])
     return (q,) + kv_pages + (view,)
+
+
+def layered(attend, layers):
+    """Jitted `attend` run `layers` times in sequence, each call's queries depending on the previous output."""
+    if layers == 1:
+        return jax.jit(attend)
+
+    def run(q, k, v, view):
+        step = lambda _, out: attend(q + 1e-30 * out, k, v, view)  # the dependence keeps the calls sequential
+        return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q))
+
+    return jax.jit(run)
+
+
+def load_layouts(path, chunks, tokens):
+    """Layouts saved by `--save-layouts`, checked against this run's stream."""
+    saved = pickle.loads(Path(path).read_bytes())
+    if (saved["chunks"], saved["tokens"]) != (chunks, tokens):
+        raise ValueError(f"{path} holds {saved['chunks']} chunks / {saved['tokens']} tokens; this run streams "
+                         f"{chunks} / {tokens} (use the same --tokens)")
+    print(f"loaded layouts of {chunks} chunks, {tokens} tokens from {path}", flush=True)
+    return saved["layouts"]
 
 
 def timed_rounds(cases, repeats):
@@ -142,10 +173,17 @@ def timed_rounds(cases, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32768, help="stream until the session has this many tokens")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (0 with --save-layouts: capture only)")
     parser.add_argument("--every", type=int, default=3, help="chunk stride of the cumulative attention time")
+    parser.add_argument("--impl", choices=("xla", "pallas"), default="xla", help="attention implementation timed")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="query and K/V dtype")
+    parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
+    parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
+    parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
+    if args.inner < 1:
+        parser.error(f"--inner must be at least 1, got {args.inner}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
@@ -158,19 +196,28 @@ def main(argv=None):
     checkpoints = {L: int(np.argmax(cum >= L)) for L in CHECKPOINTS if L <= cum[n - 1]}
     full_pool = math.ceil(int(cum[n - 1]) / PAGE) + 2
 
-    layouts = {}
-    for name, policy, paging, pool, keep in [("full", NoSlide(), "native", full_pool, set(checkpoints.values()))] + [
-            (m, OmniPick(), m, OMNI_POOL, None) for m in MODES]:
-        start = time.perf_counter()
-        layouts[name] = capture(writer, chunks, policy, paging, pool, keep)
-        print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
-              f"{time.perf_counter() - start:.0f} s", flush=True)
+    if args.layouts:
+        layouts = load_layouts(args.layouts, n, int(cum[n - 1]))
+    else:
+        layouts = {}
+        for name, policy, paging, pool, keep in [("full", NoSlide(), "native", full_pool,
+                                                  set(checkpoints.values()))] + [
+                (m, OmniPick(), m, OMNI_POOL, None) for m in MODES]:
+            start = time.perf_counter()
+            layouts[name] = capture(writer, chunks, policy, paging, pool, keep)
+            print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
+    if args.save_layouts:
+        Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]), "layouts": layouts}))
+        print(f"wrote {args.save_layouts}")
+        if args.repeats == 0:
+            return
 
     rng = np.random.default_rng(0)
-    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
     qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
     kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, OMNI_POOL)}
-    attend = jax.jit(lambda q, k, v, view: attention.attend(q, k, v, view, impl="xla"))
+    attend = layered(lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl), args.inner)
     cases, index = [], {}  # index[(kind, config, chunk, phase)] = case column
 
     def add(key, prepare, fn, tag):
@@ -190,9 +237,10 @@ def main(argv=None):
             for phase, q in qs.items():
                 a = attention_case(layouts[m][c], q, kv_pages[OMNI_POOL])
                 add((OMNI_POOL, phase), lambda a=a: a, attend, ("cum", m, c, phase))
-    k7, v7 = (np.asarray(rng.standard_normal((1, OMNI_POOL, PAGE, G, D), dtype=np.float32)) for _ in range(2))
+    k7, v7 = (np.asarray(jnp.asarray(rng.standard_normal((args.inner, OMNI_POOL, PAGE, G, D), dtype=np.float32),
+                                     args.dtype)) for _ in range(2))
     for m, fn in MODE_FNS.items():
-        jfn = jax.jit(fn, donate_argnums=0)
+        jfn = jax.jit(fn, donate_argnums=0)  # one call moves all args.inner layers
         for row in layouts[m]:
             if "pre_kv" in row:
                 prepare = lambda kv=row["pre_kv"]: (jax.device_put(kv.replace(k=k7, v=v7)),)
@@ -202,7 +250,7 @@ def main(argv=None):
                 add(("mig", m), prepare, jfn, ("mig", m, row["chunk"], None))
     print(f"timing {len(cases)} cases per round ({len(checkpoints)} checkpoints, {len(sampled)} sampled chunks x "
           f"{len(MODES)} modes, {sum(1 for t in index if t[0] == 'mig')} migration events)", flush=True)
-    ms = timed_rounds(cases, args.repeats)  # [R, cases]
+    ms = timed_rounds(cases, args.repeats) / args.inner  # [R, cases], per layer
     col = lambda *tag: ms[:, index[tag]]
 
     ckpt_rows = []
@@ -267,17 +315,20 @@ def main(argv=None):
           + f"; paper {PAPER['speedup_32k']}x")
     runtime = time.perf_counter() - t_run
     print(f"total runtime {runtime:.0f} s")
-    summary = {"attention_shapes": {"heads": H, "kv_heads": G, "head_dim": D, "dtype": "float32", "impl": "xla"},
+    summary = {"attention_shapes": {"heads": H, "kv_heads": G, "head_dim": D, "dtype": args.dtype, "impl": args.impl},
+               "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner,
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
                "full_pool_pages": full_pool, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
                "cumulative": cum_rows}
-    (out / "attention_kernel.json").write_text(json.dumps(summary, indent=2))
-    plot(ckpt_rows, cum_rows, out / "attention_kernel.png")
-    print(f"wrote {out / 'attention_kernel.json'} and {out / 'attention_kernel.png'}")
+    stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \
+        f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}"
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+    plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}")
+    print(f"wrote {out / stem}.json and {out / stem}.png")
 
 
-def plot(ckpt_rows, cum_rows, path):
+def plot(ckpt_rows, cum_rows, path, where):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,7 +347,7 @@ def plot(ckpt_rows, cum_rows, path):
     ax.set_yscale("log")
     ax.set_xlabel("streamed history")
     ax.set_ylabel("attention ms per layer (median)")
-    ax.set_title("Qwen-7B attention shapes, CPU, impl=xla")
+    ax.set_title(f"Qwen-7B attention shapes, {where}")
     ax.legend(fontsize=6, ncol=2)
     for ax, phase in zip(axes[1:], ("prefill", "decode")):
         x = np.arange(len(cum_rows))

@@ -93,15 +93,19 @@ def numpy_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_o
     return out
 
 
+# The same suite runs the kernel interpreted on CPU and compiled (Triton) on a GPU.
+INTERPRET = jax.default_backend() == "cpu"
+
+
 @functools.partial(jax.jit, static_argnames=("block_q",))
-def kernel_interpret(*args, block_q=16):
-    return block_sparse_attention(*args, block_q=block_q, interpret=True)
+def kernel(*args, block_q=16):
+    return block_sparse_attention(*args, block_q=block_q, interpret=INTERPRET)
 
 
 def check(args, *, block_q=16):
     dtype = jnp.dtype(args[0].dtype)
     tol = TOL[dtype]
-    got = kernel_interpret(*args, block_q=block_q)
+    got = kernel(*args, block_q=block_q)
     ref = block_sparse_attention_reference(*args)
     assert got.shape == args[0].shape and got.dtype == dtype
     assert np.all(np.isfinite(np.asarray(got, np.float32))), "NaN from dead slots leaked"

@@ -20,6 +20,9 @@ from pallas_kernels.streaming_topk import (
     streaming_topk_reference,
 )
 
+# The same suite runs the kernel interpreted on CPU and compiled (Triton) on a GPU.
+INTERPRET = jax.default_backend() == "cpu"
+
 # Scores are compared relative to the largest selected score (scores are means of probabilities, ~1/S).
 # float32: every path computes the same float32 math (HIGHEST-precision dots, float32 softmax); only the summation
 # order differs (streaming log-sum-exp rescaling, blocked column sums, pooling order): a few float32 ulps.
@@ -82,7 +85,7 @@ def test_matches_dense_topk(case, impl):
         if impl == "blockwise":
             got = streaming_topk_blockwise(q, k, k=kk, block_size=bs_bw, pool_kernel=pool)
         else:
-            got = streaming_topk(q, k, k=kk, block_size=bs_pl, pool_kernel=pool, interpret=True)
+            got = streaming_topk(q, k, k=kk, block_size=bs_pl, pool_kernel=pool, interpret=INTERPRET)
         check(got, q, k, kk, pool)
 
 
@@ -130,7 +133,7 @@ def test_numpy_oracle():
                                atol=1e-5 * oracle.max())
     want = np.sort(np.argsort(-oracle, axis=-1, kind="stable")[..., :kk], axis=-1)
     for idx, vals in (streaming_topk_blockwise(q, k, k=kk, block_size=bs_bw, pool_kernel=pool),
-                      streaming_topk(q, k, k=kk, block_size=bs_pl, pool_kernel=pool, interpret=True)):
+                      streaming_topk(q, k, k=kk, block_size=bs_pl, pool_kernel=pool, interpret=INTERPRET)):
         np.testing.assert_array_equal(np.asarray(idx), want)
         np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(oracle, want, -1), rtol=1e-5,
                                    atol=1e-5 * oracle.max())
@@ -169,7 +172,7 @@ def test_validation_is_shared():
         with pytest.raises(ValueError, match=msg):
             streaming_topk_blockwise(*args, k=kk, block_size=bs, pool_kernel=pool)
         with pytest.raises(ValueError, match=msg):
-            streaming_topk(*args, k=kk, block_size=bs, pool_kernel=pool, interpret=True)
+            streaming_topk(*args, k=kk, block_size=bs, pool_kernel=pool, interpret=INTERPRET)
         if "block_size" not in msg:
             with pytest.raises(ValueError, match=msg):
                 streaming_topk_reference(*args, k=kk, pool_kernel=pool)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU checks in one pass, for a CUDA machine with jax, flax and pytest installed (no network needed):
+#   1. the Pallas kernel test suites compiled through Triton (the same tests run interpreted on CPU),
+#   2. bench/attention_kernel.py with the Triton kernel (float32 and bfloat16) and with impl=xla, 28 layers per timed
+#      call, on layouts captured beforehand on any machine:
+#        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
+# Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
+set -u
+out=${1:-bench/out/gpu}
+layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
+mkdir -p "$out"
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+py=${PYTHON:-python3}
+{ nvidia-smi -L; $py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
+    2>&1 | tee "$out/env.log"
+timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
+    tests/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
+for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "xla float32 ${XLA_S:-130}"; do
+    set -- $run
+    echo "== attention_kernel impl=$1 dtype=$2 (limit $3 s)"
+    timeout "$3" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --inner 28 \
+        --repeats 3 --out "$out" 2>&1 | grep -v "^  round" | tail -22
+done
