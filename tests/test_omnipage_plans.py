@@ -129,6 +129,9 @@ def _plans(kv, subblocks, min_pages):
             {m: omnipage.plan_ordered_suffix(kv, m) for m in min_pages})
 
 
+TILE_SKIP, ORDERED_SUFFIX = 0, 1  # positions of each planner's plans in `all_plans(kv)`
+
+
 def all_plans(kv):
     """`({subblock: MigrationPlan}, {min_pages: MigrationPlan})` as numpy."""
     return jax.device_get(_plans(kv, SUBBLOCKS[kv.page_size], MIN_PAGES))
@@ -164,26 +167,64 @@ TILE_CASES = [(P, B, sb) for P in (4, 8) for B in (1, 3) for sb in SUBBLOCKS[P]]
 SUFFIX_CASES = [(P, B, m) for P in (4, 8) for B in (1, 3) for m in MIN_PAGES]
 
 
-@pytest.mark.parametrize("P,B,subblock", TILE_CASES)
-def test_plan_tile_skip_matches_reference(P, B, subblock):
-    for layout, (tile, _) in zip(layouts(P, B), plans(P, B)):
-        plan = tile[subblock]
-        check_plan_shape(plan, P, B)
+@dataclasses.dataclass(frozen=True)
+class SequencePlan:
+    """One sequence of a random layout with the jitted planner's plan for it."""
+
+    layout: Layout
+    b: int  # the sequence
+    row: np.ndarray  # its page-table row
+    moves: dict[int, int]  # planned {source slot: destination slot}
+    accepted: bool
+    live: list[bool]  # its live slots before the plan
+    note: str  # `describe(layout, b, P)`, for failure messages
+
+
+def sequence_plans(P, B, planner, setting):
+    """Every sequence of every random layout of shape (P, B), with its plan under one planner setting.
+
+    Args:
+        P, B: the shape (page size, batch).
+        planner: `TILE_SKIP` or `ORDERED_SUFFIX`.
+        setting: the planner's subblock or min_pages.
+
+    Yields:
+        A `SequencePlan` per sequence.
+    """
+    for layout, planned in zip(layouts(P, B), plans(P, B)):
+        plan = planned[planner][setting]
         dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
         for b in range(B):
-            want = ref.tile_skip_plan(layout.table[b], layout.valid, layout.page_class, P, subblock)
-            assert (moves_of(dst[b]), bool(accepted[b])) == want, describe(layout, b, P)
+            row = layout.table[b]
+            yield SequencePlan(layout=layout, b=b, row=row, moves=moves_of(dst[b]), accepted=bool(accepted[b]),
+                               live=ref.live_slots(row, layout.valid, P), note=describe(layout, b, P))
+
+
+def check_plans_match_reference(P, B, planner, setting, reference_plan):
+    """Every random layout's jitted plans of one planner setting against the reference, sequence by sequence.
+
+    Args:
+        P, B: the shape (page size, batch).
+        planner: `TILE_SKIP` or `ORDERED_SUFFIX`.
+        setting: the planner's subblock or min_pages.
+        reference_plan: `(layout, b) -> (moves, accepted)` of sequence `b`.
+    """
+    for planned in plans(P, B):
+        check_plan_shape(planned[planner][setting], P, B)
+    for seq in sequence_plans(P, B, planner, setting):
+        assert (seq.moves, seq.accepted) == reference_plan(seq.layout, seq.b), seq.note
+
+
+@pytest.mark.parametrize("P,B,subblock", TILE_CASES)
+def test_plan_tile_skip_matches_reference(P, B, subblock):
+    check_plans_match_reference(P, B, TILE_SKIP, subblock, lambda layout, b: ref.tile_skip_plan(
+        layout.table[b], layout.valid, layout.page_class, P, subblock))
 
 
 @pytest.mark.parametrize("P,B,min_pages", SUFFIX_CASES)
 def test_plan_ordered_suffix_matches_reference(P, B, min_pages):
-    for layout, (_, suffix) in zip(layouts(P, B), plans(P, B)):
-        plan = suffix[min_pages]
-        check_plan_shape(plan, P, B)
-        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
-        for b in range(B):
-            want = ref.ordered_suffix_plan(layout.table[b], layout.valid, P, min_pages)
-            assert (moves_of(dst[b]), bool(accepted[b])) == want, describe(layout, b, P)
+    check_plans_match_reference(P, B, ORDERED_SUFFIX, min_pages, lambda layout, b: ref.ordered_suffix_plan(
+        layout.table[b], layout.valid, P, min_pages))
 
 
 def _common_move_checks(live, row, moves, P):
@@ -197,26 +238,21 @@ def _common_move_checks(live, row, moves, P):
 @pytest.mark.parametrize("P,B,subblock", TILE_CASES)
 def test_tile_skip_plans_meet_criterion(P, B, subblock):
     counts = {"accepted": 0, "rejected": 0, "rejected_with_moves": 0}
-    for layout, (tile, _) in zip(layouts(P, B), plans(P, B)):
-        plan = tile[subblock]
-        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
-        for b in range(B):
-            row, moves, ok = layout.table[b], moves_of(dst[b]), bool(accepted[b])
-            live = ref.live_slots(row, layout.valid, P)
-            note = describe(layout, b, P)
-            _common_move_checks(live, row, moves, P)
-            for src, dst_j in moves.items():
-                src_entry, dst_entry = live[src // P * P:][:P], live[dst_j // P * P:][:P]
-                assert not live[dst_j], note
-                assert layout.page_class[row[src // P]] == layout.page_class[row[dst_j // P]], note
-                assert not all(src_entry), note  # sources come from partly filled entries
-                assert any(dst_entry), note  # holes are in active entries
-            after = ref.apply_moves(live, moves)
-            better = (ref.count_active(after, P) < ref.count_active(live, P)
-                      or ref.count_active(after, subblock) < ref.count_active(live, subblock))
-            assert ok == (bool(moves) and better), note
-            counts["accepted" if ok else "rejected"] += 1
-            counts["rejected_with_moves"] += (not ok) and bool(moves)
+    for seq in sequence_plans(P, B, TILE_SKIP, subblock):
+        layout, row, moves, ok, live, note = seq.layout, seq.row, seq.moves, seq.accepted, seq.live, seq.note
+        _common_move_checks(live, row, moves, P)
+        for src, dst_j in moves.items():
+            src_entry, dst_entry = live[src // P * P:][:P], live[dst_j // P * P:][:P]
+            assert not live[dst_j], note
+            assert layout.page_class[row[src // P]] == layout.page_class[row[dst_j // P]], note
+            assert not all(src_entry), note  # sources come from partly filled entries
+            assert any(dst_entry), note  # holes are in active entries
+        after = ref.apply_moves(live, moves)
+        better = (ref.count_active(after, P) < ref.count_active(live, P)
+                  or ref.count_active(after, subblock) < ref.count_active(live, subblock))
+        assert ok == (bool(moves) and better), note
+        counts["accepted" if ok else "rejected"] += 1
+        counts["rejected_with_moves"] += (not ok) and bool(moves)
     assert counts["accepted"] and counts["rejected"], counts
     if subblock == P:
         assert counts["rejected_with_moves"], counts  # proposals that free no page are turned down
@@ -225,36 +261,31 @@ def test_tile_skip_plans_meet_criterion(P, B, subblock):
 @pytest.mark.parametrize("P,B,min_pages", SUFFIX_CASES)
 def test_ordered_suffix_plans_meet_criterion(P, B, min_pages):
     counts = {"accepted": 0, "rejected": 0}
-    for layout, (_, suffix) in zip(layouts(P, B), plans(P, B)):
-        plan = suffix[min_pages]
-        dst, accepted = np.asarray(plan.dst), np.asarray(plan.accepted)
-        for b in range(B):
-            row, moves, ok = layout.table[b], moves_of(dst[b]), bool(accepted[b])
-            live = ref.live_slots(row, layout.valid, P)
-            note = describe(layout, b, P)
-            counts["accepted" if ok else "rejected"] += 1
-            if not ok:
-                assert moves == {}, note
-                continue
-            assert moves, note
-            _common_move_checks(live, row, moves, P)
-            for dst_j in moves.values():  # a destination is a hole or a slot its own survivor leaves
-                assert not live[dst_j] or dst_j in moves, note
-            # Gather-then-scatter on slot identities: survivors keep their relative order, the moved ones end up
-            # as one contiguous run to the end, and the span shrinks by at least min_pages pages.
-            content = [j if x else None for j, x in enumerate(live)]
-            moved_content = list(content)
-            for src in moves:
-                moved_content[src] = None
-            for src, dst_j in moves.items():
-                moved_content[dst_j] = content[src]
-            survivors = [s for s in moved_content if s is not None]
-            assert survivors == sorted(survivors) and len(survivors) == sum(live), note
-            start = min(moves.values())
-            tail = [s is not None for s in moved_content[start:]]
-            assert tail == sorted(tail, reverse=True), note
-            after = ref.apply_moves(live, moves)
-            assert ref.span_pages(live, P) - ref.span_pages(after, P) >= min_pages, note
+    for seq in sequence_plans(P, B, ORDERED_SUFFIX, min_pages):
+        row, moves, ok, live, note = seq.row, seq.moves, seq.accepted, seq.live, seq.note
+        counts["accepted" if ok else "rejected"] += 1
+        if not ok:
+            assert moves == {}, note
+            continue
+        assert moves, note
+        _common_move_checks(live, row, moves, P)
+        for dst_j in moves.values():  # a destination is a hole or a slot its own survivor leaves
+            assert not live[dst_j] or dst_j in moves, note
+        # Gather-then-scatter on slot identities: survivors keep their relative order, the moved ones end up
+        # as one contiguous run to the end, and the span shrinks by at least min_pages pages.
+        content = [j if x else None for j, x in enumerate(live)]
+        moved_content = list(content)
+        for src in moves:
+            moved_content[src] = None
+        for src, dst_j in moves.items():
+            moved_content[dst_j] = content[src]
+        survivors = [s for s in moved_content if s is not None]
+        assert survivors == sorted(survivors) and len(survivors) == sum(live), note
+        start = min(moves.values())
+        tail = [s is not None for s in moved_content[start:]]
+        assert tail == sorted(tail, reverse=True), note
+        after = ref.apply_moves(live, moves)
+        assert ref.span_pages(live, P) - ref.span_pages(after, P) >= min_pages, note
     assert counts["accepted"] and counts["rejected"], counts
 
 
@@ -296,22 +327,32 @@ def _hand_layout(entries, P=4, B=1):
     return build(P, B, table, valid, page_class, np.full((N, P), K.TEXT, np.int8), np.random.default_rng(0))
 
 
+def check_worked_example(case, planner, reference_plan):
+    """One hand-written case `(*entries, setting, moves, accepted)`: the reference and the jitted planner both give
+    the spec's plan.
+
+    Args:
+        case: an entry of `HAND_TILE` or `HAND_SUFFIX`.
+        planner: `TILE_SKIP` or `ORDERED_SUFFIX`.
+        reference_plan: `(layout, setting) -> (moves, accepted)` of the layout's one sequence.
+    """
+    *entries, setting, moves, accepted = case
+    layout = _hand_layout(entries)
+    assert reference_plan(layout, setting) == (moves, accepted)
+    plan = all_plans(layout.kv)[planner][setting]
+    assert (moves_of(np.asarray(plan.dst)[0]), bool(plan.accepted[0])) == (moves, accepted)
+
+
 @pytest.mark.parametrize("case", HAND_TILE)
 def test_tile_skip_worked_examples(case):
-    *entries, subblock, moves, accepted = case
-    layout = _hand_layout(entries)
-    assert ref.tile_skip_plan(layout.table[0], layout.valid, layout.page_class, 4, subblock) == (moves, accepted)
-    plan = all_plans(layout.kv)[0][subblock]
-    assert (moves_of(np.asarray(plan.dst)[0]), bool(plan.accepted[0])) == (moves, accepted)
+    check_worked_example(case, TILE_SKIP, lambda layout, subblock: ref.tile_skip_plan(
+        layout.table[0], layout.valid, layout.page_class, 4, subblock))
 
 
 @pytest.mark.parametrize("case", HAND_SUFFIX)
 def test_ordered_suffix_worked_examples(case):
-    *entries, min_pages, moves, accepted = case
-    layout = _hand_layout(entries)
-    assert ref.ordered_suffix_plan(layout.table[0], layout.valid, 4, min_pages) == (moves, accepted)
-    plan = all_plans(layout.kv)[1][min_pages]
-    assert (moves_of(np.asarray(plan.dst)[0]), bool(plan.accepted[0])) == (moves, accepted)
+    check_worked_example(case, ORDERED_SUFFIX, lambda layout, min_pages: ref.ordered_suffix_plan(
+        layout.table[0], layout.valid, 4, min_pages))
 
 
 def check_mode_result(layout, out, moved, expected, P, B):

@@ -41,109 +41,17 @@ import dataclasses
 import json
 import signal
 import time
-from typing import Any
 
 import numpy as np
 
-SAMPLE_RATE = 16000
-PATH = "/session"
-CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN = 1008, 1013, 1001
+from omnijax.serve.audio_frames import AudioFrameEncoder, frame_tokens
+from omnijax.serve.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN, PATH, SAMPLE_RATE, ProtocolError,
+                                    decode_frame, frame_samples, parse_hello, parse_json)
 
-
-class ProtocolError(ValueError):
-    """A malformed message from one client; `code` is the error code sent back."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def frame_samples(frame_ms: float, sample_rate: int = SAMPLE_RATE) -> int:
-    """Samples in one frame of `frame_ms` milliseconds (must be a whole number)."""
-    n = sample_rate * float(frame_ms) / 1000.0
-    if n < 1 or abs(n - round(n)) > 1e-6:
-        raise ValueError(f"frame_ms={frame_ms} is not a whole number of samples at {sample_rate} Hz")
-    return int(round(n))
-
-
-def parse_json(message: str) -> dict:
-    """A text message as a JSON object with a string `type` (raises `ProtocolError`)."""
-    try:
-        obj = json.loads(message)
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
-        raise ProtocolError("bad_json", f"text messages must be JSON objects: {e}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("bad_json", f"text messages must be JSON objects, got {type(obj).__name__}")
-    if not isinstance(obj.get("type"), str):
-        raise ProtocolError("bad_message", "a JSON message needs a string 'type'")
-    return obj
-
-
-def parse_hello(message: Any, *, frame_ms: float) -> int:
-    """Validates the hello (text message) and returns the session's samples per frame."""
-    if not isinstance(message, str):
-        raise ProtocolError("no_hello", "the first message must be a JSON hello, got a binary message")
-    hello = parse_json(message)
-    if hello["type"] != "hello":
-        raise ProtocolError("no_hello", f"the first message must be a hello, got type {hello['type']!r}")
-    rate = hello.get("sample_rate", SAMPLE_RATE)
-    if isinstance(rate, bool) or rate != SAMPLE_RATE:
-        raise ProtocolError("bad_sample_rate", f"sample_rate must be {SAMPLE_RATE} (mono int16 PCM), got {rate!r}")
-    ms = hello.get("frame_ms", frame_ms)
-    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not abs(float(ms) - frame_ms) <= 1e-6:  # NaN
-        raise ProtocolError("bad_frame_ms", f"this server ticks every {frame_ms:g} ms: frame_ms must be {frame_ms:g}, "
-                                            f"got {ms!r}")
-    return frame_samples(frame_ms)
-
-
-def decode_frame(data: bytes, samples: int) -> np.ndarray:
-    """One binary frame -> `[samples]` int16 PCM (raises `ProtocolError` on a wrong byte count)."""
-    if len(data) % 2:
-        raise ProtocolError("odd_byte_count", f"a frame is int16 PCM (2 bytes per sample), got {len(data)} bytes")
-    if len(data) != 2 * samples:
-        raise ProtocolError("bad_frame_size", f"a frame is exactly {samples} samples ({2 * samples} bytes), "
-                                              f"got {len(data) // 2} samples")
-    return np.frombuffer(data, dtype="<i2")
-
-
-def frame_tokens(samples: int) -> int:
-    """Chunk tokens of one frame of `samples` PCM samples: its audio tokens (25 per second) plus the two markers."""
-    from omnijax.models.qwen2_5_omni import frontend
-
-    return frontend.num_audio_tokens(samples) + 2
-
-
-class AudioFrameEncoder:
-    """PCM frame -> Qwen2.5-Omni audio unit chunk: `log_mel` -> audio encoder -> `audio_unit`, padded to T.
-
-    Args:
-        model: an `omnijax.Model` with an audio encoder.
-        chunk_tokens: the engine's padded per-tick length T.
-        answer_tokens: greedy tokens asked after every frame.
-    """
-
-    def __init__(self, model, *, chunk_tokens: int, answer_tokens: int):
-        from flax import nnx
-
-        if getattr(model, "audio", None) is None:
-            raise ValueError("the checkpoint has no audio encoder: omnijax-serve needs an audio_config and its "
-                             "thinker.audio_tower.* tensors")
-        self.model, self.chunk_tokens, self.answer_tokens = model, chunk_tokens, answer_tokens
-        self._split = nnx.split(model.audio)  # split once: encode_audio accepts (graphdef, params)
-        self._mel_bins = model.audio.config.num_mel_bins
-
-    def encode(self, pcm: np.ndarray, unit: int):
-        """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
-        from omnijax.adapters.qwen2_5_omni import audio_unit
-        from omnijax.chunks import pad_chunk
-        from omnijax.models.qwen2_5_omni.audio import encode_audio
-        from omnijax.models.qwen2_5_omni.audio_features import log_mel
-
-        audio = np.asarray(pcm, np.float32) / 32768.0
-        features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),
-                              np.float32)
-        chunk = audio_unit(features.shape[0], unit, features, answer_tokens=self.answer_tokens)
-        return pad_chunk(chunk, self.chunk_tokens)
+# The protocol and frame-encoding names stay importable from here (`omnijax.serve.server.parse_hello`, ...).
+__all__ = ["AudioFrameEncoder", "CLOSE_ERROR", "CLOSE_OVERLOADED", "CLOSE_SHUTDOWN", "MetronomeServer", "PATH",
+           "ProtocolError", "SAMPLE_RATE", "ServeConfig", "build_demo_model", "decode_frame", "frame_samples",
+           "frame_tokens", "load_tokenizer", "main", "parse_hello", "parse_json", "serve_until_signalled", "warm_up"]
 
 
 @dataclasses.dataclass(frozen=True)

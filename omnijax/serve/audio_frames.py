@@ -1,0 +1,47 @@
+"""PCM frames as engine input: one frame of 16 kHz int16 audio -> a Qwen2.5-Omni audio unit chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omnijax.serve.protocol import SAMPLE_RATE
+
+
+def frame_tokens(samples: int) -> int:
+    """Chunk tokens of one frame of `samples` PCM samples: its audio tokens (25 per second) plus the two markers."""
+    from omnijax.models.qwen2_5_omni import frontend
+
+    return frontend.num_audio_tokens(samples) + 2
+
+
+class AudioFrameEncoder:
+    """PCM frame -> Qwen2.5-Omni audio unit chunk: `log_mel` -> audio encoder -> `audio_unit`, padded to T.
+
+    Args:
+        model: an `omnijax.Model` with an audio encoder.
+        chunk_tokens: the engine's padded per-tick length T.
+        answer_tokens: greedy tokens asked after every frame.
+    """
+
+    def __init__(self, model, *, chunk_tokens: int, answer_tokens: int):
+        from flax import nnx
+
+        if getattr(model, "audio", None) is None:
+            raise ValueError("the checkpoint has no audio encoder: omnijax-serve needs an audio_config and its "
+                             "thinker.audio_tower.* tensors")
+        self.model, self.chunk_tokens, self.answer_tokens = model, chunk_tokens, answer_tokens
+        self._split = nnx.split(model.audio)  # split once: encode_audio accepts (graphdef, params)
+        self._mel_bins = model.audio.config.num_mel_bins
+
+    def encode(self, pcm: np.ndarray, unit: int):
+        """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
+        from omnijax.adapters.qwen2_5_omni import audio_unit
+        from omnijax.chunks import pad_chunk
+        from omnijax.models.qwen2_5_omni.audio import encode_audio
+        from omnijax.models.qwen2_5_omni.audio_features import log_mel
+
+        audio = np.asarray(pcm, np.float32) / 32768.0
+        features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),
+                              np.float32)
+        chunk = audio_unit(features.shape[0], unit, features, answer_tokens=self.answer_tokens)
+        return pad_chunk(chunk, self.chunk_tokens)
