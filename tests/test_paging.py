@@ -130,6 +130,28 @@ def test_migration_keeps_attention_positions_units_and_classes(mode, seed):
     assert (np.asarray(after.page_class)[free] == PageClass.FREE).all()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_copy_equals_all_at_once_for_every_planner(seed):
+    """K/V are copied a few moves per step; every planner's moves go backwards in table order, so stepping through
+    them in ascending source order equals moving them all at once (checked here with 2-slot steps)."""
+    kv = _fragmented_cache(seed, keep=0.6)
+    S = kv.page_table.shape[1] * kv.page_size
+    plans = {"tile_skip": omnipage.plan_tile_skip(kv, 4).dst, "ordered_suffix": omnipage.plan_ordered_suffix(kv, 1).dst,
+             "eager": eager.plan(kv)}
+    for name, dst in plans.items():
+        dst = np.asarray(dst)
+        j = np.broadcast_to(np.arange(S), dst.shape)
+        assert (dst >= 0).sum() > 2, name  # enough moves for several steps
+        assert (dst[dst >= 0] < j[dst >= 0]).all(), f"{name}: a move goes forward in table order"
+        accepted = jnp.ones((1,), bool)
+        stepped, n_stepped = migration.apply_plan(kv, jnp.asarray(dst), accepted, chunk=2)
+        at_once, n_once = migration.apply_plan(kv, jnp.asarray(dst), accepted, chunk=S)
+        assert int(n_stepped[0]) == int(n_once[0]) == (dst >= 0).sum()
+        for field in ("k", "v", "valid", "order"):
+            np.testing.assert_array_equal(np.asarray(getattr(stepped, field)), np.asarray(getattr(at_once, field)))
+        assert _survivors(stepped) == _survivors(kv)
+
+
 def test_tile_skip_promotes_filled_pages_and_system_pages():
     P = 4
     kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)

@@ -2,10 +2,11 @@
 
 A migration plan is a `dst [B, S]` table-space map (see `omnijax.kv.paged.table_slots`): `dst[b, j]` is where the
 survivor now at slot j of sequence b goes, -1 where it stays. `apply_plan` turns the accepted sequences' moves into
-one fixed-capacity `(src, dst)` list of physical slots and applies it to every layer's K and V and to every slot
-field by gather-then-scatter: all sources are read before any destination is written, so a slot may be both the
-source of one move and the destination of another. A move carries the slot's key (already rotated for its
-position), value, positions, write order, unit, span, offset and score unchanged, so attention outputs do not change.
+one fixed-capacity `(src, dst)` list of physical slots, moves first, and applies it by gather-then-scatter: to every
+slot field at once, and to every layer's K and V by a loop over the listed moves only (`chunk` slots a step), so the
+copy costs what moves. A move reads its source before its destination is written, so a slot may be the source of
+one move and the destination of another. A move carries the slot's key (already rotated for its position), value,
+positions, write order, unit, span, offset and score unchanged, so attention outputs do not change.
 
 `drop_empty_entries` removes page-table entries whose page holds no live slot (later entries shift left, order
 kept) and returns those pages to the pool. It copies nothing: attention follows the page table, so an emptied page
@@ -26,30 +27,57 @@ def live_slots(kv: PagedKV) -> jax.Array:
     return kv.valid.reshape(-1)[flat] & exists
 
 
-def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array) -> PagedKV:
+def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | None = None,
+                chunk: int = 256) -> PagedKV:
     """Moves physical slots `src [K]` to `dst [K]` (flat `page * P + offset`; `N * P` marks an unused entry).
 
     Every source is read first; then sources are invalidated and destinations written, so destinations win where a
     slot is both. Destinations must be distinct.
+
+    With `count` (a scalar: the list's first `count` entries are the moves, the rest unused), K and V, the fields
+    whose size matters, are copied `chunk` moves at a time by a loop of `ceil(count / chunk)` steps, so the copy
+    costs what moves rather than what the list could hold. Each step reads before it writes; the steps together
+    equal the all-at-once move when no destination is the source of a later move in the list, which holds for every
+    plan of this package: each destination lies before its source in table order and `apply_plan` lists the moves
+    in ascending source order.
     """
     N, P = kv.num_pages, kv.page_size
     gather_at = jnp.clip(src, 0, N * P - 1)
 
-    def migrate(field, axis):  # the page and slot axes of `field` sit at `axis`, `axis + 1`
-        shape = field.shape
-        merged = field.reshape(shape[:axis] + (N * P,) + shape[axis + 2:])
-        taken = jnp.take(merged, gather_at, axis=axis)
-        return merged.at[(slice(None),) * axis + (dst,)].set(taken, mode="drop").reshape(shape)
+    def merge(field, axis):  # the page and slot axes of `field` sit at `axis`, `axis + 1`
+        return field.reshape(field.shape[:axis] + (N * P,) + field.shape[axis + 2:])
 
+    def migrate(field, axis):
+        merged = merge(field, axis)
+        taken = jnp.take(merged, gather_at, axis=axis)
+        return merged.at[(slice(None),) * axis + (dst,)].set(taken, mode="drop").reshape(field.shape)
+
+    def migrate_counted(field):  # axis 1: [L, N, P, ...]
+        pad = -src.shape[0] % chunk
+        src_p = jnp.pad(gather_at, (0, pad))
+        dst_p = jnp.pad(dst, (0, pad), constant_values=N * P)
+
+        def step(i, merged):
+            at = i * chunk
+            rows = jnp.take(merged, jax.lax.dynamic_slice_in_dim(src_p, at, chunk), axis=1)
+            return merged.at[:, jax.lax.dynamic_slice_in_dim(dst_p, at, chunk)].set(rows, mode="drop")
+
+        steps = (count + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, steps, step, merge(field, 1)).reshape(field.shape)
+
+    bulk = migrate if count is None else lambda field, axis: migrate_counted(field)
     valid = kv.valid.reshape(-1).at[src].set(False, mode="drop").at[dst].set(True, mode="drop").reshape(N, P)
     return kv.replace(
-        k=migrate(kv.k, 1), v=migrate(kv.v, 1), pos=migrate(kv.pos, 1), order=migrate(kv.order, 0),
+        k=bulk(kv.k, 1), v=bulk(kv.v, 1), pos=migrate(kv.pos, 1), order=migrate(kv.order, 0),
         unit=migrate(kv.unit, 0), span=migrate(kv.span, 0), offset=migrate(kv.offset, 0),
         score=migrate(kv.score, 0), valid=valid)
 
 
-def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array) -> tuple[PagedKV, jax.Array]:
+def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array, chunk: int = 256) -> tuple[PagedKV, jax.Array]:
     """Applies the moves `dst [B, S]` of the sequences where `accepted [B]` holds.
+
+    The moves are listed first (sequence by sequence, ascending table slot) and K/V are copied `chunk` moves at a
+    time, so the copy follows the number of moved slots (see `apply_moves`).
 
     Returns `(kv, moved [B] int32)`: the new cache and the number of slots each sequence copied (its copy cost in
     slots; every move copies one key and one value row per layer).
@@ -57,9 +85,14 @@ def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array) -> tuple[PagedK
     N, P = kv.num_pages, kv.page_size
     flat, _ = table_slots(kv)
     move = (dst >= 0) & accepted[:, None]
-    src_flat = jnp.where(move, flat, N * P)
-    dst_flat = jnp.where(move, jnp.take_along_axis(flat, jnp.clip(dst, 0, flat.shape[1] - 1), axis=1), N * P)
-    kv = apply_moves(kv, src_flat.reshape(-1), dst_flat.reshape(-1))
+    src_flat = jnp.where(move, flat, N * P).reshape(-1)
+    dst_flat = jnp.where(move, jnp.take_along_axis(flat, jnp.clip(dst, 0, flat.shape[1] - 1), axis=1),
+                         N * P).reshape(-1)
+    listed = move.reshape(-1)
+    at = jnp.where(listed, jnp.cumsum(listed) - 1, listed.size)  # moves first, in table order
+    unused = jnp.full_like(src_flat, N * P)
+    kv = apply_moves(kv, unused.at[at].set(src_flat, mode="drop"), unused.at[at].set(dst_flat, mode="drop"),
+                     count=jnp.sum(listed), chunk=chunk)
     return kv, jnp.sum(move, axis=1).astype(jnp.int32)
 
 
