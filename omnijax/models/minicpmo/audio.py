@@ -36,13 +36,15 @@ H output_dim (Linear weights `[in, out]`, conv kernels `[k, in, out]`):
 
 Checkpoint tensors: `apm.*` (component "audio", `AUDIO_RULES`) and `audio_projection_layer.*` (component
 "audio_projection", `PROJECTION_RULES`); `audio_components(config)` gives both for `convert.tables`.
+
+The config and the token arithmetic live in `audio_config` (re-exported here). The encoder layers, convolutions and
+their conversion rules are the Qwen2.5-Omni audio tower's (`omnijax.models.qwen2_5_omni.audio`), whose layers are
+the same Whisper layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,13 +53,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.errors import MissingTensorError, UnsupportedConfigError
+from convert.errors import MissingTensorError
 from convert.tables import Component, Rule, convert_in_memory
-from omnijax.config import DTYPES, JsonConfig
 from omnijax.models.common import new_param
+from omnijax.models.minicpmo.audio_config import (
+    MINICPMO_4_5_AUDIO, AudioConfig, UnsupportedAudioConfigError, audio_token_count, cnn_frames)
 from omnijax.models.minicpmo.audio_features import (
     AudioInputError, AudioTooShortError, FeatureShapeError, InvalidPcmError,
     UnsupportedSampleRateError, log_mel, log_mel_clips, mel_stream_start, mel_stream_step)
+from omnijax.models.qwen2_5_omni.audio import (
+    WHISPER_CONV_RULES, WHISPER_LAYER_RULES, AudioLayers, conv1d_k3, gelu_exact, whisper_layer)
+from omnijax.models.qwen2_5_omni.encoder_common import (
+    dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
 
 __all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError",
            "AudioTooShortError", "FeatureShapeError", "InvalidPcmError", "MINICPMO_4_5_AUDIO", "PROJECTION_PREFIX",
@@ -66,155 +73,9 @@ __all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioI
            "encode_audio_batch", "encoder_from_checkpoint", "encoder_from_params",
            "log_mel", "log_mel_clips", "mel_stream_start", "mel_stream_step", "projection_component"]
 
-_LN_EPS = 1e-5  # torch.nn.LayerNorm default: every norm of the Whisper encoder
 _MASK = -1e30  # finite stand-in for the reference's -inf (no row is ever fully masked)
-_MODEL_TYPE = "whisper"
-_FRAMES_PER_SECOND_AFTER_CNN = 50
 AUDIO_PREFIX = "apm."
 PROJECTION_PREFIX = "audio_projection_layer."
-
-
-class UnsupportedAudioConfigError(UnsupportedConfigError, ValueError):
-    """An audio config attribute changes the encoder's math in a way omnijax does not implement."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AudioConfig(JsonConfig):
-    """Static hyperparameters of the MiniCPM-o 4.5 audio path.
-
-    Attributes:
-        num_mel_bins: mel bins M of the input features (80).
-        d_model: encoder width D; divisible by the head count. The projector's input width is
-            `encoder_ffn_dim // 4` in the release, so `encoder_ffn_dim == 4 * d_model` is required.
-        encoder_layers: transformer layers L.
-        encoder_attention_heads: attention heads.
-        encoder_ffn_dim: feed-forward width F.
-        max_source_positions: rows P of the learned position table (1500 = 30 s).
-        output_dim: projector width H (the LLM hidden size).
-        chunk_length: `audio_chunk_length` in seconds: offline attention is block-causal over chunks of
-            `int(chunk_length * 50)` CNN frames; 0 or less means full attention.
-        pool_step: `audio_pool_step`, the AvgPool1d kernel and stride over CNN frames.
-        dtype: compute dtype name ("float32" or "bfloat16"); parameters are stored in it too.
-    """
-
-    num_mel_bins: int = 80
-    d_model: int = 1024
-    encoder_layers: int = 24
-    encoder_attention_heads: int = 16
-    encoder_ffn_dim: int = 4096
-    max_source_positions: int = 1500
-    output_dim: int = 4096
-    chunk_length: float = 1.0
-    pool_step: int = 5
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"AudioConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("dtype", "chunk_length"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AudioConfig.{f.name} must be a positive integer, got {value!r}")
-        if isinstance(self.chunk_length, bool) or not isinstance(self.chunk_length, (int, float)) or \
-                not math.isfinite(self.chunk_length):
-            raise ValueError(f"AudioConfig.chunk_length must be a finite number, got {self.chunk_length!r}")
-        if self.chunk_length > 0 and self.chunk_frames < 1:
-            raise ValueError(f"chunk_length={self.chunk_length} s is shorter than one CNN frame (20 ms)")
-        if self.d_model % self.encoder_attention_heads:
-            raise ValueError(f"d_model={self.d_model} is not a multiple of "
-                             f"encoder_attention_heads={self.encoder_attention_heads}")
-        if self.encoder_ffn_dim // 4 != self.d_model:
-            raise ValueError(f"the projector reads encoder_ffn_dim // 4 = {self.encoder_ffn_dim // 4} features but "
-                             f"the encoder outputs d_model = {self.d_model}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.encoder_attention_heads
-
-    @property
-    def chunk_frames(self) -> int:
-        """CNN frames per offline attention chunk (`int(chunk_length * 50)`; 0 = full attention)."""
-        return int(self.chunk_length * _FRAMES_PER_SECOND_AFTER_CNN) if self.chunk_length > 0 else 0
-
-    @property
-    def max_mel_frames(self) -> int:
-        """Longest offline clip in mel frames: one that fills the position table (3000 = 30 s)."""
-        return 2 * self.max_source_positions
-
-    @classmethod
-    def from_hf(cls, hf_config: Mapping[str, Any], dtype: str = "float32") -> "AudioConfig":
-        """Reads a MiniCPM-o `config.json` (the whole model's config: a dict or an object with `to_dict`).
-
-        Uses `audio_config` (a Whisper config), the LLM `hidden_size`, `audio_chunk_length` and `audio_pool_step`.
-        Whisper decoder attributes, dropout rates, spec-augment and other training-only attributes are ignored.
-
-        Raises:
-            UnsupportedAudioConfigError: `init_audio` is false or `audio_config` is missing; the audio config's
-                `model_type` is not `whisper`; `activation_function` is not `gelu`; `scale_embedding` is true;
-                `num_hidden_layers` differs from `encoder_layers`; `layer_norm_eps` is set to other than 1e-5; or
-                `hidden_size` is missing.
-            ValueError: inconsistent sizes (e.g. `encoder_ffn_dim != 4 * d_model`, as `AudioConfig` checks).
-        """
-        data = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
-        if data.get("init_audio", True) is False:
-            raise UnsupportedAudioConfigError("init_audio", False, "the checkpoint has no audio encoder")
-        audio = data.get("audio_config")
-        if hasattr(audio, "to_dict"):
-            audio = audio.to_dict()
-        if not isinstance(audio, Mapping):
-            raise UnsupportedAudioConfigError("audio_config", audio, "a MiniCPM-o config needs an audio_config object")
-        audio = dict(audio)
-        where = "audio_config."
-        model_type = audio.get("model_type", _MODEL_TYPE)
-        if model_type != _MODEL_TYPE:
-            raise UnsupportedAudioConfigError(where + "model_type", model_type,
-                                              "only the Whisper encoder is implemented")
-        act = audio.get("activation_function", "gelu")
-        if act != "gelu":
-            raise UnsupportedAudioConfigError(where + "activation_function", act,
-                                              "only the exact (erf) GELU is implemented")
-        if audio.get("scale_embedding", False):
-            raise UnsupportedAudioConfigError(
-                where + "scale_embedding", audio["scale_embedding"],
-                "the reference encoder never applies the sqrt(d_model) scale the flag asks for, so the checkpoint's "
-                "intended math is ambiguous")
-        eps = audio.get("layer_norm_eps", _LN_EPS)
-        if eps != _LN_EPS:
-            raise UnsupportedAudioConfigError(where + "layer_norm_eps", eps,
-                                              "the reference's LayerNorms always use eps 1e-5")
-        defaults = cls()
-        values = {name: audio.get(name, getattr(defaults, name))
-                  for name in ("num_mel_bins", "d_model", "encoder_layers", "encoder_attention_heads",
-                               "encoder_ffn_dim", "max_source_positions")}
-        layers = audio.get("num_hidden_layers", values["encoder_layers"])
-        if layers != values["encoder_layers"]:
-            raise UnsupportedAudioConfigError(where + "num_hidden_layers", layers,
-                                              f"differs from encoder_layers={values['encoder_layers']}")
-        if "hidden_size" not in data:
-            raise UnsupportedAudioConfigError("hidden_size", None, "the LLM hidden size (projector width) is missing")
-        return cls(**values, output_dim=data["hidden_size"],
-                   chunk_length=data.get("audio_chunk_length", defaults.chunk_length),
-                   pool_step=data.get("audio_pool_step", defaults.pool_step), dtype=dtype)
-
-
-MINICPMO_4_5_AUDIO = AudioConfig()  # Whisper-medium encoder, Qwen3-8B width
-
-
-def cnn_frames(mel_frames):
-    """CNN frames for `mel_frames` mel frames: `(T - 1) // 2 + 1` (ints or integer arrays)."""
-    return (mel_frames - 1) // 2 + 1
-
-
-def audio_token_count(mel_frames: int, pool_step: int = 5) -> int:
-    """Audio tokens of a clip of `mel_frames` mel frames: `(cnn_frames(T) - pool_step) // pool_step + 1`, 0 when the
-    clip is too short for one pooling window (below 9 mel frames for pool_step 5)."""
-    if isinstance(mel_frames, bool) or not isinstance(mel_frames, (int, np.integer)) or mel_frames < 0:
-        raise ValueError(f"mel_frames must be a non-negative integer, got {mel_frames!r}")
-    if mel_frames == 0:
-        return 0
-    return max(0, (cnn_frames(int(mel_frames)) - pool_step) // pool_step + 1)
 
 
 def attention_mask(mel_lengths, mel_frames: int, chunk_frames: int, valid_frames=None):
@@ -239,61 +100,7 @@ def attention_mask(mel_lengths, mel_frames: int, chunk_frames: int, valid_frames
     return masked
 
 
-# ------------------------------------------------------------------------------------------------------- numerics
-
-
-def _layer_norm(x, scale, bias):
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + _LN_EPS)
-    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def _dense(x, w, b, dt):
-    out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-    if b is not None:
-        out = out + b.astype(jnp.float32)
-    return out.astype(dt)
-
-
-def _gelu(x):
-    return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
-
-
-def _conv3(x, kernel, bias, stride, dt):
-    """Conv1d, kernel 3, padding 1: `[B, T, I]` -> `[B, (T - 1) // stride + 1, O]` (kernel `[3, I, O]`)."""
-    t_out = (x.shape[1] - 1) // stride + 1
-    xp = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))
-    taps = jnp.stack([xp[:, k:k + stride * (t_out - 1) + 1:stride] for k in range(3)], axis=2)  # [B, T_out, 3, I]
-    out = jnp.einsum("btki,kio->bto", taps, kernel, preferred_element_type=jnp.float32)
-    return (out + bias.astype(jnp.float32)).astype(dt)
-
-
-class AudioLayers(nnx.Module):
-    """All encoder layers' parameters, stacked along a leading `layers` axis."""
-
-    def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs):
-        c, dt = config, config.jnp_dtype
-        L, D, F = c.encoder_layers, c.d_model, c.encoder_ffn_dim
-        self.attn_norm_scale = new_param((L, D), dt, rngs, ones=True)
-        self.attn_norm_bias = new_param((L, D), dt, rngs, zeros=True)
-        self.q_proj = new_param((L, D, D), dt, rngs)
-        self.q_bias = new_param((L, D), dt, rngs, zeros=True)
-        self.k_proj = new_param((L, D, D), dt, rngs)
-        self.v_proj = new_param((L, D, D), dt, rngs)
-        self.v_bias = new_param((L, D), dt, rngs, zeros=True)
-        self.o_proj = new_param((L, D, D), dt, rngs)
-        self.o_bias = new_param((L, D), dt, rngs, zeros=True)
-        self.mlp_norm_scale = new_param((L, D), dt, rngs, ones=True)
-        self.mlp_norm_bias = new_param((L, D), dt, rngs, zeros=True)
-        self.fc1 = new_param((L, D, F), dt, rngs)
-        self.fc1_bias = new_param((L, F), dt, rngs, zeros=True)
-        self.fc2 = new_param((L, F, D), dt, rngs)
-        self.fc2_bias = new_param((L, D), dt, rngs, zeros=True)
-
-    def stacked(self) -> dict[str, jnp.ndarray]:
-        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+# --------------------------------------------------------------------------------------------------------- module
 
 
 class AudioProjection(nnx.Module):
@@ -308,8 +115,8 @@ class AudioProjection(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        h = jax.nn.relu(_dense(x, self.linear1[...], self.linear1_bias[...], dt))
-        return _dense(h, self.linear2[...], self.linear2_bias[...], dt)
+        h = jax.nn.relu(dense(x, self.linear1[...], self.linear1_bias[...], dt))
+        return dense(h, self.linear2[...], self.linear2_bias[...], dt)
 
 
 class AudioEncoder(nnx.Module):
@@ -335,11 +142,11 @@ class AudioEncoder(nnx.Module):
         as absent (their conv1 outputs are zeroed, as conv2's zero padding would be). With `pre_activation`, returns
         `(conv2 output before its GELU, after)`."""
         dt = self.config.jnp_dtype
-        h = _gelu(_conv3(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1, dt))
+        h = gelu_exact(conv1d_k3(features.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1, dt))
         if valid_mel is not None:
             h = h * (jnp.arange(h.shape[1]) < valid_mel)[None, :, None].astype(dt)
-        pre = _conv3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt)
-        return (pre, _gelu(pre)) if pre_activation else _gelu(pre)
+        pre = conv1d_k3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt)
+        return (pre, gelu_exact(pre)) if pre_activation else gelu_exact(pre)
 
     def transformer(self, h: jnp.ndarray, bias: jnp.ndarray, cache=None, cache_start=None, collect: bool = False):
         """The encoder layers and the final `layer_norm`.
@@ -355,34 +162,18 @@ class AudioEncoder(nnx.Module):
             `(out [B, S, D], layer_outputs [L - 1, B, S, D] or None, new_cache or None)`.
         """
         c, dt = self.config, self.config.jnp_dtype
-        B, S, _ = h.shape
-        nh, hd = c.encoder_attention_heads, c.head_dim
-        scale = hd ** -0.5
 
         def layer(x, xs):
-            p, ck, cv = xs
-            n = _layer_norm(x, p["attn_norm_scale"], p["attn_norm_bias"])
-            q = _dense(n, p["q_proj"], p["q_bias"], dt).reshape(B, S, nh, hd)
-            k = _dense(n, p["k_proj"], None, dt).reshape(B, S, nh, hd)
-            v = _dense(n, p["v_proj"], p["v_bias"], dt).reshape(B, S, nh, hd)
-            if ck is not None:
-                ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1)
-                cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1)
-                k_all, v_all = ck, cv
-            else:
-                k_all, v_all = k, v
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_all, preferred_element_type=jnp.float32) * scale + bias
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v_all, preferred_element_type=jnp.float32).astype(dt)
-            x = x + _dense(attn.reshape(B, S, nh * hd), p["o_proj"], p["o_bias"], dt)
-            n = _layer_norm(x, p["mlp_norm_scale"], p["mlp_norm_bias"])
-            x = x + _dense(_gelu(_dense(n, p["fc1"], p["fc1_bias"], dt)), p["fc2"], p["fc2_bias"], dt)
-            return x, (x if collect else None, ck, cv)
+            p, layer_keys, layer_values = xs  # the layer's cache `[B, C, heads, head_dim]` each, or None
+            layer_cache = None if layer_keys is None else (layer_keys, layer_values)
+            x, layer_cache = whisper_layer(x, p, bias, c.encoder_attention_heads, dt, layer_cache, cache_start)
+            layer_keys, layer_values = (None, None) if layer_cache is None else layer_cache
+            return x, (x if collect else None, layer_keys, layer_values)
 
-        ck, cv = (None, None) if cache is None else cache
-        h, (outs, ck, cv) = jax.lax.scan(layer, h, (self.layers.stacked(), ck, cv))
-        out = _layer_norm(h, self.post_norm_scale[...], self.post_norm_bias[...])
-        return out, (outs[:-1] if collect else None), (None if cache is None else (ck, cv))
+        keys, values = (None, None) if cache is None else cache
+        h, (outs, keys, values) = jax.lax.scan(layer, h, (self.layers.stacked(), keys, values))
+        out = layer_norm(h, self.post_norm_scale[...], self.post_norm_bias[...])
+        return out, (outs[:-1] if collect else None), (None if cache is None else (keys, values))
 
     def pool(self, x: jnp.ndarray) -> jnp.ndarray:
         """AvgPool1d(pool_step, stride pool_step) over time: `[B, S, H]` -> `[B, S // pool_step, H]`."""
@@ -527,38 +318,19 @@ def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features, *, bucket: b
 
 # ---------------------------------------------------------------------------------------------------- conversion
 
-# `apm.*` below the prefix. Symbols: K conv taps, M mel bins, D d_model, F ffn, P positions.
+# `apm.*` below the prefix: the Whisper layers of the Qwen2.5-Omni audio tower plus a learned position table.
+# Symbols: K conv taps, M mel bins, D d_model, F ffn, P positions.
 AUDIO_RULES: tuple[Rule, ...] = (
-    Rule("conv1.weight", "conv1_kernel", "K M D", "conv1d"),
-    Rule("conv1.bias", "conv1_bias", "D"),
-    Rule("conv2.weight", "conv2_kernel", "K D D", "conv1d"),
-    Rule("conv2.bias", "conv2_bias", "D"),
+    *WHISPER_CONV_RULES,
     Rule("embed_positions.weight", "embed_positions", "P D"),
-    Rule("layers.{i}.self_attn_layer_norm.weight", "layers/attn_norm_scale", "D"),
-    Rule("layers.{i}.self_attn_layer_norm.bias", "layers/attn_norm_bias", "D"),
-    Rule("layers.{i}.self_attn.q_proj.weight", "layers/q_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.q_proj.bias", "layers/q_bias", "D"),
-    Rule("layers.{i}.self_attn.k_proj.weight", "layers/k_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.v_proj.weight", "layers/v_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.v_proj.bias", "layers/v_bias", "D"),
-    Rule("layers.{i}.self_attn.out_proj.weight", "layers/o_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.out_proj.bias", "layers/o_bias", "D"),
-    Rule("layers.{i}.final_layer_norm.weight", "layers/mlp_norm_scale", "D"),
-    Rule("layers.{i}.final_layer_norm.bias", "layers/mlp_norm_bias", "D"),
-    Rule("layers.{i}.fc1.weight", "layers/fc1", "D F", "T"),
-    Rule("layers.{i}.fc1.bias", "layers/fc1_bias", "F"),
-    Rule("layers.{i}.fc2.weight", "layers/fc2", "F D", "T"),
-    Rule("layers.{i}.fc2.bias", "layers/fc2_bias", "D"),
-    Rule("layer_norm.weight", "post_norm_scale", "D"),
-    Rule("layer_norm.bias", "post_norm_bias", "D"),
+    *WHISPER_LAYER_RULES,
+    *norm_rules("layer_norm", "post_norm"),
 )
 
 # `audio_projection_layer.*` below the prefix. Symbols: D d_model (= encoder_ffn_dim // 4), H output_dim.
 PROJECTION_RULES: tuple[Rule, ...] = (
-    Rule("linear1.weight", "linear1", "D H", "T"),
-    Rule("linear1.bias", "linear1_bias", "H"),
-    Rule("linear2.weight", "linear2", "H H", "T"),
-    Rule("linear2.bias", "linear2_bias", "H"),
+    *linear_rules("linear1", "linear1", "linear1_bias", "D H"),
+    *linear_rules("linear2", "linear2", "linear2_bias", "H H"),
 )
 
 
@@ -597,24 +369,8 @@ def encoder_from_params(config: AudioConfig, audio_params: Mapping[str, Any],
     tree = dict(audio_params)
     if projection_params is not None:
         tree["projection"] = projection_params
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: AudioEncoder(config, rngs=nnx.Rngs(0))))
-    want = nnx.to_pure_dict(state)
-    dt = config.jnp_dtype
-
-    def cast(path, expected):
-        got = tree
-        names = [str(getattr(k, "key", k)) for k in path]
-        for key in names:
-            if not isinstance(got, Mapping) or key not in got:
-                raise KeyError(f"audio parameter {'/'.join(names)} is missing")
-            got = got[key]
-        if tuple(np.shape(got)) != tuple(expected.shape):
-            raise ValueError(f"audio parameter {'/'.join(names)} has shape {tuple(np.shape(got))}, expected "
-                             f"{tuple(expected.shape)}")
-        return jnp.asarray(got, dt)
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(cast, want))
-    return nnx.merge(graphdef, state)
+    return module_from_pure_dict(lambda: AudioEncoder(config, rngs=nnx.Rngs(0)), tree, config.jnp_dtype,
+                                 what="audio parameter", missing_error=KeyError)
 
 
 def encoder_from_checkpoint(tensors: Mapping[str, Any], config: AudioConfig) -> AudioEncoder:

@@ -37,7 +37,8 @@ from typing import NamedTuple
 import numpy as np
 
 from omnijax.models.qwen2_5_omni.audio_features import (
-    AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, mel_filters)
+    AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, check_pcm_layout, finite_float32,
+    mel_filters)
 
 __all__ = ["AudioInputError", "AudioTooShortError", "DUPLEX_MEL_STREAM", "FeatureShapeError", "HOP_LENGTH",
            "InvalidPcmError", "MAX_CLIP_SAMPLES", "MelChunk", "MelStreamConfig", "MelStreamState", "NUM_MEL_BINS",
@@ -67,27 +68,12 @@ def num_frames(num_samples: int) -> int:
 
 
 def _check_pcm(pcm, sample_rate, *, min_samples: int = HOP_LENGTH) -> np.ndarray:
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate != SAMPLE_RATE:
-        raise UnsupportedSampleRateError(
-            f"audio must be sampled at {SAMPLE_RATE} Hz, got sample_rate={sample_rate!r}; resample to 16 kHz first")
-    pcm = np.asarray(pcm)
-    if pcm.dtype.kind != "f":
-        hint = (" (integer PCM: divide by 32768 for int16 to get floats in [-1, 1])" if pcm.dtype.kind in "iu"
-                else "")
-        raise InvalidPcmError(f"PCM samples must be real floats, got dtype {pcm.dtype}{hint}")
-    if pcm.ndim != 1:
-        raise InvalidPcmError(f"PCM must be a 1D array of mono samples, got shape {pcm.shape}"
-                              + ("; mix channels down to mono first" if pcm.ndim == 2 else ""))
+    pcm = check_pcm_layout(pcm, sample_rate)
     if pcm.size < min_samples:
         raise AudioTooShortError(
             f"audio has {pcm.size} sample(s) ({1000.0 * pcm.size / SAMPLE_RATE:.2f} ms); at least {min_samples} "
             f"samples ({1000.0 * min_samples / SAMPLE_RATE:g} ms, one mel frame) are needed")
-    pcm = pcm.astype(np.float32)  # the processor works on float32 samples
-    bad = ~np.isfinite(pcm)
-    if bad.any():
-        raise InvalidPcmError(f"PCM holds {int(bad.sum())} non-finite sample(s) (NaN or inf), first at index "
-                              f"{int(np.argmax(bad))}")
-    return pcm
+    return finite_float32(pcm)
 
 
 def _log10_mel(signal: np.ndarray, frames: int) -> np.ndarray:

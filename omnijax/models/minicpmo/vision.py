@@ -16,8 +16,9 @@ Per image or slice (a strip of `rows x cols` patches from `image_preprocess`, pa
 encoder runs and the checkpoint holds `vision_config.num_hidden_layers - 1` blocks.
 
 The host turns target sizes into a `VisionPlan` (patch mask, position ids, resampler key positions) with numpy,
-reproducing the reference's float32 arithmetic (see `navit_position_ids`); the module carries only its config and
-parameters; blocks are stacked along a leading `layers` axis and run in one `lax.scan`.
+reproducing the reference's float32 arithmetic (`vision_host`, see `navit_position_ids`); the module carries only its
+config (`vision_config`) and parameters; blocks are stacked along a leading `layers` axis and run in one `lax.scan`.
+This module re-exports the public names of both.
 
 Parameter pytree (`nnx.to_pure_dict(nnx.state(model))`), shapes for L blocks, D SigLIP width, I its MLP width,
 P = C * p * p, N = (image_size / p)**2, E = embed_dim, K = D, Q = query_num:
@@ -38,314 +39,39 @@ P = C * p * p, N = (image_size / p)**2, E = embed_dim, K = D, Q = query_num:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.errors import ConfigError, UnsupportedConfigError
 from convert.tables import Component, Rule, convert_in_memory
-from omnijax.config import DTYPES, JsonConfig
 from omnijax.models.common import new_param
 from omnijax.models.minicpmo import image_preprocess
+from omnijax.models.minicpmo.vision_config import (
+    MINICPM_O_4_5_VISION, RESAMPLER_HEAD_WIDTH, UnsupportedVisionConfigError, VisionConfig, VisionConfigError)
+from omnijax.models.minicpmo.vision_host import (
+    TORCH_ARANGE_VECTOR_WIDTH, VisionPlan, navit_position_ids, sincos_2d, torch_arange_f32, vision_plan)
+from omnijax.models.qwen2_5_omni.encoder_common import (
+    StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
+
+__all__ = ["MINICPM_O_4_5_VISION", "RESAMPLER_HEAD_WIDTH", "RESAMPLER_LN_EPS", "RESAMPLER_PREFIX", "RESAMPLER_RULES",
+           "TORCH_ARANGE_VECTOR_WIDTH", "MiniCPMVision", "Resampler", "SiglipEncoder", "SiglipLayers",
+           "UnsupportedVisionConfigError", "VPM_PREFIX", "VPM_RULES", "VisionConfig", "VisionConfigError",
+           "VisionPlan", "encode_image", "encode_images", "load_vision", "navit_position_ids", "resampler_component",
+           "sincos_2d", "torch_arange_f32", "vision_components", "vision_from_params", "vision_from_tensors",
+           "vision_plan", "vpm_component"]
 
 RESAMPLER_LN_EPS = 1e-6  # `partial(nn.LayerNorm, eps=1e-6)` in the reference resampler
-RESAMPLER_HEAD_WIDTH = 128  # the reference builds the resampler with `num_heads = embed_dim // 128`
-# Width of the CPU SIMD vector (float32 lanes) torch's `arange` kernel used when the reference computed NaViT
-# position ids: 8 on AVX2 machines (the golden vectors' machine), 16 on AVX-512, 4 on NEON. See `torch_arange_f32`.
-TORCH_ARANGE_VECTOR_WIDTH = 8
-
-
-class VisionConfigError(ConfigError, ValueError):
-    """Inconsistent vision settings. Attributes: `attribute`, `value`."""
-
-    def __init__(self, attribute: str, value, reason: str):
-        self.attribute, self.value = attribute, value
-        super().__init__(f"MiniCPM-o vision config {attribute}={value!r}: {reason}")
-
-
-class UnsupportedVisionConfigError(UnsupportedConfigError, ValueError):
-    """A vision or resampler config attribute changes the math in a way this implementation does not cover."""
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig(JsonConfig):
-    """Static hyperparameters of the MiniCPM-o vision path (SigLIP/NaViT encoder + resampler).
-
-    Attributes:
-        hidden_size: SigLIP width D.
-        intermediate_size: SigLIP MLP width I.
-        num_layers: encoder blocks actually run (after `drop_vision_last_layer`).
-        num_heads: SigLIP attention heads.
-        embed_dim: resampler width E (the LLM's hidden size).
-        resampler_heads: resampler attention heads (`embed_dim // 128` in the releases).
-        query_num: learned queries, i.e. LLM tokens per image or slice.
-        patch_size: patch side p in px.
-        image_size: side in px of the learned position table (`image_size // patch_size` positions per side).
-        num_channels: colour channels C.
-        layer_norm_eps: SigLIP LayerNorm epsilon (the resampler's is fixed at 1e-6).
-        dtype: compute and parameter dtype name ("float32" or "bfloat16").
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    embed_dim: int
-    resampler_heads: int
-    query_num: int = 64
-    patch_size: int = 14
-    image_size: int = 980
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-6
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise VisionConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "embed_dim", "resampler_heads",
-                     "query_num", "patch_size", "image_size", "num_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or int(value) != value or int(value) < 1:
-                raise VisionConfigError(name, value, "must be a positive integer")
-        if self.hidden_size % self.num_heads:
-            raise VisionConfigError("num_heads", self.num_heads, f"does not divide hidden_size {self.hidden_size}")
-        if self.embed_dim % self.resampler_heads:
-            raise VisionConfigError("resampler_heads", self.resampler_heads,
-                                    f"does not divide embed_dim {self.embed_dim}")
-        if self.embed_dim % 4:
-            raise VisionConfigError("embed_dim", self.embed_dim, "must be a multiple of 4 (2D sin-cos positions)")
-        if self.image_size < self.patch_size:
-            raise VisionConfigError("image_size", self.image_size, f"smaller than one patch ({self.patch_size} px)")
-        if not self.layer_norm_eps > 0:
-            raise VisionConfigError("layer_norm_eps", self.layer_norm_eps, "must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def resampler_head_dim(self) -> int:
-        return self.embed_dim // self.resampler_heads
-
-    @property
-    def num_patches_per_side(self) -> int:
-        """Side of the learned position table (70)."""
-        return self.image_size // self.patch_size
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_patches_per_side ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch row: C * p * p (588)."""
-        return self.num_channels * self.patch_size ** 2
-
-    @property
-    def has_kv_proj(self) -> bool:
-        """The resampler projects the encoder width to `embed_dim` (else `kv_proj` is the identity)."""
-        return self.hidden_size != self.embed_dim
-
-    @classmethod
-    def from_hf(cls, hf_config: Mapping[str, Any], dtype: str = "float32") -> "VisionConfig":
-        """Reads the vision fields of a MiniCPM-o `config.json` (the whole top-level dict).
-
-        Uses `vision_config` (missing attributes take the release's SigLIP defaults), `drop_vision_last_layer`
-        (default true), `query_num` (default 64) and `hidden_size` (the LLM width, required). Other top-level
-        attributes belong to the LLM, the audio tower or the processor and are not read, except those known to
-        change the vision path in later releases, which are refused.
-
-        Raises:
-            UnsupportedVisionConfigError: `hidden_act` is not `gelu_pytorch_tanh`, a `vision_config` attribute is not
-                understood, or a top-level attribute selects a vision variant this module does not implement.
-            VisionConfigError: a required value is missing or the values are inconsistent.
-        """
-        for key in _REFUSED_TOP_LEVEL:
-            if key in hf_config:
-                raise UnsupportedVisionConfigError(key, hf_config[key], "selects a vision variant (a ViT merger or "
-                                                   "another downsampling) the MiniCPM-o 4.5 vision path lacks")
-        vision = hf_config.get("vision_config") or {}
-        if not isinstance(vision, Mapping):
-            raise VisionConfigError("vision_config", vision, "must be a mapping")
-        unknown = sorted(k for k in vision if k not in _VISION_DEFAULTS and k not in _HF_HARMLESS)
-        if unknown:
-            raise UnsupportedVisionConfigError(f"vision_config.{unknown[0]}", vision[unknown[0]],
-                                               "not understood by the omnijax MiniCPM-o vision encoder (refusing to "
-                                               f"guess its effect); unknown attributes: {unknown}")
-        v = {**_VISION_DEFAULTS, **{k: x for k, x in vision.items() if k in _VISION_DEFAULTS}}
-        if v["hidden_act"] != "gelu_pytorch_tanh":
-            raise UnsupportedVisionConfigError("vision_config.hidden_act", v["hidden_act"],
-                                               "only gelu_pytorch_tanh (the tanh-approximated GELU) is implemented")
-        if "hidden_size" not in hf_config:
-            raise VisionConfigError("hidden_size", None, "the LLM width (the resampler's output width) is required")
-        drop = hf_config.get("drop_vision_last_layer", True)
-        if not isinstance(drop, bool):
-            raise VisionConfigError("drop_vision_last_layer", drop, "must be true or false")
-        layers = int(v["num_hidden_layers"]) - int(drop)
-        if layers < 1:
-            raise VisionConfigError("vision_config.num_hidden_layers", v["num_hidden_layers"],
-                                    f"leaves {layers} encoder layers with drop_vision_last_layer={drop}")
-        embed_dim = int(hf_config["hidden_size"])
-        if embed_dim < RESAMPLER_HEAD_WIDTH:
-            raise VisionConfigError("hidden_size", embed_dim, f"gives 0 resampler heads "
-                                    f"(num_heads = hidden_size // {RESAMPLER_HEAD_WIDTH})")
-        return cls(hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
-                   num_layers=layers, num_heads=int(v["num_attention_heads"]), embed_dim=embed_dim,
-                   resampler_heads=embed_dim // RESAMPLER_HEAD_WIDTH, query_num=int(hf_config.get("query_num", 64)),
-                   patch_size=int(v["patch_size"]), image_size=int(v["image_size"]),
-                   num_channels=int(v["num_channels"]), layer_norm_eps=float(v["layer_norm_eps"]), dtype=dtype)
-
-
-# Math-bearing `vision_config` attributes and the defaults the release's MiniCPMOConfig gives them (SigLIP-400M
-# sizes; activation, eps and channels from SiglipVisionConfig).
-_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                        patch_size=14, image_size=980, num_channels=3, layer_norm_eps=1e-6,
-                        hidden_act="gelu_pytorch_tanh")
-# Attributes with no effect on inference (dropout is off in eval; attention kernels compute the same math).
-_HF_HARMLESS = frozenset("""
-    model_type transformers_version architectures _name_or_path dtype torch_dtype initializer_range init_std
-    attention_dropout dropout return_dict output_hidden_states output_attentions torchscript use_bfloat16
-    tf_legacy_loss chunk_size_feed_forward is_encoder_decoder is_decoder add_cross_attention
-    cross_attention_hidden_size tie_encoder_decoder tie_word_embeddings pruned_heads id2label label2id num_labels
-    problem_type finetuning_task tokenizer_class prefix task_specific_params bos_token_id eos_token_id pad_token_id
-    sep_token_id decoder_start_token_id _attn_implementation _attn_implementation_autoset
-    _attn_implementation_internal
-""".split())
-# Top-level attributes of later MiniCPM-V/o releases that change the vision path (ViT-inserted merger, ...).
-_REFUSED_TOP_LEVEL = ("vision_model_type", "insert_layer_id")
-
-# Release sizes: MiniCPM-o 4.5 = SigLIP-400M (27 layers configured, the last dropped) + resampler into Qwen3-8B.
-MINICPM_O_4_5_VISION = VisionConfig(hidden_size=1152, intermediate_size=4304, num_layers=26, num_heads=16,
-                                    embed_dim=4096, resampler_heads=32)
-
-
-# ------------------------------------------------------------------------------------------------------ host plan
-
-
-def torch_arange_f32(start: float, end: float, step: float,
-                     vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> np.ndarray:
-    """`torch.arange(start, end, step)` with a float32 result, element for element as torch's CPU kernel writes it.
-
-    The length is `ceil((end - start) / step)` in double. Element `i` is `float(start + step * i)` computed in
-    double, except inside the kernel's vectorised main loop (blocks of `2 * vector_width` elements), where each
-    vector of `vector_width` lanes starting at `b` holds `float(double(float(start + step * b)) + k * step)`. The
-    two differ by one float32 ulp now and then, which decides a bucket when a coordinate sits on a boundary.
-    `vector_width = 0` gives the scalar path everywhere.
-    """
-    n = max(int(math.ceil((end - start) / step)), 0)
-    out = (start + step * np.arange(n, dtype=np.float64)).astype(np.float32)
-    if vector_width:
-        vectorised = (n // (2 * vector_width)) * 2 * vector_width
-        lanes = np.arange(vector_width, dtype=np.float64) * step
-        for b in range(0, vectorised, vector_width):
-            base = np.float64(np.float32(start + step * b))
-            out[b:b + vector_width] = (base + lanes).astype(np.float32)
-    return out
-
-
-def navit_position_ids(tgt_sizes, num_patches_per_side: int, max_patches: int | None = None,
-                       vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> np.ndarray:
-    """SigLIP position id of every patch, `[n, max_patches]` int64 (padded patches get 0).
-
-    For a `rows x cols` grid the fractional coordinates `arange(0, 1 - 1e-6, 1 / rows)` (step = the float32
-    reciprocal) are bucketised (right=True) against the float32 boundaries `arange(1/S, 1, 1/S)`,
-    `S = num_patches_per_side`, in float32 as the reference does; id = bucket_row * S + bucket_col (row-major).
-    """
-    sizes = np.asarray(tgt_sizes, np.int64)
-    counts = sizes[:, 0] * sizes[:, 1]
-    length = int(counts.max()) if max_patches is None else int(max_patches)
-    S = int(num_patches_per_side)
-    boundaries = torch_arange_f32(1 / S, 1.0, 1 / S, vector_width)
-    ids = np.zeros((len(sizes), length), np.int64)
-
-    def buckets(n: int) -> np.ndarray:
-        step = float(np.float32(1) / np.float32(n))
-        coords = torch_arange_f32(0.0, 1 - 1e-6, step, vector_width)
-        return np.searchsorted(boundaries, coords, side="right")
-
-    for i, (rows, cols) in enumerate(sizes.tolist()):
-        ids[i, :rows * cols] = (buckets(rows)[:, None] * S + buckets(cols)[None, :]).reshape(-1)
-    return ids
-
-
-def _sincos_1d(dim: int, pos: np.ndarray) -> np.ndarray:
-    """`[..., dim]` float32: `[sin(pos * w), cos(pos * w)]`, `w_i = 1 / 10000**(i / (dim / 2))`, numpy float32 math."""
-    omega = np.arange(dim // 2, dtype=np.float32)
-    omega /= dim / 2.0
-    omega = 1.0 / 10000 ** omega
-    out = np.einsum("hw,d->hwd", pos, omega)
-    return np.concatenate([np.sin(out), np.cos(out)], axis=-1)
-
-
-def sincos_2d(embed_dim: int, rows: int, cols: int) -> np.ndarray:
-    """The resampler's key position table for a `rows x cols` grid, `[rows * cols, embed_dim]` float32 (row-major).
-
-    Dims `[0, E/2)` encode the column, `[E/2, E)` the row, each as `[sin, cos]` halves (`get_2d_sincos_pos_embed`).
-    """
-    grid_w, grid_h = np.meshgrid(np.arange(cols, dtype=np.float32), np.arange(rows, dtype=np.float32))
-    emb = np.concatenate([_sincos_1d(embed_dim // 2, grid_w), _sincos_1d(embed_dim // 2, grid_h)], axis=-1)
-    return emb.reshape(rows * cols, embed_dim).astype(np.float32)
-
-
-class VisionPlan(NamedTuple):
-    """Host-built arrays for one batch of strips (n strips padded to L patches).
-
-    Attributes:
-        patch_mask: `[n, L]` bool, True for real patches.
-        position_ids: `[n, L]` int32 rows of the learned position table (0 on padding).
-        key_pos: `[n, L, embed_dim]` float32 resampler key positions (0 on padding).
-    """
-
-    patch_mask: np.ndarray
-    position_ids: np.ndarray
-    key_pos: np.ndarray
-
-
-def vision_plan(tgt_sizes, config: VisionConfig, max_patches: int | None = None,
-                vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> VisionPlan:
-    """Patch mask, NaViT position ids and resampler key positions for `tgt_sizes` (`[n, 2]` rows, cols)."""
-    sizes = np.asarray(tgt_sizes)
-    if sizes.ndim != 2 or sizes.shape[1] != 2 or sizes.shape[0] == 0 or not np.issubdtype(sizes.dtype, np.integer):
-        raise ValueError(f"tgt_sizes must be a non-empty integer [n, 2] array, got {sizes.dtype} {sizes.shape}")
-    if (sizes < 1).any():
-        raise ValueError(f"tgt_sizes must be positive, got {sizes.tolist()}")
-    mask = image_preprocess.patch_attention_mask(sizes, max_patches)[:, 0]
-    length = mask.shape[1]
-    ids = navit_position_ids(sizes, config.num_patches_per_side, length, vector_width)
-    key_pos = np.zeros((len(sizes), length, config.embed_dim), np.float32)
-    for i, (rows, cols) in enumerate(sizes.tolist()):
-        key_pos[i, :rows * cols] = sincos_2d(config.embed_dim, rows, cols)
-    return VisionPlan(patch_mask=mask, position_ids=ids.astype(np.int32), key_pos=key_pos)
 
 
 # --------------------------------------------------------------------------------------------------------- module
-
-
-def layer_norm(x: jnp.ndarray, scale: jnp.ndarray, bias: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """LayerNorm over the last axis with float32 statistics, cast back to `x.dtype`."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def _linear(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray | None, dtype) -> jnp.ndarray:
-    """`x @ w (+ b)` accumulated in float32, returned in `dtype`."""
-    out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-    if b is not None:
-        out = out + b.astype(jnp.float32)
-    return out.astype(dtype)
 
 
 def _attention(q, k, v, key_mask, scale_first: bool):
@@ -367,7 +93,7 @@ def _attention(q, k, v, key_mask, scale_first: bool):
     return out.reshape(*out.shape[:2], -1)
 
 
-class SiglipLayers(nnx.Module):
+class SiglipLayers(StackedLayers):
     """All encoder blocks' parameters, stacked along a leading `layers` axis."""
 
     def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs):
@@ -382,9 +108,6 @@ class SiglipLayers(nnx.Module):
         self.fc1_bias = new_param((L, I), dt, rngs, zeros=True)
         self.fc2 = new_param((L, I, D), dt, rngs)
         self.fc2_bias = new_param((L, D), dt, rngs, zeros=True)
-
-    def stacked(self) -> dict[str, jnp.ndarray]:
-        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
 class SiglipEncoder(nnx.Module):
@@ -406,17 +129,17 @@ class SiglipEncoder(nnx.Module):
         dt, eps = config.jnp_dtype, config.layer_norm_eps
         B, L = patches.shape[:2]
         heads, d = config.num_heads, config.head_dim
-        h = _linear(patches.astype(dt), self.patch_embed[...], self.patch_bias[...], dt)
+        h = dense(patches.astype(dt), self.patch_embed[...], self.patch_bias[...], dt)
         h = h + jnp.take(self.pos_embed[...], position_ids, axis=0)
         embeddings = h
 
         def block(h, p):
             x = layer_norm(h, p["ln1_scale"], p["ln1_bias"], eps)
-            q, k, v = (_linear(x, p[f"{s}_proj"], p[f"{s}_bias"], dt).reshape(B, L, heads, d) for s in "qkv")
-            h = h + _linear(_attention(q, k, v, patch_mask, scale_first=False), p["o_proj"], p["o_bias"], dt)
+            q, k, v = (dense(x, p[f"{s}_proj"], p[f"{s}_bias"], dt).reshape(B, L, heads, d) for s in "qkv")
+            h = h + dense(_attention(q, k, v, patch_mask, scale_first=False), p["o_proj"], p["o_bias"], dt)
             x = layer_norm(h, p["ln2_scale"], p["ln2_bias"], eps)
-            x = jax.nn.gelu(_linear(x, p["fc1"], p["fc1_bias"], dt), approximate=True)
-            h = h + _linear(x, p["fc2"], p["fc2_bias"], dt)
+            x = jax.nn.gelu(dense(x, p["fc1"], p["fc1_bias"], dt), approximate=True)
+            h = h + dense(x, p["fc2"], p["fc2_bias"], dt)
             return h, h
 
         h, layer_outputs = jax.lax.scan(block, h, self.layers.stacked())
@@ -447,18 +170,18 @@ class Resampler(nnx.Module):
         B, L = x.shape[:2]
         heads, d = config.resampler_heads, config.resampler_head_dim
         if config.has_kv_proj:
-            x = _linear(x, self.kv_proj[...], None, dt)
+            x = dense(x, self.kv_proj[...], None, dt)
         x = layer_norm(x, self.ln_kv_scale[...], self.ln_kv_bias[...], eps)
         q = layer_norm(self.query[...], self.ln_q_scale[...], self.ln_q_bias[...], eps)
         w, b = self.in_proj[...], self.in_proj_bias[...]
-        q = _linear(q, w[:, :E], b[:E], dt)  # [Q, E], the same for every strip
-        k = _linear(x + key_pos.astype(dt), w[:, E:2 * E], b[E:2 * E], dt)
-        v = _linear(x, w[:, 2 * E:], b[2 * E:], dt)
+        q = dense(q, w[:, :E], b[:E], dt)  # [Q, E], the same for every strip
+        k = dense(x + key_pos.astype(dt), w[:, E:2 * E], b[E:2 * E], dt)
+        v = dense(x, w[:, 2 * E:], b[2 * E:], dt)
         q = jnp.broadcast_to(q.reshape(1, -1, heads, d), (B, q.shape[0], heads, d))
         out = _attention(q, k.reshape(B, L, heads, d), v.reshape(B, L, heads, d), patch_mask, scale_first=True)
-        out = _linear(out, self.out_proj[...], self.out_bias[...], dt)
+        out = dense(out, self.out_proj[...], self.out_bias[...], dt)
         out = layer_norm(out, self.ln_post_scale[...], self.ln_post_bias[...], eps)
-        return _linear(out, self.proj[...], None, dt)
+        return dense(out, self.proj[...], None, dt)
 
 
 class MiniCPMVision(nnx.Module):
@@ -548,19 +271,13 @@ VPM_RULES: tuple[Rule, ...] = (
     Rule("embeddings.patch_embedding.weight", "patch_embed", "P D", transform="flatten_T", src_dims="D C p p"),
     Rule("embeddings.patch_embedding.bias", "patch_bias", "D"),
     Rule("embeddings.position_embedding.weight", "pos_embed", "N D"),
-    Rule(_L + "layer_norm1.weight", "layers/ln1_scale", "D"),
-    Rule(_L + "layer_norm1.bias", "layers/ln1_bias", "D"),
-    Rule(_L + "layer_norm2.weight", "layers/ln2_scale", "D"),
-    Rule(_L + "layer_norm2.bias", "layers/ln2_bias", "D"),
+    *norm_rules(_L + "layer_norm1", "layers/ln1"),
+    *norm_rules(_L + "layer_norm2", "layers/ln2"),
     *(r for s, hf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj"))
-      for r in (Rule(_L + f"self_attn.{hf}.weight", f"layers/{s}_proj", "D D", transform="T"),
-                Rule(_L + f"self_attn.{hf}.bias", f"layers/{s}_bias", "D"))),
-    Rule(_L + "mlp.fc1.weight", "layers/fc1", "D I", transform="T"),
-    Rule(_L + "mlp.fc1.bias", "layers/fc1_bias", "I"),
-    Rule(_L + "mlp.fc2.weight", "layers/fc2", "I D", transform="T"),
-    Rule(_L + "mlp.fc2.bias", "layers/fc2_bias", "D"),
-    Rule("post_layernorm.weight", "post_ln_scale", "D"),
-    Rule("post_layernorm.bias", "post_ln_bias", "D"),
+      for r in linear_rules(_L + f"self_attn.{hf}", f"layers/{s}_proj", f"layers/{s}_bias", "D D")),
+    *linear_rules(_L + "mlp.fc1", "layers/fc1", "layers/fc1_bias", "D I"),
+    *linear_rules(_L + "mlp.fc2", "layers/fc2", "layers/fc2_bias", "I D"),
+    *norm_rules("post_layernorm", "post_ln"),
 )
 VPM_PREFIX = "vpm."
 
@@ -569,10 +286,8 @@ RESAMPLER_RULES: tuple[Rule, ...] = (
     Rule("kv_proj.weight", "kv_proj", "K E", transform="T", when="kv_proj"),
     Rule("attn.in_proj_weight", "in_proj", "E F", transform="T"),
     Rule("attn.in_proj_bias", "in_proj_bias", "F"),
-    Rule("attn.out_proj.weight", "out_proj", "E E", transform="T"),
-    Rule("attn.out_proj.bias", "out_bias", "E"),
-    *(Rule(f"{ln}.{hf}", f"{ln}_{leaf}", "E") for ln in ("ln_q", "ln_kv", "ln_post")
-      for hf, leaf in (("weight", "scale"), ("bias", "bias"))),
+    *linear_rules("attn.out_proj", "out_proj", "out_bias", "E E"),
+    *(r for ln in ("ln_q", "ln_kv", "ln_post") for r in norm_rules(ln, ln, "E")),
     Rule("proj", "proj", "E E"),
 )
 RESAMPLER_PREFIX = "resampler."
@@ -607,23 +322,8 @@ def vision_from_params(config: VisionConfig, params: Mapping[str, Any]) -> MiniC
 
     Leaves are cast to the config's dtype. Raises ValueError naming the first missing or mis-shaped leaf.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MiniCPMVision(config, rngs=nnx.Rngs(0))))
-
-    def fetch(path, expected):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        node = params
-        for key in path:
-            key = getattr(key, "key", key)
-            if not isinstance(node, Mapping) or key not in node:
-                raise ValueError(f"MiniCPM-o vision parameters lack {name}")
-            node = node[key]
-        if tuple(np.shape(node)) != tuple(expected.shape):
-            raise ValueError(f"MiniCPM-o vision parameter {name} has shape {tuple(np.shape(node))}, "
-                             f"expected {expected.shape}")
-        return jnp.asarray(node, config.jnp_dtype)
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fetch, nnx.to_pure_dict(state)))
-    return nnx.merge(graphdef, state)
+    return module_from_pure_dict(lambda: MiniCPMVision(config, rngs=nnx.Rngs(0)), params, config.jnp_dtype,
+                                 what="MiniCPM-o vision parameter", missing_message="{what}s lack {name}")
 
 
 def vision_from_tensors(config: VisionConfig, tensors: Mapping[str, np.ndarray]) -> MiniCPMVision:

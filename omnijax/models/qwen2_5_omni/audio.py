@@ -30,6 +30,9 @@ O = output_dim (Linear weights are stored `[in, out]`, conv kernels `[k, in, out
 
 The sinusoidal position table is computed from the config, not stored. The checkpoint's
 `audio_tower.audio_bos_eos_token.weight` is unused by the thinker and has no parameter here: converters skip it.
+
+The Whisper-style pieces (`conv1d_k3`, `whisper_layer`, `AudioLayers`, `WHISPER_*_RULES` and the config checks) serve
+MiniCPM-o's Whisper encoder too (`omnijax.models.minicpmo.audio`).
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ from omnijax.config import DTYPES, JsonConfig
 from omnijax.models.common import new_param
 from omnijax.models.qwen2_5_omni.audio_features import (
     AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, log_mel)
+from omnijax.models.qwen2_5_omni.encoder_common import (
+    StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
 
 __all__ = ["AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError", "FeatureShapeError", "InvalidPcmError",
            "UnsupportedAudioConfigError", "UnsupportedSampleRateError", "audio_component", "audio_token_count",
            "encode_audio", "encoder_from_params", "log_mel"]
 
-_LN_EPS = 1e-5  # torch.nn.LayerNorm default, used by every norm of the tower
 _MASK = -1e30  # finite, so fully padded chunks give a uniform (not NaN) softmax
 
 # Hugging Face audio config attributes with no effect on inference.
@@ -66,6 +70,63 @@ UNUSED_HF_TENSORS = ("audio_bos_eos_token.weight",)  # below the `audio_tower.` 
 
 class UnsupportedAudioConfigError(UnsupportedConfigError, ValueError):
     """An audio config attribute changes the encoder's math in a way omnijax does not implement."""
+
+
+def check_dtype_and_sizes(config, not_sizes: tuple[str, ...] = ()) -> None:
+    """Refuses an audio config whose `dtype` is unknown or whose other fields (but `not_sizes`) are not positive
+    integers (a bool is not one).
+
+    Raises:
+        ValueError: naming the first offending field.
+    """
+    name = type(config).__name__
+    if config.dtype not in DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in ("dtype", *not_sizes):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{f.name} must be a positive integer, got {value!r}")
+
+
+def check_whisper_attributes(audio: Mapping[str, Any], *, model_type: str, implemented: str, encoder_layers: int,
+                             layer_norm_eps: float | None = None, where: str = "audio_config.") -> None:
+    """Refuses the attributes of a Hugging Face Whisper-style audio config that change the encoder's math in ways
+    omnijax does not implement.
+
+    Args:
+        audio: the audio config as a mapping.
+        model_type: the only `model_type` accepted (also the default when absent).
+        implemented: the reason given when `model_type` differs.
+        encoder_layers: the layers read from `encoder_layers`; `num_hidden_layers`, when set, must agree.
+        layer_norm_eps: when given, the only `layer_norm_eps` accepted (the reference may hard-code its norms').
+        where: prefix of the attribute names in the errors.
+
+    Raises:
+        UnsupportedAudioConfigError: another `model_type`; an `activation_function` other than `gelu`;
+            `scale_embedding` true; a different `layer_norm_eps`; or `num_hidden_layers != encoder_layers`.
+    """
+    found = audio.get("model_type", model_type)
+    if found != model_type:
+        raise UnsupportedAudioConfigError(where + "model_type", found, implemented)
+    act = audio.get("activation_function", "gelu")
+    if act != "gelu":
+        raise UnsupportedAudioConfigError(where + "activation_function", act,
+                                          "only the exact (erf) GELU feed-forward is implemented")
+    if audio.get("scale_embedding", False):
+        raise UnsupportedAudioConfigError(
+            where + "scale_embedding", audio["scale_embedding"],
+            "the flag asks for embeddings scaled by sqrt(d_model) but the reference encoder never applies the "
+            "scale, so the checkpoint's intended math is ambiguous")
+    eps = audio.get("layer_norm_eps", layer_norm_eps)
+    if layer_norm_eps is not None and eps != layer_norm_eps:
+        raise UnsupportedAudioConfigError(where + "layer_norm_eps", eps,
+                                          f"the reference's LayerNorms always use eps {layer_norm_eps:g}")
+    layers = audio.get("num_hidden_layers", encoder_layers)
+    if layers != encoder_layers:
+        raise UnsupportedAudioConfigError(where + "num_hidden_layers", layers,
+                                          f"differs from encoder_layers={encoder_layers}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +157,7 @@ class AudioConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"AudioConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name != "dtype" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"AudioConfig.{f.name} must be a positive integer, got {value!r}")
+        check_dtype_and_sizes(self)
         if self.d_model % self.encoder_attention_heads:
             raise ValueError(f"d_model={self.d_model} is not a multiple of "
                              f"encoder_attention_heads={self.encoder_attention_heads}")
@@ -133,26 +189,10 @@ class AudioConfig(JsonConfig):
                 from `encoder_layers`.
         """
         data = dict(audio_config.to_dict() if hasattr(audio_config, "to_dict") else audio_config)
-        where = "audio_config."
-        model_type = data.get("model_type", _MODEL_TYPE)
-        if model_type != _MODEL_TYPE:
-            raise UnsupportedAudioConfigError(where + "model_type", model_type,
-                                              f"only the Qwen2.5-Omni audio tower ({_MODEL_TYPE}) is implemented")
-        act = data.get("activation_function", "gelu")
-        if act != "gelu":
-            raise UnsupportedAudioConfigError(where + "activation_function", act,
-                                              "only the exact (erf) GELU feed-forward is implemented")
-        if data.get("scale_embedding", False):
-            raise UnsupportedAudioConfigError(
-                where + "scale_embedding", data["scale_embedding"],
-                "the flag asks for embeddings scaled by sqrt(d_model) but the reference encoder never applies the "
-                "scale, so the checkpoint's intended math is ambiguous")
         fields = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "dtype"}
         values = {name: data.get(name, default) for name, default in fields.items()}
-        layers = data.get("num_hidden_layers", values["encoder_layers"])
-        if layers != values["encoder_layers"]:
-            raise UnsupportedAudioConfigError(where + "num_hidden_layers", layers,
-                                              f"differs from encoder_layers={values['encoder_layers']}")
+        check_whisper_attributes(data, model_type=_MODEL_TYPE, encoder_layers=values["encoder_layers"],
+                                 implemented=f"only the Qwen2.5-Omni audio tower ({_MODEL_TYPE}) is implemented")
         return cls(**values, dtype=dtype)
 
 
@@ -179,38 +219,66 @@ def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.
     return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1).astype(np.float32)
 
 
-def layer_norm(x: jnp.ndarray, scale: jnp.ndarray, bias: jnp.ndarray) -> jnp.ndarray:
-    """LayerNorm over the last axis with float32 statistics; the result is cast back to `x.dtype`."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + _LN_EPS)
-    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+# ------------------------------------------------------------------------------ Whisper-style encoder pieces
+# Shared with MiniCPM-o's Whisper encoder (`omnijax.models.minicpmo.audio`): its config has the same size fields.
 
 
-def _dense(x, w, b, dt):
-    """`x @ w + b` accumulated in float32, cast to the compute dtype."""
-    out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-    if b is not None:
-        out = out + b.astype(jnp.float32)
-    return out.astype(dt)
-
-
-def _conv3(x, kernel, bias, stride, dt):
-    """Per-chunk Conv1d, kernel 3, padding 1: `[C, W, I]` -> `[C, W // stride, O]` (kernel `[3, I, O]`)."""
-    W = x.shape[1]
-    xp = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))  # [C, W + 2, I]
-    taps = jnp.stack([xp[:, k:k + W:stride] for k in range(3)], axis=2)  # [C, W // stride, 3, I]
-    out = jnp.einsum("cwki,kio->cwo", taps, kernel, preferred_element_type=jnp.float32)
-    return (out + bias.astype(jnp.float32)).astype(dt)
-
-
-def _gelu(x):
+def gelu_exact(x: jnp.ndarray) -> jnp.ndarray:
+    """The exact (erf) GELU computed in float32, cast back to `x.dtype`."""
     return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
 
 
-class AudioLayers(nnx.Module):
-    """All encoder layers' parameters, stacked along a leading `layers` axis."""
+def conv1d_k3(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray, stride: int, dtype) -> jnp.ndarray:
+    """Conv1d over time, kernel 3, padding 1: `[B, T, I]` -> `[B, (T - 1) // stride + 1, O]` (kernel `[3, I, O]`),
+    accumulated in float32 and returned in `dtype`."""
+    t_out = (x.shape[1] - 1) // stride + 1
+    xp = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))  # [B, T + 2, I]
+    taps = jnp.stack([xp[:, k:k + stride * (t_out - 1) + 1:stride] for k in range(3)], axis=2)  # [B, T_out, 3, I]
+    out = jnp.einsum("btki,kio->bto", taps, kernel, preferred_element_type=jnp.float32)
+    return (out + bias.astype(jnp.float32)).astype(dtype)
+
+
+def whisper_layer(x: jnp.ndarray, p: Mapping[str, jnp.ndarray], bias: jnp.ndarray, num_heads: int, dtype,
+                  kv_cache: tuple[jnp.ndarray, jnp.ndarray] | None = None, cache_start=None):
+    """One pre-LayerNorm Whisper encoder layer: self-attention (q/v/out projections with bias, k without), then an
+    exact-GELU feed-forward, each with a residual connection.
+
+    Args:
+        x: `[B, S, D]` hidden states.
+        p: the layer's parameters (one slice of `AudioLayers.stacked()`).
+        bias: additive attention mask broadcastable to `[B, heads, S, K]`.
+        num_heads: attention heads (head width `D // num_heads`).
+        dtype: the compute dtype.
+        kv_cache: optional `(keys, values)` `[B, K, heads, head_dim]`: this call's keys and values are written at
+            `cache_start` (a possibly traced int) and attention runs over the whole cache. Without one, K = S.
+
+    Returns:
+        `(x [B, S, D], the updated kv_cache or None)`.
+    """
+    B, S, D = x.shape
+    hd = D // num_heads
+    scale = hd ** -0.5
+    n = layer_norm(x, p["attn_norm_scale"], p["attn_norm_bias"])
+    q = dense(n, p["q_proj"], p["q_bias"], dtype).reshape(B, S, num_heads, hd)
+    k = dense(n, p["k_proj"], None, dtype).reshape(B, S, num_heads, hd)
+    v = dense(n, p["v_proj"], p["v_bias"], dtype).reshape(B, S, num_heads, hd)
+    if kv_cache is not None:
+        cached_k, cached_v = kv_cache
+        k = jax.lax.dynamic_update_slice_in_dim(cached_k, k.astype(cached_k.dtype), cache_start, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(cached_v, v.astype(cached_v.dtype), cache_start, axis=1)
+        kv_cache = (k, v)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale + bias
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, heads, S, K]
+    attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
+    x = x + dense(attn.reshape(B, S, num_heads * hd), p["o_proj"], p["o_bias"], dtype)
+    n = layer_norm(x, p["mlp_norm_scale"], p["mlp_norm_bias"])
+    x = x + dense(gelu_exact(dense(n, p["fc1"], p["fc1_bias"], dtype)), p["fc2"], p["fc2_bias"], dtype)
+    return x, kv_cache
+
+
+class AudioLayers(StackedLayers):
+    """All Whisper encoder layers' parameters, stacked along a leading `layers` axis (`stacked()` is what
+    `whisper_layer` is scanned over). `config` needs `encoder_layers`, `d_model`, `encoder_ffn_dim` and `dtype`."""
 
     def __init__(self, config: AudioConfig, *, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
@@ -230,10 +298,6 @@ class AudioLayers(nnx.Module):
         self.fc1_bias = new_param((L, F), dt, rngs, zeros=True)
         self.fc2 = new_param((L, F, D), dt, rngs)
         self.fc2_bias = new_param((L, D), dt, rngs, zeros=True)
-
-    def stacked(self) -> dict[str, jnp.ndarray]:
-        """The stacked parameter arrays as a plain dict (scanned over in `AudioEncoder.encode_chunks`)."""
-        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
 class AudioEncoder(nnx.Module):
@@ -268,36 +332,25 @@ class AudioEncoder(nnx.Module):
         c = self.config
         dt = c.jnp_dtype
         C, W, _ = chunks.shape
-        S, H, hd = W // 2, c.encoder_attention_heads, c.head_dim
+        S = W // 2
         frame_valid = (jnp.arange(C * W).reshape(C, W) < num_frames)[..., None]  # [C, W, 1]
-        h = _gelu(_conv3(chunks.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1, dt))  # [C, W, D]
+        h = gelu_exact(conv1d_k3(chunks.astype(dt), self.conv1_kernel[...], self.conv1_bias[...], 1, dt))  # [C, W, D]
         h = h * frame_valid.astype(dt)
-        h = _gelu(_conv3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt))  # [C, S, D]
+        h = gelu_exact(conv1d_k3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt))  # [C, S, D]
         h = h + jnp.asarray(sinusoid_positions(S, c.d_model)).astype(dt)[None]
         after_cnn = (num_frames - 1) // 2 + 1
         key_valid = jnp.arange(C * S).reshape(C, S) < after_cnn  # [C, S]
-        bias = jnp.where(key_valid, 0.0, _MASK)[:, None, None, :]  # [C, 1, 1, S]
-        scale = hd ** -0.5
+        bias = jnp.where(key_valid, 0.0, _MASK)[:, None, None, :]  # [C, 1, 1, S]: attention within each chunk
 
         def layer(x, p):
-            n = layer_norm(x, p["attn_norm_scale"], p["attn_norm_bias"])
-            q = _dense(n, p["q_proj"], p["q_bias"], dt).reshape(C, S, H, hd)
-            k = _dense(n, p["k_proj"], None, dt).reshape(C, S, H, hd)
-            v = _dense(n, p["v_proj"], p["v_bias"], dt).reshape(C, S, H, hd)
-            scores = jnp.einsum("cqhd,ckhd->chqk", q, k, preferred_element_type=jnp.float32) * scale + bias
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)  # [C, H, S, S]
-            attn = jnp.einsum("chqk,ckhd->cqhd", probs, v, preferred_element_type=jnp.float32).astype(dt)
-            x = x + _dense(attn.reshape(C, S, H * hd), p["o_proj"], p["o_bias"], dt)
-            n = layer_norm(x, p["mlp_norm_scale"], p["mlp_norm_bias"])
-            x = x + _dense(_gelu(_dense(n, p["fc1"], p["fc1_bias"], dt)), p["fc2"], p["fc2_bias"], dt)
-            return x, None
+            return whisper_layer(x, p, bias, c.encoder_attention_heads, dt)[0], None
 
         h, _ = jax.lax.scan(layer, h, self.layers.stacked())  # [C, S, D]
         pairs = (C * S) // 2
         h = h.reshape(C * S, -1)[:2 * pairs].reshape(pairs, 2, -1)  # pooling runs over the whole clip
         h = jnp.mean(h.astype(jnp.float32), axis=1).astype(dt)  # [P, D]
         h = layer_norm(h, self.post_norm_scale[...], self.post_norm_bias[...])
-        return _dense(h, self.proj[...], self.proj_bias[...], dt)  # [P, O]
+        return dense(h, self.proj[...], self.proj_bias[...], dt)  # [P, O]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -356,48 +409,36 @@ def encoder_from_params(config: AudioConfig, params: Mapping[str, Any]) -> Audio
 
     Leaves are cast to the config's dtype; shapes must match the tree documented at the top of this module.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: AudioEncoder(config, rngs=nnx.Rngs(0))))
-    want = nnx.to_pure_dict(state)
-    dt = config.jnp_dtype
-
-    def cast(path, expected):
-        got = params
-        for key in path:
-            got = got[key.key if hasattr(key, "key") else key]
-        if tuple(np.shape(got)) != tuple(expected.shape):
-            raise ValueError(f"audio parameter {'/'.join(str(getattr(k, 'key', k)) for k in path)} has shape "
-                             f"{tuple(np.shape(got))}, expected {tuple(expected.shape)}")
-        return jnp.asarray(got, dt)
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(cast, want))
-    return nnx.merge(graphdef, state)
+    return module_from_pure_dict(lambda: AudioEncoder(config, rngs=nnx.Rngs(0)), params, config.jnp_dtype,
+                                 what="audio parameter", missing_error=KeyError)
 
 
-# Conversion table for `thinker.audio_tower.*`. Symbols: K conv taps, M mel bins, D d_model, F ffn, O output.
-AUDIO_RULES: tuple[Rule, ...] = (
+# Conversion rules of the Whisper-style layers below the tower's prefix (shared with MiniCPM-o's `apm.*`).
+# Symbols: K conv taps, M mel bins, D d_model, F ffn.
+_LAYER = "layers.{i}."
+WHISPER_CONV_RULES: tuple[Rule, ...] = (
     Rule("conv1.weight", "conv1_kernel", "K M D", "conv1d"),
     Rule("conv1.bias", "conv1_bias", "D"),
     Rule("conv2.weight", "conv2_kernel", "K D D", "conv1d"),
     Rule("conv2.bias", "conv2_bias", "D"),
-    Rule("layers.{i}.self_attn_layer_norm.weight", "layers/attn_norm_scale", "D"),
-    Rule("layers.{i}.self_attn_layer_norm.bias", "layers/attn_norm_bias", "D"),
-    Rule("layers.{i}.self_attn.q_proj.weight", "layers/q_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.q_proj.bias", "layers/q_bias", "D"),
-    Rule("layers.{i}.self_attn.k_proj.weight", "layers/k_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.v_proj.weight", "layers/v_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.v_proj.bias", "layers/v_bias", "D"),
-    Rule("layers.{i}.self_attn.out_proj.weight", "layers/o_proj", "D D", "T"),
-    Rule("layers.{i}.self_attn.out_proj.bias", "layers/o_bias", "D"),
-    Rule("layers.{i}.final_layer_norm.weight", "layers/mlp_norm_scale", "D"),
-    Rule("layers.{i}.final_layer_norm.bias", "layers/mlp_norm_bias", "D"),
-    Rule("layers.{i}.fc1.weight", "layers/fc1", "D F", "T"),
-    Rule("layers.{i}.fc1.bias", "layers/fc1_bias", "F"),
-    Rule("layers.{i}.fc2.weight", "layers/fc2", "F D", "T"),
-    Rule("layers.{i}.fc2.bias", "layers/fc2_bias", "D"),
-    Rule("ln_post.weight", "post_norm_scale", "D"),
-    Rule("ln_post.bias", "post_norm_bias", "D"),
-    Rule("proj.weight", "proj", "D O", "T"),
-    Rule("proj.bias", "proj_bias", "O"),
+)
+WHISPER_LAYER_RULES: tuple[Rule, ...] = (
+    *norm_rules(_LAYER + "self_attn_layer_norm", "layers/attn_norm"),
+    *linear_rules(_LAYER + "self_attn.q_proj", "layers/q_proj", "layers/q_bias", "D D"),
+    *linear_rules(_LAYER + "self_attn.k_proj", "layers/k_proj", None, "D D"),
+    *linear_rules(_LAYER + "self_attn.v_proj", "layers/v_proj", "layers/v_bias", "D D"),
+    *linear_rules(_LAYER + "self_attn.out_proj", "layers/o_proj", "layers/o_bias", "D D"),
+    *norm_rules(_LAYER + "final_layer_norm", "layers/mlp_norm"),
+    *linear_rules(_LAYER + "fc1", "layers/fc1", "layers/fc1_bias", "D F"),
+    *linear_rules(_LAYER + "fc2", "layers/fc2", "layers/fc2_bias", "F D"),
+)
+
+# Conversion table for `thinker.audio_tower.*`. Symbols as above, O output.
+AUDIO_RULES: tuple[Rule, ...] = (
+    *WHISPER_CONV_RULES,
+    *WHISPER_LAYER_RULES,
+    *norm_rules("ln_post", "post_norm"),
+    *linear_rules("proj", "proj", "proj_bias", "D O"),
 )
 
 

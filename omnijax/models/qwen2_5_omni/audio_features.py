@@ -85,26 +85,46 @@ def num_frames(num_samples: int) -> int:
     return -(-int(num_samples) // HOP_LENGTH)
 
 
-def _check_pcm(pcm, sample_rate) -> np.ndarray:
+def check_pcm_layout(pcm, sample_rate) -> np.ndarray:
+    """`pcm` as a numpy array, once its sample rate is 16 kHz, its samples real floats and its shape 1D (mono).
+
+    Raises:
+        UnsupportedSampleRateError: `sample_rate` is not the integer 16000.
+        InvalidPcmError: the samples are not floating point, or the array is not 1D.
+    """
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate != SAMPLE_RATE:
         raise UnsupportedSampleRateError(
             f"audio must be sampled at {SAMPLE_RATE} Hz, got sample_rate={sample_rate!r}; resample to 16 kHz first")
     pcm = np.asarray(pcm)
-    if pcm.dtype.kind not in "f":
+    if pcm.dtype.kind != "f":
         hint = (" (integer PCM: divide by 32768 for int16 to get floats in [-1, 1])" if pcm.dtype.kind in "iu"
                 else "")
         raise InvalidPcmError(f"PCM samples must be real floats, got dtype {pcm.dtype}{hint}")
     if pcm.ndim != 1:
         raise InvalidPcmError(f"PCM must be a 1D array of mono samples, got shape {pcm.shape}"
                               + ("; mix channels down to mono first" if pcm.ndim == 2 else ""))
-    if pcm.size == 0:
-        raise InvalidPcmError("PCM is empty (0 samples)")
-    pcm = pcm.astype(np.float32)  # the processor casts to float32 first
+    return pcm
+
+
+def finite_float32(pcm: np.ndarray) -> np.ndarray:
+    """`pcm` cast to float32 (the processors work on float32 samples), refusing NaN and inf.
+
+    Raises:
+        InvalidPcmError: naming how many samples are not finite and the first one's index.
+    """
+    pcm = pcm.astype(np.float32)
     bad = ~np.isfinite(pcm)
     if bad.any():
         raise InvalidPcmError(f"PCM holds {int(bad.sum())} non-finite sample(s) (NaN or inf), first at index "
                               f"{int(np.argmax(bad))}")
     return pcm
+
+
+def _check_pcm(pcm, sample_rate) -> np.ndarray:
+    pcm = check_pcm_layout(pcm, sample_rate)
+    if pcm.size == 0:
+        raise InvalidPcmError("PCM is empty (0 samples)")
+    return finite_float32(pcm)
 
 
 def log_mel(pcm, sample_rate: int = SAMPLE_RATE, *, num_mel_bins: int = 128) -> np.ndarray:

@@ -40,22 +40,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.errors import ConfigError, UnsupportedConfigError
+from convert.errors import UnsupportedConfigError
 from convert.tables import Component, Rule
 from omnijax.config import DTYPES, JsonConfig
 from omnijax.kv import rope as rope_lib
 from omnijax.models.common import new_param, rms_norm
+from omnijax.models.qwen2_5_omni.encoder_common import (
+    HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, linear_rules, module_from_pure_dict,
+    understood_attributes)
 
 NORM_EPS = 1e-6  # fixed in the reference implementation
 ROPE_THETA = 10000.0
 
 
-class VisionConfigError(ConfigError, ValueError):
+class VisionConfigError(ConfigAttributeError):
     """Inconsistent vision encoder settings. Attributes: `attribute`, `value`."""
 
-    def __init__(self, attribute: str, value, reason: str):
-        self.attribute, self.value = attribute, value
-        super().__init__(f"vision config {attribute}={value!r}: {reason}")
+    subject = "vision config"
 
 
 class UnsupportedVisionConfigError(UnsupportedConfigError, ValueError):
@@ -144,12 +145,8 @@ class VisionConfig(JsonConfig):
             UnsupportedVisionConfigError: `hidden_act` is not SiLU, or an attribute is not understood.
             VisionConfigError: the values are inconsistent.
         """
-        unknown = sorted(k for k in vision_config if k not in _HF_DEFAULTS and k not in _HF_HARMLESS)
-        if unknown:
-            raise UnsupportedVisionConfigError(f"vision_config.{unknown[0]}", vision_config[unknown[0]],
-                                               "not understood by the omnijax vision encoder (refusing to guess "
-                                               f"its effect); unknown attributes: {unknown}")
-        v = {**_HF_DEFAULTS, **{k: x for k, x in vision_config.items() if k in _HF_DEFAULTS}}
+        v = understood_attributes(vision_config, _HF_DEFAULTS, _HF_HARMLESS, error=UnsupportedVisionConfigError,
+                                  where="vision_config.", encoder="vision encoder")
         if v["hidden_act"] not in ("silu", "swish"):
             raise UnsupportedVisionConfigError("vision_config.hidden_act", v["hidden_act"],
                                                "only the SiLU-gated MLP is implemented")
@@ -162,18 +159,13 @@ class VisionConfig(JsonConfig):
 _HF_DEFAULTS = dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420, num_heads=16, in_channels=3,
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
                     fullatt_block_indexes=[7, 15, 23, 31])
-_HF_HARMLESS = frozenset("""
-    model_type transformers_version architectures _name_or_path dtype torch_dtype initializer_range init_std
-    tokens_per_second embed_dim in_chans spatial_patch_size return_dict output_hidden_states output_attentions
-    torchscript use_bfloat16 tf_legacy_loss chunk_size_feed_forward is_encoder_decoder is_decoder
-    add_cross_attention cross_attention_hidden_size tie_encoder_decoder tie_word_embeddings pruned_heads id2label
-    label2id num_labels problem_type finetuning_task tokenizer_class prefix task_specific_params bos_token_id
-    eos_token_id pad_token_id sep_token_id decoder_start_token_id max_length min_length do_sample early_stopping
+# Attributes with no effect on the math: the generic ones, those the reference does not read, generation settings.
+_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
+    tokens_per_second embed_dim in_chans spatial_patch_size max_length min_length do_sample early_stopping
     num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
     no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores
     return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
-    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens _attn_implementation
-    _attn_implementation_autoset
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
 """.split())
 
 QWEN2_5_OMNI_7B_VISION = VisionConfig(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
@@ -265,12 +257,6 @@ def vision_plan(grid_thw, config: VisionConfig) -> VisionPlan:
 # --------------------------------------------------------------------------------------------------------- module
 
 
-def _linear(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray, dtype) -> jnp.ndarray:
-    """`x @ w + b` accumulated in float32, returned in `dtype`."""
-    out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-    return (out + b.astype(jnp.float32)).astype(dtype)
-
-
 def _segment_attention(q, k, v, segments, inverse):
     """Attention within padded segments. q, k, v: `[N, H, d]`; segments `[S, Lmax]` (pad = N); inverse `[N]`."""
     n, heads, d = q.shape
@@ -283,7 +269,7 @@ def _segment_attention(q, k, v, segments, inverse):
     return out.reshape(-1, heads, d)[inverse]  # [N, H, d]
 
 
-class VisionLayers(nnx.Module):
+class VisionLayers(StackedLayers):
     """All blocks' parameters, stacked along a leading `layers` axis."""
 
     def __init__(self, config: VisionConfig, *, rngs: nnx.Rngs):
@@ -294,9 +280,6 @@ class VisionLayers(nnx.Module):
                                         ("gate", (D, I)), ("up", (D, I)), ("down", (I, D))):
             setattr(self, f"{name}_proj", new_param((L, fan_in, fan_out), dt, rngs))
             setattr(self, f"{name}_bias", new_param((L, fan_out), dt, rngs, zeros=True))
-
-    def stacked(self) -> dict[str, jnp.ndarray]:
-        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
 class VisionMerger(nnx.Module):
@@ -314,8 +297,8 @@ class VisionMerger(nnx.Module):
     def __call__(self, h: jnp.ndarray, merge_unit: int) -> jnp.ndarray:
         dt = h.dtype
         x = rms_norm(h, self.norm[...], NORM_EPS).reshape(h.shape[0] // merge_unit, -1)  # [M, E]
-        x = jax.nn.gelu(_linear(x, self.fc1[...], self.fc1_bias[...], dt), approximate=False)
-        return _linear(x, self.fc2[...], self.fc2_bias[...], dt)  # [M, O]
+        x = jax.nn.gelu(dense(x, self.fc1[...], self.fc1_bias[...], dt), approximate=False)
+        return dense(x, self.fc2[...], self.fc2_bias[...], dt)  # [M, O]
 
 
 class VisionEncoder(nnx.Module):
@@ -348,14 +331,14 @@ class VisionEncoder(nnx.Module):
         def block(h, xs):
             p, full = xs
             x = rms_norm(h, p["norm1"], NORM_EPS)
-            q, k, v = (_linear(x, p[f"{s}_proj"], p[f"{s}_bias"], dt).reshape(n, heads, d) for s in "qkv")
+            q, k, v = (dense(x, p[f"{s}_proj"], p[f"{s}_bias"], dt).reshape(n, heads, d) for s in "qkv")
             q, k = rope_lib.apply_rope(q, angles), rope_lib.apply_rope(k, angles)
             attn = jax.lax.cond(full, attend_frames, attend_windows, q, k, v).reshape(n, heads * d)
-            h = h + _linear(attn, p["o_proj"], p["o_bias"], dt)
+            h = h + dense(attn, p["o_proj"], p["o_bias"], dt)
             x = rms_norm(h, p["norm2"], NORM_EPS)
-            gate = jax.nn.silu(_linear(x, p["gate_proj"], p["gate_bias"], dt))
-            act = gate * _linear(x, p["up_proj"], p["up_bias"], dt)
-            return h + _linear(act, p["down_proj"], p["down_bias"], dt), None
+            gate = jax.nn.silu(dense(x, p["gate_proj"], p["gate_bias"], dt))
+            act = gate * dense(x, p["up_proj"], p["up_bias"], dt)
+            return h + dense(act, p["down_proj"], p["down_bias"], dt), None
 
         flags = jnp.asarray(c.full_attention, jnp.bool_)
         h, _ = jax.lax.scan(block, h, (self.layers.stacked(), flags))
@@ -393,22 +376,8 @@ def encoder_from_params(config: VisionConfig, params: Mapping[str, Any]) -> Visi
 
     Leaves are cast to the config's dtype. Raises ValueError naming the first missing or mis-shaped leaf.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: VisionEncoder(config, rngs=nnx.Rngs(0))))
-
-    def fetch(path, expected):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        node = params
-        for key in path:
-            key = getattr(key, "key", key)
-            if not isinstance(node, Mapping) or key not in node:
-                raise ValueError(f"vision parameters lack {name}")
-            node = node[key]
-        if tuple(np.shape(node)) != tuple(expected.shape):
-            raise ValueError(f"vision parameter {name} has shape {tuple(np.shape(node))}, expected {expected.shape}")
-        return jnp.asarray(node, config.jnp_dtype)
-
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fetch, nnx.to_pure_dict(state)))
-    return nnx.merge(graphdef, state)
+    return module_from_pure_dict(lambda: VisionEncoder(config, rngs=nnx.Rngs(0)), params, config.jnp_dtype,
+                                 what="vision parameter", missing_message="{what}s lack {name}")
 
 
 # ---------------------------------------------------------------------------------------------------- name table
@@ -419,19 +388,12 @@ VISION_RULES: tuple[Rule, ...] = (
     Rule(_B + "norm1.weight", "layers/norm1", "D"),
     Rule(_B + "norm2.weight", "layers/norm2", "D"),
     *(r for s, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "proj"))
-      for r in (Rule(_B + f"attn.{hf}.weight", f"layers/{s}_proj", "D D", transform="T"),
-                Rule(_B + f"attn.{hf}.bias", f"layers/{s}_bias", "D"))),
-    Rule(_B + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transform="T"),
-    Rule(_B + "mlp.gate_proj.bias", "layers/gate_bias", "I"),
-    Rule(_B + "mlp.up_proj.weight", "layers/up_proj", "D I", transform="T"),
-    Rule(_B + "mlp.up_proj.bias", "layers/up_bias", "I"),
-    Rule(_B + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T"),
-    Rule(_B + "mlp.down_proj.bias", "layers/down_bias", "D"),
+      for r in linear_rules(_B + f"attn.{hf}", f"layers/{s}_proj", f"layers/{s}_bias", "D D")),
+    *(r for s, dims in (("gate", "D I"), ("up", "D I"), ("down", "I D"))
+      for r in linear_rules(_B + f"mlp.{s}_proj", f"layers/{s}_proj", f"layers/{s}_bias", dims)),
     Rule("merger.ln_q.weight", "merger/norm", "D"),
-    Rule("merger.mlp.0.weight", "merger/fc1", "E E", transform="T"),
-    Rule("merger.mlp.0.bias", "merger/fc1_bias", "E"),
-    Rule("merger.mlp.2.weight", "merger/fc2", "E O", transform="T"),
-    Rule("merger.mlp.2.bias", "merger/fc2_bias", "O"),
+    *linear_rules("merger.mlp.0", "merger/fc1", "merger/fc1_bias", "E E"),
+    *linear_rules("merger.mlp.2", "merger/fc2", "merger/fc2_bias", "E O"),
 )
 VISION_PREFIX = "visual."
 
