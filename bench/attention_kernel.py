@@ -239,11 +239,14 @@ def main(argv=None):
                 add((OMNI_POOL, phase), lambda a=a: a, attend, ("cum", m, c, phase))
     k7, v7 = (np.asarray(jnp.asarray(rng.standard_normal((args.inner, OMNI_POOL, PAGE, G, D), dtype=np.float32),
                                      args.dtype)) for _ in range(2))
+    # A donated input must be a buffer the runtime owns: one aliasing numpy memory (jax.device_put on CPU) cannot
+    # be updated in place, and the mode would be charged a copy of the whole cache.
+    owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     for m, fn in MODE_FNS.items():
         jfn = jax.jit(fn, donate_argnums=0)  # one call moves all args.inner layers
         for row in layouts[m]:
             if "pre_kv" in row:
-                prepare = lambda kv=row["pre_kv"]: (jax.device_put(kv.replace(k=k7, v=v7)),)
+                prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k7, v=v7)),)
                 got = int(jfn(*prepare())[1][0])
                 if got != row["moved"]:
                     raise RuntimeError(f"{m} chunk {row['chunk']}: mode moved {got}, session moved {row['moved']}")

@@ -5,6 +5,7 @@
 #      call, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
+# Time limits per step in seconds: TEST_S (0 skips the tests), PALLAS_S, BF16_S, XLA_S.
 set -u
 out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
@@ -13,7 +14,7 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 PYTHONPATH=${PYTH
 py=${PYTHON:-python3}
 { nvidia-smi -L; $py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
     2>&1 | tee "$out/env.log"
-timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
+[ "${TEST_S:-150}" = 0 ] || timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
     tests/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
 for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "xla float32 ${XLA_S:-130}"; do
     set -- $run

@@ -61,6 +61,14 @@ def _check_subblock(page_size: int, subblock: int) -> int:
     return subblock
 
 
+def _listed(member: jax.Array, rank: jax.Array, value: jax.Array, none: int) -> jax.Array:
+    """`[B, S]` list whose entry r holds `value` of the member of rank r (ranks distinct); `none` past the members."""
+    B, S = member.shape
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
+    at = jnp.where(member, rank, S)
+    return jnp.full((B, S), none, jnp.int32).at[rows, at].set(jnp.broadcast_to(value, (B, S)), mode="drop")
+
+
 def plan_tile_skip(kv: PagedKV, subblock: int = 32) -> MigrationPlan:
     """Class-aware selective migration plan.
 
@@ -84,9 +92,11 @@ def plan_tile_skip(kv: PagedKV, subblock: int = 32) -> MigrationPlan:
     dst = jnp.full((B, S), -1, jnp.int32)
     for c in (PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT):
         of_class = exists & (cls == c)
-        # Sort keys: candidates latest-first, holes earliest-first; S marks "none" and sorts last.
-        src = S - 1 - jnp.sort(jnp.where(live & partial & of_class, S - 1 - j, S), axis=1)  # [B, S]; -1 = none
-        hole = jnp.sort(jnp.where(~live & active & of_class, j, S), axis=1)  # [B, S]; S = none
+        # Candidates latest-first and holes earliest-first, listed by rank (a scatter, not a sort).
+        cand = live & partial & of_class
+        src = _listed(cand, jnp.flip(jnp.cumsum(jnp.flip(cand, axis=1), axis=1), axis=1) - 1, j, -1)  # -1 = none
+        gap = ~live & active & of_class
+        hole = _listed(gap, jnp.cumsum(gap, axis=1) - 1, j, S)  # [B, S]; S = none
         pair = (src >= 0) & (hole < S) & (hole < src)  # a prefix in k: src falls while hole rises
         dst = dst.at[rows, jnp.where(pair, src, S)].set(hole, mode="drop")
     moving = dst >= 0
