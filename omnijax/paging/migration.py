@@ -34,12 +34,12 @@ def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | 
     Every source is read first; then sources are invalidated and destinations written, so destinations win where a
     slot is both. Destinations must be distinct.
 
-    With `count` (a scalar: the list's first `count` entries are the moves, the rest unused), K and V, the fields
-    whose size matters, are copied `chunk` moves at a time by a loop of `ceil(count / chunk)` steps, so the copy
-    costs what moves rather than what the list could hold. Each step reads before it writes; the steps together
-    equal the all-at-once move when no destination is the source of a later move in the list, which holds for every
-    plan of this package: each destination lies before its source in table order and `apply_plan` lists the moves
-    in ascending source order.
+    The slot fields move at once. K and V, the fields whose size matters, are copied `chunk` list entries at a time
+    by a loop over the first `count` entries (a scalar; the whole list when None; entries past it must be unused),
+    so the copy costs what moves rather than what the list could hold. Each step reads before it writes; the steps
+    together equal the all-at-once move when no destination is the source of a later move in the list, which holds
+    for every plan of this package: each destination lies before its source in table order and `apply_plan` lists
+    the moves first, in ascending source order.
     """
     N, P = kv.num_pages, kv.page_size
     gather_at = jnp.clip(src, 0, N * P - 1)
@@ -47,30 +47,48 @@ def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | 
     def merge(field, axis):  # the page and slot axes of `field` sit at `axis`, `axis + 1`
         return field.reshape(field.shape[:axis] + (N * P,) + field.shape[axis + 2:])
 
-    def migrate(field, axis):
-        merged = merge(field, axis)
-        taken = jnp.take(merged, gather_at, axis=axis)
-        return merged.at[(slice(None),) * axis + (dst,)].set(taken, mode="drop").reshape(field.shape)
+    def move_columns(merged):  # [..., N * P] -> the same with every move applied at once
+        return merged.at[..., dst].set(jnp.take(merged, gather_at, axis=-1), mode="drop")
 
-    def migrate_counted(field):  # axis 1: [L, N, P, ...]
+    def move_kv(k, v):  # [L, N * P, ...] each, `chunk` list entries a step
         pad = -src.shape[0] % chunk
         src_p = jnp.pad(gather_at, (0, pad))
         dst_p = jnp.pad(dst, (0, pad), constant_values=N * P)
 
-        def step(i, merged):
-            at = i * chunk
-            rows = jnp.take(merged, jax.lax.dynamic_slice_in_dim(src_p, at, chunk), axis=1)
-            return merged.at[:, jax.lax.dynamic_slice_in_dim(dst_p, at, chunk)].set(rows, mode="drop")
+        def step(i, kv_rows):
+            take_at = jax.lax.dynamic_slice_in_dim(src_p, i * chunk, chunk)
+            put_at = jax.lax.dynamic_slice_in_dim(dst_p, i * chunk, chunk)
+            return tuple(x.at[:, put_at].set(jnp.take(x, take_at, axis=1), mode="drop") for x in kv_rows)
 
-        steps = (count + chunk - 1) // chunk
-        return jax.lax.fori_loop(0, steps, step, merge(field, 1)).reshape(field.shape)
+        return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, step, (k, v))
 
-    bulk = migrate if count is None else lambda field, axis: migrate_counted(field)
+    if count is None:
+        count = src.shape[0]
+    k, v = move_kv(merge(kv.k, 1), merge(kv.v, 1))
+    # Every slot field travels in one gather and one scatter: stacked as int32 rows of the flat slot axis.
+    fields = {name: getattr(kv, name) for name in _SLOT_FIELDS}
+    rows = jnp.concatenate([_as_int32(f).reshape(-1, N * P) for f in fields.values()])  # [R, N * P]
+    rows = move_columns(rows)
+    moved, at = {}, 0
+    for name, f in fields.items():
+        n = f.size // (N * P)
+        moved[name] = _from_int32(rows[at:at + n], f.dtype).reshape(f.shape)
+        at += n
     valid = kv.valid.reshape(-1).at[src].set(False, mode="drop").at[dst].set(True, mode="drop").reshape(N, P)
-    return kv.replace(
-        k=bulk(kv.k, 1), v=bulk(kv.v, 1), pos=migrate(kv.pos, 1), order=migrate(kv.order, 0),
-        unit=migrate(kv.unit, 0), span=migrate(kv.span, 0), offset=migrate(kv.offset, 0),
-        score=migrate(kv.score, 0), valid=valid)
+    return kv.replace(k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape), valid=valid, **moved)
+
+
+_SLOT_FIELDS = ("pos", "order", "unit", "span", "offset", "score")  # per-slot metadata that moves with a token
+
+
+def _as_int32(x: jax.Array) -> jax.Array:
+    """Lossless int32 view of a slot field (float32 bit pattern; narrower integers widened)."""
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32 else x.astype(jnp.int32)
+
+
+def _from_int32(x: jax.Array, dtype) -> jax.Array:
+    """Inverse of `_as_int32`."""
+    return jax.lax.bitcast_convert_type(x, jnp.float32) if dtype == jnp.float32 else x.astype(dtype)
 
 
 def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array, chunk: int = 256) -> tuple[PagedKV, jax.Array]:

@@ -89,16 +89,17 @@ def plan_tile_skip(kv: PagedKV, subblock: int = 32) -> MigrationPlan:
     cls = jnp.repeat(kv.page_class[jnp.clip(kv.page_table, 0, kv.num_pages - 1)], P, axis=1)  # [B, S]
     j = jnp.arange(S, dtype=jnp.int32)[None, :]
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
-    dst = jnp.full((B, S), -1, jnp.int32)
-    for c in (PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT):
-        of_class = exists & (cls == c)
-        # Candidates latest-first and holes earliest-first, listed by rank (a scatter, not a sort).
-        cand = live & partial & of_class
-        src = _listed(cand, jnp.flip(jnp.cumsum(jnp.flip(cand, axis=1), axis=1), axis=1) - 1, j, -1)  # -1 = none
-        gap = ~live & active & of_class
-        hole = _listed(gap, jnp.cumsum(gap, axis=1) - 1, j, S)  # [B, S]; S = none
-        pair = (src >= 0) & (hole < S) & (hole < src)  # a prefix in k: src falls while hole rises
-        dst = dst.at[rows, jnp.where(pair, src, S)].set(hole, mode="drop")
+    classes = jnp.asarray([PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT], cls.dtype)
+    of_class = (exists & (cls[None] == classes[:, None, None])).reshape(3 * B, S)  # [3B, S]: each class on its own
+    live3, partial3, active3 = (jnp.tile(x, (3, 1)) for x in (live, partial, active))
+    # Candidates latest-first and holes earliest-first, listed by rank (a scatter, not a sort).
+    cand = live3 & partial3 & of_class
+    src = _listed(cand, jnp.flip(jnp.cumsum(jnp.flip(cand, axis=1), axis=1), axis=1) - 1, j, -1)  # [3B, S]; -1 = none
+    gap = ~live3 & active3 & of_class
+    hole = _listed(gap, jnp.cumsum(gap, axis=1) - 1, j, S)  # [3B, S]; S = none
+    pair = (src >= 0) & (hole < S) & (hole < src)  # a prefix in k: src falls while hole rises
+    # A slot has one class, so the three classes' sources never collide.
+    dst = jnp.full((B, S), -1, jnp.int32).at[jnp.tile(rows, (3, 1)), jnp.where(pair, src, S)].set(hole, mode="drop")
     moving = dst >= 0
     arrived = jnp.zeros((B, S), bool).at[rows, jnp.where(moving, dst, S)].set(True, mode="drop")
     pages_before, subs_before = _entry_stats(live, P, subblock)
