@@ -16,9 +16,10 @@ the table first (no copy); then the shortest suffix of table slots whose packing
 at least `min_pages` pages is packed toward its start, order preserved; slots before it stay. No such suffix, no
 move.
 
-Planning is vectorised per sequence (sorts and cumulative sums over table space, no Python branching on values);
-a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter over all layers), and the copy
-is skipped with `lax.cond` when no sequence accepts. Exact rules, mirrored by the plain-Python planner in the
+Planning is vectorised over sequences and classes (cumulative sums and rank scatters over table space, no sort and
+no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
+over all layers, the K/V copy looping over the moves only), and the copy is skipped with `lax.cond` when no sequence
+accepts. Exact rules, mirrored by the plain-Python planner in the
 tests: see `plan_tile_skip` and `plan_ordered_suffix`.
 """
 
