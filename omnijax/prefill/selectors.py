@@ -67,51 +67,30 @@ def topk_scores(q_obs: jax.Array, keys: jax.Array, k: int, *, impl: str, block_s
     raise ValueError(f"unknown scoring impl {impl!r}; available: {SCORE_IMPLS}")
 
 
-class _WindowedSelector:
-    """What the selectors that score with SnapKV's observation window and always keep it share (SnapKV, AdaKV).
+def _whole_prompt_or_none(selector, keys: jax.Array, budget: int) -> Selection | None:
+    """What every windowed selector (SnapKV, AdaKV) does before scoring: everything when `budget` covers the prompt,
+    None when it must score.
 
-    A subclass is a dataclass with the fields below and implements `_select_within_budget`; `select` handles the
-    cases every such selector treats alike, and `_prefix_topk` scores with the subclass's settings.
-
-    Attributes:
-        window: observation window W (the prompt's last W tokens).
-        pool_kernel: average-pooling kernel over keys (odd).
-        impl: scoring implementation (one of `SCORE_IMPLS`).
-        block_size: key block of the blockwise passes (a power of two).
+    Raises:
+        ValueError: when `budget` (below the prompt length) does not exceed the selector's window.
     """
+    B, S, G, _ = keys.shape
+    if budget >= S:
+        return _keep_all(B, S, G)
+    if budget <= selector.window:
+        raise ValueError(f"{type(selector).__name__} budget {budget} must exceed its window {selector.window}")
+    return None
 
-    window: int
-    pool_kernel: int
-    impl: str
-    block_size: int
 
-    needs_window: ClassVar[bool] = True
-
-    def select(self, q_obs, keys, budget):
-        """Everything when `budget` covers the prompt, else `_select_within_budget`.
-
-        Raises:
-            ValueError: when `budget` (below the prompt length) does not exceed the window.
-        """
-        B, S, G, _ = keys.shape
-        if budget >= S:
-            return _keep_all(B, S, G)
-        if budget <= self.window:
-            raise ValueError(f"{type(self).__name__} budget {budget} must exceed its window {self.window}")
-        return self._select_within_budget(q_obs, keys, budget)
-
-    def _select_within_budget(self, q_obs, keys, budget) -> Selection:
-        """The selection for `window < budget < S`."""
-        raise NotImplementedError
-
-    def _prefix_topk(self, q_obs, keys, k: int):
-        """`topk_scores` of the prompt prefix with this selector's scoring settings."""
-        return topk_scores(q_obs, keys, k, impl=self.impl, block_size=self.block_size, pool_kernel=self.pool_kernel)
+def _prefix_topk(selector, q_obs: jax.Array, keys: jax.Array, k: int):
+    """`topk_scores` of the prompt prefix with a windowed selector's scoring settings."""
+    return topk_scores(q_obs, keys, k, impl=selector.impl, block_size=selector.block_size,
+                       pool_kernel=selector.pool_kernel)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class SnapKV(_WindowedSelector):
+class SnapKV:
     """SnapKV as published: pooled window attention per KV head; the window is always kept.
 
     Attributes:
@@ -128,10 +107,13 @@ class SnapKV(_WindowedSelector):
     block_size: int = 512
 
     name: ClassVar[str] = "snapkv"
+    needs_window: ClassVar[bool] = True
 
-    def _select_within_budget(self, q_obs, keys, budget):
+    def select(self, q_obs, keys, budget):
+        if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
+            return whole
         B, S, G, _ = keys.shape
-        index, _ = self._prefix_topk(q_obs, keys, budget - self.window)
+        index, _ = _prefix_topk(self, q_obs, keys, budget - self.window)
         return Selection(index=_with_window(index, S, self.window).reshape(B, G * budget),
                          offset=_uniform_offsets(B, G, budget))
 
@@ -153,7 +135,7 @@ class RecentTokens:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class AdaKV(_WindowedSelector):
+class AdaKV:
     """Head-adaptive budgets (AdaKV) over SnapKV scores, in the flattened per-head layout.
 
     A layer keeps `G * budget` tokens in all: each head keeps its window and at least `floor` of its uniform share
@@ -169,14 +151,17 @@ class AdaKV(_WindowedSelector):
     block_size: int = 512
 
     name: ClassVar[str] = "adakv"
+    needs_window: ClassVar[bool] = True
 
-    def _select_within_budget(self, q_obs, keys, budget):
+    def select(self, q_obs, keys, budget):
+        if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
+            return whole
         B, S, G, _ = keys.shape
         share = budget - self.window  # uniform prefix share per head
         total = G * share  # the layer's prefix budget
         guaranteed = int(self.floor * share)
         candidates = min(total, S - self.window)  # the global top-`total` lies within each head's top-`candidates`
-        index, score = self._prefix_topk(q_obs, keys, candidates)  # [B, G, c] ascending index
+        index, score = _prefix_topk(self, q_obs, keys, candidates)  # [B, G, c] ascending index
         # Rank within head by score (descending, ties to the lower index); the first `guaranteed` are kept outright.
         order = jnp.argsort(-score, axis=-1, stable=True)
         rank = jnp.argsort(order, axis=-1)
