@@ -31,21 +31,16 @@ def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | 
                 chunk: int = 256) -> PagedKV:
     """Moves physical slots `src [K]` to `dst [K]` (flat `page * P + offset`; `N * P` marks an unused entry).
 
-    Every source is read first; then sources are invalidated and destinations written, so destinations win where a
-    slot is both. Destinations must be distinct.
-
-    The slot fields move at once. K and V, the fields whose size matters, are copied `chunk` list entries at a time
-    by a loop over the first `count` entries (a scalar; the whole list when None; entries past it must be unused),
-    so the copy costs what moves rather than what the list could hold. Each step reads before it writes; the steps
-    together equal the all-at-once move when no destination is the source of a later move in the list, which holds
-    for every plan of this package: each destination lies before its source in table order and `apply_plan` lists
-    the moves first, in ascending source order.
+    Sources are read before destinations are written, and destinations win where a slot is both. Destinations must
+    be distinct. The slot fields move all at once. K and V, the fields whose size matters, are copied `chunk` list
+    entries at a time by a loop over the first `count` entries (a scalar; the whole list when None; entries past it
+    must be unused), so the copy costs what moves rather than what the list could hold. Each step reads before it
+    writes; the steps together equal the all-at-once move when no destination is the source of a later move in the
+    list, which holds for every plan of this package: each destination lies before its source in table order and
+    `apply_plan` lists the moves first, in ascending source order.
     """
     N, P = kv.num_pages, kv.page_size
     gather_at = jnp.clip(src, 0, N * P - 1)
-
-    def merge(field, axis):  # the page and slot axes of `field` sit at `axis`, `axis + 1`
-        return field.reshape(field.shape[:axis] + (N * P,) + field.shape[axis + 2:])
 
     def move_columns(merged):  # [..., N * P] -> the same with every move applied at once
         return merged.at[..., dst].set(jnp.take(merged, gather_at, axis=-1), mode="drop")
@@ -64,7 +59,7 @@ def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | 
 
     if count is None:
         count = src.shape[0]
-    k, v = move_kv(merge(kv.k, 1), merge(kv.v, 1))
+    k, v = move_kv(*(x.reshape((x.shape[0], N * P) + x.shape[3:]) for x in (kv.k, kv.v)))  # [L, N * P, G, d]
     # Every slot field travels in one gather and one scatter: stacked as int32 rows of the flat slot axis.
     fields = {name: getattr(kv, name) for name in _SLOT_FIELDS}
     rows = jnp.concatenate([_as_int32(f).reshape(-1, N * P) for f in fields.values()])  # [R, N * P]

@@ -19,8 +19,8 @@ move.
 Planning is vectorised over sequences and classes (cumulative sums and rank scatters over table space, no sort and
 no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
 over all layers, the K/V copy looping over the moves only), and the copy is skipped with `lax.cond` when no sequence
-accepts. Exact rules, mirrored by the plain-Python planner in the
-tests: see `plan_tile_skip` and `plan_ordered_suffix`.
+accepts. Exact rules, mirrored by the plain-Python planner in the tests: see `plan_tile_skip` and
+`plan_ordered_suffix`.
 """
 
 from __future__ import annotations
