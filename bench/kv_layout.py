@@ -6,8 +6,9 @@ statistics (`result.stats.layout`, `result.stats.moved`). The checkpoint is the 
 tokens reach `--tokens` (32,768 by default). Reported there: retained (useful) cells, the page-rounded physical span
 attention traverses, span / useful, active pages, and the peak span over all chunks up to it. Over the post-warm-up
 stream (every chunk from the first trim up to the checkpoint): mean span, mean retained cells and the slots the
-paging mode copied; and the span reduction right after each trim (smallest and mean over the trims), the moment a
-paging mode acts, since the checkpoint's figure depends on where in the trim cycle it falls (its migration cost; eager compaction's count is the oracle's cost, which the paper excludes).
+paging mode copied (its migration cost; eager compaction's count is the oracle's cost, which the paper excludes).
+Right after each trim, the moment a paging mode acts: the span reduction (smallest and mean over the trims), since
+the checkpoint's figure depends on where in the trim cycle it falls.
 
 Sessions (`omnijax.synthetic`): Qwen2.5-Omni, a 24-token system prompt then 2 s audiovisual units of 124 tokens
 (70 video + 50 audio + 4 markers), 266 chunks = 32,884 tokens at 32K; MiniCPM-o 4.5, a 24-token system prompt then
@@ -119,8 +120,8 @@ def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
             "peak_span": int(span.max()), "mean_span": float(span[post].mean()),
             "mean_retained": float(retained[post].mean()), "mean_active_pages": float(lay.active_pages[post, 0].mean()),
             "moved_total": int(moved.sum()), "peak_pool_pages": int(pages - np.min(lay.free_pages)),
-            "span_series": span.tolist(), "retained_series": retained.tolist(), "trim_chunks": np.flatnonzero(
-                evicted > 0).tolist(),
+            "span_series": span.tolist(), "retained_series": retained.tolist(),
+            "trim_chunks": np.flatnonzero(evicted > 0).tolist(),
             "tokens_series": np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2))).tolist(), "seconds": seconds}
 
 
