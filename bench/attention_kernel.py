@@ -20,8 +20,9 @@ Migration cost (OmniPage modes). A mode runs once per evicting chunk. To time wh
 the same placement but no relayout re-feeds that chunk from the previous state, which yields the exact cache the
 mode received; the mode function itself (`omnipage.tile_skip`, `omnipage.ordered_suffix`, `eager.compact`: plan,
 gather-then-scatter copy, page bookkeeping) is then timed on a one-layer cache of the 7B shapes holding that layout,
-with its input buffer donated. The copy gathers and scatters the whole table space whenever any slot moves, so its
-cost hardly depends on how many slots move. Its returned moved count is checked against the session's `stats.moved`.
+with its input buffer donated (in buffers the runtime owns, so the update is in place). The K/V copy loops over the
+listed moves only (`migration.apply_moves`); `bench/migration_cost.py` splits the time into plan, copy and page
+bookkeeping. Its returned moved count is checked against the session's `stats.moved`.
 Attention is per layer and the copy is per layer, so the units match; the planner runs once per chunk for the whole
 model, so charging it per layer overstates OmniPage's cost. The migration total is added to both the prefill and the
 decode totals of `tile_skip` and `ordered_suffix`; `eager` is the oracle and excludes it (its cost is still

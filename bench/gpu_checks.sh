@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks in one pass, for a CUDA machine with jax, flax and pytest installed (no network needed):
 #   1. the Pallas kernel test suites compiled through Triton (the same tests run interpreted on CPU),
-#   2. bench/attention_kernel.py with the Triton kernel (float32 and bfloat16) and with impl=xla, 28 layers per timed
+#   2. bench/migration_cost.py: a mode's migration split into plan, copy (at several copy-loop steps) and bookkeeping
+#      for a 28-layer cache, plus a profiler trace of three events per mode,
+#   3. bench/attention_kernel.py with the Triton kernel (float32 and bfloat16) and with impl=xla, 28 layers per timed
 #      call, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
-# Time limits per step in seconds: TEST_S (0 skips the tests), PALLAS_S, BF16_S, XLA_S.
+# Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S.
 set -u
 out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
@@ -16,8 +18,16 @@ py=${PYTHON:-python3}
     2>&1 | tee "$out/env.log"
 [ "${TEST_S:-150}" = 0 ] || timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
     tests/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
+if [ "${MIG_S:-60}" != 0 ]; then
+    echo "== migration_cost (limit ${MIG_S:-60} s)"
+    timeout "${MIG_S:-60}" $py bench/migration_cost.py --layouts "$layouts" --layers 28 --chunks 64 256 4096 \
+        --repeats 5 --out "$out" 2>&1 | grep -v "^  round" | tail -8
+    timeout 30 $py bench/migration_cost.py --layouts "$layouts" --layers 28 --events 3 --repeats 1 \
+        --profile "$out/trace" --out "$out/profiled" 2>&1 | tail -2
+fi
 for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "xla float32 ${XLA_S:-130}"; do
     set -- $run
+    [ "$3" = 0 ] && continue
     echo "== attention_kernel impl=$1 dtype=$2 (limit $3 s)"
     timeout "$3" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --inner 28 \
         --repeats 3 --out "$out" 2>&1 | grep -v "^  round" | tail -22

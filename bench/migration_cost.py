@@ -1,0 +1,214 @@
+"""Where a paging mode's migration time goes: planning, K/V copy and page bookkeeping, per evicting chunk.
+
+`bench/attention_kernel.py` charges each OmniPage mode its whole migration (the mode function: plan, copy,
+bookkeeping) and finds it decides whether a mode recovers 90 % of the eager oracle's attention saving. This script
+splits that cost so the part worth optimising is known, on CPU or on a GPU:
+
+- `floor`: a jitted call that reads the cache and returns one scalar (dispatch and argument handling, no work);
+- `plan`: the mode's planner alone (`plan_tile_skip`; `plan_ordered_suffix` after the empty-entry drop that
+  `ordered_suffix` does first; `eager.plan`), returning the plan;
+- `copy`: `migration.apply_plan` with the plan precomputed (move listing, slot fields, the K/V copy loop), cache
+  donated, once per `--chunks` value (slots moved per step of the copy loop; fewer steps, more padding);
+- `mode`: the mode function as the session runs it (`omnipage.tile_skip(kv, 32)`, `omnipage.ordered_suffix(kv, 1)`,
+  `eager.compact`), cache donated. `mode - plan - copy + floor` is the rest: promotion, page-table drop, pool release.
+
+Input: the layouts that `bench/attention_kernel.py --save-layouts F` pickles. Each evicting chunk's row holds the
+exact cache the mode received (`pre_kv`, without K/V); the cache gets random K/V of the Qwen2.5-Omni-7B shapes with
+`--layers` layers, in buffers the runtime owns (so donation updates in place). Every event of every mode and part
+is run once per round, interleaved, after two warm-up calls per compiled function; figures are medians over
+`--repeats` rounds, per event and summed over the session, in ms for the whole cache and per layer.
+
+`--profile DIR` also traces the plan, copy (first `--chunks` value) and mode calls of each mode with
+`jax.profiler.trace(DIR/mode/part)` (open with TensorBoard or Perfetto) and reports, per call, the device events
+(kernels on a GPU; none on CPU, where everything is host work) and their summed time, also in the JSON.
+
+Run: `python bench/migration_cost.py --layouts .layouts/layouts_32k.pkl [--layers 28] [--dtype float32]
+[--chunks 256] [--repeats 5] [--events N] [--profile DIR] [--out bench/out]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pickle
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.paging import eager, migration, omnipage
+
+from attention_kernel import G, D, MODE_FNS, timed_rounds
+
+PLANS = {  # the planner of each mode, returning (dst [B, S], accepted [B])
+    "tile_skip": lambda kv: (lambda p: (p.dst, p.accepted))(omnipage.plan_tile_skip(kv, 32)),
+    "ordered_suffix": lambda kv: (lambda p: (p.dst, p.accepted))(
+        omnipage.plan_ordered_suffix(migration.drop_empty_entries(kv), 1)),
+    "eager": lambda kv: (eager.plan(kv), jnp.ones((kv.batch,), bool)),
+}
+
+
+def copy_input(mode: str, kv):
+    """The cache `apply_plan` receives inside `mode` (ordered_suffix drops empty entries before planning)."""
+    return migration.drop_empty_entries(kv) if mode == "ordered_suffix" else kv
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl",
+                        help="layouts pickled by bench/attention_kernel.py --save-layouts")
+    parser.add_argument("--layers", type=int, default=28, help="layers of K/V moved per call (Qwen2.5-Omni-7B: 28)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256], help="copy-loop step sizes to time")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--events", type=int, help="time only the first N evicting chunks of each mode")
+    parser.add_argument("--profile", help="trace one extra round into this directory")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    if args.layers < 1 or any(c < 1 or c & (c - 1) for c in args.chunks):
+        parser.error("--layers must be >= 1 and every --chunks value a power of two")
+    path = Path(args.layouts)
+    if not path.exists():
+        parser.error(f"{path} not found; write it with: python bench/attention_kernel.py --repeats 0 "
+                     f"--save-layouts {path}")
+    t_run = time.perf_counter()
+    layouts = pickle.loads(path.read_bytes())["layouts"]
+    events = {m: [r for r in layouts[m] if "pre_kv" in r][:args.events] for m in MODE_FNS}
+    N, P = events["tile_skip"][0]["pre_kv"].valid.shape
+    rng = np.random.default_rng(0)
+    k, v = (np.asarray(jnp.asarray(rng.standard_normal((args.layers, N, P, G, D), dtype=np.float32), args.dtype))
+            for _ in range(2))
+    owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # donation needs runtime-owned buffers
+    floor = jax.jit(lambda kv: kv.num_free + kv.valid[0, 0])
+    copy_fns = {c: jax.jit(lambda kv, dst, ok, c=c: migration.apply_plan(kv, dst, ok, chunk=c), donate_argnums=0)
+                for c in args.chunks}
+    prepare_copy = {m: jax.jit(lambda kv, m=m: copy_input(m, jax.tree.map(jnp.copy, kv))) for m in MODE_FNS}
+    cases, index = [], {}
+
+    def add(key, prepare, fn, tag):
+        index[tag] = len(cases)
+        cases.append((key, prepare, fn))
+
+    for m, mode_fn in MODE_FNS.items():
+        plan_fn, jmode = jax.jit(PLANS[m]), jax.jit(mode_fn, donate_argnums=0)
+        for row in events[m]:
+            prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k, v=v)),)
+            kv0 = prepare()[0]
+            dst, ok = plan_fn(kv0)
+            got = int(jnp.sum((dst >= 0) & ok[:, None]))
+            if got != row["moved"]:
+                raise RuntimeError(f"{m} chunk {row['chunk']}: plan moves {got}, the session moved {row['moved']}")
+            del kv0  # caches are built per call: 99 events of a 28-layer cache would not fit in memory
+            add("floor", prepare, floor, (m, row["chunk"], "floor"))
+            add(("plan", m), prepare, plan_fn, (m, row["chunk"], "plan"))
+            for c, fn in copy_fns.items():
+                add(("copy", m, c), lambda kv=row["pre_kv"], d=dst, o=ok: (prepare_copy[m](kv.replace(k=k, v=v)), d, o),
+                    fn, (m, row["chunk"], f"copy{c}"))
+            add(("mode", m), prepare, jmode, (m, row["chunk"], "mode"))
+    print(f"timing {len(cases)} cases per round ({sum(map(len, events.values()))} events, {args.layers} layers, "
+          f"{args.dtype}, {jax.devices()[0].device_kind})", flush=True)
+    ms = timed_rounds(cases, args.repeats)  # [R, cases]
+    parts = ["floor", "plan"] + [f"copy{c}" for c in args.chunks] + ["mode"]
+    kernels = profile_parts(cases, index, events, ["plan", parts[2], "mode"], Path(args.profile)) if args.profile \
+        else {}
+
+    rows = []
+    for m in MODE_FNS:
+        session = {p: np.sum([ms[:, index[m, r["chunk"], p]] for r in events[m]], axis=0) for p in parts}  # [R]
+        entry = {"mode": m, "events": len(events[m]), "moved_slots": sum(r["moved"] for r in events[m]),
+                 "layers": args.layers, "dtype": args.dtype, "device": jax.devices()[0].device_kind}
+        for p in parts:
+            entry[f"{p}_ms_per_event"] = float(np.median(session[p])) / len(events[m])
+            entry[f"{p}_ms_session_per_layer"] = float(np.median(session[p])) / args.layers
+        c0 = f"copy{args.chunks[0]}"
+        rest = session["mode"] - session["plan"] - session[c0] + session["floor"]
+        entry["rest_ms_per_event"] = float(np.median(rest)) / len(events[m])
+        entry["profile"] = kernels.get(m, {})
+        rows.append(entry)
+
+    print(f"\nms per evicting chunk for the whole {args.layers}-layer cache (median of {args.repeats}); last column: "
+          f"the mode over the session, per layer")
+    head = f"{'mode':>14} {'events':>6} {'moved':>6} " + " ".join(f"{p:>9}" for p in parts) + f" {'rest':>7} {'ms/layer':>8}"
+    print(head)
+    for r in rows:
+        print(f"{r['mode']:>14} {r['events']:>6} {r['moved_slots']:>6} "
+              + " ".join(f"{r[f'{p}_ms_per_event']:>9.3f}" for p in parts)
+              + f" {r['rest_ms_per_event']:>7.3f} {r['mode_ms_session_per_layer']:>8.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "migration_cost.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args, out / "migration_cost.png")
+    print(f"total runtime {time.perf_counter() - t_run:.0f} s\nwrote {out}/migration_cost.json and .png")
+
+
+def profile_parts(cases, index, events, parts, root: Path) -> dict:
+    """Traces each (mode, part) over its events into `root/mode/part` and summarises the device kernels per call."""
+    summary = {}
+    for m in events:
+        for p in parts:
+            calls = [cases[index[m, r["chunk"], p]] for r in events[m]]
+            for _, prepare, fn in calls[:1]:
+                jax.block_until_ready(fn(*prepare()))  # warm
+            args = [prepare() for _, prepare, _ in calls]  # built before tracing: only the part itself is traced
+            jax.block_until_ready(args)
+            with jax.profiler.trace(str(root / m / p)):
+                for (_, _, fn), a in zip(calls, args):
+                    jax.block_until_ready(fn(*a))
+            summary.setdefault(m, {})[p] = device_kernels(root / m / p, len(calls))
+            s = summary[m][p]
+            print(f"  profile {m:>14} {p:>8}: {s['kernels_per_call']:.1f} device events per call, "
+                  f"{s['device_us_per_call']:.1f} us of them; tracks {s['tracks']}", flush=True)
+    return summary
+
+
+def device_kernels(trace_dir: Path, calls: int) -> dict:
+    """Device events of a `jax.profiler.trace` directory: per call counts and time, the longest kernels, tracks.
+
+    Device tracks are the trace's processes not named `/host...`; when some of their threads are named `Stream...`
+    (CUDA streams), only those count, since other device threads repeat the same kernels grouped by XLA op/module.
+    """
+    trace = json.loads(gzip.decompress(sorted(trace_dir.rglob("*.trace.json.gz"))[-1].read_bytes()))["traceEvents"]
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
+                         for e in trace if e.get("ph") == "M" and e.get("name") == kind}
+    procs, threads = meta("process_name"), meta("thread_name")
+    device = [e for e in trace if e.get("ph") == "X" and not procs.get(e["pid"], "/host").startswith("/host")]
+    streams = [e for e in device if threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
+    counted = streams or device
+    tracks = collections.Counter(f"{procs[e['pid']]}|{threads.get((e['pid'], e['tid']), e['tid'])}" for e in device)
+    by_name = collections.Counter()
+    for e in counted:
+        by_name[e["name"][:60]] += e.get("dur", 0.0)
+    return {"kernels_per_call": len(counted) / calls, "device_us_per_call": sum(by_name.values()) / calls,
+            "top_kernels_us_per_call": {k: v / calls for k, v in by_name.most_common(8)},
+            "tracks": dict(tracks.most_common(6))}
+
+
+def plot(rows, args, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c0 = f"copy{args.chunks[0]}"
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for key, label in (("plan", "plan"), (c0, f"copy (chunk {args.chunks[0]})"), ("rest", "bookkeeping (rest)")):
+        h = np.array([max(r[f"{key}_ms_per_event"], 0.0) for r in rows])
+        ax.bar(x, h, bottom=bottom, label=label)
+        bottom += h
+    ax.plot(x, [r["mode_ms_per_event"] for r in rows], "k_", markersize=30, label="mode (timed whole)")
+    ax.plot(x, [r["floor_ms_per_event"] for r in rows], "r_", markersize=30, label="dispatch floor")
+    ax.set_xticks(x, [f"{r['mode']}\n{r['moved_slots'] / r['events']:.0f} slots/event" for r in rows])
+    ax.set_ylabel(f"ms per evicting chunk ({args.layers} layers)")
+    ax.set_title(f"Migration cost by part, {rows[0]['device']}, {args.dtype}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
