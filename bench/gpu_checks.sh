@@ -13,17 +13,20 @@ out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
 mkdir -p "$out"
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+# One compilation cache for every step, so a later step reuses what an earlier one compiled.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/omnijax_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 py=${PYTHON:-python3}
 { nvidia-smi -L; $py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
     2>&1 | tee "$out/env.log"
 [ "${TEST_S:-150}" = 0 ] || timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
     tests/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
-if [ "${MIG_S:-60}" != 0 ]; then
-    echo "== migration_cost (limit ${MIG_S:-60} s)"
-    timeout "${MIG_S:-60}" $py bench/migration_cost.py --layouts "$layouts" --layers 28 --chunks 64 256 4096 \
+if [ "${MIG_S:-90}" != 0 ]; then
+    echo "== migration_cost (limit ${MIG_S:-90} s)"
+    timeout "${MIG_S:-90}" $py bench/migration_cost.py --layouts "$layouts" --layers 28 --chunks 64 256 4096 \
         --repeats 5 --out "$out" 2>&1 | grep -v "^  round" | tail -8
     timeout 30 $py bench/migration_cost.py --layouts "$layouts" --layers 28 --events 3 --repeats 1 \
-        --profile "$out/trace" --out "$out/profiled" 2>&1 | tail -2
+        --profile "$out/trace" --out "$out/profiled" 2>&1 | grep -v "^  round" | tail -16
 fi
 for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "xla float32 ${XLA_S:-130}"; do
     set -- $run
