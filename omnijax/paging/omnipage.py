@@ -18,9 +18,9 @@ move.
 
 Planning is vectorised over sequences and classes (cumulative sums and rank scatters over table space, no sort and
 no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
-over all layers, the K/V copy looping over the moves only), and the copy is skipped with `lax.cond` when no sequence
-accepts. Exact rules, mirrored by the plain-Python planner in the tests: see `plan_tile_skip` and
-`plan_ordered_suffix`.
+over all layers, the K/V copy looping over the moves only, so a rejected plan copies nothing; no `lax.cond`, whose
+predicate a GPU would have to read back on the host). Exact rules, mirrored by the plain-Python planner in the tests:
+see `plan_tile_skip` and `plan_ordered_suffix`.
 """
 
 from __future__ import annotations
@@ -136,13 +136,6 @@ def plan_ordered_suffix(kv: PagedKV, min_pages: int = 1) -> MigrationPlan:
     return MigrationPlan(dst=dst, accepted=accepted)
 
 
-def _apply_if_any(kv: PagedKV, plan: MigrationPlan) -> tuple[PagedKV, jax.Array]:
-    """Applies the accepted moves; skips the copy entirely when no sequence accepted."""
-    return jax.lax.cond(jnp.any(plan.accepted & jnp.any(plan.dst >= 0, axis=1)),
-                        lambda kv: migration.apply_plan(kv, plan.dst, plan.accepted),
-                        lambda kv: (kv, jnp.zeros((kv.batch,), jnp.int32)), kv)
-
-
 def promote(kv: PagedKV, filled: jax.Array) -> PagedKV:
     """Reclassifies pages after a migration.
 
@@ -174,7 +167,7 @@ def tile_skip(kv: PagedKV, subblock: int = 32) -> tuple[PagedKV, jax.Array]:
     moving = (plan.dst >= 0) & plan.accepted[:, None]
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
     filled = jnp.zeros((B, M), bool).at[rows, jnp.where(moving, plan.dst // kv.page_size, M)].set(True, mode="drop")
-    kv, moved = _apply_if_any(kv, plan)
+    kv, moved = migration.apply_plan(kv, plan.dst, plan.accepted)
     kv = promote(kv, filled)
     return migration.drop_empty_entries(kv), moved
 
@@ -185,5 +178,6 @@ def ordered_suffix(kv: PagedKV, min_pages: int = 1) -> tuple[PagedKV, jax.Array]
     Returns `(kv, moved [B] int32)`.
     """
     kv = migration.drop_empty_entries(kv)
-    kv, moved = _apply_if_any(kv, plan_ordered_suffix(kv, min_pages))
+    plan = plan_ordered_suffix(kv, min_pages)
+    kv, moved = migration.apply_plan(kv, plan.dst, plan.accepted)
     return migration.drop_empty_entries(kv), moved
