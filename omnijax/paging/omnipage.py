@@ -16,8 +16,8 @@ the table first (no copy); then the shortest suffix of table slots whose packing
 at least `min_pages` pages is packed toward its start, order preserved; slots before it stay. No such suffix, no
 move.
 
-Planning is vectorised over sequences and classes (cumulative sums and rank scatters over table space, no sort and
-no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
+Planning is vectorised over sequences and classes (cumulative sums over table space, one scatter that lists the holes
+by rank and a gather that pairs them; no sort and no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
 over all layers, the K/V copy looping over the moves only, so a rejected plan copies nothing; no `lax.cond`, whose
 predicate a GPU would have to read back on the host). Exact rules, mirrored by the plain-Python planner in the tests:
 see `plan_tile_skip` and `plan_ordered_suffix`.
@@ -89,22 +89,24 @@ def plan_tile_skip(kv: PagedKV, subblock: int = 32) -> MigrationPlan:
     active = jnp.repeat(count > 0, P, axis=1)
     cls = jnp.repeat(kv.page_class[jnp.clip(kv.page_table, 0, kv.num_pages - 1)], P, axis=1)  # [B, S]
     j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
     classes = jnp.asarray([PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT], cls.dtype)
     of_class = (exists & (cls[None] == classes[:, None, None])).reshape(3 * B, S)  # [3B, S]: each class on its own
     live3, partial3, active3 = (jnp.tile(x, (3, 1)) for x in (live, partial, active))
-    # Candidates latest-first and holes earliest-first, listed by rank (a scatter, not a sort).
     cand = live3 & partial3 & of_class
-    src = _listed(cand, jnp.flip(jnp.cumsum(jnp.flip(cand, axis=1), axis=1), axis=1) - 1, j, -1)  # [3B, S]; -1 = none
     gap = ~live3 & active3 & of_class
-    hole = _listed(gap, jnp.cumsum(gap, axis=1) - 1, j, S)  # [3B, S]; S = none
-    pair = (src >= 0) & (hole < S) & (hole < src)  # a prefix in k: src falls while hole rises
-    # A slot has one class, so the three classes' sources never collide.
-    dst = jnp.full((B, S), -1, jnp.int32).at[jnp.tile(rows, (3, 1)), jnp.where(pair, src, S)].set(hole, mode="drop")
-    moving = dst >= 0
-    arrived = jnp.zeros((B, S), bool).at[rows, jnp.where(moving, dst, S)].set(True, mode="drop")
+    # One scan ranks both: candidates latest-first (on the flipped rows), holes earliest-first.
+    ranks = jnp.cumsum(jnp.concatenate([jnp.flip(cand, axis=1), gap]), axis=1) - 1  # [6B, S]
+    cand_rank, hole_rank = jnp.flip(ranks[:3 * B], axis=1), ranks[3 * B:]
+    hole = _listed(gap, hole_rank, j, S)  # [3B, S]: k-th hole of each class; S = none
+    # c_k goes to h_k while h_k < c_k; as c_k falls and h_k rises, that holds for a prefix of k, so per candidate.
+    target = jnp.take_along_axis(hole, jnp.clip(cand_rank, 0, S - 1), axis=1)
+    moving3 = cand & (target < j)
+    # A slot has one class, so at most one class gives it a destination.
+    dst = jnp.max(jnp.where(moving3, target, -1).reshape(3, B, S), axis=0)
+    # The holes filled are each class's first (number of its moves).
+    arrived = jnp.any((gap & (hole_rank < jnp.sum(moving3, axis=1, keepdims=True))).reshape(3, B, S), axis=0)
     pages_before, subs_before = _entry_stats(live, P, subblock)
-    pages_after, subs_after = _entry_stats((live & ~moving) | arrived, P, subblock)
+    pages_after, subs_after = _entry_stats((live & (dst < 0)) | arrived, P, subblock)
     accepted = (pages_after < pages_before) | (subs_after < subs_before)
     return MigrationPlan(dst=dst, accepted=accepted)
 
