@@ -132,8 +132,8 @@ def main(argv=None):
 
     print(f"\nms per evicting chunk for the whole {args.layers}-layer cache (median of {args.repeats}); last column: "
           f"the mode over the session, per layer")
-    head = f"{'mode':>14} {'events':>6} {'moved':>6} " + " ".join(f"{p:>9}" for p in parts) + f" {'rest':>7} {'ms/layer':>8}"
-    print(head)
+    print(f"{'mode':>14} {'events':>6} {'moved':>6} " + " ".join(f"{p:>9}" for p in parts)
+          + f" {'rest':>7} {'ms/layer':>8}")
     for r in rows:
         print(f"{r['mode']:>14} {r['events']:>6} {r['moved_slots']:>6} "
               + " ".join(f"{r[f'{p}_ms_per_event']:>9.3f}" for p in parts)

@@ -16,11 +16,11 @@ the table first (no copy); then the shortest suffix of table slots whose packing
 at least `min_pages` pages is packed toward its start, order preserved; slots before it stay. No such suffix, no
 move.
 
-Planning is vectorised over sequences and classes (cumulative sums over table space, one scatter that lists the holes
-by rank and a gather that pairs them; no sort and no Python branching on values); a plan is a `MigrationPlan`, applied with `migration.apply_plan` (gather-then-scatter
-over all layers, the K/V copy looping over the moves only, so a rejected plan copies nothing; no `lax.cond`, whose
-predicate a GPU would have to read back on the host). Exact rules, mirrored by the plain-Python planner in the tests:
-see `plan_tile_skip` and `plan_ordered_suffix`.
+Planning is vectorised over sequences and classes (cumulative sums over table space, one scatter that lists the holes by
+rank and a gather that pairs them; no sort and no Python branching on values); a plan is a `MigrationPlan`, applied with
+`migration.apply_plan` (gather-then-scatter over all layers, the K/V copy looping over the moves only, so a rejected
+plan copies nothing; no `lax.cond`, whose predicate a GPU would have to read back on the host). Exact rules, mirrored by
+the plain-Python planner in the tests: see `plan_tile_skip` and `plan_ordered_suffix`.
 """
 
 from __future__ import annotations
