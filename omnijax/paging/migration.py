@@ -103,9 +103,8 @@ def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array, chunk: int = 25
                          N * P).reshape(-1)
     listed = move.reshape(-1)
     at = jnp.where(listed, jnp.cumsum(listed) - 1, listed.size)  # moves first, in table order
-    unused = jnp.full_like(src_flat, N * P)
-    kv = apply_moves(kv, unused.at[at].set(src_flat, mode="drop"), unused.at[at].set(dst_flat, mode="drop"),
-                     count=jnp.sum(listed), chunk=chunk)
+    src_dst = jnp.full((2, listed.size), N * P, jnp.int32).at[:, at].set(jnp.stack([src_flat, dst_flat]), mode="drop")
+    kv = apply_moves(kv, src_dst[0], src_dst[1], count=jnp.sum(listed), chunk=chunk)
     return kv, jnp.sum(move, axis=1).astype(jnp.int32)
 
 
