@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 # One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
-from pallas_kernels.block_sparse_attention import active_pages, block_sparse_attention
+from pallas_kernels.block_sparse_attention import active_pages, block_sparse_attention, validate_shapes
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -49,21 +49,7 @@ class CacheView:
 
 def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> None:
     """Shape checks shared by every implementation (static shapes only, so it is free under jit)."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, T, H, d], got shape {q.shape}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k/v pages must both be [N, P, G, d], got {k_pages.shape} and {v_pages.shape}")
-    B, T, H, d = q.shape
-    N, P, G, dk = k_pages.shape
-    if dk != d:
-        raise ValueError(f"head_dim mismatch: q has {d}, keys have {dk}")
-    if H % G:
-        raise ValueError(f"query heads {H} not a multiple of kv heads {G}")
-    if cache.page_table.shape[0] != B or cache.q_order.shape != (B, T):
-        raise ValueError(f"cache view batch/shape mismatch: page_table {cache.page_table.shape}, "
-                         f"q_order {cache.q_order.shape}, q {q.shape}")
-    if cache.slot_valid.shape != (N, P) or cache.slot_order.shape != (N, P):
-        raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {cache.slot_valid.shape}")
+    validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order)
 
 
 def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,

@@ -46,8 +46,8 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None) -> None:
-    """Static checks shared by the kernel and the reference (shapes, dtypes, power-of-two sizes)."""
+def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order) -> None:
+    """Shape checks every paged-attention implementation needs (static, so free under jit)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, d], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -58,6 +58,18 @@ def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, 
         raise ValueError(f"head_dim mismatch: q has {d}, keys have {dk}")
     if G == 0 or H % G:
         raise ValueError(f"query heads {H} not a multiple of kv heads {G}")
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be [B={B}, M], got {page_table.shape}")
+    if q_order.shape != (B, T):
+        raise ValueError(f"q_order must be [B, T] = {(B, T)}, got {q_order.shape}")
+    if slot_valid.shape != (N, P) or slot_order.shape != (N, P):
+        raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {slot_valid.shape} and {slot_order.shape}")
+
+
+def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None) -> None:
+    """Static checks shared by the kernel and the reference: shapes, then dtypes and power-of-two sizes."""
+    validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
+    P, d = k_pages.shape[1], q.shape[3]
     if not _is_pow2(P):
         raise ValueError(f"page size must be a power of two, got {P}")
     if not _is_pow2(d):
@@ -69,12 +81,6 @@ def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, 
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
     if not (q.dtype == k_pages.dtype == v_pages.dtype):
         raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
-    if page_table.ndim != 2 or page_table.shape[0] != B:
-        raise ValueError(f"page_table must be [B={B}, M], got {page_table.shape}")
-    if q_order.shape != (B, T):
-        raise ValueError(f"q_order must be [B, T] = {(B, T)}, got {q_order.shape}")
-    if slot_valid.shape != (N, P) or slot_order.shape != (N, P):
-        raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {slot_valid.shape} and {slot_order.shape}")
     if slot_valid.dtype != jnp.bool_:
         raise ValueError(f"slot_valid must be bool, got {slot_valid.dtype}")
     for name, x in (("page_table", page_table), ("slot_order", slot_order), ("q_order", q_order)):
