@@ -42,7 +42,7 @@ import numpy as np
 
 from omnijax.paging import eager, migration, omnipage
 
-from attention_kernel import G, D, MODE_FNS, timed_rounds
+from attention_kernel import G, D, MODE_FNS, dispatch_floor, timed_rounds
 
 PLANS = {  # the planner of each mode, returning (dst [B, S], accepted [B])
     "tile_skip": lambda kv: (lambda p: (p.dst, p.accepted))(omnipage.plan_tile_skip(kv, 32)),
@@ -83,7 +83,6 @@ def main(argv=None):
     k, v = (np.asarray(jnp.asarray(rng.standard_normal((args.layers, N, P, G, D), dtype=np.float32), args.dtype))
             for _ in range(2))
     owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # donation needs runtime-owned buffers
-    floor = jax.jit(lambda kv: kv.num_free + kv.valid[0, 0])
     copy_fns = {c: jax.jit(lambda kv, dst, ok, c=c: migration.apply_plan(kv, dst, ok, chunk=c), donate_argnums=0)
                 for c in args.chunks}
     prepare_copy = {m: jax.jit(lambda kv, m=m: copy_input(m, jax.tree.map(jnp.copy, kv))) for m in MODE_FNS}
@@ -103,7 +102,7 @@ def main(argv=None):
             if got != row["moved"]:
                 raise RuntimeError(f"{m} chunk {row['chunk']}: plan moves {got}, the session moved {row['moved']}")
             del kv0  # caches are built per call: 99 events of a 28-layer cache would not fit in memory
-            add("floor", prepare, floor, (m, row["chunk"], "floor"))
+            add("floor", prepare, dispatch_floor, (m, row["chunk"], "floor"))
             add(("plan", m), prepare, plan_fn, (m, row["chunk"], "plan"))
             for c, fn in copy_fns.items():
                 add(("copy", m, c), lambda kv=row["pre_kv"], d=dst, o=ok: (prepare_copy[m](kv.replace(k=k, v=v)), d, o),
