@@ -42,10 +42,11 @@ interpreter). `--inner L` runs each attention call L times in sequence inside on
 queries depend on the previous output, like stacked layers) and migrates an L-layer cache in one call, then divides
 by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead.
 `--save-layouts F` pickles the captured layouts and `--layouts F` loads them instead of capturing (capture is host
-work; it can run on another machine).
+work; it can run on another machine). `--profile DIR` traces the calls at the last checkpoint and reports the device
+kernels each launches (on a GPU; see `bench/_device_profile.py`).
 
 Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--impl xla] [--dtype float32]
-[--inner 1] [--out bench/out]`
+[--inner 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from omnijax import attention, synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.paging import Paging, eager, omnipage
 from omnijax.retention import NoSlide, OmniPick
+
+from _device_profile import describe, trace_calls
 
 H, G, D = 28, 4, 128  # Qwen2.5-Omni-7B attention
 PAGE, UNIT, OMNI_POOL = 64, 124, 48
@@ -187,6 +190,7 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
+    parser.add_argument("--profile", help="trace the 32K checkpoint calls into this directory (device kernels per call)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     if args.inner < 1:
@@ -262,6 +266,15 @@ def main(argv=None):
     print(f"timing {len(cases)} cases per round ({len(checkpoints)} checkpoints, {len(sampled)} sampled chunks x "
           f"{len(MODES)} modes, {sum(1 for t in index if t[0] == 'mig')} migration events)", flush=True)
     ms = timed_rounds(cases, args.repeats) / args.inner  # [R, cases], per layer
+    profile = {}
+    if args.profile:  # what one call at the last checkpoint launches, per configuration and phase
+        last = checkpoints[max(checkpoints)]
+        for name in ("full",) + MODES:
+            for phase in qs:
+                _, prepare, fn = cases[index["ckpt", name, last, phase]]
+                profile[f"{name}_{phase}"] = trace_calls([(fn, prepare)] * 3, Path(args.profile) / f"{name}_{phase}")
+                print(f"  profile {name:>14} {phase:>7} (a {args.inner}-layer call): "
+                      f"{describe(profile[f'{name}_{phase}'])}", flush=True)
     col = lambda *tag: ms[:, index[tag]]
 
     ckpt_rows = []
@@ -337,7 +350,7 @@ def main(argv=None):
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
                "full_pool_pages": full_pool, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
-               "cumulative": cum_rows}
+               "cumulative": cum_rows, "profile": profile}
     stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \
         f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}"
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))

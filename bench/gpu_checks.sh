@@ -4,7 +4,7 @@
 #   2. bench/migration_cost.py: a mode's migration split into plan, copy (at several copy-loop steps) and bookkeeping
 #      for a 28-layer cache, plus a profiler trace of three events per mode,
 #   3. bench/attention_kernel.py with the Triton kernel (float32 and bfloat16) and with impl=xla, 28 layers per timed
-#      call, on layouts captured beforehand on any machine:
+#      call, with a device-kernel census of the 32K checkpoint calls, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
 # Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S.
@@ -33,5 +33,5 @@ for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "x
     [ "$3" = 0 ] && continue
     echo "== attention_kernel impl=$1 dtype=$2 (limit $3 s)"
     timeout "$3" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --inner 28 \
-        --repeats 3 --out "$out" 2>&1 | grep -v "^  round" | tail -22
+        --repeats 3 --profile "$out/trace_attention_$1_$2" --out "$out" 2>&1 | grep -v "^  round" | tail -32
 done

@@ -29,8 +29,6 @@ Run: `python bench/migration_cost.py --layouts .layouts/layouts_32k.pkl [--layer
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
 import json
 import pickle
 import time
@@ -42,6 +40,7 @@ import numpy as np
 
 from omnijax.paging import eager, migration, omnipage
 
+from _device_profile import describe, trace_calls
 from attention_kernel import G, D, MODE_FNS, dispatch_floor, timed_rounds
 
 PLANS = {  # the planner of each mode, returning (dst [B, S], accepted [B])
@@ -149,41 +148,10 @@ def profile_parts(cases, index, events, parts, root: Path) -> dict:
     summary = {}
     for m in events:
         for p in parts:
-            calls = [cases[index[m, r["chunk"], p]] for r in events[m]]
-            for _, prepare, fn in calls[:1]:
-                jax.block_until_ready(fn(*prepare()))  # warm
-            args = [prepare() for _, prepare, _ in calls]  # built before tracing: only the part itself is traced
-            jax.block_until_ready(args)
-            with jax.profiler.trace(str(root / m / p)):
-                for (_, _, fn), a in zip(calls, args):
-                    jax.block_until_ready(fn(*a))
-            summary.setdefault(m, {})[p] = device_kernels(root / m / p, len(calls))
-            s = summary[m][p]
-            print(f"  profile {m:>14} {p:>8}: {s['kernels_per_call']:.1f} device events per call, "
-                  f"{s['device_us_per_call']:.1f} us of them; tracks {s['tracks']}", flush=True)
+            calls = [(fn, prepare) for _, prepare, fn in (cases[index[m, r["chunk"], p]] for r in events[m])]
+            summary.setdefault(m, {})[p] = trace_calls(calls, root / m / p)
+            print(f"  profile {m:>14} {p:>8}: {describe(summary[m][p])}", flush=True)
     return summary
-
-
-def device_kernels(trace_dir: Path, calls: int) -> dict:
-    """Device events of a `jax.profiler.trace` directory: per call counts and time, the longest kernels, tracks.
-
-    Device tracks are the trace's processes not named `/host...`; when some of their threads are named `Stream...`
-    (CUDA streams), only those count, since other device threads repeat the same kernels grouped by XLA op/module.
-    """
-    trace = json.loads(gzip.decompress(sorted(trace_dir.rglob("*.trace.json.gz"))[-1].read_bytes()))["traceEvents"]
-    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
-                         for e in trace if e.get("ph") == "M" and e.get("name") == kind}
-    procs, threads = meta("process_name"), meta("thread_name")
-    device = [e for e in trace if e.get("ph") == "X" and not procs.get(e["pid"], "/host").startswith("/host")]
-    streams = [e for e in device if threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
-    counted = streams or device
-    tracks = collections.Counter(f"{procs[e['pid']]}|{threads.get((e['pid'], e['tid']), e['tid'])}" for e in device)
-    by_name = collections.Counter()
-    for e in counted:
-        by_name[e["name"][:60]] += e.get("dur", 0.0)
-    return {"kernels_per_call": len(counted) / calls, "device_us_per_call": sum(by_name.values()) / calls,
-            "top_kernels_us_per_call": {k: v / calls for k, v in by_name.most_common(8)},
-            "tracks": dict(tracks.most_common(6))}
 
 
 def plot(rows, args, path):
