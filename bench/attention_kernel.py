@@ -40,13 +40,14 @@ layout-only prediction of the same ratios.
 Accelerators. `--impl pallas` times the block-sparse Triton kernel instead (a GPU; on CPU it would time the Pallas
 interpreter). `--inner L` runs each attention call L times in sequence inside one jitted loop (each repetition's
 queries depend on the previous output, like stacked layers) and migrates an L-layer cache in one call, then divides
-by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead.
+by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead. `--splits S`
+(with `--impl pallas`) times the kernel with each sequence's active pages split over S programs (split-K).
 `--save-layouts F` pickles the captured layouts and `--layouts F` loads them instead of capturing (capture is host
 work; it can run on another machine). `--profile DIR` traces the calls at the last checkpoint and reports the device
 kernels each launches (on a GPU; see `bench/_device_profile.py`).
 
 Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--impl xla] [--dtype float32]
-[--inner 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
+[--inner 1] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from omnijax import attention, synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.paging import Paging, eager, omnipage
 from omnijax.retention import NoSlide, OmniPick
+from pallas_kernels.block_sparse_attention import block_sparse_attention
 
 from _device_profile import describe, trace_calls
 
@@ -188,6 +190,8 @@ def main(argv=None):
     parser.add_argument("--impl", choices=("xla", "pallas"), default="xla", help="attention implementation timed")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="query and K/V dtype")
     parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
+    parser.add_argument("--splits", type=int, default=1,
+                        help="with --impl pallas: split each sequence's active pages over this many programs")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
     parser.add_argument("--profile", help="trace the 32K checkpoint calls into this directory (device kernels per call)")
@@ -195,6 +199,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.inner < 1:
         parser.error(f"--inner must be at least 1, got {args.inner}")
+    if args.splits < 1 or (args.splits > 1 and args.impl != "pallas"):
+        parser.error(f"--splits must be at least 1, and above 1 only with --impl pallas (got {args.splits})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
@@ -228,7 +234,13 @@ def main(argv=None):
     rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
     qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
     kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, OMNI_POOL)}
-    attend = layered(lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl), args.inner)
+    if args.splits == 1:
+        one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
+    else:  # the kernel itself: `attention.attend` runs it unsplit
+        one_layer = lambda q, k, v, view: block_sparse_attention(
+            q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order, num_splits=args.splits,
+            interpret=jax.default_backend() == "cpu")
+    attend = layered(one_layer, args.inner)
     cases, index = [], {}  # index[(kind, config, chunk, phase)] = case column
 
     def add(key, prepare, fn, tag):
@@ -345,16 +357,19 @@ def main(argv=None):
           + f"; paper {PAPER['speedup_32k']}x")
     runtime = time.perf_counter() - t_run
     print(f"total runtime {runtime:.0f} s")
-    summary = {"attention_shapes": {"heads": H, "kv_heads": G, "head_dim": D, "dtype": args.dtype, "impl": args.impl},
+    shapes = {"heads": H, "kv_heads": G, "head_dim": D, "dtype": args.dtype, "impl": args.impl, "splits": args.splits}
+    summary = {"attention_shapes": shapes,
                "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner,
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
                "full_pool_pages": full_pool, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
                "cumulative": cum_rows, "profile": profile}
     stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \
-        f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}"
+        f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}" + \
+        (f"_splits{args.splits}" if args.splits > 1 else "")
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-    plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}")
+    plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}"
+         + (f", {args.splits} splits" if args.splits > 1 else ""))
     print(f"wrote {out / stem}.json and {out / stem}.png")
 
 

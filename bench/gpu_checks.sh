@@ -7,7 +7,8 @@
 #      call, with a device-kernel census of the 32K checkpoint calls, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
-# Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S.
+# Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, SPLIT_S (the two runs of the
+# kernel with each sequence's active pages split over 8 programs, float32 and bfloat16).
 set -u
 out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
@@ -28,10 +29,11 @@ if [ "${MIG_S:-90}" != 0 ]; then
     timeout 30 $py bench/migration_cost.py --layouts "$layouts" --layers 28 --events 3 --repeats 1 \
         --profile "$out/trace" --out "$out/profiled" 2>&1 | grep -v "^  round" | tail -16
 fi
-for run in "pallas float32 ${PALLAS_S:-150}" "pallas bfloat16 ${BF16_S:-110}" "xla float32 ${XLA_S:-130}"; do
+for run in "pallas float32 1 ${PALLAS_S:-150}" "pallas bfloat16 1 ${BF16_S:-110}" "xla float32 1 ${XLA_S:-130}" \
+           "pallas float32 8 ${SPLIT_S:-90}" "pallas bfloat16 8 ${SPLIT_S:-90}"; do
     set -- $run
-    [ "$3" = 0 ] && continue
-    echo "== attention_kernel impl=$1 dtype=$2 (limit $3 s)"
-    timeout "$3" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --inner 28 \
-        --repeats 3 --profile "$out/trace_attention_$1_$2" --out "$out" 2>&1 | grep -v "^  round" | tail -32
+    [ "$4" = 0 ] && continue
+    echo "== attention_kernel impl=$1 dtype=$2 splits=$3 (limit $4 s)"
+    timeout "$4" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --splits "$3" --inner 28 \
+        --repeats 3 --profile "$out/trace_attention_$1_$2_$3" --out "$out" 2>&1 | grep -v "^  round" | tail -32
 done

@@ -20,6 +20,11 @@ a compact per-sequence list of pages that hold at least one live slot, in page-t
 kernel by `active_pages`. Empty pages and -1 entries cost nothing. Within a page, slots are masked by liveness and
 write order. Softmax is online (flash) with float32 accumulators.
 
+With `num_splits > 1` the grid gains a fourth axis: split s of a sequence takes its share of the active list
+(ceil(count / num_splits) pages each, the last ones possibly none) and writes an unnormalised partial output with its
+row maximum and softmax denominator in float32; the partials are merged outside the kernel (split-K, as in flash
+decoding). Decode has one query token, so (batch, kv head, query block) alone gives only B * G programs.
+
 Slot liveness and order travel into the kernel as one int32 key per slot (`slot_order` where live, INT32_MAX where
 dead), so `q_order` must be below INT32_MAX.
 
@@ -107,16 +112,13 @@ def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Arra
     return ids, count
 
 
-def _kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
-    """One (batch, kv head, query block) program.
+def _attend_pages(ids_ref, b, start, stop, q, qo, k_ref, v_ref, key_ref, scale: float):
+    """Online softmax of query rows `q [block_q, d]` over active pages `ids_ref[b, start:stop]`.
 
-    ids_ref [B, M], count_ref [B]: active page lists (whole arrays). qo_ref [block_q]: order of each query row.
-    q_ref [block_q, d]. k_ref, v_ref [N, P, d]: this kv head's pages. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    Returns float32 `(acc [block_q, d], m [block_q], l [block_q])`: the unnormalised output, the running row maximum
+    (-inf for a row that saw nothing) and the softmax denominator.
     """
-    b = pl.program_id(0)
-    block_q, d = q_ref.shape
-    q = q_ref[...]
-    qo = qo_ref[...]
+    block_q, d = q.shape
     exact = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32 for float32 inputs
 
     def body(i, carry):
@@ -143,17 +145,61 @@ def _kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, 
     init = (jnp.zeros((block_q, d), jnp.float32),
             jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, count_ref[b], body, init)
+    return lax.fori_loop(start, stop, body, init)
+
+
+def _kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
+    """One (batch, kv head, query block) program over all of the sequence's active pages.
+
+    ids_ref [B, M], count_ref [B]: active page lists (whole arrays). qo_ref [block_q]: order of each query row.
+    q_ref [block_q, d]. k_ref, v_ref [N, P, d]: this kv head's pages. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    """
+    b = pl.program_id(0)
+    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo_ref[...], k_ref, v_ref, key_ref, scale)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw nothing stays zero
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "interpret", "num_warps", "num_stages"))
+def _split_kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *, scale: float,
+                  num_splits: int):
+    """One (batch, kv head, query block, split) program over split s of the active pages (split-K).
+
+    Split s takes pages [s * c, min((s + 1) * c, count)) of the active list, c = ceil(count / num_splits), and
+    writes its unnormalised partial `acc_ref [block_q, d]`, row maximum `m_ref` and denominator `l_ref [block_q]`
+    (float32); `_merge_splits` combines them.
+    """
+    b, split = pl.program_id(0), pl.program_id(3)
+    count = count_ref[b]
+    per = (count + num_splits - 1) // num_splits
+    start = jnp.minimum(split * per, count)
+    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo_ref[...], k_ref,
+                              v_ref, key_ref, scale)
+    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Combines split partials `acc [..., S, rows, d]`, `m`, `l [..., S, rows]` into the normalised output."""
+    m_max = jnp.max(m, axis=-2, keepdims=True)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)  # rows no split saw
+    w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_max), 0.0)  # [..., S, rows]
+    total = jnp.sum(w * l, axis=-2)
+    out = jnp.sum(w[..., None] * acc, axis=-3)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]  # a row that saw nothing stays zero
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "num_splits", "interpret", "num_warps", "num_stages"))
 def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
-                           block_q: int = 16, interpret: bool = False, num_warps: int = 4,
+                           block_q: int = 16, num_splits: int = 1, interpret: bool = False, num_warps: int = 4,
                            num_stages: int = 2) -> jax.Array:
-    """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring)."""
+    """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring).
+
+    `num_splits > 1` also splits each sequence's active pages over that many programs (split-K, for decode and
+    short chunks, where (batch, kv head, query block) alone gives the GPU too few programs) and merges their partial
+    softmax results outside the kernel.
+    """
     _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
@@ -169,24 +215,41 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     ids, count = active_pages(page_table, slot_valid)
     M = ids.shape[1]
 
-    out = pl.pallas_call(
-        functools.partial(_kernel, scale=float(d) ** -0.5),
-        grid=(B, G, rows_pad // block_q),
-        in_specs=[
-            pl.BlockSpec((B, M), lambda b, g, i: (0, 0)),  # active page ids
-            pl.BlockSpec((B,), lambda b, g, i: (0,)),  # active page counts
-            pl.BlockSpec((None, block_q), lambda b, g, i: (b, i)),  # query row orders
-            pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),  # queries
-            pl.BlockSpec((N, P, None, d), lambda b, g, i: (0, 0, g, 0)),  # keys of kv head g
-            pl.BlockSpec((N, P, None, d), lambda b, g, i: (0, 0, g, 0)),  # values of kv head g
-            pl.BlockSpec((N, P), lambda b, g, i: (0, 0)),  # slot keys
-        ],
-        out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="block_sparse_attention",
-    )(ids, count, qo, qg, k_pages, v_pages, key)
+    in_specs = [
+        pl.BlockSpec((B, M), lambda b, g, i, *_: (0, 0)),  # active page ids
+        pl.BlockSpec((B,), lambda b, g, i, *_: (0,)),  # active page counts
+        pl.BlockSpec((None, block_q), lambda b, g, i, *_: (b, i)),  # query row orders
+        pl.BlockSpec((None, None, block_q, d), lambda b, g, i, *_: (b, g, i, 0)),  # queries
+        pl.BlockSpec((N, P, None, d), lambda b, g, i, *_: (0, 0, g, 0)),  # keys of kv head g
+        pl.BlockSpec((N, P, None, d), lambda b, g, i, *_: (0, 0, g, 0)),  # values of kv head g
+        pl.BlockSpec((N, P), lambda b, g, i, *_: (0, 0)),  # slot keys
+    ]
+    params = dict(interpret=interpret, name="block_sparse_attention",
+                  compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    scale = float(d) ** -0.5
+    if num_splits == 1:
+        out = pl.pallas_call(
+            functools.partial(_kernel, scale=scale),
+            grid=(B, G, rows_pad // block_q),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
+            **params,
+        )(ids, count, qo, qg, k_pages, v_pages, key)
+    else:
+        acc, m, l = pl.pallas_call(
+            functools.partial(_split_kernel, scale=scale, num_splits=num_splits),
+            grid=(B, G, rows_pad // block_q, num_splits),
+            in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, None, None, block_q, d), lambda b, g, i, s: (b, g, s, i, 0)),
+                       pl.BlockSpec((None, None, None, block_q), lambda b, g, i, s: (b, g, s, i)),
+                       pl.BlockSpec((None, None, None, block_q), lambda b, g, i, s: (b, g, s, i))],
+            out_shape=[jax.ShapeDtypeStruct((B, G, num_splits, rows_pad, d), jnp.float32),
+                       jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32),
+                       jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32)],
+            **params,
+        )(ids, count, qo, qg, k_pages, v_pages, key)
+        out = _merge_splits(acc, m, l).astype(q.dtype)  # [B, G, rows_pad, d]
 
     out = out[:, :, :rows].reshape(B, G, T, R, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, H, d)

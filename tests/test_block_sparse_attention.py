@@ -97,15 +97,15 @@ def numpy_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_o
 INTERPRET = jax.default_backend() == "cpu"
 
 
-@functools.partial(jax.jit, static_argnames=("block_q",))
-def kernel(*args, block_q=16):
-    return block_sparse_attention(*args, block_q=block_q, interpret=INTERPRET)
+@functools.partial(jax.jit, static_argnames=("block_q", "num_splits"))
+def kernel(*args, block_q=16, num_splits=1):
+    return block_sparse_attention(*args, block_q=block_q, num_splits=num_splits, interpret=INTERPRET)
 
 
-def check(args, *, block_q=16):
+def check(args, *, block_q=16, num_splits=1):
     dtype = jnp.dtype(args[0].dtype)
     tol = TOL[dtype]
-    got = kernel(*args, block_q=block_q)
+    got = kernel(*args, block_q=block_q, num_splits=num_splits)
     ref = block_sparse_attention_reference(*args)
     assert got.shape == args[0].shape and got.dtype == dtype
     assert np.all(np.isfinite(np.asarray(got, np.float32))), "NaN from dead slots leaked"
@@ -129,12 +129,27 @@ def test_query_blocks_split_rows():
     check(args, block_q=8)
 
 
-def test_queries_that_see_nothing_return_zeros():
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_queries_that_see_nothing_return_zeros(num_splits):
     q, k, v, table, valid, order, q_order = make_case(4, T=4, H=4, G=2)
     table = table.at[1].set(jnp.array([table[0, 1], -1, -1, -1, -1], jnp.int32))  # only the empty page
     q_order = q_order.at[0, 0].set(-10)  # before every write of sequence 0
-    got = check((q, k, v, table, valid, order, q_order))
+    got = check((q, k, v, table, valid, order, q_order), num_splits=num_splits)
     assert np.all(np.asarray(got[1]) == 0) and np.all(np.asarray(got[0, 0]) == 0)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
+def test_split_pages_match_reference(num_splits, T):
+    # Split-K: 4 and 1 active pages shared out over num_splits programs (uneven for 3, mostly empty for 8).
+    args = make_case(20 + num_splits, T=T, H=4, G=2, lengths=(70, 9))
+    got = check(args, num_splits=num_splits)
+    # Same pages, other grouping of the online softmax: equal to the unsplit kernel up to summation order.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(kernel(*args)), rtol=1e-5, atol=1e-5)
+
+
+def test_split_pages_bfloat16():
+    check(make_case(31, T=1, H=4, G=2, lengths=(70, 9), dtype=jnp.bfloat16), num_splits=4)
 
 
 def test_active_pages_compacts_in_table_order():
@@ -161,13 +176,17 @@ def test_validation_is_shared():
                 fn(*bad_args)
     with pytest.raises(ValueError, match="block_q"):
         block_sparse_attention(*args, block_q=24, interpret=True)
+    with pytest.raises(ValueError, match="num_splits"):
+        block_sparse_attention(*args, num_splits=0, interpret=True)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["whole", "split"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
-def test_lowers_to_triton_for_cuda(dtype, T):
+def test_lowers_to_triton_for_cuda(dtype, T, num_splits):
     args = make_case(6, T=T, H=4, G=2, d=32, dtype=dtype)
-    text = lower_for_cuda(lambda *a: block_sparse_attention(*a, block_q=16, interpret=False), *args)
+    text = lower_for_cuda(lambda *a: block_sparse_attention(*a, block_q=16, num_splits=num_splits, interpret=False),
+                          *args)
     assert has_triton_call(text)
     interp = lower_for_cuda(lambda *a: block_sparse_attention(*a, interpret=True), *args)
     assert not has_triton_call(interp)
