@@ -8,7 +8,8 @@
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
 # Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, SPLIT_S (the two runs of the
-# kernel with each sequence's active pages split over 8 programs, float32 and bfloat16).
+# kernel with each sequence's active pages split over 8 programs, float32 and bfloat16), KCONF_S (bench/kernel_configs.py:
+# the kernel's block_q / warps / stages / splits grid at the 32K checkpoint, bfloat16).
 set -u
 out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
@@ -37,3 +38,8 @@ for run in "pallas float32 1 ${PALLAS_S:-150}" "pallas bfloat16 1 ${BF16_S:-110}
     timeout "$4" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --splits "$3" --inner 28 \
         --repeats 3 --profile "$out/trace_attention_$1_$2_$3" --out "$out" 2>&1 | grep -v "^  round" | tail -32
 done
+if [ "${KCONF_S:-180}" != 0 ]; then
+    echo "== kernel_configs bfloat16 (limit ${KCONF_S:-180} s)"
+    timeout "${KCONF_S:-180}" $py bench/kernel_configs.py --layouts "$layouts" --dtype bfloat16 --inner 28 --repeats 3 \
+        --out "$out" 2>&1 | grep -v "^  round" | tail -14
+fi

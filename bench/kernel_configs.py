@@ -1,0 +1,162 @@
+"""Block-sparse attention kernel configurations at the last checkpoint: block_q, num_warps, num_stages, num_splits.
+
+`bench/attention_kernel.py --impl pallas` times the Triton kernel with its default configuration (block_q 16, 4 warps,
+2 stages, no split). This script times a grid of configurations on the same captured layouts, at the last checkpoint
+only (32,884 tokens by default): full context and OmniPick under native, tile_skip and eager, prefill (the next
+unit's 124 queries) and decode (one query), Qwen2.5-Omni-7B shapes, `--inner` layers per timed call. It reports, per
+phase and layout, the default configuration's time, the fastest configuration and its time, and tile_skip's speedup
+over full context with the default configuration and with each side at its fastest.
+
+Grid: prefill varies block_q (16, 32, 64), num_warps (4, 8) and num_stages (1, 2, 3); decode varies num_splits
+(1, 2, 4, 8, 16, 32) and num_warps (2, 4). A configuration that does not compile (shared memory, for instance) is
+reported as failed and left out. Every case runs once per round, interleaved, after two warm-up calls; medians over
+`--repeats` rounds.
+
+Meant for a GPU: on CPU the kernel runs in the Pallas interpreter, which takes minutes per configuration at these
+sizes; `--quick` keeps one configuration per axis value there for a check that the script runs.
+
+Run: `python bench/kernel_configs.py --layouts .layouts/layouts_32k.pkl [--dtype bfloat16] [--inner 28] [--repeats 3]
+[--quick] [--out bench/out]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pickle
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.block_sparse_attention import block_sparse_attention
+
+from attention_kernel import D, G, H, PAGE, UNIT, attention_case, layered, timed_rounds
+
+DEFAULT = {"block_q": 16, "num_warps": 4, "num_stages": 2, "num_splits": 1}
+LAYOUTS = ("full", "native", "tile_skip", "eager")
+
+
+def grid(phase: str, quick: bool) -> list[dict]:
+    """The configurations timed for a phase (the default first)."""
+    if phase == "prefill":
+        axes = [(16, 32, 64), (4, 8), (1, 2, 3), (1,)]
+    else:
+        axes = [(16,), (2, 4), (2,), (1, 2, 4, 8, 16, 32)]
+    if quick:
+        axes = [(16,), (4,), (2,), (1, 4) if phase == "decode" else (1,)]
+    configs = [dict(zip(DEFAULT, values)) for values in itertools.product(*axes)]
+    return [DEFAULT] + [c for c in configs if c != DEFAULT]
+
+
+def label(config: dict) -> str:
+    return "bq{block_q} w{num_warps} s{num_stages} k{num_splits}".format(**config)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl",
+                        help="layouts pickled by bench/attention_kernel.py --save-layouts")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--inner", type=int, default=28, help="layers per timed call")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="two configurations only (a check that it runs)")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    path = Path(args.layouts)
+    if not path.exists():
+        parser.error(f"{path} not found; write it with: python bench/attention_kernel.py --repeats 0 "
+                     f"--save-layouts {path}")
+    if args.inner < 1 or args.repeats < 1:
+        parser.error("--inner and --repeats must be at least 1")
+    t_run = time.perf_counter()
+    saved = pickle.loads(path.read_bytes())
+    layouts = saved["layouts"]
+    last = max(r["chunk"] for r in layouts["full"])  # the full-context rows are the checkpoints
+    rows = {name: next(r for r in layouts[name] if r["chunk"] == last) for name in LAYOUTS}
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
+    qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
+    pools = {n: rows[n]["valid"].shape[0] for n in LAYOUTS}
+    kv_pages = {p: (rand(p, PAGE, G, D), rand(p, PAGE, G, D)) for p in set(pools.values())}
+    interpret = jax.default_backend() == "cpu"
+
+    cases, index, failed = [], {}, []
+    for phase, q in qs.items():
+        for config in grid(phase, args.quick):
+            one = lambda q, k, v, view, c=config: block_sparse_attention(
+                q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order, interpret=interpret, **c)
+            fn = layered(one, args.inner)
+            for name in LAYOUTS:
+                a = attention_case(rows[name], q, kv_pages[pools[name]])
+                try:
+                    jax.block_until_ready(fn(*a))  # compiles; a configuration Triton rejects fails here
+                except Exception as err:  # noqa: BLE001 - any compile or launch failure rules the configuration out
+                    failed.append({"phase": phase, "config": config, "layout": name, "error": str(err)[:300]})
+                    print(f"  {phase} {label(config)} {name}: failed ({type(err).__name__})", flush=True)
+                    continue
+                index[phase, label(config), name] = len(cases)
+                cases.append(((phase, label(config), pools[name]), lambda a=a: a, fn))
+    print(f"timing {len(cases)} cases per round at chunk {last} ({saved['tokens']} tokens streamed), {args.dtype}, "
+          f"{args.inner} layers a call, {jax.devices()[0].device_kind}", flush=True)
+    ms = timed_rounds(cases, args.repeats) / args.inner  # [R, cases], per layer
+    med = {key: float(np.median(ms[:, i])) for key, i in index.items()}
+
+    results = []
+    for phase in qs:
+        labels = [label(c) for c in grid(phase, args.quick)]
+        entry = {"phase": phase, "default": label(DEFAULT), "ms": {}}
+        for name in LAYOUTS:
+            timed = {lb: med[phase, lb, name] for lb in labels if (phase, lb, name) in med}
+            best = min(timed, key=timed.get)
+            entry["ms"][name] = timed
+            entry[f"{name}_best"] = best
+            print(f"{phase:>7} {name:>9}: default {timed.get(label(DEFAULT), float('nan')):8.3f} ms, fastest "
+                  f"{best} {timed[best]:8.3f} ms")
+        d, t = label(DEFAULT), entry["ms"]
+        if d in t["full"] and d in t["tile_skip"]:
+            entry["speedup_default"] = t["full"][d] / t["tile_skip"][d]
+        entry["speedup_each_fastest"] = min(t["full"].values()) / min(t["tile_skip"].values())
+        same = [lb for lb in t["tile_skip"] if lb in t["full"]]
+        entry["speedup_same_config_fastest_for_tile_skip"] = t["full"][min(same, key=t["tile_skip"].get)] / min(
+            t["tile_skip"][lb] for lb in same)
+        print(f"{phase:>7} tile_skip speedup vs full context: default {entry.get('speedup_default', float('nan')):.2f}x,"
+              f" each at its fastest {entry['speedup_each_fastest']:.2f}x, tile_skip's fastest for both "
+              f"{entry['speedup_same_config_fastest_for_tile_skip']:.2f}x (paper 12.72x)")
+        results.append(entry)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"kernel_configs_{jax.default_backend()}_{args.dtype}"
+    summary = {"device": jax.devices()[0].device_kind, "dtype": args.dtype, "inner_layers": args.inner,
+               "chunk": last, "tokens": saved["tokens"], "results": results, "failed": failed,
+               "runtime_s": time.perf_counter() - t_run}
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    plot(results, summary, out / f"{stem}.png")
+    print(f"total runtime {summary['runtime_s']:.0f} s\nwrote {out / stem}.json and .png")
+
+
+def plot(results, summary, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, entry in zip(axes[0], results):
+        labels = list(entry["ms"]["tile_skip"])
+        x = np.arange(len(labels))
+        for i, name in enumerate(LAYOUTS):
+            ax.bar(x + (i - 1.5) * 0.2, [entry["ms"][name].get(lb, np.nan) for lb in labels], 0.2, label=name)
+        ax.set_yscale("log")
+        ax.set_xticks(x, labels, rotation=90, fontsize=7)
+        ax.set_ylabel("ms per layer")
+        ax.set_title(f"{entry['phase']}: {summary['device']}, {summary['dtype']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
