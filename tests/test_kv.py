@@ -1,5 +1,7 @@
 """Paged KV pytree: allocation, exhaustion, page reuse, layout stats, and reference attention vs a dense cache."""
 
+import dataclasses
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -187,6 +189,25 @@ def test_unknown_attention_impl_is_an_error():
                                slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.zeros((1, 1), jnp.int32))
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention.attend(jnp.zeros((1, 1, H, D)), kv.k[0], kv.v[0], view, impl="fast")
+
+
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
+def test_every_impl_names_a_bad_shape(impl):
+    kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=2, page_size=4, position_axes=1)
+    view = attention.CacheView(write_slots=jnp.zeros((1, 1), jnp.int32), page_table=kv.page_table,
+                               slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.zeros((1, 1), jnp.int32))
+    q = jnp.zeros((1, 1, H, D))
+    bad = [
+        ((q[..., :D // 2], kv.k[0], kv.v[0], view), "head_dim mismatch"),
+        ((q[:, :, :3], kv.k[0], kv.v[0], view), "not a multiple of kv heads"),
+        ((q, kv.k[0], kv.v[0][:, :2], view), "k/v pages"),
+        ((q, kv.k[0], kv.v[0], dataclasses.replace(view, q_order=jnp.zeros((1, 2), jnp.int32))), "q_order"),
+        ((q, kv.k[0], kv.v[0], dataclasses.replace(view, slot_valid=kv.valid[:1])), "slot metadata"),
+        ((jnp.zeros((2, 1, H, D)), kv.k[0], kv.v[0], view), "page_table"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            attention.attend(*args, impl=impl)
 
 
 def test_attention_mass_per_slot_matches_dense_probabilities():
