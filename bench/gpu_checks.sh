@@ -7,6 +7,8 @@
 #      call, with a device-kernel census of the 32K checkpoint calls, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
+# Within about 8 minutes (kernel tests and the impl=xla run skipped):
+#   TEST_S=0 MIG_S=90 PALLAS_S=75 BF16_S=45 XLA_S=0 SPLIT_S=60 KCONF_S=180 bench/gpu_checks.sh OUT_DIR
 # Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, SPLIT_S (the two runs of the
 # kernel with each sequence's active pages split over 8 programs, float32 and bfloat16), KCONF_S (bench/kernel_configs.py:
 # the kernel's block_q / warps / stages / splits grid at the 32K checkpoint, bfloat16).
