@@ -83,6 +83,18 @@ PAPER = {"speedup_32k": 12.72, "recovered": {"prefill": 0.885, "decode": 0.821}}
 # The cost of calling a jitted function on a cache and waiting for it, with no work: what a migration timed as its own
 # call pays on top of what it costs inside a session step.
 dispatch_floor = jax.jit(lambda kv: kv.num_free + kv.valid[0, 0])
+# A donated input must be a buffer the runtime owns: one aliasing numpy memory (jax.device_put on CPU) cannot be
+# updated in place, and a migration would be charged a copy of the whole cache.
+owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def pallas_attend(**kernel_options):
+    """One layer's attention by the block-sparse kernel with explicit options (`attention.attend` uses its defaults);
+    interpreted on CPU."""
+    def attend(q, k, v, view):
+        return block_sparse_attention(q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order,
+                                      interpret=jax.default_backend() == "cpu", **kernel_options)
+    return attend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +206,7 @@ def main(argv=None):
                         help="with --impl pallas: split each sequence's active pages over this many programs")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
-    parser.add_argument("--profile", help="trace the 32K checkpoint calls into this directory (device kernels per call)")
+    parser.add_argument("--profile", help="trace the last checkpoint's calls into this directory (kernels per call)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     if args.inner < 1:
@@ -237,9 +249,7 @@ def main(argv=None):
     if args.splits == 1:
         one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
     else:  # the kernel itself: `attention.attend` runs it unsplit
-        one_layer = lambda q, k, v, view: block_sparse_attention(
-            q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order, num_splits=args.splits,
-            interpret=jax.default_backend() == "cpu")
+        one_layer = pallas_attend(num_splits=args.splits)
     attend = layered(one_layer, args.inner)
     cases, index = [], {}  # index[(kind, config, chunk, phase)] = case column
 
@@ -262,9 +272,6 @@ def main(argv=None):
                 add((OMNI_POOL, phase), lambda a=a: a, attend, ("cum", m, c, phase))
     k7, v7 = (np.asarray(jnp.asarray(rng.standard_normal((args.inner, OMNI_POOL, PAGE, G, D), dtype=np.float32),
                                      args.dtype)) for _ in range(2))
-    # A donated input must be a buffer the runtime owns: one aliasing numpy memory (jax.device_put on CPU) cannot
-    # be updated in place, and the mode would be charged a copy of the whole cache.
-    owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
     for m, fn in MODE_FNS.items():
         jfn = jax.jit(fn, donate_argnums=0)  # one call moves all args.inner layers
         for row in layouts[m]:

@@ -41,13 +41,12 @@ import numpy as np
 from omnijax.paging import eager, migration, omnipage
 
 from _device_profile import describe, trace_calls
-from attention_kernel import G, D, MODE_FNS, dispatch_floor, timed_rounds
+from attention_kernel import G, D, MODE_FNS, dispatch_floor, owned, timed_rounds
 
-PLANS = {  # the planner of each mode, returning (dst [B, S], accepted [B])
-    "tile_skip": lambda kv: (lambda p: (p.dst, p.accepted))(omnipage.plan_tile_skip(kv, 32)),
-    "ordered_suffix": lambda kv: (lambda p: (p.dst, p.accepted))(
-        omnipage.plan_ordered_suffix(migration.drop_empty_entries(kv), 1)),
-    "eager": lambda kv: (eager.plan(kv), jnp.ones((kv.batch,), bool)),
+PLANS = {  # the planner of each mode, as the mode runs it
+    "tile_skip": lambda kv: omnipage.plan_tile_skip(kv, 32),
+    "ordered_suffix": lambda kv: omnipage.plan_ordered_suffix(migration.drop_empty_entries(kv), 1),
+    "eager": lambda kv: omnipage.MigrationPlan(dst=eager.plan(kv), accepted=jnp.ones((kv.batch,), bool)),
 }
 
 
@@ -65,7 +64,7 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, nargs="+", default=[256], help="copy-loop step sizes to time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--events", type=int, help="time only the first N evicting chunks of each mode")
-    parser.add_argument("--profile", help="trace one extra round into this directory")
+    parser.add_argument("--profile", help="trace the plan, copy and mode calls into this directory (kernels per call)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     if args.layers < 1 or any(c < 1 or c & (c - 1) for c in args.chunks):
@@ -81,10 +80,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     k, v = (np.asarray(jnp.asarray(rng.standard_normal((args.layers, N, P, G, D), dtype=np.float32), args.dtype))
             for _ in range(2))
-    owned = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # donation needs runtime-owned buffers
     copy_fns = {c: jax.jit(lambda kv, dst, ok, c=c: migration.apply_plan(kv, dst, ok, chunk=c), donate_argnums=0)
                 for c in args.chunks}
-    prepare_copy = {m: jax.jit(lambda kv, m=m: copy_input(m, jax.tree.map(jnp.copy, kv))) for m in MODE_FNS}
+    prepare_copy = {m: jax.jit(lambda kv, m=m: copy_input(m, owned(kv))) for m in MODE_FNS}
     cases, index = [], {}
 
     def add(key, prepare, fn, tag):
@@ -96,7 +94,8 @@ def main(argv=None):
         for row in events[m]:
             prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k, v=v)),)
             kv0 = prepare()[0]
-            dst, ok = plan_fn(kv0)
+            plan = plan_fn(kv0)
+            dst, ok = plan.dst, plan.accepted
             got = int(jnp.sum((dst >= 0) & ok[:, None]))
             if got != row["moved"]:
                 raise RuntimeError(f"{m} chunk {row['chunk']}: plan moves {got}, the session moved {row['moved']}")
@@ -110,9 +109,9 @@ def main(argv=None):
     print(f"timing {len(cases)} cases per round ({sum(map(len, events.values()))} events, {args.layers} layers, "
           f"{args.dtype}, {jax.devices()[0].device_kind})", flush=True)
     ms = timed_rounds(cases, args.repeats)  # [R, cases]
+    c0 = f"copy{args.chunks[0]}"  # the copy taken out of the mode for `rest` (the mode itself steps 256 slots)
     parts = ["floor", "plan"] + [f"copy{c}" for c in args.chunks] + ["mode"]
-    kernels = profile_parts(cases, index, events, ["plan", parts[2], "mode"], Path(args.profile)) if args.profile \
-        else {}
+    kernels = profile_parts(cases, index, events, ["plan", c0, "mode"], Path(args.profile)) if args.profile else {}
 
     rows = []
     for m in MODE_FNS:
@@ -122,7 +121,6 @@ def main(argv=None):
         for p in parts:
             entry[f"{p}_ms_per_event"] = float(np.median(session[p])) / len(events[m])
             entry[f"{p}_ms_session_per_layer"] = float(np.median(session[p])) / args.layers
-        c0 = f"copy{args.chunks[0]}"
         rest = session["mode"] - session["plan"] - session[c0] + session["floor"]
         entry["rest_ms_per_event"] = float(np.median(rest)) / len(events[m])
         entry["profile"] = kernels.get(m, {})

@@ -71,7 +71,8 @@ def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_o
         raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {slot_valid.shape} and {slot_order.shape}")
 
 
-def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None) -> None:
+def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None,
+              num_splits=1) -> None:
     """Static checks shared by the kernel and the reference: shapes, then dtypes and power-of-two sizes."""
     validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
     P, d = k_pages.shape[1], q.shape[3]
@@ -81,6 +82,8 @@ def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, 
         raise ValueError(f"head_dim must be a power of two, got {d}")
     if block_q is not None and not _is_pow2(block_q):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if jnp.dtype(x.dtype) not in _DTYPES:
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
@@ -197,9 +200,8 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     short chunks, where (batch, kv head, query block) alone gives the GPU too few programs) and merges their partial
     softmax results outside the kernel.
     """
-    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q,
+              num_splits=num_splits)
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
