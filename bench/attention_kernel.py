@@ -93,7 +93,7 @@ def pallas_attend(**kernel_options):
     interpreted on CPU."""
     def attend(q, k, v, view):
         return block_sparse_attention(q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order,
-                                      interpret=jax.default_backend() == "cpu", **kernel_options)
+                                      index=view.pages, interpret=jax.default_backend() == "cpu", **kernel_options)
     return attend
 
 
@@ -139,7 +139,8 @@ def capture(model, chunks, policy, paging, num_pages, keep=None):
 
 
 def attention_case(row, q, kv_pages):
-    """Arguments of one attention call over a captured layout (queries after every cached write order)."""
+    """Arguments of one attention call over a captured layout (queries after every cached write order), with the
+    view indexed outside the timed call."""
     table, valid, order = row["page_table"], row["valid"], row["order"]
     pages = table[table >= 0]
     q0 = int(order[pages][valid[pages]].max()) + 1 if valid[pages].any() else 0
@@ -147,6 +148,7 @@ def attention_case(row, q, kv_pages):
     view = attention.CacheView(write_slots=jnp.full((1, T), -1, jnp.int32), page_table=jnp.asarray(table),
                                slot_valid=jnp.asarray(valid), slot_order=jnp.asarray(order),
                                q_order=jnp.asarray(q0 + np.arange(T, dtype=np.int32))[None])
+    view = attention.index_pages(view)  # once per chunk, as a model does before its layer loop
     return (q,) + kv_pages + (view,)
 
 

@@ -11,6 +11,11 @@
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
 position re-indexing. A query that sees no key returns zeros.
+
+What "xla" and "pallas" derive from the cache state (each sequence's active page list, one visibility key per slot:
+a `PageIndex`) is the same for every layer of a chunk. `index_pages(view)` computes it once; a model indexes its view
+before its layer loop, so a layer's attention call does no bookkeeping (on a GPU the layer loop would otherwise
+launch those kernels once per layer: XLA:GPU does not hoist them out of the loop).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 # One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
-from pallas_kernels.block_sparse_attention import active_pages, block_sparse_attention, validate_shapes
+from pallas_kernels.block_sparse_attention import (DEAD_KEY, PageIndex, active_pages, block_sparse_attention,
+                                                   page_index, validate_index, validate_shapes)
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -37,6 +43,8 @@ class CacheView:
         slot_valid: `[N, P]` bool live slots (after this chunk's reservation).
         slot_order: `[N, P]` int32 per-sequence write order of each slot.
         q_order: `[B, T]` int32 write order of each query token.
+        pages: the `PageIndex` of `page_table`, `slot_valid` and `slot_order` (`index_pages`), or None for every
+            attention call to derive it again.
     """
 
     write_slots: jax.Array
@@ -44,12 +52,25 @@ class CacheView:
     slot_valid: jax.Array
     slot_order: jax.Array
     q_order: jax.Array
+    pages: PageIndex | None = None
 
+
+def index_pages(view: CacheView) -> CacheView:
+    """The view with its `PageIndex` computed (unchanged if it has one): do it once per chunk, outside the layers."""
+    if view.pages is not None:
+        return view
+    return dataclasses.replace(view, pages=page_index(view.page_table, view.slot_valid, view.slot_order))
+
+
+def _page_index(cache: CacheView) -> PageIndex:
+    return page_index(cache.page_table, cache.slot_valid, cache.slot_order) if cache.pages is None else cache.pages
 
 
 def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> None:
     """Shape checks shared by every implementation (static shapes only, so it is free under jit)."""
     validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order)
+    if cache.pages is not None:
+        validate_index(cache.pages, cache.page_table, cache.slot_valid)
 
 
 def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
@@ -102,7 +123,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
-    ids, count = active_pages(cache.page_table, cache.slot_valid)  # ids[b, :count[b]] are read
+    index = _page_index(cache)  # index.ids[b, :index.count[b]] are read
 
     def one(q_b, ids_b, count_b, q_order_b):
         qg = q_b.reshape(T, G, R, d)
@@ -110,10 +131,11 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
         def body(i, carry):
             m, l, acc = carry  # [G, R, T], [G, R, T], [G, R, T, d]
             page = ids_b[i]
-            live = cache.slot_valid[page]  # [P]
+            key = index.slot_key[page]  # [P]: write order where live, INT32_MAX where dead
+            live = key != DEAD_KEY
             k = jnp.where(live[:, None, None], k_pages[page], 0)  # dead slots may hold anything, even NaN
             v = jnp.where(live[:, None, None], v_pages[page], 0)
-            ok = live[None, :] & (cache.slot_order[page][None, :] <= q_order_b[:, None])  # [T, P]
+            ok = key[None, :] <= q_order_b[:, None]  # [T, P]
             s = jnp.einsum("tgrd,pgd->grtp", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -131,7 +153,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing returns zeros
         return out.transpose(2, 0, 1, 3).reshape(T, H, d)
 
-    return jax.vmap(one)(q, ids, count, cache.q_order).astype(q.dtype)
+    return jax.vmap(one)(q, index.ids, index.count, cache.q_order).astype(q.dtype)
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
@@ -148,6 +170,6 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
         return attend_xla(q, k_pages, v_pages, cache)
     if impl == "pallas":
         validate(q, k_pages, v_pages, cache)
-        return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid,
-                                      cache.slot_order, cache.q_order, interpret=jax.default_backend() == "cpu")
+        return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
+                                      cache.q_order, index=cache.pages, interpret=jax.default_backend() == "cpu")
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")

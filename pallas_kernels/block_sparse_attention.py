@@ -26,7 +26,9 @@ row maximum and softmax denominator in float32; the partials are merged outside 
 decoding). Decode has one query token, so (batch, kv head, query block) alone gives only B * G programs.
 
 Slot liveness and order travel into the kernel as one int32 key per slot (`slot_order` where live, INT32_MAX where
-dead), so `q_order` must be below INT32_MAX.
+dead), so `q_order` must be below INT32_MAX. The active page lists and the slot keys together are a `PageIndex`
+(`page_index`); a caller that attends to the same cache many times (every layer of a model on one chunk) computes it
+once and passes it as `index=`, so a call is left with the kernel and the rearranging of its query rows and output.
 
 On GPU the kernel lowers to Triton (`interpret=False`); on CPU run it with `interpret=True` under `jax.jit`. Triton
 wants power-of-two block shapes, and its matrix units want `block_q`, the page size and head_dim of at least 16.
@@ -34,6 +36,7 @@ wants power-of-two block shapes, and its matrix units want `block_q`, the page s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_DEAD = jnp.iinfo(jnp.int32).max  # key of a dead slot: never <= a query's order
+DEAD_KEY = jnp.iinfo(jnp.int32).max  # key of a dead slot: never <= a query's order
 _PAD_ORDER = jnp.iinfo(jnp.int32).min  # order of a padding query row: sees nothing
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -72,9 +75,11 @@ def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_o
 
 
 def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None,
-              num_splits=1) -> None:
+              num_splits=1, index=None) -> None:
     """Static checks shared by the kernel and the reference: shapes, then dtypes and power-of-two sizes."""
     validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
+    if index is not None:
+        validate_index(index, page_table, slot_valid)
     P, d = k_pages.shape[1], q.shape[3]
     if not _is_pow2(P):
         raise ValueError(f"page size must be a power of two, got {P}")
@@ -94,6 +99,38 @@ def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, 
     for name, x in (("page_table", page_table), ("slot_order", slot_order), ("q_order", q_order)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageIndex:
+    """What every attention call over one cache state derives from its page table and slot metadata.
+
+    Attributes:
+        ids: `[B, M]` int32 active pages of each sequence in page-table order, padded with page 0 (`active_pages`).
+        count: `[B]` int32 active pages per sequence.
+        slot_key: `[N, P]` int32 `slot_order` of live slots, INT32_MAX for dead ones (visible iff <= a query's order).
+    """
+
+    ids: jax.Array
+    count: jax.Array
+    slot_key: jax.Array
+
+
+def page_index(page_table: jax.Array, slot_valid: jax.Array, slot_order: jax.Array) -> PageIndex:
+    """The `PageIndex` of a cache state: compute it once per chunk and pass it to every layer's attention."""
+    ids, count = active_pages(page_table, slot_valid)
+    return PageIndex(ids=ids, count=count, slot_key=jnp.where(slot_valid, slot_order, DEAD_KEY).astype(jnp.int32))
+
+
+def validate_index(index: PageIndex, page_table: jax.Array, slot_valid: jax.Array) -> None:
+    """Shape and dtype checks of a precomputed `PageIndex` against the cache it claims to index."""
+    B, M = page_table.shape
+    want = {"ids": (B, M), "count": (B,), "slot_key": slot_valid.shape}
+    for name, shape in want.items():
+        x = getattr(index, name)
+        if x.shape != shape or x.dtype != jnp.int32:
+            raise ValueError(f"index.{name} must be int32 {shape}, got {x.dtype} {x.shape}")
 
 
 def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -128,7 +165,7 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, k_ref, v_ref, key_ref, scale: 
         acc, m_prev, l_prev = carry
         page = ids_ref[b, i]
         key = key_ref[page, :]  # [P]
-        live = key != _DEAD
+        live = key != DEAD_KEY
         k = k_ref[page, :, :]  # [P, d]
         v = v_ref[page, :, :]
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))  # dead slots may hold NaN
@@ -192,16 +229,17 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("block_q", "num_splits", "interpret", "num_warps", "num_stages"))
 def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
-                           block_q: int = 16, num_splits: int = 1, interpret: bool = False, num_warps: int = 4,
-                           num_stages: int = 2) -> jax.Array:
+                           index: PageIndex | None = None, block_q: int = 16, num_splits: int = 1,
+                           interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring).
 
-    `num_splits > 1` also splits each sequence's active pages over that many programs (split-K, for decode and
-    short chunks, where (batch, kv head, query block) alone gives the GPU too few programs) and merges their partial
-    softmax results outside the kernel.
+    `index` is `page_index(page_table, slot_valid, slot_order)` when the caller computed it once for many calls
+    (every layer of a chunk); None computes it here. `num_splits > 1` also splits each sequence's active pages over
+    that many programs (split-K, for decode and short chunks, where (batch, kv head, query block) alone gives the GPU
+    too few programs) and merges their partial softmax results outside the kernel.
     """
     _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q,
-              num_splits=num_splits)
+              num_splits=num_splits, index=index)
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
@@ -213,8 +251,9 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     qo = jnp.repeat(q_order, R, axis=1)
     qo = jnp.pad(qo, ((0, 0), (0, rows_pad - rows)), constant_values=_PAD_ORDER)
-    key = jnp.where(slot_valid, slot_order, _DEAD).astype(jnp.int32)
-    ids, count = active_pages(page_table, slot_valid)
+    if index is None:
+        index = page_index(page_table, slot_valid, slot_order)
+    ids, count, key = index.ids, index.count, index.slot_key
     M = ids.shape[1]
 
     in_specs = [

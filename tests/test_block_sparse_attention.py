@@ -3,6 +3,7 @@ lowering for cuda on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.block_sparse_attention import (
+    DEAD_KEY,
     _validate,
     active_pages,
     block_sparse_attention,
     block_sparse_attention_reference,
+    page_index,
 )
 from pallas_kernels.lowering import has_triton_call, lower_for_cuda
 
@@ -158,6 +161,27 @@ def test_active_pages_compacts_in_table_order():
     ids, count = active_pages(table, valid)
     assert count.tolist() == [3, 0]
     assert ids[0, :3].tolist() == [5, 7, 0]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["whole", "split"])
+def test_precomputed_index_gives_the_same_output(num_splits):
+    args = make_case(41, T=8, H=4, G=2)
+    index = page_index(*args[3:6])
+    got = jax.jit(lambda *a, index: block_sparse_attention(*a, index=index, num_splits=num_splits,
+                                                           interpret=INTERPRET))(*args, index=index)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel(*args, num_splits=num_splits)))
+    valid, order = np.asarray(args[4]), np.asarray(args[5])
+    np.testing.assert_array_equal(np.asarray(index.slot_key), np.where(valid, order, DEAD_KEY))
+
+
+def test_precomputed_index_of_another_shape_is_refused():
+    args = make_case(42, T=2, H=4, G=2)
+    index = page_index(*args[3:6])
+    for field, bad in (("ids", index.ids[:, :3]), ("count", index.count.astype(jnp.int16)),
+                       ("slot_key", index.slot_key[:4])):
+        wrong = dataclasses.replace(index, **{field: bad})
+        with pytest.raises(ValueError, match=f"index.{field}"):
+            block_sparse_attention(*args, index=wrong, interpret=True)
 
 
 def test_validation_is_shared():

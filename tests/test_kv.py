@@ -310,3 +310,58 @@ def test_xla_skips_inactive_pages_even_when_they_hold_nan():
     np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), atol=1e-5)
     with pytest.raises(ValueError, match="needs impl='reference'"):
         attention.attend(q, kv.k[0], kv.v[0], view, impl="xla", with_mass=True)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Primitive names in a jaxpr and every jaxpr nested in its equations."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                if hasattr(sub, "jaxpr"):  # ClosedJaxpr
+                    names |= _primitives(sub.jaxpr)
+                elif hasattr(sub, "eqns"):
+                    names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
+    """An indexed view gives the same attention; a model indexes once per chunk, so its layer scan holds no cumsum
+    (the active-page list) while an unindexed call does."""
+    import jax
+    from omnijax.config import TINY_OMNI
+    from omnijax.models.decoder import Decoder
+
+    rng = np.random.default_rng(13)
+    B, P = 2, 4
+    kv = _shuffled(paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=12, page_size=P, batch=B,
+                              max_pages=6, position_axes=1), 13)
+    kv, _, _ = _write_sequence_chunks(kv, rng, [9, 7], B)
+    kv = kv.replace(valid=kv.valid.at[kv.page_table[0, 1], 1:].set(False))
+    view = attention.CacheView(write_slots=jnp.full((B, 3), -1, jnp.int32), page_table=kv.page_table,
+                               slot_valid=kv.valid, slot_order=kv.order, q_order=jnp.full((B, 3), 100, jnp.int32))
+    indexed = attention.index_pages(view)
+    assert attention.index_pages(indexed) is indexed
+    q = jnp.asarray(rng.standard_normal((B, 3, H, D)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(attention.attend(q, kv.k[0], kv.v[0], indexed, impl=impl)),
+                                  np.asarray(attention.attend(q, kv.k[0], kv.v[0], view, impl=impl)))
+    per_call = jax.make_jaxpr(lambda v: attention.attend(q, kv.k[0], kv.v[0], v, impl=impl))
+    assert "cumsum" in _primitives(per_call(view).jaxpr)
+    assert "cumsum" not in _primitives(per_call(indexed).jaxpr)
+
+    model = Decoder(TINY_OMNI.replace(num_layers=2))
+    c = model.config
+    big = paged.init(num_layers=2, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_pages=4, page_size=8,
+                     position_axes=3)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (3, 1, 5))
+    z = jnp.zeros((1, 5), jnp.int32)
+    big, slots, q_order = paged.reserve(big, jnp.ones((1, 5), bool), paged.SlotMeta(pos=pos, unit=z, span=z, offset=z))
+    chunk_view = attention.CacheView(write_slots=slots, page_table=big.page_table, slot_valid=big.valid,
+                                     slot_order=big.order, q_order=q_order)
+    x = jnp.zeros((1, 5, c.hidden_size), c.jnp_dtype)
+    jaxpr = jax.make_jaxpr(lambda v: model.run_layers(x, pos, v, big.k, big.v, impl=impl))(chunk_view).jaxpr
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and "cumsum" not in _primitives(scans[0].params["jaxpr"].jaxpr)
+    assert "cumsum" in _primitives(jaxpr)  # the index is built once, before the scan

@@ -151,6 +151,7 @@ class Decoder(nnx.Module):
         c = self.config
         dt = c.jnp_dtype
         angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)  # [B, T, d/2]
+        cache = attention_lib.index_pages(cache)  # once for all layers (see `omnijax.attention`)
 
         def layer(h, xs):
             p, k_layer, v_layer = xs

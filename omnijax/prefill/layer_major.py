@@ -46,14 +46,16 @@ def contiguous_view(length: int, batch: int, page: int, start: jax.Array, chunk:
                     ) -> attention_lib.CacheView:
     """A paged `CacheView` over contiguous per-sequence buffers `[B, length]` cut into pages of `page` slots.
 
-    Slots `< written` are live; a query at absolute index i sees slots j <= i (write order = index).
+    Slots `< written` are live; a query at absolute index i sees slots j <= i (write order = index). The view comes
+    indexed (`attention.index_pages`), so the layers that attend through it share one page index.
     """
     pages = length // page
     table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
     slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)).reshape(batch * pages, page)
     q_order = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
-    return attention_lib.CacheView(write_slots=jnp.zeros((batch, chunk), jnp.int32), page_table=table,
-                                   slot_valid=slot < written, slot_order=slot, q_order=q_order)
+    return attention_lib.index_pages(attention_lib.CacheView(
+        write_slots=jnp.zeros((batch, chunk), jnp.int32), page_table=table, slot_valid=slot < written, slot_order=slot,
+        q_order=q_order))
 
 
 def window_rows(q_obs: jax.Array, q: jax.Array, start: jax.Array, prompt_len: int) -> jax.Array:
