@@ -1,0 +1,191 @@
+"""Kernels per call on an NVIDIA H200, counted on a machine without a GPU.
+
+XLA:GPU can compile for a described device with no GPU present (jax's compile-only topology with a
+`GpuTargetConfigProto`, `TARGET` below: H200 facts, sm_90). The optimized HLO it returns is what the GPU would run,
+after fusion and scheduling, so the launches of a call can be counted here: fusions, custom calls (Triton kernels),
+copies, while loops (each iteration launches its body and reads the loop predicate back on the host) and
+conditionals (one predicate read-back). Counts are not timings, but on a GPU a small call's time is mostly its
+launches and read-backs, so they tell which version of a migration or of a layer's attention launches less.
+
+Calls counted:
+- the paging modes (`omnipage.tile_skip`, `omnipage.ordered_suffix`, `eager.compact`) on a donated 28-layer cache of
+  the Qwen2.5-Omni-7B shapes (48 pages of 64 slots, 4 kv heads, head dim 128, float32), as in
+  `bench/attention_kernel.py`;
+- one layer of attention inside a 28-layer loop (`attention_kernel.layered`), bfloat16, prefill (124 queries) and
+  decode (1 query), `impl="pallas"` (the Triton kernel) and `impl="xla"`, with the cache view indexed once before
+  the loop (as a model does) and without (every layer derives the page index again).
+
+Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), in a separate virtualenv:
+    python3.11 -m venv /tmp/census && /tmp/census/bin/pip install "jax[cuda12]==0.10.2" flax==0.12.8 matplotlib
+    /tmp/census/bin/python bench/gpu_census.py [--root DIR] [--out bench/out]
+`--root` imports `omnijax` and `pallas_kernels` from another checkout (e.g. a `git worktree` of an older commit;
+calls its library cannot build are reported as such), so versions can be compared side by side. With a newer jax
+(0.11, Python 3.12; the XLA of the GPU machine this project was timed on) the migration and impl="xla" rows compile
+the same way, while the Pallas rows fail: that jax lowers Pallas GPU kernels only for a present or abstract GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing on a GPU; the CUDA plugin only compiles
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check against
+
+TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  threads_per_core_limit: 2048
+  shared_memory_per_block: 49152  shared_memory_per_block_optin: 232448  shared_memory_per_core: 233472
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+  core_count: 132  fpus_per_core: 128  clock_rate_ghz: 1.98
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000  l2_cache_size: 52428800  device_memory_size: 151397597184
+  cuda_compute_capability { major: 9 minor: 0 }
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 patch: 0 }
+device_description_str: "NVIDIA H200"
+"""
+LAUNCHES = ("fusion", "custom-call", "copy", "while", "conditional", "sort", "scatter", "gather")
+_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(")
+_LOOP = re.compile(r" while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
+
+
+def census(hlo: str) -> dict:
+    """Launch-level op counts of optimized HLO: `once` (the entry computation and conditional branches) and
+    `per_iteration` (while bodies and conditions), fusion bodies and reducers excluded."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        if (m := _COMPUTATION.match(line)):
+            name = "ENTRY" if m.group(1) else m.group(2)
+            bodies[name] = []
+        elif name is not None and line.strip() == "}":
+            name = None
+        elif name is not None:
+            bodies[name].append(line)
+    nested = {called for lines in bodies.values() for line in lines
+              for called in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)}
+    loops = {c for lines in bodies.values() for line in lines for c in (_LOOP.findall(line) or [()])[0]}
+    once, per_iteration = collections.Counter(), collections.Counter()
+    for name, lines in bodies.items():
+        if name in nested:
+            continue
+        counter = per_iteration if name in loops else once
+        for line in lines:
+            if (m := _OPCODE.match(line)) and m.group(1) in LAUNCHES:
+                counter[m.group(1)] += 1
+    return {"once": dict(once), "per_iteration": dict(per_iteration),
+            "launches_once": sum(once.values()), "launches_per_iteration": sum(per_iteration.values())}
+
+
+def compile_for_h200(fn, *args, donate: bool = False) -> str:
+    import jax
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc("1x1x1", platform="cuda", target_config=TARGET, topology="1x1x1").devices[0]
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), args)
+    jitted = jax.jit(fn, donate_argnums=0) if donate else jax.jit(fn)
+    return jitted.trace(*args).lower().compile().as_text()
+
+
+def calls():
+    """(name, fn, abstract args, donate) of every counted call."""
+    import jax
+    import jax.numpy as jnp
+    from omnijax import attention
+    from omnijax.kv import paged
+    from omnijax.paging import eager, omnipage
+    from pallas_kernels.block_sparse_attention import block_sparse_attention
+
+    layers, N, P, G, D, H = 28, 48, 64, 4, 128, 28
+    kv = jax.eval_shape(lambda: paged.init(num_layers=layers, num_kv_heads=G, head_dim=D, num_pages=N, page_size=P))
+    out = [(f"migration {m}", fn, (kv,), True) for m, fn in (
+        ("tile_skip", lambda kv: omnipage.tile_skip(kv, 32)), ("ordered_suffix", lambda kv: omnipage.ordered_suffix(kv, 1)),
+        ("eager", eager.compact))]
+
+    def pallas(q, k, v, view):
+        indexed = {"index": view.pages} if getattr(view, "pages", None) is not None else {}
+        return block_sparse_attention(q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order,
+                                      interpret=False, **indexed)
+
+    def layered(attend):  # `attention_kernel.layered`, repeated here so an older checkout needs only the library
+        def run(q, k, v, view):
+            step = lambda _, o: attend(q + 1e-30 * o, k, v, view)
+            return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q))
+        return run
+
+    s = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
+    for phase, T in (("prefill", 124), ("decode", 1)):
+        view = attention.CacheView(write_slots=s((1, T)), page_table=s((1, N)), slot_valid=s((N, P), jnp.bool_),
+                                   slot_order=s((N, P)), q_order=s((1, T)))
+        views = {"per layer": view}
+        if hasattr(attention, "index_pages"):
+            views["once"] = jax.eval_shape(attention.index_pages, view)
+        for impl, attend in (("pallas", pallas), ("xla", lambda *a: attention.attend(*a, impl="xla"))):
+            for how, v in views.items():
+                args = (s((1, T, H, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), v)
+                out.append((f"attention {impl} {phase}, page index {how}", layered(attend), args, False))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                        help="checkout whose omnijax and pallas_kernels are compiled")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, args.root)
+    import jax
+
+    rows, start = [], time.perf_counter()
+    print(f"jax {jax.__version__}, library from {args.root}, target: H200 (sm_90), compile only")
+    print(f"{'call':<46} {'once':>5} {'loop':>5}  details (loop: launches per iteration of its while loops, nested ones summed)")
+    for name, fn, call_args, donate in calls():
+        try:
+            row = {"call": name, **census(compile_for_h200(fn, *call_args, donate=donate))}
+        except Exception as e:  # an older checkout may lack an argument this call passes
+            row = {"call": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            print(f"{name:<46} {'-':>5} {'-':>5}  {row['error']}")
+        else:
+            print(f"{name:<46} {row['launches_once']:>5} {row['launches_per_iteration']:>5}  "
+                  f"{row['once']} | {row['per_iteration']}")
+        rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"jax": jax.__version__, "root": args.root, "target": TARGET, "rows": rows,
+               "runtime_s": time.perf_counter() - start}
+    (out / "gpu_census.json").write_text(json.dumps(summary, indent=2))
+    plot([r for r in rows if "error" not in r], out / "gpu_census.png")
+    print(f"wrote {out / 'gpu_census.json'} and {out / 'gpu_census.png'} ({summary['runtime_s']:.0f} s)")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
+    y = range(len(rows))
+    once = [r["launches_once"] for r in rows]
+    ax.barh(y, once, color="C0", label="launched once per call")
+    ax.barh(y, [r["launches_per_iteration"] for r in rows], left=once, color="C1",
+            label="per iteration of a while loop (a predicate read-back each)")
+    ax.set_yticks(list(y), [r["call"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("kernel launches (optimized XLA:GPU HLO, H200 target, compiled without a GPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
