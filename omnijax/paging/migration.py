@@ -127,5 +127,5 @@ def drop_empty_entries(kv: PagedKV) -> PagedKV:
     mark_kept = (kv.seq_slots > 0) & jnp.take_along_axis(active, mark_entry[:, None], axis=1)[:, 0]
     kept = jnp.sum(active, axis=1)
     seq_slots = jnp.where(mark_kept, kv.seq_slots - P * jnp.sum(dropped, axis=1), kept * P)
-    kv = release_pages(kv, jnp.where(dropped, table, -1).reshape(-1))
+    kv = release_pages(kv, jnp.where(dropped, table, -1).reshape(-1), holding_live=False)  # none live
     return kv.replace(page_table=new_table, seq_slots=seq_slots.astype(jnp.int32))

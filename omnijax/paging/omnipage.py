@@ -164,12 +164,11 @@ def tile_skip(kv: PagedKV, subblock: int = 32) -> tuple[PagedKV, jax.Array]:
     Returns `(kv, moved [B] int32)`.
     """
     plan = plan_tile_skip(kv, subblock)
-    B, S = plan.dst.shape
-    M = kv.max_pages
-    moving = (plan.dst >= 0) & plan.accepted[:, None]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
-    filled = jnp.zeros((B, M), bool).at[rows, jnp.where(moving, plan.dst // kv.page_size, M)].set(True, mode="drop")
+    live_before = migration.live_slots(kv)  # [B, S]
     kv, moved = migration.apply_plan(kv, plan.dst, plan.accepted)
+    # Entries that received a move: only a move makes a table slot live here.
+    arrived = migration.live_slots(kv) & ~live_before
+    filled = jnp.any(arrived.reshape(kv.batch, kv.max_pages, kv.page_size), axis=-1)  # [B, M]
     kv = promote(kv, filled)
     return migration.drop_empty_entries(kv), moved
 
