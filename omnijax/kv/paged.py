@@ -175,8 +175,13 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: s
     if placement == "recent":
         hole = hole & jnp.repeat(kv.page_class[table_pages] == PageClass.RECENT, P, axis=1)
     free = jnp.where(j < kv.seq_slots[:, None], hole, True)
-    cum_free = jnp.cumsum(free, axis=1)  # [B, M*P]
-    logical = jax.vmap(lambda c, r: jnp.searchsorted(c, r + 1))(cum_free, rank)  # [B, T]; M*P when none left
+    # The k-th free slot, listed by rank with one scatter (a binary search would be a loop: on a GPU, a host
+    # read-back per step); M*P when fewer than k + 1 are free.
+    S = M * P
+    free_rank = jnp.where(free, jnp.cumsum(free, axis=1) - 1, S)  # [B, M*P]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
+    kth_free = jnp.full((B, S), S, jnp.int32).at[rows, free_rank].set(jnp.broadcast_to(j, (B, S)), mode="drop")
+    logical = jnp.where(rank < S, jnp.take_along_axis(kth_free, jnp.clip(rank, 0, S - 1), axis=1), S)  # [B, T]
     wanted_top = jnp.max(jnp.where(token_valid, logical + 1, 0), axis=1)  # [B] high-water mark the chunk wants
 
     pages_held = (kv.seq_slots + P - 1) // P  # [B] page-table entries in use

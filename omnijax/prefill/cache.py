@@ -71,7 +71,8 @@ class CompressedCache:
 def segment_owner(offset: jax.Array, size: int) -> jax.Array:
     """`[B, size]` int32: the KV head whose segment holds each flattened entry."""
     t = jnp.arange(size)
-    return jax.vmap(lambda off: jnp.searchsorted(off[1:], t, side="right"))(offset).astype(jnp.int32)
+    # Segments ending at or before t, counted directly (G is small; a binary search would be a loop).
+    return jnp.sum(offset[:, None, 1:] <= t[None, :, None], axis=-1).astype(jnp.int32)
 
 
 def pack(keys: jax.Array, values: jax.Array, selection: Selection, *, room: int = 0) -> LayerCache:
