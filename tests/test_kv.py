@@ -2,8 +2,9 @@
 
 import dataclasses
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from omnijax import attention
@@ -330,7 +331,6 @@ def _primitives(jaxpr) -> set[str]:
 def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     """An indexed view gives the same attention; a model indexes once per chunk, so its layer scan holds no cumsum
     (the active-page list) while an unindexed call does."""
-    import jax
     from omnijax.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
@@ -365,3 +365,38 @@ def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1 and "cumsum" not in _primitives(scans[0].params["jaxpr"].jaxpr)
     assert "cumsum" in _primitives(jaxpr)  # the index is built once, before the scan
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_copy_rows_walks_the_list_in_steps_and_transforms_each(chunk):
+    """`copy_rows` equals a numpy copy of the first `count` listed rows, each rewritten by the step's transform (which
+    sees the list position of its first row), whatever the step size; entries past `count` are not applied."""
+    rng = np.random.default_rng(7)
+    L, R = 2, 10
+    x = rng.standard_normal((L, R, 3)).astype(np.float32)
+    y = rng.standard_normal((L, R, 3)).astype(np.float32)
+    member = np.array([0, 1, 1, 0, 1, 0, 0, 1, 1, 0], bool)
+    rows = np.arange(R)
+    listed, count = paged.listed_first(jnp.asarray(member), jnp.stack([jnp.asarray(rows), jnp.asarray(rows[::-1])]),
+                                       R)
+    assert int(count) == member.sum()
+    assert np.asarray(listed[0])[: int(count)].tolist() == rows[member].tolist()
+    assert (np.asarray(listed)[:, int(count):] == R).all()
+    src, dst = listed[0], jnp.where(listed[0] < R, (listed[0] + 1) % R, R)  # each listed row to the next row
+    scale = jnp.arange(R + chunk, dtype=jnp.float32)  # list position -> factor
+
+    def transform(got, start):
+        return got * jax.lax.dynamic_slice_in_dim(scale, start, chunk)[None, :, None]
+
+    got_x, got_y = paged.copy_rows((jnp.asarray(x), jnp.asarray(y)), src, dst, count, chunk=chunk, transform=transform)
+    want_x, want_y = x.copy(), y.copy()
+    # Reference: the same stepping, each step reading all its sources before writing (row r goes to r + 1, so a
+    # later step may read what an earlier one wrote).
+    for start in range(0, int(count), chunk):
+        entries = list(range(start, min(start + chunk, int(count))))
+        read = [(want_x[:, int(src[e])].copy(), want_y[:, int(src[e])].copy(), e) for e in entries]
+        for vx, vy, e in read:
+            want_x[:, int(dst[e])] = vx * e
+            want_y[:, int(dst[e])] = vy * e
+    np.testing.assert_allclose(np.asarray(got_x), want_x, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_y), want_y, rtol=1e-6)

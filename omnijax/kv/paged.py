@@ -281,6 +281,44 @@ def append(kv: PagedKV, k_new: jax.Array, v_new: jax.Array, token_valid: jax.Arr
     return kv.replace(k=k, v=v), slots
 
 
+def listed_first(member: jax.Array, values: jax.Array, none: int) -> tuple[jax.Array, jax.Array]:
+    """`(list [..., K], count)`: `values [..., K]` of the entries where `member [K]` holds, first and in order,
+    then `none` (one scatter for all leading rows)."""
+    at = jnp.where(member, jnp.cumsum(member) - 1, member.size)
+    listed = jnp.full(values.shape, none, jnp.int32).at[..., at].set(values.astype(jnp.int32), mode="drop")
+    return listed, jnp.sum(member).astype(jnp.int32)
+
+
+def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, count: jax.Array, *, chunk: int = 256,
+              transform=None) -> tuple[jax.Array, ...]:
+    """Copies rows `src[:count]` to `dst[:count]` of every `[L, R, ...]` array (axis 1 is the row), in place.
+
+    The list is walked `chunk` entries a step by a loop with `ceil(count / chunk)` steps, so the cost follows the
+    rows copied, not the list's capacity; entries past `count` must have `dst` out of range (`R`), and such entries
+    are dropped anywhere. `transform(rows [L, chunk, ...], start)` may rewrite each step's rows (`start`: the step's
+    first list entry) between the read and the write. Each step reads before it writes; the steps together equal
+    one all-at-once copy when no destination is the source of a later entry. Inside the loop the scatter updates
+    its buffer in place, where as straight-line code in a `lax.cond` branch XLA:GPU may copy the whole array.
+    """
+    R = arrays[0].shape[1]
+    pad = -src.shape[0] % chunk
+    src_p = jnp.pad(jnp.clip(src, 0, R - 1), (0, pad))
+    dst_p = jnp.pad(dst, (0, pad), constant_values=R)
+
+    def step(i, rows):
+        take_at = jax.lax.dynamic_slice_in_dim(src_p, i * chunk, chunk)
+        put_at = jax.lax.dynamic_slice_in_dim(dst_p, i * chunk, chunk)
+        out = []
+        for x in rows:
+            got = jnp.take(x, take_at, axis=1)
+            if transform is not None:
+                got = transform(got, i * chunk)
+            out.append(x.at[:, put_at].set(got.astype(x.dtype), mode="drop"))
+        return tuple(out)
+
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, step, tuple(arrays))
+
+
 def release_pages(kv: PagedKV, pages: jax.Array, *, holding_live: bool = True) -> PagedKV:
     """Returns pages (`[K]` ids, -1 entries ignored) to the pool: pushed on the free stack, class FREE, slots invalid.
 

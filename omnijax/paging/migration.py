@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from omnijax.kv.paged import PagedKV, release_pages, table_slots
+from omnijax.kv.paged import PagedKV, copy_rows, listed_first, release_pages, table_slots
 
 
 def live_slots(kv: PagedKV) -> jax.Array:
@@ -45,21 +45,10 @@ def apply_moves(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array | 
     def move_columns(merged):  # [..., N * P] -> the same with every move applied at once
         return merged.at[..., dst].set(jnp.take(merged, gather_at, axis=-1), mode="drop")
 
-    def move_kv(k, v):  # [L, N * P, ...] each, `chunk` list entries a step
-        pad = -src.shape[0] % chunk
-        src_p = jnp.pad(gather_at, (0, pad))
-        dst_p = jnp.pad(dst, (0, pad), constant_values=N * P)
-
-        def step(i, kv_rows):
-            take_at = jax.lax.dynamic_slice_in_dim(src_p, i * chunk, chunk)
-            put_at = jax.lax.dynamic_slice_in_dim(dst_p, i * chunk, chunk)
-            return tuple(x.at[:, put_at].set(jnp.take(x, take_at, axis=1), mode="drop") for x in kv_rows)
-
-        return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, step, (k, v))
-
     if count is None:
         count = src.shape[0]
-    k, v = move_kv(*(x.reshape((x.shape[0], N * P) + x.shape[3:]) for x in (kv.k, kv.v)))  # [L, N * P, G, d]
+    k, v = copy_rows(tuple(x.reshape((x.shape[0], N * P) + x.shape[3:]) for x in (kv.k, kv.v)), src, dst, count,
+                     chunk=chunk)  # [L, N * P, G, d]
     # Every slot field travels in one gather and one scatter: stacked as int32 rows of the flat slot axis.
     fields = {name: getattr(kv, name) for name in _SLOT_FIELDS}
     rows = jnp.concatenate([_as_int32(f).reshape(-1, N * P) for f in fields.values()])  # [R, N * P]
@@ -101,10 +90,8 @@ def apply_plan(kv: PagedKV, dst: jax.Array, accepted: jax.Array, chunk: int = 25
     src_flat = jnp.where(move, flat, N * P).reshape(-1)
     dst_flat = jnp.where(move, jnp.take_along_axis(flat, jnp.clip(dst, 0, flat.shape[1] - 1), axis=1),
                          N * P).reshape(-1)
-    listed = move.reshape(-1)
-    at = jnp.where(listed, jnp.cumsum(listed) - 1, listed.size)  # moves first, in table order
-    src_dst = jnp.full((2, listed.size), N * P, jnp.int32).at[:, at].set(jnp.stack([src_flat, dst_flat]), mode="drop")
-    kv = apply_moves(kv, src_dst[0], src_dst[1], count=jnp.sum(listed), chunk=chunk)
+    src_dst, count = listed_first(move.reshape(-1), jnp.stack([src_flat, dst_flat]), N * P)  # moves first
+    kv = apply_moves(kv, src_dst[0], src_dst[1], count=count, chunk=chunk)
     return kv, jnp.sum(move, axis=1).astype(jnp.int32)
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.kv import rope as rope_lib
-from omnijax.kv.paged import PagedKV, table_slots
+from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
 from omnijax.units import SpanKind
 
 
@@ -153,11 +153,17 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     moved = jnp.where(keep & (delta > 0), flat, N * P).reshape(-1)  # only survivors that shift
     d = delta.reshape(-1)
     pos = jax.vmap(lambda p: p.reshape(-1).at[moved].add(-d, mode="drop").reshape(N, P))(kv.pos)
-    # Re-rotate keys by -delta: the rotation by a position shift is the rotation at that (negative) position.
-    slot_delta = jnp.zeros((N * P,), jnp.int32).at[moved].set(d, mode="drop").reshape(N, P)
+    # Re-rotate the shifted keys by -delta (the rotation by a position shift is the rotation at that negative
+    # position), in place and only those: listed first, then read, rotated and written back over every layer.
     theta, section = rope
-    angles = rope_lib.rope_angles(-slot_delta[None], kv.k.shape[-1], theta, section)  # [N, P, d/2]
-    k = jax.vmap(lambda layer: rope_lib.apply_rope(layer, angles))(kv.k)
+    shifted, count = listed_first(moved < N * P, jnp.stack([moved, d]), N * P)  # [2, B*S]: slot, delta
+    angles = rope_lib.rope_angles(-shifted[1][None], kv.k.shape[-1], theta, section)  # [B*S, d/2]
+    chunk = 256
+    angles = jnp.pad(angles, ((0, -angles.shape[0] % chunk), (0, 0)))
+    rotate = lambda rows, start: rope_lib.apply_rope(rows, jax.lax.dynamic_slice_in_dim(angles, start, chunk))
+    L, G, hd = kv.k.shape[0], kv.k.shape[3], kv.k.shape[4]
+    (k,) = copy_rows((kv.k.reshape(L, N * P, G, hd),), shifted[0], shifted[0], count, chunk=chunk, transform=rotate)
+    k = k.reshape(kv.k.shape)
     return kv.replace(pos=pos, k=k), next_pos - total, evicted
 
 
