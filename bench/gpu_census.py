@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import sys
@@ -56,6 +57,8 @@ LAUNCHES = ("fusion", "custom-call", "copy", "while", "conditional", "sort", "sc
 _COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(")
 _LOOP = re.compile(r" while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
+_SHAPE = re.compile(r"= [a-z0-9]+\[([0-9,]*)\]")
+BIG = 1 << 20  # elements: a copy this large is of (a layer stack of) K or V, not of bookkeeping
 
 
 def census(hlo: str) -> dict:
@@ -73,7 +76,7 @@ def census(hlo: str) -> dict:
     nested = {called for lines in bodies.values() for line in lines
               for called in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)}
     loops = {c for lines in bodies.values() for line in lines for c in (_LOOP.findall(line) or [()])[0]}
-    once, per_iteration = collections.Counter(), collections.Counter()
+    once, per_iteration, big_copies = collections.Counter(), collections.Counter(), 0
     for name, lines in bodies.items():
         if name in nested:
             continue
@@ -81,7 +84,10 @@ def census(hlo: str) -> dict:
         for line in lines:
             if (m := _OPCODE.match(line)) and m.group(1) in LAUNCHES:
                 counter[m.group(1)] += 1
-    return {"once": dict(once), "per_iteration": dict(per_iteration),
+                if m.group(1) == "copy" and (shape := _SHAPE.search(line)) and \
+                        math.prod(int(n) for n in shape.group(1).split(",") if n) >= BIG:
+                    big_copies += 1
+    return {"once": dict(once), "per_iteration": dict(per_iteration), "big_copies": big_copies,
             "launches_once": sum(once.values()), "launches_per_iteration": sum(per_iteration.values())}
 
 
@@ -133,7 +139,38 @@ def calls():
             for how, v in views.items():
                 args = (s((1, T, H, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), v)
                 out.append((f"attention {impl} {phase}, page index {how}", layered(attend), args, False))
+    for impl in ("pallas", "xla"):
+        out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
     return out
+
+
+def chunk_step_call(impl):
+    """`stream.chunk_step` of Qwen2.5-Omni-7B in bfloat16 (abstract weights) on a 124-token unit: prefill through 28
+    layers (`impl` attention), OmniPick's trim and tile_skip's migration under their `lax.cond`s."""
+    import importlib
+    from unittest import mock
+
+    import jax
+    from flax import nnx
+    import omnijax
+    from omnijax import synthetic
+    from omnijax.config import QWEN2_5_OMNI_7B
+    from omnijax.retention import OmniPick
+
+    stream = importlib.import_module("omnijax.stream")
+    cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
+    chunk = jax.tree.map(lambda x: x[1], synthetic.qwen_av_session(3, vocab_size=cfg.vocab_size))
+    state = jax.eval_shape(lambda: stream.init_state(cfg, num_pages=48, page_size=64))
+
+    def step(params, state, chunk):
+        model = nnx.merge(graphdef, params)
+        # `attention.attend` runs the kernel interpreted when the default backend is the CPU, as it is here.
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            return stream.chunk_step(model, state, chunk, policy=OmniPick(), max_answer_tokens=0, impl=impl,
+                                     paging="tile_skip")
+
+    return step, (params, state, chunk), False
 
 
 def main(argv=None):
@@ -147,15 +184,16 @@ def main(argv=None):
 
     rows, start = [], time.perf_counter()
     print(f"jax {jax.__version__}, library from {args.root}, target: H200 (sm_90), compile only")
-    print(f"{'call':<46} {'once':>5} {'loop':>5}  details (loop: launches per iteration of its while loops, nested ones summed)")
+    print(f"{'call':<46} {'once':>5} {'loop':>5} {'big':>5}  details (loop: launches per iteration of its while loops, "
+          "nested ones summed; big: copies of a K or V stack)")
     for name, fn, call_args, donate in calls():
         try:
             row = {"call": name, **census(compile_for_h200(fn, *call_args, donate=donate))}
         except Exception as e:  # an older checkout may lack an argument this call passes
             row = {"call": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-            print(f"{name:<46} {'-':>5} {'-':>5}  {row['error']}")
+            print(f"{name:<46} {'-':>5} {'-':>5} {'-':>5}  {row['error']}")
         else:
-            print(f"{name:<46} {row['launches_once']:>5} {row['launches_per_iteration']:>5}  "
+            print(f"{name:<46} {row['launches_once']:>5} {row['launches_per_iteration']:>5} {row['big_copies']:>5}  "
                   f"{row['once']} | {row['per_iteration']}")
         rows.append(row)
     out = Path(args.out)
