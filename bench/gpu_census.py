@@ -4,8 +4,10 @@ XLA:GPU can compile for a described device with no GPU present (jax's compile-on
 `GpuTargetConfigProto`, `TARGET` below: H200 facts, sm_90). The optimized HLO it returns is what the GPU would run,
 after fusion and scheduling, so the launches of a call can be counted here: fusions, custom calls (Triton kernels),
 copies, while loops (each iteration launches its body and reads the loop predicate back on the host) and
-conditionals (one predicate read-back). Counts are not timings, but on a GPU a small call's time is mostly its
-launches and read-backs, so they tell which version of a migration or of a layer's attention launches less.
+conditionals (one predicate read-back), and the copies of at least 2**20 elements among them (a dynamic slice in a
+loop, such as a layer's weights sliced from a stacked array in a layer scan, is a memcpy on the GPU). Counts are
+not timings, but on a GPU a small call's time is mostly its launches and read-backs, so they tell which version of
+a migration or of a layer's attention launches less.
 
 Calls counted:
 - the paging modes (`omnipage.tile_skip`, `omnipage.ordered_suffix`, `eager.compact`) on a donated 28-layer cache of
@@ -53,12 +55,13 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 patch: 0 }
 device_description_str: "NVIDIA H200"
 """
-LAUNCHES = ("fusion", "custom-call", "copy", "while", "conditional", "sort", "scatter", "gather")
+LAUNCHES = ("fusion", "fusion-start", "custom-call", "copy", "copy-start", "while", "conditional", "sort", "scatter",
+            "gather")  # an async op counts once, at its start
 _COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(")
 _LOOP = re.compile(r" while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
-_SHAPE = re.compile(r"= [a-z0-9]+\[([0-9,]*)\]")
-BIG = 1 << 20  # elements: a copy this large is of (a layer stack of) K or V, not of bookkeeping
+_SHAPE = re.compile(r"= \(*[a-z0-9]+\[([0-9,]*)\]")
+BIG = 1 << 20  # elements: a copy this large moves K/V pages or weights, not bookkeeping
 
 
 def census(hlo: str) -> dict:
@@ -84,7 +87,8 @@ def census(hlo: str) -> dict:
         for line in lines:
             if (m := _OPCODE.match(line)) and m.group(1) in LAUNCHES:
                 counter[m.group(1)] += 1
-                if m.group(1) == "copy" and (shape := _SHAPE.search(line)) and \
+                copies = m.group(1) == "copy" or "calls=%fused_dynamic_slice" in line  # a memcpy in a loop
+                if copies and (shape := _SHAPE.search(line)) and \
                         math.prod(int(n) for n in shape.group(1).split(",") if n) >= BIG:
                     big_copies += 1
     return {"once": dict(once), "per_iteration": dict(per_iteration), "big_copies": big_copies,
@@ -185,7 +189,7 @@ def main(argv=None):
     rows, start = [], time.perf_counter()
     print(f"jax {jax.__version__}, library from {args.root}, target: H200 (sm_90), compile only")
     print(f"{'call':<46} {'once':>5} {'loop':>5} {'big':>5}  details (loop: launches per iteration of its while loops, "
-          "nested ones summed; big: copies of a K or V stack)")
+          "nested ones summed; big: copies of K/V pages or weights, dynamic slices in loops included)")
     for name, fn, call_args, donate in calls():
         try:
             row = {"call": name, **census(compile_for_h200(fn, *call_args, donate=donate))}

@@ -15,7 +15,8 @@ position re-indexing. A query that sees no key returns zeros.
 What "xla" and "pallas" derive from the cache state (each sequence's active page list, one visibility key per slot:
 a `PageIndex`) is the same for every layer of a chunk. `index_pages(view)` computes it once; a model indexes its view
 before its layer loop, so a layer's attention call does no bookkeeping (on a GPU the layer loop would otherwise
-launch those kernels once per layer: XLA:GPU does not hoist them out of the loop).
+launch those kernels once per layer: XLA:GPU does not hoist them out of the loop). A dead slot's key is INT32_MAX,
+so query orders must stay below it.
 """
 
 from __future__ import annotations
@@ -60,10 +61,6 @@ def index_pages(view: CacheView) -> CacheView:
     if view.pages is not None:
         return view
     return dataclasses.replace(view, pages=page_index(view.page_table, view.slot_valid, view.slot_order))
-
-
-def _page_index(cache: CacheView) -> PageIndex:
-    return page_index(cache.page_table, cache.slot_valid, cache.slot_order) if cache.pages is None else cache.pages
 
 
 def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> None:
@@ -123,7 +120,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     R = H // G
-    index = _page_index(cache)  # index.ids[b, :index.count[b]] are read
+    index = index_pages(cache).pages  # index.ids[b, :index.count[b]] are read
 
     def one(q_b, ids_b, count_b, q_order_b):
         qg = q_b.reshape(T, G, R, d)

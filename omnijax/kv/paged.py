@@ -294,8 +294,8 @@ def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, cou
     """Copies rows `src[:count]` to `dst[:count]` of every `[L, R, ...]` array (axis 1 is the row), in place.
 
     The list is walked `chunk` entries a step by a loop with `ceil(count / chunk)` steps, so the cost follows the
-    rows copied, not the list's capacity; entries past `count` must have `dst` out of range (`R`), and such entries
-    are dropped anywhere. `transform(rows [L, chunk, ...], start)` may rewrite each step's rows (`start`: the step's
+    rows copied, not the list's capacity. An entry whose `dst` is out of range (`R`) writes nothing, wherever it is;
+    entries past `count` are not visited, but must be such entries when they share a visited step. `transform(rows [L, chunk, ...], start)` may rewrite each step's rows (`start`: the step's
     first list entry) between the read and the write. Each step reads before it writes; the steps together equal
     one all-at-once copy when no destination is the source of a later entry. Inside the loop the scatter updates
     its buffer in place, where as straight-line code in a `lax.cond` branch XLA:GPU may copy the whole array.
