@@ -15,7 +15,9 @@ Calls counted:
   `bench/attention_kernel.py`;
 - one layer of attention inside a 28-layer loop (`attention_kernel.layered`), bfloat16, prefill (124 queries) and
   decode (1 query), `impl="pallas"` (the Triton kernel) and `impl="xla"`, with the cache view indexed once before
-  the loop (as a model does) and without (every layer derives the page index again).
+  the loop (as a model does) and without (every layer derives the page index again);
+- a whole streaming step (`stream.chunk_step`) of Qwen2.5-Omni-7B in bfloat16 with abstract weights on a 124-token
+  unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla".
 
 Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), in a separate virtualenv:
     python3.11 -m venv /tmp/census && /tmp/census/bin/pip install "jax[cuda12]==0.10.2" flax==0.12.8 matplotlib
