@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -147,12 +148,14 @@ def calls():
                 out.append((f"attention {impl} {phase}, page index {how}", layered(attend), args, False))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
+        out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
     return out
 
 
-def chunk_step_call(impl):
+def chunk_step_call(impl, answer=0):
     """`stream.chunk_step` of Qwen2.5-Omni-7B in bfloat16 (abstract weights) on a 124-token unit: prefill through 28
-    layers (`impl` attention), OmniPick's trim and tile_skip's migration under their `lax.cond`s."""
+    layers (`impl` attention), OmniPick's trim and tile_skip's migration under their `lax.cond`s, then `answer`
+    greedy tokens (a while loop whose every iteration runs the 28 layers on one token)."""
     import importlib
     from unittest import mock
 
@@ -167,13 +170,14 @@ def chunk_step_call(impl):
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
     chunk = jax.tree.map(lambda x: x[1], synthetic.qwen_av_session(3, vocab_size=cfg.vocab_size))
+    chunk = dataclasses.replace(chunk, answer_tokens=chunk.answer_tokens + answer)
     state = jax.eval_shape(lambda: stream.init_state(cfg, num_pages=48, page_size=64))
 
     def step(params, state, chunk):
         model = nnx.merge(graphdef, params)
         # `attention.attend` runs the kernel interpreted when the default backend is the CPU, as it is here.
         with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-            return stream.chunk_step(model, state, chunk, policy=OmniPick(), max_answer_tokens=0, impl=impl,
+            return stream.chunk_step(model, state, chunk, policy=OmniPick(), max_answer_tokens=answer, impl=impl,
                                      paging="tile_skip")
 
     return step, (params, state, chunk), False
