@@ -370,7 +370,7 @@ def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_copy_rows_walks_the_list_in_steps_and_transforms_each(chunk):
     """`copy_rows` equals a numpy copy of the first `count` listed rows, each rewritten by the step's transform (which
-    sees the list position of its first row), whatever the step size; entries past `count` are not applied."""
+    receives the step's entries of a per-entry array), whatever the step size; entries past `count` are not applied."""
     rng = np.random.default_rng(7)
     L, R = 2, 10
     x = rng.standard_normal((L, R, 3)).astype(np.float32)
@@ -383,12 +383,13 @@ def test_copy_rows_walks_the_list_in_steps_and_transforms_each(chunk):
     assert np.asarray(listed[0])[: int(count)].tolist() == rows[member].tolist()
     assert (np.asarray(listed)[:, int(count):] == R).all()
     src, dst = listed[0], jnp.where(listed[0] < R, (listed[0] + 1) % R, R)  # each listed row to the next row
-    scale = jnp.arange(R + chunk, dtype=jnp.float32)  # list position -> factor
+    scale = jnp.arange(R, dtype=jnp.float32)  # per list entry: its position, the factor its row is scaled by
 
-    def transform(got, start):
-        return got * jax.lax.dynamic_slice_in_dim(scale, start, chunk)[None, :, None]
+    def transform(got, factor):
+        return got * factor[None, :, None]
 
-    got_x, got_y = paged.copy_rows((jnp.asarray(x), jnp.asarray(y)), src, dst, count, chunk=chunk, transform=transform)
+    got_x, got_y = paged.copy_rows((jnp.asarray(x), jnp.asarray(y)), src, dst, count, chunk=chunk, transform=transform,
+                                   extra=scale)
     want_x, want_y = x.copy(), y.copy()
     # Reference: the same stepping, each step reading all its sources before writing (row r goes to r + 1, so a
     # later step may read what an earlier one wrote).

@@ -290,29 +290,33 @@ def listed_first(member: jax.Array, values: jax.Array, none: int) -> tuple[jax.A
 
 
 def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, count: jax.Array, *, chunk: int = 256,
-              transform=None) -> tuple[jax.Array, ...]:
+              transform=None, extra: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Copies rows `src[:count]` to `dst[:count]` of every `[L, R, ...]` array (axis 1 is the row), in place.
 
     The list is walked `chunk` entries a step by a loop with `ceil(count / chunk)` steps, so the cost follows the
     rows copied, not the list's capacity. An entry whose `dst` is out of range (`R`) writes nothing, wherever it is;
-    entries past `count` are not visited, but must be such entries when they share a visited step. `transform(rows [L, chunk, ...], start)` may rewrite each step's rows (`start`: the step's
-    first list entry) between the read and the write. Each step reads before it writes; the steps together equal
-    one all-at-once copy when no destination is the source of a later entry. Inside the loop the scatter updates
-    its buffer in place, where as straight-line code in a `lax.cond` branch XLA:GPU may copy the whole array.
+    entries past `count` are not visited, but must be such entries when they share a visited step.
+    `transform(rows [L, chunk, ...], extra [chunk, ...])` may rewrite each step's rows between the read and the write,
+    given the step's entries of the per-entry array `extra [K, ...]`. Each step reads before it writes; the steps
+    together equal one all-at-once copy when no destination is the source of a later entry. Inside the loop the
+    scatter updates its buffer in place, where as straight-line code in a `lax.cond` branch XLA:GPU may copy the
+    whole array.
     """
     R = arrays[0].shape[1]
     pad = -src.shape[0] % chunk
     src_p = jnp.pad(jnp.clip(src, 0, R - 1), (0, pad))
     dst_p = jnp.pad(dst, (0, pad), constant_values=R)
+    extra_p = None if extra is None else jnp.pad(extra, [(0, pad)] + [(0, 0)] * (extra.ndim - 1))
 
     def step(i, rows):
         take_at = jax.lax.dynamic_slice_in_dim(src_p, i * chunk, chunk)
         put_at = jax.lax.dynamic_slice_in_dim(dst_p, i * chunk, chunk)
+        step_extra = None if extra_p is None else jax.lax.dynamic_slice_in_dim(extra_p, i * chunk, chunk)
         out = []
         for x in rows:
             got = jnp.take(x, take_at, axis=1)
             if transform is not None:
-                got = transform(got, i * chunk)
+                got = transform(got, step_extra)
             out.append(x.at[:, put_at].set(got.astype(x.dtype), mode="drop"))
         return tuple(out)
 

@@ -158,11 +158,9 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     theta, section = rope
     shifted, count = listed_first(moved < N * P, jnp.stack([moved, d]), N * P)  # [2, B*S]: slot, delta
     angles = rope_lib.rope_angles(-shifted[1][None], kv.k.shape[-1], theta, section)  # [B*S, d/2]
-    chunk = 256
-    angles = jnp.pad(angles, ((0, -angles.shape[0] % chunk), (0, 0)))
-    rotate = lambda rows, start: rope_lib.apply_rope(rows, jax.lax.dynamic_slice_in_dim(angles, start, chunk))
     L, G, hd = kv.k.shape[0], kv.k.shape[3], kv.k.shape[4]
-    (k,) = copy_rows((kv.k.reshape(L, N * P, G, hd),), shifted[0], shifted[0], count, chunk=chunk, transform=rotate)
+    (k,) = copy_rows((kv.k.reshape(L, N * P, G, hd),), shifted[0], shifted[0], count, transform=rope_lib.apply_rope,
+                     extra=angles)
     k = k.reshape(kv.k.shape)
     return kv.replace(pos=pos, k=k), next_pos - total, evicted
 
