@@ -115,25 +115,18 @@ def calls():
     import jax.numpy as jnp
     from omnijax import attention
     from omnijax.kv import paged
-    from omnijax.paging import eager, omnipage
     from pallas_kernels.block_sparse_attention import block_sparse_attention
 
-    layers, N, P, G, D, H = 28, 48, 64, 4, 128, 28
-    kv = jax.eval_shape(lambda: paged.init(num_layers=layers, num_kv_heads=G, head_dim=D, num_pages=N, page_size=P))
-    out = [(f"migration {m}", fn, (kv,), True) for m, fn in (
-        ("tile_skip", lambda kv: omnipage.tile_skip(kv, 32)), ("ordered_suffix", lambda kv: omnipage.ordered_suffix(kv, 1)),
-        ("eager", eager.compact))]
+    from attention_kernel import D, G, H, MODE_FNS, OMNI_POOL, PAGE, layered
 
-    def pallas(q, k, v, view):
+    layers, N, P = 28, OMNI_POOL, PAGE
+    kv = jax.eval_shape(lambda: paged.init(num_layers=layers, num_kv_heads=G, head_dim=D, num_pages=N, page_size=P))
+    out = [(f"migration {m}", fn, (kv,), True) for m, fn in MODE_FNS.items()]
+
+    def pallas(q, k, v, view):  # `attention_kernel.pallas_attend`, without `index=` where an older library lacks it
         indexed = {"index": view.pages} if getattr(view, "pages", None) is not None else {}
         return block_sparse_attention(q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order,
                                       interpret=False, **indexed)
-
-    def layered(attend):  # `attention_kernel.layered`, repeated here so an older checkout needs only the library
-        def run(q, k, v, view):
-            step = lambda _, o: attend(q + 1e-30 * o, k, v, view)
-            return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q))
-        return run
 
     s = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
     for phase, T in (("prefill", 124), ("decode", 1)):
@@ -145,7 +138,7 @@ def calls():
         for impl, attend in (("pallas", pallas), ("xla", lambda *a: attention.attend(*a, impl="xla"))):
             for how, v in views.items():
                 args = (s((1, T, H, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), v)
-                out.append((f"attention {impl} {phase}, page index {how}", layered(attend), args, False))
+                out.append((f"attention {impl} {phase}, page index {how}", layered(attend, layers), args, False))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
