@@ -118,7 +118,7 @@ def capture(model, chunks, policy, paging, num_pages, keep=None):
     rows, tokens = [], 0
     for i in range(chunks.token_ids.shape[0]):
         chunk = jax.tree.map(lambda x: x[i], chunks)
-        prev = session.state
+        prev = None if shadow is None else jax.tree.map(jnp.copy, session.state)  # `feed` donates the state
         out = session.feed(chunk)
         tokens += int(np.asarray(chunk.valid).sum())
         kv, st = session.state.kv, out.stats

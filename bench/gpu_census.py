@@ -17,7 +17,8 @@ Calls counted:
   decode (1 query), `impl="pallas"` (the Triton kernel) and `impl="xla"`, with the cache view indexed once before
   the loop (as a model does) and without (every layer derives the page index again);
 - a whole streaming step (`stream.chunk_step`) of Qwen2.5-Omni-7B in bfloat16 with abstract weights on a 124-token
-  unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla".
+  unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla", its state donated (as `Session` and the
+  serving engine do), without and with a 4-token answer.
 
 Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), in a separate virtualenv:
     python3.11 -m venv /tmp/census && /tmp/census/bin/pip install "jax[cuda12]==0.10.2" flax==0.12.8 matplotlib
@@ -98,19 +99,19 @@ def census(hlo: str) -> dict:
             "launches_once": sum(once.values()), "launches_per_iteration": sum(per_iteration.values())}
 
 
-def compile_for_h200(fn, *args, donate: bool = False) -> str:
+def compile_for_h200(fn, *args, donate: tuple[int, ...] = ()) -> str:
     import jax
     from jax.experimental import topologies
 
     device = topologies.get_topology_desc("1x1x1", platform="cuda", target_config=TARGET, topology="1x1x1").devices[0]
     on_device = jax.sharding.SingleDeviceSharding(device)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), args)
-    jitted = jax.jit(fn, donate_argnums=0) if donate else jax.jit(fn)
+    jitted = jax.jit(fn, donate_argnums=donate)
     return jitted.trace(*args).lower().compile().as_text()
 
 
 def calls():
-    """(name, fn, abstract args, donate) of every counted call."""
+    """(name, fn, abstract args, donated argument numbers) of every counted call."""
     import jax
     import jax.numpy as jnp
     from omnijax import attention
@@ -121,7 +122,7 @@ def calls():
 
     layers, N, P = 28, OMNI_POOL, PAGE
     kv = jax.eval_shape(lambda: paged.init(num_layers=layers, num_kv_heads=G, head_dim=D, num_pages=N, page_size=P))
-    out = [(f"migration {m}", fn, (kv,), True) for m, fn in MODE_FNS.items()]
+    out = [(f"migration {m}", fn, (kv,), (0,)) for m, fn in MODE_FNS.items()]
 
     def pallas(q, k, v, view):  # `attention_kernel.pallas_attend`, without `index=` where an older library lacks it
         indexed = {"index": view.pages} if getattr(view, "pages", None) is not None else {}
@@ -138,7 +139,7 @@ def calls():
         for impl, attend in (("pallas", pallas), ("xla", lambda *a: attention.attend(*a, impl="xla"))):
             for how, v in views.items():
                 args = (s((1, T, H, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), v)
-                out.append((f"attention {impl} {phase}, page index {how}", layered(attend, layers), args, False))
+                out.append((f"attention {impl} {phase}, page index {how}", layered(attend, layers), args, ()))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
@@ -173,7 +174,7 @@ def chunk_step_call(impl, answer=0):
             return stream.chunk_step(model, state, chunk, policy=OmniPick(), max_answer_tokens=answer, impl=impl,
                                      paging="tile_skip")
 
-    return step, (params, state, chunk), False
+    return step, (params, state, chunk), (1,)  # the state is donated, as `Session` and the serving engine do
 
 
 def main(argv=None):

@@ -1,12 +1,18 @@
 """Attention over the paged KV cache, with explicit implementations and no silent fallback.
 
-`attend(q, k_pages, v_pages, cache, impl=...)`:
+`attend(q, k_pages, v_pages, cache, impl=..., layer=None)`:
     impl="reference": dense jnp over every page-table entry of each sequence, masked by slot validity and write
         order (the oracle every other implementation is tested against).
     impl="xla": visits only each sequence's active pages (pages holding a live slot), in page-table order, with a
         dynamic trip count and an online softmax, so its cost follows active pages on any backend.
     impl="pallas": the block-sparse flash-attention kernel of `pallas_kernels.block_sparse_attention` (Triton on a
         GPU; the same kernel in Pallas interpret mode on CPU, chosen by the default backend).
+
+`k_pages`/`v_pages` are one layer's `[N, P, G, d]`, or with `layer=` (an int32 scalar, traced inside a model's layer
+loop) every layer's `[L, N, P, G, d]` stack, of which only that layer's pages are read. A model's layer loop carries
+the whole stack, writes each layer's new rows in place and attends with `layer=`: slicing a layer out instead would
+copy it (XLA:GPU turns a dynamic slice in a loop into a memcpy), and a stack scanned as loop input and output is
+rewritten whole on every call, so a step would cost time in proportion to the pool rather than to what it holds.
 
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
@@ -63,29 +69,34 @@ def index_pages(view: CacheView) -> CacheView:
     return dataclasses.replace(view, pages=page_index(view.page_table, view.slot_valid, view.slot_order))
 
 
-def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> None:
+def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, layer=None) -> None:
     """Shape checks shared by every implementation (static shapes only, so it is free under jit)."""
-    validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order)
+    validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order, layer)
     if cache.pages is not None:
         validate_index(cache.pages, cache.page_table, cache.slot_valid)
 
 
+def _read_pages(pages: jax.Array, layer, ids: jax.Array) -> jax.Array:
+    """Pages `ids` of one layer (`pages [N, P, ...]`) or of layer `layer` of a stack (`[L, N, P, ...]`), one gather."""
+    return pages[ids] if layer is None else pages[layer, ids]
+
+
 def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-                     with_mass: bool = False):
+                     with_mass: bool = False, layer=None):
     """Dense masked attention over each sequence's gathered pages. Returns `[B, T, H, d]` in `q.dtype`.
 
     With `with_mass`, also returns `[N, P]` float32: the attention probability each slot received, summed over the
     chunk's written queries and averaged over heads (the accumulated-attention signal of H2O).
     """
-    validate(q, k_pages, v_pages, cache)
+    validate(q, k_pages, v_pages, cache, layer)
     B, T, H, d = q.shape
-    N, P, G, _ = k_pages.shape
+    N, P, G, _ = k_pages.shape[-4:]
     M = cache.page_table.shape[1]
     table = cache.page_table  # [B, M]
     has_page = table >= 0
     pages = jnp.clip(table, 0, N - 1)
-    k = k_pages[pages].reshape(B, M * P, G, d)  # [B, S, G, d]
-    v = v_pages[pages].reshape(B, M * P, G, d)
+    k = _read_pages(k_pages, layer, pages).reshape(B, M * P, G, d)  # [B, S, G, d]
+    v = _read_pages(v_pages, layer, pages).reshape(B, M * P, G, d)
     live = (cache.slot_valid[pages] & has_page[..., None]).reshape(B, M * P)  # [B, S]
     order = cache.slot_order[pages].reshape(B, M * P)
     # Dirty slots may hold anything (even NaN): zero them so masked probabilities cannot meet NaN values.
@@ -114,11 +125,11 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
     return out, mass.reshape(N, P)
 
 
-def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView) -> jax.Array:
+def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *, layer=None) -> jax.Array:
     """Online-softmax attention over active pages only (`fori_loop` with each sequence's active-page count)."""
-    validate(q, k_pages, v_pages, cache)
+    validate(q, k_pages, v_pages, cache, layer)
     B, T, H, d = q.shape
-    N, P, G, _ = k_pages.shape
+    N, P, G, _ = k_pages.shape[-4:]
     R = H // G
     index = index_pages(cache).pages  # index.ids[b, :index.count[b]] are read
 
@@ -130,8 +141,8 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
             page = ids_b[i]
             key = index.slot_key[page]  # [P]: write order where live, INT32_MAX where dead
             live = key != DEAD_KEY
-            k = jnp.where(live[:, None, None], k_pages[page], 0)  # dead slots may hold anything, even NaN
-            v = jnp.where(live[:, None, None], v_pages[page], 0)
+            k = jnp.where(live[:, None, None], _read_pages(k_pages, layer, page), 0)  # dead slots: even NaN
+            v = jnp.where(live[:, None, None], _read_pages(v_pages, layer, page), 0)
             ok = key[None, :] <= q_order_b[:, None]  # [T, P]
             s = jnp.einsum("tgrd,pgd->grtp", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
             s = jnp.where(ok, s, -jnp.inf)
@@ -154,19 +165,21 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-           impl: str = "reference", with_mass: bool = False):
+           impl: str = "reference", with_mass: bool = False, layer=None):
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
 
+    `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes one layer's `[N, P, G, d]`.
     With `with_mass`, returns `(out, mass [N, P])` (see `attend_reference`).
     """
     if impl == "reference":
-        return attend_reference(q, k_pages, v_pages, cache, with_mass=with_mass)
+        return attend_reference(q, k_pages, v_pages, cache, with_mass=with_mass, layer=layer)
     if with_mass:
         raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
     if impl == "xla":
-        return attend_xla(q, k_pages, v_pages, cache)
+        return attend_xla(q, k_pages, v_pages, cache, layer=layer)
     if impl == "pallas":
-        validate(q, k_pages, v_pages, cache)
+        validate(q, k_pages, v_pages, cache, layer)
         return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
-                                      cache.q_order, index=cache.pages, interpret=jax.default_backend() == "cpu")
+                                      cache.q_order, layer=layer, index=cache.pages,
+                                      interpret=jax.default_backend() == "cpu")
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")

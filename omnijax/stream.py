@@ -176,8 +176,7 @@ def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
 _STATIC = ("graphdef", "policy", "max_answer_tokens", "impl", "subblock", "paging")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _scan(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock, paging):
+def _scan_chunks(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock, paging):
     model = nnx.merge(graphdef, params)
 
     def body(state, chunk):
@@ -187,7 +186,14 @@ def _scan(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, s
     return jax.lax.scan(body, state, chunks)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+# The cache is updated in place (the layers' K/V writes, the trim's re-rotation, a migration's copies) only where
+# the step owns its input state: a state that is not donated is first copied whole. `stream` donates the state it
+# creates and keeps one given to it; `Session` owns its state.
+_scan = jax.jit(_scan_chunks, static_argnames=_STATIC)
+_scan_owned = jax.jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl, subblock, paging):
     model = nnx.merge(graphdef, params)
     return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
@@ -211,7 +217,8 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         policy: retention policy (static; part of the compiled program).
         max_answer_tokens: tau, the most greedy tokens any chunk may ask for.
         impl: attention implementation.
-        state: state to continue from; default an empty cache sized by `num_pages`.
+        state: state to continue from (left intact: the program starts from a copy of it); default an empty cache
+            sized by `num_pages`.
         num_pages: pool size when `state` is None (default: enough pages for the whole session without eviction).
         page_size: slots per page when `state` is None.
         subblock: subblock size for the active-subblock statistic.
@@ -222,14 +229,15 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
     config = graphdef_config(model)
     chunks_lib.validate(chunks, config, max_answer_tokens=max_answer_tokens, stacked=True)
     chunks = jax.tree.map(jnp.asarray, chunks)
+    run = _scan if state is not None else _scan_owned
     if state is None:
         if num_pages is None:
             num_pages = max(1, pages_needed(chunks, max_answer_tokens, page_size))
         state = init_state(config, num_pages=num_pages, page_size=page_size, batch=chunks.token_ids.shape[1])
     elif state.kv.batch != chunks.token_ids.shape[1]:
         raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
-    final, out = _scan(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
-                       impl=impl, subblock=subblock, paging=paging)
+    final, out = run(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
+                     impl=impl, subblock=subblock, paging=paging)
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
 
 
@@ -240,6 +248,10 @@ def graphdef_config(model):
 
 class Session:
     """Step-wise streaming for real-time use: the same jitted step as `stream`, one chunk per call.
+
+    Every `feed` donates `session.state` to the step, which updates the cache in place and replaces `session.state`;
+    arrays of an earlier state are deleted then. To keep a state for later, copy it
+    (`jax.tree.map(jnp.copy, session.state)`); a `state` given to the constructor is copied.
 
     Example:
         session = Session(model, num_pages=64, max_answer_tokens=16)
@@ -253,7 +265,7 @@ class Session:
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
         self.paging = paging_lib.as_paging(paging)
-        state = state if state is not None else init_state(
+        state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=page_size, batch=batch)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.

@@ -11,7 +11,10 @@ token of a chunk, softmax attention over the key slots it may see:
 A query that sees no key returns zeros. Dead slots may hold anything, NaN included; they never reach the output.
 
 Layout: `q [B, T, H, d]`, `k_pages`/`v_pages [N, P, G, d]` (N physical pages of P slots, G kv heads, H = G * R),
-`page_table [B, M]` int32, `slot_valid [N, P]` bool, `slot_order [N, P]` int32, `q_order [B, T]` int32.
+`page_table [B, M]` int32, `slot_valid [N, P]` bool, `slot_order [N, P]` int32, `q_order [B, T]` int32. With
+`layer=` (an int32 scalar, traced or not), `k_pages`/`v_pages` are every layer's stack `[L, N, P, G, d]` and the call
+reads layer `layer` only: a model's layer loop hands the kernel the whole cache it carries, so no layer is sliced out
+(XLA:GPU copies a dynamic slice taken in a loop) and the cache can be updated in place.
 
 The kernel's grid is (batch, kv head, query block). The R query heads that share a kv head are processed together:
 query rows are laid out as `t * R + r`, so one block of rows mixes heads and tokens and every key page is loaded once
@@ -54,14 +57,20 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order) -> None:
-    """Shape checks every paged-attention implementation needs (static, so free under jit)."""
+def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=None) -> None:
+    """Shape checks every paged-attention implementation needs (static, so free under jit).
+
+    With `layer` (a scalar), `k_pages`/`v_pages` are layer stacks `[L, N, P, G, d]`, else one layer's `[N, P, G, d]`.
+    """
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, d], got shape {q.shape}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k/v pages must both be [N, P, G, d], got {k_pages.shape} and {v_pages.shape}")
+    want = "[N, P, G, d]" if layer is None else "[L, N, P, G, d] (layer= given)"
+    if k_pages.ndim != (4 if layer is None else 5) or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k/v pages must both be {want}, got {k_pages.shape} and {v_pages.shape}")
+    if layer is not None and (jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)} of shape {jnp.shape(layer)}")
     B, T, H, d = q.shape
-    N, P, G, dk = k_pages.shape
+    N, P, G, dk = k_pages.shape[-4:]
     if dk != d:
         raise ValueError(f"head_dim mismatch: q has {d}, keys have {dk}")
     if G == 0 or H % G:
@@ -74,13 +83,13 @@ def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_o
         raise ValueError(f"slot metadata must be [N, P] = {(N, P)}, got {slot_valid.shape} and {slot_order.shape}")
 
 
-def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, block_q=None,
+def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, layer=None, block_q=None,
               num_splits=1, index=None) -> None:
     """Static checks shared by the kernel and the reference: shapes, then dtypes and power-of-two sizes."""
-    validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
+    validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer)
     if index is not None:
         validate_index(index, page_table, slot_valid)
-    P, d = k_pages.shape[1], q.shape[3]
+    P, d = k_pages.shape[-3], q.shape[3]
     if not _is_pow2(P):
         raise ValueError(f"page size must be a power of two, got {P}")
     if not _is_pow2(d):
@@ -152,8 +161,8 @@ def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Arra
     return ids, count
 
 
-def _attend_pages(ids_ref, b, start, stop, q, qo, k_ref, v_ref, key_ref, scale: float):
-    """Online softmax of query rows `q [block_q, d]` over active pages `ids_ref[b, start:stop]`.
+def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, scale: float):
+    """Online softmax of query rows `q [block_q, d]` over active pages `ids_ref[b, start:stop]` of layer `layer`.
 
     Returns float32 `(acc [block_q, d], m [block_q], l [block_q])`: the unnormalised output, the running row maximum
     (-inf for a row that saw nothing) and the softmax denominator.
@@ -166,8 +175,8 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, k_ref, v_ref, key_ref, scale: 
         page = ids_ref[b, i]
         key = key_ref[page, :]  # [P]
         live = key != DEAD_KEY
-        k = k_ref[page, :, :]  # [P, d]
-        v = v_ref[page, :, :]
+        k = k_ref[layer, page, :, :]  # [P, d]
+        v = v_ref[layer, page, :, :]
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))  # dead slots may hold NaN
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=exact,
                             preferred_element_type=jnp.float32) * scale  # [block_q, P]
@@ -188,20 +197,22 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, k_ref, v_ref, key_ref, scale: 
     return lax.fori_loop(start, stop, body, init)
 
 
-def _kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
+def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
     """One (batch, kv head, query block) program over all of the sequence's active pages.
 
-    ids_ref [B, M], count_ref [B]: active page lists (whole arrays). qo_ref [block_q]: order of each query row.
-    q_ref [block_q, d]. k_ref, v_ref [N, P, d]: this kv head's pages. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    layer_ref [1]: the layer to read. ids_ref [B, M], count_ref [B]: active page lists (whole arrays).
+    qo_ref [block_q]: order of each query row. q_ref [block_q, d]. k_ref, v_ref [L, N, P, d]: this kv head's pages of
+    every layer. key_ref [N, P]: slot keys. o_ref [block_q, d].
     """
     b = pl.program_id(0)
-    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo_ref[...], k_ref, v_ref, key_ref, scale)
+    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo_ref[...], layer_ref[0], k_ref, v_ref,
+                              key_ref, scale)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw nothing stays zero
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _split_kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *, scale: float,
-                  num_splits: int):
+def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *,
+                  scale: float, num_splits: int):
     """One (batch, kv head, query block, split) program over split s of the active pages (split-K).
 
     Split s takes pages [s * c, min((s + 1) * c, count)) of the active list, c = ceil(count / num_splits), and
@@ -212,8 +223,8 @@ def _split_kernel(ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_
     count = count_ref[b]
     per = (count + num_splits - 1) // num_splits
     start = jnp.minimum(split * per, count)
-    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo_ref[...], k_ref,
-                              v_ref, key_ref, scale)
+    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo_ref[...],
+                              layer_ref[0], k_ref, v_ref, key_ref, scale)
     acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
@@ -228,20 +239,24 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "num_splits", "interpret", "num_warps", "num_stages"))
-def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
+def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, layer=None,
                            index: PageIndex | None = None, block_q: int = 16, num_splits: int = 1,
                            interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring).
 
-    `index` is `page_index(page_table, slot_valid, slot_order)` when the caller computed it once for many calls
-    (every layer of a chunk); None computes it here. `num_splits > 1` also splits each sequence's active pages over
+    `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes `[N, P, G, d]` pages. `index` is
+    `page_index(page_table, slot_valid, slot_order)` when the caller computed it once for many calls (every layer of
+    a chunk); None computes it here. `num_splits > 1` also splits each sequence's active pages over
     that many programs (split-K, for decode and short chunks, where (batch, kv head, query block) alone gives the GPU
     too few programs) and merges their partial softmax results outside the kernel.
     """
-    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, block_q=block_q,
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer, block_q=block_q,
               num_splits=num_splits, index=index)
+    if layer is None:  # one layer: a stack of one (a free reshape)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     B, T, H, d = q.shape
-    N, P, G, _ = k_pages.shape
+    L, N, P, G, _ = k_pages.shape
     R = H // G
     rows = T * R
     rows_pad = pl.cdiv(rows, block_q) * block_q
@@ -257,12 +272,13 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     M = ids.shape[1]
 
     in_specs = [
+        pl.BlockSpec((1,), lambda b, g, i, *_: (0,)),  # the layer to read
         pl.BlockSpec((B, M), lambda b, g, i, *_: (0, 0)),  # active page ids
         pl.BlockSpec((B,), lambda b, g, i, *_: (0,)),  # active page counts
         pl.BlockSpec((None, block_q), lambda b, g, i, *_: (b, i)),  # query row orders
         pl.BlockSpec((None, None, block_q, d), lambda b, g, i, *_: (b, g, i, 0)),  # queries
-        pl.BlockSpec((N, P, None, d), lambda b, g, i, *_: (0, 0, g, 0)),  # keys of kv head g
-        pl.BlockSpec((N, P, None, d), lambda b, g, i, *_: (0, 0, g, 0)),  # values of kv head g
+        pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # keys of kv head g, every layer
+        pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # values of kv head g
         pl.BlockSpec((N, P), lambda b, g, i, *_: (0, 0)),  # slot keys
     ]
     params = dict(interpret=interpret, name="block_sparse_attention",
@@ -276,7 +292,7 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
             out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
             out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
             **params,
-        )(ids, count, qo, qg, k_pages, v_pages, key)
+        )(layer, ids, count, qo, qg, k_pages, v_pages, key)
     else:
         acc, m, l = pl.pallas_call(
             functools.partial(_split_kernel, scale=scale, num_splits=num_splits),
@@ -289,7 +305,7 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
                        jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32),
                        jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32)],
             **params,
-        )(ids, count, qo, qg, k_pages, v_pages, key)
+        )(layer, ids, count, qo, qg, k_pages, v_pages, key)
         out = _merge_splits(acc, m, l).astype(q.dtype)  # [B, G, rows_pad, d]
 
     out = out[:, :, :rows].reshape(B, G, T, R, d).transpose(0, 2, 1, 3, 4)
@@ -297,9 +313,12 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
 
 
 @jax.jit
-def block_sparse_attention_reference(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order) -> jax.Array:
+def block_sparse_attention_reference(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
+                                     layer=None) -> jax.Array:
     """Dense masked attention over every page-table entry of each sequence (the oracle). Returns `[B, T, H, d]`."""
-    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order)
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     B, T, H, d = q.shape
     N, P, G, _ = k_pages.shape
     M = page_table.shape[1]

@@ -184,6 +184,38 @@ def test_precomputed_index_of_another_shape_is_refused():
             block_sparse_attention(*args, index=wrong, interpret=True)
 
 
+def stacked(args, layer, num_layers=3, seed=7):
+    """The case's K/V as layer `layer` of a `[num_layers, N, P, G, d]` stack whose other layers hold noise."""
+    q, k, v = args[:3]
+    noise = jax.random.normal(jax.random.key(seed), (2, num_layers) + k.shape).astype(k.dtype)
+    return (q, noise[0].at[layer].set(k), noise[1].at[layer].set(v)) + tuple(args[3:])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["whole", "split"])
+@pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
+def test_layer_of_a_stack_equals_that_layer_alone(T, num_splits):
+    # A model's layer loop passes its whole K/V stack and the layer number (traced) instead of slicing a layer.
+    args = make_case(50 + T, T=T, H=4, G=2)
+    want = np.asarray(kernel(*args, num_splits=num_splits))
+    layered = jax.jit(lambda layer, *a: block_sparse_attention(*a, layer=layer, num_splits=num_splits,
+                                                               interpret=INTERPRET))
+    for layer in (0, 2):
+        stack = stacked(args, layer)
+        np.testing.assert_array_equal(np.asarray(layered(jnp.int32(layer), *stack)), want)
+        ref = block_sparse_attention_reference(*stack, layer=layer)
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(block_sparse_attention_reference(*args)))
+
+
+def test_layer_stack_validation():
+    args = make_case(5, T=2, H=4, G=2)
+    with pytest.raises(ValueError, match=r"\[L, N, P, G, d\]"):
+        block_sparse_attention(*args, layer=0, interpret=True)  # one layer's pages given as a stack
+    with pytest.raises(ValueError, match=r"\[N, P, G, d\]"):
+        block_sparse_attention_reference(*stacked(args, 0))  # a stack without its layer
+    with pytest.raises(ValueError, match="integer scalar"):
+        block_sparse_attention(*stacked(args, 0), layer=jnp.zeros((1,), jnp.int32), interpret=True)
+
+
 def test_validation_is_shared():
     args = make_case(5, T=2, H=4, G=2)
     q, k, v, table, valid, order, q_order = args
@@ -214,3 +246,15 @@ def test_lowers_to_triton_for_cuda(dtype, T, num_splits):
     assert has_triton_call(text)
     interp = lower_for_cuda(lambda *a: block_sparse_attention(*a, interpret=True), *args)
     assert not has_triton_call(interp)
+
+
+@pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
+def test_layer_of_a_stack_lowers_to_triton_for_cuda(T):
+    # Inside a layer scan: the layer number is traced and the whole stack goes to the kernel, no slice before it.
+    args = stacked(make_case(6, T=T, H=4, G=2, d=32), 1)
+
+    def layers(*a):
+        return jax.lax.fori_loop(0, 3, lambda i, q: block_sparse_attention(q, *a[1:], layer=i, interpret=False), a[0])
+
+    text = lower_for_cuda(layers, *args)
+    assert has_triton_call(text)

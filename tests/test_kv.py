@@ -86,6 +86,38 @@ def test_permuted_page_table_matches_dense_cache(seed, impl):
 
 
 @pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
+def test_layer_of_a_stack_equals_the_layer_alone(impl):
+    # A model's layer loop writes and reads layer `i` (traced) of the whole [L, N, P, G, d] stack it carries.
+    rng = np.random.default_rng(9)
+    B, P, L = 2, 4, 3
+    kv = _shuffled(paged.init(num_layers=L, num_kv_heads=G, head_dim=D, num_pages=16, page_size=P, batch=B,
+                              max_pages=8, position_axes=1), 9)
+    k_old = rng.standard_normal((L, B, 7, G, D)).astype(np.float32)
+    kv, _ = paged.append(kv, jnp.asarray(k_old), jnp.asarray(-k_old), jnp.ones((B, 7), bool), _meta(B, 7))
+    T = 5
+    k_new = jnp.asarray(rng.standard_normal((B, T, G, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    kv, slots, q_order = paged.reserve(kv, jnp.ones((B, T), bool), _meta(B, T, start=7))
+    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
+                               slot_order=kv.order, q_order=q_order)
+
+    @jax.jit
+    def layered(layer, k_stack, v_stack):
+        k_stack = paged.write_layer(k_stack, slots, k_new, layer=layer)
+        v_stack = paged.write_layer(v_stack, slots, 2 * k_new, layer=layer)
+        return k_stack, attention.attend(q, k_stack, v_stack, view, impl=impl, layer=layer)
+
+    for layer in range(L):
+        k_stack, got = layered(jnp.int32(layer), kv.k, kv.v)
+        k_layer = paged.write_layer(kv.k[layer], slots, k_new)
+        want = attention.attend(q, k_layer, paged.write_layer(kv.v[layer], slots, 2 * k_new), view, impl=impl)
+        np.testing.assert_array_equal(np.asarray(k_stack[layer]), np.asarray(k_layer))
+        others = [i for i in range(L) if i != layer]
+        np.testing.assert_array_equal(np.asarray(k_stack)[others], np.asarray(kv.k)[others])  # untouched
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
 def test_reused_page_never_leaks_old_values(impl):
     rng = np.random.default_rng(3)
     B, P = 1, 4

@@ -255,18 +255,24 @@ def table_slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
     return flat, exists
 
 
-def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array) -> jax.Array:
+def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *, layer=None) -> jax.Array:
     """Scatters one layer's chunk keys or values into its pages; slots of -1 are dropped.
 
     Args:
-        pages: `[N, P, G, d]` one layer's cache.
+        pages: `[N, P, G, d]` one layer's cache, or with `layer` every layer's `[L, N, P, G, d]`.
         write_slots: `[B, T]` flat slot indices from `reserve`.
         values: `[B, T, G, d]`.
+        layer: int32 scalar: the layer of the stack written (one scatter into the stack, in place inside a loop
+            that carries it).
     """
-    N, P, G, d = pages.shape
-    flat_idx = jnp.where(write_slots >= 0, write_slots, N * P).reshape(-1)
-    flat = pages.reshape(N * P, G, d).at[flat_idx].set(values.reshape(-1, G, d).astype(pages.dtype), mode="drop")
-    return flat.reshape(N, P, G, d)
+    N, P, G, d = pages.shape[-4:]
+    slots = write_slots.reshape(-1)
+    page = jnp.where(slots >= 0, slots // P, N)  # out of range: dropped
+    rows = values.reshape(-1, G, d).astype(pages.dtype)
+    if layer is None:
+        return pages.at[page, slots % P].set(rows, mode="drop")
+    # Indexed in the stack's own shape: a reshaped view would give XLA two shapes of one buffer to keep apart.
+    return pages.at[layer, page, slots % P].set(rows, mode="drop")
 
 
 def append(kv: PagedKV, k_new: jax.Array, v_new: jax.Array, token_valid: jax.Array,

@@ -153,14 +153,18 @@ class Decoder(nnx.Module):
         angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)  # [B, T, d/2]
         cache = attention_lib.index_pages(cache)  # once for all layers (see `omnijax.attention`)
 
-        def layer(h, xs):
-            p, k_layer, v_layer = xs
+        # The K/V stacks ride in the scan's carry: each layer writes its rows in place and attends to its own pages
+        # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)
+        def layer(carry, xs):
+            h, k_pages, v_pages = carry
+            p, i = xs
             q, k, v = layer_qkv(c, p, h, angles)
-            k_layer = write_layer(k_layer, cache.write_slots, k)
-            v_layer = write_layer(v_layer, cache.write_slots, v)
-            attn = attention_lib.attend(q, k_layer, v_layer, cache, impl=impl, with_mass=track_scores)
+            k_pages = write_layer(k_pages, cache.write_slots, k, layer=i)
+            v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
+            attn = attention_lib.attend(q, k_pages, v_pages, cache, impl=impl, with_mass=track_scores, layer=i)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
-            return layer_finish(c, p, h, attn), (k_layer, v_layer, mass)
+            return (layer_finish(c, p, h, attn), k_pages, v_pages), mass
 
-        h, (k_pages, v_pages, mass) = jax.lax.scan(layer, x.astype(dt), (self.layers.stacked(), k_pages, v_pages))
+        xs = (self.layers.stacked(), jnp.arange(c.num_layers, dtype=jnp.int32))
+        (h, k_pages, v_pages), mass = jax.lax.scan(layer, (x.astype(dt), k_pages, v_pages), xs)
         return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)

@@ -1,0 +1,149 @@
+"""Per-chunk and per-decoded-token latency, and peak memory, against the size of the KV pool at fixed content.
+
+A bounded session holds the same few thousand cells however large its pool is (a serving engine's pool holds many
+sessions), so a step should cost what the chunk and the live pages cost, not what the pool holds. For every pool
+size the same session (a prompt of 4 units, then timed chunks) is streamed with `Session.feed`; each checkout
+given runs in its own process, one process per (checkout, pool), interleaved, so a library and an older one
+(`--compare DIR`, e.g. a `git worktree`) are measured side by side in one run.
+
+Timed: a 124-token chunk without an answer (`chunk ms`) and a 1-token chunk answered with 8 greedy tokens, minus
+a 1-token chunk without one, over 8 (`ms / answer token`). Model: 7B attention shapes (28 query heads, 4 kv heads,
+head dim 128) on a narrow 4-layer float32 decoder, page size 64, impl="xla"; one page of all layers' K and V is
+1 MiB. Peak memory is the process's maximum resident set.
+
+Run: `python bench/pool_scaling.py [--pages 64 256 1024 2048] [--compare DIR] [--out bench/out]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIT, ANSWER, PROMPT_UNITS = 124, 8, 4
+
+
+def worker(pages: int, repeats: int) -> dict:
+    """Runs in a fresh process whose `sys.path` starts with the checkout under test."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import omnijax
+    from omnijax.chunks import text_chunk
+    from omnijax.config import DecoderConfig
+    from omnijax.models.decoder import Decoder
+
+    config = DecoderConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=28,
+                           num_kv_heads=4, head_dim=128, mrope_section=None)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    session = omnijax.Session(model, num_pages=pages, page_size=64, impl="xla", max_answer_tokens=ANSWER)
+    rng = np.random.default_rng(0)
+    unit = 0
+
+    def feed(length: int, answer: int = 0) -> float:
+        nonlocal unit
+        chunk = text_chunk(rng.integers(0, config.vocab_size, length).tolist(), unit=unit, answer_tokens=answer)
+        unit += 1
+        start = time.perf_counter()
+        jax.block_until_ready(session.feed(chunk))
+        return 1e3 * (time.perf_counter() - start)
+
+    for _ in range(PROMPT_UNITS):
+        feed(UNIT)
+    feed(1), feed(1, ANSWER)  # compile the shapes timed below
+    chunk_ms, plain_ms, answered_ms = [], [], []
+    for _ in range(repeats):
+        chunk_ms.append(feed(UNIT))
+        plain_ms.append(feed(1))
+        answered_ms.append(feed(1, ANSWER))
+    cells = int(np.asarray(session.state.kv.valid).sum())
+    return {"pages": pages, "cells": cells, "chunk_ms": float(np.median(chunk_ms)),
+            "token_ms": float((np.median(answered_ms) - np.median(plain_ms)) / ANSWER),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_worker(root: Path, pages: int, repeats: int) -> dict:
+    code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
+            f"import pool_scaling; print(json.dumps(pool_scaling.worker({pages}, {repeats})))")
+    env = dict(os.environ, PYTHONPATH="")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    if done.returncode:
+        raise RuntimeError(f"worker for {root} at {pages} pages failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for label in dict.fromkeys(r["library"] for r in rows):
+        mine = [r for r in rows if r["library"] == label]
+        pages = [r["pages"] for r in mine]
+        for ax, key in zip(axes, ("chunk_ms", "token_ms", "peak_rss_mib")):
+            ax.plot(pages, [r[key] for r in mine], marker="o", label=label)
+    for ax, title in zip(axes, ("124-token chunk, ms", "ms per answer token", "peak RSS, MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("pool pages (1 MiB each)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Same session content, growing KV pool")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", type=Path, help="another checkout to measure beside this one")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    libraries = {"this checkout": ROOT}
+    if args.compare is not None:
+        libraries[f"compare ({args.compare.name})"] = args.compare.resolve()
+
+    rows = []
+    start = time.perf_counter()
+    for pages in args.pages:
+        for label, root in libraries.items():
+            row = {"library": label, **run_worker(root, pages, args.repeats)}
+            rows.append(row)
+            print(f"  {label:>24} {pages:>5} pages: chunk {row['chunk_ms']:8.1f} ms, "
+                  f"{row['token_ms']:8.1f} ms/token, peak {row['peak_rss_mib']:7.0f} MiB "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+    base = {r["library"]: r for r in rows if r["pages"] == min(args.pages)}
+    print(f"\n| library | pool pages | cells | chunk ms (x smallest pool) | ms / answer token (x) | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        b = base[r["library"]]
+        print(f"| {r['library']} | {r['pages']:,} | {r['cells']:,} | {r['chunk_ms']:.1f} "
+              f"({r['chunk_ms'] / b['chunk_ms']:.2f}) | {r['token_ms']:.1f} ({r['token_ms'] / b['token_ms']:.2f}) "
+              f"| {r['peak_rss_mib']:,.0f} |")
+    if len(libraries) == 2:
+        mine, other = libraries
+        print(f"\n| pool pages | chunk: {other} / {mine} | answer token: {other} / {mine} |")
+        print("|---:|---:|---:|")
+        for pages in args.pages:
+            a, b = (next(r for r in rows if r["library"] == lib and r["pages"] == pages) for lib in (mine, other))
+            print(f"| {pages:,} | {b['chunk_ms'] / a['chunk_ms']:.1f}x | {b['token_ms'] / a['token_ms']:.1f}x |")
+    (out / "pool_scaling.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "pool_scaling.png")
+    print(f"wrote {out / 'pool_scaling.json'} and {out / 'pool_scaling.png'}")
+
+
+if __name__ == "__main__":
+    main()
