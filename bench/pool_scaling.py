@@ -79,6 +79,11 @@ def run_worker(root: Path, pages: int, repeats: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def revision(root: Path) -> str:
+    done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "compare"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -90,6 +95,9 @@ def plot(rows: list[dict], path: Path) -> None:
         pages = [r["pages"] for r in mine]
         for ax, key in zip(axes, ("chunk_ms", "token_ms", "peak_rss_mib")):
             ax.plot(pages, [r[key] for r in mine], marker="o", label=label)
+    pages = sorted({r["pages"] for r in rows})
+    axes[2].plot(pages, pages, color="gray", linestyle="--", label="the pool's K and V")  # 1 MiB a page
+    axes[2].legend()
     for ax, title in zip(axes, ("124-token chunk, ms", "ms per answer token", "peak RSS, MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -113,7 +121,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     libraries = {"this checkout": ROOT}
     if args.compare is not None:
-        libraries[f"compare ({args.compare.name})"] = args.compare.resolve()
+        libraries[f"{revision(args.compare)} ({args.compare.name})"] = args.compare.resolve()
 
     rows = []
     start = time.perf_counter()
