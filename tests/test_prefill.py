@@ -156,6 +156,24 @@ def test_decoding_from_compressed_cache_equals_gathered_full_cache(model, prompt
     np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), atol=1e-5, rtol=0)
 
 
+def test_compiled_greedy_equals_decode_steps_one_by_one(model, prompt):
+    # `greedy` runs its steps as one compiled scan; the same steps called one at a time must agree.
+    x, positions = prompt
+    tide = tidekv_prefill(model, x, positions, selector=SnapKV(window=WINDOW), budgets=40, chunk=CHUNK, page=PAGE,
+                          room=6)
+    tokens, logits, cache = greedy(model, tide.cache, tide.logits, 6)
+    assert tokens.shape == (B, 6) and logits.shape == (B, 6, model.config.vocab_size)
+    step_logits, step_cache = tide.logits, tide.cache
+    for i in range(6):
+        token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
+        np.testing.assert_array_equal(np.asarray(tokens[:, i]), np.asarray(token))
+        step_logits, step_cache = decode_step(model, step_cache, token)
+        np.testing.assert_allclose(np.asarray(logits[:, i]), np.asarray(step_logits), atol=1e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(step_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert greedy(model, tide.cache, tide.logits, 0)[0].shape == (B, 0)
+
+
 def test_decode_on_full_cache_equals_paged_decoder(model, prompt):
     """decode_step over a keep-all compressed cache equals the paged decoder fed the prompt plus the token."""
     x, positions = prompt

@@ -16,9 +16,11 @@ decoding continues from the prompt's true next position, never from the shortene
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from omnijax.kv import rope as rope_lib
 from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
@@ -166,14 +168,29 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
                                    next_index=cache.next_index + 1)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def _greedy(graphdef, params, cache: CompressedCache, first_logits: jax.Array, *, steps: int):
+    model = nnx.merge(graphdef, params)
+
+    def step(carry, _):
+        logits, cache = carry
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, cache = decode_step(model, cache, token)
+        return (logits, cache), (token, logits)
+
+    (_, cache), (tokens, logits) = jax.lax.scan(step, (first_logits.astype(jnp.float32), cache), length=steps)
+    return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(logits, 0, 1), cache
+
+
 def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int
            ) -> tuple[jax.Array, jax.Array, CompressedCache]:
     """Greedy decoding: `(tokens [B, steps], logits [B, steps, V], cache)`; the first token comes from
-    `first_logits` (the prompt's last logits)."""
-    logits, tokens, all_logits = first_logits, [], []
-    for _ in range(steps):
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits, cache = decode_step(model, cache, token)
-        tokens.append(token)
-        all_logits.append(logits)
-    return jnp.stack(tokens, 1), jnp.stack(all_logits, 1), cache
+    `first_logits` (the prompt's last logits).
+
+    One compiled program per (model structure, cache shapes, steps): the steps run as a `lax.scan` of `decode_step`,
+    the cache in its carry. `cache` is left intact.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    graphdef, params = nnx.split(model)
+    return _greedy(graphdef, params, cache, jnp.asarray(first_logits), steps=int(steps))
