@@ -254,7 +254,8 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
               num_splits=num_splits, index=index)
     if layer is None:  # one layer: a stack of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    # Clamped like jnp's dynamic indexing (and the reference's): the kernel must never read outside the stack.
+    layer = jnp.clip(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), 0, k_pages.shape[0] - 1)
     B, T, H, d = q.shape
     L, N, P, G, _ = k_pages.shape
     R = H // G
