@@ -9,7 +9,8 @@ given runs in its own process, one process per (checkout, pool), interleaved, so
 Timed: a 124-token chunk without an answer (`chunk ms`) and a 1-token chunk answered with 8 greedy tokens, minus
 a 1-token chunk without one, over 8 (`ms / answer token`). Model: 7B attention shapes (28 query heads, 4 kv heads,
 head dim 128) on a narrow 4-layer float32 decoder, page size 64, impl="xla"; one page of all layers' K and V is
-1 MiB. Peak memory is the process's maximum resident set.
+1 MiB. Peak memory is the process's maximum resident set (of the `Session` part). Then the serving engine on the same
+pool: 4 sessions, one 64-token frame each per tick with 2 answer tokens (`tick ms`, median).
 
 Run: `python bench/pool_scaling.py [--pages 64 256 1024 2048] [--compare DIR] [--out bench/out]`
 """
@@ -64,9 +65,23 @@ def worker(pages: int, repeats: int) -> dict:
         plain_ms.append(feed(1))
         answered_ms.append(feed(1, ANSWER))
     cells = int(np.asarray(session.state.kv.valid).sum())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    del session
+
+    # The serving engine on the same pool: 4 sessions, one 64-token frame each per tick, 2 answer tokens.
+    from omnijax.serve.engine import Engine, EngineConfig
+    engine = Engine(model, EngineConfig(num_pages=pages, page_size=64, max_pages=32, chunk_tokens=64,
+                                        max_answer_tokens=2, buckets=(4,), window=512))
+    ticks = []
+    for name in "abcd":
+        engine.open(name)
+    for _ in range(2 + 2 * repeats):  # the first ticks compile
+        for name in "abcd":
+            engine.submit(name, text_chunk(rng.integers(0, config.vocab_size, 64).tolist()), answer_tokens=2)
+        ticks.append(1e3 * engine.tick().latency_s)
     return {"pages": pages, "cells": cells, "chunk_ms": float(np.median(chunk_ms)),
             "token_ms": float((np.median(answered_ms) - np.median(plain_ms)) / ANSWER),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "tick_ms": float(np.median(ticks[2:])), "peak_rss_mib": peak}
 
 
 def run_worker(root: Path, pages: int, repeats: int) -> dict:
@@ -89,16 +104,17 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for label in dict.fromkeys(r["library"] for r in rows):
         mine = [r for r in rows if r["library"] == label]
         pages = [r["pages"] for r in mine]
-        for ax, key in zip(axes, ("chunk_ms", "token_ms", "peak_rss_mib")):
+        for ax, key in zip(axes, ("chunk_ms", "token_ms", "tick_ms", "peak_rss_mib")):
             ax.plot(pages, [r[key] for r in mine], marker="o", label=label)
     pages = sorted({r["pages"] for r in rows})
-    axes[2].plot(pages, pages, color="gray", linestyle="--", label="the pool's K and V")  # 1 MiB a page
-    axes[2].legend()
-    for ax, title in zip(axes, ("124-token chunk, ms", "ms per answer token", "peak RSS, MiB")):
+    axes[3].plot(pages, pages, color="gray", linestyle="--", label="the pool's K and V")  # 1 MiB a page
+    axes[3].legend()
+    for ax, title in zip(axes, ("124-token chunk, ms", "ms per answer token", "engine tick (4 sessions), ms",
+                                "peak RSS, MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("pool pages (1 MiB each)")
@@ -130,24 +146,26 @@ def main(argv=None):
             row = {"library": label, **run_worker(root, pages, args.repeats)}
             rows.append(row)
             print(f"  {label:>24} {pages:>5} pages: chunk {row['chunk_ms']:8.1f} ms, "
-                  f"{row['token_ms']:8.1f} ms/token, peak {row['peak_rss_mib']:7.0f} MiB "
+                  f"{row['token_ms']:8.1f} ms/token, tick {row['tick_ms']:8.1f} ms, "
+                  f"peak {row['peak_rss_mib']:7.0f} MiB "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
 
     base = {r["library"]: r for r in rows if r["pages"] == min(args.pages)}
-    print(f"\n| library | pool pages | cells | chunk ms (x smallest pool) | ms / answer token (x) | peak RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    keys = ("chunk_ms", "token_ms", "tick_ms")
+    print("\n| library | pool pages | cells | chunk ms (x smallest pool) | ms / answer token (x) | engine tick ms (x) "
+          "| peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         b = base[r["library"]]
-        print(f"| {r['library']} | {r['pages']:,} | {r['cells']:,} | {r['chunk_ms']:.1f} "
-              f"({r['chunk_ms'] / b['chunk_ms']:.2f}) | {r['token_ms']:.1f} ({r['token_ms'] / b['token_ms']:.2f}) "
-              f"| {r['peak_rss_mib']:,.0f} |")
+        cols = " | ".join(f"{r[k]:.1f} ({r[k] / b[k]:.2f})" for k in keys)
+        print(f"| {r['library']} | {r['pages']:,} | {r['cells']:,} | {cols} | {r['peak_rss_mib']:,.0f} |")
     if len(libraries) == 2:
         mine, other = libraries
-        print(f"\n| pool pages | chunk: {other} / {mine} | answer token: {other} / {mine} |")
-        print("|---:|---:|---:|")
+        print(f"\n{other} / {mine}:\n| pool pages | chunk | answer token | engine tick |")
+        print("|---:|---:|---:|---:|")
         for pages in args.pages:
             a, b = (next(r for r in rows if r["library"] == lib and r["pages"] == pages) for lib in (mine, other))
-            print(f"| {pages:,} | {b['chunk_ms'] / a['chunk_ms']:.1f}x | {b['token_ms'] / a['token_ms']:.1f}x |")
+            print(f"| {pages:,} | " + " | ".join(f"{b[k] / a[k]:.1f}x" for k in keys) + " |")
     (out / "pool_scaling.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "pool_scaling.png")
     print(f"wrote {out / 'pool_scaling.json'} and {out / 'pool_scaling.png'}")
