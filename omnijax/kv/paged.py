@@ -268,11 +268,9 @@ def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *, 
     N, P, G, d = pages.shape[-4:]
     slots = write_slots.reshape(-1)
     page = jnp.where(slots >= 0, slots // P, N)  # out of range: dropped
-    rows = values.reshape(-1, G, d).astype(pages.dtype)
-    if layer is None:
-        return pages.at[page, slots % P].set(rows, mode="drop")
-    # Indexed in the stack's own shape: a reshaped view would give XLA two shapes of one buffer to keep apart.
-    return pages.at[layer, page, slots % P].set(rows, mode="drop")
+    # Indexed in the pages' own shape: a reshaped view of a stack would give XLA two shapes of one buffer to keep apart.
+    at = (page, slots % P) if layer is None else (layer, page, slots % P)
+    return pages.at[at].set(values.reshape(-1, G, d).astype(pages.dtype), mode="drop")
 
 
 def append(kv: PagedKV, k_new: jax.Array, v_new: jax.Array, token_valid: jax.Array,
