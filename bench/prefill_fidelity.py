@@ -17,7 +17,7 @@ Metrics against Full-OneShot, averaged over prompts:
                          argmax agreement and Jensen-Shannon divergence (nats); only hidden-state drift moves them
     next top-1 / JS      the prompt's last logits plus `--decode` teacher-forced decode steps: every path's own cache
                          (compressed or not) is fed the same continuation (Full-OneShot's greedy tokens) through
-                         `decode_step`; Full-OneShot decodes from its uncompressed cache. This is where the *kept*
+                         `prefill.force`; Full-OneShot decodes from its uncompressed cache. This is where the *kept*
                          cache matters: eviction at layer end (tidekv, post_snapkv) changes only these columns.
     kept=post            fraction of (layer, KV head) kept sets identical to post-prefill SnapKV's
     top1 / JS v post     the same teacher-forced distributions against post-prefill SnapKV's (the selector-matched
@@ -51,7 +51,7 @@ import numpy as np
 
 from omnijax.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.prefill import (SnapKV, decode_step, immediate_eviction_prefill, tidekv_prefill,
+from omnijax.prefill import (SnapKV, force, greedy, immediate_eviction_prefill, tidekv_prefill,
                              token_major_prefill)
 
 BASE = DecoderConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_layers=4, num_heads=8,
@@ -100,11 +100,8 @@ def run_path(name, model, x, positions, args):
 
 def teacher_forced(model, result, tokens):
     """`[B, N + 1, V]` float32: the prompt's last logits, then the logits after feeding each of `tokens [B, N]`."""
-    logits, cache = [result.logits], result.cache
-    for i in range(tokens.shape[1]):
-        step_logits, cache = decode_step(model, cache, tokens[:, i])
-        logits.append(step_logits)
-    return np.stack([np.asarray(lg, np.float32) for lg in logits], axis=1)
+    logits, _ = force(model, result.cache, tokens)
+    return np.concatenate([np.asarray(result.logits, np.float32)[:, None], np.asarray(logits, np.float32)], axis=1)
 
 
 def log_softmax(z):
@@ -171,12 +168,7 @@ def evaluate(dtype, args):
             results[name] = r
         ref = results["full_oneshot"]
         # Continuation: Full-OneShot's greedy tokens from its own uncompressed cache, fed to every path.
-        tokens, logits, cache = [], ref.logits, ref.cache
-        for _ in range(args.decode):
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            tokens.append(token)
-            logits, cache = decode_step(model, cache, token)
-        tokens = jnp.stack(tokens, axis=1)  # [1, N]
+        tokens = greedy(model, ref.cache, ref.logits, args.decode)[0]  # [1, N]
         ref_next = teacher_forced(model, ref, tokens)[0]  # [N + 1, V]
         ref_h = np.asarray(ref.hidden, np.float32)[0]  # [S, D]
         ref_prompt = prompt_logits(model, ref.hidden)[0]  # [S, V]

@@ -12,7 +12,7 @@ from omnijax.config import TINY_OMNI
 from omnijax.kv import paged
 from omnijax import attention
 from omnijax.models.decoder import Decoder
-from omnijax.prefill import (AdaKV, RecentTokens, SnapKV, decode_step, greedy, immediate_eviction_prefill,
+from omnijax.prefill import (AdaKV, RecentTokens, SnapKV, decode_step, force, greedy, immediate_eviction_prefill,
                              pyramid_budgets, tidekv_prefill, token_major_prefill, uniform_budgets)
 from omnijax.prefill.cache import LayerCache, Selection, pack
 from pallas_kernels.streaming_topk import snapkv_scores_reference
@@ -172,6 +172,30 @@ def test_compiled_greedy_equals_decode_steps_one_by_one(model, prompt):
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(step_cache)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert greedy(model, tide.cache, tide.logits, 0)[0].shape == (B, 0)
+
+
+def test_teacher_forced_decoding_equals_decode_steps_one_by_one(model, prompt):
+    # `force` feeds given tokens as one compiled scan: fed greedy's own tokens it reproduces greedy's logits (both
+    # give the logits after each token), and its cache equals decode_step's one at a time.
+    x, positions = prompt
+    tide = tidekv_prefill(model, x, positions, selector=SnapKV(window=WINDOW), budgets=40, chunk=CHUNK, page=PAGE,
+                          room=6)
+    tokens, greedy_logits, greedy_cache = greedy(model, tide.cache, tide.logits, 5)
+    logits, cache = force(model, tide.cache, tokens)
+    assert logits.shape == (B, 5, model.config.vocab_size)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(greedy_logits), atol=1e-5, rtol=0)
+    step_cache = tide.cache
+    for i in range(5):
+        step_logits, step_cache = decode_step(model, step_cache, tokens[:, i])
+        np.testing.assert_allclose(np.asarray(logits[:, i]), np.asarray(step_logits), atol=1e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(step_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(greedy_cache)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="integer array"):
+        force(model, tide.cache, np.zeros((B, 2), np.float32))
+    with pytest.raises(ValueError, match="sequences"):
+        force(model, tide.cache, np.zeros((B + 1, 2), np.int32))
 
 
 def test_decode_on_full_cache_equals_paged_decoder(model, prompt):

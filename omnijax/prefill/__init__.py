@@ -2,10 +2,10 @@
 compressed decode cache (DESIGN.md "TideKV")."""
 
 from omnijax.prefill.baselines import immediate_eviction_prefill, token_major_prefill
-from omnijax.prefill.cache import CompressedCache, LayerCache, Selection, decode_step, greedy
+from omnijax.prefill.cache import CompressedCache, LayerCache, Selection, decode_step, force, greedy
 from omnijax.prefill.layer_major import PrefillResult, tidekv_prefill
 from omnijax.prefill.selectors import REGISTRY, AdaKV, RecentTokens, SnapKV, pyramid_budgets, uniform_budgets
 
 __all__ = ["AdaKV", "CompressedCache", "LayerCache", "PrefillResult", "REGISTRY", "RecentTokens", "Selection",
-           "SnapKV", "decode_step", "greedy", "immediate_eviction_prefill", "pyramid_budgets", "tidekv_prefill",
+           "SnapKV", "decode_step", "force", "greedy", "immediate_eviction_prefill", "pyramid_budgets", "tidekv_prefill",
            "token_major_prefill", "uniform_budgets"]

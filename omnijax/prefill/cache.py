@@ -1,4 +1,4 @@
-"""The compressed initial decode cache prefill compression builds, and greedy decoding on it.
+"""The compressed initial decode cache prefill compression builds, and greedy or teacher-forced decoding on it.
 
 Each layer keeps, per KV head, its own set of prompt tokens (SnapKV selects per head; AdaKV even gives heads
 different budgets), so a layer's cache is one flattened row per sequence with a segment per KV head:
@@ -194,3 +194,32 @@ def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, step
         raise ValueError(f"steps must be >= 0, got {steps}")
     graphdef, params = nnx.split(model)
     return _greedy(graphdef, params, cache, jnp.asarray(first_logits), steps=int(steps))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _force(graphdef, params, cache: CompressedCache, tokens: jax.Array):
+    model = nnx.merge(graphdef, params)
+
+    def step(cache, token):
+        logits, cache = decode_step(model, cache, token)
+        return cache, logits
+
+    cache, logits = jax.lax.scan(step, cache, jnp.moveaxis(tokens, 1, 0))
+    return jnp.moveaxis(logits, 0, 1), cache
+
+
+def force(model: Decoder, cache: CompressedCache, tokens: jax.Array) -> tuple[jax.Array, CompressedCache]:
+    """Teacher-forced decoding: feeds `tokens [B, N]` one position at a time; returns `(logits [B, N, V], cache)`,
+    `logits[:, i]` being the prediction after `tokens[:, i]`.
+
+    One compiled program per (model structure, cache shapes, N), a `lax.scan` of `decode_step`. `cache` is left
+    intact.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [batch, steps], got {tokens.dtype} {tokens.shape}")
+    batch = cache.next_pos.shape[0]
+    if tokens.shape[0] != batch:
+        raise ValueError(f"tokens hold {tokens.shape[0]} sequences, the cache {batch}")
+    graphdef, params = nnx.split(model)
+    return _force(graphdef, params, cache, tokens.astype(jnp.int32))
