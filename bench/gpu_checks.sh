@@ -7,11 +7,12 @@
 #      call, with a device-kernel census of the 32K checkpoint calls, on layouts captured beforehand on any machine:
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
-# Within about 8 minutes (kernel tests and the impl=xla run skipped):
-#   TEST_S=0 MIG_S=90 PALLAS_S=75 BF16_S=45 XLA_S=0 SPLIT_S=60 KCONF_S=180 bench/gpu_checks.sh OUT_DIR
+# Within about 9 minutes (kernel tests and the impl=xla run skipped):
+#   TEST_S=0 MIG_S=90 PALLAS_S=75 BF16_S=45 XLA_S=0 SPLIT_S=60 LOOP_S=90 KCONF_S=120 bench/gpu_checks.sh OUT_DIR
 # Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, SPLIT_S (the two runs of the
-# kernel with each sequence's active pages split over 8 programs, float32 and bfloat16), KCONF_S (bench/kernel_configs.py:
-# the kernel's block_q / warps / stages / splits grid at the 32K checkpoint, bfloat16).
+# kernel with each sequence's active pages split over 8 programs, float32 and bfloat16), LOOP_S (bench/layer_loop.py:
+# the decoder's layer scan against the unrolled loop, 8 layers of the 7B shapes in bfloat16), KCONF_S
+# (bench/kernel_configs.py: the kernel's block_q / warps / stages / splits grid at the 32K checkpoint, bfloat16).
 set -u
 out=${1:-bench/out/gpu}
 layouts=${LAYOUTS:-.layouts/layouts_32k.pkl}
@@ -40,6 +41,11 @@ for run in "pallas float32 1 ${PALLAS_S:-150}" "pallas bfloat16 1 ${BF16_S:-110}
     timeout "$4" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --splits "$3" --inner 28 \
         --repeats 3 --profile "$out/trace_attention_$1_$2_$3" --out "$out" 2>&1 | grep -v "^  round" | tail -32
 done
+if [ "${LOOP_S:-120}" != 0 ]; then
+    echo "== layer_loop (limit ${LOOP_S:-120} s)"
+    timeout "${LOOP_S:-120}" $py bench/layer_loop.py --preset qwen2_5_omni_7b --layers 8 --dtype bfloat16 --impl pallas \
+        --history 2048 --repeats 10 --out "$out" 2>&1 | tail -6
+fi
 if [ "${KCONF_S:-180}" != 0 ]; then
     echo "== kernel_configs bfloat16 (limit ${KCONF_S:-180} s)"
     timeout "${KCONF_S:-180}" $py bench/kernel_configs.py --layouts "$layouts" --dtype bfloat16 --inner 28 --repeats 3 \

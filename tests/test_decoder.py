@@ -173,3 +173,31 @@ def test_attention_impls_stream_like_the_reference(model, tokens, impl):
     got = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=16, impl=impl)
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+
+
+def test_unrolled_layer_loop_equals_the_scan(model, tokens):
+    # `run_layers(unroll=True)` is the same computation in straight-line code: same hidden states, same cache.
+    import jax
+    import jax.numpy as jnp
+
+    from omnijax import attention
+    from omnijax.kv import paged
+    from omnijax.stream import init_state
+
+    decoder = model.decoder
+    c = decoder.config
+    ids = jnp.asarray(tokens[:, :SEQ])
+    B, T = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (c.position_axes, B, T))
+    meta = paged.SlotMeta(pos=positions, unit=jnp.zeros((B, T), jnp.int32), span=jnp.ones((B, T), jnp.int32),
+                          offset=jnp.zeros((B, T), jnp.int32))
+    kv, slots, q_order = paged.reserve(init_state(c, num_pages=4, page_size=8, batch=B).kv,
+                                       jnp.ones((B, T), bool), meta)
+    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
+                               slot_order=kv.order, q_order=q_order)
+    x = decoder.embed_tokens(ids)
+    scanned, unrolled = (jax.jit(lambda x, k, v, unroll=unroll: decoder.run_layers(
+        x, positions, view, k, v, impl="xla", unroll=unroll)[:3])(x, kv.k, kv.v) for unroll in (False, True))
+    for got, want in zip(unrolled, scanned):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+    assert np.abs(np.asarray(scanned[1])).max() > 0  # the cache was written

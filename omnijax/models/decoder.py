@@ -133,7 +133,7 @@ class Decoder(nnx.Module):
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
                    k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "reference",
-                   track_scores: bool = False):
+                   track_scores: bool = False, unroll: bool = False):
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 
         Args:
@@ -143,6 +143,9 @@ class Decoder(nnx.Module):
             k_pages, v_pages: `[L, num_pages, page_size, G, d]` cached keys (post-RoPE) and values.
             impl: attention implementation (see `omnijax.attention.attend`).
             track_scores: also return the attention mass each slot received, averaged over layers and heads.
+            unroll: unroll the layer scan into straight-line code (static weight slices, no loop; compile time grows
+                with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
+                does with a device copy per weight (see `bench/layer_loop.py`).
 
         Returns:
             `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None)` with the chunk's keys and values
@@ -166,5 +169,6 @@ class Decoder(nnx.Module):
             return (layer_finish(c, p, h, attn), k_pages, v_pages), mass
 
         xs = (self.layers.stacked(), jnp.arange(c.num_layers, dtype=jnp.int32))
-        (h, k_pages, v_pages), mass = jax.lax.scan(layer, (x.astype(dt), k_pages, v_pages), xs)
+        (h, k_pages, v_pages), mass = jax.lax.scan(layer, (x.astype(dt), k_pages, v_pages), xs,
+                                                   unroll=bool(unroll))
         return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)
