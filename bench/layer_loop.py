@@ -46,8 +46,9 @@ LOOPS = ("scan", "unrolled")
 def reserve_view(kv, start: int, length: int, positions_axes: int):
     """Reserves `length` tokens at positions `start...` of sequence 0; `(kv, CacheView, positions [A, 1, T])`."""
     positions = jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (positions_axes, 1, length))
-    meta = paged.SlotMeta(pos=positions, unit=jnp.zeros((1, length), jnp.int32),
-                          span=jnp.full((1, length), SpanKind.TEXT, jnp.int32), offset=jnp.zeros((1, length), jnp.int32))
+    zeros = jnp.zeros((1, length), jnp.int32)
+    meta = paged.SlotMeta(pos=positions, unit=zeros, span=jnp.full((1, length), SpanKind.TEXT, jnp.int32),
+                          offset=zeros)
     kv, slots, q_order = paged.reserve(kv, jnp.ones((1, length), bool), meta)
     view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
                                slot_order=kv.order, q_order=q_order)
@@ -106,7 +107,8 @@ def measure(args) -> list[dict]:
                 times[loop].append(1e3 * (time.perf_counter() - start))
         scale = float(np.abs(hidden["scan"]).max())
         ratios = [u / s for s, u in zip(times["scan"], times["unrolled"])]
-        rows.append({"phase": phase, "tokens": int(x.shape[1]), **{f"{loop}_compile_s": compile_s[loop] for loop in LOOPS},
+        rows.append({"phase": phase, "tokens": int(x.shape[1]),
+                     **{f"{loop}_compile_s": compile_s[loop] for loop in LOOPS},
                      **{f"{loop}_ms": float(np.median(times[loop])) for loop in LOOPS},
                      "unrolled_over_scan": float(np.median(ratios)), "ratios": ratios,
                      "max_rel_diff": float(np.abs(hidden["unrolled"] - hidden["scan"]).max()) / max(scale, 1e-30)})
