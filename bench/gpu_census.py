@@ -18,7 +18,9 @@ Calls counted:
   the loop (as a model does) and without (every layer derives the page index again);
 - a whole streaming step (`stream.chunk_step`) of Qwen2.5-Omni-7B in bfloat16 with abstract weights on a 124-token
   unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla", its state donated (as `Session` and the
-  serving engine do), without and with a 4-token answer.
+  serving engine do), without and with a 4-token answer;
+- the decoder's layer loop alone (`Decoder.run_layers`, 8 layers of the 7B shapes, bfloat16, the Triton kernel),
+  scanned and unrolled, on a 124-token chunk and on one token: the GPU run of `bench/layer_loop.py`.
 
 Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), in a separate virtualenv:
     python3.11 -m venv /tmp/census && /tmp/census/bin/pip install "jax[cuda12]==0.10.2" flax==0.12.8 matplotlib
@@ -91,7 +93,9 @@ def census(hlo: str) -> dict:
         for line in lines:
             if (m := _OPCODE.match(line)) and m.group(1) in LAUNCHES:
                 counter[m.group(1)] += 1
-                copies = m.group(1) == "copy" or "calls=%fused_dynamic_slice" in line  # a memcpy in a loop
+                # A copy, or a fusion that materialises a (dynamic) slice: a memcpy of a layer's weights in a loop,
+                # or, unrolled, static slices of a stacked weight (possibly converted) written out before their dot.
+                copies = m.group(1) == "copy" or re.search(r"calls=%fused_(dynamic_)?slice", line)
                 if copies and (shape := _SHAPE.search(line)) and \
                         math.prod(int(n) for n in shape.group(1).split(",") if n) >= BIG:
                     big_copies += 1
@@ -159,7 +163,43 @@ def calls():
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
+    for phase, T in (("prefill", 124), ("decode", 1)):
+        for unroll in (False, True):
+            loop = "unrolled" if unroll else "scan"
+            out.append((f"layer loop {loop} {phase} (8 layers 7B bf16)",) + layer_loop_call(T, unroll))
     return out
+
+
+def layer_loop_call(tokens: int, unroll: bool, layers: int = 8):
+    """`Decoder.run_layers` (scanned or unrolled) of `layers` Qwen2.5-Omni-7B layers in bfloat16 (abstract weights)
+    on `tokens` new tokens over 2,048 cached ones, impl="pallas", the K/V stacks donated: `bench/layer_loop.py`'s
+    GPU run, compiled here."""
+    from unittest import mock
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    import omnijax
+    from omnijax.config import QWEN2_5_OMNI_7B
+    from omnijax.stream import init_state
+
+    from layer_loop import reserve_view
+
+    cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16", num_layers=layers, vocab_size=1024)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
+    kv = init_state(cfg, num_pages=-(-(2048 + tokens) // 64) + 1, page_size=64).kv
+    kv, _, _ = reserve_view(kv, 0, 2048, cfg.position_axes)
+    _, view, positions = reserve_view(kv, 2048, tokens, cfg.position_axes)
+
+    def run(params, x, k_pages, v_pages):
+        model = nnx.merge(graphdef, params)
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):  # the kernel, not its interpreter
+            hidden, k_pages, v_pages, _ = model.run_layers(x, positions, view, k_pages, v_pages, impl="pallas",
+                                                           unroll=unroll)
+        return hidden, k_pages, v_pages
+
+    x = jax.ShapeDtypeStruct((1, tokens, cfg.hidden_size), jnp.bfloat16)
+    return run, (params, x, kv.k, kv.v), (2, 3)
 
 
 def chunk_step_call(impl, answer=0):
@@ -197,6 +237,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
                         help="checkout whose omnijax and pallas_kernels are compiled")
+    parser.add_argument("--match", default="", help="count only the calls whose name contains this")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.root)
@@ -207,6 +248,8 @@ def main(argv=None):
     print(f"{'call':<46} {'once':>5} {'loop':>5} {'big':>5}  details (loop: launches per iteration of its while loops, "
           "nested ones summed; big: copies of K/V pages or weights, dynamic slices in loops included)")
     for name, fn, call_args, donate in calls():
+        if args.match not in name:
+            continue
         try:
             row = {"call": name, **census(compile_for_h200(fn, *call_args, donate=donate))}
         except Exception as e:  # an older checkout may lack an argument this call passes
