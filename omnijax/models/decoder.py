@@ -145,7 +145,8 @@ class Decoder(nnx.Module):
             track_scores: also return the attention mass each slot received, averaged over layers and heads.
             unroll: unroll the layer scan into straight-line code (static weight slices, no loop; compile time grows
                 with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
-                does with a device copy per weight (see `bench/layer_loop.py`).
+                does with a device copy per weight; unrolled, its prefill reads them in place. Which is faster is
+                backend-dependent (`bench/layer_loop.py`; on CPU the scan).
 
         Returns:
             `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None)` with the chunk's keys and values

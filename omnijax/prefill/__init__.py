@@ -7,5 +7,5 @@ from omnijax.prefill.layer_major import PrefillResult, tidekv_prefill
 from omnijax.prefill.selectors import REGISTRY, AdaKV, RecentTokens, SnapKV, pyramid_budgets, uniform_budgets
 
 __all__ = ["AdaKV", "CompressedCache", "LayerCache", "PrefillResult", "REGISTRY", "RecentTokens", "Selection",
-           "SnapKV", "decode_step", "force", "greedy", "immediate_eviction_prefill", "pyramid_budgets", "tidekv_prefill",
-           "token_major_prefill", "uniform_budgets"]
+           "SnapKV", "decode_step", "force", "greedy", "immediate_eviction_prefill", "pyramid_budgets",
+           "tidekv_prefill", "token_major_prefill", "uniform_budgets"]

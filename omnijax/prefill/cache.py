@@ -113,7 +113,8 @@ def from_heads(keys: jax.Array, values: jax.Array, index: jax.Array, *, room: in
 
 def keep_all(batch: int, length: int, num_kv_heads: int) -> Selection:
     """Every prompt token in every head (no compression)."""
-    index = jnp.broadcast_to(jnp.tile(jnp.arange(length, dtype=jnp.int32), num_kv_heads), (batch, num_kv_heads * length))
+    index = jnp.tile(jnp.arange(length, dtype=jnp.int32), num_kv_heads)
+    index = jnp.broadcast_to(index, (batch, num_kv_heads * length))
     offset = jnp.broadcast_to(jnp.arange(num_kv_heads + 1, dtype=jnp.int32) * length, (batch, num_kv_heads + 1))
     return Selection(index=index, offset=offset)
 
