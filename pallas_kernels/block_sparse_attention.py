@@ -197,22 +197,36 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, 
     return lax.fori_loop(start, stop, body, init)
 
 
-def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float):
+def _program_inputs(layer_ref, qo_ref, k_ref, *, block_q: int, heads_per_kv: int):
+    """`(layer, row orders [block_q])` of this program: the layer clamped into the stack (as jnp's dynamic indexing
+    and the reference clamp), and the write order of each of its query rows (row t * R + r is token t; rows past the
+    chunk's T * R get an order that sees nothing). Both are derived here rather than by XLA ops beside the call,
+    which a model's layer loop would run again for every layer."""
+    layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
+    B, T = qo_ref.shape
+    rows = pl.program_id(2) * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    token = rows // heads_per_kv
+    orders = qo_ref[pl.program_id(0), jnp.minimum(token, T - 1)]
+    return layer, jnp.where(token < T, orders, _PAD_ORDER)
+
+
+def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float,
+            heads_per_kv: int):
     """One (batch, kv head, query block) program over all of the sequence's active pages.
 
     layer_ref [1]: the layer to read. ids_ref [B, M], count_ref [B]: active page lists (whole arrays).
-    qo_ref [block_q]: order of each query row. q_ref [block_q, d]. k_ref, v_ref [L, N, P, d]: this kv head's pages of
-    every layer. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    qo_ref [B, T]: each query token's write order (whole array). q_ref [block_q, d]. k_ref, v_ref [L, N, P, d]: this
+    kv head's pages of every layer. key_ref [N, P]: slot keys. o_ref [block_q, d].
     """
     b = pl.program_id(0)
-    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo_ref[...], layer_ref[0], k_ref, v_ref,
-                              key_ref, scale)
+    layer, qo = _program_inputs(layer_ref, qo_ref, k_ref, block_q=q_ref.shape[0], heads_per_kv=heads_per_kv)
+    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo, layer, k_ref, v_ref, key_ref, scale)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw nothing stays zero
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *,
-                  scale: float, num_splits: int):
+                  scale: float, heads_per_kv: int, num_splits: int):
     """One (batch, kv head, query block, split) program over split s of the active pages (split-K).
 
     Split s takes pages [s * c, min((s + 1) * c, count)) of the active list, c = ceil(count / num_splits), and
@@ -220,11 +234,12 @@ def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, ke
     (float32); `_merge_splits` combines them.
     """
     b, split = pl.program_id(0), pl.program_id(3)
+    layer, qo = _program_inputs(layer_ref, qo_ref, k_ref, block_q=q_ref.shape[0], heads_per_kv=heads_per_kv)
     count = count_ref[b]
     per = (count + num_splits - 1) // num_splits
     start = jnp.minimum(split * per, count)
-    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo_ref[...],
-                              layer_ref[0], k_ref, v_ref, key_ref, scale)
+    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo, layer, k_ref,
+                              v_ref, key_ref, scale)
     acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
@@ -254,8 +269,7 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
               num_splits=num_splits, index=index)
     if layer is None:  # one layer: a stack of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    # Clamped like jnp's dynamic indexing (and the reference's): the kernel must never read outside the stack.
-    layer = jnp.clip(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), 0, k_pages.shape[0] - 1)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))  # clamped into the stack by the kernel
     B, T, H, d = q.shape
     L, N, P, G, _ = k_pages.shape
     R = H // G
@@ -265,8 +279,6 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     # Query rows of one kv head: row t * R + r is token t, query head g * R + r.
     qg = q.reshape(B, T, G, R, d).transpose(0, 2, 1, 3, 4).reshape(B, G, rows, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    qo = jnp.repeat(q_order, R, axis=1)
-    qo = jnp.pad(qo, ((0, 0), (0, rows_pad - rows)), constant_values=_PAD_ORDER)
     if index is None:
         index = page_index(page_table, slot_valid, slot_order)
     ids, count, key = index.ids, index.count, index.slot_key
@@ -276,7 +288,7 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
         pl.BlockSpec((1,), lambda b, g, i, *_: (0,)),  # the layer to read
         pl.BlockSpec((B, M), lambda b, g, i, *_: (0, 0)),  # active page ids
         pl.BlockSpec((B,), lambda b, g, i, *_: (0,)),  # active page counts
-        pl.BlockSpec((None, block_q), lambda b, g, i, *_: (b, i)),  # query row orders
+        pl.BlockSpec((B, T), lambda b, g, i, *_: (0, 0)),  # query token orders (rows derive theirs)
         pl.BlockSpec((None, None, block_q, d), lambda b, g, i, *_: (b, g, i, 0)),  # queries
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # keys of kv head g, every layer
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # values of kv head g
@@ -287,16 +299,16 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     scale = float(d) ** -0.5
     if num_splits == 1:
         out = pl.pallas_call(
-            functools.partial(_kernel, scale=scale),
+            functools.partial(_kernel, scale=scale, heads_per_kv=R),
             grid=(B, G, rows_pad // block_q),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
             out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
             **params,
-        )(layer, ids, count, qo, qg, k_pages, v_pages, key)
+        )(layer, ids, count, q_order, qg, k_pages, v_pages, key)
     else:
         acc, m, l = pl.pallas_call(
-            functools.partial(_split_kernel, scale=scale, num_splits=num_splits),
+            functools.partial(_split_kernel, scale=scale, heads_per_kv=R, num_splits=num_splits),
             grid=(B, G, rows_pad // block_q, num_splits),
             in_specs=in_specs,
             out_specs=[pl.BlockSpec((None, None, None, block_q, d), lambda b, g, i, s: (b, g, s, i, 0)),
@@ -306,7 +318,7 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
                        jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32),
                        jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32)],
             **params,
-        )(layer, ids, count, qo, qg, k_pages, v_pages, key)
+        )(layer, ids, count, q_order, qg, k_pages, v_pages, key)
         out = _merge_splits(acc, m, l).astype(q.dtype)  # [B, G, rows_pad, d]
 
     out = out[:, :, :rows].reshape(B, G, T, R, d).transpose(0, 2, 1, 3, 4)
