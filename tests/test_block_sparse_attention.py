@@ -126,6 +126,14 @@ def test_kernel_matches_reference_and_numpy(dtype, H, G, T):
     check(make_case(T * 10 + H, T=T, H=H, G=G, dtype=dtype))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["whole", "split"])
+@pytest.mark.parametrize("T", [13, 1], ids=["prefill", "decode"])
+def test_seven_query_heads_per_kv_head(T, num_splits):
+    # Qwen2.5-Omni's grouping (R = 7, not a power of two): a 16-row block holds parts of up to three tokens, and each
+    # row's write order is its token's, derived in the kernel; rows past T * R see nothing.
+    check(make_case(70 + T, T=T, H=14, G=2), num_splits=num_splits)
+
+
 def test_query_blocks_split_rows():
     # block_q smaller than T * R: several query blocks per (batch, kv head), with a partial last block.
     args = make_case(3, T=5, H=4, G=1, lengths=(40, 9))
