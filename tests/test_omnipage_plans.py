@@ -18,10 +18,11 @@ from omnijax.kv.paged import PageClass
 from omnijax.paging import omnipage
 from omnijax.units import SpanKind as K
 from tests import reference_paging as ref
+from tests import soak
 
 # (page size, batch) -> (pool pages N, page-table width M). With B = 3 the sequences compete for the pool.
 SHAPES = {(4, 1): (10, 8), (4, 3): (16, 8), (8, 1): (8, 6), (8, 3): (12, 6)}
-LAYOUTS = 60  # per shape: 240 layouts, 480 sequences
+LAYOUTS = 60 * soak.factor()  # per shape: 240 layouts, 480 sequences (OMNIJAX_SOAK multiplies them)
 CLASSES = (PageClass.MUST_KEEP, PageClass.SELECTED, PageClass.RECENT)
 PAGE_KINDS = ("full", "empty", "single", "all_but_one", "random")
 PAGE_KIND_P = (0.2, 0.15, 0.2, 0.1, 0.35)
@@ -398,7 +399,7 @@ def check_mode_result(layout, out, moved, expected, P, B):
 
 
 MODE_CASES = [(4, 3, 2, 1), (8, 1, 8, 2), (8, 3, 4, 2)]  # (P, B, subblock, min_pages)
-MODE_LAYOUTS = 10
+MODE_LAYOUTS = 10 * soak.factor()
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -14,10 +14,11 @@ from omnijax.retention import base
 from omnijax.retention.baselines import H2O, SinkWindow, StreamingLLM, TokenSliding, age_ranks
 from omnijax.units import SpanKind as K
 from tests import reference_token_policies as ref
+from tests import soak
 from tests.unit_streams import Token, kept_orders, random_stream, to_view
 
 B, S = 8, 256
-BATCHES = 80  # 640 streams, every setting below runs over all of them
+BATCHES = 80 * soak.factor()  # 640 streams, every setting below runs over all of them
 
 SCENARIOS = ("mixed", "qwen", "minicpm", "single_unit", "text_only", "image_only", "holes", "tied_scores",
              "zero_scores", "tiny")

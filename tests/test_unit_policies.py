@@ -17,10 +17,11 @@ from omnijax.retention.omnipick import OmniPick
 from omnijax.retention.units import OfficialUnitWindow, UnitFIFO
 from omnijax.units import SpanKind as K
 from tests import reference_unit_policies as ref
+from tests import soak
 from tests.unit_streams import Token, kept_orders, random_stream, to_view
 
 B, S = 8, 256
-BATCHES = 6  # per scenario: 48 streams
+BATCHES = 6 * soak.factor()  # per scenario: 48 streams (OMNIJAX_SOAK multiplies them)
 
 
 def reference(policy, stream):
