@@ -203,7 +203,7 @@ def _program_inputs(layer_ref, qo_ref, k_ref, *, block_q: int, heads_per_kv: int
     chunk's T * R get an order that sees nothing). Both are derived here rather than by XLA ops beside the call,
     which a model's layer loop would run again for every layer."""
     layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
-    B, T = qo_ref.shape
+    T = qo_ref.shape[1]
     rows = pl.program_id(2) * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     token = rows // heads_per_kv
     orders = qo_ref[pl.program_id(0), jnp.minimum(token, T - 1)]
