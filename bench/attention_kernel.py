@@ -2,10 +2,10 @@
 10/11 kernel panels and Figure 15).
 
 Layout capture. A synthetic Qwen2.5-Omni session (`synthetic.qwen_av_session`: a system prompt, then 2 s audiovisual
-units of 124 tokens) is streamed past `--tokens` tokens, one chunk per `Session.feed` (`impl="xla"`), through a
-narrow one-layer writer decoder (`TINY_OMNI` with one layer). Retention and paging decide from unit, span, order and
-position metadata only, never from the cached values, so the layout a writer leaves (page table, live slots, write
-order) is the layout the real model would leave. Configurations: NoSlide (full context, a pool large enough for the
+units of 124 tokens, or `--qwen-unit paper`: 1 s units of 909) is streamed past `--tokens` tokens, one chunk per
+`Session.feed` (`impl="xla"`), through a narrow one-layer writer decoder (`TINY_OMNI` with one layer). Retention and
+paging decide from unit, span, order and position metadata only, never from the cached values, so the layout a
+writer leaves (page table, live slots, write order) is the layout the real model would leave. Configurations: NoSlide (full context, a pool large enough for the
 whole stream; only its 4K/8K/16K/32K checkpoints are kept: the first chunk whose streamed total reaches each), and
 `OmniPick()` (2500/1800 watermarks, a 48-page pool) under paging `native`, `tile_skip`, `ordered_suffix`, `eager`,
 kept after every chunk together with the chunk's `stats.moved`.
@@ -74,7 +74,8 @@ from pallas_kernels.block_sparse_attention import block_sparse_attention
 from _device_profile import describe, trace_calls
 
 H, G, D = 28, 4, 128  # Qwen2.5-Omni-7B attention
-PAGE, UNIT, OMNI_POOL = 64, 124, 48
+PAGE, OMNI_POOL = 64, 48
+UNIT = synthetic.qwen_unit_tokens()  # 124: one default 2 s unit (`--qwen-unit` picks another kind)
 CHECKPOINTS = (4096, 8192, 16384, 32768)
 MODES = ("native", "tile_skip", "ordered_suffix", "eager")
 MODE_FNS = {"tile_skip": lambda kv: omnipage.tile_skip(kv, 32),
@@ -206,6 +207,8 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
     parser.add_argument("--splits", type=int, default=1,
                         help="with --impl pallas: split each sequence's active pages over this many programs")
+    parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
+                        help="unit kind of the session (omnijax.synthetic.QWEN_UNITS); prefill times one unit")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
     parser.add_argument("--profile", help="trace the last checkpoint's calls into this directory (kernels per call)")
@@ -220,7 +223,9 @@ def main(argv=None):
     t_run = time.perf_counter()
     writer_cfg = TINY_OMNI.replace(num_layers=1)
     writer = omnijax.Decoder(writer_cfg)
-    chunks = synthetic.qwen_av_session(math.ceil(args.tokens / UNIT) + 1, vocab_size=writer_cfg.vocab_size)
+    unit = synthetic.qwen_unit_tokens(args.qwen_unit)
+    chunks = synthetic.qwen_av_session(math.ceil(args.tokens / unit) + 1, vocab_size=writer_cfg.vocab_size,
+                                       unit_kind=args.qwen_unit)
     cum = np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2)))
     n = int(np.argmax(cum >= args.tokens)) + 1  # stop at the first chunk past --tokens
     chunks = jax.tree.map(lambda x: x[:n], chunks)
@@ -239,14 +244,15 @@ def main(argv=None):
             print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     if args.save_layouts:
-        Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]), "layouts": layouts}))
+        Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]),
+                                                             "qwen_unit": args.qwen_unit, "layouts": layouts}))
         print(f"wrote {args.save_layouts}")
         if args.repeats == 0:
             return
 
     rng = np.random.default_rng(0)
     rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
-    qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
+    qs = {"prefill": rand(1, unit, H, D), "decode": rand(1, 1, H, D)}
     kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, OMNI_POOL)}
     if args.splits == 1:
         one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
@@ -393,7 +399,7 @@ def plot(ckpt_rows, cum_rows, path, where):
     for i, name in enumerate(("full",) + MODES):
         mine = [r for r in ckpt_rows if r["config"] == name]
         x = [r["checkpoint"] for r in mine]
-        ax.plot(x, [r["prefill_ms"] for r in mine], "o-", color=f"C{i}", label=f"{name} prefill (124 q)")
+        ax.plot(x, [r["prefill_ms"] for r in mine], "o-", color=f"C{i}", label=f"{name} prefill (one unit of q)")
         ax.plot(x, [r["decode_ms"] for r in mine], "s--", color=f"C{i}", label=f"{name} decode (1 q)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(CHECKPOINTS, [f"{c // 1024}K" for c in CHECKPOINTS])

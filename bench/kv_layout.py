@@ -79,11 +79,12 @@ def policy_for(kind: str, model: str):
     return OmniPick(source_image_whole=model == "minicpm")
 
 
-def session(model: str, tokens: int):
+def session(model: str, tokens: int, qwen_unit: str = "2s"):
     """`(decoder, stacked chunks up to the checkpoint)`: the fewest chunks whose streamed tokens reach `tokens`."""
     if model == "qwen":
-        cfg, unit = QWEN_WRITER, 124
-        build = lambda n: synthetic.qwen_av_session(n, vocab_size=cfg.vocab_size)
+        cfg = QWEN_WRITER
+        unit = synthetic.qwen_unit_tokens(qwen_unit)
+        build = lambda n: synthetic.qwen_av_session(n, vocab_size=cfg.vocab_size, unit_kind=qwen_unit)
     else:
         cfg, unit = MINICPM_WRITER, 79
         build = lambda n: synthetic.minicpm_duplex_session(n, vocab_size=cfg.vocab_size, slices_every=0)
@@ -103,10 +104,11 @@ def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
                             num_pages=pages, page_size=PAGE, subblock=SUBBLOCK)
     stats = jax.device_get(result.stats)
     seconds = time.perf_counter() - start
-    lay = stats.layout
-    if bool(np.any(lay.exhausted)) or int(np.max(lay.dropped)) != 0:
+    lay, att = stats.layout, stats.attended
+    if bool(np.any(lay.exhausted | att.exhausted)) or int(np.max(lay.dropped)) != 0:
         raise RuntimeError(f"{model}/{name}: the {pages}-page pool ran out")
     retained, span = lay.retained_cells[:, 0].astype(int), lay.physical_span[:, 0].astype(int)
+    att_retained, att_span = att.retained_cells[:, 0].astype(int), att.physical_span[:, 0].astype(int)
     evicted, moved = stats.evicted[:, 0].astype(int), stats.moved[:, 0].astype(int)
     if not evicted.any():
         raise RuntimeError(f"{model}/{name}: never trimmed")
@@ -121,6 +123,11 @@ def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
             "mean_retained": float(retained[post].mean()), "mean_active_pages": float(lay.active_pages[post, 0].mean()),
             "moved_total": int(moved.sum()), "peak_pool_pages": int(pages - np.min(lay.free_pages)),
             "span_series": span.tolist(), "retained_series": retained.tolist(),
+            # The cache each chunk's prefill attended over: the history before the chunk's trim, the chunk written.
+            "attended_retained": int(att_retained[-1]), "attended_span": int(att_span[-1]),
+            "attended_active_pages": int(att.active_pages[-1, 0]), "attended_peak_span": int(att_span.max()),
+            "mean_attended_span": float(att_span[post].mean()), "mean_attended_retained": float(att_retained[post].mean()),
+            "attended_span_series": att_span.tolist(), "attended_retained_series": att_retained.tolist(),
             "trim_chunks": np.flatnonzero(evicted > 0).tolist(),
             "tokens_series": np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2))).tolist(), "seconds": seconds}
 
@@ -129,8 +136,8 @@ def add_reductions(rows):
     """Adds span reductions vs OmniPick on the native layout (same model), at the checkpoint and as a session mean."""
     for r in rows:
         base = next((b for b in rows if b["model"] == r["model"] and b["config"] == BASELINE), None)
-        r["span_reduction"] = None if base is None else 1 - r["span"] / base["span"]
-        r["mean_span_reduction"] = None if base is None else 1 - r["mean_span"] / base["mean_span"]
+        for key in ("span", "mean_span", "attended_span", "mean_attended_span"):
+            r[f"{key}_reduction"] = None if base is None else 1 - r[key] / base[key]
         # Right after each trim of this configuration (when a paging mode acts), against the baseline's span then.
         at = r["trim_chunks"] if base is not None and r["policy"] == base["policy"] else []
         cut = [1 - r["span_series"][i] / base["span_series"][i] for i in at]
@@ -163,6 +170,16 @@ def print_table(rows, models):
     print("* eager compaction is the oracle: its copies are its cost, excluded in the paper; span changes are "
           "relative to OmniPick on the native layout (negative = shorter); @trims: right after each trim, when a "
           "paging mode acts")
+    print(f"\nThe cache each chunk's prefill attends over (before the chunk's trim, the chunk written in):")
+    print(f"{'model':>7} {'config':>23} {'useful':>6} {'span':>5} {'ratio':>5} {'pages':>5} {'peak':>5} "
+          f"{'mean span':>9} {'mean kept':>9} {'-span@ckpt':>10} {'-mean span':>10}")
+    for m in models:
+        for r in (r for r in rows if r["model"] == m):
+            red = lambda x: "-" if x is None or r["config"] == BASELINE else pct(-x)
+            print(f"{m:>7} {r['config']:>23} {r['attended_retained']:>6} {r['attended_span']:>5} "
+                  f"{r['attended_span'] / r['attended_retained']:>5.2f} {r['attended_active_pages']:>5} "
+                  f"{r['attended_peak_span']:>5} {r['mean_attended_span']:>9.0f} {r['mean_attended_retained']:>9.0f} "
+                  f"{red(r['attended_span_reduction']):>10} {red(r['mean_attended_span_reduction']):>10}")
 
 
 def plot(rows, models, path):
@@ -182,6 +199,7 @@ def plot(rows, models, path):
         waste = np.array([r["span"] for r in mine]) - useful
         ax.bar(x, useful, color="tab:blue", label="useful cells")
         ax.bar(x, waste, bottom=useful, color="tab:orange", alpha=0.7, label="span waste")
+        ax.plot(x, [r["attended_span"] for r in mine], "kx", label="span the checkpoint chunk attended over")
         for xi, r in zip(x, mine):
             ax.text(xi, max(r["span"], r["peak_span"]) + 60, f"{r['span_over_useful']:.2f}", ha="center", fontsize=8)
         twin = ax.twinx()
@@ -219,6 +237,8 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--pages", type=int, default=128, help="pool pages (and page-table width)")
     parser.add_argument("--min-pages", type=int, default=1, help="ordered_suffix: least span reduction, in pages")
+    parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
+                        help="Qwen2.5-Omni unit kind (omnijax.synthetic.QWEN_UNITS); 'paper': 909-token 1 s units")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     CONFIGS["omnipick+ordered_suffix"] = ("omnipick", Paging("ordered_suffix", min_pages=args.min_pages), "xla")
@@ -227,7 +247,7 @@ def main(argv=None):
     start = time.perf_counter()
     rows = []
     for m in args.models:
-        decoder, chunks = session(m, args.tokens)
+        decoder, chunks = session(m, args.tokens, args.qwen_unit)
         for name in args.configs:
             rows.append(measure(m, name, decoder, chunks, args.pages))
             r = rows[-1]
@@ -237,13 +257,14 @@ def main(argv=None):
     print_table(rows, args.models)
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
-    summary = {"tokens": args.tokens, "min_pages": args.min_pages, "page_size": PAGE, "subblock": SUBBLOCK,
+    summary = {"tokens": args.tokens, "qwen_unit": args.qwen_unit, "min_pages": args.min_pages, "page_size": PAGE, "subblock": SUBBLOCK,
                "pool_pages": args.pages,
                "writers": {"qwen": QWEN_WRITER.to_json(), "minicpm": MINICPM_WRITER.to_json()}, "paper": PAPER,
                "runtime_s": runtime, "rows": rows}
-    (out / "kv_layout.json").write_text(json.dumps(summary, indent=1))
-    plot(rows, args.models, out / "kv_layout.png")
-    print(f"wrote {out / 'kv_layout.json'} and {out / 'kv_layout.png'}")
+    stem = "kv_layout" if args.qwen_unit == "2s" else f"kv_layout_{args.qwen_unit}"
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    plot(rows, args.models, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def plot(tokens, live, eager, results, path):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
-    left.plot(tokens, results["first_fit"]["span"], label="span, first fit (= native, = next fit)")
+    left.plot(tokens, results["first_fit"]["span"], label="span, first fit (the library's native)")
     left.plot(tokens, eager, label="span, fully packed (eager oracle)")
     left.plot(tokens, live, color="gray", linewidth=0.8, label="live cells")
     left.set_title("native layout vs the packed oracle, after each trim")
@@ -278,15 +278,21 @@ def main(argv=None):
     parser.add_argument("--layout", default="native", help="which recorded layout to replay (native)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--capacity-pages", type=int, default=48, help="ring capacity of the head-cursor rules")
+    parser.add_argument("--pad", type=int, default=0,
+                        help="round every reported span up to this many slots (a page multiple; default: one page)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args(argv)
     P, C = args.page_size, args.capacity_pages * args.page_size
+    R = args.pad or P
+    if R % P:
+        parser.error(f"--pad must be a multiple of the page size {P}, got {R}")
 
     saved = pickle.loads(Path(args.layouts).read_bytes())
     rows = saved["layouts"][args.layout]
     stream = read_stream(rows, P)
     n = len(stream)
-    print(f"{args.layouts}: {saved['chunks']} chunks, {saved['tokens']} tokens; replaying '{args.layout}' "
+    print(f"{args.layouts}: {saved['chunks']} chunks, {saved['tokens']} tokens, Qwen units "
+          f"'{saved.get('qwen_unit', '2s')}'; replaying '{args.layout}' "
           f"({n} rows), page {P}, ring capacity {C} slots")
 
     live = np.array([len(ch["live"]) for ch in stream])
@@ -308,24 +314,33 @@ def main(argv=None):
     for k, v in checks.items():
         print(f"  {k}: {v}")
     checks["first_fit_span_mismatch_chunks"] = [stream[i]["chunk"] for i in np.flatnonzero(ff["span"] != lib_span)]
+    if R != P:  # report every span rounded up to R slots (llama.cpp pads the cells attention sees to 256)
+        pad = lambda x: -(-np.asarray(x) // R) * R
+        eager, lib_span = pad(live), pad(lib_span)
+        for r in results.values():
+            r["span"], r["pre_span"] = pad(r["span"]), pad(r["pre_span"])
+        print(f"spans below are rounded up to {R} slots")
 
     trims = [i for i, ch in enumerate(stream) if ch["evicted"] > 0]
     first = trims[0] if trims else 0
     notes = {rule: f"  * ring full from chunk {r['failures'][0]} ({len(r['failures'])} chunks)"
              for rule, r in results.items() if r["failures"]}
-    at_last = summary(results, live, lib_span, slice(n - 1, n), P)
-    mean_post = summary(results, live, lib_span, slice(first, n), P)
-    mean_pre = summary(results, live, lib_span, slice(first, n), P, key="pre_span")
+    at_last = summary(results, live, lib_span, slice(n - 1, n), R)
+    mean_post = summary(results, live, lib_span, slice(first, n), R)
+    mean_pre = summary(results, live, lib_span, slice(first, n), R, key="pre_span")
     mean_pre["library_native_span"] = None
+    at_last_pre = summary(results, live, lib_span, slice(n - 1, n), R, key="pre_span")
+    at_last_pre["library_native_span"] = None
     print_table(f"Last chunk {stream[-1]['chunk']} ({stream[-1]['tokens']:,} tokens), after its trim", at_last, True,
                 notes)
+    print_table("Same chunk, before its trim (the cache its prefill attends over)", at_last_pre, True, notes)
     print_table(f"Mean over chunks {stream[first]['chunk']}..{stream[-1]['chunk']} (from the first trim, "
                 f"{n - first} chunks), after each trim", mean_post, False, notes)
     print_table("Same chunks, before each trim (the cache the chunk's prefill sees)", mean_pre, False, notes)
     if notes:
         print(f"  * the ubatch found no free run / not enough free cells in the {C}-slot ring (llama.cpp would fail "
               "the decode); the replay places it past the ring and goes on, so later spans exceed the pool")
-    paper_eager = -(-PAPER["useful"] // P) * P
+    paper_eager = -(-PAPER["useful"] // R) * R
     print(f"\npaper (Qwen, 32K): useful {PAPER['useful']:,}, native span {PAPER['native_span']:,} "
           f"(span/useful {PAPER['native_span'] / PAPER['useful']:.3f}), OmniPage {PAPER['omnipage_span']:,} "
           f"(-{PAPER['reduction']:.1%}); eager span of the useful cells {paper_eager:,} "
@@ -334,9 +349,10 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "layouts": str(args.layouts), "layout": args.layout, "page_size": P, "capacity_slots": C,
+        "layouts": str(args.layouts), "qwen_unit": saved.get("qwen_unit", "2s"), "layout": args.layout,
+        "page_size": P, "span_rounding": R, "capacity_slots": C,
         "chunks": n, "tokens": stream[-1]["tokens"], "first_trim_chunk": stream[first]["chunk"],
-        "checks": checks, "last_chunk": at_last, "mean_from_first_trim": mean_post,
+        "checks": checks, "last_chunk": at_last, "last_chunk_before_trim": at_last_pre, "mean_from_first_trim": mean_post,
         "mean_from_first_trim_before_trim": mean_pre, "paper": PAPER,
         "ring_failures": {rule: r["failures"] for rule, r in results.items()},
         "per_chunk": [{"chunk": ch["chunk"], "tokens": ch["tokens"], "live": int(live[i]), "eager": int(eager[i]),
@@ -345,10 +361,11 @@ def main(argv=None):
                        "span_before_trim": {rule: int(r["pre_span"][i]) for rule, r in results.items()}}
                       for i, ch in enumerate(stream)],
     }
-    path = out / "placement_sim.json"
+    stem = "placement_sim" if payload["qwen_unit"] == "2s" else f"placement_sim_{payload['qwen_unit']}"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=1))
-    plot([ch["tokens"] for ch in stream], live, eager, results, out / "placement_sim.png")
-    print(f"wrote {path} and {out / 'placement_sim.png'}")
+    plot([ch["tokens"] for ch in stream], live, eager, results, out / f"{stem}.png")
+    print(f"wrote {path} and {out / f'{stem}.png'}")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,14 @@ class StreamState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChunkStats:
-    """Per-chunk statistics (each `[B]`, pool figures scalar) after the chunk and its answer."""
+    """Per-chunk statistics (each `[B]`, pool figures scalar) after the chunk and its answer.
+
+    `layout` describes the cache after retention and paging (what the next chunk is written into); `attended` the
+    cache the chunk's own prefill attended over: the history before this chunk's trim, with the chunk written in.
+    """
 
     layout: layout_lib.LayoutStats
+    attended: layout_lib.LayoutStats
     evicted: jax.Array
     moved: jax.Array  # [B] slots copied by the paging mode after the eviction (its copy cost)
     next_pos: jax.Array
@@ -137,6 +142,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     track = getattr(policy, "needs_scores", False)
     kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
                          placement=paging.placement)
+    attended = layout_lib.layout_stats(kv, subblock)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
@@ -153,7 +159,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
             lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)
-    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), evicted=evicted, moved=moved,
+    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
     return StreamState(kv=kv, next_pos=next_pos), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
 

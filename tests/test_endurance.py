@@ -89,3 +89,45 @@ def test_session_step_compiles_once():
         out = session.feed(jax.tree.map(lambda x: x[i], chunks))
     assert _step._cache_size() == before + 1
     assert int(out.stats.layout.retained_cells[0]) <= 600 and int(np.asarray(out.stats.evicted).sum()) >= 0
+
+
+def test_qwen_unit_kinds():
+    """Each unit kind streams units of `qwen_unit_tokens` tokens; the paper's 1 s unit is one 22x40 merged frame
+    (h, w offsets from the unit's base), then 25 audio tokens at consecutive positions."""
+    for kind in synthetic.QWEN_UNITS:
+        chunks = synthetic.qwen_av_session(3, vocab_size=TINY_OMNI.vocab_size, unit_kind=kind)
+        counts = np.asarray(chunks.valid).sum(axis=(1, 2))
+        np.testing.assert_array_equal(counts, [24] + [synthetic.qwen_unit_tokens(kind)] * 3)
+    assert synthetic.qwen_unit_tokens("paper") == 909
+    session = synthetic.qwen_av_session(1, vocab_size=300, unit_kind="paper")
+    t, h, w = np.asarray(session.positions)[1, :, 0]  # [A, T] of the unit, relative to its cursor
+    video = slice(2, 2 + 880)
+    np.testing.assert_array_equal(h[video], 1 + np.repeat(np.arange(22), 40))
+    np.testing.assert_array_equal(w[video], 1 + np.tile(np.arange(40), 22))
+    np.testing.assert_array_equal(t[2 + 880: 2 + 880 + 25], np.arange(1, 26))
+    with pytest.raises(ValueError, match="unknown unit_kind"):
+        synthetic.qwen_av_session(1, vocab_size=300, unit_kind="4k")
+
+
+def test_first_fit_refills_every_hole_when_whole_units_go():
+    """With the paper's 909-token units, OmniPick drops whole older units (their sinks do not fit the low
+    watermark), and the native layout's first fit puts the next units into exactly those holes: each chunk that
+    crosses the watermark attends over the packed span of its cells (the page-aligned `tile_skip` placement: at
+    most one page more). Between trims the native span can be longer (the newest unit may sit above refilled
+    holes)."""
+    chunks = synthetic.qwen_av_session(12, vocab_size=TINY_OMNI.vocab_size, unit_kind="paper")
+    model = omnijax.Decoder(TINY_OMNI.replace(num_layers=1))
+    page = 64
+    for paging, slack in (("native", 0), ("tile_skip", page)):
+        result = omnijax.stream(model, chunks, policy=OmniPick(), impl="xla", num_pages=48, page_size=page,
+                                paging=paging)
+        attended = result.stats.attended
+        cells = np.asarray(attended.retained_cells[:, 0])
+        span = np.asarray(attended.physical_span[:, 0])
+        trims = np.flatnonzero(np.asarray(result.stats.evicted[:, 0]) > 0)
+        assert len(trims) >= 4
+        np.testing.assert_array_equal(cells[trims], 24 + 3 * 909)  # the system prompt and three whole units
+        np.testing.assert_array_equal(np.asarray(result.stats.layout.retained_cells[trims, 0]), 24 + 909)
+        packed = -(-cells // page) * page
+        assert (span >= packed).all(), paging
+        assert (span[trims] <= packed[trims] + slack).all(), (paging, span[trims] - packed[trims])

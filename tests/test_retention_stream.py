@@ -1,6 +1,9 @@
 """Retention inside the streaming scan: trims happen in the compiled program, keep the cache bounded, and the
 accumulated attention scores H2O ranks by are really collected."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,3 +58,30 @@ def test_h2o_scores_are_accumulated_and_nothing_else_pays_for_them(model):
     assert (scores > 0).all()
     assert float(jnp.abs(plain.state.kv.score).max()) == 0.0
     np.testing.assert_array_equal(np.asarray(tracked.logits), np.asarray(plain.logits))
+
+
+@pytest.mark.parametrize("paging", ["native", "tile_skip"])
+def test_attended_layout_is_the_cache_before_the_chunks_trim(model, paging):
+    """`stats.attended` equals the layout of the same chunk streamed, from the state before it, without a trim."""
+    chunks = _session()
+    policy = OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)
+    run = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, paging=paging)
+    attended, after = run.stats.attended, run.stats.layout
+    evicted = np.asarray(run.stats.evicted[:, 0])
+    trims = np.flatnonzero(evicted > 0)
+    assert len(trims) >= 3
+    for c in (int(trims[0]), int(trims[-1]), int(trims[-1]) - 1):
+        head = jax.tree.map(lambda x: x[:c], chunks)
+        before = omnijax.stream(model, head, policy=policy, page_size=8, num_pages=16, paging=paging).state
+        one = jax.tree.map(lambda x: x[c:c + 1], chunks)
+        untrimmed = omnijax.stream(model, one, policy=NoSlide(), state=before, paging=paging)
+        for field in dataclasses.fields(attended):
+            expect = np.asarray(getattr(untrimmed.stats.layout, field.name))[0]
+            np.testing.assert_array_equal(np.asarray(getattr(attended, field.name))[c], expect, err_msg=field.name)
+    retained_before = np.concatenate([[0], np.asarray(after.retained_cells[:-1, 0])])
+    np.testing.assert_array_equal(np.asarray(attended.retained_cells[:, 0]), retained_before + 10)
+    assert (np.asarray(attended.retained_cells[trims, 0]) > 40).all()  # what crossed the watermark
+    calm = evicted == 0  # no trim: the chunk leaves the cache it attended over
+    for field in dataclasses.fields(attended):
+        np.testing.assert_array_equal(np.asarray(getattr(attended, field.name))[calm],
+                                      np.asarray(getattr(after, field.name))[calm], err_msg=field.name)
