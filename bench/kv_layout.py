@@ -28,11 +28,15 @@ the oracle). MiniCPM-o runs OmniPick with `source_image_whole=True` (its source 
 endurance tests). Everything else uses `impl="xla"`, page size 64, subblock 32, and a pool of `--pages` pages
 (default 128 = 8,192 slots), far more than any mode needs; a run that exhausts the pool or drops a token fails.
 
-Statistics are taken after each chunk's trim and re-layout, i.e. they describe the cache the next chunk attends
-over; a chunk's own prefill sees the cache before its trim, up to one unit larger.
+Statistics are taken after each chunk's trim and re-layout, i.e. they describe the cache the next chunk is written
+into, and (a second table) on the cache the chunk's own prefill attended over (`ChunkStats.attended`: before its
+trim, with the chunk written in).
+
+`--qwen-unit paper` streams the paper's Qwen rate instead: 1 s units of 909 tokens (video at 1 fps, one 616x1120
+frame; `omnijax.synthetic.QWEN_UNITS`), written to `kv_layout_paper.*`.
 
 Run: `python bench/kv_layout.py [--tokens 32768] [--models qwen minicpm] [--configs ...] [--min-pages 1]
-[--pages 128] [--out bench/out]`
+[--pages 128] [--qwen-unit 2s] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -189,7 +193,7 @@ def plot(rows, models, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(6 * len(models), 8))
+    fig = plt.figure(figsize=(max(6 * len(models), 12), 8))
     top = max(r["peak_span"] for r in rows) * 1.18
     for i, m in enumerate(models):
         ax = fig.add_subplot(2, len(models), i + 1)
@@ -214,17 +218,20 @@ def plot(rows, models, path):
         lines = ax.get_legend_handles_labels()
         extra = twin.get_legend_handles_labels()
         ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=7, loc="lower left")
-    ax = fig.add_subplot(2, 1, 2)
     series = [r for r in rows if r["model"] == models[0] and r["config"].startswith("omnipick")]
-    for r, style in zip(series, ["-", "--", "-.", ":"]):
-        ax.plot(r["tokens_series"], r["span_series"], style, label=f"span, {r['config']}", linewidth=1.4)
-    if series:
-        ax.plot(series[0]["tokens_series"], series[0]["retained_series"], color="gray", linewidth=0.8,
-                label="retained cells (OmniPick, every mode)")
-    ax.set_xlabel("streamed tokens")
-    ax.set_ylabel("KV slots")
-    ax.set_title(f"{models[0]}: physical span over the session, OmniPick with each layout")
-    ax.legend(fontsize=7, ncol=3)
+    for col, (prefix, when) in enumerate((("", "after each chunk's trim"),
+                                          ("attended_", "attended by each chunk (before its trim)"))):
+        ax = fig.add_subplot(2, 2, 3 + col)
+        for r, style in zip(series, ["-", "--", "-.", ":"]):
+            ax.plot(r["tokens_series"], r[f"{prefix}span_series"], style, label=f"span, {r['config']}",
+                    linewidth=1.4)
+        if series:
+            ax.plot(series[0]["tokens_series"], series[0][f"{prefix}retained_series"], color="gray", linewidth=0.8,
+                    label="retained cells (every mode)")
+        ax.set_xlabel("streamed tokens")
+        ax.set_ylabel("KV slots")
+        ax.set_title(f"{models[0]}: physical span {when}", fontsize=10)
+        ax.legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -50,7 +50,11 @@ Output: a table on stdout, `placement_sim.json` (summaries, checks, per-chunk sp
 Paper reference (seed 000 §7.2.3, Qwen at 32K): useful 2,778 cells, native span 3,840 (span / useful 1.38),
 OmniPage 2,816 (-26.7%), which is the eager span of 2,778 cells.
 
-Run: `.venv/bin/python bench/placement_sim.py [--layouts .layouts/layouts_32k.pkl] [--capacity-pages 48]
+`--pad R` rounds every reported span up to R slots (a page multiple): llama.cpp pads the cells attention sees to
+256 with flash attention. Layouts captured with `attention_kernel.py --qwen-unit paper` (909-token 1 s units) write
+`placement_sim_paper.*`.
+
+Run: `.venv/bin/python bench/placement_sim.py [--layouts .layouts/layouts_32k.pkl] [--capacity-pages 48] [--pad 256]
 [--out bench/out]`
 """
 
@@ -246,25 +250,28 @@ def print_table(title, r, integer, notes):
               f"{x['peak_span']:>11,}{notes.get(rule, '')}")
 
 
-def plot(tokens, live, eager, results, path):
-    """Left: first fit (the library's native layout) against the packed oracle and the live cells; right: every
-    rule's span on a log scale."""
+def plot(tokens, live, eager, pre_eager, results, path):
+    """Left: first fit (the library's native layout) against the packed oracle and the live cells, after each trim;
+    middle and right: every rule's span on a log scale after each trim and before it (with the packed span of the
+    cells then, `pre_eager`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(19, 4.2))
     left.plot(tokens, results["first_fit"]["span"], label="span, first fit (the library's native)")
     left.plot(tokens, eager, label="span, fully packed (eager oracle)")
     left.plot(tokens, live, color="gray", linewidth=0.8, label="live cells")
     left.set_title("native layout vs the packed oracle, after each trim")
-    for rule, r in results.items():
-        right.plot(tokens, r["span"], label=rule, linewidth=1.2)
-    right.plot(tokens, eager, "k:", label="fully packed")
-    right.set_yscale("log")
-    right.set_title("span per placement rule (same retention)")
-    for ax in (left, right):
+    for ax, key, when in ((mid, "span", "after each trim"), (right, "pre_span", "before each trim (attended)")):
+        for rule, r in results.items():
+            ax.plot(tokens, r[key], label=rule, linewidth=1.2)
+        ax.set_yscale("log")
+        ax.set_title(f"span per placement rule, {when}")
+    mid.plot(tokens, eager, "k:", label="fully packed")
+    right.plot(tokens, pre_eager, "k:", label="fully packed")
+    for ax in (left, mid, right):
         ax.set_xlabel("streamed tokens")
         ax.set_ylabel("KV slots")
         ax.legend(fontsize=7)
@@ -364,7 +371,8 @@ def main(argv=None):
     stem = "placement_sim" if payload["qwen_unit"] == "2s" else f"placement_sim_{payload['qwen_unit']}"
     path = out / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=1))
-    plot([ch["tokens"] for ch in stream], live, eager, results, out / f"{stem}.png")
+    pre_eager = -(-ff["pre_live"] // R) * R
+    plot([ch["tokens"] for ch in stream], live, eager, pre_eager, results, out / f"{stem}.png")
     print(f"wrote {path} and {out / f'{stem}.png'}")
 
 
