@@ -376,12 +376,13 @@ def main(argv=None):
     summary = {"attention_shapes": shapes,
                "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner,
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
-               "full_pool_pages": full_pool, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
+               "full_pool_pages": full_pool, "qwen_unit": args.qwen_unit, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
                "cumulative": cum_rows, "profile": profile}
     stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \
         f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}" + \
         (f"_splits{args.splits}" if args.splits > 1 else "")
+    stem += "" if args.qwen_unit == "2s" else f"_{args.qwen_unit}"
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}"
          + (f", {args.splits} splits" if args.splits > 1 else ""))

@@ -50,8 +50,7 @@ def reserve_view(kv, start: int, length: int, positions_axes: int):
     meta = paged.SlotMeta(pos=positions, unit=zeros, span=jnp.full((1, length), SpanKind.TEXT, jnp.int32),
                           offset=zeros)
     kv, slots, q_order = paged.reserve(kv, jnp.ones((1, length), bool), meta)
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                               slot_order=kv.order, q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
     return kv, view, positions
 
 

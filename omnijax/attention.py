@@ -61,6 +61,13 @@ class CacheView:
     q_order: jax.Array
     pages: PageIndex | None = None
 
+    @classmethod
+    def of(cls, kv, write_slots: jax.Array, q_order: jax.Array) -> "CacheView":
+        """The view of a paged cache (`omnijax.kv.PagedKV`: its `page_table`, `valid`, `order`) for tokens written
+        to `write_slots` with write orders `q_order`, both `[B, T]` as `omnijax.kv.paged.reserve` returns them."""
+        return cls(write_slots=write_slots, page_table=kv.page_table, slot_valid=kv.valid, slot_order=kv.order,
+                   q_order=q_order)
+
 
 def index_pages(view: CacheView) -> CacheView:
     """The view with its `PageIndex` computed (unchanged if it has one): do it once per chunk, outside the layers."""

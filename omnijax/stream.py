@@ -82,8 +82,7 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it). Returns `(kv, hidden [B, T, D])`.
     """
     kv, slots, q_order = paged_lib.reserve(kv, valid, meta, placement=placement)
-    view = attention_lib.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                                   slot_order=kv.order, q_order=q_order)
+    view = attention_lib.CacheView.of(kv, slots, q_order)
     hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores)
     kv = kv.replace(k=k, v=v)
     if mass is not None:

@@ -193,8 +193,7 @@ def test_unrolled_layer_loop_equals_the_scan(model, tokens):
                           offset=jnp.zeros((B, T), jnp.int32))
     kv, slots, q_order = paged.reserve(init_state(c, num_pages=4, page_size=8, batch=B).kv,
                                        jnp.ones((B, T), bool), meta)
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                               slot_order=kv.order, q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
     x = decoder.embed_tokens(ids)
     scanned, unrolled = (jax.jit(lambda x, k, v, unroll=unroll: decoder.run_layers(
         x, positions, view, k, v, impl="xla", unroll=unroll)[:3])(x, kv.k, kv.v) for unroll in (False, True))

@@ -72,8 +72,7 @@ def test_permuted_page_table_matches_dense_cache(seed, impl):
     kv, slots, q_order = paged.reserve(kv, jnp.ones((B, T), bool), _meta(B, T))
     k_pages = paged.write_layer(kv.k[0], slots, jnp.asarray(k_new))
     v_pages = paged.write_layer(kv.v[0], slots, jnp.asarray(v_new))
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                               slot_order=kv.order, q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
     out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     table = np.asarray(kv.page_table)
     assert len(set(table[table >= 0].tolist())) == (table >= 0).sum()  # no page shared
@@ -98,8 +97,7 @@ def test_layer_of_a_stack_equals_the_layer_alone(impl):
     k_new = jnp.asarray(rng.standard_normal((B, T, G, D)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
     kv, slots, q_order = paged.reserve(kv, jnp.ones((B, T), bool), _meta(B, T, start=7))
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                               slot_order=kv.order, q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
 
     @jax.jit
     def layered(layer, k_stack, v_stack):
@@ -138,8 +136,7 @@ def test_reused_page_never_leaks_old_values(impl):
     assert int(kv3.page_table[0, 0]) in used.tolist()
     k_pages = paged.write_layer(kv3.k[0], slots, jnp.asarray(k_new))
     v_pages = paged.write_layer(kv3.v[0], slots, jnp.asarray(v_new))
-    view = attention.CacheView(write_slots=slots, page_table=kv3.page_table, slot_valid=kv3.valid,
-                               slot_order=kv3.order, q_order=q_order)
+    view = attention.CacheView.of(kv3, slots, q_order)
     out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     assert np.isfinite(out).all()
     want = _dense_attention(q[0], k_new[0], v_new[0], np.arange(T), T)
@@ -256,8 +253,7 @@ def test_attention_mass_per_slot_matches_dense_probabilities():
     kv, slots, q_order = paged.reserve(kv, jnp.asarray(valid), _meta(B, T))
     k_pages = paged.write_layer(kv.k[0], slots, jnp.asarray(k_new))
     v_pages = paged.write_layer(kv.v[0], slots, jnp.asarray(k_new))
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid,
-                               slot_order=kv.order, q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
     _, mass = attention.attend(jnp.asarray(q), k_pages, v_pages, view, with_mass=True)
     keys = np.concatenate([ks[0], k_new[0, :2]]).astype(np.float64)  # 8 live keys in write order
     want = np.zeros(8)
@@ -299,8 +295,7 @@ def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order(impl)
     assert int(kv2.seq_slots[0]) == 12 and int(kv2.num_free) == kv.num_free  # no new page needed
     k_pages = paged.write_layer(kv2.k[0], slots, jnp.asarray(k_new))
     v_pages = paged.write_layer(kv2.v[0], slots, jnp.asarray(v_new))
-    view = attention.CacheView(write_slots=slots, page_table=kv2.page_table, slot_valid=kv2.valid,
-                               slot_order=kv2.order, q_order=q_order)
+    view = attention.CacheView.of(kv2, slots, q_order)
     out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     kept = [i for i in range(10) if i not in (1, 4, 7)]
     k_all = np.concatenate([ks[0][kept], k_new[0]])
@@ -390,8 +385,7 @@ def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (3, 1, 5))
     z = jnp.zeros((1, 5), jnp.int32)
     big, slots, q_order = paged.reserve(big, jnp.ones((1, 5), bool), paged.SlotMeta(pos=pos, unit=z, span=z, offset=z))
-    chunk_view = attention.CacheView(write_slots=slots, page_table=big.page_table, slot_valid=big.valid,
-                                     slot_order=big.order, q_order=q_order)
+    chunk_view = attention.CacheView.of(big, slots, q_order)
     x = jnp.zeros((1, 5, c.hidden_size), c.jnp_dtype)
     jaxpr = jax.make_jaxpr(lambda v: model.run_layers(x, pos, v, big.k, big.v, impl=impl))(chunk_view).jaxpr
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]

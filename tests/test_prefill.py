@@ -48,8 +48,7 @@ def one_shot_hidden(model, x, positions):
     z = jnp.zeros((B, S), jnp.int32)
     kv, slots, q_order = paged.reserve(kv, jnp.ones((B, S), bool), paged.SlotMeta(pos=positions, unit=z, span=z,
                                                                                   offset=z))
-    view = attention.CacheView(write_slots=slots, page_table=kv.page_table, slot_valid=kv.valid, slot_order=kv.order,
-                               q_order=q_order)
+    view = attention.CacheView.of(kv, slots, q_order)
     hidden, k, v, _ = model.run_layers(x, positions, view, kv.k, kv.v)
     return hidden
 
