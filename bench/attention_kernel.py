@@ -5,10 +5,10 @@ Layout capture. A synthetic Qwen2.5-Omni session (`synthetic.qwen_av_session`: a
 units of 124 tokens, or `--qwen-unit paper`: 1 s units of 909) is streamed past `--tokens` tokens, one chunk per
 `Session.feed` (`impl="xla"`), through a narrow one-layer writer decoder (`TINY_OMNI` with one layer). Retention and
 paging decide from unit, span, order and position metadata only, never from the cached values, so the layout a
-writer leaves (page table, live slots, write order) is the layout the real model would leave. Configurations: NoSlide (full context, a pool large enough for the
-whole stream; only its 4K/8K/16K/32K checkpoints are kept: the first chunk whose streamed total reaches each), and
-`OmniPick()` (2500/1800 watermarks, a 48-page pool) under paging `native`, `tile_skip`, `ordered_suffix`, `eager`,
-kept after every chunk together with the chunk's `stats.moved`.
+writer leaves (page table, live slots, write order) is the layout the real model would leave. Configurations:
+NoSlide (full context, a pool large enough for the whole stream; only its 4K/8K/16K/32K checkpoints are kept: the
+first chunk whose streamed total reaches each), and `OmniPick()` (2500/1800 watermarks, a 48-page pool) under paging
+`native`, `tile_skip`, `ordered_suffix`, `eager`, kept after every chunk together with the chunk's `stats.moved`.
 
 Attention timing. Qwen2.5-Omni-7B attention shapes (28 query heads, 4 KV heads, head dim 128), float32, random K/V
 pages `[N, 64, 4, 128]` sized to the configuration's pool (one compile per pool shape), one layer, jitted
@@ -376,7 +376,8 @@ def main(argv=None):
     summary = {"attention_shapes": shapes,
                "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner,
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
-               "full_pool_pages": full_pool, "qwen_unit": args.qwen_unit, "chunks": n, "tokens": int(cum[n - 1]), "every": args.every,
+               "full_pool_pages": full_pool, "qwen_unit": args.qwen_unit, "chunks": n, "tokens": int(cum[n - 1]),
+               "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
                "cumulative": cum_rows, "profile": profile}
     stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \

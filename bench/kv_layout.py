@@ -130,7 +130,8 @@ def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
             # The cache each chunk's prefill attended over: the history before the chunk's trim, the chunk written.
             "attended_retained": int(att_retained[-1]), "attended_span": int(att_span[-1]),
             "attended_active_pages": int(att.active_pages[-1, 0]), "attended_peak_span": int(att_span.max()),
-            "mean_attended_span": float(att_span[post].mean()), "mean_attended_retained": float(att_retained[post].mean()),
+            "mean_attended_span": float(att_span[post].mean()),
+            "mean_attended_retained": float(att_retained[post].mean()),
             "attended_span_series": att_span.tolist(), "attended_retained_series": att_retained.tolist(),
             "trim_chunks": np.flatnonzero(evicted > 0).tolist(),
             "tokens_series": np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2))).tolist(), "seconds": seconds}
@@ -174,7 +175,7 @@ def print_table(rows, models):
     print("* eager compaction is the oracle: its copies are its cost, excluded in the paper; span changes are "
           "relative to OmniPick on the native layout (negative = shorter); @trims: right after each trim, when a "
           "paging mode acts")
-    print(f"\nThe cache each chunk's prefill attends over (before the chunk's trim, the chunk written in):")
+    print("\nThe cache each chunk's prefill attends over (before the chunk's trim, the chunk written in):")
     print(f"{'model':>7} {'config':>23} {'useful':>6} {'span':>5} {'ratio':>5} {'pages':>5} {'peak':>5} "
           f"{'mean span':>9} {'mean kept':>9} {'-span@ckpt':>10} {'-mean span':>10}")
     for m in models:
@@ -264,8 +265,8 @@ def main(argv=None):
     print_table(rows, args.models)
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
-    summary = {"tokens": args.tokens, "qwen_unit": args.qwen_unit, "min_pages": args.min_pages, "page_size": PAGE, "subblock": SUBBLOCK,
-               "pool_pages": args.pages,
+    summary = {"tokens": args.tokens, "qwen_unit": args.qwen_unit, "min_pages": args.min_pages, "page_size": PAGE,
+               "subblock": SUBBLOCK, "pool_pages": args.pages,
                "writers": {"qwen": QWEN_WRITER.to_json(), "minicpm": MINICPM_WRITER.to_json()}, "paper": PAPER,
                "runtime_s": runtime, "rows": rows}
     stem = "kv_layout" if args.qwen_unit == "2s" else f"kv_layout_{args.qwen_unit}"
