@@ -1,12 +1,27 @@
-"""Shared test setup: CPU only, float32 matmuls at full precision, a persistent compilation cache."""
+"""Shared test setup: CPU only, float32 matmuls at full precision, a persistent compilation cache, and compiled
+programs released after each test module."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 _cache = os.environ.get("OMNIJAX_TEST_JAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops the in-memory compilation caches when a module's tests are done.
+
+    Every compiled XLA:CPU program keeps memory mappings of its code for as long as it is cached. One process
+    running the whole suite would otherwise approach the kernel's per-process limit (`vm.max_map_count`, 65,530 by
+    default), where compiling or serialising the next program crashes the process. Later modules that need a
+    program again reload it from the persistent cache.
+    """
+    yield
+    jax.clear_caches()
