@@ -84,6 +84,11 @@ def table_view(row, P):
     return live, order[pages].reshape(-1)
 
 
+def round_up(x, to):
+    """`x` (a count or an array of counts) rounded up to a multiple of `to` slots."""
+    return -(-np.asarray(x) // to) * to
+
+
 def span_of(live_slots, P):
     """Page-rounded extent of the live slots (table-space indices)."""
     return 0 if len(live_slots) == 0 else int(P * ((max(live_slots) + P) // P))
@@ -229,7 +234,7 @@ def summary(results, live, lib_span, sel, P, key="span"):
     to the slice's end. `key="pre_span"`: before each chunk's trim."""
     if key == "pre_span":
         live = results["first_fit"]["pre_live"]  # the same for every rule
-    eager = -(-live // P) * P
+    eager = round_up(live, P)
     lv, eg = float(np.mean(live[sel])), float(np.mean(eager[sel]))
     out = {"live": lv, "eager_span": eg, "library_native_span": float(np.mean(lib_span[sel])), "rules": {}}
     for rule, r in results.items():
@@ -303,7 +308,7 @@ def main(argv=None):
           f"({n} rows), page {P}, ring capacity {C} slots")
 
     live = np.array([len(ch["live"]) for ch in stream])
-    eager = -(-live // P) * P
+    eager = round_up(live, P)
     lib_span = np.array([ch["lib_span"] for ch in stream])
     results = {rule: simulate(stream, rule, P, C) for rule in RULES}
     ff = results["first_fit"]
@@ -322,10 +327,9 @@ def main(argv=None):
         print(f"  {k}: {v}")
     checks["first_fit_span_mismatch_chunks"] = [stream[i]["chunk"] for i in np.flatnonzero(ff["span"] != lib_span)]
     if R != P:  # report every span rounded up to R slots (llama.cpp pads the cells attention sees to 256)
-        pad = lambda x: -(-np.asarray(x) // R) * R
-        eager, lib_span = pad(live), pad(lib_span)
+        eager, lib_span = round_up(live, R), round_up(lib_span, R)
         for r in results.values():
-            r["span"], r["pre_span"] = pad(r["span"]), pad(r["pre_span"])
+            r["span"], r["pre_span"] = round_up(r["span"], R), round_up(r["pre_span"], R)
         print(f"spans below are rounded up to {R} slots")
 
     trims = [i for i, ch in enumerate(stream) if ch["evicted"] > 0]
@@ -347,7 +351,7 @@ def main(argv=None):
     if notes:
         print(f"  * the ubatch found no free run / not enough free cells in the {C}-slot ring (llama.cpp would fail "
               "the decode); the replay places it past the ring and goes on, so later spans exceed the pool")
-    paper_eager = -(-PAPER["useful"] // R) * R
+    paper_eager = int(round_up(PAPER["useful"], R))
     print(f"\npaper (Qwen, 32K): useful {PAPER['useful']:,}, native span {PAPER['native_span']:,} "
           f"(span/useful {PAPER['native_span'] / PAPER['useful']:.3f}), OmniPage {PAPER['omnipage_span']:,} "
           f"(-{PAPER['reduction']:.1%}); eager span of the useful cells {paper_eager:,} "
@@ -371,7 +375,7 @@ def main(argv=None):
     stem = "placement_sim" if payload["qwen_unit"] == "2s" else f"placement_sim_{payload['qwen_unit']}"
     path = out / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=1))
-    pre_eager = -(-ff["pre_live"] // R) * R
+    pre_eager = round_up(ff["pre_live"], R)
     plot([ch["tokens"] for ch in stream], live, eager, pre_eager, results, out / f"{stem}.png")
     print(f"wrote {path} and {out / f'{stem}.png'}")
 

@@ -25,11 +25,16 @@ QWEN_UNIT_AUDIO = 50
 QWEN_UNITS = {"2s": (QWEN_UNIT_GRID, QWEN_UNIT_AUDIO, 1.0), "paper": ((1, 44, 80), 25, 2.0)}
 
 
-def qwen_unit_tokens(unit_kind: str = "2s") -> int:
-    """Tokens in one Qwen2.5-Omni unit of `QWEN_UNITS[unit_kind]`: 2x2-merged video, audio and 4 markers."""
+def _qwen_unit(unit_kind: str):
+    """`QWEN_UNITS[unit_kind]`, or a ValueError naming the kinds there are."""
     if unit_kind not in QWEN_UNITS:
         raise ValueError(f"unknown unit_kind {unit_kind!r}; available: {sorted(QWEN_UNITS)}")
-    (t, h, w), audio, _ = QWEN_UNITS[unit_kind]
+    return QWEN_UNITS[unit_kind]
+
+
+def qwen_unit_tokens(unit_kind: str = "2s") -> int:
+    """Tokens in one Qwen2.5-Omni unit of `QWEN_UNITS[unit_kind]`: 2x2-merged video, audio and 4 markers."""
+    (t, h, w), audio, _ = _qwen_unit(unit_kind)
     return t * h * w // 4 + audio + 4
 
 
@@ -43,8 +48,7 @@ def qwen_av_session(num_units: int, *, vocab_size: int, system_tokens: int = 24,
     """System prompt, then `num_units` audiovisual units of kind `unit_kind` (a key of `QWEN_UNITS`); every
     `question_every`-th unit (if > 0) is followed by a short user question (a TEXT unit). Stacked, padded to the
     longest chunk."""
-    qwen_unit_tokens(unit_kind)  # raises on an unknown kind
-    grid, audio, second_per_grid = QWEN_UNITS[unit_kind]
+    grid, audio, second_per_grid = _qwen_unit(unit_kind)
     rng = np.random.default_rng(seed)
     chunks = [qwen.system_unit(rng.integers(0, 1000, system_tokens).tolist(), 0)]
     unit = 1
