@@ -17,10 +17,13 @@ reads layer `layer` only: a model's layer loop hands the kernel the whole cache 
 (XLA:GPU copies a dynamic slice taken in a loop) and the cache can be updated in place.
 
 The kernel's grid is (batch, kv head, query block). The R query heads that share a kv head are processed together:
-query rows are laid out as `t * R + r`, so one block of rows mixes heads and tokens and every key page is loaded once
-per block. Inside, the kernel loops (`lax.fori_loop` with a dynamic trip count) over the sequence's ACTIVE pages only:
-a compact per-sequence list of pages that hold at least one live slot, in page-table order, computed outside the
-kernel by `active_pages`. Empty pages and -1 entries cost nothing. Within a page, slots are masked by liveness and
+query row `t * R + r` of kv head g is token t, query head g * R + r, so one block of rows mixes heads and tokens and
+every key page is loaded once per block. A program gathers its rows straight from `q [B, T, H, d]` and scatters its
+output rows into `[B, T, H, d]` (rows past the chunk masked): no transposes or padding around the call.
+
+Inside, the kernel loops (`lax.fori_loop` with a dynamic trip count) over the sequence's ACTIVE pages only: a compact
+per-sequence list of pages that hold at least one live slot, in page-table order, computed outside the kernel by
+`active_pages`. Empty pages and -1 entries cost nothing. Within a page, slots are masked by liveness and
 write order. Softmax is online (flash) with float32 accumulators.
 
 With `num_splits > 1` the grid gains a fourth axis: split s of a sequence takes its share of the active list
@@ -31,7 +34,7 @@ decoding). Decode has one query token, so (batch, kv head, query block) alone gi
 Slot liveness and order travel into the kernel as one int32 key per slot (`slot_order` where live, INT32_MAX where
 dead), so `q_order` must be below INT32_MAX. The active page lists and the slot keys together are a `PageIndex`
 (`page_index`); a caller that attends to the same cache many times (every layer of a model on one chunk) computes it
-once and passes it as `index=`, so a call is left with the kernel and the rearranging of its query rows and output.
+once and passes it as `index=`, so a call is left with the kernel alone (and, with splits, the merge).
 
 On GPU the kernel lowers to Triton (`interpret=False`); on CPU run it with `interpret=True` under `jax.jit`. Triton
 wants power-of-two block shapes, and its matrix units want `block_q`, the page size and head_dim of at least 16.
@@ -197,59 +200,80 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, 
     return lax.fori_loop(start, stop, body, init)
 
 
-def _program_inputs(layer_ref, qo_ref, k_ref, *, block_q: int, heads_per_kv: int):
-    """`(layer, row orders [block_q])` of this program: the layer clamped into the stack (as jnp's dynamic indexing
-    and the reference clamp), and the write order of each of its query rows (row t * R + r is token t; rows past the
-    chunk's T * R get an order that sees nothing). Both are derived here rather than by XLA ops beside the call,
-    which a model's layer loop would run again for every layer."""
+def _program_inputs(layer_ref, qo_ref, q_ref, k_ref, *, block_q: int, heads_per_kv: int):
+    """What a (batch b, kv head g, query block i) program derives from its ids and whole-array inputs.
+
+    Returns `(layer, q [block_q, d], orders [block_q], store_at)`: the layer clamped into the stack (as jnp's dynamic
+    indexing and the reference clamp); this block's query rows, gathered straight from `q [T, H, d]` (row
+    t * R + r is token t, query head g * R + r); each row's write order (rows past the chunk's T * R get an order
+    that sees nothing); and the `[block_q, d]` index arrays of the rows' places in a `[T, H, d]` output, whose token
+    index is T or more for rows past the chunk: `_store_rows` drops those. Gathering and scattering rows in the
+    kernel spares the two XLA transposes that would otherwise lay queries and outputs out around every call.
+    """
     layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
-    T = qo_ref.shape[1]
+    T, _, d = q_ref.shape
     rows = pl.program_id(2) * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     token = rows // heads_per_kv
-    orders = qo_ref[pl.program_id(0), jnp.minimum(token, T - 1)]
-    return layer, jnp.where(token < T, orders, _PAD_ORDER)
+    head = pl.program_id(1) * heads_per_kv + rows % heads_per_kv
+    kept = jnp.minimum(token, T - 1)  # a row past the chunk reads the last token and sees nothing
+    col = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    q = q_ref[kept[:, None], head[:, None], col]
+    orders = jnp.where(token < T, qo_ref[pl.program_id(0), kept], _PAD_ORDER)
+    return layer, q, orders, (token[:, None], head[:, None], col)
+
+
+def _store_rows(o_ref, store_at, value) -> None:
+    """Writes `value [block_q, d]` (or `[block_q]` into a `[T, H]` ref) to the rows' places; rows past the chunk are
+    masked on the GPU and, their token index being out of range, dropped by the interpreter's scatter."""
+    token, head, col = store_at
+    index = (token, head, col) if value.ndim == 2 else (token[:, 0], head[:, 0])
+    plgpu.store(o_ref.at[index], value.astype(o_ref.dtype), mask=index[0] < o_ref.shape[0])
 
 
 def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float,
-            heads_per_kv: int):
+            heads_per_kv: int, block_q: int):
     """One (batch, kv head, query block) program over all of the sequence's active pages.
 
     layer_ref [1]: the layer to read. ids_ref [B, M], count_ref [B]: active page lists (whole arrays).
-    qo_ref [B, T]: each query token's write order (whole array). q_ref [block_q, d]. k_ref, v_ref [L, N, P, d]: this
-    kv head's pages of every layer. key_ref [N, P]: slot keys. o_ref [block_q, d].
+    qo_ref [B, T]: each query token's write order (whole array). q_ref [T, H, d]: this sequence's queries.
+    k_ref, v_ref [L, N, P, d]: this kv head's pages of every layer. key_ref [N, P]: slot keys. o_ref [T, H, d]: this
+    sequence's output, of which the program writes its rows.
     """
     b = pl.program_id(0)
-    layer, qo = _program_inputs(layer_ref, qo_ref, k_ref, block_q=q_ref.shape[0], heads_per_kv=heads_per_kv)
-    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q_ref[...], qo, layer, k_ref, v_ref, key_ref, scale)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row that saw nothing stays zero
-    o_ref[...] = out.astype(o_ref.dtype)
+    layer, q, qo, store_at = _program_inputs(layer_ref, qo_ref, q_ref, k_ref, block_q=block_q,
+                                             heads_per_kv=heads_per_kv)
+    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q, qo, layer, k_ref, v_ref, key_ref, scale)
+    _store_rows(o_ref, store_at, acc / jnp.where(l > 0, l, 1.0)[:, None])  # a row that saw nothing stays zero
 
 
 def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *,
-                  scale: float, heads_per_kv: int, num_splits: int):
+                  scale: float, heads_per_kv: int, block_q: int, num_splits: int):
     """One (batch, kv head, query block, split) program over split s of the active pages (split-K).
 
     Split s takes pages [s * c, min((s + 1) * c, count)) of the active list, c = ceil(count / num_splits), and
-    writes its unnormalised partial `acc_ref [block_q, d]`, row maximum `m_ref` and denominator `l_ref [block_q]`
-    (float32); `_merge_splits` combines them.
+    writes its rows' unnormalised partial into `acc_ref [T, H, d]`, their row maximum into `m_ref` and their
+    denominator into `l_ref [T, H]` (float32, split s of sequence b); `_merge_splits` combines them.
     """
     b, split = pl.program_id(0), pl.program_id(3)
-    layer, qo = _program_inputs(layer_ref, qo_ref, k_ref, block_q=q_ref.shape[0], heads_per_kv=heads_per_kv)
+    layer, q, qo, store_at = _program_inputs(layer_ref, qo_ref, q_ref, k_ref, block_q=block_q,
+                                             heads_per_kv=heads_per_kv)
     count = count_ref[b]
     per = (count + num_splits - 1) // num_splits
     start = jnp.minimum(split * per, count)
-    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q_ref[...], qo, layer, k_ref,
-                              v_ref, key_ref, scale)
-    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+    acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q, qo, layer, k_ref, v_ref,
+                              key_ref, scale)
+    _store_rows(acc_ref, store_at, acc)
+    _store_rows(m_ref, store_at, m)
+    _store_rows(l_ref, store_at, l)
 
 
 def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Combines split partials `acc [..., S, rows, d]`, `m`, `l [..., S, rows]` into the normalised output."""
-    m_max = jnp.max(m, axis=-2, keepdims=True)
+    """Combines split partials `acc [B, S, T, H, d]`, `m`, `l [B, S, T, H]` into the normalised `[B, T, H, d]`."""
+    m_max = jnp.max(m, axis=1, keepdims=True)
     m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)  # rows no split saw
-    w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_max), 0.0)  # [..., S, rows]
-    total = jnp.sum(w * l, axis=-2)
-    out = jnp.sum(w[..., None] * acc, axis=-3)
+    w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_max), 0.0)  # [B, S, T, H]
+    total = jnp.sum(w * l, axis=1)
+    out = jnp.sum(w[..., None] * acc, axis=1)
     return out / jnp.where(total > 0, total, 1.0)[..., None]  # a row that saw nothing stays zero
 
 
@@ -273,56 +297,48 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
     B, T, H, d = q.shape
     L, N, P, G, _ = k_pages.shape
     R = H // G
-    rows = T * R
-    rows_pad = pl.cdiv(rows, block_q) * block_q
-
-    # Query rows of one kv head: row t * R + r is token t, query head g * R + r.
-    qg = q.reshape(B, T, G, R, d).transpose(0, 2, 1, 3, 4).reshape(B, G, rows, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     if index is None:
         index = page_index(page_table, slot_valid, slot_order)
     ids, count, key = index.ids, index.count, index.slot_key
     M = ids.shape[1]
 
+    # Query rows of kv head g: row t * R + r is token t, query head g * R + r, gathered from q in the kernel.
+    grid = (B, G, pl.cdiv(T * R, block_q))
     in_specs = [
         pl.BlockSpec((1,), lambda b, g, i, *_: (0,)),  # the layer to read
         pl.BlockSpec((B, M), lambda b, g, i, *_: (0, 0)),  # active page ids
         pl.BlockSpec((B,), lambda b, g, i, *_: (0,)),  # active page counts
         pl.BlockSpec((B, T), lambda b, g, i, *_: (0, 0)),  # query token orders (rows derive theirs)
-        pl.BlockSpec((None, None, block_q, d), lambda b, g, i, *_: (b, g, i, 0)),  # queries
+        pl.BlockSpec((None, T, H, d), lambda b, g, i, *_: (b, 0, 0, 0)),  # the sequence's queries
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # keys of kv head g, every layer
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # values of kv head g
         pl.BlockSpec((N, P), lambda b, g, i, *_: (0, 0)),  # slot keys
     ]
     params = dict(interpret=interpret, name="block_sparse_attention",
                   compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    scale = float(d) ** -0.5
+    kernel_args = dict(scale=float(d) ** -0.5, heads_per_kv=R, block_q=block_q)
     if num_splits == 1:
-        out = pl.pallas_call(
-            functools.partial(_kernel, scale=scale, heads_per_kv=R),
-            grid=(B, G, rows_pad // block_q),
+        return pl.pallas_call(
+            functools.partial(_kernel, **kernel_args),
+            grid=grid,
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, block_q, d), lambda b, g, i: (b, g, i, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, G, rows_pad, d), q.dtype),
+            out_specs=pl.BlockSpec((None, T, H, d), lambda b, g, i: (b, 0, 0, 0)),  # each program its rows
+            out_shape=jax.ShapeDtypeStruct((B, T, H, d), q.dtype),
             **params,
-        )(layer, ids, count, q_order, qg, k_pages, v_pages, key)
-    else:
-        acc, m, l = pl.pallas_call(
-            functools.partial(_split_kernel, scale=scale, heads_per_kv=R, num_splits=num_splits),
-            grid=(B, G, rows_pad // block_q, num_splits),
-            in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, None, block_q, d), lambda b, g, i, s: (b, g, s, i, 0)),
-                       pl.BlockSpec((None, None, None, block_q), lambda b, g, i, s: (b, g, s, i)),
-                       pl.BlockSpec((None, None, None, block_q), lambda b, g, i, s: (b, g, s, i))],
-            out_shape=[jax.ShapeDtypeStruct((B, G, num_splits, rows_pad, d), jnp.float32),
-                       jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32),
-                       jax.ShapeDtypeStruct((B, G, num_splits, rows_pad), jnp.float32)],
-            **params,
-        )(layer, ids, count, q_order, qg, k_pages, v_pages, key)
-        out = _merge_splits(acc, m, l).astype(q.dtype)  # [B, G, rows_pad, d]
-
-    out = out[:, :, :rows].reshape(B, G, T, R, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(B, T, H, d)
+        )(layer, ids, count, q_order, q, k_pages, v_pages, key)
+    acc, m, l = pl.pallas_call(
+        functools.partial(_split_kernel, num_splits=num_splits, **kernel_args),
+        grid=(*grid, num_splits),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, T, H, d), lambda b, g, i, s: (b, s, 0, 0, 0)),
+                   pl.BlockSpec((None, None, T, H), lambda b, g, i, s: (b, s, 0, 0)),
+                   pl.BlockSpec((None, None, T, H), lambda b, g, i, s: (b, s, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, num_splits, T, H, d), jnp.float32),
+                   jax.ShapeDtypeStruct((B, num_splits, T, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, num_splits, T, H), jnp.float32)],
+        **params,
+    )(layer, ids, count, q_order, q, k_pages, v_pages, key)
+    return _merge_splits(acc, m, l).astype(q.dtype)
 
 
 @jax.jit

@@ -4,6 +4,7 @@ lowering for cuda on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import functools
 
 import jax
@@ -266,3 +267,16 @@ def test_layer_of_a_stack_lowers_to_triton_for_cuda(T):
 
     text = lower_for_cuda(layers, *args)
     assert has_triton_call(text)
+
+
+@pytest.mark.parametrize("T", [13, 1], ids=["prefill", "decode"])
+def test_nothing_but_the_kernel_around_a_call(T):
+    # With the page index precomputed (as a model's layer loop does), a call lowers to the Triton call alone: the
+    # kernel gathers its query rows from q [B, T, H, d] and scatters its output rows back, so there is no transpose,
+    # pad or slice of queries or outputs for the GPU to launch beside it in every layer.
+    args = make_case(6, T=T, H=14, G=2, d=32, dtype=jnp.bfloat16)
+    index = page_index(*args[3:6])
+    text = lower_for_cuda(lambda *a: block_sparse_attention(*a[:7], index=a[7], interpret=False), *args, index)
+    ops = set(re.findall(r"= (?:stablehlo|mhlo)\.([a-z_]+)", text))
+    assert has_triton_call(text)
+    assert not ops & {"transpose", "pad", "slice", "dynamic_slice", "gather", "scatter", "concatenate"}, ops
