@@ -7,10 +7,11 @@ unit's 124 queries) and decode (one query), Qwen2.5-Omni-7B shapes, `--inner` la
 phase and layout, the default configuration's time, the fastest configuration and its time, and tile_skip's speedup
 over full context with the default configuration and with each side at its fastest.
 
-Grid: prefill varies block_q (16, 32, 64), num_warps (4, 8) and num_stages (1, 2, 3); decode varies num_splits
-(1, 2, 4, 8, 16, 32) and num_warps (2, 4). A configuration that does not compile (shared memory, for instance) is
-reported as failed and left out. Every case runs once per round, interleaved, after two warm-up calls; medians over
-`--repeats` rounds.
+Grid: prefill varies block_q (16, 32, 64), num_warps (4, 8) and num_stages (1, 2, 3), plus block_q 32 and 64 split
+over 2 and 4 programs (124 queries of 7 heads make 14 blocks of 64 rows per kv head: 56 programs for 132 SMs);
+decode varies num_splits (1, 2, 4, 8, 16, 32) and num_warps (2, 4). A configuration that does not compile (shared
+memory, for instance) is reported as failed and left out. Every case runs once per round, interleaved, after two
+warm-up calls; medians over `--repeats` rounds.
 
 Meant for a GPU: on CPU the kernel runs in the Pallas interpreter, which takes minutes per configuration at these
 sizes; `--quick` keeps one configuration per axis value there for a check that the script runs.
@@ -47,6 +48,8 @@ def grid(phase: str, quick: bool) -> list[dict]:
     if quick:
         axes = [(16,), (4,), (2,), (1, 4) if phase == "decode" else (1,)]
     configs = [dict(zip(DEFAULT, values)) for values in itertools.product(*axes)]
+    if phase == "prefill" and not quick:  # larger query blocks leave SMs idle (64 rows: 56 programs); split them
+        configs += [dict(DEFAULT, block_q=bq, num_splits=k) for bq in (32, 64) for k in (2, 4)]
     return [DEFAULT] + [c for c in configs if c != DEFAULT]
 
 
