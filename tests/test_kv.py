@@ -357,7 +357,7 @@ def _primitives(jaxpr) -> set[str]:
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     """An indexed view gives the same attention; a model indexes once per chunk, so its layer scan holds no cumsum
-    (the active-page list) while an unindexed call does."""
+    (the active-page list) while an unindexed call does; nor does the scan rotate angles or scan layer numbers."""
     from omnijax.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
@@ -389,8 +389,14 @@ def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     x = jnp.zeros((1, 5, c.hidden_size), c.jnp_dtype)
     jaxpr = jax.make_jaxpr(lambda v: model.run_layers(x, pos, v, big.k, big.v, impl=impl))(chunk_view).jaxpr
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-    assert len(scans) == 1 and "cumsum" not in _primitives(scans[0].params["jaxpr"].jaxpr)
-    assert "cumsum" in _primitives(jaxpr)  # the index is built once, before the scan
+    assert len(scans) == 1
+    body = _primitives(scans[0].params["jaxpr"].jaxpr)
+    assert "cumsum" not in body and "cumsum" in _primitives(jaxpr)  # the index is built once, before the scan
+    # So is the RoPE rotation, and the layer number rides in the carry: XLA:GPU would launch the cosine, the sine
+    # and a slice of a layer-number array again in every layer.
+    assert not body & {"cos", "sin"} and {"cos", "sin"} <= _primitives(jaxpr)
+    scanned = scans[0].invars[scans[0].params["num_consts"] + scans[0].params["num_carry"]:]
+    assert all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in scanned)  # the layers' weights only
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])

@@ -106,26 +106,24 @@ def full_keys(layer: LayerCache, length: int) -> jax.Array:
 
 def window_queries(model, full, x, positions, layer_index):
     """Post-RoPE queries of the last WINDOW prompt tokens at one layer, from that layer's input hidden states."""
-    from omnijax.kv import rope
-    from omnijax.models.decoder import layer_qkv
+    from omnijax.models.decoder import chunk_rotation, layer_qkv
     from omnijax.prefill.layer_major import layer_params
     c = model.config
     h = x
     for i in range(layer_index):  # rerun the lower layers on the whole prompt (one-shot, reference attention)
         h = _one_layer(model, h, positions, i)
-    angles = rope.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)
-    q, _, _ = layer_qkv(c, layer_params(model, layer_index), h, angles)
+    rot = chunk_rotation(c, positions)
+    q, _, _ = layer_qkv(c, layer_params(model, layer_index), h, rot)
     return q[:, S - WINDOW:]
 
 
 def _one_layer(model, h, positions, layer_index):
-    from omnijax.kv import rope
-    from omnijax.models.decoder import layer_finish, layer_qkv
+    from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv
     from omnijax.prefill.layer_major import layer_params
     c = model.config
     p = layer_params(model, layer_index)
-    angles = rope.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)
-    q, k, v = layer_qkv(c, p, h, angles)
+    rot = chunk_rotation(c, positions)
+    q, k, v = layer_qkv(c, p, h, rot)
     R = c.num_heads // c.num_kv_heads
     s = jnp.einsum("bqgrd,bkgd->bgrqk", q.reshape(B, S, c.num_kv_heads, R, c.head_dim), k) * c.head_dim ** -0.5
     s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)

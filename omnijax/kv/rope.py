@@ -50,15 +50,28 @@ def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float,
     return chosen
 
 
-def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
-    """Rotates `x` `[..., heads, head_dim]` by `angles` `[..., head_dim // 2]` (broadcast over heads).
+def rotation(angles: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`(cos, sin)`, each `[..., head_dim // 2]` float32, of `angles`: what `rotate` applies.
+
+    A layer loop computes them once per chunk and rotates every layer's queries and keys with them; left inside the
+    loop body, XLA:GPU would launch the cosine and the sine again in every layer (it does not hoist them).
+    """
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jnp.ndarray, rot: tuple[jnp.ndarray, jnp.ndarray]) -> jnp.ndarray:
+    """Rotates `x` `[..., heads, head_dim]` by `rot = rotation(angles)` (broadcast over heads).
 
     The rotation runs in float32 and the result is cast back to `x.dtype`, so bfloat16 inputs see one rounding.
     """
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
+    cos, sin = (r[..., None, :] for r in rot)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x` `[..., heads, head_dim]` by `angles` `[..., head_dim // 2]`: `rotate(x, rotation(angles))`."""
+    return rotate(x, rotation(angles))

@@ -40,14 +40,22 @@ def _proj(config: DecoderConfig, h: jnp.ndarray, p: dict, name: str) -> jnp.ndar
     return out.astype(config.jnp_dtype)
 
 
-def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, angles: jnp.ndarray):
+def chunk_rotation(config: DecoderConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`(cos, sin)`, each `[B, T, d/2]` float32, of the RoPE angles of `positions [A, B, T]` (A = 1 or the mrope
+    axes): computed once per chunk and passed to `layer_qkv` in every layer (`rope.rotation`)."""
+    c = config
+    return rope_lib.rotation(rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section))
+
+
+def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, rot: tuple[jnp.ndarray, jnp.ndarray]):
     """One layer's attention inputs for a chunk: `(q [B, T, H, d], k [B, T, G, d], v [B, T, G, d])`, q and k rotated.
 
     Args:
         config: the decoder config.
         p: one layer's parameters (the stacked dict sliced at a layer).
         h: `[B, T, D]` the layer's input hidden states.
-        angles: `[B, T, d/2]` RoPE angles of the chunk's positions (`rope.rope_angles`).
+        rot: `(cos, sin)`, each `[B, T, d/2]`, of the chunk's RoPE angles (`chunk_rotation`), computed once for
+            all layers.
     """
     c = config
     B, T, _ = h.shape
@@ -58,7 +66,7 @@ def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, angles: jnp.ndarra
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-    return rope_lib.apply_rope(q, angles), rope_lib.apply_rope(k, angles), v
+    return rope_lib.rotate(q, rot), rope_lib.rotate(k, rot), v
 
 
 def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
@@ -154,22 +162,21 @@ class Decoder(nnx.Module):
         """
         c = self.config
         dt = c.jnp_dtype
-        angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)  # [B, T, d/2]
+        rot = chunk_rotation(c, positions)  # once for all layers, as the page index below
         cache = attention_lib.index_pages(cache)  # once for all layers (see `omnijax.attention`)
 
         # The K/V stacks ride in the scan's carry: each layer writes its rows in place and attends to its own pages
         # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)
-        def layer(carry, xs):
-            h, k_pages, v_pages = carry
-            p, i = xs
-            q, k, v = layer_qkv(c, p, h, angles)
+        def layer(carry, p):
+            h, k_pages, v_pages, i = carry
+            q, k, v = layer_qkv(c, p, h, rot)
             k_pages = write_layer(k_pages, cache.write_slots, k, layer=i)
             v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
             attn = attention_lib.attend(q, k_pages, v_pages, cache, impl=impl, with_mass=track_scores, layer=i)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
-            return (layer_finish(c, p, h, attn), k_pages, v_pages), mass
+            return (layer_finish(c, p, h, attn), k_pages, v_pages, i + 1), mass
 
-        xs = (self.layers.stacked(), jnp.arange(c.num_layers, dtype=jnp.int32))
-        (h, k_pages, v_pages), mass = jax.lax.scan(layer, (x.astype(dt), k_pages, v_pages), xs,
-                                                   unroll=bool(unroll))
+        # The layer number rides in the carry too: scanned as an input, it would be sliced from an array every layer.
+        carry = (x.astype(dt), k_pages, v_pages, jnp.int32(0))
+        (h, k_pages, v_pages, _), mass = jax.lax.scan(layer, carry, self.layers.stacked(), unroll=bool(unroll))
         return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)

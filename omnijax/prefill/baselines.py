@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.config import DecoderConfig
-from omnijax.kv import rope as rope_lib
 from omnijax import attention as attention_lib
-from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
 from omnijax.prefill.layer_major import PrefillResult, check_budgets, contiguous_view, padded_length, window_rows
 from omnijax.prefill.selectors import Selector, topk_scores
@@ -41,12 +40,12 @@ def _token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: De
         start = i * chunk
         h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
         pos = jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=2)
-        angles = rope_lib.rope_angles(pos, d, c.rope_theta, c.mrope_section)
+        rot = chunk_rotation(c, pos)
         view = contiguous_view(Spad, B, page, start, chunk, start + chunk)
 
         def layer(h, xs):
             p, k_buf, v_buf, q_obs = xs
-            q, k, v = layer_qkv(c, p, h, angles)
+            q, k, v = layer_qkv(c, p, h, rot)
             k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
             v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
             attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view,
@@ -106,12 +105,12 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
     B, C, _ = h.shape
     G, d, H = c.num_kv_heads, c.head_dim, c.num_heads
     R = H // G
-    angles = rope_lib.rope_angles(positions, d, c.rope_theta, c.mrope_section)
+    rot = chunk_rotation(c, positions)
     q_index = start + jnp.arange(C, dtype=jnp.int32)
 
     def layer(h, xs):
         p, old_k, old_v, old_index = xs
-        q, k, v = layer_qkv(c, p, h, angles)
+        q, k, v = layer_qkv(c, p, h, rot)
         keys = jnp.concatenate([old_k, k.transpose(0, 2, 1, 3)], axis=2)  # [B, G, n + C, d]
         values = jnp.concatenate([old_v, v.transpose(0, 2, 1, 3)], axis=2)
         index = jnp.concatenate([old_index, jnp.broadcast_to(q_index, (B, G, C))], axis=2)

@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omnijax.kv import rope as rope_lib
-from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 
 
 @jax.tree_util.register_dataclass
@@ -146,12 +145,12 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
     B = token.shape[0]
     h = model.embed_tokens(token[:, None])
     positions = jnp.broadcast_to(cache.next_pos[None, :, None], (c.position_axes, B, 1))
-    angles = rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section)
+    rot = chunk_rotation(c, positions)
     stacked = model.layers.stacked()
     layers = []
     for i, layer in enumerate(cache.layers):
         p = {name: value[i] for name, value in stacked.items()}
-        q, k, v = layer_qkv(c, p, h, angles)  # [B, 1, H, d], [B, 1, G, d]
+        q, k, v = layer_qkv(c, p, h, rot)  # [B, 1, H, d], [B, 1, G, d]
         G = layer.num_kv_heads
         T = layer.k.shape[1]
         slot = layer.offset[:, :G] + layer.length  # [B, G]

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from omnijax import attention as attention_lib
 from omnijax.config import DecoderConfig
-from omnijax.kv import rope as rope_lib
-from omnijax.models.decoder import Decoder, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
 
@@ -111,8 +110,8 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
         start = i * chunk
         h = jax.lax.dynamic_slice_in_dim(bridge, start, chunk, axis=1)
         pos = jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=2)
-        angles = rope_lib.rope_angles(pos, d, c.rope_theta, c.mrope_section)
-        q, k, v = layer_qkv(c, p, h, angles)
+        rot = chunk_rotation(c, pos)
+        q, k, v = layer_qkv(c, p, h, rot)
         k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
         v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
         view = contiguous_view(Spad, B, page, start, chunk, start + chunk)

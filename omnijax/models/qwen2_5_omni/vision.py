@@ -321,6 +321,7 @@ class VisionEncoder(nnx.Module):
         inv_freq = rope_lib.inverse_frequencies(d // 2, ROPE_THETA)  # [d / 4]
         pos = plan.positions.astype(jnp.float32)
         angles = jnp.concatenate([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1)  # [N, d / 2]
+        rot = rope_lib.rotation(angles)  # once for all blocks
 
         def attend_frames(q, k, v):
             return _segment_attention(q, k, v, plan.frame_segments, plan.frame_inverse)
@@ -332,7 +333,7 @@ class VisionEncoder(nnx.Module):
             p, full = xs
             x = rms_norm(h, p["norm1"], NORM_EPS)
             q, k, v = (dense(x, p[f"{s}_proj"], p[f"{s}_bias"], dt).reshape(n, heads, d) for s in "qkv")
-            q, k = rope_lib.apply_rope(q, angles), rope_lib.apply_rope(k, angles)
+            q, k = rope_lib.rotate(q, rot), rope_lib.rotate(k, rot)
             attn = jax.lax.cond(full, attend_frames, attend_windows, q, k, v).reshape(n, heads * d)
             h = h + dense(attn, p["o_proj"], p["o_bias"], dt)
             x = rms_norm(h, p["norm2"], NORM_EPS)
