@@ -40,14 +40,15 @@ layout-only prediction of the same ratios.
 Accelerators. `--impl pallas` times the block-sparse Triton kernel instead (a GPU; on CPU it would time the Pallas
 interpreter). `--inner L` runs each attention call L times in sequence inside one jitted loop (each repetition's
 queries depend on the previous output, like stacked layers) and migrates an L-layer cache in one call, then divides
-by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead. `--splits S`
+by L: on a GPU one small call is mostly launch overhead, and this reports per-layer device time instead (`--unroll`:
+the L calls as straight-line code, without the loop's counter and compare between them). `--splits S`
 (with `--impl pallas`) times the kernel with each sequence's active pages split over S programs (split-K).
 `--save-layouts F` pickles the captured layouts and `--layouts F` loads them instead of capturing (capture is host
 work; it can run on another machine). `--profile DIR` traces the calls at the last checkpoint and reports the device
 kernels each launches (on a GPU; see `bench/_device_profile.py`).
 
 Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--impl xla] [--dtype float32]
-[--inner 1] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
+[--inner 1] [--unroll] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -153,14 +154,19 @@ def attention_case(row, q, kv_pages):
     return (q,) + kv_pages + (view,)
 
 
-def layered(attend, layers):
-    """Jitted `attend` run `layers` times in sequence, each call's queries depending on the previous output."""
+def layered(attend, layers, unroll=False):
+    """Jitted `attend` run `layers` times in sequence, each call's queries depending on the previous output.
+
+    In a loop by default (as a model's layer scan runs it: each iteration also pays the loop's counter and
+    compare); with `unroll`, as straight-line code, so the time per layer is the call and the one fusion that
+    chains it to the previous output.
+    """
     if layers == 1:
         return jax.jit(attend)
 
     def run(q, k, v, view):
         step = lambda _, out: attend(q + 1e-30 * out, k, v, view)  # the dependence keeps the calls sequential
-        return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q))
+        return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q), unroll=bool(unroll))
 
     return jax.jit(run)
 
@@ -207,6 +213,8 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
     parser.add_argument("--splits", type=int, default=1,
                         help="with --impl pallas: split each sequence's active pages over this many programs")
+    parser.add_argument("--unroll", action="store_true",
+                        help="run the --inner calls as straight-line code, not in a loop (no loop counter per call)")
     parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
                         help="unit kind of the session (omnijax.synthetic.QWEN_UNITS); prefill times one unit")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
@@ -258,7 +266,7 @@ def main(argv=None):
         one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
     else:  # the kernel itself: `attention.attend` runs it unsplit
         one_layer = pallas_attend(num_splits=args.splits)
-    attend = layered(one_layer, args.inner)
+    attend = layered(one_layer, args.inner, args.unroll)
     cases, index = [], {}  # index[(kind, config, chunk, phase)] = case column
 
     def add(key, prepare, fn, tag):
@@ -374,7 +382,7 @@ def main(argv=None):
     print(f"total runtime {runtime:.0f} s")
     shapes = {"heads": H, "kv_heads": G, "head_dim": D, "dtype": args.dtype, "impl": args.impl, "splits": args.splits}
     summary = {"attention_shapes": shapes,
-               "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner,
+               "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner, "unrolled": args.unroll,
                "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
                "full_pool_pages": full_pool, "qwen_unit": args.qwen_unit, "chunks": n, "tokens": int(cum[n - 1]),
                "every": args.every,
@@ -383,10 +391,10 @@ def main(argv=None):
     stem = "attention_kernel" if jax.default_backend() == "cpu" and args.impl == "xla" else \
         f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}" + \
         (f"_splits{args.splits}" if args.splits > 1 else "")
-    stem += "" if args.qwen_unit == "2s" else f"_{args.qwen_unit}"
+    stem += ("_unrolled" if args.unroll else "") + ("" if args.qwen_unit == "2s" else f"_{args.qwen_unit}")
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}"
-         + (f", {args.splits} splits" if args.splits > 1 else ""))
+         + (f", {args.splits} splits" if args.splits > 1 else "") + (", unrolled" if args.unroll else ""))
     print(f"wrote {out / stem}.json and {out / stem}.png")
 
 

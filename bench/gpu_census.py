@@ -15,7 +15,8 @@ Calls counted:
   `bench/attention_kernel.py`;
 - one layer of attention inside a 28-layer loop (`attention_kernel.layered`), bfloat16, prefill (124 queries) and
   decode (1 query), `impl="pallas"` (the Triton kernel) and `impl="xla"`, with the cache view indexed once before
-  the loop (as a model does) and without (every layer derives the page index again);
+  the loop (as a model does) and without (every layer derives the page index again), and the Triton kernel's 28
+  calls unrolled into straight-line code (`attention_kernel.py --unroll`);
 - a whole streaming step (`stream.chunk_step`) of Qwen2.5-Omni-7B in bfloat16 with abstract weights on a 124-token
   unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla", its state donated (as `Session` and the
   serving engine do), without and with a 4-token answer;
@@ -160,6 +161,9 @@ def calls():
             for how, v in views.items():
                 args = (s((1, T, H, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), s((N, P, G, D), jnp.bfloat16), v)
                 out.append((f"attention {impl} {phase}, page index {how}", layered(attend, layers), args, ()))
+                if how == "once" and impl == "pallas":  # `attention_kernel.py --unroll`: launches once = 28 layers'
+                    out.append((f"attention {impl} {phase}, index once, unrolled", layered(attend, layers, True),
+                                args, ()))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))

@@ -8,8 +8,9 @@
 #        python bench/attention_kernel.py --repeats 0 --save-layouts .layouts/layouts_32k.pkl
 # Usage: bench/gpu_checks.sh [OUT_DIR]   (results and logs land in OUT_DIR, default bench/out/gpu)
 # Within about 9 minutes (kernel tests and the impl=xla run skipped):
-#   TEST_S=0 MIG_S=90 PALLAS_S=75 BF16_S=45 XLA_S=0 SPLIT_S=60 LOOP_S=90 KCONF_S=120 bench/gpu_checks.sh OUT_DIR
-# Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, SPLIT_S (the two runs of the
+#   TEST_S=0 MIG_S=90 PALLAS_S=75 BF16_S=45 UNROLL_S=45 XLA_S=0 SPLIT_S=0 LOOP_S=90 KCONF_S=120 bench/gpu_checks.sh OUT
+# Time limits per step in seconds (0 skips a step): TEST_S, MIG_S, PALLAS_S, BF16_S, XLA_S, UNROLL_S (the bfloat16 kernel
+# with its 28 calls as straight-line code, no loop counter between them), SPLIT_S (the two runs of the
 # kernel with each sequence's active pages split over 8 programs, float32 and bfloat16), LOOP_S (bench/layer_loop.py:
 # the decoder's layer scan against the unrolled loop, 8 layers of the 7B shapes in bfloat16), KCONF_S
 # (bench/kernel_configs.py: the kernel's block_q / warps / stages / splits grid at the 32K checkpoint, bfloat16).
@@ -34,12 +35,14 @@ if [ "${MIG_S:-90}" != 0 ]; then
         --profile "$out/trace" --out "$out/profiled" 2>&1 | grep -v "^  round" | tail -16
 fi
 for run in "pallas float32 1 ${PALLAS_S:-150}" "pallas bfloat16 1 ${BF16_S:-110}" "xla float32 1 ${XLA_S:-130}" \
+           "pallas bfloat16 1 ${UNROLL_S:-60} --unroll" \
            "pallas float32 8 ${SPLIT_S:-90}" "pallas bfloat16 8 ${SPLIT_S:-90}"; do
     set -- $run
     [ "$4" = 0 ] && continue
-    echo "== attention_kernel impl=$1 dtype=$2 splits=$3 (limit $4 s)"
+    echo "== attention_kernel impl=$1 dtype=$2 splits=$3 ${5:-} (limit $4 s)"
     timeout "$4" $py bench/attention_kernel.py --layouts "$layouts" --impl "$1" --dtype "$2" --splits "$3" --inner 28 \
-        --repeats 3 --profile "$out/trace_attention_$1_$2_$3" --out "$out" 2>&1 | grep -v "^  round" | tail -32
+        ${5:-} --repeats 3 --profile "$out/trace_attention_$1_$2_$3${5:+_unrolled}" --out "$out" 2>&1 \
+        | grep -v "^  round" | tail -32
 done
 if [ "${LOOP_S:-120}" != 0 ]; then
     echo "== layer_loop (limit ${LOOP_S:-120} s)"

@@ -16,8 +16,8 @@ warm-up calls; medians over `--repeats` rounds.
 Meant for a GPU: on CPU the kernel runs in the Pallas interpreter, which takes minutes per configuration at these
 sizes; `--quick` keeps one configuration per axis value there for a check that the script runs.
 
-Run: `python bench/kernel_configs.py --layouts .layouts/layouts_32k.pkl [--dtype bfloat16] [--inner 28] [--repeats 3]
-[--quick] [--out bench/out]`
+Run: `python bench/kernel_configs.py --layouts .layouts/layouts_32k.pkl [--dtype bfloat16] [--inner 28] [--unroll]
+[--repeats 3] [--quick] [--out bench/out]`
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main(argv=None):
                         help="layouts pickled by bench/attention_kernel.py --save-layouts")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--inner", type=int, default=28, help="layers per timed call")
+    parser.add_argument("--unroll", action="store_true", help="the --inner calls as straight-line code, not a loop")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="two configurations only (a check that it runs)")
     parser.add_argument("--out", default="bench/out")
@@ -87,7 +88,7 @@ def main(argv=None):
     cases, index, failed = [], {}, []
     for phase, q in qs.items():
         for config in grid(phase, args.quick):
-            fn = layered(pallas_attend(**config), args.inner)
+            fn = layered(pallas_attend(**config), args.inner, args.unroll)
             for name in LAYOUTS:
                 a = attention_case(rows[name], q, kv_pages[pools[name]])
                 try:
@@ -127,8 +128,9 @@ def main(argv=None):
         results.append(entry)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"kernel_configs_{jax.default_backend()}_{args.dtype}"
+    stem = f"kernel_configs_{jax.default_backend()}_{args.dtype}" + ("_unrolled" if args.unroll else "")
     summary = {"device": jax.devices()[0].device_kind, "dtype": args.dtype, "inner_layers": args.inner,
+               "unrolled": args.unroll,
                "chunk": last, "tokens": saved["tokens"], "results": results, "failed": failed,
                "runtime_s": time.perf_counter() - t_run}
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
