@@ -17,6 +17,8 @@ Calls counted:
   decode (1 query), `impl="pallas"` (the Triton kernel) and `impl="xla"`, with the cache view indexed once before
   the loop (as a model does) and without (every layer derives the page index again), and the Triton kernel's 28
   calls unrolled into straight-line code (`attention_kernel.py --unroll`);
+- a one-token k projection of the 7B shapes (3,584 -> 512, bfloat16) with the weight `[in, out]` (the decoder's
+  layout) and `[out, in]`: XLA:GPU writes the float32 product out between a multiply and a reduction in the first;
 - a whole streaming step (`stream.chunk_step`) of Qwen2.5-Omni-7B in bfloat16 with abstract weights on a 124-token
   unit, OmniPick + tile_skip, with the Triton kernel and with impl="xla", its state donated (as `Session` and the
   serving engine do), without and with a 4-token answer;
@@ -164,6 +166,10 @@ def calls():
                 if how == "once" and impl == "pallas":  # `attention_kernel.py --unroll`: launches once = 28 layers'
                     out.append((f"attention {impl} {phase}, index once, unrolled", layered(attend, layers, True),
                                 args, ()))
+    for layout, spec in (("[in, out]", "btd,de->bte"), ("[out, in]", "btd,ed->bte")):  # one token, 3584 -> 512
+        weight = s((3584, 512) if layout == "[in, out]" else (512, 3584), jnp.bfloat16)
+        project = lambda x, w, spec=spec: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        out.append((f"decode k projection, weight {layout}", project, (s((1, 1, 3584), jnp.bfloat16), weight), ()))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
