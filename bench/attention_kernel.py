@@ -224,6 +224,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.inner < 1:
         parser.error(f"--inner must be at least 1, got {args.inner}")
+    if args.tokens < min(CHECKPOINTS):
+        parser.error(f"--tokens must reach the first history checkpoint, {min(CHECKPOINTS)}; got {args.tokens}")
     if args.splits < 1 or (args.splits > 1 and args.impl != "pallas"):
         parser.error(f"--splits must be at least 1, and above 1 only with --impl pallas (got {args.splits})")
     out = Path(args.out)
@@ -335,6 +337,9 @@ def main(argv=None):
             totals[m, phase] = args.every * sum(col("cum", m, c, phase) for c in sampled) / 1e3
     charged = lambda m, phase: totals[m, phase] + (totals[m, "mig"] if m in ("tile_skip", "ordered_suffix") else 0)
     pages_sum = {m: sum(r["active_pages"] for r in layouts[m]) for m in MODES}
+    oracle_pages = pages_sum["native"] - pages_sum["eager"]  # 0 when nothing trimmed: recovered shares are undefined
+    if not oracle_pages:
+        print("eager removes no active page in this session (nothing trimmed?): recovered shares are undefined (nan)")
     cum_rows = []
     for m in MODES:
         entry = {"mode": m, "migration_s": float(np.median(totals[m, "mig"])),
@@ -342,7 +347,7 @@ def main(argv=None):
                  and m != "native", "moved_slots": sum(r["moved"] for r in layouts[m]),
                  "migration_events": sum(1 for r in layouts[m] if "pre_kv" in r), "active_page_chunks": pages_sum[m],
                  "pages_reduction": 1 - pages_sum[m] / pages_sum["native"],
-                 "pages_recovered": (pages_sum["native"] - pages_sum[m]) / (pages_sum["native"] - pages_sum["eager"])}
+                 "pages_recovered": (pages_sum["native"] - pages_sum[m]) / oracle_pages if oracle_pages else math.nan}
         for phase in qs:
             nat, eag, mine = charged("native", phase), charged("eager", phase), charged(m, phase)
             entry[f"{phase}_attention_s"] = float(np.median(totals[m, phase]))
