@@ -166,10 +166,11 @@ def calls():
                 if how == "once" and impl == "pallas":  # `attention_kernel.py --unroll`: launches once = 28 layers'
                     out.append((f"attention {impl} {phase}, index once, unrolled", layered(attend, layers, True),
                                 args, ()))
-    for layout, spec in (("[in, out]", "btd,de->bte"), ("[out, in]", "btd,ed->bte")):  # one token, 3584 -> 512
-        weight = s((3584, 512) if layout == "[in, out]" else (512, 3584), jnp.bfloat16)
+    for layout, spec, shape in (("[in, out]", "btd,de->bte", (3584, 512)),  # one token, 3584 -> 512
+                                ("[out, in]", "btd,ed->bte", (512, 3584))):
         project = lambda x, w, spec=spec: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        out.append((f"decode k projection, weight {layout}", project, (s((1, 1, 3584), jnp.bfloat16), weight), ()))
+        out.append((f"decode k projection, weight {layout}", project,
+                    (s((1, 1, 3584), jnp.bfloat16), s(shape, jnp.bfloat16)), ()))
     for impl in ("pallas", "xla"):
         out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
         out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))

@@ -4,8 +4,8 @@ lowering for cuda on CPU."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
