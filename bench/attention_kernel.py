@@ -29,7 +29,9 @@ figures are reported.
 Attention is per layer and the copy is per layer, so the units match; the planner runs once per chunk for the whole
 model, so charging it per layer overstates OmniPage's cost. The migration total is added to both the prefill and the
 decode totals of `tile_skip` and `ordered_suffix`; `eager` is the oracle and excludes it (its cost is still
-reported). The share of eager's saving recovered is also given for attention alone, without migration.
+reported). A session migrates once per evicting chunk, in the chunk step after prefill and retention, so the decode
+total charges it a second time (the least favourable accounting). The share of eager's saving recovered is also given
+for attention alone, without migration: for decode, that is the share with migration charged once, where it runs.
 
 Timing discipline: every case (checkpoint layouts, sampled session layouts, migration events) is run once per round,
 interleaved, after two warm-up calls per compiled shape; figures are medians over `--repeats` rounds, and ratios are
