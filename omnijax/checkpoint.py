@@ -32,6 +32,15 @@ FORMAT = "omnijax"
 FORMAT_VERSION = 1
 MANIFEST = "omnijax.json"
 PARAMS_DIR = "params"
+COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source")
+# The model types omnijax reads, each with the components (encoders, their configs) its manifest may name beside
+# the common keys; a component's parameters live in the directory of the same name.
+MODEL_COMPONENTS = {
+    "qwen2": (),
+    "qwen3": (),
+    "qwen2_5_omni": ("audio", "vision", "omni"),
+    "minicpmo": ("vpm", "resampler", "audio", "audio_projection"),
+}
 
 
 class CheckpointFormatError(ValueError):
@@ -88,13 +97,19 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConf
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        ValueError: a model type omnijax does not read, or a component that is not part of it (nothing is written).
     """
+    components = components or {}
+    if model_type not in MODEL_COMPONENTS:
+        raise ValueError(f"model type {model_type!r} is not one omnijax reads ({sorted(MODEL_COMPONENTS)})")
+    unknown = sorted(set(components) - set(MODEL_COMPONENTS[model_type]))
+    if unknown:
+        raise ValueError(f"components {unknown} are not part of a {model_type} checkpoint "
+                         f"(it may have {list(MODEL_COMPONENTS[model_type])})")
     dst = Path(dst_dir).resolve()
     dst.mkdir(parents=True, exist_ok=True)
-    components = components or {}
-    reserved = {"format", "format_version", "model_type", "decoder", "source", PARAMS_DIR}
-    if reserved & set(components):
-        raise ValueError(f"component names {sorted(reserved & set(components))} are reserved")
     _save_tree(dst / PARAMS_DIR, params_pure_dict)
     for name, (_, tree) in components.items():
         if tree is not None:
@@ -117,7 +132,8 @@ def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     """The validated manifest of a checkpoint as a dict (see the module docstring for its keys).
 
     Raises:
-        CheckpointFormatError: no manifest, unreadable JSON, another format, an unsupported version, or no decoder.
+        CheckpointFormatError: no manifest, unreadable JSON, another format, an unsupported version, no decoder, a
+            model type omnijax does not read, or a key that is not part of that model type's manifest.
     """
     path = Path(ckpt_dir) / MANIFEST
     if not path.is_file():
@@ -135,6 +151,14 @@ def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
                                     f"(this omnijax reads version {FORMAT_VERSION})")
     if not isinstance(manifest.get("model_type"), str) or not isinstance(manifest.get("decoder"), dict):
         raise CheckpointFormatError(f"{path}: manifest needs a 'model_type' string and a 'decoder' object")
+    model_type = manifest["model_type"]
+    if model_type not in MODEL_COMPONENTS:
+        raise CheckpointFormatError(f"{path}: model_type {model_type!r} is not one omnijax reads "
+                                    f"({sorted(MODEL_COMPONENTS)})")
+    unknown = sorted(set(manifest) - set(COMMON_KEYS) - set(MODEL_COMPONENTS[model_type]))
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unknown manifest keys {unknown} for a {model_type} checkpoint; it may "
+                                    f"hold {list(COMMON_KEYS + MODEL_COMPONENTS[model_type])}")
     return manifest
 
 

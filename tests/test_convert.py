@@ -27,6 +27,7 @@ from convert import qwen2_5_omni
 from convert.qwen2_5_omni import config_from_hf, param_shapes
 from convert.safetensors_io import SafetensorsCheckpoint, read_header
 from convert.tables import param_shapes as param_shapes_tree
+import omnijax
 from omnijax import checkpoint
 from omnijax.config import DecoderConfig
 from tests import hf_models
@@ -429,6 +430,31 @@ def test_manifest_and_load_errors(hf, tmp_path):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a.view(np.uint16) == b.view(np.uint16)).all()),
                                      params, again))
     assert checkpoint.read_manifest_dict(tmp_path / "again")["source"] == {"note": "resaved"}
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.update(model_type="llama"), "model_type 'llama' is not one omnijax reads"),
+    (lambda m: m.update(visoin=m["vision"]), r"unknown manifest keys \['visoin'\] for a qwen2_5_omni"),
+    (lambda m: m.update(vpm={}), r"unknown manifest keys \['vpm'\]"),  # a MiniCPM-o component
+])
+def test_manifest_refuses_what_it_does_not_read(hf, tmp_path, edit, needle):
+    out = convert_checkpoint(hf[0] / "thinker", tmp_path / "out", **QUIET)
+    manifest = checkpoint.read_manifest_dict(out)
+    assert {"audio", "vision", "omni"} <= set(manifest)
+    edit(manifest)
+    (out / "omnijax.json").write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointFormatError, match=needle):
+        omnijax.load(out)
+
+
+def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
+    config = DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match="model type 'llama'"):
+        checkpoint.save_params(tmp_path / "a", "llama", config, {})
+    with pytest.raises(ValueError, match=r"components \['vision'\] are not part of a qwen2"):
+        checkpoint.save_params(tmp_path / "b", "qwen2", config, {}, components={"vision": ({}, None)})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
 
 
 def test_generation_config_sets_answer_end_tokens(tmp_path):
