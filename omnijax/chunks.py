@@ -65,11 +65,15 @@ def text_chunk(tokens: Sequence[int], *, length: int | None = None, unit: int = 
     Text has equal t/h/w positions, so one position axis suffices (it drives all three mrope axes); pass
     `position_axes=3` to spell the axes out.
     """
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    tokens = np.asarray(tokens).reshape(-1)
     n = tokens.shape[0]
+    if n == 0:
+        raise ValueError("a text chunk needs at least one token")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"text chunk tokens must be integer token ids, got dtype {tokens.dtype}")
     length = n if length is None else length
-    if n == 0 or n > length:
-        raise ValueError(f"a text chunk needs 1..{length} tokens, got {n}")
+    if n > length:
+        raise ValueError(f"a text chunk holds at most length={length} tokens, got {n}")
     ids = np.zeros((1, length), np.int32)
     ids[0, :n] = tokens
     valid = np.zeros((1, length), bool)
@@ -150,6 +154,8 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
         want = "[C, B, T]" if stacked else "[B, T]"
         raise ValueError(f"{what}: token_ids must be {want}, got shape {ids.shape}"
                          + ("; stack chunks with omnijax.chunks.stack_chunks" if stacked and ids.ndim == 2 else ""))
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{what}: token_ids must be integers, got dtype {ids.dtype}")
     bt = ids.shape
     for name in ("valid", "unit", "span", "offset"):
         if np.shape(getattr(chunk, name)) != bt:

@@ -107,6 +107,8 @@ class Model:
         ids = np.asarray(input_ids)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
         mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask).astype(np.int32)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")

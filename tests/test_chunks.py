@@ -27,12 +27,17 @@ def test_text_chunk_layout():
     assert stacked.valid.sum() == 10
     with pytest.raises(ValueError, match="non-empty"):
         split_text(np.arange(2), 3)
-    with pytest.raises(ValueError, match="1..2 tokens"):
+    with pytest.raises(ValueError, match="at most length=2 tokens, got 3"):
         text_chunk([1, 2, 3], length=2)
+    with pytest.raises(ValueError, match="at least one token"):
+        text_chunk([])
+    with pytest.raises(ValueError, match="integer token ids, got dtype float64"):
+        text_chunk([1.5, 2.0])  # would otherwise be truncated to [1, 2]
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(token_ids=np.full((2, 1, 4), 999)), "token ids must lie in"),
+    (dict(token_ids=np.full((2, 1, 4), 3.0)), "token_ids must be integers, got dtype float64"),
     (dict(valid=np.ones((2, 1, 3), bool)), "valid has shape"),
     (dict(positions=np.zeros((2, 2, 1, 4), np.int32)), "positions must have 3"),
     (dict(positions=np.full((2, 1, 1, 4), -1, np.int32)), "non-negative"),

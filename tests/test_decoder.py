@@ -142,6 +142,8 @@ def test_model_rejects_bad_inputs(model, tokens):
         model(input_ids=tokens[0])
     with pytest.raises(ValueError, match="must lie in"):
         model(input_ids=tokens + 1000)
+    with pytest.raises(TypeError, match="integer token ids, got dtype float32"):
+        model(input_ids=tokens.astype(np.float32))
     with pytest.raises(ValueError, match="attention_mask shape"):
         model(input_ids=tokens, attention_mask=np.ones((2, 3)))
     with pytest.raises(ValueError, match="image_grid_thw"):

@@ -50,6 +50,8 @@ def test_case5_image_audio_text_prompt(model):
         model(case["input_ids"], **{**media, "image_bound": case["image_bound"] + 300})
     with pytest.raises(MiniCPMOInputError, match="cover"):
         model(case["input_ids"], **{**media, "image_bound": case["image_bound"][:2]})
+    with pytest.raises(MiniCPMOInputError, match="integer token ids"):
+        model(case["input_ids"].astype(np.float64), **media)
 
 
 def _copy_checkpoint(tmp_path, drop_prefix=None, config_edit=None):

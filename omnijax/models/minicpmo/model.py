@@ -54,6 +54,8 @@ class MiniCPMOModel:
         ids = np.asarray(input_ids)
         if ids.ndim != 2:
             raise MiniCPMOInputError(f"input_ids must be [batch, seq], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise MiniCPMOInputError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
         B, S = ids.shape
         rows = np.zeros((S, self.config.hidden_size), np.float32)
         mask = np.zeros((S,), bool)
