@@ -273,3 +273,21 @@ def test_bad_budgets_are_refused(model, prompt):
         tidekv_prefill(model, x, positions, selector=SnapKV(window=WINDOW), budgets=(40, 40))
     with pytest.raises(ValueError, match="must exceed its window"):
         tidekv_prefill(model, x, positions, selector=SnapKV(window=WINDOW), budgets=WINDOW, chunk=CHUNK, page=PAGE)
+    with pytest.raises(TypeError, match="selector must be a selector object"):
+        tidekv_prefill(model, x, positions, selector="snapkv", budgets=40)
+    with pytest.raises(ValueError, match="chunk must be a positive int, got 0"):
+        tidekv_prefill(model, x, positions, chunk=0, page=PAGE)
+    with pytest.raises(ValueError, match="page must be a power of two, got 48"):
+        tidekv_prefill(model, x, positions, chunk=CHUNK, page=48)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: SnapKV(window=0), "SnapKV: window must be a positive int, got 0"),
+    (lambda: SnapKV(pool_kernel=4), "pool_kernel must be an odd positive int, got 4"),
+    (lambda: SnapKV(impl="triton"), "unknown scoring impl 'triton'"),
+    (lambda: AdaKV(block_size=48), "AdaKV: block_size must be a power of two, got 48"),
+    (lambda: AdaKV(floor=1.5), r"floor must lie in \[0, 1\], got 1.5"),
+])
+def test_selectors_refuse_bad_settings_when_built(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import sys
 import time
 
@@ -169,6 +170,12 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
     budgets = check_budgets(budgets, c.num_layers)
     if budgets is not None and selector is None:
         raise ValueError("budgets need a selector")
+    if selector is not None and not callable(getattr(selector, "select", None)):
+        raise TypeError(f"selector must be a selector object such as omnijax.prefill.SnapKV(), got {selector!r}")
+    if not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if not isinstance(page, numbers.Integral) or page < 1 or page & (page - 1):
+        raise ValueError(f"page must be a power of two, got {page!r}")
     window = getattr(selector, "window", 0) if budgets is not None and selector.needs_window else 0
     if window > S:
         raise ValueError(f"observation window {window} longer than the prompt ({S})")

@@ -17,6 +17,7 @@ Budget schedules turn a total token budget into per-layer budgets that sum to it
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable, ClassVar, Protocol
 
 import jax
@@ -82,6 +83,20 @@ def _whole_prompt_or_none(selector, keys: jax.Array, budget: int) -> Selection |
     return None
 
 
+def _check_windowed(selector) -> None:
+    """Refuses the settings a windowed selector (SnapKV, AdaKV) cannot score with, when it is built."""
+    name = type(selector).__name__
+    if not isinstance(selector.window, numbers.Integral) or selector.window < 1:
+        raise ValueError(f"{name}: window must be a positive int, got {selector.window!r}")
+    if not isinstance(selector.pool_kernel, numbers.Integral) or selector.pool_kernel < 1 or selector.pool_kernel % 2 == 0:
+        raise ValueError(f"{name}: pool_kernel must be an odd positive int, got {selector.pool_kernel!r}")
+    if selector.impl not in SCORE_IMPLS:
+        raise ValueError(f"{name}: unknown scoring impl {selector.impl!r}; available: {SCORE_IMPLS}")
+    block = selector.block_size
+    if not isinstance(block, numbers.Integral) or block < 1 or block & (block - 1):
+        raise ValueError(f"{name}: block_size must be a power of two, got {block!r}")
+
+
 def _prefix_topk(selector, q_obs: jax.Array, keys: jax.Array, k: int):
     """`topk_scores` of the prompt prefix with a windowed selector's scoring settings."""
     return topk_scores(q_obs, keys, k, impl=selector.impl, block_size=selector.block_size,
@@ -108,6 +123,9 @@ class SnapKV:
 
     name: ClassVar[str] = "snapkv"
     needs_window: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_windowed(self)
 
     def select(self, q_obs, keys, budget):
         if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
@@ -152,6 +170,11 @@ class AdaKV:
 
     name: ClassVar[str] = "adakv"
     needs_window: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_windowed(self)
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"AdaKV: floor must lie in [0, 1], got {self.floor!r}")
 
     def select(self, q_obs, keys, budget):
         if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
