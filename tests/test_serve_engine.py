@@ -197,6 +197,21 @@ def test_aimd_increase_decrease_floor_and_rejection():
         AIMD(beta=1.5)
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(policy="lru"), "unknown engine policy 'lru'"),
+    (dict(buckets=(4, 2)), "ascending order"),
+    (dict(page_size=48), "page_size must be a power of two, got 48"),
+    (dict(num_pages=0), "num_pages and max_pages must be >= 1"),
+    (dict(frame_budget_s=0.0), "frame_budget_s must be positive"),
+    (dict(impl="cuda"), "unknown attention impl 'cuda'"),
+    (dict(fit_fraction=1.5), r"fit_fraction must lie in \(0, 1\]"),
+    (dict(sink=-1), "SinkWindow: sink must be >= 0"),
+])
+def test_engine_config_refuses_bad_settings(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CONFIG, **change)
+
+
 def test_telemetry_fit_on_a_synthetic_linear_ramp():
     tel = Telemetry(100, frame_budget_s=0.5)
     for t in range(22):  # 5 pages per tick from 5 pages: full at the end of tick 18, first drop in tick 19

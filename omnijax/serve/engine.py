@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
 from omnijax.kv import paged as paged_lib
@@ -94,6 +95,17 @@ class EngineConfig:
         if self.chunk_tokens < 1 or self.max_answer_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 1 and max_answer_tokens >= 0, got {self.chunk_tokens}, "
                              f"{self.max_answer_tokens}")
+        if self.num_pages < 1 or (self.max_pages is not None and self.max_pages < 1):
+            raise ValueError(f"num_pages and max_pages must be >= 1, got {self.num_pages}, {self.max_pages}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if not self.frame_budget_s > 0:
+            raise ValueError(f"frame_budget_s must be positive, got {self.frame_budget_s}")
+        if self.impl not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(f"unknown attention impl {self.impl!r}; available: {attention_lib.IMPLEMENTATIONS}")
+        if not 0 < self.fit_fraction <= 1:
+            raise ValueError(f"fit_fraction must lie in (0, 1], got {self.fit_fraction}")
+        self.retention()  # SinkWindow refuses a bad sink or window here, not at the first tick
 
     def retention(self) -> RetentionPolicy:
         """The retention policy object of `policy`."""
