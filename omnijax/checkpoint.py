@@ -194,14 +194,22 @@ def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict, component
         The restored pure-dict tree with the same structure, shapes and dtypes as the target.
 
     Raises:
-        CheckpointFormatError: the parameters are missing, or their tree, shapes or dtypes differ from the target
-            (orbax would silently cast a dtype; this refuses instead).
+        CheckpointFormatError: the parameters are missing, their tree, shapes or dtypes differ from the target
+            (orbax would silently cast a dtype; this refuses instead), or their files cannot be read (missing or
+            damaged metadata or array files).
     """
     path = (Path(ckpt_dir) / component).resolve()
     if not path.is_dir():
         raise CheckpointFormatError(f"{path} not found: the checkpoint has no {component!r} parameters")
+    damaged = "the checkpoint is incomplete or damaged; convert it again"
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = checkpointer.metadata(path).item_metadata.tree
+        try:
+            metadata = checkpointer.metadata(path).item_metadata
+        except Exception as e:  # orbax raises several types for unreadable metadata; the cause stays chained
+            raise CheckpointFormatError(f"{path}: cannot read the parameter metadata ({_brief(e)}): {damaged}") from e
+        if metadata is None:
+            raise CheckpointFormatError(f"{path}: cannot read the parameter metadata: {damaged}")
+        stored = metadata.tree
         stored_leaves = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
         target_leaves = dict(jax.tree_util.tree_flatten_with_path(abstract_pure_dict)[0])
         problems = [f"missing {jax.tree_util.keystr(k)}" for k in target_leaves if k not in stored_leaves]
@@ -216,4 +224,19 @@ def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict, component
         target = jax.tree.map(
             lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None) or device),
             abstract_pure_dict)
-        return checkpointer.restore(path, target)
+        try:
+            return checkpointer.restore(path, target)
+        except Exception as e:  # TensorStore reports a missing or unreadable chunk file; the cause stays chained
+            raise CheckpointFormatError(f"{path}: cannot read the stored arrays ({_brief(e)}): {damaged}") from e
+
+
+def _brief(error: BaseException) -> str:
+    """The type and first line of an error's root cause (TensorStore's names the file), at most 160 characters
+    (its outer messages run to pages)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        error = inner
+        seen.add(id(error))
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -447,6 +447,23 @@ def test_manifest_refuses_what_it_does_not_read(hf, tmp_path, edit, needle):
         omnijax.load(out)
 
 
+# orbax leaves its other array reads' coroutines unawaited when one read fails; Python reports them when collected
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_damaged_parameter_files_are_named(hf, tmp_path):
+    out = convert_checkpoint(hf[0] / "thinker", tmp_path / "out", **QUIET)
+    _, config = checkpoint.read_manifest(out)
+    chunk = sorted((out / "params" / "embed").glob("*.0"))[0]
+    chunk.write_bytes(b"not zstd")
+    with pytest.raises(checkpoint.CheckpointFormatError, match=f"cannot read the stored arrays .*{chunk}"):
+        checkpoint.load_params(out, abstract(config))
+    chunk.unlink()
+    with pytest.raises(checkpoint.CheckpointFormatError, match=f"{chunk}\" is missing"):
+        omnijax.load(out)
+    (out / "params" / "_METADATA").write_text("{")
+    with pytest.raises(checkpoint.CheckpointFormatError, match="cannot read the parameter metadata"):
+        checkpoint.load_params(out, abstract(config))
+
+
 def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
     config = DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                            num_kv_heads=1, head_dim=4)
