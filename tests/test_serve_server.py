@@ -188,3 +188,8 @@ def test_cli_argument_errors():
                  ["--demo-model", "--frame-ms", "0.01"]):
         with pytest.raises(SystemExit):
             srv.main(argv)
+
+
+def test_cli_reports_an_unreadable_checkpoint_without_a_traceback(tmp_path, capsys):
+    assert srv.main([str(tmp_path)]) == 1
+    assert "omnijax-serve: error:" in capsys.readouterr().err

@@ -3,6 +3,8 @@ second, past the end), question chunks stream like the whole question, and a mod
 certain is scored exactly as constructed."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -237,3 +239,16 @@ def test_decoded_video_units(tmp_path):
     assert brightness[:9] == sorted(brightness[:9]) and brightness[-1] == brightness[-2]  # tail repeats last frame
     spectrum = np.abs(np.fft.rfft(units[0][1]))
     assert abs(np.argmax(spectrum) * 16000 / 32000 - 440) < 5
+
+
+def test_cli_reports_what_is_wrong_without_a_traceback(tmp_path, capsys):
+    for argv, message in ((["--demo", "--configs", "lru"], "error: unknown policy 'lru'"),
+                          (["--demo", "--data", str(tmp_path)], "error: no StreamingBench annotation files"),
+                          (["--demo", "--mesh", "4y2"], "error: --mesh must be DATAxMODEL"),
+                          (["--checkpoint", str(tmp_path)], "is not an omnijax checkpoint")):
+        assert sb.main(argv) == 1
+        assert message in capsys.readouterr().err
+    # The documented command runs the module as __main__; the package must not have imported it already.
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "omnijax.evalharness.streamingbench",
+                          "--demo", "--configs", "lru"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "error: unknown policy 'lru'" in run.stderr, run.stderr

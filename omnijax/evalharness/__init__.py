@@ -10,7 +10,18 @@ from omnijax.evalharness.annotations import (AnnotationError, Question, Video, l
                                              place_questions, unit_of)
 from omnijax.evalharness.media import ByteTextEncoder, HFTextEncoder, TextEncoder, open_media, text_encoder
 from omnijax.evalharness.sessions import BenchSession, ChunkBuilder, build_session
-from omnijax.evalharness.streamingbench import BenchReport, parse_config, run, select_videos
+
+# `streamingbench` is also the CLI (`python -m omnijax.evalharness.streamingbench`); importing it here would load it
+# before runpy executes it as __main__ (a RuntimeWarning on every run), so its names resolve on first use.
+_FROM_STREAMINGBENCH = ("BenchReport", "parse_config", "run", "select_videos")
+
+
+def __getattr__(name: str):
+    if name in _FROM_STREAMINGBENCH:
+        from omnijax.evalharness import streamingbench
+        return getattr(streamingbench, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["AnnotationError", "BenchReport", "BenchSession", "ByteTextEncoder", "ChunkBuilder", "HFTextEncoder",
            "Question", "TextEncoder", "Video", "build_session", "load_all", "load_file", "open_media", "parse_config",

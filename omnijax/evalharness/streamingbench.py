@@ -244,19 +244,25 @@ def main(argv=None) -> int:
 
     import omnijax
     notices: list[str] = []
-    if args.demo:
-        model = demo_model(Path(tempfile.mkdtemp(prefix="sb_demo_")))
-        notices.append("model: tiny random demo checkpoint: accuracy is meaningless (chance level expected)")
-    else:
-        model = omnijax.load(args.checkpoint)
+    try:  # what a user can get wrong, the cheap checks first: configurations, annotations, mesh, checkpoint
+        configs = [parse_config(c, answer_tokens=args.answer_tokens, page_size=args.page_size) for c in args.configs]
+        videos = select_videos(ann.load_all(args.data, args.files), max_videos=args.max_videos,
+                               max_units=args.max_units)
+        mesh = None
+        if args.mesh:
+            data, _, width = args.mesh.partition("x")
+            if not (data.isdigit() and (width or "1").isdigit()):
+                raise ValueError(f"--mesh must be DATAxMODEL (e.g. 8x1 or 4x2), got {args.mesh!r}")
+            mesh = distributed.make_mesh(int(data), int(width or 1))
+        if args.demo:
+            model = demo_model(Path(tempfile.mkdtemp(prefix="sb_demo_")))
+            notices.append("model: tiny random demo checkpoint: accuracy is meaningless (chance level expected)")
+        else:
+            model = omnijax.load(args.checkpoint)
+    except ValueError as e:  # CheckpointFormatError, AnnotationError and bad settings are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     encoder = media_lib.text_encoder(args.checkpoint, model.config.vocab_size, notices)
-    mesh = None
-    if args.mesh:
-        data, _, width = args.mesh.partition("x")
-        mesh = distributed.make_mesh(int(data), int(width or 1))
-    videos = select_videos(ann.load_all(args.data, args.files), max_videos=args.max_videos,
-                           max_units=args.max_units)
-    configs = [parse_config(c, answer_tokens=args.answer_tokens, page_size=args.page_size) for c in args.configs]
     report = run(model, videos, configs, encoder=encoder, video_root=args.video_root, mesh=mesh,
                  answer_tokens=args.answer_tokens, max_units=args.max_units, past_end=args.past_end,
                  batch_size=args.batch_size, progress=distributed.is_main_process(), notices=notices)

@@ -40,6 +40,7 @@ import concurrent.futures
 import dataclasses
 import json
 import signal
+import sys
 import time
 
 import numpy as np
@@ -403,11 +404,15 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
-        model = omnijax.load(path)
-        config = EngineConfig(policy=args.policy, sink=args.sink, window=args.window, num_pages=args.pages,
-                              page_size=args.page_size, chunk_tokens=chunk_tokens,
-                              max_answer_tokens=args.answer_tokens, frame_budget_s=args.frame_ms / 1000.0,
-                              buckets=tuple(args.buckets), impl=args.impl, return_logits=False)
+        try:
+            model = omnijax.load(path)
+            config = EngineConfig(policy=args.policy, sink=args.sink, window=args.window, num_pages=args.pages,
+                                  page_size=args.page_size, chunk_tokens=chunk_tokens,
+                                  max_answer_tokens=args.answer_tokens, frame_budget_s=args.frame_ms / 1000.0,
+                                  buckets=tuple(args.buckets), impl=args.impl, return_logits=False)
+        except ValueError as e:  # an unreadable checkpoint (CheckpointFormatError) or a bad engine setting
+            print(f"omnijax-serve: error: {e}", file=sys.stderr)
+            return 1
         engine = Engine(model, config)
         encoder = AudioFrameEncoder(model, chunk_tokens=chunk_tokens, answer_tokens=args.answer_tokens)
         seconds = warm_up(engine, encoder, samples, args.warmup_sessions)
