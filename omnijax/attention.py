@@ -190,3 +190,10 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
                                       cache.q_order, layer=layer, index=cache.pages,
                                       interpret=jax.default_backend() == "cpu")
     raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")
+
+
+def check_impl(impl: str) -> str:
+    """Returns `impl` if it names an attention implementation (`IMPLEMENTATIONS`); refuses anything else."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")
+    return impl

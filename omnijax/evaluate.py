@@ -37,9 +37,10 @@ from jax.sharding import NamedSharding
 from omnijax import adapters
 from omnijax import chunks as chunks_lib
 from omnijax import distributed
+from omnijax.attention import check_impl
 from omnijax.chunks import Chunk
 from omnijax.paging import Paging, as_paging
-from omnijax.retention.base import NoSlide, RetentionPolicy
+from omnijax.retention.base import NoSlide, RetentionPolicy, check_policy
 from omnijax.stream import chunk_step, init_state
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
@@ -75,8 +76,14 @@ class EvalConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "paging", as_paging(self.paging))
+        check_policy(self.policy)
+        check_impl(self.impl)
         if self.max_answer_tokens < 0:
             raise ValueError(f"{self.name}: max_answer_tokens must be >= 0, got {self.max_answer_tokens}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"{self.name}: num_pages must be >= 1 (or None), got {self.num_pages}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"{self.name}: page_size must be a power of two, got {self.page_size}")
 
 
 @dataclasses.dataclass
@@ -141,6 +148,8 @@ def _session_chunks(session) -> list[Chunk]:
     if not chunks:
         raise ValueError("a session needs at least one chunk")
     for c in chunks:
+        if not isinstance(c, Chunk):
+            raise TypeError(f"a session is a stacked Chunk or a sequence of Chunks, got an element {c!r:.80}")
         if np.ndim(c.token_ids) != 2 or np.shape(c.token_ids)[0] != 1:
             raise ValueError(f"sessions are made of batch-1 chunks, got token_ids of shape {np.shape(c.token_ids)}")
     return chunks
@@ -256,12 +265,16 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
         Config name -> `ConfigResult`, in the order of `configs`.
     """
     configs = list(configs)
+    if not configs:
+        raise ValueError("no configurations to evaluate")
     if len({c.name for c in configs}) != len(configs):
         raise ValueError(f"config names must be distinct, got {[c.name for c in configs]}")
     graphdef, params = nnx.split(_decoder(model))
     config = _decoder(model).config
     data = distributed.axis_size(mesh, distributed.DATA)
     count = len(sessions)
+    if not count:
+        raise ValueError("no sessions to evaluate")
     if batch_size is None:
         batch_size = min(4 * data, -(-count // data) * data)
     if batch_size < 1 or batch_size % data:

@@ -230,6 +230,8 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         paging: physical layout mode: a name in `PAGING_MODES` or a `Paging` (see `omnijax.paging`).
     """
     paging = paging_lib.as_paging(paging)
+    retention_lib.check_policy(policy)
+    attention_lib.check_impl(impl)
     graphdef, params = _parts(model)
     config = graphdef_config(model)
     chunks_lib.validate(chunks, config, max_answer_tokens=max_answer_tokens, stacked=True)
@@ -266,6 +268,8 @@ class Session:
     def __init__(self, model, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
                  impl: str = "reference", num_pages: int = 64, page_size: int = 64, batch: int = 1,
                  subblock: int = 32, state: StreamState | None = None, paging: str | Paging = "native"):
+        retention_lib.check_policy(policy)
+        attention_lib.check_impl(impl)
         self._graphdef, self._params = _parts(model)
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock

@@ -52,6 +52,17 @@ def test_stream_rejects_bad_chunks(model, change, message):
         omnijax.stream(model, dataclasses.replace(chunks, **change), max_answer_tokens=4)
 
 
+def test_stream_and_session_refuse_a_policy_name_and_an_unknown_impl(model):
+    chunks = stack_chunks([text_chunk([1, 2, 3, 4])])
+    for run in (lambda **kw: omnijax.stream(model, chunks, **kw), lambda **kw: omnijax.Session(model, **kw)):
+        with pytest.raises(TypeError, match="not the name 'omnipick'"):
+            run(policy="omnipick")
+        with pytest.raises(TypeError, match="with trigger and plan"):
+            run(policy=object())
+        with pytest.raises(ValueError, match="unknown attention impl 'triton'"):
+            run(impl="triton")
+
+
 def test_stream_and_session_reject_wrong_rank_and_batch(model):
     with pytest.raises(ValueError, match="stack_chunks"):
         omnijax.stream(model, text_chunk([1, 2]))

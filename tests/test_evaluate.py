@@ -171,6 +171,18 @@ def test_evaluate_refuses_bad_arguments(setup):
         omnijax.evaluate(setup.MODEL, setup.SESSIONS[:1], [setup.EVAL], score_ids=[999], progress=False)
     with pytest.raises(ValueError, match="max_answer_tokens"):
         EvalConfig("x", max_answer_tokens=-1)
+    with pytest.raises(ValueError, match="no sessions to evaluate"):
+        omnijax.evaluate(setup.MODEL, [], [setup.EVAL], progress=False)
+    with pytest.raises(ValueError, match="no configurations to evaluate"):
+        omnijax.evaluate(setup.MODEL, setup.SESSIONS[:1], [], progress=False)
+    with pytest.raises(TypeError, match="get_policy\\('omnipick'\\)"):
+        EvalConfig("x", policy="omnipick")
+    with pytest.raises(ValueError, match="unknown attention impl 'triton'"):
+        EvalConfig("x", impl="triton")
+    with pytest.raises(ValueError, match="x: page_size must be a power of two, got 48"):
+        EvalConfig("x", page_size=48)
+    with pytest.raises(ValueError, match="x: num_pages must be >= 1"):
+        EvalConfig("x", num_pages=0)
 
 
 def test_param_specs_split_heads_mlp_and_vocab_over_the_model_axis(setup):

@@ -77,6 +77,16 @@ def register(cls):
     return cls
 
 
+def check_policy(policy) -> RetentionPolicy:
+    """Returns `policy` if it is a retention policy object; refuses a policy's name or anything else, with a hint."""
+    if isinstance(policy, str):
+        raise TypeError(f"policy must be a retention policy object, not the name {policy!r}: use "
+                        f"omnijax.retention.get_policy({policy!r}) or its class (registered: {sorted(REGISTRY)})")
+    if not (callable(getattr(policy, "trigger", None)) and callable(getattr(policy, "plan", None))):
+        raise TypeError(f"policy must be a retention policy object (with trigger and plan), got {policy!r}")
+    return policy
+
+
 def get_policy(name: str, **hyperparameters) -> RetentionPolicy:
     if name not in REGISTRY:
         raise KeyError(f"unknown retention policy {name!r}; registered: {sorted(REGISTRY)}")

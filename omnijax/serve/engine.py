@@ -101,8 +101,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if not self.frame_budget_s > 0:
             raise ValueError(f"frame_budget_s must be positive, got {self.frame_budget_s}")
-        if self.impl not in attention_lib.IMPLEMENTATIONS:
-            raise ValueError(f"unknown attention impl {self.impl!r}; available: {attention_lib.IMPLEMENTATIONS}")
+        attention_lib.check_impl(self.impl)
         if not 0 < self.fit_fraction <= 1:
             raise ValueError(f"fit_fraction must lie in (0, 1], got {self.fit_fraction}")
         self.retention()  # SinkWindow refuses a bad sink or window here, not at the first tick
