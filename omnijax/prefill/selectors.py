@@ -88,8 +88,9 @@ def _check_windowed(selector) -> None:
     name = type(selector).__name__
     if not isinstance(selector.window, numbers.Integral) or selector.window < 1:
         raise ValueError(f"{name}: window must be a positive int, got {selector.window!r}")
-    if not isinstance(selector.pool_kernel, numbers.Integral) or selector.pool_kernel < 1 or selector.pool_kernel % 2 == 0:
-        raise ValueError(f"{name}: pool_kernel must be an odd positive int, got {selector.pool_kernel!r}")
+    kernel = selector.pool_kernel
+    if not isinstance(kernel, numbers.Integral) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"{name}: pool_kernel must be an odd positive int, got {kernel!r}")
     if selector.impl not in SCORE_IMPLS:
         raise ValueError(f"{name}: unknown scoring impl {selector.impl!r}; available: {SCORE_IMPLS}")
     block = selector.block_size
