@@ -172,6 +172,9 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
     if plain.any() and (ids[plain].min() < 0 or ids[plain].max() >= config.vocab_size):
         raise ValueError(f"{what}: token ids must lie in [0, {config.vocab_size}), got range "
                          f"[{ids[plain].min()}, {ids[plain].max()}]")
+    if valid.any() and np.asarray(chunk.unit)[valid].min() < 0:
+        raise ValueError(f"{what}: unit ids of valid tokens must be non-negative (-1 marks an empty cache slot), "
+                         f"got {np.asarray(chunk.unit)[valid].min()}")
     answers = np.asarray(chunk.answer_tokens)
     per_sequence = {"answer_tokens": answers, "answer_unit": chunk.answer_unit, "advance": chunk.advance}
     for name, value in per_sequence.items():
@@ -179,6 +182,8 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
             raise ValueError(f"{what}: {name} must have shape {bt[:-1]}, got {np.shape(value)}")
     if (np.asarray(chunk.advance) < 0).any():
         raise ValueError(f"{what}: advance must be non-negative")
+    if (np.asarray(chunk.answer_unit)[answers > 0] < 0).any():
+        raise ValueError(f"{what}: answer_unit must be non-negative where answer_tokens > 0")
     if answers.size and (answers.min() < 0 or answers.max() > max_answer_tokens):
         raise ValueError(f"{what}: answer_tokens must lie in [0, max_answer_tokens={max_answer_tokens}], got "
                          f"up to {answers.max()}")

@@ -38,6 +38,9 @@ def test_text_chunk_layout():
 @pytest.mark.parametrize("change, message", [
     (dict(token_ids=np.full((2, 1, 4), 999)), "token ids must lie in"),
     (dict(token_ids=np.full((2, 1, 4), 3.0)), "token_ids must be integers, got dtype float64"),
+    (dict(unit=np.full((2, 1, 4), -1, np.int32)), "unit ids of valid tokens must be non-negative"),
+    (dict(answer_tokens=np.array([[0], [2]], np.int32), answer_unit=np.array([[0], [-1]], np.int32)),
+     "answer_unit must be non-negative"),
     (dict(valid=np.ones((2, 1, 3), bool)), "valid has shape"),
     (dict(positions=np.zeros((2, 2, 1, 4), np.int32)), "positions must have 3"),
     (dict(positions=np.full((2, 1, 1, 4), -1, np.int32)), "non-negative"),

@@ -211,6 +211,10 @@ def test_layout_stats_match_python(seed):
 def test_init_rejects_bad_page_size():
     with pytest.raises(ValueError, match="power of two"):
         paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=4, page_size=48)
+    with pytest.raises(ValueError, match="head_dim must be positive, got 1, 1, 0"):
+        paged.init(num_layers=1, num_kv_heads=1, head_dim=0, num_pages=4, page_size=4)
+    with pytest.raises(ValueError, match="max_pages must be positive, got 0"):
+        paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=4, page_size=4, max_pages=0)
 
 
 def test_unknown_attention_impl_is_an_error():

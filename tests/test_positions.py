@@ -204,6 +204,9 @@ def test_video_temporal_ids_use_float32_truncation():
         want = (torch.arange(12) * torch.tensor(spg).float() * 25).long().numpy()
         np.testing.assert_array_equal(tm.video_temporal_ids(12, spg), want)
     assert tm.video_temporal_ids(7, 0.7)[6] == 104  # not the exact 105
+    for spg in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="second_per_grid must be a positive number of seconds"):
+            tm.video_temporal_ids(4, spg)
 
 
 def test_chunk_ranges_match_transformers(thinker):

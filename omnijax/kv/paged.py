@@ -108,7 +108,12 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
         raise ValueError(f"page_size must be a positive power of two, got {page_size}")
     if num_pages <= 0 or batch <= 0:
         raise ValueError(f"num_pages and batch must be positive, got num_pages={num_pages}, batch={batch}")
+    if min(num_layers, num_kv_heads, head_dim) <= 0:
+        raise ValueError(f"num_layers, num_kv_heads and head_dim must be positive, got {num_layers}, {num_kv_heads}, "
+                         f"{head_dim}")
     max_pages = num_pages if max_pages is None else max_pages
+    if max_pages <= 0:
+        raise ValueError(f"max_pages must be positive, got {max_pages}")
     shape = (num_pages, page_size)
     return PagedKV(
         k=jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype),

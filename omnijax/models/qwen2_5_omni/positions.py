@@ -76,6 +76,8 @@ def video_temporal_ids(grid_t: int, second_per_grid: float,
     `k * second_per_grid` rounded first, then the factor, then truncated (second_per_grid 0.7, k 6 gives 104, not the
     exact 105).
     """
+    if not (np.isfinite(second_per_grid) and second_per_grid > 0):
+        raise ValueError(f"second_per_grid must be a positive number of seconds, got {second_per_grid!r}")
     k = np.arange(int(grid_t), dtype=np.float32)
     values = (k * np.float32(second_per_grid)) * np.float32(position_id_per_seconds)
     return values.astype(np.int64)
