@@ -172,6 +172,22 @@ def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, m
     return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32))
 
 
+def check_state(state: StreamState, config) -> None:
+    """Refuses a state whose cache was not made for this decoder: layers, kv heads, head dim, position axes, dtype.
+
+    A wrong layer count would not fail by itself: the layer loop clamps its index into the cache.
+    """
+    kv = state.kv
+    want = (config.num_layers, config.num_kv_heads, config.head_dim, config.position_axes,
+            jnp.dtype(config.jnp_dtype).name)
+    got = (kv.k.shape[0], kv.k.shape[3], kv.k.shape[4], kv.pos.shape[0], jnp.dtype(kv.k.dtype).name)
+    if got != want:
+        names = ("layers", "kv heads", "head dim", "position axes", "dtype")
+        diff = ", ".join(f"{n} {g} (model: {w})" for n, g, w in zip(names, got, want) if g != w)
+        raise ValueError(f"the given state's cache was not made for this model: {diff}; build it with "
+                         f"omnijax.stream.init_state(model.config, ...)")
+
+
 def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
     """Pool pages that hold a whole stacked session (every chunk and answer) without eviction."""
     per_seq = jnp.sum(chunks.valid, axis=(0, 2)) + jnp.sum(jnp.minimum(chunks.answer_tokens, max_answer_tokens), 0)
@@ -241,7 +257,9 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         if num_pages is None:
             num_pages = max(1, pages_needed(chunks, max_answer_tokens, page_size))
         state = init_state(config, num_pages=num_pages, page_size=page_size, batch=chunks.token_ids.shape[1])
-    elif state.kv.batch != chunks.token_ids.shape[1]:
+    else:
+        check_state(state, config)
+    if state.kv.batch != chunks.token_ids.shape[1]:
         raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
     final, out = run(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
                      impl=impl, subblock=subblock, paging=paging)
@@ -274,6 +292,8 @@ class Session:
         self.config = graphdef_config(model)
         self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
         self.paging = paging_lib.as_paging(paging)
+        if state is not None:
+            check_state(state, self.config)
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=page_size, batch=batch)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the

@@ -8,6 +8,7 @@ import pytest
 import omnijax
 from omnijax.chunks import split_text, stack_chunks, text_chunk
 from omnijax.config import TINY_OMNI
+from omnijax.stream import init_state
 from omnijax.units import SpanKind
 
 
@@ -64,6 +65,19 @@ def test_stream_and_session_refuse_a_policy_name_and_an_unknown_impl(model):
             run(policy=object())
         with pytest.raises(ValueError, match="unknown attention impl 'triton'"):
             run(impl="triton")
+
+
+def test_stream_and_session_refuse_a_state_made_for_another_model(model):
+    # Before this check a cache with fewer layers ran silently: the layer loop clamps its index into the cache.
+    chunks = stack_chunks([text_chunk([1, 2, 3, 4])])
+    for change, message in ((dict(num_layers=TINY_OMNI.num_layers - 1), "layers"),
+                            (dict(dtype="bfloat16"), "dtype bfloat16 \\(model: float32\\)")):
+        state = init_state(dataclasses.replace(TINY_OMNI, **change), num_pages=4, page_size=8)
+        with pytest.raises(ValueError, match=f"not made for this model: {message}"):
+            omnijax.stream(model, chunks, state=state)
+        with pytest.raises(ValueError, match=f"not made for this model: {message}"):
+            omnijax.Session(model, state=state)
+    omnijax.stream(model, chunks, state=init_state(TINY_OMNI, num_pages=4, page_size=8))  # the right one runs
 
 
 def test_stream_and_session_reject_wrong_rank_and_batch(model):
