@@ -3,6 +3,8 @@ from the compressed cache equals decoding from the full cache gathered at the sa
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,6 +195,12 @@ def test_teacher_forced_decoding_equals_decode_steps_one_by_one(model, prompt):
         force(model, tide.cache, np.zeros((B, 2), np.float32))
     with pytest.raises(ValueError, match="sequences"):
         force(model, tide.cache, np.zeros((B + 1, 2), np.int32))
+    # A cache of another model (here: one layer short) would decode through its layers only, silently.
+    short = dataclasses.replace(tide.cache, layers=tide.cache.layers[:-1])
+    for decode in (lambda: greedy(model, short, tide.logits, 2), lambda: force(model, short, tokens),
+                   lambda: decode_step(model, short, tokens[:, 0])):
+        with pytest.raises(ValueError, match=f"not made for this model: {model.config.num_layers - 1} layers"):
+            decode()
 
 
 def test_decode_on_full_cache_equals_paged_decoder(model, prompt):

@@ -135,6 +135,18 @@ def attend_segments(q: jax.Array, layer: LayerCache) -> jax.Array:
     return jnp.einsum("bht,btd->bhd", p, layer.v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
+def check_cache(config, cache: CompressedCache) -> None:
+    """Refuses a compressed cache made for another model (layer count, kv heads, head dim): decoding would run only
+    the cache's layers, silently."""
+    layers = cache.layers
+    got = (len(layers), {layer.num_kv_heads for layer in layers}, {layer.k.shape[-1] for layer in layers})
+    want = (config.num_layers, {config.num_kv_heads}, {config.head_dim})
+    if got != want:
+        raise ValueError(f"the cache was not made for this model: {got[0]} layers, kv heads {sorted(got[1])}, head dim "
+                         f"{sorted(got[2])}; the model has {config.num_layers} layers, {config.num_kv_heads} kv heads, "
+                         f"head dim {config.head_dim}")
+
+
 def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tuple[jax.Array, CompressedCache]:
     """Feeds one token `[B]` at the cache's next position; returns `(logits [B, V] float32, cache)`.
 
@@ -142,6 +154,7 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
     segment is full: size `room` accordingly). Text positions move all position axes together.
     """
     c = model.config
+    check_cache(c, cache)
     B = token.shape[0]
     h = model.embed_tokens(token[:, None])
     positions = jnp.broadcast_to(cache.next_pos[None, :, None], (c.position_axes, B, 1))
