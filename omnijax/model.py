@@ -109,9 +109,14 @@ class Model:
             raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-        mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask).astype(np.int32)
+        if ids.shape[1] == 0:
+            raise ValueError(f"input_ids must hold at least one token per sequence, got shape {ids.shape}")
+        mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise ValueError(f"attention_mask must hold only 0 and 1, got values {np.unique(mask)[:8].tolist()}")
+        mask = mask.astype(np.int32)
         media = dict(input_features=input_features, feature_attention_mask=feature_attention_mask,
                      pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                      pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)

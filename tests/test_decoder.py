@@ -144,6 +144,12 @@ def test_model_rejects_bad_inputs(model, tokens):
         model(input_ids=tokens + 1000)
     with pytest.raises(TypeError, match="integer token ids, got dtype float32"):
         model(input_ids=tokens.astype(np.float32))
+    with pytest.raises(ValueError, match="at least one token"):
+        model(input_ids=tokens[:, :0])
+    with pytest.raises(ValueError, match=r"only 0 and 1, got values \[2\]"):
+        model(input_ids=tokens, attention_mask=np.full(tokens.shape, 2))
+    np.testing.assert_array_equal(np.asarray(model(input_ids=tokens, attention_mask=np.ones(tokens.shape, bool))),
+                                  np.asarray(model(input_ids=tokens)))  # a boolean mask is a mask of 0 and 1
     with pytest.raises(ValueError, match="attention_mask shape"):
         model(input_ids=tokens, attention_mask=np.ones((2, 3)))
     with pytest.raises(ValueError, match="image_grid_thw"):
