@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from omnijax import attention as attention_lib
@@ -244,6 +246,9 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         page_size: slots per page when `state` is None.
         subblock: subblock size for the active-subblock statistic.
         paging: physical layout mode: a name in `PAGING_MODES` or a `Paging` (see `omnijax.paging`).
+
+    Warns:
+        RuntimeWarning: when the pool ran out in some sequence (its tokens past that point were not cached).
     """
     paging = paging_lib.as_paging(paging)
     retention_lib.check_policy(policy)
@@ -263,6 +268,12 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
         raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
     final, out = run(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
                      impl=impl, subblock=subblock, paging=paging)
+    exhausted = np.asarray(final.kv.exhausted)  # waits for the program: a stream call returns a finished session
+    if exhausted.any():
+        warnings.warn(f"the KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
+                      f"{np.asarray(final.kv.dropped)[exhausted].tolist()} token(s) were not cached (see "
+                      f"stats.layout.exhausted and state.kv.dropped); give a larger num_pages or a bounded policy",
+                      RuntimeWarning, stacklevel=2)
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
 
 
@@ -303,7 +314,11 @@ class Session:
         self.state = jax.device_put(state, device)
 
     def feed(self, chunk: Chunk) -> ChunkOutput:
-        """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state."""
+        """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
+
+        Returns without waiting for the step. Pool exhaustion is reported in the output's `stats.layout.exhausted`
+        and `stats.layout.dropped` (not warned about, which would wait for every step).
+        """
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.max_answer_tokens, stacked=False)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")

@@ -80,6 +80,13 @@ def test_stream_and_session_refuse_a_state_made_for_another_model(model):
     omnijax.stream(model, chunks, state=init_state(TINY_OMNI, num_pages=4, page_size=8))  # the right one runs
 
 
+def test_stream_warns_when_the_pool_runs_out(model):
+    chunks = stack_chunks([text_chunk([1, 2, 3, 4, 5, 6])])
+    with pytest.warns(RuntimeWarning, match=r"ran out in sequence\(s\) \[0\]: \[2\] token\(s\) were not cached"):
+        result = omnijax.stream(model, chunks, num_pages=1, page_size=4)
+    assert bool(result.state.kv.exhausted[0]) and int(result.state.kv.dropped[0]) == 2
+
+
 def test_stream_and_session_reject_wrong_rank_and_batch(model):
     with pytest.raises(ValueError, match="stack_chunks"):
         omnijax.stream(model, text_chunk([1, 2]))
