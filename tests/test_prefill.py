@@ -230,6 +230,10 @@ def test_budget_schedules_sum_to_the_total():
         assert sum(uniform_budgets(total, L)) == total
     with pytest.raises(ValueError, match="window"):
         pyramid_budgets(10, 3, window=16)
+    with pytest.raises(ValueError, match="beta >= 1"):
+        pyramid_budgets(1000, 4, window=8, beta=0.4)  # would give the bottom layer a negative share
+    with pytest.raises(ValueError, match="at least one token per layer, got total 2 over 4 layers"):
+        uniform_budgets(2, 4)
 
 
 def test_adakv_budgets_are_head_adaptive_and_sum_to_the_layer_budget(model, prompt):

@@ -213,6 +213,9 @@ def _keep_all(B: int, S: int, G: int) -> Selection:
 
 def uniform_budgets(total: int, num_layers: int) -> tuple[int, ...]:
     """`total` tokens per head over all layers, split as evenly as possible (earlier layers get the remainder)."""
+    if num_layers < 1 or total < num_layers:
+        raise ValueError(f"uniform budgets need num_layers >= 1 and at least one token per layer, got total {total} "
+                         f"over {num_layers} layers")
     base, extra = divmod(total, num_layers)
     return tuple(base + (1 if layer < extra else 0) for layer in range(num_layers))
 
@@ -223,6 +226,9 @@ def pyramid_budgets(total: int, num_layers: int, *, window: int = 64, beta: floa
     Beyond the window every layer keeps, the mean prefix share `a = total / L - window` is spread as a ramp from
     `2a - a / beta` (layer 0) to `a / beta` (last layer); rounding by largest remainders keeps the sum exact.
     """
+    if num_layers < 1 or window < 0 or not beta >= 1:
+        raise ValueError(f"pyramid budgets need num_layers >= 1, window >= 0 and beta >= 1 (the top layer keeps 1/beta "
+                         f"of the mean share), got {num_layers}, {window}, {beta}")
     if total < num_layers * window:
         raise ValueError(f"total budget {total} cannot hold a {window}-token window in each of {num_layers} layers")
     prefix = total - num_layers * window
