@@ -40,6 +40,8 @@ def test_text_chunk_layout():
     (dict(token_ids=np.full((2, 1, 4), 999)), "token ids must lie in"),
     (dict(token_ids=np.full((2, 1, 4), 3.0)), "token_ids must be integers, got dtype float64"),
     (dict(unit=np.full((2, 1, 4), -1, np.int32)), "unit ids of valid tokens must be non-negative"),
+    (dict(span=np.full((2, 1, 4), 42, np.int8)), r"span kinds must be omnijax.units.SpanKind values, got \[42\]"),
+    (dict(offset=np.full((2, 1, 4), -3, np.int32)), "offsets within spans must be non-negative, got -3"),
     (dict(answer_tokens=np.array([[0], [2]], np.int32), answer_unit=np.array([[0], [-1]], np.int32)),
      "answer_unit must be non-negative"),
     (dict(valid=np.ones((2, 1, 3), bool)), "valid has shape"),
