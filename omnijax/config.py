@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def check_power_of_two(name: str, value) -> None:
+    """Refuses a `value` (page size, block size, ...) that is not a positive integer power of two, naming it `name`."""
+    if not isinstance(value, numbers.Integral) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value!r}")
 
 
 class JsonConfig:

@@ -39,6 +39,7 @@ from omnijax import chunks as chunks_lib
 from omnijax import distributed
 from omnijax.attention import check_impl
 from omnijax.chunks import Chunk
+from omnijax.config import check_power_of_two
 from omnijax.paging import Paging, as_paging
 from omnijax.retention.base import NoSlide, RetentionPolicy, check_policy
 from omnijax.stream import chunk_step, init_state
@@ -82,8 +83,7 @@ class EvalConfig:
             raise ValueError(f"{self.name}: max_answer_tokens must be >= 0, got {self.max_answer_tokens}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"{self.name}: num_pages must be >= 1 (or None), got {self.num_pages}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"{self.name}: page_size must be a power of two, got {self.page_size}")
+        check_power_of_two(f"{self.name}: page_size", self.page_size)
 
 
 @dataclasses.dataclass

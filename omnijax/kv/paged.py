@@ -32,6 +32,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from omnijax.config import check_power_of_two
+
 
 class PageClass(enum.IntEnum):
     FREE = 0
@@ -104,8 +106,7 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
         position_axes: 3 for mrope, 1 for plain RoPE.
         dtype: storage and compute dtype of keys and values.
     """
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a positive power of two, got {page_size}")
+    check_power_of_two("page_size", page_size)
     if num_pages <= 0 or batch <= 0:
         raise ValueError(f"num_pages and batch must be positive, got num_pages={num_pages}, batch={batch}")
     if min(num_layers, num_kv_heads, head_dim) <= 0:

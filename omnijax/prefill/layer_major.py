@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax import attention as attention_lib
-from omnijax.config import DecoderConfig
+from omnijax.config import DecoderConfig, check_power_of_two
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
@@ -174,8 +174,7 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
         raise TypeError(f"selector must be a selector object such as omnijax.prefill.SnapKV(), got {selector!r}")
     if not isinstance(chunk, numbers.Integral) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    if not isinstance(page, numbers.Integral) or page < 1 or page & (page - 1):
-        raise ValueError(f"page must be a power of two, got {page!r}")
+    check_power_of_two("page", page)
     window = getattr(selector, "window", 0) if budgets is not None and selector.needs_window else 0
     if window > S:
         raise ValueError(f"observation window {window} longer than the prompt ({S})")

@@ -23,6 +23,7 @@ from typing import Callable, ClassVar, Protocol
 import jax
 import jax.numpy as jnp
 
+from omnijax.config import check_power_of_two
 from omnijax.prefill.cache import Selection
 from pallas_kernels import streaming_topk as topk_lib
 
@@ -93,9 +94,7 @@ def _check_windowed(selector) -> None:
         raise ValueError(f"{name}: pool_kernel must be an odd positive int, got {kernel!r}")
     if selector.impl not in SCORE_IMPLS:
         raise ValueError(f"{name}: unknown scoring impl {selector.impl!r}; available: {SCORE_IMPLS}")
-    block = selector.block_size
-    if not isinstance(block, numbers.Integral) or block < 1 or block & (block - 1):
-        raise ValueError(f"{name}: block_size must be a power of two, got {block!r}")
+    check_power_of_two(f"{name}: block_size", selector.block_size)
 
 
 def _prefix_topk(selector, q_obs: jax.Array, keys: jax.Array, k: int):

@@ -37,6 +37,7 @@ from flax import nnx
 from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
+from omnijax.config import check_power_of_two
 from omnijax.kv import paged as paged_lib
 from omnijax.paging import migration
 from omnijax.retention.base import NoSlide, RetentionPolicy
@@ -97,8 +98,7 @@ class EngineConfig:
                              f"{self.max_answer_tokens}")
         if self.num_pages < 1 or (self.max_pages is not None and self.max_pages < 1):
             raise ValueError(f"num_pages and max_pages must be >= 1, got {self.num_pages}, {self.max_pages}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        check_power_of_two("page_size", self.page_size)
         if not self.frame_budget_s > 0:
             raise ValueError(f"frame_budget_s must be positive, got {self.frame_budget_s}")
         attention_lib.check_impl(self.impl)
