@@ -171,6 +171,13 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     return jax.vmap(one)(q, index.ids, index.count, cache.q_order).astype(q.dtype)
 
 
+def check_impl(impl: str) -> str:
+    """Returns `impl` if it names an attention implementation (`IMPLEMENTATIONS`); refuses anything else."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")
+    return impl
+
+
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
            impl: str = "reference", with_mass: bool = False, layer=None):
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
@@ -178,22 +185,13 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
     `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes one layer's `[N, P, G, d]`.
     With `with_mass`, returns `(out, mass [N, P])` (see `attend_reference`).
     """
-    if impl == "reference":
+    if check_impl(impl) == "reference":
         return attend_reference(q, k_pages, v_pages, cache, with_mass=with_mass, layer=layer)
     if with_mass:
         raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
     if impl == "xla":
         return attend_xla(q, k_pages, v_pages, cache, layer=layer)
-    if impl == "pallas":
-        validate(q, k_pages, v_pages, cache, layer)
-        return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
-                                      cache.q_order, layer=layer, index=cache.pages,
-                                      interpret=jax.default_backend() == "cpu")
-    raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")
-
-
-def check_impl(impl: str) -> str:
-    """Returns `impl` if it names an attention implementation (`IMPLEMENTATIONS`); refuses anything else."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention impl {impl!r}; available: {IMPLEMENTATIONS}")
-    return impl
+    validate(q, k_pages, v_pages, cache, layer)  # impl == "pallas"
+    return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
+                                  cache.q_order, layer=layer, index=cache.pages,
+                                  interpret=jax.default_backend() == "cpu")
