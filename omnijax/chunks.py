@@ -172,16 +172,15 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
     if plain.any() and (ids[plain].min() < 0 or ids[plain].max() >= config.vocab_size):
         raise ValueError(f"{what}: token ids must lie in [0, {config.vocab_size}), got range "
                          f"[{ids[plain].min()}, {ids[plain].max()}]")
-    if valid.any() and np.asarray(chunk.unit)[valid].min() < 0:
-        raise ValueError(f"{what}: unit ids of valid tokens must be non-negative (-1 marks an empty cache slot), "
-                         f"got {np.asarray(chunk.unit)[valid].min()}")
+    for name, described in (("unit", "unit ids of valid tokens must be non-negative (-1 marks an empty cache slot)"),
+                            ("offset", "offsets within spans must be non-negative")):
+        lowest = np.asarray(getattr(chunk, name))[valid].min(initial=0)
+        if lowest < 0:
+            raise ValueError(f"{what}: {described}, got {lowest}")
     spans = np.asarray(chunk.span)[valid]
-    if spans.size and not np.isin(spans, [int(kind) for kind in SpanKind]).all():
+    if not np.isin(spans, [int(kind) for kind in SpanKind]).all():
         raise ValueError(f"{what}: span kinds must be omnijax.units.SpanKind values, got "
                          f"{sorted(set(spans.tolist()) - {int(kind) for kind in SpanKind})}")
-    if valid.any() and np.asarray(chunk.offset)[valid].min() < 0:
-        raise ValueError(f"{what}: offsets within spans must be non-negative, got "
-                         f"{np.asarray(chunk.offset)[valid].min()}")
     answers = np.asarray(chunk.answer_tokens)
     per_sequence = {"answer_tokens": answers, "answer_unit": chunk.answer_unit, "advance": chunk.advance}
     for name, value in per_sequence.items():
