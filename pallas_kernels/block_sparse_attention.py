@@ -208,8 +208,8 @@ def _program_inputs(layer_ref, qo_ref, q_ref, k_ref, *, block_q: int, heads_per_
     t * R + r is token t, query head g * R + r); each row's write order (rows past the chunk's T * R get an order
     that sees nothing); and the index arrays (token `[block_q, 1]`, head `[block_q, 1]`, column `[1, d]`) of the
     rows' places in a `[T, H, d]` output, whose token index is T or more for rows past the chunk: `_store_rows` drops
-    those. Gathering and scattering rows in the
-    kernel spares the two XLA transposes that would otherwise lay queries and outputs out around every call.
+    those. Gathering and scattering rows in the kernel spares the two XLA transposes that would otherwise lay
+    queries and outputs out around every call.
     """
     layer = jnp.clip(layer_ref[0], 0, k_ref.shape[0] - 1)
     T, _, d = q_ref.shape
