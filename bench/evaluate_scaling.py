@@ -48,7 +48,7 @@ def worker(args) -> None:
 
     from omnijax import distributed, synthetic
     from omnijax.config import TINY_OMNI
-    from omnijax.evaluate import EvalConfig, _pages_for, evaluate, pad_sessions
+    from omnijax.evaluation import EvalConfig, _pages_for, evaluate, pad_sessions
     from omnijax.models.decoder import Decoder
     from omnijax.retention import NoSlide, OmniPick
 

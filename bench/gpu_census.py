@@ -192,7 +192,7 @@ def layer_loop_call(tokens: int, unroll: bool, layers: int = 8):
     from flax import nnx
     import omnijax
     from omnijax.config import QWEN2_5_OMNI_7B
-    from omnijax.stream import init_state
+    from omnijax.streaming import init_state
 
     from layer_loop import reserve_view
 
@@ -227,7 +227,7 @@ def chunk_step_call(impl, answer=0):
     from omnijax.config import QWEN2_5_OMNI_7B
     from omnijax.retention import OmniPick
 
-    stream = importlib.import_module("omnijax.stream")
+    stream = importlib.import_module("omnijax.streaming")
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
     chunk = jax.tree.map(lambda x: x[1], synthetic.qwen_av_session(3, vocab_size=cfg.vocab_size))

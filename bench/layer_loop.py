@@ -37,7 +37,7 @@ import omnijax
 from omnijax import attention
 from omnijax.config import PRESETS
 from omnijax.kv import paged
-from omnijax.stream import init_state
+from omnijax.streaming import init_state
 from omnijax.units import SpanKind
 
 LOOPS = ("scan", "unrolled")

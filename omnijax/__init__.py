@@ -11,9 +11,9 @@ from omnijax.models.decoder import Decoder
 from omnijax.paging import PAGING_MODES, Paging
 from omnijax.retention import REGISTRY as RETENTION_POLICIES
 from omnijax.retention import NoSlide
-from omnijax.stream import ChunkOutput, Session, StreamResult, StreamState, init_state, stream
+from omnijax.streaming import ChunkOutput, Session, StreamResult, StreamState, init_state, stream
 from omnijax.units import SpanKind
-from omnijax.evaluate import EvalConfig, evaluate
+from omnijax.evaluation import EvalConfig, evaluate
 
 __all__ = [
     "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "Model", "NoSlide", "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES",

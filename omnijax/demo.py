@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     import jax
     import omnijax
     from omnijax.chunks import pad_chunk, stack_chunks
-    from omnijax.stream import pages_needed
+    from omnijax.streaming import pages_needed
 
     out = Path(args.out)
     if out.exists():

@@ -24,7 +24,7 @@ def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
 def _forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, *, page_size):
-    from omnijax.stream import prefill  # local import: stream imports this module's siblings
+    from omnijax.streaming import prefill  # local import: stream imports this module's siblings
 
     decoder = nnx.merge(graphdef, params)
     c = decoder.config

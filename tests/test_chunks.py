@@ -8,7 +8,7 @@ import pytest
 import omnijax
 from omnijax.chunks import split_text, stack_chunks, text_chunk
 from omnijax.config import TINY_OMNI
-from omnijax.stream import init_state
+from omnijax.streaming import init_state
 from omnijax.units import SpanKind
 
 

@@ -190,7 +190,7 @@ def test_unrolled_layer_loop_equals_the_scan(model, tokens):
 
     from omnijax import attention
     from omnijax.kv import paged
-    from omnijax.stream import init_state
+    from omnijax.streaming import init_state
 
     decoder = model.decoder
     c = decoder.config

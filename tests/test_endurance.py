@@ -13,7 +13,7 @@ import omnijax
 from omnijax import synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.retention import OmniPick
-from omnijax.stream import _step
+from omnijax.streaming import _step
 
 QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)  # 1D positions, MiniCPM-o 4.5 LLM
 GOLDEN_MINICPMO = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45" / "checkpoint"

@@ -31,7 +31,7 @@ _SETUP = textwrap.dedent("""
     from flax import nnx
     from omnijax.adapters import qwen2_5_omni as qwen
     from omnijax.config import TINY_OMNI
-    from omnijax.evaluate import EvalConfig
+    from omnijax.evaluation import EvalConfig
     from omnijax.models.decoder import Decoder
     from omnijax.retention import OmniPick
     from omnijax.synthetic import fold_ids
@@ -61,7 +61,7 @@ _WORKER = _SETUP + textwrap.dedent("""
     import jax
     import omnijax
     from omnijax import distributed
-    from omnijax.evaluate import evaluate, pad_sessions
+    from omnijax.evaluation import evaluate, pad_sessions
 
     def flat(result):
         return [{"logits": s.logits, "tokens": s.tokens, "stats": s.stats} for s in result.sessions]
@@ -147,7 +147,7 @@ def setup():
 
 
 def test_pad_sessions_pads_chunks_and_sessions(setup):
-    from omnijax.evaluate import pad_sessions
+    from omnijax.evaluation import pad_sessions
 
     chunks, own = pad_sessions(setup.SESSIONS[:2], num_sessions=4)
     assert own.tolist() == [5, 7]
@@ -163,7 +163,7 @@ def test_pad_sessions_pads_chunks_and_sessions(setup):
 
 def test_evaluate_refuses_bad_arguments(setup):
     import omnijax
-    from omnijax.evaluate import EvalConfig
+    from omnijax.evaluation import EvalConfig
 
     with pytest.raises(ValueError, match="distinct"):
         omnijax.evaluate(setup.MODEL, setup.SESSIONS[:1], [setup.EVAL, setup.EVAL], progress=False)
@@ -229,7 +229,7 @@ _MULTIHOST = textwrap.dedent("""
     from omnijax import distributed
     distributed.initialize(distributed.ClusterSpec(sys.argv[1], 2, int(sys.argv[2])))  # before any JAX work
 """) + _SETUP + textwrap.dedent("""
-    from omnijax.evaluate import evaluate
+    from omnijax.evaluation import evaluate
     mesh = distributed.make_mesh(4, 2)
     got = evaluate(MODEL, SESSIONS, [EVAL], mesh=mesh, batch_size=8, progress=False)[EVAL.name].sessions
     ref = evaluate(MODEL, SESSIONS, [EVAL], batch_size=8, progress=False)[EVAL.name].sessions

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from convert import minicpmo
 from convert.tables import convert_in_memory
 from omnijax.models.decoder import Decoder
-from omnijax.stream import stream
+from omnijax.streaming import stream
 from omnijax.chunks import text_chunk, stack_chunks
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"

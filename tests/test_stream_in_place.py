@@ -19,7 +19,7 @@ from omnijax.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
 from omnijax.retention import OmniPick
 
-stream_lib = importlib.import_module("omnijax.stream")  # the module (`omnijax.stream` is the function)
+from omnijax import streaming as stream_lib  # noqa: E402
 
 N_PAGES, PAGE = 37, 16  # an odd pool size, so the stack's shape names no other array in the program
 POLICY = OmniPick(high_watermark=200, low_watermark=100)

@@ -32,7 +32,7 @@ import numpy as np
 from omnijax.evalharness import annotations as ann
 from omnijax.evalharness import media as media_lib
 from omnijax.evalharness import sessions as sessions_lib
-from omnijax.evaluate import ConfigResult, EvalConfig, evaluate
+from omnijax.evaluation import ConfigResult, EvalConfig, evaluate
 
 # The annotation files of this workspace (`OMNIJAX_STREAMINGBENCH` overrides; `--data` overrides both).
 DEFAULT_DATA = Path(os.environ.get("OMNIJAX_STREAMINGBENCH",

@@ -6,7 +6,7 @@ bucket (shapes are otherwise static: `chunk_tokens` T and `max_answer_tokens` ta
 bucket pads the per-row state with empty rows; when sessions leave, the next tick compacts the rows into the smallest
 bucket that holds them (rows carry only page-table and cursor state; the pool itself never moves).
 
-Each tick takes at most one submitted chunk per session, pads it to T, and runs `omnijax.stream.chunk_step`
+Each tick takes at most one submitted chunk per session, pads it to T, and runs `omnijax.streaming.chunk_step`
 (prefill, last-position logits, retention, greedy answer of up to tau tokens) followed, in the same program, by
 `omnijax.paging.migration.drop_empty_entries`, which returns pages that fell wholly behind the window to the pool
 (vLLM-style block freeing). Rows without a chunk have all-False `valid` and ask for no answer tokens, so they write
@@ -44,7 +44,7 @@ from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.admission import Overloaded
 from omnijax.serve.telemetry import StallEvent, Telemetry
-from omnijax.stream import StreamState, _parts, chunk_step, graphdef_config, init_state
+from omnijax.streaming import StreamState, _parts, chunk_step, graphdef_config, init_state
 
 POLICIES = ("sink_window", "unbounded")
 

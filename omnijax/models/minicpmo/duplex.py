@@ -86,7 +86,7 @@ class DuplexSession:
                  force_listen: int = 1, num_pages: int = 64, page_size: int = 64, chunk_width: int = 128,
                  max_slice_nums: int = 1, policy=None):
         from omnijax.retention.base import NoSlide
-        from omnijax.stream import Session
+        from omnijax.streaming import Session
         self.model, self.tokens, self.rule = model, tokens, rule
         self.max_speak_tokens, self.force_listen, self.width = max_speak_tokens, force_listen, chunk_width
         self.max_slice_nums = max_slice_nums

@@ -187,7 +187,7 @@ def check_state(state: StreamState, config) -> None:
         names = ("layers", "kv heads", "head dim", "position axes", "dtype")
         diff = ", ".join(f"{n} {g} (model: {w})" for n, g, w in zip(names, got, want) if g != w)
         raise ValueError(f"the given state's cache was not made for this model: {diff}; build it with "
-                         f"omnijax.stream.init_state(model.config, ...)")
+                         f"omnijax.init_state(model.config, ...)")
 
 
 def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:

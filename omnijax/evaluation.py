@@ -1,7 +1,7 @@
 """`evaluate`: many streaming sessions x several retention / paging configurations as jitted, sharded programs.
 
 Each configuration is one compiled program: `jax.vmap` over a batch of sessions of a `lax.scan` over chunks whose
-body is `omnijax.stream.chunk_step` (the step `omnijax.stream` scans), each session with its own batch-1 cache. The
+body is `omnijax.streaming.chunk_step` (the step `omnijax.stream` scans), each session with its own batch-1 cache. The
 session axis is the data axis: with a mesh (`omnijax.distributed.make_mesh`) sessions are split over `data` and the
 weights replicated or split over `model` (heads, MLP intermediate, vocabulary); XLA's SPMD partitioner partitions
 the scan from the input shardings.
@@ -42,7 +42,7 @@ from omnijax.chunks import Chunk
 from omnijax.config import check_power_of_two
 from omnijax.paging import Paging, as_paging
 from omnijax.retention.base import NoSlide, RetentionPolicy, check_policy
-from omnijax.stream import chunk_step, init_state
+from omnijax.streaming import chunk_step, init_state
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",
