@@ -91,15 +91,15 @@ def compile_tidekv(cfg, S, *, budget, chunk, selector, weights, dump_dir):
 
 
 def compile_post(cfg, S, *, budget, chunk, selector, weights, dump_dir):
-    """Post-prefill SnapKV: `_token_major` (chunk=None -> S, one shot) then per-layer selection."""
-    from omnijax.prefill.baselines import _token_major
+    """Post-prefill SnapKV: `token_major` (chunk=None -> S, one shot) then per-layer selection."""
+    from omnijax.prefill.baselines import token_major
     from omnijax.prefill.cache import pack
     from omnijax.prefill.layer_major import padded_length
 
     C = S if chunk is None else chunk
     Sp = padded_length(S, C, PAGE)
     t = time.perf_counter()
-    lowered = _token_major.lower(weights, jax.ShapeDtypeStruct((1, Sp, cfg.hidden_size), cfg.jnp_dtype),
+    lowered = token_major.lower(weights, jax.ShapeDtypeStruct((1, Sp, cfg.hidden_size), cfg.jnp_dtype),
                                  jax.ShapeDtypeStruct((cfg.position_axes, 1, Sp), jnp.int32), config=cfg,
                                  prompt_len=S, chunk=C, page=PAGE, impl="xla", window=selector.window)
     st = stats(lowered.compile())
@@ -128,7 +128,7 @@ def compile_post(cfg, S, *, budget, chunk, selector, weights, dump_dir):
             "cache_kv_bytes": cfg.num_layers * kv_bytes(cache), "cache_all_bytes": cfg.num_layers * nbytes(cache),
             "breakdown": {"x (caller's embeddings)": x, "padded x + positions (arguments)": st["argument"] - weight_arg,
                           "hidden (output)": nbytes(hidden), "all layers' K+V (outputs)": nbytes((k_all, v_all)),
-                          "window queries (output)": nbytes(q_all), "_token_major temp": st["temp"],
+                          "window queries (output)": nbytes(q_all), "token_major temp": st["temp"],
                           "of which weight-slice copies": tv["weight_slices"]},
             "temp_values": tv["largest"]}
 

@@ -107,13 +107,13 @@ def prime(method: str, model, x, positions, args):
         with mock.patch.object(layer_major, "layer_step", fake):
             prefill(method, model, x, positions, args)
         return
-    lowered = baselines._token_major.lower(model.layers.stacked(), bridge, pos, config=cfg, prompt_len=S, chunk=chunk,
+    lowered = baselines.token_major.lower(model.layers.stacked(), bridge, pos, config=cfg, prompt_len=S, chunk=chunk,
                                            page=PAGE, impl="xla", window=W)
     lowered.compile()
     streaming_topk_blockwise.lower(jax.ShapeDtypeStruct((1, W, cfg.num_heads, cfg.head_dim), cfg.jnp_dtype),
                                    jax.ShapeDtypeStruct((1, S, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype),
                                    k=args.budget - W, block_size=512, pool_kernel=5).compile()
-    with mock.patch.object(baselines, "_token_major", lambda *a, **k: zeros(lowered.out_info)):
+    with mock.patch.object(baselines, "token_major", lambda *a, **k: zeros(lowered.out_info)):
         prefill(method, model, x, positions, args)
 
 
@@ -181,7 +181,7 @@ def method_b(args, *, entry_script: str, worker_xla_flags: str):
         return spawn(mode, S, args, method, entry_script=entry_script, worker_xla_flags=worker_xla_flags)
 
     rows = []
-    big = {"post_oneshot": "_token_major", "post_chunked": "_token_major", "tidekv": "layer_step"}
+    big = {"post_oneshot": "token_major", "post_chunked": "token_major", "tidekv": "layer_step"}
     for S in args.rss_seq:
         start = time.perf_counter()
         for method in METHODS:

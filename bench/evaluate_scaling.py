@@ -48,7 +48,7 @@ def worker(args) -> None:
 
     from omnijax import distributed, synthetic
     from omnijax.config import TINY_OMNI
-    from omnijax.evaluation import EvalConfig, _pages_for, evaluate, pad_sessions
+    from omnijax.evaluation import EvalConfig, session_pages_needed, evaluate, pad_sessions
     from omnijax.models.decoder import Decoder
     from omnijax.retention import NoSlide, OmniPick
 
@@ -58,7 +58,7 @@ def worker(args) -> None:
     sessions = [synthetic.qwen_av_session(args.units, vocab_size=config.vocab_size, question_every=4, seed=s)
                 for s in range(args.sessions)]
     chunks, own = pad_sessions(sessions)
-    configs = [EvalConfig("full", NoSlide(), page_size=64, num_pages=_pages_for(chunks, 0, 64)),
+    configs = [EvalConfig("full", NoSlide(), page_size=64, num_pages=session_pages_needed(chunks, 0, 64)),
                EvalConfig("omnipick", OmniPick(high_watermark=1000, low_watermark=700), paging="tile_skip",
                           page_size=64, num_pages=-(-(1000 + 124) // 64) + 1)]
     mesh = distributed.make_mesh(args.worker, 1)

@@ -29,7 +29,7 @@ with bf16 weight arguments, keeps f32 copies of them as temps (26 GB for the sta
 CPU-backend artefact unrelated to cache construction; activations, KV and hidden states stay bf16. Phases:
     TideKV       x (caller's embeddings) + [layer_step: non-weight arguments (bridge, positions; the bridge output
                  aliases its argument) + temp + outputs other than the bridge and the layer cache]
-    post-prefill max of  (1) x + [_token_major: non-weight arguments (padded x copy, positions) + temp + outputs
+    post-prefill max of  (1) x + [token_major: non-weight arguments (padded x copy, positions) + temp + outputs
                  (hidden, every layer's K and V, window queries)]
                  and (2) selection of one layer: x + padded x + hidden + all K/V + window queries + the layer's K/V
                  slices (`k_all[l, :, :S]` copies) + [select+pack jitted: temp].
@@ -40,7 +40,7 @@ the raw figure is kept in the JSON. Largest temp buffers of every program are ke
 Method B (execution, narrow model: 4 layers, hidden 512, 8 heads / 2 KV heads, head dim 64, intermediate 1376,
 mrope (8, 12, 12), vocab 1024, float32, random init), same selector and budget, default XLA flags (not the
 memory-analysis flag). Per S:
-    prime    for each method a process AOT-compiles its large jitted programs (`_token_major` + the SnapKV scorer, or
+    prime    for each method a process AOT-compiles its large jitted programs (`token_major` + the SnapKV scorer, or
              `layer_step`) into a persistent compilation cache (a temp dir) and runs the method once with those
              programs replaced by zero outputs, which compiles and caches the small eager ops around them; compiler
              memory would otherwise dominate the small TideKV peak

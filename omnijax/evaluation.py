@@ -199,7 +199,7 @@ def pad_sessions(sessions: Sequence, *, num_sessions: int | None = None) -> tupl
             np.asarray([len(chunks) for chunks in per_session], np.int64))
 
 
-def _pages_for(chunks: Chunk, tau: int, page_size: int) -> int:
+def session_pages_needed(chunks: Chunk, tau: int, page_size: int) -> int:
     """Pool pages the most demanding session needs without eviction (`[S, C, 1, T]` chunks)."""
     valid = np.asarray(chunks.valid).sum(axis=(1, 2, 3))  # [S]
     answers = np.minimum(np.asarray(chunks.answer_tokens), tau).sum(axis=(1, 2))
@@ -306,7 +306,7 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
         bar = tqdm(total=len(configs) * num_batches, unit="batch", desc="evaluate")
     results = {}
     for cfg in configs:
-        num_pages = cfg.num_pages or _pages_for(chunks, cfg.max_answer_tokens, cfg.page_size)
+        num_pages = cfg.num_pages or session_pages_needed(chunks, cfg.max_answer_tokens, cfg.page_size)
         static = dict(policy=cfg.policy, paging=cfg.paging, impl=cfg.impl,
                       max_answer_tokens=cfg.max_answer_tokens, subblock=cfg.subblock, num_pages=num_pages,
                       page_size=cfg.page_size, keep_logits=cfg.keep_logits, mesh=mesh)

@@ -24,7 +24,7 @@ from omnijax.prefill.selectors import Selector, topk_scores
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"))
-def _token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
+def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
                  chunk: int, page: int, impl: str, window: int):
     """All chunks through all layers. Returns `(hidden [B, Spad, D], keys, values [L, B, Spad, G, d],
     q_obs [L, B, W, H, d])`."""
@@ -78,7 +78,7 @@ def token_major_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, c
     budgets = check_budgets(budgets, c.num_layers)
     window = selector.window if budgets is not None and selector.needs_window else 0
     xp, positions_p = _pad(model, x, positions, chunk, page)
-    hidden, k_all, v_all, q_all = _token_major(model.layers.stacked(), xp, positions_p, config=c, prompt_len=S,
+    hidden, k_all, v_all, q_all = token_major(model.layers.stacked(), xp, positions_p, config=c, prompt_len=S,
                                                chunk=chunk, page=page, impl=impl, window=window)
     layers = []
     for layer in range(c.num_layers):
