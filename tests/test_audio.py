@@ -16,8 +16,8 @@ from omnijax.models.qwen2_5_omni.audio import (AudioConfig, AudioEncoder, AudioI
                                                encode_audio, encoder_from_params, log_mel)
 from omnijax.models.qwen2_5_omni.audio_features import mel_filters, num_frames
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
 SR = 16000
 HF_AUDIO = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, n_window=100,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
 from convert import convert_checkpoint  # noqa: E402

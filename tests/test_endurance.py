@@ -15,15 +15,11 @@ from omnijax.config import TINY_OMNI
 from omnijax.retention import OmniPick
 from omnijax.streaming import _step
 
-QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)  # 1D positions, MiniCPM-o 4.5 LLM
-GOLDEN_MINICPMO = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45" / "checkpoint"
+GOLDEN_MINICPMO = Path(__file__).resolve().parent / "data" / "minicpmo45" / "checkpoint"
 
 
 def minicpmo_llm():
-    """MiniCPM-o 4.5's LLM: the converted tiny release checkpoint when present, else the same architecture at
-    random (Qwen3 mode, 1D positions)."""
-    if not GOLDEN_MINICPMO.is_dir():
-        return omnijax.Decoder(QWEN3_TINY)
+    """MiniCPM-o 4.5's LLM (Qwen3 mode, 1D positions): the converted tiny release checkpoint of the golden vectors."""
     import json
 
     from flax import nnx

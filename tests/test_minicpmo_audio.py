@@ -1,5 +1,5 @@
 """MiniCPM-o 4.5 audio path (features, Whisper encoder, projector, pooling, streaming) against the official code's
-golden vectors (cases 3 and 4 of `shared/golden/minicpmo45`).
+golden vectors (cases 3 and 4 of `tests/data/minicpmo45`).
 
 Tolerances: log-mel features 5e-5 absolute (the reference runs the STFT in float32, this implementation in float64:
 the observed difference is at most 2.5e-5, typically 1e-6); every encoder intermediate and output 1e-5 (observed
@@ -21,8 +21,7 @@ from omnijax.models.minicpmo import audio as A
 from omnijax.models.minicpmo import audio_features as af
 from omnijax.models.minicpmo import audio_stream as S
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
+GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 FEATURE_TOL = 5e-5
 TOL = 1e-5
 

@@ -15,8 +15,7 @@ from omnijax.models.decoder import Decoder
 from omnijax.streaming import stream
 from omnijax.chunks import text_chunk, stack_chunks
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
+GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ from convert import convert_checkpoint
 from convert.errors import MissingTensorError, UnsupportedConfigError
 from omnijax.models.minicpmo.model import MiniCPMOInputError, MiniCPMOModel
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
+GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 
 
 @pytest.fixture(scope="module")

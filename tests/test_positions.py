@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the reference positions")
+pytest.importorskip("transformers", reason="transformers (the test extra) holds the reference positions")
 
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor  # noqa: E402
 

@@ -5,7 +5,6 @@ certain is scored exactly as constructed."""
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,13 +24,11 @@ FILES = {  # file -> (videos, usable questions, skipped questions)
 
 @pytest.fixture(scope="module")
 def videos():
-    if not Path(sb.DEFAULT_DATA).is_dir():
-        pytest.skip(f"StreamingBench annotations not found at {sb.DEFAULT_DATA}")
-    return ann.load_all(sb.DEFAULT_DATA)
+    return ann.load_all(ann.packaged_root())
 
 
 def test_every_annotation_file_parses(videos):
-    assert sorted(p.name for p in ann.annotation_files(sb.DEFAULT_DATA)) == sorted(FILES)
+    assert sorted(p.name for p in ann.annotation_files(ann.packaged_root())) == sorted(FILES)
     for name, (count, questions, skipped) in FILES.items():
         vs = [v for v in videos if v.source == name]
         assert (len(vs), sum(len(v.questions) for v in vs), sum(len(v.issues) for v in vs)) == (
@@ -211,7 +208,7 @@ def test_parse_config():
 
 
 def test_decoded_video_units(tmp_path):
-    av = pytest.importorskip("av")
+    av = pytest.importorskip("av", reason="PyAV (`av`, the `eval` extra) encodes and decodes the test video")
     path = tmp_path / "clip.mp4"
     with av.open(str(path), "w") as container:
         video = container.add_stream("mpeg4", rate=10)

@@ -1,6 +1,7 @@
 """StreamingBench annotation files -> videos with their questions on a timeline, and questions -> 2 s units.
 
-Files (`shared/data/streamingbench/`, from THUNLP-MT/StreamingBench `src/data/`): a list of records
+Files (shipped as package data in `omnijax/evalharness/data/streamingbench/`, from THUNLP-MT/StreamingBench
+`src/data/`, MIT licence beside them; `default_root`): a list of records
 `{video_path, time, video_categories?, questions: [{task_type, question, time_stamp, answer, options, ...}]}`;
 `questions_sqa.json` nests the records in one list per video; `*_stream.json` files carry `time` per question.
 All questions of one video in one file become one `Video` (one streaming session, questions in time order).
@@ -27,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -196,18 +199,31 @@ def load_file(path: str | Path) -> list[Video]:
     return list(videos.values())
 
 
-def annotation_files(root: str | Path) -> list[Path]:
-    """The `*.json` annotation files under `root`, sorted by name."""
-    root = Path(root)
+def packaged_root() -> Path:
+    """The StreamingBench annotation files shipped with omnijax (package data of `omnijax.evalharness`)."""
+    return Path(str(resources.files("omnijax.evalharness").joinpath("data", "streamingbench")))
+
+
+def default_root() -> Path:
+    """Where annotations are read from when no root is given: `$OMNIJAX_STREAMINGBENCH` if set, else the packaged
+    copy (`packaged_root`)."""
+    env = os.environ.get("OMNIJAX_STREAMINGBENCH")
+    return Path(env) if env else packaged_root()
+
+
+def annotation_files(root: str | Path | None = None) -> list[Path]:
+    """The `*.json` annotation files under `root` (None: `default_root()`), sorted by name."""
+    root = default_root() if root is None else Path(root)
     files = sorted(root.glob("*.json"))
     if not files:
         raise AnnotationError(f"no StreamingBench annotation files (*.json) in {root}")
     return files
 
 
-def load_all(root: str | Path, files: Sequence[str] | None = None) -> list[Video]:
-    """Videos of every annotation file under `root` (or of the named `files` there)."""
-    paths = annotation_files(root) if files is None else [Path(root) / f for f in files]
+def load_all(root: str | Path | None = None, files: Sequence[str] | None = None) -> list[Video]:
+    """Videos of every annotation file under `root` (None: `default_root()`), or of the named `files` there."""
+    root = default_root() if root is None else Path(root)
+    paths = annotation_files(root) if files is None else [root / f for f in files]
     return [video for path in paths for video in load_file(path)]
 
 

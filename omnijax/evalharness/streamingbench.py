@@ -13,6 +13,8 @@ Accuracy is reported per task type and overall, per configuration, with session 
         --mesh 8x1 --configs full "omnipick+tile_skip" --out sb.json
 
 A `--demo` run uses the tiny random checkpoint of `omnijax.demo` (random weights: accuracy is meaningless there).
+The annotation files ship with omnijax (`annotations.packaged_root()`); `--data` or `$OMNIJAX_STREAMINGBENCH` reads
+another copy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,9 +35,6 @@ from omnijax.evalharness import media as media_lib
 from omnijax.evalharness import sessions as sessions_lib
 from omnijax.evaluation import ConfigResult, EvalConfig, evaluate
 
-# The annotation files of this workspace (`OMNIJAX_STREAMINGBENCH` overrides; `--data` overrides both).
-DEFAULT_DATA = Path(os.environ.get("OMNIJAX_STREAMINGBENCH",
-                                   Path(__file__).resolve().parents[3] / "shared" / "data" / "streamingbench"))
 
 
 def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:
@@ -226,7 +224,8 @@ def main(argv=None) -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", help="converted omnijax checkpoint directory (tokenizer files used if there)")
     what.add_argument("--demo", action="store_true", help="the tiny random demo model (accuracy meaningless)")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="directory of the annotation *.json files")
+    parser.add_argument("--data", help="directory of the annotation *.json files (default: $OMNIJAX_STREAMINGBENCH "
+                                       "if set, else the copy shipped with omnijax)")
     parser.add_argument("--files", nargs="*", help="annotation files to use (default: all)")
     parser.add_argument("--video-root", help="directory the records' video_path is relative to")
     parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
