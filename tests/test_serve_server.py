@@ -67,13 +67,11 @@ def test_speech_like_pcm():
 def served(tmp_path_factory):
     """A warmed-up engine and encoder on the tiny demo checkpoint (one batch bucket of 4: one compile)."""
     import omnijax
-    from omnijax.retention import SinkWindow
     from omnijax.serve.engine import Engine, EngineConfig
 
     model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
-    config = EngineConfig(omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16,
-                                               max_answer_tokens=2), chunk_tokens=8, buckets=(4,),
-                          frame_budget_s=FRAME_MS / 1000)
+    config = EngineConfig(policy="sink_window", sink=4, window=48, num_pages=32, page_size=16, chunk_tokens=8,
+                          max_answer_tokens=2, buckets=(4,), frame_budget_s=FRAME_MS / 1000)
     engine = Engine(model, config)
     encoder = srv.AudioFrameEncoder(model, chunk_tokens=8, answer_tokens=2)
     assert srv.frame_tokens(SAMPLES) == 8 and srv.frame_tokens(480) == 3  # 30 ms: one audio token
