@@ -148,7 +148,7 @@ def test_decoding_from_compressed_cache_equals_gathered_full_cache(model, prompt
                           for b in range(B)])
         offset = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(tl.length, axis=1)], axis=1)
         gathered.append(pack(keys, values, Selection(index=jnp.asarray(index), offset=offset), room=5))
-    other = type(tide.cache)(layers=tuple(gathered), next_pos=tide.cache.next_pos, next_index=tide.cache.next_index)
+    other = dataclasses.replace(tide.cache, layers=tuple(gathered))
     tokens_a, logits_a, _ = greedy(model, tide.cache, tide.logits, 5)
     tokens_b, logits_b, _ = greedy(model, other, full.logits, 5)
     np.testing.assert_array_equal(np.asarray(tokens_a), np.asarray(tokens_b))

@@ -90,7 +90,7 @@ def token_major_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, c
         layers.append(pack(keys, values, selection, room=room))
     hidden = hidden[:, :S]
     next_pos = jnp.max(jnp.asarray(positions), axis=(0, 2)) + 1 if next_pos is None else next_pos
-    cache = CompressedCache(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
+    cache = CompressedCache.create(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
     return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)
 
@@ -167,6 +167,6 @@ def immediate_eviction_prefill(model: Decoder, x: jax.Array, positions: jax.Arra
     hidden = jnp.concatenate(outputs, axis=1)
     layers = tuple(from_heads(cache_k[i], cache_v[i], cache_index[i], room=room) for i in range(L))
     next_pos = jnp.max(positions, axis=(0, 2)) + 1 if next_pos is None else next_pos
-    cache = CompressedCache(layers=layers, next_pos=next_pos.astype(jnp.int32),
+    cache = CompressedCache.create(layers=layers, next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
     return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)

@@ -8,6 +8,10 @@ different budgets), so a layer's cache is one flattened row per sequence with a 
     offset   [B, G + 1]     segment g of sequence b is [offset[b, g], offset[b, g + 1])
     length   [B, G]         filled entries of each segment
 
+A segment's free entries are its decode room. A decode step whose token finds some segment full cannot keep that
+token's key and value there: the cache records it (`exhausted`, `dropped`, as `PagedKV` does) and never overwrites.
+`greedy` and `force` know their steps and refuse up front a cache without room for them; `with_room` grows it.
+
 Layers may differ in T (PyramidKV budgets), so the cache is a tuple of `LayerCache`, one per layer, and decoding
 loops over layers in Python (unrolled under jit). Keys are stored after RoPE at their true absolute positions, and
 decoding continues from the prompt's true next position, never from the shortened cache length.
@@ -20,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
@@ -54,11 +59,29 @@ class LayerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CompressedCache:
-    """Per-layer caches, the next absolute position `next_pos [B]` and the next write index `next_index [B]`."""
+    """Per-layer caches, the next absolute position `next_pos [B]` and the next write index `next_index [B]`.
+
+    `exhausted [B] bool` (sticky) says a decoded token's key and value found a full segment in some layer and head,
+    and `dropped [B] int32` counts such tokens: the cache no longer holds every decoded token.
+    """
 
     layers: tuple[LayerCache, ...]
     next_pos: jax.Array
     next_index: jax.Array
+    exhausted: jax.Array
+    dropped: jax.Array
+
+    @classmethod
+    def create(cls, layers, next_pos: jax.Array, next_index: jax.Array) -> "CompressedCache":
+        """A cache that has dropped nothing yet."""
+        B = next_pos.shape[0]
+        return cls(layers=tuple(layers), next_pos=next_pos, next_index=next_index,
+                   exhausted=jnp.zeros((B,), bool), dropped=jnp.zeros((B,), jnp.int32))
+
+    def room(self) -> jax.Array:
+        """`[B]` int32: decode steps every segment (all layers, all heads) can still keep."""
+        return functools.reduce(jnp.minimum, (jnp.min(layer.offset[:, 1:] - layer.offset[:, :-1] - layer.length,
+                                                      axis=1) for layer in self.layers))
 
     def cells(self) -> jax.Array:
         """`[B]` int32: filled entries over all layers and heads."""
@@ -147,11 +170,66 @@ def check_cache(config, cache: CompressedCache) -> None:
                          f"head dim {config.head_dim}")
 
 
+def _grow_layer(layer: LayerCache, extra: int) -> LayerCache:
+    """Every segment of `layer` gets `extra` more empty entries at its end (entries keep their order)."""
+    B, T, d = layer.k.shape
+    G = layer.num_kv_heads
+    owner = segment_owner(layer.offset, T)
+    dest = jnp.arange(T)[None, :] + extra * owner  # entry t of head g shifts by g * extra: always < T + G * extra
+    rows = jnp.arange(B)[:, None]
+    size = T + G * extra
+    put = lambda x, fill: jnp.full((B, size) + x.shape[2:], fill, x.dtype).at[rows, dest].set(  # noqa: E731
+        x, mode="promise_in_bounds")
+    return LayerCache(k=put(layer.k, 0), v=put(layer.v, 0), index=put(layer.index, -1),
+                      offset=(layer.offset + extra * jnp.arange(G + 1)[None, :]).astype(jnp.int32),
+                      length=layer.length)
+
+
+@functools.partial(jax.jit, static_argnames=("extra",))
+def _grow(cache: CompressedCache, *, extra: int) -> CompressedCache:
+    return dataclasses.replace(cache, layers=tuple(_grow_layer(layer, extra) for layer in cache.layers))
+
+
+def _traced(cache: CompressedCache) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(cache))
+
+
+def with_room(cache: CompressedCache, room: int) -> CompressedCache:
+    """`cache` with at least `room` free entries in every segment of every layer: segments short of it grow (new
+    arrays, a new compiled shape; `cache` is left intact), the kept entries unchanged. Reads the fill levels on the
+    host, so call it outside `jit`."""
+    if not isinstance(room, (int, np.integer)) or room < 0:
+        raise ValueError(f"room must be an int >= 0, got {room!r}")
+    if _traced(cache):
+        raise TypeError("with_room reads the cache's fill levels on the host: call it outside jit")
+    extra = int(room) - int(np.min(np.asarray(cache.room())))
+    return _grow(cache, extra=extra) if extra > 0 else cache
+
+
+def check_room(cache: CompressedCache, steps: int, *, caller: str = "decoding") -> None:
+    """Refuses, before any work, `steps` decode steps that a segment of `cache` could not keep, and a cache that
+    has already dropped decoded tokens (see `CompressedCache.exhausted`). Reads the cache on the host; under an
+    outer `jit` (a traced cache) it checks nothing, and exhaustion is only recorded in the returned cache."""
+    if _traced(cache):
+        return
+    dropped = np.asarray(cache.dropped)
+    if dropped.any():
+        raise ValueError(f"{caller}: the cache already dropped the keys and values of {dropped.tolist()} decoded "
+                         f"tokens (per sequence) for lack of room; decoding on would attend without them. Prefill "
+                         f"with a larger room, or grow the cache with omnijax.prefill.with_room before it fills")
+    room = int(np.min(np.asarray(cache.room())))
+    if steps > room:
+        raise ValueError(f"{caller}: {steps} decode steps need {steps} free entries in every KV head's segment, the "
+                         f"cache has {room}: prefill with room >= {steps} (plus any steps already decoded from it), "
+                         f"or grow it with omnijax.prefill.with_room(cache, {steps})")
+
+
 def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tuple[jax.Array, CompressedCache]:
     """Feeds one token `[B]` at the cache's next position; returns `(logits [B, V] float32, cache)`.
 
-    The token's key and value are appended to every head's segment of every layer (dropped, not wrapped, when a
-    segment is full: size `room` accordingly). Text positions move all position axes together.
+    The token's key and value are appended to every head's segment of every layer. A full segment keeps nothing
+    (no wrap, no overwrite) and the step records it in the returned cache (`exhausted`, `dropped`); size the room
+    with `prefill(..., room=N)` or `with_room`. Text positions move all position axes together.
     """
     c = model.config
     check_cache(c, cache)
@@ -161,13 +239,16 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
     rot = chunk_rotation(c, positions)
     stacked = model.layers.stacked()
     layers = []
+    lost = jnp.zeros((B,), bool)
     for i, layer in enumerate(cache.layers):
         p = {name: value[i] for name, value in stacked.items()}
         q, k, v = layer_qkv(c, p, h, rot)  # [B, 1, H, d], [B, 1, G, d]
         G = layer.num_kv_heads
         T = layer.k.shape[1]
         slot = layer.offset[:, :G] + layer.length  # [B, G]
-        slot = jnp.where(slot < layer.offset[:, 1:], slot, T)  # a full segment drops the write
+        full = slot >= layer.offset[:, 1:]
+        lost = lost | jnp.any(full, axis=1)
+        slot = jnp.where(full, T, slot)  # a full segment writes nothing (recorded below)
         rows = jnp.arange(B)[:, None]
         layer = LayerCache(
             k=layer.k.at[rows, slot].set(k[:, 0], mode="drop"), v=layer.v.at[rows, slot].set(v[:, 0], mode="drop"),
@@ -178,7 +259,8 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
         layers.append(layer)
     logits = model.logits(h[:, 0])
     return logits, CompressedCache(layers=tuple(layers), next_pos=cache.next_pos + 1,
-                                   next_index=cache.next_index + 1)
+                                   next_index=cache.next_index + 1, exhausted=cache.exhausted | lost,
+                                   dropped=cache.dropped + lost.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
@@ -201,10 +283,12 @@ def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, step
     `first_logits` (the prompt's last logits).
 
     One compiled program per (model structure, cache shapes, steps): the steps run as a `lax.scan` of `decode_step`,
-    the cache in its carry. `cache` is left intact.
+    the cache in its carry. `cache` is left intact. A cache without room for `steps` is refused up front (see
+    `check_room`, `with_room`).
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    check_room(cache, int(steps), caller="greedy")
     graphdef, params = nnx.split(model)
     return _greedy(graphdef, params, cache, jnp.asarray(first_logits), steps=int(steps))
 
@@ -226,7 +310,7 @@ def force(model: Decoder, cache: CompressedCache, tokens: jax.Array) -> tuple[ja
     `logits[:, i]` being the prediction after `tokens[:, i]`.
 
     One compiled program per (model structure, cache shapes, N), a `lax.scan` of `decode_step`. `cache` is left
-    intact.
+    intact. A cache without room for N steps is refused up front (see `check_room`, `with_room`).
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -234,5 +318,6 @@ def force(model: Decoder, cache: CompressedCache, tokens: jax.Array) -> tuple[ja
     batch = cache.next_pos.shape[0]
     if tokens.shape[0] != batch:
         raise ValueError(f"tokens hold {tokens.shape[0]} sequences, the cache {batch}")
+    check_room(cache, tokens.shape[1], caller="force")
     graphdef, params = nnx.split(model)
     return _force(graphdef, params, cache, tokens.astype(jnp.int32))

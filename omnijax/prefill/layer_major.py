@@ -196,6 +196,6 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
             jax.block_until_ready(bridge)
             print(f"  layer {layer + 1}/{c.num_layers}: {time.perf_counter() - start:.2f} s", file=sys.stderr)
     hidden = bridge[:, :S]
-    cache = CompressedCache(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
+    cache = CompressedCache.create(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
     return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)
