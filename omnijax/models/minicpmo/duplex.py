@@ -61,6 +61,22 @@ class DuplexTokens:
     chunk_eos: int
     chunk_tts_eos: int
 
+    @classmethod
+    def of(cls, model) -> "DuplexTokens":
+        """The duplex markers of a loaded checkpoint (`model.special_tokens`, from its tokenizer files).
+
+        Raises ValueError naming the markers the checkpoint does not declare (there is no release default for
+        them here: pass `DuplexTokens(...)` explicitly for such a checkpoint).
+        """
+        texts = {"unit_start": "<unit>", "unit_end": "</unit>", "image_start": "<image>", "image_end": "</image>",
+                 "listen": "<|listen|>", "chunk_eos": "<|chunk_eos|>", "chunk_tts_eos": "<|chunk_tts_eos|>"}
+        special = getattr(model, "special_tokens", None) or {}
+        missing = [text for text in texts.values() if text not in special]
+        if missing:
+            raise ValueError(f"the checkpoint's tokenizer declares no id for {missing} (convert a checkpoint that "
+                             f"ships its tokenizer files, or pass tokens=DuplexTokens(...))")
+        return cls(**{field: int(special[text]) for field, text in texts.items()})
+
 
 @dataclasses.dataclass
 class UnitResult:
@@ -82,15 +98,16 @@ class DuplexSession:
     rows) chunk in order, `decoded` every decoded id (the repetition-penalty history).
     """
 
-    def __init__(self, model, *, tokens: DuplexTokens, rule: DuplexDecodeRule, max_speak_tokens: int = 4,
+    def __init__(self, model, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None, max_speak_tokens: int = 4,
                  force_listen: int = 1, num_pages: int = 64, page_size: int = 64, chunk_width: int = 128,
                  max_slice_nums: int = 1, policy=None):
         from omnijax.retention.base import NoSlide
         from omnijax.streaming import Session
-        self.model, self.tokens, self.rule = model, tokens, rule
+        # The checkpoint's marker ids unless given (`DuplexTokens.of`).
+        self.model, self.tokens, self.rule = model, DuplexTokens.of(model) if tokens is None else tokens, rule
         self.max_speak_tokens, self.force_listen, self.width = max_speak_tokens, force_listen, chunk_width
         self.max_slice_nums = max_slice_nums
-        self.session = Session(model.decoder, policy=policy or NoSlide(), num_pages=num_pages, page_size=page_size)
+        self.session = Session(model, policy=policy or NoSlide(), num_pages=num_pages, page_size=page_size)
         self.decoded: list[int] = []
         self.units = 0
         self._mel = None
@@ -98,7 +115,10 @@ class DuplexSession:
         self._unit_id = 0
 
     def feed(self, rows: list) -> np.ndarray:
-        """Feeds a list of items (an int id, or a `[n, D]` embedding block) as one chunk; returns the last logits."""
+        """Feeds a list of items (an int id, or a `[n, D]` embedding block) as one chunk; returns the last logits.
+
+        Raises RuntimeError once the pool has run out (some token was not cached), rather than decide on without it.
+        """
         from omnijax.chunks import Chunk, pad_chunk
         from omnijax.units import SpanKind
         D = self.model.config.hidden_size
@@ -122,7 +142,14 @@ class DuplexSession:
                       offset=np.arange(n, dtype=np.int32)[None], answer_tokens=np.zeros((1,), np.int32),
                       answer_unit=np.zeros((1,), np.int32), advance=np.full((1,), n, np.int32),
                       embeds=np.concatenate(embeds)[None], embed_mask=np.asarray([mask]))
-        return np.asarray(self.session.feed(pad_chunk(chunk, self.width)).logits[0])
+        out = self.session.feed(pad_chunk(chunk, self.width))
+        logits = np.asarray(out.logits[0])  # waits for the step
+        if bool(out.stats.layout.exhausted[0]):
+            # A decision made without the tokens the pool could not hold would be silently wrong from here on.
+            raise RuntimeError(f"the duplex session's KV pool ran out: {int(out.stats.layout.dropped[0])} token(s) "
+                               f"were not cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or "
+                               f"a policy that bounds the cache")
+        return logits
 
     def prepare(self, prefix_ids, suffix_ids, ref_audio=None) -> None:
         """The system part: `prefix_ids`, the reference clip's offline audio embeddings, `suffix_ids`."""
