@@ -1,22 +1,30 @@
 """omnijax: streaming omni-modal LLMs in JAX with a bounded, paged KV cache.
 
-Public surface: `load`, `Model`, `stream`, `Session`, `StreamResult`, chunk builders, retention policies,
-paging modes.
+Public surface: `load`, `Model`, `StreamConfig`, `stream`, `Session`, `StreamResult`, `evaluate`, `EvalConfig`,
+chunk builders, retention policies (`omnijax.retention`), paging modes, decoding strategies (`omnijax.decoding`).
+
+Importing omnijax turns on a persistent compilation cache (`omnijax.compilation_cache`; `OMNIJAX_COMPILATION_CACHE`
+names its directory, `OMNIJAX_COMPILATION_CACHE=off` turns it off).
 """
 
-from omnijax.chunks import Chunk, split_text, stack_chunks, text_chunk
-from omnijax.config import PRESETS, DecoderConfig
-from omnijax.model import Model, load
-from omnijax.models.decoder import Decoder
-from omnijax.paging import PAGING_MODES, Paging
-from omnijax.retention import REGISTRY as RETENTION_POLICIES
-from omnijax.retention import NoSlide
-from omnijax.streaming import ChunkOutput, Session, StreamResult, StreamState, init_state, stream
-from omnijax.units import SpanKind
-from omnijax.evaluation import EvalConfig, evaluate
+from omnijax import compilation_cache as _compilation_cache
+
+_compilation_cache.enable()
+
+from omnijax.chunks import Chunk, split_text, stack_chunks, text_chunk  # noqa: E402
+from omnijax.config import PRESETS, DecoderConfig, StreamConfig  # noqa: E402
+from omnijax.decoding import Greedy  # noqa: E402
+from omnijax.evaluation import EvalConfig, evaluate  # noqa: E402
+from omnijax.model import Model, load  # noqa: E402
+from omnijax.models.decoder import Decoder  # noqa: E402
+from omnijax.paging import PAGING_MODES, Paging  # noqa: E402
+from omnijax.retention import REGISTRY as RETENTION_POLICIES  # noqa: E402
+from omnijax.retention import NoSlide, get_policy  # noqa: E402
+from omnijax.streaming import ChunkOutput, Session, StreamResult, StreamState, init_state, stream  # noqa: E402
+from omnijax.units import SpanKind  # noqa: E402
 
 __all__ = [
-    "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "Model", "NoSlide", "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES",
-    "Session", "SpanKind", "StreamResult", "StreamState", "init_state", "load", "split_text", "stack_chunks",
-    "stream", "text_chunk", "EvalConfig", "evaluate",
+    "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "EvalConfig", "Greedy", "Model", "NoSlide", "PAGING_MODES",
+    "PRESETS", "Paging", "RETENTION_POLICIES", "Session", "SpanKind", "StreamConfig", "StreamResult", "StreamState",
+    "evaluate", "get_policy", "init_state", "load", "split_text", "stack_chunks", "stream", "text_chunk",
 ]

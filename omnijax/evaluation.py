@@ -15,8 +15,9 @@ chunks with empty chunks (no valid token, no answer, cursor unchanged), and the 
 batch size with empty sessions. Padding is cut away again on the host: each `SessionResult` holds only its own
 chunks.
 
-    configs = [EvalConfig("full", max_answer_tokens=8),
-               EvalConfig("omnipick", policy=OmniPick(), paging="tile_skip", max_answer_tokens=8, num_pages=48)]
+    configs = [EvalConfig("full", StreamConfig(max_answer_tokens=8)),
+               EvalConfig("omnipick", StreamConfig(policy=OmniPick(), paging="tile_skip", max_answer_tokens=8,
+                                                   num_pages=48))]
     results = omnijax.evaluate(model, sessions, configs, mesh=distributed.make_mesh(model=2))
     results["omnipick"].sessions[0].stats["retained_cells"]   # [chunks]
 """
@@ -37,53 +38,49 @@ from jax.sharding import NamedSharding
 from omnijax import adapters
 from omnijax import chunks as chunks_lib
 from omnijax import distributed
-from omnijax.attention import check_impl
 from omnijax.chunks import Chunk
-from omnijax.config import check_power_of_two
-from omnijax.paging import Paging, as_paging
-from omnijax.retention.base import NoSlide, RetentionPolicy, check_policy
-from omnijax.streaming import chunk_step, init_state
+from omnijax.config import StreamConfig
+from omnijax.streaming import bind_config, chunk_step, init_state
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",
               "evicted", "moved", "next_pos", "exhausted", "dropped")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class EvalConfig:
-    """One retention / paging configuration (static: part of its compiled program).
+    """One named configuration: a `StreamConfig` (static: part of its compiled program) and what to return.
+
+    `EvalConfig(name, config, keep_logits=...)`; the `StreamConfig` fields are also accepted as keywords
+    (`EvalConfig("omnipick", policy=OmniPick(), paging="tile_skip")` builds the same object) and read as attributes
+    (`cfg.policy`, `cfg.num_pages`, ...). `config.num_pages` None sizes each session's pool for the longest session
+    without eviction.
 
     Attributes:
         name: key of its results.
-        policy: retention policy.
-        paging: paging mode name or `Paging`.
-        max_answer_tokens: tau; a chunk's `answer_tokens` is capped by it (0: no greedy answers at all).
-        num_pages: pool pages per session; None: enough for the longest session without eviction.
-        page_size: slots per page.
-        subblock: subblock size of the active-subblock statistic and of `tile_skip`.
-        impl: attention implementation ("reference", "xla", "pallas").
+        config: the sessions' settings (`omnijax.StreamConfig`).
         keep_logits: also return each chunk's last-position logits (`[chunks, vocab]` per session).
     """
 
     name: str
-    policy: RetentionPolicy = NoSlide()
-    paging: str | Paging = "native"
-    max_answer_tokens: int = 0
-    num_pages: int | None = None
-    page_size: int = 64
-    subblock: int = 32
-    impl: str = "reference"
-    keep_logits: bool = False
+    config: StreamConfig
+    keep_logits: bool
 
-    def __post_init__(self):
-        object.__setattr__(self, "paging", as_paging(self.paging))
-        check_policy(self.policy)
-        check_impl(self.impl)
-        if self.max_answer_tokens < 0:
-            raise ValueError(f"{self.name}: max_answer_tokens must be >= 0, got {self.max_answer_tokens}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"{self.name}: num_pages must be >= 1 (or None), got {self.num_pages}")
-        check_power_of_two(f"{self.name}: page_size", self.page_size)
+    def __init__(self, name: str, config: StreamConfig | None = None, *, keep_logits: bool = False, **fields):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an EvalConfig needs a non-empty name, got {name!r}")
+        try:
+            config = StreamConfig.of(config, **fields)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from e
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "keep_logits", bool(keep_logits))
+
+    def __getattr__(self, field: str):
+        if field != "config" and field in StreamConfig.__dataclass_fields__:
+            return getattr(self.config, field)
+        raise AttributeError(f"'EvalConfig' object has no attribute {field!r}")
 
 
 @dataclasses.dataclass
@@ -206,17 +203,15 @@ def session_pages_needed(chunks: Chunk, tau: int, page_size: int) -> int:
     return max(1, int(np.max(-(-(valid + answers) // page_size))))
 
 
-_STATIC = ("graphdef", "policy", "paging", "max_answer_tokens", "impl", "subblock", "num_pages", "page_size",
-           "keep_logits", "mesh")
+_STATIC = ("graphdef", "config", "keep_logits", "mesh")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _run(graphdef, params, chunks, score_ids, *, policy, paging, max_answer_tokens, impl, subblock, num_pages,
-         page_size, keep_logits, mesh):
+def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logits, mesh):
     """`chunks [S, C, 1, T]` -> per-session, per-chunk outputs `[S, C, ...]` (one compiled program per config)."""
     model = nnx.merge(graphdef, params)
     S = chunks.token_ids.shape[0]
-    one = init_state(model.config, num_pages=num_pages, page_size=page_size, batch=1)
+    one = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size, batch=1)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (S,) + x.shape), one)
     if mesh is not None:
         specs = distributed.session_state_specs(state, model.config, mesh)
@@ -224,8 +219,7 @@ def _run(graphdef, params, chunks, score_ids, *, policy, paging, max_answer_toke
 
     def session(state, session_chunks):
         def body(s, chunk):
-            s, out = chunk_step(model, s, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
-                                subblock=subblock, paging=paging)
+            s, out = chunk_step(model, s, chunk, config)
             layout = out.stats.layout
             stats = {name: getattr(layout, name, None) for name in STAT_NAMES}
             stats.update(evicted=out.stats.evicted, moved=out.stats.moved, next_pos=out.stats.next_pos)
@@ -306,10 +300,10 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
         bar = tqdm(total=len(configs) * num_batches, unit="batch", desc="evaluate")
     results = {}
     for cfg in configs:
-        num_pages = cfg.num_pages or session_pages_needed(chunks, cfg.max_answer_tokens, cfg.page_size)
-        static = dict(policy=cfg.policy, paging=cfg.paging, impl=cfg.impl,
-                      max_answer_tokens=cfg.max_answer_tokens, subblock=cfg.subblock, num_pages=num_pages,
-                      page_size=cfg.page_size, keep_logits=cfg.keep_logits, mesh=mesh)
+        stream_config = bind_config(model, cfg.config)
+        num_pages = stream_config.num_pages or session_pages_needed(chunks, stream_config.max_answer_tokens,
+                                                                    stream_config.page_size)
+        static = dict(config=stream_config.replace(num_pages=num_pages), keep_logits=cfg.keep_logits, mesh=mesh)
         if bar is not None:
             bar.set_description(f"evaluate {cfg.name}")
         start = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Per chunk: prefill the chunk into the paged cache (all layers), take the logits of its last valid token, let the
 retention policy trim (inside the program, `lax.cond` on its own trigger), then answer with up to `max_answer_tokens`
-greedy tokens when the chunk asks for it. Generated tokens are fed back, so the response is part of the context.
+tokens chosen by the decoding strategy when the chunk asks for it. Generated tokens are fed back, so the response is
+part of the context. Every setting comes from one `omnijax.StreamConfig`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from flax import nnx
 from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
+from omnijax.config import DEFAULT_SESSION_PAGES, StreamConfig
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
 from omnijax import paging as paging_lib
-from omnijax.paging import Paging
 from omnijax.retention import base as retention_lib
-from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.units import SpanKind
 
 
@@ -92,10 +92,10 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     return kv, hidden
 
 
-def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_tokens: int, impl: str,
-                   track_scores: bool, placement: str):
-    """Greedy decoding of up to `count[b]` tokens; every generated token is fed back into the cache."""
-    B = next_pos.shape[0]
+def _answer(model: Decoder, kv, next_pos, first_logits, count, unit, config: StreamConfig, track_scores: bool):
+    """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache."""
+    B, max_tokens = next_pos.shape[0], config.max_answer_tokens
+    placement = config.paging.placement
     eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
 
@@ -105,13 +105,13 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
 
     def body(carry):
         i, kv, next_pos, logits, active, tokens = carry
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+        token = config.decoding.select(logits, tokens)  # [B]
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
         x = model.embed_tokens(token[:, None])
         pos = next_pos[None, :, None]  # [1, B, 1]
         meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
                                   offset=jnp.full((B, 1), i, jnp.int32))
-        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=impl, track_scores=track_scores,
+        kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
                              placement=placement)
         logits = model.logits(hidden[:, 0])
         next_pos = next_pos + active.astype(jnp.int32)
@@ -124,16 +124,13 @@ def _greedy_answer(model: Decoder, kv, next_pos, first_logits, count, unit, max_
     return kv, next_pos, tokens
 
 
-def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: RetentionPolicy,
-               max_answer_tokens: int, impl: str = "reference", subblock: int = 32,
-               paging: str | Paging = "native"):
-    """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional greedy answer.
+def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig):
+    """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
-    `paging` is a mode of `omnijax.paging.PAGING_MODES` or a `Paging`; it places new tokens and, after an
-    eviction, re-lays out the survivors (`omnijax.paging.relayout`); `subblock` is the subblock size it and the
-    statistics use.
+    `config.paging` places new tokens and, after an eviction, re-lays out the survivors (`omnijax.paging.relayout`);
+    `config.subblock` is the subblock size it and the statistics use. `config` is static (part of the program).
     """
-    paging = paging_lib.as_paging(paging)
+    policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos = state.kv, state.next_pos
     x = model.embed_tokens(chunk.token_ids)
     if chunk.embeds is not None:
@@ -151,13 +148,12 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, *, policy: Rete
     kv, next_pos, evicted = retention_lib.trim(
         policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
-    if max_answer_tokens > 0:
-        count = jnp.minimum(chunk.answer_tokens, max_answer_tokens)
+    if config.max_answer_tokens > 0:
+        count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
         kv, next_pos, tokens = jax.lax.cond(
             jnp.any(count > 0),
-            lambda: _greedy_answer(model, kv, next_pos, logits, count, chunk.answer_unit, max_answer_tokens, impl,
-                                   track, paging.placement),
-            lambda: (kv, next_pos, jnp.full((kv.batch, max_answer_tokens), -1, jnp.int32)))
+            lambda: _answer(model, kv, next_pos, logits, count, chunk.answer_unit, config, track),
+            lambda: (kv, next_pos, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
@@ -196,17 +192,31 @@ def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
     return int(jnp.sum(-(-per_seq // page_size)))
 
 
-_STATIC = ("graphdef", "policy", "max_answer_tokens", "impl", "subblock", "paging")
+def model_parts(model) -> tuple[Any, Any]:
+    """`(graphdef, params)` of the decoder of an `omnijax.Model`, a `MiniCPMOModel` or a bare `Decoder`."""
+    decoder = getattr(model, "decoder", model)
+    graphdef, params = nnx.split(decoder)
+    return graphdef, params
 
 
-def _scan_chunks(graphdef, params, state, chunks, *, policy, max_answer_tokens, impl, subblock, paging):
+def graphdef_config(model):
+    """The `DecoderConfig` of a model or decoder."""
+    decoder = getattr(model, "decoder", model)
+    return decoder.config
+
+
+def bind_config(model, config: StreamConfig | None = None, **fields) -> StreamConfig:
+    """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
+    filled in from the model's type (`StreamConfig.for_model`)."""
+    return StreamConfig.of(config, **fields).for_model(getattr(model, "model_type", None))
+
+
+_STATIC = ("graphdef", "config")
+
+
+def _scan_chunks(graphdef, params, state, chunks, *, config):
     model = nnx.merge(graphdef, params)
-
-    def body(state, chunk):
-        return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
-                          subblock=subblock, paging=paging)
-
-    return jax.lax.scan(body, state, chunks)
+    return jax.lax.scan(lambda state, chunk: chunk_step(model, state, chunk, config), state, chunks)
 
 
 # The cache is updated in place (the layers' K/V writes, the trim's re-rotation, a migration's copies) only where
@@ -217,57 +227,43 @@ _scan_owned = jax.jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("s
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl, subblock, paging):
-    model = nnx.merge(graphdef, params)
-    return chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens, impl=impl,
-                      subblock=subblock, paging=paging)
+def _step(graphdef, params, state, chunk, *, config):
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config)
 
 
-def _parts(model) -> tuple[Any, Any]:
-    decoder = getattr(model, "decoder", model)
-    graphdef, params = nnx.split(decoder)
-    return graphdef, params
-
-
-def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
-           impl: str = "reference", state: StreamState | None = None, num_pages: int | None = None,
-           page_size: int = 64, subblock: int = 32, paging: str | Paging = "native") -> StreamResult:
+def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: StreamState | None = None,
+           **fields) -> StreamResult:
     """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
 
     Args:
-        model: an `omnijax.Model` or a `Decoder`.
+        model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
         chunks: stacked chunks (see `omnijax.chunks.stack_chunks`).
-        policy: retention policy (static; part of the compiled program).
-        max_answer_tokens: tau, the most greedy tokens any chunk may ask for.
-        impl: attention implementation.
+        config: the session's settings (`omnijax.StreamConfig`; default `StreamConfig()`). Its fields are also
+            accepted as keywords (`policy=`, `paging=`, `impl=`, `page_size=`, `num_pages=`, `subblock=`,
+            `max_answer_tokens=`, `decoding=`), applied on top of `config`.
         state: state to continue from (left intact: the program starts from a copy of it); default an empty cache
-            sized by `num_pages`.
-        num_pages: pool size when `state` is None (default: enough pages for the whole session without eviction).
-        page_size: slots per page when `state` is None.
-        subblock: subblock size for the active-subblock statistic.
-        paging: physical layout mode: a name in `PAGING_MODES` or a `Paging` (see `omnijax.paging`).
+            of `config.num_pages` pages (None: enough for the whole session without eviction).
 
     Warns:
         RuntimeWarning: when the pool ran out in some sequence (its tokens past that point were not cached).
     """
-    paging = paging_lib.as_paging(paging)
-    retention_lib.check_policy(policy)
-    attention_lib.check_impl(impl)
-    graphdef, params = _parts(model)
-    config = graphdef_config(model)
-    chunks_lib.validate(chunks, config, max_answer_tokens=max_answer_tokens, stacked=True)
+    config = bind_config(model, config, **fields)
+    graphdef, params = model_parts(model)
+    decoder_config = graphdef_config(model)
+    chunks_lib.validate(chunks, decoder_config, max_answer_tokens=config.max_answer_tokens, stacked=True)
     chunks = jax.tree.map(jnp.asarray, chunks)
     run = _scan if state is not None else _scan_owned
     if state is None:
+        num_pages = config.num_pages
         if num_pages is None:
-            num_pages = max(1, pages_needed(chunks, max_answer_tokens, page_size))
-        state = init_state(config, num_pages=num_pages, page_size=page_size, batch=chunks.token_ids.shape[1])
+            num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size))
+        state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
+                           batch=chunks.token_ids.shape[1])
     else:
-        check_state(state, config)
+        check_state(state, decoder_config)
     if state.kv.batch != chunks.token_ids.shape[1]:
         raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
-    final, out = run(graphdef, params, state, chunks, policy=policy, max_answer_tokens=max_answer_tokens,
-                     impl=impl, subblock=subblock, paging=paging)
+    final, out = run(graphdef, params, state, chunks, config=config)
     exhausted = np.asarray(final.kv.exhausted)  # waits for the program: a stream call returns a finished session
     if exhausted.any():
         warnings.warn(f"the KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
@@ -277,11 +273,6 @@ def stream(model, chunks: Chunk, *, policy: RetentionPolicy = NoSlide(), max_ans
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
 
 
-def graphdef_config(model):
-    decoder = getattr(model, "decoder", model)
-    return decoder.config
-
-
 class Session:
     """Step-wise streaming for real-time use: the same jitted step as `stream`, one chunk per call.
 
@@ -289,29 +280,39 @@ class Session:
     arrays of an earlier state are deleted then. To keep a state for later, copy it
     (`jax.tree.map(jnp.copy, session.state)`); a `state` given to the constructor is copied.
 
+    Args:
+        model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
+        config: the session's settings (`omnijax.StreamConfig`); its fields are also accepted as keywords. The
+            pool has `config.num_pages` pages (None: `omnijax.config.DEFAULT_SESSION_PAGES`).
+        batch: sequences of the session's state.
+        state: state to continue from (copied).
+
     Example:
-        session = Session(model, num_pages=64, max_answer_tokens=16)
+        session = Session(model, StreamConfig(num_pages=64, max_answer_tokens=16))
         out = session.feed(text_chunk(ids, answer_tokens=8))
     """
 
-    def __init__(self, model, *, policy: RetentionPolicy = NoSlide(), max_answer_tokens: int = 0,
-                 impl: str = "reference", num_pages: int = 64, page_size: int = 64, batch: int = 1,
-                 subblock: int = 32, state: StreamState | None = None, paging: str | Paging = "native"):
-        retention_lib.check_policy(policy)
-        attention_lib.check_impl(impl)
-        self._graphdef, self._params = _parts(model)
+    def __init__(self, model, config: StreamConfig | None = None, *, batch: int = 1,
+                 state: StreamState | None = None, **fields):
+        self.stream_config = bind_config(model, config, **fields)
+        self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
-        self.policy, self.max_answer_tokens, self.impl, self.subblock = policy, max_answer_tokens, impl, subblock
-        self.paging = paging_lib.as_paging(paging)
         if state is not None:
             check_state(state, self.config)
+        num_pages = self.stream_config.num_pages or DEFAULT_SESSION_PAGES
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
-            self.config, num_pages=num_pages, page_size=page_size, batch=batch)
+            self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]
         self._params = jax.device_put(self._params, device)
         self.state = jax.device_put(state, device)
+
+    def __getattr__(self, name):
+        # The settings read as attributes (`session.policy`, `session.max_answer_tokens`, ...).
+        if name != "stream_config" and name in StreamConfig.__dataclass_fields__:
+            return getattr(self.stream_config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def feed(self, chunk: Chunk) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
@@ -319,11 +320,10 @@ class Session:
         Returns without waiting for the step. Pool exhaustion is reported in the output's `stats.layout.exhausted`
         and `stats.layout.dropped` (not warned about, which would wait for every step).
         """
-        chunks_lib.validate(chunk, self.config, max_answer_tokens=self.max_answer_tokens, stacked=False)
+        chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
+                            stacked=False)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, policy=self.policy,
-                                max_answer_tokens=self.max_answer_tokens, impl=self.impl, subblock=self.subblock,
-                                paging=self.paging)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=self.stream_config)
         return out

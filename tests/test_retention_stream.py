@@ -33,7 +33,7 @@ def _session(n_chunks=12, length=10, seed=0):
                                     OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)])
 def test_trims_bound_the_cache_inside_the_scan(model, policy):
     chunks = _session()
-    result = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16)
+    result = omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, impl="reference")
     retained = np.asarray(result.stats.layout.retained_cells[:, 0])
     evicted = np.asarray(result.stats.evicted[:, 0])
     cap = policy.high_watermark if hasattr(policy, "high_watermark") else policy.sink + policy.window
@@ -49,8 +49,9 @@ def test_trims_bound_the_cache_inside_the_scan(model, policy):
 
 def test_h2o_scores_are_accumulated_and_nothing_else_pays_for_them(model):
     chunks = _session(4)
-    tracked = omnijax.stream(model, chunks, policy=H2O(heavy=8, recent=16, high_watermark=1000), page_size=8)
-    plain = omnijax.stream(model, chunks, policy=NoSlide(), page_size=8)
+    tracked = omnijax.stream(model, chunks, policy=H2O(heavy=8, recent=16, high_watermark=1000), page_size=8,
+                             impl="reference")
+    plain = omnijax.stream(model, chunks, policy=NoSlide(), page_size=8, impl="reference")
     view = sequence_view(tracked.state.kv)
     scores = np.asarray(view.score)[np.asarray(view.live)]
     # Each query distributes one unit of attention mass per (layer-averaged) head: 40 queries in all.

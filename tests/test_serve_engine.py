@@ -16,15 +16,17 @@ from omnijax.chunks import pad_chunk, text_chunk
 from omnijax.config import TINY_OMNI
 from omnijax.kv.paged import PageClass
 from omnijax.retention.base import sequence_view
+from omnijax.retention.base import NoSlide
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.admission import AIMD, Overloaded, percentile
 from omnijax.serve.engine import DuplicateSession, Engine, EngineConfig, pick_bucket, reset_row, take_rows
 from omnijax.serve.telemetry import Telemetry, linear_fit
 
 S, W, P, NUM_PAGES, T, TAU = 4, 16, 8, 48, 8, 2
-CONFIG = EngineConfig(policy="sink_window", sink=S, window=W, num_pages=NUM_PAGES, page_size=P, chunk_tokens=T,
-                      max_answer_tokens=TAU, buckets=(2, 4), frame_budget_s=1.0, impl="xla")
-UNBOUNDED = dataclasses.replace(CONFIG, policy="unbounded")
+STREAM = omnijax.StreamConfig(policy=SinkWindow(S, W), num_pages=NUM_PAGES, page_size=P, max_answer_tokens=TAU,
+                              impl="xla")
+CONFIG = EngineConfig(stream=STREAM, chunk_tokens=T, buckets=(2, 4), frame_budget_s=1.0)
+UNBOUNDED = dataclasses.replace(CONFIG, stream=STREAM.replace(policy=NoSlide()))
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,7 @@ def _chunk(rng, n, unit):
 
 
 def _alone(decoder):
-    return omnijax.Session(decoder, policy=SinkWindow(S, W), max_answer_tokens=TAU, impl="xla",
-                           num_pages=NUM_PAGES, page_size=P)
+    return omnijax.Session(decoder, STREAM)
 
 
 # ---------------------------------------------------------------------------------------------- (a) equivalence
@@ -198,18 +199,30 @@ def test_aimd_increase_decrease_floor_and_rejection():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(policy="lru"), "unknown engine policy 'lru'"),
     (dict(buckets=(4, 2)), "ascending order"),
-    (dict(page_size=48), "page_size must be a power of two, got 48"),
-    (dict(num_pages=0), "num_pages and max_pages must be >= 1"),
+    (dict(max_pages=0), "max_pages must be >= 1"),
+    (dict(chunk_tokens=0), "chunk_tokens must be >= 1"),
     (dict(frame_budget_s=0.0), "frame_budget_s must be positive"),
-    (dict(impl="cuda"), "unknown attention impl 'cuda'"),
     (dict(fit_fraction=1.5), r"fit_fraction must lie in \(0, 1\]"),
-    (dict(sink=-1), "SinkWindow: sink must be >= 0"),
+    (dict(stream=STREAM.replace(num_pages=None)), r"shared pool needs a size: give StreamConfig\(num_pages=...\)"),
 ])
 def test_engine_config_refuses_bad_settings(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CONFIG, **change)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(policy="sink_window"), TypeError, r"not the name 'sink_window': use omnijax.retention.get_policy"),
+    (dict(page_size=48), ValueError, "page_size must be a power of two, got 48"),
+    (dict(num_pages=0), ValueError, "num_pages must be a positive int"),
+    (dict(impl="cuda"), ValueError, "unknown attention impl 'cuda'"),
+    (dict(paging="compact"), ValueError, "unknown paging mode 'compact'"),
+])
+def test_the_engine_stream_settings_are_refused_where_they_are_built(change, error, message):
+    with pytest.raises(error, match=message):
+        STREAM.replace(**change)
+    with pytest.raises(TypeError, match="EngineConfig.stream must be an omnijax.StreamConfig"):
+        EngineConfig(stream=dict(STREAM.__dict__, **change))
 
 
 def test_telemetry_fit_on_a_synthetic_linear_ramp():

@@ -67,11 +67,13 @@ def test_speech_like_pcm():
 def served(tmp_path_factory):
     """A warmed-up engine and encoder on the tiny demo checkpoint (one batch bucket of 4: one compile)."""
     import omnijax
+    from omnijax.retention import SinkWindow
     from omnijax.serve.engine import Engine, EngineConfig
 
     model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
-    config = EngineConfig(policy="sink_window", sink=4, window=48, num_pages=32, page_size=16, chunk_tokens=8,
-                          max_answer_tokens=2, buckets=(4,), frame_budget_s=FRAME_MS / 1000)
+    config = EngineConfig(omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16,
+                                               max_answer_tokens=2), chunk_tokens=8, buckets=(4,),
+                          frame_budget_s=FRAME_MS / 1000)
     engine = Engine(model, config)
     encoder = srv.AudioFrameEncoder(model, chunk_tokens=8, answer_tokens=2)
     assert srv.frame_tokens(SAMPLES) == 8 and srv.frame_tokens(480) == 3  # 30 ms: one audio token
@@ -193,3 +195,58 @@ def test_cli_argument_errors():
 def test_cli_reports_an_unreadable_checkpoint_without_a_traceback(tmp_path, capsys):
     assert srv.main([str(tmp_path)]) == 1
     assert "omnijax-serve: error:" in capsys.readouterr().err
+
+
+def test_connections_refusals_and_warm_up_are_logged(served, caplog):
+    """One log line per admitted connection, per refusal (AIMD cap here) and per session end, each naming the peer
+    and the session; the warm-up logs each bucket it compiles with its time."""
+    import logging
+
+    from omnijax.serve.admission import AIMD
+
+    engine, encoder = served
+    caplog.set_level(logging.INFO, logger="omnijax.serve")
+    seconds = srv.warm_up(engine, encoder, SAMPLES, 4)
+    warm = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up:")]
+    assert any("compiling the audio encoder" in m for m in warm)
+    assert any(m.startswith("warm-up: compiling the engine tick for bucket 4 ") for m in warm)
+    assert any(m.startswith("warm-up: bucket 4 ready in ") and m.endswith(" s") for m in warm)
+    assert warm[-1].startswith("warm-up: done, 1 bucket(s) [4] in ") and seconds > 0
+    caplog.clear()
+
+    async def scenario():
+        aimd = AIMD(target_fraction=0.6, frame_budget_s=FRAME_MS / 1000, initial_cap=1)
+        server = srv.MetronomeServer(engine, encoder, srv.ServeConfig(frame_ms=FRAME_MS, answer_tokens=2),
+                                     admission=aimd)
+        await server.start()
+        first = asyncio.create_task(_bad_client(server.url, [loadgen.speech_like_pcm(0.25).tobytes()] * 2
+                                                + [json.dumps({"type": "bye"})]))
+        await asyncio.sleep(0.3)
+        second = await _bad_client(server.url, [])  # over the cap of 1
+        first = await first
+        await server.stop()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first[1] == 1000 and second[1] == 1013
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "omnijax.serve"]
+    connects = [m for level, m in lines if m.startswith("connect ")]
+    refusals = [(level, m) for level, m in lines if m.startswith("refuse ")]
+    closes = [m for level, m in lines if m.startswith("close ")]
+    assert len(connects) == 1 and connects[0].startswith("connect peer=127.0.0.1:")
+    assert " session=s0 " in connects[0] and connects[0].endswith("sessions=1")
+    assert len(refusals) == 1 and refusals[0][0] == logging.WARNING
+    refusal = refusals[0][1]
+    assert refusal.startswith("refuse peer=127.0.0.1:") and " session=s1 reason=overloaded: " in refusal
+    assert "cap 1" in refusal
+    assert len(closes) == 1 and " session=s0 reason=bye" in closes[0]
+
+
+def test_websockets_is_a_base_dependency():
+    """`omnijax-serve` works after `pip install omnijax`: its WebSocket library is not behind an extra."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("websockets>=") for d in project["dependencies"])
+    assert project["scripts"]["omnijax-serve"] == "omnijax.serve.server:main"

@@ -54,9 +54,8 @@ def test_compiled_step_writes_the_cache_in_place(model, impl):
     state = omnijax.init_state(c, num_pages=N_PAGES, page_size=PAGE, max_pages=16)
     session = omnijax.Session(model, state=state, impl=impl, max_answer_tokens=3, policy=POLICY, paging="tile_skip")
     chunk = jax.tree.map(jnp.asarray, text_chunk(list(range(20)), answer_tokens=2))
-    hlo = stream_lib._step.lower(session._graphdef, session._params, session.state, chunk, policy=POLICY,
-                                 max_answer_tokens=3, impl=impl, subblock=session.subblock,
-                                 paging=session.paging).compile().as_text()
+    hlo = stream_lib._step.lower(session._graphdef, session._params, session.state, chunk,
+                                 config=session.stream_config).compile().as_text()
     layer_size = N_PAGES * PAGE * c.num_kv_heads * c.head_dim
     stack = f"f32[{c.num_layers},{N_PAGES},{PAGE},{c.num_kv_heads},{c.head_dim}]"
     ops = list(_instructions(hlo))

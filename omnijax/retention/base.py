@@ -78,19 +78,65 @@ def register(cls):
 
 
 def check_policy(policy) -> RetentionPolicy:
-    """Returns `policy` if it is a retention policy object; refuses a policy's name or anything else, with a hint."""
+    """Returns `policy` if it is a retention policy object; refuses a policy's name, its class or anything else,
+    with a hint."""
     if isinstance(policy, str):
         raise TypeError(f"policy must be a retention policy object, not the name {policy!r}: use "
                         f"omnijax.retention.get_policy({policy!r}) or its class (registered: {sorted(REGISTRY)})")
+    if isinstance(policy, type):
+        raise TypeError(f"policy must be a retention policy object, not the class {policy.__name__}: "
+                        f"use {policy.__name__}(...)")
     if not (callable(getattr(policy, "trigger", None)) and callable(getattr(policy, "plan", None))):
         raise TypeError(f"policy must be a retention policy object (with trigger and plan), got {policy!r}")
     return policy
 
 
-def get_policy(name: str, **hyperparameters) -> RetentionPolicy:
+# Names the command lines accept for a registered policy.
+ALIASES = {"full": "no_slide", "unbounded": "no_slide"}
+
+
+def _parse_value(text: str):
+    """A hyperparameter's value as written on a command line: int, float, true/false, none, or the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def get_policy(spec: str, **hyperparameters) -> RetentionPolicy:
+    """The one way a policy's name becomes a policy object (Python and command lines alike).
+
+    `spec` is a registered name (`REGISTRY`; aliases `full` and `unbounded` are NoSlide), optionally followed by
+    `:key=value,...` hyperparameters as a command line writes them (ints, floats, true/false, none); keyword
+    `hyperparameters` are added to those. Example: `get_policy("omnipick:high_watermark=600,low_watermark=400")`.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy takes a policy name, got {spec!r}")
+    name, _, args = spec.partition(":")
+    name = ALIASES.get(name.strip(), name.strip())
     if name not in REGISTRY:
-        raise KeyError(f"unknown retention policy {name!r}; registered: {sorted(REGISTRY)}")
-    return REGISTRY[name](**hyperparameters)
+        raise KeyError(f"unknown policy {name!r} in {spec!r}; registered retention policies: {sorted(REGISTRY)} "
+                       f"(aliases: {sorted(ALIASES)})")
+    parsed = {}
+    for item in filter(None, (part.strip() for part in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"policy setting {item!r} in {spec!r} is not key=value")
+        parsed[key.strip()] = _parse_value(value)
+    cls = REGISTRY[name]
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted((set(parsed) | set(hyperparameters)) - fields)
+        if unknown:
+            raise ValueError(f"{name} has no setting(s) {unknown}; its settings are {sorted(fields)}")
+    return cls(**{**parsed, **hyperparameters})
 
 
 def sequence_view(kv: PagedKV) -> SequenceView:

@@ -48,7 +48,10 @@ class OmniPick:
         recent_units: newest units kept whole (>= 1).
         image_sink, audio_sink, slice_sink, video_sink: sink prefix length per span run of an older unit.
         text_budget: TEXT + RESPONSE tokens kept over all older units together, oldest first.
-        source_image_whole: keep IMAGE spans (MiniCPM-o source image) of older units whole.
+        source_image_whole: keep IMAGE spans (MiniCPM-o source image) of older units whole; None (the default)
+            follows the session's model family: True for MiniCPM-o, whose source image the paper keeps whole, False
+            otherwise (`stream`, `Session`, `evaluate` and the engine fill it in from the model; a plan run
+            directly treats None as False).
     """
 
     high_watermark: int = 2500
@@ -59,7 +62,7 @@ class OmniPick:
     slice_sink: int = 4
     video_sink: int = 4
     text_budget: int = 256
-    source_image_whole: bool = False
+    source_image_whole: bool | None = None
 
     name: ClassVar[str] = "omnipick"
     reindex: ClassVar[bool] = True
@@ -72,8 +75,14 @@ class OmniPick:
                 raise ValueError(f"{label} must be an int, got {value!r}")
             if value < (1 if label == "recent_units" else 0):
                 raise ValueError(f"{label} must be >= {1 if label == 'recent_units' else 0}, got {value}")
-        if not isinstance(self.source_image_whole, bool):
-            raise ValueError(f"source_image_whole must be a bool, got {self.source_image_whole!r}")
+        if self.source_image_whole is not None and not isinstance(self.source_image_whole, bool):
+            raise ValueError(f"source_image_whole must be a bool or None, got {self.source_image_whole!r}")
+
+    def for_model_type(self, model_type: str | None) -> "OmniPick":
+        """This policy for a model of `model_type`: `source_image_whole=None` becomes True for "minicpmo"."""
+        if self.source_image_whole is not None:
+            return self
+        return dataclasses.replace(self, source_image_whole=model_type == "minicpmo")
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.high_watermark
@@ -83,7 +92,7 @@ class OmniPick:
         span, offset = view.span, view.offset
         recent = units.rank >= (units.count[:, None] - self.recent_units)
         older = units.member & ~recent
-        image_sink = jnp.iinfo(jnp.int32).max if self.source_image_whole else self.image_sink
+        image_sink = jnp.iinfo(jnp.int32).max if self.source_image_whole is True else self.image_sink
         sink = ((span == K.BOUNDARY)
                 | ((span == K.IMAGE) & (offset < image_sink))
                 | ((span == K.SLICE) & (offset < self.slice_sink))

@@ -12,8 +12,9 @@ Each tick takes at most one submitted chunk per session, pads it to T, and runs 
 (vLLM-style block freeing). Rows without a chunk have all-False `valid` and ask for no answer tokens, so they write
 nothing. Every row continues its own position cursor (`StreamState.next_pos`).
 
-Policies: `"sink_window"` = `SinkWindow(sink, window)` (the oldest `sink` and newest `window` tokens stay; positions
-keep growing) and `"unbounded"` = `NoSlide()` (the baseline that walls when the pool saturates).
+Policies (`EngineConfig.stream.policy`): `SinkWindow(sink, window)` (the oldest `sink` and newest `window` tokens
+stay; positions keep growing) and `NoSlide()` (the unbounded baseline that walls when the pool saturates); any
+other retention policy runs too.
 
 Exhaustion is never silent. When a write finds no free page, `PagedKV` drops the token and flags the row; the engine
 then preempts the session (the paper's stall): that frame and every later one come back empty (`tokens == []`,
@@ -34,23 +35,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
-from omnijax.config import check_power_of_two
+from omnijax.config import StreamConfig
 from omnijax.kv import paged as paged_lib
 from omnijax.paging import migration
-from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.admission import Overloaded
 from omnijax.serve.telemetry import StallEvent, Telemetry
-from omnijax.streaming import StreamState, _parts, chunk_step, graphdef_config, init_state
-
-POLICIES = ("sink_window", "unbounded")
+from omnijax.streaming import StreamState, bind_config, chunk_step, graphdef_config, init_state, model_parts
 
 
 class DuplicateSession(KeyError, ValueError):
     """`Engine.open` of a session id that is already open (both a `KeyError` and a `ValueError`)."""
+
+
+def _default_stream() -> StreamConfig:
+    return StreamConfig(policy=SinkWindow(sink=16, window=1024), impl="xla", num_pages=256, max_answer_tokens=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,57 +59,54 @@ class EngineConfig:
     """Static engine settings.
 
     Attributes:
-        policy: "sink_window" or "unbounded".
-        sink, window: SinkWindow's pinned oldest tokens S and recent window W.
-        num_pages: pages of the shared pool.
-        page_size: slots per page (a power of two).
+        stream: the sessions' settings (`omnijax.StreamConfig`): retention policy (`SinkWindow(sink, window)`
+            bounds each session, `NoSlide()` is the unbounded baseline that walls when the pool saturates), paging,
+            attention impl, page size, pages of the shared pool (`num_pages`, required), subblock, tau
+            (`max_answer_tokens`, the most tokens a frame may ask for) and decoding. Default: `SinkWindow(16,
+            1024)`, "xla", a 256-page pool of 64-slot pages, tau 4.
         max_pages: page-table width per session (default: the whole pool).
         chunk_tokens: padded per-tick prefill length T of every session.
-        max_answer_tokens: tau, the most greedy tokens a frame may ask for.
         buckets: allowed batch sizes, ascending; the largest is the most sessions the engine holds.
         frame_budget_s: the frame budget B (telemetry counts overruns; AIMD targets a fraction of it).
-        impl: attention implementation ("reference", "xla", "pallas").
         return_logits: copy each frame's last-position logits `[V]` to the host.
         fit_fraction: early share of the trace the telemetry's saturation fit uses.
     """
 
-    policy: str = "sink_window"
-    sink: int = 16
-    window: int = 1024
-    num_pages: int = 256
-    page_size: int = 64
+    stream: StreamConfig = dataclasses.field(default_factory=_default_stream)
     max_pages: int | None = None
     chunk_tokens: int = 64
-    max_answer_tokens: int = 4
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     frame_budget_s: float = 1.0
-    impl: str = "xla"
     return_logits: bool = True
     fit_fraction: float = 0.25
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown engine policy {self.policy!r}; available: {POLICIES}")
+        if not isinstance(self.stream, StreamConfig):
+            raise TypeError(f"EngineConfig.stream must be an omnijax.StreamConfig, got {self.stream!r}")
+        if self.stream.num_pages is None:
+            raise ValueError("an engine's shared pool needs a size: give StreamConfig(num_pages=...)")
         buckets = tuple(int(b) for b in self.buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {self.buckets}")
         object.__setattr__(self, "buckets", buckets)
-        if self.chunk_tokens < 1 or self.max_answer_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 1 and max_answer_tokens >= 0, got {self.chunk_tokens}, "
-                             f"{self.max_answer_tokens}")
-        if self.num_pages < 1 or (self.max_pages is not None and self.max_pages < 1):
-            raise ValueError(f"num_pages and max_pages must be >= 1, got {self.num_pages}, {self.max_pages}")
-        check_power_of_two("page_size", self.page_size)
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.max_pages is not None and self.max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1, got {self.max_pages}")
         if not self.frame_budget_s > 0:
             raise ValueError(f"frame_budget_s must be positive, got {self.frame_budget_s}")
-        attention_lib.check_impl(self.impl)
         if not 0 < self.fit_fraction <= 1:
             raise ValueError(f"fit_fraction must lie in (0, 1], got {self.fit_fraction}")
-        self.retention()  # SinkWindow refuses a bad sink or window here, not at the first tick
 
-    def retention(self) -> RetentionPolicy:
-        """The retention policy object of `policy`."""
-        return SinkWindow(sink=self.sink, window=self.window) if self.policy == "sink_window" else NoSlide()
+    @property
+    def num_pages(self) -> int:
+        """Pages of the shared pool (`stream.num_pages`)."""
+        return self.stream.num_pages
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """tau (`stream.max_answer_tokens`)."""
+        return self.stream.max_answer_tokens
 
 
 @dataclasses.dataclass
@@ -207,14 +205,12 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_answer_tokens", "impl"),
-                   donate_argnames=("state",))
-def _engine_step(graphdef, params, state, chunk, *, policy, max_answer_tokens, impl):
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
     dropped [B], num_free [], table_full [B]))`."""
     model = nnx.merge(graphdef, params)
-    state, out = chunk_step(model, state, chunk, policy=policy, max_answer_tokens=max_answer_tokens,
-                                       impl=impl, paging="native")
+    state, out = chunk_step(model, state, chunk, config)
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
     return StreamState(kv=kv, next_pos=state.next_pos), (out.logits, out.tokens, kv.exhausted, kv.dropped,
@@ -233,7 +229,8 @@ class Engine:
         config: `EngineConfig`.
 
     Example:
-        engine = Engine(model, EngineConfig(policy="sink_window", sink=16, window=1024))
+        engine = Engine(model, EngineConfig(StreamConfig(policy=SinkWindow(16, 1024), num_pages=256,
+                                                         max_answer_tokens=4)))
         engine.open("a")
         engine.submit("a", text_chunk(ids), answer_tokens=4)
         report = engine.tick()          # report.outputs["a"].tokens
@@ -242,14 +239,15 @@ class Engine:
     pool pressure pages are granted in row order (`PagedKV` allocation), so lower rows exhaust last.
     """
 
-    def __init__(self, model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, config: EngineConfig | None = None):
+        config = EngineConfig() if config is None else config
         self.config = config
-        self._graphdef, params = _parts(model)
+        self._stream = bind_config(model, config.stream)
+        self._graphdef, params = model_parts(model)
         self.model_config = graphdef_config(model)
-        self._policy = config.retention()
         self._device = jax.devices()[0]
         self._params = jax.device_put(params, self._device)
-        state = init_state(self.model_config, num_pages=config.num_pages, page_size=config.page_size,
+        state = init_state(self.model_config, num_pages=config.num_pages, page_size=config.stream.page_size,
                            batch=config.buckets[0], max_pages=config.max_pages)
         self.state: StreamState = jax.device_put(state, self._device)
         self.telemetry = Telemetry(config.num_pages, frame_budget_s=config.frame_budget_s,
@@ -393,9 +391,7 @@ class Engine:
         table_only = True  # every write drop of this tick hit a full page-table row, none an empty pool
         if frames:
             batch = self._batch(frames)
-            self.state, result = _engine_step(
-                self._graphdef, self._params, self.state, batch, policy=self._policy,
-                max_answer_tokens=self.config.max_answer_tokens, impl=self.config.impl)
+            self.state, result = _engine_step(self._graphdef, self._params, self.state, batch, config=self._stream)
             result = jax.device_get(jax.block_until_ready(result))
             logits, tokens, exhausted, cum_dropped, num_free, table_full = result
             for s, c in frames.items():
