@@ -24,6 +24,7 @@ from typing import Any
 from convert import streaming, tables
 from convert.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
 from convert.safetensors_io import SafetensorsCheckpoint
+from convert.special_tokens import read_special_tokens
 from convert.tables import Component, Rule
 from omnijax.config import DecoderConfig
 from omnijax.models.qwen2_5_omni import audio as audio_lib
@@ -35,7 +36,7 @@ from omnijax.models.qwen2_5_omni.config import OmniConfig
 OMNIJAX_MODEL_TYPES = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
                        "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
-IM_END_TOKEN_ID = 151645  # <|im_end|>
+IM_END_TOKEN_ID = 151645  # <|im_end|> of the release: the end of an answer unless the checkpoint says otherwise
 
 # ---------------------------------------------------------------------------------------------------------- config
 
@@ -282,6 +283,13 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         name -> (JSON config, tree or None): the encoders, and the thinker's token ids and TMRoPE timing ("omni").
     """
     config = config_from_hf(hf_config, dtype=dtype)
+    # Special ids: the thinker config's, else the tokenizer's added tokens, else the release's. The answer ends at
+    # the checkpoint's <|im_end|> (a generation_config.json eos_token_id, read by `convert_checkpoint`, wins).
+    special = read_special_tokens(ckpt.directory)
+    omni = OmniConfig.from_hf(_thinker_config(hf_config), special) if model_type_for(hf_config) == "qwen2_5_omni" \
+        else None
+    im_end = omni.im_end_token_id if omni is not None else special.get("<|im_end|>", IM_END_TOKEN_ID)
+    config = config.replace(eos_token_ids=(im_end,) if 0 <= im_end < config.vocab_size else ())
     names = ckpt.names()
     has_head = any(n.removeprefix(THINKER_PREFIX) == "lm_head.weight" for n in names)
     if not has_head and not config.tie_embeddings:
@@ -301,6 +309,6 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
     }
     extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
-    if model_type_for(hf_config) == "qwen2_5_omni":
-        extras["omni"] = (OmniConfig.from_hf(_thinker_config(hf_config)).to_json(), None)
+    if omni is not None:
+        extras["omni"] = (omni.to_json(), None)
     return config, trees["decoder"], source_info, extras

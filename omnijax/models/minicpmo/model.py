@@ -24,6 +24,16 @@ from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
 
 
+# Special tokens a converted checkpoint records from its tokenizer (`special_tokens` in the manifest): the unit
+# layout's markers (`omnijax.adapters.minicpmo.TOKEN_TEXT`) and the duplex decoding's.
+DUPLEX_TOKEN_TEXT = ("<|chunk_tts_eos|>", "<|turn_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<|tts_pad|>")
+
+
+def special_token_texts() -> tuple[str, ...]:
+    from omnijax.adapters.minicpmo import TOKEN_TEXT
+    return tuple(TOKEN_TEXT.values()) + DUPLEX_TOKEN_TEXT
+
+
 class MiniCPMOInputError(ValueError):
     """Inputs that do not fit together (bounds vs embeddings, missing encoders, shapes)."""
 
@@ -37,12 +47,24 @@ def _spans(bounds, what: str, length: int) -> list[tuple[int, int]]:
 
 
 class MiniCPMOModel:
-    """A loaded MiniCPM-o 4.5: `decoder`, optional `vision` (`MiniCPMVision`) and `audio` (`AudioEncoder`)."""
+    """A loaded MiniCPM-o 4.5: `decoder`, optional `vision` (`MiniCPMVision`) and `audio` (`AudioEncoder`).
+
+    `special_tokens`: token text -> id as the checkpoint's tokenizer declares them (empty when it shipped none);
+    `tokens` is the unit layout's ids (`MiniCPMTokens`: the release's, overridden by the checkpoint's).
+    """
 
     model_type = "minicpmo"
 
-    def __init__(self, decoder: Decoder, *, vision=None, audio=None, source: str | None = None):
+    def __init__(self, decoder: Decoder, *, vision=None, audio=None, source: str | None = None,
+                 special_tokens: dict[str, int] | None = None):
         self.decoder, self.vision, self.audio, self.source = decoder, vision, audio, source
+        self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def tokens(self):
+        """The unit layout's token ids (`omnijax.adapters.minicpmo.MiniCPMTokens`) of this checkpoint."""
+        from omnijax.adapters.minicpmo import MiniCPMTokens
+        return MiniCPMTokens.from_special_tokens(self.special_tokens)
 
     @property
     def config(self) -> DecoderConfig:
@@ -129,4 +151,8 @@ def load(directory: Path, manifest: dict[str, Any], decoder: Decoder) -> MiniCPM
         config = audio_lib.AudioConfig.from_json(manifest["audio"])
         encoder, projection = (restore(c, config) for c in audio_lib.audio_components(config))
         audio = audio_lib.encoder_from_params(config, encoder, projection)
-    return MiniCPMOModel(decoder, vision=vision, audio=audio, source=str(directory))
+    special = manifest.get("special_tokens", {})
+    if not isinstance(special, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                for k, v in special.items()):
+        raise ValueError(f"special_tokens must map token text to an id, got {special!r}")
+    return MiniCPMOModel(decoder, vision=vision, audio=audio, source=str(directory), special_tokens=special)
