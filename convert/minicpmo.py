@@ -16,6 +16,7 @@ from convert import qwen2_5_omni as qwen
 from convert import streaming
 from convert.errors import ConfigError, ConvertError, MissingTensorError
 from convert.safetensors_io import SafetensorsCheckpoint
+from convert.special_tokens import read_special_tokens
 from convert.tables import Component
 from omnijax.config import DecoderConfig
 
@@ -94,4 +95,10 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
                    "skipped": plan.skipped, "encoders_converted": sorted(encoders),
                    "lm_head": "tied to embed" if config.tie_embeddings else "llm.lm_head.weight"}
     extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
+    # The tokenizer's ids of the unit and duplex markers (MiniCPM-o's config.json holds none of them).
+    from omnijax.models.minicpmo.model import special_token_texts
+    special = read_special_tokens(ckpt.directory)
+    declared = {text: special[text] for text in special_token_texts() if text in special}
+    if declared:
+        extras["special_tokens"] = (declared, None)
     return config, trees["decoder"], source_info, extras

@@ -39,7 +39,7 @@ MODEL_COMPONENTS = {
     "qwen2": (),
     "qwen3": (),
     "qwen2_5_omni": ("audio", "vision", "omni"),
-    "minicpmo": ("vpm", "resampler", "audio", "audio_projection"),
+    "minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens"),
 }
 
 

@@ -53,8 +53,15 @@ def _encoder_tensors(component, init) -> dict[str, np.ndarray]:
     return out
 
 
+# OmniConfig field -> the Hugging Face thinker config key that holds it (the chat markers live in the tokenizer only).
+HF_TOKEN_KEYS = {"audio_token_id": "audio_token_index", "image_token_id": "image_token_index",
+                 "video_token_id": "video_token_index", "audio_start_token_id": "audio_start_token_id",
+                 "audio_end_token_id": "audio_end_token_id", "vision_start_token_id": "vision_start_token_id",
+                 "vision_end_token_id": "vision_end_token_id"}
+
+
 def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dict | None = None,
-                             encoders: bool = True) -> Path:
+                             encoders: bool = True, token_ids: dict | None = None) -> Path:
     """Writes `config.json` + `model.safetensors` of a random tiny Qwen2.5-Omni in the release's tensor layout.
 
     Names carry the `thinker.` prefix of the full model; a few `talker.` and `token2wav.` tensors stand in for the
@@ -63,6 +70,11 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     hidden size, and their random `thinker.audio_tower.*` / `thinker.visual.*` tensors are generated from the
     conversion tables (plus the unused `audio_tower.audio_bos_eos_token.weight` a release ships). The LM head is
     written unless the text config ties it to the embedding.
+
+    `token_ids` (OmniConfig field name -> id) replaces the release's special ids: the placeholders and modality
+    markers go into the thinker config under their Hugging Face names (`HF_TOKEN_KEYS`), and every special token,
+    the chat markers included, into an `added_tokens.json` (the tokenizer's view), as a checkpoint with its own
+    vocabulary would ship them.
     """
     from safetensors.numpy import save_file
 
@@ -95,9 +107,14 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
             p + "self_attn.o_proj.weight": w(D, H * d),
             p + "mlp.gate_proj.weight": w(I, D), p + "mlp.up_proj.weight": w(I, D), p + "mlp.down_proj.weight": w(D, I),
         })
+    from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
+
     thinker = {"model_type": "qwen2_5_omni_thinker", "text_config": cfg,
                "audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656,
                "vision_start_token_id": 151652, "position_id_per_seconds": 25, "seconds_per_chunk": 2}
+    if token_ids is not None:
+        ids = OmniConfig(**token_ids)  # refuses unknown names
+        thinker.update({key: getattr(ids, field) for field, key in HF_TOKEN_KEYS.items()})
     if encoders:
         def init(name, shape):
             if len(shape) == 1:  # norm scales near 1, biases near 0
@@ -124,6 +141,9 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
         "enable_audio_output": False, "thinker_config": thinker,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if token_ids is not None:
+        added = {text: getattr(ids, field) for field, text in TOKEN_TEXT.items()}
+        (directory / "added_tokens.json").write_text(json.dumps(added, indent=2))
     return directory
 
 
@@ -132,9 +152,11 @@ def _synthetic_session(model, num_units: int, seed: int):
 
     Returns `[(label, build)]`: `build()` runs the frontend (preprocessing and encoders) and returns the chunk.
     """
-    from omnijax.adapters.qwen2_5_omni import IM_END, IM_START
+    from omnijax.adapters.qwen2_5_omni import RELEASE
     from omnijax.models.qwen2_5_omni import frontend
 
+    ids = model.omni or RELEASE  # the checkpoint's chat markers
+    IM_START, IM_END = ids.im_start_token_id, ids.im_end_token_id
     rng = np.random.default_rng(seed)
     words = lambda n: rng.integers(0, 1000, n).tolist()  # noqa: E731  (ordinary text ids)
     system_ids = [IM_START, *words(20), IM_END]

@@ -14,6 +14,8 @@ RESPONSE, system prompt SYSTEM. Placeholders are set in `embed_mask`; features f
 
 Token ids are configurable (`MiniCPMTokens`): the 4.5 marker ids are those of MODELS.md; ids marked (?) below are
 not verified against a tokenizer and only need to be valid vocabulary ids (placeholders are replaced by embeddings).
+A converted checkpoint carries its tokenizer's ids (`model.tokens`, from the `special_tokens` entry
+`omnijax-convert` writes); pass `tokens=model.tokens` so chunks use the checkpoint's ids, not the release's.
 The model itself is a later step; this module only lays out units.
 """
 
@@ -68,6 +70,24 @@ class MiniCPMTokens:
     @property
     def placeholder_ids(self) -> frozenset[int]:
         return frozenset({self.image_placeholder, self.audio_placeholder})
+
+    @classmethod
+    def from_special_tokens(cls, special_tokens: dict[str, int], base: "MiniCPMTokens | None" = None
+                            ) -> "MiniCPMTokens":
+        """`base` (default the 4.5 release's ids) with every id the tokenizer map (token text -> id) declares."""
+        base = MINICPMO_4_5 if base is None else base
+        changes = {field: int(special_tokens[text]) for field, text in TOKEN_TEXT.items() if text in special_tokens}
+        return dataclasses.replace(base, **changes)
+
+
+# The tokenizer's text of each `MiniCPMTokens` field. `<unk>` is both placeholders: the release's processor fills image
+# and audio spans with it (the golden vectors' turn-based prompt does), and embeddings replace them either way.
+TOKEN_TEXT = {
+    "unit_start": "<unit>", "unit_end": "</unit>", "image_start": "<image>", "image_end": "</image>",
+    "slice_start": "<slice>", "slice_end": "</slice>", "image_placeholder": "<unk>", "audio_placeholder": "<unk>",
+    "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>", "listen": "<|listen|>", "speak": "<|speak|>",
+    "chunk_eos": "<|chunk_eos|>", "im_start": "<|im_start|>", "im_end": "<|im_end|>",
+}
 
 
 # MiniCPM-o 4.5 (Qwen3 LLM, vocab 151748). Markers from MODELS.md; <|chunk_eos|> 151718 (?) from public serving
@@ -261,7 +281,7 @@ def _positions(n: int) -> np.ndarray:
 
 
 __all__ = [
-    "MINICPMO_2_6", "MINICPMO_4_5", "MiniCPMTokens", "QUERY_NUM", "concat", "duplex_unit", "image_token_count",
-    "omni_unit_2_6", "response_unit", "slice_grid", "system_unit", "text_unit", "token_layout", "unit_chunk",
+    "MINICPMO_2_6", "MINICPMO_4_5", "MiniCPMTokens", "QUERY_NUM", "TOKEN_TEXT", "concat", "duplex_unit",
+    "image_token_count", "omni_unit_2_6", "response_unit", "slice_grid", "system_unit", "text_unit", "token_layout", "unit_chunk",
     "with_embeds",
 ]

@@ -19,6 +19,11 @@ Streaming audio and video (`audiovisual_unit`): every 2 s unit is its own
 `<|vision_bos|><|audio_bos|> V A <|audio_eos|><|vision_eos|>` group, i.e. what transformers' processor and
 `get_rope_index` produce for a 2 s clip with its audio, NOT a slice of one long video's group: a session of units
 matches `get_rope_index` of the concatenated per-unit sequence with one (video, audio) entry per unit.
+
+Token ids: every builder takes `tokens`, the checkpoint's special ids (an `OmniConfig`: a loaded model's
+`model.omni`, which `omnijax-convert` fills from the checkpoint's config and tokenizer); None means the release's
+ids (`RELEASE`, also spelled as the module constants `IM_START`, `AUDIO`, ...). A checkpoint with other ids needs
+its own: pass `tokens=model.omni` (the frontend, the server and the harness do).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from omnijax import adapters
 from omnijax.adapters import concat, token_layout  # noqa: F401  (re-exported)
 from omnijax.chunks import Chunk
 from omnijax.models.qwen2_5_omni import positions as tmrope
+from omnijax.models.qwen2_5_omni.config import OmniConfig
 from omnijax.units import SpanKind
 
+RELEASE = OmniConfig()  # the released checkpoints' ids; the constants below spell them out
 IM_START = 151644
 IM_END = 151645
 AUDIO = 151646  # <|AUDIO|> placeholder
@@ -43,61 +50,88 @@ VISION_EOS = 151653
 IMAGE = 151655  # <|IMAGE|> placeholder
 VIDEO = 151656  # <|VIDEO|> placeholder
 
-BOUNDARY_TOKENS = frozenset({IM_START, IM_END, AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS})
-PLACEHOLDER_TOKENS = frozenset({AUDIO, IMAGE, VIDEO})
+BOUNDARY_TOKENS = RELEASE.boundary_ids
+PLACEHOLDER_TOKENS = RELEASE.placeholder_ids
 
-_ROLE_IDS = np.array([VISION_BOS, AUDIO_BOS, VIDEO, AUDIO, AUDIO_EOS, VISION_EOS], np.int64)
+
+def _tokens(tokens) -> OmniConfig:
+    """The ids to build with: `tokens` (an `OmniConfig`, or a model whose `omni` is one), else the release's."""
+    if tokens is None:
+        return RELEASE
+    if not isinstance(tokens, OmniConfig):
+        omni = getattr(tokens, "omni", None)
+        if isinstance(omni, OmniConfig):
+            return omni
+        if hasattr(tokens, "omni"):  # a model without thinker ids (e.g. converted from a plain LLM)
+            return RELEASE
+        raise TypeError(f"tokens must be an OmniConfig (a loaded model's `omni`), got {type(tokens).__name__}")
+    return tokens
+
+
+def _role_ids(t: OmniConfig) -> np.ndarray:
+    return np.array([t.vision_start_token_id, t.audio_start_token_id, t.video_token_id, t.audio_token_id,
+                     t.audio_end_token_id, t.vision_end_token_id], np.int64)
+
+
 _ROLE_SPANS = np.array([SpanKind.BOUNDARY, SpanKind.BOUNDARY, SpanKind.VIDEO, SpanKind.AUDIO, SpanKind.BOUNDARY,
                         SpanKind.BOUNDARY], np.int32)
 
 
-def system_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None) -> Chunk:
+def system_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None,
+                tokens: OmniConfig | None = None) -> Chunk:
     """The system prompt (e.g. `<|im_start|>system\\n…<|im_end|>\\n`): every token SYSTEM."""
-    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, markers=False)
+    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, _tokens(tokens), markers=False)
 
 
 def text_unit(token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *, answer_unit: int | None = None,
-              hidden_size: int | None = None) -> Chunk:
+              hidden_size: int | None = None, tokens: OmniConfig | None = None) -> Chunk:
     """User text: TEXT tokens, chat markers BOUNDARY; `answer_tokens` greedy tokens follow (as unit `answer_unit`,
     default `unit + 1`)."""
-    return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size)
+    return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size, _tokens(tokens))
 
 
-def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None) -> Chunk:
+def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None,
+                  tokens: OmniConfig | None = None) -> Chunk:
     """A model response fed back as input: RESPONSE tokens, chat markers BOUNDARY."""
-    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size)
+    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, _tokens(tokens))
 
 
 def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = None, *,
                hidden_size: int | None = None, answer_tokens: int = 0,
-               spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE) -> Chunk:
+               spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE, tokens: OmniConfig | None = None) -> Chunk:
     """`<|vision_bos|> <|IMAGE|>×n <|vision_eos|>` for an image grid `(t, h, w)` in patches.
 
     `embeds`: `[n, D]` image features (n = t·h·w / merge²), in the vision encoder's output order.
     """
+    t = _tokens(tokens)
     seg = tmrope.image_positions(grid_thw, spatial_merge_size=spatial_merge_size)
-    return _marked(VISION_BOS, IMAGE, VISION_EOS, SpanKind.IMAGE, seg, unit, embeds, hidden_size, answer_tokens)
+    return _marked(t.vision_start_token_id, t.image_token_id, t.vision_end_token_id, SpanKind.IMAGE, seg, unit,
+                   embeds, hidden_size, answer_tokens)
 
 
 def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embeds: np.ndarray | None = None, *,
                hidden_size: int | None = None, answer_tokens: int = 0,
-               spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE) -> Chunk:
+               spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE, tokens: OmniConfig | None = None) -> Chunk:
     """`<|vision_bos|> <|VIDEO|>×n <|vision_eos|>`: a video without its audio (`use_audio_in_video=False`)."""
+    t = _tokens(tokens)
     seg = tmrope.video_positions(grid_thw, second_per_grid, spatial_merge_size=spatial_merge_size)
-    return _marked(VISION_BOS, VIDEO, VISION_EOS, SpanKind.VIDEO, seg, unit, embeds, hidden_size, answer_tokens)
+    return _marked(t.vision_start_token_id, t.video_token_id, t.vision_end_token_id, SpanKind.VIDEO, seg, unit,
+                   embeds, hidden_size, answer_tokens)
 
 
 def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = None, *,
-               hidden_size: int | None = None, answer_tokens: int = 0) -> Chunk:
+               hidden_size: int | None = None, answer_tokens: int = 0, tokens: OmniConfig | None = None) -> Chunk:
     """`<|audio_bos|> <|AUDIO|>×n <|audio_eos|>`; `embeds`: `[n, D]` audio features (25 per second)."""
+    t = _tokens(tokens)
     seg = tmrope.audio_positions(num_audio_tokens)
-    return _marked(AUDIO_BOS, AUDIO, AUDIO_EOS, SpanKind.AUDIO, seg, unit, embeds, hidden_size, answer_tokens)
+    return _marked(t.audio_start_token_id, t.audio_token_id, t.audio_end_token_id, SpanKind.AUDIO, seg, unit, embeds,
+                   hidden_size, answer_tokens)
 
 
 def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, second_per_grid: float, unit: int,
                      video_embeds: np.ndarray | None = None, audio_embeds: np.ndarray | None = None, *,
                      hidden_size: int | None = None, answer_tokens: int = 0,
-                     spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE) -> Chunk:
+                     spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE, tokens: OmniConfig | None = None) -> Chunk:
     """One audiovisual unit (typically 2 s): `<|vision_bos|><|audio_bos|> V0 A0 [V1 A1 …] <|audio_eos|>
     <|vision_eos|>`.
 
@@ -113,33 +147,37 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
         second_per_grid: seconds per temporal patch (temporal_patch_size / fps).
         unit: unit id.
         video_embeds, audio_embeds: `[n_video, D]`, `[n_audio, D]` features in encoder order.
+        tokens: the checkpoint's special ids (`model.omni`); None: the release's.
 
     The cursor moves past the eos markers (`Chunk.advance`), exactly as transformers continues after the group,
     even when the last interleaved chunk is audio ending below an earlier video position.
     """
     seg = tmrope.audio_in_video_positions(video_grid_thw, num_audio_tokens, second_per_grid,
                                           spatial_merge_size=spatial_merge_size)
-    ids = _ROLE_IDS[seg.roles]
-    embeds, mask = adapters.place_embeds(ids, [(ids == VIDEO, video_embeds), (ids == AUDIO, audio_embeds)],
-                                         hidden_size)
+    t = _tokens(tokens)
+    if t.video_token_id == t.audio_token_id:
+        raise ValueError(f"the video and audio placeholders share id {t.video_token_id}")
+    ids = _role_ids(t)[seg.roles]
+    embeds, mask = adapters.place_embeds(
+        ids, [(ids == t.video_token_id, video_embeds), (ids == t.audio_token_id, audio_embeds)], hidden_size)
     return adapters.make_chunk(ids, seg.positions, _ROLE_SPANS[seg.roles], unit, answer_tokens=answer_tokens,
                                embeds=embeds, embed_mask=mask, advance=seg.advance)
 
 
-def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32) -> Chunk:
+def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32, *, tokens: OmniConfig | None = None) -> Chunk:
     """Adds zero embeddings `[B, T, hidden_size]` with the Qwen placeholder mask to a chunk built without them."""
-    return adapters.with_embeds(chunk, hidden_size, PLACEHOLDER_TOKENS, dtype)
+    return adapters.with_embeds(chunk, hidden_size, _tokens(tokens).placeholder_ids, dtype)
 
 
-def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, markers=True) -> Chunk:
+def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, t: OmniConfig, markers=True) -> Chunk:
     ids = np.asarray(token_ids, np.int64).reshape(-1)
-    bad = np.isin(ids, list(PLACEHOLDER_TOKENS) + [AUDIO_BOS, VISION_BOS])
+    bad = np.isin(ids, list(t.placeholder_ids) + [t.audio_start_token_id, t.vision_start_token_id])
     if bad.any():
         raise ValueError(f"text holds multimodal token {int(ids[bad][0])}: build that segment with its own builder "
                          f"(image_unit, audio_unit, ...) and join them with concat")
     span = np.full(ids.shape, int(kind), np.int32)
     if markers:
-        span[np.isin(ids, list(BOUNDARY_TOKENS))] = SpanKind.BOUNDARY
+        span[np.isin(ids, list(t.boundary_ids))] = SpanKind.BOUNDARY
     seg = tmrope.text_positions(ids.shape[0])
     embeds, mask = adapters.place_embeds(ids, [], hidden_size)
     return adapters.make_chunk(ids, seg.positions, span, unit, answer_tokens=answer_tokens, answer_unit=answer_unit,
@@ -157,6 +195,6 @@ def _marked(bos, placeholder, eos, kind, seg, unit, embeds, hidden_size, answer_
 
 __all__ = [
     "AUDIO", "AUDIO_BOS", "AUDIO_EOS", "BOUNDARY_TOKENS", "IMAGE", "IM_END", "IM_START", "PLACEHOLDER_TOKENS",
-    "VIDEO", "VISION_BOS", "VISION_EOS", "audio_unit", "audiovisual_unit", "concat", "image_unit", "response_unit",
-    "system_unit", "text_unit", "token_layout", "video_unit", "with_embeds",
+    "RELEASE", "VIDEO", "VISION_BOS", "VISION_EOS", "audio_unit", "audiovisual_unit", "concat", "image_unit",
+    "response_unit", "system_unit", "text_unit", "token_layout", "video_unit", "with_embeds",
 ]

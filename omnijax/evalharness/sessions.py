@@ -17,6 +17,9 @@ of one audiovisual unit; the last part carries the answer request, and its last-
 Units carry encoder features when the model has audio and vision encoders (`frontend.audiovisual_chunk` on the
 media's frames and PCM); otherwise they are layout-only (placeholder ids, no features; ids folded into the
 vocabulary) and a notice says so.
+
+Special ids (`<|im_start|>`, `<|im_end|>`, the modality markers and placeholders) are the loaded checkpoint's
+(`model.omni`, filled by `omnijax-convert` from its config and tokenizer); the text encoder only encodes text.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class ChunkBuilder:
         self.video_kwargs = {"min_pixels": 56 * 56} if video_kwargs is None else video_kwargs
         config = getattr(model, "decoder", model).config
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.tokens = adapter._tokens(getattr(model, "omni", None))  # the checkpoint's ids (release's if none)
 
     @property
     def notice(self) -> str:
@@ -111,19 +115,23 @@ class ChunkBuilder:
             from omnijax.models.qwen2_5_omni import frontend
             return (frontend.system(self.model, ids, unit) if kind == "system"
                     else frontend.text(self.model, ids, unit, answer_tokens))
-        chunk = adapter.system_unit(ids, unit) if kind == "system" else adapter.text_unit(ids, unit, answer_tokens)
+        chunk = (adapter.system_unit(ids, unit, tokens=self.tokens) if kind == "system"
+                 else adapter.text_unit(ids, unit, answer_tokens, tokens=self.tokens))
         return fold_ids(chunk, self.vocab_size)
 
+    def _chat_markers(self) -> tuple[int, int]:
+        """The checkpoint's `<|im_start|>`, `<|im_end|>` (folded into a vocabulary too small to hold them)."""
+        return (self.tokens.im_start_token_id % self.vocab_size, self.tokens.im_end_token_id % self.vocab_size)
+
     def system(self) -> Chunk:
-        e = self.encoder
-        ids = [e.special("<|im_start|>"), *e.encode("system\n" + SYSTEM_PROMPT), e.special("<|im_end|>"),
-               *e.encode("\n")]
+        e, (start, end) = self.encoder, self._chat_markers()
+        ids = [start, *e.encode("system\n" + SYSTEM_PROMPT), end, *e.encode("\n")]
         return self._text(ids, 0, "system")
 
     def question(self, question: ann.Question, unit: int, answer_tokens: int) -> Chunk:
-        e = self.encoder
-        ids = [e.special("<|im_start|>"), *e.encode("user\n" + prompt_text(question)), e.special("<|im_end|>"),
-               *e.encode("\n"), e.special("<|im_start|>"), *e.encode("assistant\n")]
+        e, (start, end) = self.encoder, self._chat_markers()
+        ids = [start, *e.encode("user\n" + prompt_text(question)), end, *e.encode("\n"), start,
+               *e.encode("assistant\n")]
         return self._text(ids, unit, "text", answer_tokens)
 
     def audiovisual(self, frames: np.ndarray, pcm: np.ndarray, unit: int) -> Chunk:
@@ -134,7 +142,8 @@ class ChunkBuilder:
         t = max(1, int(frames.shape[0]) // 2)
         h, w = (max(2, 2 * (int(s) // 28)) for s in frames.shape[1:3])
         audio = max(1, int(round(25 * pcm.shape[0] / 16_000)))
-        return fold_ids(adapter.audiovisual_unit((t, h, w), audio, 2.0 / self.fps, unit), self.vocab_size)
+        return fold_ids(adapter.audiovisual_unit((t, h, w), audio, 2.0 / self.fps, unit, tokens=self.tokens),
+                        self.vocab_size)
 
 
 def build_session(video: ann.Video, media: MediaSource, builder: ChunkBuilder, *, answer_tokens: int = 1,

@@ -43,5 +43,6 @@ class AudioFrameEncoder:
         audio = np.asarray(pcm, np.float32) / 32768.0
         features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),
                               np.float32)
-        chunk = audio_unit(features.shape[0], unit, features, answer_tokens=self.answer_tokens)
+        chunk = audio_unit(features.shape[0], unit, features, answer_tokens=self.answer_tokens,
+                           tokens=getattr(self.model, "omni", None))  # the checkpoint's <|audio_bos|>, <|AUDIO|>, ...
         return pad_chunk(chunk, self.chunk_tokens)

@@ -30,6 +30,11 @@ the server (encoding, or the whole tick) gets a non-fatal `{"type": "error", "co
 
 Shutdown (SIGINT/SIGTERM, or `MetronomeServer.stop()`): stop accepting, finish the tick in flight and deliver its
 frames, then close every session with `{"type": "bye", "reason": "shutdown"}` and a close frame (1001).
+
+Logging (the `omnijax.serve` logger; `omnijax-serve` prints it to stderr with a timestamp): one line per admitted
+connection (`connect peer=HOST:PORT session=ID sessions=N`), per refusal or error close (`refuse peer=...
+session=ID|- reason=CODE: message`), per session end (`close peer=... session=ID reason=...`), and the warm-up's
+progress, bucket by bucket with its time (`warm_up`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import signal
 import sys
 import time
@@ -48,6 +54,9 @@ import numpy as np
 from omnijax.serve.audio_frames import AudioFrameEncoder, frame_tokens
 from omnijax.serve.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN, PATH, SAMPLE_RATE, ProtocolError,
                                     decode_frame, frame_samples, parse_hello, parse_json)
+
+log = logging.getLogger("omnijax.serve")
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 # The protocol and frame-encoding names stay importable from here (`omnijax.serve.server.parse_hello`, ...).
 __all__ = ["AudioFrameEncoder", "CLOSE_ERROR", "CLOSE_OVERLOADED", "CLOSE_SHUTDOWN", "MetronomeServer", "PATH",
@@ -131,10 +140,11 @@ class MetronomeServer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ----------------------------------------------------------------------------------------------- connections
-    async def _reject(self, ws, code: str, message: str, close_code: int = CLOSE_ERROR) -> None:
+    async def _reject(self, ws, code: str, message: str, close_code: int = CLOSE_ERROR, sid: str | None = None) -> None:
         from websockets.exceptions import ConnectionClosed
 
         self.stats["rejected" if close_code != CLOSE_ERROR else "errors"] += 1
+        log.warning("refuse peer=%s session=%s reason=%s: %s", _peer(ws), sid or "-", code, message)
         try:
             await ws.send(json.dumps({"type": "error", "code": code, "message": message}))
             await ws.close(close_code, code)
@@ -165,11 +175,12 @@ class MetronomeServer:
                 self.admission.check(len(self.clients) + self._joining - 1)  # Overloaded names cap and latency
             await self._in_engine(self.engine.open, sid)  # Overloaded when the engine has no slot
         except RuntimeError as e:
-            return await self._reject(ws, "overloaded", str(e), CLOSE_OVERLOADED)
+            return await self._reject(ws, "overloaded", str(e), CLOSE_OVERLOADED, sid)
         finally:
             self._joining -= 1
         client = self.clients[sid] = _Client(sid, ws)
         self.stats["sessions"] += 1
+        log.info("connect peer=%s session=%s sessions=%d", _peer(ws), sid, len(self.clients))
         client.writer = asyncio.create_task(self._writer(client))
         client.outbox.put_nowait(json.dumps({"type": "ready", "session": sid, "sample_rate": SAMPLE_RATE,
                                              "frame_ms": self.config.frame_ms, "frame_samples": samples}))
@@ -194,6 +205,7 @@ class MetronomeServer:
                 raise ProtocolError("bad_message", f"unexpected message type {kind!r} (expected binary PCM or bye)")
         except ProtocolError as e:
             self.stats["errors"] += 1
+            log.warning("refuse peer=%s session=%s reason=%s: %s", _peer(ws), sid, e.code, e)
             await self._drop(client, {"type": "error", "code": e.code, "message": str(e)}, CLOSE_ERROR, e.code)
         except ConnectionClosed:
             pass
@@ -215,6 +227,8 @@ class MetronomeServer:
             return
         client.open = False
         self.clients.pop(client.sid, None)
+        log.info("close peer=%s session=%s reason=%s frames=%d", _peer(client.ws), client.sid,
+                 reason or "disconnected", client.seq)
         if last is not None:
             client.outbox.put_nowait(json.dumps(last))
         client.outbox.put_nowait(None)
@@ -300,11 +314,24 @@ class MetronomeServer:
                     message["text"] = ""
             if client.outbox.qsize() >= self.config.max_outbox:
                 err = {"type": "error", "code": "slow_consumer", "message": "replies pile up unread"}
+                log.warning("refuse peer=%s session=%s reason=slow_consumer: %d replies unread", _peer(client.ws),
+                            client.sid, client.outbox.qsize())
                 task = asyncio.create_task(self._drop(client, err, CLOSE_ERROR, "slow_consumer"))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 continue
             client.outbox.put_nowait(json.dumps(message))
+
+
+def _peer(ws) -> str:
+    """`host:port` of a connection's remote end ("?" when the transport does not say)."""
+    try:
+        address = ws.remote_address
+    except Exception:  # noqa: BLE001 - a closed transport
+        address = None
+    if isinstance(address, (tuple, list)) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return "?" if address is None else str(address)
 
 
 # --------------------------------------------------------------------------------------------------- command line
@@ -336,20 +363,33 @@ def load_tokenizer(checkpoint: str):
 
 def warm_up(engine, encoder, samples: int, sessions: int) -> float:
     """Compiles the encoder and the engine's tick for every batch bucket that 1..`sessions` sessions use (dummy
-    sessions, closed afterwards, so their pages return to the pool). Returns the seconds spent."""
+    sessions, closed afterwards, so their pages return to the pool). Returns the seconds spent.
+
+    Progress goes to the `omnijax.serve` logger (INFO): the audio encoder, then each bucket as it compiles and the
+    seconds it took, then the total."""
     start = time.perf_counter()
     silence = np.zeros(samples, np.int16)
     limit = min(max(1, sessions), engine.config.buckets[-1])
     buckets = sorted({next(b for b in engine.config.buckets if b >= n) for n in range(1, limit + 1)})
-    for b in buckets:  # b sessions run at bucket b
+    log.info("warm-up: compiling the audio encoder for %d-sample frames", samples)
+    t = time.perf_counter()
+    chunk = encoder.encode(silence, 0)
+    log.info("warm-up: audio encoder ready in %.1f s", time.perf_counter() - t)
+    for k, b in enumerate(buckets, 1):  # b sessions run at bucket b
+        log.info("warm-up: compiling the engine tick for bucket %d (%d/%d: batch of %d sessions, %d tokens each)",
+                 b, k, len(buckets), b, int(np.shape(chunk.token_ids)[-1]))
+        t = time.perf_counter()
         ids = [f"warmup-{b}-{i}" for i in range(b)]
         for sid in ids:
             engine.open(sid)
-            engine.submit(sid, encoder.encode(silence, 0), 0)
+            engine.submit(sid, chunk, 0)
         engine.tick()
         for sid in ids:
             engine.close(sid)
-    return time.perf_counter() - start
+        log.info("warm-up: bucket %d ready in %.1f s", b, time.perf_counter() - t)
+    seconds = time.perf_counter() - start
+    log.info("warm-up: done, %d bucket(s) %s in %.1f s", len(buckets), list(buckets), seconds)
+    return seconds
 
 
 async def serve_until_signalled(server: MetronomeServer) -> None:
@@ -388,6 +428,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-sessions", type=int, default=8, help="compile batch buckets up to this many")
     parser.add_argument("--impl", default="xla")
     args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:  # connections, refusals and warm-up progress, one line each, to stderr
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    log.setLevel(logging.INFO)
     if bool(args.checkpoint) == args.demo_model:
         parser.error("give a checkpoint directory or --demo-model (not both)")
     try:

@@ -1,21 +1,27 @@
-"""Qwen2.5-Omni thinker settings beyond the decoder: placeholder token ids and TMRoPE timing."""
+"""Qwen2.5-Omni thinker settings beyond the decoder: special-token ids and TMRoPE timing.
+
+The defaults are the release's ids; a converted checkpoint stores the ids its own config and tokenizer declare
+(`from_hf`), and every chunk builder (`omnijax.adapters.qwen2_5_omni`, the frontend, the server's frame encoder,
+the evaluation harness) takes them from the loaded model's `omni` config.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from omnijax.config import JsonConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class OmniConfig(JsonConfig):
-    """Token ids of the multimodal placeholders and markers, and the TMRoPE time scale.
+    """Token ids of the multimodal placeholders, modality and chat markers, and the TMRoPE time scale.
 
     Attributes:
         audio_token_id, image_token_id, video_token_id: placeholder ids replaced by encoder outputs.
         audio_start_token_id, audio_end_token_id: `<|audio_bos|>`, `<|audio_eos|>`.
         vision_start_token_id, vision_end_token_id: `<|vision_bos|>`, `<|vision_eos|>`.
+        im_start_token_id, im_end_token_id: the chat markers `<|im_start|>`, `<|im_end|>`.
         position_id_per_seconds: temporal position ids per second of media (25).
         seconds_per_chunk: audio-in-video interleaving chunk length in seconds (2).
     """
@@ -27,12 +33,20 @@ class OmniConfig(JsonConfig):
     audio_end_token_id: int = 151648
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
     position_id_per_seconds: int = 25
     seconds_per_chunk: int = 2
 
     @classmethod
-    def from_hf(cls, thinker_config: dict[str, Any]) -> "OmniConfig":
-        """Reads the ids a Hugging Face thinker config sets (unset ones keep the release's values)."""
+    def from_hf(cls, thinker_config: Mapping[str, Any],
+                special_tokens: Mapping[str, int] | None = None) -> "OmniConfig":
+        """The ids a Hugging Face thinker config sets, else those its tokenizer declares (`special_tokens`: token
+        text -> id, e.g. from `convert.special_tokens.read_special_tokens`), else the release's.
+
+        The config wins over the tokenizer: transformers' thinker places features and TMRoPE positions by the
+        config's ids (`audio_token_index`, `vision_start_token_id`, ...).
+        """
         spelling = {"audio_token_id": "audio_token_index", "image_token_id": "image_token_index",
                     "video_token_id": "video_token_index"}
         values = {}
@@ -41,4 +55,28 @@ class OmniConfig(JsonConfig):
                 if key and thinker_config.get(key) is not None:
                     values[field.name] = int(thinker_config[key])
                     break
+            else:
+                text = TOKEN_TEXT.get(field.name)
+                if text is not None and special_tokens and text in special_tokens:
+                    values[field.name] = int(special_tokens[text])
         return cls(**values)
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        """`<|AUDIO|>`, `<|IMAGE|>`, `<|VIDEO|>`: the ids encoder features replace."""
+        return frozenset({self.audio_token_id, self.image_token_id, self.video_token_id})
+
+    @property
+    def boundary_ids(self) -> frozenset[int]:
+        """Chat and modality markers (BOUNDARY spans)."""
+        return frozenset({self.im_start_token_id, self.im_end_token_id, self.audio_start_token_id,
+                          self.audio_end_token_id, self.vision_start_token_id, self.vision_end_token_id})
+
+
+# The tokenizer's text of each id field.
+TOKEN_TEXT = {
+    "audio_token_id": "<|AUDIO|>", "image_token_id": "<|IMAGE|>", "video_token_id": "<|VIDEO|>",
+    "audio_start_token_id": "<|audio_bos|>", "audio_end_token_id": "<|audio_eos|>",
+    "vision_start_token_id": "<|vision_bos|>", "vision_end_token_id": "<|vision_eos|>",
+    "im_start_token_id": "<|im_start|>", "im_end_token_id": "<|im_end|>",
+}

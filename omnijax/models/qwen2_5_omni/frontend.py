@@ -17,6 +17,9 @@ placeholder mask), so the chunks of a whole session can be stacked (`omnijax.chu
 - `image_chunk`, `audio_chunk`: one image, one audio clip.
 - `system`, `text`, `response`: text units with zero embeddings (no placeholders).
 
+Token ids come from the loaded checkpoint (`model.omni`, which `omnijax-convert` fills from its config and
+tokenizer), so a checkpoint whose special ids differ from the release's gets its own ids in every chunk.
+
 Frame count rule (`expected_frames`). The frames must be the ones transformers' video processor would sample from
 the clip at `fps`: its `sample_frames` takes `duration * fps` frames and floors the count to a multiple of
 `temporal_patch_size`. The duration is that of the audio's valid feature frames, `ceil(samples / 160) / 100` s, so a
@@ -80,6 +83,11 @@ class FrameCountError(FrontendError):
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
+
+
+def _omni(model):
+    """The checkpoint's special ids (an `OmniConfig`), or None (the release's) for a model without them."""
+    return getattr(model, "omni", None)
 
 
 def _unit(unit) -> int:
@@ -215,7 +223,8 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
     audio_features = _encode_audio(audio, mel, unit)
     return adapter.audiovisual_unit(
         tuple(int(g) for g in grid[0]), audio_features.shape[0], tp / float(fps), unit, video_features,
-        audio_features, answer_tokens=answer_tokens, spatial_merge_size=vision.config.spatial_merge_size)
+        audio_features, answer_tokens=answer_tokens, spatial_merge_size=vision.config.spatial_merge_size,
+        tokens=_omni(model))
 
 
 def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwargs) -> Chunk:
@@ -235,7 +244,7 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
         raise _relabel(e, unit, "image") from e
     features = _vision_features(vision, pixel_values, grid, unit, "image")
     return adapter.image_unit(tuple(int(g) for g in grid[0]), unit, features, answer_tokens=answer_tokens,
-                              spatial_merge_size=vision.config.spatial_merge_size)
+                              spatial_merge_size=vision.config.spatial_merge_size, tokens=_omni(model))
 
 
 def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
@@ -243,24 +252,24 @@ def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer
     unit = _unit(unit)
     encoder = _encoder(model, "audio")
     features = _encode_audio(encoder, _log_mel(encoder, pcm, sample_rate, unit), unit)
-    return adapter.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens)
+    return adapter.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens, tokens=_omni(model))
 
 
 def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """The system prompt (every token SYSTEM), with zero embeddings."""
-    return adapter.system_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size)
+    return adapter.system_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
          answer_unit: int | None = None) -> Chunk:
     """User text (chat markers BOUNDARY), with zero embeddings; `answer_tokens` greedy tokens follow."""
     return adapter.text_unit(token_ids, _unit(unit), answer_tokens, answer_unit=answer_unit,
-                             hidden_size=model.config.hidden_size)
+                             hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """A model response fed back as input, with zero embeddings."""
-    return adapter.response_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size)
+    return adapter.response_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def num_audio_tokens(num_samples: int) -> int:
