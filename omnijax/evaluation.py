@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -51,7 +52,10 @@ STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subbloc
 class EvalConfig:
     """One named configuration: a `StreamConfig` (static: part of its compiled program) and what to return.
 
-    `EvalConfig(name, config, keep_logits=...)`; the `StreamConfig` fields are also accepted as keywords
+    `EvalConfig(name, config, keep_logits=...)`. Unlike `stream`, which refuses a chunk asking for more answer tokens
+    than `config.max_answer_tokens`, an evaluation caps each chunk's `answer_tokens` at it (0: no answers at all,
+    for layout-only sweeps over the same sessions); `SessionResult.tokens` holds what was generated. The `StreamConfig`
+    fields are also accepted as keywords
     (`EvalConfig("omnipick", policy=OmniPick(), paging="tile_skip")` builds the same object) and read as attributes
     (`cfg.policy`, `cfg.num_pages`, ...). `config.num_pages` None sizes each session's pool for the longest session
     without eviction.
@@ -323,6 +327,11 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
             bar.update(1)
         wall_s = time.perf_counter() - start
         merged = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+        exhausted = [s for s in range(count) if merged["stats"]["exhausted"][s, :int(own[s])].any()]
+        if exhausted:
+            warnings.warn(f"{cfg.name}: the KV pool ran out in session(s) {exhausted} (their tokens past that point "
+                          f"were not cached; see stats['exhausted'] and stats['dropped']); give a larger num_pages "
+                          f"or a bounded policy", RuntimeWarning, stacklevel=2)
         results[cfg.name] = ConfigResult(
             config=cfg, sessions=[_session_result(merged, s, int(own[s])) for s in range(count)], wall_s=wall_s,
             compile_s=compile_s, num_pages=num_pages, batch_size=batch_size, mesh_shape=shape)

@@ -181,8 +181,19 @@ def test_evaluate_refuses_bad_arguments(setup):
         EvalConfig("x", impl="triton")
     with pytest.raises(ValueError, match="x: page_size must be a power of two, got 48"):
         EvalConfig("x", page_size=48)
-    with pytest.raises(ValueError, match="x: num_pages must be >= 1"):
+    with pytest.raises(ValueError, match="x: num_pages must be a positive int"):
         EvalConfig("x", num_pages=0)
+
+
+def test_evaluate_warns_when_a_pool_ran_out(setup):
+    import omnijax
+    from omnijax.evaluation import EvalConfig
+
+    tiny = EvalConfig("tiny pool", page_size=16, num_pages=1)  # NoSlide: the first session outgrows one page
+    with pytest.warns(RuntimeWarning, match=r"tiny pool: the KV pool ran out in session\(s\) \[0\]"):
+        result = omnijax.evaluate(setup.MODEL, setup.SESSIONS[:1], [tiny], progress=False)
+    assert result["tiny pool"].sessions[0].stats["exhausted"][-1] and result["tiny pool"].sessions[0].stats[
+        "dropped"][-1] > 0
 
 
 def test_param_specs_split_heads_mlp_and_vocab_over_the_model_axis(setup):
