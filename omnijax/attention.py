@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, with explicit implementations and no silent fallback.
 
 `attend(q, k_pages, v_pages, cache, impl=..., layer=None)`:
-    impl="reference": dense jnp over every page-table entry of each sequence, masked by slot validity and write
-        order (the oracle every other implementation is tested against).
+    impl="reference": `dense_attention` over every page-table entry of each sequence, masked by slot validity and
+        write order: the one dense oracle (in `pallas_kernels.block_sparse_attention`, re-exported here) that the
+        other implementations, the kernel's own reference and the tests are checked against.
     impl="xla": visits only each sequence's active pages (pages holding a live slot), in page-table order, with a
         dynamic trip count and an online softmax, so its cost follows active pages on any backend.
     impl="pallas": the block-sparse flash-attention kernel of `pallas_kernels.block_sparse_attention` (Triton on a
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 
 # One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
 from pallas_kernels.block_sparse_attention import (DEAD_KEY, PageIndex, active_pages, block_sparse_attention,
-                                                   page_index, validate_index, validate_shapes)
+                                                   dense_attention, gather_pages, page_index, validate_index,
+                                                   validate_shapes)
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -90,44 +92,21 @@ def _read_pages(pages: jax.Array, layer, ids: jax.Array) -> jax.Array:
 
 def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
                      with_mass: bool = False, layer=None):
-    """Dense masked attention over each sequence's gathered pages. Returns `[B, T, H, d]` in `q.dtype`.
+    """`dense_attention` (the oracle, shared with the kernel's reference and the tests) over every page-table entry
+    of each sequence (`gather_pages`). Returns `[B, T, H, d]` in `q.dtype`.
 
     With `with_mass`, also returns `[N, P]` float32: the attention probability each slot received, summed over the
     chunk's written queries and averaged over heads (the accumulated-attention signal of H2O).
     """
     validate(q, k_pages, v_pages, cache, layer)
-    B, T, H, d = q.shape
-    N, P, G, _ = k_pages.shape[-4:]
-    M = cache.page_table.shape[1]
-    table = cache.page_table  # [B, M]
-    has_page = table >= 0
-    pages = jnp.clip(table, 0, N - 1)
-    k = _read_pages(k_pages, layer, pages).reshape(B, M * P, G, d)  # [B, S, G, d]
-    v = _read_pages(v_pages, layer, pages).reshape(B, M * P, G, d)
-    live = (cache.slot_valid[pages] & has_page[..., None]).reshape(B, M * P)  # [B, S]
-    order = cache.slot_order[pages].reshape(B, M * P)
-    # Dirty slots may hold anything (even NaN): zero them so masked probabilities cannot meet NaN values.
-    k = jnp.where(live[..., None, None], k, 0)
-    v = jnp.where(live[..., None, None], v, 0)
-    visible = live[:, None, :] & (order[:, None, :] <= cache.q_order[:, :, None])  # [B, T, S]
-
-    qg = q.reshape(B, T, G, H // G, d)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    mask = visible[:, None, None, :, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = (weights / jnp.where(denom > 0, denom, 1.0)).astype(q.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
-    out = out.reshape(B, T, H, d).astype(q.dtype)
+    g = gather_pages(k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, layer=layer)
     if not with_mass:
-        return out
-    written = (cache.write_slots >= 0)[:, None, None, :, None]  # padding queries do not vote
-    per_slot = jnp.sum(jnp.where(written, probs.astype(jnp.float32), 0.0), axis=(1, 2, 3)) / H  # [B, S]
-    flat = (pages[:, :, None] * P + jnp.arange(P)).reshape(B, M * P)
-    target = jnp.where(live, flat, N * P).reshape(-1)
+        return dense_attention(q, g.k, g.v, g.live, g.order, cache.q_order)
+    out, probs = dense_attention(q, g.k, g.v, g.live, g.order, cache.q_order, return_probs=True)  # [B, H, T, S]
+    N, P = cache.slot_valid.shape
+    written = (cache.write_slots >= 0)[:, None, :, None]  # padding queries do not vote
+    per_slot = jnp.sum(jnp.where(written, probs.astype(jnp.float32), 0.0), axis=(1, 2)) / q.shape[2]  # [B, S]
+    target = jnp.where(g.live, g.slot, N * P).reshape(-1)
     mass = jnp.zeros((N * P,), jnp.float32).at[target].add(per_slot.reshape(-1), mode="drop")
     return out, mass.reshape(N, P)
 

@@ -1,5 +1,6 @@
-"""Block-sparse paged flash attention: interpret-mode kernel vs dense reference vs a plain numpy oracle, and Triton
-lowering for cuda on CPU."""
+"""Block-sparse paged flash attention: interpret-mode kernel vs the dense reference (`dense_attention`, the oracle of
+every attention implementation) vs `jax.nn.dot_product_attention`, the oracle's own semantics, and Triton lowering for
+cuda on CPU."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from pallas_kernels.block_sparse_attention import (
     active_pages,
     block_sparse_attention,
     block_sparse_attention_reference,
+    dense_attention,
     page_index,
 )
 from pallas_kernels.lowering import has_triton_call, lower_for_cuda
 
-# float32: kernel, reference and oracle differ only by summation order.
+# float32: kernel, reference and library attention differ only by summation order.
 # bfloat16: inputs are exact in every path, but the kernel and the reference round probabilities to bfloat16 before
 # the value product (relative error 2**-9 each) and round the output to bfloat16, so allow about 4 bf16 ulps.
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
@@ -70,30 +72,24 @@ def make_case(seed, *, T, H, G, d=16, lengths=(37, 22), dtype=jnp.float32):
             jnp.asarray(valid), jnp.asarray(order), jnp.asarray(q_order))
 
 
-def numpy_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order):
-    """Plain float64 causal attention over each sequence's live keys gathered in write order."""
-    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+def library_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order):
+    """An oracle independent of `dense_attention`: `jax.nn.dot_product_attention` (float32 inputs, HIGHEST precision)
+    over each sequence's live keys, picked out of its pages with numpy. The library softmax would spread a query that
+    sees no key uniformly over the masked keys, so such queries are set to the documented zeros here."""
+    q, k_pages, v_pages = (np.asarray(x, np.float32) for x in (q, k_pages, v_pages))
     page_table, slot_valid, slot_order, q_order = map(np.asarray, (page_table, slot_valid, slot_order, q_order))
-    B, T, H, d = q.shape
-    G = k_pages.shape[2]
-    R = H // G
-    out = np.zeros((B, T, H, d))
-    for b in range(B):
-        slots = [(slot_order[p, s], p, s) for p in page_table[b] if p >= 0
-                 for s in range(k_pages.shape[1]) if slot_valid[p, s]]
-        slots.sort()
-        orders = np.array([o for o, _, _ in slots], np.int64)
-        keys = np.array([k_pages[p, s] for _, p, s in slots]).reshape(len(slots), G, d)
-        vals = np.array([v_pages[p, s] for _, p, s in slots]).reshape(len(slots), G, d)
-        for t in range(T):
-            seen = orders <= q_order[b, t]
-            if not seen.any():
-                continue
-            for h in range(H):
-                g = h // R
-                s = keys[seen, g] @ q[b, t, h] / np.sqrt(d)
-                w = np.exp(s - s.max())
-                out[b, t, h] = (w / w.sum()) @ vals[seen, g]
+    out = np.zeros(q.shape, np.float32)
+    for b in range(q.shape[0]):
+        pages = page_table[b][page_table[b] >= 0]
+        live = slot_valid[pages]  # [n_pages, P]
+        keys, vals, orders = k_pages[pages][live], v_pages[pages][live], slot_order[pages][live]  # [n, G, d], [n]
+        seen = orders[None, :] <= q_order[b][:, None]  # [T, n]
+        if not seen.any():
+            continue
+        with jax.default_matmul_precision("highest"):
+            got = jax.nn.dot_product_attention(q[None, b], keys[None], vals[None], mask=seen[None, None],
+                                               implementation="xla")[0]
+        out[b] = np.where(seen.any(axis=1)[:, None, None], np.asarray(got), 0.0)
     return out
 
 
@@ -113,7 +109,7 @@ def check(args, *, block_q=16, num_splits=1):
     ref = block_sparse_attention_reference(*args)
     assert got.shape == args[0].shape and got.dtype == dtype
     assert np.all(np.isfinite(np.asarray(got, np.float32))), "NaN from dead slots leaked"
-    oracle = numpy_attention(*args)
+    oracle = library_attention(*args)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(got, np.float32), oracle, rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(ref, np.float32), oracle, rtol=tol, atol=tol)
@@ -123,7 +119,7 @@ def check(args, *, block_q=16, num_splits=1):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("H,G", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("T", [8, 1], ids=["prefill", "decode"])
-def test_kernel_matches_reference_and_numpy(dtype, H, G, T):
+def test_kernel_matches_reference_and_library(dtype, H, G, T):
     check(make_case(T * 10 + H, T=T, H=H, G=G, dtype=dtype))
 
 
@@ -148,6 +144,48 @@ def test_queries_that_see_nothing_return_zeros(num_splits):
     q_order = q_order.at[0, 0].set(-10)  # before every write of sequence 0
     got = check((q, k, v, table, valid, order, q_order), num_splits=num_splits)
     assert np.all(np.asarray(got[1]) == 0) and np.all(np.asarray(got[0, 0]) == 0)
+
+
+def test_dense_oracle_semantics():
+    # The documented contract of the one oracle: GQA head mapping, validity and write-order masks (not key index),
+    # NaN/inf in invalid slots never leaking, zeros for a query that sees nothing.
+    rng = np.random.default_rng(11)
+    B, T, S, G, R, d = 2, 6, 9, 2, 3, 8
+    q = rng.standard_normal((B, T, G * R, d)).astype(np.float32)
+    k = rng.standard_normal((B, S, G, d)).astype(np.float32)
+    v = rng.standard_normal((B, S, G, d)).astype(np.float32)
+    valid = rng.random((B, S)) < 0.7
+    valid[:, :2] = True
+    order = np.stack([rng.permutation(S) for _ in range(B)]).astype(np.int32)  # write order unrelated to index
+    q_order = rng.integers(0, S, (B, T)).astype(np.int32)
+    q_order[0, 0] = -1  # before every write: sees nothing
+    q_order[1, 1] = order[1][valid[1]].min()  # sees exactly one key
+    dirty_k = np.where(valid[..., None, None], k, np.nan)
+    dirty_v = np.where(valid[..., None, None], v, np.inf)
+    out, probs = dense_attention(*map(jnp.asarray, (q, dirty_k, dirty_v, valid, order, q_order)), return_probs=True)
+    out, probs = np.asarray(out), np.asarray(probs)
+    assert out.shape == q.shape and probs.shape == (B, G * R, T, S) and np.all(np.isfinite(out))
+    visible = valid[:, None, :] & (order[:, None, :] <= q_order[:, :, None])  # [B, T, S]
+    assert np.all(probs[np.broadcast_to(~visible[:, None], probs.shape)] == 0)
+    np.testing.assert_allclose(probs.sum(-1), np.broadcast_to(visible.any(-1)[:, None], (B, G * R, T)), atol=1e-6)
+    assert np.all(out[0, 0] == 0)
+    only = np.flatnonzero(visible[1, 1])
+    assert only.size == 1 and np.array_equal(out[1, 1], v[1, only[0]][np.arange(G * R) // R])
+    # Grouped-query heads read kv head h // R: the same as multi-head attention over kv heads repeated R times.
+    mha = dense_attention(*map(jnp.asarray, (q, np.repeat(dirty_k, R, 2), np.repeat(dirty_v, R, 2), valid, order,
+                                             q_order)))
+    np.testing.assert_allclose(np.asarray(mha), out, rtol=1e-6, atol=1e-6)
+    # Masking follows write order, not the key axis: shuffling the key slots changes nothing.
+    perm = rng.permutation(S)
+    shuffled = dense_attention(*map(jnp.asarray, (q, dirty_k[:, perm], dirty_v[:, perm], valid[:, perm],
+                                                  order[:, perm], q_order)))
+    np.testing.assert_allclose(np.asarray(shuffled), out, rtol=1e-5, atol=1e-6)
+    # And the library's attention over the same masks, on the queries that see something.
+    with jax.default_matmul_precision("highest"):
+        lib = jax.nn.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                           mask=jnp.asarray(visible[:, None]), implementation="xla")
+    seen = visible.any(-1)
+    np.testing.assert_allclose(out[seen], np.asarray(lib)[seen], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])

@@ -25,18 +25,14 @@ def _shuffled(kv, seed):
     return kv.replace(free_stack=jnp.asarray(perm))
 
 
-def _dense_attention(q, k, v, q_index, k_len):
-    """Plain causal attention over contiguous keys `[S, G, d]` for queries at `q_index` (numpy float64)."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    T = q.shape[0]
-    out = np.zeros_like(q)
-    for t in range(T):
-        for h in range(H):
-            g = h // (H // G)
-            s = k[: q_index[t] + 1, g] @ q[t, h] / np.sqrt(D)
-            p = np.exp(s - s.max())
-            out[t, h] = (p / p.sum()) @ v[: q_index[t] + 1, g]
-    return out
+def _contiguous_attention(q, k, v, q_index):
+    """The shared oracle `attention.dense_attention` over one sequence's contiguous keys `[S, G, d]` (write order =
+    index), for queries `[T, H, d]` at indices `q_index`."""
+    S = k.shape[0]
+    out = attention.dense_attention(jnp.asarray(q)[None], jnp.asarray(k)[None], jnp.asarray(v)[None],
+                                    jnp.ones((1, S), bool), jnp.arange(S, dtype=jnp.int32)[None],
+                                    jnp.asarray(q_index, jnp.int32)[None], precision=jax.lax.Precision.HIGHEST)
+    return np.asarray(out[0])
 
 
 def _write_sequence_chunks(kv, rng, lengths, B):
@@ -80,7 +76,7 @@ def test_permuted_page_table_matches_dense_cache(seed, impl):
     for b in range(B):
         k_all = np.concatenate([ks[b], k_new[b]])
         v_all = np.concatenate([vs[b], v_new[b]])
-        want = _dense_attention(q[b], k_all, v_all, prior + np.arange(T), prior + T)
+        want = _contiguous_attention(q[b], k_all, v_all, prior + np.arange(T))
         np.testing.assert_allclose(out[b], want, atol=1e-5, rtol=1e-5)
 
 
@@ -139,7 +135,7 @@ def test_reused_page_never_leaks_old_values(impl):
     view = attention.CacheView.of(kv3, slots, q_order)
     out = np.asarray(attention.attend(jnp.asarray(q), k_pages, v_pages, view, impl=impl))
     assert np.isfinite(out).all()
-    want = _dense_attention(q[0], k_new[0], v_new[0], np.arange(T), T)
+    want = _contiguous_attention(q[0], k_new[0], v_new[0], np.arange(T))
     np.testing.assert_allclose(out[0], want, atol=1e-5, rtol=1e-5)
 
 
@@ -304,7 +300,7 @@ def test_new_tokens_fill_holes_first_fit_and_attention_follows_write_order(impl)
     kept = [i for i in range(10) if i not in (1, 4, 7)]
     k_all = np.concatenate([ks[0][kept], k_new[0]])
     v_all = np.concatenate([vs[0][kept], v_new[0]])
-    want = _dense_attention(q[0], k_all, v_all, len(kept) + np.arange(T), len(kept) + T)
+    want = _contiguous_attention(q[0], k_all, v_all, len(kept) + np.arange(T))
     np.testing.assert_allclose(out[0], want, atol=1e-5, rtol=1e-5)
     # No hole left: the next tokens take a new page (the fourth and last page-table entry); nothing is overwritten.
     kv3, slots3 = paged.append(kv2, jnp.zeros((1, 1, 6, G, D)), jnp.zeros((1, 1, 6, G, D)), jnp.ones((1, 6), bool),

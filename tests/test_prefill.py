@@ -126,10 +126,8 @@ def _one_layer(model, h, positions, layer_index):
     p = layer_params(model, layer_index)
     rot = chunk_rotation(c, positions)
     q, k, v = layer_qkv(c, p, h, rot)
-    R = c.num_heads // c.num_kv_heads
-    s = jnp.einsum("bqgrd,bkgd->bgrqk", q.reshape(B, S, c.num_kv_heads, R, c.head_dim), k) * c.head_dim ** -0.5
-    s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", jax.nn.softmax(s, axis=-1), v).reshape(B, S, c.num_heads, c.head_dim)
+    causal = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))  # write order = prompt index
+    out = attention.dense_attention(q, k, v, jnp.ones((B, S), bool), causal, causal)
     return layer_finish(c, p, h, out)
 
 
