@@ -18,7 +18,7 @@ from omnijax.kv.paged import PageClass
 from omnijax.retention.base import sequence_view
 from omnijax.retention.base import NoSlide
 from omnijax.retention.baselines import SinkWindow
-from omnijax.serve.admission import AIMD, Overloaded, percentile
+from omnijax.serve.admission import AIMD, Overloaded
 from omnijax.serve.engine import DuplicateSession, Engine, EngineConfig, pick_bucket, reset_row, take_rows
 from omnijax.serve.telemetry import Telemetry, linear_fit
 
@@ -193,7 +193,12 @@ def test_aimd_increase_decrease_floor_and_rejection():
     caps = [aimd.observe(x, current=10) for x in (0.01, 0.2, 0.01, 0.01, 0.01, 0.01)]
     assert caps == [10, 10, 7, 7, 7, 8] and aimd.steps == 2  # then a clean window probes upward
     assert AIMD(max_cap=5, initial_cap=5).step(0.0) == 5
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    # p95 interpolates linearly between order statistics (numpy's default): 4.8 of 1..5, not the nearest 5
+    for statistic, want in (("p95", 4.8), ("mean", 3.0), ("max", 5.0)):
+        aimd = AIMD(frame_budget_s=100.0, window=5, statistic=statistic)
+        for x in (5.0, 1.0, 4.0, 2.0, 3.0):
+            aimd.observe(x)
+        assert aimd.steps == 1 and aimd.last_latency_s == pytest.approx(want, abs=1e-12), statistic
     with pytest.raises(ValueError):
         AIMD(beta=1.5)
 
@@ -300,3 +305,29 @@ def test_reset_row_frees_exactly_that_rows_pages_and_session_errors(decoder):
     free = engine.free_pages
     engine.close("b")
     assert engine.free_pages == free + len(mine) and engine.sessions == ["a", "c"]
+
+
+def test_telemetry_numerics_keep_their_definitions():
+    # linear_fit (np.polyfit) is the closed-form least-squares line it replaced; equal x give (mean y, 0).
+    rng = np.random.default_rng(5)
+    for n in (2, 3, 17):
+        xs, ys = rng.uniform(0, 30, n).tolist(), rng.uniform(0, 1, n).tolist()
+        mx, my = sum(xs) / n, sum(ys) / n
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        assert linear_fit(xs, ys) == pytest.approx((my - b * mx, b), rel=1e-9, abs=1e-12)
+    assert linear_fit([2.0, 2.0, 2.0], [1.0, 2.0, 6.0]) == (3.0, 0.0)
+    assert linear_fit([0.0, 1.0, 2.0], [0.3, 0.3, 0.3]) == (0.3, 0.0)  # flat: slope exactly 0
+    with pytest.raises(ValueError, match="no points"):
+        linear_fit([], [])
+    # summary() latency percentiles are nearest-rank: the order statistic at round(q / 100 * (n - 1)), half to even.
+    for n in (1, 2, 5, 10, 21, 41):
+        tel = Telemetry(100)
+        lat = rng.uniform(0.0, 1.0, n).tolist()
+        for t, x in enumerate(lat):
+            tel.record(start_s=float(t), latency_s=x, used_pages=1, running=1, waiting=0, served=1, tokens=1,
+                       bucket=1, dropped={}, pool_empty=False)
+        srt = sorted(lat)
+        summary = tel.summary()
+        for q in (50, 95):
+            assert summary[f"latency_p{q}_s"] == srt[int(round(q / 100 * (n - 1)))], (n, q)
+        assert summary["latency_max_s"] == srt[-1]

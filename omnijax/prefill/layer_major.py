@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import sys
 import time
@@ -70,14 +71,8 @@ def window_rows(q_obs: jax.Array, q: jax.Array, start: jax.Array, prompt_len: in
 
 def padded_length(prompt_len: int, chunk: int, page: int) -> int:
     """The buffer length: the prompt rounded up to whole chunks and whole pages."""
-    step = chunk * page // _gcd(chunk, page)
+    step = math.lcm(chunk, page)
     return -(-prompt_len // step) * step
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector",

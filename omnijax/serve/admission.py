@@ -10,13 +10,15 @@ and starts a fresh window, so one slow frame causes one decrease, not one per ti
 The additive probe only happens while the cap is what limits admission (as TCP grows its window only when it is
 window-limited); otherwise an idle stretch would let the cap drift far above anything measured and a burst of
 arrivals would be over-admitted. Arrivals are admitted while `current < cap`; `check` raises `Overloaded`, a clean
-rejection, for the surplus. Pure Python and deterministic: the same observations give the same caps.
+rejection, for the surplus. Deterministic: the same observations give the same caps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 STATISTICS = ("p95", "max", "mean")
 
@@ -37,16 +39,6 @@ class Overloaded(RuntimeError):
         self.cap, self.current, self.latency_s, self.target_s = cap, current, latency_s, target_s
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The `q`-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 @dataclasses.dataclass
 class AIMD:
     """Additive-increase / multiplicative-decrease admission cap driven by per-frame latency.
@@ -60,7 +52,7 @@ class AIMD:
         max_cap: optional ceiling (e.g. the engine's largest batch bucket).
         initial_cap: the cap before any measurement.
         window: latency samples per control step.
-        statistic: "p95", "max" or "mean" of the window's samples.
+        statistic: "p95" (numpy's default linear percentile), "max" or "mean" of the window's samples.
         probe_only_when_limited: increase only while `current >= cap` (see the module docstring).
     """
 
@@ -106,11 +98,12 @@ class AIMD:
         return cap if self.max_cap is None else min(self.max_cap, cap)
 
     def _stat(self, samples: list[float]) -> float:
+        """The window's statistic; "p95" is `np.percentile(samples, 95)`, linear between order statistics."""
         if self.statistic == "max":
             return max(samples)
         if self.statistic == "mean":
-            return sum(samples) / len(samples)
-        return percentile(samples, 95.0)
+            return float(np.mean(samples))
+        return float(np.percentile(samples, 95.0))
 
     def observe(self, latency_s: float, current: int | None = None) -> int:
         """Records one frame's latency; runs a control step once `window` samples are in. Returns the cap."""

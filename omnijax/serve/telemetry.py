@@ -21,6 +21,8 @@ import dataclasses
 import math
 import time
 
+import numpy as np
+
 EVENT_KINDS = ("pool_exhausted", "page_table_full", "session_preempted", "empty_frames")
 
 
@@ -114,16 +116,19 @@ class SaturationFit:
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Ordinary least squares `y = a + b x`; returns `(a, b)` (b = 0 when all x are equal)."""
-    n = len(xs)
-    if n == 0:
+    """Ordinary least squares `y = a + b x` (`np.polyfit`, degree 1); returns `(a, b)`.
+
+    Exact where the answer is: constant y fit with slope 0 exactly (a flat trace predicts no saturation, not one in
+    1e17 ticks from rounding), and all-equal x, where the slope is undetermined, give (mean y, 0).
+    """
+    if len(xs) == 0:
         raise ValueError("linear fit of no points")
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return my, 0.0
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - b * mx, b
+    if np.ptp(ys) == 0:
+        return float(ys[0]), 0.0
+    if np.ptp(xs) == 0:
+        return float(np.mean(ys)), 0.0
+    b, a = np.polyfit(np.asarray(xs, np.float64), np.asarray(ys, np.float64), 1)
+    return float(a), float(b)
 
 
 def predicted_saturation(rho0: float, slope: float) -> float:
@@ -249,7 +254,7 @@ class Telemetry:
         w0, wslope = linear_fit([r.time_s + r.latency_s - first.time_s for r in window],
                                 [r.occupancy for r in window])
         t_wall = predicted_saturation(w0, wslope)
-        sessions = sum(r.running for r in window) / len(window)
+        sessions = float(np.mean([r.running for r in window]))
         full = next((r.tick for r in self.records if r.occupancy >= 1.0), None)
         measured_s = None if measured is None else self.records[measured].time_s - first.time_s
         rel = None
@@ -271,10 +276,11 @@ class Telemetry:
 
     def summary(self) -> dict:
         """Counters, latency percentiles, peak occupancy and the saturation fit, JSON-ready."""
-        lat = sorted(r.latency_s for r in self.records)
-        pct = lambda q: lat[min(len(lat) - 1, int(round(q / 100 * (len(lat) - 1))))] if lat else None  # noqa: E731
+        lat = [r.latency_s for r in self.records]
+        # Nearest-rank percentiles: the order statistic at the rounded (half to even) index q / 100 * (n - 1).
+        pct = lambda q: float(np.percentile(lat, q, method="nearest")) if lat else None  # noqa: E731
         fit = self.saturation_fit()
         return {"counters": dict(self.counters), "latency_p50_s": pct(50), "latency_p95_s": pct(95),
-                "latency_max_s": lat[-1] if lat else None,
+                "latency_max_s": max(lat) if lat else None,
                 "peak_occupancy": max((r.occupancy for r in self.records), default=0.0),
                 "stalled": bool(self.events), "saturation": None if fit is None else fit.to_dict()}
