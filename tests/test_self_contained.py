@@ -13,7 +13,7 @@ from omnijax.evalharness import streamingbench as sb
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED_DIRS = ("omnijax", "convert", "pallas_kernels", "tests", "bench")
-SCANNED_FILES = ("Makefile", "pyproject.toml")
+SCANNED_FILES = ("Makefile", "pyproject.toml", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".txt", ".yaml", ".yml"}
 
 # A path into the sibling folder: `../shared`, `/work/shared`, `... / "shared"` or `join(..., "shared", ...)`, or a

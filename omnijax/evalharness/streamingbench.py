@@ -32,28 +32,22 @@ import numpy as np
 
 from omnijax.evalharness import annotations as ann
 from omnijax.evalharness import media as media_lib
+from omnijax.config import StreamConfig
 from omnijax.evalharness import sessions as sessions_lib
 from omnijax.evaluation import ConfigResult, EvalConfig, evaluate
 
 
-
 def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:
-    """`policy[:key=value,...][+paging]` -> `EvalConfig` named `spec`; policy `full` is NoSlide.
+    """`policy[:key=value,...][+paging]` -> `EvalConfig` named `spec` (`omnijax.StreamConfig.parse`; the policy
+    resolves through `omnijax.retention.get_policy`, where `full` is NoSlide).
 
     Example: `omnipick:high_watermark=600,low_watermark=400+tile_skip`.
     """
-    from omnijax.retention import REGISTRY
-    head, _, paging = spec.partition("+")
-    name, _, args = head.partition(":")
-    name = "no_slide" if name == "full" else name
-    if name not in REGISTRY:
-        raise ValueError(f"unknown policy {name!r} in {spec!r}; available: full, {', '.join(sorted(REGISTRY))}")
-    kwargs = {}
-    for item in filter(None, args.split(",")):
-        key, _, value = item.partition("=")
-        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
-    return EvalConfig(spec, policy=REGISTRY[name](**kwargs), paging=paging or "native",
-                      max_answer_tokens=answer_tokens, page_size=page_size)
+    try:
+        config = StreamConfig.parse(spec, max_answer_tokens=answer_tokens, page_size=page_size)
+    except KeyError as e:  # an unknown policy name: the command line reports ValueErrors
+        raise ValueError(e.args[0]) from None
+    return EvalConfig(spec, config)
 
 
 def select_videos(videos: Sequence[ann.Video], *, max_videos: int | None = None, max_units: int | None = None,
