@@ -218,8 +218,7 @@ SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
 
 
 def _unused_tensors() -> tuple[str, ...]:
-    """Tensors present in releases that the model never reads (read at call time: the encoder modules import
-    `convert.tables`, so this module must not touch them while it is being imported)."""
+    """Tensors present in releases that the model never reads."""
     return tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
 
 

@@ -78,9 +78,8 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     """
     from safetensors.numpy import save_file
 
-    # vision before audio: importing `audio` first runs into the `convert` package importing `audio` back.
-    from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component  # isort: skip
-    from omnijax.models.qwen2_5_omni.audio import AudioConfig, audio_component  # isort: skip
+    from omnijax.models.qwen2_5_omni.audio import AudioConfig, audio_component
+    from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
 
     cfg = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
     rng = np.random.default_rng(seed)

@@ -101,6 +101,13 @@ def _validate(q_obs, keys, k, block_size, pool_kernel) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _avg_pool(x: jax.Array, kernel: int) -> jax.Array:
+    """Mean of every `kernel` consecutive entries along the last axis, no padding (the caller pads):
+    `[..., n] -> [..., n - kernel + 1]`, one `lax.reduce_window` sum."""
+    window = (1,) * (x.ndim - 1) + (kernel,)
+    return lax.reduce_window(x, jnp.zeros((), x.dtype), lax.add, window, (1,) * x.ndim, "VALID") / kernel
+
+
 def _finalize(idx: jax.Array, vals: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sort a top-k result by index ascending, scores following."""
     order = jnp.argsort(idx, axis=-1)
@@ -125,7 +132,7 @@ def snapkv_scores_reference(q_obs: jax.Array, keys: jax.Array, *, pool_kernel: i
     p = jax.nn.softmax(logits, axis=-1)[..., :Sp]  # window columns dropped after normalising
     s = jnp.mean(p, axis=3)  # over the W queries -> [B, G, R, Sp]
     s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (h, h)))  # zero padding, counted in the mean
-    pooled = sum(s[..., o:o + Sp] for o in range(pool_kernel)) / pool_kernel
+    pooled = _avg_pool(s, pool_kernel)  # [B, G, R, Sp]
     return jnp.mean(pooled, axis=2)  # over the R query heads of each kv group
 
 
@@ -211,7 +218,7 @@ def streaming_topk_blockwise(q_obs: jax.Array, keys: jax.Array, *, k: int, block
         valid = (pos >= 0) & (pos < Sp)  # prefix keys are visible to every window query
         p = jnp.exp(logits_at(pos) - m[..., None]) * inv_z[..., None]
         col = jnp.where(valid, jnp.mean(p, axis=3), 0.0)  # [B, G, R, bs + 2h]; zeros = pooling padding
-        pooled = sum(col[..., o:o + bs] for o in range(pool_kernel)) / pool_kernel
+        pooled = _avg_pool(col, pool_kernel)  # [B, G, R, bs]
         blk = jnp.mean(pooled, axis=2)  # [B, G, bs]
         idx = j0 + jnp.arange(bs)
         blk = jnp.where(idx < Sp, blk, -jnp.inf)

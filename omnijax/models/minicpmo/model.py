@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax import name_tables
 from omnijax.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.minicpmo import audio as audio_lib
@@ -133,11 +134,10 @@ class MiniCPMOModel:
 def load(directory: Path, manifest: dict[str, Any], decoder: Decoder) -> MiniCPMOModel:
     """Restores the encoders of a converted MiniCPM-o checkpoint next to its decoder (each part is stored in its
     own directory under the component name of its conversion table)."""
-    from convert import tables
     from omnijax import checkpoint
 
     def restore(component, config):
-        shapes = tables.param_shapes(component)
+        shapes = name_tables.param_shapes(component)
         abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, config.jnp_dtype), shapes,
                                 is_leaf=lambda x: isinstance(x, tuple))
         return checkpoint.load_params(directory, abstract, component.name)

@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.tables import Component, Rule, convert_in_memory
 from omnijax.models.common import new_param
 from omnijax.models.minicpmo import image_preprocess
 from omnijax.models.minicpmo.vision_config import (
@@ -60,6 +59,7 @@ from omnijax.models.minicpmo.vision_host import (
     TORCH_ARANGE_VECTOR_WIDTH, VisionPlan, navit_position_ids, sincos_2d, torch_arange_f32, vision_plan)
 from omnijax.models.qwen2_5_omni.encoder_common import (
     StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
+from omnijax.name_tables import Component, Rule, convert_in_memory
 
 __all__ = ["MINICPM_O_4_5_VISION", "RESAMPLER_HEAD_WIDTH", "RESAMPLER_LN_EPS", "RESAMPLER_PREFIX", "RESAMPLER_RULES",
            "TORCH_ARANGE_VECTOR_WIDTH", "MiniCPMVision", "Resampler", "SiglipEncoder", "SiglipLayers",
@@ -331,9 +331,9 @@ def vision_from_tensors(config: VisionConfig, tensors: Mapping[str, np.ndarray])
     e.g. `llm.*`, `apm.*`, are ignored).
 
     Raises:
-        convert.errors.MissingTensorError: a `vpm.*` or `resampler.*` tensor the config needs is absent (named).
-        convert.errors.UnexpectedTensorError: a `vpm.*` / `resampler.*` tensor maps to no parameter.
-        convert.errors.ShapeMismatchError: a tensor's shape disagrees with the config.
+        omnijax.errors.MissingTensorError: a `vpm.*` or `resampler.*` tensor the config needs is absent (named).
+        omnijax.errors.UnexpectedTensorError: a `vpm.*` / `resampler.*` tensor maps to no parameter.
+        omnijax.errors.ShapeMismatchError: a tensor's shape disagrees with the config.
     """
     mine = {k: v for k, v in tensors.items() if k.startswith((VPM_PREFIX, RESAMPLER_PREFIX))}
     trees = convert_in_memory(mine, vision_components(config), np.float32, strip_prefix="")
@@ -369,7 +369,7 @@ def load_vision(checkpoint: str | os.PathLike, config: VisionConfig | None = Non
     sharded index, or one `.safetensors` file together with `config`), reading only `vpm.*` and `resampler.*`.
 
     Raises:
-        convert.errors.MissingTensorError: tensors the config needs are absent (named), e.g. no `resampler.*`.
+        omnijax.errors.MissingTensorError: tensors the config needs are absent (named), e.g. no `resampler.*`.
         UnsupportedVisionConfigError, VisionConfigError: see `VisionConfig.from_hf`.
     """
     path = Path(checkpoint)

@@ -47,14 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.errors import UnsupportedConfigError
-from convert.tables import Component, Rule
 from omnijax.config import DTYPES, JsonConfig
+from omnijax.errors import UnsupportedConfigError
 from omnijax.models.common import new_param
 from omnijax.models.qwen2_5_omni.audio_features import (
     AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, log_mel)
 from omnijax.models.qwen2_5_omni.encoder_common import (
     StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
+from omnijax.name_tables import Component, Rule
 
 __all__ = ["AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError", "FeatureShapeError", "InvalidPcmError",
            "UnsupportedAudioConfigError", "UnsupportedSampleRateError", "audio_component", "audio_token_count",

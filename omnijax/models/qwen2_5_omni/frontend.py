@@ -47,10 +47,9 @@ import numpy as np
 from omnijax.adapters import qwen2_5_omni as adapter
 from omnijax.chunks import Chunk
 from omnijax.models.qwen2_5_omni import vision_preprocess
-# vision before audio: importing `audio` first runs into the `convert` package importing `audio` back.
-from omnijax.models.qwen2_5_omni.vision import encode_vision  # isort: skip
-from omnijax.models.qwen2_5_omni.audio import AudioInputError, audio_token_count, encode_audio  # isort: skip
+from omnijax.models.qwen2_5_omni.audio import AudioInputError, audio_token_count, encode_audio
 from omnijax.models.qwen2_5_omni.audio_features import HOP_LENGTH, SAMPLE_RATE, log_mel
+from omnijax.models.qwen2_5_omni.vision import encode_vision
 from omnijax.models.qwen2_5_omni.vision_preprocess import VisionInputError
 
 __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
