@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     num_pages = pages_needed(stacked, 8, args.page_size) + 4
     labels = [label for label, _ in _synthetic_session(model, units, seed=1)]
 
-    session = omnijax.Session(model, max_answer_tokens=8, num_pages=num_pages, page_size=args.page_size)
+    config = omnijax.StreamConfig(max_answer_tokens=8, num_pages=num_pages, page_size=args.page_size)
+    session = omnijax.Session(model, config)
     print(header)
     session_logits = []
     for i, chunk in enumerate(chunks):
@@ -236,11 +237,11 @@ def main(argv=None) -> int:
     print("(enc ms: preprocessing and encoders; the first audiovisual unit and chunk 0's ms include compilation)")
 
     start = time.perf_counter()
-    result = omnijax.stream(model, stacked, max_answer_tokens=8, num_pages=num_pages, page_size=args.page_size)
+    result = omnijax.stream(model, stacked, config)
     jax.block_until_ready(result.logits)
     first = time.perf_counter() - start
     start = time.perf_counter()
-    result = omnijax.stream(model, stacked, max_answer_tokens=8, num_pages=num_pages, page_size=args.page_size)
+    result = omnijax.stream(model, stacked, config)
     jax.block_until_ready(result.logits)
     again = time.perf_counter() - start
     diff = float(np.max(np.abs(np.asarray(result.logits[:, 0]) - np.stack(session_logits))))

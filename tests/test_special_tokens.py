@@ -211,10 +211,9 @@ def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------- MiniCPM-o
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"
+GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="golden vectors not present")
 def test_minicpmo_markers_come_from_the_checkpoints_tokenizer(tmp_path):
     from omnijax.adapters import minicpmo as m
     from omnijax.models.minicpmo.duplex import DuplexTokens

@@ -406,6 +406,18 @@ async def serve_until_signalled(server: MetronomeServer) -> None:
     print(f"omnijax-serve: stopped ({server.stats})", flush=True)
 
 
+def engine_policy(spec: str, *, sink: int, window: int):
+    """The retention policy of `--policy SPEC` (`omnijax.retention.get_policy`); `sink_window` takes `--sink` and
+    `--window` for the settings its spec does not give."""
+    from omnijax.retention.base import ALIASES, get_policy
+
+    name = spec.partition(":")[0].strip()
+    if ALIASES.get(name, name) != "sink_window":
+        return get_policy(spec)
+    given = {item.partition("=")[0].strip() for item in spec.partition(":")[2].split(",")}
+    return get_policy(spec, **{k: v for k, v in dict(sink=sink, window=window).items() if k not in given})
+
+
 def main(argv=None) -> int:
     import tempfile
 
@@ -414,9 +426,11 @@ def main(argv=None) -> int:
     parser.add_argument("--demo-model", action="store_true", help="serve the embedded tiny random model (no download)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
-    parser.add_argument("--policy", choices=["sink_window", "unbounded"], default="sink_window")
-    parser.add_argument("--sink", type=int, default=16)
-    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--policy", default="sink_window",
+                        help="retention policy: a registered name with optional settings, e.g. sink_window, "
+                             "unbounded (NoSlide), omnipick:high_watermark=2500,low_watermark=1800")
+    parser.add_argument("--sink", type=int, default=16, help="sink_window's S (unless --policy sets it)")
+    parser.add_argument("--window", type=int, default=1024, help="sink_window's W (unless --policy sets it)")
     parser.add_argument("--pages", type=int, default=256, help="shared KV pool pages")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B (one frame per tick)")
@@ -449,17 +463,18 @@ def main(argv=None) -> int:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
             model = omnijax.load(path)
-            config = EngineConfig(policy=args.policy, sink=args.sink, window=args.window, num_pages=args.pages,
-                                  page_size=args.page_size, chunk_tokens=chunk_tokens,
-                                  max_answer_tokens=args.answer_tokens, frame_budget_s=args.frame_ms / 1000.0,
-                                  buckets=tuple(args.buckets), impl=args.impl, return_logits=False)
-        except ValueError as e:  # an unreadable checkpoint (CheckpointFormatError) or a bad engine setting
+            policy = engine_policy(args.policy, sink=args.sink, window=args.window)
+            stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
+                                          max_answer_tokens=args.answer_tokens, impl=args.impl)
+            config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=args.frame_ms / 1000.0,
+                                  buckets=tuple(args.buckets), return_logits=False)
+        except (ValueError, KeyError, TypeError) as e:  # an unreadable checkpoint or a bad engine setting
             print(f"omnijax-serve: error: {e}", file=sys.stderr)
             return 1
         engine = Engine(model, config)
         encoder = AudioFrameEncoder(model, chunk_tokens=chunk_tokens, answer_tokens=args.answer_tokens)
         seconds = warm_up(engine, encoder, samples, args.warmup_sessions)
-        print(f"omnijax-serve: {path}: {args.policy} (sink {args.sink}, window {args.window}), pool "
+        print(f"omnijax-serve: {path}: {policy}, pool "
               f"{args.pages}x{args.page_size}, B={args.frame_ms:g} ms ({samples} samples, {chunk_tokens} tokens per "
               f"frame), warm-up {seconds:.1f} s", flush=True)
         admission = AIMD(target_fraction=args.aimd_target, frame_budget_s=args.frame_ms / 1000.0,
