@@ -14,6 +14,16 @@ every start s before the end, packing the live slots from s on into s, s + 1, ..
 latest s whose packing saves at least `min_pages` entries wins, and only the survivors it shifts move. No such s: no
 moves, rejected.
 
+reserve (`omnijax.kv.paged.reserve`), sequence after sequence: a sequence holds the entries below ceil(seq_slots / P);
+its open slots are the dead slots of held entries that have a page. Under first_fit every token takes the next open
+slot. Under by_class a SYSTEM token takes the next open slot of a MUST_KEEP page, any other token the next open slot
+of a RECENT page. The tokens left over get fresh entries after the held ones: first the system tokens' pages
+(MUST_KEEP), then the others' (RECENT), P tokens a page, in chunk order. Fresh entries past the table's width, or
+past what the pool still has, do not exist; their tokens are dropped and the sequence is exhausted.
+
+The OmniPage invariant under tile_skip (`must_keep_violations`): every live slot of a MUST_KEEP page holds a SYSTEM
+token, and every live SYSTEM token sits in a MUST_KEEP page.
+
 Everything here is loops over Python ints; nothing is shared with the vectorised planners.
 """
 
@@ -190,3 +200,109 @@ def ordered_suffix_mode(page_table_row, valid, page_size: int, min_pages: int) -
     new_row, new_source, released2 = _drop_empty(row1, _move(source1, moves), P)
     return {"row": new_row, "source": new_source, "released": released1 + released2, "moved": len(moves),
             "compacted_row": row1}
+
+
+def reserve(table, valid, page_class, seq_slots, free_stack, num_free: int, token_valid, token_span, page_size: int,
+            placement: str) -> dict:
+    """What `paged.reserve` does to a pool, sequence by sequence.
+
+    Args:
+        table: `[B][M]` page-table rows, -1 = no entry.
+        valid: `[N][P]` slot-valid bits of the pool.
+        page_class: `[N]` page classes.
+        seq_slots: `[B]` high-water marks.
+        free_stack: the free stack; its top `num_free` entries are free, the top one popped first.
+        num_free: free pages.
+        token_valid, token_span: `[B][T]` the chunk's tokens to write and their span kinds.
+        page_size: P.
+        placement: "first_fit" or "by_class".
+
+    Returns:
+        A dict: `slots` (`[B][T]` flat slot `page * P + offset`, -1 = not written), `table` (new rows),
+        `classes` ({page: class} of the pages popped), `seq_slots`, `num_free` and `lost` (`[B]` tokens dropped).
+    """
+    P = page_size
+    top = int(num_free)
+    out = {"slots": [], "table": [], "classes": {}, "seq_slots": [], "lost": []}
+    for b, row in enumerate(table):
+        row = [int(p) for p in row]
+        M = len(row)
+        held = _ceil_div(int(seq_slots[b]), P)
+        live = live_slots(row, valid, P)
+
+        def group(t):
+            return 0 if placement == "by_class" and int(token_span[b][t]) == SpanKind.SYSTEM else 1
+
+        def may_take(j, g):
+            page = row[j // P]
+            if page < 0 or live[j]:
+                return False
+            if placement == "first_fit":
+                return g == 1
+            return int(page_class[page]) == (PageClass.MUST_KEEP if g == 0 else PageClass.RECENT)
+
+        open_slots = {g: [j for j in range(held * P) if may_take(j, g)] for g in (0, 1)}
+        tokens = {g: [t for t in range(len(token_valid[b])) if token_valid[b][t] and group(t) == g] for g in (0, 1)}
+        overflow = {g: max(len(tokens[g]) - len(open_slots[g]), 0) for g in (0, 1)}
+        fresh = {0: _ceil_div(overflow[0], P), 1: _ceil_div(overflow[1], P)}
+        first_fresh = {0: held, 1: held + fresh[0]}
+        want = {}  # token -> table slot
+        for g in (0, 1):
+            for k, t in enumerate(tokens[g]):
+                if k < len(open_slots[g]):
+                    want[t] = open_slots[g][k]
+                else:
+                    want[t] = first_fresh[g] * P + k - len(open_slots[g])
+        granted = min(fresh[0] + fresh[1], max(M - held, 0), top)
+        for k in range(granted):
+            page = int(free_stack[top - 1])
+            top -= 1
+            row[held + k] = page
+            out["classes"][page] = int(PageClass.MUST_KEEP if k < fresh[0] else PageClass.RECENT)
+        slots, lost, mark = [], 0, int(seq_slots[b])
+        for t in range(len(token_valid[b])):
+            if not token_valid[b][t]:
+                slots.append(-1)
+                continue
+            j = want[t]
+            e = j // P
+            if e < held + granted and e < M and row[e] >= 0:
+                slots.append(row[e] * P + j % P)
+                mark = max(mark, j + 1)
+            else:
+                slots.append(-1)
+                lost += 1
+        out["slots"].append(slots)
+        out["table"].append(row)
+        out["seq_slots"].append(mark)
+        out["lost"].append(lost)
+    out["num_free"] = top
+    return out
+
+
+def must_keep_violations(page_table_row, valid, page_class, span) -> list[str]:
+    """Breaches of the tile_skip invariant in one sequence: a live non-SYSTEM slot in a MUST_KEEP page, or a live
+    SYSTEM slot in a page of another class (empty when it holds)."""
+    bad = []
+    for e, page in enumerate(page_table_row):
+        page = int(page)
+        if page < 0:
+            continue
+        must_keep = int(page_class[page]) == PageClass.MUST_KEEP
+        for o in range(len(valid[page])):
+            if not valid[page][o]:
+                continue
+            system = int(span[page][o]) == SpanKind.SYSTEM
+            if must_keep and not system:
+                bad.append(f"entry {e} (page {page}, MUST_KEEP) slot {o}: span {int(span[page][o])}")
+            elif system and not must_keep:
+                bad.append(f"entry {e} (page {page}, {PageClass(int(page_class[page])).name}) slot {o}: SYSTEM")
+    return bad
+
+
+def page_counts(page_table_row, valid, page_size: int, subblock: int) -> dict:
+    """One sequence's layout statistics (`omnijax.kv.layout_stats`) counted slot by slot."""
+    live = live_slots(page_table_row, valid, page_size)
+    return {"retained_cells": sum(live), "physical_span": span_pages(live, page_size) * page_size,
+            "active_pages": count_active(live, page_size), "active_subblocks": count_active(live, subblock),
+            "table_pages": sum(1 for p in page_table_row if int(p) >= 0)}

@@ -9,6 +9,8 @@ import pytest
 
 from omnijax import attention
 from omnijax.kv import paged, layout
+from omnijax.kv.paged import PageClass
+from omnijax.units import SpanKind
 
 G, D, H = 2, 8, 4  # kv heads, head dim, query heads
 
@@ -169,6 +171,53 @@ def test_page_table_width_limit_is_exhaustion():
     kv, slots = paged.append(kv, k, k, jnp.ones((1, 10), bool), _meta(1, 10))
     assert bool(kv.exhausted[0]) and int(kv.dropped[0]) == 2 and int(kv.num_free) == 6
     assert (np.asarray(slots)[0, 8:] == -1).all()
+
+
+def _spanned(spans, start=0):
+    """Batch-1 metadata of tokens with the given span kinds."""
+    T = len(spans)
+    z = np.zeros((1, T), np.int32)
+    return paged.SlotMeta(pos=jnp.asarray(np.arange(start, start + T, dtype=np.int32)[None, None]),
+                          unit=jnp.asarray(z), span=jnp.asarray(np.asarray([spans], np.int32)), offset=jnp.asarray(z))
+
+
+def test_by_class_placement_keeps_system_tokens_on_must_keep_pages():
+    """System tokens get MUST_KEEP pages of their own; a partly filled MUST_KEEP page stays reserved for later system
+    tokens, which fill it before a fresh one is taken; other tokens never take its slots."""
+    SYS, TXT = int(SpanKind.SYSTEM), int(SpanKind.TEXT)
+    P = 4
+    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=8, page_size=P, position_axes=1)
+    # 5 system tokens then 3 text tokens: MUST_KEEP entries 0, 1 (one token), a RECENT entry 2.
+    kv, slots, _ = paged.reserve(kv, jnp.ones((1, 8), bool), _spanned([SYS] * 5 + [TXT] * 3), placement="by_class")
+    assert np.asarray(slots[0]).tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
+    assert np.asarray(kv.page_class[:3]).tolist() == [PageClass.MUST_KEEP, PageClass.MUST_KEEP, PageClass.RECENT]
+    # Text fills the RECENT page and opens another: page 1's three free slots stay empty.
+    kv, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), _spanned([TXT] * 3, 8), placement="by_class")
+    assert np.asarray(slots[0]).tolist() == [11, 12, 13] and int(kv.page_class[3]) == PageClass.RECENT
+    # Later system tokens, mixed with text: page 1's slots first, then a fresh MUST_KEEP page.
+    kv, slots, _ = paged.reserve(kv, jnp.ones((1, 6), bool), _spanned([SYS, TXT, SYS, SYS, SYS, SYS], 11),
+                                 placement="by_class")
+    assert np.asarray(slots[0]).tolist() == [5, 14, 6, 7, 16, 17]
+    assert int(kv.page_class[4]) == PageClass.MUST_KEEP and np.asarray(kv.page_table[0, :5]).tolist() == [0, 1, 2, 3, 4]
+    valid, span, cls = np.asarray(kv.valid), np.asarray(kv.span), np.asarray(kv.page_class)
+    for page in range(5):
+        system = span[page][valid[page]] == SYS
+        assert (system.all() if cls[page] == PageClass.MUST_KEEP else not system.any()), page
+    assert not bool(kv.exhausted[0])
+
+
+def test_by_class_placement_reports_a_system_token_with_no_page():
+    """A system token may not take a free RECENT slot: with the pool empty it is dropped, and reported."""
+    SYS, TXT = int(SpanKind.SYSTEM), int(SpanKind.TEXT)
+    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=1, page_size=4, position_axes=1)
+    kv, _, _ = paged.reserve(kv, jnp.ones((1, 2), bool), _spanned([TXT, TXT]), placement="by_class")
+    kv, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), _spanned([TXT, SYS, TXT], 2), placement="by_class")
+    assert np.asarray(slots[0]).tolist() == [2, -1, 3]
+    assert bool(kv.exhausted[0]) and int(kv.dropped[0]) == 1 and int(kv.num_free) == 0
+    first_fit = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=1, page_size=4, position_axes=1)
+    first_fit, _, _ = paged.reserve(first_fit, jnp.ones((1, 2), bool), _spanned([TXT, TXT]))
+    first_fit, slots, _ = paged.reserve(first_fit, jnp.ones((1, 2), bool), _spanned([TXT, SYS], 2))
+    assert np.asarray(slots[0]).tolist() == [2, 3] and not bool(first_fit.exhausted[0])
 
 
 def _python_stats(valid, table, P, sub):

@@ -2,19 +2,23 @@
 placement and promotion; every mode streams exactly like native while shortening the layout. (Planner rules against
 a plain-Python planner on random layouts: `test_omnipage_plans.py`.)"""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import omnijax
 from omnijax import attention
-from omnijax.chunks import stack_chunks, text_chunk
+from omnijax.chunks import pad_chunk, stack_chunks, text_chunk
 from omnijax.config import TINY_OMNI
 from omnijax.kv import paged
 from omnijax.kv.paged import PageClass
 from omnijax.paging import PAGING_MODES, Paging, eager, migration, omnipage
 from omnijax.units import SpanKind
-from omnijax.retention import OmniPick, base
+from omnijax.retention import OmniPick, TokenSliding, base
+from tests import reference_paging as ref
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +174,7 @@ def test_tile_skip_promotes_filled_pages_and_system_pages():
     assert int(out.num_free) == 4 and int(out.seq_slots[0]) == 2 * P
 
 
-def test_recent_placement_never_writes_into_selected_pages():
+def test_class_placement_never_writes_into_selected_pages():
     P = 4
     kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)
     n = 3 * P
@@ -182,7 +186,7 @@ def test_recent_placement_never_writes_into_selected_pages():
     kv = kv.replace(page_class=kv.page_class.at[0].set(PageClass.SELECTED))
     new = paged.SlotMeta(pos=jnp.asarray([[[20, 21, 22]]]), unit=jnp.ones((1, 3), jnp.int32),
                          span=jnp.full((1, 3), SpanKind.TEXT), offset=jnp.zeros((1, 3), jnp.int32))
-    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="recent")
+    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="by_class")
     np.testing.assert_array_equal(np.asarray(slots[0]), [5, 6, 12])  # page 1's holes, then a fresh page
     _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="first_fit")
     np.testing.assert_array_equal(np.asarray(slots[0]), [1, 2, 5])
@@ -213,3 +217,109 @@ def test_every_paging_mode_streams_like_native(model):
         omnijax.stream(model, chunks, policy=policy, page_size=8, num_pages=16, paging="lazy")
     with pytest.raises(ValueError, match="min_pages"):
         Paging("ordered_suffix", min_pages=0)
+
+
+def _chunk(spans, units, seed, answer_tokens=0):
+    """A batch-1 chunk of random token ids whose tokens have the given span kinds and unit ids."""
+    rng = np.random.default_rng(seed)
+    chunk = text_chunk(rng.integers(0, 300, len(spans)), answer_tokens=answer_tokens)
+    return dataclasses.replace(chunk, span=np.asarray([spans], np.int32), unit=np.asarray([units], np.int32),
+                               answer_unit=np.asarray([max(units) + 1], np.int32))
+
+
+def _system_session(system, seed):
+    """A batch-1 session with system-prefix tokens: a system chunk of `system` tokens, then a chunk that ends the
+    system prompt and starts unit 1, text units (some asking for an answer), and a late system chunk."""
+    spans = [[SpanKind.SYSTEM] * system, [SpanKind.SYSTEM] * 3 + [SpanKind.TEXT] * 7]
+    units = [[0] * system, [0] * 3 + [1] * 7]
+    for u in range(2, 12):
+        spans.append([SpanKind.TEXT] * 10)
+        units.append([u] * 10)
+    spans.insert(7, [SpanKind.SYSTEM] * 4)  # a later system chunk: fills the partly filled MUST_KEEP page
+    units.insert(7, [0] * 4)
+    return [_chunk(s, u, seed * 100 + i, answer_tokens=2 if i % 4 == 3 else 0)
+            for i, (s, u) in enumerate(zip(spans, units))]
+
+
+def _batched(sessions):
+    """Chunk by chunk, the sessions side by side as one batch (positions `[A, B, T]`, the rest `[B, ...]`), stacked."""
+    def side_by_side(*row):
+        return dataclasses.replace(row[0], **{
+            f.name: np.concatenate([np.asarray(getattr(c, f.name)) for c in row], axis=int(f.name == "positions"))
+            for f in dataclasses.fields(row[0]) if getattr(row[0], f.name) is not None})
+    return stack_chunks([side_by_side(*row) for row in zip(*[[pad_chunk(c, 10) for c in s] for s in sessions])])
+
+
+def check_must_keep_invariant(kv, note=""):
+    """Every live slot of a MUST_KEEP page is SYSTEM and every live SYSTEM slot sits in a MUST_KEEP page, in every
+    sequence; MUST_KEEP pages are only ever in one table."""
+    table, valid, page_class, span = map(np.asarray, (kv.page_table, kv.valid, kv.page_class, kv.span))
+    for b in range(table.shape[0]):
+        bad = ref.must_keep_violations(table[b], valid, page_class, span)
+        assert not bad, f"{note} sequence {b}: {bad}"
+
+
+@pytest.mark.parametrize("policy", [OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6),
+                                    TokenSliding(window=24, high_watermark=40)])
+def test_tile_skip_keeps_system_tokens_and_only_them_in_must_keep_pages(model, policy):
+    """After every chunk of two sessions with system prefixes sharing a pool under tile_skip (OmniPick keeps the
+    prefix, TokenSliding evicts it too): MUST_KEEP pages hold the system tokens and nothing else, the layout
+    statistics equal a slot-by-slot count, and the logits equal native's (placement and migration change the
+    physical layout only)."""
+    P, sub, pages = 8, 4, 24
+    chunks = _batched([_system_session(5, 0), _system_session(9, 1)])
+    tau = 2
+    native = omnijax.stream(model, chunks, policy=policy, page_size=P, num_pages=pages, subblock=sub, impl="xla",
+                            max_answer_tokens=tau)
+    tiled = omnijax.stream(model, chunks, policy=policy, page_size=P, num_pages=pages, subblock=sub, impl="xla",
+                           max_answer_tokens=tau, paging="tile_skip")
+    np.testing.assert_allclose(np.asarray(tiled.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(tiled.tokens), np.asarray(native.tokens))
+    np.testing.assert_array_equal(np.asarray(tiled.stats.layout.retained_cells),
+                                  np.asarray(native.stats.layout.retained_cells))
+    assert int(np.asarray(tiled.stats.evicted).sum()) > 0
+    assert not bool(np.asarray(tiled.stats.layout.exhausted).any())
+    # Chunk by chunk from the carried state: the invariant and the page counts after every chunk (and its answer).
+    state = omnijax.init_state(model.config, num_pages=pages, page_size=P, batch=2)
+    moved = 0
+    for c in range(chunks.token_ids.shape[0]):
+        one = jax.tree.map(lambda x: x[c:c + 1], chunks)
+        out = omnijax.stream(model, one, policy=policy, impl="xla", state=state, subblock=sub, paging="tile_skip",
+                             max_answer_tokens=tau)
+        state, stats = out.state, out.stats
+        kv = state.kv
+        check_must_keep_invariant(kv, f"chunk {c}")
+        table, valid = np.asarray(kv.page_table), np.asarray(kv.valid)
+        for b in range(2):
+            counts = ref.page_counts(table[b], valid, P, sub)
+            for name, value in counts.items():
+                assert int(np.asarray(getattr(stats.layout, name))[0, b]) == value, (c, b, name)
+        held = table[table >= 0]
+        assert len(set(held.tolist())) == len(held) and int(kv.num_free) + len(held) == pages
+        np.testing.assert_allclose(np.asarray(out.logits[0]), np.asarray(native.logits[c]), atol=1e-5, rtol=0)
+        moved += int(np.asarray(stats.moved).sum())
+        system = (valid & (np.asarray(kv.span) == SpanKind.SYSTEM)).sum()
+        if c == 1:
+            assert system == 5 + 3 + 9 + 3  # the whole system prompt so far, each sequence's in MUST_KEEP pages
+    assert moved > 0
+
+
+def test_must_keep_placement_exhaustion_is_reported(model):
+    """A chunk of 4 system and 4 text tokens fits one page first-fit, but tile_skip keeps them on two pages: with a
+    one-page pool the text tokens are not cached, and the stream says so."""
+    chunks = stack_chunks([_chunk([SpanKind.SYSTEM] * 4 + [SpanKind.TEXT] * 4, [0] * 4 + [1] * 4, 0)])
+    native = omnijax.stream(model, chunks, page_size=8, num_pages=1)
+    assert not bool(native.state.kv.exhausted[0])
+    with pytest.warns(RuntimeWarning, match="ran out"):
+        tiled = omnijax.stream(model, chunks, page_size=8, num_pages=1, paging="tile_skip")
+    kv = tiled.state.kv
+    assert bool(kv.exhausted[0]) and int(kv.dropped[0]) == 4
+    assert bool(tiled.stats.layout.exhausted[0, 0]) and int(tiled.stats.layout.dropped[0, 0]) == 4
+    assert int(kv.page_class[0]) == PageClass.MUST_KEEP and int(np.asarray(kv.valid).sum()) == 4
+    check_must_keep_invariant(kv)
+    # The one page more a tile_skip session may need is what `Paging.extra_pages` says.
+    assert [Paging(mode).extra_pages for mode in PAGING_MODES] == [0, 1, 0, 0]
+    roomy = omnijax.stream(model, chunks, page_size=8, num_pages=1 + Paging("tile_skip").extra_pages,
+                           paging="tile_skip")
+    assert not bool(roomy.state.kv.exhausted[0]) and int(np.asarray(roomy.state.kv.valid).sum()) == 8
+    check_must_keep_invariant(roomy.state.kv)

@@ -16,7 +16,7 @@ Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes,
     score       [N, P] float32    accumulated attention mass the slot received (H2O; zero unless tracked)
     page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
     page_class  [N] int8          `PageClass` of each page
-    seq_slots   [B] int32         high-water mark in page-table space: slots below it were written at some time
+    seq_slots   [B] int32         high-water mark in page-table space: the entries below it are held
     next_order  [B] int32         tokens ever written per sequence
     free_stack  [N] int32         free page ids; the top `num_free` entries are free
     num_free    [] int32
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.config import check_power_of_two
+from omnijax.units import SpanKind
 
 
 class PageClass(enum.IntEnum):
@@ -138,23 +139,29 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
     )
 
 
-PLACEMENTS = ("first_fit", "recent")
+PLACEMENTS = ("first_fit", "by_class")
 
 
 def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: str = "first_fit"
             ) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Assigns cache slots to a chunk's valid tokens and records their metadata.
 
-    Free slots of sequence b, in page-table order, are the holes eviction left below its high-water mark
-    `seq_slots[b]` and every slot from the mark on; reusing holes keeps a trimmed session's memory bounded. Write
-    order, not slot order, carries causality. Pages the tokens need are popped from the free stack, sequences in
-    batch order. A token with no slot (pool empty or page table full) is not written: it gets slot -1,
+    A sequence's held entries are its page-table entries below `ceil(seq_slots[b] / P)`; their open slots are the
+    ones holding no live token (holes eviction left, and the rest of the last entry). Tokens fill open slots in
+    table order; reusing holes keeps a trimmed session's memory bounded. Write order, not slot order, carries
+    causality. The tokens that find no open slot get fresh pages appended to the table, popped from the free stack,
+    sequences in batch order. A token with no slot (pool empty or page table full) is not written: it gets slot -1,
     `exhausted[b]` is set and `dropped[b]` counts it. Nothing is ever overwritten.
 
-    Placements (which free slots a chunk takes):
-        first_fit: token by token, the first free slots (every hole is refilled).
-        recent: first_fit over holes of RECENT pages only (OmniPage's class-aware placement), so SELECTED and
-            MUST_KEEP pages never mix with new content. New pages are always RECENT.
+    Placements (which open slots a token may take, and the class of the fresh pages):
+        first_fit: every open slot, token by token in chunk order; fresh pages are RECENT.
+        by_class: OmniPage's retention-aware placement (seed 000 §6.1). SYSTEM tokens (the protected system
+            prefix) take open slots of MUST_KEEP pages only, every other token those of RECENT pages only, each
+            group first-fit in chunk order; SELECTED pages take nothing. The system tokens that do not fit get
+            fresh MUST_KEEP pages, entered in the table first, then the others fresh RECENT pages, so no page ever
+            mixes system and unit tokens and a partly filled MUST_KEEP page stays reserved for later system
+            tokens. When the pool or the table runs short, the later fresh entries (the RECENT ones first) go
+            without, and their tokens count as dropped.
 
     Args:
         kv: the cache.
@@ -168,46 +175,62 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: s
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; available: {PLACEMENTS}")
     B, T = token_valid.shape
-    P, M = kv.page_size, kv.max_pages
+    P, M, N = kv.page_size, kv.max_pages, kv.num_pages
+    S = M * P
     token_valid = token_valid.astype(bool)
-    rank = jnp.cumsum(token_valid, axis=1) - 1  # [B, T] index among the chunk's valid tokens
     count = jnp.sum(token_valid, axis=1).astype(jnp.int32)  # [B]
 
-    # Free slots in page-table space: holes below the high-water mark, and everything from it on.
-    j = jnp.arange(M * P)[None, :]  # [1, M*P]
-    table_pages = jnp.clip(kv.page_table, 0, kv.num_pages - 1)
-    live = jnp.repeat(kv.page_table >= 0, P, axis=1) & kv.valid[table_pages].reshape(B, M * P)
-    hole = ~live
-    if placement == "recent":
-        hole = hole & jnp.repeat(kv.page_class[table_pages] == PageClass.RECENT, P, axis=1)
-    free = jnp.where(j < kv.seq_slots[:, None], hole, True)
-    # The k-th free slot, listed by rank with one scatter (a binary search would be a loop: on a GPU, a host
-    # read-back per step); M*P when fewer than k + 1 are free.
-    S = M * P
-    free_rank = jnp.where(free, jnp.cumsum(free, axis=1) - 1, S)  # [B, M*P]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
-    kth_free = jnp.full((B, S), S, jnp.int32).at[rows, free_rank].set(jnp.broadcast_to(j, (B, S)), mode="drop")
-    logical = jnp.where(rank < S, jnp.take_along_axis(kth_free, jnp.clip(rank, 0, S - 1), axis=1), S)  # [B, T]
-    wanted_top = jnp.max(jnp.where(token_valid, logical + 1, 0), axis=1)  # [B] high-water mark the chunk wants
-
+    # Two groups of tokens, each with the open slots of held entries it may take: 0 = system tokens in MUST_KEEP
+    # pages (by_class only), 1 = every other token (RECENT pages for by_class, any page for first_fit).
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S] table slot
+    table_pages = jnp.clip(kv.page_table, 0, N - 1)
+    exists = jnp.repeat(kv.page_table >= 0, P, axis=1)  # [B, S]
+    live = exists & kv.valid[table_pages].reshape(B, S)
     pages_held = (kv.seq_slots + P - 1) // P  # [B] page-table entries in use
-    pages_wanted = jnp.minimum((jnp.maximum(kv.seq_slots, wanted_top) + P - 1) // P, M)  # capped by the table
-    need = jnp.maximum(pages_wanted - pages_held, 0)  # [B]
+    open_slot = exists & ~live & (j < pages_held[:, None] * P)
+    if placement == "by_class":
+        cls = jnp.repeat(kv.page_class[table_pages], P, axis=1)
+        system = token_valid & (meta.span == SpanKind.SYSTEM)
+        tokens = jnp.stack([system, token_valid & ~system])  # [2, B, T]
+        slots = jnp.stack([open_slot & (cls == PageClass.MUST_KEEP), open_slot & (cls == PageClass.RECENT)])
+    else:
+        tokens = jnp.stack([jnp.zeros_like(token_valid), token_valid])
+        slots = jnp.stack([jnp.zeros_like(open_slot), open_slot])
+    rank = jnp.cumsum(tokens, axis=2) - 1  # [2, B, T] rank among the chunk's tokens of the group
+    wanted = jnp.sum(tokens, axis=2)  # [2, B]
+    n_open = jnp.sum(slots, axis=2)  # [2, B]
+    # The k-th open slot of each group, listed by rank with one scatter (a binary search would be a loop: on a GPU,
+    # a host read-back per step).
+    open_rank = jnp.where(slots, jnp.cumsum(slots, axis=2) - 1, S)
+    lanes = (jnp.arange(2)[:, None, None], jnp.arange(B)[None, :, None])
+    kth_open = jnp.full((2, B, S), S, jnp.int32).at[lanes + (open_rank,)].set(
+        jnp.broadcast_to(j, (2, B, S)), mode="drop")
+    # Fresh pages: each group's overflow, the system group's pages entered first.
+    fresh_pages = (jnp.maximum(wanted - n_open, 0) + P - 1) // P  # [2, B]
+    first_fresh = pages_held[None] + jnp.stack([jnp.zeros_like(pages_held), fresh_pages[0]])  # [2, B] entry
+    held_slot = jnp.take_along_axis(kth_open, jnp.clip(rank, 0, S - 1), axis=2)
+    fresh_slot = first_fresh[..., None] * P + rank - n_open[..., None]
+    slot = jnp.where(rank < n_open[..., None], held_slot, fresh_slot)  # [2, B, T] table slot per group
+    logical = jnp.where(tokens[0], slot[0], slot[1])  # [B, T]
+
+    need = jnp.minimum(fresh_pages[0] + fresh_pages[1], jnp.maximum(M - pages_held, 0))  # capped by the table
     need_before = jnp.cumsum(need) - need
     granted = jnp.clip(kv.num_free - need_before, 0, need)  # [B] pages actually available, batch order
     taken_before = jnp.cumsum(granted) - granted
     total_taken = jnp.sum(granted)
 
-    # New page-table entries: entry j (pages_held <= j < pages_held + granted) gets the (taken_before + j -
-    # pages_held)-th page popped from the stack top.
+    # New page-table entries: entry e (pages_held <= e < pages_held + granted) gets the (taken_before + e -
+    # pages_held)-th page popped from the stack top; MUST_KEEP for the system group's entries, RECENT after them.
     entry = jnp.arange(M)[None, :]  # [1, M]
     k_new = entry - pages_held[:, None]  # [B, M]
     is_new = (k_new >= 0) & (k_new < granted[:, None])
     stack_idx = kv.num_free - 1 - (taken_before[:, None] + k_new)
-    popped = kv.free_stack[jnp.clip(stack_idx, 0, kv.num_pages - 1)]
+    popped = kv.free_stack[jnp.clip(stack_idx, 0, N - 1)]
     page_table = jnp.where(is_new, popped, kv.page_table)
-    new_pages = jnp.where(is_new, popped, kv.num_pages)  # out of range = dropped update
-    page_class = kv.page_class.at[new_pages.reshape(-1)].set(PageClass.RECENT, mode="drop")
+    new_pages = jnp.where(is_new, popped, N)  # out of range = dropped update
+    new_class = jnp.where(k_new < fresh_pages[0][:, None], PageClass.MUST_KEEP, PageClass.RECENT)
+    page_class = kv.page_class.at[new_pages.reshape(-1)].set(new_class.reshape(-1).astype(kv.page_class.dtype),
+                                                             mode="drop")
 
     # Slots: a token is written when its page-table entry exists after allocation.
     entry_of_token = logical // P
@@ -219,8 +242,8 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: s
     lost = count - written
     high_water = jnp.maximum(kv.seq_slots, jnp.max(jnp.where(writable, logical + 1, 0), axis=1))
 
-    token_order = kv.next_order[:, None] + rank
-    flat = jnp.where(writable, write_slots, kv.num_pages * P).reshape(-1)  # out of range = dropped
+    token_order = kv.next_order[:, None] + jnp.cumsum(token_valid, axis=1) - 1
+    flat = jnp.where(writable, write_slots, N * P).reshape(-1)  # out of range = dropped
 
     def put(field, values):
         return field.reshape(-1).at[flat].set(values.reshape(-1).astype(field.dtype), mode="drop").reshape(

@@ -4,8 +4,9 @@
 
     native          holes stay where eviction left them until new tokens refill them (first-fit, token by token);
                     the page table is never shortened
-    tile_skip       OmniPage for tile-skipping kernels: class-aware placement (new tokens in RECENT pages only),
-                    selective migration accepted only if active pages or subblocks decrease (`omnipage`)
+    tile_skip       OmniPage for tile-skipping kernels: class-aware placement (system-prefix tokens in MUST_KEEP
+                    pages only, every other new token in RECENT pages only), selective migration within a class,
+                    accepted only if active pages or subblocks decrease (`omnipage`)
     ordered_suffix  OmniPage for span-traversing kernels: pack the shortest suffix that shortens the page-rounded
                     span by at least `min_pages` pages, order preserved (`omnipage`)
     eager           pack every survivor after every eviction: the attention-time oracle (`eager`)
@@ -48,8 +49,17 @@ class Paging:
     @property
     def placement(self) -> str:
         """Which free slots new tokens take (`omnijax.kv.paged.reserve`): OmniPage's class-aware placement for
-        `tile_skip`, every hole first-fit otherwise."""
-        return "recent" if self.mode == "tile_skip" else "first_fit"
+        `tile_skip`; every hole first-fit otherwise. `ordered_suffix` replaces class-based placement (seed 000 §6.2:
+        it packs entries of any class), `native` is the contiguous-cache baseline and `eager` the packing oracle, so
+        none of them keeps classes apart."""
+        return "by_class" if self.mode == "tile_skip" else "first_fit"
+
+    @property
+    def extra_pages(self) -> int:
+        """Pages per sequence a session may need beyond its tokens rounded up to pages, without eviction: one for
+        `tile_skip`, whose system tokens and other tokens never share a page (so each group rounds up on its own),
+        none for the first-fit modes."""
+        return 1 if self.placement == "by_class" else 0
 
 
 def as_paging(paging: str | Paging) -> Paging:

@@ -2,14 +2,16 @@
 
 Two modes, both run after an eviction inside the streaming scan:
 
-`tile_skip` — for kernels that skip empty pages or subblocks. New tokens go to RECENT pages only (class-aware
-placement, `reserve(placement="recent")`). After an eviction, survivors in partially filled pages are candidates; each
+`tile_skip` — for kernels that skip empty pages or subblocks. Class-aware placement (`reserve(placement="by_class")`):
+system-prefix tokens go to MUST_KEEP pages only, every other new token to RECENT pages only, so a MUST_KEEP page
+holds system tokens and nothing else. After an eviction, survivors in partially filled pages are candidates; each
 class (MUST_KEEP, SELECTED, RECENT) is planned on its own, so a destination page always holds entries of the
-candidate's class: candidates sorted by table slot descending are paired with the same class's holes in active
-pages sorted ascending, the k-th with the k-th, while the hole lies before the candidate (the latest survivors fill
-the earliest holes, so a full pack costs the fewest copies). The plan is simulated and accepted only if the
-sequence's active pages or active subblocks decrease. Pages the plan filled are promoted to SELECTED; full pages of
-only system tokens become MUST_KEEP; emptied pages leave the page table and return to the pool.
+candidate's class and the MUST_KEEP pages keep exactly the system tokens: candidates sorted by table slot descending
+are paired with the same class's holes in active pages sorted ascending, the k-th with the k-th, while the hole lies
+before the candidate (the latest survivors fill the earliest holes, so a full pack costs the fewest copies). The plan
+is simulated and accepted only if the sequence's active pages or active subblocks decrease. Pages the plan filled
+are promoted to SELECTED; full pages of only system tokens become MUST_KEEP (already so when the class-aware placement
+wrote them); emptied pages leave the page table and return to the pool.
 
 `ordered_suffix` — for kernels that traverse the physical span. Classes are ignored. Empty pages are dropped from
 the table first (no copy); then the shortest suffix of table slots whose packing shortens the page-rounded span by
