@@ -305,8 +305,8 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
     results = {}
     for cfg in configs:
         stream_config = bind_config(model, cfg.config)
-        num_pages = stream_config.num_pages or session_pages_needed(chunks, stream_config.max_answer_tokens,
-                                                                    stream_config.page_size)
+        num_pages = stream_config.num_pages or session_pages_needed(
+            chunks, stream_config.max_answer_tokens, stream_config.page_size) + stream_config.paging.extra_pages
         static = dict(config=stream_config.replace(num_pages=num_pages), keep_logits=cfg.keep_logits, mesh=mesh)
         if bar is not None:
             bar.set_description(f"evaluate {cfg.name}")

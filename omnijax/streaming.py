@@ -256,7 +256,8 @@ def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: S
     if state is None:
         num_pages = config.num_pages
         if num_pages is None:
-            num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size))
+            num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size)) + (
+                chunks.token_ids.shape[1] * config.paging.extra_pages)
         state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
                            batch=chunks.token_ids.shape[1])
     else:

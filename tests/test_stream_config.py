@@ -157,3 +157,23 @@ def test_the_compilation_cache_is_on_by_default_with_a_directory_and_an_off_swit
     own = ("import jax; jax.config.update('jax_compilation_cache_dir', %r); import omnijax; "
            "print(jax.config.jax_compilation_cache_dir)" % str(tmp_path / "own"))
     assert _python(own, {**env, "OMNIJAX_COMPILATION_CACHE": ""}) == str(tmp_path / "own")
+
+
+def test_a_pool_sized_by_default_holds_the_session_under_every_paging_mode(model):
+    """tile_skip keeps system tokens and unit tokens on separate pages, so each group rounds up to pages on its own:
+    the default pool (num_pages None) counts that page, in `stream` and in `evaluate`."""
+    import warnings
+
+    from omnijax.units import SpanKind
+
+    chunks = stack_chunks([text_chunk([1, 2, 3, 4, 0, 0, 0, 0], unit=0, span=SpanKind.SYSTEM),
+                           text_chunk([5, 6, 7, 8, 9, 10, 11, 12], unit=1)])
+    chunks = dataclasses.replace(chunks, valid=np.asarray(chunks.token_ids) > 0)
+    for paging in ("native", "tile_skip", "ordered_suffix", "eager"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = omnijax.stream(model, chunks, paging=paging, page_size=8)
+            evaluated = omnijax.evaluate(model, [chunks], [EvalConfig(paging, paging=paging, page_size=8)],
+                                         progress=False)
+        assert int(result.stats.layout.retained_cells[-1, 0]) == 12
+        assert not evaluated[paging].sessions[0].stats["exhausted"].any()
