@@ -9,9 +9,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The suite's persistent compilation cache: the repository's .jax_cache (OMNIJAX_TEST_JAX_CACHE overrides), through
+# the library's own switch, so the subprocesses the tests start (CLIs, bench scripts, fresh interpreters) share it.
 _cache = os.environ.get("OMNIJAX_TEST_JAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
-jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+os.environ["OMNIJAX_COMPILATION_CACHE"] = os.path.abspath(_cache)
+from omnijax import compilation_cache  # noqa: E402
+
+compilation_cache.enable()
 
 
 @pytest.fixture(autouse=True, scope="module")
