@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from omnijax.config import QWEN2_5_OMNI_7B, DecoderConfig
 
-from _prefill_memory_common import GiB, MiB, PAGE, nbytes  # a sibling: the script's directory leads sys.path
+from _prefill_memory_common import GiB, MiB, NARROW, PAGE, nbytes  # a sibling: the script's directory leads sys.path
 
 
 def weight_structs(cfg: DecoderConfig) -> dict:
@@ -143,6 +143,8 @@ def method_a(args, dump_dir: str):
     from omnijax.prefill import SnapKV
 
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")
+    if getattr(args, "small", False):  # a quick check: the narrow model's shapes, two layers
+        cfg = NARROW.replace(dtype="bfloat16", num_layers=2)
     selector = SnapKV(window=args.window)
     weights = weight_structs(cfg)
     rows = []

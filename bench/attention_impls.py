@@ -2,19 +2,15 @@
 
 The reference attends densely over every page-table entry, so its cost follows capacity; the XLA implementation
 visits only pages holding a live slot, so its cost should follow active pages. Both run side by side on the same
-caches (one sequence, Qwen2.5-Omni-3B attention shapes: 16 query heads, 2 KV heads, head dim 128), for a decode step
-(T = 1) and a 64-token prefill chunk. (`impl="pallas"` runs in interpret mode on CPU, which times the interpreter,
+caches, interleaved (one sequence, Qwen2.5-Omni-3B attention shapes: 16 query heads, 2 KV heads, head dim 128),
+for a decode step (T = 1) and a
+64-token prefill chunk. (`impl="pallas"` runs in interpret mode on CPU, which times the interpreter,
 not the kernel; it is left out here.)
 
-Run: `python bench/attention_impls.py [--pages 64] [--page-size 64] [--out bench/out]`
+Run: `python bench/attention_impls.py [--pages 64] [--page-size 64] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +18,12 @@ import numpy as np
 
 from omnijax import attention
 
+import harness
+
 H, G, D = 16, 2, 128
 
 
-def _case(rng, pages, page_size, active, T):
+def make_case(rng, pages, page_size, active, T):
     """A one-sequence cache of `pages` table entries, of which `active` (spread evenly) hold live slots."""
     N = pages
     k = jnp.asarray(rng.standard_normal((N, page_size, G, D)).astype(np.float32))
@@ -42,51 +40,34 @@ def _case(rng, pages, page_size, active, T):
     return q, k, v, view
 
 
-def _time(fn, args, repeats):
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = harness.parse(parser, argv, smoke=dict(pages=2, page_size=16, repeats=1))
+    out = harness.output_dir(args)
     rng = np.random.default_rng(0)
     fns = {impl: jax.jit(lambda q, k, v, c, impl=impl: attention.attend(q, k, v, c, impl=impl))
            for impl in ("reference", "xla")}
     rows = []
     for T in (1, 64):
         for active in sorted({max(1, args.pages // f) for f in (32, 16, 8, 4, 2, 1)}):
-            case = _case(rng, args.pages, args.page_size, active, T)
-            ms = {impl: _time(fn, case, args.repeats) for impl, fn in fns.items()}
+            case = make_case(rng, args.pages, args.page_size, active, T)
+            ms = harness.interleaved({impl: harness.Case(fn, lambda: case) for impl, fn in fns.items()}, args.repeats)
+            ms = {impl: float(np.median(t)) for impl, t in ms.items()}
             got = np.asarray(fns["xla"](*case))
             want = np.asarray(fns["reference"](*case))
             rows.append({"T": T, "active_pages": active, "capacity_pages": args.pages,
                          "reference_ms": ms["reference"], "xla_ms": ms["xla"],
                          "xla_over_reference": ms["xla"] / ms["reference"],
                          "max_abs_diff": float(np.abs(got - want).max())})
-    print(f"{'T':>3} {'active/cap':>10} {'reference ms':>12} {'xla ms':>8} {'xla/ref':>8} {'max diff':>9}")
-    for r in rows:
-        print(f"{r['T']:>3} {r['active_pages']:>4}/{r['capacity_pages']:<5} {r['reference_ms']:>12.2f} "
-              f"{r['xla_ms']:>8.2f} {r['xla_over_reference']:>8.2f} {r['max_abs_diff']:>9.1e}")
-    (out / "attention_impls.json").write_text(json.dumps(rows, indent=2))
+    harness.print_table(rows, [("T", "T", "d"), ("active", "active_pages", "d"), ("capacity", "capacity_pages", "d"),
+                               ("reference ms", "reference_ms", ".2f"), ("xla ms", "xla_ms", ".2f"),
+                               ("xla/ref", "xla_over_reference", ".2f"), ("max diff", "max_abs_diff", ".1e")])
+    harness.write_json(out, "attention_impls", rows, indent=2)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.5))
     for ax, T in zip(axes, (1, 64)):
         sel = [r for r in rows if r["T"] == T]
         x = [r["active_pages"] for r in sel]
@@ -96,9 +77,7 @@ def main(argv=None):
         ax.set_ylabel("ms")
         ax.set_title("decode (T=1)" if T == 1 else f"prefill chunk (T={T})")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "attention_impls.png", dpi=110)
-    print(f"wrote {out / 'attention_impls.json'} and {out / 'attention_impls.png'}")
+    harness.save_png(fig, out, "attention_impls", dpi=110)
 
 
 if __name__ == "__main__":

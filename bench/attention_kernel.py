@@ -50,14 +50,13 @@ work; it can run on another machine). `--profile DIR` traces the calls at the la
 kernels each launches (on a GPU; see `bench/_device_profile.py`).
 
 Run: `python bench/attention_kernel.py [--tokens 32768] [--repeats 5] [--every 3] [--impl xla] [--dtype float32]
-[--inner 1] [--unroll] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out]`
+[--inner 1] [--unroll] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR] [--out bench/out] [--smoke]`
+(`--smoke`: 400 tokens, checkpoints 200 and 400, OmniPick at 300/200 in a 12-page pool, one round.)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import pickle
 import time
@@ -74,6 +73,7 @@ from omnijax.paging import Paging, eager, omnipage
 from omnijax.retention import NoSlide, OmniPick
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 
+import harness
 from _device_profile import describe, trace_calls
 
 H, G, D = 28, 4, 128  # Qwen2.5-Omni-7B attention
@@ -184,30 +184,29 @@ def load_layouts(path, chunks, tokens):
 
 
 def timed_rounds(cases, repeats):
-    """Runs every case once per round, interleaved; `case = (key, prepare, fn)`, only `fn(*prepare())` is timed.
-    One warm-up call per distinct `key` (compiled shape) comes first. Returns `[repeats, cases]` ms."""
-    seen = set()
-    for key, prepare, fn in cases:
-        if key not in seen:
-            seen.add(key)
-            for _ in range(2):
-                jax.block_until_ready(fn(*prepare()))
-    ms = np.zeros((repeats, len(cases)))
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        for i, (_, prepare, fn) in enumerate(cases):
-            args = prepare()
-            jax.block_until_ready(args)
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ms[r, i] = 1e3 * (time.perf_counter() - start)
-        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return ms
+    """`harness.interleaved` as these scripts time: two warm-up calls per compiled shape (`Case.key`), a progress line
+    per round. Returns `[repeats, cases]` ms."""
+    return harness.interleaved(cases, repeats, warmup=2, label="timing")
+
+
+def layouts_path(args) -> Path:
+    """`args.layouts`; with `--smoke` and none given, tiny layouts captured into `<out>/smoke_layouts.pkl` (once)."""
+    if args.layouts is None and args.smoke:
+        path = Path(args.out) / "smoke_layouts.pkl"
+        if not path.exists():
+            main(["--smoke", "--repeats", "0", "--save-layouts", str(path), "--out", args.out])
+        return path
+    return Path(args.layouts)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=32768, help="stream until the session has this many tokens")
+    parser.add_argument("--checkpoints", type=int, nargs="+", default=list(CHECKPOINTS),
+                        help="history checkpoints (tokens) of the full-context comparison")
+    parser.add_argument("--watermarks", type=int, nargs=2, default=[2500, 1800], metavar=("HIGH", "LOW"),
+                        help="OmniPick's watermarks")
+    parser.add_argument("--omni-pool", type=int, default=OMNI_POOL, help="pages of the OmniPick pool")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (0 with --save-layouts: capture only)")
     parser.add_argument("--every", type=int, default=3, help="chunk stride of the cumulative attention time")
     parser.add_argument("--impl", choices=("xla", "pallas"), default="xla", help="attention implementation timed")
@@ -222,17 +221,17 @@ def main(argv=None):
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
     parser.add_argument("--profile", help="trace the last checkpoint's calls into this directory (kernels per call)")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(tokens=400, checkpoints=[200, 400], watermarks=[300, 200],
+                                                  omni_pool=12, repeats=1, every=4))
     if args.inner < 1:
         parser.error(f"--inner must be at least 1, got {args.inner}")
-    if args.tokens < min(CHECKPOINTS):
-        parser.error(f"--tokens must reach the first history checkpoint, {min(CHECKPOINTS)}; got {args.tokens}")
+    if args.tokens < min(args.checkpoints):
+        parser.error(f"--tokens must reach the first history checkpoint, {min(args.checkpoints)}; got {args.tokens}")
     if args.splits < 1 or (args.splits > 1 and args.impl != "pallas"):
         parser.error(f"--splits must be at least 1, and above 1 only with --impl pallas (got {args.splits})")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args)
     t_run = time.perf_counter()
+    omni_pool = args.omni_pool
     writer_cfg = TINY_OMNI.replace(num_layers=1)
     writer = omnijax.Decoder(writer_cfg)
     unit = synthetic.qwen_unit_tokens(args.qwen_unit)
@@ -241,7 +240,7 @@ def main(argv=None):
     cum = np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2)))
     n = int(np.argmax(cum >= args.tokens)) + 1  # stop at the first chunk past --tokens
     chunks = jax.tree.map(lambda x: x[:n], chunks)
-    checkpoints = {L: int(np.argmax(cum >= L)) for L in CHECKPOINTS if L <= cum[n - 1]}
+    checkpoints = {L: int(np.argmax(cum >= L)) for L in sorted(args.checkpoints) if L <= cum[n - 1]}
     full_pool = math.ceil(int(cum[n - 1]) / PAGE) + 2
 
     if args.layouts:
@@ -250,7 +249,7 @@ def main(argv=None):
         layouts = {}
         for name, policy, paging, pool, keep in [("full", NoSlide(), "native", full_pool,
                                                   set(checkpoints.values()))] + [
-                (m, OmniPick(), m, OMNI_POOL, None) for m in MODES]:
+                (m, OmniPick(*args.watermarks), m, omni_pool, None) for m in MODES]:
             start = time.perf_counter()
             layouts[name] = capture(writer, chunks, policy, paging, pool, keep)
             print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
@@ -258,14 +257,14 @@ def main(argv=None):
     if args.save_layouts:
         Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]),
                                                              "qwen_unit": args.qwen_unit, "layouts": layouts}))
-        print(f"wrote {args.save_layouts}")
+        print(f"wrote {args.save_layouts}", flush=True)
         if args.repeats == 0:
             return
 
     rng = np.random.default_rng(0)
     rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
     qs = {"prefill": rand(1, unit, H, D), "decode": rand(1, 1, H, D)}
-    kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, OMNI_POOL)}
+    kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, omni_pool)}
     if args.splits == 1:
         one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
     else:  # the kernel itself: `attention.attend` runs it unsplit
@@ -275,12 +274,12 @@ def main(argv=None):
 
     def add(key, prepare, fn, tag):
         index[tag] = len(cases)
-        cases.append((key, prepare, fn))
+        cases.append(harness.Case(fn, prepare, key))
 
     for L, c in checkpoints.items():  # Figure 10/11 analogue
         for name in ("full",) + MODES:
             row = next(r for r in layouts[name] if r["chunk"] == c)
-            pool = full_pool if name == "full" else OMNI_POOL
+            pool = full_pool if name == "full" else omni_pool
             for phase, q in qs.items():
                 a = attention_case(row, q, kv_pages[pool])
                 add((pool, phase), lambda a=a: a, attend, ("ckpt", name, c, phase))
@@ -288,9 +287,9 @@ def main(argv=None):
     for c in sampled:  # Figure 15 analogue: the four modes side by side at every sampled chunk
         for m in MODES:
             for phase, q in qs.items():
-                a = attention_case(layouts[m][c], q, kv_pages[OMNI_POOL])
-                add((OMNI_POOL, phase), lambda a=a: a, attend, ("cum", m, c, phase))
-    k7, v7 = (np.asarray(jnp.asarray(rng.standard_normal((args.inner, OMNI_POOL, PAGE, G, D), dtype=np.float32),
+                a = attention_case(layouts[m][c], q, kv_pages[omni_pool])
+                add((omni_pool, phase), lambda a=a: a, attend, ("cum", m, c, phase))
+    k7, v7 = (np.asarray(jnp.asarray(rng.standard_normal((args.inner, omni_pool, PAGE, G, D), dtype=np.float32),
                                      args.dtype)) for _ in range(2))
     for m, fn in MODE_FNS.items():
         jfn = jax.jit(fn, donate_argnums=0)  # one call moves all args.inner layers
@@ -310,7 +309,8 @@ def main(argv=None):
         last = checkpoints[max(checkpoints)]
         for name in ("full",) + MODES:
             for phase in qs:
-                _, prepare, fn = cases[index["ckpt", name, last, phase]]
+                case = cases[index["ckpt", name, last, phase]]
+                prepare, fn = case.prepare, case.fn
                 profile[f"{name}_{phase}"] = trace_calls([(fn, prepare)] * 3, Path(args.profile) / f"{name}_{phase}")
                 print(f"  profile {name:>14} {phase:>7} (a {args.inner}-layer call): "
                       f"{describe(profile[f'{name}_{phase}'])}", flush=True)
@@ -390,7 +390,8 @@ def main(argv=None):
     shapes = {"heads": H, "kv_heads": G, "head_dim": D, "dtype": args.dtype, "impl": args.impl, "splits": args.splits}
     summary = {"attention_shapes": shapes,
                "device": str(jax.devices()[0].device_kind), "inner_layers": args.inner, "unrolled": args.unroll,
-               "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": OMNI_POOL,
+               "writer_config": writer_cfg.to_json(), "page_size": PAGE, "omnipick_pool_pages": omni_pool,
+               "omnipick_watermarks": args.watermarks,
                "full_pool_pages": full_pool, "qwen_unit": args.qwen_unit, "chunks": n, "tokens": int(cum[n - 1]),
                "every": args.every,
                "repeats": args.repeats, "paper": PAPER, "runtime_s": runtime, "checkpoints": ckpt_rows,
@@ -399,19 +400,13 @@ def main(argv=None):
         f"attention_kernel_{jax.default_backend()}_{args.impl}_{args.dtype}" + \
         (f"_splits{args.splits}" if args.splits > 1 else "")
     stem += ("_unrolled" if args.unroll else "") + ("" if args.qwen_unit == "2s" else f"_{args.qwen_unit}")
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-    plot(ckpt_rows, cum_rows, out / f"{stem}.png", f"{summary['device']}, impl={args.impl}, {args.dtype}"
+    harness.write_json(out, stem, summary, indent=2)
+    plot(ckpt_rows, cum_rows, out, stem, f"{summary['device']}, impl={args.impl}, {args.dtype}"
          + (f", {args.splits} splits" if args.splits > 1 else "") + (", unrolled" if args.unroll else ""))
-    print(f"wrote {out / stem}.json and {out / stem}.png")
 
 
-def plot(ckpt_rows, cum_rows, path, where):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+def plot(ckpt_rows, cum_rows, out, stem, where):
+    fig, axes = harness.pyplot().subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     ax = axes[0]
     for i, name in enumerate(("full",) + MODES):
         mine = [r for r in ckpt_rows if r["config"] == name]
@@ -419,7 +414,8 @@ def plot(ckpt_rows, cum_rows, path, where):
         ax.plot(x, [r["prefill_ms"] for r in mine], "o-", color=f"C{i}", label=f"{name} prefill (one unit of q)")
         ax.plot(x, [r["decode_ms"] for r in mine], "s--", color=f"C{i}", label=f"{name} decode (1 q)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(CHECKPOINTS, [f"{c // 1024}K" for c in CHECKPOINTS])
+    ticks = sorted({r["checkpoint"] for r in ckpt_rows})
+    ax.set_xticks(ticks, [f"{c // 1024}K" if c >= 1024 else str(c) for c in ticks])
     ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("streamed history")
@@ -443,8 +439,7 @@ def plot(ckpt_rows, cum_rows, path, where):
         ax.set_title(f"{phase}: whole OmniPick session")
         ax.set_ylim(0, 1.4 * max(a + m for a, m in zip(attn, mig)))
         ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, stem)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,12 @@ state and right after one in its last tenth, and one chunk (the chunk after the 
 either state) is fed to a copy of each state in turn, `--probe-rounds` times, interleaved. Any difference left is
 the state's (history length, positions, unit metadata), which is what a flat-latency claim is about.
 
-Run: `python bench/endurance.py [--minutes 60] [--probe-rounds 30] [--out bench/out]`
+Run: `python bench/endurance.py [--minutes 60] [--probe-rounds 30] [--watermarks 2500 1800] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +27,20 @@ from omnijax import synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.retention import OmniPick
 
+import harness
+
 QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)
 
 
-def run(layout: str, minutes: float, probe_rounds: int) -> dict:
+def run(layout: str, minutes: float, probe_rounds: int, watermarks=(2500, 1800)) -> dict:
     if layout == "qwen2_5_omni":
         model, units = omnijax.Decoder(TINY_OMNI), int(minutes * 30)  # 2 s units
         chunks = synthetic.qwen_av_session(units, vocab_size=TINY_OMNI.vocab_size, question_every=30)
-        policy = OmniPick()
+        policy = OmniPick(*watermarks)
     else:
         model, units = omnijax.Decoder(QWEN3_TINY), int(minutes * 60)  # 1 s units
         chunks = synthetic.minicpm_duplex_session(units, vocab_size=QWEN3_TINY.vocab_size, slices_every=0)
-        policy = OmniPick(source_image_whole=True)
+        policy = OmniPick(*watermarks, source_image_whole=True)
     longest = int(np.asarray(chunks.valid).sum(axis=(1, 2)).max())
     session = omnijax.Session(model, policy=policy, page_size=64,
                               num_pages=-(-(policy.high_watermark + longest) // 64) + 2)
@@ -84,33 +83,36 @@ def controlled(session, chunks, kept: dict, rounds: int) -> dict:
         return {"probe_chunk": None}
     probe_index = kept["late"][0] + 1
     probe = jax.tree.map(lambda x: x[probe_index], chunks)
-    times = {"early": [], "late": []}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in ("early", "late") if r % 2 else ("late", "early"):
-            session.state = jax.tree.map(jnp.copy, kept[name][1])
-            start = time.perf_counter()
+
+    def case(name):
+        def feed():
             out = session.feed(probe)
-            jax.block_until_ready(out.logits)
-            if r:
-                times[name].append(1e3 * (time.perf_counter() - start))
             if int(out.stats.evicted[0]):
                 raise RuntimeError(f"the probe chunk {probe_index} trims the {name} state; pick another")
+            return out.logits
+        def restore():
+            session.state = jax.tree.map(jnp.copy, kept[name][1])  # `feed` donates it
+            return ()
+        return harness.Case(feed, restore)
+
+    times = harness.interleaved({name: case(name) for name in ("early", "late")}, rounds)  # one warm-up call each
     early, late = float(np.median(times["early"])), float(np.median(times["late"]))
     return {"probe_chunk": probe_index, "early_state_chunk": kept["early"][0], "late_state_chunk": kept["late"][0],
             "probe_early_ms": early, "probe_late_ms": late, "probe_late_over_early": late / early,
-            "probe_ratio_per_round": [b / a for a, b in zip(times["early"], times["late"])]}
+            "probe_ratio_per_round": (times["late"] / times["early"]).tolist()}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--probe-rounds", type=int, default=30,
                         help="interleaved rounds of the controlled early/late-state comparison (0: skip it)")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = [run(layout, args.minutes, args.probe_rounds) for layout in ("qwen2_5_omni", "minicpmo_4_5")]
+    parser.add_argument("--watermarks", type=int, nargs=2, default=[2500, 1800], metavar=("HIGH", "LOW"),
+                        help="OmniPick's high and low watermarks")
+    args = harness.parse(parser, argv, smoke=dict(minutes=0.8, probe_rounds=2, watermarks=[400, 250]))
+    out = harness.output_dir(args)
+    rows = [run(layout, args.minutes, args.probe_rounds, args.watermarks)
+            for layout in ("qwen2_5_omni", "minicpmo_4_5")]
     print(f"{'layout':>14} {'chunks':>6} {'tokens':>8} {'1st trim':>8} {'early ms':>8} {'late ms':>8} "
           f"{'late/early':>10} {'trim ms':>8} {'max kept':>8} | {'states':>11} {'early ms':>8} {'late ms':>8} "
           f"{'late/early':>10}")
@@ -120,14 +122,9 @@ def main(argv=None):
         print(f"{r['layout']:>14} {r['chunks']:>6} {r['tokens']:>8} {r['first_trim']:>8} {r['early_ms']:>8.2f} "
               f"{r['late_ms']:>8.2f} {r['late_over_early']:>10.2f} {r['trim_chunk_ms']:>8.2f} "
               f"{r['retained_max_after_trim']:>8} | {probe}")
-    (out / "endurance.json").write_text(json.dumps(rows))
+    harness.write_json(out, "endurance", rows, indent=None)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 5), sharex="col")
+    fig, axes = harness.pyplot().subplots(2, 2, figsize=(10, 5), sharex="col")
     for col, r in enumerate(rows):
         minutes = np.arange(r["chunks"]) * args.minutes / r["chunks"]
         axes[0, col].plot(minutes, r["retained"], lw=0.8)
@@ -137,9 +134,7 @@ def main(argv=None):
         axes[1, col].set_ylim(0, np.percentile(r["ms"], 99.5) * 1.2)
         axes[1, col].set_ylabel("ms per chunk")
         axes[1, col].set_xlabel("session minute")
-    fig.tight_layout()
-    fig.savefig(out / "endurance.png", dpi=110)
-    print(f"wrote {out / 'endurance.json'} and {out / 'endurance.png'}")
+    harness.save_png(fig, out, "endurance", dpi=110)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ sharded program runs and what partitioning costs. On a GPU cluster (one device p
 the scaling that matters.
 
 Run: `python bench/evaluate_scaling.py [--devices 1 2 4 8] [--sessions 16] [--units 24] [--repeats 3]
-[--out bench/out]`
+[--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 # Log-probabilities of four ids at every chunk's last position, as the StreamingBench harness scores option letters.
@@ -58,8 +60,8 @@ def worker(args) -> None:
     sessions = [synthetic.qwen_av_session(args.units, vocab_size=config.vocab_size, question_every=4, seed=s)
                 for s in range(args.sessions)]
     chunks, own = pad_sessions(sessions)
-    configs = [EvalConfig("full", NoSlide(), page_size=64, num_pages=session_pages_needed(chunks, 0, 64)),
-               EvalConfig("omnipick", OmniPick(high_watermark=1000, low_watermark=700), paging="tile_skip",
+    configs = [EvalConfig("full", policy=NoSlide(), page_size=64, num_pages=session_pages_needed(chunks, 0, 64)),
+               EvalConfig("omnipick", policy=OmniPick(high_watermark=1000, low_watermark=700), paging="tile_skip",
                           page_size=64, num_pages=-(-(1000 + 124) // 64) + 1)]
     mesh = distributed.make_mesh(args.worker, 1)
     for cfg in configs:
@@ -82,12 +84,8 @@ def worker(args) -> None:
             "exhausted": int(sum(bool(s.stats["exhausted"].any()) for s in result.sessions))}), flush=True)
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(rows, out: Path) -> None:
+    fig, ax = harness.pyplot().subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["config"] for r in rows):
         rs = sorted((r for r in rows if r["config"] == name), key=lambda r: r["devices"])
         devices = [r["devices"] for r in rs]
@@ -100,19 +98,17 @@ def plot(rows, path: Path) -> None:
     ax.set_title("omnijax.evaluate: sessions over the data axis")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, "evaluate_scaling")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__, out=str(ROOT / "bench" / "out"))
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--units", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(devices=[2], sessions=2, units=3, repeats=1))
     if args.worker:
         worker(args)
         return 0
@@ -134,11 +130,9 @@ def main(argv=None) -> int:
         base = next(b for b in rows if b["config"] == r["config"] and b["devices"] == min(args.devices))
         print(f"{r['devices']:>7} {r['config']:>9} {r['sessions']:>8} x {r['chunks']:<6} {r['compile_s']:>9.1f} "
               f"{r['wall_s']:>7.2f} {r['chunks_per_s']:>9.1f} {r['chunks_per_s'] / base['chunks_per_s']:>8.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "evaluate_scaling.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "evaluate_scaling.png")
-    print(f"wrote {out / 'evaluate_scaling.json'} and {out / 'evaluate_scaling.png'}")
+    out = harness.output_dir(args)
+    harness.write_json(out, "evaluate_scaling", rows)
+    plot(rows, out)
     return 0
 
 

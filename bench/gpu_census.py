@@ -28,6 +28,8 @@ Calls counted:
 Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), in a separate virtualenv:
     python3.11 -m venv /tmp/census && /tmp/census/bin/pip install "jax[cuda12]==0.10.2" flax==0.12.8 matplotlib
     /tmp/census/bin/python bench/gpu_census.py [--root DIR] [--out bench/out]
+`--smoke` (`--target cpu --match 'k projection'`) compiles for this machine's CPU instead: a check that the script
+runs without the CUDA plugin, not GPU facts.
 `--root` imports `omnijax` and `pallas_kernels` from another checkout (e.g. a `git worktree` of an older commit;
 calls its library cannot build are reported as such), so versions can be compared side by side. A newer jax (0.11,
 Python 3.12; the XLA of the GPU machine this project was timed on) compiles every row as well: it lowers the Pallas
@@ -36,10 +38,8 @@ kernel for the H200 named as the abstract device of an abstract mesh.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
-import json
 import math
 import os
 import re
@@ -49,6 +49,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing on a GPU; the CUDA plugin only compiles
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check against
+
+import harness  # noqa: E402
 
 TARGET = """
 gpu_device_info {
@@ -131,6 +133,13 @@ def compile_for_h200(fn, *args, donate: tuple[int, ...] = ()) -> str:
     jitted = jax.jit(fn, donate_argnums=donate)
     with _abstract_h200():
         return jitted.trace(*args).lower().compile().as_text()
+
+
+def compile_for_cpu(fn, *args, donate: tuple[int, ...] = ()) -> str:
+    """The same count on this machine's CPU backend (`--target cpu`: a check that the script runs; not GPU facts)."""
+    import jax
+
+    return jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile().as_text()
 
 
 def calls():
@@ -245,12 +254,14 @@ def chunk_step_call(impl, answer=0):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
                         help="checkout whose omnijax and pallas_kernels are compiled")
     parser.add_argument("--match", default="", help="count only the calls whose name contains this")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    parser.add_argument("--target", choices=["h200", "cpu"], default="h200",
+                        help="compile for the described H200 (needs the CUDA plugin) or for this CPU (a check)")
+    args = harness.parse(parser, argv, smoke=dict(target="cpu", match="k projection"))
+    compile_for = compile_for_h200 if args.target == "h200" else compile_for_cpu
     sys.path.insert(0, args.root)
     import jax
 
@@ -262,7 +273,7 @@ def main(argv=None):
         if args.match not in name:
             continue
         try:
-            row = {"call": name, **census(compile_for_h200(fn, *call_args, donate=donate))}
+            row = {"call": name, **census(compile_for(fn, *call_args, donate=donate))}
         except Exception as e:  # an older checkout may lack an argument this call passes
             row = {"call": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
             print(f"{name:<46} {'-':>5} {'-':>5} {'-':>5}  {row['error']}")
@@ -270,22 +281,17 @@ def main(argv=None):
             print(f"{name:<46} {row['launches_once']:>5} {row['launches_per_iteration']:>5} {row['big_copies']:>5}  "
                   f"{row['once']} | {row['per_iteration']}")
         rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {"jax": jax.__version__, "root": args.root, "target": TARGET, "rows": rows,
-               "runtime_s": time.perf_counter() - start}
-    (out / "gpu_census.json").write_text(json.dumps(summary, indent=2))
-    plot([r for r in rows if "error" not in r], out / "gpu_census.png")
-    print(f"wrote {out / 'gpu_census.json'} and {out / 'gpu_census.png'} ({summary['runtime_s']:.0f} s)")
+    out = harness.output_dir(args)
+    summary = {"jax": jax.__version__, "root": args.root, "target": TARGET if args.target == "h200" else "cpu",
+               "rows": rows, "runtime_s": time.perf_counter() - start}
+    print(f"total runtime {summary['runtime_s']:.0f} s")
+    stem = "gpu_census" if args.target == "h200" else "gpu_census_cpu"
+    harness.write_json(out, stem, summary, indent=2)
+    plot([r for r in rows if "error" not in r], out, stem)
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
+def plot(rows, out, stem):
+    fig, ax = harness.pyplot().subplots(figsize=(9, 0.35 * len(rows) + 1.2))
     y = range(len(rows))
     once = [r["launches_once"] for r in rows]
     ax.barh(y, once, color="C0", label="launched once per call")
@@ -295,8 +301,7 @@ def plot(rows, path):
     ax.invert_yaxis()
     ax.set_xlabel("kernel launches (optimized XLA:GPU HLO, H200 target, compiled without a GPU)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, stem)
 
 
 if __name__ == "__main__":

@@ -17,23 +17,23 @@ Meant for a GPU: on CPU the kernel runs in the Pallas interpreter, which takes m
 sizes; `--quick` keeps one configuration per axis value there for a check that the script runs.
 
 Run: `python bench/kernel_configs.py --layouts .layouts/layouts_32k.pkl [--dtype bfloat16] [--inner 28] [--unroll]
-[--repeats 3] [--quick] [--out bench/out]`
+[--repeats 3] [--quick] [--out bench/out] [--smoke]`
+(`--smoke`: `--quick`, one layer, one round, on tiny layouts that `attention_kernel.py --smoke` captures.)
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import pickle
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_kernel import D, G, H, PAGE, UNIT, attention_case, layered, pallas_attend, timed_rounds
+import harness
+from attention_kernel import (D, G, H, PAGE, UNIT, attention_case, layered, layouts_path, pallas_attend,
+                              timed_rounds)
 
 DEFAULT = {"block_q": 16, "num_warps": 4, "num_stages": 2, "num_splits": 1}
 LAYOUTS = ("full", "native", "tile_skip", "eager")
@@ -58,17 +58,16 @@ def label(config: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl",
-                        help="layouts pickled by bench/attention_kernel.py --save-layouts")
+                        help="layouts pickled by bench/attention_kernel.py --save-layouts (--smoke: tiny ones)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--inner", type=int, default=28, help="layers per timed call")
     parser.add_argument("--unroll", action="store_true", help="the --inner calls as straight-line code, not a loop")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="two configurations only (a check that it runs)")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    path = Path(args.layouts)
+    args = harness.parse(parser, argv, smoke=dict(layouts=None, inner=1, repeats=1, quick=True))
+    path = layouts_path(args)
     if not path.exists():
         parser.error(f"{path} not found; write it with: python bench/attention_kernel.py --repeats 0 "
                      f"--save-layouts {path}")
@@ -98,7 +97,7 @@ def main(argv=None):
                     print(f"  {phase} {label(config)} {name}: failed ({type(err).__name__})", flush=True)
                     continue
                 index[phase, label(config), name] = len(cases)
-                cases.append(((phase, label(config), pools[name]), lambda a=a: a, fn))
+                cases.append(harness.Case(fn, lambda a=a: a, (phase, label(config), pools[name])))
     print(f"timing {len(cases)} cases per round at chunk {last} ({saved['tokens']} tokens streamed), {args.dtype}, "
           f"{args.inner} layers a call, {jax.devices()[0].device_kind}", flush=True)
     ms = timed_rounds(cases, args.repeats) / args.inner  # [R, cases], per layer
@@ -126,24 +125,19 @@ def main(argv=None):
               f"{entry['speedup_each_fastest']:.2f}x, tile_skip's fastest for both "
               f"{entry['speedup_same_config_fastest_for_tile_skip']:.2f}x (paper 12.72x)")
         results.append(entry)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args)
     stem = f"kernel_configs_{jax.default_backend()}_{args.dtype}" + ("_unrolled" if args.unroll else "")
     summary = {"device": jax.devices()[0].device_kind, "dtype": args.dtype, "inner_layers": args.inner,
                "unrolled": args.unroll,
                "chunk": last, "tokens": saved["tokens"], "results": results, "failed": failed,
                "runtime_s": time.perf_counter() - t_run}
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
-    plot(results, summary, out / f"{stem}.png")
-    print(f"total runtime {summary['runtime_s']:.0f} s\nwrote {out / stem}.json and .png")
+    print(f"total runtime {summary['runtime_s']:.0f} s")
+    harness.write_json(out, stem, summary)
+    plot(results, summary, out, stem)
 
 
-def plot(results, summary, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+def plot(results, summary, out, stem):
+    fig, axes = harness.pyplot().subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, entry in zip(axes[0], results):
         labels = list(entry["ms"]["tile_skip"])
         x = np.arange(len(labels))
@@ -154,8 +148,7 @@ def plot(results, summary, path):
         ax.set_ylabel("ms per layer")
         ax.set_title(f"{entry['phase']}: {summary['device']}, {summary['dtype']}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_png(fig, out, stem, dpi=110)
 
 
 if __name__ == "__main__":

@@ -36,15 +36,12 @@ trim, with the chunk written in).
 frame; `omnijax.synthetic.QWEN_UNITS`), written to `kv_layout_paper.*`.
 
 Run: `python bench/kv_layout.py [--tokens 32768] [--models qwen minicpm] [--configs ...] [--min-pages 1]
-[--pages 128] [--qwen-unit 2s] [--out bench/out]`
+[--pages 128] [--qwen-unit 2s] [--watermarks 2500 1800] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -54,6 +51,8 @@ from omnijax import synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.paging import Paging
 from omnijax.retention import H2O, OmniPick, StreamingLLM
+
+import harness
 
 QWEN_WRITER = TINY_OMNI.replace(num_layers=1)
 MINICPM_WRITER = TINY_OMNI.replace(num_layers=1, mrope_section=None, qkv_bias=False, qk_norm=True)  # 1D positions
@@ -74,13 +73,13 @@ PAPER = {"qwen": {"useful": 2778, "native_span": 3840, "omnipage_span": 2816, "r
          "minicpm": {"useful": 2095, "native_span": 2560, "omnipage_span": 2304, "reduction": 0.100}}
 
 
-def policy_for(kind: str, model: str):
-    """The retention policy of a configuration for one model."""
+def policy_for(kind: str, model: str, high: int = 2500, low: int = 1800):
+    """The retention policy of a configuration for one model (at the seed's 2500/1800 watermarks by default)."""
     if kind == "streaming_llm":
-        return StreamingLLM(sink_tokens=2, window=1798, high_watermark=2500)
+        return StreamingLLM(sink_tokens=2, window=low - 2, high_watermark=high)
     if kind == "h2o":
-        return H2O(heavy=900, recent=900, high_watermark=2500)
-    return OmniPick(source_image_whole=model == "minicpm")
+        return H2O(heavy=low // 2, recent=low - low // 2, high_watermark=high)
+    return OmniPick(high_watermark=high, low_watermark=low, source_image_whole=model == "minicpm")
 
 
 def session(model: str, tokens: int, qwen_unit: str = "2s"):
@@ -100,11 +99,12 @@ def session(model: str, tokens: int, qwen_unit: str = "2s"):
     return omnijax.Decoder(cfg), jax.tree.map(lambda x: x[: last + 1], chunks)
 
 
-def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
+def measure(model: str, name: str, decoder, chunks, pages: int, watermarks=(2500, 1800)) -> dict:
     """Streams one configuration and returns its row (checkpoint = the last chunk of `chunks`)."""
     kind, paging, impl = CONFIGS[name]
+    policy = policy_for(kind, model, *watermarks)
     start = time.perf_counter()
-    result = omnijax.stream(decoder, chunks, policy=policy_for(kind, model), paging=paging, impl=impl,
+    result = omnijax.stream(decoder, chunks, policy=policy, paging=paging, impl=impl,
                             num_pages=pages, page_size=PAGE, subblock=SUBBLOCK)
     stats = jax.device_get(result.stats)
     seconds = time.perf_counter() - start
@@ -118,7 +118,7 @@ def measure(model: str, name: str, decoder, chunks, pages: int) -> dict:
         raise RuntimeError(f"{model}/{name}: never trimmed")
     first = int(np.argmax(evicted > 0))
     post = slice(first, None)
-    return {"model": model, "config": name, "policy": repr(policy_for(kind, model)), "paging": paging.mode,
+    return {"model": model, "config": name, "policy": repr(policy), "paging": paging.mode,
             "impl": impl, "chunks": int(len(span)), "tokens": int(np.asarray(chunks.valid).sum()),
             "first_trim_chunk": first, "trims": int((evicted > 0).sum()),
             "retained": int(retained[-1]), "span": int(span[-1]), "span_over_useful": float(span[-1] / retained[-1]),
@@ -187,14 +187,9 @@ def print_table(rows, models):
                   f"{red(r['attended_span_reduction']):>10} {red(r['mean_attended_span_reduction']):>10}")
 
 
-def plot(rows, models, path):
+def plot(rows, models, out, stem):
     """Top: stacked useful / waste bars and peak span per model; bottom: span over the session (first model)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(max(6 * len(models), 12), 8))
+    fig = harness.pyplot().figure(figsize=(max(6 * len(models), 12), 8))
     top = max(r["peak_span"] for r in rows) * 1.18
     for i, m in enumerate(models):
         ax = fig.add_subplot(2, len(models), i + 1)
@@ -233,13 +228,12 @@ def plot(rows, models, path):
         ax.set_ylabel("KV slots")
         ax.set_title(f"{models[0]}: physical span {when}", fontsize=10)
         ax.legend(fontsize=7, ncol=2, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, stem)
 
 
 def main(argv=None):
     """Parses arguments, streams every (model, configuration), prints, writes JSON and PNG."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=32768, help="checkpoint, in cumulative streamed tokens")
     parser.add_argument("--models", nargs="+", default=["qwen", "minicpm"], choices=["qwen", "minicpm"])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -247,17 +241,19 @@ def main(argv=None):
     parser.add_argument("--min-pages", type=int, default=1, help="ordered_suffix: least span reduction, in pages")
     parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
                         help="Qwen2.5-Omni unit kind (omnijax.synthetic.QWEN_UNITS); 'paper': 909-token 1 s units")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    parser.add_argument("--watermarks", type=int, nargs=2, default=[2500, 1800], metavar=("HIGH", "LOW"),
+                        help="the policies' high and low watermarks")
+    args = harness.parse(parser, argv, smoke=dict(tokens=600, models=["qwen"], configs=["omnipick",
+                                                                                        "omnipick+tile_skip"],
+                                                  pages=16, watermarks=[300, 200]))
     CONFIGS["omnipick+ordered_suffix"] = ("omnipick", Paging("ordered_suffix", min_pages=args.min_pages), "xla")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args)
     start = time.perf_counter()
     rows = []
     for m in args.models:
         decoder, chunks = session(m, args.tokens, args.qwen_unit)
         for name in args.configs:
-            rows.append(measure(m, name, decoder, chunks, args.pages))
+            rows.append(measure(m, name, decoder, chunks, args.pages, args.watermarks))
             r = rows[-1]
             print(f"  {m}/{name}: {r['chunks']} chunks, {r['tokens']} tokens, useful {r['retained']}, span "
                   f"{r['span']}, {r['seconds']:.0f} s", flush=True)
@@ -266,13 +262,12 @@ def main(argv=None):
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
     summary = {"tokens": args.tokens, "qwen_unit": args.qwen_unit, "min_pages": args.min_pages, "page_size": PAGE,
-               "subblock": SUBBLOCK, "pool_pages": args.pages,
+               "subblock": SUBBLOCK, "pool_pages": args.pages, "watermarks": args.watermarks,
                "writers": {"qwen": QWEN_WRITER.to_json(), "minicpm": MINICPM_WRITER.to_json()}, "paper": PAPER,
                "runtime_s": runtime, "rows": rows}
     stem = "kv_layout" if args.qwen_unit == "2s" else f"kv_layout_{args.qwen_unit}"
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1))
-    plot(rows, args.models, out / f"{stem}.png")
-    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
+    harness.write_json(out, stem, summary)
+    plot(rows, args.models, out, stem)
 
 
 if __name__ == "__main__":

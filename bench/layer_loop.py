@@ -23,10 +23,8 @@ Run (CPU default: 2 layers of the 3B shapes in float32; on a GPU, the 7B shapes 
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +37,8 @@ from omnijax.config import PRESETS
 from omnijax.kv import paged
 from omnijax.streaming import init_state
 from omnijax.units import SpanKind
+
+import harness
 
 LOOPS = ("scan", "unrolled")
 
@@ -97,15 +97,13 @@ def measure(args) -> list[dict]:
             stacks[loop] = (jnp.copy(kv.k), jnp.copy(kv.v))
             out, *stacks[loop] = fns[loop](params, x, *stacks[loop])  # also the warm-up
             hidden[loop] = np.asarray(out, np.float32)
-        times = {loop: [] for loop in LOOPS}
-        for r in range(args.repeats):
-            for loop in LOOPS if r % 2 == 0 else LOOPS[::-1]:
-                start = time.perf_counter()
-                out, *stacks[loop] = fns[loop](params, x, *stacks[loop])
-                jax.block_until_ready(out)
-                times[loop].append(1e3 * (time.perf_counter() - start))
+        def call(loop):  # the returned stacks feed the next call (the arguments are donated)
+            out, *stacks[loop] = fns[loop](params, x, *stacks[loop])
+            return out
+
+        times = harness.interleaved({loop: functools.partial(call, loop) for loop in LOOPS}, args.repeats, warmup=0)
         scale = float(np.abs(hidden["scan"]).max())
-        ratios = [u / s for s, u in zip(times["scan"], times["unrolled"])]
+        ratios = (times["unrolled"] / times["scan"]).tolist()
         rows.append({"phase": phase, "tokens": int(x.shape[1]),
                      **{f"{loop}_compile_s": compile_s[loop] for loop in LOOPS},
                      **{f"{loop}_ms": float(np.median(times[loop])) for loop in LOOPS},
@@ -115,7 +113,7 @@ def measure(args) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--preset", default="qwen2_5_omni_3b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -124,8 +122,8 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=124, help="prefill tokens (one 2 s audiovisual unit)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(preset="tiny_omni", layers=2, history=32, chunk=8, page_size=16,
+                                                  repeats=1))
     if args.layers < 1 or args.repeats < 1 or args.history < 0 or args.chunk < 1:
         parser.error("--layers, --repeats and --chunk must be positive and --history non-negative")
     start = time.perf_counter()
@@ -133,28 +131,20 @@ def main(argv=None):
     print(f"{args.layers} layers of {args.preset} in {args.dtype}, impl={args.impl}, history {args.history}, "
           f"on {device.device_kind} ({jax.default_backend()})", flush=True)
     rows = measure(args)
-    print(f"{'phase':>8} {'tokens':>6} {'compile s scan':>14} {'unrolled':>9} {'ms scan':>9} {'unrolled':>9} "
-          f"{'unrolled/scan':>13} {'max rel diff':>12}")
-    for r in rows:
-        print(f"{r['phase']:>8} {r['tokens']:>6} {r['scan_compile_s']:>14.1f} {r['unrolled_compile_s']:>9.1f} "
-              f"{r['scan_ms']:>9.2f} {r['unrolled_ms']:>9.2f} {r['unrolled_over_scan']:>13.2f} "
-              f"{r['max_rel_diff']:>12.1e}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    harness.print_table(rows, [("phase", "phase", ""), ("tokens", "tokens", "d"),
+                               ("compile s scan", "scan_compile_s", ".1f"), ("unrolled", "unrolled_compile_s", ".1f"),
+                               ("ms scan", "scan_ms", ".2f"), ("unrolled", "unrolled_ms", ".2f"),
+                               ("unrolled/scan", "unrolled_over_scan", ".2f"), ("max rel diff", "max_rel_diff", ".1e")])
+    out = harness.output_dir(args)
     meta = {**vars(args), "device": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
             "runtime_s": time.perf_counter() - start}
-    (out / "layer_loop.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
-    plot(rows, meta, out / "layer_loop.png")
-    print(f"total runtime {meta['runtime_s']:.0f} s; wrote {out / 'layer_loop.json'} and {out / 'layer_loop.png'}")
+    print(f"total runtime {meta['runtime_s']:.0f} s")
+    harness.write_json(out, "layer_loop", {"config": meta, "rows": rows})
+    plot(rows, meta, out)
 
 
-def plot(rows, meta, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+def plot(rows, meta, out):
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.4))
     width = 0.38
     at = np.arange(len(rows))
     for offset, loop in zip((-width / 2, width / 2), LOOPS):
@@ -166,8 +156,7 @@ def plot(rows, meta, path):
     axes[0].legend()
     fig.suptitle(f"{meta['layers']} layers of {meta['preset']}, {meta['dtype']}, impl={meta['impl']} on "
                  f"{meta['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_png(fig, out, "layer_loop", dpi=110)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ is run once per round, interleaved, after two warm-up calls per compiled functio
 (kernels on a GPU; none on CPU, where everything is host work) and their summed time, also in the JSON.
 
 Run: `python bench/migration_cost.py --layouts .layouts/layouts_32k.pkl [--layers 28] [--dtype float32]
-[--chunks 256] [--repeats 5] [--events N] [--profile DIR] [--out bench/out]`
+[--chunks 256] [--repeats 5] [--events N] [--profile DIR] [--out bench/out] [--smoke]`
+(`--smoke`: one layer, one event per mode, one round, on tiny layouts that `attention_kernel.py --smoke` captures.)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import pickle
 import time
 from pathlib import Path
@@ -41,7 +40,8 @@ import numpy as np
 from omnijax.paging import eager, migration, omnipage
 
 from _device_profile import describe, trace_calls
-from attention_kernel import G, D, MODE_FNS, dispatch_floor, owned, timed_rounds
+import harness
+from attention_kernel import G, D, MODE_FNS, dispatch_floor, layouts_path, owned, timed_rounds
 
 PLANS = {  # the planner of each mode, as the mode runs it
     "tile_skip": lambda kv: omnipage.plan_tile_skip(kv, 32),
@@ -56,20 +56,19 @@ def copy_input(mode: str, kv):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl",
-                        help="layouts pickled by bench/attention_kernel.py --save-layouts")
+                        help="layouts pickled by bench/attention_kernel.py --save-layouts (--smoke: tiny ones)")
     parser.add_argument("--layers", type=int, default=28, help="layers of K/V moved per call (Qwen2.5-Omni-7B: 28)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256], help="copy-loop step sizes to time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--events", type=int, help="time only the first N evicting chunks of each mode")
     parser.add_argument("--profile", help="trace the plan, copy and mode calls into this directory (kernels per call)")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(layouts=None, layers=1, chunks=[64], repeats=1, events=1))
     if args.layers < 1 or any(c < 1 or c & (c - 1) for c in args.chunks):
         parser.error("--layers must be >= 1 and every --chunks value a power of two")
-    path = Path(args.layouts)
+    path = layouts_path(args)
     if not path.exists():
         parser.error(f"{path} not found; write it with: python bench/attention_kernel.py --repeats 0 "
                      f"--save-layouts {path}")
@@ -87,7 +86,7 @@ def main(argv=None):
 
     def add(key, prepare, fn, tag):
         index[tag] = len(cases)
-        cases.append((key, prepare, fn))
+        cases.append(harness.Case(fn, prepare, key))
 
     for m, mode_fn in MODE_FNS.items():
         plan_fn, jmode = jax.jit(PLANS[m]), jax.jit(mode_fn, donate_argnums=0)
@@ -134,11 +133,10 @@ def main(argv=None):
         print(f"{r['mode']:>14} {r['events']:>6} {r['moved_slots']:>6} "
               + " ".join(f"{r[f'{p}_ms_per_event']:>9.3f}" for p in parts)
               + f" {r['rest_ms_per_event']:>7.3f} {r['mode_ms_session_per_layer']:>8.3f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "migration_cost.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, args, out / "migration_cost.png")
-    print(f"total runtime {time.perf_counter() - t_run:.0f} s\nwrote {out}/migration_cost.json and .png")
+    out = harness.output_dir(args)
+    print(f"total runtime {time.perf_counter() - t_run:.0f} s")
+    harness.write_json(out, "migration_cost", rows)
+    plot(rows, args, out)
 
 
 def profile_parts(cases, index, events, parts, root: Path) -> dict:
@@ -146,19 +144,15 @@ def profile_parts(cases, index, events, parts, root: Path) -> dict:
     summary = {}
     for m in events:
         for p in parts:
-            calls = [(fn, prepare) for _, prepare, fn in (cases[index[m, r["chunk"], p]] for r in events[m])]
+            calls = [(c.fn, c.prepare) for c in (cases[index[m, r["chunk"], p]] for r in events[m])]
             summary.setdefault(m, {})[p] = trace_calls(calls, root / m / p)
             print(f"  profile {m:>14} {p:>8}: {describe(summary[m][p])}", flush=True)
     return summary
 
 
-def plot(rows, args, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, args, out):
     c0 = f"copy{args.chunks[0]}"
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = harness.pyplot().subplots(figsize=(6.5, 3.8))
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
     for key, label in (("plan", "plan"), (c0, f"copy (chunk {args.chunks[0]})"), ("rest", "bookkeeping (rest)")):
@@ -171,8 +165,7 @@ def plot(rows, args, path):
     ax.set_ylabel(f"ms per evicting chunk ({args.layers} layers)")
     ax.set_title(f"Migration cost by part, {rows[0]['device']}, {args.dtype}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, "migration_cost")
 
 
 if __name__ == "__main__":

@@ -55,19 +55,19 @@ OmniPage 2,816 (-26.7%), which is the eager span of 2,778 cells.
 `placement_sim_paper.*`.
 
 Run: `.venv/bin/python bench/placement_sim.py [--layouts .layouts/layouts_32k.pkl] [--capacity-pages 48] [--pad 256]
-[--out bench/out]`
+[--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import pickle
 from pathlib import Path
 
 import numpy as np
 
 import omnijax  # noqa: F401  (the pickle holds omnijax objects in some rows)
+
+import harness
 
 RULES = ("first_fit", "contiguous", "contiguous_next_fit", "contiguous_next_fit_reset", "next_fit_noncontiguous")
 PAPER = {"useful": 2778, "native_span": 3840, "omnipage_span": 2816, "reduction": 0.267}
@@ -255,16 +255,11 @@ def print_table(title, r, integer, notes):
               f"{x['peak_span']:>11,}{notes.get(rule, '')}")
 
 
-def plot(tokens, live, eager, pre_eager, results, path):
+def plot(tokens, live, eager, pre_eager, results, out, stem):
     """Left: first fit (the library's native layout) against the packed oracle and the live cells, after each trim;
     middle and right: every rule's span on a log scale after each trim and before it (with the packed span of the
     cells then, `pre_eager`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(19, 4.2))
+    fig, (left, mid, right) = harness.pyplot().subplots(1, 3, figsize=(19, 4.2))
     left.plot(tokens, results["first_fit"]["span"], label="span, first fit (the library's native)")
     left.plot(tokens, eager, label="span, fully packed (eager oracle)")
     left.plot(tokens, live, color="gray", linewidth=0.8, label="live cells")
@@ -280,20 +275,23 @@ def plot(tokens, live, eager, pre_eager, results, path):
         ax.set_xlabel("streamed tokens")
         ax.set_ylabel("KV slots")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, stem)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl", help="pickle from attention_kernel")
+    parser = harness.parser(__doc__)
+    parser.add_argument("--layouts", default=".layouts/layouts_32k.pkl",
+                        help="pickle from attention_kernel (--smoke: the tiny one of `attention_kernel.py --smoke`)")
     parser.add_argument("--layout", default="native", help="which recorded layout to replay (native)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--capacity-pages", type=int, default=48, help="ring capacity of the head-cursor rules")
     parser.add_argument("--pad", type=int, default=0,
                         help="round every reported span up to this many slots (a page multiple; default: one page)")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(layouts=None, capacity_pages=12))
+    if args.layouts is None:  # --smoke: capture tiny layouts (jax) unless an earlier smoke run left them
+        from attention_kernel import layouts_path
+
+        args.layouts = str(layouts_path(args))
     P, C = args.page_size, args.capacity_pages * args.page_size
     R = args.pad or P
     if R % P:
@@ -357,8 +355,7 @@ def main(argv=None):
           f"(-{PAPER['reduction']:.1%}); eager span of the useful cells {paper_eager:,} "
           f"(-{1 - paper_eager / PAPER['native_span']:.1%})")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args)
     payload = {
         "layouts": str(args.layouts), "qwen_unit": saved.get("qwen_unit", "2s"), "layout": args.layout,
         "page_size": P, "span_rounding": R, "capacity_slots": C,
@@ -373,11 +370,9 @@ def main(argv=None):
                       for i, ch in enumerate(stream)],
     }
     stem = "placement_sim" if payload["qwen_unit"] == "2s" else f"placement_sim_{payload['qwen_unit']}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(payload, indent=1))
+    harness.write_json(out, stem, payload)
     pre_eager = round_up(ff["pre_live"], R)
-    plot([ch["tokens"] for ch in stream], live, eager, pre_eager, results, out / f"{stem}.png")
-    print(f"wrote {path} and {out / f'{stem}.png'}")
+    plot([ch["tokens"] for ch in stream], live, eager, pre_eager, results, out, stem)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ head dim 128) on a narrow 4-layer float32 decoder, page size 64, impl="xla"; one
 1 MiB. Peak memory is the process's maximum resident set (of the `Session` part). Then the serving engine on the same
 pool: 4 sessions, one 64-token frame each per tick with 2 answer tokens (`tick ms`, median).
 
-Run: `python bench/pool_scaling.py [--pages 64 256 1024 2048] [--compare DIR] [--out bench/out]`
+Run: `python bench/pool_scaling.py [--pages 64 256 1024 2048] [--compare DIR] [--small] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -26,12 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+import harness
+
 ROOT = Path(__file__).resolve().parent.parent
 UNIT, ANSWER, PROMPT_UNITS = 124, 8, 4
 
 
-def worker(pages: int, repeats: int) -> dict:
-    """Runs in a fresh process whose `sys.path` starts with the checkout under test."""
+def worker(pages: int, repeats: int, small: bool = False) -> dict:
+    """Runs in a fresh process whose `sys.path` starts with the checkout under test (`small`: a 1-layer model with
+    2 query heads of 32, a quick check)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -40,9 +42,13 @@ def worker(pages: int, repeats: int) -> dict:
     from omnijax.chunks import text_chunk
     from omnijax.config import DecoderConfig
     from omnijax.models.decoder import Decoder
+    from omnijax.retention import SinkWindow
 
     config = DecoderConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=28,
                            num_kv_heads=4, head_dim=128, mrope_section=None)
+    if small:
+        config = config.replace(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                                head_dim=16)
     model = Decoder(config, rngs=nnx.Rngs(0))
     session = omnijax.Session(model, num_pages=pages, page_size=64, impl="xla", max_answer_tokens=ANSWER)
     rng = np.random.default_rng(0)
@@ -70,8 +76,9 @@ def worker(pages: int, repeats: int) -> dict:
 
     # The serving engine on the same pool: 4 sessions, one 64-token frame each per tick, 2 answer tokens.
     from omnijax.serve.engine import Engine, EngineConfig
-    engine = Engine(model, EngineConfig(num_pages=pages, page_size=64, max_pages=32, chunk_tokens=64,
-                                        max_answer_tokens=2, buckets=(4,), window=512))
+    stream = omnijax.StreamConfig(policy=SinkWindow(sink=16, window=512), num_pages=pages, page_size=64,
+                                  max_answer_tokens=2)
+    engine = Engine(model, EngineConfig(stream, max_pages=32, chunk_tokens=64, buckets=(4,)))
     ticks = []
     for name in "abcd":
         engine.open(name)
@@ -84,9 +91,9 @@ def worker(pages: int, repeats: int) -> dict:
             "tick_ms": float(np.median(ticks[2:])), "peak_rss_mib": peak}
 
 
-def run_worker(root: Path, pages: int, repeats: int) -> dict:
+def run_worker(root: Path, pages: int, repeats: int, small: bool = False) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'bench')!r}); "
-            f"import pool_scaling; print(json.dumps(pool_scaling.worker({pages}, {repeats})))")
+            f"import pool_scaling; print(json.dumps(pool_scaling.worker({pages}, {repeats}, {small})))")
     env = dict(os.environ, PYTHONPATH="")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
     if done.returncode:
@@ -99,12 +106,8 @@ def revision(root: Path) -> str:
     return done.stdout.strip() or "compare"
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+def plot(rows: list[dict], out: Path) -> None:
+    fig, axes = harness.pyplot().subplots(1, 4, figsize=(18, 4))
     for label in dict.fromkeys(r["library"] for r in rows):
         mine = [r for r in rows if r["library"] == label]
         pages = [r["pages"] for r in mine]
@@ -122,19 +125,17 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     fig.suptitle("Same session content, growing KV pool")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, "pool_scaling")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--pages", type=int, nargs="+", default=[64, 256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare", type=Path, help="another checkout to measure beside this one")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--small", action="store_true", help="a 1-layer narrow model (a quick check)")
+    args = harness.parse(parser, argv, smoke=dict(pages=[32], repeats=1, small=True))
+    out = harness.output_dir(args)
     libraries = {"this checkout": ROOT}
     if args.compare is not None:
         libraries[f"{revision(args.compare)} ({args.compare.name})"] = args.compare.resolve()
@@ -143,7 +144,7 @@ def main(argv=None):
     start = time.perf_counter()
     for pages in args.pages:
         for label, root in libraries.items():
-            row = {"library": label, **run_worker(root, pages, args.repeats)}
+            row = {"library": label, **run_worker(root, pages, args.repeats, args.small)}
             rows.append(row)
             print(f"  {label:>24} {pages:>5} pages: chunk {row['chunk_ms']:8.1f} ms, "
                   f"{row['token_ms']:8.1f} ms/token, tick {row['tick_ms']:8.1f} ms, "
@@ -166,9 +167,8 @@ def main(argv=None):
         for pages in args.pages:
             a, b = (next(r for r in rows if r["library"] == lib and r["pages"] == pages) for lib in (mine, other))
             print(f"| {pages:,} | " + " | ".join(f"{b[k] / a[k]:.1f}x" for k in keys) + " |")
-    (out / "pool_scaling.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "pool_scaling.png")
-    print(f"wrote {out / 'pool_scaling.json'} and {out / 'pool_scaling.png'}")
+    harness.write_json(out, "pool_scaling", rows)
+    plot(rows, out)
 
 
 if __name__ == "__main__":

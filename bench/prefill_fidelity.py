@@ -35,15 +35,12 @@ the perturbation from a reduced cache, not task quality. Drift magnitudes depend
 a table, not with the paper's absolute figures.
 
 Run: `python bench/prefill_fidelity.py [--prompts 3] [--seq 4096] [--chunk 512] [--budget 512] [--decode 16]
-[--dtypes bfloat16 float32] [--out bench/out]`
+[--dtypes bfloat16 float32] [--layers 4] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +50,8 @@ from omnijax.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.prefill import (SnapKV, force, greedy, immediate_eviction_prefill, tidekv_prefill,
                              token_major_prefill)
+
+import harness
 
 BASE = DecoderConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_layers=4, num_heads=8,
                      num_kv_heads=2, head_dim=64, rope_theta=1e6, mrope_section=(8, 12, 12), qkv_bias=True)
@@ -65,10 +64,10 @@ EVICTING = ("tidekv", "post_snapkv", "immediate_snapkv")
 PAGE = 512
 
 
-def build_model(dtype: str, qk_scale: float, head_scale: float, seed: int = 0) -> Decoder:
+def build_model(dtype: str, qk_scale: float, head_scale: float, seed: int = 0, layers: int = 4) -> Decoder:
     from flax import nnx
 
-    model = Decoder(BASE.replace(dtype=dtype), rngs=nnx.Rngs(seed))
+    model = Decoder(BASE.replace(dtype=dtype, num_layers=layers), rngs=nnx.Rngs(seed))
     model.layers.q_proj[...] = model.layers.q_proj[...] * qk_scale
     model.layers.k_proj[...] = model.layers.k_proj[...] * qk_scale
     model.lm_head[...] = model.lm_head[...] * head_scale
@@ -145,8 +144,8 @@ def prompt_logits(model, hidden):
 
 def evaluate(dtype, args):
     """All paths on each prompt in turn (batch 1, as in the paper; `immediate_eviction_prefill` also fails on
-    XLA:CPU in bfloat16 with batch > 1, see bench/README.md). Returns `(rows, info)`."""
-    model = build_model(dtype, args.qk_scale, args.head_scale)
+    XLA:CPU in bfloat16 with batch > 1, see bench/RESULTS.md). Returns `(rows, info)`."""
+    model = build_model(dtype, args.qk_scale, args.head_scale, layers=args.layers)
     rng = np.random.default_rng(args.seed)
     S = args.seq
     ids_all = rng.integers(0, BASE.vocab_size, (args.prompts, S))
@@ -223,7 +222,7 @@ def evaluate(dtype, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=3, help="random prompts (run one at a time)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=512)
@@ -234,10 +233,10 @@ def main(argv=None):
     parser.add_argument("--head-scale", type=float, default=8.0)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the narrow model")
+    args = harness.parse(parser, argv, smoke=dict(prompts=1, seq=128, chunk=64, budget=32, window=16, decode=2,
+                                                  dtypes=["float32"], layers=1))
+    out = harness.output_dir(args)
     t_run = time.perf_counter()
     rows, infos = [], {}
     for dtype in args.dtypes:
@@ -261,22 +260,18 @@ def main(argv=None):
                                                              for k, _, f in cols))
     runtime = time.perf_counter() - t_run
     print(f"total runtime {runtime:.0f} s")
-    summary = {"config": BASE.to_json(), "random_weights": True, "qk_scale": args.qk_scale,
+    summary = {"config": BASE.replace(num_layers=args.layers).to_json(), "random_weights": True,
+               "qk_scale": args.qk_scale,
                "head_scale": args.head_scale, "prompts": args.prompts, "seq": args.seq, "chunk": args.chunk,
                "budget_per_kv_head": args.budget, "window": args.window, "decode_steps": args.decode,
                "page": PAGE, "impl": "xla", "reference": "full_oneshot", "js_unit": "nats", "info": infos,
                "runtime_s": runtime, "rows": rows}
-    (out / "prefill_fidelity.json").write_text(json.dumps(summary, indent=2))
-    plot(rows, args.dtypes, out / "prefill_fidelity.png")
-    print(f"wrote {out / 'prefill_fidelity.json'} and {out / 'prefill_fidelity.png'}")
+    harness.write_json(out, "prefill_fidelity", summary, indent=2)
+    plot(rows, args.dtypes, out)
 
 
-def plot(rows, dtypes, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, dtypes, out):
+    plt = harness.pyplot()
     metrics = [("hidden_rel_l2", "hidden rel-L2 (log)", True), ("hidden_cosine", "1 - hidden cosine (log)", True),
                ("prompt_js", "JS, all prompt positions (log)", True),
                ("next_top1", "top-1 agreement, last + decode", False),
@@ -302,8 +297,7 @@ def plot(rows, dtypes, path):
         ax.legend(fontsize=7)
     fig.suptitle("Fidelity vs Full-OneShot (random-weight narrow Qwen-shaped decoder; values at 1e-12 are exact 0)",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, "prefill_fidelity")
 
 
 if __name__ == "__main__":

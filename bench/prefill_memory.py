@@ -60,7 +60,7 @@ at 8K and grows with S^2, so 16K/32K with a memory run, a warm-up and 3 timed ru
 run; `--append` merges separate runs (e.g. `--skip-compiled --rss-seq 16384 --append`) into one JSON/PNG.
 
 Run: `python bench/prefill_memory.py [--seq 8192 16384 32768 65536] [--rss-seq 4096 8192] [--budget 2048]
-[--chunk 2048] [--repeats 3] [--skip-rss | --skip-compiled] [--out bench/out]`
+[--chunk 2048] [--repeats 3] [--skip-rss | --skip-compiled] [--small] [--out bench/out] [--smoke]`
 (`--skip-rss` writes prefill_memory_compiled.{json,png}, `--skip-compiled` prefill_memory_rss.{json,png}.)
 
 Code: this script sets XLA_FLAGS, parses the command line, prints the tables and writes the JSON and PNG; Method A
@@ -88,6 +88,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # The measurement modules import jax: only after XLA_FLAGS is set above.
+import harness  # noqa: E402
 from _prefill_memory_common import GiB, MiB, NARROW, PAGE  # noqa: E402
 from _prefill_memory_compiled import method_a  # noqa: E402
 from _prefill_memory_rss import method_b, worker  # noqa: E402
@@ -96,7 +97,7 @@ from _prefill_memory_rss import method_b, worker  # noqa: E402
 def main(argv=None):
     """Runs the methods the command line asks for, prints their tables and writes `<out>/<name>.{json,png}`; with
     `--worker`, runs one worker process of Method B instead."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768, 65536],
                         help="Method A prompt lengths (Qwen2.5-Omni-7B shapes)")
     parser.add_argument("--rss-seq", type=int, nargs="+", default=[4096, 8192],
@@ -108,18 +109,18 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-rss", action="store_true", help="Method A only (compile-only, no execution)")
     parser.add_argument("--skip-compiled", action="store_true", help="Method B only")
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--small", action="store_true", help="Method A on a 2-layer narrow model (a quick check)")
     parser.add_argument("--append", action="store_true",
                         help="merge the rows into an existing output JSON (rows of the same S are replaced)")
     parser.add_argument("--worker", choices=["base", "prime", "memory", "timing"], help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--worker-seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, smoke=dict(seq=[1024], rss_seq=[1024], budget=128, rss_budget=128, chunk=512,
+                                                  window=16, repeats=1, small=True))
     if args.worker:
         return worker(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args)
     t_run = time.perf_counter()
     summary = {"definition": "transient = peak live bytes minus weights minus the final compressed cache",
                "budget_per_kv_head_per_layer": args.budget, "chunk": args.chunk, "page": PAGE,
@@ -182,18 +183,13 @@ def main(argv=None):
     runtime = time.perf_counter() - t_run
     summary["runtime_s"] = runtime
     print(f"total runtime {runtime:.0f} s")
-    path.write_text(json.dumps(summary, indent=2))
-    plot(a_rows, b_rows, out / f"{name}.png")
-    print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    harness.write_json(out, name, summary, indent=2)
+    plot(a_rows, b_rows, out, name)
 
 
-def plot(a_rows, b_rows, path):
+def plot(a_rows, b_rows, out, name):
     """Method A's transient memory, Method B's transient RSS and TTFT ratios against S, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     panels = (1 if a_rows else 0) + (2 if b_rows else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
     axes = list(axes[0])
@@ -237,8 +233,7 @@ def plot(a_rows, b_rows, path):
         ax.minorticks_off()
         ax.set_xlabel("prompt tokens S")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, name)
 
 
 if __name__ == "__main__":

@@ -31,17 +31,14 @@ their high watermark plus one unit (a trim runs after the unit that crosses it),
 unit. A run that drops a token for lack of room fails.
 
 Run: `python bench/retention.py [--history 4096 8192 16384 32768] [--max-history N] [--policies ...]
-[--repeats 6] [--history-model writer|timed] [--out bench/out]`
+[--repeats 6] [--history-model writer|timed] [--narrow] [--out bench/out] [--smoke]`
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +51,8 @@ from omnijax.kv import layout as layout_lib
 from omnijax.kv.paged import PageClass
 from omnijax.retention import (H2O, NoSlide, OfficialUnitWindow, OmniPick, SinkWindow, StreamingLLM, TokenSliding,
                                UnitFIFO)
+
+import harness
 
 VOCAB = 1024
 VIDEO_GRID = (2, 10, 14)  # 2 s at 2 fps (temporal patch 2): 2 x 5 x 7 merged = 70 video tokens, 140 x 196 px frames
@@ -125,27 +124,25 @@ def grow_pool(state, num_pages: int):
 
 
 def timed_rounds(cases, warmup: int, repeats: int):
-    """Times `Session.feed` of each case's next unit from its checkpoint state, interleaved: every round feeds every
-    case once (state restored first), so drift of the machine's speed hits all cases alike. The first round compiles
-    (once per policy and pool shape) and the next `warmup` rounds are discarded. Returns `[repeats, cases]` ms."""
-    ms = np.zeros((repeats, len(cases)))
-    for r in range(1 + warmup + repeats):
-        for i, case in enumerate(cases):
-            session = case["session"]
-            session.state = jax.block_until_ready(jax.tree.map(jnp.copy, case["state"]))  # `feed` donates it
-            start = time.perf_counter()
-            out = session.feed(case["chunk"])
-            jax.block_until_ready((out, session.state))
-            if r > warmup:
-                ms[r - 1 - warmup, i] = 1e3 * (time.perf_counter() - start)
-            case["update"] = out
-        print(f"  round {r + 1}/{1 + warmup + repeats}" + (" (compile)" if r == 0 else " (warm-up)" if r <= warmup
-                                                             else ""), flush=True)
-    return ms
+    """Times `Session.feed` of each case's next unit from its checkpoint state, interleaved (`harness.interleaved`):
+    every round feeds every case once (state restored first), so drift of the machine's speed hits all cases alike.
+    The first call of each case compiles (once per policy and pool shape); it and `warmup` more are discarded.
+    Returns `[repeats, cases]` ms; each case's last output is left in `case["update"]`."""
+    def restore(case):
+        case["session"].state = jax.tree.map(jnp.copy, case["state"])  # `feed` donates it
+        return ()
+
+    def feed(case):
+        out = case["session"].feed(case["chunk"])
+        return out, case["session"].state
+
+    timed = [harness.Case(lambda c=c: feed(c), lambda c=c: restore(c)) for c in cases]
+    return harness.interleaved(timed, repeats, warmup=1 + warmup, label="update",
+                               after=lambda i, result: cases[i].__setitem__("update", result[0]))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--history", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
                         help="history checkpoints in streamed tokens (rounded to the nearest block boundary)")
     parser.add_argument("--max-history", type=int, default=None, help="skip NoSlide checkpoints above this")
@@ -157,15 +154,18 @@ def main(argv=None):
     parser.add_argument("--history-model", choices=["writer", "timed"], default="writer")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--narrow", action="store_true",
+                        help="time the narrow history writer instead of the 3B shapes (a quick check)")
+    args = harness.parse(parser, argv, smoke=dict(history=[248], block_units=1, policies=["no_slide", "omnipick"],
+                                                  layers=1, warmup=0, repeats=1, narrow=True))
+    out = harness.output_dir(args)
     t_run = time.perf_counter()
 
     timed_cfg, writer_cfg = configs(args.layers)
+    if args.narrow:
+        timed_cfg = writer_cfg
     timed = omnijax.Decoder(timed_cfg)
-    writer = timed if args.history_model == "timed" else omnijax.Decoder(writer_cfg)
+    writer = timed if args.history_model == "timed" or args.narrow else omnijax.Decoder(writer_cfg)
     unit_len = int(session_chunks(1)[1].length)
     block = args.block_units or 4096 // unit_len
     blocks_at = {L: max(1, round(L / (block * unit_len))) for L in sorted(set(args.history))}
@@ -248,18 +248,12 @@ def main(argv=None):
                "policies": {n: repr(POLICIES[n]) for n in args.policies},
                "no_slide_over_omnipick_at_max": speedup, "max_history_tokens": top, "runtime_s": runtime,
                "rows": rows}
-    (out / "retention.json").write_text(json.dumps(summary, indent=2))
-    plot(rows, args.policies, speedup, top, out / "retention.png")
-    print(f"wrote {out / 'retention.json'} and {out / 'retention.png'}")
+    harness.write_json(out, "retention", summary, indent=2)
+    plot(rows, args.policies, speedup, top, out)
 
 
-def plot(rows, policies, speedup, top, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+def plot(rows, policies, speedup, top, out):
+    fig, (ax, ax2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     markers = "os^vDPX*"
     for i, name in enumerate(policies):
         mine = sorted((r for r in rows if r["policy"] == name), key=lambda r: r["history_tokens"])
@@ -287,8 +281,7 @@ def plot(rows, policies, speedup, top, path):
         ax.annotate(f"NoSlide / OmniPick = {speedup:.2f}x", xy=(top, y), xytext=(0.35, 0.9),
                     textcoords="axes fraction", arrowprops=dict(arrowstyle="->"))
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_png(fig, out, "retention")
 
 
 if __name__ == "__main__":

@@ -21,19 +21,18 @@ Three parts:
    Same AIMD, pool (384 pages), buckets (16, 32) and B for both policies. Attention is `--ramp-impl reference` with a
    48-page table per session: its cost follows the table width, so per-frame cost is flat in context as on a GPU,
    where attention over these short contexts is negligible (the paper's premise); with `xla` on this CPU the cost
-   follows each session's active pages, and unbounded latency rises with context (see bench/README.md).
+   follows each session's active pages, and unbounded latency rises with context (see bench/RESULTS.md).
 3. Real WebSocket clients (`loadgen.closed_loop`) against an `omnijax-serve --demo-model` subprocess per policy, with
    a pool that unbounded sessions fill mid-run: client-side latency over real time and empty frames.
 
-Run: `python bench/serve_cliff.py [--runs 8] [--sessions 8] [--ticks 48] [--no-websocket] [--out bench/out]`
+Run: `python bench/serve_cliff.py [--runs 8] [--sessions 8] [--ticks 48] [--no-websocket] [--out bench/out] [--smoke]`
+(`--smoke`: one short run of 2 sessions per policy, a 6-tick ramp over buckets 2 and 4, no WebSocket part.)
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import subprocess
 import sys
@@ -47,9 +46,37 @@ import omnijax
 from omnijax.serve import loadgen
 from omnijax.serve import server as srv
 from omnijax.serve.admission import AIMD
+from omnijax.retention import NoSlide, SinkWindow
 from omnijax.serve.engine import Engine, EngineConfig
+from omnijax import StreamConfig
+
+import harness
 
 POLICIES = ("unbounded", "sink_window")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """An engine set-up by policy name (`unbounded` or `sink_window`): what the runs vary with `dataclasses.replace`."""
+
+    policy: str
+    sink: int
+    window: int
+    num_pages: int
+    page_size: int
+    chunk_tokens: int
+    max_answer_tokens: int
+    buckets: tuple[int, ...]
+    frame_budget_s: float
+    impl: str = "xla"
+    max_pages: int | None = None
+
+    def engine(self) -> EngineConfig:
+        policy = NoSlide() if self.policy == "unbounded" else SinkWindow(sink=self.sink, window=self.window)
+        stream = StreamConfig(policy=policy, impl=self.impl, page_size=self.page_size, num_pages=self.num_pages,
+                              max_answer_tokens=self.max_answer_tokens)
+        return EngineConfig(stream, max_pages=self.max_pages, chunk_tokens=self.chunk_tokens, buckets=self.buckets,
+                            frame_budget_s=self.frame_budget_s)
 
 
 def frame_bank(model, frame_ms: float, count: int, chunk_tokens: int):
@@ -88,12 +115,12 @@ def stalled(row: dict) -> bool:
     return row["dropped"] > 0 or row["preempted"] > 0 or row["events"] > 0 or row["empty"] > 0
 
 
-def closed_run(model, bank, cfg: EngineConfig, *, sessions: int, ticks: int, join_spread: int, fit_ticks: int,
+def closed_run(model, bank, cfg: Setup, *, sessions: int, ticks: int, join_spread: int, fit_ticks: int,
                seed: int) -> dict:
     """One in-process run (part 1)."""
     rng = np.random.default_rng(seed)
     budget = cfg.frame_budget_s
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine())
     joins = sorted(rng.integers(0, join_spread, sessions).tolist())
     taus = rng.integers(2, cfg.max_answer_tokens + 1, sessions).tolist()
     length = int(round(ticks * rng.uniform(0.75, 1.25)))
@@ -149,11 +176,11 @@ def serve_tick(engine, live: LiveFrames, active: dict, tau: int):
     return report, encode_s + report.latency_s, asked
 
 
-def ramp_run(model, live: LiveFrames, cfg: EngineConfig, *, ticks: int, every: int, max_arrivals: int,
+def ramp_run(model, live: LiveFrames, cfg: Setup, *, ticks: int, every: int, max_arrivals: int,
              target: float, session_ticks: tuple[int, int], seed: int) -> dict:
     """Open-loop arrivals with AIMD admission (part 2)."""
     rng = np.random.default_rng(seed)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine())
     aimd = AIMD(target_fraction=target, frame_budget_s=cfg.frame_budget_s, max_cap=cfg.buckets[-1], window=4,
                 statistic="mean")  # the mean of 4 ticks: co-tenant CPU spikes here would trip a p95
     active, rows, arrivals, rejected = {}, [], 0, 0
@@ -180,11 +207,11 @@ def ramp_run(model, live: LiveFrames, cfg: EngineConfig, *, ticks: int, every: i
             "aimd_steps": aimd.history}
 
 
-def warm(model, live: LiveFrames, cfg: EngineConfig, sizes) -> float:
+def warm(model, live: LiveFrames, cfg: Setup, sizes) -> float:
     """Compiles the step (and a leave's row reset and re-bucketing) of `cfg` at each session count; returns s."""
     start = time.perf_counter()
     for n in sizes:
-        engine = Engine(model, cfg)
+        engine = Engine(model, cfg.engine())
         active = {f"s{i}": {"unit": 0, "n": i} for i in range(n)}
         for sid in active:
             engine.open(sid)
@@ -195,11 +222,11 @@ def warm(model, live: LiveFrames, cfg: EngineConfig, sizes) -> float:
     return time.perf_counter() - start
 
 
-def calibrate(model, live: LiveFrames, cfg: EngineConfig, sizes, repeats: int = 8) -> dict:
+def calibrate(model, live: LiveFrames, cfg: Setup, sizes, repeats: int = 8) -> dict:
     """Median steady per-frame latency (encoding + tick, s) of `cfg` with n sessions, for n in `sizes`."""
     out = {}
     for n in sizes:
-        engine = Engine(model, cfg)
+        engine = Engine(model, cfg.engine())
         active = {f"s{i}": {"unit": 0, "n": i} for i in range(n)}
         for sid in active:
             engine.open(sid)
@@ -298,12 +325,8 @@ def report(runs, ramps, ws, lat, ramp_budget, args) -> dict:
     return {"part1": part1, "calibration_s": lat, "ramp_budget_s": ramp_budget, "part2": part2, "part3": part3}
 
 
-def plot(runs, ramps, ws, ramp_budget, args, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(runs, ramps, ws, ramp_budget, args, out):
+    plt = harness.pyplot()
     colors = {"unbounded": "tab:red", "sink_window": "tab:blue"}
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     ax = axes[0, 0]  # Fig 4b: per-tick latency over time, every run; empty frames marked
@@ -366,12 +389,11 @@ def plot(runs, ramps, ws, ramp_budget, args, path):
            title=f"WebSocket: {args.ws_sessions} clients (black: empty frames)")
     if ws:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_png(fig, out, "serve_cliff", dpi=110)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--runs", type=int, default=8, help="repeated in-process runs per policy")
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--ticks", type=int, default=48, help="nominal run length (each run: x[0.75, 1.25])")
@@ -389,13 +411,14 @@ def main(argv=None):
     parser.add_argument("--ramp-impl", default="reference",
                         help="attention of the ramp (reference: cost follows the page-table width, flat in context)")
     parser.add_argument("--ramp-knee", type=int, default=20, help="sessions at which B puts the latency target")
+    parser.add_argument("--ramp-buckets", type=int, nargs=2, default=[16, 32], help="the ramp's two batch buckets")
     parser.add_argument("--ws-sessions", type=int, default=6)
     parser.add_argument("--ws-seconds", type=float, default=24.0)
     parser.add_argument("--no-websocket", action="store_true")
-    parser.add_argument("--out", default="bench/out")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = harness.parse(parser, argv, smoke=dict(runs=1, sessions=2, ticks=6, join_spread=1, fit_ticks=3,
+                                                  ramp_ticks=6, ramp_max=4, ramp_knee=3, ramp_buckets=[2, 4],
+                                                  no_websocket=True))
+    out = harness.output_dir(args)
     t_run = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,7 +429,7 @@ def main(argv=None):
     P, B = args.page_size, args.frame_ms / 1000
     per_tick = T + 3  # mean tau = 3
     pages = args.sessions * math.ceil(per_tick * args.fill * args.ticks / P)
-    base = EngineConfig(policy="unbounded", sink=args.sink, window=args.window, num_pages=pages, page_size=P,
+    base = Setup(policy="unbounded", sink=args.sink, window=args.window, num_pages=pages, page_size=P,
                         chunk_tokens=T, max_answer_tokens=4, buckets=(args.sessions,), frame_budget_s=B,
                         impl="xla")
     print(f"frame {args.frame_ms:g} ms = {T} tokens; pool {pages} x {P}; {args.sessions} sessions; "
@@ -426,13 +449,14 @@ def main(argv=None):
                   f"peak occupancy {run['peak_occupancy']:.2f}", flush=True)
 
     # ---- part 2: calibrate B from SinkWindow's per-frame latency (encoding + tick), then the AIMD ramp
-    ramp_pages = 32 * (math.ceil((args.sink + args.window + T + 4) / P) + 2)
-    ramp_base = dataclasses.replace(base, num_pages=ramp_pages, buckets=(16, 32), impl=args.ramp_impl,
+    b0, b1 = buckets = tuple(args.ramp_buckets)
+    ramp_pages = b1 * (math.ceil((args.sink + args.window + T + 4) / P) + 2)
+    ramp_base = dataclasses.replace(base, num_pages=ramp_pages, buckets=buckets, impl=args.ramp_impl,
                                     max_pages=ramp_pages // 8)
-    compile_s += sum(warm(model, live, dataclasses.replace(ramp_base, policy=p), (16, 32)) for p in POLICIES)
+    compile_s += sum(warm(model, live, dataclasses.replace(ramp_base, policy=p), buckets) for p in POLICIES)
     print(f"compiling (both policies, every bucket): {compile_s:.0f} s", flush=True)
-    lat = calibrate(model, live, dataclasses.replace(ramp_base, policy="sink_window"), (16, 32))
-    ramp_budget = (lat[16] + (lat[32] - lat[16]) * (args.ramp_knee - 16) / 16) / args.target
+    lat = calibrate(model, live, dataclasses.replace(ramp_base, policy="sink_window"), buckets)
+    ramp_budget = (lat[b0] + (lat[b1] - lat[b0]) * (args.ramp_knee - b0) / (b1 - b0)) / args.target
     print(f"calibration (SinkWindow per-frame s by sessions): {lat}; ramp B = {ramp_budget * 1e3:.0f} ms "
           f"(target at ~{args.ramp_knee} sessions)", flush=True)
     ramps = []
@@ -453,10 +477,10 @@ def main(argv=None):
     summary.update(config={**vars(args), "tokens_per_frame": T, "pages": pages, "ramp_pages": ramp_pages,
                            "ws_pages": ws_pages},
                    runtime_s=time.perf_counter() - t_run)
-    (out / "serve_cliff.json").write_text(json.dumps(finite({**summary, "runs": runs, "ramps": ramps,
-                                                             "websocket": ws})))
-    plot(runs, ramps, ws, ramp_budget, args, out / "serve_cliff.png")
-    print(f"total runtime {summary['runtime_s']:.0f} s; wrote {out / 'serve_cliff.json'} and {out / 'serve_cliff.png'}")
+    print(f"total runtime {summary['runtime_s']:.0f} s")
+    harness.write_json(out, "serve_cliff", finite({**summary, "runs": runs, "ramps": ramps, "websocket": ws}),
+                       indent=None)
+    plot(runs, ramps, ws, ramp_budget, args, out)
 
 
 if __name__ == "__main__":

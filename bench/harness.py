@@ -1,0 +1,152 @@
+"""What every bench script shares: its command line (`--out`, `--smoke`), interleaved timing of several candidates,
+JSON rows and a PNG under `--out`, and a printed table.
+
+- `parse(parser, argv, smoke={...})`: `--smoke` replaces the defaults by the script's smallest setting (options given
+  on the command line still win), so `python bench/<script>.py --smoke --out DIR` runs in seconds;
+  `tests/test_bench_smoke.py` runs every script that way.
+- `interleaved(cases, rounds)`: every round runs every case once, the order rotated from round to round (A, B then
+  B, A for two), so a drift of the machine's speed hits every case alike; returns milliseconds `[rounds, cases]`.
+  `stats` summarises one column (median and percentiles), `same_round_ratio` compares two.
+- `write_json`, `save_png` (matplotlib, Agg backend) print one `wrote PATH` line per file: the smoke test reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def parser(doc: str, *, out: str = "bench/out") -> argparse.ArgumentParser:
+    """An argument parser described by the first paragraph of `doc`, with `--out` and `--smoke`."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default=out, help="directory of the JSON and PNG outputs")
+    p.add_argument("--smoke", action="store_true", help="the smallest setting: a check that the script runs")
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv=None, *, smoke: Mapping[str, Any] | None = None) -> argparse.Namespace:
+    """Parses `argv`; with `--smoke`, `smoke` (option destinations -> values) replaces the defaults first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--smoke" in argv and smoke:
+        p.set_defaults(**smoke)
+    return p.parse_args(argv)
+
+
+def output_dir(args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def block(x):
+    """Waits for `x` when it holds jax arrays (a no-op for anything else)."""
+    if "jax" in sys.modules:
+        import jax
+
+        return jax.block_until_ready(x)
+    return x
+
+
+@dataclasses.dataclass
+class Case:
+    """One timed candidate: `fn(*prepare())`; only `fn` is timed. Cases sharing a `key` (a compiled shape) share
+    their warm-up calls (`key=None`: the case is its own key)."""
+
+    fn: Callable
+    prepare: Callable[[], tuple] = tuple
+    key: Hashable = None
+
+
+def interleaved(cases, rounds: int, *, warmup: int = 1, rotate: bool = True, label: str | None = None,
+                after: Callable[[int, Any], None] | None = None):
+    """Times `cases` in `rounds` interleaved rounds after `warmup` untimed calls per distinct key.
+
+    `cases`: a sequence of `Case` (or of callables) -> ms array `[rounds, len(cases)]`; a mapping name -> `Case` or
+    callable -> name -> ms array `[rounds]`. `rotate`: round r starts at case r mod n. `label`: prints one progress
+    line per round. `after(i, result)` sees every call's result (checks, the last output).
+    """
+    named = isinstance(cases, Mapping)
+    items = [c if isinstance(c, Case) else Case(c) for c in (cases.values() if named else cases)]
+    seen = set()
+    for i, c in enumerate(items):
+        key = ("case", i) if c.key is None else c.key
+        if key not in seen:
+            seen.add(key)
+            for _ in range(warmup):
+                block(c.fn(*c.prepare()))
+    ms = np.zeros((rounds, len(items)))
+    for r in range(rounds):
+        start_round = time.perf_counter()
+        order = list(range(len(items)))
+        if rotate and order:
+            k = r % len(order)
+            order = order[k:] + order[:k]
+        for i in order:
+            args = block(items[i].prepare())
+            start = time.perf_counter()
+            result = block(items[i].fn(*args))
+            ms[r, i] = 1e3 * (time.perf_counter() - start)
+            if after is not None:
+                after(i, result)
+        if label:
+            print(f"  {label} round {r + 1}/{rounds}: {time.perf_counter() - start_round:.1f} s", flush=True)
+    return {name: ms[:, i] for i, name in enumerate(cases)} if named else ms
+
+
+def stats(ms) -> dict:
+    """Median, 10th / 90th percentiles, min and max of one case's times."""
+    ms = np.asarray(ms, float)
+    return {"median": float(np.median(ms)), "p10": float(np.percentile(ms, 10)),
+            "p90": float(np.percentile(ms, 90)), "min": float(ms.min()), "max": float(ms.max())}
+
+
+def same_round_ratio(a, b) -> float:
+    """Median over rounds of `a / b` in the same round: robust to the machine's speed drifting between rounds."""
+    return float(np.median(np.asarray(a, float) / np.asarray(b, float)))
+
+
+def write_json(out: Path, stem: str, obj, *, indent: int | None = 1) -> Path:
+    path = Path(out) / f"{stem}.json"
+    path.write_text(json.dumps(obj, indent=indent))
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pyplot():
+    """`matplotlib.pyplot` on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, out: Path, stem: str, *, dpi: int = 120) -> Path:
+    path = Path(out) / f"{stem}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def print_table(rows: Sequence[Mapping], columns: Sequence[tuple[str, str | Callable, str]]) -> None:
+    """One line per row: `columns` are `(header, key or fn(row), format spec)`, right-aligned to the header's width
+    (at least 6); `None` prints as "-"."""
+    widths = [max(6, len(h)) for h, _, _ in columns]
+    print(" ".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)))
+    for row in rows:
+        cells = []
+        for (_, key, spec), w in zip(columns, widths):
+            value = key(row) if callable(key) else row[key]
+            cells.append(f"{'-' if value is None else format(value, spec):>{w}}")
+        print(" ".join(cells))
