@@ -41,7 +41,7 @@ from omnijax import chunks as chunks_lib
 from omnijax import distributed
 from omnijax.chunks import Chunk
 from omnijax.config import StreamConfig
-from omnijax.streaming import bind_config, chunk_step, init_state
+from omnijax.streaming import bind_config, chunk_step, graphdef_config, init_state, model_parts
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",
@@ -240,10 +240,6 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
     return jax.vmap(session)(state, chunks)
 
 
-def _decoder(model):
-    return getattr(model, "decoder", model)
-
-
 def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=None, batch_size: int | None = None,
              score_ids: Sequence[int] | None = None, progress: bool = True) -> dict[str, ConfigResult]:
     """Runs every session under every configuration; results are gathered to the host.
@@ -267,8 +263,8 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
         raise ValueError("no configurations to evaluate")
     if len({c.name for c in configs}) != len(configs):
         raise ValueError(f"config names must be distinct, got {[c.name for c in configs]}")
-    graphdef, params = nnx.split(_decoder(model))
-    config = _decoder(model).config
+    graphdef, params = model_parts(model)
+    config = graphdef_config(model)
     data = distributed.axis_size(mesh, distributed.DATA)
     count = len(sessions)
     if not count:
