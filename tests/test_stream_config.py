@@ -98,6 +98,11 @@ def test_get_policy_is_the_one_way_names_become_policies():
         high_watermark=600, low_watermark=400, source_image_whole=True)
     assert get_policy("full") == NoSlide() == get_policy("unbounded")
     assert get_policy("sink_window", sink=2, window=8) == SinkWindow(2, 8)
+    # Defaults (a command line's own flags) fill what the spec leaves out, for the policy they name only.
+    flags = {"sink_window": dict(sink=2, window=8)}
+    assert get_policy("sink_window", defaults=flags) == SinkWindow(2, 8)
+    assert get_policy("sink_window:window=16", defaults=flags) == SinkWindow(2, 16)
+    assert get_policy("unbounded", defaults=flags) == NoSlide()
     assert StreamConfig.parse("sink_window:sink=2,window=8+tile_skip", page_size=8) == StreamConfig(
         policy=SinkWindow(2, 8), paging="tile_skip", page_size=8)
     with pytest.raises(KeyError, match="unknown policy 'lru'"):

@@ -110,12 +110,14 @@ def _parse_value(text: str):
     return text
 
 
-def get_policy(spec: str, **hyperparameters) -> RetentionPolicy:
+def get_policy(spec: str, *, defaults: dict[str, dict] | None = None, **hyperparameters) -> RetentionPolicy:
     """The one way a policy's name becomes a policy object (Python and command lines alike).
 
     `spec` is a registered name (`REGISTRY`; aliases `full` and `unbounded` are NoSlide), optionally followed by
     `:key=value,...` hyperparameters as a command line writes them (ints, floats, true/false, none); keyword
-    `hyperparameters` are added to those. Example: `get_policy("omnipick:high_watermark=600,low_watermark=400")`.
+    `hyperparameters` are added to those. `defaults` maps a registered name to settings used when that policy is
+    chosen and neither the spec nor the keywords set them (a command line's own flags, e.g. `--sink`).
+    Example: `get_policy("omnipick:high_watermark=600,low_watermark=400")`.
     """
     if not isinstance(spec, str):
         raise TypeError(f"get_policy takes a policy name, got {spec!r}")
@@ -131,12 +133,13 @@ def get_policy(spec: str, **hyperparameters) -> RetentionPolicy:
             raise ValueError(f"policy setting {item!r} in {spec!r} is not key=value")
         parsed[key.strip()] = _parse_value(value)
     cls = REGISTRY[name]
+    settings = {**(defaults or {}).get(name, {}), **parsed, **hyperparameters}
     if dataclasses.is_dataclass(cls):
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted((set(parsed) | set(hyperparameters)) - fields)
+        unknown = sorted(set(settings) - fields)
         if unknown:
             raise ValueError(f"{name} has no setting(s) {unknown}; its settings are {sorted(fields)}")
-    return cls(**{**parsed, **hyperparameters})
+    return cls(**settings)
 
 
 def sequence_view(kv: PagedKV) -> SequenceView:

@@ -406,18 +406,6 @@ async def serve_until_signalled(server: MetronomeServer) -> None:
     print(f"omnijax-serve: stopped ({server.stats})", flush=True)
 
 
-def engine_policy(spec: str, *, sink: int, window: int):
-    """The retention policy of `--policy SPEC` (`omnijax.retention.get_policy`); `sink_window` takes `--sink` and
-    `--window` for the settings its spec does not give."""
-    from omnijax.retention.base import ALIASES, get_policy
-
-    name = spec.partition(":")[0].strip()
-    if ALIASES.get(name, name) != "sink_window":
-        return get_policy(spec)
-    given = {item.partition("=")[0].strip() for item in spec.partition(":")[2].split(",")}
-    return get_policy(spec, **{k: v for k, v in dict(sink=sink, window=window).items() if k not in given})
-
-
 def main(argv=None) -> int:
     import tempfile
 
@@ -456,6 +444,7 @@ def main(argv=None) -> int:
         parser.error(f"--frame-ms {args.frame_ms:g} gives no audio token: frames must be at least 30 ms")
 
     import omnijax
+    from omnijax.retention import get_policy
     from omnijax.serve.admission import AIMD
     from omnijax.serve.engine import Engine, EngineConfig
 
@@ -463,7 +452,8 @@ def main(argv=None) -> int:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
             model = omnijax.load(path)
-            policy = engine_policy(args.policy, sink=args.sink, window=args.window)
+            # --sink and --window are sink_window's settings where --policy does not give them.
+            policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
             stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
                                           max_answer_tokens=args.answer_tokens, impl=args.impl)
             config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=args.frame_ms / 1000.0,
