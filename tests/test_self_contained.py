@@ -16,10 +16,12 @@ SCANNED_DIRS = ("omnijax", "convert", "pallas_kernels", "tests", "bench")
 SCANNED_FILES = ("Makefile", "pyproject.toml", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".txt", ".yaml", ".yml"}
 
-# A path into the sibling folder: `../shared`, `/work/shared`, `... / "shared"` or `join(..., "shared", ...)`, or a
-# path written as `shared/data/...` / `shared/golden/...`. Prose such as "the cache shared by every sequence" is not.
-SIBLING = re.compile(r"""\.\./shared\b|/work/shared\b|[/,(]\s*["']shared["']|["']shared["']\s*[/,)]"""
-                     r"""|(?<![\w.-])shared/(data|golden)\b""")
+# The sibling folder's name, spelt so that this file's own pattern and examples are not paths into it.
+NAME = "sha" "red"
+# A path into the sibling folder: `../NAME`, `/work/NAME`, `... / "NAME"` or `join(..., "NAME", ...)`, or a path
+# written as `NAME/data/...` / `NAME/golden/...`. Prose such as "the cache NAME by every sequence" is not.
+SIBLING = re.compile(rf"""\.\./{NAME}\b|/work/{NAME}\b|[/,(]\s*["']{NAME}["']|["']{NAME}["']\s*[/,)]"""
+                     rf"""|(?<![\w.-]){NAME}/(data|golden)\b""")
 
 STREAMINGBENCH_FILES = {"questions_omni.json": 300, "questions_omni_stream.json": 300,
                         "questions_proactive_50.json": 50, "questions_real.json": 499, "questions_sqa.json": 50}
@@ -35,11 +37,11 @@ def scanned_files():
 
 
 def test_the_pattern_catches_sibling_paths_and_not_prose():
-    caught = ['Path(__file__).resolve().parents[2] / "shared" / "golden" / "minicpmo45"',
-              "os.path.join(root, 'shared', 'data')", 'open("../shared/data/x.json")', "/work/shared/golden",
-              "Files (`shared/data/streamingbench/`, from ...)", "vectors of `shared/golden/minicpmo45`"]
-    missed = ["the immutable paged KV cache pytree shared by every capability", "shared_memory_per_block: 49152",
-              "Static checks shared by the kernel and the reference", 'mode = "shared_pool"']
+    caught = [f'Path(__file__).resolve().parents[2] / "{NAME}" / "golden" / "minicpmo45"',
+              f"os.path.join(root, '{NAME}', 'data')", f'open("../{NAME}/data/x.json")', f"/work/{NAME}/golden",
+              f"Files (`{NAME}/data/streamingbench/`, from ...)", f"vectors of `{NAME}/golden/minicpmo45`"]
+    missed = [f"the immutable paged KV cache pytree {NAME} by every capability", f"{NAME}_memory_per_block: 49152",
+              f"Static checks {NAME} by the kernel and the reference", f'mode = "{NAME}_pool"']
     assert [s for s in caught if not SIBLING.search(s)] == []
     assert [s for s in missed if SIBLING.search(s)] == []
 
@@ -47,10 +49,9 @@ def test_the_pattern_catches_sibling_paths_and_not_prose():
 def test_no_file_refers_to_the_sibling_shared_folder():
     files = list(scanned_files())
     names = {p.relative_to(ROOT).as_posix() for p in files}
-    assert {"omnijax/evalharness/streamingbench.py", "tests/test_minicpmo_llm.py", "pyproject.toml"} <= names
-    this = Path(__file__).resolve()
-    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-                 for p in files if p.resolve() != this
+    assert {"omnijax/evalharness/streamingbench.py", "tests/test_minicpmo_llm.py", "pyproject.toml",
+            "tests/test_self_contained.py"} <= names  # this file too: its pattern and examples name no such path
+    offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
                  for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if SIBLING.search(line)]
     assert offenders == []
 
