@@ -19,6 +19,8 @@ from convert.safetensors_io import SafetensorsCheckpoint
 from convert.special_tokens import read_special_tokens
 from convert.tables import Component
 from omnijax.config import DecoderConfig
+from omnijax.models.minicpmo import audio as audio_lib
+from omnijax.models.minicpmo import vision as vision_lib
 
 HF_MODEL_TYPES = ("minicpmo",)
 LLM_PREFIX = "llm."
@@ -55,8 +57,6 @@ def decoder_component(config: DecoderConfig) -> Component:
 
 def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:
     """The encoder parts a MiniCPM-o config declares: component name -> (component, JSON config)."""
-    from omnijax.models.minicpmo import audio as audio_lib
-    from omnijax.models.minicpmo import vision as vision_lib
     out = {}
     try:
         if hf_config.get("init_vision", True):
