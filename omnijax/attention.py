@@ -1,13 +1,21 @@
 """Attention over the paged KV cache, with explicit implementations and no silent fallback.
 
 `attend(q, k_pages, v_pages, cache, impl=..., layer=None)`:
-    impl="reference": `dense_attention` over every page-table entry of each sequence, masked by slot validity and
-        write order: the one dense oracle (in `pallas_kernels.block_sparse_attention`, re-exported here) that the
-        other implementations, the kernel's own reference and the tests are checked against.
-    impl="xla": visits only each sequence's active pages (pages holding a live slot), in page-table order, with a
-        dynamic trip count and an online softmax, so its cost follows active pages on any backend.
+    impl="xla" (the default everywhere): visits only each sequence's active pages (pages holding a live slot), in
+        page-table order, gathered many pages at a time (`block_pages`: blocks of 256-1,024 slots, chunks of more
+        than 256 queries taken 256 rows at a time) with a dynamic trip count and an online softmax, so its cost
+        follows active pages on any backend at close to dense-matmul speed.
     impl="pallas": the block-sparse flash-attention kernel of `pallas_kernels.block_sparse_attention` (Triton on a
         GPU; the same kernel in Pallas interpret mode on CPU, chosen by the default backend).
+    impl="reference": `dense_attention` over every page-table entry of each sequence, masked by slot validity and
+        write order: the one dense oracle (in `pallas_kernels.block_sparse_attention`, re-exported here) that the
+        other implementations, the kernel's own reference and the tests are checked against. It is the oracle only:
+        its cost and memory follow the page table's width (`[H, T, M * P]` scores), not what the table holds, so
+        nothing defaults to it; the one thing only it computes is the attention mass of score-based retention
+        (H2O, `with_mass=True`).
+
+`attend_contiguous(q, k, v, start)` is the same blocked online softmax over contiguous per-sequence buffers (no page
+table): TideKV's layer-major prefill attends each prompt chunk to the prefix with it.
 
 `k_pages`/`v_pages` are one layer's `[N, P, G, d]`, or with `layer=` (an int32 scalar, traced inside a model's layer
 loop) every layer's `[L, N, P, G, d]` stack, of which only that layer's pages are read. A model's layer loop carries
@@ -34,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 # One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
-from pallas_kernels.block_sparse_attention import (DEAD_KEY, PageIndex, active_pages, block_sparse_attention,
+from pallas_kernels.block_sparse_attention import (DEAD_KEY, PAD_ORDER, PageIndex, active_pages, block_sparse_attention,
                                                    dense_attention, gather_pages, page_index, validate_index,
                                                    validate_shapes)
 
@@ -118,6 +126,7 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
 # that does not follow the active pages, so K also bounds the waste.
 SCORE_TILE = 1 << 20
 MAX_BLOCK_SLOTS = 1024
+MAX_QUERY_ROWS = 256  # longer chunks are taken this many query rows at a time
 
 
 def block_pages(num_queries: int, num_heads: int, page_size: int, table_pages: int) -> int:
@@ -142,7 +151,8 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     ceil(count / pages_per_block) gathers one block's keys and values (`[K, G, d]`, K = pages * page size), masks
     dead slots, slots written after the query and list entries past the count, and folds the block into running
     float32 max / denominator / output accumulators with one score and one value matmul per KV head
-    (`[R*T, d] x [d, K]`). So cost follows active pages, rounded up to one block.
+    (`[R*T, d] x [d, K]`). So cost follows active pages, rounded up to one block. A chunk of more than
+    `MAX_QUERY_ROWS` queries is taken that many rows at a time (`lax.map`), which bounds the score tile.
     """
     validate(q, k_pages, v_pages, cache, layer)
     B, T, H, d = q.shape
@@ -150,42 +160,130 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     R = H // G
     index = index_pages(cache).pages  # index.ids[b, :index.count[b]] are read
     M = index.ids.shape[1]
-    bp = pages_per_block or block_pages(T, H, P, M)
+    bq = min(T, MAX_QUERY_ROWS)
+    nq = -(-T // bq)
+    bp = pages_per_block or block_pages(bq, H, P, M)
     if bp < 1 or bp & (bp - 1):
         raise ValueError(f"pages_per_block must be a power of two, got {bp}")
     K = bp * P
     ids = jnp.pad(index.ids, ((0, 0), (0, -M % bp)))  # whole blocks; entries past count are masked below
+    q = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
+    q_order = jnp.pad(cache.q_order, ((0, 0), (0, nq * bq - T)), constant_values=PAD_ORDER)  # padding sees nothing
 
-    def one(q_b, ids_b, count_b, q_order_b):
-        qg = q_b.reshape(T, G, R, d).transpose(1, 2, 0, 3).reshape(G, R * T, d)  # row r * T + t
+    def rows(q_rows, q_order_rows, ids_b, count_b):  # [bq, H, d], [bq]
+        qg = q_rows.reshape(bq, G, R, d).transpose(1, 2, 0, 3).reshape(G, R * bq, d)  # row r * bq + t
 
         def body(i, carry):
-            m, l, acc = carry  # [G, R*T], [G, R*T], [G, R*T, d]
             pages = jax.lax.dynamic_slice_in_dim(ids_b, i * bp, bp)  # [bp]
             listed = i * bp + jnp.arange(bp) < count_b
             key = jnp.where(listed[:, None], index.slot_key[pages], DEAD_KEY).reshape(K)  # order, or dead
             live = (key != DEAD_KEY)[:, None, None]
             k = jnp.where(live, _read_pages(k_pages, layer, pages).reshape(K, G, d), 0)  # dead slots: even NaN
             v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(K, G, d), 0)
-            ok = jnp.tile(key[None, :] <= q_order_b[:, None], (R, 1))  # [R*T, K]
+            ok = jnp.tile(key[None, :] <= q_order_rows[:, None], (R, 1))  # [R*bq, K]
             s = jnp.einsum("gnd,kgd->gnk", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-            s = jnp.where(ok, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])  # masked scores are -inf: exactly 0
-            scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-            l = l * scale + jnp.sum(p, axis=-1)
-            acc = acc * scale[..., None] + jnp.einsum("gnk,kgd->gnd", p.astype(q.dtype), v,
-                                                      preferred_element_type=jnp.float32)
-            return m_new, l, acc
+            return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
+                "gnk,kgd->gnd", p.astype(q.dtype), v, preferred_element_type=jnp.float32))
 
-        init = (jnp.full((G, R * T), -jnp.inf, jnp.float32), jnp.zeros((G, R * T), jnp.float32),
-                jnp.zeros((G, R * T, d), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, (count_b + bp - 1) // bp, body, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing returns zeros
-        return out.reshape(G, R, T, d).transpose(2, 0, 1, 3).reshape(T, H, d)
+        init = (jnp.full((G, R * bq), -jnp.inf, jnp.float32), jnp.zeros((G, R * bq), jnp.float32),
+                jnp.zeros((G, R * bq, d), jnp.float32))
+        out = online_softmax_result(jax.lax.fori_loop(0, (count_b + bp - 1) // bp, body, init))
+        return out.reshape(G, R, bq, d).transpose(2, 0, 1, 3).reshape(bq, H, d)
 
-    return jax.vmap(one)(q, ids, index.count, cache.q_order).astype(q.dtype)
+    def one(q_b, q_order_b, ids_b, count_b):  # one sequence: [nq * bq, H, d]
+        if nq == 1:
+            return rows(q_b, q_order_b, ids_b, count_b)
+        out = jax.lax.map(lambda a: rows(a[0], a[1], ids_b, count_b),
+                          (q_b.reshape(nq, bq, H, d), q_order_b.reshape(nq, bq)))
+        return out.reshape(nq * bq, H, d)
+
+    return jax.vmap(one)(q, q_order, ids, index.count)[:, :T].astype(q.dtype)
+
+
+def online_softmax_step(carry, s: jax.Array, pv):
+    """Folds one key block into the running float32 `(m, l, acc)` of an online softmax (flash attention).
+
+    Args:
+        carry: `(m [..., n], l [..., n], acc [..., n, d])`: row maximum (-inf before any visible key), softmax
+            denominator and unnormalised output.
+        s: `[..., n, K]` float32 scores of the block, -inf where a key is not visible.
+        pv: `p [..., n, K] -> [..., n, d]` float32, the probabilities times the block's values.
+    """
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])  # invisible keys score -inf: exactly 0
+    scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv(p)
+
+
+def online_softmax_result(carry) -> jax.Array:
+    """The normalised output of an online softmax's final `(m, l, acc)`; a row that saw no key is zeros."""
+    _, l, acc = carry
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def contiguous_blocks(num_queries: int, num_heads: int, num_keys: int) -> tuple[int, int]:
+    """`(block_q, block_k)` of `attend_contiguous`: query rows per block (at most 256, a power of two) and key
+    slots per block (the `SCORE_TILE` rule of `block_pages` for that many rows, capped by the largest power of two
+    dividing `num_keys`, so blocks tile the buffer exactly)."""
+    block_q = min(MAX_QUERY_ROWS, 1 << max(0, (num_queries - 1).bit_length()))
+    slots = SCORE_TILE // max(1, num_heads * block_q)
+    slots = min(MAX_BLOCK_SLOTS, 1 << max(0, slots.bit_length() - 1))
+    return block_q, max(1, min(slots, num_keys & -num_keys))
+
+
+def attend_contiguous(q: jax.Array, k: jax.Array, v: jax.Array, start, *, block_q: int | None = None,
+                      block_k: int | None = None) -> jax.Array:
+    """Causal attention of a chunk over contiguous per-sequence key buffers, blocked, with no page table.
+
+    Query t of the chunk has absolute index `start + t` and sees keys `j <= start + t` (keys past the chunk are
+    never visible, so the buffers may hold anything finite there). Queries are taken `block_q` rows at a time
+    (`lax.map`); each row block loops (`fori_loop`, dynamic trip count) over just the key blocks of `block_k` slots
+    it can see, with an online softmax in float32. Default blocks: `contiguous_blocks`.
+
+    Args:
+        q: `[B, T, H, d]` the chunk's queries.
+        k, v: `[B, S, G, d]` the sequence's keys and values by absolute index (H a multiple of G).
+        start: int32 scalar (may be traced), the absolute index of the chunk's first query.
+
+    Returns:
+        `[B, T, H, d]` in `q.dtype`.
+    """
+    B, T, H, d = q.shape
+    S, G = k.shape[1], k.shape[2]
+    if k.shape != (B, S, G, d) or v.shape != k.shape or G == 0 or H % G:
+        raise ValueError(f"k and v must be [B, S, G, d] with H={H} a multiple of G, matching q {q.shape}; got "
+                         f"{k.shape} and {v.shape}")
+    bq, bk = contiguous_blocks(T, H, S)
+    bq, bk = block_q or bq, block_k or bk
+    if S % bk or bq & (bq - 1) or bk & (bk - 1):
+        raise ValueError(f"block_q {bq} and block_k {bk} must be powers of two, block_k dividing S={S}")
+    R, nq = H // G, -(-T // bq)
+    qb = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))).reshape(B, nq, bq, G, R, d)
+    qb = qb.transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, G, R * bq, d)  # row r * bq + t
+
+    def rows(args):
+        i, qg = args  # qg [B, G, R*bq, d]
+        row_index = start + i * bq + jnp.arange(bq)  # [bq] absolute
+        row_index = jnp.tile(row_index, R)  # [R*bq]
+
+        def body(j, carry):
+            kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, G, d]
+            vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+            ok = j * bk + jnp.arange(bk)[None, :] <= row_index[:, None]  # [R*bq, bk]
+            s = jnp.einsum("bgnd,bkgd->bgnk", qg, kb, preferred_element_type=jnp.float32) * (d ** -0.5)
+            return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
+                "bgnk,bkgd->bgnd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32))
+
+        init = (jnp.full((B, G, R * bq), -jnp.inf, jnp.float32), jnp.zeros((B, G, R * bq), jnp.float32),
+                jnp.zeros((B, G, R * bq, d), jnp.float32))
+        last = jnp.minimum(start + (i + 1) * bq, S)  # keys [0, last) can be visible to this row block
+        return online_softmax_result(jax.lax.fori_loop(0, (last + bk - 1) // bk, body, init))
+
+    out = jax.lax.map(rows, (jnp.arange(nq), qb))  # [nq, B, G, R*bq, d]
+    out = out.reshape(nq, B, G, R, bq, d).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, H, d)
+    return out[:, :T].astype(q.dtype)
 
 
 def check_impl(impl: str) -> str:
@@ -196,7 +294,7 @@ def check_impl(impl: str) -> str:
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-           impl: str = "reference", with_mass: bool = False, layer=None):
+           impl: str = "xla", with_mass: bool = False, layer=None):
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
 
     `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes one layer's `[N, P, G, d]`.

@@ -157,8 +157,9 @@ class StreamConfig:
     Attributes:
         policy: retention policy object (`omnijax.retention`); resolve a name with `omnijax.retention.get_policy`.
         paging: physical layout after eviction: a mode of `omnijax.paging.PAGING_MODES` or a `Paging`.
-        impl: attention implementation: "xla" (the default: exact, visits active pages only), "pallas" or
-            "reference" (dense over the whole pool: the oracle).
+        impl: attention implementation: "xla" (the default: exact, visits active pages only, many pages per step),
+            "pallas" or "reference" (dense over every page-table entry: the oracle, and what H2O's attention mass
+            needs; its cost follows the table's width, not what it holds).
         page_size: slots per KV page (a power of two).
         num_pages: pages of the KV pool; None sizes it to hold the whole session without eviction (`stream`,
             `evaluate`) or takes `DEFAULT_SESSION_PAGES` (`Session`). An engine's shared pool needs a number.

@@ -76,7 +76,7 @@ class StreamResult:
 
 
 def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
-            meta: paged_lib.SlotMeta, *, impl: str = "reference", track_scores: bool = False,
+            meta: paged_lib.SlotMeta, *, impl: str = "xla", track_scores: bool = False,
             placement: str = "first_fit"):
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 DEAD_KEY = jnp.iinfo(jnp.int32).max  # key of a dead slot: never <= a query's order
-_PAD_ORDER = jnp.iinfo(jnp.int32).min  # order of a padding query row: sees nothing
+PAD_ORDER = jnp.iinfo(jnp.int32).min  # order of a padding query row: sees nothing
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -224,7 +224,7 @@ def _program_inputs(layer_ref, qo_ref, q_ref, k_ref, *, block_q: int, heads_per_
     kept = jnp.minimum(token, T - 1)  # a row past the chunk reads the last token and sees nothing
     col = lax.broadcasted_iota(jnp.int32, (1, d), 1)
     q = q_ref[kept[:, None], head[:, None], col]
-    orders = jnp.where(token < T, qo_ref[pl.program_id(0), kept], _PAD_ORDER)
+    orders = jnp.where(token < T, qo_ref[pl.program_id(0), kept], PAD_ORDER)
     return layer, q, orders, (token[:, None], head[:, None], col)
 
 

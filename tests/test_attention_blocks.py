@@ -58,6 +58,42 @@ def test_every_block_size_matches_the_dense_oracle(H):
     np.testing.assert_allclose(np.asarray(attention.attend(q, k, v, view, impl="xla")), want, atol=1e-5, rtol=1e-5)
 
 
+def test_long_chunks_are_taken_in_row_blocks():
+    # More queries than MAX_QUERY_ROWS: rows go block by block (the last one padded), same output as the oracle.
+    rng = np.random.default_rng(5)
+    T = attention.MAX_QUERY_ROWS + 37
+    q, k, v, view = _layout(rng, T=T, M=10, N=32)
+    want = np.asarray(attention.attend(q, k, v, view, impl="reference"))
+    for bp in (2, None):
+        got = np.asarray(attention.attend_xla(q, k, v, view, pages_per_block=bp))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_contiguous_prefix_attention_matches_the_dense_oracle():
+    # TideKV's layer step: a chunk at absolute start over contiguous buffers; keys past the chunk are never read.
+    rng = np.random.default_rng(6)
+    B, S, H, T = 2, 64, 4, 12
+    k = rng.standard_normal((B, S, G, D)).astype(np.float32)
+    v = rng.standard_normal((B, S, G, D)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)).astype(np.float32))
+    for start in (0, 20, S - T):
+        index = np.arange(S, dtype=np.int32)[None].repeat(B, 0)
+        want = attention.dense_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(index < start + T),
+                                         jnp.asarray(index), jnp.asarray(start + np.arange(T, dtype=np.int32))[None]
+                                         .repeat(B, 0), precision=jax.lax.Precision.HIGHEST)
+        k_future, v_future = k.copy(), v.copy()
+        k_future[:, start + T:] = 1e4  # finite garbage past the chunk: never visible
+        for bq, bk in ((None, None), (4, 8), (8, 16), (16, 64)):
+            got = attention.attend_contiguous(q, jnp.asarray(k_future), jnp.asarray(v_future), jnp.int32(start),
+                                              block_q=bq, block_k=bk)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                                       err_msg=f"start={start} blocks={bq, bk}")
+    assert attention.contiguous_blocks(2048, 8, 8192) == (256, 512)
+    assert attention.contiguous_blocks(12, 4, 96) == (16, 32)  # key blocks tile the buffer exactly
+    with pytest.raises(ValueError, match="dividing S"):
+        attention.attend_contiguous(q, jnp.asarray(k), jnp.asarray(v), 0, block_k=128)
+
+
 def test_layer_stack_and_bfloat16_blocks():
     rng = np.random.default_rng(7)
     q, k, v, view = _layout(rng)

@@ -140,7 +140,7 @@ class Decoder(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
-                   k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "reference",
+                   k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",
                    track_scores: bool = False, unroll: bool = False):
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 

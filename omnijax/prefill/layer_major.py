@@ -8,8 +8,10 @@ layer. So the uncompressed KV of one layer and the activations of one chunk are 
 
 Memory is the point, so it is made true by construction: a host loop over layers calls one jitted layer step that
 donates the bridge (updated in place) and returns the layer's packed cache; the layer's full KV lives only inside
-that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far through
-`omnijax.attention` on a contiguous paged view (impl "xla" visits only the pages written so far).
+that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far: impl "xla" with
+`attention.attend_contiguous` (blocked dense causal attention over the contiguous buffers: query blocks of up to 256
+rows, key blocks of up to 1,024 slots, only the blocks a row block can see), "reference" and "pallas" through
+`omnijax.attention` on a contiguous paged view.
 
 Without eviction (`budgets=None`) the bridge equals one-shot prefill's hidden states; eviction never changes them,
 only what the decode cache keeps.
@@ -110,8 +112,12 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
         q, k, v = layer_qkv(c, p, h, rot)
         k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
         v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
-        view = contiguous_view(Spad, B, page, start, chunk, start + chunk)
-        attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view, impl=impl)
+        if impl == "xla":  # blocked dense causal attention straight over the contiguous buffers
+            attn = attention_lib.attend_contiguous(q, k_buf, v_buf, start)
+        else:  # the oracle ("reference") and the paged kernel ("pallas") read them as pages
+            view = contiguous_view(Spad, B, page, start, chunk, start + chunk)
+            attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view,
+                                        impl=impl)
         if window:
             q_obs = window_rows(q_obs, q, start, prompt_len)
         bridge = jax.lax.dynamic_update_slice_in_dim(bridge, layer_finish(c, p, h, attn), start, axis=1)
