@@ -172,6 +172,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
 
     def rows(q_rows, q_order_rows, ids_b, count_b):  # [bq, H, d], [bq]
         qg = q_rows.reshape(bq, G, R, d).transpose(1, 2, 0, 3).reshape(G, R * bq, d)  # row r * bq + t
+        qg = qg * jnp.asarray(d ** -0.5, q.dtype)  # the score scale, once per query instead of once per score
 
         def body(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(ids_b, i * bp, bp)  # [bp]
@@ -181,7 +182,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
             k = jnp.where(live, _read_pages(k_pages, layer, pages).reshape(K, G, d), 0)  # dead slots: even NaN
             v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(K, G, d), 0)
             ok = jnp.tile(key[None, :] <= q_order_rows[:, None], (R, 1))  # [R*bq, K]
-            s = jnp.einsum("gnd,kgd->gnk", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+            s = jnp.einsum("gnd,kgd->gnk", qg, k, preferred_element_type=jnp.float32)
             return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
                 "gnk,kgd->gnd", p.astype(q.dtype), v, preferred_element_type=jnp.float32))
 
@@ -224,12 +225,13 @@ def online_softmax_result(carry) -> jax.Array:
 
 
 def contiguous_blocks(num_queries: int, num_heads: int, num_keys: int) -> tuple[int, int]:
-    """`(block_q, block_k)` of `attend_contiguous`: query rows per block (at most 256, a power of two) and key
-    slots per block (the `SCORE_TILE` rule of `block_pages` for that many rows, capped by the largest power of two
-    dividing `num_keys`, so blocks tile the buffer exactly)."""
-    block_q = min(MAX_QUERY_ROWS, 1 << max(0, (num_queries - 1).bit_length()))
+    """`(block_q, block_k)` of `attend_contiguous`: query rows per block (at most 512, a power of two) and key slots
+    per block (the `SCORE_TILE` rule for that many rows, between 128 and `MAX_BLOCK_SLOTS`, capped by the largest
+    power of two dividing `num_keys` so that blocks tile the buffer exactly). On CPU, 512 x 256 blocks of a 2,048-row
+    chunk over 8K keys ran 20 % faster than 256 x 512 and than 128-row blocks (8 heads, head_dim 32)."""
+    block_q = min(512, 1 << max(0, (num_queries - 1).bit_length()))
     slots = SCORE_TILE // max(1, num_heads * block_q)
-    slots = min(MAX_BLOCK_SLOTS, 1 << max(0, slots.bit_length() - 1))
+    slots = min(MAX_BLOCK_SLOTS, max(128, 1 << max(0, slots.bit_length() - 1)))
     return block_q, max(1, min(slots, num_keys & -num_keys))
 
 
@@ -239,8 +241,9 @@ def attend_contiguous(q: jax.Array, k: jax.Array, v: jax.Array, start, *, block_
 
     Query t of the chunk has absolute index `start + t` and sees keys `j <= start + t` (keys past the chunk are
     never visible, so the buffers may hold anything finite there). Queries are taken `block_q` rows at a time
-    (`lax.map`); each row block loops (`fori_loop`, dynamic trip count) over just the key blocks of `block_k` slots
-    it can see, with an online softmax in float32. Default blocks: `contiguous_blocks`.
+    (`lax.map`); each row block runs an online softmax in float32 over the key blocks of `block_k` slots it can see:
+    first the blocks wholly before its first row, with no mask, then the blocks that cross the diagonal, masked
+    (two `fori_loop`s with dynamic trip counts). Default blocks: `contiguous_blocks`.
 
     Args:
         q: `[B, T, H, d]` the chunk's queries.
@@ -260,26 +263,33 @@ def attend_contiguous(q: jax.Array, k: jax.Array, v: jax.Array, start, *, block_
     if S % bk or bq & (bq - 1) or bk & (bk - 1):
         raise ValueError(f"block_q {bq} and block_k {bk} must be powers of two, block_k dividing S={S}")
     R, nq = H // G, -(-T // bq)
+    q = q * jnp.asarray(d ** -0.5, q.dtype)  # the score scale, once per query instead of once per score
     qb = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0))).reshape(B, nq, bq, G, R, d)
     qb = qb.transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, G, R * bq, d)  # row r * bq + t
 
     def rows(args):
         i, qg = args  # qg [B, G, R*bq, d]
-        row_index = start + i * bq + jnp.arange(bq)  # [bq] absolute
-        row_index = jnp.tile(row_index, R)  # [R*bq]
+        first = start + i * bq  # absolute index of the block's first row: keys before it are visible to all rows
+        row_index = jnp.tile(first + jnp.arange(bq), R)  # [R*bq]
 
-        def body(j, carry):
-            kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, G, d]
-            vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-            ok = j * bk + jnp.arange(bk)[None, :] <= row_index[:, None]  # [R*bq, bk]
-            s = jnp.einsum("bgnd,bkgd->bgnk", qg, kb, preferred_element_type=jnp.float32) * (d ** -0.5)
-            return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
-                "bgnk,bkgd->bgnd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32))
+        def fold(masked: bool):
+            def body(j, carry):
+                kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, G, d]
+                vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+                s = jnp.einsum("bgnd,bkgd->bgnk", qg, kb, preferred_element_type=jnp.float32)
+                if masked:
+                    s = jnp.where(j * bk + jnp.arange(bk)[None, :] <= row_index[:, None], s, -jnp.inf)
+                return online_softmax_step(carry, s, lambda p: jnp.einsum(
+                    "bgnk,bkgd->bgnd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32))
+            return body
 
-        init = (jnp.full((B, G, R * bq), -jnp.inf, jnp.float32), jnp.zeros((B, G, R * bq), jnp.float32),
-                jnp.zeros((B, G, R * bq, d), jnp.float32))
-        last = jnp.minimum(start + (i + 1) * bq, S)  # keys [0, last) can be visible to this row block
-        return online_softmax_result(jax.lax.fori_loop(0, (last + bk - 1) // bk, body, init))
+        carry = (jnp.full((B, G, R * bq), -jnp.inf, jnp.float32), jnp.zeros((B, G, R * bq), jnp.float32),
+                 jnp.zeros((B, G, R * bq, d), jnp.float32))
+        whole = jnp.minimum(first // bk, S // bk)  # key blocks entirely before the first row
+        last = jnp.minimum(first + bq, S)  # keys [0, last) can be visible to this row block
+        carry = jax.lax.fori_loop(0, whole, fold(False), carry)
+        carry = jax.lax.fori_loop(whole, (last + bk - 1) // bk, fold(True), carry)
+        return online_softmax_result(carry)
 
     out = jax.lax.map(rows, (jnp.arange(nq), qb))  # [nq, B, G, R*bq, d]
     out = out.reshape(nq, B, G, R, bq, d).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, H, d)

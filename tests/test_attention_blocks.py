@@ -88,8 +88,9 @@ def test_contiguous_prefix_attention_matches_the_dense_oracle():
                                               block_q=bq, block_k=bk)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
                                        err_msg=f"start={start} blocks={bq, bk}")
-    assert attention.contiguous_blocks(2048, 8, 8192) == (256, 512)
+    assert attention.contiguous_blocks(2048, 8, 8192) == (512, 256)
     assert attention.contiguous_blocks(12, 4, 96) == (16, 32)  # key blocks tile the buffer exactly
+    assert attention.contiguous_blocks(4096, 28, 1 << 16) == (512, 128)  # at least 128 keys per block
     with pytest.raises(ValueError, match="dividing S"):
         attention.attend_contiguous(q, jnp.asarray(k), jnp.asarray(v), 0, block_k=128)
 
