@@ -3,8 +3,9 @@ per-chunk streaming latency with the full context and with bounded retention pol
 prefill's time and peak memory, each side in its own processes.
 
 Set-up. A tiny Qwen2 (vocab 1024, hidden 256, intermediate 512, 4 layers, 8 query / 2 KV heads, head dim 32, RoPE
-theta 1e6, float32, transformers' default init after `torch.manual_seed(0)`) is saved under
-`<out>/vs_transformers_ckpt/hf` and converted into `.../omnijax` (both reused when present). Every measurement is a
+theta 1e6, float32, weight matrices drawn with std `INIT_STD` = 0.08 after `torch.manual_seed(0)`, sharper attention
+than the default 0.02) is saved under `<out>/vs_transformers_ckpt_std0.08/hf` and converted into `.../omnijax`
+(both reused when present). Every measurement is a
 fresh worker process of this script (`--worker KIND --side SIDE`, one JSON line on stdout): torch and JAX never
 share a process, the parent imports neither. torch runs on 2 threads with `attn_implementation="sdpa"`, JAX on the
 CPU as it comes; both compute the last token's logits only (transformers: `logits_to_keep=1`). Tokens are random
@@ -57,6 +58,8 @@ import harness
 HF_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                  tie_word_embeddings=False, max_position_embeddings=65536)
+INIT_STD = 0.08  # std of every weight matrix (norm weights stay 1)
+CKPT_DIR = f"vs_transformers_ckpt_std{INIT_STD}"  # a changed init builds a new checkpoint
 PAGE_SIZE = 64
 TORCH_THREADS = 2
 SIDES = ("omnijax", "transformers")
@@ -92,6 +95,10 @@ def build_checkpoint(args, side: str, ckpt: Path) -> dict:
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_CONFIG)).to(torch.float32).eval()
+    with torch.no_grad():  # wider than the default init (0.02): sharper attention, so a masking mistake would show
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, INIT_STD)
     model.save_pretrained(ckpt / "hf", safe_serialization=True)
     return {"saved": str(ckpt / "hf")}
 
@@ -260,7 +267,7 @@ def prefill_worker(args, side: str, ckpt: Path) -> dict:
 
 def worker(args) -> None:
     """Runs one measurement and prints its result as one JSON line."""
-    ckpt = Path(args.out) / "vs_transformers_ckpt"
+    ckpt = Path(args.out) / CKPT_DIR
     run = {"checkpoint": build_checkpoint, "full": full_worker, "bounded": bounded_worker, "prefill": prefill_worker}
     result = run[args.worker](args, args.side, ckpt)
     packages = ("jax", "torch", "transformers", "kvpress")
@@ -292,7 +299,7 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "") -> d
 
 def ensure_checkpoint(args) -> str:
     """Builds the transformers checkpoint and its omnijax conversion unless both are there already."""
-    ckpt = Path(args.out) / "vs_transformers_ckpt"
+    ckpt = Path(args.out) / CKPT_DIR
     built = not (ckpt / "hf" / "model.safetensors").exists()
     if built:
         run_worker(args, "checkpoint", "transformers")
