@@ -255,6 +255,7 @@ def main(argv=None):
             print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     if args.save_layouts:
+        Path(args.save_layouts).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]),
                                                              "qwen_unit": args.qwen_unit, "layouts": layouts}))
         print(f"wrote {args.save_layouts}", flush=True)

@@ -112,12 +112,15 @@ def test_layer_stack_and_bfloat16_blocks():
 
 
 def test_block_size_rule():
-    # Chunks of 256 queries over 8 heads take 512-slot blocks; decode takes the largest block; small tables cap it.
-    assert attention.block_pages(256, 8, 64, 1024) * 64 == 512
-    assert attention.block_pages(1, 8, 64, 1024) * 64 == attention.MAX_BLOCK_SLOTS
+    # 256 queries over 8 heads of 32 (2 kv heads): 512-slot blocks; decode: the largest block the keys allow;
+    # Qwen2.5-Omni-7B's 4 kv heads of 128: 256 slots whatever the chunk; small tables cap it.
+    assert attention.block_pages(256, 8, 64, 1024, 2 * 32) * 64 == 512
+    assert attention.block_pages(1, 8, 64, 1024, 2 * 32) * 64 == attention.MAX_BLOCK_SLOTS
+    assert attention.block_pages(1, 28, 64, 1024, 4 * 128) * 64 == 256
+    assert attention.block_pages(124, 28, 64, 1024, 4 * 128) * 64 == 256
     assert attention.block_pages(1, 8, 64, 3) == 4  # 3 table entries, rounded up to a power of two
     assert attention.block_pages(4096, 32, 16, 64) == 1  # never below one page
-    for args in [(1, 1, 4, 1), (7, 3, 8, 5), (256, 28, 64, 130)]:
+    for args in [(1, 1, 4, 1), (7, 3, 8, 5), (256, 28, 64, 130, 512)]:
         bp = attention.block_pages(*args)
         assert bp >= 1 and bp & (bp - 1) == 0
     q, k, v, view = _layout(np.random.default_rng(0))
