@@ -183,8 +183,8 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
             pages = jax.lax.dynamic_slice_in_dim(ids_b, start, size)  # [size]
             key = index.slot_key[pages].reshape(size * P)  # write order where live, DEAD_KEY where dead
             live = (key != DEAD_KEY)[:, None, None]
-            k = jnp.where(live, _read_pages(k_pages, layer, pages).reshape(size * P, G, d), 0)  # dead: even NaN
-            v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(size * P, G, d), 0)
+            k = _read_pages(k_pages, layer, pages).reshape(size * P, G, d)  # dead slots' scores are replaced below
+            v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(size * P, G, d), 0)  # dead: even NaN
             ok = jnp.tile(key[None, :] <= q_order_rows[:, None], (R, 1))  # [R*bq, size*P]
             s = jnp.einsum("gnd,kgd->gnk", qg, k, preferred_element_type=jnp.float32)
             return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
