@@ -63,6 +63,7 @@ CKPT_DIR = f"vs_transformers_ckpt_std{INIT_STD}"  # a changed init builds a new 
 PAGE_SIZE = 64
 TORCH_THREADS = 2
 SIDES = ("omnijax", "transformers")
+SECTIONS = ("full", "bounded", "prefill")
 FULL_HISTORIES = (256, 1024, 2048, 4096, 8192)
 BOUNDED_HISTORIES = (8192, 16384, 32768)
 POLICY_SPECS = {"no_slide": "no_slide", "omnipick": "omnipick", "sink_window": "sink_window:sink=16,window=2048"}
@@ -446,6 +447,7 @@ def main(argv=None):
     parser.add_argument("--full-max", type=int, default=8192, help="longest history of the full-context section")
     parser.add_argument("--bounded-max", type=int, default=32768, help="longest history of the bounded section")
     parser.add_argument("--prefill", type=int, nargs="+", default=[8192, 16384, 32768], help="prompt lengths")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the streaming sections")
     parser.add_argument("--prefill-rounds", type=int, default=1, help="fresh processes per side and prompt length")
     parser.add_argument("--inner", type=int, default=3, help="re-feeds of each bounded checkpoint chunk")
@@ -464,12 +466,16 @@ def main(argv=None):
     start = time.perf_counter()
     print("checkpoint", flush=True)
     checkpoint = ensure_checkpoint(args)
-    print(f"full context to {args.full_max} ({args.rounds} rounds)", flush=True)
-    rows = stream_rows("full", alternating_rounds(args, "full"), "no_slide")
-    print(f"bounded policies to {args.bounded_max} ({args.rounds} rounds)", flush=True)
-    rows += stream_rows("bounded", alternating_rounds(args, "bounded"), None)
-    print(f"prefill at {args.prefill}", flush=True)
-    rows += prefill_rows(args)
+    rows = []
+    if "full" in args.sections:
+        print(f"full context to {args.full_max} ({args.rounds} rounds)", flush=True)
+        rows += stream_rows("full", alternating_rounds(args, "full"), "no_slide")
+    if "bounded" in args.sections:
+        print(f"bounded policies to {args.bounded_max} ({args.rounds} rounds)", flush=True)
+        rows += stream_rows("bounded", alternating_rounds(args, "bounded"), None)
+    if "prefill" in args.sections:
+        print(f"prefill at {args.prefill}", flush=True)
+        rows += prefill_rows(args)
     print_tables(rows)
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
