@@ -133,9 +133,15 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
     return bridge, pack(keys, values, selection, room=room)
 
 
+@jax.jit
+def _slice_layer(stacked: dict, layer: jax.Array) -> dict:
+    return {name: value[layer] for name, value in stacked.items()}
+
+
 def layer_params(model: Decoder, layer: int) -> dict:
-    """One layer's parameters sliced out of the stacked arrays."""
-    return {name: value[layer] for name, value in model.layers.stacked().items()}
+    """One layer's parameters sliced out of the stacked arrays (one jitted call: slicing a dozen arrays one eager
+    op at a time cost more than a short prompt's whole layer step)."""
+    return _slice_layer(model.layers.stacked(), jnp.int32(layer))
 
 
 def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
@@ -159,7 +165,7 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
         selector: compression selector (`omnijax.prefill.selectors`); required with `budgets`.
         budgets: tokens kept per KV head, one int for every layer or one per layer (`uniform_budgets`,
             `pyramid_budgets`); None keeps everything (layer-major prefill without eviction).
-        chunk: prompt chunk length C.
+        chunk: prompt chunk length C (at most the prompt rounded up to whole pages).
         page: page length of the contiguous attention view (a power of two).
         impl: attention implementation for the chunks.
         room: decode capacity per head in the returned cache.
@@ -179,6 +185,7 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
     window = getattr(selector, "window", 0) if budgets is not None and selector.needs_window else 0
     if window > S:
         raise ValueError(f"observation window {window} longer than the prompt ({S})")
+    chunk = min(chunk, -(-S // page) * page)  # a short prompt is not padded to a whole long chunk
     Spad = padded_length(S, chunk, page)
     positions = jnp.asarray(positions, jnp.int32)
     if next_pos is None:
