@@ -123,8 +123,8 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
 # block's gathered keys and values, [K, G, d] each. Measured on CPU (2 cores; 8 heads with head_dim 32 and 128, and
 # Qwen2.5-Omni-7B's 28 / 4 heads of 128; T = 1, 124, 256; 40 to 514 active pages): steps run fastest while the score
 # tile stays within about 2**20 scores and one block's keys within about 2**17 values (512 KiB in float32); larger
-# blocks spill out of cache, smaller ones pay the loop's per-step overhead and larger ones more padding in the last
-# block (7B decode over 40 active pages: 1.7 ms in 4-page blocks, 3.7 ms in 16-page ones).
+# blocks spill out of cache, smaller ones pay the loop's per-step overhead (pages left over after the whole blocks
+# are taken one at a time, so no block is padded).
 SCORE_TILE = 1 << 20
 KV_TILE = 1 << 17
 MAX_BLOCK_SLOTS = 1024
@@ -153,14 +153,13 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
 
     Each sequence's active page list (`PageIndex.ids[b, :count[b]]`, page-table order) is cut into blocks of
     `pages_per_block` pages (default `block_pages(...)`); a `fori_loop` with a dynamic trip count of
-    ceil(count / pages_per_block) gathers one block's keys and values (`[K, G, d]`, K = pages * page size), masks
-    dead slots, slots written after the query and list entries past the count, and folds the block into running
-    float32 max / denominator / output accumulators with one score and one value matmul per KV head
-    (`[R*T, d] x [d, K]`). So cost follows the active pages, rounded up to whole blocks: the last block's padding is
-    the only work that does not, which the block-size rule keeps small (4 pages for Qwen2.5-Omni-7B's shapes). (A
-    second loop over the leftover pages one at a time removed that padding but doubled the compile time of a
-    decode step, with no difference in the timings that rose above this CPU's noise.) A chunk of more than
-    `MAX_QUERY_ROWS` queries is taken that many rows at a time (`lax.map`), which bounds the score tile.
+    count // pages_per_block gathers one block's keys and values (`[K, G, d]`, K = pages * page size), masks dead
+    slots and slots written after the query, and folds the block into running float32 max / denominator / output
+    accumulators with one score and one value matmul per KV head (`[R*T, d] x [d, K]`); a second loop takes the
+    remaining count % pages_per_block pages one at a time. So cost follows the active pages exactly, with no
+    padding. (One loop over padded blocks, with the entries past the count masked, compiles a decode step in half
+    the time but ran a 256-query chunk over 132 active pages 20-50 % slower on this CPU.) A chunk of more than `MAX_QUERY_ROWS` queries is taken that many rows at a time (`lax.map`), which
+    bounds the score tile.
     """
     validate(q, k_pages, v_pages, cache, layer)
     B, T, H, d = q.shape
@@ -173,8 +172,7 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     bp = pages_per_block or block_pages(bq, H, P, M, G * d)
     if bp < 1 or bp & (bp - 1):
         raise ValueError(f"pages_per_block must be a power of two, got {bp}")
-    K = bp * P
-    ids = jnp.pad(index.ids, ((0, 0), (0, -(-M // bp) * bp - M)))  # whole blocks (entries past the count: masked)
+    ids = jnp.pad(index.ids, ((0, 0), (0, max(0, bp - M))))  # a block may be wider than the table
     q = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0)))
     q_order = jnp.pad(cache.q_order, ((0, 0), (0, nq * bq - T)), constant_values=PAD_ORDER)  # padding sees nothing
 
@@ -182,21 +180,24 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
         qg = q_rows.reshape(bq, G, R, d).transpose(1, 2, 0, 3).reshape(G, R * bq, d)  # row r * bq + t
         qg = qg * jnp.asarray(d ** -0.5, q.dtype)  # the score scale, once per query instead of once per score
 
-        def fold(i, carry):  # list entries [i * bp, (i + 1) * bp) of the active pages; those past the count are dead
-            pages = jax.lax.dynamic_slice_in_dim(ids_b, i * bp, bp)  # [bp]
-            listed = i * bp + jnp.arange(bp) < count_b
-            key = jnp.where(listed[:, None], index.slot_key[pages], DEAD_KEY).reshape(K)  # write order, or dead
+        def fold(start, carry, size: int):  # list entries [start, start + size) of the active pages
+            pages = jax.lax.dynamic_slice_in_dim(ids_b, start, size)  # [size]
+            key = index.slot_key[pages].reshape(size * P)  # write order where live, DEAD_KEY where dead
             live = (key != DEAD_KEY)[:, None, None]
-            k = _read_pages(k_pages, layer, pages).reshape(K, G, d)  # dead slots' scores are replaced below
-            v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(K, G, d), 0)  # dead: even NaN
-            ok = jnp.tile(key[None, :] <= q_order_rows[:, None], (R, 1))  # [R*bq, K]
+            k = _read_pages(k_pages, layer, pages).reshape(size * P, G, d)  # dead slots' scores are replaced below
+            v = jnp.where(live, _read_pages(v_pages, layer, pages).reshape(size * P, G, d), 0)  # dead: even NaN
+            ok = jnp.tile(key[None, :] <= q_order_rows[:, None], (R, 1))  # [R*bq, size*P]
             s = jnp.einsum("gnd,kgd->gnk", qg, k, preferred_element_type=jnp.float32)
             return online_softmax_step(carry, jnp.where(ok, s, -jnp.inf), lambda p: jnp.einsum(
                 "gnk,kgd->gnd", p.astype(q.dtype), v, preferred_element_type=jnp.float32))
 
         carry = (jnp.full((G, R * bq), -jnp.inf, jnp.float32), jnp.zeros((G, R * bq), jnp.float32),
                  jnp.zeros((G, R * bq, d), jnp.float32))
-        out = online_softmax_result(jax.lax.fori_loop(0, (count_b + bp - 1) // bp, fold, carry))
+        whole = count_b // bp  # whole blocks of bp pages, then the remaining pages one at a time
+        carry = jax.lax.fori_loop(0, whole, lambda i, c: fold(i * bp, c, bp), carry)
+        if bp > 1:
+            carry = jax.lax.fori_loop(whole * bp, count_b, lambda j, c: fold(j, c, 1), carry)
+        out = online_softmax_result(carry)
         return out.reshape(G, R, bq, d).transpose(2, 0, 1, 3).reshape(bq, H, d)
 
     def one(q_b, q_order_b, ids_b, count_b):  # one sequence: [nq * bq, H, d]
