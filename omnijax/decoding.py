@@ -2,13 +2,18 @@
 
 A strategy is a tiny frozen dataclass of static settings (part of the compiled program, like a retention policy):
 `warp(logits, history)` turns raw logits into the scores it draws from (`-inf` where a token is masked) and
-`select(logits, history)` picks one token per sequence inside the jitted step. `StreamConfig.decoding` holds the
+`select(logits, history, key)` picks one token per sequence inside the jitted step. `StreamConfig.decoding` holds the
 strategy of a session; `stream`, `Session`, `evaluate` and the engine all answer through it.
+
+`Sampling` warps as transformers' `generate` does, processor by processor and in its order: repetition penalty,
+temperature, top-k, top-p, min-p; then draws from the softmax of the warped scores with one PRNG key per sequence.
+(The stream state does not carry sampling keys yet, so `StreamConfig` takes `Greedy` only for now.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +28,95 @@ class Greedy:
         del history
         return logits.astype(jnp.float32)
 
-    def select(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
-        """`[B]` int32 next tokens for `logits [B, V]`."""
+    def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+        """`[B]` int32 next tokens for `logits [B, V]` (`key` is unused: greedy draws nothing)."""
+        del key
         return jnp.argmax(self.warp(logits, history), axis=-1).astype(jnp.int32)
 
 
-STRATEGIES = (Greedy,)
+def _number(name: str, value, ok, want: str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+        raise ValueError(f"Sampling: {name} must be {want}, got {value!r}")
+
+
+def seen_tokens(history: jax.Array, vocab_size: int) -> jax.Array:
+    """`[B, V]` bool: the token ids in each row of `history [B, N]` (entries < 0 are padding; ids >= V ignored)."""
+    B = history.shape[0]
+    ids = jnp.where(history >= 0, history, vocab_size)  # padding scatters out of range and is dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], history.shape)
+    return jnp.zeros((B, vocab_size), bool).at[rows, ids].set(True, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling from the warped distribution, with transformers' `generate` semantics for each setting.
+
+    Attributes:
+        temperature: divides the scores (> 0; use `Greedy()` for argmax).
+        top_k: keep the k highest scores (0: off); ties with the k-th are kept.
+        top_p: keep the smallest set of highest-probability tokens whose mass exceeds `top_p`, in (0, 1] (1: off).
+        min_p: drop tokens whose probability is below `min_p` times the top token's, in [0, 1) (0: off).
+        repetition_penalty: scores of tokens in the history are divided by it when positive and multiplied by it
+            when negative, once per token (> 0; 1: off).
+        seed: the session's sampling seed (sequences of a batch draw from keys split off it).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _number("temperature", self.temperature, lambda x: x > 0,
+                "> 0 (for the most likely token use omnijax.decoding.Greedy())")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"Sampling: top_k must be an int >= 0 (0 keeps every token), got {self.top_k!r}")
+        _number("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")
+        _number("min_p", self.min_p, lambda x: 0 <= x < 1, "in [0, 1) (0 keeps every token)")
+        _number("repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0 (1 is no penalty)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"Sampling: seed must be an int, got {self.seed!r}")
+
+    def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
+        """`logits [B, V]` -> float32 scores, `-inf` where masked; `history [B, N]` (-1 = padding) are the tokens
+        the repetition penalty applies to."""
+        x = logits.astype(jnp.float32)
+        V = x.shape[-1]
+        if self.repetition_penalty != 1.0 and history is not None:
+            penalised = jnp.where(x < 0, x * self.repetition_penalty, x / self.repetition_penalty)
+            x = jnp.where(seen_tokens(history, V), penalised, x)
+        if self.temperature != 1.0:
+            x = x / self.temperature
+        if self.top_k:
+            kth = jax.lax.top_k(x, min(self.top_k, V))[0][..., -1:]
+            x = jnp.where(x < kth, -jnp.inf, x)
+        if self.top_p < 1.0:
+            ascending = jnp.sort(x, axis=-1)
+            mass_below = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)  # up to and including each
+            removed = (mass_below <= 1 - self.top_p).at[..., -1].set(False)  # the top token always stays
+            lowest_kept = jnp.take_along_axis(ascending, jnp.sum(removed, axis=-1, keepdims=True), axis=-1)
+            x = jnp.where(x < lowest_kept, -jnp.inf, x)
+        if self.min_p > 0.0:
+            probs = jax.nn.softmax(x, axis=-1)
+            x = jnp.where(probs < self.min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+        return x
+
+    def keys(self, batch: int) -> jax.Array:
+        """`[B]` PRNG keys of a batch's sequences, split off `seed`."""
+        return jax.random.split(jax.random.key(self.seed), batch)
+
+    def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+        """`[B]` int32 tokens drawn from the warped distribution of `logits [B, V]`, row b with `key[b]`
+        (`key`: `[B]` PRNG keys, e.g. `keys(B)`; required)."""
+        if key is None:
+            raise ValueError("Sampling.select needs one PRNG key per sequence (key=strategy.keys(batch))")
+        scores = self.warp(logits, history)
+        return jax.vmap(jax.random.categorical)(key, scores).astype(jnp.int32)
+
+
+STRATEGIES = (Greedy, Sampling)
 
 
 def check_decoding(strategy) -> object:

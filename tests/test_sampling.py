@@ -1,0 +1,112 @@
+"""`omnijax.decoding.Sampling`: each warp equals transformers' logits processor for the same setting (on random
+logits with padded histories), the chain applies them in `generate`'s order, draws follow the warped distribution,
+equal keys reproduce, and bad settings are refused by name."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers processors")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from omnijax.config import StreamConfig  # noqa: E402
+from omnijax.decoding import Greedy, Sampling, check_decoding  # noqa: E402
+
+B, V, N = 4, 64, 12
+
+
+def _case(seed: int):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
+    history = rng.integers(0, V, (B, N))
+    history[:, : rng.integers(1, N)] = -1  # left padding of various lengths
+    history[2] = -1  # a row with no history at all
+    return logits, history
+
+
+def _transformers_chain(s: Sampling, logits: np.ndarray, history: np.ndarray) -> np.ndarray:
+    from transformers.generation import logits_process as lp
+
+    processors = []
+    if s.repetition_penalty != 1.0:
+        processors.append(lp.RepetitionPenaltyLogitsProcessor(penalty=s.repetition_penalty))
+    if s.temperature != 1.0:
+        processors.append(lp.TemperatureLogitsWarper(s.temperature))
+    if s.top_k:
+        processors.append(lp.TopKLogitsWarper(top_k=s.top_k))
+    if s.top_p < 1.0:
+        processors.append(lp.TopPLogitsWarper(top_p=s.top_p))
+    if s.min_p > 0.0:
+        processors.append(lp.MinPLogitsWarper(min_p=s.min_p))
+    scores = torch.tensor(logits)  # a copy: the rows are written back below
+    for b in range(B):  # transformers has no padding in input_ids: each row with its own real history
+        row = history[b][history[b] >= 0]
+        out = scores[b: b + 1].clone()
+        for p in processors:
+            out = p(torch.as_tensor(row[None], dtype=torch.long), out)
+        scores[b] = out[0]
+    return scores.numpy()
+
+
+SETTINGS = [Sampling(repetition_penalty=1.3), Sampling(repetition_penalty=0.7), Sampling(temperature=0.6),
+            Sampling(top_k=5), Sampling(top_p=0.8), Sampling(min_p=0.1),
+            Sampling(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2)]
+
+
+@pytest.mark.parametrize("strategy", SETTINGS, ids=repr)
+def test_warp_equals_transformers_processors(strategy):
+    for seed in range(3):
+        logits, history = _case(seed)
+        want = _transformers_chain(strategy, logits, history)
+        got = np.asarray(strategy.warp(jnp.asarray(logits), jnp.asarray(history, jnp.int32)))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_draws_follow_the_warped_distribution_and_keys_reproduce():
+    s = Sampling(temperature=0.8, top_k=12, top_p=0.95, seed=7)
+    logits, history = _case(5)
+    logits, history = jnp.asarray(logits[:1]), jnp.asarray(history[:1], jnp.int32)
+    probs = np.asarray(jax.nn.softmax(s.warp(logits, history), axis=-1))[0]
+    draws = 20_000
+    keys = jax.random.split(jax.random.key(s.seed), draws)
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: s.select(logits, history, k[None])[0]))(keys))
+    counts = np.bincount(tokens, minlength=V)
+    assert counts[probs == 0].sum() == 0  # masked tokens are never drawn
+    kept = probs > 0
+    expected = probs[kept] * draws
+    chi2 = float(np.sum((counts[kept] - expected) ** 2 / expected))
+    dof = int(kept.sum()) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # far inside the tail: a biased sampler fails
+    batch = jnp.broadcast_to(logits, (3, V))
+    first = np.asarray(s.select(batch, None, s.keys(3)))
+    np.testing.assert_array_equal(first, np.asarray(s.select(batch, None, s.keys(3))))  # same seed, same draws
+    many = np.asarray(jax.vmap(lambda k: s.select(batch, None, jax.random.split(k, 3)))(keys[:200]))
+    assert (many[:, 0] != many[:, 1]).any()  # sequences of a batch draw independently
+
+
+def test_greedy_is_argmax_and_ignores_a_key():
+    logits, history = _case(1)
+    got = Greedy().select(jnp.asarray(logits), jnp.asarray(history), jax.random.split(jax.random.key(0), B))
+    np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(temperature=0.0), "temperature must be > 0"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-1), "top_k must be an int >= 0"), (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
+    (dict(min_p=1.0), r"min_p must be in \[0, 1\)"), (dict(min_p=-0.1), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"), (dict(seed=1.5), "seed must be an int")])
+def test_bad_settings_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(**bad)
+
+
+def test_sampling_is_a_strategy_that_streams_only_once_keys_are_carried():
+    assert check_decoding(Sampling()) is not None
+    with pytest.raises(ValueError, match="cannot stream yet"):
+        StreamConfig(decoding=Sampling())
+    with pytest.raises(ValueError, match="needs one PRNG key per sequence"):
+        Sampling().select(jnp.zeros((1, V)))
