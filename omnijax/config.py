@@ -199,10 +199,6 @@ class StreamConfig:
                 or self.max_answer_tokens < 0):
             raise ValueError(f"max_answer_tokens must be an int >= 0, got {self.max_answer_tokens!r}")
         check_decoding(self.decoding)
-        from omnijax.decoding import Sampling
-        if isinstance(self.decoding, Sampling):
-            raise ValueError("decoding=Sampling(...) cannot stream yet: the stream state does not carry sampling "
-                             "keys; use omnijax.decoding.Greedy() (Sampling.select works on its own with keys)")
 
     def replace(self, **changes: Any) -> "StreamConfig":
         """A copy with `changes` applied (validated like a new config)."""

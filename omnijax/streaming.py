@@ -33,10 +33,12 @@ from omnijax.units import SpanKind
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StreamState:
-    """Carried state: the cache and each sequence's next-position cursor `[B]`."""
+    """Carried state: the cache, each sequence's next-position cursor `[B]` and its sampling key `key [B, 2]`
+    (uint32 key data, `jax.random.key_data`; split at every sampled token, unused by greedy decoding)."""
 
     kv: paged_lib.PagedKV
     next_pos: jax.Array
+    key: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -92,20 +94,24 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     return kv, hidden
 
 
-def _answer(model: Decoder, kv, next_pos, first_logits, count, unit, config: StreamConfig, track_scores: bool):
-    """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache."""
+def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool):
+    """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
+
+    `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens)`."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
     eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
 
     def cond(carry):
-        i, _, _, _, active, _ = carry
+        i, _, _, _, _, active, _ = carry
         return (i < max_tokens) & jnp.any(active)
 
     def body(carry):
-        i, kv, next_pos, logits, active, tokens = carry
-        token = config.decoding.select(logits, tokens)  # [B]
+        i, kv, next_pos, key, logits, active, tokens = carry
+        pair = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key))  # [B, 2] keys: one to draw, one to keep
+        token = config.decoding.select(logits, tokens, pair[:, 0])  # [B]
+        key = jnp.where(active[:, None], jax.random.key_data(pair[:, 1]), key)  # finished rows keep theirs
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
         x = model.embed_tokens(token[:, None])
         pos = next_pos[None, :, None]  # [1, B, 1]
@@ -117,11 +123,11 @@ def _answer(model: Decoder, kv, next_pos, first_logits, count, unit, config: Str
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
         active = active & ~stop & (i + 1 < count)
-        return i + 1, kv, next_pos, logits, active, tokens
+        return i + 1, kv, next_pos, key, logits, active, tokens
 
-    carry = (jnp.asarray(0), kv, next_pos, first_logits, count > 0, tokens0)
-    _, kv, next_pos, _, _, tokens = jax.lax.while_loop(cond, body, carry)
-    return kv, next_pos, tokens
+    carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0)
+    _, kv, next_pos, key, _, _, tokens = jax.lax.while_loop(cond, body, carry)
+    return kv, next_pos, key, tokens
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig):
@@ -131,7 +137,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     `config.subblock` is the subblock size it and the statistics use. `config` is static (part of the program).
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
-    kv, next_pos = state.kv, state.next_pos
+    kv, next_pos, key = state.kv, state.next_pos, state.key
     x = model.embed_tokens(chunk.token_ids)
     if chunk.embeds is not None:
         x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
@@ -150,24 +156,35 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     if config.max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
-        kv, next_pos, tokens = jax.lax.cond(
+        kv, next_pos, key, tokens = jax.lax.cond(
             jnp.any(count > 0),
-            lambda: _answer(model, kv, next_pos, logits, count, chunk.answer_unit, config, track),
-            lambda: (kv, next_pos, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32)))
+            lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track),
+            lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32)))
     else:
         tokens = jnp.zeros((kv.batch, 0), jnp.int32)
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
-    return StreamState(kv=kv, next_pos=next_pos), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+    return StreamState(kv=kv, next_pos=next_pos, key=key), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+
+
+def sampling_keys(seed: int, batch: int) -> jax.Array:
+    """`[batch, 2]` uint32 key data: the sampling keys of a batch's sequences, split off `seed`."""
+    return jax.random.key_data(jax.random.split(jax.random.key(seed), batch))
+
+
+def decoding_seed(config: StreamConfig) -> int:
+    """The sampling seed of a stream config's decoding strategy (0 for one that draws nothing)."""
+    return int(getattr(config.decoding, "seed", 0))
 
 
 def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
-               start_pos: int = 0) -> StreamState:
-    """An empty `StreamState` for a decoder config."""
+               start_pos: int = 0, seed: int = 0) -> StreamState:
+    """An empty `StreamState` for a decoder config; `seed` seeds the sequences' sampling keys
+    (`StreamConfig.decoding.seed` when it samples)."""
     kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
                         position_axes=config.position_axes, dtype=config.jnp_dtype)
-    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32))
+    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch))
 
 
 def check_state(state: StreamState, config) -> None:
@@ -259,7 +276,7 @@ def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: S
             num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size)) + (
                 chunks.token_ids.shape[1] * config.paging.extra_pages)
         state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
-                           batch=chunks.token_ids.shape[1])
+                           batch=chunks.token_ids.shape[1], seed=decoding_seed(config))
     else:
         check_state(state, decoder_config)
     if state.kv.batch != chunks.token_ids.shape[1]:
@@ -302,7 +319,8 @@ class Session:
             check_state(state, self.config)
         num_pages = self.stream_config.num_pages or DEFAULT_SESSION_PAGES
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
-            self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch)
+            self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
+            seed=decoding_seed(self.stream_config))
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]

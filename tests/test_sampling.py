@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from omnijax.config import StreamConfig  # noqa: E402
-from omnijax.decoding import Greedy, Sampling, check_decoding  # noqa: E402
+from omnijax.decoding import Greedy, Sampling  # noqa: E402
 
 B, V, N = 4, 64, 12
 
@@ -104,9 +104,39 @@ def test_bad_settings_are_refused_by_name(bad, match):
         Sampling(**bad)
 
 
-def test_sampling_is_a_strategy_that_streams_only_once_keys_are_carried():
-    assert check_decoding(Sampling()) is not None
-    with pytest.raises(ValueError, match="cannot stream yet"):
-        StreamConfig(decoding=Sampling())
+def test_a_streamed_session_samples_inside_the_step_and_reproduces_from_its_seed():
+    import omnijax
+    from omnijax.chunks import text_chunk
+    from omnijax.config import TINY_OMNI
+    from omnijax.models.decoder import Decoder
+
+    model = Decoder(TINY_OMNI.replace(num_layers=1))
+    rng = np.random.default_rng(0)
+    chunks = [text_chunk(rng.integers(0, 200, 6).tolist(), unit=i, answer_tokens=8) for i in range(2)]
+
+    def answers(decoding, batch=1):
+        session = omnijax.Session(model, decoding=decoding, max_answer_tokens=8, num_pages=8, page_size=8,
+                                  batch=batch)
+        return [np.asarray(session.feed(c if batch == 1 else _rows(c, batch)).tokens) for c in chunks]
+
+    hot = Sampling(temperature=5.0, seed=3)  # a flat distribution: draws differ unless the keys are the same
+    first, again = answers(hot), answers(hot)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)  # the same seed draws the same answers
+    assert any((a != b).any() for a, b in zip(first, answers(Sampling(temperature=5.0, seed=4))))
+    assert (first[0] != first[1]).any()  # the key advances from chunk to chunk
+    two = answers(hot, batch=2)[0]
+    assert (two[0] != two[1]).any()  # rows of a batch draw with keys of their own
+    greedy = answers(Greedy())
+    for a, b in zip(answers(Sampling(top_k=1, seed=9)), greedy):
+        np.testing.assert_array_equal(a, b)  # top-1 sampling is greedy decoding
+    with pytest.raises(ValueError, match="engine decodes greedily"):
+        from omnijax.serve.engine import EngineConfig
+        EngineConfig(stream=StreamConfig(num_pages=8, decoding=hot))
     with pytest.raises(ValueError, match="needs one PRNG key per sequence"):
         Sampling().select(jnp.zeros((1, V)))
+
+
+def _rows(chunk, batch):
+    """A batch-1 chunk repeated into `batch` identical rows."""
+    return jax.tree.map(lambda x: np.repeat(np.asarray(x), batch, axis=1 if np.ndim(x) == 3 else 0), chunk)

@@ -85,6 +85,9 @@ class EngineConfig:
             raise TypeError(f"EngineConfig.stream must be an omnijax.StreamConfig, got {self.stream!r}")
         if self.stream.num_pages is None:
             raise ValueError("an engine's shared pool needs a size: give StreamConfig(num_pages=...)")
+        if getattr(self.stream.decoding, "seed", None) is not None:
+            raise ValueError("the engine decodes greedily for now (its sessions do not get sampling seeds of their "
+                             "own yet): give StreamConfig(decoding=omnijax.decoding.Greedy())")
         buckets = tuple(int(b) for b in self.buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {self.buckets}")
@@ -178,7 +181,7 @@ def reset_row(state: StreamState, row) -> StreamState:
     kv = kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
                     next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
                     dropped=kv.dropped.at[row].set(0))
-    return StreamState(kv=kv, next_pos=state.next_pos.at[row].set(0))
+    return StreamState(kv=kv, next_pos=state.next_pos.at[row].set(0), key=state.key)
 
 
 def take_rows(state: StreamState, rows) -> StreamState:
@@ -197,7 +200,7 @@ def take_rows(state: StreamState, rows) -> StreamState:
     kv = kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
                     next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
                     dropped=pick(kv.dropped, 0))
-    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0))
+    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0))
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -213,7 +216,7 @@ def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
     state, out = chunk_step(model, state, chunk, config)
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
-    return StreamState(kv=kv, next_pos=state.next_pos), (out.logits, out.tokens, kv.exhausted, kv.dropped,
+    return StreamState(kv=kv, next_pos=state.next_pos, key=state.key), (out.logits, out.tokens, kv.exhausted, kv.dropped,
                                                          kv.num_free, table_full)
 
 
