@@ -8,8 +8,8 @@ strategy of a session; `stream`, `Session`, `evaluate` and the engine all answer
 `Sampling` warps as transformers' `generate` does, processor by processor and in its order: repetition penalty,
 temperature, top-k, top-p, min-p; then draws from the softmax of the warped scores with one PRNG key per sequence.
 The keys live in the stream state (`StreamState.key`, seeded from `Sampling.seed`), so sampling runs inside the
-jitted step and a session reproduces from its seed. In a streamed answer the repetition penalty sees the answer's
-own tokens. The serving engine decodes greedily for now.
+jitted step and a session reproduces from its seed (the engine's n-th opened session from the seed folded with n).
+In a streamed answer the repetition penalty sees the answer's own tokens.
 """
 
 from __future__ import annotations

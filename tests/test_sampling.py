@@ -130,11 +130,33 @@ def test_a_streamed_session_samples_inside_the_step_and_reproduces_from_its_seed
     greedy = answers(Greedy())
     for a, b in zip(answers(Sampling(top_k=1, seed=9)), greedy):
         np.testing.assert_array_equal(a, b)  # top-1 sampling is greedy decoding
-    with pytest.raises(ValueError, match="engine decodes greedily"):
-        from omnijax.serve.engine import EngineConfig
-        EngineConfig(stream=StreamConfig(num_pages=8, decoding=hot))
     with pytest.raises(ValueError, match="needs one PRNG key per sequence"):
         Sampling().select(jnp.zeros((1, V)))
+
+
+def test_engine_sessions_sample_with_keys_of_their_own_and_reproduce():
+    from omnijax.chunks import text_chunk
+    from omnijax.config import TINY_OMNI
+    from omnijax.models.decoder import Decoder
+    from omnijax.serve.engine import Engine, EngineConfig
+
+    model = Decoder(TINY_OMNI.replace(num_layers=1))
+    chunk = text_chunk([5, 6, 7, 8])
+    stream = StreamConfig(num_pages=16, page_size=8, max_answer_tokens=6,
+                          decoding=Sampling(temperature=5.0, seed=11))
+
+    def run():
+        engine = Engine(model, EngineConfig(stream=stream, buckets=(1, 2), chunk_tokens=4))
+        engine.open("a")
+        engine.open("b")
+        for s in ("a", "b"):
+            engine.submit(s, chunk, 6)
+        report = engine.tick()
+        return {s: list(o.tokens) for s, o in report.outputs.items()}
+
+    first = run()
+    assert first == run()  # same seed, same sessions in the same order: the same draws
+    assert first["a"] != first["b"]  # the same chunk, but each session draws with its own key
 
 
 def _rows(chunk, batch):

@@ -43,7 +43,8 @@ from omnijax.paging import migration
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.admission import Overloaded
 from omnijax.serve.telemetry import StallEvent, Telemetry
-from omnijax.streaming import StreamState, bind_config, chunk_step, graphdef_config, init_state, model_parts
+from omnijax.streaming import (StreamState, bind_config, chunk_step, decoding_seed, graphdef_config, init_state,
+                               model_parts)
 
 
 class DuplicateSession(KeyError, ValueError):
@@ -85,9 +86,6 @@ class EngineConfig:
             raise TypeError(f"EngineConfig.stream must be an omnijax.StreamConfig, got {self.stream!r}")
         if self.stream.num_pages is None:
             raise ValueError("an engine's shared pool needs a size: give StreamConfig(num_pages=...)")
-        if getattr(self.stream.decoding, "seed", None) is not None:
-            raise ValueError("the engine decodes greedily for now (its sessions do not get sampling seeds of their "
-                             "own yet): give StreamConfig(decoding=omnijax.decoding.Greedy())")
         buckets = tuple(int(b) for b in self.buckets)
         if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {self.buckets}")
@@ -118,7 +116,8 @@ class FrameOutput:
 
     Attributes:
         session_id: the session.
-        tokens: greedy answer tokens ([] when none were asked, or the session is preempted).
+        tokens: answer tokens, chosen by `StreamConfig.decoding` ([] when none were asked, or the session is
+            preempted).
         logits: last-position logits `[V]` of the frame's chunk (None when preempted or not returned).
         dropped: tokens of this frame not written to the cache because the pool (or page table) was exhausted;
             for a preempted session, the whole chunk.
@@ -259,6 +258,8 @@ class Engine:
         self._queue: dict[str, collections.deque] = {}
         self._preempted: set[str] = set()
         self._seen_dropped: dict[str, int] = {}
+        self._opened = 0  # sessions opened so far: the n-th samples with keys folded from the seed and n
+        self._unkeyed: dict[str, np.ndarray] = {}  # sessions whose row has not received its sampling key yet
 
     # ------------------------------------------------------------------------------------------ sessions
     @property
@@ -306,18 +307,22 @@ class Engine:
         self._slots[session_id] = next(r for r in range(limit) if r not in used)
         self._queue[session_id] = collections.deque()
         self._seen_dropped[session_id] = 0
+        seed = jax.random.key(decoding_seed(self._stream))
+        self._unkeyed[session_id] = np.asarray(jax.random.key_data(jax.random.fold_in(seed, self._opened)))
+        self._opened += 1
 
     def close(self, session_id: str) -> None:
         """Removes a session (between ticks); all of its pages return to the pool. KeyError if unknown."""
         self._check_open(session_id)
         row = self._slots.pop(session_id)
         del self._queue[session_id], self._seen_dropped[session_id]
+        self._unkeyed.pop(session_id, None)
         self._preempted.discard(session_id)
         if row < self.state.kv.batch:  # a session opened since the last tick has no row yet
             self.state = _reset_row(self.state, np.int32(row))
 
     def submit(self, session_id: str, chunk: Chunk, answer_tokens: int) -> None:
-        """Queues one frame's chunk (`[1, T']`, T' <= chunk_tokens) asking for `answer_tokens` greedy tokens.
+        """Queues one frame's chunk (`[1, T']`, T' <= chunk_tokens) asking for `answer_tokens` answer tokens.
 
         One queued chunk per session is served per tick, oldest first.
         """
@@ -357,6 +362,15 @@ class Engine:
         self._slots = {s: placed[s] for s in self._slots}
         self.state = jax.device_put(take_rows(self.state, rows), self._device)
 
+    def _install_keys(self) -> None:
+        """Gives the rows of newly opened sessions their sampling keys (their rows exist after `_arrange`)."""
+        if not self._unkeyed:
+            return
+        rows = np.asarray([self._slots[s] for s in self._unkeyed], np.int32)
+        keys = np.stack(list(self._unkeyed.values()))
+        self.state = dataclasses.replace(self.state, key=self.state.key.at[rows].set(keys))
+        self._unkeyed.clear()
+
     def _batch(self, frames: dict[str, Chunk]) -> Chunk:
         """Stacks the frames of the served sessions into their rows of a `[B, T]` chunk; other rows are empty."""
         B, T, A = self.state.kv.batch, self.config.chunk_tokens, self.model_config.position_axes
@@ -383,6 +397,7 @@ class Engine:
         start_s = self.telemetry.now()
         t0 = time.perf_counter()
         self._arrange()
+        self._install_keys()
         frames, parked = {}, {}
         for s, q in self._queue.items():
             if q:
