@@ -21,9 +21,29 @@ import jax
 import jax.numpy as jnp
 
 
+def check_stop(owner: str, stop) -> tuple[int, ...]:
+    """`stop` as a tuple of token ids (ints >= 0); refuses anything else, naming `owner`."""
+    if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+        raise ValueError(f"{owner}: stop must be a sequence of token ids, got {stop!r}")
+    ids = tuple(stop)
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+        raise ValueError(f"{owner}: stop token ids must be ints >= 0, got {stop!r}")
+    return tuple(int(i) for i in ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class Greedy:
-    """The most likely token (argmax over the vocabulary; ties go to the lowest id)."""
+    """The most likely token (argmax over the vocabulary; ties go to the lowest id).
+
+    Attributes:
+        stop: token ids that end an answer, besides the checkpoint's end-of-sequence ids (the stop token is kept
+            as the answer's last token, as transformers' `generate` keeps its eos).
+    """
+
+    stop: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", check_stop("Greedy", self.stop))
 
     def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
         """`logits [B, V]` as float32 scores; greedy masks nothing. `history [B, N]` (-1 = padding) is unused."""
@@ -61,6 +81,7 @@ class Sampling:
         repetition_penalty: scores of tokens in the history are divided by it when positive and multiplied by it
             when negative, once per token (> 0; 1: off).
         seed: the session's sampling seed (sequences of a batch draw from keys split off it).
+        stop: token ids that end an answer, besides the checkpoint's end-of-sequence ids.
     """
 
     temperature: float = 1.0
@@ -69,8 +90,10 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    stop: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "stop", check_stop("Sampling", self.stop))
         _number("temperature", self.temperature, lambda x: x > 0,
                 "> 0 (for the most likely token use omnijax.decoding.Greedy())")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:

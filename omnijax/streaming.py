@@ -100,7 +100,7 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens)`."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
-    eos = jnp.asarray(model.config.eos_token_ids or (-1,), jnp.int32)
+    eos = jnp.asarray(tuple(model.config.eos_token_ids or ()) + config.decoding.stop or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
 
     def cond(carry):

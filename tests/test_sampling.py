@@ -134,6 +134,27 @@ def test_a_streamed_session_samples_inside_the_step_and_reproduces_from_its_seed
         Sampling().select(jnp.zeros((1, V)))
 
 
+def test_stop_ids_end_an_answer_and_are_refused_when_malformed():
+    import omnijax
+    from omnijax.chunks import stack_chunks, text_chunk
+    from omnijax.config import TINY_OMNI
+    from omnijax.models.decoder import Decoder
+
+    model = Decoder(TINY_OMNI.replace(num_layers=1, eos_token_ids=()))
+    chunk = stack_chunks([text_chunk([3, 4, 5], answer_tokens=8)])
+    free = np.asarray(omnijax.stream(model, chunk, max_answer_tokens=8).tokens)[0, 0]
+    assert (free >= 0).all()  # no eos in this config: all 8 tokens come
+    stop = int(free[2])
+    first = int(np.flatnonzero(free == stop)[0])
+    for strategy in (Greedy(stop=(stop,)), Sampling(top_k=1, stop=[stop])):
+        got = np.asarray(omnijax.stream(model, chunk, max_answer_tokens=8, decoding=strategy).tokens)[0, 0]
+        np.testing.assert_array_equal(got[: first + 1], free[: first + 1])  # the stop token is the last one
+        assert (got[first + 1:] == -1).all()
+    for bad in ("7", (1.5,), (-1,), 3):
+        with pytest.raises(ValueError, match="stop"):
+            Greedy(stop=bad)
+
+
 def test_engine_sessions_sample_with_keys_of_their_own_and_reproduce():
     from omnijax.chunks import text_chunk
     from omnijax.config import TINY_OMNI
