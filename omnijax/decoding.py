@@ -144,6 +144,17 @@ class Sampling:
 STRATEGIES = (Greedy, Sampling)
 
 
+def sampling_keys(seed: int, batch: int) -> jax.Array:
+    """`[batch, 2]` uint32 key data: the sampling keys of a batch's sequences, split off `seed`."""
+    return jax.random.key_data(jax.random.split(jax.random.key(seed), batch))
+
+
+def split_keys(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`key_data [B, 2]` -> `(draw [B] keys, next [B, 2] key data)`: one key per row to draw with now, one to keep."""
+    pair = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
+    return pair[:, 0], jax.random.key_data(pair[:, 1])
+
+
 def check_decoding(strategy) -> object:
     """Returns `strategy` if it is a decoding strategy object; refuses anything else, naming the strategies."""
     if isinstance(strategy, type) or not (callable(getattr(strategy, "warp", None))

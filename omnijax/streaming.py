@@ -22,6 +22,7 @@ from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
 from omnijax.config import DEFAULT_SESSION_PAGES, StreamConfig
+from omnijax.decoding import sampling_keys, split_keys
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
@@ -109,9 +110,9 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
 
     def body(carry):
         i, kv, next_pos, key, logits, active, tokens = carry
-        pair = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key))  # [B, 2] keys: one to draw, one to keep
-        token = config.decoding.select(logits, tokens, pair[:, 0])  # [B]
-        key = jnp.where(active[:, None], jax.random.key_data(pair[:, 1]), key)  # finished rows keep theirs
+        draw, following = split_keys(key)
+        token = config.decoding.select(logits, tokens, draw)  # [B]
+        key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
         x = model.embed_tokens(token[:, None])
         pos = next_pos[None, :, None]  # [1, B, 1]
@@ -165,11 +166,6 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
     return StreamState(kv=kv, next_pos=next_pos, key=key), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
-
-
-def sampling_keys(seed: int, batch: int) -> jax.Array:
-    """`[batch, 2]` uint32 key data: the sampling keys of a batch's sequences, split off `seed`."""
-    return jax.random.key_data(jax.random.split(jax.random.key(seed), batch))
 
 
 def decoding_seed(config: StreamConfig) -> int:

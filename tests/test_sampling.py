@@ -155,6 +155,28 @@ def test_stop_ids_end_an_answer_and_are_refused_when_malformed():
             Greedy(stop=bad)
 
 
+def test_tidekv_decoding_takes_a_strategy():
+    from omnijax.config import TINY_OMNI
+    from omnijax.models.decoder import Decoder
+    from omnijax.prefill import decode, greedy, tidekv_prefill
+
+    model = Decoder(TINY_OMNI.replace(num_layers=1))
+    x = jax.random.normal(jax.random.key(0), (2, 12, TINY_OMNI.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (1, 2, 12))
+    tide = tidekv_prefill(model, x, pos, room=6, chunk=8, page=8)
+    want, want_logits, _ = greedy(model, tide.cache, tide.logits, 6)
+    got, got_logits, _ = decode(model, tide.cache, tide.logits, 6, decoding=Sampling(top_k=1, seed=2))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # top-1 sampling is greedy
+    np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(want_logits))
+    hot = Sampling(temperature=5.0, seed=2)
+    a, _, _ = decode(model, tide.cache, tide.logits, 6, decoding=hot)
+    b, _, _ = decode(model, tide.cache, tide.logits, 6, decoding=hot)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a seed reproduces
+    assert (np.asarray(a) != np.asarray(want)).any()
+    with pytest.raises(TypeError, match="decoding strategy"):
+        decode(model, tide.cache, tide.logits, 2, decoding="greedy")
+
+
 def test_engine_sessions_sample_with_keys_of_their_own_and_reproduce():
     from omnijax.chunks import text_chunk
     from omnijax.config import TINY_OMNI

@@ -2,11 +2,11 @@
 compressed decode cache (DESIGN.md "TideKV")."""
 
 from omnijax.prefill.baselines import immediate_eviction_prefill, token_major_prefill
-from omnijax.prefill.cache import (CompressedCache, LayerCache, Selection, check_room, decode_step, force, greedy,
-                                   with_room)
+from omnijax.prefill.cache import (CompressedCache, LayerCache, Selection, check_room, decode, decode_step, force,
+                                   greedy, with_room)
 from omnijax.prefill.layer_major import PrefillResult, tidekv_prefill
 from omnijax.prefill.selectors import REGISTRY, AdaKV, RecentTokens, SnapKV, pyramid_budgets, uniform_budgets
 
 __all__ = ["AdaKV", "CompressedCache", "LayerCache", "PrefillResult", "REGISTRY", "RecentTokens", "Selection",
-           "SnapKV", "check_room", "decode_step", "force", "greedy", "immediate_eviction_prefill",
+           "SnapKV", "check_room", "decode", "decode_step", "force", "greedy", "immediate_eviction_prefill",
            "pyramid_budgets", "tidekv_prefill", "token_major_prefill", "uniform_budgets", "with_room"]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.decoding import Greedy, check_decoding, sampling_keys, split_keys
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 
 
@@ -263,34 +264,53 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
                                    dropped=cache.dropped + lost.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
-def _greedy(graphdef, params, cache: CompressedCache, first_logits: jax.Array, *, steps: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "decoding"))
+def _decode(graphdef, params, cache: CompressedCache, first_logits: jax.Array, key: jax.Array, *, steps: int,
+            decoding):
     model = nnx.merge(graphdef, params)
+    B = first_logits.shape[0]
 
-    def step(carry, _):
-        logits, cache = carry
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def step(carry, i):
+        logits, cache, key, history = carry
+        draw, key = split_keys(key)
+        token = decoding.select(logits, history, draw)
+        history = history.at[:, i].set(token)
         logits, cache = decode_step(model, cache, token)
-        return (logits, cache), (token, logits)
+        return (logits, cache, key, history), (token, logits)
 
-    (_, cache), (tokens, logits) = jax.lax.scan(step, (first_logits.astype(jnp.float32), cache), length=steps)
+    init = (first_logits.astype(jnp.float32), cache, key, jnp.full((B, max(steps, 1)), -1, jnp.int32))
+    (_, cache, _, _), (tokens, logits) = jax.lax.scan(step, init, jnp.arange(steps))
     return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(logits, 0, 1), cache
+
+
+def decode(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int, *, decoding=None
+           ) -> tuple[jax.Array, jax.Array, CompressedCache]:
+    """Decoding with a strategy (`omnijax.decoding`; default `Greedy()`): `(tokens [B, steps], logits [B, steps, V],
+    cache)`; the first token comes from `first_logits` (the prompt's last logits). Exactly `steps` tokens are decoded
+    (stop ids end streamed answers, not these); `Sampling` draws with keys split off its seed, one per sequence, and
+    its repetition penalty sees the decoded tokens.
+
+    One compiled program per (model structure, cache shapes, steps, strategy): the steps run as a `lax.scan` of
+    `decode_step`, the cache in its carry. `cache` is left intact. A cache without room for `steps` is refused up
+    front (see `check_room`, `with_room`).
+    """
+    return _run_decode(model, cache, first_logits, steps, Greedy() if decoding is None else decoding, "decode")
+
+
+def _run_decode(model, cache, first_logits, steps: int, decoding, caller: str):
+    check_decoding(decoding)
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    check_room(cache, int(steps), caller=caller)
+    graphdef, params = nnx.split(model)
+    keys = sampling_keys(int(getattr(decoding, "seed", 0)), cache.next_pos.shape[0])
+    return _decode(graphdef, params, cache, jnp.asarray(first_logits), keys, steps=int(steps), decoding=decoding)
 
 
 def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int
            ) -> tuple[jax.Array, jax.Array, CompressedCache]:
-    """Greedy decoding: `(tokens [B, steps], logits [B, steps, V], cache)`; the first token comes from
-    `first_logits` (the prompt's last logits).
-
-    One compiled program per (model structure, cache shapes, steps): the steps run as a `lax.scan` of `decode_step`,
-    the cache in its carry. `cache` is left intact. A cache without room for `steps` is refused up front (see
-    `check_room`, `with_room`).
-    """
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    check_room(cache, int(steps), caller="greedy")
-    graphdef, params = nnx.split(model)
-    return _greedy(graphdef, params, cache, jnp.asarray(first_logits), steps=int(steps))
+    """Greedy decoding, `decode(..., decoding=Greedy())`: `(tokens [B, steps], logits [B, steps, V], cache)`."""
+    return _run_decode(model, cache, first_logits, steps, Greedy(), "greedy")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
