@@ -158,8 +158,8 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     accumulators with one score and one value matmul per KV head (`[R*T, d] x [d, K]`); a second loop takes the
     remaining count % pages_per_block pages one at a time. So cost follows the active pages exactly, with no
     padding. (One loop over padded blocks, with the entries past the count masked, compiles a decode step in half
-    the time but ran a 256-query chunk over 132 active pages 20-50 % slower on this CPU.) A chunk of more than `MAX_QUERY_ROWS` queries is taken that many rows at a time (`lax.map`), which
-    bounds the score tile.
+    the time but ran a 256-query chunk over 132 active pages 20-50 % slower on this CPU.) A chunk of more than
+    `MAX_QUERY_ROWS` queries is taken that many rows at a time (`lax.map`), which bounds the score tile.
     """
     validate(q, k_pages, v_pages, cache, layer)
     B, T, H, d = q.shape

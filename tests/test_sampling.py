@@ -50,7 +50,7 @@ def _transformers_chain(s: Sampling, logits: np.ndarray, history: np.ndarray) ->
 
 
 SETTINGS = [Sampling(repetition_penalty=1.3), Sampling(repetition_penalty=0.7), Sampling(temperature=0.6),
-            Sampling(top_k=5), Sampling(top_p=0.8), Sampling(min_p=0.1),
+            Sampling(top_k=5), Sampling(top_p=0.8), Sampling(min_p=0.1), Sampling(top_k=9, top_p=0.7),
             Sampling(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2)]
 
 
@@ -63,6 +63,19 @@ def test_warp_equals_transformers_processors(strategy):
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
         finite = np.isfinite(want)
         np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_top_p_after_top_k_with_ties_at_the_kth_score():
+    # Scores tied with the k-th survive top-k (as in transformers), so top-p must see all of them.
+    logits = np.zeros((2, V), np.float32)
+    logits[0, :3] = [4.0, 3.0, 2.0]
+    logits[0, 3:10] = 1.0  # seven ties at the 4th score
+    logits[1] = np.linspace(-2, 2, V)
+    s = Sampling(top_k=4, top_p=0.8)  # the floor is 2.0 over all survivors, 3.0 over the top four alone
+    want = _transformers_chain(s, np.concatenate([logits, logits])[:B], np.full((B, 1), -1))[:2]
+    got = np.asarray(s.warp(jnp.asarray(logits)))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
 
 
 def test_draws_follow_the_warped_distribution_and_keys_reproduce():
