@@ -151,8 +151,8 @@ class Sampling:
         return x
 
     def keys(self, batch: int) -> jax.Array:
-        """`[B]` PRNG keys of a batch's sequences, split off `seed`."""
-        return jax.random.split(jax.random.key(self.seed), batch)
+        """`[B]` PRNG keys of a batch's sequences, split off `seed` (the keys `sampling_keys` holds as data)."""
+        return jax.random.wrap_key_data(sampling_keys(self.seed, batch))
 
     def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
         """`[B]` int32 tokens drawn from the warped distribution of `logits [B, V]`, row b with `key[b]`
@@ -166,9 +166,26 @@ class Sampling:
 STRATEGIES = (Greedy, Sampling)
 
 
+def seed_of(strategy) -> int:
+    """The sampling seed of a decoding strategy (0 for one that draws nothing)."""
+    return int(getattr(strategy, "seed", 0))
+
+
+def stop_ids_of(strategy) -> tuple[int, ...]:
+    """The stop token ids of a decoding strategy (none for one without `stop`)."""
+    return tuple(getattr(strategy, "stop", ()))
+
+
 def sampling_keys(seed: int, batch: int) -> jax.Array:
     """`[batch, 2]` uint32 key data: the sampling keys of a batch's sequences, split off `seed`."""
     return jax.random.key_data(jax.random.split(jax.random.key(seed), batch))
+
+
+def folded_keys(seed: int, indices) -> jax.Array:
+    """`[n, 2]` uint32 key data: one key per session index in `indices [n]`, folded from `seed` (the n-th session
+    of an engine or of `evaluate` draws with `folded_keys(seed, [n])`)."""
+    base = jax.random.key(seed)
+    return jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(indices)))
 
 
 def split_keys(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -41,7 +41,8 @@ from omnijax import chunks as chunks_lib
 from omnijax import distributed
 from omnijax.chunks import Chunk
 from omnijax.config import StreamConfig
-from omnijax.streaming import bind_config, chunk_step, decoding_seed, graphdef_config, init_state, model_parts
+from omnijax.decoding import folded_keys, seed_of
+from omnijax.streaming import bind_config, chunk_step, graphdef_config, init_state, model_parts
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",
@@ -217,9 +218,8 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
     S = chunks.token_ids.shape[0]
     one = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size, batch=1)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (S,) + x.shape), one)
-    seed = jax.random.key(decoding_seed(config))  # session s samples with keys folded from the seed and s
-    state = dataclasses.replace(state, key=jax.random.key_data(
-        jax.vmap(lambda s: jax.random.fold_in(seed, s))(jnp.arange(S)))[:, None])
+    # session s samples with keys folded from the seed and s
+    state = dataclasses.replace(state, key=folded_keys(seed_of(config.decoding), jnp.arange(S))[:, None])
     if mesh is not None:
         specs = distributed.session_state_specs(state, model.config, mesh)
         state = jax.lax.with_sharding_constraint(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))

@@ -22,7 +22,7 @@ from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
 from omnijax.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.decoding import sampling_keys, split_keys
+from omnijax.decoding import sampling_keys, seed_of, split_keys, stop_ids_of
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
@@ -84,7 +84,8 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
     With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `placement` picks the
-    free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it). Returns `(kv, hidden [B, T, D])`.
+    free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it).
+    Returns `(kv, hidden [B, T, D])`.
     """
     kv, slots, q_order = paged_lib.reserve(kv, valid, meta, placement=placement)
     view = attention_lib.CacheView.of(kv, slots, q_order)
@@ -101,7 +102,7 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens)`."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
-    eos = jnp.asarray(tuple(model.config.eos_token_ids or ()) + config.decoding.stop or (-1,), jnp.int32)
+    eos = jnp.asarray(tuple(model.config.eos_token_ids) + stop_ids_of(config.decoding) or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
 
     def cond(carry):
@@ -166,11 +167,6 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
     return StreamState(kv=kv, next_pos=next_pos, key=key), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
-
-
-def decoding_seed(config: StreamConfig) -> int:
-    """The sampling seed of a stream config's decoding strategy (0 for one that draws nothing)."""
-    return int(getattr(config.decoding, "seed", 0))
 
 
 def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
@@ -272,7 +268,7 @@ def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: S
             num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size)) + (
                 chunks.token_ids.shape[1] * config.paging.extra_pages)
         state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
-                           batch=chunks.token_ids.shape[1], seed=decoding_seed(config))
+                           batch=chunks.token_ids.shape[1], seed=seed_of(config.decoding))
     else:
         check_state(state, decoder_config)
     if state.kv.batch != chunks.token_ids.shape[1]:
@@ -316,7 +312,7 @@ class Session:
         num_pages = self.stream_config.num_pages or DEFAULT_SESSION_PAGES
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
-            seed=decoding_seed(self.stream_config))
+            seed=seed_of(self.stream_config.decoding))
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]

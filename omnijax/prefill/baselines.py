@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.config import DecoderConfig
-from omnijax import attention as attention_lib
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
-from omnijax.prefill.layer_major import PrefillResult, check_budgets, contiguous_view, padded_length, window_rows
+from omnijax.prefill.layer_major import (PrefillResult, attend_prefix, check_budgets, padded_length, prefix_view,
+                                         window_rows)
 from omnijax.prefill.selectors import Selector, topk_scores
 
 
@@ -41,18 +41,14 @@ def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: Dec
         h = jax.lax.dynamic_slice_in_dim(hidden, start, chunk, axis=1)
         pos = jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=2)
         rot = chunk_rotation(c, pos)
-        view = None if impl == "xla" else contiguous_view(Spad, B, page, start, chunk, start + chunk)
+        view = prefix_view(impl, Spad, B, page, start, chunk)  # once for all layers
 
         def layer(h, xs):
             p, k_buf, v_buf, q_obs = xs
             q, k, v = layer_qkv(c, p, h, rot)
             k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
             v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
-            if impl == "xla":  # as TideKV's layer step: blocked dense causal attention over the buffers
-                attn = attention_lib.attend_contiguous(q, k_buf, v_buf, start)
-            else:
-                attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view,
-                                            impl=impl)
+            attn = attend_prefix(q, k_buf, v_buf, start, view, impl)  # as TideKV's layer step
             if window:
                 q_obs = window_rows(q_obs, q, start, prompt_len)
             return layer_finish(c, p, h, attn), (k_buf, v_buf, q_obs)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.decoding import Greedy, check_decoding, sampling_keys, split_keys
+from omnijax.decoding import Greedy, check_decoding, sampling_keys, seed_of, split_keys
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
 
 
@@ -303,7 +303,7 @@ def _run_decode(model, cache, first_logits, steps: int, decoding, caller: str):
         raise ValueError(f"steps must be >= 0, got {steps}")
     check_room(cache, int(steps), caller=caller)
     graphdef, params = nnx.split(model)
-    keys = sampling_keys(int(getattr(decoding, "seed", 0)), cache.next_pos.shape[0])
+    keys = sampling_keys(seed_of(decoding), cache.next_pos.shape[0])
     return _decode(graphdef, params, cache, jnp.asarray(first_logits), keys, steps=int(steps), decoding=decoding)
 
 

@@ -9,9 +9,9 @@ layer. So the uncompressed KV of one layer and the activations of one chunk are 
 Memory is the point, so it is made true by construction: a host loop over layers calls one jitted layer step that
 donates the bridge (updated in place) and returns the layer's packed cache; the layer's full KV lives only inside
 that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far: impl "xla" with
-`attention.attend_contiguous` (blocked dense causal attention over the contiguous buffers: query blocks of up to 256
+`attention.attend_contiguous` (blocked dense causal attention over the contiguous buffers: query blocks of up to 512
 rows, key blocks of up to 1,024 slots, only the blocks a row block can see), "reference" and "pallas" through
-`omnijax.attention` on a contiguous paged view.
+`omnijax.attention` on a contiguous paged view (`attend_prefix`).
 
 Without eviction (`budgets=None`) the bridge equals one-shot prefill's hidden states; eviction never changes them,
 only what the decode cache keeps.
@@ -59,6 +59,24 @@ def contiguous_view(length: int, batch: int, page: int, start: jax.Array, chunk:
     return attention_lib.index_pages(attention_lib.CacheView(
         write_slots=jnp.zeros((batch, chunk), jnp.int32), page_table=table, slot_valid=slot < written, slot_order=slot,
         q_order=q_order))
+
+
+def prefix_view(impl: str, length: int, batch: int, page: int, start: jax.Array, chunk: int
+                ) -> attention_lib.CacheView | None:
+    """What `attend_prefix` needs for a chunk at `start`: a `contiguous_view` for the paged implementations
+    ("reference", "pallas"), None for "xla" (it reads the buffers directly). Build it once per chunk, for all layers."""
+    return None if impl == "xla" else contiguous_view(length, batch, page, start, chunk, start + chunk)
+
+
+def attend_prefix(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array,
+                  view: attention_lib.CacheView | None, impl: str) -> jax.Array:
+    """A chunk's queries `[B, C, H, d]` (absolute indices start..) attending causally to contiguous buffers
+    `[B, S, G, d]`: blocked dense attention (`attention.attend_contiguous`) under "xla", else `impl` over the
+    buffers cut into the pages of `view` (`prefix_view`)."""
+    if view is None:
+        return attention_lib.attend_contiguous(q, k_buf, v_buf, start)
+    G, d, page = k_buf.shape[2], k_buf.shape[3], view.slot_valid.shape[1]
+    return attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view, impl=impl)
 
 
 def window_rows(q_obs: jax.Array, q: jax.Array, start: jax.Array, prompt_len: int) -> jax.Array:
@@ -112,12 +130,7 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
         q, k, v = layer_qkv(c, p, h, rot)
         k_buf = jax.lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=1)
         v_buf = jax.lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=1)
-        if impl == "xla":  # blocked dense causal attention straight over the contiguous buffers
-            attn = attention_lib.attend_contiguous(q, k_buf, v_buf, start)
-        else:  # the oracle ("reference") and the paged kernel ("pallas") read them as pages
-            view = contiguous_view(Spad, B, page, start, chunk, start + chunk)
-            attn = attention_lib.attend(q, k_buf.reshape(-1, page, G, d), v_buf.reshape(-1, page, G, d), view,
-                                        impl=impl)
+        attn = attend_prefix(q, k_buf, v_buf, start, prefix_view(impl, Spad, B, page, start, chunk), impl)
         if window:
             q_obs = window_rows(q_obs, q, start, prompt_len)
         bridge = jax.lax.dynamic_update_slice_in_dim(bridge, layer_finish(c, p, h, attn), start, axis=1)

@@ -43,8 +43,8 @@ from omnijax.paging import migration
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.admission import Overloaded
 from omnijax.serve.telemetry import StallEvent, Telemetry
-from omnijax.streaming import (StreamState, bind_config, chunk_step, decoding_seed, graphdef_config, init_state,
-                               model_parts)
+from omnijax.decoding import folded_keys, seed_of
+from omnijax.streaming import StreamState, bind_config, chunk_step, graphdef_config, init_state, model_parts
 
 
 class DuplicateSession(KeyError, ValueError):
@@ -215,8 +215,8 @@ def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
     state, out = chunk_step(model, state, chunk, config)
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
-    return StreamState(kv=kv, next_pos=state.next_pos, key=state.key), (out.logits, out.tokens, kv.exhausted, kv.dropped,
-                                                         kv.num_free, table_full)
+    outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full)
+    return StreamState(kv=kv, next_pos=state.next_pos, key=state.key), outputs
 
 
 _reset_row = jax.jit(reset_row, donate_argnums=0)
@@ -307,8 +307,7 @@ class Engine:
         self._slots[session_id] = next(r for r in range(limit) if r not in used)
         self._queue[session_id] = collections.deque()
         self._seen_dropped[session_id] = 0
-        seed = jax.random.key(decoding_seed(self._stream))
-        self._unkeyed[session_id] = np.asarray(jax.random.key_data(jax.random.fold_in(seed, self._opened)))
+        self._unkeyed[session_id] = np.asarray(folded_keys(seed_of(self._stream.decoding), [self._opened])[0])
         self._opened += 1
 
     def close(self, session_id: str) -> None:
