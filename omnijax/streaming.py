@@ -34,12 +34,15 @@ from omnijax.units import SpanKind
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StreamState:
-    """Carried state: the cache, each sequence's next-position cursor `[B]` and its sampling key `key [B, 2]`
-    (uint32 key data, `jax.random.key_data`; split at every sampled token, unused by greedy decoding)."""
+    """Carried state: the cache, each sequence's next-position cursor `[B]`, its sampling key `key [B, 2]`
+    (uint32 key data, `jax.random.key_data`; split at every sampled token, unused by greedy decoding) and
+    `last_logits [B, V]` float32, the logits after the last token the sequence wrote (its last chunk token or answer
+    token): a chunk with no valid token for a sequence continues that sequence's answer from them."""
 
     kv: paged_lib.PagedKV
     next_pos: jax.Array
     key: jax.Array
+    last_logits: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -99,7 +102,8 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
 def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool):
     """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
 
-    `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens)`."""
+    `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens,
+    last_logits [B, V])`, the last being the logits after each row's last fed token."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
     eos = jnp.asarray(tuple(model.config.eos_token_ids) + stop_ids_of(config.decoding) or (-1,), jnp.int32)
@@ -121,15 +125,15 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
                                   offset=jnp.full((B, 1), i, jnp.int32))
         kv, hidden = prefill(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
                              placement=placement)
-        logits = model.logits(hidden[:, 0])
+        logits = jnp.where(active[:, None], model.logits(hidden[:, 0]), logits)  # finished rows keep theirs
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
         active = active & ~stop & (i + 1 < count)
         return i + 1, kv, next_pos, key, logits, active, tokens
 
     carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0)
-    _, kv, next_pos, key, _, _, tokens = jax.lax.while_loop(cond, body, carry)
-    return kv, next_pos, key, tokens
+    _, kv, next_pos, key, logits, _, tokens = jax.lax.while_loop(cond, body, carry)
+    return kv, next_pos, key, tokens, logits
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig):
@@ -152,21 +156,24 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
     logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
+    # A sequence with no token in this chunk continues from where it stopped (e.g. the rest of a long answer).
+    logits = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits)
     next_pos = next_pos + chunk.advance
     kv, next_pos, evicted = retention_lib.trim(
         policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     if config.max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
-        kv, next_pos, key, tokens = jax.lax.cond(
+        kv, next_pos, key, tokens, last_logits = jax.lax.cond(
             jnp.any(count > 0),
             lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track),
-            lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32)))
+            lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32), logits))
     else:
-        tokens = jnp.zeros((kv.batch, 0), jnp.int32)
+        tokens, last_logits = jnp.zeros((kv.batch, 0), jnp.int32), logits
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
-    return StreamState(kv=kv, next_pos=next_pos, key=key), ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+    state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits)
+    return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
 
 
 def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
@@ -176,7 +183,8 @@ def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, m
     kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
                         position_axes=config.position_axes, dtype=config.jnp_dtype)
-    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch))
+    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch),
+                       last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
 
 
 def check_state(state: StreamState, config) -> None:
@@ -325,16 +333,18 @@ class Session:
             return getattr(self.stream_config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def feed(self, chunk: Chunk) -> ChunkOutput:
+    def feed(self, chunk: Chunk, *, decoding=None) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
 
-        Returns without waiting for the step. Pool exhaustion is reported in the output's `stats.layout.exhausted`
-        and `stats.layout.dropped` (not warned about, which would wait for every step).
+        `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per
+        strategy). Returns without waiting for the step. Pool exhaustion is reported in the output's
+        `stats.layout.exhausted` and `stats.layout.dropped` (not warned about, which would wait for every step).
         """
+        config = self.stream_config if decoding is None else self.stream_config.replace(decoding=decoding)
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
                             stacked=False)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=self.stream_config)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
         return out

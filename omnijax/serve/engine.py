@@ -180,7 +180,7 @@ def reset_row(state: StreamState, row) -> StreamState:
     kv = kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
                     next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
                     dropped=kv.dropped.at[row].set(0))
-    return StreamState(kv=kv, next_pos=state.next_pos.at[row].set(0), key=state.key)
+    return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0))
 
 
 def take_rows(state: StreamState, rows) -> StreamState:
@@ -199,7 +199,8 @@ def take_rows(state: StreamState, rows) -> StreamState:
     kv = kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
                     next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
                     dropped=pick(kv.dropped, 0))
-    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0))
+    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0),
+                       last_logits=pick(state.last_logits, 0))
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -216,7 +217,7 @@ def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
     outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full)
-    return StreamState(kv=kv, next_pos=state.next_pos, key=state.key), outputs
+    return dataclasses.replace(state, kv=kv), outputs
 
 
 _reset_row = jax.jit(reset_row, donate_argnums=0)
