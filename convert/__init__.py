@@ -31,7 +31,8 @@ CONVERTERS.update({hf_type: minicpmo for hf_type in minicpmo.HF_MODEL_TYPES})
 NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.json", "generation_config.json", "preprocessor_config.json")
+                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
+                   "preprocessor_config.json")
 
 
 def read_hf_config(src: Path) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import jax
@@ -50,13 +51,14 @@ class Model:
     """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
 
     def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None,
-                 audio=None, vision=None, omni=None):
+                 audio=None, vision=None, omni=None, tokenizer=None):
         self.decoder = decoder
         self.model_type = model_type
         self.source = source
         self.audio = audio  # AudioEncoder or None
         self.vision = vision  # VisionEncoder or None
         self.omni = omni  # OmniConfig (placeholder ids, TMRoPE timing) or None
+        self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (the model then takes token ids)
 
     @property
     def config(self) -> DecoderConfig:
@@ -187,6 +189,9 @@ def _restore(directory: Path, component: str, stored_config, dtype: str | None, 
 def load(directory: str | Path, *, dtype: str | None = None) -> Model:
     """Loads a directory written by `omnijax-convert` into a `Model` (with its encoders when converted).
 
+    The checkpoint's tokenizer (`tokenizer.json`, copied by the converter) becomes `model.tokenizer`; without one
+    `model.tokenizer` is None and a `UserWarning` says so.
+
     Args:
         directory: the converted checkpoint (holding `omnijax.json` and `params/`).
         dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load.
@@ -207,9 +212,10 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
             raise ValueError("dtype overrides are not implemented for MiniCPM-o checkpoints yet; convert with "
                              "--dtype instead")
         try:
-            return minicpmo.load(directory, manifest, decoder)
+            model = minicpmo.load(directory, manifest, decoder)
         except (TypeError, ValueError) as e:
             raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+        return _with_tokenizer(model, directory)
     encoders = {}
     try:
         if "audio" in manifest:
@@ -221,4 +227,18 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
         omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
-    return Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders)
+    return _with_tokenizer(Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders),
+                           directory)
+
+
+def _with_tokenizer(model, directory: Path):
+    """Sets `model.tokenizer` from the directory's tokenizer files; warns once when there are none."""
+    from omnijax.models.tokenizer import load_tokenizer
+
+    model.tokenizer = load_tokenizer(directory)
+    if model.tokenizer is None:
+        warnings.warn(f"{directory} has no tokenizer files (tokenizer.json), so text input and output are "
+                      f"unavailable and the model takes token ids; to fix this, copy tokenizer.json and "
+                      f"tokenizer_config.json from the Hugging Face release into {directory}, or re-run "
+                      f"`omnijax-convert` from a release directory that has them", UserWarning, stacklevel=3)
+    return model

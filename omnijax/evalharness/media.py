@@ -4,10 +4,11 @@ Text: `text_encoder(checkpoint_dir, vocab_size)` returns a transformers tokenize
 converted checkpoint's tokenizer files) when both exist, else `ByteTextEncoder`: UTF-8 bytes folded into the
 vocabulary, deterministic, for checkpoints without a tokenizer such as the tiny demo model.
 
-Media: `open_media` decodes a real video file with PyAV (`pip install av`) when the file and the library exist:
-frames sampled at `fps` and resized to `frame_size`, audio resampled to 16 kHz mono. Otherwise it falls back to
-`SyntheticMedia` (moving shapes and a tone from `omnijax.models.qwen2_5_omni.frontend`, seeded by the video path)
-and says why in `source.notice`. A last partial unit is completed by repeating the last frame and with silence.
+Media: `open_media` decodes a real video file when the file and PyAV (`pip install av`) exist, through
+`omnijax.video` (the one place video files are decoded: frames sampled at `fps` by its rule and resized to
+`frame_size`, audio resampled to 16 kHz mono). Otherwise it falls back to `SyntheticMedia` (moving shapes and a tone
+from `omnijax.models.qwen2_5_omni.frontend`, seeded by the video path) and says why in `source.notice`. A last
+partial unit is completed by repeating the last frame and with silence.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import dataclasses
 import importlib.util
 import zlib
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from omnijax.video import VideoFile
 
 SAMPLE_RATE = 16_000
 QWEN_SPECIALS = {"<|im_start|>": 151644, "<|im_end|>": 151645}
@@ -135,7 +139,10 @@ class SyntheticMedia:
 
 @dataclasses.dataclass
 class DecodedVideo:
-    """A video file decoded with PyAV, unit by unit (frames sampled at `fps`, audio at 16 kHz mono)."""
+    """A video file decoded unit by unit through `omnijax.video` (frames sampled at `fps` by its rule and resized
+    to `frame_size`, audio at 16 kHz mono; a file without audio gives silence). `units(count)` yields `count` units:
+    the file's own (a partial last one completed by repeating the last frame, with silence), then, past the end of
+    the file, further units of the last frame and silence."""
 
     path: Path
     unit_seconds: float = 2.0
@@ -144,65 +151,27 @@ class DecodedVideo:
     notice: str = ""
     kind: str = "video file"
     duration_s: float | None = None
+    video: "VideoFile | None" = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        import av
-        with av.open(str(self.path)) as container:
-            if container.duration is not None:
-                self.duration_s = container.duration / av.time_base
-            elif container.streams.video and container.streams.video[0].duration is not None:
-                stream = container.streams.video[0]
-                self.duration_s = float(stream.duration * stream.time_base)
-
-    def _frames(self) -> Iterator[np.ndarray]:
-        import av
-        h, w = self.frame_size
-        with av.open(str(self.path)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            next_t = 0.0
-            for frame in container.decode(stream):
-                t = float(frame.time or 0.0)
-                while t + 0.5 / self.fps >= next_t:  # the frame nearest each sampling instant
-                    yield frame.to_ndarray(format="rgb24", width=w, height=h)
-                    next_t += 1.0 / self.fps
-
-    def _audio(self) -> Iterator[np.ndarray]:
-        import av
-        with av.open(str(self.path)) as container:
-            if not container.streams.audio:
-                return
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            for frame in container.decode(container.streams.audio[0]):
-                for out in resampler.resample(frame):
-                    yield out.to_ndarray().reshape(-1).astype(np.float32)
-            for out in resampler.resample(None):
-                yield out.to_ndarray().reshape(-1).astype(np.float32)
+        from omnijax.video import open_video
+        self.video = open_video(self.path, unit_seconds=self.unit_seconds, fps=self.fps, need_audio=False,
+                                frame_size=tuple(self.frame_size))
+        self.duration_s = self.video.duration_s
 
     def units(self, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        per_unit = int(round(self.unit_seconds * self.fps))
-        samples = int(round(self.unit_seconds * SAMPLE_RATE))
-        frames, audio = self._frames(), self._audio()
-        last = np.zeros(self.frame_size + (3,), np.uint8)
-        buffer = np.zeros(0, np.float32)
-        for _ in range(count):
-            unit_frames = []
-            for frame in frames:
-                unit_frames.append(frame)
-                if len(unit_frames) == per_unit:
-                    break
-            if unit_frames:
-                last = unit_frames[-1]
-            unit_frames += [last] * (per_unit - len(unit_frames))  # a partial (or absent) tail repeats the last frame
-            while buffer.shape[0] < samples:
-                piece = next(audio, None)
-                if piece is None:
-                    break
-                buffer = np.concatenate([buffer, piece])
-            pcm = np.zeros(samples, np.float32)
-            pcm[:min(samples, buffer.shape[0])] = buffer[:samples]
-            buffer = buffer[samples:]
-            yield np.stack(unit_frames), pcm
+        decoded = self.video.units()
+        frames = None
+        try:
+            for _ in range(count):
+                unit = next(decoded, None)
+                if unit is None:  # past the end of the file
+                    frames = np.repeat(frames[-1:], self.video.frames_per_unit, axis=0)
+                    unit = (frames, np.zeros(self.video.samples_per_unit, np.float32))
+                frames = unit[0]
+                yield unit
+        finally:
+            decoded.close()
 
 
 def open_media(video_root: str | Path | None, video_path: str, *, unit_seconds: float = 2.0, fps: float = 2.0,

@@ -57,9 +57,10 @@ class MiniCPMOModel:
     model_type = "minicpmo"
 
     def __init__(self, decoder: Decoder, *, vision=None, audio=None, source: str | None = None,
-                 special_tokens: dict[str, int] | None = None):
+                 special_tokens: dict[str, int] | None = None, tokenizer=None):
         self.decoder, self.vision, self.audio, self.source = decoder, vision, audio, source
         self.special_tokens = dict(special_tokens or {})
+        self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (set by omnijax.load)
 
     @property
     def tokens(self):

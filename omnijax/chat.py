@@ -1,0 +1,420 @@
+"""`Chat`: a conversation with a loaded model over a streamed `Session`: text in, text out, media as units.
+
+    model = omnijax.load("/path/to/omni-jax")
+    chat = omnijax.Chat(model, omnijax.StreamConfig(policy=OmniPick(), paging="tile_skip", num_pages=96))
+    chat.system("You are a helpful assistant.")
+    chat.video("clip.mp4")                       # 2 s audiovisual units, each its own unit in the stream
+    for delta in chat.ask("What happens in the clip?", max_tokens=64):
+        print(delta, end="", flush=True)
+    print(omnijax.chat.format_kept(chat.kept()))  # what the bounded cache holds now, per unit and span kind
+
+Text turns are what the checkpoint's own chat template renders. `Chat` keeps the conversation's text messages and
+what it has fed of their rendering; each `system` / `user` / `ask` renders the conversation with the new message
+(`ask` with the generation prompt) and feeds exactly the part not yet fed, so the text in the cache is the
+template's rendering of the whole conversation, the answers included as the template renders assistant turns. A
+template that renders earlier turns differently once a message follows (Qwen3's, MiniCPM-o 4.5's: earlier answers
+lose their reasoning block) gets the new message as the template renders it at the end of the conversation, the
+earlier turns staying as the model saw them; a template whose rendering cannot be followed so is refused at that
+call (the cache cannot be rewritten).
+
+Media (`image`, `audio`, `av`, `video`) are fed as units of their own between text turns, laid out as the model's
+streaming units (`omnijax.chat_units`), which is how a live stream reaches the model; they are not part of the
+template's text.
+
+Answers are decoded inside the jitted step in blocks of `config.max_answer_tokens` tokens (default
+`DEFAULT_ANSWER_BLOCK` when the config has 0); `ask` yields the text of each block as soon as it is decoded, only
+whole UTF-8 characters. A later block continues from the logits after the previous block's last token (a chunk with
+no token, `StreamState.last_logits`), so a long answer is the same as one decoded in one block. The repetition
+penalty of `Sampling` sees the tokens of the current block only.
+
+A call refused for bad input (an unknown role, media the checkpoint has no encoder for, a bad video file, a
+template that cannot be followed) raises before anything is fed: the session is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.chat_units import units_for
+from omnijax.config import StreamConfig
+from omnijax.decoding import sampling_keys, seed_of, stop_ids_of
+from omnijax.streaming import Session, bind_config
+from omnijax.units import SpanKind
+
+DEFAULT_ANSWER_BLOCK = 16
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered and fed as the template says (see the module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitRecord:
+    """One fed unit: its id, kind ("system", "user", "answer", "image", "audio", "av"), a short label, and the
+    tokens it fed per span kind (`{SpanKind: count}`)."""
+
+    unit: int
+    kind: str
+    label: str
+    fed: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step of the session (a fed chunk or an answer block): cache figures after it and its wall time."""
+
+    label: str
+    retained: int
+    physical_span: int
+    active_pages: int
+    latency_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptRow:
+    """What the cache holds of one unit's span kind: `kept` of `fed` tokens."""
+
+    unit: int
+    kind: str
+    label: str
+    span: str
+    fed: int
+    kept: int
+
+
+class Chat:
+    """A conversation over one streamed session (batch 1) of an `omnijax.Model` or a MiniCPM-o model.
+
+    Args:
+        model: a loaded model with a tokenizer (`model.tokenizer`), or any model with `tokenizer=` given.
+        config: the session's settings (`omnijax.StreamConfig`): retention policy, paging, impl, pool size; its
+            `max_answer_tokens` is the answer block size (0: `DEFAULT_ANSWER_BLOCK`); `decoding` the default
+            strategy of `ask`.
+        tokenizer: overrides `model.tokenizer`.
+        video_kwargs: Qwen2.5-Omni frame preprocessing settings for `av` / `video` (`min_pixels`, `max_pixels`;
+            see `omnijax.models.qwen2_5_omni.frontend.audiovisual_chunk`).
+    """
+
+    def __init__(self, model, config: StreamConfig | None = None, *, tokenizer=None, video_kwargs=None):
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if self.tokenizer is None:
+            raise ValueError("Chat needs a tokenizer: this checkpoint has no tokenizer files (copy tokenizer.json "
+                             "and tokenizer_config.json of the release into it) or pass tokenizer=; without one, "
+                             "feed token ids with omnijax.Session")
+        config = StreamConfig() if config is None else config
+        if config.max_answer_tokens == 0:
+            config = config.replace(max_answer_tokens=DEFAULT_ANSWER_BLOCK)
+        self.model, self.video_kwargs = model, dict(video_kwargs or {})
+        self.config = bind_config(model, config)
+        self.units_builder = units_for(model)
+        self.session = Session(model, self.config)
+        self.messages: list[dict] = []
+        self.units: list[UnitRecord] = []
+        self.steps: list[StepRecord] = []
+        self._rendered = ""  # the template text fed so far
+        self._pending = None  # the iterator of an answer being streamed
+        self._eos = tuple(model.config.eos_token_ids)
+
+    # ------------------------------------------------------------------------------------------------ text turns
+    def system(self, text: str) -> None:
+        """Adds the system message (it must come first)."""
+        if self.messages:
+            raise ChatTemplateError("the system message comes first; this conversation already has "
+                                    f"{len(self.messages)} message(s)")
+        self._turn("system", text, SpanKind.SYSTEM)
+
+    def user(self, text: str) -> None:
+        """Adds a user message without asking for an answer."""
+        self._turn("user", text, SpanKind.TEXT)
+
+    def add(self, message: dict) -> None:
+        """Adds a message `{"role": ..., "content": ...}` (system, user or assistant); an assistant message is fed
+        as the template renders it, as though the model had answered so."""
+        self._check_message(message)
+        kind = {"system": SpanKind.SYSTEM, "user": SpanKind.TEXT, "assistant": SpanKind.RESPONSE}[message["role"]]
+        self._turn(message["role"], message["content"], kind)
+
+    def ask(self, text: str, *, max_tokens: int = 128, decoding=None) -> Iterator[str]:
+        """Adds a user message and streams the answer's text.
+
+        Everything is checked before this returns; the answer is decoded as the iterator is consumed, and stays in
+        the context as an assistant turn (a partly consumed answer stays as far as it was decoded).
+
+        Args:
+            text: the user's message.
+            max_tokens: most tokens of the answer (its end-of-turn token included).
+            decoding: a strategy for this answer (`omnijax.decoding.Greedy()`, `Sampling(...)`); default the
+                config's. A strategy with a seed draws from keys seeded anew by it, so an answer reproduces.
+
+        Returns:
+            An iterator of text deltas (whole UTF-8 characters).
+        """
+        self._idle()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        config = self.config if decoding is None else self.config.replace(decoding=decoding)  # validates it
+        message = {"role": "user", "content": text}
+        self._check_message(message)
+        ids, rendered = self._delta(self.messages + [message], generation_prompt=True)
+        unit = self._next_unit()
+        chunk = self.units_builder.text(ids, unit, SpanKind.TEXT, answer_tokens=min(config.max_answer_tokens,
+                                                                                    max_tokens))
+        self._pending = self._answer(message, chunk, rendered, config, max_tokens, reseed=decoding is not None)
+        return self._pending
+
+    def _answer(self, message, chunk, rendered, config, max_tokens, reseed):
+        units, block = self.units_builder, config.max_answer_tokens
+        stop = set(self._eos) | set(stop_ids_of(config.decoding))
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        unit = int(np.asarray(chunk.unit).reshape(-1)[0])
+        answer_unit = int(np.asarray(chunk.answer_unit)[0])
+        generated: list[int] = []
+        try:
+            if reseed:
+                self.session.state = dataclasses.replace(self.session.state,
+                                                         key=sampling_keys(seed_of(config.decoding), 1))
+            self._record_unit(unit, "user", text_label(message["content"]), chunk)
+            self.messages.append(message)
+            self._rendered = rendered
+            out = self._feed(chunk, config, "user")
+            while True:
+                tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
+                generated += tokens
+                delta = decoder.push(tokens)
+                if delta:
+                    yield delta
+                if not tokens or tokens[-1] in stop or len(generated) >= max_tokens:
+                    break
+                out = self._feed(units.continuation(answer_unit, min(block, max_tokens - len(generated))), config,
+                                 "answer")
+            tail = decoder.flush()
+            if tail:
+                yield tail
+        finally:
+            if generated:
+                ended = generated[-1] in stop
+                content = self.tokenizer.decode(generated[:-1] if ended else generated, skip_special_tokens=True)
+                self.messages.append({"role": "assistant", "content": content})
+                self._rendered += self.tokenizer.decode(generated)
+                self.units.append(UnitRecord(answer_unit, "answer", text_label(content),
+                                             {int(SpanKind.RESPONSE): len(generated)}))
+
+    # ------------------------------------------------------------------------------------------------ media units
+    def image(self, image) -> None:
+        """Feeds one image (`[H, W, 3]` uint8 array, or a path PIL can read) as a unit."""
+        self._idle()
+        if isinstance(image, (str, Path)):
+            image = _read_image(image)
+        self._media("image", "image", lambda unit: self.units_builder.image(image, unit))
+
+    def audio(self, pcm, sample_rate: int = 16_000) -> None:
+        """Feeds one audio clip (`[samples]` float mono at `sample_rate`, resampled to 16 kHz) as a unit."""
+        self._idle()
+        pcm = resample(np.asarray(pcm, np.float32), sample_rate)
+        self._media("audio", f"audio {pcm.shape[0] / 16_000:.1f} s",
+                    lambda unit: self.units_builder.audio(pcm, 16_000, unit))
+
+    def av(self, frames, pcm) -> None:
+        """Feeds one audiovisual unit: `frames [n, H, W, 3]` sampled at the family's fps and the 16 kHz mono PCM of
+        the same stretch of time (Qwen2.5-Omni: 2 s at 2 fps; MiniCPM-o: 1 s with one frame)."""
+        self._idle()
+        self._media("av", f"av {np.shape(pcm)[0] / 16_000:.1f} s",
+                    lambda unit: self.units_builder.av(frames, pcm, unit, **self.video_kwargs))
+
+    def video(self, path, *, start: float = 0.0, end: float | None = None, progress=None) -> int:
+        """Feeds a video file (PyAV) as audiovisual units, from `start` to `end` seconds; returns the units fed.
+
+        `progress(done, total)` is called after each unit. The file is opened and checked before the first unit.
+        """
+        self._idle()
+        units = self.units_builder
+        source = units.open_video(path)
+        first = int(start // units.unit_seconds)
+        total = source.num_units if end is None else min(source.num_units, int(np.ceil(end / units.unit_seconds)))
+        if first >= total:
+            raise ValueError(f"{path}: nothing to feed between {start:g} s and "
+                             f"{'the end' if end is None else f'{end:g} s'} (the video has {source.num_units} units "
+                             f"of {units.unit_seconds:g} s)")
+        fed = 0
+        for index, (frames, pcm) in enumerate(source.units()):
+            if index < first:
+                continue
+            if index >= total:
+                break
+            at = index * units.unit_seconds
+            self._media("av", f"{Path(path).name} {_clock(at)}-{_clock(at + units.unit_seconds)}",
+                        lambda unit: units.av(frames, pcm, unit, **self.video_kwargs))
+            fed += 1
+            if progress is not None:
+                progress(fed, total - first)
+        return fed
+
+    # ------------------------------------------------------------------------------------------------ inspection
+    def kept(self) -> list[KeptRow]:
+        """What the cache holds now: one row per (unit, span kind) fed, with the tokens fed and kept."""
+        kv = self.session.state.kv
+        valid = np.asarray(kv.valid).reshape(-1)
+        unit = np.asarray(kv.unit).reshape(-1)[valid]
+        span = np.asarray(kv.span).reshape(-1)[valid]
+        kept = {}
+        for u, s in zip(unit.tolist(), span.tolist()):
+            kept[(u, s)] = kept.get((u, s), 0) + 1
+        rows = []
+        for record in self.units:
+            for s, count in sorted(record.fed.items()):
+                rows.append(KeptRow(record.unit, record.kind, record.label, SpanKind(s).name.lower(), count,
+                                    kept.get((record.unit, int(s)), 0)))
+        return rows
+
+    def trace(self):
+        """The session's steps as an `omnijax.plot.SessionTrace` (for `omnijax.plot.session`)."""
+        from omnijax.plot import SessionTrace
+        steps = self.steps
+        return SessionTrace(retained=np.asarray([s.retained for s in steps]),
+                            physical_span=np.asarray([s.physical_span for s in steps]),
+                            active_pages=np.asarray([s.active_pages for s in steps]),
+                            latency_ms=np.asarray([s.latency_ms for s in steps], np.float64),
+                            labels=tuple(s.label for s in steps), page_size=self.config.page_size)
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _idle(self) -> None:
+        if self._pending is not None and inspect.getgeneratorstate(self._pending) != inspect.GEN_CLOSED:
+            raise RuntimeError("an answer is still being streamed: consume or close the iterator ask() returned "
+                               "before adding to the conversation")
+
+    def _check_message(self, message: dict) -> None:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"a message is a dict with 'role' and 'content', got {message!r}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"unknown chat role {message['role']!r}; Chat takes {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"message content must be text (media go through image/audio/av/video), got "
+                             f"{type(message['content']).__name__}")
+
+    def _delta(self, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
+        """Token ids of the template's rendering of `messages` past what was fed, and the whole rendering.
+
+        When the earlier rendering is a prefix of the new one, the new part is the rest. A template that re-renders
+        earlier turns once a message follows (Qwen3's drops the reasoning block of earlier answers) gets the last
+        message's own rendering, provided the whole conversation's rendering ends with it: the earlier turns stay
+        in the cache as the model saw them when it answered.
+        """
+        rendered = self.tokenizer.render(messages, add_generation_prompt=generation_prompt)
+        if rendered.startswith(self._rendered):
+            delta = rendered[len(self._rendered):]
+        else:
+            delta = self.tokenizer.render(messages[-1:], add_generation_prompt=generation_prompt)
+            if not rendered.endswith(delta):
+                at = next((i for i, (a, b) in enumerate(zip(rendered, self._rendered)) if a != b), 0)
+                raise ChatTemplateError(
+                    f"the chat template renders the earlier conversation differently once this message is added "
+                    f"(they part at character {at}: fed {self._rendered[at:at + 40]!r}, now "
+                    f"{rendered[at:at + 40]!r}), and the message's own rendering is not how the conversation's "
+                    f"ends; Chat feeds only what is new and cannot rewrite the cache")
+        ids = self.tokenizer.encode(delta) if delta else []
+        return ids, rendered
+
+    def _turn(self, role: str, text: str, kind: SpanKind) -> None:
+        self._idle()
+        message = {"role": role, "content": text}
+        self._check_message(message)
+        ids, rendered = self._delta(self.messages + [message], generation_prompt=False)
+        if not ids:
+            raise ChatTemplateError(f"the template renders this {role} message as nothing new")
+        unit = self._next_unit()
+        chunk = self.units_builder.text(ids, unit, kind)
+        self._record_unit(unit, role, text_label(text), chunk)
+        self.messages.append(message)
+        self._rendered = rendered
+        self._feed(chunk, self.config, role)
+
+    def _media(self, kind: str, label: str, build) -> None:
+        unit = self._next_unit()
+        chunk = build(unit)  # raises (bad input, missing encoder) before anything is recorded or fed
+        self._record_unit(unit, kind, label, chunk)
+        self._feed(chunk, self.config, kind)
+
+    def _next_unit(self) -> int:
+        return 1 + max((u.unit for u in self.units), default=-1)
+
+    def _record_unit(self, unit: int, kind: str, label: str, chunk) -> None:
+        span = np.asarray(chunk.span)[np.asarray(chunk.valid, bool)]
+        kinds, counts = np.unique(span, return_counts=True)
+        self.units.append(UnitRecord(unit, kind, label, {int(k): int(c) for k, c in zip(kinds, counts)}))
+
+    def _feed(self, chunk, config: StreamConfig, label: str):
+        started = time.perf_counter()
+        out = self.session.feed(self.units_builder.pad(chunk), decoding=config.decoding)
+        layout = out.stats.layout
+        retained = int(np.asarray(layout.retained_cells)[0])  # waits for the step
+        self.steps.append(StepRecord(label, retained, int(np.asarray(layout.physical_span)[0]),
+                                     int(np.asarray(layout.active_pages)[0]),
+                                     (time.perf_counter() - started) * 1e3))
+        if bool(np.asarray(layout.exhausted)[0]):
+            warnings.warn(f"the chat's KV pool ran out: {int(np.asarray(layout.dropped)[0])} token(s) were not "
+                          f"cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or a bounded "
+                          f"policy", RuntimeWarning, stacklevel=3)
+        return out
+
+
+def text_label(text: str, width: int = 32) -> str:
+    """A one-line label of a message: its first `width` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def format_kept(rows: list[KeptRow]) -> str:
+    """`Chat.kept()` rows as an aligned table."""
+    header = ("unit", "kind", "label", "span", "fed", "kept")
+    table = [header] + [(str(r.unit), r.kind, r.label, r.span, str(r.fed), str(r.kept)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i in (0, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in table]
+    return "\n".join(lines)
+
+
+def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
+    """Mono PCM at `sample_rate` -> `target` Hz: a windowed-sinc low-pass at the target's Nyquist frequency when
+    downsampling (so nothing above it folds into the band the models' log-mel features see), then linear
+    interpolation onto the target's sample times."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
+        raise ValueError(f"sample_rate must be a positive int, got {sample_rate!r}")
+    if pcm.ndim != 1 or pcm.shape[0] == 0:
+        raise ValueError(f"audio must be mono [samples] with at least one sample, got shape {pcm.shape}")
+    if not np.isfinite(pcm).all():
+        raise ValueError("audio holds NaN or infinite samples")
+    if sample_rate == target:
+        return pcm
+    if sample_rate > target:
+        cutoff = 0.5 * target / sample_rate  # cycles per input sample
+        half = int(np.ceil(4 / cutoff))
+        taps = 2 * cutoff * np.sinc(2 * cutoff * np.arange(-half, half + 1)) * np.blackman(2 * half + 1)
+        pcm = np.convolve(pcm, taps / taps.sum(), mode="same")
+    n = max(1, int(round(pcm.shape[0] * target / sample_rate)))
+    return np.interp(np.arange(n) * (sample_rate / target), np.arange(pcm.shape[0]), pcm).astype(np.float32)
+
+
+def _read_image(path) -> np.ndarray:
+    from PIL import Image
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable image ({e})") from e
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+__all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "StepRecord", "UnitRecord",
+           "format_kept", "resample", "text_label"]

@@ -1,0 +1,222 @@
+"""The `omnijax` command: `convert`, `chat`, `watch`, `serve`.
+
+    omnijax convert SRC DST [--dtype bfloat16]          # Hugging Face safetensors -> omnijax checkpoint
+    omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96]
+    omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
+                  [--plot out.png]
+    omnijax serve CKPT [...]                            # the Metronome server (omnijax-serve)
+
+`chat` reads one message per line from standard input and streams the answer; lines starting with `/` are commands:
+`/image PATH`, `/audio PATH.wav`, `/video PATH`, `/kept` (what the cache holds), `/quit`. `watch` feeds a video's
+audiovisual units with a progress bar, asks each question at its time (`--at`, default the end), and prints the
+answers and the cache's statistics. `omnijax-convert` and `omnijax-serve` remain as aliases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+SUBCOMMANDS = ("convert", "chat", "watch", "serve")
+
+
+def parse_clock(text: str) -> float:
+    """`"50"`, `"0:50"`, `"1:02:03"` -> seconds."""
+    try:
+        parts = [float(p) for p in text.split(":")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (use seconds, M:SS or H:MM:SS)") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (use seconds, M:SS or H:MM:SS)")
+    seconds = 0.0
+    for p in parts:
+        seconds = seconds * 60 + p
+    return seconds
+
+
+def _session_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="converted omnijax checkpoint directory")
+    parser.add_argument("--policy", default="full",
+                        help="retention policy, with settings: e.g. omnipick, "
+                             "omnipick:high_watermark=2500,low_watermark=1800, sink_window, full (default)")
+    parser.add_argument("--paging", default="native", help="native (default), tile_skip, ordered_suffix, eager")
+    parser.add_argument("--pages", type=int, default=256, help="KV pool pages (default 256)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--impl", default="xla", help="attention: xla (default), pallas, reference")
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    parser.add_argument("--block", type=int, default=16, help="answer tokens decoded per step (default 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--system", default=None, help="system message")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnijax", description="Streaming omni-modal LLMs with a bounded KV cache.")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub.add_parser("convert", help="convert a Hugging Face checkpoint (see omnijax convert --help)", add_help=False)
+    chat = sub.add_parser("chat", help="talk to a checkpoint in the terminal")
+    _session_options(chat)
+    watch = sub.add_parser("watch", help="stream a video file into a checkpoint and ask about it")
+    _session_options(watch)
+    watch.add_argument("video", metavar="VIDEO", help="a video file with an audio track (PyAV reads it)")
+    watch.add_argument("--ask", action="append", required=True, help="a question (repeat for several)")
+    watch.add_argument("--at", action="append", type=parse_clock, default=[],
+                       help="when to ask (seconds or M:SS), one per --ask in order; default the video's end")
+    watch.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
+    sub.add_parser("serve", help="serve a checkpoint (see omnijax serve --help)", add_help=False)
+    return parser
+
+
+def stream_config(args):
+    """The `StreamConfig` of the session options."""
+    from omnijax import StreamConfig, get_policy
+    from omnijax.decoding import Greedy, Sampling
+    decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature, top_k=args.top_k,
+                                                               top_p=args.top_p, seed=args.seed)
+    return StreamConfig(policy=get_policy(args.policy), paging=args.paging, impl=args.impl, page_size=args.page_size,
+                        num_pages=args.pages, max_answer_tokens=args.block, decoding=decoding)
+
+
+def open_chat(args):
+    import omnijax
+    config = stream_config(args)  # refuses bad settings before the checkpoint is read
+    model = omnijax.load(args.checkpoint)
+    chat = omnijax.Chat(model, config)
+    if args.system:
+        chat.system(args.system)
+    return chat
+
+
+def _answer(chat, question: str, max_tokens: int, out) -> str:
+    text = []
+    for delta in chat.ask(question, max_tokens=max_tokens):
+        out.write(delta)
+        out.flush()
+        text.append(delta)
+    out.write("\n")
+    return "".join(text)
+
+
+def run_chat(args, stdin=None, out=None) -> int:
+    from omnijax.chat import format_kept
+    stdin, out = stdin or sys.stdin, out or sys.stdout
+    chat = open_chat(args)
+    interactive = stdin.isatty()
+    if interactive:
+        out.write("omnijax chat: one message per line; /image PATH, /audio PATH.wav, /video PATH, /kept, /quit\n")
+    while True:
+        if interactive:
+            out.write("you> ")
+            out.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        command, _, rest = line.partition(" ")
+        try:
+            if command == "/quit":
+                break
+            elif command == "/kept":
+                out.write(format_kept(chat.kept()) + "\n")
+            elif command == "/image":
+                chat.image(rest.strip())
+            elif command == "/audio":
+                chat.audio(*read_wav(rest.strip()))
+            elif command == "/video":
+                units = chat.video(rest.strip())
+                out.write(f"[fed {units} audiovisual units]\n")
+            elif command.startswith("/"):
+                out.write(f"unknown command {command}; known: /image /audio /video /kept /quit\n")
+            else:
+                if interactive:
+                    out.write("model> ")
+                _answer(chat, line, args.max_tokens, out)
+        except (ValueError, ImportError) as e:  # bad input: the conversation is unchanged, keep going
+            out.write(f"error: {e}\n")
+    return 0
+
+
+def run_watch(args, out=None) -> int:
+    from tqdm import tqdm
+
+    from omnijax.chat import format_kept
+    out = out or sys.stdout
+    if args.at and len(args.at) != len(args.ask):
+        raise SystemExit(f"omnijax watch: give one --at per --ask ({len(args.ask)} questions, {len(args.at)} times)")
+    chat = open_chat(args)
+    units = chat.units_builder
+    source = units.open_video(args.video)  # checked up front
+    end = source.num_units * units.unit_seconds
+    times = args.at or [end] * len(args.ask)
+    bar = tqdm(total=source.num_units, unit="unit", desc="video", file=sys.stderr)
+    fed_until, iterator = 0, iter(source.units())
+    for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):
+        target = min(source.num_units, int(-(-at // units.unit_seconds)))
+        while fed_until < target:
+            frames, pcm = next(iterator)
+            chat.av(frames, pcm)
+            fed_until += 1
+            bar.update(1)
+        bar.clear()
+        out.write(f"[{fed_until * units.unit_seconds:g} s] Q: {question}\nA: ")
+        _answer(chat, question, args.max_tokens, out)
+        bar.refresh()
+    bar.close()
+    steps = chat.steps
+    last = steps[-1]
+    out.write(f"\nKV: {last.retained} cells retained, physical span {last.physical_span}, {last.active_pages} active "
+              f"pages of {args.pages}; peak span {max(s.physical_span for s in steps)}; "
+              f"median step {sorted(s.latency_ms for s in steps)[len(steps) // 2]:.1f} ms over {len(steps)} steps\n")
+    out.write(format_kept(chat.kept()) + "\n")
+    if args.plot:
+        from omnijax import plot
+        out.write(f"wrote {plot.session(chat, args.plot)}\n")
+    return 0
+
+
+def read_wav(path: str):
+    """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (channels averaged)."""
+    import wave
+
+    import numpy as np
+    try:
+        with wave.open(path, "rb") as f:
+            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
+            data = f.readframes(f.getnframes())
+    except (OSError, EOFError, wave.Error) as e:
+        raise ValueError(f"{path}: not a readable PCM WAV file ({e})") from e
+    if width not in (1, 2, 4):
+        raise ValueError(f"{path}: {8 * width}-bit samples are not supported (8, 16 or 32-bit PCM)")
+    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
+    pcm = np.frombuffer(data, dtype).astype(np.float32)
+    pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
+    return pcm.reshape(-1, channels).mean(axis=1), rate
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "convert":
+        from convert.__main__ import main as convert_main
+        return convert_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from omnijax.serve.server import main as serve_main
+        return serve_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return run_chat(args) if args.command == "chat" else run_watch(args)
+    except (ValueError, KeyError, TypeError, ImportError, OSError) as e:  # bad settings or input, named
+        print(f"omnijax {args.command}: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
