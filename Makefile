@@ -17,6 +17,7 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
+	$(PY) -m pip install --quiet -e ".[video,plot]"
 	$(PY) -m omnijax.demo
 
 test: $(VENV)/.test

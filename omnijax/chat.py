@@ -223,11 +223,12 @@ class Chat:
         self._media("audio", f"audio {pcm.shape[0] / 16_000:.1f} s",
                     lambda unit: self.units_builder.audio(pcm, 16_000, unit))
 
-    def av(self, frames, pcm) -> None:
+    def av(self, frames, pcm, *, label: str | None = None) -> None:
         """Feeds one audiovisual unit: `frames [n, H, W, 3]` sampled at the family's fps and the 16 kHz mono PCM of
-        the same stretch of time (Qwen2.5-Omni: 2 s at 2 fps; MiniCPM-o: 1 s with one frame)."""
+        the same stretch of time (Qwen2.5-Omni: 2 s at 2 fps; MiniCPM-o: 1 s with one frame); `label` names it in
+        `kept()`."""
         self._idle()
-        self._media("av", f"av {np.shape(pcm)[0] / 16_000:.1f} s",
+        self._media("av", label or f"av {np.shape(pcm)[0] / 16_000:.1f} s",
                     lambda unit: self.units_builder.av(frames, pcm, unit, **self.video_kwargs))
 
     def video(self, path, *, start: float = 0.0, end: float | None = None, progress=None) -> int:
@@ -251,8 +252,7 @@ class Chat:
             if index >= total:
                 break
             at = index * units.unit_seconds
-            self._media("av", f"{Path(path).name} {_clock(at)}-{_clock(at + units.unit_seconds)}",
-                        lambda unit: units.av(frames, pcm, unit, **self.video_kwargs))
+            self.av(frames, pcm, label=f"{Path(path).name} {clock(at)}-{clock(at + units.unit_seconds)}")
             fed += 1
             if progress is not None:
                 progress(fed, total - first)
@@ -375,11 +375,24 @@ def text_label(text: str, width: int = 32) -> str:
 def format_kept(rows: list[KeptRow]) -> str:
     """`Chat.kept()` rows as an aligned table."""
     header = ("unit", "kind", "label", "span", "fed", "kept")
-    table = [header] + [(str(r.unit), r.kind, r.label, r.span, str(r.fed), str(r.kept)) for r in rows]
+    table = [header] + [("" if r.unit < 0 else str(r.unit), r.kind, r.label, r.span, str(r.fed), str(r.kept))
+                        for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i in (0, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in table]
     return "\n".join(lines)
+
+
+def kept_by_kind(rows: list[KeptRow]) -> list[KeptRow]:
+    """`Chat.kept()` rows summed per unit kind and span kind (label: how many units), in order of appearance."""
+    totals: dict[tuple[str, str], list] = {}
+    for r in rows:
+        entry = totals.setdefault((r.kind, r.span), [set(), 0, 0])
+        entry[0].add(r.unit)
+        entry[1] += r.fed
+        entry[2] += r.kept
+    return [KeptRow(-1, kind, f"{len(units)} unit{'s' if len(units) > 1 else ''}", span, fed, kept)
+            for (kind, span), (units, fed, kept) in totals.items()]
 
 
 def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
@@ -412,9 +425,10 @@ def _read_image(path) -> np.ndarray:
         raise ValueError(f"{path}: not a readable image ({e})") from e
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """`M:SS` of a time in seconds."""
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 __all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "StepRecord", "UnitRecord",
-           "format_kept", "resample", "text_label"]
+           "format_kept", "kept_by_kind", "resample", "text_label"]

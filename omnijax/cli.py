@@ -144,7 +144,7 @@ def run_chat(args, stdin=None, out=None) -> int:
 def run_watch(args, out=None) -> int:
     from tqdm import tqdm
 
-    from omnijax.chat import format_kept
+    from omnijax.chat import clock, format_kept, kept_by_kind
     out = out or sys.stdout
     if args.at and len(args.at) != len(args.ask):
         raise SystemExit(f"omnijax watch: give one --at per --ask ({len(args.ask)} questions, {len(args.at)} times)")
@@ -159,7 +159,8 @@ def run_watch(args, out=None) -> int:
         target = min(source.num_units, int(-(-at // units.unit_seconds)))
         while fed_until < target:
             frames, pcm = next(iterator)
-            chat.av(frames, pcm)
+            at = fed_until * units.unit_seconds
+            chat.av(frames, pcm, label=f"{clock(at)}-{clock(at + units.unit_seconds)}")
             fed_until += 1
             bar.update(1)
         bar.clear()
@@ -172,7 +173,7 @@ def run_watch(args, out=None) -> int:
     out.write(f"\nKV: {last.retained} cells retained, physical span {last.physical_span}, {last.active_pages} active "
               f"pages of {args.pages}; peak span {max(s.physical_span for s in steps)}; "
               f"median step {sorted(s.latency_ms for s in steps)[len(steps) // 2]:.1f} ms over {len(steps)} steps\n")
-    out.write(format_kept(chat.kept()) + "\n")
+    out.write(format_kept(kept_by_kind(chat.kept())) + "\n")
     if args.plot:
         from omnijax import plot
         out.write(f"wrote {plot.session(chat, args.plot)}\n")

@@ -10,6 +10,9 @@ temperature, top-k, top-p, min-p; then draws from the softmax of the warped scor
 The keys live in the stream state (`StreamState.key`, seeded from `Sampling.seed`), so sampling runs inside the
 jitted step and a session reproduces from its seed (the engine's n-th opened session from the seed folded with n).
 In a streamed answer the repetition penalty sees the answer's own tokens.
+
+Any frozen dataclass with such `warp` and `select` (and optionally `stop`) is a strategy too: MiniCPM-o's release
+duplex rule is one (`omnijax.models.minicpmo.duplex.DuplexDecodeRule`).
 """
 
 from __future__ import annotations

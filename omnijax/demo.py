@@ -1,10 +1,14 @@
-"""`make demo`: build a tiny random Qwen2.5-Omni checkpoint in Hugging Face format (no download), convert it with
-the `omnijax-convert` CLI, load it and stream a synthetic audiovisual session: a system prompt, 2 s units of video
-frames and audio (moving shapes and a tone) through the vision and audio encoders, then a user question answered
-with 8 greedy tokens. Prints per-chunk latency and KV statistics, then runs the whole session again as one
-`lax.scan` and compares the logits with the step-wise session.
+"""`make demo`: what a bounded cache buys on a long audiovisual stream, on a tiny model built here (no download).
 
-Run: `python -m omnijax.demo [--out DIR] [--chunks N] [--page-size P]`.
+Builds a tiny random Qwen2.5-Omni checkpoint in Hugging Face format with a tiny tokenizer, converts it with
+`omnijax convert`, loads it, and streams one synthetic session (a system message, `--units` 2 s units of moving
+shapes and a tone through the vision and audio encoders, then a question) through `omnijax.Chat` three times: full
+context (NoSlide), OmniPick with small watermarks, and OmniPick with tile_skip paging. Prints a table (cells
+retained, peak span, active pages, per-unit latency, the answer as text) and what the bounded cache keeps per unit,
+writes `session.png` (the three runs over the session) and `clip.mp4` (the session's frames and audio, for
+`omnijax watch`), and prints the commands to try next on the tiny checkpoint.
+
+Run: `python -m omnijax.demo [--out DIR] [--units N] [--page-size P] [--high H] [--low L]`.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ HF_TOKEN_KEYS = {"audio_token_id": "audio_token_index", "image_token_id": "image
 
 
 def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dict | None = None,
-                             encoders: bool = True, token_ids: dict | None = None) -> Path:
+                             encoders: bool = True, token_ids: dict | None = None,
+                             silent_ids: tuple[int, int] | None = None) -> Path:
     """Writes `config.json` + `model.safetensors` of a random tiny Qwen2.5-Omni in the release's tensor layout.
 
     Names carry the `thinker.` prefix of the full model; a few `talker.` and `token2wav.` tensors stand in for the
@@ -70,6 +75,9 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     hidden size, and their random `thinker.audio_tower.*` / `thinker.visual.*` tensors are generated from the
     conversion tables (plus the unused `audio_tower.audio_bos_eos_token.weight` a release ships). The LM head is
     written unless the text config ties it to the embedding.
+
+    `silent_ids=(start, stop)` zeroes those rows of the embedding: with a tied head their logits are 0, so a random
+    model answers mostly with the ids a tiny tokenizer uses (the demo's readable gibberish).
 
     `token_ids` (OmniConfig field name -> id) replaces the release's special ids: the placeholders and modality
     markers go into the thinker config under their Hugging Face names (`HF_TOKEN_KEYS`), and every special token,
@@ -92,7 +100,10 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
 
     tied = bool(cfg.get("tie_word_embeddings", False))
     # A tied head reads the embedding back: a smaller scale keeps each token from dominating its own logits.
-    tensors = {"thinker.model.embed_tokens.weight": w(V, D, scale=0.1 if tied else 0.5),
+    embed = w(V, D, scale=0.1 if tied else 0.5)
+    if silent_ids is not None:  # ids a tiny tokenizer never produces: zero rows, so a tied head rarely picks them
+        embed[silent_ids[0]:silent_ids[1]] = 0
+    tensors = {"thinker.model.embed_tokens.weight": embed,
                "thinker.model.norm.weight": 1 + w(D)}
     if not tied:
         tensors["thinker.lm_head.weight"] = w(V, D, scale=0.2)
@@ -146,111 +157,138 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     return directory
 
 
-def _synthetic_session(model, num_units: int, seed: int):
-    """System prompt, `num_units` audiovisual 2 s units, then a user question asking for 8 tokens.
+def write_tiny_tokenizer(directory: Path, vocab_size: int) -> Path:
+    """A tiny byte-level BPE tokenizer for the tiny checkpoint: ChatML template, Qwen2.5-Omni's special tokens at the
+    release's ids (`<|endoftext|>` 151643 and every `OmniConfig` token), ordinary tokens below them."""
+    from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
+    from omnijax.models.tokenizer import CHATML_TEMPLATE
+    from omnijax.models.tokenizer import write_tiny_tokenizer as write
 
-    Returns `[(label, build)]`: `build()` runs the frontend (preprocessing and encoders) and returns the chunk.
-    """
-    from omnijax.adapters.qwen2_5_omni import RELEASE
+    release = OmniConfig()
+    specials = {"<|endoftext|>": 151643, **{text: getattr(release, field) for field, text in TOKEN_TEXT.items()}}
+    return write(directory, vocab_size=vocab_size, special_tokens=specials, chat_template=CHATML_TEMPLATE)
+
+
+def synthetic_units(num_units: int, seed: int = 1):
+    """`num_units` audiovisual 2 s units of moving shapes (56x84 px at 2 fps) and a tone: `[(frames, pcm)]`."""
     from omnijax.models.qwen2_5_omni import frontend
-
-    ids = model.omni or RELEASE  # the checkpoint's chat markers
-    IM_START, IM_END = ids.im_start_token_id, ids.im_end_token_id
-    rng = np.random.default_rng(seed)
-    words = lambda n: rng.integers(0, 1000, n).tolist()  # noqa: E731  (ordinary text ids)
-    system_ids = [IM_START, *words(20), IM_END]
-    question_ids = [IM_START, *words(12), IM_END, IM_START, *words(2)]
-    session = [("system", lambda: frontend.system(model, system_ids, unit=0))]
+    units = []
     for k in range(num_units):
-        def build(k=k):
-            start = k * UNIT_SECONDS
-            frames = frontend.synthetic_frames(UNIT_SECONDS, FPS, FRAME_HEIGHT, FRAME_WIDTH, seed=seed, start=start)
-            pcm = frontend.tone(UNIT_SECONDS, 220.0 * (1 + k % 4), seed=seed + k, start=start)
-            return frontend.audiovisual_chunk(model, frames, pcm, unit=1 + k, fps=FPS,
-                                              min_pixels=DEMO_VIDEO_MIN_PIXELS)
-        session.append((f"av {k}", build))
-    session.append(("question", lambda: frontend.text(model, question_ids, unit=1 + num_units, answer_tokens=8)))
-    return session
+        start = k * UNIT_SECONDS
+        frames = frontend.synthetic_frames(UNIT_SECONDS, FPS, FRAME_HEIGHT, FRAME_WIDTH, seed=seed, start=start)
+        pcm = frontend.tone(UNIT_SECONDS, 220.0 * (1 + k % 4), seed=seed + k, start=start)
+        units.append((frames, pcm))
+    return units
+
+
+SYSTEM = "You are watching a live stream. Answer briefly."
+QUESTION = "What colour was the first shape you saw?"
+
+
+def _configs(total_tokens: int, page_size: int, high: int, low: int):
+    import omnijax
+    from omnijax.retention import OmniPick
+    pick = OmniPick(high_watermark=high, low_watermark=low, recent_units=2)
+    bounded = -(-2 * high // page_size) + 8  # room for the trim's high watermark, the answer and class pages
+    return {"NoSlide": omnijax.StreamConfig(num_pages=-(-total_tokens // page_size) + 8, page_size=page_size),
+            "OmniPick": omnijax.StreamConfig(policy=pick, num_pages=bounded, page_size=page_size),
+            "OmniPick+tile_skip": omnijax.StreamConfig(policy=pick, paging="tile_skip", num_pages=bounded,
+                                                       page_size=page_size)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="demo_out", help="working directory (replaced)")
-    parser.add_argument("--chunks", type=int, default=12,
-                        help="chunks in the session: a system prompt, N-2 audiovisual 2 s units, a question (N >= 3)")
+    parser.add_argument("--units", type=int, default=48, help="audiovisual 2 s units in the session (default 48)")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--high", type=int, default=800, help="OmniPick's high watermark (cells)")
+    parser.add_argument("--low", type=int, default=560, help="OmniPick's low watermark (cells)")
     args = parser.parse_args(argv)
-    if args.chunks < 3:
-        parser.error("--chunks must be at least 3 (system prompt, one audiovisual unit, question)")
+    if args.units < 1:
+        parser.error("--units must be at least 1")
 
-    import jax
+    from tqdm import tqdm
+
     import omnijax
-    from omnijax.chunks import pad_chunk, stack_chunks
-    from omnijax.streaming import pages_needed
+    from omnijax import plot
+    from omnijax.chat import format_kept
+    from omnijax.chat_units import units_for
 
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    hf_dir = write_tiny_hf_checkpoint(out / "hf", text_config=TINY_OMNI_TEXT_CONFIG)
-    print(f"wrote a tiny random Qwen2.5-Omni checkpoint (Hugging Face layout) to {hf_dir}")
-    script = Path(sys.executable).parent / "omnijax-convert"  # the console script installed beside this Python
-    cmd = [str(script), str(hf_dir), str(out / "omnijax"), "--dtype", "float32"]
-    print("$ omnijax-convert", " ".join(cmd[1:]), flush=True)
+    hf_dir = out / "hf"
+    write_tiny_tokenizer(hf_dir, TINY_OMNI_TEXT_CONFIG["vocab_size"])
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    trained = sum(1 for token in vocab if not token.startswith("<|unused_"))
+    write_tiny_hf_checkpoint(hf_dir, text_config=TINY_OMNI_TEXT_CONFIG, silent_ids=(trained, 151_643))
+    print(f"wrote a tiny random Qwen2.5-Omni checkpoint (Hugging Face layout) and a tiny tokenizer to {hf_dir}")
+    script = Path(sys.executable).parent / "omnijax"  # the console script installed beside this Python
+    cmd = [str(script), "convert", str(hf_dir), str(out / "omnijax"), "--no-progress"]
+    print("$ omnijax convert", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True)
     model = omnijax.load(out / "omnijax")
-    print(f"loaded: {model.config.num_layers} layers, hidden {model.config.hidden_size}, "
-          f"vocab {model.config.vocab_size}, mrope {model.config.mrope_section}; "
-          f"audio encoder: {'yes' if model.audio is not None else 'no'}, "
-          f"vision encoder: {'yes' if model.vision is not None else 'no'}")
-    units = args.chunks - 2
-    print(f"session: system prompt, {units} audiovisual units ({UNIT_SECONDS:g} s of {FRAME_HEIGHT}x{FRAME_WIDTH} "
-          f"frames at {FPS:g} fps + a 16 kHz tone each), a question answered with 8 tokens")
+    print(f"loaded: {model.config.num_layers} layers, hidden {model.config.hidden_size}, vocab "
+          f"{model.config.vocab_size}; audio and vision encoders: "
+          f"{'yes' if model.audio is not None and model.vision is not None else 'no'}; tokenizer: "
+          f"{'yes' if model.tokenizer is not None else 'no'}")
 
-    header = f"{'chunk':>5} {'kind':>8} {'tokens':>6} {'enc ms':>7} {'ms':>8} {'retained':>8} {'span':>6} " \
-             f"{'pages':>5} {'subblk':>6} {'free':>5}  answer"
-    chunks, encode_ms = [], []
-    for _, build in _synthetic_session(model, units, seed=1):
-        start = time.perf_counter()
-        chunks.append(build())
-        encode_ms.append(1e3 * (time.perf_counter() - start))
-    length = max(c.length for c in chunks)  # one padded length: one compiled step for every chunk
-    chunks = [pad_chunk(c, length) for c in chunks]
-    stacked = stack_chunks(chunks)
-    num_pages = pages_needed(stacked, 8, args.page_size) + 4
-    labels = [label for label, _ in _synthetic_session(model, units, seed=1)]
+    units = synthetic_units(args.units)
+    clip = _write_clip(out / "clip.mp4", units)
+    video_kwargs = {"min_pixels": DEMO_VIDEO_MIN_PIXELS}
+    probe = units_for(model).av(*units[0], 0, **video_kwargs)
+    total = args.units * probe.length + 256
+    print(f"session: a system message, {args.units} audiovisual units ({args.units * UNIT_SECONDS:g} s: "
+          f"{FRAME_HEIGHT}x{FRAME_WIDTH} frames at {FPS:g} fps + a 16 kHz tone; {probe.length} tokens each, "
+          f"{args.units * probe.length} in all), then a question answered as text")
 
-    config = omnijax.StreamConfig(max_answer_tokens=8, num_pages=num_pages, page_size=args.page_size)
-    session = omnijax.Session(model, config)
-    print(header)
-    session_logits = []
-    for i, chunk in enumerate(chunks):
-        start = time.perf_counter()
-        res = session.feed(chunk)
-        jax.block_until_ready(res.logits)
-        ms = 1e3 * (time.perf_counter() - start)
-        s = res.stats.layout
-        answer = [t for t in np.asarray(res.tokens[0]).tolist() if t >= 0]
-        session_logits.append(np.asarray(res.logits[0]))
-        print(f"{i:>5} {labels[i]:>8} {int(np.asarray(chunk.valid).sum()):>6} {encode_ms[i]:>7.1f} {ms:>8.2f} "
-              f"{int(s.retained_cells[0]):>8} {int(s.physical_span[0]):>6} {int(s.active_pages[0]):>5} "
-              f"{int(s.active_subblocks[0]):>6} {int(s.free_pages):>5}  {answer if answer else ''}")
-    print("(enc ms: preprocessing and encoders; the first audiovisual unit and chunk 0's ms include compilation)")
+    rows, traces, chats = [], {}, {}
+    for name, config in _configs(total, args.page_size, args.high, args.low).items():
+        chat = omnijax.Chat(model, config, video_kwargs=video_kwargs)
+        chat.system(SYSTEM)
+        started = time.perf_counter()
+        for frames, pcm in tqdm(units, desc=f"{name:>18}", unit="unit", leave=False, disable=None):
+            chat.av(frames, pcm)
+        answer = "".join(chat.ask(QUESTION, max_tokens=12))
+        seconds = time.perf_counter() - started
+        av_ms = sorted(s.latency_ms for s in chat.steps if s.label == "av")
+        rows.append((name, chat.steps[-1].retained, max(s.physical_span for s in chat.steps),
+                     chat.steps[-1].active_pages, config.num_pages, av_ms[len(av_ms) // 2], seconds, answer))
+        traces[name], chats[name] = chat.trace(), chat
 
-    start = time.perf_counter()
-    result = omnijax.stream(model, stacked, config)
-    jax.block_until_ready(result.logits)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    result = omnijax.stream(model, stacked, config)
-    jax.block_until_ready(result.logits)
-    again = time.perf_counter() - start
-    diff = float(np.max(np.abs(np.asarray(result.logits[:, 0]) - np.stack(session_logits))))
-    print(f"whole session as one lax.scan: {1e3 * first:.1f} ms with compilation, {1e3 * again:.1f} ms after; "
-          f"max |logit difference| vs step-wise Session: {diff:.2e}")
-    if not np.isfinite(diff) or diff > 1e-4:
-        print("error: stream and Session disagree", file=sys.stderr)
-        return 1
+    header = f"{'policy':>18} {'retained':>8} {'peak span':>9} {'pages':>5} {'pool':>5} {'ms/unit':>7} {'total s':>7}"
+    print(header + "  answer (random weights: any text)")
+    for name, retained, span, pages, pool, ms, seconds, answer in rows:
+        print(f"{name:>18} {retained:>8} {span:>9} {pages:>5} {pool:>5} {ms:>7.1f} {seconds:>7.1f}  {answer!r}")
+    print("(retained: cells held at the end; peak span: the largest extent attention traversed; pages: active pages "
+          "at the end; ms/unit: median per audiovisual unit, encoders included)")
+    kept = chats["OmniPick+tile_skip"].kept()
+    lines = format_kept(kept).splitlines()
+    if len(lines) > 15:  # the header, the first units and the last ones
+        lines = lines[:7] + ["   ..."] + lines[-8:]
+    print("\nwhat OmniPick+tile_skip keeps (Chat.kept()):\n" + "\n".join(lines))
+    try:
+        figure = plot.compare(traces, out / "session.png", title=f"{args.units} audiovisual units")
+        print(f"\nwrote {figure}")
+    except ImportError as e:
+        print(f"\n(no plot: {e})")
+    print(f"\nnext: {script} chat {out / 'omnijax'}")
+    if clip is not None:
+        print(f"      {script} watch {out / 'omnijax'} {clip} --ask \"What happened?\" --at 0:10 "
+              f"--policy omnipick --paging tile_skip --plot {out / 'watch.png'}")
     return 0
+
+
+def _write_clip(path: Path, units) -> Path | None:
+    """The session's frames and audio as an mp4 (for `omnijax watch`), when PyAV is installed."""
+    from omnijax import video
+    frames = np.concatenate([f for f, _ in units])
+    pcm = np.concatenate([p for _, p in units])
+    try:
+        return video.write_clip(path, frames, int(FPS), pcm)
+    except ImportError:
+        print("(PyAV is not installed, so no clip.mp4 for `omnijax watch`: pip install 'omnijax[video]')")
+        return None
 
 
 if __name__ == "__main__":

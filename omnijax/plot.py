@@ -171,6 +171,19 @@ def _save(figure, path) -> Path:
     return path
 
 
+def _clip_latency(ax, latencies) -> None:
+    """Keeps the latency panel on the steady state: a few steps that compiled a program (seconds, not ms) would
+    flatten the rest, so the axis stops at 4x the median when they exceed it, saying so."""
+    values = np.concatenate([np.asarray(v, np.float64)[np.isfinite(v)] for v in latencies])
+    if values.size == 0:
+        return
+    top = 4 * float(np.median(values))
+    if values.max() > top > 0:
+        ax.set_ylim(0, top)
+        ax.text(0.99, 0.95, f"{int((values > top).sum())} step(s) above {top:.0f} ms (compilation) not shown",
+                transform=ax.transAxes, ha="right", va="top", fontsize="small", color="0.4")
+
+
 def _no_latency(ax) -> None:
     ax.text(0.5, 0.5, "latency not measured", transform=ax.transAxes, ha="center", va="center", color="0.4")
 
@@ -190,6 +203,7 @@ def session(source, path, *, title: str | None = None) -> Path:
     latency = trace.latency_ms
     if np.isfinite(latency).any():
         axes[2].plot(steps, latency, color="0.6", linewidth=0.8)
+        _clip_latency(axes[2], [latency])
     else:
         _no_latency(axes[2])
     kinds = list(dict.fromkeys(trace.labels))  # in order of appearance
@@ -223,6 +237,7 @@ def compare(traces: Mapping[str, object], path, *, title: str | None = None) -> 
             measured = True
     if measured:
         axes[2].legend(loc="upper left", fontsize="small")
+        _clip_latency(axes[2], [trace.latency_ms for trace in runs.values()])
     else:
         _no_latency(axes[2])
     axes[0].legend(loc="upper left", fontsize="small", ncols=2)

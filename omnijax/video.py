@@ -59,7 +59,8 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["SAMPLE_RATE", "TAILS", "VideoError", "VideoFile", "frames_per_unit", "open_video", "unit_frame_indices"]
+__all__ = ["SAMPLE_RATE", "TAILS", "VideoError", "VideoFile", "frames_per_unit", "open_video", "unit_frame_indices",
+           "write_clip"]
 
 SAMPLE_RATE = 16_000  # the audio encoders' rate
 TAILS = ("pad", "drop")
@@ -321,3 +322,43 @@ def open_video(path: str | Path, *, unit_seconds: float = 2.0, fps: float = 2.0,
                      temporal_patch_size=temporal_patch_size, tail=tail, frame_size=frame_size, duration_s=duration,
                      num_units=count, frames_per_unit=per_unit, samples_per_unit=int(round(samples)),
                      native_fps=rate, num_frames=num_frames, width=width, height=height, has_audio=has_audio)
+
+
+def write_clip(path: str | Path, frames: np.ndarray, fps: int, pcm: np.ndarray | None = None,
+               sample_rate: int = SAMPLE_RATE) -> Path:
+    """Writes frames (and mono PCM) as an mp4 (MPEG-4 video, AAC audio) with PyAV, e.g. a synthetic clip for the demo.
+
+    Args:
+        path: the file to write.
+        frames: `[n, H, W, 3]` uint8 frames shown at `fps` (H and W even).
+        fps: frames per second (an int).
+        pcm: optional `[samples]` float mono audio in [-1, 1] at `sample_rate`.
+    """
+    av = _import_av()
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[1] % 2 or \
+            frames.shape[2] % 2:
+        raise ValueError(f"frames must be [n, H, W, 3] uint8 with even H and W, got {frames.shape} {frames.dtype}")
+    path = Path(path)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=int(fps))
+        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        sound = None
+        if pcm is not None:
+            sound = container.add_stream("aac", rate=int(sample_rate))
+            sound.layout = "mono"
+        for frame in frames:
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        if sound is not None:
+            wave = np.asarray(pcm, np.float32).reshape(1, -1)
+            for start in range(0, wave.shape[1], 1024):
+                piece = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + 1024]), format="fltp",
+                                                   layout="mono")
+                piece.sample_rate = int(sample_rate)
+                for packet in sound.encode(piece):
+                    container.mux(packet)
+        for stream in container.streams:
+            for packet in stream.encode(None):
+                container.mux(packet)
+    return path

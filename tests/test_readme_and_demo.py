@@ -1,26 +1,104 @@
-"""The README quick start runs as written (paths swapped for a tiny checkpoint) and the demo completes."""
+"""The README's quick start runs as written (real-weight paths swapped for tiny checkpoints; the commands on the
+demo's tiny checkpoint exactly as written) and `make demo` completes."""
 
+import contextlib
+import io
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from omnijax import demo
 
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent
 
 
-def test_demo_runs(tmp_path, capsys):
-    assert demo.main(["--out", str(tmp_path / "demo"), "--chunks", "4"]) == 0
-    printed = capsys.readouterr().out
-    assert "retained" in printed and "max |logit difference|" in printed
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """A working directory holding what `make demo` leaves (`demo_out/`, a short session with small watermarks),
+    and what the demo printed."""
+    cwd = tmp_path_factory.mktemp("readme")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert demo.main(["--out", str(cwd / "demo_out"), "--units", "6", "--high", "240", "--low", "160"]) == 0
+    return cwd, printed.getvalue()
 
 
-def test_readme_quick_start(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    (command,) = re.findall(r"^\.venv/bin/omnijax-convert .*$", readme, flags=re.M)
-    python_blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert len(python_blocks) == 1
+@pytest.fixture(scope="module")
+def demo_dir(demo_run):
+    return demo_run[0]
+
+
+def test_demo_leaves_a_checkpoint_a_clip_and_a_plot(demo_dir):
+    out = demo_dir / "demo_out"
+    assert (out / "omnijax" / "tokenizer.json").is_file() and (out / "clip.mp4").is_file()
+    assert (out / "session.png").stat().st_size > 10_000
+
+
+def test_demo_prints_the_three_runs(demo_run):
+    printed = demo_run[1]
+    rows = {line.split()[0]: line.split() for line in printed.splitlines()
+            if line.split()[:1] in (["NoSlide"], ["OmniPick"], ["OmniPick+tile_skip"])}
+    assert set(rows) == {"NoSlide", "OmniPick", "OmniPick+tile_skip"}
+    retained = {name: int(row[1]) for name, row in rows.items()}
+    assert retained["OmniPick"] < retained["NoSlide"] and retained["OmniPick+tile_skip"] < retained["NoSlide"]
+    assert "Chat.kept()" in printed and "session.png" in printed
+
+
+def _commands(prefix):
+    return [line for line in re.findall(r"^(.*\.venv/bin/omnijax .*)$", README, flags=re.M) if prefix in line]
+
+
+def _run(line, cwd):
+    line = line.replace(".venv/bin/omnijax", shlex.quote(str(BIN / "omnijax")))
+    return subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def _shown(command):
+    """The output block the README shows after a command."""
+    after = README[README.index(command) + len(command):]
+    return re.match(r"\s*```\s*```\n(.*?)```", after, flags=re.S).group(1)
+
+
+def test_readme_chat_and_watch_commands(demo_dir):
+    (chat,) = _commands(" chat ")
+    (watch,) = _commands(" watch ")
+    for command in (chat, watch):
+        done = _run(command, demo_dir)
+        assert done.returncode == 0, done.stderr
+        shown = _shown(command)
+        # The same rows and figures' shape as shown: the table header, one row per (unit, span) line shown.
+        shown_rows = [line.split()[-4:] for line in shown.splitlines() if re.search(r"\s\d+\s+\d+$", line)]
+        got_rows = [line.split()[-4:] for line in done.stdout.splitlines() if re.search(r"\s\d+\s+\d+$", line)]
+        assert [r[0] for r in got_rows] == [r[0] for r in shown_rows]
+        assert [r[1] for r in got_rows] == [r[1] for r in shown_rows]  # span kinds in order
+        assert [r[2] for r in got_rows] == [r[2] for r in shown_rows]  # tokens fed
+    assert (demo_dir / "demo_out" / "watch.png").is_file()
+    (serve,) = _commands(" serve ")
+    help_run = _run(serve.split(" demo_out")[0] + " --help", demo_dir)
+    assert help_run.returncode == 0 and "--policy" in help_run.stdout
+
+
+def test_readme_python_chat(demo_dir, monkeypatch):
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(demo_dir)
+    namespace = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    chat = namespace["chat"]
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
+    assert sum(1 for u in chat.units if u.kind == "av") == 5
+    assert (demo_dir / "demo_out" / "chat.png").is_file()
+
+
+def test_readme_convert_and_token_level_quick_start(tmp_path):
+    (command,) = re.findall(r"^\.venv/bin/omnijax convert .*$", README, flags=re.M)
+    python_blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     # A tiny model whose vocabulary holds the real special-token ids the quick start uses.
     text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=1, layer_types=["full_attention"],
@@ -30,9 +108,8 @@ def test_readme_quick_start(tmp_path):
     args = command.split()[1:]
     args = [str(src) if a == "/path/to/Qwen2.5-Omni-7B" else str(dst) if a == "/path/to/omni7b-jax" else a
             for a in args]
-    script = Path(sys.executable).parent / "omnijax-convert"
-    subprocess.run([str(script), *args], check=True)
-    code = python_blocks[0].replace("/path/to/omni7b-jax", str(dst))
+    subprocess.run([str(BIN / "omnijax"), *args], check=True)
+    code = python_blocks[1].replace("/path/to/omni7b-jax", str(dst))
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     result, out = namespace["result"], namespace["out"]

@@ -8,20 +8,59 @@ Per decision, on the last-position logits `[V]` of what was fed so far:
        raises it (the release does this; it is not the usual sign-aware penalty);
     4. the `<|turn_eos|>` logit is divided by `turn_eos_penalty` when positive, multiplied when negative;
     5. argmax; a decoded `<|listen|>` while the turn is open becomes `<|tts_bos|>`.
-All in numpy on host: decisions are taken between jitted forward steps.
+
+`DuplexDecodeRule` is a decoding strategy of `omnijax.decoding` (`warp`/`select`, vectorised and jittable, so it can
+be `StreamConfig.decoding`); its `choose` is the numpy twin of one decision on host, kept as the reference.
+Both compute in float32 with correctly rounded division, so they decide alike bit for bit.
+`DuplexSession` decides with the jitted `select` between its jitted forward steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from omnijax.decoding import seen_tokens
+
+
+def _divide(x: jax.Array, divisor: float) -> jax.Array:
+    """`x / divisor`, correctly rounded like numpy's and torch's division.
+
+    XLA rewrites a division by a constant into a multiplication by its (rounded) reciprocal, which is off by one ulp
+    for about a fifth of float32 values and could flip a near tie; a divisor that depends on the data (it is
+    `divisor` everywhere, except 1 where `x` is NaN, where the quotient is NaN anyway) keeps the true division.
+    """
+    return x / jnp.where(jnp.isnan(x), jnp.float32(1), jnp.float32(divisor))
 
 
 @dataclasses.dataclass(frozen=True)
 class DuplexDecodeRule:
-    """The release's greedy duplex decision (token ids of the model's vocabulary)."""
+    """The release's greedy duplex decision (token ids of the model's vocabulary), as a decoding strategy.
+
+    Attributes:
+        chunk_eos: `<|chunk_eos|>`, taken whenever it is the raw argmax, never otherwise.
+        turn_eos: `<|turn_eos|>`, whose logit `turn_eos_penalty` damps.
+        listen: `<|listen|>` (a unit's answer ends with it; `choose(..., turn_open=True)` turns it into `tts_bos`).
+        tts_bos: `<|tts_bos|>`.
+        forbidden: ids never chosen (the TTS pad, the tokenizer's bad tokens).
+        repetition_penalty: divides the logit of every distinct id among the last `history_window` decoded tokens
+            (> 0; divides negative logits too, as the release does).
+        turn_eos_penalty: divides the `turn_eos` logit when positive, multiplies it when negative (> 0).
+        history_window: how many of the latest decoded tokens the repetition penalty looks at (>= 0).
+
+    As a strategy (`StreamConfig(decoding=rule)`): `warp` gives the scores the rule takes its argmax over and
+    `select` that argmax; `history [B, N]` is the decode history, oldest first, with -1 (any negative id) as padding
+    anywhere in a row, and the window is its last `history_window` valid entries. In a streamed answer the history
+    is the answer's own tokens (`DuplexSession` passes the whole session's). `select` is `choose` with
+    `turn_open=False`: the listen -> tts_bos substitution depends on the turn's state, which only the caller knows
+    (`DuplexSession` never passes it). `stop` is `(chunk_eos, listen)`, the ids that end a unit's answer in
+    `DuplexSession` (which also ends one at `<|chunk_tts_eos|>`, no field of the rule).
+    """
 
     chunk_eos: int
     turn_eos: int
@@ -32,19 +71,76 @@ class DuplexDecodeRule:
     turn_eos_penalty: float = 1.1
     history_window: int = 512
 
+    def __post_init__(self):
+        def token_id(name, value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"DuplexDecodeRule: {name} must be a token id (int >= 0), got {value!r}")
+            return int(value)
+
+        for name in ("chunk_eos", "turn_eos", "listen", "tts_bos"):
+            object.__setattr__(self, name, token_id(name, getattr(self, name)))
+        if isinstance(self.forbidden, (str, bytes)) or not hasattr(self.forbidden, "__iter__"):
+            raise ValueError(f"DuplexDecodeRule: forbidden must be a sequence of token ids, got {self.forbidden!r}")
+        # A tuple, so that the rule stays hashable (a static part of the compiled step).
+        object.__setattr__(self, "forbidden", tuple(token_id("forbidden", i) for i in self.forbidden))
+        for name in ("repetition_penalty", "turn_eos_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+                raise ValueError(f"DuplexDecodeRule: {name} must be > 0, got {value!r}")
+        window = self.history_window
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+            raise ValueError(f"DuplexDecodeRule: history_window must be an int >= 0, got {window!r}")
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        """The ids that end a unit's answer: `chunk_eos` and `listen` (read by `omnijax.decoding.stop_ids_of`)."""
+        return (self.chunk_eos, self.listen)
+
+    def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
+        """`logits [B, V]` -> float32 `[B, V]` scores, `-inf` where the rule masks; `history [B, N]` int, oldest
+        first, negative = padding (None: no history). A row whose raw argmax is `chunk_eos` keeps that logit alone."""
+        x = jnp.asarray(logits).astype(jnp.float32)
+        V = x.shape[-1]
+        ends = jnp.argmax(x, axis=-1) == self.chunk_eos  # [B]: step 1, before anything is masked
+        masked = np.zeros((V,), bool)
+        masked[[i for i in (*self.forbidden, self.chunk_eos) if i < V]] = True
+        z = jnp.where(masked, -jnp.inf, x)
+        if history is not None and self.history_window > 0 and self.repetition_penalty != 1.0:
+            history = jnp.asarray(history)
+            valid = history >= 0
+            later = jnp.flip(jnp.cumsum(jnp.flip(valid, -1), axis=-1, dtype=jnp.int32), -1)  # valid ones from here on
+            recent = jnp.where(valid & (later <= self.history_window), history, -1)
+            z = jnp.where(seen_tokens(recent, V), _divide(z, self.repetition_penalty), z)
+        if self.turn_eos < V:
+            t = z[:, self.turn_eos]
+            z = z.at[:, self.turn_eos].set(
+                jnp.where(t > 0, _divide(t, self.turn_eos_penalty), t * jnp.float32(self.turn_eos_penalty)))
+        only_eos = jnp.arange(V) == self.chunk_eos
+        return jnp.where(ends[:, None], jnp.where(only_eos, x, -jnp.inf), z)
+
+    def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+        """`[B]` int32 decisions for `logits [B, V]`: the argmax of `warp` (`key` is unused: the rule draws nothing)."""
+        del key
+        return jnp.argmax(self.warp(logits, history), axis=-1).astype(jnp.int32)
+
     def choose(self, logits: np.ndarray, history: Sequence[int], *, turn_open: bool = False) -> int:
-        """One decision from last-position logits `[V]` and the ids decoded so far (oldest first)."""
-        logits = np.asarray(logits, np.float64)
+        """One decision from last-position logits `[V]` and the ids decoded so far (oldest first; negative ids are
+        padding): the numpy reference of `select` for one row, plus the open-turn listen -> tts_bos substitution."""
+        logits = np.asarray(logits)
         if logits.ndim != 1:
             raise ValueError(f"logits must be [vocab], got shape {logits.shape}")
-        if int(np.argmax(logits)) == self.chunk_eos:
+        z = logits.astype(np.float32)  # a copy
+        V = z.shape[0]
+        if int(np.argmax(z)) == self.chunk_eos:
             return self.chunk_eos
-        z = logits.copy()
-        z[[i for i in self.forbidden if i < z.shape[0]] + [self.chunk_eos]] = -np.inf
-        recent = sorted({int(t) for t in list(history)[-self.history_window:] if 0 <= t < z.shape[0]})
-        z[recent] = z[recent] / self.repetition_penalty
+        z[[i for i in (*self.forbidden, self.chunk_eos) if i < V]] = -np.inf
+        valid = [int(t) for t in history if int(t) >= 0]
+        window = valid[max(0, len(valid) - self.history_window):]
+        recent = sorted({t for t in window if t < V})
+        z[recent] = z[recent] / np.float32(self.repetition_penalty)
         t = self.turn_eos
-        z[t] = z[t] / self.turn_eos_penalty if z[t] > 0 else z[t] * self.turn_eos_penalty
+        if t < V:
+            z[t] = z[t] / np.float32(self.turn_eos_penalty) if z[t] > 0 else z[t] * np.float32(self.turn_eos_penalty)
         token = int(np.argmax(z))
         return self.tts_bos if token == self.listen and turn_open else token
 
@@ -94,7 +190,8 @@ class DuplexSession:
 
     The LLM runs through `omnijax.Session` (the streaming scan's jitted step; every chunk is padded to one width so
     it compiles once); the audio runs through the streaming Whisper encoder with its own cache; decisions use the
-    release's `DuplexDecodeRule`. Positions are session indices (1D RoPE). `fed` records every (ids or embedding
+    release's `DuplexDecodeRule` through its jitted `select` (the history as one fixed `[1, history_window]` width,
+    so it compiles once too). Positions are session indices (1D RoPE). `fed` records every (ids or embedding
     rows) chunk in order, `decoded` every decoded id (the repetition-penalty history).
     """
 
@@ -113,6 +210,16 @@ class DuplexSession:
         self._mel = None
         self._audio_cache = None
         self._unit_id = 0
+        self._select = jax.jit(rule.select)
+
+    def decide(self, logits: np.ndarray) -> int:
+        """The rule's decision on last-position logits `[V]`, with `decoded` as the history (the jitted `select`;
+        the same as `rule.choose(logits, self.decoded)`)."""
+        W = self.rule.history_window
+        history = np.full((1, W), -1, np.int32)
+        recent = self.decoded[max(0, len(self.decoded) - W):]
+        history[0, W - len(recent):] = recent
+        return int(self._select(np.asarray(logits, np.float32)[None], history)[0])
 
     def feed(self, rows: list) -> np.ndarray:
         """Feeds a list of items (an int id, or a `[n, D]` embedding block) as one chunk; returns the last logits.
@@ -183,7 +290,7 @@ class DuplexSession:
             self.feed([t.listen])
         else:
             for i in range(self.max_speak_tokens - 1):
-                token = self.rule.choose(logits, self.decoded)
+                token = self.decide(logits)
                 logits = self.feed([token])
                 if token in (t.listen, t.chunk_eos, t.chunk_tts_eos):
                     result.listened = token == t.listen
