@@ -1,7 +1,8 @@
 """omnijax: streaming omni-modal LLMs in JAX with a bounded, paged KV cache.
 
 Public surface: `load`, `Model`, `StreamConfig`, `stream`, `Session`, `Chat`, `StreamResult`, `evaluate`,
-`EvalConfig`, chunk builders, retention policies (`omnijax.retention`), paging modes, decoding strategies (`omnijax.decoding`).
+`EvalConfig`, chunk builders, retention policies (`omnijax.retention`), paging modes, decoding strategies
+(`omnijax.decoding`).
 
 Importing omnijax turns on a persistent compilation cache (`omnijax.compilation_cache`; `OMNIJAX_COMPILATION_CACHE`
 names its directory, `OMNIJAX_COMPILATION_CACHE=off` turns it off).
@@ -26,6 +27,6 @@ from omnijax.units import SpanKind  # noqa: E402
 
 __all__ = [
     "Chat", "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "EvalConfig", "Greedy", "Model", "NoSlide",
-    "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES", "Session", "SpanKind", "StreamConfig", "StreamResult", "StreamState",
-    "evaluate", "get_policy", "init_state", "load", "split_text", "stack_chunks", "stream", "text_chunk",
+    "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES", "Session", "SpanKind", "StreamConfig", "StreamResult",
+    "StreamState", "evaluate", "get_policy", "init_state", "load", "split_text", "stack_chunks", "stream", "text_chunk",
 ]

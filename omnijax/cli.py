@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("video", metavar="VIDEO", help="a video file with an audio track (PyAV reads it)")
     watch.add_argument("--ask", action="append", required=True, help="a question (repeat for several)")
     watch.add_argument("--at", action="append", type=parse_clock, default=[],
-                       help="when to ask (seconds or M:SS), one per --ask in order; default the video's end")
+                       help="when to ask (seconds or M:SS): the n-th --at goes with the n-th --ask; questions "
+                            "without one are asked at the video's end")
     watch.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
     sub.add_parser("serve", help="serve a checkpoint (see omnijax serve --help)", add_help=False)
     return parser
@@ -146,13 +147,14 @@ def run_watch(args, out=None) -> int:
 
     from omnijax.chat import clock, format_kept, kept_by_kind
     out = out or sys.stdout
-    if args.at and len(args.at) != len(args.ask):
-        raise SystemExit(f"omnijax watch: give one --at per --ask ({len(args.ask)} questions, {len(args.at)} times)")
+    if len(args.at) > len(args.ask):
+        raise ValueError(f"{len(args.at)} --at times for {len(args.ask)} --ask questions: each --at goes with the "
+                         f"--ask of the same rank")
     chat = open_chat(args)
     units = chat.units_builder
     source = units.open_video(args.video)  # checked up front
     end = source.num_units * units.unit_seconds
-    times = args.at or [end] * len(args.ask)
+    times = list(args.at) + [end] * (len(args.ask) - len(args.at))
     bar = tqdm(total=source.num_units, unit="unit", desc="video", file=sys.stderr)
     fed_until, iterator = 0, iter(source.units())
     for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):

@@ -267,3 +267,52 @@ def test_chat_command_line(checkpoint, monkeypatch, capsys):
     assert "unit  kind" in out and "system" in out and "user" in out
     assert "unknown command /bogus" in out and "error: nowhere.png" in out
     assert cli.main(["chat", str(checkpoint), "--policy", "nonsense"]) == 1
+
+
+def _clip(tmp_path, units=3):
+    from omnijax import video
+    frames = np.concatenate([frontend.synthetic_frames(2.0, 2.0, 56, 84, seed=1, start=2.0 * k) for k in range(units)])
+    pcm = np.concatenate([frontend.tone(2.0, 330.0, seed=1 + k, start=2.0 * k) for k in range(units)])
+    return video.write_clip(tmp_path / "clip.mp4", frames, 2, pcm)
+
+
+def test_video_feeds_the_frontends_chunks_of_the_files_units(model, tmp_path):
+    pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
+    from omnijax import video
+    path = _clip(tmp_path)
+    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=32), video_kwargs=SMALL)
+    fed = _spy(chat)
+    progress = []
+    assert chat.video(path, start=2.0, progress=lambda done, total: progress.append((done, total))) == 2
+    assert progress == [(1, 2), (2, 2)]
+    units = list(video.open_video(path).units())[1:]  # the same frames and PCM, read independently
+    assert len(fed) == 2
+    for chunk, (frames, pcm), record in zip(fed, units, chat.units):
+        want = frontend.audiovisual_chunk(model, frames, pcm, record.unit, **SMALL)
+        n = want.length
+        np.testing.assert_array_equal(np.asarray(chunk.token_ids)[:, :n], want.token_ids)
+        np.testing.assert_array_equal(np.asarray(chunk.positions)[..., :n], want.positions)
+        np.testing.assert_allclose(np.asarray(chunk.embeds)[:, :n], want.embeds, atol=1e-6)
+        assert not np.asarray(chunk.valid)[:, n:].any()
+    assert [u.label for u in chat.units] == ["clip.mp4 0:02-0:04", "clip.mp4 0:04-0:06"]
+    before = _state(chat)
+    with pytest.raises(ValueError, match="nothing to feed"):
+        chat.video(path, start=30.0)
+    (tmp_path / "notes.mp4").write_text("not a video")
+    with pytest.raises(video.VideoError, match="notes.mp4"):
+        chat.video(tmp_path / "notes.mp4")
+    assert _same(_state(chat), before)
+
+
+def test_watch_command_line(checkpoint, tmp_path, capsys):
+    pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
+    from omnijax import cli
+    path = _clip(tmp_path)
+    code = cli.main(["watch", str(checkpoint), str(path), "--ask", "What?", "--at", "0:02", "--ask", "Then?",
+                     "--pages", "32", "--max-tokens", "3", "--plot", str(tmp_path / "watch.png")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "[2 s] Q: What?" in out and "[6 s] Q: Then?" in out and "KV:" in out
+    assert (tmp_path / "watch.png").stat().st_size > 10_000
+    assert cli.main(["watch", str(checkpoint), str(path), "--ask", "a", "--at", "0:01", "--at", "0:02"]) == 1
+    assert "each --at goes with the --ask of the same rank" in capsys.readouterr().err

@@ -9,10 +9,11 @@ Protocol (one WebSocket per session, path `/session`; every JSON message is an o
    (no slot) refuses the session.
 3. client -> binary messages, each exactly one frame: n = 16000 * F / 1000 int16 little-endian mono samples (2n bytes).
    The k-th binary message has `seq` k (from 0). Text `{"type": "bye"}` ends the session (close code 1000).
-4. server -> per served frame `{"type": "frame", "seq": k, "tokens": [...], "text": "..." (only with a tokenizer),
-   "latency_ms": tick start -> reply, "queue_ms": arrival -> tick start, "empty": no token although some were asked,
-   "tick_ms": the engine step alone, "dropped": tokens the exhausted pool could not hold, "preempted": bool,
-   "occupancy": pool pages in use / pool pages, "skipped": frames superseded since the previous reply}`.
+4. server -> per served frame `{"type": "frame", "seq": k, "tokens": [...], "text": "..." (only with a tokenizer:
+   whole UTF-8 characters, a split one comes with a later frame), "latency_ms": tick start -> reply, "queue_ms":
+   arrival -> tick start, "empty": no token although some were asked, "tick_ms": the engine step alone, "dropped":
+   tokens the exhausted pool could not hold, "preempted": bool, "occupancy": pool pages in use / pool pages,
+   "skipped": frames superseded since the previous reply}`.
    After a `bye`, frames already sent are still served before the close.
 
 Ticks: one asyncio task fires every B seconds (the metronome); it takes each session's latest complete frame (older
@@ -61,7 +62,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # The protocol and frame-encoding names stay importable from here (`omnijax.serve.server.parse_hello`, ...).
 __all__ = ["AudioFrameEncoder", "CLOSE_ERROR", "CLOSE_OVERLOADED", "CLOSE_SHUTDOWN", "MetronomeServer", "PATH",
            "ProtocolError", "SAMPLE_RATE", "ServeConfig", "build_demo_model", "decode_frame", "frame_samples",
-           "frame_tokens", "load_tokenizer", "main", "parse_hello", "parse_json", "serve_until_signalled", "warm_up"]
+           "frame_tokens", "main", "parse_hello", "parse_json", "serve_until_signalled", "warm_up"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ServeConfig:
 class _Client:
     def __init__(self, sid: str, ws):
         self.sid, self.ws, self.open = sid, ws, True
+        self.text = None  # the session's incremental decoder (with a tokenizer)
         self.outbox: asyncio.Queue = asyncio.Queue()  # JSON strings; None ends the writer
         self.latest: tuple[int, np.ndarray, float] | None = None  # (seq, pcm, arrival time)
         self.seq = self.unit = self.skipped = 0
@@ -94,7 +96,8 @@ class MetronomeServer:
         encoder: an `AudioFrameEncoder` (or anything with `encode(pcm_int16, unit) -> Chunk`).
         config: `ServeConfig`.
         admission: optional `omnijax.serve.admission.AIMD`: fed every tick's latency, asked (`check`) on every hello.
-        tokenizer: optional object with `decode(list[int]) -> str` for the `text` field.
+        tokenizer: optional `omnijax.models.tokenizer.Tokenizer` (the model's) for the `text` field: each session
+            decodes incrementally, so a frame's text holds only whole characters.
     """
 
     def __init__(self, engine, encoder, config: ServeConfig = ServeConfig(), *, admission=None, tokenizer=None):
@@ -307,11 +310,10 @@ class MetronomeServer:
                        "queue_ms": 1e3 * (start - arrival), "tick_ms": 1e3 * report.latency_s,
                        "empty": self.config.answer_tokens > 0 and not tokens, "dropped": int(out.dropped),
                        "preempted": bool(out.preempted), "skipped": skipped, "occupancy": float(report.occupancy)}
-            if self.tokenizer is not None:
-                try:
-                    message["text"] = self.tokenizer.decode(tokens)
-                except Exception:  # noqa: BLE001 - ids outside the tokenizer's vocabulary (random checkpoints)
-                    message["text"] = ""
+            if self.tokenizer is not None:  # whole UTF-8 characters: one split across frames comes whole later
+                if client.text is None:
+                    client.text = self.tokenizer.stream_decoder(skip_special_tokens=True)
+                message["text"] = client.text.push(tokens)
             if client.outbox.qsize() >= self.config.max_outbox:
                 err = {"type": "error", "code": "slow_consumer", "message": "replies pile up unread"}
                 log.warning("refuse peer=%s session=%s reason=slow_consumer: %d replies unread", _peer(client.ws),
@@ -345,20 +347,6 @@ def build_demo_model(directory) -> str:
     directory = Path(directory)
     src = demo.write_tiny_hf_checkpoint(directory / "hf", text_config=demo.TINY_OMNI_TEXT_CONFIG)
     return str(convert_checkpoint(src, directory / "omnijax", progress=False, log=lambda _: None))
-
-
-def load_tokenizer(checkpoint: str):
-    """`tokenizers.Tokenizer` from `checkpoint/tokenizer.json` when present (and the library installed), else None."""
-    import os
-
-    path = os.path.join(checkpoint, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_file(path)
 
 
 def warm_up(engine, encoder, samples: int, sessions: int) -> float:
@@ -471,7 +459,7 @@ def main(argv=None) -> int:
                          max_cap=max(config.buckets)) if args.aimd_target > 0 else None
         server = MetronomeServer(engine, encoder, ServeConfig(host=args.host, port=args.port, frame_ms=args.frame_ms,
                                                               answer_tokens=args.answer_tokens),
-                                 admission=admission, tokenizer=load_tokenizer(path))
+                                 admission=admission, tokenizer=model.tokenizer)
         asyncio.run(serve_until_signalled(server))
     return 0
 
