@@ -40,7 +40,6 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-import jax.numpy as jnp
 import numpy as np
 
 from omnijax.chat_units import units_for

@@ -8,7 +8,7 @@ video units), `sessions` (a video -> its chunks), `streamingbench` (run, score, 
 
 from omnijax.evalharness.annotations import (AnnotationError, Question, Video, load_all, load_file, parse_timestamp,
                                              place_questions, unit_of)
-from omnijax.evalharness.media import ByteTextEncoder, HFTextEncoder, TextEncoder, open_media, text_encoder
+from omnijax.evalharness.media import ByteTextEncoder, CheckpointTextEncoder, TextEncoder, open_media, text_encoder
 from omnijax.evalharness.sessions import BenchSession, ChunkBuilder, build_session
 
 # `streamingbench` is also the CLI (`python -m omnijax.evalharness.streamingbench`); importing it here would load it
@@ -23,6 +23,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AnnotationError", "BenchReport", "BenchSession", "ByteTextEncoder", "ChunkBuilder", "HFTextEncoder",
+__all__ = ["AnnotationError", "BenchReport", "BenchSession", "ByteTextEncoder", "ChunkBuilder", "CheckpointTextEncoder",
            "Question", "TextEncoder", "Video", "build_session", "load_all", "load_file", "open_media", "parse_config",
            "parse_timestamp", "place_questions", "run", "select_videos", "text_encoder", "unit_of"]

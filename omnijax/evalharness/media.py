@@ -1,8 +1,8 @@
 """Text and media for the harness: a `TextEncoder` protocol, and each video's 2 s units of frames plus audio.
 
-Text: `text_encoder(checkpoint_dir, vocab_size)` returns a transformers tokenizer (`AutoTokenizer` on the
-converted checkpoint's tokenizer files) when both exist, else `ByteTextEncoder`: UTF-8 bytes folded into the
-vocabulary, deterministic, for checkpoints without a tokenizer such as the tiny demo model.
+Text: `text_encoder(checkpoint_dir, vocab_size)` returns the converted checkpoint's tokenizer
+(`omnijax.models.tokenizer`, what `omnijax.load` attaches as `model.tokenizer`) when it has tokenizer files, else
+`ByteTextEncoder`: UTF-8 bytes folded into the vocabulary, deterministic, for checkpoints without a tokenizer.
 
 Media: `open_media` decodes a real video file when the file and PyAV (`pip install av`) exist, through
 `omnijax.video` (the one place video files are decoded: frames sampled at `fps` by its rule and resized to
@@ -68,20 +68,20 @@ class ByteTextEncoder:
         return self.encode(letter)[0]
 
 
-class HFTextEncoder:
-    """A transformers tokenizer behind the `TextEncoder` protocol."""
+class CheckpointTextEncoder:
+    """A checkpoint's `omnijax.models.tokenizer.Tokenizer` behind the `TextEncoder` protocol."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def special(self, token: str) -> int:
-        return int(self.tokenizer.convert_tokens_to_ids(token))
+        return self.tokenizer.token_id(token)
 
     def letter_id(self, letter: str) -> int:
         ids = self.encode(letter)
@@ -91,15 +91,14 @@ class HFTextEncoder:
 
 
 def text_encoder(checkpoint_dir: str | Path | None, vocab_size: int, notices: list[str] | None = None) -> TextEncoder:
-    """The checkpoint's tokenizer when its files and transformers are present, else a `ByteTextEncoder`."""
+    """The checkpoint's tokenizer when it has tokenizer files, else a `ByteTextEncoder` (with a notice saying why)."""
+    from omnijax.models.tokenizer import load_tokenizer
     notices = [] if notices is None else notices
     directory = None if checkpoint_dir is None else Path(checkpoint_dir)
-    has_files = directory is not None and any((directory / f).exists() for f in ("tokenizer.json", "vocab.json"))
-    if has_files and importlib.util.find_spec("transformers") is not None:
-        from transformers import AutoTokenizer
-        return HFTextEncoder(AutoTokenizer.from_pretrained(str(directory)), vocab_size)
-    why = "no checkpoint directory" if directory is None else (
-        f"no tokenizer files in {directory}" if not has_files else "transformers is not installed")
+    tokenizer = None if directory is None else load_tokenizer(directory)
+    if tokenizer is not None:
+        return CheckpointTextEncoder(tokenizer, vocab_size)
+    why = "no checkpoint directory" if directory is None else f"no tokenizer files in {directory}"
     notices.append(f"text: {why}; using ByteTextEncoder (UTF-8 bytes folded into the {vocab_size}-token vocabulary)")
     return ByteTextEncoder(vocab_size)
 
@@ -191,5 +190,5 @@ def open_media(video_root: str | Path | None, video_path: str, *, unit_seconds: 
                           notice=f"{video_path}: {why}; using synthetic frames and a tone")
 
 
-__all__ = ["ByteTextEncoder", "DecodedVideo", "HFTextEncoder", "MediaSource", "QWEN_SPECIALS", "SyntheticMedia",
+__all__ = ["ByteTextEncoder", "DecodedVideo", "CheckpointTextEncoder", "MediaSource", "QWEN_SPECIALS", "SyntheticMedia",
            "TextEncoder", "open_media", "text_encoder"]
