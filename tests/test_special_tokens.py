@@ -206,8 +206,11 @@ def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
     assert read_special_tokens(src)["<|im_end|>"] == 281
     loaded = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
     assert loaded.omni == SHIFTED and loaded.config.eos_token_ids == (281,)
-    from omnijax.demo import _synthetic_session
-    assert np.asarray(dict(_synthetic_session(loaded, 1, seed=0))["system"]().token_ids[0])[0] == 280
+    # Chat's unit builder marks the checkpoint's own chat markers as boundaries.
+    from omnijax.chat_units import units_for
+    from omnijax.units import SpanKind
+    chunk = units_for(loaded).text([280, 5, 281], 0, SpanKind.TEXT)
+    assert np.asarray(chunk.span[0]).tolist() == [SpanKind.BOUNDARY, SpanKind.TEXT, SpanKind.BOUNDARY]
 
 
 # ---------------------------------------------------------------------------------------------------------- MiniCPM-o
