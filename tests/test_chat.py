@@ -12,16 +12,16 @@ import pytest
 
 import omnijax
 from convert import convert_checkpoint
-from omnijax import demo
 from omnijax.chat import Chat, ChatTemplateError, format_kept, resample
 from omnijax.chat_units import MissingModalityError, bucket
 from omnijax.chunks import pad_chunk, stack_chunks
-from omnijax.decoding import Greedy, Sampling
+from omnijax.decoding import Sampling
 from omnijax.models.qwen2_5_omni import frontend
-from omnijax.models.tokenizer import CHATML_TEMPLATE, MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer
+from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer
 from omnijax.retention import OmniPick
 from omnijax.units import SpanKind
 
+from tests import tiny_omni
 from tests.test_minicpmo_model import GOLDEN
 
 QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|AUDIO|>": 151646,
@@ -32,13 +32,8 @@ SMALL = {"min_pixels": 56 * 56}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, layer_types=["full_attention"], tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]})
-    src = demo.write_tiny_hf_checkpoint(root / "hf", text_config=text_config)
-    write_tiny_tokenizer(src, vocab_size=151_700, special_tokens=QWEN_SPECIALS, chat_template=CHATML_TEMPLATE)
-    return convert_checkpoint(src, root / "omnijax", progress=False, log=lambda _: None)
+    """The tiny Qwen2.5-Omni checkpoint with encoders and the demo's tiny tokenizer (ChatML, the release's ids)."""
+    return tiny_omni.checkpoint(tmp_path_factory.mktemp("chat"), tokenizer=True)
 
 
 @pytest.fixture(scope="module")

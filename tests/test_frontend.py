@@ -4,8 +4,6 @@ import numpy as np
 import pytest
 
 import omnijax
-from convert import convert_checkpoint
-from omnijax import demo
 from omnijax.adapters import qwen2_5_omni as adapter
 from omnijax.chunks import pad_chunk, stack_chunks
 from omnijax.models.qwen2_5_omni import frontend
@@ -14,18 +12,14 @@ from omnijax.models.qwen2_5_omni.audio_features import InvalidPcmError, Unsuppor
 from omnijax.models.qwen2_5_omni.vision import encode_vision
 from omnijax.models.qwen2_5_omni.vision_preprocess import ImageTooSmallError, NonFinitePixelError, preprocess_video
 from omnijax.units import SpanKind
+from tests import tiny_omni
 
 SMALL = {"min_pixels": 56 * 56}  # keep 56x84 frames at their size (2x3 LLM tokens per temporal patch)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("frontend")
-    text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, layer_types=["full_attention"], tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]})
-    src = demo.write_tiny_hf_checkpoint(root / "hf", text_config=text_config)
-    loaded = omnijax.load(convert_checkpoint(src, root / "omnijax", progress=False, log=lambda _: None))
+    loaded = omnijax.load(tiny_omni.checkpoint(tmp_path_factory.mktemp("frontend")))
     assert loaded.audio is not None and loaded.vision is not None
     return loaded
 

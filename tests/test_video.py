@@ -255,17 +255,11 @@ def test_bad_files_and_arguments_are_refused_with_the_reason(clips, tmp_path, mo
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A tiny converted Qwen2.5-Omni checkpoint with both encoders (as tests/test_frontend.py builds it)."""
+    """The tiny converted Qwen2.5-Omni checkpoint with both encoders (`tests/tiny_omni.py`)."""
     import omnijax
-    from convert import convert_checkpoint
-    from omnijax import demo
+    from tests import tiny_omni
 
-    root = tmp_path_factory.mktemp("video_model")
-    text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=1, layer_types=["full_attention"], tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]})
-    src = demo.write_tiny_hf_checkpoint(root / "hf", text_config=text_config)
-    return omnijax.load(convert_checkpoint(src, root / "omnijax", progress=False, log=lambda _: None))
+    return omnijax.load(tiny_omni.checkpoint(tmp_path_factory.mktemp("video_model")))
 
 
 @pytest.mark.filterwarnings("ignore:.*has no tokenizer files")
