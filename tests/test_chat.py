@@ -239,6 +239,26 @@ def test_minicpmo_chat_answers_like_stream(tmp_path):
     tokens = [int(t) for t in np.asarray(reference.tokens[0, 0]) if t >= 0]
     assert text == model.tokenizer.decode(tokens, skip_special_tokens=True)
     assert json.loads((tmp_path / "omnijax" / "omnijax.json").read_text())["model_type"] == "minicpmo"
+    # Media as MiniCPM-o units: <unit> [<image> E </image>] [<|audio_start|> A <|audio_end|>] </unit>.
+    frame = (np.random.default_rng(0).random((112, 112, 3)) * 255).astype(np.uint8)
+    pcm = np.sin(np.linspace(0, 700, 16_000)).astype(np.float32)
+    chat.image(frame)
+    chat.audio(pcm)
+    chat.av(frame[None], pcm)
+    before = _state(chat)
+    with pytest.raises(ValueError, match="takes one frame"):
+        chat.av(np.stack([frame, frame]), pcm)
+    assert _same(_state(chat), before)
+    media = [c for c in fed if np.asarray(c.valid).any()][-3:]
+    for chunk, kinds in zip(media, ({SpanKind.IMAGE}, {SpanKind.AUDIO}, {SpanKind.IMAGE, SpanKind.AUDIO})):
+        ids, spans = _ids(chunk), set(np.asarray(chunk.span)[np.asarray(chunk.valid, bool)].tolist())
+        assert ids[0] == model.tokens.unit_start and ids[-1] == model.tokens.unit_end
+        assert kinds <= spans and not ({SpanKind.IMAGE, SpanKind.AUDIO} - kinds) & spans
+        assert np.asarray(chunk.embed_mask)[np.asarray(chunk.valid, bool)].sum() > 0
+    list(chat.ask("And now?", max_tokens=2))
+    rows = chat.kept()
+    assert {r.span for r in rows if r.kind in ("image", "av")} >= {"image", "boundary"}
+    assert sum(r.kept for r in rows) == int(np.asarray(chat.session.state.kv.valid).sum())
 
 
 def test_resample_keeps_a_tone_and_drops_what_would_fold():
