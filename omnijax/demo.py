@@ -211,7 +211,7 @@ def main(argv=None) -> int:
 
     import omnijax
     from omnijax import plot
-    from omnijax.chat import format_kept
+    from omnijax.chat import clock, format_kept, kept_by_kind
     from omnijax.chat_units import units_for
 
     out = Path(args.out)
@@ -247,8 +247,8 @@ def main(argv=None) -> int:
         chat = omnijax.Chat(model, config, video_kwargs=video_kwargs)
         chat.system(SYSTEM)
         started = time.perf_counter()
-        for frames, pcm in tqdm(units, desc=f"{name:>18}", unit="unit", leave=False, disable=None):
-            chat.av(frames, pcm)
+        for k, (frames, pcm) in enumerate(tqdm(units, desc=f"{name:>18}", unit="unit", leave=False, disable=None)):
+            chat.av(frames, pcm, label=f"{clock(k * UNIT_SECONDS)}-{clock((k + 1) * UNIT_SECONDS)}")
         answer = "".join(chat.ask(QUESTION, max_tokens=12))
         seconds = time.perf_counter() - started
         av_ms = sorted(s.latency_ms for s in chat.steps if s.label == "av")
@@ -263,10 +263,10 @@ def main(argv=None) -> int:
     print("(retained: cells held at the end; peak span: the largest extent attention traversed; pages: active pages "
           "at the end; ms/unit: median per audiovisual unit, encoders included)")
     kept = chats["OmniPick+tile_skip"].kept()
-    lines = format_kept(kept).splitlines()
-    if len(lines) > 15:  # the header, the first units and the last ones
-        lines = lines[:7] + ["   ..."] + lines[-8:]
-    print("\nwhat OmniPick+tile_skip keeps (Chat.kept()):\n" + "\n".join(lines))
+    print("\nwhat OmniPick+tile_skip keeps, per kind of unit and span (Chat.kept(), summed by kept_by_kind):")
+    print(format_kept(kept_by_kind(kept)))
+    print("the last audiovisual units and the question, unit by unit:")
+    print("\n".join(format_kept(kept).splitlines()[-9:]))
     try:
         figure = plot.compare(traces, out / "session.png", title=f"{args.units} audiovisual units")
         print(f"\nwrote {figure}")
