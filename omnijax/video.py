@@ -326,35 +326,39 @@ def open_video(path: str | Path, *, unit_seconds: float = 2.0, fps: float = 2.0,
 
 def write_clip(path: str | Path, frames: np.ndarray, fps: int, pcm: np.ndarray | None = None,
                sample_rate: int = SAMPLE_RATE) -> Path:
-    """Writes frames (and mono PCM) as an mp4 (MPEG-4 video, AAC audio) with PyAV, e.g. a synthetic clip for the demo.
+    """Writes frames (and audio) as an mp4 (MPEG-4 video, AAC audio) with PyAV, e.g. a synthetic clip for the demo.
 
     Args:
         path: the file to write.
         frames: `[n, H, W, 3]` uint8 frames shown at `fps` (H and W even).
         fps: frames per second (an int).
-        pcm: optional `[samples]` float mono audio in [-1, 1] at `sample_rate`.
+        pcm: optional float audio in [-1, 1] at `sample_rate`: `[samples]` (mono) or `[2, samples]` (stereo).
     """
     av = _import_av()
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[1] % 2 or \
             frames.shape[2] % 2:
         raise ValueError(f"frames must be [n, H, W, 3] uint8 with even H and W, got {frames.shape} {frames.dtype}")
+    wave = None if pcm is None else np.asarray(pcm, np.float32)
+    if wave is not None:
+        wave = wave[None] if wave.ndim == 1 else wave
+        if wave.ndim != 2 or wave.shape[0] not in (1, 2):
+            raise ValueError(f"pcm must be [samples] or [2, samples], got shape {np.shape(pcm)}")
+    layout = None if wave is None else ("mono", "stereo")[wave.shape[0] - 1]
     path = Path(path)
     with av.open(str(path), "w") as container:
         video = container.add_stream("mpeg4", rate=int(fps))
         video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        sound = None
-        if pcm is not None:
+        if wave is not None:
             sound = container.add_stream("aac", rate=int(sample_rate))
-            sound.layout = "mono"
+            sound.layout = layout
         for frame in frames:
             for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
-        if sound is not None:
-            wave = np.asarray(pcm, np.float32).reshape(1, -1)
+        if wave is not None:
             for start in range(0, wave.shape[1], 1024):
                 piece = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + 1024]), format="fltp",
-                                                   layout="mono")
+                                                   layout=layout)
                 piece.sample_rate = int(sample_rate)
                 for packet in sound.encode(piece):
                     container.mux(packet)

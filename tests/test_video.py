@@ -31,27 +31,8 @@ def _stereo(seconds: float) -> np.ndarray:
 
 
 def _write(path, *, audio: bool = True):
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("mpeg4", rate=FPS)
-        video.width, video.height, video.pix_fmt = WIDTH, HEIGHT, "yuv420p"
-        if audio:
-            sound = container.add_stream("aac", rate=AUDIO_RATE)
-            sound.layout = "stereo"
-        for i in range(FRAMES):
-            for packet in video.encode(av.VideoFrame.from_ndarray(_picture(i), format="rgb24")):
-                container.mux(packet)
-        if audio:
-            wave = _stereo(SECONDS)
-            for start in range(0, wave.shape[1], 1024):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + 1024]), format="fltp",
-                                                   layout="stereo")
-                frame.sample_rate = AUDIO_RATE
-                for packet in sound.encode(frame):
-                    container.mux(packet)
-        for stream in container.streams:
-            for packet in stream.encode(None):
-                container.mux(packet)
-    return path
+    frames = np.stack([_picture(i) for i in range(FRAMES)])
+    return video_lib.write_clip(path, frames, FPS, _stereo(SECONDS) if audio else None, AUDIO_RATE)
 
 
 @pytest.fixture(scope="module")
