@@ -10,9 +10,9 @@ from convert.errors import ConvertError
 from omnijax.checkpoint import CheckpointFormatError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="omnijax-convert",
+        prog=prog,
         description="Convert a Hugging Face safetensors checkpoint directory into an omnijax checkpoint "
                     f"(supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}).")
     parser.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (config.json + safetensors)")
@@ -23,9 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "omnijax-convert") -> int:
     """Runs the converter; returns the process exit code (0 on success, 1 on a reported error)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     try:
         out = convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force,
                                  progress=not args.no_progress)

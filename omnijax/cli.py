@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
         from convert.__main__ import main as convert_main
-        return convert_main(argv[1:])
+        return convert_main(argv[1:], prog="omnijax convert")
     if argv and argv[0] == "serve":
         from omnijax.serve.server import main as serve_main
         return serve_main(argv[1:])
