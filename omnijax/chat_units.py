@@ -28,17 +28,16 @@ def bucket(length: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, int(length) - 1).bit_length())
 
 
-class MissingModalityError(ValueError):
-    """The checkpoint has no encoder for the media a call gave."""
-
-
 def _require(model, kind: str) -> None:
+    """Refuses media for a checkpoint without that encoder, with the Qwen2.5-Omni frontend's error (which checks
+    its own models; imported here, not at start-up)."""
+    from omnijax.models.qwen2_5_omni.frontend import MissingEncoderError
     if getattr(model, kind, None) is None:
         source = getattr(model, "source", None)
         where = f" ({source})" if source else ""
-        raise MissingModalityError(f"this checkpoint{where} has no {kind} encoder, so it cannot take "
-                                   f"{'images or video' if kind == 'vision' else 'audio'}; convert a checkpoint "
-                                   f"with its {kind} tower")
+        raise MissingEncoderError(f"this checkpoint{where} has no {kind} encoder, so it cannot take "
+                                  f"{'images or video' if kind == 'vision' else 'audio'}; convert a checkpoint "
+                                  f"with its {kind} tower")
 
 
 class _Units:
@@ -108,18 +107,14 @@ class QwenOmniUnits(_Units):
 
     def image(self, image, unit: int) -> Chunk:
         from omnijax.models.qwen2_5_omni import frontend
-        _require(self.model, "vision")
         return frontend.image_chunk(self.model, np.asarray(image), unit)
 
     def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
         from omnijax.models.qwen2_5_omni import frontend
-        _require(self.model, "audio")
         return frontend.audio_chunk(self.model, np.asarray(pcm, np.float32), unit, sample_rate=sample_rate)
 
     def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
         from omnijax.models.qwen2_5_omni import frontend
-        _require(self.model, "vision")
-        _require(self.model, "audio")
         return frontend.audiovisual_chunk(self.model, self.frames_of(frames), np.asarray(pcm, np.float32), unit,
                                           fps=self.fps, **video_kwargs)
 
@@ -142,43 +137,39 @@ class MiniCPMOUnits(_Units):
             return a.response_unit(ids, unit, hidden_size=self.hidden_size, tokens=self.tokens)
         return a.text_unit(ids, unit, answer_tokens, hidden_size=self.hidden_size, tokens=self.tokens)
 
-    def _image_embeds(self, image):
-        from omnijax.models.minicpmo import vision as vision_lib
-        embeds, sliced = vision_lib.encode_image(self.model.vision, np.asarray(image),
-                                                 max_slice_nums=self.max_slice_nums)
-        embeds = np.asarray(embeds, np.float32)
-        return embeds.reshape(-1, embeds.shape[-1]), sliced.grid
-
-    def _audio_embeds(self, pcm, sample_rate: int):
+    def _unit(self, unit: int, image=None, pcm=None, sample_rate: int = 16_000) -> Chunk:
+        """`<unit> [<image> E </image> (<slice> E </slice>)*] [<|audio_start|> A <|audio_end|>] </unit>`."""
         from omnijax.models.minicpmo import audio as audio_lib
         from omnijax.models.minicpmo import audio_features
-        return np.asarray(audio_lib.encode_audio(self.model.audio, audio_features.log_mel(pcm, sample_rate)),
-                          np.float32)
+        from omnijax.models.minicpmo import vision as vision_lib
+        parts = {}
+        if image is not None:
+            _require(self.model, "vision")
+        if pcm is not None:
+            _require(self.model, "audio")
+        if image is not None:
+            embeds, sliced = vision_lib.encode_image(self.model.vision, np.asarray(image),
+                                                     max_slice_nums=self.max_slice_nums)
+            embeds = np.asarray(embeds, np.float32)
+            parts.update(image=True, slices=sliced.grid, image_embeds=embeds.reshape(-1, embeds.shape[-1]))
+        if pcm is not None:
+            features = audio_features.log_mel(np.asarray(pcm, np.float32), sample_rate)
+            audio = np.asarray(audio_lib.encode_audio(self.model.audio, features), np.float32)
+            parts.update(audio_tokens=audio.shape[0], audio_embeds=audio)
+        return self.adapter.unit_chunk(unit, tokens=self.tokens, hidden_size=self.model.config.hidden_size, **parts)
 
     def image(self, image, unit: int) -> Chunk:
-        _require(self.model, "vision")
-        embeds, grid = self._image_embeds(image)
-        return self.adapter.unit_chunk(unit, tokens=self.tokens, image=True, slices=grid, image_embeds=embeds,
-                                       hidden_size=self.model.config.hidden_size)
+        return self._unit(unit, image=image)
 
     def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
-        _require(self.model, "audio")
-        audio = self._audio_embeds(np.asarray(pcm, np.float32), sample_rate)
-        return self.adapter.unit_chunk(unit, tokens=self.tokens, audio_tokens=audio.shape[0], audio_embeds=audio,
-                                       hidden_size=self.model.config.hidden_size)
+        return self._unit(unit, pcm=pcm, sample_rate=sample_rate)
 
     def av(self, frames, pcm, unit: int, **_) -> Chunk:
-        _require(self.model, "vision")
-        _require(self.model, "audio")
         frames = self.frames_of(frames)
         if frames.shape[0] != 1:
             raise ValueError(f"a MiniCPM-o unit takes one frame (1 s of audio with the frame seen in it), got "
                              f"{frames.shape[0]}")
-        embeds, grid = self._image_embeds(frames[0])
-        audio = self._audio_embeds(np.asarray(pcm, np.float32), 16_000)
-        return self.adapter.unit_chunk(unit, tokens=self.tokens, image=True, slices=grid, image_embeds=embeds,
-                                       audio_tokens=audio.shape[0], audio_embeds=audio,
-                                       hidden_size=self.model.config.hidden_size)
+        return self._unit(unit, image=frames[0], pcm=pcm)
 
 
 def units_for(model) -> _Units:
@@ -188,4 +179,4 @@ def units_for(model) -> _Units:
     return QwenOmniUnits(model)
 
 
-__all__ = ["MIN_BUCKET", "MiniCPMOUnits", "MissingModalityError", "QwenOmniUnits", "bucket", "units_for"]
+__all__ = ["MIN_BUCKET", "MiniCPMOUnits", "QwenOmniUnits", "bucket", "units_for"]

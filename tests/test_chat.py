@@ -13,10 +13,11 @@ import pytest
 import omnijax
 from convert import convert_checkpoint
 from omnijax.chat import Chat, ChatTemplateError, format_kept, resample
-from omnijax.chat_units import MissingModalityError, bucket
+from omnijax.chat_units import bucket
 from omnijax.chunks import pad_chunk, stack_chunks
 from omnijax.decoding import Sampling
 from omnijax.models.qwen2_5_omni import frontend
+from omnijax.models.qwen2_5_omni.frontend import MissingEncoderError
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer
 from omnijax.retention import OmniPick
 from omnijax.units import SpanKind
@@ -179,7 +180,7 @@ def test_refused_calls_leave_the_session_unchanged(model, tmp_path):
     blind.vision = None
     chat = Chat(blind, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16))
     before = _state(chat)
-    with pytest.raises(MissingModalityError, match="no vision encoder"):
+    with pytest.raises(MissingEncoderError, match="no vision encoder"):
         chat.image(np.zeros((56, 56, 3), np.uint8))
     assert _same(_state(chat), before)
     # One answer at a time: the conversation waits until the streamed answer is consumed or closed.

@@ -24,7 +24,6 @@ import numpy as np
 if TYPE_CHECKING:
     from omnijax.video import VideoFile
 
-SAMPLE_RATE = 16_000
 QWEN_SPECIALS = {"<|im_start|>": 151644, "<|im_end|>": 151645}
 
 
