@@ -16,7 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from convert import minicpmo, qwen2_5_omni
+from convert import minicpmo, qwen2_5_omni, qwen3_omni
 from convert.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from convert.safetensors_io import SafetensorsCheckpoint
 from omnijax import checkpoint
@@ -27,6 +27,7 @@ DTYPES = ("float32", "bfloat16")
 # Hugging Face model_type -> converter module.
 CONVERTERS = {hf_type: qwen2_5_omni for hf_type in qwen2_5_omni.HF_MODEL_TYPES}
 CONVERTERS.update({hf_type: minicpmo for hf_type in minicpmo.HF_MODEL_TYPES})
+CONVERTERS.update({hf_type: qwen3_omni for hf_type in qwen3_omni.HF_MODEL_TYPES})
 # Model types recognised but not converted, with the reason.
 NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)

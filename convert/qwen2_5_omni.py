@@ -206,9 +206,14 @@ NAME_TABLE: tuple[Rule, ...] = (
     Rule(_L + "self_attn.o_proj.weight", "layers/o_proj", "Q D", transform="T"),
     Rule(_L + "self_attn.q_norm.weight", "layers/q_norm", "d", when="qk_norm"),
     Rule(_L + "self_attn.k_norm.weight", "layers/k_norm", "d", when="qk_norm"),
-    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transform="T"),
-    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transform="T"),
-    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T"),
+    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transform="T", layers="dense", when="dense_mlp"),
+    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transform="T", layers="dense", when="dense_mlp"),
+    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T", layers="dense", when="dense_mlp"),
+    # Qwen3-MoE layers (`DecoderConfig.sparse_layers`): the router and each expert's SwiGLU, stacked [Lm, E, ...].
+    Rule(_L + "mlp.gate.weight", "layers/router", "D E", transform="T", layers="sparse", when="moe"),
+    Rule(_L + "mlp.experts.{e}.gate_proj.weight", "layers/expert_gate", "D Ie", transform="T", layers="sparse", when="moe"),
+    Rule(_L + "mlp.experts.{e}.up_proj.weight", "layers/expert_up", "D Ie", transform="T", layers="sparse", when="moe"),
+    Rule(_L + "mlp.experts.{e}.down_proj.weight", "layers/expert_down", "Ie D", transform="T", layers="sparse", when="moe"),
     Rule("model.norm.weight", "final_norm", "D"),
     Rule("lm_head.weight", "lm_head", "D V", transform="T", when="untied"),
 )
@@ -251,9 +256,15 @@ def decoder_component(config: DecoderConfig) -> Component:
     """The decoder's conversion table with its sizes (`Component.name` "decoder")."""
     c = config
     dims = {"V": c.vocab_size, "D": c.hidden_size, "I": c.intermediate_size, "d": c.head_dim,
-            "Q": c.num_heads * c.head_dim, "K": c.num_kv_heads * c.head_dim}
-    flags = {"qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "untied": not c.tie_embeddings}
-    return Component(name="decoder", prefix="", rules=NAME_TABLE, dims=dims, num_layers=c.num_layers, flags=flags)
+            "Q": c.num_heads * c.head_dim, "K": c.num_kv_heads * c.head_dim, "E": c.num_experts,
+            "Ie": c.moe_intermediate_size}
+    sparse = c.sparse_layers
+    layer_sets = {"dense": tuple(i for i, s in enumerate(sparse) if not s),
+                  "sparse": tuple(i for i, s in enumerate(sparse) if s)}
+    flags = {"qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "untied": not c.tie_embeddings,
+             "dense_mlp": bool(layer_sets["dense"]), "moe": bool(layer_sets["sparse"])}
+    return Component(name="decoder", prefix="", rules=NAME_TABLE, dims=dims, num_layers=c.num_layers, flags=flags,
+                     layer_sets=layer_sets, num_experts=c.num_experts)
 
 
 def param_shapes(config: DecoderConfig) -> dict[str, Any]:

@@ -45,6 +45,11 @@ class Rule:
         transform: a key of `TRANSFORMS` taking the torch layout to the omnijax layout.
         src_dims: the source shape in symbols, when `dims` and `transform` do not determine it (`flatten_T`).
         when: a `Component.flags` entry that must be True for the rule to apply, or None.
+        layers: a `Component.layer_sets` entry: the (Hugging Face) layers that hold this tensor, stored in that
+            order along the leading axis (e.g. only the MoE layers); None = all `num_layers`.
+
+    A `{e}` in `hf_name` stands for an expert index: the destination gains an experts axis after the layers axis
+    (`Component.num_experts` long), and each expert's tensor fills its row.
     """
 
     hf_name: str
@@ -53,6 +58,7 @@ class Rule:
     transform: str | None = None
     src_dims: str | None = None
     when: str | None = None
+    layers: str | None = None
 
     def __post_init__(self):
         if self.transform not in TRANSFORMS:
@@ -65,8 +71,18 @@ class Rule:
         return "{i}" in self.hf_name
 
     @property
+    def experted(self) -> bool:
+        return "{e}" in self.hf_name
+
+    @property
     def pattern(self) -> re.Pattern:
-        return re.compile(re.escape(self.hf_name).replace(r"\{i\}", r"(0|[1-9][0-9]*)") + r"\Z")
+        index = r"(0|[1-9][0-9]*)"
+        text = re.escape(self.hf_name).replace(r"\{i\}", index.replace("(", "(?P<i>", 1))
+        return re.compile(text.replace(r"\{e\}", index.replace("(", "(?P<e>", 1)) + r"\Z")
+
+    def name_of(self, layer: int | None, expert: int | None) -> str:
+        """The Hugging Face name of one (layer, expert) entry."""
+        return self.hf_name.replace("{i}", str(layer)).replace("{e}", str(expert))
 
     def shape(self, dims: Mapping[str, int]) -> tuple[int, ...]:
         """Destination shape of one layer."""
@@ -92,9 +108,20 @@ class Component:
     dims: Mapping[str, int]
     num_layers: int
     flags: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    layer_sets: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    num_experts: int = 0
 
     def active_rules(self) -> tuple[Rule, ...]:
         return tuple(r for r in self.rules if r.when is None or self.flags.get(r.when, False))
+
+    def layers_of(self, rule: Rule) -> tuple[int, ...]:
+        """The Hugging Face layers holding `rule`'s tensor, in storage order."""
+        return tuple(range(self.num_layers)) if rule.layers is None else tuple(self.layer_sets[rule.layers])
+
+    def leading(self, rule: Rule) -> tuple[int, ...]:
+        """The destination's leading axes: layers (when layered), then experts (when experted)."""
+        return (((len(self.layers_of(rule)),) if rule.layered else ()) +
+                ((self.num_experts,) if rule.experted else ()))
 
 
 def param_shapes(component: Component) -> dict[str, Any]:
@@ -105,8 +132,7 @@ def param_shapes(component: Component) -> dict[str, Any]:
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        shape = rule.shape(component.dims)
-        node[leaf] = (component.num_layers, *shape) if rule.layered else shape
+        node[leaf] = component.leading(rule) + rule.shape(component.dims)
     return tree
 
 
@@ -121,7 +147,7 @@ def leaf(tree: dict, path: str):
 class Plan:
     """The validated mapping: HF name -> (component, rule, layer or None); `skipped` counts by skipped prefix."""
 
-    assign: dict[str, tuple[Component, Rule, int | None]]
+    assign: dict[str, tuple[Component, Rule, tuple[int, ...]]]  # the last: index into the leading axes
     skipped: dict[str, int]
 
 
@@ -144,8 +170,10 @@ def plan_conversion(names: Iterable[str], shapes: Mapping[str, Sequence[int]], c
     """
     by_prefix = sorted(components, key=lambda c: len(c.prefix), reverse=True)
     patterns = {c.name: [(r, r.pattern) for r in c.active_rules()] for c in components}
-    assign: dict[str, tuple[Component, Rule, int | None]] = {}
-    filled: dict[tuple[str, str, int | None], str] = {}
+    slots = {(c.name, r.path): {layer: row for row, layer in enumerate(c.layers_of(r))} for c in components
+             for r in c.active_rules()}
+    assign: dict[str, tuple[Component, Rule, tuple[int, ...]]] = {}
+    filled: dict[tuple[str, str, tuple[int, ...]], str] = {}
     skipped: collections.Counter = collections.Counter()
     stripped = 0
     for name in names:
@@ -163,22 +191,43 @@ def plan_conversion(names: Iterable[str], shapes: Mapping[str, Sequence[int]], c
         if match is None:
             raise UnexpectedTensorError(f"tensor {name!r} maps to no parameter")
         rule, m = match
-        layer = int(m.group(1)) if rule.layered else None
-        if layer is not None and layer >= component.num_layers:
-            raise UnexpectedTensorError(f"tensor {name!r} names layer {layer} but the {component.name} has "
-                                        f"{component.num_layers} layers")
-        key = (component.name, rule.path, layer)
+        index: tuple[int, ...] = ()
+        if rule.layered:
+            layer = int(m.group("i"))
+            if layer >= component.num_layers:
+                raise UnexpectedTensorError(f"tensor {name!r} names layer {layer} but the {component.name} has "
+                                            f"{component.num_layers} layers")
+            row = slots[component.name, rule.path].get(layer)
+            if row is None:
+                raise UnexpectedTensorError(f"tensor {name!r}: layer {layer} of the {component.name} holds no "
+                                            f"{rule.hf_name.rsplit('.', 2)[-2]!r} tensor under this config "
+                                            f"(its {rule.layers} layers are {component.layers_of(rule)})")
+            index += (row,)
+        if rule.experted:
+            expert = int(m.group("e"))
+            if expert >= component.num_experts:
+                raise UnexpectedTensorError(f"tensor {name!r} names expert {expert} but the {component.name} has "
+                                            f"{component.num_experts} experts")
+            index += (expert,)
+        key = (component.name, rule.path, index)
         if key in filled:
             raise UnexpectedTensorError(f"tensors {filled[key]!r} and {name!r} fill the same parameter")
         expected = rule.source_shape(component.dims)
         if tuple(shapes[name]) != expected:
             raise ShapeMismatchError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {expected}")
         filled[key] = name
-        assign[name] = (component, rule, layer)
+        assign[name] = (component, rule, index)
     prefix = strip_prefix if stripped else ""
-    missing = [prefix + c.prefix + (r.hf_name.format(i=i) if r.layered else r.hf_name)
-               for c in components for r in c.active_rules()
-               for i in (range(c.num_layers) if r.layered else (None,)) if (c.name, r.path, i) not in filled]
+    missing = []
+    for c in components:
+        for r in c.active_rules():
+            layers = list(enumerate(c.layers_of(r))) if r.layered else [(None, None)]
+            experts = range(c.num_experts) if r.experted else (None,)
+            for row, layer in layers:
+                for e in experts:
+                    index = tuple(i for i in (row, e) if i is not None)
+                    if (c.name, r.path, index) not in filled:
+                        missing.append(prefix + c.prefix + r.name_of(layer, e))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise MissingTensorError(f"checkpoint lacks tensor(s) {', '.join(map(repr, missing[:5]))}{more}")
@@ -187,10 +236,9 @@ def plan_conversion(names: Iterable[str], shapes: Mapping[str, Sequence[int]], c
 
 def fill(destination: Mapping[str, dict], name: str, array: np.ndarray, plan: Plan) -> None:
     """Copies one tensor, transformed and cast, into its place in `destination` (component name -> tree)."""
-    component, rule, layer = plan.assign[name]
+    component, rule, index = plan.assign[name]
     out = leaf(destination[component.name], rule.path)
-    target = out if layer is None else out[layer]
-    np.copyto(target, TRANSFORMS[rule.transform](array).astype(out.dtype))
+    np.copyto(out[index], TRANSFORMS[rule.transform](array).astype(out.dtype))
 
 
 def convert_in_memory(tensors: Mapping[str, np.ndarray], components: Sequence[Component], dtype=np.float32, *,

@@ -2,7 +2,9 @@
 
 Layout is rotate-half (the two halves of the head dimension pair up). With `mrope_section = (s_t, s_h, s_w)`,
 frequency j uses the t position for j < s_t, h for s_t <= j < s_t + s_h, and w after that; the same split repeats on
-the second half. Angles are always computed in float32.
+the second half. With `interleaved=True` (Qwen3-Omni, Qwen3-VL) the axes take frequencies in turn instead: frequency j
+uses h when `j % 3 == 1 and j < 3 * s_h`, w when `j % 3 == 2 and j < 3 * s_w`, t otherwise. Angles are always
+computed in float32; positions may be fractional (Qwen3-Omni's temporal ids).
 """
 
 from __future__ import annotations
@@ -17,29 +19,37 @@ def inverse_frequencies(head_dim: int, theta: float) -> jnp.ndarray:
     return jnp.asarray(1.0 / (theta ** exponents), dtype=jnp.float32)
 
 
-def axis_of_frequency(head_dim: int, mrope_section: tuple[int, int, int] | None) -> np.ndarray:
+def axis_of_frequency(head_dim: int, mrope_section: tuple[int, int, int] | None,
+                      interleaved: bool = False) -> np.ndarray:
     """[head_dim // 2] int: which position axis drives each rotary frequency (all 0 for 1D RoPE)."""
     if mrope_section is None:
         return np.zeros(head_dim // 2, dtype=np.int32)
-    return np.repeat(np.arange(3, dtype=np.int32), mrope_section)
+    if not interleaved:
+        return np.repeat(np.arange(3, dtype=np.int32), mrope_section)
+    j = np.arange(head_dim // 2)
+    axis = np.zeros(head_dim // 2, dtype=np.int32)
+    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return axis
 
 
 def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float,
-                mrope_section: tuple[int, int, int] | None) -> jnp.ndarray:
+                mrope_section: tuple[int, int, int] | None, interleaved: bool = False) -> jnp.ndarray:
     """Rotation angles per token and frequency.
 
     Args:
-        positions: `[axes, ...]` integer positions; `axes` is 3 for mrope or 1 for plain RoPE (a 1-axis input drives
-            all three mrope axes).
+        positions: `[axes, ...]` positions (integer, or float for fractional temporal ids); `axes` is 3 for mrope
+            or 1 for plain RoPE (a 1-axis input drives all three mrope axes).
         head_dim: per-head width.
         theta: RoPE base.
         mrope_section: per-axis frequency split, or None.
+        interleaved: the axes take frequencies in turn (see the module docstring).
 
     Returns:
         `[..., head_dim // 2]` float32 angles.
     """
     inv_freq = inverse_frequencies(head_dim, theta)
-    axis = axis_of_frequency(head_dim, mrope_section)
+    axis = axis_of_frequency(head_dim, mrope_section, interleaved)
     pos = positions.astype(jnp.float32)
     if pos.shape[0] == 1:
         chosen = pos[0][..., None] * inv_freq  # [..., head_dim // 2]

@@ -1,4 +1,5 @@
-"""Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker LLM, Qwen3) in Flax NNX over the paged KV cache.
+"""Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker LLM, Qwen3, Qwen3-MoE / the Qwen3-Omni thinker LLM) in Flax
+NNX over the paged KV cache.
 
 The module carries only its config and its parameters. Layer parameters are stacked along a leading `layers` axis
 and the layers run in one `lax.scan`, so compile time does not grow with depth. Attention reads and writes the
@@ -15,15 +16,23 @@ dim, I intermediate, V vocab:
       v_proj     [L, D, G*d]    v_bias    [L, G*d]   (qkv_bias)
       o_proj     [L, H*d, D]
       q_norm     [L, d]         k_norm    [L, d]     (qk_norm)
-      gate_proj  [L, D, I]      up_proj   [L, D, I]  down_proj [L, I, D]
+      gate_proj  [Ld, D, I]     up_proj   [Ld, D, I] down_proj [Ld, I, D]            (Ld dense-MLP layers)
+      router     [Lm, D, E]                                                      (Lm MoE layers, E experts)
+      expert_gate [Lm, E, D, Ie] expert_up [Lm, E, D, Ie] expert_down [Lm, E, Ie, D]
     final_norm   [D]
     lm_head      [D, V]                              (unless tie_embeddings)
+
+Which layers are MoE is `config.sparse_layers`. A decoder of one kind scans every parameter; a mixed one scans the
+attention parameters and picks each layer's MLP from its kind's stack with `lax.cond` (one compiled body either way).
+DeepStack (Qwen3-Omni): `run_layers(..., deepstack=[n, B, T, D])` adds level i to the hidden states after layer i,
+i < n; the levels are zero away from visual tokens, so only those change.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from omnijax import attention as attention_lib
@@ -31,6 +40,10 @@ from omnijax.config import DecoderConfig
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
 from omnijax.models.common import new_param, rms_norm
+from omnijax.models.moe import moe_ffn
+
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+MOE_MLP = ("router", "expert_gate", "expert_up", "expert_down")
 
 
 def _proj(config: DecoderConfig, h: jnp.ndarray, p: dict, name: str) -> jnp.ndarray:
@@ -44,7 +57,8 @@ def chunk_rotation(config: DecoderConfig, positions: jnp.ndarray) -> tuple[jnp.n
     """`(cos, sin)`, each `[B, T, d/2]` float32, of the RoPE angles of `positions [A, B, T]` (A = 1 or the mrope
     axes): computed once per chunk and passed to `layer_qkv` in every layer (`rope.rotation`)."""
     c = config
-    return rope_lib.rotation(rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section))
+    return rope_lib.rotation(rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section,
+                                                  c.mrope_interleaved))
 
 
 def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, rot: tuple[jnp.ndarray, jnp.ndarray]):
@@ -69,21 +83,32 @@ def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, rot: tuple[jnp.nda
     return rope_lib.rotate(q, rot), rope_lib.rotate(k, rot), v
 
 
-def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
-    """The rest of a layer after attention: output projection and residual, then the gated MLP and residual.
+def mlp(config: DecoderConfig, p: dict, x: jnp.ndarray) -> jnp.ndarray:
+    """One layer's feed-forward on normalised `x [B, T, D]`: the dense SwiGLU MLP, or the mixture of experts when
+    `p` holds a router (`omnijax.models.moe.moe_ffn`, a grouped matmul over the chosen experts)."""
+    c, dt = config, config.jnp_dtype
+    if "router" in p:
+        return moe_ffn(x, p["router"], p["expert_gate"], p["expert_up"], p["expert_down"],
+                       top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
+    gate = jnp.einsum("btd,di->bti", x, p["gate_proj"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("btd,di->bti", x, p["up_proj"], preferred_element_type=jnp.float32)
+    act = jax.nn.silu(gate.astype(dt)) * up.astype(dt)
+    return jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
+
+
+def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray, ffn=None) -> jnp.ndarray:
+    """The rest of a layer after attention: output projection and residual, then the MLP and residual.
 
     Args:
         h: `[B, T, D]` the layer's input hidden states; attn: `[B, T, H, d]` attention outputs.
+        ffn: the feed-forward applied to the normalised states (default `mlp(config, p, .)`).
     """
     c, dt = config, config.jnp_dtype
     B, T, _ = h.shape
     attn = attn.reshape(B, T, c.num_heads * c.head_dim)
     h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
     normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-    gate = jnp.einsum("btd,di->bti", normed, p["gate_proj"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("btd,di->bti", normed, p["up_proj"], preferred_element_type=jnp.float32)
-    act = jax.nn.silu(gate.astype(dt)) * up.astype(dt)
-    return h + jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
+    return h + (mlp(c, p, normed) if ffn is None else ffn(normed))
 
 
 class DecoderLayers(nnx.Module):
@@ -106,13 +131,50 @@ class DecoderLayers(nnx.Module):
         if c.qk_norm:
             self.q_norm = new_param((L, c.head_dim), dt, rngs, ones=True)
             self.k_norm = new_param((L, c.head_dim), dt, rngs, ones=True)
-        self.gate_proj = new_param((L, D, I), dt, rngs)
-        self.up_proj = new_param((L, D, I), dt, rngs)
-        self.down_proj = new_param((L, I, D), dt, rngs)
+        Lm = sum(c.sparse_layers)
+        Ld = L - Lm
+        if Ld:
+            self.gate_proj = new_param((Ld, D, I), dt, rngs)
+            self.up_proj = new_param((Ld, D, I), dt, rngs)
+            self.down_proj = new_param((Ld, I, D), dt, rngs)
+        if Lm:
+            E, Ie = c.num_experts, c.moe_intermediate_size
+            self.router = new_param((Lm, D, E), dt, rngs)
+            self.expert_gate = new_param((Lm, E, D, Ie), dt, rngs)
+            self.expert_up = new_param((Lm, E, D, Ie), dt, rngs)
+            self.expert_down = new_param((Lm, E, Ie, D), dt, rngs)
 
     def stacked(self) -> dict[str, jnp.ndarray]:
         """The stacked parameter arrays as a plain dict (scanned over in `Decoder.run_layers`)."""
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]):
+    """What the layer scan slices per layer, and how a layer finds its MLP.
+
+    Returns:
+        `(xs, ffn_of)`: `xs` the per-layer scan inputs; `ffn_of(p)` the feed-forward of the layer whose slice is `p`
+        (a function of the normalised states). A decoder of one MLP kind scans every parameter; a mixed one scans the
+        attention parameters with two per-layer ints (is MoE, index in its kind's stack), and the layer's MLP is taken
+        from its kind's stack inside `lax.cond`.
+    """
+    c = config
+    sparse = c.sparse_layers
+    if all(sparse) or not any(sparse):
+        return stacked, lambda p: (lambda x: mlp(c, p, x))
+    dense = {k: stacked[k] for k in DENSE_MLP}
+    moe = {k: stacked[k] for k in MOE_MLP}
+    xs = {k: v for k, v in stacked.items() if k not in DENSE_MLP + MOE_MLP}
+    kind_index = np.cumsum(sparse) - 1, np.cumsum(np.logical_not(sparse)) - 1
+    xs["_sparse"] = jnp.asarray(sparse, jnp.bool_)
+    xs["_index"] = jnp.asarray(np.where(sparse, kind_index[0], kind_index[1]), jnp.int32)
+
+    def ffn_of(p):
+        def pick(stack):
+            return {k: jax.lax.dynamic_index_in_dim(v, p["_index"], keepdims=False) for k, v in stack.items()}
+        return lambda x: jax.lax.cond(p["_sparse"], lambda: mlp(c, pick(moe), x), lambda: mlp(c, pick(dense), x))
+
+    return xs, ffn_of
 
 
 class Decoder(nnx.Module):
@@ -141,7 +203,7 @@ class Decoder(nnx.Module):
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
                    k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",
-                   track_scores: bool = False, unroll: bool = False):
+                   track_scores: bool = False, unroll: bool = False, deepstack: jnp.ndarray | None = None):
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 
         Args:
@@ -155,6 +217,8 @@ class Decoder(nnx.Module):
                 with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
                 does with a device copy per weight; unrolled, its prefill reads them in place. Which is faster is
                 backend-dependent (`bench/layer_loop.py`; on CPU the scan).
+            deepstack: optional `[n, B, T, D]` DeepStack features (Qwen3-Omni), zero away from visual tokens: level i
+                is added to the hidden states after layer i, for i < n.
 
         Returns:
             `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None)` with the chunk's keys and values
@@ -167,6 +231,8 @@ class Decoder(nnx.Module):
 
         # The K/V stacks ride in the scan's carry: each layer writes its rows in place and attends to its own pages
         # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)
+        xs, ffn_of = layer_scan_inputs(c, self.layers.stacked())
+
         def layer(carry, p):
             h, k_pages, v_pages, i = carry
             q, k, v = layer_qkv(c, p, h, rot)
@@ -174,9 +240,14 @@ class Decoder(nnx.Module):
             v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
             attn = attention_lib.attend(q, k_pages, v_pages, cache, impl=impl, with_mass=track_scores, layer=i)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
-            return (layer_finish(c, p, h, attn), k_pages, v_pages, i + 1), mass
+            h = layer_finish(c, p, h, attn, ffn_of(p))
+            if deepstack is not None:
+                n = deepstack.shape[0]
+                level = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, n - 1), keepdims=False)
+                h = jnp.where(i < n, h + level.astype(dt), h)
+            return (h, k_pages, v_pages, i + 1), mass
 
         # The layer number rides in the carry too: scanned as an input, it would be sliced from an array every layer.
         carry = (x.astype(dt), k_pages, v_pages, jnp.int32(0))
-        (h, k_pages, v_pages, _), mass = jax.lax.scan(layer, carry, self.layers.stacked(), unroll=bool(unroll))
+        (h, k_pages, v_pages, _), mass = jax.lax.scan(layer, carry, xs, unroll=bool(unroll))
         return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)
