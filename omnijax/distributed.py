@@ -11,6 +11,7 @@ Parameter placement (`decoder_param_specs`, the stacked layout of `omnijax.model
     k_proj, v_proj [L, D, G*d] / k_bias, v_bias  G*d over `model` when G divides by it (else replicated)
     o_proj [L, H*d, D]                           H*d over `model` (the partial sums are reduced by XLA)
     gate_proj, up_proj [L, D, I] / down_proj [L, I, D]   I over `model`
+    expert_gate, expert_up, expert_down [Lm, E, ...]    E over `model` (expert parallel) when E divides by it
     lm_head [D, V]                               V over `model`
     embed, norms                                 replicated
 
@@ -174,6 +175,8 @@ def decoder_param_specs(params, config, mesh: Mesh | None):
              "up_proj": (-1, m > 1 and config.intermediate_size % m == 0),
              "down_proj": (-2, m > 1 and config.intermediate_size % m == 0),
              "lm_head": (-1, m > 1 and config.vocab_size % m == 0)}
+    experts = m > 1 and config.num_experts % m == 0  # expert parallel: each device holds E / m experts
+    rules.update({name: (1, experts) for name in ("expert_gate", "expert_up", "expert_down")})
 
     def spec(path, leaf):
         axis, split = rules.get(_leaf_name(path), (0, False))

@@ -149,6 +149,16 @@ class DecoderLayers(nnx.Module):
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
+def layer_slice(config: DecoderConfig, stacked: dict[str, jnp.ndarray], layer: int) -> dict[str, jnp.ndarray]:
+    """Layer `layer`'s parameters (a Python int): the shared ones at `layer`, its MLP's at its row of its kind's
+    stack, so `layer_finish(config, p, ...)` runs the right MLP."""
+    sparse = config.sparse_layers
+    kind = MOE_MLP if sparse[layer] else DENSE_MLP
+    row = sum(1 for s in sparse[:layer] if s == sparse[layer])
+    return {k: v[row if k in kind else layer] for k, v in stacked.items()
+            if k in kind or k not in DENSE_MLP + MOE_MLP}
+
+
 def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]):
     """What the layer scan slices per layer, and how a layer finds its MLP.
 

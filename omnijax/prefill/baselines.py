@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.config import DecoderConfig
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
 from omnijax.prefill.layer_major import (PrefillResult, attend_prefix, check_budgets, padded_length, prefix_view,
                                          window_rows)
@@ -34,6 +34,7 @@ def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: Dec
     k_all = jnp.zeros((L, B, Spad, G, d), c.jnp_dtype)  # every layer's full KV, all alive at once
     v_all = jnp.zeros((L, B, Spad, G, d), c.jnp_dtype)
     q_all = jnp.zeros((L, B, max(window, 1), H, d), c.jnp_dtype)
+    layer_xs, ffn_of = layer_scan_inputs(c, params)
 
     def run_chunk(i, carry):
         hidden, k_all, v_all, q_all = carry
@@ -51,9 +52,9 @@ def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: Dec
             attn = attend_prefix(q, k_buf, v_buf, start, view, impl)  # as TideKV's layer step
             if window:
                 q_obs = window_rows(q_obs, q, start, prompt_len)
-            return layer_finish(c, p, h, attn), (k_buf, v_buf, q_obs)
+            return layer_finish(c, p, h, attn, ffn_of(p)), (k_buf, v_buf, q_obs)
 
-        h, (k_all, v_all, q_all) = jax.lax.scan(layer, h, (params, k_all, v_all, q_all))
+        h, (k_all, v_all, q_all) = jax.lax.scan(layer, h, (layer_xs, k_all, v_all, q_all))
         hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h, start, axis=1)
         return hidden, k_all, v_all, q_all
 
@@ -106,6 +107,7 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
     R = H // G
     rot = chunk_rotation(c, positions)
     q_index = start + jnp.arange(C, dtype=jnp.int32)
+    layer_xs, ffn_of = layer_scan_inputs(c, params)
 
     def layer(h, xs):
         p, old_k, old_v, old_index = xs
@@ -119,7 +121,7 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
         probs = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1).astype(q.dtype)
         # float32 product: XLA:CPU has no bf16 x bf16 -> f32 dot for this batched layout.
         attn = jnp.einsum("bgrct,bgtd->bcgrd", probs.astype(jnp.float32), values.astype(jnp.float32))
-        h = layer_finish(c, p, h, attn.reshape(B, C, H, d).astype(q.dtype))
+        h = layer_finish(c, p, h, attn.reshape(B, C, H, d).astype(q.dtype), ffn_of(p))
         n = keys.shape[2]
         if n > budget:  # static: evict now, scoring the chunk's last `window` queries against every held entry
             prefix, _ = topk_scores(q[:, C - window:], keys.transpose(0, 2, 1, 3), budget - window,
@@ -130,7 +132,7 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
             keys, values, index = take(keys), take(values), take(index)
         return h, (keys, values, index)
 
-    return jax.lax.scan(layer, h, (params, cache_k, cache_v, cache_index))
+    return jax.lax.scan(layer, h, (layer_xs, cache_k, cache_v, cache_index))
 
 
 def immediate_eviction_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, selector: Selector,

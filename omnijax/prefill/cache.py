@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from omnijax.decoding import Greedy, check_decoding, sampling_keys, seed_of, split_keys
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_slice
 
 
 @jax.tree_util.register_dataclass
@@ -242,7 +242,7 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
     layers = []
     lost = jnp.zeros((B,), bool)
     for i, layer in enumerate(cache.layers):
-        p = {name: value[i] for name, value in stacked.items()}
+        p = layer_slice(c, stacked, i)
         q, k, v = layer_qkv(c, p, h, rot)  # [B, 1, H, d], [B, 1, G, d]
         G = layer.num_kv_heads
         T = layer.k.shape[1]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from omnijax import attention as attention_lib
 from omnijax.config import DecoderConfig, check_power_of_two
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_slice
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
 
@@ -147,14 +147,17 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
 
 
 @jax.jit
-def _slice_layer(stacked: dict, layer: jax.Array) -> dict:
-    return {name: value[layer] for name, value in stacked.items()}
+def _slice_rows(stacked: dict, rows: dict) -> dict:
+    return {name: value[rows[name]] for name, value in stacked.items()}
 
 
 def layer_params(model: Decoder, layer: int) -> dict:
     """One layer's parameters sliced out of the stacked arrays (one jitted call: slicing a dozen arrays one eager
-    op at a time cost more than a short prompt's whole layer step)."""
-    return _slice_layer(model.layers.stacked(), jnp.int32(layer))
+    op at a time cost more than a short prompt's whole layer step; the rows are traced, so one compile per MLP
+    kind serves every layer)."""
+    names = layer_slice(model.config, {k: range(model.config.num_layers) for k in model.layers.stacked()}, layer)
+    stacked = model.layers.stacked()
+    return _slice_rows({k: stacked[k] for k in names}, {k: jnp.int32(r) for k, r in names.items()})
 
 
 def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
