@@ -25,6 +25,7 @@ from convert.safetensors_io import SafetensorsCheckpoint
 from convert.special_tokens import read_special_tokens
 from convert.tables import Component
 from omnijax.config import DecoderConfig
+from omnijax.models.qwen2_5_omni.encoder_common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 
 OMNIJAX_MODEL_TYPES = {"qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
@@ -66,7 +67,7 @@ def _scope(hf_config: Mapping[str, Any]) -> str:
 def _check_text(text: Mapping[str, Any], scope: str) -> None:
     """Refuses every text-config attribute that would change the math and is not implemented."""
     for key, value in text.items():
-        if key not in _INERT | _READ and value not in (None, False, 0, [], {}):
+        if key not in _INERT | _READ | HF_PRETRAINED_CONFIG_ATTRIBUTES and value not in (None, False, 0, [], {}, ""):
             raise UnsupportedConfigError(f"{scope}.{key}", value, "not implemented by the Qwen3-MoE decoder")
     if text.get("use_qk_norm", True) is not True:
         raise UnsupportedConfigError(f"{scope}.use_qk_norm", text["use_qk_norm"], "Qwen3 attention always normalises q/k")
@@ -146,16 +147,17 @@ def decoder_component(config: DecoderConfig) -> Component:
     return shared.decoder_component(config)
 
 
-def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:
-    """The encoder components the thinker config declares: name -> (component, JSON config)."""
+def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[tuple[Component, ...], dict]]:
+    """The encoders the thinker config declares: name -> (their conversion tables, JSON config). The vision
+    encoder has two tables (its blocks, and the DeepStack mergers stacked by level)."""
     from omnijax.models.qwen3_omni import audio as audio_lib
     from omnijax.models.qwen3_omni import vision as vision_lib
 
     thinker = thinker_config(hf_config)
     out = {}
     for name, key, config_cls, component in (
-            ("audio", "audio_config", audio_lib.Qwen3AudioConfig, audio_lib.audio_component),
-            ("vision", "vision_config", vision_lib.Qwen3VisionConfig, vision_lib.vision_component)):
+            ("audio", "audio_config", audio_lib.Qwen3AudioConfig, lambda c: (audio_lib.audio_component(c),)),
+            ("vision", "vision_config", vision_lib.Qwen3VisionConfig, vision_lib.vision_components)):
         if thinker.get(key) is None:
             continue
         try:
@@ -168,6 +170,27 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
     return out
 
 
+# The tokenizer's text of the ids a thinker config may leave out (the config wins where it sets them).
+TOKEN_TEXT = {"audio_token_id": "<|audio_pad|>", "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+              "audio_start_token_id": "<|audio_start|>", "audio_end_token_id": "<|audio_end|>",
+              "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
+
+def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = None):
+    """The thinker's placeholder and marker ids and position rate (`Qwen3OmniConfig`): the config's, else the
+    tokenizer's (`special`: token text -> id), else the release's."""
+    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+
+    thinker = thinker_config(hf_config)
+    ids = Qwen3OmniConfig.from_hf(thinker)
+    found = {field: special[text] for field, text in TOKEN_TEXT.items()
+             if thinker.get(field) is None and special and text in special}
+    try:
+        return ids.replace(**found)
+    except ValueError as e:
+        raise ConfigError(f"thinker token ids: {e}") from e
+
+
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
                    progress: bool = True, log: Callable[[str], None] = streaming.stderr):
     """Converts the thinker's weights into memory-mapped arrays (see `convert.qwen2_5_omni.convert_params`).
@@ -175,11 +198,11 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     Returns:
         `(config, params, source_info, extras)`; extras hold the encoders and the "qwen3_omni" ids and rates.
     """
-    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+    from omnijax.models.qwen3_omni import vision as vision_lib
 
     config = config_from_hf(hf_config, dtype=dtype)
     special = read_special_tokens(ckpt.directory)
-    ids = Qwen3OmniConfig.from_hf(thinker_config(hf_config), special)
+    ids = omni_ids(hf_config, special)
     im_end = special.get("<|im_end|>", IM_END_TOKEN_ID)
     config = config.replace(eos_token_ids=(im_end,) if 0 <= im_end < config.vocab_size else ())
     names = ckpt.names()
@@ -188,7 +211,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
     config = config.replace(tie_embeddings=not has_head)
     encoders = encoder_components(hf_config, dtype)
-    components = [decoder_component(config)] + [component for component, _ in encoders.values()]
+    components = [decoder_component(config)] + [c for tables, _ in encoders.values() for c in tables]
     trees, plan, source_dtypes = streaming.convert_components(
         ckpt, components, dtype=dtype, staging_dir=staging_dir, strip_prefix=THINKER_PREFIX,
         skip_prefixes=SPEECH_OUTPUT_PREFIXES, progress=progress)
@@ -196,6 +219,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     source_info = {"tensors_converted": len(plan.assign), "source_dtypes": dict(sorted(source_dtypes.items())),
                    "skipped": plan.skipped, "encoders_converted": sorted(encoders),
                    "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight"}
-    extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
+    extras = {name: (encoder_config, vision_lib.vision_tree(trees) if name == "vision" else trees[name])
+              for name, (_, encoder_config) in encoders.items()}
     extras["qwen3_omni"] = (ids.to_json(), None)
     return config, trees["decoder"], source_info, extras

@@ -39,6 +39,7 @@ MODEL_COMPONENTS = {
     "qwen2": (),
     "qwen3": (),
     "qwen2_5_omni": ("audio", "vision", "omni"),
+    "qwen3_omni": ("audio", "vision", "qwen3_omni"),
     "minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens"),
 }
 

@@ -24,7 +24,7 @@ def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
-def _forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, *, page_size):
+def _forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, deepstack, *, page_size):
     from omnijax.streaming import prefill  # local import: stream imports this module's siblings
 
     decoder = nnx.merge(graphdef, params)
@@ -35,11 +35,13 @@ def _forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, 
                         num_pages=B * pages, page_size=page_size, batch=B, max_pages=pages,
                         position_axes=c.position_axes, dtype=c.jnp_dtype)
     zeros = jnp.zeros((B, T), jnp.int32)
-    meta = paged_lib.SlotMeta(pos=positions, unit=zeros, span=zeros + int(SpanKind.TEXT), offset=zeros)
+    # Slots record whole positions; the rotation uses the exact (possibly fractional, Qwen3-Omni) ones.
+    meta = paged_lib.SlotMeta(pos=jnp.floor(positions).astype(jnp.int32), unit=zeros,
+                              span=zeros + int(SpanKind.TEXT), offset=zeros)
     x = decoder.embed_tokens(token_ids)
     if embeds is not None:
         x = jnp.where(embed_mask[..., None], embeds.astype(x.dtype), x)
-    _, hidden = prefill(decoder, kv, x, valid, positions, meta)
+    _, hidden = prefill(decoder, kv, x, valid, positions, meta, deepstack=deepstack)
     return decoder.logits(hidden)
 
 
@@ -57,7 +59,7 @@ class Model:
         self.source = source
         self.audio = audio  # AudioEncoder or None
         self.vision = vision  # VisionEncoder or None
-        self.omni = omni  # OmniConfig (placeholder ids, TMRoPE timing) or None
+        self.omni = omni  # OmniConfig / Qwen3OmniConfig (placeholder ids, position timing) or None
         self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (the model then takes token ids)
 
     @property
@@ -86,7 +88,7 @@ class Model:
         Returns:
             `[B, T, V]` float32 logits (rows of padding tokens are not meaningful).
         """
-        ids, mask, embeds, embed_mask, positions = self._prepare(
+        ids, mask, embeds, embed_mask, positions, deepstack = self._prepare(
             input_ids, attention_mask, position_ids, input_features=input_features,
             feature_attention_mask=feature_attention_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
             pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
@@ -95,13 +97,15 @@ class Model:
         return _forward(graphdef, params, jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32),
                         jnp.asarray(mask.astype(bool)), jnp.asarray(positions),
                         None if embeds is None else jnp.asarray(embeds), None if embed_mask is None else
-                        jnp.asarray(embed_mask), page_size=page_size)
+                        jnp.asarray(embed_mask), None if deepstack is None else jnp.asarray(deepstack),
+                        page_size=page_size)
 
     def _prepare(self, input_ids, attention_mask, position_ids, *, input_features=None, feature_attention_mask=None,
                  pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
                  video_second_per_grid=None, use_audio_in_video: bool = False, **kwargs):
-        """Validated numpy inputs of a forward: `(ids, mask, embeds | None, embed_mask | None, positions [A, B, T])`
-        (multimodal features already encoded into `embeds` at `embed_mask`)."""
+        """Validated numpy inputs of a forward: `(ids, mask, embeds | None, embed_mask | None, positions [A, B, T],
+        deepstack [n, B, T, D] | None)` (multimodal features already encoded into `embeds` at `embed_mask`;
+        positions int32, or float32 for Qwen3-Omni, whose temporal ids may be fractional)."""
         if kwargs:
             raise TypeError(f"Model() got unexpected keyword arguments {sorted(kwargs)}")
         if input_ids is None:
@@ -122,20 +126,32 @@ class Model:
         media = dict(input_features=input_features, feature_attention_mask=feature_attention_mask,
                      pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                      pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
-        embeds = embed_mask = None
+        embeds = embed_mask = deepstack = None
         audio_lengths: list[int] = []
+        qwen3 = self.model_type == "qwen3_omni"
         if any(v is not None for v in media.values()):
             if self.omni is None:
-                raise UnsupportedInputError(f"multimodal inputs need a Qwen2.5-Omni thinker checkpoint with "
-                                            f"encoders; this is a {self.model_type!r} model")
-            from omnijax.models.qwen2_5_omni import thinker
-            embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(self, ids, **media)
+                raise UnsupportedInputError(f"multimodal inputs need an omni thinker checkpoint with encoders; this "
+                                            f"is a {self.model_type!r} model")
+            if qwen3:
+                from omnijax.models.qwen3_omni import thinker as qwen3_thinker
+                embeds, embed_mask, deepstack, audio_lengths = qwen3_thinker.multimodal_inputs(self, ids, **media)
+            else:
+                from omnijax.models.qwen2_5_omni import thinker
+                embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(self, ids, **media)
         text = mask.astype(bool) if embed_mask is None else mask.astype(bool) & ~embed_mask
         if text.any() and (ids[text].min() < 0 or ids[text].max() >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got range "
                              f"[{ids[text].min()}, {ids[text].max()}]")
         axes = self.config.position_axes
-        if position_ids is None and (image_grid_thw is not None or video_grid_thw is not None):
+        grids = image_grid_thw is not None or video_grid_thw is not None
+        if position_ids is None and grids and qwen3:
+            from omnijax.models.qwen3_omni import thinker as qwen3_thinker
+            spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
+            positions = qwen3_thinker.rope_index(
+                self, ids, mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video)
+        elif position_ids is None and grids:
             from omnijax.models.qwen2_5_omni import thinker
             spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
             positions = thinker.rope_index(
@@ -145,13 +161,14 @@ class Model:
         elif position_ids is None:
             positions = text_positions(mask, axes)
         else:
-            positions = np.asarray(position_ids).astype(np.int32)
+            positions = np.asarray(position_ids)
+            positions = positions.astype(np.float32 if qwen3 and positions.dtype.kind == "f" else np.int32)
             if positions.ndim == 2:
                 positions = np.broadcast_to(positions[None], (axes,) + positions.shape)
             if positions.shape != (axes,) + ids.shape:
                 raise ValueError(f"position_ids must be [{axes}, B, T] = {(axes,) + ids.shape}, "
                                  f"got {positions.shape}")
-        return ids, mask, embeds, embed_mask, positions
+        return ids, mask, embeds, embed_mask, positions, deepstack
 
     def prefill(self, input_ids=None, attention_mask=None, position_ids=None, *, selector=None, budgets=None,
                 chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0, progress: bool = False,
@@ -162,14 +179,16 @@ class Model:
         Padded batches are refused (every sequence must be a whole prompt).
         """
         from omnijax.prefill import tidekv_prefill
-        ids, mask, embeds, embed_mask, positions = self._prepare(input_ids, attention_mask, position_ids, **media)
+        ids, mask, embeds, embed_mask, positions, deepstack = self._prepare(input_ids, attention_mask, position_ids,
+                                                                            **media)
         if not mask.all():
             raise ValueError("prefill takes unpadded prompts: attention_mask must be all ones")
         x = self.decoder.embed_tokens(jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32))
         if embeds is not None:
             x = jnp.where(jnp.asarray(embed_mask)[..., None], jnp.asarray(embeds).astype(x.dtype), x)
         return tidekv_prefill(self.decoder, x, jnp.asarray(positions), selector=selector, budgets=budgets,
-                              chunk=chunk, page=page, impl=impl, room=room, progress=progress)
+                              chunk=chunk, page=page, impl=impl, room=room, progress=progress,
+                              deepstack=None if deepstack is None else jnp.asarray(deepstack))
 
 
 def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):
@@ -216,6 +235,8 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
         except (TypeError, ValueError) as e:
             raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
         return _with_tokenizer(model, directory)
+    if model_type == "qwen3_omni":
+        return _with_tokenizer(_load_qwen3_omni(directory, manifest, decoder, dtype), directory)
     encoders = {}
     try:
         if "audio" in manifest:
@@ -229,6 +250,29 @@ def load(directory: str | Path, *, dtype: str | None = None) -> Model:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
     return _with_tokenizer(Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders),
                            directory)
+
+
+def _load_qwen3_omni(directory: Path, manifest: dict, decoder: Decoder, dtype: str | None) -> Model:
+    """A Qwen3-Omni thinker: the MoE decoder, its AuT audio and Qwen3-VL (DeepStack) vision encoders when converted,
+    and its token ids and position rate."""
+    from omnijax import checkpoint
+    from omnijax.models.qwen3_omni import audio as audio_lib
+    from omnijax.models.qwen3_omni import vision as vision_lib
+    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+
+    encoders = {}
+    try:
+        if "audio" in manifest:
+            encoders["audio"] = _restore(directory, "audio", audio_lib.Qwen3AudioConfig.from_json(manifest["audio"]),
+                                         dtype, lambda c: audio_lib.Qwen3AudioEncoder(c, rngs=nnx.Rngs(0)))
+        if "vision" in manifest:
+            encoders["vision"] = _restore(directory, "vision",
+                                          vision_lib.Qwen3VisionConfig.from_json(manifest["vision"]), dtype,
+                                          lambda c: vision_lib.Qwen3VisionEncoder(c, rngs=nnx.Rngs(0)))
+        ids = Qwen3OmniConfig.from_json(manifest.get("qwen3_omni", {}))
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+    return Model(decoder, model_type="qwen3_omni", source=str(directory), omni=ids, **encoders)
 
 
 def _with_tokenizer(model, directory: Path):

@@ -83,16 +83,18 @@ class StreamResult:
 
 def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
             meta: paged_lib.SlotMeta, *, impl: str = "xla", track_scores: bool = False,
-            placement: str = "first_fit"):
+            placement: str = "first_fit", deepstack: jax.Array | None = None):
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
     With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `placement` picks the
-    free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it).
+    free slots new tokens take (`omnijax.kv.paged.PLACEMENTS`; the paging mode decides it); `deepstack [n, B, T, D]`
+    (Qwen3-Omni) is added after the first n layers (`Decoder.run_layers`).
     Returns `(kv, hidden [B, T, D])`.
     """
     kv, slots, q_order = paged_lib.reserve(kv, valid, meta, placement=placement)
     view = attention_lib.CacheView.of(kv, slots, q_order)
-    hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores)
+    hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores,
+                                          deepstack=deepstack)
     kv = kv.replace(k=k, v=v)
     if mass is not None:
         kv = kv.replace(score=kv.score + mass)

@@ -25,9 +25,10 @@ IDS = dict(audio_token_id=290, image_token_id=291, video_token_id=292, audio_sta
 def thinker_config(**text_overrides):
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 
-    ids = {k: v for k, v in IDS.items() if k not in ("audio_end_token_id", "vision_end_token_id")}
+    # The end-marker ids are not thinker config attributes in transformers; set here they are saved in config.json
+    # (the converter reads them there, else from the tokenizer, else the release's).
     return Qwen3OmniMoeThinkerConfig(text_config=dict(TEXT, **text_overrides), audio_config=AUDIO,
-                                     vision_config=VISION, **ids)
+                                     vision_config=VISION, **IDS)
 
 
 def build_thinker(seed: int = 0, scale: float = 0.1, **text_overrides):
@@ -61,3 +62,25 @@ def save_full(thinker, directory: Path, **kwargs) -> Path:
     full.thinker.load_state_dict(thinker.state_dict())
     full.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory
+
+
+class windowed_audio:
+    """Within the block, the reference audio tower attends within its `n_window_infer` windows, as deployments
+    (and its flash-attention path) do: each layer gets the block-diagonal mask the reference builds from its own
+    `cu_seqlens` (`_prepare_attention_mask`), which its eager path never passes."""
+
+    def __init__(self, tower):
+        self.tower, self.hooks = tower, []
+
+    def __enter__(self):
+        def add_mask(layer, args, kwargs):
+            hidden, cu_seqlens = args[0], args[1]
+            return args, {**kwargs, "attention_mask": self.tower._prepare_attention_mask(hidden, cu_seqlens)}
+
+        self.hooks = [layer.register_forward_pre_hook(add_mask, with_kwargs=True) for layer in self.tower.layers]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return False

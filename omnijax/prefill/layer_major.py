@@ -171,7 +171,8 @@ def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
 
 def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, selector: Selector | None = None,
                    budgets=None, chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0,
-                   next_pos: jax.Array | None = None, progress: bool = False) -> PrefillResult:
+                   next_pos: jax.Array | None = None, progress: bool = False,
+                   deepstack: jax.Array | None = None) -> PrefillResult:
     """Layer-major delayed-eviction prefill of a prompt's embeddings.
 
     Args:
@@ -187,6 +188,8 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
         room: decode capacity per head in the returned cache.
         next_pos: `[B]` the position decoding continues from (default: max prompt position + 1).
         progress: print one line per layer to stderr.
+        deepstack: optional `[n, B, S, D]` DeepStack levels (Qwen3-Omni; zero away from visual tokens), level i
+            added to the hidden states after layer i, inside the layer-major loop.
     """
     c = model.config
     B, S, D = x.shape
@@ -203,12 +206,22 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
         raise ValueError(f"observation window {window} longer than the prompt ({S})")
     chunk = min(chunk, -(-S // page) * page)  # a short prompt is not padded to a whole long chunk
     Spad = padded_length(S, chunk, page)
-    positions = jnp.asarray(positions, jnp.int32)
+    positions = jnp.asarray(positions)
+    positions = positions.astype(jnp.float32 if jnp.issubdtype(positions.dtype, jnp.floating) else jnp.int32)
     if next_pos is None:
-        next_pos = jnp.max(positions, axis=(0, 2)) + 1
+        top = jnp.max(positions, axis=(0, 2))
+        if bool(jnp.any(top != jnp.floor(top))):
+            raise ValueError("the prompt's last position is fractional (a Qwen3-Omni video at a fractional second "
+                             "per grid): pass next_pos, the whole position decoding continues from")
+        next_pos = top.astype(jnp.int32) + 1
     pad = Spad - S
     positions = jnp.pad(positions, ((0, 0), (0, 0), (0, pad)), mode="edge")
     bridge = jnp.pad(jnp.asarray(x, c.jnp_dtype), ((0, 0), (0, pad), (0, 0)))
+    if deepstack is not None:
+        if deepstack.shape[1:] != (B, S, D):
+            raise ValueError(f"deepstack must be [levels, B, S, D] with (B, S, D) = {(B, S, D)}, got "
+                             f"{deepstack.shape}")
+        deepstack = jnp.pad(jnp.asarray(deepstack, c.jnp_dtype), ((0, 0), (0, 0), (0, pad), (0, 0)))
     layers = []
     for layer in range(c.num_layers):
         start = time.perf_counter()
@@ -216,6 +229,8 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
                                    chunk=chunk, page=page, impl=impl, selector=selector,
                                    budget=None if budgets is None else budgets[layer], window=window, room=room)
         layers.append(cache)
+        if deepstack is not None and layer < deepstack.shape[0]:
+            bridge = bridge + deepstack[layer]
         if progress:
             jax.block_until_ready(bridge)
             print(f"  layer {layer + 1}/{c.num_layers}: {time.perf_counter() - start:.2f} s", file=sys.stderr)

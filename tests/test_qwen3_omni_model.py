@@ -1,0 +1,226 @@
+"""The converted tiny Qwen3-Omni thinker against transformers: text, audio, image, video, audio in video, long audio,
+interleaved M-RoPE, streaming and greedy answers, conversion (full / thinker-only, single / sharded), bad input.
+
+The tiny thinker mixes MoE and dense layers, has one KV head and taps two DeepStack levels (`qwen3_omni_models`).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+
+import omnijax  # noqa: E402
+from convert import convert_checkpoint  # noqa: E402
+from convert.errors import ConvertError, UnsupportedConfigError  # noqa: E402
+from omnijax.chunks import split_text  # noqa: E402
+from omnijax.models.qwen3_omni import positions as P  # noqa: E402
+from omnijax.models.qwen3_omni.thinker import ThinkerInputError  # noqa: E402
+from tests import qwen3_omni_models as Q  # noqa: E402
+
+IDS = Q.IDS
+PATCH = 3 * 2 * 16 * 16  # channels * temporal patch * patch side ** 2
+MEL = Q.AUDIO["num_mel_bins"]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return Q.build_thinker(seed=0)
+
+
+@pytest.fixture(scope="module")
+def converted(hf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_omni")
+    full = convert_checkpoint(Q.save_full(hf, root / "full"), root / "full_out", progress=False)
+    sharded = convert_checkpoint(Q.save_thinker(hf, root / "thinker", max_shard_size="100KB"), root / "thinker_out",
+                                 progress=False)
+    return {"full": full, "sharded": sharded, "root": root}
+
+
+@pytest.fixture(scope="module")
+def model(converted):
+    return omnijax.load(converted["full"])
+
+
+def _hf_logits(hf, **inputs):
+    with torch.no_grad():
+        return hf(**{k: torch.as_tensor(v) for k, v in inputs.items()}).logits.float().numpy()
+
+
+def _ids(*parts) -> np.ndarray:
+    return np.asarray([np.concatenate([np.asarray(p, np.int64) for p in parts])])
+
+
+def _group(segment) -> np.ndarray:
+    return np.asarray(P.StreamPositions(P.Qwen3OmniConfig(**{k: v for k, v in IDS.items()})).feed(segment).token_ids)
+
+
+def _compare(model, hf, atol=1e-4, **inputs):
+    inputs.setdefault("attention_mask", np.ones_like(inputs["input_ids"]))
+    want = _hf_logits(hf, **inputs)
+    got = np.asarray(model(**inputs))
+    assert np.abs(got - want).max() <= atol, np.abs(got - want).max()
+    return got
+
+
+def _pixels(patches: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((patches, PATCH)).astype(np.float32)
+
+
+def _mel(frames: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, MEL, frames)).astype(np.float32)
+
+
+def test_loaded_model(model):
+    c = model.config
+    assert c.num_experts == 8 and c.sparse_layers == (True, False, True) and c.mrope_interleaved
+    assert c.qk_norm and not c.qkv_bias and c.num_kv_heads == 1
+    assert model.model_type == "qwen3_omni" and model.omni.audio_token_id == IDS["audio_token_id"]
+    assert model.vision.config.deepstack_visual_indexes == (0, 1)
+
+
+def test_text_logits_with_padding(model, hf):
+    tokens = np.random.default_rng(0).integers(0, 280, (2, 19))
+    mask = np.ones_like(tokens)
+    mask[1, :4] = 0
+    want = _hf_logits(hf, input_ids=tokens, attention_mask=mask)
+    got = np.asarray(model(input_ids=tokens, attention_mask=mask))
+    assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-4
+
+
+def test_interleaved_mrope_matches_the_reference_rotary_table(hf):
+    from omnijax.kv import rope as rope_lib
+
+    pos = np.random.default_rng(1).integers(0, 50, (3, 1, 9)).astype(np.float32)
+    pos[0] += 0.5  # fractional temporal ids rotate too
+    with torch.no_grad():
+        cos, _ = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), torch.as_tensor(pos))
+    c = Q.TEXT["rope_parameters"]
+    angles = rope_lib.rope_angles(pos, Q.TEXT["head_dim"], c["rope_theta"], tuple(c["mrope_section"]), True)
+    np.testing.assert_allclose(np.cos(np.asarray(angles))[0], cos[0, :, :Q.TEXT["head_dim"] // 2].numpy(), atol=1e-6)
+    contiguous = rope_lib.rope_angles(pos, Q.TEXT["head_dim"], c["rope_theta"], tuple(c["mrope_section"]), False)
+    assert np.abs(np.asarray(contiguous) - np.asarray(angles)).max() > 0.1
+
+
+def test_logits_with_distinct_position_axes(model, hf):
+    tokens = np.random.default_rng(2).integers(0, 280, (1, 15))
+    t = np.arange(15)
+    positions = np.stack([t, 3 + (t * 5) % 11, 2 * t])[:, None]
+    want = _hf_logits(hf, input_ids=tokens, position_ids=positions)
+    assert np.abs(np.asarray(model(input_ids=tokens, position_ids=positions)) - want).max() <= 1e-4
+
+
+def test_image_with_deepstack(model, hf):
+    grid = np.asarray([[1, 4, 6]])
+    ids = _ids([5, 6], _group(P.ImageGroup((1, 4, 6))), [7, 8])
+    _compare(model, hf, input_ids=ids, pixel_values=_pixels(24, 0), image_grid_thw=grid)
+
+
+@pytest.mark.parametrize("spg", [1.0, 2 / 3])
+def test_video_and_image_together(model, hf, spg):
+    ids = _ids([5], _group(P.VideoGroup((2, 4, 4), spg)), [9, 10], _group(P.ImageGroup((1, 2, 4))), [11])
+    _compare(model, hf, input_ids=ids, pixel_values=_pixels(8, 1), image_grid_thw=np.asarray([[1, 2, 4]]),
+             pixel_values_videos=_pixels(32, 2), video_grid_thw=np.asarray([[2, 4, 4]]),
+             video_second_per_grid=np.asarray([spg]))
+
+
+def test_audio(model, hf):
+    frames = 137
+    ids = _ids([5, 6], _group(P.AudioGroup(P.audio_token_count(frames))), [7])
+    _compare(model, hf, input_ids=ids, input_features=_mel(frames, 3),
+             feature_attention_mask=np.ones((1, frames), np.int64))
+
+
+def test_audio_longer_than_one_window_is_windowed(model, hf):
+    frames = 530  # n_window_infer = 200 frames: three windows
+    ids = _ids([5], _group(P.AudioGroup(P.audio_token_count(frames))), [7, 8])
+    inputs = dict(input_ids=ids, input_features=_mel(frames, 4), feature_attention_mask=np.ones((1, frames), int))
+    with Q.windowed_audio(hf.audio_tower):
+        got = _compare(model, hf, **inputs)
+    eager = _hf_logits(hf, attention_mask=np.ones_like(ids), **inputs)  # attends across the whole clip
+    assert np.abs(eager - got).max() > 1e-3
+
+
+def test_audio_in_video(model, hf):
+    frames = 230
+    group = P.AudioInVideoGroup((2, 4, 4), 1.0, P.audio_token_count(frames))
+    ids = _ids([5], _group(group), [6, 7])
+    with Q.windowed_audio(hf.audio_tower):  # 230 frames: two attention windows
+        _compare(model, hf, input_ids=ids, input_features=_mel(frames, 5),
+                 feature_attention_mask=np.ones((1, frames), int),
+                 pixel_values_videos=_pixels(32, 6), video_grid_thw=np.asarray([[2, 4, 4]]),
+                 video_second_per_grid=np.asarray([1.0]), use_audio_in_video=True)
+
+
+def test_streamed_text_equals_one_shot_and_greedy_equals_generate(model, hf):
+    tokens = np.random.default_rng(5).integers(0, 280, (1, 20))
+    full = np.asarray(model(input_ids=tokens))[0]
+    result = omnijax.stream(model, split_text(tokens[0], 3, position_axes=3, answer_tokens=5), max_answer_tokens=6,
+                            page_size=4)
+    ends = np.cumsum([len(p) for p in np.array_split(tokens[0], 3)]) - 1
+    np.testing.assert_allclose(np.asarray(result.logits[:, 0]), full[ends], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.as_tensor(tokens), attention_mask=torch.ones(1, 20, dtype=int),
+                          max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert np.asarray(result.tokens[-1, 0]).tolist()[:5] == out[0, 20:].numpy().tolist()
+
+
+def test_conversion_full_single_equals_thinker_sharded(converted):
+    import jax
+    from flax import nnx
+
+    a, b = omnijax.load(converted["full"]), omnijax.load(converted["sharded"])
+    assert len(list((converted["root"] / "thinker").glob("*.safetensors"))) > 1
+    for x, y in ((a.decoder, b.decoder), (a.audio, b.audio), (a.vision, b.vision)):
+        jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(x)), nnx.to_pure_dict(nnx.state(y)))
+    assert a.omni == b.omni
+
+
+def test_bad_inputs_are_refused(model):
+    frames = 150
+    ids = _ids([5], _group(P.AudioGroup(P.audio_token_count(frames))), [7])
+    with pytest.raises(ThinkerInputError, match="no frame"):
+        model(input_ids=ids, input_features=_mel(frames, 0), feature_attention_mask=np.zeros((1, frames), int))
+    # A video whose audio does not fit the placeholders laid out for it.
+    group = P.AudioInVideoGroup((2, 4, 4), 1.0, P.audio_token_count(230))
+    with pytest.raises(ThinkerInputError, match="audio"):
+        model(input_ids=_ids([5], _group(group), [6]), input_features=_mel(330, 1),
+              feature_attention_mask=np.ones((1, 330), int), pixel_values_videos=_pixels(32, 6),
+              video_grid_thw=np.asarray([[2, 4, 4]]), video_second_per_grid=np.asarray([1.0]),
+              use_audio_in_video=True)
+
+
+def _write_config(directory, config: dict):
+    import json
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"shared_expert_intermediate_size": 64}, UnsupportedConfigError, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 9}, ConvertError, "num_experts_per_tok"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, UnsupportedConfigError,
+     "rope"),
+    ({"hidden_act": "gelu"}, UnsupportedConfigError, "hidden_act"),
+])
+def test_router_and_config_attributes_it_does_not_implement_are_refused(converted, tmp_path, change, error, match):
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(converted["root"] / "thinker", src)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"].update(change)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(error, match=match):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_omni_moe_talker", "qwen4_omni_moe"])
+def test_talker_only_or_unknown_architecture_is_refused(tmp_path, model_type):
+    src = _write_config(tmp_path / "src", {"model_type": model_type})
+    with pytest.raises(ConvertError, match=model_type):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
