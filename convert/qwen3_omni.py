@@ -173,6 +173,7 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
 # The tokenizer's text of the ids a thinker config may leave out (the config wins where it sets them).
 TOKEN_TEXT = {"audio_token_id": "<|audio_pad|>", "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
               "audio_start_token_id": "<|audio_start|>", "audio_end_token_id": "<|audio_end|>",
+              "im_start_token_id": "<|im_start|>", "im_end_token_id": "<|im_end|>",
               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
 
@@ -203,7 +204,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     config = config_from_hf(hf_config, dtype=dtype)
     special = read_special_tokens(ckpt.directory)
     ids = omni_ids(hf_config, special)
-    im_end = special.get("<|im_end|>", IM_END_TOKEN_ID)
+    im_end = ids.im_end_token_id
     config = config.replace(eos_token_ids=(im_end,) if 0 <= im_end < config.vocab_size else ())
     names = ckpt.names()
     has_head = any(n.removeprefix(THINKER_PREFIX) == "lm_head.weight" for n in names)

@@ -39,6 +39,8 @@ class Chunk:
         advance: `[B]` int32 cursor move after the chunk (0 for a sequence with no valid token).
         embeds: optional `[B, T, D]` embeddings used where `embed_mask` is True (multimodal features).
         embed_mask: optional `[B, T]` bool.
+        deepstack: optional `[n, B, T, D]` DeepStack levels (Qwen3-Omni vision; zero away from visual tokens),
+            level i added to the hidden states after decoder layer i. Needs `embeds`.
     """
 
     token_ids: jax.Array
@@ -52,6 +54,7 @@ class Chunk:
     advance: jax.Array
     embeds: jax.Array | None = None
     embed_mask: jax.Array | None = None
+    deepstack: jax.Array | None = None
 
     @property
     def length(self) -> int:
@@ -95,6 +98,8 @@ def stack_chunks(chunks: Sequence[Chunk]) -> Chunk:
     kinds = {(c.embeds is None, c.embed_mask is None) for c in padded}
     if len(kinds) != 1:
         raise ValueError("either every chunk carries embeddings or none does")
+    if len({None if c.deepstack is None else np.shape(c.deepstack)[0] for c in padded}) != 1:
+        raise ValueError("either every chunk carries the same number of DeepStack levels or none does")
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *padded)
 
 
@@ -116,7 +121,8 @@ def pad_chunk(chunk: Chunk, length: int) -> Chunk:
         chunk, token_ids=pad(chunk.token_ids, 1), valid=pad(chunk.valid, 1), positions=pad(chunk.positions, 2),
         unit=pad(chunk.unit, 1), span=pad(chunk.span, 1), offset=pad(chunk.offset, 1),
         embeds=None if chunk.embeds is None else pad(chunk.embeds, 1),
-        embed_mask=None if chunk.embed_mask is None else pad(chunk.embed_mask, 1))
+        embed_mask=None if chunk.embed_mask is None else pad(chunk.embed_mask, 1),
+        deepstack=None if chunk.deepstack is None else pad(chunk.deepstack, 2))
 
 
 def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 1,
@@ -201,3 +207,11 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
                              f"{np.shape(chunk.embeds)} and {np.shape(chunk.embed_mask)}")
         if not np.isfinite(np.asarray(chunk.embeds, np.float32)[np.asarray(chunk.embed_mask, bool)]).all():
             raise ValueError(f"{what}: embeds hold NaN or infinite values")
+    if chunk.deepstack is not None:
+        shape = np.shape(chunk.deepstack)
+        if chunk.embeds is None or len(shape) != len(bt) + 2 or shape[:lead] + shape[lead + 1:] != \
+                bt + (config.hidden_size,):
+            raise ValueError(f"{what}: deepstack must be [levels, ...{bt}, {config.hidden_size}] beside embeds, got "
+                             f"{shape}")
+        if shape[lead] > config.num_layers:
+            raise ValueError(f"{what}: {shape[lead]} DeepStack levels for a {config.num_layers}-layer decoder")

@@ -153,7 +153,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
     kv, hidden = prefill(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
-                         placement=paging.placement)
+                         placement=paging.placement, deepstack=chunk.deepstack)
     attended = layout_lib.layout_stats(kv, subblock)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]

@@ -224,3 +224,49 @@ def test_talker_only_or_unknown_architecture_is_refused(tmp_path, model_type):
     with pytest.raises(ConvertError, match=model_type):
         convert_checkpoint(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_units_streamed_one_by_one_equal_the_one_shot_forward(model):
+    """System text, an image, text, an audio clip, two audiovisual units and a question, each a streaming unit (with
+    its encoder outputs and DeepStack levels), give the one-shot forward's logits at every unit's last token."""
+    from omnijax.adapters import qwen3_omni as A
+    from omnijax.chunks import stack_chunks
+    from omnijax.models.qwen3_omni import audio as audio_lib
+    from omnijax.models.qwen3_omni import vision as vision_lib
+
+    D, levels, t = model.config.hidden_size, 2, model.omni
+    image, image_grid = _pixels(24, 10), (1, 4, 6)
+    clip = _mel(120, 11)[0]
+    av = [(_pixels(32, 12 + i), _mel(200, 14 + i)[0]) for i in range(2)]  # 2 s units: 2 frames, 200 mel frames
+    av_grid = (2, 4, 4)
+
+    img_out, img_levels = vision_lib.encode_vision(model.vision, image, np.asarray([image_grid]))
+    text = dict(hidden_size=D, deepstack_levels=levels, tokens=t)
+    units = [A.system_unit([1, 2, 3, 4], 0, **text),
+             A.image_unit(image_grid, 1, np.asarray(img_out), np.asarray(img_levels), tokens=t),
+             A.text_unit([10, 11, 12], 2, **text),
+             A.audio_unit(P.audio_token_count(120), 3, np.asarray(audio_lib.encode_audio(model.audio, clip)),
+                          deepstack_levels=levels, tokens=t)]
+    for i, (pixels, mel) in enumerate(av):
+        v, lv = vision_lib.encode_vision(model.vision, pixels, np.asarray([av_grid]))
+        a = audio_lib.encode_audio(model.audio, mel)
+        units.append(A.audiovisual_unit(av_grid, P.audio_token_count(200), 1.0, 4 + i, np.asarray(v), np.asarray(a),
+                                        np.asarray(lv), tokens=t))
+    units.append(A.text_unit([20, 21, 22, 23], 6, **text))
+    result = omnijax.stream(model, stack_chunks(units), page_size=8)
+
+    ids = np.concatenate([np.asarray(u.token_ids)[0] for u in units])[None]
+    mels = [clip] + [m for _, m in av]
+    frames = max(m.shape[1] for m in mels)
+    feats = np.stack([np.pad(m, ((0, 0), (0, frames - m.shape[1]))) for m in mels])
+    feature_mask = np.stack([np.arange(frames) < m.shape[1] for m in mels]).astype(np.int64)
+    full = np.asarray(model(input_ids=ids, attention_mask=np.ones_like(ids), input_features=feats,
+                            feature_attention_mask=feature_mask, pixel_values=image,
+                            image_grid_thw=np.asarray([image_grid]),
+                            pixel_values_videos=np.concatenate([p for p, _ in av]),
+                            video_grid_thw=np.asarray([av_grid] * 2), video_second_per_grid=np.asarray([1.0, 1.0]),
+                            use_audio_in_video=True))[0]
+    ends = np.cumsum([u.length for u in units]) - 1
+    np.testing.assert_allclose(np.asarray(result.logits[:, 0]), full[ends], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="fractional"):
+        A.video_unit(av_grid, 2 / 3, 9, hidden_size=D, tokens=t)

@@ -320,6 +320,6 @@ def test_config_from_hf_and_json():
     assert qp.Qwen3OmniConfig.from_hf({"audio_token_id": 5, "position_id_per_seconds": 25}).audio_token_id == 5
     assert qp.Qwen3OmniConfig.from_json(cfg.to_json()) == cfg
     assert cfg.placeholder_ids == {151675, 151655, 151656}
-    assert cfg.boundary_ids == {151652, 151653, 151669, 151670}
+    assert cfg.boundary_ids == {151652, 151653, 151669, 151670, 151644, 151645}
     with pytest.raises(ValueError, match="distinct"):
         qp.Qwen3OmniConfig(audio_token_id=151655)

@@ -38,7 +38,8 @@ def span_offsets(span: np.ndarray, unit: np.ndarray | None = None) -> np.ndarray
 
 def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[int], unit: int | Sequence[int], *,
                answer_tokens: int = 0, answer_unit: int | None = None, embed_mask: np.ndarray | None = None,
-               embeds: np.ndarray | None = None, advance: int | None = None) -> Chunk:
+               embeds: np.ndarray | None = None, advance: int | None = None,
+               deepstack: np.ndarray | None = None) -> Chunk:
     """A batch-1, unpadded `Chunk` from per-token host arrays.
 
     Args:
@@ -51,6 +52,7 @@ def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[i
         embed_mask: `[T]` bool, tokens whose embedding comes from `embeds`.
         embeds: `[T, D]` embeddings (zero where `embed_mask` is False); given with `embed_mask` or not at all.
         advance: cursor move after the chunk; default the largest offset + 1.
+        deepstack: `[n, T, D]` DeepStack levels (Qwen3-Omni), zero away from visual tokens; needs `embeds`.
     """
     ids = np.asarray(token_ids, np.int64).reshape(-1)
     T = ids.shape[0]
@@ -65,6 +67,9 @@ def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[i
         raise ValueError(f"span must have {T} entries, got {span.shape}")
     if (embeds is None) != (embed_mask is None):
         raise ValueError("embeds and embed_mask come together")
+    if deepstack is not None and (embeds is None or np.shape(deepstack)[1:] != np.shape(embeds)):
+        raise ValueError(f"deepstack must be [levels, T, D] beside embeds {np.shape(embeds)}, got "
+                         f"{np.shape(deepstack)}")
     if answer_unit is None:
         answer_unit = int(units[-1]) + 1
     return Chunk(
@@ -73,7 +78,8 @@ def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[i
         answer_tokens=np.asarray([answer_tokens], np.int32), answer_unit=np.asarray([answer_unit], np.int32),
         advance=np.asarray([int(pos.max()) + 1 if advance is None else advance], np.int32),
         embeds=None if embeds is None else np.asarray(embeds)[None],
-        embed_mask=None if embed_mask is None else np.asarray(embed_mask, bool).reshape(1, T))
+        embed_mask=None if embed_mask is None else np.asarray(embed_mask, bool).reshape(1, T),
+        deepstack=None if deepstack is None else np.asarray(deepstack)[:, None])
 
 
 def place_embeds(ids: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray | None]],
@@ -170,8 +176,11 @@ def concat(chunks: Sequence[Chunk]) -> Chunk:
         raise ValueError("nothing to concatenate")
     if len({c.embeds is None for c in chunks}) != 1:
         raise ValueError("either every chunk carries embeddings or none does (see with_embeds)")
+    levels = {np.shape(c.deepstack)[0] for c in chunks if c.deepstack is not None}
+    if len(levels) > 1:
+        raise ValueError(f"parts carry different numbers of DeepStack levels: {sorted(levels)}")
     axes = max(np.shape(c.positions)[0] for c in chunks)
-    ids, pos, span, unit, emb, mask, cursor = [], [], [], [], [], [], 0
+    ids, pos, span, unit, emb, mask, stack, cursor = [], [], [], [], [], [], [], 0
     for c in chunks:
         valid = np.asarray(c.valid, bool)[0]
         p = np.asarray(c.positions, np.int64)[:, 0][:, valid]
@@ -182,12 +191,17 @@ def concat(chunks: Sequence[Chunk]) -> Chunk:
         if c.embeds is not None:
             emb.append(np.asarray(c.embeds)[0][valid])
             mask.append(np.asarray(c.embed_mask, bool)[0][valid])
+        if levels:  # parts without DeepStack levels get zeros (text between images)
+            D = np.shape(c.embeds)[-1]
+            stack.append(np.zeros((min(levels), int(valid.sum()), D), np.float32) if c.deepstack is None
+                         else np.asarray(c.deepstack)[:, 0][:, valid])
         cursor += int(np.asarray(c.advance)[0])
     last = chunks[-1]
     return make_chunk(np.concatenate(ids), np.concatenate(pos, axis=1), np.concatenate(span), np.concatenate(unit),
                       answer_tokens=int(np.asarray(last.answer_tokens)[0]),
                       answer_unit=int(np.asarray(last.answer_unit)[0]), advance=cursor,
-                      embeds=np.concatenate(emb) if emb else None, embed_mask=np.concatenate(mask) if mask else None)
+                      embeds=np.concatenate(emb) if emb else None, embed_mask=np.concatenate(mask) if mask else None,
+                      deepstack=np.concatenate(stack, axis=1) if stack else None)
 
 
 def _fields(chunk: Chunk) -> list:

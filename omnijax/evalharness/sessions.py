@@ -89,7 +89,8 @@ def split_text_chunk(chunk: Chunk, max_len: int) -> list[Chunk]:
             span=cut(chunk.span), offset=cut(chunk.offset), positions=pos[:, :, a:b] - a,
             answer_tokens=np.asarray(chunk.answer_tokens) * (b == n), advance=np.asarray([b - a], np.int32),
             embeds=None if chunk.embeds is None else cut(chunk.embeds),
-            embed_mask=None if chunk.embed_mask is None else cut(chunk.embed_mask)))
+            embed_mask=None if chunk.embed_mask is None else cut(chunk.embed_mask),
+            deepstack=None if chunk.deepstack is None else np.asarray(chunk.deepstack)[:, :, a:b]))
     return parts
 
 

@@ -383,6 +383,10 @@ class Engine:
             D = with_embeds[0].embeds.shape[-1]
             out["embeds"] = np.zeros((B, T, D), with_embeds[0].embeds.dtype)
             out["embed_mask"] = z(bool)
+        with_levels = [c for c in frames.values() if c.deepstack is not None]
+        if with_levels:
+            n, D = with_levels[0].deepstack.shape[0], with_levels[0].deepstack.shape[-1]
+            out["deepstack"] = np.zeros((n, B, T, D), with_levels[0].deepstack.dtype)
         for s, c in frames.items():
             r = self._slots[s]
             for name in ("token_ids", "valid", "unit", "span", "offset", "answer_tokens", "answer_unit", "advance"):
@@ -390,6 +394,8 @@ class Engine:
             out["positions"][:, r] = c.positions[:, 0]
             if c.embeds is not None:
                 out["embeds"][r], out["embed_mask"][r] = c.embeds[0], c.embed_mask[0]
+            if c.deepstack is not None:
+                out["deepstack"][:, r] = c.deepstack[:, 0]
         return Chunk(**out)
 
     def tick(self) -> TickReport:

@@ -84,6 +84,7 @@ class Qwen3OmniConfig(JsonConfig):
             `<|video_pad|>`) replaced by encoder outputs.
         vision_start_token_id, vision_end_token_id: `<|vision_start|>`, `<|vision_end|>`.
         audio_start_token_id, audio_end_token_id: `<|audio_start|>`, `<|audio_end|>`.
+        im_start_token_id, im_end_token_id: the chat markers `<|im_start|>`, `<|im_end|>` (BOUNDARY spans).
         position_id_per_seconds: temporal ids per second of media (13).
         spatial_merge_size: patches merged per side into one LLM token (2).
     """
@@ -95,6 +96,8 @@ class Qwen3OmniConfig(JsonConfig):
     vision_end_token_id: int = 151653
     audio_start_token_id: int = 151669
     audio_end_token_id: int = 151670
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
     position_id_per_seconds: Union[int, float] = 13
     spatial_merge_size: int = 2
 
@@ -125,9 +128,9 @@ class Qwen3OmniConfig(JsonConfig):
 
     @property
     def boundary_ids(self) -> frozenset[int]:
-        """Start and end markers of the modality groups."""
+        """Start and end markers of the modality groups and the chat markers."""
         return frozenset({self.vision_start_token_id, self.vision_end_token_id, self.audio_start_token_id,
-                          self.audio_end_token_id})
+                          self.audio_end_token_id, self.im_start_token_id, self.im_end_token_id})
 
 
 # --- counts and per-piece positions ----------------------------------------------------------------------------------
