@@ -3,6 +3,9 @@
 `units_for(model)` returns the builder of the model's family:
 - `QwenOmniUnits` (Qwen2.5-Omni and plain Qwen/Llama decoders): text through `omnijax.adapters.qwen2_5_omni`, media
   through `omnijax.models.qwen2_5_omni.frontend` (2 s audiovisual units at 2 fps, TMRoPE offsets).
+- `Qwen3OmniUnits` (Qwen3-Omni): the same through `omnijax.adapters.qwen3_omni` and
+  `omnijax.models.qwen3_omni.frontend` (2 s audiovisual groups at 2 fps, interleaved M-RoPE offsets); every chunk
+  carries the vision encoder's DeepStack levels (zeros on text).
 - `MiniCPMOUnits` (MiniCPM-o 4.5): text through `omnijax.adapters.minicpmo`, media as `<unit> [<image> E </image>
   (<slice> E </slice>)*] [<|audio_start|> A <|audio_end|>] </unit>` (1 s units, one frame each), 1D positions.
 
@@ -57,15 +60,18 @@ class _Units:
     def pad(self, chunk: Chunk) -> Chunk:
         return pad_chunk(chunk, bucket(chunk.length))
 
+    levels = 0  # DeepStack levels every chunk carries
+
     def continuation(self, unit: int, answer_tokens: int) -> Chunk:
         """A chunk without tokens that asks for `answer_tokens` more tokens of the answer unit `unit`."""
         embeds = None if self.hidden_size is None else np.zeros((1, 1, self.hidden_size), np.float32)
+        deepstack = np.zeros((self.levels, 1, 1, self.hidden_size), np.float32) if self.levels else None
         return Chunk(token_ids=np.zeros((1, 1), np.int32), valid=np.zeros((1, 1), bool),
                      positions=np.zeros((self.axes, 1, 1), np.int32), unit=np.full((1, 1), unit, np.int32),
                      span=np.full((1, 1), int(SpanKind.RESPONSE), np.int32), offset=np.zeros((1, 1), np.int32),
                      answer_tokens=np.asarray([answer_tokens], np.int32), answer_unit=np.asarray([unit], np.int32),
                      advance=np.zeros((1,), np.int32), embeds=embeds,
-                     embed_mask=None if embeds is None else np.zeros((1, 1), bool))
+                     embed_mask=None if embeds is None else np.zeros((1, 1), bool), deepstack=deepstack)
 
     def open_video(self, path):
         """A video file cut into this family's audiovisual units (`omnijax.video.open_video`), checked up front."""
@@ -94,8 +100,16 @@ class QwenOmniUnits(_Units):
         from omnijax.adapters import qwen2_5_omni as adapter
         self.adapter, self.tokens = adapter, adapter._tokens(getattr(model, "omni", None))
 
+    @property
+    def frontend(self):
+        from omnijax.models.qwen2_5_omni import frontend
+        return frontend
+
+    def _text_options(self) -> dict:
+        return dict(hidden_size=self.hidden_size, tokens=self.tokens)
+
     def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
-        a, common = self.adapter, dict(hidden_size=self.hidden_size, tokens=self.tokens)
+        a, common = self.adapter, self._text_options()
         if kind == SpanKind.SYSTEM:
             chunk = a.system_unit(ids, unit, **common)
         elif kind == SpanKind.RESPONSE:
@@ -106,17 +120,34 @@ class QwenOmniUnits(_Units):
         return chunk if self.axes == 3 else dataclasses.replace(chunk, positions=chunk.positions[:self.axes])
 
     def image(self, image, unit: int) -> Chunk:
-        from omnijax.models.qwen2_5_omni import frontend
-        return frontend.image_chunk(self.model, np.asarray(image), unit)
+        return self.frontend.image_chunk(self.model, np.asarray(image), unit)
 
     def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
-        from omnijax.models.qwen2_5_omni import frontend
-        return frontend.audio_chunk(self.model, np.asarray(pcm, np.float32), unit, sample_rate=sample_rate)
+        return self.frontend.audio_chunk(self.model, np.asarray(pcm, np.float32), unit, sample_rate=sample_rate)
 
     def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
-        from omnijax.models.qwen2_5_omni import frontend
-        return frontend.audiovisual_chunk(self.model, self.frames_of(frames), np.asarray(pcm, np.float32), unit,
-                                          fps=self.fps, **video_kwargs)
+        return self.frontend.audiovisual_chunk(self.model, self.frames_of(frames), np.asarray(pcm, np.float32), unit,
+                                               fps=self.fps, **video_kwargs)
+
+
+class Qwen3OmniUnits(QwenOmniUnits):
+    """Qwen3-Omni units: 2 s audiovisual groups at 2 fps, interleaved M-RoPE, DeepStack levels on every chunk."""
+
+    def __init__(self, model):
+        _Units.__init__(self, model)
+        vision = model.vision
+        self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
+        self.levels = 0 if vision is None else vision.config.num_deepstack
+        from omnijax.adapters import qwen3_omni as adapter
+        self.adapter, self.tokens = adapter, adapter._tokens(model.omni)
+
+    @property
+    def frontend(self):
+        from omnijax.models.qwen3_omni import frontend
+        return frontend
+
+    def _text_options(self) -> dict:
+        return dict(hidden_size=self.hidden_size, tokens=self.tokens, deepstack_levels=self.levels)
 
 
 class MiniCPMOUnits(_Units):
@@ -176,7 +207,9 @@ def units_for(model) -> _Units:
     """The unit builder of the model's family."""
     if getattr(model, "model_type", None) == "minicpmo":
         return MiniCPMOUnits(model)
+    if getattr(model, "model_type", None) == "qwen3_omni":
+        return Qwen3OmniUnits(model)
     return QwenOmniUnits(model)
 
 
-__all__ = ["MIN_BUCKET", "MiniCPMOUnits", "QwenOmniUnits", "bucket", "units_for"]
+__all__ = ["MIN_BUCKET", "MiniCPMOUnits", "Qwen3OmniUnits", "QwenOmniUnits", "bucket", "units_for"]
