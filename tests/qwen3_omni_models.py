@@ -22,23 +22,26 @@ IDS = dict(audio_token_id=290, image_token_id=291, video_token_id=292, audio_sta
            audio_end_token_id=294, vision_start_token_id=295, vision_end_token_id=296, position_id_per_seconds=13)
 
 
-def thinker_config(**text_overrides):
+def thinker_config(*, audio_overrides: dict | None = None, **text_overrides):
+    """The tiny thinker config; `audio_overrides` replace `AUDIO` entries (e.g. `num_mel_bins=128`)."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 
     # The end-marker ids are not thinker config attributes in transformers; set here they are saved in config.json
     # (the converter reads them there, else from the tokenizer, else the release's).
-    return Qwen3OmniMoeThinkerConfig(text_config=dict(TEXT, **text_overrides), audio_config=AUDIO,
-                                     vision_config=VISION, **IDS)
+    return Qwen3OmniMoeThinkerConfig(text_config=dict(TEXT, **text_overrides),
+                                     audio_config=dict(AUDIO, **(audio_overrides or {})), vision_config=VISION, **IDS)
 
 
-def build_thinker(seed: int = 0, scale: float = 0.1, **text_overrides):
-    """A random tiny thinker in eval mode, every LLM weight redrawn as N(0, scale) (sharper routing and attention)."""
+def build_thinker(seed: int = 0, scale: float = 0.1, *, audio_overrides: dict | None = None, **text_overrides):
+    """A random tiny thinker in eval mode, every LLM weight redrawn as N(0, scale) (sharper routing and attention);
+    `audio_overrides` replace `AUDIO` entries."""
     import torch
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeThinkerForConditionalGeneration)
 
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config(**text_overrides)).eval()
+    model = Qwen3OmniMoeThinkerForConditionalGeneration(
+        thinker_config(audio_overrides=audio_overrides, **text_overrides)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.startswith("model.") or name.startswith("lm_head"):
@@ -84,3 +87,16 @@ class windowed_audio:
         for hook in self.hooks:
             hook.remove()
         return False
+
+
+SPECIALS = {"<|endoftext|>": 289, "<|audio_pad|>": 290, "<|image_pad|>": 291, "<|video_pad|>": 292,
+            "<|audio_start|>": 293, "<|audio_end|>": 294, "<|vision_start|>": 295, "<|vision_end|>": 296,
+            "<|im_start|>": 297, "<|im_end|>": 298}
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """A tiny byte-level BPE with the tiny thinker's special ids (ChatML template) next to a saved checkpoint."""
+    from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+
+    return write_tiny_tokenizer(directory, vocab_size=TEXT["vocab_size"], special_tokens=SPECIALS,
+                                chat_template=CHATML_TEMPLATE)
