@@ -1,4 +1,5 @@
-"""PCM frames as engine input: one frame of 16 kHz int16 audio -> a Qwen2.5-Omni audio unit chunk."""
+"""PCM frames as engine input: one frame of 16 kHz int16 audio -> an audio unit chunk of the model's family
+(Qwen2.5-Omni: 25 audio tokens per second; Qwen3-Omni: the AuT encoder's 13 per 100 mel frames)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,26 @@ import numpy as np
 from omnijax.serve.protocol import SAMPLE_RATE
 
 
-def frame_tokens(samples: int) -> int:
-    """Chunk tokens of one frame of `samples` PCM samples: its audio tokens (25 per second) plus the two markers."""
+def _qwen3(model) -> bool:
+    return getattr(model, "model_type", None) == "qwen3_omni"
+
+
+def frame_tokens(samples: int, model=None) -> int:
+    """Chunk tokens of one frame of `samples` PCM samples: its audio tokens plus the two markers (Qwen2.5-Omni's
+    count unless `model` is a Qwen3-Omni thinker)."""
+    if _qwen3(model):
+        from omnijax.models.qwen2_5_omni.audio_features import HOP_LENGTH
+        from omnijax.models.qwen3_omni.audio import audio_token_count
+
+        return audio_token_count(-(-int(samples) // HOP_LENGTH)) + 2
     from omnijax.models.qwen2_5_omni import frontend
 
     return frontend.num_audio_tokens(samples) + 2
 
 
 class AudioFrameEncoder:
-    """PCM frame -> Qwen2.5-Omni audio unit chunk: `log_mel` -> audio encoder -> `audio_unit`, padded to T.
+    """PCM frame -> audio unit chunk: `log_mel` -> the model's audio encoder -> its family's `audio_unit`, padded
+    to T.
 
     Args:
         model: an `omnijax.Model` with an audio encoder.
@@ -35,10 +47,15 @@ class AudioFrameEncoder:
 
     def encode(self, pcm: np.ndarray, unit: int):
         """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
-        from omnijax.adapters.qwen2_5_omni import audio_unit
         from omnijax.chunks import pad_chunk
-        from omnijax.models.qwen2_5_omni.audio import encode_audio
         from omnijax.models.qwen2_5_omni.audio_features import log_mel
+
+        if _qwen3(self.model):
+            from omnijax.adapters.qwen3_omni import audio_unit
+            from omnijax.models.qwen3_omni.audio import encode_audio
+        else:
+            from omnijax.adapters.qwen2_5_omni import audio_unit
+            from omnijax.models.qwen2_5_omni.audio import encode_audio
 
         audio = np.asarray(pcm, np.float32) / 32768.0
         features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),

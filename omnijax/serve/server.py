@@ -440,6 +440,7 @@ def main(argv=None) -> int:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
             model = omnijax.load(path)
+            chunk_tokens = frame_tokens(samples, model)  # the model family's audio tokens per frame
             # --sink and --window are sink_window's settings where --policy does not give them.
             policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
             stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
