@@ -309,3 +309,19 @@ def test_omnipick_and_omnipage_run_a_qwen3_omni_session(model):
         assert np.asarray(run.tokens).tolist() == np.asarray(base.tokens).tolist(), mode
     fed = int(np.asarray(chunks.valid).sum()) + 4  # every token and the answer
     assert retained[-1] < fed / 2
+
+
+def test_tidekv_prefill_with_deepstack_equals_the_forward_and_compresses(model):
+    """Layer-major prefill adds the DeepStack levels inside its layer loop: without eviction its last logits equal
+    the forward's; with SnapKV budgets it keeps that many tokens per KV head and decodes on."""
+    from omnijax.prefill import SnapKV, decode_step
+
+    ids = _ids([5, 6], _group(P.ImageGroup((1, 4, 6))), np.arange(10, 40))
+    media = dict(pixel_values=_pixels(24, 30), image_grid_thw=np.asarray([[1, 4, 6]]))
+    full = np.asarray(model(input_ids=ids, **media))[0, -1]
+    kept_all = model.prefill(ids, chunk=16, page=16, **media)
+    np.testing.assert_allclose(np.asarray(kept_all.logits[0]), full, atol=1e-4, rtol=0)
+    compressed = model.prefill(ids, selector=SnapKV(window=4), budgets=20, chunk=16, page=16, room=2, **media)
+    assert [int(np.asarray(layer.length).max()) for layer in compressed.cache.layers] == [20] * 3
+    logits, _ = decode_step(model.decoder, compressed.cache, np.asarray([int(np.argmax(compressed.logits[0]))]))
+    assert np.isfinite(np.asarray(logits)).all()
