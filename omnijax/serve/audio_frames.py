@@ -16,10 +16,9 @@ def frame_tokens(samples: int, model=None) -> int:
     """Chunk tokens of one frame of `samples` PCM samples: its audio tokens plus the two markers (Qwen2.5-Omni's
     count unless `model` is a Qwen3-Omni thinker)."""
     if _qwen3(model):
-        from omnijax.models.qwen2_5_omni.audio_features import HOP_LENGTH
-        from omnijax.models.qwen3_omni.audio import audio_token_count
+        from omnijax.models.qwen3_omni import frontend
 
-        return audio_token_count(-(-int(samples) // HOP_LENGTH)) + 2
+        return frontend.num_audio_tokens(samples) + 2
     from omnijax.models.qwen2_5_omni import frontend
 
     return frontend.num_audio_tokens(samples) + 2
@@ -48,14 +47,15 @@ class AudioFrameEncoder:
     def encode(self, pcm: np.ndarray, unit: int):
         """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
         from omnijax.chunks import pad_chunk
-        from omnijax.models.qwen2_5_omni.audio_features import log_mel
 
-        if _qwen3(self.model):
+        if _qwen3(self.model):  # the Qwen3-Omni processor's features (reflected edges, samples // 160 frames)
             from omnijax.adapters.qwen3_omni import audio_unit
             from omnijax.models.qwen3_omni.audio import encode_audio
+            from omnijax.models.qwen3_omni.frontend import log_mel
         else:
             from omnijax.adapters.qwen2_5_omni import audio_unit
             from omnijax.models.qwen2_5_omni.audio import encode_audio
+            from omnijax.models.qwen2_5_omni.audio_features import log_mel
 
         audio = np.asarray(pcm, np.float32) / 32768.0
         features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),
