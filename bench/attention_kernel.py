@@ -210,6 +210,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (0 with --save-layouts: capture only)")
     parser.add_argument("--every", type=int, default=3, help="chunk stride of the cumulative attention time")
     parser.add_argument("--impl", choices=("xla", "pallas"), default="xla", help="attention implementation timed")
+    parser.add_argument("--pages-per-block", type=int, default=0,
+                        help="impl=xla with this many pages per online-softmax step (a power of two; 0: "
+                             "attention.block_pages chooses from the shapes; 1: one page per step)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="query and K/V dtype")
     parser.add_argument("--inner", type=int, default=1, help="layers per timed call (amortises launch overhead)")
     parser.add_argument("--splits", type=int, default=1,
@@ -266,7 +269,9 @@ def main(argv=None):
     rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
     qs = {"prefill": rand(1, unit, H, D), "decode": rand(1, 1, H, D)}
     kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, omni_pool)}
-    if args.splits == 1:
+    if args.pages_per_block:  # impl=xla with a fixed block (1: the page-at-a-time loop it replaced)
+        one_layer = lambda q, k, v, view: attention.attend_xla(q, k, v, view, pages_per_block=args.pages_per_block)
+    elif args.splits == 1:
         one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
     else:  # the kernel itself: `attention.attend` runs it unsplit
         one_layer = pallas_attend(num_splits=args.splits)

@@ -8,6 +8,8 @@ name table as the Qwen checkpoints (`convert.qwen2_5_omni.NAME_TABLE`) under the
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
 
 def decoder_component(config: DecoderConfig) -> Component:
     """The LLM's conversion table under `llm.`."""
-    base = qwen.decoder_component(config)
-    return Component(name="decoder", prefix=LLM_PREFIX, rules=base.rules, dims=base.dims,
-                     num_layers=base.num_layers, flags=base.flags)
+    return dataclasses.replace(qwen.decoder_component(config), name="decoder", prefix=LLM_PREFIX)
 
 
 def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:

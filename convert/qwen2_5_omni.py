@@ -211,9 +211,8 @@ NAME_TABLE: tuple[Rule, ...] = (
     Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T", layers="dense", when="dense_mlp"),
     # Qwen3-MoE layers (`DecoderConfig.sparse_layers`): the router and each expert's SwiGLU, stacked [Lm, E, ...].
     Rule(_L + "mlp.gate.weight", "layers/router", "D E", transform="T", layers="sparse", when="moe"),
-    Rule(_L + "mlp.experts.{e}.gate_proj.weight", "layers/expert_gate", "D Ie", transform="T", layers="sparse", when="moe"),
-    Rule(_L + "mlp.experts.{e}.up_proj.weight", "layers/expert_up", "D Ie", transform="T", layers="sparse", when="moe"),
-    Rule(_L + "mlp.experts.{e}.down_proj.weight", "layers/expert_down", "Ie D", transform="T", layers="sparse", when="moe"),
+    *(Rule(_L + f"mlp.experts.{{e}}.{name}_proj.weight", f"layers/expert_{name}", dims, transform="T",
+           layers="sparse", when="moe") for name, dims in (("gate", "D Ie"), ("up", "D Ie"), ("down", "Ie D"))),
     Rule("model.norm.weight", "final_norm", "D"),
     Rule("lm_head.weight", "lm_head", "D V", transform="T", when="untied"),
 )
@@ -235,11 +234,16 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
     """The encoder components a Qwen2.5-Omni config declares: name -> (component, JSON config)."""
     if model_type_for(hf_config) != "qwen2_5_omni":
         return {}
-    thinker = _thinker_config(hf_config)
+    return read_encoders(_thinker_config(hf_config), dtype, (
+        ("audio", "audio_config", audio_lib.AudioConfig, audio_lib.audio_component),
+        ("vision", "vision_config", vision_lib.VisionConfig, vision_lib.vision_component)))
+
+
+def read_encoders(thinker: Mapping[str, Any], dtype: str, encoders) -> dict[str, tuple[Any, dict]]:
+    """The encoders a thinker config declares: for each `(name, config key, config class, tables)` whose key is
+    set, name -> (`tables(config)`, the config as JSON); inconsistent values become `ConfigError`s naming the key."""
     out = {}
-    for name, key, config_cls, component in (
-            ("audio", "audio_config", audio_lib.AudioConfig, audio_lib.audio_component),
-            ("vision", "vision_config", vision_lib.VisionConfig, vision_lib.vision_component)):
+    for name, key, config_cls, tables_of in encoders:
         if thinker.get(key) is None:
             continue
         try:
@@ -248,7 +252,7 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
             raise
         except ValueError as e:  # inconsistent values
             raise ConfigError(f"{key}: {e}") from e
-        out[name] = (component(config), config.to_json())
+        out[name] = (tables_of(config), config.to_json())
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from convert import qwen2_5_omni as shared
 from convert import streaming
-from convert.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
+from convert.errors import ConfigError, MissingTensorError, UnsupportedConfigError
 from convert.safetensors_io import SafetensorsCheckpoint
 from convert.special_tokens import read_special_tokens
 from convert.tables import Component
@@ -70,7 +70,8 @@ def _check_text(text: Mapping[str, Any], scope: str) -> None:
         if key not in _INERT | _READ | HF_PRETRAINED_CONFIG_ATTRIBUTES and value not in (None, False, 0, [], {}, ""):
             raise UnsupportedConfigError(f"{scope}.{key}", value, "not implemented by the Qwen3-MoE decoder")
     if text.get("use_qk_norm", True) is not True:
-        raise UnsupportedConfigError(f"{scope}.use_qk_norm", text["use_qk_norm"], "Qwen3 attention always normalises q/k")
+        raise UnsupportedConfigError(f"{scope}.use_qk_norm", text["use_qk_norm"],
+                                     "Qwen3 attention always normalises q and k")
     act = text.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedConfigError(f"{scope}.hidden_act", act, "only the SiLU-gated MLP and experts are implemented")
@@ -153,21 +154,9 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
     from omnijax.models.qwen3_omni import audio as audio_lib
     from omnijax.models.qwen3_omni import vision as vision_lib
 
-    thinker = thinker_config(hf_config)
-    out = {}
-    for name, key, config_cls, component in (
-            ("audio", "audio_config", audio_lib.Qwen3AudioConfig, lambda c: (audio_lib.audio_component(c),)),
-            ("vision", "vision_config", vision_lib.Qwen3VisionConfig, vision_lib.vision_components)):
-        if thinker.get(key) is None:
-            continue
-        try:
-            config = config_cls.from_hf(thinker[key], dtype=dtype)
-        except ConvertError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from e
-        out[name] = (component(config), config.to_json())
-    return out
+    return shared.read_encoders(thinker_config(hf_config), dtype, (
+        ("audio", "audio_config", audio_lib.Qwen3AudioConfig, lambda c: (audio_lib.audio_component(c),)),
+        ("vision", "vision_config", vision_lib.Qwen3VisionConfig, vision_lib.vision_components)))
 
 
 # The tokenizer's text of the ids a thinker config may leave out (the config wins where it sets them).

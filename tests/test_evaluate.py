@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import multidevice
+
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1), (4, 2), (2, 4)]
 
@@ -100,30 +102,9 @@ _WORKER = _SETUP + textwrap.dedent("""
 """)
 
 
-def _env(devices: int) -> dict:
-    # LLVM optimisation off: these tiny programs then compile about 2.5x faster (what dominates here); sharded and
-    # unsharded runs share the flag, so the comparison is unaffected.
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
-
-
-def _worker_prelude() -> str:
-    cache = os.path.abspath(os.environ.get("OMNIJAX_TEST_JAX_CACHE", ROOT / ".jax_cache"))
-    return textwrap.dedent(f"""
-        import jax
-        jax.config.update("jax_default_matmul_precision", "highest")
-        jax.config.update("jax_compilation_cache_dir", {cache!r})
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    """)
-
-
 @pytest.fixture(scope="module")
 def sharded():
-    run = subprocess.run([sys.executable, "-c", _worker_prelude() + _WORKER], env=_env(8), capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return multidevice.run_worker(_WORKER)
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -258,8 +239,8 @@ def test_two_processes_on_loopback_equal_one():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    code = _worker_prelude() + _MULTIHOST
-    procs = [subprocess.Popen([sys.executable, "-c", code, address, str(i)], env=_env(4), cwd=ROOT, text=True,
+    code = multidevice.prelude() + _MULTIHOST
+    procs = [subprocess.Popen([sys.executable, "-c", code, address, str(i)], env=multidevice.env(4), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outs):

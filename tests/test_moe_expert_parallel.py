@@ -8,15 +8,13 @@ summary the tests read. The worker records what `evaluate` places on the mesh by
 call through which it places the parameters.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import types
 from pathlib import Path
 
 import pytest
+
+from tests import multidevice
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(4, 2), (2, 4)]
@@ -118,30 +116,9 @@ _WORKER = _SETUP + textwrap.dedent("""
 """)
 
 
-def _env(devices: int) -> dict:
-    # As test_evaluate: LLVM optimisation off (these tiny programs compile about 2.5x faster); sharded and unsharded
-    # runs share the flag, so the comparison is unaffected.
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
-
-
-def _worker_prelude() -> str:
-    cache = os.path.abspath(os.environ.get("OMNIJAX_TEST_JAX_CACHE", ROOT / ".jax_cache"))
-    return textwrap.dedent(f"""
-        import jax
-        jax.config.update("jax_default_matmul_precision", "highest")
-        jax.config.update("jax_compilation_cache_dir", {cache!r})
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    """)
-
-
 @pytest.fixture(scope="module")
 def sharded():
-    run = subprocess.run([sys.executable, "-c", _worker_prelude() + _WORKER], env=_env(8), capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return multidevice.run_worker(_WORKER)
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")

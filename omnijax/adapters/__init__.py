@@ -36,6 +36,21 @@ def span_offsets(span: np.ndarray, unit: np.ndarray | None = None) -> np.ndarray
     return (np.arange(n) - run_start).astype(np.int32)
 
 
+def text_spans(token_ids: Sequence[int], kind, tokens, *, markers: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """`(ids [T] int64, span [T] int32)` of a text unit of a Qwen-style family: every token `kind`, the chat and
+    modality markers BOUNDARY when `markers`. `tokens` (the family's id config) names the placeholders and the
+    group starts, which text must not hold (each group has its own builder)."""
+    ids = np.asarray(token_ids, np.int64).reshape(-1)
+    bad = np.isin(ids, list(tokens.placeholder_ids) + [tokens.audio_start_token_id, tokens.vision_start_token_id])
+    if bad.any():
+        raise ValueError(f"text holds multimodal token {int(ids[bad][0])}: build that segment with its own builder "
+                         f"(image_unit, audio_unit, ...) and join them with concat")
+    span = np.full(ids.shape, int(kind), np.int32)
+    if markers:
+        span[np.isin(ids, list(tokens.boundary_ids))] = SpanKind.BOUNDARY
+    return ids, span
+
+
 def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[int], unit: int | Sequence[int], *,
                answer_tokens: int = 0, answer_unit: int | None = None, embed_mask: np.ndarray | None = None,
                embeds: np.ndarray | None = None, advance: int | None = None,
@@ -208,5 +223,5 @@ def _fields(chunk: Chunk) -> list:
     return [getattr(chunk, f.name) for f in dataclasses.fields(Chunk)]
 
 
-__all__ = ["SpanKind", "concat", "make_chunk", "place_embeds", "span_offsets", "token_layout", "unstack",
+__all__ = ["SpanKind", "concat", "make_chunk", "place_embeds", "span_offsets", "text_spans", "token_layout", "unstack",
            "with_embeds"]

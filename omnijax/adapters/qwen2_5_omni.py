@@ -170,14 +170,7 @@ def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32, *, tokens: Omn
 
 
 def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, t: OmniConfig, markers=True) -> Chunk:
-    ids = np.asarray(token_ids, np.int64).reshape(-1)
-    bad = np.isin(ids, list(t.placeholder_ids) + [t.audio_start_token_id, t.vision_start_token_id])
-    if bad.any():
-        raise ValueError(f"text holds multimodal token {int(ids[bad][0])}: build that segment with its own builder "
-                         f"(image_unit, audio_unit, ...) and join them with concat")
-    span = np.full(ids.shape, int(kind), np.int32)
-    if markers:
-        span[np.isin(ids, list(t.boundary_ids))] = SpanKind.BOUNDARY
+    ids, span = adapters.text_spans(token_ids, kind, t, markers=markers)
     seg = tmrope.text_positions(ids.shape[0])
     embeds, mask = adapters.place_embeds(ids, [], hidden_size)
     return adapters.make_chunk(ids, seg.positions, span, unit, answer_tokens=answer_tokens, answer_unit=answer_unit,

@@ -128,7 +128,7 @@ class MiniCPMOModel:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, B, S))
         graphdef, params = nnx.split(self.decoder)
         ids = jnp.zeros((B, S), jnp.int32)
-        return _forward(graphdef, params, ids, jnp.ones((B, S), bool), positions, x, jnp.ones((B, S), bool),
+        return _forward(graphdef, params, ids, jnp.ones((B, S), bool), positions, x, jnp.ones((B, S), bool), None,
                         page_size=64)
 
 

@@ -135,15 +135,23 @@ def multimodal_embeddings(model, input_ids: np.ndarray, *, input_features=None, 
         out = vision_lib.encode_vision(_encoder(model, "vision"), np.asarray(pixels, np.float32), np.asarray(grid))
         groups.append((kind, token, np.asarray(out, np.float32)))
     for kind, token, features in groups:
-        where = ids == token
-        if int(where.sum()) != features.shape[0]:
-            raise ThinkerInputError(f"{kind} features and {kind} tokens do not match: {int(where.sum())} "
-                                    f"placeholder tokens, {features.shape[0]} encoder outputs")
-        if features.shape[1] != D:
-            raise ThinkerInputError(f"{kind} encoder outputs are {features.shape[1]} wide, the decoder takes {D}")
-        embeds[where] = features
-        embed_mask |= where
+        scatter_features(embeds, embed_mask, ids == token, features, kind)
     return embeds, embed_mask, audio_lengths
+
+
+def scatter_features(embeds: np.ndarray, embed_mask: np.ndarray, where: np.ndarray, features: np.ndarray,
+                     kind: str) -> None:
+    """Writes encoder `features [n, D]` onto the `n` placeholder tokens `where [B, T]` of `embeds [B, T, D]` in
+    order (batch-major, as transformers' `masked_scatter`), marking them in `embed_mask`; refuses a count or width
+    that does not fit."""
+    if int(where.sum()) != features.shape[0]:
+        raise ThinkerInputError(f"{kind} features and {kind} tokens do not match: {int(where.sum())} placeholder "
+                                f"tokens, {features.shape[0]} encoder outputs")
+    if features.shape[1] != embeds.shape[-1]:
+        raise ThinkerInputError(f"{kind} encoder outputs are {features.shape[1]} wide, the decoder takes "
+                                f"{embeds.shape[-1]}")
+    embeds[where] = features
+    embed_mask |= where
 
 
 def _encoder(model, kind: str):

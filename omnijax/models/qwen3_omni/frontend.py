@@ -64,6 +64,7 @@ from omnijax.models.qwen2_5_omni import vision_preprocess
 from omnijax.models.qwen2_5_omni.audio_features import (HOP_LENGTH, N_FFT, SAMPLE_RATE, AudioInputError,
                                                         InvalidPcmError, check_pcm_layout, finite_float32,
                                                         mel_filters)
+from omnijax.models.qwen2_5_omni import frontend as frontend25
 from omnijax.models.qwen2_5_omni.frontend import (FrameCountError, FrontendError, MissingEncoderError, _relabel,
                                                   _unit, expected_frames, synthetic_frames, tone)
 from omnijax.models.qwen2_5_omni.vision_preprocess import VisionInputError
@@ -155,17 +156,9 @@ def _levels(model) -> int:
 
 
 def _encoder(model, kind: str):
-    encoder = getattr(model, kind, None)
-    if encoder is None:
-        source = getattr(model, "source", None)
-        where = f" ({source})" if source else ""
-        tensors = "thinker.audio_tower.*" if kind == "audio" else "thinker.visual.*"
-        raise MissingEncoderError(f"this checkpoint has no {kind} encoder{where}; {kind} chunks need a checkpoint "
-                                  f"converted with a {kind}_config and its {tensors} tensors")
-    out = encoder.config.output_dim if kind == "audio" else encoder.config.out_hidden_size
-    if out != model.config.hidden_size:
-        raise FrontendError(f"the {kind} encoder outputs width {out} but the decoder's hidden size is "
-                            f"{model.config.hidden_size}")
+    """The model's encoder (the Qwen2.5-Omni frontend's checks: present, its width the decoder's), whose audio
+    tower must also take this processor's 128 mel bins."""
+    encoder = frontend25._encoder(model, kind)
     if kind == "audio" and encoder.config.num_mel_bins != NUM_MEL_BINS:
         raise FrontendError(f"the audio encoder takes {encoder.config.num_mel_bins} mel bins but Qwen3-Omni's "
                             f"processor (WhisperFeatureExtractor, feature_size {NUM_MEL_BINS}) makes {NUM_MEL_BINS}; "

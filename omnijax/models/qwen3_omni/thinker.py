@@ -19,20 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnijax.models.qwen2_5_omni.thinker import ThinkerInputError, _encoder, scatter_features
 from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni import positions as positions_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
 
-
-class ThinkerInputError(ValueError):
-    """Multimodal inputs that do not fit together (placeholder counts, missing grids or encoders)."""
-
-
-def _encoder(model, kind: str):
-    encoder = getattr(model, kind)
-    if encoder is None:
-        raise ThinkerInputError(f"this checkpoint has no {kind} encoder (convert a checkpoint that includes it)")
-    return encoder
+__all__ = ["ThinkerInputError", "multimodal_inputs", "rope_index"]
 
 
 def _clip_lengths(feats: np.ndarray, feature_attention_mask) -> list[int]:
@@ -71,7 +63,7 @@ def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feat
                                     f"(feature_attention_mask sums to 0); it must hold at least one mel frame")
         out = np.concatenate([np.asarray(audio_lib.encode_audio(encoder, feats[i][:, :n]), np.float32)
                               for i, n in enumerate(audio_lengths)])
-        _scatter(embeds, embed_mask, ids == ids_config.audio_token_id, out, "audio", D)
+        scatter_features(embeds, embed_mask, ids == ids_config.audio_token_id, out, "audio")
     for kind, pixels, grid, token in (("image", pixel_values, image_grid_thw, ids_config.image_token_id),
                                       ("video", pixel_values_videos, video_grid_thw, ids_config.video_token_id)):
         if pixels is None:
@@ -81,21 +73,11 @@ def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feat
         out, levels = vision_lib.encode_vision(_encoder(model, "vision"), np.asarray(pixels, np.float32),
                                                np.asarray(grid))
         where = ids == token
-        _scatter(embeds, embed_mask, where, np.asarray(out, np.float32), kind, D)
+        scatter_features(embeds, embed_mask, where, np.asarray(out, np.float32), kind)
         if deepstack is None:
             deepstack = np.zeros((levels.shape[0],) + ids.shape + (D,), np.float32)
         deepstack[:, where] = np.asarray(levels, np.float32)
     return embeds, embed_mask, deepstack, audio_lengths
-
-
-def _scatter(embeds, embed_mask, where, features, kind: str, width: int) -> None:
-    if int(where.sum()) != features.shape[0]:
-        raise ThinkerInputError(f"{kind} features and {kind} tokens do not match: {int(where.sum())} placeholder "
-                                f"tokens, {features.shape[0]} encoder outputs")
-    if features.shape[1] != width:
-        raise ThinkerInputError(f"{kind} encoder outputs are {features.shape[1]} wide, the decoder takes {width}")
-    embeds[where] = features
-    embed_mask |= where
 
 
 def rope_index(model, input_ids, attention_mask, *, image_grid_thw=None, video_grid_thw=None, audio_lengths=(),
