@@ -25,21 +25,11 @@ from omnijax.model import Model
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_qkv, layer_slice
 from omnijax.retention import OmniPick, base
 from omnijax.units import SpanKind as K
+from tests.test_retention_apply import _python_freed  # the re-indexing rule read plainly
 
 G, D, P = 2, 16, 4  # kv heads, head dim, page size
 THETA = 1e4
 SECTION = (2, 3, 3)  # head_dim 16: 8 frequencies, interleaved t h w t h w t w
-
-
-def _python_freed(intervals, keep, next_pos):
-    """The re-indexing rule read plainly: values in [0, next_pos) covered by no survivor's [lo, hi] are freed."""
-    covered = set()
-    for (lo, hi), k in zip(intervals, keep):
-        if k:
-            covered.update(range(lo, hi + 1))
-    freed = [v for v in range(next_pos) if v not in covered]
-    deltas = [sum(1 for v in freed if v < lo) if k else 0 for (lo, _), k in zip(intervals, keep)]
-    return deltas, len(freed)
 
 
 def _interleaved(positions, keys):
