@@ -325,3 +325,23 @@ def test_tidekv_prefill_with_deepstack_equals_the_forward_and_compresses(model):
     assert [int(np.asarray(layer.length).max()) for layer in compressed.cache.layers] == [20] * 3
     logits, _ = decode_step(model.decoder, compressed.cache, np.asarray([int(np.argmax(compressed.logits[0]))]))
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_speech_output_tensors_are_skipped_with_a_message(converted, tmp_path):
+    """A full checkpoint's talker and code2wav tensors are not converted; one line says how many were skipped."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(converted["root"] / "full", src)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({"talker.model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32),
+                    "talker.codec_head.weight": np.zeros((4, 4), np.float32),
+                    "code2wav.decoder.0.weight": np.zeros((2, 2), np.float32)})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    said = []
+    out = convert_checkpoint(src, tmp_path / "out", progress=False, log=said.append)
+    assert any("skipped 3 speech-output tensors" in line and "talker.: 2" in line and "code2wav.: 1" in line
+               for line in said), said
+    assert omnijax.load(out).config == omnijax.load(converted["full"]).config
