@@ -145,15 +145,14 @@ class Model:
                              f"[{ids[text].min()}, {ids[text].max()}]")
         axes = self.config.position_axes
         grids = image_grid_thw is not None or video_grid_thw is not None
+        spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
         if position_ids is None and grids and qwen3:
             from omnijax.models.qwen3_omni import thinker as qwen3_thinker
-            spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
             positions = qwen3_thinker.rope_index(
                 self, ids, mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                 audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video)
         elif position_ids is None and grids:
             from omnijax.models.qwen2_5_omni import thinker
-            spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
             positions = thinker.rope_index(
                 ids, mask, self.omni, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                 audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video,

@@ -1,4 +1,4 @@
-"""Tests for omnijax.serve.realtime_events, with the official openai SDK as the independent oracle."""
+"""Tests for omnijax.serve.realtime_events and realtime_server_events, with the official openai SDK as the independent oracle."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from openai.types.realtime import (  # noqa: E402
     SessionUpdateEventParam)
 
 from omnijax.serve import realtime_events as rt  # noqa: E402
+from omnijax.serve import realtime_server_events as rs  # noqa: E402
 
 SERVER = pydantic.TypeAdapter(RealtimeServerEvent)
 PNG = b"\x89PNG\r\n\x1a\nfakepng"
@@ -49,7 +50,7 @@ def test_session_events_validate_and_round_trip():
     s = rt.SessionSettings(instructions="be brief", input_audio_rate=24000, max_output_tokens=128,
                            turn_detection=rt.ServerVad(threshold=0.6, silence_duration_ms=400, create_response=True),
                            truncation=rt.RetentionRatio(0.75, post_instructions=1000))
-    for builder in (rt.session_created, rt.session_updated):
+    for builder in (rs.session_created, rs.session_updated):
         m = check(builder(s, session_id="sess_1"))
         assert m.session.instructions == "be brief" and m.session.output_modalities == ["text"]
         assert m.session.max_output_tokens == 128 and m.session.id == "sess_1"
@@ -58,45 +59,45 @@ def test_session_events_validate_and_round_trip():
         assert td.type == "server_vad" and td.threshold == 0.6 and td.silence_duration_ms == 400
         assert m.session.truncation.retention_ratio == 0.75
         assert m.session.truncation.token_limits.post_instructions == 1000
-    m = check(rt.session_updated(rt.SessionSettings(input_audio_rate=16000, truncation="disabled")))
+    m = check(rs.session_updated(rt.SessionSettings(input_audio_rate=16000, truncation="disabled")))
     assert m.session.audio.input.format.type == "audio/pcm" and m.session.audio.input.turn_detection is None
     assert m.session.truncation == "disabled" and m.session.max_output_tokens == "inf"
     assert m.session.model_extra["omnijax"] == {"input_audio_rate": 16000}
 
 
 def test_buffer_and_item_events_validate():
-    m = check(rt.input_audio_buffer_committed("item_1", previous_item_id="item_0"))
+    m = check(rs.input_audio_buffer_committed("item_1", previous_item_id="item_0"))
     assert (m.item_id, m.previous_item_id) == ("item_1", "item_0")
-    check(rt.input_audio_buffer_cleared())
-    assert check(rt.input_audio_buffer_speech_started("item_2", 120)).audio_start_ms == 120
-    assert check(rt.input_audio_buffer_speech_stopped("item_2", 980)).audio_end_ms == 980
+    check(rs.input_audio_buffer_cleared())
+    assert check(rs.input_audio_buffer_speech_started("item_2", 120)).audio_start_ms == 120
+    assert check(rs.input_audio_buffer_speech_stopped("item_2", 980)).audio_end_ms == 980
     parsed = rt.ConversationItemCreate("e", "item_u", "user", (rt.InputText("hi"), rt.InputImage(PNG, "image/png")))
-    for builder in (rt.conversation_item_added, rt.conversation_item_done):
-        m = check(builder(rt.user_item(parsed), previous_item_id="item_0"))
+    for builder in (rs.conversation_item_added, rs.conversation_item_done):
+        m = check(builder(rs.user_item(parsed), previous_item_id="item_0"))
         assert m.item.id == "item_u" and m.item.role == "user" and m.item.content[0].text == "hi"
         assert m.item.content[1].image_url.endswith(base64.b64encode(PNG).decode())
         assert m.previous_item_id == "item_0"
-    m = check(rt.conversation_item_added(rt.assistant_item("item_a", None, status="in_progress")))
+    m = check(rs.conversation_item_added(rs.assistant_item("item_a", None, status="in_progress")))
     assert m.item.role == "assistant" and m.item.status == "in_progress" and m.item.content == []
-    sysitem = rt.user_item(rt.ConversationItemCreate(None, None, "system", (rt.InputText("ctx"),)))
-    assert check(rt.conversation_item_done(sysitem)).item.role == "system"
+    sysitem = rs.user_item(rt.ConversationItemCreate(None, None, "system", (rt.InputText("ctx"),)))
+    assert check(rs.conversation_item_done(sysitem)).item.role == "system"
 
 
 def test_response_events_validate():
-    m = check(rt.response_created("resp_1", max_output_tokens=64))
+    m = check(rs.response_created("resp_1", max_output_tokens=64))
     assert m.response.id == "resp_1" and m.response.status == "in_progress" and m.response.max_output_tokens == 64
-    m = check(rt.response_output_text_delta("resp_1", "item_a", "Hel"))
+    m = check(rs.response_output_text_delta("resp_1", "item_a", "Hel"))
     assert (m.response_id, m.item_id, m.delta, m.output_index, m.content_index) == ("resp_1", "item_a", "Hel", 0, 0)
-    m = check(rt.response_output_text_done("resp_1", "item_a", "Hello", content_index=1))
+    m = check(rs.response_output_text_done("resp_1", "item_a", "Hello", content_index=1))
     assert m.text == "Hello" and m.content_index == 1
-    ev = rt.response_done("resp_1", output=[rt.assistant_item("item_a", "Hello")], input_tokens=10,
+    ev = rs.response_done("resp_1", output=[rs.assistant_item("item_a", "Hello")], input_tokens=10,
                           output_tokens=3, kv_cells=77)
     m = check(ev)
     assert m.response.status == "completed" and m.response.output[0].content[0].text == "Hello"
     u = m.response.usage
     assert (u.input_tokens, u.output_tokens, u.total_tokens) == (10, 3, 13)
     assert m.model_extra["omnijax"] == {"kv_cells": 77} and ev["omnijax"]["kv_cells"] == 77
-    m = check(rt.response_done("resp_2", status="cancelled", reason="client_cancelled"))
+    m = check(rs.response_done("resp_2", status="cancelled", reason="client_cancelled"))
     assert m.response.status_details.reason == "client_cancelled" and m.response.status_details.type == "cancelled"
 
 
@@ -146,7 +147,7 @@ def test_client_events_parse():
     assert new == rt.SessionSettings(instructions="sys", max_output_tokens=200, input_audio_rate=24000,
                                      truncation=rt.RetentionRatio(0.5, 900),
                                      turn_detection=rt.ServerVad(threshold=0.4, prefix_padding_ms=300))
-    check(rt.session_updated(new))
+    check(rs.session_updated(new))
     assert a == rt.InputAudioBufferAppend("evt_a", PCM)
     assert c == rt.InputAudioBufferCommit("evt_c") and cl == rt.InputAudioBufferClear(None)
     assert i == rt.ConversationItemCreate("evt_i", "item_u", "user",

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from omnijax import attention as attention_lib
@@ -149,14 +148,26 @@ class DecoderLayers(nnx.Module):
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
+def mlp_rows(config: DecoderConfig) -> tuple[int, ...]:
+    """Per layer, its row in the stack of its MLP kind (the dense MLPs' or the MoE layers')."""
+    count, rows = {False: 0, True: 0}, []
+    for sparse in config.sparse_layers:
+        rows.append(count[sparse])
+        count[sparse] += 1
+    return tuple(rows)
+
+
+def layer_rows(config: DecoderConfig, names, layer: int) -> dict[str, int]:
+    """Which row of each stacked parameter in `names` is layer `layer`'s (a Python int): the shared ones at
+    `layer`, its MLP kind's at `mlp_rows(config)[layer]`; the other kind's parameters are left out."""
+    kind = MOE_MLP if config.sparse_layers[layer] else DENSE_MLP
+    row = mlp_rows(config)[layer]
+    return {k: row if k in kind else layer for k in names if k in kind or k not in DENSE_MLP + MOE_MLP}
+
+
 def layer_slice(config: DecoderConfig, stacked: dict[str, jnp.ndarray], layer: int) -> dict[str, jnp.ndarray]:
-    """Layer `layer`'s parameters (a Python int): the shared ones at `layer`, its MLP's at its row of its kind's
-    stack, so `layer_finish(config, p, ...)` runs the right MLP."""
-    sparse = config.sparse_layers
-    kind = MOE_MLP if sparse[layer] else DENSE_MLP
-    row = sum(1 for s in sparse[:layer] if s == sparse[layer])
-    return {k: v[row if k in kind else layer] for k, v in stacked.items()
-            if k in kind or k not in DENSE_MLP + MOE_MLP}
+    """Layer `layer`'s parameters (`layer_rows`), so `layer_finish(config, p, ...)` runs the right MLP."""
+    return {k: stacked[k][r] for k, r in layer_rows(config, stacked, layer).items()}
 
 
 def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]):
@@ -175,9 +186,8 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]):
     dense = {k: stacked[k] for k in DENSE_MLP}
     moe = {k: stacked[k] for k in MOE_MLP}
     xs = {k: v for k, v in stacked.items() if k not in DENSE_MLP + MOE_MLP}
-    kind_index = np.cumsum(sparse) - 1, np.cumsum(np.logical_not(sparse)) - 1
     xs["_sparse"] = jnp.asarray(sparse, jnp.bool_)
-    xs["_index"] = jnp.asarray(np.where(sparse, kind_index[0], kind_index[1]), jnp.int32)
+    xs["_index"] = jnp.asarray(mlp_rows(c), jnp.int32)
 
     def ffn_of(p):
         def pick(stack):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from omnijax import attention as attention_lib
 from omnijax.config import DecoderConfig, check_power_of_two
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_slice
+from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_rows
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
 
@@ -155,9 +155,9 @@ def layer_params(model: Decoder, layer: int) -> dict:
     """One layer's parameters sliced out of the stacked arrays (one jitted call: slicing a dozen arrays one eager
     op at a time cost more than a short prompt's whole layer step; the rows are traced, so one compile per MLP
     kind serves every layer)."""
-    names = layer_slice(model.config, {k: range(model.config.num_layers) for k in model.layers.stacked()}, layer)
     stacked = model.layers.stacked()
-    return _slice_rows({k: stacked[k] for k in names}, {k: jnp.int32(r) for k, r in names.items()})
+    rows = layer_rows(model.config, stacked, layer)
+    return _slice_rows({k: stacked[k] for k in rows}, {k: jnp.int32(r) for k, r in rows.items()})
 
 
 def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:

@@ -1,7 +1,7 @@
 """Wire codec for the text-output subset of the OpenAI Realtime API (GA event names).
 
-This module is pure: it parses client events into small frozen dataclasses and builds server
-events as plain dicts. It has no transport and no model, and imports only the standard library.
+This module is pure: it parses client events into small frozen dataclasses (the server events are built by
+`omnijax.serve.realtime_server_events`). It has no transport and no model, and imports only the standard library.
 
 Covered client events: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` /
 ``.clear``, ``conversation.item.create`` (``message`` items, roles ``user`` and ``system``,
@@ -10,10 +10,8 @@ Any problem raises :class:`RealtimeEventError`, whose :meth:`RealtimeEventError.
 server ``error`` event. Codes: ``invalid_json``, ``unknown_event``, ``missing_field``,
 ``invalid_value``, ``unsupported``, ``buffer_too_large``.
 
-Covered server events: ``session.created``, ``session.updated``, ``input_audio_buffer.committed``
-/ ``.cleared`` / ``.speech_started`` / ``.speech_stopped``, ``conversation.item.added`` /
-``.done``, ``response.created``, ``response.output_text.delta`` / ``.done``, ``response.done`` and
-``error``.
+Server events: ``error`` here (``error_event``, ``server_event`` for any kind); the others in
+`omnijax.serve.realtime_server_events`.
 
 omnijax extensions (the SDK models allow extra fields, so these still validate):
 
@@ -49,14 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Union
 
 __all__ = [
-    "DEFAULT_MAX_BYTES", "ClientEvent", "ConversationItemCreate", "InputAudioBufferAppend",
-    "InputAudioBufferClear", "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError",
-    "ResponseCancel", "ResponseCreate", "RetentionRatio", "ServerVad", "SessionSettings", "SessionUpdate",
-    "assistant_item", "conversation_item_added", "conversation_item_done", "error_event",
-    "input_audio_buffer_cleared", "input_audio_buffer_committed", "input_audio_buffer_speech_started",
-    "input_audio_buffer_speech_stopped", "new_id", "parse_client_event", "response_created",
-    "response_done", "response_output_text_delta", "response_output_text_done", "session_created",
-    "session_object", "session_updated", "user_item",
+    "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "InputAudioBufferAppend", "InputAudioBufferClear",
+    "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError", "ResponseCancel", "ResponseCreate",
+    "RetentionRatio", "ServerVad", "SessionSettings", "SessionUpdate", "error_event", "new_id", "parse_client_event",
+    "server_event",
 ]
 
 DEFAULT_MAX_BYTES = 15 * 1024 * 1024
@@ -453,151 +447,14 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
     c.fail("unknown_event", f"unknown or unsupported client event type {kind!r}", "type")
 
 
-# ----------------------------------------------------------------------------- server events
-def _ev(kind: str, **fields: Any) -> dict:
+# ----------------------------------------------------------------------------- the error event
+def server_event(kind: str, **fields: Any) -> dict:
+    """A server event of `kind` with a fresh `event_id` and `fields`."""
     return {"type": kind, "event_id": new_id("event"), **fields}
 
 
 def error_event(code: str, message: str, *, event_id: Optional[str] = None, param: Optional[str] = None,
                 error_type: str = "invalid_request_error") -> dict:
     """Builds an ``error`` event; ``event_id`` is the offending client event's id."""
-    return _ev("error", error={"type": error_type, "code": code, "message": message, "event_id": event_id,
+    return server_event("error", error={"type": error_type, "code": code, "message": message, "event_id": event_id,
                                "param": param})
-
-
-def session_object(settings: SessionSettings, session_id: Optional[str] = None) -> dict:
-    """Builds the ``realtime`` session object for ``session.created`` / ``session.updated``."""
-    fmt: dict = {"type": "audio/pcm"}
-    if settings.input_audio_rate == 24000:
-        fmt["rate"] = 24000
-    td = None
-    if settings.turn_detection is not None:
-        td = {"type": "server_vad", **{k: v for k, v in dataclasses.asdict(settings.turn_detection).items()
-                                       if v is not None}}
-    tr = settings.truncation
-    if isinstance(tr, RetentionRatio):
-        tr = {"type": "retention_ratio", "retention_ratio": tr.retention_ratio,
-              **({"token_limits": {"post_instructions": tr.post_instructions}}
-                 if tr.post_instructions is not None else {})}
-    out = {"type": "realtime", "object": "realtime.session", "id": session_id or new_id("sess"),
-           "model": settings.model, "instructions": settings.instructions,
-           "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
-           "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
-           "omnijax": {"input_audio_rate": settings.input_audio_rate}}
-    return out
-
-
-def session_created(settings: SessionSettings, session_id: Optional[str] = None) -> dict:
-    """Builds ``session.created``."""
-    return _ev("session.created", session=session_object(settings, session_id))
-
-
-def session_updated(settings: SessionSettings, session_id: Optional[str] = None) -> dict:
-    """Builds ``session.updated``."""
-    return _ev("session.updated", session=session_object(settings, session_id))
-
-
-def input_audio_buffer_committed(item_id: str, previous_item_id: Optional[str] = None) -> dict:
-    """Builds ``input_audio_buffer.committed``."""
-    return _ev("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous_item_id)
-
-
-def input_audio_buffer_cleared() -> dict:
-    """Builds ``input_audio_buffer.cleared``."""
-    return _ev("input_audio_buffer.cleared")
-
-
-def input_audio_buffer_speech_started(item_id: str, audio_start_ms: int) -> dict:
-    """Builds ``input_audio_buffer.speech_started``."""
-    return _ev("input_audio_buffer.speech_started", item_id=item_id, audio_start_ms=int(audio_start_ms))
-
-
-def input_audio_buffer_speech_stopped(item_id: str, audio_end_ms: int) -> dict:
-    """Builds ``input_audio_buffer.speech_stopped``."""
-    return _ev("input_audio_buffer.speech_stopped", item_id=item_id, audio_end_ms=int(audio_end_ms))
-
-
-def user_item(item: ConversationItemCreate, item_id: Optional[str] = None) -> dict:
-    """Builds the conversation item dict for a parsed ``conversation.item.create`` (images re-encoded)."""
-    parts = []
-    for p in item.content:
-        if isinstance(p, InputText):
-            parts.append({"type": "input_text", "text": p.text})
-        else:
-            url = f"data:{p.mime_type};base64,{base64.b64encode(p.data).decode('ascii')}"
-            parts.append({"type": "input_image", "image_url": url, "detail": p.detail})
-    return {"id": item_id or item.item_id or new_id("item"), "object": "realtime.item", "type": "message",
-            "role": item.role, "status": "completed", "content": parts}
-
-
-def assistant_item(item_id: str, text: Optional[str] = None, status: str = "completed") -> dict:
-    """Builds an assistant message item; ``text=None`` gives an empty, in-progress-style item."""
-    content = [] if text is None else [{"type": "output_text", "text": text}]
-    return {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "status": status,
-            "content": content}
-
-
-def conversation_item_added(item: dict, previous_item_id: Optional[str] = None) -> dict:
-    """Builds ``conversation.item.added``."""
-    return _ev("conversation.item.added", item=item, previous_item_id=previous_item_id)
-
-
-def conversation_item_done(item: dict, previous_item_id: Optional[str] = None) -> dict:
-    """Builds ``conversation.item.done``."""
-    return _ev("conversation.item.done", item=item, previous_item_id=previous_item_id)
-
-
-def _response(response_id: str, status: str, output: list, max_output_tokens: Any, conversation_id: Optional[str]
-              ) -> dict:
-    return {"object": "realtime.response", "id": response_id, "status": status, "output": output,
-            "output_modalities": ["text"], "max_output_tokens": max_output_tokens,
-            "conversation_id": conversation_id}
-
-
-def response_created(response_id: str, *, max_output_tokens: Union[int, str] = "inf",
-                     conversation_id: Optional[str] = None) -> dict:
-    """Builds ``response.created`` (status ``in_progress``, no output yet)."""
-    return _ev("response.created", response=_response(response_id, "in_progress", [], max_output_tokens,
-                                                      conversation_id))
-
-
-def response_output_text_delta(response_id: str, item_id: str, delta: str, *, output_index: int = 0,
-                               content_index: int = 0) -> dict:
-    """Builds ``response.output_text.delta``."""
-    return _ev("response.output_text.delta", response_id=response_id, item_id=item_id, delta=delta,
-               output_index=output_index, content_index=content_index)
-
-
-def response_output_text_done(response_id: str, item_id: str, text: str, *, output_index: int = 0,
-                              content_index: int = 0) -> dict:
-    """Builds ``response.output_text.done``."""
-    return _ev("response.output_text.done", response_id=response_id, item_id=item_id, text=text,
-               output_index=output_index, content_index=content_index)
-
-
-def response_done(response_id: str, *, status: str = "completed", output: Optional[list] = None,
-                  input_tokens: int = 0, output_tokens: int = 0, kv_cells: Optional[int] = None,
-                  reason: Optional[str] = None, max_output_tokens: Union[int, str] = "inf",
-                  conversation_id: Optional[str] = None) -> dict:
-    """Builds ``response.done``.
-
-    Args:
-        response_id: The response's id.
-        status: ``completed``, ``cancelled``, ``incomplete`` or ``failed``.
-        output: Output items, e.g. from :func:`assistant_item`.
-        input_tokens: Prompt tokens consumed by the response.
-        output_tokens: Tokens generated.
-        kv_cells: omnijax extension: KV cells held after the response, sent as ``"omnijax": {"kv_cells": n}``.
-        reason: ``status_details.reason``, e.g. ``client_cancelled`` or ``max_output_tokens``.
-        max_output_tokens: The limit used.
-        conversation_id: The conversation the output was added to.
-    """
-    resp = _response(response_id, status, list(output or []), max_output_tokens, conversation_id)
-    resp["usage"] = {"input_tokens": int(input_tokens), "output_tokens": int(output_tokens),
-                     "total_tokens": int(input_tokens) + int(output_tokens)}
-    if status != "completed" or reason is not None:
-        resp["status_details"] = {"type": status, "reason": reason}
-    ev = _ev("response.done", response=resp)
-    if kv_cells is not None:
-        ev["omnijax"] = {"kv_cells": int(kv_cells)}
-    return ev
