@@ -300,27 +300,7 @@ class Chat:
                              f"{type(message['content']).__name__}")
 
     def _delta(self, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
-        """Token ids of the template's rendering of `messages` past what was fed, and the whole rendering.
-
-        When the earlier rendering is a prefix of the new one, the new part is the rest. A template that re-renders
-        earlier turns once a message follows (Qwen3's drops the reasoning block of earlier answers) gets the last
-        message's own rendering, provided the whole conversation's rendering ends with it: the earlier turns stay
-        in the cache as the model saw them when it answered.
-        """
-        rendered = self.tokenizer.render(messages, add_generation_prompt=generation_prompt)
-        if rendered.startswith(self._rendered):
-            delta = rendered[len(self._rendered):]
-        else:
-            delta = self.tokenizer.render(messages[-1:], add_generation_prompt=generation_prompt)
-            if not rendered.endswith(delta):
-                at = next((i for i, (a, b) in enumerate(zip(rendered, self._rendered)) if a != b), 0)
-                raise ChatTemplateError(
-                    f"the chat template renders the earlier conversation differently once this message is added "
-                    f"(they part at character {at}: fed {self._rendered[at:at + 40]!r}, now "
-                    f"{rendered[at:at + 40]!r}), and the message's own rendering is not how the conversation's "
-                    f"ends; Chat feeds only what is new and cannot rewrite the cache")
-        ids = self.tokenizer.encode(delta) if delta else []
-        return ids, rendered
+        return template_delta(self.tokenizer, self._rendered, messages, generation_prompt=generation_prompt)
 
     def _turn(self, role: str, text: str, kind: SpanKind) -> None:
         self._idle()
@@ -363,6 +343,29 @@ class Chat:
                           f"cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or a bounded "
                           f"policy", RuntimeWarning, stacklevel=3)
         return out
+
+
+def template_delta(tokenizer, fed: str, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
+    """Token ids of the chat template's rendering of `messages` past what was fed, and the whole rendering.
+
+    When the rendering fed so far (`fed`) is a prefix of the new one, the new part is the rest. A template that
+    re-renders earlier turns once a message follows (Qwen3's drops the reasoning block of earlier answers) gets the
+    last message's own rendering, provided the whole conversation's rendering ends with it: the earlier turns stay
+    in the cache as the model saw them when it answered. Otherwise `ChatTemplateError`.
+    """
+    rendered = tokenizer.render(messages, add_generation_prompt=generation_prompt)
+    if rendered.startswith(fed):
+        delta = rendered[len(fed):]
+    else:
+        delta = tokenizer.render(messages[-1:], add_generation_prompt=generation_prompt)
+        if not rendered.endswith(delta):
+            at = next((i for i, (a, b) in enumerate(zip(rendered, fed)) if a != b), 0)
+            raise ChatTemplateError(
+                f"the chat template renders the earlier conversation differently once this message is added "
+                f"(they part at character {at}: fed {fed[at:at + 40]!r}, now {rendered[at:at + 40]!r}), and the "
+                f"message's own rendering is not how the conversation's ends; only what is new is fed, and one "
+                f"cannot rewrite the cache")
+    return (tokenizer.encode(delta) if delta else []), rendered
 
 
 def text_label(text: str, width: int = 32) -> str:

@@ -141,6 +141,56 @@ def split_text(tokens: Sequence[int], num_chunks: int, *, position_axes: int = 1
         for i, p in enumerate(parts)])
 
 
+def split_chunk(chunk: Chunk, max_len: int) -> list[Chunk]:
+    """Splits a batch-1 chunk into consecutive parts of at most `max_len` tokens that stream as the whole does.
+
+    Each part's position offsets are taken relative to a base: the smallest offset of that part and every later one
+    (a non-decreasing base, so offsets stay non-negative), and a part advances the cursor by the next part's base
+    minus its own (the last part by the whole chunk's advance minus its base). Every token therefore lands at the
+    position it has in the whole chunk, on every axis, and the cursor ends where the whole chunk leaves it. Unit,
+    span, span offsets, embeddings and DeepStack levels are cut alongside; only the last part asks for the answer.
+    Padding (invalid tokens) past the last valid token is dropped.
+
+    Args:
+        chunk: a `[1, T]` chunk (text or media).
+        max_len: the most tokens of a part (>= 1).
+
+    Returns:
+        The parts, in order (the chunk itself, without trailing padding, when it fits).
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    valid = np.asarray(chunk.valid).astype(bool)
+    if valid.ndim != 2 or valid.shape[0] != 1:
+        raise ValueError(f"split_chunk takes one session's chunk ([1, T]), got valid of shape {valid.shape}")
+    n = int(np.flatnonzero(valid[0])[-1]) + 1 if valid.any() else 0
+    if n <= max_len:
+        return [chunk if n == chunk.length else _cut(chunk, 0, n, 0, int(np.asarray(chunk.advance)[0]), True)]
+    pos = np.asarray(chunk.positions)  # [A, 1, T]
+    lowest = np.where(valid[0], pos[:, 0].min(axis=0), np.iinfo(np.int32).max)[:n]  # [n] per token, all axes
+    bounds = list(range(0, n, max_len)) + [n]
+    bases = [int(lowest[a:].min()) for a in bounds[:-1]]  # suffix minima: non-decreasing
+    advance = int(np.asarray(chunk.advance)[0])
+    parts = []
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        last = b == n
+        step = advance - bases[k] if last else bases[k + 1] - bases[k]
+        parts.append(_cut(chunk, a, b, bases[k], step, last))
+    return parts
+
+
+def _cut(chunk: Chunk, a: int, b: int, base: int, advance: int, last: bool) -> Chunk:
+    """Tokens [a, b) of a batch-1 chunk with positions less `base`, the given advance, the answer only if `last`."""
+    cut = lambda x: None if x is None else np.asarray(x)[:, a:b]  # noqa: E731  ([1, T] fields)
+    valid = cut(chunk.valid)
+    positions = np.where(valid[None], np.asarray(chunk.positions)[:, :, a:b] - base, 0).astype(np.int32)
+    return dataclasses.replace(
+        chunk, token_ids=cut(chunk.token_ids), valid=valid, unit=cut(chunk.unit), span=cut(chunk.span),
+        offset=cut(chunk.offset), positions=positions, embeds=cut(chunk.embeds), embed_mask=cut(chunk.embed_mask),
+        answer_tokens=np.asarray(chunk.answer_tokens) * int(last), advance=np.asarray([advance], np.int32),
+        deepstack=None if chunk.deepstack is None else np.asarray(chunk.deepstack)[:, :, a:b])
+
+
 def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> None:
     """Checks a chunk (or a stack of chunks) on the host before it enters a compiled program.
 

@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 from omnijax.adapters import qwen2_5_omni as adapter
-from omnijax.chunks import Chunk
+from omnijax.chunks import Chunk, split_chunk
 from omnijax.evalharness import annotations as ann
 from omnijax.evalharness.media import MediaSource, TextEncoder
 from omnijax.synthetic import fold_ids
@@ -75,23 +75,9 @@ def split_text_chunk(chunk: Chunk, max_len: int) -> list[Chunk]:
     answer.
     """
     n = int(np.asarray(chunk.valid).sum())
-    pos = np.asarray(chunk.positions)
-    if not (pos[:, 0, :n] == np.arange(n)).all():
+    if not (np.asarray(chunk.positions)[:, 0, :n] == np.arange(n)).all():
         raise ValueError("split_text_chunk takes text chunks (positions 0..n-1 on every axis)")
-    if n <= max_len:
-        return [chunk]
-    parts = []
-    for a in range(0, n, max_len):
-        b = min(a + max_len, n)
-        cut = lambda x: np.asarray(x)[:, a:b]  # noqa: E731  ([1, T] fields)
-        parts.append(dataclasses.replace(
-            chunk, token_ids=cut(chunk.token_ids), valid=cut(chunk.valid), unit=cut(chunk.unit),
-            span=cut(chunk.span), offset=cut(chunk.offset), positions=pos[:, :, a:b] - a,
-            answer_tokens=np.asarray(chunk.answer_tokens) * (b == n), advance=np.asarray([b - a], np.int32),
-            embeds=None if chunk.embeds is None else cut(chunk.embeds),
-            embed_mask=None if chunk.embed_mask is None else cut(chunk.embed_mask),
-            deepstack=None if chunk.deepstack is None else np.asarray(chunk.deepstack)[:, :, a:b]))
-    return parts
+    return [chunk] if n <= max_len else split_chunk(chunk, max_len)
 
 
 class ChunkBuilder:

@@ -449,3 +449,44 @@ class Engine:
                           running=running, waiting=waiting, tokens=n_tokens, events=events, served=len(frames),
                           queued=sum(len(q) for q in self._queue.values()), used_pages=used, free_pages=free,
                           bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1)
+
+    # -------------------------------------------------------------------------------------------- persistence
+    def export_session(self, session_id: str, *, meta: dict | None = None):
+        """A host copy of an open session's state (`omnijax.serve.snapshot.SessionSnapshot`), between ticks.
+
+        Chunks queued but not yet served are not part of it. The session stays open and unchanged. `meta`: JSON
+        data stored with the snapshot. Raises KeyError (unknown session) or ValueError (preempted: its context is
+        incomplete, so it is never resumed).
+        """
+        from omnijax.serve import snapshot as snapshot_lib
+        self._check_open(session_id)
+        if session_id in self._preempted:
+            raise ValueError(f"session {session_id!r} is preempted (its KV is incomplete); it cannot be exported")
+        self._arrange()  # a session opened since the last tick gets its row and key here
+        self._install_keys()
+        return snapshot_lib.export_row(self.state, self._slots[session_id], meta=meta)
+
+    def import_session(self, session_id: str, snapshot) -> None:
+        """Opens `session_id` (like `open`) holding a snapshot's state: its pages, cursor, sampling key and logits.
+
+        Every check runs before the session opens; on any refusal the engine is unchanged. Raises
+        `DuplicateSession`, `Overloaded`, `omnijax.serve.snapshot.SnapshotMismatch` (another page size or model
+        shape), `NotEnoughPages` (too few free pages, or page-table rows too narrow) or ValueError (a snapshot of
+        an exhausted session).
+        """
+        from omnijax.serve import snapshot as snapshot_lib
+        snapshot_lib.check_importable(self.state, snapshot)
+        if bool(snapshot.exhausted):
+            raise ValueError("the snapshot is of an exhausted (preempted) session; its KV is incomplete")
+        opened = self._opened
+        self.open(session_id)
+        try:
+            self._arrange()
+            self._install_keys()
+            self.state = snapshot_lib.import_row(self.state, self._slots[session_id], snapshot, donate=True)
+        except BaseException:
+            self.close(session_id)
+            self._opened = opened
+            raise
+        self._unkeyed.pop(session_id, None)  # the snapshot's key replaces the freshly folded one
+        self._seen_dropped[session_id] = int(snapshot.dropped)

@@ -1,0 +1,270 @@
+"""`omnijax serve`: the OpenAI-compatible server on one port (Starlette on uvicorn) in front of the Metronome engine.
+
+Routes (every one behind the API key when one is set):
+
+- `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime`);
+- `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events (`omnijax.serve.openai_http`);
+- `GET /v1/models` — the served model.
+
+One `EngineWorker` runs the engine's ticks as a background task of the server's event loop, the model step in an
+executor thread, so sockets keep being served while a tick runs. Security: loopback by default; `--api-key` (or
+`OMNIJAX_API_KEY`) is checked on the `Authorization: Bearer` header of every request and WebSocket handshake (401
+otherwise); caps on message size, audio buffer length, sessions per client and in total (AIMD admission, then the
+engine's largest bucket): a refused session gets HTTP 429 or an `error` event and close code 1013.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+from omnijax.serve.context import ServeContext, ServeOptions
+
+log = logging.getLogger("omnijax.serve")
+API_KEY_ENV = "OMNIJAX_API_KEY"
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: refuses HTTP requests (401, an OpenAI error body) and WebSocket handshakes (HTTP 401 where
+    the server supports denial responses, else close 1008) without the key."""
+
+    def __init__(self, app, options: ServeOptions):
+        self.app, self.options = app, options
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or self.options.api_key is None:
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        if self.options.authorized(header):
+            return await self.app(scope, receive, send)
+        from omnijax.serve.openai_http import error_body
+
+        body = json.dumps(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                     code="invalid_api_key")).encode()
+        head = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+        log.warning("refuse peer=%s path=%s reason=unauthorized", (scope.get("client") or ("?",))[0], scope["path"])
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 401, "headers": head})
+            await send({"type": "http.response.body", "body": body})
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await send({"type": "websocket.http.response.start", "status": 401, "headers": head})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+
+def build_app(context: ServeContext):
+    """The Starlette application of a `ServeContext` (its worker starts and stops with the app)."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route, WebSocketRoute
+
+    from omnijax.serve import openai_http, realtime
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await context.worker.start()
+        try:
+            yield
+        finally:
+            await context.worker.stop()
+
+    async def realtime_route(ws):
+        await realtime.realtime_endpoint(ws, context)
+
+    async def chat_route(request):
+        return await openai_http.chat_completions(request, context)
+
+    async def models_route(request):
+        return await openai_http.models(request, context)
+
+    routes = [WebSocketRoute("/v1/realtime", realtime_route),
+              Route("/v1/chat/completions", chat_route, methods=["POST"]),
+              Route("/v1/models", models_route, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(ApiKeyMiddleware, options=context.options)])
+
+
+def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, buckets=(1, 2, 4, 8, 16, 32, 64),
+                  aimd_target: float = 0.3, max_sessions: int | None = None) -> ServeContext:
+    """The engine, AIMD admission and worker for `model`.
+
+    Args:
+        model: a loaded `omnijax.Model` with a tokenizer.
+        options: `ServeOptions`.
+        stream: the sessions' `omnijax.StreamConfig` (retention policy, pool, tau, decoding).
+        chunk_tokens: T, the engine's per-tick chunk length.
+        buckets: the engine's batch buckets.
+        aimd_target: the AIMD latency target as a fraction of B (0 disables admission control).
+        max_sessions: the most sessions open at once (default: the largest bucket).
+    """
+    from omnijax.serve.admission import AIMD
+    from omnijax.serve.engine import Engine, EngineConfig
+    from omnijax.serve.worker import EngineWorker
+
+    if model.tokenizer is None:
+        raise ValueError("omnijax serve needs the checkpoint's tokenizer (tokenizer.json, tokenizer_config.json) to "
+                         "render chat templates and decode text; copy the release's tokenizer files into the "
+                         "converted checkpoint")
+    budget = options.frame_ms / 1000.0
+    config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=budget, buckets=tuple(buckets),
+                          return_logits=False)
+    engine = Engine(model, config)
+    admission = (AIMD(target_fraction=aimd_target, frame_budget_s=budget, max_cap=max(config.buckets))
+                 if aimd_target > 0 else None)
+    return ServeContext(model, EngineWorker(engine, admission=admission, max_sessions=max_sessions), options)
+
+
+def warm_up(context: ServeContext, sessions: int) -> float:
+    """Compiles the audio encoder for one frame and the engine's tick for the buckets 1..`sessions` sessions use
+    (dummy sessions, closed afterwards). Progress goes to the `omnijax.serve` logger. Returns the seconds spent."""
+    import numpy as np
+
+    from omnijax.chat_units import units_for
+
+    start = time.perf_counter()
+    engine, units = context.worker.engine, units_for(context.model)
+    if getattr(context.model, "audio", None) is not None:
+        t = time.perf_counter()
+        units.audio(np.zeros(int(16 * context.options.frame_ms), np.float32), 16_000, 0)
+        log.info("warm-up: audio encoder ready for %g ms frames in %.1f s", context.options.frame_ms,
+                 time.perf_counter() - t)
+    chunk = units.continuation(0, 0)
+    limit = min(max(1, sessions), engine.config.buckets[-1])
+    buckets = sorted({next(b for b in engine.config.buckets if b >= n) for n in range(1, limit + 1)})
+    for k, b in enumerate(buckets, 1):
+        t = time.perf_counter()
+        ids = [f"warmup-{b}-{i}" for i in range(b)]
+        for sid in ids:
+            engine.open(sid)
+            engine.submit(sid, chunk, 0)
+        engine.tick()
+        for sid in ids:
+            engine.close(sid)
+        log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
+                 time.perf_counter() - t)
+    return time.perf_counter() - start
+
+
+def build_demo_model(directory) -> str:
+    """Writes the embedded tiny random Qwen2.5-Omni (audio and vision encoders, a tiny tokenizer with the ChatML
+    template) and converts it; no download. Returns the converted checkpoint's directory."""
+    import json as json_lib
+    from pathlib import Path
+
+    from convert import convert_checkpoint
+    from omnijax import demo
+
+    hf = Path(directory) / "hf"
+    demo.write_tiny_tokenizer(hf, demo.TINY_OMNI_TEXT_CONFIG["vocab_size"])
+    vocab = json_lib.loads((hf / "tokenizer.json").read_text())["model"]["vocab"]
+    trained = sum(1 for token in vocab if not token.startswith("<|unused_"))
+    demo.write_tiny_hf_checkpoint(hf, text_config=demo.TINY_OMNI_TEXT_CONFIG, silent_ids=(trained, 151_643))
+    return str(convert_checkpoint(hf, Path(directory) / "omnijax", progress=False, log=lambda _: None))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omnijax serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", nargs="?", help="converted omnijax checkpoint directory (with its tokenizer)")
+    p.add_argument("--demo-model", action="store_true", help="serve the embedded tiny random model (no download)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--model-name", default="omnijax", help="the model id clients use")
+    p.add_argument("--policy", default="sink_window", help="retention policy shared by all sessions, e.g. "
+                   "sink_window, unbounded, omnipick:high_watermark=2500,low_watermark=1800")
+    p.add_argument("--sink", type=int, default=16, help="sink_window's S (unless --policy sets it)")
+    p.add_argument("--window", type=int, default=1024, help="sink_window's W (unless --policy sets it)")
+    p.add_argument("--pages", type=int, default=256, help="shared KV pool pages")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B: input audio frames of B ms")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="per-tick chunk length T (default: the next power "
+                   "of two holding a frame's audio unit, at least 32)")
+    p.add_argument("--answer-tokens", type=int, default=8, help="tau: answer tokens per session per tick")
+    p.add_argument("--aimd-target", type=float, default=0.3,
+                   help="AIMD latency target as a fraction of B (Metronome: 600 ms of a 2 s budget); 0 disables")
+    p.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="engine batch buckets")
+    p.add_argument("--max-sessions-per-client", type=int, default=16)
+    p.add_argument("--max-output-tokens", type=int, default=512, help="the most tokens of one response")
+    p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
+    p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling for every session")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-sessions", type=int, default=4, help="compile batch buckets up to this many sessions")
+    p.add_argument("--impl", default="xla")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.setLevel(logging.INFO)
+    if bool(args.checkpoint) == args.demo_model:
+        parser.error("give a checkpoint directory or --demo-model (not both)")
+    import omnijax
+    from omnijax.chat_units import bucket
+    from omnijax.decoding import Greedy, Sampling
+    from omnijax.retention import get_policy
+    from omnijax.serve.audio_frames import frame_tokens
+    from omnijax.serve.protocol import frame_samples
+
+    try:
+        options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                               model_name=args.model_name, frame_ms=args.frame_ms,
+                               max_message_bytes=int(args.max_message_mb * 2 ** 20),
+                               max_audio_buffer_s=args.max_audio_buffer_s,
+                               max_sessions_per_client=args.max_sessions_per_client,
+                               max_output_tokens=args.max_output_tokens)
+        samples = frame_samples(args.frame_ms)
+    except ValueError as e:
+        parser.error(str(e))
+    with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
+        path = build_demo_model(tmp) if args.demo_model else args.checkpoint
+        try:
+            model = omnijax.load(path)
+            chunk_tokens = args.chunk_tokens or max(32, bucket(frame_tokens(samples, model)))
+            policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
+            decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature,
+                                                                       top_p=args.top_p, seed=args.seed)
+            stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
+                                          max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
+            context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
+                                    buckets=args.buckets, aimd_target=args.aimd_target)
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"omnijax serve: error: {e}", file=sys.stderr)
+            return 1
+        seconds = warm_up(context, args.warmup_sessions)
+        print(f"omnijax serve: {path}: {policy}, pool {args.pages}x{args.page_size}, B={args.frame_ms:g} ms, "
+              f"T={chunk_tokens}, tau={args.answer_tokens}, {decoding}; warm-up {seconds:.1f} s", flush=True)
+        asyncio.run(serve(context))
+    return 0
+
+
+async def serve(context: ServeContext, *, ready=None) -> None:
+    """Runs the server until SIGINT/SIGTERM (uvicorn's handlers); `ready(port)` is called once it listens."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(context), host=context.options.host, port=context.options.port,
+                            log_level="warning", ws_max_size=context.options.max_message_bytes, ws_ping_interval=None,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"omnijax serve: listening on http://{context.options.host}:{port}/v1 (Realtime: "
+              f"ws://{context.options.host}:{port}/v1/realtime)", flush=True)
+        if ready is not None:
+            ready(port)
+    await task

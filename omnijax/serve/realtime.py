@@ -1,0 +1,356 @@
+"""`WS /v1/realtime`: an OpenAI Realtime (GA) session, text output, served by the Metronome engine's ticks.
+
+One WebSocket is one engine session and one conversation (`omnijax.serve.conversation`). The wire codec is
+`omnijax.serve.realtime_events` (client events) and `realtime_server_events` (server events); this module maps
+events onto the conversation and the `EngineWorker`:
+
+- `session.update` -> `session.updated`. `instructions` become the system message, fed before the next item or
+  response (a later change is fed as a new system message where the chat template allows it). `truncation`
+  describes the server's retention policy, which every session shares (one batched program): "auto" (any bounded
+  policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused with
+  the `--policy` that would give it.
+- `input_audio_buffer.append`: 16-bit mono PCM at the session's rate (24 kHz, or 16 kHz) accumulates into frames of
+  B ms (`ServeOptions.frame_ms`); every complete frame is resampled to 16 kHz and fed as one audio unit as soon as
+  it is complete, so the cache follows the live stream. `.commit` feeds the rest, padded with silence to a whole
+  frame, and adds an `input_audio` user item (`.committed`, `conversation.item.added` / `.done`); `.clear` drops
+  the audio not yet fed. With `server_vad`, a frame is speech when its RMS reaches `threshold / 10` of full scale
+  (default threshold 0.5); `silence_duration_ms` (default 500) of silence after speech stops the turn, commits it and,
+  unless `create_response` is false, starts a response; speech during a response cancels it unless
+  `interrupt_response` is false.
+- `conversation.item.create`: `input_text` parts are the message's text turn, `input_image` parts (video frames
+  too) image units, in the order given; `conversation.item.added` now, `.done` once fed.
+- `response.create`: the template's generation prompt, then tau tokens per tick until the end-of-turn token or
+  `max_output_tokens` ("inf": the server's `--max-output-tokens`): `response.created`, the assistant item,
+  `response.output_text.delta` (whole UTF-8 characters) ... `.done`, `response.done` with usage and the session's
+  KV cells. `response.cancel` ends it at the next tick (status "cancelled"; what was decoded stays in the cache).
+
+A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
+over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+
+import numpy as np
+
+from omnijax.serve import realtime_events as rte
+from omnijax.serve import realtime_server_events as rse
+
+log = logging.getLogger("omnijax.serve")
+VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """Image file bytes (PNG, JPEG, ...) -> `[H, W, 3]` uint8 (ValueError when PIL cannot read them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"))
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"the image could not be decoded: {e}") from None
+
+
+def truncation_of(policy) -> str:
+    """The Realtime `truncation` that describes a retention policy: "disabled" for `NoSlide`, else "auto"."""
+    return "disabled" if type(policy).__name__ == "NoSlide" else "auto"
+
+
+class RealtimeSession:
+    """One `/v1/realtime` connection (see the module docstring).
+
+    Args:
+        ws: the accepted Starlette `WebSocket`.
+        context: the server's `ServeContext`.
+        sid: the engine session id (already opened).
+    """
+
+    def __init__(self, ws, context, sid: str):
+        self.ws, self.context, self.sid = ws, context, sid
+        self.worker, self.options = context.worker, context.options
+        self.conversation = context.conversation()
+        policy = self.worker.engine.config.stream.policy
+        self.settings = rte.SessionSettings(model=self.options.model_name, truncation=truncation_of(policy))
+        self.session_id = rte.new_id("sess")
+        self.instructions_fed: str | None = None
+        self.audio = np.zeros((0,), np.int16)  # samples at the session rate not yet fed
+        self.audio_fed_s = 0.0  # seconds of audio fed since the last commit
+        self.audio_ms = 0  # all audio received, in ms (VAD times)
+        self.speech: dict | None = None  # server VAD: {"item": id, "start": ms, "silent_ms": n}
+        self.last_item: str | None = None
+        self.tokens_since_response = 0
+        self.response: asyncio.Task | None = None
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------------------------------------- transport
+    def send(self, event: dict) -> None:
+        self.outbox.put_nowait(event)
+
+    async def _writer(self) -> None:
+        while (event := await self.outbox.get()) is not None:
+            await self.ws.send_text(json.dumps(event))
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def run(self) -> None:
+        """Serves the connection until the client closes it."""
+        from starlette.websockets import WebSocketDisconnect
+
+        writer = asyncio.create_task(self._writer())
+        self.send(rse.session_created(self.settings, self.session_id))
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                if text is None:
+                    self.send(rte.error_event("invalid_json", "events are JSON text messages, got a binary one"))
+                    continue
+                if self.outbox.qsize() >= self.options.max_outbox:
+                    log.warning("realtime session=%s: dropped as a slow consumer (%d events unread)", self.sid,
+                                self.outbox.qsize())
+                    break
+                try:
+                    await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
+                except rte.RealtimeEventError as e:
+                    self.send(e.to_event())
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            self.outbox.put_nowait(None)
+            writer.cancel()
+
+    # ------------------------------------------------------------------------------------------------ events
+    async def handle(self, event) -> None:
+        eid = event.event_id
+        if isinstance(event, rte.SessionUpdate):
+            settings = event.apply(self.settings)
+            self._check_truncation(settings.truncation, eid)
+            self.settings = settings
+            self.send(rse.session_updated(settings, self.session_id))
+        elif isinstance(event, rte.InputAudioBufferAppend):
+            self._append(np.frombuffer(event.audio, "<i2"), eid)
+        elif isinstance(event, rte.InputAudioBufferCommit):
+            self._commit(eid)
+        elif isinstance(event, rte.InputAudioBufferClear):
+            self.audio = self.audio[:0]
+            self.send(rse.input_audio_buffer_cleared())
+        elif isinstance(event, rte.ConversationItemCreate):
+            self._item(event)
+        elif isinstance(event, rte.ResponseCreate):
+            self._respond(event)
+        elif isinstance(event, rte.ResponseCancel):
+            if self.response is None or self.response.done():
+                raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
+                                             "cancel", event_id=eid)
+            self.worker.cancel(self.sid)
+
+    def _check_truncation(self, truncation, eid) -> None:
+        policy = self.worker.engine.config.stream.policy
+        served = truncation_of(policy)
+        if truncation != served:
+            fix = "--policy unbounded" if truncation == "disabled" else "a bounded --policy (e.g. sink_window)"
+            raise rte.RealtimeEventError(
+                "unsupported", f"truncation {truncation!r} is not what this server runs: every session shares the "
+                f"retention policy {policy} (one batched program), which is truncation {served!r}; start the "
+                f"server with {fix} for it", event_id=eid, param="session.truncation")
+
+    def _fail(self, e: Exception, eid, param: str | None = None):
+        return rte.RealtimeEventError("invalid_value", str(e), event_id=eid, param=param)
+
+    def _feed(self, parts, done=None) -> None:
+        self.tokens_since_response += sum(int(np.asarray(p.valid).sum()) for p in parts)
+        fed = self.worker.feed(self.sid, parts)
+        if done is not None:
+            self._spawn(self._after(fed, done))
+
+    async def _after(self, fed: asyncio.Future, done) -> None:
+        try:
+            await fed
+        except RuntimeError as e:
+            self.send(rte.error_event("server_error", f"input was not fed: {e}", error_type="server_error"))
+            return
+        done()
+
+    def _instructions(self, eid) -> None:
+        """Feeds the session's instructions as a system message when they changed since last fed."""
+        text = self.settings.instructions
+        if text and text != self.instructions_fed:
+            try:
+                parts = self.conversation.message("system", text)
+            except ValueError as e:
+                raise self._fail(e, eid, "session.instructions") from None
+            self.instructions_fed = text
+            self._feed(parts)
+
+    # ------------------------------------------------------------------------------------------------- audio
+    @property
+    def _frame(self) -> int:
+        return int(round(self.settings.input_audio_rate * self.options.frame_ms / 1000))
+
+    def _append(self, pcm: np.ndarray, eid) -> None:
+        rate = self.settings.input_audio_rate
+        if (self.audio.size + pcm.size) / rate > self.options.max_audio_buffer_s:
+            raise rte.RealtimeEventError(
+                "buffer_too_large", f"the input audio buffer would hold {(self.audio.size + pcm.size) / rate:.1f} s "
+                f"not yet fed, over the server's cap of {self.options.max_audio_buffer_s:g} s", event_id=eid,
+                param="audio")
+        self._instructions(eid)
+        self.audio = np.concatenate([self.audio, pcm])
+        while self.audio.size >= self._frame:
+            frame, self.audio = self.audio[:self._frame], self.audio[self._frame:]
+            self._feed_frame(frame, eid)
+
+    def _feed_frame(self, frame: np.ndarray, eid) -> None:
+        from omnijax.chat import resample
+
+        pcm = resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate)
+        try:
+            parts = self.conversation.audio(pcm)
+        except ValueError as e:
+            raise self._fail(e, eid, "audio") from None
+        self._feed(parts)
+        ms = int(round(1000 * frame.size / self.settings.input_audio_rate))
+        self.audio_fed_s += ms / 1000
+        self.audio_ms += ms
+        if self.settings.turn_detection is not None:
+            self._vad(frame, ms, eid)
+
+    def _vad(self, frame: np.ndarray, ms: int, eid) -> None:
+        vad = {k: (v if v is not None else VAD_DEFAULTS.get(k)) for k, v in
+               vars(self.settings.turn_detection).items()}
+        rms = float(np.sqrt(np.mean((frame.astype(np.float64) / 32768.0) ** 2)))
+        speech = rms >= vad["threshold"] / 10
+        if self.speech is None and speech:
+            self.speech = {"item": rte.new_id("item"), "silent_ms": 0}
+            self.send(rse.input_audio_buffer_speech_started(self.speech["item"], self.audio_ms - ms))
+            if vad["interrupt_response"] and self.response is not None and not self.response.done():
+                self.worker.cancel(self.sid)
+        elif self.speech is not None:
+            self.speech["silent_ms"] = 0 if speech else self.speech["silent_ms"] + ms
+            if self.speech["silent_ms"] >= vad["silence_duration_ms"]:
+                item = self.speech["item"]
+                self.speech = None
+                self.send(rse.input_audio_buffer_speech_stopped(item, self.audio_ms))
+                self._commit(eid, item)
+                if vad["create_response"]:
+                    self._respond(rte.ResponseCreate(None))
+
+    def _commit(self, eid, item_id: str | None = None) -> None:
+        if self.audio.size == 0 and self.audio_fed_s == 0:
+            raise rte.RealtimeEventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: "
+                                         "append audio before committing", event_id=eid)
+        if self.audio.size:
+            tail = np.zeros((self._frame,), np.int16)
+            tail[:self.audio.size] = self.audio
+            self.audio = self.audio[:0]
+            self._feed_frame(tail, eid)
+        item_id = item_id or rte.new_id("item")
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
+                "content": [{"type": "input_audio", "transcript": None}]}
+        self.audio_fed_s = 0.0
+        previous, self.last_item = self.last_item, item_id
+        self.send(rse.input_audio_buffer_committed(item_id, previous))
+        self.send(rse.conversation_item_added(item, previous))
+        self.send(rse.conversation_item_done(item, previous))
+
+    # ----------------------------------------------------------------------------------------- items, responses
+    def _item(self, event: rte.ConversationItemCreate) -> None:
+        eid = event.event_id
+        images = {}
+        for i, part in enumerate(event.content):  # decode every image before anything is fed
+            if isinstance(part, rte.InputImage):
+                try:
+                    images[i] = decode_image(part.data)
+                except ValueError as e:
+                    raise self._fail(e, eid, f"item.content[{i}].image_url") from None
+        self._instructions(eid)
+        parts = []
+        try:
+            for i, part in enumerate(event.content):
+                parts += (self.conversation.image(images[i]) if i in images
+                          else self.conversation.message(event.role, part.text))
+        except ValueError as e:
+            raise self._fail(e, eid, "item.content") from None
+        item = rse.user_item(event)
+        previous, self.last_item = self.last_item, item["id"]
+        self.send(rse.conversation_item_added(item, previous))
+        self._feed(parts, lambda: self.send(rse.conversation_item_done(item, previous)))
+
+    def _respond(self, event: rte.ResponseCreate) -> None:
+        eid = event.event_id
+        if self.response is not None and not self.response.done():
+            raise rte.RealtimeEventError("conversation_already_has_active_response", "a response is in progress: "
+                                         "wait for its response.done or cancel it", event_id=eid)
+        if event.instructions is not None and event.instructions != self.settings.instructions:
+            raise rte.RealtimeEventError("unsupported", "per-response instructions are not supported: the "
+                                         "instructions are the conversation's system message (session.update)",
+                                         event_id=eid, param="response.instructions")
+        limit = event.max_output_tokens if event.max_output_tokens is not None else self.settings.max_output_tokens
+        cap = self.options.max_output_tokens
+        max_tokens = cap if limit == "inf" else min(int(limit), cap)
+        self._instructions(eid)
+        prompt = self.conversation.prompt(min(self.worker.tau, max_tokens))
+        input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
+        self.tokens_since_response = 0
+        answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation)
+        self.response = self._spawn(self._stream(answer, limit, input_tokens))
+
+    async def _stream(self, answer, limit, input_tokens: int) -> None:
+        rid, item_id = rte.new_id("resp"), rte.new_id("item")
+        previous, self.last_item = self.last_item, item_id
+        self.send(rse.response_created(rid, max_output_tokens=limit))
+        self.send(rse.conversation_item_added(rse.assistant_item(item_id, status="in_progress"), previous))
+        decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
+        pieces = []
+        async for tokens in answer:
+            delta = decoder.push(tokens)
+            if delta:
+                pieces.append(delta)
+                self.send(rse.response_output_text_delta(rid, item_id, delta))
+        await answer.done
+        tail = decoder.flush()
+        if tail:
+            pieces.append(tail)
+            self.send(rse.response_output_text_delta(rid, item_id, tail))
+        text = "".join(pieces)
+        self.conversation.answered(answer.tokens)
+        status = answer.status
+        self.send(rse.response_output_text_done(rid, item_id, text))
+        item = rse.assistant_item(item_id, text, status="completed" if status == "completed" else "incomplete")
+        self.send(rse.conversation_item_done(item, previous))
+        reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(answer.reason,
+                                                                                               answer.reason)
+        self.send(rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
+                                    output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
+                                    reason=reason if status != "completed" else None, max_output_tokens=limit))
+
+
+async def realtime_endpoint(ws, context) -> None:
+    """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
+    1013 when overloaded), and serves it."""
+    from omnijax.serve.admission import Overloaded
+
+    await ws.accept()
+    client = ws.client.host if ws.client else "?"
+    try:
+        async with context.session(client, "rt") as sid:
+            log.info("realtime connect peer=%s session=%s", client, sid)
+            await RealtimeSession(ws, context, sid).run()
+            log.info("realtime close session=%s", sid)
+    except Overloaded as e:
+        log.warning("realtime refuse peer=%s reason=overloaded: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("overloaded", str(e), error_type="server_error")))
+        await ws.close(1013, "overloaded")
