@@ -250,14 +250,18 @@ def main(argv=None) -> int:
     return 0
 
 
-async def serve(context: ServeContext, *, ready=None) -> None:
-    """Runs the server until SIGINT/SIGTERM (uvicorn's handlers); `ready(port)` is called once it listens."""
+def _uvicorn_server(context: ServeContext):
     import uvicorn
 
     config = uvicorn.Config(build_app(context), host=context.options.host, port=context.options.port,
                             log_level="warning", ws_max_size=context.options.max_message_bytes, ws_ping_interval=None,
                             lifespan="on")
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config)
+
+
+async def serve(context: ServeContext) -> None:
+    """Runs the server until SIGINT/SIGTERM (uvicorn's handlers stop it gracefully)."""
+    server = _uvicorn_server(context)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -265,6 +269,41 @@ async def serve(context: ServeContext, *, ready=None) -> None:
         port = server.servers[0].sockets[0].getsockname()[1]
         print(f"omnijax serve: listening on http://{context.options.host}:{port}/v1 (Realtime: "
               f"ws://{context.options.host}:{port}/v1/realtime)", flush=True)
-        if ready is not None:
-            ready(port)
     await task
+
+
+class BackgroundServer:
+    """The server of a `ServeContext` in a background thread with its own event loop (tests, benchmarks).
+
+    Example:
+        with BackgroundServer(context) as server:
+            client = openai.OpenAI(base_url=server.base_url, api_key=key)
+    """
+
+    def __init__(self, context: ServeContext, *, timeout_s: float = 120.0):
+        self.context, self.timeout_s = context, timeout_s
+        self.server = self.thread = None
+        self.port = 0
+
+    def __enter__(self) -> "BackgroundServer":
+        import threading
+
+        self.server = _uvicorn_server(self.context)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), name="omnijax-serve",
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.context.options.host}:{self.port}/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout_s)

@@ -475,6 +475,8 @@ class Engine:
         an exhausted session).
         """
         from omnijax.serve import snapshot as snapshot_lib
+        if session_id in self._slots:
+            raise DuplicateSession(f"session {session_id!r} is already open")
         snapshot_lib.check_importable(self.state, snapshot)
         if bool(snapshot.exhausted):
             raise ValueError("the snapshot is of an exhausted (preempted) session; its KV is incomplete")

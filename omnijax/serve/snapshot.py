@@ -154,7 +154,7 @@ class SessionSnapshot:
         """Refuses a snapshot whose arrays do not agree with each other and with its spec (`SnapshotError`)."""
         spec, E = self.spec, self.num_pages
         want = {name: _page_shape(spec, name, E) for name in PAGE_AXES}
-        want.update(entries=(E,), key=np.shape(self.key), last_logits=(spec.vocab_size,),
+        want.update(entries=(E,), last_logits=(spec.vocab_size,),
                     **{name: () for name in KV_ROW_FIELDS + ("next_pos",)})
         bad = [f"{n} {tuple(np.shape(getattr(self, n)))} (expected {w})" for n, w in want.items()
                if tuple(np.shape(getattr(self, n))) != w]
@@ -337,6 +337,9 @@ def _is_snapshot_dir(path: Path) -> bool:
 
 def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwrite: bool = False) -> Path:
     """Writes a snapshot to the directory `path` atomically: into a temporary directory beside it, then renamed.
+
+    `path` never holds a partial snapshot; when overwriting, the old one is moved aside first, so `path` is briefly
+    absent between the two renames (a concurrent `load_snapshot` then sees nothing, never a mix).
 
     Args:
         path: the snapshot directory (its parent is created when missing).

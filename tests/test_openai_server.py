@@ -1,0 +1,240 @@
+"""`omnijax serve` through the official `openai` SDK: Realtime sessions (text items, audio, images, cancel, errors,
+overload), chat completions (whole and streamed), models, the API key; answers equal `omnijax.Chat`'s greedy answers
+to the same conversation (an independent path: one `Session`, not the engine's batched ticks)."""
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import omnijax  # noqa: E402
+from omnijax.retention import SinkWindow  # noqa: E402
+from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
+from omnijax.serve.context import ServeOptions  # noqa: E402
+
+from tests import tiny_omni  # noqa: E402
+
+KEY = "test-key"
+TAU = 8
+
+
+def _stream_config():
+    return omnijax.StreamConfig(policy=SinkWindow(sink=16, window=2048), num_pages=96, page_size=16,
+                                max_answer_tokens=TAU)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return omnijax.load(tiny_omni.checkpoint(tmp_path_factory.mktemp("serve"), tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    options = ServeOptions(port=0, api_key=KEY, frame_ms=200, max_output_tokens=24, max_audio_buffer_s=2.0,
+                           max_sessions_per_client=8)
+    context = build_context(model, options=options, stream=_stream_config(), chunk_tokens=32, buckets=(1, 2, 4),
+                            aimd_target=0)
+    with BackgroundServer(context) as running:
+        yield running
+
+
+def _client(server, key=KEY, **kwargs):
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, **kwargs)
+
+
+def _async_client(server, key=KEY):
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+
+
+def _chat_answer(model, system, user, max_tokens):
+    chat = omnijax.Chat(model, _stream_config())
+    if system:
+        chat.system(system)
+    return "".join(chat.ask(user, max_tokens=max_tokens))
+
+
+async def _until(conn, kind, seen=None):
+    """Events up to and including the first of type `kind`."""
+    events = []
+    async for event in conn:
+        events.append(event)
+        if seen is not None:
+            seen.append(event.type)
+        if event.type == kind:
+            return events
+    raise AssertionError(f"the connection closed before {kind}")
+
+
+def _response_text(events):
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done").text
+    final = next(e for e in events if e.type == "response.done").response
+    assert deltas == done == final.output[0].content[0].text
+    return done, final
+
+
+def _pcm_b64(seconds, rate=24000, amplitude=8000):
+    t = np.arange(int(seconds * rate)) / rate
+    return base64.b64encode((amplitude * np.sin(2 * np.pi * 220 * t)).astype("<i2").tobytes()).decode()
+
+
+def test_models_and_api_key(server):
+    assert [m.id for m in _client(server).models.list()] == ["omnijax"]
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").chat.completions.create(model="omnijax", messages=[{"role": "user",
+                                                                                          "content": "hi"}])
+
+    async def realtime_with_wrong_key():
+        async with _async_client(server, key="wrong").realtime.connect(model="omnijax") as conn:
+            await conn.recv()
+
+    with pytest.raises(Exception, match="401"):
+        asyncio.run(realtime_with_wrong_key())
+
+
+def test_chat_completions_whole_and_streamed_equal_chat(server, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe the scene."}]
+    client = _client(server)
+    whole = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=12)
+    stream = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    assert whole.choices[0].message.content == streamed
+    assert streamed.rstrip("\n") == expected.rstrip("\n") or expected.startswith(streamed)
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens <= 12
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="omnijax", messages=messages, temperature=0.7)
+
+
+def test_realtime_text_then_audio_then_image(server, model):
+    async def scenario():
+        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+            created = await conn.recv()
+            assert created.type == "session.created"
+            await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
+                                               "output_modalities": ["text"], "max_output_tokens": 12})
+            assert (await conn.recv()).type == "session.updated"
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text",
+                                                                   "text": "Describe the scene."}]})
+            await conn.response.create()
+            first = await _until(conn, "response.done")
+            await conn.input_audio_buffer.append(audio=_pcm_b64(0.5))  # 2 frames of 200 ms and a 100 ms tail
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response={"max_output_tokens": 5})
+            second = await _until(conn, "response.done")
+            from PIL import Image
+            png = io.BytesIO()
+            Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), np.uint8)).save(png, "PNG")
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "And now?"}]})
+            await conn.response.create()
+            third = await _until(conn, "response.done")
+            return first, second, third
+
+    first, second, third = asyncio.run(scenario())
+    text, final = _response_text(first)
+    assert final.status in ("completed", "incomplete") and final.usage.output_tokens <= 12
+    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    assert text.rstrip("\n") == expected.rstrip("\n") or expected.startswith(text)
+    kinds = [e.type for e in second]
+    assert kinds[:3] == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    _, final2 = _response_text(second)
+    assert final2.usage.output_tokens <= 5 and final2.usage.input_tokens > 3 * 7  # 3 audio frames and a prompt
+    user = third[0]
+    assert user.type == "conversation.item.added" and user.item.role == "user"
+    assert [c.type for c in user.item.content] == ["input_image", "input_text"]
+    assert any(e.type == "conversation.item.done" and e.item.id == user.item.id for e in third)
+    _response_text(third)
+    cells = [next(e for e in events if e.type == "response.done").model_extra["omnijax"]["kv_cells"]
+             for events in (first, second, third)]
+    assert cells[0] == final.usage.total_tokens and cells[0] < cells[1] < cells[2]  # nothing evicted yet
+
+
+def test_malformed_events_get_errors_while_another_session_streams(server):
+    async def scenario():
+        client = _async_client(server)
+        async with client.realtime.connect(model="omnijax") as good, \
+                client.realtime.connect(model="omnijax") as bad:
+            await good.recv(), await bad.recv()
+            await good.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hello"}]})
+            await good.response.create()
+            await bad.send({"type": "no.such.event"})
+            await bad.send({"type": "input_audio_buffer.append", "audio": "not base64!"})
+            await bad.send({"type": "input_audio_buffer.append", "audio": _pcm_b64(3.0)})  # over the 2 s cap
+            await bad.send({"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}})
+            await bad.send({"type": "response.cancel"})
+            errors = [(await bad.recv()) for _ in range(5)]
+            answered = await _until(good, "response.done")
+            # the refused session still works
+            await bad.conversation.item.create(item={"type": "message", "role": "user",
+                                                     "content": [{"type": "input_text", "text": "Hi"}]})
+            await bad.response.create(response={"max_output_tokens": 3})
+            after = await _until(bad, "response.done")
+            return errors, answered, after
+
+    errors, answered, after = asyncio.run(scenario())
+    assert [e.type for e in errors] == ["error"] * 5
+    assert [e.error.code for e in errors] == ["unknown_event", "invalid_value", "buffer_too_large", "unsupported",
+                                              "response_cancel_not_active"]
+    assert "--policy unbounded" in errors[3].error.message
+    _response_text(answered)
+    assert _response_text(after)[1].usage.output_tokens <= 3
+
+
+def _wait_idle(server, timeout_s=20.0):
+    """Waits until the server has closed every session of earlier tests (closing follows a disconnect)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while server.context.worker.lanes:
+        assert time.monotonic() < deadline, f"sessions still open: {list(server.context.worker.lanes)}"
+        time.sleep(0.05)
+
+
+def test_cancel_ends_the_response_and_overload_is_refused(server):
+    _wait_idle(server)
+
+    async def scenario():
+        client = _async_client(server)
+        async with client.realtime.connect(model="omnijax") as conn:
+            await conn.recv()
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Talk a lot."}]})
+            await conn.response.create(response={"max_output_tokens": 24})
+            await _until(conn, "response.created")
+            await conn.response.cancel()
+            cancelled = await _until(conn, "response.done")
+            # fill the engine (largest bucket 4): three more sessions, then a fifth is refused
+            others = [client.realtime.connect(model="omnijax") for _ in range(3)]
+            opened = [await o.__aenter__() for o in others]
+            for o in opened:
+                assert (await o.recv()).type == "session.created"
+            refused = client.realtime.connect(model="omnijax")
+            extra = await refused.__aenter__()
+            error = await extra.recv()
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(model="omnijax", messages=[{"role": "user", "content": "x"}])
+            await refused.__aexit__(None, None, None)
+            for o in others:
+                await o.__aexit__(None, None, None)
+            return cancelled, error
+
+    cancelled, error = asyncio.run(scenario())
+    final = cancelled[-1].response
+    assert final.status == "cancelled" and final.usage.output_tokens < 24
+    assert error.type == "error" and error.error.code == "overloaded"
+
