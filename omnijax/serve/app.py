@@ -195,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int, default=512, help="the most tokens of one response")
     p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
     p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
+    p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
+                   "SIGTERM) so clients resume them with their token")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling for every session")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
                                max_message_bytes=int(args.max_message_mb * 2 ** 20),
                                max_audio_buffer_s=args.max_audio_buffer_s,
                                max_sessions_per_client=args.max_sessions_per_client,
-                               max_output_tokens=args.max_output_tokens)
+                               max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir)
         samples = frame_samples(args.frame_ms)
     except ValueError as e:
         parser.error(str(e))

@@ -26,6 +26,8 @@ class ServeOptions:
         max_sessions_per_client: the most sessions one client address may hold at once.
         max_output_tokens: the most tokens of one response (a client's "inf" means this).
         max_outbox: server events queued unread for one client before it is dropped as a slow consumer.
+        snapshot_dir: where Realtime sessions are snapshotted when their connection ends (and at shutdown), to be
+            resumed with their token; None disables resuming.
     """
 
     host: str = "127.0.0.1"
@@ -38,6 +40,7 @@ class ServeOptions:
     max_sessions_per_client: int = 16
     max_output_tokens: int = 512
     max_outbox: int = 1024
+    snapshot_dir: str | None = None
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox"):
@@ -83,8 +86,9 @@ class ServeContext:
         return Conversation(self.model, self.tokenizer, self.chunk_tokens)
 
     @contextlib.asynccontextmanager
-    async def session(self, client: str, prefix: str):
-        """Opens an engine session for `client` (raises `Overloaded`), yields its id, closes it."""
+    async def session(self, client: str, prefix: str, snapshot=None):
+        """Opens an engine session for `client` (raises `Overloaded`), resuming `snapshot` when given; yields its
+        id, closes it."""
         cap = self.options.max_sessions_per_client
         if self.per_client[client] >= cap:
             raise Overloaded(f"this client already holds {self.per_client[client]} sessions, the most one client "
@@ -92,7 +96,7 @@ class ServeContext:
         sid = self.new_session_id(prefix)
         self.per_client[client] += 1
         try:
-            await self.worker.open(sid)
+            await self.worker.open(sid, snapshot)
             try:
                 yield sid
             finally:

@@ -55,6 +55,17 @@ class Conversation:
         self.next_unit = 0
         self.tokens_fed = 0
 
+    def state(self) -> dict:
+        """What resumes this conversation (JSON data): messages, the rendering fed, the unit counter."""
+        return {"messages": self.messages, "rendered": self.rendered, "next_unit": self.next_unit,
+                "tokens_fed": self.tokens_fed}
+
+    def restore(self, state: dict) -> None:
+        """Continues from `state()` of a snapshotted conversation (of the same model and template)."""
+        self.messages = [dict(m) for m in state["messages"]]
+        self.rendered, self.next_unit = str(state["rendered"]), int(state["next_unit"])
+        self.tokens_fed = int(state["tokens_fed"])
+
     def _parts(self, chunk: Chunk) -> list[Chunk]:
         parts = split_chunk(chunk, self.chunk_tokens)
         self.tokens_fed += int(np.asarray(chunk.valid).sum())

@@ -26,14 +26,28 @@ events onto the conversation and the `EngineWorker`:
 
 A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
 over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return.
+
+Resuming (with `ServeOptions.snapshot_dir`): `session.created` carries `"omnijax": {"resume_token": t}` in the
+session object. When the connection ends (the client leaves, or the server shuts down on SIGTERM/SIGINT), a response
+still decoding is cancelled and the session is snapshotted with orbax under the directory: its KV pages, cursor,
+sampling key and last logits (`omnijax.serve.snapshot`) and its conversation (messages, template text fed, items,
+settings). Connecting with `/v1/realtime?resume=t` (the SDK: `connect(..., extra_query={"resume": t})`), to this
+server or to a restarted one over the same checkpoint and pool settings, continues that session: its next answer is
+the one the uninterrupted session would give. A token resumes once (the snapshot is removed once imported; the next
+disconnect writes a fresh one). Audio appended but not yet fed (less than a frame) is not part of a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import logging
+import re
+import secrets
+import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -69,8 +83,8 @@ class RealtimeSession:
         sid: the engine session id (already opened).
     """
 
-    def __init__(self, ws, context, sid: str):
-        self.ws, self.context, self.sid = ws, context, sid
+    def __init__(self, ws, context, sid: str, token: str | None = None):
+        self.ws, self.context, self.sid, self.token = ws, context, sid, token
         self.worker, self.options = context.worker, context.options
         self.conversation = context.conversation()
         policy = self.worker.engine.config.stream.policy
@@ -106,7 +120,10 @@ class RealtimeSession:
         from starlette.websockets import WebSocketDisconnect
 
         writer = asyncio.create_task(self._writer())
-        self.send(rse.session_created(self.settings, self.session_id))
+        created = rse.session_created(self.settings, self.session_id)
+        if self.token is not None:
+            created["session"]["omnijax"]["resume_token"] = self.token
+        self.send(created)
         try:
             while True:
                 message = await self.ws.receive()
@@ -127,10 +144,49 @@ class RealtimeSession:
         except WebSocketDisconnect:
             pass
         finally:
+            if self.token is not None:
+                await self._snapshot()
             for task in list(self.tasks):
                 task.cancel()
             self.outbox.put_nowait(None)
             writer.cancel()
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def meta(self) -> dict:
+        """The conversation side of a snapshot (JSON data)."""
+        return {"conversation": self.conversation.state(), "settings": dataclasses.asdict(self.settings),
+                "session_id": self.session_id, "instructions_fed": self.instructions_fed,
+                "last_item": self.last_item, "tokens_since_response": self.tokens_since_response,
+                "model": self.options.model_name}
+
+    def restore(self, meta: dict) -> None:
+        """Continues the conversation of a snapshot's `meta()`."""
+        settings = dict(meta["settings"])
+        if settings.get("turn_detection") is not None:
+            settings["turn_detection"] = rte.ServerVad(**settings["turn_detection"])
+        if isinstance(settings.get("truncation"), dict):
+            settings["truncation"] = rte.RetentionRatio(**settings["truncation"])
+        settings["output_modalities"] = tuple(settings["output_modalities"])
+        self.settings = rte.SessionSettings(**settings)
+        self.conversation.restore(meta["conversation"])
+        self.session_id, self.instructions_fed = meta["session_id"], meta["instructions_fed"]
+        self.last_item, self.tokens_since_response = meta["last_item"], int(meta["tokens_since_response"])
+
+    async def _snapshot(self) -> None:
+        """Snapshots the session under `snapshot_dir/<token>` (see the module docstring); failures are logged."""
+        from omnijax.serve.snapshot import save_snapshot
+
+        try:
+            if self.response is not None and not self.response.done():
+                self.worker.cancel(self.sid)
+                await asyncio.wait_for(asyncio.shield(self.response), 30.0)
+            snapshot = await self.worker.export(self.sid, self.meta())
+            path = Path(self.options.snapshot_dir) / self.token
+            await asyncio.to_thread(save_snapshot, path, snapshot, overwrite=True)
+            log.info("realtime snapshot session=%s pages=%d -> %s", self.sid, snapshot.num_pages, path)
+        except Exception as e:  # noqa: BLE001 - the session ends either way; say why it cannot be resumed
+            log.warning("realtime snapshot session=%s failed (it cannot be resumed): %s: %s", self.sid,
+                        type(e).__name__, e)
 
     # ------------------------------------------------------------------------------------------------ events
     async def handle(self, event) -> None:
@@ -342,15 +398,54 @@ async def realtime_endpoint(ws, context) -> None:
     """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
     1013 when overloaded), and serves it."""
     from omnijax.serve.admission import Overloaded
+    from omnijax.serve.snapshot import SnapshotError
 
     await ws.accept()
     client = ws.client.host if ws.client else "?"
+    snapshot = None
+    token = ws.query_params.get("resume")
     try:
-        async with context.session(client, "rt") as sid:
-            log.info("realtime connect peer=%s session=%s", client, sid)
-            await RealtimeSession(ws, context, sid).run()
+        if token is not None:
+            snapshot = await _load_resume(context, token)
+        elif context.options.snapshot_dir is not None:
+            token = secrets.token_hex(16)
+    except (ValueError, OSError) as e:
+        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
+        await ws.close(1008, "resume_failed")
+        return
+    try:
+        async with context.session(client, "rt", snapshot) as sid:
+            log.info("realtime connect peer=%s session=%s%s", client, sid, " (resumed)" if snapshot else "")
+            session = RealtimeSession(ws, context, sid, token)
+            if snapshot is not None:
+                session.restore(snapshot.meta)
+                await asyncio.to_thread(shutil.rmtree, Path(context.options.snapshot_dir) / token, True)
+            await session.run()
             log.info("realtime close session=%s", sid)
+    except SnapshotError as e:  # the engine refused the snapshot (another model shape, too few free pages)
+        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
+        await ws.close(1008, "resume_failed")
     except Overloaded as e:
         log.warning("realtime refuse peer=%s reason=overloaded: %s", client, e)
         await ws.send_text(json.dumps(rte.error_event("overloaded", str(e), error_type="server_error")))
         await ws.close(1013, "overloaded")
+
+
+async def _load_resume(context, token: str):
+    """The snapshot a resume token names (ValueError / OSError naming the problem)."""
+    from omnijax.serve.snapshot import load_snapshot
+
+    if context.options.snapshot_dir is None:
+        raise ValueError("this server does not resume sessions: start it with --snapshot-dir")
+    if not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise ValueError("a resume token is the 32 hex digits session.created gave")
+    path = Path(context.options.snapshot_dir) / token
+    if not path.exists():
+        raise ValueError("no snapshot for this resume token (already resumed, or never written)")
+    snapshot = await asyncio.to_thread(load_snapshot, path)
+    if snapshot.meta.get("model") != context.options.model_name:
+        raise ValueError(f"the snapshot is of model {snapshot.meta.get('model')!r}, this server serves "
+                         f"{context.options.model_name!r}")
+    return snapshot

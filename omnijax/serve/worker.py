@@ -140,8 +140,10 @@ class EngineWorker:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------------------------------------ sessions
-    async def open(self, sid: str) -> None:
-        """Admits a session; raises `Overloaded` (AIMD cap, session cap or no engine slot)."""
+    async def open(self, sid: str, snapshot=None) -> None:
+        """Admits a session; raises `Overloaded` (AIMD cap, session cap or no engine slot). With a `snapshot`
+        (`omnijax.serve.snapshot.SessionSnapshot`) the session resumes its state (`Engine.import_session`, whose
+        refusals leave the engine unchanged)."""
         from omnijax.serve.admission import Overloaded
 
         current = len(self.lanes) + self._joining
@@ -155,7 +157,10 @@ class EngineWorker:
                 self.admission.check(current)
             self._joining += 1
             try:
-                await self.in_engine(self.engine.open, sid)
+                if snapshot is None:
+                    await self.in_engine(self.engine.open, sid)
+                else:
+                    await self.in_engine(self.engine.import_session, sid, snapshot)
             finally:
                 self._joining -= 1
         except Overloaded:
@@ -171,6 +176,18 @@ class EngineWorker:
             return
         self._fail(lane, "session closed")
         await self.in_engine(self._close_engine, sid)
+
+    async def export(self, sid: str, meta: dict, timeout_s: float = 30.0):
+        """A snapshot of the session once its queued chunks are written and its answer has ended (waits up to
+        `timeout_s`; an answer still decoding is cancelled first). Raises TimeoutError or ValueError (preempted)."""
+        self.cancel(sid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy(sid):
+            if loop.time() > deadline:
+                raise TimeoutError(f"session {sid!r} did not become idle within {timeout_s:g} s")
+            await asyncio.sleep(0.01)
+        return await self.in_engine(lambda: self.engine.export_session(sid, meta=meta))
 
     def _close_engine(self, sid: str) -> None:
         try:
