@@ -242,7 +242,8 @@ def websocket_run(policy: str, args, pages: int) -> dict:
     cmd = [sys.executable, "-m", "omnijax.serve.server", "--demo-model", "--port", "0", "--policy", policy,
            "--sink", str(args.sink), "--window", str(args.window), "--pages", str(pages), "--page-size",
            str(args.page_size), "--frame-ms", str(args.frame_ms), "--answer-tokens", "4", "--aimd-target", "0",
-           "--warmup-sessions", str(args.ws_sessions), "--buckets", str(args.ws_sessions)]
+           "--warmup-sessions", str(args.ws_sessions), "--buckets", str(args.ws_sessions),
+           "--chunk-tokens", str(srv.frame_tokens(srv.frame_samples(args.frame_ms)))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, ready = [], threading.Event()
 

@@ -4,7 +4,7 @@
     omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96]
     omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
                   [--plot out.png]
-    omnijax serve CKPT [...]                            # the Metronome server (omnijax-serve)
+    omnijax serve CKPT [...]                            # OpenAI-compatible + native server (omnijax-serve)
 
 `chat` reads one message per line from standard input and streams the answer; lines starting with `/` are commands:
 `/image PATH`, `/audio PATH.wav`, `/video PATH`, `/kept` (what the cache holds), `/quit`. `watch` feeds a video's
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from convert.__main__ import main as convert_main
         return convert_main(argv[1:], prog="omnijax convert")
     if argv and argv[0] == "serve":
-        from omnijax.serve.server import main as serve_main
+        from omnijax.serve.app import main as serve_main
         return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """Metronome serving: a batched multi-session engine over one shared KV pool, telemetry, and AIMD admission.
 
-`omnijax.serve.server` (imported on demand) is the WebSocket front end.
+`omnijax.serve.app` (imported on demand) is `omnijax serve`: the OpenAI-compatible routes (`realtime`, `openai_http`)
+and the native per-frame protocol (`native`) on one port, over the `worker` that drives the engine's ticks.
 """
 
 from omnijax.serve.admission import AIMD, Overloaded

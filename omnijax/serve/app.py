@@ -4,7 +4,8 @@ Routes (every one behind the API key when one is set):
 
 - `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime`);
 - `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events (`omnijax.serve.openai_http`);
-- `GET /v1/models` — the served model.
+- `GET /v1/models` — the served model;
+- `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native`).
 
 One `EngineWorker` runs the engine's ticks as a background task of the server's event loop, the model step in an
 executor thread, so sockets keep being served while a tick runs. Security: loopback by default; `--api-key` (or
@@ -66,7 +67,7 @@ def build_app(context: ServeContext):
     from starlette.middleware import Middleware
     from starlette.routing import Route, WebSocketRoute
 
-    from omnijax.serve import openai_http, realtime
+    from omnijax.serve import native, openai_http, realtime
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -79,6 +80,9 @@ def build_app(context: ServeContext):
     async def realtime_route(ws):
         await realtime.realtime_endpoint(ws, context)
 
+    async def native_route(ws):
+        await native.native_endpoint(ws, context)
+
     async def chat_route(request):
         return await openai_http.chat_completions(request, context)
 
@@ -87,13 +91,15 @@ def build_app(context: ServeContext):
 
     routes = [WebSocketRoute("/v1/realtime", realtime_route),
               Route("/v1/chat/completions", chat_route, methods=["POST"]),
-              Route("/v1/models", models_route, methods=["GET"])]
+              Route("/v1/models", models_route, methods=["GET"]),
+              WebSocketRoute("/session", native_route)]
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(ApiKeyMiddleware, options=context.options)])
 
 
 def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, buckets=(1, 2, 4, 8, 16, 32, 64),
-                  aimd_target: float = 0.3, max_sessions: int | None = None) -> ServeContext:
+                  aimd_target: float = 0.3, max_sessions: int | None = None,
+                  return_logits: bool = False) -> ServeContext:
     """The engine, AIMD admission and worker for `model`.
 
     Args:
@@ -104,6 +110,7 @@ def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, bu
         buckets: the engine's batch buckets.
         aimd_target: the AIMD latency target as a fraction of B (0 disables admission control).
         max_sessions: the most sessions open at once (default: the largest bucket).
+        return_logits: copy each frame's last logits to the host (duplex sessions decide on them).
     """
     from omnijax.serve.admission import AIMD
     from omnijax.serve.engine import Engine, EngineConfig
@@ -115,7 +122,7 @@ def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, bu
                          "converted checkpoint")
     budget = options.frame_ms / 1000.0
     config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=budget, buckets=tuple(buckets),
-                          return_logits=False)
+                          return_logits=return_logits)
     engine = Engine(model, config)
     admission = (AIMD(target_fraction=aimd_target, frame_budget_s=budget, max_cap=max(config.buckets))
                  if aimd_target > 0 else None)
@@ -230,6 +237,8 @@ def main(argv=None) -> int:
         samples = frame_samples(args.frame_ms)
     except ValueError as e:
         parser.error(str(e))
+    if frame_tokens(samples) < 3:
+        parser.error(f"--frame-ms {args.frame_ms:g} gives no audio token: frames must be at least 30 ms")
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
@@ -269,8 +278,9 @@ async def serve(context: ServeContext) -> None:
         await asyncio.sleep(0.05)
     if server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
-        print(f"omnijax serve: listening on http://{context.options.host}:{port}/v1 (Realtime: "
-              f"ws://{context.options.host}:{port}/v1/realtime)", flush=True)
+        host = context.options.host
+        print(f"omnijax serve: listening on http://{host}:{port}/v1 (Realtime ws://{host}:{port}/v1/realtime); "
+              f"native protocol on ws://{host}:{port}/session", flush=True)
     await task
 
 
@@ -304,7 +314,13 @@ class BackgroundServer:
 
     @property
     def base_url(self) -> str:
+        """The OpenAI base URL, `http://host:port/v1`."""
         return f"http://{self.context.options.host}:{self.port}/v1"
+
+    @property
+    def native_url(self) -> str:
+        """The native protocol's `ws://host:port/session`."""
+        return f"ws://{self.context.options.host}:{self.port}/session"
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True

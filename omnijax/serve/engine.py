@@ -123,6 +123,8 @@ class FrameOutput:
             for a preempted session, the whole chunk.
         preempted: the session is preempted (exhausted KV): this frame and all later ones are empty.
         asked: answer tokens the frame asked for.
+        tick_s: wall latency of the tick the frame ran in.
+        occupancy: pool pages in use / pool pages after that tick.
     """
 
     session_id: str
@@ -131,6 +133,8 @@ class FrameOutput:
     dropped: int
     preempted: bool
     asked: int = 0
+    tick_s: float = 0.0
+    occupancy: float = 0.0
 
 
 @dataclasses.dataclass
@@ -441,6 +445,8 @@ class Engine:
         waiting = len(self._preempted)
         running = len(self._slots) - waiting
         n_tokens = sum(len(o.tokens) for o in outputs.values())
+        for o in outputs.values():
+            o.tick_s, o.occupancy = latency, used / self.config.num_pages
         events = self.telemetry.record(
             start_s=start_s, latency_s=latency, used_pages=used, running=running, waiting=waiting,
             served=len(frames), tokens=n_tokens, bucket=self.state.kv.batch, dropped=dropped,

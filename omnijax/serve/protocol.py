@@ -1,4 +1,4 @@
-"""The wire protocol of `omnijax-serve` (see `omnijax.serve.server` for the whole exchange): the session path, close
+"""The native wire protocol of `omnijax serve` (`WS /session`; the whole exchange is in `omnijax.serve.native`): the session path, close
 codes, the audio format, and validation of the client's messages, each failure a `ProtocolError` naming the error
 code the server sends back."""
 
@@ -11,7 +11,7 @@ import numpy as np
 
 SAMPLE_RATE = 16000
 PATH = "/session"
-CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN = 1008, 1013, 1001
+CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN = 1008, 1013, 1012  # 1012: uvicorn closes sockets at shutdown
 
 
 class ProtocolError(ValueError):

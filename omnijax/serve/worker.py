@@ -87,6 +87,8 @@ class _Item:
     chunk: object
     answer: Answer | None = None  # the prompt part that starts this answer
     fed: asyncio.Future | None = None  # resolved when this (last) part has been written
+    frame: asyncio.Future | None = None  # resolved with the tick's `FrameOutput` (a `frame()` chunk)
+    asked: int = 0  # answer tokens a `frame()` chunk asks for
 
 
 @dataclasses.dataclass
@@ -208,6 +210,18 @@ class EngineWorker:
         self._work.set()
         return fed
 
+    def frame(self, sid: str, chunk, answer_tokens: int = 0) -> asyncio.Future:
+        """Queues one chunk asking for `answer_tokens` (<= tau) tokens; the future resolves with its tick's
+        `FrameOutput` (tokens, logits when the engine returns them, dropped, preempted): the per-frame path of the
+        native protocol and of duplex sessions, which decide on the host."""
+        lane = self._lane(sid)
+        if isinstance(answer_tokens, bool) or not 0 <= int(answer_tokens) <= self.tau:
+            raise ValueError(f"answer_tokens must lie in [0, {self.tau}], got {answer_tokens!r}")
+        future = asyncio.get_running_loop().create_future()
+        lane.pending.append(_Item(chunk, frame=future, asked=int(answer_tokens)))
+        self._work.set()
+        return future
+
     def respond(self, sid: str, prompt, max_tokens: int, continuation) -> Answer:
         """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`)."""
         lane = self._lane(sid)
@@ -243,8 +257,9 @@ class EngineWorker:
 
     def _fail(self, lane: _Lane, reason: str) -> None:
         for item in lane.pending:
-            if item.fed is not None and not item.fed.done():
-                item.fed.set_exception(RuntimeError(reason))
+            for future in (item.fed, item.frame):
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(reason))
             if item.answer is not None:
                 item.answer._finish("failed", reason)
         lane.pending.clear()
@@ -267,7 +282,7 @@ class EngineWorker:
             elif lane.pending:
                 item = lane.pending.popleft()
                 answer = item.answer
-                asked = 0
+                asked = item.asked
                 if answer is not None and not answer.cancelled:
                     asked = min(self.tau, answer.max_tokens)
                 plan[sid] = (item.chunk, asked, item, answer)
@@ -319,9 +334,13 @@ class EngineWorker:
             if lane is None:  # closed during the tick
                 continue
             if sid in failed:
+                if item is not None and item.frame is not None and not item.frame.done():
+                    item.frame.set_exception(RuntimeError(failed[sid]))
                 self._fail(lane, failed[sid])
                 continue
             out = report.outputs.get(sid)
+            if item is not None and item.frame is not None and not item.frame.done():
+                item.frame.set_result(out)
             if item is not None and item.fed is not None and not item.fed.done():
                 if out is not None and out.preempted:
                     item.fed.set_exception(RuntimeError("the session was preempted: the KV pool is exhausted"))

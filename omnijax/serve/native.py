@@ -1,0 +1,196 @@
+"""`WS /session`: omnijax's native per-frame protocol, the lowest-overhead path (no JSON per frame in, no chat
+template): 16 kHz PCM frames in, each frame's answer tokens out, one engine tick per frame.
+
+Protocol (every JSON message is an object with a `type`):
+
+1. client -> `{"type": "hello", "sample_rate": 16000, "frame_ms": F}`. `sample_rate` must be 16000; `frame_ms` may be
+   omitted, otherwise it must equal the server's frame budget B.
+2. server -> `{"type": "ready", "session": id, "sample_rate": 16000, "frame_ms": F, "frame_samples": n}`, or
+   `{"type": "error", "code": "overloaded", ...}` and close 1013 when admission (AIMD cap, session caps, no engine
+   slot) refuses the session.
+3. client -> binary messages, each exactly one frame: n = 16000 * F / 1000 int16 little-endian mono samples (2n bytes).
+   The k-th binary message has `seq` k (from 0). Text `{"type": "bye"}` ends the session: frames already sent are
+   served, then close 1000.
+4. server -> per served frame `{"type": "frame", "seq": k, "tokens": [...], "text": "..." (whole UTF-8 characters;
+   a split one comes with a later frame), "latency_ms": frame arrival -> reply, "queue_ms": arrival -> submission to
+   the engine, "tick_ms": the engine step the frame ran in, "empty": no token although some were asked, "dropped":
+   tokens the exhausted pool could not hold, "preempted": bool, "occupancy": pool pages in use / pool pages,
+   "skipped": frames superseded since the previous reply}`.
+
+Each frame is encoded (log-mel -> the model's audio encoder -> its family's audio unit, `AudioFrameEncoder`) in the
+engine's thread and asks for tau answer tokens. A session has at most one frame in the engine: a frame that arrives
+while the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
+
+Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
+`bad_message`, `no_hello`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`, `unsupported`
+(image frames), `hello_timeout`, `slow_consumer`. A frame that fails inside the server gets a non-fatal
+`{"type": "error", "code": "internal", "seq": k}`. When the server shuts down, open sessions are closed with 1012.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import numpy as np
+
+from omnijax.serve.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, SAMPLE_RATE, ProtocolError, decode_frame,
+                                    parse_hello, parse_json)
+
+log = logging.getLogger("omnijax.serve")
+HELLO_TIMEOUT_S = 10.0
+
+
+def frame_encoder(context):
+    """The context's `AudioFrameEncoder` (built once)."""
+    encoder = getattr(context, "_frame_encoder", None)
+    if encoder is None:
+        from omnijax.serve.audio_frames import AudioFrameEncoder
+        encoder = AudioFrameEncoder(context.model, chunk_tokens=context.chunk_tokens,
+                                    answer_tokens=context.worker.tau)
+        context._frame_encoder = encoder
+    return encoder
+
+
+class NativeSession:
+    """One `/session` connection after its hello (see the module docstring)."""
+
+    def __init__(self, ws, context, sid: str, samples: int, peer: str):
+        self.ws, self.context, self.sid, self.samples, self.peer = ws, context, sid, samples, peer
+        self.worker = context.worker
+        self.latest: tuple[int, np.ndarray, float] | None = None  # (seq, pcm, arrival)
+        self.seq = self.unit = self.skipped = 0
+        self.pump: asyncio.Task | None = None
+        self.text = None if context.tokenizer is None else context.tokenizer.stream_decoder(skip_special_tokens=True)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.closing: tuple[int, str] | None = None
+
+    async def _writer(self) -> None:
+        while (message := await self.outbox.get()) is not None:
+            await self.ws.send_text(json.dumps(message))
+
+    def _reply(self, message: dict) -> None:
+        if self.outbox.qsize() >= self.context.options.max_outbox:
+            raise ProtocolError("slow_consumer", f"{self.outbox.qsize()} replies pile up unread")
+        self.outbox.put_nowait(message)
+
+    async def run(self) -> tuple[int, str]:
+        """Serves frames until bye, an error or a disconnect; returns (close code, reason)."""
+        from starlette.websockets import WebSocketDisconnect
+
+        loop = asyncio.get_running_loop()
+        writer = asyncio.create_task(self._writer())
+        self._reply({"type": "ready", "session": self.sid, "sample_rate": SAMPLE_RATE,
+                     "frame_ms": self.context.options.frame_ms, "frame_samples": self.samples})
+        code, reason = 1000, "disconnected"
+        try:
+            while self.closing is None:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes") is not None:
+                    pcm = decode_frame(message["bytes"], self.samples)
+                    self.skipped += self.latest is not None
+                    self.latest, self.seq = (self.seq, pcm, loop.time()), self.seq + 1
+                    if self.pump is None or self.pump.done():
+                        self.pump = asyncio.create_task(self._pump())
+                    continue
+                kind = parse_json(message.get("text") or "")["type"]
+                if kind == "bye":
+                    if self.pump is not None:
+                        await self.pump
+                    code, reason = 1000, "bye"
+                    break
+                if kind == "image":
+                    raise ProtocolError("unsupported", "image frames are not supported on /session (audio only); "
+                                                       "send images over /v1/realtime")
+                raise ProtocolError("bad_message", f"unexpected message type {kind!r} (expected binary PCM or bye)")
+            if self.closing is not None:
+                code, reason = self.closing
+        except ProtocolError as e:
+            log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
+            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            code, reason = CLOSE_ERROR, e.code
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.pump is not None and not self.pump.done():
+                self.pump.cancel()
+            self.outbox.put_nowait(None)
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the peer is gone or does not read
+                writer.cancel()
+        return code, reason
+
+    async def _pump(self) -> None:
+        """Serves the session's latest frame until none is waiting: encode, one tick, reply."""
+        loop = asyncio.get_running_loop()
+        encoder = frame_encoder(self.context)
+        while self.latest is not None:
+            (seq, pcm, arrival), skipped = self.latest, self.skipped
+            self.latest, self.skipped = None, 0
+            submitted = loop.time()
+            try:
+                chunk = await self.worker.in_engine(encoder.encode, pcm, self.unit)
+                self.unit += 1
+                out = await self.worker.frame(self.sid, chunk, self.worker.tau)
+            except Exception as e:  # noqa: BLE001 - a failed frame is reported, the session goes on
+                self.outbox.put_nowait({"type": "error", "code": "internal", "seq": seq,
+                                        "message": f"frame {seq} failed: {type(e).__name__}: {e}"})
+                continue
+            tokens = [int(t) for t in out.tokens]
+            message = {"type": "frame", "seq": seq, "tokens": tokens, "latency_ms": 1e3 * (loop.time() - arrival),
+                       "queue_ms": 1e3 * (submitted - arrival), "tick_ms": 1e3 * out.tick_s,
+                       "empty": self.worker.tau > 0 and not tokens, "dropped": int(out.dropped),
+                       "preempted": bool(out.preempted), "skipped": skipped, "occupancy": float(out.occupancy)}
+            if self.text is not None:
+                message["text"] = self.text.push(tokens)
+            try:
+                self._reply(message)
+            except ProtocolError as e:
+                log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
+                self.closing = (CLOSE_ERROR, e.code)
+                return
+
+
+async def native_endpoint(ws, context) -> None:
+    """Accepts a `/session` WebSocket: hello, admission, frames (see the module docstring)."""
+    from starlette.websockets import WebSocketDisconnect
+
+    from omnijax.serve.admission import Overloaded
+
+    await ws.accept()
+    peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
+
+    async def refuse(code: str, message: str, close_code: int = CLOSE_ERROR, sid: str = "-") -> None:
+        log.warning("refuse peer=%s session=%s reason=%s: %s", peer, sid, code, message)
+        try:
+            await ws.send_text(json.dumps({"type": "error", "code": code, "message": message}))
+            await ws.close(close_code, code)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    try:
+        first = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
+        if first["type"] == "websocket.disconnect":
+            return
+        hello = first.get("text") if first.get("text") is not None else first.get("bytes")
+        samples = parse_hello(hello, frame_ms=context.options.frame_ms)
+    except asyncio.TimeoutError:
+        return await refuse("hello_timeout", f"no hello within {HELLO_TIMEOUT_S:g} s")
+    except ProtocolError as e:
+        return await refuse(e.code, str(e))
+    try:
+        async with context.session(peer.rsplit(":", 1)[0], "s") as sid:
+            log.info("connect peer=%s session=%s sessions=%d", peer, sid, len(context.worker.lanes))
+            session = NativeSession(ws, context, sid, samples, peer)
+            code, reason = await session.run()
+            log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
+        try:
+            await ws.close(code, reason if code != 1000 or reason == "bye" else "")
+        except RuntimeError:  # already closed by the peer
+            pass
+    except Overloaded as e:
+        await refuse("overloaded", str(e), CLOSE_OVERLOADED)
