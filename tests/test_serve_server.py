@@ -151,7 +151,10 @@ def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
         assert client["admitted"] and client["error"] is None, client
         mine = [r for r in rows if r["client"] == i]
         assert len(mine) >= 8 and client["received"] == len(mine)
-        assert all(r["tokens"] == 2 and not r["empty"] for r in mine)  # every served frame carries its tokens
+        # every frame carries its tokens, or was answered empty on time (0.8 B) with its tokens following late
+        assert all((r["tokens"] == 2 and not r["empty"]) or (r["late"] and r["empty"]) for r in mine)
+        assert client.get("late_tokens", 0) == 2 * sum(r["late"] for r in mine)
+        assert any(not r["late"] for r in mine)  # how many run late depends on the machine's load
         assert len([r for r in mine if r["t"] > t_garbage]) >= 3
         assert [r["seq"] for r in mine] == sorted(r["seq"] for r in mine)
     _wait_idle(served)
@@ -216,3 +219,28 @@ def test_serving_is_in_the_base_dependencies():
     for name in ("websockets>=", "starlette>=", "uvicorn>="):
         assert any(d.replace(" ", "").startswith(name) for d in project["dependencies"]), name
     assert project["scripts"]["omnijax-serve"] == "omnijax.serve.app:main"
+
+
+def test_a_reply_waits_at_most_its_decode_cap_then_the_tokens_follow(served):
+    """Metronome's worker caps a tick's decode wait (0.8 B by default): with the cap below any tick's time, every
+    frame gets an empty reply marked late, and its tokens follow in a `late_tokens` message (nothing is lost)."""
+    import dataclasses
+
+    _wait_idle(served)
+    context = served.context
+    options = context.options
+    assert options.decode_wait_fraction == 0.8
+    context.options = dataclasses.replace(options, decode_wait_fraction=1e-4)  # 25 us of a 250 ms budget
+    try:
+        pcm = loadgen.speech_like_pcm(0.25, seed=2).tobytes()
+        messages, code = asyncio.run(_bad_client(served.native_url, [pcm, pcm, json.dumps({"type": "bye"})]))
+    finally:
+        context.options = options
+    assert code == 1000
+    frames = [m for m in messages if m["type"] == "frame"]
+    late = [m for m in messages if m["type"] == "late_tokens"]
+    assert [m["seq"] for m in frames] == [0, 1] == [m["seq"] for m in late]
+    assert all(m["late"] and m["tokens"] == [] and m["empty"] and m["latency_ms"] < 200 for m in frames)
+    assert all(len(m["tokens"]) == 2 and m["latency_ms"] >= f["latency_ms"] for m, f in zip(late, frames))
+    order = [(m["type"], m["seq"]) for m in messages if m["type"] in ("frame", "late_tokens")]
+    assert order.index(("frame", 0)) < order.index(("late_tokens", 0)) < order.index(("frame", 1))

@@ -44,7 +44,8 @@ class AIMD:
     """Additive-increase / multiplicative-decrease admission cap driven by per-frame latency.
 
     Args:
-        target_fraction: latency target as a fraction of the frame budget (Metronome: 0.6).
+        target_fraction: latency target as a fraction of the frame budget B. Default 0.3: Metronome's admission
+            run (its Fig. 7) targets 600 ms of per-frame latency on a 2 s budget.
         frame_budget_s: the frame budget B in seconds.
         alpha: additive increase per control step with headroom (sessions).
         beta: multiplicative decrease factor, in (0, 1).
@@ -56,7 +57,7 @@ class AIMD:
         probe_only_when_limited: increase only while `current >= cap` (see the module docstring).
     """
 
-    target_fraction: float = 0.6
+    target_fraction: float = 0.3
     frame_budget_s: float = 1.0
     alpha: int = 1
     beta: float = 0.7

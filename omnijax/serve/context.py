@@ -26,6 +26,9 @@ class ServeOptions:
         max_sessions_per_client: the most sessions one client address may hold at once.
         max_output_tokens: the most tokens of one response (a client's "inf" means this).
         max_outbox: server events queued unread for one client before it is dropped as a slow consumer.
+        decode_wait_fraction: a native frame's reply waits at most this fraction of B after the frame arrived
+            (Metronome's worker: 0.8 B); a tick still running then gives an empty reply on time, marked `late`,
+            and its tokens follow in a `late_tokens` message. 0 waits for the tick however long it takes.
         snapshot_dir: where Realtime sessions are snapshotted when their connection ends (and at shutdown), to be
             resumed with their token; None disables resuming.
     """
@@ -40,12 +43,15 @@ class ServeOptions:
     max_sessions_per_client: int = 16
     max_output_tokens: int = 512
     max_outbox: int = 1024
+    decode_wait_fraction: float = 0.8
     snapshot_dir: str | None = None
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.decode_wait_fraction <= 1:
+            raise ValueError(f"decode_wait_fraction must lie in [0, 1], got {self.decode_wait_fraction}")
         if not self.frame_ms > 0 or not self.max_audio_buffer_s > 0:
             raise ValueError(f"frame_ms and max_audio_buffer_s must be positive, got {self.frame_ms}, "
                              f"{self.max_audio_buffer_s}")

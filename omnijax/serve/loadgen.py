@@ -124,6 +124,9 @@ async def run_client(url: str, *, client: int, frame_ms: float, duration_s: floa
                     if msg["type"] == "error":
                         row["error"] = msg.get("code")
                         continue
+                    if msg["type"] == "late_tokens":  # the tokens of a frame answered late (empty) on time
+                        row["late_tokens"] = row.get("late_tokens", 0) + len(msg["tokens"])
+                        continue
                     if msg["type"] != "frame":
                         continue
                     row["received"] += 1
@@ -132,7 +135,8 @@ async def run_client(url: str, *, client: int, frame_ms: float, duration_s: floa
                                    "rtt_ms": 1e3 * (now - sent_at.get(seq, now)), "latency_ms": msg["latency_ms"],
                                    "queue_ms": msg["queue_ms"], "tokens": len(msg["tokens"]), "empty": msg["empty"],
                                    "dropped": msg["dropped"], "preempted": msg["preempted"],
-                                   "skipped": msg["skipped"], "occupancy": msg.get("occupancy")})
+                                   "skipped": msg["skipped"], "occupancy": msg.get("occupancy"),
+                                   "late": bool(msg.get("late", False))})
             except ConnectionClosed:
                 pass
             finally:

@@ -18,7 +18,11 @@ Protocol (every JSON message is an object with a `type`):
    "skipped": frames superseded since the previous reply}`.
 
 Each frame is encoded (log-mel -> the model's audio encoder -> its family's audio unit, `AudioFrameEncoder`) in the
-engine's thread and asks for tau answer tokens. A session has at most one frame in the engine: a frame that arrives
+engine's thread and asks for tau answer tokens. The reply waits for its tick at most `decode_wait_fraction` x B after
+the frame arrived (0.8 B, as Metronome's worker caps a tick's decode wait): a tick still running then gives the
+frame an on-time empty reply with `"late": true`, and when the tick ends its tokens follow as
+`{"type": "late_tokens", "seq": k, "tokens": [...], "text": "...", "latency_ms": ...}` (nothing is lost; an overloaded
+engine shows as a wall of empty frames at 0.8 B, as in the paper's figures). A session has at most one frame in the engine: a frame that arrives
 while the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
 
 Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
@@ -64,7 +68,18 @@ class NativeSession:
         self.pump: asyncio.Task | None = None
         self.text = None if context.tokenizer is None else context.tokenizer.stream_decoder(skip_special_tokens=True)
         self.outbox: asyncio.Queue = asyncio.Queue()
-        self.closing: tuple[int, str] | None = None
+        self.closing: tuple[int, str] | None = None  # set by the pump to end the session
+        self._stop = asyncio.Event()
+
+    async def _receive(self) -> dict | None:
+        """The next WebSocket message, or None once the pump ended the session."""
+        receive = asyncio.ensure_future(self.ws.receive())
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (receive, stop):
+            if task not in done:
+                task.cancel()
+        return receive.result() if receive in done else None
 
     async def _writer(self) -> None:
         while (message := await self.outbox.get()) is not None:
@@ -86,8 +101,8 @@ class NativeSession:
         code, reason = 1000, "disconnected"
         try:
             while self.closing is None:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
+                message = await self._receive()
+                if message is None or message["type"] == "websocket.disconnect":
                     break
                 if message.get("bytes") is not None:
                     pcm = decode_frame(message["bytes"], self.samples)
@@ -125,34 +140,59 @@ class NativeSession:
         return code, reason
 
     async def _pump(self) -> None:
-        """Serves the session's latest frame until none is waiting: encode, one tick, reply."""
-        loop = asyncio.get_running_loop()
-        encoder = frame_encoder(self.context)
+        """Serves the session's latest frame until none is waiting; a reply that cannot be queued (slow consumer)
+        ends the session."""
         while self.latest is not None:
             (seq, pcm, arrival), skipped = self.latest, self.skipped
             self.latest, self.skipped = None, 0
-            submitted = loop.time()
             try:
-                chunk = await self.worker.in_engine(encoder.encode, pcm, self.unit)
-                self.unit += 1
-                out = await self.worker.frame(self.sid, chunk, self.worker.tau)
-            except Exception as e:  # noqa: BLE001 - a failed frame is reported, the session goes on
-                self.outbox.put_nowait({"type": "error", "code": "internal", "seq": seq,
-                                        "message": f"frame {seq} failed: {type(e).__name__}: {e}"})
-                continue
-            tokens = [int(t) for t in out.tokens]
-            message = {"type": "frame", "seq": seq, "tokens": tokens, "latency_ms": 1e3 * (loop.time() - arrival),
-                       "queue_ms": 1e3 * (submitted - arrival), "tick_ms": 1e3 * out.tick_s,
-                       "empty": self.worker.tau > 0 and not tokens, "dropped": int(out.dropped),
-                       "preempted": bool(out.preempted), "skipped": skipped, "occupancy": float(out.occupancy)}
-            if self.text is not None:
-                message["text"] = self.text.push(tokens)
-            try:
-                self._reply(message)
+                await self._serve(seq, pcm, arrival, skipped)
             except ProtocolError as e:
                 log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
+                self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
                 self.closing = (CLOSE_ERROR, e.code)
+                self._stop.set()
                 return
+
+    async def _serve(self, seq: int, pcm: np.ndarray, arrival: float, skipped: int) -> None:
+        """One frame: encode, submit, reply on time (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        submitted = loop.time()
+        late = False
+        try:
+            chunk = await self.worker.in_engine(frame_encoder(self.context).encode, pcm, self.unit)
+            self.unit += 1
+            result = self.worker.frame(self.sid, chunk, self.worker.tau)
+            wait = self.context.options.decode_wait_fraction * self.context.options.frame_ms / 1000
+            if wait > 0:
+                try:
+                    out = await asyncio.wait_for(asyncio.shield(result), max(0.0, arrival + wait - loop.time()))
+                except asyncio.TimeoutError:  # an empty reply on time; the tokens follow when the tick ends
+                    late = True
+                    self._reply({"type": "frame", "seq": seq, "tokens": [], "late": True,
+                                 "latency_ms": 1e3 * (loop.time() - arrival), "queue_ms": 1e3 * (submitted - arrival),
+                                 "tick_ms": None, "empty": self.worker.tau > 0, "dropped": 0, "preempted": False,
+                                 "skipped": skipped, "occupancy": None})
+                    out = await result
+            else:
+                out = await result
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed frame is reported, the session goes on
+            self._reply({"type": "error", "code": "internal", "seq": seq,
+                         "message": f"frame {seq} failed: {type(e).__name__}: {e}"})
+            return
+        tokens = [int(t) for t in out.tokens]
+        message = {"type": "late_tokens" if late else "frame", "seq": seq, "tokens": tokens,
+                   "latency_ms": 1e3 * (loop.time() - arrival), "queue_ms": 1e3 * (submitted - arrival),
+                   "tick_ms": 1e3 * out.tick_s, "empty": self.worker.tau > 0 and not tokens,
+                   "dropped": int(out.dropped), "preempted": bool(out.preempted), "skipped": skipped,
+                   "occupancy": float(out.occupancy)}
+        if not late:
+            message["late"] = False
+        if self.text is not None:
+            message["text"] = self.text.push(tokens)
+        self._reply(message)
 
 
 async def native_endpoint(ws, context) -> None:
