@@ -97,3 +97,44 @@ def test_stream_and_session_reject_wrong_rank_and_batch(model):
         session.feed(text_chunk([1, 2]))
     with pytest.raises(ValueError, match=r"token_ids must be \[B, T\]"):
         session.feed(split_text([1, 2, 3], 1))
+
+
+def test_split_chunk_streams_exactly_as_the_whole(model):
+    """An audiovisual unit (3-axis TMRoPE positions that are not monotone in the token order) and a text turn cut
+    into parts of at most 7 tokens: streaming the parts gives the cache the whole chunk gives (positions on every
+    axis, units, spans) and the same logits for the question that follows."""
+    from omnijax.adapters import qwen2_5_omni as adapter
+    from omnijax.chunks import pad_chunk, split_chunk
+    from omnijax.streaming import Session
+
+    def small(chunk):  # the release's marker ids folded into the tiny vocabulary
+        chunk = adapter.with_embeds(chunk, TINY_OMNI.hidden_size)
+        return dataclasses.replace(chunk, token_ids=np.asarray(chunk.token_ids) % TINY_OMNI.vocab_size)
+
+    rng = np.random.default_rng(0)
+    av = small(adapter.audiovisual_unit((2, 4, 6), 25, 1.0, 1))
+    av = dataclasses.replace(av, embeds=rng.normal(size=av.embeds.shape).astype(np.float32))
+    text = small(adapter.text_unit(list(range(30, 49)), 2))
+    question = small(adapter.text_unit([7, 8, 9], 3, answer_tokens=2))
+    parts = split_chunk(av, 7) + split_chunk(text, 7)
+    assert all(p.length <= 7 for p in parts) and len(parts) == -(-av.length // 7) + -(-text.length // 7)
+    assert sum(int(p.valid.sum()) for p in parts) == int(av.valid.sum() + text.valid.sum())
+    assert all(int(p.answer_tokens[0]) == 0 for p in parts)
+    assert split_chunk(question, 7)[-1].answer_tokens.tolist() == [2]  # only the last part asks for the answer
+
+    def run(chunks):
+        session = Session(model, omnijax.StreamConfig(num_pages=32, page_size=16, max_answer_tokens=2))
+        for c in chunks:
+            session.feed(pad_chunk(c, 64))
+        out = session.feed(pad_chunk(question, 64))
+        kv = session.state.kv
+        keep = np.asarray(kv.valid)
+        cells = sorted(zip(np.asarray(kv.order)[keep].tolist(), np.asarray(kv.pos)[:, keep].T.tolist(),
+                           np.asarray(kv.unit)[keep].tolist(), np.asarray(kv.span)[keep].tolist()))
+        return np.asarray(out.logits), np.asarray(out.tokens), cells, int(session.state.next_pos[0])
+
+    whole, split = run([av, text]), run(parts)
+    np.testing.assert_allclose(split[0], whole[0], atol=1e-5)
+    assert np.array_equal(split[1], whole[1]) and split[2] == whole[2] and split[3] == whole[3]
+    with pytest.raises(ValueError, match="max_len"):
+        split_chunk(av, 0)

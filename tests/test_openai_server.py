@@ -238,3 +238,61 @@ def test_cancel_ends_the_response_and_overload_is_refused(server):
     assert final.status == "cancelled" and final.usage.output_tokens < 24
     assert error.type == "error" and error.error.code == "overloaded"
 
+
+
+def test_server_vad_commits_and_answers_a_spoken_turn(server):
+    _wait_idle(server)
+
+    async def scenario():
+        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 400}}}, "max_output_tokens": 4})
+            updated = await conn.recv()
+            assert updated.session.audio.input.turn_detection.type == "server_vad"
+            silence = base64.b64encode(np.zeros(int(0.6 * 24000), "<i2").tobytes()).decode()
+            await conn.input_audio_buffer.append(audio=_pcm_b64(0.6))  # three 200 ms frames of tone
+            await conn.input_audio_buffer.append(audio=silence)  # then 400 ms of silence ends the turn
+            return await _until(conn, "response.done")
+
+    events = asyncio.run(scenario())
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    started, stopped, committed = events[:3]
+    assert started.audio_start_ms == 0 and stopped.audio_end_ms == 1000  # tone 0-600 ms, silence to 1000 ms
+    assert started.item_id == stopped.item_id == committed.item_id
+    assert "response.created" in kinds
+    _, final = _response_text(events)
+    assert final.usage.output_tokens <= 4
+
+
+def test_chat_completion_with_an_image_and_audio(server, model):
+    import wave
+
+    from PIL import Image
+
+    _wait_idle(server)
+    png, wav = io.BytesIO(), io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 56, 3), np.uint8)).save(png, "PNG")
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((3000 * np.sin(np.arange(8000) * 0.1)).astype("<i2").tobytes())
+    content = [{"type": "text", "text": "What do you see and hear?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                          + base64.b64encode(png.getvalue()).decode()}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                       "format": "wav"}}]
+    text_only = _client(server).chat.completions.create(
+        model="omnijax", messages=[{"role": "user", "content": content[:1]}], max_tokens=3)
+    whole = _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": content}],
+                                                    max_tokens=3)
+    from omnijax.chat_units import units_for
+    units = units_for(model)  # the image unit and the audio unit the server feeds after the text turn
+    image = np.asarray(Image.open(io.BytesIO(png.getvalue())).convert("RGB"))
+    media = int(units.image(image, 0).valid.sum() + units.audio(np.zeros(8000, np.float32), 16000, 0).valid.sum())
+    assert media > 10 and whole.usage.prompt_tokens == text_only.usage.prompt_tokens + media
+    assert whole.usage.completion_tokens <= 3 and whole.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="could not be decoded"):
+        _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
