@@ -264,12 +264,19 @@ class RealtimeSession:
                 f"not yet fed, over the server's cap of {self.options.max_audio_buffer_s:g} s", event_id=eid,
                 param="audio")
         self._instructions(eid)
-        self.audio = np.concatenate([self.audio, pcm])
+        before, self.audio = self.audio, np.concatenate([self.audio, pcm])
+        first = True
         while self.audio.size >= self._frame:
-            frame, self.audio = self.audio[:self._frame], self.audio[self._frame:]
-            self._feed_frame(frame, eid)
+            try:
+                self._feed_frame(self.audio[:self._frame], eid)
+            except rte.RealtimeEventError:
+                if first:  # nothing was fed: the append changes nothing
+                    self.audio = before
+                raise  # else the frames from this one on stay in the buffer, unfed
+            self.audio, first = self.audio[self._frame:], False
 
     def _feed_frame(self, frame: np.ndarray, eid) -> None:
+        """Feeds one frame of session-rate PCM (raises, feeding nothing, when the model cannot encode it)."""
         from omnijax.chat import resample
 
         pcm = resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate)
@@ -308,11 +315,11 @@ class RealtimeSession:
         if self.audio.size == 0 and self.audio_fed_s == 0:
             raise rte.RealtimeEventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: "
                                          "append audio before committing", event_id=eid)
-        if self.audio.size:
-            tail = np.zeros((self._frame,), np.int16)
-            tail[:self.audio.size] = self.audio
-            self.audio = self.audio[:0]
-            self._feed_frame(tail, eid)
+        while self.audio.size:  # whole frames left by a refused append, then the tail padded with silence
+            frame = np.zeros((self._frame,), np.int16)
+            frame[:min(self.audio.size, self._frame)] = self.audio[:self._frame]
+            self._feed_frame(frame, eid)
+            self.audio = self.audio[self._frame:]
         item_id = item_id or rte.new_id("item")
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
                 "content": [{"type": "input_audio", "transcript": None}]}
