@@ -228,17 +228,18 @@ class RealtimeSession:
 
     def _feed(self, parts, done=None) -> None:
         self.tokens_since_response += sum(int(np.asarray(p.valid).sum()) for p in parts)
-        fed = self.worker.feed(self.sid, parts)
-        if done is not None:
-            self._spawn(self._after(fed, done))
+        self._spawn(self._after(self.worker.feed(self.sid, parts), done))
 
-    async def _after(self, fed: asyncio.Future, done) -> None:
+    async def _after(self, fed: asyncio.Future, done=None) -> None:
+        """Waits until the input is written; says so when it was not (a preempted or failed session)."""
         try:
             await fed
         except RuntimeError as e:
-            self.send(rte.error_event("server_error", f"input was not fed: {e}", error_type="server_error"))
+            self.send(rte.error_event("input_not_fed", f"input was not written to the session's cache: {e}",
+                                      error_type="server_error"))
             return
-        done()
+        if done is not None:
+            done()
 
     def _instructions(self, eid) -> None:
         """Feeds the session's instructions as a system message when they changed since last fed."""

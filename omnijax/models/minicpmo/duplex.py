@@ -183,6 +183,42 @@ class UnitResult:
     logits: list
 
 
+def encode_reference(model, ref_audio) -> np.ndarray:
+    """The reference clip's offline audio embeddings `[n, D]` (the release's prepare path)."""
+    from omnijax.models.minicpmo import audio as audio_lib
+    from omnijax.models.minicpmo import audio_features
+    return np.asarray(audio_lib.encode_audio(model.audio, audio_features.log_mel(ref_audio)), np.float32)
+
+
+def encode_unit(model, mel_state, audio_cache, pcm, frame=None, *, max_slice_nums: int = 1):
+    """The host work of one duplex unit, changing nothing: the streaming log-mel step, the streaming Whisper encoder
+    on its cache, and the optional frame's vision embeddings.
+
+    Args:
+        model: the `MiniCPMOModel`.
+        mel_state: the log-mel stream's state (None: a fresh stream).
+        audio_cache: the streaming audio encoder's cache (None: empty).
+        pcm: one unit's 16 kHz audio.
+        frame: an optional video frame.
+        max_slice_nums: the frame's slicing.
+
+    Returns:
+        `(mel_state, audio [10, D], audio_cache, image [1 + slices, q, D] or None)`; the caller commits the new
+        states once the unit is fed.
+    """
+    from omnijax.models.minicpmo import audio_features, audio_stream
+    from omnijax.models.minicpmo import vision as vision_lib
+    chunk, mel_state = audio_features.mel_stream_step(mel_state or audio_features.mel_stream_start(), pcm)
+    if chunk is None:
+        raise ValueError("not enough audio for a unit yet (the first unit needs its full 1 s chunk)")
+    audio, audio_cache = audio_stream.encode_audio_streaming(model.audio, chunk, audio_cache)
+    image = None
+    if frame is not None:
+        embeds, _ = vision_lib.encode_image(model.vision, frame, max_slice_nums=max_slice_nums)
+        image = np.asarray(embeds, np.float32)
+    return mel_state, np.asarray(audio, np.float32), audio_cache, image
+
+
 class DuplexSession:
     """The 4.5 full-duplex loop on one `MiniCPMOModel`: a system prompt with a reference voice clip, then one unit per
     second of input (an optional video frame and 1 s of 16 kHz audio) answered by up to `max_speak_tokens - 1`
@@ -260,29 +296,22 @@ class DuplexSession:
 
     def prepare(self, prefix_ids, suffix_ids, ref_audio=None) -> None:
         """The system part: `prefix_ids`, the reference clip's offline audio embeddings, `suffix_ids`."""
-        from omnijax.models.minicpmo import audio as audio_lib
-        from omnijax.models.minicpmo import audio_features
         rows = list(prefix_ids)
         if ref_audio is not None:
-            rows.append(np.asarray(audio_lib.encode_audio(self.model.audio, audio_features.log_mel(ref_audio))))
+            rows.append(encode_reference(self.model, ref_audio))
         self.feed(rows + list(suffix_ids))
         self._unit_id += 1
 
     def step(self, pcm, frame=None) -> UnitResult:
         """One unit: `<unit>` [`<image>` frame `</image>`] audio, then the listen/speak decision and its tokens."""
-        from omnijax.models.minicpmo import audio_features, audio_stream
-        from omnijax.models.minicpmo import vision as vision_lib
         t = self.tokens
-        chunk, self._mel = audio_features.mel_stream_step(self._mel or audio_features.mel_stream_start(), pcm)
-        if chunk is None:
-            raise ValueError("not enough audio for a unit yet (the first unit needs its full 1 s chunk)")
-        audio, self._audio_cache = audio_stream.encode_audio_streaming(self.model.audio, chunk, self._audio_cache)
+        mel, audio, cache, image = encode_unit(self.model, self._mel, self._audio_cache, pcm, frame,
+                                               max_slice_nums=self.max_slice_nums)
+        self._mel, self._audio_cache = mel, cache  # committed only once the unit's inputs are all encoded
         rows = [t.unit_start]
-        if frame is not None:
-            embeds, _ = vision_lib.encode_image(self.model.vision, frame, max_slice_nums=self.max_slice_nums)
-            embeds = np.asarray(embeds)
-            rows += [t.image_start, embeds.reshape(-1, embeds.shape[-1]), t.image_end]
-        rows.append(np.asarray(audio))
+        if image is not None:
+            rows += [t.image_start, image.reshape(-1, image.shape[-1]), t.image_end]
+        rows.append(audio)
         logits = self.feed(rows)
         result = UnitResult(tokens=[], listened=False, logits=[logits])
         if self.units < self.force_listen:
