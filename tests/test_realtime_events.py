@@ -62,7 +62,7 @@ def test_session_events_validate_and_round_trip():
     m = check(rs.session_updated(rt.SessionSettings(input_audio_rate=16000, truncation="disabled")))
     assert m.session.audio.input.format.type == "audio/pcm" and m.session.audio.input.turn_detection is None
     assert m.session.truncation == "disabled" and m.session.max_output_tokens == "inf"
-    assert m.session.model_extra["omnijax"] == {"input_audio_rate": 16000}
+    assert m.session.model_extra["omnijax"] == {"input_audio_rate": 16000, "duplex": False}
 
 
 def test_buffer_and_item_events_validate():
@@ -297,3 +297,15 @@ def test_fuzz_only_raises_realtime_event_error():
             codes.add(e.code)
             check(e.to_event())
     assert {"invalid_json", "invalid_value", "missing_field"} <= codes
+
+
+def test_the_duplex_extension_is_parsed_and_echoed():
+    update = rt.parse_client_event({"type": "session.update", "session": {"type": "realtime",
+                                                                       "omnijax": {"duplex": True}}})
+    settings = update.apply(rt.SessionSettings())
+    assert settings.duplex is True
+    assert check(rs.session_updated(settings)).session.model_extra["omnijax"]["duplex"] is True
+    for bad in ({"duplex": "yes"}, {"speed": 2}, "duplex"):
+        with pytest.raises(rt.RealtimeEventError) as e:
+            rt.parse_client_event({"type": "session.update", "session": {"omnijax": bad}})
+        assert e.value.code == "invalid_value" and e.value.param.startswith("session.omnijax")

@@ -243,14 +243,16 @@ def main(argv=None) -> int:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
             model = omnijax.load(path)
-            chunk_tokens = args.chunk_tokens or max(32, bucket(frame_tokens(samples, model)))
+            duplex = getattr(model, "model_type", None) == "minicpmo"  # duplex decides on host logits
+            # MiniCPM-o: a duplex unit with a video frame is 77 rows
+            chunk_tokens = args.chunk_tokens or (128 if duplex else max(32, bucket(frame_tokens(samples, model))))
             policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
             decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature,
                                                                        top_p=args.top_p, seed=args.seed)
             stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
                                           max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
             context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
-                                    buckets=args.buckets, aimd_target=args.aimd_target)
+                                    buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex)
         except (ValueError, KeyError, TypeError) as e:
             print(f"omnijax serve: error: {e}", file=sys.stderr)
             return 1

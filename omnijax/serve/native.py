@@ -25,6 +25,12 @@ frame an on-time empty reply with `"late": true`, and when the tick ends its tok
 engine shows as a wall of empty frames at 0.8 B, as in the paper's figures). A session has at most one frame in the engine: a frame that arrives
 while the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
 
+Full duplex (MiniCPM-o 4.5, `--frame-ms 1000`): a hello with `"duplex": true` makes every binary frame one 1 s unit
+of a `omnijax.serve.duplex.DuplexStream` (none superseded, answered in order; the hello's optional "instructions"
+are the system prompt, rendered by the chat template); `{"type": "image", "data": <base64
+PNG/JPEG>}` gives the next unit its video frame; each unit's reply is `{"type": "frame", "seq": k, "tokens": [spoken
+ids], "text": "...", "listened": bool, "latency_ms": ...}` (no tokens and `listened` while the model listens).
+
 Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
 `bad_message`, `no_hello`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`, `unsupported`
 (image frames), `hello_timeout`, `slow_consumer`. A frame that fails inside the server gets a non-fatal
@@ -34,13 +40,15 @@ Errors close that session only, after `{"type": "error", "code": C, "message": .
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 
 import numpy as np
 
 from omnijax.serve.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, SAMPLE_RATE, ProtocolError, decode_frame,
-                                    parse_hello, parse_json)
+                                    hello_duplex, parse_hello, parse_json)
 
 log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0
@@ -105,22 +113,17 @@ class NativeSession:
                 if message is None or message["type"] == "websocket.disconnect":
                     break
                 if message.get("bytes") is not None:
-                    pcm = decode_frame(message["bytes"], self.samples)
-                    self.skipped += self.latest is not None
-                    self.latest, self.seq = (self.seq, pcm, loop.time()), self.seq + 1
+                    self._on_frame(decode_frame(message["bytes"], self.samples), loop.time())
                     if self.pump is None or self.pump.done():
                         self.pump = asyncio.create_task(self._pump())
                     continue
-                kind = parse_json(message.get("text") or "")["type"]
-                if kind == "bye":
+                text = parse_json(message.get("text") or "")
+                if text["type"] == "bye":
                     if self.pump is not None:
                         await self.pump
                     code, reason = 1000, "bye"
                     break
-                if kind == "image":
-                    raise ProtocolError("unsupported", "image frames are not supported on /session (audio only); "
-                                                       "send images over /v1/realtime")
-                raise ProtocolError("bad_message", f"unexpected message type {kind!r} (expected binary PCM or bye)")
+                self._on_text(text)
             if self.closing is not None:
                 code, reason = self.closing
         except ProtocolError as e:
@@ -138,6 +141,17 @@ class NativeSession:
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the peer is gone or does not read
                 writer.cancel()
         return code, reason
+
+    def _on_frame(self, pcm: np.ndarray, arrival: float) -> None:
+        self.skipped += self.latest is not None
+        self.latest, self.seq = (self.seq, pcm, arrival), self.seq + 1
+
+    def _on_text(self, message: dict) -> None:
+        if message["type"] == "image":
+            raise ProtocolError("unsupported", "image frames are taken by duplex sessions only (hello with "
+                                               "\"duplex\": true); send images over /v1/realtime")
+        raise ProtocolError("bad_message", f"unexpected message type {message['type']!r} (expected binary PCM or "
+                                           f"bye)")
 
     async def _pump(self) -> None:
         """Serves the session's latest frame until none is waiting; a reply that cannot be queued (slow consumer)
@@ -195,6 +209,66 @@ class NativeSession:
         self._reply(message)
 
 
+class NativeDuplex(NativeSession):
+    """A `/session` connection in full duplex (MiniCPM-o 4.5; see the module docstring): every frame is a 1 s unit,
+    none is superseded (the streaming audio encoder needs them all), each answered in order."""
+
+    def __init__(self, ws, context, sid: str, samples: int, peer: str, instructions: str = ""):
+        from omnijax.models.minicpmo.duplex import DuplexTokens
+        from omnijax.serve.duplex import DuplexStream
+        from omnijax.serve.realtime_duplex import duplex_rule
+
+        super().__init__(ws, context, sid, samples, peer)
+        self.stream = DuplexStream(context.model, self.worker, sid, rule=duplex_rule(context.model),
+                                   tokens=DuplexTokens.of(context.model))
+        self.units: list[tuple[int, np.ndarray, float, np.ndarray | None]] = []
+        self.frame = None
+        self.prepared = False
+        self.instructions = instructions
+
+    def _on_frame(self, pcm: np.ndarray, arrival: float) -> None:
+        self.units.append((self.seq, pcm.astype(np.float32) / 32768.0, arrival, self.frame))
+        self.seq, self.frame = self.seq + 1, None
+
+    def _on_text(self, message: dict) -> None:
+        if message["type"] != "image":
+            return super()._on_text(message)
+        from omnijax.serve.realtime import decode_image
+        try:
+            self.frame = decode_image(base64.b64decode(message.get("data") or "", validate=True))
+        except (ValueError, binascii.Error) as e:
+            raise ProtocolError("bad_image", f"an image message carries a base64 PNG or JPEG in 'data': {e}") from None
+
+    async def _pump(self) -> None:
+        from omnijax.serve.duplex import speak_ids
+
+        loop = asyncio.get_running_loop()
+        try:
+            if not self.prepared:
+                tokenizer = self.context.tokenizer
+                prompt = [{"role": "system", "content": self.instructions}]
+                await self.stream.prepare(tokenizer.encode(tokenizer.render(prompt)) if self.instructions else [], [])
+                self.prepared = True
+            while self.units:
+                seq, pcm, arrival, frame = self.units.pop(0)
+                result = await self.stream.step(pcm, frame)
+                ids = speak_ids(result, self.stream.markers)
+                message = {"type": "frame", "seq": seq, "tokens": ids, "listened": bool(result.listened),
+                           "latency_ms": 1e3 * (loop.time() - arrival), "skipped": 0, "empty": False}
+                if self.text is not None:
+                    message["text"] = self.text.push(ids)
+                self._reply(message)
+        except ProtocolError as e:
+            self.closing = (CLOSE_ERROR, e.code)
+            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            self._stop.set()
+        except Exception as e:  # noqa: BLE001 - the duplex stream cannot go on: say why and end the session
+            log.warning("native duplex session=%s stopped: %s: %s", self.sid, type(e).__name__, e)
+            self.outbox.put_nowait({"type": "error", "code": "internal", "message": f"duplex stopped: {e}"})
+            self.closing = (CLOSE_ERROR, "internal")
+            self._stop.set()
+
+
 async def native_endpoint(ws, context) -> None:
     """Accepts a `/session` WebSocket: hello, admission, frames (see the module docstring)."""
     from starlette.websockets import WebSocketDisconnect
@@ -218,6 +292,15 @@ async def native_endpoint(ws, context) -> None:
             return
         hello = first.get("text") if first.get("text") is not None else first.get("bytes")
         samples = parse_hello(hello, frame_ms=context.options.frame_ms)
+        duplex = hello_duplex(hello)
+        instructions = parse_json(hello).get("instructions", "")
+        if not isinstance(instructions, str):
+            raise ProtocolError("bad_message", f"'instructions' must be a string, got {type(instructions).__name__}")
+        if duplex and getattr(context.model, "model_type", None) != "minicpmo":
+            raise ProtocolError("unsupported", f"full duplex needs a MiniCPM-o 4.5 checkpoint; this server runs "
+                                               f"{getattr(context.model, 'model_type', None)!r}")
+        if duplex and samples != SAMPLE_RATE:
+            raise ProtocolError("unsupported", "full duplex takes 1 s units: start the server with --frame-ms 1000")
     except asyncio.TimeoutError:
         return await refuse("hello_timeout", f"no hello within {HELLO_TIMEOUT_S:g} s")
     except ProtocolError as e:
@@ -225,7 +308,8 @@ async def native_endpoint(ws, context) -> None:
     try:
         async with context.session(peer.rsplit(":", 1)[0], "s") as sid:
             log.info("connect peer=%s session=%s sessions=%d", peer, sid, len(context.worker.lanes))
-            session = NativeSession(ws, context, sid, samples, peer)
+            session = (NativeDuplex(ws, context, sid, samples, peer, instructions) if duplex
+                       else NativeSession(ws, context, sid, samples, peer))
             code, reason = await session.run()
             log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
         try:

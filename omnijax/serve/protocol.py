@@ -60,6 +60,14 @@ def parse_hello(message: Any, *, frame_ms: float) -> int:
     return frame_samples(frame_ms)
 
 
+def hello_duplex(message: str) -> bool:
+    """Whether a (valid) hello asks for full duplex (`"duplex": true`; raises `ProtocolError` on a non-boolean)."""
+    duplex = parse_json(message).get("duplex", False)
+    if not isinstance(duplex, bool):
+        raise ProtocolError("bad_message", f"'duplex' must be a boolean, got {duplex!r}")
+    return duplex
+
+
 def decode_frame(data: bytes, samples: int) -> np.ndarray:
     """One binary frame -> `[samples]` int16 PCM (raises `ProtocolError` on a wrong byte count)."""
     if len(data) % 2:

@@ -100,6 +100,7 @@ class RealtimeSession:
         self.response: asyncio.Task | None = None
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
+        self.duplex = None  # `omnijax.serve.realtime_duplex.DuplexRealtime` once duplex is on
 
     # ---------------------------------------------------------------------------------------------- transport
     def send(self, event: dict) -> None:
@@ -144,7 +145,7 @@ class RealtimeSession:
         except WebSocketDisconnect:
             pass
         finally:
-            if self.token is not None:
+            if self.token is not None and self.duplex is None:  # duplex streams are not resumable
                 await self._snapshot()
             for task in list(self.tasks):
                 task.cancel()
@@ -194,8 +195,20 @@ class RealtimeSession:
         if isinstance(event, rte.SessionUpdate):
             settings = event.apply(self.settings)
             self._check_truncation(settings.truncation, eid)
-            self.settings = settings
+            if self.duplex is not None and not settings.duplex:
+                raise rte.RealtimeEventError("unsupported", "duplex cannot be turned off once on", event_id=eid,
+                                             param="session.omnijax.duplex")
+            previous, self.settings = self.settings, settings
+            if settings.duplex and self.duplex is None:
+                from omnijax.serve.realtime_duplex import DuplexRealtime
+                try:
+                    self.duplex = DuplexRealtime(self, eid)  # refuses (nothing changed) when it cannot run
+                except rte.RealtimeEventError:
+                    self.settings = previous
+                    raise
             self.send(rse.session_updated(settings, self.session_id))
+        elif self.duplex is not None:
+            self._handle_duplex(event)
         elif isinstance(event, rte.InputAudioBufferAppend):
             self._append(np.frombuffer(event.audio, "<i2"), eid)
         elif isinstance(event, rte.InputAudioBufferCommit):
@@ -212,6 +225,39 @@ class RealtimeSession:
                 raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
                                              "cancel", event_id=eid)
             self.worker.cancel(self.sid)
+
+    def _handle_duplex(self, event) -> None:
+        """The events of a duplex session (see `omnijax.serve.realtime_duplex`)."""
+        eid = event.event_id
+        if isinstance(event, rte.InputAudioBufferAppend):
+            pcm = np.frombuffer(event.audio, "<i2")
+            held = (self.duplex.audio.size + pcm.size) / self.settings.input_audio_rate
+            if held > self.options.max_audio_buffer_s:
+                raise rte.RealtimeEventError("buffer_too_large", f"the input audio buffer would hold {held:.1f} s, "
+                                             f"over the server's cap of {self.options.max_audio_buffer_s:g} s",
+                                             event_id=eid, param="audio")
+            self.duplex.append(pcm)
+        elif isinstance(event, rte.InputAudioBufferCommit):
+            self.duplex.commit(eid)
+        elif isinstance(event, rte.InputAudioBufferClear):
+            self.duplex.clear()
+            self.send(rse.input_audio_buffer_cleared())
+        elif isinstance(event, rte.ConversationItemCreate) and all(isinstance(p, rte.InputImage)
+                                                                   for p in event.content):
+            images = []
+            for i, part in enumerate(event.content):
+                try:
+                    images.append(decode_image(part.data))
+                except ValueError as e:
+                    raise self._fail(e, eid, f"item.content[{i}].image_url") from None
+            self.duplex.image(images[-1])
+            item = rse.user_item(event)
+            previous, self.last_item = self.last_item, item["id"]
+            self.send(rse.conversation_item_added(item, previous))
+            self.send(rse.conversation_item_done(item, previous))
+        else:
+            raise rte.RealtimeEventError("unsupported", f"{type(event).__name__}: in a duplex session the model "
+                                         f"decides when to speak; send audio and images only", event_id=eid)
 
     def _check_truncation(self, truncation, eid) -> None:
         policy = self.worker.engine.config.stream.policy

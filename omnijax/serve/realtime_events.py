@@ -19,6 +19,8 @@ omnijax extensions (the SDK models allow extra fields, so these still validate):
   KV-cache cells the session holds after the response.
 * The session object carries ``"omnijax": {"input_audio_rate": r}``, because the SDK's PCM format
   only admits 24 kHz; a 16 kHz session reports ``{"type": "audio/pcm"}`` plus this field.
+* ``session.omnijax`` ``{"duplex": true}`` (in ``session.update``) asks for full duplex (MiniCPM-o 4.5): the
+  model decides per 1 s unit whether to listen or speak; the session object echoes it.
 * ``session.truncation`` ``{"type": "retention_ratio", "retention_ratio": f}`` is accepted and
   mapped onto the retention policy by the server (this codec only validates and carries it).
 
@@ -113,6 +115,7 @@ class SessionSettings:
         max_output_tokens: Integer limit or ``"inf"``.
         truncation: ``"auto"``, ``"disabled"`` or :class:`RetentionRatio`.
         model: Model name reported to the client.
+        duplex: Full duplex (omnijax extension ``session.omnijax.duplex``).
     """
     instructions: str = ""
     output_modalities: tuple = ("text",)
@@ -121,6 +124,7 @@ class SessionSettings:
     max_output_tokens: Union[int, Literal["inf"]] = "inf"
     truncation: Union[Literal["auto", "disabled"], RetentionRatio] = "auto"
     model: str = "omnijax"
+    duplex: bool = False
 
 
 # ----------------------------------------------------------------------------- client events
@@ -281,6 +285,15 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
         changes["max_output_tokens"] = c.max_tokens(s["max_output_tokens"], "session.max_output_tokens")
     if s.get("tools"):
         c.fail("unsupported", "'session.tools': tools are not supported", "session.tools")
+    if s.get("omnijax") is not None:
+        ext = c.obj(s["omnijax"], "session.omnijax")
+        unknown = sorted(set(ext) - {"duplex"})
+        if unknown:
+            c.fail("invalid_value", f"'session.omnijax' takes only 'duplex', got {unknown}", "session.omnijax")
+        if "duplex" in ext:
+            if not isinstance(ext["duplex"], bool):
+                c.fail("invalid_value", "'session.omnijax.duplex' must be a boolean", "session.omnijax.duplex")
+            changes["duplex"] = ext["duplex"]
     if "truncation" in s:
         t, p = s["truncation"], "session.truncation"
         if isinstance(t, str) and t in ("auto", "disabled"):

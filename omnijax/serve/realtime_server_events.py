@@ -43,7 +43,7 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "model": settings.model, "instructions": settings.instructions,
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
-           "omnijax": {"input_audio_rate": settings.input_audio_rate}}
+           "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex}}
     return out
 
 

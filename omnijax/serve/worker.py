@@ -320,7 +320,7 @@ class EngineWorker:
                 self.admission.observe(latency, len(self.lanes))
             ended = self._deliver(plan, report, failed)
             if ended:
-                cells = await self.in_engine(self._cells, [sid for sid, _ in ended])
+                cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
                 for sid, answer in ended:
                     answer.kv_cells = cells.get(sid, 0)
                     answer._finish(*answer._ending)
@@ -377,7 +377,7 @@ class EngineWorker:
                 ended.append((sid, answer))
         return ended
 
-    def _cells(self, sids: list[str]) -> dict[str, int]:
+    def kv_cells(self, sids: list[str]) -> dict[str, int]:
         """In the engine thread: the KV cells each session holds."""
         kv = self.engine.state.kv
         table = np.asarray(kv.page_table)
