@@ -5,7 +5,6 @@ templated prompt, media go in as units, `kept()` accounts for the cache, refused
 import copy
 import io
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ from omnijax.retention import OmniPick
 from omnijax.units import SpanKind
 
 from tests import tiny_omni
-from tests.test_minicpmo_model import GOLDEN
 
 QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|AUDIO|>": 151646,
                  "<|audio_bos|>": 151647, "<|audio_eos|>": 151648, "<|vision_bos|>": 151652,
@@ -219,13 +217,7 @@ def test_templates_that_rewrite_earlier_turns(model, tmp_path):
 
 
 def test_minicpmo_chat_answers_like_stream(tmp_path):
-    src = tmp_path / "hf"
-    shutil.copytree(GOLDEN / "checkpoint", src)
-    specials = {"<|endoftext|>": 1920, "<|im_start|>": 1921, "<|im_end|>": 1922, "<unit>": 1930, "</unit>": 1931,
-                "<image>": 1932, "</image>": 1933, "<slice>": 1934, "</slice>": 1935, "<unk>": 1936,
-                "<|audio_start|>": 1937, "<|audio_end|>": 1938, "<|listen|>": 1939, "<|speak|>": 1940,
-                "<|chunk_eos|>": 1941}
-    write_tiny_tokenizer(src, vocab_size=2048, special_tokens=specials, chat_template=MINICPMO_4_5_TEMPLATE)
+    src = tiny_omni.minicpmo_source(tmp_path)
     model = omnijax.load(convert_checkpoint(src, tmp_path / "omnijax", progress=False, log=lambda _: None))
     assert model.tokens.unit_start == 1930 and model.tokenizer is not None
     chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16))

@@ -5,7 +5,6 @@ and an image and answers."""
 import asyncio
 import base64
 import io
-import shutil
 
 import numpy as np
 import pytest
@@ -30,16 +29,8 @@ def _qwen3(root):
 
 
 def _minicpmo(root):
-    from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer
-    from tests.test_minicpmo_model import GOLDEN
-    src = root / "hf"
-    shutil.copytree(GOLDEN / "checkpoint", src)
-    specials = {"<|endoftext|>": 1920, "<|im_start|>": 1921, "<|im_end|>": 1922, "<unit>": 1930, "</unit>": 1931,
-                "<image>": 1932, "</image>": 1933, "<slice>": 1934, "</slice>": 1935, "<unk>": 1936,
-                "<|audio_start|>": 1937, "<|audio_end|>": 1938, "<|listen|>": 1939, "<|speak|>": 1940,
-                "<|chunk_eos|>": 1941}
-    write_tiny_tokenizer(src, vocab_size=2048, special_tokens=specials, chat_template=MINICPMO_4_5_TEMPLATE)
-    return src
+    from tests import tiny_omni
+    return tiny_omni.minicpmo_source(root)
 
 
 def _stream_config():
