@@ -296,3 +296,30 @@ def test_chat_completion_with_an_image_and_audio(server, model):
     with pytest.raises(openai.BadRequestError, match="could not be decoded"):
         _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+def test_caps_on_sessions_per_client_and_body_size(server):
+    import dataclasses
+
+    _wait_idle(server)
+    context = server.context
+    options = context.options
+    context.options = dataclasses.replace(options, max_sessions_per_client=1, max_message_bytes=2000)
+    try:
+        big = _client(server)
+        with pytest.raises(openai.APIStatusError) as e:
+            big.chat.completions.create(model="omnijax", messages=[{"role": "user", "content": "x" * 3000}])
+        assert e.value.status_code == 413 and "over the server's cap of 2000" in str(e.value)
+
+        async def two_sessions():
+            client = _async_client(server)
+            async with client.realtime.connect(model="omnijax") as first, \
+                    client.realtime.connect(model="omnijax") as second:
+                return await first.recv(), await second.recv()
+
+        first, second = asyncio.run(two_sessions())
+    finally:
+        context.options = options
+    assert first.type == "session.created"
+    assert second.type == "error" and second.error.code == "overloaded" and "one client may hold (1)" in \
+        second.error.message

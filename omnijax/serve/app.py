@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.setLevel(logging.INFO)
     if bool(args.checkpoint) == args.demo_model:
         parser.error("give a checkpoint directory or --demo-model (not both)")

@@ -1,0 +1,96 @@
+"""`omnijax serve` as a user runs it: the command line on the demo model, SIGTERM snapshots the open Realtime
+session, and a restarted server resumes it with its token to the answer an uninterrupted session gives."""
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+class Served:
+    """`python -m omnijax.cli serve --demo-model ...` in a subprocess; `base_url` once it listens."""
+
+    def __init__(self, snapshots):
+        cmd = [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--frame-ms", "200",
+               "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir", str(snapshots)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines, ready = [], threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                if "listening on" in line:
+                    ready.set()
+            ready.set()
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(300) or self.proc.poll() is not None:
+            raise AssertionError("the server did not start:\n" + "\n".join(self.lines[-20:]))
+        line = next(x for x in self.lines if "listening on" in x)
+        self.base_url = re.search(r"(http://\S+/v1)", line).group(1)
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(120)
+
+
+async def _say(conn, text):
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+    await conn.response.create()
+    deltas = []
+    async for event in conn:
+        assert event.type != "error", event
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type == "response.done":
+            return "".join(deltas)
+
+
+def test_sigterm_snapshots_and_a_restarted_server_resumes(tmp_path):
+    snapshots = tmp_path / "sessions"
+    first = Served(snapshots)
+    said, result = threading.Event(), {}
+
+    async def before():
+        client = openai.AsyncOpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as ref:
+            await ref.recv()
+            result["expected"] = [await _say(ref, "First."), await _say(ref, "Second.")]
+        async with client.realtime.connect(model="omnijax") as conn:
+            result["token"] = (await conn.recv()).session.model_extra["omnijax"]["resume_token"]
+            result["said"] = await _say(conn, "First.")
+            said.set()
+            try:
+                await conn.recv()  # open until the server shuts down
+            except Exception as e:  # noqa: BLE001 - the close the shutdown sends
+                result["closed"] = type(e).__name__
+
+    client = threading.Thread(target=lambda: asyncio.run(before()))
+    client.start()
+    try:
+        assert said.wait(300), "\n".join(first.lines[-20:])
+    finally:
+        code = first.terminate()  # the session above is open: the graceful shutdown snapshots it
+        client.join(60)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (so the exit status says SIGTERM)
+    assert code in (0, -signal.SIGTERM), "\n".join(first.lines[-20:])
+    token = result["token"]
+    assert result["said"] == result["expected"][0] and "closed" in result and (snapshots / token).is_dir()
+    assert any("snapshot session=rt2 " in line and token in line for line in first.lines)
+    second = Served(snapshots)
+    try:
+        async def after():
+            client = openai.AsyncOpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
+            async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+                await conn.recv()
+                return await _say(conn, "Second.")
+
+        assert asyncio.run(after()) == result["expected"][1]
+    finally:
+        assert second.terminate() in (0, -signal.SIGTERM)
