@@ -41,6 +41,8 @@ class Chunk:
         embed_mask: optional `[B, T]` bool.
         deepstack: optional `[n, B, T, D]` DeepStack levels (Qwen3-Omni vision; zero away from visual tokens),
             level i added to the hidden states after decoder layer i. Needs `embeds`.
+        sampling: optional `[B, 2]` float32 per-sequence decoding settings of this chunk's answer tokens, read by a
+            per-row strategy (`omnijax.decoding.RowSampling`; rows from `omnijax.decoding.sampling_row`).
     """
 
     token_ids: jax.Array
@@ -55,6 +57,7 @@ class Chunk:
     embeds: jax.Array | None = None
     embed_mask: jax.Array | None = None
     deepstack: jax.Array | None = None
+    sampling: jax.Array | None = None
 
     @property
     def length(self) -> int:
@@ -191,7 +194,7 @@ def _cut(chunk: Chunk, a: int, b: int, base: int, advance: int, last: bool) -> C
         deepstack=None if chunk.deepstack is None else np.asarray(chunk.deepstack)[:, :, a:b])
 
 
-def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> None:
+def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool, decoding=None) -> None:
     """Checks a chunk (or a stack of chunks) on the host before it enters a compiled program.
 
     Args:
@@ -199,6 +202,7 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
         config: the model's `DecoderConfig`.
         max_answer_tokens: tau of the stream or session.
         stacked: whether `chunk` is a stack.
+        decoding: the decoding strategy the chunk is answered with: per-row `sampling` needs a per-row one.
 
     Raises:
         ValueError: naming the field and what is wrong with it.
@@ -265,3 +269,15 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool) -> 
                              f"{shape}")
         if shape[lead] > config.num_layers:
             raise ValueError(f"{what}: {shape[lead]} DeepStack levels for a {config.num_layers}-layer decoder")
+    if chunk.sampling is not None:
+        if decoding is not None and not getattr(decoding, "per_row", False):
+            raise ValueError(f"{what}: carries per-row sampling settings but decodes with {decoding!r}, which would "
+                             f"ignore them; decode with omnijax.decoding.RowSampling()")
+        rows = np.asarray(chunk.sampling)
+        if rows.shape != bt[:-1] + (2,):
+            raise ValueError(f"{what}: sampling must be {bt[:-1] + (2,)} (temperature, 1 - top_p per sequence), got "
+                             f"{rows.shape}")
+        if not (np.isfinite(rows).all() and (rows[..., 0] >= 0).all() and (rows[..., 1] >= 0).all()
+                and (rows[..., 1] < 1).all()):
+            raise ValueError(f"{what}: sampling rows are (temperature >= 0, 1 - top_p in [0, 1)); build them with "
+                             f"omnijax.decoding.sampling_row")

@@ -5,6 +5,9 @@ A strategy is a tiny frozen dataclass of static settings (part of the compiled p
 `select(logits, history, key)` picks one token per sequence inside the jitted step. `StreamConfig.decoding` holds the
 strategy of a session; `stream`, `Session`, `evaluate` and the engine all answer through it.
 
+`RowSampling` is `Sampling` with the temperature and top-p chosen per sequence at run time (a server's sessions each
+draw with their own request's settings in one compiled step).
+
 `Sampling` warps as transformers' `generate` does, processor by processor and in its order: repetition penalty,
 temperature, top-k, top-p, min-p; then draws from the softmax of the warped scores with one PRNG key per sequence.
 The keys live in the stream state (`StreamState.key`, seeded from `Sampling.seed`), so sampling runs inside the
@@ -130,28 +133,13 @@ class Sampling:
     def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
         """`logits [B, V]` -> float32 scores, `-inf` where masked; `history [B, N]` (-1 = padding) are the tokens
         the repetition penalty applies to."""
-        x = logits.astype(jnp.float32)
-        V = x.shape[-1]
-        if self.repetition_penalty != 1.0 and history is not None:
-            penalised = jnp.where(x < 0, x * self.repetition_penalty, x / self.repetition_penalty)
-            x = jnp.where(seen_tokens(history, V), penalised, x)
+        x = _penalise(logits.astype(jnp.float32), history, self.repetition_penalty)
         if self.temperature != 1.0:
             x = x / self.temperature
-        if self.top_k and self.top_k < V:  # keep scores >= the k-th largest (ties with it too, as transformers)
-            keys = _order_keys(x)
-            kth = _largest_key(keys, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= self.top_k)
-            x = jnp.where(keys < kth, -jnp.inf, x)
-        if self.top_p < 1.0:  # drop the lowest scores while their mass, counted from the bottom, is <= 1 - top_p
-            keys, probs = _order_keys(x), jax.nn.softmax(x, axis=-1)
-            def within(t):  # the mass of scores <= t stays within 1 - top_p
-                return jnp.sum(jnp.where(keys <= t, probs, 0.0), axis=-1, keepdims=True) <= 1 - self.top_p
-
-            floor = _largest_key(keys, within)
-            x = jnp.where((keys <= floor) & within(floor), -jnp.inf, x)  # the top token's mass makes it stay
-        if self.min_p > 0.0:
-            probs = jax.nn.softmax(x, axis=-1)
-            x = jnp.where(probs < self.min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
-        return x
+        x = _top_k(x, self.top_k)
+        if self.top_p < 1.0:
+            x = _top_p(x, 1 - self.top_p)
+        return _min_p(x, self.min_p)
 
     def keys(self, batch: int) -> jax.Array:
         """`[B]` PRNG keys of a batch's sequences, split off `seed` (the keys `sampling_keys` holds as data)."""
@@ -166,7 +154,115 @@ class Sampling:
         return jax.vmap(jax.random.categorical)(key, scores).astype(jnp.int32)
 
 
-STRATEGIES = (Greedy, Sampling)
+def _penalise(x: jax.Array, history: jax.Array | None, penalty: float) -> jax.Array:
+    """Repetition penalty on the scores of tokens in `history` (transformers' processor)."""
+    if penalty == 1.0 or history is None:
+        return x
+    penalised = jnp.where(x < 0, x * penalty, x / penalty)
+    return jnp.where(seen_tokens(history, x.shape[-1]), penalised, x)
+
+
+def _top_k(x: jax.Array, k: int) -> jax.Array:
+    """Keeps scores >= the k-th largest (ties with it too, as transformers); 0 keeps every token."""
+    if not k or k >= x.shape[-1]:
+        return x
+    keys = _order_keys(x)
+    kth = _largest_key(keys, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k)
+    return jnp.where(keys < kth, -jnp.inf, x)
+
+
+def _top_p(x: jax.Array, tail) -> jax.Array:
+    """Drops the lowest scores while their mass, counted from the bottom, is <= `tail` = 1 - top_p (a Python float,
+    or float32 `[B, 1]` per row holding the float64 difference rounded, so both compare alike)."""
+    keys, probs = _order_keys(x), jax.nn.softmax(x, axis=-1)
+
+    def within(t):  # the mass of scores <= t stays within the tail
+        return jnp.sum(jnp.where(keys <= t, probs, 0.0), axis=-1, keepdims=True) <= tail
+
+    floor = _largest_key(keys, within)
+    return jnp.where((keys <= floor) & within(floor), -jnp.inf, x)  # the top token's mass makes it stay
+
+
+def _min_p(x: jax.Array, min_p: float) -> jax.Array:
+    if min_p <= 0.0:
+        return x
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Sampling whose temperature and top-p are chosen per sequence at run time: each row of a batch (each session
+    of a server) draws with its own, carried by the chunk that asks for answer tokens (`Chunk.sampling [B, 2]`, rows
+    built by `sampling_row(temperature, top_p)`). A row with temperature 0 takes the most likely token (as `Greedy`);
+    any other row draws exactly as `Sampling(temperature=t, top_p=p, ...)` with the same key. Top-k, min-p, the
+    repetition penalty, the seed and the stop ids are static, as in `Sampling`.
+
+    Attributes:
+        temperature, top_p: the values of rows whose chunk carries none.
+        top_k, min_p, repetition_penalty, seed, stop: as `Sampling`'s.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop: tuple[int, ...] = ()
+    per_row = True  # `select` takes the rows' settings (`row=`)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", check_stop("RowSampling", self.stop))
+        _number("temperature", self.temperature, lambda x: x >= 0, ">= 0 (0: the most likely token)")
+        _number("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")
+        Sampling(top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                 seed=self.seed)  # the shared settings, validated as Sampling validates them
+
+    def rows(self, batch: int) -> jax.Array:
+        """`[batch, 2]` float32: the default row (`sampling_row(temperature, top_p)`) of rows that carry none."""
+        return jnp.broadcast_to(jnp.asarray(sampling_row(self.temperature, self.top_p)), (batch, 2))
+
+    def warp(self, logits: jax.Array, history: jax.Array | None = None, row: jax.Array | None = None) -> jax.Array:
+        """`logits [B, V]` -> float32 scores for rows drawing with `row [B, 2]` (`sampling_row`s; default
+        `rows(B)`); rows with temperature 0 are only penalised."""
+        row = self.rows(logits.shape[0]) if row is None else row.astype(jnp.float32)
+        temperature, tail = row[:, :1], row[:, 1:]  # [B, 1] each
+        x = _penalise(logits.astype(jnp.float32), history, self.repetition_penalty)
+        x = jnp.where((temperature > 0) & (temperature != 1.0), x / jnp.where(temperature > 0, temperature, 1.0), x)
+        x = _top_k(x, self.top_k)
+        x = jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, _top_p(x, tail), x), lambda x: x, x)
+        return _min_p(x, self.min_p)
+
+    def keys(self, batch: int) -> jax.Array:
+        return jax.random.wrap_key_data(sampling_keys(self.seed, batch))
+
+    def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None,
+               row: jax.Array | None = None) -> jax.Array:
+        """`[B]` int32 tokens: row b draws from its warped scores with `key[b]`, or takes the argmax (after the
+        repetition penalty) when its temperature is 0."""
+        if key is None:
+            raise ValueError("RowSampling.select needs one PRNG key per sequence (key=strategy.keys(batch))")
+        row = self.rows(logits.shape[0]) if row is None else row
+        scores = self.warp(logits, history, row)
+        greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        sampled = row[:, 0] > 0  # [B]
+        drawn = jax.lax.cond(jnp.any(sampled), lambda: jax.vmap(jax.random.categorical)(key, scores).astype(
+            jnp.int32), lambda: greedy)  # a batch of greedy rows skips the draw (and warp's top-p search above)
+        return jnp.where(sampled, drawn, greedy)
+
+
+def sampling_row(temperature: float, top_p: float = 1.0):
+    """One row's `RowSampling` settings as float32 `[2]`: the temperature (>= 0; 0: the most likely token) and top-p's
+    tail mass 1 - top_p, computed in float64 before rounding, so that the row compares exactly as `Sampling` does."""
+    import numpy as np
+
+    _number("temperature", temperature, lambda x: x >= 0, ">= 0 (0: the most likely token)")
+    _number("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")
+    return np.asarray([float(temperature), 1.0 - float(top_p)], np.float32)
+
+
+STRATEGIES = (Greedy, Sampling, RowSampling)
 
 
 def seed_of(strategy) -> int:

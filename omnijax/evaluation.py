@@ -285,6 +285,10 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
             chunks_lib.validate(session, config, max_answer_tokens=tau_max, stacked=True)
         except ValueError as e:
             raise ValueError(f"session {s}: {e}") from e
+    for c in configs:  # each config decodes every session
+        if chunks.sampling is not None and not getattr(c.config.decoding, "per_row", False):
+            raise ValueError(f"config {c.name!r}: the sessions carry per-row sampling settings but it decodes with "
+                             f"{c.config.decoding!r}, which would ignore them; use omnijax.decoding.RowSampling()")
     ids = None if score_ids is None else np.asarray(score_ids, np.int32)
     if ids is not None and (ids.ndim != 1 or ids.min(initial=0) < 0 or ids.max(initial=0) >= config.vocab_size):
         raise ValueError(f"score_ids must be a list of ids in [0, {config.vocab_size}), got {score_ids}")

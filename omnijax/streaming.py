@@ -101,11 +101,13 @@ def prefill(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Arra
     return kv, hidden
 
 
-def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool):
+def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool,
+            sampling=None):
     """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
 
-    `key [B, 2]` (key data) is split once per decoding step, row by row; returns `(kv, next_pos, key, tokens,
-    last_logits [B, V])`, the last being the logits after each row's last fed token."""
+    `key [B, 2]` (key data) is split once per decoding step, row by row; a per-row strategy (`RowSampling`) draws
+    each row with its `sampling [B, 2]` settings. Returns `(kv, next_pos, key, tokens, last_logits [B, V])`, the last
+    being the logits after each row's last fed token."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
     eos = jnp.asarray(tuple(model.config.eos_token_ids) + stop_ids_of(config.decoding) or (-1,), jnp.int32)
@@ -118,7 +120,10 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     def body(carry):
         i, kv, next_pos, key, logits, active, tokens = carry
         draw, following = split_keys(key)
-        token = config.decoding.select(logits, tokens, draw)  # [B]
+        if getattr(config.decoding, "per_row", False):
+            token = config.decoding.select(logits, tokens, draw, row=sampling)  # [B]
+        else:
+            token = config.decoding.select(logits, tokens, draw)  # [B]
         key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
         x = model.embed_tokens(token[:, None])
@@ -162,13 +167,14 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     logits = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits)
     next_pos = next_pos + chunk.advance
     kv, next_pos, evicted = retention_lib.trim(
-        policy, kv, next_pos, rope=(model.config.rope_theta, model.config.mrope_section))
+        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section))
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     if config.max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
         kv, next_pos, key, tokens, last_logits = jax.lax.cond(
             jnp.any(count > 0),
-            lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track),
+            lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track,
+                            chunk.sampling),
             lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32), logits))
     else:
         tokens, last_logits = jnp.zeros((kv.batch, 0), jnp.int32), logits
@@ -269,7 +275,8 @@ def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: S
     config = bind_config(model, config, **fields)
     graphdef, params = model_parts(model)
     decoder_config = graphdef_config(model)
-    chunks_lib.validate(chunks, decoder_config, max_answer_tokens=config.max_answer_tokens, stacked=True)
+    chunks_lib.validate(chunks, decoder_config, max_answer_tokens=config.max_answer_tokens, stacked=True,
+                        decoding=config.decoding)
     chunks = jax.tree.map(jnp.asarray, chunks)
     run = _scan if state is not None else _scan_owned
     if state is None:
@@ -344,7 +351,7 @@ class Session:
         """
         config = self.stream_config if decoding is None else self.stream_config.replace(decoding=decoding)
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
-                            stacked=False)
+                            stacked=False, decoding=config.decoding)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)

@@ -106,3 +106,21 @@ def test_built_objects_validate_as_the_sdk_types():
     assert usage.choices == [] and usage.usage.total_tokens == 7
     listed = oh.models_list("m", 5)
     assert [Model.model_validate(m).id for m in listed["data"]] == ["m"]
+
+
+def test_a_per_row_server_takes_each_requests_sampling():
+    from omnijax.decoding import RowSampling, sampling_row
+
+    decoding = RowSampling(temperature=0.0, top_p=1.0)
+    hi = [{"role": "user", "content": "hi"}]
+    req = _parse({"messages": hi, "temperature": 0.7, "seed": 3}, decoding)
+    np.testing.assert_array_equal(req.sampling, sampling_row(0.7, 1.0))
+    assert req.seed == 3
+    req = _parse({"messages": hi, "top_p": 0.5}, decoding)
+    np.testing.assert_array_equal(req.sampling, sampling_row(0.0, 0.5))
+    plain = _parse({"messages": hi}, decoding)
+    assert plain.sampling is None and plain.seed is None
+    for field, value in (("temperature", 2.5), ("temperature", "hot"), ("top_p", 0), ("seed", 1.5)):
+        with pytest.raises(oh.RequestError) as e:
+            _parse({"messages": hi, field: value}, decoding)
+        assert e.value.param == field

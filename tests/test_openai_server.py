@@ -12,6 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import omnijax  # noqa: E402
+from omnijax.decoding import Greedy, RowSampling  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
@@ -22,9 +23,11 @@ KEY = "test-key"
 TAU = 8
 
 
-def _stream_config():
+def _stream_config(decoding=None):
+    """The server's settings; it decodes with RowSampling (as `omnijax serve` does: per-request temperature, top-p
+    and seed; greedy by default), `omnijax.Chat`'s oracle with Greedy."""
     return omnijax.StreamConfig(policy=SinkWindow(sink=16, window=2048), num_pages=96, page_size=16,
-                                max_answer_tokens=TAU)
+                                max_answer_tokens=TAU, decoding=decoding or Greedy())
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def model(tmp_path_factory):
 def server(model):
     options = ServeOptions(port=0, api_key=KEY, frame_ms=200, max_output_tokens=24, max_audio_buffer_s=2.0,
                            max_sessions_per_client=8)
-    context = build_context(model, options=options, stream=_stream_config(), chunk_tokens=32, buckets=(1, 2, 4),
+    context = build_context(model, options=options, stream=_stream_config(RowSampling()), chunk_tokens=32,
+                            buckets=(1, 2, 4),
                             aimd_target=0)
     with BackgroundServer(context) as running:
         yield running
@@ -115,7 +119,25 @@ def test_chat_completions_whole_and_streamed_equal_chat(server, model):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages)
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.chat.completions.create(model="omnijax", messages=messages, temperature=0.7)
+        client.chat.completions.create(model="omnijax", messages=messages, temperature=2.5)
+
+
+def test_per_request_sampling_reproduces_from_its_seed(server):
+    """Each request draws with its own temperature / top-p in the one batched program; a seed reproduces it, and
+    temperature 0 is the greedy answer."""
+    _wait_idle(server)
+    client = _client(server)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+
+    def ask(**kwargs):
+        reply = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16, **kwargs)
+        return reply.choices[0].message.content
+
+    greedy = ask()
+    assert ask(temperature=0) == greedy
+    first, again = ask(temperature=1.5, top_p=0.95, seed=7), ask(temperature=1.5, top_p=0.95, seed=7)
+    others = {ask(temperature=1.5, top_p=0.95, seed=s) for s in (8, 9, 10)}
+    assert first == again and first != greedy and len(others | {first}) > 1
 
 
 def test_realtime_text_then_audio_then_image(server, model):

@@ -204,9 +204,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
     p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
                    "SIGTERM) so clients resume them with their token")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling for every session")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="default temperature of sessions that set none (0: the most likely token)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top-p of sessions that set none")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (a request's own seed replaces it)")
     p.add_argument("--warmup-sessions", type=int, default=4, help="compile batch buckets up to this many sessions")
     p.add_argument("--impl", default="xla")
     return p
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
         parser.error("give a checkpoint directory or --demo-model (not both)")
     import omnijax
     from omnijax.chat_units import bucket
-    from omnijax.decoding import Greedy, Sampling
+    from omnijax.decoding import RowSampling
     from omnijax.retention import get_policy
     from omnijax.serve.audio_frames import frame_tokens
     from omnijax.serve.protocol import frame_samples
@@ -247,8 +248,8 @@ def main(argv=None) -> int:
             # MiniCPM-o: a duplex unit with a video frame is 77 rows
             chunk_tokens = args.chunk_tokens or (128 if duplex else max(32, bucket(frame_tokens(samples, model))))
             policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
-            decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature,
-                                                                       top_p=args.top_p, seed=args.seed)
+            # each session (request) may set its own temperature / top_p / seed: one program for all of them
+            decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
             stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
                                           max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
             context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,

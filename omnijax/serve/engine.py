@@ -315,6 +315,17 @@ class Engine:
         self._unkeyed[session_id] = np.asarray(folded_keys(seed_of(self._stream.decoding), [self._opened])[0])
         self._opened += 1
 
+    def seed_session(self, session_id: str, seed: int) -> None:
+        """Gives an open session the sampling keys of `seed` (folded as the first session of that seed), between
+        ticks: the same seed and the same requests give the same samples."""
+        self._check_open(session_id)
+        key = np.asarray(folded_keys(int(seed), [0])[0])
+        row = self._slots[session_id]
+        if session_id in self._unkeyed or row >= self.state.kv.batch:
+            self._unkeyed[session_id] = key
+        else:
+            self.state = dataclasses.replace(self.state, key=self.state.key.at[row].set(key))
+
     def close(self, session_id: str) -> None:
         """Removes a session (between ticks); all of its pages return to the pool. KeyError if unknown."""
         self._check_open(session_id)
@@ -340,7 +351,8 @@ class Engine:
         if ids.shape[1] > T:
             raise ValueError(f"chunk of {ids.shape[1]} tokens exceeds the engine's chunk_tokens={T}")
         chunk = dataclasses.replace(chunk, answer_tokens=np.asarray([int(answer_tokens)], np.int32))
-        chunks_lib.validate(chunk, self.model_config, max_answer_tokens=tau, stacked=False)
+        chunks_lib.validate(chunk, self.model_config, max_answer_tokens=tau, stacked=False,
+                            decoding=self._stream.decoding)
         chunk = jax.tree.map(np.asarray, chunks_lib.pad_chunk(chunk, T))
         A = self.model_config.position_axes
         if chunk.positions.shape[0] != A:
@@ -387,6 +399,8 @@ class Engine:
             D = with_embeds[0].embeds.shape[-1]
             out["embeds"] = np.zeros((B, T, D), with_embeds[0].embeds.dtype)
             out["embed_mask"] = z(bool)
+        if getattr(self._stream.decoding, "per_row", False):  # every row carries its settings: one program
+            out["sampling"] = np.array(np.broadcast_to(self._stream.decoding.rows(1), (B, 2)), np.float32)
         with_levels = [c for c in frames.values() if c.deepstack is not None]
         if with_levels:
             n, D = with_levels[0].deepstack.shape[0], with_levels[0].deepstack.shape[-1]
@@ -400,6 +414,8 @@ class Engine:
                 out["embeds"][r], out["embed_mask"][r] = c.embeds[0], c.embed_mask[0]
             if c.deepstack is not None:
                 out["deepstack"][:, r] = c.deepstack[:, 0]
+            if c.sampling is not None and "sampling" in out:
+                out["sampling"][r] = c.sampling[0]
         return Chunk(**out)
 
     def tick(self) -> TickReport:

@@ -10,9 +10,10 @@ cannot admit gets HTTP 429 with `Retry-After`.
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
 URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM, any rate, mono or channels averaged);
 `max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage`; `n` = 1. Sampling fields
-(`temperature`, `top_p`, `seed`) are accepted when they are what the server decodes with (every session shares one
-compiled decoding strategy, chosen at launch); anything else is refused with a 400 naming the field, as are
-`tools`, `stop`, `logprobs` and non-text `response_format`.
+(`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling` (as
+`omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request reproduce);
+with any other strategy they are accepted when they are what it decodes with, else refused with a 400 naming the
+field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     model: str
+    sampling: object = None  # `[2]` row (`omnijax.decoding.sampling_row`) when the request sets temperature/top_p
+    seed: int | None = None
 
 
 def _wav(data: bytes, param: str) -> np.ndarray:
@@ -143,7 +146,7 @@ def parse_chat_request(body, *, model_name: str, decoding) -> ChatRequest:
                            param="response_format")
     if body.get("n", 1) != 1:
         raise RequestError("'n' must be 1", param="n")
-    _check_decoding(body, decoding)
+    sampling, seed = _sampling(body, decoding)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise RequestError(f"'max_completion_tokens' must be an integer >= 1, got {limit!r}",
@@ -176,7 +179,30 @@ def parse_chat_request(body, *, model_name: str, decoding) -> ChatRequest:
         if role != "user" and any(p.kind != "text" for p in parts):
             raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
         parsed.append((role, parts))
-    return ChatRequest(tuple(parsed), limit, stream, bool(options.get("include_usage", False)), model)
+    return ChatRequest(tuple(parsed), limit, stream, bool(options.get("include_usage", False)), model, sampling, seed)
+
+
+def _sampling(body: dict, decoding):
+    """The request's sampling: `(row or None, seed or None)`. A per-row server (`RowSampling`) takes `temperature`
+    in [0, 2], `top_p` in (0, 1] and an integer `seed` per request; any other refuses fields that differ from its one
+    strategy (`_check_decoding`)."""
+    if not getattr(decoding, "per_row", False):
+        _check_decoding(body, decoding)
+        return None, None
+    from omnijax.decoding import sampling_row
+
+    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+    for name, value, ok, want in (("temperature", temperature, lambda x: 0 <= x <= 2, "in [0, 2]"),
+                                  ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
+            raise RequestError(f"'{name}' must be a number {want}, got {value!r}", param=name)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    row = None
+    if temperature is not None or top_p is not None:
+        row = sampling_row(decoding.temperature if temperature is None else float(temperature),
+                           decoding.top_p if top_p is None else float(top_p))
+    return row, seed
 
 
 def _check_decoding(body: dict, decoding) -> None:
@@ -285,8 +311,10 @@ async def chat_completions(request, context):
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
         prompt = conversation.prompt(min(context.worker.tau, max_tokens))
         prompt_tokens = conversation.tokens_fed
+        if req.seed is not None:
+            await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
         context.worker.feed(sid, parts)
-        answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation)
+        answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling)
     except ValueError as e:
         await session.__aexit__(None, None, None)
         return _json_error(RequestError(str(e)))

@@ -45,8 +45,9 @@ class Answer:
         kv_cells: the session's cached cells when it ended.
     """
 
-    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int):
+    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling=None):
         self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
+        self.sampling = sampling  # `[2]` row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
         self.tokens: list[int] = []
         self.status: str | None = None
         self.reason: str | None = None
@@ -111,6 +112,7 @@ class EngineWorker:
         self.engine, self.admission = engine, admission
         self.max_sessions = engine.config.buckets[-1] if max_sessions is None else int(max_sessions)
         self.tau = engine.config.max_answer_tokens
+        self.per_row = bool(getattr(engine.config.stream.decoding, "per_row", False))
         self.stop_ids = frozenset(int(t) for t in engine.model_config.eos_token_ids) | frozenset(
             stop_ids_of(engine.config.stream.decoding))
         self.lanes: dict[str, _Lane] = {}
@@ -222,12 +224,16 @@ class EngineWorker:
         self._work.set()
         return future
 
-    def respond(self, sid: str, prompt, max_tokens: int, continuation) -> Answer:
-        """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`)."""
+    def respond(self, sid: str, prompt, max_tokens: int, continuation, sampling=None) -> Answer:
+        """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`);
+        `sampling` (`omnijax.decoding.sampling_row`) draws it with its own settings (a per-row engine only)."""
         lane = self._lane(sid)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit)
+        if sampling is not None and not self.per_row:
+            raise ValueError(f"per-response sampling needs an engine decoding with omnijax.decoding.RowSampling, "
+                             f"not {self.engine.config.stream.decoding!r}")
+        answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit, sampling)
         for chunk in prompt.parts[:-1]:
             lane.pending.append(_Item(chunk))
         lane.pending.append(_Item(prompt.parts[-1], answer=answer))
@@ -271,6 +277,12 @@ class EngineWorker:
     def _plan(self) -> dict:
         """Takes each session's next chunk: {sid: (chunk, asked, item or None, answer or None)}."""
         plan = {}
+
+        def drawn(chunk, answer):  # an answer's chunks carry its sampling row
+            if answer is None or answer.sampling is None:
+                return chunk
+            return dataclasses.replace(chunk, sampling=np.asarray(answer.sampling, np.float32)[None])
+
         for sid, lane in self.lanes.items():
             if lane.answer is not None and lane.answer.cancelled:
                 lane.answer._finish("cancelled", "cancelled")
@@ -278,14 +290,14 @@ class EngineWorker:
             if lane.answer is not None:
                 answer = lane.answer
                 asked = min(self.tau, answer.remaining)
-                plan[sid] = (lane.continuation(answer.answer_unit, asked), asked, None, answer)
+                plan[sid] = (drawn(lane.continuation(answer.answer_unit, asked), answer), asked, None, answer)
             elif lane.pending:
                 item = lane.pending.popleft()
                 answer = item.answer
                 asked = item.asked
                 if answer is not None and not answer.cancelled:
                     asked = min(self.tau, answer.max_tokens)
-                plan[sid] = (item.chunk, asked, item, answer)
+                plan[sid] = (drawn(item.chunk, answer), asked, item, answer)
         return plan
 
     def _tick_sync(self, plan: dict):
