@@ -345,3 +345,28 @@ def test_caps_on_sessions_per_client_and_body_size(server):
     assert first.type == "session.created"
     assert second.type == "error" and second.error.code == "overloaded" and "one client may hold (1)" in \
         second.error.message
+
+
+def test_realtime_session_sampling_extension(server, model):
+    """`session.omnijax.temperature / top_p / seed`: a seeded session reproduces its sampled answer; temperature 0
+    is the greedy answer."""
+    _wait_idle(server)
+
+    async def answer(sampling):
+        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
+                                               "omnijax": sampling})
+            updated = await conn.recv()
+            assert updated.type == "session.updated", updated
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Describe the scene."}]})
+            await conn.response.create(response={"max_output_tokens": 12})
+            return _response_text(await _until(conn, "response.done"))[0], updated
+
+    sampled, updated = asyncio.run(answer({"temperature": 1.5, "top_p": 0.95, "seed": 11}))
+    assert updated.session.model_extra["omnijax"]["seed"] == 11
+    again, _ = asyncio.run(answer({"temperature": 1.5, "top_p": 0.95, "seed": 11}))
+    greedy, _ = asyncio.run(answer({"temperature": 0}))
+    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    assert sampled == again and greedy.rstrip("\n") == expected.rstrip("\n") and sampled != greedy

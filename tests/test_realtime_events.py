@@ -309,3 +309,15 @@ def test_the_duplex_extension_is_parsed_and_echoed():
         with pytest.raises(rt.RealtimeEventError) as e:
             rt.parse_client_event({"type": "session.update", "session": {"omnijax": bad}})
         assert e.value.code == "invalid_value" and e.value.param.startswith("session.omnijax")
+
+
+def test_the_sampling_extension_is_parsed_and_refused_out_of_range():
+    update = rt.parse_client_event({"type": "session.update", "session": {"omnijax": {
+        "temperature": 0.8, "top_p": 0.9, "seed": 4}}})
+    settings = update.apply(rt.SessionSettings())
+    assert (settings.temperature, settings.top_p, settings.seed) == (0.8, 0.9, 4)
+    assert check(rs.session_updated(settings)).session.model_extra["omnijax"]["top_p"] == 0.9
+    for bad in ({"temperature": 3}, {"top_p": 0}, {"seed": "x"}, {"temperature": True}):
+        with pytest.raises(rt.RealtimeEventError) as e:
+            rt.parse_client_event({"type": "session.update", "session": {"omnijax": bad}})
+        assert e.value.param.startswith("session.omnijax."), bad

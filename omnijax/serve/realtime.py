@@ -4,7 +4,9 @@ One WebSocket is one engine session and one conversation (`omnijax.serve.convers
 `omnijax.serve.realtime_events` (client events) and `realtime_server_events` (server events); this module maps
 events onto the conversation and the `EngineWorker`:
 
-- `session.update` -> `session.updated`. `instructions` become the system message, fed before the next item or
+- `session.update` -> `session.updated`. `session.omnijax.temperature` / `top_p` / `seed` (an extension: the GA
+  session has no sampling fields) set how this session's responses are drawn (the server's `RowSampling` gives each
+  row of the batched step its own settings; a seed reseeds the session). `instructions` become the system message, fed before the next item or
   response (a later change is fed as a new system message where the chat template allows it). `truncation`
   describes the server's retention policy, which every session shares (one batched program): "auto" (any bounded
   policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused with
@@ -198,7 +200,15 @@ class RealtimeSession:
             if self.duplex is not None and not settings.duplex:
                 raise rte.RealtimeEventError("unsupported", "duplex cannot be turned off once on", event_id=eid,
                                              param="session.omnijax.duplex")
+            sampled = any(getattr(settings, k) is not None for k in ("temperature", "top_p", "seed"))
+            if sampled and not self.worker.per_row:
+                raise rte.RealtimeEventError("unsupported", f"this server decodes every session with "
+                                             f"{self.worker.engine.config.stream.decoding!r}; per-session sampling "
+                                             f"needs omnijax serve's RowSampling", event_id=eid,
+                                             param="session.omnijax")
             previous, self.settings = self.settings, settings
+            if settings.seed is not None and settings.seed != previous.seed:
+                await self.worker.in_engine(self.worker.engine.seed_session, self.sid, settings.seed)
             if settings.duplex and self.duplex is None:
                 from omnijax.serve.realtime_duplex import DuplexRealtime
                 try:
@@ -208,7 +218,7 @@ class RealtimeSession:
                     raise
             self.send(rse.session_updated(settings, self.session_id))
         elif self.duplex is not None:
-            self._handle_duplex(event)
+            self.duplex.handle(event)
         elif isinstance(event, rte.InputAudioBufferAppend):
             self._append(np.frombuffer(event.audio, "<i2"), eid)
         elif isinstance(event, rte.InputAudioBufferCommit):
@@ -225,39 +235,6 @@ class RealtimeSession:
                 raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
                                              "cancel", event_id=eid)
             self.worker.cancel(self.sid)
-
-    def _handle_duplex(self, event) -> None:
-        """The events of a duplex session (see `omnijax.serve.realtime_duplex`)."""
-        eid = event.event_id
-        if isinstance(event, rte.InputAudioBufferAppend):
-            pcm = np.frombuffer(event.audio, "<i2")
-            held = (self.duplex.audio.size + pcm.size) / self.settings.input_audio_rate
-            if held > self.options.max_audio_buffer_s:
-                raise rte.RealtimeEventError("buffer_too_large", f"the input audio buffer would hold {held:.1f} s, "
-                                             f"over the server's cap of {self.options.max_audio_buffer_s:g} s",
-                                             event_id=eid, param="audio")
-            self.duplex.append(pcm)
-        elif isinstance(event, rte.InputAudioBufferCommit):
-            self.duplex.commit(eid)
-        elif isinstance(event, rte.InputAudioBufferClear):
-            self.duplex.clear()
-            self.send(rse.input_audio_buffer_cleared())
-        elif isinstance(event, rte.ConversationItemCreate) and all(isinstance(p, rte.InputImage)
-                                                                   for p in event.content):
-            images = []
-            for i, part in enumerate(event.content):
-                try:
-                    images.append(decode_image(part.data))
-                except ValueError as e:
-                    raise self._fail(e, eid, f"item.content[{i}].image_url") from None
-            self.duplex.image(images[-1])
-            item = rse.user_item(event)
-            previous, self.last_item = self.last_item, item["id"]
-            self.send(rse.conversation_item_added(item, previous))
-            self.send(rse.conversation_item_done(item, previous))
-        else:
-            raise rte.RealtimeEventError("unsupported", f"{type(event).__name__}: in a duplex session the model "
-                                         f"decides when to speak; send audio and images only", event_id=eid)
 
     def _check_truncation(self, truncation, eid) -> None:
         policy = self.worker.engine.config.stream.policy
@@ -415,8 +392,18 @@ class RealtimeSession:
         prompt = self.conversation.prompt(min(self.worker.tau, max_tokens))
         input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
         self.tokens_since_response = 0
-        answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation)
+        answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation, self._sampling())
         self.response = self._spawn(self._stream(answer, limit, input_tokens))
+
+    def _sampling(self):
+        """The session's sampling row (`omnijax.decoding.sampling_row`), or None for the server's default."""
+        s = self.settings
+        if s.temperature is None and s.top_p is None:
+            return None
+        from omnijax.decoding import sampling_row
+        default = self.worker.engine.config.stream.decoding
+        return sampling_row(default.temperature if s.temperature is None else s.temperature,
+                            default.top_p if s.top_p is None else s.top_p)
 
     async def _stream(self, answer, limit, input_tokens: int) -> None:
         rid, item_id = rte.new_id("resp"), rte.new_id("item")

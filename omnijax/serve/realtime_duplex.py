@@ -83,6 +83,42 @@ class DuplexRealtime:
         self.response: dict | None = None  # the open response: ids, text pieces, tokens
         self.task = session._spawn(self._run(session.settings.instructions))
 
+    def handle(self, event) -> None:
+        """A client event of the duplex session (see the module docstring); refusals raise `RealtimeEventError`."""
+        from omnijax.serve.realtime import decode_image
+
+        session = self.session
+        eid = event.event_id
+        if isinstance(event, rte.InputAudioBufferAppend):
+            pcm = np.frombuffer(event.audio, "<i2")
+            held = (self.audio.size + pcm.size) / session.settings.input_audio_rate
+            if held > session.options.max_audio_buffer_s:
+                raise rte.RealtimeEventError("buffer_too_large", f"the input audio buffer would hold {held:.1f} s, "
+                                             f"over the server's cap of {session.options.max_audio_buffer_s:g} s",
+                                             event_id=eid, param="audio")
+            self.append(pcm)
+        elif isinstance(event, rte.InputAudioBufferCommit):
+            self.commit(eid)
+        elif isinstance(event, rte.InputAudioBufferClear):
+            self.clear()
+            session.send(rse.input_audio_buffer_cleared())
+        elif isinstance(event, rte.ConversationItemCreate) and all(isinstance(p, rte.InputImage)
+                                                                   for p in event.content):
+            images = []
+            for i, part in enumerate(event.content):
+                try:
+                    images.append(decode_image(part.data))
+                except ValueError as e:
+                    raise session._fail(e, eid, f"item.content[{i}].image_url") from None
+            self.image(images[-1])
+            item = rse.user_item(event)
+            previous, session.last_item = session.last_item, item["id"]
+            session.send(rse.conversation_item_added(item, previous))
+            session.send(rse.conversation_item_done(item, previous))
+        else:
+            raise rte.RealtimeEventError("unsupported", f"{type(event).__name__}: in a duplex session the model "
+                                         f"decides when to speak; send audio and images only", event_id=eid)
+
     @property
     def _unit(self) -> int:
         return int(self.session.settings.input_audio_rate)  # samples of 1 s at the session rate

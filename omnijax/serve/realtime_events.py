@@ -19,8 +19,10 @@ omnijax extensions (the SDK models allow extra fields, so these still validate):
   KV-cache cells the session holds after the response.
 * The session object carries ``"omnijax": {"input_audio_rate": r}``, because the SDK's PCM format
   only admits 24 kHz; a 16 kHz session reports ``{"type": "audio/pcm"}`` plus this field.
-* ``session.omnijax`` ``{"duplex": true}`` (in ``session.update``) asks for full duplex (MiniCPM-o 4.5): the
-  model decides per 1 s unit whether to listen or speak; the session object echoes it.
+* ``session.omnijax`` (in ``session.update``; the GA session has no sampling fields): ``{"duplex": true}`` asks for
+  full duplex (MiniCPM-o 4.5: the model decides per 1 s unit whether to listen or speak); ``"temperature"`` (in
+  [0, 2]; 0 takes the most likely token), ``"top_p"`` (in (0, 1]) and ``"seed"`` (an int) set how the session's
+  responses are sampled. The session object echoes them.
 * ``session.truncation`` ``{"type": "retention_ratio", "retention_ratio": f}`` is accepted and
   mapped onto the retention policy by the server (this codec only validates and carries it).
 
@@ -116,6 +118,7 @@ class SessionSettings:
         truncation: ``"auto"``, ``"disabled"`` or :class:`RetentionRatio`.
         model: Model name reported to the client.
         duplex: Full duplex (omnijax extension ``session.omnijax.duplex``).
+        temperature, top_p, seed: Sampling of responses (omnijax extension; None: the server's default).
     """
     instructions: str = ""
     output_modalities: tuple = ("text",)
@@ -125,6 +128,9 @@ class SessionSettings:
     truncation: Union[Literal["auto", "disabled"], RetentionRatio] = "auto"
     model: str = "omnijax"
     duplex: bool = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------- client events
@@ -287,9 +293,19 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
         c.fail("unsupported", "'session.tools': tools are not supported", "session.tools")
     if s.get("omnijax") is not None:
         ext = c.obj(s["omnijax"], "session.omnijax")
-        unknown = sorted(set(ext) - {"duplex"})
+        unknown = sorted(set(ext) - {"duplex", "temperature", "top_p", "seed"})
         if unknown:
-            c.fail("invalid_value", f"'session.omnijax' takes only 'duplex', got {unknown}", "session.omnijax")
+            c.fail("invalid_value", f"'session.omnijax' takes 'duplex', 'temperature', 'top_p' and 'seed', got "
+                   f"{unknown}", "session.omnijax")
+        if ext.get("temperature") is not None:
+            changes["temperature"] = float(c.num(ext["temperature"], "session.omnijax.temperature", float, 0.0, 2.0))
+        if ext.get("top_p") is not None:
+            top_p = float(c.num(ext["top_p"], "session.omnijax.top_p", float, 0.0, 1.0))
+            if top_p <= 0:
+                c.fail("invalid_value", "'session.omnijax.top_p' must lie in (0, 1]", "session.omnijax.top_p")
+            changes["top_p"] = top_p
+        if ext.get("seed") is not None:
+            changes["seed"] = int(c.num(ext["seed"], "session.omnijax.seed", int))
         if "duplex" in ext:
             if not isinstance(ext["duplex"], bool):
                 c.fail("invalid_value", "'session.omnijax.duplex' must be a boolean", "session.omnijax.duplex")

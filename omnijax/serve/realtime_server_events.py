@@ -43,7 +43,9 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "model": settings.model, "instructions": settings.instructions,
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
-           "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex}}
+           "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,
+                       **{k: getattr(settings, k) for k in ("temperature", "top_p", "seed")
+                          if getattr(settings, k) is not None}}}
     return out
 
 
