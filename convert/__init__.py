@@ -2,7 +2,8 @@
 
 `convert_checkpoint(src, dst)` is the Python entry point; `omnijax-convert SRC DST` (or `python -m convert`) is the
 command line (`convert/__main__.py`). The model type is detected from `SRC/config.json`; every model converter
-module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir, progress, log)` and `model_type_for(hf_config)`.
+module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir, progress, log)`, `model_type_for(hf_config)`
+and `config_from_hf(hf_config, *, dtype)` (run first, so an unsupported config is refused before tensors are read).
 
 Output is written into a temporary directory next to DST and renamed into place only after everything succeeded:
 a failure leaves neither a half-written DST nor the temporary directory, and a pre-existing DST is untouched.
@@ -16,7 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from convert import minicpmo, qwen2_5_omni, qwen3_omni
+from convert import llama, minicpmo, qwen2_5_omni, qwen3_omni
 from convert.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from convert.safetensors_io import SafetensorsCheckpoint
 from omnijax import checkpoint
@@ -28,6 +29,7 @@ DTYPES = ("float32", "bfloat16")
 CONVERTERS = {hf_type: qwen2_5_omni for hf_type in qwen2_5_omni.HF_MODEL_TYPES}
 CONVERTERS.update({hf_type: minicpmo for hf_type in minicpmo.HF_MODEL_TYPES})
 CONVERTERS.update({hf_type: qwen3_omni for hf_type in qwen3_omni.HF_MODEL_TYPES})
+CONVERTERS.update({hf_type: llama for hf_type in llama.HF_MODEL_TYPES})
 # Model types recognised but not converted, with the reason.
 NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)
@@ -138,6 +140,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     _check_destination(src, dst, force)
     hf_config = read_hf_config(src)
     converter = converter_for(hf_config, src / "config.json")
+    converter.config_from_hf(hf_config, dtype=dtype)  # refuses an unsupported config before any tensor is read
 
     created = next((p for p in reversed(dst.parents) if not p.exists()), None)  # topmost parent this call creates
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,8 @@ COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source")
 MODEL_COMPONENTS = {
     "qwen2": (),
     "qwen3": (),
+    "llama": (),
+    "mistral": (),
     "qwen2_5_omni": ("audio", "vision", "omni"),
     "qwen3_omni": ("audio", "vision", "qwen3_omni"),
     "minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens"),

@@ -1,6 +1,7 @@
 """Model configuration: frozen dataclasses with presets.
 
-A `DecoderConfig` describes a Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker, Qwen3 with q/k norm). It holds only
+A `DecoderConfig` describes a Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker, Qwen3 with q/k norm, and the
+Llama-3.x / Mistral decoders: no biases, 1D RoPE, optionally Llama-3 scaled). It holds only
 static hyperparameters; weights live in the parameter pytree.
 """
 
@@ -51,7 +52,7 @@ class JsonConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig(JsonConfig):
-    """Static hyperparameters of a Qwen2-family decoder.
+    """Static hyperparameters of a Qwen2-family (also Llama / Mistral) decoder.
 
     Attributes:
         vocab_size: rows of the embedding table (and columns of the lm head).
@@ -79,6 +80,8 @@ class DecoderConfig(JsonConfig):
         mlp_only_layers: layers that keep the dense MLP although `num_experts > 0`.
         decoder_sparse_step: with experts, layer i is MoE when `(i + 1) % decoder_sparse_step == 0` (and not in
             `mlp_only_layers`), as Hugging Face's Qwen3-MoE decides.
+        rope_scaling: Llama-3 RoPE scaling (`rope_type` "llama3") as `(factor, low_freq_factor, high_freq_factor,
+            original_max_position_embeddings)`; `None` = unscaled. Plain 1D RoPE only (see `rope_base`).
     """
 
     vocab_size: int
@@ -103,6 +106,7 @@ class DecoderConfig(JsonConfig):
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    rope_scaling: tuple[float, float, float, float] | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -134,6 +138,30 @@ class DecoderConfig(JsonConfig):
                 raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_layers}-layer decoder")
         if self.mrope_interleaved and self.mrope_section is None:
             raise ValueError("mrope_interleaved needs an mrope_section")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        scaling = tuple(float(v) for v in self.rope_scaling)
+        if len(scaling) != 4:
+            raise ValueError(f"rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                             f"original_max_position_embeddings), got {self.rope_scaling!r}")
+        factor, low, high, original = scaling
+        if min(scaling) <= 0 or low >= high:
+            raise ValueError(f"rope_scaling {scaling} needs positive values and low_freq_factor < high_freq_factor")
+        if self.mrope_section is not None:
+            raise ValueError("rope_scaling (Llama-3) applies to plain 1D RoPE; drop the mrope_section or the scaling")
+        object.__setattr__(self, "rope_scaling", scaling)
+
+    @property
+    def rope_base(self):
+        """What the RoPE functions take as `theta`: `rope_theta`, or an `omnijax.kv.rope.ScaledTheta` with the
+        Llama-3 scaling when `rope_scaling` is set (`omnijax.kv.rope.inverse_frequencies`)."""
+        if self.rope_scaling is None:
+            return self.rope_theta
+        from omnijax.kv.rope import ScaledTheta  # local import: omnijax.kv imports this module
+
+        return ScaledTheta(float(self.rope_theta), *self.rope_scaling)
 
     @property
     def position_axes(self) -> int:

@@ -334,8 +334,8 @@ def test_unsupported_config_end_to_end(hf, tmp_path):
     src = copy_src(hf, "full", tmp_path)
     edit_config(src, lambda c: c["thinker_config"]["text_config"].update(use_sliding_window=True))
     assert_fails_cleanly(src, tmp_path / "out", UnsupportedConfigError, "use_sliding_window")
-    edit_config(src, lambda c: c.update(model_type="llama"))
-    assert_fails_cleanly(src, tmp_path / "out", UnsupportedModelError, "'llama'", "qwen2_5_omni_thinker")
+    edit_config(src, lambda c: c.update(model_type="gemma"))
+    assert_fails_cleanly(src, tmp_path / "out", UnsupportedModelError, "'gemma'", "qwen2_5_omni_thinker")
     # A Qwen config relabelled as MiniCPM-o reaches the MiniCPM-o converter, which finds no LLM settings at the top.
     edit_config(src, lambda c: c.update(model_type="minicpmo"))
     assert_fails_cleanly(src, tmp_path / "out", ConfigError, "rope_theta")
@@ -433,7 +433,7 @@ def test_manifest_and_load_errors(hf, tmp_path):
 
 
 @pytest.mark.parametrize("edit, needle", [
-    (lambda m: m.update(model_type="llama"), "model_type 'llama' is not one omnijax reads"),
+    (lambda m: m.update(model_type="gemma"), "model_type 'gemma' is not one omnijax reads"),
     (lambda m: m.update(visoin=m["vision"]), r"unknown manifest keys \['visoin'\] for a qwen2_5_omni"),
     (lambda m: m.update(vpm={}), r"unknown manifest keys \['vpm'\]"),  # a MiniCPM-o component
 ])
@@ -476,8 +476,8 @@ def test_damaged_parameter_files_are_named(hf, tmp_path):
 def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
     config = DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                            num_kv_heads=1, head_dim=4)
-    with pytest.raises(ValueError, match="model type 'llama'"):
-        checkpoint.save_params(tmp_path / "a", "llama", config, {})
+    with pytest.raises(ValueError, match="model type 'gemma'"):
+        checkpoint.save_params(tmp_path / "a", "gemma", config, {})
     with pytest.raises(ValueError, match=r"components \['vision'\] are not part of a qwen2"):
         checkpoint.save_params(tmp_path / "b", "qwen2", config, {}, components={"vision": ({}, None)})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written

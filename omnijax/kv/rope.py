@@ -5,18 +5,79 @@ frequency j uses the t position for j < s_t, h for s_t <= j < s_t + s_h, and w a
 the second half. With `interleaved=True` (Qwen3-Omni, Qwen3-VL) the axes take frequencies in turn instead: frequency j
 uses h when `j % 3 == 1 and j < 3 * s_h`, w when `j % 3 == 2 and j < 3 * s_w`, t otherwise. Angles are always
 computed in float32; positions may be fractional (Qwen3-Omni's temporal ids).
+
+Llama-3 RoPE scaling rescales the inverse frequencies by wavelength (`llama3_inverse_frequencies`). A scaled base is
+a `ScaledTheta`, accepted wherever a `theta` is, so every caller (the decoder, the re-rotation of cached keys) rotates
+with the same frequencies.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
 
 
-def inverse_frequencies(head_dim: int, theta: float) -> jnp.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, `theta ** (-2j / head_dim)`."""
+@dataclasses.dataclass(frozen=True)
+class ScaledTheta:
+    """A RoPE base with Llama-3 (`rope_type` "llama3") frequency scaling; hashable, usable as a static value.
+
+    Attributes:
+        theta: the RoPE base.
+        factor: the long-wavelength divisor (8 in Llama 3.1).
+        low_freq_factor: `original_max_positions / low_freq_factor` is the wavelength above which frequencies are
+            divided by `factor`.
+        high_freq_factor: `original_max_positions / high_freq_factor` is the wavelength below which frequencies are
+            kept; between the two the result is interpolated.
+        original_max_positions: the pretraining context length (`original_max_position_embeddings`).
+    """
+
+    theta: float
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: float
+
+
+def llama3_inverse_frequencies(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
+                               high_freq_factor: float, original_max_positions: float) -> np.ndarray:
+    """Llama-3 scaling of unscaled inverse frequencies (float32, as transformers' `_compute_llama3_parameters`).
+
+    Frequencies whose wavelength `2 pi / f` exceeds `original_max_positions / low_freq_factor` are divided by
+    `factor`; those below `original_max_positions / high_freq_factor` are kept; in between,
+    `s = (original_max_positions / wavelength - low) / (high - low)` blends `(1 - s) f / factor + s f`.
+
+    Args:
+        inv_freq: `[n]` unscaled inverse frequencies.
+        factor, low_freq_factor, high_freq_factor, original_max_positions: the scaling parameters (`ScaledTheta`).
+
+    Returns:
+        `[n]` float32 scaled inverse frequencies.
+    """
+    inv_freq = np.asarray(inv_freq, np.float32)
+    low_wavelength = original_max_positions / low_freq_factor
+    high_wavelength = original_max_positions / high_freq_factor
+    wavelength = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelength > low_wavelength, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(original_max_positions) / wavelength - np.float32(low_freq_factor)) / np.float32(
+        high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def inverse_frequencies(head_dim: int, theta: float | ScaledTheta) -> jnp.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, `theta ** (-2j / head_dim)` (Llama-3 scaled for a
+    `ScaledTheta`)."""
+    base = theta.theta if isinstance(theta, ScaledTheta) else theta
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
-    return jnp.asarray(1.0 / (theta ** exponents), dtype=jnp.float32)
+    inv_freq = (1.0 / (base ** exponents)).astype(np.float32)
+    if isinstance(theta, ScaledTheta):
+        inv_freq = llama3_inverse_frequencies(inv_freq, theta.factor, theta.low_freq_factor, theta.high_freq_factor,
+                                              theta.original_max_positions)
+    return jnp.asarray(inv_freq, dtype=jnp.float32)
 
 
 def axis_of_frequency(head_dim: int, mrope_section: tuple[int, int, int] | None,
@@ -33,7 +94,7 @@ def axis_of_frequency(head_dim: int, mrope_section: tuple[int, int, int] | None,
     return axis
 
 
-def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float,
+def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float | ScaledTheta,
                 mrope_section: tuple[int, int, int] | None, interleaved: bool = False) -> jnp.ndarray:
     """Rotation angles per token and frequency.
 
@@ -41,7 +102,7 @@ def rope_angles(positions: jnp.ndarray, head_dim: int, theta: float,
         positions: `[axes, ...]` positions (integer, or float for fractional temporal ids); `axes` is 3 for mrope
             or 1 for plain RoPE (a 1-axis input drives all three mrope axes).
         head_dim: per-head width.
-        theta: RoPE base.
+        theta: RoPE base, or a `ScaledTheta` (Llama-3 scaling).
         mrope_section: per-axis frequency split, or None.
         interleaved: the axes take frequencies in turn (see the module docstring).
 

@@ -1,5 +1,6 @@
-"""Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker LLM, Qwen3, Qwen3-MoE / the Qwen3-Omni thinker LLM) in Flax
-NNX over the paged KV cache.
+"""Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker LLM, Qwen3, Qwen3-MoE / the Qwen3-Omni thinker LLM; also
+Llama-3.x and Mistral: no biases, 1D RoPE, Llama-3 scaled via `DecoderConfig.rope_scaling`) in Flax NNX over the
+paged KV cache.
 
 The module carries only its config and its parameters. Layer parameters are stacked along a leading `layers` axis
 and the layers run in one `lax.scan`, so compile time does not grow with depth. Attention reads and writes the
@@ -56,7 +57,7 @@ def chunk_rotation(config: DecoderConfig, positions: jnp.ndarray) -> tuple[jnp.n
     """`(cos, sin)`, each `[B, T, d/2]` float32, of the RoPE angles of `positions [A, B, T]` (A = 1 or the mrope
     axes): computed once per chunk and passed to `layer_qkv` in every layer (`rope.rotation`)."""
     c = config
-    return rope_lib.rotation(rope_lib.rope_angles(positions, c.head_dim, c.rope_theta, c.mrope_section,
+    return rope_lib.rotation(rope_lib.rope_angles(positions, c.head_dim, c.rope_base, c.mrope_section,
                                                   c.mrope_interleaved))
 
 
