@@ -1,9 +1,11 @@
-"""Evaluation harness: StreamingBench questions asked at their timestamps in streaming sessions, scored per task
-type and per retention / paging configuration with `omnijax.evaluate`.
+"""Evaluation harnesses: benchmark questions asked at their timestamps in streaming sessions, scored per task type
+and per retention / paging configuration with `omnijax.evaluate`.
 
 Modules: `annotations` (files -> videos, questions, timeline), `media` (text encoders, decoded or synthetic
-video units), `sessions` (a video -> its chunks), `streamingbench` (run, score, report, CLI:
-`python -m omnijax.evalharness.streamingbench --help`).
+video units), `sessions` (a video -> its chunks), `probes` (any timed user turn: the session building the other
+benchmarks share), and one module per benchmark, each also its command line (`python -m omnijax.evalharness.X
+--help`): `streamingbench`, `ovobench` (the user's copy of OVO-Bench's annotations, `--data`), `omnimmi` (annotations
+shipped), `quality_probe` (Metronome's free-running quality probe).
 """
 
 from omnijax.evalharness.annotations import (AnnotationError, Question, Video, load_all, load_file, parse_timestamp,
