@@ -36,7 +36,9 @@ from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_
 class Selection:
     """Which prompt tokens a layer keeps: `index [B, K]` in per-KV-head segments `offset [B, G + 1]`.
 
-    Within a segment the indices are ascending; `K = offset[:, -1]` for every sequence.
+    Within a segment the indices are ascending. Usually `K = offset[:, -1]` for every sequence; a selector whose kept
+    count depends on the data (ChunkKV keeping a short last chunk, as kvpress does) leaves slots past
+    `offset[:, -1]` with index -1: they belong to no head, and packing and decoding ignore them.
     """
 
     index: jax.Array

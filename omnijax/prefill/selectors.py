@@ -10,6 +10,11 @@ none), `keys [B, S, G, d]` the layer's full prompt keys and `budget` the tokens 
 window attention) is separate from selection (per-head or head-adaptive top-k), and scoring runs with memory
 independent of the prompt length unless `impl="reference"`.
 
+Selectors: `SnapKV`, `RecentTokens`, `AdaKV`, `ChunkKV` (whole chunks ranked by mean SnapKV score) and `KeyDiff`
+(keys least like the mean key direction), all in `REGISTRY` by name. `ChunkKV` and `KeyDiff` keep exactly what
+kvpress 0.5.5's `ChunkKVPress(SnapKVPress)` and `KeyDiffPress` keep; `kvpress_budget` turns a kvpress compression
+ratio into the budget that keeps the same count.
+
 Budget schedules turn a total token budget into per-layer budgets that sum to it exactly: `uniform_budgets` and
 `pyramid_budgets` (PyramidKV: more tokens in lower layers, an arithmetic ramp).
 """
@@ -203,6 +208,142 @@ class AdaKV:
         win_dest = offset[:, 1:, None] - self.window + jnp.arange(self.window)  # [B, G, W]
         flat = flat.at[rows, win_dest].set(jnp.arange(S - self.window, S, dtype=jnp.int32))
         return Selection(index=flat, offset=offset)
+
+def snapkv_scores(selector, q_obs: jax.Array, keys: jax.Array) -> jax.Array:
+    """SnapKV's pooled window scores of every prompt-prefix token, `[B, G, S - W]` float32, with a windowed
+    selector's scoring settings: dense under impl "reference", else the blockwise top-k asked for every prefix token
+    (memory O(G S) for the scores, none of it W x S)."""
+    W = q_obs.shape[1]
+    if selector.impl == "reference":
+        return topk_lib.snapkv_scores_reference(q_obs, keys, pool_kernel=selector.pool_kernel)
+    B, S, G, _ = keys.shape
+    index, score = _prefix_topk(selector, q_obs, keys, S - W)
+    rows, heads = jnp.arange(B)[:, None, None], jnp.arange(G)[None, :, None]
+    return jnp.zeros((B, G, S - W), jnp.float32).at[rows, heads, index].set(score, mode="drop")
+
+
+def _check_chunk_length(selector) -> None:
+    length = selector.chunk_length
+    if not isinstance(length, numbers.Integral) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"{type(selector).__name__}: chunk_length must be a positive int, got {length!r}")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ChunkKV:
+    """ChunkKV over SnapKV scores: whole chunks of `chunk_length` consecutive prompt tokens, the same chunks in
+    every KV head, as kvpress 0.5.5's `ChunkKVPress(press=SnapKVPress(window_size=window, kernel_size=pool_kernel),
+    chunk_length=chunk_length)` keeps them.
+
+    Token scores are SnapKV's pooled window scores per KV head, the observation window's tokens scored one above the
+    sequence's highest prefix score (over all heads), so the window is favoured but not forced: it is kept only
+    inside chosen chunks. The prompt is cut into `ceil(S / chunk_length)` chunks from its start (the last one shorter
+    when `chunk_length` does not divide S); a chunk's score is the mean over its tokens of the scores summed over
+    KV heads; a budget of n tokens per head keeps the `n // chunk_length` best chunks (ties to the earlier chunk).
+    A chosen short last chunk keeps fewer tokens than the budget: every head then has `chunk_length - S %
+    chunk_length` fewer entries, and the layer's selection ends in that many unowned entries per head (index -1,
+    outside every head's segment, never attended). A prompt shorter than one chunk is selected by `SnapKV` (as
+    kvpress delegates to its scorer press). kvpress applies the first sequence's chunks to the whole batch and
+    takes the window's score from the whole batch's maximum; here every sequence is selected on its own, so the
+    two agree for batch 1.
+
+    Attributes:
+        window: observation window W (the prompt's last W tokens); the prompt must be longer.
+        pool_kernel: average-pooling kernel over keys (odd).
+        chunk_length: tokens per chunk; a budget must hold at least one chunk.
+        impl: scoring implementation, as for `SnapKV`.
+        block_size: key block of the blockwise passes (a power of two).
+    """
+
+    window: int = 64
+    pool_kernel: int = 5
+    chunk_length: int = 20
+    impl: str = "xla"
+    block_size: int = 512
+
+    name: ClassVar[str] = "chunkkv"
+    needs_window: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_windowed(self)
+        _check_chunk_length(self)
+
+    def select(self, q_obs, keys, budget):
+        B, S, G, _ = keys.shape
+        length = self.chunk_length
+        chunks = -(-S // length)
+        kept = budget // length
+        if budget >= S or kept >= chunks:
+            return _keep_all(B, S, G)
+        if S < length:  # no whole chunk: the scorer press alone
+            return SnapKV(self.window, self.pool_kernel, self.impl, self.block_size).select(q_obs, keys, budget)
+        if kept < 1:
+            raise ValueError(f"ChunkKV budget {budget} holds no chunk of {length} tokens")
+        if S <= self.window:
+            raise ValueError(f"ChunkKV needs a prompt longer than its window {self.window}, got {S} tokens")
+        prefix = snapkv_scores(self, q_obs, keys)  # [B, G, S - W]
+        top = jnp.max(prefix, axis=(1, 2), keepdims=True) + 1.0
+        token = jnp.concatenate([prefix, jnp.broadcast_to(top, (B, G, self.window))], axis=-1).sum(axis=1)  # [B, S]
+        padded = jnp.pad(token, ((0, 0), (0, chunks * length - S)))
+        sizes = jnp.minimum(length, S - jnp.arange(chunks) * length)  # the last chunk may be short
+        chunk_score = padded.reshape(B, chunks, length).sum(axis=-1) / sizes
+        _, best = jax.lax.top_k(chunk_score, kept)  # [B, kept]
+        chosen = jnp.zeros((B, chunks), bool).at[jnp.arange(B)[:, None], best].set(True)
+        keep = chosen[:, jnp.arange(S) // length]  # [B, S]
+        count = jnp.sum(keep, axis=1).astype(jnp.int32)  # [B] tokens per head
+        rank = jnp.cumsum(keep, axis=1) - 1
+        size = G * kept * length
+        head = jnp.arange(G)[None, :, None]
+        dest = jnp.where(keep[:, None, :], head * count[:, None, None] + rank[:, None, :], size)  # [B, G, S]
+        token_index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, G, S))
+        index = jnp.full((B, size), -1, jnp.int32).at[jnp.arange(B)[:, None, None], dest].set(token_index,
+                                                                                            mode="drop")
+        offset = jnp.arange(G + 1, dtype=jnp.int32)[None, :] * count[:, None]
+        return Selection(index=index, offset=offset)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class KeyDiff:
+    """KeyDiff: per KV head, the `budget` keys least similar to the head's mean key direction, as kvpress 0.5.5's
+    `KeyDiffPress` keeps them (one shot over the prompt, not its block-wise iteration).
+
+    A key's score is minus its cosine similarity to the anchor, the mean over the prompt of the head's unit keys
+    (post-RoPE, as the cache holds them); the top `budget` scores are kept, ties to the earlier token. Needs no
+    queries, so no observation window.
+    """
+
+    name: ClassVar[str] = "keydiff"
+    needs_window: ClassVar[bool] = False
+
+    def select(self, q_obs, keys, budget):
+        B, S, G, _ = keys.shape
+        if budget >= S:
+            return _keep_all(B, S, G)
+        k = keys.astype(jnp.float32)
+        norm = jnp.linalg.norm(k, axis=-1)  # [B, S, G]
+        anchor = jnp.mean(k / jnp.maximum(norm, 1e-12)[..., None], axis=1, keepdims=True)  # [B, 1, G, d]
+        cosine = jnp.sum(k * anchor, axis=-1) / (jnp.maximum(norm, 1e-8) * jnp.maximum(
+            jnp.linalg.norm(anchor, axis=-1), 1e-8))
+        _, index = jax.lax.top_k(-cosine.transpose(0, 2, 1), budget)  # [B, G, budget]
+        return Selection(index=jnp.sort(index, axis=-1).astype(jnp.int32).reshape(B, G * budget),
+                         offset=_uniform_offsets(B, G, budget))
+
+
+def kvpress_budget(compression_ratio: float, prompt_len: int, *, chunk_length: int | None = None) -> int:
+    """The per-head budget that keeps what a kvpress 0.5.5 press with `compression_ratio` keeps of a prompt of
+    `prompt_len` tokens: `max(1, int(S * (1 - ratio)))` tokens for a scorer press (`SnapKVPress`, `KeyDiffPress`),
+    and for `ChunkKVPress` (`chunk_length` given) `max(1, int(ceil(S / chunk_length) * (1 - ratio)))` chunks, i.e.
+    that many times `chunk_length` tokens (the scorer press's count when the prompt is shorter than one chunk).
+    A ratio of 0 keeps the whole prompt."""
+    if not 0 <= compression_ratio < 1:
+        raise ValueError(f"compression_ratio must lie in [0, 1), got {compression_ratio!r}")
+    if compression_ratio == 0:
+        return prompt_len
+    if chunk_length is None or prompt_len < chunk_length:
+        return max(1, int(prompt_len * (1 - compression_ratio)))
+    chunks = prompt_len // chunk_length + (prompt_len % chunk_length > 0)
+    return max(1, int(chunks * (1 - compression_ratio))) * chunk_length
 
 
 def _keep_all(B: int, S: int, G: int) -> Selection:
