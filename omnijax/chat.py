@@ -44,7 +44,7 @@ import numpy as np
 
 from omnijax.chat_units import units_for
 from omnijax.config import StreamConfig
-from omnijax.decoding import sampling_keys, seed_of, stop_ids_of
+from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
 from omnijax.streaming import Session, bind_config
 from omnijax.units import SpanKind
 
@@ -172,7 +172,7 @@ class Chat:
 
     def _answer(self, message, chunk, rendered, config, max_tokens, reseed):
         units, block = self.units_builder, config.max_answer_tokens
-        stop = set(self._eos) | set(stop_ids_of(config.decoding))
+        stop = set(answer_stop_ids(config.decoding, self._eos))
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         unit = int(np.asarray(chunk.unit).reshape(-1)[0])
         answer_unit = int(np.asarray(chunk.answer_unit)[0])

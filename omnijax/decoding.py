@@ -44,12 +44,16 @@ class Greedy:
     Attributes:
         stop: token ids that end an answer, besides the checkpoint's end-of-sequence ids (the stop token is kept
             as the answer's last token, as transformers' `generate` keeps its eos).
+        free_running: decode through the checkpoint's end-of-sequence ids (Metronome's continuous forced decoding:
+            every frame decodes its tokens whatever they are); `stop` still ends an answer.
     """
 
     stop: tuple[int, ...] = ()
+    free_running: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("Greedy", self.stop))
+        _flag("Greedy", "free_running", self.free_running)
 
     def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
         """`logits [B, V]` as float32 scores; greedy masks nothing. `history [B, N]` (-1 = padding) is unused."""
@@ -60,6 +64,11 @@ class Greedy:
         """`[B]` int32 next tokens for `logits [B, V]` (`key` is unused: greedy draws nothing)."""
         del key
         return jnp.argmax(self.warp(logits, history), axis=-1).astype(jnp.int32)
+
+
+def _flag(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {name} must be True or False, got {value!r}")
 
 
 def _number(name: str, value, ok, want: str):
@@ -108,6 +117,7 @@ class Sampling:
             when negative, once per token (> 0; 1: off).
         seed: the session's sampling seed (sequences of a batch draw from keys split off it).
         stop: token ids that end an answer, besides the checkpoint's end-of-sequence ids.
+        free_running: decode through the checkpoint's end-of-sequence ids (as `Greedy`'s).
     """
 
     temperature: float = 1.0
@@ -117,9 +127,11 @@ class Sampling:
     repetition_penalty: float = 1.0
     seed: int = 0
     stop: tuple[int, ...] = ()
+    free_running: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("Sampling", self.stop))
+        _flag("Sampling", "free_running", self.free_running)
         _number("temperature", self.temperature, lambda x: x > 0,
                 "> 0 (for the most likely token use omnijax.decoding.Greedy())")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
@@ -200,7 +212,7 @@ class RowSampling:
 
     Attributes:
         temperature, top_p: the values of rows whose chunk carries none.
-        top_k, min_p, repetition_penalty, seed, stop: as `Sampling`'s.
+        top_k, min_p, repetition_penalty, seed, stop, free_running: as `Sampling`'s.
     """
 
     temperature: float = 0.0
@@ -210,10 +222,12 @@ class RowSampling:
     repetition_penalty: float = 1.0
     seed: int = 0
     stop: tuple[int, ...] = ()
+    free_running: bool = False
     per_row = True  # `select` takes the rows' settings (`row=`)
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("RowSampling", self.stop))
+        _flag("RowSampling", "free_running", self.free_running)
         _number("temperature", self.temperature, lambda x: x >= 0, ">= 0 (0: the most likely token)")
         _number("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")
         Sampling(top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -273,6 +287,13 @@ def seed_of(strategy) -> int:
 def stop_ids_of(strategy) -> tuple[int, ...]:
     """The stop token ids of a decoding strategy (none for one without `stop`)."""
     return tuple(getattr(strategy, "stop", ()))
+
+
+def answer_stop_ids(strategy, eos_token_ids) -> tuple[int, ...]:
+    """The ids that end an answer decoded with `strategy`: the checkpoint's `eos_token_ids` (unless the strategy is
+    `free_running`) and the strategy's own `stop` ids."""
+    eos = () if getattr(strategy, "free_running", False) else tuple(int(t) for t in eos_token_ids)
+    return eos + stop_ids_of(strategy)
 
 
 def sampling_keys(seed: int, batch: int) -> jax.Array:

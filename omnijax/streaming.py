@@ -22,7 +22,7 @@ from omnijax import attention as attention_lib
 from omnijax import chunks as chunks_lib
 from omnijax.chunks import Chunk
 from omnijax.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.decoding import sampling_keys, seed_of, split_keys, stop_ids_of
+from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of, split_keys
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
@@ -110,7 +110,7 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     being the logits after each row's last fed token."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     placement = config.paging.placement
-    eos = jnp.asarray(tuple(model.config.eos_token_ids) + stop_ids_of(config.decoding) or (-1,), jnp.int32)
+    eos = jnp.asarray(answer_stop_ids(config.decoding, model.config.eos_token_ids) or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
 
     def cond(carry):

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from omnijax.decoding import stop_ids_of
+from omnijax.decoding import answer_stop_ids
 
 log = logging.getLogger("omnijax.serve")
 
@@ -113,8 +113,7 @@ class EngineWorker:
         self.max_sessions = engine.config.buckets[-1] if max_sessions is None else int(max_sessions)
         self.tau = engine.config.max_answer_tokens
         self.per_row = bool(getattr(engine.config.stream.decoding, "per_row", False))
-        self.stop_ids = frozenset(int(t) for t in engine.model_config.eos_token_ids) | frozenset(
-            stop_ids_of(engine.config.stream.decoding))
+        self.stop_ids = frozenset(answer_stop_ids(engine.config.stream.decoding, engine.model_config.eos_token_ids))
         self.lanes: dict[str, _Lane] = {}
         self.stats = {"ticks": 0, "tick_errors": 0, "opened": 0, "refused": 0, "tokens": 0}
         self.latencies: collections.deque = collections.deque(maxlen=4096)
