@@ -4,9 +4,11 @@ inside the streaming scan (see `omnijax.retention.base`)."""
 from omnijax.retention.base import (REGISTRY, NoSlide, RetentionPolicy, SequenceView, apply, get_policy, register,
                                     sequence_view, trim)
 from omnijax.retention.baselines import H2O, SinkWindow, StreamingLLM, TokenSliding
+from omnijax.retention.modality import OmniMemBudgets, StreamingVLM
 from omnijax.retention.omnipick import OmniPick
+from omnijax.retention.token_drop import DifferentialTokenDrop, differential_token_drop
 from omnijax.retention.units import OfficialUnitWindow, UnitFIFO
 
-__all__ = ["H2O", "REGISTRY", "NoSlide", "OfficialUnitWindow", "OmniPick", "SinkWindow", "StreamingLLM",
-           "TokenSliding", "UnitFIFO", "RetentionPolicy", "SequenceView", "apply", "get_policy", "register",
-           "sequence_view", "trim"]
+__all__ = ["H2O", "REGISTRY", "DifferentialTokenDrop", "NoSlide", "OfficialUnitWindow", "OmniMemBudgets", "OmniPick",
+           "SinkWindow", "StreamingLLM", "StreamingVLM", "TokenSliding", "UnitFIFO", "RetentionPolicy", "SequenceView",
+           "apply", "differential_token_drop", "get_policy", "register", "sequence_view", "trim"]
