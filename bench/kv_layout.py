@@ -50,7 +50,7 @@ import omnijax
 from omnijax import synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.paging import Paging
-from omnijax.retention import H2O, OmniPick, StreamingLLM
+from omnijax.retention import H2O, OmniMemBudgets, OmniPick, StreamingLLM, StreamingVLM
 
 import harness
 
@@ -66,6 +66,8 @@ CONFIGS = {
     "omnipick+tile_skip": ("omnipick", Paging("tile_skip"), "xla"),
     "omnipick+ordered_suffix": ("omnipick", Paging("ordered_suffix", min_pages=1), "xla"),
     "omnipick+eager": ("omnipick", Paging("eager"), "xla"),
+    "streaming_vlm": ("streaming_vlm", Paging("native"), "xla"),
+    "omnimem_budgets": ("omnimem_budgets", Paging("native"), "xla"),
 }
 BASELINE = "omnipick"  # OmniPick on the native layout: what the OmniPage modes are compared with
 # Seed 000 §7.2.3 (CUDA, 32K checkpoint): useful cells, span with OmniPick only, span with OmniPick + OmniPage.
@@ -79,6 +81,10 @@ def policy_for(kind: str, model: str, high: int = 2500, low: int = 1800):
         return StreamingLLM(sink_tokens=2, window=low - 2, high_watermark=high)
     if kind == "h2o":
         return H2O(heavy=low // 2, recent=low - low // 2, high_watermark=high)
+    if kind == "streaming_vlm":  # text sinks and windows summing to the low watermark
+        return StreamingVLM(sink=low // 16, text_window=low // 5, vision_window=low - low // 16 - low // 5)
+    if kind == "omnimem_budgets":  # modality budgets summing to the low watermark (text kept)
+        return OmniMemBudgets(visual_budget=2 * low // 3, audio_budget=low - 2 * low // 3)
     return OmniPick(high_watermark=high, low_watermark=low, source_image_whole=model == "minicpm")
 
 

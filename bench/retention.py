@@ -49,8 +49,8 @@ from omnijax.adapters import qwen2_5_omni as qwen
 from omnijax.config import QWEN2_5_OMNI_3B
 from omnijax.kv import layout as layout_lib
 from omnijax.kv.paged import PageClass
-from omnijax.retention import (H2O, NoSlide, OfficialUnitWindow, OmniPick, SinkWindow, StreamingLLM, TokenSliding,
-                               UnitFIFO)
+from omnijax.retention import (H2O, NoSlide, OfficialUnitWindow, OmniMemBudgets, OmniPick, SinkWindow, StreamingLLM,
+                               StreamingVLM, TokenSliding, UnitFIFO)
 
 import harness
 
@@ -72,6 +72,10 @@ POLICIES = {
     "sink_window": SinkWindow(sink=16, window=1024),
     "official_unit_window": OfficialUnitWindow(high_watermark=2500, low_watermark=1800),
     "omnipick": OmniPick(high_watermark=2500, low_watermark=1800),
+    # the 2025-26 streaming baselines at budgets near OmniPick's low watermark: StreamingVLM's text sinks and
+    # windows (1,792 tokens), OmniMem-style modality budgets (1,800 audiovisual tokens, text kept)
+    "streaming_vlm": StreamingVLM(sink=128, text_window=384, vision_window=1280),
+    "omnimem_budgets": OmniMemBudgets(visual_budget=1200, audio_budget=600),
 }
 
 
@@ -96,6 +100,10 @@ def bound_cells(policy) -> int | None:
         return None
     if isinstance(policy, SinkWindow):
         return policy.sink + policy.window
+    if isinstance(policy, StreamingVLM):  # it trims on every chunk down to its budget
+        return policy.budget
+    if isinstance(policy, OmniMemBudgets):  # text-side tokens (markers included) are kept: the pool grows with them
+        return None
     return policy.high_watermark
 
 
