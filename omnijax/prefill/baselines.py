@@ -20,7 +20,7 @@ from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
 from omnijax.prefill.layer_major import (PrefillResult, attend_prefix, check_budgets, padded_length, prefix_view,
                                          window_rows)
-from omnijax.prefill.selectors import Selector, topk_scores
+from omnijax.prefill.selectors import RecentTokens, Selector, topk_scores
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"))
@@ -100,7 +100,8 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
                      cache_v: jax.Array, cache_index: jax.Array, *, config: DecoderConfig, budget: int, window: int,
                      selector: Selector):
     """One chunk through every layer against per-head compressed caches `[L, B, G, n, d]`, then each layer's
-    cache (old entries + the chunk) is cut back to `budget` entries per head by the selector's scores."""
+    cache (old entries + the chunk) is cut back to `budget` entries per head: by the selector's SnapKV scores, or to
+    the most recent entries for `RecentTokens` (Table 8's two immediate-eviction controls differ only there)."""
     c = config
     B, C, _ = h.shape
     G, d, H = c.num_kv_heads, c.head_dim, c.num_heads
@@ -123,7 +124,9 @@ def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: ja
         attn = jnp.einsum("bgrct,bgtd->bcgrd", probs.astype(jnp.float32), values.astype(jnp.float32))
         h = layer_finish(c, p, h, attn.reshape(B, C, H, d).astype(q.dtype), ffn_of(p))
         n = keys.shape[2]
-        if n > budget:  # static: evict now, scoring the chunk's last `window` queries against every held entry
+        if n > budget and isinstance(selector, RecentTokens):  # static: keep the last `budget` entries
+            keys, values, index = keys[:, :, n - budget:], values[:, :, n - budget:], index[:, :, n - budget:]
+        elif n > budget:  # static: evict now, scoring the chunk's last `window` queries against every held entry
             prefix, _ = topk_scores(q[:, C - window:], keys.transpose(0, 2, 1, 3), budget - window,
                                     impl=selector.impl, block_size=selector.block_size,
                                     pool_kernel=selector.pool_kernel)  # [B, G, budget - W] entry positions
@@ -142,12 +145,15 @@ def immediate_eviction_prefill(model: Decoder, x: jax.Array, positions: jax.Arra
 
     Each chunk attends only to what earlier evictions kept (plus itself), so its hidden states differ from
     uncompressed prefill: the drift layer-major delayed eviction avoids. Scoring uses the SnapKV rule with the
-    chunk's last `selector.window` queries; `chunk` must be at least the window. One uniform budget for all layers.
+    chunk's last `selector.window` queries (`chunk` must be at least the window); a `RecentTokens` selector keeps the
+    most recent tokens instead (Table 8's recent-token control). One uniform budget for all layers.
     """
     c = model.config
     B, S, _ = x.shape
-    window = selector.window
-    if chunk < window or budget <= window:
+    window = getattr(selector, "window", 0)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (budget, chunk)):
+        raise ValueError(f"need a positive int budget and chunk, got budget {budget!r}, chunk {chunk!r}")
+    if not isinstance(selector, RecentTokens) and (chunk < window or budget <= window):
         raise ValueError(f"need chunk >= window and budget > window, got chunk {chunk}, budget {budget}, "
                          f"window {window}")
     L, G, d = c.num_layers, c.num_kv_heads, c.head_dim
