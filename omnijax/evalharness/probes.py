@@ -131,37 +131,15 @@ def build_probe_session(name: str, video_path: str, probes: Sequence[Probe], med
         if nominal_s is not None:
             units = max(units, ann.num_units(nominal_s, unit_s))
         placements = ann.place_questions(ordered, units, unit_seconds=unit_s, past_end=past_end)
-    if max_units is not None and units > max_units:
-        units = max_units
-    left_out: list[tuple[Probe, str]] = []
-    by_unit: dict[int, list[ann.Placement]] = {}
-    for p in placements:
-        if p.status == "skipped":
-            left_out.append((p.question, "past the end of the video (past_end='skip')"))
-        elif p.unit >= units:
-            left_out.append((p.question, f"after the first {units} units (max_units)"))
-        else:
-            by_unit.setdefault(p.unit, []).append(p)
+    units = units if max_units is None else min(units, max_units)
 
-    chunks, pending, av_lengths = [builder.system()], [], []
-    unit_id = 1
-    for k, (frames, pcm) in enumerate(media.units(units)):
-        chunks.append(builder.audiovisual(frames, pcm, unit_id))
-        av_lengths.append(chunks[-1].length)
-        unit_id += 1
-        for p in by_unit.get(k, []):
-            pending.append((len(chunks), p))
-            tokens = answer_tokens if p.question.answer_tokens is None else p.question.answer_tokens
-            chunks.append(builder.prompt(p.question.text, unit_id, tokens, p.question.history))
-            unit_id += 2  # the prompt, then its answer
-    limit = text_chunk_len or max(av_lengths)
-    text = {0} | {j for j, _ in pending}
-    out: list[Chunk] = []
-    index_map = {}
-    for i, chunk in enumerate(chunks):
-        out.extend(sessions_lib.split_text_chunk(chunk, limit) if i in text else [chunk])
-        index_map[i] = len(out) - 1
-    asked = [AskedProbe(p.question, index_map[j], p.unit, p.status) for j, p in pending]
+    def ask(p, unit_id):
+        tokens = answer_tokens if p.question.answer_tokens is None else p.question.answer_tokens
+        return builder.prompt(p.question.text, unit_id, tokens, p.question.history)
+
+    out, asked_at, left_out = sessions_lib.lay_out(placements, units, media, builder, ask,
+                                                   text_chunk_len=text_chunk_len)
+    asked = [AskedProbe(p.question, at, p.unit, p.status) for at, p in asked_at]
     return ProbeSession(name, video_path, out, asked, left_out, units, media.kind)
 
 

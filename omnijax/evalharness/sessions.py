@@ -158,9 +158,24 @@ def build_session(video: ann.Video, media: MediaSource, builder: ChunkBuilder, *
     else:  # synthetic media: the timeline runs to the unit of the last question
         units = 1 + max((ann.unit_of(q.time_s, unit_s) for q in mc), default=0)
         placements = ann.place_questions(mc, units, unit_seconds=unit_s, past_end=past_end)
-    if max_units is not None and units > max_units:
-        units = max_units
-    by_unit: dict[int, list[ann.Placement]] = {}
+    units = units if max_units is None else min(units, max_units)
+    out, asked_at, cut = lay_out(placements, units, media, builder,
+                                 lambda p, unit: builder.question(p.question, unit, answer_tokens),
+                                 text_chunk_len=text_chunk_len)
+    asked = [Asked(p.question, at, p.unit, p.status) for at, p in asked_at]
+    return BenchSession(video, out, asked, left_out + cut, units, media.kind)
+
+
+def lay_out(placements, units: int, media: MediaSource, builder, ask, *, text_chunk_len: int | None = None):
+    """The layout every harness's sessions share: the system prompt, then each of the first `units` audiovisual
+    units followed by the questions placed in it (`ask(placement, unit_id) -> Chunk`; a question takes two unit ids,
+    its own and its answer's), every text chunk cut to `text_chunk_len` tokens (default: the unit's length).
+
+    Returns:
+        `(chunks, asked_at, left_out)`: the chunks, `(chunk index of the question's last part, placement)` per asked
+        question, and `(question, reason)` for those placed past the end or after the cut.
+    """
+    left_out, by_unit = [], {}
     for p in placements:
         if p.status == "skipped":
             left_out.append((p.question, "past the end of the video (past_end='skip')"))
@@ -168,7 +183,6 @@ def build_session(video: ann.Video, media: MediaSource, builder: ChunkBuilder, *
             left_out.append((p.question, f"after the first {units} units (max_units)"))
         else:
             by_unit.setdefault(p.unit, []).append(p)
-
     chunks, pending, av_lengths = [builder.system()], [], []
     unit_id = 1
     for k, (frames, pcm) in enumerate(media.units(units)):
@@ -177,18 +191,16 @@ def build_session(video: ann.Video, media: MediaSource, builder: ChunkBuilder, *
         unit_id += 1
         for p in by_unit.get(k, []):
             pending.append((len(chunks), p))
-            chunks.append(builder.question(p.question, unit_id, answer_tokens))
+            chunks.append(ask(p, unit_id))
             unit_id += 2  # the question, then its answer
     limit = text_chunk_len or max(av_lengths)
     text = {0} | {j for j, _ in pending}
     out: list[Chunk] = []
     index_map = {}
     for i, chunk in enumerate(chunks):
-        parts = split_text_chunk(chunk, limit) if i in text else [chunk]
-        out.extend(parts)
+        out.extend(split_text_chunk(chunk, limit) if i in text else [chunk])
         index_map[i] = len(out) - 1
-    asked = [Asked(p.question, index_map[j], p.unit, p.status) for j, p in pending]
-    return BenchSession(video, out, asked, left_out, units, media.kind)
+    return out, [(index_map[j], p) for j, p in pending], left_out
 
 
 def letter_ids(encoder: TextEncoder, count: int) -> list[int]:
@@ -205,4 +217,4 @@ def first_letter(text: str, count: int) -> str:
 
 
 __all__ = ["Asked", "BenchSession", "ChunkBuilder", "INSTRUCTION", "SYSTEM_PROMPT", "build_session", "first_letter",
-           "letter_ids", "prompt_text", "split_text_chunk"]
+           "lay_out", "letter_ids", "prompt_text", "split_text_chunk"]
