@@ -50,7 +50,8 @@ import omnijax
 from omnijax import synthetic
 from omnijax.config import TINY_OMNI
 from omnijax.paging import Paging
-from omnijax.retention import H2O, OmniMemBudgets, OmniPick, StreamingLLM, StreamingVLM
+from omnijax.retention import H2O, InfiniPotV, OmniMemBudgets, OmniPick, StreamingLLM, StreamingVLM, StreamMem
+from omnijax.units import SpanKind
 
 import harness
 
@@ -68,6 +69,8 @@ CONFIGS = {
     "omnipick+eager": ("omnipick", Paging("eager"), "xla"),
     "streaming_vlm": ("streaming_vlm", Paging("native"), "xla"),
     "omnimem_budgets": ("omnimem_budgets", Paging("native"), "xla"),
+    "infinipot_v": ("infinipot_v", Paging("native"), "xla"),
+    "streammem": ("streammem", Paging("native"), "xla"),
 }
 BASELINE = "omnipick"  # OmniPick on the native layout: what the OmniPage modes are compared with
 # Seed 000 §7.2.3 (CUDA, 32K checkpoint): useful cells, span with OmniPick only, span with OmniPick + OmniPage.
@@ -85,6 +88,10 @@ def policy_for(kind: str, model: str, high: int = 2500, low: int = 1800):
         return StreamingVLM(sink=low // 16, text_window=low // 5, vision_window=low - low // 16 - low // 5)
     if kind == "omnimem_budgets":  # modality budgets summing to the low watermark (text kept)
         return OmniMemBudgets(visual_budget=2 * low // 3, audio_budget=low - 2 * low // 3)
+    if kind == "infinipot_v":  # key/value-ranked compression to the low watermark, audio compressed as video is
+        return InfiniPotV(budget=low, visual_kinds=(SpanKind.IMAGE, SpanKind.SLICE, SpanKind.VIDEO, SpanKind.AUDIO))
+    if kind == "streammem":
+        return StreamMem(budget=low)
     return OmniPick(high_watermark=high, low_watermark=low, source_image_whole=model == "minicpm")
 
 

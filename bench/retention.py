@@ -49,8 +49,9 @@ from omnijax.adapters import qwen2_5_omni as qwen
 from omnijax.config import QWEN2_5_OMNI_3B
 from omnijax.kv import layout as layout_lib
 from omnijax.kv.paged import PageClass
-from omnijax.retention import (H2O, NoSlide, OfficialUnitWindow, OmniMemBudgets, OmniPick, SinkWindow, StreamingLLM,
-                               StreamingVLM, TokenSliding, UnitFIFO)
+from omnijax.retention import (H2O, InfiniPotV, NoSlide, OfficialUnitWindow, OmniMemBudgets, OmniPick, SinkWindow,
+                               StreamingLLM, StreamingVLM, StreamMem, TokenSliding, UnitFIFO)
+from omnijax.units import SpanKind
 
 import harness
 
@@ -76,6 +77,10 @@ POLICIES = {
     # windows (1,792 tokens), OmniMem-style modality budgets (1,800 audiovisual tokens, text kept)
     "streaming_vlm": StreamingVLM(sink=128, text_window=384, vision_window=1280),
     "omnimem_budgets": OmniMemBudgets(visual_budget=1200, audio_budget=600),
+    # InfiniPot-V ranks video tokens; audio is compressed alike here (else the audio alone outgrows any budget)
+    "infinipot_v": InfiniPotV(budget=1800, visual_kinds=(SpanKind.IMAGE, SpanKind.SLICE, SpanKind.VIDEO,
+                                                         SpanKind.AUDIO)),
+    "streammem": StreamMem(budget=1800),  # keeps SYSTEM and its proxies (the markers)
 }
 
 
@@ -102,7 +107,7 @@ def bound_cells(policy) -> int | None:
         return policy.sink + policy.window
     if isinstance(policy, StreamingVLM):  # it trims on every chunk down to its budget
         return policy.budget
-    if isinstance(policy, OmniMemBudgets):  # text-side tokens (markers included) are kept: the pool grows with them
+    if isinstance(policy, (OmniMemBudgets, InfiniPotV, StreamMem)):  # what they always keep grows with the session
         return None
     return policy.high_watermark
 

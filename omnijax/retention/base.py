@@ -6,7 +6,10 @@ pure, vectorised methods over a `SequenceView` (each sequence's slots gathered i
     trigger(view) -> [B] bool       trim this sequence now (e.g. retained cells above the high watermark)
     plan(view)    -> [B, S] bool    keep mask, a subset of `view.live` (read only where `trigger` is True)
 
-and a class attribute `reindex`: whether survivors' positions are closed up after eviction. `trim` runs both inside
+and a class attribute `reindex`: whether survivors' positions are closed up after eviction. A policy that ranks by
+the cached keys and values sets the class attribute `needs_kv = True`; its plan is then `plan(view, features)` with
+`SlotFeatures` (the keys and value norms of the same slots, averaged over layers and KV heads), gathered only when it
+trims. `trim` runs both inside
 `lax.cond` (no work unless some sequence triggers) and `apply` writes the plan back: dropped slots become invalid
 and, when re-indexing, every survivor's position is shifted down by the freed position values below it and its
 cached key is re-rotated by the same delta (all layers; angles in float32; a uniform shift on Qwen's three axes is the
@@ -54,6 +57,30 @@ class SequenceView:
     order: jax.Array
     score: jax.Array
     retained: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotFeatures:
+    """What the cache holds at each slot of a `SequenceView`, for policies with `needs_kv` (query-agnostic KV
+    compression: InfiniPot-V, StreamMem).
+
+    Attributes:
+        key: `[B, S, d]` float32 cached (rotated) key, averaged over layers and KV heads.
+        value_norm: `[B, S]` float32 L2 norm of the cached value, averaged over layers and KV heads.
+    """
+
+    key: jax.Array
+    value_norm: jax.Array
+
+
+def slot_features(kv: PagedKV) -> SlotFeatures:
+    """Gathers `SlotFeatures` in page-table order (dead slots hold whatever their page holds: mask by `live`)."""
+    flat, _ = table_slots(kv)
+    L, N, P, G, d = kv.k.shape
+    key = kv.k.astype(jnp.float32).mean(axis=(0, 3)).reshape(N * P, d)
+    value_norm = jnp.linalg.norm(kv.v.astype(jnp.float32), axis=-1).mean(axis=(0, 3)).reshape(N * P)
+    return SlotFeatures(key=key[flat], value_norm=value_norm[flat])
 
 
 class RetentionPolicy(Protocol):
@@ -234,7 +261,8 @@ def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tup
     fire = policy.trigger(view)
 
     def run(kv, next_pos):
-        keep = jnp.where(fire[:, None], policy.plan(view), view.live)
+        plan = policy.plan(view, slot_features(kv)) if getattr(policy, "needs_kv", False) else policy.plan(view)
+        keep = jnp.where(fire[:, None], plan, view.live)
         return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope, view=view)
 
     def skip(kv, next_pos):
