@@ -35,7 +35,7 @@ Refused, and why:
 * Out-of-band responses (``conversation`` other than ``"auto"``, or ``input``) and tools.
 * Audio appends that are not base64, hold an odd byte count, or exceed ``max_bytes``.
 
-The SDK's GA session object has no sampling fields (no ``temperature``), so none are parsed.
+The SDK's GA session object has no sampling fields (no ``temperature``): sampling comes through ``session.omnijax``.
 """
 
 from __future__ import annotations
