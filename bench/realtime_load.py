@@ -5,9 +5,10 @@ Server: `omnijax.serve.app.BackgroundServer` over `build_context` in this proces
 Qwen2.5-Omni of `omnijax.demo` (`build_demo_model`, loaded once and shared by both configurations), float32,
 `impl="xla"`, CPU. Two configurations run one after the other on the same small KV pool, each with its own server:
 `sink_window` (`SinkWindow(--sink, --window)`, bounded per-session KV) and `unbounded` (`NoSlide`). The pool holds
-`--pool-windows` times the window (+2 pages) of every session the largest bucket admits, so unbounded sessions
-exhaust it part-way through the run and are preempted, while the window keeps serving. AIMD admission is on in both (`--aimd-target` x B, 0 disables).
-Each configuration compiles its own engine tick per batch bucket (`warm_up`) before its clock starts.
+`--pool-windows` times the window (+2 pages) of every session the largest bucket admits, so unbounded sessions exhaust
+it part-way through the run and are preempted, while the window keeps serving. AIMD admission is on in both
+(`--aimd-target` x B, 0 disables). Each configuration compiles its own engine tick per batch bucket (`warm_up`) before
+its clock starts.
 
 Clients: `--clients` plain `websockets` clients on loopback (no SDK: less client overhead) arrive one every
 `--arrival-s` seconds and stream until `--seconds` after the first arrival. Each speaks the Realtime GA events:

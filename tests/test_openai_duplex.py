@@ -94,8 +94,9 @@ def test_duplex_session_streams_the_turns_duplex_session_decides(server, model):
             assert updated.type == "session.updated" and updated.session.model_extra["omnijax"]["duplex"]
             for u in range(UNITS):
                 if u == FRAME_UNIT:  # the next unit's video frame
+                    url = "data:image/png;base64," + base64.b64encode(png).decode()
                     await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                        {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()}]})
+                        {"type": "input_image", "image_url": url}]})
                 for half in range(2):  # audio arrives in halves of a unit
                     part = pcm24[u * 24000 + half * 12000:u * 24000 + (half + 1) * 12000]
                     await conn.input_audio_buffer.append(audio=base64.b64encode(part.tobytes()).decode())

@@ -19,11 +19,11 @@ Protocol (every JSON message is an object with a `type`):
 
 Each frame is encoded (log-mel -> the model's audio encoder -> its family's audio unit, `AudioFrameEncoder`) in the
 engine's thread and asks for tau answer tokens. The reply waits for its tick at most `decode_wait_fraction` x B after
-the frame arrived (0.8 B, as Metronome's worker caps a tick's decode wait): a tick still running then gives the
-frame an on-time empty reply with `"late": true`, and when the tick ends its tokens follow as
-`{"type": "late_tokens", "seq": k, "tokens": [...], "text": "...", "latency_ms": ...}` (nothing is lost; an overloaded
-engine shows as a wall of empty frames at 0.8 B, as in the paper's figures). A session has at most one frame in the engine: a frame that arrives
-while the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
+the frame arrived (0.8 B, as Metronome's worker caps a tick's decode wait): a tick still running then gives the frame an
+on-time empty reply with `"late": true`, and when the tick ends its tokens follow as `{"type": "late_tokens", "seq": k,
+"tokens": [...], "text": "...", "latency_ms": ...}` (nothing is lost; an overloaded engine shows as a wall of empty
+frames at 0.8 B, as in the paper's figures). A session has at most one frame in the engine: a frame that arrives while
+the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
 
 Full duplex (MiniCPM-o 4.5, `--frame-ms 1000`): a hello with `"duplex": true` makes every binary frame one 1 s unit
 of a `omnijax.serve.duplex.DuplexStream` (none superseded, answered in order; the hello's optional "instructions"

@@ -5,12 +5,12 @@ One WebSocket is one engine session and one conversation (`omnijax.serve.convers
 events onto the conversation and the `EngineWorker`:
 
 - `session.update` -> `session.updated`. `session.omnijax.temperature` / `top_p` / `seed` (an extension: the GA
-  session has no sampling fields) set how this session's responses are drawn (the server's `RowSampling` gives each
-  row of the batched step its own settings; a seed reseeds the session). `instructions` become the system message, fed before the next item or
-  response (a later change is fed as a new system message where the chat template allows it). `truncation`
-  describes the server's retention policy, which every session shares (one batched program): "auto" (any bounded
-  policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused with
-  the `--policy` that would give it.
+  session has no sampling fields) set how this session's responses are drawn (the server's `RowSampling` gives each row
+  of the batched step its own settings; a seed reseeds the session). `instructions` become the system message, fed
+  before the next item or response (a later change is fed as a new system message where the chat template allows it).
+  `truncation` describes the server's retention policy, which every session shares (one batched program): "auto" (any
+  bounded policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused
+  with the `--policy` that would give it.
 - `input_audio_buffer.append`: 16-bit mono PCM at the session's rate (24 kHz, or 16 kHz) accumulates into frames of
   B ms (`ServeOptions.frame_ms`); every complete frame is resampled to 16 kHz and fed as one audio unit as soon as
   it is complete, so the cache follows the live stream. `.commit` feeds the rest, padded with silence to a whole
