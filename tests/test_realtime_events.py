@@ -1,4 +1,5 @@
-"""Tests for omnijax.serve.realtime_events and realtime_server_events, with the official openai SDK as the independent oracle."""
+"""Tests for omnijax.serve.realtime_events and realtime_server_events, with the official openai SDK as the
+independent oracle."""
 
 from __future__ import annotations
 
