@@ -18,17 +18,12 @@ from omnijax.prefill import (IMMEDIATE_EVICTION, REGISTRY, ChunkKV, KeyDiff, Rec
                              pyramid_budgets, recent_eviction_prefill, tidekv_prefill, token_major_prefill)
 from omnijax.prefill.cache import pack
 
+from tests.test_prefill import _selected
+
 VOCAB, S_HF = 256, 77
 
 
-def kept_sets(cache):
-    """Per layer, per sequence, per KV head: the sorted prompt indices a compressed cache holds."""
-    out = []
-    for layer in cache.layers:
-        index, offset, length = map(np.asarray, (layer.index, layer.offset, layer.length))
-        out.append([[sorted(index[b, offset[b, g]:offset[b, g] + length[b, g]].tolist())
-                     for g in range(length.shape[1])] for b in range(index.shape[0])])
-    return out
+kept_sets = _selected  # per layer, per sequence, per KV head: the sorted prompt indices a compressed cache holds
 
 
 def selection_sets(selection: Selection, G: int):

@@ -238,22 +238,14 @@ def mean(values: Sequence[float]) -> float:
 
 def add_common_args(parser) -> None:
     """The options `streamingbench.main` has (model, videos, configurations, mesh, output) for another benchmark."""
-    from omnijax import distributed
+    from omnijax.evalharness import streamingbench
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", "--model", dest="checkpoint",
                       help="converted omnijax checkpoint directory (tokenizer files used if there)")
     what.add_argument("--demo", "--demo-model", dest="demo", action="store_true",
                       help="the tiny random demo model (scores meaningless)")
-    parser.add_argument("--video-root", help="directory the records' video paths are relative to")
-    parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
-    parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-sessions", type=int, help="at most this many sessions (smoke runs)")
-    parser.add_argument("--max-units", type=int, help="cut each session after this many 2 s units")
-    parser.add_argument("--past-end", default="clamp", choices=["clamp", "skip", "error"])
-    parser.add_argument("--mesh", help="DATAxMODEL, e.g. 8x1 or 4x2 (default: one device)")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--out", help="write the report (records, summary, notices) as JSON here")
-    distributed.add_cluster_flags(parser)
+    streamingbench.add_run_options(parser)
 
 
 def parse_mesh(spec: str | None):

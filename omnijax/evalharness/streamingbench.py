@@ -212,6 +212,21 @@ def demo_model(directory: Path):
     return omnijax.load(convert_checkpoint(hf, directory / "omnijax", progress=False, log=lambda _: None))
 
 
+def add_run_options(parser) -> None:
+    """The options every harness's command line shares: videos, configurations, page size, the cut, the mesh, the
+    batch, the output, the cluster flags."""
+    from omnijax import distributed
+    parser.add_argument("--video-root", help="directory the records' video paths are relative to")
+    parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--max-units", type=int, help="cut each session after this many 2 s units")
+    parser.add_argument("--past-end", default="clamp", choices=["clamp", "skip", "error"])
+    parser.add_argument("--mesh", help="DATAxMODEL, e.g. 8x1 or 4x2 (default: one device)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--out", help="write the report (records, summary, notices) as JSON here")
+    distributed.add_cluster_flags(parser)
+
+
 def main(argv=None) -> int:
     from omnijax import distributed
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -221,17 +236,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data", help="directory of the annotation *.json files (default: $OMNIJAX_STREAMINGBENCH "
                                        "if set, else the copy shipped with omnijax)")
     parser.add_argument("--files", nargs="*", help="annotation files to use (default: all)")
-    parser.add_argument("--video-root", help="directory the records' video_path is relative to")
-    parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
     parser.add_argument("--answer-tokens", type=int, default=1)
-    parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-videos", type=int, help="videos per annotation file (smoke runs)")
-    parser.add_argument("--max-units", type=int, help="cut each session after this many 2 s units")
-    parser.add_argument("--past-end", default="clamp", choices=["clamp", "skip", "error"])
-    parser.add_argument("--mesh", help="DATAxMODEL, e.g. 8x1 or 4x2 (default: one device)")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--out", help="write the report (records, summary, notices) as JSON here")
-    distributed.add_cluster_flags(parser)
+    add_run_options(parser)
     args = parser.parse_args(argv)
     distributed.initialize(distributed.cluster_from_args(args))  # before any other JAX work
 
