@@ -79,17 +79,56 @@ def test_readme_chat_and_watch_commands(demo_dir):
         assert [r[1] for r in got_rows] == [r[1] for r in shown_rows]  # span kinds in order
         assert [r[2] for r in got_rows] == [r[2] for r in shown_rows]  # tokens fed
     assert (demo_dir / "demo_out" / "watch.png").is_file()
-    (serve,) = _commands(" serve ")
+    serve = _commands(" serve ")[0]
     help_run = _run(serve.split(" demo_out")[0] + " --help", demo_dir)
     assert help_run.returncode == 0 and "--policy" in help_run.stdout
 
 
+def _python_block(marker: str) -> str:
+    """The README's one Python block containing `marker`."""
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if marker in b]
+    return block
+
+
+def test_readme_serve_command_and_openai_client(demo_dir):
+    """`omnijax serve` on the demo's checkpoint as the README writes it (on a free port), and the README's openai
+    SDK client against it, as written: a chat completion, a streamed one and a Realtime session with audio."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    serve = _commands(" serve ")[0].replace("--port 8000", f"--port {port}")
+    line = serve.replace(".venv/bin/omnijax", shlex.quote(str(BIN / "omnijax")))
+    proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=demo_dir, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, ready = [], threading.Event()
+
+    def pump():
+        for text in proc.stdout:
+            lines.append(text)
+            if "listening on" in text:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(300) and proc.poll() is None, "".join(lines[-20:])
+        code = _python_block("realtime.connect").replace("8000", port)
+        done = subprocess.run([sys.executable, "-c", code], cwd=demo_dir, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "CompletionUsage(" in done.stdout and "RealtimeResponseUsage(" in done.stdout
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def test_readme_python_chat(demo_dir, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) == 2
     monkeypatch.chdir(demo_dir)
     namespace = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(_python_block("omnijax.Chat(model"), "README.md", "exec"), namespace)
     chat = namespace["chat"]
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
     assert sum(1 for u in chat.units if u.kind == "av") == 5
@@ -98,7 +137,6 @@ def test_readme_python_chat(demo_dir, monkeypatch):
 
 def test_readme_convert_and_token_level_quick_start(tmp_path):
     (command,) = re.findall(r"^\.venv/bin/omnijax convert .*$", README, flags=re.M)
-    python_blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     # A tiny model whose vocabulary holds the real special-token ids the quick start uses.
     text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=1, layer_types=["full_attention"],
@@ -109,7 +147,7 @@ def test_readme_convert_and_token_level_quick_start(tmp_path):
     args = [str(src) if a == "/path/to/Qwen2.5-Omni-7B" else str(dst) if a == "/path/to/omni7b-jax" else a
             for a in args]
     subprocess.run([str(BIN / "omnijax"), *args], check=True)
-    code = python_blocks[1].replace("/path/to/omni7b-jax", str(dst))
+    code = _python_block("/path/to/omni7b-jax").replace("/path/to/omni7b-jax", str(dst))
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     result, out = namespace["result"], namespace["out"]
