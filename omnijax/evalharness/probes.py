@@ -211,13 +211,8 @@ def format_report(summary: dict[str, dict], metrics: dict[str, dict[str, dict]])
     `metrics[config][group] = {column: value}`."""
     lines = []
     for name, s in summary.items():
-        kv = s["kv"]
-        lines.append(f"== {name}: {s['sessions']} sessions, {s['chunks']} chunks, {s['wall_s']:.2f} s "
-                     f"({s['session_s']:.3f} s/session, {s['chunks_per_s']:.1f} chunks/s, compile "
-                     f"{s['compile_s']:.1f} s), mesh {s['mesh']}")
-        lines.append(f"   KV: retained mean {kv['mean_retained_cells']:.0f} / max {kv['max_retained_cells']}, span max "
-                     f"{kv['max_physical_span']}, active pages mean {kv['mean_active_pages']:.1f}, evicted "
-                     f"{kv['evicted']}, moved {kv['moved']}, exhausted sessions {kv['exhausted_sessions']}")
+        from omnijax.evalharness.streamingbench import time_and_kv_lines
+        lines += time_and_kv_lines(name, s)
         for group, values in metrics.get(name, {}).items():
             cells = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
             lines.append(f"   {group:<28} {cells}")

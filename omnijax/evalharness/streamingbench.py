@@ -185,17 +185,22 @@ def summarize(records: list[dict], results: dict[str, ConfigResult], sessions) -
     return out
 
 
+def time_and_kv_lines(name: str, s: dict) -> list[str]:
+    """A configuration's time and KV lines of a report (`summarize`'s figures)."""
+    kv = s["kv"]
+    return [f"== {name}: {s['sessions']} sessions, {s['chunks']} chunks, {s['wall_s']:.2f} s "
+            f"({s['session_s']:.3f} s/session, {s['chunks_per_s']:.1f} chunks/s, compile "
+            f"{s['compile_s']:.1f} s), mesh {s['mesh']}",
+            f"   KV: retained mean {kv['mean_retained_cells']:.0f} / max {kv['max_retained_cells']}, span max "
+            f"{kv['max_physical_span']}, active pages mean {kv['mean_active_pages']:.1f}, evicted "
+            f"{kv['evicted']}, moved {kv['moved']}, exhausted sessions {kv['exhausted_sessions']}"]
+
+
 def format_summary(report: BenchReport) -> str:
     """A plain-text table: accuracy per task type and configuration, then time and KV figures."""
     lines = []
     for name, s in report.summary.items():
-        kv = s["kv"]
-        lines.append(f"== {name}: {s['sessions']} sessions, {s['chunks']} chunks, {s['wall_s']:.2f} s "
-                     f"({s['session_s']:.3f} s/session, {s['chunks_per_s']:.1f} chunks/s, compile "
-                     f"{s['compile_s']:.1f} s), mesh {s['mesh']}")
-        lines.append(f"   KV: retained mean {kv['mean_retained_cells']:.0f} / max {kv['max_retained_cells']}, span max "
-                     f"{kv['max_physical_span']}, active pages mean {kv['mean_active_pages']:.1f}, evicted "
-                     f"{kv['evicted']}, moved {kv['moved']}, exhausted sessions {kv['exhausted_sessions']}")
+        lines += time_and_kv_lines(name, s)
         lines.append(f"   {'task type':<36} {'n':>5} {'loglik':>7} {'generated':>9}")
         for task, a in s["accuracy"].items():
             lines.append(f"   {task:<36} {a['n']:>5} {a['loglik']:>7.3f} {a['generated']:>9.3f}")
