@@ -418,6 +418,27 @@ def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndar
     return np.interp(np.arange(n) * (sample_rate / target), np.arange(pcm.shape[0]), pcm).astype(np.float32)
 
 
+def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray, int]:
+    """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (a path or a binary file object; channels
+    averaged), refusing sample widths (bytes) outside `widths` with a ValueError naming the source."""
+    import wave
+
+    label = source if isinstance(source, (str, Path)) else "the WAV data"
+    try:
+        with wave.open(source if not isinstance(source, Path) else str(source), "rb") as f:
+            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
+            data = f.readframes(f.getnframes())
+    except (OSError, EOFError, wave.Error) as e:
+        raise ValueError(f"{label}: not a readable PCM WAV file ({e})") from e
+    if width not in widths:
+        bits = ", ".join(str(8 * w) for w in widths)
+        raise ValueError(f"{label}: {8 * width}-bit samples are not supported ({bits}-bit PCM)")
+    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
+    pcm = np.frombuffer(data, dtype).astype(np.float32)
+    pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
+    return pcm.reshape(-1, channels).mean(axis=1), rate
+
+
 def _read_image(path) -> np.ndarray:
     from PIL import Image
     try:

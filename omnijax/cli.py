@@ -102,7 +102,7 @@ def _answer(chat, question: str, max_tokens: int, out) -> str:
 
 
 def run_chat(args, stdin=None, out=None) -> int:
-    from omnijax.chat import format_kept
+    from omnijax.chat import format_kept, read_wav
     stdin, out = stdin or sys.stdin, out or sys.stdout
     chat = open_chat(args)
     interactive = stdin.isatty()
@@ -180,25 +180,6 @@ def run_watch(args, out=None) -> int:
         from omnijax import plot
         out.write(f"wrote {plot.session(chat, args.plot)}\n")
     return 0
-
-
-def read_wav(path: str):
-    """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (channels averaged)."""
-    import wave
-
-    import numpy as np
-    try:
-        with wave.open(path, "rb") as f:
-            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
-            data = f.readframes(f.getnframes())
-    except (OSError, EOFError, wave.Error) as e:
-        raise ValueError(f"{path}: not a readable PCM WAV file ({e})") from e
-    if width not in (1, 2, 4):
-        raise ValueError(f"{path}: {8 * width}-bit samples are not supported (8, 16 or 32-bit PCM)")
-    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
-    pcm = np.frombuffer(data, dtype).astype(np.float32)
-    pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
-    return pcm.reshape(-1, channels).mean(axis=1), rate
 
 
 def main(argv: Sequence[str] | None = None) -> int:

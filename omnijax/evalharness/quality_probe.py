@@ -30,7 +30,6 @@ import dataclasses
 import json
 import sys
 import time
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -119,13 +118,10 @@ def by_age(correct: list[list[bool]], config: ProbeConfig) -> list[float]:
 
 
 def _clip(path: str) -> np.ndarray:
-    from omnijax.chat import resample
-    with wave.open(path) as w:
-        if w.getsampwidth() != 2:
-            raise ValueError(f"{path}: question clips must be 16-bit PCM WAV")
-        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").reshape(-1, w.getnchannels()).mean(axis=1)
-        rate = w.getframerate()
-    return (resample(pcm.astype(np.float32) / 32768.0, rate) * 32767).astype(np.int16)
+    """A question clip (16-bit PCM WAV) as 16 kHz int16."""
+    from omnijax.chat import read_wav, resample
+    pcm, rate = read_wav(path, widths=(2,))
+    return (resample(pcm, rate) * 32767).astype(np.int16)
 
 
 def run_condition(model, spec: str, questions: list[Question], config: ProbeConfig, *, log=print) -> dict:

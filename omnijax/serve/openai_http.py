@@ -74,20 +74,12 @@ class ChatRequest:
 
 def _wav(data: bytes, param: str) -> np.ndarray:
     """WAV bytes (16-bit PCM) -> 16 kHz mono float32."""
-    import wave
-
-    from omnijax.chat import resample
+    from omnijax.chat import read_wav, resample
 
     try:
-        with wave.open(io.BytesIO(data)) as w:
-            width, channels, rate, n = w.getsampwidth(), w.getnchannels(), w.getframerate(), w.getnframes()
-            frames = w.readframes(n)
-    except (wave.Error, EOFError) as e:
-        raise RequestError(f"'{param}' is not a readable WAV file: {e}", param=param) from None
-    if width != 2:
-        raise RequestError(f"'{param}': WAV audio must be 16-bit PCM, got {8 * width}-bit", param=param)
-    pcm = np.frombuffer(frames, "<i2").astype(np.float32) / 32768.0
-    pcm = pcm.reshape(-1, channels).mean(axis=1)
+        pcm, rate = read_wav(io.BytesIO(data), widths=(2,))
+    except ValueError as e:
+        raise RequestError(f"'{param}': {e}", param=param) from None
     if pcm.size == 0:
         raise RequestError(f"'{param}': the WAV file holds no samples", param=param)
     return resample(pcm, int(rate))
