@@ -151,6 +151,17 @@ def parse_options(raw: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]
     return tuple(options), tuple(dict.fromkeys(notes))
 
 
+def read_json_list(path: Path, what: str = "") -> list:
+    """The JSON list in an annotation file (`AnnotationError` naming the file, and `what` it holds, otherwise)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise AnnotationError(f"cannot read {what + ' ' if what else ''}{path}: {e}") from None
+    if not isinstance(data, list):
+        raise AnnotationError(f"{Path(path).name}: expected a list of records, got {type(data).__name__}")
+    return data
+
+
 def _records(data) -> list[dict]:
     if not isinstance(data, list):
         raise AnnotationError(f"expected a list of records, got {type(data).__name__}")

@@ -159,12 +159,7 @@ def load_task(task: str, root: str | Path | None = None) -> tuple[list[Record], 
     if task not in FILES:
         raise ann.AnnotationError(f"unknown OmniMMI task {task!r}; known: {list(FILES)}")
     path = (packaged_root() if root is None else Path(root)) / FILES[task]
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ann.AnnotationError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, list):
-        raise ann.AnnotationError(f"{path.name}: expected a list of records")
+    data = ann.read_json_list(path)
     records, issues = [], []
     for i, r in enumerate(data):
         notes: list[str] = []

@@ -147,12 +147,7 @@ def load(path: str | Path) -> tuple[list[Item], list[str]]:
         AnnotationError: the file is not a JSON list of records.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ann.AnnotationError(f"cannot read the OVO-Bench annotations {path}: {e}") from None
-    if not isinstance(data, list):
-        raise ann.AnnotationError(f"{path.name}: expected a list of records, got {type(data).__name__}")
+    data = ann.read_json_list(path, "the OVO-Bench annotations")
     items, issues = [], []
     for n, r in enumerate(data):
         where = f"{path.name}: record {n} (id {r.get('id') if isinstance(r, dict) else '?'})"
