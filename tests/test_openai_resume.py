@@ -2,7 +2,6 @@
 `openai` SDK: the answer after a resume equals the uninterrupted session's answer."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -26,13 +25,6 @@ def _context(model, snapshot_dir):
                                   max_answer_tokens=8)
     options = ServeOptions(port=0, frame_ms=200, max_output_tokens=16, snapshot_dir=str(snapshot_dir))
     return build_context(model, options=options, stream=stream, chunk_tokens=32, buckets=(1, 2), aimd_target=0)
-
-
-def _wait_idle(server, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while server.context.worker.lanes:
-        assert time.monotonic() < deadline, f"sessions still open: {list(server.context.worker.lanes)}"
-        time.sleep(0.05)
 
 
 async def _say(conn, text, max_tokens):
@@ -88,13 +80,13 @@ def test_resume_after_reconnect_and_after_restart(model, tmp_path):
         async def reconnect():
             manager, token, first = await first_half(server)
             await manager.__aexit__(None, None, None)  # the client leaves: the session is snapshotted
-            await asyncio.to_thread(_wait_idle, server)
+            await asyncio.to_thread(server.wait_idle)
             assert (snapshots / token).is_dir()
             return token, first, await second_half(server, token)
 
         token, first, second = asyncio.run(reconnect())
         assert [first, second] == expected
-        _wait_idle(server)
+        server.wait_idle()
         assert (snapshots / token).is_dir()  # the resumed session, once it ended, wrote a fresh snapshot
         again = asyncio.run(refused(server, "0" * 32))
         assert again.type == "error" and again.error.code == "resume_failed"
@@ -108,6 +100,6 @@ def test_resume_after_reconnect_and_after_restart(model, tmp_path):
     assert first2 == expected[0] and (snapshots / token2).is_dir()
     with BackgroundServer(_context(model, snapshots)) as restarted:
         assert asyncio.run(second_half(restarted, token2)) == expected[1]
-        _wait_idle(restarted)
+        restarted.wait_idle()
         stale = asyncio.run(refused(restarted, "zz"))
         assert stale.type == "error" and "32 hex digits" in stale.error.message

@@ -125,7 +125,7 @@ def test_chat_completions_whole_and_streamed_equal_chat(server, model):
 def test_per_request_sampling_reproduces_from_its_seed(server):
     """Each request draws with its own temperature / top-p in the one batched program; a seed reproduces it, and
     temperature 0 is the greedy answer."""
-    _wait_idle(server)
+    server.wait_idle()
     client = _client(server)
     messages = [{"role": "user", "content": "Tell me a story."}]
 
@@ -218,17 +218,8 @@ def test_malformed_events_get_errors_while_another_session_streams(server):
     assert _response_text(after)[1].usage.output_tokens <= 3
 
 
-def _wait_idle(server, timeout_s=20.0):
-    """Waits until the server has closed every session of earlier tests (closing follows a disconnect)."""
-    import time
-    deadline = time.monotonic() + timeout_s
-    while server.context.worker.lanes:
-        assert time.monotonic() < deadline, f"sessions still open: {list(server.context.worker.lanes)}"
-        time.sleep(0.05)
-
-
 def test_cancel_ends_the_response_and_overload_is_refused(server):
-    _wait_idle(server)
+    server.wait_idle()
 
     async def scenario():
         client = _async_client(server)
@@ -263,7 +254,7 @@ def test_cancel_ends_the_response_and_overload_is_refused(server):
 
 
 def test_server_vad_commits_and_answers_a_spoken_turn(server):
-    _wait_idle(server)
+    server.wait_idle()
 
     async def scenario():
         async with _async_client(server).realtime.connect(model="omnijax") as conn:
@@ -294,7 +285,7 @@ def test_chat_completion_with_an_image_and_audio(server, model):
 
     from PIL import Image
 
-    _wait_idle(server)
+    server.wait_idle()
     png, wav = io.BytesIO(), io.BytesIO()
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 56, 3), np.uint8)).save(png, "PNG")
     with wave.open(wav, "wb") as w:
@@ -323,7 +314,7 @@ def test_chat_completion_with_an_image_and_audio(server, model):
 def test_caps_on_sessions_per_client_and_body_size(server):
     import dataclasses
 
-    _wait_idle(server)
+    server.wait_idle()
     context = server.context
     options = context.options
     context.options = dataclasses.replace(options, max_sessions_per_client=1, max_message_bytes=2000)
@@ -350,7 +341,7 @@ def test_caps_on_sessions_per_client_and_body_size(server):
 def test_realtime_session_sampling_extension(server, model):
     """`session.omnijax.temperature / top_p / seed`: a seeded session reproduces its sampled answer; temperature 0
     is the greedy answer."""
-    _wait_idle(server)
+    server.wait_idle()
 
     async def answer(sampling):
         async with _async_client(server).realtime.connect(model="omnijax") as conn:

@@ -82,14 +82,6 @@ def served(tmp_path_factory):
         yield server
 
 
-def _wait_idle(server, timeout_s=20.0):
-    import time
-    deadline = time.monotonic() + timeout_s
-    while server.context.worker.lanes:
-        assert time.monotonic() < deadline, f"sessions still open: {list(server.context.worker.lanes)}"
-        time.sleep(0.05)
-
-
 async def _bad_client(url, payloads, hello=None):
     """Sends a hello then `payloads` (one per frame budget); returns every message received and the close code."""
     from websockets.asyncio.client import connect
@@ -118,7 +110,7 @@ async def _bad_client(url, payloads, hello=None):
 def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
     good_pcm = loadgen.speech_like_pcm(FRAME_MS / 1000, seed=9).tobytes()
     url = served.native_url
-    _wait_idle(served)
+    served.wait_idle()
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -157,7 +149,7 @@ def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
         assert any(not r["late"] for r in mine)  # how many run late depends on the machine's load
         assert len([r for r in mine if r["t"] > t_garbage]) >= 3
         assert [r["seq"] for r in mine] == sorted(r["seq"] for r in mine)
-    _wait_idle(served)
+    served.wait_idle()
     assert served.context.worker.engine.sessions == []  # every slot went back
 
 
@@ -168,7 +160,7 @@ def test_admission_refusals_bye_and_logs(served, caplog):
 
     from omnijax.serve.admission import AIMD
 
-    _wait_idle(served)
+    served.wait_idle()
     caplog.set_level(logging.INFO, logger="omnijax.serve")
     worker = served.context.worker
     worker.admission = AIMD(target_fraction=0.6, frame_budget_s=FRAME_MS / 1000, initial_cap=1)
@@ -187,7 +179,7 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     assert first[1] == 1000 and first[0][0]["type"] == "ready"
     assert [m["seq"] for m in first[0] if m["type"] == "frame"] == [0, 1, 2]
     assert second[1] == 1013 and second[0][0]["code"] == "overloaded" and "cap 1" in second[0][0]["message"]
-    _wait_idle(served)
+    served.wait_idle()
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "omnijax.serve"]
     connects = [m for level, m in lines if m.startswith("connect ")]
     refusals = [(level, m) for level, m in lines if m.startswith("refuse ")]
@@ -226,7 +218,7 @@ def test_a_reply_waits_at_most_its_decode_cap_then_the_tokens_follow(served):
     frame gets an empty reply marked late, and its tokens follow in a `late_tokens` message (nothing is lost)."""
     import dataclasses
 
-    _wait_idle(served)
+    served.wait_idle()
     context = served.context
     options = context.options
     assert options.decode_wait_fraction == 0.8

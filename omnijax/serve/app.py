@@ -320,6 +320,15 @@ class BackgroundServer:
         """The OpenAI base URL, `http://host:port/v1`."""
         return f"http://{self.context.options.host}:{self.port}/v1"
 
+    def wait_idle(self, timeout_s: float = 20.0) -> None:
+        """Waits until every session is closed (closing follows a client's disconnect); TimeoutError naming the
+        sessions still open after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.context.worker.lanes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sessions still open after {timeout_s:g} s: {list(self.context.worker.lanes)}")
+            time.sleep(0.05)
+
     @property
     def native_url(self) -> str:
         """The native protocol's `ws://host:port/session`."""
