@@ -169,6 +169,16 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int) -> Path:
     return write(directory, vocab_size=vocab_size, special_tokens=specials, chat_template=CHATML_TEMPLATE)
 
 
+def write_chat_checkpoint(directory: Path) -> Path:
+    """The demo's chat-ready source: the tiny tokenizer, then the tiny checkpoint with the ids that tokenizer never
+    produces silenced (its answers are the tokenizer's readable gibberish). Returns `directory`."""
+    write_tiny_tokenizer(directory, TINY_OMNI_TEXT_CONFIG["vocab_size"])
+    vocab = json.loads((Path(directory) / "tokenizer.json").read_text())["model"]["vocab"]
+    trained = sum(1 for token in vocab if not token.startswith("<|unused_"))
+    write_tiny_hf_checkpoint(directory, text_config=TINY_OMNI_TEXT_CONFIG, silent_ids=(trained, 151_643))
+    return Path(directory)
+
+
 def synthetic_units(num_units: int, seed: int = 1):
     """`num_units` audiovisual 2 s units of moving shapes (56x84 px at 2 fps) and a tone: `[(frames, pcm)]`."""
     from omnijax.models.qwen2_5_omni import frontend
@@ -217,11 +227,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    hf_dir = out / "hf"
-    write_tiny_tokenizer(hf_dir, TINY_OMNI_TEXT_CONFIG["vocab_size"])
-    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    trained = sum(1 for token in vocab if not token.startswith("<|unused_"))
-    write_tiny_hf_checkpoint(hf_dir, text_config=TINY_OMNI_TEXT_CONFIG, silent_ids=(trained, 151_643))
+    hf_dir = write_chat_checkpoint(out / "hf")
     print(f"wrote a tiny random Qwen2.5-Omni checkpoint (Hugging Face layout) and a tiny tokenizer to {hf_dir}")
     script = Path(sys.executable).parent / "omnijax"  # the console script installed beside this Python
     cmd = [str(script), "convert", str(hf_dir), str(out / "omnijax"), "--no-progress"]

@@ -163,17 +163,12 @@ def warm_up(context: ServeContext, sessions: int) -> float:
 def build_demo_model(directory) -> str:
     """Writes the embedded tiny random Qwen2.5-Omni (audio and vision encoders, a tiny tokenizer with the ChatML
     template) and converts it; no download. Returns the converted checkpoint's directory."""
-    import json as json_lib
     from pathlib import Path
 
     from convert import convert_checkpoint
     from omnijax import demo
 
-    hf = Path(directory) / "hf"
-    demo.write_tiny_tokenizer(hf, demo.TINY_OMNI_TEXT_CONFIG["vocab_size"])
-    vocab = json_lib.loads((hf / "tokenizer.json").read_text())["model"]["vocab"]
-    trained = sum(1 for token in vocab if not token.startswith("<|unused_"))
-    demo.write_tiny_hf_checkpoint(hf, text_config=demo.TINY_OMNI_TEXT_CONFIG, silent_ids=(trained, 151_643))
+    hf = demo.write_chat_checkpoint(Path(directory) / "hf")
     return str(convert_checkpoint(hf, Path(directory) / "omnijax", progress=False, log=lambda _: None))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hmac
 import time
 
@@ -82,6 +83,12 @@ class ServeContext:
         self.per_client: collections.Counter = collections.Counter()
         self.started = int(time.time())
         self._next = 0
+
+    @functools.cached_property
+    def frame_encoder(self):
+        """The native protocol's `AudioFrameEncoder` (built on first use)."""
+        from omnijax.serve.audio_frames import AudioFrameEncoder
+        return AudioFrameEncoder(self.model, chunk_tokens=self.chunk_tokens, answer_tokens=self.worker.tau)
 
     def new_session_id(self, prefix: str) -> str:
         self._next += 1

@@ -54,17 +54,6 @@ log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0
 
 
-def frame_encoder(context):
-    """The context's `AudioFrameEncoder` (built once)."""
-    encoder = getattr(context, "_frame_encoder", None)
-    if encoder is None:
-        from omnijax.serve.audio_frames import AudioFrameEncoder
-        encoder = AudioFrameEncoder(context.model, chunk_tokens=context.chunk_tokens,
-                                    answer_tokens=context.worker.tau)
-        context._frame_encoder = encoder
-    return encoder
-
-
 class NativeSession:
     """One `/session` connection after its hello (see the module docstring)."""
 
@@ -174,7 +163,7 @@ class NativeSession:
         submitted = loop.time()
         late = False
         try:
-            chunk = await self.worker.in_engine(frame_encoder(self.context).encode, pcm, self.unit)
+            chunk = await self.worker.in_engine(self.context.frame_encoder.encode, pcm, self.unit)
             self.unit += 1
             result = self.worker.frame(self.sid, chunk, self.worker.tau)
             wait = self.context.options.decode_wait_fraction * self.context.options.frame_ms / 1000

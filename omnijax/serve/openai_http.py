@@ -322,7 +322,7 @@ async def chat_completions(request, context):
         if answer.status == "failed":
             return _json_error(RequestError(f"the answer failed: {answer.reason}", status=500, code="server_error",
                                             kind="server_error"))
-        text = conversation.tokenizer.decode(_content_tokens(answer, conversation), skip_special_tokens=True)
+        text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
         return JSONResponse(completion(cid, created, req.model, text, FINISH[answer.status], prompt_tokens,
                                        len(answer.tokens), answer.kv_cells))
 
@@ -353,7 +353,7 @@ async def chat_completions(request, context):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _content_tokens(answer, conversation) -> list[int]:
+def _content_tokens(answer) -> list[int]:
     tokens = answer.tokens
     return tokens[:-1] if tokens and tokens[-1] in answer.stop else tokens
 
