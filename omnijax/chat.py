@@ -212,7 +212,7 @@ class Chat:
         """Feeds one image (`[H, W, 3]` uint8 array, or a path PIL can read) as a unit."""
         self._idle()
         if isinstance(image, (str, Path)):
-            image = _read_image(image)
+            image = read_image(image)
         self._media("image", "image", lambda unit: self.units_builder.image(image, unit))
 
     def audio(self, pcm, sample_rate: int = 16_000) -> None:
@@ -439,13 +439,18 @@ def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray
     return pcm.reshape(-1, channels).mean(axis=1), rate
 
 
-def _read_image(path) -> np.ndarray:
+def read_image(source) -> np.ndarray:
+    """`[H, W, 3]` uint8 RGB of an image file (PNG, JPEG, ...): a path, or the file's bytes; a ValueError naming
+    the path when PIL cannot read it."""
+    import io
+
     from PIL import Image
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             return np.asarray(image.convert("RGB"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable image ({e})") from e
+        where = "the image could not be decoded" if isinstance(source, bytes) else f"{source}: not a readable image"
+        raise ValueError(f"{where} ({e})") from None
 
 
 def clock(seconds: float) -> str:

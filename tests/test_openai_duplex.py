@@ -23,7 +23,7 @@ from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.duplex import speak_ids  # noqa: E402
 from omnijax.serve.loadgen import speech_like_pcm  # noqa: E402
-from omnijax.serve.realtime import decode_image  # noqa: E402
+from omnijax.chat import read_image  # noqa: E402
 from omnijax.serve.realtime_duplex import duplex_rule  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
@@ -65,7 +65,7 @@ def _reference(model, pcm24, png):
     session = DuplexSession(model, rule=duplex_rule(model), tokens=DuplexTokens.of(model), num_pages=32,
                             page_size=32, chunk_width=128)
     session.prepare(tokenizer.encode(tokenizer.render([{"role": "system", "content": INSTRUCTIONS}])), [])
-    frame = decode_image(png)
+    frame = read_image(png)
     turns, current = [], None
     for u in range(UNITS):
         pcm = resample(pcm24[u * 24000:(u + 1) * 24000].astype(np.float32) / 32768.0, 24000)
@@ -170,6 +170,6 @@ def test_native_duplex_answers_each_unit_as_duplex_session(server, model):
     session.prepare(tokenizer.encode(tokenizer.render([{"role": "system", "content": INSTRUCTIONS}])), [])
     markers = frozenset(DuplexTokens.of(model).__dict__.values()) | set(duplex_rule(model).stop)
     for u, reply in enumerate(replies):
-        result = session.step(pcm16[u].astype(np.float32) / 32768.0, decode_image(png) if u == FRAME_UNIT else None)
+        result = session.step(pcm16[u].astype(np.float32) / 32768.0, read_image(png) if u == FRAME_UNIT else None)
         assert reply["tokens"] == speak_ids(result, markers) and reply["listened"] == result.listened, u
     assert sum(len(r["tokens"]) for r in replies) >= 3

@@ -222,9 +222,9 @@ class NativeDuplex(NativeSession):
     def _on_text(self, message: dict) -> None:
         if message["type"] != "image":
             return super()._on_text(message)
-        from omnijax.serve.realtime import decode_image
+        from omnijax.chat import read_image
         try:
-            self.frame = decode_image(base64.b64decode(message.get("data") or "", validate=True))
+            self.frame = read_image(base64.b64decode(message.get("data") or "", validate=True))
         except (ValueError, binascii.Error) as e:
             raise ProtocolError("bad_image", f"an image message carries a base64 PNG or JPEG in 'data': {e}") from None
 

@@ -296,8 +296,8 @@ async def chat_completions(request, context):
                 if p.kind == "text":
                     parts += conversation.message(role, p.text)
                 elif p.kind == "image":
-                    from omnijax.serve.realtime import decode_image
-                    parts += conversation.image(decode_image(p.data))
+                    from omnijax.chat import read_image
+                    parts += conversation.image(read_image(p.data))
                 else:
                     parts += conversation.audio(p.pcm)
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)

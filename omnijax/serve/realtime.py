@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import json
 import logging
 import re
@@ -53,22 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
+from omnijax.chat import read_image
 from omnijax.serve import realtime_events as rte
 from omnijax.serve import realtime_server_events as rse
 
 log = logging.getLogger("omnijax.serve")
 VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
-
-
-def decode_image(data: bytes) -> np.ndarray:
-    """Image file bytes (PNG, JPEG, ...) -> `[H, W, 3]` uint8 (ValueError when PIL cannot read them)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return np.asarray(image.convert("RGB"))
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"the image could not be decoded: {e}") from None
 
 
 def truncation_of(policy) -> str:
@@ -360,7 +349,7 @@ class RealtimeSession:
         for i, part in enumerate(event.content):  # decode every image before anything is fed
             if isinstance(part, rte.InputImage):
                 try:
-                    images[i] = decode_image(part.data)
+                    images[i] = read_image(part.data)
                 except ValueError as e:
                     raise self._fail(e, eid, f"item.content[{i}].image_url") from None
         self._instructions(eid)

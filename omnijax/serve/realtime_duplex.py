@@ -85,7 +85,7 @@ class DuplexRealtime:
 
     def handle(self, event) -> None:
         """A client event of the duplex session (see the module docstring); refusals raise `RealtimeEventError`."""
-        from omnijax.serve.realtime import decode_image
+        from omnijax.chat import read_image
 
         session = self.session
         eid = event.event_id
@@ -107,7 +107,7 @@ class DuplexRealtime:
             images = []
             for i, part in enumerate(event.content):
                 try:
-                    images.append(decode_image(part.data))
+                    images.append(read_image(part.data))
                 except ValueError as e:
                     raise session._fail(e, eid, f"item.content[{i}].image_url") from None
             self.image(images[-1])
