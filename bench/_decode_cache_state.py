@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax import attention
+from omnijax.kv import attention
 
 H, G, D, P = 28, 4, 128, 64  # query heads, KV heads, head dim, page size
 rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from omnijax.config import DecoderConfig
+from omnijax.models.config import DecoderConfig
 
 GiB, MiB = 2.0 ** 30, 2.0 ** 20
 NARROW = DecoderConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_layers=4, num_heads=8,

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from omnijax.config import QWEN2_5_OMNI_7B, DecoderConfig
+from omnijax.models.config import QWEN2_5_OMNI_7B, DecoderConfig
 
 from _prefill_memory_common import GiB, MiB, NARROW, PAGE, nbytes  # a sibling: the script's directory leads sys.path
 

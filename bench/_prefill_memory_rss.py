@@ -90,7 +90,7 @@ def prime(method: str, model, x, positions, args):
 
     from omnijax.prefill import SnapKV
     from omnijax.prefill import baselines, layer_major
-    from pallas_kernels.streaming_topk import streaming_topk_blockwise
+    from omnijax.kernels.streaming_topk import streaming_topk_blockwise
 
     cfg, W, S = model.config, args.window, x.shape[1]
     chunk = S if method == "post_oneshot" else args.chunk

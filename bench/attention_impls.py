@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax import attention
+from omnijax.kv import attention
 
 import harness
 

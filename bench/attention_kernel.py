@@ -67,11 +67,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax import attention, synthetic
-from omnijax.config import TINY_OMNI
+from omnijax.kv import attention
+from omnijax.testing import synthetic
+from omnijax.models.config import TINY_OMNI
 from omnijax.paging import Paging, eager, omnipage
 from omnijax.retention import NoSlide, OmniPick
-from pallas_kernels.block_sparse_attention import block_sparse_attention
+from omnijax.kernels.block_sparse_attention import block_sparse_attention
 
 import harness
 from _device_profile import describe, trace_calls
@@ -220,7 +221,7 @@ def main(argv=None):
     parser.add_argument("--unroll", action="store_true",
                         help="run the --inner calls as straight-line code, not in a loop (no loop counter per call)")
     parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
-                        help="unit kind of the session (omnijax.synthetic.QWEN_UNITS); prefill times one unit")
+                        help="unit kind of the session (omnijax.testing.synthetic.QWEN_UNITS); prefill times one unit")
     parser.add_argument("--save-layouts", help="pickle the captured layouts to this file")
     parser.add_argument("--layouts", help="load captured layouts from this file instead of capturing")
     parser.add_argument("--profile", help="trace the last checkpoint's calls into this directory (kernels per call)")

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax.chunks import text_chunk
-from omnijax.config import DecoderConfig
+from omnijax.chunks.chunk import text_chunk
+from omnijax.models.config import DecoderConfig
 from omnijax.decoding import Greedy, Sampling
 from omnijax.models.decoder import Decoder
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax import synthetic
-from omnijax.config import TINY_OMNI
+from omnijax.testing import synthetic
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick
 
 import harness

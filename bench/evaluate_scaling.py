@@ -5,7 +5,7 @@ Each device count runs in its own subprocess (`--worker N`), because the simulat
 over the data axis, weights replicated) and one program call evaluates every session (`batch_size = --sessions`),
 i.e. `--sessions / N` sessions per device.
 
-Sessions (`omnijax.synthetic.qwen_av_session`): a 24-token system prompt, then `--units` Qwen2.5-Omni 2 s
+Sessions (`omnijax.testing.synthetic.qwen_av_session`): a 24-token system prompt, then `--units` Qwen2.5-Omni 2 s
 audiovisual units of 124 tokens (70 video + 50 audio + 4 markers) with a 12-token user question after every 4th
 unit; ids folded into the model's vocabulary; the log-probabilities of four ids are returned for every chunk (as
 the harness scores option letters). Model: `TINY_OMNI` widened to hidden 128 (2 layers, 4 query / 2 KV
@@ -48,9 +48,10 @@ def worker(args) -> None:
     import numpy as np
     from flax import nnx
 
-    from omnijax import distributed, synthetic
-    from omnijax.config import TINY_OMNI
-    from omnijax.evaluation import EvalConfig, session_pages_needed, evaluate, pad_sessions
+    from omnijax.eval import mesh as distributed
+    from omnijax.testing import synthetic
+    from omnijax.models.config import TINY_OMNI
+    from omnijax.eval.runner import EvalConfig, session_pages_needed, evaluate, pad_sessions
     from omnijax.models.decoder import Decoder
     from omnijax.retention import NoSlide, OmniPick
 

@@ -30,7 +30,7 @@ Set-up (not part of the test extras: the CUDA plugin wheels take about 5.6 GB), 
     /tmp/census/bin/python bench/gpu_census.py [--root DIR] [--out bench/out]
 `--smoke` (`--target cpu --match 'k projection'`) compiles for this machine's CPU instead: a check that the script
 runs without the CUDA plugin, not GPU facts.
-`--root` imports `omnijax` and `pallas_kernels` from another checkout (e.g. a `git worktree` of an older commit;
+`--root` imports `omnijax` and `omnijax.kernels` from another checkout (e.g. a `git worktree` of an older commit;
 calls its library cannot build are reported as such), so versions can be compared side by side. A newer jax (0.11,
 Python 3.12; the XLA of the GPU machine this project was timed on) compiles every row as well: it lowers the Pallas
 kernel for the H200 named as the abstract device of an abstract mesh.
@@ -146,9 +146,9 @@ def calls():
     """(name, fn, abstract args, donated argument numbers) of every counted call."""
     import jax
     import jax.numpy as jnp
-    from omnijax import attention
+    from omnijax.kv import attention
     from omnijax.kv import paged
-    from pallas_kernels.block_sparse_attention import block_sparse_attention
+    from omnijax.kernels.block_sparse_attention import block_sparse_attention
 
     from attention_kernel import D, G, H, MODE_FNS, OMNI_POOL, PAGE, layered
 
@@ -200,8 +200,8 @@ def layer_loop_call(tokens: int, unroll: bool, layers: int = 8):
     import jax.numpy as jnp
     from flax import nnx
     import omnijax
-    from omnijax.config import QWEN2_5_OMNI_7B
-    from omnijax.streaming import init_state
+    from omnijax.models.config import QWEN2_5_OMNI_7B
+    from omnijax.streaming.step import init_state
 
     from layer_loop import reserve_view
 
@@ -232,11 +232,11 @@ def chunk_step_call(impl, answer=0):
     import jax
     from flax import nnx
     import omnijax
-    from omnijax import synthetic
-    from omnijax.config import QWEN2_5_OMNI_7B
+    from omnijax.testing import synthetic
+    from omnijax.models.config import QWEN2_5_OMNI_7B
     from omnijax.retention import OmniPick
 
-    stream = importlib.import_module("omnijax.streaming")
+    stream = importlib.import_module("omnijax.streaming.session")
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
     chunk = jax.tree.map(lambda x: x[1], synthetic.qwen_av_session(3, vocab_size=cfg.vocab_size))
@@ -256,7 +256,7 @@ def chunk_step_call(impl, answer=0):
 def main(argv=None):
     parser = harness.parser(__doc__)
     parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
-                        help="checkout whose omnijax and pallas_kernels are compiled")
+                        help="checkout whose omnijax and omnijax.kernels are compiled")
     parser.add_argument("--match", default="", help="count only the calls whose name contains this")
     parser.add_argument("--target", choices=["h200", "cpu"], default="h200",
                         help="compile for the described H200 (needs the CUDA plugin) or for this CPU (a check)")

@@ -10,7 +10,7 @@ paging mode copied (its migration cost; eager compaction's count is the oracle's
 Right after each trim, the moment a paging mode acts: the span reduction (smallest and mean over the trims), since
 the checkpoint's figure depends on where in the trim cycle it falls.
 
-Sessions (`omnijax.synthetic`): Qwen2.5-Omni, a 24-token system prompt then 2 s audiovisual units of 124 tokens
+Sessions (`omnijax.testing.synthetic`): Qwen2.5-Omni, a 24-token system prompt then 2 s audiovisual units of 124 tokens
 (70 video + 50 audio + 4 markers), 266 chunks = 32,884 tokens at 32K; MiniCPM-o 4.5, a 24-token system prompt then
 1 s duplex units `<unit><image>E64</image>A10<|listen|></unit>` of 79 tokens without high-resolution slices (as in
 `bench/endurance.py`: slices would pad every chunk of the stacked session), 416 chunks = 32,809 tokens.
@@ -33,7 +33,7 @@ into, and (a second table) on the cache the chunk's own prefill attended over (`
 trim, with the chunk written in).
 
 `--qwen-unit paper` streams the paper's Qwen rate instead: 1 s units of 909 tokens (video at 1 fps, one 616x1120
-frame; `omnijax.synthetic.QWEN_UNITS`), written to `kv_layout_paper.*`.
+frame; `omnijax.testing.synthetic.QWEN_UNITS`), written to `kv_layout_paper.*`.
 
 Run: `python bench/kv_layout.py [--tokens 32768] [--models qwen minicpm] [--configs ...] [--min-pages 1]
 [--pages 128] [--qwen-unit 2s] [--watermarks 2500 1800] [--out bench/out] [--smoke]`
@@ -47,11 +47,11 @@ import jax
 import numpy as np
 
 import omnijax
-from omnijax import synthetic
-from omnijax.config import TINY_OMNI
+from omnijax.testing import synthetic
+from omnijax.models.config import TINY_OMNI
 from omnijax.paging import Paging
 from omnijax.retention import H2O, InfiniPotV, OmniMemBudgets, OmniPick, StreamingLLM, StreamingVLM, StreamMem
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 import harness
 
@@ -253,7 +253,7 @@ def main(argv=None):
     parser.add_argument("--pages", type=int, default=128, help="pool pages (and page-table width)")
     parser.add_argument("--min-pages", type=int, default=1, help="ordered_suffix: least span reduction, in pages")
     parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
-                        help="Qwen2.5-Omni unit kind (omnijax.synthetic.QWEN_UNITS); 'paper': 909-token 1 s units")
+                        help="Qwen2.5-Omni unit kind (omnijax.testing.synthetic.QWEN_UNITS); 'paper': 909-token 1 s units")
     parser.add_argument("--watermarks", type=int, nargs=2, default=[2500, 1800], metavar=("HIGH", "LOW"),
                         help="the policies' high and low watermarks")
     args = harness.parse(parser, argv, smoke=dict(tokens=600, models=["qwen"], configs=["omnipick",

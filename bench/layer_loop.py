@@ -32,11 +32,11 @@ import numpy as np
 from flax import nnx
 
 import omnijax
-from omnijax import attention
-from omnijax.config import PRESETS
+from omnijax.kv import attention
+from omnijax.models.config import PRESETS
 from omnijax.kv import paged
-from omnijax.streaming import init_state
-from omnijax.units import SpanKind
+from omnijax.streaming.step import init_state
+from omnijax.chunks.spans import SpanKind
 
 import harness
 

@@ -2,7 +2,7 @@
 frontier: accuracy against mean stream-loop session time per retention policy) and Fig. 14 (OmniPick's watermark
 sweep against no-slide).
 
-Both drive `omnijax.evalharness.streamingbench.run` (sessions built from the annotations, `omnijax.evaluate` over a
+Both drive `omnijax.eval.streamingbench.run` (sessions built from the annotations, `omnijax.evaluate` over a
 device mesh, questions scored by the generated letter and by log-likelihood) over configurations, then plot:
 
 - Fig. 13 — no-slide (`full`), the paper's baselines (`unit_fifo` = basic, `token_sliding` = token-basic,
@@ -104,10 +104,11 @@ def main(argv=None) -> int:
     args = harness.parse(p, argv, smoke=dict(demo=True, max_videos=1, max_units=3, page_size=16, figure="both",
                                              watermarks=["64/48", "128/96"], files=["questions_real.json"]))
     import omnijax
-    from omnijax import EvalConfig, StreamConfig, distributed
-    from omnijax.evalharness import annotations as ann
-    from omnijax.evalharness import media as media_lib
-    from omnijax.evalharness import streamingbench as sb
+    from omnijax import EvalConfig, StreamConfig
+    from omnijax.eval import mesh as distributed
+    from omnijax.eval import annotations as ann
+    from omnijax.eval import media as media_lib
+    from omnijax.eval import streamingbench as sb
 
     if not (args.checkpoint or args.demo):
         p.error("give --checkpoint CKPT or --demo")

@@ -39,8 +39,8 @@ def worker(pages: int, repeats: int, small: bool = False) -> dict:
     from flax import nnx
 
     import omnijax
-    from omnijax.chunks import text_chunk
-    from omnijax.config import DecoderConfig
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.models.config import DecoderConfig
     from omnijax.models.decoder import Decoder
     from omnijax.retention import SinkWindow
 
@@ -75,7 +75,7 @@ def worker(pages: int, repeats: int, small: bool = False) -> dict:
     del session
 
     # The serving engine on the same pool: 4 sessions, one 64-token frame each per tick, 2 answer tokens.
-    from omnijax.serve.engine import Engine, EngineConfig
+    from omnijax.serve.engine.engine import Engine, EngineConfig
     stream = omnijax.StreamConfig(policy=SinkWindow(sink=16, window=512), num_pages=pages, page_size=64,
                                   max_answer_tokens=2)
     engine = Engine(model, EngineConfig(stream, max_pages=32, chunk_tokens=64, buckets=(4,)))

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax.config import DecoderConfig
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.prefill import (SnapKV, force, greedy, immediate_eviction_prefill, tidekv_prefill,
                              token_major_prefill)

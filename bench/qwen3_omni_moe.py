@@ -1,7 +1,7 @@
 """Qwen3-Omni-30B-A3B thinker on one GPU: a memory plan from the real parameter trees, and the cost of one MoE
 feed-forward (grouped matmul) against a dense MLP of the same active size and the all-experts einsum.
 
-1. Memory plan (pure arithmetic, nothing timed, no real arrays): the decoder (`omnijax.config.QWEN3_OMNI_30B_A3B`:
+1. Memory plan (pure arithmetic, nothing timed, no real arrays): the decoder (`omnijax.models.config.QWEN3_OMNI_30B_A3B`:
    48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts of width 768, top 8, vocab 152,064), the vision
    encoder (`QWEN3_OMNI_30B_A3B_VISION`) and the audio encoder (`QWEN3_OMNI_30B_A3B_AUDIO`) are built abstractly
    (`nnx.eval_shape`) in bfloat16 and their parameter leaves summed. Active parameters per token: everything of the
@@ -68,11 +68,11 @@ import numpy as np
 from flax import nnx
 
 import omnijax
-from omnijax.config import QWEN3_OMNI_30B_A3B, DecoderConfig
+from omnijax.models.config import QWEN3_OMNI_30B_A3B, DecoderConfig
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder, mlp
 from omnijax.models.moe import moe_ffn, moe_ffn_reference
-from omnijax.models.qwen2_5_omni.vision_preprocess import smart_resize
+from omnijax.models.encoders.qwen_vl_preprocess import smart_resize
 from omnijax.models.qwen3_omni.audio import QWEN3_OMNI_30B_A3B_AUDIO, Qwen3AudioEncoder, audio_token_count
 from omnijax.models.qwen3_omni.vision import QWEN3_OMNI_30B_A3B_VISION, Qwen3VisionEncoder
 from omnijax.retention import OmniPick

@@ -55,7 +55,7 @@ from omnijax.serve.app import BackgroundServer, build_context, build_demo_model,
 from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.context import ServeOptions
 from omnijax.serve.loadgen import speech_like_pcm
-from omnijax.serve.protocol import frame_samples
+from omnijax.serve.native.protocol import frame_samples
 
 import harness
 

@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax.adapters import qwen2_5_omni as qwen
-from omnijax.config import QWEN2_5_OMNI_3B
+from omnijax.models.qwen2_5_omni import layout as qwen
+from omnijax.models.config import QWEN2_5_OMNI_3B
 from omnijax.kv import layout as layout_lib
 from omnijax.kv.paged import PageClass
 from omnijax.retention import (H2O, InfiniPotV, NoSlide, OfficialUnitWindow, OmniMemBudgets, OmniPick, SinkWindow,
                                StreamingLLM, StreamingVLM, StreamMem, TokenSliding, UnitFIFO)
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 import harness
 

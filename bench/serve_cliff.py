@@ -44,9 +44,9 @@ import numpy as np
 import omnijax
 from omnijax.serve import loadgen
 from omnijax.serve import server as srv
-from omnijax.serve.admission import AIMD
+from omnijax.serve.engine.admission import AIMD
 from omnijax.retention import NoSlide, SinkWindow
-from omnijax.serve.engine import Engine, EngineConfig
+from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax import StreamConfig
 
 import harness

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 import omnijax
-from omnijax.chunks import stack_chunks, text_chunk
-from omnijax.config import DecoderConfig
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 
 import harness

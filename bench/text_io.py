@@ -36,11 +36,11 @@ import numpy as np
 
 import omnijax
 from omnijax.chat import Chat
-from omnijax.config import DecoderConfig
+from omnijax.models.config import DecoderConfig
 from omnijax.decoding import Greedy
 from omnijax.models.decoder import Decoder
 from omnijax.models.tokenizer import CHATML_TEMPLATE, Tokenizer, write_tiny_tokenizer
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 import harness
 

@@ -88,7 +88,7 @@ def stream_ids(tokens: int, seed: int) -> np.ndarray:
 def build_checkpoint(args, side: str, ckpt: Path) -> dict:
     """transformers: saves the seeded Qwen2 under `ckpt/hf`; omnijax: converts that into `ckpt/omnijax`."""
     if side == "omnijax":
-        from convert import convert_checkpoint
+        from omnijax.convert import convert_checkpoint
 
         return {"converted": str(convert_checkpoint(ckpt / "hf", ckpt / "omnijax", progress=False, force=True))}
     import torch
@@ -182,7 +182,7 @@ def load_omnijax(omnijax_dir: Path, ids=None, chunk: int = 0):
     import jax
     import jax.numpy as jnp
     import omnijax
-    from omnijax.chunks import text_chunk
+    from omnijax.chunks.chunk import text_chunk
 
     chunks = [] if ids is None else [jax.tree.map(jnp.asarray, text_chunk(ids[i:i + chunk], unit=i // chunk))
                                      for i in range(0, len(ids), chunk)]

@@ -1,13 +1,7 @@
-"""Declarative conversion tables (`Rule`, `Component`, `plan_conversion`, `fill`, `convert_in_memory`, ...): the
-table language of `omnijax.name_tables`, re-exported.
+"""Deprecated: `convert.tables` moved to `omnijax.checkpoint.tables` (this path keeps working for one release)."""
 
-It lives in omnijax because the model modules hold the tables of their own parameter trees (and load Hugging Face
-tensors in memory with them), and the models never import the converter; the converter's per-family modules
-(`convert.qwen2_5_omni`, `convert.minicpmo`) assemble the tables into a whole checkpoint's plan.
-"""
+import sys
 
-from omnijax.name_tables import (
-    TRANSFORMS, Component, Plan, Rule, allocate, convert_in_memory, fill, leaf, param_shapes, plan_conversion)
+from omnijax._deprecation import moved
 
-__all__ = ["Component", "Plan", "Rule", "TRANSFORMS", "allocate", "convert_in_memory", "fill", "leaf",
-           "param_shapes", "plan_conversion"]
+sys.modules[__name__] = moved(__name__, "omnijax.checkpoint.tables")

@@ -13,17 +13,19 @@ from omnijax import compilation_cache as _compilation_cache
 _compilation_cache.enable()
 
 from omnijax.chat import Chat  # noqa: E402
-from omnijax.chunks import Chunk, split_text, stack_chunks, text_chunk  # noqa: E402
-from omnijax.config import PRESETS, DecoderConfig, StreamConfig  # noqa: E402
+from omnijax.chunks.chunk import Chunk, split_text, stack_chunks, text_chunk  # noqa: E402
+from omnijax.models.config import PRESETS, DecoderConfig  # noqa: E402
+from omnijax.streaming.config import StreamConfig  # noqa: E402
 from omnijax.decoding import Greedy  # noqa: E402
-from omnijax.evaluation import EvalConfig, evaluate  # noqa: E402
-from omnijax.model import Model, load  # noqa: E402
+from omnijax.eval.runner import EvalConfig, evaluate  # noqa: E402
+from omnijax.models.model import Model, load  # noqa: E402
 from omnijax.models.decoder import Decoder  # noqa: E402
 from omnijax.paging import PAGING_MODES, Paging  # noqa: E402
 from omnijax.retention import REGISTRY as RETENTION_POLICIES  # noqa: E402
 from omnijax.retention import NoSlide, get_policy  # noqa: E402
-from omnijax.streaming import ChunkOutput, Session, StreamResult, StreamState, init_state, stream  # noqa: E402
-from omnijax.units import SpanKind  # noqa: E402
+from omnijax.streaming.step import ChunkOutput, StreamResult, StreamState, init_state  # noqa: E402
+from omnijax.streaming.session import Session, stream  # noqa: E402
+from omnijax.chunks.spans import SpanKind  # noqa: E402
 
 __all__ = [
     "Chat", "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "EvalConfig", "Greedy", "Model", "NoSlide",

@@ -43,10 +43,10 @@ from typing import Iterator
 import numpy as np
 
 from omnijax.chat_units import units_for
-from omnijax.config import StreamConfig
+from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
-from omnijax.streaming import Session, bind_config
-from omnijax.units import SpanKind
+from omnijax.streaming.session import Session, bind_config
+from omnijax.chunks.spans import SpanKind
 
 DEFAULT_ANSWER_BLOCK = 16
 ROLES = ("system", "user", "assistant")

@@ -1,12 +1,12 @@
 """What `omnijax.Chat` feeds, per model family: text turns, media units and answer continuations as `Chunk`s.
 
 `units_for(model)` returns the builder of the model's family:
-- `QwenOmniUnits` (Qwen2.5-Omni and plain Qwen/Llama decoders): text through `omnijax.adapters.qwen2_5_omni`, media
+- `QwenOmniUnits` (Qwen2.5-Omni and plain Qwen/Llama decoders): text through `omnijax.models.qwen2_5_omni.layout`, media
   through `omnijax.models.qwen2_5_omni.frontend` (2 s audiovisual units at 2 fps, TMRoPE offsets).
-- `Qwen3OmniUnits` (Qwen3-Omni): the same through `omnijax.adapters.qwen3_omni` and
+- `Qwen3OmniUnits` (Qwen3-Omni): the same through `omnijax.models.qwen3_omni.layout` and
   `omnijax.models.qwen3_omni.frontend` (2 s audiovisual groups at 2 fps, interleaved M-RoPE offsets); every chunk
   carries the vision encoder's DeepStack levels (zeros on text).
-- `MiniCPMOUnits` (MiniCPM-o 4.5): text through `omnijax.adapters.minicpmo`, media as `<unit> [<image> E </image>
+- `MiniCPMOUnits` (MiniCPM-o 4.5): text through `omnijax.models.minicpmo.layout`, media as `<unit> [<image> E </image>
   (<slice> E </slice>)*] [<|audio_start|> A <|audio_end|>] </unit>` (1 s units, one frame each), 1D positions.
 
 Every chunk is padded to a bucket length (`bucket`: 16, 32, 64, ... tokens), so a conversation compiles one step
@@ -20,8 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from omnijax.chunks import Chunk, pad_chunk
-from omnijax.units import SpanKind
+from omnijax.chunks.chunk import Chunk, pad_chunk
+from omnijax.chunks.spans import SpanKind
 
 MIN_BUCKET = 16
 
@@ -74,8 +74,8 @@ class _Units:
                      embed_mask=None if embeds is None else np.zeros((1, 1), bool), deepstack=deepstack)
 
     def open_video(self, path):
-        """A video file cut into this family's audiovisual units (`omnijax.video.open_video`), checked up front."""
-        from omnijax import video as video_lib
+        """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up front."""
+        from omnijax.media import video as video_lib
         return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps,
                                     temporal_patch_size=self.temporal_patch_size)
 
@@ -97,7 +97,7 @@ class QwenOmniUnits(_Units):
         super().__init__(model)
         vision = getattr(model, "vision", None)
         self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
-        from omnijax.adapters import qwen2_5_omni as adapter
+        from omnijax.models.qwen2_5_omni import layout as adapter
         self.adapter, self.tokens = adapter, adapter._tokens(getattr(model, "omni", None))
 
     @property
@@ -138,7 +138,7 @@ class Qwen3OmniUnits(QwenOmniUnits):
         vision = model.vision
         self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
         self.levels = 0 if vision is None else vision.config.num_deepstack
-        from omnijax.adapters import qwen3_omni as adapter
+        from omnijax.models.qwen3_omni import layout as adapter
         self.adapter, self.tokens = adapter, adapter._tokens(model.omni)
 
     @property
@@ -157,7 +157,7 @@ class MiniCPMOUnits(_Units):
 
     def __init__(self, model, *, max_slice_nums: int = 1):
         super().__init__(model)
-        from omnijax.adapters import minicpmo as adapter
+        from omnijax.models.minicpmo import layout as adapter
         self.adapter, self.tokens, self.max_slice_nums = adapter, model.tokens, max_slice_nums
 
     def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:

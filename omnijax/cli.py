@@ -185,7 +185,7 @@ def run_watch(args, out=None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
-        from convert.__main__ import main as convert_main
+        from omnijax.convert.__main__ import main as convert_main
         return convert_main(argv[1:], prog="omnijax convert")
     if argv and argv[0] == "serve":
         from omnijax.serve.app import main as serve_main

@@ -86,7 +86,7 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     """
     from safetensors.numpy import save_file
 
-    from omnijax.models.qwen2_5_omni.audio import AudioConfig, audio_component
+    from omnijax.models.encoders.whisper import AudioConfig, audio_component
     from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
 
     cfg = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
 
 def _write_clip(path: Path, units) -> Path | None:
     """The session's frames and audio as an mp4 (for `omnijax watch`), when PyAV is installed."""
-    from omnijax import video
+    from omnijax.media import video
     frames = np.concatenate([f for f, _ in units])
     pcm = np.concatenate([p for _, p in units])
     try:

@@ -2,7 +2,7 @@
 model modules' `from_hf` config readers and Hugging Face tensor loaders (`omnijax.models`).
 
 Every anticipated failure derives from `ConvertError`; the command line prints these as a one-line `error: ...`
-message without a traceback. Anything else is a bug and keeps its traceback. `convert.errors` re-exports this
+message without a traceback. Anything else is a bug and keeps its traceback. `omnijax.errors` re-exports this
 module (the same classes), so the models never import the converter.
 """
 

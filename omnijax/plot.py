@@ -72,7 +72,7 @@ class SessionTrace:
 
 def _input_kind(spans: np.ndarray) -> str:
     """A step's kind from the span kinds of its valid tokens."""
-    from omnijax.units import SpanKind
+    from omnijax.chunks.spans import SpanKind
 
     present = set(int(s) for s in spans)
     if not present:
@@ -135,7 +135,7 @@ def _as_trace(source, what: str = "session()") -> SessionTrace:
         if not isinstance(made, SessionTrace):
             raise TypeError(f"{type(source).__name__}.trace() returned {type(made).__name__}, not a SessionTrace")
         return made
-    from omnijax.streaming import StreamResult
+    from omnijax.streaming.step import StreamResult
 
     if isinstance(source, StreamResult):
         return trace_of(source)

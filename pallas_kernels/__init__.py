@@ -1,2 +1,7 @@
-"""Pallas kernels (Triton on GPU, interpret mode on CPU). Each module exports `op`, `op_reference` and one shared
-input validation; this package imports jax only."""
+"""Deprecated: `pallas_kernels` moved to `omnijax.kernels` (this path keeps working for one release)."""
+
+import sys
+
+from omnijax._deprecation import moved
+
+sys.modules[__name__] = moved(__name__, "omnijax.kernels")

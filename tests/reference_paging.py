@@ -30,7 +30,7 @@ Everything here is loops over Python ints; nothing is shared with the vectorised
 from __future__ import annotations
 
 from omnijax.kv.paged import PageClass
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 
 def _ceil_div(a: int, b: int) -> int:

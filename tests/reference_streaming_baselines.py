@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 TEXT_SIDE = {int(K.SYSTEM), int(K.BOUNDARY), int(K.TEXT), int(K.RESPONSE)}
 VISUAL = {int(K.IMAGE), int(K.SLICE), int(K.VIDEO)}

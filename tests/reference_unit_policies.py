@@ -3,7 +3,7 @@ of kept `order`s. Written as loops over units and tokens, independent of the vec
 
 from __future__ import annotations
 
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 
 def _split(stream):

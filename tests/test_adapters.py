@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from omnijax.adapters import concat, span_offsets, token_layout, unstack
-from omnijax.adapters import minicpmo as m
-from omnijax.adapters import qwen2_5_omni as q
-from omnijax.chunks import stack_chunks, validate
-from omnijax.units import SpanKind as S
+from omnijax.chunks.builders import concat, span_offsets, token_layout, unstack
+from omnijax.models.minicpmo import layout as m
+from omnijax.models.qwen2_5_omni import layout as q
+from omnijax.chunks.chunk import stack_chunks, validate
+from omnijax.chunks.spans import SpanKind as S
 
 B, V, A, I, T, R, SY, SL = S.BOUNDARY, S.VIDEO, S.AUDIO, S.IMAGE, S.TEXT, S.RESPONSE, S.SYSTEM, S.SLICE
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import attention
+from omnijax.kv import attention
 
 G, D = 2, 8
 

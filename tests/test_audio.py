@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert.errors import UnexpectedTensorError
-from convert.tables import convert_in_memory, param_shapes
-from omnijax.models.qwen2_5_omni import audio as audio_lib
-from omnijax.models.qwen2_5_omni.audio import (AudioConfig, AudioEncoder, AudioInputError, FeatureShapeError,
+from omnijax.errors import UnexpectedTensorError
+from omnijax.checkpoint.tables import convert_in_memory, param_shapes
+from omnijax.models.encoders import whisper as audio_lib
+from omnijax.models.encoders.whisper import (AudioConfig, AudioEncoder, AudioInputError, FeatureShapeError,
                                                InvalidPcmError, UnsupportedAudioConfigError,
                                                UnsupportedSampleRateError, audio_component, audio_token_count,
                                                encode_audio, encoder_from_params, log_mel)
-from omnijax.models.qwen2_5_omni.audio_features import mel_filters, num_frames
+from omnijax.models.encoders.log_mel import mel_filters, num_frames
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")

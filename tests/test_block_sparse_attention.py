@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_sparse_attention import (
+from omnijax.kernels.block_sparse_attention import (
     DEAD_KEY,
     _validate,
     active_pages,
@@ -22,7 +22,7 @@ from pallas_kernels.block_sparse_attention import (
     dense_attention,
     page_index,
 )
-from pallas_kernels.lowering import has_triton_call, lower_for_cuda
+from omnijax.kernels.lowering import has_triton_call, lower_for_cuda
 
 # float32: kernel, reference and library attention differ only by summation order.
 # bfloat16: inputs are exact in every path, but the kernel and the reference round probabilities to bfloat16 before

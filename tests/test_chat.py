@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 import omnijax
-from convert import convert_checkpoint
+from omnijax.convert import convert_checkpoint
 from omnijax.chat import Chat, ChatTemplateError, format_kept, resample
 from omnijax.chat_units import bucket
-from omnijax.chunks import pad_chunk, stack_chunks
+from omnijax.chunks.chunk import pad_chunk, stack_chunks
 from omnijax.decoding import Sampling
 from omnijax.models.qwen2_5_omni import frontend
 from omnijax.models.qwen2_5_omni.frontend import MissingEncoderError
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer
 from omnijax.retention import OmniPick
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 from tests import tiny_omni
 
@@ -225,7 +225,7 @@ def test_minicpmo_chat_answers_like_stream(tmp_path):
     text = "".join(chat.ask("Describe it.", max_tokens=6))
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Describe it."}])
     assert _ids(fed[0]) == prompt
-    from omnijax.adapters import minicpmo as adapter
+    from omnijax.models.minicpmo import layout as adapter
     chunk = adapter.text_unit(prompt, 0, 6, hidden_size=model.config.hidden_size, tokens=model.tokens)
     reference = omnijax.stream(model, stack_chunks([pad_chunk(chunk, fed[0].length)]),
                                omnijax.StreamConfig(max_answer_tokens=6, num_pages=16))
@@ -278,7 +278,7 @@ def test_chat_command_line(checkpoint, monkeypatch, capsys):
 
 
 def _clip(tmp_path, units=3):
-    from omnijax import video
+    from omnijax.media import video
     frames = np.concatenate([frontend.synthetic_frames(2.0, 2.0, 56, 84, seed=1, start=2.0 * k) for k in range(units)])
     pcm = np.concatenate([frontend.tone(2.0, 330.0, seed=1 + k, start=2.0 * k) for k in range(units)])
     return video.write_clip(tmp_path / "clip.mp4", frames, 2, pcm)
@@ -286,7 +286,7 @@ def _clip(tmp_path, units=3):
 
 def test_video_feeds_the_frontends_chunks_of_the_files_units(model, tmp_path):
     pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
-    from omnijax import video
+    from omnijax.media import video
     path = _clip(tmp_path)
     chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=32), video_kwargs=SMALL)
     fed = _spy(chat)

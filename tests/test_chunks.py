@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import split_text, stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
-from omnijax.streaming import init_state
-from omnijax.units import SpanKind
+from omnijax.chunks.chunk import split_text, stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
+from omnijax.streaming.step import init_state
+from omnijax.chunks.spans import SpanKind
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_text_chunk_layout():
     (dict(token_ids=np.full((2, 1, 4), 999)), "token ids must lie in"),
     (dict(token_ids=np.full((2, 1, 4), 3.0)), "token_ids must be integers, got dtype float64"),
     (dict(unit=np.full((2, 1, 4), -1, np.int32)), "unit ids of valid tokens must be non-negative"),
-    (dict(span=np.full((2, 1, 4), 42, np.int8)), r"span kinds must be omnijax.units.SpanKind values, got \[42\]"),
+    (dict(span=np.full((2, 1, 4), 42, np.int8)), r"span kinds must be omnijax.chunks.spans.SpanKind values, got \[42\]"),
     (dict(offset=np.full((2, 1, 4), -3, np.int32)), "offsets within spans must be non-negative, got -3"),
     (dict(answer_tokens=np.array([[0], [2]], np.int32), answer_unit=np.array([[0], [-1]], np.int32)),
      "answer_unit must be non-negative"),
@@ -103,9 +103,9 @@ def test_split_chunk_streams_exactly_as_the_whole(model):
     """An audiovisual unit (3-axis TMRoPE positions that are not monotone in the token order) and a text turn cut
     into parts of at most 7 tokens: streaming the parts gives the cache the whole chunk gives (positions on every
     axis, units, spans) and the same logits for the question that follows."""
-    from omnijax.adapters import qwen2_5_omni as adapter
-    from omnijax.chunks import pad_chunk, split_chunk
-    from omnijax.streaming import Session
+    from omnijax.models.qwen2_5_omni import layout as adapter
+    from omnijax.chunks.chunk import pad_chunk, split_chunk
+    from omnijax.streaming.session import Session
 
     def small(chunk):  # the release's marker ids folded into the tiny vocabulary
         chunk = adapter.with_embeds(chunk, TINY_OMNI.hidden_size)

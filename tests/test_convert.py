@@ -19,17 +19,17 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from convert import convert_checkpoint
-from convert.__main__ import main
-from convert.errors import (CheckpointError, ConfigError, DestinationError, MissingTensorError, ShapeMismatchError, TensorError,
+from omnijax.convert import convert_checkpoint
+from omnijax.convert.__main__ import main
+from omnijax.errors import (CheckpointError, ConfigError, DestinationError, MissingTensorError, ShapeMismatchError, TensorError,
                             UnexpectedTensorError, UnsupportedConfigError, UnsupportedModelError)
-from convert import qwen2_5_omni
-from convert.qwen2_5_omni import config_from_hf, param_shapes
-from convert.safetensors_io import SafetensorsCheckpoint, read_header
-from convert.tables import param_shapes as param_shapes_tree
+from omnijax.models.qwen2_5_omni import convert as qwen2_5_omni
+from omnijax.models.qwen2_5_omni.convert import config_from_hf, param_shapes
+from omnijax.checkpoint.safetensors import SafetensorsCheckpoint, read_header
+from omnijax.checkpoint.tables import param_shapes as param_shapes_tree
 import omnijax
-from omnijax import checkpoint
-from omnijax.config import DecoderConfig
+from omnijax.checkpoint import format as checkpoint
+from omnijax.models.config import DecoderConfig
 from tests import hf_models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def test_convert_round_trip(hf, tmp_path, source, dtype):
     assert manifest["source"]["encoders_converted"] == ["audio", "vision"]
     assert manifest["omni"]["audio_token_id"] == 151646 and manifest["omni"]["vision_start_token_id"] == 151652
     # The audio tower is a component of its own, restored bit-exactly in the requested dtype.
-    from omnijax.models.qwen2_5_omni import audio
+    from omnijax.models.encoders import whisper as audio
     audio_config = audio.AudioConfig.from_json(manifest["audio"])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, audio_config.jnp_dtype),
                             param_shapes_tree(audio.audio_component(audio_config)), is_leaf=lambda x: isinstance(x, tuple))
@@ -206,7 +206,7 @@ def test_cli_main_and_force(hf, tmp_path, capsys):
 
 
 def test_cli_subprocess(hf, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "convert", str(hf[0] / "full_sharded"), str(tmp_path / "out")],
+    run = subprocess.run([sys.executable, "-m", "omnijax.convert", str(hf[0] / "full_sharded"), str(tmp_path / "out")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "converting" in run.stderr and "100%" in run.stderr  # the progress bar
@@ -451,7 +451,7 @@ _LOAD_AND_REPORT = """
 import sys, omnijax
 try:
     omnijax.load(sys.argv[1])
-except omnijax.checkpoint.CheckpointFormatError as e:
+except omnijax.checkpoint.format.CheckpointFormatError as e:
     print(e)
 """
 
@@ -485,7 +485,7 @@ def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
 
 def test_generation_config_sets_answer_end_tokens(tmp_path):
     from omnijax import demo
-    from omnijax.checkpoint import read_manifest
+    from omnijax.checkpoint.format import read_manifest
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 151645, 3]}))

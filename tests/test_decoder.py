@@ -6,8 +6,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from omnijax.chunks import split_text  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.chunks.chunk import split_text  # noqa: E402
 from tests import hf_models  # noqa: E402
 
 SEQ = 21
@@ -188,9 +188,9 @@ def test_unrolled_layer_loop_equals_the_scan(model, tokens):
     import jax
     import jax.numpy as jnp
 
-    from omnijax import attention
+    from omnijax.kv import attention
     from omnijax.kv import paged
-    from omnijax.streaming import init_state
+    from omnijax.streaming.step import init_state
 
     decoder = model.decoder
     c = decoder.config

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.decoding import Greedy, RowSampling, Sampling, sampling_keys, sampling_row
-from omnijax.serve.engine import Engine, EngineConfig
+from omnijax.serve.engine.engine import Engine, EngineConfig
 
 ROWS = [(0.0, 1.0), (0.7, 0.9), (1.3, 1.0), (1.0, 0.5), (0.2, 0.999)]
 

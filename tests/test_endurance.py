@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax import synthetic
-from omnijax.config import TINY_OMNI
+from omnijax.testing import synthetic
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick
-from omnijax.streaming import _step
+from omnijax.streaming.session import _step
 
 GOLDEN_MINICPMO = Path(__file__).resolve().parent / "data" / "minicpmo45" / "checkpoint"
 
@@ -25,8 +25,8 @@ def minicpmo_llm():
     from flax import nnx
     from safetensors.numpy import load_file
 
-    from convert import minicpmo
-    from convert.tables import convert_in_memory
+    from omnijax.models.minicpmo import convert as minicpmo
+    from omnijax.checkpoint.tables import convert_in_memory
     config = minicpmo.config_from_hf(json.loads((GOLDEN_MINICPMO / "config.json").read_text()))
     tensors = {k: v for k, v in load_file(GOLDEN_MINICPMO / "model.safetensors").items() if k.startswith("llm.")}
     params = convert_in_memory(tensors, [minicpmo.decoder_component(config)], strip_prefix="")["decoder"]

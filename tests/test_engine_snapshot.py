@@ -1,4 +1,4 @@
-"""Session snapshots (`omnijax.serve.snapshot`): a session exported between ticks and imported into the same engine
+"""Session snapshots (`omnijax.serve.engine.snapshot`): a session exported between ticks and imported into the same engine
 (another row, other pages) or, through disk, into a fresh engine continues exactly as an uninterrupted run: the
 same next-frame logits and answer tokens, the same sampled tokens (the key travels); and every refusal leaves the
 engine as it was.
@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.decoding import Sampling, folded_keys
 from omnijax.kv.paged import PageClass
 from omnijax.retention.baselines import SinkWindow
-from omnijax.serve import snapshot as snapshot_lib
-from omnijax.serve.engine import DuplicateSession, Engine, EngineConfig
-from omnijax.serve.snapshot import (ARRAY_FIELDS, NotEnoughPages, SessionSnapshot, SnapshotFormatError,
+from omnijax.serve.engine import snapshot as snapshot_lib
+from omnijax.serve.engine.engine import DuplicateSession, Engine, EngineConfig
+from omnijax.serve.engine.snapshot import (ARRAY_FIELDS, NotEnoughPages, SessionSnapshot, SnapshotFormatError,
                                     SnapshotMismatch, export_row, import_row, load_snapshot, save_snapshot)
-from omnijax.streaming import init_state
+from omnijax.streaming.step import init_state
 
 S, W, P, NUM_PAGES, T, TAU = 4, 16, 8, 24, 8, 2
 K, NEXT = 4, 3  # frames before the snapshot, frames compared after it

@@ -31,12 +31,12 @@ MESHES = [(8, 1), (4, 2), (2, 4)]
 _SETUP = textwrap.dedent("""
     import numpy as np
     from flax import nnx
-    from omnijax.adapters import qwen2_5_omni as qwen
-    from omnijax.config import TINY_OMNI
-    from omnijax.evaluation import EvalConfig
+    from omnijax.chunks.builders import qwen2_5_omni as qwen
+    from omnijax.models.config import TINY_OMNI
+    from omnijax.eval.runner import EvalConfig
     from omnijax.models.decoder import Decoder
     from omnijax.retention import OmniPick
-    from omnijax.synthetic import fold_ids
+    from omnijax.testing.synthetic import fold_ids
 
     CONFIG = TINY_OMNI.replace(vocab_size=256, intermediate_size=96)
     MODEL = Decoder(CONFIG, rngs=nnx.Rngs(0))
@@ -63,7 +63,7 @@ _WORKER = _SETUP + textwrap.dedent("""
     import jax
     import omnijax
     from omnijax import distributed
-    from omnijax.evaluation import evaluate, pad_sessions
+    from omnijax.eval.runner import evaluate, pad_sessions
 
     def flat(result):
         return [{"logits": s.logits, "tokens": s.tokens, "stats": s.stats} for s in result.sessions]
@@ -128,7 +128,7 @@ def setup():
 
 
 def test_pad_sessions_pads_chunks_and_sessions(setup):
-    from omnijax.evaluation import pad_sessions
+    from omnijax.eval.runner import pad_sessions
 
     chunks, own = pad_sessions(setup.SESSIONS[:2], num_sessions=4)
     assert own.tolist() == [5, 7]
@@ -144,7 +144,7 @@ def test_pad_sessions_pads_chunks_and_sessions(setup):
 
 def test_evaluate_refuses_bad_arguments(setup):
     import omnijax
-    from omnijax.evaluation import EvalConfig
+    from omnijax.eval.runner import EvalConfig
 
     with pytest.raises(ValueError, match="distinct"):
         omnijax.evaluate(setup.MODEL, setup.SESSIONS[:1], [setup.EVAL, setup.EVAL], progress=False)
@@ -168,7 +168,7 @@ def test_evaluate_refuses_bad_arguments(setup):
 
 def test_evaluate_warns_when_a_pool_ran_out(setup):
     import omnijax
-    from omnijax.evaluation import EvalConfig
+    from omnijax.eval.runner import EvalConfig
 
     tiny = EvalConfig("tiny pool", page_size=16, num_pages=1)  # NoSlide: the first session outgrows one page
     with pytest.warns(RuntimeWarning, match=r"tiny pool: the KV pool ran out in session\(s\) \[0\]"):
@@ -180,7 +180,7 @@ def test_evaluate_warns_when_a_pool_ran_out(setup):
 def test_param_specs_split_heads_mlp_and_vocab_over_the_model_axis(setup):
     from flax import nnx
     from jax.sharding import PartitionSpec as P
-    from omnijax import distributed
+    from omnijax.eval import mesh as distributed
 
     _, params = nnx.split(setup.MODEL)
     for model_axis, kv in ((2, "model"), (4, None)):
@@ -195,7 +195,7 @@ def test_param_specs_split_heads_mlp_and_vocab_over_the_model_axis(setup):
 
 
 def test_cluster_flags_and_environment():
-    from omnijax import distributed
+    from omnijax.eval import mesh as distributed
 
     assert distributed.cluster_from_env({}) is None
     env = {"OMNIJAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "OMNIJAX_NUM_PROCESSES": "4", "OMNIJAX_PROCESS_ID": "3"}
@@ -221,7 +221,7 @@ _MULTIHOST = textwrap.dedent("""
     from omnijax import distributed
     distributed.initialize(distributed.ClusterSpec(sys.argv[1], 2, int(sys.argv[2])))  # before any JAX work
 """) + _SETUP + textwrap.dedent("""
-    from omnijax.evaluation import evaluate
+    from omnijax.eval.runner import evaluate
     mesh = distributed.make_mesh(4, 2)
     got = evaluate(MODEL, SESSIONS, [EVAL], mesh=mesh, batch_size=8, progress=False)[EVAL.name].sessions
     ref = evaluate(MODEL, SESSIONS, [EVAL], batch_size=8, progress=False)[EVAL.name].sessions

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.adapters import qwen2_5_omni as adapter
-from omnijax.chunks import pad_chunk, stack_chunks
+from omnijax.models.qwen2_5_omni import layout as adapter
+from omnijax.chunks.chunk import pad_chunk, stack_chunks
 from omnijax.models.qwen2_5_omni import frontend
-from omnijax.models.qwen2_5_omni.audio import encode_audio
-from omnijax.models.qwen2_5_omni.audio_features import InvalidPcmError, UnsupportedSampleRateError, log_mel
+from omnijax.models.encoders.whisper import encode_audio
+from omnijax.models.encoders.log_mel import InvalidPcmError, UnsupportedSampleRateError, log_mel
 from omnijax.models.qwen2_5_omni.vision import encode_vision
-from omnijax.models.qwen2_5_omni.vision_preprocess import ImageTooSmallError, NonFinitePixelError, preprocess_video
-from omnijax.units import SpanKind
+from omnijax.models.encoders.qwen_vl_preprocess import ImageTooSmallError, NonFinitePixelError, preprocess_video
+from omnijax.chunks.spans import SpanKind
 from tests import tiny_omni
 
 SMALL = {"min_pixels": 56 * 56}  # keep 56x84 frames at their size (2x3 LLM tokens per temporal patch)

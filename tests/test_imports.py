@@ -1,4 +1,4 @@
-"""Layering: every module of `omnijax`, `convert` and `pallas_kernels` imports on its own in a fresh interpreter (so
+"""Layering: every module of `omnijax`, `convert` and `omnijax.kernels` imports on its own in a fresh interpreter (so
 there is no import cycle and import order never matters), the models never import the converter, the kernels import
 jax only, and `load` works in a fresh interpreter without the converter."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from convert import convert_checkpoint
+from omnijax.convert import convert_checkpoint
 from omnijax import demo
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("omnijax", "convert", "pallas_kernels")
+PACKAGES = ("omnijax", "convert", "omnijax.kernels")
 WORKERS = 2  # modules importing at once
 
 
@@ -120,12 +120,12 @@ def last_line(text: str) -> str:
 def test_discovery_finds_every_package():
     found = [m for package in PACKAGES for m in MODULES[package]]
     assert len(found) == len(set(found))
-    for name in ("omnijax.streaming", "omnijax.evaluation", "omnijax.models.qwen2_5_omni.audio",
-                 "omnijax.models.minicpmo.vision", "omnijax.serve.engine", "convert.tables", "convert.__main__",
-                 "pallas_kernels.block_sparse_attention"):
+    for name in ("omnijax.streaming.session", "omnijax.eval.runner", "omnijax.models.encoders.whisper",
+                 "omnijax.models.minicpmo.vision", "omnijax.serve.engine.engine", "omnijax.checkpoint.tables", "omnijax.convert.__main__",
+                 "omnijax.kernels.block_sparse_attention"):
         assert name in found
     assert "omnijax.stream" not in found and "omnijax.evaluate" not in found  # renamed modules are gone
-    assert len(MODULES["omnijax"]) > 50 and len(MODULES["convert"]) >= 8 and len(MODULES["pallas_kernels"]) >= 4
+    assert len(MODULES["omnijax"]) > 50 and len(MODULES["convert"]) >= 8 and len(MODULES["omnijax.kernels"]) >= 4
     preload = third_party_imports()
     assert {"jax", "numpy", "flax.nnx"} <= set(preload)
     assert not [n for n in preload if n.partition(".")[0] in PACKAGES + ("os", "json")]
@@ -179,29 +179,29 @@ def test_kernels_import_jax_only():
     code = ("import sys\n"
             "import jax, jax.numpy, jax.experimental.pallas, jax.experimental.pallas.triton\n"
             "before = {m.partition('.')[0] for m in sys.modules}\n"
-            + _imports_all(MODULES["pallas_kernels"]) +
+            + _imports_all(MODULES["omnijax.kernels"]) +
             "new = {m.partition('.')[0] for m in sys.modules} - before - set(sys.stdlib_module_names)\n"
-            "assert new == {'pallas_kernels'}, f'pallas_kernels imported {sorted(new)}'\n")
+            "assert new == {'omnijax.kernels'}, f'omnijax.kernels imported {sorted(new)}'\n")
     result = python(code)
     assert result.returncode == 0, result.stderr
 
 
 def test_converter_reexports_the_shared_tables_and_errors():
-    """`convert.tables` / `convert.errors` are the omnijax objects themselves, so `except convert.errors.X` catches
+    """`omnijax.checkpoint.tables` / `omnijax.errors` are the omnijax objects themselves, so `except omnijax.errors.X` catches
     what the models raise."""
-    import convert.errors
-    import convert.tables
     import omnijax.errors
-    import omnijax.name_tables
+    import omnijax.checkpoint.tables
+    import omnijax.errors
+    import omnijax.checkpoint.name_tables
 
-    for name in convert.errors.__all__:
-        assert getattr(convert.errors, name) is getattr(omnijax.errors, name)
-    for name in convert.tables.__all__:
-        assert getattr(convert.tables, name) is getattr(omnijax.name_tables, name)
+    for name in omnijax.errors.__all__:
+        assert getattr(omnijax.errors, name) is getattr(omnijax.errors, name)
+    for name in omnijax.checkpoint.tables.__all__:
+        assert getattr(omnijax.checkpoint.tables, name) is getattr(omnijax.checkpoint.name_tables, name)
     assert {"ConvertError", "ConfigError", "MissingTensorError", "UnsupportedConfigError"} <= set(
-        convert.errors.__all__)
+        omnijax.errors.__all__)
     assert {"Component", "Rule", "TRANSFORMS", "convert_in_memory", "param_shapes", "plan_conversion"} <= set(
-        convert.tables.__all__)
+        omnijax.checkpoint.tables.__all__)
 
 
 def test_load_in_a_fresh_interpreter(tmp_path):

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import attention
+from omnijax.kv import attention
 from omnijax.kv import paged, layout
 from omnijax.kv.paged import PageClass
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 G, D, H = 2, 8, 4  # kv heads, head dim, query heads
 
@@ -407,7 +407,7 @@ def _primitives(jaxpr) -> set[str]:
 def test_indexed_view_matches_and_the_layer_loop_derives_no_page_list(impl):
     """An indexed view gives the same attention; a model indexes once per chunk, so its layer scan holds no cumsum
     (the active-page list) while an unindexed call does; nor does the scan rotate angles or scan layer numbers."""
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
     rng = np.random.default_rng(13)

@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from convert.__main__ import main as convert_main  # noqa: E402
-from convert.errors import ConfigError, UnsupportedConfigError  # noqa: E402
-from convert.llama import config_from_hf  # noqa: E402
-from omnijax.chunks import split_text  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.convert.__main__ import main as convert_main  # noqa: E402
+from omnijax.errors import ConfigError, UnsupportedConfigError  # noqa: E402
+from omnijax.models.llama.convert import config_from_hf  # noqa: E402
+from omnijax.chunks.chunk import split_text  # noqa: E402
 from omnijax.kv import paged  # noqa: E402
 from omnijax.kv import rope as rope_lib  # noqa: E402
 from omnijax.retention import base  # noqa: E402

@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from omnijax.chunks import split_text  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.chunks.chunk import split_text  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -64,8 +64,8 @@ def test_logits_and_stream_match_transformers(family):
 
 
 def test_qwen3_attention_bias_is_refused(tmp_path):
-    from convert.errors import UnsupportedConfigError
-    from convert.qwen2_5_omni import config_from_hf
+    from omnijax.errors import UnsupportedConfigError
+    from omnijax.models.qwen2_5_omni.convert import config_from_hf
 
     with pytest.raises(UnsupportedConfigError, match="attention_bias"):
         config_from_hf({"model_type": "qwen3", "attention_bias": True, **COMMON, "head_dim": 16})

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from convert.errors import MissingTensorError
-from convert.tables import param_shapes
+from omnijax.errors import MissingTensorError
+from omnijax.checkpoint.tables import param_shapes
 from omnijax.models.minicpmo import audio as A
 from omnijax.models.minicpmo import audio_features as af
 from omnijax.models.minicpmo import audio_stream as S

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax.config import StreamConfig
+from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import check_decoding, stop_ids_of
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule
 
@@ -108,8 +108,8 @@ def test_the_rule_is_a_static_strategy_and_refuses_bad_settings():
 
 def test_a_streamed_answer_with_the_rule_is_the_host_loop_of_choose():
     import omnijax
-    from omnijax.chunks import text_chunk
-    from omnijax.config import TINY_OMNI
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.models.config import TINY_OMNI
     from omnijax.decoding import Greedy
     from omnijax.models.decoder import Decoder
 

@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from convert import minicpmo
-from convert.tables import convert_in_memory
+from omnijax.models.minicpmo import convert as minicpmo
+from omnijax.checkpoint.tables import convert_in_memory
 from omnijax.models.decoder import Decoder
-from omnijax.streaming import stream
-from omnijax.chunks import text_chunk, stack_chunks
+from omnijax.streaming.session import stream
+from omnijax.chunks.chunk import text_chunk, stack_chunks
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 
@@ -60,7 +60,7 @@ def test_case4_duplex_stream_and_greedy_decisions(llm):
     through the step-wise session: incremental logits and every greedy decision match; the one-shot forward over
     everything fed matches the reference's one-shot logits."""
     import omnijax
-    from omnijax.chunks import Chunk, pad_chunk
+    from omnijax.chunks.chunk import Chunk, pad_chunk
     from omnijax.models.minicpmo.duplex import DuplexDecodeRule
     case = np.load(GOLDEN / "case4_duplex.npz")
     meta = json.loads((GOLDEN / "case4_duplex.json").read_text())["meta"]

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import omnijax
-from convert import convert_checkpoint
-from convert.errors import MissingTensorError, UnsupportedConfigError
+from omnijax.convert import convert_checkpoint
+from omnijax.errors import MissingTensorError, UnsupportedConfigError
 from omnijax.models.minicpmo.model import MiniCPMOInputError, MiniCPMOModel
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
@@ -121,9 +121,9 @@ def test_case4_duplex_session_from_raw_frames_and_audio(model):
 def test_retention_and_omnipage_on_minicpmo_duplex_sessions(model):
     """OmniPick (source image whole, slice and audio sinks), the official unit window and OmniPage on 4.5 duplex units
     with high-resolution slices, through the converted MiniCPM-o LLM: bounded, and paging never changes the logits."""
-    from omnijax import synthetic
+    from omnijax.testing import synthetic
     from omnijax.retention import OfficialUnitWindow, OmniPick
-    from omnijax.units import SpanKind
+    from omnijax.chunks.spans import SpanKind
     chunks = synthetic.minicpm_duplex_session(20, vocab_size=model.config.vocab_size, slices_every=2)
     high, low = 1200, 800
     omnipick = OmniPick(high_watermark=high, low_watermark=low, source_image_whole=True)

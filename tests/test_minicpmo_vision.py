@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert.errors import MissingTensorError, ShapeMismatchError
-from convert.tables import param_shapes
+from omnijax.errors import MissingTensorError, ShapeMismatchError
+from omnijax.checkpoint.tables import param_shapes
 from omnijax.models.minicpmo import image_preprocess as ip
 from omnijax.models.minicpmo import vision as V
 

@@ -26,12 +26,12 @@ EXPERTS = 8
 _SETUP = textwrap.dedent(f"""
     import numpy as np
     from flax import nnx
-    from omnijax.adapters import qwen2_5_omni as qwen
-    from omnijax.config import TINY_OMNI
-    from omnijax.evaluation import EvalConfig
+    from omnijax.chunks.builders import qwen2_5_omni as qwen
+    from omnijax.models.config import TINY_OMNI
+    from omnijax.eval.runner import EvalConfig
     from omnijax.models.decoder import Decoder
     from omnijax.retention import OmniPick
-    from omnijax.synthetic import fold_ids
+    from omnijax.testing.synthetic import fold_ids
 
     CONFIG = TINY_OMNI.replace(num_layers=3, vocab_size=256, num_experts={EXPERTS}, num_experts_per_tok=2,
                                moe_intermediate_size=32, mlp_only_layers=(1,), qkv_bias=False, qk_norm=True,
@@ -58,7 +58,7 @@ _WORKER = _SETUP + textwrap.dedent("""
     import json
     import jax
     from omnijax import distributed
-    from omnijax.evaluation import evaluate
+    from omnijax.eval.runner import evaluate
 
     placed = []
     _put = distributed.put
@@ -164,7 +164,7 @@ def test_expert_specs_follow_divisibility():
     """`decoder_param_specs` splits the experts only when the model axis divides E (else they stay whole)."""
     from flax import nnx
     from jax.sharding import PartitionSpec as P
-    from omnijax import distributed
+    from omnijax.eval import mesh as distributed
 
     namespace = {}
     exec(_SETUP, namespace)

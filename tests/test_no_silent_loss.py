@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnijax.config import TINY_OMNI
+from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens
 

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from omnijax.evalharness import media as media_lib
-from omnijax.evalharness import omnimmi as om
-from omnijax.evalharness import probes as probes_lib
-from omnijax.evalharness import streamingbench as sb
+from omnijax.eval import media as media_lib
+from omnijax.eval import omnimmi as om
+from omnijax.eval import probes as probes_lib
+from omnijax.eval import streamingbench as sb
 from tests.test_streamingbench import _certain_model
 
 
@@ -60,7 +60,7 @@ def test_query_times(records):
 
 
 def test_sessions_for_a_sample_of_each_task(records):
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
     recs, _ = records
     builder = probes_lib.PromptBuilder(Decoder(TINY_OMNI.replace(vocab_size=256)), media_lib.ByteTextEncoder(256))

@@ -16,7 +16,7 @@ import pytest
 from omnijax.kv import layout_stats, paged
 from omnijax.kv.paged import PageClass
 from omnijax.paging import omnipage
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 from tests import reference_paging as ref
 from tests import soak
 

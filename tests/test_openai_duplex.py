@@ -14,17 +14,17 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.chat import resample  # noqa: E402
 from omnijax.models.minicpmo.duplex import DuplexSession, DuplexTokens  # noqa: E402
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer  # noqa: E402
 from omnijax.retention import NoSlide  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
-from omnijax.serve.duplex import speak_ids  # noqa: E402
+from omnijax.serve.engine.duplex import speak_ids  # noqa: E402
 from omnijax.serve.loadgen import speech_like_pcm  # noqa: E402
 from omnijax.chat import read_image  # noqa: E402
-from omnijax.serve.realtime_duplex import duplex_rule  # noqa: E402
+from omnijax.serve.realtime.duplex import duplex_rule  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 INSTRUCTIONS = "You are a helpful duplex assistant."

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402

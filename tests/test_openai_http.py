@@ -1,4 +1,4 @@
-"""The chat-completions codec (`omnijax.serve.openai_http`): requests parsed and refused with the field named, and
+"""The chat-completions codec (`omnijax.serve.chat_completions`): requests parsed and refused with the field named, and
 the objects it builds validated by the official `openai` SDK's types."""
 
 import base64
@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 
 from omnijax.chat import resample  # noqa: E402
 from omnijax.decoding import Greedy, Sampling  # noqa: E402
-from omnijax.serve import openai_http as oh  # noqa: E402
+from omnijax.serve import chat_completions as oh  # noqa: E402
 
 
 def _wav(pcm: np.ndarray, rate: int, width: int = 2) -> str:

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from omnijax.evalharness import annotations as ann
-from omnijax.evalharness import media as media_lib
-from omnijax.evalharness import ovobench as ovo
-from omnijax.evalharness import probes as probes_lib
-from omnijax.evalharness import streamingbench as sb
-from omnijax.units import SpanKind
+from omnijax.eval import annotations as ann
+from omnijax.eval import media as media_lib
+from omnijax.eval import ovobench as ovo
+from omnijax.eval import probes as probes_lib
+from omnijax.eval import streamingbench as sb
+from omnijax.chunks.spans import SpanKind
 from tests.test_streamingbench import _certain_model
 
 RECORDS = [
@@ -65,7 +65,7 @@ def test_sessions_ask_at_ceil_realtime(data):
                                                        ("SSR 4", 2), ("CRR 5", 2)]
     assert [p.category for p in ovo.select(plans, max_sessions=3)] == ["backward", "realtime", "forward"]
     assert [p.name for p in ovo.select(plans, max_units=1)] == ["ego/a.mp4", "REC 3", "CRR 5"]
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
     builder = probes_lib.PromptBuilder(Decoder(TINY_OMNI.replace(vocab_size=256)), media_lib.ByteTextEncoder(256))
     plan = plans[2]  # REC: probes at 2 s (unit 1) and ceil(0.5) = 1 s (unit 0), asked in time order

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax import attention
-from omnijax.chunks import pad_chunk, stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.kv import attention
+from omnijax.chunks.chunk import pad_chunk, stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.kv import paged
 from omnijax.kv.paged import PageClass
 from omnijax.paging import PAGING_MODES, Paging, eager, migration, omnipage
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 from omnijax.retention import OmniPick, TokenSliding, base
 from tests import reference_paging as ref
 

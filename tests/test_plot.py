@@ -8,8 +8,8 @@ import pytest
 
 import omnijax
 from omnijax import plot
-from omnijax.chunks import stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick
 
 pytest.importorskip("matplotlib", reason="matplotlib (the `plot` and `test` extras) draws the plots")

@@ -16,8 +16,8 @@ pytest.importorskip("transformers", reason="transformers (the test extra) holds 
 
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor  # noqa: E402
 
-from omnijax.adapters import qwen2_5_omni as q  # noqa: E402
-from omnijax.adapters import token_layout  # noqa: E402
+from omnijax.models.qwen2_5_omni import layout as q  # noqa: E402
+from omnijax.chunks.builders import token_layout  # noqa: E402
 from omnijax.models.qwen2_5_omni import positions as tm  # noqa: E402
 from tests import hf_models  # noqa: E402
 

@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax.config import TINY_OMNI
+from omnijax.models.config import TINY_OMNI
 from omnijax.kv import paged
-from omnijax import attention
+from omnijax.kv import attention
 from omnijax.models.decoder import Decoder
 from omnijax.prefill import (AdaKV, RecentTokens, SnapKV, decode_step, force, greedy, immediate_eviction_prefill,
                              pyramid_budgets, tidekv_prefill, token_major_prefill, uniform_budgets)
 from omnijax.prefill.cache import LayerCache, Selection, pack
-from pallas_kernels.streaming_topk import snapkv_scores_reference
+from omnijax.kernels.streaming_topk import snapkv_scores_reference
 
 S, B, CHUNK, PAGE, WINDOW = 150, 2, 64, 32, 16
 

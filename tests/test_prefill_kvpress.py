@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax.config import TINY_OMNI
+from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
 from omnijax.prefill import (IMMEDIATE_EVICTION, REGISTRY, ChunkKV, KeyDiff, RecentTokens, Selection,
                              SnapKV, greedy, immediate_eviction, immediate_eviction_prefill, kvpress_budget,
@@ -43,7 +43,7 @@ def qwen2(tmp_path_factory):
     import transformers
 
     import omnijax
-    from convert import convert_checkpoint
+    from omnijax.convert import convert_checkpoint
 
     torch.manual_seed(5)
     config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

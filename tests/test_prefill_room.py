@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import attention
-from omnijax.config import TINY_OMNI
+from omnijax.kv import attention
+from omnijax.models.config import TINY_OMNI
 from omnijax.kv import paged
 from omnijax.models.decoder import Decoder
 from omnijax.prefill import AdaKV, check_room, decode_step, force, greedy, tidekv_prefill, with_room

@@ -1,4 +1,4 @@
-"""Metronome's quality probe (`omnijax.evalharness.quality_probe`): the lenient keyword scorer against a plain
+"""Metronome's quality probe (`omnijax.eval.quality_probe`): the lenient keyword scorer against a plain
 reading, the free-running decode mode, an end-to-end run whose answers are known, and the command line."""
 
 import json
@@ -10,7 +10,7 @@ from flax import nnx
 
 import omnijax
 from omnijax.decoding import Greedy
-from omnijax.evalharness import quality_probe as qp
+from omnijax.eval import quality_probe as qp
 
 
 def _answering_plain(texts, questions, session, config):
@@ -66,10 +66,10 @@ def _rigged(model, token: int):
 def test_free_running_decodes_through_end_of_sequence(model):
     eos = model.config.eos_token_ids[0]
     rigged = _rigged(model, eos)
-    chunk = omnijax.chunks.text_chunk([5, 6, 7], answer_tokens=4, position_axes=3)
+    chunk = omnijax.chunks.chunk.text_chunk([5, 6, 7], answer_tokens=4, position_axes=3)
     common = dict(num_pages=8, page_size=16, max_answer_tokens=4)
-    stops = omnijax.stream(rigged.decoder, omnijax.chunks.stack_chunks([chunk]), omnijax.StreamConfig(**common))
-    runs = omnijax.stream(rigged.decoder, omnijax.chunks.stack_chunks([chunk]),
+    stops = omnijax.stream(rigged.decoder, omnijax.chunks.chunk.stack_chunks([chunk]), omnijax.StreamConfig(**common))
+    runs = omnijax.stream(rigged.decoder, omnijax.chunks.chunk.stack_chunks([chunk]),
                           omnijax.StreamConfig(**common, decoding=Greedy(free_running=True)))
     assert np.asarray(stops.tokens)[0, 0].tolist() == [eos, -1, -1, -1]
     assert np.asarray(runs.tokens)[0, 0].tolist() == [eos] * 4

@@ -11,7 +11,7 @@ from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni.audio import (
     QWEN3_OMNI_30B_A3B_AUDIO, FeatureShapeError, Qwen3AudioConfig, Qwen3AudioConfigError, Qwen3AudioEncoder,
     UnsupportedAudioConfigError, audio_component, audio_token_count, encode_audio, encoder_from_params, plan_audio)
-from omnijax.name_tables import convert_in_memory, param_shapes
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")

@@ -10,15 +10,15 @@ torch = pytest.importorskip("torch", reason="torch (the test extra) runs the tra
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from omnijax.adapters import qwen3_omni as adapter  # noqa: E402
-from omnijax.chunks import stack_chunks  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.models.qwen3_omni import layout as adapter  # noqa: E402
+from omnijax.chunks.chunk import stack_chunks  # noqa: E402
 from omnijax.models.qwen2_5_omni import frontend as frontend25  # noqa: E402
-from omnijax.models.qwen2_5_omni import vision_preprocess as vp  # noqa: E402
-from omnijax.models.qwen2_5_omni.audio_features import InvalidPcmError  # noqa: E402
+from omnijax.models.encoders import qwen_vl_preprocess as vp  # noqa: E402
+from omnijax.models.encoders.log_mel import InvalidPcmError  # noqa: E402
 from omnijax.models.qwen3_omni import frontend as F  # noqa: E402
 from omnijax.models.qwen3_omni import positions as P  # noqa: E402
-from omnijax.units import SpanKind  # noqa: E402
+from omnijax.chunks.spans import SpanKind  # noqa: E402
 from tests import qwen3_omni_models as Q  # noqa: E402
 
 SR = 16000

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from convert.errors import ConvertError, UnsupportedConfigError  # noqa: E402
-from omnijax.chunks import split_text  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.errors import ConvertError, UnsupportedConfigError  # noqa: E402
+from omnijax.chunks.chunk import split_text  # noqa: E402
 from omnijax.models.qwen3_omni import positions as P  # noqa: E402
 from omnijax.models.qwen3_omni.thinker import ThinkerInputError  # noqa: E402
 from tests import qwen3_omni_models as Q  # noqa: E402
@@ -229,8 +229,8 @@ def test_talker_only_or_unknown_architecture_is_refused(tmp_path, model_type):
 def test_units_streamed_one_by_one_equal_the_one_shot_forward(model):
     """System text, an image, text, an audio clip, two audiovisual units and a question, each a streaming unit (with
     its encoder outputs and DeepStack levels), give the one-shot forward's logits at every unit's last token."""
-    from omnijax.adapters import qwen3_omni as A
-    from omnijax.chunks import stack_chunks
+    from omnijax.models.qwen3_omni import layout as A
+    from omnijax.chunks.chunk import stack_chunks
     from omnijax.models.qwen3_omni import audio as audio_lib
     from omnijax.models.qwen3_omni import vision as vision_lib
 
@@ -274,8 +274,8 @@ def test_units_streamed_one_by_one_equal_the_one_shot_forward(model):
 
 def _av_session(model, units: int, seed: int):
     """A system prompt, `units` 2 s audiovisual units with real encoder outputs, and a question, stacked."""
-    from omnijax.adapters import qwen3_omni as A
-    from omnijax.chunks import stack_chunks
+    from omnijax.models.qwen3_omni import layout as A
+    from omnijax.chunks.chunk import stack_chunks
     from omnijax.models.qwen3_omni import audio as audio_lib
     from omnijax.models.qwen3_omni import vision as vision_lib
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.chat import Chat  # noqa: E402
 from tests import qwen3_omni_models as Q  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_chat_answer_is_the_reference_greedy_answer(model, hf):
 def test_engine_serves_audio_sessions_as_each_session_alone(model):
     from omnijax.retention import SinkWindow
     from omnijax.serve.audio_frames import AudioFrameEncoder, frame_tokens
-    from omnijax.serve.engine import Engine, EngineConfig
+    from omnijax.serve.engine.engine import Engine, EngineConfig
     from omnijax.serve.loadgen import speech_like_pcm
 
     samples = 4000  # 250 ms frames: 25 mel frames, 4 AuT tokens, 6 chunk tokens

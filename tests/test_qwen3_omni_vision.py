@@ -9,7 +9,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from omnijax.models.qwen3_omni import vision as V  # noqa: E402
-from omnijax.name_tables import convert_in_memory, param_shapes  # noqa: E402
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes  # noqa: E402
 
 # A 4x4 learned position grid, so every grid below is interpolated; two DeepStack levels out of three blocks.
 HF_VISION = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,

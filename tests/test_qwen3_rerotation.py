@@ -16,15 +16,15 @@ import pytest
 from flax import nnx
 
 import omnijax
-from omnijax.adapters import make_chunk
-from omnijax.chunks import pad_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.builders import make_chunk
+from omnijax.chunks.chunk import pad_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.kv import paged
 from omnijax.kv import rope as rope_lib
-from omnijax.model import Model
+from omnijax.models.model import Model
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_qkv, layer_slice
 from omnijax.retention import OmniPick, base
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 from tests.test_retention_apply import _python_freed  # the re-indexing rule read plainly
 
 G, D, P = 2, 16, 4  # kv heads, head dim, page size

@@ -1,4 +1,4 @@
-"""Tests for omnijax.serve.realtime_events and realtime_server_events, with the official openai SDK as the
+"""Tests for omnijax.serve.realtime.client_events and realtime_server_events, with the official openai SDK as the
 independent oracle."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from openai.types.realtime import (  # noqa: E402
     InputAudioBufferCommitEventParam, RealtimeServerEvent, ResponseCancelEventParam, ResponseCreateEventParam,
     SessionUpdateEventParam)
 
-from omnijax.serve import realtime_events as rt  # noqa: E402
-from omnijax.serve import realtime_server_events as rs  # noqa: E402
+from omnijax.serve.realtime import client_events as rt  # noqa: E402
+from omnijax.serve.realtime import server_events as rs  # noqa: E402
 
 SERVER = pydantic.TypeAdapter(RealtimeServerEvent)
 PNG = b"\x89PNG\r\n\x1a\nfakepng"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import attention
+from omnijax.kv import attention
 from omnijax.kv import paged
 from omnijax.kv import rope as rope_lib
 from omnijax.retention import base

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import InfiniPotV, SequenceView, SlotFeatures, StreamMem, get_policy, sequence_view
 from omnijax.retention.base import slot_features
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 KINDS = [K.SYSTEM, K.BOUNDARY, K.IMAGE, K.VIDEO, K.AUDIO, K.TEXT]
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import (H2O, NoSlide, OfficialUnitWindow, OmniPick, SinkWindow, StreamingLLM, TokenSliding,
                                UnitFIFO, sequence_view)
 

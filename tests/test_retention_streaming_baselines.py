@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import Chunk, stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import Chunk, stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.retention import (REGISTRY, DifferentialTokenDrop, NoSlide, OmniMemBudgets, StreamingVLM,
                                differential_token_drop, get_policy, sequence_view)
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 from tests import reference_streaming_baselines as ref
 from tests import soak
 from tests.unit_streams import Token, kept_orders, random_stream, to_view
@@ -213,7 +213,7 @@ def test_inside_the_scan_matches_the_reference_run(model, policy):
 def test_tmrope_session_stays_bounded(model):
     """A Qwen2.5-Omni layout (3-axis TMRoPE positions, audiovisual units) under both policies: per-modality counts
     stay within their windows after every trim and nothing is lost or invented."""
-    from omnijax.synthetic import qwen_av_session
+    from omnijax.testing.synthetic import qwen_av_session
 
     chunks = qwen_av_session(6, vocab_size=TINY_OMNI.vocab_size, system_tokens=8)
     per_chunk = np.asarray(chunks.valid).sum(axis=(1, 2))

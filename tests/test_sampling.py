@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="torch (the test extra) runs the tra
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from omnijax.config import StreamConfig  # noqa: E402
+from omnijax.streaming.config import StreamConfig  # noqa: E402
 from omnijax.decoding import Greedy, Sampling  # noqa: E402
 
 B, V, N = 4, 64, 12
@@ -119,8 +119,8 @@ def test_bad_settings_are_refused_by_name(bad, match):
 
 def test_a_streamed_session_samples_inside_the_step_and_reproduces_from_its_seed():
     import omnijax
-    from omnijax.chunks import text_chunk
-    from omnijax.config import TINY_OMNI
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
     model = Decoder(TINY_OMNI.replace(num_layers=1))
@@ -149,8 +149,8 @@ def test_a_streamed_session_samples_inside_the_step_and_reproduces_from_its_seed
 
 def test_stop_ids_end_an_answer_and_are_refused_when_malformed():
     import omnijax
-    from omnijax.chunks import stack_chunks, text_chunk
-    from omnijax.config import TINY_OMNI
+    from omnijax.chunks.chunk import stack_chunks, text_chunk
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
     model = Decoder(TINY_OMNI.replace(num_layers=1, eos_token_ids=()))
@@ -169,7 +169,7 @@ def test_stop_ids_end_an_answer_and_are_refused_when_malformed():
 
 
 def test_tidekv_decoding_takes_a_strategy():
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
     from omnijax.prefill import decode, greedy, tidekv_prefill
 
@@ -191,10 +191,10 @@ def test_tidekv_decoding_takes_a_strategy():
 
 
 def test_engine_sessions_sample_with_keys_of_their_own_and_reproduce():
-    from omnijax.chunks import text_chunk
-    from omnijax.config import TINY_OMNI
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
-    from omnijax.serve.engine import Engine, EngineConfig
+    from omnijax.serve.engine.engine import Engine, EngineConfig
 
     model = Decoder(TINY_OMNI.replace(num_layers=1))
     chunk = text_chunk([5, 6, 7, 8])

@@ -1,6 +1,6 @@
 """The repository is self-contained: no source, test, benchmark or build file reaches into a sibling `shared` folder
 (the golden vectors live in `tests/data/`, the StreamingBench annotations ship as package data of
-`omnijax.evalharness`), and the harness finds its packaged annotations with no argument."""
+`omnijax.eval`), and the harness finds its packaged annotations with no argument."""
 
 import fnmatch
 import re
@@ -8,11 +8,11 @@ import tomllib
 from pathlib import Path
 
 import omnijax
-from omnijax.evalharness import annotations as ann
-from omnijax.evalharness import streamingbench as sb
+from omnijax.eval import annotations as ann
+from omnijax.eval import streamingbench as sb
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED_DIRS = ("omnijax", "convert", "pallas_kernels", "tests", "bench")
+SCANNED_DIRS = ("omnijax", "convert", "omnijax.kernels", "tests", "bench")
 SCANNED_FILES = ("Makefile", "pyproject.toml", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".txt", ".yaml", ".yml"}
 
@@ -49,7 +49,7 @@ def test_the_pattern_catches_sibling_paths_and_not_prose():
 def test_no_file_refers_to_the_sibling_shared_folder():
     files = list(scanned_files())
     names = {p.relative_to(ROOT).as_posix() for p in files}
-    assert {"omnijax/evalharness/streamingbench.py", "tests/test_minicpmo_llm.py", "pyproject.toml",
+    assert {"omnijax/eval/streamingbench.py", "tests/test_minicpmo_llm.py", "pyproject.toml",
             "tests/test_self_contained.py"} <= names  # this file too: its pattern and examples name no such path
     offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
                  for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if SIBLING.search(line)]
@@ -85,7 +85,7 @@ def test_packaged_annotations_are_declared_as_package_data():
     """A non-editable install copies only what `[tool.setuptools.package-data]` names: every file of the packaged
     folder must match one of its patterns."""
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "omnijax.evalharness"]
+        "omnijax.eval"]
     package = ROOT / "omnijax" / "evalharness"
     files = [p.relative_to(package).as_posix() for p in (package / "data" / "streamingbench").iterdir()]
     assert len(files) == len(STREAMINGBENCH_FILES) + 2  # the annotation files, README.md and LICENSE

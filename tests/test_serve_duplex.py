@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 import omnijax
-from convert import convert_checkpoint
-from omnijax.config import StreamConfig
+from omnijax.convert import convert_checkpoint
+from omnijax.streaming.config import StreamConfig
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens, UnitResult
 from omnijax.retention.base import NoSlide
-from omnijax.serve.duplex import UNIT_SAMPLES, DuplexStream, rows_chunks, speak_text
-from omnijax.serve.engine import Engine, EngineConfig
+from omnijax.serve.engine.duplex import UNIT_SAMPLES, DuplexStream, rows_chunks, speak_text
+from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.loadgen import speech_like_pcm
-from omnijax.serve.worker import EngineWorker
-from omnijax.units import SpanKind
+from omnijax.serve.engine.worker import EngineWorker
+from omnijax.chunks.spans import SpanKind
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 PAGE_SIZE, SESSION_PAGES, WIDTH = 32, 16, 128  # 512 cached rows per session; a unit with a frame is 77 rows

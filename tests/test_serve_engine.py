@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks import pad_chunk, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import pad_chunk, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.kv.paged import PageClass
 from omnijax.retention.base import sequence_view
 from omnijax.retention.base import NoSlide
 from omnijax.retention.baselines import SinkWindow
-from omnijax.serve.admission import AIMD, Overloaded
-from omnijax.serve.engine import DuplicateSession, Engine, EngineConfig, pick_bucket, reset_row, take_rows
-from omnijax.serve.telemetry import Telemetry, linear_fit
+from omnijax.serve.engine.admission import AIMD, Overloaded
+from omnijax.serve.engine.engine import DuplicateSession, Engine, EngineConfig, pick_bucket, reset_row, take_rows
+from omnijax.serve.engine.telemetry import Telemetry, linear_fit
 
 S, W, P, NUM_PAGES, T, TAU = 4, 16, 8, 48, 8, 2
 STREAM = omnijax.StreamConfig(policy=SinkWindow(S, W), num_pages=NUM_PAGES, page_size=P, max_answer_tokens=TAU,

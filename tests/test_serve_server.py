@@ -158,7 +158,7 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     connection, refusal and session end, each naming the peer."""
     import logging
 
-    from omnijax.serve.admission import AIMD
+    from omnijax.serve.engine.admission import AIMD
 
     served.wait_idle()
     caplog.set_level(logging.INFO, logger="omnijax.serve")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import omnijax
-from convert import convert_checkpoint
-from convert.errors import ConfigError
-from convert.special_tokens import read_special_tokens
-from omnijax.adapters import qwen2_5_omni as q
-from omnijax.adapters import token_layout
-from omnijax.chunks import stack_chunks
+from omnijax.convert import convert_checkpoint
+from omnijax.errors import ConfigError
+from omnijax.checkpoint.special_tokens import read_special_tokens
+from omnijax.models.qwen2_5_omni import layout as q
+from omnijax.chunks.builders import token_layout
+from omnijax.chunks.chunk import stack_chunks
 from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
 
 # Every special id moved (inside hf_models.TEXT's 300-token vocabulary, above the byte range the harness's
@@ -100,8 +100,8 @@ def test_the_converted_checkpoint_carries_its_own_ids(model):
 
 def test_frontend_session_uses_the_checkpoints_ids_and_matches_transformers(model, hf):
     from omnijax.models.qwen2_5_omni import frontend
-    from omnijax.models.qwen2_5_omni.audio_features import log_mel
-    from omnijax.models.qwen2_5_omni.vision_preprocess import preprocess_video
+    from omnijax.models.encoders.log_mel import log_mel
+    from omnijax.models.encoders.qwen_vl_preprocess import preprocess_video
 
     S = SHIFTED
     text = lambda n, seed: np.random.default_rng(seed).integers(0, 256, n).tolist()  # noqa: E731
@@ -138,18 +138,18 @@ def test_frontend_session_uses_the_checkpoints_ids_and_matches_transformers(mode
                                       torch.as_tensor(fmask.sum(1)), torch.as_tensor([1.0, 1.0]))
     np.testing.assert_array_equal(pos, hf_pos.numpy()[:, 0])
     length = max(c.length for c in chunks)
-    from omnijax.chunks import pad_chunk
+    from omnijax.chunks.chunk import pad_chunk
     result = omnijax.stream(model, stack_chunks([pad_chunk(c, length) for c in chunks]), page_size=16)
     ends = np.cumsum([c.length for c in chunks]) - 1
     np.testing.assert_allclose(np.asarray(result.logits[:, 0]), want[ends], atol=1e-4, rtol=0)
 
 
 def test_a_served_frame_uses_the_checkpoints_ids_and_matches_transformers(model, hf):
-    from omnijax.models.qwen2_5_omni.audio_features import log_mel
+    from omnijax.models.encoders.log_mel import log_mel
     from omnijax.retention import NoSlide
     from omnijax.serve import loadgen
     from omnijax.serve.audio_frames import AudioFrameEncoder, frame_tokens
-    from omnijax.serve.engine import Engine, EngineConfig
+    from omnijax.serve.engine.engine import Engine, EngineConfig
 
     pcm = loadgen.speech_like_pcm(0.25, seed=4)  # 4000 samples: 6 audio tokens + 2 markers
     T = frame_tokens(pcm.shape[0])
@@ -174,10 +174,10 @@ def test_a_served_frame_uses_the_checkpoints_ids_and_matches_transformers(model,
 
 
 def test_the_streamingbench_harness_builds_and_scores_sessions_with_the_checkpoints_ids(model):
-    from omnijax.evalharness import annotations as ann
-    from omnijax.evalharness import media as media_lib
-    from omnijax.evalharness import sessions as sessions_lib
-    from omnijax.evalharness import streamingbench as sb
+    from omnijax.eval import annotations as ann
+    from omnijax.eval import media as media_lib
+    from omnijax.eval import sessions as sessions_lib
+    from omnijax.eval import streamingbench as sb
 
     video = ann.Video("toy.json", "a.mp4", "", [ann.Question("T1", "q?", 1.0, ("w", "x", "y", "z"), "B", 0)])
     encoder = media_lib.ByteTextEncoder(model.config.vocab_size)
@@ -208,7 +208,7 @@ def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
     assert loaded.omni == SHIFTED and loaded.config.eos_token_ids == (281,)
     # Chat's unit builder marks the checkpoint's own chat markers as boundaries.
     from omnijax.chat_units import units_for
-    from omnijax.units import SpanKind
+    from omnijax.chunks.spans import SpanKind
     chunk = units_for(loaded).text([280, 5, 281], 0, SpanKind.TEXT)
     assert np.asarray(chunk.span[0]).tolist() == [SpanKind.BOUNDARY, SpanKind.TEXT, SpanKind.BOUNDARY]
 
@@ -218,7 +218,7 @@ GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"
 
 
 def test_minicpmo_markers_come_from_the_checkpoints_tokenizer(tmp_path):
-    from omnijax.adapters import minicpmo as m
+    from omnijax.models.minicpmo import layout as m
     from omnijax.models.minicpmo.duplex import DuplexTokens
 
     sp = json.loads((GOLDEN / "info.json").read_text())["special_token_ids_tiny"]

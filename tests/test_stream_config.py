@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax import StreamConfig, adapters
-from omnijax.chunks import stack_chunks, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax import StreamConfig
+from omnijax.chunks import builders as adapters
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.decoding import Greedy
-from omnijax.evaluation import EvalConfig
+from omnijax.eval.runner import EvalConfig
 from omnijax.paging import Paging
 from omnijax.retention import H2O, NoSlide, OmniPick, SinkWindow, TokenSliding, get_policy
-from omnijax.streaming import bind_config
+from omnijax.streaming.session import bind_config
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,8 @@ def test_modules_do_not_shadow_their_functions_and_the_state_hint_works(model):
     import importlib
 
     assert callable(omnijax.stream) and callable(omnijax.evaluate)
-    assert importlib.import_module("omnijax.streaming").stream is omnijax.stream
-    assert importlib.import_module("omnijax.evaluation").evaluate is omnijax.evaluate
+    assert importlib.import_module("omnijax.streaming.session").stream is omnijax.stream
+    assert importlib.import_module("omnijax.eval.runner").evaluate is omnijax.evaluate
     state = omnijax.init_state(TINY_OMNI.replace(num_layers=1), num_pages=4, page_size=8)
     with pytest.raises(ValueError, match=r"build it with omnijax.init_state\(model.config, ...\)") as info:
         omnijax.stream(model, _session(), state=state, max_answer_tokens=3)
@@ -169,7 +170,7 @@ def test_a_pool_sized_by_default_holds_the_session_under_every_paging_mode(model
     the default pool (num_pages None) counts that page, in `stream` and in `evaluate`."""
     import warnings
 
-    from omnijax.units import SpanKind
+    from omnijax.chunks.spans import SpanKind
 
     chunks = stack_chunks([text_chunk([1, 2, 3, 4, 0, 0, 0, 0], unit=0, span=SpanKind.SYSTEM),
                            text_chunk([5, 6, 7, 8, 9, 10, 11, 12], unit=1)])

@@ -4,7 +4,6 @@ a state it is given)."""
 
 from __future__ import annotations
 
-import importlib
 import re
 
 import jax
@@ -14,12 +13,12 @@ import pytest
 from flax import nnx
 
 import omnijax
-from omnijax.chunks import split_text, text_chunk
-from omnijax.config import TINY_OMNI
+from omnijax.chunks.chunk import split_text, text_chunk
+from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
 from omnijax.retention import OmniPick
 
-from omnijax import streaming as stream_lib  # noqa: E402
+from omnijax.streaming import session as stream_lib  # noqa: E402
 
 N_PAGES, PAGE = 37, 16  # an odd pool size, so the stack's shape names no other array in the program
 POLICY = OmniPick(high_watermark=200, low_watermark=100)

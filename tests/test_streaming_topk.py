@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from pallas_kernels.lowering import TRITON_CALL_TARGET, has_triton_call, lower_for_cuda
-from pallas_kernels.streaming_topk import (
+from omnijax.kernels.lowering import TRITON_CALL_TARGET, has_triton_call, lower_for_cuda
+from omnijax.kernels.streaming_topk import (
     _init_topk,
     _merge_topk,
     _validate,

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from omnijax.adapters import token_layout
-from omnijax.evalharness import annotations as ann
-from omnijax.evalharness import media as media_lib
-from omnijax.evalharness import sessions as sessions_lib
-from omnijax.evalharness import streamingbench as sb
-from omnijax.units import SpanKind
+from omnijax.chunks.builders import token_layout
+from omnijax.eval import annotations as ann
+from omnijax.eval import media as media_lib
+from omnijax.eval import sessions as sessions_lib
+from omnijax.eval import streamingbench as sb
+from omnijax.chunks.spans import SpanKind
 
 FILES = {  # file -> (videos, usable questions, skipped questions)
     "questions_omni.json": (300, 1496, 4), "questions_omni_stream.json": (300, 1496, 4),
@@ -93,7 +93,7 @@ class _FixedMedia:
 
 
 def _builder(vocab=256):
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
     model = Decoder(TINY_OMNI.replace(vocab_size=vocab))
     return model, sessions_lib.ChunkBuilder(model, media_lib.ByteTextEncoder(vocab))
@@ -160,7 +160,7 @@ def _certain_model(letter: str, vocab=256):
     every position's logits put `hidden_size` on the letter's byte and 0 elsewhere."""
     import jax
     from flax import nnx
-    from omnijax.config import TINY_OMNI
+    from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
 
     model = Decoder(TINY_OMNI.replace(vocab_size=vocab))
@@ -246,6 +246,6 @@ def test_cli_reports_what_is_wrong_without_a_traceback(tmp_path, capsys):
         assert sb.main(argv) == 1
         assert message in capsys.readouterr().err
     # The documented command runs the module as __main__; the package must not have imported it already.
-    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "omnijax.evalharness.streamingbench",
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "omnijax.eval.streamingbench",
                           "--demo", "--configs", "lru"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "error: unknown policy 'lru'" in run.stderr, run.stderr

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from convert.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from convert.tables import Component, Rule, convert_in_memory, param_shapes
+from omnijax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from omnijax.checkpoint.tables import Component, Rule, convert_in_memory, param_shapes
 
 RULES = (
     Rule("conv.weight", "conv", "k C O", transform="conv1d"),

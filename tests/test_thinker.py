@@ -7,13 +7,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
 import omnijax  # noqa: E402
-from convert import convert_checkpoint  # noqa: E402
-from omnijax.adapters import qwen2_5_omni as q  # noqa: E402
-from omnijax.adapters import token_layout  # noqa: E402
-from omnijax.chunks import stack_chunks  # noqa: E402
-from omnijax.models.qwen2_5_omni import audio, positions, thinker, vision  # noqa: E402
-from omnijax.models.qwen2_5_omni.audio_features import log_mel  # noqa: E402
-from omnijax.models.qwen2_5_omni.vision_preprocess import preprocess_images, preprocess_video  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
+from omnijax.models.qwen2_5_omni import layout as q  # noqa: E402
+from omnijax.chunks.builders import token_layout  # noqa: E402
+from omnijax.chunks.chunk import stack_chunks  # noqa: E402
+from omnijax.models.qwen2_5_omni import positions, thinker, vision  # noqa: E402
+from omnijax.models.encoders import whisper as audio  # noqa: E402
+from omnijax.models.encoders.log_mel import log_mel  # noqa: E402
+from omnijax.models.encoders.qwen_vl_preprocess import preprocess_images, preprocess_video  # noqa: E402
 from tests import hf_models  # noqa: E402
 
 VOCAB = 151_936  # real special-token ids fit

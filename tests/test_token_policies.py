@@ -12,7 +12,7 @@ import pytest
 
 from omnijax.retention import base
 from omnijax.retention.baselines import H2O, SinkWindow, StreamingLLM, TokenSliding, age_ranks
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 from tests import reference_token_policies as ref
 from tests import soak
 from tests.unit_streams import Token, kept_orders, random_stream, to_view

@@ -202,7 +202,7 @@ def test_load_attaches_the_tokenizer(tmp_path):
     """A converted tiny checkpoint whose release had tokenizer files gets a working `model.tokenizer`; one without
     loads with exactly one UserWarning and no tokenizer."""
     import omnijax
-    from convert import convert_checkpoint
+    from omnijax.convert import convert_checkpoint
     from omnijax import demo
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=False)
@@ -229,7 +229,7 @@ def test_load_attaches_the_tokenizer(tmp_path):
 def test_load_attaches_the_tokenizer_to_minicpmo(tmp_path):
     """The MiniCPM-o load path too: the golden tiny checkpoint with a tokenizer at its tiny special ids."""
     import omnijax
-    from convert import convert_checkpoint
+    from omnijax.convert import convert_checkpoint
 
     src = tmp_path / "hf"
     src.mkdir()

@@ -15,7 +15,7 @@ import pytest
 from omnijax.retention.base import REGISTRY, get_policy
 from omnijax.retention.omnipick import OmniPick
 from omnijax.retention.units import OfficialUnitWindow, UnitFIFO
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 from tests import reference_unit_policies as ref
 from tests import soak
 from tests.unit_streams import Token, kept_orders, random_stream, to_view

@@ -1,4 +1,4 @@
-"""Video files -> units (`omnijax.video`): the frames are the ones the documented rule picks from the decoded stream,
+"""Video files -> units (`omnijax.media.video`): the frames are the ones the documented rule picks from the decoded stream,
 the audio is the track at 16 kHz mono, every unit is accepted by the Qwen2.5-Omni frontend and gives the chunk the
 same frames and PCM give, and bad files are refused with a message naming the problem."""
 
@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from omnijax import video as video_lib
-from omnijax.video import VideoError, open_video
+from omnijax.media import video as video_lib
+from omnijax.media.video import VideoError, open_video
 
 av = pytest.importorskip("av", reason="PyAV (`av`, the `video` and `test` extras) encodes and decodes the test video")
 
@@ -172,7 +172,7 @@ def test_a_late_audio_track_is_preceded_by_silence(tmp_path):
 
 
 def test_the_harness_reads_files_through_this_module(clips):
-    from omnijax.evalharness.media import DecodedVideo
+    from omnijax.eval.media import DecodedVideo
 
     clip, _ = clips
     source = DecodedVideo(clip, frame_size=(32, 48))

@@ -8,9 +8,9 @@ torch = pytest.importorskip("torch", reason="torch (the test extra) runs the tra
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from convert.tables import convert_in_memory, param_shapes  # noqa: E402
+from omnijax.checkpoint.tables import convert_in_memory, param_shapes  # noqa: E402
 from omnijax.models.qwen2_5_omni import vision as V  # noqa: E402
-from omnijax.models.qwen2_5_omni import vision_preprocess as vp  # noqa: E402
+from omnijax.models.encoders import qwen_vl_preprocess as vp  # noqa: E402
 
 HF_VISION = dict(hidden_size=32, depth=2, num_heads=2, intermediate_size=48, patch_size=14, spatial_merge_size=2,
                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1], out_hidden_size=64)

@@ -4,7 +4,7 @@ MiniCPM-o 4.5 golden checkpoint with a tiny tokenizer (`minicpmo_source`)."""
 
 from pathlib import Path
 
-from convert import convert_checkpoint
+from omnijax.convert import convert_checkpoint
 from omnijax import demo
 
 TEXT_CONFIG = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,

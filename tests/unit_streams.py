@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.retention.base import SequenceView
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes,
     pos         [A, N, P] int32   logical position (A = 3 for mrope t/h/w, 1 for plain RoPE)
     order       [N, P] int32      per-sequence write order (causality inside a chunk; survives re-indexing)
     unit        [N, P] int32      unit id of the token
-    span        [N, P] int8       span kind (`omnijax.units.SpanKind`)
+    span        [N, P] int8       span kind (`omnijax.chunks.spans.SpanKind`)
     offset      [N, P] int32      offset of the token within its span
     score       [N, P] float32    accumulated attention mass the slot received (H2O; zero unless tracked)
     page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
@@ -32,8 +32,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from omnijax.config import check_power_of_two
-from omnijax.units import SpanKind
+from omnijax._checks import check_power_of_two
+from omnijax.chunks.spans import SpanKind
 
 
 class PageClass(enum.IntEnum):

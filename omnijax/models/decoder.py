@@ -4,7 +4,7 @@ paged KV cache.
 
 The module carries only its config and its parameters. Layer parameters are stacked along a leading `layers` axis
 and the layers run in one `lax.scan`, so compile time does not grow with depth. Attention reads and writes the
-paged cache through `omnijax.attention`; the decoder itself never branches on traced values.
+paged cache through `omnijax.kv.attention`; the decoder itself never branches on traced values.
 
 Parameter pytree (`nnx.state(model).to_pure_dict()`), shapes for L layers, D hidden, H heads, G kv heads, d head
 dim, I intermediate, V vocab:
@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omnijax import attention as attention_lib
-from omnijax.config import DecoderConfig
+from omnijax.kv import attention as attention_lib
+from omnijax.models.config import DecoderConfig
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
-from omnijax.models.common import new_param, rms_norm
+from omnijax.models.layers import new_param, rms_norm
 from omnijax.models.moe import moe_ffn
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -232,7 +232,7 @@ class Decoder(nnx.Module):
             positions: `[A, B, T]` absolute positions (A = config.position_axes, or 1 to drive all mrope axes).
             cache: slot bookkeeping shared by all layers (where the chunk's tokens are written, what is visible).
             k_pages, v_pages: `[L, num_pages, page_size, G, d]` cached keys (post-RoPE) and values.
-            impl: attention implementation (see `omnijax.attention.attend`).
+            impl: attention implementation (see `omnijax.kv.attention.attend`).
             track_scores: also return the attention mass each slot received, averaged over layers and heads.
             unroll: unroll the layer scan into straight-line code (static weight slices, no loop; compile time grows
                 with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
@@ -248,7 +248,7 @@ class Decoder(nnx.Module):
         c = self.config
         dt = c.jnp_dtype
         rot = chunk_rotation(c, positions)  # once for all layers, as the page index below
-        cache = attention_lib.index_pages(cache)  # once for all layers (see `omnijax.attention`)
+        cache = attention_lib.index_pages(cache)  # once for all layers (see `omnijax.kv.attention`)
 
         # The K/V stacks ride in the scan's carry: each layer writes its rows in place and attends to its own pages
         # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)

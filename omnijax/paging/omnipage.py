@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from omnijax.kv.paged import PageClass, PagedKV, table_slots
 from omnijax.paging import migration
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 
 @jax.tree_util.register_dataclass

@@ -11,7 +11,7 @@ donates the bridge (updated in place) and returns the layer's packed cache; the 
 that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far: impl "xla" with
 `attention.attend_contiguous` (blocked dense causal attention over the contiguous buffers: query blocks of up to 512
 rows, key blocks of up to 1,024 slots, only the blocks a row block can see), "reference" and "pallas" through
-`omnijax.attention` on a contiguous paged view (`attend_prefix`).
+`omnijax.kv.attention` on a contiguous paged view (`attend_prefix`).
 
 Without eviction (`budgets=None`) the bridge equals one-shot prefill's hidden states; eviction never changes them,
 only what the decode cache keeps.
@@ -29,8 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from omnijax import attention as attention_lib
-from omnijax.config import DecoderConfig, check_power_of_two
+from omnijax.kv import attention as attention_lib
+from omnijax.models.config import DecoderConfig
+from omnijax._checks import check_power_of_two
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_rows
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector

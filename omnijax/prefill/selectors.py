@@ -28,9 +28,9 @@ from typing import Callable, ClassVar, Protocol
 import jax
 import jax.numpy as jnp
 
-from omnijax.config import check_power_of_two
+from omnijax._checks import check_power_of_two
 from omnijax.prefill.cache import Selection
-from pallas_kernels import streaming_topk as topk_lib
+from omnijax.kernels import streaming_topk as topk_lib
 
 SCORE_IMPLS = ("reference", "xla", "pallas")
 
@@ -117,7 +117,7 @@ class SnapKV:
         window: observation window W (the prompt's last W tokens).
         pool_kernel: average-pooling kernel over keys (odd).
         impl: scoring implementation: "reference" (dense W x S scores), "xla" (two-pass blockwise, memory
-            independent of S) or "pallas" (the Pallas kernels of `pallas_kernels.streaming_topk`).
+            independent of S) or "pallas" (the Pallas kernels of `omnijax.kernels.streaming_topk`).
         block_size: key block of the blockwise passes (a power of two).
     """
 

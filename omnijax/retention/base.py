@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 
 @jax.tree_util.register_dataclass

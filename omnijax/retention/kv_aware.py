@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.retention.base import SequenceView, SlotFeatures, register
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 VISUAL = (int(SpanKind.IMAGE), int(SpanKind.SLICE), int(SpanKind.VIDEO))
 
@@ -44,7 +44,7 @@ def _kinds(cls: str, kinds) -> tuple[int, ...]:
     try:
         out = tuple(int(SpanKind(int(k))) for k in kinds)
     except (TypeError, ValueError):
-        raise ValueError(f"{cls}: kinds must be omnijax.units.SpanKind values, got {kinds!r}") from None
+        raise ValueError(f"{cls}: kinds must be omnijax.chunks.spans.SpanKind values, got {kinds!r}") from None
     if not out:
         raise ValueError(f"{cls}: give at least one span kind")
     return out

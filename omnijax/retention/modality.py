@@ -5,7 +5,7 @@ up to that group's window (oldest-first eviction inside a modality), ranking age
 index). They read slot metadata only, like every policy here (`omnijax.retention.base`): neither the published
 StreamingVLM nor OmniMem rule can be reproduced beyond that, see the class docstrings for what is chosen.
 
-Modality groups (`omnijax.units.SpanKind`):
+Modality groups (`omnijax.chunks.spans.SpanKind`):
 
     text side   SYSTEM, BOUNDARY, TEXT, RESPONSE
     visual      IMAGE, SLICE, VIDEO
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.retention.base import SequenceView, register
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 __all__ = ["OmniMemBudgets", "StreamingVLM", "TEXT_SIDE", "VISUAL", "group_ranks", "modality_group"]
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from omnijax.retention.base import SequenceView, register
 from omnijax.retention.units import check_watermarks, drop_oldest_units, unit_ranks
-from omnijax.units import SpanKind as K
+from omnijax.chunks.spans import SpanKind as K
 
 
 @register

@@ -36,8 +36,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from omnijax.chunks import Chunk
-from omnijax.units import SpanKind
+from omnijax.chunks.chunk import Chunk
+from omnijax.chunks.spans import SpanKind
 
 __all__ = ["DifferentialTokenDrop", "differential_token_drop"]
 

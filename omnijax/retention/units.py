@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.retention.base import SequenceView, register
-from omnijax.units import SpanKind
+from omnijax.chunks.spans import SpanKind
 
 _BIG = jnp.iinfo(jnp.int32).max
 

@@ -4,9 +4,9 @@
 and the native per-frame protocol (`native`) on one port, over the `worker` that drives the engine's ticks.
 """
 
-from omnijax.serve.admission import AIMD, Overloaded
-from omnijax.serve.engine import DuplicateSession, Engine, EngineConfig, FrameOutput, TickReport, reset_row, take_rows
-from omnijax.serve.telemetry import SaturationFit, StallEvent, Telemetry
+from omnijax.serve.engine.admission import AIMD, Overloaded
+from omnijax.serve.engine.engine import DuplicateSession, Engine, EngineConfig, FrameOutput, TickReport, reset_row, take_rows
+from omnijax.serve.engine.telemetry import SaturationFit, StallEvent, Telemetry
 
 __all__ = ["AIMD", "DuplicateSession", "Engine", "EngineConfig", "FrameOutput", "Overloaded", "SaturationFit",
            "StallEvent", "Telemetry", "TickReport", "reset_row", "take_rows"]

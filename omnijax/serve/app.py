@@ -2,10 +2,10 @@
 
 Routes (every one behind the API key when one is set):
 
-- `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime`);
-- `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events (`omnijax.serve.openai_http`);
+- `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime.session`);
+- `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events (`omnijax.serve.chat_completions`);
 - `GET /v1/models` — the served model;
-- `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native`).
+- `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native.session`).
 
 One `EngineWorker` runs the engine's ticks as a background task of the server's event loop, the model step in an
 executor thread, so sockets keep being served while a tick runs. Security: loopback by default; `--api-key` (or
@@ -45,7 +45,7 @@ class ApiKeyMiddleware:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         if self.options.authorized(header):
             return await self.app(scope, receive, send)
-        from omnijax.serve.openai_http import error_body
+        from omnijax.serve.chat_completions import error_body
 
         body = json.dumps(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")).encode()
@@ -67,7 +67,9 @@ def build_app(context: ServeContext):
     from starlette.middleware import Middleware
     from starlette.routing import Route, WebSocketRoute
 
-    from omnijax.serve import native, openai_http, realtime
+    from omnijax.serve.native import session as native
+    from omnijax.serve import chat_completions as openai_http
+    from omnijax.serve.realtime import session as realtime
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -112,9 +114,9 @@ def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, bu
         max_sessions: the most sessions open at once (default: the largest bucket).
         return_logits: copy each frame's last logits to the host (duplex sessions decide on them).
     """
-    from omnijax.serve.admission import AIMD
-    from omnijax.serve.engine import Engine, EngineConfig
-    from omnijax.serve.worker import EngineWorker
+    from omnijax.serve.engine.admission import AIMD
+    from omnijax.serve.engine.engine import Engine, EngineConfig
+    from omnijax.serve.engine.worker import EngineWorker
 
     if model.tokenizer is None:
         raise ValueError("omnijax serve needs the checkpoint's tokenizer (tokenizer.json, tokenizer_config.json) to "
@@ -165,7 +167,7 @@ def build_demo_model(directory) -> str:
     template) and converts it; no download. Returns the converted checkpoint's directory."""
     from pathlib import Path
 
-    from convert import convert_checkpoint
+    from omnijax.convert import convert_checkpoint
     from omnijax import demo
 
     hf = demo.write_chat_checkpoint(Path(directory) / "hf")
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     from omnijax.decoding import RowSampling
     from omnijax.retention import get_policy
     from omnijax.serve.audio_frames import frame_tokens
-    from omnijax.serve.protocol import frame_samples
+    from omnijax.serve.native.protocol import frame_samples
 
     try:
         options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnijax.serve.protocol import SAMPLE_RATE
+from omnijax.serve.native.protocol import SAMPLE_RATE
 
 
 def _qwen3(model) -> bool:
@@ -46,16 +46,16 @@ class AudioFrameEncoder:
 
     def encode(self, pcm: np.ndarray, unit: int):
         """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
-        from omnijax.chunks import pad_chunk
+        from omnijax.chunks.chunk import pad_chunk
 
         if _qwen3(self.model):  # the Qwen3-Omni processor's features (reflected edges, samples // 160 frames)
-            from omnijax.adapters.qwen3_omni import audio_unit
+            from omnijax.models.qwen3_omni.layout import audio_unit
             from omnijax.models.qwen3_omni.audio import encode_audio
             from omnijax.models.qwen3_omni.frontend import log_mel
         else:
-            from omnijax.adapters.qwen2_5_omni import audio_unit
-            from omnijax.models.qwen2_5_omni.audio import encode_audio
-            from omnijax.models.qwen2_5_omni.audio_features import log_mel
+            from omnijax.models.qwen2_5_omni.layout import audio_unit
+            from omnijax.models.encoders.whisper import encode_audio
+            from omnijax.models.encoders.log_mel import log_mel
 
         audio = np.asarray(pcm, np.float32) / 32768.0
         features = np.asarray(encode_audio(self._split, log_mel(audio, SAMPLE_RATE, num_mel_bins=self._mel_bins)),

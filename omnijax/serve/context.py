@@ -10,7 +10,7 @@ import functools
 import hmac
 import time
 
-from omnijax.serve.admission import Overloaded
+from omnijax.serve.engine.admission import Overloaded
 
 
 @dataclasses.dataclass(frozen=True)

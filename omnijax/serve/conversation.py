@@ -7,7 +7,7 @@ turns what a client sends into such chunks, in the order they are to be fed:
   what was fed (`omnijax.chat.template_delta`, as `omnijax.Chat` feeds them);
 - images and audio are the model family's streaming units (`omnijax.chat_units`), between text turns;
 - a response starts with the template's generation prompt, whose last part asks for the first answer tokens;
-- every chunk longer than T is cut by `omnijax.chunks.split_chunk` into parts that stream exactly as the whole.
+- every chunk longer than T is cut by `omnijax.chunks.chunk.split_chunk` into parts that stream exactly as the whole.
 
 Every method checks and builds before it records anything: a refused message (`ValueError`, `ChatTemplateError`)
 leaves the conversation as it was. The conversation knows no engine and no transport.
@@ -21,8 +21,8 @@ import numpy as np
 
 from omnijax.chat import template_delta
 from omnijax.chat_units import units_for
-from omnijax.chunks import Chunk, split_chunk
-from omnijax.units import SpanKind
+from omnijax.chunks.chunk import Chunk, split_chunk
+from omnijax.chunks.spans import SpanKind
 
 ROLES = {"system": SpanKind.SYSTEM, "user": SpanKind.TEXT, "assistant": SpanKind.RESPONSE}
 

@@ -35,10 +35,10 @@ H output_dim (Linear weights `[in, out]`, conv kernels `[k, in, out]`):
     projection: linear1 [D, H], linear1_bias [H], linear2 [H, H], linear2_bias [H]
 
 Checkpoint tensors: `apm.*` (component "audio", `AUDIO_RULES`) and `audio_projection_layer.*` (component
-"audio_projection", `PROJECTION_RULES`); `audio_components(config)` gives both for `omnijax.name_tables`.
+"audio_projection", `PROJECTION_RULES`); `audio_components(config)` gives both for `omnijax.checkpoint.name_tables`.
 
 The config and the token arithmetic live in `audio_config` (re-exported here). The encoder layers, convolutions and
-their conversion rules are the Qwen2.5-Omni audio tower's (`omnijax.models.qwen2_5_omni.audio`), whose layers are
+their conversion rules are the Qwen2.5-Omni audio tower's (`omnijax.models.encoders.whisper`), whose layers are
 the same Whisper layers.
 """
 
@@ -54,17 +54,17 @@ import numpy as np
 from flax import nnx
 
 from omnijax.errors import MissingTensorError
-from omnijax.models.common import new_param
+from omnijax.models.layers import new_param
 from omnijax.models.minicpmo.audio_config import (
     MINICPMO_4_5_AUDIO, AudioConfig, UnsupportedAudioConfigError, audio_token_count, cnn_frames)
 from omnijax.models.minicpmo.audio_features import (
     AudioInputError, AudioTooShortError, FeatureShapeError, InvalidPcmError,
     UnsupportedSampleRateError, log_mel, log_mel_clips, mel_stream_start, mel_stream_step)
-from omnijax.models.qwen2_5_omni.audio import (
+from omnijax.models.encoders.whisper import (
     WHISPER_CONV_RULES, WHISPER_LAYER_RULES, AudioLayers, conv1d_k3, gelu_exact, whisper_layer)
-from omnijax.models.qwen2_5_omni.encoder_common import (
+from omnijax.models.encoders.common import (
     dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
-from omnijax.name_tables import Component, Rule, convert_in_memory
+from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
 
 __all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError",
            "AudioTooShortError", "FeatureShapeError", "InvalidPcmError", "MINICPMO_4_5_AUDIO", "PROJECTION_PREFIX",
@@ -379,7 +379,7 @@ def encoder_from_checkpoint(tensors: Mapping[str, Any], config: AudioConfig) -> 
     Raises:
         MissingTensorError: the checkpoint has no `apm.*` tensors at all, or lacks some `apm.*` /
             `audio_projection_layer.*` tensor the config needs (named in the message).
-        ShapeMismatchError / UnexpectedTensorError: as `omnijax.name_tables.plan_conversion`.
+        ShapeMismatchError / UnexpectedTensorError: as `omnijax.checkpoint.name_tables.plan_conversion`.
     """
     names = [n for n in tensors if n.startswith((AUDIO_PREFIX, PROJECTION_PREFIX))]
     if not any(n.startswith(AUDIO_PREFIX) for n in names):

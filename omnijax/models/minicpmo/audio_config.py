@@ -2,7 +2,7 @@
 
 The encoder, its conversion tables and the offline encoding live in `omnijax.models.minicpmo.audio` (which
 re-exports these names); the streaming path in `omnijax.models.minicpmo.audio_stream`. The Whisper-style pieces and
-config checks come from the Qwen2.5-Omni audio tower (`omnijax.models.qwen2_5_omni.audio`), whose layers are the same.
+config checks come from the Qwen2.5-Omni audio tower (`omnijax.models.encoders.whisper`), whose layers are the same.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from omnijax.config import JsonConfig
-from omnijax.models.qwen2_5_omni.audio import (
+from omnijax._checks import JsonConfig
+from omnijax.models.encoders.whisper import (
     UnsupportedAudioConfigError, check_dtype_and_sizes, check_whisper_attributes)
-from omnijax.models.qwen2_5_omni.encoder_common import TORCH_LAYER_NORM_EPS
+from omnijax.models.encoders.common import TORCH_LAYER_NORM_EPS
 
 __all__ = ["AudioConfig", "MINICPMO_4_5_AUDIO", "UnsupportedAudioConfigError", "audio_token_count", "cnn_frames"]
 

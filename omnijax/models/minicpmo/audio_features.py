@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from omnijax.models.qwen2_5_omni.audio_features import (
+from omnijax.models.encoders.log_mel import (
     AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, check_pcm_layout, finite_float32,
     mel_filters)
 

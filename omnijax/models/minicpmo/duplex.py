@@ -235,7 +235,7 @@ class DuplexSession:
                  force_listen: int = 1, num_pages: int = 64, page_size: int = 64, chunk_width: int = 128,
                  max_slice_nums: int = 1, policy=None):
         from omnijax.retention.base import NoSlide
-        from omnijax.streaming import Session
+        from omnijax.streaming.session import Session
         # The checkpoint's marker ids unless given (`DuplexTokens.of`).
         self.model, self.tokens, self.rule = model, DuplexTokens.of(model) if tokens is None else tokens, rule
         self.max_speak_tokens, self.force_listen, self.width = max_speak_tokens, force_listen, chunk_width
@@ -262,8 +262,8 @@ class DuplexSession:
 
         Raises RuntimeError once the pool has run out (some token was not cached), rather than decide on without it.
         """
-        from omnijax.chunks import Chunk, pad_chunk
-        from omnijax.units import SpanKind
+        from omnijax.chunks.chunk import Chunk, pad_chunk
+        from omnijax.chunks.spans import SpanKind
         D = self.model.config.hidden_size
         ids, embeds, mask = [], [], []
         for item in rows:

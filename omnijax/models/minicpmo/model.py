@@ -18,20 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax import name_tables
-from omnijax.config import DecoderConfig
+from omnijax.checkpoint import name_tables
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
+from omnijax.models.forward import forward
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
 
 
 # Special tokens a converted checkpoint records from its tokenizer (`special_tokens` in the manifest): the unit
-# layout's markers (`omnijax.adapters.minicpmo.TOKEN_TEXT`) and the duplex decoding's.
+# layout's markers (`omnijax.models.minicpmo.layout.TOKEN_TEXT`) and the duplex decoding's.
 DUPLEX_TOKEN_TEXT = ("<|chunk_tts_eos|>", "<|turn_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<|tts_pad|>")
 
 
 def special_token_texts() -> tuple[str, ...]:
-    from omnijax.adapters.minicpmo import TOKEN_TEXT
+    from omnijax.models.minicpmo.layout import TOKEN_TEXT
     return tuple(TOKEN_TEXT.values()) + DUPLEX_TOKEN_TEXT
 
 
@@ -64,8 +65,8 @@ class MiniCPMOModel:
 
     @property
     def tokens(self):
-        """The unit layout's token ids (`omnijax.adapters.minicpmo.MiniCPMTokens`) of this checkpoint."""
-        from omnijax.adapters.minicpmo import MiniCPMTokens
+        """The unit layout's token ids (`omnijax.models.minicpmo.layout.MiniCPMTokens`) of this checkpoint."""
+        from omnijax.models.minicpmo.layout import MiniCPMTokens
         return MiniCPMTokens.from_special_tokens(self.special_tokens)
 
     @property
@@ -120,7 +121,6 @@ class MiniCPMOModel:
 
     def __call__(self, input_ids, attention_mask=None, **media) -> jax.Array:
         """One-shot forward: `[B, S, V]` float32 logits (unpadded prompts; positions 0..S-1)."""
-        from omnijax.model import _forward
         x = self.embed(input_ids, **media)
         B, S, _ = x.shape
         if attention_mask is not None and not np.asarray(attention_mask).all():
@@ -128,14 +128,14 @@ class MiniCPMOModel:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, B, S))
         graphdef, params = nnx.split(self.decoder)
         ids = jnp.zeros((B, S), jnp.int32)
-        return _forward(graphdef, params, ids, jnp.ones((B, S), bool), positions, x, jnp.ones((B, S), bool), None,
+        return forward(graphdef, params, ids, jnp.ones((B, S), bool), positions, x, jnp.ones((B, S), bool), None,
                         page_size=64)
 
 
 def load(directory: Path, manifest: dict[str, Any], decoder: Decoder) -> MiniCPMOModel:
     """Restores the encoders of a converted MiniCPM-o checkpoint next to its decoder (each part is stored in its
     own directory under the component name of its conversion table)."""
-    from omnijax import checkpoint
+    from omnijax.checkpoint import format as checkpoint
 
     def restore(component, config):
         shapes = name_tables.param_shapes(component)

@@ -1,7 +1,7 @@
 """Qwen2.5-Omni thinker settings beyond the decoder: special-token ids and TMRoPE timing.
 
 The defaults are the release's ids; a converted checkpoint stores the ids its own config and tokenizer declare
-(`from_hf`), and every chunk builder (`omnijax.adapters.qwen2_5_omni`, the frontend, the server's frame encoder,
+(`from_hf`), and every chunk builder (`omnijax.models.qwen2_5_omni.layout`, the frontend, the server's frame encoder,
 the evaluation harness) takes them from the loaded model's `omni` config.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from omnijax.config import JsonConfig
+from omnijax._checks import JsonConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class OmniConfig(JsonConfig):
     def from_hf(cls, thinker_config: Mapping[str, Any],
                 special_tokens: Mapping[str, int] | None = None) -> "OmniConfig":
         """The ids a Hugging Face thinker config sets, else those its tokenizer declares (`special_tokens`: token
-        text -> id, e.g. from `convert.special_tokens.read_special_tokens`), else the release's.
+        text -> id, e.g. from `omnijax.checkpoint.special_tokens.read_special_tokens`), else the release's.
 
         The config wins over the tokenizer: transformers' thinker places features and TMRoPE positions by the
         config's ids (`audio_token_index`, `vision_start_token_id`, ...).

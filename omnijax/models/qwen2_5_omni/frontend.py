@@ -1,7 +1,7 @@
 """Raw media -> ready Qwen2.5-Omni chunks: preprocessing, the encoders, and the unit adapters in one call.
 
 Every builder returns a batch-1, unpadded `Chunk` that carries embeddings (`[1, T, hidden]` float32 with the
-placeholder mask), so the chunks of a whole session can be stacked (`omnijax.chunks.stack_chunks`) and streamed:
+placeholder mask), so the chunks of a whole session can be stacked (`omnijax.chunks.chunk.stack_chunks`) and streamed:
 
     model = omnijax.load(path)
     chunks = [frontend.system(model, system_ids, unit=0)]
@@ -44,13 +44,13 @@ from typing import Sequence
 
 import numpy as np
 
-from omnijax.adapters import qwen2_5_omni as adapter
-from omnijax.chunks import Chunk
-from omnijax.models.qwen2_5_omni import vision_preprocess
-from omnijax.models.qwen2_5_omni.audio import AudioInputError, audio_token_count, encode_audio
-from omnijax.models.qwen2_5_omni.audio_features import HOP_LENGTH, SAMPLE_RATE, log_mel
+from omnijax.models.qwen2_5_omni import layout as adapter
+from omnijax.chunks.chunk import Chunk
+from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
+from omnijax.models.encoders.whisper import AudioInputError, audio_token_count, encode_audio
+from omnijax.models.encoders.log_mel import HOP_LENGTH, SAMPLE_RATE, log_mel
 from omnijax.models.qwen2_5_omni.vision import encode_vision
-from omnijax.models.qwen2_5_omni.vision_preprocess import VisionInputError
+from omnijax.models.encoders.qwen_vl_preprocess import VisionInputError
 
 __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
            "expected_frames", "image_chunk", "num_audio_tokens", "response", "synthetic_frames", "system", "text",

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from omnijax.models.qwen2_5_omni import audio as audio_lib
+from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig

@@ -40,14 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.config import DTYPES, JsonConfig
+from omnijax._checks import DTYPES, JsonConfig
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
-from omnijax.models.common import new_param, rms_norm
-from omnijax.models.qwen2_5_omni.encoder_common import (
+from omnijax.models.layers import new_param, rms_norm
+from omnijax.models.encoders.common import (
     HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, linear_rules, module_from_pure_dict,
     understood_attributes)
-from omnijax.name_tables import Component, Rule
+from omnijax.checkpoint.name_tables import Component, Rule
 
 NORM_EPS = 1e-6  # fixed in the reference implementation
 ROPE_THETA = 10000.0

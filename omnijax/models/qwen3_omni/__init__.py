@@ -8,5 +8,5 @@
 - `frontend.py`: raw frames / PCM / images -> ready chunks, as the release's processor prepares them.
 
 The LLM is the shared decoder (`omnijax.models.decoder`) with Qwen3-MoE layers (`omnijax.models.moe`) and
-interleaved M-RoPE; its units are built by `omnijax.adapters.qwen3_omni`.
+interleaved M-RoPE; its units are built by `omnijax.models.qwen3_omni.layout`.
 """

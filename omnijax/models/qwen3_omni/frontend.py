@@ -58,16 +58,16 @@ from typing import Sequence
 
 import numpy as np
 
-from omnijax.adapters import qwen3_omni as adapter
-from omnijax.chunks import Chunk
-from omnijax.models.qwen2_5_omni import vision_preprocess
-from omnijax.models.qwen2_5_omni.audio_features import (HOP_LENGTH, N_FFT, SAMPLE_RATE, AudioInputError,
+from omnijax.models.qwen3_omni import layout as adapter
+from omnijax.chunks.chunk import Chunk
+from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
+from omnijax.models.encoders.log_mel import (HOP_LENGTH, N_FFT, SAMPLE_RATE, AudioInputError,
                                                         InvalidPcmError, check_pcm_layout, finite_float32,
                                                         mel_filters)
 from omnijax.models.qwen2_5_omni import frontend as frontend25
 from omnijax.models.qwen2_5_omni.frontend import (FrameCountError, FrontendError, MissingEncoderError, _relabel,
                                                   _unit, expected_frames, synthetic_frames, tone)
-from omnijax.models.qwen2_5_omni.vision_preprocess import VisionInputError
+from omnijax.models.encoders.qwen_vl_preprocess import VisionInputError
 from omnijax.models.qwen3_omni.audio import audio_token_count, encode_audio
 from omnijax.models.qwen3_omni.vision import Qwen3VisionConfig, encode_vision
 

@@ -40,7 +40,7 @@ from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
-from omnijax.config import JsonConfig
+from omnijax._checks import JsonConfig
 
 _F32 = np.float32
 

@@ -49,14 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.config import DTYPES, JsonConfig
+from omnijax._checks import DTYPES, JsonConfig
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
-from omnijax.models.common import new_param
-from omnijax.models.qwen2_5_omni.encoder_common import (
+from omnijax.models.layers import new_param
+from omnijax.models.encoders.common import (
     HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, layer_norm, linear_rules,
     module_from_pure_dict, norm_rules, understood_attributes)
-from omnijax.name_tables import Component, Rule
+from omnijax.checkpoint.name_tables import Component, Rule
 
 __all__ = ["DEEPSTACK_PREFIX", "DEEPSTACK_RULES", "QWEN3_OMNI_30B_A3B_VISION", "Qwen3VisionConfig",
            "Qwen3VisionConfigError", "Qwen3VisionEncoder", "UnsupportedVisionConfigError", "VISION_PREFIX",

@@ -1,0 +1,245 @@
+"""The omnijax on-disk checkpoint format.
+
+A converted checkpoint is a directory:
+
+    DST/omnijax.json   manifest: {"format": "omnijax", "format_version": 1, "model_type": ...,
+                                  "decoder": DecoderConfig.to_json(), "source": {...}}
+    DST/params/        orbax PyTree checkpoint (restored with StandardCheckpointer) of the decoder's pure-dict
+                       parameter tree
+    DST/<component>/   the same for each optional component (e.g. `audio`, `vision` encoders), whose config is
+                       the manifest entry of the same name
+    DST/tokenizer.json ... tokenizer and processor files copied from the source, when present
+
+The manifest is written after the parameters, so a directory with a manifest holds a complete parameter tree.
+Parameters are stored in the decoder's dtype (`decoder.dtype`); restoring bfloat16 is bit exact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from omnijax.models.config import DecoderConfig
+
+FORMAT = "omnijax"
+FORMAT_VERSION = 1
+MANIFEST = "omnijax.json"
+PARAMS_DIR = "params"
+COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source")
+# The model types omnijax reads, each with the components (encoders, their configs) its manifest may name beside
+# the common keys; a component's parameters live in the directory of the same name.
+MODEL_COMPONENTS = {
+    "qwen2": (),
+    "qwen3": (),
+    "llama": (),
+    "mistral": (),
+    "qwen2_5_omni": ("audio", "vision", "omni"),
+    "qwen3_omni": ("audio", "vision", "qwen3_omni"),
+    "minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens"),
+}
+
+
+class CheckpointFormatError(ValueError):
+    """A directory is not a readable omnijax checkpoint, or its parameters do not match the requested tree."""
+
+
+SAVE_CHUNK_BYTES = 8 * 1024 * 1024  # storage chunk size: bounds the memory one chunk write needs
+
+
+def _save_tree(path: Path, tree: dict) -> None:
+    """Saves a pure-dict array tree synchronously in orbax's PyTree format (what `StandardCheckpointer` reads).
+
+    Three departures from `StandardCheckpointer().save`, all about memory, none about what is stored: its numpy
+    handler deep-copies every host array before the asynchronous write (here read-only, memory-mapped arrays are
+    written from where they are); an array is one storage chunk unless told otherwise (here chunks hold at most
+    `SAVE_CHUNK_BYTES`); and the OCDBT key-value store keeps every compressed chunk in memory until the commit
+    (here each array is a plain zarr directory). Together these keep a conversion's resident memory near one
+    chunk per writer thread instead of about twice the checkpoint.
+    """
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, handlers.ArrayHandler()),
+    )
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=SAVE_CHUNK_BYTES), tree)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_drop_ocdbt_merge_notice)
+    try:
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    finally:
+        absl_logger.removeFilter(_drop_ocdbt_merge_notice)
+
+
+def _drop_ocdbt_merge_notice(record: logging.LogRecord) -> bool:
+    """Drops orbax's warning that there are no OCDBT files to merge (expected: OCDBT is off on purpose)."""
+    return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConfig, params_pure_dict: dict,
+                source_info: dict[str, Any] | None = None, *,
+                components: dict[str, tuple[dict[str, Any], dict]] | None = None) -> Path:
+    """Writes `params/` (and each component's directory), then the manifest, into `dst_dir`.
+
+    Args:
+        dst_dir: output directory (created if needed; the parameter directories must not exist).
+        model_type: omnijax model type (e.g. "qwen2_5_omni").
+        config: decoder config; its `dtype` should be the dtype of the parameter arrays.
+        params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout.
+        source_info: JSON-serialisable provenance (source path, skipped tensors, ...).
+        components: optional extra parts such as encoders, name -> (JSON config, parameter tree or None); each
+            tree is stored in `DST/<name>/` and each config under the manifest key `<name>`.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: a model type omnijax does not read, or a component that is not part of it (nothing is written).
+    """
+    components = components or {}
+    if model_type not in MODEL_COMPONENTS:
+        raise ValueError(f"model type {model_type!r} is not one omnijax reads ({sorted(MODEL_COMPONENTS)})")
+    unknown = sorted(set(components) - set(MODEL_COMPONENTS[model_type]))
+    if unknown:
+        raise ValueError(f"components {unknown} are not part of a {model_type} checkpoint "
+                         f"(it may have {list(MODEL_COMPONENTS[model_type])})")
+    dst = Path(dst_dir).resolve()
+    dst.mkdir(parents=True, exist_ok=True)
+    _save_tree(dst / PARAMS_DIR, params_pure_dict)
+    for name, (_, tree) in components.items():
+        if tree is not None:
+            _save_tree(dst / name, tree)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_type": model_type,
+        "decoder": config.to_json(),
+        "source": source_info or {},
+        **{name: component_config for name, (component_config, _) in components.items()},
+    }
+    tmp = dst / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, dst / MANIFEST)
+    return dst
+
+
+def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """The validated manifest of a checkpoint as a dict (see the module docstring for its keys).
+
+    Raises:
+        CheckpointFormatError: no manifest, unreadable JSON, another format, an unsupported version, no decoder, a
+            model type omnijax does not read, or a key that is not part of that model type's manifest.
+    """
+    path = Path(ckpt_dir) / MANIFEST
+    if not path.is_file():
+        raise CheckpointFormatError(
+            f"{path} not found: {ckpt_dir} is not an omnijax checkpoint (convert one with omnijax-convert)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{path}: cannot read manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointFormatError(f"{path}: format is {found!r}, expected {FORMAT!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path}: format_version {manifest.get('format_version')!r} is not supported "
+                                    f"(this omnijax reads version {FORMAT_VERSION})")
+    if not isinstance(manifest.get("model_type"), str) or not isinstance(manifest.get("decoder"), dict):
+        raise CheckpointFormatError(f"{path}: manifest needs a 'model_type' string and a 'decoder' object")
+    model_type = manifest["model_type"]
+    if model_type not in MODEL_COMPONENTS:
+        raise CheckpointFormatError(f"{path}: model_type {model_type!r} is not one omnijax reads "
+                                    f"({sorted(MODEL_COMPONENTS)})")
+    unknown = sorted(set(manifest) - set(COMMON_KEYS) - set(MODEL_COMPONENTS[model_type]))
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unknown manifest keys {unknown} for a {model_type} checkpoint; it may "
+                                    f"hold {list(COMMON_KEYS + MODEL_COMPONENTS[model_type])}")
+    return manifest
+
+
+def read_manifest(ckpt_dir: str | os.PathLike) -> tuple[str, DecoderConfig]:
+    """`(model_type, DecoderConfig)` of a converted checkpoint.
+
+    Raises:
+        CheckpointFormatError: see `read_manifest_dict`; also when the decoder config does not parse.
+    """
+    manifest = read_manifest_dict(ckpt_dir)
+    try:
+        config = DecoderConfig.from_json(manifest["decoder"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"{Path(ckpt_dir) / MANIFEST}: invalid decoder config: {e}") from e
+    return manifest["model_type"], config
+
+
+def _describe(leaf) -> str:
+    return f"{tuple(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
+
+
+def load_params(ckpt_dir: str | os.PathLike, abstract_pure_dict: dict, component: str = PARAMS_DIR) -> dict:
+    """Restores a parameter tree (the decoder's, or a component's) as jax arrays.
+
+    Args:
+        ckpt_dir: a converted checkpoint directory.
+        component: the directory of the tree: `params` for the decoder, or a component name (e.g. "audio").
+        abstract_pure_dict: the target tree of `jax.ShapeDtypeStruct`s (e.g. from
+            `nnx.state(nnx.eval_shape(lambda: Decoder(config))).to_pure_dict()`). Leaves without a sharding are placed
+            on the default device.
+
+    Returns:
+        The restored pure-dict tree with the same structure, shapes and dtypes as the target.
+
+    Raises:
+        CheckpointFormatError: the parameters are missing, their tree, shapes or dtypes differ from the target
+            (orbax would silently cast a dtype; this refuses instead), or their files cannot be read (missing or
+            damaged metadata or array files).
+    """
+    path = (Path(ckpt_dir) / component).resolve()
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path} not found: the checkpoint has no {component!r} parameters")
+    damaged = "the checkpoint is incomplete or damaged; convert it again"
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            metadata = checkpointer.metadata(path).item_metadata
+        except Exception as e:  # orbax raises several types for unreadable metadata; the cause stays chained
+            raise CheckpointFormatError(f"{path}: cannot read the parameter metadata ({_brief(e)}): {damaged}") from e
+        if metadata is None:
+            raise CheckpointFormatError(f"{path}: cannot read the parameter metadata: {damaged}")
+        stored = metadata.tree
+        stored_leaves = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+        target_leaves = dict(jax.tree_util.tree_flatten_with_path(abstract_pure_dict)[0])
+        problems = [f"missing {jax.tree_util.keystr(k)}" for k in target_leaves if k not in stored_leaves]
+        problems += [f"unexpected {jax.tree_util.keystr(k)}" for k in stored_leaves if k not in target_leaves]
+        problems += [
+            f"{jax.tree_util.keystr(k)}: stored {_describe(stored_leaves[k])}, expected {_describe(t)}"
+            for k, t in target_leaves.items()
+            if k in stored_leaves and _describe(stored_leaves[k]) != _describe(t)]
+        if problems:
+            raise CheckpointFormatError(f"{path}: parameters do not match the model: " + "; ".join(problems))
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None) or device),
+            abstract_pure_dict)
+        try:
+            return checkpointer.restore(path, target)
+        except Exception as e:  # TensorStore reports a missing or unreadable chunk file; the cause stays chained
+            raise CheckpointFormatError(f"{path}: cannot read the stored arrays ({_brief(e)}): {damaged}") from e
+
+
+def _brief(error: BaseException) -> str:
+    """The type and first line of an error's root cause (TensorStore's names the file), at most 160 characters
+    (its outer messages run to pages)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        error = inner
+        seen.add(id(error))
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

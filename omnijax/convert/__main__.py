@@ -1,0 +1,40 @@
+"""Command line: `omnijax-convert SRC DST [--dtype float32|bfloat16] [--force]` (also `python -m omnijax.convert`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from omnijax.convert import DTYPES, SUPPORTED_MODEL_TYPES, convert_checkpoint
+from omnijax.errors import ConvertError
+from omnijax.checkpoint.format import CheckpointFormatError
+
+
+def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Convert a Hugging Face safetensors checkpoint directory into an omnijax checkpoint "
+                    f"(supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}).")
+    parser.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    parser.add_argument("dst", metavar="DST", help="output directory")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists and is not empty")
+    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "omnijax-convert") -> int:
+    """Runs the converter; returns the process exit code (0 on success, 1 on a reported error)."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        out = convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force,
+                                 progress=not args.no_progress)
+    except (ConvertError, CheckpointFormatError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

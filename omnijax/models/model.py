@@ -1,0 +1,263 @@
+"""`Model`: a loaded checkpoint with a one-shot, Hugging Face-style forward; `load` reads a converted directory."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omnijax.models.config import DecoderConfig
+from omnijax.models.decoder import Decoder
+from omnijax.models.forward import forward
+
+def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
+    """Positions of a (possibly left-padded) text batch: `cumsum(mask) - 1`, padding at 1 (as `get_rope_index`)."""
+    pos = np.cumsum(attention_mask, axis=-1) - 1
+    pos = np.where(attention_mask == 0, 1, pos).astype(np.int32)
+    return np.broadcast_to(pos[None], (axes,) + pos.shape).copy()
+
+
+class UnsupportedInputError(ValueError):
+    """An input the loaded model cannot take (e.g. multimodal features without the encoders)."""
+
+
+class Model:
+    """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
+
+    def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None,
+                 audio=None, vision=None, omni=None, tokenizer=None):
+        self.decoder = decoder
+        self.model_type = model_type
+        self.source = source
+        self.audio = audio  # AudioEncoder or None
+        self.vision = vision  # VisionEncoder or None
+        self.omni = omni  # OmniConfig / Qwen3OmniConfig (placeholder ids, position timing) or None
+        self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (the model then takes token ids)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.decoder.config
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, *, page_size: int = 64,
+                 input_features=None, feature_attention_mask=None, pixel_values=None, image_grid_thw=None,
+                 pixel_values_videos=None, video_grid_thw=None, video_second_per_grid=None,
+                 use_audio_in_video: bool = False, **kwargs):
+        """One-shot forward with the Hugging Face thinker's keyword inputs.
+
+        Args:
+            input_ids: `[B, T]` token ids (numpy or jax), multimodal placeholders expanded.
+            attention_mask: optional `[B, T]` 1 for tokens, 0 for padding (left or right).
+            position_ids: optional `[3, B, T]` (or `[B, T]`) positions; default as the Hugging Face thinker computes
+                them (`get_rope_index`: TMRoPE when image or video grids are given, else consecutive).
+            page_size: page size of the temporary cache.
+            input_features, feature_attention_mask: `[num_audios, mel_bins, frames]` log-mel features and their
+                valid-frame mask.
+            pixel_values, image_grid_thw: image patch rows `[patches, 1176]` and grids `[num_images, 3]`.
+            pixel_values_videos, video_grid_thw, video_second_per_grid: the same for videos, with seconds per
+                temporal patch.
+            use_audio_in_video: the videos' audio is interleaved with their frames.
+
+        Returns:
+            `[B, T, V]` float32 logits (rows of padding tokens are not meaningful).
+        """
+        ids, mask, embeds, embed_mask, positions, deepstack = self._prepare(
+            input_ids, attention_mask, position_ids, input_features=input_features,
+            feature_attention_mask=feature_attention_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+            video_second_per_grid=video_second_per_grid, use_audio_in_video=use_audio_in_video, **kwargs)
+        graphdef, params = nnx.split(self.decoder)
+        return forward(graphdef, params, jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32),
+                        jnp.asarray(mask.astype(bool)), jnp.asarray(positions),
+                        None if embeds is None else jnp.asarray(embeds), None if embed_mask is None else
+                        jnp.asarray(embed_mask), None if deepstack is None else jnp.asarray(deepstack),
+                        page_size=page_size)
+
+    def _prepare(self, input_ids, attention_mask, position_ids, *, input_features=None, feature_attention_mask=None,
+                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+                 video_second_per_grid=None, use_audio_in_video: bool = False, **kwargs):
+        """Validated numpy inputs of a forward: `(ids, mask, embeds | None, embed_mask | None, positions [A, B, T],
+        deepstack [n, B, T, D] | None)` (multimodal features already encoded into `embeds` at `embed_mask`;
+        positions int32, or float32 for Qwen3-Omni, whose temporal ids may be fractional)."""
+        if kwargs:
+            raise TypeError(f"Model() got unexpected keyword arguments {sorted(kwargs)}")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        if ids.shape[1] == 0:
+            raise ValueError(f"input_ids must hold at least one token per sequence, got shape {ids.shape}")
+        mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise ValueError(f"attention_mask must hold only 0 and 1, got values {np.unique(mask)[:8].tolist()}")
+        mask = mask.astype(np.int32)
+        media = dict(input_features=input_features, feature_attention_mask=feature_attention_mask,
+                     pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                     pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+        embeds = embed_mask = deepstack = None
+        audio_lengths: list[int] = []
+        qwen3 = self.model_type == "qwen3_omni"
+        if any(v is not None for v in media.values()):
+            if self.omni is None:
+                raise UnsupportedInputError(f"multimodal inputs need an omni thinker checkpoint with encoders; this "
+                                            f"is a {self.model_type!r} model")
+            if qwen3:
+                from omnijax.models.qwen3_omni import thinker as qwen3_thinker
+                embeds, embed_mask, deepstack, audio_lengths = qwen3_thinker.multimodal_inputs(self, ids, **media)
+            else:
+                from omnijax.models.qwen2_5_omni import thinker
+                embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(self, ids, **media)
+        text = mask.astype(bool) if embed_mask is None else mask.astype(bool) & ~embed_mask
+        if text.any() and (ids[text].min() < 0 or ids[text].max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got range "
+                             f"[{ids[text].min()}, {ids[text].max()}]")
+        axes = self.config.position_axes
+        grids = image_grid_thw is not None or video_grid_thw is not None
+        spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
+        if position_ids is None and grids and qwen3:
+            from omnijax.models.qwen3_omni import thinker as qwen3_thinker
+            positions = qwen3_thinker.rope_index(
+                self, ids, mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video)
+        elif position_ids is None and grids:
+            from omnijax.models.qwen2_5_omni import thinker
+            positions = thinker.rope_index(
+                ids, mask, self.omni, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video,
+                spatial_merge_size=self.vision.config.spatial_merge_size)
+        elif position_ids is None:
+            positions = text_positions(mask, axes)
+        else:
+            positions = np.asarray(position_ids)
+            positions = positions.astype(np.float32 if qwen3 and positions.dtype.kind == "f" else np.int32)
+            if positions.ndim == 2:
+                positions = np.broadcast_to(positions[None], (axes,) + positions.shape)
+            if positions.shape != (axes,) + ids.shape:
+                raise ValueError(f"position_ids must be [{axes}, B, T] = {(axes,) + ids.shape}, "
+                                 f"got {positions.shape}")
+        return ids, mask, embeds, embed_mask, positions, deepstack
+
+    def prefill(self, input_ids=None, attention_mask=None, position_ids=None, *, selector=None, budgets=None,
+                chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0, progress: bool = False,
+                **media):
+        """TideKV prefill of one prompt (layer-major, compression at each layer's end) with the same keyword inputs
+        as `__call__`; returns an `omnijax.prefill.PrefillResult` whose cache decodes with
+        `omnijax.prefill.decode_step` from the prompt's true next position. `budgets=None` compresses nothing.
+        Padded batches are refused (every sequence must be a whole prompt).
+        """
+        from omnijax.prefill import tidekv_prefill
+        ids, mask, embeds, embed_mask, positions, deepstack = self._prepare(input_ids, attention_mask, position_ids,
+                                                                            **media)
+        if not mask.all():
+            raise ValueError("prefill takes unpadded prompts: attention_mask must be all ones")
+        x = self.decoder.embed_tokens(jnp.asarray(np.clip(ids, 0, self.config.vocab_size - 1), jnp.int32))
+        if embeds is not None:
+            x = jnp.where(jnp.asarray(embed_mask)[..., None], jnp.asarray(embeds).astype(x.dtype), x)
+        return tidekv_prefill(self.decoder, x, jnp.asarray(positions), selector=selector, budgets=budgets,
+                              chunk=chunk, page=page, impl=impl, room=room, progress=progress,
+                              deepstack=None if deepstack is None else jnp.asarray(deepstack))
+
+
+def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):
+    """Restores one module: `build(config)` defines it; weights are read in the stored dtype, then cast."""
+    from omnijax.checkpoint import format as checkpoint
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
+    restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component)
+    if dtype is not None and dtype != stored_config.dtype:
+        config = stored_config.replace(dtype=dtype)
+        restored = jax.tree.map(lambda a: a.astype(config.jnp_dtype), restored)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config)))
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def load(directory: str | Path, *, dtype: str | None = None) -> Model:
+    """Loads a directory written by `omnijax-convert` into a `Model` (with its encoders when converted).
+
+    The checkpoint's tokenizer (`tokenizer.json`, copied by the converter) becomes `model.tokenizer`; without one
+    `model.tokenizer` is None and a `UserWarning` says so.
+
+    Args:
+        directory: the converted checkpoint (holding `omnijax.json` and `params/`).
+        dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load.
+    """
+    from omnijax.checkpoint import format as checkpoint
+    from omnijax.models.encoders import whisper as audio_lib
+    from omnijax.models.qwen2_5_omni import vision as vision_lib
+    from omnijax.models.qwen2_5_omni.config import OmniConfig
+
+    directory = Path(directory)
+    model_type, config = checkpoint.read_manifest(directory)
+    manifest = checkpoint.read_manifest_dict(directory)
+    decoder = _restore(directory, checkpoint.PARAMS_DIR, config, dtype,
+                       lambda c: Decoder(c, rngs=nnx.Rngs(0)))
+    if model_type == "minicpmo":
+        from omnijax.models.minicpmo import model as minicpmo
+        if dtype is not None:
+            raise ValueError("dtype overrides are not implemented for MiniCPM-o checkpoints yet; convert with "
+                             "--dtype instead")
+        try:
+            model = minicpmo.load(directory, manifest, decoder)
+        except (TypeError, ValueError) as e:
+            raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+        return _with_tokenizer(model, directory)
+    if model_type == "qwen3_omni":
+        return _with_tokenizer(_load_qwen3_omni(directory, manifest, decoder, dtype), directory)
+    encoders = {}
+    try:
+        if "audio" in manifest:
+            encoders["audio"] = _restore(directory, "audio", audio_lib.AudioConfig.from_json(manifest["audio"]), dtype,
+                                         lambda c: audio_lib.AudioEncoder(c, rngs=nnx.Rngs(0)))
+        if "vision" in manifest:
+            encoders["vision"] = _restore(directory, "vision", vision_lib.VisionConfig.from_json(manifest["vision"]),
+                                          dtype, lambda c: vision_lib.VisionEncoder(c, rngs=nnx.Rngs(0)))
+        omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+    return _with_tokenizer(Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders),
+                           directory)
+
+
+def _load_qwen3_omni(directory: Path, manifest: dict, decoder: Decoder, dtype: str | None) -> Model:
+    """A Qwen3-Omni thinker: the MoE decoder, its AuT audio and Qwen3-VL (DeepStack) vision encoders when converted,
+    and its token ids and position rate."""
+    from omnijax.checkpoint import format as checkpoint
+    from omnijax.models.qwen3_omni import audio as audio_lib
+    from omnijax.models.qwen3_omni import vision as vision_lib
+    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+
+    encoders = {}
+    try:
+        if "audio" in manifest:
+            encoders["audio"] = _restore(directory, "audio", audio_lib.Qwen3AudioConfig.from_json(manifest["audio"]),
+                                         dtype, lambda c: audio_lib.Qwen3AudioEncoder(c, rngs=nnx.Rngs(0)))
+        if "vision" in manifest:
+            encoders["vision"] = _restore(directory, "vision",
+                                          vision_lib.Qwen3VisionConfig.from_json(manifest["vision"]), dtype,
+                                          lambda c: vision_lib.Qwen3VisionEncoder(c, rngs=nnx.Rngs(0)))
+        ids = Qwen3OmniConfig.from_json(manifest.get("qwen3_omni", {}))
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+    return Model(decoder, model_type="qwen3_omni", source=str(directory), omni=ids, **encoders)
+
+
+def _with_tokenizer(model, directory: Path):
+    """Sets `model.tokenizer` from the directory's tokenizer files; warns once when there are none."""
+    from omnijax.models.tokenizer import load_tokenizer
+
+    model.tokenizer = load_tokenizer(directory)
+    if model.tokenizer is None:
+        warnings.warn(f"{directory} has no tokenizer files (tokenizer.json), so text input and output are "
+                      f"unavailable and the model takes token ids; to fix this, copy tokenizer.json and "
+                      f"tokenizer_config.json from the Hugging Face release into {directory}, or re-run "
+                      f"`omnijax-convert` from a release directory that has them", UserWarning, stacklevel=3)
+    return model

@@ -1,0 +1,329 @@
+"""Qwen2.5-Omni thinker LLM (and plain Qwen2 / Qwen3 LLMs) -> omnijax decoder conversion.
+
+Three parts:
+- `config_from_hf`: the Hugging Face config (full model or thinker only) -> `DecoderConfig`, refusing every
+  attribute that would change the math in a way the decoder does not implement.
+- `NAME_TABLE`: a declarative map from Hugging Face tensor names to paths of the decoder's pure-dict parameter tree
+  (`omnijax/models/decoder.py`), plus the few prefixes that are skipped on purpose.
+- `convert_params`: validates the whole checkpoint against the table (names and shapes, from the headers only), then
+  fills pre-allocated memory-mapped output arrays tensor by tensor, so resident memory stays near the largest
+  single tensor whatever the model size.
+
+Tied embeddings are decided from the tensors present, not from the config alone: `lm_head.weight` present -> a
+separate head is loaded (even if a `tie_word_embeddings` flag says tied); absent -> the head is tied to the
+embedding, provided the config's flag says so (otherwise the tensor is reported missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+from omnijax.checkpoint import loop as streaming
+from omnijax.checkpoint import tables
+from omnijax.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
+from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.checkpoint.special_tokens import read_special_tokens
+from omnijax.checkpoint.tables import Component, Rule
+from omnijax.models.config import DecoderConfig
+from omnijax.models.encoders import whisper as audio_lib
+from omnijax.models.qwen2_5_omni import vision as vision_lib
+from omnijax.models.qwen2_5_omni.config import OmniConfig
+
+# Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
+# decoder and the name table (Qwen3: q/k norm, no attention biases; both: 1D RoPE unless an mrope_section is set).
+OMNIJAX_MODEL_TYPES = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
+                       "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
+IM_END_TOKEN_ID = 151645  # <|im_end|> of the release: the end of an answer unless the checkpoint says otherwise
+
+# ---------------------------------------------------------------------------------------------------------- config
+
+
+def _text_config(hf: Mapping[str, Any]) -> tuple[dict, str, bool | None]:
+    """Returns `(text_config, its dotted scope, tie flag)` of a full or thinker-only config."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen2_5_omni":
+        thinker, scope = hf.get("thinker_config"), "thinker_config"
+        if not isinstance(thinker, dict):
+            raise ConfigError("qwen2_5_omni config has no 'thinker_config' object")
+    elif model_type == "qwen2_5_omni_thinker":
+        thinker, scope = hf, ""
+    elif model_type in ("qwen2", "qwen3"):
+        return dict(hf), "config", hf.get("tie_word_embeddings")
+    else:
+        raise ConfigError(f"model_type {model_type!r} is not one of {HF_MODEL_TYPES}")
+    text = thinker.get("text_config")
+    text_scope = f"{scope}.text_config" if scope else "text_config"
+    if not isinstance(text, dict):
+        raise ConfigError(f"config has no '{text_scope}' object")
+    # The thinker's own flag is the one transformers applies; the text config's is a fallback.
+    tie = thinker.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return text, text_scope, tie
+
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "mrope_section", "factor", "mrope_interleaved",
+              "partial_rotary_factor"}
+
+
+def _parse_rope(rope: Mapping[str, Any], scope: str) -> tuple[float | None, tuple[int, ...] | None]:
+    """Validates a `rope_parameters` / legacy `rope_scaling` dict; returns `(theta or None, mrope_section)`."""
+    for key, value in rope.items():
+        if key not in _ROPE_KEYS:
+            raise UnsupportedConfigError(f"{scope}.{key}", value, "RoPE scaling parameters are not implemented")
+    for key in ("rope_type", "type"):
+        if rope.get(key, "default") not in ("default", "mrope"):
+            raise UnsupportedConfigError(f"{scope}.{key}", rope[key], "only 'default' and 'mrope' RoPE are implemented")
+    if rope.get("factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.factor", rope["factor"], "RoPE scaling is not implemented")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.partial_rotary_factor", rope["partial_rotary_factor"],
+                                     "partial rotary embeddings are not implemented")
+    if rope.get("mrope_interleaved"):
+        raise UnsupportedConfigError(f"{scope}.mrope_interleaved", rope["mrope_interleaved"],
+                                     "interleaved mrope (Qwen3-Omni) is not implemented")
+    section = rope.get("mrope_section")
+    theta = rope.get("rope_theta")
+    return (None if theta is None else float(theta)), (None if section is None else tuple(int(s) for s in section))
+
+
+def model_type_for(hf_config: Mapping[str, Any]) -> str:
+    """The omnijax model type of a parsed Hugging Face config."""
+    return OMNIJAX_MODEL_TYPES[hf_config.get("model_type")]
+
+
+def _check_math(text: Mapping[str, Any], scope: str, model_type: str) -> None:
+    """Refuses attributes that change the decoder's math and are not implemented."""
+    act = text.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedConfigError(f"{scope}.hidden_act", act, "only the SiLU-gated MLP is implemented")
+    if text.get("use_sliding_window"):
+        raise UnsupportedConfigError(f"{scope}.use_sliding_window", text["use_sliding_window"],
+                                     "sliding-window attention is not implemented")
+    for i, kind in enumerate(text.get("layer_types") or ()):
+        if kind != "full_attention":
+            raise UnsupportedConfigError(f"{scope}.layer_types[{i}]", kind, "only full attention is implemented")
+    if model_type == "qwen3":
+        if text.get("attention_bias"):
+            raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
+                                         "Qwen3 attention biases (including o_proj) are not implemented")
+    elif model_type != "qwen2" and "attention_bias" in text and text["attention_bias"] is not True:
+        raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
+                                     "Qwen2 attention has q/k/v biases; other layouts are not implemented")
+    if text.get("mlp_bias"):
+        raise UnsupportedConfigError(f"{scope}.mlp_bias", text["mlp_bias"], "MLP biases are not implemented")
+    if text.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{scope}.partial_rotary_factor", text["partial_rotary_factor"],
+                                     "partial rotary embeddings are not implemented")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
+        if text.get(key) is not None:
+            raise UnsupportedConfigError(f"{scope}.{key}", text[key], "not implemented by the Qwen2 decoder")
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
+    """Builds the decoder config of a Qwen2.5-Omni thinker (or of a plain Qwen2 / Qwen3 LLM).
+
+    Args:
+        hf_config: a parsed `config.json`: the full model (`model_type` "qwen2_5_omni", text settings under
+            `thinker_config.text_config`), the thinker alone ("qwen2_5_omni_thinker", under `text_config`), or a
+            plain "qwen2" / "qwen3" LLM (top-level settings; 1D RoPE, Qwen3 with q/k norm and no biases).
+            RoPE settings may use the current `rope_parameters` dict or the legacy `rope_scaling` dict plus a
+            `rope_theta` attribute.
+        dtype: parameter and compute dtype of the converted model ("float32" or "bfloat16").
+
+    Returns:
+        The `DecoderConfig`. `tie_embeddings` reflects the config's flag only; `convert_params` settles it from the
+        tensors present.
+
+    Raises:
+        UnsupportedConfigError: an attribute changes the math in a way the decoder does not implement.
+        ConfigError: a required attribute is missing or the values are inconsistent.
+    """
+    text, scope, tie = _text_config(hf_config)
+    model_type = model_type_for(hf_config)
+    _check_math(text, scope, model_type)
+    theta, section = None, None
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{scope}.{key} must be an object, got {rope!r}")
+        t, s = _parse_rope(rope, f"{scope}.{key}")
+        if (theta is not None and t is not None and t != theta) or (section and s and s != section):
+            raise ConfigError(f"{scope}.rope_parameters and {scope}.rope_scaling disagree")
+        theta, section = theta if theta is not None else t, section or s
+    if theta is None:
+        theta = text.get("rope_theta")
+    if theta is None:
+        raise ConfigError(f"{scope} sets no rope_theta (neither in rope_parameters nor as an attribute)")
+    if section is None and model_type == "qwen2_5_omni":
+        raise ConfigError(f"{scope} sets no mrope_section: the Qwen2.5-Omni thinker needs 3-axis TMRoPE")
+
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if text.get(k) is None]
+    if missing:
+        raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
+    heads = int(text["num_attention_heads"])
+    vocab = int(text["vocab_size"])
+    try:
+        return DecoderConfig(
+            vocab_size=vocab,
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_layers=int(text["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+            rope_theta=float(theta),
+            mrope_section=section,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            qkv_bias=model_type != "qwen3",
+            qk_norm=model_type == "qwen3",
+            tie_embeddings=bool(tie),
+            dtype=dtype,
+            eos_token_ids=(IM_END_TOKEN_ID,) if vocab > IM_END_TOKEN_ID else (),
+        )
+    except ValueError as e:
+        raise ConfigError(f"{scope}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------------ name table
+
+
+_L = "model.layers.{i}."
+NAME_TABLE: tuple[Rule, ...] = (
+    Rule("model.embed_tokens.weight", "embed", "V D"),
+    Rule(_L + "input_layernorm.weight", "layers/input_norm", "D"),
+    Rule(_L + "post_attention_layernorm.weight", "layers/post_norm", "D"),
+    Rule(_L + "self_attn.q_proj.weight", "layers/q_proj", "D Q", transform="T"),
+    Rule(_L + "self_attn.q_proj.bias", "layers/q_bias", "Q", when="qkv_bias"),
+    Rule(_L + "self_attn.k_proj.weight", "layers/k_proj", "D K", transform="T"),
+    Rule(_L + "self_attn.k_proj.bias", "layers/k_bias", "K", when="qkv_bias"),
+    Rule(_L + "self_attn.v_proj.weight", "layers/v_proj", "D K", transform="T"),
+    Rule(_L + "self_attn.v_proj.bias", "layers/v_bias", "K", when="qkv_bias"),
+    Rule(_L + "self_attn.o_proj.weight", "layers/o_proj", "Q D", transform="T"),
+    Rule(_L + "self_attn.q_norm.weight", "layers/q_norm", "d", when="qk_norm"),
+    Rule(_L + "self_attn.k_norm.weight", "layers/k_norm", "d", when="qk_norm"),
+    Rule(_L + "mlp.gate_proj.weight", "layers/gate_proj", "D I", transform="T", layers="dense", when="dense_mlp"),
+    Rule(_L + "mlp.up_proj.weight", "layers/up_proj", "D I", transform="T", layers="dense", when="dense_mlp"),
+    Rule(_L + "mlp.down_proj.weight", "layers/down_proj", "I D", transform="T", layers="dense", when="dense_mlp"),
+    # Qwen3-MoE layers (`DecoderConfig.sparse_layers`): the router and each expert's SwiGLU, stacked [Lm, E, ...].
+    Rule(_L + "mlp.gate.weight", "layers/router", "D E", transform="T", layers="sparse", when="moe"),
+    *(Rule(_L + f"mlp.experts.{{e}}.{name}_proj.weight", f"layers/expert_{name}", dims, transform="T",
+           layers="sparse", when="moe") for name, dims in (("gate", "D Ie"), ("up", "D Ie"), ("down", "Ie D"))),
+    Rule("model.norm.weight", "final_norm", "D"),
+    Rule("lm_head.weight", "lm_head", "D V", transform="T", when="untied"),
+)
+THINKER_PREFIX = "thinker."
+# Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
+SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
+
+
+def _unused_tensors() -> tuple[str, ...]:
+    """Tensors present in releases that the model never reads."""
+    return tuple("audio_tower." + name for name in audio_lib.UNUSED_HF_TENSORS)
+
+
+def _thinker_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return hf_config.get("thinker_config", {}) if hf_config.get("model_type") == "qwen2_5_omni" else hf_config
+
+
+def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[Component, dict]]:
+    """The encoder components a Qwen2.5-Omni config declares: name -> (component, JSON config)."""
+    if model_type_for(hf_config) != "qwen2_5_omni":
+        return {}
+    return read_encoders(_thinker_config(hf_config), dtype, (
+        ("audio", "audio_config", audio_lib.AudioConfig, audio_lib.audio_component),
+        ("vision", "vision_config", vision_lib.VisionConfig, vision_lib.vision_component)))
+
+
+def read_encoders(thinker: Mapping[str, Any], dtype: str, encoders) -> dict[str, tuple[Any, dict]]:
+    """The encoders a thinker config declares: for each `(name, config key, config class, tables)` whose key is
+    set, name -> (`tables(config)`, the config as JSON); inconsistent values become `ConfigError`s naming the key."""
+    out = {}
+    for name, key, config_cls, tables_of in encoders:
+        if thinker.get(key) is None:
+            continue
+        try:
+            config = config_cls.from_hf(thinker[key], dtype=dtype)
+        except ConvertError:
+            raise
+        except ValueError as e:  # inconsistent values
+            raise ConfigError(f"{key}: {e}") from e
+        out[name] = (tables_of(config), config.to_json())
+    return out
+
+
+def decoder_component(config: DecoderConfig) -> Component:
+    """The decoder's conversion table with its sizes (`Component.name` "decoder")."""
+    c = config
+    dims = {"V": c.vocab_size, "D": c.hidden_size, "I": c.intermediate_size, "d": c.head_dim,
+            "Q": c.num_heads * c.head_dim, "K": c.num_kv_heads * c.head_dim, "E": c.num_experts,
+            "Ie": c.moe_intermediate_size}
+    sparse = c.sparse_layers
+    layer_sets = {"dense": tuple(i for i, s in enumerate(sparse) if not s),
+                  "sparse": tuple(i for i, s in enumerate(sparse) if s)}
+    flags = {"qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "untied": not c.tie_embeddings,
+             "dense_mlp": bool(layer_sets["dense"]), "moe": bool(layer_sets["sparse"])}
+    return Component(name="decoder", prefix="", rules=NAME_TABLE, dims=dims, num_layers=c.num_layers, flags=flags,
+                     layer_sets=layer_sets, num_experts=c.num_experts)
+
+
+def param_shapes(config: DecoderConfig) -> dict[str, Any]:
+    """The decoder's pure-dict parameter tree as nested dicts of shape tuples (layer params lead with `L`)."""
+    return tables.param_shapes(decoder_component(config))
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+
+
+def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+    """Converts the thinker LLM's weights into memory-mapped arrays in the decoder's layout.
+
+    Args:
+        ckpt: the validated source checkpoint.
+        hf_config: its parsed `config.json`.
+        dtype: target dtype, "float32" or "bfloat16" (float32 sources cast with round-to-nearest-even).
+        staging_dir: directory for the output arrays' memory-mapped files (created; the caller deletes it).
+        progress: show a tqdm bar over tensors on stderr.
+        log: receives the one-line summaries of skipped tensors.
+
+    Returns:
+        `(config, params, source_info, extras)`: the final `DecoderConfig`, the decoder's pure-dict tree of
+        `np.memmap` arrays, a JSON-serialisable summary for the manifest, and the other checkpoint components as
+        name -> (JSON config, tree or None): the encoders, and the thinker's token ids and TMRoPE timing ("omni").
+    """
+    config = config_from_hf(hf_config, dtype=dtype)
+    # Special ids: the thinker config's, else the tokenizer's added tokens, else the release's. The answer ends at
+    # the checkpoint's <|im_end|> (a generation_config.json eos_token_id, read by `convert_checkpoint`, wins).
+    special = read_special_tokens(ckpt.directory)
+    omni = OmniConfig.from_hf(_thinker_config(hf_config), special) if model_type_for(hf_config) == "qwen2_5_omni" \
+        else None
+    im_end = omni.im_end_token_id if omni is not None else special.get("<|im_end|>", IM_END_TOKEN_ID)
+    config = config.replace(eos_token_ids=(im_end,) if 0 <= im_end < config.vocab_size else ())
+    names = ckpt.names()
+    has_head = any(n.removeprefix(THINKER_PREFIX) == "lm_head.weight" for n in names)
+    if not has_head and not config.tie_embeddings:
+        raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
+    config = config.replace(tie_embeddings=not has_head)
+    encoders = encoder_components(hf_config, dtype)
+    components = [decoder_component(config)] + [component for component, _ in encoders.values()]
+    trees, plan, source_dtypes = streaming.convert_components(
+        ckpt, components, dtype=dtype, staging_dir=staging_dir, strip_prefix=THINKER_PREFIX,
+        skip_prefixes=SPEECH_OUTPUT_PREFIXES + _unused_tensors(), progress=progress)
+    streaming.log_skipped(plan.skipped, SPEECH_OUTPUT_PREFIXES, log)
+    source_info = {
+        "tensors_converted": len(plan.assign),
+        "source_dtypes": dict(sorted(source_dtypes.items())),
+        "skipped": plan.skipped,
+        "encoders_converted": sorted(encoders),
+        "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
+    }
+    extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
+    if omni is not None:
+        extras["omni"] = (omni.to_json(), None)
+    return config, trees["decoder"], source_info, extras

@@ -1,0 +1,362 @@
+"""`POST /v1/chat/completions` and `GET /v1/models`: the OpenAI HTTP API's chat subset on the Metronome engine.
+
+The codec (`parse_chat_request`, `completion`, `completion_chunk`, `error_body`, `models_list`) is pure; the
+handlers (`chat_completions`, `models`) put it on a `ServeContext`. Each request is one engine session: its messages
+are fed as the conversation's units (text turns through the chat template; `image_url` parts as image units;
+`input_audio` parts as audio units, in the order given), then the answer decodes over the engine's ticks;
+`stream: true` sends it as server-sent events (`chat.completion.chunk`s, then `data: [DONE]`). A request the engine
+cannot admit gets HTTP 429 with `Retry-After`.
+
+Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
+URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM, any rate, mono or channels averaged);
+`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage`; `n` = 1. Sampling fields
+(`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling` (as
+`omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request reproduce);
+with any other strategy they are accepted when they are what it decodes with, else refused with a 400 naming the
+field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import json
+import logging
+import time
+import uuid
+
+import numpy as np
+
+log = logging.getLogger("omnijax.serve")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+REFUSED = ("tools", "functions", "tool_choice", "stop", "logprobs", "top_logprobs", "audio", "prediction")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: `status` (HTTP), `code`, `param`."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.param, self.kind = status, code, param, kind
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    """The OpenAI error object `{"error": {...}}`."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One content part: `kind` "text" (`text`), "image" (`data`: file bytes) or "audio" (`pcm` 16 kHz float)."""
+
+    kind: str
+    text: str = ""
+    data: bytes = b""
+    pcm: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A parsed chat-completions request."""
+
+    messages: tuple  # ((role, (Part, ...)), ...)
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    model: str
+    sampling: object = None  # `[2]` row (`omnijax.decoding.sampling_row`) when the request sets temperature/top_p
+    seed: int | None = None
+
+
+def _wav(data: bytes, param: str) -> np.ndarray:
+    """WAV bytes (16-bit PCM) -> 16 kHz mono float32."""
+    from omnijax.chat import read_wav, resample
+
+    try:
+        pcm, rate = read_wav(io.BytesIO(data), widths=(2,))
+    except ValueError as e:
+        raise RequestError(f"'{param}': {e}", param=param) from None
+    if pcm.size == 0:
+        raise RequestError(f"'{param}': the WAV file holds no samples", param=param)
+    return resample(pcm, int(rate))
+
+
+def _b64(value, param: str) -> bytes:
+    if not isinstance(value, str):
+        raise RequestError(f"'{param}' must be a base64 string", param=param)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"'{param}' is not valid base64", param=param) from None
+
+
+def _part(part, param: str) -> Part:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"'{param}.text' must be a string", param=param + ".text")
+        return Part("text", text=part["text"])
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+            raise RequestError(f"'{param}.image_url.url' must be a base64 data:image/... URL (the server never "
+                               f"fetches from the network)", param=param + ".image_url.url", code="unsupported")
+        return Part("image", data=_b64(url.split(";base64,", 1)[1], param + ".image_url.url"))
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict):
+            raise RequestError(f"'{param}.input_audio' must be an object with 'data' and 'format'", param=param)
+        if audio.get("format") != "wav":
+            raise RequestError(f"'{param}.input_audio.format' must be \"wav\" (16-bit PCM), got "
+                               f"{audio.get('format')!r}", param=param + ".input_audio.format", code="unsupported")
+        return Part("audio", pcm=_wav(_b64(audio.get("data"), param + ".input_audio.data"), param))
+    raise RequestError(f"'{param}.type' {kind!r} is not supported (text, image_url, input_audio)",
+                       param=param + ".type", code="unsupported")
+
+
+def parse_chat_request(body, *, model_name: str, decoding) -> ChatRequest:
+    """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise RequestError(f"model {model!r} does not exist: this server serves {model_name!r}", status=404,
+                           code="model_not_found", param="model")
+    for name in REFUSED:
+        if body.get(name) not in (None, False, [], {}):
+            raise RequestError(f"'{name}' is not supported by this server", code="unsupported", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError("'response_format' other than text is not supported", code="unsupported",
+                           param="response_format")
+    if body.get("n", 1) != 1:
+        raise RequestError("'n' must be 1", param="n")
+    sampling, seed = _sampling(body, decoding)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise RequestError(f"'max_completion_tokens' must be an integer >= 1, got {limit!r}",
+                           param="max_completion_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("'stream_options' must be an object", param="stream_options")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise RequestError(f"'{param}.role' must be one of {', '.join(ROLES)}", param=param + ".role")
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""
+        if isinstance(content, str):
+            parts = (Part("text", text=content),)
+        elif isinstance(content, list) and content:
+            parts = tuple(_part(p, f"{param}.content[{j}]") for j, p in enumerate(content))
+        else:
+            raise RequestError(f"'{param}.content' must be a string or a non-empty list of parts",
+                               param=param + ".content")
+        role = ROLES[message["role"]]
+        if role != "user" and any(p.kind != "text" for p in parts):
+            raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
+        parsed.append((role, parts))
+    return ChatRequest(tuple(parsed), limit, stream, bool(options.get("include_usage", False)), model, sampling, seed)
+
+
+def _sampling(body: dict, decoding):
+    """The request's sampling: `(row or None, seed or None)`. A per-row server (`RowSampling`) takes `temperature`
+    in [0, 2], `top_p` in (0, 1] and an integer `seed` per request; any other refuses fields that differ from its one
+    strategy (`_check_decoding`)."""
+    if not getattr(decoding, "per_row", False):
+        _check_decoding(body, decoding)
+        return None, None
+    from omnijax.decoding import sampling_row
+
+    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+    for name, value, ok, want in (("temperature", temperature, lambda x: 0 <= x <= 2, "in [0, 2]"),
+                                  ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
+            raise RequestError(f"'{name}' must be a number {want}, got {value!r}", param=name)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    row = None
+    if temperature is not None or top_p is not None:
+        row = sampling_row(decoding.temperature if temperature is None else float(temperature),
+                           decoding.top_p if top_p is None else float(top_p))
+    return row, seed
+
+
+def _check_decoding(body: dict, decoding) -> None:
+    """Refuses sampling fields that differ from the server's one decoding strategy."""
+    sampled = type(decoding).__name__ == "Sampling"
+    served = {"temperature": decoding.temperature if sampled else 0.0,
+              "top_p": decoding.top_p if sampled else 1.0,
+              "seed": getattr(decoding, "seed", None) if sampled else None}
+    for name, value in served.items():
+        asked = body.get(name)
+        if asked is None or asked == value or (name == "top_p" and not sampled):
+            continue
+        how = (f"samples with temperature {decoding.temperature}, top_p {decoding.top_p}, seed {decoding.seed}"
+               if sampled else "decodes greedily (temperature 0)")
+        raise RequestError(f"'{name}' = {asked!r}: this server {how} for every session (one compiled program); "
+                           f"omit the field, or start the server with --temperature / --top-p / --seed",
+                           code="unsupported", param=name)
+
+
+def completion(cid: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
+               completion_tokens: int, kv_cells: int | None = None) -> dict:
+    """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field)."""
+    out = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                        "logprobs": None}],
+           "usage": usage(prompt_tokens, completion_tokens)}
+    if kv_cells is not None:
+        out["omnijax"] = {"kv_cells": int(kv_cells)}
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_chunk(cid: str, created: int, model: str, delta: dict | None, finish_reason: str | None = None,
+                     usage_: dict | None = None) -> dict:
+    """A `chat.completion.chunk`; `delta=None` gives the usage-only chunk (empty choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                         "logprobs": None}]
+    out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def models_list(model_name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "omnijax"}]}
+
+
+FINISH = {"completed": "stop", "incomplete": "length", "cancelled": "stop"}
+
+
+# ----------------------------------------------------------------------------------------------------- handlers
+def _json_error(e: RequestError, headers: dict | None = None):
+    from starlette.responses import JSONResponse
+    return JSONResponse(error_body(str(e), kind=e.kind, code=e.code, param=e.param), status_code=e.status,
+                        headers=headers)
+
+
+async def models(request, context):
+    from starlette.responses import JSONResponse
+    return JSONResponse(models_list(context.options.model_name, context.started))
+
+
+async def chat_completions(request, context):
+    """Serves one chat completion (streamed or whole) as one engine session."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    from omnijax.serve.engine.admission import Overloaded
+
+    body = await request.body()
+    if len(body) > context.options.max_message_bytes:
+        return _json_error(RequestError(f"the request body is {len(body)} bytes, over the server's cap of "
+                                        f"{context.options.max_message_bytes}", status=413, code="too_large"))
+    try:
+        try:
+            payload = json.loads(body)
+        except ValueError as e:
+            raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        req = parse_chat_request(payload, model_name=context.options.model_name,
+                                 decoding=context.worker.engine.config.stream.decoding)
+    except RequestError as e:
+        return _json_error(e)
+    client = request.client.host if request.client else "?"
+    session = context.session(client, "cc")
+    try:
+        sid = await session.__aenter__()
+    except Overloaded as e:
+        return _json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
+                           headers={"Retry-After": "1"})
+    try:
+        conversation = context.conversation()
+        parts = []
+        for role, content in req.messages:
+            for p in content:
+                if p.kind == "text":
+                    parts += conversation.message(role, p.text)
+                elif p.kind == "image":
+                    from omnijax.chat import read_image
+                    parts += conversation.image(read_image(p.data))
+                else:
+                    parts += conversation.audio(p.pcm)
+        max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
+        prompt = conversation.prompt(min(context.worker.tau, max_tokens))
+        prompt_tokens = conversation.tokens_fed
+        if req.seed is not None:
+            await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
+        context.worker.feed(sid, parts)
+        answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling)
+    except ValueError as e:
+        await session.__aexit__(None, None, None)
+        return _json_error(RequestError(str(e)))
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
+    if not req.stream:
+        try:
+            async for tokens in answer:
+                decoder.push(tokens)
+            await answer.done
+        finally:
+            await session.__aexit__(None, None, None)
+        if answer.status == "failed":
+            return _json_error(RequestError(f"the answer failed: {answer.reason}", status=500, code="server_error",
+                                            kind="server_error"))
+        text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
+        return JSONResponse(completion(cid, created, req.model, text, FINISH[answer.status], prompt_tokens,
+                                       len(answer.tokens), answer.kv_cells))
+
+    async def events():
+        try:
+            yield _sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""}))
+            async for tokens in answer:
+                delta = decoder.push(tokens)
+                if delta:
+                    yield _sse(completion_chunk(cid, created, req.model, {"content": delta}))
+            await answer.done
+            tail = decoder.flush()
+            if tail:
+                yield _sse(completion_chunk(cid, created, req.model, {"content": tail}))
+            if answer.status == "failed":
+                yield _sse(error_body(f"the answer failed: {answer.reason}", kind="server_error"))
+            else:
+                yield _sse(completion_chunk(cid, created, req.model, {}, FINISH[answer.status]))
+            if req.include_usage:
+                yield _sse(completion_chunk(cid, created, req.model, None,
+                                            usage_=usage(prompt_tokens, len(answer.tokens))))
+            yield "data: [DONE]\n\n"
+        finally:
+            if answer.status is None:
+                context.worker.cancel(sid)
+            await session.__aexit__(None, None, None)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _content_tokens(answer) -> list[int]:
+    tokens = answer.tokens
+    return tokens[:-1] if tokens and tokens[-1] in answer.stop else tokens
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,448 @@
+"""Session persistence: one sequence's KV pages, cursor, sampling key and last logits, copied out of a batched
+`StreamState` and written back into a row of another (or the same) state, and to and from disk.
+
+A `SessionSnapshot` holds one row of the state as host numpy arrays: the contents of the pages its page-table row
+names (in table order, with the table position of each, so the restored row has the same logical layout), the row's
+page-table bookkeeping, its position cursor, sampling key and last logits, the facts of the pool and model it was
+taken from (`SnapshotSpec`), and free-form JSON metadata (`meta`) for the caller (conversation items, counters).
+
+Shapes (L layers, E saved pages, P page size, G kv heads, d head dim, A position axes, V vocabulary):
+
+    entries     [E] int32             page-table position of each saved page (ascending)
+    k, v        [L, E, P, G, d]       keys (post-RoPE) and values, in the pool's dtype
+    valid       [E, P] bool           and pos [A, E, P], order, unit, span, offset, score [E, P], page_class [E]
+    seq_slots, next_order, dropped, next_pos   [] int32;   exhausted [] bool
+    key         [2] uint32            sampling key data
+    last_logits [V] float32
+
+`import_row` takes the pages from the pool's free stack the way `omnijax.kv.paged.reserve` does (popped from the top,
+in table order), so physical page ids may differ while everything a step reads stays the same: the next frame's
+logits equal those of an uninterrupted run. On disk a snapshot is a directory: `session.json` (format, spec, meta,
+the shape and dtype of every array) and `arrays/`, an orbax checkpoint of the non-empty arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from omnijax.streaming.step import StreamState
+
+FORMAT = "omnijax-session"
+FORMAT_VERSION = 1
+MANIFEST = "session.json"
+ARRAYS_DIR = "arrays"
+
+# Pool fields saved per page, with their page axis.
+PAGE_AXES = {"k": 1, "v": 1, "valid": 0, "pos": 1, "order": 0, "unit": 0, "span": 0, "offset": 0, "score": 0,
+             "page_class": 0}
+KV_ROW_FIELDS = ("seq_slots", "next_order", "exhausted", "dropped")  # per-row fields of `PagedKV`
+STATE_ROW_FIELDS = ("next_pos", "key", "last_logits")  # per-row fields of `StreamState`
+ARRAY_FIELDS = ("entries",) + tuple(PAGE_AXES) + KV_ROW_FIELDS + STATE_ROW_FIELDS
+
+
+class SnapshotError(ValueError):
+    """Base of the snapshot errors (a `ValueError`)."""
+
+
+class SnapshotMismatch(SnapshotError):
+    """The snapshot was taken from a pool or model of another shape (page size, layers, heads, dtype, ...)."""
+
+
+class NotEnoughPages(SnapshotError):
+    """The pool has too few free pages for the snapshot, or the target's page-table row is too narrow."""
+
+
+class SnapshotFormatError(SnapshotError):
+    """A path does not hold a readable session snapshot."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotSpec:
+    """The facts of the pool and model a snapshot was taken from; a restore target must match every one."""
+
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    position_axes: int
+    vocab_size: int
+    dtype: str
+
+    @classmethod
+    def of_state(cls, state: StreamState) -> "SnapshotSpec":
+        """The spec of a batched state (its pool's shape and dtype, its logits' vocabulary)."""
+        kv = state.kv
+        L, _, P, G, d = kv.k.shape
+        return cls(page_size=int(P), num_layers=int(L), num_kv_heads=int(G), head_dim=int(d),
+                   position_axes=int(kv.pos.shape[0]), vocab_size=int(state.last_logits.shape[-1]),
+                   dtype=jnp.dtype(kv.k.dtype).name)
+
+    def mismatches(self, target: "SnapshotSpec") -> list[str]:
+        """`"<field> <snapshot's> (target: <target's>)"` for every field that differs."""
+        return [f"{f.name} {getattr(self, f.name)} (target: {getattr(target, f.name)})"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(target, f.name)]
+
+
+def _page_shape(spec: SnapshotSpec, name: str, count: int) -> tuple[int, ...]:
+    """Expected shape of a page field of `count` saved pages."""
+    L, P, G, d, A = spec.num_layers, spec.page_size, spec.num_kv_heads, spec.head_dim, spec.position_axes
+    return {"k": (L, count, P, G, d), "v": (L, count, P, G, d), "pos": (A, count, P),
+            "page_class": (count,)}.get(name, (count, P))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SessionSnapshot:
+    """One session's state as host numpy arrays (module docstring: fields and shapes); a pytree whose leaves are
+    the arrays of `ARRAY_FIELDS` (`spec` and `meta` are static).
+
+    Attributes:
+        spec: the pool and model facts the snapshot was taken from.
+        meta: free-form JSON data (copied through JSON on construction: tuples come back as lists, keys as strings).
+    """
+
+    entries: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    valid: np.ndarray
+    pos: np.ndarray
+    order: np.ndarray
+    unit: np.ndarray
+    span: np.ndarray
+    offset: np.ndarray
+    score: np.ndarray
+    page_class: np.ndarray
+    seq_slots: np.ndarray
+    next_order: np.ndarray
+    exhausted: np.ndarray
+    dropped: np.ndarray
+    next_pos: np.ndarray
+    key: np.ndarray
+    last_logits: np.ndarray
+    spec: SnapshotSpec
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "meta", json.loads(_meta_json(self.meta)))
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the snapshot holds (E): the free pages a restore takes."""
+        return int(np.shape(self.entries)[0])
+
+    @property
+    def table_width(self) -> int:
+        """The narrowest page-table row that holds the snapshot's layout (last entry + 1)."""
+        return int(np.max(self.entries)) + 1 if self.num_pages else 0
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The array fields by name."""
+        return {name: getattr(self, name) for name in ARRAY_FIELDS}
+
+    def check(self) -> None:
+        """Refuses a snapshot whose arrays do not agree with each other and with its spec (`SnapshotError`)."""
+        spec, E = self.spec, self.num_pages
+        want = {name: _page_shape(spec, name, E) for name in PAGE_AXES}
+        want.update(entries=(E,), last_logits=(spec.vocab_size,),
+                    **{name: () for name in KV_ROW_FIELDS + ("next_pos",)})
+        bad = [f"{n} {tuple(np.shape(getattr(self, n)))} (expected {w})" for n, w in want.items()
+               if tuple(np.shape(getattr(self, n))) != w]
+        if np.ndim(self.key) != 1:
+            bad.append(f"key {tuple(np.shape(self.key))} (expected one row of key data)")
+        for name in ("k", "v"):
+            if jnp.dtype(getattr(self, name).dtype).name != spec.dtype:
+                bad.append(f"{name} dtype {getattr(self, name).dtype} (spec: {spec.dtype})")
+        if bad:
+            raise SnapshotError("inconsistent session snapshot: " + "; ".join(bad))
+        entries = np.asarray(self.entries)
+        if E and (entries[0] < 0 or np.any(np.diff(entries) <= 0)):
+            raise SnapshotError(f"snapshot page-table entries must be distinct, ascending and >= 0, got {entries}")
+
+
+def _meta_json(meta) -> str:
+    if not isinstance(meta, dict):
+        raise TypeError(f"snapshot meta must be a dict of JSON data, got {type(meta).__name__}")
+    try:
+        return json.dumps(meta, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"snapshot meta must be JSON-serialisable: {e}") from e
+
+
+def _flatten(snapshot: SessionSnapshot):
+    children = tuple((jax.tree_util.GetAttrKey(n), getattr(snapshot, n)) for n in ARRAY_FIELDS)
+    return children, (snapshot.spec, _meta_json(snapshot.meta))  # hashable static data
+
+
+def _unflatten(aux, children) -> SessionSnapshot:
+    spec, meta = aux
+    return SessionSnapshot(*children, spec=spec, meta=json.loads(meta))
+
+
+jax.tree_util.register_pytree_with_keys(SessionSnapshot, _flatten, _unflatten)
+
+
+# ------------------------------------------------------------------------------------------------ export / import
+def _check_row(state: StreamState, row: int) -> int:
+    B = state.kv.batch
+    if isinstance(row, bool) or not 0 <= int(row) < B:
+        raise IndexError(f"row {row!r} is out of range for a state of batch {B}")
+    return int(row)
+
+
+def export_row(state: StreamState, row: int, *, meta: dict | None = None) -> SessionSnapshot:
+    """Copies sequence `row` of a batched state to the host (the state is not changed).
+
+    Args:
+        state: the batched state (e.g. `Engine.state` between ticks).
+        row: the sequence.
+        meta: JSON data stored with the snapshot.
+
+    Returns:
+        The `SessionSnapshot`: the pages of the row's page-table entries (-1 entries skipped, table positions kept),
+        the row's bookkeeping, cursor, key and last logits.
+    """
+    row = _check_row(state, row)
+    kv = state.kv
+    table = np.asarray(jax.device_get(kv.page_table[row]))  # [M]
+    entries = np.flatnonzero(table >= 0).astype(np.int32)  # [E]
+    pages = jnp.asarray(table[entries])  # [E] physical ids, table order
+    got = {name: jnp.take(getattr(kv, name), pages, axis=axis) for name, axis in PAGE_AXES.items()}
+    got.update({name: getattr(kv, name)[row] for name in KV_ROW_FIELDS})
+    got.update({name: getattr(state, name)[row] for name in STATE_ROW_FIELDS})
+    host = {name: np.array(x, copy=True) for name, x in jax.device_get(got).items()}
+    snapshot = SessionSnapshot(entries=entries, **host, spec=SnapshotSpec.of_state(state), meta=meta or {})
+    snapshot.check()
+    return snapshot
+
+
+def check_importable(state: StreamState, snapshot: SessionSnapshot, row: int | None = None) -> None:
+    """Refuses a snapshot that `import_row` could not write into `state` (into `row`, when given), changing nothing.
+
+    Raises:
+        SnapshotError: the snapshot is inconsistent.
+        SnapshotMismatch: its spec, or the shape or dtype of a field, differs from the target's (all named).
+        NotEnoughPages: the pool has fewer free pages than it holds, or the page-table rows are too narrow.
+        ValueError: `row` is not empty (its page-table row names pages). IndexError: `row` is out of range.
+    """
+    snapshot.check()
+    diff = snapshot.spec.mismatches(SnapshotSpec.of_state(state))
+    if diff:
+        raise SnapshotMismatch("the session snapshot was taken from another pool or model: " + ", ".join(diff))
+    kv, E = state.kv, snapshot.num_pages
+    bad = []
+    for name, axis in PAGE_AXES.items():
+        field = getattr(kv, name)
+        shape = field.shape[:axis] + (E,) + field.shape[axis + 1:]
+        got = getattr(snapshot, name)
+        if tuple(got.shape) != shape or got.dtype != field.dtype:
+            bad.append(f"{name} {tuple(got.shape)} {got.dtype} (target: {shape} {field.dtype})")
+    for name in KV_ROW_FIELDS + STATE_ROW_FIELDS:
+        field = getattr(kv, name) if name in KV_ROW_FIELDS else getattr(state, name)
+        got = getattr(snapshot, name)
+        if tuple(got.shape) != field.shape[1:] or got.dtype != field.dtype:
+            bad.append(f"{name} {tuple(got.shape)} {got.dtype} (target: {field.shape[1:]} {field.dtype})")
+    if bad:
+        raise SnapshotMismatch("the session snapshot does not fit the target state: " + "; ".join(bad))
+    if snapshot.table_width > kv.max_pages:
+        raise NotEnoughPages(f"the snapshot's pages sit at page-table entries up to {snapshot.table_width - 1}, but "
+                             f"the target's page-table rows hold {kv.max_pages} entries")
+    free = int(kv.num_free)
+    if E > free:
+        raise NotEnoughPages(f"the snapshot holds {E} pages but the pool has {free} free")
+    if row is not None:
+        row = _check_row(state, row)
+        held = np.asarray(jax.device_get(kv.page_table[row]))
+        if np.any(held >= 0):
+            raise ValueError(f"row {row} is not empty: its page table names pages {held[held >= 0].tolist()}; "
+                             f"import into an empty row")
+
+
+def _write_row(state: StreamState, row, entries, live, pages: dict, values: dict) -> StreamState:
+    """Pops `sum(live)` pages off the free stack, fills them and points row `row`'s table at them.
+
+    `entries [E']`, `live [E']` bool (padding False, after the live ones) and `pages[name]` (page axis E') are
+    padded to a power of two; padded entries write nothing.
+    """
+    kv = state.kv
+    N, M = kv.num_pages, kv.max_pages
+    n = entries.shape[0]
+    popped = kv.free_stack[jnp.clip(kv.num_free - 1 - jnp.arange(n), 0, N - 1)]  # stack top first, as `reserve`
+    ids = jnp.where(live, popped, N)  # [E'] new page of each entry; N (out of range) writes nothing
+    new = {}
+    for name, axis in PAGE_AXES.items():
+        field = getattr(kv, name)
+        new[name] = field.at[(slice(None),) * axis + (ids,)].set(pages[name].astype(field.dtype), mode="drop")
+    table_row = jnp.full((M,), -1, jnp.int32).at[jnp.where(live, entries, M)].set(ids, mode="drop")  # [M]
+    new["page_table"] = kv.page_table.at[row].set(table_row)
+    new.update({name: getattr(kv, name).at[row].set(values[name]) for name in KV_ROW_FIELDS})
+    new["num_free"] = kv.num_free - jnp.sum(live).astype(kv.num_free.dtype)
+    rows = {name: getattr(state, name).at[row].set(values[name]) for name in STATE_ROW_FIELDS}
+    return StreamState(kv=kv.replace(**new), **rows)
+
+
+_write = jax.jit(_write_row)
+_write_donated = jax.jit(_write_row, donate_argnums=0)
+
+
+def import_row(state: StreamState, row: int, snapshot: SessionSnapshot, *, donate: bool = False) -> StreamState:
+    """Writes a snapshot into the empty row `row` of a batched state; returns the new state.
+
+    The snapshot's pages are popped off the pool's free stack (top first, in table order, class and slots as
+    saved) and the row's page-table entries point at them at the snapshot's table positions; the row's bookkeeping,
+    cursor, sampling key and last logits are the snapshot's. Every check runs first: on an error nothing changes.
+
+    Args:
+        state: the batched state.
+        row: the target row; its page-table row must be all -1.
+        snapshot: the session.
+        donate: donate `state` to the write (it is deleted; saves a copy of the pool).
+
+    Raises:
+        See `check_importable`.
+    """
+    check_importable(state, snapshot, row)
+    E = snapshot.num_pages
+    size = 1 << max(E - 1, 0).bit_length()  # E padded to a power of two: few compiled variants
+    pad = size - E
+
+    def padded(x, axis):
+        return np.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+
+    entries = padded(np.asarray(snapshot.entries, np.int32), 0)
+    live = np.arange(size) < E
+    pages = {name: padded(np.asarray(getattr(snapshot, name)), axis) for name, axis in PAGE_AXES.items()}
+    values = {name: np.asarray(getattr(snapshot, name)) for name in KV_ROW_FIELDS + STATE_ROW_FIELDS}
+    write = _write_donated if donate else _write
+    return write(state, np.int32(row), entries, live, pages, values)
+
+
+# ------------------------------------------------------------------------------------------------------- disk
+def _is_snapshot_dir(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwrite: bool = False) -> Path:
+    """Writes a snapshot to the directory `path` atomically: into a temporary directory beside it, then renamed.
+
+    `path` never holds a partial snapshot; when overwriting, the old one is moved aside first, so `path` is briefly
+    absent between the two renames (a concurrent `load_snapshot` then sees nothing, never a mix).
+
+    Args:
+        path: the snapshot directory (its parent is created when missing).
+        snapshot: the session.
+        overwrite: replace an existing snapshot at `path` (anything else there is never replaced).
+
+    Returns:
+        The absolute path written.
+
+    Raises:
+        FileExistsError: `path` exists and `overwrite` is False, or it exists and is not a session snapshot.
+        SnapshotError: the snapshot is inconsistent.
+    """
+    snapshot.check()
+    path = Path(path).absolute()
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace the snapshot there")
+        if not path.is_dir() or path.is_symlink() or not _is_snapshot_dir(path):
+            raise FileExistsError(f"{path} exists and is not a session snapshot; refusing to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = snapshot.arrays()
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "spec": dataclasses.asdict(snapshot.spec),
+                "meta": snapshot.meta,
+                "arrays": {n: {"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for n, a in arrays.items()}}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        stored = {n: np.asarray(a) for n, a in arrays.items() if a.size}  # orbax refuses zero-size arrays
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / ARRAYS_DIR, stored)
+            checkpointer.wait_until_finished()
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():  # overwrite: move the old one aside, put the new one in place, then delete the old one
+            old = path.parent / f".{path.name}.{uuid.uuid4().hex}.old"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
+    """Reads a snapshot written by `save_snapshot`.
+
+    Raises:
+        FileNotFoundError: nothing at `path`.
+        SnapshotFormatError: `path` is not a readable session snapshot (no or garbled manifest, another format or
+            version, missing or damaged arrays); the message names the path.
+    """
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no session snapshot there (the path does not exist)")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise SnapshotFormatError(f"{path} is not a session snapshot: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(f"format is not {FORMAT!r}")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")
+        spec = SnapshotSpec(**manifest["spec"])
+        layout = {n: (tuple(manifest["arrays"][n]["shape"]), jnp.dtype(manifest["arrays"][n]["dtype"]))
+                  for n in ARRAY_FIELDS}
+        meta = manifest.get("meta", {})
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise SnapshotFormatError(f"{manifest_path}: cannot read the snapshot manifest: {e}") from e
+    arrays = {n: np.zeros(shape, dtype) for n, (shape, dtype) in layout.items() if not int(np.prod(shape))}
+    stored = [n for n in ARRAY_FIELDS if n not in arrays]
+    arrays_path = path / ARRAYS_DIR
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            found = checkpointer.metadata(arrays_path).item_metadata.tree
+            problems = [f"{n}: stored {_describe(found.get(n))}, expected {layout[n][0]} {layout[n][1].name}"
+                        for n in stored if _describe(found.get(n)) != f"{layout[n][0]} {layout[n][1].name}"]
+            if problems:
+                raise ValueError("; ".join(problems))
+            restored = checkpointer.restore(arrays_path)
+        arrays.update({n: np.asarray(restored[n]) for n in stored})
+    except Exception as e:  # orbax and TensorStore raise many types for missing or damaged files
+        raise SnapshotFormatError(f"{arrays_path}: cannot read the snapshot's arrays ({_brief(e)})") from e
+    try:
+        snapshot = SessionSnapshot(**arrays, spec=spec, meta=meta)
+        snapshot.check()
+    except (TypeError, SnapshotError) as e:
+        raise SnapshotFormatError(f"{path}: {e}") from e
+    return snapshot
+
+
+def _describe(leaf: Any) -> str:
+    if leaf is None or not hasattr(leaf, "shape"):
+        return "nothing"
+    return f"{tuple(leaf.shape)} {jnp.dtype(leaf.dtype).name}"
+
+
+def _brief(error: BaseException) -> str:
+    """Type and first line of an error, at most 200 characters (TensorStore's messages run long)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}"[:200]

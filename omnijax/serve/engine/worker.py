@@ -1,0 +1,404 @@
+"""The engine worker: asyncio sessions over the Metronome engine's batched ticks.
+
+Every front end (`/v1/realtime`, `/v1/chat/completions`) drives sessions through one `EngineWorker`:
+
+- `open(sid)` admits a session (AIMD cap, then an engine slot) or raises `Overloaded`; `close(sid)` frees it.
+- `feed(sid, parts)` queues chunks (at most `chunk_tokens` each, see `omnijax.serve.conversation`); the returned
+  future resolves once the last one has been written.
+- `respond(sid, prompt, max_tokens)` queues a response: its prompt parts, then continuation chunks asking for up to
+  tau tokens per tick until a stop token, `max_tokens`, or `cancel(sid)`. Its `Answer` yields token deltas.
+
+A session's chunks are served in the order queued, one per tick; a response holds its session's lane until it ends,
+so what is queued behind it (the next message, audio frames that kept arriving) follows the answer in the cache.
+
+Ticks are work-conserving: the loop runs one `Engine.tick()` as soon as any session has a chunk to serve, and
+otherwise sleeps until one arrives. The engine runs in a one-thread executor, so sockets are served while a tick
+runs, and `open`/`close` run in the same executor, always between ticks. Each tick's wall latency feeds the AIMD
+controller. A failed tick fails the answers and feeds of the sessions in it, says so, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from omnijax.decoding import answer_stop_ids
+
+log = logging.getLogger("omnijax.serve")
+
+
+class Answer:
+    """A response being decoded; iterate it (`async for delta in answer`) for token-id deltas.
+
+    Attributes:
+        tokens: every token decoded so far.
+        status: None while decoding, then "completed" (a stop token), "incomplete" (`max_tokens` reached, or the
+            session was preempted), "cancelled" or "failed".
+        reason: why it is not completed ("max_output_tokens", "cancelled", "preempted", or an error message).
+        answer_unit: the unit id of the answer.
+        kv_cells: the session's cached cells when it ended.
+    """
+
+    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling=None):
+        self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
+        self.sampling = sampling  # `[2]` row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
+        self.tokens: list[int] = []
+        self.status: str | None = None
+        self.reason: str | None = None
+        self.kv_cells = 0
+        self.cancelled = False
+        self._ending: tuple | None = None  # (status, reason) once the worker decided, before kv_cells are read
+        self._deltas: asyncio.Queue = asyncio.Queue()
+        self.done = asyncio.get_running_loop().create_future()
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.tokens)
+
+    def _push(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        if tokens:
+            self._deltas.put_nowait(tokens)
+
+    def _finish(self, status: str, reason: str | None = None) -> None:
+        if self.status is None:
+            self.status, self.reason = status, reason
+            self._deltas.put_nowait(None)
+            self.done.set_result(status)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list[int]:
+        delta = await self._deltas.get()
+        if delta is None:
+            self._deltas.put_nowait(None)  # later iterations end too
+            raise StopAsyncIteration
+        return delta
+
+
+@dataclasses.dataclass
+class _Item:
+    chunk: object
+    answer: Answer | None = None  # the prompt part that starts this answer
+    fed: asyncio.Future | None = None  # resolved when this (last) part has been written
+    frame: asyncio.Future | None = None  # resolved with the tick's `FrameOutput` (a `frame()` chunk)
+    asked: int = 0  # answer tokens a `frame()` chunk asks for
+
+
+@dataclasses.dataclass
+class _Lane:
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    answer: Answer | None = None  # decoding: continuation chunks until it ends
+    continuation: object = None  # builds a continuation chunk: (answer_unit, tokens) -> Chunk
+
+
+class EngineWorker:
+    """Serves sessions from an `Engine` (see the module docstring).
+
+    Args:
+        engine: `omnijax.serve.engine.engine.Engine`.
+        admission: optional `omnijax.serve.engine.admission.AIMD` (fed each tick's latency; asked on every `open`).
+        max_sessions: the most sessions open at once (None: the engine's largest bucket).
+    """
+
+    def __init__(self, engine, *, admission=None, max_sessions: int | None = None):
+        self.engine, self.admission = engine, admission
+        self.max_sessions = engine.config.buckets[-1] if max_sessions is None else int(max_sessions)
+        self.tau = engine.config.max_answer_tokens
+        self.per_row = bool(getattr(engine.config.stream.decoding, "per_row", False))
+        self.stop_ids = frozenset(answer_stop_ids(engine.config.stream.decoding, engine.model_config.eos_token_ids))
+        self.lanes: dict[str, _Lane] = {}
+        self.stats = {"ticks": 0, "tick_errors": 0, "opened": 0, "refused": 0, "tokens": 0}
+        self.latencies: collections.deque = collections.deque(maxlen=4096)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnijax-tick")
+        self._work: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._joining = 0
+
+    async def start(self) -> None:
+        self._work = asyncio.Event()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Finishes the tick in flight, fails what is still queued, stops the loop and the executor."""
+        self._stopping = True
+        if self._work is not None:
+            self._work.set()
+        if self._task is not None:
+            await self._task
+        for lane in self.lanes.values():
+            self._fail(lane, "server shutting down")
+        self._pool.shutdown(wait=True)
+
+    async def in_engine(self, fn, *args):
+        """Runs `fn(*args)` in the engine's thread, between ticks."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------------------------------------ sessions
+    async def open(self, sid: str, snapshot=None) -> None:
+        """Admits a session; raises `Overloaded` (AIMD cap, session cap or no engine slot). With a `snapshot`
+        (`omnijax.serve.engine.snapshot.SessionSnapshot`) the session resumes its state (`Engine.import_session`, whose
+        refusals leave the engine unchanged)."""
+        from omnijax.serve.engine.admission import Overloaded
+
+        current = len(self.lanes) + self._joining
+        try:
+            if self._stopping:
+                raise Overloaded("the server is shutting down", cap=0, current=current)
+            if current >= self.max_sessions:
+                raise Overloaded(f"overloaded: {current} sessions open, the server holds at most "
+                                 f"{self.max_sessions}; retry later", cap=self.max_sessions, current=current)
+            if self.admission is not None:
+                self.admission.check(current)
+            self._joining += 1
+            try:
+                if snapshot is None:
+                    await self.in_engine(self.engine.open, sid)
+                else:
+                    await self.in_engine(self.engine.import_session, sid, snapshot)
+            finally:
+                self._joining -= 1
+        except Overloaded:
+            self.stats["refused"] += 1
+            raise
+        self.lanes[sid] = _Lane()
+        self.stats["opened"] += 1
+
+    async def close(self, sid: str) -> None:
+        """Closes a session: its queued chunks are dropped (their futures fail), its pages return to the pool."""
+        lane = self.lanes.pop(sid, None)
+        if lane is None:
+            return
+        self._fail(lane, "session closed")
+        await self.in_engine(self._close_engine, sid)
+
+    async def export(self, sid: str, meta: dict, timeout_s: float = 30.0):
+        """A snapshot of the session once its queued chunks are written and its answer has ended (waits up to
+        `timeout_s`; an answer still decoding is cancelled first). Raises TimeoutError or ValueError (preempted)."""
+        self.cancel(sid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy(sid):
+            if loop.time() > deadline:
+                raise TimeoutError(f"session {sid!r} did not become idle within {timeout_s:g} s")
+            await asyncio.sleep(0.01)
+        return await self.in_engine(lambda: self.engine.export_session(sid, meta=meta))
+
+    def _close_engine(self, sid: str) -> None:
+        try:
+            self.engine.close(sid)
+        except KeyError:
+            pass
+
+    def feed(self, sid: str, parts: list) -> asyncio.Future:
+        """Queues chunks; the future resolves (to None) when the last has been written, or fails."""
+        lane = self._lane(sid)
+        fed = asyncio.get_running_loop().create_future()
+        if not parts:
+            fed.set_result(None)
+            return fed
+        for chunk in parts[:-1]:
+            lane.pending.append(_Item(chunk))
+        lane.pending.append(_Item(parts[-1], fed=fed))
+        self._work.set()
+        return fed
+
+    def frame(self, sid: str, chunk, answer_tokens: int = 0) -> asyncio.Future:
+        """Queues one chunk asking for `answer_tokens` (<= tau) tokens; the future resolves with its tick's
+        `FrameOutput` (tokens, logits when the engine returns them, dropped, preempted): the per-frame path of the
+        native protocol and of duplex sessions, which decide on the host."""
+        lane = self._lane(sid)
+        if isinstance(answer_tokens, bool) or not 0 <= int(answer_tokens) <= self.tau:
+            raise ValueError(f"answer_tokens must lie in [0, {self.tau}], got {answer_tokens!r}")
+        future = asyncio.get_running_loop().create_future()
+        lane.pending.append(_Item(chunk, frame=future, asked=int(answer_tokens)))
+        self._work.set()
+        return future
+
+    def respond(self, sid: str, prompt, max_tokens: int, continuation, sampling=None) -> Answer:
+        """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`);
+        `sampling` (`omnijax.decoding.sampling_row`) draws it with its own settings (a per-row engine only)."""
+        lane = self._lane(sid)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if sampling is not None and not self.per_row:
+            raise ValueError(f"per-response sampling needs an engine decoding with omnijax.decoding.RowSampling, "
+                             f"not {self.engine.config.stream.decoding!r}")
+        answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit, sampling)
+        for chunk in prompt.parts[:-1]:
+            lane.pending.append(_Item(chunk))
+        lane.pending.append(_Item(prompt.parts[-1], answer=answer))
+        lane.continuation = continuation
+        self._work.set()
+        return answer
+
+    def cancel(self, sid: str) -> bool:
+        """Cancels the session's response being decoded or queued; True when there was one."""
+        lane = self._lane(sid)
+        answers = [item.answer for item in lane.pending if item.answer is not None]
+        answers += [lane.answer] if lane.answer is not None else []
+        for answer in answers:
+            answer.cancelled = True
+        self._work.set()
+        return bool(answers)
+
+    def busy(self, sid: str) -> bool:
+        """Whether the session has chunks queued or a response decoding."""
+        lane = self.lanes.get(sid)
+        return lane is not None and (bool(lane.pending) or lane.answer is not None)
+
+    def _lane(self, sid: str) -> _Lane:
+        if sid not in self.lanes:
+            raise KeyError(f"session {sid!r} is not open")
+        return self.lanes[sid]
+
+    def _fail(self, lane: _Lane, reason: str) -> None:
+        for item in lane.pending:
+            for future in (item.fed, item.frame):
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(reason))
+            if item.answer is not None:
+                item.answer._finish("failed", reason)
+        lane.pending.clear()
+        if lane.answer is not None:
+            lane.answer._finish("failed", reason)
+            lane.answer = None
+
+    # ---------------------------------------------------------------------------------------------------- ticks
+    def _plan(self) -> dict:
+        """Takes each session's next chunk: {sid: (chunk, asked, item or None, answer or None)}."""
+        plan = {}
+
+        def drawn(chunk, answer):  # an answer's chunks carry its sampling row
+            if answer is None or answer.sampling is None:
+                return chunk
+            return dataclasses.replace(chunk, sampling=np.asarray(answer.sampling, np.float32)[None])
+
+        for sid, lane in self.lanes.items():
+            if lane.answer is not None and lane.answer.cancelled:
+                lane.answer._finish("cancelled", "cancelled")
+                lane.answer = None
+            if lane.answer is not None:
+                answer = lane.answer
+                asked = min(self.tau, answer.remaining)
+                plan[sid] = (drawn(lane.continuation(answer.answer_unit, asked), answer), asked, None, answer)
+            elif lane.pending:
+                item = lane.pending.popleft()
+                answer = item.answer
+                asked = item.asked
+                if answer is not None and not answer.cancelled:
+                    asked = min(self.tau, answer.max_tokens)
+                plan[sid] = (drawn(item.chunk, answer), asked, item, answer)
+        return plan
+
+    def _tick_sync(self, plan: dict):
+        """In the engine thread: submit each planned chunk, then one tick. Returns (report, failures)."""
+        failed = {}
+        for sid, (chunk, asked, _, _) in plan.items():
+            try:
+                self.engine.submit(sid, chunk, asked)
+            except Exception as e:  # noqa: BLE001 - one session's chunk must not stop the tick
+                failed[sid] = f"{type(e).__name__}: {e}"
+        report = self.engine.tick() if len(failed) < len(plan) else None
+        return report, failed
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            plan = self._plan()
+            if not plan:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            start = time.perf_counter()
+            try:
+                report, failed = await self.in_engine(self._tick_sync, plan)
+            except Exception as e:  # noqa: BLE001 - keep serving; these sessions' work is lost, and said so
+                self.stats["tick_errors"] += 1
+                log.exception("tick failed")
+                report, failed = None, {sid: f"tick failed: {type(e).__name__}: {e}" for sid in plan}
+            latency = time.perf_counter() - start
+            self.stats["ticks"] += 1
+            self.latencies.append(latency)
+            if self.admission is not None:
+                self.admission.observe(latency, len(self.lanes))
+            ended = self._deliver(plan, report, failed)
+            if ended:
+                cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
+                for sid, answer in ended:
+                    answer.kv_cells = cells.get(sid, 0)
+                    answer._finish(*answer._ending)
+            await asyncio.sleep(0)  # let the sockets run between back-to-back ticks
+
+    def _deliver(self, plan: dict, report, failed: dict) -> list:
+        """Hands each served chunk's result to its feed or answer; returns the answers that ended."""
+        ended = []
+        for sid, (_, asked, item, answer) in plan.items():
+            lane = self.lanes.get(sid)
+            if lane is None:  # closed during the tick
+                continue
+            if sid in failed:
+                if item is not None and item.frame is not None and not item.frame.done():
+                    item.frame.set_exception(RuntimeError(failed[sid]))
+                self._fail(lane, failed[sid])
+                continue
+            out = report.outputs.get(sid)
+            if item is not None and item.frame is not None and not item.frame.done():
+                item.frame.set_result(out)
+            if item is not None and item.fed is not None and not item.fed.done():
+                if out is not None and out.preempted:
+                    item.fed.set_exception(RuntimeError("the session was preempted: the KV pool is exhausted"))
+                else:
+                    item.fed.set_result(None)
+            if answer is None:
+                continue
+            if answer.cancelled:
+                lane.answer = None
+                answer._ending = ("cancelled", "cancelled")
+                ended.append((sid, answer))
+                continue
+            if asked == 0:  # its prompt part was not the last one yet (cannot happen: answers sit on last parts)
+                continue
+            tokens = [] if out is None else [int(t) for t in out.tokens]
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in answer.stop), None)
+            tokens = tokens[:cut] if cut is not None else tokens
+            answer._push(tokens)
+            self.stats["tokens"] += len(tokens)
+            ending = None
+            if out is None or out.preempted:
+                ending = ("incomplete", "preempted")
+            elif cut is not None:
+                ending = ("completed", None)
+            elif answer.remaining <= 0:
+                ending = ("incomplete", "max_output_tokens")
+            elif not tokens:
+                ending = ("incomplete", "no tokens decoded")
+            if ending is None:
+                lane.answer = answer
+            else:
+                lane.answer = None
+                answer._ending = ending
+                ended.append((sid, answer))
+        return ended
+
+    def kv_cells(self, sids: list[str]) -> dict[str, int]:
+        """In the engine thread: the KV cells each session holds."""
+        kv = self.engine.state.kv
+        table = np.asarray(kv.page_table)
+        valid = np.asarray(kv.valid)
+        cells = {}
+        for sid in sids:
+            try:
+                row = self.engine.slot(sid)
+            except KeyError:
+                continue
+            pages = table[row][table[row] >= 0] if row < table.shape[0] else []
+            cells[sid] = int(valid[pages].sum()) if len(pages) else 0
+        return cells

@@ -1,0 +1,309 @@
+"""`WS /session`: omnijax's native per-frame protocol, the lowest-overhead path (no JSON per frame in, no chat
+template): 16 kHz PCM frames in, each frame's answer tokens out, one engine tick per frame.
+
+Protocol (every JSON message is an object with a `type`):
+
+1. client -> `{"type": "hello", "sample_rate": 16000, "frame_ms": F}`. `sample_rate` must be 16000; `frame_ms` may be
+   omitted, otherwise it must equal the server's frame budget B.
+2. server -> `{"type": "ready", "session": id, "sample_rate": 16000, "frame_ms": F, "frame_samples": n}`, or
+   `{"type": "error", "code": "overloaded", ...}` and close 1013 when admission (AIMD cap, session caps, no engine
+   slot) refuses the session.
+3. client -> binary messages, each exactly one frame: n = 16000 * F / 1000 int16 little-endian mono samples (2n bytes).
+   The k-th binary message has `seq` k (from 0). Text `{"type": "bye"}` ends the session: frames already sent are
+   served, then close 1000.
+4. server -> per served frame `{"type": "frame", "seq": k, "tokens": [...], "text": "..." (whole UTF-8 characters;
+   a split one comes with a later frame), "latency_ms": frame arrival -> reply, "queue_ms": arrival -> submission to
+   the engine, "tick_ms": the engine step the frame ran in, "empty": no token although some were asked, "dropped":
+   tokens the exhausted pool could not hold, "preempted": bool, "occupancy": pool pages in use / pool pages,
+   "skipped": frames superseded since the previous reply}`.
+
+Each frame is encoded (log-mel -> the model's audio encoder -> its family's audio unit, `AudioFrameEncoder`) in the
+engine's thread and asks for tau answer tokens. The reply waits for its tick at most `decode_wait_fraction` x B after
+the frame arrived (0.8 B, as Metronome's worker caps a tick's decode wait): a tick still running then gives the frame an
+on-time empty reply with `"late": true`, and when the tick ends its tokens follow as `{"type": "late_tokens", "seq": k,
+"tokens": [...], "text": "...", "latency_ms": ...}` (nothing is lost; an overloaded engine shows as a wall of empty
+frames at 0.8 B, as in the paper's figures). A session has at most one frame in the engine: a frame that arrives while
+the previous one is still waiting supersedes it (counted in `skipped`), so a slow server never builds a backlog.
+
+Full duplex (MiniCPM-o 4.5, `--frame-ms 1000`): a hello with `"duplex": true` makes every binary frame one 1 s unit
+of a `omnijax.serve.engine.duplex.DuplexStream` (none superseded, answered in order; the hello's optional "instructions"
+are the system prompt, rendered by the chat template); `{"type": "image", "data": <base64
+PNG/JPEG>}` gives the next unit its video frame; each unit's reply is `{"type": "frame", "seq": k, "tokens": [spoken
+ids], "text": "...", "listened": bool, "latency_ms": ...}` (no tokens and `listened` while the model listens).
+
+Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
+`bad_message`, `no_hello`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`, `unsupported`
+(image frames), `hello_timeout`, `slow_consumer`. A frame that fails inside the server gets a non-fatal
+`{"type": "error", "code": "internal", "seq": k}`. When the server shuts down, open sessions are closed with 1012.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+
+import numpy as np
+
+from omnijax.serve.native.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, SAMPLE_RATE, ProtocolError, decode_frame,
+                                    hello_duplex, parse_hello, parse_json)
+
+log = logging.getLogger("omnijax.serve")
+HELLO_TIMEOUT_S = 10.0
+
+
+class NativeSession:
+    """One `/session` connection after its hello (see the module docstring)."""
+
+    def __init__(self, ws, context, sid: str, samples: int, peer: str):
+        self.ws, self.context, self.sid, self.samples, self.peer = ws, context, sid, samples, peer
+        self.worker = context.worker
+        self.latest: tuple[int, np.ndarray, float] | None = None  # (seq, pcm, arrival)
+        self.seq = self.unit = self.skipped = 0
+        self.pump: asyncio.Task | None = None
+        self.text = None if context.tokenizer is None else context.tokenizer.stream_decoder(skip_special_tokens=True)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.closing: tuple[int, str] | None = None  # set by the pump to end the session
+        self._stop = asyncio.Event()
+
+    async def _receive(self) -> dict | None:
+        """The next WebSocket message, or None once the pump ended the session."""
+        receive = asyncio.ensure_future(self.ws.receive())
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (receive, stop):
+            if task not in done:
+                task.cancel()
+        return receive.result() if receive in done else None
+
+    async def _writer(self) -> None:
+        while (message := await self.outbox.get()) is not None:
+            await self.ws.send_text(json.dumps(message))
+
+    def _reply(self, message: dict) -> None:
+        if self.outbox.qsize() >= self.context.options.max_outbox:
+            raise ProtocolError("slow_consumer", f"{self.outbox.qsize()} replies pile up unread")
+        self.outbox.put_nowait(message)
+
+    async def run(self) -> tuple[int, str]:
+        """Serves frames until bye, an error or a disconnect; returns (close code, reason)."""
+        from starlette.websockets import WebSocketDisconnect
+
+        loop = asyncio.get_running_loop()
+        writer = asyncio.create_task(self._writer())
+        self._reply({"type": "ready", "session": self.sid, "sample_rate": SAMPLE_RATE,
+                     "frame_ms": self.context.options.frame_ms, "frame_samples": self.samples})
+        code, reason = 1000, "disconnected"
+        try:
+            while self.closing is None:
+                message = await self._receive()
+                if message is None or message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes") is not None:
+                    self._on_frame(decode_frame(message["bytes"], self.samples), loop.time())
+                    if self.pump is None or self.pump.done():
+                        self.pump = asyncio.create_task(self._pump())
+                    continue
+                text = parse_json(message.get("text") or "")
+                if text["type"] == "bye":
+                    if self.pump is not None:
+                        await self.pump
+                    code, reason = 1000, "bye"
+                    break
+                self._on_text(text)
+            if self.closing is not None:
+                code, reason = self.closing
+        except ProtocolError as e:
+            log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
+            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            code, reason = CLOSE_ERROR, e.code
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.pump is not None and not self.pump.done():
+                self.pump.cancel()
+            self.outbox.put_nowait(None)
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the peer is gone or does not read
+                writer.cancel()
+        return code, reason
+
+    def _on_frame(self, pcm: np.ndarray, arrival: float) -> None:
+        self.skipped += self.latest is not None
+        self.latest, self.seq = (self.seq, pcm, arrival), self.seq + 1
+
+    def _on_text(self, message: dict) -> None:
+        if message["type"] == "image":
+            raise ProtocolError("unsupported", "image frames are taken by duplex sessions only (hello with "
+                                               "\"duplex\": true); send images over /v1/realtime")
+        raise ProtocolError("bad_message", f"unexpected message type {message['type']!r} (expected binary PCM or "
+                                           f"bye)")
+
+    async def _pump(self) -> None:
+        """Serves the session's latest frame until none is waiting; a reply that cannot be queued (slow consumer)
+        ends the session."""
+        while self.latest is not None:
+            (seq, pcm, arrival), skipped = self.latest, self.skipped
+            self.latest, self.skipped = None, 0
+            try:
+                await self._serve(seq, pcm, arrival, skipped)
+            except ProtocolError as e:
+                log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
+                self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+                self.closing = (CLOSE_ERROR, e.code)
+                self._stop.set()
+                return
+
+    async def _serve(self, seq: int, pcm: np.ndarray, arrival: float, skipped: int) -> None:
+        """One frame: encode, submit, reply on time (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        submitted = loop.time()
+        late = False
+        try:
+            chunk = await self.worker.in_engine(self.context.frame_encoder.encode, pcm, self.unit)
+            self.unit += 1
+            result = self.worker.frame(self.sid, chunk, self.worker.tau)
+            wait = self.context.options.decode_wait_fraction * self.context.options.frame_ms / 1000
+            if wait > 0:
+                try:
+                    out = await asyncio.wait_for(asyncio.shield(result), max(0.0, arrival + wait - loop.time()))
+                except asyncio.TimeoutError:  # an empty reply on time; the tokens follow when the tick ends
+                    late = True
+                    self._reply({"type": "frame", "seq": seq, "tokens": [], "late": True,
+                                 "latency_ms": 1e3 * (loop.time() - arrival), "queue_ms": 1e3 * (submitted - arrival),
+                                 "tick_ms": None, "empty": self.worker.tau > 0, "dropped": 0, "preempted": False,
+                                 "skipped": skipped, "occupancy": None})
+                    out = await result
+            else:
+                out = await result
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed frame is reported, the session goes on
+            self._reply({"type": "error", "code": "internal", "seq": seq,
+                         "message": f"frame {seq} failed: {type(e).__name__}: {e}"})
+            return
+        tokens = [int(t) for t in out.tokens]
+        message = {"type": "late_tokens" if late else "frame", "seq": seq, "tokens": tokens,
+                   "latency_ms": 1e3 * (loop.time() - arrival), "queue_ms": 1e3 * (submitted - arrival),
+                   "tick_ms": 1e3 * out.tick_s, "empty": self.worker.tau > 0 and not tokens,
+                   "dropped": int(out.dropped), "preempted": bool(out.preempted), "skipped": skipped,
+                   "occupancy": float(out.occupancy)}
+        if not late:
+            message["late"] = False
+        if self.text is not None:
+            message["text"] = self.text.push(tokens)
+        self._reply(message)
+
+
+class NativeDuplex(NativeSession):
+    """A `/session` connection in full duplex (MiniCPM-o 4.5; see the module docstring): every frame is a 1 s unit,
+    none is superseded (the streaming audio encoder needs them all), each answered in order."""
+
+    def __init__(self, ws, context, sid: str, samples: int, peer: str, instructions: str = ""):
+        from omnijax.models.minicpmo.duplex import DuplexTokens
+        from omnijax.serve.engine.duplex import DuplexStream
+        from omnijax.serve.realtime.duplex import duplex_rule
+
+        super().__init__(ws, context, sid, samples, peer)
+        self.stream = DuplexStream(context.model, self.worker, sid, rule=duplex_rule(context.model),
+                                   tokens=DuplexTokens.of(context.model))
+        self.units: list[tuple[int, np.ndarray, float, np.ndarray | None]] = []
+        self.frame = None
+        self.prepared = False
+        self.instructions = instructions
+
+    def _on_frame(self, pcm: np.ndarray, arrival: float) -> None:
+        self.units.append((self.seq, pcm.astype(np.float32) / 32768.0, arrival, self.frame))
+        self.seq, self.frame = self.seq + 1, None
+
+    def _on_text(self, message: dict) -> None:
+        if message["type"] != "image":
+            return super()._on_text(message)
+        from omnijax.chat import read_image
+        try:
+            self.frame = read_image(base64.b64decode(message.get("data") or "", validate=True))
+        except (ValueError, binascii.Error) as e:
+            raise ProtocolError("bad_image", f"an image message carries a base64 PNG or JPEG in 'data': {e}") from None
+
+    async def _pump(self) -> None:
+        from omnijax.serve.engine.duplex import speak_ids
+
+        loop = asyncio.get_running_loop()
+        try:
+            if not self.prepared:
+                tokenizer = self.context.tokenizer
+                prompt = [{"role": "system", "content": self.instructions}]
+                await self.stream.prepare(tokenizer.encode(tokenizer.render(prompt)) if self.instructions else [], [])
+                self.prepared = True
+            while self.units:
+                seq, pcm, arrival, frame = self.units.pop(0)
+                result = await self.stream.step(pcm, frame)
+                ids = speak_ids(result, self.stream.markers)
+                message = {"type": "frame", "seq": seq, "tokens": ids, "listened": bool(result.listened),
+                           "latency_ms": 1e3 * (loop.time() - arrival), "skipped": 0, "empty": False}
+                if self.text is not None:
+                    message["text"] = self.text.push(ids)
+                self._reply(message)
+        except ProtocolError as e:
+            self.closing = (CLOSE_ERROR, e.code)
+            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            self._stop.set()
+        except Exception as e:  # noqa: BLE001 - the duplex stream cannot go on: say why and end the session
+            log.warning("native duplex session=%s stopped: %s: %s", self.sid, type(e).__name__, e)
+            self.outbox.put_nowait({"type": "error", "code": "internal", "message": f"duplex stopped: {e}"})
+            self.closing = (CLOSE_ERROR, "internal")
+            self._stop.set()
+
+
+async def native_endpoint(ws, context) -> None:
+    """Accepts a `/session` WebSocket: hello, admission, frames (see the module docstring)."""
+    from starlette.websockets import WebSocketDisconnect
+
+    from omnijax.serve.engine.admission import Overloaded
+
+    await ws.accept()
+    peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
+
+    async def refuse(code: str, message: str, close_code: int = CLOSE_ERROR, sid: str = "-") -> None:
+        log.warning("refuse peer=%s session=%s reason=%s: %s", peer, sid, code, message)
+        try:
+            await ws.send_text(json.dumps({"type": "error", "code": code, "message": message}))
+            await ws.close(close_code, code)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    try:
+        first = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
+        if first["type"] == "websocket.disconnect":
+            return
+        hello = first.get("text") if first.get("text") is not None else first.get("bytes")
+        samples = parse_hello(hello, frame_ms=context.options.frame_ms)
+        duplex = hello_duplex(hello)
+        instructions = parse_json(hello).get("instructions", "")
+        if not isinstance(instructions, str):
+            raise ProtocolError("bad_message", f"'instructions' must be a string, got {type(instructions).__name__}")
+        if duplex and getattr(context.model, "model_type", None) != "minicpmo":
+            raise ProtocolError("unsupported", f"full duplex needs a MiniCPM-o 4.5 checkpoint; this server runs "
+                                               f"{getattr(context.model, 'model_type', None)!r}")
+        if duplex and samples != SAMPLE_RATE:
+            raise ProtocolError("unsupported", "full duplex takes 1 s units: start the server with --frame-ms 1000")
+    except asyncio.TimeoutError:
+        return await refuse("hello_timeout", f"no hello within {HELLO_TIMEOUT_S:g} s")
+    except ProtocolError as e:
+        return await refuse(e.code, str(e))
+    try:
+        async with context.session(peer.rsplit(":", 1)[0], "s") as sid:
+            log.info("connect peer=%s session=%s sessions=%d", peer, sid, len(context.worker.lanes))
+            session = (NativeDuplex(ws, context, sid, samples, peer, instructions) if duplex
+                       else NativeSession(ws, context, sid, samples, peer))
+            code, reason = await session.run()
+            log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
+        try:
+            await ws.close(code, reason if code != 1000 or reason == "bye" else "")
+        except RuntimeError:  # already closed by the peer
+            pass
+    except Overloaded as e:
+        await refuse("overloaded", str(e), CLOSE_OVERLOADED)

@@ -1,0 +1,481 @@
+"""`WS /v1/realtime`: an OpenAI Realtime (GA) session, text output, served by the Metronome engine's ticks.
+
+One WebSocket is one engine session and one conversation (`omnijax.serve.conversation`). The wire codec is
+`omnijax.serve.realtime.client_events` (client events) and `realtime_server_events` (server events); this module maps
+events onto the conversation and the `EngineWorker`:
+
+- `session.update` -> `session.updated`. `session.omnijax.temperature` / `top_p` / `seed` (an extension: the GA
+  session has no sampling fields) set how this session's responses are drawn (the server's `RowSampling` gives each row
+  of the batched step its own settings; a seed reseeds the session). `instructions` become the system message, fed
+  before the next item or response (a later change is fed as a new system message where the chat template allows it).
+  `truncation` describes the server's retention policy, which every session shares (one batched program): "auto" (any
+  bounded policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused
+  with the `--policy` that would give it.
+- `input_audio_buffer.append`: 16-bit mono PCM at the session's rate (24 kHz, or 16 kHz) accumulates into frames of
+  B ms (`ServeOptions.frame_ms`); every complete frame is resampled to 16 kHz and fed as one audio unit as soon as
+  it is complete, so the cache follows the live stream. `.commit` feeds the rest, padded with silence to a whole
+  frame, and adds an `input_audio` user item (`.committed`, `conversation.item.added` / `.done`); `.clear` drops
+  the audio not yet fed. With `server_vad`, a frame is speech when its RMS reaches `threshold / 10` of full scale
+  (default threshold 0.5); `silence_duration_ms` (default 500) of silence after speech stops the turn, commits it and,
+  unless `create_response` is false, starts a response; speech during a response cancels it unless
+  `interrupt_response` is false.
+- `conversation.item.create`: `input_text` parts are the message's text turn, `input_image` parts (video frames
+  too) image units, in the order given; `conversation.item.added` now, `.done` once fed.
+- `response.create`: the template's generation prompt, then tau tokens per tick until the end-of-turn token or
+  `max_output_tokens` ("inf": the server's `--max-output-tokens`): `response.created`, the assistant item,
+  `response.output_text.delta` (whole UTF-8 characters) ... `.done`, `response.done` with usage and the session's
+  KV cells. `response.cancel` ends it at the next tick (status "cancelled"; what was decoded stays in the cache).
+
+A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
+over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return.
+
+Resuming (with `ServeOptions.snapshot_dir`): `session.created` carries `"omnijax": {"resume_token": t}` in the
+session object. When the connection ends (the client leaves, or the server shuts down on SIGTERM/SIGINT), a response
+still decoding is cancelled and the session is snapshotted with orbax under the directory: its KV pages, cursor,
+sampling key and last logits (`omnijax.serve.engine.snapshot`) and its conversation (messages, template text fed, items,
+settings). Connecting with `/v1/realtime?resume=t` (the SDK: `connect(..., extra_query={"resume": t})`), to this
+server or to a restarted one over the same checkpoint and pool settings, continues that session: its next answer is
+the one the uninterrupted session would give. A token resumes once (the snapshot is removed once imported; the next
+disconnect writes a fresh one). Audio appended but not yet fed (less than a frame) is not part of a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from omnijax.chat import read_image
+from omnijax.serve.realtime import client_events as rte
+from omnijax.serve.realtime import server_events as rse
+
+log = logging.getLogger("omnijax.serve")
+VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+
+
+def truncation_of(policy) -> str:
+    """The Realtime `truncation` that describes a retention policy: "disabled" for `NoSlide`, else "auto"."""
+    return "disabled" if type(policy).__name__ == "NoSlide" else "auto"
+
+
+class RealtimeSession:
+    """One `/v1/realtime` connection (see the module docstring).
+
+    Args:
+        ws: the accepted Starlette `WebSocket`.
+        context: the server's `ServeContext`.
+        sid: the engine session id (already opened).
+    """
+
+    def __init__(self, ws, context, sid: str, token: str | None = None):
+        self.ws, self.context, self.sid, self.token = ws, context, sid, token
+        self.worker, self.options = context.worker, context.options
+        self.conversation = context.conversation()
+        policy = self.worker.engine.config.stream.policy
+        self.settings = rte.SessionSettings(model=self.options.model_name, truncation=truncation_of(policy))
+        self.session_id = rte.new_id("sess")
+        self.instructions_fed: str | None = None
+        self.audio = np.zeros((0,), np.int16)  # samples at the session rate not yet fed
+        self.audio_fed_s = 0.0  # seconds of audio fed since the last commit
+        self.audio_ms = 0  # all audio received, in ms (VAD times)
+        self.speech: dict | None = None  # server VAD: {"item": id, "start": ms, "silent_ms": n}
+        self.last_item: str | None = None
+        self.tokens_since_response = 0
+        self.response: asyncio.Task | None = None
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+        self.duplex = None  # `omnijax.serve.realtime.duplex.DuplexRealtime` once duplex is on
+
+    # ---------------------------------------------------------------------------------------------- transport
+    def send(self, event: dict) -> None:
+        self.outbox.put_nowait(event)
+
+    async def _writer(self) -> None:
+        while (event := await self.outbox.get()) is not None:
+            await self.ws.send_text(json.dumps(event))
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def run(self) -> None:
+        """Serves the connection until the client closes it."""
+        from starlette.websockets import WebSocketDisconnect
+
+        writer = asyncio.create_task(self._writer())
+        created = rse.session_created(self.settings, self.session_id)
+        if self.token is not None:
+            created["session"]["omnijax"]["resume_token"] = self.token
+        self.send(created)
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                if text is None:
+                    self.send(rte.error_event("invalid_json", "events are JSON text messages, got a binary one"))
+                    continue
+                if self.outbox.qsize() >= self.options.max_outbox:
+                    log.warning("realtime session=%s: dropped as a slow consumer (%d events unread)", self.sid,
+                                self.outbox.qsize())
+                    break
+                try:
+                    await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
+                except rte.RealtimeEventError as e:
+                    self.send(e.to_event())
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.token is not None and self.duplex is None:  # duplex streams are not resumable
+                await self._snapshot()
+            for task in list(self.tasks):
+                task.cancel()
+            self.outbox.put_nowait(None)
+            writer.cancel()
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def meta(self) -> dict:
+        """The conversation side of a snapshot (JSON data)."""
+        return {"conversation": self.conversation.state(), "settings": dataclasses.asdict(self.settings),
+                "session_id": self.session_id, "instructions_fed": self.instructions_fed,
+                "last_item": self.last_item, "tokens_since_response": self.tokens_since_response,
+                "model": self.options.model_name}
+
+    def restore(self, meta: dict) -> None:
+        """Continues the conversation of a snapshot's `meta()`."""
+        settings = dict(meta["settings"])
+        if settings.get("turn_detection") is not None:
+            settings["turn_detection"] = rte.ServerVad(**settings["turn_detection"])
+        if isinstance(settings.get("truncation"), dict):
+            settings["truncation"] = rte.RetentionRatio(**settings["truncation"])
+        settings["output_modalities"] = tuple(settings["output_modalities"])
+        self.settings = rte.SessionSettings(**settings)
+        self.conversation.restore(meta["conversation"])
+        self.session_id, self.instructions_fed = meta["session_id"], meta["instructions_fed"]
+        self.last_item, self.tokens_since_response = meta["last_item"], int(meta["tokens_since_response"])
+
+    async def _snapshot(self) -> None:
+        """Snapshots the session under `snapshot_dir/<token>` (see the module docstring); failures are logged."""
+        from omnijax.serve.engine.snapshot import save_snapshot
+
+        try:
+            if self.response is not None and not self.response.done():
+                self.worker.cancel(self.sid)
+                await asyncio.wait_for(asyncio.shield(self.response), 30.0)
+            snapshot = await self.worker.export(self.sid, self.meta())
+            path = Path(self.options.snapshot_dir) / self.token
+            await asyncio.to_thread(save_snapshot, path, snapshot, overwrite=True)
+            log.info("realtime snapshot session=%s pages=%d -> %s", self.sid, snapshot.num_pages, path)
+        except Exception as e:  # noqa: BLE001 - the session ends either way; say why it cannot be resumed
+            log.warning("realtime snapshot session=%s failed (it cannot be resumed): %s: %s", self.sid,
+                        type(e).__name__, e)
+
+    # ------------------------------------------------------------------------------------------------ events
+    async def handle(self, event) -> None:
+        eid = event.event_id
+        if isinstance(event, rte.SessionUpdate):
+            settings = event.apply(self.settings)
+            self._check_truncation(settings.truncation, eid)
+            if self.duplex is not None and not settings.duplex:
+                raise rte.RealtimeEventError("unsupported", "duplex cannot be turned off once on", event_id=eid,
+                                             param="session.omnijax.duplex")
+            sampled = any(getattr(settings, k) is not None for k in ("temperature", "top_p", "seed"))
+            if sampled and not self.worker.per_row:
+                raise rte.RealtimeEventError("unsupported", f"this server decodes every session with "
+                                             f"{self.worker.engine.config.stream.decoding!r}; per-session sampling "
+                                             f"needs omnijax serve's RowSampling", event_id=eid,
+                                             param="session.omnijax")
+            previous, self.settings = self.settings, settings
+            if settings.seed is not None and settings.seed != previous.seed:
+                await self.worker.in_engine(self.worker.engine.seed_session, self.sid, settings.seed)
+            if settings.duplex and self.duplex is None:
+                from omnijax.serve.realtime.duplex import DuplexRealtime
+                try:
+                    self.duplex = DuplexRealtime(self, eid)  # refuses (nothing changed) when it cannot run
+                except rte.RealtimeEventError:
+                    self.settings = previous
+                    raise
+            self.send(rse.session_updated(settings, self.session_id))
+        elif self.duplex is not None:
+            self.duplex.handle(event)
+        elif isinstance(event, rte.InputAudioBufferAppend):
+            self._append(np.frombuffer(event.audio, "<i2"), eid)
+        elif isinstance(event, rte.InputAudioBufferCommit):
+            self._commit(eid)
+        elif isinstance(event, rte.InputAudioBufferClear):
+            self.audio = self.audio[:0]
+            self.send(rse.input_audio_buffer_cleared())
+        elif isinstance(event, rte.ConversationItemCreate):
+            self._item(event)
+        elif isinstance(event, rte.ResponseCreate):
+            self._respond(event)
+        elif isinstance(event, rte.ResponseCancel):
+            if self.response is None or self.response.done():
+                raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
+                                             "cancel", event_id=eid)
+            self.worker.cancel(self.sid)
+
+    def _check_truncation(self, truncation, eid) -> None:
+        policy = self.worker.engine.config.stream.policy
+        served = truncation_of(policy)
+        if truncation != served:
+            fix = "--policy unbounded" if truncation == "disabled" else "a bounded --policy (e.g. sink_window)"
+            raise rte.RealtimeEventError(
+                "unsupported", f"truncation {truncation!r} is not what this server runs: every session shares the "
+                f"retention policy {policy} (one batched program), which is truncation {served!r}; start the "
+                f"server with {fix} for it", event_id=eid, param="session.truncation")
+
+    def _fail(self, e: Exception, eid, param: str | None = None):
+        return rte.RealtimeEventError("invalid_value", str(e), event_id=eid, param=param)
+
+    def _feed(self, parts, done=None) -> None:
+        self.tokens_since_response += sum(int(np.asarray(p.valid).sum()) for p in parts)
+        self._spawn(self._after(self.worker.feed(self.sid, parts), done))
+
+    async def _after(self, fed: asyncio.Future, done=None) -> None:
+        """Waits until the input is written; says so when it was not (a preempted or failed session)."""
+        try:
+            await fed
+        except RuntimeError as e:
+            self.send(rte.error_event("input_not_fed", f"input was not written to the session's cache: {e}",
+                                      error_type="server_error"))
+            return
+        if done is not None:
+            done()
+
+    def _instructions(self, eid) -> None:
+        """Feeds the session's instructions as a system message when they changed since last fed."""
+        text = self.settings.instructions
+        if text and text != self.instructions_fed:
+            try:
+                parts = self.conversation.message("system", text)
+            except ValueError as e:
+                raise self._fail(e, eid, "session.instructions") from None
+            self.instructions_fed = text
+            self._feed(parts)
+
+    # ------------------------------------------------------------------------------------------------- audio
+    @property
+    def _frame(self) -> int:
+        return int(round(self.settings.input_audio_rate * self.options.frame_ms / 1000))
+
+    def _append(self, pcm: np.ndarray, eid) -> None:
+        rate = self.settings.input_audio_rate
+        if (self.audio.size + pcm.size) / rate > self.options.max_audio_buffer_s:
+            raise rte.RealtimeEventError(
+                "buffer_too_large", f"the input audio buffer would hold {(self.audio.size + pcm.size) / rate:.1f} s "
+                f"not yet fed, over the server's cap of {self.options.max_audio_buffer_s:g} s", event_id=eid,
+                param="audio")
+        self._instructions(eid)
+        before, self.audio = self.audio, np.concatenate([self.audio, pcm])
+        first = True
+        while self.audio.size >= self._frame:
+            try:
+                self._feed_frame(self.audio[:self._frame], eid)
+            except rte.RealtimeEventError:
+                if first:  # nothing was fed: the append changes nothing
+                    self.audio = before
+                raise  # else the frames from this one on stay in the buffer, unfed
+            self.audio, first = self.audio[self._frame:], False
+
+    def _feed_frame(self, frame: np.ndarray, eid) -> None:
+        """Feeds one frame of session-rate PCM (raises, feeding nothing, when the model cannot encode it)."""
+        from omnijax.chat import resample
+
+        pcm = resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate)
+        try:
+            parts = self.conversation.audio(pcm)
+        except ValueError as e:
+            raise self._fail(e, eid, "audio") from None
+        self._feed(parts)
+        ms = int(round(1000 * frame.size / self.settings.input_audio_rate))
+        self.audio_fed_s += ms / 1000
+        self.audio_ms += ms
+        if self.settings.turn_detection is not None:
+            self._vad(frame, ms, eid)
+
+    def _vad(self, frame: np.ndarray, ms: int, eid) -> None:
+        vad = {k: (v if v is not None else VAD_DEFAULTS.get(k)) for k, v in
+               vars(self.settings.turn_detection).items()}
+        rms = float(np.sqrt(np.mean((frame.astype(np.float64) / 32768.0) ** 2)))
+        speech = rms >= vad["threshold"] / 10
+        if self.speech is None and speech:
+            self.speech = {"item": rte.new_id("item"), "silent_ms": 0}
+            self.send(rse.input_audio_buffer_speech_started(self.speech["item"], self.audio_ms - ms))
+            if vad["interrupt_response"] and self.response is not None and not self.response.done():
+                self.worker.cancel(self.sid)
+        elif self.speech is not None:
+            self.speech["silent_ms"] = 0 if speech else self.speech["silent_ms"] + ms
+            if self.speech["silent_ms"] >= vad["silence_duration_ms"]:
+                item = self.speech["item"]
+                self.speech = None
+                self.send(rse.input_audio_buffer_speech_stopped(item, self.audio_ms))
+                self._commit(eid, item)
+                if vad["create_response"]:
+                    self._respond(rte.ResponseCreate(None))
+
+    def _commit(self, eid, item_id: str | None = None) -> None:
+        if self.audio.size == 0 and self.audio_fed_s == 0:
+            raise rte.RealtimeEventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: "
+                                         "append audio before committing", event_id=eid)
+        while self.audio.size:  # whole frames left by a refused append, then the tail padded with silence
+            frame = np.zeros((self._frame,), np.int16)
+            frame[:min(self.audio.size, self._frame)] = self.audio[:self._frame]
+            self._feed_frame(frame, eid)
+            self.audio = self.audio[self._frame:]
+        item_id = item_id or rte.new_id("item")
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
+                "content": [{"type": "input_audio", "transcript": None}]}
+        self.audio_fed_s = 0.0
+        previous, self.last_item = self.last_item, item_id
+        self.send(rse.input_audio_buffer_committed(item_id, previous))
+        self.send(rse.conversation_item_added(item, previous))
+        self.send(rse.conversation_item_done(item, previous))
+
+    # ----------------------------------------------------------------------------------------- items, responses
+    def _item(self, event: rte.ConversationItemCreate) -> None:
+        eid = event.event_id
+        images = {}
+        for i, part in enumerate(event.content):  # decode every image before anything is fed
+            if isinstance(part, rte.InputImage):
+                try:
+                    images[i] = read_image(part.data)
+                except ValueError as e:
+                    raise self._fail(e, eid, f"item.content[{i}].image_url") from None
+        self._instructions(eid)
+        parts = []
+        try:
+            for i, part in enumerate(event.content):
+                parts += (self.conversation.image(images[i]) if i in images
+                          else self.conversation.message(event.role, part.text))
+        except ValueError as e:
+            raise self._fail(e, eid, "item.content") from None
+        item = rse.user_item(event)
+        previous, self.last_item = self.last_item, item["id"]
+        self.send(rse.conversation_item_added(item, previous))
+        self._feed(parts, lambda: self.send(rse.conversation_item_done(item, previous)))
+
+    def _respond(self, event: rte.ResponseCreate) -> None:
+        eid = event.event_id
+        if self.response is not None and not self.response.done():
+            raise rte.RealtimeEventError("conversation_already_has_active_response", "a response is in progress: "
+                                         "wait for its response.done or cancel it", event_id=eid)
+        if event.instructions is not None and event.instructions != self.settings.instructions:
+            raise rte.RealtimeEventError("unsupported", "per-response instructions are not supported: the "
+                                         "instructions are the conversation's system message (session.update)",
+                                         event_id=eid, param="response.instructions")
+        limit = event.max_output_tokens if event.max_output_tokens is not None else self.settings.max_output_tokens
+        cap = self.options.max_output_tokens
+        max_tokens = cap if limit == "inf" else min(int(limit), cap)
+        self._instructions(eid)
+        prompt = self.conversation.prompt(min(self.worker.tau, max_tokens))
+        input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
+        self.tokens_since_response = 0
+        answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation, self._sampling())
+        self.response = self._spawn(self._stream(answer, limit, input_tokens))
+
+    def _sampling(self):
+        """The session's sampling row (`omnijax.decoding.sampling_row`), or None for the server's default."""
+        s = self.settings
+        if s.temperature is None and s.top_p is None:
+            return None
+        from omnijax.decoding import sampling_row
+        default = self.worker.engine.config.stream.decoding
+        return sampling_row(default.temperature if s.temperature is None else s.temperature,
+                            default.top_p if s.top_p is None else s.top_p)
+
+    async def _stream(self, answer, limit, input_tokens: int) -> None:
+        rid, item_id = rte.new_id("resp"), rte.new_id("item")
+        previous, self.last_item = self.last_item, item_id
+        self.send(rse.response_created(rid, max_output_tokens=limit))
+        self.send(rse.conversation_item_added(rse.assistant_item(item_id, status="in_progress"), previous))
+        decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
+        pieces = []
+        async for tokens in answer:
+            delta = decoder.push(tokens)
+            if delta:
+                pieces.append(delta)
+                self.send(rse.response_output_text_delta(rid, item_id, delta))
+        await answer.done
+        tail = decoder.flush()
+        if tail:
+            pieces.append(tail)
+            self.send(rse.response_output_text_delta(rid, item_id, tail))
+        text = "".join(pieces)
+        self.conversation.answered(answer.tokens)
+        status = answer.status
+        self.send(rse.response_output_text_done(rid, item_id, text))
+        item = rse.assistant_item(item_id, text, status="completed" if status == "completed" else "incomplete")
+        self.send(rse.conversation_item_done(item, previous))
+        reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(answer.reason,
+                                                                                               answer.reason)
+        self.send(rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
+                                    output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
+                                    reason=reason if status != "completed" else None, max_output_tokens=limit))
+
+
+async def realtime_endpoint(ws, context) -> None:
+    """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
+    1013 when overloaded), and serves it."""
+    from omnijax.serve.engine.admission import Overloaded
+    from omnijax.serve.engine.snapshot import SnapshotError
+
+    await ws.accept()
+    client = ws.client.host if ws.client else "?"
+    snapshot = None
+    token = ws.query_params.get("resume")
+    try:
+        if token is not None:
+            snapshot = await _load_resume(context, token)
+        elif context.options.snapshot_dir is not None:
+            token = secrets.token_hex(16)
+    except (ValueError, OSError) as e:
+        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
+        await ws.close(1008, "resume_failed")
+        return
+    try:
+        async with context.session(client, "rt", snapshot) as sid:
+            log.info("realtime connect peer=%s session=%s%s", client, sid, " (resumed)" if snapshot else "")
+            session = RealtimeSession(ws, context, sid, token)
+            if snapshot is not None:
+                session.restore(snapshot.meta)
+                await asyncio.to_thread(shutil.rmtree, Path(context.options.snapshot_dir) / token, True)
+            await session.run()
+            log.info("realtime close session=%s", sid)
+    except SnapshotError as e:  # the engine refused the snapshot (another model shape, too few free pages)
+        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
+        await ws.close(1008, "resume_failed")
+    except Overloaded as e:
+        log.warning("realtime refuse peer=%s reason=overloaded: %s", client, e)
+        await ws.send_text(json.dumps(rte.error_event("overloaded", str(e), error_type="server_error")))
+        await ws.close(1013, "overloaded")
+
+
+async def _load_resume(context, token: str):
+    """The snapshot a resume token names (ValueError / OSError naming the problem)."""
+    from omnijax.serve.engine.snapshot import load_snapshot
+
+    if context.options.snapshot_dir is None:
+        raise ValueError("this server does not resume sessions: start it with --snapshot-dir")
+    if not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise ValueError("a resume token is the 32 hex digits session.created gave")
+    path = Path(context.options.snapshot_dir) / token
+    if not path.exists():
+        raise ValueError("no snapshot for this resume token (already resumed, or never written)")
+    snapshot = await asyncio.to_thread(load_snapshot, path)
+    if snapshot.meta.get("model") != context.options.model_name:
+        raise ValueError(f"the snapshot is of model {snapshot.meta.get('model')!r}, this server serves "
+                         f"{context.options.model_name!r}")
+    return snapshot

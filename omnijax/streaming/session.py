@@ -1,0 +1,169 @@
+"""Streaming: a whole session is one `lax.scan` over chunks; `Session` runs the same jitted step chunk by chunk.
+
+Per chunk: prefill the chunk into the paged cache (all layers), take the logits of its last valid token, let the
+retention policy trim (inside the program, `lax.cond` on its own trigger), then answer with up to `max_answer_tokens`
+tokens chosen by the decoding strategy when the chunk asks for it. Generated tokens are fed back, so the response is
+part of the context. Every setting comes from one `omnijax.StreamConfig`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omnijax.chunks import chunk as chunks_lib
+from omnijax.chunks.chunk import Chunk
+from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
+from omnijax.decoding import seed_of
+
+
+from omnijax.streaming.step import (ChunkOutput, StreamResult, StreamState, check_state, chunk_step,
+                                   init_state, pages_needed)
+
+
+def model_parts(model) -> tuple[Any, Any]:
+    """`(graphdef, params)` of the decoder of an `omnijax.Model`, a `MiniCPMOModel` or a bare `Decoder`."""
+    decoder = getattr(model, "decoder", model)
+    graphdef, params = nnx.split(decoder)
+    return graphdef, params
+
+
+def graphdef_config(model):
+    """The `DecoderConfig` of a model or decoder."""
+    decoder = getattr(model, "decoder", model)
+    return decoder.config
+
+
+def bind_config(model, config: StreamConfig | None = None, **fields) -> StreamConfig:
+    """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
+    filled in from the model's type (`StreamConfig.for_model`)."""
+    return StreamConfig.of(config, **fields).for_model(getattr(model, "model_type", None))
+
+
+_STATIC = ("graphdef", "config")
+
+
+def _scan_chunks(graphdef, params, state, chunks, *, config):
+    model = nnx.merge(graphdef, params)
+    return jax.lax.scan(lambda state, chunk: chunk_step(model, state, chunk, config), state, chunks)
+
+
+# The cache is updated in place (the layers' K/V writes, the trim's re-rotation, a migration's copies) only where
+# the step owns its input state: a state that is not donated is first copied whole. `stream` donates the state it
+# creates and keeps one given to it; `Session` owns its state.
+_scan = jax.jit(_scan_chunks, static_argnames=_STATIC)
+_scan_owned = jax.jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _step(graphdef, params, state, chunk, *, config):
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config)
+
+
+def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: StreamState | None = None,
+           **fields) -> StreamResult:
+    """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
+
+    Args:
+        model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
+        chunks: stacked chunks (see `omnijax.chunks.chunk.stack_chunks`).
+        config: the session's settings (`omnijax.StreamConfig`; default `StreamConfig()`). Its fields are also
+            accepted as keywords (`policy=`, `paging=`, `impl=`, `page_size=`, `num_pages=`, `subblock=`,
+            `max_answer_tokens=`, `decoding=`), applied on top of `config`.
+        state: state to continue from (left intact: the program starts from a copy of it); default an empty cache
+            of `config.num_pages` pages (None: enough for the whole session without eviction).
+
+    Warns:
+        RuntimeWarning: when the pool ran out in some sequence (its tokens past that point were not cached).
+    """
+    config = bind_config(model, config, **fields)
+    graphdef, params = model_parts(model)
+    decoder_config = graphdef_config(model)
+    chunks_lib.validate(chunks, decoder_config, max_answer_tokens=config.max_answer_tokens, stacked=True,
+                        decoding=config.decoding)
+    chunks = jax.tree.map(jnp.asarray, chunks)
+    run = _scan if state is not None else _scan_owned
+    if state is None:
+        num_pages = config.num_pages
+        if num_pages is None:
+            num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size)) + (
+                chunks.token_ids.shape[1] * config.paging.extra_pages)
+        state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
+                           batch=chunks.token_ids.shape[1], seed=seed_of(config.decoding))
+    else:
+        check_state(state, decoder_config)
+    if state.kv.batch != chunks.token_ids.shape[1]:
+        raise ValueError(f"chunks have batch {chunks.token_ids.shape[1]}, the given state has {state.kv.batch}")
+    final, out = run(graphdef, params, state, chunks, config=config)
+    exhausted = np.asarray(final.kv.exhausted)  # waits for the program: a stream call returns a finished session
+    if exhausted.any():
+        warnings.warn(f"the KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
+                      f"{np.asarray(final.kv.dropped)[exhausted].tolist()} token(s) were not cached (see "
+                      f"stats.layout.exhausted and state.kv.dropped); give a larger num_pages or a bounded policy",
+                      RuntimeWarning, stacklevel=2)
+    return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
+
+
+class Session:
+    """Step-wise streaming for real-time use: the same jitted step as `stream`, one chunk per call.
+
+    Every `feed` donates `session.state` to the step, which updates the cache in place and replaces `session.state`;
+    arrays of an earlier state are deleted then. To keep a state for later, copy it
+    (`jax.tree.map(jnp.copy, session.state)`); a `state` given to the constructor is copied.
+
+    Args:
+        model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
+        config: the session's settings (`omnijax.StreamConfig`); its fields are also accepted as keywords. The
+            pool has `config.num_pages` pages (None: `omnijax.streaming.config.DEFAULT_SESSION_PAGES`).
+        batch: sequences of the session's state.
+        state: state to continue from (copied).
+
+    Example:
+        session = Session(model, StreamConfig(num_pages=64, max_answer_tokens=16))
+        out = session.feed(text_chunk(ids, answer_tokens=8))
+    """
+
+    def __init__(self, model, config: StreamConfig | None = None, *, batch: int = 1,
+                 state: StreamState | None = None, **fields):
+        self.stream_config = bind_config(model, config, **fields)
+        self._graphdef, self._params = model_parts(model)
+        self.config = graphdef_config(model)
+        if state is not None:
+            check_state(state, self.config)
+        num_pages = self.stream_config.num_pages or DEFAULT_SESSION_PAGES
+        state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
+            self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
+            seed=seed_of(self.stream_config.decoding))
+        # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
+        # first call would otherwise compile the step a second time on the second call.
+        device = jax.devices()[0]
+        self._params = jax.device_put(self._params, device)
+        self.state = jax.device_put(state, device)
+
+    def __getattr__(self, name):
+        # The settings read as attributes (`session.policy`, `session.max_answer_tokens`, ...).
+        if name != "stream_config" and name in StreamConfig.__dataclass_fields__:
+            return getattr(self.stream_config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def feed(self, chunk: Chunk, *, decoding=None) -> ChunkOutput:
+        """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
+
+        `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per
+        strategy). Returns without waiting for the step. Pool exhaustion is reported in the output's
+        `stats.layout.exhausted` and `stats.layout.dropped` (not warned about, which would wait for every step).
+        """
+        config = self.stream_config if decoding is None else self.stream_config.replace(decoding=decoding)
+        chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
+                            stacked=False, decoding=config.decoding)
+        if chunk.token_ids.shape[0] != self.state.kv.batch:
+            raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
+        chunk = jax.tree.map(jnp.asarray, chunk)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
+        return out

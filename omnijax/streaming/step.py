@@ -1,0 +1,189 @@
+"""The compiled step every streamed path shares: `chunk_step` writes one chunk into the paged cache through all
+layers, lets the retention policy trim (inside the program, `lax.cond` on its own trigger), then answers with up to
+`max_answer_tokens` tokens chosen by the decoding strategy. `StreamState` is what it carries between chunks.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from omnijax.chunks.chunk import Chunk
+from omnijax.streaming.config import StreamConfig
+from omnijax.decoding import answer_stop_ids, sampling_keys, split_keys
+from omnijax.kv import layout as layout_lib
+from omnijax.kv import paged as paged_lib
+from omnijax.models.decoder import Decoder
+from omnijax.models.forward import write_chunk
+from omnijax import paging as paging_lib
+from omnijax.retention import base as retention_lib
+from omnijax.chunks.spans import SpanKind
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamState:
+    """Carried state: the cache, each sequence's next-position cursor `[B]`, its sampling key `key [B, 2]`
+    (uint32 key data, `jax.random.key_data`; split at every sampled token, unused by greedy decoding) and
+    `last_logits [B, V]` float32, the logits after the last token the sequence wrote (its last chunk token or answer
+    token): a chunk with no valid token for a sequence continues that sequence's answer from them."""
+
+    kv: paged_lib.PagedKV
+    next_pos: jax.Array
+    key: jax.Array
+    last_logits: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkStats:
+    """Per-chunk statistics (each `[B]`, pool figures scalar) after the chunk and its answer.
+
+    `layout` describes the cache after retention and paging (what the next chunk is written into); `attended` the
+    cache the chunk's own prefill attended over: the history before this chunk's trim, with the chunk written in.
+    """
+
+    layout: layout_lib.LayoutStats
+    attended: layout_lib.LayoutStats
+    evicted: jax.Array
+    moved: jax.Array  # [B] slots copied by the paging mode after the eviction (its copy cost)
+    next_pos: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkOutput:
+    """What one step returns: last-position logits `[B, V]` (float32), tokens `[B, tau]` (-1 = none), stats."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    stats: ChunkStats
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamResult:
+    """`logits [C, B, V]`, `tokens [C, B, tau]`, `stats` stacked over C chunks, and the final `StreamState`."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    stats: ChunkStats
+    state: StreamState
+
+
+def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool,
+            sampling=None):
+    """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
+
+    `key [B, 2]` (key data) is split once per decoding step, row by row; a per-row strategy (`RowSampling`) draws
+    each row with its `sampling [B, 2]` settings. Returns `(kv, next_pos, key, tokens, last_logits [B, V])`, the last
+    being the logits after each row's last fed token."""
+    B, max_tokens = next_pos.shape[0], config.max_answer_tokens
+    placement = config.paging.placement
+    eos = jnp.asarray(answer_stop_ids(config.decoding, model.config.eos_token_ids) or (-1,), jnp.int32)
+    tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, _, active, _ = carry
+        return (i < max_tokens) & jnp.any(active)
+
+    def body(carry):
+        i, kv, next_pos, key, logits, active, tokens = carry
+        draw, following = split_keys(key)
+        if getattr(config.decoding, "per_row", False):
+            token = config.decoding.select(logits, tokens, draw, row=sampling)  # [B]
+        else:
+            token = config.decoding.select(logits, tokens, draw)  # [B]
+        key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
+        tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
+        x = model.embed_tokens(token[:, None])
+        pos = next_pos[None, :, None]  # [1, B, 1]
+        meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
+                                  offset=jnp.full((B, 1), i, jnp.int32))
+        kv, hidden = write_chunk(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
+                             placement=placement)
+        logits = jnp.where(active[:, None], model.logits(hidden[:, 0]), logits)  # finished rows keep theirs
+        next_pos = next_pos + active.astype(jnp.int32)
+        stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
+        active = active & ~stop & (i + 1 < count)
+        return i + 1, kv, next_pos, key, logits, active, tokens
+
+    carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0)
+    _, kv, next_pos, key, logits, _, tokens = jax.lax.while_loop(cond, body, carry)
+    return kv, next_pos, key, tokens, logits
+
+
+def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig):
+    """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
+
+    `config.paging` places new tokens and, after an eviction, re-lays out the survivors (`omnijax.paging.relayout`);
+    `config.subblock` is the subblock size it and the statistics use. `config` is static (part of the program).
+    """
+    policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
+    kv, next_pos, key = state.kv, state.next_pos, state.key
+    x = model.embed_tokens(chunk.token_ids)
+    if chunk.embeds is not None:
+        x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
+    positions = chunk.positions + next_pos[None, :, None]
+    meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
+    track = getattr(policy, "needs_scores", False)
+    kv, hidden = write_chunk(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
+                         placement=paging.placement, deepstack=chunk.deepstack)
+    attended = layout_lib.layout_stats(kv, subblock)
+    T = chunk.valid.shape[1]
+    last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
+    logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
+    # A sequence with no token in this chunk continues from where it stopped (e.g. the rest of a long answer).
+    logits = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits)
+    next_pos = next_pos + chunk.advance
+    kv, next_pos, evicted = retention_lib.trim(
+        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section))
+    kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
+    if config.max_answer_tokens > 0:
+        count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
+        kv, next_pos, key, tokens, last_logits = jax.lax.cond(
+            jnp.any(count > 0),
+            lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track,
+                            chunk.sampling),
+            lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32), logits))
+    else:
+        tokens, last_logits = jnp.zeros((kv.batch, 0), jnp.int32), logits
+    stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
+                       next_pos=next_pos)
+    state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits)
+    return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+
+
+def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
+               start_pos: int = 0, seed: int = 0) -> StreamState:
+    """An empty `StreamState` for a decoder config; `seed` seeds the sequences' sampling keys
+    (`StreamConfig.decoding.seed` when it samples)."""
+    kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
+                        position_axes=config.position_axes, dtype=config.jnp_dtype)
+    return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch),
+                       last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
+
+
+def check_state(state: StreamState, config) -> None:
+    """Refuses a state whose cache was not made for this decoder: layers, kv heads, head dim, position axes, dtype.
+
+    A wrong layer count would not fail by itself: the layer loop clamps its index into the cache.
+    """
+    kv = state.kv
+    want = (config.num_layers, config.num_kv_heads, config.head_dim, config.position_axes,
+            jnp.dtype(config.jnp_dtype).name)
+    got = (kv.k.shape[0], kv.k.shape[3], kv.k.shape[4], kv.pos.shape[0], jnp.dtype(kv.k.dtype).name)
+    if got != want:
+        names = ("layers", "kv heads", "head dim", "position axes", "dtype")
+        diff = ", ".join(f"{n} {g} (model: {w})" for n, g, w in zip(names, got, want) if g != w)
+        raise ValueError(f"the given state's cache was not made for this model: {diff}; build it with "
+                         f"omnijax.init_state(model.config, ...)")
+
+
+def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
+    """Pool pages that hold a whole stacked session (every chunk and answer) without eviction."""
+    per_seq = jnp.sum(chunks.valid, axis=(0, 2)) + jnp.sum(jnp.minimum(chunks.answer_tokens, max_answer_tokens), 0)
+    return int(jnp.sum(-(-per_seq // page_size)))
