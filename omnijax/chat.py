@@ -18,7 +18,7 @@ earlier turns staying as the model saw them; a template whose rendering cannot b
 call (the cache cannot be rewritten).
 
 Media (`image`, `audio`, `av`, `video`) are fed as units of their own between text turns, laid out as the model's
-streaming units (`omnijax.chat_units`), which is how a live stream reaches the model; they are not part of the
+streaming units (`omnijax.models.frontend`), which is how a live stream reaches the model; they are not part of the
 template's text.
 
 Answers are decoded inside the jitted step in blocks of `config.max_answer_tokens` tokens (default
@@ -42,11 +42,15 @@ from typing import Iterator
 
 import numpy as np
 
-from omnijax.chat_units import units_for
+from omnijax.models.frontend import units_for
 from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
 from omnijax.streaming.session import Session, bind_config
 from omnijax.chunks.spans import SpanKind
+from omnijax.plot import SessionTrace
+import wave
+import io
+from PIL import Image
 
 DEFAULT_ANSWER_BLOCK = 16
 ROLES = ("system", "user", "assistant")
@@ -276,7 +280,6 @@ class Chat:
 
     def trace(self):
         """The session's steps as an `omnijax.plot.SessionTrace` (for `omnijax.plot.session`)."""
-        from omnijax.plot import SessionTrace
         steps = self.steps
         return SessionTrace(retained=np.asarray([s.retained for s in steps]),
                             physical_span=np.asarray([s.physical_span for s in steps]),
@@ -421,7 +424,6 @@ def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndar
 def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray, int]:
     """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (a path or a binary file object; channels
     averaged), refusing sample widths (bytes) outside `widths` with a ValueError naming the source."""
-    import wave
 
     label = source if isinstance(source, (str, Path)) else "the WAV data"
     try:
@@ -442,9 +444,7 @@ def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray
 def read_image(source) -> np.ndarray:
     """`[H, W, 3]` uint8 RGB of an image file (PNG, JPEG, ...): a path, or the file's bytes; a ValueError naming
     the path when PIL cannot read it."""
-    import io
 
-    from PIL import Image
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
             return np.asarray(image.convert("RGB"))

@@ -17,6 +17,17 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+from omnijax.decoding import Greedy, Sampling
+from omnijax.chat import clock, format_kept, kept_by_kind, read_wav
+from omnijax import plot
+from omnijax.convert.__main__ import main as convert_main
+from omnijax.serve.app import main as serve_main
+from tqdm import tqdm
+from omnijax.chat import Chat
+from omnijax.models.registry import load
+from omnijax.retention import get_policy
+from omnijax.streaming.config import StreamConfig
+from omnijax import compilation_cache
 
 SUBCOMMANDS = ("convert", "chat", "watch", "serve")
 
@@ -73,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def stream_config(args):
     """The `StreamConfig` of the session options."""
-    from omnijax import StreamConfig, get_policy
-    from omnijax.decoding import Greedy, Sampling
     decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature, top_k=args.top_k,
                                                                top_p=args.top_p, seed=args.seed)
     return StreamConfig(policy=get_policy(args.policy), paging=args.paging, impl=args.impl, page_size=args.page_size,
@@ -82,10 +91,9 @@ def stream_config(args):
 
 
 def open_chat(args):
-    import omnijax
     config = stream_config(args)  # refuses bad settings before the checkpoint is read
-    model = omnijax.load(args.checkpoint)
-    chat = omnijax.Chat(model, config)
+    model = load(args.checkpoint)
+    chat = Chat(model, config)
     if args.system:
         chat.system(args.system)
     return chat
@@ -102,7 +110,6 @@ def _answer(chat, question: str, max_tokens: int, out) -> str:
 
 
 def run_chat(args, stdin=None, out=None) -> int:
-    from omnijax.chat import format_kept, read_wav
     stdin, out = stdin or sys.stdin, out or sys.stdout
     chat = open_chat(args)
     interactive = stdin.isatty()
@@ -143,9 +150,7 @@ def run_chat(args, stdin=None, out=None) -> int:
 
 
 def run_watch(args, out=None) -> int:
-    from tqdm import tqdm
 
-    from omnijax.chat import clock, format_kept, kept_by_kind
     out = out or sys.stdout
     if len(args.at) > len(args.ask):
         raise ValueError(f"{len(args.at)} --at times for {len(args.ask)} --ask questions: each --at goes with the "
@@ -177,18 +182,16 @@ def run_watch(args, out=None) -> int:
               f"median step {sorted(s.latency_ms for s in steps)[len(steps) // 2]:.1f} ms over {len(steps)} steps\n")
     out.write(format_kept(kept_by_kind(chat.kept())) + "\n")
     if args.plot:
-        from omnijax import plot
         out.write(f"wrote {plot.session(chat, args.plot)}\n")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
-        from omnijax.convert.__main__ import main as convert_main
         return convert_main(argv[1:], prog="omnijax convert")
     if argv and argv[0] == "serve":
-        from omnijax.serve.app import main as serve_main
         return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,7 +1,8 @@
-"""A persistent JAX compilation cache, on by default, so a second run of a script, the demo or the tests does not
-compile again.
+"""A persistent JAX compilation cache, so a second run of a script, the demo or the tests does not compile again.
 
-`import omnijax` calls `enable()`: compiled programs are written to and read from
+The command lines (`omnijax ...`, `make demo`, the evaluation harnesses) and the test suite call `enable()`; a
+library user calls `omnijax.enable_compilation_cache()` (importing omnijax changes nothing process-wide). Compiled
+programs are then written to and read from
 
     $OMNIJAX_COMPILATION_CACHE            when set to a directory,
     $XDG_CACHE_HOME/omnijax/jax           otherwise (XDG_CACHE_HOME defaults to ~/.cache),

@@ -25,6 +25,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_stop(owner: str, stop) -> tuple[int, ...]:
@@ -269,7 +270,6 @@ class RowSampling:
 def sampling_row(temperature: float, top_p: float = 1.0):
     """One row's `RowSampling` settings as float32 `[2]`: the temperature (>= 0; 0: the most likely token) and top-p's
     tail mass 1 - top_p, computed in float64 before rounding, so that the row compares exactly as `Sampling` does."""
-    import numpy as np
 
     _number("temperature", temperature, lambda x: x >= 0, ">= 0 (0: the most likely token)")
     _number("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")

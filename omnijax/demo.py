@@ -22,6 +22,23 @@ import time
 from pathlib import Path
 
 import numpy as np
+from omnijax.models.encoders.whisper import AudioConfig, audio_component
+from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
+from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
+from omnijax.models.tokenizer import CHATML_TEMPLATE
+from omnijax.models.tokenizer import write_tiny_tokenizer as write
+from omnijax.models.qwen2_5_omni import frontend
+from omnijax.retention import OmniPick
+from omnijax import plot
+from omnijax.chat import clock, format_kept, kept_by_kind
+from omnijax.models.frontend import units_for
+from omnijax.media import video
+from safetensors.numpy import save_file
+from tqdm import tqdm
+from omnijax.chat import Chat
+from omnijax.models.registry import load
+from omnijax.streaming.config import StreamConfig
+from omnijax import compilation_cache
 
 # Hugging Face config of the embedded tiny model (full-model layout: thinker + speech-output parts).
 TINY_TEXT_CONFIG = {
@@ -84,10 +101,7 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     the chat markers included, into an `added_tokens.json` (the tokenizer's view), as a checkpoint with its own
     vocabulary would ship them.
     """
-    from safetensors.numpy import save_file
 
-    from omnijax.models.encoders.whisper import AudioConfig, audio_component
-    from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
 
     cfg = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
     rng = np.random.default_rng(seed)
@@ -117,7 +131,6 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
             p + "self_attn.o_proj.weight": w(D, H * d),
             p + "mlp.gate_proj.weight": w(I, D), p + "mlp.up_proj.weight": w(I, D), p + "mlp.down_proj.weight": w(D, I),
         })
-    from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
 
     thinker = {"model_type": "qwen2_5_omni_thinker", "text_config": cfg,
                "audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656,
@@ -160,9 +173,6 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
 def write_tiny_tokenizer(directory: Path, vocab_size: int) -> Path:
     """A tiny byte-level BPE tokenizer for the tiny checkpoint: ChatML template, Qwen2.5-Omni's special tokens at the
     release's ids (`<|endoftext|>` 151643 and every `OmniConfig` token), ordinary tokens below them."""
-    from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
-    from omnijax.models.tokenizer import CHATML_TEMPLATE
-    from omnijax.models.tokenizer import write_tiny_tokenizer as write
 
     release = OmniConfig()
     specials = {"<|endoftext|>": 151643, **{text: getattr(release, field) for field, text in TOKEN_TEXT.items()}}
@@ -181,7 +191,6 @@ def write_chat_checkpoint(directory: Path) -> Path:
 
 def synthetic_units(num_units: int, seed: int = 1):
     """`num_units` audiovisual 2 s units of moving shapes (56x84 px at 2 fps) and a tone: `[(frames, pcm)]`."""
-    from omnijax.models.qwen2_5_omni import frontend
     units = []
     for k in range(num_units):
         start = k * UNIT_SECONDS
@@ -196,17 +205,16 @@ QUESTION = "What colour was the first shape you saw?"
 
 
 def _configs(total_tokens: int, page_size: int, high: int, low: int):
-    import omnijax
-    from omnijax.retention import OmniPick
     pick = OmniPick(high_watermark=high, low_watermark=low, recent_units=2)
     bounded = -(-2 * high // page_size) + 8  # room for the trim's high watermark, the answer and class pages
-    return {"NoSlide": omnijax.StreamConfig(num_pages=-(-total_tokens // page_size) + 8, page_size=page_size),
-            "OmniPick": omnijax.StreamConfig(policy=pick, num_pages=bounded, page_size=page_size),
-            "OmniPick+tile_skip": omnijax.StreamConfig(policy=pick, paging="tile_skip", num_pages=bounded,
+    return {"NoSlide": StreamConfig(num_pages=-(-total_tokens // page_size) + 8, page_size=page_size),
+            "OmniPick": StreamConfig(policy=pick, num_pages=bounded, page_size=page_size),
+            "OmniPick+tile_skip": StreamConfig(policy=pick, paging="tile_skip", num_pages=bounded,
                                                        page_size=page_size)}
 
 
 def main(argv=None) -> int:
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="demo_out", help="working directory (replaced)")
     parser.add_argument("--units", type=int, default=48, help="audiovisual 2 s units in the session (default 48)")
@@ -217,12 +225,7 @@ def main(argv=None) -> int:
     if args.units < 1:
         parser.error("--units must be at least 1")
 
-    from tqdm import tqdm
 
-    import omnijax
-    from omnijax import plot
-    from omnijax.chat import clock, format_kept, kept_by_kind
-    from omnijax.chat_units import units_for
 
     out = Path(args.out)
     if out.exists():
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
     cmd = [str(script), "convert", str(hf_dir), str(out / "omnijax"), "--no-progress"]
     print("$ omnijax convert", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True)
-    model = omnijax.load(out / "omnijax")
+    model = load(out / "omnijax")
     print(f"loaded: {model.config.num_layers} layers, hidden {model.config.hidden_size}, vocab "
           f"{model.config.vocab_size}; audio and vision encoders: "
           f"{'yes' if model.audio is not None and model.vision is not None else 'no'}; tokenizer: "
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
 
     rows, traces, chats = [], {}, {}
     for name, config in _configs(total, args.page_size, args.high, args.low).items():
-        chat = omnijax.Chat(model, config, video_kwargs=video_kwargs)
+        chat = Chat(model, config, video_kwargs=video_kwargs)
         chat.system(SYSTEM)
         started = time.perf_counter()
         for k, (frames, pcm) in enumerate(tqdm(units, desc=f"{name:>18}", unit="unit", leave=False, disable=None)):
@@ -287,7 +290,6 @@ def main(argv=None) -> int:
 
 def _write_clip(path: Path, units) -> Path | None:
     """The session's frames and audio as an mp4 (for `omnijax watch`), when PyAV is installed."""
-    from omnijax.media import video
     frames = np.concatenate([f for f, _ in units])
     pcm = np.concatenate([p for _, p in units])
     try:

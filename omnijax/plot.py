@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+from omnijax.chunks.spans import SpanKind
+from omnijax.streaming.step import StreamResult
 
 __all__ = ["SessionTrace", "compare", "session", "trace_of"]
 
@@ -72,7 +74,6 @@ class SessionTrace:
 
 def _input_kind(spans: np.ndarray) -> str:
     """A step's kind from the span kinds of its valid tokens."""
-    from omnijax.chunks.spans import SpanKind
 
     present = set(int(s) for s in spans)
     if not present:
@@ -135,7 +136,6 @@ def _as_trace(source, what: str = "session()") -> SessionTrace:
         if not isinstance(made, SessionTrace):
             raise TypeError(f"{type(source).__name__}.trace() returned {type(made).__name__}, not a SessionTrace")
         return made
-    from omnijax.streaming.step import StreamResult
 
     if isinstance(source, StreamResult):
         return trace_of(source)
@@ -146,8 +146,8 @@ def _as_trace(source, what: str = "session()") -> SessionTrace:
 def _figure(title: str):
     """A three-panel matplotlib `Figure` (Agg canvas) sharing the step axis."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional (omnijax[plot])
+        from matplotlib.figure import Figure  # optional (omnijax[plot])
     except ImportError as e:
         raise ImportError("omnijax.plot draws with matplotlib: pip install 'omnijax[plot]' (or pip install "
                           "matplotlib)") from e

@@ -12,7 +12,7 @@ import pytest
 import omnijax
 from omnijax.convert import convert_checkpoint
 from omnijax.chat import Chat, ChatTemplateError, format_kept, resample
-from omnijax.chat_units import bucket
+from omnijax.models.frontend import bucket
 from omnijax.chunks.chunk import pad_chunk, stack_chunks
 from omnijax.decoding import Sampling
 from omnijax.models.qwen2_5_omni import frontend

@@ -26,9 +26,10 @@ from omnijax.errors import (CheckpointError, ConfigError, DestinationError, Miss
 from omnijax.models.qwen2_5_omni import convert as qwen2_5_omni
 from omnijax.models.qwen2_5_omni.convert import config_from_hf, param_shapes
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint, read_header
-from omnijax.checkpoint.tables import param_shapes as param_shapes_tree
+from omnijax.checkpoint.name_tables import param_shapes as param_shapes_tree
 import omnijax
 from omnijax.checkpoint import format as checkpoint
+from omnijax.models.registry import read_manifest
 from omnijax.models.config import DecoderConfig
 from tests import hf_models
 
@@ -94,7 +95,7 @@ def expected_leaf(weights, path: str, num_layers: int) -> torch.Tensor:
 
 
 def check_params(ckpt_dir: Path, weights, dtype: str) -> DecoderConfig:
-    model_type, config = checkpoint.read_manifest(ckpt_dir)
+    model_type, config = read_manifest(ckpt_dir)
     assert model_type == "qwen2_5_omni" and config.dtype == dtype
     params = checkpoint.load_params(ckpt_dir, abstract(config))
     flat = {"/".join(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -416,12 +417,12 @@ def test_header_validation(tmp_path, header, data, needle):
 
 def test_manifest_and_load_errors(hf, tmp_path):
     with pytest.raises(checkpoint.CheckpointFormatError, match="not an omnijax checkpoint"):
-        checkpoint.read_manifest(tmp_path)
+        read_manifest(tmp_path)
     (tmp_path / "omnijax.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(checkpoint.CheckpointFormatError, match="'other'"):
-        checkpoint.read_manifest(tmp_path)
+        read_manifest(tmp_path)
     out = convert_checkpoint(hf[0] / "thinker", tmp_path / "out", dtype="bfloat16", **QUIET)
-    _, config = checkpoint.read_manifest(out)
+    _, config = read_manifest(out)
     with pytest.raises(checkpoint.CheckpointFormatError, match="expected .* float32"):
         checkpoint.load_params(out, abstract(config.replace(dtype="float32")))
     params = checkpoint.load_params(out, abstract(config))  # jax arrays save and restore too
@@ -458,7 +459,7 @@ except omnijax.checkpoint.format.CheckpointFormatError as e:
 
 def test_damaged_parameter_files_are_named(hf, tmp_path):
     out = convert_checkpoint(hf[0] / "thinker", tmp_path / "out", **QUIET)
-    _, config = checkpoint.read_manifest(out)
+    _, config = read_manifest(out)
     chunk = sorted((out / "params" / "embed").glob("*.0"))[0]
     # In a subprocess: when one array read fails, orbax leaves its other reads unawaited and Python reports each at
     # exit, pages of noise that belong to that process's output, not this one's.
@@ -485,7 +486,7 @@ def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
 
 def test_generation_config_sets_answer_end_tokens(tmp_path):
     from omnijax import demo
-    from omnijax.checkpoint.format import read_manifest
+    from omnijax.models.registry import read_manifest
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 151645, 3]}))

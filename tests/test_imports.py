@@ -1,6 +1,8 @@
-"""Layering: every module of `omnijax`, `convert` and `omnijax.kernels` imports on its own in a fresh interpreter (so
-there is no import cycle and import order never matters), the models never import the converter, the kernels import
-jax only, and `load` works in a fresh interpreter without the converter."""
+"""Layering: the layer order of docs/architecture.md holds for every import of the package, those inside functions
+included (only optional third-party packages may be imported inside a function, each with a comment); every module
+imports on its own in a fresh interpreter (no import cycle; import order never matters); no module uses another
+module's private name; the kernels import jax only; `import omnijax` has no process-wide side effect; and the old
+paths (`convert`, `pallas_kernels`, `omnijax.evaluation`) still work with a DeprecationWarning."""
 
 import ast
 import json
@@ -10,14 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from omnijax.convert import convert_checkpoint
 from omnijax import demo
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("omnijax", "convert", "omnijax.kernels")
+PACKAGES = ("omnijax", "convert", "pallas_kernels")  # the last two: deprecated aliases (omnijax.convert, .kernels)
 WORKERS = 2  # modules importing at once
+PYPROJECT = ROOT / "pyproject.toml"
 
 
 def discover(package: str) -> list[str]:
@@ -117,18 +118,164 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+# The layer order of docs/architecture.md: a module may import modules of its own layer or of a lower one. Longest
+# prefix wins; every module of the package must fall in one layer.
+LAYERS = (
+    ("omnijax._checks", "omnijax._deprecation", "omnijax.errors", "omnijax.decoding", "omnijax.compilation_cache",
+     "omnijax.kernels", "omnijax.chunks", "omnijax.media"),  # L0: no model, no cache
+    ("omnijax.kv",),  # L1: the paged cache and attention over it
+    ("omnijax.retention", "omnijax.paging", "omnijax.checkpoint"),  # L2: what to keep, where it lives, the format
+    ("omnijax.models", "omnijax.prefill"),  # L3: families, decoder, forward; TideKV beside them (Model.prefill)
+    ("omnijax.streaming",),  # L4: StreamConfig, chunk_step, stream / Session
+    ("omnijax.chat", "omnijax.plot", "omnijax.testing"),  # L5: the user layer
+    ("omnijax.serve", "omnijax.eval", "omnijax.convert", "omnijax.cli", "omnijax.demo", "omnijax.distributed",
+     "omnijax.evaluation"),  # L6: applications
+    ("omnijax",),  # the package's own __init__: the public surface
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a module of the package (None: in no layer)."""
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def module_path(module: str) -> Path:
+    path = ROOT / module.replace(".", "/")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imports_of(module: str, known: set[str]) -> list[tuple[str, int, bool, str]]:
+    """Every import statement of `module`: `(target, line, inside a function, statement)`, the target resolved to
+    the longest known module of our package (or the imported name's top-level package otherwise)."""
+    path = module_path(module)
+    tree = ast.parse(path.read_text(), str(path))
+    nested = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for node in ast.walk(fn) if node is not fn}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}:{node.lineno}: relative import"
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            target = name
+            while target not in known and "." in target:
+                target = target.rpartition(".")[0]
+            found.append((target, node.lineno, id(node) in nested, ast.get_source_segment(path.read_text(), node)))
+    return found
+
+
+def required_packages() -> set[str]:
+    """Top-level import names of the base install's dependencies (pyproject `dependencies`)."""
+    text = PYPROJECT.read_text()
+    block = text[text.index("dependencies = ["):]
+    block = block[:block.index("]")]
+    names = {line.split('"')[1].split("=")[0].split(">")[0].split("<")[0].replace("-", "_")
+             for line in block.splitlines() if line.strip().startswith('"')}
+    aliases = {"pillow": "PIL", "orbax_checkpoint": "orbax"}
+    return {aliases.get(n, n) for n in names}
+
+
+def layer_violations(modules: list[str]) -> list[str]:
+    """Imports that break the layer rule or sit inside a function without being an optional third-party package
+    with a comment."""
+    known, required = set(modules), required_packages()
+    problems = []
+    for module in modules:
+        source = layer_of(module)
+        if source is None:
+            problems.append(f"{module}: in no layer of LAYERS")
+            continue
+        lines = module_path(module).read_text().splitlines()
+        for target, line, nested, statement in imports_of(module, known):
+            where = f"{module}:{line} `{statement}`"
+            top = target.partition(".")[0]
+            if target in known:
+                if layer_of(target) > source:
+                    problems.append(f"{where}: L{source} imports L{layer_of(target)}")
+                if nested:
+                    problems.append(f"{where}: our module imported inside a function")
+            elif nested and (top in required or top in sys.stdlib_module_names):
+                problems.append(f"{where}: a standard or required package imported inside a function")
+            elif nested and "#" not in lines[line - 1]:
+                problems.append(f"{where}: an optional package imported inside a function needs a comment saying so")
+    return problems
+
+
 def test_discovery_finds_every_package():
     found = [m for package in PACKAGES for m in MODULES[package]]
     assert len(found) == len(set(found))
     for name in ("omnijax.streaming.session", "omnijax.eval.runner", "omnijax.models.encoders.whisper",
-                 "omnijax.models.minicpmo.vision", "omnijax.serve.engine.engine", "omnijax.checkpoint.tables", "omnijax.convert.__main__",
-                 "omnijax.kernels.block_sparse_attention"):
+                 "omnijax.models.minicpmo.vision", "omnijax.serve.engine.engine", "omnijax.checkpoint.name_tables",
+                 "omnijax.convert.__main__", "omnijax.kernels.block_sparse_attention", "omnijax.models.registry"):
         assert name in found
-    assert "omnijax.stream" not in found and "omnijax.evaluate" not in found  # renamed modules are gone
-    assert len(MODULES["omnijax"]) > 50 and len(MODULES["convert"]) >= 8 and len(MODULES["omnijax.kernels"]) >= 4
+    assert len(MODULES["omnijax"]) > 100 and len(MODULES["convert"]) >= 10 and len(MODULES["pallas_kernels"]) >= 4
     preload = third_party_imports()
     assert {"jax", "numpy", "flax.nnx"} <= set(preload)
     assert not [n for n in preload if n.partition(".")[0] in PACKAGES + ("os", "json")]
+
+
+def test_the_layer_check_finds_what_it_should(tmp_path, monkeypatch):
+    """The checker itself, on a fake package: an upward import, an internal import inside a function, a standard
+    module inside a function, an optional package inside a function without a comment; and what it allows."""
+    package = tmp_path / "omnijax"
+    (package / "kv").mkdir(parents=True)
+    (package / "models").mkdir()
+    for init in ("__init__.py", "kv/__init__.py", "models/__init__.py"):
+        (package / init).write_text("")
+    (package / "kv" / "low.py").write_text(
+        "from omnijax.models import high\n"
+        "def f():\n    import json\n    import matplotlib\n    import matplotlib.pyplot  # optional: plots\n")
+    (package / "models" / "high.py").write_text("from omnijax.kv import low\ndef g():\n    from omnijax.kv import low\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    problems = layer_violations(["omnijax", "omnijax.kv", "omnijax.kv.low", "omnijax.models", "omnijax.models.high"])
+    assert len(problems) == 4, problems
+    assert "omnijax.kv.low:1 `from omnijax.models import high`: L1 imports L3" in problems
+    assert any("omnijax.models.high:3" in p and "inside a function" in p for p in problems)
+    assert any("`import json`: a standard or required package" in p for p in problems)
+    assert any("`import matplotlib`: an optional package imported inside a function needs a comment" in p
+               for p in problems)
+
+
+def test_the_layer_order_holds_for_every_import():
+    """Every import of every module of the package, those inside functions included."""
+    problems = layer_violations(MODULES["omnijax"])
+    assert not problems, f"{len(problems)} imports break the layer rule:\n" + "\n".join(problems)
+
+
+def test_no_module_uses_another_modules_private_name():
+    """`from omnijax.x import _y` and `x_lib._y` (x_lib an imported module of ours) are refused: what a module
+    shares is public."""
+    modules = MODULES["omnijax"]
+    known, problems = set(modules), []
+    for module in modules:
+        path = module_path(module)
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.partition(".")[0] == "omnijax":
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        problems.append(f"{module}:{node.lineno}: from {node.module} import {alias.name}")
+                    if f"{node.module}.{alias.name}" in known:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in known:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                problems.append(f"{module}:{node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    assert not problems, "private names used across modules:\n" + "\n".join(problems)
 
 
 def test_the_import_check_reports_order_dependent_cycles(tmp_path):
@@ -147,8 +294,8 @@ def test_the_import_check_reports_order_dependent_cycles(tmp_path):
 
 
 def test_every_module_imports_alone():
-    """Each module of the three packages in a process of its own; every failure is reported, with its last
-    traceback line."""
+    """Each module of the package (and of the deprecated aliases) in a process of its own; every failure is
+    reported, with its last traceback line."""
     modules = [m for package in PACKAGES for m in MODULES[package]]
     start = time.perf_counter()
     results = import_each_alone(modules)
@@ -163,45 +310,58 @@ def _imports_all(modules: list[str]) -> str:
     return "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
 
 
-def test_models_never_import_the_converter():
-    models = [m for m in MODULES["omnijax"] if m.startswith("omnijax.models.")]
-    assert "omnijax.models.minicpmo.model" in models and "omnijax.models.qwen2_5_omni.vision" in models
-    code = _imports_all(models) + (
-        "import sys\n"
-        "bad = sorted(m for m in sys.modules if m == 'convert' or m.startswith('convert.'))\n"
-        "assert not bad, f'omnijax.models imported the converter: {bad}'\n")
-    result = python(code)
-    assert result.returncode == 0, result.stderr
-
-
 def test_kernels_import_jax_only():
-    """Past what jax and its Pallas Triton backend import themselves, the kernels bring in no other package."""
+    """Past what jax and its Pallas Triton backend import themselves (and the package's own `__init__`, which any
+    import of a submodule runs), the kernels bring in no other package."""
     code = ("import sys\n"
             "import jax, jax.numpy, jax.experimental.pallas, jax.experimental.pallas.triton\n"
-            "before = {m.partition('.')[0] for m in sys.modules}\n"
-            + _imports_all(MODULES["omnijax.kernels"]) +
-            "new = {m.partition('.')[0] for m in sys.modules} - before - set(sys.stdlib_module_names)\n"
-            "assert new == {'omnijax.kernels'}, f'omnijax.kernels imported {sorted(new)}'\n")
+            "import omnijax\n"
+            "before = set(sys.modules)\n"
+            + _imports_all([m for m in MODULES["omnijax"] if m.startswith("omnijax.kernels")]) +
+            "new = {m.partition('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)\n"
+            "assert new <= {'omnijax'}, f'omnijax.kernels imported {sorted(new)}'\n")
     result = python(code)
+    assert result.returncode == 0, result.stderr
+    for module in (m for m in MODULES["omnijax"] if m.startswith("omnijax.kernels")):
+        tops = {t.partition(".")[0] for t, *_ in imports_of(module, set(MODULES["omnijax"]))}
+        assert tops <= {"jax", "omnijax", "__future__", "dataclasses", "functools", "math", "typing"}, (module, tops)
+
+
+def test_importing_omnijax_has_no_process_wide_side_effect():
+    """No compilation cache is turned on by `import omnijax`; `omnijax.enable_compilation_cache` turns it on."""
+    code = ("import os, sys, jax\n"
+            "os.environ.pop('OMNIJAX_COMPILATION_CACHE', None)\n"
+            "import omnijax\n"
+            "assert jax.config.jax_compilation_cache_dir is None, jax.config.jax_compilation_cache_dir\n"
+            "path = omnijax.enable_compilation_cache(sys.argv[1])\n"
+            "assert jax.config.jax_compilation_cache_dir == str(path), jax.config.jax_compilation_cache_dir\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as directory:
+        result = python(code, directory)
     assert result.returncode == 0, result.stderr
 
 
-def test_converter_reexports_the_shared_tables_and_errors():
-    """`omnijax.checkpoint.tables` / `omnijax.errors` are the omnijax objects themselves, so `except omnijax.errors.X` catches
-    what the models raise."""
-    import omnijax.errors
-    import omnijax.checkpoint.tables
-    import omnijax.errors
-    import omnijax.checkpoint.name_tables
-
-    for name in omnijax.errors.__all__:
-        assert getattr(omnijax.errors, name) is getattr(omnijax.errors, name)
-    for name in omnijax.checkpoint.tables.__all__:
-        assert getattr(omnijax.checkpoint.tables, name) is getattr(omnijax.checkpoint.name_tables, name)
-    assert {"ConvertError", "ConfigError", "MissingTensorError", "UnsupportedConfigError"} <= set(
-        omnijax.errors.__all__)
-    assert {"Component", "Rule", "TRANSFORMS", "convert_in_memory", "param_shapes", "plan_conversion"} <= set(
-        omnijax.checkpoint.tables.__all__)
+def test_old_paths_work_with_a_deprecation_warning():
+    """`convert`, `pallas_kernels` and `omnijax.evaluation` are the new modules themselves, each announced with a
+    DeprecationWarning that names the new path."""
+    code = ("import warnings\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    import convert, convert.errors, convert.tables\n"
+            "    from pallas_kernels import block_sparse_attention\n"
+            "    import omnijax.evaluation\n"
+            "import omnijax, omnijax.convert, omnijax.errors, omnijax.checkpoint.name_tables, omnijax.kernels\n"
+            "assert convert.convert_checkpoint is omnijax.convert.convert_checkpoint\n"
+            "assert convert.errors.ConfigError is omnijax.errors.ConfigError\n"
+            "assert convert.tables.Rule is omnijax.checkpoint.name_tables.Rule\n"
+            "assert block_sparse_attention is omnijax.kernels.block_sparse_attention\n"
+            "assert omnijax.evaluation.evaluate is omnijax.evaluate\n"
+            "text = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+            "for old, new in [('convert', 'omnijax.convert'), ('pallas_kernels', 'omnijax.kernels'),\n"
+            "                 ('omnijax.evaluation', 'omnijax.eval.runner')]:\n"
+            "    assert any(t.startswith(old + ' is deprecated') and new in t for t in text), (old, text)\n")
+    result = python(code)
+    assert result.returncode == 0, result.stderr
 
 
 def test_load_in_a_fresh_interpreter(tmp_path):
@@ -209,6 +369,7 @@ def test_load_in_a_fresh_interpreter(tmp_path):
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=True)
     dst = convert_checkpoint(src, tmp_path / "out", progress=False)
     code = ("import sys, omnijax; m = omnijax.load(sys.argv[1]); assert m.audio is not None and m.vision is not None\n"
-            "assert not [n for n in sys.modules if n.partition('.')[0] == 'convert'], 'load imported convert'")
+            "assert m.family.name == 'qwen2_5_omni'\n"
+            "assert not [n for n in sys.modules if n.startswith('omnijax.convert')], 'load imported the converter'")
     result = python(code, str(dst))
     assert result.returncode == 0, result.stderr

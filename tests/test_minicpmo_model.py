@@ -90,7 +90,8 @@ def test_math_changing_config_attributes_are_refused(tmp_path):
 def test_case4_duplex_session_from_raw_frames_and_audio(model):
     """The whole 4.5 duplex flow from the raw inputs: system prompt with the reference clip, three units of frames
     and streamed audio; every decoded token equals the release's, and the decision logits match."""
-    from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens
+    from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens
+    from omnijax.streaming.duplex import DuplexSession
     case = np.load(GOLDEN / "case4_duplex.npz")
     meta = json.loads((GOLDEN / "case4_duplex.json").read_text())["meta"]
     sp = json.loads((GOLDEN / "info.json").read_text())["special_token_ids_tiny"]

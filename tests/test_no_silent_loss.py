@@ -8,7 +8,8 @@ import pytest
 
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
-from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens
+from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens
+from omnijax.streaming.duplex import DuplexSession
 
 
 def test_duplex_session_refuses_to_go_on_once_the_pool_ran_out():

@@ -16,7 +16,8 @@ openai = pytest.importorskip("openai")
 import omnijax  # noqa: E402
 from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.chat import resample  # noqa: E402
-from omnijax.models.minicpmo.duplex import DuplexSession, DuplexTokens  # noqa: E402
+from omnijax.models.minicpmo.duplex import DuplexTokens  # noqa: E402
+from omnijax.streaming.duplex import DuplexSession  # noqa: E402
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer  # noqa: E402
 from omnijax.retention import NoSlide  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402

@@ -300,7 +300,7 @@ def test_chat_completion_with_an_image_and_audio(server, model):
         model="omnijax", messages=[{"role": "user", "content": content[:1]}], max_tokens=3)
     whole = _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": content}],
                                                     max_tokens=3)
-    from omnijax.chat_units import units_for
+    from omnijax.models.frontend import units_for
     units = units_for(model)  # the image unit and the audio unit the server feeds after the text turn
     image = np.asarray(Image.open(io.BytesIO(png.getvalue())).convert("RGB"))
     media = int(units.image(image, 0).valid.sum() + units.audio(np.zeros(8000, np.float32), 16000, 0).valid.sum())

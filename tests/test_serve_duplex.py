@@ -19,7 +19,8 @@ import pytest
 import omnijax
 from omnijax.convert import convert_checkpoint
 from omnijax.streaming.config import StreamConfig
-from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexSession, DuplexTokens, UnitResult
+from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult
+from omnijax.streaming.duplex import DuplexSession
 from omnijax.retention.base import NoSlide
 from omnijax.serve.engine.duplex import UNIT_SAMPLES, DuplexStream, rows_chunks, speak_text
 from omnijax.serve.engine.engine import Engine, EngineConfig

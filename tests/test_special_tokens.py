@@ -207,7 +207,7 @@ def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
     loaded = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
     assert loaded.omni == SHIFTED and loaded.config.eos_token_ids == (281,)
     # Chat's unit builder marks the checkpoint's own chat markers as boundaries.
-    from omnijax.chat_units import units_for
+    from omnijax.models.frontend import units_for
     from omnijax.chunks.spans import SpanKind
     chunk = units_for(loaded).text([280, 5, 281], 0, SpanKind.TEXT)
     assert np.asarray(chunk.span[0]).tolist() == [SpanKind.BOUNDARY, SpanKind.TEXT, SpanKind.BOUNDARY]

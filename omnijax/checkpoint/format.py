@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from omnijax.models.config import DecoderConfig
+from omnijax._checks import JsonConfig
 
 FORMAT = "omnijax"
 FORMAT_VERSION = 1
@@ -34,16 +34,9 @@ MANIFEST = "omnijax.json"
 PARAMS_DIR = "params"
 COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source")
 # The model types omnijax reads, each with the components (encoders, their configs) its manifest may name beside
-# the common keys; a component's parameters live in the directory of the same name.
-MODEL_COMPONENTS = {
-    "qwen2": (),
-    "qwen3": (),
-    "llama": (),
-    "mistral": (),
-    "qwen2_5_omni": ("audio", "vision", "omni"),
-    "qwen3_omni": ("audio", "vision", "qwen3_omni"),
-    "minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens"),
-}
+# the common keys; a component's parameters live in the directory of the same name. Filled by the model families as
+# they register (`omnijax.models.family.register`): this layer knows no model type by name.
+MODEL_COMPONENTS: dict[str, tuple[str, ...]] = {}
 
 
 class CheckpointFormatError(ValueError):
@@ -84,7 +77,7 @@ def _drop_ocdbt_merge_notice(record: logging.LogRecord) -> bool:
     return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
-def save_params(dst_dir: str | os.PathLike, model_type: str, config: DecoderConfig, params_pure_dict: dict,
+def save_params(dst_dir: str | os.PathLike, model_type: str, config: JsonConfig, params_pure_dict: dict,
                 source_info: dict[str, Any] | None = None, *,
                 components: dict[str, tuple[dict[str, Any], dict]] | None = None) -> Path:
     """Writes `params/` (and each component's directory), then the manifest, into `dst_dir`.
@@ -163,20 +156,6 @@ def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointFormatError(f"{path}: unknown manifest keys {unknown} for a {model_type} checkpoint; it may "
                                     f"hold {list(COMMON_KEYS + MODEL_COMPONENTS[model_type])}")
     return manifest
-
-
-def read_manifest(ckpt_dir: str | os.PathLike) -> tuple[str, DecoderConfig]:
-    """`(model_type, DecoderConfig)` of a converted checkpoint.
-
-    Raises:
-        CheckpointFormatError: see `read_manifest_dict`; also when the decoder config does not parse.
-    """
-    manifest = read_manifest_dict(ckpt_dir)
-    try:
-        config = DecoderConfig.from_json(manifest["decoder"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointFormatError(f"{Path(ckpt_dir) / MANIFEST}: invalid decoder config: {e}") from e
-    return manifest["model_type"], config
 
 
 def _describe(leaf) -> str:

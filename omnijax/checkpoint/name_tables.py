@@ -5,9 +5,8 @@ stand for, and its layer count. `plan_conversion` maps every tensor name of a ch
 layer) from the headers alone (names and shapes), before any data is read; `fill` then copies tensor by tensor.
 `convert_in_memory` runs the same plan on a dict of arrays (tests, small models).
 
-This is the table language shared by the converter (`convert/`, which re-exports it as `omnijax.checkpoint.tables`) and the
-model modules, which hold the tables of their own parameter trees; it imports nothing but numpy and
-`omnijax.errors`.
+This is the table language shared by the conversion loop (`omnijax.checkpoint.loop`) and the model families, which
+hold the tables of their own parameter trees; it imports nothing but numpy and `omnijax.errors`.
 """
 
 from __future__ import annotations

@@ -17,22 +17,16 @@ import shutil
 import uuid
 from pathlib import Path
 
-from omnijax.models.llama import convert as llama
-from omnijax.models.minicpmo import convert as minicpmo
-from omnijax.models.qwen2_5_omni import convert as qwen2_5_omni
-from omnijax.models.qwen3_omni import convert as qwen3_omni
 from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint import format as checkpoint
+from omnijax.models.registry import ALL_FAMILIES
 
 __all__ = ["convert_checkpoint", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES", "TOKENIZER_FILES"]
 
 DTYPES = ("float32", "bfloat16")
-# Hugging Face model_type -> converter module.
-CONVERTERS = {hf_type: qwen2_5_omni for hf_type in qwen2_5_omni.HF_MODEL_TYPES}
-CONVERTERS.update({hf_type: minicpmo for hf_type in minicpmo.HF_MODEL_TYPES})
-CONVERTERS.update({hf_type: qwen3_omni for hf_type in qwen3_omni.HF_MODEL_TYPES})
-CONVERTERS.update({hf_type: llama for hf_type in llama.HF_MODEL_TYPES})
+# Hugging Face model_type -> converter module (each family's `converter`).
+CONVERTERS = {hf_type: family.converter for family in ALL_FAMILIES for hf_type in family.hf_model_types}
 # Model types recognised but not converted, with the reason.
 NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)

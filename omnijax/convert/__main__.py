@@ -8,6 +8,7 @@ import sys
 from omnijax.convert import DTYPES, SUPPORTED_MODEL_TYPES, convert_checkpoint
 from omnijax.errors import ConvertError
 from omnijax.checkpoint.format import CheckpointFormatError
+from omnijax import compilation_cache
 
 
 def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
@@ -25,6 +26,7 @@ def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "omnijax-convert") -> int:
     """Runs the converter; returns the process exit code (0 on success, 1 on a reported error)."""
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     args = build_parser(prog).parse_args(argv)
     try:
         out = convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force,

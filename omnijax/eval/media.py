@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
+from omnijax.models.tokenizer import load_tokenizer
+from omnijax.models.qwen2_5_omni import frontend
+from omnijax.media.video import open_video
 
 if TYPE_CHECKING:
     from omnijax.media.video import VideoFile
@@ -91,7 +94,6 @@ class CheckpointTextEncoder:
 
 def text_encoder(checkpoint_dir: str | Path | None, vocab_size: int, notices: list[str] | None = None) -> TextEncoder:
     """The checkpoint's tokenizer when it has tokenizer files, else a `ByteTextEncoder` (with a notice saying why)."""
-    from omnijax.models.tokenizer import load_tokenizer
     notices = [] if notices is None else notices
     directory = None if checkpoint_dir is None else Path(checkpoint_dir)
     tokenizer = None if directory is None else load_tokenizer(directory)
@@ -126,7 +128,6 @@ class SyntheticMedia:
     duration_s: float | None = None
 
     def units(self, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        from omnijax.models.qwen2_5_omni import frontend
         h, w = self.frame_size
         for k in range(count):
             start = k * self.unit_seconds
@@ -152,7 +153,6 @@ class DecodedVideo:
     video: "VideoFile | None" = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        from omnijax.media.video import open_video
         self.video = open_video(self.path, unit_seconds=self.unit_seconds, fps=self.fps, need_audio=False,
                                 frame_size=tuple(self.frame_size))
         self.duration_s = self.video.duration_s

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
 
 DATA, MODEL = "data", "model"
 
@@ -227,7 +228,6 @@ def put_sessions(tree, mesh: Mesh) -> Any:
 
 def to_host(tree) -> Any:
     """Numpy copies of a pytree of (possibly multi-process) global arrays; every process gets everything."""
-    from jax.experimental import multihost_utils
 
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

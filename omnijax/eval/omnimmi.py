@@ -44,6 +44,8 @@ from typing import Sequence
 
 from omnijax.eval import annotations as ann
 from omnijax.eval import probes as probes_lib
+from omnijax.eval import mesh as distributed
+from omnijax import compilation_cache
 
 FILES = {"SG": "dynamic_state_grounding.json", "MD": "multiturn_dependency_reasoning.json",
          "AP": "action_prediction.json", "SI": "speaker_identification.json", "PA": "proactive_alerting.json",
@@ -345,7 +347,7 @@ def run(model, records: Sequence[Record], configs, *, encoder, video_root=None, 
 
 
 def main(argv=None) -> int:
-    from omnijax.eval import mesh as distributed
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", help="directory of the six OmniMMI *.json files (default: the shipped copy)")
     parser.add_argument("--tasks", nargs="*", choices=list(FILES), help="tasks to run (default: all)")

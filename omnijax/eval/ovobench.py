@@ -45,6 +45,8 @@ import numpy as np
 from omnijax.eval import annotations as ann
 from omnijax.eval import probes as probes_lib
 from omnijax.eval import sessions as sessions_lib
+from omnijax.eval import mesh as distributed
+from omnijax import compilation_cache
 
 BACKWARD = ("EPM", "ASI", "HLD")
 REALTIME = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
@@ -301,7 +303,7 @@ def format_scores(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from omnijax.eval import mesh as distributed
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="the OVO-Bench annotation file (ovo_bench_new.json)")
     parser.add_argument("--tasks", nargs="*", help=f"task codes to run (default all: {', '.join(CATEGORY_OF)})")

@@ -30,6 +30,10 @@ from omnijax.eval import media as media_lib
 from omnijax.eval import sessions as sessions_lib
 from omnijax.eval import streamingbench as sb
 from omnijax.eval.runner import evaluate
+from omnijax.eval.streamingbench import time_and_kv_lines
+from omnijax.eval import streamingbench
+from omnijax.eval import mesh as distributed
+from omnijax.models.registry import load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +215,6 @@ def format_report(summary: dict[str, dict], metrics: dict[str, dict[str, dict]])
     `metrics[config][group] = {column: value}`."""
     lines = []
     for name, s in summary.items():
-        from omnijax.eval.streamingbench import time_and_kv_lines
         lines += time_and_kv_lines(name, s)
         for group, values in metrics.get(name, {}).items():
             cells = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
@@ -233,7 +236,6 @@ def mean(values: Sequence[float]) -> float:
 
 def add_common_args(parser) -> None:
     """The options `streamingbench.main` has (model, videos, configurations, mesh, output) for another benchmark."""
-    from omnijax.eval import streamingbench
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", "--model", dest="checkpoint",
                       help="converted omnijax checkpoint directory (tokenizer files used if there)")
@@ -245,7 +247,6 @@ def add_common_args(parser) -> None:
 
 def parse_mesh(spec: str | None):
     """`DATAxMODEL` -> a mesh (`omnijax.eval.mesh.make_mesh`), None for None."""
-    from omnijax.eval import mesh as distributed
     if not spec:
         return None
     data, _, width = spec.partition("x")
@@ -257,14 +258,13 @@ def parse_mesh(spec: str | None):
 def prepare(args, answer_tokens: int, notices: list[str], prefix: str):
     """Configurations, mesh, model and text encoder from `add_common_args`' options (after
     `distributed.initialize`). Raises ValueError for what a user can get wrong (reported without a traceback)."""
-    import omnijax
     configs = [sb.parse_config(c, answer_tokens=answer_tokens, page_size=args.page_size) for c in args.configs]
     mesh = parse_mesh(args.mesh)
     if args.demo:
         model = sb.demo_model(Path(tempfile.mkdtemp(prefix=prefix)))
         notices.append("model: tiny random demo checkpoint: scores are meaningless (chance level expected)")
     else:
-        model = omnijax.load(args.checkpoint)
+        model = load(args.checkpoint)
     encoder = media_lib.text_encoder(args.checkpoint, model.config.vocab_size, notices)
     return configs, mesh, model, encoder
 

@@ -33,6 +33,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+from omnijax.chat import read_wav, resample
+from omnijax.models.frontend import units_for
+from omnijax.chunks.chunk import split_chunk
+from omnijax.decoding import Greedy
+from omnijax.retention import get_policy
+from omnijax.serve.audio_frames import AudioFrameEncoder
+from omnijax.serve.engine.engine import Engine, EngineConfig
+from omnijax.serve.loadgen import speech_like_pcm
+from omnijax.chunks.spans import SpanKind
+from omnijax.serve.app import build_demo_model
+import tempfile
+from omnijax.models.registry import load
+from omnijax.streaming.config import StreamConfig
+from omnijax import compilation_cache
 
 SAMPLE_RATE = 16_000
 
@@ -119,22 +133,12 @@ def by_age(correct: list[list[bool]], config: ProbeConfig) -> list[float]:
 
 def _clip(path: str) -> np.ndarray:
     """A question clip (16-bit PCM WAV) as 16 kHz int16."""
-    from omnijax.chat import read_wav, resample
     pcm, rate = read_wav(path, widths=(2,))
     return (resample(pcm, rate) * 32767).astype(np.int16)
 
 
 def run_condition(model, spec: str, questions: list[Question], config: ProbeConfig, *, log=print) -> dict:
     """One condition (a retention policy spec) on the engine: returns its rows (see the module docstring)."""
-    import omnijax
-    from omnijax.chat_units import units_for
-    from omnijax.chunks.chunk import split_chunk
-    from omnijax.decoding import Greedy
-    from omnijax.retention import get_policy
-    from omnijax.serve.audio_frames import AudioFrameEncoder
-    from omnijax.serve.engine.engine import Engine, EngineConfig
-    from omnijax.serve.loadgen import speech_like_pcm
-    from omnijax.chunks.spans import SpanKind
 
     tokenizer, units = model.tokenizer, units_for(model)
     samples = int(SAMPLE_RATE * config.frame_ms / 1000)
@@ -146,7 +150,7 @@ def run_condition(model, spec: str, questions: list[Question], config: ProbeConf
     per_session = config.frames * (T + config.tau) + max(len(p) for p in prompts) * (config.frames //
                                                                                     config.frames_per_segment + 2)
     pages = config.sessions * (-(-per_session // config.page_size) + 2)
-    stream = omnijax.StreamConfig(policy=get_policy(spec), num_pages=pages, page_size=config.page_size,
+    stream = StreamConfig(policy=get_policy(spec), num_pages=pages, page_size=config.page_size,
                                   max_answer_tokens=max(config.tau, config.recall_tokens),
                                   decoding=Greedy(free_running=True))
     buckets = tuple(sorted({1 << max(0, config.sessions - 1).bit_length()}))
@@ -197,8 +201,6 @@ def run_condition(model, spec: str, questions: list[Question], config: ProbeConf
 
 def _recall(engine, units, tokenizer, sids, unit, questions, config: ProbeConfig) -> float:
     """Asks every session for the first question it heard; the share whose answer has its keywords."""
-    from omnijax.chunks.chunk import split_chunk
-    from omnijax.chunks.spans import SpanKind
 
     ids = tokenizer.encode(tokenizer.render([{"role": "user", "content": "What was the very first question you "
                                                                         "heard in this conversation?"}],
@@ -219,9 +221,9 @@ def _recall(engine, units, tokenizer, sids, unit, questions, config: ProbeConfig
 
 
 def plot(rows: list[dict], config: ProbeConfig, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional (omnijax[plot]): only the plot needs it
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (omnijax[plot])
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in rows:
@@ -257,6 +259,7 @@ def load_questions(path: str | None) -> list[Question]:
 
 
 def main(argv=None) -> int:
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", nargs="?", help="converted checkpoint with an audio encoder and a tokenizer")
     parser.add_argument("--demo-model", action="store_true", help="the embedded tiny random model (a smoke run)")
@@ -280,18 +283,15 @@ def main(argv=None) -> int:
         questions = load_questions(args.questions)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    import tempfile
 
-    import omnijax
     conditions = table2_conditions() if args.table2 else args.conditions
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.demo_model:
-            from omnijax.serve.app import build_demo_model
-            model = omnijax.load(build_demo_model(tmp))
+            model = load(build_demo_model(tmp))
         else:
-            model = omnijax.load(args.checkpoint)
+            model = load(args.checkpoint)
         if model.tokenizer is None or getattr(model, "audio", None) is None:
             print("quality_probe: error: the checkpoint needs an audio encoder and tokenizer files", file=sys.stderr)
             return 1

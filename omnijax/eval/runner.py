@@ -44,6 +44,7 @@ from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import folded_keys, seed_of
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import chunk_step, init_state
+from tqdm.auto import tqdm
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",
@@ -304,7 +305,6 @@ def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=N
 
     bar = None
     if progress and distributed.is_main_process():
-        from tqdm.auto import tqdm
         bar = tqdm(total=len(configs) * num_batches, unit="batch", desc="evaluate")
     results = {}
     for cfg in configs:

@@ -33,6 +33,7 @@ from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.eval import annotations as ann
 from omnijax.eval.media import MediaSource, TextEncoder
 from omnijax.testing.synthetic import fold_ids
+from omnijax.models.qwen2_5_omni import frontend
 
 SYSTEM_PROMPT = ("You are a helpful assistant. You watch a live video stream with its audio and answer questions "
                  "about what has happened so far.")
@@ -90,7 +91,7 @@ class ChunkBuilder:
         self.video_kwargs = {"min_pixels": 56 * 56} if video_kwargs is None else video_kwargs
         config = getattr(model, "decoder", model).config
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.tokens = adapter._tokens(getattr(model, "omni", None))  # the checkpoint's ids (release's if none)
+        self.tokens = adapter.token_ids_of(getattr(model, "omni", None))  # the checkpoint's ids (release's if none)
 
     @property
     def notice(self) -> str:
@@ -99,7 +100,6 @@ class ChunkBuilder:
 
     def _text(self, ids: list[int], unit: int, kind: str, answer_tokens: int = 0) -> Chunk:
         if self.features:
-            from omnijax.models.qwen2_5_omni import frontend
             return (frontend.system(self.model, ids, unit) if kind == "system"
                     else frontend.text(self.model, ids, unit, answer_tokens))
         chunk = (adapter.system_unit(ids, unit, tokens=self.tokens) if kind == "system"
@@ -123,7 +123,6 @@ class ChunkBuilder:
 
     def audiovisual(self, frames: np.ndarray, pcm: np.ndarray, unit: int) -> Chunk:
         if self.features:
-            from omnijax.models.qwen2_5_omni import frontend
             return frontend.audiovisual_chunk(self.model, frames, pcm, unit, fps=self.fps, **self.video_kwargs)
         # Layout only: the grid a 14 px patch, 2x2 merge vision tower would give these frames.
         t = max(1, int(frames.shape[0]) // 2)

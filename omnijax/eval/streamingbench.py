@@ -35,6 +35,12 @@ from omnijax.eval import media as media_lib
 from omnijax.streaming.config import StreamConfig
 from omnijax.eval import sessions as sessions_lib
 from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
+from omnijax.convert import convert_checkpoint
+from omnijax import demo
+from omnijax.eval import mesh as distributed
+from tqdm.auto import tqdm
+from omnijax.models.registry import load
+from omnijax import compilation_cache
 
 
 def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:
@@ -106,7 +112,6 @@ def run(model, videos: Sequence[ann.Video], configs: Sequence[EvalConfig], *, en
         notices.append(builder.notice)
     iterator = videos
     if progress:
-        from tqdm.auto import tqdm
         iterator = tqdm(videos, desc="sessions", unit="video")
     sessions, fallbacks = [], []
     for video in iterator:
@@ -209,18 +214,14 @@ def format_summary(report: BenchReport) -> str:
 
 def demo_model(directory: Path):
     """The tiny random Qwen2.5-Omni of `omnijax.demo` (encoders included), converted under `directory`."""
-    import omnijax
-    from omnijax.convert import convert_checkpoint
-    from omnijax import demo
 
     hf = demo.write_tiny_hf_checkpoint(directory / "hf", text_config=demo.TINY_OMNI_TEXT_CONFIG)
-    return omnijax.load(convert_checkpoint(hf, directory / "omnijax", progress=False, log=lambda _: None))
+    return load(convert_checkpoint(hf, directory / "omnijax", progress=False, log=lambda _: None))
 
 
 def add_run_options(parser) -> None:
     """The options every harness's command line shares: videos, configurations, page size, the cut, the mesh, the
     batch, the output, the cluster flags."""
-    from omnijax.eval import mesh as distributed
     parser.add_argument("--video-root", help="directory the records' video paths are relative to")
     parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
     parser.add_argument("--page-size", type=int, default=64)
@@ -233,7 +234,7 @@ def add_run_options(parser) -> None:
 
 
 def main(argv=None) -> int:
-    from omnijax.eval import mesh as distributed
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", help="converted omnijax checkpoint directory (tokenizer files used if there)")
@@ -247,7 +248,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     distributed.initialize(distributed.cluster_from_args(args))  # before any other JAX work
 
-    import omnijax
     notices: list[str] = []
     try:  # what a user can get wrong, the cheap checks first: configurations, annotations, mesh, checkpoint
         configs = [parse_config(c, answer_tokens=args.answer_tokens, page_size=args.page_size) for c in args.configs]
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
             model = demo_model(Path(tempfile.mkdtemp(prefix="sb_demo_")))
             notices.append("model: tiny random demo checkpoint: accuracy is meaningless (chance level expected)")
         else:
-            model = omnijax.load(args.checkpoint)
+            model = load(args.checkpoint)
     except ValueError as e:  # CheckpointFormatError, AnnotationError and bad settings are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 1

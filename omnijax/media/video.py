@@ -74,7 +74,7 @@ class VideoError(ValueError):
 
 def _import_av():
     try:
-        import av
+        import av  # optional (omnijax[video]): only video files need it
     except ImportError as e:
         raise ImportError("reading video files needs PyAV: pip install av (or pip install 'omnijax[video]')") from e
     return av

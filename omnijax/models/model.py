@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import jax
@@ -13,6 +12,9 @@ from flax import nnx
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.forward import forward
+from omnijax.checkpoint import format as checkpoint
+from omnijax.models.family import Family, family_for
+from omnijax.prefill import tidekv_prefill
 
 def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
     """Positions of a (possibly left-padded) text batch: `cumsum(mask) - 1`, padding at 1 (as `get_rope_index`)."""
@@ -41,6 +43,11 @@ class Model:
     @property
     def config(self) -> DecoderConfig:
         return self.decoder.config
+
+    @property
+    def family(self) -> Family:
+        """The model's family (`omnijax.models.family.Family`), found by its model type."""
+        return family_for(self.model_type)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, *, page_size: int = 64,
                  input_features=None, feature_attention_mask=None, pixel_values=None, image_grid_thw=None,
@@ -104,17 +111,12 @@ class Model:
                      pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
         embeds = embed_mask = deepstack = None
         audio_lengths: list[int] = []
-        qwen3 = self.model_type == "qwen3_omni"
+        family = self.family
         if any(v is not None for v in media.values()):
-            if self.omni is None:
+            if self.omni is None or family.thinker_inputs is None:
                 raise UnsupportedInputError(f"multimodal inputs need an omni thinker checkpoint with encoders; this "
                                             f"is a {self.model_type!r} model")
-            if qwen3:
-                from omnijax.models.qwen3_omni import thinker as qwen3_thinker
-                embeds, embed_mask, deepstack, audio_lengths = qwen3_thinker.multimodal_inputs(self, ids, **media)
-            else:
-                from omnijax.models.qwen2_5_omni import thinker
-                embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(self, ids, **media)
+            embeds, embed_mask, deepstack, audio_lengths = family.thinker_inputs(self, ids, **media)
         text = mask.astype(bool) if embed_mask is None else mask.astype(bool) & ~embed_mask
         if text.any() and (ids[text].min() < 0 or ids[text].max() >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got range "
@@ -122,22 +124,18 @@ class Model:
         axes = self.config.position_axes
         grids = image_grid_thw is not None or video_grid_thw is not None
         spg = [] if video_second_per_grid is None else np.asarray(video_second_per_grid).reshape(-1).tolist()
-        if position_ids is None and grids and qwen3:
-            from omnijax.models.qwen3_omni import thinker as qwen3_thinker
-            positions = qwen3_thinker.rope_index(
+        if position_ids is None and grids:
+            if family.thinker_positions is None:
+                raise UnsupportedInputError(f"image and video grids need an omni thinker; this is a "
+                                            f"{self.model_type!r} model")
+            positions = family.thinker_positions(
                 self, ids, mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                 audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video)
-        elif position_ids is None and grids:
-            from omnijax.models.qwen2_5_omni import thinker
-            positions = thinker.rope_index(
-                ids, mask, self.omni, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                audio_lengths=audio_lengths, second_per_grids=spg, use_audio_in_video=use_audio_in_video,
-                spatial_merge_size=self.vision.config.spatial_merge_size)
         elif position_ids is None:
             positions = text_positions(mask, axes)
         else:
             positions = np.asarray(position_ids)
-            positions = positions.astype(np.float32 if qwen3 and positions.dtype.kind == "f" else np.int32)
+            positions = positions.astype(np.float32 if family.fractional_positions and positions.dtype.kind == "f" else np.int32)
             if positions.ndim == 2:
                 positions = np.broadcast_to(positions[None], (axes,) + positions.shape)
             if positions.shape != (axes,) + ids.shape:
@@ -153,7 +151,6 @@ class Model:
         `omnijax.prefill.decode_step` from the prompt's true next position. `budgets=None` compresses nothing.
         Padded batches are refused (every sequence must be a whole prompt).
         """
-        from omnijax.prefill import tidekv_prefill
         ids, mask, embeds, embed_mask, positions, deepstack = self._prepare(input_ids, attention_mask, position_ids,
                                                                             **media)
         if not mask.all():
@@ -166,9 +163,8 @@ class Model:
                               deepstack=None if deepstack is None else jnp.asarray(deepstack))
 
 
-def _restore(directory: Path, component: str, stored_config, dtype: str | None, build):
+def restore_module(directory: Path, component: str, stored_config, dtype: str | None, build):
     """Restores one module: `build(config)` defines it; weights are read in the stored dtype, then cast."""
-    from omnijax.checkpoint import format as checkpoint
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
     restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component)
@@ -178,86 +174,3 @@ def _restore(directory: Path, component: str, stored_config, dtype: str | None, 
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config)))
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
-
-
-def load(directory: str | Path, *, dtype: str | None = None) -> Model:
-    """Loads a directory written by `omnijax-convert` into a `Model` (with its encoders when converted).
-
-    The checkpoint's tokenizer (`tokenizer.json`, copied by the converter) becomes `model.tokenizer`; without one
-    `model.tokenizer` is None and a `UserWarning` says so.
-
-    Args:
-        directory: the converted checkpoint (holding `omnijax.json` and `params/`).
-        dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load.
-    """
-    from omnijax.checkpoint import format as checkpoint
-    from omnijax.models.encoders import whisper as audio_lib
-    from omnijax.models.qwen2_5_omni import vision as vision_lib
-    from omnijax.models.qwen2_5_omni.config import OmniConfig
-
-    directory = Path(directory)
-    model_type, config = checkpoint.read_manifest(directory)
-    manifest = checkpoint.read_manifest_dict(directory)
-    decoder = _restore(directory, checkpoint.PARAMS_DIR, config, dtype,
-                       lambda c: Decoder(c, rngs=nnx.Rngs(0)))
-    if model_type == "minicpmo":
-        from omnijax.models.minicpmo import model as minicpmo
-        if dtype is not None:
-            raise ValueError("dtype overrides are not implemented for MiniCPM-o checkpoints yet; convert with "
-                             "--dtype instead")
-        try:
-            model = minicpmo.load(directory, manifest, decoder)
-        except (TypeError, ValueError) as e:
-            raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
-        return _with_tokenizer(model, directory)
-    if model_type == "qwen3_omni":
-        return _with_tokenizer(_load_qwen3_omni(directory, manifest, decoder, dtype), directory)
-    encoders = {}
-    try:
-        if "audio" in manifest:
-            encoders["audio"] = _restore(directory, "audio", audio_lib.AudioConfig.from_json(manifest["audio"]), dtype,
-                                         lambda c: audio_lib.AudioEncoder(c, rngs=nnx.Rngs(0)))
-        if "vision" in manifest:
-            encoders["vision"] = _restore(directory, "vision", vision_lib.VisionConfig.from_json(manifest["vision"]),
-                                          dtype, lambda c: vision_lib.VisionEncoder(c, rngs=nnx.Rngs(0)))
-        omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
-    except (TypeError, ValueError) as e:
-        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
-    return _with_tokenizer(Model(decoder, model_type=model_type, source=str(directory), omni=omni, **encoders),
-                           directory)
-
-
-def _load_qwen3_omni(directory: Path, manifest: dict, decoder: Decoder, dtype: str | None) -> Model:
-    """A Qwen3-Omni thinker: the MoE decoder, its AuT audio and Qwen3-VL (DeepStack) vision encoders when converted,
-    and its token ids and position rate."""
-    from omnijax.checkpoint import format as checkpoint
-    from omnijax.models.qwen3_omni import audio as audio_lib
-    from omnijax.models.qwen3_omni import vision as vision_lib
-    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
-
-    encoders = {}
-    try:
-        if "audio" in manifest:
-            encoders["audio"] = _restore(directory, "audio", audio_lib.Qwen3AudioConfig.from_json(manifest["audio"]),
-                                         dtype, lambda c: audio_lib.Qwen3AudioEncoder(c, rngs=nnx.Rngs(0)))
-        if "vision" in manifest:
-            encoders["vision"] = _restore(directory, "vision",
-                                          vision_lib.Qwen3VisionConfig.from_json(manifest["vision"]), dtype,
-                                          lambda c: vision_lib.Qwen3VisionEncoder(c, rngs=nnx.Rngs(0)))
-        ids = Qwen3OmniConfig.from_json(manifest.get("qwen3_omni", {}))
-    except (TypeError, ValueError) as e:
-        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
-    return Model(decoder, model_type="qwen3_omni", source=str(directory), omni=ids, **encoders)
-
-
-def _with_tokenizer(model, directory: Path):
-    """Sets `model.tokenizer` from the directory's tokenizer files; warns once when there are none."""
-    from omnijax.models.tokenizer import load_tokenizer
-
-    model.tokenizer = load_tokenizer(directory)
-    if model.tokenizer is None:
-        warnings.warn(f"{directory} has no tokenizer files (tokenizer.json), so text input and output are "
-                      f"unavailable and the model takes token ids; to fix this, copy tokenizer.json and "
-                      f"tokenizer_config.json from the Hugging Face release into {directory}, or re-run "
-                      f"`omnijax-convert` from a release directory that has them", UserWarning, stacklevel=3)
-    return model

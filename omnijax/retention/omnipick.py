@@ -78,11 +78,12 @@ class OmniPick:
         if self.source_image_whole is not None and not isinstance(self.source_image_whole, bool):
             raise ValueError(f"source_image_whole must be a bool or None, got {self.source_image_whole!r}")
 
-    def for_model_type(self, model_type: str | None) -> "OmniPick":
-        """This policy for a model of `model_type`: `source_image_whole=None` becomes True for "minicpmo"."""
+    def for_model(self, whole_source_image: bool) -> "OmniPick":
+        """This policy for a model whose family does (or does not) keep a unit's source image whole (MiniCPM-o's
+        slices refer to it): `source_image_whole=None` takes the family's answer."""
         if self.source_image_whole is not None:
             return self
-        return dataclasses.replace(self, source_image_whole=model_type == "minicpmo")
+        return dataclasses.replace(self, source_image_whole=bool(whole_source_image))
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.high_watermark

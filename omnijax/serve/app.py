@@ -27,6 +27,31 @@ import tempfile
 import time
 
 from omnijax.serve.context import ServeContext, ServeOptions
+from omnijax.serve.native import session as native
+from omnijax.serve import chat_completions as openai_http
+from omnijax.serve.realtime import session as realtime
+from omnijax.serve.engine.admission import AIMD
+from omnijax.serve.engine.engine import Engine, EngineConfig
+from omnijax.serve.engine.worker import EngineWorker
+from omnijax.models.frontend import units_for
+from omnijax.convert import convert_checkpoint
+from omnijax import demo
+from omnijax.models.frontend import bucket
+from omnijax.decoding import RowSampling
+from omnijax.retention import get_policy
+from omnijax.serve.audio_frames import frame_tokens
+from omnijax.serve.native.protocol import frame_samples
+from omnijax.serve.chat_completions import error_body
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Route, WebSocketRoute
+import numpy as np
+from pathlib import Path
+import uvicorn
+import threading
+from omnijax.models.registry import load
+from omnijax.streaming.config import StreamConfig
+from omnijax import compilation_cache
 
 log = logging.getLogger("omnijax.serve")
 API_KEY_ENV = "OMNIJAX_API_KEY"
@@ -45,7 +70,6 @@ class ApiKeyMiddleware:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         if self.options.authorized(header):
             return await self.app(scope, receive, send)
-        from omnijax.serve.chat_completions import error_body
 
         body = json.dumps(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")).encode()
@@ -63,13 +87,7 @@ class ApiKeyMiddleware:
 
 def build_app(context: ServeContext):
     """The Starlette application of a `ServeContext` (its worker starts and stops with the app)."""
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-    from starlette.routing import Route, WebSocketRoute
 
-    from omnijax.serve.native import session as native
-    from omnijax.serve import chat_completions as openai_http
-    from omnijax.serve.realtime import session as realtime
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -114,9 +132,6 @@ def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, bu
         max_sessions: the most sessions open at once (default: the largest bucket).
         return_logits: copy each frame's last logits to the host (duplex sessions decide on them).
     """
-    from omnijax.serve.engine.admission import AIMD
-    from omnijax.serve.engine.engine import Engine, EngineConfig
-    from omnijax.serve.engine.worker import EngineWorker
 
     if model.tokenizer is None:
         raise ValueError("omnijax serve needs the checkpoint's tokenizer (tokenizer.json, tokenizer_config.json) to "
@@ -134,9 +149,7 @@ def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, bu
 def warm_up(context: ServeContext, sessions: int) -> float:
     """Compiles the audio encoder for one frame and the engine's tick for the buckets 1..`sessions` sessions use
     (dummy sessions, closed afterwards). Progress goes to the `omnijax.serve` logger. Returns the seconds spent."""
-    import numpy as np
 
-    from omnijax.chat_units import units_for
 
     start = time.perf_counter()
     engine, units = context.worker.engine, units_for(context.model)
@@ -165,10 +178,7 @@ def warm_up(context: ServeContext, sessions: int) -> float:
 def build_demo_model(directory) -> str:
     """Writes the embedded tiny random Qwen2.5-Omni (audio and vision encoders, a tiny tokenizer with the ChatML
     template) and converts it; no download. Returns the converted checkpoint's directory."""
-    from pathlib import Path
 
-    from omnijax.convert import convert_checkpoint
-    from omnijax import demo
 
     hf = demo.write_chat_checkpoint(Path(directory) / "hf")
     return str(convert_checkpoint(hf, Path(directory) / "omnijax", progress=False, log=lambda _: None))
@@ -211,6 +221,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = _parser()
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
@@ -218,12 +229,6 @@ def main(argv=None) -> int:
     log.setLevel(logging.INFO)
     if bool(args.checkpoint) == args.demo_model:
         parser.error("give a checkpoint directory or --demo-model (not both)")
-    import omnijax
-    from omnijax.chat_units import bucket
-    from omnijax.decoding import RowSampling
-    from omnijax.retention import get_policy
-    from omnijax.serve.audio_frames import frame_tokens
-    from omnijax.serve.native.protocol import frame_samples
 
     try:
         options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
@@ -240,14 +245,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:
-            model = omnijax.load(path)
-            duplex = getattr(model, "model_type", None) == "minicpmo"  # duplex decides on host logits
+            model = load(path)
+            duplex = model.family.duplex  # duplex decides on host logits
             # MiniCPM-o: a duplex unit with a video frame is 77 rows
             chunk_tokens = args.chunk_tokens or (128 if duplex else max(32, bucket(frame_tokens(samples, model))))
             policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
             # each session (request) may set its own temperature / top_p / seed: one program for all of them
             decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-            stream = omnijax.StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
+            stream = StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
                                           max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
             context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
                                     buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex)
@@ -262,7 +267,6 @@ def main(argv=None) -> int:
 
 
 def _uvicorn_server(context: ServeContext):
-    import uvicorn
 
     config = uvicorn.Config(build_app(context), host=context.options.host, port=context.options.port,
                             log_level="warning", ws_max_size=context.options.max_message_bytes, ws_ping_interval=None,
@@ -298,7 +302,6 @@ class BackgroundServer:
         self.port = 0
 
     def __enter__(self) -> "BackgroundServer":
-        import threading
 
         self.server = _uvicorn_server(self.context)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), name="omnijax-serve",

@@ -28,6 +28,11 @@ import time
 import uuid
 
 import numpy as np
+from omnijax.chat import read_wav, resample
+from omnijax.decoding import sampling_row
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.chat import read_image
+from starlette.responses import JSONResponse, StreamingResponse
 
 log = logging.getLogger("omnijax.serve")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -74,7 +79,6 @@ class ChatRequest:
 
 def _wav(data: bytes, param: str) -> np.ndarray:
     """WAV bytes (16-bit PCM) -> 16 kHz mono float32."""
-    from omnijax.chat import read_wav, resample
 
     try:
         pcm, rate = read_wav(io.BytesIO(data), widths=(2,))
@@ -181,7 +185,6 @@ def _sampling(body: dict, decoding):
     if not getattr(decoding, "per_row", False):
         _check_decoding(body, decoding)
         return None, None
-    from omnijax.decoding import sampling_row
 
     temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
     for name, value, ok, want in (("temperature", temperature, lambda x: 0 <= x <= 2, "in [0, 2]"),
@@ -252,21 +255,17 @@ FINISH = {"completed": "stop", "incomplete": "length", "cancelled": "stop"}
 
 # ----------------------------------------------------------------------------------------------------- handlers
 def _json_error(e: RequestError, headers: dict | None = None):
-    from starlette.responses import JSONResponse
     return JSONResponse(error_body(str(e), kind=e.kind, code=e.code, param=e.param), status_code=e.status,
                         headers=headers)
 
 
 async def models(request, context):
-    from starlette.responses import JSONResponse
     return JSONResponse(models_list(context.options.model_name, context.started))
 
 
 async def chat_completions(request, context):
     """Serves one chat completion (streamed or whole) as one engine session."""
-    from starlette.responses import JSONResponse, StreamingResponse
 
-    from omnijax.serve.engine.admission import Overloaded
 
     body = await request.body()
     if len(body) > context.options.max_message_bytes:
@@ -296,7 +295,6 @@ async def chat_completions(request, context):
                 if p.kind == "text":
                     parts += conversation.message(role, p.text)
                 elif p.kind == "image":
-                    from omnijax.chat import read_image
                     parts += conversation.image(read_image(p.data))
                 else:
                     parts += conversation.audio(p.pcm)

@@ -11,6 +11,8 @@ import hmac
 import time
 
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.audio_frames import AudioFrameEncoder
+from omnijax.serve.conversation import Conversation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,6 @@ class ServeContext:
     @functools.cached_property
     def frame_encoder(self):
         """The native protocol's `AudioFrameEncoder` (built on first use)."""
-        from omnijax.serve.audio_frames import AudioFrameEncoder
         return AudioFrameEncoder(self.model, chunk_tokens=self.chunk_tokens, answer_tokens=self.worker.tau)
 
     def new_session_id(self, prefix: str) -> str:
@@ -95,7 +96,6 @@ class ServeContext:
         return f"{prefix}{self._next}"
 
     def conversation(self):
-        from omnijax.serve.conversation import Conversation
         return Conversation(self.model, self.tokenizer, self.chunk_tokens)
 
     @contextlib.asynccontextmanager

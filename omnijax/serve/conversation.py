@@ -5,7 +5,7 @@ turns what a client sends into such chunks, in the order they are to be fed:
 
 - text messages (system, user, assistant) are the checkpoint's chat-template rendering of the conversation past
   what was fed (`omnijax.chat.template_delta`, as `omnijax.Chat` feeds them);
-- images and audio are the model family's streaming units (`omnijax.chat_units`), between text turns;
+- images and audio are the model family's streaming units (`omnijax.models.frontend`), between text turns;
 - a response starts with the template's generation prompt, whose last part asks for the first answer tokens;
 - every chunk longer than T is cut by `omnijax.chunks.chunk.split_chunk` into parts that stream exactly as the whole.
 
@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from omnijax.chat import template_delta
-from omnijax.chat_units import units_for
+from omnijax.models.frontend import units_for
 from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.chunks.spans import SpanKind
 

@@ -22,6 +22,8 @@ import dataclasses
 import json
 
 import numpy as np
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 SAMPLE_RATE = 16000
 MAX_CLIENTS = 512
@@ -80,8 +82,6 @@ async def run_client(url: str, *, client: int, frame_ms: float, duration_s: floa
     Returns:
         The client's row: admitted / rejected / error code, frames sent and received, its times.
     """
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
 
     loop = asyncio.get_running_loop()
     budget = frame_ms / 1000.0

@@ -96,11 +96,13 @@ class StreamConfig:
         head, _, paging = spec.partition("+")
         return cls.of(policy=get_policy(head), paging=paging or "native", **fields)
 
-    def for_model(self, model_type: str | None) -> "StreamConfig":
-        """The config as it runs for a model of `model_type` ("qwen2_5_omni", "minicpmo", None for a bare decoder):
-        settings a policy leaves to the model family (OmniPick's `source_image_whole=None`) are filled in."""
-        bind = getattr(self.policy, "for_model_type", None)
-        policy = bind(model_type) if bind is not None else self.policy
+    def for_model(self, whole_source_image: bool) -> "StreamConfig":
+        """The config as it runs for a model whose family does (or does not) keep a unit's source image whole
+        (`Family.whole_source_image`; False for a bare decoder): settings a policy leaves to the model family
+        (OmniPick's `source_image_whole=None`) are filled in. A policy that takes such a hint has a
+        `for_model(whole_source_image)` method (`omnijax.retention.RetentionPolicy`)."""
+        bind = getattr(self.policy, "for_model", None)
+        policy = bind(whole_source_image) if bind is not None else self.policy
         return self if policy == self.policy else self.replace(policy=policy)
 
 

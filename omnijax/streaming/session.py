@@ -19,6 +19,7 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
+from omnijax.models.family import family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
 from omnijax.decoding import seed_of
 
@@ -43,7 +44,8 @@ def graphdef_config(model):
 def bind_config(model, config: StreamConfig | None = None, **fields) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
     filled in from the model's type (`StreamConfig.for_model`)."""
-    return StreamConfig.of(config, **fields).for_model(getattr(model, "model_type", None))
+    family = family_of(model)
+    return StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
 
 
 _STATIC = ("graphdef", "config")

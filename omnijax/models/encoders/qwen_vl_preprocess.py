@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from PIL import Image
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
@@ -162,7 +163,6 @@ def _resize_torch(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def _resize_pil(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     """`[T, H, W, 3]` uint8 -> `[T, height, width, 3]` uint8 with Pillow's bicubic filter."""
-    from PIL import Image
 
     if frames.shape[1:3] == (height, width):
         return frames

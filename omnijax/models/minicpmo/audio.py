@@ -73,7 +73,7 @@ __all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioI
            "encode_audio_batch", "encoder_from_checkpoint", "encoder_from_params",
            "log_mel", "log_mel_clips", "mel_stream_start", "mel_stream_step", "projection_component"]
 
-_MASK = -1e30  # finite stand-in for the reference's -inf (no row is ever fully masked)
+MASK_VALUE = -1e30  # finite stand-in for the reference's -inf (no row is ever fully masked)
 AUDIO_PREFIX = "apm."
 PROJECTION_PREFIX = "audio_projection_layer."
 
@@ -203,7 +203,7 @@ class AudioEncoder(nnx.Module):
         t = conv.shape[1]
         h = conv + self.embed_positions[:t].astype(conv.dtype)[None]
         masked = attention_mask(mel_lengths, features.shape[1], c.chunk_frames, cnn_frames(valid_mel))
-        bias = jnp.where(masked, _MASK, 0.0)[:, None]  # [B, 1, T', T']
+        bias = jnp.where(masked, MASK_VALUE, 0.0)[:, None]  # [B, 1, T', T']
         out, layer_outs, _ = self.transformer(h, bias, collect=collect)
         proj = self.projection(out)
         result = {"pooled": self.pool(proj)}
@@ -218,7 +218,7 @@ def _encode_offline(graphdef, params, features, mel_lengths, valid_mel, collect)
     return nnx.merge(graphdef, params).encode_offline(features, mel_lengths, valid_mel, collect=collect)
 
 
-def _split(encoder):
+def split_encoder(encoder):
     if isinstance(encoder, tuple):
         graphdef, params = encoder
         return graphdef, params, nnx.merge(graphdef, params).config
@@ -226,7 +226,7 @@ def _split(encoder):
     return graphdef, params, encoder.config
 
 
-def _check_features(feats: np.ndarray, config: AudioConfig, what: str = "audio features") -> np.ndarray:
+def check_features(feats: np.ndarray, config: AudioConfig, what: str = "audio features") -> np.ndarray:
     if feats.ndim != 2:
         raise FeatureShapeError(f"{what} must be [num_mel_bins, frames], got shape {feats.shape}")
     if feats.shape[0] != config.num_mel_bins:
@@ -266,8 +266,8 @@ def encode_audio_batch(encoder: AudioEncoder | tuple[Any, Any], clips, *, interm
         FeatureShapeError: a clip has the wrong shape, no frames, NaN/inf, or more than `2 * max_source_positions`
             (30 s) frames.
     """
-    graphdef, params, config = _split(encoder)
-    clips = [_check_features(np.asarray(c), config, f"clip {i} features") for i, c in enumerate(clips)]
+    graphdef, params, config = split_encoder(encoder)
+    clips = [check_features(np.asarray(c), config, f"clip {i} features") for i, c in enumerate(clips)]
     if not clips:
         raise FeatureShapeError("no audio clips given")
     features, lengths = _pad(clips)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.models.minicpmo.audio import (_MASK, AudioConfig, AudioEncoder, _check_features, _split,
+from omnijax.models.minicpmo.audio import (MASK_VALUE, AudioConfig, AudioEncoder, check_features, split_encoder,
                                            audio_token_count, cnn_frames)
 from omnijax.models.minicpmo.audio_features import FeatureShapeError, MelChunk
 
@@ -52,7 +52,7 @@ def _stream_step(graphdef, params, features, keys, values, past, drop_front, kee
     pos = jnp.minimum(past + jnp.arange(keep), c.max_source_positions - 1)  # past the table: repeat the last row
     h = conv + encoder.embed_positions[...][pos].astype(conv.dtype)[None]
     key_valid = jnp.arange(keys.shape[2]) < past + keep
-    bias = jnp.where(key_valid, 0.0, _MASK)[None, None, None, :]  # full attention over cache + chunk
+    bias = jnp.where(key_valid, 0.0, MASK_VALUE)[None, None, None, :]  # full attention over cache + chunk
     out, layer_outs, (keys, values) = encoder.transformer(h, bias, cache=(keys, values), cache_start=past,
                                                           collect=collect)
     proj = encoder.projection(out)
@@ -84,14 +84,14 @@ def encode_audio_streaming(encoder: AudioEncoder | tuple[Any, Any], chunk: MelCh
     Raises:
         FeatureShapeError: bad features, or a chunk longer than the cache capacity.
     """
-    graphdef, params, config = _split(encoder)
+    graphdef, params, config = split_encoder(encoder)
     if isinstance(chunk, MelChunk):
         features = chunk.features
         prefix = chunk.prefix_extra_frames if prefix_extra_frames is None else prefix_extra_frames
         suffix = chunk.suffix_extra_frames if suffix_extra_frames is None else suffix_extra_frames
     else:
         features, prefix, suffix = chunk, prefix_extra_frames or 0, suffix_extra_frames or 0
-    feats = _check_features(np.asarray(features), config, "streaming chunk features")
+    feats = check_features(np.asarray(features), config, "streaming chunk features")
     if prefix < 0 or suffix < 0:
         raise ValueError(f"extra frame counts must be non-negative, got {prefix}, {suffix}")
     state = AudioStreamState.empty(config) if state is None else state

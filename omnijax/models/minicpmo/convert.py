@@ -19,10 +19,11 @@ from omnijax.checkpoint import loop as streaming
 from omnijax.errors import ConfigError, ConvertError, MissingTensorError
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
-from omnijax.checkpoint.tables import Component
+from omnijax.checkpoint.name_tables import Component
 from omnijax.models.config import DecoderConfig
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
+from omnijax.models.minicpmo.model import special_token_texts
 
 HF_MODEL_TYPES = ("minicpmo",)
 LLM_PREFIX = "llm."
@@ -96,7 +97,6 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
                    "lm_head": "tied to embed" if config.tie_embeddings else "llm.lm_head.weight"}
     extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
     # The tokenizer's ids of the unit and duplex markers (MiniCPM-o's config.json holds none of them).
-    from omnijax.models.minicpmo.model import special_token_texts
     special = read_special_tokens(ckpt.directory)
     declared = {text: special[text] for text in special_token_texts() if text in special}
     if declared:

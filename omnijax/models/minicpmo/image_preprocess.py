@@ -34,6 +34,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from PIL import Image
 
 PATCH_SIZE = 14
 SCALE_RESOLUTION = 448
@@ -124,11 +125,7 @@ def to_rgb_uint8(image, what: str = "image") -> np.ndarray:
     Raises:
         ImageLayoutError, ImageDtypeError, EmptyImageError: naming `what`.
     """
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow is a dependency of image preprocessing
-        Image = None
-    if Image is not None and isinstance(image, Image.Image):
+    if isinstance(image, Image.Image):
         if image.width == 0 or image.height == 0:
             raise EmptyImageError(f"{what} has zero area ({image.width}x{image.height} px, width x height)")
         return np.asarray(image.convert("RGB"))
@@ -155,8 +152,6 @@ def to_rgb_uint8(image, what: str = "image") -> np.ndarray:
 
 def resize_bicubic(image: np.ndarray, width: int, height: int) -> np.ndarray:
     """`[H, W, 3]` uint8 -> `[height, width, 3]` uint8 with Pillow's bicubic filter (as the reference)."""
-    from PIL import Image
-
     return np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC))
 
 

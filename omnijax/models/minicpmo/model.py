@@ -21,9 +21,13 @@ from flax import nnx
 from omnijax.checkpoint import name_tables
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
+from omnijax.models.family import Family, family_for
 from omnijax.models.forward import forward
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
+from omnijax.models.minicpmo.layout import TOKEN_TEXT
+from omnijax.checkpoint import format as checkpoint
+from omnijax.models.minicpmo.layout import MiniCPMTokens
 
 
 # Special tokens a converted checkpoint records from its tokenizer (`special_tokens` in the manifest): the unit
@@ -32,7 +36,6 @@ DUPLEX_TOKEN_TEXT = ("<|chunk_tts_eos|>", "<|turn_eos|>", "<|tts_bos|>", "<|tts_
 
 
 def special_token_texts() -> tuple[str, ...]:
-    from omnijax.models.minicpmo.layout import TOKEN_TEXT
     return tuple(TOKEN_TEXT.values()) + DUPLEX_TOKEN_TEXT
 
 
@@ -66,12 +69,16 @@ class MiniCPMOModel:
     @property
     def tokens(self):
         """The unit layout's token ids (`omnijax.models.minicpmo.layout.MiniCPMTokens`) of this checkpoint."""
-        from omnijax.models.minicpmo.layout import MiniCPMTokens
         return MiniCPMTokens.from_special_tokens(self.special_tokens)
 
     @property
     def config(self) -> DecoderConfig:
         return self.decoder.config
+
+    @property
+    def family(self) -> Family:
+        """The MiniCPM-o family (`omnijax.models.family.Family`)."""
+        return family_for(self.model_type)
 
     def embed(self, input_ids, *, pixel_values: Sequence[np.ndarray] | None = None, tgt_sizes=None,
               image_bound=None, audio_features=None, audio_feature_lens=None, audio_bounds=None) -> jax.Array:
@@ -135,7 +142,6 @@ class MiniCPMOModel:
 def load(directory: Path, manifest: dict[str, Any], decoder: Decoder) -> MiniCPMOModel:
     """Restores the encoders of a converted MiniCPM-o checkpoint next to its decoder (each part is stored in its
     own directory under the component name of its conversion table)."""
-    from omnijax.checkpoint import format as checkpoint
 
     def restore(component, config):
         shapes = name_tables.param_shapes(component)

@@ -60,6 +60,7 @@ from omnijax.models.minicpmo.vision_host import (
 from omnijax.models.encoders.common import (
     StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
 from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
+from safetensors import safe_open
 
 __all__ = ["MINICPM_O_4_5_VISION", "RESAMPLER_HEAD_WIDTH", "RESAMPLER_LN_EPS", "RESAMPLER_PREFIX", "RESAMPLER_RULES",
            "TORCH_ARANGE_VECTOR_WIDTH", "MiniCPMVision", "Resampler", "SiglipEncoder", "SiglipLayers",
@@ -341,7 +342,6 @@ def vision_from_tensors(config: VisionConfig, tensors: Mapping[str, np.ndarray])
 
 
 def _read_vision_tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
 
     if path.is_dir():
         single, index = path / "model.safetensors", path / "model.safetensors.index.json"

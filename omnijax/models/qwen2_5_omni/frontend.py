@@ -39,13 +39,20 @@ and their subclasses) are kept. A missing encoder raises `MissingEncoderError`, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 import numpy as np
 
+import sys
+from types import ModuleType
+
+from omnijax.models.qwen2_5_omni import layout
 from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.chunks.chunk import Chunk
+from omnijax.chunks.spans import SpanKind
+from omnijax.models.frontend import ChatUnits, FrontendError, MissingEncoderError
 from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
 from omnijax.models.encoders.whisper import AudioInputError, audio_token_count, encode_audio
 from omnijax.models.encoders.log_mel import HOP_LENGTH, SAMPLE_RATE, log_mel
@@ -58,14 +65,6 @@ __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chu
 
 FEATURE_FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 log-mel frames per second
 _EPS = 1e-6  # tolerance of the frame-count floor against float rounding of duration * fps
-
-
-class FrontendError(ValueError):
-    """Base class of the errors raised here (beside the validators' own classes, which are kept)."""
-
-
-class MissingEncoderError(FrontendError):
-    """The loaded checkpoint has no encoder for the given modality."""
 
 
 class FrameCountError(FrontendError):
@@ -89,13 +88,13 @@ def _omni(model):
     return getattr(model, "omni", None)
 
 
-def _unit(unit) -> int:
+def unit_id(unit) -> int:
     if isinstance(unit, bool) or not isinstance(unit, (int, np.integer)) or unit < 0:
         raise FrontendError(f"unit must be a non-negative integer, got {unit!r}")
     return int(unit)
 
 
-def _encoder(model, kind: str):
+def require_model_encoder(model, kind: str):
     encoder = getattr(model, kind, None)
     if encoder is None:
         source = getattr(model, "source", None)
@@ -110,7 +109,7 @@ def _encoder(model, kind: str):
     return encoder
 
 
-def _relabel(error: ValueError, unit: int, what: str) -> ValueError:
+def relabel_error(error: ValueError, unit: int, what: str) -> ValueError:
     """The same error class with the unit id (and the kind of input) in front of the message."""
     message = f"unit {unit} ({what}): {error}"
     try:
@@ -125,7 +124,7 @@ def _log_mel(encoder, pcm, sample_rate: int, unit: int) -> np.ndarray:
     try:
         return log_mel(pcm, sample_rate, num_mel_bins=encoder.config.num_mel_bins)
     except AudioInputError as e:
-        raise _relabel(e, unit, "audio") from e
+        raise relabel_error(e, unit, "audio") from e
 
 
 def _encode_audio(encoder, features: np.ndarray, unit: int) -> np.ndarray:
@@ -133,7 +132,7 @@ def _encode_audio(encoder, features: np.ndarray, unit: int) -> np.ndarray:
     try:
         return np.asarray(encode_audio(encoder, features), np.float32)
     except AudioInputError as e:
-        raise _relabel(e, unit, "audio") from e
+        raise relabel_error(e, unit, "audio") from e
 
 
 def _preprocess_kwargs(config) -> dict:
@@ -145,7 +144,7 @@ def _vision_features(encoder, pixel_values, grid, unit: int, what: str) -> np.nd
     try:
         return np.asarray(encode_vision(encoder, pixel_values, grid), np.float32)
     except ValueError as e:
-        raise _relabel(e, unit, what) from e
+        raise relabel_error(e, unit, what) from e
 
 
 def expected_frames(num_samples: int, fps: float, *, sample_rate: int = SAMPLE_RATE,
@@ -191,13 +190,13 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
         FrameCountError: the frame count does not match the audio's duration (see `expected_frames`).
         AudioInputError, VisionInputError (subclasses): bad PCM or pixels, with the unit id in the message.
     """
-    unit = _unit(unit)
-    vision = _encoder(model, "vision")
-    audio = _encoder(model, "audio")
+    unit = unit_id(unit)
+    vision = require_model_encoder(model, "vision")
+    audio = require_model_encoder(model, "audio")
     mel = _log_mel(audio, pcm, sample_rate, unit)  # validates the PCM
     frames = frames if isinstance(frames, np.ndarray) else np.asarray(frames)
     if frames.ndim != 4:
-        raise _relabel(vision_preprocess.ChannelError(
+        raise relabel_error(vision_preprocess.ChannelError(
             f"video must be a [T, H, W, 3] array of frames, got shape {frames.shape}"), unit, "video")
     tp = vision.config.temporal_patch_size
     num_frames = int(frames.shape[0])
@@ -217,7 +216,7 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
         pixel_values, grid = vision_preprocess.preprocess_video(frames, **video_kwargs,
                                                                 **_preprocess_kwargs(vision.config))
     except VisionInputError as e:
-        raise _relabel(e, unit, "video") from e
+        raise relabel_error(e, unit, "video") from e
     video_features = _vision_features(vision, pixel_values, grid, unit, "video")
     audio_features = _encode_audio(audio, mel, unit)
     return adapter.audiovisual_unit(
@@ -231,16 +230,16 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
 
     `image_kwargs` go to `vision_preprocess.preprocess_images` (`min_pixels`, `max_pixels`, `resize_impl`, ...).
     """
-    unit = _unit(unit)
-    vision = _encoder(model, "vision")
+    unit = unit_id(unit)
+    vision = require_model_encoder(model, "vision")
     if isinstance(image, (list, tuple)) or np.ndim(image) != 3:
-        raise _relabel(vision_preprocess.ChannelError(
+        raise relabel_error(vision_preprocess.ChannelError(
             f"image_chunk takes one [H, W, 3] image, got shape {np.shape(image)}"), unit, "image")
     try:
         pixel_values, grid = vision_preprocess.preprocess_images(image, **image_kwargs,
                                                                  **_preprocess_kwargs(vision.config))
     except VisionInputError as e:
-        raise _relabel(e, unit, "image") from e
+        raise relabel_error(e, unit, "image") from e
     features = _vision_features(vision, pixel_values, grid, unit, "image")
     return adapter.image_unit(tuple(int(g) for g in grid[0]), unit, features, answer_tokens=answer_tokens,
                               spatial_merge_size=vision.config.spatial_merge_size, tokens=_omni(model))
@@ -248,27 +247,27 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
 
 def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
     """`<|audio_bos|> <|AUDIO|>×n <|audio_eos|>` for one mono 16 kHz clip (25 tokens per second)."""
-    unit = _unit(unit)
-    encoder = _encoder(model, "audio")
+    unit = unit_id(unit)
+    encoder = require_model_encoder(model, "audio")
     features = _encode_audio(encoder, _log_mel(encoder, pcm, sample_rate, unit), unit)
     return adapter.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens, tokens=_omni(model))
 
 
 def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """The system prompt (every token SYSTEM), with zero embeddings."""
-    return adapter.system_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
+    return adapter.system_unit(token_ids, unit_id(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
          answer_unit: int | None = None) -> Chunk:
     """User text (chat markers BOUNDARY), with zero embeddings; `answer_tokens` greedy tokens follow."""
-    return adapter.text_unit(token_ids, _unit(unit), answer_tokens, answer_unit=answer_unit,
+    return adapter.text_unit(token_ids, unit_id(unit), answer_tokens, answer_unit=answer_unit,
                              hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """A model response fed back as input, with zero embeddings."""
-    return adapter.response_unit(token_ids, _unit(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
+    return adapter.response_unit(token_ids, unit_id(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
 def num_audio_tokens(num_samples: int) -> int:
@@ -324,3 +323,60 @@ def tone(seconds: float, frequency: float = 440.0, sample_rate: int = SAMPLE_RAT
     wave = amplitude * np.sin(2.0 * np.pi * frequency * t)
     wave += noise * np.random.default_rng(seed).standard_normal(count)
     return wave.astype(np.float32)
+
+
+def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> Chunk:
+    """One PCM frame (`[samples]` float32 at 16 kHz) -> its audio unit chunk, as `omnijax serve` hears it.
+
+    Args:
+        model: a loaded Qwen2.5-Omni model (its `omni` ids are used when present).
+        audio: its audio encoder, or the encoder's `(graphdef, params)` split once by the caller.
+        pcm: the frame's samples in [-1, 1).
+        unit: the unit id.
+        answer_tokens: tokens asked after the frame.
+    """
+    features = np.asarray(encode_audio(audio, log_mel(pcm, SAMPLE_RATE, num_mel_bins=model.audio.config.num_mel_bins)),
+                          np.float32)
+    return layout.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens,
+                             tokens=getattr(model, "omni", None))
+
+
+class QwenOmniUnits(ChatUnits):
+    """Qwen2.5-Omni units (also plain decoders, which take text only)."""
+
+    unit_seconds, fps = 2.0, 2.0
+
+    def __init__(self, model):
+        super().__init__(model)
+        vision = getattr(model, "vision", None)
+        self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
+        self.adapter, self.tokens = layout, layout.token_ids_of(getattr(model, "omni", None))
+
+    @property
+    def frontend(self) -> ModuleType:
+        """The module of the family's media builders (`image_chunk`, `audio_chunk`, `audiovisual_chunk`)."""
+        return sys.modules[__name__]
+
+    def _text_options(self) -> dict:
+        return dict(hidden_size=self.hidden_size, tokens=self.tokens)
+
+    def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
+        a, common = self.adapter, self._text_options()
+        if kind == SpanKind.SYSTEM:
+            chunk = a.system_unit(ids, unit, **common)
+        elif kind == SpanKind.RESPONSE:
+            chunk = a.response_unit(ids, unit, **common)
+        else:
+            chunk = a.text_unit(ids, unit, answer_tokens, **common)
+        # Text has equal t/h/w offsets: a decoder with one position axis takes the first.
+        return chunk if self.axes == 3 else dataclasses.replace(chunk, positions=chunk.positions[:self.axes])
+
+    def image(self, image, unit: int) -> Chunk:
+        return self.frontend.image_chunk(self.model, np.asarray(image), unit)
+
+    def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
+        return self.frontend.audio_chunk(self.model, np.asarray(pcm, np.float32), unit, sample_rate=sample_rate)
+
+    def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
+        return self.frontend.audiovisual_chunk(self.model, self.frames_of(frames), np.asarray(pcm, np.float32), unit,
+                                               fps=self.fps, **video_kwargs)

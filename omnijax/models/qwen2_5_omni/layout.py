@@ -54,7 +54,7 @@ BOUNDARY_TOKENS = RELEASE.boundary_ids
 PLACEHOLDER_TOKENS = RELEASE.placeholder_ids
 
 
-def _tokens(tokens) -> OmniConfig:
+def token_ids_of(tokens) -> OmniConfig:
     """The ids to build with: `tokens` (an `OmniConfig`, or a model whose `omni` is one), else the release's."""
     if tokens is None:
         return RELEASE
@@ -80,20 +80,20 @@ _ROLE_SPANS = np.array([SpanKind.BOUNDARY, SpanKind.BOUNDARY, SpanKind.VIDEO, Sp
 def system_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None,
                 tokens: OmniConfig | None = None) -> Chunk:
     """The system prompt (e.g. `<|im_start|>system\\n…<|im_end|>\\n`): every token SYSTEM."""
-    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, _tokens(tokens), markers=False)
+    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, token_ids_of(tokens), markers=False)
 
 
 def text_unit(token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *, answer_unit: int | None = None,
               hidden_size: int | None = None, tokens: OmniConfig | None = None) -> Chunk:
     """User text: TEXT tokens, chat markers BOUNDARY; `answer_tokens` greedy tokens follow (as unit `answer_unit`,
     default `unit + 1`)."""
-    return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size, _tokens(tokens))
+    return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size, token_ids_of(tokens))
 
 
 def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None,
                   tokens: OmniConfig | None = None) -> Chunk:
     """A model response fed back as input: RESPONSE tokens, chat markers BOUNDARY."""
-    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, _tokens(tokens))
+    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, token_ids_of(tokens))
 
 
 def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = None, *,
@@ -103,7 +103,7 @@ def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = N
 
     `embeds`: `[n, D]` image features (n = t·h·w / merge²), in the vision encoder's output order.
     """
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     seg = tmrope.image_positions(grid_thw, spatial_merge_size=spatial_merge_size)
     return _marked(t.vision_start_token_id, t.image_token_id, t.vision_end_token_id, SpanKind.IMAGE, seg, unit,
                    embeds, hidden_size, answer_tokens)
@@ -113,7 +113,7 @@ def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embed
                hidden_size: int | None = None, answer_tokens: int = 0,
                spatial_merge_size: int = tmrope.SPATIAL_MERGE_SIZE, tokens: OmniConfig | None = None) -> Chunk:
     """`<|vision_bos|> <|VIDEO|>×n <|vision_eos|>`: a video without its audio (`use_audio_in_video=False`)."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     seg = tmrope.video_positions(grid_thw, second_per_grid, spatial_merge_size=spatial_merge_size)
     return _marked(t.vision_start_token_id, t.video_token_id, t.vision_end_token_id, SpanKind.VIDEO, seg, unit,
                    embeds, hidden_size, answer_tokens)
@@ -122,7 +122,7 @@ def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embed
 def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = None, *,
                hidden_size: int | None = None, answer_tokens: int = 0, tokens: OmniConfig | None = None) -> Chunk:
     """`<|audio_bos|> <|AUDIO|>×n <|audio_eos|>`; `embeds`: `[n, D]` audio features (25 per second)."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     seg = tmrope.audio_positions(num_audio_tokens)
     return _marked(t.audio_start_token_id, t.audio_token_id, t.audio_end_token_id, SpanKind.AUDIO, seg, unit, embeds,
                    hidden_size, answer_tokens)
@@ -154,7 +154,7 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
     """
     seg = tmrope.audio_in_video_positions(video_grid_thw, num_audio_tokens, second_per_grid,
                                           spatial_merge_size=spatial_merge_size)
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     if t.video_token_id == t.audio_token_id:
         raise ValueError(f"the video and audio placeholders share id {t.video_token_id}")
     ids = _role_ids(t)[seg.roles]
@@ -166,7 +166,7 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
 
 def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32, *, tokens: OmniConfig | None = None) -> Chunk:
     """Adds zero embeddings `[B, T, hidden_size]` with the Qwen placeholder mask to a chunk built without them."""
-    return adapters.with_embeds(chunk, hidden_size, _tokens(tokens).placeholder_ids, dtype)
+    return adapters.with_embeds(chunk, hidden_size, token_ids_of(tokens).placeholder_ids, dtype)
 
 
 def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, t: OmniConfig, markers=True) -> Chunk:

@@ -116,7 +116,7 @@ def multimodal_embeddings(model, input_ids: np.ndarray, *, input_features=None, 
     audio_lengths: list[int] = []
     groups: list[tuple[str, int, Any]] = []
     if input_features is not None:
-        encoder = _encoder(model, "audio")
+        encoder = encoder_of(model, "audio")
         feats = np.asarray(input_features, np.float32)
         if feats.ndim != 3:
             raise ThinkerInputError(f"input_features must be [num_audios, mel_bins, frames], got {feats.shape}")
@@ -132,7 +132,7 @@ def multimodal_embeddings(model, input_ids: np.ndarray, *, input_features=None, 
             continue
         if grid is None:
             raise ThinkerInputError(f"{kind} pixels need their {kind}_grid_thw")
-        out = vision_lib.encode_vision(_encoder(model, "vision"), np.asarray(pixels, np.float32), np.asarray(grid))
+        out = vision_lib.encode_vision(encoder_of(model, "vision"), np.asarray(pixels, np.float32), np.asarray(grid))
         groups.append((kind, token, np.asarray(out, np.float32)))
     for kind, token, features in groups:
         scatter_features(embeds, embed_mask, ids == token, features, kind)
@@ -154,7 +154,7 @@ def scatter_features(embeds: np.ndarray, embed_mask: np.ndarray, where: np.ndarr
     embed_mask |= where
 
 
-def _encoder(model, kind: str):
+def encoder_of(model, kind: str):
     encoder = getattr(model, kind)
     if encoder is None:
         raise ThinkerInputError(f"this checkpoint has no {kind} encoder (convert a checkpoint that includes it)")

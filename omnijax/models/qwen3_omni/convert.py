@@ -23,9 +23,12 @@ from omnijax.checkpoint import loop as streaming
 from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
-from omnijax.checkpoint.tables import Component
+from omnijax.checkpoint.name_tables import Component
 from omnijax.models.config import DecoderConfig
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
+from omnijax.models.qwen3_omni import audio as audio_lib
+from omnijax.models.qwen3_omni import vision as vision_lib
+from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
 
 OMNIJAX_MODEL_TYPES = {"qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
@@ -151,8 +154,6 @@ def decoder_component(config: DecoderConfig) -> Component:
 def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tuple[tuple[Component, ...], dict]]:
     """The encoders the thinker config declares: name -> (their conversion tables, JSON config). The vision
     encoder has two tables (its blocks, and the DeepStack mergers stacked by level)."""
-    from omnijax.models.qwen3_omni import audio as audio_lib
-    from omnijax.models.qwen3_omni import vision as vision_lib
 
     return shared.read_encoders(thinker_config(hf_config), dtype, (
         ("audio", "audio_config", audio_lib.Qwen3AudioConfig, lambda c: (audio_lib.audio_component(c),)),
@@ -169,7 +170,6 @@ TOKEN_TEXT = {"audio_token_id": "<|audio_pad|>", "image_token_id": "<|image_pad|
 def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = None):
     """The thinker's placeholder and marker ids and position rate (`Qwen3OmniConfig`): the config's, else the
     tokenizer's (`special`: token text -> id), else the release's."""
-    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
 
     thinker = thinker_config(hf_config)
     ids = Qwen3OmniConfig.from_hf(thinker)
@@ -188,7 +188,6 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     Returns:
         `(config, params, source_info, extras)`; extras hold the encoders and the "qwen3_omni" ids and rates.
     """
-    from omnijax.models.qwen3_omni import vision as vision_lib
 
     config = config_from_hf(hf_config, dtype=dtype)
     special = read_special_tokens(ckpt.directory)

@@ -58,15 +58,21 @@ from typing import Sequence
 
 import numpy as np
 
+import sys
+from types import ModuleType
+
+from omnijax.models.qwen3_omni import layout
 from omnijax.models.qwen3_omni import layout as adapter
+from omnijax.models.frontend import ChatUnits
+from omnijax.models.qwen2_5_omni.frontend import QwenOmniUnits
 from omnijax.chunks.chunk import Chunk
 from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
 from omnijax.models.encoders.log_mel import (HOP_LENGTH, N_FFT, SAMPLE_RATE, AudioInputError,
                                                         InvalidPcmError, check_pcm_layout, finite_float32,
                                                         mel_filters)
 from omnijax.models.qwen2_5_omni import frontend as frontend25
-from omnijax.models.qwen2_5_omni.frontend import (FrameCountError, FrontendError, MissingEncoderError, _relabel,
-                                                  _unit, expected_frames, synthetic_frames, tone)
+from omnijax.models.qwen2_5_omni.frontend import (FrameCountError, FrontendError, MissingEncoderError, relabel_error,
+                                                  unit_id, expected_frames, synthetic_frames, tone)
 from omnijax.models.encoders.qwen_vl_preprocess import VisionInputError
 from omnijax.models.qwen3_omni.audio import audio_token_count, encode_audio
 from omnijax.models.qwen3_omni.vision import Qwen3VisionConfig, encode_vision
@@ -158,7 +164,7 @@ def _levels(model) -> int:
 def _encoder(model, kind: str):
     """The model's encoder (the Qwen2.5-Omni frontend's checks: present, its width the decoder's), whose audio
     tower must also take this processor's 128 mel bins."""
-    encoder = frontend25._encoder(model, kind)
+    encoder = frontend25.require_model_encoder(model, kind)
     if kind == "audio" and encoder.config.num_mel_bins != NUM_MEL_BINS:
         raise FrontendError(f"the audio encoder takes {encoder.config.num_mel_bins} mel bins but Qwen3-Omni's "
                             f"processor (WhisperFeatureExtractor, feature_size {NUM_MEL_BINS}) makes {NUM_MEL_BINS}; "
@@ -172,7 +178,7 @@ def _audio_features(encoder, pcm, sample_rate: int, unit: int) -> tuple[np.ndarr
         mel = log_mel(pcm, sample_rate)
         return mel, np.asarray(encode_audio(encoder, mel), np.float32)
     except AudioInputError as e:
-        raise _relabel(e, unit, "audio") from e
+        raise relabel_error(e, unit, "audio") from e
 
 
 def _vision_features(encoder, pixel_values, grid, unit: int, what: str):
@@ -180,7 +186,7 @@ def _vision_features(encoder, pixel_values, grid, unit: int, what: str):
     try:
         embeds, deepstack = encode_vision(encoder, pixel_values, grid)
     except ValueError as e:
-        raise _relabel(e, unit, what) from e
+        raise relabel_error(e, unit, what) from e
     deepstack = np.asarray(deepstack, np.float32)
     return np.asarray(embeds, np.float32), (deepstack if deepstack.shape[0] else None)
 
@@ -227,7 +233,7 @@ def _preprocess(kind: str, config, media, unit: int, options: dict):
     try:
         return _pixels(kind, config, media, options)
     except VisionInputError as e:
-        raise _relabel(e, unit, kind) from e
+        raise relabel_error(e, unit, kind) from e
 
 
 def _second_per_grid(model, temporal_patch_size: int, fps: float, unit: int) -> float:
@@ -273,16 +279,16 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
         FrontendError: `fps` gives fractional temporal ids, or the audio encoder does not take 128 mel bins.
         AudioInputError, VisionInputError (subclasses): bad PCM or pixels, with the unit id in the message.
     """
-    unit = _unit(unit)
+    unit = unit_id(unit)
     vision = _encoder(model, "vision")
     audio = _encoder(model, "audio")
     try:
         pcm = finite_float32(check_pcm_layout(pcm, sample_rate))  # validates before the frame count is read
     except AudioInputError as e:
-        raise _relabel(e, unit, "audio") from e
+        raise relabel_error(e, unit, "audio") from e
     frames = frames if isinstance(frames, np.ndarray) else np.asarray(frames)
     if frames.ndim != 4:
-        raise _relabel(vision_preprocess.ChannelError(
+        raise relabel_error(vision_preprocess.ChannelError(
             f"video must be a [T, H, W, 3] array of frames, got shape {frames.shape}"), unit, "video")
     tp = vision.config.temporal_patch_size
     num_frames, samples = int(frames.shape[0]), int(pcm.shape[0])
@@ -313,10 +319,10 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
     `image_kwargs` are `vision_preprocess.preprocess_images` options (`min_pixels`, `max_pixels`, `resize_impl`,
     `mean`, `std`) overriding the Qwen3-Omni defaults.
     """
-    unit = _unit(unit)
+    unit = unit_id(unit)
     vision = _encoder(model, "vision")
     if isinstance(image, (list, tuple)) or np.ndim(image) != 3:
-        raise _relabel(vision_preprocess.ChannelError(
+        raise relabel_error(vision_preprocess.ChannelError(
             f"image_chunk takes one [H, W, 3] image, got shape {np.shape(image)}"), unit, "image")
     pixel_values, grid = _preprocess("image", vision.config, image, unit, image_kwargs)
     features, deepstack = _vision_features(vision, pixel_values, grid, unit, "image")
@@ -327,7 +333,7 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
 def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
     """`<|audio_start|> <|audio_pad|>×n <|audio_end|>` for one mono 16 kHz clip (13 tokens per second), with zero
     DeepStack levels when the model has a vision encoder."""
-    unit = _unit(unit)
+    unit = unit_id(unit)
     encoder = _encoder(model, "audio")
     _, features = _audio_features(encoder, pcm, sample_rate, unit)
     return adapter.audio_unit(features.shape[0], unit, features, deepstack_levels=_levels(model),
@@ -340,16 +346,43 @@ def _text_kwargs(model) -> dict:
 
 def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """The system prompt (every token SYSTEM), with zero embeddings and DeepStack levels."""
-    return adapter.system_unit(token_ids, _unit(unit), **_text_kwargs(model))
+    return adapter.system_unit(token_ids, unit_id(unit), **_text_kwargs(model))
 
 
 def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
          answer_unit: int | None = None) -> Chunk:
     """User text (chat markers BOUNDARY), with zero embeddings and DeepStack levels; `answer_tokens` greedy tokens
     follow."""
-    return adapter.text_unit(token_ids, _unit(unit), answer_tokens, answer_unit=answer_unit, **_text_kwargs(model))
+    return adapter.text_unit(token_ids, unit_id(unit), answer_tokens, answer_unit=answer_unit, **_text_kwargs(model))
 
 
 def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
     """A model response fed back as input, with zero embeddings and DeepStack levels."""
-    return adapter.response_unit(token_ids, _unit(unit), **_text_kwargs(model))
+    return adapter.response_unit(token_ids, unit_id(unit), **_text_kwargs(model))
+
+
+def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> Chunk:
+    """One PCM frame (`[samples]` float32 at 16 kHz) -> its audio unit chunk, with the Qwen3-Omni processor's
+    features (reflected edges, samples // 160 frames); `audio` is the encoder or its `(graphdef, params)` split."""
+    features = np.asarray(encode_audio(audio, log_mel(pcm, SAMPLE_RATE, num_mel_bins=model.audio.config.num_mel_bins)),
+                          np.float32)
+    return layout.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens, tokens=model.omni)
+
+
+class Qwen3OmniUnits(QwenOmniUnits):
+    """Qwen3-Omni units: 2 s audiovisual groups at 2 fps, interleaved M-RoPE, DeepStack levels on every chunk."""
+
+    def __init__(self, model):
+        ChatUnits.__init__(self, model)
+        vision = model.vision
+        self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
+        self.levels = 0 if vision is None else vision.config.num_deepstack
+        self.adapter, self.tokens = layout, layout.token_ids_of(model.omni)
+
+    @property
+    def frontend(self) -> ModuleType:
+        """The module of the family's media builders (`image_chunk`, `audio_chunk`, `audiovisual_chunk`)."""
+        return sys.modules[__name__]
+
+    def _text_options(self) -> dict:
+        return dict(hidden_size=self.hidden_size, tokens=self.tokens, deepstack_levels=self.levels)

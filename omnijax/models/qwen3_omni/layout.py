@@ -38,7 +38,7 @@ from omnijax.chunks.spans import SpanKind
 RELEASE = P.Qwen3OmniConfig()  # the released checkpoints' ids
 
 
-def _tokens(tokens) -> P.Qwen3OmniConfig:
+def token_ids_of(tokens) -> P.Qwen3OmniConfig:
     """`tokens` (a `Qwen3OmniConfig`, or a model whose `omni` is one), else the release's ids."""
     if tokens is None:
         return RELEASE
@@ -84,20 +84,20 @@ def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, deepst
 def system_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None, deepstack_levels: int = 0,
                 tokens=None) -> Chunk:
     """The system prompt: every token SYSTEM (the whole prefix is kept)."""
-    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, deepstack_levels, _tokens(tokens), False)
+    return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, deepstack_levels, token_ids_of(tokens), False)
 
 
 def text_unit(token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *, answer_unit: int | None = None,
               hidden_size: int | None = None, deepstack_levels: int = 0, tokens=None) -> Chunk:
     """User text: TEXT tokens, chat markers BOUNDARY; `answer_tokens` tokens are decoded after it."""
     return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size, deepstack_levels,
-                 _tokens(tokens))
+                 token_ids_of(tokens))
 
 
 def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None, deepstack_levels: int = 0,
                   tokens=None) -> Chunk:
     """A model response fed back as input: RESPONSE tokens, chat markers BOUNDARY."""
-    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, deepstack_levels, _tokens(tokens))
+    return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, deepstack_levels, token_ids_of(tokens))
 
 
 def _group(segment, unit, t, features, hidden_size, deepstack, deepstack_levels, answer_tokens) -> Chunk:
@@ -126,7 +126,7 @@ def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = N
                answer_tokens: int = 0, tokens=None) -> Chunk:
     """`<|vision_start|> <|image_pad|>×n <|vision_end|>` of a grid `(t, h, w)` in 16-px patches; `embeds [n, D]`
     and `deepstack [levels, n, D]` as `vision.encode_vision` returns them."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     return _group(P.ImageGroup(tuple(int(v) for v in grid_thw)), unit, t, [(t.image_token_id, embeds)],
                   hidden_size, deepstack, deepstack_levels, answer_tokens)
 
@@ -135,7 +135,7 @@ def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embed
                deepstack: np.ndarray | None = None, *, hidden_size: int | None = None, deepstack_levels: int = 0,
                answer_tokens: int = 0, tokens=None) -> Chunk:
     """`<|vision_start|> <|video_pad|>×n <|vision_end|>`: frames without their audio."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     return _group(P.VideoGroup(tuple(int(v) for v in grid_thw), float(second_per_grid)), unit, t,
                   [(t.video_token_id, embeds)], hidden_size, deepstack, deepstack_levels, answer_tokens)
 
@@ -144,7 +144,7 @@ def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = Non
                deepstack_levels: int = 0, answer_tokens: int = 0, tokens=None) -> Chunk:
     """`<|audio_start|> <|audio_pad|>×n <|audio_end|>`; `embeds [n, D]` from `audio.encode_audio`
     (n = `audio_token_count(mel frames)`, 13 per second)."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     return _group(P.AudioGroup(int(num_audio_tokens)), unit, t, [(t.audio_token_id, embeds)], hidden_size, None,
                   deepstack_levels, answer_tokens)
 
@@ -156,7 +156,7 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
     """One audiovisual unit: `<|vision_start|><|audio_start|>` video and audio merged by temporal id (video first on
     ties) `<|audio_end|><|vision_end|>`; the features fill their placeholders in encoder order, `deepstack
     [levels, n_video, D]` the video tokens."""
-    t = _tokens(tokens)
+    t = token_ids_of(tokens)
     if t.video_token_id == t.audio_token_id:
         raise ValueError(f"the video and audio placeholders share id {t.video_token_id}")
     segment = P.AudioInVideoGroup(tuple(int(v) for v in video_grid_thw), float(second_per_grid),

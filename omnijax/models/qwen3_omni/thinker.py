@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnijax.models.qwen2_5_omni.thinker import ThinkerInputError, _encoder, scatter_features
+from omnijax.models.qwen2_5_omni.thinker import ThinkerInputError, encoder_of, scatter_features
 from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni import positions as positions_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
@@ -53,7 +53,7 @@ def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feat
     deepstack = None
     audio_lengths: list[int] = []
     if input_features is not None:
-        encoder = _encoder(model, "audio")
+        encoder = encoder_of(model, "audio")
         feats = np.asarray(input_features, np.float32)
         if feats.ndim != 3:
             raise ThinkerInputError(f"input_features must be [num_audios, mel_bins, frames], got {feats.shape}")
@@ -70,7 +70,7 @@ def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feat
             continue
         if grid is None:
             raise ThinkerInputError(f"{kind} pixels need their {kind}_grid_thw")
-        out, levels = vision_lib.encode_vision(_encoder(model, "vision"), np.asarray(pixels, np.float32),
+        out, levels = vision_lib.encode_vision(encoder_of(model, "vision"), np.asarray(pixels, np.float32),
                                                np.asarray(grid))
         where = ids == token
         scatter_features(embeds, embed_mask, where, np.asarray(out, np.float32), kind)

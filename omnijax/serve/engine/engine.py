@@ -46,6 +46,7 @@ from omnijax.serve.engine.telemetry import StallEvent, Telemetry
 from omnijax.decoding import folded_keys, seed_of
 from omnijax.streaming.step import StreamState, chunk_step, init_state
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
+from omnijax.serve.engine import snapshot as snapshot_lib
 
 
 class DuplicateSession(KeyError, ValueError):
@@ -481,7 +482,6 @@ class Engine:
         data stored with the snapshot. Raises KeyError (unknown session) or ValueError (preempted: its context is
         incomplete, so it is never resumed).
         """
-        from omnijax.serve.engine import snapshot as snapshot_lib
         self._check_open(session_id)
         if session_id in self._preempted:
             raise ValueError(f"session {session_id!r} is preempted (its KV is incomplete); it cannot be exported")
@@ -497,7 +497,6 @@ class Engine:
         shape), `NotEnoughPages` (too few free pages, or page-table rows too narrow) or ValueError (a snapshot of
         an exhausted session).
         """
-        from omnijax.serve.engine import snapshot as snapshot_lib
         if session_id in self._slots:
             raise DuplicateSession(f"session {session_id!r} is already open")
         snapshot_lib.check_importable(self.state, snapshot)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from omnijax.decoding import answer_stop_ids
+from omnijax.serve.engine.admission import Overloaded
 
 log = logging.getLogger("omnijax.serve")
 
@@ -147,7 +148,6 @@ class EngineWorker:
         """Admits a session; raises `Overloaded` (AIMD cap, session cap or no engine slot). With a `snapshot`
         (`omnijax.serve.engine.snapshot.SessionSnapshot`) the session resumes its state (`Engine.import_session`, whose
         refusals leave the engine unchanged)."""
-        from omnijax.serve.engine.admission import Overloaded
 
         current = len(self.lanes) + self._joining
         try:

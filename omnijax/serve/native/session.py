@@ -49,6 +49,13 @@ import numpy as np
 
 from omnijax.serve.native.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, SAMPLE_RATE, ProtocolError, decode_frame,
                                     hello_duplex, parse_hello, parse_json)
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.models.minicpmo.duplex import DuplexTokens
+from omnijax.serve.engine.duplex import DuplexStream
+from omnijax.serve.realtime.duplex import duplex_rule
+from omnijax.chat import read_image
+from omnijax.serve.engine.duplex import speak_ids
+from starlette.websockets import WebSocketDisconnect
 
 log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0
@@ -89,7 +96,6 @@ class NativeSession:
 
     async def run(self) -> tuple[int, str]:
         """Serves frames until bye, an error or a disconnect; returns (close code, reason)."""
-        from starlette.websockets import WebSocketDisconnect
 
         loop = asyncio.get_running_loop()
         writer = asyncio.create_task(self._writer())
@@ -203,9 +209,6 @@ class NativeDuplex(NativeSession):
     none is superseded (the streaming audio encoder needs them all), each answered in order."""
 
     def __init__(self, ws, context, sid: str, samples: int, peer: str, instructions: str = ""):
-        from omnijax.models.minicpmo.duplex import DuplexTokens
-        from omnijax.serve.engine.duplex import DuplexStream
-        from omnijax.serve.realtime.duplex import duplex_rule
 
         super().__init__(ws, context, sid, samples, peer)
         self.stream = DuplexStream(context.model, self.worker, sid, rule=duplex_rule(context.model),
@@ -222,14 +225,12 @@ class NativeDuplex(NativeSession):
     def _on_text(self, message: dict) -> None:
         if message["type"] != "image":
             return super()._on_text(message)
-        from omnijax.chat import read_image
         try:
             self.frame = read_image(base64.b64decode(message.get("data") or "", validate=True))
         except (ValueError, binascii.Error) as e:
             raise ProtocolError("bad_image", f"an image message carries a base64 PNG or JPEG in 'data': {e}") from None
 
     async def _pump(self) -> None:
-        from omnijax.serve.engine.duplex import speak_ids
 
         loop = asyncio.get_running_loop()
         try:
@@ -260,9 +261,7 @@ class NativeDuplex(NativeSession):
 
 async def native_endpoint(ws, context) -> None:
     """Accepts a `/session` WebSocket: hello, admission, frames (see the module docstring)."""
-    from starlette.websockets import WebSocketDisconnect
 
-    from omnijax.serve.engine.admission import Overloaded
 
     await ws.accept()
     peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
@@ -285,9 +284,9 @@ async def native_endpoint(ws, context) -> None:
         instructions = parse_json(hello).get("instructions", "")
         if not isinstance(instructions, str):
             raise ProtocolError("bad_message", f"'instructions' must be a string, got {type(instructions).__name__}")
-        if duplex and getattr(context.model, "model_type", None) != "minicpmo":
+        if duplex and not context.model.family.duplex:
             raise ProtocolError("unsupported", f"full duplex needs a MiniCPM-o 4.5 checkpoint; this server runs "
-                                               f"{getattr(context.model, 'model_type', None)!r}")
+                                               f"{context.model.model_type!r}")
         if duplex and samples != SAMPLE_RATE:
             raise ProtocolError("unsupported", "full duplex takes 1 s units: start the server with --frame-ms 1000")
     except asyncio.TimeoutError:

@@ -28,13 +28,18 @@ import numpy as np
 
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
+from omnijax.models.minicpmo.duplex import DuplexDecodeRule
+from omnijax.models.minicpmo.duplex import DuplexTokens
+from omnijax.serve.engine.duplex import DuplexStream
+from omnijax.chat import read_image
+from omnijax.chat import resample
+from omnijax.serve.engine.duplex import speak_ids
 
 log = logging.getLogger("omnijax.serve")
 
 
 def duplex_rule(model):
     """The release's duplex decision rule with the checkpoint's marker ids (`<|tts_pad|>` is never chosen)."""
-    from omnijax.models.minicpmo.duplex import DuplexDecodeRule
 
     special = getattr(model, "special_tokens", None) or {}
     names = {"chunk_eos": "<|chunk_eos|>", "turn_eos": "<|turn_eos|>", "listen": "<|listen|>", "tts_bos": "<|tts_bos|>"}
@@ -59,14 +64,11 @@ class DuplexRealtime:
     """
 
     def __init__(self, session, eid):
-        from omnijax.models.minicpmo.duplex import DuplexTokens
-        from omnijax.serve.engine.duplex import DuplexStream
 
         model, worker = session.context.model, session.worker
-        family = getattr(model, "model_type", None)
-        if family != "minicpmo":
+        if not model.family.duplex:
             raise rte.RealtimeEventError("unsupported", f"full duplex needs a MiniCPM-o 4.5 checkpoint; this server "
-                                         f"runs {family!r}", event_id=eid, param="session.omnijax.duplex")
+                                         f"runs {model.model_type!r}", event_id=eid, param="session.omnijax.duplex")
         if session.conversation.tokens_fed or session.audio.size:
             raise rte.RealtimeEventError("unsupported", "turn duplex on before any input (it starts the stream)",
                                          event_id=eid, param="session.omnijax.duplex")
@@ -85,7 +87,6 @@ class DuplexRealtime:
 
     def handle(self, event) -> None:
         """A client event of the duplex session (see the module docstring); refusals raise `RealtimeEventError`."""
-        from omnijax.chat import read_image
 
         session = self.session
         eid = event.event_id
@@ -144,7 +145,6 @@ class DuplexRealtime:
         self.frame = image
 
     def _queue(self, unit: np.ndarray) -> None:
-        from omnijax.chat import resample
 
         pcm = resample(unit.astype(np.float32) / 32768.0, self._unit)  # [16000]
         self.units.put_nowait((pcm, self.frame))
@@ -171,7 +171,6 @@ class DuplexRealtime:
             await self._close("failed")
 
     async def _emit(self, result) -> None:
-        from omnijax.serve.engine.duplex import speak_ids
 
         ids = speak_ids(result, self.stream.markers)
         text = self.decoder.push(ids)

@@ -55,6 +55,14 @@ import numpy as np
 from omnijax.chat import read_image
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.snapshot import SnapshotError
+from omnijax.serve.engine.snapshot import load_snapshot
+from omnijax.serve.engine.snapshot import save_snapshot
+from omnijax.serve.realtime.duplex import DuplexRealtime
+from omnijax.chat import resample
+from omnijax.decoding import sampling_row
+from starlette.websockets import WebSocketDisconnect
 
 log = logging.getLogger("omnijax.serve")
 VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
@@ -109,7 +117,6 @@ class RealtimeSession:
 
     async def run(self) -> None:
         """Serves the connection until the client closes it."""
-        from starlette.websockets import WebSocketDisconnect
 
         writer = asyncio.create_task(self._writer())
         created = rse.session_created(self.settings, self.session_id)
@@ -166,7 +173,6 @@ class RealtimeSession:
 
     async def _snapshot(self) -> None:
         """Snapshots the session under `snapshot_dir/<token>` (see the module docstring); failures are logged."""
-        from omnijax.serve.engine.snapshot import save_snapshot
 
         try:
             if self.response is not None and not self.response.done():
@@ -199,7 +205,6 @@ class RealtimeSession:
             if settings.seed is not None and settings.seed != previous.seed:
                 await self.worker.in_engine(self.worker.engine.seed_session, self.sid, settings.seed)
             if settings.duplex and self.duplex is None:
-                from omnijax.serve.realtime.duplex import DuplexRealtime
                 try:
                     self.duplex = DuplexRealtime(self, eid)  # refuses (nothing changed) when it cannot run
                 except rte.RealtimeEventError:
@@ -290,7 +295,6 @@ class RealtimeSession:
 
     def _feed_frame(self, frame: np.ndarray, eid) -> None:
         """Feeds one frame of session-rate PCM (raises, feeding nothing, when the model cannot encode it)."""
-        from omnijax.chat import resample
 
         pcm = resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate)
         try:
@@ -389,7 +393,6 @@ class RealtimeSession:
         s = self.settings
         if s.temperature is None and s.top_p is None:
             return None
-        from omnijax.decoding import sampling_row
         default = self.worker.engine.config.stream.decoding
         return sampling_row(default.temperature if s.temperature is None else s.temperature,
                             default.top_p if s.top_p is None else s.top_p)
@@ -427,8 +430,6 @@ class RealtimeSession:
 async def realtime_endpoint(ws, context) -> None:
     """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
     1013 when overloaded), and serves it."""
-    from omnijax.serve.engine.admission import Overloaded
-    from omnijax.serve.engine.snapshot import SnapshotError
 
     await ws.accept()
     client = ws.client.host if ws.client else "?"
@@ -465,7 +466,6 @@ async def realtime_endpoint(ws, context) -> None:
 
 async def _load_resume(context, token: str):
     """The snapshot a resume token names (ValueError / OSError naming the problem)."""
-    from omnijax.serve.engine.snapshot import load_snapshot
 
     if context.options.snapshot_dir is None:
         raise ValueError("this server does not resume sessions: start it with --snapshot-dir")

@@ -1,0 +1,125 @@
+"""A model family in one object: `Family` answers every question code asks about a model's kind (what it converts,
+how it loads, which chunks its units are, how it hears a PCM frame, what retention must keep whole), and
+`OmniModel` is what a loaded model offers the layers above.
+
+Each family folder (`omnijax/models/<family>/`) defines one `Family` in its `family.py`; `omnijax.models.registry`
+lists them. Adding a family is adding a folder and one line there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from omnijax.checkpoint import format as checkpoint
+from omnijax.chunks.chunk import Chunk
+from omnijax.models.config import DecoderConfig
+from omnijax.models.decoder import Decoder
+
+
+@runtime_checkable
+class OmniModel(Protocol):
+    """What a loaded model offers: the decoder and its config, its family, where it came from, and its optional
+    parts (encoders, the family's token ids and timing, the tokenizer); an absent part is None."""
+
+    decoder: Decoder
+    family: "Family"
+    model_type: str
+    source: str | None
+    audio: Any
+    vision: Any
+    tokenizer: Any
+
+    @property
+    def config(self) -> DecoderConfig: ...
+
+
+# (directory, manifest, decoder, dtype) -> the loaded model (without its tokenizer, which the registry adds).
+Loader = Callable[[Path, Mapping[str, Any], Decoder, "str | None"], OmniModel]
+# (model, [samples] float32 PCM at 16 kHz, unit, answer_tokens) -> a batch-1 audio unit chunk (serving's frames).
+FrameUnit = Callable[[OmniModel, np.ndarray, int, int], Chunk]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        name: the family's name (its folder under `omnijax/models/`).
+        components: omnijax model type -> the manifest keys (encoders, their configs) its checkpoints may hold
+            beside the decoder; the keys of this mapping are the model types the family reads.
+        converter: the module that converts the family's Hugging Face checkpoints (`HF_MODEL_TYPES`,
+            `config_from_hf`, `model_type_for`, `convert_params`).
+        load: builds a model from a checkpoint directory's manifest and restored decoder.
+        chat_units: model -> the builder of the chunks `Chat` and the server feed (an `omnijax.models.frontend
+            .ChatUnits`).
+        frame_tokens: PCM samples of one frame -> the chunk tokens of its audio unit (audio tokens and markers);
+            None where the family does not hear frames.
+        frame_unit: one PCM frame -> its audio unit chunk (see `FrameUnit`); None with `frame_tokens`.
+        whole_source_image: retention keeps a unit's source image whole (MiniCPM-o's slices refer to it).
+        duplex: the family decides per unit whether to listen or speak (MiniCPM-o 4.5's full duplex).
+        fractional_positions: temporal position ids may be fractional (Qwen3-Omni's audio-synchronised time).
+        thinker_inputs: `(model, ids, **media)` -> `(embeds, embed_mask, deepstack | None, audio_lengths)`: the
+            encoders' outputs on the placeholders of a Hugging Face-style prompt (`Model.__call__`); None for a
+            text-only family.
+        thinker_positions: `(model, ids, mask, *, image_grid_thw, video_grid_thw, audio_lengths, second_per_grids,
+            use_audio_in_video)` -> `[3, B, T]` positions of a prompt with media (the reference's `get_rope_index`).
+    """
+
+    name: str
+    components: Mapping[str, tuple[str, ...]]
+    converter: ModuleType
+    load: Loader
+    chat_units: Callable[[OmniModel], Any]
+    frame_tokens: Callable[[int], int] | None = None
+    frame_unit: FrameUnit | None = None
+    whole_source_image: bool = False
+    duplex: bool = False
+    fractional_positions: bool = False
+    thinker_inputs: Callable[..., tuple] | None = None
+    thinker_positions: Callable[..., np.ndarray] | None = None
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The omnijax model types of this family's checkpoints."""
+        return tuple(self.components)
+
+    @property
+    def hf_model_types(self) -> tuple[str, ...]:
+        """The Hugging Face `model_type`s this family converts."""
+        return tuple(self.converter.HF_MODEL_TYPES)
+
+
+# omnijax model type -> its family; filled by `register` as `omnijax.models.registry` imports each family's folder
+# (importing any part of omnijax imports the registry first, through the package's `__init__`).
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Adds `family` under each of its model types; refuses a model type another family already claims."""
+    for model_type in family.model_types:
+        other = FAMILIES.get(model_type)
+        if other is not None and other is not family:
+            raise ValueError(f"model type {model_type!r} is claimed by families {other.name!r} and {family.name!r}")
+    FAMILIES.update(dict.fromkeys(family.model_types, family))
+    checkpoint.MODEL_COMPONENTS.update(family.components)
+    return family
+
+
+def family_for(model_type: str) -> Family:
+    """The family of an omnijax model type; a clear error names the known types."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(f"unknown model type {model_type!r}; omnijax reads {sorted(FAMILIES)}") from None
+
+
+def family_of(model: Any) -> Family | None:
+    """The family of a loaded model, or None for a bare `Decoder` (which has none)."""
+    family = getattr(model, "family", None)
+    return family if isinstance(family, Family) else None

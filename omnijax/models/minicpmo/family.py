@@ -1,0 +1,37 @@
+"""The MiniCPM-o 4.5 family: the Qwen3-mode decoder with SigLIP/NaViT vision + resampler and Whisper audio, 1D
+RoPE, `<unit>`s of 1 s audio with at most one frame, full duplex; retention keeps a unit's source image whole
+(its slices refer to it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omnijax.checkpoint import format as checkpoint
+from omnijax.models import family as family_lib
+from omnijax.models.decoder import Decoder
+from omnijax.models.minicpmo import convert, frontend
+from omnijax.models.minicpmo import model as model_lib
+
+
+def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: str | None) -> model_lib.MiniCPMOModel:
+    """A MiniCPM-o 4.5 model with the encoders its checkpoint holds (dtype overrides are refused)."""
+    if dtype is not None:
+        raise ValueError("dtype overrides are not implemented for MiniCPM-o checkpoints yet; convert with "
+                         "--dtype instead")
+    try:
+        return model_lib.load(directory, dict(manifest), decoder)
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+
+
+FAMILY = family_lib.register(family_lib.Family(
+    name="minicpmo",
+    components={"minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens")},
+    converter=convert,
+    load=load,
+    chat_units=frontend.MiniCPMOUnits,
+    whole_source_image=True,
+    duplex=True,
+))

@@ -1,0 +1,62 @@
+"""The Qwen2.5-Omni family: the thinker with its Whisper-style audio and Qwen2.5-VL vision encoders, TMRoPE
+positions, 2 s audiovisual units; also the plain Qwen2 / Qwen3 decoders its converter reads (text only)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from omnijax.checkpoint import format as checkpoint
+from omnijax.models import family as family_lib
+from omnijax.models.decoder import Decoder
+from omnijax.models.encoders import whisper as audio_lib
+from omnijax.models.model import Model, restore_module
+from omnijax.models.qwen2_5_omni import convert, frontend
+from omnijax.models.qwen2_5_omni import vision as vision_lib
+from omnijax.models.qwen2_5_omni import thinker
+from omnijax.models.qwen2_5_omni.config import OmniConfig
+
+
+def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: str | None) -> Model:
+    """A Qwen2.5-Omni thinker (or plain Qwen decoder) with the encoders its checkpoint holds."""
+    encoders = {}
+    try:
+        if "audio" in manifest:
+            encoders["audio"] = restore_module(directory, "audio", audio_lib.AudioConfig.from_json(manifest["audio"]),
+                                               dtype, lambda c: audio_lib.AudioEncoder(c, rngs=nnx.Rngs(0)))
+        if "vision" in manifest:
+            encoders["vision"] = restore_module(
+                directory, "vision", vision_lib.VisionConfig.from_json(manifest["vision"]), dtype,
+                lambda c: vision_lib.VisionEncoder(c, rngs=nnx.Rngs(0)))
+        omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
+    return Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
+
+
+def thinker_inputs(model: Model, ids, **media) -> tuple:
+    """The encoders' outputs on a prompt's placeholders (no DeepStack in this family)."""
+    embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(model, ids, **media)
+    return embeds, embed_mask, None, audio_lengths
+
+
+def thinker_positions(model: Model, ids, mask, **grids):
+    """TMRoPE positions of a prompt with media."""
+    return thinker.rope_index(ids, mask, model.omni, spatial_merge_size=model.vision.config.spatial_merge_size,
+                              **grids)
+
+
+FAMILY = family_lib.register(family_lib.Family(
+    name="qwen2_5_omni",
+    components={"qwen2_5_omni": ("audio", "vision", "omni"), "qwen2": (), "qwen3": ()},
+    converter=convert,
+    load=load,
+    chat_units=frontend.QwenOmniUnits,
+    frame_tokens=lambda samples: frontend.num_audio_tokens(samples) + 2,  # audio tokens and the two markers
+    frame_unit=frontend.frame_unit,
+    thinker_inputs=thinker_inputs,
+    thinker_positions=thinker_positions,
+))
