@@ -2,12 +2,14 @@
 JSON rows and a PNG under `--out`, and a printed table.
 
 - `parse(parser, argv, smoke={...})`: `--smoke` replaces the defaults by the script's smallest setting (options given
-  on the command line still win), so `python bench/<script>.py --smoke --out DIR` runs in seconds;
-  `tests/test_bench_smoke.py` runs every script that way.
+  on the command line still win), so `python -m bench.<group>.<script> --smoke --out DIR` (from the repository
+  root) runs in seconds; `tests/test_bench_smoke.py` runs every script that way.
 - `interleaved(cases, rounds)`: every round runs every case once, the order rotated from round to round (A, B then
   B, A for two), so a drift of the machine's speed hits every case alike; returns milliseconds `[rounds, cases]`.
   `stats` summarises one column (median and percentiles), `same_round_ratio` compares two.
 - `write_json`, `save_png` (matplotlib, Agg backend) print one `wrote PATH` line per file: the smoke test reads them.
+- `module_command(name, ...)`, `checkout_env()`: a script's worker processes run `python -m bench.<group>.<script>`
+  with `cwd=ROOT` (the repository root), or with `cwd` another checkout whose library is to be measured.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -22,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the working directory of `python -m bench.<group>.<script>`."""
 
 
 def parser(doc: str, *, out: str = "bench/out") -> argparse.ArgumentParser:
@@ -38,6 +44,38 @@ def parse(p: argparse.ArgumentParser, argv=None, *, smoke: Mapping[str, Any] | N
     if "--smoke" in argv and smoke:
         p.set_defaults(**smoke)
     return p.parse_args(argv)
+
+
+def module_command(name: str, *args) -> list[str]:
+    """The command that runs the bench module `name` in a fresh interpreter: `python -m name *args`.
+
+    Args:
+        name: the module's dotted name, e.g. a script's own `__spec__.name` ("bench.tidekv.prefill_memory").
+        *args: its command-line arguments (turned into strings).
+
+    Returns:
+        The argument list for `subprocess`; run it with `cwd=ROOT`, or with `cwd` another checkout and
+        `env=checkout_env()`.
+    """
+    if not name.startswith("bench."):
+        raise ValueError(f"{name!r} is not a bench module: run the script as `python -m bench.<group>.<script>`")
+    return [sys.executable, "-m", name, *map(str, args)]
+
+
+def checkout_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `module_command` process started with `cwd` another checkout (`--compare`, `--root`).
+
+    Under `python -m` the working directory leads the child's `sys.path`, so the checkout's `omnijax` is the one it
+    imports; `PYTHONPATH` names this repository, so `bench` comes from here when the checkout's own `bench/` is not a
+    package (a checkout from before `bench` became one). Only that child process sees the setting.
+
+    Args:
+        env: the environment to start from (default: this process's).
+
+    Returns:
+        A copy of `env` with `PYTHONPATH` set to `ROOT`.
+    """
+    return dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
 
 
 def output_dir(args) -> Path:

@@ -1,9 +1,11 @@
 """Every bench script runs at its smallest setting (`--smoke`) and writes the JSON rows and PNG it promises.
 
-Each script runs in its own process with `--smoke --out DIR` (one shared DIR: the scripts that read captured layouts
-reuse the tiny ones `attention_kernel.py --smoke` writes there, so it runs first). The others run two at a time,
-since most of their time is single-threaded compilation. `bench/harness.py` prints `wrote PATH` for every output
-file; a script passes when it exits 0 and names at least one JSON and one PNG file that exist.
+The scripts are the modules of the group packages `bench/<group>/` (those whose name does not start with `_`), each
+run from the repository root as `python -m bench.<group>.<script> --smoke --out DIR` in its own process (one shared
+DIR: the scripts that read captured layouts reuse the tiny ones `omnitide.attention_kernel --smoke` writes there, so
+it runs first). The others run two at a time, since most of their time is single-threaded compilation.
+`bench/harness.py` prints `wrote PATH` for every output file; a script passes when it exits 0 and names at least
+one JSON and one PNG file that exist.
 """
 
 from __future__ import annotations
@@ -19,16 +21,23 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_") and p.name != "harness.py")
-FIRST = "attention_kernel.py"  # writes the smoke layouts that migration_cost, kernel_configs and placement_sim read
-SLOW = ("prefill_memory.py", FIRST, "serve_cliff.py", "retention.py")  # started first
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+GROUPS = sorted(p.parent.name for p in BENCH.glob("*/__init__.py"))
+# "<group>.<script>", run as `python -m bench.<group>.<script>`
+SCRIPTS = sorted(f"{g}.{p.stem}" for g in GROUPS for p in (BENCH / g).glob("*.py") if not p.name.startswith("_"))
+FIRST = "omnitide.attention_kernel"  # writes the smoke layouts that migration_cost, kernel_configs, placement_sim read
+SLOW = ("tidekv.prefill_memory", FIRST, "metronome.serve_cliff", "omnitide.retention")  # started first
 OPTIONAL = ("kvpress", "torch")  # packages a script may need; it is skipped, naming them, when they are absent
 TIMEOUT_S = 600
 
 
+def source(script: str) -> str:
+    return (BENCH / (script.replace(".", "/") + ".py")).read_text()
+
+
 def needs(script: str) -> list[str]:
-    text = (BENCH / script).read_text()
+    text = source(script)
     return [m for m in OPTIONAL if re.search(rf"^\s*(import|from) {m}\b", text, re.M)
             and importlib.util.find_spec(m) is None]
 
@@ -36,8 +45,8 @@ def needs(script: str) -> list[str]:
 def run(script: str, out: Path) -> dict:
     start = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
-    done = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=env, cwd=BENCH.parent)
+    done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(out)], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
             "seconds": time.perf_counter() - start}
 
@@ -46,7 +55,7 @@ def run(script: str, out: Path) -> dict:
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_smoke")
     runnable = [s for s in SCRIPTS if not needs(s)]
-    readers = {s for s in runnable if "layouts_path" in (BENCH / s).read_text() and s != FIRST}
+    readers = {s for s in runnable if "layouts_path" in source(s) and s != FIRST}
     # the longest first, the layout readers last (each waits for FIRST's layouts)
     order = sorted((s for s in runnable if s not in readers), key=lambda s: (s not in SLOW, s)) + sorted(readers)
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -61,6 +70,10 @@ def results(tmp_path_factory):
 
 def test_scripts_found():
     assert FIRST in SCRIPTS and len(SCRIPTS) >= 10, SCRIPTS
+    assert {"omnitide", "tidekv", "metronome", "peers"} <= set(GROUPS), GROUPS
+    # bench is a package: no script left at its top level, and none reaches its siblings through sys.path
+    assert sorted(p.name for p in BENCH.glob("*.py")) == ["__init__.py", "harness.py"]
+    assert [p for p in BENCH.rglob("*.py") if re.search(r"sys\.path\s*(\.|\[|\+?=)", p.read_text())] == []
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,0 +1,491 @@
+"""omnijax against Hugging Face transformers (and kvpress for prefill compression) on the same tiny Qwen2 weights:
+per-chunk streaming latency with the full context and with bounded retention policies to 32K, and compressed
+prefill's time and peak memory, each side in its own processes.
+
+Set-up. A tiny Qwen2 (vocab 1024, hidden 256, intermediate 512, 4 layers, 8 query / 2 KV heads, head dim 32, RoPE
+theta 1e6, float32, weight matrices drawn with std `INIT_STD` = 0.08 after `torch.manual_seed(0)`, sharper attention
+than the default 0.02) is saved under `<out>/vs_transformers_ckpt_std0.08/hf` and converted into `.../omnijax`
+(both reused when present). Every measurement is a
+fresh worker process of this script (`--worker KIND --side SIDE`, one JSON line on stdout): torch and JAX never
+share a process, the parent imports neither. torch runs on 2 threads with `attn_implementation="sdpa"`, JAX on the
+CPU as it comes; both compute the last token's logits only (transformers: `logits_to_keep=1`). Tokens are random
+ids (seeded) in text chunks of `--chunk` tokens (chunk i is unit i). Rounds alternate the sides (even rounds run
+omnijax first); tables give medians over rounds, `ratio` the median of same-round omnijax / transformers (below 1:
+omnijax is faster or smaller). Run it on an idle machine: while another process is busy on the cores, torch's
+spinning OpenMP threads run many times slower (`--omp-passive` sets `OMP_WAIT_POLICY=PASSIVE` for its workers; the
+load average at each worker's start is printed and kept in the JSON).
+
+Sections (histories are the tokens before the chunk; those above a section's maximum are dropped, and with none
+left it measures at max / 2 and max).
+    full      histories 256, 1K, 2K, 4K, 8K (`--full-max`): omnijax `Session(model, page_size=64, num_pages=<stream
+              / 64 + 2>)` (NoSlide, impl "xla") against `model(chunk, past_key_values=DynamicCache())` under
+              `torch.inference_mode()`; each worker streams twice and times the second pass. `logits diff`: max
+              |omnijax - transformers| of the last-token logits; `|logits|`: their scale.
+    bounded   histories 8K, 16K, 32K (`--bounded-max`): transformers with its whole history against omnijax NoSlide
+              (pool sized to the stream), `OmniPick()` (watermarks 2500 / 1800) and `SinkWindow(sink=16,
+              window=2048)`, each with a pool just big enough for its bound plus one chunk (an overflow fails the
+              run). One pass per worker; each checkpoint's chunk is re-fed `--inner` times from the state before it
+              (omnijax: a `Session` resumed from a copy of it; transformers: the cache cropped back) and timed as
+              their median. `cells`: the KV cells the omnijax chunk attended over.
+    prefill   a prompt of S tokens compressed to 25 % per KV head: kvpress `SnapKVPress(compression_ratio=0.75,
+              window_size=64, kernel_size=5)` around one forward against omnijax `model.prefill(input_ids,
+              selector=SnapKV(), budgets=S // 4)` (TideKV: layer-major, compressed at each layer's end). A fresh
+              process per side and S (`--prefill-rounds` each) calls twice and times the second call (`cold`: the
+              first, with JAX's compilation); peak RSS is `ru_maxrss` after both calls, `delta` its excess over the
+              RSS right after loading the model (JAX's compiler memory included).
+
+Run: `python -m bench.peers.vs_transformers [--rounds 3] [--out bench/out] [--smoke]` (defaults: `--chunk 256 --full-max
+8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --prefill-rounds 1`; `--smoke`: chunk 64, full 256,
+bounded 512, prefill 512, one round); writes `<out>/vs_transformers.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import harness
+
+HF_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                 tie_word_embeddings=False, max_position_embeddings=65536)
+INIT_STD = 0.08  # std of every weight matrix (norm weights stay 1)
+CKPT_DIR = f"vs_transformers_ckpt_std{INIT_STD}"  # a changed init builds a new checkpoint
+PAGE_SIZE = 64
+TORCH_THREADS = 2
+SIDES = ("omnijax", "transformers")
+SECTIONS = ("full", "bounded", "prefill")
+FULL_HISTORIES = (256, 1024, 2048, 4096, 8192)
+BOUNDED_HISTORIES = (8192, 16384, 32768)
+POLICY_SPECS = {"no_slide": "no_slide", "omnipick": "omnipick", "sink_window": "sink_window:sink=16,window=2048"}
+SNAPKV = dict(compression_ratio=0.75, window_size=64, kernel_size=5)
+VERSIONS: dict[str, str] = {}  # package versions the workers ran with
+LOADS: list[float] = []  # the 1-minute load average as each worker started
+
+
+def checkpoints(defaults, longest: int, chunk: int) -> list[int]:
+    """The histories (tokens before a chunk) measured: the `defaults` up to `longest`, else `longest / 2, longest`,
+    rounded down to whole chunks."""
+    kept = [h for h in defaults if h <= longest] or [longest // 2, longest]
+    return sorted({h - h % chunk for h in kept})
+
+
+def stream_ids(tokens: int, seed: int) -> np.ndarray:
+    """The random token ids both sides stream (the same numpy draw in every worker)."""
+    return np.random.default_rng(seed).integers(0, HF_CONFIG["vocab_size"], tokens)
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+def build_checkpoint(args, side: str, ckpt: Path) -> dict:
+    """transformers: saves the seeded Qwen2 under `ckpt/hf`; omnijax: converts that into `ckpt/omnijax`."""
+    if side == "omnijax":
+        from omnijax.convert import convert_checkpoint
+
+        return {"converted": str(convert_checkpoint(ckpt / "hf", ckpt / "omnijax", progress=False, force=True))}
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_CONFIG)).to(torch.float32).eval()
+    with torch.no_grad():  # wider than the default init (0.02): sharper attention, so a masking mistake would show
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, INIT_STD)
+    model.save_pretrained(ckpt / "hf", safe_serialization=True)
+    return {"saved": str(ckpt / "hf")}
+
+
+def load_transformers(hf_dir: Path):
+    """`(torch, DynamicCache, model)`: the checkpoint in float32 with SDPA attention, torch on 2 threads."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(TORCH_THREADS)
+    model = transformers.Qwen2ForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=torch.float32)
+    return torch, transformers.DynamicCache, model.eval()
+
+
+def record(got: dict, stream_ms: float, replays: list[float], **values) -> None:
+    """Appends a checkpoint's figures: its ms (the replays' median, or the in-stream ms without replays)."""
+    for key, value in dict(values, stream_ms=stream_ms, ms=float(np.median(replays or [stream_ms]))).items():
+        got.setdefault(key, []).append(value)
+
+
+def omnijax_stream(model, chunks, histories, chunk: int, *, inner: int = 0, **fields) -> dict:
+    """Feeds `chunks` into a new `Session(model, page_size=64, impl="xla", **fields)`; at each history in
+    `histories` records the feed's ms, the last-token logits, the cells attended and, with `inner`, the median ms of
+    `inner` re-feeds of the chunk from a copy of the state before it (the recorded ms then)."""
+    import jax
+    import jax.numpy as jnp
+    import omnijax
+
+    session = omnijax.Session(model, page_size=PAGE_SIZE, impl="xla", **fields)
+    got = {}
+    for i, piece in enumerate(chunks):
+        at_checkpoint = i * chunk in histories
+        saved = jax.tree.map(jnp.copy, session.state) if at_checkpoint and inner else None
+        start = time.perf_counter()
+        result = session.feed(piece)
+        jax.block_until_ready(result.logits)
+        ms = 1e3 * (time.perf_counter() - start)
+        if not at_checkpoint:
+            continue
+        replays = []
+        for _ in range(inner):
+            replay = omnijax.Session(model, session.stream_config, state=saved)
+            start = time.perf_counter()
+            jax.block_until_ready(replay.feed(piece).logits)
+            replays.append(1e3 * (time.perf_counter() - start))
+        record(got, ms, replays, logits=np.asarray(result.logits[0]).tolist(),
+               cells=int(result.stats.attended.retained_cells[0]))
+    kv = session.state.kv
+    if bool(np.asarray(kv.exhausted).any()):
+        raise RuntimeError(f"the KV pool of {kv.num_pages} pages ran out under {session.stream_config.policy}: "
+                           f"{int(np.asarray(kv.dropped).sum())} token(s) were not cached")
+    return got
+
+
+def transformers_stream(torch, cache, model, ids, histories, chunk: int, *, inner: int = 0) -> dict:
+    """The same as `omnijax_stream` for transformers; re-feeds crop the cache back to the history first."""
+    got = {}
+
+    def feed(piece):
+        start = time.perf_counter()
+        out = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return 1e3 * (time.perf_counter() - start), out.logits[0, -1]
+
+    with torch.inference_mode():
+        for i in range(len(ids) // chunk):
+            piece = torch.as_tensor(ids[None, i * chunk:(i + 1) * chunk])
+            ms, logits = feed(piece)
+            if i * chunk not in histories:
+                continue
+            replays = []
+            for _ in range(inner):
+                cache.crop(i * chunk)
+                replays.append(feed(piece)[0])
+            record(got, ms, replays, logits=logits.tolist())
+    return got
+
+
+def load_omnijax(omnijax_dir: Path, ids=None, chunk: int = 0):
+    """The converted model and, with `ids`, their text chunks of `chunk` tokens as device arrays (chunk i: unit i)."""
+    import jax
+    import jax.numpy as jnp
+    import omnijax
+    from omnijax.chunks.chunk import text_chunk
+
+    chunks = [] if ids is None else [jax.tree.map(jnp.asarray, text_chunk(ids[i:i + chunk], unit=i // chunk))
+                                     for i in range(0, len(ids), chunk)]
+    return omnijax.load(omnijax_dir), chunks
+
+
+def full_worker(args, side: str, ckpt: Path) -> dict:
+    """Full context: two passes of the stream, the second one's checkpoints."""
+    histories = checkpoints(FULL_HISTORIES, args.full_max, args.chunk)
+    ids = stream_ids(histories[-1] + args.chunk, args.seed)
+    if side == "omnijax":
+        model, chunks = load_omnijax(ckpt / "omnijax", ids, args.chunk)
+        pages = len(ids) // PAGE_SIZE + 2
+        passes = [omnijax_stream(model, chunks, histories, args.chunk, num_pages=pages) for _ in range(2)]
+    else:
+        torch, cache_cls, model = load_transformers(ckpt / "hf")
+        passes = [transformers_stream(torch, cache_cls(), model, ids, histories, args.chunk) for _ in range(2)]
+    return {"histories": histories, **passes[-1], "first_pass_ms": passes[0]["ms"]}
+
+
+def bounded_worker(args, side: str, ckpt: Path) -> dict:
+    """Bounded: one pass per omnijax policy (transformers: its full history), checkpoints re-fed `--inner` times."""
+    histories = checkpoints(BOUNDED_HISTORIES, args.bounded_max, args.chunk)
+    ids = stream_ids(histories[-1] + args.chunk, args.seed)
+    if side == "transformers":
+        torch, cache_cls, model = load_transformers(ckpt / "hf")
+        return {"histories": histories, **transformers_stream(torch, cache_cls(), model, ids, histories, args.chunk,
+                                                              inner=args.inner)}
+    from omnijax.retention import get_policy
+
+    model, chunks = load_omnijax(ckpt / "omnijax", ids, args.chunk)
+    stream_pages = -(-len(ids) // PAGE_SIZE)
+    policies = {}
+    for name, spec in POLICY_SPECS.items():
+        policy = get_policy(spec)
+        bound = getattr(policy, "high_watermark", None) or getattr(policy, "budget", None)  # most cells kept
+        pages = stream_pages if bound is None else min(stream_pages, -(-(bound + args.chunk) // PAGE_SIZE))
+        got = omnijax_stream(model, chunks, histories, args.chunk, inner=args.inner, policy=policy, num_pages=pages)
+        policies[name] = {"policy": repr(policy), "pool_pages": pages, **got}
+    return {"histories": histories, "policies": policies}
+
+
+def prefill_worker(args, side: str, ckpt: Path) -> dict:
+    """Prefill of `--length` tokens compressed to 25 % per KV head, called twice: times, peak RSS, logits."""
+    S = args.length
+    ids = stream_ids(S, args.seed + 1)[None]
+    if side == "omnijax":
+        import jax
+        from omnijax.prefill import SnapKV
+
+        model, _ = load_omnijax(ckpt / "omnijax")
+        per_head = model.config.num_layers * model.config.num_kv_heads
+
+        def call():
+            result = model.prefill(ids, selector=SnapKV(window=SNAPKV["window_size"],
+                                                        pool_kernel=SNAPKV["kernel_size"]), budgets=S // 4)
+            jax.block_until_ready((result.logits, result.cache))
+            return np.asarray(result.logits[0]), int(result.cache.cells()[0]) / per_head
+    else:
+        from kvpress import SnapKVPress
+
+        torch, cache_cls, model = load_transformers(ckpt / "hf")
+        press, input_ids = SnapKVPress(**SNAPKV), torch.as_tensor(ids)
+
+        def call():
+            cache = cache_cls()
+            with torch.inference_mode(), press(model):
+                logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            kept = sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
+            return logits[0, -1].numpy(), kept
+    peak_rss_kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # noqa: E731
+    rss_kib = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.startswith("VmRSS:"))
+    got = {"length": S, "rss_loaded_kib": rss_kib, "maxrss_loaded_kib": peak_rss_kib()}
+    for call_name in ("cold", "warm"):  # the warm call's figures are the plain keys
+        start = time.perf_counter()
+        logits, kept = call()
+        got["ms" if call_name == "warm" else "cold_ms"] = 1e3 * (time.perf_counter() - start)
+        got["rss_peak_kib" if call_name == "warm" else "rss_peak_cold_kib"] = peak_rss_kib()
+    got["rss_delta_kib"] = got["rss_peak_kib"] - got["rss_loaded_kib"]
+    return {**got, "kept_per_head": kept, "logits": logits.tolist()}
+
+
+def worker(args) -> None:
+    """Runs one measurement and prints its result as one JSON line."""
+    ckpt = Path(args.out) / CKPT_DIR
+    run = {"checkpoint": build_checkpoint, "full": full_worker, "bounded": bounded_worker, "prefill": prefill_worker}
+    result = run[args.worker](args, args.side, ckpt)
+    packages = ("jax", "torch", "transformers", "kvpress")
+    result["versions"] = {name: importlib.metadata.version(name) for name in packages if name in sys.modules}
+    print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ parent side
+def run_worker(args, kind: str, side: str, length: int = 0, note: str = "") -> dict:
+    """Runs `kind` for `side` in a fresh process of this script and returns its JSON result."""
+    cmd = harness.module_command(__spec__.name, "--worker", kind, "--side", side, "--out", Path(args.out).resolve(),
+                                 "--chunk", args.chunk, "--full-max", args.full_max, "--bounded-max", args.bounded_max,
+                                 "--inner", args.inner, "--seed", args.seed, "--length", length)
+    env = dict(os.environ, **({"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive and side == "transformers" else {}))
+    load = os.getloadavg()[0]  # other processes competing for the cores show here
+    LOADS.append(load)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=harness.ROOT)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"worker {kind} {side} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-6000:]}")
+    print(f"  {kind} {side}{f' S={length}' if length else ''}{note}: {time.perf_counter() - start:.1f} s "
+          f"(load average {load:.2f} before)", flush=True)
+    result = json.loads(lines[-1])
+    VERSIONS.update(result.pop("versions"))
+    return result
+
+
+def ensure_checkpoint(args) -> str:
+    """Builds the transformers checkpoint and its omnijax conversion unless both are there already."""
+    ckpt = Path(args.out) / CKPT_DIR
+    built = not (ckpt / "hf" / "model.safetensors").exists()
+    if built:
+        run_worker(args, "checkpoint", "transformers")
+    if built or not (ckpt / "omnijax" / "omnijax.json").exists():
+        run_worker(args, "checkpoint", "omnijax")
+    return str(ckpt)
+
+
+def alternating_rounds(args, kind: str) -> list[dict]:
+    """`args.rounds` rounds of both sides, the order reversed every other round: `[{side: result}]`."""
+    return [{side: run_worker(args, kind, side, note=f" (round {r + 1}/{args.rounds})")
+             for side in (SIDES if r % 2 == 0 else SIDES[::-1])} for r in range(args.rounds)]
+
+
+def agreement(mine: list, peer: list) -> dict:
+    """Max |omnijax - transformers| over rounds of one set of last-token logits, and transformers' largest |logit|."""
+    return {"logits_max_diff": max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(mine, peer)),
+            "logits_max_abs": float(np.max(np.abs(peer[0])))}
+
+
+def stream_rows(section: str, rounds: list[dict], name: str | None) -> list[dict]:
+    """JSON rows of a streaming section: transformers' and (policy `name`, or every policy) omnijax's per history."""
+    peer = [r["transformers"] for r in rounds]
+    histories = peer[0]["histories"]
+    assert all(r["omnijax"]["histories"] == histories for r in rounds), "the sides measured different histories"
+    mine = {name: [r["omnijax"] for r in rounds]} if name else {
+        p: [r["omnijax"]["policies"][p] for r in rounds] for p in POLICY_SPECS}
+    rows = []
+    for j, h in enumerate(histories):
+        peer_ms = [p["ms"][j] for p in peer]
+        rows.append({"section": section, "history": h, "side": "transformers", "policy": "full",
+                     **harness.stats(peer_ms), "ms_rounds": peer_ms,
+                     "stream_ms": float(np.median([p["stream_ms"][j] for p in peer]))})
+        for policy, runs in mine.items():
+            ms = [m["ms"][j] for m in runs]
+            row = {"section": section, "history": h, "side": "omnijax", "policy": policy, **harness.stats(ms),
+                   "ms_rounds": ms, "stream_ms": float(np.median([m["stream_ms"][j] for m in runs])),
+                   "ratio": harness.same_round_ratio(ms, peer_ms), "cells": runs[0]["cells"][j],
+                   "pool_pages": runs[0].get("pool_pages")}
+            if policy == "no_slide":  # the same computation as transformers': the logits must agree
+                row.update(agreement([m["logits"][j] for m in runs], [p["logits"][j] for p in peer]))
+            rows.append(row)
+    return rows
+
+
+def prefill_rows(args) -> list[dict]:
+    """Runs the prefill workers (the side order alternating over lengths and rounds) and returns their JSON rows."""
+    rows = []
+    for i, S in enumerate(args.prefill):
+        runs = []
+        for r in range(args.prefill_rounds):
+            order = SIDES if (i + r) % 2 == 0 else SIDES[::-1]
+            runs.append({side: run_worker(args, "prefill", side, S) for side in order})
+        for side in SIDES:
+            got = [run[side] for run in runs]
+            ms = [g["ms"] for g in got]
+            row = {"section": "prefill", "length": S, "side": side,
+                   "policy": "snapkv (kvpress)" if side == "transformers" else "snapkv (TideKV)", **harness.stats(ms),
+                   "ms_rounds": ms, "cold_ms": float(np.median([g["cold_ms"] for g in got])),
+                   "kept_per_head": got[0]["kept_per_head"]}
+            for key in ("rss_loaded_kib", "rss_peak_cold_kib", "rss_peak_kib", "rss_delta_kib"):
+                row[key.replace("_kib", "_mib")] = float(np.median([g[key] for g in got])) / 1024
+            if side == "omnijax":
+                peer = [run["transformers"] for run in runs]
+                row["ratio"] = harness.same_round_ratio(ms, [p["ms"] for p in peer])
+                row["rss_delta_ratio"] = harness.same_round_ratio([g["rss_delta_kib"] for g in got],
+                                                                  [p["rss_delta_kib"] for p in peer])
+                row.update(agreement([g["logits"] for g in got], [p["logits"] for p in peer]))
+            rows.append(row)
+    return rows
+
+
+def pick(rows, section, side, policy=None):
+    return [r for r in rows if r["section"] == section and r["side"] == side and policy in (None, r["policy"])]
+
+
+def print_tables(rows) -> None:
+    """One table per section, a line per history or prompt length."""
+    def peer(key, field="median", section="full"):  # transformers' figure beside an omnijax row
+        return lambda r: {t.get(key): t[field] for t in pick(rows, section, "transformers")}[r[key]]
+
+    ms, ratio, diff = ".1f", ".3f", ".2e"
+    print("\nfull context: per-chunk ms (median over rounds); ratio = omnijax / transformers (same-round median)")
+    harness.print_table(pick(rows, "full", "omnijax"), [
+        ("history", "history", "d"), ("omnijax ms", "median", ms), ("transformers ms", peer("history"), ms),
+        ("ratio", "ratio", ratio), ("logits diff", "logits_max_diff", diff), ("|logits|", "logits_max_abs", diff)])
+    print("\nbounded: per-chunk ms; ratio = omnijax policy / transformers with its full history; cells attended")
+    columns = [("history", "history", "d"), ("transformers ms", peer("history", section="bounded"), ms)]
+    for name in POLICY_SPECS:
+        def of(field, name=name):
+            return lambda r: next(o[field] for o in pick(rows, "bounded", "omnijax", name)
+                                  if o["history"] == r["history"])
+        columns += [(f"{name} ms", of("median"), ms), ("ratio", of("ratio"), ratio), ("cells", of("cells"), "d")]
+    harness.print_table(pick(rows, "bounded", "omnijax", "no_slide"), columns + [
+        ("no_slide logits diff", "logits_max_diff", diff)])
+    print("\nprefill to 25 % per KV head: ms of the warm call (cold: the first); RSS MiB, delta = peak - after load")
+    harness.print_table(pick(rows, "prefill", "omnijax"), [
+        ("S", "length", "d"), ("kvpress ms", peer("length", section="prefill"), ".0f"), ("omnijax ms", "median", ".0f"),
+        ("ratio", "ratio", ratio), ("kvpress cold", peer("length", "cold_ms", "prefill"), ".0f"),
+        ("omnijax cold", "cold_ms", ".0f"), ("kvpress RSS", peer("length", "rss_peak_mib", "prefill"), ".0f"),
+        ("delta", peer("length", "rss_delta_mib", "prefill"), ".0f"), ("omnijax RSS", "rss_peak_mib", ".0f"),
+        ("delta", "rss_delta_mib", ".0f"), ("delta ratio", "rss_delta_ratio", ratio),
+        ("logits diff", "logits_max_diff", diff), ("kept/head", "kept_per_head", ".0f")])
+
+
+def plot(rows, out: Path) -> None:
+    """Three panels: full-context and bounded per-chunk ms against history, prefill time and RSS delta against S."""
+    fig, (full_ax, bounded_ax, prefill_ax) = harness.pyplot().subplots(1, 3, figsize=(16, 4.5))
+    colors = {"omnijax": "tab:blue", "transformers": "tab:orange"}
+    lines = [(full_ax, pick(rows, "full", side), side, "os"[i], colors[side]) for i, side in enumerate(SIDES)]
+    lines.append((bounded_ax, pick(rows, "bounded", "transformers"), "transformers (full history)", "s", "black"))
+    lines += [(bounded_ax, pick(rows, "bounded", "omnijax", name), f"omnijax {spec}", marker, color)
+              for (name, spec), marker, color in zip(POLICY_SPECS.items(), "o^v", ("tab:blue", "tab:green", "tab:red"))]
+    for ax, got, label, marker, color in lines:
+        ax.plot([r["history"] for r in got], [r["median"] for r in got], marker=marker, color=color, label=label)
+    memory_ax = prefill_ax.twinx()
+    for side, label in zip(SIDES, ("omnijax TideKV", "kvpress SnapKV")):
+        got = pick(rows, "prefill", side)
+        x = [r["length"] for r in got]
+        prefill_ax.plot(x, [r["median"] / 1e3 for r in got], marker="o", color=colors[side], label=f"{label}: time")
+        memory_ax.plot(x, [r["rss_delta_mib"] for r in got], marker="s", markerfacecolor="none", linestyle="--",
+                       color=colors[side], label=f"{label}: RSS delta")
+    for ax, title in ((full_ax, "full context"), (bounded_ax, "bounded policies vs transformers' full history")):
+        ax.set(title=title, xlabel="history before the chunk (tokens)", ylabel="ms per chunk")
+        ax.legend(fontsize=8)
+    prefill_ax.set(title="prefill to 25 % per KV head", xlabel="prompt tokens S", ylabel="warm call (s)")
+    memory_ax.set_ylabel("peak RSS - RSS after load (MiB)")
+    for ax in (prefill_ax, memory_ax):
+        ax.set_ylim(bottom=0)
+    for ax in (full_ax, bounded_ax, prefill_ax):
+        x = sorted({int(v) for line in ax.get_lines() for v in line.get_xdata()})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{v // 1024}K" if v >= 1024 else str(v) for v in x])
+        ax.minorticks_off()
+    (h1, l1), (h2, l2) = prefill_ax.get_legend_handles_labels(), memory_ax.get_legend_handles_labels()
+    prefill_ax.legend(h1 + h2, l1 + l2, fontsize=7)
+    harness.save_png(fig, out, "vs_transformers")
+
+
+def main(argv=None):
+    """Runs every section (parent), or one measurement with `--worker`."""
+    parser = harness.parser(__doc__)
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per streamed chunk")
+    parser.add_argument("--full-max", type=int, default=8192, help="longest history of the full-context section")
+    parser.add_argument("--bounded-max", type=int, default=32768, help="longest history of the bounded section")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[8192, 16384, 32768], help="prompt lengths")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the streaming sections")
+    parser.add_argument("--prefill-rounds", type=int, default=1, help="fresh processes per side and prompt length")
+    parser.add_argument("--inner", type=int, default=3, help="re-feeds of each bounded checkpoint chunk")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="OMP_WAIT_POLICY=PASSIVE for the transformers workers: torch's spinning OpenMP threads "
+                             "run many times slower while another process competes for the cores")
+    parser.add_argument("--worker", choices=["checkpoint", "full", "bounded", "prefill"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
+    args = harness.parse(parser, argv, smoke=dict(chunk=64, full_max=256, bounded_max=512, prefill=[512], rounds=1,
+                                                  inner=1))
+    if args.worker:
+        return worker(args)
+    out = harness.output_dir(args)
+    start = time.perf_counter()
+    print("checkpoint", flush=True)
+    checkpoint = ensure_checkpoint(args)
+    rows = []
+    if "full" in args.sections:
+        print(f"full context to {args.full_max} ({args.rounds} rounds)", flush=True)
+        rows += stream_rows("full", alternating_rounds(args, "full"), "no_slide")
+    if "bounded" in args.sections:
+        print(f"bounded policies to {args.bounded_max} ({args.rounds} rounds)", flush=True)
+        rows += stream_rows("bounded", alternating_rounds(args, "bounded"), None)
+    if "prefill" in args.sections:
+        print(f"prefill at {args.prefill}", flush=True)
+        rows += prefill_rows(args)
+    print_tables(rows)
+    runtime = time.perf_counter() - start
+    print(f"total runtime {runtime:.0f} s")
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "side", "length")}
+    harness.write_json(out, "vs_transformers", {
+        "model": HF_CONFIG, "checkpoint": checkpoint, "page_size": PAGE_SIZE, "torch_threads": TORCH_THREADS,
+        "policies": POLICY_SPECS, "kvpress": SNAPKV, "versions": VERSIONS, "load_averages": LOADS,
+        "settings": settings, "runtime_s": runtime, "rows": rows})
+    plot(rows, out)
+
+
+if __name__ == "__main__":
+    main()
