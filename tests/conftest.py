@@ -9,9 +9,12 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# The suite's persistent compilation cache: the repository's .jax_cache (OMNIJAX_TEST_JAX_CACHE overrides), through
-# the library's own switch, so the subprocesses the tests start (CLIs, bench scripts, fresh interpreters) share it.
-_cache = os.environ.get("OMNIJAX_TEST_JAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+# The suite's persistent compilation cache, outside the clone so that a fresh clone on the same machine (CI's reruns)
+# starts warm: ~/.cache/omnijax-tests/jax (OMNIJAX_TEST_JAX_CACHE overrides), through the library's own switch, so
+# the subprocesses the tests start (CLIs, bench scripts, fresh interpreters) share it. Entries are keyed by the
+# program and the jax version, so a stale one is never used.
+_cache = os.environ.get("OMNIJAX_TEST_JAX_CACHE",
+                        os.path.join(os.path.expanduser("~"), ".cache", "omnijax-tests", "jax"))
 os.environ["OMNIJAX_COMPILATION_CACHE"] = os.path.abspath(_cache)
 from omnijax import compilation_cache  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from omnijax.errors import UnexpectedTensorError
-from omnijax.checkpoint.tables import convert_in_memory, param_shapes
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.encoders.whisper import (AudioConfig, AudioEncoder, AudioInputError, FeatureShapeError,
                                                InvalidPcmError, UnsupportedAudioConfigError,

@@ -1,7 +1,7 @@
 """Endurance: one-hour synthetic sessions (Qwen2.5-Omni 2 s audiovisual units; MiniCPM-o 4.5 1 s duplex units)
 stream through a tiny model under OmniPick as one compiled program, with retained cells, physical span and the
 position cursor flat after the first trim and the pool never exhausted. (Per-chunk latency is measured by
-`bench/endurance.py`, not asserted here.)"""
+`bench.omnitide.endurance`, not asserted here.)"""
 
 from pathlib import Path
 
@@ -26,7 +26,7 @@ def minicpmo_llm():
     from safetensors.numpy import load_file
 
     from omnijax.models.minicpmo import convert as minicpmo
-    from omnijax.checkpoint.tables import convert_in_memory
+    from omnijax.checkpoint.name_tables import convert_in_memory
     config = minicpmo.config_from_hf(json.loads((GOLDEN_MINICPMO / "config.json").read_text()))
     tensors = {k: v for k, v in load_file(GOLDEN_MINICPMO / "model.safetensors").items() if k.startswith("llm.")}
     params = convert_in_memory(tensors, [minicpmo.decoder_component(config)], strip_prefix="")["decoder"]

@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from omnijax.errors import MissingTensorError
-from omnijax.checkpoint.tables import param_shapes
+from omnijax.checkpoint.name_tables import param_shapes
 from omnijax.models.minicpmo import audio as A
 from omnijax.models.minicpmo import audio_features as af
 from omnijax.models.minicpmo import audio_stream as S

@@ -10,7 +10,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from omnijax.models.minicpmo import convert as minicpmo
-from omnijax.checkpoint.tables import convert_in_memory
+from omnijax.checkpoint.name_tables import convert_in_memory
 from omnijax.models.decoder import Decoder
 from omnijax.streaming.session import stream
 from omnijax.chunks.chunk import text_chunk, stack_chunks

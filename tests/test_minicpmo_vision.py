@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from omnijax.errors import MissingTensorError, ShapeMismatchError
-from omnijax.checkpoint.tables import param_shapes
+from omnijax.checkpoint.name_tables import param_shapes
 from omnijax.models.minicpmo import image_preprocess as ip
 from omnijax.models.minicpmo import vision as V
 

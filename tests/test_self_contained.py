@@ -86,7 +86,7 @@ def test_packaged_annotations_are_declared_as_package_data():
     folder must match one of its patterns."""
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "omnijax.eval"]
-    package = ROOT / "omnijax" / "evalharness"
+    package = ROOT / "omnijax" / "eval"
     files = [p.relative_to(package).as_posix() for p in (package / "data" / "streamingbench").iterdir()]
     assert len(files) == len(STREAMINGBENCH_FILES) + 2  # the annotation files, README.md and LICENSE
     assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []

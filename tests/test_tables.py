@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from omnijax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from omnijax.checkpoint.tables import Component, Rule, convert_in_memory, param_shapes
+from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory, param_shapes
 
 RULES = (
     Rule("conv.weight", "conv", "k C O", transform="conv1d"),

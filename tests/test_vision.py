@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="torch (the test extra) runs the tra
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from omnijax.checkpoint.tables import convert_in_memory, param_shapes  # noqa: E402
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes  # noqa: E402
 from omnijax.models.qwen2_5_omni import vision as V  # noqa: E402
 from omnijax.models.encoders import qwen_vl_preprocess as vp  # noqa: E402
 

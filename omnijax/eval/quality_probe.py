@@ -1,4 +1,4 @@
-"""Metronome's quality probe (seed 002 §5.4, Fig. 8, Table 2): free-running decoding under rotating questions.
+"""Metronome's quality probe (Metronome §5.4, Fig. 8, Table 2): free-running decoding under rotating questions.
 
 Each of N sessions hears a stream of audio frames of B ms and decodes tau tokens after every frame whatever they are
 (free-running: `Greedy(free_running=True)` decodes through end-of-sequence tokens), on the Metronome engine's

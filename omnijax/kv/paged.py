@@ -155,7 +155,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array, meta: SlotMeta, *, placement: s
 
     Placements (which open slots a token may take, and the class of the fresh pages):
         first_fit: every open slot, token by token in chunk order; fresh pages are RECENT.
-        by_class: OmniPage's retention-aware placement (seed 000 §6.1). SYSTEM tokens (the protected system
+        by_class: OmniPage's retention-aware placement (OmniTide §6.1). SYSTEM tokens (the protected system
             prefix) take open slots of MUST_KEEP pages only, every other token those of RECENT pages only, each
             group first-fit in chunk order; SELECTED pages take nothing. The system tokens that do not fit get
             fresh MUST_KEEP pages, entered in the table first, then the others fresh RECENT pages, so no page ever

@@ -237,7 +237,7 @@ class Decoder(nnx.Module):
             unroll: unroll the layer scan into straight-line code (static weight slices, no loop; compile time grows
                 with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
                 does with a device copy per weight; unrolled, its prefill reads them in place. Which is faster is
-                backend-dependent (`bench/layer_loop.py`; on CPU the scan).
+                backend-dependent (`bench.omnitide.layer_loop`; on CPU the scan).
             deepstack: optional `[n, B, T, D]` DeepStack features (Qwen3-Omni), zero away from visual tokens: level i
                 is added to the hidden states after layer i, for i < n.
 

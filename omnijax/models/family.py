@@ -41,8 +41,9 @@ class OmniModel(Protocol):
 
 # (directory, manifest, decoder, dtype) -> the loaded model (without its tokenizer, which the registry adds).
 Loader = Callable[[Path, Mapping[str, Any], Decoder, "str | None"], OmniModel]
-# (model, [samples] float32 PCM at 16 kHz, unit, answer_tokens) -> a batch-1 audio unit chunk (serving's frames).
-FrameUnit = Callable[[OmniModel, np.ndarray, int, int], Chunk]
+# (model, its audio encoder or the encoder's (graphdef, params) split, [samples] float32 PCM at 16 kHz, unit,
+# answer_tokens) -> a batch-1 audio unit chunk (serving's frames).
+FrameUnit = Callable[[OmniModel, Any, np.ndarray, int, int], Chunk]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,22 @@ class ChatUnits:
                      advance=np.zeros((1,), np.int32), embeds=embeds,
                      embed_mask=None if embeds is None else np.zeros((1, 1), bool), deepstack=deepstack)
 
+    def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
+        """A text unit of token `ids` (a system prompt, a user turn or a response, by `kind`)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no text units")
+
+    def image(self, image, unit: int) -> Chunk:
+        """An image unit of one `[H, W, 3]` image."""
+        raise NotImplementedError(f"{type(self).__name__} builds no image units")
+
+    def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
+        """An audio unit of `[samples]` PCM at `sample_rate`."""
+        raise NotImplementedError(f"{type(self).__name__} builds no audio units")
+
+    def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
+        """An audiovisual unit of `[n, H, W, 3]` frames and the PCM heard with them."""
+        raise NotImplementedError(f"{type(self).__name__} builds no audiovisual units")
+
     def open_video(self, path):
         """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up front."""
         return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps,

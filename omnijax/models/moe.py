@@ -11,7 +11,7 @@ For `N` tokens, `E` experts of width `I`, `k` experts per token:
    - `impl="blocked"`: the sorted rows cut into blocks of `expert_block(N * k, E)` rows that each belong to one
      expert; a `fori_loop` with a dynamic trip count (the non-empty blocks, at most `N*k / m + E`) reads one
      expert's weights per block and runs three `[m, D] x [D, I]`-sized matmuls. XLA:CPU has no grouped kernel and
-     lowers `ragged_dot` to a dense product against every expert (`bench/qwen3_omni_moe.py`: 1.6-6x slower than
+     lowers `ragged_dot` to a dense product against every expert (`bench.metronome.qwen3_omni_moe`: 1.6-6x slower than
      even the dense einsum), so this is the CPU default; a decode step reads exactly its k experts' weights;
 4. each row scaled by its routing weight, the rows put back in token order and summed over the k experts.
 
@@ -22,7 +22,7 @@ batched themselves; batching them would copy every expert once per session.) Wei
 per batch element (`lax.map`).
 
 `moe_ffn_reference` computes the same with a dense einsum over all experts (every token through every expert,
-weights zero for the experts not chosen): the oracle of the tests and the baseline of `bench/moe_layer.py`, never on a
+weights zero for the experts not chosen): the oracle of the tests and the baseline of `bench.metronome.qwen3_omni_moe`, never on a
 hot path.
 """
 

@@ -1,4 +1,4 @@
-"""Physical KV layout modes (DESIGN.md "Physical layout — OmniPage").
+"""Physical KV layout modes (docs/architecture.md, "Physical layout — OmniPage").
 
 `Paging(mode=...)` picks what happens to the physical layout after a retention policy evicts:
 
@@ -49,7 +49,7 @@ class Paging:
     @property
     def placement(self) -> str:
         """Which free slots new tokens take (`omnijax.kv.paged.reserve`): OmniPage's class-aware placement for
-        `tile_skip`; every hole first-fit otherwise. `ordered_suffix` replaces class-based placement (seed 000 §6.2:
+        `tile_skip`; every hole first-fit otherwise. `ordered_suffix` replaces class-based placement (OmniTide §6.2:
         it packs entries of any class), `native` is the contiguous-cache baseline and `eager` the packing oracle, so
         none of them keeps classes apart."""
         return "by_class" if self.mode == "tile_skip" else "first_fit"

@@ -1,4 +1,4 @@
-"""OmniPage: retention-aware paging with selective migration (seed 000 §6).
+"""OmniPage: retention-aware paging with selective migration (OmniTide §6).
 
 Two modes, both run after an eviction inside the streaming scan:
 

@@ -1,5 +1,5 @@
 """Prompt prefill with KV compression: TideKV's layer-major delayed eviction, its baselines, selectors, and the
-compressed decode cache (DESIGN.md "TideKV")."""
+compressed decode cache (docs/architecture.md, "TideKV")."""
 
 from omnijax.prefill.baselines import immediate_eviction_prefill, token_major_prefill
 from omnijax.prefill.cache import (CompressedCache, LayerCache, Selection, check_room, decode, decode_step, force,

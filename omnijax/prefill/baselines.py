@@ -1,4 +1,4 @@
-"""Prefill baselines on the same code path as TideKV (seed 001 §6): token-major prefill, chunked or one-shot.
+"""Prefill baselines on the same code path as TideKV (TideKV §6): token-major prefill, chunked or one-shot.
 
 `token_major_prefill` runs each chunk through every layer before the next chunk (the usual order), keeping every
 layer's full KV until the whole prompt is in:

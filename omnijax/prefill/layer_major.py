@@ -1,4 +1,4 @@
-"""TideKV: layer-major chunked prefill with delayed, layer-end eviction (seed 001 §4–§5).
+"""TideKV: layer-major chunked prefill with delayed, layer-end eviction (TideKV §4–§5).
 
 For each layer in turn, the prompt streams through that layer chunk by chunk against the layer's accumulated
 uncompressed KV; only after the last chunk is the layer's KV scored, compressed to its budget and packed, and the

@@ -1,4 +1,4 @@
-"""The immediate-eviction controls of TideKV's prompt-encoding fidelity study (seed 001 §6.5, Table 8), by selector.
+"""The immediate-eviction controls of TideKV's prompt-encoding fidelity study (TideKV §6.5, Table 8), by selector.
 
 Table 8 sets two immediate-eviction controls beside layer-major delayed eviction: chunked token-major prefill that
 cuts every layer's KV back to the budget after each chunk, scoring it with SnapKV ("Block-SnapKV",

@@ -15,7 +15,7 @@ and, when re-indexing, every survivor's position is shifted down by the freed po
 cached key is re-rotated by the same delta (all layers; angles in float32; a uniform shift on Qwen's three axes is the
 1D rotation). Causality is by write order, which re-indexing never changes.
 
-Re-indexing rule (DESIGN.md): a survivor occupies [min(p), max(p)] over its position components; every value in
+Re-indexing rule (docs/architecture.md): a survivor occupies [min(p), max(p)] over its position components; every value in
 [0, next_pos) covered by no survivor is freed; a survivor's delta is the number of freed values below its min(p);
 `next_pos` drops by the total freed. For contiguous 1D positions that is the number of deleted tokens before it.
 """

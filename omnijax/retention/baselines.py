@@ -1,4 +1,4 @@
-"""Position- and score-based baseline retention policies (seed 000 §7.1; Metronome for `SinkWindow`).
+"""Position- and score-based baseline retention policies (OmniTide §7.1; Metronome for `SinkWindow`).
 
 All four are **unit-blind on purpose**: they rank live tokens by age (`view.order`, never the slot index) and, for
 H2O, by accumulated attention `score`; they ignore units, span kinds and offsets. That is the point of the comparison
@@ -16,7 +16,7 @@ Budgets (retained cells after a trim, exactly `min(retained, budget)`):
     H2O(heavy, recent, high_watermark)            newest `recent` + `heavy` top-score     re-indexed
     SinkWindow(sink, window)                      oldest `sink` + newest `window`         positions keep growing
 
-The first three trigger when retained cells exceed `high_watermark` (seed 000 defaults: 2500 high, 1800 kept, two
+The first three trigger when retained cells exceed `high_watermark` (OmniTide defaults: 2500 high, 1800 kept, two
 StreamingLLM sinks); `SinkWindow` triggers as soon as retained cells exceed `sink + window` (Metronome: S=16,
 W=1024), so its cache holds at most `sink + window` tokens after each trim.
 
@@ -80,7 +80,7 @@ def _check_int(cls: str, **values: int) -> None:
 @register
 @dataclasses.dataclass(frozen=True)
 class TokenSliding:
-    """Token-level sliding ("token-basic", seed 000 §7.1): above `high_watermark` retained cells, keep the newest
+    """Token-level sliding ("token-basic", OmniTide §7.1): above `high_watermark` retained cells, keep the newest
     `window` tokens regardless of unit or span boundaries; positions are re-indexed.
 
     Args:

@@ -1,4 +1,4 @@
-"""OmniPick (seed 000 §5): structure-aware retention of recent whole units and typed sink spans of older units.
+"""OmniPick (OmniTide §5): structure-aware retention of recent whole units and typed sink spans of older units.
 
 Trigger: retained cells > `high_watermark`. Plan, per sequence (units and their age ranks as in
 `omnijax.retention.units`: distinct unit ids of live non-SYSTEM tokens, aged by their oldest token's `order`):

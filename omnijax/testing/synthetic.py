@@ -19,7 +19,7 @@ QWEN_UNIT_GRID = (2, 10, 14)
 QWEN_UNIT_AUDIO = 50
 # Qwen2.5-Omni units by name: (video grid t/h/w in patches, audio tokens, seconds per temporal patch).
 #   "2s":    the default above, 124 tokens per unit (62 per second).
-#   "paper": seed 000's streaming setup, video at 1 fps with aligned 1 s audio (§7.1), one 616x1120 frame per
+#   "paper": OmniTide's streaming setup, video at 1 fps with aligned 1 s audio (§7.1), one 616x1120 frame per
 #            unit (the processor repeats it to fill the temporal patch of 2): 880 video + 25 audio + 4 markers =
 #            909 tokens per second, the rate of the paper's 7B run (220K tokens in 241 s, about 913 per second).
 QWEN_UNITS = {"2s": (QWEN_UNIT_GRID, QWEN_UNIT_AUDIO, 1.0), "paper": ((1, 44, 80), 25, 2.0)}

@@ -1,4 +1,4 @@
-"""Per-frame telemetry of a Metronome engine, stall detection, and the first-order saturation model (seed 002 §3.1).
+"""Per-frame telemetry of a Metronome engine, stall detection, and the first-order saturation model (Metronome §3.1).
 
 Every tick records one `FrameRecord`: wall latency, pool occupancy (pages in use / pool pages), running and waiting
 sessions, tokens produced, tokens dropped, empty frames. Stalls are explicit `StallEvent`s with counters, never
