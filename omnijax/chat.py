@@ -42,22 +42,16 @@ from typing import Iterator
 
 import numpy as np
 
-from omnijax.models.frontend import units_for
+from omnijax.conversation import ChatTemplateError, Conversation, template_delta
+from omnijax.media.audio import resample
+from omnijax.media.image import read_image
 from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
 from omnijax.streaming.session import Session, bind_config
 from omnijax.chunks.spans import SpanKind
 from omnijax.plot import SessionTrace
-import wave
-import io
-from PIL import Image
 
 DEFAULT_ANSWER_BLOCK = 16
-ROLES = ("system", "user", "assistant")
-
-
-class ChatTemplateError(ValueError):
-    """The conversation cannot be rendered and fed as the template says (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +112,18 @@ class Chat:
             config = config.replace(max_answer_tokens=DEFAULT_ANSWER_BLOCK)
         self.model, self.video_kwargs = model, dict(video_kwargs or {})
         self.config = bind_config(model, config)
-        self.units_builder = units_for(model)
+        self.conversation = Conversation(model, self.tokenizer)  # messages -> templated deltas -> chunks
+        self.units_builder = self.conversation.units
         self.session = Session(model, self.config)
-        self.messages: list[dict] = []
         self.units: list[UnitRecord] = []
         self.steps: list[StepRecord] = []
-        self._rendered = ""  # the template text fed so far
         self._pending = None  # the iterator of an answer being streamed
         self._eos = tuple(model.config.eos_token_ids)
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation's messages so far (system, user and assistant; media are units of their own)."""
+        return self.conversation.messages
 
     # ------------------------------------------------------------------------------------------------ text turns
     def system(self, text: str) -> None:
@@ -133,18 +131,17 @@ class Chat:
         if self.messages:
             raise ChatTemplateError("the system message comes first; this conversation already has "
                                     f"{len(self.messages)} message(s)")
-        self._turn("system", text, SpanKind.SYSTEM)
+        self._turn("system", text)
 
     def user(self, text: str) -> None:
         """Adds a user message without asking for an answer."""
-        self._turn("user", text, SpanKind.TEXT)
+        self._turn("user", text)
 
     def add(self, message: dict) -> None:
         """Adds a message `{"role": ..., "content": ...}` (system, user or assistant); an assistant message is fed
         as the template renders it, as though the model had answered so."""
-        self._check_message(message)
-        kind = {"system": SpanKind.SYSTEM, "user": SpanKind.TEXT, "assistant": SpanKind.RESPONSE}[message["role"]]
-        self._turn(message["role"], message["content"], kind)
+        Conversation.check_message(message)
+        self._turn(message["role"], message["content"])
 
     def ask(self, text: str, *, max_tokens: int = 128, decoding=None) -> Iterator[str]:
         """Adds a user message and streams the answer's text.
@@ -165,29 +162,22 @@ class Chat:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         config = self.config if decoding is None else self.config.replace(decoding=decoding)  # validates it
-        message = {"role": "user", "content": text}
-        self._check_message(message)
-        ids, rendered = self._delta(self.messages + [message], generation_prompt=True)
-        unit = self._next_unit()
-        chunk = self.units_builder.text(ids, unit, SpanKind.TEXT, answer_tokens=min(config.max_answer_tokens,
-                                                                                    max_tokens))
-        self._pending = self._answer(message, chunk, rendered, config, max_tokens, reseed=decoding is not None)
+        prepared = self.conversation.prepare_ask(text, min(config.max_answer_tokens, max_tokens))
+        self._pending = self._answer(prepared, config, max_tokens, reseed=decoding is not None)
         return self._pending
 
-    def _answer(self, message, chunk, rendered, config, max_tokens, reseed):
+    def _answer(self, prepared, config, max_tokens, reseed):
         units, block = self.units_builder, config.max_answer_tokens
-        stop = set(answer_stop_ids(config.decoding, self._eos))
+        stop = tuple(answer_stop_ids(config.decoding, self._eos))
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        unit = int(np.asarray(chunk.unit).reshape(-1)[0])
-        answer_unit = int(np.asarray(chunk.answer_unit)[0])
+        (chunk,), answer_unit = prepared.prompt.parts, prepared.prompt.answer_unit
         generated: list[int] = []
         try:
             if reseed:
                 self.session.state = dataclasses.replace(self.session.state,
                                                          key=sampling_keys(seed_of(config.decoding), 1))
-            self._record_unit(unit, "user", text_label(message["content"]), chunk)
-            self.messages.append(message)
-            self._rendered = rendered
+            self._record_unit(prepared.unit, "user", text_label(prepared.message["content"]), chunk)
+            self.conversation.record(prepared)
             out = self._feed(chunk, config, "user")
             while True:
                 tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
@@ -204,10 +194,7 @@ class Chat:
                 yield tail
         finally:
             if generated:
-                ended = generated[-1] in stop
-                content = self.tokenizer.decode(generated[:-1] if ended else generated, skip_special_tokens=True)
-                self.messages.append({"role": "assistant", "content": content})
-                self._rendered += self.tokenizer.decode(generated)
+                content = self.conversation.answered(generated, stop)
                 self.units.append(UnitRecord(answer_unit, "answer", text_label(content),
                                              {int(SpanKind.RESPONSE): len(generated)}))
 
@@ -217,14 +204,14 @@ class Chat:
         self._idle()
         if isinstance(image, (str, Path)):
             image = read_image(image)
-        self._media("image", "image", lambda unit: self.units_builder.image(image, unit))
+        self._media("image", "image", lambda: self.conversation.image(image))
 
     def audio(self, pcm, sample_rate: int = 16_000) -> None:
         """Feeds one audio clip (`[samples]` float mono at `sample_rate`, resampled to 16 kHz) as a unit."""
         self._idle()
         pcm = resample(np.asarray(pcm, np.float32), sample_rate)
         self._media("audio", f"audio {pcm.shape[0] / 16_000:.1f} s",
-                    lambda unit: self.units_builder.audio(pcm, 16_000, unit))
+                    lambda: self.conversation.audio(pcm, 16_000))
 
     def av(self, frames, pcm, *, label: str | None = None) -> None:
         """Feeds one audiovisual unit: `frames [n, H, W, 3]` sampled at the family's fps and the 16 kHz mono PCM of
@@ -232,7 +219,7 @@ class Chat:
         `kept()`."""
         self._idle()
         self._media("av", label or f"av {np.shape(pcm)[0] / 16_000:.1f} s",
-                    lambda unit: self.units_builder.av(frames, pcm, unit, **self.video_kwargs))
+                    lambda: self.conversation.av(frames, pcm, **self.video_kwargs))
 
     def video(self, path, *, start: float = 0.0, end: float | None = None, progress=None) -> int:
         """Feeds a video file (PyAV) as audiovisual units, from `start` to `end` seconds; returns the units fed.
@@ -293,40 +280,18 @@ class Chat:
             raise RuntimeError("an answer is still being streamed: consume or close the iterator ask() returned "
                                "before adding to the conversation")
 
-    def _check_message(self, message: dict) -> None:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"a message is a dict with 'role' and 'content', got {message!r}")
-        if message["role"] not in ROLES:
-            raise ValueError(f"unknown chat role {message['role']!r}; Chat takes {', '.join(ROLES)}")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"message content must be text (media go through image/audio/av/video), got "
-                             f"{type(message['content']).__name__}")
-
-    def _delta(self, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
-        return template_delta(self.tokenizer, self._rendered, messages, generation_prompt=generation_prompt)
-
-    def _turn(self, role: str, text: str, kind: SpanKind) -> None:
+    def _turn(self, role: str, text: str) -> None:
         self._idle()
-        message = {"role": role, "content": text}
-        self._check_message(message)
-        ids, rendered = self._delta(self.messages + [message], generation_prompt=False)
-        if not ids:
-            raise ChatTemplateError(f"the template renders this {role} message as nothing new")
-        unit = self._next_unit()
-        chunk = self.units_builder.text(ids, unit, kind)
+        unit = self.conversation.next_unit
+        (chunk,) = self.conversation.message(role, text)  # checks and builds before anything is recorded
         self._record_unit(unit, role, text_label(text), chunk)
-        self.messages.append(message)
-        self._rendered = rendered
         self._feed(chunk, self.config, role)
 
     def _media(self, kind: str, label: str, build) -> None:
-        unit = self._next_unit()
-        chunk = build(unit)  # raises (bad input, missing encoder) before anything is recorded or fed
+        unit = self.conversation.next_unit
+        (chunk,) = build()  # raises (bad input, missing encoder) before anything is recorded or fed
         self._record_unit(unit, kind, label, chunk)
         self._feed(chunk, self.config, kind)
-
-    def _next_unit(self) -> int:
-        return 1 + max((u.unit for u in self.units), default=-1)
 
     def _record_unit(self, unit: int, kind: str, label: str, chunk) -> None:
         span = np.asarray(chunk.span)[np.asarray(chunk.valid, bool)]
@@ -346,29 +311,6 @@ class Chat:
                           f"cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or a bounded "
                           f"policy", RuntimeWarning, stacklevel=3)
         return out
-
-
-def template_delta(tokenizer, fed: str, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
-    """Token ids of the chat template's rendering of `messages` past what was fed, and the whole rendering.
-
-    When the rendering fed so far (`fed`) is a prefix of the new one, the new part is the rest. A template that
-    re-renders earlier turns once a message follows (Qwen3's drops the reasoning block of earlier answers) gets the
-    last message's own rendering, provided the whole conversation's rendering ends with it: the earlier turns stay
-    in the cache as the model saw them when it answered. Otherwise `ChatTemplateError`.
-    """
-    rendered = tokenizer.render(messages, add_generation_prompt=generation_prompt)
-    if rendered.startswith(fed):
-        delta = rendered[len(fed):]
-    else:
-        delta = tokenizer.render(messages[-1:], add_generation_prompt=generation_prompt)
-        if not rendered.endswith(delta):
-            at = next((i for i, (a, b) in enumerate(zip(rendered, fed)) if a != b), 0)
-            raise ChatTemplateError(
-                f"the chat template renders the earlier conversation differently once this message is added "
-                f"(they part at character {at}: fed {fed[at:at + 40]!r}, now {rendered[at:at + 40]!r}), and the "
-                f"message's own rendering is not how the conversation's ends; only what is new is fed, and one "
-                f"cannot rewrite the cache")
-    return (tokenizer.encode(delta) if delta else []), rendered
 
 
 def text_label(text: str, width: int = 32) -> str:
@@ -400,63 +342,10 @@ def kept_by_kind(rows: list[KeptRow]) -> list[KeptRow]:
             for (kind, span), (units, fed, kept) in totals.items()]
 
 
-def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
-    """Mono PCM at `sample_rate` -> `target` Hz: a windowed-sinc low-pass at the target's Nyquist frequency when
-    downsampling (so nothing above it folds into the band the models' log-mel features see), then linear
-    interpolation onto the target's sample times."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
-        raise ValueError(f"sample_rate must be a positive int, got {sample_rate!r}")
-    if pcm.ndim != 1 or pcm.shape[0] == 0:
-        raise ValueError(f"audio must be mono [samples] with at least one sample, got shape {pcm.shape}")
-    if not np.isfinite(pcm).all():
-        raise ValueError("audio holds NaN or infinite samples")
-    if sample_rate == target:
-        return pcm
-    if sample_rate > target:
-        cutoff = 0.5 * target / sample_rate  # cycles per input sample
-        half = int(np.ceil(4 / cutoff))
-        taps = 2 * cutoff * np.sinc(2 * cutoff * np.arange(-half, half + 1)) * np.blackman(2 * half + 1)
-        pcm = np.convolve(pcm, taps / taps.sum(), mode="same")
-    n = max(1, int(round(pcm.shape[0] * target / sample_rate)))
-    return np.interp(np.arange(n) * (sample_rate / target), np.arange(pcm.shape[0]), pcm).astype(np.float32)
-
-
-def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray, int]:
-    """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (a path or a binary file object; channels
-    averaged), refusing sample widths (bytes) outside `widths` with a ValueError naming the source."""
-
-    label = source if isinstance(source, (str, Path)) else "the WAV data"
-    try:
-        with wave.open(source if not isinstance(source, Path) else str(source), "rb") as f:
-            width, channels, rate = f.getsampwidth(), f.getnchannels(), f.getframerate()
-            data = f.readframes(f.getnframes())
-    except (OSError, EOFError, wave.Error) as e:
-        raise ValueError(f"{label}: not a readable PCM WAV file ({e})") from e
-    if width not in widths:
-        bits = ", ".join(str(8 * w) for w in widths)
-        raise ValueError(f"{label}: {8 * width}-bit samples are not supported ({bits}-bit PCM)")
-    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}[width]
-    pcm = np.frombuffer(data, dtype).astype(np.float32)
-    pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
-    return pcm.reshape(-1, channels).mean(axis=1), rate
-
-
-def read_image(source) -> np.ndarray:
-    """`[H, W, 3]` uint8 RGB of an image file (PNG, JPEG, ...): a path, or the file's bytes; a ValueError naming
-    the path when PIL cannot read it."""
-
-    try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
-            return np.asarray(image.convert("RGB"))
-    except (OSError, ValueError) as e:
-        where = "the image could not be decoded" if isinstance(source, bytes) else f"{source}: not a readable image"
-        raise ValueError(f"{where} ({e})") from None
-
-
 def clock(seconds: float) -> str:
     """`M:SS` of a time in seconds."""
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 __all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "StepRecord", "UnitRecord",
-           "format_kept", "kept_by_kind", "resample", "text_label"]
+           "format_kept", "kept_by_kind", "template_delta", "text_label"]

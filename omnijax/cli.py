@@ -18,7 +18,8 @@ import argparse
 import sys
 from typing import Sequence
 from omnijax.decoding import Greedy, Sampling
-from omnijax.chat import clock, format_kept, kept_by_kind, read_wav
+from omnijax.chat import clock, format_kept, kept_by_kind
+from omnijax.media.audio import read_wav
 from omnijax import plot
 from omnijax.convert.__main__ import main as convert_main
 from omnijax.serve.app import main as serve_main

@@ -11,7 +11,8 @@ import pytest
 
 import omnijax
 from omnijax.convert import convert_checkpoint
-from omnijax.chat import Chat, ChatTemplateError, format_kept, resample
+from omnijax.chat import Chat, ChatTemplateError, format_kept
+from omnijax.media.audio import resample
 from omnijax.models.frontend import bucket
 from omnijax.chunks.chunk import pad_chunk, stack_chunks
 from omnijax.decoding import Sampling
@@ -73,7 +74,7 @@ def _hf_ids(hf_tokenizer, messages, generation_prompt):
 def _state(chat):
     kv = chat.session.state.kv
     return (np.asarray(kv.valid).copy(), np.asarray(chat.session.state.next_pos).copy(), len(chat.units),
-            copy.deepcopy(chat.messages), chat._rendered, len(chat.steps))
+            copy.deepcopy(chat.messages), chat.conversation.rendered, len(chat.steps))
 
 
 def _same(a, b):
@@ -120,7 +121,7 @@ def test_multi_turn_cache_holds_the_template_rendering(model, hf_tokenizer):
     answers = [u for u in chat.units if u.kind == "answer"]
     assert len(answers) == 2 and all(u.fed[SpanKind.RESPONSE] >= 1 for u in answers)
     rendered = hf_tokenizer.apply_chat_template(chat.messages, add_generation_prompt=False, tokenize=False)
-    assert rendered.startswith(chat._rendered) and rendered[len(chat._rendered):] in ("\n", "<|im_end|>\n")
+    assert rendered.startswith(chat.conversation.rendered) and rendered[len(chat.conversation.rendered):] in ("\n", "<|im_end|>\n")
     # Sampling with a seed reproduces the answer.
     again = Chat(model, omnijax.StreamConfig(max_answer_tokens=8, num_pages=16))
     again.system("You answer questions.")

@@ -31,7 +31,7 @@ MESHES = [(8, 1), (4, 2), (2, 4)]
 _SETUP = textwrap.dedent("""
     import numpy as np
     from flax import nnx
-    from omnijax.chunks.builders import qwen2_5_omni as qwen
+    from omnijax.models.qwen2_5_omni import layout as qwen
     from omnijax.models.config import TINY_OMNI
     from omnijax.eval.runner import EvalConfig
     from omnijax.models.decoder import Decoder

@@ -26,7 +26,7 @@ EXPERTS = 8
 _SETUP = textwrap.dedent(f"""
     import numpy as np
     from flax import nnx
-    from omnijax.chunks.builders import qwen2_5_omni as qwen
+    from omnijax.models.qwen2_5_omni import layout as qwen
     from omnijax.models.config import TINY_OMNI
     from omnijax.eval.runner import EvalConfig
     from omnijax.models.decoder import Decoder

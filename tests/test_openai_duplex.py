@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 
 import omnijax  # noqa: E402
 from omnijax.convert import convert_checkpoint  # noqa: E402
-from omnijax.chat import resample  # noqa: E402
+from omnijax.media.audio import resample  # noqa: E402
 from omnijax.models.minicpmo.duplex import DuplexTokens  # noqa: E402
 from omnijax.streaming.duplex import DuplexSession  # noqa: E402
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE, write_tiny_tokenizer  # noqa: E402
@@ -24,7 +24,7 @@ from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.engine.duplex import speak_ids  # noqa: E402
 from omnijax.serve.loadgen import speech_like_pcm  # noqa: E402
-from omnijax.chat import read_image  # noqa: E402
+from omnijax.media.image import read_image  # noqa: E402
 from omnijax.serve.realtime.duplex import duplex_rule  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "minicpmo45"

@@ -10,7 +10,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from omnijax.chat import resample  # noqa: E402
+from omnijax.media.audio import resample  # noqa: E402
 from omnijax.decoding import Greedy, Sampling  # noqa: E402
 from omnijax.serve import chat_completions as oh  # noqa: E402
 

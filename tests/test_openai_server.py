@@ -361,3 +361,44 @@ def test_realtime_session_sampling_extension(server, model):
     greedy, _ = asyncio.run(answer({"temperature": 0}))
     expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
     assert sampled == again and greedy.rstrip("\n") == expected.rstrip("\n") and sampled != greedy
+
+
+def test_media_is_encoded_off_the_event_loop(server, monkeypatch):
+    """While one request's audio is encoded, every other client is served: the encoder is held until another
+    client's listing and chat completion have been answered (were the encoder on the event loop, they would wait
+    for it and time out)."""
+    import threading
+    import wave
+
+    from omnijax.conversation import Conversation
+
+    entered, release = threading.Event(), threading.Event()
+    encode = Conversation.audio
+
+    def held(self, pcm, sample_rate=16_000):
+        entered.set()
+        assert release.wait(120), "the test never released the encoder"
+        return encode(self, pcm, sample_rate)
+
+    monkeypatch.setattr(Conversation, "audio", held)
+    server.wait_idle()
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((3000 * np.sin(np.arange(16000) * 0.1)).astype("<i2").tobytes())
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
+                                                    "format": "wav"}}
+    heard = {}
+    spoken = threading.Thread(target=lambda: heard.setdefault("reply", _client(server).chat.completions.create(
+        model="omnijax", messages=[{"role": "user", "content": [audio]}], max_tokens=2)))
+    spoken.start()
+    try:
+        assert entered.wait(60), "the audio request never reached its encoder"
+        assert [m.id for m in _client(server, timeout=20).models.list().data] == ["omnijax"]
+        other = _client(server, timeout=60).chat.completions.create(
+            model="omnijax", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert other.choices[0].finish_reason in ("stop", "length") and not heard
+    finally:
+        release.set()
+        spoken.join(120)
+    assert heard["reply"].choices[0].finish_reason in ("stop", "length")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import omnijax
+from omnijax.models.registry import family_for
 from omnijax import StreamConfig
 from omnijax.chunks import builders as adapters
 from omnijax.chunks.chunk import stack_chunks, text_chunk
@@ -117,8 +118,8 @@ def test_get_policy_is_the_one_way_names_become_policies():
 def test_omnipick_source_image_follows_the_model_family(model):
     policy = OmniPick(high_watermark=40, low_watermark=20)
     assert policy.source_image_whole is None
-    minicpmo = types.SimpleNamespace(model_type="minicpmo", decoder=model)
-    qwen = types.SimpleNamespace(model_type="qwen2_5_omni", decoder=model)
+    minicpmo = types.SimpleNamespace(family=family_for("minicpmo"), decoder=model)
+    qwen = types.SimpleNamespace(family=family_for("qwen2_5_omni"), decoder=model)
     assert bind_config(minicpmo, policy=policy).policy.source_image_whole is True
     assert bind_config(qwen, policy=policy).policy.source_image_whole is False
     assert bind_config(model, policy=policy).policy.source_image_whole is False
@@ -148,8 +149,12 @@ def _python(code: str, env: dict) -> str:
     return run.stdout.strip()
 
 
-def test_the_compilation_cache_is_on_by_default_with_a_directory_and_an_off_switch(tmp_path):
-    code = ("import jax, jax.numpy as jnp, omnijax; print(jax.config.jax_compilation_cache_dir); "
+def test_the_compilation_cache_switch_takes_a_directory_and_an_off_switch(tmp_path):
+    """`omnijax.enable_compilation_cache()` (what the command lines call; `import omnijax` alone changes nothing)."""
+    assert _python("import jax, omnijax; print(jax.config.jax_compilation_cache_dir)",
+                   {"JAX_PLATFORMS": "cpu", "OMNIJAX_COMPILATION_CACHE": ""}) == "None"
+    code = ("import jax, jax.numpy as jnp, omnijax; omnijax.enable_compilation_cache(); "
+            "print(jax.config.jax_compilation_cache_dir); "
             "jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()")
     env = {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     env.pop("OMNIJAX_COMPILATION_CACHE", None)
@@ -161,7 +166,7 @@ def test_the_compilation_cache_is_on_by_default_with_a_directory_and_an_off_swit
     assert any(os.scandir(chosen))
     assert _python(code, {**env, "OMNIJAX_COMPILATION_CACHE": "off"}) == "None"
     own = ("import jax; jax.config.update('jax_compilation_cache_dir', %r); import omnijax; "
-           "print(jax.config.jax_compilation_cache_dir)" % str(tmp_path / "own"))
+           "omnijax.enable_compilation_cache(); print(jax.config.jax_compilation_cache_dir)" % str(tmp_path / "own"))
     assert _python(own, {**env, "OMNIJAX_COMPILATION_CACHE": ""}) == str(tmp_path / "own")
 
 

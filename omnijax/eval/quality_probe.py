@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from omnijax.chat import read_wav, resample
+from omnijax.media.audio import read_wav, resample
 from omnijax.models.frontend import units_for
 from omnijax.chunks.chunk import split_chunk
 from omnijax.decoding import Greedy

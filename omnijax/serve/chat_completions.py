@@ -18,6 +18,7 @@ field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import dataclasses
@@ -26,12 +27,13 @@ import json
 import logging
 import time
 import uuid
+from typing import Any
 
 import numpy as np
-from omnijax.chat import read_wav, resample
+from omnijax.media.audio import read_wav, resample
 from omnijax.decoding import sampling_row
 from omnijax.serve.engine.admission import Overloaded
-from omnijax.chat import read_image
+from omnijax.media.image import read_image
 from starlette.responses import JSONResponse, StreamingResponse
 
 log = logging.getLogger("omnijax.serve")
@@ -259,25 +261,44 @@ def _json_error(e: RequestError, headers: dict | None = None):
                         headers=headers)
 
 
+def _parse_body(body: bytes, context) -> ChatRequest:
+    """The request of a body (JSON, media decoded and resampled); `RequestError` naming the field."""
+    try:
+        payload = json.loads(body)
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return parse_chat_request(payload, model_name=context.options.model_name,
+                              decoding=context.worker.engine.config.stream.decoding)
+
+
+def _build(conversation, req: ChatRequest, answer_tokens: int) -> tuple[list, Any]:
+    """The request's messages as chunks (templates, images and audio through the encoders), then the response's
+    generation prompt asking for `answer_tokens`."""
+    parts = []
+    for role, content in req.messages:
+        for p in content:
+            if p.kind == "text":
+                parts += conversation.message(role, p.text)
+            elif p.kind == "image":
+                parts += conversation.image(read_image(p.data))
+            else:
+                parts += conversation.audio(p.pcm)
+    return parts, conversation.prompt(answer_tokens)
+
+
 async def models(request, context):
     return JSONResponse(models_list(context.options.model_name, context.started))
 
 
 async def chat_completions(request, context):
-    """Serves one chat completion (streamed or whole) as one engine session."""
-
-
+    """Serves one chat completion (streamed or whole) as one engine session. Decoding the body's media,
+    templating and the encoders run in a worker thread: the event loop serves every other client meanwhile."""
     body = await request.body()
     if len(body) > context.options.max_message_bytes:
         return _json_error(RequestError(f"the request body is {len(body)} bytes, over the server's cap of "
                                         f"{context.options.max_message_bytes}", status=413, code="too_large"))
     try:
-        try:
-            payload = json.loads(body)
-        except ValueError as e:
-            raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        req = parse_chat_request(payload, model_name=context.options.model_name,
-                                 decoding=context.worker.engine.config.stream.decoding)
+        req = await asyncio.to_thread(_parse_body, body, context)
     except RequestError as e:
         return _json_error(e)
     client = request.client.host if request.client else "?"
@@ -289,17 +310,8 @@ async def chat_completions(request, context):
                            headers={"Retry-After": "1"})
     try:
         conversation = context.conversation()
-        parts = []
-        for role, content in req.messages:
-            for p in content:
-                if p.kind == "text":
-                    parts += conversation.message(role, p.text)
-                elif p.kind == "image":
-                    parts += conversation.image(read_image(p.data))
-                else:
-                    parts += conversation.audio(p.pcm)
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
-        prompt = conversation.prompt(min(context.worker.tau, max_tokens))
+        parts, prompt = await asyncio.to_thread(_build, conversation, req, min(context.worker.tau, max_tokens))
         prompt_tokens = conversation.tokens_fed
         if req.seed is not None:
             await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)

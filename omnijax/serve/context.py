@@ -12,7 +12,7 @@ import time
 
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.audio_frames import AudioFrameEncoder
-from omnijax.serve.conversation import Conversation
+from omnijax.conversation import Conversation
 
 
 @dataclasses.dataclass(frozen=True)

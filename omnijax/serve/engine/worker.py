@@ -3,7 +3,7 @@
 Every front end (`/v1/realtime`, `/v1/chat/completions`) drives sessions through one `EngineWorker`:
 
 - `open(sid)` admits a session (AIMD cap, then an engine slot) or raises `Overloaded`; `close(sid)` frees it.
-- `feed(sid, parts)` queues chunks (at most `chunk_tokens` each, see `omnijax.serve.conversation`); the returned
+- `feed(sid, parts)` queues chunks (at most `chunk_tokens` each, see `omnijax.conversation`); the returned
   future resolves once the last one has been written.
 - `respond(sid, prompt, max_tokens)` queues a response: its prompt parts, then continuation chunks asking for up to
   tau tokens per tick until a stop token, `max_tokens`, or `cancel(sid)`. Its `Answer` yields token deltas.

@@ -53,7 +53,7 @@ from omnijax.serve.engine.admission import Overloaded
 from omnijax.models.minicpmo.duplex import DuplexTokens
 from omnijax.serve.engine.duplex import DuplexStream
 from omnijax.serve.realtime.duplex import duplex_rule
-from omnijax.chat import read_image
+from omnijax.media.image import read_image
 from omnijax.serve.engine.duplex import speak_ids
 from starlette.websockets import WebSocketDisconnect
 

@@ -31,8 +31,8 @@ from omnijax.serve.realtime import server_events as rse
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule
 from omnijax.models.minicpmo.duplex import DuplexTokens
 from omnijax.serve.engine.duplex import DuplexStream
-from omnijax.chat import read_image
-from omnijax.chat import resample
+from omnijax.media.image import read_image
+from omnijax.media.audio import resample
 from omnijax.serve.engine.duplex import speak_ids
 
 log = logging.getLogger("omnijax.serve")

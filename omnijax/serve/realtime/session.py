@@ -1,6 +1,6 @@
 """`WS /v1/realtime`: an OpenAI Realtime (GA) session, text output, served by the Metronome engine's ticks.
 
-One WebSocket is one engine session and one conversation (`omnijax.serve.conversation`). The wire codec is
+One WebSocket is one engine session and one conversation (`omnijax.conversation`). The wire codec is
 `omnijax.serve.realtime.client_events` (client events) and `realtime_server_events` (server events); this module maps
 events onto the conversation and the `EngineWorker`:
 
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnijax.chat import read_image
+from omnijax.media.image import read_image
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.engine.admission import Overloaded
@@ -60,7 +60,7 @@ from omnijax.serve.engine.snapshot import SnapshotError
 from omnijax.serve.engine.snapshot import load_snapshot
 from omnijax.serve.engine.snapshot import save_snapshot
 from omnijax.serve.realtime.duplex import DuplexRealtime
-from omnijax.chat import resample
+from omnijax.media.audio import resample
 from omnijax.decoding import sampling_row
 from starlette.websockets import WebSocketDisconnect
 
@@ -214,16 +214,16 @@ class RealtimeSession:
         elif self.duplex is not None:
             self.duplex.handle(event)
         elif isinstance(event, rte.InputAudioBufferAppend):
-            self._append(np.frombuffer(event.audio, "<i2"), eid)
+            await self._append(np.frombuffer(event.audio, "<i2"), eid)
         elif isinstance(event, rte.InputAudioBufferCommit):
-            self._commit(eid)
+            await self._commit(eid)
         elif isinstance(event, rte.InputAudioBufferClear):
             self.audio = self.audio[:0]
             self.send(rse.input_audio_buffer_cleared())
         elif isinstance(event, rte.ConversationItemCreate):
-            self._item(event)
+            await self._item(event)
         elif isinstance(event, rte.ResponseCreate):
-            self._respond(event)
+            await self._respond(event)
         elif isinstance(event, rte.ResponseCancel):
             if self.response is None or self.response.done():
                 raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
@@ -258,12 +258,12 @@ class RealtimeSession:
         if done is not None:
             done()
 
-    def _instructions(self, eid) -> None:
+    async def _instructions(self, eid) -> None:
         """Feeds the session's instructions as a system message when they changed since last fed."""
         text = self.settings.instructions
         if text and text != self.instructions_fed:
             try:
-                parts = self.conversation.message("system", text)
+                parts = await asyncio.to_thread(self.conversation.message, "system", text)
             except ValueError as e:
                 raise self._fail(e, eid, "session.instructions") from None
             self.instructions_fed = text
@@ -274,31 +274,30 @@ class RealtimeSession:
     def _frame(self) -> int:
         return int(round(self.settings.input_audio_rate * self.options.frame_ms / 1000))
 
-    def _append(self, pcm: np.ndarray, eid) -> None:
+    async def _append(self, pcm: np.ndarray, eid) -> None:
         rate = self.settings.input_audio_rate
         if (self.audio.size + pcm.size) / rate > self.options.max_audio_buffer_s:
             raise rte.RealtimeEventError(
                 "buffer_too_large", f"the input audio buffer would hold {(self.audio.size + pcm.size) / rate:.1f} s "
                 f"not yet fed, over the server's cap of {self.options.max_audio_buffer_s:g} s", event_id=eid,
                 param="audio")
-        self._instructions(eid)
+        await self._instructions(eid)
         before, self.audio = self.audio, np.concatenate([self.audio, pcm])
         first = True
         while self.audio.size >= self._frame:
             try:
-                self._feed_frame(self.audio[:self._frame], eid)
+                await self._feed_frame(self.audio[:self._frame], eid)
             except rte.RealtimeEventError:
                 if first:  # nothing was fed: the append changes nothing
                     self.audio = before
                 raise  # else the frames from this one on stay in the buffer, unfed
             self.audio, first = self.audio[self._frame:], False
 
-    def _feed_frame(self, frame: np.ndarray, eid) -> None:
+    async def _feed_frame(self, frame: np.ndarray, eid) -> None:
         """Feeds one frame of session-rate PCM (raises, feeding nothing, when the model cannot encode it)."""
 
-        pcm = resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate)
         try:
-            parts = self.conversation.audio(pcm)
+            parts = await asyncio.to_thread(self._encode_frame, frame)
         except ValueError as e:
             raise self._fail(e, eid, "audio") from None
         self._feed(parts)
@@ -306,9 +305,14 @@ class RealtimeSession:
         self.audio_fed_s += ms / 1000
         self.audio_ms += ms
         if self.settings.turn_detection is not None:
-            self._vad(frame, ms, eid)
+            await self._vad(frame, ms, eid)
 
-    def _vad(self, frame: np.ndarray, ms: int, eid) -> None:
+    def _encode_frame(self, frame: np.ndarray) -> list:
+        """One frame of session-rate int16 PCM -> its audio unit's parts (resampling and the audio encoder: run
+        off the event loop)."""
+        return self.conversation.audio(resample(frame.astype(np.float32) / 32768.0, self.settings.input_audio_rate))
+
+    async def _vad(self, frame: np.ndarray, ms: int, eid) -> None:
         vad = {k: (v if v is not None else VAD_DEFAULTS.get(k)) for k, v in
                vars(self.settings.turn_detection).items()}
         rms = float(np.sqrt(np.mean((frame.astype(np.float64) / 32768.0) ** 2)))
@@ -324,18 +328,18 @@ class RealtimeSession:
                 item = self.speech["item"]
                 self.speech = None
                 self.send(rse.input_audio_buffer_speech_stopped(item, self.audio_ms))
-                self._commit(eid, item)
+                await self._commit(eid, item)
                 if vad["create_response"]:
-                    self._respond(rte.ResponseCreate(None))
+                    await self._respond(rte.ResponseCreate(None))
 
-    def _commit(self, eid, item_id: str | None = None) -> None:
+    async def _commit(self, eid, item_id: str | None = None) -> None:
         if self.audio.size == 0 and self.audio_fed_s == 0:
             raise rte.RealtimeEventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: "
                                          "append audio before committing", event_id=eid)
         while self.audio.size:  # whole frames left by a refused append, then the tail padded with silence
             frame = np.zeros((self._frame,), np.int16)
             frame[:min(self.audio.size, self._frame)] = self.audio[:self._frame]
-            self._feed_frame(frame, eid)
+            await self._feed_frame(frame, eid)
             self.audio = self.audio[self._frame:]
         item_id = item_id or rte.new_id("item")
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
@@ -347,21 +351,25 @@ class RealtimeSession:
         self.send(rse.conversation_item_done(item, previous))
 
     # ----------------------------------------------------------------------------------------- items, responses
-    def _item(self, event: rte.ConversationItemCreate) -> None:
+    async def _item(self, event: rte.ConversationItemCreate) -> None:
         eid = event.event_id
         images = {}
         for i, part in enumerate(event.content):  # decode every image before anything is fed
             if isinstance(part, rte.InputImage):
                 try:
-                    images[i] = read_image(part.data)
+                    images[i] = await asyncio.to_thread(read_image, part.data)
                 except ValueError as e:
                     raise self._fail(e, eid, f"item.content[{i}].image_url") from None
-        self._instructions(eid)
-        parts = []
-        try:
+        await self._instructions(eid)
+        def build() -> list:  # the vision encoder and the template: off the event loop
+            parts = []
             for i, part in enumerate(event.content):
                 parts += (self.conversation.image(images[i]) if i in images
                           else self.conversation.message(event.role, part.text))
+            return parts
+
+        try:
+            parts = await asyncio.to_thread(build)
         except ValueError as e:
             raise self._fail(e, eid, "item.content") from None
         item = rse.user_item(event)
@@ -369,7 +377,7 @@ class RealtimeSession:
         self.send(rse.conversation_item_added(item, previous))
         self._feed(parts, lambda: self.send(rse.conversation_item_done(item, previous)))
 
-    def _respond(self, event: rte.ResponseCreate) -> None:
+    async def _respond(self, event: rte.ResponseCreate) -> None:
         eid = event.event_id
         if self.response is not None and not self.response.done():
             raise rte.RealtimeEventError("conversation_already_has_active_response", "a response is in progress: "
@@ -381,8 +389,8 @@ class RealtimeSession:
         limit = event.max_output_tokens if event.max_output_tokens is not None else self.settings.max_output_tokens
         cap = self.options.max_output_tokens
         max_tokens = cap if limit == "inf" else min(int(limit), cap)
-        self._instructions(eid)
-        prompt = self.conversation.prompt(min(self.worker.tau, max_tokens))
+        await self._instructions(eid)
+        prompt = await asyncio.to_thread(self.conversation.prompt, min(self.worker.tau, max_tokens))
         input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
         self.tokens_since_response = 0
         answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation, self._sampling())
