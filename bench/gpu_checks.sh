@@ -27,8 +27,8 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 py=${PYTHON:-python3}
 { nvidia-smi -L; $py -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"; } \
     2>&1 | tee "$out/env.log"
-[ "${TEST_S:-150}" = 0 ] || timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_block_sparse_attention.py \
-    tests/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
+[ "${TEST_S:-150}" = 0 ] || timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider tests/kernels/test_block_sparse_attention.py \
+    tests/kernels/test_streaming_topk.py 2>&1 | tee "$out/kernel_tests.log" | tail -25
 if [ "${MIG_S:-90}" != 0 ]; then
     echo "== migration_cost (limit ${MIG_S:-90} s)"
     timeout "${MIG_S:-90}" $py -m bench.omnitide.migration_cost --layouts "$layouts" --layers 28 --chunks 64 256 4096 \

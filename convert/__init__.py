@@ -1,4 +1,5 @@
-"""Deprecated: `convert` moved to `omnijax.convert` (this path keeps working for one release)."""
+"""Deprecated: `convert` moved to `omnijax.convert`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.errors` moved to `omnijax.errors` (this path keeps working for one release)."""
+"""Deprecated: `convert.errors` moved to `omnijax.errors`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.llama` moved to `omnijax.models.llama.convert` (this path keeps working for one release)."""
+"""Deprecated: `convert.llama` moved to `omnijax.models.llama.convert`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.minicpmo` moved to `omnijax.models.minicpmo.convert` (this path keeps working for one release)."""
+"""Deprecated: `convert.minicpmo` moved to `omnijax.models.minicpmo.convert`
+(this path keeps working for one release)."""
 
 import sys
 

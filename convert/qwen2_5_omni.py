@@ -1,4 +1,5 @@
-"""Deprecated: `convert.qwen2_5_omni` moved to `omnijax.models.qwen2_5_omni.convert` (this path keeps working for one release)."""
+"""Deprecated: `convert.qwen2_5_omni` moved to `omnijax.models.qwen2_5_omni.convert`
+(this path keeps working for one release)."""
 
 import sys
 

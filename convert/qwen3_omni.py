@@ -1,4 +1,5 @@
-"""Deprecated: `convert.qwen3_omni` moved to `omnijax.models.qwen3_omni.convert` (this path keeps working for one release)."""
+"""Deprecated: `convert.qwen3_omni` moved to `omnijax.models.qwen3_omni.convert`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.safetensors_io` moved to `omnijax.checkpoint.safetensors` (this path keeps working for one release)."""
+"""Deprecated: `convert.safetensors_io` moved to `omnijax.checkpoint.safetensors`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.special_tokens` moved to `omnijax.checkpoint.special_tokens` (this path keeps working for one release)."""
+"""Deprecated: `convert.special_tokens` moved to `omnijax.checkpoint.special_tokens`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""Deprecated: `convert.streaming` moved to `omnijax.checkpoint.loop` (this path keeps working for one release)."""
+"""Deprecated: `convert.streaming` moved to `omnijax.checkpoint.loop`
+(this path keeps working for one release)."""
 
 import sys
 

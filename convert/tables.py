@@ -1,7 +1,8 @@
-"""Deprecated: `convert.tables` moved to `omnijax.checkpoint.tables` (this path keeps working for one release)."""
+"""Deprecated: `convert.tables` moved to `omnijax.checkpoint.name_tables`
+(this path keeps working for one release)."""
 
 import sys
 
 from omnijax._deprecation import moved
 
-sys.modules[__name__] = moved(__name__, "omnijax.checkpoint.tables")
+sys.modules[__name__] = moved(__name__, "omnijax.checkpoint.name_tables")

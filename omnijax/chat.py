@@ -42,14 +42,14 @@ from typing import Iterator
 
 import numpy as np
 
+from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import ChatTemplateError, Conversation, template_delta
+from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
-from omnijax.streaming.config import StreamConfig
-from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
-from omnijax.streaming.session import Session, bind_config
-from omnijax.chunks.spans import SpanKind
 from omnijax.plot import SessionTrace
+from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.session import Session, bind_config
 
 DEFAULT_ANSWER_BLOCK = 16
 

@@ -17,18 +17,18 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
-from omnijax.decoding import Greedy, Sampling
-from omnijax.chat import clock, format_kept, kept_by_kind
-from omnijax.media.audio import read_wav
-from omnijax import plot
-from omnijax.convert.__main__ import main as convert_main
-from omnijax.serve.app import main as serve_main
+
 from tqdm import tqdm
-from omnijax.chat import Chat
+
+from omnijax import compilation_cache, plot
+from omnijax.chat import Chat, clock, format_kept, kept_by_kind
+from omnijax.convert.__main__ import main as convert_main
+from omnijax.decoding import Greedy, Sampling
+from omnijax.media.audio import read_wav
 from omnijax.models.registry import load
 from omnijax.retention import get_policy
+from omnijax.serve.app import main as serve_main
 from omnijax.streaming.config import StreamConfig
-from omnijax import compilation_cache
 
 SUBCOMMANDS = ("convert", "chat", "watch", "serve")
 

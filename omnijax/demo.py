@@ -22,23 +22,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-from omnijax.models.encoders.whisper import AudioConfig, audio_component
-from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
-from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
-from omnijax.models.tokenizer import CHATML_TEMPLATE
-from omnijax.models.tokenizer import write_tiny_tokenizer as write
-from omnijax.models.qwen2_5_omni import frontend
-from omnijax.retention import OmniPick
-from omnijax import plot
-from omnijax.chat import clock, format_kept, kept_by_kind
-from omnijax.models.frontend import units_for
-from omnijax.media import video
 from safetensors.numpy import save_file
 from tqdm import tqdm
-from omnijax.chat import Chat
+
+from omnijax import compilation_cache, plot
+from omnijax.chat import Chat, clock, format_kept, kept_by_kind
+from omnijax.media import video
+from omnijax.models.encoders.whisper import AudioConfig, audio_component
+from omnijax.models.frontend import units_for
+from omnijax.models.qwen2_5_omni import frontend
+from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
+from omnijax.models.qwen2_5_omni.vision import VisionConfig, vision_component
 from omnijax.models.registry import load
+from omnijax.models.tokenizer import CHATML_TEMPLATE
+from omnijax.models.tokenizer import write_tiny_tokenizer as write
+from omnijax.retention import OmniPick
 from omnijax.streaming.config import StreamConfig
-from omnijax import compilation_cache
 
 # Hugging Face config of the embedded tiny model (full-model layout: thinker + speech-output parts).
 TINY_TEXT_CONFIG = {

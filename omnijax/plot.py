@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
 from omnijax.chunks.spans import SpanKind
 from omnijax.streaming.step import StreamResult
 

@@ -1,4 +1,5 @@
-"""Deprecated: `pallas_kernels` moved to `omnijax.kernels` (this path keeps working for one release)."""
+"""Deprecated: `pallas_kernels` moved to `omnijax.kernels`
+(this path keeps working for one release)."""
 
 import sys
 

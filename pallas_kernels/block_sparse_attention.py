@@ -1,4 +1,5 @@
-"""Deprecated: `pallas_kernels.block_sparse_attention` moved to `omnijax.kernels.block_sparse_attention` (this path keeps working for one release)."""
+"""Deprecated: `pallas_kernels.block_sparse_attention` moved to `omnijax.kernels.block_sparse_attention`
+(this path keeps working for one release)."""
 
 import sys
 

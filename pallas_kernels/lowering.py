@@ -1,4 +1,5 @@
-"""Deprecated: `pallas_kernels.lowering` moved to `omnijax.kernels.lowering` (this path keeps working for one release)."""
+"""Deprecated: `pallas_kernels.lowering` moved to `omnijax.kernels.lowering`
+(this path keeps working for one release)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Deprecated: `pallas_kernels.streaming_topk` moved to `omnijax.kernels.streaming_topk` (this path keeps working for one release)."""
+"""Deprecated: `pallas_kernels.streaming_topk` moved to `omnijax.kernels.streaming_topk` (kept for one release)."""
 
 import sys
 

@@ -32,3 +32,22 @@ def _release_compiled_programs():
     """
     yield
     jax.clear_caches()
+
+
+# The quick tier (`make test-fast`, `pytest -m fast`): what checks the logic of a layer without compiling a whole
+# model: chunks, tables, retention policies against their plain-Python twins, OmniPage's plans, the wire codecs, the
+# tokenizer, the harnesses on rigged models, the kernels in the interpreter, the engine on a tiny decoder, media,
+# and the repository's self-containment. `make test` runs every test, these included.
+FAST = ("chunks/", "checkpoint/", "kernels/", "media/", "retention/test_unit_policies.py",
+        "retention/test_token_policies.py", "retention/test_retention_apply.py", "paging/test_omnipage_plans.py",
+        "serve/realtime/test_realtime_events.py", "serve/test_openai_http.py", "serve/engine/test_serve_engine.py",
+        "models/test_tokenizer.py", "eval/test_streamingbench.py", "eval/test_omnimmi.py", "eval/test_ovobench.py",
+        "test_self_contained.py")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        relative = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
+        if relative.startswith(FAST):
+            item.add_marker(pytest.mark.fast)

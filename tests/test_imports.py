@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from omnijax.convert import convert_checkpoint
 from omnijax import demo
+from omnijax.convert import convert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("omnijax", "convert", "pallas_kernels")  # the last two: deprecated aliases (omnijax.convert, .kernels)

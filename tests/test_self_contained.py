@@ -1,5 +1,5 @@
 """The repository is self-contained: no source, test, benchmark or build file reaches into a sibling `shared` folder
-(the golden vectors live in `tests/data/`, the StreamingBench annotations ship as package data of
+(the golden vectors live in `tests/_support/data/`, the StreamingBench annotations ship as package data of
 `omnijax.eval`), and the harness finds its packaged annotations with no argument."""
 
 import fnmatch
@@ -49,7 +49,7 @@ def test_the_pattern_catches_sibling_paths_and_not_prose():
 def test_no_file_refers_to_the_sibling_shared_folder():
     files = list(scanned_files())
     names = {p.relative_to(ROOT).as_posix() for p in files}
-    assert {"omnijax/eval/streamingbench.py", "tests/test_minicpmo_llm.py", "pyproject.toml",
+    assert {"omnijax/eval/streamingbench.py", "tests/models/minicpmo/test_minicpmo_llm.py", "pyproject.toml",
             "tests/test_self_contained.py"} <= names  # this file too: its pattern and examples name no such path
     offenders = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
                  for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if SIBLING.search(line)]
@@ -57,7 +57,7 @@ def test_no_file_refers_to_the_sibling_shared_folder():
 
 
 def test_golden_vectors_are_in_the_repository():
-    golden = ROOT / "tests" / "data" / "minicpmo45"
+    golden = ROOT / "tests" / "_support" / "data" / "minicpmo45"
     for name in ("README.md", "info.json", "checkpoint/config.json", "checkpoint/model.safetensors",
                  *(f"case{i}_{k}.{ext}" for i, k in enumerate(("text", "vision", "audio", "duplex", "chat"), 1)
                    for ext in ("json", "npz"))):

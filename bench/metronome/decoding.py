@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax.chunks.chunk import text_chunk
-from omnijax.models.config import DecoderConfig
-from omnijax.decoding import Greedy, Sampling
-from omnijax.models.decoder import Decoder
-
 from bench import harness
+from omnijax.chunks.chunk import text_chunk
+from omnijax.decoding import Greedy, Sampling
+from omnijax.models.config import DecoderConfig
+from omnijax.models.decoder import Decoder
 
 STRATEGIES = {"greedy": Greedy(), "sampling": Sampling(temperature=0.8, seed=1),
               "sampling, all warps": Sampling(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02,

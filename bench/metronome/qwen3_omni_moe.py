@@ -68,16 +68,15 @@ import numpy as np
 from flax import nnx
 
 import omnijax
-from omnijax.models.config import QWEN3_OMNI_30B_A3B, DecoderConfig
+from bench import harness
 from omnijax.kv import paged as paged_lib
+from omnijax.models.config import QWEN3_OMNI_30B_A3B, DecoderConfig
 from omnijax.models.decoder import Decoder, mlp
-from omnijax.models.moe import moe_ffn, moe_ffn_reference
 from omnijax.models.encoders.qwen_vl_preprocess import smart_resize
+from omnijax.models.moe import moe_ffn, moe_ffn_reference
 from omnijax.models.qwen3_omni.audio import QWEN3_OMNI_30B_A3B_AUDIO, Qwen3AudioEncoder, audio_token_count
 from omnijax.models.qwen3_omni.vision import QWEN3_OMNI_30B_A3B_VISION, Qwen3VisionEncoder
 from omnijax.retention import OmniPick
-
-from bench import harness
 
 GB = 1e9
 EXPERT_LEAVES = ("expert_gate", "expert_up", "expert_down")

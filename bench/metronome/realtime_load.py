@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 import omnijax
+from bench import harness
 from omnijax.models.frontend import bucket
 from omnijax.retention import NoSlide, SinkWindow
 from omnijax.serve.app import BackgroundServer, build_context, build_demo_model, warm_up
@@ -56,8 +57,6 @@ from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.context import ServeOptions
 from omnijax.serve.loadgen import speech_like_pcm
 from omnijax.serve.native.protocol import frame_samples
-
-from bench import harness
 
 CONFIGS = ("sink_window", "unbounded")
 RATE = 24_000  # the Realtime session's default input rate

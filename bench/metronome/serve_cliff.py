@@ -43,14 +43,13 @@ import time
 import numpy as np
 
 import omnijax
+from bench import harness
+from omnijax import StreamConfig
+from omnijax.retention import NoSlide, SinkWindow
 from omnijax.serve import loadgen
 from omnijax.serve import server as srv
 from omnijax.serve.engine.admission import AIMD
-from omnijax.retention import NoSlide, SinkWindow
 from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax import StreamConfig
-
-from bench import harness
 
 POLICIES = ("unbounded", "sink_window")
 

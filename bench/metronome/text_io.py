@@ -36,14 +36,13 @@ import jax
 import numpy as np
 
 import omnijax
+from bench import harness
 from omnijax.chat import Chat
-from omnijax.models.config import DecoderConfig
+from omnijax.chunks.spans import SpanKind
 from omnijax.decoding import Greedy
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.tokenizer import CHATML_TEMPLATE, Tokenizer, write_tiny_tokenizer
-from omnijax.chunks.spans import SpanKind
-
-from bench import harness
 
 QWEN_VOCAB = 151_936
 QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|AUDIO|>": 151646,

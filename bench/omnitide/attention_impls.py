@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax.kv import attention
-
 from bench import harness
+from omnijax.kv import attention
 
 H, G, D = 16, 2, 128
 

@@ -68,15 +68,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
+from bench import harness
+from bench.omnitide._device_profile import describe, trace_calls
+from omnijax.kernels.block_sparse_attention import block_sparse_attention
 from omnijax.kv import attention
-from omnijax.testing import synthetic
 from omnijax.models.config import TINY_OMNI
 from omnijax.paging import Paging, eager, omnipage
 from omnijax.retention import NoSlide, OmniPick
-from omnijax.kernels.block_sparse_attention import block_sparse_attention
-
-from bench import harness
-from bench.omnitide._device_profile import describe, trace_calls
+from omnijax.testing import synthetic
 
 H, G, D = 28, 4, 128  # Qwen2.5-Omni-7B attention
 PAGE, OMNI_POOL = 64, 48

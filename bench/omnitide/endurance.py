@@ -1,6 +1,6 @@
 """One-hour streaming sessions under OmniPick: per-chunk latency and retained cells over time, step-wise.
 
-The test suite checks that retained cells, span and cursor stay flat (`tests/test_endurance.py`); this script
+The test suite checks that retained cells, span and cursor stay flat (`tests/streaming/test_endurance.py`); this script
 measures what the tests may not assert: that per-chunk latency is flat too once trimming starts. Each layout runs
 through `omnijax.Session` (one jitted step, compiled once) chunk by chunk; the table compares the median latency of
 the first and last tenth of the steady state (after the first trim) side by side.
@@ -24,11 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax.testing import synthetic
+from bench import harness
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick
-
-from bench import harness
+from omnijax.testing import synthetic
 
 QWEN3_TINY = TINY_OMNI.replace(mrope_section=None, qkv_bias=False, qk_norm=True)
 

@@ -48,11 +48,11 @@ def worker(args) -> None:
     from flax import nnx
 
     from omnijax.eval import mesh as distributed
-    from omnijax.testing import synthetic
+    from omnijax.eval.runner import EvalConfig, evaluate, pad_sessions, session_pages_needed
     from omnijax.models.config import TINY_OMNI
-    from omnijax.eval.runner import EvalConfig, session_pages_needed, evaluate, pad_sessions
     from omnijax.models.decoder import Decoder
     from omnijax.retention import NoSlide, OmniPick
+    from omnijax.testing import synthetic
 
     assert jax.device_count() == args.worker, (jax.device_count(), args.worker)
     config = TINY_OMNI.replace(hidden_size=128, intermediate_size=256, head_dim=32, mrope_section=(4, 6, 6))

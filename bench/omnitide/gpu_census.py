@@ -148,11 +148,10 @@ def calls():
     """(name, fn, abstract args, donated argument numbers) of every counted call."""
     import jax
     import jax.numpy as jnp
-    from omnijax.kv import attention
-    from omnijax.kv import paged
-    from omnijax.kernels.block_sparse_attention import block_sparse_attention
 
-    from bench.omnitide.attention_kernel import D, G, H, MODE_FNS, OMNI_POOL, PAGE, layered
+    from bench.omnitide.attention_kernel import MODE_FNS, OMNI_POOL, PAGE, D, G, H, layered
+    from omnijax.kernels.block_sparse_attention import block_sparse_attention
+    from omnijax.kv import attention, paged
 
     layers, N, P = 28, OMNI_POOL, PAGE
     kv = jax.eval_shape(lambda: paged.init(num_layers=layers, num_kv_heads=G, head_dim=D, num_pages=N, page_size=P))
@@ -201,11 +200,11 @@ def layer_loop_call(tokens: int, unroll: bool, layers: int = 8):
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
     import omnijax
+    from bench.omnitide.layer_loop import reserve_view
     from omnijax.models.config import QWEN2_5_OMNI_7B
     from omnijax.streaming.step import init_state
-
-    from bench.omnitide.layer_loop import reserve_view
 
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16", num_layers=layers, vocab_size=1024)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: omnijax.Decoder(cfg)))
@@ -233,10 +232,11 @@ def chunk_step_call(impl, answer=0):
 
     import jax
     from flax import nnx
+
     import omnijax
-    from omnijax.testing import synthetic
     from omnijax.models.config import QWEN2_5_OMNI_7B
     from omnijax.retention import OmniPick
+    from omnijax.testing import synthetic
 
     stream = importlib.import_module("omnijax.streaming.session")
     cfg = QWEN2_5_OMNI_7B.replace(dtype="bfloat16")

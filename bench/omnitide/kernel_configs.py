@@ -32,8 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
-from bench.omnitide.attention_kernel import (D, G, H, PAGE, UNIT, attention_case, layered, layouts_path, pallas_attend,
-                              timed_rounds)
+from bench.omnitide.attention_kernel import (
+    PAGE,
+    UNIT,
+    D,
+    G,
+    H,
+    attention_case,
+    layered,
+    layouts_path,
+    pallas_attend,
+    timed_rounds,
+)
 
 DEFAULT = {"block_q": 16, "num_warps": 4, "num_stages": 2, "num_splits": 1}
 LAYOUTS = ("full", "native", "tile_skip", "eager")

@@ -47,13 +47,12 @@ import jax
 import numpy as np
 
 import omnijax
-from omnijax.testing import synthetic
+from bench import harness
+from omnijax.chunks.spans import SpanKind
 from omnijax.models.config import TINY_OMNI
 from omnijax.paging import Paging
 from omnijax.retention import H2O, InfiniPotV, OmniMemBudgets, OmniPick, StreamingLLM, StreamingVLM, StreamMem
-from omnijax.chunks.spans import SpanKind
-
-from bench import harness
+from omnijax.testing import synthetic
 
 QWEN_WRITER = TINY_OMNI.replace(num_layers=1)
 MINICPM_WRITER = TINY_OMNI.replace(num_layers=1, mrope_section=None, qkv_bias=False, qk_norm=True)  # 1D positions

@@ -32,13 +32,11 @@ import numpy as np
 from flax import nnx
 
 import omnijax
-from omnijax.kv import attention
-from omnijax.models.config import PRESETS
-from omnijax.kv import paged
-from omnijax.streaming.step import init_state
-from omnijax.chunks.spans import SpanKind
-
 from bench import harness
+from omnijax.chunks.spans import SpanKind
+from omnijax.kv import attention, paged
+from omnijax.models.config import PRESETS
+from omnijax.streaming.step import init_state
 
 LOOPS = ("scan", "unrolled")
 

@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax.paging import eager, migration, omnipage
-
-from bench.omnitide._device_profile import describe, trace_calls
 from bench import harness
-from bench.omnitide.attention_kernel import G, D, MODE_FNS, dispatch_floor, layouts_path, owned, timed_rounds
+from bench.omnitide._device_profile import describe, trace_calls
+from bench.omnitide.attention_kernel import MODE_FNS, D, G, dispatch_floor, layouts_path, owned, timed_rounds
+from omnijax.paging import eager, migration, omnipage
 
 PLANS = {  # the planner of each mode, as the mode runs it
     "tile_skip": lambda kv: omnipage.plan_tile_skip(kv, 32),

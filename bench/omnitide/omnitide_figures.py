@@ -105,9 +105,9 @@ def main(argv=None) -> int:
                                              watermarks=["64/48", "128/96"], files=["questions_real.json"]))
     import omnijax
     from omnijax import EvalConfig, StreamConfig
-    from omnijax.eval import mesh as distributed
     from omnijax.eval import annotations as ann
     from omnijax.eval import media as media_lib
+    from omnijax.eval import mesh as distributed
     from omnijax.eval import streamingbench as sb
 
     if not (args.checkpoint or args.demo):

@@ -66,7 +66,6 @@ from pathlib import Path
 import numpy as np
 
 import omnijax  # noqa: F401  (the pickle holds omnijax objects in some rows)
-
 from bench import harness
 
 RULES = ("first_fit", "contiguous", "contiguous_next_fit", "contiguous_next_fit_reset", "next_fit_noncontiguous")

@@ -45,15 +45,26 @@ import jax.numpy as jnp
 import numpy as np
 
 import omnijax
-from omnijax.models.qwen2_5_omni import layout as qwen
-from omnijax.models.config import QWEN2_5_OMNI_3B
+from bench import harness
+from omnijax.chunks.spans import SpanKind
 from omnijax.kv import layout as layout_lib
 from omnijax.kv.paged import PageClass
-from omnijax.retention import (H2O, InfiniPotV, NoSlide, OfficialUnitWindow, OmniMemBudgets, OmniPick, SinkWindow,
-                               StreamingLLM, StreamingVLM, StreamMem, TokenSliding, UnitFIFO)
-from omnijax.chunks.spans import SpanKind
-
-from bench import harness
+from omnijax.models.config import QWEN2_5_OMNI_3B
+from omnijax.models.qwen2_5_omni import layout as qwen
+from omnijax.retention import (
+    H2O,
+    InfiniPotV,
+    NoSlide,
+    OfficialUnitWindow,
+    OmniMemBudgets,
+    OmniPick,
+    SinkWindow,
+    StreamingLLM,
+    StreamingVLM,
+    StreamMem,
+    TokenSliding,
+    UnitFIFO,
+)
 
 VOCAB = 1024
 VIDEO_GRID = (2, 10, 14)  # 2 s at 2 fps (temporal patch 2): 2 x 5 x 7 merged = 70 video tokens, 140 x 196 px frames

@@ -15,11 +15,10 @@ import jax
 import numpy as np
 
 import omnijax
+from bench import harness
 from omnijax.chunks.chunk import stack_chunks, text_chunk
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-
-from bench import harness
 
 BENCH_CONFIG = DecoderConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                              num_kv_heads=2, head_dim=32, mrope_section=(4, 6, 6))

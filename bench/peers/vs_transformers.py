@@ -126,6 +126,7 @@ def omnijax_stream(model, chunks, histories, chunk: int, *, inner: int = 0, **fi
     `inner` re-feeds of the chunk from a copy of the state before it (the recorded ms then)."""
     import jax
     import jax.numpy as jnp
+
     import omnijax
 
     session = omnijax.Session(model, page_size=PAGE_SIZE, impl="xla", **fields)
@@ -181,6 +182,7 @@ def load_omnijax(omnijax_dir: Path, ids=None, chunk: int = 0):
     """The converted model and, with `ids`, their text chunks of `chunk` tokens as device arrays (chunk i: unit i)."""
     import jax
     import jax.numpy as jnp
+
     import omnijax
     from omnijax.chunks.chunk import text_chunk
 
@@ -231,6 +233,7 @@ def prefill_worker(args, side: str, ckpt: Path) -> dict:
     ids = stream_ids(S, args.seed + 1)[None]
     if side == "omnijax":
         import jax
+
         from omnijax.prefill import SnapKV
 
         model, _ = load_omnijax(ckpt / "omnijax")

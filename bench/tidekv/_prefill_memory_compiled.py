@@ -16,9 +16,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from bench.tidekv._prefill_memory_common import NARROW, PAGE, GiB, MiB, nbytes
 from omnijax.models.config import QWEN2_5_OMNI_7B, DecoderConfig
-
-from bench.tidekv._prefill_memory_common import GiB, MiB, NARROW, PAGE, nbytes
 
 
 def weight_structs(cfg: DecoderConfig) -> dict:

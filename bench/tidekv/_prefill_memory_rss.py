@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
-from bench.tidekv._prefill_memory_common import MiB, NARROW, PAGE, nbytes
+from bench.tidekv._prefill_memory_common import NARROW, PAGE, MiB, nbytes
 
 
 def proc_status(key: str) -> int:
@@ -89,9 +89,8 @@ def prime(method: str, model, x, positions, args):
     small eager ops around them (padding, slicing, selection and packing of the post-prefill path)."""
     from unittest import mock
 
-    from omnijax.prefill import SnapKV
-    from omnijax.prefill import baselines, layer_major
     from omnijax.kernels.streaming_topk import streaming_topk_blockwise
+    from omnijax.prefill import SnapKV, baselines, layer_major
 
     cfg, W, S = model.config, args.window, x.shape[1]
     chunk = S if method == "post_oneshot" else args.chunk

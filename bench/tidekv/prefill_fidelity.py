@@ -46,12 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.prefill import (SnapKV, force, greedy, immediate_eviction_prefill, tidekv_prefill,
-                             token_major_prefill)
-
-from bench import harness
+from omnijax.prefill import SnapKV, force, greedy, immediate_eviction_prefill, tidekv_prefill, token_major_prefill
 
 BASE = DecoderConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_layers=4, num_heads=8,
                      num_kv_heads=2, head_dim=64, rope_theta=1e6, mrope_section=(8, 12, 12), qkv_bias=True)

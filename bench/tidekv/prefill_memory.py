@@ -88,7 +88,7 @@ import time  # noqa: E402
 
 # The measurement modules import jax: only after XLA_FLAGS is set above.
 from bench import harness  # noqa: E402
-from bench.tidekv._prefill_memory_common import GiB, MiB, NARROW, PAGE  # noqa: E402
+from bench.tidekv._prefill_memory_common import NARROW, PAGE, GiB, MiB  # noqa: E402
 from bench.tidekv._prefill_memory_compiled import method_a  # noqa: E402
 from bench.tidekv._prefill_memory_rss import method_b, worker  # noqa: E402
 

@@ -14,9 +14,9 @@ import numpy as np
 import tqdm
 
 from omnijax.checkpoint import name_tables as tables
-from omnijax.errors import TensorError
-from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.name_tables import Component
+from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.errors import TensorError
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_SOURCE_DTYPES = ("F64", "F32", "F16", "BF16")

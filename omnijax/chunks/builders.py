@@ -1,7 +1,7 @@
 """Model adapters: turn each model's input layout into batch-1 `Chunk`s with span metadata.
 
-`omnijax.models.qwen2_5_omni.layout` (TMRoPE, 3 position axes) and `omnijax.models.minicpmo.layout` (1D positions) build one
-chunk per streaming unit (or per segment of a unit; `concat` joins segments). This module holds what both share:
+`omnijax.models.qwen2_5_omni.layout` (TMRoPE, 3 position axes) and `omnijax.models.minicpmo.layout` (1D positions) build
+one chunk per streaming unit (or per segment of a unit; `concat` joins segments). This module holds what both share:
 building a chunk from per-token arrays, offsets within span runs, joining chunks, adding zero embeddings, and
 `token_layout`, which flattens chunks into the token ids and absolute positions a one-shot forward would see.
 

@@ -213,7 +213,7 @@ def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool, dec
     if ids.ndim != 2 + lead:
         want = "[C, B, T]" if stacked else "[B, T]"
         raise ValueError(f"{what}: token_ids must be {want}, got shape {ids.shape}"
-                         + ("; stack chunks with omnijax.chunks.chunk.stack_chunks" if stacked and ids.ndim == 2 else ""))
+                         + ("; stack chunks with omnijax.stack_chunks" if stacked and ids.ndim == 2 else ""))
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{what}: token_ids must be integers, got dtype {ids.dtype}")
     bt = ids.shape

@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoint -> omnijax checkpoint conversion.
 
-`convert_checkpoint(src, dst)` is the Python entry point; `omnijax-convert SRC DST` (or `python -m omnijax.convert`) is the
-command line (`omnijax/convert/__main__.py`). The model type is detected from `SRC/config.json`; every model converter
-module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir, progress, log)`, `model_type_for(hf_config)`
-and `config_from_hf(hf_config, *, dtype)` (run first, so an unsupported config is refused before tensors are read).
+`convert_checkpoint(src, dst)` is the Python entry point; `omnijax convert SRC DST` (or `omnijax-convert`, `python -m
+omnijax.convert`) is the command line (`omnijax/convert/__main__.py`). The model type is detected from
+`SRC/config.json`; every model converter module exposes `convert_params(ckpt, hf_config, *, dtype, staging_dir,
+progress, log)`, `model_type_for(hf_config)` and `config_from_hf(hf_config, *, dtype)` (run first, so an unsupported
+config is refused before tensors are read).
 
 Output is written into a temporary directory next to DST and renamed into place only after everything succeeded:
 a failure leaves neither a half-written DST nor the temporary directory, and a pre-existing DST is untouched.
@@ -17,9 +18,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
-from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint import format as checkpoint
+from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from omnijax.models.registry import ALL_FAMILIES
 
 __all__ = ["convert_checkpoint", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES", "TOKENIZER_FILES"]

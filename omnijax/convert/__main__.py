@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omnijax import compilation_cache
+from omnijax.checkpoint.format import CheckpointFormatError
 from omnijax.convert import DTYPES, SUPPORTED_MODEL_TYPES, convert_checkpoint
 from omnijax.errors import ConvertError
-from omnijax.checkpoint.format import CheckpointFormatError
-from omnijax import compilation_cache
 
 
 def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:

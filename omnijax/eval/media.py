@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
-from omnijax.models.tokenizer import load_tokenizer
-from omnijax.models.qwen2_5_omni import frontend
+
 from omnijax.media.video import open_video
+from omnijax.models.qwen2_5_omni import frontend
+from omnijax.models.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from omnijax.media.video import VideoFile

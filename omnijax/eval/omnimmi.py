@@ -42,10 +42,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-from omnijax.eval import annotations as ann
-from omnijax.eval import probes as probes_lib
-from omnijax.eval import mesh as distributed
 from omnijax import compilation_cache
+from omnijax.eval import annotations as ann
+from omnijax.eval import mesh as distributed
+from omnijax.eval import probes as probes_lib
 
 FILES = {"SG": "dynamic_state_grounding.json", "MD": "multiturn_dependency_reasoning.json",
          "AP": "action_prediction.json", "SI": "speaker_identification.json", "PA": "proactive_alerting.json",

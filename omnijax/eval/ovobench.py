@@ -42,11 +42,11 @@ from typing import Sequence
 
 import numpy as np
 
+from omnijax import compilation_cache
 from omnijax.eval import annotations as ann
+from omnijax.eval import mesh as distributed
 from omnijax.eval import probes as probes_lib
 from omnijax.eval import sessions as sessions_lib
-from omnijax.eval import mesh as distributed
-from omnijax import compilation_cache
 
 BACKWARD = ("EPM", "ASI", "HLD")
 REALTIME = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")

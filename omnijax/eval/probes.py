@@ -27,12 +27,12 @@ import numpy as np
 from omnijax.chunks.chunk import Chunk
 from omnijax.eval import annotations as ann
 from omnijax.eval import media as media_lib
+from omnijax.eval import mesh as distributed
 from omnijax.eval import sessions as sessions_lib
+from omnijax.eval import streamingbench
 from omnijax.eval import streamingbench as sb
 from omnijax.eval.runner import evaluate
 from omnijax.eval.streamingbench import time_and_kv_lines
-from omnijax.eval import streamingbench
-from omnijax.eval import mesh as distributed
 from omnijax.models.registry import load
 
 

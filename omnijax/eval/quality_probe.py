@@ -29,24 +29,25 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from omnijax import compilation_cache
+from omnijax.chunks.chunk import split_chunk
+from omnijax.chunks.spans import SpanKind
+from omnijax.decoding import Greedy
 from omnijax.media.audio import read_wav, resample
 from omnijax.models.frontend import units_for
-from omnijax.chunks.chunk import split_chunk
-from omnijax.decoding import Greedy
+from omnijax.models.registry import load
 from omnijax.retention import get_policy
+from omnijax.serve.app import build_demo_model
 from omnijax.serve.audio_frames import AudioFrameEncoder
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.loadgen import speech_like_pcm
-from omnijax.chunks.spans import SpanKind
-from omnijax.serve.app import build_demo_model
-import tempfile
-from omnijax.models.registry import load
 from omnijax.streaming.config import StreamConfig
-from omnijax import compilation_cache
 
 SAMPLE_RATE = 16_000
 

@@ -1,7 +1,7 @@
 """`evaluate`: many streaming sessions x several retention / paging configurations as jitted, sharded programs.
 
 Each configuration is one compiled program: `jax.vmap` over a batch of sessions of a `lax.scan` over chunks whose
-body is `omnijax.streaming.session.chunk_step` (the step `omnijax.stream` scans), each session with its own batch-1 cache. The
+body is `omnijax.streaming.chunk_step` (the step `omnijax.stream` scans), each session with its own batch-1 cache. The
 session axis is the data axis: with a mesh (`omnijax.eval.mesh.make_mesh`) sessions are split over `data` and the
 weights replicated or split over `model` (heads, MLP intermediate, vocabulary); XLA's SPMD partitioner partitions
 the scan from the input shardings.
@@ -35,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from tqdm.auto import tqdm
 
 from omnijax.chunks import builders as adapters
 from omnijax.chunks import chunk as chunks_lib
-from omnijax.eval import mesh as distributed
 from omnijax.chunks.chunk import Chunk
-from omnijax.streaming.config import StreamConfig
 from omnijax.decoding import folded_keys, seed_of
+from omnijax.eval import mesh as distributed
+from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import chunk_step, init_state
-from tqdm.auto import tqdm
 
 # Per-chunk statistics reported for every session (each `[chunks]` in `SessionResult.stats`).
 STAT_NAMES = ("retained_cells", "physical_span", "active_pages", "active_subblocks", "table_pages", "free_pages",

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+
 import numpy as np
 
-from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.eval import annotations as ann
 from omnijax.eval.media import MediaSource, TextEncoder
-from omnijax.testing.synthetic import fold_ids
 from omnijax.models.qwen2_5_omni import frontend
+from omnijax.models.qwen2_5_omni import layout as adapter
+from omnijax.testing.synthetic import fold_ids
 
 SYSTEM_PROMPT = ("You are a helpful assistant. You watch a live video stream with its audio and answer questions "
                  "about what has happened so far.")

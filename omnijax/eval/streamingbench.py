@@ -29,18 +29,17 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from omnijax import compilation_cache, demo
+from omnijax.convert import convert_checkpoint
 from omnijax.eval import annotations as ann
 from omnijax.eval import media as media_lib
-from omnijax.streaming.config import StreamConfig
+from omnijax.eval import mesh as distributed
 from omnijax.eval import sessions as sessions_lib
 from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
-from omnijax.convert import convert_checkpoint
-from omnijax import demo
-from omnijax.eval import mesh as distributed
-from tqdm.auto import tqdm
 from omnijax.models.registry import load
-from omnijax import compilation_cache
+from omnijax.streaming.config import StreamConfig
 
 
 def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:

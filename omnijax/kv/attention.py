@@ -42,9 +42,18 @@ import jax
 import jax.numpy as jnp
 
 # One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
-from omnijax.kernels.block_sparse_attention import (DEAD_KEY, PAD_ORDER, PageIndex, active_pages, block_sparse_attention,
-                                                   dense_attention, gather_pages, page_index, validate_index,
-                                                   validate_shapes)
+from omnijax.kernels.block_sparse_attention import (
+    DEAD_KEY,
+    PAD_ORDER,
+    PageIndex,
+    active_pages,  # noqa: F401 (re-exported: the one definition of active pages every page-skipping impl uses)
+    block_sparse_attention,
+    dense_attention,
+    gather_pages,
+    page_index,
+    validate_index,
+    validate_shapes,
+)
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 

@@ -12,6 +12,7 @@ import dataclasses
 from omnijax._checks import DTYPES, JsonConfig
 from omnijax.kv.rope import ScaledTheta
 
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig(JsonConfig):
     """Static hyperparameters of a Qwen2-family (also Llama / Mistral) decoder.

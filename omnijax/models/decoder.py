@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.kv import attention as attention_lib
-from omnijax.models.config import DecoderConfig
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
+from omnijax.models.config import DecoderConfig
 from omnijax.models.layers import new_param, rms_norm
 from omnijax.models.moe import moe_ffn
 

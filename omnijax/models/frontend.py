@@ -94,7 +94,8 @@ class ChatUnits:
         raise NotImplementedError(f"{type(self).__name__} builds no audiovisual units")
 
     def open_video(self, path):
-        """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up front."""
+        """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up
+        front."""
         return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps,
                                     temporal_patch_size=self.temporal_patch_size)
 

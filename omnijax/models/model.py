@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.checkpoint import format as checkpoint
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.models.forward import forward
-from omnijax.checkpoint import format as checkpoint
 from omnijax.models.family import Family, family_for
+from omnijax.models.forward import forward
 from omnijax.prefill import tidekv_prefill
+
 
 def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
     """Positions of a (possibly left-padded) text batch: `cumsum(mask) - 1`, padding at 1 (as `get_rope_index`)."""
@@ -135,7 +136,8 @@ class Model:
             positions = text_positions(mask, axes)
         else:
             positions = np.asarray(position_ids)
-            positions = positions.astype(np.float32 if family.fractional_positions and positions.dtype.kind == "f" else np.int32)
+            fractional = family.fractional_positions and positions.dtype.kind == "f"
+            positions = positions.astype(np.float32 if fractional else np.int32)
             if positions.ndim == 2:
                 positions = np.broadcast_to(positions[None], (axes,) + positions.shape)
             if positions.shape != (axes,) + ids.shape:

@@ -21,9 +21,9 @@ grouped matmuls still run once over all the rows. (`jax.lax.ragged_dot` has no b
 batched themselves; batching them would copy every expert once per session.) Weights mapped over as well run one call
 per batch element (`lax.map`).
 
-`moe_ffn_reference` computes the same with a dense einsum over all experts (every token through every expert,
-weights zero for the experts not chosen): the oracle of the tests and the baseline of `bench.metronome.qwen3_omni_moe`, never on a
-hot path.
+`moe_ffn_reference` computes the same with a dense einsum over all experts (every token through every expert, weights
+zero for the experts not chosen): the oracle of the tests and the baseline of `bench.metronome.qwen3_omni_moe`, never on
+a hot path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Eager compaction: after an eviction, pack every sequence's survivors into its first slots, in write order.
 
-The attention-time oracle of the paging modes (docs/architecture.md, "Physical layout"): the physical span becomes the retained
-count rounded up to a page, at the price of moving every survivor that is not already in place; the number moved is
-reported as the copy cost. The moves go through `migration.apply_plan` (gather-then-scatter over every layer's K
-and V and the slot metadata) and never change a survivor's position, unit, span, order or score, so attention
-outputs are unchanged. Emptied pages leave the page table and go back to the pool.
+The attention-time oracle of the paging modes (docs/architecture.md, "Physical layout"): the physical span becomes the
+retained count rounded up to a page, at the price of moving every survivor that is not already in place; the number
+moved is reported as the copy cost. The moves go through `migration.apply_plan` (gather-then-scatter over every layer's
+K and V and the slot metadata) and never change a survivor's position, unit, span, order or score, so attention outputs
+are unchanged. Emptied pages leave the page table and go back to the pool.
 """
 
 from __future__ import annotations

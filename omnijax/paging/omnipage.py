@@ -32,9 +32,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from omnijax.chunks.spans import SpanKind
 from omnijax.kv.paged import PageClass, PagedKV, table_slots
 from omnijax.paging import migration
-from omnijax.chunks.spans import SpanKind
 
 
 @jax.tree_util.register_dataclass

@@ -2,11 +2,29 @@
 compressed decode cache (docs/architecture.md, "TideKV")."""
 
 from omnijax.prefill.baselines import immediate_eviction_prefill, token_major_prefill
-from omnijax.prefill.cache import (CompressedCache, LayerCache, Selection, check_room, decode, decode_step, force,
-                                   greedy, with_room)
+from omnijax.prefill.cache import (
+                                   CompressedCache,
+                                   LayerCache,
+                                   Selection,
+                                   check_room,
+                                   decode,
+                                   decode_step,
+                                   force,
+                                   greedy,
+                                   with_room,
+)
 from omnijax.prefill.layer_major import PrefillResult, tidekv_prefill
-from omnijax.prefill.selectors import (REGISTRY, AdaKV, ChunkKV, KeyDiff, RecentTokens, SnapKV, kvpress_budget,
-                                       pyramid_budgets, uniform_budgets)
+from omnijax.prefill.selectors import (
+                                   REGISTRY,
+                                   AdaKV,
+                                   ChunkKV,
+                                   KeyDiff,
+                                   RecentTokens,
+                                   SnapKV,
+                                   kvpress_budget,
+                                   pyramid_budgets,
+                                   uniform_budgets,
+)
 from omnijax.prefill.selectors_extra import IMMEDIATE_EVICTION, immediate_eviction, recent_eviction_prefill
 
 __all__ = ["AdaKV", "ChunkKV", "CompressedCache", "IMMEDIATE_EVICTION", "KeyDiff", "LayerCache", "PrefillResult",

@@ -18,8 +18,14 @@ import jax.numpy as jnp
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
-from omnijax.prefill.layer_major import (PrefillResult, attend_prefix, check_budgets, padded_length, prefix_view,
-                                         window_rows)
+from omnijax.prefill.layer_major import (
+    PrefillResult,
+    attend_prefix,
+    check_budgets,
+    padded_length,
+    prefix_view,
+    window_rows,
+)
 from omnijax.prefill.selectors import RecentTokens, Selector, topk_scores
 
 

@@ -29,9 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from omnijax._checks import check_power_of_two
 from omnijax.kv import attention as attention_lib
 from omnijax.models.config import DecoderConfig
-from omnijax._checks import check_power_of_two
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_rows
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from omnijax._checks import check_power_of_two
-from omnijax.prefill.cache import Selection
 from omnijax.kernels import streaming_topk as topk_lib
+from omnijax.prefill.cache import Selection
 
 SCORE_IMPLS = ("reference", "xla", "pallas")
 

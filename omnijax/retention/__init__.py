@@ -1,8 +1,19 @@
 """Logical retention policies: frozen dataclasses of static hyperparameters with pure, vectorised plans that run
 inside the streaming scan (see `omnijax.retention.base`)."""
 
-from omnijax.retention.base import (REGISTRY, NoSlide, RetentionPolicy, SequenceView, SlotFeatures, apply, get_policy,
-                                    register, sequence_view, slot_features, trim)
+from omnijax.retention.base import (
+                                    REGISTRY,
+                                    NoSlide,
+                                    RetentionPolicy,
+                                    SequenceView,
+                                    SlotFeatures,
+                                    apply,
+                                    get_policy,
+                                    register,
+                                    sequence_view,
+                                    slot_features,
+                                    trim,
+)
 from omnijax.retention.baselines import H2O, SinkWindow, StreamingLLM, TokenSliding
 from omnijax.retention.kv_aware import InfiniPotV, StreamMem
 from omnijax.retention.modality import OmniMemBudgets, StreamingVLM

@@ -15,8 +15,8 @@ and, when re-indexing, every survivor's position is shifted down by the freed po
 cached key is re-rotated by the same delta (all layers; angles in float32; a uniform shift on Qwen's three axes is the
 1D rotation). Causality is by write order, which re-indexing never changes.
 
-Re-indexing rule (docs/architecture.md): a survivor occupies [min(p), max(p)] over its position components; every value in
-[0, next_pos) covered by no survivor is freed; a survivor's delta is the number of freed values below its min(p);
+Re-indexing rule (docs/architecture.md): a survivor occupies [min(p), max(p)] over its position components; every value
+in [0, next_pos) covered by no survivor is freed; a survivor's delta is the number of freed values below its min(p);
 `next_pos` drops by the total freed. For contiguous 1D positions that is the number of deleted tokens before it.
 """
 
@@ -28,9 +28,9 @@ from typing import Callable, ClassVar, Protocol
 import jax
 import jax.numpy as jnp
 
+from omnijax.chunks.spans import SpanKind
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
-from omnijax.chunks.spans import SpanKind
 
 
 @jax.tree_util.register_dataclass

@@ -16,7 +16,7 @@ Where the papers leave a detail open, or the library's interface differs, the ch
         The cache holds no queries, so the proxies' cached keys stand in for their queries
         (`softmax(k_p . k_j / sqrt(d))` over live slots, averaged over proxies): a documented substitution.
 
-Ties go to the lower slot (page-table order). Plain-Python references: `tests/test_retention_kv_aware.py`.
+Ties go to the lower slot (page-table order). Plain-Python references: `tests/retention/test_retention_kv_aware.py`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from omnijax.retention.base import SequenceView, SlotFeatures, register
 from omnijax.chunks.spans import SpanKind
+from omnijax.retention.base import SequenceView, SlotFeatures, register
 
 VISUAL = (int(SpanKind.IMAGE), int(SpanKind.SLICE), int(SpanKind.VIDEO))
 

@@ -34,8 +34,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from omnijax.retention.base import SequenceView, register
 from omnijax.chunks.spans import SpanKind as K
+from omnijax.retention.base import SequenceView, register
 
 __all__ = ["OmniMemBudgets", "StreamingVLM", "TEXT_SIDE", "VISUAL", "group_ranks", "modality_group"]
 

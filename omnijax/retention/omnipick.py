@@ -32,9 +32,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from omnijax.chunks.spans import SpanKind as K
 from omnijax.retention.base import SequenceView, register
 from omnijax.retention.units import check_watermarks, drop_oldest_units, unit_ranks
-from omnijax.chunks.spans import SpanKind as K
 
 
 @register

@@ -26,8 +26,8 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from omnijax.retention.base import SequenceView, register
 from omnijax.chunks.spans import SpanKind
+from omnijax.retention.base import SequenceView, register
 
 _BIG = jnp.iinfo(jnp.int32).max
 

@@ -5,7 +5,15 @@ and the native per-frame protocol (`native`) on one port, over the `worker` that
 """
 
 from omnijax.serve.engine.admission import AIMD, Overloaded
-from omnijax.serve.engine.engine import DuplicateSession, Engine, EngineConfig, FrameOutput, TickReport, reset_row, take_rows
+from omnijax.serve.engine.engine import (
+           DuplicateSession,
+           Engine,
+           EngineConfig,
+           FrameOutput,
+           TickReport,
+           reset_row,
+           take_rows,
+)
 from omnijax.serve.engine.telemetry import SaturationFit, StallEvent, Telemetry
 
 __all__ = ["AIMD", "DuplicateSession", "Engine", "EngineConfig", "FrameOutput", "Overloaded", "SaturationFit",

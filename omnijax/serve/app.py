@@ -3,7 +3,8 @@
 Routes (every one behind the API key when one is set):
 
 - `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime.session`);
-- `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events (`omnijax.serve.chat_completions`);
+- `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events
+  (`omnijax.serve.chat_completions`);
 - `GET /v1/models` — the served model;
 - `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native.session`).
 
@@ -24,34 +25,33 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 
-from omnijax.serve.context import ServeContext, ServeOptions
-from omnijax.serve.native import session as native
-from omnijax.serve import chat_completions as openai_http
-from omnijax.serve.realtime import session as realtime
-from omnijax.serve.engine.admission import AIMD
-from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax.serve.engine.worker import EngineWorker
-from omnijax.models.frontend import units_for
-from omnijax.convert import convert_checkpoint
-from omnijax import demo
-from omnijax.models.frontend import bucket
-from omnijax.decoding import RowSampling
-from omnijax.retention import get_policy
-from omnijax.serve.audio_frames import frame_tokens
-from omnijax.serve.native.protocol import frame_samples
-from omnijax.serve.chat_completions import error_body
+import numpy as np
+import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
-import numpy as np
-from pathlib import Path
-import uvicorn
-import threading
+
+from omnijax import compilation_cache, demo
+from omnijax.convert import convert_checkpoint
+from omnijax.decoding import RowSampling
+from omnijax.models.frontend import bucket, units_for
 from omnijax.models.registry import load
+from omnijax.retention import get_policy
+from omnijax.serve import chat_completions as openai_http
+from omnijax.serve.audio_frames import frame_tokens
+from omnijax.serve.chat_completions import error_body
+from omnijax.serve.context import ServeContext, ServeOptions
+from omnijax.serve.engine.admission import AIMD
+from omnijax.serve.engine.engine import Engine, EngineConfig
+from omnijax.serve.engine.worker import EngineWorker
+from omnijax.serve.native import session as native
+from omnijax.serve.native.protocol import frame_samples
+from omnijax.serve.realtime import session as realtime
 from omnijax.streaming.config import StreamConfig
-from omnijax import compilation_cache
 
 log = logging.getLogger("omnijax.serve")
 API_KEY_ENV = "OMNIJAX_API_KEY"

@@ -30,11 +30,12 @@ import uuid
 from typing import Any
 
 import numpy as np
-from omnijax.media.audio import read_wav, resample
-from omnijax.decoding import sampling_row
-from omnijax.serve.engine.admission import Overloaded
-from omnijax.media.image import read_image
 from starlette.responses import JSONResponse, StreamingResponse
+
+from omnijax.decoding import sampling_row
+from omnijax.media.audio import read_wav, resample
+from omnijax.media.image import read_image
+from omnijax.serve.engine.admission import Overloaded
 
 log = logging.getLogger("omnijax.serve")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -10,9 +10,9 @@ import functools
 import hmac
 import time
 
-from omnijax.serve.engine.admission import Overloaded
-from omnijax.serve.audio_frames import AudioFrameEncoder
 from omnijax.conversation import Conversation
+from omnijax.serve.audio_frames import AudioFrameEncoder
+from omnijax.serve.engine.admission import Overloaded
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,18 @@ The names of the native protocol and its frame encoding stay importable from her
 
 from omnijax.serve.app import build_demo_model, main
 from omnijax.serve.audio_frames import AudioFrameEncoder, frame_tokens
-from omnijax.serve.native.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN, PATH, SAMPLE_RATE, ProtocolError,
-                                    decode_frame, frame_samples, parse_hello, parse_json)
+from omnijax.serve.native.protocol import (
+    CLOSE_ERROR,
+    CLOSE_OVERLOADED,
+    CLOSE_SHUTDOWN,
+    PATH,
+    SAMPLE_RATE,
+    ProtocolError,
+    decode_frame,
+    frame_samples,
+    parse_hello,
+    parse_json,
+)
 
 __all__ = ["AudioFrameEncoder", "CLOSE_ERROR", "CLOSE_OVERLOADED", "CLOSE_SHUTDOWN", "PATH", "ProtocolError",
            "SAMPLE_RATE", "build_demo_model", "decode_frame", "frame_samples", "frame_tokens", "main", "parse_hello",

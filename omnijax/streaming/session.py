@@ -19,13 +19,18 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
+from omnijax.decoding import seed_of
 from omnijax.models.family import family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.decoding import seed_of
-
-
-from omnijax.streaming.step import (ChunkOutput, StreamResult, StreamState, check_state, chunk_step,
-                                   init_state, pages_needed)
+from omnijax.streaming.step import (
+    ChunkOutput,
+    StreamResult,
+    StreamState,
+    check_state,
+    chunk_step,
+    init_state,
+    pages_needed,
+)
 
 
 def model_parts(model) -> tuple[Any, Any]:

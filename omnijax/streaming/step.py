@@ -11,16 +11,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.streaming.config import StreamConfig
+from omnijax.chunks.spans import SpanKind
 from omnijax.decoding import answer_stop_ids, sampling_keys, split_keys
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
 from omnijax.models.forward import write_chunk
-from omnijax import paging as paging_lib
 from omnijax.retention import base as retention_lib
-from omnijax.chunks.spans import SpanKind
+from omnijax.streaming.config import StreamConfig
 
 
 @jax.tree_util.register_dataclass

@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 
+from omnijax.chunks.chunk import Chunk, pad_chunk, stack_chunks
 from omnijax.models.minicpmo import layout as minicpmo
 from omnijax.models.qwen2_5_omni import layout as qwen
-from omnijax.chunks.chunk import Chunk, pad_chunk, stack_chunks
 
 # A 2 s Qwen2.5-Omni unit at 2 fps with 280x392 frames: grid (2, 10, 14) -> 70 video tokens, 50 audio tokens.
 QWEN_UNIT_GRID = (2, 10, 14)

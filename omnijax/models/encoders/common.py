@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.errors import ConfigError
 from omnijax.checkpoint.name_tables import Rule
+from omnijax.errors import ConfigError
 
 __all__ = ["ConfigAttributeError", "HF_PRETRAINED_CONFIG_ATTRIBUTES", "StackedLayers", "dense", "layer_norm",
            "linear_rules", "module_from_pure_dict", "norm_rules", "understood_attributes"]

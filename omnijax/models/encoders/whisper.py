@@ -48,13 +48,24 @@ import numpy as np
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
-from omnijax.errors import UnsupportedConfigError
-from omnijax.models.layers import new_param
-from omnijax.models.encoders.log_mel import (
-    AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, log_mel)
-from omnijax.models.encoders.common import (
-    StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
 from omnijax.checkpoint.name_tables import Component, Rule
+from omnijax.errors import UnsupportedConfigError
+from omnijax.models.encoders.common import (
+    StackedLayers,
+    dense,
+    layer_norm,
+    linear_rules,
+    module_from_pure_dict,
+    norm_rules,
+)
+from omnijax.models.encoders.log_mel import (
+    AudioInputError,
+    FeatureShapeError,
+    InvalidPcmError,
+    UnsupportedSampleRateError,
+    log_mel,
+)
+from omnijax.models.layers import new_param
 
 __all__ = ["AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError", "FeatureShapeError", "InvalidPcmError",
            "UnsupportedAudioConfigError", "UnsupportedSampleRateError", "audio_component", "audio_token_count",

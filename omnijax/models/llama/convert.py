@@ -2,9 +2,9 @@
 omnijax decoder conversion.
 
 Both are the shared decoder (`omnijax.models.decoder`) without attention biases and q/k norm, with plain 1D RoPE, and
-convert through the plain Qwen2 path: the same name table (`omnijax.models.qwen2_5_omni.convert.NAME_TABLE`, whose bias and q/k-norm
-rules are switched off by the config) and the same streaming tensor conversion. This module holds what differs:
-reading the config. It is a whitelist: every attribute is either read, inert (training-only or bookkeeping), or
+convert through the plain Qwen2 path: the same name table (`omnijax.models.qwen2_5_omni.convert.NAME_TABLE`, whose bias
+and q/k-norm rules are switched off by the config) and the same streaming tensor conversion. This module holds what
+differs: reading the config. It is a whitelist: every attribute is either read, inert (training-only or bookkeeping), or
 checked to hold the value the decoder implements; anything else set to a non-empty value is refused, naming the
 attribute, before any tensor is read (`convert_checkpoint` builds the config first).
 
@@ -27,12 +27,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omnijax.models.qwen2_5_omni import convert as shared
 from omnijax.checkpoint import loop as streaming
-from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
 from omnijax.models.config import DecoderConfig
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
+from omnijax.models.qwen2_5_omni import convert as shared
 
 OMNIJAX_MODEL_TYPES = {"llama": "llama", "mistral": "mistral"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
@@ -193,8 +193,8 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         log: receives the one-line summaries of skipped tensors.
 
     Returns:
-        `(config, params, source_info, extras)` as `omnijax.models.qwen2_5_omni.convert.convert_params` returns them; `extras` is
-        empty (no encoders).
+        `(config, params, source_info, extras)` as `omnijax.models.qwen2_5_omni.convert.convert_params` returns them;
+        `extras` is empty (no encoders).
 
     Raises:
         MissingTensorError: no `lm_head.weight` while the config does not tie embeddings (or another tensor of the

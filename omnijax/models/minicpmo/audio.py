@@ -53,18 +53,36 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
 from omnijax.errors import MissingTensorError
+from omnijax.models.encoders.common import dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules
+from omnijax.models.encoders.whisper import (
+    WHISPER_CONV_RULES,
+    WHISPER_LAYER_RULES,
+    AudioLayers,
+    conv1d_k3,
+    gelu_exact,
+    whisper_layer,
+)
 from omnijax.models.layers import new_param
 from omnijax.models.minicpmo.audio_config import (
-    MINICPMO_4_5_AUDIO, AudioConfig, UnsupportedAudioConfigError, audio_token_count, cnn_frames)
+    MINICPMO_4_5_AUDIO,
+    AudioConfig,
+    UnsupportedAudioConfigError,
+    audio_token_count,
+    cnn_frames,
+)
 from omnijax.models.minicpmo.audio_features import (
-    AudioInputError, AudioTooShortError, FeatureShapeError, InvalidPcmError,
-    UnsupportedSampleRateError, log_mel, log_mel_clips, mel_stream_start, mel_stream_step)
-from omnijax.models.encoders.whisper import (
-    WHISPER_CONV_RULES, WHISPER_LAYER_RULES, AudioLayers, conv1d_k3, gelu_exact, whisper_layer)
-from omnijax.models.encoders.common import (
-    dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
-from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
+    AudioInputError,
+    AudioTooShortError,
+    FeatureShapeError,
+    InvalidPcmError,
+    UnsupportedSampleRateError,
+    log_mel,
+    log_mel_clips,
+    mel_stream_start,
+    mel_stream_step,
+)
 
 __all__ = ["AUDIO_PREFIX", "AUDIO_RULES", "AudioConfig", "AudioEncoder", "AudioInputError",
            "AudioTooShortError", "FeatureShapeError", "InvalidPcmError", "MINICPMO_4_5_AUDIO", "PROJECTION_PREFIX",

@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from omnijax._checks import JsonConfig
-from omnijax.models.encoders.whisper import (
-    UnsupportedAudioConfigError, check_dtype_and_sizes, check_whisper_attributes)
 from omnijax.models.encoders.common import TORCH_LAYER_NORM_EPS
+from omnijax.models.encoders.whisper import UnsupportedAudioConfigError, check_dtype_and_sizes, check_whisper_attributes
 
 __all__ = ["AudioConfig", "MINICPMO_4_5_AUDIO", "UnsupportedAudioConfigError", "audio_token_count", "cnn_frames"]
 

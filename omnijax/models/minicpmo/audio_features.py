@@ -37,8 +37,14 @@ from typing import NamedTuple
 import numpy as np
 
 from omnijax.models.encoders.log_mel import (
-    AudioInputError, FeatureShapeError, InvalidPcmError, UnsupportedSampleRateError, check_pcm_layout, finite_float32,
-    mel_filters)
+    AudioInputError,
+    FeatureShapeError,
+    InvalidPcmError,
+    UnsupportedSampleRateError,
+    check_pcm_layout,
+    finite_float32,
+    mel_filters,
+)
 
 __all__ = ["AudioInputError", "AudioTooShortError", "DUPLEX_MEL_STREAM", "FeatureShapeError", "HOP_LENGTH",
            "InvalidPcmError", "MAX_CLIP_SAMPLES", "MelChunk", "MelStreamConfig", "MelStreamState", "NUM_MEL_BINS",

@@ -13,9 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.models.minicpmo.audio import (MASK_VALUE, AudioConfig, AudioEncoder, check_features, split_encoder,
-                                           audio_token_count, cnn_frames)
+from omnijax.models.minicpmo.audio import (
+    MASK_VALUE,
+    AudioConfig,
+    AudioEncoder,
+    audio_token_count,
+    check_features,
+    cnn_frames,
+    split_encoder,
+)
 from omnijax.models.minicpmo.audio_features import FeatureShapeError, MelChunk
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

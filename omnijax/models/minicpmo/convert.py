@@ -9,21 +9,20 @@ name table as the Qwen checkpoints (`omnijax.models.qwen2_5_omni.convert.NAME_TA
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omnijax.models.qwen2_5_omni import convert as qwen
 from omnijax.checkpoint import loop as streaming
-from omnijax.errors import ConfigError, ConvertError, MissingTensorError
+from omnijax.checkpoint.name_tables import Component
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
-from omnijax.checkpoint.name_tables import Component
+from omnijax.errors import ConfigError, ConvertError, MissingTensorError
 from omnijax.models.config import DecoderConfig
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
 from omnijax.models.minicpmo.model import special_token_texts
+from omnijax.models.qwen2_5_omni import convert as qwen
 
 HF_MODEL_TYPES = ("minicpmo",)
 LLM_PREFIX = "llm."

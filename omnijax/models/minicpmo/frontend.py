@@ -9,8 +9,7 @@ from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.models.frontend import ChatUnits, require_encoder
 from omnijax.models.minicpmo import audio as audio_lib
-from omnijax.models.minicpmo import audio_features
-from omnijax.models.minicpmo import layout
+from omnijax.models.minicpmo import audio_features, layout
 from omnijax.models.minicpmo import vision as vision_lib
 
 

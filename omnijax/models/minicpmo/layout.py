@@ -282,6 +282,6 @@ def _positions(n: int) -> np.ndarray:
 
 __all__ = [
     "MINICPMO_2_6", "MINICPMO_4_5", "MiniCPMTokens", "QUERY_NUM", "TOKEN_TEXT", "concat", "duplex_unit",
-    "image_token_count", "omni_unit_2_6", "response_unit", "slice_grid", "system_unit", "text_unit", "token_layout", "unit_chunk",
-    "with_embeds",
+    "image_token_count", "omni_unit_2_6", "response_unit", "slice_grid", "system_unit", "text_unit", "token_layout",
+    "unit_chunk", "with_embeds",
 ]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.checkpoint import format as checkpoint
 from omnijax.checkpoint import name_tables
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
@@ -25,10 +26,7 @@ from omnijax.models.family import Family, family_for
 from omnijax.models.forward import forward
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
-from omnijax.models.minicpmo.layout import TOKEN_TEXT
-from omnijax.checkpoint import format as checkpoint
-from omnijax.models.minicpmo.layout import MiniCPMTokens
-
+from omnijax.models.minicpmo.layout import TOKEN_TEXT, MiniCPMTokens
 
 # Special tokens a converted checkpoint records from its tokenizer (`special_tokens` in the manifest): the unit
 # layout's markers (`omnijax.models.minicpmo.layout.TOKEN_TEXT`) and the duplex decoding's.

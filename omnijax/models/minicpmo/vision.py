@@ -50,17 +50,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
+from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
+from omnijax.models.encoders.common import (
+    StackedLayers,
+    dense,
+    layer_norm,
+    linear_rules,
+    module_from_pure_dict,
+    norm_rules,
+)
 from omnijax.models.layers import new_param
 from omnijax.models.minicpmo import image_preprocess
 from omnijax.models.minicpmo.vision_config import (
-    MINICPM_O_4_5_VISION, RESAMPLER_HEAD_WIDTH, UnsupportedVisionConfigError, VisionConfig, VisionConfigError)
+    MINICPM_O_4_5_VISION,
+    RESAMPLER_HEAD_WIDTH,
+    UnsupportedVisionConfigError,
+    VisionConfig,
+    VisionConfigError,
+)
 from omnijax.models.minicpmo.vision_host import (
-    TORCH_ARANGE_VECTOR_WIDTH, VisionPlan, navit_position_ids, sincos_2d, torch_arange_f32, vision_plan)
-from omnijax.models.encoders.common import (
-    StackedLayers, dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules)
-from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
-from safetensors import safe_open
+    TORCH_ARANGE_VECTOR_WIDTH,
+    VisionPlan,
+    navit_position_ids,
+    sincos_2d,
+    torch_arange_f32,
+    vision_plan,
+)
 
 __all__ = ["MINICPM_O_4_5_VISION", "RESAMPLER_HEAD_WIDTH", "RESAMPLER_LN_EPS", "RESAMPLER_PREFIX", "RESAMPLER_RULES",
            "TORCH_ARANGE_VECTOR_WIDTH", "MiniCPMVision", "Resampler", "SiglipEncoder", "SiglipLayers",

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from omnijax._checks import DTYPES, JsonConfig
-from omnijax.models.encoders.common import (
-    HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, understood_attributes)
+from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, understood_attributes
+
 # The same error as the Qwen2.5-Omni vision encoder's: a vision or resampler attribute changes the math in a way this
 # implementation does not cover.
 from omnijax.models.qwen2_5_omni.vision import UnsupportedVisionConfigError

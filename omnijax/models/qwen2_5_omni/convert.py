@@ -20,13 +20,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-
 from omnijax.checkpoint import loop as streaming
 from omnijax.checkpoint import name_tables as tables
-from omnijax.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
+from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
-from omnijax.checkpoint.name_tables import Component, Rule
+from omnijax.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
 from omnijax.models.config import DecoderConfig
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.qwen2_5_omni import vision as vision_lib

@@ -14,9 +14,8 @@ from omnijax.models import family as family_lib
 from omnijax.models.decoder import Decoder
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.model import Model, restore_module
-from omnijax.models.qwen2_5_omni import convert, frontend
+from omnijax.models.qwen2_5_omni import convert, frontend, thinker
 from omnijax.models.qwen2_5_omni import vision as vision_lib
-from omnijax.models.qwen2_5_omni import thinker
 from omnijax.models.qwen2_5_omni.config import OmniConfig
 
 

@@ -41,23 +41,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
 
-import sys
-from types import ModuleType
-
-from omnijax.models.qwen2_5_omni import layout
-from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
-from omnijax.models.frontend import ChatUnits, FrontendError, MissingEncoderError
 from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
-from omnijax.models.encoders.whisper import AudioInputError, audio_token_count, encode_audio
 from omnijax.models.encoders.log_mel import HOP_LENGTH, SAMPLE_RATE, log_mel
-from omnijax.models.qwen2_5_omni.vision import encode_vision
 from omnijax.models.encoders.qwen_vl_preprocess import VisionInputError
+from omnijax.models.encoders.whisper import AudioInputError, audio_token_count, encode_audio
+from omnijax.models.frontend import ChatUnits, FrontendError, MissingEncoderError
+from omnijax.models.qwen2_5_omni import layout
+from omnijax.models.qwen2_5_omni import layout as adapter
+from omnijax.models.qwen2_5_omni.vision import encode_vision
 
 __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
            "expected_frames", "image_chunk", "num_audio_tokens", "response", "synthetic_frames", "system", "text",

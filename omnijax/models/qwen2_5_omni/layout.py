@@ -35,9 +35,9 @@ import numpy as np
 from omnijax.chunks import builders as adapters
 from omnijax.chunks.builders import concat, token_layout  # noqa: F401  (re-exported)
 from omnijax.chunks.chunk import Chunk
+from omnijax.chunks.spans import SpanKind
 from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni.config import OmniConfig
-from omnijax.chunks.spans import SpanKind
 
 RELEASE = OmniConfig()  # the released checkpoints' ids; the constants below spell them out
 IM_START = 151644

@@ -41,13 +41,19 @@ import numpy as np
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
+from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
-from omnijax.models.layers import new_param, rms_norm
 from omnijax.models.encoders.common import (
-    HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, linear_rules, module_from_pure_dict,
-    understood_attributes)
-from omnijax.checkpoint.name_tables import Component, Rule
+    HF_PRETRAINED_CONFIG_ATTRIBUTES,
+    ConfigAttributeError,
+    StackedLayers,
+    dense,
+    linear_rules,
+    module_from_pure_dict,
+    understood_attributes,
+)
+from omnijax.models.layers import new_param, rms_norm
 
 NORM_EPS = 1e-6  # fixed in the reference implementation
 ROPE_THETA = 10000.0

@@ -60,14 +60,26 @@ import numpy as np
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
-from omnijax.models.layers import new_param
-from omnijax.models.encoders.whisper import (
-    UnsupportedAudioConfigError, check_whisper_attributes, gelu_exact, sinusoid_positions)
-from omnijax.models.encoders.log_mel import FeatureShapeError
-from omnijax.models.encoders.common import (
-    HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, layer_norm, linear_rules,
-    module_from_pure_dict, norm_rules, understood_attributes)
 from omnijax.checkpoint.name_tables import Component, Rule
+from omnijax.models.encoders.common import (
+    HF_PRETRAINED_CONFIG_ATTRIBUTES,
+    ConfigAttributeError,
+    StackedLayers,
+    dense,
+    layer_norm,
+    linear_rules,
+    module_from_pure_dict,
+    norm_rules,
+    understood_attributes,
+)
+from omnijax.models.encoders.log_mel import FeatureShapeError
+from omnijax.models.encoders.whisper import (
+    UnsupportedAudioConfigError,
+    check_whisper_attributes,
+    gelu_exact,
+    sinusoid_positions,
+)
+from omnijax.models.layers import new_param
 
 __all__ = ["AUDIO_RULES", "AudioPlan", "FeatureShapeError", "QWEN3_OMNI_30B_A3B_AUDIO", "Qwen3AudioConfig",
            "Qwen3AudioConfigError", "Qwen3AudioEncoder", "UnsupportedAudioConfigError", "audio_component",

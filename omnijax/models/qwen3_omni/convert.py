@@ -18,14 +18,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omnijax.models.qwen2_5_omni import convert as shared
 from omnijax.checkpoint import loop as streaming
-from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
+from omnijax.checkpoint.name_tables import Component
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
-from omnijax.checkpoint.name_tables import Component
+from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
 from omnijax.models.config import DecoderConfig
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
+from omnijax.models.qwen2_5_omni import convert as shared
 from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
 from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
@@ -183,7 +183,8 @@ def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = N
 
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
                    progress: bool = True, log: Callable[[str], None] = streaming.stderr):
-    """Converts the thinker's weights into memory-mapped arrays (see `omnijax.models.qwen2_5_omni.convert.convert_params`).
+    """Converts the thinker's weights into memory-mapped arrays (see
+    `omnijax.models.qwen2_5_omni.convert.convert_params`).
 
     Returns:
         `(config, params, source_info, extras)`; extras hold the encoders and the "qwen3_omni" ids and rates.

@@ -54,26 +54,40 @@ encoder whose mel-bin count is not the processor's 128, or a model that is not Q
 from __future__ import annotations
 
 import math
+import sys
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
 
-import sys
-from types import ModuleType
-
-from omnijax.models.qwen3_omni import layout
-from omnijax.models.qwen3_omni import layout as adapter
-from omnijax.models.frontend import ChatUnits
-from omnijax.models.qwen2_5_omni.frontend import QwenOmniUnits
 from omnijax.chunks.chunk import Chunk
 from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
-from omnijax.models.encoders.log_mel import (HOP_LENGTH, N_FFT, SAMPLE_RATE, AudioInputError,
-                                                        InvalidPcmError, check_pcm_layout, finite_float32,
-                                                        mel_filters)
-from omnijax.models.qwen2_5_omni import frontend as frontend25
-from omnijax.models.qwen2_5_omni.frontend import (FrameCountError, FrontendError, MissingEncoderError, relabel_error,
-                                                  unit_id, expected_frames, synthetic_frames, tone)
+from omnijax.models.encoders.log_mel import (
+    HOP_LENGTH,
+    N_FFT,
+    SAMPLE_RATE,
+    AudioInputError,
+    InvalidPcmError,
+    check_pcm_layout,
+    finite_float32,
+    mel_filters,
+)
 from omnijax.models.encoders.qwen_vl_preprocess import VisionInputError
+from omnijax.models.frontend import ChatUnits
+from omnijax.models.qwen2_5_omni import frontend as frontend25
+from omnijax.models.qwen2_5_omni.frontend import (
+    FrameCountError,
+    FrontendError,
+    MissingEncoderError,
+    QwenOmniUnits,
+    expected_frames,
+    relabel_error,
+    synthetic_frames,
+    tone,
+    unit_id,
+)
+from omnijax.models.qwen3_omni import layout
+from omnijax.models.qwen3_omni import layout as adapter
 from omnijax.models.qwen3_omni.audio import audio_token_count, encode_audio
 from omnijax.models.qwen3_omni.vision import Qwen3VisionConfig, encode_vision
 

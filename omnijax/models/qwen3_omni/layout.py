@@ -32,8 +32,8 @@ import numpy as np
 from omnijax.chunks import builders as adapters
 from omnijax.chunks.builders import concat, token_layout  # noqa: F401  (re-exported)
 from omnijax.chunks.chunk import Chunk
-from omnijax.models.qwen3_omni import positions as P
 from omnijax.chunks.spans import SpanKind
+from omnijax.models.qwen3_omni import positions as P
 
 RELEASE = P.Qwen3OmniConfig()  # the released checkpoints' ids
 

@@ -50,13 +50,21 @@ import numpy as np
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
+from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
-from omnijax.models.layers import new_param
 from omnijax.models.encoders.common import (
-    HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, StackedLayers, dense, layer_norm, linear_rules,
-    module_from_pure_dict, norm_rules, understood_attributes)
-from omnijax.checkpoint.name_tables import Component, Rule
+    HF_PRETRAINED_CONFIG_ATTRIBUTES,
+    ConfigAttributeError,
+    StackedLayers,
+    dense,
+    layer_norm,
+    linear_rules,
+    module_from_pure_dict,
+    norm_rules,
+    understood_attributes,
+)
+from omnijax.models.layers import new_param
 
 __all__ = ["DEEPSTACK_PREFIX", "DEEPSTACK_RULES", "QWEN3_OMNI_30B_A3B_VISION", "Qwen3VisionConfig",
            "Qwen3VisionConfigError", "Qwen3VisionEncoder", "UnsupportedVisionConfigError", "VISION_PREFIX",

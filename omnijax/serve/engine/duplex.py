@@ -35,10 +35,10 @@ from typing import Sequence
 import numpy as np
 
 from omnijax.chunks import builders as adapters
+from omnijax.chunks.spans import SpanKind
 from omnijax.models.minicpmo import audio_features
 from omnijax.models.minicpmo.audio_features import DUPLEX_MEL_STREAM, SAMPLE_RATE, InvalidPcmError
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult, encode_reference, encode_unit
-from omnijax.chunks.spans import SpanKind
 
 __all__ = ["DuplexStream", "UNIT_SAMPLES", "UnitResult", "rows_chunks", "speak_ids", "speak_text"]
 

@@ -37,16 +37,16 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.streaming.config import StreamConfig
+from omnijax.decoding import folded_keys, seed_of
 from omnijax.kv import paged as paged_lib
 from omnijax.paging import migration
 from omnijax.retention.baselines import SinkWindow
+from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.telemetry import StallEvent, Telemetry
-from omnijax.decoding import folded_keys, seed_of
-from omnijax.streaming.step import StreamState, chunk_step, init_state
+from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
-from omnijax.serve.engine import snapshot as snapshot_lib
+from omnijax.streaming.step import StreamState, chunk_step, init_state
 
 
 class DuplicateSession(KeyError, ValueError):

@@ -1,5 +1,5 @@
-"""The native wire protocol of `omnijax serve` (`WS /session`; the whole exchange is in `omnijax.serve.native.session`): the
-session path, close codes, the audio format, and validation of the client's messages, each failure a `ProtocolError`
+"""The native wire protocol of `omnijax serve` (`WS /session`; the whole exchange is in `omnijax.serve.native.session`):
+the session path, close codes, the audio format, and validation of the client's messages, each failure a `ProtocolError`
 naming the error code the server sends back."""
 
 from __future__ import annotations

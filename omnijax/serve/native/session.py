@@ -46,16 +46,23 @@ import json
 import logging
 
 import numpy as np
-
-from omnijax.serve.native.protocol import (CLOSE_ERROR, CLOSE_OVERLOADED, SAMPLE_RATE, ProtocolError, decode_frame,
-                                    hello_duplex, parse_hello, parse_json)
-from omnijax.serve.engine.admission import Overloaded
-from omnijax.models.minicpmo.duplex import DuplexTokens
-from omnijax.serve.engine.duplex import DuplexStream
-from omnijax.serve.realtime.duplex import duplex_rule
-from omnijax.media.image import read_image
-from omnijax.serve.engine.duplex import speak_ids
 from starlette.websockets import WebSocketDisconnect
+
+from omnijax.media.image import read_image
+from omnijax.models.minicpmo.duplex import DuplexTokens
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.duplex import DuplexStream, speak_ids
+from omnijax.serve.native.protocol import (
+    CLOSE_ERROR,
+    CLOSE_OVERLOADED,
+    SAMPLE_RATE,
+    ProtocolError,
+    decode_frame,
+    hello_duplex,
+    parse_hello,
+    parse_json,
+)
+from omnijax.serve.realtime.duplex import duplex_rule
 
 log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0

@@ -26,14 +26,12 @@ import logging
 
 import numpy as np
 
+from omnijax.media.audio import resample
+from omnijax.media.image import read_image
+from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens
+from omnijax.serve.engine.duplex import DuplexStream, speak_ids
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
-from omnijax.models.minicpmo.duplex import DuplexDecodeRule
-from omnijax.models.minicpmo.duplex import DuplexTokens
-from omnijax.serve.engine.duplex import DuplexStream
-from omnijax.media.image import read_image
-from omnijax.media.audio import resample
-from omnijax.serve.engine.duplex import speak_ids
 
 log = logging.getLogger("omnijax.serve")
 

@@ -14,8 +14,14 @@ import base64
 import dataclasses
 from typing import Any, Optional, Union
 
-from omnijax.serve.realtime.client_events import (ConversationItemCreate, InputText, RetentionRatio, SessionSettings, new_id,
-                                          server_event)
+from omnijax.serve.realtime.client_events import (
+    ConversationItemCreate,
+    InputText,
+    RetentionRatio,
+    SessionSettings,
+    new_id,
+    server_event,
+)
 
 __all__ = [
     "assistant_item", "conversation_item_added", "conversation_item_done", "input_audio_buffer_cleared",

@@ -51,18 +51,16 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from starlette.websockets import WebSocketDisconnect
 
+from omnijax.decoding import sampling_row
+from omnijax.media.audio import resample
 from omnijax.media.image import read_image
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.snapshot import SnapshotError, load_snapshot, save_snapshot
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
-from omnijax.serve.engine.admission import Overloaded
-from omnijax.serve.engine.snapshot import SnapshotError
-from omnijax.serve.engine.snapshot import load_snapshot
-from omnijax.serve.engine.snapshot import save_snapshot
 from omnijax.serve.realtime.duplex import DuplexRealtime
-from omnijax.media.audio import resample
-from omnijax.decoding import sampling_row
-from starlette.websockets import WebSocketDisconnect
 
 log = logging.getLogger("omnijax.serve")
 VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}

@@ -1,0 +1,126 @@
+"""The chat-completions codec (`omnijax.serve.chat_completions`): requests parsed and refused with the field named, and
+the objects it builds validated by the official `openai` SDK's types."""
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from omnijax.decoding import Greedy, Sampling  # noqa: E402
+from omnijax.media.audio import resample  # noqa: E402
+from omnijax.serve import chat_completions as oh  # noqa: E402
+
+
+def _wav(pcm: np.ndarray, rate: int, width: int = 2) -> str:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(pcm.shape[1] if pcm.ndim == 2 else 1)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(pcm.astype("<i2" if width == 2 else "u1").tobytes())
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _parse(body, decoding=Greedy()):
+    return oh.parse_chat_request({"model": "m", **body}, model_name="m", decoding=decoding)
+
+
+def test_requests_parse_into_parts_in_order():
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    stereo = (np.random.default_rng(0).normal(size=(2400, 2)) * 3000).astype(np.int16)
+    req = _parse({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                     {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+                                     {"type": "input_audio", "input_audio": {"data": _wav(stereo, 24000),
+                                                                             "format": "wav"}}]},
+        {"role": "assistant", "content": None}], "max_completion_tokens": 7, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0})
+    assert [role for role, _ in req.messages] == ["system", "user", "assistant"]
+    kinds = [p.kind for p in req.messages[1][1]]
+    assert kinds == ["text", "image", "audio"] and req.messages[1][1][1].data == b"\x89PNG fake"
+    expected = resample(stereo.astype(np.float32).mean(axis=1) / 32768.0, 24000)
+    np.testing.assert_allclose(req.messages[1][1][2].pcm, expected, atol=1e-6)
+    assert req.messages[2][1][0].text == "" and req.max_tokens == 7 and req.stream and req.include_usage
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"stop": ["\n"]}, 400, "stop"),
+    ({"n": 2}, 400, "n"),
+    ({"temperature": 0.7}, 400, "temperature"),
+    ({"seed": 3}, 400, "seed"),
+    ({"max_tokens": 0}, 400, "max_completion_tokens"),
+    ({"stream": "yes"}, 400, "stream"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     400, "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                 "input_audio": {"data": "AAAA", "format": "mp3"}}]}]},
+     400, "messages[0].content[0].input_audio.format"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                 "input_audio": {"data": "%%%", "format": "wav"}}]}]},
+     400, "messages[0].content[0].input_audio.data"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": _wav(np.full(100, 128), 16000, width=1), "format": "wav"}}]}]}, 400, "messages[0].content[0]"),
+    ({"messages": [{"role": "system", "content": [{"type": "image_url",
+                                                   "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, 400, "messages[0].content[0].type"),
+])
+def test_refusals_name_the_field(body, status, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(oh.RequestError) as e:
+        oh.parse_chat_request({"model": "m", **body}, model_name="m", decoding=Greedy())
+    assert e.value.status == status and e.value.param == param, str(e.value)
+    error = oh.error_body(str(e.value), code=e.value.code, param=e.value.param)
+    assert error["error"]["param"] == param and error["error"]["message"]
+
+
+def test_sampling_fields_that_match_the_server_are_accepted():
+    decoding = Sampling(temperature=0.7, top_p=0.9, seed=5)
+    _parse({"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "top_p": 0.9, "seed": 5}, decoding)
+    with pytest.raises(oh.RequestError, match="--temperature"):
+        _parse({"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0}, decoding)
+
+
+def test_built_objects_validate_as_the_sdk_types():
+    from openai.types import Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    whole = ChatCompletion.model_validate(oh.completion("c1", 5, "m", "Hello", "stop", 10, 2, kv_cells=12))
+    assert whole.choices[0].message.content == "Hello" and whole.usage.total_tokens == 12
+    assert whole.model_extra["omnijax"] == {"kv_cells": 12}
+    first = ChatCompletionChunk.model_validate(oh.completion_chunk("c1", 5, "m", {"role": "assistant",
+                                                                                  "content": ""}))
+    last = ChatCompletionChunk.model_validate(oh.completion_chunk("c1", 5, "m", {}, "length"))
+    usage = ChatCompletionChunk.model_validate(oh.completion_chunk("c1", 5, "m", None, usage_=oh.usage(3, 4)))
+    assert first.choices[0].delta.role == "assistant" and last.choices[0].finish_reason == "length"
+    assert usage.choices == [] and usage.usage.total_tokens == 7
+    listed = oh.models_list("m", 5)
+    assert [Model.model_validate(m).id for m in listed["data"]] == ["m"]
+
+
+def test_a_per_row_server_takes_each_requests_sampling():
+    from omnijax.decoding import RowSampling, sampling_row
+
+    decoding = RowSampling(temperature=0.0, top_p=1.0)
+    hi = [{"role": "user", "content": "hi"}]
+    req = _parse({"messages": hi, "temperature": 0.7, "seed": 3}, decoding)
+    np.testing.assert_array_equal(req.sampling, sampling_row(0.7, 1.0))
+    assert req.seed == 3
+    req = _parse({"messages": hi, "top_p": 0.5}, decoding)
+    np.testing.assert_array_equal(req.sampling, sampling_row(0.0, 0.5))
+    plain = _parse({"messages": hi}, decoding)
+    assert plain.sampling is None and plain.seed is None
+    for field, value in (("temperature", 2.5), ("temperature", "hot"), ("top_p", 0), ("seed", 1.5)):
+        with pytest.raises(oh.RequestError) as e:
+            _parse({"messages": hi, field: value}, decoding)
+        assert e.value.param == field
