@@ -102,7 +102,7 @@ class Chat:
     """
 
     def __init__(self, model, config: StreamConfig | None = None, *, tokenizer=None, video_kwargs=None):
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if self.tokenizer is None:
             raise ValueError("Chat needs a tokenizer: this checkpoint has no tokenizer files (copy tokenizer.json "
                              "and tokenizer_config.json of the release into it) or pass tokenizer=; without one, "

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from omnijax import demo
+from omnijax.testing import checkpoints as demo
 from omnijax.convert import convert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from omnijax import demo
+from omnijax.testing import checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -138,10 +139,10 @@ def test_readme_python_chat(demo_dir, monkeypatch):
 def test_readme_convert_and_token_level_quick_start(tmp_path):
     (command,) = re.findall(r"^\.venv/bin/omnijax convert .*$", README, flags=re.M)
     # A tiny model whose vocabulary holds the real special-token ids the quick start uses.
-    text_config = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
+    text_config = dict(checkpoints.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=1, layer_types=["full_attention"],
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]})
-    src = demo.write_tiny_hf_checkpoint(tmp_path / "Qwen2.5-Omni-7B", text_config=text_config)
+    src = checkpoints.write_tiny_hf_checkpoint(tmp_path / "Qwen2.5-Omni-7B", text_config=text_config)
     dst = tmp_path / "omni7b-jax"
     args = command.split()[1:]
     args = [str(src) if a == "/path/to/Qwen2.5-Omni-7B" else str(dst) if a == "/path/to/omni7b-jax" else a

@@ -2,7 +2,7 @@
 seen by WebSocket clients of `omnijax serve` (issue 25 item 6).
 
 Server: `omnijax.serve.app.BackgroundServer` over `build_context` in this process, serving the embedded tiny random
-Qwen2.5-Omni of `omnijax.demo` (`build_demo_model`, loaded once and shared by both configurations), float32,
+Qwen2.5-Omni of `omnijax.testing.checkpoints` (`build_demo_model`, loaded once and shared by both configurations), float32,
 `impl="xla"`, CPU. Two configurations run one after the other on the same small KV pool, each with its own server:
 `sink_window` (`SinkWindow(--sink, --window)`, bounded per-session KV) and `unbounded` (`NoSlide`). The pool holds
 `--pool-windows` times the window (+2 pages) of every session the largest bucket admits, so unbounded sessions exhaust

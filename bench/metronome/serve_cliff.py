@@ -1,6 +1,6 @@
 """The latency cliff of unbounded session KV, and admission on the bounded signal (seed 002 §3, §5.2-5.3, Figs 4-7).
 
-Model: the embedded tiny random Qwen2.5-Omni of `omnijax.demo` (4 layers, hidden 128, vocab 151,936, audio encoder
+Model: the embedded tiny random Qwen2.5-Omni of `omnijax.testing.checkpoints` (4 layers, hidden 128, vocab 151,936, audio encoder
 d_model 32), float32, `impl="xla"`, CPU. Frames: 16 kHz speech-like PCM from `loadgen.speech_like_pcm`, encoded by
 `server.AudioFrameEncoder` (log-mel -> audio encoder -> audio unit): a 500 ms frame is 12 audio tokens + 2 markers.
 

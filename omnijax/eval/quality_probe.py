@@ -293,7 +293,7 @@ def main(argv=None) -> int:
             model = load(build_demo_model(tmp))
         else:
             model = load(args.checkpoint)
-        if model.tokenizer is None or getattr(model, "audio", None) is None:
+        if model.tokenizer is None or model.audio is None:
             print("quality_probe: error: the checkpoint needs an audio encoder and tokenizer files", file=sys.stderr)
             return 1
         rows = []

@@ -14,9 +14,10 @@ after the same unit come in time order. The answer is generated greedily (up to 
 chunks of the same unit (positions and span offsets continue), so every chunk of the schedule has about the length
 of one audiovisual unit; the last part carries the answer request, and its last-position logits score the options.
 
-Units carry encoder features when the model has audio and vision encoders (`frontend.audiovisual_chunk` on the
-media's frames and PCM); otherwise they are layout-only (placeholder ids, no features; ids folded into the
-vocabulary) and a notice says so.
+Units carry encoder features when the model has audio and vision encoders: its family's unit builder
+(`omnijax.models.frontend.units_for`; every family: Qwen2.5-Omni's and Qwen3-Omni's 2 s units at 2 fps, MiniCPM-o's
+1 s units of one frame) on the media's frames and PCM. Otherwise they are layout-only (Qwen2.5-Omni's placeholder
+ids, no features; ids folded into the vocabulary) and a notice says so.
 
 Special ids (`<|im_start|>`, `<|im_end|>`, the modality markers and placeholders) are the loaded checkpoint's
 (`model.omni`, filled by `omnijax-convert` from its config and tokenizer); the text encoder only encodes text.
@@ -30,9 +31,10 @@ import re
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk, split_chunk
+from omnijax.chunks.spans import SpanKind
 from omnijax.eval import annotations as ann
 from omnijax.eval.media import MediaSource, TextEncoder
-from omnijax.models.qwen2_5_omni import frontend
+from omnijax.models.frontend import units_for
 from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.testing.synthetic import fold_ids
 
@@ -83,16 +85,29 @@ def split_text_chunk(chunk: Chunk, max_len: int) -> list[Chunk]:
 
 
 class ChunkBuilder:
-    """Builds the chunks of a session for one model: with encoder features when it has encoders."""
+    """Builds the chunks of a session for one model: with encoder features (its family's units) when it has audio
+    and vision encoders, else layout-only.
 
-    def __init__(self, model, encoder: TextEncoder, *, unit_seconds: float = 2.0, fps: float = 2.0,
+    Args:
+        model: a loaded model (any family), or a bare decoder (layout-only).
+        encoder: the text encoder of questions and prompts.
+        unit_seconds, fps: the audiovisual unit's length and frame rate; default the family's (2 s at 2 fps for the
+            layout-only units).
+        video_kwargs: frame preprocessing settings of the family's `av` (default a 56x56 minimum).
+    """
+
+    def __init__(self, model, encoder: TextEncoder, *, unit_seconds: float | None = None, fps: float | None = None,
                  video_kwargs: dict | None = None):
-        self.model, self.encoder, self.unit_seconds, self.fps = model, encoder, unit_seconds, fps
-        self.features = getattr(model, "audio", None) is not None and getattr(model, "vision", None) is not None
+        audio, vision = (getattr(model, name, None) for name in ("audio", "vision"))  # a bare decoder has neither
+        self.features = audio is not None and vision is not None
+        self.units = units_for(model) if self.features else None
+        self.unit_seconds = unit_seconds or (self.units.unit_seconds if self.units else 2.0)
+        self.fps = fps or (self.units.fps if self.units else 2.0)
+        self.model, self.encoder = model, encoder
         self.video_kwargs = {"min_pixels": 56 * 56} if video_kwargs is None else video_kwargs
-        config = getattr(model, "decoder", model).config
-        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.tokens = adapter.token_ids_of(getattr(model, "omni", None))  # the checkpoint's ids (release's if none)
+        self.vocab_size, self.hidden_size = model.config.vocab_size, model.config.hidden_size
+        # the layout-only path's ids (Qwen2.5-Omni's layout: the checkpoint's, or the release's)
+        self.tokens = None if self.features else adapter.token_ids_of(getattr(model, "omni", None))
 
     @property
     def notice(self) -> str:
@@ -101,15 +116,16 @@ class ChunkBuilder:
 
     def _text(self, ids: list[int], unit: int, kind: str, answer_tokens: int = 0) -> Chunk:
         if self.features:
-            return (frontend.system(self.model, ids, unit) if kind == "system"
-                    else frontend.text(self.model, ids, unit, answer_tokens))
+            return self.units.text(ids, unit, SpanKind.SYSTEM if kind == "system" else SpanKind.TEXT, answer_tokens)
         chunk = (adapter.system_unit(ids, unit, tokens=self.tokens) if kind == "system"
                  else adapter.text_unit(ids, unit, answer_tokens, tokens=self.tokens))
         return fold_ids(chunk, self.vocab_size)
 
     def _chat_markers(self) -> tuple[int, int]:
         """The checkpoint's `<|im_start|>`, `<|im_end|>` (folded into a vocabulary too small to hold them)."""
-        return (self.tokens.im_start_token_id % self.vocab_size, self.tokens.im_end_token_id % self.vocab_size)
+        start, end = (self.units.chat_markers if self.units is not None
+                      else (self.tokens.im_start_token_id, self.tokens.im_end_token_id))
+        return start % self.vocab_size, end % self.vocab_size
 
     def system(self) -> Chunk:
         e, (start, end) = self.encoder, self._chat_markers()
@@ -124,7 +140,7 @@ class ChunkBuilder:
 
     def audiovisual(self, frames: np.ndarray, pcm: np.ndarray, unit: int) -> Chunk:
         if self.features:
-            return frontend.audiovisual_chunk(self.model, frames, pcm, unit, fps=self.fps, **self.video_kwargs)
+            return self.units.av(frames, pcm, unit, **self.video_kwargs)
         # Layout only: the grid a 14 px patch, 2x2 merge vision tower would give these frames.
         t = max(1, int(frames.shape[0]) // 2)
         h, w = (max(2, 2 * (int(s) // 28)) for s in frames.shape[1:3])

@@ -12,9 +12,9 @@ Accuracy is reported per task type and overall, per configuration, with session 
     python -m omnijax.eval.streamingbench --checkpoint /ckpt/omni7b-jax --video-root /data/StreamingBench \\
         --mesh 8x1 --configs full "omnipick+tile_skip" --out sb.json
 
-A `--demo` run uses the tiny random checkpoint of `omnijax.demo` (random weights: accuracy is meaningless there).
-The annotation files ship with omnijax (`annotations.packaged_root()`); `--data` or `$OMNIJAX_STREAMINGBENCH` reads
-another copy.
+A `--demo` run uses the tiny random checkpoint of `omnijax.testing.checkpoints` (random weights: accuracy is
+meaningless there). The annotation files ship with omnijax (`annotations.packaged_root()`); `--data` or
+`$OMNIJAX_STREAMINGBENCH` reads another copy.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from omnijax import compilation_cache, demo
+from omnijax import compilation_cache
 from omnijax.convert import convert_checkpoint
 from omnijax.eval import annotations as ann
 from omnijax.eval import media as media_lib
@@ -40,6 +40,7 @@ from omnijax.eval import sessions as sessions_lib
 from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
 from omnijax.models.registry import load
 from omnijax.streaming.config import StreamConfig
+from omnijax.testing import checkpoints as demo
 
 
 def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:
@@ -212,7 +213,8 @@ def format_summary(report: BenchReport) -> str:
 
 
 def demo_model(directory: Path):
-    """The tiny random Qwen2.5-Omni of `omnijax.demo` (encoders included), converted under `directory`."""
+    """The tiny random Qwen2.5-Omni of `omnijax.testing.checkpoints` (encoders included), converted under
+    `directory`."""
 
     hf = demo.write_tiny_hf_checkpoint(directory / "hf", text_config=demo.TINY_OMNI_TEXT_CONFIG)
     return load(convert_checkpoint(hf, directory / "omnijax", progress=False, log=lambda _: None))

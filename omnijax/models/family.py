@@ -120,6 +120,22 @@ def family_for(model_type: str) -> Family:
         raise ValueError(f"unknown model type {model_type!r}; omnijax reads {sorted(FAMILIES)}") from None
 
 
+class FamilyModel:
+    """What every loaded model class shares: its decoder's config, and its family found by its model type."""
+
+    decoder: Decoder
+    model_type: str
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.decoder.config
+
+    @property
+    def family(self) -> Family:
+        """The model's family (`Family`), found by its model type."""
+        return family_for(self.model_type)
+
+
 def family_of(model: Any) -> Family | None:
     """The family of a loaded model, or None for a bare `Decoder` (which has none)."""
     family = getattr(model, "family", None)

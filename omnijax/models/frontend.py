@@ -36,7 +36,7 @@ def bucket(length: int) -> int:
 def require_encoder(model, kind: str) -> None:
     """Refuses media for a checkpoint without the `kind` ("audio" or "vision") encoder, naming the fix."""
     if getattr(model, kind, None) is None:
-        source = getattr(model, "source", None)
+        source = model.source
         where = f" ({source})" if source else ""
         raise MissingEncoderError(f"this checkpoint{where} has no {kind} encoder, so it cannot take "
                                   f"{'images or video' if kind == 'vision' else 'audio'}; convert a checkpoint "
@@ -58,7 +58,7 @@ class ChatUnits:
         self.model = model
         config = model.config
         self.axes = config.position_axes
-        has_encoders = getattr(model, "audio", None) is not None or getattr(model, "vision", None) is not None
+        has_encoders = model.audio is not None or model.vision is not None
         self.hidden_size = config.hidden_size if has_encoders else None
 
     def pad(self, chunk: Chunk) -> Chunk:
@@ -76,6 +76,11 @@ class ChatUnits:
                      answer_tokens=np.asarray([answer_tokens], np.int32), answer_unit=np.asarray([unit], np.int32),
                      advance=np.zeros((1,), np.int32), embeds=embeds,
                      embed_mask=None if embeds is None else np.zeros((1, 1), bool), deepstack=deepstack)
+
+    @property
+    def chat_markers(self) -> tuple[int, int]:
+        """The ids of the chat template's turn markers `<|im_start|>`, `<|im_end|>` in this checkpoint."""
+        raise NotImplementedError(f"{type(self).__name__} names no chat markers")
 
     def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         """A text unit of token `ids` (a system prompt, a user turn or a response, by `kind`)."""

@@ -10,9 +10,8 @@ import numpy as np
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
-from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.models.family import Family, family_for
+from omnijax.models.family import FamilyModel
 from omnijax.models.forward import forward
 from omnijax.prefill import tidekv_prefill
 
@@ -28,7 +27,7 @@ class UnsupportedInputError(ValueError):
     """An input the loaded model cannot take (e.g. multimodal features without the encoders)."""
 
 
-class Model:
+class Model(FamilyModel):
     """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
 
     def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None,
@@ -40,15 +39,6 @@ class Model:
         self.vision = vision  # VisionEncoder or None
         self.omni = omni  # OmniConfig / Qwen3OmniConfig (placeholder ids, position timing) or None
         self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (the model then takes token ids)
-
-    @property
-    def config(self) -> DecoderConfig:
-        return self.decoder.config
-
-    @property
-    def family(self) -> Family:
-        """The model's family (`omnijax.models.family.Family`), found by its model type."""
-        return family_for(self.model_type)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, *, page_size: int = 64,
                  input_features=None, feature_attention_mask=None, pixel_values=None, image_grid_thw=None,

@@ -35,7 +35,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
 
-from omnijax import compilation_cache, demo
+from omnijax import compilation_cache
 from omnijax.convert import convert_checkpoint
 from omnijax.decoding import RowSampling
 from omnijax.models.frontend import bucket, units_for
@@ -52,6 +52,7 @@ from omnijax.serve.native import session as native
 from omnijax.serve.native.protocol import frame_samples
 from omnijax.serve.realtime import session as realtime
 from omnijax.streaming.config import StreamConfig
+from omnijax.testing import checkpoints as demo
 
 log = logging.getLogger("omnijax.serve")
 API_KEY_ENV = "OMNIJAX_API_KEY"
@@ -153,7 +154,7 @@ def warm_up(context: ServeContext, sessions: int) -> float:
 
     start = time.perf_counter()
     engine, units = context.worker.engine, units_for(context.model)
-    if getattr(context.model, "audio", None) is not None:
+    if context.model.audio is not None:
         t = time.perf_counter()
         units.audio(np.zeros(int(16 * context.options.frame_ms), np.float32), 16_000, 0)
         log.info("warm-up: audio encoder ready for %g ms frames in %.1f s", context.options.frame_ms,

@@ -20,6 +20,7 @@ from flax import nnx
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import seed_of
+from omnijax.models.decoder import Decoder
 from omnijax.models.family import family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
 from omnijax.streaming.step import (
@@ -35,14 +36,14 @@ from omnijax.streaming.step import (
 
 def model_parts(model) -> tuple[Any, Any]:
     """`(graphdef, params)` of the decoder of an `omnijax.Model`, a `MiniCPMOModel` or a bare `Decoder`."""
-    decoder = getattr(model, "decoder", model)
+    decoder = model if isinstance(model, Decoder) else model.decoder
     graphdef, params = nnx.split(decoder)
     return graphdef, params
 
 
 def graphdef_config(model):
     """The `DecoderConfig` of a model or decoder."""
-    decoder = getattr(model, "decoder", model)
+    decoder = model if isinstance(model, Decoder) else model.decoder
     return decoder.config
 
 

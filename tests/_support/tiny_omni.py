@@ -4,7 +4,7 @@ MiniCPM-o 4.5 golden checkpoint with a tiny tokenizer (`minicpmo_source`)."""
 
 from pathlib import Path
 
-from omnijax import demo
+from omnijax.testing import checkpoints as demo
 from omnijax.convert import convert_checkpoint
 from tests._support import DATA
 

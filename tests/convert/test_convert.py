@@ -495,7 +495,7 @@ def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
 
 
 def test_generation_config_sets_answer_end_tokens(tmp_path):
-    from omnijax import demo
+    from omnijax.testing import checkpoints as demo
     from omnijax.models.registry import read_manifest
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")

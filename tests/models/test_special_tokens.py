@@ -201,7 +201,7 @@ def test_the_streamingbench_harness_builds_and_scores_sessions_with_the_checkpoi
 
 
 def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
-    from omnijax import demo
+    from omnijax.testing import checkpoints as demo
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=False, token_ids=SHIFTED.to_json())
     thinker = json.loads((src / "config.json").read_text())["thinker_config"]
     assert thinker["audio_token_index"] == 282 and thinker["vision_end_token_id"] == 286

@@ -208,7 +208,7 @@ def test_load_attaches_the_tokenizer(tmp_path):
     """A converted tiny checkpoint whose release had tokenizer files gets a working `model.tokenizer`; one without
     loads with exactly one UserWarning and no tokenizer."""
     import omnijax
-    from omnijax import demo
+    from omnijax.testing import checkpoints as demo
     from omnijax.convert import convert_checkpoint
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=False)

@@ -169,7 +169,7 @@ class DuplexTokens:
         """
         texts = {"unit_start": "<unit>", "unit_end": "</unit>", "image_start": "<image>", "image_end": "</image>",
                  "listen": "<|listen|>", "chunk_eos": "<|chunk_eos|>", "chunk_tts_eos": "<|chunk_tts_eos|>"}
-        special = getattr(model, "special_tokens", None) or {}
+        special = model.special_tokens
         missing = [text for text in texts.values() if text not in special]
         if missing:
             raise ValueError(f"the checkpoint's tokenizer declares no id for {missing} (convert a checkpoint that "

@@ -12,6 +12,8 @@ from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import audio_features, layout
 from omnijax.models.minicpmo import vision as vision_lib
 
+CHATML_IM_START, CHATML_IM_END = 151644, 151645  # <|im_start|>, <|im_end|> of MiniCPM-o 4.5's Qwen3 vocabulary
+
 
 class MiniCPMOUnits(ChatUnits):
     """MiniCPM-o 4.5 units: 1 s of audio with at most one frame each, as its streaming mode takes them."""
@@ -21,6 +23,11 @@ class MiniCPMOUnits(ChatUnits):
     def __init__(self, model, *, max_slice_nums: int = 1):
         super().__init__(model)
         self.adapter, self.tokens, self.max_slice_nums = layout, model.tokens, max_slice_nums
+
+    @property
+    def chat_markers(self) -> tuple[int, int]:
+        special = self.model.special_tokens  # the checkpoint's, else the Qwen3 LLM's chatml ids
+        return special.get("<|im_start|>", CHATML_IM_START), special.get("<|im_end|>", CHATML_IM_END)
 
     def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         a = self.adapter

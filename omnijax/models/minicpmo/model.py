@@ -20,9 +20,8 @@ from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
 from omnijax.checkpoint import name_tables
-from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.models.family import Family, family_for
+from omnijax.models.family import FamilyModel
 from omnijax.models.forward import forward
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
@@ -49,7 +48,7 @@ def _spans(bounds, what: str, length: int) -> list[tuple[int, int]]:
     return [(int(s), int(e)) for s, e in bounds]
 
 
-class MiniCPMOModel:
+class MiniCPMOModel(FamilyModel):
     """A loaded MiniCPM-o 4.5: `decoder`, optional `vision` (`MiniCPMVision`) and `audio` (`AudioEncoder`).
 
     `special_tokens`: token text -> id as the checkpoint's tokenizer declares them (empty when it shipped none);
@@ -68,15 +67,6 @@ class MiniCPMOModel:
     def tokens(self):
         """The unit layout's token ids (`omnijax.models.minicpmo.layout.MiniCPMTokens`) of this checkpoint."""
         return MiniCPMTokens.from_special_tokens(self.special_tokens)
-
-    @property
-    def config(self) -> DecoderConfig:
-        return self.decoder.config
-
-    @property
-    def family(self) -> Family:
-        """The MiniCPM-o family (`omnijax.models.family.Family`)."""
-        return family_for(self.model_type)
 
     def embed(self, input_ids, *, pixel_values: Sequence[np.ndarray] | None = None, tgt_sizes=None,
               image_bound=None, audio_features=None, audio_feature_lens=None, audio_bounds=None) -> jax.Array:

@@ -84,7 +84,7 @@ class FrameCountError(FrontendError):
 
 def _omni(model):
     """The checkpoint's special ids (an `OmniConfig`), or None (the release's) for a model without them."""
-    return getattr(model, "omni", None)
+    return model.omni
 
 
 def unit_id(unit) -> int:
@@ -96,7 +96,7 @@ def unit_id(unit) -> int:
 def require_model_encoder(model, kind: str):
     encoder = getattr(model, kind, None)
     if encoder is None:
-        source = getattr(model, "source", None)
+        source = model.source
         where = f" ({source})" if source else ""
         tensors = "thinker.audio_tower.*" if kind == "audio" else "thinker.visual.*"
         raise MissingEncoderError(f"this checkpoint has no {kind} encoder{where}; {kind} chunks need a checkpoint "
@@ -337,7 +337,7 @@ def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> 
     features = np.asarray(encode_audio(audio, log_mel(pcm, SAMPLE_RATE, num_mel_bins=model.audio.config.num_mel_bins)),
                           np.float32)
     return layout.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens,
-                             tokens=getattr(model, "omni", None))
+                             tokens=model.omni)
 
 
 class QwenOmniUnits(ChatUnits):
@@ -347,14 +347,18 @@ class QwenOmniUnits(ChatUnits):
 
     def __init__(self, model):
         super().__init__(model)
-        vision = getattr(model, "vision", None)
+        vision = model.vision
         self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
-        self.adapter, self.tokens = layout, layout.token_ids_of(getattr(model, "omni", None))
+        self.adapter, self.tokens = layout, layout.token_ids_of(model.omni)
 
     @property
     def frontend(self) -> ModuleType:
         """The module of the family's media builders (`image_chunk`, `audio_chunk`, `audiovisual_chunk`)."""
         return sys.modules[__name__]
+
+    @property
+    def chat_markers(self) -> tuple[int, int]:
+        return self.tokens.im_start_token_id, self.tokens.im_end_token_id
 
     def _text_options(self) -> dict:
         return dict(hidden_size=self.hidden_size, tokens=self.tokens)

@@ -166,12 +166,12 @@ def _omni(model):
     if kind != "qwen3_omni":
         raise FrontendError(f"this frontend builds Qwen3-Omni chunks but the model is {kind!r}; use "
                             f"omnijax.models.{kind}.frontend")
-    return getattr(model, "omni", None)
+    return model.omni
 
 
 def _levels(model) -> int:
     """DeepStack levels every chunk of the model's sessions carries (0 without a vision encoder)."""
-    vision = getattr(model, "vision", None)
+    vision = model.vision
     return 0 if vision is None else int(vision.config.num_deepstack)
 
 

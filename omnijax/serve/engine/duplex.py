@@ -162,7 +162,7 @@ class DuplexStream:
                                    ("max_slice_nums", max_slice_nums, 1)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        if getattr(model, "audio", None) is None:
+        if model.audio is None:
             raise ValueError("a duplex stream needs the checkpoint's audio encoder (model.audio is None)")
         engine = worker.engine
         if not engine.config.return_logits:
@@ -255,7 +255,7 @@ class DuplexStream:
         if not self._prepared:
             raise RuntimeError("prepare the duplex stream (its system prompt) before its first unit")
         pcm = unit_pcm(pcm)
-        if frame is not None and getattr(self.model, "vision", None) is None:
+        if frame is not None and self.model.vision is None:
             raise ValueError("a video frame was given but the checkpoint has no vision encoder")
         self._busy = True
         try:

@@ -39,7 +39,7 @@ log = logging.getLogger("omnijax.serve")
 def duplex_rule(model):
     """The release's duplex decision rule with the checkpoint's marker ids (`<|tts_pad|>` is never chosen)."""
 
-    special = getattr(model, "special_tokens", None) or {}
+    special = model.special_tokens
     names = {"chunk_eos": "<|chunk_eos|>", "turn_eos": "<|turn_eos|>", "listen": "<|listen|>", "tts_bos": "<|tts_bos|>"}
     missing = [text for text in names.values() if text not in special]
     if missing:
