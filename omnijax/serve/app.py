@@ -322,12 +322,15 @@ class BackgroundServer:
         return f"http://{self.context.options.host}:{self.port}/v1"
 
     def wait_idle(self, timeout_s: float = 20.0) -> None:
-        """Waits until every session is closed (closing follows a client's disconnect); TimeoutError naming the
-        sessions still open after `timeout_s`."""
+        """Waits until every session is closed, in the worker and in the engine (closing follows a client's
+        disconnect, and the engine frees a slot between ticks, after the worker has let the session go); TimeoutError
+        naming the sessions still open after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while self.context.worker.lanes:
+        worker = self.context.worker
+        while worker.lanes or worker.engine.sessions:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sessions still open after {timeout_s:g} s: {list(self.context.worker.lanes)}")
+                raise TimeoutError(f"sessions still open after {timeout_s:g} s: worker {list(worker.lanes)}, "
+                                   f"engine {list(worker.engine.sessions)}")
             time.sleep(0.05)
 
     @property

@@ -159,11 +159,16 @@ class EngineWorker:
             if self.admission is not None:
                 self.admission.check(current)
             self._joining += 1
+            opening = asyncio.ensure_future(self.in_engine(self.engine.open, sid) if snapshot is None
+                                            else self.in_engine(self.engine.import_session, sid, snapshot))
             try:
-                if snapshot is None:
-                    await self.in_engine(self.engine.open, sid)
-                else:
-                    await self.in_engine(self.engine.import_session, sid, snapshot)
+                await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # The caller went away (a client disconnect cancels its handler): the engine may open the session
+                # all the same, so close it there once the open is done; no slot is left behind.
+                opening.add_done_callback(lambda done: done.cancelled() or done.exception() is not None or
+                                          asyncio.ensure_future(self.in_engine(self._close_engine, sid)))
+                raise
             finally:
                 self._joining -= 1
         except Overloaded:
@@ -178,7 +183,8 @@ class EngineWorker:
         if lane is None:
             return
         self._fail(lane, "session closed")
-        await self.in_engine(self._close_engine, sid)
+        # Shielded: a caller cancelled meanwhile (a client disconnect) must not leave the engine's slot taken.
+        await asyncio.shield(asyncio.ensure_future(self.in_engine(self._close_engine, sid)))
 
     async def export(self, sid: str, meta: dict, timeout_s: float = 30.0):
         """A snapshot of the session once its queued chunks are written and its answer has ended (waits up to
