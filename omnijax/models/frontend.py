@@ -9,6 +9,8 @@ on text), so text and media chunks of one bucket share a program.
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk, pad_chunk
@@ -43,7 +45,7 @@ def require_encoder(model, kind: str) -> None:
                                   f"with its {kind} tower")
 
 
-class ChatUnits:
+class ChatUnits(abc.ABC):
     """What every family's unit builder shares: padding to a bucket, continuation chunks, the embedding width.
 
     A family subclasses it with `text(ids, unit, kind, answer_tokens)`, `image(image, unit)`, `audio(pcm,
@@ -78,25 +80,25 @@ class ChatUnits:
                      embed_mask=None if embeds is None else np.zeros((1, 1), bool), deepstack=deepstack)
 
     @property
+    @abc.abstractmethod
     def chat_markers(self) -> tuple[int, int]:
         """The ids of the chat template's turn markers `<|im_start|>`, `<|im_end|>` in this checkpoint."""
-        raise NotImplementedError(f"{type(self).__name__} names no chat markers")
 
+    @abc.abstractmethod
     def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         """A text unit of token `ids` (a system prompt, a user turn or a response, by `kind`)."""
-        raise NotImplementedError(f"{type(self).__name__} builds no text units")
 
+    @abc.abstractmethod
     def image(self, image, unit: int) -> Chunk:
         """An image unit of one `[H, W, 3]` image."""
-        raise NotImplementedError(f"{type(self).__name__} builds no image units")
 
+    @abc.abstractmethod
     def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
         """An audio unit of `[samples]` PCM at `sample_rate`."""
-        raise NotImplementedError(f"{type(self).__name__} builds no audio units")
 
+    @abc.abstractmethod
     def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
         """An audiovisual unit of `[n, H, W, 3]` frames and the PCM heard with them."""
-        raise NotImplementedError(f"{type(self).__name__} builds no audiovisual units")
 
     def open_video(self, path):
         """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up
