@@ -57,9 +57,10 @@ def third_party_imports() -> list[str]:
                   and n.partition(".")[0] in top)
 
 
-# A fresh interpreter that imports the third-party modules once (stdin: JSON {"preload", "modules", "workers"}),
-# checks that none of our modules came with them, then forks one child per module; the child imports that module
-# alone (none of ours is loaded in it) and exits. Prints JSON {module: null or the failure's traceback}.
+# A fresh interpreter that imports the third-party modules once (stdin: JSON {"preload", "base", "modules",
+# "workers"}), checks that none of our modules came with them, imports the `base` packages (their `__init__`s), then
+# forks one child per module; the child imports that module alone (none of ours but the base is loaded in it) and
+# exits. Prints JSON {module: null or the failure's traceback}.
 FORK_IMPORTS = r"""
 import importlib, json, os, signal, sys, tempfile, traceback
 job = json.load(sys.stdin)
@@ -72,6 +73,8 @@ for name in job["preload"]:
         pass  # `from x import name` where name is not a module
 loaded = sorted(m for m in sys.modules if m.startswith(ours) and m.partition(".")[0] in job["packages"])
 assert not loaded, f"preloading third-party modules imported ours: {loaded}"
+for name in job["base"]:  # a package's own __init__, which importing any of its submodules runs first
+    importlib.import_module(name)
 out, running, queue, results = tempfile.mkdtemp(), {}, list(job["modules"]), {}
 while queue or running:
     while queue and len(running) < job["workers"]:
@@ -102,12 +105,14 @@ print(json.dumps(results))
 
 
 def import_each_alone(modules: list[str], packages: tuple[str, ...] = PACKAGES, path: tuple[str, ...] = (),
-                      preload: bool = True) -> dict[str, str | None]:
+                      preload: bool = True, base: tuple[str, ...] = ()) -> dict[str, str | None]:
     """module -> None when it imports alone, else its traceback. Each module is imported in its own process where
-    none of our modules is loaded (forked from one interpreter that preloaded only `third_party_imports()`: a fresh
-    interpreter per module would spend most of its time importing jax and flax again)."""
-    job = {"packages": list(packages), "path": list(path), "preload": third_party_imports() if preload else [], "modules": modules,
-           "workers": WORKERS, "timeout": 120}
+    none of our modules is loaded but the `base` packages (forked from one interpreter that preloaded only
+    `third_party_imports()` and `base`: a fresh interpreter per module would spend most of its time importing jax and
+    flax again). `base` holds the top-level package whose submodules are imported: Python runs a package's
+    `__init__` to its end before any of its submodules, so a fresh `import omnijax.x.y` starts from exactly that."""
+    job = {"packages": list(packages), "path": list(path), "preload": third_party_imports() if preload else [],
+           "base": list(base), "modules": modules, "workers": WORKERS, "timeout": 120}
     result = python(FORK_IMPORTS, stdin=json.dumps(job), timeout=600)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -298,7 +303,11 @@ def test_every_module_imports_alone():
     reported, with its last traceback line."""
     modules = [m for package in PACKAGES for m in MODULES[package]]
     start = time.perf_counter()
-    results = import_each_alone(modules)
+    # The package itself and the deprecated aliases from nothing; the package's submodules after its __init__ (what
+    # a fresh interpreter runs first for them; once, in the forking parent).
+    first = ["omnijax", *(m for package in PACKAGES[1:] for m in MODULES[package])]
+    results = import_each_alone(first)
+    results |= import_each_alone([m for m in MODULES["omnijax"] if m != "omnijax"], base=("omnijax",))
     elapsed = time.perf_counter() - start
     assert sorted(results) == sorted(modules)
     failed = {m: last_line(why) for m, why in results.items() if why is not None}

@@ -12,7 +12,7 @@ Per decision, on the last-position logits `[V]` of what was fed so far:
 `DuplexDecodeRule` is a decoding strategy of `omnijax.decoding` (`warp`/`select`, vectorised and jittable, so it can
 be `StreamConfig.decoding`); its `choose` is the numpy twin of one decision on host, kept as the reference.
 Both compute in float32 with correctly rounded division, so they decide alike bit for bit.
-`omnijax.streaming.duplex.DuplexSession` decides with the jitted `select` between its jitted forward steps.
+The duplex loop (`omnijax.models.minicpmo.duplex_loop.DuplexLoop`) decides with `choose` between its feeds.
 """
 
 from __future__ import annotations
