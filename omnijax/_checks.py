@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
-from typing import Any
+from typing import Any, Self, cast
 
 import jax.numpy as jnp
 
@@ -27,8 +27,9 @@ class JsonConfig:
     def jnp_dtype(self):
         return DTYPES[self.dtype]
 
-    def replace(self, **changes: Any):
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (the dataclass's own validation runs again)."""
+        return dataclasses.replace(cast(Any, self), **changes)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v

@@ -42,7 +42,7 @@ def enable(directory: str | os.PathLike | None = None) -> Path | None:
         setting = os.environ.get(ENV, "").strip()
         if setting.lower() in OFF:
             return None
-        current = jax.config.jax_compilation_cache_dir
+        current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a flag jax's stubs omit
         if current and not setting:
             return Path(current)  # the process chose its own cache; keep it
         directory = setting or default_dir()
@@ -64,5 +64,5 @@ def disable() -> None:
 
 def cache_dir() -> Path | None:
     """The directory in use, or None."""
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a flag jax's stubs omit
     return Path(current) if current else None

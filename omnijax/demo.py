@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     units = synthetic_units(args.units)
     clip = _write_clip(out / "clip.mp4", units)
     video_kwargs = {"min_pixels": DEMO_VIDEO_MIN_PIXELS}
-    probe = units_for(model).av(*units[0], 0, **video_kwargs)
+    frames, pcm = units[0]
+    probe = units_for(model).av(frames, pcm, 0, **video_kwargs)
     total = args.units * probe.length + 256
     print(f"session: a system message, {args.units} audiovisual units ({args.units * UNIT_SECONDS:g} s: "
           f"{FRAME_HEIGHT}x{FRAME_WIDTH} frames at {FPS:g} fps + a 16 kHz tone; {probe.length} tokens each, "

@@ -41,8 +41,8 @@ def _release_compiled_programs():
 FAST = ("chunks/", "checkpoint/", "kernels/", "media/", "retention/test_unit_policies.py",
         "retention/test_token_policies.py", "retention/test_retention_apply.py", "paging/test_omnipage_plans.py",
         "serve/realtime/test_realtime_events.py", "serve/test_openai_http.py", "serve/engine/test_serve_engine.py",
-        "models/test_tokenizer.py", "models/minicpmo/test_duplex_loop.py", "eval/test_streamingbench.py", "eval/test_omnimmi.py", "eval/test_ovobench.py",
-        "test_self_contained.py")
+        "models/test_tokenizer.py", "models/minicpmo/test_duplex_loop.py", "eval/test_streamingbench.py",
+        "eval/test_omnimmi.py", "eval/test_ovobench.py", "test_self_contained.py")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

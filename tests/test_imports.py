@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from omnijax.testing import checkpoints as demo
 from omnijax.convert import convert_checkpoint
+from omnijax.testing import checkpoints as demo
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("omnijax", "convert", "pallas_kernels")  # the last two: deprecated aliases (omnijax.convert, .kernels)
@@ -239,7 +239,8 @@ def test_the_layer_check_finds_what_it_should(tmp_path, monkeypatch):
     (package / "kv" / "low.py").write_text(
         "from omnijax.models import high\n"
         "def f():\n    import json\n    import matplotlib\n    import matplotlib.pyplot  # optional: plots\n")
-    (package / "models" / "high.py").write_text("from omnijax.kv import low\ndef g():\n    from omnijax.kv import low\n")
+    (package / "models" / "high.py").write_text(
+        "from omnijax.kv import low\ndef g():\n    from omnijax.kv import low\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     problems = layer_violations(["omnijax", "omnijax.kv", "omnijax.kv.low", "omnijax.models", "omnijax.models.high"])
     assert len(problems) == 4, problems

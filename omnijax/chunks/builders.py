@@ -51,7 +51,8 @@ def text_spans(token_ids: Sequence[int], kind, tokens, *, markers: bool = True) 
     return ids, span
 
 
-def make_chunk(token_ids: Sequence[int], positions: np.ndarray, span: Sequence[int], unit: int | Sequence[int], *,
+def make_chunk(token_ids: Sequence[int] | np.ndarray, positions: np.ndarray, span: Sequence[int] | np.ndarray,
+               unit: int | Sequence[int], *,
                answer_tokens: int = 0, answer_unit: int | None = None, embed_mask: np.ndarray | None = None,
                embeds: np.ndarray | None = None, advance: int | None = None,
                deepstack: np.ndarray | None = None) -> Chunk:

@@ -64,8 +64,8 @@ class Chunk:
         return self.token_ids.shape[-1]
 
 
-def text_chunk(tokens: Sequence[int], *, length: int | None = None, unit: int = 0, span: SpanKind = SpanKind.TEXT,
-               position_axes: int = 1, answer_tokens: int = 0) -> Chunk:
+def text_chunk(tokens: Sequence[int] | np.ndarray, *, length: int | None = None, unit: int = 0,
+               span: SpanKind = SpanKind.TEXT, position_axes: int = 1, answer_tokens: int = 0) -> Chunk:
     """A batch-1 chunk of text tokens at consecutive positions, padded to `length`.
 
     Text has equal t/h/w positions, so one position axis suffices (it drives all three mrope axes); pass

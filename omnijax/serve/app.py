@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import uvicorn
@@ -299,7 +300,8 @@ class BackgroundServer:
 
     def __init__(self, context: ServeContext, *, timeout_s: float = 120.0):
         self.context, self.timeout_s = context, timeout_s
-        self.server = self.thread = None
+        self.server: Any = None  # a uvicorn.Server (an optional package) once entered
+        self.thread: threading.Thread | None = None
         self.port = 0
 
     def __enter__(self) -> "BackgroundServer":

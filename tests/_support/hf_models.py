@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
             tie_word_embeddings=False)
 AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, n_window=100, output_dim=64,
              num_mel_bins=128)

@@ -2,7 +2,8 @@
 reference (retention planners, OmniPage planners and modes). The default, 1, is what `make test` runs; the first
 cases are the same at any N, the extra ones are new draws from the same seeded streams. Example:
 
-    OMNIJAX_SOAK=50 .venv/bin/python -m pytest -q tests/paging/test_omnipage_plans.py tests/retention/test_unit_policies.py
+    OMNIJAX_SOAK=50 .venv/bin/python -m pytest -q tests/paging/test_omnipage_plans.py \
+        tests/retention/test_unit_policies.py
 """
 
 import os

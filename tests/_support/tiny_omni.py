@@ -4,8 +4,8 @@ MiniCPM-o 4.5 golden checkpoint with a tiny tokenizer (`minicpmo_source`)."""
 
 from pathlib import Path
 
-from omnijax.testing import checkpoints as demo
 from omnijax.convert import convert_checkpoint
+from omnijax.testing import checkpoints as demo
 from tests._support import DATA
 
 TEXT_CONFIG = dict(demo.TINY_TEXT_CONFIG, vocab_size=151_700, hidden_size=32, intermediate_size=64,

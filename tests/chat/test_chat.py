@@ -120,7 +120,8 @@ def test_multi_turn_cache_holds_the_template_rendering(model, hf_tokenizer):
     answers = [u for u in chat.units if u.kind == "answer"]
     assert len(answers) == 2 and all(u.fed[SpanKind.RESPONSE] >= 1 for u in answers)
     rendered = hf_tokenizer.apply_chat_template(chat.messages, add_generation_prompt=False, tokenize=False)
-    assert rendered.startswith(chat.conversation.rendered) and rendered[len(chat.conversation.rendered):] in ("\n", "<|im_end|>\n")
+    tail = rendered[len(chat.conversation.rendered):]
+    assert rendered.startswith(chat.conversation.rendered) and tail in ("\n", "<|im_end|>\n")
     # Sampling with a seed reproduces the answer.
     again = Chat(model, omnijax.StreamConfig(max_answer_tokens=8, num_pages=16))
     again.system("You answer questions.")

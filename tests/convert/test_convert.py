@@ -154,7 +154,8 @@ def test_convert_round_trip(hf, tmp_path, source, dtype):
     from omnijax.models.encoders import whisper as audio
     audio_config = audio.AudioConfig.from_json(manifest["audio"])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, audio_config.jnp_dtype),
-                            param_shapes_tree(audio.audio_component(audio_config)), is_leaf=lambda x: isinstance(x, tuple))
+                            param_shapes_tree(audio.audio_component(audio_config)),
+                            is_leaf=lambda x: isinstance(x, tuple))
     restored = checkpoint.load_params(out, abstract, "audio")
     want = hf[1]["audio_tower.conv1.weight"].float().numpy().transpose(2, 1, 0)
     np.testing.assert_array_equal(np.asarray(restored["conv1_kernel"], np.float32),
@@ -495,8 +496,8 @@ def test_save_params_refuses_unknown_model_types_and_components(tmp_path):
 
 
 def test_generation_config_sets_answer_end_tokens(tmp_path):
-    from omnijax.testing import checkpoints as demo
     from omnijax.models.registry import read_manifest
+    from omnijax.testing import checkpoints as demo
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 151645, 3]}))

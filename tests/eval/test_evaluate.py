@@ -238,8 +238,8 @@ def test_two_processes_on_loopback_equal_one():
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     code = multidevice.prelude() + _MULTIHOST
-    procs = [subprocess.Popen([sys.executable, "-c", code, address, str(i)], env=multidevice.env(4), cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, address, str(i)], env=multidevice.env(4), cwd=ROOT,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -1,6 +1,6 @@
-"""Video files -> units (`omnijax.media.video`): the frames are the ones the documented rule picks from the decoded stream,
-the audio is the track at 16 kHz mono, every unit is accepted by the Qwen2.5-Omni frontend and gives the chunk the
-same frames and PCM give, and bad files are refused with a message naming the problem."""
+"""Video files -> units (`omnijax.media.video`): the frames are the ones the documented rule picks from the decoded
+stream, the audio is the track at 16 kHz mono, every unit is accepted by the Qwen2.5-Omni frontend and gives the chunk
+the same frames and PCM give, and bad files are refused with a message naming the problem."""
 
 import math
 import sys

@@ -53,10 +53,7 @@ def test_omni_config_from_hf_prefers_the_config_then_the_tokenizer():
 
 # ----------------------------------------------------------------------------------------- Qwen2.5-Omni end to end
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
-from tests._support import (
-    DATA,
-    hf_models,  # noqa: E402
-)
+from tests._support import DATA, hf_models  # noqa: E402
 
 
 @pytest.fixture(scope="module")

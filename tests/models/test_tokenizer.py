@@ -24,7 +24,8 @@ GOLDEN = DATA / "minicpmo45"
 QWEN_SPECIALS = {"<|endoftext|>": 151643, **{text: getattr(OmniConfig(), f) for f, text in TOKEN_TEXT.items()}}
 MINICPM_SPECIALS = json.loads((GOLDEN / "info.json").read_text())["special_token_ids_tiny"]
 TEXTS = ["Hello, world! How are you today?", "你好，世界！图片里有什么？", "emoji 😀🎉 and 👍🏽 and 𝄞 and 🦜",
-         "a<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "   leading and trailing   ", "tabs\t\tand\n\n\nlines",
+         "a<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "   leading and trailing   ",
+         "tabs\t\tand\n\n\nlines",
          "", "  ", "naïve café, Zürich — «quotes» ‘single’", "x = [i ** 2 for i in range(10)]  # 0123456789",
          "<|endoftext|><|endoftext|>", "<|im_end|>text<|IMAGE|><|VIDEO|>"]
 CONVERSATIONS = [
@@ -208,8 +209,8 @@ def test_load_attaches_the_tokenizer(tmp_path):
     """A converted tiny checkpoint whose release had tokenizer files gets a working `model.tokenizer`; one without
     loads with exactly one UserWarning and no tokenizer."""
     import omnijax
-    from omnijax.testing import checkpoints as demo
     from omnijax.convert import convert_checkpoint
+    from omnijax.testing import checkpoints as demo
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=False)
     write_tiny_tokenizer(src, vocab_size=512, special_tokens={"<|endoftext|>": 509, "<|im_start|>": 510,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omnijax.chunks.spans import SpanKind
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
-from omnijax.chunks.spans import SpanKind
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens
 from omnijax.models.minicpmo.duplex_loop import DuplexFeed
 from omnijax.streaming.duplex import DuplexSession

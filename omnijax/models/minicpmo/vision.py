@@ -176,9 +176,12 @@ class Resampler(nnx.Module):
         self.in_proj_bias = new_param((3 * E,), dt, rngs, zeros=True)
         self.out_proj = new_param((E, E), dt, rngs)
         self.out_bias = new_param((E,), dt, rngs, zeros=True)
-        for name in ("ln_q", "ln_kv", "ln_post"):
-            setattr(self, f"{name}_scale", new_param((E,), dt, rngs, ones=True))
-            setattr(self, f"{name}_bias", new_param((E,), dt, rngs, zeros=True))
+        self.ln_q_scale = new_param((E,), dt, rngs, ones=True)
+        self.ln_q_bias = new_param((E,), dt, rngs, zeros=True)
+        self.ln_kv_scale = new_param((E,), dt, rngs, ones=True)
+        self.ln_kv_bias = new_param((E,), dt, rngs, zeros=True)
+        self.ln_post_scale = new_param((E,), dt, rngs, ones=True)
+        self.ln_post_bias = new_param((E,), dt, rngs, zeros=True)
         self.proj = new_param((E, E), dt, rngs, std=E ** -0.5)
 
     def __call__(self, config: VisionConfig, x: jnp.ndarray, key_pos: jnp.ndarray,

@@ -179,7 +179,7 @@ def audio_positions(n_tokens: int, start: float = 0.0) -> np.ndarray:
     return text_positions(_count(n_tokens, "n_tokens"), start)
 
 
-def vision_positions(grid_thw: Sequence[int], t_index: Sequence[float], *, spatial_merge_size: int = 2,
+def vision_positions(grid_thw: Sequence[int], t_index: Sequence[float] | np.ndarray, *, spatial_merge_size: int = 2,
                      start: float = 0.0) -> np.ndarray:
     """Body of an image or video group: token (k, r, c) of the merged grid, in that order, gets
     (start + t_index[k], start + r, start + c). `[3, t * h/merge * w/merge]` float32."""

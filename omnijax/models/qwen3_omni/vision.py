@@ -310,15 +310,15 @@ def vision_plan(grid_thw, config: Qwen3VisionConfig) -> VisionPlan:
     """Position-table interpolation, rotary positions and frame segments for `grid_thw` (host side, numpy)."""
     grid = check_grid(grid_thw, config)
     m, side = config.spatial_merge_size, config.grid_side
-    index, weight, positions, lengths = [], [], [], []
+    index, weight, positions, sizes = [], [], [], []
     for t, h, w in grid.tolist():
         idx, wt = _bilinear(h, w, side)
         index.append(np.tile(_block_order(idx, m), (1, t)))
         weight.append(np.tile(_block_order(wt, m), (1, t)))
         rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         positions.append(np.tile(_block_order(np.stack([rows, cols]), m), (1, t)))
-        lengths += [h * w] * t
-    lengths = np.asarray(lengths, np.int64)
+        sizes += [h * w] * t
+    lengths = np.asarray(sizes, np.int64)
     n = int(lengths.sum())
     starts = np.cumsum(lengths) - lengths
     j = np.arange(int(lengths.max()))

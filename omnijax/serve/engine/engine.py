@@ -366,6 +366,7 @@ class Engine:
         """Moves the state to the smallest bucket that holds the open sessions, compacting rows."""
         old = self.state.kv.batch
         bucket = pick_bucket(max(1, len(self._slots)), self.config.buckets)
+        assert bucket is not None, "open() admits no more sessions than the largest bucket holds"
         if bucket == old:
             return
         placed = {s: r for s, r in self._slots.items() if r < bucket}

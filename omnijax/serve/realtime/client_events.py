@@ -48,7 +48,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, NoReturn, Optional, Union
 
 __all__ = [
     "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "InputAudioBufferAppend", "InputAudioBufferClear",
@@ -214,7 +214,7 @@ class _Ctx:
     def __init__(self, event_id: Optional[str]):
         self.event_id = event_id
 
-    def fail(self, code: str, message: str, param: Optional[str] = None):
+    def fail(self, code: str, message: str, param: Optional[str] = None) -> NoReturn:
         raise RealtimeEventError(code, message, event_id=self.event_id, param=param)
 
     def obj(self, value: Any, param: str) -> dict:

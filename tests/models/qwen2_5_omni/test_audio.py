@@ -92,7 +92,8 @@ def hf_encode(hf_encoder, features: np.ndarray) -> np.ndarray:
     lens = torch.tensor([features.shape[1]])
     after_cnn, _ = hf_encoder._get_feat_extract_output_lengths(lens)
     with torch.no_grad():
-        return hf_encoder(torch.from_numpy(features), feature_lens=lens, aftercnn_lens=after_cnn).last_hidden_state.numpy()
+        out = hf_encoder(torch.from_numpy(features), feature_lens=lens, aftercnn_lens=after_cnn)
+        return out.last_hidden_state.numpy()
 
 
 # ---------------------------------------------------------------------------------------------------- features

@@ -1,5 +1,5 @@
-"""Session snapshots (`omnijax.serve.engine.snapshot`): a session exported between ticks and imported into the same engine
-(another row, other pages) or, through disk, into a fresh engine continues exactly as an uninterrupted run: the
+"""Session snapshots (`omnijax.serve.engine.snapshot`): a session exported between ticks and imported into the same
+engine (another row, other pages) or, through disk, into a fresh engine continues exactly as an uninterrupted run: the
 same next-frame logits and answer tokens, the same sampled tokens (the key travels); and every refusal leaves the
 engine as it was.
 

@@ -25,7 +25,7 @@ from omnijax.serve.engine.duplex import speak_ids  # noqa: E402
 from omnijax.serve.loadgen import speech_like_pcm  # noqa: E402
 from omnijax.serve.realtime.duplex import duplex_rule  # noqa: E402
 from omnijax.streaming.duplex import DuplexSession  # noqa: E402
-from tests._support import DATA
+from tests._support import DATA  # noqa: E402
 
 GOLDEN = DATA / "minicpmo45"
 INSTRUCTIONS = "You are a helpful duplex assistant."
