@@ -22,10 +22,35 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from omnijax.registry import Registry
+
+
+class DecodingStrategy(Protocol):
+    """What a decoding strategy has (module docstring); `STRATEGIES` holds the ones omnijax ships. Optional
+    attributes read through `seed_of`, `stop_ids_of`, `answer_stop_ids`: `seed`, `stop`, `free_running`, and
+    `per_row` (then `select` takes each row's settings as `row=`)."""
+
+    name: ClassVar[str]
+
+    def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
+        """`logits [B, V]` -> float32 scores `[B, V]` (`-inf` where masked); `history [B, N]`, -1 = padding."""
+        ...
+
+    def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+        """`[B]` int32 next tokens."""
+        ...
+
+
+# The decoding strategies by name (`omnijax.registry.Registry`): `register` adds a class under its `name`.
+STRATEGIES: Registry[DecodingStrategy] = Registry("decoding strategy", DecodingStrategy,
+                                                  hint="omnijax.decoding.STRATEGIES.create")
+register = STRATEGIES.register
 
 
 def check_stop(owner: str, stop) -> tuple[int, ...]:
@@ -38,6 +63,7 @@ def check_stop(owner: str, stop) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Greedy:
     """The most likely token (argmax over the vocabulary; ties go to the lowest id).
@@ -51,6 +77,7 @@ class Greedy:
 
     stop: tuple[int, ...] = ()
     free_running: bool = False
+    name: ClassVar[str] = "greedy"
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("Greedy", self.stop))
@@ -101,6 +128,7 @@ def _largest_key(keys: jax.Array, holds) -> jax.Array:
     return t
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Sampling from the warped distribution, with transformers' `generate` semantics for each setting.
@@ -129,6 +157,7 @@ class Sampling:
     seed: int = 0
     stop: tuple[int, ...] = ()
     free_running: bool = False
+    name: ClassVar[str] = "sampling"
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("Sampling", self.stop))
@@ -203,6 +232,7 @@ def _min_p(x: jax.Array, min_p: float) -> jax.Array:
     return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
     """Sampling whose temperature and top-p are chosen per sequence at run time: each row of a batch (each session
@@ -225,6 +255,7 @@ class RowSampling:
     stop: tuple[int, ...] = ()
     free_running: bool = False
     per_row = True  # `select` takes the rows' settings (`row=`)
+    name: ClassVar[str] = "row_sampling"
 
     def __post_init__(self):
         object.__setattr__(self, "stop", check_stop("RowSampling", self.stop))
@@ -276,9 +307,6 @@ def sampling_row(temperature: float, top_p: float = 1.0):
     return np.asarray([float(temperature), 1.0 - float(top_p)], np.float32)
 
 
-STRATEGIES = (Greedy, Sampling, RowSampling)
-
-
 def seed_of(strategy) -> int:
     """The sampling seed of a decoding strategy (0 for one that draws nothing)."""
     return int(getattr(strategy, "seed", 0))
@@ -314,10 +342,7 @@ def split_keys(key_data: jax.Array) -> tuple[jax.Array, jax.Array]:
     return pair[:, 0], jax.random.key_data(pair[:, 1])
 
 
-def check_decoding(strategy) -> object:
-    """Returns `strategy` if it is a decoding strategy object; refuses anything else, naming the strategies."""
-    if isinstance(strategy, type) or not (callable(getattr(strategy, "warp", None))
-                                          and callable(getattr(strategy, "select", None))):
-        names = ", ".join(f"omnijax.decoding.{s.__name__}()" for s in STRATEGIES)
-        raise TypeError(f"decoding must be a decoding strategy object such as {names}, got {strategy!r}")
-    return strategy
+def check_decoding(strategy: Any) -> DecodingStrategy:
+    """Returns `strategy` if it is a decoding strategy object (with `warp` and `select`); refuses a name, a class or
+    anything else, naming the registered strategies."""
+    return STRATEGIES.check(strategy, "decoding")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Callable, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +31,15 @@ import jax.numpy as jnp
 from omnijax._checks import check_power_of_two
 from omnijax.kernels import streaming_topk as topk_lib
 from omnijax.prefill.cache import Selection
+from omnijax.registry import Registry
 
 SCORE_IMPLS = ("reference", "xla", "pallas")
 
 
 class Selector(Protocol):
+    """What a prefill selector has: `select(q_obs, keys, budget)` picks the prompt positions each KV head keeps;
+    `needs_window` says whether it reads the observation window's queries. `REGISTRY` holds the ones omnijax ships."""
+
     name: ClassVar[str]
     needs_window: ClassVar[bool]
 
@@ -43,12 +47,9 @@ class Selector(Protocol):
         ...
 
 
-REGISTRY: dict[str, Callable[..., Selector]] = {}
-
-
-def register(cls):
-    REGISTRY[cls.name] = cls
-    return cls
+# The prefill selectors by name (`omnijax.registry.Registry`): `register` adds a class under its `name`.
+REGISTRY: Registry[Selector] = Registry("prefill selector", Selector)
+register = REGISTRY.register
 
 
 def _uniform_offsets(batch: int, num_kv_heads: int, per_head: int) -> jax.Array:

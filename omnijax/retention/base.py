@@ -23,7 +23,7 @@ in [0, next_pos) covered by no survivor is freed; a survivor's delta is the numb
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from omnijax.chunks.spans import SpanKind
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
+from omnijax.registry import Registry
 
 
 @jax.tree_util.register_dataclass
@@ -84,6 +85,8 @@ def slot_features(kv: PagedKV) -> SlotFeatures:
 
 
 class RetentionPolicy(Protocol):
+    """What a retention policy has (module docstring); `REGISTRY` holds the ones omnijax ships."""
+
     name: ClassVar[str]
     reindex: ClassVar[bool]
     # Optional ClassVar `needs_scores = True`: the stream then accumulates attention mass into `kv.score`.
@@ -95,49 +98,21 @@ class RetentionPolicy(Protocol):
         """`[B, S]` bool keep mask (subset of `view.live`)."""
 
 
-REGISTRY: dict[str, Callable[..., RetentionPolicy]] = {}
-
-
-def register(cls):
-    """Class decorator adding a policy to `REGISTRY` under its `name`."""
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def check_policy(policy) -> RetentionPolicy:
-    """Returns `policy` if it is a retention policy object; refuses a policy's name, its class or anything else,
-    with a hint."""
-    if isinstance(policy, str):
-        raise TypeError(f"policy must be a retention policy object, not the name {policy!r}: use "
-                        f"omnijax.retention.get_policy({policy!r}) or its class (registered: {sorted(REGISTRY)})")
-    if isinstance(policy, type):
-        raise TypeError(f"policy must be a retention policy object, not the class {policy.__name__}: "
-                        f"use {policy.__name__}(...)")
-    if not (callable(getattr(policy, "trigger", None)) and callable(getattr(policy, "plan", None))):
-        raise TypeError(f"policy must be a retention policy object (with trigger and plan), got {policy!r}")
-    return policy
-
-
 # Names the command lines accept for a registered policy.
 ALIASES = {"full": "no_slide", "unbounded": "no_slide"}
+# The retention policies by name (`omnijax.registry.Registry`): `register` adds a class under its `name`.
+REGISTRY: Registry[RetentionPolicy] = Registry("retention policy", RetentionPolicy, aliases=ALIASES,
+                                               hint="omnijax.retention.get_policy")
+register = REGISTRY.register
 
 
-def _parse_value(text: str):
-    """A hyperparameter's value as written on a command line: int, float, true/false, none, or the string."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+def check_policy(policy: Any) -> RetentionPolicy:
+    """Returns `policy` if it is a retention policy object (with `trigger` and `plan`); refuses a policy's name, its
+    class or anything else, with a hint."""
+    return REGISTRY.check(policy, "policy")
 
 
-def get_policy(spec: str, *, defaults: dict[str, dict] | None = None, **hyperparameters) -> RetentionPolicy:
+def get_policy(spec: str, *, defaults: dict[str, dict] | None = None, **hyperparameters: Any) -> RetentionPolicy:
     """The one way a policy's name becomes a policy object (Python and command lines alike).
 
     `spec` is a registered name (`REGISTRY`; aliases `full` and `unbounded` are NoSlide), optionally followed by
@@ -148,25 +123,7 @@ def get_policy(spec: str, *, defaults: dict[str, dict] | None = None, **hyperpar
     """
     if not isinstance(spec, str):
         raise TypeError(f"get_policy takes a policy name, got {spec!r}")
-    name, _, args = spec.partition(":")
-    name = ALIASES.get(name.strip(), name.strip())
-    if name not in REGISTRY:
-        raise KeyError(f"unknown policy {name!r} in {spec!r}; registered retention policies: {sorted(REGISTRY)} "
-                       f"(aliases: {sorted(ALIASES)})")
-    parsed = {}
-    for item in filter(None, (part.strip() for part in args.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"policy setting {item!r} in {spec!r} is not key=value")
-        parsed[key.strip()] = _parse_value(value)
-    cls = REGISTRY[name]
-    settings = {**(defaults or {}).get(name, {}), **parsed, **hyperparameters}
-    if dataclasses.is_dataclass(cls):
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(settings) - fields)
-        if unknown:
-            raise ValueError(f"{name} has no setting(s) {unknown}; its settings are {sorted(fields)}")
-    return cls(**settings)
+    return REGISTRY.create(spec, defaults=defaults, **hyperparameters)
 
 
 def sequence_view(kv: PagedKV) -> SequenceView:

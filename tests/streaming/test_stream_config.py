@@ -107,7 +107,7 @@ def test_get_policy_is_the_one_way_names_become_policies():
     assert get_policy("unbounded", defaults=flags) == NoSlide()
     assert StreamConfig.parse("sink_window:sink=2,window=8+tile_skip", page_size=8) == StreamConfig(
         policy=SinkWindow(2, 8), paging="tile_skip", page_size=8)
-    with pytest.raises(KeyError, match="unknown policy 'lru'"):
+    with pytest.raises(KeyError, match="unknown retention policy 'lru'"):
         get_policy("lru")
     with pytest.raises(ValueError, match=r"omnipick has no setting\(s\) \['budget'\]"):
         get_policy("omnipick:budget=3")
