@@ -50,7 +50,7 @@ class UnsupportedConfigError(ConfigError):
         value: its value in the config.
     """
 
-    def __init__(self, attribute: str, value, reason: str):
+    def __init__(self, attribute: str, value: object, reason: str):
         self.attribute = attribute
         self.value = value
         super().__init__(f"unsupported config attribute {attribute}={value!r}: {reason}")

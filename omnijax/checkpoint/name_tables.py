@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 
@@ -135,7 +136,7 @@ def param_shapes(component: Component) -> dict[str, Any]:
     return tree
 
 
-def leaf(tree: dict, path: str):
+def leaf(tree: dict, path: str) -> Any:
     """The node of `tree` at a `/`-separated path."""
     for part in path.split("/"):
         tree = tree[part]
@@ -240,7 +241,8 @@ def fill(destination: Mapping[str, dict], name: str, array: np.ndarray, plan: Pl
     np.copyto(out[index], TRANSFORMS[rule.transform](array).astype(out.dtype))
 
 
-def convert_in_memory(tensors: Mapping[str, np.ndarray], components: Sequence[Component], dtype=np.float32, *,
+def convert_in_memory(tensors: Mapping[str, np.ndarray], components: Sequence[Component],
+                      dtype: npt.DTypeLike = np.float32, *,
                       strip_prefix: str = "thinker.", skip_prefixes: Sequence[str] = ()) -> dict[str, dict]:
     """Converts a dict of Hugging Face tensors into each component's pure-dict tree of numpy arrays."""
     plan = plan_conversion(tensors, {k: np.shape(v) for k, v in tensors.items()}, components,

@@ -12,9 +12,10 @@ Positions in a chunk are offsets from the stream's cursor; the cursor moves by e
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import AbstractSet, Iterable, Protocol, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
@@ -36,7 +37,24 @@ def span_offsets(span: np.ndarray, unit: np.ndarray | None = None) -> np.ndarray
     return (np.arange(n) - run_start).astype(np.int32)
 
 
-def text_spans(token_ids: Sequence[int], kind, tokens, *, markers: bool = True) -> tuple[np.ndarray, np.ndarray]:
+class MarkerIds(Protocol):
+    """What `text_spans` reads of a family's id config (the families' layouts, a layer above)."""
+
+    @property
+    def placeholder_ids(self) -> AbstractSet[int]: ...
+
+    @property
+    def boundary_ids(self) -> AbstractSet[int]: ...
+
+    @property
+    def audio_start_token_id(self) -> int: ...
+
+    @property
+    def vision_start_token_id(self) -> int: ...
+
+
+def text_spans(token_ids: Sequence[int], kind: SpanKind, tokens: MarkerIds, *,
+               markers: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """`(ids [T] int64, span [T] int32)` of a text unit of a Qwen-style family: every token `kind`, the chat and
     modality markers BOUNDARY when `markers`. `tokens` (the family's id config) names the placeholders and the
     group starts, which text must not hold (each group has its own builder)."""
@@ -130,7 +148,8 @@ def place_embeds(ids: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray 
     return out, full
 
 
-def with_embeds(chunk: Chunk, hidden_size: int, placeholder_ids: Iterable[int], dtype=np.float32) -> Chunk:
+def with_embeds(chunk: Chunk, hidden_size: int, placeholder_ids: Iterable[int],
+                dtype: npt.DTypeLike = np.float32) -> Chunk:
     """Adds zero embeddings `[B, T, hidden_size]` and a placeholder mask to a chunk built without them.
 
     A stack of chunks needs embeddings on every chunk or on none; use this on text chunks of a multimodal session.

@@ -13,12 +13,13 @@ Shapes for one chunk (B sequences, T padded length, A position axes, D hidden); 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import jax
 import numpy as np
 
 from omnijax.chunks.spans import SpanKind
+from omnijax.decoding import DecodingStrategy
 
 
 @jax.tree_util.register_dataclass
@@ -194,7 +195,24 @@ def _cut(chunk: Chunk, a: int, b: int, base: int, advance: int, last: bool) -> C
         deepstack=None if chunk.deepstack is None else np.asarray(chunk.deepstack)[:, :, a:b])
 
 
-def validate(chunk: Chunk, config, *, max_answer_tokens: int, stacked: bool, decoding=None) -> None:
+class DecoderLimits(Protocol):
+    """What `validate` reads of a model's `DecoderConfig` (omnijax.models.config, a layer above)."""
+
+    @property
+    def position_axes(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+
+def validate(chunk: Chunk, config: DecoderLimits, *, max_answer_tokens: int, stacked: bool,
+             decoding: DecodingStrategy | None = None) -> None:
     """Checks a chunk (or a stack of chunks) on the host before it enters a compiled program.
 
     Args:

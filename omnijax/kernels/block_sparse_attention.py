@@ -65,7 +65,9 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=None) -> None:
+def validate_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                    slot_valid: jax.Array, slot_order: jax.Array, q_order: jax.Array,
+                    layer: int | jax.Array | None = None) -> None:
     """Shape checks every paged-attention implementation needs (static, so free under jit).
 
     With `layer` (a scalar), `k_pages`/`v_pages` are layer stacks `[L, N, P, G, d]`, else one layer's `[N, P, G, d]`.
@@ -284,7 +286,9 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "num_splits", "interpret", "num_warps", "num_stages"))
-def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, layer=None,
+def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           slot_valid: jax.Array, slot_order: jax.Array, q_order: jax.Array, *,
+                           layer: int | jax.Array | None = None,
                            index: PageIndex | None = None, block_q: int = 16, num_splits: int = 1,
                            interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring).
@@ -348,8 +352,9 @@ def block_sparse_attention(q, k_pages, v_pages, page_table, slot_valid, slot_ord
 
 
 @jax.jit
-def block_sparse_attention_reference(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *,
-                                     layer=None) -> jax.Array:
+def block_sparse_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                                     slot_valid: jax.Array, slot_order: jax.Array, q_order: jax.Array, *,
+                                     layer: int | jax.Array | None = None) -> jax.Array:
     """`dense_attention` over every page-table entry of each sequence (`gather_pages`), float32 dots at HIGHEST
     precision: the oracle the kernel is tested against. Returns `[B, T, H, d]` in `q.dtype`."""
     _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer)
@@ -379,7 +384,8 @@ class Gathered(NamedTuple):
     slot: jax.Array
 
 
-def gather_pages(k_pages, v_pages, page_table, slot_valid, slot_order, *, layer=None) -> Gathered:
+def gather_pages(k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, slot_valid: jax.Array,
+                 slot_order: jax.Array, *, layer: int | jax.Array | None = None) -> Gathered:
     """Every page-table entry of each sequence, gathered in page-table order (one gather per array).
 
     `k_pages`/`v_pages` are `[N, P, G, d]`, or with `layer` (int scalar) `[L, N, P, G, d]` stacks of which only that
@@ -395,7 +401,9 @@ def gather_pages(k_pages, v_pages, page_table, slot_valid, slot_order, *, layer=
                     order=slot_order[pages].reshape(B, M * P), slot=slot.astype(jnp.int32))
 
 
-def dense_attention(q, k, v, key_valid, key_order, q_order, *, precision=None, return_probs: bool = False):
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, key_order: jax.Array,
+                    q_order: jax.Array, *, precision: lax.PrecisionLike = None,
+                    return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Dense masked softmax attention: the one oracle every attention implementation and test is checked against.
 
     Shapes: `q [B, T, H, d]`; `k`, `v [B, S, G, d]` with H a multiple of G (grouped-query attention: query head h

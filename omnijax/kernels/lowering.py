@@ -7,6 +7,8 @@ cannot catch what only the GPU compiler sees (ptxas, shared memory, registers).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
@@ -16,7 +18,8 @@ def _lower(fn, args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def lower_for_cuda(fn, *args, device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: int = 132) -> str:
+def lower_for_cuda(fn: Callable[..., Any], *args: jax.Array | jax.ShapeDtypeStruct,
+                   device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: int = 132) -> str:
     """HLO text of `fn(*args)` lowered for cuda. `args` may be arrays or `jax.ShapeDtypeStruct`s.
 
     If lowering refuses because no GPU device exists, it is retried under an abstract mesh that describes one

@@ -37,6 +37,7 @@ so query orders must stay below it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,7 @@ from omnijax.kernels.block_sparse_attention import (
     validate_index,
     validate_shapes,
 )
+from omnijax.kv.paged import PagedKV
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -81,7 +83,7 @@ class CacheView:
     pages: PageIndex | None = None
 
     @classmethod
-    def of(cls, kv, write_slots: jax.Array, q_order: jax.Array) -> "CacheView":
+    def of(cls, kv: PagedKV, write_slots: jax.Array, q_order: jax.Array) -> "CacheView":
         """The view of a paged cache (`omnijax.kv.PagedKV`: its `page_table`, `valid`, `order`) for tokens written
         to `write_slots` with write orders `q_order`, both `[B, T]` as `omnijax.kv.paged.reserve` returns them."""
         return cls(write_slots=write_slots, page_table=kv.page_table, slot_valid=kv.valid, slot_order=kv.order,
@@ -95,7 +97,8 @@ def index_pages(view: CacheView) -> CacheView:
     return dataclasses.replace(view, pages=page_index(view.page_table, view.slot_valid, view.slot_order))
 
 
-def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, layer=None) -> None:
+def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView,
+             layer: int | jax.Array | None = None) -> None:
     """Shape checks shared by every implementation (static shapes only, so it is free under jit)."""
     validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order, layer)
     if cache.pages is not None:
@@ -108,7 +111,8 @@ def _read_pages(pages: jax.Array, layer, ids: jax.Array) -> jax.Array:
 
 
 def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-                     with_mass: bool = False, layer=None):
+                     with_mass: bool = False,
+                     layer: int | jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`dense_attention` (the oracle, shared with the kernel's reference and the tests) over every page-table entry
     of each sequence (`gather_pages`). Returns `[B, T, H, d]` in `q.dtype`.
 
@@ -160,7 +164,8 @@ def block_pages(num_queries: int, num_heads: int, page_size: int, table_pages: i
     return min(pages, _pow2_ceil(table_pages))
 
 
-def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *, layer=None,
+def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
+               layer: int | jax.Array | None = None,
                pages_per_block: int | None = None) -> jax.Array:
     """Online-softmax attention over active pages only, gathered in blocks of many pages.
 
@@ -223,7 +228,8 @@ def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: Cach
     return jax.vmap(one)(q, q_order, ids, index.count)[:, :T].astype(q.dtype)
 
 
-def online_softmax_step(carry, s: jax.Array, pv):
+def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array,
+                        pv: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Folds one key block into the running float32 `(m, l, acc)` of an online softmax (flash attention).
 
     Args:
@@ -240,7 +246,7 @@ def online_softmax_step(carry, s: jax.Array, pv):
     return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv(p)
 
 
-def online_softmax_result(carry) -> jax.Array:
+def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
     """The normalised output of an online softmax's final `(m, l, acc)`; a row that saw no key is zeros."""
     _, l, acc = carry
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
@@ -256,7 +262,7 @@ def contiguous_blocks(num_queries: int, num_heads: int, num_keys: int) -> tuple[
     return block_q, max(1, min(slots, num_keys & -num_keys))
 
 
-def attend_contiguous(q: jax.Array, k: jax.Array, v: jax.Array, start, *, block_q: int | None = None,
+def attend_contiguous(q: jax.Array, k: jax.Array, v: jax.Array, start: int | jax.Array, *, block_q: int | None = None,
                       block_k: int | None = None) -> jax.Array:
     """Causal attention of a chunk over contiguous per-sequence key buffers, blocked, with no page table.
 
@@ -325,7 +331,8 @@ def check_impl(impl: str) -> str:
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
-           impl: str = "xla", with_mass: bool = False, layer=None):
+           impl: str = "xla", with_mass: bool = False,
+           layer: int | jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
 
     `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes one layer's `[N, P, G, d]`.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ class PagedKV:
     def max_pages(self) -> int:
         return self.page_table.shape[1]
 
-    def replace(self, **changes) -> "PagedKV":
+    def replace(self, **changes: Any) -> "PagedKV":
         return dataclasses.replace(self, **changes)
 
 
@@ -95,7 +96,7 @@ class SlotMeta:
 
 
 def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, batch: int = 1,
-         max_pages: int | None = None, position_axes: int = 3, dtype=jnp.float32) -> PagedKV:
+         max_pages: int | None = None, position_axes: int = 3, dtype: jnp.dtype | type = jnp.float32) -> PagedKV:
     """An empty cache: every page free, every page-table entry -1.
 
     Args:
@@ -284,7 +285,8 @@ def table_slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
     return flat, exists
 
 
-def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *, layer=None) -> jax.Array:
+def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *,
+                layer: int | jax.Array | None = None) -> jax.Array:
     """Scatters one layer's chunk keys or values into its pages; slots of -1 are dropped.
 
     Args:
@@ -323,7 +325,8 @@ def listed_first(member: jax.Array, values: jax.Array, none: int) -> tuple[jax.A
 
 
 def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, count: jax.Array, *, chunk: int = 256,
-              transform=None, extra: jax.Array | None = None) -> tuple[jax.Array, ...]:
+              transform: Callable[[jax.Array, jax.Array | None], jax.Array] | None = None,
+              extra: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Copies rows `src[:count]` to `dst[:count]` of every `[L, R, ...]` array (axis 1 is the row), in place.
 
     The list is walked `chunk` entries a step by a loop with `ceil(count / chunk)` steps, so the cost follows the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import wave
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndar
     return np.interp(np.arange(n) * (sample_rate / target), np.arange(pcm.shape[0]), pcm).astype(np.float32)
 
 
-def read_wav(source, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray, int]:
+def read_wav(source: str | Path | BinaryIO, *, widths: tuple[int, ...] = (1, 2, 4)) -> tuple[np.ndarray, int]:
     """`(pcm [samples] float32 mono, sample_rate)` of a PCM WAV file (a path or a binary file object; channels
     averaged), refusing sample widths (bytes) outside `widths` with a ValueError naming the source."""
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 
-def read_image(source) -> np.ndarray:
+def read_image(source: str | Path | bytes) -> np.ndarray:
     """`[H, W, 3]` uint8 RGB of an image file (PNG, JPEG, ...): a path, or the file's bytes; a ValueError naming
     the path when PIL cannot read it."""
 

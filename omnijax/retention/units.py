@@ -90,7 +90,7 @@ def drop_oldest_units(view: SequenceView, units: UnitRanks, select: jax.Array, l
                                                               low)
 
 
-def check_watermarks(high_watermark, low_watermark) -> None:
+def check_watermarks(high_watermark: int, low_watermark: int) -> None:
     """ValueError unless 0 <= low <= high, high >= 1, both plain ints."""
     for label, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
         if not isinstance(value, int) or isinstance(value, bool):
