@@ -117,7 +117,7 @@ class DecoderConfig(JsonConfig):
         object.__setattr__(self, "rope_scaling", scaling)
 
     @property
-    def rope_base(self):
+    def rope_base(self) -> float | ScaledTheta:
         """What the RoPE functions take as `theta`: `rope_theta`, or an `omnijax.kv.rope.ScaledTheta` with the
         Llama-3 scaling when `rope_scaling` is set (`omnijax.kv.rope.inverse_frequencies`)."""
         if self.rope_scaling is None:

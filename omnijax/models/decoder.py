@@ -31,6 +31,8 @@ i < n; the levels are zero away from visual tokens, so only those change.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,7 +63,8 @@ def chunk_rotation(config: DecoderConfig, positions: jnp.ndarray) -> tuple[jnp.n
                                                   c.mrope_interleaved))
 
 
-def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray, rot: tuple[jnp.ndarray, jnp.ndarray]):
+def layer_qkv(config: DecoderConfig, p: dict, h: jnp.ndarray,
+              rot: tuple[jnp.ndarray, jnp.ndarray]) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """One layer's attention inputs for a chunk: `(q [B, T, H, d], k [B, T, G, d], v [B, T, G, d])`, q and k rotated.
 
     Args:
@@ -96,7 +99,8 @@ def mlp(config: DecoderConfig, p: dict, x: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
 
 
-def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray, ffn=None) -> jnp.ndarray:
+def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray,
+                 ffn: Callable[[jnp.ndarray], jnp.ndarray] | None = None) -> jnp.ndarray:
     """The rest of a layer after attention: output projection and residual, then the MLP and residual.
 
     Args:
@@ -158,7 +162,7 @@ def mlp_rows(config: DecoderConfig) -> tuple[int, ...]:
     return tuple(rows)
 
 
-def layer_rows(config: DecoderConfig, names, layer: int) -> dict[str, int]:
+def layer_rows(config: DecoderConfig, names: Iterable[str], layer: int) -> dict[str, int]:
     """Which row of each stacked parameter in `names` is layer `layer`'s (a Python int): the shared ones at
     `layer`, its MLP kind's at `mlp_rows(config)[layer]`; the other kind's parameters are left out."""
     kind = MOE_MLP if config.sparse_layers[layer] else DENSE_MLP
@@ -171,7 +175,8 @@ def layer_slice(config: DecoderConfig, stacked: dict[str, jnp.ndarray], layer: i
     return {k: stacked[k][r] for k, r in layer_rows(config, stacked, layer).items()}
 
 
-def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]):
+def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
+                      ) -> tuple[dict[str, jnp.ndarray], Callable[[dict], Callable[[jnp.ndarray], jnp.ndarray]]]:
     """What the layer scan slices per layer, and how a layer finds its MLP.
 
     Returns:
@@ -224,7 +229,8 @@ class Decoder(nnx.Module):
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
                    k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",
-                   track_scores: bool = False, unroll: bool = False, deepstack: jnp.ndarray | None = None):
+                   track_scores: bool = False, unroll: bool = False, deepstack: jnp.ndarray | None = None
+                   ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 
         Args:

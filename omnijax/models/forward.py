@@ -18,7 +18,8 @@ from omnijax.models.decoder import Decoder
 
 def write_chunk(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
                 meta: paged_lib.SlotMeta, *, impl: str = "xla", track_scores: bool = False,
-                placement: str = "first_fit", deepstack: jax.Array | None = None):
+                placement: str = "first_fit", deepstack: jax.Array | None = None
+                ) -> tuple[paged_lib.PagedKV, jax.Array]:
     """Writes a chunk `[B, T]` (embeddings `x [B, T, D]`, absolute `positions [A, B, T]`) through every layer.
 
     With `track_scores`, the attention mass each slot receives is added to `kv.score` (H2O); `placement` picks the
@@ -37,7 +38,9 @@ def write_chunk(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
-def forward(graphdef, params, token_ids, valid, positions, embeds, embed_mask, deepstack, *, page_size):
+def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, valid: jax.Array, positions: jax.Array,
+            embeds: jax.Array | None, embed_mask: jax.Array | None, deepstack: jax.Array | None, *,
+            page_size: int) -> jax.Array:
     """One-shot forward of a batch `[B, T]` through a temporary paged cache: `[B, T, V]` logits.
 
     `valid [B, T]` marks real tokens, `positions [A, B, T]` their absolute positions; `embeds [B, T, D]` replaces

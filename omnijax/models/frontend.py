@@ -10,8 +10,12 @@ on text), so text and media chunks of one bucket share a program.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks.chunk import Chunk, pad_chunk
 from omnijax.chunks.spans import SpanKind
@@ -35,7 +39,7 @@ def bucket(length: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, int(length) - 1).bit_length())
 
 
-def require_encoder(model, kind: str) -> None:
+def require_encoder(model: OmniModel, kind: str) -> None:
     """Refuses media for a checkpoint without the `kind` ("audio" or "vision") encoder, naming the fix."""
     if getattr(model, kind, None) is None:
         source = model.source
@@ -56,7 +60,7 @@ class ChatUnits(abc.ABC):
     fps: float
     temporal_patch_size: int
 
-    def __init__(self, model):
+    def __init__(self, model: OmniModel):
         self.model = model
         config = model.config
         self.axes = config.position_axes
@@ -71,7 +75,7 @@ class ChatUnits(abc.ABC):
     def continuation(self, unit: int, answer_tokens: int) -> Chunk:
         """A chunk without tokens that asks for `answer_tokens` more tokens of the answer unit `unit`."""
         embeds = None if self.hidden_size is None else np.zeros((1, 1, self.hidden_size), np.float32)
-        deepstack = np.zeros((self.levels, 1, 1, self.hidden_size), np.float32) if self.levels else None
+        deepstack = np.zeros((self.levels, 1, 1, cast(int, self.hidden_size)), np.float32) if self.levels else None
         return Chunk(token_ids=np.zeros((1, 1), np.int32), valid=np.zeros((1, 1), bool),
                      positions=np.zeros((self.axes, 1, 1), np.int32), unit=np.full((1, 1), unit, np.int32),
                      span=np.full((1, 1), int(SpanKind.RESPONSE), np.int32), offset=np.zeros((1, 1), np.int32),
@@ -85,28 +89,28 @@ class ChatUnits(abc.ABC):
         """The ids of the chat template's turn markers `<|im_start|>`, `<|im_end|>` in this checkpoint."""
 
     @abc.abstractmethod
-    def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
+    def text(self, ids: Sequence[int], unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         """A text unit of token `ids` (a system prompt, a user turn or a response, by `kind`)."""
 
     @abc.abstractmethod
-    def image(self, image, unit: int) -> Chunk:
+    def image(self, image: np.ndarray, unit: int) -> Chunk:
         """An image unit of one `[H, W, 3]` image."""
 
     @abc.abstractmethod
-    def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
+    def audio(self, pcm: np.ndarray, sample_rate: int, unit: int) -> Chunk:
         """An audio unit of `[samples]` PCM at `sample_rate`."""
 
     @abc.abstractmethod
-    def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
+    def av(self, frames: np.ndarray, pcm: np.ndarray, unit: int, **video_kwargs: Any) -> Chunk:
         """An audiovisual unit of `[n, H, W, 3]` frames and the PCM heard with them."""
 
-    def open_video(self, path):
+    def open_video(self, path: str | Path) -> video_lib.VideoFile:
         """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up
         front."""
         return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps,
                                     temporal_patch_size=self.temporal_patch_size)
 
-    def frames_of(self, frames) -> np.ndarray:
+    def frames_of(self, frames: npt.ArrayLike) -> np.ndarray:
         frames = np.asarray(frames)
         if frames.ndim == 3:
             frames = frames[None]

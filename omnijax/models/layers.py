@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 
-def new_param(shape, dtype, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False,
+def new_param(shape: Sequence[int], dtype: DTypeLike, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False,
               std: float = 0.02) -> nnx.Param:
     """A parameter of ones, zeros, or N(0, std) drawn in float32 and cast to `dtype` (random init is for tests and
     demos; real weights come from a converted checkpoint)."""

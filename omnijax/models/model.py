@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
@@ -14,6 +17,14 @@ from omnijax.models.decoder import Decoder
 from omnijax.models.family import FamilyModel
 from omnijax.models.forward import forward
 from omnijax.prefill import tidekv_prefill
+from omnijax.prefill.layer_major import PrefillResult
+
+if TYPE_CHECKING:
+
+    from omnijax.models.qwen2_5_omni.config import OmniConfig
+    from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+    from omnijax.models.tokenizer import Tokenizer
+    from omnijax.prefill.selectors import Selector
 
 
 def text_positions(attention_mask: np.ndarray, axes: int) -> np.ndarray:
@@ -31,7 +42,8 @@ class Model(FamilyModel):
     """A decoder with its weights. `Model(input_ids=..., attention_mask=...)` returns `[B, T, V]` float32 logits."""
 
     def __init__(self, decoder: Decoder, *, model_type: str = "qwen2_5_omni", source: str | None = None,
-                 audio=None, vision=None, omni=None, tokenizer=None):
+                 audio: Any = None, vision: Any = None, omni: OmniConfig | Qwen3OmniConfig | None = None,
+                 tokenizer: Tokenizer | None = None):
         self.decoder = decoder
         self.model_type = model_type
         self.source = source
@@ -135,9 +147,10 @@ class Model(FamilyModel):
                                  f"got {positions.shape}")
         return ids, mask, embeds, embed_mask, positions, deepstack
 
-    def prefill(self, input_ids=None, attention_mask=None, position_ids=None, *, selector=None, budgets=None,
-                chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0, progress: bool = False,
-                **media):
+    def prefill(self, input_ids: npt.ArrayLike | None = None, attention_mask: npt.ArrayLike | None = None,
+                position_ids: npt.ArrayLike | None = None, *, selector: Selector | None = None,
+                budgets: int | Sequence[int] | None = None, chunk: int = 2048, page: int = 512, impl: str = "xla",
+                room: int = 0, progress: bool = False, **media: Any) -> PrefillResult:
         """TideKV prefill of one prompt (layer-major, compression at each layer's end) with the same keyword inputs
         as `__call__`; returns an `omnijax.prefill.PrefillResult` whose cache decodes with
         `omnijax.prefill.decode_step` from the prompt's true next position. `budgets=None` compresses nothing.
@@ -155,7 +168,8 @@ class Model(FamilyModel):
                               deepstack=None if deepstack is None else jnp.asarray(deepstack))
 
 
-def restore_module(directory: Path, component: str, stored_config, dtype: str | None, build):
+def restore_module(directory: Path, component: str, stored_config: Any, dtype: str | None,
+                   build: Callable[[Any], nnx.Module]) -> nnx.Module:
     """Restores one module: `build(config)` defines it; weights are read in the stored dtype, then cast."""
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))

@@ -20,6 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -271,7 +272,7 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
     def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True, *,
-               chat_template: str | None = None, **kwargs) -> str:
+               chat_template: str | None = None, **kwargs: Any) -> str:
         """The prompt text of a conversation, by the checkpoint's chat template.
 
         Args:
@@ -309,7 +310,7 @@ class Tokenizer:
             raise TokenizerError(f"chat template of {self.source or 'this tokenizer'} failed: {e}") from e
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
-                            tokenize: bool = True, **kwargs) -> list[int] | str:
+                            tokenize: bool = True, **kwargs: Any) -> list[int] | str:
         """`render` then `encode` (`[T]` ids; special token text becomes its ids), or the text when not
         `tokenize`. Keyword arguments are those of `render`."""
         text = self.render(messages, add_generation_prompt, **kwargs)

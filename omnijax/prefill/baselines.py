@@ -11,6 +11,7 @@ chunks see only what earlier selections kept; its hidden states drift from the u
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from omnijax.prefill.selectors import RecentTokens, Selector, topk_scores
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"))
 def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
-                 chunk: int, page: int, impl: str, window: int):
+                 chunk: int, page: int, impl: str, window: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """All chunks through all layers. Returns `(hidden [B, Spad, D], keys, values [L, B, Spad, G, d],
     q_obs [L, B, W, H, d])`."""
     c = config
@@ -75,7 +76,8 @@ def _pad(model: Decoder, x, positions, chunk, page):
 
 
 def token_major_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, chunk: int | None = None,
-                        selector: Selector | None = None, budgets=None, page: int = 512, impl: str = "xla",
+                        selector: Selector | None = None, budgets: int | Sequence[int] | None = None, page: int = 512,
+                        impl: str = "xla",
                         room: int = 0, next_pos: jax.Array | None = None) -> PrefillResult:
     """Token-major prefill (`chunk=None`: one shot), then post-prefill selection of every layer if `budgets`."""
     c = model.config

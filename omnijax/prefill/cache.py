@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax.decoding import Greedy, check_decoding, sampling_keys, seed_of, split_keys
+from omnijax.decoding import DecodingStrategy, Greedy, check_decoding, sampling_keys, seed_of, split_keys
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_slice
 
 
@@ -75,7 +77,7 @@ class CompressedCache:
     dropped: jax.Array
 
     @classmethod
-    def create(cls, layers, next_pos: jax.Array, next_index: jax.Array) -> "CompressedCache":
+    def create(cls, layers: Iterable[LayerCache], next_pos: jax.Array, next_index: jax.Array) -> "CompressedCache":
         """A cache that has dropped nothing yet."""
         B = next_pos.shape[0]
         return cls(layers=tuple(layers), next_pos=next_pos, next_index=next_index,
@@ -161,7 +163,7 @@ def attend_segments(q: jax.Array, layer: LayerCache) -> jax.Array:
     return jnp.einsum("bht,btd->bhd", p, layer.v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-def check_cache(config, cache: CompressedCache) -> None:
+def check_cache(config: DecoderConfig, cache: CompressedCache) -> None:
     """Refuses a compressed cache made for another model (layer count, kv heads, head dim): decoding would run only
     the cache's layers, silently."""
     layers = cache.layers
@@ -285,8 +287,8 @@ def _decode(graphdef, params, cache: CompressedCache, first_logits: jax.Array, k
     return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(logits, 0, 1), cache
 
 
-def decode(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int, *, decoding=None
-           ) -> tuple[jax.Array, jax.Array, CompressedCache]:
+def decode(model: Decoder, cache: CompressedCache, first_logits: jax.Array, steps: int, *,
+           decoding: DecodingStrategy | None = None) -> tuple[jax.Array, jax.Array, CompressedCache]:
     """Decoding with a strategy (`omnijax.decoding`; default `Greedy()`): `(tokens [B, steps], logits [B, steps, V],
     cache)`; the first token comes from `first_logits` (the prompt's last logits). Exactly `steps` tokens are decoded
     (stop ids end streamed answers, not these); `Sampling` draws with keys split off its seed, one per sequence, and

@@ -25,6 +25,7 @@ import math
 import numbers
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +162,7 @@ def layer_params(model: Decoder, layer: int) -> dict:
     return _slice_rows({k: stacked[k] for k in rows}, {k: jnp.int32(r) for k, r in rows.items()})
 
 
-def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
+def check_budgets(budgets: int | Sequence[int] | None, num_layers: int) -> tuple[int, ...] | None:
     if budgets is None:
         return None
     budgets = (budgets,) * num_layers if isinstance(budgets, int) else tuple(int(b) for b in budgets)
@@ -171,8 +172,8 @@ def check_budgets(budgets, num_layers: int) -> tuple[int, ...] | None:
 
 
 def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, selector: Selector | None = None,
-                   budgets=None, chunk: int = 2048, page: int = 512, impl: str = "xla", room: int = 0,
-                   next_pos: jax.Array | None = None, progress: bool = False,
+                   budgets: int | Sequence[int] | None = None, chunk: int = 2048, page: int = 512, impl: str = "xla",
+                   room: int = 0, next_pos: jax.Array | None = None, progress: bool = False,
                    deepstack: jax.Array | None = None) -> PrefillResult:
     """Layer-major delayed-eviction prefill of a prompt's embeddings.
 

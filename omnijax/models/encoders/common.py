@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from omnijax.checkpoint.name_tables import Rule
 from omnijax.errors import ConfigError
@@ -45,7 +46,7 @@ class ConfigAttributeError(ConfigError, ValueError):
 
     subject = "config"
 
-    def __init__(self, attribute: str, value, reason: str):
+    def __init__(self, attribute: str, value: object, reason: str):
         self.attribute, self.value = attribute, value
         super().__init__(f"{self.subject} {attribute}={value!r}: {reason}")
 
@@ -75,7 +76,7 @@ def understood_attributes(hf_config: Mapping[str, Any], defaults: Mapping[str, A
 # ------------------------------------------------------------------------------------------------------- numerics
 
 
-def dense(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray | None, dtype) -> jnp.ndarray:
+def dense(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray | None, dtype: DTypeLike) -> jnp.ndarray:
     """`x @ w (+ b)` accumulated in float32, returned in `dtype`: `[..., I] @ [I, O] -> [..., O]`."""
     out = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
     if b is not None:
@@ -104,7 +105,7 @@ class StackedLayers(nnx.Module):
 # ------------------------------------------------------------------------------------------------------- loading
 
 
-def module_from_pure_dict(build: Callable[[], nnx.Module], params: Mapping[str, Any], dtype, *, what: str,
+def module_from_pure_dict(build: Callable[[], nnx.Module], params: Mapping[str, Any], dtype: DTypeLike, *, what: str,
                           missing_error: type[Exception] = ValueError,
                           missing_message: str = "{what} {name} is missing") -> nnx.Module:
     """The module `build()` makes, holding `params` (a pure-dict tree shaped like `nnx.to_pure_dict` of it).

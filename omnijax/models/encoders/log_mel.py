@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import numpy.typing as npt
 
 SAMPLE_RATE = 16000
 HOP_LENGTH = 160
@@ -85,7 +86,7 @@ def num_frames(num_samples: int) -> int:
     return -(-int(num_samples) // HOP_LENGTH)
 
 
-def check_pcm_layout(pcm, sample_rate) -> np.ndarray:
+def check_pcm_layout(pcm: npt.ArrayLike, sample_rate: int) -> np.ndarray:
     """`pcm` as a numpy array, once its sample rate is 16 kHz, its samples real floats and its shape 1D (mono).
 
     Raises:
@@ -127,7 +128,7 @@ def _check_pcm(pcm, sample_rate) -> np.ndarray:
     return finite_float32(pcm)
 
 
-def log_mel(pcm, sample_rate: int = SAMPLE_RATE, *, num_mel_bins: int = 128) -> np.ndarray:
+def log_mel(pcm: npt.ArrayLike, sample_rate: int = SAMPLE_RATE, *, num_mel_bins: int = 128) -> np.ndarray:
     """Log-mel features of a mono 16 kHz waveform, as `Qwen2_5OmniProcessor` computes them.
 
     Args:

@@ -227,7 +227,8 @@ def _process(frames: np.ndarray, what: str, *, min_pixels: int, max_pixels: int,
     return _patchify(resized, patch_size, merge_size, temporal_patch_size, mean, std)
 
 
-def preprocess_images(images, *, min_pixels: int = IMAGE_MIN_PIXELS, max_pixels: int = IMAGE_MAX_PIXELS,
+def preprocess_images(images: np.ndarray | Sequence[np.ndarray], *, min_pixels: int = IMAGE_MIN_PIXELS,
+                      max_pixels: int = IMAGE_MAX_PIXELS,
                       resize_impl: str = "pil", patch_size: int = PATCH_SIZE, merge_size: int = MERGE_SIZE,
                       temporal_patch_size: int = TEMPORAL_PATCH_SIZE, mean: Sequence[float] = CLIP_MEAN,
                       std: Sequence[float] = CLIP_STD) -> tuple[np.ndarray, np.ndarray]:
@@ -266,7 +267,8 @@ def preprocess_images(images, *, min_pixels: int = IMAGE_MIN_PIXELS, max_pixels:
     return np.concatenate(rows), np.asarray(grids, np.int64)
 
 
-def preprocess_video(frames, *, min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = VIDEO_MAX_PIXELS,
+def preprocess_video(frames: np.ndarray | Sequence[np.ndarray], *, min_pixels: int = VIDEO_MIN_PIXELS,
+                     max_pixels: int = VIDEO_MAX_PIXELS,
                      resize_impl: str = "torch", patch_size: int = PATCH_SIZE, merge_size: int = MERGE_SIZE,
                      temporal_patch_size: int = TEMPORAL_PATCH_SIZE, mean: Sequence[float] = CLIP_MEAN,
                      std: Sequence[float] = CLIP_STD) -> tuple[np.ndarray, np.ndarray]:

@@ -45,7 +45,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
+from jax.typing import DTypeLike
 
 from omnijax._checks import DTYPES, JsonConfig
 from omnijax.checkpoint.name_tables import Component, Rule
@@ -83,7 +85,7 @@ class UnsupportedAudioConfigError(UnsupportedConfigError, ValueError):
     """An audio config attribute changes the encoder's math in a way omnijax does not implement."""
 
 
-def check_dtype_and_sizes(config, not_sizes: tuple[str, ...] = ()) -> None:
+def check_dtype_and_sizes(config: Any, not_sizes: tuple[str, ...] = ()) -> None:
     """Refuses an audio config whose `dtype` is unknown or whose other fields (but `not_sizes`) are not positive
     integers (a bool is not one).
 
@@ -239,7 +241,7 @@ def gelu_exact(x: jnp.ndarray) -> jnp.ndarray:
     return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
 
 
-def conv1d_k3(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray, stride: int, dtype) -> jnp.ndarray:
+def conv1d_k3(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray, stride: int, dtype: DTypeLike) -> jnp.ndarray:
     """Conv1d over time, kernel 3, padding 1: `[B, T, I]` -> `[B, (T - 1) // stride + 1, O]` (kernel `[3, I, O]`),
     accumulated in float32 and returned in `dtype`."""
     t_out = (x.shape[1] - 1) // stride + 1
@@ -249,8 +251,9 @@ def conv1d_k3(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray, stride: in
     return (out + bias.astype(jnp.float32)).astype(dtype)
 
 
-def whisper_layer(x: jnp.ndarray, p: Mapping[str, jnp.ndarray], bias: jnp.ndarray, num_heads: int, dtype,
-                  kv_cache: tuple[jnp.ndarray, jnp.ndarray] | None = None, cache_start=None):
+def whisper_layer(x: jnp.ndarray, p: Mapping[str, jnp.ndarray], bias: jnp.ndarray, num_heads: int, dtype: DTypeLike,
+                  kv_cache: tuple[jnp.ndarray, jnp.ndarray] | None = None, cache_start: int | jax.Array | None = None
+                  ) -> tuple[jnp.ndarray, tuple[jnp.ndarray, jnp.ndarray] | None]:
     """One pre-LayerNorm Whisper encoder layer: self-attention (q/v/out projections with bias, k without), then an
     exact-GELU feed-forward, each with a residual connection.
 
@@ -374,7 +377,8 @@ def chunk_bucket(num_chunks: int) -> int:
     return 1 << max(0, int(num_chunks) - 1).bit_length()
 
 
-def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features, *, bucket: bool = True) -> jnp.ndarray:
+def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features: npt.ArrayLike, *,
+                 bucket: bool = True) -> jnp.ndarray:
     """Encodes one clip's features into LLM-width audio tokens (jitted; one compile per chunk bucket).
 
     Args:

@@ -181,7 +181,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
 
 
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
-                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr
+                   ) -> tuple[DecoderConfig, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Converts a Llama / Mistral checkpoint's weights into memory-mapped arrays in the decoder's layout.
 
     Args:

@@ -45,8 +45,8 @@ the same Whisper layers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,8 @@ AUDIO_PREFIX = "apm."
 PROJECTION_PREFIX = "audio_projection_layer."
 
 
-def attention_mask(mel_lengths, mel_frames: int, chunk_frames: int, valid_frames=None):
+def attention_mask(mel_lengths: jax.Array | np.ndarray, mel_frames: int, chunk_frames: int,
+                   valid_frames: int | jax.Array | None = None) -> jax.Array:
     """The offline encoder's mask, True where attention is blocked: `[B, T', T']` bool (jnp; works traced).
 
     Args:
@@ -155,7 +156,8 @@ class AudioEncoder(nnx.Module):
         self.post_norm_bias = new_param((D,), dt, rngs, zeros=True)
         self.projection = AudioProjection(config, rngs=rngs)
 
-    def convolve(self, features: jnp.ndarray, valid_mel=None, *, pre_activation: bool = False):
+    def convolve(self, features: jnp.ndarray, valid_mel: int | jax.Array | None = None, *,
+                 pre_activation: bool = False) -> jnp.ndarray | tuple[jnp.ndarray, jnp.ndarray]:
         """conv1 + GELU, conv2 + GELU: `[B, T, M]` -> `[B, T', D]`. Mel frames at or past `valid_mel` are treated
         as absent (their conv1 outputs are zeroed, as conv2's zero padding would be). With `pre_activation`, returns
         `(conv2 output before its GELU, after)`."""
@@ -166,7 +168,9 @@ class AudioEncoder(nnx.Module):
         pre = conv1d_k3(h, self.conv2_kernel[...], self.conv2_bias[...], 2, dt)
         return (pre, gelu_exact(pre)) if pre_activation else gelu_exact(pre)
 
-    def transformer(self, h: jnp.ndarray, bias: jnp.ndarray, cache=None, cache_start=None, collect: bool = False):
+    def transformer(self, h: jnp.ndarray, bias: jnp.ndarray, cache: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+                    cache_start: int | jax.Array | None = None, collect: bool = False
+                    ) -> tuple[jnp.ndarray, jnp.ndarray | None, tuple[jnp.ndarray, jnp.ndarray] | None]:
         """The encoder layers and the final `layer_norm`.
 
         Args:
@@ -201,7 +205,8 @@ class AudioEncoder(nnx.Module):
         pooled = jnp.mean(x[:, :n * step].astype(jnp.float32).reshape(B, n, step, H), axis=2)
         return pooled.astype(x.dtype)
 
-    def encode_offline(self, features, mel_lengths, valid_mel, *, collect: bool = False) -> dict[str, jnp.ndarray]:
+    def encode_offline(self, features: jnp.ndarray, mel_lengths: jnp.ndarray, valid_mel: jnp.ndarray, *,
+                       collect: bool = False) -> dict[str, jnp.ndarray]:
         """Offline encoding of a zero-padded batch, mask as the reference builds it.
 
         Args:
@@ -227,7 +232,7 @@ class AudioEncoder(nnx.Module):
         result = {"pooled": self.pool(proj)}
         if collect:
             result.update(conv2_out=conv2_out, projection=proj,
-                          hidden_states=jnp.concatenate([h[None], layer_outs, out[None]], axis=0))
+                          hidden_states=jnp.concatenate([h[None], cast(jnp.ndarray, layer_outs), out[None]], axis=0))
         return result
 
 
@@ -236,7 +241,7 @@ def _encode_offline(graphdef, params, features, mel_lengths, valid_mel, collect)
     return nnx.merge(graphdef, params).encode_offline(features, mel_lengths, valid_mel, collect=collect)
 
 
-def split_encoder(encoder):
+def split_encoder(encoder: AudioEncoder | tuple[Any, Any]) -> tuple[Any, Any, AudioConfig]:
     if isinstance(encoder, tuple):
         graphdef, params = encoder
         return graphdef, params, nnx.merge(graphdef, params).config
@@ -264,8 +269,9 @@ def _bucket(frames: int, config: AudioConfig) -> int:
     return min(config.max_mel_frames, 100 * (1 << max(0, seconds - 1).bit_length()))
 
 
-def encode_audio_batch(encoder: AudioEncoder | tuple[Any, Any], clips, *, intermediates: bool = False,
-                       bucket: bool = True):
+def encode_audio_batch(encoder: AudioEncoder | tuple[Any, Any], clips: Sequence[np.ndarray], *,
+                       intermediates: bool = False, bucket: bool = True
+                       ) -> list[jax.Array] | tuple[list[jax.Array], dict[str, jax.Array]]:
     """Encodes several clips together exactly as the reference does (one padded batch, same mask quirk).
 
     Args:
@@ -316,7 +322,7 @@ def _pad(clips):
     return out, lengths
 
 
-def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features, *, bucket: bool = True) -> jnp.ndarray:
+def encode_audio(encoder: AudioEncoder | tuple[Any, Any], features: np.ndarray, *, bucket: bool = True) -> jnp.ndarray:
     """Encodes one clip (at most 30 s) into LLM-width audio tokens, as the reference does for a batch of one.
 
     Args:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
+import jax
 import numpy as np
 
 from omnijax._checks import JsonConfig
@@ -121,7 +122,10 @@ class AudioConfig(JsonConfig):
 MINICPMO_4_5_AUDIO = AudioConfig()  # Whisper-medium encoder, Qwen3-8B width
 
 
-def cnn_frames(mel_frames):
+IntOrArray = TypeVar("IntOrArray", int, np.ndarray, jax.Array)
+
+
+def cnn_frames(mel_frames: IntOrArray) -> IntOrArray:
     """CNN frames for `mel_frames` mel frames: `(T - 1) // 2 + 1` (ints or integer arrays)."""
     return (mel_frames - 1) // 2 + 1
 

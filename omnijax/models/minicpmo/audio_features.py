@@ -32,9 +32,11 @@ differ by float32 rounding noise: about 1e-6 typically, at most a few 1e-5 in lo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.models.encoders.log_mel import (
     AudioInputError,
@@ -93,7 +95,7 @@ def _log10_mel(signal: np.ndarray, frames: int) -> np.ndarray:
     return np.log10(np.maximum(power @ mel_filters(NUM_MEL_BINS), _MEL_FLOOR))
 
 
-def log_mel(pcm, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def log_mel(pcm: npt.ArrayLike, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Log-mel features of one clip of at most 30 s, as `MiniCPMOProcessor.process_audio` computes them.
 
     Args:
@@ -125,7 +127,7 @@ def log_mel(pcm, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     return np.ascontiguousarray(feats.T, dtype=np.float32)
 
 
-def log_mel_clips(pcm, sample_rate: int = SAMPLE_RATE) -> list[np.ndarray]:
+def log_mel_clips(pcm: npt.ArrayLike, sample_rate: int = SAMPLE_RATE) -> list[np.ndarray]:
     """Log-mel features of audio of any length, split into 30 s pieces as the processor splits it.
 
     Returns:
@@ -136,7 +138,7 @@ def log_mel_clips(pcm, sample_rate: int = SAMPLE_RATE) -> list[np.ndarray]:
     return [log_mel(pcm[i:i + MAX_CLIP_SAMPLES]) for i in range(0, pcm.size, MAX_CLIP_SAMPLES)]
 
 
-def pad_features(clips) -> tuple[np.ndarray, np.ndarray]:
+def pad_features(clips: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Pads `[80, T_i]` features on the right with zeros into one batch, as the processor does.
 
     Returns:
@@ -292,7 +294,7 @@ def _window_log_mel(window: np.ndarray) -> np.ndarray:
     return ((log_spec + 4.0) / 4.0).T
 
 
-def mel_stream_step(state: MelStreamState, pcm, config: MelStreamConfig = DUPLEX_MEL_STREAM,
+def mel_stream_step(state: MelStreamState, pcm: npt.ArrayLike, config: MelStreamConfig = DUPLEX_MEL_STREAM,
                     sample_rate: int = SAMPLE_RATE) -> tuple[MelChunk | None, MelStreamState]:
     """Receives `pcm` and emits at most one chunk's features, as one duplex `streaming_prefill` call does.
 

@@ -72,7 +72,8 @@ def _stream_step(graphdef, params, features, keys, values, past, drop_front, kee
 def encode_audio_streaming(encoder: AudioEncoder | tuple[Any, Any], chunk: MelChunk | Any,
                            state: AudioStreamState | None = None, *, prefix_extra_frames: int | None = None,
                            suffix_extra_frames: int | None = None, use_extra_context: bool = True,
-                           intermediates: bool = False):
+                           intermediates: bool = False
+                           ) -> tuple[jax.Array, AudioStreamState] | tuple[jax.Array, AudioStreamState, jax.Array]:
     """Encodes one streaming chunk on top of the cache of the previous ones (the 4.5 duplex audio path).
 
     Args:

@@ -75,7 +75,8 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
 
 
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
-                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr
+                   ) -> tuple[DecoderConfig, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Converts a MiniCPM-o 4.5 checkpoint: the LLM, the vision encoder and resampler, the audio encoder and
     projector (the converter's contract: see `omnijax.models.qwen2_5_omni.convert.convert_params`)."""
     config = config_from_hf(hf_config, dtype=dtype)

@@ -19,16 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
-from omnijax.decoding import seen_tokens
+from omnijax.decoding import register, seen_tokens
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import audio_features, audio_stream
 from omnijax.models.minicpmo import vision as vision_lib
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from omnijax.models.minicpmo.audio_features import MelStreamState
+    from omnijax.models.minicpmo.audio_stream import AudioStreamState
+    from omnijax.models.minicpmo.model import MiniCPMOModel
 
 
 def _divide(x: jax.Array, divisor: float) -> jax.Array:
@@ -41,6 +49,7 @@ def _divide(x: jax.Array, divisor: float) -> jax.Array:
     return x / jnp.where(jnp.isnan(x), jnp.float32(1), jnp.float32(divisor))
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DuplexDecodeRule:
     """The release's greedy duplex decision (token ids of the model's vocabulary), as a decoding strategy.
@@ -73,6 +82,7 @@ class DuplexDecodeRule:
     repetition_penalty: float = 1.05
     turn_eos_penalty: float = 1.1
     history_window: int = 512
+    name: ClassVar[str] = "minicpmo_duplex"
 
     def __post_init__(self):
         def token_id(name, value):
@@ -161,7 +171,7 @@ class DuplexTokens:
     chunk_tts_eos: int
 
     @classmethod
-    def of(cls, model) -> "DuplexTokens":
+    def of(cls, model: MiniCPMOModel) -> "DuplexTokens":
         """The duplex markers of a loaded checkpoint (`model.special_tokens`, from its tokenizer files).
 
         Raises ValueError naming the markers the checkpoint does not declare (there is no release default for
@@ -186,12 +196,14 @@ class UnitResult:
     logits: list
 
 
-def encode_reference(model, ref_audio) -> np.ndarray:
+def encode_reference(model: MiniCPMOModel, ref_audio: npt.ArrayLike) -> np.ndarray:
     """The reference clip's offline audio embeddings `[n, D]` (the release's prepare path)."""
     return np.asarray(audio_lib.encode_audio(model.audio, audio_features.log_mel(ref_audio)), np.float32)
 
 
-def encode_unit(model, mel_state, audio_cache, pcm, frame=None, *, max_slice_nums: int = 1):
+def encode_unit(model: MiniCPMOModel, mel_state: MelStreamState | None, audio_cache: AudioStreamState | None,
+                pcm: npt.ArrayLike, frame: np.ndarray | Image.Image | None = None, *, max_slice_nums: int = 1
+                ) -> tuple[MelStreamState, np.ndarray, AudioStreamState, np.ndarray | None]:
     """The host work of one duplex unit, changing nothing: the streaming log-mel step, the streaming Whisper encoder
     on its cache, and the optional frame's vision embeddings.
 

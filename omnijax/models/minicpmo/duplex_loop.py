@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks import builders
 from omnijax.chunks.chunk import Chunk
@@ -36,6 +37,11 @@ from omnijax.chunks.spans import SpanKind
 from omnijax.models.minicpmo import audio_features
 from omnijax.models.minicpmo.audio_features import DUPLEX_MEL_STREAM, SAMPLE_RATE, InvalidPcmError
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult, encode_reference, encode_unit
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from omnijax.models.minicpmo.model import MiniCPMOModel
 
 __all__ = ["DuplexFeed", "DuplexLoop", "EncodedUnit", "Item", "UNIT_SAMPLES", "rows_chunks", "speak_ids",
            "unit_pcm"]
@@ -123,7 +129,7 @@ def speak_ids(result: UnitResult, markers: Sequence[int] = ()) -> list[int]:
     return [int(t) for t in result.tokens if int(t) not in drop]
 
 
-def unit_pcm(pcm) -> np.ndarray:
+def unit_pcm(pcm: npt.ArrayLike) -> np.ndarray:
     """One unit's audio as float32 `[UNIT_SAMPLES]`; raises `InvalidPcmError` (a ValueError) otherwise."""
     pcm = np.asarray(pcm)
     if pcm.ndim != 1:
@@ -156,7 +162,7 @@ class DuplexLoop:
         prepared: whether the system part was fed.
     """
 
-    def __init__(self, model, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None,
+    def __init__(self, model: MiniCPMOModel, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None,
                  max_speak_tokens: int = 4, force_listen: int = 1, max_slice_nums: int = 1):
         if not isinstance(rule, DuplexDecodeRule):
             raise TypeError(f"rule must be a DuplexDecodeRule, got {type(rule).__name__}")
@@ -192,11 +198,11 @@ class DuplexLoop:
         return self.rule.choose(logits, self.decoded[max(0, len(self.decoded) - window):])
 
     # ------------------------------------------------------------------------------------------ host work (pure)
-    def encode_reference(self, ref_audio) -> np.ndarray:
+    def encode_reference(self, ref_audio: npt.ArrayLike) -> np.ndarray:
         """The reference voice clip's offline audio embeddings `[n, D]`."""
         return encode_reference(self.model, ref_audio)
 
-    def encode(self, pcm, frame=None) -> EncodedUnit:
+    def encode(self, pcm: npt.ArrayLike, frame: np.ndarray | Image.Image | None = None) -> EncodedUnit:
         """One unit's host work, changing nothing: checks the audio and frame, runs the streaming log-mel step, the
         streaming audio encoder and the vision encoder.
 

@@ -3,6 +3,9 @@ one frame, as its streaming mode takes them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk
@@ -12,6 +15,9 @@ from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import audio_features, layout
 from omnijax.models.minicpmo import vision as vision_lib
 
+if TYPE_CHECKING:
+    from omnijax.models.minicpmo.model import MiniCPMOModel
+
 CHATML_IM_START, CHATML_IM_END = 151644, 151645  # <|im_start|>, <|im_end|> of MiniCPM-o 4.5's Qwen3 vocabulary
 
 
@@ -20,7 +26,9 @@ class MiniCPMOUnits(ChatUnits):
 
     unit_seconds, fps, temporal_patch_size = 1.0, 1.0, 1
 
-    def __init__(self, model, *, max_slice_nums: int = 1):
+    model: MiniCPMOModel
+
+    def __init__(self, model: MiniCPMOModel, *, max_slice_nums: int = 1):
         super().__init__(model)
         self.adapter, self.tokens, self.max_slice_nums = layout, model.tokens, max_slice_nums
 
@@ -29,7 +37,7 @@ class MiniCPMOUnits(ChatUnits):
         special = self.model.special_tokens  # the checkpoint's, else the Qwen3 LLM's chatml ids
         return special.get("<|im_start|>", CHATML_IM_START), special.get("<|im_end|>", CHATML_IM_END)
 
-    def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
+    def text(self, ids: Sequence[int], unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         a = self.adapter
         if kind == SpanKind.SYSTEM:
             return a.system_unit(ids, unit, hidden_size=self.hidden_size)
@@ -55,13 +63,13 @@ class MiniCPMOUnits(ChatUnits):
             parts.update(audio_tokens=audio.shape[0], audio_embeds=audio)
         return self.adapter.unit_chunk(unit, tokens=self.tokens, hidden_size=self.model.config.hidden_size, **parts)
 
-    def image(self, image, unit: int) -> Chunk:
+    def image(self, image: np.ndarray, unit: int) -> Chunk:
         return self._unit(unit, image=image)
 
-    def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
+    def audio(self, pcm: np.ndarray, sample_rate: int, unit: int) -> Chunk:
         return self._unit(unit, pcm=pcm, sample_rate=sample_rate)
 
-    def av(self, frames, pcm, unit: int, **_) -> Chunk:
+    def av(self, frames: np.ndarray, pcm: np.ndarray, unit: int, **_: Any) -> Chunk:
         frames = self.frames_of(frames)
         if frames.shape[0] != 1:
             raise ValueError(f"a MiniCPM-o unit takes one frame (1 s of audio with the frame seen in it), got "

@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from PIL import Image
 
 PATCH_SIZE = 14
@@ -116,7 +118,7 @@ def get_sliced_grid(width: int, height: int, max_slice_nums: int = MAX_SLICE_NUM
 # ---------------------------------------------------------------------------------------------------- images
 
 
-def to_rgb_uint8(image, what: str = "image") -> np.ndarray:
+def to_rgb_uint8(image: np.ndarray | Image.Image, what: str = "image") -> np.ndarray:
     """A Pillow image or an `[H, W, 3]` array -> `[H, W, 3]` uint8 RGB, validated.
 
     Integer arrays must hold values in [0, 255]; floating-point arrays values in [0, 1], which are scaled by 255 and
@@ -216,7 +218,8 @@ class SlicedImage:
         return len(self.pixel_values) - 1
 
 
-def preprocess_image(image, *, max_slice_nums: int = MAX_SLICE_NUMS, scale_resolution: int = SCALE_RESOLUTION,
+def preprocess_image(image: np.ndarray | Image.Image, *, max_slice_nums: int = MAX_SLICE_NUMS,
+                     scale_resolution: int = SCALE_RESOLUTION,
                      patch_size: int = PATCH_SIZE, never_split: bool = False,
                      mean: Sequence[float] = NORM_MEAN, std: Sequence[float] = NORM_STD,
                      what: str = "image") -> SlicedImage:
@@ -249,7 +252,8 @@ def preprocess_image(image, *, max_slice_nums: int = MAX_SLICE_NUMS, scale_resol
                        source_size=(source.shape[1], source.shape[0]), slice_size=slice_size)
 
 
-def preprocess_images(images, **kwargs) -> list[SlicedImage]:
+def preprocess_images(images: np.ndarray | Image.Image | list[np.ndarray | Image.Image]
+                      | tuple[np.ndarray | Image.Image, ...], **kwargs: Any) -> list[SlicedImage]:
     """Several images (a sequence, or one image) -> one `SlicedImage` each; keyword arguments as `preprocess_image`.
 
     Raises:
@@ -268,7 +272,7 @@ def preprocess_images(images, **kwargs) -> list[SlicedImage]:
 # ------------------------------------------------------------------------------------------------ model input
 
 
-def check_strips(pixel_values: Sequence[np.ndarray], tgt_sizes, patch_size: int = PATCH_SIZE,
+def check_strips(pixel_values: Sequence[np.ndarray], tgt_sizes: npt.ArrayLike, patch_size: int = PATCH_SIZE,
                  num_channels: int = 3) -> np.ndarray:
     """Validates strips against their target sizes; returns `tgt_sizes` as int64 `[n, 2]`."""
     sizes = np.asarray(tgt_sizes)
@@ -287,7 +291,7 @@ def check_strips(pixel_values: Sequence[np.ndarray], tgt_sizes, patch_size: int 
     return sizes.astype(np.int64)
 
 
-def patch_attention_mask(tgt_sizes, max_patches: int | None = None) -> np.ndarray:
+def patch_attention_mask(tgt_sizes: npt.ArrayLike, max_patches: int | None = None) -> np.ndarray:
     """`[n, 1, max_patches]` bool: True for the first `rows * cols` patches of each strip (the reference's layout)."""
     sizes = np.asarray(tgt_sizes, np.int64)
     counts = sizes[:, 0] * sizes[:, 1]
@@ -309,7 +313,7 @@ def pad_strips(pixel_values: Sequence[np.ndarray], max_patches: int | None = Non
     return out
 
 
-def patch_rows(pixel_values: Sequence[np.ndarray], tgt_sizes, max_patches: int | None = None,
+def patch_rows(pixel_values: Sequence[np.ndarray], tgt_sizes: npt.ArrayLike, max_patches: int | None = None,
                patch_size: int = PATCH_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Strips -> `(patches [n, L, C * p * p] float32, mask [n, L] bool)`, padded to `L = max_patches` (default: the
     longest strip). Row `j` of strip `i` is patch `j` flattened as (channel, y, x); padded rows are zero.

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks import builders as adapters
 from omnijax.chunks.builders import concat, token_layout  # noqa: F401  (re-exported)
@@ -217,7 +218,7 @@ def unit_chunk(unit: int, *, tokens: MiniCPMTokens = MINICPMO_4_5, image: bool =
 
 
 def omni_unit_2_6(unit: int, *, audio_tokens: int = 25, image: bool = True, slices: tuple[int, int] | None = None,
-                  tokens: MiniCPMTokens = MINICPMO_2_6, **kwargs) -> Chunk:
+                  tokens: MiniCPMTokens = MINICPMO_2_6, **kwargs: Any) -> Chunk:
     """MiniCPM-o 2.6 streaming unit (one second): `<unit><image>E64</image><|audio_start|>A25<|audio_end|>`.
 
     No `</unit>` (the documented layout has none). `kwargs` go to `unit_chunk` (embeddings, answers, tail).
@@ -229,7 +230,7 @@ def omni_unit_2_6(unit: int, *, audio_tokens: int = 25, image: bool = True, slic
 
 def duplex_unit(unit: int, *, audio_tokens: int = 10, image: bool = True, slices: tuple[int, int] | None = None,
                 tail: Sequence[int] | str | None = None, close: bool = True, tokens: MiniCPMTokens = MINICPMO_4_5,
-                **kwargs) -> Chunk:
+                **kwargs: Any) -> Chunk:
     """MiniCPM-o 4.5 duplex unit: `<unit> [<image>E64</image> (<slice>E64</slice>)*] A10 {tail} </unit>`.
 
     Audio has no start/end markers here (pass `audio_markers=True` to add them). For a unit whose decision the model
@@ -257,7 +258,8 @@ def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | Non
     return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, tokens)
 
 
-def with_embeds(chunk: Chunk, hidden_size: int, tokens: MiniCPMTokens = MINICPMO_4_5, dtype=np.float32) -> Chunk:
+def with_embeds(chunk: Chunk, hidden_size: int, tokens: MiniCPMTokens = MINICPMO_4_5,
+                dtype: npt.DTypeLike = np.float32) -> Chunk:
     """Adds zero embeddings and the placeholder mask to a chunk built without them.
 
     The mask is taken from the placeholder ids, so use it on text chunks (or build multimodal units with

@@ -11,11 +11,12 @@ Batch 1 when media are given (bounds are per prompt, as the release's processor 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
@@ -26,6 +27,9 @@ from omnijax.models.forward import forward
 from omnijax.models.minicpmo import audio as audio_lib
 from omnijax.models.minicpmo import vision as vision_lib
 from omnijax.models.minicpmo.layout import TOKEN_TEXT, MiniCPMTokens
+
+if TYPE_CHECKING:
+    from omnijax.models.tokenizer import Tokenizer
 
 # Special tokens a converted checkpoint records from its tokenizer (`special_tokens` in the manifest): the unit
 # layout's markers (`omnijax.models.minicpmo.layout.TOKEN_TEXT`) and the duplex decoding's.
@@ -57,19 +61,22 @@ class MiniCPMOModel(FamilyModel):
 
     model_type = "minicpmo"
 
-    def __init__(self, decoder: Decoder, *, vision=None, audio=None, source: str | None = None,
-                 special_tokens: dict[str, int] | None = None, tokenizer=None):
+    def __init__(self, decoder: Decoder, *, vision: vision_lib.MiniCPMVision | None = None,
+                 audio: audio_lib.AudioEncoder | None = None, source: str | None = None,
+                 special_tokens: dict[str, int] | None = None, tokenizer: Tokenizer | None = None):
         self.decoder, self.vision, self.audio, self.source = decoder, vision, audio, source
         self.special_tokens = dict(special_tokens or {})
         self.tokenizer = tokenizer  # omnijax.models.tokenizer.Tokenizer or None (set by omnijax.load)
 
     @property
-    def tokens(self):
+    def tokens(self) -> MiniCPMTokens:
         """The unit layout's token ids (`omnijax.models.minicpmo.layout.MiniCPMTokens`) of this checkpoint."""
         return MiniCPMTokens.from_special_tokens(self.special_tokens)
 
-    def embed(self, input_ids, *, pixel_values: Sequence[np.ndarray] | None = None, tgt_sizes=None,
-              image_bound=None, audio_features=None, audio_feature_lens=None, audio_bounds=None) -> jax.Array:
+    def embed(self, input_ids: npt.ArrayLike, *, pixel_values: Sequence[np.ndarray] | None = None,
+              tgt_sizes: npt.ArrayLike | None = None, image_bound: npt.ArrayLike | None = None,
+              audio_features: npt.ArrayLike | None = None, audio_feature_lens: npt.ArrayLike | None = None,
+              audio_bounds: npt.ArrayLike | None = None) -> jax.Array:
         """`[B, S, D]` LLM inputs: token embeddings with image and audio rows scattered in."""
         ids = np.asarray(input_ids)
         if ids.ndim != 2:

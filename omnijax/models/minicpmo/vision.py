@@ -49,7 +49,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
+from PIL import Image
 from safetensors import safe_open
 
 from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
@@ -243,8 +245,9 @@ def _split(model):
     return (graphdef, params), nnx.merge(graphdef, params).config
 
 
-def encode_images(model, pixel_values: Sequence[np.ndarray], tgt_sizes, *, max_patches: int | None = None,
-                  return_intermediates: bool = False, vector_width: int = TORCH_ARANGE_VECTOR_WIDTH):
+def encode_images(model: MiniCPMVision | tuple[Any, Any], pixel_values: Sequence[np.ndarray],
+                  tgt_sizes: npt.ArrayLike, *, max_patches: int | None = None, return_intermediates: bool = False,
+                  vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> jnp.ndarray | dict[str, jnp.ndarray]:
     """Encodes preprocessed strips (source images and slices) into LLM embeddings, as `get_vision_embedding`.
 
     Strips are padded to the longest one (or `max_patches`, to reuse one compiled program across batches); the
@@ -273,7 +276,8 @@ def encode_images(model, pixel_values: Sequence[np.ndarray], tgt_sizes, *, max_p
     return _encode(graphdef, params, jnp.asarray(patches), plan, return_intermediates)
 
 
-def encode_image(model, image, *, max_slice_nums: int = image_preprocess.MAX_SLICE_NUMS,
+def encode_image(model: MiniCPMVision | tuple[Any, Any], image: np.ndarray | Image.Image, *,
+                 max_slice_nums: int = image_preprocess.MAX_SLICE_NUMS,
                  scale_resolution: int = image_preprocess.SCALE_RESOLUTION, never_split: bool = False
                  ) -> tuple[jnp.ndarray, image_preprocess.SlicedImage]:
     """One image -> (`[1 + slices, query_num, embed_dim]` embeddings, source first then slices row-major; the

@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.models.minicpmo import image_preprocess
 from omnijax.models.minicpmo.vision_config import VisionConfig
@@ -44,7 +45,7 @@ def torch_arange_f32(start: float, end: float, step: float,
     return out
 
 
-def navit_position_ids(tgt_sizes, num_patches_per_side: int, max_patches: int | None = None,
+def navit_position_ids(tgt_sizes: npt.ArrayLike, num_patches_per_side: int, max_patches: int | None = None,
                        vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> np.ndarray:
     """SigLIP position id of every patch, `[n, max_patches]` int64 (padded patches get 0).
 
@@ -102,7 +103,7 @@ class VisionPlan(NamedTuple):
     key_pos: np.ndarray
 
 
-def vision_plan(tgt_sizes, config: VisionConfig, max_patches: int | None = None,
+def vision_plan(tgt_sizes: npt.ArrayLike, config: VisionConfig, max_patches: int | None = None,
                 vector_width: int = TORCH_ARANGE_VECTOR_WIDTH) -> VisionPlan:
     """Patch mask, NaViT position ids and resampler key positions for `tgt_sizes` (`[n, 2]` rows, cols)."""
     sizes = np.asarray(tgt_sizes)

@@ -16,7 +16,7 @@ embedding, provided the config's flag says so (otherwise the tensor is reported 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +239,8 @@ def encoder_components(hf_config: Mapping[str, Any], dtype: str) -> dict[str, tu
         ("vision", "vision_config", vision_lib.VisionConfig, vision_lib.vision_component)))
 
 
-def read_encoders(thinker: Mapping[str, Any], dtype: str, encoders) -> dict[str, tuple[Any, dict]]:
+def read_encoders(thinker: Mapping[str, Any], dtype: str,
+                  encoders: Iterable[tuple[str, str, Any, Callable[[Any], Any]]]) -> dict[str, tuple[Any, dict]]:
     """The encoders a thinker config declares: for each `(name, config key, config class, tables)` whose key is
     set, name -> (`tables(config)`, the config as JSON); inconsistent values become `ConfigError`s naming the key."""
     out = {}
@@ -280,7 +281,8 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
 
 
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
-                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr
+                   ) -> tuple[DecoderConfig, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Converts the thinker LLM's weights into memory-mapped arrays in the decoder's layout.
 
     Args:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
@@ -36,13 +37,13 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
     return Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
 
 
-def thinker_inputs(model: Model, ids, **media) -> tuple:
+def thinker_inputs(model: Model, ids: np.ndarray, **media: Any) -> tuple:
     """The encoders' outputs on a prompt's placeholders (no DeepStack in this family)."""
     embeds, embed_mask, audio_lengths = thinker.multimodal_embeddings(model, ids, **media)
     return embeds, embed_mask, None, audio_lengths
 
 
-def thinker_positions(model: Model, ids, mask, **grids):
+def thinker_positions(model: Model, ids: np.ndarray, mask: np.ndarray, **grids: Any) -> np.ndarray:
     """TMRoPE positions of a prompt with media."""
     return thinker.rope_index(ids, mask, model.omni, spatial_merge_size=model.vision.config.spatial_merge_size,
                               **grids)

@@ -43,7 +43,7 @@ import dataclasses
 import math
 import sys
 from types import ModuleType
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -57,6 +57,10 @@ from omnijax.models.frontend import ChatUnits, FrontendError, MissingEncoderErro
 from omnijax.models.qwen2_5_omni import layout
 from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.models.qwen2_5_omni.vision import encode_vision
+
+if TYPE_CHECKING:
+    from omnijax.models.encoders.whisper import AudioEncoder
+    from omnijax.models.model import Model
 
 __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
            "expected_frames", "image_chunk", "num_audio_tokens", "response", "synthetic_frames", "system", "text",
@@ -87,13 +91,13 @@ def _omni(model):
     return model.omni
 
 
-def unit_id(unit) -> int:
+def unit_id(unit: int) -> int:
     if isinstance(unit, bool) or not isinstance(unit, (int, np.integer)) or unit < 0:
         raise FrontendError(f"unit must be a non-negative integer, got {unit!r}")
     return int(unit)
 
 
-def require_model_encoder(model, kind: str):
+def require_model_encoder(model: Model, kind: str) -> Any:
     encoder = getattr(model, kind, None)
     if encoder is None:
         source = model.source
@@ -165,8 +169,8 @@ def expected_frames(num_samples: int, fps: float, *, sample_rate: int = SAMPLE_R
 # ------------------------------------------------------------------------------------------------------- builders
 
 
-def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample_rate: int = SAMPLE_RATE,
-                      answer_tokens: int = 0, **video_kwargs) -> Chunk:
+def audiovisual_chunk(model: Model, frames: np.ndarray, pcm: np.ndarray, unit: int, *, fps: float = 2.0,
+                      sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0, **video_kwargs: Any) -> Chunk:
     """One audiovisual streaming unit (typically 2 s): `<|vision_bos|><|audio_bos|> V A <|audio_eos|><|vision_eos|>`.
 
     Args:
@@ -224,7 +228,7 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
         tokens=_omni(model))
 
 
-def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwargs) -> Chunk:
+def image_chunk(model: Model, image: np.ndarray, unit: int, *, answer_tokens: int = 0, **image_kwargs: Any) -> Chunk:
     """`<|vision_bos|> <|IMAGE|>×n <|vision_eos|>` for one `[H, W, 3]` image, with its features.
 
     `image_kwargs` go to `vision_preprocess.preprocess_images` (`min_pixels`, `max_pixels`, `resize_impl`, ...).
@@ -244,7 +248,8 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
                               spatial_merge_size=vision.config.spatial_merge_size, tokens=_omni(model))
 
 
-def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
+def audio_chunk(model: Model, pcm: np.ndarray, unit: int, *, sample_rate: int = SAMPLE_RATE,
+                answer_tokens: int = 0) -> Chunk:
     """`<|audio_bos|> <|AUDIO|>×n <|audio_eos|>` for one mono 16 kHz clip (25 tokens per second)."""
     unit = unit_id(unit)
     encoder = require_model_encoder(model, "audio")
@@ -252,19 +257,19 @@ def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer
     return adapter.audio_unit(features.shape[0], unit, features, answer_tokens=answer_tokens, tokens=_omni(model))
 
 
-def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
+def system(model: Model, token_ids: Sequence[int], unit: int) -> Chunk:
     """The system prompt (every token SYSTEM), with zero embeddings."""
     return adapter.system_unit(token_ids, unit_id(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
-def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
+def text(model: Model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
          answer_unit: int | None = None) -> Chunk:
     """User text (chat markers BOUNDARY), with zero embeddings; `answer_tokens` greedy tokens follow."""
     return adapter.text_unit(token_ids, unit_id(unit), answer_tokens, answer_unit=answer_unit,
                              hidden_size=model.config.hidden_size, tokens=_omni(model))
 
 
-def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
+def response(model: Model, token_ids: Sequence[int], unit: int) -> Chunk:
     """A model response fed back as input, with zero embeddings."""
     return adapter.response_unit(token_ids, unit_id(unit), hidden_size=model.config.hidden_size, tokens=_omni(model))
 
@@ -324,7 +329,8 @@ def tone(seconds: float, frequency: float = 440.0, sample_rate: int = SAMPLE_RAT
     return wave.astype(np.float32)
 
 
-def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> Chunk:
+def frame_unit(model: Model, audio: AudioEncoder | tuple[Any, Any], pcm: np.ndarray, unit: int,
+               answer_tokens: int) -> Chunk:
     """One PCM frame (`[samples]` float32 at 16 kHz) -> its audio unit chunk, as `omnijax serve` hears it.
 
     Args:
@@ -345,7 +351,7 @@ class QwenOmniUnits(ChatUnits):
 
     unit_seconds, fps = 2.0, 2.0
 
-    def __init__(self, model):
+    def __init__(self, model: Model):
         super().__init__(model)
         vision = model.vision
         self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size
@@ -363,7 +369,7 @@ class QwenOmniUnits(ChatUnits):
     def _text_options(self) -> dict:
         return dict(hidden_size=self.hidden_size, tokens=self.tokens)
 
-    def text(self, ids, unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
+    def text(self, ids: Sequence[int], unit: int, kind: SpanKind, answer_tokens: int = 0) -> Chunk:
         a, common = self.adapter, self._text_options()
         if kind == SpanKind.SYSTEM:
             chunk = a.system_unit(ids, unit, **common)
@@ -374,12 +380,12 @@ class QwenOmniUnits(ChatUnits):
         # Text has equal t/h/w offsets: a decoder with one position axis takes the first.
         return chunk if self.axes == 3 else dataclasses.replace(chunk, positions=chunk.positions[:self.axes])
 
-    def image(self, image, unit: int) -> Chunk:
+    def image(self, image: np.ndarray, unit: int) -> Chunk:
         return self.frontend.image_chunk(self.model, np.asarray(image), unit)
 
-    def audio(self, pcm, sample_rate: int, unit: int) -> Chunk:
+    def audio(self, pcm: np.ndarray, sample_rate: int, unit: int) -> Chunk:
         return self.frontend.audio_chunk(self.model, np.asarray(pcm, np.float32), unit, sample_rate=sample_rate)
 
-    def av(self, frames, pcm, unit: int, **video_kwargs) -> Chunk:
+    def av(self, frames: np.ndarray, pcm: np.ndarray, unit: int, **video_kwargs: Any) -> Chunk:
         return self.frontend.audiovisual_chunk(self.model, self.frames_of(frames), np.asarray(pcm, np.float32), unit,
                                                fps=self.fps, **video_kwargs)

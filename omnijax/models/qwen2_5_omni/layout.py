@@ -28,9 +28,10 @@ its own: pass `tokens=model.omni` (the frontend, the server and the harness do).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks import builders as adapters
 from omnijax.chunks.builders import concat, token_layout  # noqa: F401  (re-exported)
@@ -38,6 +39,9 @@ from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni.config import OmniConfig
+
+if TYPE_CHECKING:
+    from omnijax.models.model import Model
 
 RELEASE = OmniConfig()  # the released checkpoints' ids; the constants below spell them out
 IM_START = 151644
@@ -54,7 +58,7 @@ BOUNDARY_TOKENS = RELEASE.boundary_ids
 PLACEHOLDER_TOKENS = RELEASE.placeholder_ids
 
 
-def token_ids_of(tokens) -> OmniConfig:
+def token_ids_of(tokens: OmniConfig | Model | None) -> OmniConfig:
     """The ids to build with: `tokens` (an `OmniConfig`, or a model whose `omni` is one), else the release's."""
     if tokens is None:
         return RELEASE
@@ -164,7 +168,8 @@ def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, secon
                                embeds=embeds, embed_mask=mask, advance=seg.advance)
 
 
-def with_embeds(chunk: Chunk, hidden_size: int, dtype=np.float32, *, tokens: OmniConfig | None = None) -> Chunk:
+def with_embeds(chunk: Chunk, hidden_size: int, dtype: npt.DTypeLike = np.float32, *,
+                tokens: OmniConfig | None = None) -> Chunk:
     """Adds zero embeddings `[B, T, hidden_size]` with the Qwen placeholder mask to a chunk built without them."""
     return adapters.with_embeds(chunk, hidden_size, token_ids_of(tokens).placeholder_ids, dtype)
 

@@ -9,7 +9,7 @@ same per-segment TMRoPE functions the streaming adapters use, so one-shot and st
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -18,13 +18,17 @@ from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig
 
+if TYPE_CHECKING:
+    from omnijax.models.model import Model
+
 
 class ThinkerInputError(ValueError):
     """Multimodal inputs that do not fit together (placeholder counts, missing grids or encoders)."""
 
 
 def rope_index(input_ids: np.ndarray, attention_mask: np.ndarray, omni: OmniConfig, *,
-               image_grid_thw=None, video_grid_thw=None, audio_lengths: Sequence[int] = (),
+               image_grid_thw: np.ndarray | None = None, video_grid_thw: np.ndarray | None = None,
+               audio_lengths: Sequence[int] = (),
                second_per_grids: Sequence[float] = (), use_audio_in_video: bool = False,
                spatial_merge_size: int = 2) -> np.ndarray:
     """`[3, B, T]` positions of a batch, as `get_rope_index` assigns them.
@@ -99,9 +103,10 @@ def rope_index(input_ids: np.ndarray, attention_mask: np.ndarray, omni: OmniConf
     return out
 
 
-def multimodal_embeddings(model, input_ids: np.ndarray, *, input_features=None, feature_attention_mask=None,
-                          pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-                          video_grid_thw=None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def multimodal_embeddings(model: Model, input_ids: np.ndarray, *, input_features: np.ndarray | None = None,
+                          feature_attention_mask: np.ndarray | None = None, pixel_values: np.ndarray | None = None,
+                          image_grid_thw: np.ndarray | None = None, pixel_values_videos: np.ndarray | None = None,
+                          video_grid_thw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Encoder outputs scattered onto the placeholder tokens.
 
     Returns:
@@ -154,7 +159,7 @@ def scatter_features(embeds: np.ndarray, embed_mask: np.ndarray, where: np.ndarr
     embed_mask |= where
 
 
-def encoder_of(model, kind: str):
+def encoder_of(model: Model, kind: str) -> Any:
     encoder = getattr(model, kind)
     if encoder is None:
         raise ThinkerInputError(f"this checkpoint has no {kind} encoder (convert a checkpoint that includes it)")

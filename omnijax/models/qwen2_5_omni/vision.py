@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
@@ -214,7 +215,7 @@ def _segments(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return seg.astype(np.int32), inverse.astype(np.int32)
 
 
-def check_grid(grid_thw, config: VisionConfig) -> np.ndarray:
+def check_grid(grid_thw: npt.ArrayLike, config: VisionConfig) -> np.ndarray:
     """Validates `grid_thw` (`[n, 3]` patches per axis) and returns it as int64 `[n, 3]`."""
     grid = np.asarray(grid_thw)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
@@ -225,7 +226,7 @@ def check_grid(grid_thw, config: VisionConfig) -> np.ndarray:
     return grid.astype(np.int64)
 
 
-def vision_plan(grid_thw, config: VisionConfig) -> VisionPlan:
+def vision_plan(grid_thw: npt.ArrayLike, config: VisionConfig) -> VisionPlan:
     """Window order, rotary positions and attention segments for `grid_thw` (host side, numpy)."""
     grid = check_grid(grid_thw, config)
     m, u = config.spatial_merge_size, config.merge_unit
@@ -357,7 +358,8 @@ def _encode(graphdef, params, pixel_values, plan):
     return nnx.merge(graphdef, params)(pixel_values, plan)
 
 
-def encode_vision(encoder, pixel_values, grid_thw) -> jnp.ndarray:
+def encode_vision(encoder: VisionEncoder | tuple[Any, Any], pixel_values: npt.ArrayLike,
+                  grid_thw: npt.ArrayLike) -> jnp.ndarray:
     """Encodes preprocessed images/videos (jitted once per grid shape).
 
     Args:

@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
@@ -430,7 +431,8 @@ def _encode_chunks(graphdef, params, chunks, conv_frames, token_valid):
     return nnx.merge(graphdef, params).encode_chunks(chunks, conv_frames, token_valid)
 
 
-def encode_audio(encoder: Qwen3AudioEncoder | tuple[Any, Any], features, *, bucket: bool = True) -> jnp.ndarray:
+def encode_audio(encoder: Qwen3AudioEncoder | tuple[Any, Any], features: npt.ArrayLike, *,
+                 bucket: bool = True) -> jnp.ndarray:
     """Encodes one clip's features into LLM-width audio tokens (jitted; one compile per chunk bucket).
 
     Args:

@@ -167,7 +167,7 @@ TOKEN_TEXT = {"audio_token_id": "<|audio_pad|>", "image_token_id": "<|image_pad|
               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
 
-def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = None):
+def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = None) -> Qwen3OmniConfig:
     """The thinker's placeholder and marker ids and position rate (`Qwen3OmniConfig`): the config's, else the
     tokenizer's (`special`: token text -> id), else the release's."""
 
@@ -182,7 +182,8 @@ def omni_ids(hf_config: Mapping[str, Any], special: Mapping[str, int] | None = N
 
 
 def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *, dtype: str, staging_dir: Path,
-                   progress: bool = True, log: Callable[[str], None] = streaming.stderr):
+                   progress: bool = True, log: Callable[[str], None] = streaming.stderr
+                   ) -> tuple[DecoderConfig, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Converts the thinker's weights into memory-mapped arrays (see
     `omnijax.models.qwen2_5_omni.convert.convert_params`).
 

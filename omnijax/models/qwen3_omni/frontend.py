@@ -56,9 +56,10 @@ from __future__ import annotations
 import math
 import sys
 from types import ModuleType
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks.chunk import Chunk
 from omnijax.models.encoders import qwen_vl_preprocess as vision_preprocess
@@ -91,6 +92,10 @@ from omnijax.models.qwen3_omni import layout as adapter
 from omnijax.models.qwen3_omni.audio import audio_token_count, encode_audio
 from omnijax.models.qwen3_omni.vision import Qwen3VisionConfig, encode_vision
 
+if TYPE_CHECKING:
+    from omnijax.models.model import Model
+    from omnijax.models.qwen3_omni.audio import Qwen3AudioEncoder
+
 __all__ = ["FrameCountError", "FrontendError", "MissingEncoderError", "audio_chunk", "audiovisual_chunk",
            "expected_frames", "image_chunk", "log_mel", "num_audio_tokens", "preprocess_image", "preprocess_video",
            "response", "synthetic_frames", "system", "text", "tone"]
@@ -112,7 +117,7 @@ _ID_TOLERANCE = 1e-6  # temporal ids per patch closer than this to an integer co
 # ------------------------------------------------------------------------------------------------------ log-mel
 
 
-def log_mel(pcm, sample_rate: int = SAMPLE_RATE, *, num_mel_bins: int = NUM_MEL_BINS) -> np.ndarray:
+def log_mel(pcm: npt.ArrayLike, sample_rate: int = SAMPLE_RATE, *, num_mel_bins: int = NUM_MEL_BINS) -> np.ndarray:
     """Log-mel features of a mono 16 kHz clip, as `Qwen3OmniMoeProcessor` computes them for that clip alone.
 
     Hann window of 400 samples, hop 160, the clip reflected by 200 samples at both ends (a centred STFT), power
@@ -218,7 +223,8 @@ def _pixels(kind: str, config, media, options: dict):
     return run(media, **settings)
 
 
-def preprocess_image(image, config: Qwen3VisionConfig | None = None, **image_kwargs) -> tuple[np.ndarray, np.ndarray]:
+def preprocess_image(image: np.ndarray, config: Qwen3VisionConfig | None = None,
+                     **image_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
     """One `[H, W, 3]` image -> `(pixel_values [N, 3 * 2 * 16 * 16] float32, grid_thw [1, 3] int64)`, as
     `Qwen2VLImageProcessor` with the Qwen3-Omni release settings.
 
@@ -234,7 +240,8 @@ def preprocess_image(image, config: Qwen3VisionConfig | None = None, **image_kwa
     return _pixels("image", config, image, image_kwargs)
 
 
-def preprocess_video(frames, config: Qwen3VisionConfig | None = None, **video_kwargs) -> tuple[np.ndarray, np.ndarray]:
+def preprocess_video(frames: np.ndarray | Sequence[np.ndarray], config: Qwen3VisionConfig | None = None,
+                     **video_kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
     """`[T, H, W, 3]` sampled frames -> `(pixel_values, grid_thw [1, 3])`, as `Qwen2VLVideoProcessor` configured by
     `Qwen3OmniMoeProcessor` (`min_pixels` 128 * 32 * 32, `max_pixels` 768 * 32 * 32, mean = std = 0.5, torch
     resize); `config` and `video_kwargs` as in `preprocess_image`.
@@ -267,8 +274,8 @@ def _second_per_grid(model, temporal_patch_size: int, fps: float, unit: int) -> 
 # ------------------------------------------------------------------------------------------------------ builders
 
 
-def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample_rate: int = SAMPLE_RATE,
-                      answer_tokens: int = 0, **video_kwargs) -> Chunk:
+def audiovisual_chunk(model: Model, frames: np.ndarray, pcm: np.ndarray, unit: int, *, fps: float = 2.0,
+                      sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0, **video_kwargs: Any) -> Chunk:
     """One audiovisual streaming unit: `<|vision_start|><|audio_start|> V/A merged by time <|audio_end|><|vision_end|>`.
 
     Args:
@@ -326,7 +333,7 @@ def audiovisual_chunk(model, frames, pcm, unit: int, *, fps: float = 2.0, sample
         audio_features, deepstack, answer_tokens=answer_tokens, tokens=_omni(model))
 
 
-def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwargs) -> Chunk:
+def image_chunk(model: Model, image: np.ndarray, unit: int, *, answer_tokens: int = 0, **image_kwargs: Any) -> Chunk:
     """`<|vision_start|> <|image_pad|>×n <|vision_end|>` for one `[H, W, 3]` image, with its features and DeepStack
     levels.
 
@@ -344,7 +351,8 @@ def image_chunk(model, image, unit: int, *, answer_tokens: int = 0, **image_kwar
                               answer_tokens=answer_tokens, tokens=_omni(model))
 
 
-def audio_chunk(model, pcm, unit: int, *, sample_rate: int = SAMPLE_RATE, answer_tokens: int = 0) -> Chunk:
+def audio_chunk(model: Model, pcm: np.ndarray, unit: int, *, sample_rate: int = SAMPLE_RATE,
+                answer_tokens: int = 0) -> Chunk:
     """`<|audio_start|> <|audio_pad|>×n <|audio_end|>` for one mono 16 kHz clip (13 tokens per second), with zero
     DeepStack levels when the model has a vision encoder."""
     unit = unit_id(unit)
@@ -358,24 +366,25 @@ def _text_kwargs(model) -> dict:
     return dict(hidden_size=model.config.hidden_size, deepstack_levels=_levels(model), tokens=_omni(model))
 
 
-def system(model, token_ids: Sequence[int], unit: int) -> Chunk:
+def system(model: Model, token_ids: Sequence[int], unit: int) -> Chunk:
     """The system prompt (every token SYSTEM), with zero embeddings and DeepStack levels."""
     return adapter.system_unit(token_ids, unit_id(unit), **_text_kwargs(model))
 
 
-def text(model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
+def text(model: Model, token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *,
          answer_unit: int | None = None) -> Chunk:
     """User text (chat markers BOUNDARY), with zero embeddings and DeepStack levels; `answer_tokens` greedy tokens
     follow."""
     return adapter.text_unit(token_ids, unit_id(unit), answer_tokens, answer_unit=answer_unit, **_text_kwargs(model))
 
 
-def response(model, token_ids: Sequence[int], unit: int) -> Chunk:
+def response(model: Model, token_ids: Sequence[int], unit: int) -> Chunk:
     """A model response fed back as input, with zero embeddings and DeepStack levels."""
     return adapter.response_unit(token_ids, unit_id(unit), **_text_kwargs(model))
 
 
-def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> Chunk:
+def frame_unit(model: Model, audio: Qwen3AudioEncoder | tuple[Any, Any], pcm: np.ndarray, unit: int,
+               answer_tokens: int) -> Chunk:
     """One PCM frame (`[samples]` float32 at 16 kHz) -> its audio unit chunk, with the Qwen3-Omni processor's
     features (reflected edges, samples // 160 frames); `audio` is the encoder or its `(graphdef, params)` split."""
     features = np.asarray(encode_audio(audio, log_mel(pcm, SAMPLE_RATE, num_mel_bins=model.audio.config.num_mel_bins)),
@@ -386,7 +395,7 @@ def frame_unit(model, audio, pcm: np.ndarray, unit: int, answer_tokens: int) -> 
 class Qwen3OmniUnits(QwenOmniUnits):
     """Qwen3-Omni units: 2 s audiovisual groups at 2 fps, interleaved M-RoPE, DeepStack levels on every chunk."""
 
-    def __init__(self, model):
+    def __init__(self, model: Model):
         ChatUnits.__init__(self, model)
         vision = model.vision
         self.temporal_patch_size = 2 if vision is None else vision.config.temporal_patch_size

@@ -25,7 +25,7 @@ fields.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -35,10 +35,13 @@ from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.models.qwen3_omni import positions as P
 
+if TYPE_CHECKING:
+    from omnijax.models.model import Model
+
 RELEASE = P.Qwen3OmniConfig()  # the released checkpoints' ids
 
 
-def token_ids_of(tokens) -> P.Qwen3OmniConfig:
+def token_ids_of(tokens: P.Qwen3OmniConfig | Model | None) -> P.Qwen3OmniConfig:
     """`tokens` (a `Qwen3OmniConfig`, or a model whose `omni` is one), else the release's ids."""
     if tokens is None:
         return RELEASE
@@ -82,20 +85,21 @@ def _text(token_ids, unit, kind, answer_tokens, answer_unit, hidden_size, deepst
 
 
 def system_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None, deepstack_levels: int = 0,
-                tokens=None) -> Chunk:
+                tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """The system prompt: every token SYSTEM (the whole prefix is kept)."""
     return _text(token_ids, unit, SpanKind.SYSTEM, 0, None, hidden_size, deepstack_levels, token_ids_of(tokens), False)
 
 
 def text_unit(token_ids: Sequence[int], unit: int, answer_tokens: int = 0, *, answer_unit: int | None = None,
-              hidden_size: int | None = None, deepstack_levels: int = 0, tokens=None) -> Chunk:
+              hidden_size: int | None = None, deepstack_levels: int = 0,
+              tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """User text: TEXT tokens, chat markers BOUNDARY; `answer_tokens` tokens are decoded after it."""
     return _text(token_ids, unit, SpanKind.TEXT, answer_tokens, answer_unit, hidden_size, deepstack_levels,
                  token_ids_of(tokens))
 
 
 def response_unit(token_ids: Sequence[int], unit: int, *, hidden_size: int | None = None, deepstack_levels: int = 0,
-                  tokens=None) -> Chunk:
+                  tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """A model response fed back as input: RESPONSE tokens, chat markers BOUNDARY."""
     return _text(token_ids, unit, SpanKind.RESPONSE, 0, None, hidden_size, deepstack_levels, token_ids_of(tokens))
 
@@ -123,7 +127,7 @@ def _group(segment, unit, t, features, hidden_size, deepstack, deepstack_levels,
 
 def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = None,
                deepstack: np.ndarray | None = None, *, hidden_size: int | None = None, deepstack_levels: int = 0,
-               answer_tokens: int = 0, tokens=None) -> Chunk:
+               answer_tokens: int = 0, tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """`<|vision_start|> <|image_pad|>×n <|vision_end|>` of a grid `(t, h, w)` in 16-px patches; `embeds [n, D]`
     and `deepstack [levels, n, D]` as `vision.encode_vision` returns them."""
     t = token_ids_of(tokens)
@@ -133,7 +137,7 @@ def image_unit(grid_thw: Sequence[int], unit: int, embeds: np.ndarray | None = N
 
 def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embeds: np.ndarray | None = None,
                deepstack: np.ndarray | None = None, *, hidden_size: int | None = None, deepstack_levels: int = 0,
-               answer_tokens: int = 0, tokens=None) -> Chunk:
+               answer_tokens: int = 0, tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """`<|vision_start|> <|video_pad|>×n <|vision_end|>`: frames without their audio."""
     t = token_ids_of(tokens)
     return _group(P.VideoGroup(tuple(int(v) for v in grid_thw), float(second_per_grid)), unit, t,
@@ -141,7 +145,8 @@ def video_unit(grid_thw: Sequence[int], second_per_grid: float, unit: int, embed
 
 
 def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = None, *, hidden_size: int | None = None,
-               deepstack_levels: int = 0, answer_tokens: int = 0, tokens=None) -> Chunk:
+               deepstack_levels: int = 0, answer_tokens: int = 0,
+               tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """`<|audio_start|> <|audio_pad|>×n <|audio_end|>`; `embeds [n, D]` from `audio.encode_audio`
     (n = `audio_token_count(mel frames)`, 13 per second)."""
     t = token_ids_of(tokens)
@@ -152,7 +157,8 @@ def audio_unit(num_audio_tokens: int, unit: int, embeds: np.ndarray | None = Non
 def audiovisual_unit(video_grid_thw: Sequence[int], num_audio_tokens: int, second_per_grid: float, unit: int,
                      video_embeds: np.ndarray | None = None, audio_embeds: np.ndarray | None = None,
                      deepstack: np.ndarray | None = None, *, hidden_size: int | None = None,
-                     deepstack_levels: int = 0, answer_tokens: int = 0, tokens=None) -> Chunk:
+                     deepstack_levels: int = 0, answer_tokens: int = 0,
+                     tokens: P.Qwen3OmniConfig | Model | None = None) -> Chunk:
     """One audiovisual unit: `<|vision_start|><|audio_start|>` video and audio merged by temporal id (video first on
     ties) `<|audio_end|><|vision_end|>`; the features fill their placeholders in encoder order, `deepstack
     [levels, n_video, D]` the video tokens."""

@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax._checks import JsonConfig
 
@@ -407,8 +408,9 @@ class _Media:
                 raise ValueError(f"{n} {kind} inputs were given but the prompt has {self.used[kind]} {kind} groups")
 
 
-def parse_segments(token_ids: Sequence[int], config: Qwen3OmniConfig = Qwen3OmniConfig(), *, image_grid_thw=None,
-                   video_grid_thw=None, audio_seqlens=(), second_per_grids=(),
+def parse_segments(token_ids: Sequence[int], config: Qwen3OmniConfig = Qwen3OmniConfig(), *,
+                   image_grid_thw: npt.ArrayLike | None = None, video_grid_thw: npt.ArrayLike | None = None,
+                   audio_seqlens: Sequence[int] = (), second_per_grids: Sequence[float] = (),
                    use_audio_in_video: bool = False) -> list[Segment]:
     """Splits one unpadded prompt into text runs and modality groups, checking every placeholder count against its
     grid or audio length (`audio_seqlens` in mel frames), and that every input is used."""
@@ -501,9 +503,10 @@ def _parse_row(tokens: list, cfg: Qwen3OmniConfig, media: _Media, use_aiv: bool,
     return out
 
 
-def rope_index(input_ids, attention_mask, config: Qwen3OmniConfig = Qwen3OmniConfig(), *, image_grid_thw=None,
-               video_grid_thw=None, audio_seqlens=(), second_per_grids=(),
-               use_audio_in_video: bool = False) -> np.ndarray:
+def rope_index(input_ids: npt.ArrayLike, attention_mask: npt.ArrayLike | None,
+               config: Qwen3OmniConfig = Qwen3OmniConfig(), *, image_grid_thw: npt.ArrayLike | None = None,
+               video_grid_thw: npt.ArrayLike | None = None, audio_seqlens: Sequence[int] = (),
+               second_per_grids: Sequence[float] = (), use_audio_in_video: bool = False) -> np.ndarray:
     """Position ids of a padded batch, equal to the first output of transformers' `get_rope_index`.
 
     Args:
@@ -546,7 +549,7 @@ def rope_index(input_ids, attention_mask, config: Qwen3OmniConfig = Qwen3OmniCon
     return out
 
 
-def rope_deltas(positions: np.ndarray, attention_mask) -> np.ndarray:
+def rope_deltas(positions: np.ndarray, attention_mask: npt.ArrayLike) -> np.ndarray:
     """The reference's second output: max position of each row (padding included) + 1 - its token count. `[B, 1]`.
 
     transformers decodes token j after a prompt of length T (padding included) at T + delta - pads + j, i.e. at the

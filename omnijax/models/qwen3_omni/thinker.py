@@ -17,12 +17,19 @@ Audio clips are encoded one at a time (`audio.encode_audio`, windowed attention 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.models.qwen2_5_omni.thinker import ThinkerInputError, encoder_of, scatter_features
 from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni import positions as positions_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
+
+if TYPE_CHECKING:
+    from omnijax.models.model import Model
 
 __all__ = ["ThinkerInputError", "multimodal_inputs", "rope_index"]
 
@@ -37,8 +44,11 @@ def _clip_lengths(feats: np.ndarray, feature_attention_mask) -> list[int]:
     return [int(n) for n in mask.sum(axis=1)]
 
 
-def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feature_attention_mask=None,
-                      pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
+def multimodal_inputs(model: Model, input_ids: np.ndarray, *, input_features: np.ndarray | None = None,
+                      feature_attention_mask: np.ndarray | None = None, pixel_values: np.ndarray | None = None,
+                      image_grid_thw: np.ndarray | None = None, pixel_values_videos: np.ndarray | None = None,
+                      video_grid_thw: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, list[int]]:
     """Encoder outputs scattered onto the placeholders, and the DeepStack levels.
 
     Returns:
@@ -80,8 +90,10 @@ def multimodal_inputs(model, input_ids: np.ndarray, *, input_features=None, feat
     return embeds, embed_mask, deepstack, audio_lengths
 
 
-def rope_index(model, input_ids, attention_mask, *, image_grid_thw=None, video_grid_thw=None, audio_lengths=(),
-               second_per_grids=(), use_audio_in_video: bool = False) -> np.ndarray:
+def rope_index(model: Model, input_ids: npt.ArrayLike, attention_mask: npt.ArrayLike | None, *,
+               image_grid_thw: npt.ArrayLike | None = None, video_grid_thw: npt.ArrayLike | None = None,
+               audio_lengths: Sequence[int] = (), second_per_grids: Sequence[float] = (),
+               use_audio_in_video: bool = False) -> np.ndarray:
     """`[3, B, T]` float32 positions (`positions.rope_index` with the model's ids); layout errors become
     `ThinkerInputError`."""
     try:

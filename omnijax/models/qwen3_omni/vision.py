@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from omnijax._checks import DTYPES, JsonConfig
@@ -294,7 +295,7 @@ def _bilinear(h: int, w: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(index), np.stack(weight).astype(np.float32)
 
 
-def check_grid(grid_thw, config: Qwen3VisionConfig) -> np.ndarray:
+def check_grid(grid_thw: npt.ArrayLike, config: Qwen3VisionConfig) -> np.ndarray:
     """Validates `grid_thw` (`[n, 3]` patches per axis) and returns it as int64 `[n, 3]`."""
     grid = np.asarray(grid_thw)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or not np.issubdtype(grid.dtype, np.integer):
@@ -306,7 +307,7 @@ def check_grid(grid_thw, config: Qwen3VisionConfig) -> np.ndarray:
     return grid.astype(np.int64)
 
 
-def vision_plan(grid_thw, config: Qwen3VisionConfig) -> VisionPlan:
+def vision_plan(grid_thw: npt.ArrayLike, config: Qwen3VisionConfig) -> VisionPlan:
     """Position-table interpolation, rotary positions and frame segments for `grid_thw` (host side, numpy)."""
     grid = check_grid(grid_thw, config)
     m, side = config.spatial_merge_size, config.grid_side
@@ -439,7 +440,8 @@ def _encode(graphdef, params, pixel_values, plan):
     return nnx.merge(graphdef, params)(pixel_values, plan)
 
 
-def encode_vision(encoder, pixel_values, grid_thw) -> tuple[jnp.ndarray, jnp.ndarray]:
+def encode_vision(encoder: Qwen3VisionEncoder | tuple[Any, Any], pixel_values: npt.ArrayLike,
+                  grid_thw: npt.ArrayLike) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Encodes preprocessed images/videos (jitted once per grid shape).
 
     Args:
