@@ -37,16 +37,20 @@ import dataclasses
 import inspect
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import ChatTemplateError, Conversation, template_delta
-from omnijax.decoding import answer_stop_ids, sampling_keys, seed_of
+from omnijax.decoding import DecodingStrategy, answer_stop_ids, sampling_keys, seed_of
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
+from omnijax.models.family import OmniModel
+from omnijax.models.tokenizer import Tokenizer
 from omnijax.plot import SessionTrace
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, bind_config
@@ -101,7 +105,8 @@ class Chat:
             see `omnijax.models.qwen2_5_omni.frontend.audiovisual_chunk`).
     """
 
-    def __init__(self, model, config: StreamConfig | None = None, *, tokenizer=None, video_kwargs=None):
+    def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,
+                 video_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if self.tokenizer is None:
             raise ValueError("Chat needs a tokenizer: this checkpoint has no tokenizer files (copy tokenizer.json "
@@ -143,7 +148,7 @@ class Chat:
         Conversation.check_message(message)
         self._turn(message["role"], message["content"])
 
-    def ask(self, text: str, *, max_tokens: int = 128, decoding=None) -> Iterator[str]:
+    def ask(self, text: str, *, max_tokens: int = 128, decoding: DecodingStrategy | None = None) -> Iterator[str]:
         """Adds a user message and streams the answer's text.
 
         Everything is checked before this returns; the answer is decoded as the iterator is consumed, and stays in
@@ -199,21 +204,21 @@ class Chat:
                                              {int(SpanKind.RESPONSE): len(generated)}))
 
     # ------------------------------------------------------------------------------------------------ media units
-    def image(self, image) -> None:
+    def image(self, image: np.ndarray | str | Path) -> None:
         """Feeds one image (`[H, W, 3]` uint8 array, or a path PIL can read) as a unit."""
         self._idle()
         if isinstance(image, (str, Path)):
             image = read_image(image)
         self._media("image", "image", lambda: self.conversation.image(image))
 
-    def audio(self, pcm, sample_rate: int = 16_000) -> None:
+    def audio(self, pcm: npt.ArrayLike, sample_rate: int = 16_000) -> None:
         """Feeds one audio clip (`[samples]` float mono at `sample_rate`, resampled to 16 kHz) as a unit."""
         self._idle()
         pcm = resample(np.asarray(pcm, np.float32), sample_rate)
         self._media("audio", f"audio {pcm.shape[0] / 16_000:.1f} s",
                     lambda: self.conversation.audio(pcm, 16_000))
 
-    def av(self, frames, pcm, *, label: str | None = None) -> None:
+    def av(self, frames: np.ndarray, pcm: np.ndarray, *, label: str | None = None) -> None:
         """Feeds one audiovisual unit: `frames [n, H, W, 3]` sampled at the family's fps and the 16 kHz mono PCM of
         the same stretch of time (Qwen2.5-Omni: 2 s at 2 fps; MiniCPM-o: 1 s with one frame); `label` names it in
         `kept()`."""
@@ -221,7 +226,8 @@ class Chat:
         self._media("av", label or f"av {np.shape(pcm)[0] / 16_000:.1f} s",
                     lambda: self.conversation.av(frames, pcm, **self.video_kwargs))
 
-    def video(self, path, *, start: float = 0.0, end: float | None = None, progress=None) -> int:
+    def video(self, path: str | Path, *, start: float = 0.0, end: float | None = None,
+              progress: Callable[[int, int], object] | None = None) -> int:
         """Feeds a video file (PyAV) as audiovisual units, from `start` to `end` seconds; returns the units fed.
 
         `progress(done, total)` is called after each unit. The file is opened and checked before the first unit.
@@ -265,7 +271,7 @@ class Chat:
                                     kept.get((record.unit, int(s)), 0)))
         return rows
 
-    def trace(self):
+    def trace(self) -> SessionTrace:
         """The session's steps as an `omnijax.plot.SessionTrace` (for `omnijax.plot.session`)."""
         steps = self.steps
         return SessionTrace(retained=np.asarray([s.retained for s in steps]),

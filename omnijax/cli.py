@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Sequence, TextIO
 
 from tqdm import tqdm
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stream_config(args):
+def stream_config(args: argparse.Namespace) -> StreamConfig:
     """The `StreamConfig` of the session options."""
     decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature, top_k=args.top_k,
                                                                top_p=args.top_p, seed=args.seed)
@@ -91,7 +91,7 @@ def stream_config(args):
                         num_pages=args.pages, max_answer_tokens=args.block, decoding=decoding)
 
 
-def open_chat(args):
+def open_chat(args: argparse.Namespace) -> Chat:
     config = stream_config(args)  # refuses bad settings before the checkpoint is read
     model = load(args.checkpoint)
     chat = Chat(model, config)
@@ -110,7 +110,7 @@ def _answer(chat, question: str, max_tokens: int, out) -> str:
     return "".join(text)
 
 
-def run_chat(args, stdin=None, out=None) -> int:
+def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
     stdin, out = stdin or sys.stdin, out or sys.stdout
     chat = open_chat(args)
     interactive = stdin.isatty()
@@ -150,7 +150,7 @@ def run_chat(args, stdin=None, out=None) -> int:
     return 0
 
 
-def run_watch(args, out=None) -> int:
+def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     if len(args.at) > len(args.ask):

@@ -18,6 +18,8 @@ leaves the conversation as it was. The conversation knows no engine and no trans
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.models.family import OmniModel
 from omnijax.models.frontend import units_for
+from omnijax.models.tokenizer import Tokenizer
 
 ROLES = {"system": SpanKind.SYSTEM, "user": SpanKind.TEXT, "assistant": SpanKind.RESPONSE}
 
@@ -60,7 +63,7 @@ class Conversation:
         chunk_tokens: T, the most tokens of one part; None feeds every chunk whole.
     """
 
-    def __init__(self, model: OmniModel, tokenizer, chunk_tokens: int | None = None):
+    def __init__(self, model: OmniModel, tokenizer: Tokenizer | None, chunk_tokens: int | None = None):
         if tokenizer is None:
             raise ValueError("a conversation needs the checkpoint's tokenizer: copy tokenizer.json and "
                              "tokenizer_config.json of the release into the converted checkpoint")
@@ -157,7 +160,7 @@ class Conversation:
         self.next_unit += 1
         return self._parts(chunk)
 
-    def av(self, frames: np.ndarray, pcm: np.ndarray, **video_kwargs) -> list[Chunk]:
+    def av(self, frames: np.ndarray, pcm: np.ndarray, **video_kwargs: Any) -> list[Chunk]:
         """Video frames `[n, H, W, 3]` and the 16 kHz mono PCM of the same stretch of time as the family's
         audiovisual unit."""
         chunk = self.units.av(frames, pcm, self.next_unit, **video_kwargs)
@@ -197,7 +200,8 @@ class Conversation:
         return content
 
 
-def template_delta(tokenizer, fed: str, messages, *, generation_prompt: bool) -> tuple[list[int], str]:
+def template_delta(tokenizer: Tokenizer, fed: str, messages: Sequence[Mapping[str, Any]], *,
+                   generation_prompt: bool) -> tuple[list[int], str]:
     """Token ids of the chat template's rendering of `messages` past what was fed, and the whole rendering.
 
     When the rendering fed so far (`fed`) is a prefix of the new one, the new part is the rest. A template that

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.streaming.step import StreamResult
 
@@ -87,8 +89,8 @@ def _input_kind(spans: np.ndarray) -> str:
     return "boundary"
 
 
-def trace_of(result, sequence: int = 0, latency_ms=None, *, chunks=None, labels: Sequence[str] | None = None
-             ) -> SessionTrace:
+def trace_of(result: StreamResult, sequence: int = 0, latency_ms: npt.ArrayLike | None = None, *,
+             chunks: Chunk | None = None, labels: Sequence[str] | None = None) -> SessionTrace:
     """The `SessionTrace` of one sequence of an `omnijax.StreamResult` (`result.stats.layout`, after each chunk).
 
     Args:
@@ -189,7 +191,7 @@ def _no_latency(ax) -> None:
     ax.text(0.5, 0.5, "latency not measured", transform=ax.transAxes, ha="center", va="center", color="0.4")
 
 
-def session(source, path, *, title: str | None = None) -> Path:
+def session(source: object, path: str | Path, *, title: str | None = None) -> Path:
     """Plots one session (a `SessionTrace`, a `StreamResult` or an object with `trace()`) to a PNG at `path`.
 
     Panels: retained cells and physical span (cells); active pages; per-step latency (ms). Each step is marked in
@@ -220,7 +222,7 @@ def session(source, path, *, title: str | None = None) -> Path:
     return _save(figure, path)
 
 
-def compare(traces: Mapping[str, object], path, *, title: str | None = None) -> Path:
+def compare(traces: Mapping[str, object], path: str | Path, *, title: str | None = None) -> Path:
     """Plots several named runs (each a `SessionTrace`, a `StreamResult` or an object with `trace()`) on the same
     three panels, one colour per run (physical span dashed). Returns the path written."""
     if not isinstance(traces, Mapping) or not traces:

@@ -16,7 +16,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from omnijax.checkpoint import format as checkpoint
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
@@ -50,7 +52,7 @@ def read_hf_config(src: Path) -> dict:
     return config
 
 
-def converter_for(hf_config: dict, path: Path):
+def converter_for(hf_config: dict, path: Path) -> ModuleType:
     """The converter module for a parsed config's `model_type`."""
     model_type = hf_config.get("model_type")
     if model_type in CONVERTERS:
@@ -111,7 +113,7 @@ def _swap_into_place(tmp: Path, dst: Path) -> None:
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", force: bool = False,
-                       progress: bool = True, log=None) -> Path:
+                       progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Converts a Hugging Face safetensors checkpoint directory into an omnijax checkpoint.
 
     Args:

@@ -27,6 +27,7 @@ from omnijax.models.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from omnijax.media.video import VideoFile
+    from omnijax.models.tokenizer import Tokenizer
 
 QWEN_SPECIALS = {"<|im_start|>": 151644, "<|im_end|>": 151645}
 
@@ -74,7 +75,7 @@ class ByteTextEncoder:
 class CheckpointTextEncoder:
     """A checkpoint's `omnijax.models.tokenizer.Tokenizer` behind the `TextEncoder` protocol."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
 
     def encode(self, text: str) -> list[int]:

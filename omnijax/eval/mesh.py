@@ -27,13 +27,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from omnijax.models.config import DecoderConfig
+from omnijax.streaming.step import StreamState
 
 DATA, MODEL = "data", "model"
 
@@ -139,7 +142,7 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def make_mesh(data: int | None = None, model: int = 1, *, devices=None) -> Mesh:
+def make_mesh(data: int | None = None, model: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(data, model)` mesh over `devices` (default: every device of every process).
 
     `data` defaults to `len(devices) // model`. Axes are `AxisType.Auto`, so XLA propagates shardings through the
@@ -166,7 +169,7 @@ def _leaf_name(path) -> str:
     return names[-1] if names else ""
 
 
-def decoder_param_specs(params, config, mesh: Mesh | None):
+def decoder_param_specs(params: Any, config: DecoderConfig, mesh: Mesh | None) -> Any:
     """PartitionSpecs for a decoder's parameter pytree (`nnx.split(decoder)[1]`), by parameter name (table above)."""
     m = axis_size(mesh, MODEL)
     heads = m > 1 and config.num_heads % m == 0
@@ -191,13 +194,13 @@ def decoder_param_specs(params, config, mesh: Mesh | None):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def kv_heads_axis(config, mesh: Mesh | None) -> str | None:
+def kv_heads_axis(config: DecoderConfig, mesh: Mesh | None) -> str | None:
     """`model` when the KV heads split over it (then the cache's head axis does too), else None."""
     m = axis_size(mesh, MODEL)
     return MODEL if m > 1 and config.num_kv_heads % m == 0 else None
 
 
-def session_state_specs(state, config, mesh: Mesh | None):
+def session_state_specs(state: StreamState, config: DecoderConfig, mesh: Mesh | None) -> Any:
     """Specs for a `StreamState` with a leading session axis: sessions over `data`; cached K/V
     (`[S, L, N, P, G, d]`) also split their heads over `model` when the KV projections do."""
     heads = kv_heads_axis(config, mesh)
@@ -210,7 +213,7 @@ def session_state_specs(state, config, mesh: Mesh | None):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def put(tree, mesh: Mesh, specs) -> Any:
+def put(tree: Any, mesh: Mesh, specs: Any) -> Any:
     """Places a host (or single-device) pytree on the mesh as global arrays, one `PartitionSpec` per leaf.
 
     Works in multi-process runs: every process passes the same full values and fills only its own shards.
@@ -222,12 +225,12 @@ def put(tree, mesh: Mesh, specs) -> Any:
     return jax.tree.map(one, tree, specs)
 
 
-def put_sessions(tree, mesh: Mesh) -> Any:
+def put_sessions(tree: Any, mesh: Mesh) -> Any:
     """Places a host pytree whose leaves all have a leading session axis: that axis over `data`."""
     return put(tree, mesh, jax.tree.map(lambda _: P(DATA), tree))
 
 
-def to_host(tree) -> Any:
+def to_host(tree: Any) -> Any:
     """Numpy copies of a pytree of (possibly multi-process) global arrays; every process gets everything."""
 
     def one(x):

@@ -42,10 +42,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
+from jax.sharding import Mesh
+
 from omnijax import compilation_cache
 from omnijax.eval import annotations as ann
 from omnijax.eval import mesh as distributed
 from omnijax.eval import probes as probes_lib
+from omnijax.eval.media import TextEncoder
+from omnijax.eval.runner import EvalConfig
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 
 FILES = {"SG": "dynamic_state_grounding.json", "MD": "multiturn_dependency_reasoning.json",
          "AP": "action_prediction.json", "SI": "speaker_identification.json", "PA": "proactive_alerting.json",
@@ -292,8 +298,9 @@ def score_judged(judged: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
-def run(model, records: Sequence[Record], configs, *, encoder, video_root=None, mesh=None, answer_tokens: int = 16,
-        max_sessions: int | None = None, max_units: int | None = None, past_end: str = "clamp",
+def run(model: OmniModel | Decoder, records: Sequence[Record], configs: Sequence[EvalConfig], *,
+        encoder: TextEncoder, video_root: str | Path | None = None, mesh: Mesh | None = None,
+        answer_tokens: int = 16, max_sessions: int | None = None, max_units: int | None = None, past_end: str = "clamp",
         batch_size: int | None = None, unit_seconds: float = 2.0, synthetic_seconds: float = 30.0,
         progress: bool = True, notices: list[str] | None = None) -> dict:
     """Builds one session per record, evaluates them under every configuration and scores what needs no judge.
@@ -346,7 +353,7 @@ def run(model, records: Sequence[Record], configs, *, encoder, video_root=None, 
             "summary": probes_lib.run_summary(results, rows), "left_out": left_out, "notices": notices}
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", help="directory of the six OmniMMI *.json files (default: the shipped copy)")

@@ -41,12 +41,17 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
 from omnijax import compilation_cache
 from omnijax.eval import annotations as ann
 from omnijax.eval import mesh as distributed
 from omnijax.eval import probes as probes_lib
 from omnijax.eval import sessions as sessions_lib
+from omnijax.eval.media import TextEncoder
+from omnijax.eval.runner import EvalConfig
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 
 BACKWARD = ("EPM", "ASI", "HLD")
 REALTIME = ("OCR", "ACR", "ATR", "STU", "FPD", "OJR")
@@ -200,7 +205,7 @@ def select(plans: Sequence[SessionPlan], *, max_sessions: int | None = None, max
     return order[:max_sessions]
 
 
-def score_ids(encoder) -> list[int]:
+def score_ids(encoder: TextEncoder) -> list[int]:
     """Log-likelihood columns: the option letters A-E, then the first tokens of "Yes" and "No"."""
     return (sessions_lib.letter_ids(encoder, MAX_OPTIONS) + [probes_lib.first_token_id(encoder, "Yes"),
                                                             probes_lib.first_token_id(encoder, "No")])
@@ -260,7 +265,8 @@ def aggregate(records: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
-def run(model, items: Sequence[Item], configs, *, encoder, video_root=None, mesh=None, answer_tokens: int = 4,
+def run(model: OmniModel | Decoder, items: Sequence[Item], configs: Sequence[EvalConfig], *, encoder: TextEncoder,
+        video_root: str | Path | None = None, mesh: Mesh | None = None, answer_tokens: int = 4,
         max_sessions: int | None = None, max_units: int | None = None, past_end: str = "clamp",
         batch_size: int | None = None, unit_seconds: float = 2.0, progress: bool = True,
         notices: list[str] | None = None) -> dict:
@@ -302,7 +308,7 @@ def format_scores(report: dict) -> str:
     return probes_lib.format_report(report["summary"], metrics)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="the OVO-Bench annotation file (ovo_bench_new.json)")

@@ -15,6 +15,7 @@ line (`add_common_args` / `prepare` mirror `streamingbench.main`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
 from omnijax.chunks.chunk import Chunk
 from omnijax.eval import annotations as ann
@@ -31,8 +33,10 @@ from omnijax.eval import mesh as distributed
 from omnijax.eval import sessions as sessions_lib
 from omnijax.eval import streamingbench
 from omnijax.eval import streamingbench as sb
-from omnijax.eval.runner import evaluate
+from omnijax.eval.runner import EvalConfig, evaluate
 from omnijax.eval.streamingbench import time_and_kv_lines
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 from omnijax.models.registry import load
 
 
@@ -147,8 +151,9 @@ def build_probe_session(name: str, video_path: str, probes: Sequence[Probe], med
     return ProbeSession(name, video_path, out, asked, left_out, units, media.kind)
 
 
-def execute(model, sessions: Sequence[ProbeSession], configs, builder: PromptBuilder, *, score_ids: Sequence[int],
-            mesh=None, batch_size: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+def execute(model: OmniModel | Decoder, sessions: Sequence[ProbeSession], configs: Sequence[EvalConfig],
+            builder: PromptBuilder, *, score_ids: Sequence[int], mesh: Mesh | None = None,
+            batch_size: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
     """`omnijax.evaluate` over the sessions' chunks under every configuration, then `answers` of every probe.
 
     Raises:
@@ -161,12 +166,12 @@ def execute(model, sessions: Sequence[ProbeSession], configs, builder: PromptBui
     return results, answers(sessions, results, builder.encoder, builder.end_id)
 
 
-def first_token_id(encoder, word: str) -> int:
+def first_token_id(encoder: media_lib.TextEncoder, word: str) -> int:
     """The first token of `word` (what a yes/no answer is scored by)."""
     return encoder.encode(word)[0]
 
 
-def answer_text(tokens: Sequence[int], encoder, end_id: int) -> tuple[str, bool]:
+def answer_text(tokens: Sequence[int], encoder: media_lib.TextEncoder, end_id: int) -> tuple[str, bool]:
     """Generated ids -> (text up to `<|im_end|>`, silent): silent when nothing came before `<|im_end|>`."""
     ids = [int(t) for t in tokens if int(t) >= 0]
     if end_id in ids:
@@ -174,7 +179,8 @@ def answer_text(tokens: Sequence[int], encoder, end_id: int) -> tuple[str, bool]
     return (encoder.decode(ids) if ids else ""), not ids
 
 
-def answers(sessions: Sequence[ProbeSession], results: dict, encoder, end_id: int) -> list[dict]:
+def answers(sessions: Sequence[ProbeSession], results: dict, encoder: media_lib.TextEncoder,
+            end_id: int) -> list[dict]:
     """One row per (configuration, asked probe): generated text, silence, score columns, retained cells."""
     rows = []
     for name, result in results.items():
@@ -189,7 +195,8 @@ def answers(sessions: Sequence[ProbeSession], results: dict, encoder, end_id: in
     return rows
 
 
-def open_all(video_paths: Sequence[str], video_root, unit_seconds: float, notices: list[str]) -> list:
+def open_all(video_paths: Sequence[str], video_root: str | Path | None, unit_seconds: float,
+             notices: list[str]) -> list:
     """Each video's media (`media.open_media`), with one notice counting the synthetic fallbacks."""
     sources = [media_lib.open_media(video_root, v, unit_seconds=unit_seconds) for v in video_paths]
     fallbacks = [s.notice for s in sources if s.kind == "synthetic"]
@@ -234,7 +241,7 @@ def mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def add_common_args(parser) -> None:
+def add_common_args(parser: argparse.ArgumentParser) -> None:
     """The options `streamingbench.main` has (model, videos, configurations, mesh, output) for another benchmark."""
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", "--model", dest="checkpoint",
@@ -245,7 +252,7 @@ def add_common_args(parser) -> None:
     streamingbench.add_run_options(parser)
 
 
-def parse_mesh(spec: str | None):
+def parse_mesh(spec: str | None) -> Mesh | None:
     """`DATAxMODEL` -> a mesh (`omnijax.eval.mesh.make_mesh`), None for None."""
     if not spec:
         return None
@@ -255,7 +262,8 @@ def parse_mesh(spec: str | None):
     return distributed.make_mesh(int(data), int(width or 1))
 
 
-def prepare(args, answer_tokens: int, notices: list[str], prefix: str):
+def prepare(args: argparse.Namespace, answer_tokens: int, notices: list[str], prefix: str
+            ) -> tuple[list[EvalConfig], Mesh | None, OmniModel, media_lib.TextEncoder]:
     """Configurations, mesh, model and text encoder from `add_common_args`' options (after
     `distributed.initialize`). Raises ValueError for what a user can get wrong (reported without a traceback)."""
     configs = [sb.parse_config(c, answer_tokens=answer_tokens, page_size=args.page_size) for c in args.configs]

@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from omnijax.chunks.chunk import split_chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.decoding import Greedy
 from omnijax.media.audio import read_wav, resample
+from omnijax.models.family import OmniModel
 from omnijax.models.frontend import units_for
 from omnijax.models.registry import load
 from omnijax.retention import get_policy
@@ -138,7 +140,8 @@ def _clip(path: str) -> np.ndarray:
     return (resample(pcm, rate) * 32767).astype(np.int16)
 
 
-def run_condition(model, spec: str, questions: list[Question], config: ProbeConfig, *, log=print) -> dict:
+def run_condition(model: OmniModel, spec: str, questions: list[Question], config: ProbeConfig, *,
+                  log: Callable[[str], object] = print) -> dict:
     """One condition (a retention policy spec) on the engine: returns its rows (see the module docstring)."""
 
     tokenizer, units = model.tokenizer, units_for(model)
@@ -259,7 +262,7 @@ def load_questions(path: str | None) -> list[Question]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", nargs="?", help="converted checkpoint with an audio encoder and a tokenizer")

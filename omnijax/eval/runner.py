@@ -28,13 +28,13 @@ import dataclasses
 import functools
 import time
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from omnijax.chunks import builders as adapters
@@ -42,6 +42,8 @@ from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import folded_keys, seed_of
 from omnijax.eval import mesh as distributed
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import chunk_step, init_state
@@ -73,7 +75,8 @@ class EvalConfig:
     config: StreamConfig
     keep_logits: bool
 
-    def __init__(self, name: str, config: StreamConfig | None = None, *, keep_logits: bool = False, **fields):
+    def __init__(self, name: str, config: StreamConfig | None = None, *, keep_logits: bool = False,
+                 **fields: Any):
         if not isinstance(name, str) or not name:
             raise ValueError(f"an EvalConfig needs a non-empty name, got {name!r}")
         try:
@@ -245,8 +248,9 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
     return jax.vmap(session)(state, chunks)
 
 
-def evaluate(model, sessions: Sequence, configs: Sequence[EvalConfig], *, mesh=None, batch_size: int | None = None,
-             score_ids: Sequence[int] | None = None, progress: bool = True) -> dict[str, ConfigResult]:
+def evaluate(model: OmniModel | Decoder, sessions: Sequence, configs: Sequence[EvalConfig], *,
+             mesh: Mesh | None = None, batch_size: int | None = None, score_ids: Sequence[int] | None = None,
+             progress: bool = True) -> dict[str, ConfigResult]:
     """Runs every session under every configuration; results are gathered to the host.
 
     Args:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +35,8 @@ from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.eval import annotations as ann
 from omnijax.eval.media import MediaSource, TextEncoder
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 from omnijax.models.frontend import units_for
 from omnijax.models.qwen2_5_omni import layout as adapter
 from omnijax.testing.synthetic import fold_ids
@@ -96,7 +99,8 @@ class ChunkBuilder:
         video_kwargs: frame preprocessing settings of the family's `av` (default a 56x56 minimum).
     """
 
-    def __init__(self, model, encoder: TextEncoder, *, unit_seconds: float | None = None, fps: float | None = None,
+    def __init__(self, model: OmniModel | Decoder, encoder: TextEncoder, *, unit_seconds: float | None = None,
+                 fps: float | None = None,
                  video_kwargs: dict | None = None):
         audio, vision = (getattr(model, name, None) for name in ("audio", "vision"))  # a bare decoder has neither
         self.features = audio is not None and vision is not None
@@ -182,7 +186,9 @@ def build_session(video: ann.Video, media: MediaSource, builder: ChunkBuilder, *
     return BenchSession(video, out, asked, left_out + cut, units, media.kind)
 
 
-def lay_out(placements, units: int, media: MediaSource, builder, ask, *, text_chunk_len: int | None = None):
+def lay_out(placements: Sequence[ann.Placement], units: int, media: MediaSource, builder: ChunkBuilder,
+            ask: Callable[[ann.Placement, int], Chunk], *, text_chunk_len: int | None = None
+            ) -> tuple[list[Chunk], list[tuple[int, ann.Placement]], list[tuple[ann.Question, str]]]:
     """The layout every harness's sessions share: the system prompt, then each of the first `units` audiovisual
     units followed by the questions placed in it (`ask(placement, unit_id) -> Chunk`; a question takes two unit ids,
     its own and its answer's), every text chunk cut to `text_chunk_len` tokens (default: the unit's length).

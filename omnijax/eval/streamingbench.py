@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from omnijax import compilation_cache
@@ -38,6 +39,8 @@ from omnijax.eval import media as media_lib
 from omnijax.eval import mesh as distributed
 from omnijax.eval import sessions as sessions_lib
 from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
+from omnijax.models.decoder import Decoder
+from omnijax.models.family import OmniModel
 from omnijax.models.registry import load
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
@@ -84,8 +87,9 @@ class BenchReport:
         return dataclasses.asdict(self)
 
 
-def run(model, videos: Sequence[ann.Video], configs: Sequence[EvalConfig], *, encoder=None, video_root=None,
-        mesh=None, answer_tokens: int = 1, max_units: int | None = None, past_end: str = "clamp",
+def run(model: OmniModel | Decoder, videos: Sequence[ann.Video], configs: Sequence[EvalConfig], *,
+        encoder: media_lib.TextEncoder | None = None, video_root: str | Path | None = None,
+        mesh: Mesh | None = None, answer_tokens: int = 1, max_units: int | None = None, past_end: str = "clamp",
         batch_size: int | None = None, unit_seconds: float = 2.0, progress: bool = True,
         notices: list[str] | None = None) -> BenchReport:
     """Builds one session per video, evaluates them under every configuration and scores every question.
@@ -135,7 +139,8 @@ def run(model, videos: Sequence[ann.Video], configs: Sequence[EvalConfig], *, en
     return BenchReport(records, summarize(records, results, sessions), left_out, notices)
 
 
-def score(sessions: Sequence[sessions_lib.BenchSession], results: dict[str, ConfigResult], encoder) -> list[dict]:
+def score(sessions: Sequence[sessions_lib.BenchSession], results: dict[str, ConfigResult],
+          encoder: media_lib.TextEncoder) -> list[dict]:
     """One record per (configuration, asked question): predictions of both scorers and their correctness."""
     records = []
     for name, result in results.items():
@@ -158,7 +163,8 @@ def score(sessions: Sequence[sessions_lib.BenchSession], results: dict[str, Conf
     return records
 
 
-def summarize(records: list[dict], results: dict[str, ConfigResult], sessions) -> dict[str, dict]:
+def summarize(records: list[dict], results: dict[str, ConfigResult],
+              sessions: Sequence[sessions_lib.BenchSession]) -> dict[str, dict]:
     """Per configuration: accuracy per task type and overall (both scorers), session time, KV statistics."""
     out = {}
     for name, result in results.items():
@@ -212,7 +218,7 @@ def format_summary(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def demo_model(directory: Path):
+def demo_model(directory: Path) -> OmniModel:
     """The tiny random Qwen2.5-Omni of `omnijax.testing.checkpoints` (encoders included), converted under
     `directory`."""
 
@@ -220,7 +226,7 @@ def demo_model(directory: Path):
     return load(convert_checkpoint(hf, directory / "omnijax", progress=False, log=lambda _: None))
 
 
-def add_run_options(parser) -> None:
+def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options every harness's command line shares: videos, configurations, page size, the cut, the mesh, the
     batch, the output, the cluster flags."""
     parser.add_argument("--video-root", help="directory the records' video paths are relative to")
@@ -234,7 +240,7 @@ def add_run_options(parser) -> None:
     distributed.add_cluster_flags(parser)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)

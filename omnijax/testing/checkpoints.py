@@ -166,7 +166,7 @@ def write_chat_checkpoint(directory: Path) -> Path:
     return Path(directory)
 
 
-def synthetic_units(num_units: int, seed: int = 1):
+def synthetic_units(num_units: int, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
     """`num_units` audiovisual 2 s units of moving shapes (56x84 px at 2 fps) and a tone: `[(frames, pcm)]`."""
     units = []
     for k in range(num_units):
