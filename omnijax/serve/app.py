@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,12 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp
 
 from omnijax import compilation_cache
 from omnijax.convert import convert_checkpoint
 from omnijax.decoding import RowSampling
+from omnijax.models.family import OmniModel
 from omnijax.models.frontend import bucket, units_for
 from omnijax.models.registry import load
 from omnijax.retention import get_policy
@@ -63,7 +66,7 @@ class ApiKeyMiddleware:
     """ASGI middleware: refuses HTTP requests (401, an OpenAI error body) and WebSocket handshakes (HTTP 401 where
     the server supports denial responses, else close 1008) without the key."""
 
-    def __init__(self, app, options: ServeOptions):
+    def __init__(self, app: ASGIApp, options: ServeOptions):
         self.app, self.options = app, options
 
     async def __call__(self, scope, receive, send):
@@ -87,7 +90,7 @@ class ApiKeyMiddleware:
             await send({"type": "websocket.close", "code": 1008})
 
 
-def build_app(context: ServeContext):
+def build_app(context: ServeContext) -> Starlette:
     """The Starlette application of a `ServeContext` (its worker starts and stops with the app)."""
 
 
@@ -119,7 +122,8 @@ def build_app(context: ServeContext):
                      middleware=[Middleware(ApiKeyMiddleware, options=context.options)])
 
 
-def build_context(model, *, options: ServeOptions, stream, chunk_tokens: int, buckets=(1, 2, 4, 8, 16, 32, 64),
+def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConfig, chunk_tokens: int,
+                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                   aimd_target: float = 0.3, max_sessions: int | None = None,
                   return_logits: bool = False) -> ServeContext:
     """The engine, AIMD admission and worker for `model`.
@@ -177,7 +181,7 @@ def warm_up(context: ServeContext, sessions: int) -> float:
     return time.perf_counter() - start
 
 
-def build_demo_model(directory) -> str:
+def build_demo_model(directory: str | Path) -> str:
     """Writes the embedded tiny random Qwen2.5-Omni (audio and vision encoders, a tiny tokenizer with the ChatML
     template) and converts it; no download. Returns the converted checkpoint's directory."""
 
@@ -222,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
     parser = _parser()
     args = parser.parse_args(argv)

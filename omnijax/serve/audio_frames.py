@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from omnijax.chunks.chunk import pad_chunk
+from omnijax.chunks.chunk import Chunk, pad_chunk
 from omnijax.models.family import Family, OmniModel, family_of
 from omnijax.models.registry import family_for
 
@@ -45,7 +45,7 @@ class AudioFrameEncoder:
         self.model, self.chunk_tokens, self.answer_tokens = model, chunk_tokens, answer_tokens
         self._split = nnx.split(model.audio)  # split once: the encoders accept (graphdef, params)
 
-    def encode(self, pcm: np.ndarray, unit: int):
+    def encode(self, pcm: np.ndarray, unit: int) -> Chunk:
         """`[samples]` int16 PCM -> a batch-1 `Chunk` of length `chunk_tokens`."""
         audio = np.asarray(pcm, np.float32) / 32768.0
         chunk = self.family.frame_unit(self.model, self._split, audio, unit, self.answer_tokens)

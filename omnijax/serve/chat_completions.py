@@ -27,15 +27,19 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omnijax.decoding import sampling_row
+from omnijax.decoding import DecodingStrategy, sampling_row
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
+
+if TYPE_CHECKING:
+    from omnijax.serve.context import ServeContext
 
 log = logging.getLogger("omnijax.serve")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -128,7 +132,7 @@ def _part(part, param: str) -> Part:
                        param=param + ".type", code="unsupported")
 
 
-def parse_chat_request(body, *, model_name: str, decoding) -> ChatRequest:
+def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy) -> ChatRequest:
     """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -287,11 +291,11 @@ def _build(conversation, req: ChatRequest, answer_tokens: int) -> tuple[list, An
     return parts, conversation.prompt(answer_tokens)
 
 
-async def models(request, context):
+async def models(request: Request, context: ServeContext) -> Response:
     return JSONResponse(models_list(context.options.model_name, context.started))
 
 
-async def chat_completions(request, context):
+async def chat_completions(request: Request, context: ServeContext) -> Response:
     """Serves one chat completion (streamed or whole) as one engine session. Decoding the body's media,
     templating and the encoders run in a worker thread: the event loop serves every other client meanwhile."""
     body = await request.body()

@@ -9,10 +9,17 @@ import dataclasses
 import functools
 import hmac
 import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from omnijax.conversation import Conversation
+from omnijax.models.family import OmniModel
 from omnijax.serve.audio_frames import AudioFrameEncoder
 from omnijax.serve.engine.admission import Overloaded
+
+if TYPE_CHECKING:
+    from omnijax.serve.engine.snapshot import SessionSnapshot
+    from omnijax.serve.engine.worker import EngineWorker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +85,7 @@ class ServeContext:
         options: `ServeOptions`.
     """
 
-    def __init__(self, model, worker, options: ServeOptions):
+    def __init__(self, model: OmniModel, worker: EngineWorker, options: ServeOptions):
         self.model, self.worker, self.options = model, worker, options
         self.tokenizer = model.tokenizer
         self.chunk_tokens = worker.engine.config.chunk_tokens
@@ -87,7 +94,7 @@ class ServeContext:
         self._next = 0
 
     @functools.cached_property
-    def frame_encoder(self):
+    def frame_encoder(self) -> AudioFrameEncoder:
         """The native protocol's `AudioFrameEncoder` (built on first use)."""
         return AudioFrameEncoder(self.model, chunk_tokens=self.chunk_tokens, answer_tokens=self.worker.tau)
 
@@ -95,11 +102,12 @@ class ServeContext:
         self._next += 1
         return f"{prefix}{self._next}"
 
-    def conversation(self):
+    def conversation(self) -> Conversation:
         return Conversation(self.model, self.tokenizer, self.chunk_tokens)
 
     @contextlib.asynccontextmanager
-    async def session(self, client: str, prefix: str, snapshot=None):
+    async def session(self, client: str, prefix: str,
+                      snapshot: SessionSnapshot | None = None) -> AsyncIterator[str]:
         """Opens an engine session for `client` (raises `Overloaded`), resuming `snapshot` when given; yields its
         id, closes it."""
         cap = self.options.max_sessions_per_client

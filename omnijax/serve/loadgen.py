@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+from collections.abc import Sequence
 
 import numpy as np
 from websockets.asyncio.client import connect
@@ -190,7 +191,7 @@ async def open_loop(url: str, *, rate_per_s: float, max_clients: int, duration_s
     return LoadResult(frames, list(clients))
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("url")
     parser.add_argument("--sessions", type=int, default=4, help="closed loop: sessions")

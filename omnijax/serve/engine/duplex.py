@@ -16,17 +16,26 @@ raises RuntimeError.
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult
 from omnijax.models.minicpmo.duplex_loop import UNIT_SAMPLES, DuplexFeed, DuplexLoop, rows_chunks, speak_ids, unit_pcm
 
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from omnijax.models.minicpmo.model import MiniCPMOModel
+    from omnijax.models.tokenizer import StreamDecoder, Tokenizer
+    from omnijax.serve.engine.worker import EngineWorker
+
 __all__ = ["DuplexStream", "UNIT_SAMPLES", "UnitResult", "rows_chunks", "speak_ids", "speak_text", "unit_pcm"]
 
 
-def speak_text(result: UnitResult, tokenizer, markers: Sequence[int] = (), *, decoder=None) -> str:
+def speak_text(result: UnitResult, tokenizer: Tokenizer, markers: Sequence[int] = (), *,
+               decoder: StreamDecoder | None = None) -> str:
     """The unit's spoken text: its tokens without the duplex markers and the tokenizer's special tokens.
 
     Args:
@@ -59,8 +68,9 @@ class DuplexStream:
         failed: why the stream stopped (None while it can go on).
     """
 
-    def __init__(self, model, worker, sid: str, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None,
-                 max_speak_tokens: int = 4, force_listen: int = 1, max_slice_nums: int = 1):
+    def __init__(self, model: MiniCPMOModel, worker: EngineWorker, sid: str, *, rule: DuplexDecodeRule,
+                 tokens: DuplexTokens | None = None, max_speak_tokens: int = 4, force_listen: int = 1,
+                 max_slice_nums: int = 1):
         self.loop = DuplexLoop(model, rule=rule, tokens=tokens, max_speak_tokens=max_speak_tokens,
                                force_listen=force_listen, max_slice_nums=max_slice_nums)
         engine = worker.engine
@@ -75,7 +85,7 @@ class DuplexStream:
         self._busy = False
 
     @classmethod
-    async def open(cls, model, worker, sid: str, **kwargs) -> "DuplexStream":
+    async def open(cls, model: MiniCPMOModel, worker: EngineWorker, sid: str, **kwargs: Any) -> "DuplexStream":
         """Opens `sid` on the worker (may raise `Overloaded`); returns its stream (`kwargs`: the constructor's)."""
         stream = cls(model, worker, sid, **kwargs)  # refuses bad settings before a session is taken
         await worker.open(sid)
@@ -107,7 +117,8 @@ class DuplexStream:
         """The loop's decision on last-position logits `[V]` (`DuplexLoop.decide`)."""
         return self.loop.decide(logits)
 
-    async def prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int], ref_audio=None) -> None:
+    async def prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int],
+                      ref_audio: npt.ArrayLike | None = None) -> None:
         """The system part, once, before any unit: `prefix_ids`, the reference clip's offline audio embeddings,
         `suffix_ids` (as `DuplexSession.prepare`). Token ids must lie in the vocabulary."""
         self._check_ready()
@@ -124,7 +135,7 @@ class DuplexStream:
         finally:
             self._busy = False
 
-    async def step(self, pcm, frame=None) -> UnitResult:
+    async def step(self, pcm: npt.ArrayLike, frame: np.ndarray | Image.Image | None = None) -> UnitResult:
         """One unit: `<unit>` [`<image>` frame `</image>`] audio, then the listen/speak decision and its tokens.
 
         Args:

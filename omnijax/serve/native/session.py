@@ -44,9 +44,10 @@ import base64
 import binascii
 import json
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnijax.media.image import read_image
 from omnijax.models.minicpmo.duplex import DuplexTokens
@@ -64,6 +65,9 @@ from omnijax.serve.native.protocol import (
 )
 from omnijax.serve.realtime.duplex import duplex_rule
 
+if TYPE_CHECKING:
+    from omnijax.serve.context import ServeContext
+
 log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0
 
@@ -71,7 +75,7 @@ HELLO_TIMEOUT_S = 10.0
 class NativeSession:
     """One `/session` connection after its hello (see the module docstring)."""
 
-    def __init__(self, ws, context, sid: str, samples: int, peer: str):
+    def __init__(self, ws: WebSocket, context: ServeContext, sid: str, samples: int, peer: str):
         self.ws, self.context, self.sid, self.samples, self.peer = ws, context, sid, samples, peer
         self.worker = context.worker
         self.latest: tuple[int, np.ndarray, float] | None = None  # (seq, pcm, arrival)
@@ -215,7 +219,8 @@ class NativeDuplex(NativeSession):
     """A `/session` connection in full duplex (MiniCPM-o 4.5; see the module docstring): every frame is a 1 s unit,
     none is superseded (the streaming audio encoder needs them all), each answered in order."""
 
-    def __init__(self, ws, context, sid: str, samples: int, peer: str, instructions: str = ""):
+    def __init__(self, ws: WebSocket, context: ServeContext, sid: str, samples: int, peer: str,
+                 instructions: str = ""):
 
         super().__init__(ws, context, sid, samples, peer)
         self.stream = DuplexStream(context.model, self.worker, sid, rule=duplex_rule(context.model),
@@ -266,7 +271,7 @@ class NativeDuplex(NativeSession):
             self._stop.set()
 
 
-async def native_endpoint(ws, context) -> None:
+async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
     """Accepts a `/session` WebSocket: hello, admission, frames (see the module docstring)."""
 
 

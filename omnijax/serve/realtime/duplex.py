@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,10 +34,14 @@ from omnijax.serve.engine.duplex import DuplexStream, speak_ids
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 
+if TYPE_CHECKING:
+    from omnijax.models.minicpmo.model import MiniCPMOModel
+    from omnijax.serve.realtime.session import RealtimeSession
+
 log = logging.getLogger("omnijax.serve")
 
 
-def duplex_rule(model):
+def duplex_rule(model: MiniCPMOModel) -> DuplexDecodeRule:
     """The release's duplex decision rule with the checkpoint's marker ids (`<|tts_pad|>` is never chosen)."""
 
     special = model.special_tokens
@@ -61,7 +66,7 @@ class DuplexRealtime:
             without host logits, input already fed); nothing changes.
     """
 
-    def __init__(self, session, eid):
+    def __init__(self, session: RealtimeSession, eid: str | None):
 
         model, worker = session.context.model, session.worker
         if not model.family.duplex:
@@ -83,7 +88,7 @@ class DuplexRealtime:
         self.response: dict | None = None  # the open response: ids, text pieces, tokens
         self.task = session._spawn(self._run(session.settings.instructions))
 
-    def handle(self, event) -> None:
+    def handle(self, event: rte.ClientEvent) -> None:
         """A client event of the duplex session (see the module docstring); refusals raise `RealtimeEventError`."""
 
         session = self.session
@@ -128,7 +133,7 @@ class DuplexRealtime:
             self._queue(self.audio[:self._unit])
             self.audio = self.audio[self._unit:]
 
-    def commit(self, eid) -> None:
+    def commit(self, eid: str | None) -> None:
         if self.audio.size:
             unit = np.zeros((self._unit,), np.int16)
             unit[:self.audio.size] = self.audio

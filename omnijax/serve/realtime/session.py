@@ -49,9 +49,10 @@ import re
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnijax.decoding import sampling_row
 from omnijax.media.audio import resample
@@ -62,11 +63,15 @@ from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.duplex import DuplexRealtime
 
+if TYPE_CHECKING:
+    from omnijax.retention.base import RetentionPolicy
+    from omnijax.serve.context import ServeContext
+
 log = logging.getLogger("omnijax.serve")
 VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
 
 
-def truncation_of(policy) -> str:
+def truncation_of(policy: RetentionPolicy) -> str:
     """The Realtime `truncation` that describes a retention policy: "disabled" for `NoSlide`, else "auto"."""
     return "disabled" if type(policy).__name__ == "NoSlide" else "auto"
 
@@ -80,7 +85,7 @@ class RealtimeSession:
         sid: the engine session id (already opened).
     """
 
-    def __init__(self, ws, context, sid: str, token: str | None = None):
+    def __init__(self, ws: WebSocket, context: ServeContext, sid: str, token: str | None = None):
         self.ws, self.context, self.sid, self.token = ws, context, sid, token
         self.worker, self.options = context.worker, context.options
         self.conversation = context.conversation()
@@ -185,7 +190,7 @@ class RealtimeSession:
                         type(e).__name__, e)
 
     # ------------------------------------------------------------------------------------------------ events
-    async def handle(self, event) -> None:
+    async def handle(self, event: rte.ClientEvent) -> None:
         eid = event.event_id
         if isinstance(event, rte.SessionUpdate):
             settings = event.apply(self.settings)
@@ -433,7 +438,7 @@ class RealtimeSession:
                                     reason=reason if status != "completed" else None, max_output_tokens=limit))
 
 
-async def realtime_endpoint(ws, context) -> None:
+async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
     """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
     1013 when overloaded), and serves it."""
 
