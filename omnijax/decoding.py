@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Iterable, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from omnijax.registry import Registry
 
@@ -53,7 +54,7 @@ STRATEGIES: Registry[DecodingStrategy] = Registry("decoding strategy", DecodingS
 register = STRATEGIES.register
 
 
-def check_stop(owner: str, stop) -> tuple[int, ...]:
+def check_stop(owner: str, stop: Any) -> tuple[int, ...]:
     """`stop` as a tuple of token ids (ints >= 0); refuses anything else, naming `owner`."""
     if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
         raise ValueError(f"{owner}: stop must be a sequence of token ids, got {stop!r}")
@@ -298,7 +299,7 @@ class RowSampling:
         return jnp.where(sampled, drawn, greedy)
 
 
-def sampling_row(temperature: float, top_p: float = 1.0):
+def sampling_row(temperature: float, top_p: float = 1.0) -> np.ndarray:
     """One row's `RowSampling` settings as float32 `[2]`: the temperature (>= 0; 0: the most likely token) and top-p's
     tail mass 1 - top_p, computed in float64 before rounding, so that the row compares exactly as `Sampling` does."""
 
@@ -307,17 +308,17 @@ def sampling_row(temperature: float, top_p: float = 1.0):
     return np.asarray([float(temperature), 1.0 - float(top_p)], np.float32)
 
 
-def seed_of(strategy) -> int:
+def seed_of(strategy: DecodingStrategy) -> int:
     """The sampling seed of a decoding strategy (0 for one that draws nothing)."""
     return int(getattr(strategy, "seed", 0))
 
 
-def stop_ids_of(strategy) -> tuple[int, ...]:
+def stop_ids_of(strategy: DecodingStrategy) -> tuple[int, ...]:
     """The stop token ids of a decoding strategy (none for one without `stop`)."""
     return tuple(getattr(strategy, "stop", ()))
 
 
-def answer_stop_ids(strategy, eos_token_ids) -> tuple[int, ...]:
+def answer_stop_ids(strategy: DecodingStrategy, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
     """The ids that end an answer decoded with `strategy`: the checkpoint's `eos_token_ids` (unless the strategy is
     `free_running`) and the strategy's own `stop` ids."""
     eos = () if getattr(strategy, "free_running", False) else tuple(int(t) for t in eos_token_ids)
@@ -329,7 +330,7 @@ def sampling_keys(seed: int, batch: int) -> jax.Array:
     return jax.random.key_data(jax.random.split(jax.random.key(seed), batch))
 
 
-def folded_keys(seed: int, indices) -> jax.Array:
+def folded_keys(seed: int, indices: ArrayLike) -> jax.Array:
     """`[n, 2]` uint32 key data: one key per session index in `indices [n]`, folded from `seed` (the n-th session
     of an engine or of `evaluate` draws with `folded_keys(seed, [n])`)."""
     base = jax.random.key(seed)

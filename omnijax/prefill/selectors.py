@@ -47,6 +47,15 @@ class Selector(Protocol):
         ...
 
 
+class WindowedScoring(Protocol):
+    """The scoring settings a windowed selector (SnapKV, AdaKV, ChunkKV) shares: the top-k's implementation, its
+    block size and the pooling kernel."""
+
+    impl: str
+    block_size: int
+    pool_kernel: int
+
+
 # The prefill selectors by name (`omnijax.registry.Registry`): `register` adds a class under its `name`.
 REGISTRY: Registry[Selector] = Registry("prefill selector", Selector)
 register = REGISTRY.register
@@ -63,7 +72,8 @@ def _with_window(prefix_index: jax.Array, S: int, window: int) -> jax.Array:
     return jnp.concatenate([prefix_index.astype(jnp.int32), win], axis=-1)
 
 
-def topk_scores(q_obs: jax.Array, keys: jax.Array, k: int, *, impl: str, block_size: int, pool_kernel: int):
+def topk_scores(q_obs: jax.Array, keys: jax.Array, k: int, *, impl: str, block_size: int,
+                pool_kernel: int) -> tuple[jax.Array, jax.Array]:
     """SnapKV top-k over the prompt prefix (window excluded): `(index [B, G, k] ascending, score [B, G, k])`."""
     if impl == "reference":
         return topk_lib.streaming_topk_reference(q_obs, keys, k=k, pool_kernel=pool_kernel)
@@ -103,7 +113,8 @@ def _check_windowed(selector) -> None:
     check_power_of_two(f"{name}: block_size", selector.block_size)
 
 
-def _prefix_topk(selector, q_obs: jax.Array, keys: jax.Array, k: int):
+def _prefix_topk(selector: WindowedScoring, q_obs: jax.Array, keys: jax.Array,
+                 k: int) -> tuple[jax.Array, jax.Array]:
     """`topk_scores` of the prompt prefix with a windowed selector's scoring settings."""
     return topk_scores(q_obs, keys, k, impl=selector.impl, block_size=selector.block_size,
                        pool_kernel=selector.pool_kernel)
@@ -133,7 +144,7 @@ class SnapKV:
     def __post_init__(self):
         _check_windowed(self)
 
-    def select(self, q_obs, keys, budget):
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
         if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
             return whole
         B, S, G, _ = keys.shape
@@ -150,7 +161,7 @@ class RecentTokens:
     name: ClassVar[str] = "recent"
     needs_window: ClassVar[bool] = False
 
-    def select(self, q_obs, keys, budget):
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
         B, S, G, _ = keys.shape
         budget = min(budget, S)
         index = jnp.broadcast_to(jnp.tile(jnp.arange(S - budget, S, dtype=jnp.int32), G), (B, G * budget))
@@ -182,7 +193,7 @@ class AdaKV:
         if not 0.0 <= self.floor <= 1.0:
             raise ValueError(f"AdaKV: floor must lie in [0, 1], got {self.floor!r}")
 
-    def select(self, q_obs, keys, budget):
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
         if (whole := _whole_prompt_or_none(self, keys, budget)) is not None:
             return whole
         B, S, G, _ = keys.shape
@@ -210,7 +221,7 @@ class AdaKV:
         flat = flat.at[rows, win_dest].set(jnp.arange(S - self.window, S, dtype=jnp.int32))
         return Selection(index=flat, offset=offset)
 
-def snapkv_scores(selector, q_obs: jax.Array, keys: jax.Array) -> jax.Array:
+def snapkv_scores(selector: WindowedScoring, q_obs: jax.Array, keys: jax.Array) -> jax.Array:
     """SnapKV's pooled window scores of every prompt-prefix token, `[B, G, S - W]` float32, with a windowed
     selector's scoring settings: dense under impl "reference", else the blockwise top-k asked for every prefix token
     (memory O(G S) for the scores, none of it W x S)."""
@@ -269,7 +280,7 @@ class ChunkKV:
         _check_windowed(self)
         _check_chunk_length(self)
 
-    def select(self, q_obs, keys, budget):
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
         B, S, G, _ = keys.shape
         length = self.chunk_length
         chunks = -(-S // length)
@@ -317,7 +328,7 @@ class KeyDiff:
     name: ClassVar[str] = "keydiff"
     needs_window: ClassVar[bool] = False
 
-    def select(self, q_obs, keys, budget):
+    def select(self, q_obs: jax.Array | None, keys: jax.Array, budget: int) -> Selection:
         B, S, G, _ = keys.shape
         if budget >= S:
             return _keep_all(B, S, G)

@@ -8,14 +8,18 @@ the serving path (`omnijax.serve.engine.duplex.DuplexStream`) drives too; this m
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any, Generator, Sequence
 
 import numpy as np
 
 from omnijax.chunks.chunk import pad_chunk
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult
 from omnijax.models.minicpmo.duplex_loop import DuplexFeed, DuplexLoop, rows_chunks
-from omnijax.retention.base import NoSlide
+from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.streaming.session import Session
+
+if TYPE_CHECKING:
+    from omnijax.models.minicpmo.model import MiniCPMOModel
 
 __all__ = ["DuplexSession"]
 
@@ -39,9 +43,9 @@ class DuplexSession:
         session: the `omnijax.Session` fed.
     """
 
-    def __init__(self, model, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None, max_speak_tokens: int = 4,
-                 force_listen: int = 1, num_pages: int = 64, page_size: int = 64, chunk_width: int = 128,
-                 max_slice_nums: int = 1, policy=None):
+    def __init__(self, model: MiniCPMOModel, *, rule: DuplexDecodeRule, tokens: DuplexTokens | None = None,
+                 max_speak_tokens: int = 4, force_listen: int = 1, num_pages: int = 64, page_size: int = 64,
+                 chunk_width: int = 128, max_slice_nums: int = 1, policy: RetentionPolicy | None = None):
         self.loop = DuplexLoop(model, rule=rule, tokens=tokens, max_speak_tokens=max_speak_tokens,
                                force_listen=force_listen, max_slice_nums=max_slice_nums)
         self.model, self.width = model, int(chunk_width)
@@ -64,12 +68,13 @@ class DuplexSession:
         """The loop's decision on last-position logits `[V]` (`DuplexLoop.decide`)."""
         return self.loop.decide(logits)
 
-    def prepare(self, prefix_ids, suffix_ids, ref_audio=None) -> None:
+    def prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int], ref_audio: np.ndarray | None = None
+                ) -> None:
         """The system part: `prefix_ids`, the reference clip's offline audio embeddings, `suffix_ids`."""
         reference = None if ref_audio is None else self.loop.encode_reference(ref_audio)
         self._run(self.loop.prepare(prefix_ids, suffix_ids, reference))
 
-    def step(self, pcm, frame=None) -> UnitResult:
+    def step(self, pcm: np.ndarray, frame: np.ndarray | None = None) -> UnitResult:
         """One unit: `<unit>` [`<image>` frame `</image>`] audio, then the listen/speak decision and its tokens."""
         return self._run(self.loop.unit(self.loop.encode(pcm, frame)))
 
@@ -93,7 +98,7 @@ class DuplexSession:
                                    f"{self.session.state.kv.num_pages}) or a policy that bounds the cache")
         return logits
 
-    def _run(self, program):
+    def _run(self, program: Generator[DuplexFeed, np.ndarray, Any]) -> Any:
         """Runs a loop program to its end, feeding each request; returns its result."""
         try:
             request = next(program)

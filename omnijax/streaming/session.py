@@ -19,9 +19,10 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.decoding import seed_of
+from omnijax.decoding import DecodingStrategy, seed_of
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.models.family import family_of
+from omnijax.models.family import OmniModel, family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
 from omnijax.streaming.step import (
     ChunkOutput,
@@ -33,21 +34,24 @@ from omnijax.streaming.step import (
     pages_needed,
 )
 
+# What streams: a loaded model of any family (its `decoder` runs) or a bare `Decoder`.
+StreamModel = OmniModel | Decoder
 
-def model_parts(model) -> tuple[Any, Any]:
+
+def model_parts(model: StreamModel) -> tuple[Any, Any]:
     """`(graphdef, params)` of the decoder of an `omnijax.Model`, a `MiniCPMOModel` or a bare `Decoder`."""
     decoder = model if isinstance(model, Decoder) else model.decoder
     graphdef, params = nnx.split(decoder)
     return graphdef, params
 
 
-def graphdef_config(model):
+def graphdef_config(model: StreamModel) -> DecoderConfig:
     """The `DecoderConfig` of a model or decoder."""
     decoder = model if isinstance(model, Decoder) else model.decoder
     return decoder.config
 
 
-def bind_config(model, config: StreamConfig | None = None, **fields) -> StreamConfig:
+def bind_config(model: StreamModel, config: StreamConfig | None = None, **fields: Any) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
     filled in from the model's type (`StreamConfig.for_model`)."""
     family = family_of(model)
@@ -74,8 +78,8 @@ def _step(graphdef, params, state, chunk, *, config):
     return chunk_step(nnx.merge(graphdef, params), state, chunk, config)
 
 
-def stream(model, chunks: Chunk, config: StreamConfig | None = None, *, state: StreamState | None = None,
-           **fields) -> StreamResult:
+def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,
+           state: StreamState | None = None, **fields: Any) -> StreamResult:
     """Streams a stack of chunks (`[C, ...]` on every field) through the model as one compiled program.
 
     Args:
@@ -137,8 +141,8 @@ class Session:
         out = session.feed(text_chunk(ids, answer_tokens=8))
     """
 
-    def __init__(self, model, config: StreamConfig | None = None, *, batch: int = 1,
-                 state: StreamState | None = None, **fields):
+    def __init__(self, model: StreamModel, config: StreamConfig | None = None, *, batch: int = 1,
+                 state: StreamState | None = None, **fields: Any):
         self.stream_config = bind_config(model, config, **fields)
         self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
@@ -160,7 +164,7 @@ class Session:
             return getattr(self.stream_config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def feed(self, chunk: Chunk, *, decoding=None) -> ChunkOutput:
+    def feed(self, chunk: Chunk, *, decoding: DecodingStrategy | None = None) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
 
         `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per

@@ -17,6 +17,7 @@ from omnijax.chunks.spans import SpanKind
 from omnijax.decoding import answer_stop_ids, sampling_keys, split_keys
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
+from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.forward import write_chunk
 from omnijax.retention import base as retention_lib
@@ -115,7 +116,8 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     return kv, next_pos, key, tokens, logits
 
 
-def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig):
+def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
+               config: StreamConfig) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     `config.paging` places new tokens and, after an eviction, re-lays out the survivors (`omnijax.paging.relayout`);
@@ -156,8 +158,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
 
 
-def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, max_pages: int | None = None,
-               start_pos: int = 0, seed: int = 0) -> StreamState:
+def init_state(config: DecoderConfig, *, num_pages: int, page_size: int = 64, batch: int = 1,
+               max_pages: int | None = None, start_pos: int = 0, seed: int = 0) -> StreamState:
     """An empty `StreamState` for a decoder config; `seed` seeds the sequences' sampling keys
     (`StreamConfig.decoding.seed` when it samples)."""
     kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -167,7 +169,7 @@ def init_state(config, *, num_pages: int, page_size: int = 64, batch: int = 1, m
                        last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
 
 
-def check_state(state: StreamState, config) -> None:
+def check_state(state: StreamState, config: DecoderConfig) -> None:
     """Refuses a state whose cache was not made for this decoder: layers, kv heads, head dim, position axes, dtype.
 
     A wrong layer count would not fail by itself: the layer loop clamps its index into the cache.

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import functools
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.telemetry import StallEvent, Telemetry
 from omnijax.streaming.config import StreamConfig
-from omnijax.streaming.session import bind_config, graphdef_config, model_parts
+from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import StreamState, chunk_step, init_state
 
 
@@ -174,7 +175,7 @@ class TickReport:
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
-def reset_row(state: StreamState, row) -> StreamState:
+def reset_row(state: StreamState, row: int | jax.Array) -> StreamState:
     """Frees every page of sequence `row` and resets its per-row state (a session leaving; pure, jittable).
 
     Its pages go back to the pool (`release_pages`: free stack, class FREE, slots invalid); its page-table row
@@ -189,7 +190,7 @@ def reset_row(state: StreamState, row) -> StreamState:
     return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0))
 
 
-def take_rows(state: StreamState, rows) -> StreamState:
+def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
     """Re-arranges the per-row state: new row i takes old row `rows[i]`, or a fresh empty row where it is -1.
 
     Grows or shrinks the batch (`len(rows)` is the new batch). The pool is untouched, so old rows left out must
@@ -248,7 +249,7 @@ class Engine:
     pool pressure pages are granted in row order (`PagedKV` allocation), so lower rows exhaust last.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None):
+    def __init__(self, model: StreamModel, config: EngineConfig | None = None):
         config = EngineConfig() if config is None else config
         self.config = config
         self._stream = bind_config(model, config.stream)
@@ -476,7 +477,7 @@ class Engine:
                           bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1)
 
     # -------------------------------------------------------------------------------------------- persistence
-    def export_session(self, session_id: str, *, meta: dict | None = None):
+    def export_session(self, session_id: str, *, meta: dict | None = None) -> snapshot_lib.SessionSnapshot:
         """A host copy of an open session's state (`omnijax.serve.engine.snapshot.SessionSnapshot`), between ticks.
 
         Chunks queued but not yet served are not part of it. The session stays open and unchanged. `meta`: JSON
@@ -490,7 +491,7 @@ class Engine:
         self._install_keys()
         return snapshot_lib.export_row(self.state, self._slots[session_id], meta=meta)
 
-    def import_session(self, session_id: str, snapshot) -> None:
+    def import_session(self, session_id: str, snapshot: snapshot_lib.SessionSnapshot) -> None:
         """Opens `session_id` (like `open`) holding a snapshot's state: its pages, cursor, sampling key and logits.
 
         Every check runs before the session opens; on any refusal the engine is unchanged. Raises

@@ -25,11 +25,20 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 
+from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import answer_stop_ids
-from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.admission import AIMD, Overloaded
+from omnijax.serve.engine.engine import Engine
+from omnijax.serve.engine.snapshot import SessionSnapshot
+
+if TYPE_CHECKING:
+    from omnijax.conversation import Prompt
+
+T = TypeVar("T")
 
 log = logging.getLogger("omnijax.serve")
 
@@ -46,7 +55,7 @@ class Answer:
         kv_cells: the session's cached cells when it ended.
     """
 
-    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling=None):
+    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None):
         self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
         self.sampling = sampling  # `[2]` row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
         self.tokens: list[int] = []
@@ -109,7 +118,7 @@ class EngineWorker:
         max_sessions: the most sessions open at once (None: the engine's largest bucket).
     """
 
-    def __init__(self, engine, *, admission=None, max_sessions: int | None = None):
+    def __init__(self, engine: Engine, *, admission: AIMD | None = None, max_sessions: int | None = None):
         self.engine, self.admission = engine, admission
         self.max_sessions = engine.config.buckets[-1] if max_sessions is None else int(max_sessions)
         self.tau = engine.config.max_answer_tokens
@@ -139,12 +148,12 @@ class EngineWorker:
             self._fail(lane, "server shutting down")
         self._pool.shutdown(wait=True)
 
-    async def in_engine(self, fn, *args):
+    async def in_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` in the engine's thread, between ticks."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------------------------------------ sessions
-    async def open(self, sid: str, snapshot=None) -> None:
+    async def open(self, sid: str, snapshot: SessionSnapshot | None = None) -> None:
         """Admits a session; raises `Overloaded` (AIMD cap, session cap or no engine slot). With a `snapshot`
         (`omnijax.serve.engine.snapshot.SessionSnapshot`) the session resumes its state (`Engine.import_session`, whose
         refusals leave the engine unchanged)."""
@@ -186,7 +195,7 @@ class EngineWorker:
         # Shielded: a caller cancelled meanwhile (a client disconnect) must not leave the engine's slot taken.
         await asyncio.shield(asyncio.ensure_future(self.in_engine(self._close_engine, sid)))
 
-    async def export(self, sid: str, meta: dict, timeout_s: float = 30.0):
+    async def export(self, sid: str, meta: dict, timeout_s: float = 30.0) -> SessionSnapshot:
         """A snapshot of the session once its queued chunks are written and its answer has ended (waits up to
         `timeout_s`; an answer still decoding is cancelled first). Raises TimeoutError or ValueError (preempted)."""
         self.cancel(sid)
@@ -217,7 +226,7 @@ class EngineWorker:
         self._work.set()
         return fed
 
-    def frame(self, sid: str, chunk, answer_tokens: int = 0) -> asyncio.Future:
+    def frame(self, sid: str, chunk: Chunk, answer_tokens: int = 0) -> asyncio.Future:
         """Queues one chunk asking for `answer_tokens` (<= tau) tokens; the future resolves with its tick's
         `FrameOutput` (tokens, logits when the engine returns them, dropped, preempted): the per-frame path of the
         native protocol and of duplex sessions, which decide on the host."""
@@ -229,7 +238,8 @@ class EngineWorker:
         self._work.set()
         return future
 
-    def respond(self, sid: str, prompt, max_tokens: int, continuation, sampling=None) -> Answer:
+    def respond(self, sid: str, prompt: Prompt, max_tokens: int, continuation: Callable[[int, int], Chunk],
+                sampling: np.ndarray | None = None) -> Answer:
         """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`);
         `sampling` (`omnijax.decoding.sampling_row`) draws it with its own settings (a per-row engine only)."""
         lane = self._lane(sid)
