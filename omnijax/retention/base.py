@@ -208,14 +208,18 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     return kv.replace(pos=pos, k=k), next_pos - total, evicted
 
 
-def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tuple[float, tuple | None]
-         ) -> tuple[PagedKV, jax.Array, jax.Array]:
+def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tuple[float, tuple | None],
+         active: jax.Array | None = None) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Runs a policy inside the compiled program: `lax.cond` on any sequence triggering, then plan and apply.
 
+    `active [B]` bool: the sequences this step fed (default all); the others are never trimmed, so a sequence that
+    sat out a batched step (a server's idle session) keeps exactly what it would have kept run alone.
     Returns `(kv, next_pos, evicted [B] int32)`.
     """
     view = sequence_view(kv)
     fire = policy.trigger(view)
+    if active is not None:
+        fire = fire & active
 
     def run(kv, next_pos):
         plan = policy.plan(view, slot_features(kv)) if getattr(policy, "needs_kv", False) else policy.plan(view)

@@ -140,8 +140,10 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
     # A sequence with no token in this chunk continues from where it stopped (e.g. the rest of a long answer).
     logits = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits)
     next_pos = next_pos + chunk.advance
+    # A row this chunk feeds nothing (no token, no answer, no advance: a server's idle session) is not trimmed.
+    fed = jnp.any(chunk.valid, axis=1) | (chunk.answer_tokens > 0) | (chunk.advance != 0)  # [B]
     kv, next_pos, evicted = retention_lib.trim(
-        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section))
+        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed)
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     if config.max_answer_tokens > 0:
         count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)

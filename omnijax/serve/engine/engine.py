@@ -364,11 +364,13 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------- ticks
     def _arrange(self) -> None:
-        """Moves the state to the smallest bucket that holds the open sessions, compacting rows."""
+        """Moves the state to the smallest bucket that holds the open sessions, compacting rows: every open session
+        ends in a row of the state (one opened since the last tick may hold a row past the batch even when the bucket
+        stays, e.g. after another session closed: it moves into a free row)."""
         old = self.state.kv.batch
         bucket = pick_bucket(max(1, len(self._slots)), self.config.buckets)
         assert bucket is not None, "open() admits no more sessions than the largest bucket holds"
-        if bucket == old:
+        if bucket == old and all(r < bucket for r in self._slots.values()):
             return
         placed = {s: r for s, r in self._slots.items() if r < bucket}
         free = iter(r for r in range(bucket) if r not in set(placed.values()))
