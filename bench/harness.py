@@ -2,8 +2,9 @@
 JSON rows and a PNG under `--out`, and a printed table.
 
 - `parse(parser, argv, smoke={...})`: `--smoke` replaces the defaults by the script's smallest setting (options given
-  on the command line still win), so `python -m bench.<group>.<script> --smoke --out DIR` (from the repository
-  root) runs in seconds; `tests/test_bench_smoke.py` runs every script that way.
+  on the command line still win) and turns on the persistent compilation cache (`smoke_setup`), so
+  `python -m bench.<group>.<script> --smoke --out DIR` (from the repository root) runs in seconds once its programs
+  are cached; `tests/test_bench_smoke.py` runs every script that way.
 - `interleaved(cases, rounds)`: every round runs every case once, the order rotated from round to round (A, B then
   B, A for two), so a drift of the machine's speed hits every case alike; returns milliseconds `[rounds, cases]`.
   `stats` summarises one column (median and percentiles), `same_round_ratio` compares two.
@@ -39,11 +40,37 @@ def parser(doc: str, *, out: str = "bench/out") -> argparse.ArgumentParser:
 
 
 def parse(p: argparse.ArgumentParser, argv=None, *, smoke: Mapping[str, Any] | None = None) -> argparse.Namespace:
-    """Parses `argv`; with `--smoke`, `smoke` (option destinations -> values) replaces the defaults first."""
+    """Parses `argv`; with `--smoke`, `smoke` (option destinations -> values) replaces the defaults first and
+    `smoke_setup` turns the persistent compilation cache on."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--smoke" in argv and smoke:
-        p.set_defaults(**smoke)
+    if "--smoke" in argv:
+        smoke_setup()
+        if smoke:
+            p.set_defaults(**smoke)
     return p.parse_args(argv)
+
+
+def smoke_setup() -> None:
+    """What a `--smoke` run (a check, not a measurement) turns on: the persistent compilation cache of
+    `omnijax.compilation_cache` (`OMNIJAX_COMPILATION_CACHE`; off, as there, when it says so), so a second smoke run
+    loads its programs instead of compiling them again. It is set through jax's own environment variables, so a
+    script's worker processes (started without `--smoke`) share it unless they choose a cache themselves, and a
+    process that has not imported jax yet (a parent that only starts workers) need not import it here. A measured
+    run leaves the process as it is (compile times are part of some figures)."""
+    setting = os.environ.get("OMNIJAX_COMPILATION_CACHE", "").strip()
+    if setting.lower() in ("off", "0", "false", "none", "no"):
+        return
+    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    if setting or not chosen:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        chosen = str(Path(setting or os.path.join(xdg, "omnijax", "jax")).expanduser().resolve())
+    Path(chosen).mkdir(parents=True, exist_ok=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=chosen, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if "jax" in sys.modules:  # jax read its settings when it was imported
+        from omnijax import compilation_cache
+
+        compilation_cache.enable(chosen)
 
 
 def module_command(name: str, *args) -> list[str]:

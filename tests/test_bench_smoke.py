@@ -3,7 +3,10 @@
 The scripts are the modules of the group packages `bench/<group>/` (those whose name does not start with `_`), each
 run from the repository root as `python -m bench.<group>.<script> --smoke --out DIR` in its own process (one shared
 DIR: the scripts that read captured layouts reuse the tiny ones `omnitide.attention_kernel --smoke` writes there, so
-it runs first). The others run two at a time, since most of their time is single-threaded compilation.
+they start after it ends). Three run at a time, the longest first: most of a script's time is single-threaded (imports,
+tracing, compilation) and some of it waits (worker processes starting, `realtime_load`'s real-time clients), so a
+third process keeps both cores busy. `--smoke` runs use the persistent compilation cache (`OMNIJAX_COMPILATION_CACHE`,
+which tests/conftest.py points at the suite's), so a warm run mostly loads programs.
 `bench/harness.py` prints `wrote PATH` for every output file; a script passes when it exits 0 and names at least
 one JSON and one PNG file that exist.
 """
@@ -27,7 +30,10 @@ GROUPS = sorted(p.parent.name for p in BENCH.glob("*/__init__.py"))
 # "<group>.<script>", run as `python -m bench.<group>.<script>`
 SCRIPTS = sorted(f"{g}.{p.stem}" for g in GROUPS for p in (BENCH / g).glob("*.py") if not p.name.startswith("_"))
 FIRST = "omnitide.attention_kernel"  # writes the smoke layouts that migration_cost, kernel_configs, placement_sim read
-SLOW = ("tidekv.prefill_memory", FIRST, "metronome.serve_cliff", "omnitide.retention")  # started first
+# started first, in this order (the longest, warm or cold); the others follow by name
+SLOW = ("omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.vs_transformers", "metronome.realtime_load",
+        "tidekv.prefill_memory")
+WORKERS = 3
 OPTIONAL = ("kvpress", "torch")  # packages a script may need; it is skipped, naming them, when they are absent
 TIMEOUT_S = 600
 
@@ -57,8 +63,9 @@ def results(tmp_path_factory):
     runnable = [s for s in SCRIPTS if not needs(s)]
     readers = {s for s in runnable if "layouts_path" in source(s) and s != FIRST}
     # the longest first, the layout readers last (each waits for FIRST's layouts)
-    order = sorted((s for s in runnable if s not in readers), key=lambda s: (s not in SLOW, s)) + sorted(readers)
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    first = [s for s in SLOW if s in runnable]
+    order = first + sorted(s for s in runnable if s not in readers and s not in first) + sorted(readers)
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         futures = {}
         for s in order:
             wait = futures.get(FIRST) if s in readers else None

@@ -1,8 +1,9 @@
 """Qwen3-Omni-30B-A3B thinker on one GPU: a memory plan from the real parameter trees, and the cost of one MoE
 feed-forward (grouped matmul) against a dense MLP of the same active size and the all-experts einsum.
 
-1. Memory plan (pure arithmetic, nothing timed, no real arrays): the decoder (`omnijax.models.config.QWEN3_OMNI_30B_A3B`:
-   48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts of width 768, top 8, vocab 152,064), the vision
+1. Memory plan (pure arithmetic, nothing timed, no real arrays): the decoder
+   (`omnijax.models.config.QWEN3_OMNI_30B_A3B`: 48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts of width
+   768, top 8, vocab 152,064), the vision
    encoder (`QWEN3_OMNI_30B_A3B_VISION`) and the audio encoder (`QWEN3_OMNI_30B_A3B_AUDIO`) are built abstractly
    (`nnx.eval_shape`) in bfloat16 and their parameter leaves summed. Active parameters per token: everything of the
    decoder but the experts, plus top_k / num_experts of them (attention, norms, router, embedding, lm head; the

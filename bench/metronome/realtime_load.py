@@ -2,8 +2,9 @@
 seen by WebSocket clients of `omnijax serve` (issue 25 item 6).
 
 Server: `omnijax.serve.app.BackgroundServer` over `build_context` in this process, serving the embedded tiny random
-Qwen2.5-Omni of `omnijax.testing.checkpoints` (`build_demo_model`, loaded once and shared by both configurations), float32,
-`impl="xla"`, CPU. Two configurations run one after the other on the same small KV pool, each with its own server:
+Qwen2.5-Omni of `omnijax.testing.checkpoints` (`build_demo_model`, loaded once and shared by both configurations),
+float32, `impl="xla"`, CPU. Two configurations run one after the other on the same small KV pool, each with its own
+server:
 `sink_window` (`SinkWindow(--sink, --window)`, bounded per-session KV) and `unbounded` (`NoSlide`). The pool holds
 `--pool-windows` times the window (+2 pages) of every session the largest bucket admits, so unbounded sessions exhaust
 it part-way through the run and are preempted, while the window keeps serving. AIMD admission is on in both
@@ -30,8 +31,8 @@ Defaults: 10 clients, one per second, B = 1000 ms, 60 s, tau 4, page size 16, Si
 flight, its audio chunk, its response prompt), so frame latency runs near 3x the tick's.
 
 Run: `python -m bench.metronome.realtime_load [--clients 10] [--frame-ms 1000] [--seconds 60] [--pages N]
-[--page-size 16] [--arrival-s 1] [--out bench/out/realtime_load] [--quick | --smoke]` (`--quick` and `--smoke`: 4
-clients for 14 s, one bucket of 4, a pool of one window per session: about 40 s).
+[--page-size 16] [--arrival-s 1] [--out bench/out/realtime_load] [--quick | --smoke]` (`--quick` and `--smoke`: 2
+clients for 3 s of 500 ms frames, SinkWindow(4, 64), one bucket of 2, a pool of one window per session: about 15 s).
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ from omnijax.serve.native.protocol import frame_samples
 
 CONFIGS = ("sink_window", "unbounded")
 RATE = 24_000  # the Realtime session's default input rate
-QUICK = dict(clients=4, seconds=14.0, arrival_s=0.5, buckets=[4], grace_s=2.0, pool_windows=1.0)
+# --quick / --smoke: 2 clients for 3 s of 500 ms frames, one bucket of 2 and a pool of one SinkWindow(4, 64) window
+# per session, which unbounded sessions exhaust within the run (preemption, lost frames) and the window does not
+QUICK = dict(clients=2, seconds=3.0, arrival_s=0.5, frame_ms=500.0, buckets=[2], grace_s=1.0, pool_windows=1.0,
+             sink=4, window=64)
 
 
 class UnretrievedFutures(logging.Filter):
@@ -304,7 +308,7 @@ def plot(results: list[dict], args, out) -> None:
 
 def main(argv=None):
     parser = harness.parser(__doc__, out="bench/out/realtime_load")
-    parser.add_argument("--quick", action="store_true", help="a smoke run under a minute (same as --smoke)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of seconds (same as --smoke)")
     parser.add_argument("--clients", type=int, default=10, help="Realtime clients per configuration")
     parser.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B")
     parser.add_argument("--seconds", type=float, default=60.0, help="streaming time, from the first arrival")

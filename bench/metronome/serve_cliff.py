@@ -1,8 +1,9 @@
 """The latency cliff of unbounded session KV, and admission on the bounded signal (seed 002 §3, §5.2-5.3, Figs 4-7).
 
-Model: the embedded tiny random Qwen2.5-Omni of `omnijax.testing.checkpoints` (4 layers, hidden 128, vocab 151,936, audio encoder
-d_model 32), float32, `impl="xla"`, CPU. Frames: 16 kHz speech-like PCM from `loadgen.speech_like_pcm`, encoded by
-`server.AudioFrameEncoder` (log-mel -> audio encoder -> audio unit): a 500 ms frame is 12 audio tokens + 2 markers.
+Model: the embedded tiny random Qwen2.5-Omni of `omnijax.testing.checkpoints` (4 layers, hidden 128, vocab 151,936,
+audio encoder d_model 32), float32, `impl="xla"`, CPU. Frames: 16 kHz speech-like PCM from `loadgen.speech_like_pcm`,
+encoded by `server.AudioFrameEncoder` (log-mel -> audio encoder -> audio unit): a 500 ms frame is 12 audio tokens + 2
+markers.
 
 Three parts:
 1. Repeated runs, in-process (engine driven directly, no sockets; time is virtual: tick k is at k*B). N sessions join
@@ -27,7 +28,8 @@ Three parts:
 
 Run: `python -m bench.metronome.serve_cliff [--runs 8] [--sessions 8] [--ticks 48] [--no-websocket] [--out bench/out]
 [--smoke]`
-(`--smoke`: one short run of 2 sessions per policy, a 6-tick ramp over buckets 2 and 4, no WebSocket part.)
+(`--smoke`: one short run of 2 sessions per policy, one calibration tick per bucket, a 6-tick ramp over buckets 2
+and 4, no WebSocket part.)
 """
 
 from __future__ import annotations
@@ -411,13 +413,15 @@ def main(argv=None):
     parser.add_argument("--ramp-impl", default="reference",
                         help="attention of the ramp (reference: cost follows the page-table width, flat in context)")
     parser.add_argument("--ramp-knee", type=int, default=20, help="sessions at which B puts the latency target")
+    parser.add_argument("--calibrate-repeats", type=int, default=8,
+                        help="timed ticks per bucket of B's calibration (after 2 untimed ones)")
     parser.add_argument("--ramp-buckets", type=int, nargs=2, default=[16, 32], help="the ramp's two batch buckets")
     parser.add_argument("--ws-sessions", type=int, default=6)
     parser.add_argument("--ws-seconds", type=float, default=24.0)
     parser.add_argument("--no-websocket", action="store_true")
     args = harness.parse(parser, argv, smoke=dict(runs=1, sessions=2, ticks=6, join_spread=1, fit_ticks=3,
                                                   ramp_ticks=6, ramp_max=4, ramp_knee=3, ramp_buckets=[2, 4],
-                                                  no_websocket=True))
+                                                  calibrate_repeats=1, no_websocket=True))
     out = harness.output_dir(args)
     t_run = time.perf_counter()
 
@@ -455,7 +459,8 @@ def main(argv=None):
                                     max_pages=ramp_pages // 8)
     compile_s += sum(warm(model, live, dataclasses.replace(ramp_base, policy=p), buckets) for p in POLICIES)
     print(f"compiling (both policies, every bucket): {compile_s:.0f} s", flush=True)
-    lat = calibrate(model, live, dataclasses.replace(ramp_base, policy="sink_window"), buckets)
+    lat = calibrate(model, live, dataclasses.replace(ramp_base, policy="sink_window"), buckets,
+                    repeats=args.calibrate_repeats)
     ramp_budget = (lat[b0] + (lat[b1] - lat[b0]) * (args.ramp_knee - b0) / (b1 - b0)) / args.target
     print(f"calibration (SinkWindow per-frame s by sessions): {lat}; ramp B = {ramp_budget * 1e3:.0f} ms "
           f"(target at ~{args.ramp_knee} sessions)", flush=True)

@@ -37,7 +37,7 @@ def device_kernels(trace_dir: Path, calls: int) -> dict:
     (CUDA streams), only those count, since other device threads repeat the same kernels grouped by XLA op/module.
     """
     trace = json.loads(gzip.decompress(sorted(trace_dir.rglob("*.trace.json.gz"))[-1].read_bytes()))["traceEvents"]
-    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]  # noqa: E731
                          for e in trace if e.get("ph") == "M" and e.get("name") == kind}
     procs, threads = meta("process_name"), meta("thread_name")
     device = [e for e in trace if e.get("ph") == "X" and not procs.get(e["pid"], "/host").startswith("/host")]

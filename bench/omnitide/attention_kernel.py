@@ -52,13 +52,15 @@ kernels each launches (on a GPU; see `bench/omnitide/_device_profile.py`).
 Run: `python -m bench.omnitide.attention_kernel [--tokens 32768] [--repeats 5] [--every 3] [--impl xla]
 [--dtype float32] [--inner 1] [--unroll] [--splits 1] [--layouts F | --save-layouts F] [--profile DIR]
 [--out bench/out] [--smoke]`
-(`--smoke`: 400 tokens, checkpoints 200 and 400, OmniPick at 300/200 in a 12-page pool, one round.)
+(`--smoke`: 400 tokens, checkpoints 200 and 400, OmniPick at 300/200 in a 12-page pool, one round; the layouts are
+saved to `<out>/smoke_layouts.pkl`, where the layout readers' `--smoke` runs find them.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pickle
 import time
 from pathlib import Path
@@ -168,7 +170,7 @@ def layered(attend, layers, unroll=False):
         return jax.jit(attend)
 
     def run(q, k, v, view):
-        step = lambda _, out: attend(q + 1e-30 * out, k, v, view)  # the dependence keeps the calls sequential
+        step = lambda _, out: attend(q + 1e-30 * out, k, v, view)  # the dependence keeps the calls sequential  # noqa: E731
         return jax.lax.fori_loop(0, layers, step, jnp.zeros_like(q), unroll=bool(unroll))
 
     return jax.jit(run)
@@ -184,10 +186,10 @@ def load_layouts(path, chunks, tokens):
     return saved["layouts"]
 
 
-def timed_rounds(cases, repeats):
-    """`harness.interleaved` as these scripts time: two warm-up calls per compiled shape (`Case.key`), a progress line
-    per round. Returns `[repeats, cases]` ms."""
-    return harness.interleaved(cases, repeats, warmup=2, label="timing")
+def timed_rounds(cases, repeats, warmup=2):
+    """`harness.interleaved` as these scripts time: `warmup` (two) warm-up calls per compiled shape (`Case.key`), a
+    progress line per round. Returns `[repeats, cases]` ms."""
+    return harness.interleaved(cases, repeats, warmup=warmup, label="timing")
 
 
 def layouts_path(args) -> Path:
@@ -234,6 +236,8 @@ def main(argv=None):
     if args.splits < 1 or (args.splits > 1 and args.impl != "pallas"):
         parser.error(f"--splits must be at least 1, and above 1 only with --impl pallas (got {args.splits})")
     out = harness.output_dir(args)
+    if args.smoke and args.layouts is None and args.save_layouts is None:
+        args.save_layouts = str(out / "smoke_layouts.pkl")  # what the layout readers' --smoke runs load (layouts_path)
     t_run = time.perf_counter()
     omni_pool = args.omni_pool
     writer_cfg = TINY_OMNI.replace(num_layers=1)
@@ -259,21 +263,24 @@ def main(argv=None):
             print(f"captured {name:>14}: {n} chunks, {int(cum[n - 1])} tokens, pool {pool} pages, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     if args.save_layouts:
-        Path(args.save_layouts).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_layouts).write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]),
-                                                             "qwen_unit": args.qwen_unit, "layouts": layouts}))
+        path = Path(args.save_layouts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a reader never sees half a file
+        partial.write_bytes(pickle.dumps({"chunks": n, "tokens": int(cum[n - 1]), "qwen_unit": args.qwen_unit,
+                                          "layouts": layouts}))
+        os.replace(partial, path)
         print(f"wrote {args.save_layouts}", flush=True)
         if args.repeats == 0:
             return
 
     rng = np.random.default_rng(0)
-    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)  # noqa: E731
     qs = {"prefill": rand(1, unit, H, D), "decode": rand(1, 1, H, D)}
     kv_pages = {pool: (rand(pool, PAGE, G, D), rand(pool, PAGE, G, D)) for pool in (full_pool, omni_pool)}
     if args.pages_per_block:  # impl=xla with a fixed block (1: the page-at-a-time loop it replaced)
-        one_layer = lambda q, k, v, view: attention.attend_xla(q, k, v, view, pages_per_block=args.pages_per_block)
+        one_layer = lambda q, k, v, view: attention.attend_xla(q, k, v, view, pages_per_block=args.pages_per_block)  # noqa: E731
     elif args.splits == 1:
-        one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)
+        one_layer = lambda q, k, v, view: attention.attend(q, k, v, view, impl=args.impl)  # noqa: E731
     else:  # the kernel itself: `attention.attend` runs it unsplit
         one_layer = pallas_attend(num_splits=args.splits)
     attend = layered(one_layer, args.inner, args.unroll)
@@ -302,7 +309,7 @@ def main(argv=None):
         jfn = jax.jit(fn, donate_argnums=0)  # one call moves all args.inner layers
         for row in layouts[m]:
             if "pre_kv" in row:
-                prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k7, v=v7)),)
+                prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k7, v=v7)),)  # noqa: E731
                 got = int(jfn(*prepare())[1][0])
                 if got != row["moved"]:
                     raise RuntimeError(f"{m} chunk {row['chunk']}: mode moved {got}, session moved {row['moved']}")
@@ -321,7 +328,7 @@ def main(argv=None):
                 profile[f"{name}_{phase}"] = trace_calls([(fn, prepare)] * 3, Path(args.profile) / f"{name}_{phase}")
                 print(f"  profile {name:>14} {phase:>7} (a {args.inner}-layer call): "
                       f"{describe(profile[f'{name}_{phase}'])}", flush=True)
-    col = lambda *tag: ms[:, index[tag]]
+    col = lambda *tag: ms[:, index[tag]]  # noqa: E731
 
     ckpt_rows = []
     for L, c in checkpoints.items():
@@ -344,7 +351,7 @@ def main(argv=None):
         totals[m, "mig"], totals[m, "floor"] = (gross - floor) / 1e3, floor / 1e3  # charged: net of dispatch
         for phase in qs:
             totals[m, phase] = args.every * sum(col("cum", m, c, phase) for c in sampled) / 1e3
-    charged = lambda m, phase: totals[m, phase] + (totals[m, "mig"] if m in ("tile_skip", "ordered_suffix") else 0)
+    charged = lambda m, phase: totals[m, phase] + (totals[m, "mig"] if m in ("tile_skip", "ordered_suffix") else 0)  # noqa: E731
     pages_sum = {m: sum(r["active_pages"] for r in layouts[m]) for m in MODES}
     oracle_pages = pages_sum["native"] - pages_sum["eager"]  # 0 when nothing trimmed: recovered shares are undefined
     if not oracle_pages:

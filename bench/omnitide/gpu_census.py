@@ -144,8 +144,9 @@ def compile_for_cpu(fn, *args, donate: tuple[int, ...] = ()) -> str:
     return jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile().as_text()
 
 
-def calls():
-    """(name, fn, abstract args, donated argument numbers) of every counted call."""
+def calls(match: str = ""):
+    """(name, fn, abstract args, donated argument numbers) of every counted call; the whole steps and layer loops
+    (7B abstract models: seconds each to build) only where their name contains `match`."""
     import jax
     import jax.numpy as jnp
 
@@ -162,7 +163,7 @@ def calls():
         return block_sparse_attention(q, k, v, view.page_table, view.slot_valid, view.slot_order, view.q_order,
                                       interpret=False, **indexed)
 
-    s = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)
+    s = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     for phase, T in (("prefill", 124), ("decode", 1)):
         view = attention.CacheView(write_slots=s((1, T)), page_table=s((1, N)), slot_valid=s((N, P), jnp.bool_),
                                    slot_order=s((N, P)), q_order=s((1, T)))
@@ -178,16 +179,19 @@ def calls():
                                 args, ()))
     for layout, spec, shape in (("[in, out]", "btd,de->bte", (3584, 512)),  # one token, 3584 -> 512
                                 ("[out, in]", "btd,ed->bte", (512, 3584))):
-        project = lambda x, w, spec=spec: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        project = lambda x, w, spec=spec: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
         out.append((f"decode k projection, weight {layout}", project,
                     (s((1, 1, 3584), jnp.bfloat16), s(shape, jnp.bfloat16)), ()))
     for impl in ("pallas", "xla"):
-        out.append((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)",) + chunk_step_call(impl))
-        out.append((f"chunk step {impl}, 4-token answer",) + chunk_step_call(impl, answer=4))
+        for name, answer in ((f"chunk step {impl} (7B bf16, OmniPick, tile_skip)", 0),
+                             (f"chunk step {impl}, 4-token answer", 4)):
+            if match in name:
+                out.append((name,) + chunk_step_call(impl, answer=answer))
     for phase, T in (("prefill", 124), ("decode", 1)):
         for unroll in (False, True):
-            loop = "unrolled" if unroll else "scan"
-            out.append((f"layer loop {loop} {phase} (8 layers 7B bf16)",) + layer_loop_call(T, unroll))
+            name = f"layer loop {'unrolled' if unroll else 'scan'} {phase} (8 layers 7B bf16)"
+            if match in name:
+                out.append((name,) + layer_loop_call(T, unroll))
     return out
 
 
@@ -292,7 +296,7 @@ def main(argv=None):
     print(f"jax {jax.__version__}, library from {root}, target: H200 (sm_90), compile only")
     print(f"{'call':<46} {'once':>5} {'loop':>5} {'big':>5}  details (loop: launches per iteration of its while loops, "
           "nested ones summed; big: copies of K/V pages or weights, dynamic slices in loops included)")
-    for name, fn, call_args, donate in calls():
+    for name, fn, call_args, donate in calls(args.match):
         if args.match not in name:
             continue
         try:

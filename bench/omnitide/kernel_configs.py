@@ -18,7 +18,8 @@ sizes; `--quick` keeps one configuration per axis value there for a check that t
 
 Run: `python -m bench.omnitide.kernel_configs --layouts .layouts/layouts_32k.pkl [--dtype bfloat16] [--inner 28]
 [--unroll] [--repeats 3] [--quick] [--out bench/out] [--smoke]`
-(`--smoke`: `--quick`, one layer, one round, on tiny layouts that `attention_kernel.py --smoke` captures.)
+(`--smoke`: `--quick`, one layer, no warm-up call beyond the compiling one, one round, on tiny layouts that
+`attention_kernel.py --smoke` captures.)
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def main(argv=None):
     parser.add_argument("--unroll", action="store_true", help="the --inner calls as straight-line code, not a loop")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="two configurations only (a check that it runs)")
-    args = harness.parse(parser, argv, smoke=dict(layouts=None, inner=1, repeats=1, quick=True))
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up calls per compiled shape before the rounds")
+    args = harness.parse(parser, argv, smoke=dict(layouts=None, inner=1, repeats=1, quick=True, warmup=0))
     path = layouts_path(args)
     if not path.exists():
         parser.error(f"{path} not found; write it with: python -m bench.omnitide.attention_kernel --repeats 0 "
@@ -89,7 +91,7 @@ def main(argv=None):
     last = max(r["chunk"] for r in layouts["full"])  # the full-context rows are the checkpoints
     rows = {name: next(r for r in layouts[name] if r["chunk"] == last) for name in LAYOUTS}
     rng = np.random.default_rng(0)
-    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32), args.dtype)  # noqa: E731
     qs = {"prefill": rand(1, UNIT, H, D), "decode": rand(1, 1, H, D)}
     pools = {n: rows[n]["valid"].shape[0] for n in LAYOUTS}
     kv_pages = {p: (rand(p, PAGE, G, D), rand(p, PAGE, G, D)) for p in set(pools.values())}
@@ -110,7 +112,7 @@ def main(argv=None):
                 cases.append(harness.Case(fn, lambda a=a: a, (phase, label(config), pools[name])))
     print(f"timing {len(cases)} cases per round at chunk {last} ({saved['tokens']} tokens streamed), {args.dtype}, "
           f"{args.inner} layers a call, {jax.devices()[0].device_kind}", flush=True)
-    ms = timed_rounds(cases, args.repeats) / args.inner  # [R, cases], per layer
+    ms = timed_rounds(cases, args.repeats, args.warmup) / args.inner  # [R, cases], per layer
     med = {key: float(np.median(ms[:, i])) for key, i in index.items()}
 
     results = []

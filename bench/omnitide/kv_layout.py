@@ -99,10 +99,10 @@ def session(model: str, tokens: int, qwen_unit: str = "2s"):
     if model == "qwen":
         cfg = QWEN_WRITER
         unit = synthetic.qwen_unit_tokens(qwen_unit)
-        build = lambda n: synthetic.qwen_av_session(n, vocab_size=cfg.vocab_size, unit_kind=qwen_unit)
+        build = lambda n: synthetic.qwen_av_session(n, vocab_size=cfg.vocab_size, unit_kind=qwen_unit)  # noqa: E731
     else:
         cfg, unit = MINICPM_WRITER, 79
-        build = lambda n: synthetic.minicpm_duplex_session(n, vocab_size=cfg.vocab_size, slices_every=0)
+        build = lambda n: synthetic.minicpm_duplex_session(n, vocab_size=cfg.vocab_size, slices_every=0)  # noqa: E731
     chunks = build(-(-tokens // unit) + 1)
     cum = np.cumsum(np.asarray(chunks.valid).sum(axis=(1, 2)))
     last = int(np.argmax(cum >= tokens))
@@ -174,7 +174,7 @@ def print_table(rows, models):
           f"{'-span@trims min/mean':>20} {'s':>5}")
     for m in models:
         for r in (r for r in rows if r["model"] == m):
-            red = lambda x: "-" if x is None or r["config"] == BASELINE else pct(-x)
+            red = lambda x: "-" if x is None or r["config"] == BASELINE else pct(-x)  # noqa: E731
             moved = f"{r['moved_total']}" + ("*" if r["paging"] == "eager" else "")
             print(f"{m:>7} {r['config']:>23} {r['retained']:>6} {r['span']:>5} {r['span_over_useful']:>5.2f} "
                   f"{r['active_pages']:>5} {r['peak_span']:>5} {r['mean_span']:>9.0f} {r['mean_retained']:>9.0f} "
@@ -192,7 +192,7 @@ def print_table(rows, models):
           f"{'mean span':>9} {'mean kept':>9} {'-span@ckpt':>10} {'-mean span':>10}")
     for m in models:
         for r in (r for r in rows if r["model"] == m):
-            red = lambda x: "-" if x is None or r["config"] == BASELINE else pct(-x)
+            red = lambda x: "-" if x is None or r["config"] == BASELINE else pct(-x)  # noqa: E731
             print(f"{m:>7} {r['config']:>23} {r['attended_retained']:>6} {r['attended_span']:>5} "
                   f"{r['attended_span'] / r['attended_retained']:>5.2f} {r['attended_active_pages']:>5} "
                   f"{r['attended_peak_span']:>5} {r['mean_attended_span']:>9.0f} {r['mean_attended_retained']:>9.0f} "
@@ -252,7 +252,8 @@ def main(argv=None):
     parser.add_argument("--pages", type=int, default=128, help="pool pages (and page-table width)")
     parser.add_argument("--min-pages", type=int, default=1, help="ordered_suffix: least span reduction, in pages")
     parser.add_argument("--qwen-unit", default="2s", choices=sorted(synthetic.QWEN_UNITS),
-                        help="Qwen2.5-Omni unit kind (omnijax.testing.synthetic.QWEN_UNITS); 'paper': 909-token 1 s units")
+                        help="Qwen2.5-Omni unit kind (omnijax.testing.synthetic.QWEN_UNITS); "
+                             "'paper': 909-token 1 s units")
     parser.add_argument("--watermarks", type=int, nargs=2, default=[2500, 1800], metavar=("HIGH", "LOW"),
                         help="the policies' high and low watermarks")
     args = harness.parse(parser, argv, smoke=dict(tokens=600, models=["qwen"], configs=["omnipick",

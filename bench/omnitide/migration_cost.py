@@ -90,7 +90,7 @@ def main(argv=None):
     for m, mode_fn in MODE_FNS.items():
         plan_fn, jmode = jax.jit(PLANS[m]), jax.jit(mode_fn, donate_argnums=0)
         for row in events[m]:
-            prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k, v=v)),)
+            prepare = lambda kv=row["pre_kv"]: (owned(kv.replace(k=k, v=v)),)  # noqa: E731
             kv0 = prepare()[0]
             plan = plan_fn(kv0)
             dst, ok = plan.dst, plan.accepted

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--scorer", choices=["generated", "loglik"], default="generated")
     args = harness.parse(p, argv, smoke=dict(demo=True, max_videos=1, max_units=3, page_size=16, figure="both",
-                                             watermarks=["64/48", "128/96"], files=["questions_real.json"]))
+                                             watermarks=["64/48"], files=["questions_real.json"]))
     import omnijax
     from omnijax import EvalConfig, StreamConfig
     from omnijax.eval import annotations as ann

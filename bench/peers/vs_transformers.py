@@ -36,7 +36,8 @@ left it measures at max / 2 and max).
 
 Run: `python -m bench.peers.vs_transformers [--rounds 3] [--out bench/out] [--smoke]` (defaults: `--chunk 256 --full-max
 8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --prefill-rounds 1`; `--smoke`: chunk 64, full 256,
-bounded 512, prefill 512, one round); writes `<out>/vs_transformers.{json,png}`.
+bounded 512, prefill 512, one round, `--omp-passive`, and each side's measurements in one worker process, its
+checkpoint worker's); writes `<out>/vs_transformers.{json,png}`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ POLICY_SPECS = {"no_slide": "no_slide", "omnipick": "omnipick", "sink_window": "
 SNAPKV = dict(compression_ratio=0.75, window_size=64, kernel_size=5)
 VERSIONS: dict[str, str] = {}  # package versions the workers ran with
 LOADS: list[float] = []  # the 1-minute load average as each worker started
+PREFETCHED: dict[str, dict] = {}  # --smoke: side -> kind ("prefill <S>" for a prefill) -> its `every` worker's result
 
 
 def checkpoints(defaults, longest: int, chunk: int) -> list[int]:
@@ -269,10 +271,25 @@ def prefill_worker(args, side: str, ckpt: Path) -> dict:
     return {**got, "kept_per_head": kept, "logits": logits.tolist()}
 
 
+def every_worker(args, side: str, ckpt: Path) -> dict:
+    """`--smoke`: every measurement of one side in this one process (`--build`: its checkpoint first), each once:
+    `{kind: result}`, the prefill results under `prefill <S>`."""
+    result = {"checkpoint": build_checkpoint(args, side, ckpt)} if args.build else {}
+    for kind in args.sections:
+        if kind != "prefill":
+            result[kind] = {"full": full_worker, "bounded": bounded_worker}[kind](args, side, ckpt)
+            continue
+        for S in args.prefill:
+            args.length = S
+            result[f"prefill {S}"] = prefill_worker(args, side, ckpt)
+    return result
+
+
 def worker(args) -> None:
-    """Runs one measurement and prints its result as one JSON line."""
+    """Runs one measurement (`every`: all of a side's) and prints its result as one JSON line."""
     ckpt = Path(args.out) / CKPT_DIR
-    run = {"checkpoint": build_checkpoint, "full": full_worker, "bounded": bounded_worker, "prefill": prefill_worker}
+    run = {"checkpoint": build_checkpoint, "full": full_worker, "bounded": bounded_worker, "prefill": prefill_worker,
+           "every": every_worker}
     result = run[args.worker](args, args.side, ckpt)
     packages = ("jax", "torch", "transformers", "kvpress")
     result["versions"] = {name: importlib.metadata.version(name) for name in packages if name in sys.modules}
@@ -280,11 +297,15 @@ def worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ parent side
-def run_worker(args, kind: str, side: str, length: int = 0, note: str = "") -> dict:
-    """Runs `kind` for `side` in a fresh process of this script and returns its JSON result."""
+def run_worker(args, kind: str, side: str, length: int = 0, note: str = "", extra=()) -> dict:
+    """Runs `kind` for `side` in a fresh process of this script and returns its JSON result (`--smoke`: the result
+    the side's one `every` worker left, if it has one)."""
+    key = f"{kind} {length}" if length else kind
+    if key in PREFETCHED.get(side, {}):
+        return PREFETCHED[side].pop(key)
     cmd = harness.module_command(__spec__.name, "--worker", kind, "--side", side, "--out", Path(args.out).resolve(),
                                  "--chunk", args.chunk, "--full-max", args.full_max, "--bounded-max", args.bounded_max,
-                                 "--inner", args.inner, "--seed", args.seed, "--length", length)
+                                 "--inner", args.inner, "--seed", args.seed, "--length", length, *extra)
     env = dict(os.environ, **({"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive and side == "transformers" else {}))
     load = os.getloadavg()[0]  # other processes competing for the cores show here
     LOADS.append(load)
@@ -302,12 +323,19 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "") -> d
 
 
 def ensure_checkpoint(args) -> str:
-    """Builds the transformers checkpoint and its omnijax conversion unless both are there already."""
+    """Builds the transformers checkpoint and its omnijax conversion unless both are there already; with `--smoke`,
+    one `every` worker per side (transformers first) then also runs all of that side's measurements (`PREFETCHED`)."""
     ckpt = Path(args.out) / CKPT_DIR
     built = not (ckpt / "hf" / "model.safetensors").exists()
-    if built:
+    build = {"transformers": built, "omnijax": built or not (ckpt / "omnijax" / "omnijax.json").exists()}
+    if args.smoke:
+        for side in SIDES[::-1]:
+            extra = ["--sections", *args.sections, "--prefill", *args.prefill] + (["--build"] if build[side] else [])
+            PREFETCHED[side] = run_worker(args, "every", side, note=" (every measurement, --smoke)", extra=extra)
+        return str(ckpt)
+    if build["transformers"]:
         run_worker(args, "checkpoint", "transformers")
-    if built or not (ckpt / "omnijax" / "omnijax.json").exists():
+    if build["omnijax"]:
         run_worker(args, "checkpoint", "omnijax")
     return str(ckpt)
 
@@ -458,11 +486,13 @@ def main(argv=None):
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE for the transformers workers: torch's spinning OpenMP threads "
                              "run many times slower while another process competes for the cores")
-    parser.add_argument("--worker", choices=["checkpoint", "full", "bounded", "prefill"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["checkpoint", "full", "bounded", "prefill", "every"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # `every`: build the checkpoint
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     args = harness.parse(parser, argv, smoke=dict(chunk=64, full_max=256, bounded_max=512, prefill=[512], rounds=1,
-                                                  inner=1))
+                                                  inner=1, omp_passive=True))
     if args.worker:
         return worker(args)
     out = harness.output_dir(args)
@@ -482,7 +512,7 @@ def main(argv=None):
     print_tables(rows)
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
-    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "side", "length")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "side", "length", "build")}
     harness.write_json(out, "vs_transformers", {
         "model": HF_CONFIG, "checkpoint": checkpoint, "page_size": PAGE_SIZE, "torch_threads": TORCH_THREADS,
         "policies": POLICY_SPECS, "kvpress": SNAPKV, "versions": VERSIONS, "load_averages": LOADS,

@@ -117,32 +117,20 @@ def prime(method: str, model, x, positions, args):
         prefill(method, model, x, positions, args)
 
 
-def worker(args):
-    """Runs in a fresh process; prints one `RESULT {json}` line.
-
-    base: build the model and the prompt only.  prime: AOT-compile into the persistent cache.  memory: one prefill,
-    VmHWM after it.  timing: every method once (warm-up), then `repeats` interleaved rounds.
-    """
-    if args.worker != "timing":  # timing compiles in its own warm-up round (executables loaded from the persistent
-        # cache ran TideKV's layer_step 5-25 % slower than in-process compiled ones in checks here)
-        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    log = CacheLog()
-    S = args.worker_seq
-    model, x, positions = build(S)
-    out = {"mode": args.worker, "method": args.method, "seq": S, "rss_built": proc_status("VmRSS"),
-           "hwm_built": proc_status("VmHWM")}
-    if args.worker == "prime":
-        prime(args.method, model, x, positions, args)
-    elif args.worker == "memory":
+def measure(mode: str, method: str, model, x, positions, args, log: CacheLog, built: dict) -> dict:
+    """One worker mode (see `worker`) on the model and prompt `build` made; `built`: the RSS figures right after."""
+    hits, misses = len(log.hits), len(log.misses)
+    out = {"mode": mode, "method": method, "seq": x.shape[1], **built}
+    if mode == "prime":
+        prime(method, model, x, positions, args)
+    elif mode == "memory":
         start = time.perf_counter()
-        r = prefill(args.method, model, x, positions, args)
+        r = prefill(method, model, x, positions, args)
         out["first_s"] = time.perf_counter() - start
         out["hwm"] = proc_status("VmHWM")
         out["cache_kv_bytes"] = int(r.cache.nbytes())
         out["cache_all_bytes"] = nbytes(r.cache)
-    elif args.worker == "timing":
+    elif mode == "timing":
         times = {m: [] for m in METHODS}
         for round_ in range(1 + args.repeats):
             k = round_ % len(METHODS)  # rotate the order from round to round: no method always follows the same one
@@ -153,7 +141,34 @@ def worker(args):
             print(f"  round {round_ + 1}/{1 + args.repeats}" + (" (warm-up)" if round_ == 0 else "") + ": "
                   + ", ".join(f"{m} {times[m][-1]:.2f} s" for m in METHODS), file=sys.stderr, flush=True)
         out["times_s"] = times
-    out["cache_hits"], out["cache_misses"] = log.hits, log.misses
+    out["cache_hits"], out["cache_misses"] = log.hits[hits:], log.misses[misses:]
+    return out
+
+
+def worker(args):
+    """Runs in a fresh process; prints one `RESULT {json}` line.
+
+    base: build the model and the prompt only.  prime: AOT-compile into the persistent cache.  memory: one prefill,
+    VmHWM after it.  timing: every method once (warm-up), then `repeats` interleaved rounds.  every (`--smoke`): all
+    of them in this one process, in that order (base, prime and memory per method, timing), keyed "base",
+    "prime <method>", "memory <method>", "timing": a check that they run, not a measurement (one process's VmHWM
+    only grows).
+    """
+    if args.worker != "timing":  # timing compiles in its own warm-up round (executables loaded from the persistent
+        # cache ran TideKV's layer_step 5-25 % slower than in-process compiled ones in checks here)
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log = CacheLog()
+    model, x, positions = build(args.worker_seq)
+    built = {"rss_built": proc_status("VmRSS"), "hwm_built": proc_status("VmHWM")}
+    run = lambda mode, method: measure(mode, method, model, x, positions, args, log, built)  # noqa: E731
+    if args.worker == "every":
+        out = {"base": run("base", "-")}
+        out.update({f"{mode} {m}": run(mode, m) for mode in ("prime", "memory") for m in METHODS})
+        out["timing"] = run("timing", "-")
+    else:
+        out = run(args.worker, args.method)
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -178,8 +193,15 @@ def spawn(mode: str, S: int, args, method: str = "", *, entry_module: str, worke
 
 def method_b(args, *, entry_module: str, worker_xla_flags: str):
     """Per `args.rss_seq`: prime, base, one memory process per method and one timing process, each a fresh
-    `python -m entry_module --worker` process with `XLA_FLAGS=worker_xla_flags`. Returns the rows."""
+    `python -m entry_module --worker` process with `XLA_FLAGS=worker_xla_flags` (`--smoke`: one `every` process
+    runs them all). Returns the rows."""
+    every = {}  # --smoke: S -> the results of one `every` worker, which runs all of an S's modes in one process
+
     def spawn_worker(mode: str, S: int, method: str = "") -> dict:
+        if args.smoke:
+            if S not in every:
+                every[S] = spawn("every", S, args, entry_module=entry_module, worker_xla_flags=worker_xla_flags)
+            return every[S][f"{mode} {method}" if method else mode]
         return spawn(mode, S, args, method, entry_module=entry_module, worker_xla_flags=worker_xla_flags)
 
     rows = []
