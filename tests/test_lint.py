@@ -9,7 +9,7 @@ import pytest
 
 from tests._support import ROOT
 
-PACKAGES = ("omnijax", "convert", "pallas_kernels", "tests")  # bench: see test_bench_smoke
+PACKAGES = ("omnijax", "convert", "pallas_kernels", "tests", "bench")
 
 
 def _tool(name: str) -> str:
