@@ -204,7 +204,7 @@ def test_parse_config():
     assert cfg.policy.high_watermark == 600 and cfg.policy.low_watermark == 400
     assert cfg.paging.mode == "tile_skip" and cfg.max_answer_tokens == 2
     assert sb.parse_config("full").policy.name == "no_slide"
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match="unknown retention policy"):
         sb.parse_config("nope")
 
 
@@ -240,7 +240,7 @@ def test_decoded_video_units(tmp_path):
 
 
 def test_cli_reports_what_is_wrong_without_a_traceback(tmp_path, capsys):
-    for argv, message in ((["--demo", "--configs", "lru"], "error: unknown policy 'lru'"),
+    for argv, message in ((["--demo", "--configs", "lru"], "error: unknown retention policy 'lru'"),
                           (["--demo", "--data", str(tmp_path)], "error: no StreamingBench annotation files"),
                           (["--demo", "--mesh", "4y2"], "error: --mesh must be DATAxMODEL"),
                           (["--checkpoint", str(tmp_path)], "is not an omnijax checkpoint")):
@@ -249,4 +249,4 @@ def test_cli_reports_what_is_wrong_without_a_traceback(tmp_path, capsys):
     # The documented command runs the module as __main__; the package must not have imported it already.
     run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "omnijax.eval.streamingbench",
                           "--demo", "--configs", "lru"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1 and "error: unknown policy 'lru'" in run.stderr, run.stderr
+    assert run.returncode == 1 and "error: unknown retention policy 'lru'" in run.stderr, run.stderr
