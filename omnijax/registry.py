@@ -159,7 +159,8 @@ class Registry(Mapping[str, type], Generic[T]):
                             f"{obj.__name__}(...)")
         missing = [m for m in self.methods if not callable(getattr(obj, m, None))]
         if missing:
-            raise TypeError(f"{what} must be a {self.kind} object (with {', '.join(self.methods)}), got {obj!r}")
+            wanted = " and ".join(filter(None, (", ".join(self.methods[:-1]), self.methods[-1])))
+            raise TypeError(f"{what} must be a {self.kind} object (with {wanted}), got {obj!r}")
         return obj
 
     def names(self) -> list[str]:

@@ -68,7 +68,7 @@ def test_create_parses_settings_and_refuses_unknown_ones():
 
 def test_checks_refuse_what_is_not_an_implementation():
     assert check_decoding(Greedy()) == Greedy()
-    with pytest.raises(TypeError, match=r"decoding must be a decoding strategy object \(with select, warp\)"):
+    with pytest.raises(TypeError, match=r"decoding must be a decoding strategy object \(with select and warp\)"):
         check_decoding(object())
     with pytest.raises(TypeError, match=r"policy must be a retention policy object.*get_policy\('omnipick'\)"):
         check_policy("omnipick")

@@ -64,7 +64,7 @@ def test_stream_and_session_refuse_a_policy_name_and_an_unknown_impl(model):
     for run in (lambda **kw: omnijax.stream(model, chunks, **kw), lambda **kw: omnijax.Session(model, **kw)):
         with pytest.raises(TypeError, match="not the name 'omnipick'"):
             run(policy="omnipick")
-        with pytest.raises(TypeError, match="with trigger and plan"):
+        with pytest.raises(TypeError, match=r"retention policy object \(with plan and trigger\)"):
             run(policy=object())
         with pytest.raises(ValueError, match="unknown attention impl 'triton'"):
             run(impl="triton")
