@@ -9,13 +9,27 @@ from typing import BinaryIO
 
 import numpy as np
 
+# The sample rates accepted anywhere audio comes in (files, requests, `resample`): from telephone-grade 1 kHz to the
+# 384 kHz of studio converters. A rate outside is refused by name before any work: a header claiming 4 GHz would
+# otherwise build a resampling filter of millions of taps.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 384_000
+
+
+def check_sample_rate(sample_rate: object, what: str = "sample_rate") -> int:
+    """`sample_rate` as an int in [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE]; a ValueError naming the range otherwise."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)):
+        raise ValueError(f"{what} must be an int in Hz, got {sample_rate!r}")
+    if not MIN_SAMPLE_RATE <= int(sample_rate) <= MAX_SAMPLE_RATE:
+        raise ValueError(f"{what} {int(sample_rate)} Hz is outside the supported range [{MIN_SAMPLE_RATE}, "
+                         f"{MAX_SAMPLE_RATE}] Hz (MAX_SAMPLE_RATE)")
+    return int(sample_rate)
+
 
 def resample(pcm: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
     """Mono PCM at `sample_rate` -> `target` Hz: a windowed-sinc low-pass at the target's Nyquist frequency when
     downsampling (so nothing above it folds into the band the models' log-mel features see), then linear
     interpolation onto the target's sample times."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
-        raise ValueError(f"sample_rate must be a positive int, got {sample_rate!r}")
+    sample_rate = check_sample_rate(sample_rate)
     if pcm.ndim != 1 or pcm.shape[0] == 0:
         raise ValueError(f"audio must be mono [samples] with at least one sample, got shape {pcm.shape}")
     if not np.isfinite(pcm).all():
@@ -42,6 +56,7 @@ def read_wav(source: str | Path | BinaryIO, *, widths: tuple[int, ...] = (1, 2, 
             data = f.readframes(f.getnframes())
     except (OSError, EOFError, wave.Error) as e:
         raise ValueError(f"{label}: not a readable PCM WAV file ({e})") from e
+    rate = check_sample_rate(rate, f"{label}: the sample rate")
     if width not in widths:
         bits = ", ".join(str(8 * w) for w in widths)
         raise ValueError(f"{label}: {8 * width}-bit samples are not supported ({bits}-bit PCM)")
@@ -51,4 +66,4 @@ def read_wav(source: str | Path | BinaryIO, *, widths: tuple[int, ...] = (1, 2, 
     return pcm.reshape(-1, channels).mean(axis=1), rate
 
 
-__all__ = ["read_wav", "resample"]
+__all__ = ["MAX_SAMPLE_RATE", "MIN_SAMPLE_RATE", "check_sample_rate", "read_wav", "resample"]

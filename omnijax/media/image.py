@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+# The most pixels an image may have (50 MP, e.g. 8660x5773): checked from the file's header before decoding, so a small
+# file claiming 20000x20000 is refused without allocating its 1.2 GB of pixels. The models' processors downscale far
+# below this anyway.
+MAX_IMAGE_PIXELS = 50_000_000
+
+
+class ImageTooLarge(ValueError):
+    """An image with more pixels than `MAX_IMAGE_PIXELS`."""
 
 
 def read_image(source: str | Path | bytes) -> np.ndarray:
@@ -14,11 +24,23 @@ def read_image(source: str | Path | bytes) -> np.ndarray:
     the path when PIL cannot read it."""
 
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        with warnings.catch_warnings():  # PIL's decompression-bomb warning: the cap below decides
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        with opened as image:
+            width, height = image.size  # from the header: nothing is decoded yet
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ImageTooLarge(f"the image is {width}x{height} = {width * height:,} pixels, over the "
+                                    f"{MAX_IMAGE_PIXELS:,} accepted (MAX_IMAGE_PIXELS); downscale it first")
             return np.asarray(image.convert("RGB"))
+    except ImageTooLarge:
+        raise
+    except Image.DecompressionBombError as e:  # PIL refuses to open far larger ones itself
+        raise ImageTooLarge(f"the image has more than the {MAX_IMAGE_PIXELS:,} pixels accepted (MAX_IMAGE_PIXELS): "
+                            f"{e}") from None
     except (OSError, ValueError) as e:
         where = "the image could not be decoded" if isinstance(source, bytes) else f"{source}: not a readable image"
         raise ValueError(f"{where} ({e})") from None
 
 
-__all__ = ["read_image"]
+__all__ = ["ImageTooLarge", "MAX_IMAGE_PIXELS", "read_image"]
