@@ -124,3 +124,22 @@ def test_a_per_row_server_takes_each_requests_sampling():
         with pytest.raises(oh.RequestError) as e:
             _parse({"messages": hi, field: value}, decoding)
         assert e.value.param == field
+
+
+def test_a_request_over_the_message_or_part_caps_is_refused_before_parsing():
+    """10,000 text parts once took 213 s of templating: the caps refuse them by name, at once."""
+    import time
+
+    start = time.perf_counter()
+    parts = [{"type": "text", "text": "x"}] * (oh.MAX_PARTS + 1)
+    with pytest.raises(oh.RequestError, match=rf"{oh.MAX_PARTS + 1} content parts, over the {oh.MAX_PARTS} "
+                                              r"accepted \(MAX_PARTS\)") as refused:
+        _parse({"messages": [{"role": "user", "content": parts[:200]}, {"role": "user", "content": parts[200:]}]})
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    with pytest.raises(oh.RequestError, match=r"over the 1000 accepted \(MAX_MESSAGES\)"):
+        _parse({"messages": [{"role": "user", "content": "hi"}] * (oh.MAX_MESSAGES + 1)})
+    with pytest.raises(oh.RequestError, match="MAX_PARTS"):
+        _parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 10_000}]})
+    assert time.perf_counter() - start < 1.0
+    at_cap = _parse({"messages": [{"role": "user", "content": parts[:oh.MAX_PARTS]}]})
+    assert len(at_cap.messages[0][1]) == oh.MAX_PARTS
