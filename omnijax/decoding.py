@@ -308,6 +308,10 @@ def sampling_row(temperature: float, top_p: float = 1.0) -> np.ndarray:
     return np.asarray([float(temperature), 1.0 - float(top_p)], np.float32)
 
 
+# The seeds a request may give (OpenAI's `seed` is a signed 64-bit integer; jax keys take no wider value).
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
 def seed_of(strategy: DecodingStrategy) -> int:
     """The sampling seed of a decoding strategy (0 for one that draws nothing)."""
     return int(getattr(strategy, "seed", 0))

@@ -33,7 +33,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omnijax.decoding import DecodingStrategy, sampling_row
+from omnijax.decoding import SEED_RANGE, DecodingStrategy, sampling_row
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
@@ -211,8 +211,10 @@ def _sampling(body: dict, decoding):
                                   ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
             raise RequestError(f"'{name}' must be a number {want}, got {value!r}", param=name)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise RequestError(f"'seed' must be a signed 64-bit integer (in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]), got "
+                           f"{seed!r}", param="seed")
     row = None
     if temperature is not None or top_p is not None:
         row = sampling_row(decoding.temperature if temperature is None else float(temperature),

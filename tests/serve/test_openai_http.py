@@ -126,6 +126,24 @@ def test_a_per_row_server_takes_each_requests_sampling():
         assert e.value.param == field
 
 
+def test_a_seed_outside_64_bits_is_refused_by_name():
+    """A seed of 2**64 once escaped as a 500 (jax keys take signed 64-bit integers)."""
+    from omnijax.decoding import RowSampling, folded_keys
+
+    for bad in (2 ** 64, 2 ** 63, -(2 ** 63) - 1):
+        with pytest.raises(oh.RequestError, match=r"'seed' must be a signed 64-bit integer") as refused:
+            _parse({"messages": [{"role": "user", "content": "hi"}], "seed": bad}, decoding=RowSampling())
+        assert refused.value.param == "seed" and refused.value.status == 400
+    for edge in (2 ** 63 - 1, -(2 ** 63)):
+        assert _parse({"messages": [{"role": "user", "content": "hi"}], "seed": edge}, decoding=RowSampling()).seed \
+            == edge
+        assert folded_keys(edge, [0]).shape == (1, 2)  # the engine can key a session with it
+    from omnijax.decoding import SEED_RANGE
+    from omnijax.serve.realtime import client_events
+
+    assert client_events.SEED_RANGE == SEED_RANGE  # the Realtime parser's copy (it imports no jax)
+
+
 def test_a_request_over_the_message_or_part_caps_is_refused_before_parsing():
     """10,000 text parts once took 213 s of templating: the caps refuse them by name, at once."""
     import time

@@ -50,6 +50,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, NoReturn, Optional, Union
 
+# `omnijax.decoding.SEED_RANGE` (signed 64-bit), spelled here: this module imports neither jax nor the package.
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
 __all__ = [
     "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "InputAudioBufferAppend", "InputAudioBufferClear",
     "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError", "ResponseCancel", "ResponseCreate",
@@ -305,7 +308,7 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
                 c.fail("invalid_value", "'session.omnijax.top_p' must lie in (0, 1]", "session.omnijax.top_p")
             changes["top_p"] = top_p
         if ext.get("seed") is not None:
-            changes["seed"] = int(c.num(ext["seed"], "session.omnijax.seed", int))
+            changes["seed"] = int(c.num(ext["seed"], "session.omnijax.seed", int, *SEED_RANGE))
         if "duplex" in ext:
             if not isinstance(ext["duplex"], bool):
                 c.fail("invalid_value", "'session.omnijax.duplex' must be a boolean", "session.omnijax.duplex")

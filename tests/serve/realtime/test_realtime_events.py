@@ -324,7 +324,8 @@ def test_the_sampling_extension_is_parsed_and_refused_out_of_range():
     settings = update.apply(rt.SessionSettings())
     assert (settings.temperature, settings.top_p, settings.seed) == (0.8, 0.9, 4)
     assert check(rs.session_updated(settings)).session.model_extra["omnijax"]["top_p"] == 0.9
-    for bad in ({"temperature": 3}, {"top_p": 0}, {"seed": "x"}, {"temperature": True}):
+    for bad in ({"temperature": 3}, {"top_p": 0}, {"seed": "x"}, {"temperature": True}, {"seed": 2 ** 64},
+                {"seed": -(2 ** 63) - 1}):
         with pytest.raises(rt.RealtimeEventError) as e:
             rt.parse_client_event({"type": "session.update", "session": {"omnijax": bad}})
         assert e.value.param.startswith("session.omnijax."), bad
