@@ -237,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give a checkpoint directory or --demo-model (not both)")
 
     try:
-        options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        # `--api-key ""` is refused like an empty OMNIJAX_API_KEY (ServeOptions), never read as "no key".
+        api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+        options = ServeOptions(host=args.host, port=args.port, api_key=api_key,
                                model_name=args.model_name, frame_ms=args.frame_ms,
                                max_message_bytes=int(args.max_message_mb * 2 ** 20),
                                max_audio_buffer_s=args.max_audio_buffer_s,

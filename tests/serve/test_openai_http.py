@@ -161,3 +161,18 @@ def test_a_request_over_the_message_or_part_caps_is_refused_before_parsing():
     assert time.perf_counter() - start < 1.0
     at_cap = _parse({"messages": [{"role": "user", "content": parts[:oh.MAX_PARTS]}]})
     assert len(at_cap.messages[0][1]) == oh.MAX_PARTS
+
+
+@pytest.mark.parametrize("argv, env", [(["--api-key", ""], None), ([], "")])
+def test_an_empty_api_key_is_refused_not_read_as_no_key(argv, env, monkeypatch, capsys):
+    """`--api-key ""` once served with no auth at all (the empty flag fell through to the unset variable); it is
+    refused like an empty OMNIJAX_API_KEY, before any model is loaded."""
+    from omnijax.serve import app
+
+    monkeypatch.delenv(app.API_KEY_ENV, raising=False)
+    if env is not None:
+        monkeypatch.setenv(app.API_KEY_ENV, env)
+    with pytest.raises(SystemExit) as stopped:
+        app.main(["--demo-model", *argv])
+    assert stopped.value.code == 2
+    assert "api_key must be a non-empty string" in capsys.readouterr().err
