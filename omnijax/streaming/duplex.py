@@ -14,7 +14,7 @@ import numpy as np
 
 from omnijax.chunks.chunk import pad_chunk
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult
-from omnijax.models.minicpmo.duplex_loop import DuplexFeed, DuplexLoop, rows_chunks
+from omnijax.models.minicpmo.duplex_loop import DuplexDriver, DuplexFeed, DuplexLoop, rows_chunks
 from omnijax.retention.base import NoSlide, RetentionPolicy
 from omnijax.streaming.session import Session
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["DuplexSession"]
 
 
-class DuplexSession:
+class DuplexSession(DuplexDriver):
     """The 4.5 full-duplex loop on one `MiniCPMOModel` and its own `omnijax.Session`.
 
     The LLM runs through `omnijax.Session` (the streaming scan's jitted step; every chunk is padded to `chunk_width`
@@ -50,23 +50,6 @@ class DuplexSession:
                                force_listen=force_listen, max_slice_nums=max_slice_nums)
         self.model, self.width = model, int(chunk_width)
         self.session = Session(model, policy=policy or NoSlide(), num_pages=num_pages, page_size=page_size)
-
-    @property
-    def tokens(self) -> DuplexTokens:
-        return self.loop.tokens
-
-    @property
-    def decoded(self) -> list[int]:
-        """Every decided id that did not end its unit (the repetition history)."""
-        return self.loop.decoded
-
-    @property
-    def units(self) -> int:
-        return self.loop.units
-
-    def decide(self, logits: np.ndarray) -> int:
-        """The loop's decision on last-position logits `[V]` (`DuplexLoop.decide`)."""
-        return self.loop.decide(logits)
 
     def prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int], ref_audio: np.ndarray | None = None
                 ) -> None:

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
     from omnijax.models.minicpmo.model import MiniCPMOModel
 
-__all__ = ["DuplexFeed", "DuplexLoop", "EncodedUnit", "Item", "UNIT_SAMPLES", "rows_chunks", "speak_ids",
-           "unit_pcm"]
+__all__ = ["DuplexDriver", "DuplexFeed", "DuplexLoop", "EncodedUnit", "Item", "UNIT_SAMPLES", "rows_chunks",
+           "speak_ids", "unit_pcm"]
 
 UNIT_SAMPLES = DUPLEX_MEL_STREAM.chunk_samples  # 16000: one unit of 16 kHz audio
 
@@ -145,6 +145,35 @@ def unit_pcm(pcm: npt.ArrayLike) -> np.ndarray:
     return pcm.astype(np.float32)
 
 
+class DuplexDriver:
+    """What a driver of a `DuplexLoop` shows of it (`DuplexSession` and the server's `DuplexStream` both)."""
+
+    loop: "DuplexLoop"
+
+    @property
+    def tokens(self) -> DuplexTokens:
+        return self.loop.tokens
+
+    @property
+    def decoded(self) -> list[int]:
+        """Every decided id that did not end its unit (the repetition history)."""
+        return self.loop.decoded
+
+    @property
+    def units(self) -> int:
+        """Units answered so far."""
+        return self.loop.units
+
+    @property
+    def markers(self) -> frozenset[int]:
+        """The duplex layout's and the rule's marker ids (BOUNDARY rows; not spoken text)."""
+        return self.loop.markers
+
+    def decide(self, logits: np.ndarray) -> int:
+        """The loop's decision on last-position logits `[V]` (`DuplexLoop.decide`)."""
+        return self.loop.decide(logits)
+
+
 class DuplexLoop:
     """The 4.5 full-duplex loop's state and decisions, without I/O (module docstring).
 
@@ -226,13 +255,21 @@ class DuplexLoop:
             RuntimeError: already prepared.
             ValueError: an id outside the vocabulary.
         """
+        self.check_prepare(prefix_ids, suffix_ids)
+        return self._prepare(list(prefix_ids), list(suffix_ids), reference)
+
+    def check_prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int]) -> None:
+        """What `prepare` refuses, checked alone (a driver checks before it encodes the reference clip).
+
+        Raises:
+            RuntimeError: already prepared.
+            ValueError: an id outside the vocabulary.
+        """
         if self.prepared or self.units:
             raise RuntimeError("the duplex loop is already prepared")
         vocab = self.model.config.vocab_size
-        ids = [int(i) for i in (*prefix_ids, *suffix_ids)]
-        if any(not 0 <= i < vocab for i in ids):
+        if any(not 0 <= int(i) < vocab for i in (*prefix_ids, *suffix_ids)):
             raise ValueError(f"system prompt ids must lie in [0, {vocab})")
-        return self._prepare(list(prefix_ids), list(suffix_ids), reference)
 
     def _prepare(self, prefix_ids, suffix_ids, reference) -> Generator[DuplexFeed, np.ndarray, None]:
         items: list[Item] = [(int(i), SpanKind.SYSTEM) for i in prefix_ids]

@@ -22,7 +22,15 @@ import numpy as np
 import numpy.typing as npt
 
 from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitResult
-from omnijax.models.minicpmo.duplex_loop import UNIT_SAMPLES, DuplexFeed, DuplexLoop, rows_chunks, speak_ids, unit_pcm
+from omnijax.models.minicpmo.duplex_loop import (
+    UNIT_SAMPLES,
+    DuplexDriver,
+    DuplexFeed,
+    DuplexLoop,
+    rows_chunks,
+    speak_ids,
+    unit_pcm,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -51,7 +59,7 @@ def speak_text(result: UnitResult, tokenizer: Tokenizer, markers: Sequence[int] 
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-class DuplexStream:
+class DuplexStream(DuplexDriver):
     """The 4.5 full-duplex loop (`DuplexLoop`) on one session of an `EngineWorker` (module docstring).
 
     Args:
@@ -96,27 +104,6 @@ class DuplexStream:
         self.failed = self.failed or "closed"
         await self.worker.close(self.sid)
 
-    @property
-    def tokens(self) -> DuplexTokens:
-        return self.loop.tokens
-
-    @property
-    def decoded(self) -> list[int]:
-        return self.loop.decoded
-
-    @property
-    def units(self) -> int:
-        return self.loop.units
-
-    @property
-    def markers(self) -> frozenset[int]:
-        """The duplex layout's and the rule's marker ids (BOUNDARY rows; not spoken text)."""
-        return self.loop.markers
-
-    def decide(self, logits: np.ndarray) -> int:
-        """The loop's decision on last-position logits `[V]` (`DuplexLoop.decide`)."""
-        return self.loop.decide(logits)
-
     async def prepare(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int],
                       ref_audio: npt.ArrayLike | None = None) -> None:
         """The system part, once, before any unit: `prefix_ids`, the reference clip's offline audio embeddings,
@@ -126,8 +113,7 @@ class DuplexStream:
             raise RuntimeError("the duplex stream is already prepared")
         self._busy = True
         try:
-            program = self.loop.prepare(prefix_ids, suffix_ids)  # checks the ids before anything is encoded
-            program.close()
+            self.loop.check_prepare(prefix_ids, suffix_ids)  # before anything is encoded
             reference = None
             if ref_audio is not None:
                 reference = await asyncio.to_thread(self.loop.encode_reference, ref_audio)  # [n, D]
@@ -153,11 +139,9 @@ class DuplexStream:
         self._check_ready()
         if not self.loop.prepared:
             raise RuntimeError("prepare the duplex stream (its system prompt) before its first unit")
-        pcm = unit_pcm(pcm)
-        if frame is not None and self.model.vision is None:
-            raise ValueError("a video frame was given but the checkpoint has no vision encoder")
         self._busy = True
         try:
+            # encode checks the audio and frame first (ValueError, nothing fed) and changes nothing
             encoded = await asyncio.to_thread(self.loop.encode, pcm, frame)
             try:
                 return await self._run(self.loop.unit(encoded))
