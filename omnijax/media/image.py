@@ -1,4 +1,10 @@
-"""Image files: `read_image` (a path or the file's bytes -> `[H, W, 3]` uint8 RGB)."""
+"""Image files: `read_image` (a path or the file's bytes -> `[H, W, 3]` uint8 RGB).
+
+Transparency is composited on white, as the model releases' preprocessing does (qwen-omni-utils' `to_rgb` pastes an
+RGBA image on a white background): a transparent pixel is white, not the colour PIL happens to store under it (often
+black), and a half-transparent one is its colour blended half with white. This covers every way an image carries
+transparency: an alpha band (RGBA, LA, PA, premultiplied RGBa / La), and a palette or grey/RGB image with a
+transparent colour (PNG `tRNS`, GIF transparency index)."""
 
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ def read_image(source: str | Path | bytes) -> np.ndarray:
             if width * height > MAX_IMAGE_PIXELS:
                 raise ImageTooLarge(f"the image is {width}x{height} = {width * height:,} pixels, over the "
                                     f"{MAX_IMAGE_PIXELS:,} accepted (MAX_IMAGE_PIXELS); downscale it first")
-            return np.asarray(image.convert("RGB"))
+            return np.asarray(_on_white(image))
     except ImageTooLarge:
         raise
     except Image.DecompressionBombError as e:  # PIL refuses to open far larger ones itself
@@ -41,6 +47,15 @@ def read_image(source: str | Path | bytes) -> np.ndarray:
     except (OSError, ValueError) as e:
         where = "the image could not be decoded" if isinstance(source, bytes) else f"{source}: not a readable image"
         raise ValueError(f"{where} ({e})") from None
+
+
+def _on_white(image: Image.Image) -> Image.Image:
+    """`image` as RGB, any transparency composited on a white background."""
+    if not {"A", "a"} & set(image.getbands()) and "transparency" not in image.info:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")  # a palette's or a colour key's transparency becomes alpha here
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
 
 
 __all__ = ["ImageTooLarge", "MAX_IMAGE_PIXELS", "read_image"]

@@ -73,3 +73,45 @@ def test_an_image_over_the_pixel_cap_is_refused_from_its_header():
     assert isinstance(ImageTooLarge("x"), ValueError)  # callers that catch ValueError refuse it as bad input
     rgb = read_image(png_bytes(5, 3))
     assert rgb.shape == (3, 5, 3) and rgb.dtype == np.uint8 and tuple(rgb[0, 0]) == (10, 20, 30)
+
+
+def _saved(image: Image.Image, format: str = "PNG", **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format, **kwargs)
+    return buffer.getvalue()
+
+
+def _blend(rgb, alpha):
+    """Colour `rgb` at opacity `alpha` (0..255) over white, as the model releases' preprocessing composites it."""
+    return np.asarray(rgb, np.float64) * alpha / 255 + 255 * (1 - alpha / 255)
+
+
+def test_transparency_is_composited_on_white():
+    """The old reader dropped alpha: a transparent pixel came out as whatever colour was stored under it."""
+    rgba = Image.new("RGBA", (3, 1))
+    for x, pixel in enumerate([(200, 0, 0, 255), (0, 0, 0, 0), (10, 100, 250, 128)]):
+        rgba.putpixel((x, 0), pixel)
+    out = read_image(_saved(rgba)).astype(np.float64)
+    np.testing.assert_allclose(out[0, 0], (200, 0, 0))
+    np.testing.assert_allclose(out[0, 1], (255, 255, 255))  # fully transparent black -> white
+    np.testing.assert_allclose(out[0, 2], _blend((10, 100, 250), 128), atol=1)
+    la = Image.new("LA", (2, 1))
+    la.putpixel((0, 0), (0, 0))
+    la.putpixel((1, 0), (40, 64))
+    out = read_image(_saved(la)).astype(np.float64)
+    np.testing.assert_allclose(out[0, 0], (255, 255, 255))
+    np.testing.assert_allclose(out[0, 1], _blend((40, 40, 40), 64), atol=1)
+    palette = Image.new("P", (2, 1))
+    palette.putpalette([0, 0, 0, 30, 60, 90] + [0] * 762)
+    palette.putpixel((0, 0), 0)
+    palette.putpixel((1, 0), 1)
+    for data in (_saved(palette, transparency=0), _saved(palette, "GIF", transparency=0)):
+        out = read_image(data)
+        assert tuple(out[0, 0]) == (255, 255, 255) and tuple(out[0, 1]) == (30, 60, 90)
+    keyed = Image.new("RGB", (2, 1), (5, 5, 5))
+    keyed.putpixel((1, 0), (7, 8, 9))
+    out = read_image(_saved(keyed, transparency=(5, 5, 5)))  # PNG tRNS colour key
+    assert tuple(out[0, 0]) == (255, 255, 255) and tuple(out[0, 1]) == (7, 8, 9)
+    opaque = Image.new("RGBA", (1, 1), (1, 2, 3, 255))  # opaque alpha and plain images are unchanged
+    assert tuple(read_image(_saved(opaque))[0, 0]) == (1, 2, 3)
+    assert tuple(read_image(_saved(Image.new("L", (1, 1), 77)))[0, 0]) == (77, 77, 77)
