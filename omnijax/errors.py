@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CheckpointError", "ConfigError", "ConvertError", "DestinationError", "MissingTensorError",
-           "ShapeMismatchError", "TensorError", "UnexpectedTensorError", "UnsupportedConfigError",
+__all__ = ["CheckpointError", "ConfigError", "ConfigValueError", "ConvertError", "DestinationError",
+           "MissingTensorError", "ShapeMismatchError", "TensorError", "UnexpectedTensorError", "UnsupportedConfigError",
            "UnsupportedModelError"]
 
 
@@ -78,3 +78,21 @@ class ShapeMismatchError(TensorError):
 
 class DestinationError(ConvertError):
     """The output directory cannot be written (exists and is not empty without `--force`, overlaps the source)."""
+
+
+class ConfigValueError(ConfigError, ValueError):
+    """A config value lies outside the range the model can run with (a head count of 0, a NaN `rope_theta`, a
+    token id outside the vocabulary). Both a `ConfigError` (the converter reports it in one line) and a
+    `ValueError` (what a dataclass config raises for a bad value).
+
+    Attributes:
+        attribute: the offending field (e.g. `num_heads (num_attention_heads)`, `config.bos_token_id`).
+        value: its value.
+        allowed: the values allowed, in words (e.g. "an integer >= 1", "[0, 300)").
+    """
+
+    def __init__(self, attribute: str, value: object, allowed: str):
+        self.attribute = attribute
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{attribute}={value!r} is out of range: it must be {allowed}")

@@ -8,6 +8,15 @@ config is refused before tensors are read).
 
 Output is written into a temporary directory next to DST and renamed into place only after everything succeeded:
 a failure leaves neither a half-written DST nor the temporary directory, and a pre-existing DST is untouched.
+
+Config values are checked before any tensor is read (`omnijax.models.config.validate_config`, run by every family's
+`config_from_hf` and again here): positive sizes and head counts, heads in whole groups, finite positive `rope_theta`
+and `rms_norm_eps`, MoE counts, and bos / eos / pad ids (a `generation_config.json` eos included) inside the
+vocabulary; a bad value is a `ConfigError` naming it, and DST is not touched.
+
+A DST that is a symbolic link is refused, with or without `--force`: replacing it would either write through the
+link into a directory elsewhere or silently turn the link into a directory. Pass the link's target (or remove the
+link) instead. Links in DST's parent directories are followed as usual.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from types import ModuleType
 from omnijax.checkpoint import format as checkpoint
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
+from omnijax.models.config import DecoderConfig, validate_config
 from omnijax.models.registry import ALL_FAMILIES
 
 __all__ = ["convert_checkpoint", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES", "TOKENIZER_FILES"]
@@ -63,31 +73,55 @@ def converter_for(hf_config: dict, path: Path) -> ModuleType:
         f"{path}: model_type {model_type!r} is not supported; supported types: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-def _with_generation_eos(config, src: Path):
-    """Takes the end-of-answer tokens from `generation_config.json` when the checkpoint ships one."""
+def _generation_eos(src: Path, config: DecoderConfig) -> tuple[int, ...] | None:
+    """The end-of-answer tokens of `generation_config.json` when the checkpoint ships one (None otherwise), checked
+    to lie in the vocabulary of `config`."""
     path = src / "generation_config.json"
     if not path.is_file():
-        return config
+        return None
     try:
         eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise ConfigError(f"{path}: cannot parse: {e}") from e
     if eos is None:
-        return config
+        return None
     ids = [eos] if isinstance(eos, int) else eos
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"{path}: eos_token_id must be an int or a list of ints, got {eos!r}")
-    return config.replace(eos_token_ids=tuple(i for i in ids if 0 <= i < config.vocab_size))
+    try:
+        validate_config(config, {"eos_token_id": eos})
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    return tuple(ids)
+
+
+def _destination(dst: str | os.PathLike) -> Path:
+    """DST as an absolute path whose parent directories are resolved but whose last component is kept as given (a
+    symbolic link stays a link, so that `_check_destination` can refuse it)."""
+    path = Path(os.path.abspath(dst))
+    return path.parent.resolve() / path.name
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    if dst.is_symlink():
+        raise DestinationError(f"destination {dst} is a symbolic link (to {os.readlink(dst)}); omnijax-convert does "
+                               "not write through or replace links, even with --force: pass the link's target as "
+                               "DST, or remove the link")
     if dst == src or dst.is_relative_to(src) or src.is_relative_to(dst):
         raise DestinationError(f"destination {dst} overlaps the source {src}")
     if os.path.lexists(dst) and not force:
-        if not dst.is_dir() or dst.is_symlink():
+        if not dst.is_dir():
             raise DestinationError(f"destination {dst} exists and is not a directory (pass --force to replace it)")
         if any(dst.iterdir()):
             raise DestinationError(f"destination {dst} exists and is not empty (pass --force to replace it)")
+
+
+def _validated(config: DecoderConfig, path: Path) -> DecoderConfig:
+    """`validate_config` (which every family's `config_from_hf` runs too), its refusal naming the config file."""
+    try:
+        return validate_config(config)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from e
 
 
 def _remove(path: Path) -> None:
@@ -119,7 +153,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     Args:
         src: directory with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards.
         dst: output directory (see `omnijax/checkpoint/format.py` for its layout). Must not exist or be empty unless
-            `force`; with `force` an existing DST is replaced only after the conversion succeeded.
+            `force`; with `force` an existing DST is replaced only after the conversion succeeded. Never a symbolic
+            link (refused, see the module docstring).
         dtype: parameter dtype, "float32" or "bfloat16".
         force: replace a non-empty DST.
         progress: show a progress bar over tensors on stderr.
@@ -134,13 +169,15 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     """
     if dtype not in DTYPES:
         raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    src, dst = Path(src).resolve(), Path(dst).resolve()
+    src, dst = Path(src).resolve(), _destination(dst)
     if not src.is_dir():
         raise ConvertError(f"source {src} is not a directory")
     _check_destination(src, dst, force)
     hf_config = read_hf_config(src)
     converter = converter_for(hf_config, src / "config.json")
-    converter.config_from_hf(hf_config, dtype=dtype)  # refuses an unsupported config before any tensor is read
+    # Refuses an unsupported config, or a value out of range, before any tensor is read.
+    config = _validated(converter.config_from_hf(hf_config, dtype=dtype), src / "config.json")
+    eos = _generation_eos(src, config)
 
     created = next((p for p in reversed(dst.parents) if not p.exists()), None)  # topmost parent this call creates
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +189,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
         kwargs = {} if log is None else {"log": log}
         config, params, info, extras = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
                                                         progress=progress, **kwargs)
-        config = _with_generation_eos(config, src)
+        config = _validated(config if eos is None else config.replace(eos_token_ids=eos), src / "config.json")
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
         checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info,

@@ -3,13 +3,24 @@
 A `DecoderConfig` describes a Qwen2-family decoder (Qwen2, Qwen2.5-Omni thinker, Qwen3 with q/k norm, and the
 Llama-3.x / Mistral decoders: no biases, 1D RoPE, optionally Llama-3 scaled). It holds only
 static hyperparameters; weights live in the parameter pytree.
+
+Every value is checked when a config is built (`check_values`: positive sizes, finite positive `rope_theta` and
+`rms_norm_eps`, whole head groups, MoE counts, Llama-3 RoPE scaling); `validate_config` adds the token ids, which must
+lie in the vocabulary. The converter (`omnijax.convert`, through each family's `config_from_hf`) and the loader
+(`omnijax.models.registry.read_manifest`) both run `validate_config`, so a bad value in a Hugging Face `config.json`
+or in a converted checkpoint's manifest is refused by name before any tensor is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
 
 from omnijax._checks import DTYPES, JsonConfig
+from omnijax.errors import ConfigValueError
 from omnijax.kv.rope import ScaledTheta
 
 
@@ -72,49 +83,7 @@ class DecoderConfig(JsonConfig):
     rope_scaling: tuple[float, float, float, float] | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"DecoderConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.mrope_section is not None:
-            section = tuple(int(s) for s in self.mrope_section)
-            if len(section) != 3 or sum(section) != self.head_dim // 2:
-                raise ValueError(
-                    f"mrope_section {section} must have 3 entries summing to head_dim // 2 = {self.head_dim // 2}")
-            object.__setattr__(self, "mrope_section", section)
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
-        if self.num_experts < 0:
-            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
-        if self.num_experts:
-            if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(f"num_experts_per_tok must lie in [1, num_experts={self.num_experts}], got "
-                                 f"{self.num_experts_per_tok}")
-            if self.moe_intermediate_size < 1:
-                raise ValueError(f"moe_intermediate_size must be >= 1 with experts, got {self.moe_intermediate_size}")
-            if self.decoder_sparse_step < 1:
-                raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
-            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-            if bad:
-                raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_layers}-layer decoder")
-        if self.mrope_interleaved and self.mrope_section is None:
-            raise ValueError("mrope_interleaved needs an mrope_section")
-        if self.rope_scaling is not None:
-            self._check_rope_scaling()
-
-    def _check_rope_scaling(self) -> None:
-        scaling = tuple(float(v) for v in self.rope_scaling)
-        if len(scaling) != 4:
-            raise ValueError(f"rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
-                             f"original_max_position_embeddings), got {self.rope_scaling!r}")
-        factor, low, high, original = scaling
-        if min(scaling) <= 0 or low >= high:
-            raise ValueError(f"rope_scaling {scaling} needs positive values and low_freq_factor < high_freq_factor")
-        if self.mrope_section is not None:
-            raise ValueError("rope_scaling (Llama-3) applies to plain 1D RoPE; drop the mrope_section or the scaling")
-        object.__setattr__(self, "rope_scaling", scaling)
+        check_values(self)
 
     @property
     def rope_base(self) -> float | ScaledTheta:
@@ -136,6 +105,171 @@ class DecoderConfig(JsonConfig):
             return (False,) * self.num_layers
         return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
                      for i in range(self.num_layers))
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+# DecoderConfig field -> the Hugging Face config.json attribute it is read from, where the names differ.
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "eos_token_ids": "eos_token_id"}
+# Token-id attributes of a Hugging Face decoder config (`hf_token_ids`).
+HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _name(field: str) -> str:
+    """A field's name in messages, with its Hugging Face spelling where that differs."""
+    return f"{field} ({HF_NAMES[field]})" if field in HF_NAMES else field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(config: DecoderConfig, field: str, minimum: int) -> None:
+    value = getattr(config, field)
+    if not _is_int(value) or value < minimum:
+        raise ConfigValueError(_name(field), value, f"an integer >= {minimum}")
+    object.__setattr__(config, field, int(value))
+
+
+def _check_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ConfigValueError(name, value, "a finite number > 0")
+    return float(value)
+
+
+def check_values(config: DecoderConfig) -> None:
+    """Refuses a `DecoderConfig` value no decoder can run with; runs whenever a config is built.
+
+    Sizes and counts are integers >= 1 (`head_dim` >= 2 and even; `intermediate_size` may be 0 only when every layer
+    is a mixture of experts), `num_kv_heads` divides `num_heads`, `rope_theta` and `rms_norm_eps` are finite and
+    positive, MoE counts are consistent (`1 <= num_experts_per_tok <= num_experts`), Llama-3 RoPE scaling values are
+    finite and positive with `low_freq_factor < high_freq_factor`. Integral values are stored as `int`.
+
+    Raises:
+        ConfigValueError: (a `ValueError`) naming the field, its Hugging Face name where it differs, the bad value
+            and the allowed range.
+    """
+    c = config
+    if c.dtype not in DTYPES:
+        raise ConfigValueError("dtype", c.dtype, f"one of {sorted(DTYPES)}")
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "decoder_sparse_step"):
+        _check_int(c, field, 1)
+    _check_int(c, "head_dim", 2)
+    for field in ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        _check_int(c, field, 0)
+    object.__setattr__(c, "rope_theta", _check_positive("rope_theta", c.rope_theta))
+    object.__setattr__(c, "rms_norm_eps", _check_positive("rms_norm_eps", c.rms_norm_eps))
+    if c.num_heads % c.num_kv_heads:
+        raise ConfigValueError(_name("num_kv_heads"), c.num_kv_heads,
+                               f"a divisor of num_heads (num_attention_heads) = {c.num_heads}")
+    if c.head_dim % 2:
+        raise ConfigValueError("head_dim", c.head_dim, "even (RoPE rotates pairs)")
+    if c.mrope_section is not None:
+        section = tuple(c.mrope_section) if isinstance(c.mrope_section, (tuple, list)) else ()
+        if len(section) != 3 or not all(_is_int(s) and s >= 0 for s in section) or sum(section) != c.head_dim // 2:
+            raise ConfigValueError("mrope_section", c.mrope_section, f"3 integers >= 0 summing to head_dim // 2 = "
+                                   f"{c.head_dim // 2}")
+        object.__setattr__(c, "mrope_section", tuple(int(s) for s in section))
+    if not all(_is_int(t) for t in c.eos_token_ids):
+        raise ConfigValueError(_name("eos_token_ids"), c.eos_token_ids, "integers")
+    object.__setattr__(c, "eos_token_ids", tuple(int(t) for t in c.eos_token_ids))
+    if not all(_is_int(i) for i in c.mlp_only_layers):
+        raise ConfigValueError("mlp_only_layers", c.mlp_only_layers, "layer indices (integers)")
+    object.__setattr__(c, "mlp_only_layers", tuple(sorted(int(i) for i in c.mlp_only_layers)))
+    if c.num_experts:
+        if not 1 <= c.num_experts_per_tok <= c.num_experts:
+            raise ConfigValueError("num_experts_per_tok", c.num_experts_per_tok, f"in [1, num_experts = "
+                                   f"{c.num_experts}]")
+        if c.moe_intermediate_size < 1:
+            raise ConfigValueError("moe_intermediate_size", c.moe_intermediate_size, ">= 1 with experts")
+        bad = [i for i in c.mlp_only_layers if not 0 <= i < c.num_layers]
+        if bad:
+            raise ConfigValueError("mlp_only_layers", list(c.mlp_only_layers),
+                                   f"layers of the {c.num_layers}-layer decoder, in [0, {c.num_layers})")
+    if c.intermediate_size < 1 and not all(c.sparse_layers):
+        raise ConfigValueError("intermediate_size", c.intermediate_size, ">= 1 (the decoder has dense MLP layers)")
+    if c.mrope_interleaved and c.mrope_section is None:
+        raise ValueError("mrope_interleaved needs an mrope_section")
+    if c.rope_scaling is not None:
+        _check_rope_scaling(c)
+
+
+def _check_rope_scaling(config: DecoderConfig) -> None:
+    scaling = config.rope_scaling
+    if scaling is None or len(scaling) != 4:
+        raise ConfigValueError("rope_scaling", scaling, f"the 4 llama3 values {_LLAMA3_SCALING}")
+    values = tuple(_check_positive(f"rope_scaling.{name}", v) for name, v in zip(_LLAMA3_SCALING, scaling))
+    _, low, high, _ = values
+    if low >= high:
+        raise ConfigValueError("rope_scaling.low_freq_factor", low, f"below high_freq_factor = {high} (llama3 RoPE "
+                               "needs low_freq_factor < high_freq_factor)")
+    if config.mrope_section is not None:
+        raise ValueError("rope_scaling (Llama-3) applies to plain 1D RoPE; drop the mrope_section or the scaling")
+    object.__setattr__(config, "rope_scaling", values)
+
+
+def check_token_ids(ids: Mapping[str, Any], vocab_size: int) -> None:
+    """Refuses token ids outside the vocabulary `[0, vocab_size)`.
+
+    Args:
+        ids: attribute name (as messages should name it, e.g. "config.bos_token_id") -> an id or a list of ids;
+            None values are skipped.
+        vocab_size: rows of the embedding table.
+
+    Raises:
+        ConfigValueError: naming the attribute, the bad id and the range.
+    """
+    for name, value in ids.items():
+        if value is None:
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if not _is_int(v) or not 0 <= v < vocab_size:
+                raise ConfigValueError(name, value, f"a token id (or list of them) in [0, vocab_size = {vocab_size}), "
+                                       "inside the vocabulary")
+
+
+def default_head_dim(hidden_size: Any, num_heads: Any) -> int:
+    """`hidden_size // num_heads`, the head width a Hugging Face config implies when it sets no `head_dim`; 0 when
+    either is not a positive integer (the config's own check then names the bad one)."""
+    if _is_int(hidden_size) and _is_int(num_heads) and hidden_size > 0 and num_heads > 0:
+        return int(hidden_size) // int(num_heads)
+    return 0
+
+
+def hf_value(section: Mapping[str, Any], key: str, default: Any) -> Any:
+    """`section[key]`, or `default` where the key is absent or null: unlike `section.get(key) or default`, a 0 stays
+    0, so the config's check refuses it instead of quietly taking the default."""
+    value = section.get(key)
+    return default if value is None else value
+
+
+def hf_token_ids(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The `bos_token_id` / `eos_token_id` / `pad_token_id` a Hugging Face config section sets (for
+    `validate_config`; the caller's error names the section)."""
+    return {key: section[key] for key in HF_TOKEN_ID_KEYS if section.get(key) is not None}
+
+
+def validate_config(config: DecoderConfig, token_ids: Mapping[str, Any] | None = None) -> DecoderConfig:
+    """Every value check of a decoder config, as the converter and the loader run it: the values a config is built
+    with (`check_values`), and its `eos_token_ids` plus `token_ids` (e.g. a Hugging Face config's bos / pad ids,
+    `hf_token_ids`) inside the vocabulary.
+
+    Args:
+        config: the decoder config.
+        token_ids: further token ids, name -> id or list of ids (see `check_token_ids`).
+
+    Returns:
+        `config`, unchanged.
+
+    Raises:
+        ConfigValueError: (a `ValueError`) naming the field, the bad value and the allowed range.
+    """
+    check_values(config)
+    check_token_ids({**(token_ids or {}), _name("eos_token_ids"): list(config.eos_token_ids)}, config.vocab_size)
+    return config
 
 
 # Presets. Real sizes come from the published checkpoints; `tiny` variants are for tests and the demo.

@@ -13,7 +13,7 @@ from pathlib import Path
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
-from omnijax.models.config import DecoderConfig
+from omnijax.models.config import DecoderConfig, validate_config
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import FAMILIES, Family, OmniModel, family_for
 from omnijax.models.llama import family as llama_family
@@ -38,11 +38,12 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> tuple[str, DecoderConfig]:
 
     Raises:
         CheckpointFormatError: see `omnijax.checkpoint.format.read_manifest_dict`; also when the decoder config does
-            not parse.
+            not parse or holds a value outside its range (`omnijax.models.config.validate_config`: a head count of
+            0, a NaN rope_theta, an eos id outside the vocabulary, ...), before any parameter is read.
     """
     manifest = checkpoint.read_manifest_dict(ckpt_dir)
     try:
-        config = DecoderConfig.from_json(manifest["decoder"])
+        config = validate_config(DecoderConfig.from_json(manifest["decoder"]))
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointFormatError(f"{Path(ckpt_dir) / checkpoint.MANIFEST}: invalid decoder config: "
                                                f"{e}") from e

@@ -501,8 +501,13 @@ def test_generation_config_sets_answer_end_tokens(tmp_path):
 
     src = demo.write_tiny_hf_checkpoint(tmp_path / "hf")
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 151645, 3]}))
+    # An id outside the 512-token vocabulary is refused by name (it used to be dropped silently).
+    with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id=\[7, 151645, 3\] is out of range"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3]}))
     _, config = read_manifest(convert_checkpoint(src, tmp_path / "out", progress=False))
-    assert config.eos_token_ids == (7, 3)  # ids outside the vocabulary are dropped
+    assert config.eos_token_ids == (7, 3)
     assert (tmp_path / "out" / "generation_config.json").is_file()
     (src / "generation_config.json").write_text('{"eos_token_id": "x"}')
     with pytest.raises(ConfigError, match="eos_token_id"):

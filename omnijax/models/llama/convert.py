@@ -30,7 +30,7 @@ from typing import Any
 from omnijax.checkpoint import loop as streaming
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
-from omnijax.models.config import DecoderConfig
+from omnijax.models.config import DecoderConfig, default_head_dim, hf_token_ids, hf_value, validate_config
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 from omnijax.models.qwen2_5_omni import convert as shared
 
@@ -109,27 +109,29 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, tuple[float, float, float, floa
         if name not in _ROPE_KEYS[kind]:
             raise UnsupportedConfigError(f"config.{key}.{name}", value, f"not part of {kind!r} RoPE as implemented")
     theta = rope.get("rope_theta", hf.get("rope_theta"))
-    if theta is not None and hf.get("rope_theta") is not None and float(hf["rope_theta"]) != float(theta):
+    if rope.get("rope_theta") is not None and hf.get("rope_theta") is not None and \
+            repr(rope["rope_theta"]) != repr(hf["rope_theta"]) and rope["rope_theta"] != hf["rope_theta"]:
         raise ConfigError(f"config.{key}.rope_theta={theta!r} disagrees with config.rope_theta={hf['rope_theta']!r}")
-    theta = DEFAULT_ROPE_THETA if theta is None else float(theta)
+    theta = DEFAULT_ROPE_THETA if theta is None else theta  # its range: `omnijax.models.config.check_values`
     if kind == "default":
         return theta, None
     missing = [name for name in _LLAMA3_KEYS if rope.get(name) is None]
     if missing:
         raise ConfigError(f"config.{key} with rope_type 'llama3' lacks {missing}")
-    factor, low, high, original = (float(rope[name]) for name in _LLAMA3_KEYS)
-    if min(factor, low, high, original) <= 0 or low >= high:
-        raise ConfigError(f"config.{key}: llama3 RoPE needs positive values and low_freq_factor < "
-                          f"high_freq_factor, got {rope!r}")
-    return theta, (factor, low, high, original)
+    try:
+        factor, low, high, original = (float(rope[name]) for name in _LLAMA3_KEYS)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.{key}: llama3 RoPE values must be numbers, got {rope!r}") from e
+    return theta, (factor, low, high, original)  # ranges: `omnijax.models.config.check_values`
 
 
-def _eos_ids(hf: Mapping[str, Any], vocab: int) -> tuple[int, ...]:
+def _eos_ids(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    """The config's end-of-answer ids (their range is checked with the config's, `validate_config`)."""
     eos = hf.get("eos_token_id")
     ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"config.eos_token_id must be an int or a list of ints, got {eos!r}")
-    return tuple(i for i in ids if 0 <= i < vocab)
+    return tuple(ids)
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
@@ -156,27 +158,28 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
     missing = [k for k in required if hf_config.get(k) is None]
     if missing:
         raise ConfigError(f"config lacks required attribute(s) {missing}")
-    heads, hidden, vocab = (int(hf_config[k]) for k in ("num_attention_heads", "hidden_size", "vocab_size"))
+    eos = _eos_ids(hf_config)
+    heads, hidden = hf_config["num_attention_heads"], hf_config["hidden_size"]
     try:
-        return DecoderConfig(
-            vocab_size=vocab,
+        return validate_config(DecoderConfig(
+            vocab_size=hf_config["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=int(hf_config["intermediate_size"]),
-            num_layers=int(hf_config["num_hidden_layers"]),
+            intermediate_size=hf_config["intermediate_size"],
+            num_layers=hf_config["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
-            head_dim=int(hf_config.get("head_dim") or hidden // heads),
+            num_kv_heads=hf_value(hf_config, "num_key_value_heads", heads),
+            head_dim=hf_value(hf_config, "head_dim", default_head_dim(hidden, heads)),
             rope_theta=theta,
             rope_scaling=scaling,
             mrope_section=None,
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
             qkv_bias=False,
             qk_norm=False,
             tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             dtype=dtype,
-            eos_token_ids=_eos_ids(hf_config, vocab),
-        )
-    except ValueError as e:
+            eos_token_ids=eos,
+        ), hf_token_ids(hf_config))
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"config: {e}") from e
 
 

@@ -44,10 +44,9 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         raise ConfigError(f"model_type {hf_config.get('model_type')!r} is not MiniCPM-o ({HF_MODEL_TYPES})")
     llm = {k: v for k, v in hf_config.items() if not isinstance(v, dict) or k in ("rope_scaling", "rope_parameters")}
     llm["model_type"] = "qwen3"
-    config = qwen.config_from_hf(llm, dtype=dtype)
+    config = qwen.config_from_hf(llm, dtype=dtype)  # checks the values, bos / eos / pad ids included
     eos = hf_config.get("eos_token_id")
-    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return config.replace(eos_token_ids=tuple(e for e in eos if e < config.vocab_size))
+    return config.replace(eos_token_ids=() if eos is None else tuple(eos if isinstance(eos, list) else [eos]))
 
 
 def decoder_component(config: DecoderConfig) -> Component:

@@ -26,7 +26,7 @@ from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
-from omnijax.models.config import DecoderConfig
+from omnijax.models.config import DecoderConfig, default_head_dim, hf_token_ids, hf_value, validate_config
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig
@@ -84,8 +84,9 @@ def _parse_rope(rope: Mapping[str, Any], scope: str) -> tuple[float | None, tupl
         raise UnsupportedConfigError(f"{scope}.mrope_interleaved", rope["mrope_interleaved"],
                                      "interleaved mrope (Qwen3-Omni) is not implemented")
     section = rope.get("mrope_section")
-    theta = rope.get("rope_theta")
-    return (None if theta is None else float(theta)), (None if section is None else tuple(int(s) for s in section))
+    if section is not None and not isinstance(section, list):
+        raise ConfigError(f"{scope}.mrope_section must be a list of 3 integers, got {section!r}")
+    return rope.get("rope_theta"), (None if section is None else tuple(section))  # ranges: `validate_config`
 
 
 def model_type_for(hf_config: Mapping[str, Any]) -> str:
@@ -165,28 +166,32 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
                            "num_attention_heads") if text.get(k) is None]
     if missing:
         raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
-    heads = int(text["num_attention_heads"])
-    vocab = int(text["vocab_size"])
+    heads, vocab = text["num_attention_heads"], text["vocab_size"]
     try:
-        return DecoderConfig(
+        return validate_config(DecoderConfig(
             vocab_size=vocab,
-            hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
-            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
-            rope_theta=float(theta),
+            num_kv_heads=hf_value(text, "num_key_value_heads", heads),
+            head_dim=hf_value(text, "head_dim", default_head_dim(text["hidden_size"], heads)),
+            rope_theta=theta,
             mrope_section=section,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             qkv_bias=model_type != "qwen3",
             qk_norm=model_type == "qwen3",
             tie_embeddings=bool(tie),
             dtype=dtype,
-            eos_token_ids=(IM_END_TOKEN_ID,) if vocab > IM_END_TOKEN_ID else (),
-        )
-    except ValueError as e:
+            eos_token_ids=default_eos(vocab),
+        ), hf_token_ids(text))
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"{scope}: {e}") from e
+
+
+def default_eos(vocab_size: Any) -> tuple[int, ...]:
+    """The release's `<|im_end|>` as the end of an answer, when a vocabulary of `vocab_size` holds it."""
+    return (IM_END_TOKEN_ID,) if isinstance(vocab_size, int) and vocab_size > IM_END_TOKEN_ID else ()
 
 
 # ------------------------------------------------------------------------------------------------------ name table

@@ -23,7 +23,7 @@ from omnijax.checkpoint.name_tables import Component
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.errors import ConfigError, MissingTensorError, UnsupportedConfigError
-from omnijax.models.config import DecoderConfig
+from omnijax.models.config import DecoderConfig, default_head_dim, hf_token_ids, hf_value, validate_config
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 from omnijax.models.qwen2_5_omni import convert as shared
 from omnijax.models.qwen3_omni import audio as audio_lib
@@ -105,8 +105,10 @@ def _rope(text: Mapping[str, Any], scope: str) -> tuple[float, tuple[int, int, i
     theta = rope.get("rope_theta", text.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{scope} sets no rope_theta")
-    section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20)))
-    return float(theta), section
+    section = rope.get("mrope_section", [24, 20, 20])
+    if not isinstance(section, list):
+        raise ConfigError(f"{scope}.rope_parameters.mrope_section must be a list of 3 integers, got {section!r}")
+    return theta, tuple(section)  # their ranges: `omnijax.models.config.check_values`
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
@@ -126,23 +128,23 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
                if text.get(k) is None]
     if missing:
         raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
-    heads, vocab = int(text["num_attention_heads"]), int(text["vocab_size"])
-    experts = int(text.get("num_experts") or 0)
+    heads, vocab, hidden = text["num_attention_heads"], text["vocab_size"], text["hidden_size"]
+    experts = text.get("num_experts") or 0
     try:
-        return DecoderConfig(
-            vocab_size=vocab, hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text.get("intermediate_size") or 0), num_layers=int(text["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads), rope_theta=theta,
-            mrope_section=section, mrope_interleaved=True, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        return validate_config(DecoderConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=text.get("intermediate_size") or 0,
+            num_layers=text["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf_value(text, "num_key_value_heads", heads),
+            head_dim=hf_value(text, "head_dim", default_head_dim(hidden, heads)), rope_theta=theta,
+            mrope_section=section, mrope_interleaved=True, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             qkv_bias=False, qk_norm=True, tie_embeddings=bool(text.get("tie_word_embeddings", False)), dtype=dtype,
-            eos_token_ids=(IM_END_TOKEN_ID,) if vocab > IM_END_TOKEN_ID else (),
-            num_experts=experts, num_experts_per_tok=int(text.get("num_experts_per_tok") or 0) if experts else 0,
-            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if experts else 0,
+            eos_token_ids=shared.default_eos(vocab),
+            num_experts=experts, num_experts_per_tok=hf_value(text, "num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=hf_value(text, "moe_intermediate_size", 0) if experts else 0,
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
-            decoder_sparse_step=int(text.get("decoder_sparse_step") or 1))
-    except ValueError as e:
+            decoder_sparse_step=hf_value(text, "decoder_sparse_step", 1)), hf_token_ids(text))
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"{scope}: {e}") from e
 
 
