@@ -44,6 +44,14 @@ past the track's end is silence. Every unit therefore has the same shapes (`fram
 `samples_per_unit` samples: one compiled program for the whole session) and is accepted by
 `frontend.audiovisual_chunk`. With `tail="drop"` a partial last unit is left out (`num_units` counts whole units).
 
+A truncated file. A file cut short (a download or a copy that stopped, with its index at the front, as MP4 with
+`faststart` has it) still states its full length, but its streams end early. `units()` notices when the video stream
+ends more than one frame before the frame count (or duration) the file states, and stops at the real end instead of
+holding the last frame and silence for the rest: the unit in which the stream ended is the last one (completed as
+above with `tail="pad"`, left out with `tail="drop"`), and a `TruncatedVideoWarning` names the file, the stated and
+the decoded durations. An audio packet cut in two at the end of such a file ends the audio there; an audio decoding
+error where the video goes on is a `VideoError` as before.
+
 Memory. `units()` decodes as it goes: it holds the current unit's sampled frames, the last decoded frame and at most
 about one unit of audio, whatever the length of the file.
 """
@@ -53,14 +61,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-__all__ = ["SAMPLE_RATE", "TAILS", "VideoError", "VideoFile", "frames_per_unit", "open_video", "unit_frame_indices",
-           "write_clip"]
+__all__ = ["SAMPLE_RATE", "TAILS", "TruncatedVideoWarning", "VideoError", "VideoFile", "frames_per_unit", "open_video",
+           "unit_frame_indices", "write_clip"]
 
 SAMPLE_RATE = 16_000  # the audio encoders' rate
 TAILS = ("pad", "drop")
@@ -70,6 +79,10 @@ _EPS = 1e-6
 
 class VideoError(ValueError):
     """A video file that cannot be read as asked: missing, not a video, without a video or audio track."""
+
+
+class TruncatedVideoWarning(UserWarning):
+    """A video file whose video stream ends before the length the file states (see "A truncated file")."""
 
 
 def _import_av():
@@ -150,7 +163,8 @@ class VideoFile:
 
     def units(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yields `num_units` pairs `(frames [frames_per_unit, H, W, 3] uint8, pcm [samples_per_unit] float32)`,
-        decoding as it goes (closing the generator closes the file). A decoding error raises `VideoError`."""
+        decoding as it goes (closing the generator closes the file); fewer, with a `TruncatedVideoWarning`, when the
+        video stream ends early (see "A truncated file"). A decoding error raises `VideoError`."""
         av = _import_av()
         with contextlib.ExitStack() as files:
             frames = _FrameReader(files.enter_context(av.open(str(self.path))), self.frame_size)
@@ -158,13 +172,50 @@ class VideoFile:
             if self.has_audio:
                 audio = _AudioReader(files.enter_context(av.open(str(self.path))))
             for k in range(self.num_units):
+                first, stop = self._span(k)
                 try:
+                    frames.reach(first)
+                    if self._short(frames) and first >= frames.count:
+                        self._warn_truncated(frames, k)
+                        return
                     picked = np.stack([frames.at(i) for i in self.frame_indices(k)])
+                    frames.reach(stop - 1)  # is the unit's clip whole? (decodes what the next unit reads anyway)
                     pcm = (audio.take(self.samples_per_unit) if audio is not None
                            else np.zeros(self.samples_per_unit, np.float32))
+                    audio_cut = audio is not None and audio.error is not None
+                    if audio is not None and audio.error is not None:  # truncation, or damage where the video goes on?
+                        frames.reach(math.ceil((audio.seconds + 2 * self.unit_seconds) * self.native_fps))
+                        if not self._short(frames):
+                            raise audio.error
                 except av.FFmpegError as e:
                     raise VideoError(f"{self.path}: decoding unit {k} failed: {e.strerror or e}") from e
+                if self._short(frames) and (frames.count < stop or audio_cut):  # the file ended inside this unit
+                    if self.tail == "pad":
+                        yield picked, pcm
+                    self._warn_truncated(frames, k + (self.tail == "pad"))
+                    return
                 yield picked, pcm
+
+    def _span(self, k: int) -> tuple[int, int]:
+        """Native frames `[first, stop)` of unit `k`'s clip."""
+        unit = _exact(self.unit_seconds)
+        return math.ceil(k * unit * self.native_fps), math.ceil((k + 1) * unit * self.native_fps)
+
+    def _stated_frames(self) -> int:
+        if self.num_frames is not None:
+            return self.num_frames
+        return int(math.floor(self.duration_s * self.native_fps + 1e-6))
+
+    def _short(self, frames: "_FrameReader") -> bool:
+        """Whether the video stream ended more than one frame before the length the file states."""
+        return frames.ended and frames.count < self._stated_frames() - 1
+
+    def _warn_truncated(self, frames: "_FrameReader", yielded: int) -> None:
+        decoded = frames.count / self.native_fps
+        warnings.warn(f"{self.path}: the video stream ends after {float(decoded):.2f} s although the file states "
+                      f"{self.duration_s:.2f} s (the file looks truncated); stopping at the decoded end after "
+                      f"{yielded} of {self.num_units} units instead of holding the last frame and silence",
+                      TruncatedVideoWarning, stacklevel=3)
 
 
 class _FrameReader:
@@ -175,18 +226,27 @@ class _FrameReader:
         stream.thread_type = "AUTO"
         self._decoded = container.decode(stream)
         self._size = {} if frame_size is None else {"height": frame_size[0], "width": frame_size[1]}
-        self._index, self._frame, self._ended = -1, None, False
+        self._index, self._frame, self.ended = -1, None, False
         self._converted: tuple[int, np.ndarray] | None = None
+
+    @property
+    def count(self) -> int:
+        """Frames decoded so far (all of them once `ended`)."""
+        return self._index + 1
+
+    def reach(self, index: int) -> None:
+        """Decodes up to frame `index` (or the end of the stream), converting nothing."""
+        while self._index < index and not self.ended:
+            frame = next(self._decoded, None)
+            if frame is None:
+                self.ended = True
+            else:
+                self._index, self._frame = self._index + 1, frame
 
     def at(self, index: int) -> np.ndarray:
         """Frame `index` as `[H, W, 3]` uint8 RGB (the last frame when the file ends first). Indices must not
         decrease from call to call."""
-        while self._index < index and not self._ended:
-            frame = next(self._decoded, None)
-            if frame is None:
-                self._ended = True
-            else:
-                self._index, self._frame = self._index + 1, frame
+        self.reach(index)
         if self._frame is None:
             raise VideoError("the video stream has no decodable frame")
         if self._converted is None or self._converted[0] != self._index:
@@ -196,7 +256,7 @@ class _FrameReader:
 
 class _AudioReader:
     """16 kHz mono float32 audio of the first audio track (the mean of its channels), on the video's timeline, taken
-    in consecutive pieces."""
+    in consecutive pieces. A decoding error ends the track and is kept in `error` (`units()` decides what it is)."""
 
     def __init__(self, container):
         av = _import_av()
@@ -209,9 +269,20 @@ class _AudioReader:
         self._buffered = max(self._lead, 0)
         self._skip = max(-self._lead, 0)
         self._ended = False
+        self._total = self._buffered  # samples on the video's timeline produced so far
+        self._errors = av.FFmpegError
+        self.error: Exception | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of the video's timeline the audio decoded so far reaches."""
+        return self._total / SAMPLE_RATE
 
     def _resampled(self):
-        frame = next(self._decoded, None)
+        try:
+            frame = next(self._decoded, None)
+        except self._errors as e:  # a damaged packet, or one cut in two at the end of a truncated file
+            self.error, frame = e, None
         if frame is None:
             self._ended = True
         return self._resampler.resample(frame)  # None flushes the resampler
@@ -226,6 +297,7 @@ class _AudioReader:
                     piece, self._skip = piece[cut:], self._skip - cut
                 self._pieces.append(piece)
                 self._buffered += piece.shape[0]
+                self._total += piece.shape[0]
         data = np.concatenate(self._pieces) if len(self._pieces) != 1 else self._pieces[0]
         pcm = np.zeros(count, np.float32)
         pcm[:min(count, data.shape[0])] = data[:count]
