@@ -19,7 +19,8 @@ def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
     parser.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (config.json + safetensors)")
     parser.add_argument("dst", metavar="DST", help="output directory")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists and is not empty")
+    parser.add_argument("--force", action="store_true",
+                        help="replace DST if it exists and is not empty (a DST that is a symbolic link is refused)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     return parser
 
