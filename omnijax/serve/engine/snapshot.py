@@ -50,6 +50,9 @@ PAGE_AXES = {"k": 1, "v": 1, "valid": 0, "pos": 1, "order": 0, "unit": 0, "span"
 KV_ROW_FIELDS = ("seq_slots", "next_order", "exhausted", "dropped")  # per-row fields of `PagedKV`
 STATE_ROW_FIELDS = ("next_pos", "key", "last_logits")  # per-row fields of `StreamState`
 ARRAY_FIELDS = ("entries",) + tuple(PAGE_AXES) + KV_ROW_FIELDS + STATE_ROW_FIELDS
+# The largest counter (positions, tokens written, units) a snapshot may hold: far beyond any real session, far enough
+# below the int32 limit that the session can go on counting; a larger one is a damaged or tampered snapshot.
+COUNTER_LIMIT = 2 ** 30
 
 
 class SnapshotError(ValueError):
@@ -168,6 +171,23 @@ class SessionSnapshot:
         entries = np.asarray(self.entries)
         if E and (entries[0] < 0 or np.any(np.diff(entries) <= 0)):
             raise SnapshotError(f"snapshot page-table entries must be distinct, ascending and >= 0, got {entries}")
+        self._check_counters()
+
+    def _check_counters(self) -> None:
+        """Refuses counters out of range (`COUNTER_LIMIT`) or at odds with the pages held (`SnapshotError`)."""
+        bad = [f"{name} {int(getattr(self, name))}" for name in ("seq_slots", "next_order", "dropped", "next_pos")
+               if not 0 <= int(getattr(self, name)) <= COUNTER_LIMIT]
+        valid = np.asarray(self.valid, bool)
+        for name in ("unit", "order"):
+            held = np.asarray(getattr(self, name))[valid]
+            if held.size and not (held.min() >= -1 and held.max() <= COUNTER_LIMIT):  # -1: the pool's "none"
+                bad.append(f"{name} of the held tokens in [{held.min()}, {held.max()}]")
+        if bad:
+            raise SnapshotError(f"session snapshot counters out of range [0, {COUNTER_LIMIT}]: " + "; ".join(bad))
+        held_entries = -(-int(self.seq_slots) // self.spec.page_size)
+        if self.table_width > held_entries:
+            raise SnapshotError(f"the snapshot's pages sit at page-table entries up to {self.table_width - 1}, but its "
+                                f"seq_slots {int(self.seq_slots)} holds only {held_entries} entries")
 
 
 def _meta_json(meta) -> str:
@@ -338,8 +358,11 @@ def _is_snapshot_dir(path: Path) -> bool:
 def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwrite: bool = False) -> Path:
     """Writes a snapshot to the directory `path` atomically: into a temporary directory beside it, then renamed.
 
-    `path` never holds a partial snapshot; when overwriting, the old one is moved aside first, so `path` is briefly
-    absent between the two renames (a concurrent `load_snapshot` then sees nothing, never a mix).
+    Every file is synced to disk before the rename, and the parent after it: once this returns, the snapshot
+    survives a crash. `path` never holds a partial snapshot; when overwriting, the old one is moved aside first, so
+    `path` is briefly absent between the two renames (a concurrent `load_snapshot` then sees nothing, never a mix).
+    A writer that must never be without a snapshot writes each one to a new path instead and deletes the older ones
+    afterwards, as `omnijax.serve.realtime.snapshot_store` does.
 
     Args:
         path: the snapshot directory (its parent is created when missing).
@@ -373,8 +396,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
             checkpointer.wait_until_finished()
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _fsync_tree(tmp)  # every file and folder on disk before the rename makes the snapshot visible
         if path.exists():  # overwrite: move the old one aside, put the new one in place, then delete the old one
             old = path.parent / f".{path.name}.{uuid.uuid4().hex}.old"
             os.rename(path, old)
@@ -382,10 +404,27 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, path)
+        _fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Syncs every file and folder under `root` (and `root`) to disk."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
 
 
 def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:

@@ -30,25 +30,27 @@ A malformed or refused event gets an `error` event and changes nothing; other se
 over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return.
 
 Resuming (with `ServeOptions.snapshot_dir`): `session.created` carries `"omnijax": {"resume_token": t}` in the
-session object. When the connection ends (the client leaves, or the server shuts down on SIGTERM/SIGINT), a response
-still decoding is cancelled and the session is snapshotted with orbax under the directory: its KV pages, cursor,
-sampling key and last logits (`omnijax.serve.engine.snapshot`) and its conversation (messages, template text fed, items,
-settings). Connecting with `/v1/realtime?resume=t` (the SDK: `connect(..., extra_query={"resume": t})`), to this
-server or to a restarted one over the same checkpoint and pool settings, continues that session: its next answer is
-the one the uninterrupted session would give. A token resumes once (the snapshot is removed once imported; the next
-disconnect writes a fresh one). Audio appended but not yet fed (less than a frame) is not part of a snapshot.
+session object. The session (KV pages, cursor, sampling key and last logits, `omnijax.serve.engine.snapshot`, and its
+conversation) is written to the server's `omnijax.serve.realtime.snapshot_store` when the connection ends (the client
+leaves, it idles out, or SIGTERM/SIGINT; a response still decoding is cancelled first) and, with `--snapshot-every
+30s` / `5turns`, periodically while idle, so a SIGKILL loses at most one interval (`resume.Snapshotter`).
+`/v1/realtime?resume=t` (the SDK: `connect(..., extra_query={"resume": t})`), on this server or a restarted one over
+the same checkpoint and pool settings, continues from the newest snapshot exactly. A token is leased to one
+connection at a time (a second one gets `resume_failed` and close 1008: no fork; a reconnect while the last snapshot
+is written waits for it); the snapshot stays when resumed and the session keeps writing under its token; a damaged or
+altered snapshot is refused by name (`resume.restored`); a failed write is an `error` event `snapshot_failed`. Audio
+appended but not yet fed (less than a frame) is not part of a snapshot.
+
+Idle timeout (`--idle-timeout`, 0: none): a connection whose client sends nothing for that long, with no response
+decoding, is snapshotted (when resumable), sent an `error` event `idle_timeout` and closed (1000); its engine session
+is freed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import re
-import secrets
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,10 +60,11 @@ from omnijax.decoding import sampling_row
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
-from omnijax.serve.engine.snapshot import SnapshotError, load_snapshot, save_snapshot
+from omnijax.serve.engine.snapshot import SnapshotError
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.duplex import DuplexRealtime
+from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
 
 if TYPE_CHECKING:
     from omnijax.retention.base import RetentionPolicy
@@ -103,6 +106,11 @@ class RealtimeSession:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
         self.duplex = None  # `omnijax.serve.realtime.duplex.DuplexRealtime` once duplex is on
+        self.snapshots: Snapshotter | None = None  # set by `realtime_endpoint` when the session is resumable
+        self.last_active = 0.0  # loop time of the client's last message or the last response's end (idle timeout)
+        self._wake = asyncio.Event()  # a response ended: the receive loop checks for a due snapshot
+        timers = [x / 4 for x in (self.options.idle_timeout_s, self.options.snapshot_every_s) if x]
+        self._poll_s = max(0.02, min([1.0] + timers))
 
     # ---------------------------------------------------------------------------------------------- transport
     def send(self, event: dict) -> None:
@@ -119,16 +127,34 @@ class RealtimeSession:
         return task
 
     async def run(self) -> None:
-        """Serves the connection until the client closes it."""
+        """Serves the connection until the client closes it or it idles out (module docstring)."""
 
         writer = asyncio.create_task(self._writer())
         created = rse.session_created(self.settings, self.session_id)
         if self.token is not None:
             created["session"]["omnijax"]["resume_token"] = self.token
         self.send(created)
+        loop = asyncio.get_running_loop()
+        self.last_active = loop.time()
+        receive: asyncio.Future | None = None
+        idled = False
         try:
             while True:
-                message = await self.ws.receive()
+                if receive is None:
+                    receive = asyncio.ensure_future(self.ws.receive())
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({receive, wake}, timeout=self._poll_s, return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                self._wake.clear()
+                if self.snapshots is not None:
+                    await self.snapshots.periodic()
+                if not receive.done():
+                    if self._idled_out(loop.time()):
+                        idled = True
+                        break
+                    continue
+                message, receive = receive.result(), None
+                self.last_active = loop.time()
                 if message["type"] == "websocket.disconnect":
                     break
                 text = message.get("text")
@@ -143,51 +169,41 @@ class RealtimeSession:
                     await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
                 except rte.RealtimeEventError as e:
                     self.send(e.to_event())
+                else:
+                    if self.snapshots is not None:
+                        self.snapshots.touch()
         except WebSocketDisconnect:
             pass
         finally:
-            if self.token is not None and self.duplex is None:  # duplex streams are not resumable
-                await self._snapshot()
-            for task in list(self.tasks):
-                task.cancel()
-            self.outbox.put_nowait(None)
-            writer.cancel()
+            if receive is not None:
+                receive.cancel()
+            await self._end(writer, idled)
 
-    # ------------------------------------------------------------------------------------------------ resume
-    def meta(self) -> dict:
-        """The conversation side of a snapshot (JSON data)."""
-        return {"conversation": self.conversation.state(), "settings": dataclasses.asdict(self.settings),
-                "session_id": self.session_id, "instructions_fed": self.instructions_fed,
-                "last_item": self.last_item, "tokens_since_response": self.tokens_since_response,
-                "model": self.options.model_name}
+    def _idled_out(self, now: float) -> bool:
+        timeout = self.options.idle_timeout_s
+        responding = self.response is not None and not self.response.done()
+        return bool(timeout) and not responding and now - self.last_active >= timeout
 
-    def restore(self, meta: dict) -> None:
-        """Continues the conversation of a snapshot's `meta()`."""
-        settings = dict(meta["settings"])
-        if settings.get("turn_detection") is not None:
-            settings["turn_detection"] = rte.ServerVad(**settings["turn_detection"])
-        if isinstance(settings.get("truncation"), dict):
-            settings["truncation"] = rte.RetentionRatio(**settings["truncation"])
-        settings["output_modalities"] = tuple(settings["output_modalities"])
-        self.settings = rte.SessionSettings(**settings)
-        self.conversation.restore(meta["conversation"])
-        self.session_id, self.instructions_fed = meta["session_id"], meta["instructions_fed"]
-        self.last_item, self.tokens_since_response = meta["last_item"], int(meta["tokens_since_response"])
-
-    async def _snapshot(self) -> None:
-        """Snapshots the session under `snapshot_dir/<token>` (see the module docstring); failures are logged."""
-
-        try:
-            if self.response is not None and not self.response.done():
-                self.worker.cancel(self.sid)
-                await asyncio.wait_for(asyncio.shield(self.response), 30.0)
-            snapshot = await self.worker.export(self.sid, self.meta())
-            path = Path(self.options.snapshot_dir) / self.token
-            await asyncio.to_thread(save_snapshot, path, snapshot, overwrite=True)
-            log.info("realtime snapshot session=%s pages=%d -> %s", self.sid, snapshot.num_pages, path)
-        except Exception as e:  # noqa: BLE001 - the session ends either way; say why it cannot be resumed
-            log.warning("realtime snapshot session=%s failed (it cannot be resumed): %s: %s", self.sid,
-                        type(e).__name__, e)
+    async def _end(self, writer: asyncio.Task, idled: bool) -> None:
+        """The connection ends: the last snapshot, then (idled out) the `idle_timeout` error and the close."""
+        if self.snapshots is not None:
+            await self.snapshots.final()
+        if idled:
+            saved = self.snapshots is not None and self.snapshots.version == self.snapshots.saved
+            log.info("realtime session=%s: idle for %g s, closed", self.sid, self.options.idle_timeout_s)
+            self.send(rte.error_event("idle_timeout", f"the session sent nothing for {self.options.idle_timeout_s:g} "
+                                      f"s, the server's idle timeout (--idle-timeout), and is closed"
+                                      + ("; resume it with its token" if saved else "")))
+        for task in list(self.tasks):
+            task.cancel()
+        self.outbox.put_nowait(None)
+        if idled:
+            try:
+                await asyncio.wait_for(writer, 5.0)
+                await self.ws.close(1000, "idle timeout")
+            except Exception as e:  # noqa: BLE001 - the client may be gone already
+                log.info("realtime session=%s: idle close: %s", self.sid, type(e).__name__)
+        writer.cancel()
 
     # ------------------------------------------------------------------------------------------------ events
     async def handle(self, event: rte.ClientEvent) -> None:
@@ -436,57 +452,46 @@ class RealtimeSession:
         self.send(rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
                                     output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
                                     reason=reason if status != "completed" else None, max_output_tokens=limit))
+        self.last_active = asyncio.get_running_loop().time()
+        if self.snapshots is not None:
+            self.snapshots.turn_ended()
+            self._wake.set()
 
 
 async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
-    """Accepts a `/v1/realtime` WebSocket, opens its engine session (or refuses with an `error` event and close
-    1013 when overloaded), and serves it."""
+    """Accepts a `/v1/realtime` WebSocket, leases and checks the snapshot it resumes (or refuses with a
+    `resume_failed` error and close 1008), opens its engine session (or refuses with an `overloaded` error and close
+    1013), and serves it."""
 
     await ws.accept()
     client = ws.client.host if ws.client else "?"
-    snapshot = None
-    token = ws.query_params.get("resume")
     try:
-        if token is not None:
-            snapshot = await _load_resume(context, token)
-        elif context.options.snapshot_dir is not None:
-            token = secrets.token_hex(16)
-    except (ValueError, OSError) as e:
-        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
-        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
-        await ws.close(1008, "resume_failed")
+        plan = await resume_plan(context, ws.query_params.get("resume"))
+    except ResumeRefused as e:
+        await _refuse(ws, client, "resume_failed", str(e))
         return
+    store, lease, snapshot = plan.store, plan.lease, plan.snapshot
     try:
         async with context.session(client, "rt", snapshot) as sid:
             log.info("realtime connect peer=%s session=%s%s", client, sid, " (resumed)" if snapshot else "")
-            session = RealtimeSession(ws, context, sid, token)
-            if snapshot is not None:
-                session.restore(snapshot.meta)
-                await asyncio.to_thread(shutil.rmtree, Path(context.options.snapshot_dir) / token, True)
+            session = RealtimeSession(ws, context, sid, plan.token)
+            if plan.state is not None:
+                plan.state.apply(session)
+            if lease is not None and store is not None:
+                session.snapshots = Snapshotter(session, store, lease)
             await session.run()
             log.info("realtime close session=%s", sid)
     except SnapshotError as e:  # the engine refused the snapshot (another model shape, too few free pages)
-        log.warning("realtime refuse peer=%s reason=resume_failed: %s", client, e)
-        await ws.send_text(json.dumps(rte.error_event("resume_failed", str(e))))
-        await ws.close(1008, "resume_failed")
+        await _refuse(ws, client, "resume_failed", str(e))
     except Overloaded as e:
-        log.warning("realtime refuse peer=%s reason=overloaded: %s", client, e)
-        await ws.send_text(json.dumps(rte.error_event("overloaded", str(e), error_type="server_error")))
-        await ws.close(1013, "overloaded")
+        await _refuse(ws, client, "overloaded", str(e))
+    finally:
+        if lease is not None and store is not None:
+            store.release(lease)
 
 
-async def _load_resume(context, token: str):
-    """The snapshot a resume token names (ValueError / OSError naming the problem)."""
-
-    if context.options.snapshot_dir is None:
-        raise ValueError("this server does not resume sessions: start it with --snapshot-dir")
-    if not re.fullmatch(r"[0-9a-f]{32}", token):
-        raise ValueError("a resume token is the 32 hex digits session.created gave")
-    path = Path(context.options.snapshot_dir) / token
-    if not path.exists():
-        raise ValueError("no snapshot for this resume token (already resumed, or never written)")
-    snapshot = await asyncio.to_thread(load_snapshot, path)
-    if snapshot.meta.get("model") != context.options.model_name:
-        raise ValueError(f"the snapshot is of model {snapshot.meta.get('model')!r}, this server serves "
-                         f"{context.options.model_name!r}")
-    return snapshot
+async def _refuse(ws: WebSocket, client: str, code: str, message: str) -> None:
+    log.warning("realtime refuse peer=%s reason=%s: %s", client, code, message)
+    await ws.send_text(json.dumps(rte.error_event(code, message, error_type="server_error" if code == "overloaded"
+                                                  else "invalid_request_error")))
+    await ws.close(1013 if code == "overloaded" else 1008, code)

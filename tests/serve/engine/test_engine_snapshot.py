@@ -301,3 +301,23 @@ def test_pure_round_trip_keeps_table_gaps_and_bfloat16_bits(tmp_path):
     assert int(out.next_pos[1]) == 40 and np.array_equal(np.asarray(out.kv.order[1]), np.full(P, 7))
     assert np.array_equal(np.asarray(out.kv.valid)[[0, 1]], np.asarray(kv.valid)[[5, 2]])
     assert np.asarray(out.kv.page_table[0]).max() == -1 and int(out.next_pos[0]) == 0  # other rows untouched
+
+
+def test_counters_out_of_range_are_refused(tmp_path):
+    """A damaged or altered snapshot whose counters would overflow the session's int32 counting (or disagree with
+    the pages it holds) is refused by name by `check`, which `load_snapshot` and `import_row` run first."""
+    from tests.serve.realtime.test_snapshot_store import snap
+
+    good = snap(pages=2)
+    good.check()
+    i32 = np.int32
+    cases = {"next_pos 2147483647": dict(next_pos=np.asarray(2 ** 31 - 1, i32)),
+             "next_order -5": dict(next_order=np.asarray(-5, i32)),
+             "dropped 1073741825": dict(dropped=np.asarray(snapshot_lib.COUNTER_LIMIT + 1, i32)),
+             "unit of the held tokens in [0, 2000000000]": dict(unit=np.asarray([[0, 0], [0, 2_000_000_000]], i32)),
+             "its seq_slots 2 holds only 1 entries": dict(seq_slots=np.asarray(2, i32))}
+    for named, change in cases.items():
+        with pytest.raises(snapshot_lib.SnapshotError, match=re.escape(named)):
+            dataclasses.replace(good, **change).check()
+    path = save_snapshot(tmp_path / "ok", good)
+    assert int(load_snapshot(path).next_pos) == 4

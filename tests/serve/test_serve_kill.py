@@ -1,0 +1,108 @@
+"""`omnijax serve --snapshot-every 1turn` killed with SIGKILL while a Realtime session is open: a server restarted
+on the same --snapshot-dir removes the temp folders of interrupted writes (and says so), and resuming the session's
+token continues exactly as the uninterrupted session would from its last periodic snapshot."""
+
+import asyncio
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+class Served:
+    """`python -m omnijax.cli serve --demo-model ...` in a subprocess; `base_url` once it listens."""
+
+    def __init__(self, snapshots, *extra: str):
+        cmd = [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--frame-ms", "200",
+               "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir", str(snapshots), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                if "listening on" in line:
+                    ready.set()
+            ready.set()
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(300) or self.proc.poll() is not None:
+            raise AssertionError("the server did not start:\n" + "\n".join(self.lines[-20:]))
+        line = next(x for x in self.lines if "listening on" in x)
+        self.base_url = re.search(r"(http://\S+/v1)", line).group(1)
+
+    def client(self):
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
+
+
+async def _say(conn, text):
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+    await conn.response.create()
+    deltas = []
+    async for event in conn:
+        assert event.type != "error", event
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type == "response.done":
+            return "".join(deltas)
+
+
+def _generations(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if re.fullmatch(r"[0-9]{12}", p.name)) if folder.is_dir() else []
+
+
+def test_sigkill_loses_at_most_one_interval(tmp_path):
+    snapshots = tmp_path / "sessions"
+    first = Served(snapshots, "--snapshot-every", "1turn")
+    result: dict = {}
+    snapshotted = threading.Event()
+
+    async def before():
+        async with first.client().realtime.connect(model="omnijax") as ref:
+            await ref.recv()
+            result["expected"] = [await _say(ref, "First."), await _say(ref, "Second.")]
+        with contextlib.suppress(Exception):  # the connection dies with the server
+            async with first.client().realtime.connect(model="omnijax") as conn:
+                token = result["token"] = (await conn.recv()).session.model_extra["omnijax"]["resume_token"]
+                result["said"] = await _say(conn, "First.")
+                deadline = time.monotonic() + 60
+                while not _generations(snapshots / token):  # a whole one, not the temp folder of one
+                    assert time.monotonic() < deadline, "no periodic snapshot after the turn"
+                    await asyncio.sleep(0.05)
+                snapshotted.set()
+                await conn.recv()  # open until the server dies
+
+    client = threading.Thread(target=lambda: asyncio.run(before()))
+    client.start()
+    try:
+        assert snapshotted.wait(300), "\n".join(first.lines[-20:])
+    finally:
+        first.proc.send_signal(signal.SIGKILL)  # no shutdown, no snapshot at the end: only the periodic one
+        assert first.proc.wait(60) == -signal.SIGKILL
+        client.join(60)
+    token = result["token"]
+    assert result["said"] == result["expected"][0]
+    assert _generations(snapshots / token) == ["000000000000"]  # the periodic snapshot after the first turn
+    (snapshots / token / ".000000000007.k1ll.tmp" / "arrays").mkdir(parents=True)  # a write the kill cut short
+    second = Served(snapshots)
+    try:
+        assert any("cleaned 1 temp folder(s) of interrupted writes" in x for x in second.lines), "\n".join(second.lines)
+        assert not (snapshots / token / ".000000000007.k1ll.tmp").exists()
+
+        async def after():
+            async with second.client().realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+                await conn.recv()
+                return await _say(conn, "Second.")
+
+        assert asyncio.run(after()) == result["expected"][1]
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(120) in (0, -signal.SIGTERM)
