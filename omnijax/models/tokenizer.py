@@ -3,11 +3,18 @@
 `Tokenizer.from_directory` reads a Hugging Face tokenizer directory: `tokenizer.json` (required; run by the Rust
 `tokenizers` engine behind transformers' fast tokenizers, and the source of the added tokens), `tokenizer_config.json`
 (optional: `chat_template` as a string or a list of named templates, named special tokens such as `eos_token`) and
-the template files of transformers 5 (`chat_template.jinja`, `additional_chat_templates/*.jinja`, which override the
-config's). Templates render in a sandboxed Jinja environment set up as transformers 5.2 sets it up (`trim_blocks`,
+the template files. Which templates a directory has follows transformers 5.2.0, preferring the processor's (an omni
+model's prompts are rendered by its processor, e.g. through qwen-omni-utils): the legacy processor file
+`chat_template.json` when present (alone; `AutoTokenizer` ignores it, `AutoProcessor` prefers it to
+`chat_template.jinja`), else `chat_template.jinja` with `additional_chat_templates/*.jinja`, else the config's
+`chat_template` (template files replace the config's templates as a whole, as in `AutoTokenizer`). Not read: a
+`chat_template` key of `processor_config.json` (the converter does not copy that file).
+
+Templates render in a sandboxed Jinja environment set up as transformers 5.2 sets it up (`trim_blocks`,
 `lstrip_blocks`, `loopcontrols`, a `{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII text) with the named special tokens as variables. Not done: `clean_up_tokenization_spaces` (the Qwen
-releases turn it off) and the legacy `added_tokens.json` / `special_tokens_map.json`.
+non-ASCII text) with the named special tokens as variables, then the tokenizer's `template_defaults` (a family's
+defaults, e.g. MiniCPM-o 4.5's `enable_thinking=False`), then the caller's. Not done: `clean_up_tokenization_spaces`
+(the Qwen releases turn it off) and the legacy `added_tokens.json` / `special_tokens_map.json`.
 
 `write_tiny_tokenizer` trains a tiny byte-level BPE in milliseconds with special tokens at chosen ids, so tiny test
 checkpoints get a tokenizer that transformers' `AutoTokenizer` loads too.
@@ -32,6 +39,7 @@ __all__ = ["CHATML_TEMPLATE", "MINICPMO_4_5_TEMPLATE", "ROLES", "StreamDecoder",
 
 TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE, TEMPLATE_DIR = (
     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates")
+LEGACY_TEMPLATE_FILE = "chat_template.json"  # the processor format of transformers 4: {"chat_template": "..."}
 ROLES = ("system", "user", "assistant", "tool")
 REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
@@ -161,6 +169,41 @@ def _read(path: Path, as_json: bool = False):
     return data
 
 
+def _file_templates(directory: Path) -> dict[str, str]:
+    """The chat templates of a directory's template files, as transformers 5.2's processor loads them: the legacy
+    `chat_template.json` (`{"chat_template": "..."}`) alone when present (with `additional_chat_templates/` beside it
+    transformers refuses the directory, and so does this), else `chat_template.jinja` as "default" and each
+    `additional_chat_templates/NAME.jinja` as NAME. Empty when there are none."""
+    extras = sorted((directory / TEMPLATE_DIR).glob("*.jinja")) if (directory / TEMPLATE_DIR).is_dir() else []
+    legacy = directory / LEGACY_TEMPLATE_FILE
+    if legacy.is_file():
+        template = _read(legacy, as_json=True).get("chat_template")
+        if not isinstance(template, str):
+            raise TokenizerError(f"{legacy}: expected {{\"chat_template\": \"<Jinja source>\"}}, got a "
+                                 f"{type(template).__name__} under 'chat_template'")
+        if extras:
+            raise TokenizerError(f"{legacy}: a legacy {LEGACY_TEMPLATE_FILE} cannot be combined with the template "
+                                 f"files in {directory / TEMPLATE_DIR} (transformers refuses this too); replace it "
+                                 f"with a {TEMPLATE_FILE} holding the same template")
+        return {"default": template}
+    templates = {extra.name.removesuffix(".jinja"): _read(extra) for extra in extras}
+    if (directory / TEMPLATE_FILE).is_file():
+        templates["default"] = _read(directory / TEMPLATE_FILE)
+    return templates
+
+
+def _template_variables(variables: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """`variables` as a dict of template variables; a ValueError for a name that is not one."""
+    if not isinstance(variables, Mapping):
+        raise ValueError(f"{what} must be a mapping of template variable names to values, got "
+                         f"{type(variables).__name__}")
+    for name in variables:
+        if not isinstance(name, str) or name in ("messages", "add_generation_prompt"):
+            raise ValueError(f"{what}: {name!r} cannot be a template variable (names are strings; messages and "
+                             "add_generation_prompt are render's own arguments)")
+    return dict(variables)
+
+
 def _token_text(value) -> str | None:
     """A special token as a config stores it: a string or an added-token object `{"content": ...}`."""
     if isinstance(value, dict):
@@ -173,6 +216,8 @@ class Tokenizer:
 
     Attributes:
         backend: the `tokenizers.Tokenizer` doing the work.
+        template_defaults: template variables every `render` gets unless its caller passes them (see
+            `with_template_defaults`); empty for a tokenizer read from a directory.
         chat_templates: template name -> Jinja source ("default" is used unless a name is asked for); empty when
             the checkpoint ships none.
         special_tokens: named special tokens (`eos_token`, `bos_token`, `pad_token`, model-specific `*_token`
@@ -181,11 +226,26 @@ class Tokenizer:
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, chat_templates: Mapping[str, str] | None = None,
-                 special_tokens: Mapping[str, str] | None = None, source: str | None = None):
+                 special_tokens: Mapping[str, str] | None = None, source: str | None = None,
+                 template_defaults: Mapping[str, Any] | None = None):
         self.backend = backend
         self.chat_templates = dict(chat_templates or {})
         self.special_tokens = dict(special_tokens or {})
         self.source = source
+        self.template_defaults = _template_variables(template_defaults or {}, "template_defaults")
+
+    def with_template_defaults(self, defaults: Mapping[str, Any]) -> Tokenizer:
+        """This tokenizer (the same backend, templates and special tokens) rendering with `defaults` as template
+        variables (over its own `template_defaults`) wherever a caller of `render` does not pass them, e.g. a
+        family's `{"enable_thinking": False}`.
+
+        Raises:
+            ValueError: a name that is not a string, or one `render` sets itself (`messages`,
+                `add_generation_prompt`).
+        """
+        merged = {**self.template_defaults, **_template_variables(defaults, "template defaults")}
+        return Tokenizer(self.backend, chat_templates=self.chat_templates, special_tokens=self.special_tokens,
+                         source=self.source, template_defaults=merged)
 
     @classmethod
     def from_directory(cls, path: str | Path) -> Tokenizer:
@@ -205,21 +265,19 @@ class Tokenizer:
             raise TokenizerError(f"{file}: not a valid tokenizers file: {e}") from e
         config_file = directory / CONFIG_FILE
         config = _read(config_file, as_json=True) if config_file.is_file() else {}
-        templates: dict[str, str] = {}
+        templates = _file_templates(directory)
         raw = config.get("chat_template")
         if isinstance(raw, str):
-            templates["default"] = raw
+            configured = {"default": raw}
         elif isinstance(raw, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                            and isinstance(t.get("template"), str) for t in raw):
-            templates.update({t["name"]: t["template"] for t in raw})
+            configured = {t["name"]: t["template"] for t in raw}
         elif raw is not None:
             raise TokenizerError(f"{config_file}: chat_template must be a string or a list of "
                                  f"{{'name': ..., 'template': ...}} objects, got {type(raw).__name__}")
-        if (directory / TEMPLATE_FILE).is_file():
-            templates["default"] = _read(directory / TEMPLATE_FILE)
-        if (directory / TEMPLATE_DIR).is_dir():
-            for extra in sorted((directory / TEMPLATE_DIR).glob("*.jinja")):
-                templates[extra.name.removesuffix(".jinja")] = _read(extra)
+        else:
+            configured = {}
+        templates = templates or configured  # template files replace the config's templates, not merge with them
         specials = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
         extra = config.get("extra_special_tokens")
         if isinstance(extra, dict):
@@ -282,7 +340,7 @@ class Tokenizer:
             chat_template: the name of one of `chat_templates`, or a template's own Jinja source; default the
                 "default" template.
             **kwargs: further template variables (e.g. `enable_thinking`, `tools`, `documents`); they override the
-                named special tokens.
+                named special tokens and `template_defaults`.
 
         Raises:
             ValueError: a malformed message or an unknown role (named).
@@ -303,7 +361,7 @@ class Tokenizer:
             compiled = _compile(source)
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"chat template of {self.source or 'this tokenizer'} does not parse: {e}") from e
-        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+        variables = {**self.special_tokens, "tools": None, "documents": None, **self.template_defaults, **kwargs}
         try:
             return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
@@ -326,7 +384,8 @@ class Tokenizer:
             where = self.source or "this tokenizer"
             if not self.chat_templates:
                 raise TokenizerError(f"{where} has no chat template (no chat_template in {CONFIG_FILE}, no "
-                                     f"{TEMPLATE_FILE}): pass chat_template=... or render the prompt yourself")
+                                     f"{TEMPLATE_FILE} or {LEGACY_TEMPLATE_FILE}): pass chat_template=... or "
+                                     "render the prompt yourself")
             raise TokenizerError(f"{where} has no default chat template; its templates are "
                                  f"{sorted(self.chat_templates)}: pass chat_template=NAME")
         return self.chat_templates[name]

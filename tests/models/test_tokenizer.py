@@ -255,3 +255,78 @@ def test_load_attaches_the_tokenizer_to_minicpmo(tmp_path):
     with pytest.warns(UserWarning, match="no tokenizer files") as caught:
         assert omnijax.load(out).tokenizer is None
     assert len(caught) == 1
+
+
+# The MiniCPM-o 4.5 release's template ends its generation prompt as Qwen3's does: the empty think block only when
+# enable_thinking is false, so a rendering without the variable asks the model to think.
+RELEASE_STYLE = MINICPMO_4_5_TEMPLATE.replace("{%- if not (enable_thinking is defined and enable_thinking) %}",
+                                              "{%- if enable_thinking is defined and enable_thinking is false %}")
+
+
+def test_template_defaults_apply_unless_the_caller_passes_the_variable(tmp_path):
+    """What a family declares (MiniCPM-o 4.5: enable_thinking=False) reaches every rendering as transformers renders
+    it with that keyword; an explicit keyword still wins. The tokenizer read from a directory has no defaults."""
+    from transformers import AutoTokenizer
+
+    assert RELEASE_STYLE != MINICPMO_4_5_TEMPLATE
+    d = write_tiny_tokenizer(tmp_path / "release", vocab_size=2048, special_tokens=MINICPM_SPECIALS,
+                             chat_template=RELEASE_STYLE)
+    plain, hf = Tokenizer.from_directory(d), AutoTokenizer.from_pretrained(str(d))
+    quiet = plain.with_template_defaults({"enable_thinking": False})
+    messages = CONVERSATIONS[1]
+    assert plain.template_defaults == {} and quiet.template_defaults == {"enable_thinking": False}
+    assert plain.render(messages).endswith("<|im_start|>assistant\n")  # the release template thinks by default
+    assert quiet.render(messages) == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                            enable_thinking=False)
+    assert quiet.render(messages).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert quiet.render(messages, enable_thinking=True) == plain.render(messages)
+    assert quiet.apply_chat_template(messages) == hf_ids(hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False))
+    assert quiet.backend is plain.backend and quiet.with_template_defaults({"x": 1}).template_defaults == {
+        "enable_thinking": False, "x": 1}
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, {3: True}):
+        with pytest.raises(ValueError, match="cannot be a template variable"):
+            plain.with_template_defaults(bad)
+    with pytest.raises(ValueError, match="must be a mapping"):
+        plain.with_template_defaults([("enable_thinking", False)])
+
+
+def test_chat_template_json_is_read_with_transformers_precedence(tmp_path):
+    """The processor format `chat_template.json` ({"chat_template": ...}) was ignored. transformers 5.2.0's processor
+    takes it before `chat_template.jinja`, and refuses it beside `additional_chat_templates/`; template files replace
+    the config's templates as a whole (`AutoTokenizer`)."""
+    from transformers import AutoTokenizer
+    from transformers.processing_utils import ProcessorMixin
+
+    def processor_template(directory):
+        return ProcessorMixin.get_processor_dict(str(directory))[0].get("chat_template")
+
+    messages = CONVERSATIONS[1]
+    d = write_tiny_tokenizer(tmp_path / "json", vocab_size=151_936, special_tokens=QWEN_SPECIALS,
+                             chat_template="config {{ messages | length }}")
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}))
+    ours, hf = Tokenizer.from_directory(d), AutoTokenizer.from_pretrained(str(d))
+    assert processor_template(d) == CHATML_TEMPLATE == ours.chat_templates["default"]
+    assert ours.render(messages) == hf.apply_chat_template(messages, chat_template=processor_template(d),
+                                                           add_generation_prompt=True, tokenize=False)
+    (d / "chat_template.jinja").write_text("jinja")  # the processor still prefers the json file
+    assert processor_template(d) == CHATML_TEMPLATE and Tokenizer.from_directory(d).chat_templates == {
+        "default": CHATML_TEMPLATE}
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text("tools")
+    with pytest.raises(ValueError, match="legacy chat_template.json"):
+        processor_template(d)
+    with pytest.raises(TokenizerError, match="chat_template.json: a legacy chat_template.json cannot be combined"):
+        Tokenizer.from_directory(d)
+    (d / "chat_template.json").unlink()  # without it: the .jinja files, the config's template dropped
+    assert processor_template(d) == {"default": "jinja", "tool_use": "tools"}
+    assert Tokenizer.from_directory(d).chat_templates == {"default": "jinja", "tool_use": "tools"}
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "D"}, {"name": "rag", "template": "R"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "additional_chat_templates" / "tool_use.jinja").unlink()
+    assert AutoTokenizer.from_pretrained(str(d)).chat_template == "jinja"  # "rag" is gone in transformers too
+    assert Tokenizer.from_directory(d).chat_templates == {"default": "jinja"}
+    (d / "chat_template.json").write_text(json.dumps({"template": "misnamed"}))
+    with pytest.raises(TokenizerError, match=r'chat_template.json: expected \{"chat_template"'):
+        Tokenizer.from_directory(d)
