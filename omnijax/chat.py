@@ -103,10 +103,13 @@ class Chat:
         tokenizer: overrides `model.tokenizer`.
         video_kwargs: Qwen2.5-Omni frame preprocessing settings for `av` / `video` (`min_pixels`, `max_pixels`;
             see `omnijax.models.qwen2_5_omni.frontend.audiovisual_chunk`).
+        template_variables: chat-template variables of every text turn, over the family's defaults (MiniCPM-o 4.5
+            renders its prompts without thinking, `enable_thinking=False`, as its release does; pass
+            `{"enable_thinking": True}` for thinking).
     """
 
     def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,
-                 video_kwargs: Mapping[str, Any] | None = None):
+                 video_kwargs: Mapping[str, Any] | None = None, template_variables: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if self.tokenizer is None:
             raise ValueError("Chat needs a tokenizer: this checkpoint has no tokenizer files (copy tokenizer.json "
@@ -116,8 +119,9 @@ class Chat:
         if config.max_answer_tokens == 0:
             config = config.replace(max_answer_tokens=DEFAULT_ANSWER_BLOCK)
         self.model, self.video_kwargs = model, dict(video_kwargs or {})
+        # messages -> templated deltas -> chunks; checks the template variables before anything is built
+        self.conversation = Conversation(model, self.tokenizer, template_variables=template_variables)
         self.config = bind_config(model, config)
-        self.conversation = Conversation(model, self.tokenizer)  # messages -> templated deltas -> chunks
         self.units_builder = self.conversation.units
         self.session = Session(model, self.config)
         self.units: list[UnitRecord] = []

@@ -25,7 +25,7 @@ import numpy as np
 
 from omnijax.chunks.chunk import Chunk, split_chunk
 from omnijax.chunks.spans import SpanKind
-from omnijax.models.family import OmniModel
+from omnijax.models.family import OmniModel, family_of
 from omnijax.models.frontend import units_for
 from omnijax.models.tokenizer import Tokenizer
 
@@ -58,16 +58,26 @@ class Conversation:
     """The chunks of one session's conversation (see the module docstring).
 
     Args:
-        model: the loaded model (its family picks the unit builder).
+        model: the loaded model (its family picks the unit builder and the template defaults).
         tokenizer: the checkpoint's `omnijax.models.tokenizer.Tokenizer` (its chat template renders text turns).
         chunk_tokens: T, the most tokens of one part; None feeds every chunk whole.
+        template_variables: chat-template variables for every rendering, over the family's `template_defaults`
+            (MiniCPM-o 4.5 renders with `enable_thinking=False`, as its release does; `{"enable_thinking": True}`
+            asks for thinking).
+
+    Attributes:
+        tokenizer: `tokenizer` rendering with the family's defaults and `template_variables`.
     """
 
-    def __init__(self, model: OmniModel, tokenizer: Tokenizer | None, chunk_tokens: int | None = None):
+    def __init__(self, model: OmniModel, tokenizer: Tokenizer | None, chunk_tokens: int | None = None, *,
+                 template_variables: Mapping[str, Any] | None = None):
         if tokenizer is None:
             raise ValueError("a conversation needs the checkpoint's tokenizer: copy tokenizer.json and "
                              "tokenizer_config.json of the release into the converted checkpoint")
-        self.units, self.tokenizer = units_for(model), tokenizer
+        self.units = units_for(model)
+        family = family_of(model)
+        defaults = {**(family.template_defaults if family is not None else {}), **(template_variables or {})}
+        self.tokenizer = tokenizer.with_template_defaults(defaults) if defaults else tokenizer
         self.chunk_tokens = None if chunk_tokens is None else int(chunk_tokens)
         self.eos = tuple(int(t) for t in model.config.eos_token_ids)
         self.messages: list[dict] = []

@@ -70,6 +70,9 @@ class Family:
             text-only family.
         thinker_positions: `(model, ids, mask, *, image_grid_thw, video_grid_thw, audio_lengths, second_per_grids,
             use_audio_in_video)` -> `[3, B, T]` positions of a prompt with media (the reference's `get_rope_index`).
+        template_defaults: chat-template variables the family's prompts are rendered with unless a caller passes
+            them (`Conversation`, and so `Chat` and the server, apply them): what the release's own inference code
+            passes to its template, e.g. MiniCPM-o 4.5's `{"enable_thinking": False}`.
     """
 
     name: str
@@ -84,6 +87,7 @@ class Family:
     fractional_positions: bool = False
     thinker_inputs: Callable[..., tuple] | None = None
     thinker_positions: Callable[..., np.ndarray] | None = None
+    template_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -34,4 +34,6 @@ FAMILY = family_lib.register(family_lib.Family(
     chat_units=frontend.MiniCPMOUnits,
     whole_source_image=True,
     duplex=True,
+    # The release's chat code renders with enable_thinking=False; its template (Qwen3's) thinks unless told not to.
+    template_defaults={"enable_thinking": False},
 ))
