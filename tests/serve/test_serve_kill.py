@@ -106,3 +106,21 @@ def test_sigkill_loses_at_most_one_interval(tmp_path):
     finally:
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(120) in (0, -signal.SIGTERM)
+
+
+def test_bad_snapshot_and_idle_flags_exit_before_the_model_loads(tmp_path, capsys):
+    from omnijax.serve.app import main
+
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    cases = [(["--snapshot-every", "5x"], "--snapshot-every takes seconds of activity"),
+             (["--snapshot-max-age", "soon"], "--snapshot-max-age is a number"),
+             (["--snapshot-max-gb", "-1"], "--snapshot-max-gb must be >= 0"),
+             (["--idle-timeout", "-1"], "idle_timeout_s must be >= 0")]
+    for extra, named in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["--demo-model", "--snapshot-dir", str(tmp_path / "s"), *extra])
+        assert e.value.code == 2 and named in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--demo-model", "--snapshot-dir", str(a_file)])
+    assert e.value.code == 2 and "cannot use it as the snapshot directory" in capsys.readouterr().err

@@ -8,9 +8,10 @@ refused with a `resume_failed` error and changes nothing, instead of failing lat
 
 `Snapshotter` writes one connection's snapshots through the server's `SnapshotStore`: periodically (every
 `snapshot_every_s` seconds, or every `snapshot_every_turns` responses, at the first moment the session is idle —
-no response decoding, nothing queued — and only when something changed since the last write) and when the connection
-ends. A write that fails (a full disk, the size cap) is reported to the client as an `error` event
-(`snapshot_failed`), and the session's previous snapshot stays.
+no response decoding, nothing queued — and only when something changed since the last write; the export is taken
+then, its disk write goes on in the background while the connection is served) and when the connection ends. A
+write that fails (a full disk, the size cap) is reported to the client as an `error` event (`snapshot_failed`), and
+the session's previous snapshot stays.
 """
 
 from __future__ import annotations
@@ -285,7 +286,8 @@ class Snapshotter:
         self.saved = -1 if not store.latest(lease.token) else 0
         self.turns = 0
         self.turn_due = False
-        self.last_write = time.monotonic()
+        self.last_write = time.monotonic()  # when the last write was taken (exported)
+        self._saving: asyncio.Task | None = None  # the disk write of the last export, while in flight
 
     def touch(self) -> None:
         """Notes a change of the session (an event handled, a response ended)."""
@@ -310,32 +312,42 @@ class Snapshotter:
                 and not s.worker.busy(s.sid))
 
     async def periodic(self) -> bool:
-        """Writes a due snapshot when the session is idle; whether it wrote one."""
-        if not self.due() or not self.idle():
+        """Takes a due snapshot when the session is idle and no write is in flight; its disk write goes on in the
+        background (the connection keeps being served). Whether one was taken."""
+        if (self._saving is not None and not self._saving.done()) or not self.due() or not self.idle():
             return False
-        return await self.write()
+        return await self.write(wait=False)
 
-    async def write(self) -> bool:
-        """Exports the session and writes it; on failure sends `snapshot_failed` and logs (False)."""
+    async def write(self, *, wait: bool = True) -> bool:
+        """Exports the session and writes it (`wait`: to the end); on failure sends `snapshot_failed` and logs."""
         s = self.session
         version = self.version
+        self.turn_due, self.last_write = False, time.monotonic()  # retried at the next interval or turn on failure
         try:
             snapshot = await s.worker.export(s.sid, meta_of(s))
-            path = await asyncio.to_thread(self.store.save, self.lease, snapshot)
-        except SnapshotStoreError as e:
-            self._failed(str(e))
-            return False
         except Exception as e:  # noqa: BLE001 - the engine's export (a preempted session, a timeout)
             log.warning("realtime snapshot session=%s failed: %s: %s", s.sid, type(e).__name__, e)
             self._failed(f"the session could not be exported ({type(e).__name__}: "
                          f"{self.store.public_message(e)[:200]})")
             return False
-        self.saved, self.turn_due, self.last_write = version, False, time.monotonic()
-        log.info("realtime snapshot session=%s pages=%d -> %s", s.sid, snapshot.num_pages, path)
+        self._saving = asyncio.ensure_future(self._save(snapshot, version))
+        return await self._saving if wait else True
+
+    async def _save(self, snapshot: SessionSnapshot, version: int) -> bool:
+        try:
+            path = await asyncio.to_thread(self.store.save, self.lease, snapshot)
+        except SnapshotStoreError as e:
+            self._failed(str(e))
+            return False
+        except Exception as e:  # noqa: BLE001 - anything else the write raised: said, never lost in a task
+            self._failed(f"the session snapshot could not be written ({type(e).__name__}: "
+                         f"{self.store.public_message(e)[:200]})")
+            return False
+        self.saved = max(self.saved, version)
+        log.info("realtime snapshot session=%s pages=%d -> %s", self.session.sid, snapshot.num_pages, path)
         return True
 
     def _failed(self, reason: str) -> None:
-        self.turn_due, self.last_write = False, time.monotonic()  # retried at the next interval or turn
         log.warning("realtime snapshot session=%s failed (its previous snapshot stays): %s", self.session.sid, reason)
         self.session.send(rte.error_event("snapshot_failed", f"{reason}. Resuming this session's token continues "
                                           f"from its previous snapshot, if any", error_type="server_error"))
@@ -353,5 +365,7 @@ class Snapshotter:
                 await asyncio.wait_for(asyncio.shield(s.response), 30.0)
         except Exception as e:  # noqa: BLE001 - write what the cache holds either way
             log.warning("realtime session=%s: response did not end before its snapshot: %s", s.sid, e)
+        if self._saving is not None:
+            await asyncio.shield(self._saving)  # one write at a time, in order
         if self.version != self.saved:
             await self.write()
