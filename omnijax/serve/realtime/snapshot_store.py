@@ -37,6 +37,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omnijax.serve.engine.snapshot import MANIFEST, SessionSnapshot, load_snapshot, save_snapshot
@@ -123,7 +124,8 @@ class SnapshotStore:
     """
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, max_age_s: float | None = None,
-                 write_wait_s: float = 30.0, live_grace_s: float = 1.0, clock=time.time):
+                 write_wait_s: float = 30.0, live_grace_s: float = 1.0,
+                 clock: Callable[[], float] = time.time):
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1 (or None for no cap), got {max_bytes}")
         if max_age_s is not None and not max_age_s >= 0:
