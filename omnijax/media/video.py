@@ -46,11 +46,12 @@ past the track's end is silence. Every unit therefore has the same shapes (`fram
 
 A truncated file. A file cut short (a download or a copy that stopped, with its index at the front, as MP4 with
 `faststart` has it) still states its full length, but its streams end early. `units()` notices when the video stream
-ends more than one frame before the frame count (or duration) the file states, and stops at the real end instead of
-holding the last frame and silence for the rest: the unit in which the stream ended is the last one (completed as
-above with `tail="pad"`, left out with `tail="drop"`), and a `TruncatedVideoWarning` names the file, the stated and
-the decoded durations. An audio packet cut in two at the end of such a file ends the audio there; an audio decoding
-error where the video goes on is a `VideoError` as before.
+ends more than half a second (and more than a frame) before the frame count or duration the file states (a smaller
+gap is what an audio track a little longer than the video makes of the container's duration), and stops at the real
+end instead of holding the last frame and silence for the rest: the unit in which the stream ended is the last one
+(completed as above with `tail="pad"`, left out with `tail="drop"`), and a `TruncatedVideoWarning` names the file,
+the stated and the decoded durations. An audio packet cut in two at the end of such a file ends the audio there; an
+audio decoding error where the video goes on is a `VideoError` as before.
 
 Memory. `units()` decodes as it goes: it holds the current unit's sampled frames, the last decoded frame and at most
 about one unit of audio, whatever the length of the file.
@@ -75,6 +76,9 @@ SAMPLE_RATE = 16_000  # the audio encoders' rate
 TAILS = ("pad", "drop")
 _MEL_HOP = 160  # samples per log-mel frame at 16 kHz (frontend.expected_frames measures duration in these)
 _EPS = 1e-6
+# How much shorter than stated a video stream may decode before it counts as truncated: streams that state no length
+# of their own take the container's, which an audio track a few frames longer than the video sets.
+_SHORT_S = 0.5
 
 
 class VideoError(ValueError):
@@ -182,19 +186,35 @@ class VideoFile:
                     frames.reach(stop - 1)  # is the unit's clip whole? (decodes what the next unit reads anyway)
                     pcm = (audio.take(self.samples_per_unit) if audio is not None
                            else np.zeros(self.samples_per_unit, np.float32))
-                    audio_cut = audio is not None and audio.error is not None
-                    if audio is not None and audio.error is not None:  # truncation, or damage where the video goes on?
-                        frames.reach(math.ceil((audio.seconds + 2 * self.unit_seconds) * self.native_fps))
-                        if not self._short(frames):
+                    if audio is not None and audio.error is not None and not audio.explained:
+                        if self._video_goes_on(av, audio.seconds):  # damage, not the end of a cut file
                             raise audio.error
+                        audio.explained = True  # the file ends about here: silence after, as past any track's end
                 except av.FFmpegError as e:
                     raise VideoError(f"{self.path}: decoding unit {k} failed: {e.strerror or e}") from e
-                if self._short(frames) and (frames.count < stop or audio_cut):  # the file ended inside this unit
+                if self._short(frames) and frames.count < stop:  # the stream ended inside this unit
                     if self.tail == "pad":
                         yield picked, pcm
                     self._warn_truncated(frames, k + (self.tail == "pad"))
                     return
                 yield picked, pcm
+
+    def _video_goes_on(self, av, seconds: float) -> bool:
+        """Whether the video stream has a frame `2 * unit_seconds` past `seconds` of its timeline (read from a
+        second handle on the file, seeking near `seconds`, so the units' decoding is not disturbed)."""
+        try:
+            with av.open(str(self.path)) as container:
+                stream = container.streams.video[0]
+                start = _seconds(stream.start_time, stream.time_base)
+                if stream.time_base is not None:
+                    container.seek(int((start + max(0.0, seconds - self.unit_seconds)) / stream.time_base),
+                                   stream=stream)  # to the key frame at or before
+                for frame in container.decode(stream):
+                    if frame.time is not None and frame.time - start >= seconds + 2 * self.unit_seconds:
+                        return True
+        except av.FFmpegError:  # the video is damaged or cut there too
+            return False
+        return False
 
     def _span(self, k: int) -> tuple[int, int]:
         """Native frames `[first, stop)` of unit `k`'s clip."""
@@ -207,8 +227,10 @@ class VideoFile:
         return int(math.floor(self.duration_s * self.native_fps + 1e-6))
 
     def _short(self, frames: "_FrameReader") -> bool:
-        """Whether the video stream ended more than one frame before the length the file states."""
-        return frames.ended and frames.count < self._stated_frames() - 1
+        """Whether the video stream ended more than `_SHORT_S` (and more than one frame) before the length the file
+        states."""
+        slack = max(1, math.floor(_SHORT_S * self.native_fps))
+        return frames.ended and frames.count < self._stated_frames() - slack
 
     def _warn_truncated(self, frames: "_FrameReader", yielded: int) -> None:
         decoded = frames.count / self.native_fps
@@ -272,6 +294,7 @@ class _AudioReader:
         self._total = self._buffered  # samples on the video's timeline produced so far
         self._errors = av.FFmpegError
         self.error: Exception | None = None
+        self.explained = False  # `error` is where a truncated file ends (`units()` found so)
 
     @property
     def seconds(self) -> float:

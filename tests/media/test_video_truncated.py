@@ -87,3 +87,24 @@ def test_damaged_audio_where_the_video_goes_on_is_still_an_error(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(VideoError, match="decoding unit 1 failed"):  # the packet is in unit 1 (2-4 s)
         list(open_video(path).units())
+
+
+def test_a_few_frames_short_is_no_truncation(tmp_path):
+    """Up to half a second short of the stated length (an audio track a little longer than the video makes that of
+    a container's duration) reads as before: every unit, no warning, no error from an audio packet cut at the end."""
+    data = write_faststart(tmp_path / "whole.mp4", audio=True)
+    cut = tmp_path / "cut.mp4"
+    for size in range(len(data) - 200, len(data) // 2, -200):  # the first cut that loses 1-4 frames
+        cut.write_bytes(data[:size])
+        native = decoded_frames(cut)
+        if native.shape[0] < SECONDS * FPS:
+            break
+    assert SECONDS * FPS - 5 < native.shape[0] < SECONDS * FPS
+    video = open_video(cut)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TruncatedVideoWarning)
+        units = list(video.units())
+    assert len(units) == 10
+    frames, pcm = units[-1]
+    np.testing.assert_array_equal(frames, native[[min(i, native.shape[0] - 1) for i in video.frame_indices(9)]])
+    assert 0.2 < np.abs(pcm[:16_000]).max() < 0.4
