@@ -54,7 +54,9 @@ from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.worker import EngineWorker
 from omnijax.serve.native import session as native
 from omnijax.serve.native.protocol import frame_samples
+from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
+from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
@@ -216,7 +218,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
     p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
     p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
-                   "SIGTERM) so clients resume them with their token")
+                   "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
+    p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
+                   "first idle moment: '30s', '2m', '1h' (after that long since its last snapshot) or '5turns', "
+                   "'1turn' (after that many responses); a SIGKILL then loses at most one interval. 0: only when "
+                   "connections end")
+    p.add_argument("--snapshot-max-gb", type=float, default=16.0, help="cap on the snapshot directory's size; the "
+                   "oldest snapshots of closed sessions are evicted to make room (0: no cap)")
+    p.add_argument("--snapshot-max-age", default="7d", help="delete snapshots not written for this long: '3600', "
+                   "'90m', '24h', '7d' (0: never)")
+    p.add_argument("--idle-timeout", type=float, default=600.0, help="close (after snapshotting) a Realtime "
+                   "connection whose client sends nothing for this many seconds (0: never)")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion the server "
+                   "cannot admit waits for room before its 429 (0: none)")
+    p.add_argument("--max-queued", type=int, default=64, help="the most chat completions waiting for room at once")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
+                   "close (responses in flight end at once) before they are cancelled")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="default temperature of sessions that set none (0: the most likely token)")
     p.add_argument("--top-p", type=float, default=1.0, help="default top-p of sessions that set none")
@@ -244,7 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                max_message_bytes=int(args.max_message_mb * 2 ** 20),
                                max_audio_buffer_s=args.max_audio_buffer_s,
                                max_sessions_per_client=args.max_sessions_per_client,
-                               max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir)
+                               max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir,
+                               queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,
+                               shutdown_timeout_s=args.shutdown_timeout,
+                               **_snapshot_options(args))
+        # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots
+        # deleted, each logged) before the model loads
+        store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
         samples = frame_samples(args.frame_ms)
     except ValueError as e:
         parser.error(str(e))
@@ -264,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
             context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
                                     buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex)
+            realtime_resume.attach_store(context, store)
         except (ValueError, KeyError, TypeError) as e:
             print(f"omnijax serve: error: {e}", file=sys.stderr)
             return 1
@@ -274,12 +298,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _uvicorn_server(context: ServeContext):
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM/SIGINT (or `should_exit`) first ends every response in flight
+    (`EngineWorker.begin_shutdown`), so the graceful shutdown that follows is bounded by connections closing (their
+    snapshots included), not by answers still decoding; `shutdown_timeout_s` bounds the rest."""
 
+    def __init__(self, config: uvicorn.Config, context: ServeContext):
+        super().__init__(config)
+        self.context = context
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        if should_exit and not self.context.worker.stopping:
+            log.info("shutting down: ending %d sessions' responses", len(self.context.worker.lanes))
+            self.context.worker.begin_shutdown()
+        return should_exit
+
+
+def _snapshot_options(args: argparse.Namespace) -> dict:
+    """The `ServeOptions` fields of `--snapshot-every`, `--snapshot-max-gb`, `--snapshot-max-age`, `--idle-timeout`
+    (ValueError naming the flag)."""
+    every_s, every_turns = parse_every(args.snapshot_every)
+    max_age = parse_duration(args.snapshot_max_age, "--snapshot-max-age")
+    if not args.snapshot_max_gb >= 0:
+        raise ValueError(f"--snapshot-max-gb must be >= 0 (0: no cap), got {args.snapshot_max_gb}")
+    return dict(snapshot_every_s=every_s, snapshot_every_turns=every_turns,
+                snapshot_max_bytes=int(args.snapshot_max_gb * 2 ** 30) or None, snapshot_max_age_s=max_age or None,
+                idle_timeout_s=args.idle_timeout)
+
+
+def _uvicorn_server(context: ServeContext) -> uvicorn.Server:
     config = uvicorn.Config(build_app(context), host=context.options.host, port=context.options.port,
                             log_level="warning", ws_max_size=context.options.max_message_bytes, ws_ping_interval=None,
-                            lifespan="on")
-    return uvicorn.Server(config)
+                            lifespan="on", timeout_graceful_shutdown=context.options.shutdown_timeout_s)
+    return _Server(config, context)
 
 
 async def serve(context: ServeContext) -> None:

@@ -5,7 +5,8 @@ handlers (`chat_completions`, `models`) put it on a `ServeContext`. Each request
 are fed as the conversation's units (text turns through the chat template; `image_url` parts as image units;
 `input_audio` parts as audio units, in the order given), then the answer decodes over the engine's ticks;
 `stream: true` sends it as server-sent events (`chat.completion.chunk`s, then `data: [DONE]`). A request the engine
-cannot admit gets HTTP 429 with `Retry-After`.
+cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `max_queued`), then gets HTTP 429 with
+`Retry-After`; a client that disconnects before its answer is whole cancels it; a stopping server answers 503.
 
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
 URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM, any rate, mono or channels averaged);
@@ -322,12 +323,14 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     except RequestError as e:
         return _json_error(e)
     client = request.client.host if request.client else "?"
-    session = context.session(client, "cc")
+    session = context.session(client, "cc", queue=True)
     try:
         sid = await session.__aenter__()
     except Overloaded as e:
+        if context.worker.stopping:
+            return _json_error(RequestError(str(e), status=503, code="shutting_down", kind="server_error"))
         return _json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
-                           headers={"Retry-After": "1"})
+                           headers={"Retry-After": str(context.retry_after_s)})
     try:
         conversation = context.conversation()
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
@@ -343,14 +346,20 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
     if not req.stream:
+        # A client that goes away before the whole answer is ready cancels it (its decoding would hold a batch row
+        # and a stopping server for nothing).
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, context, sid))
         try:
             async for tokens in answer:
                 decoder.push(tokens)
             await answer.done
         finally:
+            watcher.cancel()
             await session.__aexit__(None, None, None)
         if answer.status == "failed":
-            return _json_error(RequestError(f"the answer failed: {answer.reason}", status=500, code="server_error",
+            shutting_down = context.worker.stopping
+            return _json_error(RequestError(f"the answer failed: {answer.reason}", status=503 if shutting_down
+                                            else 500, code="shutting_down" if shutting_down else "server_error",
                                             kind="server_error"))
         text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
         return JSONResponse(completion(cid, created, req.model, text, FINISH[answer.status], prompt_tokens,
@@ -381,6 +390,17 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             await session.__aexit__(None, None, None)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _cancel_on_disconnect(request: Request, context: ServeContext, sid: str) -> None:
+    """Waits for the client of a (fully read) request to disconnect, then cancels the session's answer."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if sid in context.worker.lanes:
+                log.info("chat completion session=%s: the client went away; its answer is cancelled", sid)
+                context.worker.cancel(sid)
+            return
 
 
 def _content_tokens(answer) -> list[int]:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -41,6 +42,19 @@ class ServeOptions:
             and its tokens follow in a `late_tokens` message. 0 waits for the tick however long it takes.
         snapshot_dir: where Realtime sessions are snapshotted when their connection ends (and at shutdown), to be
             resumed with their token; None disables resuming.
+        snapshot_every_s, snapshot_every_turns: also snapshot a Realtime session this many seconds after its last
+            snapshot, or after this many responses, once it is idle and changed (`--snapshot-every 30s` / `5turns`);
+            0: only when the connection ends.
+        snapshot_max_bytes: the cap on the snapshot directory's total size (oldest unheld sessions are evicted to
+            make room; None: no cap).
+        snapshot_max_age_s: snapshots not written for this long are deleted (None: kept until resumed or evicted).
+        idle_timeout_s: a Realtime connection whose client sends nothing for this long (no response decoding) is
+            snapshotted and closed with an `idle_timeout` error; 0 disables.
+        queue_timeout_s: how long a chat completion the server cannot admit waits for room before its 429 (0: no
+            waiting).
+        max_queued: the most chat completions waiting at once; beyond it a request gets its 429 at once.
+        shutdown_timeout_s: on SIGTERM, responses in flight end at once and connections get this long to close
+            (snapshots included) before their handlers are cancelled.
     """
 
     host: str = "127.0.0.1"
@@ -55,6 +69,14 @@ class ServeOptions:
     max_outbox: int = 1024
     decode_wait_fraction: float = 0.8
     snapshot_dir: str | None = None
+    snapshot_every_s: float = 0.0
+    snapshot_every_turns: int = 0
+    snapshot_max_bytes: int | None = 16 * 2 ** 30
+    snapshot_max_age_s: float | None = 7 * 86400.0
+    idle_timeout_s: float = 600.0
+    queue_timeout_s: float = 10.0
+    max_queued: int = 64
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox"):
@@ -65,6 +87,19 @@ class ServeOptions:
         if not self.frame_ms > 0 or not self.max_audio_buffer_s > 0:
             raise ValueError(f"frame_ms and max_audio_buffer_s must be positive, got {self.frame_ms}, "
                              f"{self.max_audio_buffer_s}")
+        if not self.queue_timeout_s >= 0 or self.max_queued < 0 or not self.shutdown_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s and max_queued must be >= 0 and shutdown_timeout_s > 0, got "
+                             f"{self.queue_timeout_s}, {self.max_queued}, {self.shutdown_timeout_s}")
+        if not self.snapshot_every_s >= 0 or self.snapshot_every_turns < 0 or (self.snapshot_every_s
+                                                                               and self.snapshot_every_turns):
+            raise ValueError(f"snapshot_every_s and snapshot_every_turns must be >= 0 and at most one of them set, "
+                             f"got {self.snapshot_every_s}, {self.snapshot_every_turns}")
+        if self.snapshot_max_bytes is not None and self.snapshot_max_bytes < 1:
+            raise ValueError(f"snapshot_max_bytes must be >= 1 (None: no cap), got {self.snapshot_max_bytes}")
+        if self.snapshot_max_age_s is not None and not self.snapshot_max_age_s > 0:
+            raise ValueError(f"snapshot_max_age_s must be > 0 (None: no expiry), got {self.snapshot_max_age_s}")
+        if not 0 <= self.idle_timeout_s < float("inf"):
+            raise ValueError(f"idle_timeout_s must be >= 0 seconds (0: no timeout), got {self.idle_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string (or None for no key)")
 
@@ -92,6 +127,7 @@ class ServeContext:
         self.per_client: collections.Counter = collections.Counter()
         self.started = int(time.time())
         self._next = 0
+        self.queued = 0  # chat completions waiting for room (`admit`)
 
     @functools.cached_property
     def frame_encoder(self) -> AudioFrameEncoder:
@@ -105,11 +141,48 @@ class ServeContext:
     def conversation(self) -> Conversation:
         return Conversation(self.model, self.tokenizer, self.chunk_tokens)
 
+    @property
+    def retry_after_s(self) -> int:
+        """The `Retry-After` a refused request is given: a whole number of seconds, at least one frame budget."""
+        return max(1, math.ceil(self.options.frame_ms / 1000.0))
+
     @contextlib.asynccontextmanager
-    async def session(self, client: str, prefix: str,
-                      snapshot: SessionSnapshot | None = None) -> AsyncIterator[str]:
+    async def session(self, client: str, prefix: str, snapshot: SessionSnapshot | None = None, *,
+                      queue: bool = False) -> AsyncIterator[str]:
         """Opens an engine session for `client` (raises `Overloaded`), resuming `snapshot` when given; yields its
-        id, closes it."""
+        id, closes it. With `queue`, a session the server cannot admit now waits up to `queue_timeout_s` for room
+        (at most `max_queued` waiting at once) before `Overloaded`."""
+        deadline = time.monotonic() + (self.options.queue_timeout_s if queue else 0.0)
+        waiting = False
+        try:
+            while True:
+                try:
+                    sid = await self._open(client, prefix, snapshot)
+                    break
+                except Overloaded as e:
+                    left = deadline - time.monotonic()
+                    if self.worker.stopping or left <= 0:
+                        raise
+                    if not waiting:
+                        if self.queued >= self.options.max_queued:
+                            raise Overloaded(f"{e}; and {self.queued} requests already wait for room, the most the "
+                                             f"server queues (max_queued)", cap=e.cap, current=e.current) from e
+                        waiting, self.queued = True, self.queued + 1
+                    await self.worker.wait_capacity(left)
+        finally:
+            if waiting:
+                self.queued -= 1
+        try:
+            yield sid
+        finally:
+            try:
+                await self.worker.close(sid)
+            finally:
+                self.per_client[client] -= 1
+                if self.per_client[client] <= 0:
+                    del self.per_client[client]
+
+    async def _open(self, client: str, prefix: str, snapshot: SessionSnapshot | None) -> str:
         cap = self.options.max_sessions_per_client
         if self.per_client[client] >= cap:
             raise Overloaded(f"this client already holds {self.per_client[client]} sessions, the most one client "
@@ -118,11 +191,9 @@ class ServeContext:
         self.per_client[client] += 1
         try:
             await self.worker.open(sid, snapshot)
-            try:
-                yield sid
-            finally:
-                await self.worker.close(sid)
-        finally:
+        except BaseException:
             self.per_client[client] -= 1
             if self.per_client[client] <= 0:
                 del self.per_client[client]
+            raise
+        return sid

@@ -169,7 +169,8 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     async def scenario():
         first = asyncio.create_task(_bad_client(served.native_url, [loadgen.speech_like_pcm(0.25).tobytes()] * 3
                                                 + [json.dumps({"type": "bye"})]))
-        await asyncio.sleep(0.3)
+        while not worker.active_sessions():  # admission counts sessions with work: wait for the first frame
+            await asyncio.sleep(0.01)
         second = await _bad_client(served.native_url, [])  # over the cap of 1
         return await first, second
 

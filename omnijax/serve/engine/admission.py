@@ -7,6 +7,9 @@ controller takes one control step on a statistic of those samples (p95 by defaul
     otherwise, when the cap binds (current >= cap):           cap = min(max_cap, cap + alpha)          (probe)
 
 and starts a fresh window, so one slow frame causes one decrease, not one per tick it stays in a sliding window.
+An idle server measures nothing, so without more a cap cut by a burst would stay cut for good: `recover` (which the
+worker calls once per idle interval, when no tick ran) steps a cap below `initial_cap` back up by `alpha`, so an
+idle server returns to its starting cap in (initial_cap - cap) / alpha intervals.
 The additive probe only happens while the cap is what limits admission (as TCP grows its window only when it is
 window-limited); otherwise an idle stretch would let the cap drift far above anything measured and a burst of
 arrivals would be over-admitted. Arrivals are admitted while `current < cap`; `check` raises `Overloaded`, a clean
@@ -141,6 +144,20 @@ class AIMD:
         self.last_latency_s = float(latency_s)
         self.history.append({"step": self.steps, "latency_s": float(latency_s), "target_s": self.target_s,
                              "current": current, "cap_before": before, "cap": self.cap, "action": action})
+        return self.cap
+
+    def recover(self) -> int:
+        """One idle interval without ticks: a cap below `initial_cap` grows by `alpha` (never past `initial_cap`),
+        pending samples are dropped (they describe load that has gone). Returns the cap."""
+        self._samples = []
+        start = self._clamp(self.initial_cap)
+        if self.cap >= start:
+            return self.cap
+        before = self.cap
+        self.cap = min(start, self.cap + self.alpha)
+        self.steps += 1
+        self.history.append({"step": self.steps, "latency_s": None, "target_s": self.target_s, "current": 0,
+                             "cap_before": before, "cap": self.cap, "action": "recover"})
         return self.cap
 
     def admit(self, current_sessions: int) -> bool:

@@ -15,6 +15,13 @@ Ticks are work-conserving: the loop runs one `Engine.tick()` as soon as any sess
 otherwise sleeps until one arrives. The engine runs in a one-thread executor, so sockets are served while a tick
 runs, and `open`/`close` run in the same executor, always between ticks. Each tick's wall latency feeds the AIMD
 controller. A failed tick fails the answers and feeds of the sessions in it, says so, and the loop goes on.
+
+Admission counts work, not sockets: the AIMD cap is checked against the *active* sessions (those with work queued or
+decoding, or whose last chunk was served within `idle_after_s`), so idle connections cannot starve new work; the
+session cap (`max_sessions`, the engine's slots) still counts every open session. When no tick has run for an idle
+interval the AIMD cap takes a recovery step (`AIMD.recover`). `wait_capacity` lets a caller wait (bounded) for a
+session to close or the cap to move instead of failing at once. `begin_shutdown` refuses new sessions and ends every
+response at once (failed, "the server is shutting down"), so a stopping server is not held by answers in flight.
 """
 
 from __future__ import annotations
@@ -116,11 +123,21 @@ class EngineWorker:
         engine: `omnijax.serve.engine.engine.Engine`.
         admission: optional `omnijax.serve.engine.admission.AIMD` (fed each tick's latency; asked on every `open`).
         max_sessions: the most sessions open at once (None: the engine's largest bucket).
+        idle_after_s: a session with nothing queued counts as active for admission this long after its last chunk
+            (None: four frame budgets, at least 2 s).
+        recovery_s: an idle interval: with no tick for this long the AIMD cap takes one recovery step (None: the
+            frame budget, at least 1 s).
     """
 
-    def __init__(self, engine: Engine, *, admission: AIMD | None = None, max_sessions: int | None = None):
+    def __init__(self, engine: Engine, *, admission: AIMD | None = None, max_sessions: int | None = None,
+                 idle_after_s: float | None = None, recovery_s: float | None = None):
         self.engine, self.admission = engine, admission
         self.max_sessions = engine.config.buckets[-1] if max_sessions is None else int(max_sessions)
+        budget = engine.config.frame_budget_s
+        self.idle_after_s = max(2.0, 4 * budget) if idle_after_s is None else float(idle_after_s)
+        self.recovery_s = max(1.0, budget) if recovery_s is None else float(recovery_s)
+        if not self.idle_after_s >= 0 or not self.recovery_s > 0:
+            raise ValueError(f"idle_after_s must be >= 0 and recovery_s > 0, got {idle_after_s}, {recovery_s}")
         self.tau = engine.config.max_answer_tokens
         self.per_row = bool(getattr(engine.config.stream.decoding, "per_row", False))
         self.stop_ids = frozenset(answer_stop_ids(engine.config.stream.decoding, engine.model_config.eos_token_ids))
@@ -131,7 +148,10 @@ class EngineWorker:
         self._work: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._draining = False  # begin_shutdown: no new sessions or responses; ticks go on for what is queued
         self._joining = 0
+        self._last_work: dict[str, float] = {}  # sid -> monotonic time its last chunk was served
+        self._capacity_waiters: set[asyncio.Future] = set()
 
     async def start(self) -> None:
         self._work = asyncio.Event()
@@ -148,6 +168,48 @@ class EngineWorker:
             self._fail(lane, "server shutting down")
         self._pool.shutdown(wait=True)
 
+    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Refuses new sessions and ends every queued or decoding response now (failed with `reason`); queued feeds
+        fail too. Sessions stay open until their handlers close them. Idempotent."""
+        if self._draining:
+            return
+        self._draining = True
+        for lane in self.lanes.values():
+            self._fail(lane, reason)
+        self._notify_capacity()
+        if self._work is not None:
+            self._work.set()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `begin_shutdown` or `stop` was called."""
+        return self._draining or self._stopping
+
+    def active_sessions(self, now: float | None = None) -> int:
+        """Sessions that count against the AIMD cap: busy, joining, or served within `idle_after_s`."""
+        now = time.monotonic() if now is None else now
+        recent = sum(1 for sid in self.lanes
+                     if self.busy(sid) or now - self._last_work.get(sid, -float("inf")) < self.idle_after_s)
+        return recent + self._joining
+
+    async def wait_capacity(self, timeout_s: float) -> bool:
+        """Waits until a session closes, the AIMD cap moves or a session turns idle (True), or `timeout_s` passes
+        (False)."""
+        future = asyncio.get_running_loop().create_future()
+        self._capacity_waiters.add(future)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._capacity_waiters.discard(future)
+
+    def _notify_capacity(self) -> None:
+        for future in self._capacity_waiters:
+            if not future.done():
+                future.set_result(None)
+
     async def in_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` in the engine's thread, between ticks."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -160,13 +222,13 @@ class EngineWorker:
 
         current = len(self.lanes) + self._joining
         try:
-            if self._stopping:
+            if self.stopping:
                 raise Overloaded("the server is shutting down", cap=0, current=current)
             if current >= self.max_sessions:
                 raise Overloaded(f"overloaded: {current} sessions open, the server holds at most "
                                  f"{self.max_sessions}; retry later", cap=self.max_sessions, current=current)
             if self.admission is not None:
-                self.admission.check(current)
+                self.admission.check(self.active_sessions())
             self._joining += 1
             opening = asyncio.ensure_future(self.in_engine(self.engine.open, sid) if snapshot is None
                                             else self.in_engine(self.engine.import_session, sid, snapshot))
@@ -189,9 +251,11 @@ class EngineWorker:
     async def close(self, sid: str) -> None:
         """Closes a session: its queued chunks are dropped (their futures fail), its pages return to the pool."""
         lane = self.lanes.pop(sid, None)
+        self._last_work.pop(sid, None)
         if lane is None:
             return
         self._fail(lane, "session closed")
+        self._notify_capacity()
         # Shielded: a caller cancelled meanwhile (a client disconnect) must not leave the engine's slot taken.
         await asyncio.shield(asyncio.ensure_future(self.in_engine(self._close_engine, sid)))
 
@@ -249,6 +313,9 @@ class EngineWorker:
             raise ValueError(f"per-response sampling needs an engine decoding with omnijax.decoding.RowSampling, "
                              f"not {self.engine.config.stream.decoding!r}")
         answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit, sampling)
+        if self.stopping:
+            answer._finish("failed", "the server is shutting down")
+            return answer
         for chunk in prompt.parts[:-1]:
             lane.pending.append(_Item(chunk))
         lane.pending.append(_Item(prompt.parts[-1], answer=answer))
@@ -331,7 +398,12 @@ class EngineWorker:
             plan = self._plan()
             if not plan:
                 self._work.clear()
-                await self._work.wait()
+                try:
+                    await asyncio.wait_for(self._work.wait(), self.recovery_s)
+                except TimeoutError:  # an idle interval: no tick, so nothing was measured
+                    if self.admission is not None:
+                        self.admission.recover()
+                    self._notify_capacity()
                 continue
             start = time.perf_counter()
             try:
@@ -343,9 +415,14 @@ class EngineWorker:
             latency = time.perf_counter() - start
             self.stats["ticks"] += 1
             self.latencies.append(latency)
+            served = time.monotonic()
+            for sid in plan:
+                if sid in self.lanes:
+                    self._last_work[sid] = served
             if self.admission is not None:
-                self.admission.observe(latency, len(self.lanes))
+                self.admission.observe(latency, self.active_sessions(served))
             ended = self._deliver(plan, report, failed)
+            self._notify_capacity()
             if ended:
                 cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
                 for sid, answer in ended:

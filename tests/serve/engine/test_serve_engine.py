@@ -202,6 +202,21 @@ def test_aimd_increase_decrease_floor_and_rejection():
         AIMD(beta=1.5)
 
 
+def test_aimd_recovers_on_an_idle_server():
+    """A burst cuts the cap; idle intervals (no ticks, so no measurements) step it back to `initial_cap` by alpha,
+    never past it, and drop the stale pending samples (issue: after a load burst the cap stayed at 1-2 for good)."""
+    aimd = AIMD(frame_budget_s=1.0, initial_cap=4, alpha=1, window=2)
+    aimd.observe(0.1, current=4)  # a pending sample of the old load
+    for _ in range(4):
+        aimd.step(5.0, current=4)
+    assert aimd.cap == 1
+    assert [aimd.recover() for _ in range(5)] == [2, 3, 4, 4, 4]
+    assert [h["action"] for h in aimd.history[-3:]] == ["recover"] * 3 and aimd.steps == 7
+    assert aimd.observe(0.1, current=4) == 4  # the old sample is gone: a window needs two fresh ones
+    probing = AIMD(initial_cap=4, window=1)
+    assert probing.observe(0.0, current=4) == 5 and probing.recover() == 5  # above the start: recover leaves it
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(buckets=(4, 2)), "ascending order"),
     (dict(max_pages=0), "max_pages must be >= 1"),

@@ -4,6 +4,7 @@ to the same conversation (an independent path: one `Session`, not the engine's b
 
 import asyncio
 import base64
+import dataclasses
 import io
 
 import numpy as np
@@ -238,8 +239,15 @@ def test_cancel_ends_the_response_and_overload_is_refused(server):
             refused = client.realtime.connect(model="omnijax")
             extra = await refused.__aenter__()
             error = await extra.recv()
-            with pytest.raises(openai.RateLimitError):
-                await client.chat.completions.create(model="omnijax", messages=[{"role": "user", "content": "x"}])
+            context = server.context  # a chat completion waits its queue timeout for room, then gets its 429
+            options, context.options = context.options, dataclasses.replace(context.options, queue_timeout_s=0.2)
+            try:
+                with pytest.raises(openai.RateLimitError) as refusal:
+                    await client.chat.completions.create(model="omnijax",
+                                                         messages=[{"role": "user", "content": "x"}])
+            finally:
+                context.options = options
+            assert int(refusal.value.response.headers["Retry-After"]) >= 1
             await refused.__aexit__(None, None, None)
             for o in others:
                 await o.__aexit__(None, None, None)
@@ -311,7 +319,6 @@ def test_chat_completion_with_an_image_and_audio(server, model):
 
 
 def test_caps_on_sessions_per_client_and_body_size(server):
-    import dataclasses
 
     server.wait_idle()
     context = server.context
