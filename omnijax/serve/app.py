@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -64,18 +65,42 @@ log = logging.getLogger("omnijax.serve")
 API_KEY_ENV = "OMNIJAX_API_KEY"
 
 
+# Browsers cannot set headers on a WebSocket handshake, so the Realtime API's browser clients send the key as a
+# subprotocol, `Sec-WebSocket-Protocol: realtime, openai-insecure-api-key.<KEY>`; the server answers with `realtime`
+# (a browser fails a handshake whose offered subprotocols get no answer) and never echoes the key.
+BROWSER_KEY_PREFIX = "openai-insecure-api-key."
+REALTIME_SUBPROTOCOL = "realtime"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") listens on the loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ApiKeyMiddleware:
     """ASGI middleware: refuses HTTP requests (401, an OpenAI error body) and WebSocket handshakes (HTTP 401 where
-    the server supports denial responses, else close 1008) without the key."""
+    the server supports denial responses, else close 1008) without the key: `Authorization: Bearer <key>`, or on a
+    WebSocket the browser form, the subprotocol `openai-insecure-api-key.<key>`. A WebSocket offering the `realtime`
+    subprotocol is accepted with it."""
 
     def __init__(self, app: ASGIApp, options: ServeOptions):
         self.app, self.options = app, options
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and REALTIME_SUBPROTOCOL in (scope.get("subprotocols") or ()):
+            send = _accepting_with(REALTIME_SUBPROTOCOL, send)
         if scope["type"] not in ("http", "websocket") or self.options.api_key is None:
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        if self.options.authorized(header):
+        offered = scope.get("subprotocols") or ()
+        keys = [p[len(BROWSER_KEY_PREFIX):] for p in offered if p.startswith(BROWSER_KEY_PREFIX)]
+        if self.options.authorized(header) or (scope["type"] == "websocket" and
+                                               any(self.options.authorized(f"Bearer {k}") for k in keys)):
             return await self.app(scope, receive, send)
 
         body = json.dumps(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -90,6 +115,16 @@ class ApiKeyMiddleware:
             await send({"type": "websocket.http.response.body", "body": body})
         else:
             await send({"type": "websocket.close", "code": 1008})
+
+
+def _accepting_with(subprotocol: str, send):
+    """`send`, with a WebSocket accept that names no subprotocol answering `subprotocol`."""
+
+    async def wrapped(message):
+        if message["type"] == "websocket.accept" and not message.get("subprotocol"):
+            message = {**message, "subprotocol": subprotocol}
+        await send(message)
+    return wrapped
 
 
 def build_app(context: ServeContext) -> Starlette:
@@ -199,6 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--allow-unauthenticated", action="store_true", help="serve with no API key on an interface "
+                   "beyond loopback (refused otherwise)")
     p.add_argument("--model-name", default="omnijax", help="the model id clients use")
     p.add_argument("--policy", default="sink_window", help="retention policy shared by all sessions, e.g. "
                    "sink_window, unbounded, omnipick:high_watermark=2500,low_watermark=1800")
@@ -273,6 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     if frame_tokens(samples) < 3:
         parser.error(f"--frame-ms {args.frame_ms:g} gives no audio token: frames must be at least 30 ms")
+    if options.api_key is None and not is_loopback(options.host):
+        if not args.allow_unauthenticated:
+            parser.error(f"--host {options.host} listens beyond loopback with no API key: anyone who reaches it "
+                         f"could use the model; set --api-key (or ${API_KEY_ENV}), or pass --allow-unauthenticated")
+        log.warning("SERVING WITHOUT AUTHENTICATION on %s (beyond loopback, no API key; --allow-unauthenticated)",
+                    options.host)
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:

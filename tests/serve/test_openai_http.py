@@ -176,3 +176,23 @@ def test_an_empty_api_key_is_refused_not_read_as_no_key(argv, env, monkeypatch, 
         app.main(["--demo-model", *argv])
     assert stopped.value.code == 2
     assert "api_key must be a non-empty string" in capsys.readouterr().err
+
+
+def test_beyond_loopback_without_a_key_is_refused_unless_allowed(monkeypatch, capsys, caplog, tmp_path):
+    """`--host 0.0.0.0` with no key once served the model to anyone who could reach it, silently: it is refused
+    (exit 2, naming both ways out) before any model loads; `--allow-unauthenticated` serves, with a loud warning."""
+    import logging
+
+    from omnijax.serve import app
+
+    monkeypatch.delenv(app.API_KEY_ENV, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        app.main(["--demo-model", "--host", "0.0.0.0"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "beyond loopback with no API key" in err and "--api-key" in err and "--allow-unauthenticated" in err
+    caplog.set_level(logging.WARNING, logger="omnijax.serve")
+    assert app.main([str(tmp_path), "--host", "0.0.0.0", "--allow-unauthenticated"]) == 1  # then: no checkpoint
+    assert any("SERVING WITHOUT AUTHENTICATION on 0.0.0.0" in r.getMessage() for r in caplog.records)
+    assert [app.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "localhost", "0.0.0.0", "::",
+                                         "10.0.0.1", "example.org")] == [True] * 4 + [False] * 4

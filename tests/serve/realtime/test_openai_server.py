@@ -6,6 +6,7 @@ import asyncio
 import base64
 import dataclasses
 import io
+import json
 
 import numpy as np
 import pytest
@@ -100,6 +101,25 @@ def test_models_and_api_key(server):
 
     with pytest.raises(Exception, match="401"):
         asyncio.run(realtime_with_wrong_key())
+
+
+def test_a_browser_authenticates_with_the_key_subprotocol(server):
+    """Browsers cannot set `Authorization` on a WebSocket: the Realtime API's browser form sends the key as the
+    subprotocol `openai-insecure-api-key.<key>` beside `realtime`. The right key is admitted and answered with the
+    `realtime` subprotocol (never the key); a wrong one gets 401."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    url = server.base_url.replace("http://", "ws://") + "/realtime?model=omnijax"
+
+    async def handshake(key):
+        async with connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{key}"]) as ws:
+            return ws.subprotocol, json.loads(await ws.recv())["type"]
+
+    assert asyncio.run(handshake(KEY)) == ("realtime", "session.created")
+    with pytest.raises(InvalidStatus, match="401"):
+        asyncio.run(handshake("wrong"))
+    server.wait_idle()
 
 
 def test_chat_completions_whole_and_streamed_equal_chat(server, model):
