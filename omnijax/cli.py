@@ -166,7 +166,11 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):
         target = min(source.num_units, int(-(-at // units.unit_seconds)))
         while fed_until < target:
-            frames, pcm = next(iterator)
+            unit = next(iterator, None)
+            if unit is None:  # the file ended before its stated duration (omnijax.media.video warned, naming it)
+                target = fed_until
+                break
+            frames, pcm = unit
             at = fed_until * units.unit_seconds
             chat.av(frames, pcm, label=f"{clock(at)}-{clock(at + units.unit_seconds)}")
             fed_until += 1

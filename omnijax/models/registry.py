@@ -71,7 +71,11 @@ def load(directory: str | Path, *, dtype: str | None = None) -> OmniModel:
 def _with_tokenizer(model, directory: Path):
     """Sets `model.tokenizer` from the directory's tokenizer files; warns once when there are none."""
 
-    model.tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
+    defaults = model.family.template_defaults
+    # every rendering (Chat, the server's routes, duplex, evaluation) gets the family's template variables, e.g.
+    # MiniCPM-o 4.5's enable_thinking=False, unless its caller passes its own
+    model.tokenizer = tokenizer.with_template_defaults(defaults) if tokenizer is not None and defaults else tokenizer
     if model.tokenizer is None:
         warnings.warn(f"{directory} has no tokenizer files (tokenizer.json), so text input and output are "
                       f"unavailable and the model takes token ids; to fix this, copy tokenizer.json and "

@@ -325,3 +325,18 @@ def test_watch_command_line(checkpoint, tmp_path, capsys):
     assert (tmp_path / "watch.png").stat().st_size > 10_000
     assert cli.main(["watch", str(checkpoint), str(path), "--ask", "a", "--at", "0:01", "--at", "0:02"]) == 1
     assert "each --at goes with the --ask of the same rank" in capsys.readouterr().err
+
+
+def test_watch_answers_at_the_decoded_end_of_a_file_cut_short(checkpoint, tmp_path, capsys, monkeypatch):
+    """A file that ends before its stated duration (omnijax.media.video stops its units at the decoded end and warns):
+    `omnijax watch` asks its questions there (it died with StopIteration, the file's units being fewer than stated)."""
+    pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
+    from omnijax import cli
+    from omnijax.media import video
+    whole = video.VideoFile.units
+    monkeypatch.setattr(video.VideoFile, "units", lambda self: iter(list(whole(self))[:1]))  # 1 of 3 units decode
+    code = cli.main(["watch", str(checkpoint), str(_clip(tmp_path)), "--ask", "What?", "--pages", "32",
+                     "--max-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "[2 s] Q: What?" in out and "KV:" in out

@@ -32,7 +32,11 @@ def test_minicpmo_prompts_do_not_think_unless_asked(model):
 
     assert RELEASE_STYLE != MINICPMO_4_5_TEMPLATE
     hf = AutoTokenizer.from_pretrained(model.source)
-    assert model.tokenizer.render(QUESTION).endswith("<|im_start|>assistant\n")  # the template alone thinks
+    # the loaded model's own tokenizer carries the family's default, so every rendering (Chat, the server's
+    # routes, duplex, evaluation) gets it; the template alone, asked to, thinks
+    assert model.tokenizer.template_defaults == {"enable_thinking": False}
+    assert model.tokenizer.render(QUESTION, enable_thinking=True).endswith("<|im_start|>assistant\n")
+    assert model.tokenizer.render(QUESTION).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert family_for("minicpmo").template_defaults == {"enable_thinking": False}
     release = hf.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     assert release.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -54,7 +58,7 @@ def test_chat_takes_template_variables_and_refuses_bad_ones(model):
     chat = Chat(model, config, template_variables={"enable_thinking": True})
     assert chat.conversation.tokenizer.template_defaults == {"enable_thinking": True}
     assert chat.conversation.prepare_ask("Describe it.", 4).rendered.endswith("<|im_start|>assistant\n")
-    assert model.tokenizer.template_defaults == {}  # the model's tokenizer is left as it was
+    assert model.tokenizer.template_defaults == {"enable_thinking": False}  # the model's tokenizer is left as it was
     with pytest.raises(ValueError, match="'messages' cannot be a template variable"):
         Chat(model, config, template_variables={"messages": []})
 
