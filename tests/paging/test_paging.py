@@ -3,6 +3,7 @@ placement and promotion; every mode streams exactly like native while shortening
 a plain-Python planner on random layouts: `test_omnipage_plans.py`.)"""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +26,48 @@ def model():
     return omnijax.Decoder(TINY_OMNI)
 
 
+# The cache operations under test run here as one compiled program each, as they do inside the streaming step: run
+# op by op they would compile hundreds of one-operation programs per test.
+_view = jax.jit(base.sequence_view)
+_compact = jax.jit(eager.compact)
+_eager_plan = jax.jit(eager.plan)
+_apply_plan = jax.jit(migration.apply_plan, static_argnames="chunk")
+_plan_tile_skip = jax.jit(omnipage.plan_tile_skip, static_argnums=1)
+_plan_ordered_suffix = jax.jit(omnipage.plan_ordered_suffix, static_argnums=1)
+_tile_skip = jax.jit(omnipage.tile_skip, static_argnums=1)
+_ordered_suffix = jax.jit(omnipage.ordered_suffix, static_argnums=1)
+_layout_stats = jax.jit(omnijax.kv.layout_stats, static_argnums=1)
+_reserve = jax.jit(lambda kv, token_valid, meta, placement: paged.reserve(kv, token_valid, paged.SlotMeta(*meta),
+                                                                          placement=placement),
+                   static_argnames="placement")
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "num_pages", "page_size", "position_axes"))
+def _filled(free_stack, k, v, meta, keep, *, num_layers, num_pages, page_size, position_axes):
+    """A cache on the pool order `free_stack` holding one sequence of `k`/`v` `[L, 1, n, G, d]` with slot metadata
+    `meta` (the `SlotMeta` fields as a tuple), then only the slots of `keep [1, M * P]` (page-table order) that are
+    live."""
+    meta = paged.SlotMeta(*meta)
+    kv = paged.init(num_layers=num_layers, num_kv_heads=k.shape[3], head_dim=k.shape[4], num_pages=num_pages,
+                    page_size=page_size, batch=1, position_axes=position_axes)
+    kv, _ = paged.append(kv.replace(free_stack=free_stack), k, v, jnp.ones(k.shape[1:3], bool), meta)
+    kv, _, _ = base.apply(kv, base.sequence_view(kv).live & keep, jnp.asarray([k.shape[2]]), reindex=False,
+                          rope=(1e4, None))
+    return kv
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _attend_all(q, cache, q_order, impl="xla"):
+    """Layer 1's attention of `q [1, T, H, d]` at write order `q_order` over the whole cache."""
+    view = attention.CacheView(write_slots=jnp.full(q.shape[:2], -1, jnp.int32), page_table=cache.page_table,
+                               slot_valid=cache.valid, slot_order=cache.order,
+                               q_order=jnp.full(q.shape[:2], q_order, jnp.int32))
+    return attention.attend(q, cache.k[1], cache.v[1], view, impl=impl)
+
+
 def _survivors(kv):
     """Each live slot's (order, positions, unit, span, offset) sorted by order: layout-independent content."""
-    view = base.sequence_view(kv)
+    view = _view(kv)
     live = np.asarray(view.live[0])
     rows = [(int(view.order[0, s]), tuple(np.asarray(view.pos[:, 0, s]).tolist()), int(view.unit[0, s]),
              int(view.span[0, s]), int(view.offset[0, s])) for s in np.flatnonzero(live)]
@@ -36,36 +76,27 @@ def _survivors(kv):
 
 def test_compaction_keeps_content_and_attention_and_releases_pages():
     rng = np.random.default_rng(0)
-    kv = paged.init(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=10, page_size=4, batch=1, position_axes=1)
-    kv = kv.replace(free_stack=jnp.asarray(rng.permutation(10).astype(np.int32)))
+    free_stack = jnp.asarray(rng.permutation(10).astype(np.int32))
     n = 29
     k = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
     v = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
-    z = jnp.zeros((1, n), jnp.int32)
-    meta = paged.SlotMeta(pos=jnp.arange(n)[None, None], unit=z + jnp.arange(n) // 5, span=z + 6, offset=z)
-    kv, _ = paged.append(kv, k, v, jnp.ones((1, n), bool), meta)
-    view = base.sequence_view(kv)
-    keep = view.live & jnp.asarray(rng.random(view.live.shape) < 0.35)
-    kv, _, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=False, rope=(1e4, None))
+    z = np.zeros((1, n), np.int32)
+    meta = (np.arange(n)[None, None], z + np.arange(n) // 5, z + 6, z)  # positions, units, spans, offsets
+    keep = jnp.asarray(rng.random((1, 10 * 4)) < 0.35)
+    kv = _filled(free_stack, k, v, meta, keep, num_layers=2, num_pages=10, page_size=4, position_axes=1)
     before = _survivors(kv)
     q = jnp.asarray(rng.standard_normal((1, 3, 4, 8)).astype(np.float32))
 
-    def attend(cache):
-        view = attention.CacheView(write_slots=jnp.full((1, 3), -1, jnp.int32), page_table=cache.page_table,
-                                   slot_valid=cache.valid, slot_order=cache.order,
-                                   q_order=jnp.full((1, 3), n, jnp.int32))
-        return np.asarray(attention.attend(q, cache.k[1], cache.v[1], view))
-
-    packed, moved = eager.compact(kv)
+    packed, moved = _compact(kv)
     assert _survivors(packed) == before  # positions, units, spans and offsets travel with their keys
-    np.testing.assert_allclose(attend(packed), attend(kv), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_attend_all(q, packed, n)), np.asarray(_attend_all(q, kv, n)), atol=1e-6)
     kept = len(before)
-    stats_before, stats_after = omnijax.kv.layout_stats(kv, 2), omnijax.kv.layout_stats(packed, 2)
+    stats_before, stats_after = _layout_stats(kv, 2), _layout_stats(packed, 2)
     assert int(stats_after.physical_span[0]) == -(-kept // 4) * 4 <= int(stats_before.physical_span[0])
     assert int(stats_after.free_pages) == 10 - -(-kept // 4) and int(moved[0]) > 0
     assert int(stats_after.retained_cells[0]) == kept
     # Packing an already packed cache moves nothing.
-    _, again = eager.compact(packed)
+    _, again = _compact(packed)
     assert int(again[0]) == 0
 
 
@@ -73,19 +104,16 @@ def _fragmented_cache(seed, *, page_size=8, num_pages=12, keep=0.35, classes=Tru
     """One sequence of 70 tokens (3 position axes, 2 layers) on a permuted pool, then random evictions; page classes
     random among MUST_KEEP / SELECTED / RECENT when `classes`."""
     rng = np.random.default_rng(seed)
-    kv = paged.init(num_layers=2, num_kv_heads=2, head_dim=8, num_pages=num_pages, page_size=page_size, batch=1,
-                    position_axes=3)
-    kv = kv.replace(free_stack=jnp.asarray(rng.permutation(num_pages).astype(np.int32)))
+    free_stack = jnp.asarray(rng.permutation(num_pages).astype(np.int32))
     n = 70
     k = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
     v = jnp.asarray(rng.standard_normal((2, 1, n, 2, 8)).astype(np.float32))
-    z = jnp.zeros((1, n), jnp.int32)
-    pos = jnp.asarray(rng.integers(0, 50, (3, 1, n)).astype(np.int32))
-    meta = paged.SlotMeta(pos=pos, unit=z + jnp.arange(n) // 9, span=z + jnp.arange(n) % 7, offset=z + jnp.arange(n))
-    kv, _ = paged.append(kv, k, v, jnp.ones((1, n), bool), meta)
-    view = base.sequence_view(kv)
-    kv, _, _ = base.apply(kv, view.live & jnp.asarray(rng.random(view.live.shape) < keep), jnp.asarray([n]),
-                          reindex=False, rope=(1e4, None))
+    z = np.zeros((1, n), np.int32)
+    pos = rng.integers(0, 50, (3, 1, n)).astype(np.int32)
+    meta = (pos, z + np.arange(n) // 9, z + np.arange(n) % 7, z + np.arange(n))  # positions, units, spans, offsets
+    draw = jnp.asarray(rng.random((1, num_pages * page_size)) < keep)
+    kv = _filled(free_stack, k, v, meta, draw, num_layers=2, num_pages=num_pages, page_size=page_size,
+                 position_axes=3)
     if classes:  # pages in the table get random classes; free pages stay FREE
         held = np.asarray(kv.page_class) != PageClass.FREE
         cls = np.where(held, rng.integers(1, 4, num_pages), PageClass.FREE).astype(np.int8)
@@ -105,24 +133,20 @@ def _survivor_classes(kv):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_migration_keeps_attention_positions_units_and_classes(mode, seed):
     kv = _fragmented_cache(seed)
-    plan = omnipage.plan_tile_skip(kv, 4) if mode == "tile_skip" else omnipage.plan_ordered_suffix(kv, 1)
+    plan = _plan_tile_skip(kv, 4) if mode == "tile_skip" else _plan_ordered_suffix(kv, 1)
     assert bool(plan.accepted[0])  # these layouts are fragmented enough for both modes
-    moved_kv, moved = migration.apply_plan(kv, plan.dst, plan.accepted)
-    assert int(moved[0]) == int(jnp.sum(plan.dst >= 0)) > 0
+    moved_kv, moved = _apply_plan(kv, plan.dst, plan.accepted)
+    assert int(moved[0]) == int(np.sum(np.asarray(plan.dst) >= 0)) > 0
     assert _survivors(moved_kv) == _survivors(kv)  # every survivor's positions, unit, span and offset travel with it
     if mode == "tile_skip":  # moves stay inside one class, so no survivor changes class
         assert _survivor_classes(moved_kv) == _survivor_classes(kv)
     rng = np.random.default_rng(seed + 100)
     q = jnp.asarray(rng.standard_normal((1, 3, 4, 8)).astype(np.float32))
     for impl in ("reference", "xla"):
-        def attend(cache):
-            view = attention.CacheView(write_slots=jnp.full((1, 3), -1, jnp.int32), page_table=cache.page_table,
-                                       slot_valid=cache.valid, slot_order=cache.order,
-                                       q_order=jnp.full((1, 3), 70, jnp.int32))
-            return np.asarray(attention.attend(q, cache.k[1], cache.v[1], view, impl=impl))
-        np.testing.assert_allclose(attend(moved_kv), attend(kv), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(_attend_all(q, moved_kv, 70, impl=impl)),
+                                   np.asarray(_attend_all(q, kv, 70, impl=impl)), atol=1e-6, rtol=0)
     # The full mode (promotion, dropping emptied pages) keeps content and attention too, and gives pages back.
-    run = omnipage.tile_skip(kv, 4) if mode == "tile_skip" else omnipage.ordered_suffix(kv, 1)
+    run = _tile_skip(kv, 4) if mode == "tile_skip" else _ordered_suffix(kv, 1)
     after, _ = run
     assert _survivors(after) == _survivors(kv)
     table = np.asarray(after.page_table[0])
@@ -139,16 +163,16 @@ def test_chunked_copy_equals_all_at_once_for_every_planner(seed):
     them in ascending source order equals moving them all at once (checked here with 2-slot steps)."""
     kv = _fragmented_cache(seed, keep=0.6)
     S = kv.page_table.shape[1] * kv.page_size
-    plans = {"tile_skip": omnipage.plan_tile_skip(kv, 4).dst, "ordered_suffix": omnipage.plan_ordered_suffix(kv, 1).dst,
-             "eager": eager.plan(kv)}
+    plans = {"tile_skip": _plan_tile_skip(kv, 4).dst, "ordered_suffix": _plan_ordered_suffix(kv, 1).dst,
+             "eager": _eager_plan(kv)}
     for name, dst in plans.items():
         dst = np.asarray(dst)
         j = np.broadcast_to(np.arange(S), dst.shape)
         assert (dst >= 0).sum() > 2, name  # enough moves for several steps
         assert (dst[dst >= 0] < j[dst >= 0]).all(), f"{name}: a move goes forward in table order"
         accepted = jnp.ones((1,), bool)
-        stepped, n_stepped = migration.apply_plan(kv, jnp.asarray(dst), accepted, chunk=2)
-        at_once, n_once = migration.apply_plan(kv, jnp.asarray(dst), accepted, chunk=S)
+        stepped, n_stepped = _apply_plan(kv, jnp.asarray(dst), accepted, chunk=2)
+        at_once, n_once = _apply_plan(kv, jnp.asarray(dst), accepted, chunk=S)
         assert int(n_stepped[0]) == int(n_once[0]) == (dst >= 0).sum()
         for field in ("k", "v", "valid", "order"):
             np.testing.assert_array_equal(np.asarray(getattr(stepped, field)), np.asarray(getattr(at_once, field)))
@@ -157,16 +181,15 @@ def test_chunked_copy_equals_all_at_once_for_every_planner(seed):
 
 def test_tile_skip_promotes_filled_pages_and_system_pages():
     P = 4
-    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)
     n = 4 * P
-    z = jnp.zeros((1, n), jnp.int32)
-    span = jnp.where(jnp.arange(n) < P, SpanKind.SYSTEM, SpanKind.IMAGE)[None]
-    meta = paged.SlotMeta(pos=jnp.arange(n)[None, None], unit=z, span=span, offset=z)
-    kv, _ = paged.append(kv, jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)), jnp.ones((1, n), bool), meta)
+    z = np.zeros((1, n), np.int32)
+    span = np.where(np.arange(n) < P, SpanKind.SYSTEM, SpanKind.IMAGE)[None]
+    meta = (np.arange(n)[None, None], z, span, z)  # positions, units, spans, offsets
     # Page 0: the whole system prompt. Page 1 loses two tokens, page 3 keeps two: those fill page 1's holes.
     keep = jnp.ones((1, 6 * P), bool).at[0, jnp.asarray([5, 6, 8, 9, 10, 11, 12, 13])].set(False)
-    kv, _, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=False, rope=(1e4, None))
-    out, moved = omnipage.tile_skip(kv, 2)
+    kv = _filled(jnp.arange(5, -1, -1, dtype=jnp.int32), jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)),
+                 meta, keep, num_layers=1, num_pages=6, page_size=P, position_axes=1)
+    out, moved = _tile_skip(kv, 2)
     assert int(moved[0]) == 2
     np.testing.assert_array_equal(np.asarray(out.page_table[0, :3]), [0, 1, -1])
     assert int(out.page_class[0]) == PageClass.MUST_KEEP and int(out.page_class[1]) == PageClass.SELECTED
@@ -175,22 +198,21 @@ def test_tile_skip_promotes_filled_pages_and_system_pages():
 
 def test_class_placement_never_writes_into_selected_pages():
     P = 4
-    kv = paged.init(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=6, page_size=P, batch=1, position_axes=1)
     n = 3 * P
-    z = jnp.zeros((1, n), jnp.int32)
-    meta = paged.SlotMeta(pos=jnp.arange(n)[None, None], unit=z, span=z + SpanKind.IMAGE, offset=z)
-    kv, _ = paged.append(kv, jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)), jnp.ones((1, n), bool), meta)
+    z = np.zeros((1, n), np.int32)
+    meta = (np.arange(n)[None, None], z, z + SpanKind.IMAGE, z)  # positions, units, spans, offsets
     keep = jnp.ones((1, 6 * P), bool).at[0, jnp.asarray([1, 2, 5, 6])].set(False)  # holes in pages 0 and 1
-    kv, _, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=False, rope=(1e4, None))
+    kv = _filled(jnp.arange(5, -1, -1, dtype=jnp.int32), jnp.zeros((1, 1, n, 1, 2)), jnp.zeros((1, 1, n, 1, 2)),
+                 meta, keep, num_layers=1, num_pages=6, page_size=P, position_axes=1)
     kv = kv.replace(page_class=kv.page_class.at[0].set(PageClass.SELECTED))
-    new = paged.SlotMeta(pos=jnp.asarray([[[20, 21, 22]]]), unit=jnp.ones((1, 3), jnp.int32),
-                         span=jnp.full((1, 3), SpanKind.TEXT), offset=jnp.zeros((1, 3), jnp.int32))
-    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="by_class")
+    new = (np.asarray([[[20, 21, 22]]]), np.ones((1, 3), np.int32), np.full((1, 3), SpanKind.TEXT, np.int32),
+           np.zeros((1, 3), np.int32))  # positions, units, spans, offsets of three text tokens
+    _, slots, _ = _reserve(kv, jnp.ones((1, 3), bool), new, placement="by_class")
     np.testing.assert_array_equal(np.asarray(slots[0]), [5, 6, 12])  # page 1's holes, then a fresh page
-    _, slots, _ = paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="first_fit")
+    _, slots, _ = _reserve(kv, jnp.ones((1, 3), bool), new, placement="first_fit")
     np.testing.assert_array_equal(np.asarray(slots[0]), [1, 2, 5])
     with pytest.raises(ValueError, match="unknown placement"):
-        paged.reserve(kv, jnp.ones((1, 3), bool), new, placement="best_fit")
+        paged.reserve(kv, jnp.ones((1, 3), bool), paged.SlotMeta(*new), placement="best_fit")
 
 
 def test_every_paging_mode_streams_like_native(model):
