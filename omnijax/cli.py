@@ -1,6 +1,6 @@
 """The `omnijax` command: `convert`, `chat`, `watch`, `serve`.
 
-    omnijax convert SRC DST [--dtype bfloat16]          # Hugging Face safetensors -> omnijax checkpoint
+    omnijax convert SRC DST [--dtype bfloat16]          # Hugging Face safetensors or MODEL.gguf -> omnijax checkpoint
     omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96]
     omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
                   [--plot out.png]
@@ -68,7 +68,8 @@ def _session_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnijax", description="Streaming omni-modal LLMs with a bounded KV cache.")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    sub.add_parser("convert", help="convert a Hugging Face checkpoint (see omnijax convert --help)", add_help=False)
+    sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file (see omnijax convert --help)",
+                   add_help=False)
     chat = sub.add_parser("chat", help="talk to a checkpoint in the terminal")
     _session_options(chat)
     watch = sub.add_parser("watch", help="stream a video file into a checkpoint and ask about it")

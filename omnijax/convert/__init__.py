@@ -1,4 +1,8 @@
-"""Hugging Face safetensors checkpoint -> omnijax checkpoint conversion.
+"""Hugging Face safetensors checkpoint (or GGUF file) -> omnijax checkpoint conversion.
+
+A SRC that is a `.gguf` file (llama.cpp's format) goes to `convert_gguf` (`omnijax/convert/gguf.py`: config from the
+metadata, tensors dequantised, tokenizer built from the metadata); the rest of this docstring is about checkpoint
+directories, whose destination and atomicity rules GGUF conversion shares.
 
 `convert_checkpoint(src, dst)` is the Python entry point; `omnijax convert SRC DST` (or `omnijax-convert`, `python -m
 omnijax.convert`) is the command line (`omnijax/convert/__main__.py`). The model type is detected from
@@ -30,12 +34,16 @@ from pathlib import Path
 from types import ModuleType
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.checkpoint import loop as streaming
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.convert import gguf as gguf_convert
+from omnijax.convert import gguf_tokenizer
 from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
 from omnijax.models.config import DecoderConfig, validate_config
 from omnijax.models.registry import ALL_FAMILIES
 
-__all__ = ["convert_checkpoint", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES", "TOKENIZER_FILES"]
+__all__ = ["convert_checkpoint", "convert_gguf", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES",
+           "TOKENIZER_FILES"]
 
 DTYPES = ("float32", "bfloat16")
 # Hugging Face model_type -> converter module (each family's `converter`).
@@ -43,6 +51,10 @@ CONVERTERS = {hf_type: family.converter for family in ALL_FAMILIES for hf_type i
 # Model types recognised but not converted, with the reason.
 NOT_SUPPORTED_YET: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(CONVERTERS)
+# Top-level config.json keys transformers' `save_pretrained` writes that do not change the forward: provenance
+# (`_model_name_or_path` is a GGUF file's `general.name`) and the unknown-token id. Dropped before the family's
+# whitelist of attributes refuses unknown keys (every key that changes the forward is still refused there).
+FORWARD_NEUTRAL_KEYS = frozenset({"_model_name_or_path", "_name_or_path", "_commit_hash", "unk_token_id"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
                    "preprocessor_config.json")
@@ -146,12 +158,37 @@ def _swap_into_place(tmp: Path, dst: Path) -> None:
     _remove(old)
 
 
+def _write_atomically(dst: Path, write: Callable[[Path], None]) -> Path:
+    """Runs `write(tmp)` into a fresh temporary directory beside `dst` and renames it into place; on any failure the
+    temporary directory (and any parent directory this call created) is removed and `dst` is untouched."""
+    created = next((p for p in reversed(dst.parents) if not p.exists()), None)  # topmost parent this call creates
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _swap_into_place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None and not os.path.lexists(dst):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return dst
+
+
+def _without_bookkeeping(hf_config: dict) -> dict:
+    """The config without the top-level keys transformers' `save_pretrained` writes that do not change the forward
+    (`FORWARD_NEUTRAL_KEYS`); every other key still goes through the family's whitelist."""
+    return {k: v for k, v in hf_config.items() if k not in FORWARD_NEUTRAL_KEYS}
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", force: bool = False,
                        progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
-    """Converts a Hugging Face safetensors checkpoint directory into an omnijax checkpoint.
+    """Converts a Hugging Face safetensors checkpoint directory, or a GGUF file, into an omnijax checkpoint.
 
     Args:
-        src: directory with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards.
+        src: directory with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards; or a
+            `.gguf` file (llama.cpp's format; see `convert_gguf`).
         dst: output directory (see `omnijax/checkpoint/format.py` for its layout). Must not exist or be empty unless
             `force`; with `force` an existing DST is replaced only after the conversion succeeded. Never a symbolic
             link (refused, see the module docstring).
@@ -169,40 +206,87 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     """
     if dtype not in DTYPES:
         raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if Path(src).is_file() and gguf_convert.is_gguf(src):
+        return convert_gguf(src, dst, dtype=dtype, force=force, progress=progress, log=log)
     src, dst = Path(src).resolve(), _destination(dst)
     if not src.is_dir():
         raise ConvertError(f"source {src} is not a directory")
     _check_destination(src, dst, force)
-    hf_config = read_hf_config(src)
+    hf_config = _without_bookkeeping(read_hf_config(src))
     converter = converter_for(hf_config, src / "config.json")
     # Refuses an unsupported config, or a value out of range, before any tensor is read.
     config = _validated(converter.config_from_hf(hf_config, dtype=dtype), src / "config.json")
     eos = _generation_eos(src, config)
 
-    created = next((p for p in reversed(dst.parents) if not p.exists()), None)  # topmost parent this call creates
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> None:
         ckpt = SafetensorsCheckpoint(src)
         staging = tmp / ".staging"
         kwargs = {} if log is None else {"log": log}
-        config, params, info, extras = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
-                                                        progress=progress, **kwargs)
-        config = _validated(config if eos is None else config.replace(eos_token_ids=eos), src / "config.json")
+        final, params, info, extras = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
+                                                               progress=progress, **kwargs)
+        final = _validated(final if eos is None else final.replace(eos_token_ids=eos), src / "config.json")
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
-        checkpoint.save_params(tmp, converter.model_type_for(hf_config), config, params, source_info,
+        checkpoint.save_params(tmp, converter.model_type_for(hf_config), final, params, source_info,
                                components=extras)
         del params
         shutil.rmtree(staging)
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
-        _swap_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None and not os.path.lexists(dst):
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    return dst
+
+    return _write_atomically(dst, write)
+
+
+def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", force: bool = False,
+                 progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+    """Converts a GGUF file (llama.cpp's format) into an omnijax checkpoint with its tokenizer.
+
+    What is read, and how, is in `omnijax/convert/gguf.py`. The file's header (magic, extent, every tensor's type
+    and byte range), the config built from its metadata and every tensor's name and shape are checked before any
+    tensor data is read; the output is written atomically as `convert_checkpoint` writes it. Needs the `gguf`
+    package (`pip install 'omnijax[gguf]'`).
+
+    Args:
+        src: the `.gguf` file.
+        dst: output directory (the rules of `convert_checkpoint`).
+        dtype: parameter dtype, "float32" or "bfloat16"; every tensor is dequantised to it.
+        force: replace a non-empty DST.
+        progress: show a progress bar over tensors on stderr.
+        log: callable receiving one-line notes; default prints to stderr.
+
+    Returns:
+        The absolute path of the written checkpoint.
+
+    Raises:
+        ConvertError: a file that is not GGUF, cut short or malformed (`CheckpointError`), an unimplemented
+            architecture (`UnsupportedModelError`), quantisation type or metadata value (`UnsupportedConfigError`),
+            a tensor that disagrees with the metadata (`TensorError`), the `gguf` package missing, or a destination
+            problem; nothing is left behind.
+    """
+    if dtype not in DTYPES:
+        raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    note = log if log is not None else streaming.stderr
+    src, dst = Path(src).resolve(), _destination(dst)
+    if not src.is_file():
+        raise ConvertError(f"source {src} is not a file")
+    _check_destination(src, dst, force)
+    file = gguf_convert.read_gguf(src)
+    model_type, config = gguf_convert.config_from_gguf(file, dtype=dtype)  # refuses before any tensor data is read
+    tokenizer = gguf_tokenizer.build(file.metadata, file.architecture) if "tokenizer.ggml.tokens" in file.metadata \
+        else None
+
+    def write(tmp: Path) -> None:
+        staging = tmp / ".staging"
+        model_type, final, params, info = gguf_convert.convert_params(file, dtype=dtype, staging_dir=staging,
+                                                                      progress=progress, log=note)
+        checkpoint.save_params(tmp, model_type, _validated(final, src), params,
+                               {"path": str(src), "files": [src.name], "dtype": dtype, **info})
+        del params
+        shutil.rmtree(staging)
+        if tokenizer is None:
+            note(f"{src} has no tokenizer metadata (tokenizer.ggml.tokens): no tokenizer written")
+        else:
+            gguf_tokenizer.save(*tokenizer, tmp)
+
+    return _write_atomically(dst, write)

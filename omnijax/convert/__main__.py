@@ -1,4 +1,5 @@
-"""Command line: `omnijax-convert SRC DST [--dtype float32|bfloat16] [--force]` (also `python -m omnijax.convert`)."""
+"""Command line: `omnijax-convert SRC DST [--dtype float32|bfloat16] [--force]` (also `python -m omnijax.convert` and
+`omnijax convert`). SRC is a Hugging Face safetensors checkpoint directory or a `.gguf` file."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import sys
 from omnijax import compilation_cache
 from omnijax.checkpoint.format import CheckpointFormatError
 from omnijax.convert import DTYPES, SUPPORTED_MODEL_TYPES, convert_checkpoint
+from omnijax.convert.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from omnijax.errors import ConvertError
 
 
 def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Convert a Hugging Face safetensors checkpoint directory into an omnijax checkpoint "
-                    f"(supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}).")
-    parser.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (config.json + safetensors)")
+        description="Convert a Hugging Face safetensors checkpoint directory, or a GGUF file (llama.cpp), into an "
+                    f"omnijax checkpoint (supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}; GGUF "
+                    f"architectures: {', '.join(GGUF_ARCHITECTURES)}, needs pip install 'omnijax[gguf]').")
+    parser.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (config.json + safetensors), or "
+                        "a .gguf file (config, weights dequantised and tokenizer from the file)")
     parser.add_argument("dst", metavar="DST", help="output directory")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter dtype (default: float32)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="parameter dtype (default: float32); GGUF tensors are dequantised to it")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it exists and is not empty (a DST that is a symbolic link is refused)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
