@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 # The most pixels an image may have (50 MP, e.g. 8660x5773): checked from the file's header before decoding, so a small
 # file claiming 20000x20000 is refused without allocating its 1.2 GB of pixels. The models' processors downscale far
@@ -46,7 +46,11 @@ def read_image(source: str | Path | bytes) -> np.ndarray:
                             f"{e}") from None
     except (OSError, ValueError) as e:
         where = "the image could not be decoded" if isinstance(source, bytes) else f"{source}: not a readable image"
-        raise ValueError(f"{where} ({e})") from None
+        # PIL names an unknown format by the file object it was given ("<_io.BytesIO object at 0x...>"): say what
+        # was expected instead
+        why = ("not in an image format PIL reads: PNG, JPEG, WebP, GIF, BMP, TIFF, ..."
+               if isinstance(e, UnidentifiedImageError) else str(e))
+        raise ValueError(f"{where} ({why})") from None
 
 
 def _on_white(image: Image.Image) -> Image.Image:

@@ -58,6 +58,7 @@ from omnijax.serve.native.protocol import frame_samples
 from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
 from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
+from omnijax.serve.refusal_log import refusals
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
@@ -106,7 +107,8 @@ class ApiKeyMiddleware:
         body = json.dumps(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")).encode()
         head = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
-        log.warning("refuse peer=%s path=%s reason=unauthorized", (scope.get("client") or ("?",))[0], scope["path"])
+        peer = (scope.get("client") or ("?",))[0]
+        refusals.refuse("unauthorized", peer, "refuse peer=%s path=%s reason=unauthorized", peer, scope["path"])
         if scope["type"] == "http":
             await send({"type": "http.response.start", "status": 401, "headers": head})
             await send({"type": "http.response.body", "body": body})
@@ -254,6 +256,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int, default=512, help="the most tokens of one response")
     p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
     p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
+    p.add_argument("--max-request-audio-s", type=float, default=600.0, help="most seconds of audio in one chat "
+                   "completion (all its input_audio parts)")
+    p.add_argument("--max-outbox-mb", type=float, default=64.0, help="a WebSocket client with more than this many "
+                   "MiB of server events unread is dropped as a slow consumer")
     p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
                    "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
     p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
@@ -265,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-max-age", default="7d", help="delete snapshots not written for this long: '3600', "
                    "'90m', '24h', '7d' (0: never)")
     p.add_argument("--idle-timeout", type=float, default=600.0, help="close (after snapshotting) a Realtime "
-                   "connection whose client sends nothing for this many seconds (0: never)")
+                   "connection, or a native /session one, whose client sends nothing for this many seconds "
+                   "(0: never)")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion the server "
                    "cannot admit waits for room before its 429 (0: none)")
     p.add_argument("--max-queued", type=int, default=64, help="the most chat completions waiting for room at once")
@@ -293,10 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # `--api-key ""` is refused like an empty OMNIJAX_API_KEY (ServeOptions), never read as "no key".
         api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+        if not 0 < args.max_outbox_mb < float("inf"):
+            raise ValueError(f"--max-outbox-mb must be a positive number of MiB, got {args.max_outbox_mb}")
         options = ServeOptions(host=args.host, port=args.port, api_key=api_key,
                                model_name=args.model_name, frame_ms=args.frame_ms,
                                max_message_bytes=int(args.max_message_mb * 2 ** 20),
                                max_audio_buffer_s=args.max_audio_buffer_s,
+                               max_request_audio_s=args.max_request_audio_s,
+                               max_outbox_bytes=int(args.max_outbox_mb * 2 ** 20),
                                max_sessions_per_client=args.max_sessions_per_client,
                                max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir,
                                queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,

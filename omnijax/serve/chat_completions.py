@@ -9,12 +9,14 @@ cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `ma
 `Retry-After`; a client that disconnects before its answer is whole cancels it; a stopping server answers 503.
 
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
-URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM, any rate, mono or channels averaged);
+URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or channels averaged; at
+most `--max-request-audio-s` seconds in all, checked before any is resampled);
 `max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage`; `n` = 1. Sampling fields
 (`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling` (as
 `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request reproduce);
 with any other strategy they are accepted when they are what it decodes with, else refused with a 400 naming the
-field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused.
+field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused. Every refusal (4xx) is logged,
+rate-limited per reason and client (`omnijax.serve.refusal_log`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from omnijax.decoding import SEED_RANGE, DecodingStrategy, sampling_row
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.refusal_log import refusals
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -91,8 +94,22 @@ class ChatRequest:
     seed: int | None = None
 
 
-def _wav(data: bytes, param: str) -> np.ndarray:
-    """WAV bytes (16-bit PCM) -> 16 kHz mono float32."""
+class _AudioBudget:
+    """The seconds of audio a request may still carry (`ServeOptions.max_request_audio_s`; None: no cap)."""
+
+    def __init__(self, seconds: float | None):
+        self.cap, self.used = seconds, 0.0
+
+    def take(self, seconds: float, param: str) -> None:
+        self.used += seconds
+        if self.cap is not None and self.used > self.cap:
+            raise RequestError(f"'{param}': the request's audio runs {self.used:.1f} s so far, over the "
+                               f"{self.cap:g} s one request may carry (--max-request-audio-s); send less audio, or "
+                               f"stream it over the Realtime API", param=param, code="audio_too_long")
+
+
+def _wav(data: bytes, param: str, budget: _AudioBudget | None = None) -> np.ndarray:
+    """WAV bytes (16-bit PCM) -> 16 kHz mono float32; its duration is taken from `budget` before any resampling."""
 
     try:
         pcm, rate = read_wav(io.BytesIO(data), widths=(2,))
@@ -100,6 +117,8 @@ def _wav(data: bytes, param: str) -> np.ndarray:
         raise RequestError(f"'{param}': {e}", param=param) from None
     if pcm.size == 0:
         raise RequestError(f"'{param}': the WAV file holds no samples", param=param)
+    if budget is not None:
+        budget.take(pcm.size / rate, param)
     return resample(pcm, int(rate))
 
 
@@ -112,7 +131,7 @@ def _b64(value, param: str) -> bytes:
         raise RequestError(f"'{param}' is not valid base64", param=param) from None
 
 
-def _part(part, param: str) -> Part:
+def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
     kind = part["type"]
@@ -134,13 +153,15 @@ def _part(part, param: str) -> Part:
         if audio.get("format") != "wav":
             raise RequestError(f"'{param}.input_audio.format' must be \"wav\" (16-bit PCM), got "
                                f"{audio.get('format')!r}", param=param + ".input_audio.format", code="unsupported")
-        return Part("audio", pcm=_wav(_b64(audio.get("data"), param + ".input_audio.data"), param))
+        return Part("audio", pcm=_wav(_b64(audio.get("data"), param + ".input_audio.data"), param, budget))
     raise RequestError(f"'{param}.type' {kind!r} is not supported (text, image_url, input_audio)",
                        param=param + ".type", code="unsupported")
 
 
-def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy) -> ChatRequest:
-    """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`."""
+def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy,
+                       max_audio_s: float | None = None) -> ChatRequest:
+    """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`.
+    `max_audio_s` caps the seconds of audio of all its `input_audio` parts together (None: no cap)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -178,6 +199,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         raise RequestError(f"the messages hold {total} content parts, over the {MAX_PARTS} accepted (MAX_PARTS)",
                            param="messages")
     parsed = []
+    budget = _AudioBudget(max_audio_s)
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -188,7 +210,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         if isinstance(content, str):
             parts = (Part("text", text=content),)
         elif isinstance(content, list) and content:
-            parts = tuple(_part(p, f"{param}.content[{j}]") for j, p in enumerate(content))
+            parts = tuple(_part(p, f"{param}.content[{j}]", budget) for j, p in enumerate(content))
         else:
             raise RequestError(f"'{param}.content' must be a string or a non-empty list of parts",
                                param=param + ".content")
@@ -277,7 +299,12 @@ FINISH = {"completed": "stop", "incomplete": "length", "cancelled": "stop"}
 
 
 # ----------------------------------------------------------------------------------------------------- handlers
-def _json_error(e: RequestError, headers: dict | None = None):
+def _json_error(e: RequestError, headers: dict | None = None, request: Request | None = None):
+    """The error response of `e`; a refusal of `request` (a 4xx, or a 503 while stopping) is logged, rate-limited
+    per reason and client (`omnijax.serve.refusal_log`)."""
+    if request is not None and (e.status < 500 or e.code == "shutting_down"):
+        peer = request.client.host if request.client else "?"
+        refusals.refuse(e.code, peer, "chat refuse peer=%s status=%d reason=%s: %s", peer, e.status, e.code, e)
     return JSONResponse(error_body(str(e), kind=e.kind, code=e.code, param=e.param), status_code=e.status,
                         headers=headers)
 
@@ -289,7 +316,8 @@ def _parse_body(body: bytes, context) -> ChatRequest:
     except ValueError as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     return parse_chat_request(payload, model_name=context.options.model_name,
-                              decoding=context.worker.engine.config.stream.decoding)
+                              decoding=context.worker.engine.config.stream.decoding,
+                              max_audio_s=context.options.max_request_audio_s)
 
 
 def _build(conversation, req: ChatRequest, answer_tokens: int) -> tuple[list, Any]:
@@ -317,20 +345,22 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     body = await request.body()
     if len(body) > context.options.max_message_bytes:
         return _json_error(RequestError(f"the request body is {len(body)} bytes, over the server's cap of "
-                                        f"{context.options.max_message_bytes}", status=413, code="too_large"))
+                                        f"{context.options.max_message_bytes}", status=413, code="too_large"),
+                           request=request)
     try:
         req = await asyncio.to_thread(_parse_body, body, context)
     except RequestError as e:
-        return _json_error(e)
+        return _json_error(e, request=request)
     client = request.client.host if request.client else "?"
     session = context.session(client, "cc", queue=True)
     try:
         sid = await session.__aenter__()
     except Overloaded as e:
         if context.worker.stopping:
-            return _json_error(RequestError(str(e), status=503, code="shutting_down", kind="server_error"))
+            return _json_error(RequestError(str(e), status=503, code="shutting_down", kind="server_error"),
+                               request=request)
         return _json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
-                           headers={"Retry-After": str(context.retry_after_s)})
+                           headers={"Retry-After": str(context.retry_after_s)}, request=request)
     try:
         conversation = context.conversation()
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
@@ -342,7 +372,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling)
     except ValueError as e:
         await session.__aexit__(None, None, None)
-        return _json_error(RequestError(str(e)))
+        return _json_error(RequestError(str(e)), request=request)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
     if not req.stream:

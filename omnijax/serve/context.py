@@ -37,6 +37,10 @@ class ServeOptions:
         max_sessions_per_client: the most sessions one client address may hold at once.
         max_output_tokens: the most tokens of one response (a client's "inf" means this).
         max_outbox: server events queued unread for one client before it is dropped as a slow consumer.
+        max_outbox_bytes: bytes of serialized server events queued unread for one client (Realtime or native) before
+            it is dropped as a slow consumer (`omnijax.serve.outbox`; one event alone may pass it).
+        max_request_audio_s: the most seconds of audio one chat completion may carry (all its `input_audio` parts),
+            refused by name before any is resampled or encoded.
         decode_wait_fraction: a native frame's reply waits at most this fraction of B after the frame arrived
             (Metronome's worker: 0.8 B); a tick still running then gives an empty reply on time, marked `late`,
             and its tokens follow in a `late_tokens` message. 0 waits for the tick however long it takes.
@@ -49,7 +53,8 @@ class ServeOptions:
             make room; None: no cap).
         snapshot_max_age_s: snapshots not written for this long are deleted (None: kept until resumed or evicted).
         idle_timeout_s: a Realtime connection whose client sends nothing for this long (no response decoding) is
-            snapshotted and closed with an `idle_timeout` error; 0 disables.
+            snapshotted and closed with an `idle_timeout` error; a native `/session` one (no frame being served) is
+            closed the same way; 0 disables.
         queue_timeout_s: how long a chat completion the server cannot admit waits for room before its 429 (0: no
             waiting).
         max_queued: the most chat completions waiting at once; beyond it a request gets its 429 at once.
@@ -67,6 +72,8 @@ class ServeOptions:
     max_sessions_per_client: int = 16
     max_output_tokens: int = 512
     max_outbox: int = 1024
+    max_outbox_bytes: int = 64 * 2 ** 20
+    max_request_audio_s: float = 600.0
     decode_wait_fraction: float = 0.8
     snapshot_dir: str | None = None
     snapshot_every_s: float = 0.0
@@ -79,11 +86,15 @@ class ServeOptions:
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self):
-        for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox"):
+        for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
+                     "max_outbox_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.decode_wait_fraction <= 1:
             raise ValueError(f"decode_wait_fraction must lie in [0, 1], got {self.decode_wait_fraction}")
+        if not 0 < self.max_request_audio_s < float("inf"):
+            raise ValueError(f"max_request_audio_s must be a positive number of seconds, got "
+                             f"{self.max_request_audio_s}")
         if not self.frame_ms > 0 or not self.max_audio_buffer_s > 0:
             raise ValueError(f"frame_ms and max_audio_buffer_s must be positive, got {self.frame_ms}, "
                              f"{self.max_audio_buffer_s}")

@@ -33,8 +33,14 @@ ids], "text": "...", "listened": bool, "latency_ms": ...}` (no tokens and `liste
 
 Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
 `bad_message`, `no_hello`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`, `unsupported`
-(image frames), `hello_timeout`, `slow_consumer`. A frame that fails inside the server gets a non-fatal
-`{"type": "error", "code": "internal", "seq": k}`. When the server shuts down, open sessions are closed with 1012.
+(image frames), `hello_timeout`, `slow_consumer` (the client does not read: more than `--max-outbox-mb` of replies,
+or `max_outbox` replies, wait unread; its engine session is freed first, then the error and the close are sent if it
+reads within 10 s). A frame that fails inside the server gets a non-fatal `{"type": "error", "code": "internal",
+"seq": k}`. When the server shuts down, open sessions are closed with 1012.
+
+Idle timeout (`--idle-timeout`, 0: none): a session whose client sends nothing for that long, with no frame being
+served, gets `{"type": "error", "code": "idle_timeout", ...}` naming the timeout and close 1000 ("idle timeout");
+its engine session is freed.
 """
 
 from __future__ import annotations
@@ -63,13 +69,16 @@ from omnijax.serve.native.protocol import (
     parse_hello,
     parse_json,
 )
+from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime.duplex import duplex_rule
+from omnijax.serve.refusal_log import refusals
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
 log = logging.getLogger("omnijax.serve")
 HELLO_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0  # the most a close frame waits for a client that does not read
 
 
 class NativeSession:
@@ -82,33 +91,65 @@ class NativeSession:
         self.seq = self.unit = self.skipped = 0
         self.pump: asyncio.Task | None = None
         self.text = None if context.tokenizer is None else context.tokenizer.stream_decoder(skip_special_tokens=True)
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox = Outbox(context.options.max_outbox, context.options.max_outbox_bytes)
         self.closing: tuple[int, str] | None = None  # set by the pump to end the session
+        self.last_active = 0.0  # loop time of the client's last message or the last frame's reply (idle timeout)
         self._stop = asyncio.Event()
 
     async def _receive(self) -> dict | None:
-        """The next WebSocket message, or None once the pump ended the session."""
+        """The next WebSocket message, or None once the pump ended the session; with an idle timeout
+        (`ServeOptions.idle_timeout_s`), a session whose client sends nothing for that long while no frame is being
+        served ends with `closing` (1000, "idle timeout") and None."""
+        loop = asyncio.get_running_loop()
         receive = asyncio.ensure_future(self.ws.receive())
         stop = asyncio.ensure_future(self._stop.wait())
-        done, _ = await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (receive, stop):
-            if task not in done:
-                task.cancel()
-        return receive.result() if receive in done else None
+        timeout = self.context.options.idle_timeout_s
+        try:
+            while True:
+                wait_s = None
+                if timeout:  # while a frame is served, look again within a second
+                    wait_s = min(timeout, 1.0) if self._busy() else self.last_active + timeout - loop.time()
+                    if wait_s <= 0:
+                        self._idle_out()
+                        return None
+                done, _ = await asyncio.wait({receive, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    self.last_active = loop.time()
+                    return receive.result() if receive in done else None
+        finally:
+            for task in (receive, stop):
+                if not task.done():
+                    task.cancel()
+
+    def _busy(self) -> bool:
+        """Whether a frame is being served (a session waiting for its answer is not idle)."""
+        return self.pump is not None and not self.pump.done()
+
+    def _idle_out(self) -> None:
+        timeout = self.context.options.idle_timeout_s
+        log.info("close peer=%s session=%s: idle for %g s", self.peer, self.sid, timeout)
+        self.outbox.put({"type": "error", "code": "idle_timeout", "message": f"the session sent nothing for "
+                         f"{timeout:g} s, the server's idle timeout (--idle-timeout), and is closed"}, force=True)
+        self.closing = (1000, "idle timeout")
 
     async def _writer(self) -> None:
-        while (message := await self.outbox.get()) is not None:
-            await self.ws.send_text(json.dumps(message))
+        await self.outbox.drain(self.ws.send_text)
 
     def _reply(self, message: dict) -> None:
-        if self.outbox.qsize() >= self.context.options.max_outbox:
-            raise ProtocolError("slow_consumer", f"{self.outbox.qsize()} replies pile up unread")
-        self.outbox.put_nowait(message)
+        if not self.outbox.put(message):
+            raise ProtocolError("slow_consumer", f"the client does not read its replies: {self.outbox.overflow}")
+
+    def _refused(self, e: ProtocolError) -> None:
+        """Logs a refusal (rate-limited) and queues its `error` message (a slow consumer's is sent at the close)."""
+        refusals.refuse(e.code, self.peer.rsplit(":", 1)[0], "refuse peer=%s session=%s reason=%s: %s", self.peer,
+                        self.sid, e.code, e)
+        self.outbox.put({"type": "error", "code": e.code, "message": str(e)}, force=True)
 
     async def run(self) -> tuple[int, str]:
         """Serves frames until bye, an error or a disconnect; returns (close code, reason)."""
 
         loop = asyncio.get_running_loop()
+        self.last_active = loop.time()
         writer = asyncio.create_task(self._writer())
         self._reply({"type": "ready", "session": self.sid, "sample_rate": SAMPLE_RATE,
                      "frame_ms": self.context.options.frame_ms, "frame_samples": self.samples})
@@ -122,6 +163,7 @@ class NativeSession:
                     self._on_frame(decode_frame(message["bytes"], self.samples), loop.time())
                     if self.pump is None or self.pump.done():
                         self.pump = asyncio.create_task(self._pump())
+                        self.pump.add_done_callback(lambda _: setattr(self, "last_active", loop.time()))
                     continue
                 text = parse_json(message.get("text") or "")
                 if text["type"] == "bye":
@@ -133,19 +175,21 @@ class NativeSession:
             if self.closing is not None:
                 code, reason = self.closing
         except ProtocolError as e:
-            log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
-            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            self._refused(e)
             code, reason = CLOSE_ERROR, e.code
         except WebSocketDisconnect:
             pass
         finally:
             if self.pump is not None and not self.pump.done():
                 self.pump.cancel()
-            self.outbox.put_nowait(None)
-            try:
-                await asyncio.wait_for(writer, 5.0)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the peer is gone or does not read
+            if self.outbox.overflow is not None:  # a slow consumer: its error goes out at the close
                 writer.cancel()
+            else:
+                self.outbox.close()
+                try:
+                    await asyncio.wait_for(writer, 5.0)
+                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the peer is gone or does not read
+                    writer.cancel()
         return code, reason
 
     def _on_frame(self, pcm: np.ndarray, arrival: float) -> None:
@@ -168,8 +212,7 @@ class NativeSession:
             try:
                 await self._serve(seq, pcm, arrival, skipped)
             except ProtocolError as e:
-                log.warning("refuse peer=%s session=%s reason=%s: %s", self.peer, self.sid, e.code, e)
-                self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+                self._refused(e)
                 self.closing = (CLOSE_ERROR, e.code)
                 self._stop.set()
                 return
@@ -262,11 +305,11 @@ class NativeDuplex(NativeSession):
                 self._reply(message)
         except ProtocolError as e:
             self.closing = (CLOSE_ERROR, e.code)
-            self.outbox.put_nowait({"type": "error", "code": e.code, "message": str(e)})
+            self._refused(e)
             self._stop.set()
         except Exception as e:  # noqa: BLE001 - the duplex stream cannot go on: say why and end the session
             log.warning("native duplex session=%s stopped: %s: %s", self.sid, type(e).__name__, e)
-            self.outbox.put_nowait({"type": "error", "code": "internal", "message": f"duplex stopped: {e}"})
+            self.outbox.put({"type": "error", "code": "internal", "message": f"duplex stopped: {e}"}, force=True)
             self.closing = (CLOSE_ERROR, "internal")
             self._stop.set()
 
@@ -279,7 +322,8 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
     peer = f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
 
     async def refuse(code: str, message: str, close_code: int = CLOSE_ERROR, sid: str = "-") -> None:
-        log.warning("refuse peer=%s session=%s reason=%s: %s", peer, sid, code, message)
+        refusals.refuse(code, peer.rsplit(":", 1)[0], "refuse peer=%s session=%s reason=%s: %s", peer, sid, code,
+                        message)
         try:
             await ws.send_text(json.dumps({"type": "error", "code": code, "message": message}))
             await ws.close(close_code, code)
@@ -312,9 +356,15 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
                        else NativeSession(ws, context, sid, samples, peer))
             code, reason = await session.run()
             log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
+        # the engine session is closed: a client that does not read can hold only its socket from here on
+        if session.outbox.overflow is not None:
+            await close_slow_consumer(ws, {"type": "error", "code": "slow_consumer", "message": f"the client does "
+                                           f"not read its replies: {session.outbox.overflow}; the session is closed"})
+            return
         try:
-            await ws.close(code, reason if code != 1000 or reason == "bye" else "")
-        except RuntimeError:  # already closed by the peer
+            await asyncio.wait_for(ws.close(code, reason if code != 1000 or reason in ("bye", "idle timeout")
+                                            else ""), CLOSE_TIMEOUT_S)
+        except (RuntimeError, asyncio.TimeoutError):  # already closed by the peer, or it does not read
             pass
     except Overloaded as e:
         await refuse("overloaded", str(e), CLOSE_OVERLOADED)

@@ -61,10 +61,12 @@ from omnijax.media.audio import resample
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.snapshot import SnapshotError
+from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
+from omnijax.serve.refusal_log import refusals
 
 if TYPE_CHECKING:
     from omnijax.retention.base import RetentionPolicy
@@ -103,7 +105,7 @@ class RealtimeSession:
         self.last_item: str | None = None
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox = Outbox(self.options.max_outbox, self.options.max_outbox_bytes)
         self.tasks: set[asyncio.Task] = set()
         self.duplex = None  # `omnijax.serve.realtime.duplex.DuplexRealtime` once duplex is on
         self.snapshots: Snapshotter | None = None  # set by `realtime_endpoint` when the session is resumable
@@ -114,11 +116,13 @@ class RealtimeSession:
 
     # ---------------------------------------------------------------------------------------------- transport
     def send(self, event: dict) -> None:
-        self.outbox.put_nowait(event)
+        """Queues a server event; one the outbox cannot hold (`max_outbox` events or `max_outbox_bytes` unread)
+        ends the session: its client is dropped as a slow consumer."""
+        if not self.outbox.put(event):
+            self._wake.set()
 
     async def _writer(self) -> None:
-        while (event := await self.outbox.get()) is not None:
-            await self.ws.send_text(json.dumps(event))
+        await self.outbox.drain(self.ws.send_text)
 
     def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.create_task(coroutine)
@@ -146,6 +150,8 @@ class RealtimeSession:
                 await asyncio.wait({receive, wake}, timeout=self._poll_s, return_when=asyncio.FIRST_COMPLETED)
                 wake.cancel()
                 self._wake.clear()
+                if self.outbox.overflow is not None:
+                    break
                 if self.snapshots is not None:
                     await self.snapshots.periodic()
                 if not receive.done():
@@ -161,10 +167,6 @@ class RealtimeSession:
                 if text is None:
                     self.send(rte.error_event("invalid_json", "events are JSON text messages, got a binary one"))
                     continue
-                if self.outbox.qsize() >= self.options.max_outbox:
-                    log.warning("realtime session=%s: dropped as a slow consumer (%d events unread)", self.sid,
-                                self.outbox.qsize())
-                    break
                 try:
                     await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
                 except rte.RealtimeEventError as e:
@@ -172,6 +174,8 @@ class RealtimeSession:
                 else:
                     if self.snapshots is not None:
                         self.snapshots.touch()
+                if self.outbox.overflow is not None:
+                    break
         except WebSocketDisconnect:
             pass
         finally:
@@ -196,7 +200,10 @@ class RealtimeSession:
                                       + ("; resume it with its token" if saved else "")))
         for task in list(self.tasks):
             task.cancel()
-        self.outbox.put_nowait(None)
+        if self.outbox.overflow is not None:  # the client does not read: nothing more is sent here
+            writer.cancel()
+            return
+        self.outbox.close()
         if idled:
             try:
                 await asyncio.wait_for(writer, 5.0)
@@ -471,6 +478,7 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
         await _refuse(ws, client, "resume_failed", str(e))
         return
     store, lease, snapshot = plan.store, plan.lease, plan.snapshot
+    slow: str | None = None
     try:
         async with context.session(client, "rt", snapshot) as sid:
             log.info("realtime connect peer=%s session=%s%s", client, sid, " (resumed)" if snapshot else "")
@@ -480,6 +488,7 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
             if lease is not None and store is not None:
                 session.snapshots = Snapshotter(session, store, lease)
             await session.run()
+            slow = session.outbox.overflow
             log.info("realtime close session=%s", sid)
     except SnapshotError as e:  # the engine refused the snapshot (another model shape, too few free pages)
         await _refuse(ws, client, "resume_failed", str(e))
@@ -488,10 +497,15 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
     finally:
         if lease is not None and store is not None:
             store.release(lease)
+    if slow is not None:  # the engine session and the lease are released first: this may wait for the client
+        message = f"the client does not read what the server sends: {slow}; the connection is closed"
+        refusals.refuse("slow_consumer", client, "realtime refuse peer=%s session=%s reason=slow_consumer: %s",
+                        client, sid, message)
+        await close_slow_consumer(ws, rte.error_event("slow_consumer", message))
 
 
 async def _refuse(ws: WebSocket, client: str, code: str, message: str) -> None:
-    log.warning("realtime refuse peer=%s reason=%s: %s", client, code, message)
+    refusals.refuse(code, client, "realtime refuse peer=%s reason=%s: %s", client, code, message)
     await ws.send_text(json.dumps(rte.error_event(code, message, error_type="server_error" if code == "overloaded"
                                                   else "invalid_request_error")))
     await ws.close(1013 if code == "overloaded" else 1008, code)
