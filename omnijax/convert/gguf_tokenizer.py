@@ -13,11 +13,12 @@ The backends follow transformers' GGUF converters (`transformers.integrations.gg
   none), byte fallback, spaces as U+2581 with a prefix space unless `tokenizer.ggml.add_space_prefix` is false; the
   control tokens are special.
 
-Where transformers departs from the GGUF's own metadata, the metadata wins (these do not change `encode` without
-special tokens): `eos_token` is the token of `tokenizer.ggml.eos_token_id` (transformers 5.2.0 names the BOS token
-as both BOS and EOS of a llama-architecture GGUF), and a BOS is added by `encode(text)` with special tokens only when
-`tokenizer.ggml.add_bos_token` says so (transformers always adds one there). Like llama.cpp and transformers, the
-pre-tokenizer does not follow `tokenizer.ggml.pre`.
+Where transformers departs from the GGUF's own metadata, the metadata wins (neither changes `encode` without
+special tokens): `eos_token` is the token of `tokenizer.ggml.eos_token_id` (transformers 5.2.0 names the BOS token as
+both BOS and EOS of a llama-architecture GGUF, and `<|endoftext|>` as the EOS of a Qwen one), and `encode(text)` with
+special tokens adds a BOS only when `tokenizer.ggml.add_bos_token` says so (transformers always adds one under
+llama). As in transformers, a Qwen architecture's tokenizer names no `bos_token` (templates render it as nothing).
+Like transformers, the pre-tokenizer does not follow `tokenizer.ggml.pre` (llama.cpp does).
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ def build(meta: Mapping[str, Any], architecture: str) -> tuple[Tokenizer, dict[s
                               "add_eos_token": add_eos, "clean_up_tokenization_spaces": False}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
                       ("pad_token", "padding_token_id")):
+        if name == "bos_token" and architecture in _QWEN_ARCHES:
+            continue  # Qwen tokenizers name no BOS (transformers' Qwen2Tokenizer, and the releases' configs)
         token = _token(tokens, meta, key)
         if token is not None:
             config[name] = token
