@@ -112,7 +112,7 @@ class GGUFError(CheckpointError):
 def _gguf_module():
     """The `gguf` package, or a ConvertError saying how to install it."""
     try:
-        import gguf
+        import gguf  # optional (omnijax[gguf]): only GGUF conversion needs it
     except ImportError as e:
         raise ConvertError(f"reading GGUF files needs the 'gguf' package (llama.cpp's reader): {INSTALL_HINT}") from e
     return gguf
