@@ -61,12 +61,12 @@ def test_directory_is_created_0700_and_an_open_one_is_tightened(tmp_path, caplog
     new = tmp_path / "fresh" / "sessions"
     SnapshotStore(new)
     assert stat.S_IMODE(new.stat().st_mode) == 0o700
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    os.chmod(shared, 0o755)
+    readable = tmp_path / "world_readable"
+    readable.mkdir()
+    os.chmod(readable, 0o755)
     with caplog.at_level(logging.WARNING, "omnijax.serve"):
-        SnapshotStore(shared)
-    assert stat.S_IMODE(shared.stat().st_mode) == 0o700
+        SnapshotStore(readable)
+    assert stat.S_IMODE(readable.stat().st_mode) == 0o700
     assert any("was mode 755" in r.getMessage() and "tightened to 700" in r.getMessage() for r in caplog.records)
     a_file = tmp_path / "file"
     a_file.write_text("x")
