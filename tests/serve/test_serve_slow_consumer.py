@@ -244,8 +244,12 @@ def test_native_session_idles_out(served):
                 last = loop.time()
                 await asyncio.sleep(FRAME_MS / 1000)
             messages = []
-            async for message in ws:
-                messages.append(json.loads(message))
+
+            async def read_to_close():
+                async for message in ws:
+                    messages.append(json.loads(message))
+
+            await asyncio.wait_for(read_to_close(), 30)  # the old server never closed it
             replies = [m for m in messages if m["type"] in ("frame", "late_tokens")]
             return ready, replies, messages[-1], loop.time() - last, last - start, ws.close_code, ws.close_reason
 
