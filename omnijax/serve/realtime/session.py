@@ -27,7 +27,9 @@ events onto the conversation and the `EngineWorker`:
   KV cells. `response.cancel` ends it at the next tick (status "cancelled"; what was decoded stays in the cache).
 
 A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
-over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return.
+over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return. A client
+that does not read (over `--max-outbox-mb` or `max_outbox` events unread, `omnijax.serve.outbox`) is dropped: its
+session ends (snapshotted when resumable), then an `error` `slow_consumer` and close 1008 go out if it reads again.
 
 Resuming (with `ServeOptions.snapshot_dir`): `session.created` carries `"omnijax": {"resume_token": t}` in the
 session object. The session (KV pages, cursor, sampling key and last logits, `omnijax.serve.engine.snapshot`, and its
@@ -207,8 +209,8 @@ class RealtimeSession:
         if idled:
             try:
                 await asyncio.wait_for(writer, 5.0)
-                await self.ws.close(1000, "idle timeout")
-            except Exception as e:  # noqa: BLE001 - the client may be gone already
+                await asyncio.wait_for(self.ws.close(1000, "idle timeout"), 5.0)
+            except Exception as e:  # noqa: BLE001 - the client may be gone already, or not read
                 log.info("realtime session=%s: idle close: %s", self.sid, type(e).__name__)
         writer.cancel()
 
