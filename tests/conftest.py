@@ -1,9 +1,15 @@
-"""Shared test setup: CPU only, float32 matmuls at full precision, a persistent compilation cache, and compiled
-programs released after each test module."""
+"""Shared test setup: CPU only, quick-to-compile XLA flags, float32 matmuls at full precision, a persistent compilation
+cache, and compiled programs released after each test module."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Quick-to-compile XLA flags for this process and every subprocess it starts (tests/_support/xla_flags.py):
+# OMNIJAX_TEST_XLA_FLAGS replaces them, empty for XLA's defaults. They must be set before jax starts. LLVM
+# optimisation is turned off module by module (the fixture below).
+from tests._support import xla_flags  # noqa: E402
+
+xla_flags.apply()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -22,14 +28,16 @@ compilation_cache.enable()
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drops the in-memory compilation caches when a module's tests are done.
+def _release_compiled_programs(request):
+    """Compiles the module's programs quickly unless it is execution-bound (`xla_flags.EXECUTION_BOUND`), and drops
+    the in-memory compilation caches when its tests are done.
 
     Every compiled XLA:CPU program keeps memory mappings of its code for as long as it is cached. One process
     running the whole suite would otherwise approach the kernel's per-process limit (`vm.max_map_count`, 65,530 by
     default), where compiling or serialising the next program crashes the process. Later modules that need a
     program again reload it from the persistent cache.
     """
+    xla_flags.quick_compile(xla_flags.wants_quick_compile(_relative(request.path)))
     yield
     jax.clear_caches()
 
@@ -42,12 +50,17 @@ FAST = ("chunks/", "checkpoint/", "kernels/", "media/", "retention/test_unit_pol
         "retention/test_token_policies.py", "retention/test_retention_apply.py", "paging/test_omnipage_plans.py",
         "serve/realtime/test_realtime_events.py", "serve/test_openai_http.py", "serve/engine/test_serve_engine.py",
         "models/test_tokenizer.py", "models/minicpmo/test_duplex_loop.py", "eval/test_streamingbench.py",
-        "eval/test_omnimmi.py", "eval/test_ovobench.py", "test_self_contained.py")
+        "eval/test_omnimmi.py", "eval/test_ovobench.py", "test_self_contained.py", "test_suite_setup.py")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _relative(path) -> str:
+    """A test file's path relative to tests/, `/`-separated."""
+    return os.path.relpath(str(path), _TESTS).replace(os.sep, "/")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        relative = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
+        relative = _relative(item.path)
         if relative.startswith(FAST):
             item.add_marker(pytest.mark.fast)

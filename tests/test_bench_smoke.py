@@ -14,7 +14,6 @@ one JSON and one PNG file that exist.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests._support import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -50,7 +51,8 @@ def needs(script: str) -> list[str]:
 
 def run(script: str, out: Path) -> dict:
     start = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    # The XLA flags the suite had before its quick-to-compile ones: the scripts measure speed.
+    env = dict(xla_flags.production_env(), PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(out)], capture_output=True,
                           text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,

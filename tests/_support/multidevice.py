@@ -10,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 
-from tests._support import ROOT
+from tests._support import ROOT, xla_flags
 
 
 def env(devices: int) -> dict:
-    """The worker's environment: `devices` CPU devices. LLVM optimisation is off: these tiny programs then compile
-    about 2.5x faster (what dominates here); sharded and unsharded runs share the flag, so comparisons are fair."""
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    """The worker's environment: `devices` CPU devices and the suite's quick-to-compile settings (`xla_flags`: its
+    XLA flags, and LLVM optimisation off as in the calling module; these tiny programs then compile several times
+    faster, what dominates here); sharded and unsharded runs share them, so comparisons are fair."""
+    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags.test_flags()}".strip()
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
 
 
