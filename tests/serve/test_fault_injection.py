@@ -1,0 +1,253 @@
+"""A fault-injection run of `omnijax serve --demo-model` (a subprocess): a mixed load — two Realtime sessions having
+conversations, a chat completions client, a native `/session` streaming one PCM frame every frame budget — while one
+client sends hostile inputs (WAV headers claiming 4e9 Hz and 0 Hz, a PNG header claiming 20000x20000, seed 2**64,
+1,001 messages, bad JSON, an over-size body; over chat completions and over Realtime), one Realtime client sends
+`response.create` and never reads, and one disconnects mid-response. Then the Realtime sessions leave (snapshotted),
+the process is SIGKILLed and restarted on the same --snapshot-dir, and each resumes with its token.
+
+Asserted: every hostile input got a clear 4xx / error event naming the problem (no 500, no dropped socket); the
+well-behaved clients were served throughout (native replies kept arriving about every budget, every Realtime answer
+and chat completion completed); each resumed session's next answer equals what the uninterrupted conversation gives
+(replayed on the restarted server).
+"""
+
+import asyncio
+import base64
+import json
+import re
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+websockets = pytest.importorskip("websockets")
+
+from tests._support.realtime_churn import Conn, sentence  # noqa: E402
+from tests._support.served import Served  # noqa: E402
+
+FRAME_MS = 500  # the budget this loaded 2-core test machine holds for the demo model with eight sessions
+ARGS = ("--frame-ms", str(FRAME_MS), "--max-output-tokens", "8", "--buckets", "1", "2", "4", "8",
+        "--warmup-sessions", "8", "--aimd-target", "0", "--max-message-mb", "1")
+TURNS = 3
+
+
+def _wav(rate: int, seconds: float = 0.1) -> bytes:
+    """A 16-bit mono WAV whose header states `rate` (the samples are 0.1 s at 16 kHz, whatever it says)."""
+    data = np.zeros(1600, "<i2").tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, (rate * 2) % 2 ** 32, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG with only its IHDR (claiming width x height RGB) and IEND: no pixels at all."""
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _user(content) -> dict:
+    return {"model": "omnijax", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+HOSTILE_HTTP = {  # name: (body bytes, expected status, a word the error must carry)
+    "wav 4e9 Hz": (json.dumps(_user([{"type": "input_audio", "input_audio": {
+        "data": _b64(_wav(4_000_000_000)), "format": "wav"}}])).encode(), 400, "sample rate"),
+    "wav 0 Hz": (json.dumps(_user([{"type": "input_audio", "input_audio": {
+        "data": _b64(_wav(0)), "format": "wav"}}])).encode(), 400, "sample rate"),
+    "png 20000x20000": (json.dumps(_user([{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + _b64(_png_header(20000, 20000))}}])).encode(), 400, "pixels"),
+    "seed 2**64": (json.dumps({**_user("hi"), "seed": 2 ** 64}).encode(), 400, "seed"),
+    "1,001 messages": (json.dumps({"model": "omnijax", "messages": [{"role": "user", "content": "x"}] * 1001})
+                       .encode(), 400, "1000"),
+    "bad json": (b'{"model": "omnijax", "messages": [', 400, "json"),
+    "over-size body": (json.dumps(_user("x" * 1_200_000)).encode(), 413, "bytes"),
+}
+
+
+async def _hostile_http(base_url: str) -> dict:
+    out = {}
+    async with httpx.AsyncClient(timeout=120) as http:
+        for name, (body, _, _) in HOSTILE_HTTP.items():
+            r = await http.post(f"{base_url}/chat/completions", content=body,
+                                headers={"Content-Type": "application/json"})
+            out[name] = (r.status_code, r.text[:400])
+    return out
+
+
+async def _hostile_realtime(client) -> tuple[list, object]:
+    """Bad JSON, seed 2**64, a 20000x20000 PNG over Realtime; then the same connection answers normally."""
+    conn = await Conn.open(client)
+    await conn.conn.send_raw('{"type": "session.update", ')
+    await conn.conn.session.update(session={"type": "realtime", "omnijax": {"seed": 2 ** 64}})
+    await conn.conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64," + _b64(_png_header(20000, 20000))}]})
+    deadline = time.monotonic() + 60
+    while len(conn.errors) < 3:
+        assert time.monotonic() < deadline, conn.errors
+        await asyncio.sleep(0.05)
+    errors, conn.errors = list(conn.errors), []
+    result = await asyncio.wait_for(await conn.say("Are you still there?", 4), 120)
+    await conn.close()
+    return errors, result
+
+
+async def _never_reads(ws_url: str, stop: asyncio.Event) -> int:
+    """A Realtime connection that keeps sending response.create and never receives; returns how many it sent."""
+    sent = 0
+    try:
+        async with websockets.connect(f"{ws_url}/v1/realtime?model=omnijax", max_size=None) as ws:
+            while not stop.is_set() and sent < 400:
+                await ws.send(json.dumps({"type": "response.create"}))
+                sent += 1
+                await asyncio.sleep(0.01)
+            await stop.wait()
+    except websockets.ConnectionClosed:  # the server may drop it as a slow consumer: that is its right
+        pass
+    return sent
+
+
+async def _native(ws_url: str, stop: asyncio.Event) -> tuple[int, list[tuple]]:
+    """A native session sending one PCM frame every budget until `stop`; returns (frames sent, replies as (arrival
+    time, frames superseded since the previous reply, the reply's latency in ms))."""
+    replies: list[tuple] = []
+    async with websockets.connect(f"{ws_url}/session") as ws:
+        await ws.send(json.dumps({"type": "hello", "sample_rate": 16000, "frame_ms": FRAME_MS}))
+        ready = json.loads(await ws.recv())
+        assert ready["type"] == "ready", ready
+        n = ready["frame_samples"]
+        t = np.arange(n) / 16000
+
+        async def read():
+            async for message in ws:
+                event = json.loads(message)
+                assert event["type"] in ("frame", "late_tokens"), event
+                if event["type"] == "frame":
+                    replies.append((time.monotonic(), event["skipped"], event["latency_ms"]))
+
+        reader = asyncio.create_task(read())
+        sent, start = 0, time.monotonic()
+        while not stop.is_set():
+            frame = (3000 * np.sin(2 * np.pi * (220 + 20 * sent) * t)).astype("<i2")
+            await ws.send(frame.tobytes())
+            sent += 1
+            await asyncio.sleep(max(0.0, start + sent * FRAME_MS / 1000 - time.monotonic()))
+        await ws.send(json.dumps({"type": "bye"}))
+        await asyncio.wait_for(reader, 60)
+    return sent, replies
+
+
+async def _conversation(client, rng) -> tuple[Conn, list]:
+    conn = await Conn.open(client)
+    said = []
+    for _ in range(TURNS):
+        text = sentence(rng, 3, 12)
+        result = await asyncio.wait_for(await conn.say(text, 8), 120)
+        said.append((text, result))
+    return conn, said
+
+
+async def _chats(client) -> list:
+    out = []
+    for i in range(3):
+        r = await client.chat.completions.create(model="omnijax", max_tokens=6, messages=[
+            {"role": "user", "content": f"Question number {i}."}])
+        out.append(r.choices[0].finish_reason)
+    return out
+
+
+def _generations(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if re.fullmatch(r"[0-9]{12}", p.name)) if folder.is_dir() else []
+
+
+async def _leave_snapshotted(conn: Conn, folder) -> None:
+    """Closes the connection and waits until its final snapshot is on disk."""
+    before = _generations(folder)
+    await conn.close()
+    deadline = time.monotonic() + 60
+    while _generations(folder) == before:
+        assert time.monotonic() < deadline, f"no snapshot of {folder.name} after its disconnect"
+        await asyncio.sleep(0.05)
+
+
+def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
+    snapshots = tmp_path / "sessions"
+    first = Served(*ARGS, "--snapshot-dir", str(snapshots))
+    rng = np.random.default_rng(8)
+
+    async def load():
+        client = openai.AsyncOpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
+        stop = asyncio.Event()
+        native = asyncio.create_task(_native(first.ws_url, stop))
+        never = asyncio.create_task(_never_reads(first.ws_url, stop))
+        await asyncio.sleep(3 * FRAME_MS / 1000)
+        talk = [asyncio.create_task(_conversation(client, rng)) for _ in range(2)]
+        chats = asyncio.create_task(_chats(client))
+        hostile_http = asyncio.create_task(_hostile_http(first.base_url))
+        hostile_rt = asyncio.create_task(_hostile_realtime(client))
+        leaver = await Conn.open(client)
+        await leaver.say("Leave while answering.", 8)
+        await leaver.manager.__aexit__(None, None, None)  # mid-response
+        results = [await t for t in talk], await chats, await hostile_http, await hostile_rt
+        stop.set()
+        frames, replies = await native
+        sent = await never
+        for conn, _ in results[0]:  # the conversations leave one after the other, each snapshotted
+            await _leave_snapshotted(conn, snapshots / conn.token)
+        return results, (frames, replies), sent
+
+    try:
+        (talks, chats, http, (rt_errors, rt_after)), (frames, replies), sent = asyncio.run(load())
+    finally:
+        status = first.kill()
+    assert status == -9, first.log()
+    assert "Traceback" not in "\n".join(first.lines), first.log(80)
+    for name, (code, text) in http.items():  # a clear 4xx naming the problem, never a 500 or a dropped socket
+        _, expected, word = HOSTILE_HTTP[name]
+        assert code == expected and word in text.lower(), (name, code, text)
+    codes = sorted(e.error.code for e in rt_errors)
+    assert codes == ["invalid_json", "invalid_value", "invalid_value"], rt_errors
+    assert rt_after.status in ("completed", "incomplete")
+    assert all(r in ("stop", "length") for r in chats), chats
+    for conn, said in talks:
+        assert conn.errors == [] and all(r.status in ("completed", "incomplete") for _, r in said), said
+    # cadence: every frame answered or counted as superseded by a later one (none lost); replies on time (at most
+    # 0.8 B after the frame, with slack for this loaded machine) and never far apart
+    arrivals, skipped, latency = (np.asarray(x) for x in zip(*replies))
+    assert len(replies) + skipped.sum() == frames and len(replies) >= frames / 2, (frames, replies)
+    assert latency.max() <= 0.8 * FRAME_MS + 300 and np.diff(arrivals).max() < 4 * FRAME_MS / 1000, replies
+    assert sent >= 50
+
+    second = Served(*ARGS, "--snapshot-dir", str(snapshots))
+    try:
+        async def after():
+            client = openai.AsyncOpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
+            checked = []
+            for conn, said in talks:
+                follow = sentence(rng, 3, 12)
+                resumed = await Conn.open(client, conn.token)
+                got = await asyncio.wait_for(await resumed.say(follow, 8), 120)
+                await resumed.close()
+                reference = await Conn.open(client)  # the uninterrupted conversation, alone
+                replay = [await asyncio.wait_for(await reference.say(text, 8), 120) for text, _ in said]
+                expected = await asyncio.wait_for(await reference.say(follow, 8), 120)
+                await reference.close()
+                checked.append((said, replay, got, expected, resumed.errors + reference.errors))
+            return checked
+
+        for said, replay, got, expected, errors in asyncio.run(after()):
+            assert errors == []
+            assert [(r.text, r.output_tokens) for _, r in said] == [(r.text, r.output_tokens) for r in replay]
+            assert (got.text, got.output_tokens, got.kv_cells) == (expected.text, expected.output_tokens,
+                                                                   expected.kv_cells)
+    finally:
+        second.stop()
