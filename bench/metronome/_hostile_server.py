@@ -54,6 +54,7 @@ class Served:
         self.base = ""
         self.starts = 0
         self.start_s: list[float] = []
+        self.instance_start = 0  # index in `lines` where the running server's output begins
 
     @property
     def command(self) -> list[str]:
@@ -65,6 +66,7 @@ class Served:
 
     def start(self, timeout_s: float = 600.0) -> None:
         began = time.perf_counter()
+        self.instance_start = len(self.lines)
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         ready = threading.Event()
@@ -130,6 +132,22 @@ class Served:
 
     def log_since(self, index: int) -> list[str]:
         return self.lines[index:]
+
+
+_OPENED = re.compile(r"\bconnect peer=\S+ session=(\w+)")
+_CLOSED = re.compile(r"\bclose (?:peer=\S+ )?session=(\w+)")
+
+
+def unclosed(lines: list[str], start: int = 0) -> dict[str, int]:
+    """The Realtime and native sessions the server logged as connected but not (yet) as closed, in `lines[start:]`:
+    session id -> index of its connect line."""
+    opened: dict[str, int] = {}
+    for i in range(start, len(lines)):
+        if m := _OPENED.search(lines[i]):
+            opened[m.group(1)] = i
+        elif m := _CLOSED.search(lines[i]):
+            opened.pop(m.group(1), None)
+    return opened
 
 
 def problems(lines: list[str]) -> list[str]:

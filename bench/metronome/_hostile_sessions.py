@@ -57,15 +57,23 @@ async def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0) -> Any
 async def snapshotted(p: Probe) -> str:
     """The token of a session that said QUESTIONS[:2] and left (its snapshot on disk), made once per probe."""
     await reference(p)
+    if "no_snapshot" in p.state:
+        raise NoSnapshot(f"not run: {p.state['no_snapshot']}")
     if "token" not in p.state:
         async with Realtime.open(p.served.ws) as s:
             for q in QUESTIONS[:2]:
                 await say(s, q)
             token = s.token
-        await wait_for(lambda: turns_kept(p, token) == 2)
+        if not await wait_for(lambda: turns_kept(p, token) == 2):
+            p.state["no_snapshot"] = "a session that said 2 turns and left had no snapshot of them 30 s later"
+            raise NoSnapshot(p.state["no_snapshot"])
         await asyncio.sleep(1.0)  # the lease is let go after the final write
         p.state["token"] = token
     return p.state["token"]
+
+
+class NoSnapshot(Exception):
+    """The shared resumable session has no snapshot on disk: the resume cases built on it cannot run."""
 
 
 async def resume_and_continue(p: Probe, token: str) -> Observed:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +57,8 @@ from bench.metronome._hostile_cases import (
 )
 from bench.metronome._hostile_kill import sigkill_cases
 from bench.metronome._hostile_realtime import realtime_event_cases, realtime_media_cases, say
-from bench.metronome._hostile_server import AUTH, Busy, Observed, Realtime, Served, problems
-from bench.metronome._hostile_sessions import leaked, resume_cases, traffic_cases
+from bench.metronome._hostile_server import AUTH, Busy, Observed, Realtime, Served, problems, unclosed
+from bench.metronome._hostile_sessions import NoSnapshot, leaked, resume_cases, traffic_cases
 
 BAD = ("crash", "hang", "silent", "loss", "wrong")
 COLORS = {"clear": "#4c9f70", "ok": "#9ccfa8", "crash": "#d62728", "hang": "#9467bd", "silent": "#ff7f0e",
@@ -101,6 +102,8 @@ async def attempt(p: Probe, case: Case) -> Observed:
         return await asyncio.wait_for(case.run(p), case.timeout_s)
     except Busy as e:
         return Observed("refused", f"overloaded: {e}", "overloaded")
+    except NoSnapshot as e:  # the first case to find it is a loss; the cases built on the snapshot say they did not run
+        return Observed("wrong" if str(e).startswith("not run") else "loss", str(e))
     except asyncio.TimeoutError:
         return Observed("hang", f"no outcome within {case.timeout_s:g} s")
     except ConnectionClosed as e:
@@ -108,6 +111,8 @@ async def attempt(p: Probe, case: Case) -> Observed:
     except InvalidStatus as e:
         code = e.response.status_code
         return Observed("dropped" if code >= 500 else "wrong", f"handshake refused with HTTP {code}")
+    except httpx.TimeoutException as e:  # the server never answered this client
+        return Observed("hang", f"{type(e).__name__}: no HTTP answer within the client's timeout")
     except (httpx.HTTPError, OSError) as e:
         return Observed("dropped", f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - a fault of the probe itself: reported as wrong, never hidden
@@ -151,8 +156,27 @@ async def run_case(p: Probe, case: Case) -> dict:
     return {"id": case.id, "category": case.category, "input": case.summary, "expected": case.expect,
             "observed": seen.detail, "class": cls, "seconds": round(seconds, 3),
             "health_s": None if health is None else round(health, 3), "restarted": restarted, "retries": retries,
-            "sessions_held_after": held,
+            "sessions_held_after": held, "log_span": [mark, len(p.served.lines)],
             "server_log": problems(p.served.log_since(mark))[:3]}
+
+
+async def attribute_leaks(p: Probe, rows: list[dict], patience_s: float = 20.0) -> int:
+    """Sessions the running server logged as connected and never as closed (after `patience_s` for the last
+    closes), each put on the case whose log span holds its connect line: a case that left one behind is a hang (its
+    handler never ended; it holds a per-client slot and SIGTERM waits for it). Returns how many were found."""
+    start = p.served.instance_start
+    deadline = time.monotonic() + patience_s
+    while (left := unclosed(p.served.lines, start)) and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    for sid, index in left.items():
+        row = next((r for r in rows if r["log_span"][0] <= index < r["log_span"][1]), None)
+        if row is None or sid in row.get("never_closed", []):
+            continue
+        row.setdefault("never_closed", []).append(sid)
+        if row["class"] in ("ok", "clear"):
+            row["class"] = "hang"
+        row["observed"] += f"; session {sid} never closed (its handler still runs {patience_s:g}+ s later)"
+    return len(left)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -188,6 +212,7 @@ async def probe(args, cases: list[Case], out: Path) -> dict:
     await asyncio.to_thread(served.start)
     print(f"server: {' '.join(served.command[1:])}\nstarted in {served.start_s[0]:.0f} s at {served.base}", flush=True)
     rows: list[dict] = []
+    leaks = 0
     try:
         async with httpx.AsyncClient(timeout=120) as client:
             p = Probe(served, client, FetchListener())
@@ -195,19 +220,31 @@ async def probe(args, cases: list[Case], out: Path) -> dict:
             await warm_up(p)
             print(f"warm-up {time.perf_counter() - began:.0f} s; {len(cases)} cases", flush=True)
             for i, case in enumerate(cases):
+                if case.id == "sigkill/kill_and_restart" or case.id == "sigkill/sigterm_idle_server":
+                    leaks += await attribute_leaks(p, rows)  # before this server instance ends
                 row = await run_case(p, case)
                 rows.append(row)
                 flag = "" if row["class"] in ("clear", "ok") else "   <--"
                 print(f"[{i + 1:3d}/{len(cases)}] {row['class']:6s} {row['seconds']:6.1f}s {case.id}: "
                       f"{row['observed'][:110]}{flag}", flush=True)
+        leaks += await attribute_leaks(p, rows)
         shutdown_s = served.stop() if served.alive() else None
     finally:
         served.kill()
         (out / "hostile_probe_server.log").write_text("\n".join(served.lines) + "\n")
         shutil.rmtree(snapshots, ignore_errors=True)
     return {"rows": rows, "server_starts": served.starts, "server_start_s": [round(s, 1) for s in served.start_s],
-            "shutdown_s": None if shutdown_s is None else round(shutdown_s, 2), "sigkill": p.state.get("sigkill_lost"),
+            "shutdown_s": None if shutdown_s is None else round(shutdown_s, 2),
+            "sessions_never_closed": leaks, "sigkill": p.state.get("sigkill_lost"),
             "server_command": served.command[1:]}
+
+
+def checkout() -> dict:
+    """The commit the server ran and the library files that differed from it (others edit the same tree)."""
+    def git(*a: str) -> str:
+        done = subprocess.run(["git", *a], capture_output=True, text=True, cwd=harness.ROOT)
+        return done.stdout.strip()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "modified": git("status", "--short", "omnijax").splitlines()}
 
 
 def main(argv=None) -> None:
@@ -239,10 +276,12 @@ def main(argv=None) -> None:
         for r in bad:
             print(f"  {r['class']:6s} {r['id']}: {r['input']}\n         expected {r['expected']}; observed "
                   f"{r['observed'][:300]}")
-    print(f"\nserver starts: {result['server_starts']} (restarts after a crash or hang: "
+    print(f"\nsessions never closed: {result['sessions_never_closed']}; server starts: {result['server_starts']} "
+          f"(restarts after a crash or hang: "
           f"{sum(r['restarted'] for r in rows)}); SIGTERM exit {result['shutdown_s']} s; SIGKILL turns "
           f"(done, kept, lost): {result['sigkill']}")
     command = "python -m bench.metronome.hostile_probe " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["checkout"] = checkout()
     harness.write_json(out, "hostile_probe", {"command": command, "date": datetime.date.today().isoformat(),
                                               "summary": table, **result})
     plot(table, out)
