@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -391,7 +392,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         stored = {n: np.asarray(a) for n, a in arrays.items() if a.size}  # orbax refuses zero-size arrays
-        with ocp.StandardCheckpointer() as checkpointer:
+        with _ORBAX_LOCK, ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / ARRAYS_DIR, stored)
             checkpointer.wait_until_finished()
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
@@ -409,6 +410,12 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+# orbax's StandardCheckpointer is not safe to run from several threads at once (two sessions' writes at the same
+# moment, as a busy server's periodic snapshots are, failed with 'Directory not empty', FileExistsError on its tmp
+# folder, missing arrays, or hung): every checkpointer of this module runs under this process-wide lock.
+_ORBAX_LOCK = threading.Lock()
 
 
 def _fsync(path: Path) -> None:
@@ -457,7 +464,7 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
     stored = [n for n in ARRAY_FIELDS if n not in arrays]
     arrays_path = path / ARRAYS_DIR
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with _ORBAX_LOCK, ocp.StandardCheckpointer() as checkpointer:
             found = checkpointer.metadata(arrays_path).item_metadata.tree
             problems = [f"{n}: stored {_describe(found.get(n))}, expected {layout[n][0]} {layout[n][1].name}"
                         for n in stored if _describe(found.get(n)) != f"{layout[n][0]} {layout[n][1].name}"]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 
 import numpy as np
 import pytest
@@ -28,7 +27,6 @@ from omnijax.decoding import RowSampling  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context, build_demo_model  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
-from omnijax.serve.realtime import resume  # noqa: E402
 from tests._support.realtime_churn import AloneRun, Conn, Flow, Turn, sentence  # noqa: E402
 from tests._support.soak import factor as soak_factor  # noqa: E402
 
@@ -47,24 +45,13 @@ def model():
 
 def _context(model, snapshot_dir=None):
     """The server: RowSampling (greedy by default) as `omnijax serve` decodes (the oracle: Greedy); with
-    `snapshot_dir`, snapshots when a connection ends and every 0.2 s, different sessions' written one at a time (see
-    `test_snapshots_written_at_once_all_land`: concurrent writes fail or hang in orbax; remove the lock once the
-    store serialises them itself)."""
+    `snapshot_dir`, snapshots when a connection ends and every 0.2 s, different sessions' writes at the same moment
+    (see `test_snapshots_written_at_once_all_land`)."""
     options = ServeOptions(port=0, frame_ms=200, max_output_tokens=32,
                            snapshot_dir=None if snapshot_dir is None else str(snapshot_dir),
                            snapshot_every_s=0.2 if snapshot_dir is not None else 0.0)
-    context = build_context(model, options=options, stream=ORACLE.replace(decoding=RowSampling()), chunk_tokens=T,
-                            buckets=(2, CAP), aimd_target=0)
-    store, lock = resume.store_for(context), threading.Lock()
-    if store is not None:
-        save = store.save
-
-        def one_at_a_time(lease, snapshot):
-            with lock:
-                return save(lease, snapshot)
-
-        store.save = one_at_a_time
-    return context
+    return build_context(model, options=options, stream=ORACLE.replace(decoding=RowSampling()), chunk_tokens=T,
+                         buckets=(2, CAP), aimd_target=0)
 
 
 def _client(server):
@@ -321,11 +308,6 @@ CONCURRENT_WRITES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: snapshots of different sessions written at once (each "
-                   "connection's Snapshotter runs SnapshotStore.save in its own thread) break orbax's "
-                   "StandardCheckpointer: OSError 'Directory not empty', FileExistsError on "
-                   "'arrays.orbax-checkpoint-tmp', 'params are missing .zarray', or a write hung for 300 s; "
-                   "serialising save_snapshot with a process-wide lock fixes it")
 def test_snapshots_written_at_once_all_land(tmp_path):
     """Four connections' snapshot writes at the same moment, as periodic snapshots of a busy server are: each
     lands (old code: 3 runs of 3 lost 2 to 6 of the 16 writes to errors or hangs)."""
