@@ -150,8 +150,12 @@ async def run_case(p: Probe, case: Case) -> dict:
     held = None
     if case.leak_check and not restarted:
         held = await leaked(p)
-        if held:
-            seen.detail += f"; the server still holds {held} sessions of this client 15 s after they all left"
+        before = p.state.get("held", 0)
+        if held is not None:
+            p.state["held"] = held
+        if held and held > before:  # counted against the case that left them (the earlier ones stay counted)
+            seen.detail += (f"; the server still holds {held - before} more session(s) of this client 15 s after "
+                            f"they all left ({held} in all)")
             cls = "hang" if cls in ("ok", "clear") else cls
     return {"id": case.id, "category": case.category, "input": case.summary, "expected": case.expect,
             "observed": seen.detail, "class": cls, "seconds": round(seconds, 3),
@@ -198,6 +202,7 @@ def plot(table: list[dict], out: Path) -> None:
         ax.bar([t["category"] for t in rows], values, bottom=bottom, color=COLORS[cls], label=cls)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel("cases")
+    ax.set_ylim(0, 1.2 * max(t["tried"] for t in rows))  # room for the legend
     total = table[-1]
     ax.set_title(f"omnijax serve hostile-input probe: {total['tried']} cases, " + ", ".join(
         f"{total[c]} {c}" for c in CLASSES))
