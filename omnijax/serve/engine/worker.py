@@ -152,6 +152,7 @@ class EngineWorker:
         self._joining = 0
         self._last_work: dict[str, float] = {}  # sid -> monotonic time its last chunk was served
         self._capacity_waiters: set[asyncio.Future] = set()
+        self._cancelled: list = []  # (sid, answer) cancelled between ticks, to end with their cells
 
     async def start(self) -> None:
         self._work = asyncio.Event()
@@ -366,8 +367,9 @@ class EngineWorker:
             return dataclasses.replace(chunk, sampling=np.asarray(answer.sampling, np.float32)[None])
 
         for sid, lane in self.lanes.items():
-            if lane.answer is not None and lane.answer.cancelled:
-                lane.answer._finish("cancelled", "cancelled")
+            if lane.answer is not None and lane.answer.cancelled:  # between ticks: ends once its cells are read
+                lane.answer._ending = ("cancelled", "cancelled")
+                self._cancelled.append((sid, lane.answer))
                 lane.answer = None
             if lane.answer is not None:
                 answer = lane.answer
@@ -396,6 +398,9 @@ class EngineWorker:
     async def _loop(self) -> None:
         while not self._stopping:
             plan = self._plan()
+            if self._cancelled:  # answers cancelled between ticks report the cells their session holds, too
+                cancelled, self._cancelled = self._cancelled, []
+                await self._finish_with_cells(cancelled)
             if not plan:
                 self._work.clear()
                 try:
@@ -424,11 +429,15 @@ class EngineWorker:
             ended = self._deliver(plan, report, failed)
             self._notify_capacity()
             if ended:
-                cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
-                for sid, answer in ended:
-                    answer.kv_cells = cells.get(sid, 0)
-                    answer._finish(*answer._ending)
+                await self._finish_with_cells(ended)
             await asyncio.sleep(0)  # let the sockets run between back-to-back ticks
+
+    async def _finish_with_cells(self, ended: list) -> None:
+        """Ends `(sid, answer)` pairs with their `_ending`, each reporting the KV cells its session holds."""
+        cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
+        for sid, answer in ended:
+            answer.kv_cells = cells.get(sid, 0)
+            answer._finish(*answer._ending)
 
     def _deliver(self, plan: dict, report, failed: dict) -> list:
         """Hands each served chunk's result to its feed or answer; returns the answers that ended."""
