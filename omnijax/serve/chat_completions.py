@@ -131,6 +131,16 @@ def _b64(value, param: str) -> bytes:
         raise RequestError(f"'{param}' is not valid base64", param=param) from None
 
 
+def _text(text: str, param: str) -> Part:
+    """A text part; text that UTF-8 cannot encode (a lone surrogate escaped in the JSON) is refused by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"'{param}' is not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                           f"{e.start}", param=param) from None
+    return Part("text", text=text)
+
+
 def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
@@ -138,7 +148,7 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise RequestError(f"'{param}.text' must be a string", param=param + ".text")
-        return Part("text", text=part["text"])
+        return _text(part["text"], param + ".text")
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
@@ -208,7 +218,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         if content is None and message["role"] == "assistant":
             content = ""
         if isinstance(content, str):
-            parts = (Part("text", text=content),)
+            parts = (_text(content, param + ".content"),)
         elif isinstance(content, list) and content:
             parts = tuple(_part(p, f"{param}.content[{j}]", budget) for j, p in enumerate(content))
         else:
@@ -315,6 +325,8 @@ def _parse_body(body: bytes, context) -> ChatRequest:
         payload = json.loads(body)
     except ValueError as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
     return parse_chat_request(payload, model_name=context.options.model_name,
                               decoding=context.worker.engine.config.stream.decoding,
                               max_audio_s=context.options.max_request_audio_s)
@@ -416,7 +428,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             yield "data: [DONE]\n\n"
         finally:
             if answer.status is None:
-                context.worker.cancel(sid)
+                context.worker.abandon(sid)
             await session.__aexit__(None, None, None)
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -429,7 +441,7 @@ async def _cancel_on_disconnect(request: Request, context: ServeContext, sid: st
         if message["type"] == "http.disconnect":
             if sid in context.worker.lanes:
                 log.info("chat completion session=%s: the client went away; its answer is cancelled", sid)
-                context.worker.cancel(sid)
+                context.worker.abandon(sid)
             return
 
 

@@ -196,3 +196,21 @@ def test_beyond_loopback_without_a_key_is_refused_unless_allowed(monkeypatch, ca
     assert any("SERVING WITHOUT AUTHENTICATION on 0.0.0.0" in r.getMessage() for r in caplog.records)
     assert [app.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "localhost", "0.0.0.0", "::",
                                          "10.0.0.1", "example.org")] == [True] * 4 + [False] * 4
+
+
+def test_a_deeply_nested_body_and_lone_surrogates_are_refused_by_name():
+    """Two bodies that escaped as HTTP 500 (the hostile-input probe): JSON nested 100,000 deep (a RecursionError the
+    parser did not catch) and text with a lone surrogate (the tokenizer's TypeError); both are 400s naming it."""
+    from types import SimpleNamespace
+
+    context = SimpleNamespace(options=SimpleNamespace(model_name="omnijax", max_request_audio_s=600.0),
+                              worker=SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(
+                                  stream=SimpleNamespace(decoding=Greedy())))))
+    with pytest.raises(oh.RequestError, match="nests JSON deeper") as deep:
+        oh._parse_body(b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", context)
+    assert deep.value.status == 400
+    for content, param in (("a\ud800b", "messages[0].content"),
+                           ([{"type": "text", "text": "x\udfffy"}], "messages[0].content[0].text")):
+        with pytest.raises(oh.RequestError, match="lone surrogate") as lone:
+            _parse({"messages": [{"role": "user", "content": content}]})
+        assert lone.value.param == param

@@ -334,6 +334,24 @@ class EngineWorker:
         self._work.set()
         return bool(answers)
 
+    def abandon(self, sid: str, reason: str = "the client went away") -> None:
+        """Drops everything the session has queued (a long prompt's chunks too) and cancels its answer: the request
+        of a client that left ends at the next tick, not after its whole prompt is fed."""
+        lane = self.lanes.get(sid)
+        if lane is None:
+            return
+        for item in lane.pending:
+            for future in (item.fed, item.frame):
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(reason))
+            if item.answer is not None:
+                item.answer.cancelled = True
+                item.answer._finish("cancelled", "cancelled")
+        lane.pending.clear()
+        if lane.answer is not None:
+            lane.answer.cancelled = True
+        self._work.set()
+
     def busy(self, sid: str) -> bool:
         """Whether the session has chunks queued or a response decoding."""
         lane = self.lanes.get(sid)

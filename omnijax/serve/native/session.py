@@ -364,7 +364,7 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
         try:
             await asyncio.wait_for(ws.close(code, reason if code != 1000 or reason in ("bye", "idle timeout")
                                             else ""), CLOSE_TIMEOUT_S)
-        except (RuntimeError, asyncio.TimeoutError):  # already closed by the peer, or it does not read
+        except (RuntimeError, WebSocketDisconnect, asyncio.TimeoutError):  # closed by the peer, or it does not read
             pass
     except Overloaded as e:
         await refuse("overloaded", str(e), CLOSE_OVERLOADED)
