@@ -164,10 +164,10 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     served.wait_idle()
     caplog.set_level(logging.INFO, logger="omnijax.serve")
     worker = served.context.worker
-    worker.admission = AIMD(target_fraction=0.6, frame_budget_s=FRAME_MS / 1000, initial_cap=1)
+    worker.admission = AIMD(target_fraction=0.6, frame_budget_s=FRAME_MS / 1000, initial_cap=1, max_cap=1)
 
     async def scenario():
-        first = asyncio.create_task(_bad_client(served.native_url, [loadgen.speech_like_pcm(0.25).tobytes()] * 3
+        first = asyncio.create_task(_bad_client(served.native_url, [loadgen.speech_like_pcm(0.25).tobytes()] * 12
                                                 + [json.dumps({"type": "bye"})]))
         while not worker.active_sessions():  # admission counts sessions with work: wait for the first frame
             await asyncio.sleep(0.01)
@@ -179,7 +179,7 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     finally:
         worker.admission = None
     assert first[1] == 1000 and first[0][0]["type"] == "ready"
-    assert [m["seq"] for m in first[0] if m["type"] == "frame"] == [0, 1, 2]
+    assert [m["seq"] for m in first[0] if m["type"] == "frame"] == list(range(12))
     assert second[1] == 1013 and second[0][0]["code"] == "overloaded" and "cap 1" in second[0][0]["message"]
     served.wait_idle()
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "omnijax.serve"]
@@ -189,7 +189,7 @@ def test_admission_refusals_bye_and_logs(served, caplog):
     assert len(connects) == 1 and connects[0].startswith("connect peer=127.0.0.1:") and "sessions=1" in connects[0]
     assert len(refusals) == 1 and refusals[0][0] == logging.WARNING
     assert refusals[0][1].startswith("refuse peer=127.0.0.1:") and "reason=overloaded: " in refusals[0][1]
-    assert len(closes) == 1 and " reason=bye frames=3" in closes[0]
+    assert len(closes) == 1 and " reason=bye frames=12" in closes[0]
 
 
 def test_cli_argument_errors():
