@@ -48,12 +48,12 @@ class Served:
         self.proc.send_signal(signal.SIGKILL)
         return self.proc.wait(60)
 
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL when it does not exit within 60 s; returns the exit status."""
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL when it does not exit within `timeout_s`; returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(60)
+                return self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 return self.kill()
         return self.proc.returncode

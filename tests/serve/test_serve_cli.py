@@ -2,41 +2,20 @@
 session, and a restarted server resumes it with its token to the answer an uninterrupted session gives."""
 
 import asyncio
-import re
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
+from tests._support.served import Served  # noqa: E402
 
-class Served:
-    """`python -m omnijax.cli serve --demo-model ...` in a subprocess; `base_url` once it listens."""
 
-    def __init__(self, snapshots):
-        cmd = [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--frame-ms", "200",
-               "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir", str(snapshots)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines, ready = [], threading.Event()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                if "listening on" in line:
-                    ready.set()
-            ready.set()
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(300) or self.proc.poll() is not None:
-            raise AssertionError("the server did not start:\n" + "\n".join(self.lines[-20:]))
-        line = next(x for x in self.lines if "listening on" in x)
-        self.base_url = re.search(r"(http://\S+/v1)", line).group(1)
-
-    def terminate(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
+def _served(snapshots) -> Served:
+    """`omnijax serve --demo-model` in a subprocess, snapshotting Realtime sessions into `snapshots`."""
+    return Served("--frame-ms", "200", "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir",
+                  str(snapshots))
 
 
 async def _say(conn, text):
@@ -54,7 +33,7 @@ async def _say(conn, text):
 
 def test_sigterm_snapshots_and_a_restarted_server_resumes(tmp_path):
     snapshots = tmp_path / "sessions"
-    first = Served(snapshots)
+    first = _served(snapshots)
     said, result = threading.Event(), {}
 
     async def before():
@@ -76,14 +55,14 @@ def test_sigterm_snapshots_and_a_restarted_server_resumes(tmp_path):
     try:
         assert said.wait(300), "\n".join(first.lines[-20:])
     finally:
-        code = first.terminate()  # the session above is open: the graceful shutdown snapshots it
+        code = first.stop(120)  # the session above is open: the graceful shutdown snapshots it
         client.join(60)
     # uvicorn shuts down gracefully, then re-raises the signal it caught (so the exit status says SIGTERM)
     assert code in (0, -signal.SIGTERM), "\n".join(first.lines[-20:])
     token = result["token"]
     assert result["said"] == result["expected"][0] and "closed" in result and (snapshots / token).is_dir()
     assert any("snapshot session=rt2 " in line and token in line for line in first.lines)
-    second = Served(snapshots)
+    second = _served(snapshots)
     try:
         async def after():
             client = openai.AsyncOpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
@@ -93,4 +72,4 @@ def test_sigterm_snapshots_and_a_restarted_server_resumes(tmp_path):
 
         assert asyncio.run(after()) == result["expected"][1]
     finally:
-        assert second.terminate() in (0, -signal.SIGTERM)
+        assert second.stop(120) in (0, -signal.SIGTERM)

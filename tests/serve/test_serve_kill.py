@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,31 +13,17 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from tests._support.served import Served  # noqa: E402
 
-class Served:
-    """`python -m omnijax.cli serve --demo-model ...` in a subprocess; `base_url` once it listens."""
 
-    def __init__(self, snapshots, *extra: str):
-        cmd = [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--frame-ms", "200",
-               "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir", str(snapshots), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        ready = threading.Event()
+def _served(snapshots, *extra: str) -> Served:
+    """`omnijax serve --demo-model` in a subprocess, snapshotting Realtime sessions into `snapshots`."""
+    return Served("--frame-ms", "200", "--warmup-sessions", "2", "--max-output-tokens", "8", "--snapshot-dir",
+                  str(snapshots), *extra)
 
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                if "listening on" in line:
-                    ready.set()
-            ready.set()
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(300) or self.proc.poll() is not None:
-            raise AssertionError("the server did not start:\n" + "\n".join(self.lines[-20:]))
-        line = next(x for x in self.lines if "listening on" in x)
-        self.base_url = re.search(r"(http://\S+/v1)", line).group(1)
 
-    def client(self):
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
+def _client(served: Served):
+    return openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
 
 
 async def _say(conn, text):
@@ -61,16 +45,16 @@ def _generations(folder) -> list[str]:
 
 def test_sigkill_loses_at_most_one_interval(tmp_path):
     snapshots = tmp_path / "sessions"
-    first = Served(snapshots, "--snapshot-every", "1turn")
+    first = _served(snapshots, "--snapshot-every", "1turn")
     result: dict = {}
     snapshotted = threading.Event()
 
     async def before():
-        async with first.client().realtime.connect(model="omnijax") as ref:
+        async with _client(first).realtime.connect(model="omnijax") as ref:
             await ref.recv()
             result["expected"] = [await _say(ref, "First."), await _say(ref, "Second.")]
         with contextlib.suppress(Exception):  # the connection dies with the server
-            async with first.client().realtime.connect(model="omnijax") as conn:
+            async with _client(first).realtime.connect(model="omnijax") as conn:
                 token = result["token"] = (await conn.recv()).session.model_extra["omnijax"]["resume_token"]
                 result["said"] = await _say(conn, "First.")
                 deadline = time.monotonic() + 60
@@ -92,13 +76,13 @@ def test_sigkill_loses_at_most_one_interval(tmp_path):
     assert result["said"] == result["expected"][0]
     assert _generations(snapshots / token) == ["000000000000"]  # the periodic snapshot after the first turn
     (snapshots / token / ".000000000007.k1ll.tmp" / "arrays").mkdir(parents=True)  # a write the kill cut short
-    second = Served(snapshots)
+    second = _served(snapshots)
     try:
         assert any("cleaned 1 temp folder(s) of interrupted writes" in x for x in second.lines), "\n".join(second.lines)
         assert not (snapshots / token / ".000000000007.k1ll.tmp").exists()
 
         async def after():
-            async with second.client().realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+            async with _client(second).realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
                 await conn.recv()
                 return await _say(conn, "Second.")
 

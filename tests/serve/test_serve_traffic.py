@@ -9,11 +9,8 @@ import base64
 import dataclasses
 import io
 import json
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import wave
@@ -25,6 +22,7 @@ pytest.importorskip("websockets", reason="websockets (the `serve` and `test` ext
 httpx = pytest.importorskip("httpx", reason="httpx (the openai SDK's HTTP client) is the test client")
 
 from omnijax.serve import server as srv  # noqa: E402
+from tests._support.served import Served  # noqa: E402
 
 FRAME_MS = 250.0
 SAMPLES = 4000
@@ -202,39 +200,25 @@ def test_sigterm_ends_answers_in_flight_and_exits_promptly(tmp_path):
     """`omnijax serve` with a 100,000-token answer decoding (12,500 ticks): SIGTERM answers it 503 at once and
     the process exits within seconds (uvicorn's graceful shutdown used to wait for the whole answer)."""
     # test_serve_cli's settings (its compiled programs are in the persistent cache), answers 8 tokens a tick
-    cmd = [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--frame-ms", "200",
-           "--warmup-sessions", "2", "--max-output-tokens", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, ready = [], threading.Event()
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if "listening on" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    server = Served("--frame-ms", "200", "--warmup-sessions", "2", "--max-output-tokens", "100000")
     try:
-        assert ready.wait(300) and proc.poll() is None, "\n".join(lines[-20:])
-        base = re.search(r"(http://\S+/v1)", next(x for x in lines if "listening on" in x)).group(1)
         result = {}
         body = {"model": "omnijax", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}
         client = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(base + "/chat/completions", json=body, timeout=300)))
+            "r", httpx.post(server.base_url + "/chat/completions", json=body, timeout=300)))
         client.start()
         time.sleep(3.0)  # the answer is decoding
         assert client.is_alive()
         start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(60)
         exit_s = time.monotonic() - start
         client.join(30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if server.proc.poll() is None:
+            server.proc.kill()
     # uvicorn re-raises the signal it caught once the server has stopped: the process ends by SIGTERM
-    assert code in (0, -signal.SIGTERM) and exit_s < 15, (code, exit_s, lines[-10:])
+    assert code in (0, -signal.SIGTERM) and exit_s < 15, (code, exit_s, server.log(10))
     assert result["r"].status_code == 503 and "shutting down" in result["r"].json()["error"]["message"]
 
 
