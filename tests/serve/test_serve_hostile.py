@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
 httpx = pytest.importorskip("httpx", reason="httpx (the openai SDK's HTTP client) is the test client")
 
-from omnijax.serve import server as srv  # noqa: E402
 from omnijax.serve.refusal_log import RefusalLog, refusals  # noqa: E402
+from tests._support.demo_server import demo_server  # noqa: E402
 
 MAX_AUDIO_S = 5.0
 
@@ -30,19 +30,10 @@ MAX_AUDIO_S = 5.0
 def served(tmp_path_factory):
     """The demo model (audio and vision encoders) served with per-request sampling (RowSampling, as `omnijax serve`
     runs), a request's audio capped at 5 s."""
-    import omnijax
     from omnijax.decoding import RowSampling
-    from omnijax.retention import SinkWindow
-    from omnijax.serve.app import BackgroundServer, build_context, warm_up
-    from omnijax.serve.context import ServeOptions
 
-    model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
-    stream = omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16, max_answer_tokens=2,
-                                  decoding=RowSampling())
-    options = ServeOptions(port=0, frame_ms=250.0, max_output_tokens=4, max_request_audio_s=MAX_AUDIO_S)
-    context = build_context(model, options=options, stream=stream, chunk_tokens=8, buckets=(4,), aimd_target=0)
-    warm_up(context, 4)
-    with BackgroundServer(context) as server:
+    with demo_server(tmp_path_factory.mktemp("serve"), decoding=RowSampling(), max_output_tokens=4,
+                     max_request_audio_s=MAX_AUDIO_S) as server:
         yield server
 
 

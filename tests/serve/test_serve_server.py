@@ -12,6 +12,7 @@ pytest.importorskip("websockets", reason="websockets (the `serve` and `test` ext
 from omnijax.serve import loadgen  # noqa: E402
 from omnijax.serve import server as srv  # noqa: E402
 from tests._support import ROOT
+from tests._support.demo_server import demo_server
 
 FRAME_MS = 250.0  # 4000 samples: 6 audio tokens + 2 markers per frame
 SAMPLES = 4000
@@ -68,18 +69,8 @@ def test_speech_like_pcm():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`omnijax serve` on the tiny demo checkpoint in a background thread (one batch bucket of 4: one compile)."""
-    import omnijax
-    from omnijax.retention import SinkWindow
-    from omnijax.serve.app import BackgroundServer, build_context, warm_up
-    from omnijax.serve.context import ServeOptions
-
-    model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
     assert srv.frame_tokens(SAMPLES) == 8 and srv.frame_tokens(480) == 3  # 30 ms: one audio token
-    stream = omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16, max_answer_tokens=2)
-    context = build_context(model, options=ServeOptions(port=0, frame_ms=FRAME_MS), stream=stream, chunk_tokens=8,
-                            buckets=(4,), aimd_target=0)
-    warm_up(context, 4)
-    with BackgroundServer(context) as server:
+    with demo_server(tmp_path_factory.mktemp("serve"), frame_ms=FRAME_MS) as server:
         yield server
 
 

@@ -22,6 +22,7 @@ pytest.importorskip("websockets", reason="websockets (the `serve` and `test` ext
 from omnijax.serve import server as srv  # noqa: E402
 from omnijax.serve.native.protocol import ProtocolError  # noqa: E402
 from omnijax.serve.outbox import Outbox  # noqa: E402
+from tests._support.demo_server import demo_server  # noqa: E402
 
 FRAME_MS = 250.0
 CAP = 2 * 2 ** 20  # the test server's max_outbox_bytes
@@ -30,17 +31,8 @@ CAP = 2 * 2 ** 20  # the test server's max_outbox_bytes
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The demo model (with its vision encoder) served in a background thread, its outboxes capped at 2 MiB."""
-    import omnijax
-    from omnijax.retention import SinkWindow
-    from omnijax.serve.app import BackgroundServer, build_context, warm_up
-    from omnijax.serve.context import ServeOptions
-
-    model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
-    stream = omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16, max_answer_tokens=2)
-    options = ServeOptions(port=0, frame_ms=FRAME_MS, max_output_tokens=6, max_outbox_bytes=CAP)
-    context = build_context(model, options=options, stream=stream, chunk_tokens=8, buckets=(4,), aimd_target=0)
-    warm_up(context, 4)
-    with BackgroundServer(context) as server:
+    with demo_server(tmp_path_factory.mktemp("serve"), frame_ms=FRAME_MS, max_output_tokens=6,
+                     max_outbox_bytes=CAP) as server:
         yield server
 
 

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
 httpx = pytest.importorskip("httpx", reason="httpx (the openai SDK's HTTP client) is the test client")
 
-from omnijax.serve import server as srv  # noqa: E402
+from tests._support.demo_server import demo_server  # noqa: E402
 from tests._support.served import Served  # noqa: E402
 
 FRAME_MS = 250.0
@@ -33,17 +33,7 @@ def served(tmp_path_factory):
     """The demo model served in a background thread: one bucket of 4, two answer tokens per tick (so an answer of
     n tokens takes n / 2 ticks: long answers are easy to make). The engine is test_serve_server's, whose compiled
     programs the persistent cache then holds for both modules."""
-    import omnijax
-    from omnijax.retention import SinkWindow
-    from omnijax.serve.app import BackgroundServer, build_context, warm_up
-    from omnijax.serve.context import ServeOptions
-
-    model = omnijax.load(srv.build_demo_model(tmp_path_factory.mktemp("serve")))
-    stream = omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16, max_answer_tokens=2)
-    options = ServeOptions(port=0, frame_ms=FRAME_MS, max_output_tokens=4000)
-    context = build_context(model, options=options, stream=stream, chunk_tokens=8, buckets=(4,), aimd_target=0)
-    warm_up(context, 4)
-    with BackgroundServer(context) as server:
+    with demo_server(tmp_path_factory.mktemp("serve"), frame_ms=FRAME_MS, max_output_tokens=4000) as server:
         yield server
 
 
