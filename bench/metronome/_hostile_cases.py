@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from bench.metronome import _hostile_media as media
-from bench.metronome._hostile_server import AUTH, FRAME_MS, KEY, Observed, Served, http, native_exchange
+from bench.metronome._hostile_server import AUTH, FRAME_MS, KEY, Observed, ProbeServer, http, native_exchange
 
 CLASSES = ("clear", "ok", "crash", "hang", "silent", "loss", "wrong")
 MISSING = object()
@@ -88,7 +88,7 @@ class Probe:
     """What a case runs against: the served process, an HTTP client, the fetch listener, and shared state
     (a resumable session's token and reference answers)."""
 
-    served: Served
+    served: ProbeServer
     client: httpx.AsyncClient
     listener: FetchListener
     state: dict = dataclasses.field(default_factory=dict)

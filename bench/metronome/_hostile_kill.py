@@ -5,6 +5,7 @@ turn, and whether its next answer equals the uninterrupted conversation's); then
 from __future__ import annotations
 
 import asyncio
+import time
 
 from bench.metronome._hostile_cases import Case, Probe, case
 from bench.metronome._hostile_realtime import QUESTIONS, say
@@ -74,7 +75,9 @@ def sigkill_cases() -> list[Case]:
     async def sigterm(p: Probe) -> Observed:
         await asyncio.sleep(3.0)  # every client of the earlier cases has left
         mark = len(p.served.lines)
-        seconds = await asyncio.to_thread(p.served.stop)
+        stopping = time.perf_counter()
+        await asyncio.to_thread(p.served.stop, 120)
+        seconds = time.perf_counter() - stopping
         status = p.served.proc.returncode if p.served.proc else None
         stuck = [x for x in p.served.log_since(mark) if "Cancel" in x or "shutting down" in x]
         await asyncio.to_thread(p.served.start)

@@ -1,8 +1,9 @@
 """The server `hostile_probe` attacks, and its clients: `omnijax serve --demo-model` in a subprocess on a free
-loopback port (`Served`: start, health check, SIGKILL, restart, resident memory, its log), an HTTP call that reports
-what came back (`http`), and WebSocket exchanges with the Realtime and native routes (`Realtime`, `native_open`),
-each turning what happened into an `Observed`: refused (with the error code), accepted, dropped (a socket closed with
-no error message, or a 5xx), or a verdict a scenario reached itself."""
+loopback port (`ProbeServer`, the package's `omnijax.testing.served.Served` with the probe's settings: start, health
+check, SIGKILL, restart, resident memory, its log), an HTTP call that reports what came back (`http`), and
+WebSocket exchanges with the Realtime and native routes (`Realtime`, `native_open`), each turning what happened into
+an `Observed`: refused (with the error code), accepted, dropped (a socket closed with no error message, or a 5xx), or
+a verdict a scenario reached itself."""
 
 from __future__ import annotations
 
@@ -10,17 +11,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from omnijax.testing.served import Served
 
 KEY = "probe-key-0123"
 FRAME_MS = 1000  # the server's frame budget B (its default)
@@ -43,95 +40,20 @@ class Busy(Exception):
     probe retries the case."""
 
 
-class Served:
-    """`python -m omnijax.cli serve --demo-model --port 0 ...` in a subprocess; `base` (http://host:port) once it
-    listens. Its output is kept in `lines` (a pump thread reads it)."""
+class ProbeServer(Served):
+    """The server the probe attacks: `omnijax.testing.served.Served` (started by the caller with `start`) with the
+    probe's settings: an API key, frame budget `FRAME_MS`, a snapshot directory written every turn, short idle and
+    queue timeouts; in its own process group. `healthy` sends the key."""
 
     def __init__(self, snapshot_dir: Path, *, warmup_sessions: int = 2, extra: tuple[str, ...] = ()):
-        self.snapshot_dir, self.warmup_sessions, self.extra = Path(snapshot_dir), warmup_sessions, extra
-        self.proc: subprocess.Popen | None = None
-        self.lines: list[str] = []
-        self.base = ""
-        self.starts = 0
-        self.start_s: list[float] = []
-        self.instance_start = 0  # index in `lines` where the running server's output begins
+        self.snapshot_dir = Path(snapshot_dir)
+        super().__init__("--frame-ms", str(FRAME_MS), "--warmup-sessions", str(warmup_sessions),
+                         "--max-output-tokens", "64", "--max-message-mb", "4", "--snapshot-dir", str(snapshot_dir),
+                         "--snapshot-every", "1turn", "--api-key", KEY, "--idle-timeout", "120", "--queue-timeout",
+                         "5", *extra, start_timeout_s=None, new_session=True)
 
-    @property
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0",
-                "--frame-ms", str(FRAME_MS), "--warmup-sessions", str(self.warmup_sessions),
-                "--max-output-tokens", "64",
-                "--max-message-mb", "4", "--snapshot-dir", str(self.snapshot_dir), "--snapshot-every", "1turn",
-                "--api-key", KEY, "--idle-timeout", "120", "--queue-timeout", "5", *self.extra]
-
-    def start(self, timeout_s: float = 600.0) -> None:
-        began = time.perf_counter()
-        self.instance_start = len(self.lines)
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-        ready = threading.Event()
-        proc, lines = self.proc, self.lines
-
-        def pump():
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line.rstrip())
-                if "listening on" in line:
-                    ready.set()
-            ready.set()
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(timeout_s) or self.proc.poll() is not None:
-            raise RuntimeError("omnijax serve did not start:\n" + "\n".join(self.lines[-30:]))
-        line = next(x for x in reversed(self.lines) if "listening on" in x)
-        self.base = re.search(r"(http://[0-9.]+:[0-9]+)", line).group(1)
-        self.starts += 1
-        self.start_s.append(time.perf_counter() - began)
-
-    @property
-    def ws(self) -> str:
-        return self.base.replace("http://", "ws://")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def healthy(self, timeout_s: float = 2.0) -> float | None:
-        """Seconds `GET /v1/models` took when it answered 200 within `timeout_s`, else None."""
-        began = time.perf_counter()
-        try:
-            r = httpx.get(self.base + "/v1/models", headers=AUTH, timeout=timeout_s)
-        except httpx.HTTPError:
-            return None
-        return time.perf_counter() - began if r.status_code == 200 else None
-
-    def rss_mb(self) -> float | None:
-        """The server process's resident memory in MB (Linux /proc)."""
-        try:
-            text = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except (OSError, AttributeError):
-            return None
-        m = re.search(r"VmRSS:\s+(\d+) kB", text)
-        return int(m.group(1)) / 1024 if m else None
-
-    def kill(self, sig: int = signal.SIGKILL) -> int | None:
-        """Sends `sig` and waits for the exit; returns the exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(60)
-
-    def stop(self) -> float:
-        """SIGTERM; returns the seconds the server took to exit."""
-        began = time.perf_counter()
-        self.kill(signal.SIGTERM)
-        return time.perf_counter() - began
-
-    def log_since(self, index: int) -> list[str]:
-        return self.lines[index:]
+    def healthy(self, headers: dict | None = None, timeout_s: float = 2.0) -> float | None:
+        return super().healthy(AUTH if headers is None else headers, timeout_s)
 
 
 _OPENED = re.compile(r"\bconnect peer=\S+ session=(\w+)")

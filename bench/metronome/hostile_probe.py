@@ -57,7 +57,7 @@ from bench.metronome._hostile_cases import (
 )
 from bench.metronome._hostile_kill import sigkill_cases
 from bench.metronome._hostile_realtime import realtime_event_cases, realtime_media_cases, say
-from bench.metronome._hostile_server import AUTH, Busy, Observed, Realtime, Served, problems, unclosed
+from bench.metronome._hostile_server import AUTH, Busy, Observed, ProbeServer, Realtime, problems, unclosed
 from bench.metronome._hostile_sessions import NoSnapshot, leaked, resume_cases, traffic_cases
 
 BAD = ("crash", "hang", "silent", "loss", "wrong")
@@ -133,17 +133,17 @@ async def run_case(p: Probe, case: Case) -> dict:
         await asyncio.sleep(1.0)
     seconds = time.perf_counter() - began
     cls = classify(case, seen)
-    health = p.served.healthy(2.0)
+    health = p.served.healthy()
     restarted = False
     if health is None:
         if not p.served.alive():
             cls, seen.detail = "crash", f"the server died (exit {p.served.proc.returncode}); {seen.detail}"
         else:
             stalled = time.perf_counter()
-            while p.served.healthy(2.0) is None and time.perf_counter() - stalled < 30:
+            while p.served.healthy() is None and time.perf_counter() - stalled < 30:
                 await asyncio.sleep(0.5)
             cls, seen.detail = "hang", f"/v1/models took over 2 s after the case; {seen.detail}"
-        if p.served.healthy(2.0) is None:
+        if p.served.healthy() is None:
             p.served.kill()
             await asyncio.to_thread(p.served.start)
             restarted = True
@@ -213,7 +213,7 @@ def plot(table: list[dict], out: Path) -> None:
 
 async def probe(args, cases: list[Case], out: Path) -> dict:
     snapshots = Path(tempfile.mkdtemp(prefix="hostile-probe-"))
-    served = Served(snapshots / "sessions", warmup_sessions=args.warmup_sessions)
+    served = ProbeServer(snapshots / "sessions", warmup_sessions=args.warmup_sessions)
     await asyncio.to_thread(served.start)
     print(f"server: {' '.join(served.command[1:])}\nstarted in {served.start_s[0]:.0f} s at {served.base}", flush=True)
     rows: list[dict] = []
@@ -233,7 +233,11 @@ async def probe(args, cases: list[Case], out: Path) -> dict:
                 print(f"[{i + 1:3d}/{len(cases)}] {row['class']:6s} {row['seconds']:6.1f}s {case.id}: "
                       f"{row['observed'][:110]}{flag}", flush=True)
         leaks += await attribute_leaks(p, rows)
-        shutdown_s = served.stop() if served.alive() else None
+        shutdown_s = None
+        if served.alive():
+            stopping = time.perf_counter()
+            served.stop(120)
+            shutdown_s = time.perf_counter() - stopping
     finally:
         served.kill()
         (out / "hostile_probe_server.log").write_text("\n".join(served.lines) + "\n")
