@@ -9,14 +9,17 @@ cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `ma
 `Retry-After`; a client that disconnects before its answer is whole cancels it; a stopping server answers 503.
 
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
-URLs only: the server never fetches), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or channels averaged; at
-most `--max-request-audio-s` seconds in all, checked before any is resampled);
-`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage`; `n` = 1. Sampling fields
-(`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling` (as
-`omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request reproduce);
-with any other strategy they are accepted when they are what it decodes with, else refused with a 400 naming the
-field. `tools`, `stop`, `logprobs` and non-text `response_format` are refused. Every refusal (4xx) is logged,
-rate-limited per reason and client (`omnijax.serve.refusal_log`).
+URLs only: the server never fetches; `detail` "auto"), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or
+channels averaged; at most `--max-request-audio-s` seconds in all, checked before any is resampled);
+`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` = 1.
+Sampling fields (`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling`
+(as `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request
+reproduce); with any other strategy they are accepted when they are what it decodes with, else refused with a 400
+naming the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata`
+is echoed back. Every other field is refused by name unless it has its neutral value (`omnijax.serve.chat_params`:
+the penalties at 0, `logit_bias` {}, `stop` [], `tools` [], `modalities` ["text"], ...), and an unknown field is
+refused as one (with "did you mean"). Every refusal (4xx) is logged, rate-limited per reason and client
+(`omnijax.serve.refusal_log`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from omnijax.decoding import SEED_RANGE, DecodingStrategy, sampling_row
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
+from omnijax.serve.chat_params import (
+    RequestError,
+    check_detail,
+    check_fields,
+    check_keys,
+    check_labels,
+    check_message_fields,
+    stream_options,
+)
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.refusal_log import refusals
 
@@ -47,22 +59,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnijax.serve")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-REFUSED = ("tools", "functions", "tool_choice", "stop", "logprobs", "top_logprobs", "audio", "prediction")
 
 
 # What one request may hold, refused by name before any of it is parsed or templated (10,000 text parts once took
 # 213 s of templating): messages in the conversation, and content parts across all of them.
 MAX_MESSAGES = 1_000
 MAX_PARTS = 256
-
-
-class RequestError(ValueError):
-    """A request the server refuses: `status` (HTTP), `code`, `param`."""
-
-    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_value", param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.code, self.param, self.kind = status, code, param, kind
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", code: str | None = None,
@@ -92,6 +94,7 @@ class ChatRequest:
     model: str
     sampling: object = None  # `[2]` row (`omnijax.decoding.sampling_row`) when the request sets temperature/top_p
     seed: int | None = None
+    labels: dict = dataclasses.field(default_factory=dict)  # `user`, `safety_identifier`, `metadata` as given
 
 
 class _AudioBudget:
@@ -145,12 +148,16 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
     kind = part["type"]
+    if kind in ("text", "image_url", "input_audio"):
+        check_keys(part, ("type", kind), param)
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise RequestError(f"'{param}.text' must be a string", param=param + ".text")
         return _text(part["text"], param + ".text")
     if kind == "image_url":
         image = part.get("image_url")
+        if isinstance(image, dict):
+            check_detail(image, param + ".image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
             raise RequestError(f"'{param}.image_url.url' must be a base64 data:image/... URL (the server never "
@@ -160,6 +167,7 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
         audio = part.get("input_audio")
         if not isinstance(audio, dict):
             raise RequestError(f"'{param}.input_audio' must be an object with 'data' and 'format'", param=param)
+        check_keys(audio, ("data", "format"), param + ".input_audio")
         if audio.get("format") != "wav":
             raise RequestError(f"'{param}.input_audio.format' must be \"wav\" (16-bit PCM), got "
                                f"{audio.get('format')!r}", param=param + ".input_audio.format", code="unsupported")
@@ -178,26 +186,27 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
     if model != model_name:
         raise RequestError(f"model {model!r} does not exist: this server serves {model_name!r}", status=404,
                            code="model_not_found", param="model")
-    for name in REFUSED:
-        if body.get(name) not in (None, False, [], {}):
-            raise RequestError(f"'{name}' is not supported by this server", code="unsupported", param=name)
+    check_fields(body)
+    labels = check_labels(body)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("'response_format' other than text is not supported", code="unsupported",
                            param="response_format")
-    if body.get("n", 1) != 1:
+    if fmt is not None:
+        check_keys(fmt, ("type",), "response_format")
+    if body.get("n") not in (None, 1):
         raise RequestError("'n' must be 1", param="n")
     sampling, seed = _sampling(body, decoding)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(limit_name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise RequestError(f"'max_completion_tokens' must be an integer >= 1, got {limit!r}",
-                           param="max_completion_tokens")
+        raise RequestError(f"'{limit_name}' must be an integer >= 1, got {limit!r}", param=limit_name)
     stream = body.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise RequestError("'stream_options' must be an object", param="stream_options")
+    include_usage = stream_options(body.get("stream_options"), stream)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
@@ -214,6 +223,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise RequestError(f"'{param}.role' must be one of {', '.join(ROLES)}", param=param + ".role")
+        check_message_fields(message, param)
         content = message.get("content")
         if content is None and message["role"] == "assistant":
             content = ""
@@ -228,7 +238,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         if role != "user" and any(p.kind != "text" for p in parts):
             raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
         parsed.append((role, parts))
-    return ChatRequest(tuple(parsed), limit, stream, bool(options.get("include_usage", False)), model, sampling, seed)
+    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels)
 
 
 def _sampling(body: dict, decoding):
@@ -273,14 +283,17 @@ def _check_decoding(body: dict, decoding) -> None:
 
 
 def completion(cid: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, kv_cells: int | None = None) -> dict:
-    """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field)."""
+               completion_tokens: int, kv_cells: int | None = None, metadata: dict | None = None) -> dict:
+    """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field; the request's `metadata`, when
+    it had one, echoed back)."""
     out = {"id": cid, "object": "chat.completion", "created": created, "model": model,
            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
                         "logprobs": None}],
            "usage": usage(prompt_tokens, completion_tokens)}
     if kv_cells is not None:
         out["omnijax"] = {"kv_cells": int(kv_cells)}
+    if metadata is not None:
+        out["metadata"] = metadata
     return out
 
 
@@ -290,13 +303,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_chunk(cid: str, created: int, model: str, delta: dict | None, finish_reason: str | None = None,
-                     usage_: dict | None = None) -> dict:
-    """A `chat.completion.chunk`; `delta=None` gives the usage-only chunk (empty choices)."""
+                     usage_: dict | None = None, metadata: dict | None = None) -> dict:
+    """A `chat.completion.chunk`; `delta=None` gives the usage-only chunk (empty choices); `metadata` (the request's,
+    on the first chunk) is echoed back."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
                                          "logprobs": None}]
     out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if usage_ is not None:
         out["usage"] = usage_
+    if metadata is not None:
+        out["metadata"] = metadata
     return out
 
 
@@ -373,6 +389,9 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                                request=request)
         return _json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
                            headers={"Retry-After": str(context.retry_after_s)}, request=request)
+    if "user" in req.labels or "safety_identifier" in req.labels:
+        log.info("chat completion session=%s peer=%s user=%r safety_identifier=%r", sid, client,
+                 req.labels.get("user"), req.labels.get("safety_identifier"))
     try:
         conversation = context.conversation()
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
@@ -405,11 +424,12 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                                             kind="server_error"))
         text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
         return JSONResponse(completion(cid, created, req.model, text, FINISH[answer.status], prompt_tokens,
-                                       len(answer.tokens), answer.kv_cells))
+                                       len(answer.tokens), answer.kv_cells, req.labels.get("metadata")))
 
     async def events():
         try:
-            yield _sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""}))
+            yield _sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""},
+                                        metadata=req.labels.get("metadata")))
             async for tokens in answer:
                 delta = decoder.push(tokens)
                 if delta:

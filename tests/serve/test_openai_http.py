@@ -55,7 +55,8 @@ def test_requests_parse_into_parts_in_order():
     ({"n": 2}, 400, "n"),
     ({"temperature": 0.7}, 400, "temperature"),
     ({"seed": 3}, 400, "seed"),
-    ({"max_tokens": 0}, 400, "max_completion_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_completion_tokens": 0, "max_tokens": 5}, 400, "max_completion_tokens"),
     ({"stream": "yes"}, 400, "stream"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"messages": []}, 400, "messages"),
@@ -214,3 +215,107 @@ def test_a_deeply_nested_body_and_lone_surrogates_are_refused_by_name():
         with pytest.raises(oh.RequestError, match="lone surrogate") as lone:
             _parse({"messages": [{"role": "user", "content": content}]})
         assert lone.value.param == param
+
+
+HI = [{"role": "user", "content": "hi"}]
+PNG_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+
+
+@pytest.mark.parametrize("body, code, param, says", [
+    # unknown top-level fields, with a hint when close to a known one (the probe's misspelt keys)
+    ({"max_token": 5}, "unknown_parameter", "max_token", "did you mean 'max_tokens'"),
+    ({"temprature": 0.5}, "unknown_parameter", "temprature", "did you mean 'temperature'"),
+    ({"chat_template_kwargs": {}}, "unknown_parameter", "chat_template_kwargs", "unknown parameter"),
+    # fields the server does not implement, at a value that asks for something
+    ({"frequency_penalty": 1.5}, "unsupported", "frequency_penalty", "send 0"),
+    ({"presence_penalty": -2}, "unsupported", "presence_penalty", "send 0"),
+    ({"logit_bias": {"50256": -100}}, "unsupported", "logit_bias", "send {}"),
+    ({"store": True}, "unsupported", "store", "not stored"),
+    ({"service_tier": "flex"}, "unsupported", "service_tier", '"auto" or "default"'),
+    ({"modalities": ["text", "audio"]}, "unsupported", "modalities", "text only"),
+    ({"reasoning_effort": "high"}, "unsupported", "reasoning_effort", "not asked to reason"),
+    ({"web_search_options": {}}, "unsupported", "web_search_options", "never searches"),
+    ({"top_k": 5}, "unsupported", "top_k", "-1 or 0"),
+    ({"repetition_penalty": 1.3}, "unsupported", "repetition_penalty", "send 1"),
+    ({"min_p": 0.1}, "unsupported", "min_p", "send 0"),
+    ({"stop": ["\n"]}, "unsupported", "stop", "not matched"),
+    ({"tool_choice": "auto"}, "unsupported", "tool_choice", '"none"'),
+    ({"parallel_tool_calls": "no"}, "unsupported", "parallel_tool_calls", "true or false"),
+    ({"frequency_penalty": False}, "unsupported", "frequency_penalty", "send 0"),  # not 0: JSON false
+    ({"metadata": {"k": 5}}, "invalid_value", "metadata", "string values"),
+    ({"user": ["u"]}, "invalid_value", "user", "string"),
+    # message fields
+    ({"messages": [{"role": "user", "content": "hi", "name": "alice"}]}, "unsupported", "messages[0].name",
+     "speaker names"),
+    ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *HI]}, "unsupported",
+     "messages[1].tool_calls", "tools are not supported"),
+    ({"messages": [{"role": "user", "content": "hi", "contnet": "x"}]}, "unknown_parameter", "messages[0].contnet",
+     "did you mean 'content'"),
+    # stream_options
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "invalid_value", "stream_options.include_usage",
+     "boolean"),
+    ({"stream_options": {"include_usage": True}}, "invalid_value", "stream_options", "only allowed when 'stream'"),
+    ({"stream": True, "stream_options": {"x": 1}}, "unknown_parameter", "stream_options.x", "unknown parameter"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "unsupported",
+     "stream_options.include_obfuscation", "pads no chunk"),
+    # content parts
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URL,
+                                                                                    "detail": "ultra"}}]}]},
+     "invalid_value", "messages[0].content[0].image_url.detail", "must be"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URL,
+                                                                                    "detail": "low"}}]}]},
+     "unsupported", "messages[0].content[0].image_url.detail", "model's own resolution"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]},
+     "unknown_parameter", "messages[0].content[0].cache_control", "unknown parameter"),
+    ({"response_format": {"type": "text", "strict": True}}, "unknown_parameter", "response_format.strict",
+     "unknown parameter"),
+])
+def test_no_field_is_accepted_and_ignored(body, code, param, says):
+    """The hostile-input probe's silent cases: each field the server neither applies nor can keep honestly is
+    refused by name (400, `param` set, the accepted value said), unknown keys with a hint when close to a known one.
+    Before, each of these was answered 200 and the field ignored."""
+    with pytest.raises(oh.RequestError) as e:
+        _parse({"messages": HI, **body})
+    assert (e.value.status, e.value.code, e.value.param) == (400, code, param), str(e.value)
+    assert says in str(e.value)
+
+
+def test_neutral_values_and_labels_are_accepted():
+    """What real clients send by default or as a no-op is accepted: the penalties at 0, `logit_bias` {}, `stop` [],
+    `tools` [] with `tool_choice` "none" and `parallel_tool_calls`, `service_tier` "auto", `store` false, null
+    fields, an assistant turn with an empty `tool_calls`, `detail` "auto"; `user` and `metadata` are kept (logged,
+    echoed back), and the metadata validates in the SDK's completion type."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    req = _parse({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                     {"type": "image_url", "image_url": {"url": PNG_URL, "detail": "auto"}}]},
+        {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "name": None},
+        {"role": "user", "content": "again"}],
+        "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "stop": [], "tools": [],
+        "tool_choice": "none", "parallel_tool_calls": True, "service_tier": "auto", "store": False,
+        "logprobs": False, "top_logprobs": 0, "modalities": ["text"], "top_k": -1, "repetition_penalty": 1.0,
+        "min_p": 0, "reasoning_effort": None, "n": None, "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False}, "user": "u-1",
+        "safety_identifier": "h-2", "metadata": {"run": "7"}})
+    assert req.stream and req.include_usage and [role for role, _ in req.messages] == ["user", "assistant", "user"]
+    assert req.labels == {"user": "u-1", "safety_identifier": "h-2", "metadata": {"run": "7"}}
+    assert _parse({"messages": HI, "stream": None}).stream is False
+    whole = ChatCompletion.model_validate(oh.completion("c", 5, "m", "x", "stop", 1, 1, metadata={"run": "7"}))
+    assert whole.metadata == {"run": "7"}  # the SDK's own field
+    first = ChatCompletionChunk.model_validate(oh.completion_chunk("c", 5, "m", {"role": "assistant"},
+                                                                   metadata={"run": "7"}))
+    assert first.model_extra["metadata"] == {"run": "7"}
+
+
+def test_the_docs_table_lists_every_classified_field():
+    """docs/serving.md's Parameters table names every field the chat route honours, keeps or accepts neutral."""
+    from pathlib import Path
+
+    from omnijax.serve import chat_params
+
+    docs = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    table = docs[docs.index("### Chat completions parameters"):]
+    missing = [f for f in (*chat_params.HONOURED, *chat_params.LABELS, *chat_params.NEUTRAL) if f"`{f}`" not in table]
+    assert not missing, missing
