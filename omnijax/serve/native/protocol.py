@@ -4,12 +4,16 @@ naming the error code the server sends back."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
 import numpy as np
 
 SAMPLE_RATE = 16000
+# The fields each client message takes (a field in none is refused by name, `bad_message`: nothing is ignored).
+FIELDS = {"hello": ("type", "sample_rate", "frame_ms", "duplex", "instructions"), "bye": ("type",),
+          "image": ("type", "data")}
 PATH = "/session"
 CLOSE_ERROR, CLOSE_OVERLOADED, CLOSE_SHUTDOWN = 1008, 1013, 1012  # 1012: uvicorn closes sockets at shutdown
 
@@ -43,6 +47,18 @@ def parse_json(message: str) -> dict:
     return obj
 
 
+def check_fields(message: dict) -> None:
+    """Refuses (`bad_message`, naming it, with the closest known field as a hint) a field a message of this type does
+    not take (`FIELDS`); types not listed are left to their handler."""
+    allowed = FIELDS.get(message["type"])
+    for key in message if allowed is not None else ():
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ProtocolError("bad_message", f"unknown field {key!r} in a {message['type']!r} message{hint}; it "
+                                               f"takes {', '.join(allowed)}")
+
+
 def parse_hello(message: Any, *, frame_ms: float) -> int:
     """Validates the hello (text message) and returns the session's samples per frame."""
     if not isinstance(message, str):
@@ -50,6 +66,7 @@ def parse_hello(message: Any, *, frame_ms: float) -> int:
     hello = parse_json(message)
     if hello["type"] != "hello":
         raise ProtocolError("no_hello", f"the first message must be a hello, got type {hello['type']!r}")
+    check_fields(hello)
     rate = hello.get("sample_rate", SAMPLE_RATE)
     if isinstance(rate, bool) or rate != SAMPLE_RATE:
         raise ProtocolError("bad_sample_rate", f"sample_rate must be {SAMPLE_RATE} (mono int16 PCM), got {rate!r}")

@@ -4,7 +4,8 @@ template): 16 kHz PCM frames in, each frame's answer tokens out, one engine tick
 Protocol (every JSON message is an object with a `type`):
 
 1. client -> `{"type": "hello", "sample_rate": 16000, "frame_ms": F}`. `sample_rate` must be 16000; `frame_ms` may be
-   omitted, otherwise it must equal the server's frame budget B.
+   omitted, otherwise it must equal the server's frame budget B. A field a message does not take is refused by name
+   (`bad_message`), never ignored; a `?model=` query other than the served name is refused (`model_not_found`).
 2. server -> `{"type": "ready", "session": id, "sample_rate": 16000, "frame_ms": F, "frame_samples": n}`, or
    `{"type": "error", "code": "overloaded", ...}` and close 1013 when admission (AIMD cap, session caps, no engine
    slot) refuses the session.
@@ -32,11 +33,11 @@ PNG/JPEG>}` gives the next unit its video frame; each unit's reply is `{"type": 
 ids], "text": "...", "listened": bool, "latency_ms": ...}` (no tokens and `listened` while the model listens).
 
 Errors close that session only, after `{"type": "error", "code": C, "message": ...}` (close 1008): `bad_json`,
-`bad_message`, `no_hello`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`, `unsupported`
-(image frames), `hello_timeout`, `slow_consumer` (the client does not read: more than `--max-outbox-mb` of replies,
-or `max_outbox` replies, wait unread; its engine session is freed first, then the error and the close are sent if it
-reads within 10 s). A frame that fails inside the server gets a non-fatal `{"type": "error", "code": "internal",
-"seq": k}`. When the server shuts down, open sessions are closed with 1012.
+`bad_message`, `no_hello`, `model_not_found`, `bad_sample_rate`, `bad_frame_ms`, `odd_byte_count`, `bad_frame_size`,
+`unsupported` (image frames), `hello_timeout`, `slow_consumer` (the client does not read: more than
+`--max-outbox-mb` of replies, or `max_outbox` replies, wait unread; its engine session is freed first, then the error
+and the close are sent if it reads within 10 s). A frame that fails inside the server gets a non-fatal
+`{"type": "error", "code": "internal", "seq": k}`. When the server shuts down, open sessions are closed with 1012.
 
 Idle timeout (`--idle-timeout`, 0: none): a session whose client sends nothing for that long, with no frame being
 served, gets `{"type": "error", "code": "idle_timeout", ...}` naming the timeout and close 1000 ("idle timeout");
@@ -64,6 +65,7 @@ from omnijax.serve.native.protocol import (
     CLOSE_OVERLOADED,
     SAMPLE_RATE,
     ProtocolError,
+    check_fields,
     decode_frame,
     hello_duplex,
     parse_hello,
@@ -166,6 +168,7 @@ class NativeSession:
                         self.pump.add_done_callback(lambda _: setattr(self, "last_active", loop.time()))
                     continue
                 text = parse_json(message.get("text") or "")
+                check_fields(text)
                 if text["type"] == "bye":
                     if self.pump is not None:
                         await self.pump
@@ -330,6 +333,9 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
         except (WebSocketDisconnect, RuntimeError):
             pass
 
+    asked, served = ws.query_params.get("model"), context.options.model_name
+    if asked is not None and asked != served:
+        return await refuse("model_not_found", f"model {asked!r} does not exist: this server serves {served!r}")
     try:
         first = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
         if first["type"] == "websocket.disconnect":

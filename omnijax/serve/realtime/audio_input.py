@@ -6,7 +6,9 @@ complete, so the cache follows the live stream. `.commit` feeds the rest, padded
 adds an `input_audio` user item (`.committed`, `conversation.item.added` / `.done`). With `server_vad`, a frame is
 speech when its RMS reaches `threshold / 10` of full scale (default threshold 0.5); `silence_duration_ms` (default
 500) of silence after speech stops the turn, commits it and, unless `create_response` is false, starts a response;
-speech during a response cancels it unless `interrupt_response` is false.
+speech during a response cancels it unless `interrupt_response` is false. `prefix_padding_ms` (default 0) moves
+`speech_started`'s `audio_start_ms` that much before the frame where speech was heard (the audio before it is in the
+cache already: every frame is fed as it completes). `idle_timeout_ms` is refused (`client_events`).
 
 `AudioInput` is a mixin of `omnijax.serve.realtime.session.RealtimeSession`, which owns the state it reads (declared
 below) and the transport.
@@ -26,7 +28,8 @@ from omnijax.serve.realtime import server_events as rse
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeOptions
 
-VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+VAD_DEFAULTS = {"threshold": 0.5, "silence_duration_ms": 500, "create_response": True, "interrupt_response": True,
+                "prefix_padding_ms": 0}
 
 
 class AudioInput:
@@ -43,6 +46,7 @@ class AudioInput:
     audio_ms: int  # all audio received, in ms (VAD times)
     speech: dict | None  # server VAD: {"item": id, "silent_ms": n}
     last_item: str | None
+    item_ids: set[str]
     response: asyncio.Task | None
     send: Callable[[dict], None]
     _feed: Callable[..., None]
@@ -99,7 +103,8 @@ class AudioInput:
         speech = rms >= vad["threshold"] / 10
         if self.speech is None and speech:
             self.speech = {"item": rte.new_id("item"), "silent_ms": 0}
-            self.send(rse.input_audio_buffer_speech_started(self.speech["item"], self.audio_ms - ms))
+            start = max(0, self.audio_ms - ms - vad["prefix_padding_ms"])
+            self.send(rse.input_audio_buffer_speech_started(self.speech["item"], start))
             if vad["interrupt_response"] and self.response is not None and not self.response.done():
                 self.worker.cancel(self.sid)
         elif self.speech is not None:
@@ -126,6 +131,7 @@ class AudioInput:
                 "content": [{"type": "input_audio", "transcript": None}]}
         self.audio_fed_s = 0.0
         previous, self.last_item = self.last_item, item_id
+        self.item_ids.add(item_id)
         self.send(rse.input_audio_buffer_committed(item_id, previous))
         self.send(rse.conversation_item_added(item, previous))
         self.send(rse.conversation_item_done(item, previous))

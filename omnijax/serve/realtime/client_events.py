@@ -1,56 +1,41 @@
 """Wire codec for the text-output subset of the OpenAI Realtime API (GA event names).
 
-This module is pure: it parses client events into small frozen dataclasses (the server events are built by
-`omnijax.serve.realtime.server_events`). It has no transport and no model, and imports only the standard library.
+Pure (the standard library and its field checks, `omnijax.serve.realtime.event_fields`; no transport, no model):
+client events become small frozen dataclasses: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` /
+``.clear``, ``conversation.item.create`` (``message`` items of role ``user`` or ``system``, parts ``input_text`` and
+``input_image``), ``response.create``, ``response.cancel``. A problem raises :class:`RealtimeEventError`, whose
+``to_event`` is the server ``error`` event (``error_event``; the other server events are
+`omnijax.serve.realtime.server_events`). Codes: ``invalid_json``, ``unknown_event``, ``missing_field``,
+``invalid_value``, ``unsupported``, ``buffer_too_large``, ``unknown_parameter``.
 
-Covered client events: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` /
-``.clear``, ``conversation.item.create`` (``message`` items, roles ``user`` and ``system``,
-content parts ``input_text`` and ``input_image``), ``response.create`` and ``response.cancel``.
-Any problem raises :class:`RealtimeEventError`, whose :meth:`RealtimeEventError.to_event` is the
-server ``error`` event. Codes: ``invalid_json``, ``unknown_event``, ``missing_field``,
-``invalid_value``, ``unsupported``, ``buffer_too_large``.
+No field is accepted and ignored: a field an event or object does not take is refused by name
+(``unknown_parameter``, with "did you mean" or where a beta field went), and the fields omnijax does not implement are
+accepted only at the value that asks for nothing (``Fields.neutral``): ``tools`` [], ``tool_choice`` "auto" or
+"none" (there are no tools), ``include`` [], null ``prompt``, ``tracing``, ``audio.input.transcription`` and
+``noise_reduction``, ``audio.output`` ``voice`` and ``speed``, ``turn_detection.idle_timeout_ms``, ``response.audio``;
+``input_image.detail`` "auto". ``response.metadata`` is carried (the server echoes it). Also refused: audio output,
+input formats other than 16-bit mono ``audio/pcm`` at 24 or 16 kHz, turn detection other than null or ``server_vad``,
+image URLs that are not base64 ``data:image/...`` (the server never fetches), out-of-band responses, and audio
+appends that are not base64, hold an odd byte count or exceed ``max_bytes``.
 
-Server events: ``error`` here (``error_event``, ``server_event`` for any kind); the others in
-`omnijax.serve.realtime.server_events`.
-
-omnijax extensions (the SDK models allow extra fields, so these still validate):
-
-* ``response.done`` carries ``"omnijax": {"kv_cells": n}`` at the event's top level: the number of
-  KV-cache cells the session holds after the response.
-* The session object carries ``"omnijax": {"input_audio_rate": r}``, because the SDK's PCM format
-  only admits 24 kHz; a 16 kHz session reports ``{"type": "audio/pcm"}`` plus this field.
-* ``session.omnijax`` (in ``session.update``; the GA session has no sampling fields): ``{"duplex": true}`` asks for
-  full duplex (MiniCPM-o 4.5: the model decides per 1 s unit whether to listen or speak); ``"temperature"`` (in
-  [0, 2]; 0 takes the most likely token), ``"top_p"`` (in (0, 1]) and ``"seed"`` (an int) set how the session's
-  responses are sampled. The session object echoes them.
-* ``session.truncation`` ``{"type": "retention_ratio", "retention_ratio": f}`` is accepted and
-  mapped onto the retention policy by the server (this codec only validates and carries it).
-
-Refused, and why:
-
-* Audio output (``output_modalities`` containing ``"audio"``): omnijax serves text only.
-* Input audio formats other than 16-bit mono ``audio/pcm`` at 24000 or 16000 Hz (no G.711).
-* Turn detection other than ``null`` or ``server_vad`` (no semantic VAD model).
-* Image URLs that are not base64 ``data:image/...`` URLs: the server never fetches from the network.
-* Out-of-band responses (``conversation`` other than ``"auto"``, or ``input``) and tools.
-* Audio appends that are not base64, hold an odd byte count, or exceed ``max_bytes``.
-
-The SDK's GA session object has no sampling fields (no ``temperature``): sampling comes through ``session.omnijax``.
+omnijax extensions (the SDK models allow extra fields): ``response.done`` carries ``"omnijax": {"kv_cells": n}``
+(the KV cells the session holds after it); the session object carries ``"omnijax": {"input_audio_rate": r}`` (the
+SDK's PCM format admits 24 kHz only); ``session.omnijax`` in ``session.update`` takes ``duplex`` (MiniCPM-o 4.5 full
+duplex), ``temperature`` in [0, 2], ``top_p`` in (0, 1] and an integer ``seed`` (the GA session has no sampling
+fields), echoed by the session object; ``session.truncation`` ``{"type": "retention_ratio", ...}`` is validated and
+carried to the server, which maps it onto its retention policy.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import itertools
 import json
-import math
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, NoReturn, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
-# `omnijax.decoding.SEED_RANGE` (signed 64-bit), spelled here: this module imports neither jax nor the package.
+from omnijax.serve.realtime.event_fields import EVENTS, Fields, RealtimeEventError, error_event, new_id, server_event
+
+# `omnijax.decoding.SEED_RANGE` (signed 64-bit), spelled here: the codec imports neither jax nor the model.
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 
 __all__ = [
@@ -62,31 +47,6 @@ __all__ = [
 
 DEFAULT_MAX_BYTES = 15 * 1024 * 1024
 _RATES = (24000, 16000)
-_counter = itertools.count(1)
-
-
-def new_id(prefix: str) -> str:
-    """Returns a fresh id such as ``event_000001a3f...``: a prefix, a process counter and uuid hex."""
-    return f"{prefix}_{next(_counter):06d}{uuid.uuid4().hex[:16]}"
-
-
-class RealtimeEventError(Exception):
-    """A client event the codec refuses.
-
-    Args:
-        code: Machine-readable code, e.g. ``invalid_value``.
-        message: Human-readable message naming the problem.
-        event_id: The offending client event's ``event_id``, if it had one.
-        param: Dotted path of the offending field, if any.
-    """
-
-    def __init__(self, code: str, message: str, *, event_id: Optional[str] = None, param: Optional[str] = None):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message, self.event_id, self.param = code, message, event_id, param
-
-    def to_event(self) -> dict:
-        """Returns the server ``error`` event describing this error."""
-        return error_event(self.code, self.message, event_id=self.event_id, param=self.param)
 
 
 # ----------------------------------------------------------------------------- settings
@@ -110,19 +70,10 @@ class RetentionRatio:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Session settings accepted so far, with defaults.
-
-    Attributes:
-        instructions: System instructions.
-        output_modalities: Always ``("text",)``.
-        input_audio_rate: PCM16 input sample rate, 24000 or 16000.
-        turn_detection: ``None`` (manual commits) or :class:`ServerVad`.
-        max_output_tokens: Integer limit or ``"inf"``.
-        truncation: ``"auto"``, ``"disabled"`` or :class:`RetentionRatio`.
-        model: Model name reported to the client.
-        duplex: Full duplex (omnijax extension ``session.omnijax.duplex``).
-        temperature, top_p, seed: Sampling of responses (omnijax extension; None: the server's default).
-    """
+    """Session settings accepted so far, with defaults: output text only, PCM16 input at 24000 or 16000 Hz,
+    ``turn_detection`` None (manual commits) or :class:`ServerVad`, ``max_output_tokens`` an integer or "inf",
+    ``truncation`` "auto", "disabled" or :class:`RetentionRatio`, the served ``model``; the omnijax extensions
+    ``duplex`` and ``temperature`` / ``top_p`` / ``seed`` (None: the server's default sampling)."""
     instructions: str = ""
     output_modalities: tuple = ("text",)
     input_audio_rate: int = 24000
@@ -198,6 +149,7 @@ class ResponseCreate:
     instructions: Optional[str] = None
     max_output_tokens: Union[int, Literal["inf"], None] = None
     output_modalities: Optional[tuple] = None
+    metadata: Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -211,77 +163,9 @@ ClientEvent = Union[SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommi
                     ConversationItemCreate, ResponseCreate, ResponseCancel]
 
 
-class _Ctx:
-    """Field access helpers that raise :class:`RealtimeEventError` tagged with the event id."""
-
-    def __init__(self, event_id: Optional[str]):
-        self.event_id = event_id
-
-    def fail(self, code: str, message: str, param: Optional[str] = None) -> NoReturn:
-        raise RealtimeEventError(code, message, event_id=self.event_id, param=param)
-
-    def obj(self, value: Any, param: str) -> dict:
-        if not isinstance(value, dict):
-            self.fail("invalid_value", f"'{param}' must be an object, got {type(value).__name__}", param)
-        return value
-
-    def req(self, d: dict, key: str, param: str) -> Any:
-        if key not in d:
-            self.fail("missing_field", f"missing required field '{param}'", param)
-        return d[key]
-
-    def str_(self, value: Any, param: str, optional: bool = False) -> Optional[str]:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str):
-            self.fail("invalid_value", f"'{param}' must be a string, got {type(value).__name__}", param)
-        return value
-
-    def num(self, value: Any, param: str, kind: type = int, lo: float | None = None, hi: float | None = None):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if kind is float:
-            ok = ok or isinstance(value, float)
-        if not ok:
-            self.fail("invalid_value", f"'{param}' must be {'a number' if kind is float else 'an integer'}", param)
-        if isinstance(value, float) and not math.isfinite(value):
-            self.fail("invalid_value", f"'{param}' must be finite, got {value}", param)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            self.fail("invalid_value", f"'{param}' must be in [{lo}, {hi}], got {value}", param)
-        return value
-
-    def max_tokens(self, value: Any, param: str) -> Union[int, str]:
-        if value == "inf" and isinstance(value, str):
-            return "inf"
-        if isinstance(value, str):
-            self.fail("invalid_value", f"'{param}' must be an integer or \"inf\", got {value!r}", param)
-        return self.num(value, param, int, 1)
-
-    def modalities(self, value: Any, param: str) -> tuple:
-        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-            self.fail("invalid_value", f"'{param}' must be a list of strings", param)
-        if "audio" in value:
-            self.fail("invalid_value", f"'{param}': audio output is not supported; omnijax outputs text only "
-                      "(use [\"text\"])", param)
-        if list(value) != ["text"]:
-            self.fail("invalid_value", f"'{param}' must be [\"text\"], got {value!r}", param)
-        return ("text",)
-
-    def b64(self, value: Any, param: str, max_bytes: int) -> bytes:
-        s = self.str_(value, param)
-        if (len(s) // 4) * 3 > max_bytes + 3:
-            self.fail("buffer_too_large", f"'{param}' decodes to more than the limit of {max_bytes} bytes", param)
-        try:
-            data = base64.b64decode(s, validate=True)
-        except (binascii.Error, ValueError) as e:
-            self.fail("invalid_value", f"'{param}' is not valid base64: {e}", param)
-        if len(data) > max_bytes:
-            self.fail("buffer_too_large", f"'{param}' decodes to {len(data)} bytes, over the limit of "
-                      f"{max_bytes} bytes", param)
-        return data
-
-
-def _parse_session(c: _Ctx, s: dict) -> dict:
+def _parse_session(c: Fields, s: dict) -> dict:
     changes: dict = {}
+    c.check(s, "session", "session")
     if "type" in s and s["type"] != "realtime":
         c.fail("invalid_value", f"'session.type' must be \"realtime\", got {s['type']!r}", "session.type")
     if "instructions" in s:
@@ -292,8 +176,6 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
         changes["output_modalities"] = c.modalities(s["output_modalities"], "session.output_modalities")
     if "max_output_tokens" in s:
         changes["max_output_tokens"] = c.max_tokens(s["max_output_tokens"], "session.max_output_tokens")
-    if s.get("tools"):
-        c.fail("unsupported", "'session.tools': tools are not supported", "session.tools")
     if s.get("omnijax") is not None:
         ext = c.obj(s["omnijax"], "session.omnijax")
         unknown = sorted(set(ext) - {"duplex", "temperature", "top_p", "seed"})
@@ -318,10 +200,12 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
         if isinstance(t, str) and t in ("auto", "disabled"):
             changes["truncation"] = t
         elif isinstance(t, dict) and t.get("type") == "retention_ratio":
+            c.check(t, p, p)
             ratio = c.num(c.req(t, "retention_ratio", p + ".retention_ratio"), p + ".retention_ratio", float, 0.0, 1.0)
             post = None
             if t.get("token_limits") is not None:
                 lim = c.obj(t["token_limits"], p + ".token_limits")
+                c.check(lim, p + ".token_limits", p + ".token_limits")
                 if lim.get("post_instructions") is not None:
                     post = c.num(lim["post_instructions"], p + ".token_limits.post_instructions", int, 1)
             changes["truncation"] = RetentionRatio(float(ratio), post)
@@ -331,16 +215,21 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
     audio = s.get("audio")
     if audio is not None:
         audio = c.obj(audio, "session.audio")
+        c.check(audio, "session.audio", "session.audio")
         out = audio.get("output")
         if isinstance(out, dict) and out.get("format") is not None:
             c.fail("invalid_value", "'session.audio.output': audio output is not supported; omnijax outputs "
                    "text only", "session.audio.output")
+        if out is not None:
+            c.check(c.obj(out, "session.audio.output"), "session.audio.output", "session.audio.output")
         inp = audio.get("input")
         if inp is not None:
             inp = c.obj(inp, "session.audio.input")
+            c.check(inp, "session.audio.input", "session.audio.input")
             if "format" in inp:
                 p = "session.audio.input.format"
                 f = c.obj(inp["format"], p)
+                c.check(f, p, p)
                 if f.get("type") != "audio/pcm":
                     c.fail("invalid_value", f"'{p}.type' must be \"audio/pcm\" (16-bit mono PCM); "
                            f"{f.get('type')!r} is not supported", p + ".type")
@@ -353,11 +242,12 @@ def _parse_session(c: _Ctx, s: dict) -> dict:
     return changes
 
 
-def _parse_vad(c: _Ctx, td: Any) -> Optional[ServerVad]:
+def _parse_vad(c: Fields, td: Any) -> Optional[ServerVad]:
     p = "session.audio.input.turn_detection"
     if td is None:
         return None
     td = c.obj(td, p)
+    c.check(td, p, p)
     if td.get("type") != "server_vad":
         c.fail("invalid_value", f"'{p}.type' must be \"server_vad\" (or turn_detection null), "
                f"got {td.get('type')!r}", p + ".type")
@@ -375,7 +265,7 @@ def _parse_vad(c: _Ctx, td: Any) -> Optional[ServerVad]:
     return ServerVad(**kw)
 
 
-def _parse_image(c: _Ctx, url: Any, param: str, max_bytes: int) -> tuple:
+def _parse_image(c: Fields, url: Any, param: str, max_bytes: int) -> tuple:
     url = c.str_(url, param)
     if not url.startswith("data:"):
         c.fail("invalid_value", f"'{param}' must be a base64 data URL (data:image/...;base64,...); "
@@ -387,7 +277,8 @@ def _parse_image(c: _Ctx, url: Any, param: str, max_bytes: int) -> tuple:
     return c.b64(payload, param, max_bytes), mime
 
 
-def _parse_item(c: _Ctx, item: dict, max_bytes: int) -> tuple:
+def _parse_item(c: Fields, item: dict, max_bytes: int) -> tuple:
+    c.check(item, "item", "item")
     if c.req(item, "type", "item.type") != "message":
         c.fail("invalid_value", f"'item.type' must be \"message\", got {item['type']!r}", "item.type")
     role = c.req(item, "role", "item.role")
@@ -402,12 +293,14 @@ def _parse_item(c: _Ctx, item: dict, max_bytes: int) -> tuple:
         part = c.obj(part, p)
         kind = c.req(part, "type", p + ".type")
         if kind == "input_text":
+            c.check(part, "input_text", p)
             parts.append(InputText(c.str_(c.req(part, "text", p + ".text"), p + ".text")))
         elif kind == "input_image" and role == "user":
-            data, mime = _parse_image(c, c.req(part, "image_url", p + ".image_url"), p + ".image_url", max_bytes)
             detail = part.get("detail") or "auto"
             if detail not in ("auto", "low", "high"):
                 c.fail("invalid_value", f"'{p}.detail' must be auto, low or high", p + ".detail")
+            c.check(part, "input_image", p)
+            data, mime = _parse_image(c, c.req(part, "image_url", p + ".image_url"), p + ".image_url", max_bytes)
             parts.append(InputImage(data, mime, detail))
         else:
             c.fail("invalid_value", f"'{p}.type' {kind!r} is not supported for role {role!r} "
@@ -438,9 +331,11 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
         raise RealtimeEventError("invalid_json", f"event must be a JSON object, got {type(event).__name__}")
     event = dict(event)
     eid = event.get("event_id")
-    c = _Ctx(eid if isinstance(eid, str) else None)
+    c = Fields(eid if isinstance(eid, str) else None)
     c.str_(eid, "event_id", optional=True)
     kind = c.req(event, "type", "type")
+    if isinstance(kind, str) and kind in EVENTS:
+        c.check(event, kind, "")
     if kind == "session.update":
         return SessionUpdate(c.event_id, _parse_session(c, c.obj(c.req(event, "session", "session"), "session")))
     if kind == "input_audio_buffer.append":
@@ -463,6 +358,7 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
         if r is None:
             return ResponseCreate(c.event_id)
         r = c.obj(r, "response")
+        c.check(r, "response", "response")
         if r.get("conversation", "auto") != "auto" or r.get("input") is not None:
             c.fail("unsupported", "out-of-band responses ('response.conversation' other than \"auto\", "
                    "'response.input') are not supported", "response.conversation")
@@ -473,20 +369,8 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
         return ResponseCreate(
             c.event_id, c.str_(r.get("instructions"), "response.instructions", optional=True),
             None if mot is None else c.max_tokens(mot, "response.max_output_tokens"),
-            None if mods is None else c.modalities(mods, "response.output_modalities"))
+            None if mods is None else c.modalities(mods, "response.output_modalities"),
+            c.metadata(r.get("metadata"), "response.metadata"))
     if kind == "response.cancel":
         return ResponseCancel(c.event_id, c.str_(event.get("response_id"), "response_id", optional=True))
     c.fail("unknown_event", f"unknown or unsupported client event type {kind!r}", "type")
-
-
-# ----------------------------------------------------------------------------- the error event
-def server_event(kind: str, **fields: Any) -> dict:
-    """A server event of `kind` with a fresh `event_id` and `fields`."""
-    return {"type": kind, "event_id": new_id("event"), **fields}
-
-
-def error_event(code: str, message: str, *, event_id: Optional[str] = None, param: Optional[str] = None,
-                error_type: str = "invalid_request_error") -> dict:
-    """Builds an ``error`` event; ``event_id`` is the offending client event's id."""
-    return server_event("error", error={"type": error_type, "code": code, "message": message, "event_id": event_id,
-                               "param": param})

@@ -13,11 +13,18 @@ events onto the conversation and the `EngineWorker`:
   with the `--policy` that would give it.
 - `input_audio_buffer.append` / `.commit` / `.clear` and server VAD: `omnijax.serve.realtime.audio_input`.
 - `conversation.item.create`: `input_text` parts are the message's text turn, `input_image` parts (video frames
-  too) image units, in the order given; `conversation.item.added` now, `.done` once fed.
+  too) image units, in the order given; `conversation.item.added` now, `.done` once fed. Items are appended (the KV
+  cache is append-only): a `previous_item_id` naming the last item (or "root" on an empty conversation) is honoured,
+  one naming an earlier item is refused (`unsupported`), an unknown one too (`invalid_value`), as is an `item.id`
+  the conversation already holds.
 - `response.create`: the template's generation prompt, then tau tokens per tick until the end-of-turn token or
   `max_output_tokens` ("inf": the server's `--max-output-tokens`): `response.created`, the assistant item,
   `response.output_text.delta` (whole UTF-8 characters) ... `.done`, `response.done` with usage and the session's
-  KV cells. `response.cancel` ends it at the next tick (status "cancelled"; what was decoded stays in the cache).
+  KV cells; the request's `metadata` is echoed in the response object. `response.cancel` ends it at the next tick
+  (status "cancelled"; what was decoded stays in the cache); a `response_id` other than the active response's is
+  refused.
+- A `session.update` `model` other than the served one (`--model-name`) is refused (`model_not_found`), as is a
+  connection whose `?model=` names another (an `error` event, then close 1008).
 
 A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
 over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return. A client
@@ -97,6 +104,8 @@ class RealtimeSession(AudioInput):
         self.audio_ms = 0  # all audio received, in ms (VAD times)
         self.speech: dict | None = None  # server VAD: {"item": id, "start": ms, "silent_ms": n}
         self.last_item: str | None = None
+        self.item_ids: set[str] = set()  # every item of the conversation (since the connection, and the last one)
+        self.response_id: str | None = None  # the response in progress (or the last one)
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None
         self.outbox = Outbox(self.options.max_outbox, self.options.max_outbox_bytes)
@@ -210,6 +219,10 @@ class RealtimeSession(AudioInput):
     async def handle(self, event: rte.ClientEvent) -> None:
         eid = event.event_id
         if isinstance(event, rte.SessionUpdate):
+            model = event.changes.get("model", self.options.model_name)
+            if model != self.options.model_name:
+                raise rte.RealtimeEventError("model_not_found", f"model {model!r} does not exist: this server serves "
+                                             f"{self.options.model_name!r}", event_id=eid, param="session.model")
             settings = event.apply(self.settings)
             self._check_truncation(settings.truncation, eid)
             if self.duplex is not None and not settings.duplex:
@@ -248,6 +261,10 @@ class RealtimeSession(AudioInput):
             if self.response is None or self.response.done():
                 raise rte.RealtimeEventError("response_cancel_not_active", "there is no response in progress to "
                                              "cancel", event_id=eid)
+            if event.response_id is not None and event.response_id != self.response_id:
+                raise rte.RealtimeEventError("invalid_value", f"response {event.response_id!r} is not the response "
+                                             f"in progress ({self.response_id!r})", event_id=eid,
+                                             param="response_id")
             self.worker.cancel(self.sid)
 
     def _check_truncation(self, truncation, eid) -> None:
@@ -290,8 +307,26 @@ class RealtimeSession(AudioInput):
             self._feed(parts)
 
     # ----------------------------------------------------------------------------------------- items, responses
+    def _check_placement(self, event: rte.ConversationItemCreate) -> None:
+        """Items are appended: `previous_item_id` may name the last item ("root" when there is none); refuses any
+        other placement, and an `item.id` already in the conversation, by name."""
+        eid, previous, known = event.event_id, event.previous_item_id, self.item_ids | {self.last_item}
+        if event.item_id is not None and event.item_id in known:
+            raise rte.RealtimeEventError("invalid_value", f"item {event.item_id!r} is already in the conversation: "
+                                         f"give a new id, or none", event_id=eid, param="item.id")
+        if previous is None or previous == (self.last_item or "root"):
+            return
+        if previous == "root" or previous in known:
+            raise rte.RealtimeEventError("unsupported", f"previous_item_id {previous!r}: items can only be added at "
+                                         f"the end of the conversation (its KV cache is append-only); omit it or name "
+                                         f"the last item, {self.last_item or 'root'!r}", event_id=eid,
+                                         param="previous_item_id")
+        raise rte.RealtimeEventError("invalid_value", f"previous_item_id {previous!r} names no item of this "
+                                     f"conversation", event_id=eid, param="previous_item_id")
+
     async def _item(self, event: rte.ConversationItemCreate) -> None:
         eid = event.event_id
+        self._check_placement(event)
         images = {}
         for i, part in enumerate(event.content):  # decode every image before anything is fed
             if isinstance(part, rte.InputImage):
@@ -313,6 +348,7 @@ class RealtimeSession(AudioInput):
             raise self._fail(e, eid, "item.content") from None
         item = rse.user_item(event)
         previous, self.last_item = self.last_item, item["id"]
+        self.item_ids.add(item["id"])
         self.send(rse.conversation_item_added(item, previous))
         self._feed(parts, lambda: self.send(rse.conversation_item_done(item, previous)))
 
@@ -333,7 +369,8 @@ class RealtimeSession(AudioInput):
         input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
         self.tokens_since_response = 0
         answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation, self._sampling())
-        self.response = self._spawn(self._stream(answer, limit, input_tokens))
+        self.response_id = rte.new_id("resp")
+        self.response = self._spawn(self._stream(answer, limit, input_tokens, self.response_id, event.metadata))
 
     def _sampling(self):
         """The session's sampling row (`omnijax.decoding.sampling_row`), or None for the server's default."""
@@ -344,10 +381,14 @@ class RealtimeSession(AudioInput):
         return sampling_row(default.temperature if s.temperature is None else s.temperature,
                             default.top_p if s.top_p is None else s.top_p)
 
-    async def _stream(self, answer, limit, input_tokens: int) -> None:
-        rid, item_id = rte.new_id("resp"), rte.new_id("item")
+    async def _stream(self, answer, limit, input_tokens: int, rid: str, metadata: dict | None = None) -> None:
+        item_id = rte.new_id("item")
         previous, self.last_item = self.last_item, item_id
-        self.send(rse.response_created(rid, max_output_tokens=limit))
+        self.item_ids.add(item_id)
+        created = rse.response_created(rid, max_output_tokens=limit)
+        if metadata is not None:
+            created["response"]["metadata"] = metadata
+        self.send(created)
         self.send(rse.conversation_item_added(rse.assistant_item(item_id, status="in_progress"), previous))
         decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
         pieces = []
@@ -369,9 +410,12 @@ class RealtimeSession(AudioInput):
         self.send(rse.conversation_item_done(item, previous))
         reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(answer.reason,
                                                                                                answer.reason)
-        self.send(rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
-                                    output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
-                                    reason=reason if status != "completed" else None, max_output_tokens=limit))
+        done = rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
+                                 output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
+                                 reason=reason if status != "completed" else None, max_output_tokens=limit)
+        if metadata is not None:
+            done["response"]["metadata"] = metadata
+        self.send(done)
         self.last_active = asyncio.get_running_loop().time()
         if self.snapshots is not None:
             self.snapshots.turn_ended()
@@ -385,6 +429,11 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
 
     await ws.accept()
     client = ws.client.host if ws.client else "?"
+    asked = ws.query_params.get("model")
+    if asked is not None and asked != context.options.model_name:
+        await _refuse(ws, client, "model_not_found", f"model {asked!r} does not exist: this server serves "
+                      f"{context.options.model_name!r} (connect with ?model={context.options.model_name})")
+        return
     try:
         plan = await resume_plan(context, ws.query_params.get("resume"))
     except ResumeRefused as e:

@@ -428,3 +428,68 @@ def test_media_is_encoded_off_the_event_loop(server, monkeypatch):
         release.set()
         spoken.join(120)
     assert heard["reply"].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_wrong_model_or_item_placement_is_refused_and_changes_nothing(server):
+    """The probe's silent Realtime cases that need the session: a wrong `?model=` (Realtime and native routes) and a
+    `session.update` model are `model_not_found`; `previous_item_id` is honoured when it names the last item and
+    refused when unknown, "root" on a non-empty conversation, or a taken `item.id`; a `response_id` that is not the
+    response in progress is refused; `response.metadata` comes back in the response. Before, every one was accepted
+    (the model echoed back as if served, the item appended wherever it was asked to go, the cancel applied)."""
+    from websockets.sync.client import connect
+
+    server.wait_idle()
+    url = server.base_url.replace("http://", "ws://").removesuffix("/v1")
+    with connect(url + "/session?model=gpt-4o", additional_headers={"Authorization": f"Bearer {KEY}"}) as native:
+        assert json.loads(native.recv(timeout=30))["code"] == "model_not_found"
+
+    def item(text, item_id=None, **event):
+        content = [{"type": "input_text", "text": text}]
+        return {"type": "conversation.item.create", **event,
+                "item": {"type": "message", "role": "user", "content": content, **({"id": item_id} if item_id else {})}}
+
+    async def next_of(conn, kinds):
+        async for event in conn:
+            if event.type in kinds:
+                return event
+        raise AssertionError(f"closed before {kinds}")
+
+    async def scenario():
+        client = _async_client(server)
+        async with client.realtime.connect(model="gpt-4o-realtime-preview") as wrong:
+            connect_refused = await wrong.recv()
+        seen = {}
+        async with client.realtime.connect(model="omnijax") as conn:
+            await conn.recv()
+            await conn.send({"type": "session.update", "session": {"type": "realtime", "model": "gpt-4o"}})
+            seen["model"] = await next_of(conn, {"error", "session.updated"})
+            await conn.send({"type": "session.update", "session": {"type": "realtime"}})
+            seen["unchanged"] = await next_of(conn, {"error", "session.updated"})
+            for name, event in [("first", item("one", "a")),
+                                ("unknown", item("x", previous_item_id="nope")),
+                                ("taken", item("x", "a")),
+                                ("root", item("x", previous_item_id="root")),
+                                ("after_last", item("two", previous_item_id="a"))]:
+                await conn.send(event)
+                seen[name] = await next_of(conn, {"conversation.item.added", "error"})
+            await conn.send({"type": "response.create", "response": {"max_output_tokens": 8,
+                                                                      "metadata": {"run": "7"}}})
+            await conn.send({"type": "response.cancel", "response_id": "resp_not_this_one"})
+            seen["cancel"] = await next_of(conn, {"error"})
+            seen["done"] = await next_of(conn, {"response.done"})
+        return connect_refused, seen
+
+    connect_refused, seen = asyncio.run(scenario())
+    assert connect_refused.type == "error" and connect_refused.error.code == "model_not_found"
+    assert (seen["model"].type, seen["model"].error.code, seen["model"].error.param) == (
+        "error", "model_not_found", "session.model")
+    assert seen["unchanged"].session.model == "omnijax"
+    assert seen["first"].type == "conversation.item.added" and seen["first"].item.id == "a"
+    for name, code in (("unknown", "invalid_value"), ("taken", "invalid_value"), ("root", "unsupported")):
+        assert seen[name].type == "error" and seen[name].error.code == code, (name, seen[name])
+    assert seen["unknown"].error.param == "previous_item_id" and seen["taken"].error.param == "item.id"
+    assert seen["after_last"].type == "conversation.item.added" and seen["after_last"].previous_item_id == "a"
+    assert (seen["cancel"].error.code, seen["cancel"].error.param) == ("invalid_value", "response_id")
+    done = seen["done"].response
+    assert done.status == "completed" or done.status_details.reason != "client_cancelled"
+    assert done.metadata == {"run": "7"}
