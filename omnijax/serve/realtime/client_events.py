@@ -278,9 +278,9 @@ def _parse_image(c: Fields, url: Any, param: str, max_bytes: int) -> tuple:
 
 
 def _parse_item(c: Fields, item: dict, max_bytes: int) -> tuple:
-    c.check(item, "item", "item")
     if c.req(item, "type", "item.type") != "message":
         c.fail("invalid_value", f"'item.type' must be \"message\", got {item['type']!r}", "item.type")
+    c.check(item, "item", "item")  # the fields of a message item
     role = c.req(item, "role", "item.role")
     if role not in ("user", "system"):
         c.fail("invalid_value", f"'item.role' must be \"user\" or \"system\", got {role!r}", "item.role")
