@@ -193,7 +193,7 @@ def chat_field_cases() -> list[Case]:
     add("stream_options_without_stream", "stream_options with stream false",
         body(stream_options={"include_usage": True}), "refuse", "invalid_value")
     add("stream_options_unknown", "stream_options has an unknown key", body(stream=True, stream_options={"x": 1}),
-        "refuse", "invalid_value")
+        "refuse", "invalid_value", "unknown_parameter")
     for name, v, exp in [("2", 2, "refuse"), ("0", 0, "refuse"), ("string", "1", "refuse"), ("float", 1.0, "either"),
                          ("null", None, "either")]:
         add(f"n_{name}", f"n = {v!r}", body(n=v), exp, "invalid_value")
@@ -223,14 +223,38 @@ def chat_field_cases() -> list[Case]:
     add("response_format_text", "response_format {'type': 'text'}", body(response_format={"type": "text"}), "accept")
     # Fields chat_completions.py's docstring neither accepts nor refuses: ignoring them is silent acceptance.
     unknown = [("frequency_penalty", 1.5), ("presence_penalty", -2), ("logit_bias", {"50256": -100}),
-               ("user", "probe"), ("metadata", {"k": "v"}), ("store", True), ("service_tier", "flex"),
-               ("modalities", ["text", "audio"]), ("reasoning_effort", "high"), ("parallel_tool_calls", False),
+               ("metadata", {"k": 5}), ("user", ["probe"]), ("store", True), ("service_tier", "flex"),
+               ("modalities", ["text", "audio"]), ("reasoning_effort", "high"), ("parallel_tool_calls", "no"),
                ("web_search_options", {}), ("top_k", 5), ("repetition_penalty", 1.3), ("max_token", 5),
-               ("temprature", 0.5)]
+               ("temprature", 0.5), ("safety_identifier", 7), ("prompt_cache_key", "k")]
     for name, v in unknown:
         add(f"unknown_{name}", f"{name} = {json.dumps(v)} (not documented: accepted or refused?)", body(**{name: v}),
             "refuse", "invalid_value", "unsupported", "unknown_parameter")
+    # The same fields at the value that asks for nothing (what LangChain, lm-eval and the SDK send): honoured
+    add("neutral_defaults", "penalties 0, logit_bias {}, stop [], tools [] / tool_choice none / parallel_tool_calls, "
+        "service_tier auto, store false, user, metadata (asks for nothing)",
+        body(frequency_penalty=0, presence_penalty=0.0, logit_bias={}, stop=[], tools=[], tool_choice="none",
+             parallel_tool_calls=True, service_tier="auto", store=False, modalities=["text"], user="probe",
+             metadata={"k": "v"}, n=1, top_k=-1, repetition_penalty=1.0), "accept")
+    add("neutral_stream_usage", "stream with stream_options include_usage true (LangChain's streaming)",
+        body(stream=True, stream_options={"include_usage": True}), "accept")
+    case(out, C, "labels_kept", "user 'probe-user-7' and metadata {'k': 'v'}: logged and echoed (no effect on the "
+         "answer)", _labels_kept(), "verdict", expect="the completion echoes the metadata, the log names the user")
     return out
+
+
+def _labels_kept():
+    async def run(p: Probe) -> Observed:
+        mark = len(p.served.lines)
+        r = await p.client.post(p.base + "/v1/chat/completions", json=body(user="probe-user-7", metadata={"k": "v"}),
+                                headers=AUTH)
+        if r.status_code != 200:
+            return Observed("wrong", f"HTTP {r.status_code}: {r.text[:160]}")
+        await asyncio.sleep(0.5)  # the server's log line
+        logged = any("user='probe-user-7'" in x for x in p.served.log_since(mark))
+        echoed = r.json().get("metadata") == {"k": "v"}
+        return Observed("ok" if logged and echoed else "silent", f"metadata echoed: {echoed}; user logged: {logged}")
+    return run
 
 
 # ------------------------------------------------------------------------------------------------ chat body / caps

@@ -55,6 +55,22 @@ def responded():
     return run
 
 
+def metadata_echoed():
+    async def run(p: Probe) -> Observed:
+        async with Realtime.open(p.served.ws) as s:
+            await s.send(_item(_text("hi")))
+            await s.send({"type": "response.create", "response": {"max_output_tokens": 2, "metadata": {"k": "v"}}})
+            created = await s.until({"response.created"})
+            done = await s.until({"response.done"})
+        if created.get("type") == "error":
+            return Observed("wrong", f"refused: {created['error']}")
+        echoed = [e.get("response", {}).get("metadata") for e in (created, done)]
+        if echoed == [{"k": "v"}] * 2:
+            return Observed("ok", "response.created and response.done carry the metadata")
+        return Observed("silent", f"accepted, metadata not echoed: {echoed}")
+    return run
+
+
 def connect_model(query: str):
     async def run(p: Probe) -> Observed:
         from websockets.exceptions import ConnectionClosed
@@ -158,15 +174,23 @@ def realtime_event_cases() -> list[Case]:
                     ("truncation_auto", {"truncation": "auto"}), ("instructions", {"instructions": "Be brief."})]:
         add(f"update_ok_{name}", f"session.update {json.dumps(s)[:70]} (valid)", _session(**s), "accept",
             accepted=updated)
-    # GA session fields omnijax neither implements nor refuses (not documented as ignored): silent when accepted
-    for name, s in [("model_other", {"model": "gpt-4o-realtime-preview"}), ("tool_choice", {"tool_choice": "auto"}),
+    # GA session fields omnijax does not implement, at values that ask for something: silent when accepted
+    for name, s in [("model_other", {"model": "gpt-4o-realtime-preview"}),
+                    ("tool_choice", {"tool_choice": "required"}),
                     ("include", {"include": ["item.input_audio_transcription.logprobs"]}),
                     ("prompt", {"prompt": {"id": "pmpt_123"}}),
                     ("transcription", {"audio": {"input": {"transcription": {"model": "whisper-1"}}}}),
                     ("noise_reduction", {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}),
                     ("output_voice", {"audio": {"output": {"voice": "alloy"}}}), ("unknown_key", {"foo": 1})]:
         add(f"update_ignored_{name}", f"session.update {json.dumps(s)[:70]} (not implemented)", _session(**s),
-            "refuse", "invalid_value", "unsupported")
+            "refuse", "invalid_value", "unsupported", "unknown_parameter", "model_not_found")
+    # ... and at the value that asks for nothing (what real clients send by default): honoured trivially
+    for name, s in [("tool_choice_auto", {"tool_choice": "auto", "tools": []}), ("include_empty", {"include": []}),
+                    ("nulls", {"prompt": None, "tracing": None, "audio": {
+                        "input": {"transcription": None, "noise_reduction": None},
+                        "output": {"voice": None}}}), ("model_served", {"model": "omnijax"})]:
+        add(f"update_neutral_{name}", f"session.update {json.dumps(s)[:70]} (asks for nothing)", _session(**s),
+            "accept", accepted=updated)
     # input_audio_buffer.*
     pcm = media.tone(0.5, 24000)
     add("append_missing", "append without audio", {"type": "input_audio_buffer.append"}, "refuse", "missing_field")
@@ -221,8 +245,19 @@ def realtime_event_cases() -> list[Case]:
         accepted=frozenset({"conversation.item.added"}))
     add("previous_item_unknown", "previous_item_id naming no item (the API refuses; is it ignored?)",
         {**_item(_text()), "previous_item_id": "item_does_not_exist"}, "refuse", "invalid_value")
-    add("previous_item_root", "previous_item_id 'root' (insert first: is it honoured or ignored?)",
-        {**_item(_text()), "previous_item_id": "root"}, "refuse", "invalid_value", "unsupported")
+    add("previous_item_root", "previous_item_id 'root' after an item (insert first: the cache is append-only)",
+        {**_item(_text()), "previous_item_id": "root"}, "refuse", "invalid_value", "unsupported",
+        setup=(_item(_text("first")),))
+    add("previous_item_root_empty", "previous_item_id 'root' on an empty conversation (honoured: it is first)",
+        {**_item(_text()), "previous_item_id": "root"}, "accept", accepted=frozenset({"conversation.item.added"}))
+    add("previous_item_earlier", "previous_item_id naming an earlier item (not the last)",
+        {**_item(_text()), "previous_item_id": "item_probe_a"}, "refuse", "unsupported",
+        setup=(_item(_text("a"), id="item_probe_a"), _item(_text("b"))))
+    add("previous_item_last", "previous_item_id naming the last item (honoured: appended after it)",
+        {**_item(_text()), "previous_item_id": "item_probe_a"}, "accept",
+        accepted=frozenset({"conversation.item.added"}), setup=(_item(_text("a"), id="item_probe_a"),))
+    add("item_id_taken", "item.id already in the conversation", _item(_text(), id="item_probe_a"), "refuse",
+        "invalid_value", setup=(_item(_text("a"), id="item_probe_a"),))
     # response.*
     for name, event, code in [
             ("response_string", {"type": "response.create", "response": "x"}, "invalid_value"),
@@ -240,12 +275,18 @@ def realtime_event_cases() -> list[Case]:
              "invalid_value"),
             ("response_audio", {"type": "response.create", "response": {"output_modalities": ["audio"]}},
              "invalid_value"),
-            ("response_metadata", {"type": "response.create", "response": {"metadata": {"k": "v"}}}, "invalid_value"),
-            ("response_temperature", {"type": "response.create", "response": {"temperature": 0.5}}, "invalid_value"),
+            ("response_metadata_int", {"type": "response.create", "response": {"metadata": {"k": 5}}},
+             "invalid_value"),
+            ("response_temperature", {"type": "response.create", "response": {"temperature": 0.5}},
+             "unknown_parameter"),
+            ("response_voice", {"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}},
+             "unsupported"),
             ("cancel_idle", {"type": "response.cancel"}, "response_cancel_not_active"),
             ("cancel_id_int", {"type": "response.cancel", "response_id": 5}, "invalid_value")]:
         add(name, f"{json.dumps(event)[:80]}", event, "refuse", code, "unsupported")
     case(out, C, "response_valid", "a text item, then response.create", responded(), "accept", timeout_s=60)
+    case(out, C, "response_metadata", "response.create with metadata {'k': 'v'}: echoed in the response",
+         metadata_echoed(), "verdict", expect="the response object carries the metadata", timeout_s=60)
     # unknown events, bad JSON, binary, event ids
     for kind in ("conversation.item.delete", "conversation.item.truncate", "conversation.item.retrieve",
                  "output_audio_buffer.clear", "session.create", "transcription_session.update", "foo", ""):
