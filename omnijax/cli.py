@@ -5,210 +5,64 @@
     omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
                   [--plot out.png]
     omnijax serve CKPT [...]                            # OpenAI-compatible + native server (omnijax-serve)
+    omnijax --version
 
-`chat` reads one message per line from standard input and streams the answer; lines starting with `/` are commands:
-`/image PATH`, `/audio PATH.wav`, `/video PATH`, `/kept` (what the cache holds), `/quit`. `watch` feeds a video's
-audiovisual units with a progress bar, asks each question at its time (`--at`, default the end), and prints the
-answers and the cache's statistics. `omnijax-convert` and `omnijax-serve` remain as aliases.
+This module is the dispatcher only: it imports a subcommand's module (and with it jax and the model code) when that
+subcommand runs, so `omnijax --help`, `omnijax --version` and a mistyped subcommand answer at once. Each
+subcommand's own options are in `omnijax SUBCOMMAND --help`. `omnijax-convert` and `omnijax-serve` remain as aliases.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Sequence, TextIO
+from collections.abc import Sequence
 
-from tqdm import tqdm
+from omnijax._version import __version__
 
-from omnijax import compilation_cache, plot
-from omnijax.chat import Chat, clock, format_kept, kept_by_kind
-from omnijax.convert.__main__ import main as convert_main
-from omnijax.decoding import Greedy, Sampling
-from omnijax.media.audio import read_wav
-from omnijax.models.registry import load
-from omnijax.retention import get_policy
-from omnijax.serve.app import main as serve_main
-from omnijax.streaming.config import StreamConfig
-
-SUBCOMMANDS = ("convert", "chat", "watch", "serve")
-
-
-def parse_clock(text: str) -> float:
-    """`"50"`, `"0:50"`, `"1:02:03"` -> seconds."""
-    try:
-        parts = [float(p) for p in text.split(":")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a time: {text!r} (use seconds, M:SS or H:MM:SS)") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"not a time: {text!r} (use seconds, M:SS or H:MM:SS)")
-    seconds = 0.0
-    for p in parts:
-        seconds = seconds * 60 + p
-    return seconds
-
-
-def _session_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CKPT", help="converted omnijax checkpoint directory")
-    parser.add_argument("--policy", default="full",
-                        help="retention policy, with settings: e.g. omnipick, "
-                             "omnipick:high_watermark=2500,low_watermark=1800, sink_window, full (default)")
-    parser.add_argument("--paging", default="native", help="native (default), tile_skip, ordered_suffix, eager")
-    parser.add_argument("--pages", type=int, default=256, help="KV pool pages (default 256)")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--impl", default="xla", help="attention: xla (default), pallas, reference")
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    parser.add_argument("--block", type=int, default=16, help="answer tokens decoded per step (default 16)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--system", default=None, help="system message")
+# subcommand -> (module, its entry function, one line of help). The entry functions take the arguments after the
+# subcommand; `chat` and `watch` share one module and take the subcommand's name first. The modules are imported by
+# name when their subcommand runs (all are in the applications layer, as this module is; tests/test_imports.py
+# checks the table).
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "convert": ("omnijax.convert.__main__", "main",
+                "convert a Hugging Face checkpoint or a GGUF file (see omnijax convert --help)"),
+    "chat": ("omnijax.commands", "main", "talk to a checkpoint in the terminal"),
+    "watch": ("omnijax.commands", "main", "stream a video file into a checkpoint and ask about it"),
+    "serve": ("omnijax.serve.app", "main", "serve a checkpoint (see omnijax serve --help)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnijax", description="Streaming omni-modal LLMs with a bounded KV cache.")
+    """The top-level parser: the subcommands with their help, `--version`."""
+    parser = argparse.ArgumentParser(prog="omnijax", description="Streaming omni-modal LLMs with a bounded KV cache.",
+                                     epilog="`omnijax SUBCOMMAND --help` lists a subcommand's options.")
+    parser.add_argument("--version", action="version", version=f"omnijax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file (see omnijax convert --help)",
-                   add_help=False)
-    chat = sub.add_parser("chat", help="talk to a checkpoint in the terminal")
-    _session_options(chat)
-    watch = sub.add_parser("watch", help="stream a video file into a checkpoint and ask about it")
-    _session_options(watch)
-    watch.add_argument("video", metavar="VIDEO", help="a video file with an audio track (PyAV reads it)")
-    watch.add_argument("--ask", action="append", required=True, help="a question (repeat for several)")
-    watch.add_argument("--at", action="append", type=parse_clock, default=[],
-                       help="when to ask (seconds or M:SS): the n-th --at goes with the n-th --ask; questions "
-                            "without one are asked at the video's end")
-    watch.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
-    sub.add_parser("serve", help="serve a checkpoint (see omnijax serve --help)", add_help=False)
+    for name, (_, _, help_) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
-def stream_config(args: argparse.Namespace) -> StreamConfig:
-    """The `StreamConfig` of the session options."""
-    decoding = Greedy() if args.temperature == 0 else Sampling(temperature=args.temperature, top_k=args.top_k,
-                                                               top_p=args.top_p, seed=args.seed)
-    return StreamConfig(policy=get_policy(args.policy), paging=args.paging, impl=args.impl, page_size=args.page_size,
-                        num_pages=args.pages, max_answer_tokens=args.block, decoding=decoding)
-
-
-def open_chat(args: argparse.Namespace) -> Chat:
-    config = stream_config(args)  # refuses bad settings before the checkpoint is read
-    model = load(args.checkpoint)
-    chat = Chat(model, config)
-    if args.system:
-        chat.system(args.system)
-    return chat
-
-
-def _answer(chat, question: str, max_tokens: int, out) -> str:
-    text = []
-    for delta in chat.ask(question, max_tokens=max_tokens):
-        out.write(delta)
-        out.flush()
-        text.append(delta)
-    out.write("\n")
-    return "".join(text)
-
-
-def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
-    stdin, out = stdin or sys.stdin, out or sys.stdout
-    chat = open_chat(args)
-    interactive = stdin.isatty()
-    if interactive:
-        out.write("omnijax chat: one message per line; /image PATH, /audio PATH.wav, /video PATH, /kept, /quit\n")
-    while True:
-        if interactive:
-            out.write("you> ")
-            out.flush()
-        line = stdin.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line:
-            continue
-        command, _, rest = line.partition(" ")
-        try:
-            if command == "/quit":
-                break
-            elif command == "/kept":
-                out.write(format_kept(chat.kept()) + "\n")
-            elif command == "/image":
-                chat.image(rest.strip())
-            elif command == "/audio":
-                chat.audio(*read_wav(rest.strip()))
-            elif command == "/video":
-                units = chat.video(rest.strip())
-                out.write(f"[fed {units} audiovisual units]\n")
-            elif command.startswith("/"):
-                out.write(f"unknown command {command}; known: /image /audio /video /kept /quit\n")
-            else:
-                if interactive:
-                    out.write("model> ")
-                _answer(chat, line, args.max_tokens, out)
-        except (ValueError, ImportError) as e:  # bad input: the conversation is unchanged, keep going
-            out.write(f"error: {e}\n")
-    return 0
-
-
-def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
-
-    out = out or sys.stdout
-    if len(args.at) > len(args.ask):
-        raise ValueError(f"{len(args.at)} --at times for {len(args.ask)} --ask questions: each --at goes with the "
-                         f"--ask of the same rank")
-    chat = open_chat(args)
-    units = chat.units_builder
-    source = units.open_video(args.video)  # checked up front
-    end = source.num_units * units.unit_seconds
-    times = list(args.at) + [end] * (len(args.ask) - len(args.at))
-    bar = tqdm(total=source.num_units, unit="unit", desc="video", file=sys.stderr)
-    fed_until, iterator = 0, iter(source.units())
-    for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):
-        target = min(source.num_units, int(-(-at // units.unit_seconds)))
-        while fed_until < target:
-            unit = next(iterator, None)
-            if unit is None:  # the file ended before its stated duration (omnijax.media.video warned, naming it)
-                target = fed_until
-                break
-            frames, pcm = unit
-            at = fed_until * units.unit_seconds
-            chat.av(frames, pcm, label=f"{clock(at)}-{clock(at + units.unit_seconds)}")
-            fed_until += 1
-            bar.update(1)
-        bar.clear()
-        out.write(f"[{fed_until * units.unit_seconds:g} s] Q: {question}\nA: ")
-        _answer(chat, question, args.max_tokens, out)
-        bar.refresh()
-    bar.close()
-    steps = chat.steps
-    last = steps[-1]
-    out.write(f"\nKV: {last.retained} cells retained, physical span {last.physical_span}, {last.active_pages} active "
-              f"pages of {args.pages}; peak span {max(s.physical_span for s in steps)}; "
-              f"median step {sorted(s.latency_ms for s in steps)[len(steps) // 2]:.1f} ms over {len(steps)} steps\n")
-    out.write(format_kept(kept_by_kind(chat.kept())) + "\n")
-    if args.plot:
-        out.write(f"wrote {plot.session(chat, args.plot)}\n")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
+    """Runs `omnijax ARGS` (default: the process's arguments).
+
+    Returns:
+        The subcommand's exit status; 2 without a subcommand (after printing the help).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "convert":
-        return convert_main(argv[1:], prog="omnijax convert")
-    if argv and argv[0] == "serve":
-        return serve_main(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+        module, function, _ = SUBCOMMANDS[command]
+        entry = getattr(importlib.import_module(module), function)
+        if command == "convert":
+            return entry(rest, prog="omnijax convert")
+        return entry(command, rest) if module == "omnijax.commands" else entry(rest)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    try:
-        return run_chat(args) if args.command == "chat" else run_watch(args)
-    except (ValueError, KeyError, TypeError, ImportError, OSError) as e:  # bad settings or input, named
-        print(f"omnijax {args.command}: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
-        return 1
+    parser.parse_args(argv)  # --help, --version and unknown subcommands end here
+    parser.print_help()
+    return 2
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ module's private name; the kernels import jax only; `import omnijax` has no proc
 paths (`convert`, `pallas_kernels`, `omnijax.evaluation`) still work with a DeprecationWarning."""
 
 import ast
+import importlib
 import json
 import pkgutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from omnijax.convert import convert_checkpoint
 from omnijax.testing import checkpoints as demo
@@ -126,15 +129,16 @@ def last_line(text: str) -> str:
 # The layer order of docs/architecture.md: a module may import modules of its own layer or of a lower one. Longest
 # prefix wins; every module of the package must fall in one layer.
 LAYERS = (
-    ("omnijax._checks", "omnijax._deprecation", "omnijax.errors", "omnijax.registry", "omnijax.decoding",
-     "omnijax.stop_strings", "omnijax.compilation_cache", "omnijax.kernels", "omnijax.chunks", "omnijax.media"),  # L0: no model, no cache
+    ("omnijax._checks", "omnijax._deprecation", "omnijax._version", "omnijax.errors", "omnijax.registry",
+     "omnijax.decoding", "omnijax.stop_strings", "omnijax.compilation_cache", "omnijax.kernels", "omnijax.chunks",
+     "omnijax.media"),  # L0: no model, no cache
     ("omnijax.kv",),  # L1: the paged cache and attention over it
     ("omnijax.retention", "omnijax.paging", "omnijax.checkpoint"),  # L2: what to keep, where it lives, the format
     ("omnijax.models", "omnijax.prefill"),  # L3: families, decoder, forward; TideKV beside them (Model.prefill)
     ("omnijax.streaming",),  # L4: StreamConfig, chunk_step, stream / Session
     ("omnijax.conversation", "omnijax.chat", "omnijax.plot", "omnijax.testing"),  # L5: the user layer
-    ("omnijax.serve", "omnijax.eval", "omnijax.convert", "omnijax.cli", "omnijax.demo", "omnijax.distributed",
-     "omnijax.evaluation"),  # L6: applications
+    ("omnijax.serve", "omnijax.eval", "omnijax.convert", "omnijax.cli", "omnijax.commands", "omnijax.demo",
+     "omnijax.distributed", "omnijax.evaluation"),  # L6: applications
     ("omnijax",),  # the package's own __init__: the public surface
 )
 
@@ -383,3 +387,42 @@ def test_load_in_a_fresh_interpreter(tmp_path):
             "assert not [n for n in sys.modules if n.startswith('omnijax.convert')], 'load imported the converter'")
     result = python(code, str(dst))
     assert result.returncode == 0, result.stderr
+
+
+def test_import_omnijax_and_the_command_line_help_do_not_import_jax():
+    """`import omnijax`, `omnijax --help` and `omnijax --version` import no jax (a --help once took 4 s); the first
+    public name used imports what it needs."""
+    code = ("import contextlib, io, sys\n"
+            "import omnijax\n"
+            "from omnijax import cli\n"
+            "for argv in (['--help'], ['--version']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "        cli.main(argv)\n"
+            "    assert out.getvalue(), argv\n"
+            "assert 'jax' not in sys.modules, 'the dispatcher imported jax'\n"
+            "assert omnijax.Chat.__module__ == 'omnijax.chat' and 'jax' in sys.modules\n"
+            "assert omnijax.plot.__name__ == 'omnijax.plot'\n")
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_public_names_resolve_and_type_checkers_see_the_same_names():
+    import importlib.metadata
+
+    import omnijax
+    assert omnijax.__version__ == importlib.metadata.version("omnijax")  # pyproject.toml's version
+    for name in omnijax.__all__:
+        assert getattr(omnijax, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        omnijax.nonesuch  # noqa: B018
+    tree = ast.parse(Path(omnijax.__file__).read_text())
+    checked = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.If)
+               for stmt in node.body if isinstance(stmt, ast.ImportFrom) for alias in stmt.names}
+    assert checked == set(omnijax.__all__) - {"__version__"} == set(omnijax._PUBLIC)
+
+
+def test_every_subcommand_of_the_dispatcher_is_an_application_module():
+    from omnijax import cli
+    for name, (module, function, _) in cli.SUBCOMMANDS.items():
+        assert layer_of(module) == len(LAYERS) - 2, (name, module)  # the applications layer, as omnijax.cli
+        assert callable(getattr(importlib.import_module(module), function)), name
