@@ -119,7 +119,8 @@ class Fields:
             self.fail("invalid_value", f"'{param}' must be a string, got {type(value).__name__}", param)
         return value
 
-    def num(self, value: Any, param: str, kind: type = int, lo: float | None = None, hi: float | None = None):
+    def num(self, value: Any, param: str, kind: type = int, lo: float | None = None, hi: float | None = None
+            ) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
         if kind is float:
             ok = ok or isinstance(value, float)
