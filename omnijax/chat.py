@@ -231,14 +231,15 @@ class Chat:
                     lambda: self.conversation.av(frames, pcm, **self.video_kwargs))
 
     def video(self, path: str | Path, *, start: float = 0.0, end: float | None = None,
-              progress: Callable[[int, int], object] | None = None) -> int:
+              progress: Callable[[int, int], object] | None = None, need_audio: bool = True) -> int:
         """Feeds a video file (PyAV) as audiovisual units, from `start` to `end` seconds; returns the units fed.
 
-        `progress(done, total)` is called after each unit. The file is opened and checked before the first unit.
+        `progress(done, total)` is called after each unit. The file is opened and checked before the first unit: a
+        file without an audio track is refused unless `need_audio=False` (its units then carry silence).
         """
         self._idle()
         units = self.units_builder
-        source = units.open_video(path)
+        source = units.open_video(path, need_audio=need_audio)
         first = int(start // units.unit_seconds)
         total = source.num_units if end is None else min(source.num_units, int(np.ceil(end / units.unit_seconds)))
         if first >= total:

@@ -70,6 +70,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                             help="when to ask (seconds or M:SS): the n-th --at goes with the n-th --ask; questions "
                                  "without one are asked at the video's end")
         parser.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
+        parser.add_argument("--silent-video", action="store_true",
+                            help="take a video without an audio track (its units carry silence); refused otherwise")
     return parser
 
 
@@ -152,10 +154,12 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
                          f"--ask of the same rank")
     chat = open_chat(args)
     units = chat.units_builder
-    source = units.open_video(args.video)  # checked up front
+    source = units.open_video(args.video, need_audio=not args.silent_video)  # checked up front
     end = source.num_units * units.unit_seconds
     times = list(args.at) + [end] * (len(args.ask) - len(args.at))
-    bar = tqdm(total=source.num_units, unit="unit", desc="video", file=sys.stderr)
+    # the units fed: up to the last question's time (the rest of the video is never read)
+    last = min(source.num_units, int(-(-max(times) // units.unit_seconds)))
+    bar = tqdm(total=last, unit="unit", desc="video", file=sys.stderr)
     fed_until, iterator = 0, iter(source.units())
     for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):
         target = min(source.num_units, int(-(-at // units.unit_seconds)))

@@ -174,17 +174,36 @@ def _save(figure, path) -> Path:
     return path
 
 
-def _clip_latency(ax, latencies) -> None:
-    """Keeps the latency panel on the steady state: a few steps that compiled a program (seconds, not ms) would
-    flatten the rest, so the axis stops at 4x the median when they exceed it, saying so."""
+def _latency_top(latencies) -> float | None:
+    """Where the latency panel stops, to keep it on the steady state: a few steps that compiled a program (seconds,
+    not ms) would flatten the rest, so the axis stops at 4x the median when they exceed it (None: no clipping)."""
     values = np.concatenate([np.asarray(v, np.float64)[np.isfinite(v)] for v in latencies])
     if values.size == 0:
-        return
+        return None
     top = 4 * float(np.median(values))
-    if values.max() > top > 0:
-        ax.set_ylim(0, top)
-        ax.text(0.99, 0.95, f"{int((values > top).sum())} step(s) above {top:.0f} ms (compilation) not shown",
-                transform=ax.transAxes, ha="right", va="top", fontsize="small", color="0.4")
+    return top if values.max() > top > 0 else None
+
+
+def _plot_latency(ax, steps: np.ndarray, latency: np.ndarray, top: float | None, **style) -> None:
+    """One run's latency line; steps above `top` break the line (no stroke runs off the panel) and are marked with
+    a triangle on its top edge."""
+    if top is None:
+        ax.plot(steps, latency, **style)
+        return
+    over = np.isfinite(latency) & (latency > top)
+    ax.plot(steps, np.where(over, np.nan, latency), **style)
+    if over.any():
+        ax.scatter(steps[over], np.full(int(over.sum()), top), marker="^", s=24, color=style.get("color", "0.6"),
+                   clip_on=False, zorder=3)
+
+
+def _note_clipped(ax, latencies, top: float | None) -> None:
+    if top is None:
+        return
+    values = np.concatenate([np.asarray(v, np.float64)[np.isfinite(v)] for v in latencies])
+    ax.set_ylim(0, top)
+    ax.text(0.99, 0.95, f"{int((values > top).sum())} step(s) above {top:.0f} ms (compilation) on the top edge (^)",
+            transform=ax.transAxes, ha="right", va="top", fontsize="small", color="0.4")
 
 
 def _no_latency(ax) -> None:
@@ -204,9 +223,10 @@ def session(source: object, path: str | Path, *, title: str | None = None) -> Pa
     axes[0].plot(steps, trace.physical_span, color="0.2", linestyle="--", label="physical span")
     axes[1].plot(steps, trace.active_pages, color="0.2", drawstyle="steps-mid")
     latency = trace.latency_ms
+    top = _latency_top([latency])
     if np.isfinite(latency).any():
-        axes[2].plot(steps, latency, color="0.6", linewidth=0.8)
-        _clip_latency(axes[2], [latency])
+        _plot_latency(axes[2], steps, latency, top, color="0.6", linewidth=0.8)
+        _note_clipped(axes[2], [latency], top)
     else:
         _no_latency(axes[2])
     kinds = list(dict.fromkeys(trace.labels))  # in order of appearance
@@ -215,7 +235,7 @@ def session(source: object, path: str | Path, *, title: str | None = None) -> Pa
         mask = np.asarray([label == kind for label in trace.labels])
         axes[0].scatter(steps[mask], trace.retained[mask], s=14, color=colours[kind], zorder=3, label=kind)
         axes[1].scatter(steps[mask], trace.active_pages[mask], s=14, color=colours[kind], zorder=3)
-        finite = mask & np.isfinite(latency)
+        finite = mask & np.isfinite(latency) & ~(latency > (np.inf if top is None else top))
         if finite.any():
             axes[2].scatter(steps[finite], latency[finite], s=14, color=colours[kind], zorder=3)
     axes[0].legend(loc="upper left", fontsize="small", ncols=2)
@@ -229,6 +249,7 @@ def compare(traces: Mapping[str, object], path: str | Path, *, title: str | None
         raise ValueError("compare() takes a non-empty dict of run name -> SessionTrace")
     runs = {str(name): _as_trace(source, "compare()") for name, source in traces.items()}
     figure, axes = _figure(title or f"{len(runs)} runs")
+    top = _latency_top([trace.latency_ms for trace in runs.values()])
     measured = False
     for i, (name, trace) in enumerate(runs.items()):
         colour, steps = f"C{i % 10}", np.arange(trace.steps)
@@ -236,11 +257,11 @@ def compare(traces: Mapping[str, object], path: str | Path, *, title: str | None
         axes[0].plot(steps, trace.physical_span, color=colour, linestyle="--", label=f"{name}: span")
         axes[1].plot(steps, trace.active_pages, color=colour, drawstyle="steps-mid", label=name)
         if np.isfinite(trace.latency_ms).any():
-            axes[2].plot(steps, trace.latency_ms, color=colour, marker=".", label=name)
+            _plot_latency(axes[2], steps, trace.latency_ms, top, color=colour, marker=".", label=name)
             measured = True
     if measured:
         axes[2].legend(loc="upper left", fontsize="small")
-        _clip_latency(axes[2], [trace.latency_ms for trace in runs.values()])
+        _note_clipped(axes[2], [trace.latency_ms for trace in runs.values()], top)
     else:
         _no_latency(axes[2])
     axes[0].legend(loc="upper left", fontsize="small", ncols=2)

@@ -384,7 +384,8 @@ def open_video(path: str | Path, *, unit_seconds: float = 2.0, fps: float = 2.0,
             has_audio = bool(container.streams.audio)
             if need_audio and not has_audio:
                 raise VideoError(f"{path} has no audio track; an audiovisual unit needs the sound recorded with the "
-                                 "frames. Pass need_audio=False to feed silence instead")
+                                 "frames. To feed silence with the frames instead, pass need_audio=False "
+                                 "(Chat.video, open_video) or --silent-video (omnijax watch)")
             rate = stream.average_rate or stream.guessed_rate or stream.base_rate
             if not rate:
                 raise VideoError(f"{path}: the video stream states no frame rate")

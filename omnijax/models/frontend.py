@@ -104,10 +104,10 @@ class ChatUnits(abc.ABC):
     def av(self, frames: np.ndarray, pcm: np.ndarray, unit: int, **video_kwargs: Any) -> Chunk:
         """An audiovisual unit of `[n, H, W, 3]` frames and the PCM heard with them."""
 
-    def open_video(self, path: str | Path) -> video_lib.VideoFile:
+    def open_video(self, path: str | Path, *, need_audio: bool = True) -> video_lib.VideoFile:
         """A video file cut into this family's audiovisual units (`omnijax.media.video.open_video`), checked up
-        front."""
-        return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps,
+        front; `need_audio=False` takes a file without sound (its units carry silence)."""
+        return video_lib.open_video(path, unit_seconds=self.unit_seconds, fps=self.fps, need_audio=need_audio,
                                     temporal_patch_size=self.temporal_patch_size)
 
     def frames_of(self, frames: npt.ArrayLike) -> np.ndarray:

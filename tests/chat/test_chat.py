@@ -327,6 +327,25 @@ def test_watch_command_line(checkpoint, tmp_path, capsys):
     assert "each --at goes with the --ask of the same rank" in capsys.readouterr().err
 
 
+def test_watch_reads_up_to_its_last_question_and_takes_a_silent_video_when_told(checkpoint, tmp_path, capsys):
+    """The progress bar counts the units fed up to the last question (it stopped at 1/3 when the last --at came
+    before the end); a video without sound is refused naming --silent-video, and fed with silence with it."""
+    pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
+    from omnijax import cli
+    from omnijax.media import video
+    args = ["--ask", "What?", "--at", "0:02", "--pages", "32", "--max-tokens", "3"]
+    assert cli.main(["watch", str(checkpoint), str(_clip(tmp_path)), *args]) == 0
+    captured = capsys.readouterr()
+    assert "[2 s] Q: What?" in captured.out and "1/1" in captured.err and "1/3" not in captured.err
+    frames = np.concatenate([frontend.synthetic_frames(2.0, 2.0, 56, 84, seed=1, start=2.0 * k) for k in range(2)])
+    silent = video.write_clip(tmp_path / "silent.mp4", frames, 2)
+    assert cli.main(["watch", str(checkpoint), str(silent), *args]) == 1
+    err = capsys.readouterr().err
+    assert "has no audio track" in err and "--silent-video" in err
+    assert cli.main(["watch", str(checkpoint), str(silent), *args, "--silent-video"]) == 0
+    assert "[2 s] Q: What?" in capsys.readouterr().out
+
+
 def test_watch_answers_at_the_decoded_end_of_a_file_cut_short(checkpoint, tmp_path, capsys, monkeypatch):
     """A file that ends before its stated duration (omnijax.media.video stops its units at the decoded end and warns):
     `omnijax watch` asks its questions there (it died with StopIteration, the file's units being fewer than stated)."""

@@ -79,6 +79,24 @@ def test_session_and_compare_write_pngs(streamed, tmp_path):
     _drawn(out)
 
 
+def test_steps_above_the_latency_panel_break_the_line_and_sit_on_its_top_edge():
+    """A compiling step (seconds) is off the clipped latency panel: the line breaks there instead of running off the
+    top to it, and a marker on the top edge shows it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    latency = np.array([5.0, 6.0, 2000.0, 5.0, 6.0, np.nan, 5.0, 1500.0])
+    top = plot._latency_top([latency])
+    assert top == 4 * np.nanmedian(latency)
+    ax = Figure().subplots()
+    plot._plot_latency(ax, np.arange(8), latency, top, color="C0")
+    (line,) = ax.lines
+    ys = np.asarray(line.get_ydata(), np.float64)
+    assert np.nanmax(ys) <= top and np.isnan(ys[[2, 5, 7]]).all()
+    (marks,) = ax.collections
+    np.testing.assert_array_equal(marks.get_offsets(), [[2, top], [7, top]])
+    assert plot._latency_top([np.array([5.0, 6.0, 7.0])]) is None  # nothing to clip: the whole line
+
+
 def test_bad_sources_and_a_missing_matplotlib(streamed, tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="got builtins.dict"):
         plot.session({"retained": [1, 2]}, tmp_path / "x.png")
