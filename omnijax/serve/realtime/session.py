@@ -26,7 +26,8 @@ events onto the conversation and the `EngineWorker`:
 - A `session.update` `model` other than the served one (`--model-name`) is refused (`model_not_found`), as is a
   connection whose `?model=` names another (an `error` event, then close 1008).
 
-A malformed or refused event gets an `error` event and changes nothing; other sessions never see it. An audio buffer
+A malformed or refused event gets an `error` event and changes nothing; other sessions never see it; the refusal
+is logged, rate-limited per reason and peer (`omnijax.serve.refusal_log`). An audio buffer
 over `max_audio_buffer_s` is refused the same way. The session ends when the socket closes; its pages return. A client
 that does not read (over `--max-outbox-mb` or `max_outbox` events unread, `omnijax.serve.outbox`) is dropped: its
 session ends (snapshotted when resumable), then an `error` `slow_consumer` and close 1008 go out if it reads again.
@@ -168,12 +169,13 @@ class RealtimeSession(AudioInput):
                     break
                 text = message.get("text")
                 if text is None:
-                    self.send(rte.error_event("invalid_json", "events are JSON text messages, got a binary one"))
+                    self._refused(rte.RealtimeEventError("invalid_json", "events are JSON text messages, got a "
+                                                         "binary one"))
                     continue
                 try:
                     await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
                 except rte.RealtimeEventError as e:
-                    self.send(e.to_event())
+                    self._refused(e)
                 else:
                     if self.snapshots is not None:
                         self.snapshots.touch()
@@ -185,6 +187,13 @@ class RealtimeSession(AudioInput):
             if receive is not None:
                 receive.cancel()
             await self._end(writer, idled)
+
+    def _refused(self, e: rte.RealtimeEventError) -> None:
+        """Sends a refused event's `error` event; logs the refusal, rate-limited per reason and peer."""
+        peer = self.ws.client.host if self.ws.client else "?"
+        refusals.refuse(e.code, peer, "realtime refuse peer=%s session=%s reason=%s param=%s: %.300s", peer, self.sid,
+                        e.code, e.param, e.message)
+        self.send(e.to_event())
 
     def _idled_out(self, now: float) -> bool:
         timeout = self.options.idle_timeout_s

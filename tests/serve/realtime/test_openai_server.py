@@ -430,14 +430,17 @@ def test_media_is_encoded_off_the_event_loop(server, monkeypatch):
     assert heard["reply"].choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_wrong_model_or_item_placement_is_refused_and_changes_nothing(server):
+def test_a_wrong_model_or_item_placement_is_refused_and_changes_nothing(server, caplog):
     """The probe's silent Realtime cases that need the session: a wrong `?model=` (Realtime and native routes) and a
     `session.update` model are `model_not_found`; `previous_item_id` is honoured when it names the last item and
     refused when unknown, "root" on a non-empty conversation, or a taken `item.id`; a `response_id` that is not the
     response in progress is refused; `response.metadata` comes back in the response. Before, every one was accepted
     (the model echoed back as if served, the item appended wherever it was asked to go, the cancel applied)."""
+    import logging
+
     from websockets.sync.client import connect
 
+    caplog.set_level(logging.INFO, logger="omnijax.serve")
     server.wait_idle()
     url = server.base_url.replace("http://", "ws://").removesuffix("/v1")
     with connect(url + "/session?model=gpt-4o", additional_headers={"Authorization": f"Bearer {KEY}"}) as native:
@@ -493,3 +496,5 @@ def test_a_wrong_model_or_item_placement_is_refused_and_changes_nothing(server):
     done = seen["done"].response
     assert done.status == "completed" or done.status_details.reason != "client_cancelled"
     assert done.metadata == {"run": "7"}
+    logged = [r.getMessage() for r in caplog.records if "realtime refuse" in r.getMessage()]
+    assert any("reason=model_not_found param=session.model" in line for line in logged), logged
