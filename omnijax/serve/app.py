@@ -384,7 +384,9 @@ def _snapshot_options(args: argparse.Namespace) -> dict:
 def _uvicorn_server(context: ServeContext) -> uvicorn.Server:
     config = uvicorn.Config(build_app(context), host=context.options.host, port=context.options.port,
                             log_level="warning", ws_max_size=context.options.max_message_bytes, ws_ping_interval=None,
-                            lifespan="on", timeout_graceful_shutdown=context.options.shutdown_timeout_s)
+                            # no permessage-deflate: it defeats the byte caps (omnijax.serve.outbox's docstring)
+                            ws_per_message_deflate=False, lifespan="on",
+                            timeout_graceful_shutdown=context.options.shutdown_timeout_s)
     return _Server(config, context)
 
 

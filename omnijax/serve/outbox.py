@@ -6,6 +6,12 @@ taken it; an event that would take the count past `max_messages` events or `max_
 outbox `overflow`s, refuses everything after, and its session drops the client as a slow consumer
 (`close_slow_consumer`). One event larger than `max_bytes` is still queued when nothing else waits (a client that reads
 is never dropped for one large echo), so the bytes held never exceed `max(max_bytes, the largest event)`.
+
+An `error` event's message is cut to `MAX_ERROR_CHARS` characters (saying so) when it is queued: refusals quote the
+offending value (`got 'rrr...'`), and a client sending megabyte values it knows will be refused must not make the server
+build, hold and send a megabyte echo for each. The WebSocket transport itself does not negotiate permessage-deflate
+(`omnijax.serve.app`): with it, a few KB on the wire decompress to hundreds of MB of messages queued in the server
+before the application reads the first, and compressed echoes never fill the socket, so neither cap would hold.
 """
 
 from __future__ import annotations
@@ -23,6 +29,25 @@ log = logging.getLogger("omnijax.serve")
 # (the session's engine state is released before this wait).
 SLOW_CLOSE_S = 10.0
 CLOSE_SLOW_CONSUMER = 1008
+# The longest message an `error` event carries; a longer one (quoting a huge refused value) is cut, saying so.
+MAX_ERROR_CHARS = 2048
+
+
+def cap_error_message(event: dict, limit: int = MAX_ERROR_CHARS) -> dict:
+    """`event` with its error message cut to `limit` characters, saying how long it was (a copy; the event itself when
+    it is no `error` event or its message is short). Both shapes are handled: Realtime's `{"type": "error", "error":
+    {"message": ...}}` and the native protocol's `{"type": "error", "message": ...}`."""
+    if event.get("type") != "error":
+        return event
+    inner = event.get("error")
+    holder: dict = inner if isinstance(inner, dict) else event
+    message = holder.get("message")
+    if not isinstance(message, str) or len(message) <= limit:
+        return event
+    cut = message[:limit] + f"... [message cut: {len(message):,} characters, an error event carries at most {limit:,}]"
+    if holder is event:
+        return {**event, "message": cut}
+    return {**event, "error": {**holder, "message": cut}}
 
 
 class Outbox:
@@ -52,7 +77,7 @@ class Outbox:
         pass a cap (which sets `overflow`). `force` skips the caps (a last message before a normal close)."""
         if self.overflow is not None or self._closed:
             return False
-        text = json.dumps(event)  # ASCII (ensure_ascii): its length is its size on the wire
+        text = json.dumps(cap_error_message(event))  # ASCII (ensure_ascii): its length is its size on the wire
         if not force:
             if len(self._queue) >= self.max_messages:
                 self.overflow = f"{len(self._queue)} events pile up unread (the cap is {self.max_messages})"
@@ -100,7 +125,7 @@ async def close_slow_consumer(ws: WebSocket, error: dict, timeout_s: float = SLO
     still does not read; whether both went out. Call it after the session's writer is cancelled and its engine state
     released."""
     async def close() -> None:
-        await ws.send_text(json.dumps(error))
+        await ws.send_text(json.dumps(cap_error_message(error)))
         await ws.close(CLOSE_SLOW_CONSUMER, "slow_consumer")
 
     try:
@@ -113,4 +138,5 @@ async def close_slow_consumer(ws: WebSocket, error: dict, timeout_s: float = SLO
         return False
 
 
-__all__ = ["CLOSE_SLOW_CONSUMER", "Outbox", "SLOW_CLOSE_S", "close_slow_consumer"]
+__all__ = ["CLOSE_SLOW_CONSUMER", "MAX_ERROR_CHARS", "Outbox", "SLOW_CLOSE_S", "cap_error_message",
+           "close_slow_consumer"]
