@@ -214,13 +214,17 @@ def chat_field_cases() -> list[Case]:
                ("response_format_string", {"response_format": "text"}),
                ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
                ("tool_choice", {"tool_choice": "auto"}), ("functions", {"functions": [{"name": "f"}]}),
-               ("stop_string", {"stop": "\n"}), ("stop_list", {"stop": ["a", "b"]}), ("logprobs", {"logprobs": True}),
+               ("logprobs", {"logprobs": True}),
                ("top_logprobs", {"top_logprobs": 2}), ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
                ("prediction", {"prediction": {"type": "content", "content": "x"}})]
     for name, extra in refused:
         add(name, f"{json.dumps(extra)[:80]} (documented as refused)", body(**extra), "refuse", "unsupported",
             "invalid_value")
     add("response_format_text", "response_format {'type': 'text'}", body(response_format={"type": "text"}), "accept")
+    add("stop_string", "stop = '\\n' (honoured)", body(stop="\n"), "accept")
+    add("stop_list", "stop = ['a', 'b'] (honoured)", body(stop=["a", "b"]), "accept")
+    for name, v in [("five", ["a", "b", "c", "d", "e"]), ("empty", [""]), ("number", 5), ("long", ["x" * 1001])]:
+        add(f"stop_{name}", f"stop = {json.dumps(v)[:40]}", body(stop=v), "refuse", "invalid_value")
     # Fields chat_completions.py's docstring neither accepts nor refuses: ignoring them is silent acceptance.
     unknown = [("frequency_penalty", 1.5), ("presence_penalty", -2), ("logit_bias", {"50256": -100}),
                ("metadata", {"k": 5}), ("user", ["probe"]), ("store", True), ("service_tier", "flex"),

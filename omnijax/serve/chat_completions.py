@@ -11,13 +11,14 @@ cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `ma
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
 URLs only: the server never fetches; `detail` "auto"), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or
 channels averaged; at most `--max-request-audio-s` seconds in all, checked before any is resampled);
-`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` = 1.
+`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` = 1;
+`stop` (a string or up to 4: the answer ends before the first to complete, `omnijax.serve.answer_text`).
 Sampling fields (`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling`
 (as `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request
 reproduce); with any other strategy they are accepted when they are what it decodes with, else refused with a 400
 naming the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata`
 is echoed back. Every other field is refused by name unless it has its neutral value (`omnijax.serve.chat_params`:
-the penalties at 0, `logit_bias` {}, `stop` [], `tools` [], `modalities` ["text"], ...), and an unknown field is
+the penalties at 0, `logit_bias` {}, `tools` [], `modalities` ["text"], ...), and an unknown field is
 refused as one (with "did you mean"). Every refusal (4xx) is logged, rate-limited per reason and client
 (`omnijax.serve.refusal_log`).
 """
@@ -42,6 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from omnijax.decoding import SEED_RANGE, DecodingStrategy, sampling_row
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
+from omnijax.serve.answer_text import AnswerText
 from omnijax.serve.chat_params import (
     RequestError,
     check_detail,
@@ -53,6 +55,7 @@ from omnijax.serve.chat_params import (
 )
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.refusal_log import refusals
+from omnijax.stop_strings import check_stops
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -95,6 +98,7 @@ class ChatRequest:
     sampling: object = None  # `[2]` row (`omnijax.decoding.sampling_row`) when the request sets temperature/top_p
     seed: int | None = None
     labels: dict = dataclasses.field(default_factory=dict)  # `user`, `safety_identifier`, `metadata` as given
+    stop: tuple[str, ...] = ()  # stop strings (`omnijax.stop_strings`)
 
 
 class _AudioBudget:
@@ -197,6 +201,10 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
     if body.get("n") not in (None, 1):
         raise RequestError("'n' must be 1", param="n")
     sampling, seed = _sampling(body, decoding)
+    try:
+        stop = check_stops(body.get("stop"))
+    except ValueError as e:
+        raise RequestError(str(e), param="stop") from None
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = body.get(limit_name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -238,7 +246,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         if role != "user" and any(p.kind != "text" for p in parts):
             raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
         parsed.append((role, parts))
-    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels)
+    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop)
 
 
 def _sampling(body: dict, decoding):
@@ -321,7 +329,6 @@ def models_list(model_name: str, created: int) -> dict:
                                         "owned_by": "omnijax"}]}
 
 
-FINISH = {"completed": "stop", "incomplete": "length", "cancelled": "stop"}
 
 
 # ----------------------------------------------------------------------------------------------------- handlers
@@ -406,13 +413,18 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         return _json_error(RequestError(str(e)), request=request)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
+    text_of = AnswerText(decoder, req.stop)
     if not req.stream:
         # A client that goes away before the whole answer is ready cancels it (its decoding would hold a batch row
         # and a stopping server for nothing).
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, context, sid))
+        pieces = []
         try:
             async for tokens in answer:
-                decoder.push(tokens)
+                pieces.append(text_of.push(tokens))
+                if text_of.stopped:  # the rest of the answer is not wanted
+                    context.worker.cancel(sid)
+                    break
             await answer.done
         finally:
             watcher.cancel()
@@ -422,29 +434,36 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             return _json_error(RequestError(f"the answer failed: {answer.reason}", status=503 if shutting_down
                                             else 500, code="shutting_down" if shutting_down else "server_error",
                                             kind="server_error"))
-        text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
-        return JSONResponse(completion(cid, created, req.model, text, FINISH[answer.status], prompt_tokens,
-                                       len(answer.tokens), answer.kv_cells, req.labels.get("metadata")))
+        if req.stop:
+            text = "".join(pieces) + text_of.flush()
+        else:
+            text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
+        return JSONResponse(completion(cid, created, req.model, text, text_of.finish_reason(answer), prompt_tokens,
+                                       text_of.completion_tokens(answer), answer.kv_cells,
+                                       req.labels.get("metadata")))
 
     async def events():
         try:
             yield _sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""},
                                         metadata=req.labels.get("metadata")))
             async for tokens in answer:
-                delta = decoder.push(tokens)
+                delta = text_of.push(tokens)
                 if delta:
                     yield _sse(completion_chunk(cid, created, req.model, {"content": delta}))
+                if text_of.stopped:  # the rest of the answer is not wanted
+                    context.worker.cancel(sid)
+                    break
             await answer.done
-            tail = decoder.flush()
+            tail = text_of.flush()
             if tail:
                 yield _sse(completion_chunk(cid, created, req.model, {"content": tail}))
             if answer.status == "failed":
                 yield _sse(error_body(f"the answer failed: {answer.reason}", kind="server_error"))
             else:
-                yield _sse(completion_chunk(cid, created, req.model, {}, FINISH[answer.status]))
+                yield _sse(completion_chunk(cid, created, req.model, {}, text_of.finish_reason(answer)))
             if req.include_usage:
                 yield _sse(completion_chunk(cid, created, req.model, None,
-                                            usage_=usage(prompt_tokens, len(answer.tokens))))
+                                            usage_=usage(prompt_tokens, text_of.completion_tokens(answer))))
             yield "data: [DONE]\n\n"
         finally:
             if answer.status is None:

@@ -36,7 +36,7 @@ class RequestError(ValueError):
 
 
 HONOURED = ("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
-            "temperature", "top_p", "seed", "response_format")
+            "temperature", "top_p", "seed", "stop", "response_format")
 LABELS = ("user", "safety_identifier", "metadata")
 
 
@@ -57,7 +57,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "logit_bias": (_is({}), "{}", "logits are not biased"),
     "top_k": (_is(-1, 0), "-1 or 0 (off)", "there is no top-k cut (top_p is honoured)"),
     "min_p": (_is(0), "0", "there is no min-p cut (top_p is honoured)"),
-    "stop": (_is([]), "[]", "stop sequences are not matched"),
     "logprobs": (_is(False), "false", "log probabilities are not returned"),
     "top_logprobs": (_is(0), "0", "log probabilities are not returned"),
     "tools": (_is([]), "[]", "tools are not supported"),

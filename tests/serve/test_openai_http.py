@@ -51,7 +51,9 @@ def test_requests_parse_into_parts_in_order():
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"tools": [{"type": "function"}]}, 400, "tools"),
-    ({"stop": ["\n"]}, 400, "stop"),
+    ({"stop": [""]}, 400, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"stop": 7}, 400, "stop"),
     ({"n": 2}, 400, "n"),
     ({"temperature": 0.7}, 400, "temperature"),
     ({"seed": 3}, 400, "seed"),
@@ -238,7 +240,7 @@ PNG_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
     ({"top_k": 5}, "unsupported", "top_k", "-1 or 0"),
     ({"repetition_penalty": 1.3}, "unsupported", "repetition_penalty", "send 1"),
     ({"min_p": 0.1}, "unsupported", "min_p", "send 0"),
-    ({"stop": ["\n"]}, "unsupported", "stop", "not matched"),
+    ({"stop": ["a", ""]}, "invalid_value", "stop", "'stop[1]' is an empty string"),
     ({"tool_choice": "auto"}, "unsupported", "tool_choice", '"none"'),
     ({"parallel_tool_calls": "no"}, "unsupported", "parallel_tool_calls", "true or false"),
     ({"frequency_penalty": False}, "unsupported", "frequency_penalty", "send 0"),  # not 0: JSON false
@@ -279,6 +281,12 @@ def test_no_field_is_accepted_and_ignored(body, code, param, says):
         _parse({"messages": HI, **body})
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param), str(e.value)
     assert says in str(e.value)
+
+
+@pytest.mark.parametrize("stop, want", [(None, ()), ("\n", ("\n",)), (["\n\n", "User:"], ("\n\n", "User:")),
+                                        ([], ())])
+def test_stop_is_read_as_a_string_or_up_to_four(stop, want):
+    assert _parse({"messages": HI, "stop": stop}).stop == want
 
 
 def test_neutral_values_and_labels_are_accepted():

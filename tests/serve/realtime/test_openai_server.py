@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -140,6 +141,33 @@ def test_chat_completions_whole_and_streamed_equal_chat(server, model):
         client.chat.completions.create(model="gpt-4o", messages=messages)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="omnijax", messages=messages, temperature=2.5)
+
+
+def test_stop_strings_cut_the_answer_whole_and_streamed(server):
+    """`stop` (what lm-eval and LangChain send): the answer ends before the first stop string to complete, which is
+    never returned, with finish_reason "stop", whole and streamed alike; the openai SDK's own client sends it."""
+    server.wait_idle()
+    client = _client(server)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16)
+    text = full.choices[0].message.content
+    assert len(text) > 6, text
+    stops = [text[4:6], "never in the answer \u2603"]  # a string in the middle of the greedy answer
+    want = text[:text.index(stops[0])]
+    whole = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16, stop=stops)
+    assert whole.choices[0].message.content == want and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens <= full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16, stop=stops[0],
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    unmatched = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16, stop=[stops[1]])
+    assert unmatched.choices[0].message.content == text
+    assert unmatched.choices[0].finish_reason == full.choices[0].finish_reason
+    for bad, name in (([""], "stop[0]"), (["a", "b", "c", "d", "e"], "at most 4")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(name)):
+            client.chat.completions.create(model="omnijax", messages=messages, stop=bad)
 
 
 def test_per_request_sampling_reproduces_from_its_seed(server):
