@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,8 +16,12 @@ from omnijax.chunks.spans import SpanKind as K
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import InfiniPotV, SequenceView, SlotFeatures, StreamMem, get_policy, sequence_view
 from omnijax.retention.base import slot_features
+from tests._support.traced_policy import plan_traced
 
 KINDS = [K.SYSTEM, K.BOUNDARY, K.IMAGE, K.VIDEO, K.AUDIO, K.TEXT]
+# The settings each policy's plan only computes with: traced, so the 500 random settings share one compiled plan per
+# slot shape (StreamMem's num_proxies sizes a top-k: static).
+TRACED = {"infinipot_v": ("budget", "recent_units", "tar_fraction"), "streammem": ("budget",)}
 
 
 def _infinipot_plain(p, live, unit, span, offset, key, vnorm):
@@ -93,7 +98,7 @@ def test_plans_equal_their_plain_reading(kind):
         else:
             policy = StreamMem(budget=rng.randint(1, S), num_proxies=rng.randint(1, 6))
             want = _streammem_plain(policy, live, span, order, key)
-        got = np.asarray(policy.plan(view, features))[0].tolist()
+        got = np.asarray(plan_traced(policy, view, features, TRACED[kind]))[0].tolist()
         assert got == want, (case, policy)
         assert bool(np.asarray(policy.trigger(view))[0]) == (sum(live) > policy.budget)
 
@@ -114,12 +119,16 @@ CYCLES = {"InfiniPotV": (K.VIDEO, K.VIDEO, K.IMAGE), "StreamMem": (K.BOUNDARY, K
                                                                    K.IMAGE)}
 
 
+@pytest.fixture(scope="module")
+def model():
+    return omnijax.Decoder(TINY_OMNI)
+
+
 @pytest.mark.parametrize("policy", [InfiniPotV(budget=40, recent_units=1, tar_fraction=0.5), StreamMem(budget=48)],
                          ids=repr)
-def test_inside_the_scan(policy):
+def test_inside_the_scan(policy, model):
     """The policy bounds a streamed session (every trim leaves at most `budget` cells) and its plan on the real
     cache's features (keys and values averaged over layers and heads) equals the plain reading."""
-    model = omnijax.Decoder(TINY_OMNI)
     rng = np.random.default_rng(0)
     cycle = CYCLES[type(policy).__name__]
     spans = [K.SYSTEM] + [cycle[i % len(cycle)] for i in range(13)]
@@ -130,10 +139,10 @@ def test_inside_the_scan(policy):
     assert evicted.sum() > 0 and (retained[evicted > 0] <= policy.budget).all()
     assert retained.max() <= policy.budget + 10  # a chunk of 10 on top of the budget, then trimmed
     kv = result.state.kv
-    view, features = sequence_view(kv), slot_features(kv)
+    view, features = jax.jit(sequence_view)(kv), jax.jit(slot_features)(kv)  # one program each, not op by op
     live = np.asarray(view.live)[0]
     tight = dataclasses.replace(policy, budget=20)
-    got = np.asarray(tight.plan(view, features))[0].tolist()
+    got = np.asarray(jax.jit(tight.plan)(view, features))[0].tolist()
     key, vnorm = np.asarray(features.key)[0], np.asarray(features.value_norm)[0]
     unit, span = np.asarray(view.unit)[0].tolist(), np.asarray(view.span)[0].tolist()
     offset, order = np.asarray(view.offset)[0].tolist(), np.asarray(view.order)[0].tolist()
