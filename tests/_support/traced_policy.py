@@ -23,10 +23,10 @@ from omnijax.retention import SequenceView, SlotFeatures
 @functools.partial(jax.jit, static_argnames=("kind", "static"))
 def _plan(kind: type, static: tuple[tuple[str, Any], ...], numbers: dict[str, Any], view: SequenceView,
           features: SlotFeatures) -> jax.Array:
-    policy = object.__new__(kind)  # the settings were validated when the caller's policy was built
+    policy: Any = object.__new__(kind)  # the settings were validated when the caller's policy was built
     for name, value in (*static, *numbers.items()):
         object.__setattr__(policy, name, value)
-    return kind.plan(policy, view, features)
+    return policy.plan(view, features)
 
 
 def plan_traced(policy: Any, view: SequenceView, features: SlotFeatures, traced: tuple[str, ...]) -> jax.Array:
