@@ -5,7 +5,7 @@ Routes (every one behind the API key when one is set):
 - `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime.session`);
 - `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events
   (`omnijax.serve.chat_completions`);
-- `GET /v1/models` — the served model;
+- `GET /v1/models`, `GET /v1/models/{model}` — the served model (the SDK's `models.list` / `models.retrieve`);
 - `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native.session`).
 
 One `EngineWorker` runs the engine's ticks as a background task of the server's event loop, the model step in an
@@ -153,9 +153,13 @@ def build_app(context: ServeContext) -> Starlette:
     async def models_route(request):
         return await openai_http.models(request, context)
 
+    async def model_route(request):
+        return await openai_http.model(request, context)
+
     routes = [WebSocketRoute("/v1/realtime", realtime_route),
               Route("/v1/chat/completions", chat_route, methods=["POST"]),
               Route("/v1/models", models_route, methods=["GET"]),
+              Route("/v1/models/{model:path}", model_route, methods=["GET"]),
               WebSocketRoute("/session", native_route)]
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(ApiKeyMiddleware, options=context.options)])

@@ -324,9 +324,13 @@ def completion_chunk(cid: str, created: int, model: str, delta: dict | None, fin
     return out
 
 
+def model_object(model_name: str, created: int) -> dict:
+    """The served model as an OpenAI `model` object."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "omnijax"}
+
+
 def models_list(model_name: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                        "owned_by": "omnijax"}]}
+    return {"object": "list", "data": [model_object(model_name, created)]}
 
 
 
@@ -372,6 +376,16 @@ def _build(conversation, req: ChatRequest, answer_tokens: int) -> tuple[list, An
 
 async def models(request: Request, context: ServeContext) -> Response:
     return JSONResponse(models_list(context.options.model_name, context.started))
+
+
+async def model(request: Request, context: ServeContext) -> Response:
+    """`GET /v1/models/{model}`: the served model, or 404 `model_not_found` for any other name."""
+    name = request.path_params["model"]
+    if name != context.options.model_name:
+        return _json_error(RequestError(f"model {name!r} does not exist: this server serves "
+                                        f"{context.options.model_name!r}", status=404, code="model_not_found",
+                                        param="model"), request=request)
+    return JSONResponse(model_object(name, context.started))
 
 
 async def chat_completions(request: Request, context: ServeContext) -> Response:

@@ -90,6 +90,13 @@ def _pcm_b64(seconds, rate=24000, amplitude=8000):
 
 def test_models_and_api_key(server):
     assert [m.id for m in _client(server).models.list()] == ["omnijax"]
+    served = _client(server).models.retrieve("omnijax")  # was a 404
+    assert (served.id, served.object, served.owned_by) == ("omnijax", "model", "omnijax")
+    with pytest.raises(openai.NotFoundError, match="does not exist") as missing:
+        _client(server).models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.retrieve("omnijax")
     with pytest.raises(openai.AuthenticationError):
         _client(server, key="wrong").models.list()
     with pytest.raises(openai.AuthenticationError):
