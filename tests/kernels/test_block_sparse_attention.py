@@ -72,6 +72,12 @@ def make_case(seed, *, T, H, G, d=16, lengths=(37, 22), dtype=jnp.float32):
             jnp.asarray(valid), jnp.asarray(order), jnp.asarray(q_order))
 
 
+# The oracles run compiled (one program per shape; eagerly every primitive is a program of its own).
+dense = jax.jit(dense_attention, static_argnames=("precision", "return_probs"))
+reference = jax.jit(block_sparse_attention_reference)
+library_dot_product_attention = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="xla"))
+
+
 def library_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order):
     """An oracle independent of `dense_attention`: `jax.nn.dot_product_attention` (float32 inputs, HIGHEST precision)
     over each sequence's live keys, picked out of its pages with numpy. The library softmax would spread a query that
@@ -87,8 +93,7 @@ def library_attention(q, k_pages, v_pages, page_table, slot_valid, slot_order, q
         if not seen.any():
             continue
         with jax.default_matmul_precision("highest"):
-            got = jax.nn.dot_product_attention(q[None, b], keys[None], vals[None], mask=seen[None, None],
-                                               implementation="xla")[0]
+            got = library_dot_product_attention(q[None, b], keys[None], vals[None], mask=seen[None, None])[0]
         out[b] = np.where(seen.any(axis=1)[:, None, None], np.asarray(got), 0.0)
     return out
 
@@ -106,7 +111,7 @@ def check(args, *, block_q=16, num_splits=1):
     dtype = jnp.dtype(args[0].dtype)
     tol = TOL[dtype]
     got = kernel(*args, block_q=block_q, num_splits=num_splits)
-    ref = block_sparse_attention_reference(*args)
+    ref = reference(*args)
     assert got.shape == args[0].shape and got.dtype == dtype
     assert np.all(np.isfinite(np.asarray(got, np.float32))), "NaN from dead slots leaked"
     oracle = library_attention(*args)
@@ -140,8 +145,10 @@ def test_query_blocks_split_rows():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_queries_that_see_nothing_return_zeros(num_splits):
     q, k, v, table, valid, order, q_order = make_case(4, T=4, H=4, G=2)
-    table = table.at[1].set(jnp.array([table[0, 1], -1, -1, -1, -1], jnp.int32))  # only the empty page
-    q_order = q_order.at[0, 0].set(-10)  # before every write of sequence 0
+    table, q_order = np.array(table), np.array(q_order)
+    table[1] = [table[0, 1], -1, -1, -1, -1]  # only the empty page
+    q_order[0, 0] = -10  # before every write of sequence 0
+    table, q_order = jnp.asarray(table), jnp.asarray(q_order)
     got = check((q, k, v, table, valid, order, q_order), num_splits=num_splits)
     assert np.all(np.asarray(got[1]) == 0) and np.all(np.asarray(got[0, 0]) == 0)
 
@@ -162,7 +169,7 @@ def test_dense_oracle_semantics():
     q_order[1, 1] = order[1][valid[1]].min()  # sees exactly one key
     dirty_k = np.where(valid[..., None, None], k, np.nan)
     dirty_v = np.where(valid[..., None, None], v, np.inf)
-    out, probs = dense_attention(*map(jnp.asarray, (q, dirty_k, dirty_v, valid, order, q_order)), return_probs=True)
+    out, probs = dense(q, dirty_k, dirty_v, valid, order, q_order, return_probs=True)
     out, probs = np.asarray(out), np.asarray(probs)
     assert out.shape == q.shape and probs.shape == (B, G * R, T, S) and np.all(np.isfinite(out))
     visible = valid[:, None, :] & (order[:, None, :] <= q_order[:, :, None])  # [B, T, S]
@@ -172,18 +179,15 @@ def test_dense_oracle_semantics():
     only = np.flatnonzero(visible[1, 1])
     assert only.size == 1 and np.array_equal(out[1, 1], v[1, only[0]][np.arange(G * R) // R])
     # Grouped-query heads read kv head h // R: the same as multi-head attention over kv heads repeated R times.
-    mha = dense_attention(*map(jnp.asarray, (q, np.repeat(dirty_k, R, 2), np.repeat(dirty_v, R, 2), valid, order,
-                                             q_order)))
+    mha = dense(q, np.repeat(dirty_k, R, 2), np.repeat(dirty_v, R, 2), valid, order, q_order)
     np.testing.assert_allclose(np.asarray(mha), out, rtol=1e-6, atol=1e-6)
     # Masking follows write order, not the key axis: shuffling the key slots changes nothing.
     perm = rng.permutation(S)
-    shuffled = dense_attention(*map(jnp.asarray, (q, dirty_k[:, perm], dirty_v[:, perm], valid[:, perm],
-                                                  order[:, perm], q_order)))
+    shuffled = dense(q, dirty_k[:, perm], dirty_v[:, perm], valid[:, perm], order[:, perm], q_order)
     np.testing.assert_allclose(np.asarray(shuffled), out, rtol=1e-5, atol=1e-6)
     # And the library's attention over the same masks, on the queries that see something.
     with jax.default_matmul_precision("highest"):
-        lib = jax.nn.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                           mask=jnp.asarray(visible[:, None]), implementation="xla")
+        lib = library_dot_product_attention(q, k, v, mask=visible[:, None])
     seen = visible.any(-1)
     np.testing.assert_allclose(out[seen], np.asarray(lib)[seen], rtol=1e-5, atol=1e-5)
 
@@ -203,17 +207,18 @@ def test_split_pages_bfloat16():
 
 
 def test_active_pages_compacts_in_table_order():
-    table = jnp.array([[5, 2, -1, 7, 0], [-1, -1, -1, -1, -1]], jnp.int32)
-    valid = jnp.zeros((8, 4), bool).at[5, 1].set(True).at[7, 3].set(True).at[0, 0].set(True)
-    ids, count = active_pages(table, valid)
-    assert count.tolist() == [3, 0]
-    assert ids[0, :3].tolist() == [5, 7, 0]
+    table = np.array([[5, 2, -1, 7, 0], [-1, -1, -1, -1, -1]], np.int32)
+    valid = np.zeros((8, 4), bool)
+    valid[5, 1] = valid[7, 3] = valid[0, 0] = True
+    ids, count = jax.jit(active_pages)(table, valid)
+    assert np.asarray(count).tolist() == [3, 0]
+    assert np.asarray(ids)[0, :3].tolist() == [5, 7, 0]
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["whole", "split"])
 def test_precomputed_index_gives_the_same_output(num_splits):
     args = make_case(41, T=8, H=4, G=2)
-    index = page_index(*args[3:6])
+    index = jax.jit(page_index)(*args[3:6])
     got = jax.jit(lambda *a, index: block_sparse_attention(*a, index=index, num_splits=num_splits,
                                                            interpret=INTERPRET))(*args, index=index)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel(*args, num_splits=num_splits)))
@@ -223,8 +228,8 @@ def test_precomputed_index_gives_the_same_output(num_splits):
 
 def test_precomputed_index_of_another_shape_is_refused():
     args = make_case(42, T=2, H=4, G=2)
-    index = page_index(*args[3:6])
-    for field, bad in (("ids", index.ids[:, :3]), ("count", index.count.astype(jnp.int16)),
+    index = jax.tree.map(np.asarray, jax.jit(page_index)(*args[3:6]))
+    for field, bad in (("ids", index.ids[:, :3]), ("count", index.count.astype(np.int16)),
                        ("slot_key", index.slot_key[:4])):
         wrong = dataclasses.replace(index, **{field: bad})
         with pytest.raises(ValueError, match=f"index.{field}"):
@@ -234,8 +239,9 @@ def test_precomputed_index_of_another_shape_is_refused():
 def stacked(args, layer, num_layers=3, seed=7):
     """The case's K/V as layer `layer` of a `[num_layers, N, P, G, d]` stack whose other layers hold noise."""
     q, k, v = args[:3]
-    noise = jax.random.normal(jax.random.key(seed), (2, num_layers) + k.shape).astype(k.dtype)
-    return (q, noise[0].at[layer].set(k), noise[1].at[layer].set(v)) + tuple(args[3:])
+    noise = np.random.default_rng(seed).standard_normal((2, num_layers) + k.shape).astype(np.float32)
+    noise[0, layer], noise[1, layer] = np.asarray(k, np.float32), np.asarray(v, np.float32)
+    return (q, jnp.asarray(noise[0], k.dtype), jnp.asarray(noise[1], v.dtype)) + tuple(args[3:])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["whole", "split"])
@@ -249,8 +255,8 @@ def test_layer_of_a_stack_equals_that_layer_alone(T, num_splits):
     for layer in (0, 2):
         stack = stacked(args, layer)
         np.testing.assert_array_equal(np.asarray(layered(jnp.int32(layer), *stack)), want)
-        ref = block_sparse_attention_reference(*stack, layer=layer)
-        np.testing.assert_array_equal(np.asarray(ref), np.asarray(block_sparse_attention_reference(*args)))
+        ref = reference(*stack, layer=layer)
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(reference(*args)))
 
 
 def test_layer_stack_validation():
@@ -265,7 +271,7 @@ def test_layer_stack_validation():
 
 def test_validation_is_shared():
     args = make_case(5, T=2, H=4, G=2)
-    q, k, v, table, valid, order, q_order = args
+    q, k, v, table, valid, order, q_order = map(np.asarray, args)  # sliced on the host: no eager programs
     bad = [
         ((q, k[:, :12], v[:, :12], table, valid[:, :12], order[:, :12], q_order), "page size"),
         ((q[..., :12], k[..., :12], v[..., :12], table, valid, order, q_order), "head_dim"),
