@@ -24,6 +24,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -53,6 +54,7 @@ from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.worker import EngineWorker
+from omnijax.serve.launch import port_in_use, terminated_on_sigterm
 from omnijax.serve.native import session as native
 from omnijax.serve.native.protocol import frame_samples
 from omnijax.serve.realtime import resume as realtime_resume
@@ -331,6 +333,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"could use the model; set --api-key (or ${API_KEY_ENV}), or pass --allow-unauthenticated")
         log.warning("SERVING WITHOUT AUTHENTICATION on %s (beyond loopback, no API key; --allow-unauthenticated)",
                     options.host)
+    busy = port_in_use(options.host, options.port)
+    if busy:
+        print(f"omnijax serve: error: {busy}", file=sys.stderr)
+        return 1
+    code = 1
+    with terminated_on_sigterm() as terminated:
+        code = _run(args, options, store, samples)
+    if terminated:  # the demo model's temporary folder is gone: end by SIGTERM, as the signal asked
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    return code
+
+
+def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: int) -> int:
+    """Loads the model (or builds the demo one in a temporary folder), warms up and serves until stopped."""
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         try:

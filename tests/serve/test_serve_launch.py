@@ -1,0 +1,59 @@
+"""Around `omnijax serve`: a busy port is refused in one line before anything loads (it once cost a 27-70 s warm-up
+and 42 lines of tracebacks), and SIGTERM unwinds the process so the demo model's temporary folder is removed (its
+default action killed the process at once, leaving ~90 MB behind on every stop)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from omnijax.serve.launch import port_in_use
+
+
+def test_a_busy_port_is_named_and_a_free_one_passes():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        why = port_in_use("127.0.0.1", port)
+        assert why is not None and f"port {port} on 127.0.0.1 is in use" in why and "--port" in why
+    assert port_in_use("127.0.0.1", port) is None  # released
+    assert port_in_use("127.0.0.1", 0) is None
+    assert "does not resolve" in port_in_use("no-such-host.invalid", 8000)
+
+
+def test_serve_on_a_busy_port_exits_at_once_with_one_line():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        began = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - began
+    assert result.returncode == 1 and "is in use" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert took < 30, took  # before loading or compiling anything (the model's warm-up took 27-70 s)
+
+
+def test_sigterm_unwinds_and_removes_the_temporary_folder_then_ends_by_sigterm(tmp_path):
+    """The mechanism `omnijax serve` runs under (`terminated_on_sigterm`), in a process that holds a temporary
+    folder as the demo model does."""
+    code = ("import sys, tempfile, time\n"
+            "from omnijax.serve.launch import terminated_on_sigterm\n"
+            "with terminated_on_sigterm() as terminated:\n"
+            "    with tempfile.TemporaryDirectory(prefix='omnijax-serve-', dir=sys.argv[1]) as tmp:\n"
+            "        print(tmp, flush=True)\n"
+            "        time.sleep(60)\n"
+            "print('terminated' if terminated else 'finished', flush=True)\n"
+            "import signal; signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.raise_signal(signal.SIGTERM)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    folder = proc.stdout.readline().strip()
+    assert folder.startswith(str(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stdout.read()
+    assert proc.wait(30) == -signal.SIGTERM
+    assert rest.strip() == "terminated" and not list(tmp_path.iterdir())
