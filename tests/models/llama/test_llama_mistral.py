@@ -6,7 +6,6 @@ import json
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +20,7 @@ from omnijax.kv import paged  # noqa: E402
 from omnijax.kv import rope as rope_lib  # noqa: E402
 from omnijax.models.llama.convert import config_from_hf  # noqa: E402
 from omnijax.retention import base  # noqa: E402
+from tests._support import kv_ops  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files:UserWarning")
 
@@ -192,24 +192,29 @@ def test_rerotation_uses_scaled_frequencies(llama):
     model = llama[2]
     rope_base, d, n, groups = model.config.rope_base, 32, 40, 2
     rng = np.random.default_rng(0)
-    kv = paged.init(num_layers=1, num_kv_heads=groups, head_dim=d, num_pages=5, page_size=8, batch=1,
-                    position_axes=1)
-    pos = jnp.arange(n, dtype=jnp.int32)[None, None]  # [1, 1, n]
-    raw = jnp.asarray(rng.standard_normal((1, 1, n, groups, d)), jnp.float32)
-    k = jax.vmap(lambda x: rope_lib.apply_rope(x, rope_lib.rope_angles(pos, d, rope_base, None)))(raw)
-    z = jnp.zeros((1, n), jnp.int32)
-    kv, _ = paged.append(kv, k, raw, jnp.ones((1, n), bool), paged.SlotMeta(pos=pos, unit=z, span=z + 6, offset=z))
-    live = base.sequence_view(kv).live  # [1, S] slots in page-table order
-    keep = live & (jnp.arange(live.shape[1]) % 3 == 0)[None]
-    kv2, next_pos, _ = base.apply(kv, keep, jnp.asarray([n]), reindex=True, rope=(rope_base, None))
-    view = base.sequence_view(kv2)
-    slots = np.flatnonzero(np.asarray(keep[0]))
-    new_pos = np.asarray(view.pos[0, 0, slots])
-    order = np.asarray(base.sequence_view(kv).order[0, slots])
-    fresh = rope_lib.apply_rope(raw[0, 0, order], rope_lib.rope_angles(jnp.asarray(new_pos)[None], d, rope_base,
-                                                                       None))  # [kept, G, d]
-    table = np.asarray(kv2.page_table[0])
-    cached = np.stack([np.asarray(kv2.k[0, table[s // 8], s % 8]) for s in slots])
+    # Each step runs compiled (one program, not one per primitive); results are indexed on the host.
+    rotate = jax.jit(lambda x, pos: rope_lib.apply_rope(x, rope_lib.rope_angles(pos, d, rope_base, None)))
+    view_of = jax.jit(base.sequence_view)
+    kv = kv_ops.init(num_layers=1, num_kv_heads=groups, head_dim=d, num_pages=5, page_size=8, batch=1,
+                     position_axes=1)
+    pos = np.arange(n, dtype=np.int32)[None, None]  # [1, 1, n]
+    raw = rng.standard_normal((1, 1, n, groups, d)).astype(np.float32)
+    k = jax.jit(jax.vmap(rotate, in_axes=(0, None)))(raw, pos)
+    z = np.zeros((1, n), np.int32)
+    kv, _ = kv_ops.append(kv, k, raw, np.ones((1, n), bool), paged.SlotMeta(pos=pos, unit=z, span=z + 6, offset=z))
+    before = view_of(kv)
+    live = np.asarray(before.live)  # [1, S] slots in page-table order
+    keep = live & (np.arange(live.shape[1]) % 3 == 0)[None]
+    trim = jax.jit(lambda kv, keep, next_pos: base.apply(kv, keep, next_pos, reindex=True, rope=(rope_base, None)))
+    kv2, next_pos, _ = trim(kv, keep, np.asarray([n], np.int32))
+    view = view_of(kv2)
+    slots = np.flatnonzero(keep[0])
+    new_pos = np.asarray(view.pos)[0, 0, slots]
+    order = np.asarray(before.order)[0, slots]
+    fresh = rotate(raw[0, 0, order], new_pos[None])  # [kept, G, d]
+    table = np.asarray(kv2.page_table)[0]
+    cached_k = np.asarray(kv2.k)
+    cached = np.stack([cached_k[0, table[s // 8], s % 8] for s in slots])
     assert int(next_pos[0]) == len(slots) and sorted(new_pos.tolist()) == list(range(len(slots)))
     np.testing.assert_allclose(cached, np.asarray(fresh), atol=2e-5)
 
