@@ -4,6 +4,7 @@ from the compressed cache equals decoding from the full cache gathered at the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from omnijax.prefill import (
     uniform_budgets,
 )
 from omnijax.prefill.cache import LayerCache, Selection, pack
+from tests._support.compiled_model import compiled
 
 S, B, CHUNK, PAGE, WINDOW = 150, 2, 64, 32, 16
 
@@ -52,17 +54,26 @@ def prompt(model):
     return x, positions
 
 
+# The reference paths below (one-shot forward, a layer's window queries, single decode steps, dense scores) run
+# compiled (tests/_support/compiled_model.py): eagerly, each of their primitives was a program of its own.
+@compiled
 def one_shot_hidden(model, x, positions):
-    """The paged decoder's one-shot forward (the path checked against transformers)."""
+    """The paged decoder's one-shot forward (the path checked against transformers), over the prompt `x [B, n, D]`."""
     c = model.config
+    Bx, n = x.shape[:2]
     kv = paged.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_pages=2 * 5,
-                    page_size=32, batch=B, position_axes=3)
-    z = jnp.zeros((B, S), jnp.int32)
-    kv, slots, q_order = paged.reserve(kv, jnp.ones((B, S), bool), paged.SlotMeta(pos=positions, unit=z, span=z,
-                                                                                  offset=z))
+                    page_size=32, batch=Bx, position_axes=3)
+    z = jnp.zeros((Bx, n), jnp.int32)
+    kv, slots, q_order = paged.reserve(kv, jnp.ones((Bx, n), bool), paged.SlotMeta(pos=positions, unit=z, span=z,
+                                                                                   offset=z))
     view = attention.CacheView.of(kv, slots, q_order)
     hidden, k, v, _ = model.run_layers(x, positions, view, kv.k, kv.v)
     return hidden
+
+
+step = compiled(decode_step)
+"""`decode_step`, compiled (one program per cache shape); the refusals are checked on `decode_step` itself."""
+scores_reference = jax.jit(snapkv_scores_reference)
 
 
 def test_layer_major_without_eviction_equals_one_shot_prefill(model, prompt):
@@ -102,21 +113,23 @@ def test_snapkv_selection_equals_dense_and_post_prefill(model, prompt, budgets):
     per_layer = (budgets,) * L if isinstance(budgets, int) else budgets
     for layer_index, (layer, budget) in enumerate(zip(full.cache.layers, per_layer)):
         keys = full_keys(layer, S)
-        q_obs = window_queries(model, full, x, positions, layer_index)
-        scores = np.asarray(snapkv_scores_reference(q_obs, keys))  # [B, G, S - W]
+        q_obs = window_queries(model, x, positions, layer_index=layer_index)
+        scores = np.asarray(scores_reference(q_obs, keys))  # [B, G, S - W]
         want = [[sorted(np.argsort(-scores[b, g], kind="stable")[:budget - WINDOW].tolist()
                         + list(range(S - WINDOW, S))) for g in range(scores.shape[1])] for b in range(B)]
         assert _selected(tide.cache)[layer_index] == want
 
 
-def full_keys(layer: LayerCache, length: int) -> jax.Array:
-    """`[B, S, G, d]` keys of a keep-all layer cache (its segments may carry decode room after the prompt)."""
+def full_keys(layer: LayerCache, length: int) -> np.ndarray:
+    """`[B, S, G, d]` keys of a keep-all layer cache (its segments may carry decode room after the prompt), on the
+    host."""
     Bk, T, d = layer.k.shape
     G = layer.num_kv_heads
-    return layer.k.reshape(Bk, G, T // G, d)[:, :, :length].transpose(0, 2, 1, 3)
+    return np.asarray(layer.k).reshape(Bk, G, T // G, d)[:, :, :length].transpose(0, 2, 1, 3)
 
 
-def window_queries(model, full, x, positions, layer_index):
+@functools.partial(compiled, static_argnames=("layer_index",))
+def window_queries(model, x, positions, *, layer_index):
     """Post-RoPE queries of the last WINDOW prompt tokens at one layer, from that layer's input hidden states."""
     from omnijax.models.decoder import chunk_rotation, layer_qkv
     from omnijax.prefill.layer_major import layer_params
@@ -151,11 +164,13 @@ def test_decoding_from_compressed_cache_equals_gathered_full_cache(model, prompt
     for tl, fl in zip(tide.cache.layers, full.cache.layers):
         keys, values = full_keys(fl, S), full_keys(LayerCache(fl.v, fl.v, fl.index, fl.offset, fl.length), S)
         G = tl.num_kv_heads
-        filled = np.asarray(tl.offset[:, :G] + tl.length)
-        index = np.stack([np.concatenate([np.asarray(tl.index[b, tl.offset[b, g]:filled[b, g]]) for g in range(G)])
+        t_index, t_offset, t_length = np.asarray(tl.index), np.asarray(tl.offset), np.asarray(tl.length)
+        filled = t_offset[:, :G] + t_length
+        index = np.stack([np.concatenate([t_index[b, t_offset[b, g]:filled[b, g]] for g in range(G)])
                           for b in range(B)])
-        offset = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(tl.length, axis=1)], axis=1)
-        gathered.append(pack(keys, values, Selection(index=jnp.asarray(index), offset=offset), room=5))
+        offset = np.concatenate([np.zeros((B, 1), np.int32), np.cumsum(t_length, axis=1, dtype=np.int32)], axis=1)
+        gathered.append(pack(jnp.asarray(keys), jnp.asarray(values),
+                             Selection(index=jnp.asarray(index), offset=jnp.asarray(offset)), room=5))
     other = dataclasses.replace(tide.cache, layers=tuple(gathered))
     tokens_a, logits_a, _ = greedy(model, tide.cache, tide.logits, 5)
     tokens_b, logits_b, _ = greedy(model, other, full.logits, 5)
@@ -172,10 +187,10 @@ def test_compiled_greedy_equals_decode_steps_one_by_one(model, prompt):
     assert tokens.shape == (B, 6) and logits.shape == (B, 6, model.config.vocab_size)
     step_logits, step_cache = tide.logits, tide.cache
     for i in range(6):
-        token = jnp.argmax(step_logits, axis=-1).astype(jnp.int32)
-        np.testing.assert_array_equal(np.asarray(tokens[:, i]), np.asarray(token))
-        step_logits, step_cache = decode_step(model, step_cache, token)
-        np.testing.assert_allclose(np.asarray(logits[:, i]), np.asarray(step_logits), atol=1e-5, rtol=0)
+        token = np.argmax(np.asarray(step_logits), axis=-1).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(tokens)[:, i], token)
+        step_logits, step_cache = step(model, step_cache, token)
+        np.testing.assert_allclose(np.asarray(logits)[:, i], np.asarray(step_logits), atol=1e-5, rtol=0)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(step_cache)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert greedy(model, tide.cache, tide.logits, 0)[0].shape == (B, 0)
@@ -193,8 +208,8 @@ def test_teacher_forced_decoding_equals_decode_steps_one_by_one(model, prompt):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(greedy_logits), atol=1e-5, rtol=0)
     step_cache = tide.cache
     for i in range(5):
-        step_logits, step_cache = decode_step(model, step_cache, tokens[:, i])
-        np.testing.assert_allclose(np.asarray(logits[:, i]), np.asarray(step_logits), atol=1e-5, rtol=0)
+        step_logits, step_cache = step(model, step_cache, np.asarray(tokens)[:, i])
+        np.testing.assert_allclose(np.asarray(logits)[:, i], np.asarray(step_logits), atol=1e-5, rtol=0)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(step_cache)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(greedy_cache)):
@@ -211,23 +226,25 @@ def test_teacher_forced_decoding_equals_decode_steps_one_by_one(model, prompt):
             decode()
 
 
+@compiled
+def last_logits(model, x, positions, token, nxt):
+    """The one-shot forward's logits at the last token of the prompt followed by `token [B]` at positions `nxt`."""
+    x2 = jnp.concatenate([x, model.embed_tokens(token[:, None])], axis=1)
+    pos2 = jnp.concatenate([positions, jnp.broadcast_to(nxt[None, :, None], (3, B, 1)).astype(jnp.int32)], axis=2)
+    return model.logits(one_shot_hidden(model, x2, pos2)[:, -1])
+
+
 def test_decode_on_full_cache_equals_paged_decoder(model, prompt):
     """decode_step over a keep-all compressed cache equals the paged decoder fed the prompt plus the token."""
     x, positions = prompt
     full = token_major_prefill(model, x, positions, page=PAGE, room=1)
-    token = jnp.argmax(full.logits, axis=-1).astype(jnp.int32)
-    logits, cache = decode_step(model, full.cache, token)
-    nxt = jnp.max(positions, axis=(0, 2)) + 1
-    x2 = jnp.concatenate([x, model.embed_tokens(token[:, None])], axis=1)
-    pos2 = jnp.concatenate([positions, jnp.broadcast_to(nxt[None, :, None], (3, B, 1))], axis=2)
-    global S
-    saved, S = S, S + 1
-    try:
-        want = model.logits(one_shot_hidden(model, x2, pos2)[:, -1])
-    finally:
-        S = saved
+    token = np.argmax(np.asarray(full.logits), axis=-1).astype(np.int32)
+    logits, cache = step(model, full.cache, token)
+    nxt = np.asarray(positions).max(axis=(0, 2)) + 1
+    want = last_logits(model, x, positions, token, nxt)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=0)
-    assert int(cache.next_pos[0]) == int(nxt[0]) + 1 and int(cache.layers[0].length[0, 0]) == S + 1
+    assert int(np.asarray(cache.next_pos)[0]) == int(nxt[0]) + 1
+    assert int(np.asarray(cache.layers[0].length)[0, 0]) == S + 1
 
 
 def test_budget_schedules_sum_to_the_total():
@@ -258,8 +275,8 @@ def test_adakv_budgets_are_head_adaptive_and_sum_to_the_layer_budget(model, prom
         np.testing.assert_array_equal(length.sum(axis=1), G * budget)
         assert (length >= WINDOW + int(0.25 * share)).all()
         # Plain-Python AdaKV on the dense scores.
-        scores = np.asarray(snapkv_scores_reference(window_queries(model, full, x, positions, layer_index),
-                                                    full_keys(fl, S)))
+        scores = np.asarray(scores_reference(window_queries(model, x, positions, layer_index=layer_index),
+                                             full_keys(fl, S)))
         for b in range(B):
             kept = {g: set(np.argsort(-scores[b, g], kind="stable")[:int(0.25 * share)].tolist()) for g in range(G)}
             rest = sorted(((-scores[b, g, j], g, j) for g in range(G) for j in range(S - WINDOW)
