@@ -154,6 +154,9 @@ def _one_layer(model, h, positions, layer_index):
     return layer_finish(c, p, h, out)
 
 
+pack_compiled = jax.jit(pack, static_argnames="room")  # `pack` as one program, not op by op
+
+
 def test_decoding_from_compressed_cache_equals_gathered_full_cache(model, prompt):
     x, positions = prompt
     tide = tidekv_prefill(model, x, positions, selector=SnapKV(window=WINDOW), budgets=40, chunk=CHUNK, page=PAGE,
@@ -169,7 +172,7 @@ def test_decoding_from_compressed_cache_equals_gathered_full_cache(model, prompt
         index = np.stack([np.concatenate([t_index[b, t_offset[b, g]:filled[b, g]] for g in range(G)])
                           for b in range(B)])
         offset = np.concatenate([np.zeros((B, 1), np.int32), np.cumsum(t_length, axis=1, dtype=np.int32)], axis=1)
-        gathered.append(pack(jnp.asarray(keys), jnp.asarray(values),
+        gathered.append(pack_compiled(jnp.asarray(keys), jnp.asarray(values),
                              Selection(index=jnp.asarray(index), offset=jnp.asarray(offset)), room=5))
     other = dataclasses.replace(tide.cache, layers=tuple(gathered))
     tokens_a, logits_a, _ = greedy(model, tide.cache, tide.logits, 5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -251,12 +252,13 @@ DRAWS = 26
 def test_chunkkv_equals_plain_python(case):
     B, S, G, R, d, window, kernel, length, budget, impl = case
     selector = ChunkKV(window=window, pool_kernel=kernel, chunk_length=length, impl=impl, block_size=8)
+    select = jax.jit(selector.select, static_argnums=2)  # one program for the case's draws, not one per primitive
     rng = np.random.default_rng(S * 100 + budget)
     near_ties = 0
     for _ in range(DRAWS):
         q = rng.normal(size=(B, window, G * R, d)).astype(np.float32) * 2
         k = rng.normal(size=(B, S, G, d)).astype(np.float32) * 2
-        got = selection_sets(selector.select(jnp.asarray(q), jnp.asarray(k), budget), G)
+        got = selection_sets(select(q, k, budget), G)
         if S < length:  # kvpress hands a prompt shorter than one chunk to SnapKV: the window + top prefix scores
             scores = snapkv_scores_loop(q, k, window, kernel)
             want = [[sorted(sorted(range(S - window), key=lambda t: (-scores[b, g, t], t))[:budget - window]
@@ -283,9 +285,10 @@ KEYDIFF_CASES = [(1, 20, 2, 4, 7), (2, 33, 2, 8, 16), (2, 9, 1, 4, 1), (1, 40, 3
 def test_keydiff_equals_plain_python(case):
     B, S, G, d, budget = case
     rng = np.random.default_rng(S + budget)
+    select = jax.jit(KeyDiff().select, static_argnums=2)  # one program for the case's draws
     for _ in range(45):
         k = (rng.normal(size=(B, S, G, d)) + rng.normal(size=(1, 1, G, d))).astype(np.float32)
-        got = selection_sets(KeyDiff().select(None, jnp.asarray(k), budget), G)
+        got = selection_sets(select(None, k, budget), G)
         assert got == keydiff_loop(k, min(budget, S))
 
 
@@ -318,6 +321,9 @@ def tiny():
     return m, x, positions
 
 
+pack_compiled = jax.jit(pack, static_argnames="room")  # `pack` as one program, not op by op
+
+
 @pytest.mark.parametrize("selector, budgets, compare", [
     (ChunkKV(window=WINDOW, chunk_length=7, block_size=16), 35, True),
     (ChunkKV(window=WINDOW, chunk_length=8, block_size=16), "pyramid", False),
@@ -343,15 +349,17 @@ def test_layer_major_prefill_with_selector_decodes(tiny, selector, budgets, comp
     # short last chunk leaves unowned entries after the segments: they must be invisible).
     full = token_major_prefill(model, x, positions, page=PAGE)
     gathered = []
-    for tl, fl in zip(tide.cache.layers, full.cache.layers):
+    for tl, fl in zip(tide.cache.layers, full.cache.layers):  # on the host: no eager programs
         G = tl.num_kv_heads
-        keys = fl.k.reshape(B, G, S, -1).transpose(0, 2, 1, 3)
-        values = fl.v.reshape(B, G, S, -1).transpose(0, 2, 1, 3)
-        filled = np.asarray(tl.offset[:, :G] + tl.length)
-        index = np.stack([np.concatenate([np.asarray(tl.index[b, tl.offset[b, g]:filled[b, g]]) for g in range(G)])
+        keys = np.asarray(fl.k).reshape(B, G, S, -1).transpose(0, 2, 1, 3)
+        values = np.asarray(fl.v).reshape(B, G, S, -1).transpose(0, 2, 1, 3)
+        t_index, t_offset, t_length = np.asarray(tl.index), np.asarray(tl.offset), np.asarray(tl.length)
+        filled = t_offset[:, :G] + t_length
+        index = np.stack([np.concatenate([t_index[b, t_offset[b, g]:filled[b, g]] for g in range(G)])
                           for b in range(B)])
-        offset = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(tl.length, axis=1)], axis=1)
-        gathered.append(pack(keys, values, Selection(index=jnp.asarray(index), offset=offset), room=4))
+        offset = np.concatenate([np.zeros((B, 1), np.int32), np.cumsum(t_length, axis=1, dtype=np.int32)], axis=1)
+        gathered.append(pack_compiled(jnp.asarray(keys), jnp.asarray(values),
+                             Selection(index=jnp.asarray(index), offset=jnp.asarray(offset)), room=4))
     other = tide.cache.__class__.create(gathered, tide.cache.next_pos, tide.cache.next_index)
     tokens_b, logits_b, _ = greedy(model, other, full.logits, 4)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(tokens_b))
