@@ -6,12 +6,22 @@ messages as `Conversation.check_message` takes them, the unit counter and the ot
 `COUNTER_LIMIT`], the unit counter past every unit the cached tokens carry), so a damaged or tampered snapshot is
 refused with a `resume_failed` error and changes nothing, instead of failing later inside the session.
 
-`Snapshotter` writes one connection's snapshots through the server's `SnapshotStore`: periodically (every
-`snapshot_every_s` seconds, or every `snapshot_every_turns` responses, at the first moment the session is idle —
-no response decoding, nothing queued — and only when something changed since the last write; the export is taken
-then, its disk write goes on in the background while the connection is served) and when the connection ends. A
-write that fails (a full disk, the size cap) is reported to the client as an `error` event (`snapshot_failed`), and
-the session's previous snapshot stays.
+`Snapshotter` writes one connection's snapshots through the server's `SnapshotStore`, only when something changed
+since the last one:
+
+- at a turn boundary: when a response ends and a snapshot is due (every `snapshot_every_turns` responses, or
+  `snapshot_every_s` seconds after the last one was taken), it is taken there and is on disk before the response's
+  `response.done` goes out. The client's next event waits for the export (so the conversation's meta and the cache
+  it describes match), not for the disk write. A SIGKILL therefore loses only the response it cuts, never a turn
+  whose `response.done` the client saw, however fast the client asks for the next one;
+- between responses, every `snapshot_every_s` seconds at the first moment the session is idle (no response
+  decoding, nothing queued); the export is taken then, its disk write goes on in the background while the
+  connection is served;
+- when the connection ends.
+
+One write is on its way to disk at a time, in order. A write that fails (a full disk, the size cap) is reported to
+the client as an `error` event (`snapshot_failed`; at a turn boundary, after that turn's `response.done`), and the
+session's previous snapshot stays; it is tried again at the next interval or turn.
 """
 
 from __future__ import annotations
@@ -288,17 +298,37 @@ class Snapshotter:
         self.turn_due = False
         self.last_write = time.monotonic()  # when the last write was taken (exported)
         self._saving: asyncio.Task | None = None  # the disk write of the last export, while in flight
+        self._held: list[dict] | None = None  # error events held back while a turn boundary's write goes on
 
     def touch(self) -> None:
         """Notes a change of the session (an event handled, a response ended)."""
         self.version += 1
 
-    def turn_ended(self) -> None:
-        """Notes a response that ended; every `every_turns`-th makes a snapshot due."""
+    async def turn_ended(self) -> list[dict]:
+        """A response ended and its `response.done` is not sent yet: counts the turn and, when a snapshot is due
+        (every `every_turns`-th response, or `every_s` since the last one), takes it and waits until it is on disk.
+
+        The export is taken holding the session's `handling` lock, so no client event (an item sent while the
+        response decoded, or right after it) is applied between the conversation's meta and the cache export.
+
+        Returns:
+            The `snapshot_failed` error events of a failed write, for the caller to send after `response.done`.
+        """
         self.touch()
         self.turns += 1
         if self.every_turns and self.turns % self.every_turns == 0:
             self.turn_due = True
+        if self.session.duplex is not None or not self.due():  # duplex streams are not resumable
+            return []
+        self._held = []
+        try:
+            async with self.session.handling:
+                taken = await self._take()
+            if taken is not None:
+                await self._write(*taken)
+            return self._held
+        finally:
+            self._held = None
 
     def due(self) -> bool:
         """Whether a periodic snapshot is due (something changed, and the turn or the interval came)."""
@@ -319,17 +349,28 @@ class Snapshotter:
         return await self.write(wait=False)
 
     async def write(self, *, wait: bool = True) -> bool:
-        """Exports the session and writes it (`wait`: to the end); on failure sends `snapshot_failed` and logs."""
+        """Exports the session and writes it (`wait`: to the end); on failure sends `snapshot_failed` and logs.
+        The caller makes sure no client event is applied meanwhile (the connection's loop, or its end)."""
+        taken = await self._take()
+        return taken is not None and await self._write(*taken, wait=wait)
+
+    async def _take(self) -> tuple[SessionSnapshot, int] | None:
+        """The session's export and the version it holds (None: failed, said)."""
         s = self.session
         version = self.version
         self.turn_due, self.last_write = False, time.monotonic()  # retried at the next interval or turn on failure
         try:
-            snapshot = await s.worker.export(s.sid, meta_of(s))
+            return await s.worker.export(s.sid, meta_of(s)), version
         except Exception as e:  # noqa: BLE001 - the engine's export (a preempted session, a timeout)
             log.warning("realtime snapshot session=%s failed: %s: %s", s.sid, type(e).__name__, e)
             self._failed(f"the session could not be exported ({type(e).__name__}: "
                          f"{self.store.public_message(e)[:200]})")
-            return False
+            return None
+
+    async def _write(self, snapshot: SessionSnapshot, version: int, *, wait: bool = True) -> bool:
+        """Writes an export to disk after the write before it (one at a time, in order)."""
+        if self._saving is not None and not self._saving.done():
+            await asyncio.shield(self._saving)
         self._saving = asyncio.ensure_future(self._save(snapshot, version))
         return await self._saving if wait else True
 
@@ -349,8 +390,12 @@ class Snapshotter:
 
     def _failed(self, reason: str) -> None:
         log.warning("realtime snapshot session=%s failed (its previous snapshot stays): %s", self.session.sid, reason)
-        self.session.send(rte.error_event("snapshot_failed", f"{reason}. Resuming this session's token continues "
-                                          f"from its previous snapshot, if any", error_type="server_error"))
+        event = rte.error_event("snapshot_failed", f"{reason}. Resuming this session's token continues from its "
+                                f"previous snapshot, if any", error_type="server_error")
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self.session.send(event)
 
     async def final(self) -> None:
         """The connection ends: a response still decoding is cancelled, then the session is written (when it

@@ -36,7 +36,8 @@ Resuming (with `ServeOptions.snapshot_dir`): `session.created` carries `"omnijax
 session object. The session (KV pages, cursor, sampling key and last logits, `omnijax.serve.engine.snapshot`, and its
 conversation) is written to the server's `omnijax.serve.realtime.snapshot_store` when the connection ends (the client
 leaves, it idles out, or SIGTERM/SIGINT; a response still decoding is cancelled first) and, with `--snapshot-every
-30s` / `5turns`, periodically while idle, so a SIGKILL loses at most one interval (`resume.Snapshotter`).
+30s` / `5turns`, periodically: a snapshot due when a response ends is on disk before its `response.done`, others are
+taken while idle, so a SIGKILL loses at most one interval (`resume.Snapshotter`).
 `/v1/realtime?resume=t` (the SDK: `connect(..., extra_query={"resume": t})`), on this server or a restarted one over
 the same checkpoint and pool settings, continues from the newest snapshot exactly. A token is leased to one
 connection at a time (a second one gets `resume_failed` and close 1008: no fork; a reconnect while the last snapshot
@@ -115,6 +116,7 @@ class RealtimeSession(AudioInput):
         self.snapshots: Snapshotter | None = None  # set by `realtime_endpoint` when the session is resumable
         self.last_active = 0.0  # loop time of the client's last message or the last response's end (idle timeout)
         self._wake = asyncio.Event()  # a response ended: the receive loop checks for a due snapshot
+        self.handling = asyncio.Lock()  # held while a client event is applied (a turn boundary's snapshot waits)
         timers = [x / 4 for x in (self.options.idle_timeout_s, self.options.snapshot_every_s) if x]
         self._poll_s = max(0.02, min([1.0] + timers))
 
@@ -173,7 +175,8 @@ class RealtimeSession(AudioInput):
                                                          "binary one"))
                     continue
                 try:
-                    await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
+                    async with self.handling:
+                        await self.handle(rte.parse_client_event(text, max_bytes=self.options.max_message_bytes))
                 except rte.RealtimeEventError as e:
                     self._refused(e)
                 else:
@@ -424,10 +427,12 @@ class RealtimeSession(AudioInput):
                                  reason=reason if status != "completed" else None, max_output_tokens=limit)
         if metadata is not None:
             done["response"]["metadata"] = metadata
+        failed = await self.snapshots.turn_ended() if self.snapshots is not None else []  # on disk before done
         self.send(done)
+        for event in failed:
+            self.send(event)
         self.last_active = asyncio.get_running_loop().time()
         if self.snapshots is not None:
-            self.snapshots.turn_ended()
             self._wake.set()
 
 
