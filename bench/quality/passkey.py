@@ -1,0 +1,165 @@
+"""Pass-key retrieval per retention policy at matched cell budgets, on real weights, streamed through omnijax's
+chunk_step.
+
+The Landmark-attention haystack ("The grass is green. The sky is blue. ..." repeated, "The pass key is NNNNN.
+Remember it." at a depth of the filler, the question last) in two shapes: `single`, one user message streamed as
+units of `--chunk` tokens behind the chat template's system prefix, and `multi`, a conversation whose turn 1
+states the key, filler turns follow (each acknowledged by a scripted assistant turn) and the question comes last.
+Each session runs in an `omnijax.Session` (one jitted `chunk_step` per chunk) under each policy of `--policies` at
+each budget of `--budgets` (see `bench/quality/_stream.py` for how each policy is set to a budget), and the greedy
+answer is right when it contains the key. A policy that cannot hold the budget on a text-only model (InfiniPot-V
+compresses visual spans only) still runs and is reported with the reason and the cells it held.
+
+Prints a table per shape, writes `passkey.json` (one row per session) and `passkey.png` (accuracy against budget per
+policy) under `--out`.
+
+    .venv/bin/python -m bench.quality.passkey --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    .venv/bin/python -m bench.quality.passkey --checkpoint DIR --lengths 1024 2048 4096 8192 --budgets 512 1024 2048
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+from bench import harness
+from bench.quality import _common as common
+
+SMOKE = dict(lengths=[256], budgets=[160], depths=[0.5], keys=1, chunk=64, modes=["single"],
+             policies=["no_slide", "omnipick", "sink_window"])
+
+
+def build_parser():
+    p = harness.parser(__doc__)
+    common.add_model_args(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
+    p.add_argument("--budgets", type=int, nargs="+", default=[512], help="cell budgets")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="key depths (single prompt)")
+    p.add_argument("--keys", type=int, default=2, help="keys per (length, depth) cell")
+    p.add_argument("--modes", nargs="+", default=["single", "multi"], choices=["single", "multi"])
+    p.add_argument("--policies", nargs="+", default=None, help="policy names (default: all ten)")
+    p.add_argument("--chunk", type=int, default=128, help="tokens per streamed chunk")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def prompts(model, args):
+    """Every session's prompt: (mode, length, depth, key index) -> `_stream.Prompt`."""
+    from bench.quality import _stream
+
+    out = {}
+    for mode in args.modes:
+        for length in args.lengths:
+            depths = args.depths if mode == "single" else [0.0]
+            for d, depth in enumerate(depths):
+                for i, key in enumerate(common.pass_keys(args.keys, args.seed + 1000 * length + 10 * d)):
+                    out[mode, length, depth, i] = (_stream.single_prompt(model, length, depth, key, args.chunk)
+                                                   if mode == "single" else
+                                                   _stream.multi_turn(model, length, key, args.chunk))
+    return out
+
+
+def summarise(rows):
+    """Accuracy per (mode, policy, budget, length) and per (mode, policy, budget)."""
+    cells = defaultdict(list)
+    for r in rows:
+        cells[r["mode"], r["policy"], r["budget"], r["length"]].append(r)
+        cells[r["mode"], r["policy"], r["budget"], "all"].append(r)
+    return {k: dict(acc=sum(r["correct"] for r in v) / len(v), n=len(v),
+                    peak=max(r["peak_cells"] for r in v), key_kept=sum(r["key_cells_kept"] for r in v) /
+                    max(1, sum(r["key_cells"] for r in v)))
+            for k, v in cells.items()}
+
+
+def print_tables(rows, args, policies):
+    summary = summarise(rows)
+    for mode in args.modes:
+        print(f"\n{mode}: accuracy (sessions right / sessions), peak cells, share of the key's cells held at the "
+              "question")
+        table = []
+        for budget in args.budgets:
+            for name in policies:
+                if (mode, name, budget, "all") not in summary:
+                    continue
+                row = {"policy": name, "budget": budget}
+                for length in args.lengths + ["all"]:
+                    s = summary.get((mode, name, budget, length))
+                    row[str(length)] = None if s is None else s["acc"]
+                row["peak"] = summary[mode, name, budget, "all"]["peak"]
+                row["key held"] = summary[mode, name, budget, "all"]["key_kept"]
+                table.append(row)
+        harness.print_table(table, [("policy", "policy", ""), ("budget", "budget", "d")] +
+                            [(str(n), str(n), ".2f") for n in args.lengths + ["all"]] +
+                            [("peak", "peak", "d"), ("key held", "key held", ".2f")])
+    for name, why in _limits(policies).items():
+        print(f"note: {name} on a text-only model: {why}")
+
+
+def _limits(policies):
+    from bench.quality._stream import TEXT_ONLY_LIMITS
+
+    return {k: v for k, v in TEXT_ONLY_LIMITS.items() if k in policies}
+
+
+def plot(rows, args, policies, out):
+    plt = harness.pyplot()
+    summary = summarise(rows)
+    fig, axes = plt.subplots(1, len(args.modes), figsize=(6 * len(args.modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], args.modes):
+        for name in policies:
+            xs = [b for b in args.budgets if (mode, name, b, "all") in summary]
+            ax.plot(xs, [summary[mode, name, b, "all"]["acc"] for b in xs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cell budget")
+        ax.set_ylabel("pass-key accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{mode}: lengths {', '.join(map(str, args.lengths))} tokens")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    harness.save_png(fig, out, "passkey")
+
+
+def main(argv=None):
+    argv = ["--smoke" if a == "--quick" else a for a in (sys.argv[1:] if argv is None else argv)]
+    args = harness.parse(build_parser(), argv, smoke=SMOKE)
+    common.quiet_threads()
+    out = harness.output_dir(args)
+    source = common.model_source(args)
+    from bench.quality import _stream
+
+    policies = args.policies or list(_stream.POLICIES)
+    import omnijax
+
+    model = omnijax.load(source.checkpoint)
+    all_prompts = prompts(model, args)
+    total = len(all_prompts) * len(policies) * len(args.budgets)
+    print(f"{source.checkpoint}: {len(all_prompts)} prompts x {len(policies)} policies x {len(args.budgets)} "
+          f"budgets = {total} sessions", flush=True)
+    rows, done, started = [], 0, time.perf_counter()
+    for budget in args.budgets:
+        for name in policies:
+            policy = _stream.policy_at(name, budget)
+            for (mode, length, depth, i), prompt in all_prompts.items():
+                config = _stream.stream_config(policy, tokens=prompt.tokens, budget=budget, chunk=args.chunk,
+                                               page_size=args.page_size)
+                o = _stream.run_session(model, prompt, config)
+                done += 1
+                rows.append(dict(mode=mode, policy=name, budget=budget, length=length, tokens=prompt.tokens,
+                                 depth=depth, key=prompt.key, answer=o.answer, correct=o.correct,
+                                 peak_cells=o.peak_cells, mean_cells=o.mean_cells, final_cells=o.final_cells,
+                                 key_cells_kept=o.key_cells_kept, key_cells=o.key_cells, seconds=o.seconds,
+                                 note=_stream.TEXT_ONLY_LIMITS.get(name)))
+                print(f"  [{done}/{total}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "
+                      f"{'right' if o.correct else 'wrong'} ({o.answer[:40]!r}), peak {o.peak_cells} cells, key "
+                      f"{o.key_cells_kept}/{o.key_cells}, {o.seconds:.1f} s ({time.perf_counter() - started:.0f} s)",
+                      flush=True)
+    harness.write_json(out, "passkey", dict(model=str(source.gguf or source.checkpoint), chunk=args.chunk,
+                                            budgets=args.budgets, lengths=args.lengths, rows=rows))
+    print_tables(rows, args, policies)
+    plot(rows, args, policies, out)
+
+
+if __name__ == "__main__":
+    main()

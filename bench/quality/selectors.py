@@ -1,0 +1,293 @@
+"""TideKV's prefill selectors beside kvpress's presses on the same weights: pass-key accuracy per compression ratio,
+and whether the two keep the same KV entries.
+
+Every pass-key prompt (one user message, the question last; `bench/quality/_common.py`) is compressed whole at
+each ratio of `--ratios` by each pair, then the answer is decoded greedily:
+
+    omnijax (model.prefill, layer-major)            kvpress 0.5.5 on transformers (sdpa)
+    SnapKV(window, pool_kernel)                     SnapKVPress(ratio, window_size, kernel_size)
+    AdaKV(window, pool_kernel, floor=0.2)           AdaKVPress(SnapKVPress(...), alpha_safeguard=0.2)
+    SnapKV + pyramid_budgets(L * budget, L, window) PyramidKVPress(ratio, window_size, kernel_size, beta=20)
+    ChunkKV(window, pool_kernel, chunk_length=20)   ChunkKVPress(SnapKVPress(...), chunk_length=20)
+    KeyDiff()                                       KeyDiffPress(ratio)
+    RecentTokens()                                  StreamingLLMPress(ratio, n_sink=0)
+
+with the per-head budget `kvpress_budget(ratio, S)`. Each side runs in its own process (`--worker omnijax` /
+`--worker kvpress`; torch and JAX never share one) and records, per case, the answer and the kept set of every
+layer and KV head (kvpress's found by matching the kept keys against an uncompressed run's, or AdaKV's masked
+indices). The table gives both accuracies and the agreement of the kept sets (share of (layer, head) sets that are
+identical, mean Jaccard) and of the answers. Writes `selectors.json` and `selectors.png` under `--out`.
+
+    .venv/bin/python -m bench.quality.selectors --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import harness
+from bench.quality import _common as common
+
+SELECTORS = ("snapkv", "adakv", "pyramidkv", "chunkkv", "keydiff", "recent")
+WINDOW, KERNEL, CHUNK_LENGTH, FLOOR, BETA = 64, 5, 20, 0.2, 20
+SMOKE = dict(lengths=[256], depths=[0.5], ratios=[0.5], selectors=["snapkv", "keydiff"])
+
+
+def build_parser():
+    p = harness.parser(__doc__)
+    common.add_model_args(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--keys", type=int, default=1)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", choices=["omnijax", "kvpress"], help=argparse_hidden())
+    p.add_argument("--cases", help=argparse_hidden())
+    return p
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def make_prompts(checkpoint: Path, args) -> list[dict]:
+    """The pass-key prompts as token ids (the checkpoint's tokenizer and chat template)."""
+    from omnijax.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_directory(checkpoint)
+    out = []
+    for length in args.lengths:
+        for d, depth in enumerate(args.depths):
+            for key in common.pass_keys(args.keys, args.seed + 1000 * length + 10 * d):
+                body = common.haystack(_lines(tok, length), depth, key)
+                text = tok.render([{"role": "user", "content": body + common.QUESTION}], add_generation_prompt=True)
+                out.append(dict(length=length, depth=depth, key=key, ids=tok.encode(text)))
+    return out
+
+
+def _lines(tok, length):
+    per_line = len(tok.encode(common.FILLER * 20)) / 20
+    return max(1, int((length - len(tok.encode(common.INTRO)) - 60) / per_line))
+
+
+def budget_of(ratio: float, S: int, selector: str) -> int:
+    from omnijax.prefill import kvpress_budget
+
+    return kvpress_budget(ratio, S, chunk_length=CHUNK_LENGTH if selector == "chunkkv" else None)
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
+    import omnijax
+    from omnijax import prefill as px
+
+    model = omnijax.load(source)
+    L = model.config.num_layers
+    selectors = {"snapkv": px.SnapKV(WINDOW, KERNEL), "adakv": px.AdaKV(WINDOW, KERNEL, floor=FLOOR),
+                 "pyramidkv": px.SnapKV(WINDOW, KERNEL), "chunkkv": px.ChunkKV(WINDOW, KERNEL, CHUNK_LENGTH),
+                 "keydiff": px.KeyDiff(), "recent": px.RecentTokens()}
+    rows, masks = [], {}
+    for i, case in enumerate(cases["cases"]):
+        ids = np.asarray([case["ids"]])
+        S = ids.shape[1]
+        budget = budget_of(case["ratio"], S, case["selector"])
+        budgets = px.pyramid_budgets(L * budget, L, window=WINDOW, beta=BETA) if case["selector"] == "pyramidkv" \
+            else budget
+        started = time.perf_counter()
+        res = model.prefill(ids, selector=selectors[case["selector"]], budgets=budgets, chunk=512, page=64,
+                            room=common.ANSWER_TOKENS)
+        tokens, _, _ = px.greedy(model.decoder, res.cache, res.logits, steps=common.ANSWER_TOKENS)
+        answer = _text(model.tokenizer, np.asarray(tokens)[0].tolist(), model.config.eos_token_ids)
+        kept = np.zeros((L, res.cache.layers[0].num_kv_heads, S), bool)
+        for layer, lc in enumerate(res.cache.layers):
+            index, offset, length = map(np.asarray, (lc.index, lc.offset, lc.length))
+            for g in range(length.shape[1]):
+                kept[layer, g, index[0, offset[0, g]:offset[0, g] + length[0, g]]] = True
+        masks[f"case{i}"] = np.packbits(kept, axis=-1)
+        rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
+        print(f"  omnijax [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
+              flush=True)
+    _save(out, "omnijax", rows, masks)
+
+
+def kvpress_worker(cases: dict, gguf: Path, out: Path) -> None:
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    transformers.utils.logging.disable_progress_bar()
+    import kvpress
+    from transformers import DynamicCache
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    L = hf.config.num_hidden_layers
+
+    def snap(ratio):
+        return kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+
+    presses = {"snapkv": snap, "adakv": lambda r: kvpress.AdaKVPress(snap(r), alpha_safeguard=FLOOR),
+               "pyramidkv": lambda r: kvpress.PyramidKVPress(compression_ratio=r, window_size=WINDOW,
+                                                             kernel_size=KERNEL, beta=BETA),
+               "chunkkv": lambda r: kvpress.ChunkKVPress(press=snap(r), chunk_length=CHUNK_LENGTH),
+               "keydiff": lambda r: kvpress.KeyDiffPress(compression_ratio=r),
+               "recent": lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=0)}
+    full_keys: dict[tuple, list] = {}
+    rows, masks = [], {}
+    for i, case in enumerate(cases["cases"]):
+        ids = torch.as_tensor([case["ids"]])
+        S = ids.shape[1]
+        if tuple(case["ids"]) not in full_keys:
+            cache = DynamicCache()
+            with torch.inference_mode():
+                hf(input_ids=ids, past_key_values=cache, use_cache=True)
+            full_keys[tuple(case["ids"])] = [layer.keys[0].numpy() for layer in cache.layers]
+        full = full_keys[tuple(case["ids"])]
+        started = time.perf_counter()
+        press = presses[case["selector"]](case["ratio"])
+        cache = DynamicCache()
+        with torch.inference_mode():
+            with press(hf):
+                logits = hf(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            kept = np.zeros((L, full[0].shape[0], S), bool)
+            for layer, lc in enumerate(cache.layers):
+                masked = getattr(hf.model.layers[layer].self_attn, "masked_key_indices", None)
+                if masked is not None:  # AdaKV: entries stay in the cache, masked in attention
+                    kept[layer] = True
+                    kept[layer, masked[1].numpy(), masked[2].numpy()] = False
+                    continue
+                k = lc.keys[0].numpy()  # [G, n, d]: exact copies of full-cache rows
+                for g in range(k.shape[0]):
+                    match = np.all(k[g][:, None] == full[layer][g][None], axis=-1)
+                    kept[layer, g, match.argmax(axis=1)] = True
+            generated = []
+            for step in range(common.ANSWER_TOKENS):  # at the true positions S, S + 1, ... (the cache is shorter)
+                token = int(logits[0].argmax())
+                generated.append(token)
+                if token in _eos(hf):
+                    break
+                logits = hf(input_ids=torch.as_tensor([[token]]), past_key_values=cache, use_cache=True,
+                            position_ids=torch.as_tensor([[S + step]])).logits[:, -1]
+        for layer in hf.model.layers:  # AdaKV's mask must not outlive its case
+            layer.self_attn.masked_key_indices = None
+        answer = tok.decode(generated, skip_special_tokens=True).strip()
+        masks[f"case{i}"] = np.packbits(kept, axis=-1)
+        rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
+        print(f"  kvpress [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
+              flush=True)
+    _save(out, "kvpress", rows, masks)
+
+
+def _eos(hf) -> set:
+    eos = hf.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+def _text(tokenizer, tokens, eos) -> str:
+    cut = []
+    for t in tokens:
+        if t < 0:
+            break
+        cut.append(t)
+        if t in eos:
+            break
+    return tokenizer.decode(cut, skip_special_tokens=True).strip()
+
+
+def _save(out: Path, side: str, rows, masks) -> None:
+    np.savez_compressed(out / f"selectors_{side}_kept.npz", **masks)
+    (out / f"selectors_{side}.json").write_text(json.dumps(rows))
+
+
+# ------------------------------------------------------------------------------------------------------ parent
+def agreement(a: np.ndarray, b: np.ndarray, S: int) -> tuple[float, float]:
+    """(share of identical (layer, head) kept sets, mean Jaccard) of two packed `[L, G, S]` masks."""
+    a = np.unpackbits(a, axis=-1, count=S).astype(bool)
+    b = np.unpackbits(b, axis=-1, count=S).astype(bool)
+    same = np.all(a == b, axis=-1)
+    inter, union = (a & b).sum(-1), (a | b).sum(-1)
+    return float(same.mean()), float(np.mean(inter / np.maximum(union, 1)))
+
+
+def main(argv=None):
+    argv = ["--smoke" if a == "--quick" else a for a in (sys.argv[1:] if argv is None else argv)]
+    args = harness.parse(build_parser(), argv, smoke=SMOKE)
+    common.quiet_threads()
+    out = harness.output_dir(args)
+    if args.worker:
+        cases = json.loads(Path(args.cases).read_text())
+        if args.worker == "omnijax":
+            omnijax_worker(cases, Path(cases["checkpoint"]), out)
+        else:
+            kvpress_worker(cases, Path(cases["gguf"]), out)
+        return
+    source = common.model_source(args)
+    if source.gguf is None:
+        raise SystemExit("kvpress runs transformers on the GGUF file: pass --gguf FILE (the same weights omnijax "
+                         "converts), not --checkpoint")
+    prompts = make_prompts(source.checkpoint, args)
+    cases = [dict(p, selector=s, ratio=r) for p in prompts for s in args.selectors for r in args.ratios]
+    spec = out / "selectors_cases.json"
+    spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), gguf=str(source.gguf), cases=cases)))
+    print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} cases "
+          "per side", flush=True)
+    for side in ("omnijax", "kvpress"):
+        started = time.perf_counter()
+        subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--cases", spec, "--out", out),
+                       cwd=harness.ROOT, check=True)
+        print(f"{side}: {time.perf_counter() - started:.0f} s", flush=True)
+    results = {side: (json.loads((out / f"selectors_{side}.json").read_text()),
+                      np.load(out / f"selectors_{side}_kept.npz")) for side in ("omnijax", "kvpress")}
+    rows = []
+    for i, case in enumerate(cases):
+        oj, om = results["omnijax"][0][i], results["omnijax"][1]
+        kp, km = results["kvpress"][0][i], results["kvpress"][1]
+        same, jaccard = agreement(om[f"case{i}"], km[f"case{i}"], len(case["ids"]))
+        rows.append(dict(selector=case["selector"], ratio=case["ratio"], length=case["length"], tokens=len(case["ids"]),
+                         depth=case["depth"], key=case["key"], omnijax_answer=oj["answer"], kvpress_answer=kp["answer"],
+                         omnijax_right=common.contains_key(oj["answer"], case["key"]),
+                         kvpress_right=common.contains_key(kp["answer"], case["key"]),
+                         omnijax_cells=oj["cells"], kvpress_cells=kp["cells"], sets_identical=same, jaccard=jaccard,
+                         answers_equal=oj["answer"] == kp["answer"]))
+    harness.write_json(out, "selectors", dict(model=str(source.gguf), window=WINDOW, pool_kernel=KERNEL,
+                                              chunk_length=CHUNK_LENGTH, rows=rows))
+    table = []
+    for s in args.selectors:
+        for r in args.ratios:
+            group = [x for x in rows if x["selector"] == s and x["ratio"] == r]
+            table.append(dict(selector=s, ratio=r, n=len(group),
+                              omnijax=np.mean([x["omnijax_right"] for x in group]),
+                              kvpress=np.mean([x["kvpress_right"] for x in group]),
+                              same=np.mean([x["sets_identical"] for x in group]),
+                              jaccard=np.mean([x["jaccard"] for x in group]),
+                              answers=np.mean([x["answers_equal"] for x in group])))
+    print("\naccuracy (omnijax / kvpress), kept sets identical (share of layer-head sets), mean Jaccard, equal answers")
+    harness.print_table(table, [("selector", "selector", ""), ("ratio", "ratio", ".2f"), ("n", "n", "d"),
+                                ("omnijax", "omnijax", ".2f"), ("kvpress", "kvpress", ".2f"),
+                                ("sets same", "same", ".3f"), ("jaccard", "jaccard", ".3f"),
+                                ("answers eq", "answers", ".2f")])
+    plt = harness.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, side in zip(axes, ("omnijax", "kvpress")):
+        for s in args.selectors:
+            ax.plot(args.ratios, [t[side] for t in table if t["selector"] == s], marker="o", label=s)
+        ax.set_title(f"{side}: pass-key accuracy")
+        ax.set_xlabel("compression ratio")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy")
+    axes[1].legend(fontsize=8)
+    harness.save_png(fig, out, "selectors")
+
+
+if __name__ == "__main__":
+    main()
