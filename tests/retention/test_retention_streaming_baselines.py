@@ -31,6 +31,7 @@ from tests._support import soak
 from tests._support.unit_streams import Token, kept_orders, random_stream, to_view
 
 B, S = 8, 256
+_view = jax.jit(sequence_view)  # one program, not one per primitive
 BATCHES = 64 * soak.factor()  # 512 streams per setting
 
 SETTINGS = [
@@ -119,12 +120,13 @@ def test_second_round_is_stable(pool):
     """Plans applied to their own survivors keep everything and stop triggering (jitted, both policies)."""
     rng = np.random.default_rng(5)
     for policy in (SETTINGS[2], SETTINGS[3], SETTINGS[9]):
+        plan, trigger = jax.jit(policy.plan), jax.jit(policy.trigger)
         for streams, view in pool[:8]:
-            got = kept_orders(view, policy.plan(view))
+            got = kept_orders(view, plan(view))
             again = [[t for t in s if t.order in k] for s, k in zip(streams, got)]
             view2 = to_view(again, rng, capacity=S)
-            assert kept_orders(view2, policy.plan(view2)) == [{t.order for t in s} for s in again]
-            assert not np.asarray(policy.trigger(view2)).any()
+            assert kept_orders(view2, plan(view2)) == [{t.order for t in s} for s in again]
+            assert not np.asarray(trigger(view2)).any()
 
 
 def test_handmade_plans():
@@ -207,7 +209,7 @@ def test_inside_the_scan_matches_the_reference_run(model, policy):
     np.testing.assert_array_equal(retained, want)
     assert evicted.sum() > 0 and (retained + np.cumsum(evicted) == 10 * np.arange(1, 15)).all()
     np.testing.assert_array_equal(np.asarray(result.stats.next_pos[:, 0]), retained)  # contiguous re-indexing
-    view = sequence_view(result.state.kv)
+    view = _view(result.state.kv)
     live = np.asarray(view.live[0])
     got = sorted(zip(np.asarray(view.unit[0])[live].tolist(), np.asarray(view.span[0])[live].tolist(),
                      np.asarray(view.offset[0])[live].tolist()))
@@ -231,7 +233,7 @@ def test_tmrope_session_stays_bounded(model):
         retained = np.asarray(result.stats.layout.retained_cells[:, 0])
         evicted = np.asarray(result.stats.evicted[:, 0])
         assert evicted.sum() > 0 and (retained + np.cumsum(evicted) == np.cumsum(per_chunk)).all()
-        view = sequence_view(result.state.kv)
+        view = _view(result.state.kv)
         live, span = np.asarray(view.live[0]), np.asarray(view.span[0])
         visual = np.isin(span, [K.IMAGE, K.SLICE, K.VIDEO]) & live
         audio = (span == K.AUDIO) & live
@@ -362,7 +364,7 @@ def test_token_drop_composes_with_a_policy_in_the_stream(model):
         retained = np.asarray(result.stats.layout.retained_cells[:, 0])
         evicted = np.asarray(result.stats.evicted[:, 0])
         assert (retained + np.cumsum(evicted) == np.cumsum(per_chunk)).all()
-        view = sequence_view(result.state.kv)
+        view = _view(result.state.kv)
         live = np.asarray(view.live[0])
         cached = set(zip(np.asarray(view.unit[0])[live].tolist(), np.asarray(view.offset[0])[live].tolist()))
         c_idx, _, t_idx = np.nonzero(dropped)
