@@ -16,6 +16,7 @@ non-ASCII text) with the named special tokens as variables, then the tokenizer's
 defaults, e.g. MiniCPM-o 4.5's `enable_thinking=False`), then the caller's. Not done: `clean_up_tokenization_spaces`
 (the Qwen releases turn it off) and the legacy `added_tokens.json` / `special_tokens_map.json`.
 
+The chat templates omnijax ships (`CHATML_TEMPLATE`, `MINICPMO_4_5_TEMPLATE`) live in `omnijax.models.chat_templates`.
 `write_tiny_tokenizer` trains a tiny byte-level BPE in milliseconds with special tokens at chosen ids, so tiny test
 checkpoints get a tokenizer that transformers' `AutoTokenizer` loads too.
 """
@@ -34,6 +35,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from omnijax.models.chat_templates import CHATML_TEMPLATE, MINICPMO_4_5_TEMPLATE
+
 __all__ = ["CHATML_TEMPLATE", "MINICPMO_4_5_TEMPLATE", "ROLES", "StreamDecoder", "Tokenizer", "TokenizerError",
            "load_tokenizer", "write_tiny_tokenizer"]
 
@@ -42,71 +45,6 @@ TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE, TEMPLATE_DIR = (
 LEGACY_TEMPLATE_FILE = "chat_template.json"  # the processor format of transformers 4: {"chat_template": "..."}
 ROLES = ("system", "user", "assistant", "tool")
 REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
-
-# Qwen2.5-Omni's ChatML layout. Content parts: text as is, audio/image/video as the Omni placeholders between their
-# markers, concatenated. No default system message is inserted: the transformers processor of Qwen2.5-Omni (5.2.0)
-# only warns when the system prompt is not the one its speech output expects, and the release's template file is
-# not available here to confirm one.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] == 'audio' %}{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{%- elif part['type'] == 'image' %}{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{%- elif part['type'] == 'video' %}{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{%- else %}{{- raise_exception('unsupported content part type: ' ~ part['type']) }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# MiniCPM-o 4.5 (a Qwen3 LLM) in the Qwen3 chat layout. Choices made here (this is our template, not the release's):
-# - content parts are joined with "\n" as MiniCPM-o's chat code joins a message's items; images and audio render as
-#   the release's placeholders `<image>./</image>` and `<audio>./</audio>` (its processor expands them);
-# - thinking is off unless `enable_thinking=True` is passed: the generation prompt then ends with the empty think
-#   block `<think>\n\n</think>\n\n` (Qwen3 defaults to thinking; MiniCPM-o's chat use does not think);
-# - `use_tts_template=True` appends `<|tts_bos|>` after the generation prompt, as the release's speech chat does
-#   (the golden prompt `tests/data/minicpmo45/case5_chat.json` ends so);
-# - as in Qwen3, assistant turns before the last user turn lose their `<think>...</think>` part, later ones keep it
-#   (an empty one when the message is the last), a run of tool messages becomes one user turn of
-#   `<tool_response>` blocks, and tool schemas (`tools=`) are refused.
-MINICPMO_4_5_TEMPLATE = (
-    "{%- if tools %}{{- raise_exception('this chat template does not render tools') }}{%- endif %}"
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for message in messages %}"
-    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
-    "{%- else %}{%- set parts = namespace(texts=[]) %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{%- set parts.texts = parts.texts + [part['text']] %}"
-    "{%- elif part['type'] == 'image' %}{%- set parts.texts = parts.texts + ['<image>./</image>'] %}"
-    "{%- elif part['type'] == 'audio' %}{%- set parts.texts = parts.texts + ['<audio>./</audio>'] %}"
-    "{%- else %}{{- raise_exception('unsupported content part type: ' ~ part['type']) }}"
-    "{%- endif %}{%- endfor %}{%- set content = parts.texts | join('\\n') %}{%- endif %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
-    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}"
-    "{{- content + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if not (enable_thinking is defined and enable_thinking) %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- if use_tts_template is defined and use_tts_template %}{{- '<|tts_bos|>' }}{%- endif %}"
-    "{%- endif %}"
-)
 
 # Pre-tokenization of the Qwen2 tokenizers (split pattern, then bytes to printable characters), used by the tiny one.
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"

@@ -16,6 +16,7 @@ embedding, provided the config's flag says so (otherwise the tensor is reported 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,29 +32,58 @@ from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig
 
-# Hugging Face model_type -> omnijax model type written to the manifest. Plain Qwen2/Qwen3 LLM checkpoints share the
-# decoder and the name table (Qwen3: q/k norm, no attention biases; both: 1D RoPE unless an mrope_section is set).
-OMNIJAX_MODEL_TYPES = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
-                       "qwen2": "qwen2", "qwen3": "qwen3"}
-HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
+
+@dataclasses.dataclass(frozen=True)
+class HfLayout:
+    """What one Hugging Face `model_type` this converter reads means for it.
+
+    Attributes:
+        model_type: the omnijax model type written to the manifest (a component key of this family's `Family`).
+        thinker_key: where the thinker's settings are: under this key of the config (the full model), the config
+            itself (""), or None for a plain LLM whose settings are top-level.
+        tmrope: the decoder needs a 3-axis `mrope_section` (the Qwen2.5-Omni thinker).
+        qk_norm: Qwen3 layers: q/k norm and no attention biases (else Qwen2's q/k/v biases).
+        strict_biases: an `attention_bias` other than true is refused (the thinker: its biases are fixed).
+    """
+
+    model_type: str
+    thinker_key: str | None
+    tmrope: bool = False
+    qk_norm: bool = False
+    strict_biases: bool = False
+
+
+# Hugging Face model_type -> its layout. Plain Qwen2/Qwen3 LLM checkpoints share the decoder and the name table
+# (Qwen3: q/k norm, no attention biases; both: 1D RoPE unless an mrope_section is set).
+HF_LAYOUTS = {
+    "qwen2_5_omni": HfLayout("qwen2_5_omni", "thinker_config", tmrope=True, strict_biases=True),
+    "qwen2_5_omni_thinker": HfLayout("qwen2_5_omni", "", tmrope=True, strict_biases=True),
+    "qwen2": HfLayout("qwen2", None),
+    "qwen3": HfLayout("qwen3", None, qk_norm=True),
+}
+OMNIJAX_MODEL_TYPES = {hf: layout.model_type for hf, layout in HF_LAYOUTS.items()}
+HF_MODEL_TYPES = tuple(HF_LAYOUTS)
 IM_END_TOKEN_ID = 151645  # <|im_end|> of the release: the end of an answer unless the checkpoint says otherwise
 
 # ---------------------------------------------------------------------------------------------------------- config
 
 
+def layout_of(hf_config: Mapping[str, Any]) -> HfLayout:
+    """The `HfLayout` of a parsed Hugging Face config; ConfigError naming the model types read otherwise."""
+    layout = HF_LAYOUTS.get(str(hf_config.get("model_type")))
+    if layout is None:
+        raise ConfigError(f"model_type {hf_config.get('model_type')!r} is not one of {HF_MODEL_TYPES}")
+    return layout
+
+
 def _text_config(hf: Mapping[str, Any]) -> tuple[dict, str, bool | None]:
     """Returns `(text_config, its dotted scope, tie flag)` of a full or thinker-only config."""
-    model_type = hf.get("model_type")
-    if model_type == "qwen2_5_omni":
-        thinker, scope = hf.get("thinker_config"), "thinker_config"
-        if not isinstance(thinker, dict):
-            raise ConfigError("qwen2_5_omni config has no 'thinker_config' object")
-    elif model_type == "qwen2_5_omni_thinker":
-        thinker, scope = hf, ""
-    elif model_type in ("qwen2", "qwen3"):
+    key = layout_of(hf).thinker_key
+    if key is None:
         return dict(hf), "config", hf.get("tie_word_embeddings")
-    else:
-        raise ConfigError(f"model_type {model_type!r} is not one of {HF_MODEL_TYPES}")
+    thinker, scope = (hf.get(key), key) if key else (hf, "")
+    if not isinstance(thinker, dict):
+        raise ConfigError(f"{hf.get('model_type')} config has no '{key}' object")
     text = thinker.get("text_config")
     text_scope = f"{scope}.text_config" if scope else "text_config"
     if not isinstance(text, dict):
@@ -91,10 +121,10 @@ def _parse_rope(rope: Mapping[str, Any], scope: str) -> tuple[float | None, tupl
 
 def model_type_for(hf_config: Mapping[str, Any]) -> str:
     """The omnijax model type of a parsed Hugging Face config."""
-    return OMNIJAX_MODEL_TYPES[hf_config.get("model_type")]
+    return layout_of(hf_config).model_type
 
 
-def _check_math(text: Mapping[str, Any], scope: str, model_type: str) -> None:
+def _check_math(text: Mapping[str, Any], scope: str, layout: HfLayout) -> None:
     """Refuses attributes that change the decoder's math and are not implemented."""
     act = text.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -105,11 +135,11 @@ def _check_math(text: Mapping[str, Any], scope: str, model_type: str) -> None:
     for i, kind in enumerate(text.get("layer_types") or ()):
         if kind != "full_attention":
             raise UnsupportedConfigError(f"{scope}.layer_types[{i}]", kind, "only full attention is implemented")
-    if model_type == "qwen3":
+    if layout.qk_norm:
         if text.get("attention_bias"):
             raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
                                          "Qwen3 attention biases (including o_proj) are not implemented")
-    elif model_type != "qwen2" and "attention_bias" in text and text["attention_bias"] is not True:
+    elif layout.strict_biases and "attention_bias" in text and text["attention_bias"] is not True:
         raise UnsupportedConfigError(f"{scope}.attention_bias", text["attention_bias"],
                                      "Qwen2 attention has q/k/v biases; other layouts are not implemented")
     if text.get("mlp_bias"):
@@ -142,8 +172,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         ConfigError: a required attribute is missing or the values are inconsistent.
     """
     text, scope, tie = _text_config(hf_config)
-    model_type = model_type_for(hf_config)
-    _check_math(text, scope, model_type)
+    layout = layout_of(hf_config)
+    _check_math(text, scope, layout)
     theta, section = None, None
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
@@ -159,7 +189,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         theta = text.get("rope_theta")
     if theta is None:
         raise ConfigError(f"{scope} sets no rope_theta (neither in rope_parameters nor as an attribute)")
-    if section is None and model_type == "qwen2_5_omni":
+    if section is None and layout.tmrope:
         raise ConfigError(f"{scope} sets no mrope_section: the Qwen2.5-Omni thinker needs 3-axis TMRoPE")
 
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -179,8 +209,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
             rope_theta=theta,
             mrope_section=section,
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            qkv_bias=model_type != "qwen3",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=not layout.qk_norm,
+            qk_norm=layout.qk_norm,
             tie_embeddings=bool(tie),
             dtype=dtype,
             eos_token_ids=default_eos(vocab),
