@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
     import omnijax
     from omnijax import prefill as px
 
-    model = omnijax.load(source)
+    model: Any = omnijax.load(source)  # an omnijax.Model: prefill is its method
     L = model.config.num_layers
     selectors = {"snapkv": px.SnapKV(WINDOW, KERNEL), "adakv": px.AdaKV(WINDOW, KERNEL, floor=FLOOR),
                  "pyramidkv": px.SnapKV(WINDOW, KERNEL), "chunkkv": px.ChunkKV(WINDOW, KERNEL, CHUNK_LENGTH),
