@@ -176,9 +176,10 @@ def test_chunks_of_embeddings_equal_chunks_of_tokens(model, tokens):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_attention_impls_stream_like_the_reference(model, tokens, impl):
+    # The reference run is test_session_steps_equal_the_scan's (same chunks and cache shape): compiled once.
     chunks = split_text(tokens[0], 3, answer_tokens=4)
-    ref = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=16)
-    got = omnijax.stream(model, chunks, max_answer_tokens=4, page_size=16, impl=impl)
+    ref = omnijax.stream(model, chunks, max_answer_tokens=4, num_pages=16, page_size=4)
+    got = omnijax.stream(model, chunks, max_answer_tokens=4, num_pages=16, page_size=4, impl=impl)
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
