@@ -15,8 +15,10 @@ a failure leaves neither a half-written DST nor the temporary directory, and a p
 
 Config values are checked before any tensor is read (`omnijax.models.config.validate_config`, run by every family's
 `config_from_hf` and again here): positive sizes and head counts, heads in whole groups, finite positive `rope_theta`
-and `rms_norm_eps`, MoE counts, and bos / eos / pad ids (a `generation_config.json` eos included) inside the
-vocabulary; a bad value is a `ConfigError` naming it, and DST is not touched.
+and `rms_norm_eps`, MoE counts, and bos / eos / pad ids (a `generation_config.json` eos included) and the family's
+special ids (placeholders, modality and chat markers, from `config.json` and the tokenizer files:
+`omnijax.models.family.Family.source_token_ids`) inside the vocabulary; a bad value is a `ConfigValueError` naming
+it, its value and the allowed range, and DST is not touched.
 
 A DST that is a symbolic link is refused, with or without `--force`: replacing it would either write through the
 link into a directory elsewhere or silently turn the link into a directory. Pass the link's target (or remove the
@@ -38,9 +40,10 @@ from omnijax.checkpoint import loop as streaming
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.convert import gguf as gguf_convert
 from omnijax.convert import gguf_tokenizer
-from omnijax.errors import ConfigError, ConvertError, DestinationError, UnsupportedModelError
+from omnijax.errors import ConfigError, ConfigValueError, ConvertError, DestinationError, UnsupportedModelError
 from omnijax.models.config import DecoderConfig, validate_config
-from omnijax.models.registry import ALL_FAMILIES
+from omnijax.models.family import Family
+from omnijax.models.registry import ALL_FAMILIES, family_for_hf
 
 __all__ = ["convert_checkpoint", "convert_gguf", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES",
            "TOKENIZER_FILES"]
@@ -128,12 +131,26 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
             raise DestinationError(f"destination {dst} exists and is not empty (pass --force to replace it)")
 
 
-def _validated(config: DecoderConfig, path: Path) -> DecoderConfig:
-    """`validate_config` (which every family's `config_from_hf` runs too), its refusal naming the config file."""
+def _validated(config: DecoderConfig, path: Path, token_ids: dict | None = None) -> DecoderConfig:
+    """`validate_config` (which every family's `config_from_hf` runs too) with the family's special `token_ids`,
+    its refusal naming `path` (a `ConfigValueError` stays one, its attribute prefixed with `path`)."""
     try:
-        return validate_config(config)
+        return validate_config(config, token_ids)
+    except ConfigValueError as e:
+        raise ConfigValueError(f"{path}: {e.attribute}", e.value, e.allowed) from e
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from e
+
+
+def _source_token_ids(family: Family | None, hf_config: dict, src: Path) -> dict:
+    """The family's special ids a conversion of `src` records (from `config.json` and the tokenizer files), read
+    before any tensor."""
+    if family is None:
+        return {}
+    try:
+        return family.source_token_ids(hf_config, src)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{src}: special token ids (config.json and the tokenizer files): {e}") from e
 
 
 def _remove(path: Path) -> None:
@@ -216,6 +233,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     converter = converter_for(hf_config, src / "config.json")
     # Refuses an unsupported config, or a value out of range, before any tensor is read.
     config = _validated(converter.config_from_hf(hf_config, dtype=dtype), src / "config.json")
+    family = family_for_hf(hf_config.get("model_type"))
+    config = _validated(config, src, _source_token_ids(family, hf_config, src))
     eos = _generation_eos(src, config)
 
     def write(tmp: Path) -> None:
@@ -224,7 +243,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
         kwargs = {} if log is None else {"log": log}
         final, params, info, extras = converter.convert_params(ckpt, hf_config, dtype=dtype, staging_dir=staging,
                                                                progress=progress, **kwargs)
-        final = _validated(final if eos is None else final.replace(eos_token_ids=eos), src / "config.json")
+        written = {name: entry for name, (entry, _) in extras.items()}  # the manifest entries beside the decoder
+        final = _validated(final if eos is None else final.replace(eos_token_ids=eos), src / "config.json",
+                           family.manifest_token_ids(written) if family is not None else None)
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
         checkpoint.save_params(tmp, converter.model_type_for(hf_config), final, params, source_info,

@@ -6,9 +6,11 @@ static hyperparameters; weights live in the parameter pytree.
 
 Every value is checked when a config is built (`check_values`: positive sizes, finite positive `rope_theta` and
 `rms_norm_eps`, whole head groups, MoE counts, Llama-3 RoPE scaling); `validate_config` adds the token ids, which must
-lie in the vocabulary. The converter (`omnijax.convert`, through each family's `config_from_hf`) and the loader
-(`omnijax.models.registry.read_manifest`) both run `validate_config`, so a bad value in a Hugging Face `config.json`
-or in a converted checkpoint's manifest is refused by name before any tensor is read.
+lie in the vocabulary: the decoder's eos / bos / pad ids and the family's special ids (multimodal placeholders,
+modality and chat markers: `omnijax.models.family.Family.special_token_ids`, named with `token_id_fields`). The
+converter (`omnijax.convert`, through each family's `config_from_hf`) and the loader
+(`omnijax.models.registry.read_manifest`) both run `validate_config`, so a bad value in a Hugging Face `config.json`,
+its tokenizer files or a converted checkpoint's manifest is refused by name before any tensor is read.
 """
 
 from __future__ import annotations
@@ -231,6 +233,22 @@ def check_token_ids(ids: Mapping[str, Any], vocab_size: int) -> None:
                                        "inside the vocabulary")
 
 
+def token_id_fields(component: str, ids: Any, hf_names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The `*_token_id` fields of a family's dataclass of special ids (e.g. `OmniConfig`), for `validate_config`.
+
+    Args:
+        component: the manifest entry holding them (e.g. "omni"); names are `component.field`.
+        ids: the dataclass instance.
+        hf_names: field -> its Hugging Face attribute where the spelling differs, shown in parentheses.
+
+    Returns:
+        name -> id, e.g. `{"omni.audio_token_id (audio_token_index)": 151646, ...}`.
+    """
+    spelled = hf_names or {}
+    return {f"{component}.{f.name}" + (f" ({spelled[f.name]})" if f.name in spelled else ""): getattr(ids, f.name)
+            for f in dataclasses.fields(ids) if f.name.endswith("_token_id")}
+
+
 def default_head_dim(hidden_size: Any, num_heads: Any) -> int:
     """`hidden_size // num_heads`, the head width a Hugging Face config implies when it sets no `head_dim`; 0 when
     either is not a positive integer (the config's own check then names the bad one)."""
@@ -255,7 +273,8 @@ def hf_token_ids(section: Mapping[str, Any]) -> dict[str, Any]:
 def validate_config(config: DecoderConfig, token_ids: Mapping[str, Any] | None = None) -> DecoderConfig:
     """Every value check of a decoder config, as the converter and the loader run it: the values a config is built
     with (`check_values`), and its `eos_token_ids` plus `token_ids` (e.g. a Hugging Face config's bos / pad ids,
-    `hf_token_ids`) inside the vocabulary.
+    `hf_token_ids`, and the family's special ids, `omnijax.models.family.Family.special_token_ids`) inside the
+    vocabulary.
 
     Args:
         config: the decoder config.

@@ -73,6 +73,13 @@ class Family:
         template_defaults: chat-template variables the family's prompts are rendered with unless a caller passes
             them (`Conversation`, and so `Chat` and the server, apply them): what the release's own inference code
             passes to its template, e.g. MiniCPM-o 4.5's `{"enable_thinking": False}`.
+        special_token_ids: manifest -> the family's special ids it records (placeholders, modality and chat markers),
+            named for messages (e.g. "omni.audio_token_id"; `omnijax.models.config.token_id_fields`); the loader and
+            the converter refuse one outside the vocabulary (`omnijax.models.config.validate_config`). None: the
+            family has no ids beyond the decoder's.
+        token_components: `(hf_config, source directory)` -> the manifest entries holding special ids that
+            converting that source writes (what `special_token_ids` reads), resolved from its `config.json` and
+            tokenizer files without reading a tensor, so the converter refuses a bad id first.
     """
 
     name: str
@@ -88,6 +95,8 @@ class Family:
     thinker_inputs: Callable[..., tuple] | None = None
     thinker_positions: Callable[..., np.ndarray] | None = None
     template_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    special_token_ids: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    token_components: Callable[[Mapping[str, Any], Path], Mapping[str, Any]] | None = None
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -98,6 +107,18 @@ class Family:
     def hf_model_types(self) -> tuple[str, ...]:
         """The Hugging Face `model_type`s this family converts."""
         return tuple(self.converter.HF_MODEL_TYPES)
+
+    def manifest_token_ids(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """The special ids a checkpoint manifest (or the components a conversion writes) records, name -> id; empty
+        for a family without any (`special_token_ids`)."""
+        return {} if self.special_token_ids is None else dict(self.special_token_ids(manifest))
+
+    def source_token_ids(self, hf_config: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+        """The special ids converting the Hugging Face checkpoint in `directory` would record (`token_components`),
+        named as the loader names them."""
+        if self.token_components is None:
+            return {}
+        return self.manifest_token_ids(self.token_components(hf_config, directory))
 
 
 # omnijax model type -> its family; filled by `register` as `omnijax.models.registry` imports each family's folder

@@ -39,14 +39,21 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> tuple[str, DecoderConfig]:
     Raises:
         CheckpointFormatError: see `omnijax.checkpoint.format.read_manifest_dict`; also when the decoder config does
             not parse or holds a value outside its range (`omnijax.models.config.validate_config`: a head count of
-            0, a NaN rope_theta, an eos id outside the vocabulary, ...), before any parameter is read.
+            0, a NaN rope_theta, an eos id outside the vocabulary, ...), or when a special id of the family
+            (`Family.special_token_ids`: a placeholder, a modality or chat marker) lies outside the vocabulary,
+            before any parameter is read. Its cause is the `ConfigValueError` naming the field, the value and the
+            vocabulary size.
     """
     manifest = checkpoint.read_manifest_dict(ckpt_dir)
+    path = Path(ckpt_dir) / checkpoint.MANIFEST
     try:
         config = validate_config(DecoderConfig.from_json(manifest["decoder"]))
     except (TypeError, ValueError) as e:
-        raise checkpoint.CheckpointFormatError(f"{Path(ckpt_dir) / checkpoint.MANIFEST}: invalid decoder config: "
-                                               f"{e}") from e
+        raise checkpoint.CheckpointFormatError(f"{path}: invalid decoder config: {e}") from e
+    try:
+        validate_config(config, family_for(manifest["model_type"]).manifest_token_ids(manifest))
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointFormatError(f"{path}: invalid special token ids: {e}") from e
     return manifest["model_type"], config
 
 

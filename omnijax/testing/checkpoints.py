@@ -56,6 +56,33 @@ HF_TOKEN_KEYS = {"audio_token_id": "audio_token_index", "image_token_id": "image
                  "video_token_id": "video_token_index", "audio_start_token_id": "audio_start_token_id",
                  "audio_end_token_id": "audio_end_token_id", "vision_start_token_id": "vision_start_token_id",
                  "vision_end_token_id": "vision_end_token_id"}
+ENDOFTEXT = "<|endoftext|>"
+# The top of a small vocabulary: id (vocab_size - k) for each special token, `<|endoftext|>` just below the chat
+# markers as in the release (151643, 151644, 151645).
+_TOP_OF_VOCAB = {"audio_token_id": 10, "audio_start_token_id": 9, "audio_end_token_id": 8, "vision_start_token_id": 7,
+                 "vision_end_token_id": 6, "image_token_id": 5, "video_token_id": 4, "im_start_token_id": 2,
+                 "im_end_token_id": 1}
+
+
+def tiny_token_ids(vocab_size: int) -> OmniConfig:
+    """The special ids of a tiny checkpoint with `vocab_size` tokens: the release's where the vocabulary holds them
+    (the demo's 151,936, the tests' 151,700), else the top ten ids: `<|AUDIO|>` at vocab_size - 10, `<|audio_bos|>`,
+    `<|audio_eos|>`, `<|vision_bos|>`, `<|vision_eos|>`, `<|IMAGE|>`, `<|VIDEO|>` (vocab_size - 4), `<|endoftext|>`
+    (`special_tokens`), `<|im_start|>` and `<|im_end|>` (vocab_size - 1). The loader and the converter refuse ids
+    outside the vocabulary, so a checkpoint's ids must move with its size."""
+    release = OmniConfig()
+    if vocab_size > max(release.boundary_ids | release.placeholder_ids):
+        return release
+    if vocab_size <= max(_TOP_OF_VOCAB.values()):
+        raise ValueError(f"a tiny checkpoint's vocabulary must hold its {len(_TOP_OF_VOCAB) + 1} special tokens, got "
+                         f"vocab_size={vocab_size}")
+    return OmniConfig(**{field: vocab_size - k for field, k in _TOP_OF_VOCAB.items()})
+
+
+def special_tokens(ids: OmniConfig) -> dict[str, int]:
+    """Token text -> id of every special token a tiny tokenizer holds for `ids`: the `OmniConfig` tokens and
+    `<|endoftext|>` just below `<|im_start|>`."""
+    return {ENDOFTEXT: ids.im_start_token_id - 1, **{text: getattr(ids, field) for field, text in TOKEN_TEXT.items()}}
 
 
 def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dict | None = None,
@@ -73,13 +100,12 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
     `silent_ids=(start, stop)` zeroes those rows of the embedding: with a tied head their logits are 0, so a random
     model answers mostly with the ids a tiny tokenizer uses (the demo's readable gibberish).
 
-    `token_ids` (OmniConfig field name -> id) replaces the release's special ids: the placeholders and modality
-    markers go into the thinker config under their Hugging Face names (`HF_TOKEN_KEYS`), and every special token,
-    the chat markers included, into an `added_tokens.json` (the tokenizer's view), as a checkpoint with its own
-    vocabulary would ship them.
+    `token_ids` (OmniConfig field name -> id; default `tiny_token_ids` of the vocabulary: the release's ids where
+    they fit, else the top of the vocabulary) are the checkpoint's special ids: the placeholders and modality markers
+    go into the thinker config under their Hugging Face names (`HF_TOKEN_KEYS`), and, unless they are the release's,
+    every special token, the chat markers included, into an `added_tokens.json` (the tokenizer's view), as a
+    checkpoint with its own vocabulary would ship them.
     """
-
-
     cfg = dict(TINY_TEXT_CONFIG if text_config is None else text_config)
     rng = np.random.default_rng(seed)
     D, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -109,12 +135,10 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
             p + "mlp.gate_proj.weight": w(I, D), p + "mlp.up_proj.weight": w(I, D), p + "mlp.down_proj.weight": w(D, I),
         })
 
+    ids = tiny_token_ids(V) if token_ids is None else OmniConfig(**token_ids)  # refuses unknown names
     thinker = {"model_type": "qwen2_5_omni_thinker", "text_config": cfg,
-               "audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656,
-               "vision_start_token_id": 151652, "position_id_per_seconds": 25, "seconds_per_chunk": 2}
-    if token_ids is not None:
-        ids = OmniConfig(**token_ids)  # refuses unknown names
-        thinker.update({key: getattr(ids, field) for field, key in HF_TOKEN_KEYS.items()})
+               **{key: getattr(ids, field) for field, key in HF_TOKEN_KEYS.items()},
+               "position_id_per_seconds": 25, "seconds_per_chunk": 2}
     if encoders:
         def init(name, shape):
             if len(shape) == 1:  # norm scales near 1, biases near 0
@@ -141,19 +165,18 @@ def write_tiny_hf_checkpoint(directory: Path, *, seed: int = 0, text_config: dic
         "enable_audio_output": False, "thinker_config": thinker,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    if token_ids is not None:
+    if ids != OmniConfig():
         added = {text: getattr(ids, field) for field, text in TOKEN_TEXT.items()}
         (directory / "added_tokens.json").write_text(json.dumps(added, indent=2))
     return directory
 
 
 def write_tiny_tokenizer(directory: Path, vocab_size: int) -> Path:
-    """A tiny byte-level BPE tokenizer for the tiny checkpoint: ChatML template, Qwen2.5-Omni's special tokens at the
-    release's ids (`<|endoftext|>` 151643 and every `OmniConfig` token), ordinary tokens below them."""
-
-    release = OmniConfig()
-    specials = {"<|endoftext|>": 151643, **{text: getattr(release, field) for field, text in TOKEN_TEXT.items()}}
-    return write(directory, vocab_size=vocab_size, special_tokens=specials, chat_template=CHATML_TEMPLATE)
+    """A tiny byte-level BPE tokenizer for the tiny checkpoint of `vocab_size` tokens: ChatML template, Qwen2.5-Omni's
+    special tokens at the checkpoint's ids (`tiny_token_ids`: the release's where they fit, `<|endoftext|>` 151643
+    included; else the top of the vocabulary), ordinary tokens below them."""
+    return write(directory, vocab_size=vocab_size, special_tokens=special_tokens(tiny_token_ids(vocab_size)),
+                 chat_template=CHATML_TEMPLATE)
 
 
 def write_chat_checkpoint(directory: Path) -> Path:

@@ -17,17 +17,19 @@ AUDIO = dict(num_mel_bins=16, d_model=32, encoder_layers=2, encoder_attention_he
              output_dim=64, downsample_hidden_size=8, n_window=50, n_window_infer=200)
 VISION = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=16,
               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
-# Token ids far below the release's so that the tiny vocabulary holds them.
+# Token ids far below the release's so that the tiny vocabulary holds them (the loader refuses ids outside it), the
+# chat markers included: a checkpoint converted without tokenizer files reads them from the config too.
 IDS = dict(audio_token_id=290, image_token_id=291, video_token_id=292, audio_start_token_id=293,
-           audio_end_token_id=294, vision_start_token_id=295, vision_end_token_id=296, position_id_per_seconds=13)
+           audio_end_token_id=294, vision_start_token_id=295, vision_end_token_id=296, im_start_token_id=297,
+           im_end_token_id=298, position_id_per_seconds=13)
 
 
 def thinker_config(*, audio_overrides: dict | None = None, **text_overrides):
     """The tiny thinker config; `audio_overrides` replace `AUDIO` entries (e.g. `num_mel_bins=128`)."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 
-    # The end-marker ids are not thinker config attributes in transformers; set here they are saved in config.json
-    # (the converter reads them there, else from the tokenizer, else the release's).
+    # The end-marker and chat-marker ids are not thinker config attributes in transformers; set here they are saved
+    # in config.json (the converter reads them there, else from the tokenizer, else the release's).
     return Qwen3OmniMoeThinkerConfig(text_config=dict(TEXT, **text_overrides),
                                      audio_config=dict(AUDIO, **(audio_overrides or {})), vision_config=VISION, **IDS)
 

@@ -1,7 +1,8 @@
 """Config values are checked by the converter and the loader, and a symlinked destination is refused (issue 35 item 7).
 
 The sources are tiny checkpoints written here with numpy: a Llama decoder (top-level settings) and a Qwen2.5-Omni
-thinker (settings under `thinker_config.text_config`, RoPE in `rope_parameters`). Each bad value is refused as a
+thinker (settings under `thinker_config.text_config`, RoPE in `rope_parameters`); for the families' special ids also
+a Qwen3-Omni thinker and the golden MiniCPM-o 4.5 checkpoint with tokenizer ids. Each bad value is refused as a
 `ConfigError` naming the attribute, the value and the allowed range, before any tensor is read (the tensor reader is
 replaced by one that fails the test), and the destination is not created, or left as it was with `--force`.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,7 @@ from omnijax.models.llama import convert as llama
 from omnijax.models.qwen2_5_omni import convert as qwen
 from omnijax.models.qwen3_omni import convert as qwen3_omni
 from omnijax.testing import checkpoints as demo
+from tests._support import DATA
 from tests._support import ROOT as REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files:UserWarning")
@@ -44,19 +48,23 @@ QWEN_TEXT = dict(demo.TINY_TEXT_CONFIG, vocab_size=VOCAB, hidden_size=32, interm
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
 
 
-def _write_llama(directory: Path) -> Path:
-    """A random Llama checkpoint (config.json + model.safetensors) of `LLAMA`."""
-    component = qwen.decoder_component(llama.config_from_hf(LLAMA))
+def _write_source(directory: Path, component, config: dict) -> Path:
+    """A random checkpoint (config.json + model.safetensors) holding every tensor of a decoder's conversion table."""
     rng = np.random.default_rng(0)
     tensors = {}
     for rule in component.active_rules():
-        names = [rule.name_of(i, None) for i in component.layers_of(rule)] if rule.layered else [rule.hf_name]
-        for name in names:
-            tensors[name] = rng.standard_normal(rule.source_shape(component.dims)).astype(np.float32)
+        for i in (component.layers_of(rule) if rule.layered else (None,)):
+            for e in (range(component.num_experts) if rule.experted else (None,)):
+                tensors[rule.name_of(i, e)] = rng.standard_normal(rule.source_shape(component.dims)).astype(np.float32)
     directory.mkdir(parents=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(LLAMA))
+    (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def _write_llama(directory: Path) -> Path:
+    """A random Llama checkpoint of `LLAMA`."""
+    return _write_source(directory, qwen.decoder_component(llama.config_from_hf(LLAMA)), LLAMA)
 
 
 def _text(family: str, config: dict) -> dict:
@@ -198,6 +206,23 @@ def test_moe_counts_are_checked(text, needle):
 # ------------------------------------------------------------------------------------------------ the loader
 
 
+def _with_manifest(converted: Path, tmp_path: Path, edit) -> Path:
+    """A copy of a converted checkpoint (its parameters linked) with `edit(manifest)` applied to its manifest."""
+    manifest = checkpoint.read_manifest_dict(converted)
+    edit(manifest)
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for entry in converted.iterdir():  # the parameters of the shared conversion, linked
+        if entry.name != checkpoint.MANIFEST:
+            os.symlink(entry, edited / entry.name)
+    (edited / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return edited
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("parameters were read before the config was checked")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2_5_omni"])
 @pytest.mark.parametrize("field, value, needle", [
     ("num_heads", 0, "num_heads (num_attention_heads)=0"),
@@ -210,19 +235,8 @@ def test_moe_counts_are_checked(text, needle):
 ])
 def test_loader_refuses_an_edited_manifest_before_reading_parameters(sources, tmp_path, monkeypatch, family, field,
                                                                     value, needle):
-    converted = sources[family][1]
-    manifest = checkpoint.read_manifest_dict(converted)
-    manifest["decoder"][field] = value
-    edited = tmp_path / "edited"
-    edited.mkdir()
-    for entry in converted.iterdir():  # the parameters of the shared conversion, linked
-        if entry.name != checkpoint.MANIFEST:
-            os.symlink(entry, edited / entry.name)
-    (edited / checkpoint.MANIFEST).write_text(json.dumps(manifest))
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("parameters were read before the config was checked")
-    monkeypatch.setattr(registry, "restore_module", forbidden)
+    edited = _with_manifest(sources[family][1], tmp_path, lambda manifest: manifest["decoder"].update({field: value}))
+    monkeypatch.setattr(registry, "restore_module", _forbidden)
     with pytest.raises(checkpoint.CheckpointFormatError) as info:
         omnijax.load(edited)
     assert needle in str(info.value) and "invalid decoder config" in str(info.value)
@@ -237,6 +251,139 @@ def test_generation_config_eos_outside_the_vocabulary_is_refused(sources, tmp_pa
         convert_checkpoint(bad, tmp_path / "out", **QUIET)
     assert "generation_config.json" in str(info.value) and f"eos_token_id=[2, {VOCAB}]" in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ family special ids
+
+# The Qwen3-Omni source's ids: the top of its vocabulary, chat markers included (it ships no tokenizer files).
+QWEN3_IDS = dict(audio_token_id=VOCAB - 10, image_token_id=VOCAB - 9, video_token_id=VOCAB - 8,
+                 audio_start_token_id=VOCAB - 7, audio_end_token_id=VOCAB - 6, vision_start_token_id=VOCAB - 5,
+                 vision_end_token_id=VOCAB - 4, im_start_token_id=VOCAB - 2, im_end_token_id=VOCAB - 1)
+MINICPMO = DATA / "minicpmo45"
+MINICPMO_VOCAB = 2048  # the golden checkpoint's
+
+
+@pytest.fixture(scope="module")
+def omni_sources(sources, tmp_path_factory):
+    """family -> (valid source, its converted checkpoint, vocabulary size) for the families with special ids."""
+    root = tmp_path_factory.mktemp("omni_sources")
+    qwen3 = dict(_qwen3_omni(), **QWEN3_IDS)
+    qwen3_src = _write_source(root / "qwen3_omni", qwen3_omni.decoder_component(qwen3_omni.config_from_hf(qwen3)),
+                              qwen3)
+    minicpmo_src = root / "minicpmo"  # the golden checkpoint with its tokenizer's ids (added_tokens.json)
+    minicpmo_src.mkdir()
+    shutil.copy(MINICPMO / "checkpoint" / "config.json", minicpmo_src / "config.json")
+    os.symlink(MINICPMO / "checkpoint" / "model.safetensors", minicpmo_src / "model.safetensors")
+    tiny = json.loads((MINICPMO / "info.json").read_text())["special_token_ids_tiny"]
+    (minicpmo_src / "added_tokens.json").write_text(json.dumps(tiny))
+    out = {"qwen2_5_omni": (*sources["qwen2_5_omni"], VOCAB)}
+    for family, src, vocab in (("qwen3_omni", qwen3_src, VOCAB), ("minicpmo", minicpmo_src, MINICPMO_VOCAB)):
+        out[family] = (src, convert_checkpoint(src, root / f"{family}_out", **QUIET), vocab)
+    return out
+
+
+def _copy_source(src: Path, tmp_path: Path) -> Path:
+    """A copy of a source directory: its JSON files copied (to be edited), its tensors linked."""
+    bad = tmp_path / "bad_src"
+    bad.mkdir()
+    for entry in src.iterdir():
+        if entry.suffix == ".json":
+            shutil.copy(entry, bad / entry.name)
+        else:
+            os.symlink(entry.resolve(), bad / entry.name)
+    return bad
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _set_thinker(key, value):
+    return lambda config: (config.get("thinker_config") or config).update({key: value})
+
+
+# (family, the file edited, edit, the field the message names, the bad value)
+BAD_SOURCE_IDS = {
+    "qwen2_5_omni_image": ("qwen2_5_omni", "config.json", _set_thinker("image_token_index", VOCAB),
+                           "omni.image_token_id (image_token_index)", VOCAB),
+    "qwen2_5_omni_audio_negative": ("qwen2_5_omni", "config.json", _set_thinker("audio_token_index", -1),
+                                    "omni.audio_token_id (audio_token_index)", -1),
+    # the chat markers come from the tokenizer files
+    "qwen2_5_omni_im_end_tokenizer": ("qwen2_5_omni", "added_tokens.json",
+                                      lambda added: added.update({"<|im_end|>": VOCAB + 3}),
+                                      "omni.im_end_token_id", VOCAB + 3),
+    "qwen3_omni_audio": ("qwen3_omni", "config.json", _set_thinker("audio_token_id", VOCAB + 7),
+                         "qwen3_omni.audio_token_id", VOCAB + 7),
+    "qwen3_omni_image": ("qwen3_omni", "config.json", _set_thinker("image_token_id", 151655),
+                         "qwen3_omni.image_token_id", 151655),
+    # `<unk>` is MiniCPM-o's image and audio placeholder
+    "minicpmo_placeholder": ("minicpmo", "added_tokens.json",
+                             lambda added: added.update({"<unk>": MINICPMO_VOCAB}), "special_tokens['<unk>']",
+                             MINICPMO_VOCAB),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCE_IDS))
+def test_converter_refuses_a_special_id_outside_the_vocabulary(omni_sources, tmp_path, no_tensor_reads, case):
+    family, name, edit, field, value = BAD_SOURCE_IDS[case]
+    src, _, vocab = omni_sources[family]
+    bad = _copy_source(src, tmp_path)
+    _edit_json(bad / name, edit)
+    with pytest.raises(ConfigValueError) as info:
+        convert_checkpoint(bad, tmp_path / "fresh", **QUIET)
+    error = info.value
+    assert field in error.attribute and error.value == value and f"vocab_size = {vocab}" in error.allowed
+    assert f"{field}={value}" in str(error) and f"[0, vocab_size = {vocab})" in str(error), str(error)
+    assert not (tmp_path / "fresh").exists()
+    kept = tmp_path / "kept"  # --force on an existing DST: untouched
+    kept.mkdir()
+    (kept / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigValueError, match=re.escape(field)):
+        convert_checkpoint(bad, kept, force=True, **QUIET)
+    assert [p.name for p in kept.iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad_src", "kept"]  # no temporary directory left
+
+
+# (family, edit of the manifest, the field the message names, the bad value)
+BAD_MANIFEST_IDS = {
+    "qwen2_5_omni": (lambda m: m["omni"].update(image_token_id=VOCAB), "omni.image_token_id (image_token_index)",
+                     VOCAB),
+    "qwen3_omni": (lambda m: m["qwen3_omni"].update(audio_token_id=VOCAB + 7), "qwen3_omni.audio_token_id",
+                   VOCAB + 7),
+    "minicpmo": (lambda m: m["special_tokens"].update({"<unk>": MINICPMO_VOCAB + 1}), "special_tokens['<unk>']",
+                 MINICPMO_VOCAB + 1),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BAD_MANIFEST_IDS))
+def test_loader_refuses_a_special_id_outside_the_vocabulary(omni_sources, tmp_path, monkeypatch, family):
+    edit, field, value = BAD_MANIFEST_IDS[family]
+    _, converted, vocab = omni_sources[family]
+    assert omnijax.load(converted).family.name == family  # the unedited checkpoint loads
+    edited = _with_manifest(converted, tmp_path, edit)
+    monkeypatch.setattr(registry, "restore_module", _forbidden)
+    with pytest.raises(checkpoint.CheckpointFormatError) as info:
+        omnijax.load(edited)
+    message = str(info.value)
+    assert "invalid special token ids" in message and f"{field}={value}" in message, message
+    assert f"[0, vocab_size = {vocab})" in message
+    cause = info.value.__cause__
+    assert isinstance(cause, ConfigValueError) and field in cause.attribute and cause.value == value
+    with pytest.raises(checkpoint.CheckpointFormatError, match=re.escape(field)):
+        registry.read_manifest(edited)
+
+
+def test_converted_special_ids_are_the_sources(omni_sources):
+    """No false refusal: each family's valid source converts and loads with the ids it declared."""
+    qwen = omnijax.load(omni_sources["qwen2_5_omni"][1])
+    assert qwen.omni == demo.tiny_token_ids(VOCAB) and qwen.config.eos_token_ids == (VOCAB - 1,)
+    qwen3 = omnijax.load(omni_sources["qwen3_omni"][1])
+    assert {k: getattr(qwen3.omni, k) for k in QWEN3_IDS} == QWEN3_IDS
+    minicpmo = omnijax.load(omni_sources["minicpmo"][1])
+    assert minicpmo.tokens.image_placeholder == minicpmo.special_tokens["<unk>"] < MINICPMO_VOCAB
+
 
 
 # ------------------------------------------------------------------------------------------------ no false refusals

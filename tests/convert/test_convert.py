@@ -40,6 +40,7 @@ from omnijax.models.config import DecoderConfig
 from omnijax.models.qwen2_5_omni import convert as qwen2_5_omni
 from omnijax.models.qwen2_5_omni.convert import config_from_hf, param_shapes
 from omnijax.models.registry import read_manifest
+from omnijax.testing.checkpoints import tiny_token_ids
 from tests._support import ROOT as REPO
 from tests._support import hf_models
 
@@ -54,6 +55,7 @@ LAYOUT = {
     **{f"layers/{p}_proj": (f"model.layers.{{i}}.mlp.{p}_proj.weight", True) for p in ("gate", "up", "down")},
 }
 QUIET = dict(progress=False, log=lambda message: None)
+TINY_IDS = tiny_token_ids(hf_models.TEXT["vocab_size"])  # the tiny thinker's special ids, inside its vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +146,12 @@ def test_convert_round_trip(hf, tmp_path, source, dtype):
     config = check_params(out, hf[1], dtype)
     assert config == DecoderConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                                    num_kv_heads=2, head_dim=16, rope_theta=1e6, mrope_section=(2, 3, 3),
-                                   tie_embeddings=False, dtype=dtype, eos_token_ids=())
+                                   tie_embeddings=False, dtype=dtype, eos_token_ids=(TINY_IDS.im_end_token_id,))
     manifest = checkpoint.read_manifest_dict(out)
     prefix = "thinker." if source != "thinker" else ""
     assert manifest["source"]["skipped"] == {prefix + "audio_tower.audio_bos_eos_token.weight": 1}
     assert manifest["source"]["encoders_converted"] == ["audio", "vision"]
-    assert manifest["omni"]["audio_token_id"] == 151646 and manifest["omni"]["vision_start_token_id"] == 151652
+    assert manifest["omni"] == TINY_IDS.to_json()  # the thinker config's ids, its chat markers included
     # The audio tower is a component of its own, restored bit-exactly in the requested dtype.
     from omnijax.models.encoders import whisper as audio
     audio_config = audio.AudioConfig.from_json(manifest["audio"])

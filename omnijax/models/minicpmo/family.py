@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.models import family as family_lib
 from omnijax.models.decoder import Decoder
 from omnijax.models.minicpmo import convert, frontend
@@ -26,6 +27,23 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
 
 
+def special_token_ids(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The marker ids the checkpoint's tokenizer declared (the `special_tokens` entry: token text -> id), named
+    `special_tokens['<unit>']`. Markers it did not declare keep the release's layout ids (`model.tokens`), which a
+    small vocabulary need not hold: they are fallbacks (the duplex loop asks for declared markers), not checked."""
+    special = manifest.get("special_tokens", {})
+    if not isinstance(special, Mapping):
+        raise ValueError(f"special_tokens must map token text to an id, got {special!r}")
+    return {f"special_tokens[{text!r}]": token_id for text, token_id in special.items()}
+
+
+def token_components(hf_config: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+    """The `special_tokens` entry converting this source writes: the ids its tokenizer files declare for the unit
+    and duplex markers (`model_lib.special_token_texts`)."""
+    special = read_special_tokens(directory)
+    return {"special_tokens": {text: special[text] for text in model_lib.special_token_texts() if text in special}}
+
+
 FAMILY = family_lib.register(family_lib.Family(
     name="minicpmo",
     components={"minicpmo": ("vpm", "resampler", "audio", "audio_projection", "special_tokens")},
@@ -36,4 +54,6 @@ FAMILY = family_lib.register(family_lib.Family(
     duplex=True,
     # The release's chat code renders with enable_thinking=False; its template (Qwen3's) thinks unless told not to.
     template_defaults={"enable_thinking": False},
+    special_token_ids=special_token_ids,
+    token_components=token_components,
 ))

@@ -47,11 +47,9 @@ class OmniConfig(JsonConfig):
         The config wins over the tokenizer: transformers' thinker places features and TMRoPE positions by the
         config's ids (`audio_token_index`, `vision_start_token_id`, ...).
         """
-        spelling = {"audio_token_id": "audio_token_index", "image_token_id": "image_token_index",
-                    "video_token_id": "video_token_index"}
         values = {}
         for field in dataclasses.fields(cls):
-            for key in (field.name, spelling.get(field.name)):
+            for key in (field.name, HF_NAMES.get(field.name)):
                 if key and thinker_config.get(key) is not None:
                     values[field.name] = int(thinker_config[key])
                     break
@@ -73,6 +71,9 @@ class OmniConfig(JsonConfig):
                           self.audio_end_token_id, self.vision_start_token_id, self.vision_end_token_id})
 
 
+# Fields a Hugging Face thinker config spells differently (it reads both spellings).
+HF_NAMES = {"audio_token_id": "audio_token_index", "image_token_id": "image_token_index",
+            "video_token_id": "video_token_index"}
 # The tokenizer's text of each id field.
 TOKEN_TEXT = {
     "audio_token_id": "<|AUDIO|>", "image_token_id": "<|IMAGE|>", "video_token_id": "<|VIDEO|>",

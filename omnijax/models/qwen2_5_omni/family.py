@@ -11,13 +11,15 @@ import numpy as np
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.models import family as family_lib
+from omnijax.models.config import token_id_fields
 from omnijax.models.decoder import Decoder
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.model import Model, restore_module
 from omnijax.models.qwen2_5_omni import convert, frontend, thinker
 from omnijax.models.qwen2_5_omni import vision as vision_lib
-from omnijax.models.qwen2_5_omni.config import OmniConfig
+from omnijax.models.qwen2_5_omni.config import HF_NAMES, OmniConfig
 
 
 def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: str | None) -> Model:
@@ -35,6 +37,26 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
     return Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
+
+
+def special_token_ids(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The thinker's placeholder and marker ids (the `omni` entry), named `omni.<field>`; none for a plain Qwen2 /
+    Qwen3 decoder."""
+    if "omni" not in manifest:
+        return {}
+    return token_id_fields("omni", OmniConfig.from_json(manifest["omni"]), HF_NAMES)
+
+
+def token_components(hf_config: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+    """The `omni` entry converting this source writes: the thinker config's ids, else its tokenizer's, else the
+    release's (`OmniConfig.from_hf`, as `convert.convert_params` resolves them); none for a plain Qwen2 / Qwen3 LLM."""
+    key = convert.layout_of(hf_config).thinker_key
+    if key is None:  # a plain LLM
+        return {}
+    thinker = hf_config.get(key) if key else hf_config
+    if not isinstance(thinker, Mapping):  # `config_from_hf` refuses a config without its thinker object
+        return {}
+    return {"omni": OmniConfig.from_hf(thinker, read_special_tokens(directory)).to_json()}
 
 
 def thinker_inputs(model: Model, ids: np.ndarray, **media: Any) -> tuple:
@@ -59,4 +81,6 @@ FAMILY = family_lib.register(family_lib.Family(
     frame_unit=frontend.frame_unit,
     thinker_inputs=thinker_inputs,
     thinker_positions=thinker_positions,
+    special_token_ids=special_token_ids,
+    token_components=token_components,
 ))

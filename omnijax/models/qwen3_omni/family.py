@@ -10,7 +10,9 @@ from typing import Any
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.models import family as family_lib
+from omnijax.models.config import token_id_fields
 from omnijax.models.decoder import Decoder
 from omnijax.models.model import Model, restore_module
 from omnijax.models.qwen3_omni import audio as audio_lib
@@ -37,6 +39,18 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
     return Model(decoder, model_type="qwen3_omni", source=str(directory), omni=ids, **encoders)
 
 
+def special_token_ids(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The thinker's placeholder and marker ids (the `qwen3_omni` entry; the release's where it is absent, as `load`
+    reads it), named `qwen3_omni.<field>`."""
+    return token_id_fields("qwen3_omni", Qwen3OmniConfig.from_json(manifest.get("qwen3_omni", {})))
+
+
+def token_components(hf_config: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+    """The `qwen3_omni` entry converting this source writes (`convert.omni_ids`: the thinker config's ids, else its
+    tokenizer's, else the release's)."""
+    return {"qwen3_omni": convert.omni_ids(hf_config, read_special_tokens(directory)).to_json()}
+
+
 FAMILY = family_lib.register(family_lib.Family(
     name="qwen3_omni",
     components={"qwen3_omni": ("audio", "vision", "qwen3_omni")},
@@ -48,4 +62,6 @@ FAMILY = family_lib.register(family_lib.Family(
     fractional_positions=True,
     thinker_inputs=thinker.multimodal_inputs,
     thinker_positions=thinker.rope_index,
+    special_token_ids=special_token_ids,
+    token_components=token_components,
 ))

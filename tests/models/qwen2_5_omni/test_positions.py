@@ -28,7 +28,9 @@ _TOKENS = {"<|vision_bos|>": q.VISION_BOS, "<|vision_eos|>": q.VISION_EOS, "<|au
 
 @pytest.fixture(scope="module")
 def thinker():
-    return hf_models.build_thinker()
+    # The chunk builders here lay out the release's ids (`q.RELEASE`), so the oracle reads those too; it only computes
+    # positions (`get_rope_index`), never embeds a token, so the ids need not fit its 300-token vocabulary.
+    return hf_models.build_thinker(ids=q.RELEASE)
 
 
 # --- a session: a list of segment specs, built into chunks, an HF call and a processor template ---------------------
