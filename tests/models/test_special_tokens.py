@@ -18,7 +18,7 @@ from omnijax.models.qwen2_5_omni import layout as q
 from omnijax.models.qwen2_5_omni.config import TOKEN_TEXT, OmniConfig
 
 # Every special id moved (inside hf_models.TEXT's 300-token vocabulary, above the byte range the harness's
-# ByteTextEncoder uses): none equals the release's.
+# ByteTextEncoder uses): none equals the release's, nor the tiny checkpoints' own (the top ten ids, 290-299).
 SHIFTED = OmniConfig(im_start_token_id=280, im_end_token_id=281, audio_token_id=282, audio_start_token_id=283,
                      audio_end_token_id=284, vision_start_token_id=285, vision_end_token_id=286, image_token_id=287,
                      video_token_id=288)
@@ -210,6 +210,29 @@ def test_demo_checkpoint_writer_shifts_the_ids(tmp_path):
     from omnijax.models.frontend import units_for
     chunk = units_for(loaded).text([280, 5, 281], 0, SpanKind.TEXT)
     assert np.asarray(chunk.span[0]).tolist() == [SpanKind.BOUNDARY, SpanKind.TEXT, SpanKind.BOUNDARY]
+
+
+def test_tiny_checkpoints_hold_their_special_ids_inside_their_vocabularies(tmp_path):
+    """The tiny checkpoints (the converter and the loader refuse ids outside the vocabulary): the top ten ids of a
+    small vocabulary, the release's in one that holds them; writer, tokenizer and transformers oracle agree."""
+    from omnijax.testing import checkpoints as demo
+
+    for vocab in (300, 512):
+        ids = demo.tiny_token_ids(vocab)
+        values = sorted(ids.boundary_ids | ids.placeholder_ids)
+        assert values == list(range(vocab - 10, vocab - 3)) + [vocab - 2, vocab - 1]
+        assert not set(values) & set(SPECIAL)
+    assert demo.tiny_token_ids(151_936) == OmniConfig()  # the demo's vocabulary holds the release's ids
+    with pytest.raises(ValueError, match="vocab_size=8"):
+        demo.tiny_token_ids(8)
+    src = demo.write_tiny_hf_checkpoint(tmp_path / "hf", encoders=False)  # TINY_TEXT_CONFIG: 512 tokens
+    demo.write_tiny_tokenizer(src, 512)
+    loaded = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
+    assert loaded.omni == demo.tiny_token_ids(512) and loaded.config.eos_token_ids == (511,)
+    assert [loaded.tokenizer.token_id(text) for text in TOKEN_TEXT.values()] == \
+        [getattr(loaded.omni, field) for field in TOKEN_TEXT]
+    # the transformers oracle's config declares the same ids as the converted checkpoint reads
+    assert OmniConfig.from_hf(hf_models.thinker_config().to_dict()) == demo.tiny_token_ids(hf_models.TEXT["vocab_size"])
 
 
 # ---------------------------------------------------------------------------------------------------------- MiniCPM-o
