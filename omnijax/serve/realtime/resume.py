@@ -372,7 +372,7 @@ class Snapshotter:
         if self._saving is not None and not self._saving.done():
             await asyncio.shield(self._saving)
         self._saving = asyncio.ensure_future(self._save(snapshot, version))
-        return await self._saving if wait else True
+        return await asyncio.shield(self._saving) if wait else True  # a cancelled waiter leaves the write going
 
     async def _save(self, snapshot: SessionSnapshot, version: int) -> bool:
         try:

@@ -5,7 +5,8 @@
 The old code took the snapshot of a turn only after `response.done` was sent, at the first moment its connection's
 loop found the session idle, and wrote it to disk in the background while the next turn ran: a SIGKILL after a
 `response.done` (the hostile probe's kill came during the next response) found that turn's write cut short, so the
-session had no snapshot at all.
+session had no snapshot at all. And a client that asks again at once kept the session busy at those idle looks:
+here the old code had no snapshot on disk at any of the three `response.done` (or one turn, two behind).
 
 What the server holds on disk at the instant it emits each `response.done` is read there (the session's `send` is
 wrapped), so the check does not depend on how fast the client reads. The newest generation at the third turn's
@@ -23,10 +24,26 @@ import pytest
 
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
 
+import omnijax  # noqa: E402
+from omnijax.retention import SinkWindow  # noqa: E402
+from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
+from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.realtime import session as realtime_session  # noqa: E402
-from tests._support.demo_server import demo_server  # noqa: E402
+from tests._support import tiny_omni  # noqa: E402
 
 QUESTIONS = ("First question.", "Second one.", "And a third.", "Fourth, after the kill.")
+
+
+def _server(tmp_path, snapshots) -> BackgroundServer:
+    """The tiny Qwen2.5-Omni served in-process with `--snapshot-every 1turn` (the engine and options of
+    test_realtime_durable, so its compiled programs are shared)."""
+    model = omnijax.load(tiny_omni.checkpoint(tmp_path / "model", tokenizer=True))
+    stream = omnijax.StreamConfig(policy=SinkWindow(sink=16, window=2048), num_pages=96, page_size=16,
+                                  max_answer_tokens=8)
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=16, snapshot_dir=str(snapshots),
+                           snapshot_every_turns=1)
+    return BackgroundServer(build_context(model, options=options, stream=stream, chunk_tokens=32, buckets=(1, 2),
+                                          aimd_target=0))
 
 
 def _item(text: str) -> str:
@@ -106,12 +123,12 @@ def test_each_turn_is_on_disk_before_its_response_done(tmp_path, monkeypatch):
         send(self, event)
 
     monkeypatch.setattr(realtime_session.RealtimeSession, "send", recording_send)
-    with demo_server(tmp_path / "model", snapshot_dir=str(snapshots), snapshot_every_turns=1,
-                     max_output_tokens=4) as server:
+    with _server(tmp_path, snapshots) as server:
         url = server.base_url.replace("http", "ws") + "/realtime"
         with connect(url, max_size=None) as ws:  # the uninterrupted conversation
             json.loads(ws.recv(timeout=30))
             expected = _conversation(ws, then_fourth=True)
+        assert all(expected), expected  # answers to compare (the tiny model's greedy text)
         with connect(url, max_size=None) as ws:
             token = json.loads(ws.recv(timeout=30))["session"]["omnijax"]["resume_token"]
             assert _conversation(ws, then_fourth=False) == expected[:3]
