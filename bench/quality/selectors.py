@@ -13,12 +13,13 @@ each ratio of `--ratios` by each pair, then the answer is decoded greedily:
     RecentTokens()                                  StreamingLLMPress(ratio, n_sink=0)
 
 with the per-head budget `kvpress_budget(ratio, S)`. Each side runs in its own process (`--worker omnijax` /
-`--worker kvpress`; torch and JAX never share one) and records, per case, the answer and the kept set of every
-layer and KV head (kvpress's found by matching the kept keys against an uncompressed run's, or AdaKV's masked
-indices). The table gives both accuracies and the agreement of the kept sets (share of (layer, head) sets that are
-identical, mean Jaccard) and of the answers. Writes `selectors.json` and `selectors.png` under `--out`.
+`--worker kvpress`, started together; torch and JAX never share one) and records, per case, the answer and the kept
+set of every layer and KV head (kvpress's found by matching the kept keys against an uncompressed run's, or AdaKV's
+masked indices). The table gives both accuracies and the agreement of the kept sets (share of (layer, head) sets
+that are identical, mean Jaccard) and of the answers. Writes `selectors.json` and `selectors.png` under `--out`.
 
     .venv/bin/python -m bench.quality.selectors --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    .venv/bin/python -m bench.quality.selectors --smoke   # the tiny random Llama (bench/quality/_tiny.py), seconds
 """
 
 from __future__ import annotations
@@ -120,18 +121,12 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
     _save(out, "omnijax", rows, masks)
 
 
-def kvpress_worker(cases: dict, gguf: Path, out: Path) -> None:
-    import torch
-    import transformers
-
-    torch.set_num_threads(2)
-    transformers.utils.logging.disable_progress_bar()
+def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
     import kvpress
+    import torch
     from transformers import DynamicCache
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                           attn_implementation="sdpa").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf, tok = common.load_transformers(reference)
     L = hf.config.num_hidden_layers
 
     def snap(ratio):
@@ -220,6 +215,31 @@ def agreement(a: np.ndarray, b: np.ndarray, S: int) -> tuple[float, float]:
     return float(same.mean()), float(np.mean(inter / np.maximum(union, 1)))
 
 
+def run_workers(spec: Path, out: Path) -> None:
+    """Runs the two sides' workers at the same time (their own processes; each is mostly single-threaded while it
+    imports and compiles) and waits for both; one failing stops the other."""
+    started = time.perf_counter()
+    workers = {side: subprocess.Popen(harness.module_command(__spec__.name, "--worker", side, "--cases", spec,
+                                                             "--out", out), cwd=harness.ROOT)
+               for side in ("omnijax", "kvpress")}
+    try:
+        pending = dict(workers)
+        while pending:
+            for side, w in list(pending.items()):
+                if w.poll() is None:
+                    continue
+                del pending[side]
+                if w.returncode != 0:
+                    raise SystemExit(f"the {side} worker exited {w.returncode} (its traceback is above)")
+                print(f"{side}: {time.perf_counter() - started:.0f} s", flush=True)
+            time.sleep(0.1)
+    finally:
+        for w in workers.values():
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+
+
 def main(argv=None):
     argv = ["--smoke" if a == "--quick" else a for a in (sys.argv[1:] if argv is None else argv)]
     args = harness.parse(build_parser(), argv, smoke=SMOKE)
@@ -230,23 +250,19 @@ def main(argv=None):
         if args.worker == "omnijax":
             omnijax_worker(cases, Path(cases["checkpoint"]), out)
         else:
-            kvpress_worker(cases, Path(cases["gguf"]), out)
+            kvpress_worker(cases, Path(cases["reference"]), out)
         return
     source = common.model_source(args)
-    if source.gguf is None:
+    if source.reference is None:
         raise SystemExit("kvpress runs transformers on the GGUF file: pass --gguf FILE (the same weights omnijax "
                          "converts), not --checkpoint")
     prompts = make_prompts(source.checkpoint, args)
     cases = [dict(p, selector=s, ratio=r) for p in prompts for s in args.selectors for r in args.ratios]
     spec = out / "selectors_cases.json"
-    spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), gguf=str(source.gguf), cases=cases)))
+    spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=source.reference, cases=cases)))
     print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} cases "
           "per side", flush=True)
-    for side in ("omnijax", "kvpress"):
-        started = time.perf_counter()
-        subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--cases", spec, "--out", out),
-                       cwd=harness.ROOT, check=True)
-        print(f"{side}: {time.perf_counter() - started:.0f} s", flush=True)
+    run_workers(spec, out)
     results = {side: (json.loads((out / f"selectors_{side}.json").read_text()),
                       np.load(out / f"selectors_{side}_kept.npz")) for side in ("omnijax", "kvpress")}
     rows = []
@@ -260,8 +276,8 @@ def main(argv=None):
                          kvpress_right=common.contains_key(kp["answer"], case["key"]),
                          omnijax_cells=oj["cells"], kvpress_cells=kp["cells"], sets_identical=same, jaccard=jaccard,
                          answers_equal=oj["answer"] == kp["answer"]))
-    harness.write_json(out, "selectors", dict(model=str(source.gguf), window=WINDOW, pool_kernel=KERNEL,
-                                              chunk_length=CHUNK_LENGTH, rows=rows))
+    harness.write_json(out, "selectors", dict(model=source.reference, random_weights=source.tiny, window=WINDOW,
+                                              pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH, rows=rows))
     table = []
     for s in args.selectors:
         for r in args.ratios:
