@@ -149,6 +149,8 @@ def _source_token_ids(family: Family | None, hf_config: dict, src: Path) -> dict
         return {}
     try:
         return family.source_token_ids(hf_config, src)
+    except ConfigValueError as e:
+        raise ConfigValueError(f"{src}: {e.attribute}", e.value, e.allowed) from e
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{src}: special token ids (config.json and the tokenizer files): {e}") from e
 

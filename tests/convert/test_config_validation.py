@@ -346,6 +346,18 @@ def test_converter_refuses_a_special_id_outside_the_vocabulary(omni_sources, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad_src", "kept"]  # no temporary directory left
 
 
+@pytest.mark.parametrize("value", [7.5, "5", True])
+def test_converter_refuses_a_special_id_that_is_not_an_integer(omni_sources, tmp_path, no_tensor_reads, value):
+    """A float id is not truncated, nor a string or a bool read as a number: refused by its config key."""
+    bad = _copy_source(omni_sources["qwen2_5_omni"][0], tmp_path)
+    _edit_json(bad / "config.json", _set_thinker("image_token_index", value))
+    with pytest.raises(ConfigValueError) as info:
+        convert_checkpoint(bad, tmp_path / "fresh", **QUIET)
+    assert info.value.attribute.endswith("image_token_index") and info.value.value == value
+    assert f"image_token_index={value!r} is out of range: it must be an integer token id" in str(info.value)
+    assert not (tmp_path / "fresh").exists()
+
+
 # (family, edit of the manifest, the field the message names, the bad value)
 BAD_MANIFEST_IDS = {
     "qwen2_5_omni": (lambda m: m["omni"].update(image_token_id=VOCAB), "omni.image_token_id (image_token_index)",

@@ -8,9 +8,11 @@ the evaluation harness) takes them from the loaded model's `omni` config.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 from omnijax._checks import JsonConfig
+from omnijax.errors import ConfigValueError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +48,20 @@ class OmniConfig(JsonConfig):
 
         The config wins over the tokenizer: transformers' thinker places features and TMRoPE positions by the
         config's ids (`audio_token_index`, `vision_start_token_id`, ...).
+
+        Raises:
+            ConfigValueError: a config id that is not an integer (named by its key; the vocabulary range is checked
+                with the decoder config, `omnijax.models.config.validate_config`).
         """
         values = {}
         for field in dataclasses.fields(cls):
             for key in (field.name, HF_NAMES.get(field.name)):
                 if key and thinker_config.get(key) is not None:
-                    values[field.name] = int(thinker_config[key])
+                    value = thinker_config[key]
+                    if field.name.endswith("_token_id") and (isinstance(value, bool) or
+                                                             not isinstance(value, numbers.Integral)):
+                        raise ConfigValueError(key, value, "an integer token id")
+                    values[field.name] = int(value)
                     break
             else:
                 text = TOKEN_TEXT.get(field.name)
