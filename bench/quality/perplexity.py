@@ -188,9 +188,13 @@ def plot(results: dict, args, out: Path) -> None:
     cuts = buckets(args.length, args.bucket)
     for name, r in results.items():
         nll = np.asarray(r["nll"])
-        ax.plot([(a + b) / 2 for a, b in cuts], [ppl(nll[a:b]) for a, b in cuts], marker="o", label=name)
+        # the *_abs pair dashed: `window_abs` lies on `window` (relative RoPE distances are the same in both)
+        ax.plot([(a + b) / 2 for a, b in cuts], [ppl(nll[a:b]) for a, b in cuts], marker="o", label=name,
+                ls="--" if name.endswith("_abs") else "-", ms=4 if name.endswith("_abs") else 6)
     ax.axvline(args.window, color="grey", ls=":", lw=1, label=f"window ({args.window} cells)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("token position")
     ax.set_ylabel(f"perplexity per {args.bucket} tokens")
     ax.set_title(f"{args.text}: full context vs window without / with {args.sinks} sinks")
