@@ -426,3 +426,20 @@ def test_every_subcommand_of_the_dispatcher_is_an_application_module():
     for name, (module, function, _) in cli.SUBCOMMANDS.items():
         assert layer_of(module) == len(LAYERS) - 2, (name, module)  # the applications layer, as omnijax.cli
         assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_a_model_built_from_its_own_module_finds_its_family():
+    """`import omnijax` registers no family (it imports nothing until a name is used); `family_for` imports the
+    registry when asked for a type it does not hold yet (a Qwen3-Omni model built from its module failed to find
+    its family when no test of the module had imported the registry)."""
+    code = ("from omnijax.models.family import FAMILIES, family_for\n"
+            "assert not FAMILIES, sorted(FAMILIES)\n"
+            "assert family_for('qwen3_omni').name == 'qwen3_omni'\n"
+            "try:\n"
+            "    family_for('nonesuch')\n"
+            "except ValueError as e:\n"
+            "    assert 'qwen2_5_omni' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('nonesuch was found')\n")
+    result = python(code)
+    assert result.returncode == 0, result.stderr

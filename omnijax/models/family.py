@@ -9,6 +9,7 @@ lists them. Adding a family is adding a folder and one line there.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -121,9 +122,12 @@ class Family:
         return self.manifest_token_ids(self.token_components(hf_config, directory))
 
 
-# omnijax model type -> its family; filled by `register` as `omnijax.models.registry` imports each family's folder
-# (importing any part of omnijax imports the registry first, through the package's `__init__`).
+# omnijax model type -> its family; filled by `register` as `omnijax.models.registry` imports each family's folder.
+# `import omnijax` imports nothing until a name is used, so a model built from its own module (without `load`) may
+# ask `family_for` before anything imported the registry: `family_for` then imports it by name (the registry is of
+# this layer and imports every family this module defines the protocol of; an import statement here would be a cycle).
 FAMILIES: dict[str, Family] = {}
+REGISTRY_MODULE = "omnijax.models.registry"
 
 
 def register(family: Family) -> Family:
@@ -139,6 +143,8 @@ def register(family: Family) -> Family:
 
 def family_for(model_type: str) -> Family:
     """The family of an omnijax model type; a clear error names the known types."""
+    if model_type not in FAMILIES:
+        importlib.import_module(REGISTRY_MODULE)  # registers every shipped family (see FAMILIES)
     try:
         return FAMILIES[model_type]
     except KeyError:
