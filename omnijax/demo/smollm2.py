@@ -89,7 +89,8 @@ def is_converted(gguf: Path, dst: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(dst: Path) -> Iterator[None]:
+def locked(dst: Path) -> Iterator[None]:
+    """Holds an exclusive lock on `dst` (a file `.NAME.lock` beside it) between processes."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst.parent / f".{dst.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -112,7 +113,7 @@ def converted(gguf: str | os.PathLike, dst: str | os.PathLike, *,
         `(dst, seconds)`: the checkpoint and the conversion's wall time (None when reused).
     """
     gguf, dst = Path(gguf).resolve(), Path(dst).absolute()
-    with _locked(dst):
+    with locked(dst):
         if is_converted(gguf, dst):
             log(f"reusing {dst} (converted from {gguf.name}; delete it to convert again)")
             return dst, None

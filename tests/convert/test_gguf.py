@@ -25,7 +25,7 @@ from omnijax.demo.passkey import configs  # noqa: E402
 from omnijax.errors import ConvertError, ShapeMismatchError, UnsupportedConfigError, UnsupportedModelError  # noqa: E402
 from omnijax.models.frontend import units_for  # noqa: E402
 from omnijax.models.tokenizer import Tokenizer, write_tiny_tokenizer  # noqa: E402
-from tests._support import real_model  # noqa: E402
+from tests._support import real_model, xla_flags  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 T = gguf.GGMLQuantizationType
@@ -421,16 +421,13 @@ PROMPTS = ("What is the capital of France?", "Name three primary colours.", "Wha
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct: the omnijax model of the installed GGUF (converted once, cached outside the clone:
-    tests/_support/real_model.py) and transformers loading the same file, once for the module."""
-    import transformers
-
-    path = real_model.gguf_file()
+    """SmolLM2-135M-Instruct: the omnijax model of the installed GGUF and transformers' model and tokenizer of the
+    same file, loaded once for the module (both cached outside the clone: tests/_support/real_model.py)."""
     ours = omnijax.load(real_model.checkpoint())
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
-    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return ours, reference, theirs
+    reference, theirs = real_model.transformers_reference()
+    xla_flags.quick_compile(False)  # a 30-layer model decoding: its steps run ~4x slower without LLVM optimisation
+    yield ours, reference, theirs
+    xla_flags.quick_compile(xla_flags.wants_quick_compile("convert/test_gguf.py"))
 
 
 def test_smollm2_matches_transformers(smollm2):
