@@ -31,6 +31,7 @@ from omnijax.chat import Chat
 from omnijax.demo import omni, passkey, smollm2
 from omnijax.models.registry import load
 
+SHORT_SYSTEM = "You are a helpful assistant."
 SHORT_CHAT = ("What is the capital of France?", "And of Germany?")
 PREVIOUS = ("omnijax", "hf", "session.png", "clip.mp4")  # what an older demo left in OUT
 
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = load(ckpt)
     configs = passkey.configs(args.budget)
     chat = Chat(model, configs["NoSlide"])  # the long conversation's full-context config: same compiled steps
-    chat.system(passkey.SYSTEM)
+    chat.system(SHORT_SYSTEM)
     for question in SHORT_CHAT:
         print(f"you> {question}\nsmollm2> ", end="", flush=True)
         for delta in chat.ask(question, max_tokens=32):
