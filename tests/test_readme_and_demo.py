@@ -255,6 +255,16 @@ def test_gguf_is_looked_for_at_the_option_then_the_variable_then_the_default(tmp
         smollm2.find_gguf()
 
 
+def test_real_model_tests_fail_when_make_test_named_a_missing_file_and_skip_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv(smollm2.ENV, str(tmp_path / "missing.gguf"))  # as `make test` sets it
+    with pytest.raises(pytest.fail.Exception, match="missing.gguf"):
+        real_model.gguf_file()
+    monkeypatch.delenv(smollm2.ENV)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # no file at the default path either
+    with pytest.raises(pytest.skip.Exception, match="make smollm2"):
+        real_model.gguf_file()
+
+
 def test_demo_refuses_a_missing_gguf_before_writing(tmp_path, capsys):
     assert demo.main(["--out", str(tmp_path / "out"), "--gguf", str(tmp_path / "none.gguf")]) == 1
     err = capsys.readouterr().err
