@@ -158,8 +158,8 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     end = source.num_units * units.unit_seconds
     times = list(args.at) + [end] * (len(args.ask) - len(args.at))
     # the units fed: up to the last question's time (the rest of the video is never read)
-    last = min(source.num_units, int(-(-max(times) // units.unit_seconds)))
-    bar = tqdm(total=last, unit="unit", desc="video", file=sys.stderr)
+    through = min(source.num_units, int(-(-max(times) // units.unit_seconds)))
+    bar = tqdm(total=through, unit="unit", desc="video", file=sys.stderr)
     fed_until, iterator = 0, iter(source.units())
     for at, question in sorted(zip(times, args.ask), key=lambda pair: pair[0]):
         target = min(source.num_units, int(-(-at // units.unit_seconds)))
