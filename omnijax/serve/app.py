@@ -346,6 +346,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+TEXT_CHUNK_TOKENS = 64  # T of a model that hears no audio frames (text, and images where it sees them)
+
+
+def default_chunk_tokens(model: OmniModel, samples: int) -> int:
+    """The engine's padded per-tick length T when `--chunk-tokens` is not given: MiniCPM-o's duplex unit with a video
+    frame (77 rows) in 128; one audio frame of `samples` samples (its tokens and markers, rounded up to a bucket,
+    at least 32) for a model that hears frames; `TEXT_CHUNK_TOKENS` for one that hears none (a text-only model such
+    as SmolLM2 once failed here with "does not hear PCM frames")."""
+    family = model.family
+    if family.duplex:
+        return 128
+    if model.audio is None or family.frame_tokens is None or family.frame_unit is None:
+        return TEXT_CHUNK_TOKENS
+    return max(32, bucket(frame_tokens(samples, model)))
+
+
 def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: int) -> int:
     """Loads the model (or builds the demo one in a temporary folder), warms up and serves until stopped."""
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
@@ -354,7 +370,7 @@ def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: i
             model = load(path)
             duplex = model.family.duplex  # duplex decides on host logits
             # MiniCPM-o: a duplex unit with a video frame is 77 rows
-            chunk_tokens = args.chunk_tokens or (128 if duplex else max(32, bucket(frame_tokens(samples, model))))
+            chunk_tokens = args.chunk_tokens or default_chunk_tokens(model, samples)
             policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
             # each session (request) may set its own temperature / top_p / seed: one program for all of them
             decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)

@@ -57,3 +57,16 @@ def test_sigterm_unwinds_and_removes_the_temporary_folder_then_ends_by_sigterm(t
     rest = proc.stdout.read()
     assert proc.wait(30) == -signal.SIGTERM
     assert rest.strip() == "terminated" and not list(tmp_path.iterdir())
+
+
+def test_a_model_that_hears_no_audio_frames_gets_the_text_chunk_length():
+    """`omnijax serve` of a text-only checkpoint (SmolLM2) without --chunk-tokens failed with "the llama family does
+    not hear PCM frames": T comes from an audio frame only for a model that hears them."""
+    from types import SimpleNamespace
+
+    from omnijax.serve.app import TEXT_CHUNK_TOKENS, default_chunk_tokens
+
+    text_only = SimpleNamespace(family=SimpleNamespace(duplex=False, frame_tokens=None, frame_unit=None), audio=None)
+    assert default_chunk_tokens(text_only, 16_000) == TEXT_CHUNK_TOKENS == 64
+    duplex = SimpleNamespace(family=SimpleNamespace(duplex=True, frame_tokens=None, frame_unit=None), audio=object())
+    assert default_chunk_tokens(duplex, 16_000) == 128
