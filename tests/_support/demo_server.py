@@ -1,9 +1,15 @@
 """The tiny demo model served in-process (`BackgroundServer`) for the serving tests: one engine, the same in every
-module that uses it, so its compiled programs come from the persistent cache after the first."""
+module that uses it, so its compiled programs come from the persistent cache after the first. The demo checkpoint is
+written and converted once per test process (`demo_checkpoint`, ~7 s) and loaded once (`demo_model`): the modules of
+one xdist worker share it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,17 +17,44 @@ from typing import Any
 FRAME_MS = 250.0  # 4000 samples: 6 audio tokens + 2 markers per frame
 
 
+@functools.cache
+def demo_checkpoint() -> str:
+    """The converted demo checkpoint (`omnijax serve --demo-model`'s model), written once per process into a
+    temporary folder removed when the process exits. Returns its directory."""
+    from omnijax.serve.app import build_demo_model
+
+    folder = tempfile.mkdtemp(prefix="omnijax-demo-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return build_demo_model(folder)
+
+
+@functools.cache
+def demo_model() -> Any:
+    """The demo checkpoint loaded once per process (an `omnijax.Model` with its tokenizer); callers must not change
+    it."""
+    import omnijax
+
+    return omnijax.load(demo_checkpoint())
+
+
 @contextlib.contextmanager
-def demo_server(directory: Path, *, decoding: Any = None, **options: Any) -> Iterator[Any]:
-    """Serves the demo checkpoint written to `directory`: SinkWindow(4, 48) over a 32 x 16 pool, tau 2, T 8, one batch
-    bucket of 4, no AIMD, warmed up for 4 sessions; `options` are `ServeOptions` fields (port 0 and a 250 ms frame
-    budget unless given); `decoding` replaces the engine's decoding strategy. Yields the `BackgroundServer`."""
+def demo_server(directory: Path | None = None, *, decoding: Any = None, **options: Any) -> Iterator[Any]:
+    """Serves the demo checkpoint: SinkWindow(4, 48) over a 32 x 16 pool, tau 2, T 8, one batch bucket of 4, no
+    AIMD, warmed up for 4 sessions; `options` are `ServeOptions` fields (port 0 and a 250 ms frame budget unless
+    given); `decoding` replaces the engine's decoding strategy. Yields the `BackgroundServer`.
+
+    Args:
+        directory: where to write the demo checkpoint; None (the usual): the one this process shares
+            (`demo_model`).
+        decoding: the engine's decoding strategy (default: the stream's greedy one).
+        **options: `ServeOptions` fields.
+    """
     import omnijax
     from omnijax.retention import SinkWindow
     from omnijax.serve.app import BackgroundServer, build_context, build_demo_model, warm_up
     from omnijax.serve.context import ServeOptions
 
-    model = omnijax.load(build_demo_model(directory))
+    model = demo_model() if directory is None else omnijax.load(build_demo_model(directory))
     stream = omnijax.StreamConfig(policy=SinkWindow(4, 48), num_pages=32, page_size=16, max_answer_tokens=2)
     if decoding is not None:
         stream = stream.replace(decoding=decoding)

@@ -27,12 +27,12 @@ MAX_AUDIO_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served():
     """The demo model (audio and vision encoders) served with per-request sampling (RowSampling, as `omnijax serve`
     runs), a request's audio capped at 5 s."""
     from omnijax.decoding import RowSampling
 
-    with demo_server(tmp_path_factory.mktemp("serve"), decoding=RowSampling(), max_output_tokens=4,
+    with demo_server(decoding=RowSampling(), max_output_tokens=4,
                      max_request_audio_s=MAX_AUDIO_S) as server:
         yield server
 

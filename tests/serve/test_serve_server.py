@@ -67,10 +67,10 @@ def test_speech_like_pcm():
 
 # ------------------------------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served():
     """`omnijax serve` on the tiny demo checkpoint in a background thread (one batch bucket of 4: one compile)."""
     assert srv.frame_tokens(SAMPLES) == 8 and srv.frame_tokens(480) == 3  # 30 ms: one audio token
-    with demo_server(tmp_path_factory.mktemp("serve"), frame_ms=FRAME_MS) as server:
+    with demo_server(frame_ms=FRAME_MS) as server:
         yield server
 
 

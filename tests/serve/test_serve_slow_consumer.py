@@ -29,9 +29,9 @@ CAP = 2 * 2 ** 20  # the test server's max_outbox_bytes
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served():
     """The demo model (with its vision encoder) served in a background thread, its outboxes capped at 2 MiB."""
-    with demo_server(tmp_path_factory.mktemp("serve"), frame_ms=FRAME_MS, max_output_tokens=6,
+    with demo_server(frame_ms=FRAME_MS, max_output_tokens=6,
                      max_outbox_bytes=CAP) as server:
         yield server
 
