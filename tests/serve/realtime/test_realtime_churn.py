@@ -7,14 +7,16 @@ the server reports. A cancelled response is replayed as the server defines it (w
 and every later answer of its session must still match. Plus the exact sequence of issue 35 (A and B hold items, C
 connects, A leaves, C asks: C was served from a row past the batch and failed).
 
-`OMNIJAX_SOAK=N` runs N times the schedule's steps (new draws from the same seeded stream).
+The suite runs 50 steps (about 15 answered turns per server, ~30 s each on the test machine; seed 5 is one whose
+first 50 steps hold every kind of event several times: 9-12 sessions, 4-5 pauses, 5 resumes, 5 swaps, 4-6
+cancels, a leave). `OMNIJAX_SOAK=N` runs N times the schedule's steps (new draws from the same seeded stream after
+the first 50, so the counts below only grow), e.g. `OMNIJAX_SOAK=40` for 2,000 steps.
 """
 
 import asyncio
 import collections
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import numpy as np
@@ -25,13 +27,14 @@ openai = pytest.importorskip("openai")
 import omnijax  # noqa: E402
 from omnijax.decoding import RowSampling  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
-from omnijax.serve.app import BackgroundServer, build_context, build_demo_model  # noqa: E402
+from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
+from tests._support.demo_server import demo_model  # noqa: E402
 from tests._support.realtime_churn import AloneRun, Conn, Flow, Turn, sentence  # noqa: E402
 from tests._support.soak import factor as soak_factor  # noqa: E402
 
 TAU, T, CAP = 8, 32, 4  # tau, the engine's chunk tokens, its largest bucket (connections open at once)
-STEPS, MAX_TURNS = 100, 8
+STEPS, SEED, MAX_TURNS = 50, 5, 8
 ORACLE = omnijax.StreamConfig(policy=SinkWindow(sink=16, window=2048), num_pages=512, page_size=16,
                               max_answer_tokens=TAU)
 ACTIONS = {"open": 0.1, "say": 0.36, "cancel": 0.08, "pause": 0.1, "resume": 0.12, "leave": 0.04, "swap": 0.1,
@@ -40,7 +43,7 @@ ACTIONS = {"open": 0.1, "say": 0.36, "cancel": 0.08, "pause": 0.1, "resume": 0.1
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.load(build_demo_model(tempfile.mkdtemp(prefix="churn-model-")))
+    return demo_model()
 
 
 def _context(model, snapshot_dir=None):
@@ -59,20 +62,24 @@ def _client(server):
 
 
 class TickLog:
-    """Wraps the engine's `tick`: how many sessions each tick served, and how many served sessions the tick moved to
-    another row (its re-arrangement: a bucket change, or a newcomer placed past the batch)."""
+    """Wraps the engine's `tick`: how many sessions each tick served, and how many times an open session changed
+    rows: in a tick's re-arrangement (a bucket change, or a newcomer placed past the batch moving into a free row,
+    whether or not that tick serves it) or between ticks (the rows packed when a snapshot is exported)."""
 
     def __init__(self, engine):
         self.engine, self.real = engine, engine.tick
         self.sizes: collections.Counter = collections.Counter()
+        self.rows: dict[str, int] = {}  # every open session's row after the last tick
         self.moves = 0
         engine.tick = self
 
     def __call__(self):
         before = {sid: self.engine.slot(sid) for sid in self.engine.sessions}
+        self.moves += sum(self.rows[sid] != row for sid, row in before.items() if sid in self.rows)
         report = self.real()
         self.sizes[len(report.outputs)] += 1
-        self.moves += sum(before[sid] != self.engine.slot(sid) for sid in report.outputs if sid in before)
+        self.rows = {sid: self.engine.slot(sid) for sid in self.engine.sessions}
+        self.moves += sum(before[sid] != row for sid, row in self.rows.items() if sid in before)
         return report
 
 
@@ -218,7 +225,7 @@ def test_a_random_realtime_churn_answers_every_session_as_if_alone(model, tmp_pa
     a disconnect closes the engine session at once: the case where the old engine left a session past the batch."""
     with BackgroundServer(_context(model, tmp_path / "snapshots" if snapshots else None)) as server:
         ticks = TickLog(server.context.worker.engine)
-        flows, conns, counts = asyncio.run(_churn(server, STEPS * soak_factor(), seed=35))
+        flows, conns, counts = asyncio.run(_churn(server, STEPS * soak_factor(), seed=SEED))
         server.wait_idle(30)
         assert server.context.worker.stats["tick_errors"] == 0
     assert [e for c in conns for e in c.errors] == []
@@ -226,11 +233,11 @@ def test_a_random_realtime_churn_answers_every_session_as_if_alone(model, tmp_pa
     turns = [t for f in flows for t in f.turns]
     resumed = sum(t.connection > 1 for t in turns)
     # the schedule did churn: sessions came, left and were resumed while others were decoding in the same ticks
-    assert len(flows) >= 8 and counts["pause"] >= 5 and counts["resume"] >= (4 if snapshots else 0), counts
-    assert counts["swap"] >= 3 and ticks.moves >= 3, (counts, ticks.moves)
-    assert len(turns) >= 20 and resumed >= (3 if snapshots else 0), (len(turns), resumed, counts)
+    assert len(flows) >= 8 and counts["pause"] >= 4 and counts["resume"] >= (4 if snapshots else 0), counts
+    assert counts["swap"] >= 4 and ticks.moves >= 3, (counts, ticks.moves)
+    assert len(turns) >= 15 and resumed >= (3 if snapshots else 0), (len(turns), resumed, counts)
     assert counts["cancelled"] >= 2 and sum(cancels.values()) == counts["cancelled"], (counts, cancels)
-    assert sum(n for size, n in ticks.sizes.items() if size >= 2) >= 20, ticks.sizes
+    assert sum(n for size, n in ticks.sizes.items() if size >= 2) >= 10, ticks.sizes
 
 
 def test_a_session_connected_after_another_left_is_served_in_the_batch(model):
@@ -268,15 +275,17 @@ def test_a_session_connected_after_another_left_is_served_in_the_batch(model):
 
 
 CONCURRENT_WRITES = textwrap.dedent("""
-    import asyncio, os, secrets, sys, tempfile, threading, time
+    import asyncio, os, secrets, sys, threading, time
     import numpy as np
     import omnijax
+    from omnijax import compilation_cache
     from omnijax.chunks.chunk import text_chunk
     from omnijax.models.config import TINY_OMNI
     from omnijax.retention.baselines import SinkWindow
     from omnijax.serve.engine.engine import Engine, EngineConfig
     from omnijax.serve.realtime.snapshot_store import SnapshotStore
 
+    compilation_cache.enable()  # the suite's ($OMNIJAX_COMPILATION_CACHE): the tick is loaded, not compiled
     stream = omnijax.StreamConfig(policy=SinkWindow(4, 16), num_pages=48, page_size=8, max_answer_tokens=2,
                                   impl="xla")
     engine = Engine(omnijax.Decoder(TINY_OMNI), EngineConfig(stream=stream, chunk_tokens=8, buckets=(1,)))
@@ -284,7 +293,7 @@ CONCURRENT_WRITES = textwrap.dedent("""
     engine.submit("s", text_chunk(np.arange(5), unit=0), 1)
     engine.tick()
     snapshot = engine.export_session("s")
-    store = SnapshotStore(tempfile.mkdtemp())
+    store = SnapshotStore(os.path.join(os.getcwd(), "snapshots"))  # the test's tmp_path
     leases = [asyncio.run(store.acquire(secrets.token_hex(16))) for _ in range(4)]
     errors, written = [], []
     start = threading.Barrier(len(leases))
