@@ -1,8 +1,9 @@
-"""Durable, exclusive resume of Realtime sessions and idle timeouts, through the official `openai` SDK on a tiny
-model: a token is leased to one connection at a time; a reconnect while the last snapshot is being written waits for
-it; a tampered snapshot is refused by name and changes nothing; periodic snapshots are written while the connection
-is open; a failed write reaches the client without server paths; an idle connection is snapshotted and closed.
-Every resumed answer equals the uninterrupted session's."""
+"""Durable, exclusive resume of Realtime sessions and idle timeouts, through the official `openai` SDK on a tiny model:
+a session resumes with its token after a reconnect and after a server restart (its shutdown snapshotted it), and
+unknown or malformed tokens are refused; a token is leased to one connection at a time; a reconnect while the last
+snapshot is being written waits for it; a tampered snapshot is refused by name and changes nothing; periodic
+snapshots are written while the connection is open; a failed write reaches the client without server paths; an idle
+connection is snapshotted and closed. Every resumed answer equals the uninterrupted session's."""
 
 import asyncio
 import dataclasses
@@ -89,6 +90,42 @@ def _first_then_leave(server) -> str:
             await _say(conn, *FIRST)
             return token
     return asyncio.run(run())
+
+
+def test_resume_after_reconnect_and_after_restart(model, expected, tmp_path):
+    """A client that leaves is snapshotted and resumes with its token; a server stopped with a session open
+    snapshots it at shutdown, and a new server on the same directory resumes it. Unknown and malformed tokens are
+    refused by name."""
+    snapshots = tmp_path / "snapshots"
+
+    async def first_half(server):
+        manager = _client(server).realtime.connect(model="omnijax")
+        conn = await manager.__aenter__()
+        token = await _start(conn)
+        return manager, token, await _say(conn, *FIRST)
+
+    with BackgroundServer(_context(model, snapshots)) as server:
+        async def reconnect():
+            manager, token, first = await first_half(server)
+            await manager.__aexit__(None, None, None)  # the client leaves: the session is snapshotted
+            await asyncio.to_thread(server.wait_idle)
+            assert (snapshots / token).is_dir()
+            return token, first, await _resumed_second(server, token)
+
+        token, first, second = asyncio.run(reconnect())
+        assert [first, second] == expected
+        server.wait_idle()
+        assert (snapshots / token).is_dir()  # the resumed session, once it ended, wrote a fresh snapshot
+        unknown = asyncio.run(_refusal(server, "0" * 32))
+        assert unknown.type == "error" and unknown.error.code == "resume_failed"
+        _, token2, first2 = asyncio.run(first_half(server))  # still open when the server stops
+    # the server stopped with the session open: its shutdown snapshotted it
+    assert first2 == expected[0] and (snapshots / token2).is_dir()
+    with BackgroundServer(_context(model, snapshots)) as restarted:
+        assert asyncio.run(_resumed_second(restarted, token2)) == expected[1]
+        restarted.wait_idle()
+        stale = asyncio.run(_refusal(restarted, "zz"))
+        assert stale.type == "error" and "32 hex digits" in stale.error.message
 
 
 def test_a_token_is_leased_to_one_connection_at_a_time(model, expected, tmp_path):
