@@ -167,6 +167,73 @@ def test_quality_scorer_matches_chunk_step():
         assert int(np.asarray(out.stats.layout.retained_cells)[0]) == min(a + chunk, window)
 
 
+def test_quality_kvpress_pyramid_budgets_equal_kvpress():
+    """selectors' `pyramidkv_kv` accounting gives every layer the budget kvpress's PyramidKVPress gives it (its own
+    get_layer_budget, asked per layer), at the ratios and lengths of the tables and where kvpress falls back to
+    uniform budgets (the top layer below the window); omnijax's own `pyramid_budgets` differs in shape, same total
+    (rounding aside)."""
+    kvpress = pytest.importorskip("kvpress", reason="the comparison is against kvpress's own budgets")
+    from types import SimpleNamespace
+
+    from bench.quality.selectors import BETA, KERNEL, WINDOW, kvpress_pyramid
+    from omnijax.prefill import kvpress_budget, pyramid_budgets
+
+    L = 30
+    shapes = set()
+    for S in (300, 1041, 2077, 4113):
+        for ratio in (0.25, 0.5, 0.75):
+            press = kvpress.PyramidKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL, beta=BETA)
+            theirs = tuple(press.get_layer_budget(SimpleNamespace(config=SimpleNamespace(num_hidden_layers=L),
+                                                                  layer_idx=i), S) for i in range(L))
+            ours = kvpress_pyramid(ratio, S, L)
+            assert ours == theirs, (S, ratio, ours, theirs)
+            shapes.add("uniform" if len(set(ours)) == 1 else "ramp")
+            omni = pyramid_budgets(L * kvpress_budget(ratio, S), L, window=WINDOW, beta=BETA)
+            assert abs(sum(omni) - sum(ours)) <= L, (S, ratio)
+    assert shapes == {"uniform", "ramp"}  # both of kvpress's branches were compared
+
+
+def test_quality_kvpress_floor_guarantees_what_kvpress_does():
+    """`adakv_kv`'s floor makes omnijax AdaKV guarantee each head the tokens kvpress's AdaKVPress does: its top
+    `int(alpha * n_kept)` scores, the window (scored highest) counted inside."""
+    from bench.quality.selectors import FLOOR, WINDOW, kvpress_floor
+    from omnijax.prefill import kvpress_budget
+
+    for S in (300, 1041, 2077, 4113):
+        for ratio in (0.25, 0.5, 0.75):
+            budget = kvpress_budget(ratio, S)
+            floor = kvpress_floor(ratio, S)
+            assert 0.0 <= floor <= 1.0
+            omnijax_guaranteed = WINDOW + int(floor * (budget - WINDOW))
+            kvpress_guaranteed = max(WINDOW, max(1, int(budget * FLOOR)))
+            assert omnijax_guaranteed == kvpress_guaranteed, (S, ratio, omnijax_guaranteed, kvpress_guaranteed)
+
+
+def test_quality_passkey_resume_keeps_matching_rows(tmp_path):
+    """passkey --resume keeps an earlier run's rows that the new run asks for (and only those), and refuses an
+    earlier run with another chunk size, naming both."""
+    import json
+
+    from bench.quality import passkey
+
+    rows = [dict(mode="single", policy="omnipick", budget=512, length=1024, depth=0.5, key_index=0),
+            dict(mode="single", policy="omnipick", budget=512, length=1024, depth=0.1, key_index=0),
+            dict(mode="multi", policy="omnipick", budget=512, length=1024, depth=0.0, key_index=0),
+            dict(mode="single", policy="h2o", budget=512, length=1024, depth=0.5, key_index=0),
+            dict(mode="single", policy="omnipick", budget=256, length=1024, depth=0.5, key_index=0),
+            dict(mode="single", policy="omnipick", budget=512, length=2048, depth=0.5, key_index=1)]
+    (tmp_path / "passkey.json").write_text(json.dumps(dict(chunk=128, rows=rows)))
+    args = passkey.build_parser().parse_args(["--lengths", "1024", "2048", "--budgets", "512", "--depths", "0.5",
+                                              "--policies", "omnipick", "--keys", "1", "--resume"])
+    kept = passkey.resumed_rows(tmp_path, args)
+    assert [passkey.session_key(r) for r in kept] == [("single", "omnipick", 512, 1024, 0.5, 0),
+                                                      ("multi", "omnipick", 512, 1024, 0.0, 0)]
+    assert passkey.resumed_rows(tmp_path / "none", args) == []
+    args.chunk = 64
+    with pytest.raises(SystemExit, match="--chunk 128.*asks 64"):
+        passkey.resumed_rows(tmp_path, args)
+
+
 def test_gpu_checks_syntax():
     done = subprocess.run(["bash", "-n", str(BENCH / "gpu_checks.sh")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

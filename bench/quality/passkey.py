@@ -45,7 +45,35 @@ def build_parser():
     p.add_argument("--chunk", type=int, default=128, help="tokens per streamed chunk")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of --out's passkey.json (same settings) and run only the missing sessions")
     return p
+
+
+def session_key(row: dict) -> tuple:
+    """What names one session: (mode, policy, budget, length, depth, key index)."""
+    return row["mode"], row["policy"], row["budget"], row["length"], row["depth"], row.get("key_index", 0)
+
+
+def resumed_rows(out, args) -> list[dict]:
+    """The rows of an earlier run's `passkey.json` under `out` that this run asks for (none when there is none).
+
+    Raises:
+        SystemExit: the earlier run used another chunk size (its rows are not comparable).
+    """
+    import json
+
+    path = out / "passkey.json"
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("chunk") != args.chunk:
+        raise SystemExit(f"--resume: {path} was run with --chunk {old.get('chunk')}, this run asks {args.chunk}; "
+                         "pass the same --chunk or another --out")
+    wanted = set(args.policies or ()) or None
+    return [r for r in old["rows"] if r["budget"] in args.budgets and r["length"] in args.lengths
+            and r["mode"] in args.modes and (wanted is None or r["policy"] in wanted)
+            and (r["mode"] == "multi" or r["depth"] in args.depths) and r.get("key_index", 0) < args.keys]
 
 
 def prompts(model, args):
@@ -140,27 +168,34 @@ def main(argv=None):
     total = len(all_prompts) * len(policies) * len(args.budgets)
     print(f"{source.checkpoint}: {len(all_prompts)} prompts x {len(policies)} policies x {len(args.budgets)} "
           f"budgets = {total} sessions", flush=True)
-    rows, done, started = [], 0, time.perf_counter()
-    for budget in args.budgets:
-        for name in policies:
-            policy = _stream.policy_at(name, budget)
-            for (mode, length, depth, i), prompt in all_prompts.items():
-                config = _stream.stream_config(policy, tokens=prompt.tokens, budget=budget, chunk=args.chunk,
-                                               page_size=args.page_size)
-                o = _stream.run_session(model, prompt, config, pad_to=args.chunk)
-                done += 1
-                rows.append(dict(mode=mode, policy=name, budget=budget, length=length, tokens=prompt.tokens,
-                                 depth=depth, key=prompt.key, answer=o.answer, correct=o.correct,
-                                 peak_cells=o.peak_cells, mean_cells=o.mean_cells, final_cells=o.final_cells,
-                                 key_cells_kept=o.key_cells_kept, key_cells=o.key_cells, seconds=o.seconds,
-                                 note=_stream.TEXT_ONLY_LIMITS.get(name)))
-                print(f"  [{done}/{total}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "
-                      f"{'right' if o.correct else 'wrong'} ({o.answer[:40]!r}), peak {o.peak_cells} cells, key "
-                      f"{o.key_cells_kept}/{o.key_cells}, {o.seconds:.1f} s ({time.perf_counter() - started:.0f} s)",
-                      flush=True)
-    harness.write_json(out, "passkey", dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny,
-                                            chunk=args.chunk,
-                                            budgets=args.budgets, lengths=args.lengths, rows=rows))
+    rows = resumed_rows(out, args) if args.resume else []
+    done_keys = {session_key(r) for r in rows}
+    done, started = len(rows), time.perf_counter()
+    header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, chunk=args.chunk,
+                  budgets=args.budgets, lengths=args.lengths)
+    for length in args.lengths:  # shortest first: a run stopped early keeps whole short-length tables
+        for budget in args.budgets:
+            for name in policies:
+                policy = _stream.policy_at(name, budget)
+                for (mode, plen, depth, i), prompt in all_prompts.items():
+                    if plen != length or (mode, name, budget, length, depth, i) in done_keys:
+                        continue
+                    config = _stream.stream_config(policy, tokens=prompt.tokens, budget=budget, chunk=args.chunk,
+                                                   page_size=args.page_size)
+                    o = _stream.run_session(model, prompt, config, pad_to=args.chunk)
+                    done += 1
+                    rows.append(dict(mode=mode, policy=name, budget=budget, length=length, tokens=prompt.tokens,
+                                     depth=depth, key_index=i, key=prompt.key, answer=o.answer, correct=o.correct,
+                                     peak_cells=o.peak_cells, mean_cells=o.mean_cells, final_cells=o.final_cells,
+                                     key_cells_kept=o.key_cells_kept, key_cells=o.key_cells, seconds=o.seconds,
+                                     note=_stream.TEXT_ONLY_LIMITS.get(name)))
+                    # every row as it comes: a run stopped early keeps what it measured (`--resume` goes on)
+                    harness.write_json(out, "passkey", dict(header, complete=False, rows=rows))
+                    print(f"  [{done}/{total}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "
+                          f"{'right' if o.correct else 'wrong'} ({o.answer[:40]!r}), peak {o.peak_cells} cells, key "
+                          f"{o.key_cells_kept}/{o.key_cells}, {o.seconds:.1f} s "
+                          f"({time.perf_counter() - started:.0f} s)", flush=True)
+    harness.write_json(out, "passkey", dict(header, complete=True, rows=rows))
     print_tables(rows, args, policies)
     plot(rows, args, policies, out)
 

@@ -36,7 +36,9 @@ import numpy as np
 from bench import harness
 from bench.quality import _common as common
 
-SELECTORS = ("snapkv", "adakv", "pyramidkv", "chunkkv", "keydiff", "recent")
+SELECTORS = ("snapkv", "adakv", "adakv_kv", "pyramidkv", "pyramidkv_kv", "chunkkv", "keydiff", "recent")
+"""`adakv_kv` / `pyramidkv_kv`: omnijax's AdaKV / SnapKV with kvpress's budget accounting (`kvpress_floor`,
+`kvpress_pyramid`), beside the same presses as `adakv` / `pyramidkv`, which use omnijax's own accounting."""
 WINDOW, KERNEL, CHUNK_LENGTH, FLOOR, BETA = 64, 5, 20, 0.2, 20
 SMOKE = dict(lengths=[256], depths=[0.5], ratios=[0.5], selectors=["snapkv", "keydiff"])
 
@@ -81,6 +83,42 @@ def _lines(tok, length):
     return max(1, int((length - len(tok.encode(common.INTRO)) - 60) / per_line))
 
 
+def kvpress_pyramid(ratio: float, S: int, num_layers: int, window: int = WINDOW, beta: float = BETA) -> tuple:
+    """Per-layer budgets as kvpress 0.5.5's PyramidKVPress counts them (window inside each layer's budget).
+
+    Its ramp runs over the whole per-layer budget: the mean is `S * (1 - ratio)`, the bottom layer keeps about
+    `2 * mean - mean / beta` (at most `S - window`, the top layer then taking what the cap cuts off), the top
+    `mean / beta`; when the top would fall below the window every layer keeps the mean (no pyramid). omnijax's
+    `pyramid_budgets` instead ramps the share beyond the window and adds the window to every layer: the same total,
+    a different shape (see RESULTS.md).
+    """
+    mean = S * (1 - ratio)
+    low = mean / beta
+    high = 2 * mean - low
+    if high >= S - window:
+        high = S - window
+        low = 2 * mean - high
+    if not S >= high >= low >= window:
+        return (max(1, round(mean)),) * num_layers
+    step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return tuple(round(high - layer * step) for layer in range(num_layers))
+
+
+def kvpress_floor(ratio: float, S: int, alpha: float = FLOOR, window: int = WINDOW) -> float:
+    """omnijax AdaKV's `floor` that guarantees each head what kvpress 0.5.5's AdaKVPress guarantees it.
+
+    kvpress keeps each head's top `alpha * n_kept` scores (window included: SnapKV scores the window highest);
+    omnijax guarantees the window plus `floor` of the per-head share beyond it. The floor returned makes the two
+    guarantees the same number of tokens."""
+    from omnijax.prefill import kvpress_budget
+
+    budget = kvpress_budget(ratio, S)
+    safe = max(1, int(budget * alpha))
+    beyond = max(0, safe - window)
+    share = budget - window
+    return 0.0 if beyond == 0 or share <= 0 else min(1.0, (beyond + 0.5) / share)
+
+
 def budget_of(ratio: float, S: int, selector: str) -> int:
     from omnijax.prefill import kvpress_budget
 
@@ -95,17 +133,24 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
     model: Any = omnijax.load(source)  # an omnijax.Model: prefill is its method
     L = model.config.num_layers
     selectors = {"snapkv": px.SnapKV(WINDOW, KERNEL), "adakv": px.AdaKV(WINDOW, KERNEL, floor=FLOOR),
-                 "pyramidkv": px.SnapKV(WINDOW, KERNEL), "chunkkv": px.ChunkKV(WINDOW, KERNEL, CHUNK_LENGTH),
-                 "keydiff": px.KeyDiff(), "recent": px.RecentTokens()}
+                 "pyramidkv": px.SnapKV(WINDOW, KERNEL), "pyramidkv_kv": px.SnapKV(WINDOW, KERNEL),
+                 "chunkkv": px.ChunkKV(WINDOW, KERNEL, CHUNK_LENGTH), "keydiff": px.KeyDiff(),
+                 "recent": px.RecentTokens()}
     rows, masks = [], {}
     for i, case in enumerate(cases["cases"]):
         ids = np.asarray([case["ids"]])
         S = ids.shape[1]
         budget = budget_of(case["ratio"], S, case["selector"])
-        budgets = px.pyramid_budgets(L * budget, L, window=WINDOW, beta=BETA) if case["selector"] == "pyramidkv" \
-            else budget
+        budgets: Any = budget
+        selector = selectors.get(case["selector"])
+        if case["selector"] == "pyramidkv":
+            budgets = px.pyramid_budgets(L * budget, L, window=WINDOW, beta=BETA)
+        elif case["selector"] == "pyramidkv_kv":
+            budgets = kvpress_pyramid(case["ratio"], S, L)
+        elif case["selector"] == "adakv_kv":
+            selector = px.AdaKV(WINDOW, KERNEL, floor=kvpress_floor(case["ratio"], S))
         started = time.perf_counter()
-        res = model.prefill(ids, selector=selectors[case["selector"]], budgets=budgets, chunk=512, page=64,
+        res = model.prefill(ids, selector=selector, budgets=budgets, chunk=512, page=64,
                             room=common.ANSWER_TOKENS)
         tokens, _, _ = px.greedy(model.decoder, res.cache, res.logits, steps=common.ANSWER_TOKENS)
         answer = _text(model.tokenizer, np.asarray(tokens)[0].tolist(), model.config.eos_token_ids)
@@ -116,6 +161,7 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
                 kept[layer, g, index[0, offset[0, g]:offset[0, g] + length[0, g]]] = True
         masks[f"case{i}"] = np.packbits(kept, axis=-1)
         rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
+        _save(out, "omnijax", rows, masks)  # every case as it comes: a stopped run keeps its rows
         print(f"  omnijax [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
               flush=True)
     _save(out, "omnijax", rows, masks)
@@ -133,6 +179,9 @@ def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
 
     presses = {"snapkv": snap, "adakv": lambda r: kvpress.AdaKVPress(snap(r), alpha_safeguard=FLOOR),
+               "adakv_kv": lambda r: kvpress.AdaKVPress(snap(r), alpha_safeguard=FLOOR),
+               "pyramidkv_kv": lambda r: kvpress.PyramidKVPress(compression_ratio=r, window_size=WINDOW,
+                                                                kernel_size=KERNEL, beta=BETA),
                "pyramidkv": lambda r: kvpress.PyramidKVPress(compression_ratio=r, window_size=WINDOW,
                                                              kernel_size=KERNEL, beta=BETA),
                "chunkkv": lambda r: kvpress.ChunkKVPress(press=snap(r), chunk_length=CHUNK_LENGTH),
@@ -179,6 +228,7 @@ def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
         answer = tok.decode(generated, skip_special_tokens=True).strip()
         masks[f"case{i}"] = np.packbits(kept, axis=-1)
         rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
+        _save(out, "kvpress", rows, masks)
         print(f"  kvpress [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
               flush=True)
     _save(out, "kvpress", rows, masks)
