@@ -209,25 +209,20 @@ def test_quality_kvpress_floor_guarantees_what_kvpress_does():
             assert omnijax_guaranteed == kvpress_guaranteed, (S, ratio, omnijax_guaranteed, kvpress_guaranteed)
 
 
-def test_quality_passkey_resume_keeps_matching_rows(tmp_path):
-    """passkey --resume keeps an earlier run's rows that the new run asks for (and only those), and refuses an
-    earlier run with another chunk size, naming both."""
+def test_quality_passkey_resume_keeps_every_row(tmp_path):
+    """passkey --resume keeps every row of an earlier run (other lengths and policies too, so runs add up in one
+    file) and refuses an earlier run with another chunk size, naming both."""
     import json
 
     from bench.quality import passkey
 
     rows = [dict(mode="single", policy="omnipick", budget=512, length=1024, depth=0.5, key_index=0),
-            dict(mode="single", policy="omnipick", budget=512, length=1024, depth=0.1, key_index=0),
-            dict(mode="multi", policy="omnipick", budget=512, length=1024, depth=0.0, key_index=0),
-            dict(mode="single", policy="h2o", budget=512, length=1024, depth=0.5, key_index=0),
-            dict(mode="single", policy="omnipick", budget=256, length=1024, depth=0.5, key_index=0),
-            dict(mode="single", policy="omnipick", budget=512, length=2048, depth=0.5, key_index=1)]
+            dict(mode="multi", policy="h2o", budget=256, length=2048, depth=0.0)]
     (tmp_path / "passkey.json").write_text(json.dumps(dict(chunk=128, rows=rows)))
-    args = passkey.build_parser().parse_args(["--lengths", "1024", "2048", "--budgets", "512", "--depths", "0.5",
-                                              "--policies", "omnipick", "--keys", "1", "--resume"])
+    args = passkey.build_parser().parse_args(["--lengths", "1024", "--policies", "omnipick", "--resume"])
     kept = passkey.resumed_rows(tmp_path, args)
     assert [passkey.session_key(r) for r in kept] == [("single", "omnipick", 512, 1024, 0.5, 0),
-                                                      ("multi", "omnipick", 512, 1024, 0.0, 0)]
+                                                      ("multi", "h2o", 256, 2048, 0.0, 0)]
     assert passkey.resumed_rows(tmp_path / "none", args) == []
     args.chunk = 64
     with pytest.raises(SystemExit, match="--chunk 128.*asks 64"):

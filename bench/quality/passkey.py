@@ -46,7 +46,7 @@ def build_parser():
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
-                   help="keep the rows of --out's passkey.json (same settings) and run only the missing sessions")
+                   help="keep every row of --out's passkey.json (same --chunk) and run only the sessions it lacks")
     return p
 
 
@@ -56,7 +56,9 @@ def session_key(row: dict) -> tuple:
 
 
 def resumed_rows(out, args) -> list[dict]:
-    """The rows of an earlier run's `passkey.json` under `out` that this run asks for (none when there is none).
+    """Every row of an earlier run's `passkey.json` under `out` (none when there is none): this run skips the
+    sessions they name and writes them back with its own, so runs of other lengths, budgets or policies add up in
+    one file.
 
     Raises:
         SystemExit: the earlier run used another chunk size (its rows are not comparable).
@@ -70,10 +72,7 @@ def resumed_rows(out, args) -> list[dict]:
     if old.get("chunk") != args.chunk:
         raise SystemExit(f"--resume: {path} was run with --chunk {old.get('chunk')}, this run asks {args.chunk}; "
                          "pass the same --chunk or another --out")
-    wanted = set(args.policies or ()) or None
-    return [r for r in old["rows"] if r["budget"] in args.budgets and r["length"] in args.lengths
-            and r["mode"] in args.modes and (wanted is None or r["policy"] in wanted)
-            and (r["mode"] == "multi" or r["depth"] in args.depths) and r.get("key_index", 0) < args.keys]
+    return list(old["rows"])
 
 
 def prompts(model, args):
@@ -172,7 +171,8 @@ def main(argv=None):
     done_keys = {session_key(r) for r in rows}
     done, started = len(rows), time.perf_counter()
     header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, chunk=args.chunk,
-                  budgets=args.budgets, lengths=args.lengths)
+                  budgets=sorted({r["budget"] for r in rows} | set(args.budgets)),
+                  lengths=sorted({r["length"] for r in rows} | set(args.lengths)))
     for length in args.lengths:  # shortest first: a run stopped early keeps whole short-length tables
         for budget in args.budgets:
             for name in policies:

@@ -203,6 +203,12 @@ def plot(results: dict, args, out: Path) -> None:
     harness.save_png(fig, out, "perplexity")
 
 
+def header(args, source: common.ModelSource) -> dict:
+    """The settings a `perplexity.json` records beside its results."""
+    return dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, text=args.text,
+                length=args.length, window=args.window, sinks=args.sinks, chunk=args.chunk, bucket=args.bucket)
+
+
 def main(argv=None):
     args = harness.parse(build_parser(), sys.argv[1:] if argv is None else argv, smoke=SMOKE)
     common.quiet_threads()
@@ -230,6 +236,8 @@ def main(argv=None):
                                  ppl=ppl(nll), seconds=seconds)
             print(f"  {name}: perplexity {ppl(nll):.3f} over {len(nll)} tokens, at most {int(attended.max())} cells "
                   f"attended, {seconds:.1f} s", flush=True)
+            # each configuration as it comes: a run stopped early keeps the ones it finished
+            harness.write_json(out, "perplexity", dict(header(args, source), complete=False, configs=results))
     except BaseException:
         if worker is not None:
             worker.kill()
@@ -243,10 +251,8 @@ def main(argv=None):
     else:
         print(f"check: not run ({check['why']})")
     table = print_table(results, args)
-    harness.write_json(out, "perplexity", dict(
-        model=str(source.gguf or source.checkpoint), random_weights=source.tiny, text=args.text,
-        length=args.length, window=args.window, sinks=args.sinks, chunk=args.chunk, bucket=args.bucket,
-        check=check, table=table, configs=results))
+    harness.write_json(out, "perplexity", dict(header(args, source), complete=True, check=check, table=table,
+                                               configs=results))
     plot(results, args, out)
     if check["ran"] and not check["passed"]:
         raise SystemExit(f"the check failed: omnijax's full-context perplexity differs from transformers' by "
