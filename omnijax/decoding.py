@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, ClassVar, Iterable, Protocol
+from typing import Any, ClassVar, Iterable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -233,18 +233,129 @@ def _min_p(x: jax.Array, min_p: float) -> jax.Array:
     return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
+# The per-row settings of `RowSampling`: one float32 row per sequence (`sampling_row`), columns in this order, then
+# MAX_LOGIT_BIAS logit-bias token ids (-1: none; ids are exact in float32 below 2**24) and as many biases.
+ROW_FIELDS = ("temperature", "top_p_tail", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "top_logprobs")
+MAX_LOGIT_BIAS = 128  # logit-bias entries one row carries (a fixed width: the row is part of every batch)
+MAX_TOP_LOGPROBS = 20  # the most alternatives a row's log probabilities list (OpenAI's and vLLM's cap)
+_S = len(ROW_FIELDS)
+ROW_WIDTH = _S + 2 * MAX_LOGIT_BIAS
+_COL = {name: i for i, name in enumerate(ROW_FIELDS)}
+
+
+def _history(logits: jax.Array, history: jax.Array | None, counts: jax.Array | None,
+             seen: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """`(counts [B, V] int32, seen [B, V] bool)`: the given ones, else both from `history [B, N]` (-1 = padding)."""
+    B, V = logits.shape
+    if counts is None:
+        if history is None:
+            counts = jnp.zeros((B, V), jnp.int32)
+        else:
+            ids = jnp.where(history >= 0, history, V)
+            rows = jnp.broadcast_to(jnp.arange(B)[:, None], history.shape)
+            counts = jnp.zeros((B, V), jnp.int32).at[rows, ids].add(1, mode="drop")
+    return counts, (counts > 0) if seen is None else seen
+
+
+def row_warp(logits: jax.Array, row: jax.Array, counts: jax.Array, seen: jax.Array) -> jax.Array:
+    """`RowSampling`'s processors on `logits [B, V]` for rows `row [B, ROW_WIDTH]`, in vLLM's order (logit bias,
+    repetition, frequency and presence penalties, temperature, min-p, top-k, top-p). `counts [B, V]` int32: this
+    answer's token counts; `seen [B, V]` bool: every token the session wrote. Each processor runs only when some row
+    of the batch uses it (`lax.cond`); a row that does not use it is unchanged by it."""
+    x = logits.astype(jnp.float32)
+    col = lambda name: row[:, _COL[name]][:, None]  # noqa: E731  [B, 1]
+    ids, bias = row[:, _S:_S + MAX_LOGIT_BIAS], row[:, _S + MAX_LOGIT_BIAS:]
+    x = jax.lax.cond(jnp.any(ids >= 0), lambda x: _bias(x, ids, bias), lambda x: x, x)
+    presence, frequency, repetition = col("presence_penalty"), col("frequency_penalty"), col("repetition_penalty")
+    x = jax.lax.cond(jnp.any((presence != 0) | (frequency != 0) | (repetition != 1)),
+                     lambda x: penalties(x, counts, seen, presence, frequency, repetition), lambda x: x, x)
+    temperature, tail, top_k, min_p = col("temperature"), col("top_p_tail"), col("top_k"), col("min_p")
+    x = jnp.where((temperature > 0) & (temperature != 1.0), x / jnp.where(temperature > 0, temperature, 1.0), x)
+    x = jax.lax.cond(jnp.any(min_p > 0), lambda x: _min_p_rows(x, min_p), lambda x: x, x)
+    x = jax.lax.cond(jnp.any(top_k > 0), lambda x: _top_k_rows(x, top_k.astype(jnp.int32)), lambda x: x, x)
+    return jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, _top_p(x, tail), x), lambda x: x, x)
+
+
+def _bias(x: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """Adds `bias [B, N]` to the scores of token `ids [B, N]` (float; < 0: no entry) of each row."""
+    B, V = x.shape
+    cols = jnp.where(ids >= 0, ids, V).astype(jnp.int32)  # no entry: out of range, dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], cols.shape)
+    return x.at[rows, cols].add(bias, mode="drop")
+
+
+def penalties(x: jax.Array, counts: jax.Array, seen: jax.Array, presence, frequency, repetition) -> jax.Array:
+    """vLLM's penalties: scores of `seen` tokens divided by `repetition` when positive, multiplied when not; then
+    `frequency` times each token's count in the answer and `presence` once per token present in it are
+    subtracted. The settings are `[B, 1]` (or scalars)."""
+    factor = jnp.where(seen, repetition, 1.0)
+    x = jnp.where(x > 0, x / factor, x * factor)
+    x = x - frequency * counts.astype(jnp.float32)
+    return x - presence * (counts > 0).astype(jnp.float32)
+
+
+def _top_k_rows(x: jax.Array, k: jax.Array) -> jax.Array:
+    """Per-row top-k (`k [B, 1]`; <= 0 or >= V: off): keeps scores >= the row's k-th largest (ties too)."""
+    V = x.shape[-1]
+    keys = _order_keys(x)
+    kth = _largest_key(keys, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k)
+    return jnp.where((k > 0) & (k < V) & (keys < kth), -jnp.inf, x)
+
+
+def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Per-row min-p (`min_p [B, 1]`; 0: off): drops tokens less likely than min_p times the row's top token."""
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+def row_logprobs(logits: jax.Array, token: jax.Array, row: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log probabilities of the raw model distribution (the log-softmax of `logits [B, V]` before any processor,
+    as vLLM returns them by default) for rows whose `top_logprobs` column is >= 0: `(chosen [B] float32 of `token
+    [B]`, top ids [B, MAX_TOP_LOGPROBS] int32, their logprobs)`, highest first. Computed only when some row asks
+    (and the top list only when some row asks for alternatives); rows that do not ask get zeros."""
+    B = logits.shape[0]
+    want = row[:, _COL["top_logprobs"]]
+    zeros = (jnp.zeros((B,), jnp.float32), jnp.zeros((B, MAX_TOP_LOGPROBS), jnp.int32),
+             jnp.zeros((B, MAX_TOP_LOGPROBS), jnp.float32))
+
+    def compute():
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
+        def top():  # a vocabulary under MAX_TOP_LOGPROBS is padded with id 0 at -inf
+            values, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+            pad = ((0, 0), (0, MAX_TOP_LOGPROBS - values.shape[-1]))
+            return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
+
+        top_lp, top_ids = jax.lax.cond(jnp.any(want > 0), top, lambda: (zeros[2], zeros[1]))
+        listed = (want > 0)[:, None]
+        return (jnp.where(want >= 0, chosen, 0.0), jnp.where(listed, top_ids, 0).astype(jnp.int32),
+                jnp.where(listed, top_lp, 0.0))
+
+    return jax.lax.cond(jnp.any(want >= 0), compute, lambda: zeros)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
-    """Sampling whose temperature and top-p are chosen per sequence at run time: each row of a batch (each session
-    of a server) draws with its own, carried by the chunk that asks for answer tokens (`Chunk.sampling [B, 2]`, rows
-    built by `sampling_row(temperature, top_p)`). A row with temperature 0 takes the most likely token (as `Greedy`);
-    any other row draws exactly as `Sampling(temperature=t, top_p=p, ...)` with the same key. Top-k, min-p, the
-    repetition penalty, the seed and the stop ids are static, as in `Sampling`.
+    """Sampling whose settings are chosen per sequence at run time: each row of a batch (each session of a server)
+    draws with its own, carried by the chunk that asks for answer tokens (`Chunk.sampling [B, ROW_WIDTH]`, rows built
+    by `sampling_row`): temperature, top-p, top-k, min-p, presence / frequency / repetition penalties, a logit bias
+    and how many log probabilities to return. One compiled program serves every value; a processor that no row of a
+    batch uses is skipped (`lax.cond`), so rows asking for none of them cost what a plain temperature / top-p draw
+    costs. A row with temperature 0 takes the most likely token after the bias and the penalties (as vLLM's greedy
+    rows); any other row with only temperature / top-p set draws exactly as `Sampling(temperature=t, top_p=p, ...)`
+    with the same key.
+
+    The processors run in vLLM's order (its V1 sampler): logit bias, then the penalties (repetition, then
+    frequency, then presence), temperature, min-p, top-k, top-p, then the draw. The penalties read the carried
+    per-row history (`StreamState.counts`, `StreamState.seen`): frequency and presence count the tokens of the
+    answer being decoded (OpenAI's "so far"), the repetition penalty every token id the session has written (its
+    prompt and its answers, as vLLM's prompt + output). Called without them, `history [B, N]` stands for both.
 
     Attributes:
-        temperature, top_p: the values of rows whose chunk carries none.
-        top_k, min_p, repetition_penalty, seed, stop, free_running: as `Sampling`'s.
+        temperature, top_p, top_k, min_p, repetition_penalty: the settings of rows whose chunk carries none.
+        seed, stop, free_running: as `Sampling`'s.
     """
 
     temperature: float = 0.0
@@ -255,7 +366,7 @@ class RowSampling:
     seed: int = 0
     stop: tuple[int, ...] = ()
     free_running: bool = False
-    per_row = True  # `select` takes the rows' settings (`row=`)
+    per_row = True  # `select` takes the rows' settings (`row=`) and history (`counts=`, `seen=`)
     name: ClassVar[str] = "row_sampling"
 
     def __post_init__(self):
@@ -267,45 +378,111 @@ class RowSampling:
                  seed=self.seed)  # the shared settings, validated as Sampling validates them
 
     def rows(self, batch: int) -> jax.Array:
-        """`[batch, 2]` float32: the default row (`sampling_row(temperature, top_p)`) of rows that carry none."""
-        return jnp.broadcast_to(jnp.asarray(sampling_row(self.temperature, self.top_p)), (batch, 2))
+        """`[batch, ROW_WIDTH]` float32: the default row of rows that carry none."""
+        row = sampling_row(self.temperature, self.top_p, top_k=self.top_k, min_p=self.min_p,
+                           repetition_penalty=self.repetition_penalty)
+        return jnp.broadcast_to(jnp.asarray(row), (batch, ROW_WIDTH))
 
-    def warp(self, logits: jax.Array, history: jax.Array | None = None, row: jax.Array | None = None) -> jax.Array:
-        """`logits [B, V]` -> float32 scores for rows drawing with `row [B, 2]` (`sampling_row`s; default
-        `rows(B)`); rows with temperature 0 are only penalised."""
+    def warp(self, logits: jax.Array, history: jax.Array | None = None, row: jax.Array | None = None,
+             counts: jax.Array | None = None, seen: jax.Array | None = None) -> jax.Array:
+        """`logits [B, V]` -> float32 scores for rows drawing with `row [B, ROW_WIDTH]` (`sampling_row`s; default
+        `rows(B)`); rows with temperature 0 are only biased and penalised. `counts [B, V]` int32 (this answer's
+        tokens) and `seen [B, V]` bool (the session's tokens) feed the penalties; without them `history [B, N]`
+        (-1 = padding) stands for both."""
         row = self.rows(logits.shape[0]) if row is None else row.astype(jnp.float32)
-        temperature, tail = row[:, :1], row[:, 1:]  # [B, 1] each
-        x = _penalise(logits.astype(jnp.float32), history, self.repetition_penalty)
-        x = jnp.where((temperature > 0) & (temperature != 1.0), x / jnp.where(temperature > 0, temperature, 1.0), x)
-        x = _top_k(x, self.top_k)
-        x = jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, _top_p(x, tail), x), lambda x: x, x)
-        return _min_p(x, self.min_p)
+        return row_warp(logits, row, *_history(logits, history, counts, seen))
 
     def keys(self, batch: int) -> jax.Array:
         return jax.random.wrap_key_data(sampling_keys(self.seed, batch))
 
     def select(self, logits: jax.Array, history: jax.Array | None = None, key: jax.Array | None = None,
-               row: jax.Array | None = None) -> jax.Array:
+               row: jax.Array | None = None, counts: jax.Array | None = None,
+               seen: jax.Array | None = None) -> jax.Array:
         """`[B]` int32 tokens: row b draws from its warped scores with `key[b]`, or takes the argmax (after the
-        repetition penalty) when its temperature is 0."""
+        bias and the penalties) when its temperature is 0."""
         if key is None:
             raise ValueError("RowSampling.select needs one PRNG key per sequence (key=strategy.keys(batch))")
-        row = self.rows(logits.shape[0]) if row is None else row
-        scores = self.warp(logits, history, row)
+        row = self.rows(logits.shape[0]) if row is None else row.astype(jnp.float32)
+        scores = self.warp(logits, history, row, counts, seen)
         greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
         sampled = row[:, 0] > 0  # [B]
         drawn = jax.lax.cond(jnp.any(sampled), lambda: jax.vmap(jax.random.categorical)(key, scores).astype(
-            jnp.int32), lambda: greedy)  # a batch of greedy rows skips the draw (and warp's top-p search above)
+            jnp.int32), lambda: greedy)  # a batch of greedy rows skips the draw
         return jnp.where(sampled, drawn, greedy)
 
 
-def sampling_row(temperature: float, top_p: float = 1.0) -> np.ndarray:
-    """One row's `RowSampling` settings as float32 `[2]`: the temperature (>= 0; 0: the most likely token) and top-p's
-    tail mass 1 - top_p, computed in float64 before rounding, so that the row compares exactly as `Sampling` does."""
+def sampling_row(temperature: float, top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 top_logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None,
+                 vocab_size: int | None = None) -> np.ndarray:
+    """One row's `RowSampling` settings as float32 `[ROW_WIDTH]` (columns `ROW_FIELDS`, then the logit bias).
 
+    Args:
+        temperature: >= 0 (0: the most likely token).
+        top_p: in (0, 1]; stored as the tail mass 1 - top_p, computed in float64 before rounding, so that the row
+            compares exactly as `Sampling` does.
+        top_k: keep the k highest scores; 0 or -1: off.
+        min_p: in [0, 1]; drop tokens less likely than min_p times the top token (0: off).
+        presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's), over the tokens of the answer so far.
+        repetition_penalty: > 0 (1: off), over every token the session has written (prompt and answers).
+        top_logprobs: None: no log probabilities; k in [0, MAX_TOP_LOGPROBS]: the chosen token's and the k most
+            likely alternatives'.
+        logit_bias: token id -> bias in [-100, 100], at most MAX_LOGIT_BIAS entries.
+        vocab_size: when given, logit-bias ids must lie below it.
+
+    Raises:
+        ValueError: naming the setting and its range.
+    """
     _number("temperature", temperature, lambda x: x >= 0, ">= 0 (0: the most likely token)")
     _number("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1] (1 keeps every token)")
-    return np.asarray([float(temperature), 1.0 - float(top_p)], np.float32)
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < -1:
+        raise ValueError(f"Sampling: top_k must be an int >= -1 (0 or -1 keeps every token), got {top_k!r}")
+    _number("min_p", min_p, lambda x: 0 <= x <= 1, "in [0, 1] (0 keeps every token)")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        _number(name, value, lambda x: -2 <= x <= 2, "in [-2, 2] (0 is no penalty)")
+    _number("repetition_penalty", repetition_penalty, lambda x: 0 < x <= 1e6, "> 0 (1 is no penalty)")
+    if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, numbers.Integral)
+                                     or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"Sampling: top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got "
+                         f"{top_logprobs!r}")
+    bias = dict(logit_bias or {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"Sampling: logit_bias holds {len(bias)} entries, over the {MAX_LOGIT_BIAS} a row carries")
+    limit = min(vocab_size, 2 ** 24) if vocab_size is not None else 2 ** 24
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < limit:
+            raise ValueError(f"Sampling: logit_bias token id {token!r} is not a token id in [0, {limit})")
+        _number(f"logit_bias[{token}]", value, lambda x: -100 <= x <= 100, "in [-100, 100]")
+    row = np.zeros((ROW_WIDTH,), np.float32)
+    row[:_S] = [float(temperature), 1.0 - float(top_p), float(max(int(top_k), 0)), float(min_p),
+                float(presence_penalty), float(frequency_penalty), float(repetition_penalty),
+                -1.0 if top_logprobs is None else float(top_logprobs)]
+    row[_S:_S + MAX_LOGIT_BIAS] = -1.0
+    row[_S:_S + len(bias)] = [int(t) for t in bias]
+    row[_S + MAX_LOGIT_BIAS:_S + MAX_LOGIT_BIAS + len(bias)] = [float(v) for v in bias.values()]
+    return row
+
+
+def check_rows(rows: np.ndarray) -> str | None:
+    """What is wrong with `rows [..., ROW_WIDTH]` of `sampling_row`s (None when nothing is)."""
+    rows = np.asarray(rows, np.float32)
+    if rows.shape[-1:] != (ROW_WIDTH,):
+        return f"the last axis must hold {ROW_WIDTH} settings, got shape {rows.shape}"
+    s = {name: rows[..., i] for i, name in enumerate(ROW_FIELDS)}
+    ids = rows[..., _S:_S + MAX_LOGIT_BIAS]
+    checks = [(np.isfinite(rows).all(), "finite"), ((s["temperature"] >= 0).all(), "temperature >= 0"),
+              (((s["top_p_tail"] >= 0) & (s["top_p_tail"] < 1)).all(), "1 - top_p in [0, 1)"),
+              ((s["top_k"] >= 0).all() and (s["top_k"] == np.round(s["top_k"])).all(), "top_k an int >= 0"),
+              (((s["min_p"] >= 0) & (s["min_p"] <= 1)).all(), "min_p in [0, 1]"),
+              ((np.abs(s["presence_penalty"]) <= 2).all() and (np.abs(s["frequency_penalty"]) <= 2).all(),
+               "presence and frequency penalties in [-2, 2]"),
+              ((s["repetition_penalty"] > 0).all(), "repetition_penalty > 0"),
+              (((s["top_logprobs"] >= -1) & (s["top_logprobs"] <= MAX_TOP_LOGPROBS)).all(),
+               f"top_logprobs in [-1, {MAX_TOP_LOGPROBS}]"),
+              (((ids == -1) | ((ids >= 0) & (ids == np.round(ids)))).all(), "logit-bias ids ints >= 0 or -1"),
+              ((np.abs(rows[..., _S + MAX_LOGIT_BIAS:]) <= 100).all(), "biases in [-100, 100]")]
+    bad = [what for ok, what in checks if not ok]
+    return "; ".join(bad) if bad else None
 
 
 # The seeds a request may give (OpenAI's `seed` is a signed 64-bit integer; jax keys take no wider value).

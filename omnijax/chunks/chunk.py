@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from omnijax.chunks.spans import SpanKind
-from omnijax.decoding import DecodingStrategy
+from omnijax.decoding import MAX_LOGIT_BIAS, ROW_WIDTH, DecodingStrategy, check_rows
 
 
 @jax.tree_util.register_dataclass
@@ -42,8 +42,8 @@ class Chunk:
         embed_mask: optional `[B, T]` bool.
         deepstack: optional `[n, B, T, D]` DeepStack levels (Qwen3-Omni vision; zero away from visual tokens),
             level i added to the hidden states after decoder layer i. Needs `embeds`.
-        sampling: optional `[B, 2]` float32 per-sequence decoding settings of this chunk's answer tokens, read by a
-            per-row strategy (`omnijax.decoding.RowSampling`; rows from `omnijax.decoding.sampling_row`).
+        sampling: optional `[B, ROW_WIDTH]` float32 per-sequence decoding settings of this chunk's answer tokens,
+            read by a per-row strategy (`omnijax.decoding.RowSampling`; rows from `omnijax.decoding.sampling_row`).
     """
 
     token_ids: jax.Array
@@ -292,10 +292,11 @@ def validate(chunk: Chunk, config: DecoderLimits, *, max_answer_tokens: int, sta
             raise ValueError(f"{what}: carries per-row sampling settings but decodes with {decoding!r}, which would "
                              f"ignore them; decode with omnijax.decoding.RowSampling()")
         rows = np.asarray(chunk.sampling)
-        if rows.shape != bt[:-1] + (2,):
-            raise ValueError(f"{what}: sampling must be {bt[:-1] + (2,)} (temperature, 1 - top_p per sequence), got "
-                             f"{rows.shape}")
-        if not (np.isfinite(rows).all() and (rows[..., 0] >= 0).all() and (rows[..., 1] >= 0).all()
-                and (rows[..., 1] < 1).all()):
-            raise ValueError(f"{what}: sampling rows are (temperature >= 0, 1 - top_p in [0, 1)); build them with "
-                             f"omnijax.decoding.sampling_row")
+        if rows.shape != bt[:-1] + (ROW_WIDTH,):
+            raise ValueError(f"{what}: sampling must be {bt[:-1] + (ROW_WIDTH,)} (one row of settings per sequence), "
+                             f"got {rows.shape}; build the rows with omnijax.decoding.sampling_row")
+        wrong = check_rows(rows)
+        if wrong is None and (rows[..., -2 * MAX_LOGIT_BIAS:-MAX_LOGIT_BIAS] >= config.vocab_size).any():
+            wrong = f"logit-bias ids below the vocabulary size {config.vocab_size}"
+        if wrong is not None:
+            raise ValueError(f"{what}: sampling rows need {wrong}; build them with omnijax.decoding.sampling_row")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
-from omnijax.decoding import answer_stop_ids, sampling_keys, split_keys
+from omnijax.decoding import MAX_TOP_LOGPROBS, answer_stop_ids, row_logprobs, sampling_keys, split_keys
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.config import DecoderConfig
@@ -30,12 +30,21 @@ class StreamState:
     """Carried state: the cache, each sequence's next-position cursor `[B]`, its sampling key `key [B, 2]`
     (uint32 key data, `jax.random.key_data`; split at every sampled token, unused by greedy decoding) and
     `last_logits [B, V]` float32, the logits after the last token the sequence wrote (its last chunk token or answer
-    token): a chunk with no valid token for a sequence continues that sequence's answer from them."""
+    token): a chunk with no valid token for a sequence continues that sequence's answer from them.
+
+    The history a per-row strategy's penalties read (`omnijax.decoding.RowSampling`): `counts [B, V]` int32, how
+    often each token id occurs in the answer being decoded (reset to zero by a chunk that feeds the row a token: new
+    input starts a new answer; a continuation chunk keeps it), and `seen [B, V]` bool, every token id the row has
+    written (the text of its chunks, not media placeholders, and its answers). Both are bounded by the vocabulary,
+    whatever the session's length: `B * V * 5` bytes (152K vocabulary, 64 rows: 49 MB, beside `last_logits`' 39 MB).
+    """
 
     kv: paged_lib.PagedKV
     next_pos: jax.Array
     key: jax.Array
     last_logits: jax.Array
+    counts: jax.Array
+    seen: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -57,11 +66,18 @@ class ChunkStats:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChunkOutput:
-    """What one step returns: last-position logits `[B, V]` (float32), tokens `[B, tau]` (-1 = none), stats."""
+    """What one step returns: last-position logits `[B, V]` (float32), tokens `[B, tau]` (-1 = none), stats.
+
+    With a per-row strategy, also the raw log probabilities of the answer tokens of rows that ask for them
+    (`omnijax.decoding.row_logprobs`): `logprobs [B, tau]` of each chosen token, `top_ids` / `top_logprobs`
+    `[B, tau, MAX_TOP_LOGPROBS]` the most likely alternatives (zeros where not asked); None otherwise."""
 
     logits: jax.Array
     tokens: jax.Array
     stats: ChunkStats
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,29 +90,44 @@ class StreamResult:
     state: StreamState
 
 
+def _empty_logprobs(B: int, tau: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    K = MAX_TOP_LOGPROBS
+    return (jnp.zeros((B, tau), jnp.float32), jnp.zeros((B, tau, K), jnp.int32), jnp.zeros((B, tau, K), jnp.float32))
+
+
 def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool,
-            sampling=None):
+            sampling=None, counts=None, seen=None):
     """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
 
     `key [B, 2]` (key data) is split once per decoding step, row by row; a per-row strategy (`RowSampling`) draws
-    each row with its `sampling [B, 2]` settings. Returns `(kv, next_pos, key, tokens, last_logits [B, V])`, the last
-    being the logits after each row's last fed token."""
+    each row with its `sampling [B, ROW_WIDTH]` settings and its history (`counts`, `seen` `[B, V]`, updated with
+    every token decoded) and returns the raw log probabilities rows ask for. Returns `(kv, next_pos, key, tokens,
+    last_logits [B, V], counts, seen, logprobs)`, `last_logits` being the logits after each row's last fed token and
+    `logprobs` `(chosen [B, tau], top ids, top logprobs [B, tau, K])` (zeros unless per-row)."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
+    V = first_logits.shape[-1]
     placement = config.paging.placement
+    per_row = getattr(config.decoding, "per_row", False)
     eos = jnp.asarray(answer_stop_ids(config.decoding, model.config.eos_token_ids) or (-1,), jnp.int32)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
+    batch_rows = jnp.arange(B)
 
     def cond(carry):
-        i, _, _, _, _, active, _ = carry
+        i, active = carry[0], carry[5]
         return (i < max_tokens) & jnp.any(active)
 
     def body(carry):
-        i, kv, next_pos, key, logits, active, tokens = carry
+        i, kv, next_pos, key, logits, active, tokens, counts, seen, lps = carry
         draw, following = split_keys(key)
-        if getattr(config.decoding, "per_row", False):
-            token = config.decoding.select(logits, tokens, draw, row=sampling)  # [B]
+        if per_row:
+            token = config.decoding.select(logits, tokens, draw, row=sampling, counts=counts, seen=seen)  # [B]
+            chosen, top_ids, top_lp = row_logprobs(logits, token, sampling)
+            lps = (lps[0].at[:, i].set(chosen), lps[1].at[:, i].set(top_ids), lps[2].at[:, i].set(top_lp))
         else:
             token = config.decoding.select(logits, tokens, draw)  # [B]
+        written = jnp.where(active, token, V)  # finished rows count nothing (out of range: dropped)
+        counts = counts.at[batch_rows, written].add(1, mode="drop")
+        seen = seen.at[batch_rows, written].set(True, mode="drop")
         key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
         x = model.embed_tokens(token[:, None])
@@ -109,11 +140,14 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
         next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
         active = active & ~stop & (i + 1 < count)
-        return i + 1, kv, next_pos, key, logits, active, tokens
+        return i + 1, kv, next_pos, key, logits, active, tokens, counts, seen, lps
 
-    carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0)
-    _, kv, next_pos, key, logits, _, tokens = jax.lax.while_loop(cond, body, carry)
-    return kv, next_pos, key, tokens, logits
+    if sampling is None and per_row:
+        sampling = config.decoding.rows(B)
+    carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0, counts, seen,
+             _empty_logprobs(B, max_tokens))
+    _, kv, next_pos, key, logits, _, tokens, counts, seen, lps = jax.lax.while_loop(cond, body, carry)
+    return kv, next_pos, key, tokens, logits, counts, seen, lps
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
@@ -125,6 +159,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
+    counts, seen = _history(state, chunk)
     x = model.embed_tokens(chunk.token_ids)
     if chunk.embeds is not None:
         x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
@@ -145,19 +180,35 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
     kv, next_pos, evicted = retention_lib.trim(
         policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed)
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
-    if config.max_answer_tokens > 0:
-        count = jnp.minimum(chunk.answer_tokens, config.max_answer_tokens)
-        kv, next_pos, key, tokens, last_logits = jax.lax.cond(
+    tau = config.max_answer_tokens
+    lps = _empty_logprobs(kv.batch, tau)
+    if tau > 0:
+        count = jnp.minimum(chunk.answer_tokens, tau)
+        kv, next_pos, key, tokens, last_logits, counts, seen, lps = jax.lax.cond(
             jnp.any(count > 0),
             lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track,
-                            chunk.sampling),
-            lambda: (kv, next_pos, key, jnp.full((kv.batch, config.max_answer_tokens), -1, jnp.int32), logits))
+                            chunk.sampling, counts, seen),
+            lambda: (kv, next_pos, key, jnp.full((kv.batch, tau), -1, jnp.int32), logits, counts, seen, lps))
     else:
         tokens, last_logits = jnp.zeros((kv.batch, 0), jnp.int32), logits
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
-    state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits)
-    return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+    state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)
+    if not getattr(config.decoding, "per_row", False):
+        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+    return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, logprobs=lps[0], top_ids=lps[1],
+                              top_logprobs=lps[2])
+
+
+def _history(state: StreamState, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
+    """The penalties' history after the chunk's input: a row fed a token starts a new answer (its counts are
+    zeroed), and the text tokens it feeds are seen (media placeholders, under `embed_mask`, are not)."""
+    fed = chunk.valid if chunk.embed_mask is None else chunk.valid & ~chunk.embed_mask  # [B, T]
+    B, V = state.counts.shape
+    counts = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], 0, state.counts)
+    ids = jnp.where(fed, chunk.token_ids, V)
+    seen = state.seen.at[jnp.broadcast_to(jnp.arange(B)[:, None], ids.shape), ids].set(True, mode="drop")
+    return counts, seen
 
 
 def init_state(config: DecoderConfig, *, num_pages: int, page_size: int = 64, batch: int = 1,
@@ -167,8 +218,10 @@ def init_state(config: DecoderConfig, *, num_pages: int, page_size: int = 64, ba
     kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
                         position_axes=config.position_axes, dtype=config.jnp_dtype)
+    V = config.vocab_size
     return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch),
-                       last_logits=jnp.zeros((batch, config.vocab_size), jnp.float32))
+                       last_logits=jnp.zeros((batch, V), jnp.float32), counts=jnp.zeros((batch, V), jnp.int32),
+                       seen=jnp.zeros((batch, V), bool))
 
 
 def check_state(state: StreamState, config: DecoderConfig) -> None:

@@ -20,7 +20,7 @@ def test_each_row_draws_as_sampling_with_its_settings():
     rng = np.random.default_rng(0)
     B, V = len(ROWS), 64
     strategy = RowSampling(top_k=20, repetition_penalty=1.3, seed=5)
-    rows = np.stack([sampling_row(t, p) for t, p in ROWS])
+    rows = np.stack([sampling_row(t, p, top_k=20, repetition_penalty=1.3) for t, p in ROWS])
     for trial in range(20):
         logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
         history = rng.integers(-1, V, size=(B, 6)).astype(np.int32)
@@ -56,7 +56,8 @@ def test_settings_and_refusals():
     model = omnijax.Decoder(TINY_OMNI)
     with pytest.raises(ValueError, match="RowSampling"):  # a strategy that would ignore them refuses them
         omnijax.Session(model, omnijax.StreamConfig(num_pages=8, page_size=8, max_answer_tokens=2)).feed(chunk)
-    bad = dataclasses.replace(chunk, sampling=np.asarray([[0.5, 1.0]], np.float32))  # 1 - top_p must be < 1
+    bad = dataclasses.replace(chunk, sampling=sampling_row(0.5, 1.0)[None])
+    bad.sampling[0, 1] = 1.0  # 1 - top_p must be < 1
     with pytest.raises(ValueError, match="sampling_row"):
         omnijax.Session(model, omnijax.StreamConfig(num_pages=8, page_size=8, max_answer_tokens=2,
                                                     decoding=RowSampling())).feed(bad)

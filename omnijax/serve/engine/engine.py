@@ -38,7 +38,7 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.decoding import folded_keys, seed_of
+from omnijax.decoding import ROW_FIELDS, folded_keys, seed_of
 from omnijax.kv import paged as paged_lib
 from omnijax.paging import migration
 from omnijax.retention.baselines import SinkWindow
@@ -128,6 +128,9 @@ class FrameOutput:
         asked: answer tokens the frame asked for.
         tick_s: wall latency of the tick the frame ran in.
         occupancy: pool pages in use / pool pages after that tick.
+        logprobs: when the frame's sampling row asks for log probabilities (`top_logprobs` >= 0), one entry per
+            token: `(logprob, [(token id, logprob), ...])`, the raw model distribution's log probability of the
+            token and of the `top_logprobs` most likely tokens (`omnijax.decoding.row_logprobs`); else None.
     """
 
     session_id: str
@@ -138,6 +141,7 @@ class FrameOutput:
     asked: int = 0
     tick_s: float = 0.0
     occupancy: float = 0.0
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -187,7 +191,8 @@ def reset_row(state: StreamState, row: int | jax.Array) -> StreamState:
     kv = kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
                     next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
                     dropped=kv.dropped.at[row].set(0))
-    return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0))
+    return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0),
+                               counts=state.counts.at[row].set(0), seen=state.seen.at[row].set(False))
 
 
 def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
@@ -207,7 +212,8 @@ def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamSta
                     next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
                     dropped=pick(kv.dropped, 0))
     return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0),
-                       last_logits=pick(state.last_logits, 0))
+                       last_logits=pick(state.last_logits, 0), counts=pick(state.counts, 0),
+                       seen=pick(state.seen, False))
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -218,16 +224,29 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
 def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
-    dropped [B], num_free [], table_full [B]))`."""
+    dropped [B], num_free [], table_full [B], logprobs))`, `logprobs` the step's `(chosen, top ids, top logprobs)`
+    (None unless the strategy is per-row)."""
     model = nnx.merge(graphdef, params)
     state, out = chunk_step(model, state, chunk, config)
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
-    outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full)
+    logprobs = None if out.logprobs is None else (out.logprobs, out.top_ids, out.top_logprobs)
+    outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full, logprobs)
     return dataclasses.replace(state, kv=kv), outputs
 
 
 _reset_row = jax.jit(reset_row, donate_argnums=0)
+
+
+def _frame_logprobs(chunk: Chunk, logprobs, row: int, n: int) -> list | None:
+    """The log probabilities of a frame's `n` tokens when its sampling row asks for them (`FrameOutput.logprobs`)."""
+    if logprobs is None or chunk.sampling is None:
+        return None
+    k = int(np.asarray(chunk.sampling)[0, ROW_FIELDS.index("top_logprobs")])
+    if k < 0:
+        return None
+    chosen, ids, values = (np.asarray(x[row]) for x in logprobs)
+    return [(float(chosen[i]), [(int(ids[i, j]), float(values[i, j])) for j in range(k)]) for i in range(n)]
 
 
 # ------------------------------------------------------------------------------------------------------- engine
@@ -318,11 +337,11 @@ class Engine:
         self._unkeyed[session_id] = np.asarray(folded_keys(seed_of(self._stream.decoding), [self._opened])[0])
         self._opened += 1
 
-    def seed_session(self, session_id: str, seed: int) -> None:
-        """Gives an open session the sampling keys of `seed` (folded as the first session of that seed), between
-        ticks: the same seed and the same requests give the same samples."""
+    def seed_session(self, session_id: str, seed: int, index: int = 0) -> None:
+        """Gives an open session the sampling keys of `seed` (folded as the `index`-th session of that seed: the
+        `index`-th choice of a request), between ticks: the same seed and the same requests give the same samples."""
         self._check_open(session_id)
-        key = np.asarray(folded_keys(int(seed), [0])[0])
+        key = np.asarray(folded_keys(int(seed), [int(index)])[0])
         row = self._slots[session_id]
         if session_id in self._unkeyed or row >= self.state.kv.batch:
             self._unkeyed[session_id] = key
@@ -406,7 +425,8 @@ class Engine:
             out["embeds"] = np.zeros((B, T, D), with_embeds[0].embeds.dtype)
             out["embed_mask"] = z(bool)
         if getattr(self._stream.decoding, "per_row", False):  # every row carries its settings: one program
-            out["sampling"] = np.array(np.broadcast_to(self._stream.decoding.rows(1), (B, 2)), np.float32)
+            default = np.asarray(self._stream.decoding.rows(1))
+            out["sampling"] = np.array(np.broadcast_to(default, (B, default.shape[-1])), np.float32)
         with_levels = [c for c in frames.values() if c.deepstack is not None]
         if with_levels:
             n, D = with_levels[0].deepstack.shape[0], with_levels[0].deepstack.shape[-1]
@@ -443,7 +463,7 @@ class Engine:
             batch = self._batch(frames)
             self.state, result = _engine_step(self._graphdef, self._params, self.state, batch, config=self._stream)
             result = jax.device_get(jax.block_until_ready(result))
-            logits, tokens, exhausted, cum_dropped, num_free, table_full = result
+            logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
             for s, c in frames.items():
                 r, asked = self._slots[s], int(c.answer_tokens[0])
                 lost = int(cum_dropped[r]) - self._seen_dropped[s]
@@ -457,7 +477,7 @@ class Engine:
                     continue
                 toks = [int(t) for t in tokens[r, :asked] if t >= 0]
                 outputs[s] = FrameOutput(s, toks, np.asarray(logits[r]) if self.config.return_logits else None,
-                                         lost, False, asked)
+                                         lost, False, asked, logprobs=_frame_logprobs(c, logprobs, r, len(toks)))
             free = int(num_free)
         else:
             free = self.free_pages

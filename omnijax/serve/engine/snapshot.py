@@ -14,6 +14,8 @@ Shapes (L layers, E saved pages, P page size, G kv heads, d head dim, A position
     seq_slots, next_order, dropped, next_pos   [] int32;   exhausted [] bool
     key         [2] uint32            sampling key data
     last_logits [V] float32
+    counts      [V] int32             the answer's token counts, and seen [V] bool, the tokens the session wrote
+                                      (`StreamState.counts` / `seen`: the history per-row penalties read)
 
 `import_row` takes the pages from the pool's free stack the way `omnijax.kv.paged.reserve` does (popped from the top,
 in table order), so physical page ids may differ while everything a step reads stays the same: the next frame's
@@ -41,7 +43,8 @@ import orbax.checkpoint as ocp
 from omnijax.streaming.step import StreamState
 
 FORMAT = "omnijax-session"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added `counts` and `seen`; a version-1 snapshot loads with both empty (no penalty history)
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "session.json"
 ARRAYS_DIR = "arrays"
 
@@ -49,7 +52,7 @@ ARRAYS_DIR = "arrays"
 PAGE_AXES = {"k": 1, "v": 1, "valid": 0, "pos": 1, "order": 0, "unit": 0, "span": 0, "offset": 0, "score": 0,
              "page_class": 0}
 KV_ROW_FIELDS = ("seq_slots", "next_order", "exhausted", "dropped")  # per-row fields of `PagedKV`
-STATE_ROW_FIELDS = ("next_pos", "key", "last_logits")  # per-row fields of `StreamState`
+STATE_ROW_FIELDS = ("next_pos", "key", "last_logits", "counts", "seen")  # per-row fields of `StreamState`
 ARRAY_FIELDS = ("entries",) + tuple(PAGE_AXES) + KV_ROW_FIELDS + STATE_ROW_FIELDS
 # The largest counter (positions, tokens written, units) a snapshot may hold: far beyond any real session, far enough
 # below the int32 limit that the session can go on counting; a larger one is a damaged or tampered snapshot.
@@ -136,9 +139,16 @@ class SessionSnapshot:
     last_logits: np.ndarray
     spec: SnapshotSpec
     meta: dict = dataclasses.field(default_factory=dict)
+    counts: np.ndarray | None = None  # None: empty (zeros of the spec's vocabulary)
+    seen: np.ndarray | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "meta", json.loads(_meta_json(self.meta)))
+        V = self.spec.vocab_size
+        if self.counts is None:
+            object.__setattr__(self, "counts", np.zeros((V,), np.int32))
+        if self.seen is None:
+            object.__setattr__(self, "seen", np.zeros((V,), bool))
 
     @property
     def num_pages(self) -> int:
@@ -158,7 +168,7 @@ class SessionSnapshot:
         """Refuses a snapshot whose arrays do not agree with each other and with its spec (`SnapshotError`)."""
         spec, E = self.spec, self.num_pages
         want = {name: _page_shape(spec, name, E) for name in PAGE_AXES}
-        want.update(entries=(E,), last_logits=(spec.vocab_size,),
+        want.update(entries=(E,), last_logits=(spec.vocab_size,), counts=(spec.vocab_size,), seen=(spec.vocab_size,),
                     **{name: () for name in KV_ROW_FIELDS + ("next_pos",)})
         bad = [f"{n} {tuple(np.shape(getattr(self, n)))} (expected {w})" for n, w in want.items()
                if tuple(np.shape(getattr(self, n))) != w]
@@ -183,6 +193,9 @@ class SessionSnapshot:
             held = np.asarray(getattr(self, name))[valid]
             if held.size and not (held.min() >= -1 and held.max() <= COUNTER_LIMIT):  # -1: the pool's "none"
                 bad.append(f"{name} of the held tokens in [{held.min()}, {held.max()}]")
+        counts = np.asarray(self.counts)
+        if counts.size and not (counts.min() >= 0 and counts.max() <= COUNTER_LIMIT):
+            bad.append(f"counts in [{counts.min()}, {counts.max()}]")
         if bad:
             raise SnapshotError(f"session snapshot counters out of range [0, {COUNTER_LIMIT}]: " + "; ".join(bad))
         held_entries = -(-int(self.seq_slots) // self.spec.page_size)
@@ -207,7 +220,7 @@ def _flatten(snapshot: SessionSnapshot):
 
 def _unflatten(aux, children) -> SessionSnapshot:
     spec, meta = aux
-    return SessionSnapshot(*children, spec=spec, meta=json.loads(meta))
+    return SessionSnapshot(**dict(zip(ARRAY_FIELDS, children)), spec=spec, meta=json.loads(meta))
 
 
 jax.tree_util.register_pytree_with_keys(SessionSnapshot, _flatten, _unflatten)
@@ -452,15 +465,21 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ValueError(f"format is not {FORMAT!r}")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")
+        version = manifest.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"format_version {version!r} is not one of {READABLE_VERSIONS}")
         spec = SnapshotSpec(**manifest["spec"])
+        if version == 1:  # before the penalty history: empty, as a session that never wrote a token has it
+            V = spec.vocab_size
+            manifest["arrays"].update(counts={"shape": [V], "dtype": "int32"}, seen={"shape": [V], "dtype": "bool"})
         layout = {n: (tuple(manifest["arrays"][n]["shape"]), jnp.dtype(manifest["arrays"][n]["dtype"]))
                   for n in ARRAY_FIELDS}
+        missing = ("counts", "seen") if version == 1 else ()
         meta = manifest.get("meta", {})
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise SnapshotFormatError(f"{manifest_path}: cannot read the snapshot manifest: {e}") from e
-    arrays = {n: np.zeros(shape, dtype) for n, (shape, dtype) in layout.items() if not int(np.prod(shape))}
+    arrays = {n: np.zeros(shape, dtype) for n, (shape, dtype) in layout.items()
+              if not int(np.prod(shape)) or n in missing}
     stored = [n for n in ARRAY_FIELDS if n not in arrays]
     arrays_path = path / ARRAYS_DIR
     try:
