@@ -11,9 +11,11 @@ cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `ma
 Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
 URLs only: the server never fetches; `detail` "auto"), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or
 channels averaged; at most `--max-request-audio-s` seconds in all, checked before any is resampled);
-`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` = 1;
+`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` choices
+(up to 8) and `logprobs` / `top_logprobs`, served by `omnijax.serve.chat_choices`;
 `stop` (a string or up to 4: the answer ends before the first to complete, `omnijax.serve.answer_text`).
-Sampling fields (`temperature` in [0, 2], `top_p`, `seed`) are per request when the server decodes with `RowSampling`
+Sampling fields (`temperature` in [0, 2], `top_p`, `seed`, the penalties, `logit_bias`, `top_k`, `min_p`:
+`omnijax.serve.chat_sampling`) are per request when the server decodes with `RowSampling`
 (as `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request
 reproduce); with any other strategy they are accepted when they are what it decodes with, else refused with a 400
 naming the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata`
@@ -40,7 +42,8 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omnijax.decoding import SEED_RANGE, DecodingStrategy, sampling_row
+from omnijax.conversation import ChatTemplateError, check_template_tools
+from omnijax.decoding import DecodingStrategy
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
 from omnijax.serve.answer_text import AnswerText
@@ -53,15 +56,17 @@ from omnijax.serve.chat_params import (
     check_message_fields,
     stream_options,
 )
+from omnijax.serve.chat_sampling import request_sampling
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.refusal_log import refusals
+from omnijax.serve.tool_calls import ToolError, Tools, chat_tools, message_extras
 from omnijax.stop_strings import check_stops
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
 log = logging.getLogger("omnijax.serve")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 # What one request may hold, refused by name before any of it is parsed or templated (10,000 text parts once took
@@ -99,6 +104,10 @@ class ChatRequest:
     seed: int | None = None
     labels: dict = dataclasses.field(default_factory=dict)  # `user`, `safety_identifier`, `metadata` as given
     stop: tuple[str, ...] = ()  # stop strings (`omnijax.stop_strings`)
+    n: int = 1  # choices (`omnijax.serve.chat_choices`)
+    top_logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and k alternatives'
+    tools: Tools | None = None  # the request's function tools (`omnijax.serve.tool_calls`)
+    extras: tuple = ()  # per message: its tool fields as the chat template takes them (`tool_calls`, `tool_call_id`)
 
 
 class _AudioBudget:
@@ -181,16 +190,17 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
 
 
 def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy,
-                       max_audio_s: float | None = None) -> ChatRequest:
+                       max_audio_s: float | None = None, vocab_size: int | None = None) -> ChatRequest:
     """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`.
-    `max_audio_s` caps the seconds of audio of all its `input_audio` parts together (None: no cap)."""
+    `max_audio_s` caps the seconds of audio of all its `input_audio` parts together (None: no cap); `vocab_size`
+    bounds the `logit_bias` token ids (None: no vocabulary given, ids below 2**24)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
     if model != model_name:
         raise RequestError(f"model {model!r} does not exist: this server serves {model_name!r}", status=404,
                            code="model_not_found", param="model")
-    check_fields(body)
+    check_fields(body, per_row=bool(getattr(decoding, "per_row", False)))
     labels = check_labels(body)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
@@ -198,9 +208,8 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
                            param="response_format")
     if fmt is not None:
         check_keys(fmt, ("type",), "response_format")
-    if body.get("n") not in (None, 1):
-        raise RequestError("'n' must be 1", param="n")
-    sampling, seed = _sampling(body, decoding)
+    sampled = request_sampling(body, decoding, vocab_size or 2 ** 24, _check_decoding)
+    sampling, seed, n, top_logprobs = sampled.row, sampled.seed, sampled.n, sampled.top_logprobs
     try:
         stop = check_stops(body.get("stop"))
     except ValueError as e:
@@ -225,8 +234,9 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
     if total > MAX_PARTS:
         raise RequestError(f"the messages hold {total} content parts, over the {MAX_PARTS} accepted (MAX_PARTS)",
                            param="messages")
-    parsed = []
+    parsed, extras, call_ids = [], [], set()
     budget = _AudioBudget(max_audio_s)
+    tools = _tool_fields(chat_tools, body)
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -245,32 +255,19 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         role = ROLES[message["role"]]
         if role != "user" and any(p.kind != "text" for p in parts):
             raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
+        extras.append(_tool_fields(message_extras, message, role, param, call_ids))
         parsed.append((role, parts))
-    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop)
+    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop,
+                       n=n, top_logprobs=top_logprobs,
+                       tools=tools, extras=tuple(extras))
 
 
-def _sampling(body: dict, decoding):
-    """The request's sampling: `(row or None, seed or None)`. A per-row server (`RowSampling`) takes `temperature`
-    in [0, 2], `top_p` in (0, 1] and an integer `seed` per request; any other refuses fields that differ from its one
-    strategy (`_check_decoding`)."""
-    if not getattr(decoding, "per_row", False):
-        _check_decoding(body, decoding)
-        return None, None
-
-    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
-    for name, value, ok, want in (("temperature", temperature, lambda x: 0 <= x <= 2, "in [0, 2]"),
-                                  ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
-            raise RequestError(f"'{name}' must be a number {want}, got {value!r}", param=name)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise RequestError(f"'seed' must be a signed 64-bit integer (in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]), got "
-                           f"{seed!r}", param="seed")
-    row = None
-    if temperature is not None or top_p is not None:
-        row = sampling_row(decoding.temperature if temperature is None else float(temperature),
-                           decoding.top_p if top_p is None else float(top_p))
-    return row, seed
+def _tool_fields(check, *args):
+    """`check(*args)` (`omnijax.serve.tool_calls`), its `ToolError` as the `RequestError` naming the same field."""
+    try:
+        return check(*args)
+    except ToolError as e:
+        raise RequestError(str(e), param=e.param, code=e.code) from None
 
 
 def _check_decoding(body: dict, decoding) -> None:
@@ -290,13 +287,16 @@ def _check_decoding(body: dict, decoding) -> None:
                            code="unsupported", param=name)
 
 
-def completion(cid: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, kv_cells: int | None = None, metadata: dict | None = None) -> dict:
+def completion(cid: str, created: int, model: str, text: str | None, finish_reason: str, prompt_tokens: int,
+               completion_tokens: int, kv_cells: int | None = None, metadata: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
     """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field; the request's `metadata`, when
-    it had one, echoed back)."""
+    it had one, echoed back; the message's `tool_calls` when the answer made calls)."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     out = {"id": cid, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                        "logprobs": None}],
+           "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
            "usage": usage(prompt_tokens, completion_tokens)}
     if kv_cells is not None:
         out["omnijax"] = {"kv_cells": int(kv_cells)}
@@ -356,22 +356,42 @@ def _parse_body(body: bytes, context) -> ChatRequest:
         raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
     return parse_chat_request(payload, model_name=context.options.model_name,
                               decoding=context.worker.engine.config.stream.decoding,
+                              vocab_size=context.worker.engine.model_config.vocab_size,
                               max_audio_s=context.options.max_request_audio_s)
 
 
-def _build(conversation, req: ChatRequest, answer_tokens: int) -> tuple[list, Any]:
+def _build(conversation, req: ChatRequest, answer_tokens: int, model_name: str = "") -> tuple[list, Any]:
     """The request's messages as chunks (templates, images and audio through the encoders), then the response's
-    generation prompt asking for `answer_tokens`."""
+    generation prompt asking for `answer_tokens`. Tools, tool calls and tool results need a template that renders
+    tools (else a `RequestError` naming `tools` or the message, and the model)."""
+    _set_tools(conversation, req, model_name)
     parts = []
-    for role, content in req.messages:
-        for p in content:
-            if p.kind == "text":
-                parts += conversation.message(role, p.text)
+    for (role, content), extras in zip(req.messages, req.extras or ({},) * len(req.messages)):
+        last = max((i for i, p in enumerate(content) if p.kind == "text"), default=-1)
+        for i, p in enumerate(content):
+            if p.kind == "text":  # a message's tool calls go with its last text part, its call id with each
+                more = {k: v for k, v in extras.items() if k != "tool_calls" or i == last}
+                parts += conversation.message(role, p.text, **more)
             elif p.kind == "image":
                 parts += conversation.image(read_image(p.data))
             else:
                 parts += conversation.audio(p.pcm)
     return parts, conversation.prompt(answer_tokens)
+
+
+def _set_tools(conversation, req: ChatRequest, model_name: str) -> None:
+    """Gives the conversation the request's tools (none with `tool_choice` "none"); refuses tools, tool calls or
+    tool results when the template does not render tools."""
+    used = next((i for i, e in enumerate(req.extras) if e), None)
+    if (req.tools is None or not req.tools.active) and used is None:
+        return
+    try:
+        conversation.set_tools(req.tools.template_tools() if req.tools is not None else None)
+        check_template_tools(conversation.tokenizer)
+    except ChatTemplateError as e:
+        param = "tools" if req.tools is not None else f"messages[{used}]"
+        raise RequestError(f"'{param}': model {model_name!r} cannot take tools: {e}", param=param,
+                           code="unsupported") from None
 
 
 async def models(request: Request, context: ServeContext) -> Response:
@@ -400,6 +420,10 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         req = await asyncio.to_thread(_parse_body, body, context)
     except RequestError as e:
         return _json_error(e, request=request)
+    if req.n > 1 or req.top_logprobs is not None:  # several choices, or log probabilities
+        from omnijax.serve.chat_choices import serve_choices
+
+        return await serve_choices(request, context, req)
     client = request.client.host if request.client else "?"
     session = context.session(client, "cc", queue=True)
     try:
@@ -416,7 +440,8 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     try:
         conversation = context.conversation()
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
-        parts, prompt = await asyncio.to_thread(_build, conversation, req, min(context.worker.tau, max_tokens))
+        parts, prompt = await asyncio.to_thread(_build, conversation, req, min(context.worker.tau, max_tokens),
+                                                context.options.model_name)
         prompt_tokens = conversation.tokens_fed
         if req.seed is not None:
             await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
@@ -424,10 +449,11 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling)
     except ValueError as e:
         await session.__aexit__(None, None, None)
-        return _json_error(RequestError(str(e)), request=request)
+        return _json_error(e if isinstance(e, RequestError) else RequestError(str(e)), request=request)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
     text_of = AnswerText(decoder, req.stop)
+    calls = req.tools.parser() if req.tools is not None and req.tools.active else None  # reads the tool calls
     if not req.stream:
         # A client that goes away before the whole answer is ready cancels it (its decoding would hold a batch row
         # and a stopping server for nothing).
@@ -436,7 +462,9 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         try:
             async for tokens in answer:
                 pieces.append(text_of.push(tokens))
-                if text_of.stopped:  # the rest of the answer is not wanted
+                if calls is not None:
+                    calls.push(pieces[-1])
+                if text_of.stopped or calls is not None and calls.done:  # the rest of the answer is not wanted
                     context.worker.cancel(sid)
                     break
             await answer.done
@@ -452,29 +480,37 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             text = "".join(pieces) + text_of.flush()
         else:
             text = conversation.tokenizer.decode(_content_tokens(answer), skip_special_tokens=True)
-        return JSONResponse(completion(cid, created, req.model, text, text_of.finish_reason(answer), prompt_tokens,
+        content: str | None = text
+        reason, tool_calls = text_of.finish_reason(answer), None
+        if calls is not None and req.tools is not None:  # the whole text read again (the parse is the same)
+            whole = req.tools.parser()
+            whole.push(text)
+            whole.finish()
+            content, reason = whole.message_content(), whole.finish_reason(reason)
+            tool_calls = [c.openai() for c in whole.calls]
+        return JSONResponse(completion(cid, created, req.model, content, reason, prompt_tokens,
                                        text_of.completion_tokens(answer), answer.kv_cells,
-                                       req.labels.get("metadata")))
+                                       req.labels.get("metadata"), tool_calls))
 
     async def events():
         try:
             yield _sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""},
                                         metadata=req.labels.get("metadata")))
             async for tokens in answer:
-                delta = text_of.push(tokens)
-                if delta:
-                    yield _sse(completion_chunk(cid, created, req.model, {"content": delta}))
-                if text_of.stopped:  # the rest of the answer is not wanted
+                for delta in _deltas(calls, text_of.push(tokens)):
+                    yield _sse(completion_chunk(cid, created, req.model, delta))
+                if text_of.stopped or calls is not None and calls.done:  # the rest of the answer is not wanted
                     context.worker.cancel(sid)
                     break
             await answer.done
-            tail = text_of.flush()
-            if tail:
-                yield _sse(completion_chunk(cid, created, req.model, {"content": tail}))
+            for delta in _deltas(calls, text_of.flush(), end=True):
+                yield _sse(completion_chunk(cid, created, req.model, delta))
             if answer.status == "failed":
                 yield _sse(error_body(f"the answer failed: {answer.reason}", kind="server_error"))
             else:
-                yield _sse(completion_chunk(cid, created, req.model, {}, text_of.finish_reason(answer)))
+                reason = text_of.finish_reason(answer)
+                yield _sse(completion_chunk(cid, created, req.model, {},
+                                            reason if calls is None else calls.finish_reason(reason)))
             if req.include_usage:
                 yield _sse(completion_chunk(cid, created, req.model, None,
                                             usage_=usage(prompt_tokens, text_of.completion_tokens(answer))))
@@ -496,6 +532,14 @@ async def _cancel_on_disconnect(request: Request, context: ServeContext, sid: st
                 log.info("chat completion session=%s: the client went away; its answer is cancelled", sid)
                 context.worker.abandon(sid)
             return
+
+
+def _deltas(calls, text: str, end: bool = False) -> list[dict]:
+    """The chunk deltas of the answer's next `text`: its content, or what the tool-call parser `calls` reads from it
+    (at the `end`, what it still held)."""
+    if calls is None:
+        return [{"content": text}] if text else []
+    return calls.push(text) + (calls.finish() if end else [])
 
 
 def _content_tokens(answer) -> list[int]:

@@ -6,8 +6,9 @@ known one, e.g. `max_token` or `temprature`). The tables are the docs' "Paramete
 (docs/serving.md):
 
 - `HONOURED`: parsed and applied by `omnijax.serve.chat_completions.parse_chat_request`.
-- `NEUTRAL`: fields the server does not implement, accepted only at the value that asks for nothing (the penalties at
-  0, `logit_bias` {}, `modalities` ["text"], `store` false, ...): that value is honoured trivially. Real clients send
+- `NEUTRAL`: fields the server does not implement, accepted only at the value that asks for nothing (`modalities`
+  ["text"], `store` false, ...; and the `SAMPLED` fields, the penalties at 0, `logit_bias` {}, on a server that does
+  not sample per row): that value is honoured trivially. Real clients send
   some of these by default. Any other value is refused with code `unsupported`, naming the field and the value that is
   accepted.
 - `LABELS`: fields with no effect on any answer that the server can honestly keep: `user` and `safety_identifier`
@@ -22,7 +23,7 @@ import difflib
 import math
 from typing import Any, Callable
 
-__all__ = ["HONOURED", "LABELS", "MESSAGE_FIELDS", "NEUTRAL", "RequestError", "check_detail", "check_fields",
+__all__ = ["HONOURED", "LABELS", "MESSAGE_FIELDS", "NEUTRAL", "SAMPLED", "RequestError", "check_detail", "check_fields",
            "check_keys", "check_labels", "check_message_fields", "stream_options"]
 
 
@@ -36,8 +37,13 @@ class RequestError(ValueError):
 
 
 HONOURED = ("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
-            "temperature", "top_p", "seed", "stop", "response_format")
+            "temperature", "top_p", "seed", "stop", "response_format",
+            "tools", "tool_choice", "parallel_tool_calls")  # the tools: `omnijax.serve.tool_calls`
 LABELS = ("user", "safety_identifier", "metadata")
+# Sampling fields a per-row server (`omnijax.decoding.RowSampling`, as `omnijax serve` runs) honours per request
+# (`omnijax.serve.chat_sampling`); a server with one fixed strategy takes them only at their `NEUTRAL` value.
+SAMPLED = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p", "logprobs",
+           "top_logprobs")
 
 
 def _number(value: Any) -> bool:
@@ -59,12 +65,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "min_p": (_is(0), "0", "there is no min-p cut (top_p is honoured)"),
     "logprobs": (_is(False), "false", "log probabilities are not returned"),
     "top_logprobs": (_is(0), "0", "log probabilities are not returned"),
-    "tools": (_is([]), "[]", "tools are not supported"),
-    "tool_choice": (_is("none"), '"none"', "tools are not supported"),
     "functions": (_is([]), "[]", "functions are not supported"),
     "function_call": (_is("none"), '"none"', "functions are not supported"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false (there are no tools)",
-                            "tools are not supported"),
     "modalities": (_is(["text"]), '["text"]', "the output is text only"),
     "audio": (lambda v: False, "null", "the output is text only"),
     "prediction": (lambda v: False, "null", "predicted outputs are not supported"),
@@ -79,16 +81,17 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "prompt_cache_retention": (lambda v: False, "null", "the server keeps no prompt cache across requests"),
 }
 
-# Fields of one message: role and content are honoured, name and the assistant's tool / function / audio / refusal
+# Fields of one message: role and content are honoured, and an assistant's `tool_calls` and a tool message's
+# `tool_call_id` (`omnijax.serve.tool_calls.message_extras`); name and the assistant's function / audio / refusal
 # fields only at their empty values.
 MESSAGE_FIELDS: dict[str, tuple[Callable[[Any], bool], str, str] | None] = {
     "role": None, "content": None,
     "name": (lambda v: False, "null", "the chat templates have no speaker names: put the name in the content"),
-    "tool_calls": (_is([]), "[]", "tools are not supported"),
+    "tool_calls": None,
     "function_call": (lambda v: False, "null", "functions are not supported"),
     "audio": (lambda v: False, "null", "audio answers are not supported"),
     "refusal": (lambda v: False, "null", "a refusal is not rendered into the prompt: put it in the content"),
-    "tool_call_id": (lambda v: False, "null", "tools are not supported"),
+    "tool_call_id": None,
 }
 
 
@@ -121,10 +124,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_fields(body: dict) -> None:
-    """Refuses an unknown top-level field, or a field of `NEUTRAL` at a value other than its neutral one."""
+def check_fields(body: dict, per_row: bool = False) -> None:
+    """Refuses an unknown top-level field, or a field of `NEUTRAL` at a value other than its neutral one (the
+    `SAMPLED` ones are checked by `omnijax.serve.chat_sampling` instead when the server samples `per_row`)."""
     check_keys(body, (*HONOURED, *LABELS, *NEUTRAL), "")
-    _check_neutral(NEUTRAL, body, "")
+    _check_neutral({k: v for k, v in NEUTRAL.items() if not (per_row and k in SAMPLED)}, body, "")
 
 
 def check_message_fields(message: dict, param: str) -> None:

@@ -74,8 +74,9 @@ class ScriptedDecoding:
         return jnp.asarray(np.array([s + (s[-1],) * (self.length - len(s)) for s in self.scripts], np.int32))
 
     def rows(self, batch: int) -> jax.Array:
-        """`[batch, 2]` float32: the default row of rows that carry none."""
-        return jnp.broadcast_to(jnp.asarray(sampling_row(self.temperature, self.top_p)), (batch, 2))
+        """`[batch, W]` float32 (`sampling_row`'s width): the default row of rows that carry none."""
+        row = jnp.asarray(sampling_row(self.temperature, self.top_p))
+        return jnp.broadcast_to(row, (batch, row.shape[-1]))
 
     def _tokens(self, logits: jax.Array, history: jax.Array | None, row: jax.Array | None,
                 counts: jax.Array | None = None) -> jax.Array:
