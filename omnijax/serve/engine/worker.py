@@ -60,12 +60,15 @@ class Answer:
         reason: why it is not completed ("max_output_tokens", "cancelled", "preempted", or an error message).
         answer_unit: the unit id of the answer.
         kv_cells: the session's cached cells when it ended.
+        logprobs: when its sampling row asks for them, one `(logprob, [(token id, logprob), ...])` per token of
+            `tokens` (`omnijax.serve.engine.engine.FrameOutput.logprobs`); else an empty list.
     """
 
     def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None):
         self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
-        self.sampling = sampling  # `[2]` row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
+        self.sampling = sampling  # the row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
         self.tokens: list[int] = []
+        self.logprobs: list = []
         self.status: str | None = None
         self.reason: str | None = None
         self.kv_cells = 0
@@ -78,8 +81,9 @@ class Answer:
     def remaining(self) -> int:
         return self.max_tokens - len(self.tokens)
 
-    def _push(self, tokens: list[int]) -> None:
+    def _push(self, tokens: list[int], logprobs: list | None = None) -> None:
         self.tokens += tokens
+        self.logprobs += (logprobs or [])[:len(tokens)]
         if tokens:
             self._deltas.put_nowait(tokens)
 
@@ -489,7 +493,7 @@ class EngineWorker:
             tokens = [] if out is None else [int(t) for t in out.tokens]
             cut = next((i + 1 for i, t in enumerate(tokens) if t in answer.stop), None)
             tokens = tokens[:cut] if cut is not None else tokens
-            answer._push(tokens)
+            answer._push(tokens, None if out is None else out.logprobs)
             self.stats["tokens"] += len(tokens)
             ending = None
             if out is None or out.preempted:
