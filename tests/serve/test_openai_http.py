@@ -54,7 +54,7 @@ def test_requests_parse_into_parts_in_order():
     ({"stop": [""]}, 400, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"stop": 7}, 400, "stop"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 9}, 400, "n"),  # above MAX_N (n > 1 on a greedy server: identical choices)
     ({"temperature": 0.7}, 400, "temperature"),
     ({"seed": 3}, 400, "seed"),
     ({"max_tokens": 0}, 400, "max_tokens"),
