@@ -145,30 +145,67 @@ def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
     assert served.context.worker.engine.sessions == []  # every slot went back
 
 
+async def _lockstep_client(url, payloads, served_once: asyncio.Event):
+    """Sends a hello, then each frame of `payloads` once the previous frame has its reply (so none is superseded,
+    however slow the engine); the last frame is followed at once by bye, which must serve it. Sets `served_once`
+    when a frame's tokens arrive (its reply, or the `late_tokens` after an on-time empty one): the engine has served
+    the session by then. Returns every message received and the close code."""
+    from websockets.asyncio.client import connect
+
+    got: list[dict] = []
+
+    def keep(message: dict) -> dict:
+        got.append(message)
+        if message["type"] == "late_tokens" or (message["type"] == "frame" and not message.get("late")):
+            served_once.set()
+        return message
+
+    async with connect(url) as ws:
+        await ws.send(json.dumps({"type": "hello", "sample_rate": 16000, "frame_ms": FRAME_MS}))
+        for seq, payload in enumerate(payloads):
+            await ws.send(payload)
+            if seq < len(payloads) - 1:
+                while not ((m := keep(json.loads(await ws.recv())))["type"] == "frame" and m["seq"] == seq):
+                    pass
+        await ws.send(json.dumps({"type": "bye"}))
+        async for message in ws:
+            keep(json.loads(message))
+        return got, ws.close_code
+
+
 def test_admission_refusals_bye_and_logs(served, caplog):
     """AIMD refuses a session over its cap (error + 1013); bye serves what was sent; one log line per admitted
-    connection, refusal and session end, each naming the peer."""
+    connection, refusal and session end, each naming the peer.
+
+    The refused arrival comes once the first session has had a frame served, not merely once it counts as active:
+    a session counts while it is joining, then not until its first frame is queued, and an arrival in that gap was
+    admitted (the flake of loaded runs). Sessions stay active for the test (`idle_after_s`), however slow its ticks.
+    """
     import logging
 
     from omnijax.serve.engine.admission import AIMD
+    from omnijax.serve.refusal_log import refusals as refusal_log
 
     served.wait_idle()
     caplog.set_level(logging.INFO, logger="omnijax.serve")
+    refusal_log.reset()  # the refusal lines are rate-limited per peer address: earlier tests' count toward it
     worker = served.context.worker
+    idle_after_s = worker.idle_after_s
     worker.admission = AIMD(target_fraction=0.6, frame_budget_s=FRAME_MS / 1000, initial_cap=1, max_cap=1)
+    worker.idle_after_s = float("inf")
 
     async def scenario():
-        first = asyncio.create_task(_bad_client(served.native_url, [loadgen.speech_like_pcm(0.25).tobytes()] * 12
-                                                + [json.dumps({"type": "bye"})]))
-        while not worker.active_sessions():  # admission counts sessions with work: wait for the first frame
-            await asyncio.sleep(0.01)
+        served_once = asyncio.Event()
+        first = asyncio.create_task(_lockstep_client(served.native_url,
+                                                     [loadgen.speech_like_pcm(0.25).tobytes()] * 12, served_once))
+        await asyncio.wait_for(served_once.wait(), 120)  # a bound against a hang, not a schedule
         second = await _bad_client(served.native_url, [])  # over the cap of 1
-        return await first, second
+        return await asyncio.wait_for(first, 120), second
 
     try:
         first, second = asyncio.run(scenario())
     finally:
-        worker.admission = None
+        worker.admission, worker.idle_after_s = None, idle_after_s
     assert first[1] == 1000 and first[0][0]["type"] == "ready"
     assert [m["seq"] for m in first[0] if m["type"] == "frame"] == list(range(12))
     assert second[1] == 1013 and second[0][0]["code"] == "overloaded" and "cap 1" in second[0][0]["message"]
