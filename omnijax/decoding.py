@@ -5,8 +5,10 @@ A strategy is a tiny frozen dataclass of static settings (part of the compiled p
 `select(logits, history, key)` picks one token per sequence inside the jitted step. `StreamConfig.decoding` holds the
 strategy of a session; `stream`, `Session`, `evaluate` and the engine all answer through it.
 
-`RowSampling` is `Sampling` with the temperature and top-p chosen per sequence at run time (a server's sessions each
-draw with their own request's settings in one compiled step).
+`RowSampling` chooses every setting per sequence at run time (a server's sessions each draw with their own request's
+settings in one compiled step): temperature, top-p, top-k, min-p, presence / frequency / repetition penalties, a
+logit bias and the log probabilities to return, in vLLM's order, with the penalties reading a per-row history carried
+in the stream state (`StreamState.counts`, `seen`).
 
 `Sampling` warps as transformers' `generate` does, processor by processor and in its order: repetition penalty,
 temperature, top-k, top-p, min-p; then draws from the softmax of the warped scores with one PRNG key per sequence.
@@ -35,7 +37,8 @@ from omnijax.registry import Registry
 class DecodingStrategy(Protocol):
     """What a decoding strategy has (module docstring); `STRATEGIES` holds the ones omnijax ships. Optional
     attributes read through `seed_of`, `stop_ids_of`, `answer_stop_ids`: `seed`, `stop`, `free_running`, and
-    `per_row` (then `select` takes each row's settings as `row=`)."""
+    `per_row` (then `select` takes each row's settings as `row=` and its history as `counts=`, `seen=`, and the
+    strategy has `rows(batch)`, the default rows)."""
 
     name: ClassVar[str]
 

@@ -292,3 +292,27 @@ def test_new_input_starts_a_new_answer_and_session_history_is_kept():
     state = jax.device_get(engine.state)
     assert int(state.counts[row].sum()) == 0
     assert set(np.flatnonzero(state.seen[row])) == {1, 2, 3, 4, 5} | set(answer)
+
+
+def test_a_version_1_snapshot_loads_with_an_empty_history(tmp_path):
+    """Snapshots written before the penalty history (format version 1: no `counts`, `seen`) still load."""
+    import json
+
+    engine = _engine()
+    engine.open("a")
+    engine.submit("a", dataclasses.replace(text_chunk([1, 2, 3], answer_tokens=4), sampling=ROWS["hot"][None]), 4)
+    engine.tick()
+    snap = engine.export_session("a")
+    assert snap.counts.sum() == 4 and snap.seen.sum() >= 3
+    path = snapshot_lib.save_snapshot(tmp_path / "v1", snap)
+    manifest = json.loads((path / snapshot_lib.MANIFEST).read_text())
+    manifest["format_version"] = 1
+    del manifest["arrays"]["counts"], manifest["arrays"]["seen"]
+    (path / snapshot_lib.MANIFEST).write_text(json.dumps(manifest))
+    old = snapshot_lib.load_snapshot(path)
+    assert not old.counts.any() and not old.seen.any() and old.counts.shape == (TINY_OMNI.vocab_size,)
+    np.testing.assert_array_equal(old.k, snap.k)
+    manifest["format_version"] = 3
+    (path / snapshot_lib.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(snapshot_lib.SnapshotFormatError, match="format_version 3"):
+        snapshot_lib.load_snapshot(path)
