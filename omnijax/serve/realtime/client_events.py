@@ -39,10 +39,10 @@ from omnijax.serve.realtime.event_fields import EVENTS, Fields, RealtimeEventErr
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 
 __all__ = [
-    "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "InputAudioBufferAppend", "InputAudioBufferClear",
-    "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError", "ResponseCancel", "ResponseCreate",
-    "RetentionRatio", "ServerVad", "SessionSettings", "SessionUpdate", "error_event", "new_id", "parse_client_event",
-    "server_event",
+    "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "FunctionCallOutput", "InputAudioBufferAppend",
+    "InputAudioBufferClear", "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError",
+    "ResponseCancel", "ResponseCreate", "RetentionRatio", "ServerVad", "SessionSettings", "SessionUpdate",
+    "error_event", "new_id", "parse_client_event", "server_event",
 ]
 
 DEFAULT_MAX_BYTES = 15 * 1024 * 1024
@@ -85,6 +85,8 @@ class SessionSettings:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
+    tools: tuple = ()  # function definitions (checked by `omnijax.serve.tool_calls.check_function` when applied)
+    tool_choice: Any = "auto"  # "auto" or "none" once applied (the session refuses others, naming them)
 
 
 # ----------------------------------------------------------------------------- client events
@@ -143,6 +145,16 @@ class ConversationItemCreate:
 
 
 @dataclass(frozen=True)
+class FunctionCallOutput:
+    """``conversation.item.create`` of a ``function_call_output`` item: a tool's result for the call ``call_id``."""
+    event_id: Optional[str]
+    item_id: Optional[str]
+    call_id: str
+    output: str
+    previous_item_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class ResponseCreate:
     """``response.create``; ``None`` fields fall back to the session settings."""
     event_id: Optional[str]
@@ -160,7 +172,7 @@ class ResponseCancel:
 
 
 ClientEvent = Union[SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit, InputAudioBufferClear,
-                    ConversationItemCreate, ResponseCreate, ResponseCancel]
+                    ConversationItemCreate, FunctionCallOutput, ResponseCreate, ResponseCancel]
 
 
 def _parse_session(c: Fields, s: dict) -> dict:
@@ -176,6 +188,20 @@ def _parse_session(c: Fields, s: dict) -> dict:
         changes["output_modalities"] = c.modalities(s["output_modalities"], "session.output_modalities")
     if "max_output_tokens" in s:
         changes["max_output_tokens"] = c.max_tokens(s["max_output_tokens"], "session.max_output_tokens")
+    if s.get("tools") is not None:
+        changes["tools"] = _parse_tools(c, s["tools"])
+    if s.get("tool_choice") is not None:
+        choice = s["tool_choice"]
+        if choice == "required":
+            c.fail("unsupported", "'session.tool_choice' = \"required\" is not supported: without constrained "
+                   "decoding this server cannot make the model call a tool, only offer the tools; send \"auto\" "
+                   "(or \"none\")", "session.tool_choice")
+        if choice not in ("auto", "none") and not (isinstance(choice, dict) and choice.get("type") == "function"
+                                                   and isinstance(choice.get("name"), str)):
+            c.fail("invalid_value", f"'session.tool_choice' must be \"auto\", \"none\", \"required\" or "
+                   f"{{\"type\": \"function\", \"name\": ...}}, got {json.dumps(choice)[:60]}",
+                   "session.tool_choice")
+        changes["tool_choice"] = choice  # a named function is checked against the session's tools when applied
     if s.get("omnijax") is not None:
         ext = c.obj(s["omnijax"], "session.omnijax")
         unknown = sorted(set(ext) - {"duplex", "temperature", "top_p", "seed"})
@@ -242,6 +268,22 @@ def _parse_session(c: Fields, s: dict) -> dict:
     return changes
 
 
+def _parse_tools(c: Fields, tools: Any) -> tuple:
+    """``session.tools``: function tools ``{"type": "function", "name", "description", "parameters"}``."""
+    if not isinstance(tools, list):
+        c.fail("invalid_value", "'session.tools' must be a list of tools", "session.tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        p = f"session.tools[{i}]"
+        tool = c.obj(tool, p)
+        if tool.get("type") != "function":
+            c.fail("invalid_value", f"'{p}.type' must be \"function\" (the only kind of tool this server runs), "
+                   f"got {tool.get('type')!r}", p + ".type")
+        c.check(tool, "session.tools", p)
+        functions.append({k: v for k, v in tool.items() if k != "type"})
+    return tuple(functions)  # each function is checked when the session applies them (`realtime.tools`)
+
+
 def _parse_vad(c: Fields, td: Any) -> Optional[ServerVad]:
     p = "session.audio.input.turn_detection"
     if td is None:
@@ -279,7 +321,8 @@ def _parse_image(c: Fields, url: Any, param: str, max_bytes: int) -> tuple:
 
 def _parse_item(c: Fields, item: dict, max_bytes: int) -> tuple:
     if c.req(item, "type", "item.type") != "message":
-        c.fail("invalid_value", f"'item.type' must be \"message\", got {item['type']!r}", "item.type")
+        c.fail("invalid_value", f"'item.type' must be \"message\" or \"function_call_output\", got "
+               f"{item['type']!r}", "item.type")
     c.check(item, "item", "item")  # the fields of a message item
     role = c.req(item, "role", "item.role")
     if role not in ("user", "system"):
@@ -350,6 +393,12 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
         return InputAudioBufferClear(c.event_id)
     if kind == "conversation.item.create":
         item = c.obj(c.req(event, "item", "item"), "item")
+        if item.get("type") == "function_call_output":
+            c.check(item, "function_call_output", "item")
+            return FunctionCallOutput(c.event_id, c.str_(item.get("id"), "item.id", optional=True),
+                                      str(c.str_(c.req(item, "call_id", "item.call_id"), "item.call_id")),
+                                      str(c.str_(c.req(item, "output", "item.output"), "item.output")),
+                                      c.str_(event.get("previous_item_id"), "previous_item_id", optional=True))
         role, parts = _parse_item(c, item, max_bytes)
         return ConversationItemCreate(c.event_id, c.str_(item.get("id"), "item.id", optional=True), role, parts,
                                       c.str_(event.get("previous_item_id"), "previous_item_id", optional=True))
@@ -363,7 +412,8 @@ def parse_client_event(event: Union[str, bytes, Mapping[str, Any]], *, max_bytes
             c.fail("unsupported", "out-of-band responses ('response.conversation' other than \"auto\", "
                    "'response.input') are not supported", "response.conversation")
         if r.get("tools"):
-            c.fail("unsupported", "'response.tools': tools are not supported", "response.tools")
+            c.fail("unsupported", "'response.tools': tools are set for the session (session.update's "
+                   "'session.tools'): the chat template renders them at the conversation's start", "response.tools")
         mods = r.get("output_modalities")
         mot = r.get("max_output_tokens")
         return ResponseCreate(

@@ -29,8 +29,7 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
     **{kind: (("type", "event_id", *more), {}) for kind, more in EVENTS.items()},
     "session": (("type", "model", "instructions", "output_modalities", "max_output_tokens", "tools", "tool_choice",
                  "truncation", "audio", "include", "prompt", "tracing", "omnijax"),
-                {"tools": (([],), "tools are not supported"), "tool_choice": (("auto", "none"), NO_TOOLS),
-                 "include": (([],), "input transcription is not supported"), "prompt": ((), NO_PROMPT),
+                {"include": (([],), "input transcription is not supported"), "prompt": ((), NO_PROMPT),
                  "tracing": ((), "the server keeps no traces")}),
     "session.truncation": (("type", "retention_ratio", "token_limits"), {}),
     "session.truncation.token_limits": (("post_instructions",), {}),
@@ -46,12 +45,17 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
     "item": (("id", "type", "role", "content", "object", "status"),
              {"object": (("realtime.item",), "an item is a realtime.item"),
               "status": (("completed",), "an item the client creates is complete")}),
+    "function_call_output": (("id", "type", "call_id", "output", "object", "status"),
+                             {"object": (("realtime.item",), "an item is a realtime.item"),
+                              "status": (("completed",), "an item the client creates is complete")}),
+    "session.tools": (("type", "name", "description", "parameters"), {}),
     "input_text": (("type", "text"), {}),
     "input_image": (("type", "image_url", "detail"),
                     {"detail": (("auto",), "images are encoded at the model's own resolution")}),
     "response": (("conversation", "input", "instructions", "max_output_tokens", "metadata", "output_modalities",
                   "prompt", "tool_choice", "tools", "audio"),
-                 {"tool_choice": (("auto", "none"), NO_TOOLS), "prompt": ((), NO_PROMPT), "audio": ((), TEXT)}),
+                 {"tool_choice": (("auto", "none"), "a response takes no tools of its own: set 'session.tools' "
+                                  "and 'session.tool_choice'"), "prompt": ((), NO_PROMPT), "audio": ((), TEXT)}),
 }
 _MOVED = {"temperature": "sampling is set per session: session.update's 'session.omnijax.temperature'"}
 

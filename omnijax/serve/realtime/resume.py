@@ -38,6 +38,7 @@ from omnijax.conversation import Conversation
 from omnijax.serve.engine.snapshot import COUNTER_LIMIT, SessionSnapshot
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime.snapshot_store import Lease, SnapshotStore, SnapshotStoreError
+from omnijax.serve.tool_calls import ToolError, check_function, check_functions
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext, ServeOptions
@@ -128,6 +129,7 @@ class Restored:
     instructions_fed: str | None
     last_item: str | None
     tokens_since_response: int
+    call_ids: tuple = ()
 
     def apply(self, session: RealtimeSession) -> None:
         """Continues this conversation in a new session (before its first event)."""
@@ -135,6 +137,7 @@ class Restored:
         session.conversation.restore(self.conversation)
         session.session_id, session.instructions_fed = self.session_id, self.instructions_fed
         session.last_item, session.tokens_since_response = self.last_item, self.tokens_since_response
+        session.call_ids = set(self.call_ids)
 
 
 def meta_of(session: RealtimeSession) -> dict:
@@ -142,7 +145,7 @@ def meta_of(session: RealtimeSession) -> dict:
     return {"conversation": session.conversation.state(), "settings": dataclasses.asdict(session.settings),
             "session_id": session.session_id, "instructions_fed": session.instructions_fed,
             "last_item": session.last_item, "tokens_since_response": session.tokens_since_response,
-            "model": session.options.model_name}
+            "model": session.options.model_name, "call_ids": sorted(session.call_ids)}
 
 
 def _fail(field: str, problem: str) -> ResumeRefused:
@@ -242,7 +245,32 @@ def settings_of(value: Any) -> rte.SessionSettings:
         kw["top_p"] = _num(d["top_p"], "settings.top_p", 0.0, 1.0, open_lo=True)
     if d.get("seed") is not None:
         kw["seed"] = _int(d["seed"], "settings.seed", *rte.SEED_RANGE)
+    if d.get("tools"):
+        kw["tools"] = tuple(_tools(d["tools"], "settings.tools", wrapped=False))
+    if d.get("tool_choice") is not None:
+        if d["tool_choice"] not in ("auto", "none"):
+            raise _fail("settings.tool_choice", f"must be 'auto' or 'none', got {_show(d['tool_choice'])}")
+        kw["tool_choice"] = d["tool_choice"]
     return dataclasses.replace(defaults, **kw)
+
+
+def _tools(value: Any, field: str, *, wrapped: bool) -> list:
+    """Function definitions as checked when set (`wrapped`: in the template's `{"type": "function", "function":
+    {...}}` form)."""
+    if not isinstance(value, (list, tuple)):
+        raise _fail(field, f"must be a list, got {_show(value)}")
+    try:
+        if wrapped:
+            return [{"type": "function", "function": check_function(t.get("function"), f"{field}[{i}]")}
+                    if isinstance(t, dict) and t.get("type") == "function" else _bad_tool(f"{field}[{i}]")
+                    for i, t in enumerate(value)]
+        return list(check_functions([check_function(t, f"{field}[{i}]") for i, t in enumerate(value)], field))
+    except ToolError as e:
+        raise _fail(e.param, str(e)) from None
+
+
+def _bad_tool(field: str) -> dict:
+    raise ToolError("is not a function tool", field)
 
 
 def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
@@ -252,17 +280,18 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
         ResumeRefused: naming the first field that is missing, of the wrong type or out of range.
     """
     meta = _fields(snapshot.meta, "", ("conversation", "settings", "session_id", "instructions_fed", "last_item",
-                                        "tokens_since_response", "model"))
+                                        "tokens_since_response", "model", "call_ids"))
     if meta.get("model") != model_name:
         raise ResumeRefused(f"the snapshot is of model {_show(meta.get('model'))}, this server serves {model_name!r}")
-    conv = _fields(meta.get("conversation"), "conversation", ("messages", "rendered", "next_unit", "tokens_fed"))
+    conv = _fields(meta.get("conversation"), "conversation", ("messages", "rendered", "next_unit", "tokens_fed",
+                                                               "tools"))
     messages = conv.get("messages")
     if not isinstance(messages, list):
         raise _fail("conversation.messages", f"must be a list, got {_show(messages)}")
     for i, message in enumerate(messages):
         try:
             Conversation.check_message(message)
-            _fields(message, f"conversation.messages[{i}]", ("role", "content"))
+            _fields(message, f"conversation.messages[{i}]", ("role", "content", "tool_call_id"))
         except ValueError as e:
             raise _fail(f"conversation.messages[{i}]", f"is not a chat message: {str(e)[:120]}") from None
     held = snapshot.unit[snapshot.valid]
@@ -270,12 +299,17 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
     state = {"messages": [dict(m) for m in messages], "rendered": _str(conv.get("rendered"), "conversation.rendered"),
              "next_unit": _int(conv.get("next_unit"), "conversation.next_unit", first, COUNTER_LIMIT),
              "tokens_fed": _int(conv.get("tokens_fed"), "conversation.tokens_fed", 0, TOKENS_LIMIT)}
+    if conv.get("tools"):
+        state["tools"] = _tools(conv["tools"], "conversation.tools", wrapped=True)
+    call_ids = meta.get("call_ids") or []
+    if not isinstance(call_ids, list) or not all(isinstance(c, str) for c in call_ids):
+        raise _fail("call_ids", f"must be a list of strings, got {_show(call_ids)}")
     return Restored(settings=settings_of(meta.get("settings")), conversation=state,
                     session_id=str(_str(meta.get("session_id"), "session_id")),
                     instructions_fed=_str(meta.get("instructions_fed"), "instructions_fed", optional=True),
                     last_item=_str(meta.get("last_item"), "last_item", optional=True),
                     tokens_since_response=_int(meta.get("tokens_since_response"), "tokens_since_response", 0,
-                                               TOKENS_LIMIT))
+                                               TOKENS_LIMIT), call_ids=tuple(call_ids))
 
 
 # ------------------------------------------------------------------------------------------------- the snapshots

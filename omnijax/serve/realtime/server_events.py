@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from omnijax.serve.realtime.client_events import (
     ConversationItemCreate,
+    FunctionCallOutput,
     InputText,
     RetentionRatio,
     SessionSettings,
@@ -27,7 +28,9 @@ __all__ = [
     "assistant_item", "conversation_item_added", "conversation_item_done", "input_audio_buffer_cleared",
     "input_audio_buffer_committed", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped",
     "response_created", "response_done", "response_output_text_delta", "response_output_text_done",
-    "session_created", "session_object", "session_updated", "user_item",
+    "session_created", "session_object", "session_updated", "user_item", "function_call_item",
+    "function_call_output_item", "response_function_call_arguments_delta", "response_function_call_arguments_done",
+    "response_output_item_added", "response_output_item_done",
 ]
 
 
@@ -49,6 +52,7 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "model": settings.model, "instructions": settings.instructions,
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
+           "tools": [{"type": "function", **f} for f in settings.tools], "tool_choice": settings.tool_choice,
            "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,
                        **{k: getattr(settings, k) for k in ("temperature", "top_p", "seed")
                           if getattr(settings, k) is not None}}}
@@ -103,6 +107,43 @@ def assistant_item(item_id: str, text: Optional[str] = None, status: str = "comp
     content = [] if text is None else [{"type": "output_text", "text": text}]
     return {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "status": status,
             "content": content}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str = "", status: str = "completed"
+                       ) -> dict:
+    """Builds a ``function_call`` item (a tool call of the model; ``arguments`` the JSON text so far)."""
+    return {"id": item_id, "object": "realtime.item", "type": "function_call", "status": status, "call_id": call_id,
+            "name": name, "arguments": arguments}
+
+
+def function_call_output_item(item: FunctionCallOutput, item_id: Optional[str] = None) -> dict:
+    """Builds the ``function_call_output`` item of a parsed ``conversation.item.create``."""
+    return {"id": item_id or item.item_id or new_id("item"), "object": "realtime.item",
+            "type": "function_call_output", "status": "completed", "call_id": item.call_id, "output": item.output}
+
+
+def response_output_item_added(response_id: str, item: dict, output_index: int) -> dict:
+    """Builds ``response.output_item.added``."""
+    return server_event("response.output_item.added", response_id=response_id, output_index=output_index, item=item)
+
+
+def response_output_item_done(response_id: str, item: dict, output_index: int) -> dict:
+    """Builds ``response.output_item.done``."""
+    return server_event("response.output_item.done", response_id=response_id, output_index=output_index, item=item)
+
+
+def response_function_call_arguments_delta(response_id: str, item_id: str, call_id: str, delta: str, *,
+                                           output_index: int) -> dict:
+    """Builds ``response.function_call_arguments.delta`` (more of a call's arguments, as the model writes them)."""
+    return server_event("response.function_call_arguments.delta", response_id=response_id, item_id=item_id,
+                        output_index=output_index, call_id=call_id, delta=delta)
+
+
+def response_function_call_arguments_done(response_id: str, item_id: str, call_id: str, name: str, arguments: str,
+                                          *, output_index: int) -> dict:
+    """Builds ``response.function_call_arguments.done``."""
+    return server_event("response.function_call_arguments.done", response_id=response_id, item_id=item_id,
+                        output_index=output_index, call_id=call_id, name=name, arguments=arguments)
 
 
 def conversation_item_added(item: dict, previous_item_id: Optional[str] = None) -> dict:

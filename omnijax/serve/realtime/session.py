@@ -70,6 +70,7 @@ from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
+from omnijax.serve.realtime.tools import ResponseOutput, apply_tools, function_output, tools_of
 from omnijax.serve.refusal_log import refusals
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class RealtimeSession(AudioInput):
         self.speech: dict | None = None  # server VAD: {"item": id, "start": ms, "silent_ms": n}
         self.last_item: str | None = None
         self.item_ids: set[str] = set()  # every item of the conversation (since the connection, and the last one)
+        self.call_ids: set[str] = set()  # the ids of the model's function calls (a function_call_output answers one)
         self.response_id: str | None = None  # the response in progress (or the last one)
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None
@@ -246,6 +248,8 @@ class RealtimeSession(AudioInput):
                                              f"{self.worker.engine.config.stream.decoding!r}; per-session sampling "
                                              f"needs omnijax serve's RowSampling", event_id=eid,
                                              param="session.omnijax")
+            if "tools" in event.changes or "tool_choice" in event.changes:
+                settings = apply_tools(self, settings, eid)  # the template renders them; refuses changing nothing
             previous, self.settings = self.settings, settings
             if settings.seed is not None and settings.seed != previous.seed:
                 await self.worker.in_engine(self.worker.engine.seed_session, self.sid, settings.seed)
@@ -267,6 +271,8 @@ class RealtimeSession(AudioInput):
             self.send(rse.input_audio_buffer_cleared())
         elif isinstance(event, rte.ConversationItemCreate):
             await self._item(event)
+        elif isinstance(event, rte.FunctionCallOutput):
+            await function_output(self, event)
         elif isinstance(event, rte.ResponseCreate):
             await self._respond(event)
         elif isinstance(event, rte.ResponseCancel):
@@ -394,35 +400,22 @@ class RealtimeSession(AudioInput):
                             default.top_p if s.top_p is None else s.top_p)
 
     async def _stream(self, answer, limit, input_tokens: int, rid: str, metadata: dict | None = None) -> None:
-        item_id = rte.new_id("item")
-        previous, self.last_item = self.last_item, item_id
-        self.item_ids.add(item_id)
         created = rse.response_created(rid, max_output_tokens=limit)
         if metadata is not None:
             created["response"]["metadata"] = metadata
         self.send(created)
-        self.send(rse.conversation_item_added(rse.assistant_item(item_id, status="in_progress"), previous))
+        tools = tools_of(self.settings)
+        output = ResponseOutput(self, rid, tools.parser() if tools.active else None)  # the items: message, calls
         decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
-        pieces = []
         async for tokens in answer:
-            delta = decoder.push(tokens)
-            if delta:
-                pieces.append(delta)
-                self.send(rse.response_output_text_delta(rid, item_id, delta))
+            output.push(decoder.push(tokens))
         await answer.done
-        tail = decoder.flush()
-        if tail:
-            pieces.append(tail)
-            self.send(rse.response_output_text_delta(rid, item_id, tail))
-        text = "".join(pieces)
         self.conversation.answered(answer.tokens)
         status = answer.status
-        self.send(rse.response_output_text_done(rid, item_id, text))
-        item = rse.assistant_item(item_id, text, status="completed" if status == "completed" else "incomplete")
-        self.send(rse.conversation_item_done(item, previous))
+        items = output.finish(decoder.flush(), status == "completed")
         reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(answer.reason,
                                                                                                answer.reason)
-        done = rse.response_done(rid, status=status, output=[item], input_tokens=input_tokens,
+        done = rse.response_done(rid, status=status, output=items, input_tokens=input_tokens,
                                  output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
                                  reason=reason if status != "completed" else None, max_output_tokens=limit)
         if metadata is not None:
