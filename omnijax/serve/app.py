@@ -5,6 +5,8 @@ Routes (every one behind the API key when one is set):
 - `WS /v1/realtime` — the OpenAI Realtime API (GA events), text output (`omnijax.serve.realtime.session`);
 - `POST /v1/chat/completions` — chat completions, `stream: true` as server-sent events
   (`omnijax.serve.chat_completions`);
+- `POST /v1/completions` — text completions of raw prompts (strings or token ids), `echo` and `logprobs` of the
+  prompt's tokens, streaming (`omnijax.serve.completions`);
 - `GET /v1/models`, `GET /v1/models/{model}` — the served model (the SDK's `models.list` / `models.retrieve`);
 - `WS /session` — omnijax's native per-frame protocol, the lowest-overhead path (`omnijax.serve.native.session`).
 
@@ -48,6 +50,7 @@ from omnijax.models.frontend import bucket, units_for
 from omnijax.models.registry import load
 from omnijax.retention import get_policy
 from omnijax.serve import chat_completions as openai_http
+from omnijax.serve import completions as openai_completions
 from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.chat_completions import error_body
 from omnijax.serve.context import ServeContext, ServeOptions
@@ -152,6 +155,9 @@ def build_app(context: ServeContext) -> Starlette:
     async def chat_route(request):
         return await openai_http.chat_completions(request, context)
 
+    async def completions_route(request):
+        return await openai_completions.completions(request, context)
+
     async def models_route(request):
         return await openai_http.models(request, context)
 
@@ -160,6 +166,7 @@ def build_app(context: ServeContext) -> Starlette:
 
     routes = [WebSocketRoute("/v1/realtime", realtime_route),
               Route("/v1/chat/completions", chat_route, methods=["POST"]),
+              Route("/v1/completions", completions_route, methods=["POST"]),
               Route("/v1/models", models_route, methods=["GET"]),
               Route("/v1/models/{model:path}", model_route, methods=["GET"]),
               WebSocketRoute("/session", native_route)]
@@ -279,9 +286,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=600.0, help="close (after snapshotting) a Realtime "
                    "connection, or a native /session one, whose client sends nothing for this many seconds "
                    "(0: never)")
-    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion the server "
-                   "cannot admit waits for room before its 429 (0: none)")
-    p.add_argument("--max-queued", type=int, default=64, help="the most chat completions waiting for room at once")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion or completion the "
+                   "server cannot admit waits for room before its 429 (0: refused at once)")
+    p.add_argument("--max-queued", type=int, default=64, help="the most requests waiting for room at once")
+    p.add_argument("--max-scored-tokens", type=int, default=2048, help="the most tokens (prompt plus completion) "
+                   "a /v1/completions request's logprobs may score (one full-context forward)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
                    "close (responses in flight end at once) before they are cancelled")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -317,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                max_sessions_per_client=args.max_sessions_per_client,
                                max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir,
                                queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,
+                               max_scored_tokens=args.max_scored_tokens,
                                shutdown_timeout_s=args.shutdown_timeout,
                                **_snapshot_options(args))
         # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots

@@ -21,6 +21,13 @@ from omnijax.serve.engine.admission import Overloaded
 if TYPE_CHECKING:
     from omnijax.serve.engine.snapshot import SessionSnapshot
     from omnijax.serve.engine.worker import EngineWorker
+    from omnijax.serve.prompt_scores import PromptScorer
+
+
+def model_not_found(asked: object, served: str) -> str:
+    """The message every route gives a request naming another model than the served one (code
+    `model_not_found`)."""
+    return f"model {asked!r} does not exist: this server serves {served!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +64,11 @@ class ServeOptions:
         idle_timeout_s: a Realtime connection whose client sends nothing for this long (no response decoding) is
             snapshotted and closed with an `idle_timeout` error; a native `/session` one (no frame being served) is
             closed the same way; 0 disables.
-        queue_timeout_s: how long a chat completion the server cannot admit waits for room before its 429 (0: no
-            waiting).
-        max_queued: the most chat completions waiting at once; beyond it a request gets its 429 at once.
+        queue_timeout_s: how long a chat completion or completion the server cannot admit waits for room before its
+            429 (0: no waiting).
+        max_queued: the most requests waiting at once; beyond it a request gets its 429 at once.
+        max_scored_tokens: the most tokens (prompt plus completion) a completions request's `logprobs` may score
+            (one full-context forward: `omnijax.serve.prompt_scores`).
         shutdown_timeout_s: on SIGTERM, responses in flight end at once and connections get this long to close
             (snapshots included) before their handlers are cancelled.
     """
@@ -85,11 +94,12 @@ class ServeOptions:
     idle_timeout_s: float = 600.0
     queue_timeout_s: float = 10.0
     max_queued: int = 64
+    max_scored_tokens: int = 2048
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
-                     "max_outbox_bytes"):
+                     "max_outbox_bytes", "max_scored_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.decode_wait_fraction <= 1:
@@ -147,6 +157,13 @@ class ServeContext:
         """The native protocol's `AudioFrameEncoder` (built on first use)."""
         return AudioFrameEncoder(self.model, chunk_tokens=self.chunk_tokens, answer_tokens=self.worker.tau)
 
+    @functools.cached_property
+    def prompt_scorer(self) -> PromptScorer:
+        """The completions route's `PromptScorer` (built on first use; texts up to `max_scored_tokens`)."""
+        from omnijax.serve.prompt_scores import PromptScorer
+
+        return PromptScorer(self.model, max_tokens=self.options.max_scored_tokens)
+
     def new_session_id(self, prefix: str) -> str:
         self._next += 1
         return f"{prefix}{self._next}"
@@ -164,8 +181,9 @@ class ServeContext:
                       queue: bool = False) -> AsyncIterator[str]:
         """Opens an engine session for `client` (raises `Overloaded`), resuming `snapshot` when given; yields its
         id, closes it. With `queue`, a session the server cannot admit now waits up to `queue_timeout_s` for room
-        (at most `max_queued` waiting at once) before `Overloaded`."""
-        deadline = time.monotonic() + (self.options.queue_timeout_s if queue else 0.0)
+        (at most `max_queued` waiting at once) before `Overloaded`, whose message then names the wait."""
+        timeout = self.options.queue_timeout_s if queue else 0.0
+        deadline = time.monotonic() + timeout
         waiting = False
         try:
             while True:
@@ -174,8 +192,13 @@ class ServeContext:
                     break
                 except Overloaded as e:
                     left = deadline - time.monotonic()
-                    if self.worker.stopping or left <= 0:
+                    if self.worker.stopping:
                         raise
+                    if left <= 0:
+                        if not waiting:
+                            raise
+                        raise Overloaded(f"{e}; no room came within the queue timeout of {timeout:g} s "
+                                         f"(--queue-timeout)", cap=e.cap, current=e.current) from e
                     if not waiting:
                         if self.queued >= self.options.max_queued:
                             raise Overloaded(f"{e}; and {self.queued} requests already wait for room, the most the "

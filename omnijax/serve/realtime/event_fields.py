@@ -57,7 +57,9 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
                  {"tool_choice": (("auto", "none"), "a response takes no tools of its own: set 'session.tools' "
                                   "and 'session.tool_choice'"), "prompt": ((), NO_PROMPT), "audio": ((), TEXT)}),
 }
-_MOVED = {"temperature": "sampling is set per session: session.update's 'session.omnijax.temperature'"}
+_MOVED = {"temperature": "sampling is set per session: session.update's 'session.omnijax.temperature'",
+          "input_audio_transcription": "input transcription is not supported (the beta API's field; the GA API's is "
+                                       "'session.audio.input.transcription')"}
 
 
 class RealtimeEventError(Exception):
