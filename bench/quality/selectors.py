@@ -52,6 +52,8 @@ def build_parser():
     p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collect", action="store_true",
+                   help="no new run: the table from the cases both workers of the last run under --out finished")
     p.add_argument("--worker", choices=["omnijax", "kvpress"], help=argparse_hidden())
     p.add_argument("--cases", help=argparse_hidden())
     return p
@@ -306,15 +308,25 @@ def main(argv=None):
     if source.reference is None:
         raise SystemExit("kvpress runs transformers on the GGUF file: pass --gguf FILE (the same weights omnijax "
                          "converts), not --checkpoint")
-    prompts = make_prompts(source.checkpoint, args)
-    cases = [dict(p, selector=s, ratio=r) for p in prompts for s in args.selectors for r in args.ratios]
     spec = out / "selectors_cases.json"
-    spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=source.reference, cases=cases)))
-    print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} cases "
-          "per side", flush=True)
-    run_workers(spec, out)
+    if args.collect:
+        if not spec.is_file():
+            raise SystemExit(f"--collect: {spec} is missing; run without --collect first")
+        cases = json.loads(spec.read_text())["cases"]
+    else:
+        prompts = make_prompts(source.checkpoint, args)
+        # ratio-major (the first ratio of --ratios for every selector first): a run stopped early has whole ratios
+        cases = [dict(p, selector=s, ratio=r) for r in args.ratios for s in args.selectors for p in prompts]
+        spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=source.reference, cases=cases)))
+        print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} "
+              "cases per side", flush=True)
+        run_workers(spec, out)
     results = {side: (json.loads((out / f"selectors_{side}.json").read_text()),
                       np.load(out / f"selectors_{side}_kept.npz")) for side in ("omnijax", "kvpress")}
+    done = min(len(results["omnijax"][0]), len(results["kvpress"][0]))
+    if done < len(cases):
+        print(f"--collect: {done} of {len(cases)} cases done on both sides; the table has those", flush=True)
+        cases = cases[:done]
     rows = []
     for i, case in enumerate(cases):
         oj, om = results["omnijax"][0][i], results["omnijax"][1]
@@ -330,8 +342,10 @@ def main(argv=None):
                                               pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH, rows=rows))
     table = []
     for s in args.selectors:
-        for r in args.ratios:
+        for r in sorted(args.ratios):
             group = [x for x in rows if x["selector"] == s and x["ratio"] == r]
+            if not group:
+                continue
             table.append(dict(selector=s, ratio=r, n=len(group),
                               omnijax=np.mean([x["omnijax_right"] for x in group]),
                               kvpress=np.mean([x["kvpress_right"] for x in group]),
@@ -347,7 +361,8 @@ def main(argv=None):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, side in zip(axes, ("omnijax", "kvpress")):
         for s in args.selectors:
-            ax.plot(args.ratios, [t[side] for t in table if t["selector"] == s], marker="o", label=s)
+            mine = [t for t in table if t["selector"] == s]
+            ax.plot([t["ratio"] for t in mine], [t[side] for t in mine], marker="o", label=s)
         ax.set_title(f"{side}: pass-key accuracy")
         ax.set_xlabel("compression ratio")
         ax.grid(alpha=0.3)
