@@ -41,6 +41,7 @@ def test_a_call_streamed_equals_the_whole_answer(client):
     assert content == "Let me check."
     assert deltas[0].index == 0 and deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     assert all(d.index == 0 and d.id is None for d in deltas[1:])
+    assert len(deltas) >= 3  # a start, then the arguments in pieces, tick by tick (TAU tokens each)
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(arguments) == {"city": "Paris", "days": [1, 2]}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
@@ -62,6 +63,7 @@ def test_parallel_calls_and_one_call_only(client):
     one = _ask(client, temperature=2, parallel_tool_calls=False)
     assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
     assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < reply.usage.completion_tokens  # decoding stopped after the first call
     streamed = [d for c in _ask(client, temperature=2, stream=True) if c.choices
                 for d in (c.choices[0].delta.tool_calls or [])]
     assert sorted({d.index for d in streamed}) == [0, 1]

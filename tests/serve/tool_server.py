@@ -16,7 +16,7 @@ SCRIPTS = (
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',  # temperature 2: two calls
 )
-TAU = 144  # one answer step holds every script whole (ScriptedDecoding counts within a step without `counts`)
+TAU = 16  # answer tokens per tick: the scripts (15-96 tokens) span several ticks, so a call streams in pieces
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -38,8 +38,7 @@ def tool_server(directory: Path, **options: Any) -> Iterator[Any]:
     model = omnijax.load(tool_checkpoint(demo_checkpoint(), directory / "tools-checkpoint"))
     end = model.tokenizer.token_id("<|im_end|>")
     decoding = ScriptedDecoding(scripts_of(model.tokenizer, SCRIPTS, end))
-    assert decoding.length <= TAU
-    stream = omnijax.StreamConfig(policy=SinkWindow(4, 508), num_pages=160, page_size=16, max_answer_tokens=TAU,
+    stream = omnijax.StreamConfig(policy=SinkWindow(4, 508), num_pages=96, page_size=16, max_answer_tokens=TAU,
                                   decoding=decoding)
     context = build_context(model, options=ServeOptions(**{"port": 0, "frame_ms": 250.0, **options}), stream=stream,
                             chunk_tokens=64, buckets=(2,), aimd_target=0)
