@@ -8,21 +8,21 @@ are fed as the conversation's units (text turns through the chat template; `imag
 cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `max_queued`), then gets HTTP 429 with
 `Retry-After`; a client that disconnects before its answer is whole cancels it; a stopping server answers 503.
 
-Accepted: roles system (developer too), user, assistant; text content or parts `text`, `image_url` (base64 `data:`
-URLs only: the server never fetches; `detail` "auto"), `input_audio` (`wav`, 16-bit PCM at 1-384 kHz, mono or
-channels averaged; at most `--max-request-audio-s` seconds in all, checked before any is resampled);
-`max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only); `n` choices
-(up to 8) and `logprobs` / `top_logprobs`, served by `omnijax.serve.chat_choices`;
-`stop` (a string or up to 4: the answer ends before the first to complete, `omnijax.serve.answer_text`).
-Sampling fields (`temperature` in [0, 2], `top_p`, `seed`, the penalties, `logit_bias`, `top_k`, `min_p`:
-`omnijax.serve.chat_sampling`) are per request when the server decodes with `RowSampling`
-(as `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request
-reproduce); with any other strategy they are accepted when they are what it decodes with, else refused with a 400
-naming the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata`
-is echoed back. Every other field is refused by name unless it has its neutral value (`omnijax.serve.chat_params`:
-the penalties at 0, `logit_bias` {}, `tools` [], `modalities` ["text"], ...), and an unknown field is
-refused as one (with "did you mean"). Every refusal (4xx) is logged, rate-limited per reason and client
-(`omnijax.serve.refusal_log`).
+Accepted: roles system (developer too), user, assistant (with `tool_calls`), tool (with `tool_call_id`); text content or
+parts `text`, `image_url` (base64 `data:` URLs only: the server never fetches; `detail` "auto"), `input_audio` (`wav`,
+16-bit PCM at 1-384 kHz, mono or channels averaged; at most `--max-request-audio-s` seconds in all, checked before any
+is resampled); `max_tokens` / `max_completion_tokens`; `stream`, `stream_options.include_usage` (with `stream` only);
+`n` choices (up to 8) and `logprobs` / `top_logprobs`, served by `omnijax.serve.chat_choices`; `stop` (a string or up to
+4: the answer ends before the first to complete, `omnijax.serve.answer_text`); `tools`, `tool_choice` ("auto" or "none")
+and `parallel_tool_calls`: the tools rendered by the chat template, the model's calls read into `tool_calls` whole and
+streamed (`omnijax.serve.tool_calls`). Sampling fields (`temperature` in [0, 2], `top_p`, `seed`, the penalties,
+`logit_bias`, `top_k`, `min_p`: `omnijax.serve.chat_sampling`) are per request when the server decodes with
+`RowSampling` (as `omnijax serve` does: each row of the batched step draws with its own settings; a seed makes a request
+reproduce); with any other strategy they are accepted when they are what it decodes with, else refused with a 400 naming
+the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata` is echoed
+back. Every other field is refused by name unless it has its neutral value (`omnijax.serve.chat_params`: `functions` [],
+`modalities` ["text"], `store` false, ...), and an unknown field is refused as one (with "did you mean"). Every refusal
+(4xx) is logged, rate-limited per reason and client (`omnijax.serve.refusal_log`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
 """Wire codec for the text-output subset of the OpenAI Realtime API (GA event names).
 
-Pure (the standard library and its field checks, `omnijax.serve.realtime.event_fields`; no transport, no model):
-client events become small frozen dataclasses: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` /
-``.clear``, ``conversation.item.create`` (``message`` items of role ``user`` or ``system``, parts ``input_text`` and
-``input_image``), ``response.create``, ``response.cancel``. A problem raises :class:`RealtimeEventError`, whose
-``to_event`` is the server ``error`` event (``error_event``; the other server events are
-`omnijax.serve.realtime.server_events`). Codes: ``invalid_json``, ``unknown_event``, ``missing_field``,
+Pure (the standard library and its field checks, `omnijax.serve.realtime.event_fields`; no transport, no model): client
+events become small frozen dataclasses: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` / ``.clear``,
+``conversation.item.create`` (``message`` items of role ``user`` or ``system``, parts ``input_text`` and
+``input_image``; ``function_call_output`` items), ``response.create``, ``response.cancel``. ``session.tools`` are
+function tools and ``session.tool_choice`` "auto", "none" or a named function ("required" is refused: nothing constrains
+decoding); the session checks them when it applies them (``omnijax.serve.realtime.tools``). A problem raises
+:class:`RealtimeEventError`, whose ``to_event`` is the server ``error`` event (``error_event``; the other server events
+are `omnijax.serve.realtime.server_events`). Codes: ``invalid_json``, ``unknown_event``, ``missing_field``,
 ``invalid_value``, ``unsupported``, ``buffer_too_large``, ``unknown_parameter``.
 
-No field is accepted and ignored: a field an event or object does not take is refused by name
-(``unknown_parameter``, with "did you mean" or where a beta field went), and the fields omnijax does not implement are
-accepted only at the value that asks for nothing (``Fields.neutral``): ``tools`` [], ``tool_choice`` "auto" or
-"none" (there are no tools), ``include`` [], null ``prompt``, ``tracing``, ``audio.input.transcription`` and
+No field is accepted and ignored: a field an event or object does not take is refused by name (``unknown_parameter``,
+with "did you mean" or where a beta field went), and the fields omnijax does not implement are accepted only at the
+value that asks for nothing (``Fields.neutral``): ``response.tools`` [] and ``response.tool_choice`` "auto" or "none"
+(tools are the session's), ``include`` [], null ``prompt``, ``tracing``, ``audio.input.transcription`` and
 ``noise_reduction``, ``audio.output`` ``voice`` and ``speed``, ``turn_detection.idle_timeout_ms``, ``response.audio``;
 ``input_image.detail`` "auto". ``response.metadata`` is carried (the server echoes it). Also refused: audio output,
 input formats other than 16-bit mono ``audio/pcm`` at 24 or 16 kHz, turn detection other than null or ``server_vad``,
-image URLs that are not base64 ``data:image/...`` (the server never fetches), out-of-band responses, and audio
-appends that are not base64, hold an odd byte count or exceed ``max_bytes``.
+image URLs that are not base64 ``data:image/...`` (the server never fetches), out-of-band responses, and audio appends
+that are not base64, hold an odd byte count or exceed ``max_bytes``.
 
 omnijax extensions (the SDK models allow extra fields): ``response.done`` carries ``"omnijax": {"kv_cells": n}``
 (the KV cells the session holds after it); the session object carries ``"omnijax": {"input_audio_rate": r}`` (the

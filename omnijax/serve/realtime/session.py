@@ -17,6 +17,8 @@ events onto the conversation and the `EngineWorker`:
   cache is append-only): a `previous_item_id` naming the last item (or "root" on an empty conversation) is honoured,
   one naming an earlier item is refused (`unsupported`), an unknown one too (`invalid_value`), as is an `item.id`
   the conversation already holds.
+- Function calling (`session.tools`, `function_call` output items, `function_call_output` items):
+  `omnijax.serve.realtime.tools`.
 - `response.create`: the template's generation prompt, then tau tokens per tick until the end-of-turn token or
   `max_output_tokens` ("inf": the server's `--max-output-tokens`): `response.created`, the assistant item,
   `response.output_text.delta` (whole UTF-8 characters) ... `.done`, `response.done` with usage and the session's
