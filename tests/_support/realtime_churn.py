@@ -29,6 +29,7 @@ import omnijax
 from omnijax.chunks.chunk import Chunk, pad_chunk
 from omnijax.conversation import Conversation
 from omnijax.decoding import answer_stop_ids
+from tests._support.realtime_client import ask, user_item
 
 WORDS = ("apple", "river", "quiet", "seven", "orbit", "lantern", "maple", "copper", "violet", "harbor", "pixel",
          "thunder", "velvet", "meadow", "cobalt", "ember", "glacier", "saffron", "tundra", "willow")
@@ -138,8 +139,7 @@ class Conn:
     async def item(self, text: str) -> None:
         """Sends a user item and waits until the server says it is fed."""
         target = self.items_done + 1
-        await self.conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                       "content": [{"type": "input_text", "text": text}]})
+        await self.conn.conversation.item.create(item=user_item(text))
         while self.items_done < target:
             self._item_done.clear()
             await asyncio.wait_for(self._item_done.wait(), 60)
@@ -149,9 +149,7 @@ class Conn:
         assert not self.responding
         self.deltas = []
         self.pending = asyncio.get_running_loop().create_future()
-        await self.conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                       "content": [{"type": "input_text", "text": text}]})
-        await self.conn.response.create(response={"max_output_tokens": max_tokens})
+        await ask(self.conn, text, max_tokens)
         return self.pending
 
     async def cancel(self) -> None:

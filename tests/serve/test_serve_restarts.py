@@ -26,34 +26,23 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests._support.demo_server import demo_checkpoint  # noqa: E402
+from tests._support.realtime_client import say  # noqa: E402
 from tests._support.served import Served, ServedCheckpoint  # noqa: E402
 
-# 8 answer tokens a tick (the CLI's tau); a Realtime answer is capped at 8 tokens by its response.create
+# 8 answer tokens a tick (the CLI's tau); a Realtime answer is capped at 8 tokens by its response.create (SAY)
 ARGS = ("--frame-ms", "200", "--max-output-tokens", "100000")
+SAY = 8
 
 
 def _client(served: Served):
     return openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
 
 
-async def _say(conn, text):
-    await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                              "content": [{"type": "input_text", "text": text}]})
-    await conn.response.create(response={"max_output_tokens": 8})
-    deltas = []
-    async for event in conn:
-        assert event.type != "error", event
-        if event.type == "response.output_text.delta":
-            deltas.append(event.delta)
-        if event.type == "response.done":
-            return "".join(deltas)
-
-
 async def _resume_and_say(served: Served, token: str, text: str) -> str:
     async with _client(served).realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
         created = await conn.recv()
         assert created.type == "session.created", created
-        return await _say(conn, text)
+        return (await say(conn, text, SAY))[0]
 
 
 def _generations(folder) -> list[str]:
@@ -69,7 +58,7 @@ def _open_session_until_the_server_ends(served: Served, result: dict, ready: thr
         try:
             async with _client(served).realtime.connect(model="omnijax") as conn:
                 result["token"] = (await conn.recv()).session.model_extra["omnijax"]["resume_token"]
-                result["said"] = await _say(conn, "First.")
+                result["said"] = (await say(conn, "First.", SAY))[0]
                 deadline = time.monotonic() + 60
                 while until is not None and not until(result["token"]):
                     assert time.monotonic() < deadline, "not snapshotted after the turn"
@@ -102,7 +91,7 @@ def test_sigkill_loses_at_most_one_interval_and_sigterm_ends_answers_and_snapsho
         async def reference():
             async with _client(first).realtime.connect(model="omnijax") as ref:
                 await ref.recv()
-                return [await _say(ref, "First."), await _say(ref, "Second.")]
+                return [(await say(ref, "First.", SAY))[0], (await say(ref, "Second.", SAY))[0]]
 
         expected = asyncio.run(reference())
         snapshotted = threading.Event()

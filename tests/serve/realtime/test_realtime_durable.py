@@ -20,6 +20,7 @@ from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.realtime import resume  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
+from tests._support.realtime_client import say  # noqa: E402
 
 FIRST, SECOND = ("First question.", 6), ("Second one.", 10)
 
@@ -36,7 +37,7 @@ def expected(model, tmp_path_factory):
         async def reference():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 await _start(conn)
-                return [await _say(conn, *FIRST), await _say(conn, *SECOND)]
+                return [await say(conn, *FIRST), await say(conn, *SECOND)]
         return asyncio.run(reference())
 
 
@@ -58,24 +59,11 @@ async def _start(conn) -> str:
     return created.session.model_extra["omnijax"]["resume_token"]
 
 
-async def _say(conn, text, max_tokens):
-    await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                              "content": [{"type": "input_text", "text": text}]})
-    await conn.response.create(response={"max_output_tokens": max_tokens})
-    deltas = []
-    async for event in conn:
-        assert event.type != "error", event
-        if event.type == "response.output_text.delta":
-            deltas.append(event.delta)
-        if event.type == "response.done":
-            return "".join(deltas), event.model_extra["omnijax"]["kv_cells"]
-
-
 async def _resumed_second(server, token):
     async with _client(server).realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
         created = await conn.recv()
         assert created.type == "session.created" and created.session.instructions == "Be brief."
-        return await _say(conn, *SECOND)
+        return await say(conn, *SECOND)
 
 
 async def _refusal(server, token):
@@ -87,7 +75,7 @@ def _first_then_leave(server) -> str:
     async def run():
         async with _client(server).realtime.connect(model="omnijax") as conn:
             token = await _start(conn)
-            await _say(conn, *FIRST)
+            await say(conn, *FIRST)
             return token
     return asyncio.run(run())
 
@@ -102,7 +90,7 @@ def test_resume_after_reconnect_and_after_restart(model, expected, tmp_path):
         manager = _client(server).realtime.connect(model="omnijax")
         conn = await manager.__aenter__()
         token = await _start(conn)
-        return manager, token, await _say(conn, *FIRST)
+        return manager, token, await say(conn, *FIRST)
 
     with BackgroundServer(_context(model, snapshots)) as server:
         async def reconnect():
@@ -133,12 +121,12 @@ def test_a_token_is_leased_to_one_connection_at_a_time(model, expected, tmp_path
         async def run():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 token = await _start(conn)
-                assert await _say(conn, *FIRST) == expected[0]
+                assert await say(conn, *FIRST) == expected[0]
                 refused = await _refusal(server, token)  # the same token while the first connection is open
                 assert refused.type == "error" and refused.error.code == "resume_failed"
                 assert "in use by another open connection" in refused.error.message
                 assert len(server.context.worker.lanes) == 1  # no second engine session: no fork
-                assert await _say(conn, *SECOND) == expected[1]  # the holder goes on undisturbed
+                assert await say(conn, *SECOND) == expected[1]  # the holder goes on undisturbed
 
         asyncio.run(run())
 
@@ -157,7 +145,7 @@ def test_a_reconnect_waits_for_the_last_write_and_resuming_keeps_the_snapshot(mo
         async def run():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 token = await _start(conn)
-                first = await _say(conn, *FIRST)
+                first = await say(conn, *FIRST)
             return token, first, await _resumed_second(server, token)  # at once: the old code said "no snapshot"
 
         token, first, second = asyncio.run(run())
@@ -206,7 +194,7 @@ def test_periodic_snapshots_while_open_and_failed_writes_reach_the_client(model,
         async def run():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 token = await _start(conn)
-                await _say(conn, *FIRST)
+                await say(conn, *FIRST)
                 folder = tmp_path / "s" / token
                 for _ in range(200):  # written while the connection is open (the old code: only at its end)
                     if (folder / "000000000000").is_dir():  # a whole generation (not its temp folder)
@@ -224,7 +212,7 @@ def test_periodic_snapshots_while_open_and_failed_writes_reach_the_client(model,
         async def full():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 await _start(conn)
-                assert await _say(conn, *FIRST) == expected[0]
+                assert await say(conn, *FIRST) == expected[0]
                 failed = await conn.recv()  # the write after that turn does not fit under the cap
                 assert failed.type == "error" and failed.error.code == "snapshot_failed"
                 assert "does not fit under the server's cap" in failed.error.message
@@ -238,7 +226,7 @@ def test_an_idle_connection_is_snapshotted_and_closed(model, expected, tmp_path)
         async def run():
             async with _client(server).realtime.connect(model="omnijax") as conn:
                 token = await _start(conn)
-                assert await _say(conn, *FIRST) == expected[0]
+                assert await say(conn, *FIRST) == expected[0]
                 start = time.monotonic()
                 event = await conn.recv()  # the client sends nothing more
                 assert event.type == "error" and event.error.code == "idle_timeout", event
