@@ -52,12 +52,10 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "text_chunk": ("omnijax.chunks.chunk", "text_chunk"),
 }
 
-__all__ = [
-    "Chat", "Chunk", "ChunkOutput", "Decoder", "DecoderConfig", "EvalConfig", "Greedy", "Model", "NoSlide",
-    "PAGING_MODES", "PRESETS", "Paging", "RETENTION_POLICIES", "Session", "SpanKind", "StreamConfig", "StreamResult",
-    "StreamState", "__version__", "enable_compilation_cache", "evaluate", "get_policy", "init_state", "load",
-    "split_text", "stack_chunks", "stream", "text_chunk",
-]
+# The public names: the table's and the version. The TYPE_CHECKING imports below bind the same names for type checkers,
+# which cannot read an `__all__` built at run time: each by a redundant `as` alias, which marks it re-exported
+# (tests/test_imports.py checks that they bind what the table names).
+__all__ = ["__version__", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
@@ -78,19 +76,30 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time `__getattr__` imports each name when used
-    from omnijax.chat import Chat
-    from omnijax.chunks.chunk import Chunk, split_text, stack_chunks, text_chunk
-    from omnijax.chunks.spans import SpanKind
-    from omnijax.compilation_cache import enable as enable_compilation_cache
-    from omnijax.decoding import Greedy
-    from omnijax.eval.runner import EvalConfig, evaluate
-    from omnijax.models.config import PRESETS, DecoderConfig
-    from omnijax.models.decoder import Decoder
-    from omnijax.models.model import Model
-    from omnijax.models.registry import load
-    from omnijax.paging import PAGING_MODES, Paging
-    from omnijax.retention import REGISTRY as RETENTION_POLICIES
-    from omnijax.retention import NoSlide, get_policy
-    from omnijax.streaming.config import StreamConfig
-    from omnijax.streaming.session import Session, stream
-    from omnijax.streaming.step import ChunkOutput, StreamResult, StreamState, init_state
+    from omnijax.chat import Chat as Chat
+    from omnijax.chunks.chunk import Chunk as Chunk
+    from omnijax.chunks.chunk import split_text as split_text
+    from omnijax.chunks.chunk import stack_chunks as stack_chunks
+    from omnijax.chunks.chunk import text_chunk as text_chunk
+    from omnijax.chunks.spans import SpanKind as SpanKind
+    from omnijax.compilation_cache import enable as enable_compilation_cache  # noqa: F401 - in __all__, by _PUBLIC
+    from omnijax.decoding import Greedy as Greedy
+    from omnijax.eval.runner import EvalConfig as EvalConfig
+    from omnijax.eval.runner import evaluate as evaluate
+    from omnijax.models.config import PRESETS as PRESETS
+    from omnijax.models.config import DecoderConfig as DecoderConfig
+    from omnijax.models.decoder import Decoder as Decoder
+    from omnijax.models.model import Model as Model
+    from omnijax.models.registry import load as load
+    from omnijax.paging import PAGING_MODES as PAGING_MODES
+    from omnijax.paging import Paging as Paging
+    from omnijax.retention import REGISTRY as RETENTION_POLICIES  # noqa: F401 - in __all__, by _PUBLIC
+    from omnijax.retention import NoSlide as NoSlide
+    from omnijax.retention import get_policy as get_policy
+    from omnijax.streaming.config import StreamConfig as StreamConfig
+    from omnijax.streaming.session import Session as Session
+    from omnijax.streaming.session import stream as stream
+    from omnijax.streaming.step import ChunkOutput as ChunkOutput
+    from omnijax.streaming.step import StreamResult as StreamResult
+    from omnijax.streaming.step import StreamState as StreamState
+    from omnijax.streaming.step import init_state as init_state

@@ -443,3 +443,19 @@ def test_a_model_built_from_its_own_module_finds_its_family():
             "    raise AssertionError('nonesuch was found')\n")
     result = python(code)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_type_checking_imports_bind_what_the_public_table_names():
+    """`omnijax.__all__` is the lazy table's names and `__version__`, and the `if TYPE_CHECKING:` imports (what type
+    checkers see) bind exactly the table's names, each to the module and attribute the table gives it: a name added,
+    moved or renamed in one place and not the other fails here."""
+    import omnijax
+
+    assert omnijax.__all__ == ["__version__", *omnijax._PUBLIC] and len(set(omnijax.__all__)) == len(omnijax.__all__)
+    tree = ast.parse(Path(omnijax.__file__).read_text())
+    guarded = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    assert len(guarded) == 1, "omnijax/__init__.py should hold one `if TYPE_CHECKING:` block"
+    bound = [(alias.asname or alias.name, (stmt.module, alias.name)) for stmt in guarded[0].body
+             if isinstance(stmt, ast.ImportFrom) for alias in stmt.names]
+    assert len(bound) == len(dict(bound)), f"a name bound twice: {sorted(n for n, _ in bound)}"
+    assert dict(bound) == omnijax._PUBLIC
