@@ -19,8 +19,9 @@ and stop strings). Accepted:
   starts in `text`); all are the raw model distribution's (before the sampling processors, as vLLM returns by
   default). The generated tokens' (a stop token included) come from the engine's step as they are drawn, streamed
   with their text. The prompt's (with `echo`; the first token's entries null: nothing precedes it) come from one
-  full-context forward over the prompt (`omnijax.serve.prompt_scores`, run on the engine's thread between ticks;
-  the streamed step returns the last logits only), so such a prompt may hold at most `--max-scored-tokens` tokens.
+  full-context forward over the prompt (`omnijax.serve.prompt_scores`, run on the engine's thread between ticks,
+  but a length bucket's first, which compiles, on a thread of its own; the streamed step returns the last logits
+  only), so such a prompt may hold at most `--max-scored-tokens` tokens.
   A server with one fixed decoding strategy (not `RowSampling`) refuses `logprobs` with `max_tokens` > 0.
 
 Refused by name: `suffix` (no fill-in-the-middle), `n` or `best_of` other than 1, every unknown field, bad values of
@@ -349,7 +350,9 @@ async def _echo(context: ServeContext, req: CompletionRequest, ids: tuple[int, .
     echoed = tokenizer.decode(list(ids)) if text is None else text
     if req.logprobs is None:
         return echoed, None
-    scores = await context.worker.in_engine(context.prompt_scorer.score, list(ids))
+    scorer = context.prompt_scorer  # a bucket's first scoring compiles: off the engine's thread, not holding ticks
+    run = context.worker.in_engine if scorer.compiled(len(ids)) else asyncio.to_thread
+    scores = await run(scorer.score, list(ids))
     return echoed, logprobs_object(tokenizer, prompt_entries(ids, scores, req.logprobs),
                                    _offsets(tokenizer, list(ids)))
 

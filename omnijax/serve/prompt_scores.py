@@ -81,10 +81,17 @@ class PromptScorer:
         self.vocab_size = int(config.vocab_size)
         self.position_axes = int(config.position_axes)
         self.max_tokens, self.page_size = int(max_tokens), int(page_size)
+        self._compiled: set[int] = set()  # the length buckets scored once (their program compiled)
+
+    def compiled(self, n: int) -> bool:
+        """Whether a text of `n` tokens is scored by a program already compiled (its bucket was scored before). A
+        server runs a first scoring of a bucket off the engine's thread, so its compilation does not hold the
+        engine's ticks."""
+        return bucket_length(n) in self._compiled
 
     def score(self, ids: Sequence[int]) -> TokenScores:
-        """The scores of `ids` (`[n]` token ids, 1 <= n <= `max_tokens`, each in the vocabulary). Blocking: run it
-        on the engine's thread (`EngineWorker.in_engine`)."""
+        """The scores of `ids` (`[n]` token ids, 1 <= n <= `max_tokens`, each in the vocabulary). Blocking: a server
+        runs it on the engine's thread (`EngineWorker.in_engine`), between ticks, once `compiled(n)`."""
         n = len(ids)
         if not 1 <= n <= self.max_tokens:
             raise ValueError(f"a scored text holds 1 to {self.max_tokens} tokens (--max-scored-tokens), got {n}")
@@ -100,6 +107,7 @@ class PromptScorer:
         positions = np.broadcast_to(np.arange(length, dtype=np.int32), (self.position_axes, 1, length))
         chosen, top_ids, top_lp = _score(self.graphdef, self.params, jnp.asarray(padded), jnp.asarray(valid),
                                          jnp.asarray(positions), page_size=self.page_size)
+        self._compiled.add(length)
         # position i predicts token i + 1: shift so entry i belongs to token i
         logprobs = np.full(n, np.nan, np.float32)
         logprobs[1:] = np.asarray(chosen)[:n - 1]

@@ -114,6 +114,35 @@ def test_lm_eval_loglikelihood_request(served, client):
     assert np.isfinite(continuation) and continuation < 0
 
 
+def test_a_buckets_first_scoring_runs_off_the_engine_thread(served, client, monkeypatch):
+    """A length bucket's first scoring (which compiles) runs on a thread of its own, not holding the engine's ticks;
+    later ones of that bucket run on the engine's thread, between ticks. The scorer refuses what it cannot score by
+    name."""
+    from omnijax.serve.prompt_scores import PromptScorer, bucket_length
+
+    context = served.context
+    scorer = PromptScorer(context.model, max_tokens=40)
+    monkeypatch.setitem(context.__dict__, "prompt_scorer", scorer)  # a fresh one: no bucket scored yet
+    through_engine = []
+    in_engine = context.worker.in_engine
+
+    async def recording(fn, *args):
+        through_engine.append(getattr(fn, "__name__", ""))
+        return await in_engine(fn, *args)
+    monkeypatch.setattr(context.worker, "in_engine", recording)
+    n = len(_ids(served))
+    assert not scorer.compiled(n) and bucket_length(n) == 16 and bucket_length(17) == 32
+    first = client.completions.create(model="omnijax", prompt=TEXT, echo=True, max_tokens=0, logprobs=1)
+    assert "score" not in through_engine and scorer.compiled(n) and scorer.compiled(1) and not scorer.compiled(17)
+    again = client.completions.create(model="omnijax", prompt=TEXT, echo=True, max_tokens=0, logprobs=1)
+    assert through_engine.count("score") == 1
+    assert again.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
+    with pytest.raises(ValueError, match="--max-scored-tokens"):
+        scorer.score([1] * 41)
+    with pytest.raises(ValueError, match="must lie in"):
+        scorer.score([1, 10 ** 9])
+
+
 # -------------------------------------------------------------------------------------------------- generation
 def test_generation_whole_streamed_stop_and_several_prompts(served, client):
     """A completion whole equals the same streamed; a stop string cuts it (finish_reason stop); two prompts give
