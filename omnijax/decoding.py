@@ -265,18 +265,27 @@ def row_warp(logits: jax.Array, row: jax.Array, counts: jax.Array, seen: jax.Arr
     """`RowSampling`'s processors on `logits [B, V]` for rows `row [B, ROW_WIDTH]`, in vLLM's order (logit bias,
     repetition, frequency and presence penalties, temperature, min-p, top-k, top-p). `counts [B, V]` int32: this
     answer's token counts; `seen [B, V]` bool: every token the session wrote. Each processor runs only when some row
-    of the batch uses it (`lax.cond`); a row that does not use it is unchanged by it."""
+    of the batch uses it (`lax.cond`; a batch that uses none of bias, penalties, min-p and top-k pays one test for
+    them together); a row that does not use a processor is unchanged by it."""
     x = logits.astype(jnp.float32)
     col = lambda name: row[:, _COL[name]][:, None]  # noqa: E731  [B, 1]
     ids, bias = row[:, _S:_S + MAX_LOGIT_BIAS], row[:, _S + MAX_LOGIT_BIAS:]
-    x = jax.lax.cond(jnp.any(ids >= 0), lambda x: _bias(x, ids, bias), lambda x: x, x)
     presence, frequency, repetition = col("presence_penalty"), col("frequency_penalty"), col("repetition_penalty")
-    x = jax.lax.cond(jnp.any((presence != 0) | (frequency != 0) | (repetition != 1)),
-                     lambda x: penalties(x, counts, seen, presence, frequency, repetition), lambda x: x, x)
     temperature, tail, top_k, min_p = col("temperature"), col("top_p_tail"), col("top_k"), col("min_p")
-    x = jnp.where((temperature > 0) & (temperature != 1.0), x / jnp.where(temperature > 0, temperature, 1.0), x)
-    x = jax.lax.cond(jnp.any(min_p > 0), lambda x: _min_p_rows(x, min_p), lambda x: x, x)
-    x = jax.lax.cond(jnp.any(top_k > 0), lambda x: _top_k_rows(x, top_k.astype(jnp.int32)), lambda x: x, x)
+    use = {"bias": jnp.any(ids >= 0), "penalties": jnp.any((presence != 0) | (frequency != 0) | (repetition != 1)),
+           "min_p": jnp.any(min_p > 0), "top_k": jnp.any(top_k > 0)}
+
+    def scale(x):
+        return jnp.where((temperature > 0) & (temperature != 1.0), x / jnp.where(temperature > 0, temperature, 1.0), x)
+
+    def every(x):
+        x = jax.lax.cond(use["bias"], lambda x: _bias(x, ids, bias), lambda x: x, x)
+        x = jax.lax.cond(use["penalties"], lambda x: penalties(x, counts, seen, presence, frequency, repetition),
+                         lambda x: x, x)
+        x = jax.lax.cond(use["min_p"], lambda x: _min_p_rows(scale(x), min_p), scale, x)
+        return jax.lax.cond(use["top_k"], lambda x: _top_k_rows(x, top_k.astype(jnp.int32)), lambda x: x, x)
+
+    x = jax.lax.cond(use["bias"] | use["penalties"] | use["min_p"] | use["top_k"], every, scale, x)
     return jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, _top_p(x, tail), x), lambda x: x, x)
 
 
@@ -288,7 +297,8 @@ def _bias(x: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
     return x.at[rows, cols].add(bias, mode="drop")
 
 
-def penalties(x: jax.Array, counts: jax.Array, seen: jax.Array, presence, frequency, repetition) -> jax.Array:
+def penalties(x: jax.Array, counts: jax.Array, seen: jax.Array, presence: jax.Array | float,
+              frequency: jax.Array | float, repetition: jax.Array | float) -> jax.Array:
     """vLLM's penalties: scores of `seen` tokens divided by `repetition` when positive, multiplied when not; then
     `frequency` times each token's count in the answer and `presence` once per token present in it are
     subtracted. The settings are `[B, 1]` (or scalars)."""
@@ -310,6 +320,11 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
     """Per-row min-p (`min_p [B, 1]`; 0: off): drops tokens less likely than min_p times the row's top token."""
     probs = jax.nn.softmax(x, axis=-1)
     return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+def wants_logprobs(row: jax.Array) -> jax.Array:
+    """`[]` bool: whether any row of `row [B, ROW_WIDTH]` asks for log probabilities."""
+    return jnp.any(row[:, _COL["top_logprobs"]] >= 0)
 
 
 def row_logprobs(logits: jax.Array, token: jax.Array, row: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

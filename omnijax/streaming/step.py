@@ -14,7 +14,14 @@ import jax.numpy as jnp
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
-from omnijax.decoding import MAX_TOP_LOGPROBS, answer_stop_ids, row_logprobs, sampling_keys, split_keys
+from omnijax.decoding import (
+    MAX_TOP_LOGPROBS,
+    answer_stop_ids,
+    row_logprobs,
+    sampling_keys,
+    split_keys,
+    wants_logprobs,
+)
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.config import DecoderConfig
@@ -121,8 +128,11 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
         draw, following = split_keys(key)
         if per_row:
             token = config.decoding.select(logits, tokens, draw, row=sampling, counts=counts, seen=seen)  # [B]
-            chosen, top_ids, top_lp = row_logprobs(logits, token, sampling)
-            lps = (lps[0].at[:, i].set(chosen), lps[1].at[:, i].set(top_ids), lps[2].at[:, i].set(top_lp))
+            def record(lps):
+                chosen, top_ids, top_lp = row_logprobs(logits, token, sampling)
+                return lps[0].at[:, i].set(chosen), lps[1].at[:, i].set(top_ids), lps[2].at[:, i].set(top_lp)
+
+            lps = jax.lax.cond(wants_logprobs(sampling), record, lambda lps: lps, lps)
         else:
             token = config.decoding.select(logits, tokens, draw)  # [B]
         written = jnp.where(active, token, V)  # finished rows count nothing (out of range: dropped)
