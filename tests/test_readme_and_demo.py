@@ -24,7 +24,7 @@ import pytest
 from omnijax import demo
 from omnijax.demo import install, smollm2
 from omnijax.testing import checkpoints
-from tests._support import real_model, xla_flags
+from tests._support import real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -32,13 +32,6 @@ BIN = Path(sys.executable).parent
 # The demo in tests: its real-model part as `make demo` runs it (the README's chat shares its OmniPick session's
 # compiled steps), a shorter omni session.
 DEMO_ARGS = ["--units", "6", "--high", "240", "--low", "160"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _execution_bound():
-    """LLVM optimisation on for this module and the commands it starts (tests/_support/xla_flags.py): the real
-    model's steps run about four times slower without it, and it compiles only a few programs."""
-    xla_flags.quick_compile(False)
 
 
 @pytest.fixture(scope="module")
