@@ -229,6 +229,45 @@ def test_quality_passkey_resume_keeps_every_row(tmp_path):
         passkey.resumed_rows(tmp_path, args)
 
 
+def test_quality_selectors_collect_tables_the_finished_cases(tmp_path):
+    """selectors --collect builds the table from what both workers of a stopped run finished, without a model:
+    the cases both sides have, kept-set agreement per (layer, KV head), and `complete` false."""
+    import json
+
+    import numpy as np
+
+    from bench.quality import selectors
+
+    S, L, G = 40, 3, 2
+    cases = [dict(length=32, depth=0.5, key="12345", ids=list(range(S)), selector=sel, ratio=0.5)
+             for sel in ("snapkv", "keydiff", "recent")]
+    spec = dict(checkpoint="ckpt", reference=str(tmp_path / "m.gguf"), random_weights=False, cases=cases)
+    (tmp_path / "selectors_cases.json").write_text(json.dumps(spec))
+    kept = np.zeros((L, G, S), bool)
+    kept[..., S // 2:] = True
+    other = kept.copy()
+    other[1, 0, 0], other[1, 0, -1] = True, False  # one (layer, head) set differs in one token
+    sides = {"omnijax": [kept, kept, kept], "kvpress": [kept, other]}  # kvpress stopped after two cases
+    answers = {"omnijax": ["It is 12345.", "No idea.", "x"], "kvpress": ["It is 12345.", "No."]}
+    for side, masks in sides.items():
+        np.savez_compressed(tmp_path / f"selectors_{side}_kept.npz",
+                            **{f"case{i}": np.packbits(m, axis=-1) for i, m in enumerate(masks)})
+        (tmp_path / f"selectors_{side}.json").write_text(json.dumps(
+            [dict(case=i, answer=a, cells=int(m.sum()), seconds=1.0) for i, (a, m) in enumerate(zip(answers[side],
+                                                                                                 masks))]))
+    selectors.main(["--collect", "--out", str(tmp_path)])
+    got = json.loads((tmp_path / "selectors.json").read_text())
+    assert got["complete"] is False and got["random_weights"] is False
+    rows = got["rows"]
+    assert [r["selector"] for r in rows] == ["snapkv", "keydiff"]
+    assert rows[0]["sets_identical"] == 1.0 and rows[0]["answers_equal"] and rows[0]["omnijax_right"]
+    assert rows[1]["sets_identical"] == pytest.approx(1 - 1 / (L * G)) and not rows[1]["answers_equal"]
+    assert rows[1]["jaccard"] < 1.0
+    (tmp_path / "selectors_cases.json").unlink()
+    with pytest.raises(SystemExit, match="selectors_cases.json is missing"):
+        selectors.main(["--collect", "--out", str(tmp_path)])
+
+
 def test_gpu_checks_syntax():
     done = subprocess.run(["bash", "-n", str(BENCH / "gpu_checks.sh")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

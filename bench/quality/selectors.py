@@ -304,20 +304,24 @@ def main(argv=None):
         else:
             kvpress_worker(cases, Path(cases["reference"]), out)
         return
-    source = common.model_source(args)
-    if source.reference is None:
-        raise SystemExit("kvpress runs transformers on the GGUF file: pass --gguf FILE (the same weights omnijax "
-                         "converts), not --checkpoint")
     spec = out / "selectors_cases.json"
     if args.collect:
         if not spec.is_file():
             raise SystemExit(f"--collect: {spec} is missing; run without --collect first")
-        cases = json.loads(spec.read_text())["cases"]
+        meta = json.loads(spec.read_text())
+        cases, reference = meta["cases"], meta["reference"]
+        tiny = meta.get("random_weights", not Path(reference).is_file())  # the smoke model is a folder
     else:
+        source = common.model_source(args)
+        if source.reference is None:
+            raise SystemExit("kvpress runs transformers on the GGUF file: pass --gguf FILE (the same weights omnijax "
+                             "converts), not --checkpoint")
+        reference, tiny = source.reference, source.tiny
         prompts = make_prompts(source.checkpoint, args)
         # ratio-major (the first ratio of --ratios for every selector first): a run stopped early has whole ratios
         cases = [dict(p, selector=s, ratio=r) for r in args.ratios for s in args.selectors for p in prompts]
-        spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=source.reference, cases=cases)))
+        spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=reference, random_weights=tiny,
+                                        cases=cases)))
         print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} "
               "cases per side", flush=True)
         run_workers(spec, out)
@@ -338,8 +342,10 @@ def main(argv=None):
                          kvpress_right=common.contains_key(kp["answer"], case["key"]),
                          omnijax_cells=oj["cells"], kvpress_cells=kp["cells"], sets_identical=same, jaccard=jaccard,
                          answers_equal=oj["answer"] == kp["answer"]))
-    harness.write_json(out, "selectors", dict(model=source.reference, random_weights=source.tiny, window=WINDOW,
-                                              pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH, rows=rows))
+    harness.write_json(out, "selectors", dict(model=reference, random_weights=tiny, window=WINDOW,
+                                              pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH,
+                                              complete=len(rows) == len(json.loads(spec.read_text())["cases"]),
+                                              rows=rows))
     table = []
     for s in args.selectors:
         for r in sorted(args.ratios):
