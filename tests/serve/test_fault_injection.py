@@ -1,16 +1,22 @@
-"""A fault-injection run of `omnijax serve --demo-model` (a subprocess): a mixed load — two Realtime sessions having
-conversations, a chat completions client, a native `/session` streaming one PCM frame every frame budget — while one
-client sends hostile inputs (WAV headers claiming 4e9 Hz and 0 Hz, a PNG header claiming 20000x20000, seed 2**64,
-1,001 messages, bad JSON, an over-size body; over chat completions and over Realtime), one Realtime client sends
-`response.create` and never reads, and one disconnects mid-response. The server snapshots Realtime sessions
-periodically (`--snapshot-every 1turn`); once each conversation's last turn is on disk, the process is SIGKILLed with
-the conversations still connected, restarted on the same --snapshot-dir, and each resumes with its token.
+"""A fault-injection run of `omnijax serve` on the demo checkpoint (a subprocess): a mixed load — two Realtime
+sessions having conversations, a chat completions client, a native `/session` streaming one PCM frame every frame
+budget — while one client sends hostile inputs (WAV headers claiming 4e9 Hz and 0 Hz, a PNG header claiming
+20000x20000, seed 2**64, 1,001 messages, bad JSON, an over-size body; over chat completions and over Realtime), one
+Realtime client sends `response.create` and never reads, and one disconnects mid-response. The server snapshots
+Realtime sessions periodically (`--snapshot-every 1turn`); once each conversation's last turn is on disk, the process
+is SIGKILLed with the conversations still connected, restarted on the same --snapshot-dir, and each resumes with its
+token.
 
 Asserted: every hostile input got a clear 4xx / error event naming the problem (no 500, no dropped socket); the
 well-behaved clients were served throughout (native replies kept arriving about every budget, every Realtime answer
 and chat completion completed); every answer of each conversation, those served under the load and the next one
 after the kill and the resume, equals the same conversation run alone in its own batch-1 `omnijax.Session`
 (`tests._support.realtime_churn.AloneRun`: status, text, tokens, KV cells).
+
+Both servers serve the demo checkpoint this process wrote once (`ServedCheckpoint`), and the alone runs use the model
+loaded from it (`demo_model`): no start-up builds the demo model again. The servers' compiled programs come from the
+suite's persistent compilation cache (`$OMNIJAX_COMPILATION_CACHE`, which the CLI turns on); the first warms up the
+8-session bucket its load reaches, the second only the one its one-at-a-time resumes use.
 """
 
 import asyncio
@@ -18,7 +24,6 @@ import base64
 import json
 import re
 import struct
-import tempfile
 import time
 import zlib
 
@@ -31,13 +36,17 @@ websockets = pytest.importorskip("websockets")
 
 import omnijax  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
-from omnijax.serve.app import build_demo_model  # noqa: E402
+from tests._support.demo_server import demo_checkpoint, demo_model  # noqa: E402
 from tests._support.realtime_churn import AloneRun, Conn, Turn, sentence  # noqa: E402
-from tests._support.served import Served  # noqa: E402
+from tests._support.served import Served, ServedCheckpoint  # noqa: E402
 
 FRAME_MS = 500  # the budget this loaded 2-core test machine holds for the demo model with eight sessions
-ARGS = ("--frame-ms", str(FRAME_MS), "--max-output-tokens", "8", "--buckets", "1", "2", "4", "8",
-        "--warmup-sessions", "8", "--aimd-target", "0", "--max-message-mb", "1")
+ARGS = ("--frame-ms", str(FRAME_MS), "--max-output-tokens", "8", "--buckets", "1", "2", "4", "8", "--aimd-target",
+        "0", "--max-message-mb", "1")
+# The load opens up to 7 sessions at once (native, never-reads, two conversations, chats, hostile Realtime, the
+# leaver): its ticks reach the 8 bucket, compiled before it listens so that no tick under the load compiles. After
+# the restart the two conversations resume one at a time: bucket 1.
+LOAD_WARMUP, RESUME_WARMUP = ("--warmup-sessions", "8"), ("--warmup-sessions", "1")
 TURNS, MAX_TOKENS = 3, 8
 
 
@@ -206,7 +215,8 @@ def _alone_stream(served: Served) -> tuple[omnijax.StreamConfig, int]:
 
 def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
     snapshots = tmp_path / "sessions"
-    first = Served(*ARGS, "--snapshot-dir", str(snapshots), "--snapshot-every", "1turn")
+    first = ServedCheckpoint(demo_checkpoint(), *ARGS, *LOAD_WARMUP, "--snapshot-dir", str(snapshots),
+                             "--snapshot-every", "1turn")
     rng = np.random.default_rng(8)
 
     async def load():
@@ -255,7 +265,7 @@ def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
     assert latency.max() <= 0.8 * FRAME_MS + 300 and np.diff(arrivals).max() < 4 * FRAME_MS / 1000, replies
     assert sent >= 50
 
-    second = Served(*ARGS, "--snapshot-dir", str(snapshots))
+    second = ServedCheckpoint(demo_checkpoint(), *ARGS, *RESUME_WARMUP, "--snapshot-dir", str(snapshots))
     try:
         async def after():
             client = openai.AsyncOpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
@@ -273,7 +283,7 @@ def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
         stream, chunk_tokens = _alone_stream(second)
     finally:
         second.stop()
-    model = omnijax.load(build_demo_model(tempfile.mkdtemp(prefix="fault-injection-model-")))
+    model = demo_model()
     for k, ((_, said), follow) in enumerate(zip(talks, resumed_turns)):  # each conversation alone, from its start
         alone = AloneRun(model, stream, chunk_tokens)
         for i, (text, result) in enumerate(said):
