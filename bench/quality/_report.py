@@ -115,15 +115,15 @@ def perplexity_runs(results: Path) -> list[dict]:
 
 def perplexity_table(runs: list[dict], marks: tuple[int, ...] = (1024, 2048, 4096, 8192)) -> str:
     """Perplexity of the first N tokens, per run and configuration, at each N of `marks` the run reaches."""
-    out = ["| run (tokens) | config | cells | " + " | ".join(f"first {m:,}" for m in marks) + " | past window |",
+    out = ["| text, tokens | config | cells | " + " | ".join(f"first {m:,}" for m in marks) + " | past window |",
            "|---|---|---|" + "---|" * (len(marks) + 1)]
     for d in runs:
         for name, c in d["configs"].items():
             nll = np.asarray(c["nll"])
             vals = [f"{math.exp(nll[:m].mean()):.2f}" if len(nll) >= m else "-" for m in marks]
             past = math.exp(nll[d["window"]:].mean())
-            out.append(f"| {d['length']:,} | {name} | {c['max_attended']:,} | " + " | ".join(vals) +
-                       f" | {past:.2f} |")
+            run = f"{d['text'].split('.')[0]}, {d['length']:,}"
+            out.append(f"| {run} | {name} | {c['max_attended']:,} | " + " | ".join(vals) + f" | {past:.2f} |")
     return "\n".join(out)
 
 
@@ -131,7 +131,8 @@ def perplexity_plot(runs: list[dict], out: Path) -> None:
     """Perplexity of the first N tokens against N (the longest run of each configuration)."""
     plt = harness.pyplot()
     longest: dict[str, tuple[dict, dict]] = {}
-    for d in runs:
+    text = max(runs, key=lambda d: d["length"])["text"]
+    for d in (d for d in runs if d["text"] == text):
         for name, c in d["configs"].items():
             if name not in longest or len(c["nll"]) > len(longest[name][1]["nll"]):
                 longest[name] = (d, c)
@@ -147,7 +148,7 @@ def perplexity_plot(runs: list[dict], out: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens N")
     ax.set_ylabel("perplexity of the first N tokens")
-    ax.set_title("SmolLM2-135M on Alice: perplexity against length, sink ablation")
+    ax.set_title(f"SmolLM2-135M on {text}: perplexity against length, sink ablation")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     harness.save_png(fig, out, "perplexity_length")

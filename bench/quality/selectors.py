@@ -52,6 +52,8 @@ def build_parser():
     p.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="each worker keeps the cases a stopped run with the same flags saved under --out")
     p.add_argument("--collect", action="store_true",
                    help="no new run: the table from the cases both workers of the last run under --out finished")
     p.add_argument("--worker", choices=["omnijax", "kvpress"], help=argparse_hidden())
@@ -138,8 +140,10 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
                  "pyramidkv": px.SnapKV(WINDOW, KERNEL), "pyramidkv_kv": px.SnapKV(WINDOW, KERNEL),
                  "chunkkv": px.ChunkKV(WINDOW, KERNEL, CHUNK_LENGTH), "keydiff": px.KeyDiff(),
                  "recent": px.RecentTokens()}
-    rows, masks = [], {}
+    rows, masks = _resumed(out, "omnijax", cases)
     for i, case in enumerate(cases["cases"]):
+        if i < len(rows):
+            continue
         ids = np.asarray([case["ids"]])
         S = ids.shape[1]
         budget = budget_of(case["ratio"], S, case["selector"])
@@ -147,8 +151,8 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
         selector = selectors.get(case["selector"])
         if case["selector"] == "pyramidkv":
             budgets = px.pyramid_budgets(L * budget, L, window=WINDOW, beta=BETA)
-        elif case["selector"] == "pyramidkv_kv":
-            budgets = kvpress_pyramid(case["ratio"], S, L)
+        elif case["selector"] == "pyramidkv_kv":  # omnijax refuses a budget of just the window: window + 1
+            budgets = tuple(max(b, WINDOW + 1) for b in kvpress_pyramid(case["ratio"], S, L))
         elif case["selector"] == "adakv_kv":
             selector = px.AdaKV(WINDOW, KERNEL, floor=kvpress_floor(case["ratio"], S))
         started = time.perf_counter()
@@ -190,8 +194,10 @@ def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
                "keydiff": lambda r: kvpress.KeyDiffPress(compression_ratio=r),
                "recent": lambda r: kvpress.StreamingLLMPress(compression_ratio=r, n_sink=0)}
     full_keys: dict[tuple, list] = {}
-    rows, masks = [], {}
+    rows, masks = _resumed(out, "kvpress", cases)
     for i, case in enumerate(cases["cases"]):
+        if i < len(rows):
+            continue
         ids = torch.as_tensor([case["ids"]])
         S = ids.shape[1]
         if tuple(case["ids"]) not in full_keys:
@@ -250,6 +256,18 @@ def _text(tokenizer, tokens, eos) -> str:
         if t in eos:
             break
     return tokenizer.decode(cut, skip_special_tokens=True).strip()
+
+
+def _resumed(out: Path, side: str, cases: dict) -> tuple[list, dict]:
+    """The rows and kept masks a stopped run of this side saved for the same cases (`--resume`), else none."""
+    rows_path, masks_path = out / f"selectors_{side}.json", out / f"selectors_{side}_kept.npz"
+    if not cases.get("resume") or not rows_path.is_file() or not masks_path.is_file():
+        return [], {}
+    rows = json.loads(rows_path.read_text())
+    with np.load(masks_path) as saved:
+        masks = {k: saved[k] for k in saved.files}
+    print(f"  {side}: resuming after {len(rows)} saved cases", flush=True)
+    return rows, masks
 
 
 def _save(out: Path, side: str, rows, masks) -> None:
@@ -320,8 +338,11 @@ def main(argv=None):
         prompts = make_prompts(source.checkpoint, args)
         # ratio-major (the first ratio of --ratios for every selector first): a run stopped early has whole ratios
         cases = [dict(p, selector=s, ratio=r) for r in args.ratios for s in args.selectors for p in prompts]
+        if args.resume and spec.is_file() and json.loads(spec.read_text())["cases"] != cases:
+            raise SystemExit(f"--resume: {spec} holds other cases than this run's; pass the same flags or another "
+                             "--out")
         spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=reference, random_weights=tiny,
-                                        cases=cases)))
+                                        resume=args.resume, cases=cases)))
         print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} "
               "cases per side", flush=True)
         run_workers(spec, out)
