@@ -363,14 +363,21 @@ def _parse_body(body: bytes, context) -> ChatRequest:
 def _build(conversation, req: ChatRequest, answer_tokens: int, model_name: str = "") -> tuple[list, Any]:
     """The request's messages as chunks (templates, images and audio through the encoders), then the response's
     generation prompt asking for `answer_tokens`. Tools, tool calls and tool results need a template that renders
-    tools (else a `RequestError` naming `tools` or the message, and the model)."""
+    tools (else a `RequestError` naming `tools` or the message, and the model). Tool results in a row are fed
+    together: Qwen's templates put them in one user turn, so one's rendering changes once the next follows."""
     _set_tools(conversation, req, model_name)
     parts = []
-    for (role, content), extras in zip(req.messages, req.extras or ({},) * len(req.messages)):
+    messages = list(zip(req.messages, req.extras or ({},) * len(req.messages)))
+    for m, ((role, content), extras) in enumerate(messages):
         last = max((i for i, p in enumerate(content) if p.kind == "text"), default=-1)
         for i, p in enumerate(content):
             if p.kind == "text":  # a message's tool calls go with its last text part, its call id with each
                 more = {k: v for k, v in extras.items() if k != "tool_calls" or i == last}
+                if role == "tool" and (i < last or (m + 1 < len(messages) and messages[m + 1][0][0] == "tool")):
+                    held = {"role": role, "content": p.text, **more}  # fed with the next tool result's rendering
+                    conversation.check_message(held)
+                    conversation.messages.append(held)
+                    continue
                 parts += conversation.message(role, p.text, **more)
             elif p.kind == "image":
                 parts += conversation.image(read_image(p.data))
