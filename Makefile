@@ -37,14 +37,16 @@ demo: $(VENV)/.base $(VENV)/.smollm2
 	$(PY) -m pip install --quiet -e ".[video,plot,gguf]"
 	$(PY) -m omnijax.demo
 
-# pytest-xdist: one module per worker (a module's compiled programs stay in its worker). The persistent compilation
-# cache lives outside the clone (~/.cache/omnijax-tests/jax; OMNIJAX_TEST_JAX_CACHE overrides), so reruns are warm.
+# pytest-xdist: one module per worker (a module's compiled programs stay in its worker), in collection order: the
+# slowest modules first (tests/conftest.py SLOW_FIRST). The persistent compilation cache and mypy's cache live
+# outside the clone (~/.cache/omnijax-tests/{jax,mypy}; OMNIJAX_TEST_JAX_CACHE, OMNIJAX_TEST_MYPY_CACHE override), so
+# reruns are warm.
 # OMNIJAX_SMOLLM2_GGUF names the installed file, so the real-model tests run (a missing file fails them, not skips).
 test: $(VENV)/.test $(VENV)/.smollm2
-	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile
+	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 --dist loadfile -m fast
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m fast
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

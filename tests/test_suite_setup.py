@@ -2,6 +2,7 @@
 optimisation is off in every module but the execution-bound ones; the benchmarks get the settings from before."""
 
 import os
+from pathlib import Path
 
 import jax
 
@@ -48,3 +49,15 @@ def test_llvm_optimisation_is_off_but_in_execution_bound_modules():
     quick = xla_flags.wants_quick_compile("test_suite_setup.py")
     assert jax.config.read("jax_disable_most_optimizations") is quick
     assert os.environ[xla_flags.JAX_ENV] == ("1" if quick else "0")
+
+
+def test_the_slow_first_table_names_existing_modules_and_make_test_keeps_its_order():
+    """tests/conftest.py's SLOW_FIRST names test modules that exist (a renamed one would silently fall back to the
+    end), each once, and `make test` keeps the collection order (xdist's default reorders modules by test count)."""
+    from tests import conftest
+
+    tests_dir = Path(conftest.__file__).parent
+    assert [m for m in conftest.SLOW_FIRST if not (tests_dir / m).is_file()] == []
+    assert len(set(conftest.SLOW_FIRST)) == len(conftest.SLOW_FIRST)
+    recipe = (tests_dir.parent / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
+    assert "--dist loadfile --no-loadscope-reorder" in recipe, recipe

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.decoding import register, sampling_row
+from omnijax.models.tokenizer import Tokenizer
 
 __all__ = ["ScriptedDecoding", "TOOLS_CHATML_TEMPLATE", "scripts_of", "tool_checkpoint"]
 
@@ -152,6 +153,6 @@ def tool_checkpoint(source: str | Path, destination: str | Path,
     return destination
 
 
-def scripts_of(tokenizer, texts: Sequence[str], end: int) -> tuple[tuple[int, ...], ...]:
+def scripts_of(tokenizer: Tokenizer, texts: Sequence[str], end: int) -> tuple[tuple[int, ...], ...]:
     """The token scripts of `texts` (each encoded, then `end`, the end-of-turn id)."""
     return tuple(tuple(tokenizer.encode(text)) + (int(end),) for text in texts)
