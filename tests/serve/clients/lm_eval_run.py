@@ -1,5 +1,7 @@
 """Runs lm-evaluation-harness through its Python API in a process of its own, as a user would (`test_lm_eval.py`
-starts it against a served model): `python lm_eval_run.py SPEC.json`.
+starts it against a served model): `python lm_eval_run.py`, then the path of SPEC.json on its standard input. It
+imports lm-eval (and transformers, for the tokenizer) before it reads the path, so that a test can start it while its
+server warms up.
 
 SPEC.json holds `include_path` (a folder of task YAMLs), `out` (where the results go) and `runs`: a list of
 `{"model": ..., "model_args": {...}, "tasks": [...], "apply_chat_template": bool}`. Each run calls
@@ -47,12 +49,17 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return reports
 
 
-def main(argv: list[str]) -> int:
-    """Reads the spec named by `argv[1]`, runs it, writes the reports to its `out`. Returns the exit status."""
-    if len(argv) != 2:
-        print("usage: lm_eval_run.py SPEC.json", file=sys.stderr)
+def main() -> int:
+    """Imports lm-eval, reads the spec named by the first line of standard input, runs it, writes the reports to its
+    `out`. Returns the exit status (2 without a spec path)."""
+    import lm_eval.models.openai_completions  # noqa: F401  (the API models, which register themselves)
+    import transformers  # noqa: F401  (local-completions' tokenizer)
+
+    path = sys.stdin.readline().strip()
+    if not path:
+        print("lm_eval_run.py reads the path of SPEC.json on its standard input; it got none", file=sys.stderr)
         return 2
-    with open(argv[1], encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     reports = run(spec)
     with open(spec["out"], "w", encoding="utf-8") as f:
@@ -61,4 +68,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

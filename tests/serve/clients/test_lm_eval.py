@@ -65,7 +65,24 @@ class RouteCounter:
 
 
 @pytest.fixture(scope="module")
-def served():
+def lm_eval_process(tmp_path_factory):
+    """`lm_eval_run.py` started offline, importing lm-eval while the server warms up; it waits for its spec's path
+    on standard input."""
+    folder = tmp_path_factory.mktemp("lm_eval")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(folder / "datasets-cache"), "OPENAI_API_KEY": "unused",
+           "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("lm_eval_run.py"))], env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.folder = folder  # type: ignore[attr-defined]
+    yield process
+    if process.poll() is None:  # a test failed before it was given its spec
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture(scope="module")
+def served(lm_eval_process):
     """The demo model with per-request sampling (RowSampling, as `omnijax serve` runs), its two OpenAI routes
     counted (`RouteCounter` as `served.counter`)."""
     from omnijax.decoding import RowSampling
@@ -130,10 +147,10 @@ def _task_files(folder: Path, stops: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def lm_eval_reports(served, stops, tmp_path_factory):
+def lm_eval_reports(served, stops, lm_eval_process):
     """lm-eval's two runs (`lm_eval_run.py` in a subprocess, offline): [the multiple-choice run, the generate_until
     run], each `{"results", "samples"}`."""
-    folder = tmp_path_factory.mktemp("lm_eval")
+    folder = lm_eval_process.folder
     _task_files(folder, stops)
     common = {"model": "omnijax", "num_concurrent": 2, "max_retries": 1, "seed": SEED}
     spec = {"include_path": str(folder), "out": str(folder / "reports.json"), "runs": [
@@ -143,12 +160,8 @@ def lm_eval_reports(served, stops, tmp_path_factory):
         {"model": "local-chat-completions", "tasks": ["omnijax_gen"], "apply_chat_template": True,
          "model_args": {**common, "base_url": f"{served.base_url}/chat/completions", "max_gen_toks": MAX_GEN}}]}
     (folder / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(folder / "datasets-cache"), "OPENAI_API_KEY": "unused",
-           "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("lm_eval_run.py")), str(folder / "spec.json")],
-                          env=env, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S)
-    assert done.returncode == 0, f"lm-eval failed (exit {done.returncode}):\n{done.stderr[-6000:]}"
+    _, stderr = lm_eval_process.communicate(f"{folder / 'spec.json'}\n", timeout=LM_EVAL_TIMEOUT_S)
+    assert lm_eval_process.returncode == 0, f"lm-eval failed (exit {lm_eval_process.returncode}):\n{stderr[-6000:]}"
     return json.loads((folder / "reports.json").read_text())
 
 
