@@ -168,13 +168,17 @@ def test_readme_serve_command_and_openai_client(demo_dir):
         proc.wait(60)
 
 
-def test_readme_python_chat_prints_what_the_chat_command_shows(demo_dir, monkeypatch):
-    monkeypatch.chdir(demo_dir)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(_python_block("omnijax.Chat(model"), "README.md", "exec"), {})
+def _python(code: str, cwd) -> subprocess.CompletedProcess:
+    """Runs a README Python block as written in a fresh interpreter (nothing this test process imported helps it)."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_readme_python_chat_prints_what_the_chat_command_shows(demo_dir):
+    done = _python(_python_block("omnijax.Chat(model"), demo_dir)
     (chat,) = _commands(" chat ")
-    assert printed.getvalue() == _shown(chat)
+    assert done.stdout == _shown(chat)
     assert (demo_dir / "demo_out" / "chat.png").is_file()
 
 
@@ -191,13 +195,16 @@ def test_readme_convert_and_token_level_quick_start(tmp_path):
             for a in args]
     subprocess.run([str(BIN / "omnijax"), *args], check=True)
     code = _python_block("/path/to/omni7b-jax").replace("/path/to/omni7b-jax", str(dst))
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    result, out = namespace["result"], namespace["out"]
-    assert namespace["answer"].shape == (1, 8)
-    assert int(namespace["compressed"].cache.layers[0].length[0, 0]) == 64
-    assert result.tokens.shape == (2, 1, 16) and (result.tokens[-1, 0] >= 0).all()
-    assert out.tokens.shape == (1, 16) and int((out.tokens[0] >= 0).sum()) == 8
+    # The block as written, then what it left, printed for the checks below.
+    report = ("\nimport json\nprint(json.dumps({'answer': list(answer.shape),"
+              " 'compressed': int(compressed.cache.layers[0].length[0, 0]),"
+              " 'result': list(result.tokens.shape), 'answered': bool((result.tokens[-1, 0] >= 0).all()),"
+              " 'out': list(out.tokens.shape), 'out_tokens': int((out.tokens[0] >= 0).sum())}))\n")
+    got = json.loads(_python(code + report, tmp_path).stdout.splitlines()[-1])
+    assert got["answer"] == [1, 8]
+    assert got["compressed"] == 64
+    assert got["result"] == [2, 1, 16] and got["answered"]
+    assert got["out"] == [1, 16] and got["out_tokens"] == 8
 
 
 # ----------------------------------------------------------------------------------- install step and model file
