@@ -72,7 +72,7 @@ from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
-from omnijax.serve.realtime.tools import ResponseOutput, apply_tools, function_output, tools_of
+from omnijax.serve.realtime.tools import ResponseOutput, apply_tools, flush_outputs, function_output, tools_of
 from omnijax.serve.refusal_log import refusals
 
 if TYPE_CHECKING:
@@ -111,6 +111,7 @@ class RealtimeSession(AudioInput):
         self.last_item: str | None = None
         self.item_ids: set[str] = set()  # every item of the conversation (since the connection, and the last one)
         self.call_ids: set[str] = set()  # the ids of the model's function calls (a function_call_output answers one)
+        self.held_outputs = 0  # function_call_output messages recorded in the conversation, not yet fed
         self.response_id: str | None = None  # the response in progress (or the last one)
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None
@@ -316,7 +317,9 @@ class RealtimeSession(AudioInput):
             done()
 
     async def _instructions(self, eid) -> None:
-        """Feeds the session's instructions as a system message when they changed since last fed."""
+        """Feeds the tool results held (`tools.flush_outputs`), then the session's instructions as a system message
+        when they changed since last fed. Every path that feeds input calls this first."""
+        await flush_outputs(self, eid)
         text = self.settings.instructions
         if text and text != self.instructions_fed:
             try:

@@ -14,8 +14,10 @@
   `conversation.item.done`), all in `response.done`'s output. The answer's text stays in the conversation as the
   model wrote it.
 - `conversation.item.create` of `{"type": "function_call_output", "call_id", "output"}` answering one of the
-  session's calls is fed as a tool message through the template; `response.create` then answers with it in context.
-  A `call_id` the session never made is refused by name.
+  session's calls is a tool message through the template; `response.create` then answers with it in context.
+  A `call_id` the session never made is refused by name. Outputs are fed with whatever comes next (the response's
+  prompt, an item, audio): Qwen-style templates put consecutive tool results in one user turn, so outputs in a row
+  (the answers to parallel calls) are fed as that one turn.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from omnijax.conversation import ChatTemplateError, ToolsUnsupported
+from omnijax.conversation import ChatTemplateError, ToolsUnsupported, template_delta
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.tool_calls import (
@@ -39,7 +41,7 @@ from omnijax.serve.tool_calls import (
 if TYPE_CHECKING:
     from omnijax.serve.realtime.session import RealtimeSession
 
-__all__ = ["ResponseOutput", "apply_tools", "function_output", "tools_of"]
+__all__ = ["ResponseOutput", "apply_tools", "flush_outputs", "function_output", "tools_of"]
 
 
 def tools_of(settings: rte.SessionSettings) -> Tools:
@@ -78,23 +80,47 @@ def apply_tools(session: RealtimeSession, settings: rte.SessionSettings, eid: st
 
 
 async def function_output(session: RealtimeSession, event: rte.FunctionCallOutput) -> None:
-    """Feeds a `function_call_output` item as the tool message answering its call."""
+    """Takes a `function_call_output` item as the tool message answering its call. It is checked against the
+    template now (a refusal changes nothing) but fed with what comes next (`flush_outputs`): the templates put tool
+    results in a row in one user turn, so one's rendering changes once the next follows. The item is complete as
+    given: `conversation.item.done` follows its `.added` at once."""
     eid = event.event_id
     session._check_placement(event)  # type: ignore[arg-type]  # the same placement fields as a message item
     if event.call_id not in session.call_ids:
         raise rte.RealtimeEventError("invalid_value", f"'item.call_id' {event.call_id!r} names no function call of "
                                      f"this session", event_id=eid, param="item.call_id")
-    await session._instructions(eid)
+    conversation = session.conversation
+    message = {"role": "tool", "content": event.output, "tool_call_id": event.call_id}
     try:
-        parts = await asyncio.to_thread(session.conversation.message, "tool", event.output,
-                                        tool_call_id=event.call_id)
+        conversation.check_message(message)
+        await asyncio.to_thread(template_delta, conversation.tokenizer, conversation.rendered,
+                                conversation.messages + [message], generation_prompt=False, tools=conversation.tools)
     except ValueError as e:
         raise session._fail(e, eid, "item.output") from None
+    conversation.messages.append(message)  # recorded, not fed: the next rendering feeds it
+    session.held_outputs += 1
     item = rse.function_call_output_item(event)
     previous, session.last_item = session.last_item, item["id"]
     session.item_ids.add(item["id"])
     session.send(rse.conversation_item_added(item, previous))
-    session._feed(parts, lambda: session.send(rse.conversation_item_done(item, previous)))
+    session.send(rse.conversation_item_done(item, previous))
+
+
+async def flush_outputs(session: RealtimeSession, eid: str | None) -> None:
+    """Feeds the tool results `function_output` holds, together (the session calls this before it feeds anything
+    else: audio and images are not rendered by the template, so they would come before the results)."""
+    if not session.held_outputs:
+        return
+    conversation = session.conversation
+    last = conversation.messages.pop()  # its rendering takes in the held results before it
+    try:
+        parts = await asyncio.to_thread(conversation.message, last["role"], last["content"],
+                                        tool_call_id=last["tool_call_id"])
+    except ValueError as e:
+        conversation.messages.append(last)
+        raise session._fail(e, eid, "item.output") from None
+    session.held_outputs = 0
+    session._feed(parts)
 
 
 @dataclasses.dataclass

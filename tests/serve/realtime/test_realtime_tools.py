@@ -148,3 +148,54 @@ def test_session_tools_and_call_ids_survive_a_snapshot():
     for bad in ({"tools": [{"name": "two words"}]}, {"tool_choice": "required"}):
         with pytest.raises(ResumeRefused):
             settings_of({**saved, **bad})
+
+
+async def _two_calls_two_outputs(server):
+    """One session: a response with two calls (the temperature-2 script), both answered by `function_call_output`
+    items in a row, then a response in words (temperature 1). Returns every event after the calls' response."""
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    async with client.realtime.connect(model="omnijax") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={"type": "realtime", "tools": [TOOL], "omnijax": {"temperature": 2}})
+        await _until(conn, "session.updated")
+        await conn.conversation.item.create(item=ASK)
+        await conn.response.create()
+        done = (await _until(conn, "response.done"))[-1].response
+        calls = [item for item in done.output if item.type == "function_call"]
+        for call in calls:
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": f"sunny in {json.loads(call.arguments)['city']}"})
+        await conn.session.update(session={"type": "realtime", "omnijax": {"temperature": 1}})
+        await conn.response.create()
+        return calls, await _until(conn, "response.done")
+
+
+def test_two_outputs_in_a_row_are_fed_together(server):
+    """Two calls in one response, then their two `function_call_output` items, then `response.create`: the template
+    puts consecutive tool results in one user turn, so they are fed together with the response's prompt (the second
+    output was refused before: 'the chat template renders the earlier conversation differently'). The answer's
+    input tokens are exactly the template's rendering of that one turn and the generation prompt."""
+    from tests.serve.tool_server import SCRIPTS
+
+    calls, events = asyncio.run(_two_calls_two_outputs(server))
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"]
+    assert [e.error for e in events if e.type == "error"] == []
+    added = [e.item for e in events if e.type == "conversation.item.added" and e.item.type == "function_call_output"]
+    assert [(i.call_id, i.output) for i in added] == [(c.call_id, f"sunny in {city}")
+                                                     for c, city in zip(calls, ("Paris", "Oslo"))]
+    done_ids = {e.item.id for e in events if e.type == "conversation.item.done"}
+    assert {i.id for i in added} <= done_ids
+    answer = events[-1].response
+    assert answer.status == "completed" and answer.output[0].content[0].text == "It is sunny in Paris."
+
+    tokenizer = server.context.conversation().tokenizer  # the served template (Qwen's layout of tool results)
+    tools = [WEATHER]
+    before = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": SCRIPTS[2]}]
+    results = [{"role": "tool", "tool_call_id": c.call_id, "content": f"sunny in {city}"}
+               for c, city in zip(calls, ("Paris", "Oslo"))]
+    fed = tokenizer.render(before, add_generation_prompt=False, tools=tools)
+    assert fed.endswith("<|im_end|>\n")
+    fed = fed[:-1]  # the cache holds the answer as decoded, up to its end-of-turn token: the newline is new
+    turn = tokenizer.render(before + results, add_generation_prompt=True, tools=tools)[len(fed):]
+    assert turn.count("<|im_start|>user") == 1 and turn.count("<tool_response>") == 2
+    assert answer.usage.input_tokens == len(tokenizer.encode(turn))
