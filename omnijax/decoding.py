@@ -32,17 +32,17 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from omnijax.logits_processors import (
-    _S,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     ROW_FIELDS,
+    ROW_SETTINGS,
     ROW_WIDTH,
-    _history,
-    _min_p,
-    _penalise,
-    _top_k,
-    _top_p,
+    keep_min_p,
+    keep_top_k,
+    keep_top_p,
+    penalise,
     penalties,
+    row_history,
     row_logprobs,
     row_warp,
     seen_tokens,
@@ -178,13 +178,13 @@ class Sampling:
     def warp(self, logits: jax.Array, history: jax.Array | None = None) -> jax.Array:
         """`logits [B, V]` -> float32 scores, `-inf` where masked; `history [B, N]` (-1 = padding) are the tokens
         the repetition penalty applies to."""
-        x = _penalise(logits.astype(jnp.float32), history, self.repetition_penalty)
+        x = penalise(logits.astype(jnp.float32), history, self.repetition_penalty)
         if self.temperature != 1.0:
             x = x / self.temperature
-        x = _top_k(x, self.top_k)
+        x = keep_top_k(x, self.top_k)
         if self.top_p < 1.0:
-            x = _top_p(x, 1 - self.top_p)
-        return _min_p(x, self.min_p)
+            x = keep_top_p(x, 1 - self.top_p)
+        return keep_min_p(x, self.min_p)
 
     def keys(self, batch: int) -> jax.Array:
         """`[B]` PRNG keys of a batch's sequences, split off `seed` (the keys `sampling_keys` holds as data)."""
@@ -254,7 +254,7 @@ class RowSampling:
         tokens) and `seen [B, V]` bool (the session's tokens) feed the penalties; without them `history [B, N]`
         (-1 = padding) stands for both."""
         row = self.rows(logits.shape[0]) if row is None else row.astype(jnp.float32)
-        return row_warp(logits, row, *_history(logits, history, counts, seen))
+        return row_warp(logits, row, *row_history(logits, history, counts, seen))
 
     def keys(self, batch: int) -> jax.Array:
         return jax.random.wrap_key_data(sampling_keys(self.seed, batch))
@@ -318,12 +318,12 @@ def sampling_row(temperature: float, top_p: float = 1.0, *, top_k: int = 0, min_
             raise ValueError(f"Sampling: logit_bias token id {token!r} is not a token id in [0, {limit})")
         _number(f"logit_bias[{token}]", value, lambda x: -100 <= x <= 100, "in [-100, 100]")
     row = np.zeros((ROW_WIDTH,), np.float32)
-    row[:_S] = [float(temperature), 1.0 - float(top_p), float(max(int(top_k), 0)), float(min_p),
+    row[:ROW_SETTINGS] = [float(temperature), 1.0 - float(top_p), float(max(int(top_k), 0)), float(min_p),
                 float(presence_penalty), float(frequency_penalty), float(repetition_penalty),
                 -1.0 if top_logprobs is None else float(top_logprobs)]
-    row[_S:_S + MAX_LOGIT_BIAS] = -1.0
-    row[_S:_S + len(bias)] = [int(t) for t in bias]
-    row[_S + MAX_LOGIT_BIAS:_S + MAX_LOGIT_BIAS + len(bias)] = [float(v) for v in bias.values()]
+    row[ROW_SETTINGS:ROW_SETTINGS + MAX_LOGIT_BIAS] = -1.0
+    row[ROW_SETTINGS:ROW_SETTINGS + len(bias)] = [int(t) for t in bias]
+    row[ROW_SETTINGS + MAX_LOGIT_BIAS:ROW_SETTINGS + MAX_LOGIT_BIAS + len(bias)] = [float(v) for v in bias.values()]
     return row
 
 
@@ -333,7 +333,7 @@ def check_rows(rows: np.ndarray) -> str | None:
     if rows.shape[-1:] != (ROW_WIDTH,):
         return f"the last axis must hold {ROW_WIDTH} settings, got shape {rows.shape}"
     s = {name: rows[..., i] for i, name in enumerate(ROW_FIELDS)}
-    ids = rows[..., _S:_S + MAX_LOGIT_BIAS]
+    ids = rows[..., ROW_SETTINGS:ROW_SETTINGS + MAX_LOGIT_BIAS]
     checks = [(np.isfinite(rows).all(), "finite"), ((s["temperature"] >= 0).all(), "temperature >= 0"),
               (((s["top_p_tail"] >= 0) & (s["top_p_tail"] < 1)).all(), "1 - top_p in [0, 1)"),
               ((s["top_k"] >= 0).all() and (s["top_k"] == np.round(s["top_k"])).all(), "top_k an int >= 0"),
@@ -344,7 +344,7 @@ def check_rows(rows: np.ndarray) -> str | None:
               (((s["top_logprobs"] >= -1) & (s["top_logprobs"] <= MAX_TOP_LOGPROBS)).all(),
                f"top_logprobs in [-1, {MAX_TOP_LOGPROBS}]"),
               (((ids == -1) | ((ids >= 0) & (ids == np.round(ids)))).all(), "logit-bias ids ints >= 0 or -1"),
-              ((np.abs(rows[..., _S + MAX_LOGIT_BIAS:]) <= 100).all(), "biases in [-100, 100]")]
+              ((np.abs(rows[..., ROW_SETTINGS + MAX_LOGIT_BIAS:]) <= 100).all(), "biases in [-100, 100]")]
     bad = [what for ok, what in checks if not ok]
     return "; ".join(bad) if bad else None
 

@@ -1,10 +1,10 @@
 """Logits processors: pure functions from scores `[B, V]` to scores, run inside the compiled step.
 
-`Sampling`'s processors (transformers' semantics, settings static: `_penalise`, `_top_k`, `_top_p`, `_min_p`) and
-`RowSampling`'s per-row ones (vLLM's semantics, settings read from each row at run time: `row_warp`, `penalties`,
-`row_logprobs`), with the row layout they read (`ROW_FIELDS`, then the logit bias). Top-k and top-p find their cut by a
-32-round search over the scores' bit patterns instead of a sort (on CPU a sort or `lax.top_k` over a 32K vocabulary
-took 6-7 ms per token, more than a decode step). `omnijax.decoding` holds the strategies that use them.
+`Sampling`'s processors (transformers' semantics, settings static: `penalise`, `keep_top_k`, `keep_top_p`,
+`keep_min_p`) and `RowSampling`'s per-row ones (vLLM's semantics, settings read from each row at run time: `row_warp`,
+`penalties`, `row_logprobs`), with the row layout they read (`ROW_FIELDS`, then the logit bias). Top-k and top-p find
+their cut by a 32-round search over the scores' bit patterns instead of a sort (on CPU a sort or `lax.top_k` over a
+32K vocabulary took 6-7 ms per token, more than a decode step). `omnijax.decoding` holds the strategies that use them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _largest_key(keys: jax.Array, holds) -> jax.Array:
     return t
 
 
-def _penalise(x: jax.Array, history: jax.Array | None, penalty: float) -> jax.Array:
+def penalise(x: jax.Array, history: jax.Array | None, penalty: float) -> jax.Array:
     """Repetition penalty on the scores of tokens in `history` (transformers' processor)."""
     if penalty == 1.0 or history is None:
         return x
@@ -45,7 +45,7 @@ def _penalise(x: jax.Array, history: jax.Array | None, penalty: float) -> jax.Ar
     return jnp.where(seen_tokens(history, x.shape[-1]), penalised, x)
 
 
-def _top_k(x: jax.Array, k: int) -> jax.Array:
+def keep_top_k(x: jax.Array, k: int) -> jax.Array:
     """Keeps scores >= the k-th largest (ties with it too, as transformers); 0 keeps every token."""
     if not k or k >= x.shape[-1]:
         return x
@@ -54,7 +54,7 @@ def _top_k(x: jax.Array, k: int) -> jax.Array:
     return jnp.where(keys < kth, -jnp.inf, x)
 
 
-def _top_p(x: jax.Array, tail) -> jax.Array:
+def keep_top_p(x: jax.Array, tail: jax.Array | float) -> jax.Array:
     """Drops the lowest scores while their mass, counted from the bottom, is <= `tail` = 1 - top_p (a Python float,
     or float32 `[B, 1]` per row holding the float64 difference rounded, so both compare alike)."""
     keys, probs = _order_keys(x), jax.nn.softmax(x, axis=-1)
@@ -66,7 +66,7 @@ def _top_p(x: jax.Array, tail) -> jax.Array:
     return jnp.where((keys <= floor) & within(floor), -jnp.inf, x)  # the top token's mass makes it stay
 
 
-def _min_p(x: jax.Array, min_p: float) -> jax.Array:
+def keep_min_p(x: jax.Array, min_p: float) -> jax.Array:
     if min_p <= 0.0:
         return x
     probs = jax.nn.softmax(x, axis=-1)
@@ -79,12 +79,12 @@ ROW_FIELDS = ("temperature", "top_p_tail", "top_k", "min_p", "presence_penalty",
               "repetition_penalty", "top_logprobs")
 MAX_LOGIT_BIAS = 128  # logit-bias entries one row carries (a fixed width: the row is part of every batch)
 MAX_TOP_LOGPROBS = 20  # the most alternatives a row's log probabilities list (OpenAI's and vLLM's cap)
-_S = len(ROW_FIELDS)
-ROW_WIDTH = _S + 2 * MAX_LOGIT_BIAS
+ROW_SETTINGS = len(ROW_FIELDS)
+ROW_WIDTH = ROW_SETTINGS + 2 * MAX_LOGIT_BIAS
 _COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 
 
-def _history(logits: jax.Array, history: jax.Array | None, counts: jax.Array | None,
+def row_history(logits: jax.Array, history: jax.Array | None, counts: jax.Array | None,
              seen: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """`(counts [B, V] int32, seen [B, V] bool)`: the given ones, else both from `history [B, N]` (-1 = padding)."""
     B, V = logits.shape
@@ -106,7 +106,7 @@ def row_warp(logits: jax.Array, row: jax.Array, counts: jax.Array, seen: jax.Arr
     them together); a row that does not use a processor is unchanged by it."""
     x = logits.astype(jnp.float32)
     col = lambda name: row[:, _COL[name]][:, None]  # noqa: E731  [B, 1]
-    ids, bias = row[:, _S:_S + MAX_LOGIT_BIAS], row[:, _S + MAX_LOGIT_BIAS:]
+    ids, bias = row[:, ROW_SETTINGS:ROW_SETTINGS + MAX_LOGIT_BIAS], row[:, ROW_SETTINGS + MAX_LOGIT_BIAS:]
     presence, frequency, repetition = col("presence_penalty"), col("frequency_penalty"), col("repetition_penalty")
     temperature, tail, top_k, min_p = col("temperature"), col("top_p_tail"), col("top_k"), col("min_p")
     use = {"bias": jnp.any(ids >= 0), "penalties": jnp.any((presence != 0) | (frequency != 0) | (repetition != 1)),
@@ -123,7 +123,7 @@ def row_warp(logits: jax.Array, row: jax.Array, counts: jax.Array, seen: jax.Arr
         return jax.lax.cond(use["top_k"], lambda x: _top_k_rows(x, top_k.astype(jnp.int32)), lambda x: x, x)
 
     x = jax.lax.cond(use["bias"] | use["penalties"] | use["min_p"] | use["top_k"], every, scale, x)
-    return jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, _top_p(x, tail), x), lambda x: x, x)
+    return jax.lax.cond(jnp.any(tail > 0), lambda x: jnp.where(tail > 0, keep_top_p(x, tail), x), lambda x: x, x)
 
 
 def _bias(x: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:

@@ -52,7 +52,6 @@ from omnijax.retention import get_policy
 from omnijax.serve import chat_completions as openai_http
 from omnijax.serve import completions as openai_completions
 from omnijax.serve.audio_frames import frame_tokens
-from omnijax.serve.chat_completions import error_body
 from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
@@ -60,6 +59,7 @@ from omnijax.serve.engine.worker import EngineWorker
 from omnijax.serve.launch import port_in_use, terminated_on_sigterm
 from omnijax.serve.native import session as native
 from omnijax.serve.native.protocol import frame_samples
+from omnijax.serve.openai_wire import error_body
 from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
 from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every

@@ -26,18 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omnijax.serve.answer_text import AnswerText
-from omnijax.serve.chat_completions import (
-    ChatRequest,
-    _build,
-    _json_error,
-    _sse,
-    completion,
-    completion_chunk,
-    error_body,
-    usage,
-)
 from omnijax.serve.chat_params import RequestError
+from omnijax.serve.chat_request import ChatRequest, build_prompt
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.openai_wire import completion, completion_chunk, error_body, json_error, sse, usage
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -79,7 +71,7 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
     tools = getattr(req, "tools", None)
     if tools is not None and getattr(tools, "active", True):
         name = "n" if req.n > 1 else "logprobs"
-        return _json_error(RequestError(f"'{name}' is not supported together with 'tools'", param=name,
+        return json_error(RequestError(f"'{name}' is not supported together with 'tools'", param=name,
                                         code="unsupported"), request=request)
     client = request.client.host if request.client else "?"
     stack = contextlib.AsyncExitStack()
@@ -91,7 +83,7 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
     try:
         conversation = context.conversation()
         max_tokens = min(req.max_tokens or context.options.max_output_tokens, context.options.max_output_tokens)
-        parts, prompt = await asyncio.to_thread(_build, conversation, req, min(worker.tau, max_tokens))
+        parts, prompt = await asyncio.to_thread(build_prompt, conversation, req, min(worker.tau, max_tokens))
         prompt_tokens = conversation.tokens_fed
         fed = worker.feed(sids[0], parts)
         if req.n > 1:  # the prompt is computed once, then copied into the other choices' sessions
@@ -110,7 +102,7 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
         return _overloaded(e, context, request)
     except (ValueError, RuntimeError) as e:
         await stack.aclose()
-        return _json_error(e if isinstance(e, RequestError) else RequestError(str(e)), request=request)
+        return json_error(e if isinstance(e, RequestError) else RequestError(str(e)), request=request)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not req.stream:
         return await _whole(request, context, req, choices, stack, cid, created, prompt_tokens)
@@ -120,9 +112,9 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
 
 def _overloaded(e: Overloaded, context: ServeContext, request: Request) -> Response:
     if context.worker.stopping:
-        return _json_error(RequestError(str(e), status=503, code="shutting_down", kind="server_error"),
+        return json_error(RequestError(str(e), status=503, code="shutting_down", kind="server_error"),
                            request=request)
-    return _json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
+    return json_error(RequestError(str(e), status=429, code="overloaded", kind="rate_limit_error"),
                        headers={"Retry-After": str(context.retry_after_s)}, request=request)
 
 
@@ -152,7 +144,7 @@ async def _whole(request, context, req: ChatRequest, choices: list, stack, cid: 
     failed = next((c.answer for c in choices if c.answer.status == "failed"), None)
     if failed is not None:
         stopping = context.worker.stopping
-        return _json_error(RequestError(f"the answer failed: {failed.reason}", status=503 if stopping else 500,
+        return json_error(RequestError(f"the answer failed: {failed.reason}", status=503 if stopping else 500,
                                         code="shutting_down" if stopping else "server_error", kind="server_error"))
     used = sum(c.text.completion_tokens(c.answer) for c in choices)
     out = completion(cid, created, req.model, "", "stop", prompt_tokens, used,
@@ -178,7 +170,7 @@ async def _events(context, req: ChatRequest, choices: list, stack, cid: str, cre
         out["choices"][0]["index"] = i
         if lps is not None:
             out["choices"][0]["logprobs"] = {"content": lps, "refusal": None}
-        return _sse(out)
+        return sse(out)
 
     async def pump(i: int, choice: _Choice) -> None:
         try:
@@ -195,7 +187,7 @@ async def _events(context, req: ChatRequest, choices: list, stack, cid: str, cre
             if tail:
                 await queue.put(chunk(i, {"content": tail}))
             if choice.answer.status == "failed":
-                await queue.put(_sse(error_body(f"the answer failed: {choice.answer.reason}", kind="server_error")))
+                await queue.put(sse(error_body(f"the answer failed: {choice.answer.reason}", kind="server_error")))
             else:
                 await queue.put(chunk(i, {}, choice.text.finish_reason(choice.answer)))
         finally:
@@ -215,7 +207,7 @@ async def _events(context, req: ChatRequest, choices: list, stack, cid: str, cre
                 yield item
         if req.include_usage:
             used = sum(c.text.completion_tokens(c.answer) for c in choices)
-            yield _sse(completion_chunk(cid, created, req.model, None, usage_=usage(prompt_tokens, used)))
+            yield sse(completion_chunk(cid, created, req.model, None, usage_=usage(prompt_tokens, used)))
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

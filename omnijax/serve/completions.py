@@ -48,11 +48,12 @@ from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import Prompt
 from omnijax.models.frontend import units_for
 from omnijax.serve.answer_text import AnswerText
-from omnijax.serve.chat_completions import _cancel_on_disconnect, _check_decoding, error_body, usage
 from omnijax.serve.chat_params import RequestError, check_keys, check_labels, stream_options
+from omnijax.serve.chat_request import check_decoding
 from omnijax.serve.chat_sampling import request_sampling
 from omnijax.serve.context import model_not_found
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.openai_wire import cancel_on_disconnect, error_body, usage
 from omnijax.serve.prompt_scores import TOP_K, TokenScores
 from omnijax.serve.refusal_log import refusals
 from omnijax.stop_strings import check_stops
@@ -190,7 +191,7 @@ def parse_completion_request(body: Any, *, model_name: str, decoding: Any, token
                                "(omnijax serve's RowSampling); send 'max_tokens': 0 with 'echo' for the prompt's",
                                code="unsupported", param="logprobs")
         asked.update(logprobs=True, top_logprobs=logprobs)
-    sampled = request_sampling(asked, decoding, vocab_size, _check_decoding)
+    sampled = request_sampling(asked, decoding, vocab_size, check_decoding)
     try:
         stop = check_stops(body.get("stop"))
     except ValueError as e:
@@ -400,7 +401,7 @@ async def completions(request: Request, context: ServeContext) -> Response:
             completion, finish, generated = "", "length", 0
             if req.max_tokens > 0:
                 session, sid = await _open(context, client)
-                watcher = asyncio.ensure_future(_cancel_on_disconnect(request, context, sid))
+                watcher = asyncio.ensure_future(cancel_on_disconnect(request, context, sid))
                 try:
                     decoding = _Decoding(context, req, sid, len(echoed))
                     await decoding.start(ids)

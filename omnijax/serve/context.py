@@ -17,11 +17,11 @@ from omnijax.conversation import Conversation
 from omnijax.models.family import OmniModel
 from omnijax.serve.audio_frames import AudioFrameEncoder
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.prompt_scores import PromptScorer
 
 if TYPE_CHECKING:
     from omnijax.serve.engine.snapshot import SessionSnapshot
     from omnijax.serve.engine.worker import EngineWorker
-    from omnijax.serve.prompt_scores import PromptScorer
 
 
 def model_not_found(asked: object, served: str) -> str:
@@ -160,8 +160,6 @@ class ServeContext:
     @functools.cached_property
     def prompt_scorer(self) -> PromptScorer:
         """The completions route's `PromptScorer` (built on first use; texts up to `max_scored_tokens`)."""
-        from omnijax.serve.prompt_scores import PromptScorer
-
         return PromptScorer(self.model, max_tokens=self.options.max_scored_tokens)
 
     def new_session_id(self, prefix: str) -> str:

@@ -50,7 +50,7 @@ def test_requests_parse_into_parts_in_order():
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "gpt-4o"}, 404, "model"),
-    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ({"stop": [""]}, 400, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"stop": 7}, 400, "stop"),
@@ -62,7 +62,7 @@ def test_requests_parse_into_parts_in_order():
     ({"stream": "yes"}, 400, "stream"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
      400, "messages[0].content[0].image_url.url"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio",
@@ -210,7 +210,7 @@ def test_a_deeply_nested_body_and_lone_surrogates_are_refused_by_name():
                               worker=SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(
                                   stream=SimpleNamespace(decoding=Greedy())))))
     with pytest.raises(oh.RequestError, match="nests JSON deeper") as deep:
-        oh._parse_body(b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", context)
+        oh.parse_body(b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", context)
     assert deep.value.status == 400
     for content, param in (("a\ud800b", "messages[0].content"),
                            ([{"type": "text", "text": "x\udfffy"}], "messages[0].content[0].text")):
@@ -241,17 +241,16 @@ PNG_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
     ({"repetition_penalty": 1.3}, "unsupported", "repetition_penalty", "send 1"),
     ({"min_p": 0.1}, "unsupported", "min_p", "send 0"),
     ({"stop": ["a", ""]}, "invalid_value", "stop", "'stop[1]' is an empty string"),
-    ({"tool_choice": "auto"}, "unsupported", "tool_choice", '"none"'),
-    ({"parallel_tool_calls": "no"}, "unsupported", "parallel_tool_calls", "true or false"),
+    ({"tool_choice": "required"}, "unsupported", "tool_choice", "cannot make the model call a tool"),
+    ({"parallel_tool_calls": "no"}, "invalid_value", "parallel_tool_calls", "boolean"),
     ({"frequency_penalty": False}, "unsupported", "frequency_penalty", "send 0"),  # not 0: JSON false
     ({"metadata": {"k": 5}}, "invalid_value", "metadata", "string values"),
     ({"user": ["u"]}, "invalid_value", "user", "string"),
     # message fields
     ({"messages": [{"role": "user", "content": "hi", "name": "alice"}]}, "unsupported", "messages[0].name",
      "speaker names"),
-    ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *HI]}, "unsupported",
-     "messages[1].tool_calls", "tools are not supported"),
+    ({"messages": [*HI, {"role": "tool", "content": "sunny", "tool_call_id": "c9"}]}, "invalid_value",
+     "messages[1].tool_call_id", "answers no tool call"),
     ({"messages": [{"role": "user", "content": "hi", "contnet": "x"}]}, "unknown_parameter", "messages[0].contnet",
      "did you mean 'content'"),
     # stream_options

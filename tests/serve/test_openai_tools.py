@@ -130,10 +130,10 @@ def test_a_template_without_tools_refuses_them_naming_the_model():
         req = cc.parse_chat_request({"model": "m", "messages": [USER], **body}, model_name="m", decoding=Greedy())
         conversation = Conversation(model, model.tokenizer)
         with pytest.raises(cc.RequestError) as e:
-            cc._build(conversation, req, 4, "tiny-demo")
+            cc.build_prompt(conversation, req, 4, "tiny-demo")
         assert e.value.param == param and "'tiny-demo'" in str(e.value) and "does not render tools" in str(e.value)
         assert conversation.rendered == "" and conversation.tools is None  # nothing was recorded
     plain = cc.parse_chat_request({"model": "m", "messages": [USER], "tools": [WEATHER], "tool_choice": "none"},
                                   model_name="m", decoding=Greedy())
-    parts, _ = cc._build(Conversation(model, model.tokenizer), plain, 4, "tiny-demo")
+    parts, _ = cc.build_prompt(Conversation(model, model.tokenizer), plain, 4, "tiny-demo")
     assert parts  # "none" asks for no tools: the template need not render them

@@ -214,8 +214,9 @@ def _png_b64(side: int) -> str:
 
 
 # Each is near a cap the server names, and heavy enough that running it on the event loop fails the test below
-# (checked by running `_parse_body` and `_build` inline): 15 s of audio at the highest sample rate (MAX_SAMPLE_RATE;
-# 15.4 MB of base64, under the 16 MiB body cap), MAX_PARTS parts of 100 words each, 49 of the 50 MP an image may have.
+# (checked by running `parse_body` and `build_prompt` inline): 15 s of audio at the highest sample rate
+# (MAX_SAMPLE_RATE; 15.4 MB of base64, under the 16 MiB body cap), MAX_PARTS parts of 100 words each, 49 of the
+# 50 MP an image may have.
 HEAVY = {
     "wav_384khz": lambda: [{"type": "input_audio", "input_audio": {"data": _wav_b64(15.0, 384_000), "format": "wav"}}],
     "256_text_parts": lambda: [{"type": "text", "text": "word " * 100}] * 256,

@@ -27,14 +27,14 @@ def tools_model(tmp_path_factory):
 
 
 def _fed(model, messages):
-    """What `_build` feeds for a request of `messages` with the weather tool: the conversation's rendering."""
+    """What `build_prompt` feeds for a request of `messages` with the weather tool: the conversation's rendering."""
     from omnijax.conversation import Conversation
     from omnijax.decoding import Greedy
 
     req = cc.parse_chat_request({"model": "m", "messages": messages, "tools": [WEATHER]}, model_name="m",
                                 decoding=Greedy())
     conversation = Conversation(model, model.tokenizer)
-    parts, prompt = cc._build(conversation, req, 4, "tiny-demo")
+    parts, prompt = cc.build_prompt(conversation, req, 4, "tiny-demo")
     assert parts and prompt.parts
     return conversation
 

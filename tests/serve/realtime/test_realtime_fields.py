@@ -25,7 +25,7 @@ VAD = {"type": "server_vad"}
 
 @pytest.mark.parametrize("event, code, param, says", [
     # the probe's silent session.update cases
-    (_session(tool_choice="required"), "unsupported", "session.tool_choice", "there are no tools"),
+    (_session(tool_choice="required"), "unsupported", "session.tool_choice", "cannot make the model call a tool"),
     (_session(include=["item.input_audio_transcription.logprobs"]), "unsupported", "session.include",
      "transcription"),
     (_session(prompt={"id": "pmpt_123"}), "unsupported", "session.prompt", "prompts stored by id"),
@@ -79,14 +79,15 @@ def test_every_unhonoured_field_is_refused_by_name(event, code, param, says):
 
 
 def test_neutral_values_are_accepted_and_metadata_is_carried():
-    """What asks for nothing is honoured trivially: no tools with tool_choice "auto" or "none", empty include,
+    """What asks for nothing is honoured trivially (tools [] clears the session's tools, tool_choice "auto" is the
+    default), empty include,
     null prompt / tracing / transcription / noise reduction / voice / idle timeout, an item marked completed."""
     update = rt.parse_client_event(_session(
         tools=[], tool_choice="auto", include=[], prompt=None, tracing=None,
         audio={"input": {"transcription": None, "noise_reduction": None,
                          "turn_detection": {**VAD, "idle_timeout_ms": None, "prefix_padding_ms": 300}},
                "output": {"voice": None, "speed": None}}))
-    assert update.changes == {"turn_detection": rt.ServerVad(prefix_padding_ms=300)}
+    assert update.changes == {"turn_detection": rt.ServerVad(prefix_padding_ms=300), "tools": (), "tool_choice": "auto"}
     item = rt.parse_client_event(_item([{"type": "input_image", "image_url": PNG_URL, "detail": "auto"}],
                                        object="realtime.item", status="completed"))
     assert item.content[0].detail == "auto"

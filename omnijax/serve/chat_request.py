@@ -1,0 +1,313 @@
+"""The chat-completions request: a JSON body parsed and checked into a `ChatRequest` (every refusal a `RequestError`
+naming the field; nothing changed), and its messages fed to a conversation as chunks (`build_prompt`).
+
+Pure but for `build_prompt`, which templates into the given `Conversation` (images and audio through its encoders).
+The routes that serve a request are `omnijax.serve.chat_completions` (one choice) and `omnijax.serve.chat_choices`
+(`n` choices or log probabilities).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omnijax.conversation import ChatTemplateError, Conversation, check_template_tools
+from omnijax.decoding import DecodingStrategy
+from omnijax.media.audio import read_wav, resample
+from omnijax.media.image import read_image
+from omnijax.serve.chat_params import (
+    RequestError,
+    check_detail,
+    check_fields,
+    check_keys,
+    check_labels,
+    check_message_fields,
+    stream_options,
+)
+from omnijax.serve.chat_sampling import request_sampling
+from omnijax.serve.tool_calls import ToolError, Tools, chat_tools, message_extras
+from omnijax.stop_strings import check_stops
+
+if TYPE_CHECKING:
+    from omnijax.serve.context import ServeContext
+
+__all__ = ["MAX_MESSAGES", "MAX_PARTS", "ROLES", "ChatRequest", "Part", "build_prompt", "check_decoding",
+           "parse_body", "parse_chat_request"]
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+# What one request may hold, refused by name before any of it is parsed or templated (10,000 text parts once took
+# 213 s of templating): messages in the conversation, and content parts across all of them.
+MAX_MESSAGES = 1_000
+MAX_PARTS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One content part: `kind` "text" (`text`), "image" (`data`: file bytes) or "audio" (`pcm` 16 kHz float)."""
+
+    kind: str
+    text: str = ""
+    data: bytes = b""
+    pcm: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A parsed chat-completions request."""
+
+    messages: tuple  # ((role, (Part, ...)), ...)
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    model: str
+    sampling: object = None  # `[2]` row (`omnijax.decoding.sampling_row`) when the request sets temperature/top_p
+    seed: int | None = None
+    labels: dict = dataclasses.field(default_factory=dict)  # `user`, `safety_identifier`, `metadata` as given
+    stop: tuple[str, ...] = ()  # stop strings (`omnijax.stop_strings`)
+    n: int = 1  # choices (`omnijax.serve.chat_choices`)
+    top_logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and k alternatives'
+    tools: Tools | None = None  # the request's function tools (`omnijax.serve.tool_calls`)
+    extras: tuple = ()  # per message: its tool fields as the chat template takes them (`tool_calls`, `tool_call_id`)
+
+
+class _AudioBudget:
+    """The seconds of audio a request may still carry (`ServeOptions.max_request_audio_s`; None: no cap)."""
+
+    def __init__(self, seconds: float | None):
+        self.cap, self.used = seconds, 0.0
+
+    def take(self, seconds: float, param: str) -> None:
+        self.used += seconds
+        if self.cap is not None and self.used > self.cap:
+            raise RequestError(f"'{param}': the request's audio runs {self.used:.1f} s so far, over the "
+                               f"{self.cap:g} s one request may carry (--max-request-audio-s); send less audio, or "
+                               f"stream it over the Realtime API", param=param, code="audio_too_long")
+
+
+def _wav(data: bytes, param: str, budget: _AudioBudget | None = None) -> np.ndarray:
+    """WAV bytes (16-bit PCM) -> 16 kHz mono float32; its duration is taken from `budget` before any resampling."""
+
+    try:
+        pcm, rate = read_wav(io.BytesIO(data), widths=(2,))
+    except ValueError as e:
+        raise RequestError(f"'{param}': {e}", param=param) from None
+    if pcm.size == 0:
+        raise RequestError(f"'{param}': the WAV file holds no samples", param=param)
+    if budget is not None:
+        budget.take(pcm.size / rate, param)
+    return resample(pcm, int(rate))
+
+
+def _b64(value, param: str) -> bytes:
+    if not isinstance(value, str):
+        raise RequestError(f"'{param}' must be a base64 string", param=param)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"'{param}' is not valid base64", param=param) from None
+
+
+def _text(text: str, param: str) -> Part:
+    """A text part; text that UTF-8 cannot encode (a lone surrogate escaped in the JSON) is refused by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"'{param}' is not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                           f"{e.start}", param=param) from None
+    return Part("text", text=text)
+
+
+def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
+    kind = part["type"]
+    if kind in ("text", "image_url", "input_audio"):
+        check_keys(part, ("type", kind), param)
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"'{param}.text' must be a string", param=param + ".text")
+        return _text(part["text"], param + ".text")
+    if kind == "image_url":
+        image = part.get("image_url")
+        if isinstance(image, dict):
+            check_detail(image, param + ".image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+            raise RequestError(f"'{param}.image_url.url' must be a base64 data:image/... URL (the server never "
+                               f"fetches from the network)", param=param + ".image_url.url", code="unsupported")
+        return Part("image", data=_b64(url.split(";base64,", 1)[1], param + ".image_url.url"))
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict):
+            raise RequestError(f"'{param}.input_audio' must be an object with 'data' and 'format'", param=param)
+        check_keys(audio, ("data", "format"), param + ".input_audio")
+        if audio.get("format") != "wav":
+            raise RequestError(f"'{param}.input_audio.format' must be \"wav\" (16-bit PCM), got "
+                               f"{audio.get('format')!r}", param=param + ".input_audio.format", code="unsupported")
+        return Part("audio", pcm=_wav(_b64(audio.get("data"), param + ".input_audio.data"), param, budget))
+    raise RequestError(f"'{param}.type' {kind!r} is not supported (text, image_url, input_audio)",
+                       param=param + ".type", code="unsupported")
+
+
+def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy,
+                       max_audio_s: float | None = None, vocab_size: int | None = None) -> ChatRequest:
+    """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`.
+    `max_audio_s` caps the seconds of audio of all its `input_audio` parts together (None: no cap); `vocab_size`
+    bounds the `logit_bias` token ids (None: no vocabulary given, ids below 2**24)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise RequestError(f"model {model!r} does not exist: this server serves {model_name!r}", status=404,
+                           code="model_not_found", param="model")
+    check_fields(body, per_row=bool(getattr(decoding, "per_row", False)))
+    labels = check_labels(body)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError("'response_format' other than text is not supported", code="unsupported",
+                           param="response_format")
+    if fmt is not None:
+        check_keys(fmt, ("type",), "response_format")
+    sampled = request_sampling(body, decoding, vocab_size or 2 ** 24, check_decoding)
+    sampling, seed, n, top_logprobs = sampled.row, sampled.seed, sampled.n, sampled.top_logprobs
+    try:
+        stop = check_stops(body.get("stop"))
+    except ValueError as e:
+        raise RequestError(str(e), param="stop") from None
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(limit_name)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise RequestError(f"'{limit_name}' must be an integer >= 1, got {limit!r}", param=limit_name)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    include_usage = stream_options(body.get("stream_options"), stream)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError(f"'messages' holds {len(messages)} messages, over the {MAX_MESSAGES} accepted "
+                           f"(MAX_MESSAGES)", param="messages")
+    total = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if total > MAX_PARTS:
+        raise RequestError(f"the messages hold {total} content parts, over the {MAX_PARTS} accepted (MAX_PARTS)",
+                           param="messages")
+    parsed, extras, call_ids = [], [], set()
+    budget = _AudioBudget(max_audio_s)
+    tools = _tool_fields(chat_tools, body)
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise RequestError(f"'{param}.role' must be one of {', '.join(ROLES)}", param=param + ".role")
+        check_message_fields(message, param)
+        content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            content = ""
+        if isinstance(content, str):
+            parts = (_text(content, param + ".content"),)
+        elif isinstance(content, list) and content:
+            parts = tuple(_part(p, f"{param}.content[{j}]", budget) for j, p in enumerate(content))
+        else:
+            raise RequestError(f"'{param}.content' must be a string or a non-empty list of parts",
+                               param=param + ".content")
+        role = ROLES[message["role"]]
+        if role != "user" and any(p.kind != "text" for p in parts):
+            raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
+        extras.append(_tool_fields(message_extras, message, role, param, call_ids))
+        parsed.append((role, parts))
+    return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop,
+                       n=n, top_logprobs=top_logprobs,
+                       tools=tools, extras=tuple(extras))
+
+
+def _tool_fields(check, *args):
+    """`check(*args)` (`omnijax.serve.tool_calls`), its `ToolError` as the `RequestError` naming the same field."""
+    try:
+        return check(*args)
+    except ToolError as e:
+        raise RequestError(str(e), param=e.param, code=e.code) from None
+
+
+def check_decoding(body: dict, decoding: Any) -> None:
+    """Refuses sampling fields that differ from the server's one decoding strategy."""
+    sampled = type(decoding).__name__ == "Sampling"
+    served = {"temperature": decoding.temperature if sampled else 0.0,
+              "top_p": decoding.top_p if sampled else 1.0,
+              "seed": getattr(decoding, "seed", None) if sampled else None}
+    for name, value in served.items():
+        asked = body.get(name)
+        if asked is None or asked == value or (name == "top_p" and not sampled):
+            continue
+        how = (f"samples with temperature {decoding.temperature}, top_p {decoding.top_p}, seed {decoding.seed}"
+               if sampled else "decodes greedily (temperature 0)")
+        raise RequestError(f"'{name}' = {asked!r}: this server {how} for every session (one compiled program); "
+                           f"omit the field, or start the server with --temperature / --top-p / --seed",
+                           code="unsupported", param=name)
+
+
+def parse_body(body: bytes, context: ServeContext) -> ChatRequest:
+    """The request of a body (JSON, media decoded and resampled); `RequestError` naming the field."""
+    try:
+        payload = json.loads(body)
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
+    return parse_chat_request(payload, model_name=context.options.model_name,
+                              decoding=context.worker.engine.config.stream.decoding,
+                              vocab_size=context.worker.engine.model_config.vocab_size,
+                              max_audio_s=context.options.max_request_audio_s)
+
+
+def build_prompt(conversation: Conversation, req: ChatRequest, answer_tokens: int,
+                 model_name: str = "") -> tuple[list, Any]:
+    """The request's messages as chunks (templates, images and audio through the encoders), then the response's
+    generation prompt asking for `answer_tokens`. Tools, tool calls and tool results need a template that renders
+    tools (else a `RequestError` naming `tools` or the message, and the model). Tool results in a row are fed
+    together: Qwen's templates put them in one user turn, so one's rendering changes once the next follows."""
+    _set_tools(conversation, req, model_name)
+    parts = []
+    messages = list(zip(req.messages, req.extras or ({},) * len(req.messages)))
+    for m, ((role, content), extras) in enumerate(messages):
+        last = max((i for i, p in enumerate(content) if p.kind == "text"), default=-1)
+        for i, p in enumerate(content):
+            if p.kind == "text":  # a message's tool calls go with its last text part, its call id with each
+                more = {k: v for k, v in extras.items() if k != "tool_calls" or i == last}
+                if role == "tool" and (i < last or (m + 1 < len(messages) and messages[m + 1][0][0] == "tool")):
+                    held = {"role": role, "content": p.text, **more}  # fed with the next tool result's rendering
+                    conversation.check_message(held)
+                    conversation.messages.append(held)
+                    continue
+                parts += conversation.message(role, p.text, **more)
+            elif p.kind == "image":
+                parts += conversation.image(read_image(p.data))
+            else:
+                parts += conversation.audio(p.pcm)
+    return parts, conversation.prompt(answer_tokens)
+
+
+def _set_tools(conversation, req: ChatRequest, model_name: str) -> None:
+    """Gives the conversation the request's tools (none with `tool_choice` "none"); refuses tools, tool calls or
+    tool results when the template does not render tools."""
+    used = next((i for i, e in enumerate(req.extras) if e), None)
+    if (req.tools is None or not req.tools.active) and used is None:
+        return
+    try:
+        conversation.set_tools(req.tools.template_tools() if req.tools is not None else None)
+        check_template_tools(conversation.tokenizer)
+    except ChatTemplateError as e:
+        param = "tools" if req.tools is not None else f"messages[{used}]"
+        raise RequestError(f"'{param}': model {model_name!r} cannot take tools: {e}", param=param,
+                           code="unsupported") from None
+
+
