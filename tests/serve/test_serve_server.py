@@ -99,7 +99,11 @@ async def _bad_client(url, payloads, hello=None):
         return got, ws.close_code
 
 
-def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
+def _garbage_client_among_good_ones(served) -> list[list[dict]]:
+    """Two good clients stream for 4 s; meanwhile clients sending a wrong-size frame, non-PCM text, an odd byte
+    count, a bad hello and an image are each refused by name and closed (1008). The good clients are admitted, get
+    a reply to every frame in order, each reply with its tokens or empty on time with its tokens following in
+    `late_tokens`, and keep getting them after the garbage client. Returns each good client's frame rows."""
     good_pcm = loadgen.speech_like_pcm(FRAME_MS / 1000, seed=9).tobytes()
     url = served.native_url
     served.wait_idle()
@@ -131,18 +135,34 @@ def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
     assert bad_hello[1] == 1008 and bad_hello[0] == [{"type": "error", "code": "bad_sample_rate",
                                                        "message": bad_hello[0][0]["message"]}]
     assert image[1] == 1008 and image[0][-1]["code"] == "unsupported"
+    out = []
     for i, client in enumerate(clients):
         assert client["admitted"] and client["error"] is None, client
         mine = [r for r in rows if r["client"] == i]
         assert len(mine) >= 8 and client["received"] == len(mine)
-        # every frame carries its tokens, or was answered empty on time (0.8 B) with its tokens following late
+        # every frame carries its tokens, or was answered empty on time (0.8 B) with its tokens following late:
+        # how many run late is the machine's load, not what this test is about
         assert all((r["tokens"] == 2 and not r["empty"]) or (r["late"] and r["empty"]) for r in mine)
         assert client.get("late_tokens", 0) == 2 * sum(r["late"] for r in mine)
-        assert any(not r["late"] for r in mine)  # how many run late depends on the machine's load
         assert len([r for r in mine if r["t"] > t_garbage]) >= 3
         assert [r["seq"] for r in mine] == sorted(r["seq"] for r in mine)
+        out.append(mine)
     served.wait_idle()
     assert served.context.worker.engine.sessions == []  # every slot went back
+    return out
+
+
+def test_end_to_end_garbage_client_is_closed_others_keep_streaming(served):
+    _garbage_client_among_good_ones(served)
+
+
+def test_garbage_client_among_good_ones_when_every_reply_is_late():
+    """The same with every reply late, as on a loaded machine where each tick takes longer than the reply waits
+    (a reply waits at most 0.01% of the frame budget here): what the test checks holds however slow the ticks are
+    (it asserted that some reply came on time, and failed whenever every tick ran past 0.8 B)."""
+    with demo_server(frame_ms=FRAME_MS, decode_wait_fraction=1e-4) as server:
+        rows = _garbage_client_among_good_ones(server)
+    assert all(r["late"] for mine in rows for r in mine)
 
 
 async def _lockstep_client(url, payloads, served_once: asyncio.Event):
