@@ -28,11 +28,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 class Observed:
     """What one case saw: `outcome` "refused" (`code`: the error code or HTTP status), "accepted", "dropped"
     (500, a socket closed with no error message: a crash), or a scenario's own verdict ("ok", "clear", "crash",
-    "hang", "silent", "loss"); `detail` says what in words."""
+    "hang", "silent", "loss"); `detail` says what in words; `param` the field a refusal's error body names."""
 
     outcome: str
     detail: str = ""
     code: str | None = None
+    param: str | None = None
 
 
 class Busy(Exception):
@@ -77,6 +78,13 @@ def problems(lines: list[str]) -> list[str]:
     return [x for x in lines if re.search(r"Traceback|Exception in ASGI|ERROR|Error in|Task exception", x)]
 
 
+def error_param(body: Any) -> str | None:
+    """The `param` an OpenAI error body names (None: none)."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict) and body["error"].get("param") is not None:
+        return str(body["error"]["param"])
+    return None
+
+
 def error_code(body: Any) -> str | None:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("code") or body["error"].get("type"))
@@ -114,7 +122,8 @@ async def http(client: httpx.AsyncClient, method: str, url: str, *, body: Any = 
             retry = r.headers.get("retry-after")
             return Observed("refused", f"HTTP 429 Retry-After {retry}: {text[:160]}", "overloaded" if retry else
                             "429_without_retry_after")
-        return Observed("refused", f"HTTP {r.status_code} {code}: {text[:200]}", code or str(r.status_code))
+        return Observed("refused", f"HTTP {r.status_code} {code}: {text[:200]}", code or str(r.status_code),
+                        error_param(data))
     if isinstance(data, dict) and data.get("object") == "chat.completion":
         choice = data["choices"][0]
         return Observed("accepted", f"HTTP {r.status_code}, {data['usage']['completion_tokens']} tokens, "
