@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx", reason="httpx (the openai SDK's HTTP client
 
 from omnijax.serve.refusal_log import RefusalLog, refusals  # noqa: E402
 from tests._support.demo_server import demo_server  # noqa: E402
+from tests._support.refusal_log import fresh_refusal_log  # noqa: E402, F401  (autouse: a fresh log per test)
 
 MAX_AUDIO_S = 5.0
 
@@ -35,13 +36,6 @@ def served():
     with demo_server(decoding=RowSampling(), max_output_tokens=4,
                      max_request_audio_s=MAX_AUDIO_S) as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-def _fresh_refusal_log():
-    refusals.reset()
-    yield
-    refusals.reset()
 
 
 # ---------------------------------------------------------------------------------------------------- the inputs

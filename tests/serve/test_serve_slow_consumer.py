@@ -23,6 +23,7 @@ from omnijax.serve import server as srv  # noqa: E402
 from omnijax.serve.native.protocol import ProtocolError  # noqa: E402
 from omnijax.serve.outbox import Outbox  # noqa: E402
 from tests._support.demo_server import demo_server  # noqa: E402
+from tests._support.refusal_log import fresh_refusal_log  # noqa: E402, F401  (autouse: a fresh log per test)
 
 FRAME_MS = 250.0
 CAP = 2 * 2 ** 20  # the test server's max_outbox_bytes
@@ -34,15 +35,6 @@ def served():
     with demo_server(frame_ms=FRAME_MS, max_output_tokens=6,
                      max_outbox_bytes=CAP) as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-def _fresh_refusal_log():
-    from omnijax.serve.refusal_log import refusals
-
-    refusals.reset()
-    yield
-    refusals.reset()
 
 
 def _png_with_tail(tail_bytes: int) -> bytes:
