@@ -130,6 +130,7 @@ class Restored:
     last_item: str | None
     tokens_since_response: int
     call_ids: tuple = ()
+    held_outputs: int = 0  # the last messages: tool results recorded, not yet fed (`tools.flush_outputs`)
 
     def apply(self, session: RealtimeSession) -> None:
         """Continues this conversation in a new session (before its first event)."""
@@ -138,6 +139,7 @@ class Restored:
         session.session_id, session.instructions_fed = self.session_id, self.instructions_fed
         session.last_item, session.tokens_since_response = self.last_item, self.tokens_since_response
         session.call_ids = set(self.call_ids)
+        session.held_outputs = self.held_outputs
 
 
 def meta_of(session: RealtimeSession) -> dict:
@@ -145,7 +147,8 @@ def meta_of(session: RealtimeSession) -> dict:
     return {"conversation": session.conversation.state(), "settings": dataclasses.asdict(session.settings),
             "session_id": session.session_id, "instructions_fed": session.instructions_fed,
             "last_item": session.last_item, "tokens_since_response": session.tokens_since_response,
-            "model": session.options.model_name, "call_ids": sorted(session.call_ids)}
+            "model": session.options.model_name, "call_ids": sorted(session.call_ids),
+            "held_outputs": session.held_outputs}
 
 
 def _fail(field: str, problem: str) -> ResumeRefused:
@@ -280,7 +283,7 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
         ResumeRefused: naming the first field that is missing, of the wrong type or out of range.
     """
     meta = _fields(snapshot.meta, "", ("conversation", "settings", "session_id", "instructions_fed", "last_item",
-                                        "tokens_since_response", "model", "call_ids"))
+                                        "tokens_since_response", "model", "call_ids", "held_outputs"))
     if meta.get("model") != model_name:
         raise ResumeRefused(f"the snapshot is of model {_show(meta.get('model'))}, this server serves {model_name!r}")
     conv = _fields(meta.get("conversation"), "conversation", ("messages", "rendered", "next_unit", "tokens_fed",
@@ -304,12 +307,17 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
     call_ids = meta.get("call_ids") or []
     if not isinstance(call_ids, list) or not all(isinstance(c, str) for c in call_ids):
         raise _fail("call_ids", f"must be a list of strings, got {_show(call_ids)}")
+    # tool results held unfed are the conversation's last messages (a snapshot written before they were kept: none)
+    tail = len(messages) - next((i + 1 for i in range(len(messages) - 1, -1, -1)
+                                 if messages[i].get("role") != "tool"), 0)
+    held_outputs = _int(meta.get("held_outputs", 0), "held_outputs", 0, tail)
     return Restored(settings=settings_of(meta.get("settings")), conversation=state,
                     session_id=str(_str(meta.get("session_id"), "session_id")),
                     instructions_fed=_str(meta.get("instructions_fed"), "instructions_fed", optional=True),
                     last_item=_str(meta.get("last_item"), "last_item", optional=True),
                     tokens_since_response=_int(meta.get("tokens_since_response"), "tokens_since_response", 0,
-                                               TOKENS_LIMIT), call_ids=tuple(call_ids))
+                                               TOKENS_LIMIT), call_ids=tuple(call_ids),
+                    held_outputs=held_outputs)
 
 
 # ------------------------------------------------------------------------------------------------- the snapshots

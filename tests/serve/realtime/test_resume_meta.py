@@ -97,3 +97,19 @@ def test_another_model_or_a_non_object_meta_is_refused():
     with pytest.raises(ResumeRefused, match="has unknown fields"):
         restored(_with({**_meta(), "extra": 1}), "omnijax")
     assert COUNTER_LIMIT < 2 ** 31
+
+
+def test_held_tool_results_come_back_and_must_be_the_last_tool_messages():
+    """Tool results recorded but not yet fed (two function_call_output items in a row wait for what comes next) are
+    counted in the meta and restored; a count beyond the conversation's trailing tool messages is refused by name;
+    a meta written before the count was kept restores none."""
+    meta = _meta()
+    meta["conversation"]["messages"] += [{"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+                                         {"role": "tool", "content": "rain", "tool_call_id": "c2"}]
+    meta["call_ids"] = ["c1", "c2"]
+    assert restored(_with(dict(meta, held_outputs=2)), "omnijax").held_outputs == 2
+    assert restored(_with(meta), "omnijax").held_outputs == 0
+    with pytest.raises(ResumeRefused, match=r"meta held_outputs must be an integer in \[0, 2\], got int 3"):
+        restored(_with(dict(meta, held_outputs=3)), "omnijax")
+    with pytest.raises(ResumeRefused, match=r"meta held_outputs must be an integer in \[0, 0\]"):
+        restored(_with(dict(_meta(), held_outputs=1)), "omnijax")
