@@ -45,24 +45,28 @@ def passkey_tables(data: dict) -> str:
         head = ["policy", "budget"] + [f"{n // 1024}K" + (f" d{d:.1f}" if mode == "single" else "") for n, d in cols]
         head += ["right", "peak cells", "key held"]
         out.append(f"**{mode}** ({'one user message' if mode == 'single' else 'key in turn 1, filler turns'}): "
-                   "R right, w wrong (key's cells held at the question in brackets when not all), - not run\n")
+                   "R right, w wrong, n/m right of m keys (key's cells held at the question in brackets when not all), "
+                   "- not run\n")
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
-        groups = defaultdict(dict)
+        groups: dict = defaultdict(lambda: defaultdict(list))
         for r in mine:
-            groups[r["policy"], r["budget"]][r["length"], r["depth"]] = r
+            groups[r["policy"], r["budget"]][r["length"], r["depth"]].append(r)
         order = sorted(groups, key=lambda k: (POLICY_ORDER.index(k[0]) if k[0] in POLICY_ORDER else 99, k[1]))
         for policy, budget in order:
             cells = groups[policy, budget]
             line = [policy, str(budget) if policy != "no_slide" else "all"]
             for key in cols:
-                r = cells.get(key)
-                if r is None:
+                runs = cells.get(key, [])
+                if not runs:
                     line.append("-")
                     continue
-                held = "" if r["key_cells_kept"] == r["key_cells"] else f" ({r['key_cells_kept']}/{r['key_cells']})"
-                line.append(("R" if r["correct"] else "w") + held)
-            done = list(cells.values())
+                kept, whole = sum(r["key_cells_kept"] for r in runs), sum(r["key_cells"] for r in runs)
+                held = "" if kept == whole else f" ({kept}/{whole})"
+                right = sum(r["correct"] for r in runs)
+                verdict = ("R" if right else "w") if len(runs) == 1 else f"{right}/{len(runs)}"
+                line.append(verdict + held)
+            done = [r for runs in cells.values() for r in runs]
             line.append(f"{sum(r['correct'] for r in done)}/{len(done)}")
             line.append(f"{max(r['peak_cells'] for r in done):,}")
             line.append(f"{sum(r['key_cells_kept'] for r in done) / max(1, sum(r['key_cells'] for r in done)):.2f}")
@@ -102,7 +106,8 @@ def selectors_table(data: dict) -> str:
         groups[r["selector"], r["ratio"]].append(r)
     out = ["| selector | ratio | n | omnijax right | kvpress right | kept sets identical | mean Jaccard | "
            "answers equal |", "|---|---|---|---|---|---|---|---|"]
-    for (sel, ratio), g in groups.items():
+    names = list(dict.fromkeys(r["selector"] for r in data["rows"]))
+    for (sel, ratio), g in sorted(groups.items(), key=lambda kv: (names.index(kv[0][0]), kv[0][1])):
         out.append(f"| {sel} | {ratio:.2f} | {len(g)} | {sum(r['omnijax_right'] for r in g)}/{len(g)} | "
                    f"{sum(r['kvpress_right'] for r in g)}/{len(g)} | {np.mean([r['sets_identical'] for r in g]):.3f} | "
                    f"{np.mean([r['jaccard'] for r in g]):.3f} | {sum(r['answers_equal'] for r in g)}/{len(g)} |")
