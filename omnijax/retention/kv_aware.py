@@ -12,11 +12,14 @@ Where the papers leave a detail open, or the library's interface differs, the ch
         unit; no such key counts as -1, never redundant), then the highest value norms (VaN).
     StreamMem(budget, num_proxies, proxy_kinds)
         when retained > budget: keep SYSTEM and the proxy tokens; rank the rest by the attention the newest
-        `num_proxies` proxy tokens (chat-template markers by default) pay them, and keep the best `quota`.
+        `num_proxies` proxy tokens (chat-template markers by default) pay them, and keep the best `quota`; equal
+        scores keep the newer token (with no proxy every score is 0 and the newest `quota` stay: it once kept the
+        oldest and evicted the question it had just written, answering "TheTheThe" on SmolLM2).
         The cache holds no queries, so the proxies' cached keys stand in for their queries
         (`softmax(k_p . k_j / sqrt(d))` over live slots, averaged over proxies): a documented substitution.
 
-Ties go to the lower slot (page-table order). Plain-Python references: `tests/retention/test_retention_kv_aware.py`.
+Ties go to the lower slot (page-table order), but for StreamMem's (above). Plain-Python references:
+`tests/retention/test_retention_kv_aware.py`.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ def _kinds(cls: str, kinds) -> tuple[int, ...]:
     return out
 
 
-def _best(score: jax.Array, eligible: jax.Array, count: jax.Array) -> jax.Array:
-    """`[S]` mask of the `count` eligible slots of highest score (ties: the lower slot)."""
+def _best(score: jax.Array, eligible: jax.Array, count: jax.Array, order: jax.Array | None = None) -> jax.Array:
+    """`[S]` mask of the `count` eligible slots of highest score (ties: the lower slot, or with `order` the newer
+    token)."""
     S = score.shape[0]
     key = jnp.where(eligible, score, -jnp.inf)
-    rank_order = jnp.lexsort((jnp.arange(S), -key))  # descending score, then ascending slot
+    second = jnp.arange(S) if order is None else -order
+    rank_order = jnp.lexsort((second, -key))  # descending score, then ascending slot (or descending order)
     rank = jnp.zeros((S,), jnp.int32).at[rank_order].set(jnp.arange(S, dtype=jnp.int32))
     return eligible & (rank < count)
 
@@ -135,7 +140,8 @@ class StreamMem:
 
     Attributes:
         budget: cells kept after a compression (and the retained count that triggers one).
-        num_proxies: the newest proxy tokens that score (0 of them: oldest tokens go first).
+        num_proxies: the newest proxy tokens that score. Equal scores keep the newer token, so a stream with no
+            proxy token (text through a chat template whose markers are TEXT) keeps its newest cells: a window.
         proxy_kinds: span kinds whose tokens are the proxies (BOUNDARY: the chat-template markers).
     """
 
@@ -169,4 +175,4 @@ class StreamMem:
         attention = jax.nn.softmax(logits, axis=-1)
         score = jnp.sum(jnp.where(used[:, None], attention, 0.0), axis=0) / jnp.maximum(jnp.sum(used), 1)
         quota = jnp.maximum(self.budget - jnp.sum(protected), 0)
-        return protected | _best(score, live & ~protected, quota)
+        return protected | _best(score, live & ~protected, quota, order)

@@ -62,7 +62,7 @@ def _streammem_plain(p, live, span, order, key):
         score += weights / weights.sum()
     score /= max(len(proxies), 1)
     quota = max(p.budget - sum(protected), 0)
-    rest = sorted((j for j in range(S) if live[j] and not protected[j]), key=lambda j: (-score[j], j))
+    rest = sorted((j for j in range(S) if live[j] and not protected[j]), key=lambda j: (-score[j], -order[j]))
     keep = set(rest[:quota])
     return [protected[j] or j in keep for j in range(S)]
 
@@ -149,3 +149,18 @@ def test_inside_the_scan(policy, model):
     want = (_infinipot_plain(tight, live.tolist(), unit, span, offset, key, vnorm) if isinstance(tight, InfiniPotV)
             else _streammem_plain(tight, live.tolist(), span, order, key))
     assert got == want and sum(got) < sum(live)
+
+
+def test_streammem_without_proxies_keeps_the_newest_tokens():
+    """A text stream labels no token BOUNDARY, so no proxy scores and every score is 0: StreamMem keeps SYSTEM and
+    the newest `budget - system` tokens, the question just written among them (it kept the oldest: on SmolLM2 the
+    pass-key question was evicted as it arrived and every answer was "TheTheThe")."""
+    S, d = 24, 8
+    live = [True] * 20 + [False] * 4
+    span = [int(K.SYSTEM)] * 3 + [int(K.TEXT)] * 21
+    order = list(range(S))
+    key = np.random.default_rng(0).normal(size=(S, d)).astype(np.float32)
+    view = _view(live, [0] * S, span, [0] * S, order)
+    features = SlotFeatures(key=key[None], value_norm=np.ones((1, S), np.float32))
+    got = np.asarray(StreamMem(budget=10).plan(view, features))[0].tolist()
+    assert got == [True] * 3 + [False] * 10 + [True] * 7 + [False] * 4
