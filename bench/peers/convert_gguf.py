@@ -1,0 +1,183 @@
+"""GGUF conversion against transformers: `omnijax convert MODEL.gguf DST` beside transformers' GGUF loader followed by
+`save_pretrained` (the route a transformers user takes from a llama.cpp file to a checkpoint), on the same file.
+
+Each conversion runs in a fresh process (`--worker omnijax|transformers`), the two alternating round by round, so a
+drift of the shared machine hits both alike. Per run: the process's wall time from start to exit (imports included:
+what a user waits for), the conversion's own time inside it, and the process's peak resident memory (`ru_maxrss`).
+Both write float32. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process
+on a shared machine). Default: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs; `--smoke` writes a tiny
+random llama GGUF (two layers, byte-level tokenizer) and runs one round.
+
+    python -m bench.peers.convert_gguf --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import harness
+
+TOOLS = ("omnijax", "transformers")
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+
+
+def worker(tool: str, gguf_path: Path, dst: Path) -> dict:
+    """One conversion in this process; returns its seconds and this process's peak memory."""
+    start = time.perf_counter()
+    if tool == "omnijax":
+        from omnijax.convert import convert_checkpoint
+
+        convert_checkpoint(gguf_path, dst, dtype="float32", progress=False)
+    else:
+        import torch
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                                  dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model.save_pretrained(dst)
+        tokenizer.save_pretrained(dst)
+    return {"convert_s": time.perf_counter() - start, "peak_rss_mb": _peak_mb()}
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A tiny random llama GGUF (F32, 2 layers, hidden 64, a 300-token byte-level BPE with ChatML) for `--smoke`."""
+    import gguf
+
+    from omnijax.models.tokenizer import write_tiny_tokenizer
+
+    vocab_size, hidden, inter, layers, heads, kv_heads = 300, 64, 128, 2, 4, 2
+    specials = {"<|endoftext|>": vocab_size - 3, "<|im_start|>": vocab_size - 2, "<|im_end|>": vocab_size - 1}
+    tok_dir = path.parent / "tiny_tokenizer"
+    write_tiny_tokenizer(tok_dir, vocab_size=vocab_size, special_tokens=specials, chat_template=None)
+    model = json.loads((tok_dir / "tokenizer.json").read_text())["model"]
+    vocab = {**model["vocab"], **specials}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_bos_token_id(specials["<|im_start|>"])
+    w.add_eos_token_id(specials["<|im_end|>"])
+    w.add_pad_token_id(specials["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    head_dim = hidden // heads
+
+    def mat(*shape):
+        return (rng.normal(size=shape) * 0.1).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", mat(vocab_size, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        b = f"blk.{i}."
+        for name, shape in (("attn_q.weight", (heads * head_dim, hidden)),
+                            ("attn_k.weight", (kv_heads * head_dim, hidden)),
+                            ("attn_v.weight", (kv_heads * head_dim, hidden)),
+                            ("attn_output.weight", (hidden, heads * head_dim)),
+                            ("ffn_gate.weight", (inter, hidden)), ("ffn_up.weight", (inter, hidden)),
+                            ("ffn_down.weight", (hidden, inter))):
+            w.add_tensor(b + name, mat(*shape))
+        w.add_tensor(b + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def run_one(tool: str, gguf_path: Path, work: Path) -> dict:
+    """`tool`'s conversion of `gguf_path` in a fresh process; its output is removed afterwards."""
+    dst = work / f"{tool}-out"
+    shutil.rmtree(dst, ignore_errors=True)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    done = subprocess.run(harness.module_command(__spec__.name, "--worker", tool, "--gguf", gguf_path, "--dst", dst),
+                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{tool} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+    shutil.rmtree(dst, ignore_errors=True)
+    return {"tool": tool, "wall_s": wall, "output_mb": size / 2 ** 20, **row}
+
+
+def main(argv=None) -> int:
+    p = harness.parser(__doc__)
+    p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--rounds", type=int, default=3, help="conversions per tool (alternating)")
+    p.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)  # one conversion in this process
+    p.add_argument("--dst", help=argparse.SUPPRESS)
+    args = harness.parse(p, argv, smoke={"rounds": 1})
+    if args.worker:
+        print(json.dumps(worker(args.worker, Path(args.gguf), Path(args.dst))))
+        return 0
+    out = harness.output_dir(args)
+    with tempfile.TemporaryDirectory(prefix="convert_gguf_") as tmp:
+        work = Path(tmp)
+        if args.smoke and not args.gguf:
+            gguf_path = write_tiny_gguf(work / "tiny.gguf")
+        else:
+            from omnijax.demo.smollm2 import find_gguf
+
+            gguf_path = find_gguf(args.gguf)
+        print(f"{gguf_path.name}: {gguf_path.stat().st_size / 2 ** 20:.1f} MB, {args.rounds} rounds", flush=True)
+        rows = []
+        for r in range(args.rounds):
+            for tool in (TOOLS if r % 2 == 0 else TOOLS[::-1]):
+                row = dict(run_one(tool, gguf_path, work), round=r)
+                rows.append(row)
+                print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.1f} s "
+                      f"converting, peak {row['peak_rss_mb']:.0f} MB", flush=True)
+    summary = {}
+    for tool in TOOLS:
+        mine = [r for r in rows if r["tool"] == tool]
+        summary[tool] = {k: float(np.median([r[k] for r in mine])) for k in ("wall_s", "convert_s", "peak_rss_mb",
+                                                                              "output_mb")}
+    ratio = {k: summary["omnijax"][k] / summary["transformers"][k] for k in ("wall_s", "convert_s", "peak_rss_mb")}
+    harness.print_table([dict(tool=t, **summary[t]) for t in TOOLS] + [dict(tool="omnijax / transformers", **ratio)],
+                        [("tool", "tool", ""), ("wall s", "wall_s", ".2f"), ("convert s", "convert_s", ".2f"),
+                         ("peak MB", "peak_rss_mb", ".2f")])
+    harness.write_json(out, "convert_gguf", {"gguf": str(gguf_path.name), "smoke": bool(args.smoke),
+                                             "rounds": args.rounds, "rows": rows, "median": summary,
+                                             "ratio_omnijax_over_transformers": ratio})
+    plt = harness.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((axes[0], "wall_s", "process wall time (s)"), (axes[1], "peak_rss_mb", "peak memory (MB)")):
+        ax.bar(TOOLS, [summary[t][key] for t in TOOLS], color=["tab:blue", "tab:gray"])
+        ax.set_ylabel(label)
+    fig.suptitle(f"GGUF -> checkpoint, {gguf_path.name} (median of {args.rounds})", fontsize=9)
+    fig.tight_layout()
+    harness.save_png(fig, out, "convert_gguf")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
