@@ -20,11 +20,12 @@ The module is pure: it validates a decoded JSON body and raises `RequestError`.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from typing import Any, Callable
 
 __all__ = ["HONOURED", "LABELS", "MESSAGE_FIELDS", "NEUTRAL", "SAMPLED", "RequestError", "check_detail", "check_fields",
-           "check_keys", "check_labels", "check_message_fields", "stream_options"]
+           "check_keys", "check_labels", "check_message_fields", "json_payload", "stream_options"]
 
 
 class RequestError(ValueError):
@@ -34,6 +35,17 @@ class RequestError(ValueError):
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.code, self.param, self.kind = status, code, param, kind
+
+
+def json_payload(body: bytes) -> Any:
+    """A request body decoded as JSON; `RequestError` (`invalid_json`) when it is not JSON or nests too deep."""
+    try:
+        payload = json.loads(body)
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
+    return payload
 
 
 HONOURED = ("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",

@@ -12,7 +12,6 @@ import base64
 import binascii
 import dataclasses
 import io
-import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from omnijax.serve.chat_params import (
     check_keys,
     check_labels,
     check_message_fields,
+    json_payload,
     stream_options,
 )
 from omnijax.serve.chat_sampling import request_sampling
@@ -257,12 +257,7 @@ def check_decoding(body: dict, decoding: Any) -> None:
 
 def parse_body(body: bytes, context: ServeContext) -> ChatRequest:
     """The request of a body (JSON, media decoded and resampled); `RequestError` naming the field."""
-    try:
-        payload = json.loads(body)
-    except ValueError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
+    payload = json_payload(body)
     return parse_chat_request(payload, model_name=context.options.model_name,
                               decoding=context.worker.engine.config.stream.decoding,
                               vocab_size=context.worker.engine.model_config.vocab_size,

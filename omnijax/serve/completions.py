@@ -48,7 +48,7 @@ from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import Prompt
 from omnijax.models.frontend import units_for
 from omnijax.serve.answer_text import AnswerText
-from omnijax.serve.chat_params import RequestError, check_keys, check_labels, stream_options
+from omnijax.serve.chat_params import RequestError, check_keys, check_labels, json_payload, stream_options
 from omnijax.serve.chat_request import check_decoding
 from omnijax.serve.chat_sampling import request_sampling
 from omnijax.serve.context import model_not_found
@@ -328,12 +328,7 @@ class _Decoding:
 
 
 def _parse_body(body: bytes, context: ServeContext) -> CompletionRequest:
-    try:
-        payload = json.loads(body)
-    except ValueError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise RequestError("the request body nests JSON deeper than the server parses", code="invalid_json") from None
+    payload = json_payload(body)
     return parse_completion_request(payload, model_name=context.options.model_name,
                                     decoding=context.worker.engine.config.stream.decoding,
                                     tokenizer=context.tokenizer, vocab_size=int(context.model.config.vocab_size),
