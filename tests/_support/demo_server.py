@@ -10,9 +10,11 @@ import contextlib
 import functools
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 FRAME_MS = 250.0  # 4000 samples: 6 audio tokens + 2 markers per frame
 
@@ -36,6 +38,29 @@ def demo_model() -> Any:
 
     return omnijax.load(demo_checkpoint())
 
+
+
+@functools.cache
+def transformers_logprobs() -> Callable[[Sequence[int]], np.ndarray]:
+    """transformers' Qwen2.5-Omni thinker with the demo checkpoint's weights (its tied lm_head included), built once
+    per process: a function from a token list to its `[n, V]` log-probabilities (the oracle of the prompt and
+    continuation log-probabilities the server returns)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    hf = Path(demo_checkpoint()).parent / "hf"
+    model = Qwen2_5OmniThinkerForConditionalGeneration(AutoConfig.from_pretrained(hf).thinker_config).eval()
+    weights = {k[len("thinker."):]: v for k, v in load_file(hf / "model.safetensors").items()
+               if k.startswith("thinker.")}
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    model.load_state_dict(weights, strict=True)
+
+    def logprobs(ids: Sequence[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(ids)])).logits.float()
+        return torch.log_softmax(logits, -1)[0].numpy()
+    return logprobs
 
 @contextlib.contextmanager
 def demo_server(directory: Path | None = None, *, decoding: Any = None, **options: Any) -> Iterator[Any]:

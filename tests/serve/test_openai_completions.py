@@ -10,7 +10,6 @@ import dataclasses
 import json
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the openai SDK (the `test` extra)
 httpx = pytest.importorskip("httpx", reason="httpx (the openai SDK's HTTP client) is the test client")
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
 
-from tests._support.demo_server import FRAME_MS, demo_checkpoint, demo_server  # noqa: E402
+from tests._support.demo_server import FRAME_MS, demo_server, transformers_logprobs  # noqa: E402
 
 TEXT = "hello world, the quick brown fox jumps"
 
@@ -42,22 +41,8 @@ def client(served):
 def reference():
     """transformers' Qwen2.5-Omni thinker with the demo checkpoint's weights (its tied lm_head included): `[n, V]`
     log-probabilities of a token list."""
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, Qwen2_5OmniThinkerForConditionalGeneration
-
-    hf = Path(demo_checkpoint()).parent / "hf"
-    model = Qwen2_5OmniThinkerForConditionalGeneration(AutoConfig.from_pretrained(hf).thinker_config).eval()
-    weights = {k[len("thinker."):]: v for k, v in load_file(hf / "model.safetensors").items()
-               if k.startswith("thinker.")}
-    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    model.load_state_dict(weights, strict=True)
-
-    def logprobs(ids):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([list(ids)])).logits.float()
-        return torch.log_softmax(logits, -1)[0].numpy()
-    return logprobs
+    pytest.importorskip("torch")
+    return transformers_logprobs()
 
 
 def _ids(served, text=TEXT):

@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai", reason="the openai SDK (the `test` extra)
 pytest.importorskip("torch", reason="transformers (the `test` extra) is the log-likelihoods' oracle")
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
 
-from tests._support.demo_server import demo_checkpoint, demo_server  # noqa: E402
+from tests._support.demo_server import demo_checkpoint, demo_server, transformers_logprobs  # noqa: E402
 
 # (question, choices, answer): 4 documents, 10 log-likelihood requests
 DOCS = [("The capital of France is", ["Paris", "Berlin", "Rome"], 0),
@@ -169,21 +169,10 @@ def lm_eval_reports(served, stops, lm_eval_process):
 def reference():
     """transformers' Qwen2.5-Omni thinker with the demo checkpoint's weights: the log-likelihood of `ids[start:]`
     after `ids[:start]`."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, Qwen2_5OmniThinkerForConditionalGeneration
-
-    hf = Path(demo_checkpoint()).parent / "hf"
-    model = Qwen2_5OmniThinkerForConditionalGeneration(AutoConfig.from_pretrained(hf).thinker_config).eval()
-    weights = {k[len("thinker."):]: v for k, v in load_file(hf / "model.safetensors").items()
-               if k.startswith("thinker.")}
-    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    model.load_state_dict(weights, strict=True)
+    logprobs_of = transformers_logprobs()
 
     def loglikelihood(ids: list[int], start: int) -> float:
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits.float()
-        logprobs = torch.log_softmax(logits, -1)[0].numpy()
+        logprobs = logprobs_of(ids)
         return float(sum(logprobs[i - 1, ids[i]] for i in range(start, len(ids))))
     return loglikelihood
 
