@@ -280,6 +280,7 @@ def test_heavy_inputs_leave_other_sessions_and_routes_responsive(served, heavy):
 
             probes = [asyncio.create_task(probe_models()), asyncio.create_task(stream_frames())]
             await asyncio.sleep(1.0)
+            ticks_before = len(worker.compute_s)
             async with httpx.AsyncClient(timeout=300) as heavy_client:
                 request = asyncio.create_task(heavy_client.post(served.base_url + "/chat/completions", json=body))
                 start = time.perf_counter()
@@ -292,13 +293,19 @@ def test_heavy_inputs_leave_other_sessions_and_routes_responsive(served, heavy):
                 heavy_s = time.perf_counter() - start
                 stop.set()
                 worst_models, gaps = await asyncio.gather(*probes)
+                computes = list(worker.compute_s)[ticks_before:]
                 request.cancel()  # the client goes away (its connection closes): its prefill is cancelled
                 with contextlib.suppress(asyncio.CancelledError):
                     await request
-            return heavy_s, worst_models, gaps
+            return heavy_s, worst_models, gaps, computes
 
-    heavy_s, worst_models, gaps = asyncio.run(scenario())
+    heavy_s, worst_models, gaps, computes = asyncio.run(scenario())
     served.wait_idle(60)  # the abandoned request's session ended
     # the heavy work took a while; the other clients kept going meanwhile
     assert worst_models < max(0.5, heavy_s / 4), (heavy, heavy_s, worst_models)
-    assert len(gaps) >= 3 and max(gaps) < FRAME_MS / 1000 + max(1.0, heavy_s / 4), (heavy, heavy_s, gaps)
+    # A frame's reply waits for the tick that serves it. On two shared cores a tick can itself take seconds while
+    # the heavy request compiles and encodes beside it (CI once saw 2.9 s): that is the engine thread's own time
+    # (`compute_s`), not the event loop's, so the gap allowed is the frame interval plus the slowest tick of the
+    # window plus one second. Heavy work on the loop would hold every reply for all of its seconds.
+    allowed = FRAME_MS / 1000 + max(computes, default=0.0) + 1.0
+    assert len(gaps) >= 3 and max(gaps) < allowed, (heavy, heavy_s, allowed, gaps, computes)

@@ -147,7 +147,10 @@ class EngineWorker:
         self.stop_ids = frozenset(answer_stop_ids(engine.config.stream.decoding, engine.model_config.eos_token_ids))
         self.lanes: dict[str, _Lane] = {}
         self.stats = {"ticks": 0, "tick_errors": 0, "opened": 0, "refused": 0, "tokens": 0}
-        self.latencies: collections.deque = collections.deque(maxlen=4096)
+        self.latencies: collections.deque = collections.deque(maxlen=4096)  # per tick, seen from the event loop
+        # per tick, the engine thread's own time (submits and the step): a latency far above it is time the tick's
+        # result waited for the event loop
+        self.compute_s: collections.deque = collections.deque(maxlen=4096)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnijax-tick")
         self._work: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -408,13 +411,16 @@ class EngineWorker:
 
     def _tick_sync(self, plan: dict):
         """In the engine thread: submit each planned chunk, then one tick. Returns (report, failures)."""
-        failed = {}
+        start, failed = time.perf_counter(), {}
         for sid, (chunk, asked, _, _) in plan.items():
             try:
                 self.engine.submit(sid, chunk, asked)
             except Exception as e:  # noqa: BLE001 - one session's chunk must not stop the tick
                 failed[sid] = f"{type(e).__name__}: {e}"
-        report = self.engine.tick() if len(failed) < len(plan) else None
+        try:
+            report = self.engine.tick() if len(failed) < len(plan) else None
+        finally:
+            self.compute_s.append(time.perf_counter() - start)
         return report, failed
 
     async def _loop(self) -> None:
