@@ -8,6 +8,7 @@ part of the context. Every setting comes from one `omnijax.StreamConfig`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from typing import Any
@@ -129,6 +130,13 @@ class Session:
     arrays of an earlier state are deleted then. To keep a state for later, copy it
     (`jax.tree.map(jnp.copy, session.state)`); a `state` given to the constructor is copied.
 
+    The pool does not grow: a session that outlives it (a default `Session(model)` holds
+    `DEFAULT_SESSION_PAGES` x `page_size` tokens under the default policy) drops the tokens that find no page. The
+    first drop is warned about once per session (`RuntimeWarning` naming `num_pages` and `StreamConfig`), as
+    `stream` and `evaluate` warn, without waiting for a step: a step's exhaustion flag is read by a later `feed`
+    (or `check_pool`) once that step has finished. Growing the pool instead would change the step's shapes (a
+    recompilation in the middle of a session) and let memory grow without a bound the caller chose.
+
     Args:
         model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
         config: the session's settings (`omnijax.StreamConfig`); its fields are also accepted as keywords. The
@@ -157,6 +165,8 @@ class Session:
         device = jax.devices()[0]
         self._params = jax.device_put(self._params, device)
         self.state = jax.device_put(state, device)
+        # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
+        self._unread: collections.deque | None = collections.deque()
 
     def __getattr__(self, name):
         # The settings read as attributes (`session.policy`, `session.max_answer_tokens`, ...).
@@ -169,7 +179,11 @@ class Session:
 
         `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per
         strategy). Returns without waiting for the step. Pool exhaustion is reported in the output's
-        `stats.layout.exhausted` and `stats.layout.dropped` (not warned about, which would wait for every step).
+        `stats.layout.exhausted` and `stats.layout.dropped`, and warned about once per session by the first `feed`
+        (or `check_pool`) that finds a finished step which dropped tokens.
+
+        Warns:
+            RuntimeWarning: the first time a finished step is found to have dropped tokens (see the class).
         """
         config = self.stream_config if decoding is None else self.stream_config.replace(decoding=decoding)
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
@@ -177,5 +191,40 @@ class Session:
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
         chunk = jax.tree.map(jnp.asarray, chunk)
+        self._read_flags(wait=False)
         self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
+        if self._unread is not None:
+            self._unread.append((out.stats.layout.exhausted, out.stats.layout.dropped))
         return out
+
+    def check_pool(self) -> bool:
+        """Waits for the steps fed so far and warns (once per session) if the pool has dropped tokens.
+
+        Returns:
+            Whether any token of the session was dropped so far.
+        """
+        self._read_flags(wait=True)
+        return bool(np.asarray(self.state.kv.exhausted).any())
+
+    _MAX_UNREAD = 8  # steps in flight whose flags are not read yet; beyond it `feed` waits for the oldest
+
+    def _read_flags(self, *, wait: bool) -> None:
+        """Reads the exhaustion flags of finished steps (all of them with `wait`), warning at the first drop."""
+        unread = self._unread
+        if unread is None:
+            return
+        latest = None
+        while unread and (wait or len(unread) > self._MAX_UNREAD or unread[0][0].is_ready()):
+            latest = unread.popleft()  # the flags are sticky: the latest finished step speaks for the earlier ones
+        if latest is None:
+            return
+        exhausted = np.asarray(latest[0])
+        if exhausted.any():
+            self._unread = None
+            dropped = np.asarray(latest[1])[exhausted].tolist()
+            warnings.warn(f"the session's KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
+                          f"{dropped} token(s) were not cached and later ones will not be either (only this "
+                          f"first drop is warned about; see out.stats.layout.dropped). The pool holds "
+                          f"{self.state.kv.num_pages} pages of {self.state.kv.page_size} tokens: give a larger "
+                          f"num_pages (StreamConfig(num_pages=...) or Session(model, num_pages=...)) or a bounded "
+                          f"retention policy", RuntimeWarning, stacklevel=3)
