@@ -11,6 +11,7 @@ from flax import nnx  # noqa: E402
 from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes  # noqa: E402
 from omnijax.models.encoders import qwen_vl_preprocess as vp  # noqa: E402
 from omnijax.models.qwen2_5_omni import vision as V  # noqa: E402
+from tests._support import video_golden  # noqa: E402
 
 HF_VISION = dict(hidden_size=32, depth=2, num_heads=2, intermediate_size=48, patch_size=14, spatial_merge_size=2,
                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1], out_hidden_size=64)
@@ -98,17 +99,23 @@ def test_video_pil_resize_matches_image_processor(image_processor, rng, frames):
     assert np.abs(rows - want).max() <= 1e-5
 
 
-def test_video_matches_transformers_video_processor(rng):
-    pytest.importorskip("torchvision", reason="torchvision (not a test dependency) backs Qwen2VLVideoProcessor")
-    from transformers import Qwen2VLVideoProcessor
-
-    processor = Qwen2VLVideoProcessor()
-    for frames in (4, 3):
-        video = _rgb(rng, frames, 90, 120)
-        want = processor(videos=[video], return_tensors="np")
-        rows, grid = vp.preprocess_video(video)
-        np.testing.assert_array_equal(grid, want["video_grid_thw"])
-        assert np.abs(rows - want["pixel_values_videos"]).max() <= 1e-5
+def test_video_matches_transformers_video_processor():
+    """`Qwen2VLVideoProcessor()` itself (torchvision's resize), recorded by tests/_support/data/video_processor/make.py
+    in a second environment: default and explicit pixel bounds, 4, 3, 5 and 2 frames, upscaled and shrunk frames."""
+    cases, info = video_golden.load("qwen2_5_omni")
+    settings = info["processors"]["qwen2_5_omni"]["settings"]
+    assert settings["size"] == {"shortest_edge": vp.VIDEO_MIN_PIXELS, "longest_edge": vp.VIDEO_MAX_PIXELS}
+    assert (settings["patch_size"], settings["merge_size"], settings["temporal_patch_size"]) == (
+        vp.PATCH_SIZE, vp.MERGE_SIZE, vp.TEMPORAL_PATCH_SIZE)
+    np.testing.assert_array_equal(settings["image_mean"], vp.CLIP_MEAN)
+    np.testing.assert_array_equal(settings["image_std"], vp.CLIP_STD)
+    assert len(cases) == 4 and {g.case.frames for g in cases} == {4, 3, 5, 2}
+    for golden in cases:
+        rows, grid = vp.preprocess_video(golden.video, **golden.case.size_kwargs())
+        np.testing.assert_array_equal(grid, golden.video_grid_thw, err_msg=golden.case.name)
+        assert rows.dtype == np.float32 and rows.shape == golden.pixel_values_videos.shape, golden.case.name
+        err = float(np.abs(rows - golden.pixel_values_videos).max())
+        assert err <= 1e-5, (golden.case.name, err)
 
 
 @pytest.mark.parametrize("call, error", [

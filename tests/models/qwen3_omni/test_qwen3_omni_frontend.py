@@ -20,6 +20,7 @@ from omnijax.models.qwen3_omni import frontend as F  # noqa: E402
 from omnijax.models.qwen3_omni import layout as adapter  # noqa: E402
 from omnijax.models.qwen3_omni import positions as P  # noqa: E402
 from tests._support import qwen3_omni_models as Q  # noqa: E402
+from tests._support import video_golden  # noqa: E402
 
 SR = 16000
 FPS = 2.0
@@ -128,13 +129,21 @@ def test_video_matches_video_processor_pipeline(image_processor, frames):
 
 
 def test_video_matches_transformers_video_processor():
-    pytest.importorskip("torchvision", reason="torchvision (not a test dependency) backs Qwen2VLVideoProcessor")
-    processor = transformers.Qwen2VLVideoProcessor(**RELEASE_VISION)
-    video = F.synthetic_frames(2.0, FPS, 90, 120, seed=4)
-    want = processor(videos=[video], return_tensors="np", size=_processor_kwargs("videos")["size"])
-    rows, grid = F.preprocess_video(video)
-    np.testing.assert_array_equal(grid, want["video_grid_thw"])
-    _close(rows, want["pixel_values_videos"], 1e-5)
+    """`Qwen2VLVideoProcessor(**RELEASE_VISION)` itself (torchvision's resize) called with `Qwen3OmniMoeProcessor`'s
+    video `size`, recorded by tests/_support/data/video_processor/make.py in a second environment."""
+    cases, info = video_golden.load("qwen3_omni")
+    recorded = info["processors"]["qwen3_omni"]
+    assert recorded["init_kwargs"] == RELEASE_VISION
+    assert recorded["default_size"] == _processor_kwargs("videos")["size"] == {
+        "shortest_edge": F.VIDEO_MIN_PIXELS, "longest_edge": F.VIDEO_MAX_PIXELS}
+    assert tuple(recorded["settings"]["image_mean"]) == F.IMAGE_MEAN and tuple(
+        recorded["settings"]["image_std"]) == F.IMAGE_STD
+    assert len(cases) == 4 and {g.case.frames for g in cases} == {4, 3, 5, 2}
+    for golden in cases:
+        rows, grid = F.preprocess_video(golden.video, **golden.case.size_kwargs())
+        np.testing.assert_array_equal(grid, golden.video_grid_thw, err_msg=golden.case.name)
+        assert rows.dtype == np.float32, golden.case.name
+        _close(rows, golden.pixel_values_videos, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ (b) the chunks
