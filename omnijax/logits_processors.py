@@ -2,9 +2,10 @@
 
 `Sampling`'s processors (transformers' semantics, settings static: `penalise`, `keep_top_k`, `keep_top_p`,
 `keep_min_p`) and `RowSampling`'s per-row ones (vLLM's semantics, settings read from each row at run time: `row_warp`,
-`penalties`, `row_logprobs`), with the row layout they read (`ROW_FIELDS`, then the logit bias). Top-k and top-p find
-their cut by a 32-round search over the scores' bit patterns instead of a sort (on CPU a sort or `lax.top_k` over a
-32K vocabulary took 6-7 ms per token, more than a decode step). `omnijax.decoding` holds the strategies that use them.
+`penalties`, `row_logprobs`), with the row layout they read (`ROW_FIELDS`, then the logit bias), and the per-row
+token mask of constrained decoding (`allowed_tokens`). Top-k and top-p find their cut by a 32-round search over the
+scores' bit patterns instead of a sort (on CPU a sort or `lax.top_k` over a 32K vocabulary took 6-7 ms per token,
+more than a decode step). `omnijax.decoding` holds the strategies that use them.
 """
 
 from __future__ import annotations
@@ -157,6 +158,14 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
     """Per-row min-p (`min_p [B, 1]`; 0: off): drops tokens less likely than min_p times the row's top token."""
     probs = jax.nn.softmax(x, axis=-1)
     return jnp.where(probs < min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+def allowed_tokens(mask: jax.Array, vocab_size: int) -> jax.Array:
+    """`[B, vocab_size]` bool: the tokens a per-row bitmask `mask [B, ceil(V / 32)]` int32 allows (bit `j % 32` of
+    word `j // 32` set: token j allowed; `omnijax.serve.engine.constraint.TokenConstraint.bitmask`)."""
+    words = jax.lax.bitcast_convert_type(mask.astype(jnp.int32), jnp.uint32)  # [B, W]
+    bits = jax.lax.shift_right_logical(words[:, :, None], jnp.arange(32, dtype=jnp.uint32)[None, None]) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def wants_logprobs(row: jax.Array) -> jax.Array:

@@ -177,7 +177,7 @@ def build_app(context: ServeContext) -> Starlette:
 def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConfig, chunk_tokens: int,
                   buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                   aimd_target: float = 0.3, max_sessions: int | None = None,
-                  return_logits: bool = False) -> ServeContext:
+                  return_logits: bool = False, per_token: bool = False) -> ServeContext:
     """The engine, AIMD admission and worker for `model`.
 
     Args:
@@ -189,6 +189,7 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
         aimd_target: the AIMD latency target as a fraction of B (0 disables admission control).
         max_sessions: the most sessions open at once (default: the largest bucket).
         return_logits: copy each frame's last logits to the host (duplex sessions decide on them).
+        per_token: chat answers stream per token (`EngineConfig.per_token`).
     """
 
     if model.tokenizer is None:
@@ -197,7 +198,7 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
                          "converted checkpoint")
     budget = options.frame_ms / 1000.0
     config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=budget, buckets=tuple(buckets),
-                          return_logits=return_logits)
+                          return_logits=return_logits, per_token=per_token)
     engine = Engine(model, config)
     admission = (AIMD(target_fraction=aimd_target, frame_budget_s=budget, max_cap=max(config.buckets))
                  if aimd_target > 0 else None)

@@ -20,10 +20,10 @@ from omnijax.decoding import (
     row_logprobs,
     sampling_keys,
     split_keys,
-    wants_logprobs,
 )
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
+from omnijax.logits_processors import allowed_tokens
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.forward import write_chunk
@@ -102,9 +102,57 @@ def _empty_logprobs(B: int, tau: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (jnp.zeros((B, tau), jnp.float32), jnp.zeros((B, tau, K), jnp.int32), jnp.zeros((B, tau, K), jnp.float32))
 
 
+def decode_token(model: Decoder, kv, next_pos, key, logits, active, i, history, unit, config: StreamConfig,
+                 track_scores: bool, sampling=None, counts=None, seen=None, mask=None):
+    """One answer token for every row (the body of the fused answer loop, and the host-driven engine's step).
+
+    Rows draw from `logits [B, V]` (the logits after each row's last fed token) with `config.decoding`; `active [B]`
+    rows write their token into the cache at `next_pos` (offset `i` of the answer's `unit [B]`) and advance, the
+    others keep their cursor, key, logits and history. `history [B, tau]` holds the answer's tokens so far (-1 =
+    none; a non-per-row strategy's repetition penalty reads it). `key [B, 2]` (key data) is split once. A per-row
+    strategy draws with `sampling [B, ROW_WIDTH]` and the history `counts [B, V]` int32 / `seen [B, V]` bool, both
+    updated with the token. `mask [B, ceil(V / 32)]` int32 (optional; `omnijax.logits_processors.allowed_tokens`):
+    disallowed tokens' logits become -inf before the strategy's processors, so a masked token is never drawn; the
+    log probabilities stay those of the raw `logits`.
+
+    Returns `(kv, next_pos, key, logits, token [B], counts, seen, logprobs)`, `logprobs` the `(chosen [B], top ids,
+    top logprobs [B, K])` of rows that ask for them (`omnijax.decoding.row_logprobs`; zeros unless per-row).
+    """
+    B, V = logits.shape
+    batch_rows = jnp.arange(B)
+    draw, following = split_keys(key)
+    scores = logits if mask is None else jnp.where(allowed_tokens(mask, V), logits, -jnp.inf)
+    if getattr(config.decoding, "per_row", False):
+        token = config.decoding.select(scores, history, draw, row=sampling, counts=counts, seen=seen)  # [B]
+        lps = row_logprobs(logits, token, sampling)
+    else:
+        token = config.decoding.select(scores, history, draw)  # [B]
+        K = MAX_TOP_LOGPROBS
+        lps = (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), jnp.float32))
+    written = jnp.where(active, token, V)  # finished rows count nothing (out of range: dropped)
+    counts = counts.at[batch_rows, written].add(1, mode="drop")
+    seen = seen.at[batch_rows, written].set(True, mode="drop")
+    key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
+    x = model.embed_tokens(token[:, None])
+    pos = next_pos[None, :, None]  # [1, B, 1]
+    meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
+                              offset=jnp.broadcast_to(jnp.asarray(i, jnp.int32), (B, 1)))
+    kv, hidden = write_chunk(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
+                             placement=config.paging.placement)
+    logits = jnp.where(active[:, None], model.logits(hidden[:, 0]), logits)  # finished rows keep theirs
+    next_pos = next_pos + active.astype(jnp.int32)
+    return kv, next_pos, key, logits, token, counts, seen, lps
+
+
+def answer_stops(model: Decoder, config: StreamConfig) -> jax.Array:
+    """`[S]` int32: the ids that end an answer (`omnijax.decoding.answer_stop_ids`; `[-1]` when none)."""
+    return jnp.asarray(answer_stop_ids(config.decoding, model.config.eos_token_ids) or (-1,), jnp.int32)
+
+
 def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool,
             sampling=None, counts=None, seen=None):
-    """Decodes up to `count[b]` tokens with `config.decoding`; every generated token is fed back into the cache.
+    """Decodes up to `count[b]` tokens with `config.decoding` (a `lax.while_loop` of `decode_token`); every
+    generated token is fed back into the cache.
 
     `key [B, 2]` (key data) is split once per decoding step, row by row; a per-row strategy (`RowSampling`) draws
     each row with its `sampling [B, ROW_WIDTH]` settings and its history (`counts`, `seen` `[B, V]`, updated with
@@ -112,12 +160,8 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     last_logits [B, V], counts, seen, logprobs)`, `last_logits` being the logits after each row's last fed token and
     `logprobs` `(chosen [B, tau], top ids, top logprobs [B, tau, K])` (zeros unless per-row)."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
-    V = first_logits.shape[-1]
-    placement = config.paging.placement
-    per_row = getattr(config.decoding, "per_row", False)
-    eos = jnp.asarray(answer_stop_ids(config.decoding, model.config.eos_token_ids) or (-1,), jnp.int32)
+    eos = answer_stops(model, config)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
-    batch_rows = jnp.arange(B)
 
     def cond(carry):
         i, active = carry[0], carry[5]
@@ -125,34 +169,15 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
 
     def body(carry):
         i, kv, next_pos, key, logits, active, tokens, counts, seen, lps = carry
-        draw, following = split_keys(key)
-        if per_row:
-            token = config.decoding.select(logits, tokens, draw, row=sampling, counts=counts, seen=seen)  # [B]
-            def record(lps):
-                chosen, top_ids, top_lp = row_logprobs(logits, token, sampling)
-                return lps[0].at[:, i].set(chosen), lps[1].at[:, i].set(top_ids), lps[2].at[:, i].set(top_lp)
-
-            lps = jax.lax.cond(wants_logprobs(sampling), record, lambda lps: lps, lps)
-        else:
-            token = config.decoding.select(logits, tokens, draw)  # [B]
-        written = jnp.where(active, token, V)  # finished rows count nothing (out of range: dropped)
-        counts = counts.at[batch_rows, written].add(1, mode="drop")
-        seen = seen.at[batch_rows, written].set(True, mode="drop")
-        key = jnp.where(active[:, None], following, key)  # finished rows keep theirs
+        kv, next_pos, key, logits, token, counts, seen, lp = decode_token(
+            model, kv, next_pos, key, logits, active, i, tokens, unit, config, track_scores, sampling, counts, seen)
+        lps = tuple(whole.at[:, i].set(one) for whole, one in zip(lps, lp))
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
-        x = model.embed_tokens(token[:, None])
-        pos = next_pos[None, :, None]  # [1, B, 1]
-        meta = paged_lib.SlotMeta(pos=pos, unit=unit[:, None], span=jnp.full((B, 1), SpanKind.RESPONSE, jnp.int32),
-                                  offset=jnp.full((B, 1), i, jnp.int32))
-        kv, hidden = write_chunk(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
-                             placement=placement)
-        logits = jnp.where(active[:, None], model.logits(hidden[:, 0]), logits)  # finished rows keep theirs
-        next_pos = next_pos + active.astype(jnp.int32)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
         active = active & ~stop & (i + 1 < count)
         return i + 1, kv, next_pos, key, logits, active, tokens, counts, seen, lps
 
-    if sampling is None and per_row:
+    if sampling is None and getattr(config.decoding, "per_row", False):
         sampling = config.decoding.rows(B)
     carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0, counts, seen,
              _empty_logprobs(B, max_tokens))
@@ -160,9 +185,14 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     return kv, next_pos, key, tokens, logits, counts, seen, lps
 
 
-def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
-               config: StreamConfig) -> tuple[StreamState, ChunkOutput]:
+def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
+               answer: bool = True) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
+
+    With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
+    chunk's, from which a host-driven loop decodes the `chunk.answer_tokens` one `decode_token` at a time
+    (`omnijax.serve.engine.decode_loop`); rows asking for tokens still count as fed for retention, as in the fused
+    step.
 
     `config.paging` places new tokens and, after an eviction, re-lays out the survivors (`omnijax.paging.relayout`);
     `config.subblock` is the subblock size it and the statistics use. `config` is static (part of the program).
@@ -192,7 +222,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     tau = config.max_answer_tokens
     lps = _empty_logprobs(kv.batch, tau)
-    if tau > 0:
+    if tau > 0 and answer:
         count = jnp.minimum(chunk.answer_tokens, tau)
         kv, next_pos, key, tokens, last_logits, counts, seen, lps = jax.lax.cond(
             jnp.any(count > 0),
@@ -200,7 +230,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk,
                             chunk.sampling, counts, seen),
             lambda: (kv, next_pos, key, jnp.full((kv.batch, tau), -1, jnp.int32), logits, counts, seen, lps))
     else:
-        tokens, last_logits = jnp.zeros((kv.batch, 0), jnp.int32), logits
+        tokens, last_logits = jnp.full((kv.batch, tau), -1, jnp.int32), logits
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
     state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)

@@ -27,27 +27,30 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
-from typing import Sequence
+from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.decoding import ROW_FIELDS, folded_keys, seed_of
-from omnijax.kv import paged as paged_lib
-from omnijax.paging import migration
+from omnijax.decoding import folded_keys, seed_of
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.constraint import TokenConstraint
+from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
+from omnijax.serve.engine.rows import batch_frames, pick_bucket, reset_row, take_rows
 from omnijax.serve.engine.telemetry import StallEvent, Telemetry
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
-from omnijax.streaming.step import StreamState, chunk_step, init_state
+from omnijax.streaming.step import StreamState, init_state
+
+# Re-exported: the row moves were defined here, and the fused step under this name.
+__all__ = ["DuplicateSession", "Engine", "EngineConfig", "FrameOutput", "TickReport", "pick_bucket", "reset_row",
+           "take_rows"]
+_engine_step = engine_step
 
 
 class DuplicateSession(KeyError, ValueError):
@@ -74,6 +77,11 @@ class EngineConfig:
         frame_budget_s: the frame budget B (telemetry counts overruns; AIMD targets a fraction of it).
         return_logits: copy each frame's last-position logits `[V]` to the host.
         fit_fraction: early share of the trace the telemetry's saturation fit uses.
+        per_token: run ticks host-driven (`omnijax.serve.engine.decode_loop.host_tick`): the answer is decoded one
+            jitted token step at a time from the engine thread, each token handed to `tick(on_token=...)` as soon
+            as it is decoded (per-token streaming). The tokens are those of the fused tick (one program decoding
+            up to tau tokens); a tick costs one dispatch and one copy back per token more. Default False (fused);
+            `tick(per_token=...)` decides per tick, and a tick with a constrained row is always host-driven.
     """
 
     stream: StreamConfig = dataclasses.field(default_factory=_default_stream)
@@ -83,8 +91,11 @@ class EngineConfig:
     frame_budget_s: float = 1.0
     return_logits: bool = True
     fit_fraction: float = 0.25
+    per_token: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.per_token, bool):
+            raise ValueError(f"per_token must be True or False, got {self.per_token!r}")
         if not isinstance(self.stream, StreamConfig):
             raise TypeError(f"EngineConfig.stream must be an omnijax.StreamConfig, got {self.stream!r}")
         if self.stream.num_pages is None:
@@ -131,6 +142,9 @@ class FrameOutput:
         logprobs: when the frame's sampling row asks for log probabilities (`top_logprobs` >= 0), one entry per
             token: `(logprob, [(token id, logprob), ...])`, the raw model distribution's log probability of the
             token and of the `top_logprobs` most likely tokens (`omnijax.decoding.row_logprobs`); else None.
+        complete: the row's token constraint reported `finished()` after its last token (host-driven ticks).
+        error: why the row's token constraint failed it (its `bitmask()` or `accept` raised, or a bad mask); the
+            tokens before are kept.
     """
 
     session_id: str
@@ -142,6 +156,8 @@ class FrameOutput:
     tick_s: float = 0.0
     occupancy: float = 0.0
     logprobs: list | None = None
+    complete: bool = False
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -161,6 +177,7 @@ class TickReport:
         used_pages, free_pages: pool pages in use / free after the tick.
         bucket: batch size the step ran at.
         tick: tick index.
+        per_token: the tick ran host-driven (its tokens went to `on_token` as they were decoded).
     """
 
     outputs: dict[str, FrameOutput]
@@ -176,79 +193,11 @@ class TickReport:
     free_pages: int = 0
     bucket: int = 0
     tick: int = 0
+    per_token: bool = False
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
-def reset_row(state: StreamState, row: int | jax.Array) -> StreamState:
-    """Frees every page of sequence `row` and resets its per-row state (a session leaving; pure, jittable).
-
-    Its pages go back to the pool (`release_pages`: free stack, class FREE, slots invalid); its page-table row
-    becomes -1 and `seq_slots`, `next_order`, `exhausted`, `dropped` and `next_pos` return to their initial values.
-    Other rows are untouched.
-    """
-    kv = state.kv
-    kv = paged_lib.release_pages(kv, kv.page_table[row])  # [M] ids, -1 ignored
-    kv = kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
-                    next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
-                    dropped=kv.dropped.at[row].set(0))
-    return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0),
-                               counts=state.counts.at[row].set(0), seen=state.seen.at[row].set(False))
-
-
-def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
-    """Re-arranges the per-row state: new row i takes old row `rows[i]`, or a fresh empty row where it is -1.
-
-    Grows or shrinks the batch (`len(rows)` is the new batch). The pool is untouched, so old rows left out must
-    own no pages (reset them first).
-    """
-    rows = np.asarray(rows, np.int32)  # [B_new]
-    src, keep = jnp.asarray(np.maximum(rows, 0)), jnp.asarray(rows >= 0)
-    kv = state.kv
-
-    def pick(x, fill):
-        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
-
-    kv = kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
-                    next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
-                    dropped=pick(kv.dropped, 0))
-    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0),
-                       last_logits=pick(state.last_logits, 0), counts=pick(state.counts, 0),
-                       seen=pick(state.seen, False))
-
-
-def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding `n` sessions (None when none does)."""
-    return next((b for b in buckets if b >= n), None)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-def _engine_step(graphdef, params, state, chunk, *, config: StreamConfig):
-    """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
-    dropped [B], num_free [], table_full [B], logprobs))`, `logprobs` the step's `(chosen, top ids, top logprobs)`
-    (None unless the strategy is per-row)."""
-    model = nnx.merge(graphdef, params)
-    state, out = chunk_step(model, state, chunk, config)
-    table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
-    kv = migration.drop_empty_entries(state.kv)
-    logprobs = None if out.logprobs is None else (out.logprobs, out.top_ids, out.top_logprobs)
-    outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full, logprobs)
-    return dataclasses.replace(state, kv=kv), outputs
-
-
 _reset_row = jax.jit(reset_row, donate_argnums=0)
-
-
-def _frame_logprobs(chunk: Chunk, logprobs, row: int, n: int) -> list | None:
-    """The log probabilities of a frame's `n` tokens when its sampling row asks for them (`FrameOutput.logprobs`)."""
-    if logprobs is None or chunk.sampling is None:
-        return None
-    k = int(np.asarray(chunk.sampling)[0, ROW_FIELDS.index("top_logprobs")])
-    if k < 0:
-        return None
-    chosen, ids, values = (np.asarray(x[row]) for x in logprobs)
-    return [(float(chosen[i]), [(int(ids[i, j]), float(values[i, j])) for j in range(k)]) for i in range(n)]
-
-
 # ------------------------------------------------------------------------------------------------------- engine
 class Engine:
     """Serves many sessions from one shared KV pool, one jitted batched step per `tick()`.
@@ -414,38 +363,25 @@ class Engine:
 
     def _batch(self, frames: dict[str, Chunk]) -> Chunk:
         """Stacks the frames of the served sessions into their rows of a `[B, T]` chunk; other rows are empty."""
-        B, T, A = self.state.kv.batch, self.config.chunk_tokens, self.model_config.position_axes
-        z = lambda dtype: np.zeros((B, T), dtype)  # noqa: E731
-        out = dict(token_ids=z(np.int32), valid=z(bool), positions=np.zeros((A, B, T), np.int32), unit=z(np.int32),
-                   span=z(np.int32), offset=z(np.int32), answer_tokens=np.zeros((B,), np.int32),
-                   answer_unit=np.zeros((B,), np.int32), advance=np.zeros((B,), np.int32))
-        with_embeds = [c for c in frames.values() if c.embeds is not None]
-        if with_embeds:
-            D = with_embeds[0].embeds.shape[-1]
-            out["embeds"] = np.zeros((B, T, D), with_embeds[0].embeds.dtype)
-            out["embed_mask"] = z(bool)
-        if getattr(self._stream.decoding, "per_row", False):  # every row carries its settings: one program
-            default = np.asarray(self._stream.decoding.rows(1))
-            out["sampling"] = np.array(np.broadcast_to(default, (B, default.shape[-1])), np.float32)
-        with_levels = [c for c in frames.values() if c.deepstack is not None]
-        if with_levels:
-            n, D = with_levels[0].deepstack.shape[0], with_levels[0].deepstack.shape[-1]
-            out["deepstack"] = np.zeros((n, B, T, D), with_levels[0].deepstack.dtype)
-        for s, c in frames.items():
-            r = self._slots[s]
-            for name in ("token_ids", "valid", "unit", "span", "offset", "answer_tokens", "answer_unit", "advance"):
-                out[name][r] = getattr(c, name)[0]
-            out["positions"][:, r] = c.positions[:, 0]
-            if c.embeds is not None:
-                out["embeds"][r], out["embed_mask"][r] = c.embeds[0], c.embed_mask[0]
-            if c.deepstack is not None:
-                out["deepstack"][:, r] = c.deepstack[:, 0]
-            if c.sampling is not None and "sampling" in out:
-                out["sampling"][r] = c.sampling[0]
-        return Chunk(**out)
+        per_row = getattr(self._stream.decoding, "per_row", False)
+        return batch_frames(frames, self._slots, self.state.kv.batch, self.config.chunk_tokens,
+                            self.model_config.position_axes,
+                            np.asarray(self._stream.decoding.rows(1)) if per_row else None)
 
-    def tick(self) -> TickReport:
-        """Serves every session with a submitted chunk in one jitted batched step; returns the `TickReport`."""
+    def tick(self, *, per_token: bool | None = None, on_token: OnToken | None = None,
+             constraints: Mapping[str, TokenConstraint] | None = None) -> TickReport:
+        """Serves every session with a submitted chunk in one batched step; returns the `TickReport`.
+
+        Args:
+            per_token: run this tick host-driven (None: `EngineConfig.per_token`); see `EngineConfig.per_token`.
+            on_token: host-driven ticks call `on_token(session id, token, logprob entry or None)` in this thread
+                after every token a served row decodes (the entry as in `FrameOutput.logprobs`); a True return ends
+                that row now (its answer was cancelled).
+            constraints: {session id: `omnijax.serve.engine.constraint.TokenConstraint`}: those rows draw only the
+                tokens their `bitmask()` allows; the tick runs host-driven.
+        """
+        constraints = dict(constraints or {})
+        host = bool(constraints) or (self.config.per_token if per_token is None else bool(per_token))
         start_s = self.telemetry.now()
         t0 = time.perf_counter()
         self._arrange()
@@ -461,8 +397,13 @@ class Engine:
         table_only = True  # every write drop of this tick hit a full page-table row, none an empty pool
         if frames:
             batch = self._batch(frames)
-            self.state, result = _engine_step(self._graphdef, self._params, self.state, batch, config=self._stream)
-            result = jax.device_get(jax.block_until_ready(result))
+            ends: dict[str, RowEnd] = {}
+            if host:
+                result, ends = host_tick(self, batch, frames, on_token, constraints)
+            else:
+                self.state, result = engine_step(self._graphdef, self._params, self.state, batch,
+                                                 config=self._stream)
+                result = jax.device_get(jax.block_until_ready(result))
             logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
             for s, c in frames.items():
                 r, asked = self._slots[s], int(c.answer_tokens[0])
@@ -476,8 +417,10 @@ class Engine:
                     outputs[s] = FrameOutput(s, [], None, lost, True, asked)
                     continue
                 toks = [int(t) for t in tokens[r, :asked] if t >= 0]
+                end = ends.get(s, RowEnd())
                 outputs[s] = FrameOutput(s, toks, np.asarray(logits[r]) if self.config.return_logits else None,
-                                         lost, False, asked, logprobs=_frame_logprobs(c, logprobs, r, len(toks)))
+                                         lost, False, asked, logprobs=frame_logprobs(c, logprobs, r, len(toks)),
+                                         complete=end.complete, error=end.error)
             free = int(num_free)
         else:
             free = self.free_pages
@@ -496,7 +439,7 @@ class Engine:
         return TickReport(outputs=outputs, latency_s=latency, occupancy=used / self.config.num_pages,
                           running=running, waiting=waiting, tokens=n_tokens, events=events, served=len(frames),
                           queued=sum(len(q) for q in self._queue.values()), used_pages=used, free_pages=free,
-                          bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1)
+                          bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1, per_token=host)
 
     # -------------------------------------------------------------------------------------------- persistence
     def export_session(self, session_id: str, *, meta: dict | None = None) -> snapshot_lib.SessionSnapshot:

@@ -6,7 +6,12 @@ Every front end (`/v1/realtime`, `/v1/chat/completions`) drives sessions through
 - `feed(sid, parts)` queues chunks (at most `chunk_tokens` each, see `omnijax.conversation`); the returned
   future resolves once the last one has been written.
 - `respond(sid, prompt, max_tokens)` queues a response: its prompt parts, then continuation chunks asking for up to
-  tau tokens per tick until a stop token, `max_tokens`, or `cancel(sid)`. Its `Answer` yields token deltas.
+  tau tokens per tick until a stop token, `max_tokens`, or `cancel(sid)`. Its `Answer` yields token deltas: one per
+  token when the engine runs per token (`EngineConfig.per_token`: a tick in which an answer decodes runs host-driven,
+  and the engine thread hands each token to the event loop as it is decoded, `loop.call_soon_threadsafe`), else one
+  per tick. A response may carry a token constraint (`omnijax.serve.engine.constraint.TokenConstraint`): its ticks
+  run host-driven whatever `per_token` says, each token drawn under its mask; the answer completes when it is
+  finished.
 
 A session's chunks are served in the order queued, one per tick; a response holds its session's lane until it ends,
 so what is queued behind it (the next message, audio frames that kept arriving) follows the answer in the cache.
@@ -39,6 +44,7 @@ import numpy as np
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import answer_stop_ids
 from omnijax.serve.engine.admission import AIMD, Overloaded
+from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.engine import Engine
 from omnijax.serve.engine.snapshot import SessionSnapshot
 
@@ -62,11 +68,14 @@ class Answer:
         kv_cells: the session's cached cells when it ended.
         logprobs: when its sampling row asks for them, one `(logprob, [(token id, logprob), ...])` per token of
             `tokens` (`omnijax.serve.engine.engine.FrameOutput.logprobs`); else an empty list.
+        constraint: the `TokenConstraint` its tokens are drawn under, or None.
     """
 
-    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None):
+    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None,
+                 constraint: TokenConstraint | None = None):
         self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
         self.sampling = sampling  # the row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
+        self.constraint = constraint
         self.tokens: list[int] = []
         self.logprobs: list = []
         self.status: str | None = None
@@ -311,16 +320,22 @@ class EngineWorker:
         return future
 
     def respond(self, sid: str, prompt: Prompt, max_tokens: int, continuation: Callable[[int, int], Chunk],
-                sampling: np.ndarray | None = None) -> Answer:
+                sampling: np.ndarray | None = None, constraint: TokenConstraint | None = None) -> Answer:
         """Queues a response: `prompt` (`conversation.Prompt`), then continuations (`continuation(unit, n)`);
-        `sampling` (`omnijax.decoding.sampling_row`) draws it with its own settings (a per-row engine only)."""
+        `sampling` (`omnijax.decoding.sampling_row`) draws it with its own settings (a per-row engine only);
+        `constraint` (`omnijax.serve.engine.constraint.TokenConstraint`, one object per response: it keeps the
+        response's state) masks every token it draws (its methods run in the engine's thread); the answer
+        completes when the constraint is finished."""
         lane = self._lane(sid)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if sampling is not None and not self.per_row:
             raise ValueError(f"per-response sampling needs an engine decoding with omnijax.decoding.RowSampling, "
                              f"not {self.engine.config.stream.decoding!r}")
-        answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit, sampling)
+        if constraint is not None and not isinstance(constraint, TokenConstraint):
+            raise ValueError(f"constraint must be an omnijax.serve.engine.constraint.TokenConstraint (bitmask, "
+                             f"accept, finished), got {type(constraint).__name__}")
+        answer = Answer(max_tokens, self.stop_ids, prompt.answer_unit, sampling, constraint)
         if self.stopping:
             answer._finish("failed", "the server is shutting down")
             return answer
@@ -409,16 +424,36 @@ class EngineWorker:
                 plan[sid] = (drawn(item.chunk, answer), asked, item, answer)
         return plan
 
-    def _tick_sync(self, plan: dict):
-        """In the engine thread: submit each planned chunk, then one tick. Returns (report, failures)."""
+    def _tick_sync(self, plan: dict, loop: asyncio.AbstractEventLoop):
+        """In the engine thread: submit each planned chunk, then one tick. Returns (report, failures).
+
+        A tick in which an answer decodes runs per token when the engine is configured so (or an answer carries a
+        constraint): each token is handed to its answer on the event loop as soon as it is decoded
+        (`call_soon_threadsafe`, so every token's push runs before the tick's own result reaches the loop), and a
+        cancelled answer's row ends at once."""
         start, failed = time.perf_counter(), {}
         for sid, (chunk, asked, _, _) in plan.items():
             try:
                 self.engine.submit(sid, chunk, asked)
             except Exception as e:  # noqa: BLE001 - one session's chunk must not stop the tick
                 failed[sid] = f"{type(e).__name__}: {e}"
+        answers = {sid: answer for sid, (_, asked, _, answer) in plan.items()
+                   if answer is not None and asked > 0 and sid not in failed}
+        constraints = {sid: a.constraint for sid, a in answers.items() if a.constraint is not None}
+
+        def on_token(sid: str, token: int, entry) -> bool:
+            answer = answers.get(sid)
+            if answer is None:  # a native frame's tokens come back with its tick
+                return False
+            if answer.cancelled:
+                return True
+            loop.call_soon_threadsafe(answer._push, [token], None if entry is None else [entry])
+            return False
+
         try:
-            report = self.engine.tick() if len(failed) < len(plan) else None
+            per_token = bool(answers) and self.engine.config.per_token
+            report = (self.engine.tick(per_token=per_token, on_token=on_token, constraints=constraints)
+                      if len(failed) < len(plan) else None)
         finally:
             self.compute_s.append(time.perf_counter() - start)
         return report, failed
@@ -440,7 +475,7 @@ class EngineWorker:
                 continue
             start = time.perf_counter()
             try:
-                report, failed = await self.in_engine(self._tick_sync, plan)
+                report, failed = await self.in_engine(self._tick_sync, plan, asyncio.get_running_loop())
             except Exception as e:  # noqa: BLE001 - keep serving; these sessions' work is lost, and said so
                 self.stats["tick_errors"] += 1
                 log.exception("tick failed")
@@ -499,12 +534,15 @@ class EngineWorker:
             tokens = [] if out is None else [int(t) for t in out.tokens]
             cut = next((i + 1 for i, t in enumerate(tokens) if t in answer.stop), None)
             tokens = tokens[:cut] if cut is not None else tokens
-            answer._push(tokens, None if out is None else out.logprobs)
+            if not report.per_token:  # a per-token tick pushed each token as it was decoded
+                answer._push(tokens, None if out is None else out.logprobs)
             self.stats["tokens"] += len(tokens)
             ending = None
             if out is None or out.preempted:
                 ending = ("incomplete", "preempted")
-            elif cut is not None:
+            elif out.error is not None:
+                ending = ("failed", f"the token constraint failed: {out.error}")
+            elif cut is not None or out.complete:
                 ending = ("completed", None)
             elif answer.remaining <= 0:
                 ending = ("incomplete", "max_output_tokens")

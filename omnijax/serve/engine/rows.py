@@ -1,0 +1,93 @@
+"""The engine's per-row state moves and batching, pure: a leaving session's row reset (`reset_row`), rows re-arranged
+into another bucket (`take_rows`, `pick_bucket`), and the served frames stacked into one `[B, T]` chunk
+(`batch_frames`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.chunks.chunk import Chunk
+from omnijax.kv import paged as paged_lib
+from omnijax.streaming.step import StreamState
+
+
+def reset_row(state: StreamState, row: int | jax.Array) -> StreamState:
+    """Frees every page of sequence `row` and resets its per-row state (a session leaving; pure, jittable).
+
+    Its pages go back to the pool (`release_pages`: free stack, class FREE, slots invalid); its page-table row
+    becomes -1 and `seq_slots`, `next_order`, `exhausted`, `dropped` and `next_pos` return to their initial values.
+    Other rows are untouched.
+    """
+    kv = state.kv
+    kv = paged_lib.release_pages(kv, kv.page_table[row])  # [M] ids, -1 ignored
+    kv = kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
+                    next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
+                    dropped=kv.dropped.at[row].set(0))
+    return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0),
+                               counts=state.counts.at[row].set(0), seen=state.seen.at[row].set(False))
+
+
+def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
+    """Re-arranges the per-row state: new row i takes old row `rows[i]`, or a fresh empty row where it is -1.
+
+    Grows or shrinks the batch (`len(rows)` is the new batch). The pool is untouched, so old rows left out must
+    own no pages (reset them first).
+    """
+    rows = np.asarray(rows, np.int32)  # [B_new]
+    src, keep = jnp.asarray(np.maximum(rows, 0)), jnp.asarray(rows >= 0)
+    kv = state.kv
+
+    def pick(x, fill):
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
+
+    kv = kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
+                    next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
+                    dropped=pick(kv.dropped, 0))
+    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0),
+                       last_logits=pick(state.last_logits, 0), counts=pick(state.counts, 0),
+                       seen=pick(state.seen, False))
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding `n` sessions (None when none does)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def batch_frames(frames: Mapping[str, Chunk], slots: Mapping[str, int], B: int, T: int, A: int,
+                 default_row: np.ndarray | None) -> Chunk:
+    """Stacks the frames of the served sessions into their rows (`slots`) of a `[B, T]` chunk (A position axes);
+    other rows are empty. `default_row` (`[1, ROW_WIDTH]`, a per-row strategy's default): every row carries
+    sampling settings, the frame's own where it has them (one program for every mix)."""
+    z = lambda dtype: np.zeros((B, T), dtype)  # noqa: E731
+    out = dict(token_ids=z(np.int32), valid=z(bool), positions=np.zeros((A, B, T), np.int32), unit=z(np.int32),
+               span=z(np.int32), offset=z(np.int32), answer_tokens=np.zeros((B,), np.int32),
+               answer_unit=np.zeros((B,), np.int32), advance=np.zeros((B,), np.int32))
+    with_embeds = [c for c in frames.values() if c.embeds is not None]
+    if with_embeds:
+        D = with_embeds[0].embeds.shape[-1]
+        out["embeds"] = np.zeros((B, T, D), with_embeds[0].embeds.dtype)
+        out["embed_mask"] = z(bool)
+    if default_row is not None:
+        out["sampling"] = np.array(np.broadcast_to(default_row, (B, default_row.shape[-1])), np.float32)
+    with_levels = [c for c in frames.values() if c.deepstack is not None]
+    if with_levels:
+        n, D = with_levels[0].deepstack.shape[0], with_levels[0].deepstack.shape[-1]
+        out["deepstack"] = np.zeros((n, B, T, D), with_levels[0].deepstack.dtype)
+    for s, c in frames.items():
+        r = slots[s]
+        for name in ("token_ids", "valid", "unit", "span", "offset", "answer_tokens", "answer_unit", "advance"):
+            out[name][r] = getattr(c, name)[0]
+        out["positions"][:, r] = c.positions[:, 0]
+        if c.embeds is not None:
+            out["embeds"][r], out["embed_mask"][r] = c.embeds[0], c.embed_mask[0]
+        if c.deepstack is not None:
+            out["deepstack"][:, r] = c.deepstack[:, 0]
+        if c.sampling is not None and "sampling" in out:
+            out["sampling"][r] = c.sampling[0]
+    return Chunk(**out)
