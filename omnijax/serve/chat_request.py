@@ -31,6 +31,7 @@ from omnijax.serve.chat_params import (
     stream_options,
 )
 from omnijax.serve.chat_sampling import request_sampling
+from omnijax.serve.structured import FormatError, Grammar, ResponseFormat, compile_format, parse_response_format
 from omnijax.serve.tool_calls import ToolError, Tools, chat_tools, message_extras
 from omnijax.stop_strings import check_stops
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
 __all__ = ["MAX_MESSAGES", "MAX_PARTS", "ROLES", "ChatRequest", "Part", "build_prompt", "check_decoding",
-           "parse_body", "parse_chat_request"]
+           "parse_body", "parse_chat_request", "response_grammar"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -76,6 +77,8 @@ class ChatRequest:
     top_logprobs: int | None = None  # None: no log probabilities; k: the chosen token's and k alternatives'
     tools: Tools | None = None  # the request's function tools (`omnijax.serve.tool_calls`)
     extras: tuple = ()  # per message: its tool fields as the chat template takes them (`tool_calls`, `tool_call_id`)
+    response_format: ResponseFormat | None = None  # json_object / json_schema (`omnijax.serve.structured`); None: text
+    grammar: Grammar | None = None  # `response_format` compiled for the served tokenizer (`parse_body`)
 
 
 class _AudioBudget:
@@ -170,12 +173,10 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
                            code="model_not_found", param="model")
     check_fields(body, per_row=bool(getattr(decoding, "per_row", False)))
     labels = check_labels(body)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError("'response_format' other than text is not supported", code="unsupported",
-                           param="response_format")
-    if fmt is not None:
-        check_keys(fmt, ("type",), "response_format")
+    try:
+        response_format = parse_response_format(body.get("response_format"))
+    except FormatError as e:
+        raise RequestError(str(e), param=e.param, code=e.code) from None
     sampled = request_sampling(body, decoding, vocab_size or 2 ** 24, check_decoding)
     sampling, seed, n, top_logprobs = sampled.row, sampled.seed, sampled.n, sampled.top_logprobs
     try:
@@ -205,6 +206,10 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
     parsed, extras, call_ids = [], [], set()
     budget = _AudioBudget(max_audio_s)
     tools = _tool_fields(chat_tools, body)
+    if response_format is not None and tools is not None and tools.active:
+        raise RequestError(f"'response_format' {response_format.type!r} is not supported together with 'tools' (the "
+                           f"output is either a JSON document or tool calls): omit one, or send tool_choice \"none\"",
+                           param="response_format", code="unsupported")
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -227,7 +232,7 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
         parsed.append((role, parts))
     return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop,
                        n=n, top_logprobs=top_logprobs,
-                       tools=tools, extras=tuple(extras))
+                       tools=tools, extras=tuple(extras), response_format=response_format)
 
 
 def _tool_fields(check, *args):
@@ -258,10 +263,30 @@ def check_decoding(body: dict, decoding: Any) -> None:
 def parse_body(body: bytes, context: ServeContext) -> ChatRequest:
     """The request of a body (JSON, media decoded and resampled); `RequestError` naming the field."""
     payload = json_payload(body)
-    return parse_chat_request(payload, model_name=context.options.model_name,
-                              decoding=context.worker.engine.config.stream.decoding,
-                              vocab_size=context.worker.engine.model_config.vocab_size,
-                              max_audio_s=context.options.max_request_audio_s)
+    req = parse_chat_request(payload, model_name=context.options.model_name,
+                             decoding=context.worker.engine.config.stream.decoding,
+                             vocab_size=context.worker.engine.model_config.vocab_size,
+                             max_audio_s=context.options.max_request_audio_s)
+    if req.response_format is None:
+        return req
+    response_grammar(req.response_format, context)  # a schema that does not compile is refused by name first
+    raise RequestError(f"'response_format' {req.response_format.type!r} is not applied yet: the engine's constraint "
+                       f"hook is not wired into this route; omit it or send {{\"type\": \"text\"}}",
+                       param="response_format", code="unsupported")
+
+
+def response_grammar(fmt: ResponseFormat, context: ServeContext) -> Grammar:
+    """`fmt` compiled for the served model (`omnijax.serve.structured.compile_format`: cached per schema, blocking);
+    a schema llguidance cannot compile, or a tokenizer it cannot read, is a `RequestError` naming the field."""
+    try:
+        return compile_format(fmt, context.tokenizer, context.worker.engine.model_config.vocab_size,
+                              context.worker.stop_ids)
+    except FormatError as e:
+        raise RequestError(str(e), param=e.param, code=e.code) from None
+    except ValueError as e:
+        raise RequestError(f"'response_format' {fmt.type!r} is not supported for model "
+                           f"{context.options.model_name!r}: {e}", param="response_format",
+                           code="unsupported") from None
 
 
 def build_prompt(conversation: Conversation, req: ChatRequest, answer_tokens: int,

@@ -60,7 +60,7 @@ def test_requests_parse_into_parts_in_order():
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_completion_tokens": 0, "max_tokens": 5}, 400, "max_completion_tokens"),
     ({"stream": "yes"}, 400, "stream"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "json"}}, 400, "response_format.type"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},

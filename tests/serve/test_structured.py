@@ -1,0 +1,247 @@
+"""Structured output (issue 37 item 3): `response_format` json_object / json_schema compiled by llguidance into the
+token constraint the engine decodes under (`omnijax.serve.structured`).
+
+The constraint is driven by random walks: at every step a token is drawn at random among those its bitmask allows
+(seeded; half the draws among the allowed tokens that close something, so that the walks end), on the demo model's
+tokenizer and on SmolLM2's. Oracles: every finished walk decodes (by the tokenizer) to text that `json.loads` reads
+and `jsonschema` validates against the schema; at every step the end-of-answer token is allowed exactly when the text
+so far is already such a document; no id past the tokenizer's vocabulary and no other special token is ever allowed;
+the token bytes the grammar matches against concatenate to what the tokenizer decodes. Bad formats are refused by
+name through the official openai SDK against the in-process demo server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")  # the test extra: the schema validator is the oracle
+pytest.importorskip("llguidance")  # the serve and test extras
+
+from omnijax.decoding import Greedy, answer_stop_ids  # noqa: E402
+from omnijax.serve.engine.constraint import unpack_allowed  # noqa: E402
+from omnijax.serve.structured import (  # noqa: E402
+    FormatError,
+    ResponseFormat,
+    compile_format,
+    parse_response_format,
+    token_bytes,
+)
+from tests._support import real_model  # noqa: E402
+from tests._support.demo_server import demo_model  # noqa: E402
+
+RUNS = 50  # random walks per schema and tokenizer
+MAX_STEPS = 4000  # a walk that has not ended by then fails the test
+
+SCHEMAS = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "kind": {"enum": ["cat", "dog", "fish"]}},
+        "required": ["name", "age", "kind"], "additionalProperties": False},
+    "nested_array": {"type": "object", "properties": {
+        "rows": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "properties": {
+                "id": {"type": "integer"},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+            "required": ["id", "tags"], "additionalProperties": False}}},
+        "required": ["rows"], "additionalProperties": False},
+    "json_object": None,  # {"type": "json_object"}: any JSON object
+    "number_pattern": {"type": "object", "properties": {
+        "price": {"type": "string", "pattern": "^-?[0-9]{1,4}(\\.[0-9]{2})?$"},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "count": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["price", "ratio", "count"], "additionalProperties": False},
+    "recursive_tree": {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "boolean"},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+}
+
+
+def _format(name: str) -> ResponseFormat:
+    if SCHEMAS[name] is None:
+        return parse_response_format({"type": "json_object"})
+    return parse_response_format({"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name],
+                                                                         "strict": True}})
+
+
+class _Served:
+    """A tokenizer as the server holds it: the tokenizer, the logits' width, the answer's stop ids."""
+
+    def __init__(self, tokenizer, vocab_size: int, stops):
+        self.tokenizer, self.vocab_size, self.stops = tokenizer, vocab_size, tuple(stops)
+        tokens, self.specials = token_bytes(tokenizer, vocab_size)
+        # tokens that close a string, an object, an array or an item: half the draws come from these
+        self.closers = np.array([any(c in t for c in b'"}],') for t in tokens])
+        self.closers[list(self.stops)] = True
+
+
+@pytest.fixture(scope="module", params=["demo", "smollm2"])
+def served(request) -> _Served:
+    if request.param == "demo":
+        model = demo_model()
+    else:
+        import omnijax
+
+        model = omnijax.load(real_model.checkpoint())  # skips (fails under `make test`) without the GGUF
+    return _Served(model.tokenizer, model.config.vocab_size, answer_stop_ids(Greedy(), model.config.eos_token_ids))
+
+
+def _document(served: _Served, tokens: list[int], schema) -> bool:
+    """Whether `tokens` decode to a complete JSON document that the schema accepts (the independent oracle)."""
+    try:
+        value = json.loads(served.tokenizer.decode(tokens))
+    except ValueError:
+        return False
+    if schema is None:
+        return isinstance(value, dict)
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def _walk(served: _Served, grammar, schema, rng) -> list[int]:
+    """One random walk of the constraint to its end; checks every mask on the way. Returns its content tokens."""
+    constraint, tokens = grammar.constraint(), []
+    stops = list(served.stops)
+    for _ in range(MAX_STEPS):
+        allowed = unpack_allowed(constraint.bitmask(), served.vocab_size)
+        ids = np.flatnonzero(allowed)
+        assert ids.size and ids[-1] < served.tokenizer.vocab_size, "an id past the tokenizer's vocabulary"
+        assert not (set(ids.tolist()) & served.specials - set(stops)), "a special token inside the document"
+        complete = _document(served, tokens, schema)
+        assert allowed[stops].all() == complete and allowed[stops].any() == complete, (
+            f"end allowed {allowed[stops].tolist()} but the text so far is {'' if complete else 'not '}a document: "
+            f"{served.tokenizer.decode(tokens)!r}")
+        if constraint.finished():
+            assert set(ids.tolist()) == set(stops), "a finished document allows only its end"
+            return tokens
+        pool = ids[served.closers[ids]] if rng.random() < 0.5 else ids
+        token = int(rng.choice(pool if pool.size else ids))
+        constraint.accept(token)
+        if token in served.stops:
+            assert constraint.finished()
+            return tokens
+        tokens.append(token)
+    raise AssertionError(f"no end after {MAX_STEPS} tokens: {served.tokenizer.decode(tokens)[:200]!r}")
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_random_walks_decode_to_documents_the_schema_accepts(served, name):
+    grammar = compile_format(_format(name), served.tokenizer, served.vocab_size, served.stops)
+    rng = np.random.default_rng(sorted(SCHEMAS).index(name))
+    schema = SCHEMAS[name]
+    lengths = []
+    for _ in range(RUNS):
+        tokens = _walk(served, grammar, schema, rng)
+        value = json.loads(served.tokenizer.decode(tokens))
+        if schema is not None:
+            jsonschema.validate(value, schema, cls=jsonschema.Draft202012Validator)
+        else:
+            assert isinstance(value, dict)
+        lengths.append(len(tokens))
+    assert len(set(lengths)) > 1  # the walks differ
+
+
+def test_token_bytes_concatenate_to_the_decoded_text(served):
+    """The bytes the grammar matches tokens against, concatenated, are what the tokenizer decodes (random sequences
+    of ordinary tokens, whose pieces of UTF-8 characters only make sense together)."""
+    tokens, specials = token_bytes(served.tokenizer, served.vocab_size)
+    assert len(tokens) == served.vocab_size and set(served.stops) <= specials
+    ordinary = [i for i, t in enumerate(tokens) if t and i not in specials]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = [int(i) for i in rng.choice(ordinary, size=8)]
+        data = b"".join(tokens[i] for i in ids)
+        assert data.decode("utf-8", "replace") == served.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("value, param, code", [
+    ("json", "response_format", "invalid_value"),
+    ({"type": "json"}, "response_format.type", "invalid_value"),
+    ({"type": "text", "strict": True}, "response_format.strict", "unknown_parameter"),
+    ({"type": "json_object", "schema": {}}, "response_format.schema", "unknown_parameter"),
+    ({"type": "json_schema"}, "response_format.json_schema", "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema", "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema",
+     "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name", "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "response_format.json_schema.name",
+     "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
+     "response_format.json_schema.strict", "invalid_value"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "description": "A person."}},
+     "response_format.json_schema.description", "unsupported"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "schemas": {}}},
+     "response_format.json_schema.schemas", "unknown_parameter"),
+])
+def test_bad_formats_are_refused_by_name(value, param, code):
+    with pytest.raises(FormatError) as e:
+        parse_response_format(value)
+    assert (e.value.param, e.value.code) == (param, code), str(e.value)
+
+
+def test_text_and_the_parsed_formats():
+    assert parse_response_format(None) is None and parse_response_format({"type": "text"}) is None
+    assert parse_response_format({"type": "json_object"}) == ResponseFormat("json_object", '{"type":"object"}')
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object", "properties": {"z": {}, "a": {}}}, "strict": False}})
+    assert fmt.name == "p" and fmt.strict is False
+    assert list(json.loads(fmt.schema)["properties"]) == ["z", "a"]  # the order given is the order written
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "strng"}, "strng"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}, "look"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+])
+def test_schemas_llguidance_cannot_compile_name_the_schema(served, schema, says):
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
+    with pytest.raises(FormatError) as e:
+        compile_format(fmt, served.tokenizer, served.vocab_size, served.stops)
+    assert e.value.param == "response_format.json_schema.schema" and says in str(e.value), str(e.value)
+
+
+# Through the official openai SDK against the demo server (random weights: the answers are garbage, but constrained).
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog", "fish"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+    "ok": {"type": "boolean"}},
+    "required": ["name", "age", "pet", "tags", "ok"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    openai = pytest.importorskip("openai")
+    from omnijax.decoding import RowSampling
+    from tests._support.demo_server import demo_server
+
+    with demo_server(decoding=RowSampling(seed=7)) as running:
+        running.client = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
+        yield running
+
+
+@pytest.mark.parametrize("response_format, param, says", [
+    ({"type": "json"}, "response_format.type", "must be one of"),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strng"}}},
+     "response_format.json_schema.schema", "strng"),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": [PERSON]}},
+     "response_format.json_schema.schema", "JSON schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?=x)"}}}}}, "response_format.json_schema.schema", "look"),
+])
+def test_bad_formats_are_400s_naming_the_field_through_the_sdk(server, response_format, param, says):
+    """Each refused with a 400 naming the field (nothing fed, no session left open), and the server answers the
+    next request."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=4,
+                                              response_format=response_format)
+    assert e.value.status_code == 400 and e.value.param == param and says in e.value.message, e.value.message
+    assert not server.context.worker.lanes  # no session was opened for it
+    assert server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=2).choices
