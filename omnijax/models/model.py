@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
@@ -170,13 +169,14 @@ class Model(FamilyModel):
 
 def restore_module(directory: Path, component: str, stored_config: Any, dtype: str | None,
                    build: Callable[[Any], nnx.Module]) -> nnx.Module:
-    """Restores one module: `build(config)` defines it; weights are read in the stored dtype, then cast."""
+    """Restores one module: `build(config)` defines it; weights are read leaf by leaf, cast to `dtype` as they are
+    read when it differs from the stored one."""
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
-    restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component)
-    if dtype is not None and dtype != stored_config.dtype:
-        config = stored_config.replace(dtype=dtype)
-        restored = jax.tree.map(lambda a: a.astype(config.jnp_dtype), restored)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config)))
+    cast = dtype if dtype is not None and dtype != stored_config.dtype else None
+    # a cast happens leaf by leaf as the weights are read: one copy of them at a time
+    restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component, dtype=cast)
+    if cast is not None:
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config.replace(dtype=cast))))
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
