@@ -96,7 +96,8 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
             for i, sid in enumerate(sids):
                 await worker.in_engine(worker.engine.seed_session, sid, seed, i)
         choices = [_Choice(context, req, sid, worker.respond(sid, prompt, max_tokens, conversation.continuation,
-                                                             req.sampling)) for sid in sids]
+                                                             req.sampling, constraint=None if req.grammar is None
+                                                             else req.grammar.constraint())) for sid in sids]
     except Overloaded as e:
         await stack.aclose()
         return _overloaded(e, context, request)

@@ -122,7 +122,8 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         if req.seed is not None:
             await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
         context.worker.feed(sid, parts)
-        answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling)
+        answer = context.worker.respond(sid, prompt, max_tokens, conversation.continuation, req.sampling,
+                                        constraint=req.grammar.constraint() if req.grammar is not None else None)
     except ValueError as e:
         await session.__aexit__(None, None, None)
         return json_error(e if isinstance(e, RequestError) else RequestError(str(e)), request=request)

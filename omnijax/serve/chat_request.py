@@ -1,7 +1,9 @@
 """The chat-completions request: a JSON body parsed and checked into a `ChatRequest` (every refusal a `RequestError`
 naming the field; nothing changed), and its messages fed to a conversation as chunks (`build_prompt`).
 
-Pure but for `build_prompt`, which templates into the given `Conversation` (images and audio through its encoders).
+Pure but for `build_prompt`, which templates into the given `Conversation` (images and audio through its encoders),
+and `parse_body`, which compiles a `response_format` for the served tokenizer (`omnijax.serve.structured`; blocking:
+the route runs it in a worker thread).
 The routes that serve a request are `omnijax.serve.chat_completions` (one choice) and `omnijax.serve.chat_choices`
 (`n` choices or log probabilities).
 """
@@ -269,10 +271,7 @@ def parse_body(body: bytes, context: ServeContext) -> ChatRequest:
                              max_audio_s=context.options.max_request_audio_s)
     if req.response_format is None:
         return req
-    response_grammar(req.response_format, context)  # a schema that does not compile is refused by name first
-    raise RequestError(f"'response_format' {req.response_format.type!r} is not applied yet: the engine's constraint "
-                       f"hook is not wired into this route; omit it or send {{\"type\": \"text\"}}",
-                       param="response_format", code="unsupported")
+    return dataclasses.replace(req, grammar=response_grammar(req.response_format, context))
 
 
 def response_grammar(fmt: ResponseFormat, context: ServeContext) -> Grammar:

@@ -195,6 +195,7 @@ def test_text_and_the_parsed_formats():
     ({"type": "strng"}, "strng"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}, "look"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),  # not implemented by llguidance: refused, not ignored
 ])
 def test_schemas_llguidance_cannot_compile_name_the_schema(served, schema, says):
     fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}})
@@ -245,3 +246,53 @@ def test_bad_formats_are_400s_naming_the_field_through_the_sdk(server, response_
     assert e.value.status_code == 400 and e.value.param == param and says in e.value.message, e.value.message
     assert not server.context.worker.lanes  # no session was opened for it
     assert server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=2).choices
+
+
+def _check(content: str | None, finish_reason: str) -> None:
+    assert finish_reason == "stop", (finish_reason, content)
+    jsonschema.validate(json.loads(content), PERSON, cls=jsonschema.Draft202012Validator)
+
+
+def test_json_schema_answers_parse_and_validate_whole_and_streamed(server):
+    """The demo model's random weights answer garbage, but under the schema: every choice (n 2, sampled at
+    temperature 1.3 so they differ; whole and streamed) is a document that parses and validates, finish "stop"."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    contents = []
+    for seed in (1, 2):
+        whole = server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=200, n=2,
+                                                      temperature=1.3, seed=seed, response_format=fmt)
+        assert len(whole.choices) == 2
+        for choice in whole.choices:
+            _check(choice.message.content, choice.finish_reason)
+            contents.append(choice.message.content)
+    assert len(set(contents)) > 1
+    one = server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=200, response_format=fmt)
+    _check(one.choices[0].message.content, one.choices[0].finish_reason)
+    for n in (1, 2):
+        chunks = list(server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=200, n=n,
+                                                            temperature=1.3, seed=3, stream=True,
+                                                            response_format=fmt))
+        texts, reasons = [""] * n, [None] * n
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                reasons[c.index] = c.finish_reason or reasons[c.index]
+        for text, reason in zip(texts, reasons):
+            _check(text, reason)
+
+
+def test_json_object_answer_ends_as_an_object(server):
+    """json_object on the demo model, steered by logit_bias (applied before the mask): '"' first, then '}', so the
+    greedy answer opens the first key and closes it at once, takes a value (the model's choice among the tokens that
+    start with the forced space), then closes the object: a complete JSON object that ends the answer (finish "stop")
+    long before max_tokens."""
+    tokenizer = demo_model().tokenizer
+    quote, close = tokenizer.encode('"'), tokenizer.encode("}")
+    assert len(quote) == len(close) == 1
+    answer = server.client.chat.completions.create(model="omnijax", messages=ASK, max_tokens=50, temperature=0,
+                                                   logit_bias={str(quote[0]): 90, str(close[0]): 80},
+                                                   response_format={"type": "json_object"})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and answer.usage.completion_tokens < 50
+    value = json.loads(choice.message.content)
+    assert isinstance(value, dict) and list(value) == [""], choice.message.content
