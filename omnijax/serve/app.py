@@ -226,7 +226,11 @@ def warm_up(context: ServeContext, sessions: int) -> float:
         for sid in ids:
             engine.open(sid)
             engine.submit(sid, chunk, 0)
-        engine.tick()
+        engine.tick(per_token=False)
+        if engine.config.per_token and engine.config.max_answer_tokens:  # the host-driven programs too
+            for sid in ids:
+                engine.submit(sid, units.continuation(0, 1), 1)
+            engine.tick(per_token=True)
         for sid in ids:
             engine.close(sid)
         log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
@@ -263,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=None, help="per-tick chunk length T (default: the next power "
                    "of two holding a frame's audio unit, at least 32)")
     p.add_argument("--answer-tokens", type=int, default=8, help="tau: answer tokens per session per tick")
+    p.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream chat answers one token at a time (host-driven ticks while an answer decodes; "
+                   "--no-per-token: blocks of tau tokens per tick)")
     p.add_argument("--aimd-target", type=float, default=0.3,
                    help="AIMD latency target as a fraction of B (Metronome: 600 ms of a 2 s budget); 0 disables")
     p.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="engine batch buckets")
@@ -388,7 +395,8 @@ def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: i
             stream = StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
                                           max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
             context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
-                                    buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex)
+                                    buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex,
+                                    per_token=args.per_token)
             realtime_resume.attach_store(context, store)
         except (ValueError, KeyError, TypeError) as e:
             print(f"omnijax serve: error: {e}", file=sys.stderr)

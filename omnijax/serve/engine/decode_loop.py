@@ -131,8 +131,9 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     constrained = {engine._slots[s]: c for s, c in constraints.items() if s in frames}
     words = mask_words(engine.model_config.vocab_size)
     ends: dict[str, RowEnd] = {}
-    sampling = None if batch.sampling is None else np.asarray(batch.sampling, np.float32)
-    unit = np.asarray(batch.answer_unit, np.int32)
+    # copied to the device once per tick, not once per token
+    sampling = None if batch.sampling is None else jax.device_put(np.asarray(batch.sampling, np.float32))
+    unit = jax.device_put(np.asarray(batch.answer_unit, np.int32))
     stepped = False
     for i in range(tau):
         mask = None

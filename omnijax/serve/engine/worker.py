@@ -44,6 +44,7 @@ import numpy as np
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import answer_stop_ids
 from omnijax.serve.engine.admission import AIMD, Overloaded
+from omnijax.serve.engine.answer import Answer
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.engine import Engine
 from omnijax.serve.engine.snapshot import SessionSnapshot
@@ -51,66 +52,11 @@ from omnijax.serve.engine.snapshot import SessionSnapshot
 if TYPE_CHECKING:
     from omnijax.conversation import Prompt
 
+__all__ = ["Answer", "EngineWorker"]  # Answer: defined in omnijax.serve.engine.answer
+
 T = TypeVar("T")
 
 log = logging.getLogger("omnijax.serve")
-
-
-class Answer:
-    """A response being decoded; iterate it (`async for delta in answer`) for token-id deltas.
-
-    Attributes:
-        tokens: every token decoded so far.
-        status: None while decoding, then "completed" (a stop token), "incomplete" (`max_tokens` reached, or the
-            session was preempted), "cancelled" or "failed".
-        reason: why it is not completed ("max_output_tokens", "cancelled", "preempted", or an error message).
-        answer_unit: the unit id of the answer.
-        kv_cells: the session's cached cells when it ended.
-        logprobs: when its sampling row asks for them, one `(logprob, [(token id, logprob), ...])` per token of
-            `tokens` (`omnijax.serve.engine.engine.FrameOutput.logprobs`); else an empty list.
-        constraint: the `TokenConstraint` its tokens are drawn under, or None.
-    """
-
-    def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None,
-                 constraint: TokenConstraint | None = None):
-        self.max_tokens, self.stop, self.answer_unit = int(max_tokens), stop, answer_unit
-        self.sampling = sampling  # the row of a per-row strategy (`omnijax.decoding.sampling_row`), or None
-        self.constraint = constraint
-        self.tokens: list[int] = []
-        self.logprobs: list = []
-        self.status: str | None = None
-        self.reason: str | None = None
-        self.kv_cells = 0
-        self.cancelled = False
-        self._ending: tuple | None = None  # (status, reason) once the worker decided, before kv_cells are read
-        self._deltas: asyncio.Queue = asyncio.Queue()
-        self.done = asyncio.get_running_loop().create_future()
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - len(self.tokens)
-
-    def _push(self, tokens: list[int], logprobs: list | None = None) -> None:
-        self.tokens += tokens
-        self.logprobs += (logprobs or [])[:len(tokens)]
-        if tokens:
-            self._deltas.put_nowait(tokens)
-
-    def _finish(self, status: str, reason: str | None = None) -> None:
-        if self.status is None:
-            self.status, self.reason = status, reason
-            self._deltas.put_nowait(None)
-            self.done.set_result(status)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> list[int]:
-        delta = await self._deltas.get()
-        if delta is None:
-            self._deltas.put_nowait(None)  # later iterations end too
-            raise StopAsyncIteration
-        return delta
 
 
 @dataclasses.dataclass
@@ -451,9 +397,14 @@ class EngineWorker:
             return False
 
         try:
-            per_token = bool(answers) and self.engine.config.per_token
-            report = (self.engine.tick(per_token=per_token, on_token=on_token, constraints=constraints)
-                      if len(failed) < len(plan) else None)
+            report = None
+            if len(failed) < len(plan):
+                if constraints or (answers and self.engine.config.per_token):
+                    report = self.engine.tick(per_token=True, on_token=on_token, constraints=constraints)
+                elif self.engine.config.per_token:  # no answer decodes: one fused program serves the frames
+                    report = self.engine.tick(per_token=False)
+                else:
+                    report = self.engine.tick()
         finally:
             self.compute_s.append(time.perf_counter() - start)
         return report, failed
