@@ -37,7 +37,7 @@ from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.code2wav import DILATIONS, KERNEL, Code2Wav, Code2WavConfig
 
 __all__ = ["Code2WavStream", "Code2WavState", "check_codes", "decode", "decode_chunked", "decode_frames",
-           "init_state", "min_left_context", "model_params"]
+           "decode_streamed", "earliest_frame", "init_state", "min_left_context", "model_params"]
 
 # ------------------------------------------------------------------------------------------------------- state
 
@@ -333,7 +333,7 @@ def decode_streamed(model: Code2Wav, codes: Any, *, first_chunk: int = 4, chunk:
     return (stream.push(arr[..., a:b]) for a, b in _schedule(arr.shape[-1], first_chunk, chunk))
 
 
-def _earliest_frame(config: Code2WavConfig, sample: int) -> int:
+def earliest_frame(config: Code2WavConfig, sample: int) -> int:
     """The earliest frame of a decode's input that output sample `sample` depends on -- through full attention
     windows and without reaching the convs' zero padding -- walking the network backwards (negative: it reaches
     before the input's start, so it differs from a decode that had earlier frames)."""
@@ -353,7 +353,7 @@ def min_left_context(config: Code2WavConfig) -> int:
     sample, `left_context * F - lag` into the re-decoded window, must not depend on anything before the window."""
     F, lag = config.samples_per_frame, config.lag
     c = 0
-    while _earliest_frame(config, c * F - lag) < 0:
+    while earliest_frame(config, c * F - lag) < 0:
         c += 1
     return c
 
