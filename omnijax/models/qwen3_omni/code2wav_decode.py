@@ -275,9 +275,9 @@ def decode(model: Code2Wav, codes: Any) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------- streaming
 
 
-def _check_chunk(name: str, value: Any) -> int:
+def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive number of frames, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -293,7 +293,7 @@ class Code2WavStream:
     def __init__(self, model: Code2Wav, batch: int = 1):
         self.config: Code2WavConfig = model.config
         self._params = model_params(model)
-        self.state: Code2WavState = init_state(self.config, _check_chunk("batch", batch))
+        self.state: Code2WavState = init_state(self.config, _check_positive("batch", batch))
         self.batch = batch
 
     @property
@@ -327,7 +327,7 @@ def _schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int, int]
 def decode_streamed(model: Code2Wav, codes: Any, *, first_chunk: int = 4, chunk: int = 25) -> Iterator[jax.Array]:
     """`Code2WavStream` over `codes [B, Q, T]` in chunks of `first_chunk`, then `chunk` frames; yields each
     chunk's samples. Arguments are checked before the first chunk (at the call, not at the first `next`)."""
-    first_chunk, chunk = _check_chunk("first_chunk", first_chunk), _check_chunk("chunk", chunk)
+    first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
     arr = check_codes(model.config, codes)
     stream = Code2WavStream(model, arr.shape[0])
     return (stream.push(arr[..., a:b]) for a, b in _schedule(arr.shape[-1], first_chunk, chunk))
@@ -377,7 +377,7 @@ def decode_chunked(model: Code2Wav, codes: Any, *, first_chunk: int = 4, chunk: 
         ValueError: a chunk size below one frame, a left context below `min_left_context` (named), or bad codes --
             all at the call, before any chunk.
     """
-    first_chunk, chunk = _check_chunk("first_chunk", first_chunk), _check_chunk("chunk", chunk)
+    first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
     need = min_left_context(model.config)
     context = need if left_context is None else left_context
     if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < need:
