@@ -215,9 +215,9 @@ def chat_field_cases() -> list[Case]:
         add(f"seed_{name}", f"seed = {v!r}", body(seed=v), "refuse", "invalid_value")
     for name, v in [("max", 2 ** 63 - 1), ("min", -(2 ** 63)), ("negative", -1)]:
         add(f"seed_ok_{name}", f"seed = {v} (inside the signed 64-bit range)", body(seed=v), "accept")
-    refused = [("response_format_json", {"response_format": {"type": "json_object"}}),
-               ("response_format_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+    refused = [("response_format_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
                ("response_format_string", {"response_format": "text"}),
+               ("response_format_type", {"response_format": {"type": "yaml"}}),
                ("functions", {"functions": [{"name": "f"}]}),
                ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
                ("prediction", {"prediction": {"type": "content", "content": "x"}})]
@@ -226,6 +226,11 @@ def chat_field_cases() -> list[Case]:
             "invalid_value", param="response_format" if name.startswith("response_format") else name)
     tools_and_sampling_cases(add, body)
     add("response_format_text", "response_format {'type': 'text'}", body(response_format={"type": "text"}), "accept")
+    add("response_format_json", "response_format {'type': 'json_object'} (constrained decoding)",
+        body(response_format={"type": "json_object"}), "accept")
+    add("response_format_json_schema", "response_format json_schema {'type': 'object'} (constrained decoding)",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        "accept")
     add("stop_string", "stop = '\\n' (honoured)", body(stop="\n"), "accept")
     add("stop_list", "stop = ['a', 'b'] (honoured)", body(stop=["a", "b"]), "accept")
     for name, v in [("five", ["a", "b", "c", "d", "e"]), ("empty", [""]), ("number", 5), ("long", ["x" * 1001])]:

@@ -265,6 +265,9 @@ def main(argv=None) -> None:
     cases = all_cases()
     if args.only:
         cases = [c for c in cases if any(c.category == o or c.id.startswith(o) for o in args.only)]
+        if not cases:
+            p.error(f"--only {' '.join(args.only)} matches no case (case ids look like 'chat_fields/stop_list'; "
+                    "--list shows them)")
     if args.smoke:
         cases = smoke_sample(cases)
     if args.list:
