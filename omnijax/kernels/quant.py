@@ -1,0 +1,255 @@
+"""Weight-only quantised linear layers: int8 and int4 weights dequantised inside the compiled program.
+
+A weight `w [..., in, out]` (the decoder's `[D, out]` layout, stacked over layers or experts in the leading axes) is
+stored as integer codes plus float parameters per group of `g` consecutive rows of the input axis:
+
+- `Int8PerChannel()`: symmetric, one scale per output column (a single group of `in` rows): `w = q * scale`,
+  `q` int8 in [-127, 127].
+- `Int8Grouped(g)`: symmetric, one scale per `g` input rows and output column (GGUF Q8_0 is `Int8Grouped(32)` with
+  float16 scales).
+- `Int4Grouped(g)`: asymmetric, a scale and an offset per group: `w = q * scale + offset`, `q` in [0, 15]. The
+  offset is the value code 0 stands for (the group's minimum when `quantize` made it; GGUF Q4_1's `m`; Q4_0's `-8 d`),
+  so GGUF's formulas are reproduced bit for bit in float32. Two codes share a byte: within each group, byte row `j`
+  holds row `j` in its low nibble and row `j + g/2` in its high nibble (GGUF's own order inside a 32-row block).
+
+`qmatmul(x, qw)` dequantises `out_block` output columns at a time inside the jitted program (only that tile exists in
+float, never the whole weight) and multiplies; `qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle.
+This module imports jax only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8PerChannel:
+    """Symmetric int8 with one scale per output channel."""
+
+    bits = 8
+    symmetric = True
+
+    def group_size(self, rows: int) -> int:
+        """The rows one scale covers for a weight of `rows` input rows (all of them)."""
+        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Grouped:
+    """Symmetric int8 with one scale per `size` input rows and output column."""
+
+    size: int = 32
+    bits = 8
+    symmetric = True
+
+    def __post_init__(self):
+        if self.size not in GROUP_SIZES:
+            raise ValueError(f"Int8Grouped group size must be one of {GROUP_SIZES}, got {self.size!r}")
+
+    def group_size(self, rows: int) -> int:
+        """The rows one scale covers (`size`)."""
+        return self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Grouped:
+    """Asymmetric int4 (scale and offset per `size` input rows and output column), two codes per byte."""
+
+    size: int = 32
+    bits = 4
+    symmetric = False
+
+    def __post_init__(self):
+        if self.size not in GROUP_SIZES:
+            raise ValueError(f"Int4Grouped group size must be one of {GROUP_SIZES}, got {self.size!r}")
+
+    def group_size(self, rows: int) -> int:
+        """The rows one scale and offset cover (`size`)."""
+        return self.size
+
+
+Scheme = Int8PerChannel | Int8Grouped | Int4Grouped
+SCHEMES = (Int8PerChannel, Int8Grouped, Int4Grouped)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantised `[..., in, out]` weight (a pytree; `scheme` is static).
+
+    Attributes:
+        values: int8 `[..., in, out]` codes, or for int4 uint8 `[..., in // 2, out]` (two codes a byte).
+        scales: float `[..., in // g, out]` (float32 from `quantize`, float16 from GGUF).
+        offsets: float `[..., in // g, out]` for int4 (the value of code 0), None for the symmetric schemes.
+        scheme: the scheme, which fixes the group size `g`.
+    """
+
+    values: Any
+    scales: Any
+    offsets: Any
+    scheme: Scheme
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape `[..., in, out]`."""
+        *lead, rows, cols = self.values.shape
+        return (*lead, rows * 2 if self.scheme.bits == 4 else rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and offsets."""
+        return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in (self.values, self.scales, self.offsets)
+                   if a is not None)
+
+    def index(self, i: Any) -> QuantizedWeight:
+        """The weight at index `i` of the leading axis (a layer or an expert of a stack; `i` may be traced)."""
+        def take(a):
+            return None if a is None else jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+        return QuantizedWeight(take(self.values), take(self.scales), take(self.offsets), self.scheme)
+
+
+jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "offsets"],
+                                 meta_fields=["scheme"])
+
+
+def _group(scheme: Scheme, rows: int) -> int:
+    if not isinstance(scheme, SCHEMES):
+        raise ValueError(f"unknown quantisation scheme {scheme!r}; known: {[s.__name__ for s in SCHEMES]}")
+    g = scheme.group_size(rows)
+    if rows % g:
+        raise ValueError(f"{type(scheme).__name__}: group size {g} does not divide the input width {rows}")
+    return g
+
+
+def check_quantized(qw: QuantizedWeight) -> None:
+    """Raises ValueError naming the field when `qw`'s arrays do not fit its scheme (dtype, shape, offsets)."""
+    values, scales, offsets, scheme = qw.values, qw.scales, qw.offsets, qw.scheme
+    if values.ndim < 2:
+        raise ValueError(f"values must be [..., in, out], got shape {values.shape}")
+    *lead, rows, cols = qw.shape
+    g = _group(scheme, rows)
+    want = jnp.uint8 if scheme.bits == 4 else jnp.int8
+    if values.dtype != want:
+        raise ValueError(f"values of {type(scheme).__name__} must be {jnp.dtype(want).name}, got {values.dtype}")
+    expect = (*lead, rows // g, cols)
+    for name, a in (("scales", scales), ("offsets", offsets)):
+        if name == "offsets" and scheme.symmetric:
+            if a is not None:
+                raise ValueError(f"offsets must be None for the symmetric {type(scheme).__name__}")
+            continue
+        if a is None or tuple(a.shape) != expect:
+            raise ValueError(f"{name} must have shape {expect}, got {None if a is None else tuple(a.shape)}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {a.dtype}")
+
+
+def quantize(w: jax.Array, scheme: Scheme) -> QuantizedWeight:
+    """Quantises a float weight `w [..., in, out]` along its input axis (round to nearest).
+
+    Every element dequantises to within half its group's scale: `|dequantize(q) - w| <= scale / 2` (up to float32
+    rounding). Scales and offsets are float32.
+
+    Raises:
+        ValueError: `w` is not a float array of rank >= 2, or the scheme's group size does not divide `in`.
+    """
+    w = jnp.asarray(w)
+    if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w must be a float [..., in, out] array, got {w.dtype} of shape {w.shape}")
+    *lead, rows, cols = w.shape
+    g = _group(scheme, rows)
+    wg = w.astype(jnp.float32).reshape(*lead, rows // g, g, cols)  # [..., G, g, out]
+    if scheme.symmetric:
+        scale = jnp.max(jnp.abs(wg), axis=-2, keepdims=True) / 127.0  # [..., G, 1, out]
+        q = jnp.round(wg / jnp.where(scale > 0, scale, 1.0))
+        values = jnp.clip(q, -127, 127).astype(jnp.int8).reshape(w.shape)
+        return QuantizedWeight(values, scale[..., 0, :], None, scheme)
+    low = jnp.min(wg, axis=-2, keepdims=True)
+    scale = (jnp.max(wg, axis=-2, keepdims=True) - low) / 15.0
+    q = jnp.clip(jnp.round((wg - low) / jnp.where(scale > 0, scale, 1.0)), 0, 15).astype(jnp.uint8)
+    packed = q[..., : g // 2, :] | (q[..., g // 2:, :] << 4)  # [..., G, g/2, out]
+    return QuantizedWeight(packed.reshape(*lead, rows // 2, cols), scale[..., 0, :], low[..., 0, :], scheme)
+
+
+def codes(qw: QuantizedWeight) -> jax.Array:
+    """The integer codes `[..., in, out]` (int8 for the int8 schemes, uint8 in [0, 15] for int4)."""
+    if qw.scheme.bits == 8:
+        return qw.values
+    *lead, half, cols = qw.values.shape
+    g = qw.scheme.group_size(2 * half)
+    p = qw.values.reshape(*lead, 2 * half // g, g // 2, cols)
+    return jnp.concatenate([p & 15, p >> 4], axis=-2).reshape(*lead, 2 * half, cols)
+
+
+def dequantize(qw: QuantizedWeight, dtype: Any = jnp.float32) -> jax.Array:
+    """The dense weight `[..., in, out]`: `q * scale (+ offset)` computed in float32, then cast to `dtype`."""
+    check_quantized(qw)
+    *lead, rows, cols = qw.shape
+    g = qw.scheme.group_size(rows)
+    q = codes(qw).astype(jnp.float32).reshape(*lead, rows // g, g, cols)
+    w = q * qw.scales.astype(jnp.float32)[..., None, :]
+    if qw.offsets is not None:
+        w = w + qw.offsets.astype(jnp.float32)[..., None, :]
+    return w.reshape(*lead, rows, cols).astype(dtype)
+
+
+def _tile(qw: QuantizedWeight, start: Any, width: int) -> QuantizedWeight:
+    """Output columns `[start, start + width)` of a 2-D quantised weight (`start` may be traced)."""
+    def cut(a):
+        return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, width, axis=-1)
+    return QuantizedWeight(cut(qw.values), cut(qw.scales), cut(qw.offsets), qw.scheme)
+
+
+def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = None,
+            out_block: int | None = 2048) -> jax.Array:
+    """`x [..., in] @ w [in, out]` for a quantised 2-D `w`, dequantised tile by tile inside the program.
+
+    Args:
+        x: activations `[..., in]` (float).
+        qw: a 2-D quantised weight (index a stacked one with `qw.index(i)` first).
+        preferred_element_type: the result dtype (as `jnp.matmul`'s); default `x.dtype`.
+        out_block: output columns dequantised at once (the float tile is `[in, out_block]` in `x.dtype`, so a wide
+            weight such as an LM head never exists in float whole); None dequantises the whole weight in one piece
+            (still inside the caller's jit). On CPU one piece was fastest for SmolLM2's 576 x 1536 layers; smaller
+            tiles measured no faster.
+
+    Returns:
+        `[..., out]` in `preferred_element_type` (accumulated as `jnp.matmul` does for `x.dtype`).
+    """
+    check_quantized(qw)
+    if len(qw.shape) != 2:
+        raise ValueError(f"qmatmul takes a 2-D weight; got {qw.shape} (use qw.index(i) on a stacked one)")
+    rows, cols = qw.shape
+    if x.shape[-1] != rows:
+        raise ValueError(f"x's last axis {x.shape[-1]} does not match the weight's input width {rows}")
+    if out_block is not None and (not isinstance(out_block, int) or out_block < 1):
+        raise ValueError(f"out_block must be a positive int or None, got {out_block!r}")
+    out_type = x.dtype if preferred_element_type is None else preferred_element_type
+    if out_block is None or out_block >= cols:
+        return jnp.matmul(x, dequantize(qw, x.dtype), preferred_element_type=out_type)
+    # one tile at a time in a loop (unrolled tiles let XLA fuse them back into one whole float weight); the last
+    # tile starts at cols - out_block, overlapping its neighbour, and rewrites those columns with the same values
+    out = jnp.zeros((*x.shape[:-1], cols), out_type)
+
+    def tile(j, out):
+        start = jnp.minimum(j * out_block, cols - out_block)
+        y = jnp.matmul(x, dequantize(_tile(qw, start, out_block), x.dtype), preferred_element_type=out_type)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=-1)
+
+    return jax.lax.fori_loop(0, -(-cols // out_block), tile, out)
+
+
+def qmatmul_reference(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = None) -> jax.Array:
+    """`x @ dequantize(qw)` with the whole weight dense (the oracle of `qmatmul`)."""
+    out_type = x.dtype if preferred_element_type is None else preferred_element_type
+    return jnp.matmul(x, dequantize(qw, x.dtype), preferred_element_type=out_type)
+
+
+def float_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of a dense weight of `shape` in `dtype` (to compare with `QuantizedWeight.nbytes`)."""
+    return math.prod(shape) * jnp.dtype(dtype).itemsize

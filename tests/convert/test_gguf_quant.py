@@ -1,0 +1,103 @@
+"""GGUF Q8_0 / Q4_0 / Q4_1 blocks repacked into omnijax's quantised weights (`omnijax.convert.gguf_quant`): the
+dequantised repack equals the `gguf` package's own `gguf.quants.dequantize` of the same bytes bit for bit in float32
+(Q4_0: but for the sign of an exact zero),
+on random blocks (random codes and random float16 scales, zero, negative, subnormal and large ones included) and on
+blocks gguf's own quantiser wrote; the quantised matmul over the repack matches a float matmul of gguf's output; bad
+sizes and unknown types are refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from omnijax.convert import gguf_quant as G
+from omnijax.kernels import quant as Q
+
+gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install 'omnijax[gguf]') is part of the test extras")
+
+TYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def random_f16(rng, n):
+    """float16 values of many magnitudes and both signs, with a zero, a subnormal and a large one among them."""
+    v = (rng.normal(size=n) * 10.0 ** rng.integers(-4, 2, size=n)).astype(np.float16)
+    v[:4] = [0.0, np.float16(3e-6), np.float16(-1.5e3), np.float16(-0.0)]
+    return v
+
+
+def random_blocks(kind, shape, seed):
+    """Raw GGUF bytes `[..., out, in // 32 * bytes]` for a tensor of float shape `shape`: random codes, random
+    float16 scale (and min)."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape)) // 32
+    fields = [random_f16(rng, n).view(np.uint8).reshape(n, 2)]
+    if kind == "Q4_1":
+        fields.append(random_f16(rng, n).view(np.uint8).reshape(n, 2))
+    fields.append(rng.integers(0, 256, size=(n, G.BLOCK_BYTES[kind] - 2 * len(fields)), dtype=np.uint8))
+    raw = np.concatenate(fields, axis=1)
+    return raw.reshape(*shape[:-1], shape[-1] // 32 * G.BLOCK_BYTES[kind])
+
+
+def assert_bit_equal(qw, raw, kind):
+    """Bit for bit in float32. For Q4_0 an exact zero may carry the other sign: gguf computes `d * (q - 8)` (-0.0
+    where d < 0 and q = 8), the repack `q * d + (-8 d)` (+0.0); every other value is bit-equal."""
+    want = np.asarray(gguf.quants.dequantize(raw, TYPES[kind]), np.float32)  # [..., out, in]
+    got = np.swapaxes(np.asarray(Q.dequantize(qw, jnp.float32)), -1, -2)
+    assert got.shape == want.shape
+    if kind == "Q4_0":
+        differ = got.view(np.uint32) != want.view(np.uint32)
+        assert (want[differ] == 0).all() and (got[differ] == 0).all()
+        got, want = got + np.float32(0), want + np.float32(0)  # -0.0 + 0.0 = +0.0
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+@pytest.mark.parametrize("shape", [(8, 32), (96, 576), (3, 40, 128)], ids=str)
+def test_repack_equals_ggufs_dequantisation_bit_for_bit(kind, shape):
+    raw = random_blocks(kind, shape, seed=sum(shape))
+    qw = G.from_gguf(raw, shape, kind)
+    assert qw.shape == (*shape[:-2], shape[-1], shape[-2])  # the decoder's [..., in, out]
+    assert qw.scheme == (Q.Int8Grouped(32) if kind == "Q8_0" else Q.Int4Grouped(32))
+    assert qw.scales.dtype == np.float16 and qw.nbytes <= raw.nbytes + (raw.size // G.BLOCK_BYTES[kind]) * 2
+    assert_bit_equal(qw, raw, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
+def test_repack_of_blocks_ggufs_quantiser_wrote(kind):
+    """Realistic blocks (gguf's own quantiser over a float weight): bit-equal again, and the quantised matmul over the
+    repack matches a float matmul of gguf's dequantised weight."""
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(192, 320)) * 0.05).astype(np.float32)  # [out, in], HF layout
+    raw = gguf.quants.quantize(w, TYPES[kind])
+    qw = G.from_gguf(raw, w.shape, kind)
+    assert_bit_equal(qw, raw, kind)
+    dense = np.asarray(gguf.quants.dequantize(raw, TYPES[kind]), np.float64)
+    x = rng.normal(size=(16, 320)).astype(np.float32)
+    got = np.asarray(jax.jit(Q.qmatmul)(jnp.asarray(x), qw))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=0, atol=1e-5 * np.abs(x).sum(-1).max() * np.abs(dense).max())
+
+
+def test_q4_0_offsets_stay_exact_where_float16_would_overflow():
+    """-8 d overflows float16 for |d| > 8188: the offsets are then kept in float32, still bit-equal."""
+    raw = random_blocks("Q4_0", (4, 64), seed=3)
+    blocks = raw.reshape(8, 18)
+    blocks[0, :2] = np.array([9000.0], np.float16).view(np.uint8)
+    qw = G.from_gguf_q4_0(raw, (4, 64))
+    assert qw.offsets.dtype == np.float32
+    assert_bit_equal(qw, raw, "Q4_0")
+    assert G.from_gguf_q4_0(random_blocks("Q4_0", (4, 64), seed=3), (4, 64)).offsets.dtype == np.float16
+
+
+def test_bad_input_is_refused_by_name():
+    raw = random_blocks("Q8_0", (4, 64), seed=4)
+    with pytest.raises(ValueError, match="Q8_0: raw_blocks holds 272 bytes; shape \\(4, 96\\) needs 408"):
+        G.from_gguf_q8_0(raw, (4, 96))
+    with pytest.raises(ValueError, match="Q4_1: the input width 48 is not a multiple of the block size 32"):
+        G.from_gguf_q4_1(np.zeros(60, np.uint8), (2, 48))
+    with pytest.raises(ValueError, match="raw_blocks must be uint8"):
+        G.from_gguf_q4_0(raw.astype(np.int16), (4, 64))
+    with pytest.raises(ValueError, match="GGUF type 'Q4_K' cannot be repacked without a float round trip"):
+        G.from_gguf(raw, (4, 64), "Q4_K")
+    with pytest.raises(ValueError, match="shape must be \\[..., out, in\\]"):
+        G.from_gguf_q8_0(raw, (272,))
