@@ -1,6 +1,6 @@
 """The conversion loop every model type shares: validate the whole checkpoint against its components' tables (from
-headers only), then fill pre-allocated memory-mapped output arrays tensor by tensor, so resident memory stays near
-the largest single tensor whatever the model size."""
+headers only), then write every tensor, transformed and cast, straight into its parameter's storage
+(`omnijax.checkpoint.staged`), so resident memory stays near the largest single tensor whatever the model size."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import tqdm
 from omnijax.checkpoint import name_tables as tables
 from omnijax.checkpoint.name_tables import Component
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.checkpoint.staged import staged_tree
 from omnijax.errors import TensorError
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -29,7 +30,8 @@ def stderr(message: str) -> None:
 def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Component], *, dtype: str,
                        staging_dir: Path, strip_prefix: str = "", skip_prefixes: Sequence[str] = (),
                        progress: bool = True) -> tuple[dict[str, dict], tables.Plan, collections.Counter]:
-    """Converts every component of a checkpoint into read-only memory-mapped trees.
+    """Converts every component of a checkpoint into trees of written arrays (`StagedArray`s under
+    `staging_dir/<component>`, committed by `omnijax.checkpoint.format.save_params`).
 
     Returns `(trees by component name, the validated plan, source dtype counts)`.
 
@@ -46,30 +48,17 @@ def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Compone
                               f"{', '.join(FLOAT_SOURCE_DTYPES)}")
     target = NP_DTYPES[dtype]
     staging_dir.mkdir(parents=True, exist_ok=True)
-    trees = {c.name: tables.allocate(tables.param_shapes(c), lambda shape, dotted, name=c.name: np.memmap(
-        staging_dir / f"{name}.{dotted}.bin", dtype=target, mode="w+", shape=shape)) for c in components}
+    trees = {}
+    for c in components:
+        leading = {rule.path.replace("/", "."): len(c.leading(rule)) for rule in c.active_rules()}
+        trees[c.name] = staged_tree(staging_dir / c.name, tables.param_shapes(c), leading, target)
     source_dtypes = collections.Counter()
     for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
         if name in plan.assign:
             source_dtypes[ckpt.info(name).dtype] += 1
-            tables.fill(trees, name, ckpt.read(name), plan)  # read() memory-maps just this tensor
-    # Reopen read-only: orbax/tensorstore write read-only host arrays without copying them.
-    return {name: reopen_read_only(tree) for name, tree in trees.items()}, plan, source_dtypes
-
-
-def reopen_read_only(tree: dict) -> dict:
-    """Read-only maps of the files of `tree`'s writable memory maps.
-
-    Not flushed first: a shared map's writes are in the page cache that the new map reads, and the staging files
-    are deleted after the save, so forcing them to disk (`msync`) only cost time (0.45 s of a 540 MB model's
-    conversion, measured)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out[key] = reopen_read_only(value)
-        else:
-            out[key] = np.memmap(value.filename, dtype=value.dtype, mode="r", shape=value.shape)
-    return out
+            # read() memory-maps just this tensor; fill casts and writes it in blocks into its final storage
+            tables.fill(trees, name, ckpt.read(name), plan)
+    return trees, plan, source_dtypes
 
 
 def log_skipped(skipped: dict[str, int], speech_prefixes: Sequence[str], log: Callable[[str], None]) -> None:

@@ -238,8 +238,9 @@ def fill(destination: Mapping[str, dict], name: str, array: np.ndarray, plan: Pl
     """Copies one tensor, transformed and cast, into its place in `destination` (component name -> tree)."""
     component, rule, index = plan.assign[name]
     out = leaf(destination[component.name], rule.path)
-    # one pass: the transform is a view (transpose, reshape) and the cast happens in the copy (astype's rounding)
-    np.copyto(out[index], TRANSFORMS[rule.transform](array), casting="unsafe")
+    # the transform is a view (transpose, reshape); the leaf (a numpy array, or a `StagedArray` writing its storage)
+    # casts as it copies, rounding as astype does
+    out[index] = TRANSFORMS[rule.transform](array)
 
 
 def convert_in_memory(tensors: Mapping[str, np.ndarray], components: Sequence[Component],
