@@ -1,0 +1,338 @@
+"""The Qwen3-Omni talker's math (`talker.py` holds its config and parameters): pure functions of a pure-dict
+parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
+
+- `project_text` / `project_hidden`: the two ResizeMLPs (thinker width -> talker width).
+- `talker_chunk`: writes a chunk of summed input embeddings `[B, T, D]` at mrope positions `[3, B, T]` through the
+  talker decoder over a paged KV cache (`omnijax.kv.paged`), returning the final-normed hidden states and the codec
+  logits (the shared decoder's `layer_qkv` / `layer_finish` / MoE with the talker's shared expert added).
+- `talker_logits`: a one-shot forward through a temporary cache (what transformers' talker forward returns).
+- `predictor_logits`: the code predictor on a whole sequence with head `g` (transformers' predictor forward).
+- `predict_codes`: one frame's residual codebooks 1 .. Q-1, greedy, as one compiled loop over a dense KV buffer.
+- `talker_step`: one frame: the predictor fills the previous token's frame, the frame's embeddings plus a text row
+  become the talker's next input, the talker writes it and returns the next first-codebook logits.
+- `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
+- `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omnijax.chunks.spans import SpanKind
+from omnijax.kv import attention as attention_lib
+from omnijax.kv import paged as paged_lib
+from omnijax.kv.paged import write_layer
+from omnijax.models.config import DecoderConfig
+from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, mlp
+from omnijax.models.encoders.common import dense
+from omnijax.models.layers import rms_norm
+from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+
+__all__ = ["assistant_prompt", "generate_greedy", "init_cache", "predict_codes", "predictor_logits", "project_hidden",
+           "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_step"]
+
+Params = dict[str, Any]
+
+
+def talker_params(model: Talker) -> Params:
+    """The module's parameters as the pure-dict tree these functions take."""
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def _resize(p: Params, x: jax.Array, dtype) -> jax.Array:
+    h = jax.nn.silu(dense(x.astype(dtype), p["fc1"], p["fc1_bias"], jnp.float32)).astype(dtype)
+    return dense(h, p["fc2"], p["fc2_bias"], dtype)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def project_text(config: TalkerConfig, params: Params, thinker_embeds: jax.Array) -> jax.Array:
+    """`text_projection` of thinker embedding-layer rows `[..., Dt]` -> `[..., D]`."""
+    return _resize(params["text_projection"], thinker_embeds, config.jnp_dtype)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def project_hidden(config: TalkerConfig, params: Params, thinker_hidden: jax.Array) -> jax.Array:
+    """`hidden_projection` of thinker layer-`accept_hidden_layer` rows `[..., Dt]` -> `[..., D]`."""
+    return _resize(params["hidden_projection"], thinker_hidden, config.jnp_dtype)
+
+
+# ------------------------------------------------------------------------------------------------- the decoder
+
+
+def _shared_expert(c: DecoderConfig, p: Params, x: jax.Array) -> jax.Array:
+    """The layer's shared SwiGLU expert, scaled by `sigmoid(x @ gate)` (normalised `x [B, T, D]`)."""
+    dt = c.jnp_dtype
+    gate = dense(x, p["shared_gate_proj"], None, jnp.float32)
+    up = dense(x, p["shared_up_proj"], None, jnp.float32)
+    out = dense(jax.nn.silu(gate.astype(dt)) * up.astype(dt), p["shared_down_proj"], None, dt)
+    return jax.nn.sigmoid(dense(x, p["shared_gate"], None, dt)) * out
+
+
+def _talker_layers(c: DecoderConfig, params: Params, x: jax.Array, positions: jax.Array,
+                   cache: attention_lib.CacheView, k_pages: jax.Array, v_pages: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rot = chunk_rotation(c, positions)
+    cache = attention_lib.index_pages(cache)
+    xs = {**params["layers"], **{"shared_" + k: v for k, v in params["shared"].items()}}
+
+    def layer(carry, p):
+        h, k_pages, v_pages, i = carry
+        q, k, v = layer_qkv(c, p, h, rot)
+        k_pages = write_layer(k_pages, cache.write_slots, k, layer=i)
+        v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
+        attn = attention_lib.attend(q, k_pages, v_pages, cache, layer=i)
+        h = layer_finish(c, p, h, attn, lambda n: mlp(c, p, n) + _shared_expert(c, p, n))
+        return (h, k_pages, v_pages, i + 1), None
+
+    (h, k_pages, v_pages, _), _ = jax.lax.scan(layer, (x.astype(c.jnp_dtype), k_pages, v_pages, jnp.int32(0)), xs)
+    return h, k_pages, v_pages
+
+
+def init_cache(config: TalkerConfig, batch: int, tokens: int, page_size: int = 64) -> paged_lib.PagedKV:
+    """An empty paged cache holding `tokens` talker tokens per sequence."""
+    c = config.decoder
+    pages = -(-tokens // page_size)
+    return paged_lib.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                          num_pages=batch * pages, page_size=page_size, batch=batch, max_pages=pages,
+                          position_axes=3, dtype=c.jnp_dtype)
+
+
+def _codec_logits(c: DecoderConfig, params: Params, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+    normed = rms_norm(hidden, params["final_norm"], c.rms_norm_eps)
+    return normed, jnp.einsum("...d,dv->...v", normed, params["codec_head"], preferred_element_type=jnp.float32)
+
+
+def talker_chunk(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, valid: jax.Array,
+                 positions: jax.Array) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    """Writes a chunk of talker inputs through every layer (traceable; call under jit).
+
+    Args:
+        embeds: `[B, T, D]` summed input embeddings (projected thinker rows + codec embeddings).
+        valid: `[B, T]` real tokens.
+        positions: `[3, B, T]` mrope positions.
+
+    Returns:
+        `(kv, hidden [B, T, D] final-normed, logits [B, T, V] float32)`.
+    """
+    c = config.decoder
+    zeros = jnp.zeros(valid.shape, jnp.int32)
+    meta = paged_lib.SlotMeta(pos=jnp.floor(positions).astype(jnp.int32), unit=zeros,
+                              span=zeros + int(SpanKind.TEXT), offset=zeros)
+    kv, slots, q_order = paged_lib.reserve(kv, valid, meta)
+    view = attention_lib.CacheView.of(kv, slots, q_order)
+    hidden, k, v = _talker_layers(c, params, embeds, positions, view, kv.k, kv.v)
+    normed, logits = _codec_logits(c, params, hidden)
+    return kv.replace(k=k, v=v), normed, logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "page_size"))
+def talker_logits(config: TalkerConfig, params: Params, embeds: jax.Array, positions: jax.Array, *,
+                  page_size: int = 64) -> jax.Array:
+    """One-shot talker forward: `embeds [B, T, D]`, `positions [3, B, T]` -> codec logits `[B, T, V]` float32."""
+    B, T, _ = embeds.shape
+    kv = init_cache(config, B, T, page_size)
+    return talker_chunk(config, params, kv, embeds, jnp.ones((B, T), bool), positions)[2]
+
+
+# ------------------------------------------------------------------------------------------ the code predictor
+
+
+def _predictor_layers(c: DecoderConfig, params: Params, x: jax.Array, start: jax.Array | int, keys: jax.Array,
+                      values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The predictor's layers on `x [B, T, D]` at positions `start ..`, over a dense KV buffer `[L, B, S, G, d]`
+    (written at `start ..`; a query attends to the buffer's slots up to its own position)."""
+    B, T, _ = x.shape
+    S = keys.shape[2]
+    pos = start + jnp.arange(T, dtype=jnp.int32)
+    rot = chunk_rotation(c, jnp.broadcast_to(pos, (1, B, T)))
+    visible = jnp.arange(S)[None, :] <= pos[:, None]  # [T, S]
+    rep = c.num_heads // c.num_kv_heads
+
+    def layer(carry, xs):
+        h, i = carry
+        p, k_all, v_all = xs
+        q, k, v = layer_qkv(c, p, h, rot)
+        k_all = jax.lax.dynamic_update_slice_in_dim(k_all, k.astype(k_all.dtype), start, axis=1)
+        v_all = jax.lax.dynamic_update_slice_in_dim(v_all, v.astype(v_all.dtype), start, axis=1)
+        qg = q.reshape(B, T, c.num_kv_heads, rep, c.head_dim)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k_all, preferred_element_type=jnp.float32) * c.head_dim ** -0.5
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v_all.dtype), v_all, preferred_element_type=jnp.float32)
+        h = layer_finish(c, p, h, attn.astype(c.jnp_dtype).reshape(B, T, c.num_heads, c.head_dim))
+        return (h, i + 1), (k_all, v_all)
+
+    (h, _), (keys, values) = jax.lax.scan(layer, (x.astype(c.jnp_dtype), 0), (params["layers"], keys, values))
+    return rms_norm(h, params["final_norm"], c.rms_norm_eps), keys, values
+
+
+def _empty_buffer(c: DecoderConfig, batch: int, slots: int) -> jax.Array:
+    return jnp.zeros((c.num_layers, batch, slots, c.num_kv_heads, c.head_dim), c.jnp_dtype)
+
+
+def _head(params: Params, hidden: jax.Array, g: jax.Array | int) -> jax.Array:
+    w = jax.lax.dynamic_index_in_dim(params["lm_head"], g, keepdims=False)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def predictor_logits(config: TalkerConfig, params: Params, embeds: jax.Array, head: int | jax.Array) -> jax.Array:
+    """The code predictor on a whole sequence `embeds [B, T, D]` (positions 0 .. T-1), logits of head `head`
+    (codebook `head + 1`) at every position: `[B, T, Vp]` float32."""
+    pred, c = params["code_predictor"], config.predictor
+    B, T, _ = embeds.shape
+    hidden, _, _ = _predictor_layers(c, pred, embeds, 0, _empty_buffer(c, B, T), _empty_buffer(c, B, T))
+    return _head(pred, hidden, head)
+
+
+def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, code0: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Greedy codebooks 1 .. Q-1 of a frame and the sum of its Q codebook embeddings (traceable).
+
+    Args:
+        past_hidden: `[B, D]` the talker's final-normed hidden state at the position that produced `code0`.
+        code0: `[B]` the frame's first codebook (the talker's token).
+
+    Returns:
+        `(codes [B, Q] int32, embedding sum [B, D])`.
+    """
+    pred, c, Q = params["code_predictor"], config.predictor, config.num_code_groups
+    B = code0.shape[0]
+    first = jnp.take(params["codec_embedding"], code0, axis=0)  # the talker's embedding of codebook 0
+    x = jnp.stack([past_hidden.astype(c.jnp_dtype), first], axis=1)  # [B, 2, D]
+    keys, values = _empty_buffer(c, B, Q), _empty_buffer(c, B, Q)
+    hidden, keys, values = _predictor_layers(c, pred, x, 0, keys, values)
+    code = jnp.argmax(_head(pred, hidden[:, -1], 0), axis=-1).astype(jnp.int32)
+    codes = jnp.zeros((B, Q), jnp.int32).at[:, 0].set(code0).at[:, 1].set(code)
+    total = first.astype(jnp.float32)
+
+    def step(g, carry):  # feeds codebook g, predicts g + 1
+        codes, keys, values, total = carry
+        emb = jnp.take(jax.lax.dynamic_index_in_dim(pred["codec_embedding"], g - 1, keepdims=False),
+                       codes[:, g], axis=0)  # [B, D]
+        hidden, keys, values = _predictor_layers(c, pred, emb[:, None], g + 1, keys, values)
+        nxt = jnp.argmax(_head(pred, hidden[:, 0], g), axis=-1).astype(jnp.int32)
+        return codes.at[:, g + 1].set(nxt), keys, values, total + emb.astype(jnp.float32)
+
+    codes, _, _, total = jax.lax.fori_loop(1, Q - 1, step, (codes, keys, values, total))
+    last = jnp.take(pred["codec_embedding"][Q - 2], codes[:, Q - 1], axis=0)
+    return codes, (total + last.astype(jnp.float32)).astype(config.jnp_dtype)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def predict_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, code0: jax.Array) -> jax.Array:
+    """A frame's Q codes `[B, Q]` int32: `code0 [B]` and the predictor's greedy codebooks 1 .. Q-1 given the talker's
+    final-normed hidden state `past_hidden [B, D]` at the position that produced `code0`."""
+    return _frame_codes(config, params, past_hidden, code0)[0]
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
+                code0: jax.Array, text_row: jax.Array, position: jax.Array
+                ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
+    """One talker frame, the predictor and the talker fused in one compiled call.
+
+    Args:
+        kv: the talker's cache after the previous token.
+        past_hidden: `[B, D]` final-normed hidden state of the previous position (it produced `code0`).
+        code0: `[B]` the previous token (the frame's first codebook).
+        text_row: `[B, D]` the projected thinker text row for this step (or the projected `tts_pad`).
+        position: `[B]` the new token's position (all three mrope axes).
+
+    Returns:
+        `(kv, codes [B, Q] of code0's frame, hidden [B, D] final-normed at the new position, logits [B, V])`.
+    """
+    codes, frame = _frame_codes(config, params, past_hidden, code0)
+    x = (frame + text_row.astype(frame.dtype))[:, None]
+    B = code0.shape[0]
+    pos = jnp.broadcast_to(position.astype(jnp.float32)[None, :, None], (3, B, 1))
+    kv, hidden, logits = talker_chunk(config, params, kv, x, jnp.ones((B, 1), bool), pos)
+    return kv, codes, hidden[:, 0], logits[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, positions: jax.Array
+             ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    B, T, _ = embeds.shape
+    kv, hidden, logits = talker_chunk(config, params, kv, embeds, jnp.ones((B, T), bool), positions)
+    return kv, hidden[:, -1], logits[:, -1]
+
+
+# --------------------------------------------------------------------------------------------- prompt, generate
+
+
+def assistant_prompt(config: TalkerConfig, params: Params, thinker_embeds: jax.Array, speaker: str,
+                     tts_embeds: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The talker input of the answered assistant turn, as the reference's `_get_talker_assistant_parts` builds it.
+
+    Args:
+        thinker_embeds: `[T, Dt]` the thinker's embedding-layer rows of the turn, from `<|im_start|>` on (the
+            `assistant` role token and its newline, then the answer's text); T >= 4.
+        speaker: a speaker name of the checkpoint (`TalkerConfig.speaker`).
+        tts_embeds: `[3, Dt]` the thinker's embeddings of `tts_bos`, `tts_eos`, `tts_pad` (in that order).
+
+    Returns:
+        `(prompt [9, D], trailing [T - 3, D])`: the 9 prefix rows (3 role rows; 4 `tts_pad` rows with the codec's
+        nothink / think_bos / think_eos / speaker; `tts_bos` with `codec_pad`; the first answer token with
+        `codec_bos`) and the text rows the talker adds one per later step (answer tokens 2.., then `tts_eos`).
+    """
+    if thinker_embeds.shape[0] < 4:
+        raise ValueError(f"thinker_embeds must hold >= 4 rows (<|im_start|>, role, newline, first text token), got "
+                         f"{thinker_embeds.shape[0]}")
+    speaker_id = config.speaker(speaker)
+    text = project_text(config, params, thinker_embeds)
+    bos, eos, pad = project_text(config, params, tts_embeds)
+    rows = jnp.concatenate([text[:3], jnp.broadcast_to(pad, (4, pad.shape[-1])), bos[None], text[3:4]])
+    codec_ids = jnp.asarray([config.codec_nothink_id, config.codec_think_bos_id, config.codec_think_eos_id,
+                             speaker_id, config.codec_pad_id, config.codec_bos_id])
+    codec = jnp.take(params["codec_embedding"], codec_ids, axis=0)
+    codec = jnp.concatenate([jnp.zeros((3, codec.shape[-1]), codec.dtype), codec])
+    return rows + codec, jnp.concatenate([text[4:], eos[None]])
+
+
+def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,
+                    trailing: jax.Array, tts_pad: jax.Array, *, max_new_tokens: int,
+                    suppress: Sequence[int] = (), page_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The reference talker's `generate` under greedy decoding, one sequence.
+
+    Args:
+        prompt: `[T, D]` the talker's input embeddings (user parts and `assistant_prompt`).
+        positions: `[3, T]` their mrope positions; decoding continues at `positions.max() + 1`, one per token.
+        trailing: `[N, D]` text rows added at decoding steps 0 .. N-1; `tts_pad [D]` afterwards.
+        max_new_tokens: talker tokens to generate (the reference's count: the prefill's token included).
+        suppress: codec ids never chosen (the reference suppresses its control ids).
+
+    Returns:
+        `(tokens [n] int32, codes [Q, n - 1] int32)`: the talker's tokens, stopping after `codec_eos_token_id`, and
+        the frames of all but the last token (what the reference hands Code2Wav).
+    """
+    mask = np.zeros((config.decoder.vocab_size,), bool)
+    mask[list(suppress)] = True
+    banned = jnp.asarray(mask)
+
+    def pick(logits):
+        return jnp.argmax(jnp.where(banned, -jnp.inf, logits), axis=-1).astype(jnp.int32)
+
+    T = prompt.shape[0]
+    kv = init_cache(config, 1, T + max_new_tokens, page_size)
+    kv, hidden, logits = _prefill(config, params, kv, prompt[None], jnp.asarray(positions, jnp.float32)[:, None])
+    token = pick(logits)
+    tokens, frames = [int(token[0])], []
+    start = int(np.max(np.asarray(positions))) + 1
+    for step in range(max_new_tokens - 1):
+        if tokens[-1] == config.codec_eos_token_id:
+            break
+        row = trailing[step] if step < trailing.shape[0] else tts_pad
+        kv, codes, hidden, logits = talker_step(config, params, kv, hidden, token, row[None],
+                                                jnp.asarray([start + step], jnp.int32))
+        frames.append(np.asarray(codes[0]))
+        token = pick(logits)
+        tokens.append(int(token[0]))
+    codes_out = np.stack(frames, axis=1) if frames else np.zeros((config.num_code_groups, 0), np.int32)
+    return np.asarray(tokens, np.int32), codes_out

@@ -1,0 +1,236 @@
+"""Qwen3-Omni talker and code predictor against transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`.
+
+The reference is a tiny full `Qwen3OmniMoeForConditionalGeneration` (the thinker of `qwen3_omni_models`, a tiny
+talker and Code2Wav) with seeded talker weights, saved with `save_pretrained` so that the talker's tensors are in the
+release's layout (one tensor per expert) and converted through `talker_components`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
+from omnijax.errors import UnsupportedConfigError
+from omnijax.models.qwen3_omni import talker_forward as F
+from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig, TalkerConfigError, talker_components, \
+    talker_from_params
+from tests._support import qwen3_omni_models as Q
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from safetensors.numpy import load_file  # noqa: E402
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig  # noqa: E402
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
+    Qwen3OmniMoeForConditionalGeneration,
+)
+
+GROUPS = 4
+TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
+                             "interleaved": True})
+PREDICTOR = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=8, num_code_groups=GROUPS)
+SPECIAL = dict(codec_eos_token_id=90, codec_nothink_id=91, codec_think_bos_id=92, codec_think_eos_id=93,
+               codec_pad_id=94, codec_bos_id=95, speaker_id={"Ethan": 88, "chelsie": 89})
+TALKER = dict(text_config=TEXT, code_predictor_config=PREDICTOR, num_code_groups=GROUPS,
+              thinker_hidden_size=Q.TEXT["hidden_size"], accept_hidden_layer=2, spatial_merge_size=2, **SPECIAL)
+CODE2WAV = dict(codebook_size=16, num_quantizers=GROUPS, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+                sliding_window=4, intermediate_size=16, num_hidden_layers=1, decoder_dim=16, upsample_rates=(2,),
+                upsampling_ratios=(2,))
+# Thinker-side tokens of the chat template, inside the tiny thinker's vocabulary.
+TTS = dict(tts_pad_token_id=280, tts_bos_token_id=281, tts_eos_token_id=282, im_start_token_id=297,
+           im_end_token_id=298, system_token_id=283, user_token_id=284, assistant_token_id=285)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers full model, omnijax config, params): the talker's weights through `save_pretrained` and the
+    name tables."""
+    torch.manual_seed(0)
+    full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
+        thinker_config=Q.thinker_config().to_dict(), talker_config=TALKER, code2wav_config=CODE2WAV,
+        enable_audio_output=True, **TTS)).eval()
+    with torch.no_grad():
+        for p in full.talker.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        full.thinker.model.embed_tokens.weight.normal_(0.0, 1.0)
+    root = tmp_path_factory.mktemp("talker")
+    full.save_pretrained(root, safe_serialization=True)
+    tensors = {}
+    for path in sorted(root.glob("*.safetensors")):
+        tensors.update({k: v for k, v in load_file(path).items() if k.startswith("talker.")})
+    config = TalkerConfig.from_hf(full.config.talker_config.to_dict())
+    trees = convert_in_memory(tensors, talker_components(config), strip_prefix="")
+    model = talker_from_params(config, {**trees["talker"], "code_predictor": trees["code_predictor"]})
+    return full, config, F.talker_params(model)
+
+
+def _t(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x))
+
+
+def _close(ours, want, what: str):
+    ours, want = np.asarray(ours), np.asarray(want)
+    assert ours.shape == want.shape, (what, ours.shape, want.shape)
+    assert np.abs(want).max() > 0.05, f"{what}: the oracle is (near) zero, the test would prove nothing"
+    err = np.abs(ours - want).max()
+    assert err <= TOL, f"{what}: max error {err}"
+
+
+# ------------------------------------------------------------------------------------------------ config, table
+
+
+def test_config_from_hf(pair):
+    full, config, _ = pair
+    assert config.num_code_groups == GROUPS and config.accept_hidden_layer == 2
+    assert config.decoder.sparse_layers == (True, True) and config.decoder.mrope_interleaved
+    assert config.decoder.mrope_section == (2, 1, 1) and config.predictor.mrope_section is None
+    assert config.speaker("ETHAN") == 88 and config.predictor.num_kv_heads == 1
+    assert TalkerConfig.from_json(config.to_json()) == config
+    with pytest.raises(KeyError, match="aiden"):
+        config.speaker("aiden")
+    hf = full.config.talker_config.to_dict()
+    bad = [({"text_config": {**hf["text_config"], "use_flux": 1}}, UnsupportedConfigError, "use_flux"),
+           ({"text_config": {**hf["text_config"], "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}},
+            UnsupportedConfigError, "rope_parameters"),
+           ({"code_predictor_config": {**hf["code_predictor_config"], "layer_types": ["sliding_attention"] * 2}},
+            UnsupportedConfigError, "layer_types"),
+           ({"code_predictor_config": {**hf["code_predictor_config"], "num_code_groups": 8}}, TalkerConfigError,
+            "num_code_groups"),
+           ({"code_predictor_config": {**hf["code_predictor_config"], "hidden_size": 16}}, TalkerConfigError,
+            "hidden_size"),
+           ({"speaker_id": {"ethan": 500}}, TalkerConfigError, "speaker_id.ethan")]
+    for change, error, name in bad:
+        with pytest.raises(error, match=name):
+            TalkerConfig.from_hf({**hf, **change})
+
+
+def test_tables_fill_the_module_tree(pair):
+    _, config, params = pair
+    talker, predictor = talker_components(config)
+    want = jax.tree_util.tree_map(np.shape, nnx.to_pure_dict(nnx.state(Talker(config))))
+    assert {**param_shapes(talker), "code_predictor": param_shapes(predictor)} == want
+    assert jax.tree_util.tree_map(np.shape, params) == want
+
+
+# ------------------------------------------------------------------------------------------------------- parity
+
+
+def test_projections(pair):
+    full, config, params = pair
+    x = np.random.default_rng(0).standard_normal((2, 5, config.thinker_hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        text, hidden = full.talker.text_projection(_t(x)), full.talker.hidden_projection(_t(x))
+    _close(F.project_text(config, params, x), text, "text_projection")
+    _close(F.project_hidden(config, params, x), hidden, "hidden_projection")
+
+
+@pytest.mark.parametrize("length", range(2, GROUPS + 1))
+def test_code_predictor_logits(pair, length):
+    """A sequence of `length` embeddings uses head `length - 2` (codebook `length - 1`) at every position."""
+    full, config, params = pair
+    x = np.random.default_rng(length).standard_normal((2, length, config.predictor.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        want = full.talker.code_predictor(inputs_embeds=_t(x)).logits
+    _close(F.predictor_logits(config, params, x, length - 2), want, f"code predictor head {length - 2}")
+
+
+def test_talker_logits_with_distinct_position_axes(pair):
+    full, config, params = pair
+    B, T = 2, 13
+    x = np.random.default_rng(1).standard_normal((B, T, config.decoder.hidden_size)).astype(np.float32)
+    t = np.arange(T)
+    positions = np.broadcast_to(np.stack([t, 2 + (t * 5) % 7, 3 * t])[:, None], (3, B, T)).copy()
+    with torch.no_grad():
+        want = full.talker(inputs_embeds=_t(x), attention_mask=torch.ones(B, T, dtype=torch.long),
+                           position_ids=_t(positions)).logits
+    _close(F.talker_logits(config, params, x, positions.astype(np.float32)), want, "talker logits")
+
+
+def _thinker_rows(full, ids):
+    with torch.no_grad():
+        return full.thinker.get_input_embeddings()(_t(ids)[None])  # [1, T, Dt]
+
+
+def _reference_prompt(full, answer_ids):
+    """transformers' assistant part (its `_get_talker_assistant_parts`) for `<|im_start|>assistant\\n` + answer."""
+    ids = np.asarray([TTS["im_start_token_id"], TTS["assistant_token_id"], 198] + list(answer_ids))
+    embed = _thinker_rows(full, ids)
+    with torch.no_grad():
+        specials = _thinker_rows(full, [TTS["tts_bos_token_id"], TTS["tts_eos_token_id"], TTS["tts_pad_token_id"]])
+        bos, eos, pad = full.talker.text_projection(specials).chunk(3, dim=1)
+        prompt, prompt_ids, trailing = full._get_talker_assistant_parts(0, len(ids), 88, embed, pad, bos, eos)
+    return ids, embed[0].numpy(), specials[0].numpy(), prompt, prompt_ids, trailing, pad
+
+
+def test_assistant_prompt_and_its_logits(pair):
+    """The talker input built from thinker embedding rows, and the talker's logits on it (positions from
+    transformers' own `get_rope_index` over the talker's input ids)."""
+    full, config, params = pair
+    _, embed, specials, prompt, prompt_ids, trailing, _ = _reference_prompt(full, [7, 8, 9, 10, 11])
+    ours, ours_trailing = F.assistant_prompt(config, params, embed, "Ethan", specials)
+    _close(ours, prompt[0], "assistant prompt")
+    _close(ours_trailing, trailing[0], "trailing text rows")
+    T = prompt.shape[1]
+    with torch.no_grad():
+        want = full.talker(inputs_embeds=prompt, attention_mask=torch.ones(1, T, dtype=torch.long),
+                           talker_input_ids=prompt_ids).logits
+    positions = np.broadcast_to(np.arange(T, dtype=np.float32), (3, 1, T))
+    _close(F.talker_logits(config, params, np.asarray(ours)[None], positions), want, "talker logits on the prompt")
+
+
+def test_greedy_generation_equals_transformers(pair):
+    """transformers' talker `generate` (greedy; its code predictor made greedy too, it samples by default with
+    top_k=50, top_p=0.8 hard-coded) against `generate_greedy`: the same talker tokens and the same codes, frame by
+    frame."""
+    full, config, params = pair
+    _, embed, specials, prompt, prompt_ids, trailing, pad = _reference_prompt(full, [7, 8, 9])
+    suppress = [88, 89, 91, 92, 93, 94, 95]  # the control ids (the reference suppresses its top 1,024 but eos)
+    predictor = full.talker.code_predictor
+    greedy = functools.partial(type(predictor).generate, predictor)
+    predictor.generate = lambda **kw: greedy(**{**kw, "do_sample": False, "top_k": None, "top_p": None})
+    try:
+        with torch.no_grad():
+            out = full.talker.generate(
+                inputs_embeds=prompt, trailing_text_hidden=trailing, tts_pad_embed=pad, talker_input_ids=prompt_ids,
+                attention_mask=torch.ones(prompt.shape[:2], dtype=torch.long), max_new_tokens=8, do_sample=False,
+                suppress_tokens=suppress, eos_token_id=config.codec_eos_token_id, repetition_penalty=1.0,
+                output_hidden_states=True, return_dict_in_generate=True)
+    finally:
+        del predictor.generate
+    want_tokens = out.sequences[0].numpy()
+    want_codes = torch.stack([h[-1] for h in out.hidden_states if h[-1] is not None], dim=1)[0].T.numpy()
+    ours_prompt, ours_trailing = F.assistant_prompt(config, params, embed, "ethan", specials)
+    T = ours_prompt.shape[0]
+    tokens, codes = F.generate_greedy(config, params, ours_prompt, np.broadcast_to(np.arange(T), (3, T)),
+                                      ours_trailing, F.project_text(config, params, specials)[2], max_new_tokens=8,
+                                      suppress=suppress)
+    assert want_codes.shape[1] >= 4, "fewer than 4 frames: the test would prove little"
+    assert len(set(want_codes[1:].ravel().tolist())) > 2, "the predictor's codes barely vary"
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_array_equal(codes, want_codes)
+
+
+def test_predict_codes_is_one_compiled_frame(pair):
+    """The per-frame predictor loop equals running `predictor_logits` on the growing sequence (argmax each time)."""
+    _, config, params = pair
+    rng = np.random.default_rng(5)
+    past = rng.standard_normal((3, config.decoder.hidden_size)).astype(np.float32)
+    code0 = np.asarray([1, 50, 77], np.int32)
+    codes = np.asarray(F.predict_codes(config, params, past, code0))
+    seq = np.stack([past, np.asarray(params["codec_embedding"])[code0]], axis=1)
+    for g in range(1, GROUPS):
+        logits = np.asarray(F.predictor_logits(config, params, seq, g - 1))[:, -1]
+        np.testing.assert_array_equal(codes[:, g], logits.argmax(-1))
+        emb = np.asarray(params["code_predictor"]["codec_embedding"])[g - 1][codes[:, g]]
+        seq = np.concatenate([seq, emb[:, None]], axis=1)
+    np.testing.assert_array_equal(codes[:, 0], code0)
+    assert jnp.asarray(codes).dtype == jnp.int32
