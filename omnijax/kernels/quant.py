@@ -113,6 +113,16 @@ class QuantizedWeight:
             return None if a is None else jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
         return QuantizedWeight(take(self.values), take(self.scales), take(self.offsets), self.scheme)
 
+    def __getitem__(self, key: Any) -> QuantizedWeight:
+        """`qw[i]` is `qw.index(i)` (an int or a traced scalar on the leading axis); `qw[...]` is `qw` (as
+        `nnx.Param[...]` reads its value). Any other key is refused: slicing codes would cut packed bytes."""
+        if key is Ellipsis:
+            return self
+        if isinstance(key, (tuple, slice)) or len(self.shape) < 3:
+            raise TypeError(f"a QuantizedWeight of shape {self.shape} takes one index on its leading (stack) axis "
+                            f"or ..., got {key!r}")
+        return self.index(key)
+
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "offsets"],
                                  meta_fields=["scheme"])

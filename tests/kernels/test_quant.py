@@ -116,7 +116,15 @@ def test_stacked_weights_and_index():
     for i in range(4):
         one = Q.quantize(w[i], Q.Int4Grouped(32))
         np.testing.assert_array_equal(np.asarray(qw.index(i).values), np.asarray(one.values))
+        np.testing.assert_array_equal(np.asarray(qw[i].scales), np.asarray(one.scales))
         np.testing.assert_allclose(np.asarray(pick(x, qw, i)), np.asarray(Q.qmatmul(x, one)), rtol=1e-6, atol=1e-6)
+
+    assert qw[...] is qw
+    for bad in (slice(0, 2), (0, 1)):
+        with pytest.raises(TypeError, match="takes one index on its leading"):
+            qw[bad]
+    with pytest.raises(TypeError, match="takes one index on its leading"):
+        qw[0][0]
 
     def body(h, layer):  # a lax.scan over the stack slices every leaf of the pytree
         return h, Q.qmatmul(h, layer)
