@@ -10,6 +10,7 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
 - `predict_codes`: one frame's residual codebooks 1 .. Q-1, greedy, as one compiled loop over a dense KV buffer.
 - `talker_step`: one frame: the predictor fills the previous token's frame, the frame's embeddings plus a text row
   become the talker's next input, the talker writes it and returns the next first-codebook logits.
+- `user_prompt`: a user turn's talker rows (projected thinker embedding rows; hidden rows at placeholders).
 - `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
 - `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor).
 """
@@ -36,7 +37,7 @@ from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 
 __all__ = ["assistant_prompt", "generate_greedy", "init_cache", "predict_codes", "predictor_logits", "project_hidden",
-           "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_step"]
+           "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
 
@@ -265,6 +266,17 @@ def _prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds
 
 
 # --------------------------------------------------------------------------------------------- prompt, generate
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def user_prompt(config: TalkerConfig, params: Params, thinker_embeds: jax.Array, thinker_hidden: jax.Array,
+                multimodal: jax.Array) -> jax.Array:
+    """The talker input of a user turn, as the reference's `_get_talker_user_parts` builds it: per token, the
+    projected layer-`accept_hidden_layer` row (`thinker_hidden`) at audio / image / video placeholders
+    (`multimodal [T]` bool), else the projected embedding-layer row (`thinker_embeds`); rows `[T, Dt]` -> `[T, D]`.
+    (No codec embedding is added to user rows.)"""
+    return jnp.where(multimodal[:, None], _resize(params["hidden_projection"], thinker_hidden, config.jnp_dtype),
+                     _resize(params["text_projection"], thinker_embeds, config.jnp_dtype))
 
 
 def assistant_prompt(config: TalkerConfig, params: Params, thinker_embeds: jax.Array, speaker: str,

@@ -16,8 +16,13 @@ from flax import nnx
 from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.qwen3_omni import talker_forward as F
-from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig, TalkerConfigError, talker_components, \
-    talker_from_params
+from omnijax.models.qwen3_omni.talker import (
+    Talker,
+    TalkerConfig,
+    TalkerConfigError,
+    talker_components,
+    talker_from_params,
+)
 from tests._support import qwen3_omni_models as Q
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -185,6 +190,24 @@ def test_assistant_prompt_and_its_logits(pair):
                            talker_input_ids=prompt_ids).logits
     positions = np.broadcast_to(np.arange(T, dtype=np.float32), (3, 1, T))
     _close(F.talker_logits(config, params, np.asarray(ours)[None], positions), want, "talker logits on the prompt")
+
+
+def test_user_prompt(pair):
+    """User rows: projected thinker embeddings, and projected layer-`accept_hidden_layer` states at the
+    placeholders, against transformers' `_get_talker_user_parts`."""
+    full, config, params = pair
+    ids = np.asarray([TTS["im_start_token_id"], TTS["user_token_id"], 198, 5, Q.IDS["audio_token_id"],
+                      Q.IDS["audio_token_id"], 6, Q.IDS["image_token_id"], 7])
+    mask = np.isin(ids, [Q.IDS["audio_token_id"], Q.IDS["image_token_id"], Q.IDS["video_token_id"]])
+    embed = _thinker_rows(full, ids)
+    hidden = _t(np.random.default_rng(3).standard_normal(embed.shape).astype(np.float32))
+    with torch.no_grad():
+        want = full._get_talker_user_parts(0, len(ids), _t(mask)[None], hidden, embed)
+    ours = F.user_prompt(config, params, embed[0].numpy(), hidden[0].numpy(), mask)
+    _close(ours, want[0], "user prompt")
+    text_only = F.user_prompt(config, params, embed[0].numpy(), hidden[0].numpy(), np.zeros_like(mask))
+    # the placeholders read the hidden rows
+    assert np.abs(np.asarray(text_only) - np.asarray(ours))[mask].max(axis=1).min() > 1e-3
 
 
 def test_greedy_generation_equals_transformers(pair):
