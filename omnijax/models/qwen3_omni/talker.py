@@ -124,7 +124,8 @@ class TalkerConfig(JsonConfig):
         projection_size: width P of the two ResizeMLPs (the talker text config's `intermediate_size`).
         accept_hidden_layer: the thinker `hidden_states` index the hidden projection reads (layer k's output).
         codec_*: special codec ids of the assistant prefix and the end of speech.
-        speakers: (name, codec id) pairs, names lower-case.
+        speakers: (name, codec id) pairs as the config's `speaker_id` spells them (looked up lower-cased, as the
+            reference does, so only lower-case names are reachable).
         audio_token_id, image_token_id, video_token_id, vision_start_token_id, audio_start_token_id,
         position_id_per_seconds, spatial_merge_size: what positions the talker's input sequence gets (as the
             thinker's `get_rope_index` computes them over that sequence).
@@ -198,7 +199,7 @@ class TalkerConfig(JsonConfig):
                                                              "predictor": nested["predictor"]}), **nested)
 
     def speaker(self, name: str) -> int:
-        """The codec id of speaker `name` (case-insensitive), as the reference looks it up.
+        """The codec id of speaker `name`, looked up lower-cased as the reference does.
 
         Raises:
             KeyError: naming the speaker and the ones the checkpoint has.
@@ -233,7 +234,7 @@ class TalkerConfig(JsonConfig):
                            moe_intermediate_size=text.get("moe_intermediate_size", 768),
                            norm_topk_prob=bool(text.get("norm_topk_prob", False)))
         predictor = _decoder(pred, "code_predictor_config", dtype, mrope=False)
-        speakers = tuple(sorted((str(k).lower(), int(v)) for k, v in (data.get("speaker_id") or {}).items()))
+        speakers = tuple(sorted((str(k), int(v)) for k, v in (data.get("speaker_id") or {}).items()))
         if "shared_expert_intermediate_size" not in text:
             raise TalkerConfigError("text_config.shared_expert_intermediate_size", None,
                                     "is required (the reference's shared expert reads it)")

@@ -12,11 +12,13 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
   become the talker's next input, the talker writes it and returns the next first-codebook logits.
 - `user_prompt`: a user turn's talker rows (projected thinker embedding rows; hidden rows at placeholders).
 - `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
+- `talker_prompt`: a whole conversation's talker input (system turns skipped, user turns, the answer's prefix).
 - `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +38,9 @@ from omnijax.models.encoders.common import dense
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 
-__all__ = ["assistant_prompt", "generate_greedy", "init_cache", "predict_codes", "predictor_logits", "project_hidden",
-           "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_step", "user_prompt"]
+__all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "init_cache", "predict_codes", "predictor_logits",
+           "project_hidden", "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_prompt",
+           "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
 
@@ -306,6 +309,71 @@ def assistant_prompt(config: TalkerConfig, params: Params, thinker_embeds: jax.A
     codec = jnp.take(params["codec_embedding"], codec_ids, axis=0)
     codec = jnp.concatenate([jnp.zeros((3, codec.shape[-1]), codec.dtype), codec])
     return rows + codec, jnp.concatenate([text[4:], eos[None]])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTokens:
+    """The thinker-side ids that cut a conversation into turns for the talker (the full config's, not the talker's).
+
+    Attributes:
+        im_start, system, user, assistant: `<|im_start|>` and the role tokens after it.
+        tts_pad: the id the reference gives the assistant prefix in the talker's input ids (positions only).
+        multimodal: the thinker's audio / image / video placeholder ids.
+    """
+
+    im_start: int
+    system: int
+    user: int
+    assistant: int
+    tts_pad: int
+    multimodal: tuple[int, ...]
+
+
+def talker_prompt(config: TalkerConfig, params: Params, prompt_ids: np.ndarray, sequence: np.ndarray,
+                  thinker_embeds: jax.Array, thinker_hidden: jax.Array, tts_embeds: jax.Array, *, speaker: str,
+                  chat: ChatTokens) -> tuple[jax.Array, np.ndarray, jax.Array]:
+    """The talker's whole input for one conversation, as the reference's `generate` assembles it: system turns
+    skipped, user turns (`user_prompt`), earlier assistant turns skipped, the last turn (the answer) as
+    `assistant_prompt`.
+
+    Args:
+        prompt_ids: `[T0]` the thinker's prompt (turns are found from its `<|im_start|>`s).
+        sequence: `[T]` prompt and answer.
+        thinker_embeds, thinker_hidden: `[>= T - 1, Dt]` the thinker's embedding-layer rows and layer
+            `accept_hidden_layer` rows of `sequence` (the reference has every row but the last token's).
+        tts_embeds: `[3, Dt]` the thinker's embeddings of `tts_bos`, `tts_eos`, `tts_pad`.
+
+    Returns:
+        `(rows [T', D], talker_input_ids [T'], trailing [N, D])`: the talker ids give its positions (thinker-style
+        `get_rope_index` over them).
+
+    Raises:
+        ValueError: a turn with an unknown role, or a last turn that is not the assistant's.
+    """
+    prompt_ids, sequence = np.asarray(prompt_ids), np.asarray(sequence)
+    starts = list(np.flatnonzero(prompt_ids == chat.im_start)) + [len(sequence)]
+    rows, ids, trailing = [], [], None
+    multimodal = np.isin(sequence, chat.multimodal)
+    for i, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        role, last = int(prompt_ids[start + 1]), i == len(starts) - 2
+        if role == chat.system or (role == chat.assistant and not last):
+            continue
+        if role == chat.user:
+            rows.append(user_prompt(config, params, thinker_embeds[start:end], thinker_hidden[start:end],
+                                    jnp.asarray(multimodal[start:end])))
+            ids.append(sequence[start:end])
+        elif role == chat.assistant:
+            prefix, trailing = assistant_prompt(config, params, thinker_embeds[start:end], speaker, tts_embeds)
+            rows.append(prefix)
+            ids.append(np.full((prefix.shape[0],), chat.tts_pad, sequence.dtype))
+        else:
+            raise ValueError(f"turn {i} at token {start} has role token {role}, not system {chat.system}, user "
+                             f"{chat.user} or assistant {chat.assistant}")
+        if last and role != chat.assistant:
+            raise ValueError("the last turn must be the assistant's answer (the talker speaks it)")
+    if trailing is None:
+        raise ValueError("the conversation has no assistant turn to speak")
+    return jnp.concatenate(rows), np.concatenate(ids), trailing
 
 
 def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,

@@ -2,9 +2,13 @@
 
 The reference is a tiny full `Qwen3OmniMoeForConditionalGeneration` (the thinker of `qwen3_omni_models`, a tiny
 talker and Code2Wav) with seeded talker weights, saved with `save_pretrained` so that the talker's tensors are in the
-release's layout (one tensor per expert) and converted through `talker_components`.
+release's layout (one tensor per expert) and converted through `talker_components`. Checked: the config reader, the
+tables, the projections, code-predictor logits of every head, talker logits (distinct mrope axes; on a prompt built
+from thinker rows), user and assistant prompts, greedy talker generation, and the whole thinker -> talker -> Code2Wav
+path of transformers' `generate(return_audio=True)` (same codes, same waveform).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -35,18 +39,22 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa
 )
 
 GROUPS = 4
-TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+# transformers' generate suppresses the top 1,024 codec ids (eos excepted): the codec vocabulary holds more, with the
+# control ids up there, so that the first codebook's codes are 0 .. 75.
+CODEC_VOCAB = 1100
+TEXT = dict(vocab_size=CODEC_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, norm_topk_prob=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
                              "interleaved": True})
 PREDICTOR = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=1, head_dim=8, num_code_groups=GROUPS)
-SPECIAL = dict(codec_eos_token_id=90, codec_nothink_id=91, codec_think_bos_id=92, codec_think_eos_id=93,
-               codec_pad_id=94, codec_bos_id=95, speaker_id={"Ethan": 88, "chelsie": 89})
+SPECIAL = dict(codec_eos_token_id=1080, codec_nothink_id=1091, codec_think_bos_id=1092, codec_think_eos_id=1093,
+               codec_pad_id=1094, codec_bos_id=1095, speaker_id={"ethan": 1088, "chelsie": 1089})
+SUPPRESS = [i for i in range(CODEC_VOCAB - 1024, CODEC_VOCAB) if i != SPECIAL["codec_eos_token_id"]]
 TALKER = dict(text_config=TEXT, code_predictor_config=PREDICTOR, num_code_groups=GROUPS,
               thinker_hidden_size=Q.TEXT["hidden_size"], accept_hidden_layer=2, spatial_merge_size=2, **SPECIAL)
-CODE2WAV = dict(codebook_size=16, num_quantizers=GROUPS, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+CODE2WAV = dict(codebook_size=80, num_quantizers=GROUPS, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
                 sliding_window=4, intermediate_size=16, num_hidden_layers=1, decoder_dim=16, upsample_rates=(2,),
                 upsampling_ratios=(2,))
 # Thinker-side tokens of the chat template, inside the tiny thinker's vocabulary.
@@ -56,9 +64,11 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(transformers full model, omnijax config, params): the talker's weights through `save_pretrained` and the
-    name tables."""
+def saved(tmp_path_factory):
+    """transformers' tiny full model with seeded talker weights (and Code2Wav weights that keep the signal in range,
+    `test_code2wav.seeded_reference`), and its `talker.` / `code2wav.` tensors as `save_pretrained` writes them."""
+    from tests.models.qwen3_omni.test_code2wav import seeded_reference
+
     torch.manual_seed(0)
     full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
         thinker_config=Q.thinker_config().to_dict(), talker_config=TALKER, code2wav_config=CODE2WAV,
@@ -66,14 +76,25 @@ def pair(tmp_path_factory):
     with torch.no_grad():
         for p in full.talker.parameters():
             p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        full.thinker.model.embed_tokens.weight.normal_(0.0, 1.0)
+        for p in full.thinker.model.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        full.thinker.lm_head.weight.normal_(0.0, 0.3)
+    full.code2wav.load_state_dict(seeded_reference(CODE2WAV).state_dict())
     root = tmp_path_factory.mktemp("talker")
     full.save_pretrained(root, safe_serialization=True)
     tensors = {}
     for path in sorted(root.glob("*.safetensors")):
-        tensors.update({k: v for k, v in load_file(path).items() if k.startswith("talker.")})
+        tensors.update({k: v for k, v in load_file(path).items() if k.startswith(("talker.", "code2wav."))})
+    return full, tensors
+
+
+@pytest.fixture(scope="module")
+def pair(saved):
+    """(transformers full model, omnijax config, params): the talker's weights through the name tables."""
+    full, tensors = saved
     config = TalkerConfig.from_hf(full.config.talker_config.to_dict())
-    trees = convert_in_memory(tensors, talker_components(config), strip_prefix="")
+    talker = {k: v for k, v in tensors.items() if k.startswith("talker.")}
+    trees = convert_in_memory(talker, talker_components(config), strip_prefix="")
     model = talker_from_params(config, {**trees["talker"], "code_predictor": trees["code_predictor"]})
     return full, config, F.talker_params(model)
 
@@ -98,7 +119,7 @@ def test_config_from_hf(pair):
     assert config.num_code_groups == GROUPS and config.accept_hidden_layer == 2
     assert config.decoder.sparse_layers == (True, True) and config.decoder.mrope_interleaved
     assert config.decoder.mrope_section == (2, 1, 1) and config.predictor.mrope_section is None
-    assert config.speaker("ETHAN") == 88 and config.predictor.num_kv_heads == 1
+    assert config.speaker("ETHAN") == 1088 and config.predictor.num_kv_heads == 1
     assert TalkerConfig.from_json(config.to_json()) == config
     with pytest.raises(KeyError, match="aiden"):
         config.speaker("aiden")
@@ -112,7 +133,7 @@ def test_config_from_hf(pair):
             "num_code_groups"),
            ({"code_predictor_config": {**hf["code_predictor_config"], "hidden_size": 16}}, TalkerConfigError,
             "hidden_size"),
-           ({"speaker_id": {"ethan": 500}}, TalkerConfigError, "speaker_id.ethan")]
+           ({"speaker_id": {"ethan": 5000}}, TalkerConfigError, "speaker_id.ethan")]
     for change, error, name in bad:
         with pytest.raises(error, match=name):
             TalkerConfig.from_hf({**hf, **change})
@@ -160,6 +181,18 @@ def test_talker_logits_with_distinct_position_axes(pair):
     _close(F.talker_logits(config, params, x, positions.astype(np.float32)), want, "talker logits")
 
 
+@contextlib.contextmanager
+def greedy_predictor(predictor):
+    """transformers' talker samples its code predictor with top_k=50, top_p=0.8 hard-coded (whatever the talker's
+    own settings); within the block the predictor decodes greedily."""
+    greedy = functools.partial(type(predictor).generate, predictor)
+    predictor.generate = lambda **kw: greedy(**{**kw, "do_sample": False, "top_k": None, "top_p": None})
+    try:
+        yield
+    finally:
+        del predictor.generate
+
+
 def _thinker_rows(full, ids):
     with torch.no_grad():
         return full.thinker.get_input_embeddings()(_t(ids)[None])  # [1, T, Dt]
@@ -172,7 +205,7 @@ def _reference_prompt(full, answer_ids):
     with torch.no_grad():
         specials = _thinker_rows(full, [TTS["tts_bos_token_id"], TTS["tts_eos_token_id"], TTS["tts_pad_token_id"]])
         bos, eos, pad = full.talker.text_projection(specials).chunk(3, dim=1)
-        prompt, prompt_ids, trailing = full._get_talker_assistant_parts(0, len(ids), 88, embed, pad, bos, eos)
+        prompt, prompt_ids, trailing = full._get_talker_assistant_parts(0, len(ids), 1088, embed, pad, bos, eos)
     return ids, embed[0].numpy(), specials[0].numpy(), prompt, prompt_ids, trailing, pad
 
 
@@ -216,26 +249,19 @@ def test_greedy_generation_equals_transformers(pair):
     frame."""
     full, config, params = pair
     _, embed, specials, prompt, prompt_ids, trailing, pad = _reference_prompt(full, [7, 8, 9])
-    suppress = [88, 89, 91, 92, 93, 94, 95]  # the control ids (the reference suppresses its top 1,024 but eos)
-    predictor = full.talker.code_predictor
-    greedy = functools.partial(type(predictor).generate, predictor)
-    predictor.generate = lambda **kw: greedy(**{**kw, "do_sample": False, "top_k": None, "top_p": None})
-    try:
-        with torch.no_grad():
-            out = full.talker.generate(
-                inputs_embeds=prompt, trailing_text_hidden=trailing, tts_pad_embed=pad, talker_input_ids=prompt_ids,
-                attention_mask=torch.ones(prompt.shape[:2], dtype=torch.long), max_new_tokens=8, do_sample=False,
-                suppress_tokens=suppress, eos_token_id=config.codec_eos_token_id, repetition_penalty=1.0,
-                output_hidden_states=True, return_dict_in_generate=True)
-    finally:
-        del predictor.generate
+    with greedy_predictor(full.talker.code_predictor), torch.no_grad():
+        out = full.talker.generate(
+            inputs_embeds=prompt, trailing_text_hidden=trailing, tts_pad_embed=pad, talker_input_ids=prompt_ids,
+            attention_mask=torch.ones(prompt.shape[:2], dtype=torch.long), max_new_tokens=8, do_sample=False,
+            suppress_tokens=SUPPRESS, eos_token_id=config.codec_eos_token_id, repetition_penalty=1.0,
+            output_hidden_states=True, return_dict_in_generate=True)
     want_tokens = out.sequences[0].numpy()
     want_codes = torch.stack([h[-1] for h in out.hidden_states if h[-1] is not None], dim=1)[0].T.numpy()
     ours_prompt, ours_trailing = F.assistant_prompt(config, params, embed, "ethan", specials)
     T = ours_prompt.shape[0]
     tokens, codes = F.generate_greedy(config, params, ours_prompt, np.broadcast_to(np.arange(T), (3, T)),
                                       ours_trailing, F.project_text(config, params, specials)[2], max_new_tokens=8,
-                                      suppress=suppress)
+                                      suppress=SUPPRESS)
     assert want_codes.shape[1] >= 4, "fewer than 4 frames: the test would prove little"
     assert len(set(want_codes[1:].ravel().tolist())) > 2, "the predictor's codes barely vary"
     np.testing.assert_array_equal(tokens, want_tokens)
@@ -257,3 +283,50 @@ def test_predict_codes_is_one_compiled_frame(pair):
         seq = np.concatenate([seq, emb[:, None]], axis=1)
     np.testing.assert_array_equal(codes[:, 0], code0)
     assert jnp.asarray(codes).dtype == jnp.int32
+
+
+def test_thinker_to_waveform_equals_transformers_generate(pair, saved):
+    """transformers' `generate(..., return_audio=True)` (greedy thinker, talker and code predictor) against omnijax's
+    talker fed with the same thinker's embedding rows, then omnijax's Code2Wav: the same codes and waveform."""
+    from omnijax.models.qwen3_omni.code2wav import Code2WavConfig, code2wav_component, code2wav_from_params
+    from omnijax.models.qwen3_omni.code2wav_decode import decode
+
+    full, config, params = pair
+    _, tensors = saved
+    im_start, im_end, nl = TTS["im_start_token_id"], TTS["im_end_token_id"], 198
+    prompt = np.asarray([im_start, TTS["system_token_id"], nl, 10, 11, im_end, nl,
+                         im_start, TTS["user_token_id"], nl, 12, 13, 14, im_end, nl,
+                         im_start, TTS["assistant_token_id"], nl, 20, 21, im_end, nl,  # an earlier answer: skipped
+                         im_start, TTS["user_token_id"], nl, 15, 16, im_end, nl,
+                         im_start, TTS["assistant_token_id"], nl])
+    with greedy_predictor(full.talker.code_predictor), torch.no_grad():
+        sequence, wav = full.generate(
+            input_ids=_t(prompt)[None], speaker="Ethan", return_audio=True, thinker_max_new_tokens=6,
+            thinker_do_sample=False, thinker_eos_token_id=im_end, talker_max_new_tokens=10, talker_do_sample=False,
+            talker_repetition_penalty=1.0)
+    sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
+    assert len(sequence) - len(prompt) >= 4, "the thinker's answer is too short to have trailing text rows"
+
+    embeds = _thinker_rows(full, sequence[:-1])[0].numpy()  # the reference's rows: all but the last token's
+    specials = _thinker_rows(full, [TTS["tts_bos_token_id"], TTS["tts_eos_token_id"], TTS["tts_pad_token_id"]])[0]
+    chat = F.ChatTokens(im_start=im_start, system=TTS["system_token_id"], user=TTS["user_token_id"],
+                        assistant=TTS["assistant_token_id"], tts_pad=TTS["tts_pad_token_id"],
+                        multimodal=(Q.IDS["audio_token_id"], Q.IDS["image_token_id"], Q.IDS["video_token_id"]))
+    rows, ids, trailing = F.talker_prompt(config, params, prompt, sequence, embeds, np.zeros_like(embeds),
+                                          specials.numpy(), speaker="ethan", chat=chat)
+    assert len(ids) == 8 + 7 + 9  # two user turns, the answer's 9-row prefix; the system and old answer skipped
+    T = len(ids)
+    _, codes = F.generate_greedy(config, params, rows, np.broadcast_to(np.arange(T), (3, T)), trailing,
+                                 F.project_text(config, params, specials.numpy())[2], max_new_tokens=10,
+                                 suppress=SUPPRESS)
+    assert codes.shape[1] >= 4, "fewer than 4 frames: the test would prove little"
+
+    c2w_config = Code2WavConfig.from_hf(full.config.code2wav_config.to_dict())
+    c2w_tensors = {k: v for k, v in tensors.items() if k.startswith("code2wav.")}
+    c2w = code2wav_from_params(c2w_config, convert_in_memory(c2w_tensors, [code2wav_component(c2w_config)],
+                                                             strip_prefix="")["code2wav"])
+    ours = np.asarray(decode(c2w, codes[None]))[0]
+    assert ours.shape == wav.shape
+    peak = np.abs(wav).max()
+    assert peak > 0.05, "the reference waveform is (near) silent: the test would prove nothing"
+    assert np.abs(ours - wav).max() <= TOL * peak
