@@ -83,10 +83,11 @@ class TalkerConfigError(ConfigAttributeError):
 
 
 # Attributes with no effect on the forward (training-only, bookkeeping), per sub-config. The talker decoder's
-# attention never uses a sliding window (the reference sets none), so `sliding_window` is inert there.
+# attention never uses a sliding window (the reference sets none), so `sliding_window` is inert there; the release's
+# talker config also carries `audio_end_token_id` and `seconds_per_chunk`, which transformers never reads.
 _COMMON_INERT = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
     max_position_embeddings initializer_range use_cache attention_dropout output_router_logits router_aux_loss_coef
-    use_sliding_window sliding_window max_window_layers
+    use_sliding_window sliding_window max_window_layers audio_end_token_id seconds_per_chunk
 """.split())
 _TEXT_READ = frozenset("""
     vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim

@@ -139,6 +139,37 @@ def test_config_from_hf(pair):
             TalkerConfig.from_hf({**hf, **change})
 
 
+def test_release_talker_config():
+    """The Qwen3-Omni-30B-A3B-Instruct release's talker settings (as its config.json sets them)."""
+    text = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=20, num_attention_heads=16,
+                num_key_value_heads=2, head_dim=128, vocab_size=3072, num_local_experts=128, num_experts_per_tok=6,
+                moe_intermediate_size=384, shared_expert_intermediate_size=768, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], sliding_window=None, use_sliding_window=False,
+                rope_parameters={"interleaved": True, "mrope_section": [24, 20, 20], "rope_theta": 1000000,
+                                 "rope_type": "default", "type": "default"})
+    predictor = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128, vocab_size=2048, num_code_groups=16,
+                     layer_types=["full_attention"] * 5, rope_parameters={"rope_theta": 1000000,
+                                                                          "rope_type": "default"})
+    config = TalkerConfig.from_hf(dict(
+        text_config=text, code_predictor_config=predictor, accept_hidden_layer=24, audio_token_id=151675,
+        audio_start_token_id=151669, audio_end_token_id=151670, codec_bos_id=2149, codec_eos_token_id=2150,
+        codec_nothink_id=2155, codec_pad_id=2148, codec_think_bos_id=2156, codec_think_eos_id=2157,
+        image_token_id=151655, num_code_groups=16, position_id_per_seconds=13, seconds_per_chunk=2,
+        spatial_merge_size=2, speaker_id={"aiden": 2303, "chelsie": 2301, "ethan": 2302}, thinker_hidden_size=2048,
+        video_token_id=151656, vision_start_token_id=151652))
+    d, p = config.decoder, config.predictor
+    assert (d.num_layers, d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size) == (20, 128, 6, 384)
+    assert d.sparse_layers == (True,) * 20 and d.mrope_section == (24, 20, 20) and d.rope_theta == 1e6
+    assert (p.num_layers, p.intermediate_size, p.num_kv_heads, p.rope_theta) == (5, 3072, 8, 1e6)
+    assert (config.num_code_groups, config.accept_hidden_layer, config.projection_size) == (16, 24, 2048)
+    assert config.speaker("Chelsie") == 2301 and config.codec_eos_token_id == 2150
+    talker, predictor_table = talker_components(config)
+    shapes = param_shapes(talker)
+    assert shapes["layers"]["expert_gate"] == (20, 128, 1024, 384) and shapes["shared"]["gate"] == (20, 1024, 1)
+    assert param_shapes(predictor_table)["lm_head"] == (15, 1024, 2048)
+
+
 def test_tables_fill_the_module_tree(pair):
     _, config, params = pair
     talker, predictor = talker_components(config)
@@ -330,3 +361,25 @@ def test_thinker_to_waveform_equals_transformers_generate(pair, saved):
     peak = np.abs(wav).max()
     assert peak > 0.05, "the reference waveform is (near) silent: the test would prove nothing"
     assert np.abs(ours - wav).max() <= TOL * peak
+
+
+def test_bad_conversations_are_refused_by_name(pair):
+    _, config, params = pair
+    chat = F.ChatTokens(im_start=1, system=2, user=3, assistant=4, tts_pad=5, multimodal=(6,))
+    rows = np.zeros((12, config.thinker_hidden_size), np.float32)
+    specials = np.zeros((3, config.thinker_hidden_size), np.float32)
+
+    def build(ids, speaker="ethan"):
+        ids = np.asarray(ids)
+        return F.talker_prompt(config, params, ids, ids, rows, rows, specials, speaker=speaker, chat=chat)
+
+    with pytest.raises(ValueError, match="role token 9"):
+        build([1, 9, 7, 1, 4, 7, 8, 8])
+    with pytest.raises(ValueError, match="last turn must be the assistant"):
+        build([1, 4, 7, 8, 8, 1, 3, 7, 8])
+    with pytest.raises(ValueError, match=">= 4 rows"):
+        build([1, 3, 7, 1, 4, 7])
+    with pytest.raises(KeyError, match="'aiden'"):
+        build([1, 3, 7, 1, 4, 7, 8, 8], speaker="aiden")
+    prompt, ids, trailing = build([1, 2, 7, 1, 3, 7, 6, 1, 4, 7, 8, 8])
+    assert list(ids) == [1, 3, 7, 6] + [5] * 9 and prompt.shape[0] == 13 and trailing.shape[0] == 2
