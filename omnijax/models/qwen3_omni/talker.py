@@ -36,9 +36,15 @@ Streaming design (what the engine needs next; `talker_forward` has the pieces):
   layer-`accept_hidden_layer` row (multimodal placeholders); of the answered assistant turn, only embedding-layer rows.
   The talker never reads the thinker's KV cache, so the thinker's retention may evict anything once these rows are
   projected: keep `text_projection(embed)` / `hidden_projection(layer k)` per token (talker width, D = 1,024 for the
-  release) as the talker consumes them, never the KV. The assistant's text arrives one row per talker step
-  (`trailing_text_hidden[step]`, then `tts_pad` once the text is exhausted): the talker may run at most as far ahead
-  as the thinker's text, else it pads.
+  release) as the talker consumes them, never the KV. The answer's text enters one row per talker step: the
+  prefix holds answer token 0, talker step i (frame i's first codebook is its input) adds answer token i + 1, and
+  after the answer `tts_eos`, then `tts_pad` rows (the reference gives the talker every answer row but the last
+  token's, usually `<|im_end|>`). So the talker can start once the thinker has its first text token, and to equal
+  the reference a step must wait for its text row (padding early changes the speech): the talker runs behind the
+  thinker, at most at the thinker's token rate while the text lasts (real time needs 12.5 frames a second). The
+  reference also prefixes the user turns (system turns and earlier answers are skipped: `talker_prompt`). Missing
+  today: `Decoder.run_layers` returns only the last layer, so the thinker's chunk step needs a tap of layer
+  `accept_hidden_layer`'s output (at multimodal placeholders only) for the talker to read.
 - The talker's KV cache: one decoder over the paged substrate (`omnijax.kv.paged`, mrope positions `[3, B, T]`), one
   token per 80 ms frame plus the prompt (the user turns it reads, and 9 assistant-prefix tokens); bounded by the same
   policies as the thinker's. Decoding positions continue from the prompt's largest position + 1.
