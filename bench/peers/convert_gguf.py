@@ -1,14 +1,20 @@
-"""GGUF conversion against transformers: `omnijax convert MODEL.gguf DST` beside transformers' GGUF loader followed by
-`save_pretrained` (the route a transformers user takes from a llama.cpp file to a checkpoint), on the same file.
+"""Conversion against its peers, two pairs on the same model:
 
-Each conversion runs in a fresh process (`--worker omnijax|transformers`), the two alternating round by round, so a
-drift of the shared machine hits both alike. Per run: the process's wall time from start to exit (imports included:
-what a user waits for), the conversion's own time inside it, and the process's peak resident memory (`ru_maxrss`).
-Both write float32. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process
-on a shared machine). Default: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs; `--smoke` writes a tiny
-random llama GGUF (two layers, byte-level tokenizer) and runs one round.
+- GGUF: `omnijax convert MODEL.gguf DST` beside transformers' GGUF loader followed by `save_pretrained` (the route a
+  transformers user takes from a llama.cpp file to a checkpoint), on the same file;
+- safetensors: `omnijax convert HF_DIR DST` of the float32 safetensors checkpoint transformers wrote from that file
+  beside `safetensors.torch.load_file` + `torch.save` of the same tensors (reading and writing them once: the floor
+  a converter is held to).
 
-    python -m bench.peers.convert_gguf --rounds 3
+Each conversion runs in a fresh process (`--worker TOOL`), the tools of a pair alternating round by round, so a drift
+of the shared machine hits them alike. Per run: the process's wall time from start to exit (imports included: what a
+user waits for), the imports' time, the conversion's own time after them, the process's peak resident memory
+(`ru_maxrss`) and its growth over the resident memory after the imports (the conversion's own peak, compared with the
+largest tensor). All write float32. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow
+the other process on a shared machine). Default: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs;
+`--smoke` writes a tiny random llama GGUF (two layers, byte-level tokenizer) and runs one round.
+
+    python -m bench.peers.convert_gguf --rounds 5
 """
 
 from __future__ import annotations
@@ -28,30 +34,44 @@ import numpy as np
 
 from bench import harness
 
-TOOLS = ("omnijax", "transformers")
+PAIRS = {"gguf": ("omnijax", "transformers"), "safetensors": ("omnijax-safetensors", "torch-save")}
+TOOLS = tuple(t for pair in PAIRS.values() for t in pair)
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
 
 
-def worker(tool: str, gguf_path: Path, dst: Path) -> dict:
-    """One conversion in this process; returns its seconds and this process's peak memory."""
-    start = time.perf_counter()
-    if tool == "omnijax":
-        from omnijax.convert import convert_checkpoint
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
-        convert_checkpoint(gguf_path, dst, dtype="float32", progress=False)
+
+def worker(tool: str, src: Path, dst: Path) -> dict:
+    """One conversion of `src` (the GGUF file, or the safetensors directory for the safetensors pair) in this
+    process; returns its import and conversion seconds and this process's peak memory."""
+    start = time.perf_counter()
+    if tool.startswith("omnijax"):
+        from omnijax.convert import convert_checkpoint
     else:
+        import safetensors.torch
         import torch
         import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+    imported, base = time.perf_counter(), _rss_mb()
+    if tool.startswith("omnijax"):
+        convert_checkpoint(src, dst, dtype="float32", progress=False, log=lambda line: None)
+    elif tool == "transformers":
+        model = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
                                                                   dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model.save_pretrained(dst)
         tokenizer.save_pretrained(dst)
-    return {"convert_s": time.perf_counter() - start, "peak_rss_mb": _peak_mb()}
+    else:
+        dst.mkdir(parents=True)
+        torch.save(safetensors.torch.load_file(src / "model.safetensors"), dst / "model.pt")
+    peak = _peak_mb()
+    return {"import_s": imported - start, "convert_s": time.perf_counter() - imported, "peak_rss_mb": peak,
+            "peak_growth_mb": peak - base}
 
 
 def write_tiny_gguf(path: Path) -> Path:
@@ -113,12 +133,14 @@ def write_tiny_gguf(path: Path) -> Path:
 
 
 def run_one(tool: str, gguf_path: Path, work: Path) -> dict:
-    """`tool`'s conversion of `gguf_path` in a fresh process; its output is removed afterwards."""
+    """`tool`'s conversion in a fresh process (of `gguf_path`, or for the safetensors pair of `work/hf`); its output
+    is removed afterwards."""
     dst = work / f"{tool}-out"
     shutil.rmtree(dst, ignore_errors=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", tool, "--gguf", gguf_path, "--dst", dst),
+    src = work / "hf" if tool in PAIRS["safetensors"] else gguf_path
+    done = subprocess.run(harness.module_command(__spec__.name, "--worker", tool, "--gguf", src, "--dst", dst),
                           cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - start
     if done.returncode != 0:
@@ -149,31 +171,65 @@ def main(argv=None) -> int:
 
             gguf_path = find_gguf(args.gguf)
         print(f"{gguf_path.name}: {gguf_path.stat().st_size / 2 ** 20:.1f} MB, {args.rounds} rounds", flush=True)
+        # the safetensors pair's source: transformers' float32 checkpoint of the same file (written once, untimed)
+        hf = work / "hf"
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+        subprocess.run(harness.module_command(__spec__.name, "--worker", "transformers", "--gguf", gguf_path,
+                                              "--dst", hf), cwd=harness.ROOT, env=env, check=True,
+                       capture_output=True, timeout=1800)
+        from safetensors import safe_open
+
+        with safe_open(hf / "model.safetensors", framework="numpy") as f:
+            largest_mb = max(np.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()) / 2 ** 20
         rows = []
         for r in range(args.rounds):
-            for tool in (TOOLS if r % 2 == 0 else TOOLS[::-1]):
-                row = dict(run_one(tool, gguf_path, work), round=r)
-                rows.append(row)
-                print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.1f} s "
-                      f"converting, peak {row['peak_rss_mb']:.0f} MB", flush=True)
+            for pair, tools in PAIRS.items():
+                for tool in (tools if r % 2 == 0 else tools[::-1]):
+                    row = dict(run_one(tool, gguf_path, work), round=r, pair=pair)
+                    rows.append(row)
+                    print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.2f} "
+                          f"s converting, peak {row['peak_rss_mb']:.0f} MB (+{row['peak_growth_mb']:.0f} MB)",
+                          flush=True)
+    keys = ("wall_s", "import_s", "convert_s", "peak_rss_mb", "peak_growth_mb", "output_mb")
     summary = {}
     for tool in TOOLS:
         mine = [r for r in rows if r["tool"] == tool]
-        summary[tool] = {k: float(np.median([r[k] for r in mine])) for k in ("wall_s", "convert_s", "peak_rss_mb",
-                                                                              "output_mb")}
-    ratio = {k: summary["omnijax"][k] / summary["transformers"][k] for k in ("wall_s", "convert_s", "peak_rss_mb")}
-    harness.print_table([dict(tool=t, **summary[t]) for t in TOOLS] + [dict(tool="omnijax / transformers", **ratio)],
-                        [("tool", "tool", ""), ("wall s", "wall_s", ".2f"), ("convert s", "convert_s", ".2f"),
-                         ("peak MB", "peak_rss_mb", ".2f")])
+        summary[tool] = {k: float(np.median([r[k] for r in mine])) for k in keys}
+        summary[tool].update(convert_s_p10=float(np.percentile([r["convert_s"] for r in mine], 10)),
+                             convert_s_p90=float(np.percentile([r["convert_s"] for r in mine], 90)))
+    ratios = {}
+    for pair, (mine, peer) in PAIRS.items():
+        # same-round ratios: robust to the machine's speed drifting between rounds
+        ratios[pair] = {k: harness.same_round_ratio([r[k] for r in rows if r["tool"] == mine],
+                                                    [r[k] for r in rows if r["tool"] == peer])
+                        for k in ("wall_s", "convert_s", "peak_rss_mb")}
+    ratios["safetensors"]["peak_growth_over_largest_tensor"] = summary["omnijax-safetensors"]["peak_growth_mb"] / \
+        largest_mb
+    harness.print_table([dict(tool=t, **summary[t]) for t in TOOLS]
+                        + [dict(tool=f"{PAIRS[p][0]} / {PAIRS[p][1]}", import_s=None, peak_growth_mb=None,
+                                **ratios[p]) for p in PAIRS],
+                        [("tool", "tool", ""), ("wall s", "wall_s", ".2f"), ("import s", "import_s", ".2f"),
+                         ("convert s", "convert_s", ".2f"), ("peak MB", "peak_rss_mb", ".2f"),
+                         ("peak growth MB", "peak_growth_mb", ".0f")])
+    print(f"largest tensor {largest_mb:.0f} MB; omnijax's peak growth converting safetensors: "
+          f"{ratios['safetensors']['peak_growth_over_largest_tensor']:.2f}x it; load average "
+          f"{os.getloadavg()[0]:.1f}")
     harness.write_json(out, "convert_gguf", {"gguf": str(gguf_path.name), "smoke": bool(args.smoke),
                                              "rounds": args.rounds, "rows": rows, "median": summary,
-                                             "ratio_omnijax_over_transformers": ratio})
+                                             "largest_tensor_mb": largest_mb, "loadavg": os.getloadavg(),
+                                             "ratio_omnijax_over_transformers": ratios["gguf"],
+                                             "ratio_omnijax_over_torch_save": ratios["safetensors"]})
     plt = harness.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, label in ((axes[0], "wall_s", "process wall time (s)"), (axes[1], "peak_rss_mb", "peak memory (MB)")):
-        ax.bar(TOOLS, [summary[t][key] for t in TOOLS], color=["tab:blue", "tab:gray"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    colors = ["tab:blue", "tab:gray", "tab:cyan", "tab:olive"]
+    for ax, key, label in ((axes[0], "convert_s", "conversion time after imports (s)"),
+                           (axes[1], "peak_growth_mb", "peak memory growth (MB)")):
+        ax.bar(range(len(TOOLS)), [summary[t][key] for t in TOOLS], color=colors)
+        ax.set_xticks(range(len(TOOLS)), TOOLS, rotation=15, fontsize=7)
         ax.set_ylabel(label)
-    fig.suptitle(f"GGUF -> checkpoint, {gguf_path.name} (median of {args.rounds})", fontsize=9)
+    axes[1].axhline(1.5 * largest_mb, color="k", lw=0.8, ls="--", label="1.5x largest tensor")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"conversion, {gguf_path.name} (median of {args.rounds})", fontsize=9)
     fig.tight_layout()
     harness.save_png(fig, out, "convert_gguf")
     return 0
