@@ -1,0 +1,109 @@
+"""Qwen2.5-Omni Token2Wav against transformers 5.2.0: the BigVGAN vocoder (mel -> waveform), the DiT (one forward,
+and `sample`'s ODE solve from given noise), and the whole `Qwen2_5OmniToken2WavModel` (codes -> waveform)."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
+from omnijax.errors import UnsupportedConfigError
+from omnijax.models.qwen2_5_omni.bigvgan import (
+    BIGVGAN_RULES_PREFIX,
+    BigVGAN,
+    BigVGANConfig,
+    BigVGANConfigError,
+    bigvgan_component,
+    bigvgan_from_params,
+    kaiser_sinc_filter,
+    vocode,
+    vocode_params,
+)
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf  # noqa: E402
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (  # noqa: E402
+    Qwen2_5OmniBigVGANConfig,
+)
+
+TOL = 1e-4  # of the signal's peak (waveforms) or range (mels)
+
+# The release's rates (5, 3, 2, ...) and kernels at tiny widths, two AMP kernel sizes with other dilations.
+TINY_BIGVGAN = dict(mel_dim=8, upsample_initial_channel=32, resblock_kernel_sizes=[3, 5],
+                    resblock_dilation_sizes=[[1, 3, 5], [1, 2, 4]], upsample_rates=[5, 3, 2],
+                    upsample_kernel_sizes=[11, 7, 4])
+
+
+def perturbed(model, seed: int, *, last: str = "", gain_last: float = 1.0):
+    """`model` with variance-preserving random weights (so the signal stays in range) and every 1-D parameter
+    (biases, Snake alpha/beta) moved off its initial value."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+                continue
+            transposed = ".ups." in f".{name}" and p.ndim == 3
+            fan = p.shape[0] * p.shape[-1] / 2 if transposed else math.prod(p.shape[1:])
+            gain = gain_last if last and name.startswith(last) else 1.0
+            p.normal_(0.0, gain / math.sqrt(fan))
+    return model.eval()
+
+
+def assert_close(ours, want, *, scale: str = "peak"):
+    ours, want = np.asarray(ours), np.asarray(want)
+    assert ours.shape == want.shape, (ours.shape, want.shape)
+    ref = np.abs(want).max() if scale == "peak" else want.max() - want.min()
+    assert ref > 0.1, "the oracle's signal is (near) silent: the test would prove nothing"
+    err = np.abs(ours - want).max()
+    assert err <= TOL * ref, f"max error {err:.3g} > {TOL} x {ref:.3g}"
+    return err / ref
+
+
+# ------------------------------------------------------------------------------------------------------ BigVGAN
+
+
+@pytest.fixture(scope="module")
+def vocoder():
+    ref = perturbed(hf.Qwen2_5OmniToken2WavBigVGANModel(Qwen2_5OmniBigVGANConfig(**TINY_BIGVGAN)), 0,
+                    last="conv_post", gain_last=0.1)
+    config = BigVGANConfig.from_hf(ref.config.to_dict())
+    tensors = {BIGVGAN_RULES_PREFIX + k: v.numpy() for k, v in ref.state_dict().items()}
+    params = convert_in_memory(tensors, [bigvgan_component(config)], strip_prefix="")["bigvgan"]
+    return ref, bigvgan_from_params(config, params)
+
+
+def test_bigvgan_config_and_filter():
+    config = BigVGANConfig()
+    assert config.hop == 240  # 10 ms of 24 kHz audio per mel frame
+    assert BigVGANConfig.from_hf(Qwen2_5OmniBigVGANConfig().to_dict()) == config
+    np.testing.assert_allclose(kaiser_sinc_filter(0.25, 0.3, 12),
+                               hf.kaiser_sinc_filter1d(0.25, 0.3, 12).numpy()[0, 0], atol=1e-7)
+    with pytest.raises(UnsupportedConfigError, match="use_weight_norm"):
+        BigVGANConfig.from_hf({**Qwen2_5OmniBigVGANConfig().to_dict(), "use_weight_norm": True})
+    with pytest.raises(BigVGANConfigError, match="upsample_kernel_sizes"):
+        BigVGANConfig(upsample_kernel_sizes=(11, 7, 4, 4, 4, 5))
+    with pytest.raises(BigVGANConfigError, match="resblock_dilation_sizes"):
+        BigVGANConfig(resblock_dilation_sizes=((1, 3, 5),))
+
+
+def test_bigvgan_table_fills_the_module_tree(vocoder):
+    _, model = vocoder
+    want = jax.tree_util.tree_map(np.shape, nnx.to_pure_dict(nnx.state(BigVGAN(model.config, rngs=nnx.Rngs(0)))))
+    assert param_shapes(bigvgan_component(model.config)) == want
+
+
+@pytest.mark.parametrize("frames", [1, 9, 23])
+def test_bigvgan_equals_transformers(vocoder, frames):
+    ref, model = vocoder
+    mel = np.random.default_rng(frames).normal(-4.0, 2.5, (1, model.config.mel_dim, frames)).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(mel)).numpy().reshape(1, -1)
+    assert np.abs(want).max() < 1.0, "the oracle clips: the clamp would hide differences"
+    ours = vocode(vocode_params(model), model.config, mel)
+    assert ours.shape == (1, frames * model.config.hop)
+    assert_close(ours, want)
