@@ -371,20 +371,40 @@ class GGUFTensors:
         """One tensor in the Hugging Face layout, float32 (the q/k rows of llama.cpp's rotary layout put back)."""
         gguf = _gguf_module()
         source, expert = self._source[name]
-        if self._cache is None or self._cache[0] != source:
+        if self._cache is not None and self._cache[0] == source:
+            array = self._cache[1]
+        else:
+            self._cache = None  # the previous tensor goes before this one is dequantised
             tensor = self.file.tensors[source]
             try:
-                array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+                array = _dequantize(gguf, tensor.data, tensor.tensor_type)
             except (ValueError, NotImplementedError) as e:
                 raise TensorError(f"{self.file.path}: GGUF tensor {source!r} ({tensor.tensor_type.name}) cannot be "
                                   f"dequantised: {e}") from e
             array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-            self._cache = (source, array)
-        array = self._cache[1] if expert is None else self._cache[1][expert]
+            if expert is not None:  # the other experts of this tensor are read next
+                self._cache = (source, array)
+        array = array if expert is None else array[expert]
         if self.permuted_qk and (".attn_q." in source or ".attn_k." in source):
             heads = self.config.num_heads if ".attn_q." in source else self.config.num_kv_heads
             array = unpermute_rows(array, heads)
         return array
+
+
+DEQUANTISE_BLOCK_BYTES = 4 * 1024 * 1024  # float32 bytes dequantised at once
+
+
+def _dequantize(gguf: Any, data: np.ndarray, tensor_type: Any) -> np.ndarray:
+    """`gguf.quants.dequantize` of a tensor's stored rows, a block of rows at a time into one float32 array: its
+    temporaries (several times the block in float32) stay a few MB instead of several times the tensor."""
+    if data.ndim < 2 or data.shape[0] < 2:
+        return np.asarray(gguf.quants.dequantize(data, tensor_type), dtype=np.float32)
+    first = np.asarray(gguf.quants.dequantize(data[:1], tensor_type), dtype=np.float32)
+    out = np.empty((data.shape[0], *first.shape[1:]), np.float32)
+    step = max(1, DEQUANTISE_BLOCK_BYTES // max(first.nbytes, 1))
+    for start in range(0, data.shape[0], step):
+        out[start:start + step] = gguf.quants.dequantize(data[start:start + step], tensor_type)
+    return out
 
 
 def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
