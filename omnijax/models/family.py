@@ -24,9 +24,20 @@ from omnijax.models.decoder import Decoder
 
 
 @runtime_checkable
+class SpeechOutput(Protocol):
+    """A model's speech output parts (e.g. Qwen3-Omni's talker, code predictor and Code2Wav:
+    `omnijax.models.qwen3_omni.speech.Qwen3Speech`): the voices it speaks with and its PCM sample rate."""
+
+    sample_rate: int
+
+    @property
+    def voices(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
 class OmniModel(Protocol):
     """What a loaded model offers: the decoder and its config, its family, where it came from, and its optional
-    parts (encoders, the family's token ids and timing, the tokenizer); an absent part is None."""
+    parts (encoders, speech output, the family's token ids and timing, the tokenizer); an absent part is None."""
 
     decoder: Decoder
     family: "Family"
@@ -34,6 +45,7 @@ class OmniModel(Protocol):
     source: str | None
     audio: Any
     vision: Any
+    speech: SpeechOutput | None
     tokenizer: Any
 
     @property
@@ -156,6 +168,8 @@ class FamilyModel:
 
     decoder: Decoder
     model_type: str
+    # the speech output parts (`SpeechOutput`); None unless the family's loader found them in the checkpoint
+    speech: SpeechOutput | None = None
 
     @property
     def config(self) -> DecoderConfig:

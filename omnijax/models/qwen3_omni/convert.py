@@ -1,9 +1,15 @@
-"""Qwen3-Omni (Qwen3-Omni-30B-A3B and its family) thinker -> omnijax conversion.
+"""Qwen3-Omni (Qwen3-Omni-30B-A3B and its family) thinker and speech output -> omnijax conversion.
 
 Accepted checkpoints: the full model (`model_type` "qwen3_omni_moe": tensors under `thinker.`, speech output under
-`talker.` and `code2wav.`, skipped with a message) or the thinker alone ("qwen3_omni_moe_thinker"), single-file or
-sharded. The thinker's LLM is a Qwen3-MoE decoder (`omnijax.models.decoder` with experts): q/k RMSNorm, no attention
-biases, interleaved mrope, MoE layers where `mlp_only_layers` / `decoder_sparse_step` say so, each expert's tensors
+`talker.` and `code2wav.`) or the thinker alone ("qwen3_omni_moe_thinker"), single-file or sharded. A full model's
+speech output (talker with its code predictor, Code2Wav: `talker.talker_components`, `code2wav.code2wav_component`)
+becomes the checkpoint's "talker" and "code2wav" components, with their configs and the thinker-side ids it reads
+(the manifest's "speech" entry, `speech.SpeechTokens`), validated with the thinker's tables from the headers before
+any tensor is read; a full config with `enable_audio_output` false converts the thinker only (speech tensors, if
+any, skipped with a message).
+
+The thinker's LLM is a Qwen3-MoE decoder (`omnijax.models.decoder` with experts): q/k RMSNorm, no attention biases,
+interleaved mrope, MoE layers where `mlp_only_layers` / `decoder_sparse_step` say so, each expert's tensors
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`, one per expert as releases save them) stacked `[Lm, E, ...]`. The
 encoders (Qwen3-VL vision with DeepStack mergers, the AuT audio encoder) are converted when the config declares
 them; the placeholder ids and the position rate go into the manifest's "qwen3_omni" entry.
@@ -27,8 +33,11 @@ from omnijax.models.config import DecoderConfig, default_head_dim, hf_token_ids,
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 from omnijax.models.qwen2_5_omni import convert as shared
 from omnijax.models.qwen3_omni import audio as audio_lib
+from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
+from omnijax.models.qwen3_omni.code2wav import code2wav_component
 from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+from omnijax.models.qwen3_omni.talker import talker_components
 
 OMNIJAX_MODEL_TYPES = {"qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni"}
 HF_MODEL_TYPES = tuple(OMNIJAX_MODEL_TYPES)
@@ -112,12 +121,20 @@ def _rope(text: Mapping[str, Any], scope: str) -> tuple[float, tuple[int, int, i
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> DecoderConfig:
-    """The decoder config of a Qwen3-Omni thinker.
+    """The decoder config of a Qwen3-Omni thinker; a full config's speech output settings (talker, Code2Wav, their
+    ids: `speech.speech_configs`) are checked too, so that the converter's first step refuses them.
 
     Raises:
         UnsupportedConfigError: an attribute changes the math in a way the decoder does not implement.
         ConfigError: a required attribute is missing or the values are inconsistent.
     """
+    config = _decoder_config(hf_config, dtype)
+    if speech_lib.has_speech_output(hf_config):
+        speech_lib.speech_configs(hf_config, config.hidden_size, dtype)
+    return config
+
+
+def _decoder_config(hf_config: Mapping[str, Any], dtype: str) -> DecoderConfig:
     scope = _scope(hf_config)
     text = thinker_config(hf_config).get("text_config")
     if not isinstance(text, dict):
@@ -146,6 +163,17 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
             decoder_sparse_step=hf_value(text, "decoder_sparse_step", 1)), hf_token_ids(text))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{scope}: {e}") from e
+
+
+def speech_components(hf_config: Mapping[str, Any], config: DecoderConfig, dtype: str
+                      ) -> tuple[tuple, dict[str, tuple[dict, None]]] | None:
+    """The speech output's conversion tables (talker, code predictor, Code2Wav) and its config entries, or None
+    without speech output."""
+    if not speech_lib.has_speech_output(hf_config):
+        return None
+    talker, code2wav, tokens = speech_lib.speech_configs(hf_config, config.hidden_size, dtype)
+    return (*talker_components(talker), code2wav_component(code2wav)), {
+        "talker": (talker.to_json(), None), "code2wav": (code2wav.to_json(), None), "speech": (tokens.to_json(), None)}
 
 
 def decoder_component(config: DecoderConfig) -> Component:
@@ -204,15 +232,26 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
         raise MissingTensorError("checkpoint lacks tensor 'lm_head.weight' and the config does not tie embeddings")
     config = config.replace(tie_embeddings=not has_head)
     encoders = encoder_components(hf_config, dtype)
+    speech = speech_components(hf_config, config, dtype)
     components = [decoder_component(config)] + [c for tables, _ in encoders.values() for c in tables]
+    components += list(speech[0]) if speech is not None else []
     trees, plan, source_dtypes = streaming.convert_components(
         ckpt, components, dtype=dtype, staging_dir=staging_dir, strip_prefix=THINKER_PREFIX,
-        skip_prefixes=SPEECH_OUTPUT_PREFIXES, progress=progress)
-    streaming.log_skipped(plan.skipped, SPEECH_OUTPUT_PREFIXES, log)
+        skip_prefixes=() if speech is not None else SPEECH_OUTPUT_PREFIXES, progress=progress)
+    if plan.skipped:
+        counts = ", ".join(f"{p}: {n}" for p, n in sorted(plan.skipped.items()))
+        log(f"skipped {sum(plan.skipped.values())} speech-output tensors ({counts}): the config sets "
+            "enable_audio_output false, so the speech output is not converted")
     source_info = {"tensors_converted": len(plan.assign), "source_dtypes": dict(sorted(source_dtypes.items())),
                    "skipped": plan.skipped, "encoders_converted": sorted(encoders),
+                   "speech_output": speech is not None,
                    "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight"}
     extras = {name: (encoder_config, vision_lib.vision_tree(trees) if name == "vision" else trees[name])
               for name, (_, encoder_config) in encoders.items()}
     extras["qwen3_omni"] = (ids.to_json(), None)
+    if speech is not None:
+        entries = speech[1]
+        extras["talker"] = (entries["talker"][0], {**trees["talker"], "code_predictor": trees["code_predictor"]})
+        extras["code2wav"] = (entries["code2wav"][0], trees["code2wav"])
+        extras["speech"] = entries["speech"]
     return config, trees["decoder"], source_info, extras

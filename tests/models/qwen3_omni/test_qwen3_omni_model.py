@@ -327,14 +327,18 @@ def test_tidekv_prefill_with_deepstack_equals_the_forward_and_compresses(model):
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_speech_output_tensors_are_skipped_with_a_message(converted, tmp_path):
-    """A full checkpoint's talker and code2wav tensors are not converted; one line says how many were skipped."""
+def test_speech_tensors_of_a_release_without_audio_output_are_skipped_with_a_message(converted, tmp_path):
+    """A full release with audio output (the default) has its talker and Code2Wav converted (`test_speech`); one
+    whose config sets `enable_audio_output` false converts its thinker only, and one line says how many speech
+    tensors were skipped and why. The thinker-only and audio-less conversions load as before, without speech."""
+    import json
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
     src = tmp_path / "src"
     shutil.copytree(converted["root"] / "full", src)
+    assert json.loads((src / "config.json").read_text())["enable_audio_output"] is False
     tensors = load_file(src / "model.safetensors")
     tensors.update({"talker.model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32),
                     "talker.codec_head.weight": np.zeros((4, 4), np.float32),
@@ -343,5 +347,8 @@ def test_speech_output_tensors_are_skipped_with_a_message(converted, tmp_path):
     said = []
     out = convert_checkpoint(src, tmp_path / "out", progress=False, log=said.append)
     assert any("skipped 3 speech-output tensors" in line and "talker.: 2" in line and "code2wav.: 1" in line
-               for line in said), said
-    assert omnijax.load(out).config == omnijax.load(converted["full"]).config
+               and "enable_audio_output false" in line for line in said), said
+    loaded = omnijax.load(out)
+    assert loaded.config == omnijax.load(converted["full"]).config and loaded.speech is None
+    assert json.loads((out / "omnijax.json").read_text())["source"]["speech_output"] is False
+    assert omnijax.load(converted["sharded"]).speech is None  # a thinker-only release

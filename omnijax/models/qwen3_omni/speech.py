@@ -1,0 +1,255 @@
+"""Qwen3-Omni speech output, whole utterances: a converted full release's talker, code predictor and Code2Wav
+(`Qwen3Speech`, `model.speech` of a loaded checkpoint), and `speak`, which turns a thinker's prompt and text answer
+into 24 kHz PCM as transformers' `Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)` does under
+greedy decoding.
+
+What `speak` feeds the talker (`talker_forward.talker_prompt`): the thinker's embedding-layer rows of the prompt's
+user turns and of the answer (system turns and earlier answers are skipped), the `tts_bos` / `tts_eos` / `tts_pad`
+rows, the speaker's codec id. The reference also reads layer `accept_hidden_layer`'s output at audio / image / video
+placeholders; omnijax's thinker does not expose that layer yet, so prompts with placeholders are refused by name.
+
+Decoding is greedy for the talker and its code predictor (the reference samples both by default: top-k 50 and
+temperature 0.9 for the talker, top-k 50 / top-p 0.8 hard-coded for the predictor, and a repetition penalty of 1.05;
+none of these is implemented here, so `speak` takes no sampling parameters). Code2Wav decodes the codes in one call
+(the reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax._checks import JsonConfig
+from omnijax.errors import ConfigError, ConvertError, UnsupportedConfigError
+from omnijax.models.family import OmniModel
+from omnijax.models.qwen3_omni import talker_forward
+from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+from omnijax.models.qwen3_omni.code2wav_decode import decode
+from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+
+__all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
+           "has_speech_output", "speak", "speech_configs"]
+
+SAMPLE_RATE = 24_000  # Code2Wav's output rate (1,920 samples per 80 ms codec frame for the release)
+# transformers' generate suppresses the top 1,024 codec ids (the control ids live there), the end of speech excepted.
+SUPPRESSED_TOP_IDS = 1024
+
+
+class SpeechUnavailableError(ValueError):
+    """Speech was asked of a checkpoint without speech output (thinker-only, or audio output disabled)."""
+
+
+class UnknownVoiceError(ValueError):
+    """A speaker / voice the checkpoint does not have. Attributes: `voice`, `voices` (the checkpoint's)."""
+
+    def __init__(self, voice: str, voices: Sequence[str]):
+        self.voice, self.voices = voice, tuple(voices)
+        super().__init__(f"unknown speaker {voice!r}: this checkpoint's voices are {list(self.voices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechTokens(JsonConfig):
+    """The thinker-vocabulary ids the speech path reads (the full config's top level, transformers' defaults).
+
+    Attributes:
+        tts_bos_token_id, tts_eos_token_id, tts_pad_token_id: the text rows that open, close and pad the answer in
+            the talker's input.
+        im_start_token_id, im_end_token_id: the chat turn markers (turns are cut at `<|im_start|>`; a trailing
+            `<|im_end|>` of an answer is not spoken).
+        system_token_id, user_token_id, assistant_token_id: the role tokens after `<|im_start|>`.
+    """
+
+    tts_bos_token_id: int = 151672
+    tts_eos_token_id: int = 151673
+    tts_pad_token_id: int = 151671
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
+    system_token_id: int = 8948
+    user_token_id: int = 872
+    assistant_token_id: int = 77091
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field.name} must be a non-negative integer, got {value!r}")
+
+    @classmethod
+    def from_hf(cls, hf_config: Mapping[str, Any]) -> "SpeechTokens":
+        """The ids a full Hugging Face `Qwen3OmniMoeConfig` sets (transformers' defaults where absent)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{k: hf_config[k] for k in names if hf_config.get(k) is not None})
+
+
+def has_speech_output(hf_config: Mapping[str, Any]) -> bool:
+    """A full release's config with audio output enabled (transformers' default); a thinker-only config has none."""
+    return hf_config.get("model_type") == "qwen3_omni_moe" and hf_config.get("enable_audio_output", True) is not False
+
+
+def speech_configs(hf_config: Mapping[str, Any], thinker_hidden_size: int, dtype: str
+                   ) -> tuple[TalkerConfig, Code2WavConfig, SpeechTokens]:
+    """The talker, Code2Wav and thinker-side id settings of a full release's config, checked against each other.
+
+    Raises:
+        UnsupportedConfigError: an attribute omnijax does not implement.
+        ConfigError: missing or inconsistent settings (each names the attribute).
+    """
+    for key in ("talker_config", "code2wav_config"):
+        if not isinstance(hf_config.get(key), dict):
+            raise ConfigError(f"config enables audio output (enable_audio_output) but has no {key!r} object")
+    try:
+        talker = TalkerConfig.from_hf(hf_config["talker_config"], dtype=dtype)
+        code2wav = Code2WavConfig.from_hf(hf_config["code2wav_config"], dtype=dtype)
+        tokens = SpeechTokens.from_hf(hf_config)
+    except ConvertError:
+        raise
+    except (TypeError, ValueError) as e:  # inconsistent values the sub-configs' dataclasses refuse
+        raise ConfigError(f"speech output config: {e}") from e
+    if talker.thinker_hidden_size != thinker_hidden_size:
+        raise UnsupportedConfigError("talker_config.thinker_hidden_size", talker.thinker_hidden_size,
+                                     f"must equal the thinker's hidden_size={thinker_hidden_size}")
+    if code2wav.num_quantizers != talker.num_code_groups:
+        raise UnsupportedConfigError("code2wav_config.num_quantizers", code2wav.num_quantizers,
+                                     f"must equal talker_config.num_code_groups={talker.num_code_groups}")
+    if talker.predictor.vocab_size > code2wav.codebook_size:
+        raise UnsupportedConfigError("code2wav_config.codebook_size", code2wav.codebook_size,
+                                     f"must hold the code predictor's {talker.predictor.vocab_size} codes")
+    return talker, code2wav, tokens
+
+
+class Qwen3Speech:
+    """A loaded Qwen3-Omni release's speech output (`omnijax.models.family.SpeechOutput`): the talker with its code
+    predictor, Code2Wav, and the thinker-side ids `speak` reads.
+
+    Attributes:
+        talker: the `Talker` module (config in `talker.config`).
+        code2wav: the `Code2Wav` module.
+        tokens: the `SpeechTokens`.
+        placeholders: the thinker's audio / image / video placeholder ids by field name (`audio_token_id`, ...),
+            where the reference's talker reads layer `accept_hidden_layer`.
+        sample_rate: 24,000.
+    """
+
+    sample_rate: int = SAMPLE_RATE
+
+    def __init__(self, talker: Talker, code2wav: Code2Wav, tokens: SpeechTokens, placeholders: Mapping[str, int]):
+        self.talker, self.code2wav, self.tokens = talker, code2wav, tokens
+        self.placeholders = dict(placeholders)
+        self.params = talker_forward.talker_params(talker)  # the pure-dict tree the talker's functions take
+
+    @property
+    def voices(self) -> tuple[str, ...]:
+        """The speaker names of the checkpoint (as its config spells them; matched case-insensitively)."""
+        return tuple(name for name, _ in self.talker.config.speakers)
+
+    def chat_tokens(self, multimodal: tuple[int, ...]) -> talker_forward.ChatTokens:
+        t = self.tokens
+        return talker_forward.ChatTokens(im_start=t.im_start_token_id, system=t.system_token_id,
+                                         user=t.user_token_id, assistant=t.assistant_token_id,
+                                         tts_pad=t.tts_pad_token_id, multimodal=multimodal)
+
+
+@dataclasses.dataclass(frozen=True)
+class Utterance:
+    """A spoken answer.
+
+    Attributes:
+        pcm: `[samples]` float32 waveform in [-1, 1] at `sample_rate`.
+        codes: `[Q, frames]` int32 codec frames (what Code2Wav decoded).
+        talker_tokens: `[n]` the talker's first-codebook tokens, its end-of-speech token included when reached.
+        sample_rate: samples per second (24,000).
+    """
+
+    pcm: np.ndarray
+    codes: np.ndarray
+    talker_tokens: np.ndarray
+    sample_rate: int = SAMPLE_RATE
+
+    def pcm16(self) -> np.ndarray:
+        """The waveform as int16 PCM (rounded, clipped to the int16 range)."""
+        return np.clip(np.round(self.pcm * 32767.0), -32768, 32767).astype(np.int16)
+
+
+def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} dtype "
+                         f"{arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.int64)
+
+
+def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
+          max_new_tokens: int = 4096) -> Utterance:
+    """Speaks a thinker's answer: talker (greedy, its code predictor greedy too), then Code2Wav in one call.
+
+    Args:
+        model: a loaded Qwen3-Omni checkpoint converted from a full release (`model.speech` set).
+        thinker_prompt_ids: `[T0]` the thinker's prompt, chat-templated, ending with the assistant turn's opening
+            (`<|im_start|>assistant\\n`); text only (no audio / image / video placeholders).
+        answer_ids: `[N]` the answer's tokens as the thinker produced them; a trailing `<|im_end|>` is not spoken.
+            transformers' generate reads every generated row but the last token's, so to equal it on an answer cut
+            short (no `<|im_end|>`) pass the answer without its last token.
+        speaker: a voice of the checkpoint (`model.speech.voices`), matched case-insensitively.
+        max_new_tokens: talker tokens at most (one per 80 ms frame; the reference's `talker_max_new_tokens`).
+
+    Returns:
+        The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens).
+
+    Raises:
+        SpeechUnavailableError: the checkpoint has no speech output (names the fix).
+        UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
+        ValueError: ids outside the vocabulary, multimodal placeholders in the prompt, an empty answer, a prompt
+            whose last turn is not the assistant's, or a `max_new_tokens` below 1.
+    """
+    speech = model.speech
+    if not isinstance(speech, Qwen3Speech):
+        raise SpeechUnavailableError(
+            f"{model.source or 'this checkpoint'} has no speech output (talker, code predictor, Code2Wav): it was "
+            "converted from a thinker-only release or from a config with enable_audio_output false; convert the "
+            "full Qwen3-Omni release (model_type qwen3_omni_moe, with its talker.* and code2wav.* tensors) with "
+            "`omnijax convert` to speak")
+    config = speech.talker.config
+    if not isinstance(speaker, str) or dict(config.speakers).get(speaker.lower()) is None:
+        raise UnknownVoiceError(speaker, speech.voices)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    vocab = model.config.vocab_size
+    prompt = _ids("thinker_prompt_ids", thinker_prompt_ids, vocab)
+    answer = _ids("answer_ids", answer_ids, vocab)
+    tokens = speech.tokens
+    if answer.size and answer[-1] == tokens.im_end_token_id:
+        answer = answer[:-1]
+    if not answer.size:
+        raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)")
+    multimodal = speech.placeholders
+    found = sorted(name for name, i in multimodal.items() if np.isin(i, prompt).any() or np.isin(i, answer).any())
+    if found:
+        raise ValueError(f"the prompt holds multimodal placeholders ({', '.join(found)}): speak() takes text-only "
+                         "prompts until the thinker exposes layer accept_hidden_layer's output, which the talker "
+                         "reads at placeholders")
+    sequence = np.concatenate([prompt, answer])
+    embed = model.decoder.embed_tokens
+    rows = embed(jnp.asarray(sequence, jnp.int32)[None])[0]  # [T, Dt] the thinker's embedding-layer rows
+    specials = embed(jnp.asarray([[tokens.tts_bos_token_id, tokens.tts_eos_token_id, tokens.tts_pad_token_id]],
+                                 jnp.int32))[0]
+    params = speech.params
+    # text-only prompts: no row reads layer accept_hidden_layer, so the embedding rows stand in for it
+    talker_rows, talker_ids, trailing = talker_forward.talker_prompt(
+        config, params, prompt, sequence, rows, rows, specials, speaker=speaker,
+        chat=speech.chat_tokens(tuple(multimodal.values())))
+    T = len(talker_ids)
+    positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only talker ids: consecutive
+    vocab_codec = config.decoder.vocab_size
+    suppress = [i for i in range(max(0, vocab_codec - SUPPRESSED_TOP_IDS), vocab_codec)
+                if i != config.codec_eos_token_id]
+    pad_row = talker_forward.project_text(config, params, specials)[2]
+    talker_tokens, codes = talker_forward.generate_greedy(config, params, talker_rows, positions, trailing, pad_row,
+                                                          max_new_tokens=int(max_new_tokens), suppress=suppress)
+    pcm = np.asarray(decode(speech.code2wav, codes[None]))[0] if codes.shape[1] else np.zeros((0,), np.float32)
+    return Utterance(pcm=pcm.astype(np.float32), codes=codes, talker_tokens=talker_tokens)
