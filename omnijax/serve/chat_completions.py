@@ -5,7 +5,10 @@ The codec (`omnijax.serve.chat_request`: `parse_chat_request`; `omnijax.serve.op
 `ServeContext`. Each request is one engine session: its messages
 are fed as the conversation's units (text turns through the chat template; `image_url` parts as image units;
 `input_audio` parts as audio units, in the order given), then the answer decodes over the engine's ticks;
-`stream: true` sends it as server-sent events (`chat.completion.chunk`s, then `data: [DONE]`). A request the engine
+`stream: true` sends it as server-sent events (`chat.completion.chunk`s, then `data: [DONE]`): one chunk per
+detokenised piece as each token is decoded when the engine runs per token (`EngineConfig.per_token`, `omnijax
+serve`'s default: the worker hands every token over as the engine thread decodes it), else one per tick of tau
+tokens (`--no-per-token`). A request the engine
 cannot admit waits in a short bounded queue (`ServeOptions.queue_timeout_s`, `max_queued`), then gets HTTP 429 with
 `Retry-After`; a client that disconnects before its answer is whole cancels it; a stopping server answers 503.
 
