@@ -21,6 +21,17 @@ from omnijax.models.qwen2_5_omni.bigvgan import (
     vocode,
     vocode_params,
 )
+from omnijax.models.qwen2_5_omni.token2wav_dit import (
+    DIT_RULES_PREFIX,
+    DiT,
+    DiTConfig,
+    DiTConfigError,
+    dit_component,
+    dit_forward,
+    dit_from_params,
+    dit_params,
+    speaker_encoder,
+)
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
@@ -28,6 +39,7 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is the
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf  # noqa: E402
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (  # noqa: E402
     Qwen2_5OmniBigVGANConfig,
+    Qwen2_5OmniDiTConfig,
 )
 
 TOL = 1e-4  # of the signal's peak (waveforms) or range (mels)
@@ -107,3 +119,71 @@ def test_bigvgan_equals_transformers(vocoder, frames):
     ours = vocode(vocode_params(model), model.config, mel)
     assert ours.shape == (1, frames * model.config.hop)
     assert_close(ours, want)
+
+
+# ---------------------------------------------------------------------------------------------------------- DiT
+
+# Blocks of 4 frames; layer 1 looks ahead one block, layers 0 and 3 back; a Res2Net scale of 4 (the chain of splits).
+TINY_DIT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=8, ff_mult=2, emb_dim=16,
+                block_size=4, look_ahead_layers=[1], look_backward_layers=[0, 3], repeats=2, num_embeds=20, mel_dim=8,
+                enc_emb_dim=12, enc_dim=10, enc_channels=[16, 16, 16, 32], enc_kernel_sizes=[5, 3, 3, 1],
+                enc_dilations=[1, 2, 3, 1], enc_attention_channels=8, enc_res2net_scale=4, enc_se_channels=8,
+                max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def dit():
+    ref = perturbed(hf.Qwen2_5OmniToken2WavDiTModel._from_config(Qwen2_5OmniDiTConfig(**TINY_DIT),
+                                                                  attn_implementation="sdpa"), 1)
+    config = DiTConfig.from_hf(ref.config.to_dict())
+    tensors = {DIT_RULES_PREFIX + k: v.numpy() for k, v in ref.state_dict().items()}
+    params = convert_in_memory(tensors, [dit_component(config)], strip_prefix="")["dit"]
+    return ref, dit_from_params(config, params)
+
+
+def dit_inputs(config, codes_len: int, ref_len: int = 19, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    T = codes_len * config.repeats
+    return dict(x=rng.normal(size=(1, T, config.mel_dim)).astype(np.float32),
+                reference_mel=rng.normal(-3.0, 1.5, (1, ref_len, config.mel_dim)).astype(np.float32),
+                speaker=np.repeat(rng.normal(size=(1, 1, config.enc_emb_dim)).astype(np.float32), T, axis=1),
+                codes=rng.integers(0, config.num_embeds + 1, (1, codes_len)))
+
+
+def test_dit_config():
+    assert DiTConfig.from_hf(Qwen2_5OmniDiTConfig().to_dict()) == DiTConfig()
+    with pytest.raises(UnsupportedConfigError, match="rope_parameters"):
+        DiTConfig.from_hf({**Qwen2_5OmniDiTConfig().to_dict(), "rope_parameters": {"rope_type": "yarn"}})
+    with pytest.raises(DiTConfigError, match="enc_channels"):
+        DiTConfig(enc_channels=(256, 256, 256, 256, 512))
+    with pytest.raises(DiTConfigError, match="look_ahead_layers"):
+        DiTConfig(look_ahead_layers=(22,))
+
+
+def test_dit_table_fills_the_module_tree(dit):
+    _, model = dit
+    want = jax.tree_util.tree_map(np.shape, nnx.to_pure_dict(nnx.state(DiT(model.config, rngs=nnx.Rngs(0)))))
+    assert param_shapes(dit_component(model.config)) == want
+
+
+@pytest.mark.parametrize("apply_cfg, drop_audio, drop_code", [(True, False, False), (False, False, False),
+                                                              (False, True, True)])
+def test_dit_forward_equals_transformers(dit, apply_cfg, drop_audio, drop_code):
+    ref, model = dit
+    inputs = dit_inputs(model.config, codes_len=11)  # 22 frames: 6 blocks, the last one short
+    with torch.no_grad():
+        want = ref(hidden_states=torch.from_numpy(inputs["x"]), condition_vector=torch.from_numpy(
+            inputs["reference_mel"]), speaker_embedding=torch.from_numpy(inputs["speaker"]),
+            quantized_code=torch.from_numpy(inputs["codes"]), time_step=torch.tensor(0.37), apply_cfg=apply_cfg,
+            drop_audio_conditioning=drop_audio, drop_code=drop_code).numpy()
+    ours = dit_forward(dit_params(model), model.config, **inputs, time=np.float32(0.37), apply_cfg=apply_cfg,
+                       drop_audio_conditioning=drop_audio, drop_code=drop_code)
+    assert_close(ours, want, scale="range")
+
+
+def test_speaker_encoder_equals_transformers(dit):
+    ref, model = dit
+    mel = dit_inputs(model.config, 3, ref_len=30)["reference_mel"]
+    with torch.no_grad():
+        want = ref.input_embed.spk_encoder(torch.from_numpy(mel)).numpy()
+    assert_close(speaker_encoder(dit_params(model)["spk"], model.config, mel), want, scale="range")
