@@ -176,6 +176,7 @@ def plan_conversion(names: Iterable[str], shapes: Mapping[str, Sequence[int]], c
     filled: dict[tuple[str, str, tuple[int, ...]], str] = {}
     skipped: collections.Counter = collections.Counter()
     stripped = 0
+    unstripped: dict[str, bool] = {}
     for name in names:
         local = name.removeprefix(strip_prefix) if strip_prefix else name
         stripped += local != name
@@ -217,9 +218,11 @@ def plan_conversion(names: Iterable[str], shapes: Mapping[str, Sequence[int]], c
             raise ShapeMismatchError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {expected}")
         filled[key] = name
         assign[name] = (component, rule, index)
-    prefix = strip_prefix if stripped else ""
+        # a missing tensor is named as its component's tensors are (a full Qwen3-Omni's `talker.` has no `thinker.`)
+        unstripped[component.name] = unstripped.get(component.name, False) or local == name
     missing = []
     for c in components:
+        prefix = strip_prefix if stripped and not unstripped.get(c.name, False) else ""
         for r in c.active_rules():
             layers = list(enumerate(c.layers_of(r))) if r.layered else [(None, None)]
             experts = range(c.num_experts) if r.experted else (None,)

@@ -233,6 +233,11 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     config = config.replace(tie_embeddings=not has_head)
     encoders = encoder_components(hf_config, dtype)
     speech = speech_components(hf_config, config, dtype)
+    for prefix in SPEECH_OUTPUT_PREFIXES if speech is not None else ():
+        if not any(n.startswith(prefix) for n in names):
+            raise MissingTensorError(f"the config enables audio output (enable_audio_output, the default) but the "
+                                     f"checkpoint has no {prefix}* tensors; a release without speech output sets "
+                                     "enable_audio_output false")
     components = [decoder_component(config)] + [c for tables, _ in encoders.values() for c in tables]
     components += list(speech[0]) if speech is not None else []
     trees, plan, source_dtypes = streaming.convert_components(

@@ -220,6 +220,10 @@ def test_a_release_missing_its_talker_tensors_is_refused_by_name(release, tmp_pa
     tensors = load_file(src / "model.safetensors")
     del tensors["talker.codec_head.weight"]
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(MissingTensorError, match="talker.codec_head.weight"):
+    with pytest.raises(MissingTensorError, match=r"lacks tensor\(s\) 'talker\.codec_head\.weight'"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("code2wav.")}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(MissingTensorError, match=r"no code2wav\.\* tensors.*enable_audio_output false"):
         convert_checkpoint(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
