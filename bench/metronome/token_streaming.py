@@ -25,7 +25,9 @@ Run: `python -m bench.metronome.token_streaming [--rounds 6] [--singles 5] [--to
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
+import shutil
 import tempfile
 import time
 
@@ -47,6 +49,7 @@ def build_server(tau: int, sessions: int = 8):
     from omnijax.serve.context import ServeOptions
 
     folder = tempfile.mkdtemp(prefix="omnijax-bench-demo-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the checkpoint (~90 MB) goes with the process
     model = omnijax.load(build_demo_model(folder))
     stream = omnijax.StreamConfig(policy=SinkWindow(16, 1024), num_pages=256, page_size=64, max_answer_tokens=tau,
                                   decoding=RowSampling(seed=0))
