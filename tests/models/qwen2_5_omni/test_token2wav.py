@@ -21,6 +21,14 @@ from omnijax.models.qwen2_5_omni.bigvgan import (
     vocode,
     vocode_params,
 )
+from omnijax.models.qwen2_5_omni.token2wav import (
+    Token2Wav,
+    Token2WavConfig,
+    sample_mel,
+    synthesize,
+    time_grid,
+    token2wav_components,
+)
 from omnijax.models.qwen2_5_omni.token2wav_dit import (
     DIT_RULES_PREFIX,
     DiT,
@@ -40,6 +48,7 @@ from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf  # noqa
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (  # noqa: E402
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
+    Qwen2_5OmniToken2WavConfig,
 )
 
 TOL = 1e-4  # of the signal's peak (waveforms) or range (mels)
@@ -187,3 +196,80 @@ def test_speaker_encoder_equals_transformers(dit):
     with torch.no_grad():
         want = ref.input_embed.spk_encoder(torch.from_numpy(mel)).numpy()
     assert_close(speaker_encoder(dit_params(model)["spk"], model.config, mel), want, scale="range")
+
+
+# ------------------------------------------------------------------------------------- ODE sampling, Token2Wav
+
+
+def reference_noise(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """What `torch.randn(shape)` draws after `torch.manual_seed(seed)` -- the reference's initial state."""
+    torch.manual_seed(seed)
+    return torch.randn(list(shape)).numpy()
+
+
+@pytest.mark.parametrize("num_steps, guidance, sway", [(10, 0.5, -1.0), (4, 0.0, None)])
+def test_sample_equals_transformers(dit, num_steps, guidance, sway):
+    ref, model = dit
+    c = model.config
+    inputs = dit_inputs(c, codes_len=9, seed=3)
+    noise = reference_noise(7, (1, 18, c.mel_dim))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        want = ref.sample(torch.from_numpy(inputs["speaker"][:, 0]), torch.from_numpy(inputs["reference_mel"]),
+                          torch.from_numpy(inputs["codes"]), num_steps=num_steps, guidance_scale=guidance,
+                          sway_coefficient=sway).numpy()
+    ours = sample_mel(dit_params(model), c, noise, inputs["speaker"][:, 0], inputs["reference_mel"], inputs["codes"],
+                      num_steps=num_steps, guidance_scale=guidance, sway=sway)
+    assert ours.shape == (1, c.mel_dim, 18)
+    assert_close(ours, want, scale="range")
+    grid = torch.linspace(0, 1, num_steps)
+    if sway is not None:
+        grid = grid + sway * (torch.cos(torch.pi / 2 * grid) - 1 + grid)
+    np.testing.assert_allclose(time_grid(num_steps, sway), grid.numpy(), atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def token2wav_pair():
+    hf_config = Qwen2_5OmniToken2WavConfig(dit_config=TINY_DIT, bigvgan_config=TINY_BIGVGAN)
+    ref = hf.Qwen2_5OmniToken2WavModel(hf_config)
+    perturbed(ref.code2wav_dit_model, 1)
+    perturbed(ref.code2wav_bigvgan_model, 0, last="conv_post", gain_last=0.1)
+    config = Token2WavConfig.from_hf(hf_config.to_dict())
+    tensors = {"token2wav." + k: v.numpy() for k, v in ref.state_dict().items()}
+    params = convert_in_memory(tensors, token2wav_components(config), strip_prefix="")
+    model = Token2Wav(config)
+    nnx.update(model.dit, nnx.state(dit_from_params(config.dit, params["dit"])))
+    nnx.update(model.bigvgan, nnx.state(bigvgan_from_params(config.bigvgan, params["bigvgan"])))
+    return ref.eval(), model
+
+
+def test_token2wav_equals_transformers(token2wav_pair):
+    ref, model = token2wav_pair
+    c = model.config
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, c.dit.num_embeds + 1, (1, 13))
+    cond = rng.normal(size=(1, c.dit.enc_emb_dim)).astype(np.float32)
+    ref_mel = rng.normal(-3.0, 1.5, (1, 21, c.dit.mel_dim)).astype(np.float32)
+    noise = reference_noise(11, (1, 26, c.dit.mel_dim))
+    torch.manual_seed(11)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(codes), torch.from_numpy(cond), torch.from_numpy(ref_mel)).numpy()[None]
+    assert np.abs(want).max() < 1.0, "the oracle clips: the clamp would hide differences"
+    ours = synthesize(model, codes, cond, ref_mel, noise)
+    assert ours.shape == (1, 13 * c.samples_per_token)
+    assert_close(ours, want)
+
+
+def test_token2wav_refuses_bad_input(token2wav_pair):
+    _, model = token2wav_pair
+    c = model.config.dit
+    codes, cond = np.zeros((1, 4), np.int64), np.zeros((1, c.enc_emb_dim), np.float32)
+    ref_mel, noise = np.zeros((1, 21, c.mel_dim), np.float32), np.zeros((1, 8, c.mel_dim), np.float32)
+    with pytest.raises(ValueError, match="codes"):
+        synthesize(model, codes + c.num_embeds + 1, cond, ref_mel, noise)
+    with pytest.raises(ValueError, match="noise"):
+        synthesize(model, codes, cond, ref_mel, noise[:, :7])
+    with pytest.raises(ValueError, match="conditioning"):
+        synthesize(model, codes, cond[:, :3], ref_mel, noise)
+    with pytest.raises(ValueError, match="reference mel has 2 frames"):
+        synthesize(model, codes, cond, ref_mel[:, :2], noise)
