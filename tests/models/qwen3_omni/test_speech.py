@@ -105,6 +105,11 @@ def test_the_converted_release_has_its_speech_output(release, model):
         jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(a)), nnx.to_pure_dict(nnx.state(b)))
     with pytest.warns(UserWarning, match="no tokenizer"):
         assert omnijax.load(out["thinker"]).speech is None
+        half = omnijax.load(out["single"], dtype="bfloat16").speech
+    # a dtype asked at load reaches every speech part (the talker's decoders and code predictor included)
+    dtypes = {str(leaf.dtype) for part in (half.talker, half.code2wav)
+              for leaf in jax.tree.leaves(nnx.to_pure_dict(nnx.state(part)))}
+    assert dtypes == {"bfloat16"} and half.talker.config.decoder.dtype == "bfloat16"
 
 
 @contextlib.contextmanager
