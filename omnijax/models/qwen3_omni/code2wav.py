@@ -24,7 +24,8 @@ blocks that costs 8 -> 45 -> 184 -> 555 samples: `Code2WavConfig.lag`. Hence dec
 prefix of the waveform, and streaming (`code2wav_decode`) can be exact.
 
 Decoding -- one shot, streamed, or in re-decoded chunks -- is in `code2wav_decode`. This module holds the config,
-the parameters (`Code2Wav`) and the conversion table (`code2wav_component`, not yet used by the converter).
+the parameters (`Code2Wav`) and the conversion table (`code2wav_component`, the checkpoint's "code2wav"
+component).
 
 Parameter tree (`nnx.to_pure_dict(nnx.state(model))`), for L layers, D hidden, A = heads * head_dim,
 G = kv_heads * head_dim, I intermediate, C_b = decoder_dim // 2**b. Linear weights are `[in, out]`; conv kernels
@@ -303,7 +304,8 @@ def code2wav_from_params(config: Code2WavConfig, params: Mapping[str, Any]) -> C
 
 def code2wav_component(config: Code2WavConfig) -> Component:
     """The conversion table of Code2Wav for `config` (Hugging Face prefix `code2wav.`; the Qwen3-Omni converter
-    does not use it yet). Conv kernels keep torch's layouts (no transform); Linear weights are transposed."""
+    writes it as the checkpoint's "code2wav" component). Conv kernels keep torch's layouts (no transform); Linear
+    weights are transposed."""
     c = config
     bias = c.attention_bias
     layer = "pre_transformer.layers.{i}."

@@ -28,7 +28,7 @@ stacks `router` / `expert_*`), plus what differs:
                      codec_embedding [Q-1, Vp, Dp]  lm_head [Q-1, Dp, Vp]
 
 Conversion: `talker_components(config)` are the name tables of the release's `talker.` tensors (experts one tensor
-per expert, as releases save them); the converter does not use them yet.
+per expert, as releases save them); the Qwen3-Omni converter writes them as the checkpoint's "talker" component.
 
 Streaming design (what the engine needs next; `talker_forward` has the pieces):
 
@@ -381,7 +381,7 @@ def talker_components(config: TalkerConfig) -> tuple[Component, Component]:
     """The conversion tables of the talker (Hugging Face prefix `talker.`, tree "talker") and its code predictor
     (`talker.code_predictor.`, tree "code_predictor"; its Q - 1 embeddings and heads fill the tables' per-expert
     axis). Linear weights are transposed to `[in, out]`; the experts are one tensor per expert, as releases save them.
-    The Qwen3-Omni converter does not use these yet."""
+    The Qwen3-Omni converter writes them as the checkpoint's "talker" component."""
     c, p = config.decoder, config.predictor
     talker_rules = [
         Rule("model.codec_embedding.weight", "codec_embedding", "V D"),
