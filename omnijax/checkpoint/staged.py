@@ -77,6 +77,8 @@ class StagedArray:
             else value.shape[0]
         for start in range(0, value.shape[0], step):
             block = np.ascontiguousarray(value[start:start + step], dtype=self.dtype)  # cast + layout, one block
+            if np.may_share_memory(block, value):  # the caller's memory (no cast was needed): TensorStore may keep
+                block = block.copy()  # a block past the write, so it gets one nobody else can change or unmap
             self._writes.add(region[start:start + block.shape[0]], block)
             self.written += block.nbytes
 
