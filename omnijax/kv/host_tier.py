@@ -1,0 +1,326 @@
+"""A host-memory tier for evicted units, and the question-time scoring and selection of what to recall (issue 40).
+
+What a retention step evicts from the device cache is gathered per unit (`gather_units`) into `UnitKV` records that
+live in host memory as numpy arrays, and kept in a bounded `HostTier`. A per-unit summary (`summarize`) is kept
+beside each record; at question time `score_units` ranks the stored units against the question's queries and
+`select_units` takes the best ones within a recall budget of cells. Putting a unit back into the cache at positions
+consistent with the current indexing (re-rotating its keys) is `omnijax.retention.recall`.
+
+Shapes (L layers, G kv heads, n tokens of a unit, d head dim, A position axes, U stored units, Hq query heads):
+
+    UnitKV.k, .v      [L, G, n, d]   keys (rotated at `pos`) and values, in write order
+    UnitKV.pos        [A, n] int32   logical positions the keys are rotated at
+    UnitKV.span       [n] int8       span kinds; .offset [n] int32 offsets within the span; .order [n] write order
+    UnitKV.summary    [L, G, d] float32 mean key per layer and kv head
+
+Summary choice: the mean key per layer and kv head. A query's dot product with it is exactly the mean over the
+unit's tokens of the query's attention logit (the dot product is linear), so the score is "how much, on average,
+this question attends to the unit", at `L * G * d` floats per unit (1/n of its keys) and one einsum for all units.
+Representative keys by norm would catch a single salient token better; the mean is the cheaper, exact-to-state
+choice for this first piece.
+
+Immutability: `HostTier` is a frozen dataclass holding a tuple of `UnitKV`. `add` returns a new tier with a new tuple;
+the big arrays are shared between the old and the new tier, never copied, and are marked read-only when a record is
+made, so sharing them is safe. A mutable store would save nothing (no array is copied either way) and lose snapshots
+for free.
+
+Bounding: `budget_bytes` caps the bytes of all stored records (`UnitKV.nbytes`). When an added unit does not fit, the
+oldest stored units are dropped first until it does; every drop is listed in the returned `TierReport` and counted
+in the tier's running totals. A unit larger than the whole budget is refused with a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from omnijax.kv.paged import PagedKV
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    x.flags.writeable = False
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitKV:
+    """The evicted tokens of one unit, in host memory (see the module docstring for shapes).
+
+    Attributes:
+        unit: the unit id.
+        k, v: `[L, G, n, d]` keys (rotated at `pos`) and values, tokens in write order.
+        pos: `[A, n]` int32 positions.
+        span: `[n]` int8 span kinds.
+        offset: `[n]` int32 offsets within the span.
+        order: `[n]` int32 write order at eviction time.
+        summary: `[L, G, d]` float32 retrieval summary (`summarize`).
+    """
+
+    unit: int
+    k: np.ndarray
+    v: np.ndarray
+    pos: np.ndarray
+    span: np.ndarray
+    offset: np.ndarray
+    order: np.ndarray
+    summary: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """Tokens (cache cells) of the unit."""
+        return int(self.k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the record, summary and metadata included."""
+        return sum(int(getattr(self, f.name).nbytes) for f in dataclasses.fields(self) if f.name != "unit")
+
+
+def summarize(k: np.ndarray) -> np.ndarray:
+    """`[L, G, d]` float32: the mean key per layer and kv head of keys `[L, G, n, d]` (n >= 1)."""
+    return np.asarray(k, np.float32).mean(axis=2)
+
+
+def make_unit(unit: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray, span: np.ndarray, offset: np.ndarray,
+              order: np.ndarray) -> UnitKV:
+    """A `UnitKV` with its summary computed; arrays are made read-only. Shapes are checked and refused by name."""
+    k, v = np.asarray(k), np.asarray(v)
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"unit {unit}: k and v must both be [L, G, n, d], got {k.shape} and {v.shape}")
+    n = k.shape[2]
+    if n == 0:
+        raise ValueError(f"unit {unit}: a stored unit needs at least one token")
+    pos = np.asarray(pos, np.int32)
+    if pos.ndim != 2 or pos.shape[1] != n:
+        raise ValueError(f"unit {unit}: pos must be [A, {n}], got {pos.shape}")
+    for name, a in (("span", span), ("offset", offset), ("order", order)):
+        if np.shape(a) != (n,):
+            raise ValueError(f"unit {unit}: {name} must be [{n}], got {np.shape(a)}")
+    return UnitKV(unit=int(unit), k=_frozen(k), v=_frozen(v), pos=_frozen(pos),
+                  span=_frozen(np.asarray(span, np.int8)), offset=_frozen(np.asarray(offset, np.int32)),
+                  order=_frozen(np.asarray(order, np.int32)), summary=_frozen(summarize(k)))
+
+
+def evicted_slots(before: PagedKV, after: PagedKV) -> np.ndarray:
+    """`[N, P]` bool: slots live in `before` and not in `after` (a trim's evictions; call it before any migration,
+    which moves survivors between slots)."""
+    return np.asarray(before.valid) & ~np.asarray(after.valid)
+
+
+def gather_units(kv: PagedKV, slots: np.ndarray, seq: int = 0) -> list[UnitKV]:
+    """The tokens of `slots` (`[N, P]` bool, e.g. `evicted_slots`) held by sequence `seq`, one `UnitKV` per unit id,
+    units oldest first (by their oldest token's write order), tokens in write order. Reads `kv` to host once.
+
+    Args:
+        kv: the cache holding the tokens (the cache before the eviction).
+        slots: which physical slots to take.
+        seq: the sequence whose page table owns them.
+    """
+    if not 0 <= seq < kv.batch:
+        raise ValueError(f"seq must lie in [0, {kv.batch}), got {seq}")
+    N, P = kv.num_pages, kv.page_size
+    table = np.asarray(kv.page_table[seq])
+    owned = np.zeros((N, P), bool)
+    owned[table[table >= 0]] = True
+    flat = np.flatnonzero(np.asarray(slots, bool).reshape(N, P) & owned & np.asarray(kv.valid))
+    if flat.size == 0:
+        return []
+    host = jax.device_get({"k": kv.k, "v": kv.v, "pos": kv.pos, "unit": kv.unit, "span": kv.span,
+                           "offset": kv.offset, "order": kv.order})
+    L, _, _, G, d = host["k"].shape
+    unit = host["unit"].reshape(-1)[flat]
+    order = host["order"].reshape(-1)[flat]
+    idx = flat[np.lexsort((order,))]  # write order
+    units: list[UnitKV] = []
+    for u in sorted(set(unit.tolist()), key=lambda u: order[unit == u].min()):
+        sel = idx[host["unit"].reshape(-1)[idx] == u]
+        k = host["k"].reshape(L, N * P, G, d)[:, sel].transpose(0, 2, 1, 3)
+        v = host["v"].reshape(L, N * P, G, d)[:, sel].transpose(0, 2, 1, 3)
+        units.append(make_unit(u, k, v, host["pos"].reshape(host["pos"].shape[0], -1)[:, sel],
+                               host["span"].reshape(-1)[sel], host["offset"].reshape(-1)[sel],
+                               host["order"].reshape(-1)[sel]))
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class TierReport:
+    """What one `HostTier.add` did.
+
+    Attributes:
+        added: unit ids stored.
+        dropped: unit ids dropped (oldest first) to make room.
+        dropped_bytes: their host bytes.
+    """
+
+    added: tuple[int, ...]
+    dropped: tuple[int, ...]
+    dropped_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+    """A bounded host store of evicted units, oldest first (see the module docstring).
+
+    Attributes:
+        budget_bytes: most host bytes held (> 0).
+        units: stored records, oldest first. A unit evicted in pieces (OmniPick keeps sinks, drops them later) is
+            stored as one record per piece, each consistent with its own positions.
+        dropped_units, dropped_bytes: running totals of what the budget forced out.
+    """
+
+    budget_bytes: int
+    units: tuple[UnitKV, ...] = ()
+    dropped_units: int = 0
+    dropped_bytes: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
+            raise ValueError(f"HostTier: budget_bytes must be a positive int, got {self.budget_bytes!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """`[U]` int64 cells of each stored unit."""
+        return np.asarray([u.size for u in self.units], np.int64)
+
+    def add(self, *new: UnitKV) -> tuple["HostTier", TierReport]:
+        """Stores `new` (in the given order, as the newest units), dropping the oldest stored units as the budget
+        needs. Returns `(tier, report)`; `self` is unchanged. A unit larger than the budget is refused (ValueError
+        naming it) and nothing is stored."""
+        for u in new:
+            if not isinstance(u, UnitKV):
+                raise TypeError(f"HostTier.add takes UnitKV records, got {type(u).__name__}")
+            if u.nbytes > self.budget_bytes:
+                raise ValueError(f"HostTier: unit {u.unit} needs {u.nbytes} bytes, more than the whole host budget "
+                                 f"budget_bytes={self.budget_bytes}")
+        units = list(self.units) + list(new)
+        sizes = [u.nbytes for u in units]
+        total, first = sum(sizes), 0
+        while total > self.budget_bytes:
+            total -= sizes[first]
+            first += 1
+        gone = units[:first]
+        # Units added by this call may be dropped by a later unit of the same call; report only the stored ones.
+        added = tuple(u.unit for u in units[max(first, len(self.units)):])
+        report = TierReport(added=added, dropped=tuple(u.unit for u in gone),
+                            dropped_bytes=sum(sizes[:first]))
+        tier = dataclasses.replace(self, units=tuple(units[first:]), dropped_units=self.dropped_units + len(gone),
+                                   dropped_bytes=self.dropped_bytes + report.dropped_bytes)
+        return tier, report
+
+    def take(self, indices: np.ndarray | list[int]) -> tuple["HostTier", tuple[UnitKV, ...]]:
+        """`(tier without them, the records at indices)`: recalled units leave the tier (put them back with `add`
+        to keep them)."""
+        chosen = sorted({int(i) for i in indices})
+        if chosen and not 0 <= chosen[0] <= chosen[-1] < len(self.units):
+            raise ValueError(f"HostTier.take: indices must lie in [0, {len(self.units)}), got {chosen}")
+        picked = tuple(self.units[i] for i in chosen)
+        rest = tuple(u for i, u in enumerate(self.units) if i not in set(chosen))
+        return dataclasses.replace(self, units=rest), picked
+
+
+def _check_query(query: np.ndarray, summaries: np.ndarray) -> np.ndarray:
+    query = np.asarray(query, np.float32)
+    L, G, d = summaries.shape[1:]
+    if query.ndim == 2:
+        query = np.broadcast_to(query, (L,) + query.shape)
+    if query.ndim != 3 or query.shape[0] != L or query.shape[2] != d or query.shape[1] % G:
+        raise ValueError(f"query must be [L={L}, Hq, d={d}] or [Hq, d] with Hq a multiple of kv heads G={G}, "
+                         f"got {query.shape}")
+    return query
+
+
+def score_units(tier: HostTier, query: np.ndarray) -> np.ndarray:
+    """`[U]` float32 relevance of each stored unit to a question.
+
+    score[u] = mean over layers l and query heads h of `query[l, h] . summary[u, l, h // (Hq / G)] / sqrt(d)`, i.e.
+    the question's mean attention logit over the unit's keys (grouped-query: head h reads kv head h // (Hq / G)).
+
+    Args:
+        tier: the host tier (U >= 0 units).
+        query: `[L, Hq, d]` the question's (rotated) queries averaged over its tokens, or `[Hq, d]` used at every
+            layer.
+    """
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    summaries = np.stack([u.summary for u in tier.units])  # [U, L, G, d]
+    query = _check_query(query, summaries)
+    L, Hq, d = query.shape
+    G = summaries.shape[2]
+    grouped = query.reshape(L, G, Hq // G, d)
+    logits = np.einsum("lgrd,ulgd->u", grouped, summaries, dtype=np.float64)
+    return (logits / (L * Hq * np.sqrt(d))).astype(np.float32)
+
+
+def score_units_reference(tier: HostTier, query: np.ndarray) -> np.ndarray:
+    """`score_units` token by token: the mean attention logit over every stored key, in plain Python loops."""
+    out = []
+    for u in tier.units:
+        L, G, n, d = u.k.shape
+        q = _check_query(query, u.summary[None])
+        Hq = q.shape[1]
+        total = 0.0
+        for layer in range(L):
+            for h in range(Hq):
+                g = h // (Hq // G)
+                for t in range(n):
+                    total += float(np.dot(q[layer, h].astype(np.float64), u.k[layer, g, t].astype(np.float64)))
+        out.append(total / (n * L * Hq * np.sqrt(d)))
+    return np.asarray(out, np.float32)
+
+
+def _check_select(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int, top_units: int):
+    scores, sizes = np.asarray(scores), np.asarray(sizes)
+    if scores.ndim != 1 or scores.shape != sizes.shape:
+        raise ValueError(f"scores and sizes must both be [U], got {scores.shape} and {sizes.shape}")
+    for name, value in (("recall_budget_cells", recall_budget_cells), ("top_units", top_units)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if np.any(sizes < 1):
+        raise ValueError(f"sizes must be >= 1 cell each, got {sizes.tolist()}")
+    if np.any(np.isnan(scores)):
+        raise ValueError("scores must not hold NaN")
+    return scores, sizes
+
+
+def select_units(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int, top_units: int) -> np.ndarray:
+    """Indices of the units to recall, ascending (storage order, oldest first).
+
+    Units are ranked by score, highest first, ties to the lower index (the older unit); the selection is the longest
+    prefix of that ranking with at most `top_units` units and at most `recall_budget_cells` cells in all. The ranking
+    is honoured strictly: a unit that does not fit stops the selection, so a less relevant unit is never recalled
+    while a more relevant one is left out.
+
+    Args:
+        scores: `[U]` from `score_units`.
+        sizes: `[U]` cells per unit (`HostTier.sizes`).
+        recall_budget_cells: most cells recalled.
+        top_units: most units recalled.
+    """
+    scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
+    rank = np.lexsort((np.arange(scores.size), -scores.astype(np.float64)))
+    cells = np.cumsum(sizes[rank])
+    fits = (cells <= recall_budget_cells) & (np.arange(scores.size) < top_units)
+    count = int(np.argmin(fits)) if not fits.all() else scores.size
+    return np.sort(rank[:count])
+
+
+def select_units_reference(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int,
+                           top_units: int) -> np.ndarray:
+    """`select_units` read plainly: walk units best first, stop at the first that breaks a limit."""
+    scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+    taken, cells = [], 0
+    for i in order:
+        if len(taken) == top_units or cells + int(sizes[i]) > recall_budget_cells:
+            break
+        taken.append(i)
+        cells += int(sizes[i])
+    return np.asarray(sorted(taken), np.int64)

@@ -1,0 +1,111 @@
+"""Putting units from the host tier (`omnijax.kv.host_tier`) back into the device cache (issue 40, first piece).
+
+A stored unit's keys are rotated at the positions they had when it was evicted. Recalled, the unit takes new
+positions consistent with the cache's current indexing, and its keys are re-rotated by the position delta exactly as
+the re-indexing of `omnijax.retention.base.apply` re-rotates survivors: `rope_angles` of the (signed) delta, applied
+by `apply_rope`, angles in float32. Rotations compose additively per frequency, so a key rotated at p and re-rotated
+by q - p equals the raw key rotated at q (per axis for mrope: each frequency reads one axis).
+
+Placement (`recall_positions`): the recalled units are laid after the position cursor, oldest unit first, each
+shifted uniformly on every axis so its lowest position lands on the cursor; the cursor then moves past its highest.
+A uniform shift keeps a TMRoPE unit's internal t/h/w geometry and audio-video alignment, like the re-indexing rule.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.kv import rope as rope_lib
+from omnijax.kv.host_tier import UnitKV
+from omnijax.kv.paged import PagedKV, SlotMeta, append
+
+
+def rerotate(k: jnp.ndarray, from_pos: jnp.ndarray, to_pos: jnp.ndarray, *, theta: float | rope_lib.ScaledTheta,
+             mrope_section: tuple[int, int, int] | None, interleaved: bool = False) -> jnp.ndarray:
+    """Keys rotated at `from_pos`, re-rotated to `to_pos`.
+
+    Args:
+        k: `[L, G, n, d]` keys (a unit's `UnitKV.k`).
+        from_pos, to_pos: `[A, n]` positions (A = 1, or 3 for mrope; a 1-axis array drives every axis).
+        theta, mrope_section, interleaved: the model's RoPE (as `rope_lib.rope_angles` takes them).
+
+    Returns:
+        `[L, G, n, d]` keys in `k`'s dtype.
+    """
+    from_pos, to_pos = jnp.asarray(from_pos), jnp.asarray(to_pos)
+    if from_pos.ndim != 2 or to_pos.ndim != 2 or from_pos.shape[1] != k.shape[2] or to_pos.shape[1] != k.shape[2]:
+        raise ValueError(f"from_pos and to_pos must be [A, n={k.shape[2]}], got {from_pos.shape} and {to_pos.shape}")
+    delta = to_pos.astype(jnp.int32) - from_pos.astype(jnp.int32)  # [A, n], broadcast where one has 1 axis
+    angles = rope_lib.rope_angles(delta, k.shape[-1], theta, mrope_section, interleaved)  # [n, d/2]
+    turned = rope_lib.apply_rope(jnp.swapaxes(jnp.asarray(k), 1, 2), angles)  # [L, n, G, d]
+    return jnp.swapaxes(turned, 1, 2)
+
+
+def recall_positions(units: Sequence[UnitKV], cursor: int) -> tuple[list[np.ndarray], int]:
+    """`(new positions [A, n] per unit, new cursor)`: the units laid after `cursor` in the given order, each shifted
+    uniformly so its lowest position value lands on the cursor, the cursor moving past its highest (module
+    docstring)."""
+    out = []
+    for u in units:
+        lo, hi = int(u.pos.min()), int(u.pos.max())
+        out.append((u.pos.astype(np.int64) + (cursor - lo)).astype(np.int32))
+        cursor += hi - lo + 1
+    return out, cursor
+
+
+def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, seq: int = 0,
+                rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None], interleaved: bool = False
+                ) -> tuple[PagedKV, jnp.ndarray]:
+    """Writes `units` into sequence `seq` of the cache at `recall_positions(units, next_pos[seq])`, keys re-rotated.
+
+    The tokens are appended (`omnijax.kv.paged.append`: open slots first, then free pages) with fresh write orders,
+    so everything written later sees them; their unit ids, span kinds and offsets are the stored ones. A unit that
+    finds no room is dropped by `append`'s own rule (`kv.exhausted`, `kv.dropped`), never silently: check those.
+
+    Args:
+        kv: the cache.
+        units: records from `HostTier.take`, in the order to lay them.
+        next_pos: `[B]` position cursors.
+        seq: the sequence to recall into.
+        rope: `(theta, mrope_section)` of the model, as `omnijax.retention.base.apply` takes it.
+        interleaved: Qwen3-Omni's interleaved mrope.
+
+    Returns:
+        `(kv, next_pos)` with `next_pos[seq]` past the recalled units.
+    """
+    if not units:
+        return kv, next_pos
+    if not 0 <= seq < kv.batch:
+        raise ValueError(f"seq must lie in [0, {kv.batch}), got {seq}")
+    A = kv.pos.shape[0]
+    for u in units:
+        if u.pos.shape[0] != A or u.k.shape[0] != kv.k.shape[0] or u.k.shape[1] != kv.k.shape[3] or \
+                u.k.shape[3] != kv.k.shape[4]:
+            raise ValueError(f"unit {u.unit}: k {u.k.shape} / pos {u.pos.shape} do not fit the cache's "
+                             f"[L, G, n, d] = {kv.k.shape[0], kv.k.shape[3], '*', kv.k.shape[4]} with {A} axes")
+    theta, section = rope
+    new_pos, cursor = recall_positions(units, int(next_pos[seq]))
+    k = jnp.concatenate([rerotate(u.k, u.pos, p, theta=theta, mrope_section=section, interleaved=interleaved)
+                         for u, p in zip(units, new_pos)], axis=2)  # [L, G, T, d]
+    v = jnp.concatenate([jnp.asarray(u.v) for u in units], axis=2)
+    T, B = k.shape[2], kv.batch
+    rows = jnp.arange(B) == seq
+
+    def batched(x):  # [L, G, T, d] -> [L, B, T, G, d], zeros outside `seq`
+        x = jnp.swapaxes(x, 1, 2)[:, None]
+        return jnp.where(rows[None, :, None, None, None], x, 0).astype(kv.k.dtype)
+
+    def per_seq(x, fill=0):  # [..., T] -> [..., B, T]
+        x = jnp.asarray(x)[..., None, :]
+        return jnp.where(rows[:, None], x, fill)
+
+    meta = SlotMeta(pos=per_seq(np.concatenate(new_pos, axis=1)),
+                    unit=per_seq(np.concatenate([np.full(u.size, u.unit, np.int32) for u in units])),
+                    span=per_seq(np.concatenate([u.span for u in units])),
+                    offset=per_seq(np.concatenate([u.offset for u in units])))
+    token_valid = jnp.broadcast_to(rows[:, None], (B, T))
+    kv, _ = append(kv, batched(k), batched(v), token_valid, meta)
+    return kv, jnp.asarray(next_pos).at[seq].set(cursor)
