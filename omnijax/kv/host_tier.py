@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from omnijax.kv.paged import PagedKV
@@ -112,7 +113,8 @@ def evicted_slots(before: PagedKV, after: PagedKV) -> np.ndarray:
 
 def gather_units(kv: PagedKV, slots: np.ndarray, seq: int = 0) -> list[UnitKV]:
     """The tokens of `slots` (`[N, P]` bool, e.g. `evicted_slots`) held by sequence `seq`, one `UnitKV` per unit id,
-    units oldest first (by their oldest token's write order), tokens in write order. Reads `kv` to host once.
+    units oldest first (by their oldest token's write order), tokens in write order. Only the taken slots are
+    copied to host (one gather and one transfer per array).
 
     Args:
         kv: the cache holding the tokens (the cache before the eviction).
@@ -128,20 +130,20 @@ def gather_units(kv: PagedKV, slots: np.ndarray, seq: int = 0) -> list[UnitKV]:
     flat = np.flatnonzero(np.asarray(slots, bool).reshape(N, P) & owned & np.asarray(kv.valid))
     if flat.size == 0:
         return []
-    host = jax.device_get({"k": kv.k, "v": kv.v, "pos": kv.pos, "unit": kv.unit, "span": kv.span,
-                           "offset": kv.offset, "order": kv.order})
-    L, _, _, G, d = host["k"].shape
-    unit = host["unit"].reshape(-1)[flat]
-    order = host["order"].reshape(-1)[flat]
-    idx = flat[np.lexsort((order,))]  # write order
+    # Only the taken slots leave the device: one gather per array, then one transfer.
+    L, _, _, G, d = kv.k.shape
+    at = jnp.asarray(flat, jnp.int32)
+    host = jax.device_get({"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
+                           "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],
+                           "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at],
+                           "order": kv.order.reshape(-1)[at]})
+    unit, order = host["unit"], host["order"]
     units: list[UnitKV] = []
     for u in sorted(set(unit.tolist()), key=lambda u: order[unit == u].min()):
-        sel = idx[host["unit"].reshape(-1)[idx] == u]
-        k = host["k"].reshape(L, N * P, G, d)[:, sel].transpose(0, 2, 1, 3)
-        v = host["v"].reshape(L, N * P, G, d)[:, sel].transpose(0, 2, 1, 3)
-        units.append(make_unit(u, k, v, host["pos"].reshape(host["pos"].shape[0], -1)[:, sel],
-                               host["span"].reshape(-1)[sel], host["offset"].reshape(-1)[sel],
-                               host["order"].reshape(-1)[sel]))
+        sel = np.flatnonzero(unit == u)
+        sel = sel[np.argsort(order[sel], kind="stable")]  # write order
+        units.append(make_unit(u, host["k"][:, sel].transpose(0, 2, 1, 3), host["v"][:, sel].transpose(0, 2, 1, 3),
+                               host["pos"][:, sel], host["span"][sel], host["offset"][sel], order[sel]))
     return units
 
 

@@ -202,3 +202,29 @@ def test_evict_store_recall_attends_like_a_cache_built_at_the_final_positions(sc
         w /= w.sum(-1, keepdims=True)
         dense = np.einsum("hts,shd->thd", w, np.repeat(vals[layer], H // G, axis=1))
         np.testing.assert_allclose(got, dense, atol=1e-5)
+
+
+def test_gather_and_recall_touch_only_their_sequence():
+    rng = np.random.default_rng(5)
+    kv = paged.init(num_layers=L, num_kv_heads=G, head_dim=D, num_pages=8, page_size=P, batch=2, position_axes=1)
+    n = 5
+    k = jnp.asarray(rng.standard_normal((L, 2, n, G, D)).astype(np.float32))
+    unit = jnp.asarray([[7] * n, [8] * n], jnp.int32)
+    meta = paged.SlotMeta(pos=jnp.broadcast_to(jnp.arange(n), (1, 2, n)), unit=unit,
+                          span=jnp.full((2, n), SpanKind.TEXT, jnp.int8),
+                          offset=jnp.broadcast_to(jnp.arange(n), (2, n)))
+    kv, _ = paged.append(kv, k, -k, jnp.ones((2, n), bool), meta)
+    everything = np.ones((8, P), bool)
+    (mine,) = host_tier.gather_units(kv, everything, seq=1)
+    assert mine.unit == 8 and mine.size == n
+    np.testing.assert_array_equal(mine.k.transpose(0, 2, 1, 3), np.asarray(k[:, 1]))
+    np.testing.assert_array_equal(mine.pos, np.arange(n)[None])
+    with pytest.raises(ValueError, match="seq must lie"):
+        host_tier.gather_units(kv, everything, seq=2)
+    after, cursor = recall.recall_into(kv, [mine], jnp.asarray([n, n], jnp.int32), seq=1, rope=(THETA, None))
+    assert cursor.tolist() == [n, 2 * n]
+    assert int(after.next_order[0]) == n and int(after.next_order[1]) == 2 * n  # sequence 0 got nothing
+    (back,) = host_tier.gather_units(after, np.asarray(after.valid) & ~np.asarray(kv.valid), seq=1)
+    np.testing.assert_array_equal(back.pos, n + np.arange(n)[None])
+    np.testing.assert_allclose(back.k, np.asarray(recall.rerotate(mine.k, mine.pos, back.pos, theta=THETA,
+                                                                   mrope_section=None)), atol=0)
