@@ -46,6 +46,10 @@ def test_tier_drops_oldest_first_reports_every_drop_and_refuses_a_unit_over_budg
         tier.add(_unit(rng, 9, 40))
     with pytest.raises(ValueError, match="budget_bytes"):
         host_tier.HostTier(budget_bytes=0)
+    at_once, report = host_tier.HostTier(budget_bytes=tier.budget_bytes).add(*units)  # one call, same budget
+    assert report.added == (2, 3) and report.dropped == (0, 1) and at_once.dropped_units == 2
+    with pytest.raises(ValueError, match="indices must lie"):
+        tier.take([len(tier.units)])
     rest, taken = tier.take([len(tier.units) - 1])
     assert [u.unit for u in taken] == [3] and 3 not in [u.unit for u in rest.units]
 
