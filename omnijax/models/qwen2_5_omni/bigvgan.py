@@ -79,7 +79,7 @@ class BigVGANConfig(JsonConfig):
         resblock_dilation_sizes: per AMP block, the dilations of its three residual units.
         upsample_rates: stride of each stage's transposed conv.
         upsample_kernel_sizes: kernel of each stage's transposed conv.
-        dtype: parameter and compute dtype name (the reference runs float32).
+        dtype: parameter dtype name; `vocode` computes in float32 whatever it is (as the reference runs).
     """
 
     mel_dim: int = 80
@@ -287,6 +287,7 @@ def vocode(params: Mapping[str, Any], config: BigVGANConfig, mel: jax.Array) -> 
         mel: log-mel frames, bands first (what the DiT's `sample` returns).
     """
     c = config
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, _F32), params)
     lowpass = jnp.asarray(kaiser_sinc_filter(0.25, 0.3, FILTER_TAPS))
     x = _conv(mel_to_input(mel).transpose(0, 2, 1), params["conv_pre_kernel"], params["conv_pre_bias"])  # [B, T, C0]
     J = len(c.resblock_kernel_sizes)

@@ -80,7 +80,7 @@ def _ints(value: Any) -> bool:
 class DiTConfig(JsonConfig):
     """Static hyperparameters of the DiT (defaults: transformers' `Qwen2_5OmniDiTConfig`; field meanings as
     there). `look_ahead_layers` / `look_backward_layers` list the layers that also attend to the next / previous
-    block of `block_size` frames. `dtype`: parameter and compute dtype name (the reference runs float32)."""
+    block of `block_size` frames. `dtype`: parameter dtype name; `dit_forward` computes in float32."""
 
     hidden_size: int = 1024
     num_hidden_layers: int = 22
@@ -359,6 +359,7 @@ def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, refe
         `[B, T, M]` (`[2B, T, M]` with `apply_cfg`: conditioned rows first) float32 velocities.
     """
     c = config
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, _F32), params)
     B, T, _ = x.shape
     if codes.shape[1] * c.repeats != T:
         raise ValueError(f"codes cover {codes.shape[1]} x {c.repeats} frames, x has {T}")

@@ -309,3 +309,25 @@ def test_chunked_sampling_error_is_measured(token2wav_pair):
     assert err(8, 2) > 100 * full_left[2]  # truncated look-back: not equal by construction
     with pytest.raises(ValueError, match="left_blocks"):
         sample_mel_chunked(params, c, noise, cond, ref_mel, codes, chunk_blocks=2, left_blocks=-1, right_blocks=0)
+
+
+def test_token2wav_config_and_bfloat16_storage(token2wav_pair):
+    """bfloat16 parameters are stored as such and computed in float32: the waveform stays near the float32 one."""
+    ref, model = token2wav_pair
+    hf_dict = ref.config.to_dict()
+    with pytest.raises(UnsupportedConfigError, match="vocoder_type"):
+        Token2WavConfig.from_hf({**hf_dict, "vocoder_type": "hifigan"})
+    with pytest.raises(ValueError, match="mel_dim"):
+        Token2WavConfig(dit=model.config.dit, bigvgan=model.config.bigvgan.replace(mel_dim=9))
+    config = Token2WavConfig.from_hf(hf_dict, dtype="bfloat16")
+    half = Token2Wav(config)
+    nnx.update(half, jax.tree_util.tree_map(lambda a: a.astype("bfloat16"), nnx.state(model, nnx.Param)))
+    assert dit_params(half.dit)["layers"]["q"].dtype == "bfloat16"
+    c = model.config.dit
+    rng = np.random.default_rng(2)
+    args = (rng.integers(0, c.num_embeds + 1, (1, 6)), rng.normal(size=(1, c.enc_emb_dim)).astype(np.float32),
+            rng.normal(-3.0, 1.5, (1, 21, c.mel_dim)).astype(np.float32),
+            rng.normal(size=(1, 12, c.mel_dim)).astype(np.float32))
+    full, low = np.asarray(synthesize(model, *args)), np.asarray(synthesize(half, *args))
+    assert low.dtype == np.float32
+    assert 0 < np.abs(low - full).max() <= 0.05 * np.abs(full).max()
