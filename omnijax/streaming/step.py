@@ -102,8 +102,12 @@ def _empty_logprobs(B: int, tau: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (jnp.zeros((B, tau), jnp.float32), jnp.zeros((B, tau, K), jnp.int32), jnp.zeros((B, tau, K), jnp.float32))
 
 
-def decode_token(model: Decoder, kv, next_pos, key, logits, active, i, history, unit, config: StreamConfig,
-                 track_scores: bool, sampling=None, counts=None, seen=None, mask=None):
+def decode_token(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key: jax.Array, logits: jax.Array,
+                 active: jax.Array, i: jax.Array | int, history: jax.Array, unit: jax.Array, config: StreamConfig,
+                 track_scores: bool, sampling: jax.Array | None = None, counts: jax.Array | None = None,
+                 seen: jax.Array | None = None, mask: jax.Array | None = None
+                 ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array,
+                            tuple[jax.Array, jax.Array, jax.Array]]:
     """One answer token for every row (the body of the fused answer loop, and the host-driven engine's step).
 
     Rows draw from `logits [B, V]` (the logits after each row's last fed token) with `config.decoding`; `active [B]`
@@ -118,6 +122,8 @@ def decode_token(model: Decoder, kv, next_pos, key, logits, active, i, history, 
     Returns `(kv, next_pos, key, logits, token [B], counts, seen, logprobs)`, `logprobs` the `(chosen [B], top ids,
     top logprobs [B, K])` of rows that ask for them (`omnijax.decoding.row_logprobs`; zeros unless per-row).
     """
+    if counts is None or seen is None:
+        raise ValueError("decode_token needs the token history: counts [B, V] int32 and seen [B, V] bool")
     B, V = logits.shape
     batch_rows = jnp.arange(B)
     draw, following = split_keys(key)

@@ -13,6 +13,7 @@ tokenizer's size: a constraint must leave those padding ids cleared).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -41,7 +42,7 @@ def mask_words(vocab_size: int) -> int:
     return -(-int(vocab_size) // 32)
 
 
-def pack_allowed(allowed, vocab_size: int) -> np.ndarray:
+def pack_allowed(allowed: Iterable[int], vocab_size: int) -> np.ndarray:
     """A bitmask (int32 `[ceil(V / 32)]`) allowing exactly the token ids in `allowed` (a helper for constraints and
     tests). Raises ValueError for an id outside [0, vocab_size)."""
     ids = np.asarray(sorted(set(int(t) for t in allowed)), np.int64)

@@ -34,7 +34,8 @@ OnToken = Callable[[str, int, "tuple | None"], bool]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "answer"), donate_argnames=("state",))
-def engine_step(graphdef, params, state, chunk, *, config: StreamConfig, answer: bool = True):
+def engine_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, chunk: Chunk, *,
+                config: StreamConfig, answer: bool = True) -> tuple[StreamState, tuple]:
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
     dropped [B], num_free [], table_full [B], logprobs))`, `logprobs` the step's `(chosen, top ids, top logprobs)`
     (None unless the strategy is per-row). `answer=False`: the prefill of a host-driven tick (no answer tokens)."""
@@ -48,8 +49,10 @@ def engine_step(graphdef, params, state, chunk, *, config: StreamConfig, answer:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-def token_step(graphdef, params, state: StreamState, history, i, active, unit, sampling, mask, *,
-               config: StreamConfig):
+def token_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, history: jax.Array | np.ndarray,
+               i: jax.Array | np.integer, active: jax.Array | np.ndarray, unit: jax.Array,
+               sampling: jax.Array | None, mask: jax.Array | np.ndarray | None, *,
+               config: StreamConfig) -> tuple[StreamState, tuple]:
     """One answer token for every row of the bucket (`decode_token`; only `active [B]` rows advance), in place.
 
     `history [B, tau]` int32: the tick's answer tokens so far (-1 = none); `i`: the token's index in the tick;
@@ -68,7 +71,7 @@ def token_step(graphdef, params, state: StreamState, history, i, active, unit, s
     return state, (token, lps, kv.exhausted, kv.dropped, kv.num_free)
 
 
-def frame_logprobs(chunk: Chunk, logprobs, row: int, n: int) -> list | None:
+def frame_logprobs(chunk: Chunk, logprobs: tuple | None, row: int, n: int) -> list | None:
     """The log probabilities of a frame's `n` tokens when its sampling row asks for them (`FrameOutput.logprobs`)."""
     k = _asked_logprobs(chunk)
     if logprobs is None or k is None:
@@ -105,7 +108,7 @@ def _mask_of(constraint: TokenConstraint, words: int) -> np.ndarray:
 
 
 def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_token: OnToken | None,
-              constraints: Mapping[str, TokenConstraint]):
+              constraints: Mapping[str, TokenConstraint]) -> tuple[tuple, dict[str, RowEnd]]:
     """Runs one tick host-driven on `engine` (its state is replaced): the prefill program, then `token_step` once
     per answer token while any row is active. After each token every active served row's token goes to
     `on_token(sid, token, logprob entry)` (a row whose callback returns True ends now); a row with a constraint
