@@ -11,17 +11,24 @@ JSON rows and a PNG under `--out`, and a printed table.
 - `write_json`, `save_png` (matplotlib, Agg backend) print one `wrote PATH` line per file: the smoke test reads them.
 - `module_command(name, ...)`, `checkout_env()`: a script's worker processes run `python -m bench.<group>.<script>`
   with `cwd=ROOT` (the repository root), or with `cwd` another checkout whose library is to be measured.
+- `python -m bench.harness --smoke-all NAME... --out DIR` (`smoke_all`): several scripts' `--smoke` runs one after
+  another in one process, as `python -m NAME --smoke --out DIR` would run each, so they pay the interpreter, the
+  imports and jax's start once and share what they compile; each script's output sits between a `SMOKE_BEGIN` and a
+  `SMOKE_END` line (each on a line of its own, the latter with the exit status and seconds), on stdout and stderr
+  alike. A failing script does not stop the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +222,81 @@ def print_table(rows: Sequence[Mapping], columns: Sequence[tuple[str, str | Call
             value = key(row) if callable(key) else row[key]
             cells.append(f"{'-' if value is None else format(value, spec):>{w}}")
         print(" ".join(cells))
+
+
+SMOKE_BEGIN = "== smoke begin"
+"""`smoke_all`'s line before a script's output: `== smoke begin NAME`."""
+SMOKE_END = "== smoke end"
+"""`smoke_all`'s line after a script's output: `== smoke end NAME rc=N seconds=S`."""
+
+
+def run_main(name: str, argv: Sequence[str]) -> int:
+    """Runs the bench module `name`'s `main(argv)` in this process and gives the exit status that
+    `python -m name *argv` would have ended with (an exception prints its traceback and gives 1).
+
+    Args:
+        name: the module's dotted name ("bench.tidekv.prefill_fidelity").
+        argv: its command line.
+
+    Returns:
+        0 when `main` returned `None` or 0; `main`'s integer or `SystemExit`'s code otherwise (a message is printed
+        to stderr and gives 1, as Python does).
+    """
+    try:
+        result = importlib.import_module(name).main(list(argv))
+    except SystemExit as stop:
+        result = stop.code
+    except Exception:  # the script's failure is reported, the next script still runs
+        traceback.print_exc()
+        return 1
+    if result is None or isinstance(result, int):
+        return int(result or 0)
+    print(result, file=sys.stderr)
+    return 1
+
+
+def smoke_all(names: Iterable[str], out: str | Path) -> dict[str, int]:
+    """Runs `python -m NAME --smoke --out OUT` for every name in `names`, one after another in this process.
+
+    Args:
+        names: the bench modules' dotted names, in the order to run them (an iterable read as it goes: a caller can
+            hand the next name once the previous script's `SMOKE_END` line is out).
+        out: the shared output directory.
+
+    Returns:
+        Each name's exit status (`run_main`).
+    """
+    codes = {}
+    for name in names:
+        if not name.startswith("bench.") or name == "bench.harness":
+            raise ValueError(f"{name!r} is not a bench script: give bench.<group>.<script>")
+        for stream in (sys.stdout, sys.stderr):  # each marker on a line of its own, whatever came before
+            print(f"\n{SMOKE_BEGIN} {name}", file=stream, flush=True)
+        start = time.perf_counter()
+        codes[name] = run_main(name, ["--smoke", "--out", str(out)])
+        seconds = time.perf_counter() - start
+        for stream in (sys.stdout, sys.stderr):
+            print(f"\n{SMOKE_END} {name} rc={codes[name]} seconds={seconds:.1f}", file=stream, flush=True)
+    return codes
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Runs several bench scripts' --smoke in one process, one after another.")
+    p.add_argument("--smoke-all", nargs="+", required=True, metavar="NAME",
+                   help="bench modules to run, in this order (bench.<group>.<script>); `-`: read one name per line "
+                        "from stdin until it closes")
+    p.add_argument("--out", required=True, help="the scripts' shared --out")
+    args = p.parse_args(argv)
+    names = args.smoke_all
+    if names == ["-"]:
+        names = (line.strip() for line in sys.stdin if line.strip())
+    else:
+        bad = [n for n in names if not n.startswith("bench.") or n == "bench.harness"]
+        if bad:
+            p.error(f"not bench scripts: {', '.join(bad)} (give bench.<group>.<script>)")
+    codes = smoke_all(names, args.out)
+    return max(codes.values(), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

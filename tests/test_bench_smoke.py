@@ -1,14 +1,18 @@
 """Every bench script runs at its smallest setting (`--smoke`) and writes the JSON rows and PNG it promises.
 
 The scripts are the modules of the group packages `bench/<group>/` (those whose name does not start with `_`), each
-run from the repository root as `python -m bench.<group>.<script> --smoke --out DIR` in its own process (one shared
-DIR: the scripts that read captured layouts reuse the tiny ones `omnitide.attention_kernel --smoke` writes there, so
-they start after it ends). Three run at a time, the longest first: most of a script's time is single-threaded (imports,
-tracing, compilation) and some of it waits (worker processes starting, `realtime_load`'s real-time clients), so a
-third process keeps both cores busy. `--smoke` runs use the persistent compilation cache (`OMNIJAX_COMPILATION_CACHE`,
-which tests/conftest.py points at the suite's), so a warm run mostly loads programs.
-`bench/harness.py` prints `wrote PATH` for every output file; a script passes when it exits 0 and names at least
-one JSON and one PNG file that exist.
+run from the repository root as `python -m bench.<group>.<script> --smoke --out DIR` would run it, into one shared
+DIR (the scripts that read captured layouts reuse the tiny ones `omnitide.attention_kernel --smoke` writes there, so
+they start after it ends). Most run inside a few smoke runners (`python -m bench.harness --smoke-all - --out DIR`,
+which takes script names on its stdin and calls each script's `main` in turn), so the interpreter, the imports and
+jax's start are paid once per runner rather than once per script; `OWN_PROCESS` run exactly as the command line
+reads, each in its own interpreter: those that change the process at import (XLA flags, jax's platform) and a few
+more, so the documented command form stays tested. Three lanes run at a time, each taking the next script (the
+longest first): most of a script's time is single-threaded (tracing, compilation) and some of it waits (worker
+processes starting, `realtime_load`'s real-time clients), so a third lane keeps both cores busy. `--smoke` runs use
+the persistent compilation cache (`OMNIJAX_COMPILATION_CACHE`, which tests/conftest.py points at the suite's), so a
+warm run mostly loads programs. `bench/harness.py` prints `wrote PATH` for every output file; a script passes when
+it exits 0 and names at least one JSON and one PNG file that exist.
 
 The quality scripts (`bench/quality/`) measure a real model by default; their `--smoke` runs a tiny random Llama
 built on the fly (`bench/quality/_tiny.py`), so they run here without the SmolLM2 file, and their figures on it are
@@ -17,16 +21,21 @@ checked where they are exact (transformers' perplexity, kvpress's kept sets on t
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from bench import harness
 from tests._support import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +47,10 @@ FIRST = "omnitide.attention_kernel"  # writes the smoke layouts that migration_c
 # started first, in this order (the longest, warm or cold); the others follow by name
 SLOW = ("omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.vs_transformers", "metronome.realtime_load",
         "tidekv.prefill_memory")
-WORKERS = 3
+# Run as `python -m bench.<group>.<script>` in a fresh interpreter: prefill_memory sets XLA_FLAGS before jax starts
+# and gpu_census jax's platform; omnitide_figures ends with `sys.exit(main())`, whose status the command gives.
+OWN_PROCESS = ("tidekv.prefill_memory", "omnitide.gpu_census", "omnitide.omnitide_figures")
+LANES = 3
 OPTIONAL = ("kvpress", "torch")  # packages a script may need; it is skipped, naming them, when they are absent
 TIMEOUT_S = 600
 
@@ -54,14 +66,86 @@ def needs(script: str) -> list[str]:
     return missing
 
 
-def run(script: str, out: Path) -> dict:
-    start = time.perf_counter()
+def changes_the_process_at_import(script: str) -> bool:
+    """Whether the script's module touches `os.environ` outside its functions and classes (at import): such a
+    script must start its own interpreter."""
+    top = [node for node in ast.parse(source(script)).body
+           if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return any(isinstance(n, ast.Attribute) and n.attr == "environ" and isinstance(n.value, ast.Name)
+               and n.value.id == "os" for node in top for n in ast.walk(node))
+
+
+def _env() -> dict[str, str]:
     # The XLA flags the suite had before its quick-to-compile ones: the scripts measure speed.
-    env = dict(xla_flags.production_env(), PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    return dict(xla_flags.production_env(), PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+
+
+def run(script: str, out: Path) -> dict:
+    """`python -m bench.<script> --smoke --out OUT` in its own process."""
+    start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+                          text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
     return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "process": "own"}
+
+
+class Runner:
+    """One `python -m bench.harness --smoke-all - --out OUT` process: `run(script)` hands it a script's name and
+    returns what the script printed (stdout and stderr apart), its exit status and seconds."""
+
+    def __init__(self, out: Path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.harness", "--smoke-all", "-", "--out", str(out)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=_env(), cwd=ROOT)
+        self.lines = {"stdout": queue.Queue(), "stderr": queue.Queue()}
+        self.pumps = [threading.Thread(target=self._pump, args=(name,), daemon=True) for name in self.lines]
+        for pump in self.pumps:
+            pump.start()
+
+    def _pump(self, name: str) -> None:
+        for line in getattr(self.proc, name):
+            self.lines[name].put(line)
+        self.lines[name].put(None)  # the process ended
+
+    def _until_end(self, name: str, script: str, deadline: float) -> tuple[str, int | None, float | None]:
+        text = []
+        while True:
+            try:
+                line = self.lines[name].get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return "".join(text) + f"\n(no end after {TIMEOUT_S} s)", None, None
+            if line is None:
+                return "".join(text) + f"\n(the runner ended: rc {self.proc.poll()})", None, None
+            if line.startswith(f"{harness.SMOKE_END} bench.{script} "):
+                fields = dict(f.split("=") for f in line.split()[-2:])
+                return "".join(text), int(fields["rc"]), float(fields["seconds"])
+            if not line.startswith(f"{harness.SMOKE_BEGIN} bench.{script}"):
+                text.append(line)
+
+    def run(self, script: str) -> dict:
+        start = time.perf_counter()
+        self.proc.stdin.write(f"bench.{script}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT_S
+        stdout, rc, seconds = self._until_end("stdout", script, deadline)
+        stderr, _, _ = self._until_end("stderr", script, deadline)
+        if rc is None:  # it hangs or died: the lane starts another runner for its next script
+            self.close(kill=True)
+        return {"rc": -1 if rc is None else rc, "stdout": stdout, "stderr": stderr,
+                "seconds": time.perf_counter() - start if seconds is None else seconds, "process": "runner"}
+
+    def close(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        try:
+            self.proc.stdin.close()
+        except OSError:  # a runner that died leaves a broken pipe
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +153,49 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_smoke")
     runnable = [s for s in SCRIPTS if not needs(s)]
     readers = {s for s in runnable if "layouts_path" in source(s) and s != FIRST}
+    # decided here, before the lanes start: ast.parse is not thread-safe (CPython 3.11 raises SystemError)
+    alone = {s for s in runnable if s in OWN_PROCESS or changes_the_process_at_import(s)}
     # the longest first, the layout readers last (each waits for FIRST's layouts)
     first = [s for s in SLOW if s in runnable]
     order = first + sorted(s for s in runnable if s not in readers and s not in first) + sorted(readers)
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        futures = {}
-        for s in order:
-            wait = futures.get(FIRST) if s in readers else None
-            futures[s] = pool.submit(lambda s=s, wait=wait: (wait.result() if wait else None, run(s, out))[1])
-        done = {s: f.result() for s, f in futures.items()}
+    todo: queue.Queue = queue.Queue()
+    for s in order:
+        todo.put(s)
+    done: dict[str, dict] = {}
+    first_done = threading.Event()
+    if FIRST not in runnable:
+        first_done.set()
+
+    def lane() -> None:
+        runner = None
+        try:
+            while True:
+                try:
+                    s = todo.get_nowait()
+                except queue.Empty:
+                    return
+                if s in readers:
+                    first_done.wait(2 * TIMEOUT_S)
+                try:
+                    if s in alone:
+                        done[s] = run(s, out)
+                    else:
+                        if runner is None or runner.proc.poll() is not None:
+                            runner = Runner(out)
+                        done[s] = runner.run(s)
+                except Exception:  # the lane goes on: this script fails with the reason, the others still run
+                    done[s] = {"rc": -1, "stdout": "", "stderr": traceback.format_exc(), "seconds": 0.0,
+                               "process": "none"}
+                if s == FIRST:
+                    first_done.set()
+        finally:
+            if runner is not None:
+                runner.close()
+
+    with ThreadPoolExecutor(max_workers=LANES) as pool:
+        for f in [pool.submit(lane) for _ in range(LANES)]:
+            f.result()
+    done = {s: done[s] for s in order}
     print("\nbench smoke seconds: " + ", ".join(f"{s} {r['seconds']:.0f}" for s, r in done.items()))
     return out, done
 
@@ -266,6 +384,18 @@ def test_quality_selectors_collect_tables_the_finished_cases(tmp_path):
     (tmp_path / "selectors_cases.json").unlink()
     with pytest.raises(SystemExit, match="selectors_cases.json is missing"):
         selectors.main(["--collect", "--out", str(tmp_path)])
+
+
+def test_smoke_runner_reports_each_script_and_refuses_other_modules(tmp_path):
+    """`python -m bench.harness --smoke-all` refuses a module outside the bench groups by name, before running
+    anything; `run_main` gives the status `python -m` would (an exception: 1 with its traceback; SystemExit's code)."""
+    done = subprocess.run([sys.executable, "-m", "bench.harness", "--smoke-all", "omnijax.demo", "--out",
+                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=_env())
+    assert done.returncode == 2 and "not bench scripts: omnijax.demo" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert harness.run_main("bench.quality.passkey", ["--bogus-flag"]) == 2  # argparse's own exit status
+    with pytest.raises(ValueError, match="'tests.conftest' is not a bench script"):
+        harness.smoke_all(["tests.conftest"], tmp_path)
 
 
 def test_gpu_checks_syntax():
