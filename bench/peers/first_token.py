@@ -15,7 +15,8 @@ Both answer "What is the capital of France?" after the same system prompt, greed
 side by side. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process on a
 shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs (converted once into
 `<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader + `save_pretrained`); `--smoke`:
-a tiny random llama GGUF, one round.
+a tiny random llama GGUF, one round, and the warm side reads the smoke run's persistent cache unprimed (a check that
+the script runs, not a measurement).
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -168,9 +169,12 @@ def main(argv=None) -> int:
 
             gguf_path, models, template = find_gguf(args.gguf), out / "first_token_model", None
         prepare_models(gguf_path, models, template)
-        warm_cache = str(work / "warm_cache")
-        print("priming the warm cache", flush=True)
-        run_one("omnijax_warm", models, warm_cache)
+        if args.smoke:  # a check, not a measurement: the smoke run's own persistent cache, not primed
+            warm_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(work / "warm_cache")
+        else:
+            warm_cache = str(work / "warm_cache")
+            print("priming the warm cache", flush=True)
+            run_one("omnijax_warm", models, warm_cache)
         rows = []
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
