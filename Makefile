@@ -42,11 +42,14 @@ demo: $(VENV)/.base $(VENV)/.smollm2
 # outside the clone (~/.cache/omnijax-tests/{jax,mypy}; OMNIJAX_TEST_JAX_CACHE, OMNIJAX_TEST_MYPY_CACHE override), so
 # reruns are warm.
 # OMNIJAX_SMOLLM2_GGUF names the installed file, so the real-model tests run (a missing file fails them, not skips).
+# --max-worker-restart 0: a worker that crashes (a segmentation fault in native code) fails the run naming the test;
+# with loadfile scheduling and a restarted worker, the run otherwise waits forever with both workers idle.
 test: $(VENV)/.test $(VENV)/.smollm2
-	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+		--max-worker-restart 0
 
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m fast
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 -m fast
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -61,3 +61,4 @@ def test_the_slow_first_table_names_existing_modules_and_make_test_keeps_its_ord
     assert len(set(conftest.SLOW_FIRST)) == len(conftest.SLOW_FIRST)
     recipe = (tests_dir.parent / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
     assert "--dist loadfile --no-loadscope-reorder" in recipe, recipe
+    assert "--max-worker-restart 0" in recipe, recipe  # a crashed worker fails the run instead of hanging it
