@@ -25,11 +25,6 @@ from tests.models.qwen3_omni import test_talker as T
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig  # noqa: E402
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeForConditionalGeneration,
-)
-
 TTS = T.TTS
 IM_START, IM_END, NL = TTS["im_start_token_id"], TTS["im_end_token_id"], 198
 # system turn, a user turn, an earlier answer (the talker skips both), a user turn, the assistant's opening
@@ -41,28 +36,10 @@ PROMPT = np.asarray([IM_START, TTS["system_token_id"], NL, 10, 11, IM_END, NL,
 ANSWER_TOKENS, FRAMES = 6, 10
 
 
-def _full_model():
-    """transformers' tiny full model, seeded as `test_talker.saved` seeds it."""
-    from tests.models.qwen3_omni.test_code2wav import seeded_reference
-
-    torch.manual_seed(0)
-    full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
-        thinker_config=Q.thinker_config().to_dict(), talker_config=T.TALKER, code2wav_config=T.CODE2WAV,
-        enable_audio_output=True, **TTS)).eval()
-    with torch.no_grad():
-        for p in full.talker.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        for p in full.thinker.model.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        full.thinker.lm_head.weight.normal_(0.0, 0.3)
-    full.code2wav.load_state_dict(seeded_reference(T.CODE2WAV).state_dict())
-    return full
-
-
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     """The full release saved single-file, sharded and thinker-only, each converted by `omnijax convert`."""
-    full = _full_model()
+    full = T.seeded_full_model()
     root = tmp_path_factory.mktemp("speech")
     full.save_pretrained(root / "single", safe_serialization=True)
     full.save_pretrained(root / "sharded", safe_serialization=True, max_shard_size="300KB")

@@ -63,10 +63,9 @@ TTS = dict(tts_pad_token_id=280, tts_bos_token_id=281, tts_eos_token_id=282, im_
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """transformers' tiny full model with seeded talker weights (and Code2Wav weights that keep the signal in range,
-    `test_code2wav.seeded_reference`), and its `talker.` / `code2wav.` tensors as `save_pretrained` writes them."""
+def seeded_full_model():
+    """transformers' tiny full model with seeded talker and thinker weights, and Code2Wav weights that keep the
+    signal in range (`test_code2wav.seeded_reference`); test_speech converts the same model."""
     from tests.models.qwen3_omni.test_code2wav import seeded_reference
 
     torch.manual_seed(0)
@@ -80,6 +79,13 @@ def saved(tmp_path_factory):
             p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
         full.thinker.lm_head.weight.normal_(0.0, 0.3)
     full.code2wav.load_state_dict(seeded_reference(CODE2WAV).state_dict())
+    return full
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`seeded_full_model()` and its `talker.` / `code2wav.` tensors as `save_pretrained` writes them."""
+    full = seeded_full_model()
     root = tmp_path_factory.mktemp("talker")
     full.save_pretrained(root, safe_serialization=True)
     tensors = {}
