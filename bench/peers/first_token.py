@@ -103,11 +103,6 @@ def worker(side: str, models: Path, cache: str) -> dict:
     return {"marks": marks, "answer": answer}
 
 
-# `--smoke`'s tiny GGUF has no chat template: both sides get this ChatML one (a `chat_template.jinja` beside each)
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = None) -> None:
     """Both checkpoints of `gguf_path` under `models/` (`omnijax/`, `hf/`), each made once (a fresh process), with
     `chat_template` written beside each when given."""
@@ -162,8 +157,10 @@ def main(argv=None) -> int:
         work = Path(tmp)
         if args.smoke and not args.gguf:
             from bench.peers.convert_gguf import write_tiny_gguf
+            from omnijax.models.chat_templates import CHATML_TEMPLATE
 
-            gguf_path, models, template = write_tiny_gguf(work / "tiny.gguf"), work / "models", CHATML
+            # the tiny GGUF has no chat template: both sides get omnijax's ChatML one
+            gguf_path, models, template = write_tiny_gguf(work / "tiny.gguf"), work / "models", CHATML_TEMPLATE
         else:
             from omnijax.demo.smollm2 import find_gguf
 
