@@ -8,7 +8,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tracemalloc
 from pathlib import Path
 
 import jax
@@ -43,6 +42,7 @@ from omnijax.models.registry import read_manifest
 from omnijax.testing.checkpoints import tiny_token_ids
 from tests._support import ROOT as REPO
 from tests._support import hf_models
+from tests._support.memory import AnonymousPeak
 
 # Decoder path -> (HF name below the thinker with {i} for the layer, transposed).
 LAYOUT = {
@@ -250,18 +250,17 @@ def synthetic_checkpoint(directory: Path, layers=8, hidden=256, inter=2048, voca
 
 
 def test_memory_stays_near_one_tensor(tmp_path):
-    src = synthetic_checkpoint(tmp_path / "src")
+    src = synthetic_checkpoint(tmp_path / "src", inter=4096)
     ckpt = SafetensorsCheckpoint(src)
     sizes = [ckpt.info(n).nbytes for n in ckpt.names()]
     hf_config = json.loads((src / "config.json").read_text())
-    tracemalloc.start()  # numpy's heap allocations are traced; memory maps are not
-    try:
+    # a first conversion pays TensorStore's one-time set-up (thread pool, context: ~10 MiB), then the measured one
+    qwen2_5_omni.convert_params(ckpt, hf_config, dtype="float32", staging_dir=tmp_path / "warm", progress=False)
+    with AnonymousPeak() as peak:  # heap and buffers, not the memory-mapped source
         _, params, _, _ = qwen2_5_omni.convert_params(ckpt, hf_config, dtype="float32", staging_dir=tmp_path / "stage",
                                                    progress=False)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 3 * max(sizes) < sum(sizes) / 8
+    # measured 2-3x the largest tensor (it, the block in flight, allocator slack); a staged tree would be ~26x
+    assert peak.growth < 5 * max(sizes) < sum(sizes) / 5, (peak.growth / max(sizes), sum(sizes) / max(sizes))
     leaves = jax.tree.leaves(params)
     # written straight into their storage as the tensors were read (no staging copy of the tree)
     from omnijax.checkpoint.staged import StagedArray
@@ -273,7 +272,7 @@ def test_memory_stays_near_one_tensor(tmp_path):
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata((tmp_path / "out" / "params").resolve()).item_metadata.tree
     gate = stored["layers"]["gate_proj"]
-    assert gate.shape == (8, 256, 2048)
+    assert gate.shape == (8, 256, 4096)
     assert np.prod(gate.storage.chunk_shape) * 4 <= checkpoint.SAVE_CHUNK_BYTES < np.prod(gate.shape) * 4
 
 
