@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+from collections.abc import Iterable
 from typing import Any, Self, cast
 
 import jax.numpy as jnp
@@ -45,3 +46,39 @@ class JsonConfig:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+
+def is_positive_int(value: Any) -> bool:
+    """Whether `value` is an integer >= 1 (numpy integers count; a bool does not)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def check_config_fields(config: Any, error: Any, *, positive: Iterable[str] = (),
+                        positive_tuples: Iterable[str] = ()) -> None:
+    """The checks every model-part config starts with: a known `dtype`, positive integer sizes, and non-empty tuples
+    of positive integers.
+
+    Args:
+        config: a frozen-dataclass config with a `dtype` field.
+        error: `error(field, value, reason)` builds the exception raised (each config names its own error type).
+        positive: fields that must be positive integers.
+        positive_tuples: fields that must be non-empty tuples of positive integers.
+
+    Raises:
+        whatever `error` builds, for the first offending field (dtype first, then the fields in the order given).
+    """
+    if config.dtype not in DTYPES:
+        raise error("dtype", config.dtype, f"must be one of {sorted(DTYPES)}")
+    for name in positive:
+        if not is_positive_int(value := getattr(config, name)):
+            raise error(name, value, "must be a positive integer")
+    for name in positive_tuples:
+        value = getattr(config, name)
+        if not isinstance(value, tuple) or not value or not all(is_positive_int(v) for v in value):
+            raise error(name, value, "must be a non-empty tuple of positive integers")
+
+
+def int_fields(config_type: Any, *, but: Iterable[str] = ()) -> tuple[str, ...]:
+    """The names of a dataclass's fields annotated `int` (the annotation as written, under postponed evaluation),
+    but those in `but`."""
+    return tuple(f.name for f in dataclasses.fields(config_type) if f.type in ("int", int) and f.name not in set(but))

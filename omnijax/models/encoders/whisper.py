@@ -49,7 +49,7 @@ import numpy.typing as npt
 from flax import nnx
 from jax.typing import DTypeLike
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.encoders.common import (
@@ -93,14 +93,12 @@ def check_dtype_and_sizes(config: Any, not_sizes: tuple[str, ...] = ()) -> None:
         ValueError: naming the first offending field.
     """
     name = type(config).__name__
-    if config.dtype not in DTYPES:
-        raise ValueError(f"{name}.dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in ("dtype", *not_sizes):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}.{f.name} must be a positive integer, got {value!r}")
+
+    def error(field: str, value: Any, reason: str) -> ValueError:
+        return ValueError(f"{name}.{field} {reason}, got {value!r}")
+
+    check_config_fields(config, error, positive=[f.name for f in dataclasses.fields(config)
+                                                 if f.name not in ("dtype", *not_sizes)])
 
 
 def check_whisper_attributes(audio: Mapping[str, Any], *, model_type: str, implemented: str, encoder_layers: int,

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.encoders.common import (
@@ -91,17 +91,8 @@ class BigVGANConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise BigVGANConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for name in ("mel_dim", "upsample_initial_channel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BigVGANConfigError(name, value, "must be a positive integer")
-        for name in ("resblock_kernel_sizes", "upsample_rates", "upsample_kernel_sizes"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not value or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
-                raise BigVGANConfigError(name, value, "must be a non-empty tuple of positive integers")
+        check_config_fields(self, BigVGANConfigError, positive=("mel_dim", "upsample_initial_channel"),
+                            positive_tuples=("resblock_kernel_sizes", "upsample_rates", "upsample_kernel_sizes"))
         if len(self.upsample_kernel_sizes) != len(self.upsample_rates):
             raise BigVGANConfigError("upsample_kernel_sizes", self.upsample_kernel_sizes,
                                      f"needs one kernel per upsample rate ({len(self.upsample_rates)})")

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields, int_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.encoders.common import (
@@ -107,12 +107,7 @@ class DiTConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise DiTConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise DiTConfigError(f.name, value, "must be a positive integer")
+        check_config_fields(self, DiTConfigError, positive=int_fields(type(self)))
         for name in ("look_ahead_layers", "look_backward_layers"):
             value = getattr(self, name)
             if not _ints(value) or any(not 0 <= i < self.num_hidden_layers for i in value):

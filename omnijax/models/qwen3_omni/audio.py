@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields, int_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.models.encoders.common import (
     HF_PRETRAINED_CONFIG_ATTRIBUTES,
@@ -150,12 +150,7 @@ class Qwen3AudioConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise Qwen3AudioConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name != "dtype" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise Qwen3AudioConfigError(f.name, value, "must be a positive integer")
+        check_config_fields(self, Qwen3AudioConfigError, positive=int_fields(type(self)))
         if self.d_model % self.encoder_attention_heads:
             raise Qwen3AudioConfigError("encoder_attention_heads", self.encoder_attention_heads,
                                         f"does not divide d_model={self.d_model}")

@@ -54,7 +54,7 @@ from typing import Any
 
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.encoders.common import (
@@ -122,18 +122,11 @@ class Code2WavConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise Code2WavConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for name in ("codebook_size", "num_quantizers", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "sliding_window", "decoder_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise Code2WavConfigError(name, value, "must be a positive integer")
-        for name in ("upsampling_ratios", "upsample_rates"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not value or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
-                raise Code2WavConfigError(name, value, "must be a non-empty tuple of positive integers")
+        check_config_fields(self, Code2WavConfigError,
+                            positive=("codebook_size", "num_quantizers", "hidden_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                                      "sliding_window", "decoder_dim"),
+                            positive_tuples=("upsampling_ratios", "upsample_rates"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise Code2WavConfigError("num_key_value_heads", self.num_key_value_heads,
                                       f"does not divide num_attention_heads={self.num_attention_heads}")

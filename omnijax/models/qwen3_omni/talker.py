@@ -62,7 +62,7 @@ from typing import Any
 
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.config import DecoderConfig, default_head_dim
@@ -163,12 +163,8 @@ class TalkerConfig(JsonConfig):
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise TalkerConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for name in ("shared_expert_intermediate_size", "thinker_hidden_size", "projection_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TalkerConfigError(name, value, "must be a positive integer")
+        check_config_fields(self, TalkerConfigError,
+                            positive=("shared_expert_intermediate_size", "thinker_hidden_size", "projection_size"))
         if isinstance(self.num_code_groups, bool) or not isinstance(self.num_code_groups, int) or \
                 self.num_code_groups < 2:
             raise TalkerConfigError("num_code_groups", self.num_code_groups, "must be an integer >= 2")

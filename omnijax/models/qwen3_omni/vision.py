@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 from flax import nnx
 
-from omnijax._checks import DTYPES, JsonConfig
+from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
@@ -127,14 +127,10 @@ class Qwen3VisionConfig(JsonConfig):
 
     def __post_init__(self):
         object.__setattr__(self, "deepstack_visual_indexes", tuple(int(i) for i in self.deepstack_visual_indexes))
-        if self.dtype not in DTYPES:
-            raise Qwen3VisionConfigError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
-        for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
-                     "num_position_embeddings", "patch_size", "spatial_merge_size", "temporal_patch_size",
-                     "in_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise Qwen3VisionConfigError(name, value, "must be a positive integer")
+        check_config_fields(self, Qwen3VisionConfigError,
+                            positive=("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                                      "num_position_embeddings", "patch_size", "spatial_merge_size",
+                                      "temporal_patch_size", "in_channels"))
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise Qwen3VisionConfigError("num_heads", self.num_heads, f"hidden_size {self.hidden_size} must split "
                                          "into heads whose width is a multiple of 4")
