@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
 from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
 from omnijax.serve.refusal_log import refusals
+from omnijax.serve.structured import JSON_OBJECT, Grammar, compile_format
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
@@ -205,37 +207,65 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
     return ServeContext(model, EngineWorker(engine, admission=admission, max_sessions=max_sessions), options)
 
 
-def warm_up(context: ServeContext, sessions: int) -> float:
+def warm_up(context: ServeContext, sessions: int, *, structured: bool = True) -> float:
     """Compiles the audio encoder for one frame and the engine's tick for the buckets 1..`sessions` sessions use
-    (dummy sessions, closed afterwards). Progress goes to the `omnijax.serve` logger. Returns the seconds spent."""
+    (dummy sessions, closed afterwards). Progress goes to the `omnijax.serve` logger. Returns the seconds spent.
 
-
+    With `structured` (what `omnijax serve` does), structured output is made ready too, so that the first
+    `response_format` request compiles nothing: llguidance's tokenizer for the served one (its token trie, seconds
+    on a large vocabulary) is built on a helper thread while the ticks compile, then each bucket runs one tick whose
+    first row draws under a `json_object` constraint, which compiles the host-driven prefill and the masked
+    one-token program. Without llguidance (or with a tokenizer it cannot read) the `response_format` requests are
+    refused by name at request time; the warm-up logs why and skips that tick."""
     start = time.perf_counter()
     engine, units = context.worker.engine, units_for(context.model)
-    if context.model.audio is not None:
-        t = time.perf_counter()
-        units.audio(np.zeros(int(16 * context.options.frame_ms), np.float32), 16_000, 0)
-        log.info("warm-up: audio encoder ready for %g ms frames in %.1f s", context.options.frame_ms,
-                 time.perf_counter() - t)
-    chunk = units.continuation(0, 0)
-    limit = min(max(1, sessions), engine.config.buckets[-1])
-    buckets = sorted({next(b for b in engine.config.buckets if b >= n) for n in range(1, limit + 1)})
-    for k, b in enumerate(buckets, 1):
-        t = time.perf_counter()
-        ids = [f"warmup-{b}-{i}" for i in range(b)]
-        for sid in ids:
-            engine.open(sid)
-            engine.submit(sid, chunk, 0)
-        engine.tick(per_token=False)
-        if engine.config.per_token and engine.config.max_answer_tokens:  # the host-driven programs too
+    with ThreadPoolExecutor(1, thread_name_prefix="omnijax-warmup") as helper:  # no thread unless structured
+        pending = helper.submit(_json_grammar, context) if structured else None
+        if context.model.audio is not None:
+            t = time.perf_counter()
+            units.audio(np.zeros(int(16 * context.options.frame_ms), np.float32), 16_000, 0)
+            log.info("warm-up: audio encoder ready for %g ms frames in %.1f s", context.options.frame_ms,
+                     time.perf_counter() - t)
+        chunk = units.continuation(0, 0)
+        limit = min(max(1, sessions), engine.config.buckets[-1])
+        buckets = sorted({next(b for b in engine.config.buckets if b >= n) for n in range(1, limit + 1)})
+        tau = engine.config.max_answer_tokens
+        for k, b in enumerate(buckets, 1):
+            t = time.perf_counter()
+            ids = [f"warmup-{b}-{i}" for i in range(b)]
             for sid in ids:
-                engine.submit(sid, units.continuation(0, 1), 1)
-            engine.tick(per_token=True)
-        for sid in ids:
-            engine.close(sid)
-        log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
-                 time.perf_counter() - t)
+                engine.open(sid)
+                engine.submit(sid, chunk, 0)
+            engine.tick(per_token=False)
+            if engine.config.per_token and tau:  # the host-driven programs too
+                for sid in ids:
+                    engine.submit(sid, units.continuation(0, 1), 1)
+                engine.tick(per_token=True)
+            grammar = pending.result() if pending is not None and tau else None  # set up on the helper thread
+            if grammar is not None:  # the prefill of a host-driven tick and the masked token step
+                for sid in ids:
+                    engine.submit(sid, units.continuation(0, 1), 1)
+                engine.tick(constraints={ids[0]: grammar.constraint()})
+            for sid in ids:
+                engine.close(sid)
+            log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
+                     time.perf_counter() - t)
     return time.perf_counter() - start
+
+
+def _json_grammar(context: ServeContext) -> Grammar | None:
+    """`json_object` compiled for the served tokenizer (builds llguidance's tokenizer, cached for the requests), or
+    None, logged, when structured output cannot run here (requests for it are then refused by name)."""
+    t = time.perf_counter()
+    engine = context.worker.engine
+    try:
+        grammar = compile_format(JSON_OBJECT, context.tokenizer, engine.model_config.vocab_size,
+                                 context.worker.stop_ids)
+    except ValueError as e:  # FormatError (llguidance missing) too
+        log.info("warm-up: structured output unavailable (response_format requests are refused): %s", e)
+        return None
+    log.info("warm-up: structured output's tokenizer ready in %.1f s", time.perf_counter() - t)
+    return grammar
 
 
 def build_demo_model(directory: str | Path) -> str:

@@ -50,8 +50,8 @@ import numpy as np
 from omnijax.models.tokenizer import Tokenizer
 from omnijax.serve.engine.constraint import mask_words
 
-__all__ = ["FORMATS", "JSON_OPTIONS", "FormatError", "Grammar", "JsonConstraint", "ResponseFormat", "compile_format",
-           "parse_response_format", "token_bytes"]
+__all__ = ["FORMATS", "JSON_OBJECT", "JSON_OPTIONS", "FormatError", "Grammar", "JsonConstraint", "ResponseFormat",
+           "compile_format", "parse_response_format", "token_bytes"]
 
 FORMATS = ("text", "json_object", "json_schema")
 # llguidance's JSON compile options, over any the schema sets (its "x-guidance"): fixed whitespace (module docstring).
@@ -87,6 +87,9 @@ class ResponseFormat:
     strict: bool | None = None
 
 
+JSON_OBJECT = ResponseFormat("json_object", '{"type":"object"}')  # what `{"type": "json_object"}` parses to
+
+
 def parse_response_format(value: Any) -> ResponseFormat | None:
     """Validates a request's `response_format`: None or `{"type": "text"}` (no constraint), `{"type":
     "json_object"}`, or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}` (OpenAI's fields).
@@ -106,7 +109,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat("json_object", '{"type":"object"}')
+        return JSON_OBJECT
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict):

@@ -295,7 +295,7 @@ class Engine:
         if session_id in self._unkeyed or row >= self.state.kv.batch:
             self._unkeyed[session_id] = key
         else:
-            self.state = dataclasses.replace(self.state, key=self.state.key.at[row].set(key))
+            self._set_keys(np.asarray([row], np.int32), key[None])
 
     def close(self, session_id: str) -> None:
         """Removes a session (between ticks); all of its pages return to the pool. KeyError if unknown."""
@@ -357,9 +357,15 @@ class Engine:
         if not self._unkeyed:
             return
         rows = np.asarray([self._slots[s] for s in self._unkeyed], np.int32)
-        keys = np.stack(list(self._unkeyed.values()))
-        self.state = dataclasses.replace(self.state, key=self.state.key.at[rows].set(keys))
+        self._set_keys(rows, np.stack(list(self._unkeyed.values())))
         self._unkeyed.clear()
+
+    def _set_keys(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        """Writes sampling keys into rows of the state through a host copy of `key [B, 2]` (a few bytes): an eager
+        `.at[rows].set` would compile small programs for every new count of rows, on a request's first token."""
+        key = np.array(self.state.key)
+        key[rows] = keys
+        self.state = dataclasses.replace(self.state, key=jax.device_put(key, self._device))
 
     def _batch(self, frames: dict[str, Chunk]) -> Chunk:
         """Stacks the frames of the served sessions into their rows of a `[B, T]` chunk; other rows are empty."""
