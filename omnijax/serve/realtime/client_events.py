@@ -20,12 +20,14 @@ input formats other than 16-bit mono ``audio/pcm`` at 24 or 16 kHz, turn detecti
 image URLs that are not base64 ``data:image/...`` (the server never fetches), out-of-band responses, and audio appends
 that are not base64, hold an odd byte count or exceed ``max_bytes``.
 
-omnijax extensions (the SDK models allow extra fields): ``response.done`` carries ``"omnijax": {"kv_cells": n}``
-(the KV cells the session holds after it); the session object carries ``"omnijax": {"input_audio_rate": r}`` (the
-SDK's PCM format admits 24 kHz only); ``session.omnijax`` in ``session.update`` takes ``duplex`` (MiniCPM-o 4.5 full
-duplex), ``temperature`` in [0, 2], ``top_p`` in (0, 1] and an integer ``seed`` (the GA session has no sampling
-fields), echoed by the session object; ``session.truncation`` ``{"type": "retention_ratio", ...}`` is validated and
-carried to the server, which maps it onto its retention policy.
+omnijax extensions (the SDK models allow extra fields): ``response.done`` carries ``"omnijax": {"kv_cells": n}`` (the KV
+cells the session holds after it); the session object carries ``"omnijax": {"input_audio_rate": r}`` (the SDK's PCM
+format admits 24 kHz only); ``session.omnijax`` in ``session.update`` takes ``duplex`` (MiniCPM-o 4.5 full duplex) and
+the sampling settings chat completions takes (the GA session has no sampling fields): ``temperature`` in [0, 2],
+``top_p`` in (0, 1], an integer ``seed``, ``presence_penalty`` / ``frequency_penalty`` in [-2, 2],
+``repetition_penalty`` in (0, 2], an integer ``top_k`` >= -1 (-1 and 0: off), ``min_p`` in [0, 1] and ``logit_bias``
+(token id -> bias in [-100, 100]), echoed by the session object; ``session.truncation`` ``{"type": "retention_ratio",
+...}`` is validated and carried to the server, which maps it onto its retention policy.
 """
 
 from __future__ import annotations
@@ -43,11 +45,19 @@ SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 __all__ = [
     "ClientEvent", "ConversationItemCreate", "DEFAULT_MAX_BYTES", "FunctionCallOutput", "InputAudioBufferAppend",
     "InputAudioBufferClear", "InputAudioBufferCommit", "InputImage", "InputText", "RealtimeEventError",
-    "ResponseCancel", "ResponseCreate", "RetentionRatio", "ServerVad", "SessionSettings", "SessionUpdate",
+    "ResponseCancel", "ResponseCreate", "RetentionRatio", "SAMPLING", "ServerVad", "SessionSettings", "SessionUpdate",
     "error_event", "new_id", "parse_client_event", "server_event",
 ]
 
 DEFAULT_MAX_BYTES = 15 * 1024 * 1024
+# `session.omnijax`'s sampling settings (`SessionSettings` fields of the same names), as chat completions takes them
+SAMPLING = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k",
+            "min_p", "logit_bias")
+# name -> (type, low, high, low excluded) of the numeric ones
+_RANGES = {"temperature": (float, 0.0, 2.0, False), "top_p": (float, 0.0, 1.0, True),
+           "seed": (int, *SEED_RANGE, False), "presence_penalty": (float, -2.0, 2.0, False),
+           "frequency_penalty": (float, -2.0, 2.0, False), "repetition_penalty": (float, 0.0, 2.0, True),
+           "top_k": (int, -1, None, False), "min_p": (float, 0.0, 1.0, False)}
 _RATES = (24000, 16000)
 
 
@@ -75,7 +85,7 @@ class SessionSettings:
     """Session settings accepted so far, with defaults: output text only, PCM16 input at 24000 or 16000 Hz,
     ``turn_detection`` None (manual commits) or :class:`ServerVad`, ``max_output_tokens`` an integer or "inf",
     ``truncation`` "auto", "disabled" or :class:`RetentionRatio`, the served ``model``; the omnijax extensions
-    ``duplex`` and ``temperature`` / ``top_p`` / ``seed`` (None: the server's default sampling)."""
+    ``duplex`` and the sampling settings ``SAMPLING`` (None: the server's default)."""
     instructions: str = ""
     output_modalities: tuple = ("text",)
     input_audio_rate: int = 24000
@@ -87,6 +97,12 @@ class SessionSettings:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    logit_bias: Optional[tuple] = None  # ((token id, bias), ...) in the order given
     tools: tuple = ()  # function definitions (checked by `omnijax.serve.tool_calls.check_function` when applied)
     tool_choice: Any = "auto"  # "auto" or "none" once applied (the session refuses others, naming them)
 
@@ -177,6 +193,30 @@ ClientEvent = Union[SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommi
                     ConversationItemCreate, FunctionCallOutput, ResponseCreate, ResponseCancel]
 
 
+def _parse_sampling(c: Fields, ext: dict) -> dict:
+    """The sampling settings of `session.omnijax` (`SAMPLING`, ranges as chat completions'), checked by name; the
+    session checks `logit_bias`'s ids against the vocabulary."""
+    out: dict = {}
+    for name, (kind, lo, hi, open_lo) in _RANGES.items():
+        if ext.get(name) is None:
+            continue
+        param = f"session.omnijax.{name}"
+        value = c.num(ext[name], param, kind, lo, hi)
+        if open_lo and value <= lo:
+            c.fail("invalid_value", f"'{param}' must lie in ({lo}, {hi}]", param)
+        out[name] = kind(value)
+    bias = ext.get("logit_bias")
+    if bias is not None:
+        param = "session.omnijax.logit_bias"
+        pairs = []
+        for key, value in c.obj(bias, param).items():
+            if not (isinstance(key, str) and key.isdigit()):
+                c.fail("invalid_value", f"'{param}' keys must be token ids (digits), got {key!r}", param)
+            pairs.append((int(key), float(c.num(value, f"{param}.{key}", float, -100.0, 100.0))))
+        out["logit_bias"] = tuple(pairs)
+    return out
+
+
 def _parse_session(c: Fields, s: dict) -> dict:
     changes: dict = {}
     c.check(s, "session", "session")
@@ -206,19 +246,11 @@ def _parse_session(c: Fields, s: dict) -> dict:
         changes["tool_choice"] = choice  # a named function is checked against the session's tools when applied
     if s.get("omnijax") is not None:
         ext = c.obj(s["omnijax"], "session.omnijax")
-        unknown = sorted(set(ext) - {"duplex", "temperature", "top_p", "seed"})
+        unknown = sorted(set(ext) - {"duplex", *SAMPLING})
         if unknown:
-            c.fail("invalid_value", f"'session.omnijax' takes 'duplex', 'temperature', 'top_p' and 'seed', got "
+            c.fail("invalid_value", f"'session.omnijax' takes 'duplex', {', '.join(map(repr, SAMPLING))}; got "
                    f"{unknown}", "session.omnijax")
-        if ext.get("temperature") is not None:
-            changes["temperature"] = float(c.num(ext["temperature"], "session.omnijax.temperature", float, 0.0, 2.0))
-        if ext.get("top_p") is not None:
-            top_p = float(c.num(ext["top_p"], "session.omnijax.top_p", float, 0.0, 1.0))
-            if top_p <= 0:
-                c.fail("invalid_value", "'session.omnijax.top_p' must lie in (0, 1]", "session.omnijax.top_p")
-            changes["top_p"] = top_p
-        if ext.get("seed") is not None:
-            changes["seed"] = int(c.num(ext["seed"], "session.omnijax.seed", int, *SEED_RANGE))
+        changes.update(_parse_sampling(c, ext))
         if "duplex" in ext:
             if not isinstance(ext["duplex"], bool):
                 c.fail("invalid_value", "'session.omnijax.duplex' must be a boolean", "session.omnijax.duplex")

@@ -248,6 +248,19 @@ def settings_of(value: Any) -> rte.SessionSettings:
         kw["top_p"] = _num(d["top_p"], "settings.top_p", 0.0, 1.0, open_lo=True)
     if d.get("seed") is not None:
         kw["seed"] = _int(d["seed"], "settings.seed", *rte.SEED_RANGE)
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+        if d.get(name) is not None:
+            kw[name] = _num(d[name], f"settings.{name}", lo, hi)
+    if d.get("repetition_penalty") is not None:
+        kw["repetition_penalty"] = _num(d["repetition_penalty"], "settings.repetition_penalty", 0.0, 2.0, open_lo=True)
+    if d.get("top_k") is not None:
+        kw["top_k"] = _int(d["top_k"], "settings.top_k", -1, COUNTER_LIMIT)
+    if d.get("logit_bias") is not None:
+        pairs = d["logit_bias"]
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise _fail("settings.logit_bias", f"must be a list of [token id, bias] pairs, got {_show(pairs)}")
+        kw["logit_bias"] = tuple((_int(t, "settings.logit_bias", 0, COUNTER_LIMIT),
+                                  _num(b, "settings.logit_bias", -100.0, 100.0)) for t, b in pairs)
     if d.get("tools"):
         kw["tools"] = tuple(_tools(d["tools"], "settings.tools", wrapped=False))
     if d.get("tool_choice") is not None:

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from omnijax.serve.realtime.client_events import (
+    SAMPLING,
     ConversationItemCreate,
     FunctionCallOutput,
     InputText,
@@ -54,8 +55,10 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
            "tools": [{"type": "function", **f} for f in settings.tools], "tool_choice": settings.tool_choice,
            "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,
-                       **{k: getattr(settings, k) for k in ("temperature", "top_p", "seed")
-                          if getattr(settings, k) is not None}}}
+                       **{k: getattr(settings, k) for k in SAMPLING
+                          if k != "logit_bias" and getattr(settings, k) is not None},
+                       **({"logit_bias": {str(t): b for t, b in settings.logit_bias}}
+                          if settings.logit_bias is not None else {})}}
     return out
 
 

@@ -4,10 +4,12 @@ One WebSocket is one engine session and one conversation (`omnijax.conversation`
 `omnijax.serve.realtime.client_events` (client events) and `realtime_server_events` (server events); this module maps
 events onto the conversation and the `EngineWorker`:
 
-- `session.update` -> `session.updated`. `session.omnijax.temperature` / `top_p` / `seed` (an extension: the GA
-  session has no sampling fields) set how this session's responses are drawn (the server's `RowSampling` gives each row
-  of the batched step its own settings; a seed reseeds the session). `instructions` become the system message, fed
-  before the next item or response (a later change is fed as a new system message where the chat template allows it).
+- `session.update` -> `session.updated`. `session.omnijax`'s sampling settings (an extension: the GA session has no
+  sampling fields; `temperature`, `top_p`, `seed`, the penalties, `top_k`, `min_p`, `logit_bias`, as chat completions
+  takes them) set how this session's responses are drawn (the server's `RowSampling` gives each row of the batched
+  step its own settings, `omnijax.serve.realtime.sampling`; a seed reseeds the session). `instructions` become the
+  system message, fed before the next item or response (a later change is fed as a new system message where the chat
+  template allows it).
   `truncation` describes the server's retention policy, which every session shares (one batched program): "auto" (any
   bounded policy) and "disabled" (the unbounded `NoSlide`) are accepted when they describe it, anything else is refused
   with the `--policy` that would give it.
@@ -62,7 +64,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from omnijax.decoding import sampling_row
 from omnijax.media.image import read_image
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.snapshot import SnapshotError
@@ -72,6 +73,7 @@ from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
+from omnijax.serve.realtime.sampling import check_sampling, session_row
 from omnijax.serve.realtime.tools import ResponseOutput, apply_tools, flush_outputs, function_output, tools_of
 from omnijax.serve.refusal_log import refusals
 
@@ -245,12 +247,8 @@ class RealtimeSession(AudioInput):
             if self.duplex is not None and not settings.duplex:
                 raise rte.RealtimeEventError("unsupported", "duplex cannot be turned off once on", event_id=eid,
                                              param="session.omnijax.duplex")
-            sampled = any(getattr(settings, k) is not None for k in ("temperature", "top_p", "seed"))
-            if sampled and not self.worker.per_row:
-                raise rte.RealtimeEventError("unsupported", f"this server decodes every session with "
-                                             f"{self.worker.engine.config.stream.decoding!r}; per-session sampling "
-                                             f"needs omnijax serve's RowSampling", event_id=eid,
-                                             param="session.omnijax")
+            check_sampling(settings, per_row=self.worker.per_row, duplex=settings.duplex, event_id=eid,
+                           vocab_size=self.worker.engine.model_config.vocab_size)
             if "tools" in event.changes or "tool_choice" in event.changes:
                 settings = apply_tools(self, settings, eid)  # the template renders them; refuses changing nothing
             previous, self.settings = self.settings, settings
@@ -396,13 +394,9 @@ class RealtimeSession(AudioInput):
         self.response = self._spawn(self._stream(answer, limit, input_tokens, self.response_id, event.metadata))
 
     def _sampling(self):
-        """The session's sampling row (`omnijax.decoding.sampling_row`), or None for the server's default."""
-        s = self.settings
-        if s.temperature is None and s.top_p is None:
-            return None
-        default = self.worker.engine.config.stream.decoding
-        return sampling_row(default.temperature if s.temperature is None else s.temperature,
-                            default.top_p if s.top_p is None else s.top_p)
+        """The session's sampling row (`omnijax.serve.realtime.sampling.session_row`), or None for the default."""
+        engine = self.worker.engine
+        return session_row(self.settings, engine.config.stream.decoding, engine.model_config.vocab_size)
 
     async def _stream(self, answer, limit, input_tokens: int, rid: str, metadata: dict | None = None) -> None:
         created = rse.response_created(rid, max_output_tokens=limit)
