@@ -12,6 +12,14 @@ A converted checkpoint is a directory:
 
 The manifest is written after the parameters, so a directory with a manifest holds a complete parameter tree.
 Parameters are stored in the decoder's dtype (`decoder.dtype`); restoring bfloat16 is bit exact.
+
+Quantised weights (`omnijax.kernels.quant.QuantizedWeight`) are stored as a subtree of their arrays in place of the
+leaf (`layers/q_proj/values`, `.../scales`, `.../offsets` for int4), and the manifest's `quantization` key names the
+scheme of each such leaf by its dotted path: `{"layers.q_proj": {"scheme": "int4", "group_size": 32, "scale_dtype":
+"float16", "offset_dtype": "float16"}}` (schemes `int8` per output channel, `int8_grouped` and `int4` with a group
+size). A float checkpoint has no `quantization` key and is unchanged, so the format version stays 1: a reader older
+than quantisation refuses a quantised checkpoint by that key's name (it refuses unknown manifest keys), and this one
+refuses a scheme it does not know by its name before any parameter is read.
 """
 
 from __future__ import annotations
@@ -35,12 +43,16 @@ import tensorstore as ts  # orbax's storage layer
 from omnijax._checks import JsonConfig
 from omnijax.checkpoint import staged
 from omnijax.checkpoint.staged import SAVE_CHUNK_BYTES
+from omnijax.kernels.quant import Int4Grouped, Int8Grouped, Int8PerChannel, QuantizedWeight, Scheme
 
 FORMAT = "omnijax"
 FORMAT_VERSION = 1
 MANIFEST = "omnijax.json"
 PARAMS_DIR = "params"
-COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source")
+QUANTIZATION = "quantization"  # manifest key: dotted parameter path -> its scheme (absent for float checkpoints)
+COMMON_KEYS = ("format", "format_version", "model_type", "decoder", "source", QUANTIZATION)
+# scheme name in the manifest -> scheme class (the int8 and int4 group sizes are those of `omnijax.kernels.quant`)
+SCHEME_NAMES: dict[str, type] = {"int8": Int8PerChannel, "int8_grouped": Int8Grouped, "int4": Int4Grouped}
 # The model types omnijax reads, each with the components (encoders, their configs) its manifest may name beside
 # the common keys; a component's parameters live in the directory of the same name. Filled by the model families as
 # they register (`omnijax.models.family.register`): this layer knows no model type by name.
@@ -62,22 +74,21 @@ def _save_tree(path: Path, tree: dict) -> None:
     conversion's time and every load's decompression, for a third of the disk on dequantised GGUF weights, less on
     trained float weights).
 
-    A tree of `omnijax.checkpoint.staged.StagedArray`s (a conversion's, already written) is committed instead: orbax
-    writes the metadata of the same tree (with one-element stand-ins) and the written arrays replace the stand-ins.
+    The `omnijax.checkpoint.staged.StagedArray`s of a tree (a conversion's, already written) are committed instead:
+    orbax writes the metadata of the same tree (with one-element stand-ins) and the written arrays replace the
+    stand-ins.
     """
-    named = staged.leaves(tree)
-    written = [leaf for _, leaf in named if isinstance(leaf, staged.StagedArray)]
-    if written and len(written) != len(named):
-        raise TypeError(f"{path}: a tree mixes staged arrays with other leaves")
-    if written:
+    named = [(name, leaf) for name, leaf in staged.leaves(tree) if isinstance(leaf, staged.StagedArray)]
+    written = [leaf for _, leaf in named]
+    if written:  # (the other leaves of a mixed tree, e.g. quantised weights made after staging, orbax writes itself)
         for leaf in written:
             leaf.finish()
         unfinished = [name for name, leaf in named
                       if leaf.written != int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize]
         if unfinished:
             raise ValueError(f"{path}: staged arrays not completely written: {unfinished}")
-        tree = jax.tree.map(lambda a: np.zeros((1,) * a.ndim, a.dtype), tree,
-                            is_leaf=lambda x: isinstance(x, staged.StagedArray))
+        tree = jax.tree.map(lambda a: np.zeros((1,) * a.ndim, a.dtype) if isinstance(a, staged.StagedArray) else a,
+                            tree, is_leaf=lambda x: isinstance(x, staged.StagedArray))
     handlers = ocp.type_handlers
     registry = handlers.create_type_handler_registry(
         (np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False)),
@@ -115,7 +126,8 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: JsonConfig,
         dst_dir: output directory (created if needed; the parameter directories must not exist).
         model_type: omnijax model type (e.g. "qwen2_5_omni").
         config: decoder config; its `dtype` should be the dtype of the parameter arrays.
-        params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout.
+        params_pure_dict: nested dict of arrays (numpy, numpy memmaps or jax arrays) in the decoder's layout; a leaf
+            may be a `QuantizedWeight` (stored as its arrays, its scheme recorded in the manifest).
         source_info: JSON-serialisable provenance (source path, skipped tensors, ...).
         components: optional extra parts such as encoders, name -> (JSON config, parameter tree or None); each
             tree is stored in `DST/<name>/` and each config under the manifest key `<name>`.
@@ -133,9 +145,10 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: JsonConfig,
     if unknown:
         raise ValueError(f"components {unknown} are not part of a {model_type} checkpoint "
                          f"(it may have {list(MODEL_COMPONENTS[model_type])})")
+    quantization = quantization_entries(params_pure_dict)
     dst = Path(dst_dir).resolve()
     dst.mkdir(parents=True, exist_ok=True)
-    _save_tree(dst / PARAMS_DIR, params_pure_dict)
+    _save_tree(dst / PARAMS_DIR, _unpack_quantized(params_pure_dict))
     for name, (_, tree) in components.items():
         if tree is not None:
             _save_tree(dst / name, tree)
@@ -145,6 +158,7 @@ def save_params(dst_dir: str | os.PathLike, model_type: str, config: JsonConfig,
         "model_type": model_type,
         "decoder": config.to_json(),
         "source": source_info or {},
+        **({QUANTIZATION: quantization} if quantization else {}),
         **{name: component_config for name, (component_config, _) in components.items()},
     }
     tmp = dst / (MANIFEST + ".tmp")
@@ -184,7 +198,118 @@ def read_manifest_dict(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     if unknown:
         raise CheckpointFormatError(f"{path}: unknown manifest keys {unknown} for a {model_type} checkpoint; it may "
                                     f"hold {list(COMMON_KEYS + MODEL_COMPONENTS[model_type])}")
+    read_quantization(manifest, path)  # refuses an unknown scheme by name before any parameter is read
     return manifest
+
+
+def scheme_to_json(scheme: Scheme) -> dict[str, Any]:
+    """A scheme as its manifest entry: `{"scheme": name}` plus `group_size` for the grouped schemes."""
+    name = next((n for n, cls in SCHEME_NAMES.items() if type(scheme) is cls), None)
+    if name is None:
+        raise ValueError(f"no manifest name for the quantisation scheme {scheme!r}")
+    return {"scheme": name} if isinstance(scheme, Int8PerChannel) else {"scheme": name, "group_size": scheme.size}
+
+
+def quantization_entries(tree: dict) -> dict[str, dict[str, Any]]:
+    """The manifest's `quantization` entries of a parameter tree: dotted path -> scheme and its float dtypes."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]
+    out = {}
+    for key, leaf in flat:
+        if isinstance(leaf, QuantizedWeight):
+            out[".".join(str(k.key) for k in key)] = {
+                **scheme_to_json(leaf.scheme), "scale_dtype": np.dtype(leaf.scales.dtype).name,
+                **({} if leaf.offsets is None else {"offset_dtype": np.dtype(leaf.offsets.dtype).name})}
+    return out
+
+
+def _unpack_quantized(tree: dict) -> dict:
+    """The tree with each `QuantizedWeight` replaced by the dict of its arrays (what is stored)."""
+    def unpack(leaf):
+        if not isinstance(leaf, QuantizedWeight):
+            return leaf
+        parts = {"values": leaf.values, "scales": leaf.scales}
+        return parts if leaf.offsets is None else {**parts, "offsets": leaf.offsets}
+    return jax.tree.map(unpack, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+_FLOAT_NAMES = ("float32", "float16", "bfloat16")
+
+
+def read_quantization(manifest: dict[str, Any], where: Any = MANIFEST) -> dict[str, tuple[Scheme, str, str | None]]:
+    """The quantised parameters a manifest names: dotted path -> `(scheme, scale dtype, offset dtype or None)`.
+
+    Raises:
+        CheckpointFormatError: the `quantization` entry is not an object of known schemes (the unknown scheme, group
+            size or dtype is named with its parameter).
+    """
+    entries = manifest.get(QUANTIZATION, {})
+    if not isinstance(entries, dict):
+        raise CheckpointFormatError(f"{where}: {QUANTIZATION!r} must be an object of parameter -> scheme")
+    out: dict[str, tuple[Scheme, str, str | None]] = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or entry.get("scheme") not in SCHEME_NAMES:
+            found = entry.get("scheme") if isinstance(entry, dict) else entry
+            raise CheckpointFormatError(f"{where}: parameter {name!r} is quantised with the scheme {found!r}, which "
+                                        f"this omnijax does not know (known: {sorted(SCHEME_NAMES)})")
+        cls = SCHEME_NAMES[entry["scheme"]]
+        allowed = {"scheme", "scale_dtype"} | ({"group_size"} if cls is not Int8PerChannel else set()) \
+            | ({"offset_dtype"} if cls is Int4Grouped else set())
+        if set(entry) != allowed:
+            raise CheckpointFormatError(f"{where}: parameter {name!r} ({entry['scheme']}) has the keys "
+                                        f"{sorted(entry)}, expected {sorted(allowed)}")
+        try:
+            scheme = cls() if cls is Int8PerChannel else cls(entry["group_size"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"{where}: parameter {name!r}: {e}") from e
+        dtypes = [entry["scale_dtype"], entry.get("offset_dtype")]
+        if any(d is not None and d not in _FLOAT_NAMES for d in dtypes):
+            raise CheckpointFormatError(f"{where}: parameter {name!r}: scale/offset dtypes {dtypes} must be among "
+                                        f"{list(_FLOAT_NAMES)}")
+        out[name] = (scheme, dtypes[0], dtypes[1])
+    return out
+
+
+def quantized_abstract(abstract_pure_dict: dict, quantization: dict[str, tuple[Scheme, str, str | None]]) -> dict:
+    """The target tree of a quantised checkpoint: each quantised float leaf `[..., in, out]` replaced by the shapes
+    and dtypes of its stored arrays (`values`, `scales`, `offsets`), for `load_params`.
+
+    Raises:
+        CheckpointFormatError: a quantised name that is no parameter, or a group size that does not divide its input
+            width.
+    """
+    flat = {".".join(str(k.key) for k in key): leaf
+            for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_pure_dict)[0]}
+    missing = sorted(set(quantization) - set(flat))
+    if missing:
+        raise CheckpointFormatError(f"quantised parameters {missing} are not parameters of the model")
+
+    def target(key, leaf):
+        name = ".".join(str(k.key) for k in key)
+        if name not in quantization:
+            return leaf
+        scheme, scale_dtype, offset_dtype = quantization[name]
+        *lead, rows, cols = leaf.shape
+        g = scheme.group_size(rows)
+        if len(leaf.shape) < 2 or rows % g or rows % 2:
+            raise CheckpointFormatError(f"quantised parameter {name!r}: group size {g} does not divide its input "
+                                        f"width {rows}")
+        parts = {"values": jax.ShapeDtypeStruct((*lead, rows // 2 if scheme.bits == 4 else rows, cols),
+                                                np.uint8 if scheme.bits == 4 else np.int8),
+                 "scales": jax.ShapeDtypeStruct((*lead, rows // g, cols), jax.numpy.dtype(scale_dtype))}
+        if offset_dtype is not None:
+            parts["offsets"] = jax.ShapeDtypeStruct((*lead, rows // g, cols), jax.numpy.dtype(offset_dtype))
+        return parts
+
+    return jax.tree_util.tree_map_with_path(target, abstract_pure_dict)
+
+
+def as_quantized(tree: dict, quantization: dict[str, tuple[Scheme, str, str | None]]) -> dict:
+    """A restored tree with each quantised parameter's arrays put back together as a `QuantizedWeight`."""
+    def walk(node: Any, prefix: str) -> Any:
+        if prefix[:-1] in quantization:
+            return QuantizedWeight(node["values"], node["scales"], node.get("offsets"), quantization[prefix[:-1]][0])
+        return {k: walk(v, f"{prefix}{k}.") for k, v in node.items()} if isinstance(node, dict) else node
+    return walk(tree, "")
 
 
 def _describe(leaf) -> str:

@@ -40,12 +40,15 @@ from omnijax.checkpoint import loop as streaming
 from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
 from omnijax.convert import gguf as gguf_convert
 from omnijax.convert import gguf_tokenizer
+from omnijax.convert import quantize as quantization
+from omnijax.convert.quantize import QuantizeOptions
 from omnijax.errors import ConfigError, ConfigValueError, ConvertError, DestinationError, UnsupportedModelError
 from omnijax.models.config import DecoderConfig, validate_config
 from omnijax.models.family import Family
+from omnijax.models.qwen2_5_omni.convert import param_shapes  # the decoder tree every family shares
 from omnijax.models.registry import ALL_FAMILIES, family_for_hf
 
-__all__ = ["convert_checkpoint", "convert_gguf", "ConvertError", "DTYPES", "SUPPORTED_MODEL_TYPES",
+__all__ = ["convert_checkpoint", "convert_gguf", "ConvertError", "DTYPES", "QuantizeOptions", "SUPPORTED_MODEL_TYPES",
            "TOKENIZER_FILES"]
 
 DTYPES = ("float32", "bfloat16")
@@ -202,7 +205,8 @@ def _without_bookkeeping(hf_config: dict) -> dict:
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", force: bool = False,
-                       progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                       progress: bool = True, log: Callable[[str], None] | None = None,
+                       quantize: QuantizeOptions | None = None) -> Path:
     """Converts a Hugging Face safetensors checkpoint directory, or a GGUF file, into an omnijax checkpoint.
 
     Args:
@@ -215,18 +219,20 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
         force: replace a non-empty DST.
         progress: show a progress bar over tensors on stderr.
         log: callable receiving one-line notes (skipped tensors); default prints to stderr.
+        quantize: weight quantisation (`omnijax.convert.quantize`); None or all off: float weights.
 
     Returns:
         The absolute path of the written checkpoint.
 
     Raises:
-        ConvertError: any anticipated failure (bad input, unsupported config, destination problems); nothing is
-            left behind.
+        ConvertError: any anticipated failure (bad input, unsupported config, a quantisation option that does not
+            apply, destination problems); nothing is left behind.
     """
     if dtype not in DTYPES:
         raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    quantize = quantize or QuantizeOptions()
     if Path(src).is_file() and gguf_convert.is_gguf(src):
-        return convert_gguf(src, dst, dtype=dtype, force=force, progress=progress, log=log)
+        return convert_gguf(src, dst, dtype=dtype, force=force, progress=progress, log=log, quantize=quantize)
     src, dst = Path(src).resolve(), _destination(dst)
     if not src.is_dir():
         raise ConvertError(f"source {src} is not a directory")
@@ -238,6 +244,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
     family = family_for_hf(hf_config.get("model_type"))
     config = _validated(config, src, _source_token_ids(family, hf_config, src))
     eos = _generation_eos(src, config)
+    scheme = quantization.check(quantize, param_shapes(config), gguf=False)  # before any tensor is read
 
     def write(tmp: Path) -> None:
         ckpt = SafetensorsCheckpoint(src)
@@ -250,6 +257,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
                            family.manifest_token_ids(written) if family is not None else None)
         source_info = {"path": str(src), "hf_model_type": hf_config.get("model_type"),
                        "files": [p.name for p in ckpt.files], "dtype": dtype, **info}
+        if quantize.active:
+            params, source_info["quantization"] = quantization.apply(params, quantize, scheme, final,
+                                                                     log=log or streaming.stderr)
         checkpoint.save_params(tmp, converter.model_type_for(hf_config), final, params, source_info,
                                components=extras)
         del params
@@ -262,7 +272,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, dtype:
 
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", force: bool = False,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 quantize: QuantizeOptions | None = None) -> Path:
     """Converts a GGUF file (llama.cpp's format) into an omnijax checkpoint with its tokenizer.
 
     What is read, and how, is in `omnijax/convert/gguf.py`. The file's header (magic, extent, every tensor's type
@@ -277,15 +288,16 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
         force: replace a non-empty DST.
         progress: show a progress bar over tensors on stderr.
         log: callable receiving one-line notes; default prints to stderr.
+        quantize: weight quantisation, `keep_quantized` included (`omnijax.convert.quantize`); None: float weights.
 
     Returns:
         The absolute path of the written checkpoint.
 
     Raises:
-        ConvertError: a file that is not GGUF, cut short or malformed (`CheckpointError`), an unimplemented
-            architecture (`UnsupportedModelError`), quantisation type or metadata value (`UnsupportedConfigError`),
-            a tensor that disagrees with the metadata (`TensorError`), the `gguf` package missing, or a destination
-            problem; nothing is left behind.
+        ConvertError: a quantisation option that does not apply, a file that is not GGUF, cut short or malformed
+            (`CheckpointError`), an unimplemented architecture (`UnsupportedModelError`), quantisation type or
+            metadata value (`UnsupportedConfigError`), a tensor that disagrees with the metadata (`TensorError`), the
+            `gguf` package missing, or a destination problem; nothing is left behind.
     """
     if dtype not in DTYPES:
         raise ConvertError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -296,6 +308,8 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
     _check_destination(src, dst, force)
     file = gguf_convert.read_gguf(src)
     model_type, config = gguf_convert.config_from_gguf(file, dtype=dtype)  # refuses before any tensor data is read
+    quantize = quantize or QuantizeOptions()
+    scheme = quantization.check(quantize, param_shapes(config), gguf=True)
     tokenizer = gguf_tokenizer.build(file.metadata, file.architecture) if "tokenizer.ggml.tokens" in file.metadata \
         else None
 
@@ -303,6 +317,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
         staging = tmp / ".staging"
         model_type, final, params, info = gguf_convert.convert_params(file, dtype=dtype, staging_dir=staging,
                                                                       progress=progress, log=note)
+        if quantize.active:
+            params, info["quantization"] = quantization.apply(
+                params, quantize, scheme, final, gguf_file=file,
+                permuted_qk=gguf_convert.ARCHITECTURES[file.architecture].permuted_qk, log=note)
         checkpoint.save_params(tmp, model_type, _validated(final, src), params,
                                {"path": str(src), "files": [src.name], "dtype": dtype, **info})
         del params

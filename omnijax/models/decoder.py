@@ -41,7 +41,7 @@ from omnijax.kv import attention as attention_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
 from omnijax.models.config import DecoderConfig
-from omnijax.models.layers import new_param, rms_norm
+from omnijax.models.layers import linear, new_param, rms_norm
 from omnijax.models.moe import moe_ffn
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -49,7 +49,7 @@ MOE_MLP = ("router", "expert_gate", "expert_up", "expert_down")
 
 
 def _proj(config: DecoderConfig, h: jnp.ndarray, p: dict, name: str) -> jnp.ndarray:
-    out = jnp.einsum("btd,de->bte", h, p[name + "_proj"], preferred_element_type=jnp.float32)
+    out = linear(h, p[name + "_proj"], "btd,de->bte")
     if name + "_bias" in p:
         out = out + p[name + "_bias"].astype(jnp.float32)
     return out.astype(config.jnp_dtype)
@@ -93,10 +93,10 @@ def mlp(config: DecoderConfig, p: dict, x: jnp.ndarray) -> jnp.ndarray:
     if "router" in p:
         return moe_ffn(x, p["router"], p["expert_gate"], p["expert_up"], p["expert_down"],
                        top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
-    gate = jnp.einsum("btd,di->bti", x, p["gate_proj"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("btd,di->bti", x, p["up_proj"], preferred_element_type=jnp.float32)
+    gate = linear(x, p["gate_proj"], "btd,di->bti")
+    up = linear(x, p["up_proj"], "btd,di->bti")
     act = jax.nn.silu(gate.astype(dt)) * up.astype(dt)
-    return jnp.einsum("bti,id->btd", act, p["down_proj"], preferred_element_type=jnp.float32).astype(dt)
+    return linear(act, p["down_proj"], "bti,id->btd").astype(dt)
 
 
 def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarray,
@@ -110,7 +110,7 @@ def layer_finish(config: DecoderConfig, p: dict, h: jnp.ndarray, attn: jnp.ndarr
     c, dt = config, config.jnp_dtype
     B, T, _ = h.shape
     attn = attn.reshape(B, T, c.num_heads * c.head_dim)
-    h = h + jnp.einsum("bte,ed->btd", attn, p["o_proj"], preferred_element_type=jnp.float32).astype(dt)
+    h = h + linear(attn, p["o_proj"], "bte,ed->btd").astype(dt)
     normed = rms_norm(h, p["post_norm"], c.rms_norm_eps)
     return h + (mlp(c, p, normed) if ffn is None else ffn(normed))
 
@@ -197,7 +197,8 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
 
     def ffn_of(p):
         def pick(stack):
-            return {k: jax.lax.dynamic_index_in_dim(v, p["_index"], keepdims=False) for k, v in stack.items()}
+            return {k: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p["_index"], keepdims=False), v)
+                    for k, v in stack.items()}  # (a QuantizedWeight is indexed leaf by leaf)
         return lambda x: jax.lax.cond(p["_sparse"], lambda: mlp(c, pick(moe), x), lambda: mlp(c, pick(dense), x))
 
     return xs, ffn_of

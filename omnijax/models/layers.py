@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from omnijax.kernels.quant import QuantizedWeight, qmatmul
+
 
 def new_param(shape: Sequence[int], dtype: DTypeLike, rngs: nnx.Rngs, *, ones: bool = False, zeros: bool = False,
               std: float = 0.02) -> nnx.Param:
@@ -26,3 +28,15 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight, spec: str = "...d,de->...e") -> jnp.ndarray:
+    """`x [..., in] @ w [in, out]` accumulated in float32 (the result is float32).
+
+    A float `w` runs `jnp.einsum(spec, ...)` (the decoder's own contraction strings, so float weights compute as
+    before, bit for bit); a `QuantizedWeight` runs `omnijax.kernels.quant.qmatmul`, dequantised to `x.dtype` inside
+    the compiled program (`spec` is then only the contraction of the last axis, which every call site uses).
+    """
+    if isinstance(w, QuantizedWeight):
+        return qmatmul(x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)

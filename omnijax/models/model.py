@@ -168,14 +168,22 @@ class Model(FamilyModel):
 
 
 def restore_module(directory: Path, component: str, stored_config: Any, dtype: str | None,
-                   build: Callable[[Any], nnx.Module]) -> nnx.Module:
+                   build: Callable[[Any], nnx.Module], quantization: dict | None = None) -> nnx.Module:
     """Restores one module: `build(config)` defines it; weights are read leaf by leaf, cast to `dtype` as they are
-    read when it differs from the stored one."""
+    read when it differs from the stored one. `quantization` (`checkpoint.read_quantization` of the manifest) names
+    the parameters stored quantised: they are restored as `QuantizedWeight`s, and a `dtype` cast is refused."""
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
     cast = dtype if dtype is not None and dtype != stored_config.dtype else None
+    quantization = quantization or {}
+    if quantization and cast is not None:
+        raise ValueError(f"dtype={dtype!r}: {directory} holds quantised weights stored for compute in "
+                         f"{stored_config.dtype}, and a dtype cast on load would recast their scales; convert the "
+                         f"checkpoint again with --dtype {dtype} instead")
     # a cast happens leaf by leaf as the weights are read: one copy of them at a time
-    restored = checkpoint.load_params(directory, nnx.to_pure_dict(state), component, dtype=cast)
+    abstract = checkpoint.quantized_abstract(nnx.to_pure_dict(state), quantization)
+    restored = checkpoint.as_quantized(checkpoint.load_params(directory, abstract, component, dtype=cast),
+                                       quantization)
     if cast is not None:
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config.replace(dtype=cast))))
     nnx.replace_by_pure_dict(state, restored)

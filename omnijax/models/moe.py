@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from omnijax.kernels.quant import QuantizedWeight, dequantize, qmatmul
+
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token.
@@ -78,7 +80,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
 
     Args:
         x: `[..., D]` normalised hidden states (compute dtype).
-        router: `[D, E]`; gate, up: `[E, D, I]`; down: `[E, I, D]`.
+        router: `[D, E]`; gate, up: `[E, D, I]`; down: `[E, I, D]` (float, or `QuantizedWeight`s of those shapes:
+            the blocked impl dequantises one expert's weight per block, ragged_dot the whole stack).
         top_k: experts per token; norm_topk_prob: renormalise the chosen weights.
         impl: "ragged_dot" or "blocked" (see the module docstring); None: `default_impl()`.
 
@@ -101,10 +104,11 @@ def _batchable_ffn(top_k: int, norm_topk_prob: bool, impl: str):
 
     @ffn.def_vmap
     def _rule(axis_size, in_batched, x, router, gate, up, down):
-        if not any(in_batched[1:]):  # tokens are routed independently: the batch axis is more tokens
+        if not any(jax.tree.leaves(in_batched[1:])):  # tokens are routed independently: the batch is more tokens
             return ffn(x, router, gate, up, down), True  # (x is batched here: some input is)
-        args = tuple(a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                     for a, b in zip((x, router, gate, up, down), in_batched))
+        # (a quantised weight's flags are a pytree of its arrays' flags, broadcast leaf by leaf)
+        args = tuple(jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape), arg, flags)
+                     for arg, flags in zip((x, router, gate, up, down), in_batched))
         return jax.lax.map(lambda a: ffn(*a), args), True
 
     return ffn
@@ -125,6 +129,8 @@ def _grouped_ffn(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array
     group_sizes = jnp.bincount(expert_of, length=E).astype(jnp.int32)  # [E]
     rows = jnp.take(flat, token_of, axis=0)  # [N*k, D]
     if impl == "ragged_dot":
+        # ragged_dot takes dense weights: quantised experts are dequantised whole here, inside the program
+        gate, up, down = (dequantize(w, dt) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
         g = jax.lax.ragged_dot(rows, gate, group_sizes, preferred_element_type=jnp.float32)  # [N*k, I]
         u = jax.lax.ragged_dot(rows, up, group_sizes, preferred_element_type=jnp.float32)
         h = jax.lax.ragged_dot(_swiglu(g, u, dt), down, group_sizes, preferred_element_type=jnp.float32)  # [N*k, D]
@@ -134,6 +140,13 @@ def _grouped_ffn(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array
     unsorted = jnp.zeros_like(h).at[order].set(h, unique_indices=True)  # back to assignment order
     out = jnp.sum(unsorted.reshape(N, top_k, D).astype(jnp.float32), axis=1)
     return out.astype(dt).reshape(shape)
+
+
+def _dot(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """`x @ w` in float32: `jnp.dot`, or `qmatmul` for one expert's quantised weight."""
+    if isinstance(w, QuantizedWeight):
+        return qmatmul(x, w, preferred_element_type=jnp.float32)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
 def _blocked_experts(rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -156,10 +169,10 @@ def _blocked_experts(rows: jax.Array, group_sizes: jax.Array, gate: jax.Array, u
         e = jnp.searchsorted(last_block, j, side="right").astype(jnp.int32)
         r = starts[e] + (j - (last_block[e] - blocks[e])) * block
         x = jax.lax.dynamic_slice_in_dim(padded, r, block)  # [m, D]
-        w = [jax.lax.dynamic_index_in_dim(m, e, keepdims=False) for m in (gate, up, down)]
-        g = jnp.dot(x, w[0], preferred_element_type=jnp.float32)
-        u = jnp.dot(x, w[1], preferred_element_type=jnp.float32)
-        y = jnp.dot(_swiglu(g, u, dt), w[2], preferred_element_type=jnp.float32)  # [m, D]
+        w = [m.index(e) if isinstance(m, QuantizedWeight) else jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
+             for m in (gate, up, down)]
+        g, u = _dot(x, w[0]), _dot(x, w[1])
+        y = _dot(_swiglu(g, u, dt), w[2])  # [m, D]
         y = jnp.where((lane < starts[e] + group_sizes[e] - r)[:, None], y, 0.0)
         return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, r, block) + y, r, 0)
 

@@ -65,13 +65,15 @@ def load(directory: str | Path, *, dtype: str | None = None) -> OmniModel:
 
     Args:
         directory: the converted checkpoint (holding `omnijax.json` and `params/`).
-        dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load.
+        dtype: optional compute dtype override ("float32" or "bfloat16"); weights are cast on load (refused for a
+            checkpoint holding quantised weights: convert it again with that dtype).
     """
 
     directory = Path(directory)
     model_type, config = read_manifest(directory)
     manifest = checkpoint.read_manifest_dict(directory)
-    decoder = restore_module(directory, checkpoint.PARAMS_DIR, config, dtype, lambda c: Decoder(c, rngs=nnx.Rngs(0)))
+    decoder = restore_module(directory, checkpoint.PARAMS_DIR, config, dtype, lambda c: Decoder(c, rngs=nnx.Rngs(0)),
+                             checkpoint.read_quantization(manifest))
     return _with_tokenizer(family_for(model_type).load(directory, manifest, decoder, dtype), directory)
 
 
