@@ -128,16 +128,30 @@ def gather_units(kv: PagedKV, slots: np.ndarray, seq: int = 0) -> list[UnitKV]:
     owned = np.zeros((N, P), bool)
     owned[table[table >= 0]] = True
     flat = np.flatnonzero(np.asarray(slots, bool).reshape(N, P) & owned & np.asarray(kv.valid))
+    return _group(_take(kv, flat))
+
+
+_FIELDS = ("k", "v", "pos", "unit", "span", "offset", "order")
+
+
+def _take(kv: PagedKV, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """The tokens at flat slots `flat` (page * P + offset) on host: `k, v [L, n, G, d]`, `pos [A, n]`, the rest
+    `[n]`. Only those slots leave the device: one gather per array, then one transfer."""
+    L, N, P, G, d = kv.k.shape
     if flat.size == 0:
-        return []
-    # Only the taken slots leave the device: one gather per array, then one transfer.
-    L, _, _, G, d = kv.k.shape
+        return {"k": np.zeros((L, 0, G, d), kv.k.dtype), "v": np.zeros((L, 0, G, d), kv.v.dtype),
+                "pos": np.zeros((kv.pos.shape[0], 0), np.int32), **{f: np.zeros(0, np.int32) for f in _FIELDS[3:]}}
     at = jnp.asarray(flat, jnp.int32)
-    host = jax.device_get({"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
+    return jax.device_get({"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
                            "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],
                            "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at],
                            "order": kv.order.reshape(-1)[at]})
-    unit, order = host["unit"], host["order"]
+
+
+def _group(host: dict[str, np.ndarray]) -> list[UnitKV]:
+    """Tokens (as `_take` returns them) grouped into one `UnitKV` per unit id, units oldest first (by their oldest
+    token's write order), tokens in write order."""
+    unit, order = np.asarray(host["unit"]), np.asarray(host["order"])
     units: list[UnitKV] = []
     for u in sorted(set(unit.tolist()), key=lambda u: order[unit == u].min()):
         sel = np.flatnonzero(unit == u)
@@ -145,6 +159,63 @@ def gather_units(kv: PagedKV, slots: np.ndarray, seq: int = 0) -> list[UnitKV]:
         units.append(make_unit(u, host["k"][:, sel].transpose(0, 2, 1, 3), host["v"][:, sel].transpose(0, 2, 1, 3),
                                host["pos"][:, sel], host["span"][sel], host["offset"][sel], order[sel]))
     return units
+
+
+@dataclasses.dataclass(frozen=True)
+class Evicted:
+    """What one step evicted from a batch-1 cache (`capture_evicted`).
+
+    Attributes:
+        units: the evicted tokens as `UnitKV` records, oldest unit first.
+        lost: write orders of evicted tokens whose keys and values no copy holds any more (a token written and
+            evicted in the same step whose slot a later write of that step took); reported, never stored.
+    """
+
+    units: tuple[UnitKV, ...]
+    lost: tuple[int, ...]
+
+
+def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = (0, 0)) -> Evicted:
+    """The tokens a step evicted, exactly as they were cached when evicted (batch-1 caches).
+
+    Tokens are known by their write order (unique in a sequence, kept by re-indexing and migration). Evicted =
+    live in `before` or written by the step (orders from `before.next_order` to `after.next_order`), and live
+    nowhere in `after`; orders in `[skip[0], skip[1])` are left out (recalled tokens the tier still holds). A token
+    live in `before` is read there (its key as rotated at eviction). A token the step wrote and evicted is read from
+    its slot in `after`, which still holds it when invalid and still carrying its order (eviction neither clears
+    nor re-rotates a dropped slot; any later write of the step sets the slot's order); otherwise it is `lost`.
+
+    Args:
+        before: a copy of the cache before the step (the step's own input is donated).
+        after: the cache after the step.
+        skip: `[lo, hi)` write orders not to capture.
+    """
+    if before.batch != 1 or after.batch != 1:
+        raise ValueError(f"capture_evicted takes batch-1 caches, got batch {before.batch} and {after.batch}")
+    meta = jax.device_get({"bv": before.valid, "bo": before.order, "bt": before.page_table, "av": after.valid,
+                           "ao": after.order, "first": before.next_order[0], "end": after.next_order[0]})
+    N, P = before.num_pages, before.page_size
+    table = meta["bt"][0]
+    owned = np.zeros((N, P), bool)
+    owned[table[table >= 0]] = True
+    old_live = (meta["bv"] & owned).reshape(-1)
+    live_after = set(meta["ao"].reshape(-1)[meta["av"].reshape(-1)].tolist())
+    lo, hi = skip
+
+    def wanted(order: np.ndarray) -> np.ndarray:
+        return ~np.isin(order, list(live_after)) & ~((order >= lo) & (order < hi))
+
+    from_before = np.flatnonzero(old_live & wanted(meta["bo"].reshape(-1)))
+    first, end = int(meta["first"]), int(meta["end"])
+    new_orders = np.arange(first, end)
+    new_orders = new_orders[wanted(new_orders)]
+    after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
+    dead_new = np.flatnonzero(~after_valid & (after_order >= first) & (after_order < end))
+    dead_new = dead_new[np.isin(after_order[dead_new], new_orders)]
+    lost = tuple(sorted(set(new_orders.tolist()) - set(after_order[dead_new].tolist())))
+    a, b = _take(before, from_before), _take(after, dead_new)
+    host = {f: np.concatenate([a[f], b[f]], axis=1 if f in ("k", "v", "pos") else 0) for f in _FIELDS}
+    return Evicted(units=tuple(_group(host)) if host["unit"].size else (), lost=lost)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,18 @@ by q - p equals the raw key rotated at q (per axis for mrope: each frequency rea
 Placement (`recall_positions`): the recalled units are laid after the position cursor, oldest unit first, each
 shifted uniformly on every axis so its lowest position lands on the cursor; the cursor then moves past its highest.
 A uniform shift keeps a TMRoPE unit's internal t/h/w geometry and audio-video alignment, like the re-indexing rule.
+A policy that never re-indexes (SinkWindow: positions keep growing) leaves every evicted unit's own positions free and
+consistent with the current indexing, so its units come back there (`at_original=True`): no re-rotation at all, and
+the question then sees exactly the keys a full-context cache holds.
+
+`Recall` is the setting `omnijax.StreamConfig(recall=...)` takes (what `omnijax.Session` does with it:
+`omnijax.streaming.recall_session`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -21,6 +29,41 @@ import numpy as np
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier import UnitKV
 from omnijax.kv.paged import PagedKV, SlotMeta, append
+
+
+@dataclasses.dataclass(frozen=True)
+class Recall:
+    """Question-time recall of evicted units from a host tier (`StreamConfig(recall=Recall(...))`).
+
+    Attributes:
+        budget: most cache cells recalled at one question (> 0; at most the pool's cells).
+        top_units: most stored units recalled at one question (> 0).
+        host_bytes: host memory budget of the tier (> 0): the oldest stored units are dropped (and reported) beyond it.
+        keep: what happens to recalled units after the answer. False (default): they are released (invalidated in
+            the cache) and stay in the tier; True: they stay in the cache as ordinary content, leave the tier, and
+            are stored again if the policy evicts them later.
+    """
+
+    budget: int
+    top_units: int = 8
+    host_bytes: int = 1 << 30
+    keep: bool = False
+
+    def __post_init__(self):
+        for name in ("budget", "top_units", "host_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"Recall: {name} must be a positive int, got {value!r}" + (
+                    " (a host tier of zero bytes cannot store what recall brings back)" if name == "host_bytes"
+                    else ""))
+        if not isinstance(self.keep, bool):
+            raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
+
+    def check_pool(self, cells: int) -> None:
+        """Refuses a recall budget larger than a pool of `cells` cells."""
+        if self.budget > cells:
+            raise ValueError(f"Recall: budget ({self.budget} cells) is larger than the KV pool ({cells} cells: "
+                             f"num_pages x page_size); lower Recall(budget=...) or give more num_pages")
 
 
 def rerotate(k: jnp.ndarray, from_pos: jnp.ndarray, to_pos: jnp.ndarray, *, theta: float | rope_lib.ScaledTheta,
@@ -57,9 +100,11 @@ def recall_positions(units: Sequence[UnitKV], cursor: int) -> tuple[list[np.ndar
 
 
 def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, seq: int = 0,
-                rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None], interleaved: bool = False
-                ) -> tuple[PagedKV, jnp.ndarray]:
-    """Writes `units` into sequence `seq` of the cache at `recall_positions(units, next_pos[seq])`, keys re-rotated.
+                rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None], interleaved: bool = False,
+                at_original: bool = False) -> tuple[PagedKV, jnp.ndarray]:
+    """Writes `units` into sequence `seq` of the cache at `recall_positions(units, next_pos[seq])`, keys re-rotated
+    (or, with `at_original`, at their stored positions, keys as stored and the cursor unchanged: for a policy that
+    never re-indexes, module docstring).
 
     The tokens are appended (`omnijax.kv.paged.append`: open slots first, then free pages) with fresh write orders,
     so everything written later sees them; their unit ids, span kinds and offsets are the stored ones. A unit that
@@ -87,9 +132,13 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
             raise ValueError(f"unit {u.unit}: k {u.k.shape} / pos {u.pos.shape} do not fit the cache's "
                              f"[L, G, n, d] = {kv.k.shape[0], kv.k.shape[3], '*', kv.k.shape[4]} with {A} axes")
     theta, section = rope
-    new_pos, cursor = recall_positions(units, int(next_pos[seq]))
-    k = jnp.concatenate([rerotate(u.k, u.pos, p, theta=theta, mrope_section=section, interleaved=interleaved)
-                         for u, p in zip(units, new_pos)], axis=2)  # [L, G, T, d]
+    if at_original:
+        new_pos, cursor = [u.pos for u in units], int(next_pos[seq])
+        k = jnp.concatenate([jnp.asarray(u.k) for u in units], axis=2)  # [L, G, T, d]
+    else:
+        new_pos, cursor = recall_positions(units, int(next_pos[seq]))
+        k = jnp.concatenate([rerotate(u.k, u.pos, p, theta=theta, mrope_section=section, interleaved=interleaved)
+                             for u, p in zip(units, new_pos)], axis=2)  # [L, G, T, d]
     v = jnp.concatenate([jnp.asarray(u.v) for u in units], axis=2)
     T, B = k.shape[2], kv.batch
     rows = jnp.arange(B) == seq

@@ -12,6 +12,7 @@ from omnijax.decoding import Greedy, check_decoding
 from omnijax.kv.attention import check_impl
 from omnijax.paging import as_paging
 from omnijax.retention.base import NoSlide, check_policy, get_policy
+from omnijax.retention.recall import Recall
 
 
 def _default_policy() -> NoSlide:
@@ -41,6 +42,9 @@ class StreamConfig:
         subblock: subblock size of the active-subblock statistic and of `tile_skip` (a power of two).
         max_answer_tokens: tau, the most tokens any chunk may ask its answer for (0: no answers).
         decoding: decoding strategy of answers (`omnijax.decoding`, e.g. `Greedy()`).
+        recall: question-time recall of evicted units from a host tier (`omnijax.retention.recall.Recall`); None
+            (the default) runs exactly as without it. Wired into `Session` only so far (`stream`, `Chat`,
+            `evaluate` and the engine refuse it rather than ignore it).
     """
 
     policy: Any = dataclasses.field(default_factory=_default_policy)
@@ -51,6 +55,7 @@ class StreamConfig:
     subblock: int = 32
     max_answer_tokens: int = 0
     decoding: Any = dataclasses.field(default_factory=_default_decoding)
+    recall: Recall | None = None
 
     def __post_init__(self):
         check_policy(self.policy)
@@ -69,6 +74,12 @@ class StreamConfig:
                 or self.max_answer_tokens < 0):
             raise ValueError(f"max_answer_tokens must be an int >= 0, got {self.max_answer_tokens!r}")
         check_decoding(self.decoding)
+        if self.recall is not None:
+            if not isinstance(self.recall, Recall):
+                raise TypeError(f"recall must be an omnijax.retention.recall.Recall or None, got "
+                                f"{type(self.recall).__name__}: {self.recall!r}")
+            if self.num_pages is not None:
+                self.recall.check_pool(self.num_pages * self.page_size)
 
     def replace(self, **changes: Any) -> "StreamConfig":
         """A copy with `changes` applied (validated like a new config)."""

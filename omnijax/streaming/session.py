@@ -25,6 +25,7 @@ from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel, family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
+from omnijax.streaming.recall_session import RecallReport, RecallStats, new_recall_session
 from omnijax.streaming.step import (
     ChunkOutput,
     StreamResult,
@@ -52,11 +53,17 @@ def graphdef_config(model: StreamModel) -> DecoderConfig:
     return decoder.config
 
 
-def bind_config(model: StreamModel, config: StreamConfig | None = None, **fields: Any) -> StreamConfig:
+def bind_config(model: StreamModel, config: StreamConfig | None = None, *, allow_recall: bool = False,
+                **fields: Any) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
-    filled in from the model's type (`StreamConfig.for_model`)."""
+    filled in from the model's type (`StreamConfig.for_model`). A config with `recall` is refused unless
+    `allow_recall` (only `Session` carries a host tier so far; the other paths would ignore it)."""
     family = family_of(model)
-    return StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
+    bound = StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
+    if bound.recall is not None and not allow_recall:
+        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session only so far: stream, Chat, evaluate "
+                         "and the engine would ignore it; use a Session, or recall=None")
+    return bound
 
 
 _STATIC = ("graphdef", "config")
@@ -151,12 +158,16 @@ class Session:
 
     def __init__(self, model: StreamModel, config: StreamConfig | None = None, *, batch: int = 1,
                  state: StreamState | None = None, **fields: Any):
-        self.stream_config = bind_config(model, config, **fields)
+        self.stream_config = bind_config(model, config, allow_recall=True, **fields)
         self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
         if state is not None:
             check_state(state, self.config)
         num_pages = self.stream_config.num_pages or DEFAULT_SESSION_PAGES
+        # The step runs without the recall setting (the same compiled program); recall is host-side around it.
+        self._step_config = self.stream_config.replace(recall=None)
+        self._recall = None if self.stream_config.recall is None else new_recall_session(
+            self.stream_config, self.config, num_pages=num_pages, batch=batch)
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
             seed=seed_of(self.stream_config.decoding))
@@ -185,17 +196,46 @@ class Session:
         Warns:
             RuntimeWarning: the first time a finished step is found to have dropped tokens (see the class).
         """
-        config = self.stream_config if decoding is None else self.stream_config.replace(decoding=decoding)
+        config = self._step_config if decoding is None else self._step_config.replace(decoding=decoding)
+        chunk = self._checked(chunk, config)
+        self._read_flags(wait=False)
+        recall = self._recall
+        if recall is not None and not recall.pending and recall.tier.units and np.asarray(chunk.answer_tokens).any():
+            self.state, _ = recall.recall(self.state, self._graphdef, self._params, chunk)
+        before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
+        if recall is not None:
+            if np.asarray(out.stats.evicted).any():
+                recall.capture(before, self.state.kv)
+            self.state = recall.release(self.state)
+        if self._unread is not None:
+            self._unread.append((out.stats.layout.exhausted, out.stats.layout.dropped))
+        return out
+
+    def _checked(self, chunk: Chunk, config: StreamConfig) -> Chunk:
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
                             stacked=False, decoding=config.decoding)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
-        chunk = jax.tree.map(jnp.asarray, chunk)
-        self._read_flags(wait=False)
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
-        if self._unread is not None:
-            self._unread.append((out.stats.layout.exhausted, out.stats.layout.dropped))
-        return out
+        return jax.tree.map(jnp.asarray, chunk)
+
+    def recall(self, chunk: Chunk, *, scores: np.ndarray | None = None) -> RecallReport:
+        """Brings stored units back for the question `chunk` before it is fed (`StreamConfig(recall=...)`;
+        `omnijax.streaming.recall_session`). `feed` does this by itself for a chunk asking for an answer; call it
+        to recall ahead, or with `scores` (`[U]`, one per stored unit, highest first) to force the ranking. The
+        recalled units are released after the next `feed`.
+        """
+        if self._recall is None:
+            raise ValueError("recall is off for this session: give StreamConfig(recall=Recall(...))")
+        chunk = self._checked(chunk, self._step_config)
+        self.state, report = self._recall.recall(self.state, self._graphdef, self._params, chunk, scores)
+        return report
+
+    def recall_stats(self) -> RecallStats:
+        """Stored / dropped / recalled units and bytes so far (`StreamConfig(recall=...)` only)."""
+        if self._recall is None:
+            raise ValueError("recall is off for this session: give StreamConfig(recall=Recall(...))")
+        return self._recall.stats()
 
     def check_pool(self) -> bool:
         """Waits for the steps fed so far and warns (once per session) if the pool has dropped tokens.

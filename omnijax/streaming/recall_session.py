@@ -1,0 +1,273 @@
+"""What `omnijax.Session` does with `StreamConfig(recall=Recall(...))` (issue 40): capture what retention evicts into
+a host tier, and bring the relevant units back when a question comes.
+
+Capture. The compiled step stays the one `chunk_step` every path runs (compiled with `recall=None`, so the same
+program as without recall). Before each step the session copies the cache (the step's input is donated and updated
+in place); after it, `omnijax.kv.host_tier.capture_evicted` compares the two by write order and stores every evicted
+token, exactly as it was cached, in the tier (one `UnitKV` record per unit, or per piece of a unit a policy evicted
+in several steps). The copy is one device copy of the cache per chunk; a step that evicted nothing is not read back.
+
+Question time. A chunk that asks for an answer (`answer_tokens > 0`) is a question: before its step, the question's
+queries are computed against the current cache (a forward of the chunk through a throwaway copy of the cache, the
+queries of every layer averaged over its tokens), the stored units are scored
+(`omnijax.kv.host_tier.score_units`), the best ones within `Recall.budget` cells and `Recall.top_units` units are
+selected and written back as cache pages (`omnijax.retention.recall.recall_into`), and the step answers over them.
+`Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
+
+Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
+free, so its units come back there with their keys as stored: a question that recalls everything attends over
+exactly the keys and values a full-context (`NoSlide`) cache holds, when no token was written after an eviction. A
+re-indexing policy (StreamingLLM, OmniPick, UnitFIFO, ...) has since shifted the survivors into those positions;
+its units come back after the cursor, keys re-rotated, so the question sees them closer than in a full context and
+its logits differ.
+
+After the answer (`Recall.keep=False`) the recalled tokens still cached are invalidated (the policy's own re-indexing
+and the paging mode's relayout apply, as after a trim) and their records stay in the tier; with `keep=True` they stay
+cached as ordinary content and leave the tier (a later eviction stores them again). Batch 1 only so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omnijax import paging as paging_lib
+from omnijax.chunks.chunk import Chunk
+from omnijax.kv import attention as attention_lib
+from omnijax.kv import host_tier
+from omnijax.kv import paged as paged_lib
+from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
+from omnijax.retention import base as retention_base
+from omnijax.retention.recall import Recall, recall_into
+from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.step import StreamState
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallReport:
+    """One question's recall.
+
+    Attributes:
+        scores: `[U]` float32 scores of the stored units (forced or computed).
+        units: unit ids recalled, in the order they were laid.
+        indices: their indices in the tier, ascending.
+        cells: cache cells recalled.
+        budget: the cell budget used: `Recall.budget`, less where the pool had less room left for the units and
+            the question with its answer.
+        forced: whether the scores were given rather than computed.
+    """
+
+    scores: np.ndarray
+    units: tuple[int, ...]
+    indices: tuple[int, ...]
+    cells: int
+    budget: int
+    forced: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallStats:
+    """A session's recall figures.
+
+    Attributes:
+        stored_units, stored_bytes: records held by the tier now, and their host bytes.
+        captured_units, captured_bytes: records ever stored.
+        dropped_units, dropped_bytes: records the host budget forced out (oldest first).
+        lost_cells: evicted tokens no copy held any more (`omnijax.kv.host_tier.Evicted.lost`).
+        questions: recalls run.
+        recalled_units, recalled_cells, recalled_bytes: brought back into the cache, all questions together.
+    """
+
+    stored_units: int
+    stored_bytes: int
+    captured_units: int
+    captured_bytes: int
+    dropped_units: int
+    dropped_bytes: int
+    lost_cells: int
+    questions: int
+    recalled_units: int
+    recalled_cells: int
+    recalled_bytes: int
+
+
+def _mean_queries(q: jax.Array, valid: jax.Array) -> jax.Array:
+    """`[H, d]` float32: the queries `[1, T, H, d]` averaged over the valid tokens of row 0."""
+    w = valid[0].astype(jnp.float32)
+    return jnp.einsum("thd,t->hd", q[0].astype(jnp.float32), w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, chunk: Chunk, *,
+                     impl: str) -> jax.Array:
+    """`[L, H, d]` float32: the rotated queries of every layer for a batch-1 chunk fed at `next_pos`, averaged over
+    its valid tokens. The chunk runs through every layer as the step would write it (attending over the cache and
+    itself), on a copy of the cache that is thrown away."""
+    model = nnx.merge(graphdef, params)
+    c = model.config
+    x = model.embed_tokens(chunk.token_ids)
+    if chunk.embeds is not None:
+        x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
+    positions = chunk.positions + next_pos[None, :, None]
+    meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
+    kv, slots, q_order = paged_lib.reserve(kv, chunk.valid, meta)
+    view = attention_lib.index_pages(attention_lib.CacheView.of(kv, slots, q_order))
+    rot = chunk_rotation(c, positions)
+    xs, ffn_of = layer_scan_inputs(c, model.layers.stacked())
+    deepstack = chunk.deepstack
+
+    def layer(carry, p):
+        h, k_pages, v_pages, i = carry
+        q, k, v = layer_qkv(c, p, h, rot)
+        k_pages = paged_lib.write_layer(k_pages, view.write_slots, k, layer=i)
+        v_pages = paged_lib.write_layer(v_pages, view.write_slots, v, layer=i)
+        h = layer_finish(c, p, h, attention_lib.attend(q, k_pages, v_pages, view, impl=impl, layer=i), ffn_of(p))
+        if deepstack is not None:
+            level = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, deepstack.shape[0] - 1), keepdims=False)
+            h = jnp.where(i < deepstack.shape[0], h + level.astype(h.dtype), h)
+        return (h, k_pages, v_pages, i + 1), _mean_queries(q, chunk.valid)
+
+    carry = (x.astype(c.jnp_dtype), kv.k, kv.v, jnp.int32(0))
+    return jax.lax.scan(layer, carry, xs)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("reindex", "rope", "paging", "subblock"), donate_argnames=("kv",))
+def _release(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi: jax.Array, *, reindex: bool,
+             rope: tuple, paging: Any, subblock: int) -> tuple[paged_lib.PagedKV, jax.Array]:
+    """Invalidates the live tokens with write orders in `[lo, hi)`, as a trim would (re-indexing, relayout)."""
+    view = retention_base.sequence_view(kv)
+    keep = view.live & ~((view.order >= lo) & (view.order < hi))
+    kv, next_pos, evicted = retention_base.apply(kv, keep, next_pos, reindex=reindex, rope=rope, view=view)
+    kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
+    return kv, next_pos
+
+
+def room(kv: paged_lib.PagedKV) -> int:
+    """Cells a batch-1 cache can still take: open slots of its held pages and the fresh pages its table can list
+    (as `omnijax.kv.paged.reserve` finds them)."""
+    m = jax.device_get({"table": kv.page_table[0], "valid": kv.valid, "seq_slots": kv.seq_slots[0],
+                        "free": kv.num_free})
+    P, M = kv.page_size, kv.max_pages
+    held = -(-int(m["seq_slots"]) // P)
+    pages = m["table"][:held]
+    open_slots = int((~m["valid"][pages[pages >= 0]]).sum())
+    return open_slots + min(int(m["free"]), M - held) * P
+
+
+class RecallSession:
+    """The recall side of a batch-1 `Session` (module docstring): the host tier, the pending release, the figures.
+
+    Args:
+        config: the session's settings (`config.recall` set).
+        rope: `(theta, mrope_section, interleaved)` of the model.
+    """
+
+    def __init__(self, config: StreamConfig, rope: tuple[Any, Any, bool]):
+        if config.recall is None:
+            raise ValueError("RecallSession needs StreamConfig(recall=Recall(...))")
+        self.recall_config: Recall = config.recall
+        self.policy, self.paging, self.subblock = config.policy, config.paging, config.subblock
+        self.impl = config.impl
+        self.rope = rope
+        self.at_original = not bool(getattr(config.policy, "reindex", True))
+        self.tier = host_tier.HostTier(budget_bytes=int(self.recall_config.host_bytes))
+        self._pending: tuple[int, int] | None = None  # write orders [lo, hi) of recalled tokens awaiting release
+        self._counts = dict(captured_units=0, captured_bytes=0, lost_cells=0, questions=0, recalled_units=0,
+                            recalled_cells=0, recalled_bytes=0)
+        self.last: RecallReport | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether recalled tokens await their question's step."""
+        return self._pending is not None
+
+    def stats(self) -> RecallStats:
+        """The figures so far."""
+        return RecallStats(stored_units=len(self.tier.units), stored_bytes=self.tier.nbytes,
+                           dropped_units=self.tier.dropped_units, dropped_bytes=self.tier.dropped_bytes,
+                           **self._counts)
+
+    def capture(self, before: paged_lib.PagedKV, after: paged_lib.PagedKV) -> None:
+        """Stores what the step from `before` (a copy) to `after` evicted (recalled tokens awaiting release, which
+        the tier still holds, are left out)."""
+        skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
+        got = host_tier.capture_evicted(before, after, skip=skip)
+        self._counts["lost_cells"] += len(got.lost)
+        fits = [u for u in got.units if u.nbytes <= self.tier.budget_bytes]
+        for u in got.units:  # a record larger than the whole host budget cannot be stored: reported as dropped
+            if u.nbytes > self.tier.budget_bytes:
+                self.tier = dataclasses.replace(self.tier, dropped_units=self.tier.dropped_units + 1,
+                                                dropped_bytes=self.tier.dropped_bytes + u.nbytes)
+        if fits:
+            self.tier, report = self.tier.add(*fits)
+            self._counts["captured_units"] += len(fits)
+            self._counts["captured_bytes"] += sum(u.nbytes for u in fits)
+            del report  # its drops are in the tier's running totals
+
+    def recall(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk,
+               scores: np.ndarray | None = None) -> tuple[StreamState, RecallReport]:
+        """Scores the stored units against `chunk` (or takes `scores [U]`), selects within the budgets and writes
+        the chosen units into the cache. Returns the new state and the report."""
+        if self._pending is not None:
+            raise ValueError("a recall is already waiting for its question: feed the question first")
+        U = len(self.tier.units)
+        forced = scores is not None
+        if forced:
+            scores = np.asarray(scores, np.float32)
+            if scores.shape != (U,) or not np.all(np.isfinite(scores)):
+                raise ValueError(f"scores must be {U} finite numbers, one per stored unit (session.recall_stats()"
+                                 f".stored_units), got shape {scores.shape}")
+        elif U:
+            query = question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl)
+            scores = host_tier.score_units(self.tier, np.asarray(query))
+        else:
+            scores = np.zeros((0,), np.float32)
+        need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))
+        budget = max(0, min(self.recall_config.budget, room(state.kv) - need))
+        chosen = host_tier.select_units(scores, self.tier.sizes, budget, self.recall_config.top_units)
+        units = tuple(self.tier.units[i] for i in chosen)
+        kv, next_pos = state.kv, state.next_pos
+        if units:
+            lo = int(kv.next_order[0])
+            theta, section, interleaved = self.rope
+            kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
+                                       at_original=self.at_original)
+            self._pending = (lo, lo + sum(u.size for u in units))
+            if self.recall_config.keep:
+                self.tier, _ = self.tier.take(chosen)
+        cells = sum(u.size for u in units)
+        self._counts["questions"] += 1
+        self._counts["recalled_units"] += len(units)
+        self._counts["recalled_cells"] += cells
+        self._counts["recalled_bytes"] += sum(u.nbytes for u in units)
+        self.last = RecallReport(scores=scores, units=tuple(u.unit for u in units),
+                                 indices=tuple(int(i) for i in chosen), cells=cells, budget=budget, forced=forced)
+        return dataclasses.replace(state, kv=kv, next_pos=next_pos), self.last
+
+    def release(self, state: StreamState) -> StreamState:
+        """After the question's step: invalidates the recalled tokens still cached (`keep=False`), or lets them stay
+        (`keep=True`). Either way the recall is over."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.recall_config.keep:
+            return state
+        theta, section, _ = self.rope
+        kv, next_pos = _release(state.kv, state.next_pos, jnp.int32(pending[0]), jnp.int32(pending[1]),
+                                reindex=not self.at_original, rope=(theta, section), paging=self.paging,
+                                subblock=self.subblock)
+        return dataclasses.replace(state, kv=kv, next_pos=next_pos)
+
+
+def new_recall_session(config: StreamConfig, model_config: Any, *, num_pages: int, batch: int) -> RecallSession:
+    """The `RecallSession` of a `Session` with `config.recall` set, refusing what it does not do yet by name."""
+    if config.recall is None:
+        raise ValueError("new_recall_session needs StreamConfig(recall=Recall(...))")
+    if batch != 1:
+        raise ValueError(f"StreamConfig(recall=...) runs batch-1 sessions only so far, got batch={batch}")
+    config.recall.check_pool(num_pages * config.page_size)
+    return RecallSession(config, (model_config.rope_base, model_config.mrope_section, model_config.mrope_interleaved))

@@ -1,0 +1,226 @@
+"""Recall wired into `Session` (issue 40): what retention evicts is captured exactly (against the full-context cache),
+recalling everything answers like the full context, forced scores restore exactly the chosen units, the release and
+keep settings do what they say, the host budget's drops are reported, bad settings are refused by name, and recall
+off runs the very same program."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.models.config import TINY_OMNI
+from omnijax.retention import SinkWindow, StreamingLLM
+from omnijax.retention.recall import Recall, recall_positions, rerotate
+from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.session import Session, stream
+
+PAGES, PAGE = 16, 8
+# Context chunks (unit 2i each): 48 tokens. SinkWindow(2, 38) first trims in the last context chunk's step, after
+# its prefill: every cached key and value was computed over the whole context, as in the full-context session.
+SIZES = (8, 8, 8, 8, 6, 10)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return omnijax.Decoder(TINY_OMNI)
+
+
+def _context(seed=0):
+    rng = np.random.default_rng(seed)
+    return [text_chunk(rng.integers(3, 290, n), unit=2 * i) for i, n in enumerate(SIZES)]
+
+
+def _question(seed=0, answer=3):
+    return text_chunk(np.random.default_rng(100 + seed).integers(3, 290, 5), unit=100, answer_tokens=answer)
+
+
+def _session(model, policy, recall=None, paging="native"):
+    return Session(model, StreamConfig(policy=policy, paging=paging, num_pages=PAGES, page_size=PAGE,
+                                       max_answer_tokens=4, recall=recall))
+
+
+def _feed_all(session, chunks):
+    return [session.feed(c) for c in chunks]
+
+
+def _by_order(kv):
+    """{write order: (k [L, G, d], v, pos [A], unit, span, offset)} of the live slots of a batch-1 cache."""
+    h = jax.device_get({f: getattr(kv, f) for f in ("k", "v", "pos", "unit", "span", "offset", "order", "valid")})
+    out = {}
+    for p, s in zip(*np.nonzero(h["valid"])):
+        out[int(h["order"][p, s])] = (h["k"][:, p, s], h["v"][:, p, s], h["pos"][:, p, s], int(h["unit"][p, s]),
+                                      int(h["span"][p, s]), int(h["offset"][p, s]))
+    return out
+
+
+@pytest.mark.parametrize("paging", ["native", "eager"])
+def test_captured_units_hold_exactly_what_each_step_cached(model, paging):
+    # Oracle: before each step of the same session without recall, a full-context session continues from a copy of
+    # its state and takes the chunk: it holds every token as the step computed it, before the step's trim.
+    plain, held = _session(model, SinkWindow(sink=2, window=6), paging=paging), {}
+    for chunk in _context():
+        shadow = Session(model, StreamConfig(num_pages=PAGES, page_size=PAGE, max_answer_tokens=4),
+                         state=plain.state)
+        shadow.feed(chunk)
+        held.update(_by_order(shadow.state.kv))
+        plain.feed(chunk)
+    bounded = _session(model, SinkWindow(sink=2, window=6), Recall(budget=64), paging=paging)
+    _feed_all(bounded, _context())  # trims in most steps; the last chunk (10) loses its own first 4 tokens
+    kept = set(_by_order(bounded.state.kv))
+    stats = bounded.recall_stats()
+    assert stats.lost_cells == 0 and stats.dropped_units == 0
+    stored = [(u, o) for u in bounded._recall.tier.units for o in range(u.size)]
+    orders = sorted(int(u.order[o]) for u, o in stored)
+    assert orders == sorted(set(held) - kept) and len(kept) == 8  # every evicted token, once
+    assert any(int(u.order[0]) >= 38 for u in bounded._recall.tier.units)  # tokens evicted by their own step
+    for u, o in stored:
+        k, v, pos, unit, span, offset = held[int(u.order[o])]
+        np.testing.assert_array_equal(u.k[:, :, o], k)
+        np.testing.assert_array_equal(u.v[:, :, o], v)
+        np.testing.assert_array_equal(u.pos[:, o], pos)
+        assert (u.unit, int(u.span[o]), int(u.offset[o])) == (unit, span, offset)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("paging", ["native", "tile_skip"])
+def test_recalling_everything_answers_like_the_full_context(model, keep, paging):
+    full = _session(model, omnijax.NoSlide())
+    want = _feed_all(full, _context() + [_question()])[-1]
+    bounded = _session(model, SinkWindow(sink=2, window=38), paging=paging)
+    without = _feed_all(bounded, _context() + [_question()])[-1]
+    recalled = _session(model, SinkWindow(sink=2, window=38), Recall(budget=64, keep=keep), paging=paging)
+    _feed_all(recalled, _context())
+    evicted = 48 - 40
+    stored = recalled.recall_stats()
+    assert stored.stored_units == 2 and sum(u.size for u in recalled._recall.tier.units) == evicted
+    got = recalled.feed(_question())  # a chunk asking for an answer recalls by itself
+    report = recalled._recall.last
+    assert report.cells == evicted and not report.forced and report.units == (0, 2)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
+    assert np.abs(np.asarray(without.logits) - np.asarray(want.logits)).max() > 1e-3  # the check can fail
+    assert int(np.argmax(got.logits)) == int(want.tokens[0, 0])
+    stats = recalled.recall_stats()
+    assert stats.questions == 1 and stats.recalled_cells == evicted
+    live = _by_order(recalled.state.kv)
+    recall_orders = range(48, 48 + evicted)  # written after the context, before the question
+    if keep:  # still cached (the answer's trim kept the newest 38, recalled tokens among them), out of the tier
+        assert all(o in live for o in recall_orders)
+        assert not {int(o) for u in recalled._recall.tier.units for o in u.order} & set(range(2, 2 + evicted))
+    else:  # released: no recalled token left, their records still stored
+        assert not any(o in live for o in recall_orders)
+        assert [u.unit for u in recalled._recall.tier.units][:2] == [0, 2]
+
+
+@pytest.mark.parametrize("policy", [SinkWindow(sink=2, window=12), StreamingLLM(sink_tokens=2, window=12,
+                                                                                high_watermark=16)])
+def test_forced_scores_restore_exactly_the_chosen_units(model, policy):
+    session = _session(model, policy, Recall(budget=64, top_units=2))
+    _feed_all(session, _context())
+    tier = session._recall.tier
+    U = len(tier.units)
+    assert U >= 4
+    chosen = [1, U - 2]
+    scores = np.zeros(U, np.float32)
+    scores[chosen] = [5.0, 7.0]
+    before = _by_order(session.state.kv)
+    cursor = int(session.state.next_pos[0])
+    report = session.recall(_question(), scores=scores)
+    assert report.forced and report.indices == tuple(chosen)
+    after = _by_order(session.state.kv)
+    assert {o: after[o] for o in before}.keys() == before.keys()
+    new = {o: after[o] for o in after if o not in before}
+    records = [tier.units[i] for i in chosen]
+    assert len(new) == sum(u.size for u in records)
+    if policy.reindex:  # laid after the cursor, keys re-rotated
+        positions, end = recall_positions(records, cursor)
+        assert int(session.state.next_pos[0]) == end
+    else:  # back at their own positions, keys as stored
+        positions = [u.pos for u in records]
+        assert int(session.state.next_pos[0]) == cursor
+    got = sorted(new.items())  # write order = the records laid one after the other, tokens in write order
+    i = 0
+    for u, pos in zip(records, positions):
+        keys = np.asarray(rerotate(u.k, u.pos, pos, theta=TINY_OMNI.rope_base, mrope_section=TINY_OMNI.mrope_section))
+        for o in range(u.size):
+            k, v, p, unit, span, offset = got[i][1]
+            np.testing.assert_array_equal(p, pos[:, o])
+            np.testing.assert_array_equal(v, u.v[:, :, o])
+            np.testing.assert_allclose(k, keys[:, :, o], atol=1e-6)
+            if not policy.reindex:
+                np.testing.assert_array_equal(k, u.k[:, :, o])
+            assert (unit, span, offset) == (u.unit, int(u.span[o]), int(u.offset[o]))
+            i += 1
+    session.feed(_question())  # answers over them, then releases them
+    assert not set(new) & set(_by_order(session.state.kv))
+    assert session.recall_stats().questions == 1  # the feed did not recall a second time
+
+
+def test_host_budget_drops_oldest_units_and_reports_them(model):
+    probe = _session(model, SinkWindow(sink=2, window=12), Recall(budget=64))
+    _feed_all(probe, _context())
+    sizes = [u.nbytes for u in probe._recall.tier.units]
+    budget = sum(sizes[-2:])
+    session = _session(model, SinkWindow(sink=2, window=12), Recall(budget=64, host_bytes=budget))
+    _feed_all(session, _context())
+    stats = session.recall_stats()
+    assert stats.stored_bytes <= budget and stats.dropped_units > 0
+    assert stats.captured_units == stats.stored_units + stats.dropped_units
+    assert stats.captured_bytes == stats.stored_bytes + stats.dropped_bytes
+    assert [u.unit for u in session._recall.tier.units] == [u.unit for u in probe._recall.tier.units][-len(
+        session._recall.tier.units):]
+
+
+def test_recall_off_runs_the_same_program_bit_for_bit(model):
+    assert StreamConfig().recall is None and StreamConfig() == StreamConfig(recall=None)
+    assert hash(StreamConfig()) == hash(StreamConfig(recall=None))
+    chunks = _context() + [_question()]
+    off = _feed_all(_session(model, SinkWindow(sink=2, window=12)), chunks)
+    # Recall on, but nothing fits its budget: capture runs around every step and changes nothing.
+    on_session = _session(model, SinkWindow(sink=2, window=12), Recall(budget=1))
+    on = _feed_all(on_session, chunks)
+    assert on_session._recall.last.units == () and on_session.recall_stats().stored_units > 0
+    for a, b in zip(off, on):
+        np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    ref = stream(model, stack_chunks(chunks), StreamConfig(policy=SinkWindow(sink=2, window=12), num_pages=PAGES,
+                                                           page_size=PAGE, max_answer_tokens=4))
+    np.testing.assert_array_equal(np.asarray(ref.logits[-1]), np.asarray(off[-1].logits))
+
+
+def test_bad_recall_settings_are_refused_by_name(model):
+    with pytest.raises(ValueError, match="host_bytes must be a positive int.*zero bytes"):
+        Recall(budget=8, host_bytes=0)
+    for name in ("budget", "top_units"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            Recall(**{"budget": 8, name: 0})
+    with pytest.raises(ValueError, match="keep must be a bool"):
+        Recall(budget=8, keep=1)
+    with pytest.raises(ValueError, match=r"budget \(17 cells\) is larger than the KV pool \(16 cells"):
+        StreamConfig(num_pages=2, page_size=8, recall=Recall(budget=17))
+    with pytest.raises(ValueError, match="larger than the KV pool"):  # the Session's default pool
+        Session(model, StreamConfig(page_size=8, recall=Recall(budget=64 * 8 + 1)))
+    with pytest.raises(TypeError, match="recall must be an omnijax.retention.recall.Recall"):
+        StreamConfig(recall=64)
+    config = StreamConfig(policy=SinkWindow(sink=2, window=12), num_pages=PAGES, page_size=PAGE,
+                          recall=Recall(budget=8))
+    with pytest.raises(ValueError, match="batch-1 sessions only"):
+        Session(model, config, batch=2)
+    with pytest.raises(ValueError, match="wired into omnijax.Session only"):
+        stream(model, stack_chunks(_context()), config)
+    with pytest.raises(ValueError, match="recall is off"):
+        _session(model, SinkWindow(sink=2, window=12)).recall(_question())
+    session = _session(model, SinkWindow(sink=2, window=12), Recall(budget=64))
+    _feed_all(session, _context())
+    U = session.recall_stats().stored_units
+    state = jax.tree.map(np.asarray, session.state)
+    for bad in (np.zeros(U + 1), np.full(U, np.nan)):
+        with pytest.raises(ValueError, match=f"scores must be {U} finite numbers"):
+            session.recall(_question(), scores=bad)
+    jax.tree.map(np.testing.assert_array_equal, state, jax.tree.map(np.asarray, session.state))  # nothing changed
+    session.recall(_question(), scores=np.arange(U))
+    with pytest.raises(ValueError, match="already waiting for its question"):
+        session.recall(_question())
+    assert dataclasses.asdict(session.recall_stats())["questions"] == 1
