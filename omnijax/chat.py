@@ -27,6 +27,18 @@ whole UTF-8 characters. A later block continues from the logits after the previo
 no token, `StreamState.last_logits`), so a long answer is the same as one decoded in one block. The repetition
 penalty of `Sampling` sees the tokens of the current block only.
 
+Spoken answers: `ask(text, speak=True)` (or `speak=SpeakOptions(voice="Chelsie")`) on a checkpoint with speech
+output (`model.speech`: Qwen3-Omni converted from its full release) yields the text deltas as above, then the answer
+spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speech.sample_rate`, 24 kHz): the talker
+runs over the whole answer once its text is decoded (it reads the thinker's text rows of the prompt and of the
+answer), then the vocoder (Code2Wav) decodes the codec frames in chunks (`first_chunk` frames, then `chunk`), each
+chunk yielded as soon as it is decoded. The talker's prompt is the text the session was fed (every turn's template
+rendering, earlier answers included; the talker reads the user turns and this answer); the answer spoken is the
+decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`. A conversation with
+media units cannot be spoken yet (the talker reads the thinker's hidden states at media placeholders, which the
+session does not keep), nor a checkpoint without speech output, nor an unknown voice: each is refused at `ask`,
+before anything is fed.
+
 A call refused for bad input (an unknown role, media the checkpoint has no encoder for, a bad video file, a
 template that cannot be followed) raises before anything is fed: the session is unchanged.
 """
@@ -39,7 +51,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +68,46 @@ from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, bind_config
 
 DEFAULT_ANSWER_BLOCK = 16
+MEDIA_KINDS = ("image", "audio", "av")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeakOptions:
+    """How `Chat.ask(..., speak=...)` speaks an answer.
+
+    Attributes:
+        voice: one of the checkpoint's voices (`model.speech.voices`, matched case-insensitively); "Ethan" is the
+            Qwen3-Omni reference's default speaker.
+        max_speech_tokens: the talker's tokens at most (one per 80 ms codec frame; the reference's
+            `talker_max_new_tokens`, 4,096 by default). A talker that has not ended the speech by then is cut there.
+        first_chunk: codec frames of the vocoder's first call (a small one gets the first audio out sooner).
+        chunk: codec frames of each later call.
+    """
+
+    voice: str = "Ethan"
+    max_speech_tokens: int = 4096
+    first_chunk: int = 4
+    chunk: int = 25
+
+    def __post_init__(self):
+        if not isinstance(self.voice, str) or not self.voice:
+            raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
+        for name in ("max_speech_tokens", "first_chunk", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpokenAnswer:
+    """What `ask(..., speak=...)` spoke: the thinker-vocabulary ids of the talker's prompt (the text fed before
+    the answer, ending with the generation prompt) and of the answer spoken, the voice, and the PCM samples
+    yielded."""
+
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+    voice: str
+    samples: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +180,8 @@ class Chat:
         self.steps: list[StepRecord] = []
         self._pending = None  # the iterator of an answer being streamed
         self._eos = tuple(model.config.eos_token_ids)
+        self.text_ids: list[int] = []  # the thinker ids of every text chunk fed and every answer, in order
+        self.last_spoken: SpokenAnswer | None = None
 
     @property
     def messages(self) -> list[dict]:
@@ -152,8 +206,17 @@ class Chat:
         Conversation.check_message(message)
         self._turn(message["role"], message["content"])
 
-    def ask(self, text: str, *, max_tokens: int = 128, decoding: DecodingStrategy | None = None) -> Iterator[str]:
-        """Adds a user message and streams the answer's text.
+    @overload
+    def ask(self, text: str, *, max_tokens: int = 128, decoding: DecodingStrategy | None = None,
+            speak: Literal[False] = False) -> Iterator[str]: ...
+
+    @overload
+    def ask(self, text: str, *, max_tokens: int = 128, decoding: DecodingStrategy | None = None,
+            speak: bool | SpeakOptions) -> Iterator[str | np.ndarray]: ...
+
+    def ask(self, text: str, *, max_tokens: int = 128, decoding: DecodingStrategy | None = None,
+            speak: bool | SpeakOptions = False) -> Iterator[str] | Iterator[str | np.ndarray]:
+        """Adds a user message and streams the answer's text (and, with `speak`, the answer spoken).
 
         Everything is checked before this returns; the answer is decoded as the iterator is consumed, and stays in
         the context as an assistant turn (a partly consumed answer stays as far as it was decoded).
@@ -163,19 +226,50 @@ class Chat:
             max_tokens: most tokens of the answer (its end-of-turn token included).
             decoding: a strategy for this answer (`omnijax.decoding.Greedy()`, `Sampling(...)`); default the
                 config's. A strategy with a seed draws from keys seeded anew by it, so an answer reproduces.
+            speak: True (default `SpeakOptions`) or `SpeakOptions`: after the text, yield the answer spoken as
+                float32 PCM chunks at `model.speech.sample_rate` (see the module's docstring).
 
         Returns:
-            An iterator of text deltas (whole UTF-8 characters).
+            An iterator of text deltas (`str`, whole UTF-8 characters), then with `speak` the PCM chunks
+            (`np.ndarray`, float32 `[samples]`).
+
+        Raises:
+            ValueError: a bad argument; with `speak`, a checkpoint without speech output, a voice it does not have,
+                or a conversation holding media units (each before anything is fed).
         """
         self._idle()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        options = self.check_speak(speak)
         config = self.config if decoding is None else self.config.replace(decoding=decoding)  # validates it
         prepared = self.conversation.prepare_ask(text, min(config.max_answer_tokens, max_tokens))
-        self._pending = self._answer(prepared, config, max_tokens, reseed=decoding is not None)
+        self._pending = self._answer(prepared, config, max_tokens, reseed=decoding is not None, speak=options)
         return self._pending
 
-    def _answer(self, prepared, config, max_tokens, reseed):
+    def check_speak(self, speak: bool | SpeakOptions) -> SpeakOptions | None:
+        """The options `ask(speak=speak)` would speak with (None: not spoken); ValueError naming the problem when
+        this chat cannot speak them now (no speech output, an unknown voice, media units in the conversation)."""
+        if speak is False:
+            return None
+        if not isinstance(speak, (bool, SpeakOptions)):
+            raise ValueError(f"speak must be a bool or a SpeakOptions, got {type(speak).__name__}")
+        options = SpeakOptions() if speak is True else speak
+        speech = self.model.speech
+        if speech is None:
+            raise ValueError(f"speak: {self.model.source or 'this checkpoint'} has no speech output (a talker and a "
+                             "vocoder); convert the model's full release (e.g. Qwen3-Omni's, with its talker.* and "
+                             "code2wav.* tensors) to speak")
+        if options.voice.lower() not in {v.lower() for v in speech.voices}:
+            raise ValueError(f"speak: unknown voice {options.voice!r}: this checkpoint's voices are "
+                             f"{list(speech.voices)}")
+        media = sorted({u.kind for u in self.units if u.kind in MEDIA_KINDS})
+        if media:
+            raise ValueError(f"speak: this conversation holds media units ({', '.join(media)}); spoken answers "
+                             "take text-only conversations for now (the talker reads the thinker's hidden states "
+                             "at media placeholders, which the session does not keep)")
+        return options
+
+    def _answer(self, prepared, config, max_tokens, reseed, speak=None):
         units, block = self.units_builder, config.max_answer_tokens
         stop = tuple(answer_stop_ids(config.decoding, self._eos))
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -187,7 +281,9 @@ class Chat:
                                                          key=sampling_keys(seed_of(config.decoding), 1))
             self._record_unit(prepared.unit, "user", text_label(prepared.message["content"]), chunk)
             self.conversation.record(prepared)
+            self.text_ids += chunk_ids(chunk)
             out = self._feed(chunk, config, "user")
+            prompt_ids = tuple(self.text_ids)
             while True:
                 tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
                 generated += tokens
@@ -201,11 +297,29 @@ class Chat:
             tail = decoder.flush()
             if tail:
                 yield tail
+            if speak is not None:
+                yield from self._spoken(prompt_ids, generated, stop, speak)
         finally:
             if generated:
+                self.text_ids += generated
                 content = self.conversation.answered(generated, stop)
                 self.units.append(UnitRecord(answer_unit, "answer", text_label(content),
                                              {int(SpanKind.RESPONSE): len(generated)}))
+
+    def _spoken(self, prompt_ids: tuple[int, ...], generated: list[int], stop: tuple[int, ...],
+                options: SpeakOptions) -> Iterator[np.ndarray]:
+        """The answer `generated` (without a final stop token) spoken: PCM chunks as the vocoder decodes them."""
+        answer = tuple(generated[:-1] if generated and generated[-1] in stop else generated)
+        samples = 0
+        if answer:
+            speech = self.model.speech
+            assert speech is not None  # checked at ask()
+            for pcm in speech.speak_chunks(self.model, np.asarray(prompt_ids), np.asarray(answer),
+                                           voice=options.voice, max_new_tokens=options.max_speech_tokens,
+                                           first_chunk=options.first_chunk, chunk=options.chunk):
+                samples += int(pcm.shape[0])
+                yield pcm
+        self.last_spoken = SpokenAnswer(prompt_ids, answer, options.voice, samples)
 
     # ------------------------------------------------------------------------------------------------ media units
     def image(self, image: np.ndarray | str | Path) -> None:
@@ -296,6 +410,7 @@ class Chat:
         unit = self.conversation.next_unit
         (chunk,) = self.conversation.message(role, text)  # checks and builds before anything is recorded
         self._record_unit(unit, role, text_label(text), chunk)
+        self.text_ids += chunk_ids(chunk)
         self._feed(chunk, self.config, role)
 
     def _media(self, kind: str, label: str, build) -> None:
@@ -322,6 +437,11 @@ class Chat:
                           f"cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or a bounded "
                           f"policy", RuntimeWarning, stacklevel=3)
         return out
+
+
+def chunk_ids(chunk) -> list[int]:
+    """The token ids of a text chunk's valid positions (batch row 0), in order."""
+    return [int(t) for t in np.asarray(chunk.token_ids)[0][np.asarray(chunk.valid, bool)[0]]]
 
 
 def text_label(text: str, width: int = 32) -> str:
@@ -358,5 +478,5 @@ def clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-__all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "StepRecord", "UnitRecord",
-           "format_kept", "kept_by_kind", "template_delta", "text_label"]
+__all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "SpeakOptions", "SpokenAnswer", "StepRecord",
+           "UnitRecord", "chunk_ids", "format_kept", "kept_by_kind", "template_delta", "text_label"]

@@ -1,6 +1,6 @@
 """`omnijax chat` and `omnijax watch`: a checkpoint in the terminal, and a video streamed into it.
 
-    omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96]
+    omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96] [--speak out.wav --voice Chelsie]
     omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
                   [--plot out.png]
 
@@ -8,20 +8,29 @@
 `/image PATH`, `/audio PATH.wav`, `/video PATH`, `/kept` (what the cache holds), `/quit`. `watch` feeds a video's
 audiovisual units with a progress bar, asks each question at its time (`--at`, default the end), and prints the
 answers and the cache's statistics. `omnijax.cli` dispatches to `main` here.
+
+`chat --speak out.wav` (a checkpoint with speech output: Qwen3-Omni converted from its full release) also speaks each
+answer (`Chat.ask(..., speak=...)`, `--voice`, default Ethan) and writes the whole conversation's speech to one WAV
+file (16-bit mono PCM at the model's rate, 24 kHz), the answers one after the other; the file is rewritten after
+each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown voice is refused
+before the first message is read; a spoken answer after an `/image`, `/audio` or `/video` is refused (the talker
+reads text-only conversations for now) and the conversation stays as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence, TextIO
 
+import numpy as np
 from tqdm import tqdm
 
 from omnijax import compilation_cache, plot
-from omnijax.chat import Chat, clock, format_kept, kept_by_kind
+from omnijax.chat import Chat, SpeakOptions, clock, format_kept, kept_by_kind
 from omnijax.decoding import Greedy, Sampling
-from omnijax.media.audio import read_wav
+from omnijax.media.audio import pcm16, read_wav, wav_bytes
 from omnijax.models.registry import load
 from omnijax.retention import get_policy
 from omnijax.streaming.config import StreamConfig
@@ -72,6 +81,13 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
         parser.add_argument("--silent-video", action="store_true",
                             help="take a video without an audio track (its units carry silence); refused otherwise")
+    else:
+        parser.add_argument("--speak", default=None, metavar="OUT.wav",
+                            help="speak each answer too (a checkpoint with speech output) and write the "
+                                 "conversation's speech to this WAV file")
+        parser.add_argument("--voice", default=None, help="the voice of --speak (default Ethan)")
+        parser.add_argument("--max-speech-tokens", type=int, default=None,
+                            help="the talker's tokens at most per answer, one per 80 ms frame (default 4096)")
     return parser
 
 
@@ -96,19 +112,61 @@ def open_chat(args: argparse.Namespace) -> Chat:
     return chat
 
 
-def _answer(chat, question: str, max_tokens: int, out) -> str:
-    text = []
-    for delta in chat.ask(question, max_tokens=max_tokens):
-        out.write(delta)
-        out.flush()
-        text.append(delta)
+def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
+    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens` (None without `--speak`)."""
+    speak = getattr(args, "speak", None)
+    if speak is None:
+        for flag in ("voice", "max_speech_tokens"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --speak OUT.wav")
+        return None
+    if not str(speak).lower().endswith(".wav"):
+        raise ValueError(f"--speak writes a WAV file: give a path ending in .wav, got {speak!r}")
+    settings = {k: v for k, v in (("voice", args.voice), ("max_speech_tokens", args.max_speech_tokens))
+                if v is not None}
+    return SpeakOptions(**settings)
+
+
+class SpeechFile:
+    """The conversation's speech as one WAV file at `path`, rewritten whole after each answer (`add`)."""
+
+    def __init__(self, path: str | Path, sample_rate: int):
+        self.path, self.sample_rate = Path(path), int(sample_rate)
+        self.samples: list[np.ndarray] = []
+
+    def add(self, chunks: list[np.ndarray]) -> float:
+        """Appends an answer's float PCM chunks, rewrites the file; returns the answer's seconds."""
+        pcm = pcm16(np.concatenate(chunks)) if chunks else np.zeros((0,), "<i2")
+        self.samples.append(pcm)
+        self.path.write_bytes(wav_bytes(np.concatenate(self.samples), self.sample_rate))
+        return pcm.shape[0] / self.sample_rate
+
+
+def _answer(chat, question: str, max_tokens: int, out, speak: SpeakOptions | None = None,
+            speech: SpeechFile | None = None) -> str:
+    text, pcm = [], []
+    for delta in chat.ask(question, max_tokens=max_tokens, speak=speak or False):
+        if isinstance(delta, str):
+            out.write(delta)
+            out.flush()
+            text.append(delta)
+        else:
+            pcm.append(delta)
     out.write("\n")
+    if speech is not None:
+        out.write(f"[spoke {speech.add(pcm):.2f} s -> {speech.path}]\n")
     return "".join(text)
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
     stdin, out = stdin or sys.stdin, out or sys.stdout
+    speak = speak_options(args)  # refuses bad settings before the checkpoint is read
     chat = open_chat(args)
+    speech = None
+    if speak is not None:
+        chat.check_speak(speak)  # a checkpoint without speech output, an unknown voice: before any message
+        assert chat.model.speech is not None
+        speech = SpeechFile(args.speak, chat.model.speech.sample_rate)
     interactive = stdin.isatty()
     if interactive:
         out.write("omnijax chat: one message per line; /image PATH, /audio PATH.wav, /video PATH, /kept, /quit\n")
@@ -140,7 +198,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
             else:
                 if interactive:
                     out.write("model> ")
-                _answer(chat, line, args.max_tokens, out)
+                _answer(chat, line, args.max_tokens, out, speak, speech)
         except (ValueError, ImportError) as e:  # bad input: the conversation is unchanged, keep going
             out.write(f"error: {e}\n")
     return 0

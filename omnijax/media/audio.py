@@ -1,5 +1,5 @@
-"""Audio files and sample rates: `read_wav` (a WAV file -> mono float32 samples) and `resample` (mono PCM to the
-models' 16 kHz).
+"""Audio files and sample rates: `read_wav` (a WAV file -> mono float32 samples), `wav_bytes` / `pcm16` (float
+samples -> a 16-bit WAV file, what spoken answers are written as) and `resample` (mono PCM to the models' 16 kHz).
 
 `read_wav` parses the RIFF/WAVE container itself (Python's `wave` module before 3.12 reads only plain PCM): integer
 PCM of 8 (unsigned), 16, 24 and 32 bits and IEEE float of 32 and 64 bits, in the plain format (tags 1 and 3) and in
@@ -237,4 +237,19 @@ def read_wav(source: str | Path | BinaryIO, *, widths: tuple[int, ...] = (1, 2, 
     return samples.reshape(-1, channels).mean(axis=1, dtype=np.float32), rate
 
 
-__all__ = ["MAX_SAMPLE_RATE", "MIN_SAMPLE_RATE", "check_sample_rate", "read_wav", "resample"]
+def pcm16(pcm: np.ndarray) -> np.ndarray:
+    """Float PCM in [-1, 1] as little-endian int16: times 32767, rounded, clipped to the int16 range."""
+    return np.clip(np.round(np.asarray(pcm, np.float32) * 32767.0), -32768, 32767).astype("<i2")
+
+
+def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
+    """A WAV file (plain PCM, tag 1) of int16 mono `samples` at `sample_rate`."""
+    data = np.asarray(samples, "<i2").tobytes()
+    rate = check_sample_rate(sample_rate)
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    riff = struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data))
+    return b"RIFF" + riff + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack(
+        "<I", len(data)) + data
+
+
+__all__ = ["MAX_SAMPLE_RATE", "MIN_SAMPLE_RATE", "check_sample_rate", "pcm16", "read_wav", "resample", "wav_bytes"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
@@ -26,12 +26,20 @@ from omnijax.models.decoder import Decoder
 @runtime_checkable
 class SpeechOutput(Protocol):
     """A model's speech output parts (e.g. Qwen3-Omni's talker, code predictor and Code2Wav:
-    `omnijax.models.qwen3_omni.speech.Qwen3Speech`): the voices it speaks with and its PCM sample rate."""
+    `omnijax.models.qwen3_omni.speech.Qwen3Speech`): the voices it speaks with, its PCM sample rate, and how it
+    speaks an answer chunk by chunk (`speak_chunks`)."""
 
     sample_rate: int
 
     @property
     def voices(self) -> tuple[str, ...]: ...
+
+    def speak_chunks(self, model: "OmniModel", prompt_ids: Any, answer_ids: Any, *, voice: str,
+                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+        """Speaks `answer_ids` (a thinker's answer to the chat-templated `prompt_ids`) with `voice`: checks the call
+        (raising before anything runs), then yields float32 PCM chunks at `sample_rate` (`max_new_tokens` bounds
+        the speech's codec frames; `first_chunk`, then `chunk` frames a vocoder call)."""
+        ...
 
 
 @runtime_checkable

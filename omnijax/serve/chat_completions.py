@@ -26,12 +26,15 @@ reproduce); with any other strategy they are accepted when they are what it deco
 the field. `user` / `safety_identifier` are written to the server log with the request's session, `metadata` is echoed
 back. Every other field is refused by name unless it has its neutral value (`omnijax.serve.chat_params`: `functions` [],
 `modalities` ["text"], `store` false, ...), and an unknown field is refused as one (with "did you mean"). Every refusal
-(4xx) is logged, rate-limited per reason and client (`omnijax.serve.refusal_log`).
+(4xx) is logged, rate-limited per reason and client (`omnijax.serve.refusal_log`). On a checkpoint with speech output,
+`modalities` ["text", "audio"] with `audio: {voice, format}` speaks the answer (`omnijax.serve.speech_output`): the
+message's `audio` whole, `delta.audio` streamed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import uuid
@@ -49,7 +52,6 @@ from omnijax.serve.chat_request import (
     ChatRequest,
     Part,
     build_prompt,
-    parse_body,
     parse_chat_request,
 )
 from omnijax.serve.engine.admission import Overloaded
@@ -63,6 +65,14 @@ from omnijax.serve.openai_wire import (
     models_list,
     sse,
     usage,
+)
+from omnijax.serve.speech_output import (
+    AudioOutput,
+    audio_message,
+    new_audio_id,
+    parse_with_audio,
+    prompt_ids,
+    speak_pieces,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +108,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                                         f"{context.options.max_message_bytes}", status=413, code="too_large"),
                            request=request)
     try:
-        req = await asyncio.to_thread(parse_body, body, context)
+        req, audio = await asyncio.to_thread(parse_with_audio, body, context)
     except RequestError as e:
         return json_error(e, request=request)
     if req.n > 1 or req.top_logprobs is not None:  # several choices, or log probabilities
@@ -122,6 +132,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         parts, prompt = await asyncio.to_thread(build_prompt, conversation, req, min(context.worker.tau, max_tokens),
                                                 context.options.model_name)
         prompt_tokens = conversation.tokens_fed
+        spoken_prompt = prompt_ids([*parts, *prompt.parts]) if audio is not None else None  # the talker's prompt
         if req.seed is not None:
             await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
         context.worker.feed(sid, parts)
@@ -168,23 +179,46 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             whole.finish()
             content, reason = whole.message_content(), whole.finish_reason(reason)
             tool_calls = [c.openai() for c in whole.calls]
-        return JSONResponse(completion(cid, created, req.model, content, reason, prompt_tokens,
-                                       text_of.completion_tokens(answer), answer.kv_cells,
-                                       req.labels.get("metadata"), tool_calls))
+        spoken = None
+        if audio is not None and spoken_prompt is not None:
+            try:
+                spoken = await audio_message(context, audio, spoken_prompt, _content_tokens(answer), text, created)
+            except ValueError as e:
+                return json_error(RequestError(f"the answer could not be spoken: {e}", status=500,
+                                               code="server_error", kind="server_error"), request=request)
+            content = None  # as OpenAI's API answers with audio: the text is the audio's transcript
+        out = completion(cid, created, req.model, content, reason, prompt_tokens, text_of.completion_tokens(answer),
+                         answer.kv_cells, req.labels.get("metadata"), tool_calls)
+        if spoken is not None:
+            out["choices"][0]["message"]["audio"] = spoken
+        return JSONResponse(out)
+
+    aid = new_audio_id() if audio is not None else None
 
     async def events():
+        released = False
         try:
-            yield sse(completion_chunk(cid, created, req.model, {"role": "assistant", "content": ""},
-                                        metadata=req.labels.get("metadata")))
+            first = {"role": "assistant", "content": "" if audio is None else None}
+            yield sse(completion_chunk(cid, created, req.model, first, metadata=req.labels.get("metadata")))
             async for tokens in answer:
-                for delta in _deltas(calls, text_of.push(tokens)):
+                for delta in _deltas(calls, text_of.push(tokens), audio_id=aid):
                     yield sse(completion_chunk(cid, created, req.model, delta))
                 if text_of.stopped or calls is not None and calls.done:  # the rest of the answer is not wanted
                     context.worker.cancel(sid)
                     break
             await answer.done
-            for delta in _deltas(calls, text_of.flush(), end=True):
+            for delta in _deltas(calls, text_of.flush(), end=True, audio_id=aid):
                 yield sse(completion_chunk(cid, created, req.model, delta))
+            if audio is not None and spoken_prompt is not None and answer.status != "failed":
+                released = True  # the engine session is not needed to speak: let its row go first
+                await session.__aexit__(None, None, None)
+                try:
+                    async for chunk in _spoken_deltas(context, audio, spoken_prompt, _content_tokens(answer), aid,
+                                                      created):
+                        yield sse(completion_chunk(cid, created, req.model, chunk))
+                except ValueError as e:
+                    yield sse(error_body(f"the answer could not be spoken: {e}", kind="server_error"))
+                    return
             if answer.status == "failed":
                 yield sse(error_body(f"the answer failed: {answer.reason}", kind="server_error"))
             else:
@@ -198,17 +232,28 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         finally:
             if answer.status is None:
                 context.worker.abandon(sid)
-            await session.__aexit__(None, None, None)
+            if not released:
+                await session.__aexit__(None, None, None)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _deltas(calls, text: str, end: bool = False) -> list[dict]:
-    """The chunk deltas of the answer's next `text`: its content, or what the tool-call parser `calls` reads from it
-    (at the `end`, what it still held)."""
+def _deltas(calls, text: str, end: bool = False, audio_id: str | None = None) -> list[dict]:
+    """The chunk deltas of the answer's next `text`: its content (the audio's transcript when `audio_id` is given),
+    or what the tool-call parser `calls` reads from it (at the `end`, what it still held)."""
+    if audio_id is not None:
+        return [{"audio": {"id": audio_id, "transcript": text}}] if text else []
     if calls is None:
         return [{"content": text}] if text else []
     return calls.push(text) + (calls.finish() if end else [])
+
+
+async def _spoken_deltas(context, audio: AudioOutput, prompt, answer_ids, audio_id, created):
+    """The streamed audio deltas: `{id, data}` per vocoder chunk (base64 PCM16) as it is decoded, then
+    `{expires_at}`."""
+    async for pcm in speak_pieces(context, audio, prompt, answer_ids):
+        yield {"audio": {"id": audio_id, "data": base64.b64encode(pcm.tobytes()).decode("ascii")}}
+    yield {"audio": {"expires_at": created}}
 
 
 def _content_tokens(answer) -> list[int]:

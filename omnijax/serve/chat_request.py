@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
 __all__ = ["MAX_MESSAGES", "MAX_PARTS", "ROLES", "ChatRequest", "Part", "build_prompt", "check_decoding",
-           "parse_body", "parse_chat_request", "response_grammar"]
+           "parse_body", "parse_chat_request", "parse_payload", "response_grammar"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -264,7 +264,11 @@ def check_decoding(body: dict, decoding: Any) -> None:
 
 def parse_body(body: bytes, context: ServeContext) -> ChatRequest:
     """The request of a body (JSON, media decoded and resampled); `RequestError` naming the field."""
-    payload = json_payload(body)
+    return parse_payload(json_payload(body), context)
+
+
+def parse_payload(payload: Any, context: ServeContext) -> ChatRequest:
+    """`parse_body` of a body already decoded from JSON."""
     req = parse_chat_request(payload, model_name=context.options.model_name,
                              decoding=context.worker.engine.config.stream.decoding,
                              vocab_size=context.worker.engine.model_config.vocab_size,

@@ -71,6 +71,8 @@ class ServeOptions:
             (one full-context forward: `omnijax.serve.prompt_scores`).
         shutdown_timeout_s: on SIGTERM, responses in flight end at once and connections get this long to close
             (snapshots included) before their handlers are cancelled.
+        max_speech_tokens: the talker's tokens at most for one spoken answer (chat completions' audio output, one
+            per 80 ms codec frame for Qwen3-Omni; the reference's `talker_max_new_tokens`).
     """
 
     host: str = "127.0.0.1"
@@ -96,10 +98,11 @@ class ServeOptions:
     max_queued: int = 64
     max_scored_tokens: int = 2048
     shutdown_timeout_s: float = 30.0
+    max_speech_tokens: int = 4096
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
-                     "max_outbox_bytes", "max_scored_tokens"):
+                     "max_outbox_bytes", "max_scored_tokens", "max_speech_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.decode_wait_fraction <= 1:

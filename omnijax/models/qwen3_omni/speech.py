@@ -11,13 +11,15 @@ placeholders; omnijax's thinker does not expose that layer yet, so prompts with 
 Decoding is greedy for the talker and its code predictor (the reference samples both by default: top-k 50 and
 temperature 0.9 for the talker, top-k 50 / top-p 0.8 hard-coded for the predictor, and a repetition penalty of 1.05;
 none of these is implemented here, so `speak` takes no sampling parameters). Code2Wav decodes the codes in one call
-(the reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming).
+(the reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming). `speak_streamed`
+(`Qwen3Speech.speak_chunks`, what `omnijax.Chat` and the server call) runs the same talker over the whole answer,
+then yields Code2Wav's output chunk by chunk as its streamed decode produces it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,14 +27,15 @@ import numpy as np
 
 from omnijax._checks import JsonConfig
 from omnijax.errors import ConfigError, ConvertError, UnsupportedConfigError
+from omnijax.media.audio import pcm16
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
-from omnijax.models.qwen3_omni.code2wav_decode import decode
+from omnijax.models.qwen3_omni.code2wav_decode import decode, decode_streamed
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 
 __all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
-           "has_speech_output", "speak", "speech_configs"]
+           "has_speech_output", "speak", "speak_streamed", "speech_configs"]
 
 SAMPLE_RATE = 24_000  # Code2Wav's output rate (1,920 samples per 80 ms codec frame for the release)
 # transformers' generate suppresses the top 1,024 codec ids (the control ids live there), the end of speech excepted.
@@ -146,6 +149,15 @@ class Qwen3Speech:
         """The speaker names of the checkpoint (as its config spells them; matched case-insensitively)."""
         return tuple(name for name, _ in self.talker.config.speakers)
 
+    def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
+                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+        """`speak_streamed(model, prompt_ids, answer_ids, speaker=voice, ...)` of the model these parts belong to
+        (the `omnijax.models.family.SpeechOutput` method): float32 PCM chunks at `sample_rate`."""
+        if model.speech is not self:
+            raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
+        return speak_streamed(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
+                              first_chunk=first_chunk, chunk=chunk)
+
     def chat_tokens(self, multimodal: tuple[int, ...]) -> talker_forward.ChatTokens:
         t = self.tokens
         return talker_forward.ChatTokens(im_start=t.im_start_token_id, system=t.system_token_id,
@@ -170,8 +182,8 @@ class Utterance:
     sample_rate: int = SAMPLE_RATE
 
     def pcm16(self) -> np.ndarray:
-        """The waveform as int16 PCM (rounded, clipped to the int16 range)."""
-        return np.clip(np.round(self.pcm * 32767.0), -32768, 32767).astype(np.int16)
+        """The waveform as int16 PCM (rounded, clipped to the int16 range: `omnijax.media.audio.pcm16`)."""
+        return pcm16(self.pcm)
 
 
 def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
@@ -182,6 +194,12 @@ def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() >= vocab):
         raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
     return arr.astype(np.int64)
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
@@ -207,6 +225,32 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
         ValueError: ids outside the vocabulary, multimodal placeholders in the prompt, an empty answer, a prompt
             whose last turn is not the assistant's, or a `max_new_tokens` below 1.
     """
+    speech, talker_tokens, codes = _talk(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    pcm = np.asarray(decode(speech.code2wav, codes[None]))[0] if codes.shape[1] else np.zeros((0,), np.float32)
+    return Utterance(pcm=pcm.astype(np.float32), codes=codes, talker_tokens=talker_tokens)
+
+
+def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
+                   max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+    """`speak` with Code2Wav streamed: the talker runs over the whole answer at the call (so every refusal of
+    `speak` is raised here, before the first chunk), then each `next` decodes the next codec frames
+    (`code2wav_decode.Code2WavStream`: `first_chunk` frames, then `chunk` at a time, the decoder's state carried
+    between chunks) and yields their float32 PCM at 24 kHz. The chunks concatenated equal `speak(...).pcm`.
+
+    Raises:
+        As `speak`; ValueError also for a `first_chunk` or `chunk` below 1.
+    """
+    first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
+    speech, _, codes = _talk(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    if not codes.shape[1]:
+        return iter(())
+    return (np.asarray(wav, np.float32)[0]
+            for wav in decode_streamed(speech.code2wav, codes[None], first_chunk=first_chunk, chunk=chunk))
+
+
+def _talk(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int
+          ) -> tuple[Qwen3Speech, np.ndarray, np.ndarray]:
+    """Checks a `speak` call and runs the talker: (the speech parts, talker tokens `[n]`, codes `[Q, frames]`)."""
     speech = model.speech
     if not isinstance(speech, Qwen3Speech):
         raise SpeechUnavailableError(
@@ -251,5 +295,4 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
     pad_row = talker_forward.project_text(config, params, specials)[2]
     talker_tokens, codes = talker_forward.generate_greedy(config, params, talker_rows, positions, trailing, pad_row,
                                                           max_new_tokens=int(max_new_tokens), suppress=suppress)
-    pcm = np.asarray(decode(speech.code2wav, codes[None]))[0] if codes.shape[1] else np.zeros((0,), np.float32)
-    return Utterance(pcm=pcm.astype(np.float32), codes=codes, talker_tokens=talker_tokens)
+    return speech, talker_tokens, codes

@@ -1,0 +1,184 @@
+"""Spoken answers through `Chat.ask(..., speak=...)` and `omnijax chat --speak` on a converted tiny Qwen3-Omni full
+release: the text deltas first, then PCM chunks as Code2Wav's streamed decode yields them, their concatenation equal
+to `speech.speak` on the same prompt and answer ids (itself equal to transformers' `generate(return_audio=True)`,
+tests/models/qwen3_omni/test_speech.py); the talker's prompt equal to transformers' own chat-template rendering; the
+refusals (no talker, unknown voice, media in the conversation, bad options) before anything changes.
+
+The release is `test_talker.seeded_full_model()` with a tiny ChatML tokenizer whose role words and tts tokens are
+single special tokens at the ids the config names (as the release's tokenizer has them), so the talker finds the turns.
+Its random talker never ends the speech, so every answer is cut at `SPEECH_TOKENS` talker tokens.
+"""
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax import commands
+from omnijax.chat import SpeakOptions
+from omnijax.convert import convert_checkpoint
+from omnijax.media.audio import pcm16, read_wav
+from omnijax.models.qwen3_omni import speech as S
+from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+from tests._support import qwen3_omni_models as Q
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
+transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from tests.models.qwen3_omni import test_talker as T  # noqa: E402  (needs torch)
+
+TTS = T.TTS
+SPECIALS = {**Q.SPECIALS, "<|tts_pad|>": TTS["tts_pad_token_id"], "<|tts_bos|>": TTS["tts_bos_token_id"],
+            "<|tts_eos|>": TTS["tts_eos_token_id"], "system": TTS["system_token_id"], "user": TTS["user_token_id"],
+            "assistant": TTS["assistant_token_id"]}
+SPEECH_TOKENS = 12  # talker tokens: 11 codec frames
+FIRST_CHUNK, CHUNK = 4, 5  # vocoder calls of 4, 5 and 2 frames
+SYSTEM, QUESTION, AGAIN = "Be brief.", "Say hello.", "Once more."
+
+
+def spoken_release(root):
+    """`(full, thinker-only)` converted checkpoints of the seeded tiny release, each with the tiny tokenizer (the
+    transformers source directories are `root / "hf"` and `root / "hf_thinker"`)."""
+    full = T.seeded_full_model()
+    full.save_pretrained(root / "hf", safe_serialization=True)
+    full.thinker.save_pretrained(root / "hf_thinker", safe_serialization=True)
+    out = []
+    for name in ("hf", "hf_thinker"):
+        write_tiny_tokenizer(root / name, vocab_size=Q.TEXT["vocab_size"], special_tokens=SPECIALS,
+                             chat_template=CHATML_TEMPLATE)
+        out.append(convert_checkpoint(root / name, root / f"{name}_omnijax", progress=False, log=lambda _: None))
+    return tuple(out)
+
+
+def stream_config():
+    return omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=4)
+
+
+def hf_prompt(source, messages):
+    """transformers' own rendering and tokenization of `messages` with the generation prompt (the oracle of the
+    talker's prompt)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spoken")
+    full, thinker = spoken_release(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return root, omnijax.load(full), omnijax.load(thinker)
+
+
+def split(items):
+    """(text, PCM chunks) of what a spoken `ask` yielded, checking the text comes first."""
+    kinds = [isinstance(i, str) for i in items]
+    assert kinds == sorted(kinds, reverse=True), "text deltas come before the PCM chunks"
+    return "".join(i for i in items if isinstance(i, str)), [i for i in items if not isinstance(i, str)]
+
+
+def test_spoken_answers_stream_the_pcm_speak_gives(release):
+    root, model, _ = release
+    chat = omnijax.Chat(model, stream_config())
+    chat.system(SYSTEM)
+    text, chunks = split(list(chat.ask(QUESTION, max_tokens=6, speak=SpeakOptions(
+        voice="Chelsie", max_speech_tokens=SPEECH_TOKENS, first_chunk=FIRST_CHUNK, chunk=CHUNK))))
+    spoken = chat.last_spoken
+    # the talker's prompt is what transformers renders for the conversation; the answer is what was decoded
+    want_prompt = hf_prompt(root / "hf", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    assert list(spoken.prompt_ids) == list(want_prompt)
+    assert spoken.answer_ids and spoken.answer_ids[-1] not in model.config.eos_token_ids
+    assert model.tokenizer.decode(list(spoken.answer_ids), skip_special_tokens=True) == text
+    assert chat.messages[-1] == {"role": "assistant", "content": text}
+    want = S.speak(model, np.asarray(want_prompt), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=SPEECH_TOKENS)
+    # Code2Wav's streamed decode, chunk by chunk: first_chunk * F - lag samples, then chunk * F, the rest last
+    frames = want.codes.shape[1]
+    assert frames == SPEECH_TOKENS - 1, "the tiny talker ended its speech: the chunk schedule below assumes not"
+    F = model.speech.code2wav.config.samples_per_frame
+    lag = F * FIRST_CHUNK - chunks[0].shape[0]
+    assert 0 <= lag < F
+    assert [c.shape[0] for c in chunks] == [FIRST_CHUNK * F - lag, CHUNK * F, (frames - FIRST_CHUNK - CHUNK) * F]
+    assert all(c.dtype == np.float32 and c.ndim == 1 for c in chunks)
+    pcm = np.concatenate(chunks)
+    peak = np.abs(want.pcm).max()
+    assert peak > 0.05, "the reference waveform is (near) silent: the test would prove nothing"
+    assert pcm.shape == want.pcm.shape and spoken.samples == pcm.shape[0]
+    assert np.abs(pcm - want.pcm).max() <= 1e-5 * peak
+
+    # a second spoken turn: the talker's prompt holds the first turn, the answer as decoded, and the new question
+    again, chunks = split(list(chat.ask(AGAIN, max_tokens=5, speak=SpeakOptions(max_speech_tokens=SPEECH_TOKENS))))
+    second = chat.last_spoken
+    assert second.voice == "Ethan"
+    assert list(second.prompt_ids[:len(want_prompt) + len(spoken.answer_ids)]) == [*want_prompt, *spoken.answer_ids]
+    assert model.tokenizer.decode(list(second.answer_ids), skip_special_tokens=True) == again
+    other = S.speak(model, np.asarray(second.prompt_ids), np.asarray(second.answer_ids), speaker="Ethan",
+                    max_new_tokens=SPEECH_TOKENS)
+    np.testing.assert_allclose(np.concatenate(chunks), other.pcm, rtol=0, atol=1e-5 * np.abs(other.pcm).max())
+
+
+def test_what_cannot_be_spoken_is_refused_before_anything_changes(release):
+    _, model, thinker = release
+    mute = omnijax.Chat(thinker, stream_config())
+    with pytest.raises(ValueError, match="has no speech output.*convert the model's full release"):
+        mute.ask(QUESTION, speak=True)
+    assert mute.messages == [] and mute.units == [] and mute.text_ids == []
+    chat = omnijax.Chat(model, stream_config())
+    chat.system(SYSTEM)
+    state, units, ids = chat.session.state, list(chat.units), list(chat.text_ids)
+    with pytest.raises(ValueError, match=r"unknown voice 'aiden'.*\['chelsie', 'ethan'\]"):
+        chat.ask(QUESTION, speak=SpeakOptions(voice="aiden"))
+    with pytest.raises(ValueError, match="speak must be a bool or a SpeakOptions"):
+        chat.ask(QUESTION, speak="Ethan")
+    for bad, field in (({"chunk": 0}, "chunk"), ({"first_chunk": -1}, "first_chunk"),
+                       ({"max_speech_tokens": 1.5}, "max_speech_tokens"), ({"voice": ""}, "voice")):
+        with pytest.raises(ValueError, match=field):
+            SpeakOptions(**bad)
+    assert chat.session.state is state and chat.units == units and chat.text_ids == ids
+    assert chat.messages == [{"role": "system", "content": SYSTEM}]
+    chat.image(np.zeros((64, 64, 3), np.uint8))
+    state, units = chat.session.state, list(chat.units)
+    with pytest.raises(ValueError, match=r"media units \(image\)"):
+        chat.ask(QUESTION, speak=True)
+    assert chat.session.state is state and chat.units == units and len(chat.messages) == 1
+
+
+def _cli_args(checkpoint, *more):
+    return commands.build_parser("chat").parse_args(
+        [str(checkpoint), "--pages", "64", "--page-size", "16", "--block", "4", "--max-tokens", "6", *more])
+
+
+def test_chat_cli_writes_the_conversation_speech_to_a_wav(release, tmp_path):
+    root, model, _ = release
+    out = tmp_path / "spoken.wav"
+    args = _cli_args(root / "hf_omnijax", "--speak", str(out), "--voice", "chelsie", "--max-speech-tokens",
+                     str(SPEECH_TOKENS))
+    args.command = "chat"
+    printed = io.StringIO()
+    assert commands.run_chat(args, io.StringIO(f"{QUESTION}\n{AGAIN}\n"), printed) == 0
+    # the same conversation through Chat with the CLI's settings: the file holds both answers' speech in turn
+    chat = omnijax.Chat(model, commands.stream_config(args))
+    options = SpeakOptions(voice="chelsie", max_speech_tokens=SPEECH_TOKENS)
+    answers = [split(list(chat.ask(q, max_tokens=6, speak=options))) for q in (QUESTION, AGAIN)]
+    lines = printed.getvalue().splitlines()
+    assert lines[0] == answers[0][0] and lines[2] == answers[1][0]
+    assert lines[1].startswith("[spoke ") and lines[1].endswith(f" s -> {out}]")
+    samples, rate = read_wav(out)
+    assert rate == 24000
+    want = pcm16(np.concatenate([c for _, chunks in answers for c in chunks]))
+    np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), want)
+
+
+@pytest.mark.parametrize("more, says", [
+    (["--speak", "x.wav"], "has no speech output"),
+    (["--voice", "ethan"], "--voice needs --speak"),
+    (["--speak", "x.mp3"], "ending in .wav"),
+])
+def test_chat_cli_refuses_what_it_cannot_speak(release, tmp_path, capsys, more, says):
+    root = release[0]
+    checkpoint = root / ("hf_thinker_omnijax" if "x.wav" in more else "hf_omnijax")
+    status = commands.main("chat", [str(checkpoint), *[str(tmp_path / m) if m.startswith("x.") else m for m in more]])
+    assert status == 1 and says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
