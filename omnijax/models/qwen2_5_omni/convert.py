@@ -29,8 +29,12 @@ from omnijax.checkpoint.special_tokens import read_special_tokens
 from omnijax.errors import ConfigError, ConvertError, MissingTensorError, UnsupportedConfigError
 from omnijax.models.config import DecoderConfig, default_head_dim, hf_token_ids, hf_value, validate_config
 from omnijax.models.encoders import whisper as audio_lib
+from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES, linear_rules
 from omnijax.models.qwen2_5_omni import vision as vision_lib
+from omnijax.models.qwen2_5_omni import voices as voices_lib
 from omnijax.models.qwen2_5_omni.config import OmniConfig
+from omnijax.models.qwen2_5_omni.talker import TALKER_PREFIX, TalkerConfig
+from omnijax.models.qwen2_5_omni.token2wav import Token2WavConfig, token2wav_components
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +256,8 @@ NAME_TABLE: tuple[Rule, ...] = (
     Rule("lm_head.weight", "lm_head", "D V", transform="T", when="untied"),
 )
 THINKER_PREFIX = "thinker."
-# Speech output (talker LM and token-to-waveform vocoder): not part of omnijax.
+# Speech output (talker LM and token-to-waveform vocoder): converted from a full release with audio output
+# (`speech_configs`), skipped (and logged) from a config that sets enable_audio_output false.
 SPEECH_OUTPUT_PREFIXES = ("talker.", "token2wav.")
 
 
@@ -312,6 +317,133 @@ def param_shapes(config: DecoderConfig) -> dict[str, Any]:
     return tables.param_shapes(decoder_component(config))
 
 
+# -------------------------------------------------------------------------------------------------- speech output
+
+# Talker config attributes with no effect on what omnijax computes: training / bookkeeping, and the multimodal
+# position settings (`speech.speak` refuses prompts with placeholders, whose positions they would set).
+_TALKER_INERT = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
+    max_position_embeddings use_cache attention_dropout sliding_window max_window_layers position_id_per_seconds
+    seconds_per_chunk audio_start_token_id audio_end_token_id vision_start_token_id vision_end_token_id
+    spatial_merge_size
+""".split())
+_TALKER_READ = frozenset("""
+    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim
+    hidden_act rms_norm_eps rope_parameters rope_scaling rope_theta use_sliding_window layer_types embedding_size
+    attention_bias mlp_bias tts_text_start_token_id tts_text_end_token_id tts_text_pad_token_id
+    tts_codec_start_token_id tts_codec_end_token_id tts_codec_pad_token_id tts_codec_mask_token_id
+    audio_token_index image_token_index video_token_index
+""".split())
+_TALKER_IDS = {"codec_bos_id": "tts_codec_start_token_id", "codec_eos_id": "tts_codec_end_token_id",
+               "codec_pad_id": "tts_codec_pad_token_id", "codec_mask_id": "tts_codec_mask_token_id",
+               "text_bos_id": "tts_text_start_token_id", "text_eos_id": "tts_text_end_token_id",
+               "text_pad_id": "tts_text_pad_token_id", "audio_token_id": "audio_token_index",
+               "image_token_id": "image_token_index", "video_token_id": "video_token_index"}
+
+
+def has_speech_output(hf_config: Mapping[str, Any]) -> bool:
+    """A full Qwen2.5-Omni config with audio output enabled (transformers' default); thinker-only configs and plain
+    LLMs have none."""
+    return hf_config.get("model_type") == "qwen2_5_omni" and hf_config.get("enable_audio_output", True) is not False
+
+
+def talker_config_from_hf(talker: Mapping[str, Any], *, dtype: str = "float32") -> TalkerConfig:
+    """The `TalkerConfig` of a Hugging Face `Qwen2_5OmniTalkerConfig` (a dict), refusing what the decoder lacks.
+
+    Raises:
+        UnsupportedConfigError: an attribute not understood, or one that changes the math unimplemented.
+        ConfigError: missing or inconsistent values.
+    """
+    scope = "talker_config"
+    unknown = sorted(k for k in talker if k not in _TALKER_READ and k not in _TALKER_INERT)
+    if unknown:
+        raise UnsupportedConfigError(f"{scope}.{unknown[0]}", talker[unknown[0]],
+                                     f"not understood by the omnijax talker (refusing to guess its effect); unknown "
+                                     f"attributes: {unknown}")
+    if talker.get("tie_word_embeddings"):
+        raise UnsupportedConfigError(f"{scope}.tie_word_embeddings", True, "the talker's codec head is its own tensor")
+    _check_math(talker, scope, HfLayout("qwen2_5_omni", "", tmrope=True, strict_biases=True))
+    rope = talker.get("rope_parameters") or talker.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{scope}.rope_parameters must be an object, got {rope!r}")
+    theta, section = _parse_rope(rope, f"{scope}.rope_parameters")
+    theta = theta if theta is not None else talker.get("rope_theta", 1e6)
+    if section is None:
+        raise ConfigError(f"{scope} sets no rope_parameters.mrope_section: the talker's attention needs 3-axis TMRoPE")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "embedding_size") if talker.get(k) is None]
+    if missing:
+        raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
+    heads, hidden = talker["num_attention_heads"], talker["hidden_size"]
+    ids = {field: talker[key] for field, key in _TALKER_IDS.items() if talker.get(key) is not None}
+    try:
+        decoder = validate_config(DecoderConfig(
+            vocab_size=talker["vocab_size"], hidden_size=hidden, intermediate_size=talker["intermediate_size"],
+            num_layers=talker["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf_value(talker, "num_key_value_heads", heads),
+            head_dim=hf_value(talker, "head_dim", default_head_dim(hidden, heads)), rope_theta=theta,
+            mrope_section=section, rms_norm_eps=talker.get("rms_norm_eps", 1e-6), qkv_bias=True, qk_norm=False,
+            tie_embeddings=False, dtype=dtype))
+        return TalkerConfig(decoder=decoder, embedding_size=talker["embedding_size"], dtype=dtype, **ids)
+    except ConvertError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{scope}: {e}") from e
+
+
+def speech_configs(hf_config: Mapping[str, Any], thinker_hidden_size: int, dtype: str
+                   ) -> tuple[TalkerConfig, Token2WavConfig]:
+    """The talker's and Token2Wav's configs of a full release with audio output, checked against the thinker.
+
+    Raises:
+        UnsupportedConfigError / ConfigError: as `talker_config_from_hf`, `Token2WavConfig.from_hf`, or a talker
+            whose input width is not the thinker's, or whose codec ids exceed the DiT's codec table.
+    """
+    for key in ("talker_config", "token2wav_config"):
+        if not isinstance(hf_config.get(key), dict):
+            raise ConfigError(f"config enables audio output (enable_audio_output) but has no {key!r} object")
+    talker = talker_config_from_hf(hf_config["talker_config"], dtype=dtype)
+    try:
+        token2wav = Token2WavConfig.from_hf(hf_config["token2wav_config"], dtype=dtype)
+    except ConvertError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"token2wav_config: {e}") from e
+    if talker.embedding_size != thinker_hidden_size:
+        raise UnsupportedConfigError("talker_config.embedding_size", talker.embedding_size,
+                                     f"must equal the thinker's hidden_size={thinker_hidden_size} (the talker reads "
+                                     "the thinker's rows)")
+    return talker, token2wav
+
+
+def talker_component(config: TalkerConfig) -> Component:
+    """The talker's conversion table (prefix `talker.`, tree "talker"): the thinker's layer rules (`NAME_TABLE`),
+    the codec embedding at the thinker's width, `thinker_to_talker_proj` and the codec head (transposed)."""
+    c = config.decoder
+    rules = [r for r in NAME_TABLE if r.hf_name not in ("model.embed_tokens.weight", "lm_head.weight")]
+    rules += [Rule("model.embed_tokens.weight", "codec_embedding", "V Dt"),
+              *linear_rules("thinker_to_talker_proj", "proj", "proj_bias", "Dt D"),
+              *linear_rules("codec_head", "codec_head", None, "D V")]
+    base = decoder_component(c)
+    return Component(name="talker", prefix=TALKER_PREFIX, rules=tuple(rules),
+                     dims={**base.dims, "Dt": config.embedding_size}, num_layers=c.num_layers, flags=base.flags,
+                     layer_sets=base.layer_sets)
+
+
+def read_voices(directory: Path) -> dict[str, voices_lib.Voice]:
+    """The voices of a release directory (`spk_dict.pt`, read without torch).
+
+    Raises:
+        MissingTensorError: the directory has no `spk_dict.pt` (transformers refuses such a release too).
+        VoiceFileError: the file cannot be read.
+    """
+    path = Path(directory) / voices_lib.SPEAKER_FILE
+    if not path.is_file():
+        raise MissingTensorError(f"{path} not found: a Qwen2.5-Omni release with audio output ships its voices in "
+                                 f"{voices_lib.SPEAKER_FILE} (a release without speech output sets "
+                                 "enable_audio_output false)")
+    return voices_lib.read_speaker_dict(path)
+
+
 # ------------------------------------------------------------------------------------------------------ conversion
 
 
@@ -348,18 +480,35 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     config = config.replace(tie_embeddings=not has_head)
     encoders = encoder_components(hf_config, dtype)
     components = [decoder_component(config)] + [component for component, _ in encoders.values()]
+    speech = speech_configs(hf_config, config.hidden_size, dtype) if has_speech_output(hf_config) else None
+    voices = read_voices(ckpt.directory) if speech is not None else None
+    if speech is not None:
+        for prefix in SPEECH_OUTPUT_PREFIXES:
+            if not any(n.startswith(prefix) for n in names):
+                raise MissingTensorError(f"the config enables audio output (enable_audio_output, the default) but "
+                                         f"the checkpoint has no {prefix}* tensors; a release without speech output "
+                                         "sets enable_audio_output false")
+        components += [talker_component(speech[0]), *token2wav_components(speech[1])]
+    skipped_speech = () if speech is not None else SPEECH_OUTPUT_PREFIXES
     trees, plan, source_dtypes = streaming.convert_components(
         ckpt, components, dtype=dtype, staging_dir=staging_dir, strip_prefix=THINKER_PREFIX,
-        skip_prefixes=SPEECH_OUTPUT_PREFIXES + _unused_tensors(), progress=progress)
-    streaming.log_skipped(plan.skipped, SPEECH_OUTPUT_PREFIXES, log)
+        skip_prefixes=skipped_speech + _unused_tensors(), progress=progress)
+    streaming.log_skipped(plan.skipped, skipped_speech, log)
     source_info = {
         "tensors_converted": len(plan.assign),
         "source_dtypes": dict(sorted(source_dtypes.items())),
         "skipped": plan.skipped,
         "encoders_converted": sorted(encoders),
+        "speech_output": speech is not None,
         "lm_head": "tied to embed" if config.tie_embeddings else "lm_head.weight",
     }
     extras = {name: (encoder_config, trees[name]) for name, (_, encoder_config) in encoders.items()}
     if omni is not None:
         extras["omni"] = (omni.to_json(), None)
+    if speech is not None and voices is not None:
+        talker, token2wav = speech
+        extras["talker"] = (talker.to_json(), trees["talker"])
+        extras["token2wav"] = ({"dit": token2wav.dit.to_json(), "bigvgan": token2wav.bigvgan.to_json()},
+                               {"dit": trees["dit"], "bigvgan": trees["bigvgan"]})
+        extras["speech"] = voices_lib.voices_to_component(voices)
     return config, trees["decoder"], source_info, extras

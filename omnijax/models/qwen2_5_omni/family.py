@@ -1,5 +1,6 @@
 """The Qwen2.5-Omni family: the thinker with its Whisper-style audio and Qwen2.5-VL vision encoders, TMRoPE
-positions, 2 s audiovisual units; also the plain Qwen2 / Qwen3 decoders its converter reads (text only)."""
+positions, 2 s audiovisual units; and, converted from a full release, the speech output (talker, Token2Wav, voices:
+`model.speech`, `speech.speak`); also the plain Qwen2 / Qwen3 decoders its converter reads (text only)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,43 @@ from omnijax.models.decoder import Decoder
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.model import Model, restore_module
 from omnijax.models.qwen2_5_omni import convert, frontend, thinker
+from omnijax.models.qwen2_5_omni import speech as speech_lib
 from omnijax.models.qwen2_5_omni import vision as vision_lib
+from omnijax.models.qwen2_5_omni import voices as voices_lib
+from omnijax.models.qwen2_5_omni.bigvgan import BigVGANConfig
 from omnijax.models.qwen2_5_omni.config import HF_NAMES, OmniConfig
+from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
+from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavConfig
+from omnijax.models.qwen2_5_omni.token2wav_dit import DiTConfig
+
+SPEECH_COMPONENTS = ("talker", "token2wav", "speech")
+
+
+def load_speech(directory: Path, manifest: Mapping[str, Any], dtype: str | None,
+                omni: OmniConfig) -> speech_lib.Qwen25Speech | None:
+    """The speech output a checkpoint converted from a full release holds (None for a thinker-only one). The talker
+    takes `dtype`; Token2Wav keeps its stored dtype (transformers runs it in float32 whatever the model's)."""
+    present = [name for name in SPEECH_COMPONENTS if name in manifest]
+    if not present:
+        return None
+    if len(present) != len(SPEECH_COMPONENTS):
+        raise checkpoint.CheckpointFormatError(
+            f"{directory / checkpoint.MANIFEST}: speech output entries {present} without "
+            f"{sorted(set(SPEECH_COMPONENTS) - set(present))} (a speech checkpoint has all of {SPEECH_COMPONENTS})")
+    stored = TalkerConfig.from_json(manifest["talker"])
+    talker = restore_module(directory, "talker", stored, dtype, lambda c: Talker(
+        c.replace(decoder=c.decoder.replace(dtype=c.dtype)), rngs=nnx.Rngs(0)))
+    entry = manifest["token2wav"]
+    vocoder = dict(entry["bigvgan"])  # (JsonConfig.from_json makes tuples of the top-level lists only)
+    vocoder["resblock_dilation_sizes"] = [tuple(d) for d in vocoder["resblock_dilation_sizes"]]
+    t2w = Token2WavConfig(dit=DiTConfig.from_json(entry["dit"]), bigvgan=BigVGANConfig.from_json(vocoder))
+    token2wav = restore_module(directory, "token2wav", t2w, None, lambda c: Token2Wav(c, rngs=nnx.Rngs(0)))
+    voices = voices_lib.voices_from_tree(manifest["speech"], checkpoint.load_params(
+        directory, voices_lib.voices_abstract(manifest["speech"]), "speech"))
+    return speech_lib.Qwen25Speech(talker, token2wav, voices, im_end_token_id=omni.im_end_token_id,
+                                   placeholders={"audio_token_id": omni.audio_token_id,
+                                                 "image_token_id": omni.image_token_id,
+                                                 "video_token_id": omni.video_token_id})
 
 
 def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: str | None) -> Model:
@@ -34,9 +70,14 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
                 directory, "vision", vision_lib.VisionConfig.from_json(manifest["vision"]), dtype,
                 lambda c: vision_lib.VisionEncoder(c, rngs=nnx.Rngs(0)))
         omni = OmniConfig.from_json(manifest["omni"]) if "omni" in manifest else None
-    except (TypeError, ValueError) as e:
+        speech = load_speech(directory, manifest, dtype, omni or OmniConfig())
+    except checkpoint.CheckpointFormatError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
-    return Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
+    model = Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
+    model.speech = speech
+    return model
 
 
 def special_token_ids(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,7 +114,7 @@ def thinker_positions(model: Model, ids: np.ndarray, mask: np.ndarray, **grids: 
 
 FAMILY = family_lib.register(family_lib.Family(
     name="qwen2_5_omni",
-    components={"qwen2_5_omni": ("audio", "vision", "omni"), "qwen2": (), "qwen3": ()},
+    components={"qwen2_5_omni": ("audio", "vision", "omni") + SPEECH_COMPONENTS, "qwen2": (), "qwen3": ()},
     converter=convert,
     load=load,
     chat_units=frontend.QwenOmniUnits,

@@ -1,0 +1,215 @@
+"""Qwen2.5-Omni speech output, whole utterances: a converted full release's talker, Token2Wav and voices
+(`Qwen25Speech`, `model.speech` of a loaded checkpoint), and `speak`, which turns a thinker's prompt and text answer
+into 24 kHz PCM as transformers' `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` does with
+`talker_do_sample=False`.
+
+What `speak` feeds the talker (`talker_forward`): per thinker token of the prompt and the answer, the thinker's
+final-normed hidden state plus its embedding; the voice's start token; the codec pad / bos embeddings; after the
+answer the `text_eos` row, then `text_pad` rows. The reference zeroes the embedding rows of audio / image / video
+placeholders and reads the thinker's hidden states over the encoded media; prompts with placeholders are refused
+here (`speak` runs the thinker over text only).
+
+Decoding is greedy, with the reference's repetition penalty (1.05 unless told otherwise: transformers passes it to
+the talker even when `talker_do_sample=False`), its codec-bos suppression and its stop ids (the codec pad and end
+ids: the reference's hard-coded `talker_eos_token_id=[8292, 8294]` are the release's). Token2Wav solves its ODE from
+an initial noise the reference draws with `torch.randn` inside: `speak` takes it from `noise` (a function of the
+shape) or draws it from `seed`. Token2Wav is not streamed here: `speak_chunks` (the `SpeechOutput` method `Chat` and
+the server call) decodes the utterance whole and yields it in slices (`token2wav.sample_mel_chunked` measures why
+block streaming differs from the one-shot decode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.models.family import OmniModel
+from omnijax.models.qwen2_5_omni import talker_forward
+from omnijax.models.qwen2_5_omni.talker import Talker
+from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
+from omnijax.models.qwen2_5_omni.voices import Voice
+
+__all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "speak"]
+
+SAMPLE_RATE = 24_000  # BigVGAN's output rate (480 samples per codec token for the release)
+
+
+class SpeechUnavailableError(ValueError):
+    """Speech was asked of a checkpoint without speech output (thinker-only, or audio output disabled)."""
+
+
+class UnknownVoiceError(ValueError):
+    """A voice the checkpoint does not have. Attributes: `voice`, `voices` (the checkpoint's)."""
+
+    def __init__(self, voice: Any, voices: tuple[str, ...]):
+        self.voice, self.voices = voice, tuple(voices)
+        super().__init__(f"unknown speaker {voice!r}: this checkpoint's voices are {list(self.voices)}")
+
+
+class Qwen25Speech:
+    """A loaded Qwen2.5-Omni release's speech output (`omnijax.models.family.SpeechOutput`).
+
+    Attributes:
+        talker: the `Talker` module (config in `talker.config`).
+        token2wav: the `Token2Wav` module (DiT and BigVGAN).
+        speakers: the voices by name (`voices.Voice`: conditioning vector, reference mel, start token).
+        im_end_token_id: the thinker's `<|im_end|>` (a trailing one is not spoken).
+        placeholders: the thinker's audio / image / video placeholder ids by field name.
+        sample_rate: 24,000.
+    """
+
+    sample_rate: int = SAMPLE_RATE
+
+    def __init__(self, talker: Talker, token2wav: Token2Wav, speakers: Mapping[str, Voice], *, im_end_token_id: int,
+                 placeholders: Mapping[str, int]):
+        self.talker, self.token2wav, self.speakers = talker, token2wav, dict(speakers)
+        self.im_end_token_id, self.placeholders = int(im_end_token_id), dict(placeholders)
+        self.params = talker_forward.talker_params(talker)
+
+    @property
+    def voices(self) -> tuple[str, ...]:
+        """The speaker names as the release spells them ("Chelsie", "Ethan"); matched case-insensitively."""
+        return tuple(sorted(self.speakers))
+
+    def voice(self, name: Any) -> Voice:
+        """The voice `name` (exact, else case-insensitive). Raises UnknownVoiceError naming the checkpoint's."""
+        if isinstance(name, str):
+            found = self.speakers.get(name) or {k.lower(): v for k, v in self.speakers.items()}.get(name.lower())
+            if found is not None:
+                return found
+        raise UnknownVoiceError(name, self.voices)
+
+    def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
+                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+        """`speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=...)`, its waveform yielded in slices
+        of `first_chunk` codec tokens' samples, then `chunk` tokens' (the whole utterance is decoded at the call, so
+        every refusal is raised before the first slice; the slices concatenated equal `speak(...).pcm`)."""
+        if model.speech is not self:
+            raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
+        for name, value in (("first_chunk", first_chunk), ("chunk", chunk)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        pcm = speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens).pcm
+        per = self.token2wav.config.samples_per_token
+        bounds = [0, first_chunk * per] + list(range(first_chunk * per + chunk * per, len(pcm), chunk * per))
+        bounds = sorted({min(b, len(pcm)) for b in bounds} | {len(pcm)})
+        return (pcm[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Utterance:
+    """A spoken answer.
+
+    Attributes:
+        pcm: `[samples]` float32 waveform at `sample_rate` (`samples_per_token` samples per codec token).
+        codes: `[frames]` int32 codec tokens Token2Wav decoded (the talker's tokens but the last).
+        talker_tokens: `[n]` the talker's tokens, its stop token included when reached.
+        sample_rate: samples per second (24,000).
+    """
+
+    pcm: np.ndarray
+    codes: np.ndarray
+    talker_tokens: np.ndarray
+    sample_rate: int = SAMPLE_RATE
+
+    def pcm16(self) -> np.ndarray:
+        """The waveform as int16 PCM (rounded, clipped to the int16 range)."""
+        return np.clip(np.round(self.pcm * 32767.0), -32768, 32767).astype(np.int16)
+
+
+def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} dtype "
+                         f"{arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.int64)
+
+
+def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
+          max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
+          noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
+          guidance_scale: float = 0.5, sway: float | None = -1.0) -> Utterance:
+    """Speaks a thinker's answer: the talker (greedy), then Token2Wav (DiT ODE solve, BigVGAN) in one call.
+
+    Args:
+        model: a loaded Qwen2.5-Omni checkpoint converted from a full release (`model.speech` set).
+        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text only: no audio / image / video placeholders).
+        answer_ids: `[N]` the answer's tokens; a trailing `<|im_end|>` is not spoken. transformers' generate reads
+            every generated row but the last token's, so to equal it on an answer cut short (no `<|im_end|>`) pass
+            the answer without its last token.
+        speaker: a voice of the checkpoint (`model.speech.voices`; exact, else case-insensitive).
+        max_new_tokens: talker tokens at most (the reference's `talker_max_new_tokens`).
+        repetition_penalty: the talker's repetition penalty (transformers' `talker_repetition_penalty`, 1.05).
+        noise: `noise((1, frames, mel_dim))` -> the ODE's initial state (the reference's `torch.randn` draw); None:
+            standard normal from `jax.random.key(seed)`.
+        seed: the noise's seed when `noise` is None.
+        num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
+
+    Returns:
+        The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
+        the talker stopped at once.
+
+    Raises:
+        SpeechUnavailableError: the checkpoint has no speech output (names the fix).
+        UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
+        ValueError: ids outside the vocabulary, multimodal placeholders, an empty answer or prompt, a
+            `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of the wrong shape.
+    """
+    speech = model.speech
+    if not isinstance(speech, Qwen25Speech):
+        raise SpeechUnavailableError(
+            f"{model.source or 'this checkpoint'} has no Qwen2.5-Omni speech output (talker, Token2Wav, voices): it "
+            "was converted from a thinker-only release or from a config with enable_audio_output false; convert the "
+            "full release (model_type qwen2_5_omni, with its talker.* and token2wav.* tensors and spk_dict.pt) with "
+            "`omnijax convert` to speak")
+    voice = speech.voice(speaker)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) or \
+            not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be a number > 0, got {repetition_penalty!r}")
+    vocab = model.config.vocab_size
+    prompt, answer = _ids("prompt_ids", prompt_ids, vocab), _ids("answer_ids", answer_ids, vocab)
+    if answer.size and answer[-1] == speech.im_end_token_id:
+        answer = answer[:-1]
+    if not answer.size or not prompt.size:
+        raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)" if prompt.size else
+                         "prompt_ids is empty")
+    found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, prompt).any() or np.isin(i, answer).any())
+    if found:
+        raise ValueError(f"the prompt holds multimodal placeholders ({', '.join(found)}): speak() takes text-only "
+                         "prompts (the talker reads the thinker's hidden states over the encoded media, which "
+                         "speak() does not compute)")
+    config, params = speech.talker.config, speech.params
+    sequence = np.concatenate([prompt, answer])
+    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence)
+    specials = model.decoder.embed_tokens(jnp.asarray([[voice.bos_token, config.text_eos_id, config.text_pad_id]],
+                                                      jnp.int32))[0]
+    prefill, trailing = talker_forward.talker_prompt(config, params, embeds, hidden, len(prompt), specials[0],
+                                                     specials[1])
+    T = prefill.shape[0]
+    positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only ids: consecutive
+    talker_ids = [config.codec_mask_id] * len(prompt) + [config.codec_pad_id, config.codec_bos_id]
+    tokens = talker_forward.generate_greedy(
+        config, params, prefill, positions, trailing, specials[2], prompt_ids=talker_ids,
+        max_new_tokens=int(max_new_tokens), repetition_penalty=float(repetition_penalty),
+        suppress=[config.codec_bos_id])
+    codes = tokens[:-1]
+    if not codes.size:
+        return Utterance(pcm=np.zeros((0,), np.float32), codes=codes, talker_tokens=tokens)
+    dit = speech.token2wav.config.dit
+    shape = (1, int(codes.size) * dit.repeats, dit.mel_dim)
+    initial = (np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32)) if noise is None
+               else np.asarray(noise(shape), np.float32))
+    if initial.shape != shape:
+        raise ValueError(f"noise returned shape {initial.shape}, expected {shape}")
+    pcm = synthesize(speech.token2wav, codes[None], voice.conditioning[None], voice.reference_mel[None], initial,
+                     num_steps=num_steps, guidance_scale=guidance_scale, sway=sway)
+    return Utterance(pcm=np.asarray(pcm, np.float32)[0], codes=codes, talker_tokens=tokens)
