@@ -7,6 +7,12 @@ feed goes through `worker.frame(sid, chunk)` (one tick per chunk of the engine's
 logits come back in the tick's `FrameOutput.logits`, so many duplex streams share the engine's batched ticks (the
 engine needs `return_logits=True`).
 
+Penalties (`AnswerPenalties`, a Realtime session's `presence_penalty` / `frequency_penalty`): OpenAI's, over the
+answer so far, which in duplex spans units: every token decided since the last unit that ended by listening (a
+response of the Realtime API runs from its first spoken unit to that listening unit). They are subtracted from each
+decision's logits before the release's rule (`DuplexDecodeRule`, whose own repetition penalty looks at its window of
+the whole session's decisions), and kept from one unit to the next, not reset by the unit's new input.
+
 Positions are session indices: every chunk's offsets are 0..n-1 and its `advance` is n, so the engine's per-row
 cursor of a freshly opened session walks the same positions as `DuplexSession`. Once a feed has failed (pool
 exhausted, session closed, a failed tick, cancellation), the stream's context is incomplete and every later call
@@ -16,6 +22,8 @@ raises RuntimeError.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -39,7 +47,64 @@ if TYPE_CHECKING:
     from omnijax.models.tokenizer import StreamDecoder, Tokenizer
     from omnijax.serve.engine.worker import EngineWorker
 
-__all__ = ["DuplexStream", "UNIT_SAMPLES", "UnitResult", "rows_chunks", "speak_ids", "speak_text", "unit_pcm"]
+__all__ = ["AnswerPenalties", "DuplexStream", "PenalisedLoop", "UNIT_SAMPLES", "UnitResult", "rows_chunks",
+           "speak_ids", "speak_text", "unit_pcm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerPenalties:
+    """OpenAI's presence and frequency penalties of a duplex session's decisions (each in [-2, 2]; 0: none).
+
+    A token's logit loses `frequency * count + presence * (count > 0)`, `count` its occurrences in the answer so far.
+    """
+
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    def __post_init__(self):
+        for name in ("presence", "frequency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"AnswerPenalties: {name} must be a number in [-2, 2], got {value!r}")
+
+    @property
+    def neutral(self) -> bool:
+        return self.presence == 0 and self.frequency == 0
+
+    def apply(self, logits: np.ndarray, answer: Sequence[int]) -> np.ndarray:
+        """float32 `logits [V]` less the penalties of the ids in `answer` (the answer's tokens so far; a copy)."""
+        z = np.array(logits, np.float32)
+        counts = collections.Counter(int(t) for t in answer if 0 <= int(t) < z.shape[-1])
+        if counts and not self.neutral:
+            ids = np.fromiter(counts, np.int64, len(counts))
+            n = np.fromiter(counts.values(), np.float32, len(counts))
+            z[ids] -= np.float32(self.frequency) * n + np.float32(self.presence)
+        return z
+
+
+class PenalisedLoop(DuplexLoop):
+    """A `DuplexLoop` whose decisions take `penalties` over the answer so far: `decoded[answer_start:]`, the tokens
+    decided since the last unit that listened (`end_unit` moves the start). `penalties` may change between units."""
+
+    def __init__(self, model: MiniCPMOModel, *, penalties: AnswerPenalties | None = None, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self.penalties = AnswerPenalties() if penalties is None else penalties
+        self.answer_start = 0
+
+    @property
+    def answer(self) -> list[int]:
+        """The answer so far (tokens decided since the last unit that listened)."""
+        return self.decoded[self.answer_start:]
+
+    def decide(self, logits: np.ndarray) -> int:
+        if self.penalties.neutral:
+            return super().decide(logits)
+        return super().decide(self.penalties.apply(logits, self.answer))
+
+    def end_unit(self, result: UnitResult) -> None:
+        """After each unit: one that listened ends the answer (the next spoken token starts a new one)."""
+        if result.listened:
+            self.answer_start = len(self.decoded)
 
 
 def speak_text(result: UnitResult, tokenizer: Tokenizer, markers: Sequence[int] = (), *,
@@ -69,18 +134,22 @@ class DuplexStream(DuplexDriver):
         sid: the worker's session id; open it first (`await worker.open(sid)`, or use `DuplexStream.open`). A
             freshly opened session, so that positions start at 0.
         rule, tokens, max_speak_tokens, force_listen, max_slice_nums: the loop's (`DuplexLoop`).
+        penalties: presence / frequency penalties over the answer so far (`AnswerPenalties`; None: none). Set
+            `stream.penalties` between units to change them.
 
     Attributes:
-        loop: the `DuplexLoop` (`decoded`, the repetition history; `units`, units answered so far).
+        loop: the `PenalisedLoop` (`decoded`, the repetition history; `units`, units answered so far; `answer`).
         position: rows fed so far (the engine cursor of the session).
         failed: why the stream stopped (None while it can go on).
     """
 
+    loop: PenalisedLoop
+
     def __init__(self, model: MiniCPMOModel, worker: EngineWorker, sid: str, *, rule: DuplexDecodeRule,
                  tokens: DuplexTokens | None = None, max_speak_tokens: int = 4, force_listen: int = 1,
-                 max_slice_nums: int = 1):
-        self.loop = DuplexLoop(model, rule=rule, tokens=tokens, max_speak_tokens=max_speak_tokens,
-                               force_listen=force_listen, max_slice_nums=max_slice_nums)
+                 max_slice_nums: int = 1, penalties: AnswerPenalties | None = None):
+        self.loop = PenalisedLoop(model, rule=rule, tokens=tokens, max_speak_tokens=max_speak_tokens,
+                                  force_listen=force_listen, max_slice_nums=max_slice_nums, penalties=penalties)
         engine = worker.engine
         if not engine.config.return_logits:
             raise ValueError("duplex streams decide on the host: build the engine with EngineConfig(return_logits="
@@ -144,12 +213,25 @@ class DuplexStream(DuplexDriver):
             # encode checks the audio and frame first (ValueError, nothing fed) and changes nothing
             encoded = await asyncio.to_thread(self.loop.encode, pcm, frame)
             try:
-                return await self._run(self.loop.unit(encoded))
+                result = await self._run(self.loop.unit(encoded))
+                self.loop.end_unit(result)
+                return result
             except BaseException as e:  # a unit cut short leaves the cache without its end
                 self.failed = self.failed or f"a unit was interrupted: {type(e).__name__}: {e}"
                 raise
         finally:
             self._busy = False
+
+    @property
+    def penalties(self) -> AnswerPenalties:
+        """The presence / frequency penalties of the next decisions."""
+        return self.loop.penalties
+
+    @penalties.setter
+    def penalties(self, value: AnswerPenalties) -> None:
+        if not isinstance(value, AnswerPenalties):
+            raise TypeError(f"penalties must be AnswerPenalties, got {type(value).__name__}")
+        self.loop.penalties = value
 
     # ------------------------------------------------------------------------------------------------- internals
     def _check_ready(self) -> None:

@@ -11,6 +11,9 @@ on the session is a `omnijax.serve.engine.duplex.DuplexStream` on its engine ses
   drops what is not yet a unit;
 - `conversation.item.create` with `input_image` parts: the latest image becomes the next unit's video frame;
   text items, `response.create` and `response.cancel` are refused (the model decides when to speak);
+- `session.omnijax.presence_penalty` / `frequency_penalty` penalise the decisions over the answer so far, across
+  units (`omnijax.serve.engine.duplex.AnswerPenalties`); the other sampling settings are refused (the release's rule
+  is greedy);
 - a unit that speaks opens a response if none is open (`response.created`, the assistant item) and streams its text
   (`response.output_text.delta`, whole UTF-8 characters, duplex markers removed); a unit that ends by listening
   closes the open response (`.output_text.done`, `conversation.item.done`, `response.done` with usage and KV cells).
@@ -33,6 +36,7 @@ from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens
 from omnijax.serve.engine.duplex import DuplexStream, speak_ids
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
+from omnijax.serve.realtime.sampling import duplex_penalties
 
 if TYPE_CHECKING:
     from omnijax.models.minicpmo.model import MiniCPMOModel
@@ -77,7 +81,7 @@ class DuplexRealtime:
                                          event_id=eid, param="session.omnijax.duplex")
         try:
             self.stream = DuplexStream(model, worker, session.sid, rule=duplex_rule(model),
-                                       tokens=DuplexTokens.of(model))
+                                       tokens=DuplexTokens.of(model), penalties=duplex_penalties(session.settings))
         except ValueError as e:
             raise rte.RealtimeEventError("unsupported", str(e), event_id=eid, param="session.omnijax.duplex") from None
         self.session, self.tokenizer = session, session.context.tokenizer

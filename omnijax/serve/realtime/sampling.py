@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from omnijax.decoding import MAX_LOGIT_BIAS, DecodingStrategy, sampling_row
+from omnijax.serve.engine.duplex import AnswerPenalties
 from omnijax.serve.realtime.client_events import SAMPLING, RealtimeEventError, SessionSettings
 
-__all__ = ["DUPLEX_SAMPLING", "check_sampling", "session_row"]
+__all__ = ["DUPLEX_SAMPLING", "check_sampling", "duplex_penalties", "session_row"]
 
 # what a duplex session's decisions honour (the rest of `SAMPLING` is refused there)
 DUPLEX_SAMPLING = ("presence_penalty", "frequency_penalty")
@@ -73,3 +74,8 @@ def session_row(settings: SessionSettings, decoding: DecodingStrategy, vocab_siz
     kw.update({name: getattr(settings, name) for name in names if name != "logit_bias"})
     return sampling_row(kw.pop("temperature", 0.0), kw.pop("top_p", 1.0), **kw,
                         logit_bias=dict(settings.logit_bias or ()), vocab_size=vocab_size)
+
+
+def duplex_penalties(settings: SessionSettings) -> AnswerPenalties:
+    """A duplex session's decision penalties (`presence_penalty`, `frequency_penalty`; not given: 0)."""
+    return AnswerPenalties(presence=settings.presence_penalty or 0.0, frequency=settings.frequency_penalty or 0.0)

@@ -73,7 +73,7 @@ from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
-from omnijax.serve.realtime.sampling import check_sampling, session_row
+from omnijax.serve.realtime.sampling import check_sampling, duplex_penalties, session_row
 from omnijax.serve.realtime.tools import ResponseOutput, apply_tools, flush_outputs, function_output, tools_of
 from omnijax.serve.refusal_log import refusals
 
@@ -260,6 +260,8 @@ class RealtimeSession(AudioInput):
                 except rte.RealtimeEventError:
                     self.settings = previous
                     raise
+            elif self.duplex is not None:  # the next decisions' penalties (the answer so far is kept)
+                self.duplex.stream.penalties = duplex_penalties(settings)
             self.send(rse.session_updated(settings, self.session_id))
         elif self.duplex is not None:
             self.duplex.handle(event)
