@@ -29,10 +29,11 @@ penalty of `Sampling` sees the tokens of the current block only.
 
 Spoken answers: `ask(text, speak=True)` (or `speak=SpeakOptions(voice="Chelsie")`) on a checkpoint with speech
 output (`model.speech`: Qwen3-Omni converted from its full release) yields the text deltas as above, then the answer
-spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speech.sample_rate`, 24 kHz): the talker
-runs over the whole answer once its text is decoded (it reads the thinker's text rows of the prompt and of the
-answer), then the vocoder (Code2Wav) decodes the codec frames in chunks (`first_chunk` frames, then `chunk`), each
-chunk yielded as soon as it is decoded. The talker's prompt is the text the session was fed (every turn's template
+spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speech.sample_rate`, 24 kHz): once the
+answer's text is decoded (the talker reads the thinker's text rows of the prompt and of the whole answer), the talker
+decodes codec frames one by one and the vocoder (Code2Wav, its streamed decode) turns them into PCM in chunks of
+`first_chunk` frames, then `chunk`, each yielded as soon as its frames are ready (the first after `first_chunk`
+talker steps). The talker's prompt is the text the session was fed (every turn's template
 rendering, earlier answers included; the talker reads the user turns and this answer); the answer spoken is the
 decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`. A conversation with
 media units cannot be spoken yet (the talker reads the thinker's hidden states at media placeholders, which the

@@ -1,11 +1,12 @@
 """Chat completions' audio output: `modalities: ["text", "audio"]` with `audio: {"voice", "format"}`.
 
 On a checkpoint with speech output (`model.speech`: Qwen3-Omni converted from its full release) the answer is
-decoded as text on the engine's ticks, then spoken: the talker runs over the whole answer, then the vocoder decodes
-its codec frames in chunks (`FIRST_CHUNK` frames, then `CHUNK`; `SpeechOutput.speak_chunks`), each call in a worker
-thread (`asyncio.to_thread`), never on the event loop. The talker's prompt is the request's templated text as fed
-(every message's rendering and the generation prompt); the answer spoken is the answer's tokens without the final
-end-of-turn token; the talker's tokens are capped by `ServeOptions.max_speech_tokens`.
+decoded as text on the engine's ticks, then spoken: the talker decodes codec frames over the whole answer's text and
+the vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`; `SpeechOutput.speak_chunks`),
+each chunk's work in a worker thread (`asyncio.to_thread`), never on the event loop. The talker's prompt is the
+request's templated text as fed (every message's rendering and the generation prompt); the answer spoken is the
+answer's tokens without the final end-of-turn token; the talker's tokens are capped by
+`ServeOptions.max_speech_tokens`.
 
 As OpenAI's API returns it, the message's `content` is null and the text is the audio's `transcript`:
 - whole: `choices[0].message.audio = {id, data, expires_at, transcript}`, `data` the base64 of a WAV file (16-bit

@@ -21,6 +21,7 @@ from omnijax.chat import SpeakOptions
 from omnijax.convert import convert_checkpoint
 from omnijax.media.audio import pcm16, read_wav
 from omnijax.models.qwen3_omni import speech as S
+from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from tests._support import qwen3_omni_models as Q
 
@@ -79,12 +80,22 @@ def split(items):
     return "".join(i for i in items if isinstance(i, str)), [i for i in items if not isinstance(i, str)]
 
 
-def test_spoken_answers_stream_the_pcm_speak_gives(release):
+def test_spoken_answers_stream_the_pcm_speak_gives(release, monkeypatch):
     root, model, _ = release
+    steps = []  # the talker's frame steps run so far
+    step = talker_forward.talker_step
+    monkeypatch.setattr(talker_forward, "talker_step", lambda *a, **k: steps.append(1) or step(*a, **k))
     chat = omnijax.Chat(model, stream_config())
     chat.system(SYSTEM)
-    text, chunks = split(list(chat.ask(QUESTION, max_tokens=6, speak=SpeakOptions(
-        voice="Chelsie", max_speech_tokens=SPEECH_TOKENS, first_chunk=FIRST_CHUNK, chunk=CHUNK))))
+    items, at = [], []  # what ask yielded; the talker steps run when each PCM chunk came
+    for item in chat.ask(QUESTION, max_tokens=6, speak=SpeakOptions(
+            voice="Chelsie", max_speech_tokens=SPEECH_TOKENS, first_chunk=FIRST_CHUNK, chunk=CHUNK)):
+        items.append(item)
+        if not isinstance(item, str):
+            at.append(len(steps))
+    text, chunks = split(items)
+    # talker and vocoder interleave: each chunk comes as soon as the talker has decoded its frames
+    assert at == [FIRST_CHUNK, FIRST_CHUNK + CHUNK, SPEECH_TOKENS - 1]
     spoken = chat.last_spoken
     # the talker's prompt is what transformers renders for the conversation; the answer is what was decoded
     want_prompt = hf_prompt(root / "hf", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])

@@ -12,14 +12,15 @@ Decoding is greedy for the talker and its code predictor (the reference samples 
 temperature 0.9 for the talker, top-k 50 / top-p 0.8 hard-coded for the predictor, and a repetition penalty of 1.05;
 none of these is implemented here, so `speak` takes no sampling parameters). Code2Wav decodes the codes in one call
 (the reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming). `speak_streamed`
-(`Qwen3Speech.speak_chunks`, what `omnijax.Chat` and the server call) runs the same talker over the whole answer,
-then yields Code2Wav's output chunk by chunk as its streamed decode produces it.
+(`Qwen3Speech.speak_chunks`, what `omnijax.Chat` and the server call) runs the same talker and hands its codec frames
+to Code2Wav's streamed decode chunk by chunk as they are decoded, yielding each chunk's PCM.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from omnijax.media.audio import pcm16
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
-from omnijax.models.qwen3_omni.code2wav_decode import decode, decode_streamed
+from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream, decode
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 
 __all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
@@ -225,32 +226,47 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
         ValueError: ids outside the vocabulary, multimodal placeholders in the prompt, an empty answer, a prompt
             whose last turn is not the assistant's, or a `max_new_tokens` below 1.
     """
-    speech, talker_tokens, codes = _talk(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    tokens: list[int] = []
+    decoded = list(frames(tokens=tokens))
+    codes = np.stack(decoded, axis=1) if decoded else np.zeros((speech.talker.config.num_code_groups, 0), np.int32)
+    talker_tokens = np.asarray(tokens, np.int32)
     pcm = np.asarray(decode(speech.code2wav, codes[None]))[0] if codes.shape[1] else np.zeros((0,), np.float32)
     return Utterance(pcm=pcm.astype(np.float32), codes=codes, talker_tokens=talker_tokens)
 
 
 def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
                    max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
-    """`speak` with Code2Wav streamed: the talker runs over the whole answer at the call (so every refusal of
-    `speak` is raised here, before the first chunk), then each `next` decodes the next codec frames
-    (`code2wav_decode.Code2WavStream`: `first_chunk` frames, then `chunk` at a time, the decoder's state carried
-    between chunks) and yields their float32 PCM at 24 kHz. The chunks concatenated equal `speak(...).pcm`.
+    """`speak` streamed, talker and vocoder: every refusal of `speak` is raised at the call (before anything runs);
+    then the talker decodes codec frames one by one, and as soon as `first_chunk` frames are ready -- then each
+    further `chunk`, then what is left when the speech ends -- Code2Wav decodes them (`code2wav_decode.Code2WavStream`,
+    its state carried between calls) and the iterator yields their float32 PCM at 24 kHz. The first chunk is out
+    after `first_chunk` talker steps, not after the whole answer; the chunks concatenated equal `speak(...).pcm`.
 
     Raises:
         As `speak`; ValueError also for a `first_chunk` or `chunk` below 1.
     """
     first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
-    speech, _, codes = _talk(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
-    if not codes.shape[1]:
-        return iter(())
-    return (np.asarray(wav, np.float32)[0]
-            for wav in decode_streamed(speech.code2wav, codes[None], first_chunk=first_chunk, chunk=chunk))
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    return _streamed(speech.code2wav, frames(), first_chunk, chunk)
 
 
-def _talk(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int
-          ) -> tuple[Qwen3Speech, np.ndarray, np.ndarray]:
-    """Checks a `speak` call and runs the talker: (the speech parts, talker tokens `[n]`, codes `[Q, frames]`)."""
+def _streamed(code2wav: Code2Wav, frames: Iterator[np.ndarray], first_chunk: int, chunk: int
+              ) -> Iterator[np.ndarray]:
+    stream, ready = Code2WavStream(code2wav), []
+    for frame in frames:
+        ready.append(frame)
+        if len(ready) == (first_chunk if stream.frames == 0 else chunk):
+            yield np.asarray(stream.push(np.stack(ready, axis=1)), np.float32)[0]
+            ready = []
+    if ready:
+        yield np.asarray(stream.push(np.stack(ready, axis=1)), np.float32)[0]
+
+
+def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int
+            ) -> tuple[Qwen3Speech, Callable[..., Iterator[np.ndarray]]]:
+    """Checks a `speak` call and builds the talker's input: (the speech parts, `frames(tokens=list)`, which runs
+    the talker greedily, yielding each codec frame `[Q]` as it is decoded: `talker_forward.greedy_frames`)."""
     speech = model.speech
     if not isinstance(speech, Qwen3Speech):
         raise SpeechUnavailableError(
@@ -293,6 +309,5 @@ def _talk(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: s
     suppress = [i for i in range(max(0, vocab_codec - SUPPRESSED_TOP_IDS), vocab_codec)
                 if i != config.codec_eos_token_id]
     pad_row = talker_forward.project_text(config, params, specials)[2]
-    talker_tokens, codes = talker_forward.generate_greedy(config, params, talker_rows, positions, trailing, pad_row,
-                                                          max_new_tokens=int(max_new_tokens), suppress=suppress)
-    return speech, talker_tokens, codes
+    return speech, functools.partial(talker_forward.greedy_frames, config, params, talker_rows, positions, trailing,
+                                     pad_row, max_new_tokens=int(max_new_tokens), suppress=suppress)

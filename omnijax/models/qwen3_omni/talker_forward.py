@@ -13,14 +13,15 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
 - `user_prompt`: a user turn's talker rows (projected thinker embedding rows; hidden rows at placeholders).
 - `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
 - `talker_prompt`: a whole conversation's talker input (system turns skipped, user turns, the answer's prefix).
-- `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor).
+- `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor);
+  `greedy_frames` yields its codec frames one at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -38,9 +39,9 @@ from omnijax.models.encoders.common import dense
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 
-__all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "init_cache", "predict_codes", "predictor_logits",
-           "project_hidden", "project_text", "talker_chunk", "talker_logits", "talker_params", "talker_prompt",
-           "talker_step", "user_prompt"]
+__all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "greedy_frames", "init_cache", "predict_codes",
+           "predictor_logits", "project_hidden", "project_text", "talker_chunk", "talker_logits", "talker_params",
+           "talker_prompt", "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
 
@@ -392,6 +393,18 @@ def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, pos
         `(tokens [n] int32, codes [Q, n - 1] int32)`: the talker's tokens, stopping after `codec_eos_token_id`, and
         the frames of all but the last token (what the reference hands Code2Wav).
     """
+    tokens: list[int] = []
+    frames = list(greedy_frames(config, params, prompt, positions, trailing, tts_pad, max_new_tokens=max_new_tokens,
+                                suppress=suppress, page_size=page_size, tokens=tokens))
+    codes_out = np.stack(frames, axis=1) if frames else np.zeros((config.num_code_groups, 0), np.int32)
+    return np.asarray(tokens, np.int32), codes_out
+
+
+def greedy_frames(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,
+                  trailing: jax.Array, tts_pad: jax.Array, *, max_new_tokens: int, suppress: Sequence[int] = (),
+                  page_size: int = 64, tokens: list[int] | None = None) -> Iterator[np.ndarray]:
+    """`generate_greedy` one frame at a time: yields each codec frame `[Q]` int32 as soon as its talker step ran
+    (the prefill runs at the first `next`); the talker's tokens are appended to `tokens` when given."""
     mask = np.zeros((config.decoder.vocab_size,), bool)
     mask[list(suppress)] = True
     banned = jnp.asarray(mask)
@@ -399,11 +412,12 @@ def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, pos
     def pick(logits):
         return jnp.argmax(jnp.where(banned, -jnp.inf, logits), axis=-1).astype(jnp.int32)
 
+    tokens = [] if tokens is None else tokens
     T = prompt.shape[0]
     kv = init_cache(config, 1, T + max_new_tokens, page_size)
     kv, hidden, logits = _prefill(config, params, kv, prompt[None], jnp.asarray(positions, jnp.float32)[:, None])
     token = pick(logits)
-    tokens, frames = [int(token[0])], []
+    tokens.append(int(token[0]))
     start = int(np.max(np.asarray(positions))) + 1
     for step in range(max_new_tokens - 1):
         if tokens[-1] == config.codec_eos_token_id:
@@ -411,8 +425,6 @@ def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, pos
         row = trailing[step] if step < trailing.shape[0] else tts_pad
         kv, codes, hidden, logits = talker_step(config, params, kv, hidden, token, row[None],
                                                 jnp.asarray([start + step], jnp.int32))
-        frames.append(np.asarray(codes[0]))
         token = pick(logits)
         tokens.append(int(token[0]))
-    codes_out = np.stack(frames, axis=1) if frames else np.zeros((config.num_code_groups, 0), np.int32)
-    return np.asarray(tokens, np.int32), codes_out
+        yield np.asarray(codes[0])
