@@ -10,6 +10,7 @@ layout) plus a `spk_dict.pt` written with `torch.save` (reference mels in bfloat
 import contextlib
 import json
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -17,11 +18,13 @@ import pytest
 from flax import nnx
 
 import omnijax
+from omnijax.chat import SpeakOptions
 from omnijax.convert import convert_checkpoint
 from omnijax.errors import MissingTensorError
 from omnijax.models.family import SpeechOutput
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.qwen2_5_omni.voices import VoiceFileError, read_speaker_dict
+from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from tests.models.qwen2_5_omni import test_talker as T
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -208,3 +211,36 @@ def test_a_manifest_with_part_of_the_speech_output_is_refused(release, tmp_path)
     (out / "omnijax.json").write_text(json.dumps(manifest))
     with pytest.raises(omnijax.checkpoint.format.CheckpointFormatError, match="without \\['token2wav'\\]"):
         omnijax.load(out)
+
+
+# the tiny thinker's special ids (`omnijax.testing.checkpoints.tiny_token_ids(300)`; the byte alphabet needs the 256
+# ids below them, so the talker's text ids 250 .. 254 stay ordinary tokens here)
+SPECIALS = {"<|audio_pad|>": 290, "<|audio_start|>": 291, "<|audio_end|>": 292, "<|vision_start|>": 293,
+            "<|vision_end|>": 294, "<|image_pad|>": 295, "<|video_pad|>": 296, "<|endoftext|>": 297,
+            "<|im_start|>": IM_START, "<|im_end|>": IM_END}
+
+
+def test_spoken_answers_through_chat(release, tmp_path):
+    """`Chat.ask(..., speak=...)` on the converted release (with a tiny ChatML tokenizer): the text first, then PCM
+    slices (4 codec tokens' samples, then 5) whose concatenation is `speak` of the conversation's ids."""
+    src = tmp_path / "hf"
+    shutil.copytree(release[1] / "single", src)
+    write_tiny_tokenizer(src, vocab_size=300, special_tokens=SPECIALS, chat_template=CHATML_TEMPLATE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
+    chat = omnijax.Chat(model, omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=4))
+    items = list(chat.ask("Say hello.", max_tokens=6, speak=SpeakOptions(
+        voice="chelsie", max_speech_tokens=FRAMES, first_chunk=4, chunk=5)))
+    kinds = [isinstance(i, str) for i in items]
+    assert kinds == sorted(kinds, reverse=True), "text deltas come before the PCM chunks"
+    chunks = [i for i in items if not isinstance(i, str)]
+    spoken = chat.last_spoken
+    assert spoken.answer_ids and list(spoken.prompt_ids[:1]) == [IM_START]
+    want = S.speak(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=FRAMES)
+    per = model.speech.token2wav.config.samples_per_token
+    assert want.codes.size > 4 and [c.shape[0] for c in chunks[:1]] == [4 * per]
+    assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
+    np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
+    assert spoken.samples == want.pcm.shape[0]
