@@ -172,7 +172,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         tensors present.
 
     Raises:
-        UnsupportedConfigError: an attribute changes the math in a way the decoder does not implement.
+        UnsupportedConfigError: an attribute changes the math in a way the decoder does not implement (the talker's
+            and Token2Wav's of a full release with audio output included: `speech_configs`).
         ConfigError: a required attribute is missing or the values are inconsistent.
     """
     text, scope, tie = _text_config(hf_config)
@@ -202,7 +203,7 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         raise ConfigError(f"{scope} lacks required attribute(s) {missing}")
     heads, vocab = text["num_attention_heads"], text["vocab_size"]
     try:
-        return validate_config(DecoderConfig(
+        config = validate_config(DecoderConfig(
             vocab_size=vocab,
             hidden_size=text["hidden_size"],
             intermediate_size=text["intermediate_size"],
@@ -221,6 +222,9 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32") -> D
         ), hf_token_ids(text))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{scope}: {e}") from e
+    if has_speech_output(hf_config):  # the speech output's settings too, so the converter's first step refuses them
+        speech_configs(hf_config, config.hidden_size, dtype)
+    return config
 
 
 def default_eos(vocab_size: Any) -> tuple[int, ...]:

@@ -116,6 +116,43 @@ def test_a_release_without_its_voices_is_refused(release, tmp_path):
         read_speaker_dict(bad)
 
 
+@pytest.mark.parametrize("edit, error", [
+    (lambda c: c["talker_config"].update(use_flux=1), "talker_config.use_flux"),
+    (lambda c: c["talker_config"].update(embedding_size=32), "talker_config.embedding_size"),
+    (lambda c: c["token2wav_config"]["dit_config"].update(rope_parameters={"rope_type": "yarn"}), "rope"),
+    (lambda c: c.pop("talker_config"), "no 'talker_config'"),
+])
+def test_speech_configs_omnijax_cannot_honour_are_refused_by_name(release, tmp_path, edit, error):
+    src = tmp_path / "src"
+    shutil.copytree(release[1] / "single", src)
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(omnijax.errors.ConvertError, match=error):
+        convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None)
+    assert not (tmp_path / "out" / "omnijax.json").exists()
+
+
+def test_a_release_missing_its_talker_tensors_is_refused_by_name(release, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(release[1] / "single", src)
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith("talker.")}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(MissingTensorError, match=r"no talker\.\* tensors"):
+        convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None)
+    # with enable_audio_output false the same source converts, its token2wav.* tensors skipped and logged
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "enable_audio_output": False}))
+    said: list[str] = []
+    out = convert_checkpoint(src, tmp_path / "thinker_out", progress=False, log=said.append)
+    assert any("speech-output tensors" in line and "token2wav." in line for line in said), said
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        assert omnijax.load(out).speech is None
+
+
 @contextlib.contextmanager
 def _captured_talker(full):
     """Records what transformers' talker `generate` returns inside the full model's `generate`."""
