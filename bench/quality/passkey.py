@@ -45,6 +45,11 @@ def build_parser():
     p.add_argument("--chunk", type=int, default=128, help="tokens per streamed chunk")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recall", type=int, default=0, metavar="CELLS",
+                   help="also run each policy with question-time recall of evicted units "
+                        "(StreamConfig(recall=Recall(budget=CELLS))), as policy 'NAME+recall'; its pool grows by "
+                        "CELLS, so its device cells are the budget plus CELLS at the question (0: off)")
+    p.add_argument("--recall-units", type=int, default=8, help="most units one question recalls (--recall)")
     p.add_argument("--resume", action="store_true",
                    help="keep every row of --out's passkey.json (same --chunk) and run only the sessions it lacks")
     return p
@@ -91,6 +96,14 @@ def prompts(model, args):
     return out
 
 
+def with_recall(config, cells: int, units: int):
+    """`config` with question-time recall of `cells` cells (at most `units` units), its pool grown to hold them."""
+    from omnijax.retention.recall import Recall
+
+    extra = -(-cells // config.page_size)
+    return config.replace(num_pages=config.num_pages + extra, recall=Recall(budget=cells, top_units=units))
+
+
 def summarise(rows):
     """Accuracy per (mode, policy, budget, length) and per (mode, policy, budget)."""
     cells = defaultdict(list)
@@ -130,7 +143,7 @@ def print_tables(rows, args, policies):
 def _limits(policies):
     from bench.quality._stream import TEXT_ONLY_LIMITS
 
-    return {k: v for k, v in TEXT_ONLY_LIMITS.items() if k in policies}
+    return {k: v for k, v in TEXT_ONLY_LIMITS.items() if k in {p.removesuffix("+recall") for p in policies}}
 
 
 def plot(rows, args, policies, out):
@@ -160,6 +173,10 @@ def main(argv=None):
     from bench.quality import _stream
 
     policies = args.policies or list(_stream.POLICIES)
+    if args.recall < 0:
+        raise SystemExit(f"--recall must be >= 0 cells, got {args.recall}")
+    if args.recall:
+        policies = policies + [f"{name}+recall" for name in policies if name != "no_slide"]
     import omnijax
 
     model = omnijax.load(source.checkpoint)
@@ -176,19 +193,22 @@ def main(argv=None):
     for length in args.lengths:  # shortest first: a run stopped early keeps whole short-length tables
         for budget in args.budgets:
             for name in policies:
-                policy = _stream.policy_at(name, budget)
+                base_name, recall = name.removesuffix("+recall"), name.endswith("+recall")
+                policy = _stream.policy_at(base_name, budget)
                 for (mode, plen, depth, i), prompt in all_prompts.items():
                     if plen != length or (mode, name, budget, length, depth, i) in done_keys:
                         continue
                     config = _stream.stream_config(policy, tokens=prompt.tokens, budget=budget, chunk=args.chunk,
                                                    page_size=args.page_size)
+                    if recall:
+                        config = with_recall(config, args.recall, args.recall_units)
                     o = _stream.run_session(model, prompt, config, pad_to=args.chunk)
                     done += 1
                     rows.append(dict(mode=mode, policy=name, budget=budget, length=length, tokens=prompt.tokens,
                                      depth=depth, key_index=i, key=prompt.key, answer=o.answer, correct=o.correct,
                                      peak_cells=o.peak_cells, mean_cells=o.mean_cells, final_cells=o.final_cells,
                                      key_cells_kept=o.key_cells_kept, key_cells=o.key_cells, seconds=o.seconds,
-                                     note=_stream.TEXT_ONLY_LIMITS.get(name)))
+                                     note=_stream.TEXT_ONLY_LIMITS.get(base_name)))
                     # every row as it comes: a run stopped early keeps what it measured (`--resume` goes on)
                     harness.write_json(out, "passkey", dict(header, complete=False, rows=rows))
                     print(f"  [{done}/{total}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "

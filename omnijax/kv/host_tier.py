@@ -141,11 +141,19 @@ def _take(kv: PagedKV, flat: np.ndarray) -> dict[str, np.ndarray]:
     if flat.size == 0:
         return {"k": np.zeros((L, 0, G, d), kv.k.dtype), "v": np.zeros((L, 0, G, d), kv.v.dtype),
                 "pos": np.zeros((kv.pos.shape[0], 0), np.int32), **{f: np.zeros(0, np.int32) for f in _FIELDS[3:]}}
-    at = jnp.asarray(flat, jnp.int32)
-    return jax.device_get({"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
-                           "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],
-                           "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at],
-                           "order": kv.order.reshape(-1)[at]})
+    n = flat.size
+    at = np.zeros(1 << (n - 1).bit_length(), np.int32)  # a power of two: one compiled gather per size bucket
+    at[:n] = flat
+    got = jax.device_get(_gather(kv, jnp.asarray(at)))
+    return {f: x[:, :n] if f in ("k", "v", "pos") else x[:n] for f, x in got.items()}
+
+
+@jax.jit
+def _gather(kv: PagedKV, at: jax.Array) -> dict[str, jax.Array]:
+    L, N, P, G, d = kv.k.shape
+    return {"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
+            "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],
+            "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at], "order": kv.order.reshape(-1)[at]}
 
 
 def _group(host: dict[str, np.ndarray]) -> list[UnitKV]:

@@ -20,9 +20,11 @@ the question then sees exactly the keys a full-context cache holds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -131,30 +133,43 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
                 u.k.shape[3] != kv.k.shape[4]:
             raise ValueError(f"unit {u.unit}: k {u.k.shape} / pos {u.pos.shape} do not fit the cache's "
                              f"[L, G, n, d] = {kv.k.shape[0], kv.k.shape[3], '*', kv.k.shape[4]} with {A} axes")
-    theta, section = rope
     if at_original:
         new_pos, cursor = [u.pos for u in units], int(next_pos[seq])
-        k = jnp.concatenate([jnp.asarray(u.k) for u in units], axis=2)  # [L, G, T, d]
     else:
         new_pos, cursor = recall_positions(units, int(next_pos[seq]))
-        k = jnp.concatenate([rerotate(u.k, u.pos, p, theta=theta, mrope_section=section, interleaved=interleaved)
-                             for u, p in zip(units, new_pos)], axis=2)  # [L, G, T, d]
-    v = jnp.concatenate([jnp.asarray(u.v) for u in units], axis=2)
-    T, B = k.shape[2], kv.batch
+    # Host arrays padded to a power of two of tokens: one compiled write per size bucket, whatever the units' sizes.
+    T = sum(u.size for u in units)
+    pad = 1 << max(0, (T - 1).bit_length())
+
+    def cat(parts, axis):
+        x = np.concatenate(parts, axis=axis)
+        return np.pad(x, [(0, pad - T) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)])
+
+    kv = _write(kv, cat([u.k for u in units], 2), cat([u.v for u in units], 2), cat([u.pos for u in units], 1),
+                cat(new_pos, 1), cat([np.full(u.size, u.unit, np.int32) for u in units], 0),
+                cat([u.span for u in units], 0), cat([u.offset for u in units], 0), np.arange(pad) < T,
+                jnp.int32(seq), rope=(rope[0], rope[1], interleaved), turn=not at_original)
+    return kv, jnp.asarray(next_pos).at[seq].set(cursor)
+
+
+@functools.partial(jax.jit, static_argnames=("rope", "turn"))
+def _write(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid, seq, *, rope, turn: bool) -> PagedKV:
+    """`recall_into`'s device part: `k, v [L, G, T, d]` re-rotated from `from_pos` to `to_pos` (`turn`) and appended
+    to sequence `seq` where `valid [T]`."""
+    theta, section, interleaved = rope
+    if turn:
+        k = rerotate(k, from_pos, to_pos, theta=theta, mrope_section=section, interleaved=interleaved)
+    B, T = kv.batch, valid.shape[0]
     rows = jnp.arange(B) == seq
 
     def batched(x):  # [L, G, T, d] -> [L, B, T, G, d], zeros outside `seq`
         x = jnp.swapaxes(x, 1, 2)[:, None]
         return jnp.where(rows[None, :, None, None, None], x, 0).astype(kv.k.dtype)
 
-    def per_seq(x, fill=0):  # [..., T] -> [..., B, T]
-        x = jnp.asarray(x)[..., None, :]
-        return jnp.where(rows[:, None], x, fill)
+    def per_seq(x):  # [..., T] -> [..., B, T]
+        return jnp.where(rows[:, None], jnp.asarray(x)[..., None, :], 0)
 
-    meta = SlotMeta(pos=per_seq(np.concatenate(new_pos, axis=1)),
-                    unit=per_seq(np.concatenate([np.full(u.size, u.unit, np.int32) for u in units])),
-                    span=per_seq(np.concatenate([u.span for u in units])),
-                    offset=per_seq(np.concatenate([u.offset for u in units])))
-    token_valid = jnp.broadcast_to(rows[:, None], (B, T))
+    meta = SlotMeta(pos=per_seq(to_pos), unit=per_seq(unit), span=per_seq(span), offset=per_seq(offset))
+    token_valid = rows[:, None] & valid[None, :]
     kv, _ = append(kv, batched(k), batched(v), token_valid, meta)
-    return kv, jnp.asarray(next_pos).at[seq].set(cursor)
+    return kv
