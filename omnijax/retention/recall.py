@@ -159,7 +159,7 @@ def _write(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid, seq, 
     theta, section, interleaved = rope
     if turn:
         k = rerotate(k, from_pos, to_pos, theta=theta, mrope_section=section, interleaved=interleaved)
-    B, T = kv.batch, valid.shape[0]
+    B = kv.batch
     rows = jnp.arange(B) == seq
 
     def batched(x):  # [L, G, T, d] -> [L, B, T, G, d], zeros outside `seq`
