@@ -52,6 +52,7 @@ from omnijax.serve.chat_request import (
     ChatRequest,
     Part,
     build_prompt,
+    parse_body,
     parse_chat_request,
 )
 from omnijax.serve.engine.admission import Overloaded
@@ -80,7 +81,8 @@ if TYPE_CHECKING:
 
 # The routes, and the request and response codecs re-exported beside them.
 __all__ = ["MAX_MESSAGES", "MAX_PARTS", "ChatRequest", "Part", "chat_completions", "completion", "completion_chunk",
-           "error_body", "model", "model_object", "models", "models_list", "parse_chat_request", "usage"]
+           "error_body", "model", "model_object", "models", "models_list", "parse_body", "parse_chat_request",
+           "usage"]
 
 log = logging.getLogger("omnijax.serve")
 
