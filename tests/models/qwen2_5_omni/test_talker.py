@@ -136,9 +136,12 @@ def test_talker_logits_equal_transformers(pair):
     _close(ours, want, "talker logits")
 
 
-def test_greedy_generation_equals_transformers(pair):
+@pytest.mark.parametrize("penalty", [1.05, 1.3])
+def test_greedy_generation_equals_transformers(pair, penalty):
     """Given thinker rows (prompt, answer), the talker's greedy tokens equal transformers' talker `generate` as the
-    full model's `generate` calls it (codec pad / bos added to the last two prefill rows inside its forward)."""
+    full model's `generate` calls it (codec pad / bos added to the last two prefill rows inside its forward), with
+    the default repetition penalty (which changes no token on these weights) and a stronger one that does (over the
+    prompt's codec mask ids too)."""
     full, config, params = pair
     rng = np.random.default_rng(4)
     T0, N, Dt = 7, 5, config.embedding_size
@@ -154,13 +157,17 @@ def test_greedy_generation_equals_transformers(pair):
             input_text_ids=torch.as_tensor(np.concatenate([ids[:T0], [VOICE_BOS["Chelsie"]], ids[T0:]])[None]),
             inputs_embeds=torch.from_numpy(np.concatenate([rows[:T0], bos[None], rows[T0:T0 + 1]])[None].copy()),
             thinker_reply_part=torch.from_numpy(np.concatenate([rows[T0 + 1:], eos[None], pad[None]])[None].copy()),
-            suppress_tokens=[config.codec_bos_id], do_sample=False, repetition_penalty=1.05, eos_token_id=STOP,
+            suppress_tokens=[config.codec_bos_id], do_sample=False, repetition_penalty=penalty, eos_token_id=STOP,
             max_new_tokens=max_new)[0, T0 + 2:].numpy()
     prefill, trailing = F.talker_prompt(config, params, jnp.asarray(embeds), jnp.asarray(hidden), T0,
                                         jnp.asarray(bos), jnp.asarray(eos))
-    ours = F.generate_greedy(config, params, prefill, np.broadcast_to(np.arange(T0 + 2), (3, T0 + 2)), trailing,
-                             jnp.asarray(pad), prompt_ids=[config.codec_mask_id] * T0 + [58, 59],
-                             max_new_tokens=max_new, repetition_penalty=1.05, suppress=[config.codec_bos_id])
+    def ours(p):
+        return F.generate_greedy(config, params, prefill, np.broadcast_to(np.arange(T0 + 2), (3, T0 + 2)), trailing,
+                                 jnp.asarray(pad), prompt_ids=[config.codec_mask_id] * T0 + [58, 59],
+                                 max_new_tokens=max_new, repetition_penalty=p, suppress=[config.codec_bos_id])
+
     assert len(want) >= 6 and len(set(want.tolist())) > 2, want
-    np.testing.assert_array_equal(ours, want)
-    assert config.codec_bos_id not in ours.tolist()
+    np.testing.assert_array_equal(ours(penalty), want)
+    assert config.codec_bos_id not in want.tolist()
+    if penalty > 1.1:  # the penalty is exercised: without it the tokens differ
+        assert (ours(1.0) != want).any()
