@@ -433,21 +433,6 @@ def talker_component(config: TalkerConfig) -> Component:
                      layer_sets=base.layer_sets)
 
 
-def read_voices(directory: Path) -> dict[str, voices_lib.Voice]:
-    """The voices of a release directory (`spk_dict.pt`, read without torch).
-
-    Raises:
-        MissingTensorError: the directory has no `spk_dict.pt` (transformers refuses such a release too).
-        VoiceFileError: the file cannot be read.
-    """
-    path = Path(directory) / voices_lib.SPEAKER_FILE
-    if not path.is_file():
-        raise MissingTensorError(f"{path} not found: a Qwen2.5-Omni release with audio output ships its voices in "
-                                 f"{voices_lib.SPEAKER_FILE} (a release without speech output sets "
-                                 "enable_audio_output false)")
-    return voices_lib.read_speaker_dict(path)
-
-
 # ------------------------------------------------------------------------------------------------------ conversion
 
 
@@ -485,7 +470,7 @@ def convert_params(ckpt: SafetensorsCheckpoint, hf_config: Mapping[str, Any], *,
     encoders = encoder_components(hf_config, dtype)
     components = [decoder_component(config)] + [component for component, _ in encoders.values()]
     speech = speech_configs(hf_config, config.hidden_size, dtype) if has_speech_output(hf_config) else None
-    voices = read_voices(ckpt.directory) if speech is not None else None
+    voices = voices_lib.read_release_voices(ckpt.directory) if speech is not None else None
     if speech is not None:
         for prefix in SPEECH_OUTPUT_PREFIXES:
             if not any(n.startswith(prefix) for n in names):

@@ -22,10 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from omnijax.errors import ConvertError
+from omnijax.errors import ConvertError, MissingTensorError
 
-__all__ = ["SPEAKER_FILE", "Voice", "VoiceFileError", "read_speaker_dict", "voices_abstract", "voices_from_tree",
-           "voices_to_component"]
+__all__ = ["SPEAKER_FILE", "Voice", "VoiceFileError", "read_release_voices", "read_speaker_dict", "voices_abstract",
+           "voices_from_tree", "voices_to_component"]
 
 SPEAKER_FILE = "spk_dict.pt"
 
@@ -138,6 +138,20 @@ def read_speaker_dict(path: str | Path) -> dict[str, Voice]:
                                  f"{bos!r}; expected [E] (or [1, E]), [T, M] (or [1, T, M]) and an integer")
         voices[str(name)] = Voice(str(name), cond, ref, int(bos))
     return voices
+
+
+def read_release_voices(directory: str | Path) -> dict[str, Voice]:
+    """The voices of a release directory (its `spk_dict.pt`, `read_speaker_dict`).
+
+    Raises:
+        MissingTensorError: the directory has no `spk_dict.pt` (transformers refuses such a release too).
+        VoiceFileError: the file cannot be read.
+    """
+    path = Path(directory) / SPEAKER_FILE
+    if not path.is_file():
+        raise MissingTensorError(f"{path} not found: a Qwen2.5-Omni release with audio output ships its voices in "
+                                 f"{SPEAKER_FILE} (a release without speech output sets enable_audio_output false)")
+    return read_speaker_dict(path)
 
 
 def voices_to_component(voices: dict[str, Voice]) -> tuple[dict[str, Any], dict[str, Any]]:
