@@ -109,13 +109,14 @@ def parse_audio_output(body: Any, model: OmniModel, model_name: str) -> AudioOut
 
 
 def parse_with_audio(body: bytes, context: ServeContext) -> tuple[ChatRequest, AudioOutput | None]:
-    """The chat request of a body and its audio output (blocking: run it in a worker thread). `modalities` and
-    `audio` are read here and taken out of what `parse_payload` checks (which refuses them as text-only fields)."""
+    """The chat request of a body and its audio output (blocking: run it in a worker thread). The request is
+    checked first (`parse_payload`: the model, then every other field), without `modalities` and `audio`, which are
+    read here (`parse_payload` alone refuses them as text-only fields)."""
     payload = json_payload(body)
+    if not isinstance(payload, dict):
+        return parse_payload(payload, context), None  # refused there, naming the problem
+    req = parse_payload({k: v for k, v in payload.items() if k not in ("modalities", "audio")}, context)
     audio = parse_audio_output(payload, context.model, context.options.model_name)
-    if isinstance(payload, dict):
-        payload = {k: v for k, v in payload.items() if k not in ("modalities", "audio") or audio is None}
-    req = parse_payload(payload, context)
     if audio is not None:
         check_spoken_request(req)
     return req, audio

@@ -173,3 +173,14 @@ def test_a_checkpoint_without_a_talker_refuses_audio_output(served):
         so.parse_audio_output(body, mute, "omnijax")
     assert e.value.param == "modalities" and "has no speech output" in str(e.value) and e.value.status == 400
     assert so.parse_audio_output({"modalities": ["text"]}, mute, "omnijax") is None
+
+
+def test_the_request_is_checked_before_its_audio_and_text_stays_the_default(served):
+    server = served[3]
+    with pytest.raises(openai.NotFoundError) as e:  # the model first, as every other request
+        _client(server).chat.completions.create(model="gpt-4o-audio-preview", messages=QUESTION, max_tokens=2,
+                                                modalities=["text", "audio"],
+                                                audio={"voice": "alloy", "format": "wav"})
+    assert e.value.body["param"] == "model"
+    message = _ask(server, modalities=["text"]).choices[0].message
+    assert message.audio is None and message.content is not None
