@@ -15,11 +15,13 @@ device mesh, questions scored by the generated letter and by log-likelihood) ove
 
     python -m bench.omnitide.omnitide_figures --checkpoint CKPT --video-root VIDEOS --mesh 8x1 --out fig/  # both
     python -m bench.omnitide.omnitide_figures --checkpoint CKPT --figure 14 --watermarks 5000/3500 8000/6000
+    python -m bench.omnitide.omnitide_figures --checkpoint CKPT --figure 13 --fig13-configs no-slide OmniPick
     python -m bench.omnitide.omnitide_figures --smoke                                          # the demo model
 
 Writes `omnitide_figures.json` (each configuration's summary: accuracy per task type, session time, KV figures),
 `omnitide_fig13.png` / `omnitide_fig14.png`, and prints a table. With the demo model accuracy is chance level: the
-smoke run checks the pipeline, not the numbers.
+smoke run (3 units of one video; Fig. 13's no-slide and H2O, Fig. 14's 64/48 pair) checks the pipeline, not the
+numbers.
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ FIG13 = {"no-slide": "full", "basic": "unit_fifo", "token-basic": "token_sliding
 WATERMARKS = ("2500/1800", "5000/3500", "8000/6000", "9000/7000", "20000/15000")
 
 
-def configurations(figure: str, watermarks) -> dict[str, str]:
-    """Label -> `streamingbench.parse_config` spec of the configurations a figure needs."""
-    out = dict(FIG13) if figure in ("13", "both") else {}
+def configurations(figure: str, watermarks, fig13=None) -> dict[str, str]:
+    """Label -> `streamingbench.parse_config` spec of the configurations a figure needs (`fig13`: the labels of
+    Fig. 13's configurations to run, default all of `FIG13`)."""
+    if fig13 is not None and figure == "14":
+        raise ValueError("--fig13-configs picks Fig. 13's configurations, and --figure 14 runs none of them")
+    if fig13 is not None:
+        unknown = [label for label in fig13 if label not in FIG13]
+        if unknown or not fig13:
+            raise ValueError(f"--fig13-configs takes labels of {', '.join(FIG13)}; got {', '.join(unknown) or 'none'}")
+    out = {label: spec for label, spec in FIG13.items() if fig13 is None or label in fig13} \
+        if figure in ("13", "both") else {}
     if figure in ("14", "both"):
         out.setdefault("no-slide", "full")
         for pair in watermarks:
@@ -91,6 +101,8 @@ def main(argv=None) -> int:
     what.add_argument("--demo", action="store_true", help="the tiny random demo model (accuracy meaningless)")
     p.add_argument("--figure", choices=["13", "14", "both"], default="both")
     p.add_argument("--watermarks", nargs="+", default=list(WATERMARKS), help="Fig. 14's HIGH/LOW pairs")
+    p.add_argument("--fig13-configs", nargs="+", metavar="LABEL",
+                   help=f"Fig. 13's configurations to run (default all: {', '.join(FIG13)})")
     p.add_argument("--data", help="StreamingBench annotation directory (default: the packaged files)")
     p.add_argument("--files", nargs="*", help="annotation files to use (default: all)")
     p.add_argument("--video-root", help="directory the records' video_path is relative to (else synthetic media)")
@@ -101,8 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="DATAxMODEL, e.g. 8x1 (default: one device)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--scorer", choices=["generated", "loglik"], default="generated")
+    # --smoke: Fig. 13's no-slide and H2O (the one configuration on the reference attention) and one watermark pair
+    # that trims, so both figures, both attention paths and a trim run; the other policies run in their own tests
     args = harness.parse(p, argv, smoke=dict(demo=True, max_videos=1, max_units=3, page_size=16, figure="both",
-                                             watermarks=["64/48"], files=["questions_real.json"]))
+                                             watermarks=["64/48"], files=["questions_real.json"],
+                                             fig13_configs=["no-slide", "H2O"]))
     import omnijax
     from omnijax import EvalConfig, StreamConfig
     from omnijax.eval import annotations as ann
@@ -113,7 +128,7 @@ def main(argv=None) -> int:
     if not (args.checkpoint or args.demo):
         p.error("give --checkpoint CKPT or --demo")
     try:
-        labels = configurations(args.figure, args.watermarks)
+        labels = configurations(args.figure, args.watermarks, args.fig13_configs)
         # H2O ranks tokens by the attention mass they receive, which only the reference attention computes
         configs = [EvalConfig(spec, StreamConfig.parse(spec, max_answer_tokens=args.answer_tokens,
                                                        page_size=args.page_size,
