@@ -182,14 +182,14 @@ def test_chat_cli_writes_the_conversation_speech_to_a_wav(release, tmp_path):
     np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), want)
 
 
-@pytest.mark.parametrize("more, says", [
-    (["--speak", "x.wav"], "has no speech output"),
-    (["--voice", "ethan"], "--voice needs --speak"),
-    (["--speak", "x.mp3"], "ending in .wav"),
+@pytest.mark.parametrize("checkpoint, more, says", [
+    ("hf_thinker_omnijax", ["--speak", "x.wav"], "has no speech output"),
+    ("hf_omnijax", ["--speak", "x.wav", "--voice", "aiden"], "unknown voice 'aiden'"),
+    ("hf_omnijax", ["--voice", "ethan"], "--voice needs --speak"),
+    ("hf_omnijax", ["--speak", "x.mp3"], "ending in .wav"),
 ])
-def test_chat_cli_refuses_what_it_cannot_speak(release, tmp_path, capsys, more, says):
-    root = release[0]
-    checkpoint = root / ("hf_thinker_omnijax" if "x.wav" in more else "hf_omnijax")
+def test_chat_cli_refuses_what_it_cannot_speak(release, tmp_path, capsys, checkpoint, more, says):
+    checkpoint = release[0] / checkpoint
     status = commands.main("chat", [str(checkpoint), *[str(tmp_path / m) if m.startswith("x.") else m for m in more]])
     assert status == 1 and says in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
