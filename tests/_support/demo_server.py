@@ -63,7 +63,8 @@ def transformers_logprobs() -> Callable[[Sequence[int]], np.ndarray]:
     return logprobs
 
 @contextlib.contextmanager
-def demo_server(directory: Path | None = None, *, decoding: Any = None, **options: Any) -> Iterator[Any]:
+def demo_server(directory: Path | None = None, *, decoding: Any = None, structured_warmup: bool = False,
+                **options: Any) -> Iterator[Any]:
     """Serves the demo checkpoint: SinkWindow(4, 48) over a 32 x 16 pool, tau 2, T 8, one batch bucket of 4, no
     AIMD, warmed up for 4 sessions; `options` are `ServeOptions` fields (port 0 and a 250 ms frame budget unless
     given); `decoding` replaces the engine's decoding strategy. Yields the `BackgroundServer`.
@@ -72,6 +73,9 @@ def demo_server(directory: Path | None = None, *, decoding: Any = None, **option
         directory: where to write the demo checkpoint; None (the usual): the one this process shares
             (`demo_model`).
         decoding: the engine's decoding strategy (default: the stream's greedy one).
+        structured_warmup: also make structured output ready at start (what `omnijax serve` does; off here: it
+            costs every server a tokenizer build and a tick, and the first `response_format` request of a test
+            then compiles its program as before; tests/serve/test_warmup_structured.py tests the warm-up itself).
         **options: `ServeOptions` fields.
     """
     import omnijax
@@ -85,6 +89,6 @@ def demo_server(directory: Path | None = None, *, decoding: Any = None, **option
         stream = stream.replace(decoding=decoding)
     context = build_context(model, options=ServeOptions(**{"port": 0, "frame_ms": FRAME_MS, **options}),
                             stream=stream, chunk_tokens=8, buckets=(4,), aimd_target=0)
-    warm_up(context, 4)
+    warm_up(context, 4, structured=structured_warmup)
     with BackgroundServer(context) as server:
         yield server
