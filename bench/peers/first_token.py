@@ -15,8 +15,8 @@ Both answer "What is the capital of France?" after the same system prompt, greed
 side by side. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process on a
 shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs (converted once into
 `<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader + `save_pretrained`); `--smoke`:
-a tiny random llama GGUF, one round, and the warm side reads the smoke run's persistent cache unprimed (a check that
-the script runs, not a measurement).
+a tiny random llama GGUF, one round, a 16-token answer, and the warm side reads the smoke run's persistent cache
+unprimed (a check that the script runs, not a measurement).
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -41,10 +41,10 @@ SIDES = ("omnijax_warm", "omnijax_cold", "transformers")
 STAGES = ("imported", "loaded", "first_token", "answered")
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
-MAX_TOKENS = 32
+MAX_TOKENS = 32  # the answer's length (--max-tokens)
 
 
-def _omnijax(model_dir: Path, cache: str, marks: dict) -> str:
+def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
     import omnijax
     from omnijax.retention import OmniPick
 
@@ -57,14 +57,14 @@ def _omnijax(model_dir: Path, cache: str, marks: dict) -> str:
     chat = omnijax.Chat(model, config)
     chat.system(SYSTEM)
     answer = []
-    for delta in chat.ask(QUESTION, max_tokens=MAX_TOKENS):
+    for delta in chat.ask(QUESTION, max_tokens=max_tokens):
         if delta and "first_token" not in marks:
             marks["first_token"] = time.time()
         answer.append(delta)
     return "".join(answer)
 
 
-def _transformers(model_dir: Path, marks: dict) -> str:
+def _transformers(model_dir: Path, marks: dict, max_tokens: int) -> str:
     import torch
     import transformers
 
@@ -88,17 +88,17 @@ def _transformers(model_dir: Path, marks: dict) -> str:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
-        out = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False, streamer=FirstToken())
+        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, streamer=FirstToken())
     return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def worker(side: str, models: Path, cache: str) -> dict:
+def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -> dict:
     """One chat turn in this process; returns the wall-clock time of each stage and the answer."""
     marks: dict[str, float] = {}
     if side == "transformers":
-        answer = _transformers(models / "hf", marks)
+        answer = _transformers(models / "hf", marks, max_tokens)
     else:
-        answer = _omnijax(models / "omnijax", cache, marks)
+        answer = _omnijax(models / "omnijax", cache, marks, max_tokens)
     marks["answered"] = time.time()
     return {"marks": marks, "answer": answer}
 
@@ -122,15 +122,15 @@ def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = No
         (models / name / ".complete").touch()
 
 
-def run_one(side: str, models: Path, cache: str) -> dict:
+def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -> dict:
     """`side`'s chat turn in a fresh process: seconds from the process's start to each stage."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # each omnijax side names its own cache
     load = os.getloadavg()[0]
     start = time.time()
     done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
-                                                 cache), cwd=harness.ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
+                                                 cache, "--max-tokens", max_tokens),
+                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
     exited = time.time()
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -146,11 +146,16 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)  # one chat turn in this process
     p.add_argument("--models", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
-    args = harness.parse(p, argv, smoke={"rounds": 1})
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help=f"the answer's length in tokens, both sides (default {MAX_TOKENS})")
+    # --smoke: one 16-token answer block (omnijax's answer block size), so the cold side compiles no continuation step
+    args = harness.parse(p, argv, smoke={"rounds": 1, "max_tokens": 16})
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.worker:
-        print(json.dumps(worker(args.worker, Path(args.models), args.cache)))
+        print(json.dumps(worker(args.worker, Path(args.models), args.cache, args.max_tokens)))
         return 0
     out = harness.output_dir(args)
     with tempfile.TemporaryDirectory(prefix="first_token_") as tmp:
@@ -171,13 +176,13 @@ def main(argv=None) -> int:
         else:
             warm_cache = str(work / "warm_cache")
             print("priming the warm cache", flush=True)
-            run_one("omnijax_warm", models, warm_cache)
+            run_one("omnijax_warm", models, warm_cache, args.max_tokens)
         rows = []
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
                 cache = warm_cache if side == "omnijax_warm" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
-                row = dict(run_one(side, models, cache), round=r)
+                row = dict(run_one(side, models, cache, args.max_tokens), round=r)
                 rows.append(row)
                 print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s "
                       f"(imported {row['imported_s']:.2f}, loaded {row['loaded_s']:.2f}), load avg "
@@ -195,7 +200,8 @@ def main(argv=None) -> int:
     for s in SIDES:
         print(f"  {s}: {answers[s]!r}")
     harness.write_json(out, "first_token", {
-        "gguf": gguf_path.name, "smoke": bool(args.smoke), "rounds": args.rounds, "question": QUESTION,
+        "gguf": gguf_path.name, "smoke": bool(args.smoke), "rounds": args.rounds, "max_tokens": args.max_tokens,
+        "question": QUESTION,
         "rows": rows, "median_s": summary, "first_token_ratio_over_transformers": ratio, "answers": answers})
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
