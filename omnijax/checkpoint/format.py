@@ -288,9 +288,11 @@ def quantized_abstract(abstract_pure_dict: dict, quantization: dict[str, tuple[S
         if name not in quantization:
             return leaf
         scheme, scale_dtype, offset_dtype = quantization[name]
+        if len(leaf.shape) < 2:
+            raise CheckpointFormatError(f"quantised parameter {name!r} of shape {tuple(leaf.shape)} is not a matrix")
         *lead, rows, cols = leaf.shape
         g = scheme.group_size(rows)
-        if len(leaf.shape) < 2 or rows % g or rows % 2:
+        if rows % g or (scheme.bits == 4 and rows % 2):
             raise CheckpointFormatError(f"quantised parameter {name!r}: group size {g} does not divide its input "
                                         f"width {rows}")
         parts = {"values": jax.ShapeDtypeStruct((*lead, rows // 2 if scheme.bits == 4 else rows, cols),

@@ -116,6 +116,9 @@ def test_stored_quantized_arrays_round_trip_bit_for_bit(tmp_path):
     (lambda q: q["layers.q_proj"].update(group_size=48), "group size must be one of"),
     (lambda q: q["layers.q_proj"].update(scale_dtype="int8"), "scale/offset dtypes"),
     (lambda q: q.update({"layers.nope": {"scheme": "int8", "scale_dtype": "float32"}}), "nope"),
+    (lambda q: q["layers.down_proj"].update(group_size=64), "group size 64 does not divide its input width 96"),
+    (lambda q: q.update({"final_norm": {"scheme": "int8", "scale_dtype": "float32"}}),
+     "'final_norm' of shape .* is not a matrix"),
 ])
 def test_load_refuses_an_unknown_scheme_by_name(src, tmp_path, edit, needle):
     """A manifest naming a scheme (or group size, dtype, parameter) this omnijax does not know is refused by name
