@@ -151,23 +151,34 @@ def test_greedy_generation_equals_transformers(pair, penalty):
     rows = embeds + hidden
     ids = rng.integers(0, 200, T0 + 1)  # the talker's text ids only feed get_rope_index (text: consecutive)
     max_new = 12
-    with torch.no_grad():
-        want = full.talker.generate(
-            input_ids=torch.as_tensor([[config.codec_mask_id] * T0 + [config.codec_pad_id, config.codec_bos_id]]),
-            input_text_ids=torch.as_tensor(np.concatenate([ids[:T0], [VOICE_BOS["Chelsie"]], ids[T0:]])[None]),
-            inputs_embeds=torch.from_numpy(np.concatenate([rows[:T0], bos[None], rows[T0:T0 + 1]])[None].copy()),
-            thinker_reply_part=torch.from_numpy(np.concatenate([rows[T0 + 1:], eos[None], pad[None]])[None].copy()),
-            suppress_tokens=[config.codec_bos_id], do_sample=False, repetition_penalty=penalty, eos_token_id=STOP,
-            max_new_tokens=max_new)[0, T0 + 2:].numpy()
+
+    def reference(stop):
+        with torch.no_grad():
+            return full.talker.generate(
+                input_ids=torch.as_tensor([[config.codec_mask_id] * T0 + [config.codec_pad_id, config.codec_bos_id]]),
+                input_text_ids=torch.as_tensor(np.concatenate([ids[:T0], [VOICE_BOS["Chelsie"]], ids[T0:]])[None]),
+                inputs_embeds=torch.from_numpy(np.concatenate([rows[:T0], bos[None], rows[T0:T0 + 1]])[None].copy()),
+                thinker_reply_part=torch.from_numpy(np.concatenate([rows[T0 + 1:], eos[None], pad[None]])[None]
+                                                    .copy()),
+                suppress_tokens=[config.codec_bos_id], do_sample=False, repetition_penalty=penalty, eos_token_id=stop,
+                max_new_tokens=max_new)[0, T0 + 2:].numpy()
+
     prefill, trailing = F.talker_prompt(config, params, jnp.asarray(embeds), jnp.asarray(hidden), T0,
                                         jnp.asarray(bos), jnp.asarray(eos))
-    def ours(p):
-        return F.generate_greedy(config, params, prefill, np.broadcast_to(np.arange(T0 + 2), (3, T0 + 2)), trailing,
+
+    def ours(p, c=config):
+        return F.generate_greedy(c, params, prefill, np.broadcast_to(np.arange(T0 + 2), (3, T0 + 2)), trailing,
                                  jnp.asarray(pad), prompt_ids=[config.codec_mask_id] * T0 + [58, 59],
                                  max_new_tokens=max_new, repetition_penalty=p, suppress=[config.codec_bos_id])
 
-    assert len(want) >= 6 and len(set(want.tolist())) > 2, want
+    want = reference(STOP)
+    assert len(want) == max_new and len(set(want.tolist())) > 2, want  # (no stop id came: cut at max_new_tokens)
     np.testing.assert_array_equal(ours(penalty), want)
     assert config.codec_bos_id not in want.tolist()
     if penalty > 1.1:  # the penalty is exercised: without it the tokens differ
         assert (ours(1.0) != want).any()
+    # the stop ids end the speech (after the stop token, as transformers' eos): the end id made one that comes
+    stop_at = int(want[4])
+    early = reference([config.codec_pad_id, stop_at])
+    assert len(early) == 5
+    np.testing.assert_array_equal(ours(penalty, config.replace(codec_eos_id=stop_at)), early)
