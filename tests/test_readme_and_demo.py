@@ -16,22 +16,27 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from omnijax import demo
-from omnijax.demo import install, smollm2
+from omnijax.demo import install, passkey, smollm2
+from omnijax.models.tokenizer import load_tokenizer
 from omnijax.testing import checkpoints
 from tests._support import real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BIN = Path(sys.executable).parent
-# The demo in tests: its real-model part as `make demo` runs it (the README's chat shares its OmniPick session's
-# compiled steps), a shorter omni session.
-DEMO_ARGS = ["--units", "6", "--high", "240", "--low", "160"]
+# The demo in tests: its real-model part with a shorter conversation through a smaller cache (the demo's documented
+# `--exchanges` and `--budget`: 6 exchanges, 329 tokens, past a 256-cell budget well before the question, so both
+# bounded caches trim before it as `make demo`'s 15 exchanges past 512 cells do; each turn is one compiled step, so
+# the three runs take 15 steps each instead of 33), and a shorter omni session.
+EXCHANGES, BUDGET = 6, 256
+DEMO_ARGS = ["--exchanges", str(EXCHANGES), "--budget", str(BUDGET), "--units", "6", "--high", "240", "--low", "160"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def demo_run(tmp_path_factory):
     with contextlib.redirect_stdout(printed):
         assert demo.main(["--out", str(cwd / "demo_out"), "--model-dir", str(ckpt), *DEMO_ARGS]) == 0
     (cwd / "demo_out" / "smollm2").symlink_to(ckpt, target_is_directory=True)
-    return cwd, printed.getvalue()
+    return cwd, printed.getvalue(), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,12 @@ def test_demo_real_model_answers_and_only_omnipick_keeps_turn_one(demo_run):
     rows = _rows(printed, ("NoSlide", "OmniPick", "SinkWindow"))
     assert set(rows) == {"NoSlide", "OmniPick", "SinkWindow"}, printed
     figures = {name: [int(x) for x in row.split()[1:3]] + [row.split()[3]] for name, row in rows.items()}
-    assert figures["NoSlide"][0] > 512 and figures["OmniPick"][1] <= 512  # held / peak cells
+    assert figures["NoSlide"][0] > BUDGET and figures["OmniPick"][1] <= BUDGET  # held / peak cells
+    # the conversation outgrows the budget before the question: one exchange fewer, question included, already does
+    model = types.SimpleNamespace(tokenizer=load_tokenizer(demo_run[2]))  # all conversation_tokens reads
+    key = int(re.search(r"turn 1 states the pass key (\d+)", printed).group(1))
+    assert key == passkey.pass_key(0) and passkey.conversation_tokens(model, EXCHANGES - 1, key) > BUDGET
+    assert f"{EXCHANGES + 2} turns, {passkey.conversation_tokens(model, EXCHANGES, key)} tokens" in printed
     assert figures["OmniPick"][2] == figures["NoSlide"][2] and figures["SinkWindow"][2].startswith("0/")
     assert rows["NoSlide"].endswith("(right)") and rows["OmniPick"].endswith("(right)"), printed
     assert rows["SinkWindow"].endswith("(wrong)"), printed
