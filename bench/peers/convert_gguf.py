@@ -132,9 +132,9 @@ def write_tiny_gguf(path: Path) -> Path:
     return path
 
 
-def run_one(tool: str, gguf_path: Path, work: Path) -> dict:
+def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None) -> dict:
     """`tool`'s conversion in a fresh process (of `gguf_path`, or for the safetensors pair of `work/hf`); its output
-    is removed afterwards."""
+    is removed afterwards, or moved to `keep` when given."""
     dst = work / f"{tool}-out"
     shutil.rmtree(dst, ignore_errors=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
@@ -147,7 +147,10 @@ def run_one(tool: str, gguf_path: Path, work: Path) -> dict:
         raise SystemExit(f"{tool} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
-    shutil.rmtree(dst, ignore_errors=True)
+    if keep is not None:
+        dst.rename(keep)
+    else:
+        shutil.rmtree(dst, ignore_errors=True)
     return {"tool": tool, "wall_s": wall, "output_mb": size / 2 ** 20, **row}
 
 
@@ -171,25 +174,23 @@ def main(argv=None) -> int:
 
             gguf_path = find_gguf(args.gguf)
         print(f"{gguf_path.name}: {gguf_path.stat().st_size / 2 ** 20:.1f} MB, {args.rounds} rounds", flush=True)
-        # the safetensors pair's source: transformers' float32 checkpoint of the same file (written once, untimed)
+        # the safetensors pair's source: transformers' float32 checkpoint of the same file, the output of the first
+        # round's transformers conversion (the GGUF pair runs first in every round), kept rather than removed
         hf = work / "hf"
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-        subprocess.run(harness.module_command(__spec__.name, "--worker", "transformers", "--gguf", gguf_path,
-                                              "--dst", hf), cwd=harness.ROOT, env=env, check=True,
-                       capture_output=True, timeout=1800)
-        from safetensors import safe_open
-
-        with safe_open(hf / "model.safetensors", framework="numpy") as f:
-            largest_mb = max(np.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()) / 2 ** 20
         rows = []
         for r in range(args.rounds):
             for pair, tools in PAIRS.items():
                 for tool in (tools if r % 2 == 0 else tools[::-1]):
-                    row = dict(run_one(tool, gguf_path, work), round=r, pair=pair)
+                    keep = hf if tool == "transformers" and not hf.exists() else None
+                    row = dict(run_one(tool, gguf_path, work, keep), round=r, pair=pair)
                     rows.append(row)
                     print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.2f} "
                           f"s converting, peak {row['peak_rss_mb']:.0f} MB (+{row['peak_growth_mb']:.0f} MB)",
                           flush=True)
+        from safetensors import safe_open
+
+        with safe_open(hf / "model.safetensors", framework="numpy") as f:
+            largest_mb = max(np.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()) / 2 ** 20
     keys = ("wall_s", "import_s", "convert_s", "peak_rss_mb", "peak_growth_mb", "output_mb")
     summary = {}
     for tool in TOOLS:
