@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, Path(args.gguf), Path(args.dst))))
         return 0
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     out = harness.output_dir(args)
     with tempfile.TemporaryDirectory(prefix="convert_gguf_") as tmp:
         work = Path(tmp)
