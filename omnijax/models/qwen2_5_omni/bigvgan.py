@@ -296,8 +296,9 @@ def vocode(params: Mapping[str, Any], config: BigVGANConfig, mel: jax.Array) -> 
 
 
 def bigvgan_component(config: BigVGANConfig, prefix: str = BIGVGAN_RULES_PREFIX) -> Component:
-    """The conversion table of the vocoder (Hugging Face prefix `token2wav.code2wav_bigvgan_model.`; not used by
-    the converter yet). Kernels keep torch's layouts, so no rule transforms."""
+    """The conversion table of the vocoder (Hugging Face prefix `token2wav.code2wav_bigvgan_model.`; the
+    Qwen2.5-Omni converter writes it into the "token2wav" component). Kernels keep torch's layouts, so no rule
+    transforms."""
     c = config
     dims: dict[str, int] = {}
 

@@ -11,7 +11,7 @@ guidance_scale < 1e-5). The speaker enters twice: its `conditioning` vector (`[E
 voice, broadcast to every frame) and its reference mel (`[T_ref, M]`, `ref_mel`, through the ECAPA encoder).
 
 `synthesize` chains both (`[B, samples]` out; the reference squeezes the batch, and supports batch 1 only).
-`token2wav_components` are the conversion tables of both halves (not yet used by the converter).
+`token2wav_components` are the conversion tables of both halves (the converter's "token2wav" component).
 
 Streaming note: the DiT's attention is block-restricted (`block_size` frames a block), so output block b reads
 input blocks b - n_back .. b + n_ahead where n_back / n_ahead count the layers with look-back / look-ahead; every

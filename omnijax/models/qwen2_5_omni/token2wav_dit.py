@@ -396,8 +396,9 @@ def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, refe
 
 
 def dit_component(config: DiTConfig, prefix: str = DIT_RULES_PREFIX) -> Component:
-    """The conversion table of the DiT (Hugging Face prefix `token2wav.code2wav_dit_model.`; not used by the
-    converter yet). Linear weights are transposed; conv kernels and the embedding keep torch's layouts."""
+    """The conversion table of the DiT (Hugging Face prefix `token2wav.code2wav_dit_model.`; the Qwen2.5-Omni
+    converter writes it into the "token2wav" component). Linear weights are transposed; conv kernels and the
+    embedding keep torch's layouts."""
     shapes, dims = _shapes(config), {}
 
     def rule(hf: str, path: str, transform: str | None = None) -> Rule:
