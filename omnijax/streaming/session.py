@@ -144,6 +144,11 @@ class Session:
     (or `check_pool`) once that step has finished. Growing the pool instead would change the step's shapes (a
     recompilation in the middle of a session) and let memory grow without a bound the caller chose.
 
+    With `StreamConfig(recall=Recall(...))` (batch 1), what retention evicts is kept in a host tier and a chunk
+    asking for an answer first brings the units most relevant to it back into the cache (`recall`, `recall_stats`;
+    `omnijax.streaming.recall_session`). Each `feed` then copies the cache before its step and, when the step
+    evicted something, waits for it to store what it evicted.
+
     Args:
         model: an `omnijax.Model`, a `MiniCPMOModel` or a `Decoder`.
         config: the session's settings (`omnijax.StreamConfig`); its fields are also accepted as keywords. The
