@@ -20,9 +20,19 @@ def check_power_of_two(name: str, value) -> None:
         raise ValueError(f"{name} must be a power of two, got {value!r}")
 
 
+def _lists(value: Any) -> Any:
+    """Tuples to JSON lists, nested ones included."""
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to tuples, nested ones included (a config's tuple fields must stay hashable)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 class JsonConfig:
     """What every frozen-dataclass config shares: `replace`, the jnp dtype, and a JSON round trip that refuses
-    unknown fields (tuples are stored as lists and read back as tuples)."""
+    unknown fields (tuples are stored as lists and read back as tuples, at every depth)."""
 
     @property
     def jnp_dtype(self):
@@ -33,8 +43,7 @@ class JsonConfig:
         return dataclasses.replace(cast(Any, self), **changes)
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
+        return {f.name: _lists(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]):
@@ -42,7 +51,7 @@ class JsonConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields: {unknown}; known fields are {sorted(names)}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        return cls(**{k: _tuples(v) for k, v in data.items()})
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)

@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterator, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import ChatTemplateError, Conversation, template_delta
 from omnijax.decoding import DecodingStrategy, answer_stop_ids, sampling_keys, seed_of
@@ -440,7 +441,7 @@ class Chat:
         return out
 
 
-def chunk_ids(chunk) -> list[int]:
+def chunk_ids(chunk: Chunk) -> list[int]:
     """The token ids of a text chunk's valid positions (batch row 0), in order."""
     return [int(t) for t in np.asarray(chunk.token_ids)[0][np.asarray(chunk.valid, bool)[0]]]
 

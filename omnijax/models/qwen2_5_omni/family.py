@@ -46,9 +46,7 @@ def load_speech(directory: Path, manifest: Mapping[str, Any], dtype: str | None,
     talker = restore_module(directory, "talker", stored, dtype, lambda c: Talker(
         c.replace(decoder=c.decoder.replace(dtype=c.dtype)), rngs=nnx.Rngs(0)))
     entry = manifest["token2wav"]
-    vocoder = dict(entry["bigvgan"])  # (JsonConfig.from_json makes tuples of the top-level lists only)
-    vocoder["resblock_dilation_sizes"] = [tuple(d) for d in vocoder["resblock_dilation_sizes"]]
-    t2w = Token2WavConfig(dit=DiTConfig.from_json(entry["dit"]), bigvgan=BigVGANConfig.from_json(vocoder))
+    t2w = Token2WavConfig(dit=DiTConfig.from_json(entry["dit"]), bigvgan=BigVGANConfig.from_json(entry["bigvgan"]))
     token2wav = restore_module(directory, "token2wav", t2w, None, lambda c: Token2Wav(c, rngs=nnx.Rngs(0)))
     voices = voices_lib.voices_from_tree(manifest["speech"], checkpoint.load_params(
         directory, voices_lib.voices_abstract(manifest["speech"]), "speech"))
