@@ -16,8 +16,8 @@ Shapes (L layers, G kv heads, n tokens of a unit, d head dim, A position axes, U
 Summary choice: the mean key per layer and kv head. A query's dot product with it is exactly the mean over the
 unit's tokens of the query's attention logit (the dot product is linear), so the score is "how much, on average,
 this question attends to the unit", at `L * G * d` floats per unit (1/n of its keys) and one einsum for all units.
-Representative keys by norm would catch a single salient token better; the mean is the cheaper, exact-to-state
-choice for this first piece.
+The mean dilutes a single salient sentence, though: `score_units(..., "max")` reads every stored key instead (each
+head's strongest logit over the unit's tokens), which is what `Recall` uses by default (measured in `score_units`).
 
 Immutability: `HostTier` is a frozen dataclass holding a tuple of `UnitKV`. `add` returns a new tier with a new tuple;
 the big arrays are shared between the old and the new tier, never copied, and are marked read-only when a record is
@@ -318,17 +318,30 @@ def _check_query(query: np.ndarray, summaries: np.ndarray) -> np.ndarray:
     return query
 
 
-def score_units(tier: HostTier, query: np.ndarray) -> np.ndarray:
+SCORINGS = ("max", "mean")
+
+
+def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
     """`[U]` float32 relevance of each stored unit to a question.
 
-    score[u] = mean over layers l and query heads h of `query[l, h] . summary[u, l, h // (Hq / G)] / sqrt(d)`, i.e.
-    the question's mean attention logit over the unit's keys (grouped-query: head h reads kv head h // (Hq / G)).
+    With h's logit over key t of unit u `a[u, l, h, t] = query[l, h] . k[u, l, h // (Hq / G), t] / sqrt(d)`
+    (grouped-query: head h reads kv head h // (Hq / G)):
+
+        "mean": the mean over l, h and t of a, i.e. the question's mean attention logit over the unit's keys, read from
+            the summaries alone (`L * G * d` floats per unit, one einsum for all units).
+        "max": the mean over l and h of the max over t of a: how strongly the unit's most salient token draws each
+            head. It reads every stored key (one einsum per unit, `L * Hq * n * d` multiply-adds), and finds a single
+            salient sentence the mean dilutes: on SmolLM2's multi-turn pass key (SinkWindow 256 cells, 29 stored
+            pieces) "max" ranked the key's unit first where "mean" ranked it eighth, behind recent filler.
 
     Args:
         tier: the host tier (U >= 0 units).
         query: `[L, Hq, d]` the question's (rotated) queries averaged over its tokens, or `[Hq, d]` used at every
             layer.
+        scoring: one of `SCORINGS`.
     """
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     if not tier.units:
         return np.zeros((0,), np.float32)
     summaries = np.stack([u.summary for u in tier.units])  # [U, L, G, d]
@@ -336,12 +349,16 @@ def score_units(tier: HostTier, query: np.ndarray) -> np.ndarray:
     L, Hq, d = query.shape
     G = summaries.shape[2]
     grouped = query.reshape(L, G, Hq // G, d)
-    logits = np.einsum("lgrd,ulgd->u", grouped, summaries, dtype=np.float64)
-    return (logits / (L * Hq * np.sqrt(d))).astype(np.float32)
+    if scoring == "mean":
+        logits = np.einsum("lgrd,ulgd->u", grouped, summaries, dtype=np.float64)
+        return (logits / (L * Hq * np.sqrt(d))).astype(np.float32)
+    best = [np.einsum("lgrd,lgnd->lgrn", grouped, u.k.astype(np.float32), dtype=np.float64).max(axis=-1).sum()
+            for u in tier.units]
+    return (np.asarray(best) / (L * Hq * np.sqrt(d))).astype(np.float32)
 
 
-def score_units_reference(tier: HostTier, query: np.ndarray) -> np.ndarray:
-    """`score_units` token by token: the mean attention logit over every stored key, in plain Python loops."""
+def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
+    """`score_units` token by token, in plain Python loops."""
     out = []
     for u in tier.units:
         L, G, n, d = u.k.shape
@@ -351,9 +368,10 @@ def score_units_reference(tier: HostTier, query: np.ndarray) -> np.ndarray:
         for layer in range(L):
             for h in range(Hq):
                 g = h // (Hq // G)
-                for t in range(n):
-                    total += float(np.dot(q[layer, h].astype(np.float64), u.k[layer, g, t].astype(np.float64)))
-        out.append(total / (n * L * Hq * np.sqrt(d)))
+                logits = [float(np.dot(q[layer, h].astype(np.float64), u.k[layer, g, t].astype(np.float64)))
+                          for t in range(n)]
+                total += max(logits) if scoring == "max" else sum(logits) / n
+        out.append(total / (L * Hq * np.sqrt(d)))
     return np.asarray(out, np.float32)
 
 

@@ -9,9 +9,9 @@ in several steps). The copy is one device copy of the cache per chunk; a step th
 
 Question time. A chunk that asks for an answer (`answer_tokens > 0`) is a question: before its step, the question's
 queries are computed against the current cache (a forward of the chunk through a throwaway copy of the cache, the
-queries of every layer averaged over its tokens), the stored units are scored
-(`omnijax.kv.host_tier.score_units`), the best ones within `Recall.budget` cells and `Recall.top_units` units are
-selected and written back as cache pages (`omnijax.retention.recall.recall_into`), and the step answers over them.
+queries of every layer averaged over its tokens), the stored units are scored (`omnijax.kv.host_tier.score_units`,
+`Recall.scoring`), the best ones within `Recall.budget` cells and `Recall.top_units` units are selected and
+written back as cache pages (`omnijax.retention.recall.recall_into`), and the step answers over them.
 `Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
 
 Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
@@ -225,7 +225,7 @@ class RecallSession:
                                  f".stored_units), got shape {scores.shape}")
         elif U:
             query = question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl)
-            scores = host_tier.score_units(self.tier, np.asarray(query))
+            scores = host_tier.score_units(self.tier, np.asarray(query), self.recall_config.scoring)
         else:
             scores = np.zeros((0,), np.float32)
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))

@@ -54,19 +54,24 @@ def test_tier_drops_oldest_first_reports_every_drop_and_refuses_a_unit_over_budg
     assert [u.unit for u in taken] == [3] and 3 not in [u.unit for u in rest.units]
 
 
+@pytest.mark.parametrize("scoring", host_tier.SCORINGS)
 @pytest.mark.parametrize("seed", range(4))
-def test_scores_equal_the_mean_attention_logit_over_every_stored_key(seed):
+def test_scores_equal_the_attention_logits_over_every_stored_key(seed, scoring):
     rng = np.random.default_rng(seed)
     tier, _ = host_tier.HostTier(budget_bytes=1 << 24).add(*[_unit(rng, u, int(rng.integers(1, 7)))
                                                               for u in range(5)])
     query = rng.standard_normal((L, H, D)).astype(np.float32)
-    np.testing.assert_allclose(host_tier.score_units(tier, query), host_tier.score_units_reference(tier, query),
-                               rtol=1e-5, atol=1e-6)
+    got = host_tier.score_units(tier, query, scoring)
+    np.testing.assert_allclose(got, host_tier.score_units_reference(tier, query, scoring), rtol=1e-5, atol=1e-6)
     shared = query[0]  # [Hq, d] used at every layer
-    np.testing.assert_allclose(host_tier.score_units(tier, shared), host_tier.score_units_reference(tier, shared),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host_tier.score_units(tier, shared, scoring),
+                               host_tier.score_units_reference(tier, shared, scoring), rtol=1e-5, atol=1e-6)
+    other = host_tier.score_units(tier, query, "mean" if scoring == "max" else "max")
+    assert np.abs(got - other).max() > 1e-3  # the two scorings differ
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        host_tier.score_units(tier, query[:, :3])
+        host_tier.score_units(tier, query[:, :3], scoring)
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        host_tier.score_units(tier, query, "sum")
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -198,6 +198,8 @@ def test_bad_recall_settings_are_refused_by_name(model):
             Recall(**{"budget": 8, name: 0})
     with pytest.raises(ValueError, match="keep must be a bool"):
         Recall(budget=8, keep=1)
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        Recall(budget=8, scoring="sum")
     with pytest.raises(ValueError, match=r"budget \(17 cells\) is larger than the KV pool \(16 cells"):
         StreamConfig(num_pages=2, page_size=8, recall=Recall(budget=17))
     with pytest.raises(ValueError, match="larger than the KV pool"):  # the Session's default pool
