@@ -150,8 +150,11 @@ def _take(kv: PagedKV, flat: np.ndarray) -> dict[str, np.ndarray]:
 
 @jax.jit
 def _gather(kv: PagedKV, at: jax.Array) -> dict[str, jax.Array]:
-    L, N, P, G, d = kv.k.shape
-    return {"k": kv.k.reshape(L, N * P, G, d)[:, at], "v": kv.v.reshape(L, N * P, G, d)[:, at],
+    k, v = kv.k, kv.v
+    if not isinstance(k, jax.Array) or not isinstance(v, jax.Array):
+        raise ValueError(f"the host tier stores float KV pages only, got {type(k).__name__} pages (a quantized cache)")
+    L, N, P, G, d = k.shape
+    return {"k": k.reshape(L, N * P, G, d)[:, at], "v": v.reshape(L, N * P, G, d)[:, at],
             "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],
             "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at], "order": kv.order.reshape(-1)[at]}
 
