@@ -221,7 +221,8 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
     """`chunks [S, C, 1, T]` -> per-session, per-chunk outputs `[S, C, ...]` (one compiled program per config)."""
     model = nnx.merge(graphdef, params)
     S = chunks.token_ids.shape[0]
-    one = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size, batch=1)
+    one = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size, batch=1,
+                     kv_dtype=config.kv_dtype)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (S,) + x.shape), one)
     # session s samples with keys folded from the seed and s
     state = dataclasses.replace(state, key=folded_keys(seed_of(config.decoding), jnp.arange(S))[:, None])

@@ -23,6 +23,11 @@ the whole stack, writes each layer's new rows in place and attends with `layer=`
 copy it (XLA:GPU turns a dynamic slice in a loop into a memcpy), and a stack scanned as loop input and output is
 rewritten whole on every call, so a step would cost time in proportion to the pool rather than to what it holds.
 
+int8 pages (`omnijax.kv.quant_kv.QuantPages`, a pool made with `kv_dtype="int8"`) are dequantised where they are
+read: "xla" dequantises each gathered block of pages inside its loop (codes times per-token, per-head scales, in
+the query's dtype), "reference" dequantises the page-table entries it gathers; "pallas" does not read them yet and
+refuses them.
+
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
 position re-indexing. A query that sees no key returns zeros.
@@ -56,6 +61,7 @@ from omnijax.kernels.block_sparse_attention import (
     validate_shapes,
 )
 from omnijax.kv.paged import PagedKV
+from omnijax.kv.quant_kv import QuantPages, dense
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
@@ -97,7 +103,7 @@ def index_pages(view: CacheView) -> CacheView:
     return dataclasses.replace(view, pages=page_index(view.page_table, view.slot_valid, view.slot_order))
 
 
-def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView,
+def validate(q: jax.Array, k_pages: jax.Array | QuantPages, v_pages: jax.Array | QuantPages, cache: CacheView,
              layer: int | jax.Array | None = None) -> None:
     """Shape checks shared by every implementation (static shapes only, so it is free under jit)."""
     validate_shapes(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, cache.q_order, layer)
@@ -105,12 +111,14 @@ def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheV
         validate_index(cache.pages, cache.page_table, cache.slot_valid)
 
 
-def _read_pages(pages: jax.Array, layer, ids: jax.Array) -> jax.Array:
-    """Pages `ids` of one layer (`pages [N, P, ...]`) or of layer `layer` of a stack (`[L, N, P, ...]`), one gather."""
-    return pages[ids] if layer is None else pages[layer, ids]
+def _read_pages(pages: jax.Array | QuantPages, layer, ids: jax.Array) -> jax.Array:
+    """Pages `ids` of one layer (`pages [N, P, ...]`) or of layer `layer` of a stack (`[L, N, P, ...]`), one gather
+    (of codes and scales for int8 pages, dequantised to their compute dtype)."""
+    return dense(pages[ids] if layer is None else pages[layer, ids])
 
 
-def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
+def attend_reference(q: jax.Array, k_pages: jax.Array | QuantPages, v_pages: jax.Array | QuantPages,
+                     cache: CacheView, *,
                      with_mass: bool = False,
                      layer: int | jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`dense_attention` (the oracle, shared with the kernel's reference and the tests) over every page-table entry
@@ -121,6 +129,8 @@ def attend_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache
     """
     validate(q, k_pages, v_pages, cache, layer)
     g = gather_pages(k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order, layer=layer)
+    if isinstance(k_pages, QuantPages) or isinstance(v_pages, QuantPages):
+        g = g._replace(k=dense(g.k), v=dense(g.v))
     if not with_mass:
         return dense_attention(q, g.k, g.v, g.live, g.order, cache.q_order)
     out, probs = dense_attention(q, g.k, g.v, g.live, g.order, cache.q_order, return_probs=True)  # [B, H, T, S]
@@ -164,7 +174,7 @@ def block_pages(num_queries: int, num_heads: int, page_size: int, table_pages: i
     return min(pages, _pow2_ceil(table_pages))
 
 
-def attend_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
+def attend_xla(q: jax.Array, k_pages: jax.Array | QuantPages, v_pages: jax.Array | QuantPages, cache: CacheView, *,
                layer: int | jax.Array | None = None,
                pages_per_block: int | None = None) -> jax.Array:
     """Online-softmax attention over active pages only, gathered in blocks of many pages.
@@ -330,7 +340,7 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheView, *,
+def attend(q: jax.Array, k_pages: jax.Array | QuantPages, v_pages: jax.Array | QuantPages, cache: CacheView, *,
            impl: str = "xla", with_mass: bool = False,
            layer: int | jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of a chunk's queries `[B, T, H, d]` over the paged cache of one layer.
@@ -344,6 +354,9 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cache: CacheVie
         raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
     if impl == "xla":
         return attend_xla(q, k_pages, v_pages, cache, layer=layer)
+    if isinstance(k_pages, QuantPages) or isinstance(v_pages, QuantPages):
+        raise ValueError("impl='pallas' does not read int8 KV pages (kv_dtype='int8') yet; use impl='xla' or "
+                         "'reference'")
     validate(q, k_pages, v_pages, cache, layer)  # impl == "pallas"
     return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
                                   cache.q_order, layer=layer, index=cache.pages,

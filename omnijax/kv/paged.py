@@ -6,7 +6,9 @@ held, and every reader masks by `valid`.
 
 Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes, B sequences, M max pages/sequence):
 
-    k, v        [L, N, P, G, d]   keys (post-RoPE) and values
+    k, v        [L, N, P, G, d]   keys (post-RoPE) and values: arrays in the model's dtype, or with
+                                  `kv_dtype="int8"` `omnijax.kv.quant_kv.QuantPages` (int8 codes [L, N, P, G, d]
+                                  plus float32 scales [L, N, P, G]); every writer and reader below takes both
     valid       [N, P] bool       slot holds a live token
     pos         [A, N, P] int32   logical position (A = 3 for mrope t/h/w, 1 for plain RoPE)
     order       [N, P] int32      per-sequence write order (causality inside a chunk; survives re-indexing)
@@ -35,6 +37,8 @@ import jax.numpy as jnp
 
 from omnijax._checks import check_power_of_two
 from omnijax.chunks.spans import SpanKind
+from omnijax.kv import quant_kv
+from omnijax.kv.quant_kv import QuantPages
 
 
 class PageClass(enum.IntEnum):
@@ -47,8 +51,8 @@ class PageClass(enum.IntEnum):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | QuantPages
+    v: jax.Array | QuantPages
     valid: jax.Array
     pos: jax.Array
     order: jax.Array
@@ -96,7 +100,8 @@ class SlotMeta:
 
 
 def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, batch: int = 1,
-         max_pages: int | None = None, position_axes: int = 3, dtype: jnp.dtype | type = jnp.float32) -> PagedKV:
+         max_pages: int | None = None, position_axes: int = 3, dtype: jnp.dtype | type = jnp.float32,
+         kv_dtype: str = "float") -> PagedKV:
     """An empty cache: every page free, every page-table entry -1.
 
     Args:
@@ -106,9 +111,12 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
         batch: sequences B sharing the pool.
         max_pages: page-table width M per sequence (default: the whole pool).
         position_axes: 3 for mrope, 1 for plain RoPE.
-        dtype: storage and compute dtype of keys and values.
+        dtype: compute dtype of keys and values (and their storage dtype for a float pool).
+        kv_dtype: "float" (store `dtype`) or "int8" (`QuantPages`: int8 codes and float32 scales per token and
+            KV head, dequantised to `dtype` on read; `omnijax.kv.quant_kv`).
     """
     check_power_of_two("page_size", page_size)
+    quant_kv.check_kv_dtype(kv_dtype)
     if num_pages <= 0 or batch <= 0:
         raise ValueError(f"num_pages and batch must be positive, got num_pages={num_pages}, batch={batch}")
     if min(num_layers, num_kv_heads, head_dim) <= 0:
@@ -118,9 +126,14 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
     if max_pages <= 0:
         raise ValueError(f"max_pages must be positive, got {max_pages}")
     shape = (num_pages, page_size)
+    kv_shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+
+    def pool() -> jax.Array | QuantPages:
+        return quant_kv.zeros(kv_shape, dtype) if kv_dtype == "int8" else jnp.zeros(kv_shape, dtype)
+
     return PagedKV(
-        k=jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype),
-        v=jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype),
+        k=pool(),
+        v=pool(),
         valid=jnp.zeros(shape, bool),
         pos=jnp.zeros((position_axes,) + shape, jnp.int32),
         order=jnp.zeros(shape, jnp.int32),
@@ -285,9 +298,11 @@ def table_slots(kv: PagedKV) -> tuple[jax.Array, jax.Array]:
     return flat, exists
 
 
-def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *,
-                layer: int | jax.Array | None = None) -> jax.Array:
+def write_layer(pages: jax.Array | QuantPages, write_slots: jax.Array, values: jax.Array, *,
+                layer: int | jax.Array | None = None) -> jax.Array | QuantPages:
     """Scatters one layer's chunk keys or values into its pages; slots of -1 are dropped.
+
+    int8 pages (`QuantPages`) get the values quantised per token and KV head, codes and scales scattered alike.
 
     Args:
         pages: `[N, P, G, d]` one layer's cache, or with `layer` every layer's `[L, N, P, G, d]`.
@@ -301,6 +316,10 @@ def write_layer(pages: jax.Array, write_slots: jax.Array, values: jax.Array, *,
     page = jnp.where(slots >= 0, slots // P, N)  # out of range: dropped
     # Indexed in the pages' own shape: a reshaped view of a stack would give XLA two shapes of one buffer to keep apart.
     at = (page, slots % P) if layer is None else (layer, page, slots % P)
+    if isinstance(pages, QuantPages):
+        q, scale = quant_kv.quantize(values.reshape(-1, G, d))
+        return QuantPages(pages.values.at[at].set(q, mode="drop"), pages.scale.at[at].set(scale, mode="drop"),
+                          pages.dtype_name)
     return pages.at[at].set(values.reshape(-1, G, d).astype(pages.dtype), mode="drop")
 
 
@@ -324,9 +343,9 @@ def listed_first(member: jax.Array, values: jax.Array, none: int) -> tuple[jax.A
     return listed, jnp.sum(member).astype(jnp.int32)
 
 
-def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, count: jax.Array, *, chunk: int = 256,
+def copy_rows(arrays: tuple[Any, ...], src: jax.Array, dst: jax.Array, count: jax.Array, *, chunk: int = 256,
               transform: Callable[[jax.Array, jax.Array | None], jax.Array] | None = None,
-              extra: jax.Array | None = None) -> tuple[jax.Array, ...]:
+              extra: jax.Array | None = None) -> tuple[Any, ...]:
     """Copies rows `src[:count]` to `dst[:count]` of every `[L, R, ...]` array (axis 1 is the row), in place.
 
     The list is walked `chunk` entries a step by a loop with `ceil(count / chunk)` steps, so the cost follows the
@@ -336,7 +355,8 @@ def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, cou
     given the step's entries of the per-entry array `extra [K, ...]`. Each step reads before it writes; the steps
     together equal one all-at-once copy when no destination is the source of a later entry. Inside the loop the
     scatter updates its buffer in place, where as straight-line code in a `lax.cond` branch XLA:GPU may copy the
-    whole array.
+    whole array. int8 pages (`QuantPages`) move codes and scales as they are; with a `transform` their rows are
+    dequantised, transformed and requantised.
     """
     R = arrays[0].shape[1]
     pad = -src.shape[0] % chunk
@@ -350,10 +370,10 @@ def copy_rows(arrays: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array, cou
         step_extra = None if extra_p is None else jax.lax.dynamic_slice_in_dim(extra_p, i * chunk, chunk)
         out = []
         for x in rows:
-            got = jnp.take(x, take_at, axis=1)
+            got = quant_kv.take_rows(x, take_at)
             if transform is not None:
-                got = transform(got, step_extra)
-            out.append(x.at[:, put_at].set(got.astype(x.dtype), mode="drop"))
+                got = transform(got.dense(jnp.float32) if isinstance(got, QuantPages) else got, step_extra)
+            out.append(quant_kv.set_rows(x, put_at, got))
         return tuple(out)
 
     return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, step, tuple(arrays))

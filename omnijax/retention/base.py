@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from omnijax.chunks.spans import SpanKind
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
+from omnijax.kv.quant_kv import dense
 from omnijax.registry import Registry
 
 
@@ -79,8 +80,8 @@ def slot_features(kv: PagedKV) -> SlotFeatures:
     """Gathers `SlotFeatures` in page-table order (dead slots hold whatever their page holds: mask by `live`)."""
     flat, _ = table_slots(kv)
     L, N, P, G, d = kv.k.shape
-    key = kv.k.astype(jnp.float32).mean(axis=(0, 3)).reshape(N * P, d)
-    value_norm = jnp.linalg.norm(kv.v.astype(jnp.float32), axis=-1).mean(axis=(0, 3)).reshape(N * P)
+    key = dense(kv.k, jnp.float32).mean(axis=(0, 3)).reshape(N * P, d)  # int8 pools dequantised
+    value_norm = jnp.linalg.norm(dense(kv.v, jnp.float32), axis=-1).mean(axis=(0, 3)).reshape(N * P)
     return SlotFeatures(key=key[flat], value_norm=value_norm[flat])
 
 
@@ -197,7 +198,8 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     d = delta.reshape(-1)
     pos = jax.vmap(lambda p: p.reshape(-1).at[moved].add(-d, mode="drop").reshape(N, P))(kv.pos)
     # Re-rotate the shifted keys by -delta (the rotation by a position shift is the rotation at that negative
-    # position), in place and only those: listed first, then read, rotated and written back over every layer.
+    # position), in place and only those: listed first, then read, rotated and written back over every layer
+    # (int8 keys: dequantised, rotated in float32 and requantised with fresh per-token scales by `copy_rows`).
     theta, section = rope
     shifted, count = listed_first(moved < N * P, jnp.stack([moved, d]), N * P)  # [2, B*S]: slot, delta
     angles = rope_lib.rope_angles(-shifted[1][None], kv.k.shape[-1], theta, section)  # [B*S, d/2]

@@ -10,6 +10,7 @@ from typing import Any
 from omnijax._checks import check_power_of_two
 from omnijax.decoding import Greedy, check_decoding
 from omnijax.kv.attention import check_impl
+from omnijax.kv.quant_kv import check_kv_dtype
 from omnijax.paging import as_paging
 from omnijax.retention.base import NoSlide, check_policy, get_policy
 from omnijax.retention.recall import Recall
@@ -45,6 +46,9 @@ class StreamConfig:
         recall: question-time recall of evicted units from a host tier (`omnijax.retention.recall.Recall`); None
             (the default) runs exactly as without it. Wired into `Session` only so far (`stream`, `Chat`,
             `evaluate` and the engine refuse it rather than ignore it).
+        kv_dtype: storage of the KV pool: "float" (the default: the model's dtype, as always) or "int8" (int8
+            codes with a float32 scale per token and KV head, dequantised on read: `omnijax.kv.quant_kv`); int8
+            needs impl "xla" or "reference" and no recall.
     """
 
     policy: Any = dataclasses.field(default_factory=_default_policy)
@@ -56,6 +60,7 @@ class StreamConfig:
     max_answer_tokens: int = 0
     decoding: Any = dataclasses.field(default_factory=_default_decoding)
     recall: Recall | None = None
+    kv_dtype: str = "float"
 
     def __post_init__(self):
         check_policy(self.policy)
@@ -74,6 +79,13 @@ class StreamConfig:
                 or self.max_answer_tokens < 0):
             raise ValueError(f"max_answer_tokens must be an int >= 0, got {self.max_answer_tokens!r}")
         check_decoding(self.decoding)
+        check_kv_dtype(self.kv_dtype)
+        if self.kv_dtype == "int8" and self.impl == "pallas":
+            raise ValueError("kv_dtype='int8' needs impl='xla' or 'reference': the Pallas kernel does not read int8 "
+                             "pages yet")
+        if self.kv_dtype == "int8" and self.recall is not None:
+            raise ValueError("kv_dtype='int8' does not work with recall yet (the host tier copies float pages); give "
+                             "recall=None or kv_dtype='float'")
         if self.recall is not None:
             if not isinstance(self.recall, Recall):
                 raise TypeError(f"recall must be an omnijax.retention.recall.Recall or None, got "

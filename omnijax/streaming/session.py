@@ -115,7 +115,7 @@ def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None
             num_pages = max(1, pages_needed(chunks, config.max_answer_tokens, config.page_size)) + (
                 chunks.token_ids.shape[1] * config.paging.extra_pages)
         state = init_state(decoder_config, num_pages=num_pages, page_size=config.page_size,
-                           batch=chunks.token_ids.shape[1], seed=seed_of(config.decoding))
+                           batch=chunks.token_ids.shape[1], seed=seed_of(config.decoding), kv_dtype=config.kv_dtype)
     else:
         check_state(state, decoder_config)
     if state.kv.batch != chunks.token_ids.shape[1]:
@@ -175,7 +175,7 @@ class Session:
             self.stream_config, self.config, num_pages=num_pages, batch=batch)
         state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
             self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
-            seed=seed_of(self.stream_config.decoding))
+            seed=seed_of(self.stream_config.decoding), kv_dtype=self.stream_config.kv_dtype)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]

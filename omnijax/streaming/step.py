@@ -258,12 +258,12 @@ def _history(state: StreamState, chunk: Chunk) -> tuple[jax.Array, jax.Array]:
 
 
 def init_state(config: DecoderConfig, *, num_pages: int, page_size: int = 64, batch: int = 1,
-               max_pages: int | None = None, start_pos: int = 0, seed: int = 0) -> StreamState:
+               max_pages: int | None = None, start_pos: int = 0, seed: int = 0, kv_dtype: str = "float") -> StreamState:
     """An empty `StreamState` for a decoder config; `seed` seeds the sequences' sampling keys
-    (`StreamConfig.decoding.seed` when it samples)."""
+    (`StreamConfig.decoding.seed` when it samples); `kv_dtype` is the pool's storage (`StreamConfig.kv_dtype`)."""
     kv = paged_lib.init(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         num_pages=num_pages, page_size=page_size, batch=batch, max_pages=max_pages,
-                        position_axes=config.position_axes, dtype=config.jnp_dtype)
+                        position_axes=config.position_axes, dtype=config.jnp_dtype, kv_dtype=kv_dtype)
     V = config.vocab_size
     return StreamState(kv=kv, next_pos=jnp.full((batch,), start_pos, jnp.int32), key=sampling_keys(seed, batch),
                        last_logits=jnp.zeros((batch, V), jnp.float32), counts=jnp.zeros((batch, V), jnp.int32),

@@ -226,7 +226,7 @@ class Engine:
         self._device = jax.devices()[0]
         self._params = jax.device_put(params, self._device)
         state = init_state(self.model_config, num_pages=config.num_pages, page_size=config.stream.page_size,
-                           batch=config.buckets[0], max_pages=config.max_pages)
+                           batch=config.buckets[0], max_pages=config.max_pages, kv_dtype=config.stream.kv_dtype)
         self.state: StreamState = jax.device_put(state, self._device)
         self.telemetry = Telemetry(config.num_pages, frame_budget_s=config.frame_budget_s,
                                    fit_fraction=config.fit_fraction)

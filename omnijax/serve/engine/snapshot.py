@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from omnijax.kv.quant_kv import QuantPages
 from omnijax.streaming.step import StreamState
 
 FORMAT = "omnijax-session"
@@ -91,6 +92,7 @@ class SnapshotSpec:
     def of_state(cls, state: StreamState) -> "SnapshotSpec":
         """The spec of a batched state (its pool's shape and dtype, its logits' vocabulary)."""
         kv = state.kv
+        _refuse_int8(state)
         L, _, P, G, d = kv.k.shape
         return cls(page_size=int(P), num_layers=int(L), num_kv_heads=int(G), head_dim=int(d),
                    position_axes=int(kv.pos.shape[0]), vocab_size=int(state.last_logits.shape[-1]),
@@ -227,7 +229,13 @@ jax.tree_util.register_pytree_with_keys(SessionSnapshot, _flatten, _unflatten)
 
 
 # ------------------------------------------------------------------------------------------------ export / import
+def _refuse_int8(state: StreamState) -> None:
+    if isinstance(state.kv.k, QuantPages):
+        raise ValueError("session snapshots do not carry an int8 KV pool (StreamConfig.kv_dtype='int8') yet")
+
+
 def _check_row(state: StreamState, row: int) -> int:
+    _refuse_int8(state)
     B = state.kv.batch
     if isinstance(row, bool) or not 0 <= int(row) < B:
         raise IndexError(f"row {row!r} is out of range for a state of batch {B}")
