@@ -14,7 +14,7 @@ from omnijax.kv import rope as rope_lib
 from omnijax.kv.quant_kv import QuantPages
 from omnijax.models.config import TINY_OMNI
 from omnijax.paging.migration import apply_moves
-from omnijax.retention import OmniPick
+from omnijax.retention import H2O, OmniPick, SinkWindow
 from omnijax.retention.recall import Recall
 from tests._support import kv_ops as ops
 
@@ -227,3 +227,49 @@ def test_bad_kv_settings_are_refused_by_name():
                                slot_valid=kv.valid, slot_order=kv.order, q_order=np.zeros((1, 1), np.int32))
     with pytest.raises(ValueError, match="pallas.*int8"):
         attention.attend(jnp.zeros((1, 1, H, D)), kv.k, kv.v, view, impl="pallas", layer=0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return omnijax.Decoder(TINY_OMNI)
+
+
+def test_every_paging_mode_streams_int8_like_int8_native(tiny):
+    # Migration moves codes and scales as they are, so an int8 pool under any paging mode attends to exactly what
+    # the int8 native layout holds (as float pools do, tests/paging/test_paging.py).
+    from omnijax.paging import PAGING_MODES, Paging
+
+    policy = OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)
+    rng = np.random.default_rng(1)
+    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(14)])
+    common = dict(policy=policy, page_size=8, num_pages=16, subblock=4, kv_dtype="int8")
+    native = omnijax.stream(tiny, chunks, **common)
+    for mode in PAGING_MODES[1:]:
+        other = omnijax.stream(tiny, chunks, paging=Paging(mode), **common)
+        np.testing.assert_allclose(np.asarray(other.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
+        assert int(np.asarray(other.stats.moved).sum()) > 0, mode
+
+
+@pytest.mark.parametrize("policy,impl", [(SinkWindow(sink=4, window=20), "xla"),
+                                         (H2O(heavy=8, recent=16, high_watermark=40), "reference")])
+def test_retention_policies_stream_int8_close_to_float(tiny, policy, impl):
+    rng = np.random.default_rng(2)
+    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(10)])
+    common = dict(policy=policy, page_size=8, num_pages=16, impl=impl)
+    ref = omnijax.stream(tiny, chunks, **common)
+    got = omnijax.stream(tiny, chunks, kv_dtype="int8", **common)
+    assert int(np.asarray(ref.stats.evicted).sum()) > 0
+    span = float(jnp.max(ref.logits) - jnp.min(ref.logits))
+    assert float(jnp.max(jnp.abs(got.logits - ref.logits))) <= 0.02 * span  # the bound of the OmniPick test
+    if impl == "xla":  # H2O ranks by attention mass, which int8 keys shift slightly: its evictions may differ
+        np.testing.assert_array_equal(np.asarray(got.stats.evicted), np.asarray(ref.stats.evicted))
+
+
+def test_session_feeds_an_int8_pool_like_stream(tiny):
+    rng = np.random.default_rng(3)
+    chunks = [text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(4)]
+    session = omnijax.Session(tiny, kv_dtype="int8", page_size=8, num_pages=16)
+    logits = [np.asarray(session.feed(c).logits) for c in chunks]
+    assert isinstance(session.state.kv.k, QuantPages)
+    streamed = omnijax.stream(tiny, stack_chunks(chunks), kv_dtype="int8", page_size=8, num_pages=16)
+    np.testing.assert_allclose(np.stack(logits), np.asarray(streamed.logits), atol=1e-5, rtol=0)  # [C, 1, V]
