@@ -79,7 +79,7 @@ SLOW_FIRST = (
     "models/test_quantized_decoder.py", "convert/test_quantize.py",
     "serve/test_warmup_structured.py", "models/qwen2_5_omni/test_speech.py",
     "streaming/test_recall.py",
-    "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py",
+    "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py", "serve/realtime/test_realtime_audio_output.py",
 )
 
 

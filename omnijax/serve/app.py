@@ -329,6 +329,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=64, help="the most requests waiting for room at once")
     p.add_argument("--max-scored-tokens", type=int, default=2048, help="the most tokens (prompt plus completion) "
                    "a /v1/completions request's logprobs may score (one full-context forward)")
+    p.add_argument("--max-speech-tokens", type=int, default=4096, help="the talker's tokens at most for one spoken "
+                   "answer (chat completions' and Realtime audio output; >= 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
                    "close (responses in flight end at once) before they are cancelled")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -364,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                max_sessions_per_client=args.max_sessions_per_client,
                                max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir,
                                queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,
-                               max_scored_tokens=args.max_scored_tokens,
+                               max_scored_tokens=args.max_scored_tokens, max_speech_tokens=args.max_speech_tokens,
                                shutdown_timeout_s=args.shutdown_timeout,
                                **_snapshot_options(args))
         # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots

@@ -1,4 +1,5 @@
-"""Wire codec for the text-output subset of the OpenAI Realtime API (GA event names).
+"""Wire codec for the OpenAI Realtime API (GA event names): text output, and audio output (speech with its
+transcript) where the checkpoint can speak.
 
 Pure (the standard library and its field checks, `omnijax.serve.realtime.event_fields`; no transport, no model): client
 events become small frozen dataclasses: ``session.update``, ``input_audio_buffer.append`` / ``.commit`` / ``.clear``,
@@ -14,11 +15,14 @@ No field is accepted and ignored: a field an event or object does not take is re
 with "did you mean" or where a beta field went), and the fields omnijax does not implement are accepted only at the
 value that asks for nothing (``Fields.neutral``): ``response.tools`` [] and ``response.tool_choice`` "auto" or "none"
 (tools are the session's), ``include`` [], null ``prompt``, ``tracing``, ``audio.input.transcription`` and
-``noise_reduction``, ``audio.output`` ``voice`` and ``speed``, ``turn_detection.idle_timeout_ms``, ``response.audio``;
-``input_image.detail`` "auto". ``response.metadata`` is carried (the server echoes it). Also refused: audio output,
-input formats other than 16-bit mono ``audio/pcm`` at 24 or 16 kHz, turn detection other than null or ``server_vad``,
-image URLs that are not base64 ``data:image/...`` (the server never fetches), out-of-band responses, and audio appends
-that are not base64, hold an odd byte count or exceed ``max_bytes``.
+``noise_reduction``, ``audio.output.speed`` (1), ``turn_detection.idle_timeout_ms``, ``response.audio`` (the
+voice and format are the session's); ``input_image.detail`` "auto". ``response.metadata`` is carried (the server
+echoes it). ``output_modalities`` is ``["text"]`` or ``["audio"]``, ``audio.output.voice`` a voice name (the session
+checks both against the checkpoint) and ``audio.output.format`` 16-bit ``audio/pcm`` at 24 kHz. Also refused:
+custom voices, output formats other than ``audio/pcm`` at 24 kHz, input formats other than 16-bit mono
+``audio/pcm`` at 24 or 16 kHz, turn detection other than null or ``server_vad``, image URLs that are not base64
+``data:image/...`` (the server never fetches), out-of-band responses, and audio appends that are not base64, hold an
+odd byte count or exceed ``max_bytes``.
 
 omnijax extensions (the SDK models allow extra fields): ``response.done`` carries ``"omnijax": {"kv_cells": n}`` (the KV
 cells the session holds after it); the session object carries ``"omnijax": {"input_audio_rate": r}`` (the SDK's PCM
@@ -82,12 +86,14 @@ class RetentionRatio:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """Session settings accepted so far, with defaults: output text only, PCM16 input at 24000 or 16000 Hz,
-    ``turn_detection`` None (manual commits) or :class:`ServerVad`, ``max_output_tokens`` an integer or "inf",
-    ``truncation`` "auto", "disabled" or :class:`RetentionRatio`, the served ``model``; the omnijax extensions
+    """Session settings accepted so far, with defaults: output text (or ``("audio",)``, in ``output_voice``), PCM16
+    input at 24000 or 16000 Hz, ``turn_detection`` None (manual commits) or :class:`ServerVad`,
+    ``max_output_tokens`` an integer or "inf", ``truncation`` "auto", "disabled" or :class:`RetentionRatio`, the
+    served ``model``; the omnijax extensions
     ``duplex`` and the sampling settings ``SAMPLING`` (None: the server's default)."""
     instructions: str = ""
     output_modalities: tuple = ("text",)
+    output_voice: Optional[str] = None  # `audio.output.voice` as given (None: the checkpoint's first voice)
     input_audio_rate: int = 24000
     turn_detection: Optional[ServerVad] = None
     max_output_tokens: Union[int, Literal["inf"]] = "inf"
@@ -276,12 +282,8 @@ def _parse_session(c: Fields, s: dict) -> dict:
     if audio is not None:
         audio = c.obj(audio, "session.audio")
         c.check(audio, "session.audio", "session.audio")
-        out = audio.get("output")
-        if isinstance(out, dict) and out.get("format") is not None:
-            c.fail("invalid_value", "'session.audio.output': audio output is not supported; omnijax outputs "
-                   "text only", "session.audio.output")
-        if out is not None:
-            c.check(c.obj(out, "session.audio.output"), "session.audio.output", "session.audio.output")
+        if audio.get("output") is not None:
+            changes.update(_parse_output(c, audio["output"]))
         inp = audio.get("input")
         if inp is not None:
             inp = c.obj(inp, "session.audio.input")
@@ -299,6 +301,33 @@ def _parse_session(c: Fields, s: dict) -> dict:
                 changes["input_audio_rate"] = int(rate)
             if "turn_detection" in inp:
                 changes["turn_detection"] = _parse_vad(c, inp["turn_detection"])
+    return changes
+
+
+def _parse_output(c: Fields, out: Any) -> dict:
+    """``session.audio.output``: ``voice`` (a name; the session checks it against the checkpoint's voices) and
+    ``format`` (16-bit mono ``audio/pcm`` at 24 kHz, the only one sent)."""
+    p = "session.audio.output"
+    c.check(c.obj(out, p), p, p)
+    changes: dict = {}
+    voice = out.get("voice")
+    if isinstance(voice, dict):
+        c.fail("unsupported", f"'{p}.voice': custom voices are not supported; send the name of one of the "
+               "checkpoint's voices", p + ".voice")
+    if voice is not None:
+        changes["output_voice"] = c.str_(voice, p + ".voice")
+    if out.get("format") is not None:
+        f = c.obj(out["format"], p + ".format")
+        c.check(f, p + ".format", p + ".format")
+        kind = f.get("type")
+        if kind != "audio/pcm":
+            code = "unsupported" if kind in ("audio/pcmu", "audio/pcma") else "invalid_value"
+            c.fail(code, f"'{p}.format.type' {kind!r} is not supported: this server sends \"audio/pcm\" "
+                   "(16-bit mono PCM at 24 kHz)", p + ".format.type")
+        rate = f.get("rate", 24000)
+        if isinstance(rate, bool) or rate != 24000:
+            c.fail("invalid_value", f"'{p}.format.rate' must be 24000 (speech is sent at 24 kHz), got {rate!r}",
+                   p + ".format.rate")
     return changes
 
 

@@ -24,7 +24,7 @@ __all__ = ["EVENTS", "FIELDS", "Fields", "RealtimeEventError", "error_event", "n
 EVENTS = {"session.update": ("session",), "input_audio_buffer.append": ("audio",), "input_audio_buffer.commit": (),
           "input_audio_buffer.clear": (), "conversation.item.create": ("item", "previous_item_id"),
           "response.create": ("response",), "response.cancel": ("response_id",)}
-TEXT, NO_TOOLS, NO_PROMPT = "omnijax outputs text only", "there are no tools", "prompts stored by id are not supported"
+NO_PROMPT = "prompts stored by id are not supported"
 FIELDS: dict[str, tuple[tuple, dict]] = {
     **{kind: (("type", "event_id", *more), {}) for kind, more in EVENTS.items()},
     "session": (("type", "model", "instructions", "output_modalities", "max_output_tokens", "tools", "tool_choice",
@@ -34,7 +34,9 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
     "session.truncation": (("type", "retention_ratio", "token_limits"), {}),
     "session.truncation.token_limits": (("post_instructions",), {}),
     "session.audio": (("input", "output"), {}),
-    "session.audio.output": (("format", "voice", "speed"), {"voice": ((), TEXT), "speed": ((), TEXT)}),
+    "session.audio.output": (("format", "voice", "speed"),
+                             {"speed": ((1.0, 1), "the speech is sent at the talker's own pace")}),
+    "session.audio.output.format": (("type", "rate"), {}),
     "session.audio.input": (("format", "turn_detection", "transcription", "noise_reduction"),
                             {"transcription": ((), "input transcription is not supported"),
                              "noise_reduction": ((), "the audio is fed as sent, with no noise reduction")}),
@@ -55,7 +57,9 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
     "response": (("conversation", "input", "instructions", "max_output_tokens", "metadata", "output_modalities",
                   "prompt", "tool_choice", "tools", "audio"),
                  {"tool_choice": (("auto", "none"), "a response takes no tools of its own: set 'session.tools' "
-                                  "and 'session.tool_choice'"), "prompt": ((), NO_PROMPT), "audio": ((), TEXT)}),
+                                  "and 'session.tool_choice'"), "prompt": ((), NO_PROMPT),
+                  "audio": ((), "the voice and format are the session's: set them with session.update's "
+                            "'session.audio.output'")}),
 }
 _MOVED = {"temperature": "sampling is set per session: session.update's 'session.omnijax.temperature'",
           "input_audio_transcription": "input transcription is not supported (the beta API's field; the GA API's is "
@@ -146,14 +150,14 @@ class Fields:
         return self.num(value, param, int, 1)
 
     def modalities(self, value: Any, param: str) -> tuple:
+        """`["text"]` or `["audio"]` (speech with its transcript, as the GA API takes them); the session checks
+        that the checkpoint can speak."""
         if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
             self.fail("invalid_value", f"'{param}' must be a list of strings", param)
-        if "audio" in value:
-            self.fail("invalid_value", f"'{param}': audio output is not supported; omnijax outputs text only "
-                      "(use [\"text\"])", param)
-        if list(value) != ["text"]:
-            self.fail("invalid_value", f"'{param}' must be [\"text\"], got {value!r}", param)
-        return ("text",)
+        if list(value) not in (["text"], ["audio"]):
+            self.fail("invalid_value", f"'{param}' must be [\"text\"] or [\"audio\"] (audio comes with its "
+                      f"transcript), got {value!r}", param)
+        return tuple(value)
 
     def metadata(self, value: Any, param: str) -> Optional[dict]:
         """Up to 16 string pairs (keys up to 64 characters, values up to 512), as the API allows."""

@@ -207,9 +207,11 @@ def settings_of(value: Any) -> rte.SessionSettings:
     if "model" in d:
         kw["model"] = _str(d["model"], "settings.model")
     if "output_modalities" in d:
-        if d["output_modalities"] not in (["text"], ("text",)):
-            raise _fail("settings.output_modalities", f"must be ['text'], got {_show(d['output_modalities'])}")
-        kw["output_modalities"] = ("text",)
+        if d["output_modalities"] not in (["text"], ("text",), ["audio"], ("audio",)):
+            raise _fail("settings.output_modalities", f"must be ['text'] or ['audio'], got "
+                        f"{_show(d['output_modalities'])}")
+        kw["output_modalities"] = tuple(d["output_modalities"])
+    kw["output_voice"] = _str(d.get("output_voice"), "settings.output_voice", optional=True)
     if "input_audio_rate" in d:
         kw["input_audio_rate"] = _int(d["input_audio_rate"], "settings.input_audio_rate", 16000, 24000)
         if kw["input_audio_rate"] not in (16000, 24000):

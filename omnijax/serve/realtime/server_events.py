@@ -1,8 +1,9 @@
-"""Server events of the OpenAI Realtime API (GA names), text-output subset, built as plain dicts.
+"""Server events of the OpenAI Realtime API (GA names), built as plain dicts.
 
 The builders of what the server sends: `session.created` / `.updated` (the session object of a `SessionSettings`),
 `input_audio_buffer.committed` / `.cleared` / `.speech_started` / `.speech_stopped`, `conversation.item.added` /
-`.done` (user and assistant items), `response.created`, `response.output_text.delta` / `.done` and `response.done`
+`.done` (user and assistant items), `response.created`, `response.output_text.delta` / `.done`, the spoken answer's
+`response.output_audio_transcript.delta` / `.done` and `response.output_audio.delta` / `.done`, and `response.done`
 (usage, plus omnijax's KV cells in the extra `"omnijax"` field). `error` events come from
 `realtime_events.RealtimeEventError.to_event` / `error_event`. The client side (parsing, settings, the refusals) is
 `omnijax.serve.realtime.client_events`; both are pure and import only the standard library besides each other.
@@ -31,7 +32,8 @@ __all__ = [
     "response_created", "response_done", "response_output_text_delta", "response_output_text_done",
     "session_created", "session_object", "session_updated", "user_item", "function_call_item",
     "function_call_output_item", "response_function_call_arguments_delta", "response_function_call_arguments_done",
-    "response_output_item_added", "response_output_item_done",
+    "response_output_item_added", "response_output_item_done", "response_output_audio_delta",
+    "response_output_audio_done", "response_output_audio_transcript_delta", "response_output_audio_transcript_done",
 ]
 
 
@@ -52,7 +54,9 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
     out = {"type": "realtime", "object": "realtime.session", "id": session_id or new_id("sess"),
            "model": settings.model, "instructions": settings.instructions,
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
-           "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td}},
+           "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td},
+                                         "output": {"format": {"type": "audio/pcm", "rate": 24000},
+                                                    "voice": settings.output_voice}},
            "tools": [{"type": "function", **f} for f in settings.tools], "tool_choice": settings.tool_choice,
            "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,
                        **{k: getattr(settings, k) for k in SAMPLING
@@ -105,9 +109,12 @@ def user_item(item: ConversationItemCreate, item_id: Optional[str] = None) -> di
             "role": item.role, "status": "completed", "content": parts}
 
 
-def assistant_item(item_id: str, text: Optional[str] = None, status: str = "completed") -> dict:
-    """Builds an assistant message item; ``text=None`` gives an empty, in-progress-style item."""
-    content = [] if text is None else [{"type": "output_text", "text": text}]
+def assistant_item(item_id: str, text: Optional[str] = None, status: str = "completed", audio: bool = False
+                   ) -> dict:
+    """Builds an assistant message item; ``text=None`` gives an empty, in-progress-style item; ``audio``: its part
+    is ``output_audio`` with ``text`` its transcript (the server keeps no audio: the part carries none)."""
+    part = {"type": "output_audio", "transcript": text} if audio else {"type": "output_text", "text": text}
+    content = [] if text is None else [part]
     return {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "status": status,
             "content": content}
 
@@ -159,18 +166,52 @@ def conversation_item_done(item: dict, previous_item_id: Optional[str] = None) -
     return server_event("conversation.item.done", item=item, previous_item_id=previous_item_id)
 
 
-def _response(response_id: str, status: str, output: list, max_output_tokens: Any, conversation_id: Optional[str]
-              ) -> dict:
-    return {"object": "realtime.response", "id": response_id, "status": status, "output": output,
-            "output_modalities": ["text"], "max_output_tokens": max_output_tokens,
-            "conversation_id": conversation_id}
+def _response(response_id: str, status: str, output: list, max_output_tokens: Any, conversation_id: Optional[str],
+              modalities: tuple = ("text",), voice: Optional[str] = None) -> dict:
+    out = {"object": "realtime.response", "id": response_id, "status": status, "output": output,
+           "output_modalities": list(modalities), "max_output_tokens": max_output_tokens,
+           "conversation_id": conversation_id}
+    if "audio" in modalities:
+        out["audio"] = {"output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": voice}}
+    return out
 
 
 def response_created(response_id: str, *, max_output_tokens: Union[int, str] = "inf",
-                     conversation_id: Optional[str] = None) -> dict:
-    """Builds ``response.created`` (status ``in_progress``, no output yet)."""
+                     conversation_id: Optional[str] = None, modalities: tuple = ("text",),
+                     voice: Optional[str] = None) -> dict:
+    """Builds ``response.created`` (status ``in_progress``, no output yet; ``modalities`` ``("audio",)`` with the
+    ``voice`` it speaks in)."""
     return server_event("response.created", response=_response(response_id, "in_progress", [], max_output_tokens,
-                                                      conversation_id))
+                                                               conversation_id, modalities, voice))
+
+
+def response_output_audio_transcript_delta(response_id: str, item_id: str, delta: str, *, output_index: int = 0,
+                                           content_index: int = 0) -> dict:
+    """Builds ``response.output_audio_transcript.delta`` (more of a spoken answer's text)."""
+    return server_event("response.output_audio_transcript.delta", response_id=response_id, item_id=item_id,
+                        output_index=output_index, content_index=content_index, delta=delta)
+
+
+def response_output_audio_transcript_done(response_id: str, item_id: str, transcript: str, *,
+                                          output_index: int = 0, content_index: int = 0) -> dict:
+    """Builds ``response.output_audio_transcript.done``."""
+    return server_event("response.output_audio_transcript.done", response_id=response_id, item_id=item_id,
+                        output_index=output_index, content_index=content_index, transcript=transcript)
+
+
+def response_output_audio_delta(response_id: str, item_id: str, pcm: bytes, *, output_index: int = 0,
+                                content_index: int = 0) -> dict:
+    """Builds ``response.output_audio.delta``: ``pcm`` (16-bit little-endian mono PCM at 24 kHz) in base64."""
+    return server_event("response.output_audio.delta", response_id=response_id, item_id=item_id,
+                        output_index=output_index, content_index=content_index,
+                        delta=base64.b64encode(pcm).decode("ascii"))
+
+
+def response_output_audio_done(response_id: str, item_id: str, *, output_index: int = 0, content_index: int = 0
+                               ) -> dict:
+    """Builds ``response.output_audio.done``."""
+    return server_event("response.output_audio.done", response_id=response_id, item_id=item_id,
+                        output_index=output_index, content_index=content_index)
 
 
 def response_output_text_delta(response_id: str, item_id: str, delta: str, *, output_index: int = 0,
@@ -190,7 +231,8 @@ def response_output_text_done(response_id: str, item_id: str, text: str, *, outp
 def response_done(response_id: str, *, status: str = "completed", output: Optional[list] = None,
                   input_tokens: int = 0, output_tokens: int = 0, kv_cells: Optional[int] = None,
                   reason: Optional[str] = None, max_output_tokens: Union[int, str] = "inf",
-                  conversation_id: Optional[str] = None) -> dict:
+                  conversation_id: Optional[str] = None, modalities: tuple = ("text",),
+                  voice: Optional[str] = None) -> dict:
     """Builds ``response.done``.
 
     Args:
@@ -203,8 +245,9 @@ def response_done(response_id: str, *, status: str = "completed", output: Option
         reason: ``status_details.reason``, e.g. ``client_cancelled`` or ``max_output_tokens``.
         max_output_tokens: The limit used.
         conversation_id: The conversation the output was added to.
+        modalities: ``("text",)`` or ``("audio",)`` (then ``voice``, the voice it spoke in).
     """
-    resp = _response(response_id, status, list(output or []), max_output_tokens, conversation_id)
+    resp = _response(response_id, status, list(output or []), max_output_tokens, conversation_id, modalities, voice)
     resp["usage"] = {"input_tokens": int(input_tokens), "output_tokens": int(output_tokens),
                      "total_tokens": int(input_tokens) + int(output_tokens)}
     if status != "completed" or reason is not None:

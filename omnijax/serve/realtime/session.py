@@ -1,4 +1,5 @@
-"""`WS /v1/realtime`: an OpenAI Realtime (GA) session, text output, served by the Metronome engine's ticks.
+"""`WS /v1/realtime`: an OpenAI Realtime (GA) session, served by the Metronome engine's ticks; text output, and
+speech (`output_modalities: ["audio"]`) on a checkpoint with a talker: `omnijax.serve.realtime.audio_output`.
 
 One WebSocket is one engine session and one conversation (`omnijax.conversation`). The wire codec is
 `omnijax.serve.realtime.client_events` (client events) and `realtime_server_events` (server events); this module maps
@@ -71,6 +72,7 @@ from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
+from omnijax.serve.realtime.audio_output import SpokenIds, check_audio_output, response_modalities, speak_answer
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
 from omnijax.serve.realtime.sampling import check_sampling, duplex_penalties, session_row
@@ -114,6 +116,7 @@ class RealtimeSession(AudioInput):
         self.item_ids: set[str] = set()  # every item of the conversation (since the connection, and the last one)
         self.call_ids: set[str] = set()  # the ids of the model's function calls (a function_call_output answers one)
         self.held_outputs = 0  # function_call_output messages recorded in the conversation, not yet fed
+        self.spoken = SpokenIds()  # the text ids fed: the talker's prompt (`omnijax.serve.realtime.audio_output`)
         self.response_id: str | None = None  # the response in progress (or the last one)
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None
@@ -249,6 +252,7 @@ class RealtimeSession(AudioInput):
                                              param="session.omnijax.duplex")
             check_sampling(settings, per_row=self.worker.per_row, duplex=settings.duplex, event_id=eid,
                            vocab_size=self.worker.engine.model_config.vocab_size)
+            settings = check_audio_output(self, settings, eid, dict(event.changes))
             if "tools" in event.changes or "tool_choice" in event.changes:
                 settings = apply_tools(self, settings, eid)  # the template renders them; refuses changing nothing
             previous, self.settings = self.settings, settings
@@ -286,6 +290,7 @@ class RealtimeSession(AudioInput):
                 raise rte.RealtimeEventError("invalid_value", f"response {event.response_id!r} is not the response "
                                              f"in progress ({self.response_id!r})", event_id=eid,
                                              param="response_id")
+            self.spoken.cancelled = True  # a response that speaks stops after its vocoder chunk in progress
             self.worker.cancel(self.sid)
 
     def _check_truncation(self, truncation, eid) -> None:
@@ -302,6 +307,7 @@ class RealtimeSession(AudioInput):
         return rte.RealtimeEventError("invalid_value", str(e), event_id=eid, param=param)
 
     def _feed(self, parts, done=None) -> None:
+        self.spoken.fed(parts)
         self.tokens_since_response += sum(int(np.asarray(p.valid).sum()) for p in parts)
         self._spawn(self._after(self.worker.feed(self.sid, parts), done))
 
@@ -387,38 +393,50 @@ class RealtimeSession(AudioInput):
         limit = event.max_output_tokens if event.max_output_tokens is not None else self.settings.max_output_tokens
         cap = self.options.max_output_tokens
         max_tokens = cap if limit == "inf" else min(int(limit), cap)
+        modalities, voice = response_modalities(self, event.output_modalities, eid)
         await self._instructions(eid)
         prompt = await asyncio.to_thread(self.conversation.prompt, min(self.worker.tau, max_tokens))
+        self.spoken.fed(prompt.parts, response=True)
         input_tokens = self.tokens_since_response + sum(int(np.asarray(p.valid).sum()) for p in prompt.parts)
         self.tokens_since_response = 0
         answer = self.worker.respond(self.sid, prompt, max_tokens, self.conversation.continuation, self._sampling())
         self.response_id = rte.new_id("resp")
-        self.response = self._spawn(self._stream(answer, limit, input_tokens, self.response_id, event.metadata))
+        self.response = self._spawn(self._stream(answer, limit, input_tokens, self.response_id, event.metadata,
+                                                 modalities, voice, list(self.spoken.ids)))
 
     def _sampling(self):
         """The session's sampling row (`omnijax.serve.realtime.sampling.session_row`), or None for the default."""
         engine = self.worker.engine
         return session_row(self.settings, engine.config.stream.decoding, engine.model_config.vocab_size)
 
-    async def _stream(self, answer, limit, input_tokens: int, rid: str, metadata: dict | None = None) -> None:
-        created = rse.response_created(rid, max_output_tokens=limit)
+    async def _stream(self, answer, limit, input_tokens: int, rid: str, metadata: dict | None = None,
+                      modalities: tuple = ("text",), voice: str | None = None, talker_prompt: list | None = None
+                      ) -> None:
+        spoken = voice is not None  # the answer is spoken once decoded (`audio_output`)
+        created = rse.response_created(rid, max_output_tokens=limit, modalities=modalities, voice=voice)
         if metadata is not None:
             created["response"]["metadata"] = metadata
         self.send(created)
         tools = tools_of(self.settings)
-        output = ResponseOutput(self, rid, tools.parser() if tools.active else None)  # the items: message, calls
+        output = ResponseOutput(self, rid, tools.parser() if tools.active else None, spoken)  # message, calls
         decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
         async for tokens in answer:
             output.push(decoder.push(tokens))
         await answer.done
         self.conversation.answered(answer.tokens)
-        status = answer.status
-        items = output.finish(decoder.flush(), status == "completed")
-        reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(answer.reason,
-                                                                                               answer.reason)
+        self.spoken.answered(answer.tokens)
+        status, reason, tail = answer.status, answer.reason, decoder.flush()
+        if spoken and status != "cancelled":
+            output.push(tail)
+            tail, ended = "", await speak_answer(self, output, voice, talker_prompt or [], answer.tokens, rid)
+            if ended is not None:
+                status, reason = ended, "cancelled" if ended == "cancelled" else None
+        items = output.finish(tail, status == "completed")
+        reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(reason, reason)
         done = rse.response_done(rid, status=status, output=items, input_tokens=input_tokens,
                                  output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
-                                 reason=reason if status != "completed" else None, max_output_tokens=limit)
+                                 reason=reason if status != "completed" else None, max_output_tokens=limit,
+                                 modalities=modalities, voice=voice)
         if metadata is not None:
             done["response"]["metadata"] = metadata
         failed = await self.snapshots.turn_ended() if self.snapshots is not None else []  # on disk before done
@@ -455,6 +473,7 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
             session = RealtimeSession(ws, context, sid, plan.token)
             if plan.state is not None:
                 plan.state.apply(session)
+                session.spoken.resumed()
             if lease is not None and store is not None:
                 session.snapshots = Snapshotter(session, store, lease)
             await session.run()

@@ -138,10 +138,12 @@ class ResponseOutput:
         session: the Realtime session.
         rid: the response's id.
         parser: reads tool calls from the text (None: no tools).
+        audio: the message is spoken: its text goes out as `response.output_audio_transcript` events and its part
+            is `output_audio` (`omnijax.serve.realtime.audio_output`; never with a parser).
     """
 
-    def __init__(self, session: RealtimeSession, rid: str, parser: ToolCallParser | None):
-        self.session, self.rid, self.parser = session, rid, parser
+    def __init__(self, session: RealtimeSession, rid: str, parser: ToolCallParser | None, audio: bool = False):
+        self.session, self.rid, self.parser, self.audio = session, rid, parser, audio
         self.items: list[_Item] = []
         self.message: _Item | None = None
         self.text = ""
@@ -165,7 +167,7 @@ class ResponseOutput:
 
     def _open_message(self) -> _Item:
         if self.message is None:
-            self.message = self._add(rse.assistant_item(rte.new_id("item"), status="in_progress"))
+            self.message = self._add(rse.assistant_item(rte.new_id("item"), status="in_progress", audio=self.audio))
         return self.message
 
     def push(self, text: str) -> None:
@@ -181,8 +183,8 @@ class ResponseOutput:
         if delta.get("content"):
             message = self._open_message()
             self.text += delta["content"]
-            s.send(rse.response_output_text_delta(self.rid, message.item["id"], delta["content"],
-                                                  output_index=message.index))
+            delta_event = rse.response_output_audio_transcript_delta if self.audio else rse.response_output_text_delta
+            s.send(delta_event(self.rid, message.item["id"], delta["content"], output_index=message.index))
         elif "tool_calls" in delta:
             (call,) = delta["tool_calls"]
             if "id" in call:  # a call starts: its item
@@ -209,8 +211,13 @@ class ResponseOutput:
         for entry in self.items:
             if entry is self.message:
                 item = rse.assistant_item(entry.item["id"], self.text,
-                                          status="completed" if completed else "incomplete")
-                s.send(rse.response_output_text_done(self.rid, item["id"], self.text, output_index=entry.index))
+                                          status="completed" if completed else "incomplete", audio=self.audio)
+                if self.audio:
+                    s.send(rse.response_output_audio_done(self.rid, item["id"], output_index=entry.index))
+                    s.send(rse.response_output_audio_transcript_done(self.rid, item["id"], self.text,
+                                                                     output_index=entry.index))
+                else:
+                    s.send(rse.response_output_text_done(self.rid, item["id"], self.text, output_index=entry.index))
             else:
                 call = next(c for c in self.parser.calls if c.id == entry.item["call_id"])  # type: ignore[union-attr]
                 item = rse.function_call_item(entry.item["id"], call.id, call.name, call.arguments,

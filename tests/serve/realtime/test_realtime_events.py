@@ -198,7 +198,8 @@ BAD = [
     ({"type": "input_audio_buffer.append", "audio": "@@not base64!!"}, "invalid_value", "base64"),
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "invalid_value", "odd"),
     ({"type": "input_audio_buffer.append", "audio": 5}, "invalid_value", "string"),
-    ({"type": "response.create", "response": {"output_modalities": ["audio"]}}, "invalid_value", "audio output"),
+    ({"type": "response.create", "response": {"output_modalities": ["text", "audio"]}}, "invalid_value",
+     "audio comes with its transcript"),
     ({"type": "response.create", "response": {"max_output_tokens": "lots"}}, "invalid_value", "max_output_tokens"),
     ({"type": "response.create", "response": {"conversation": "none"}}, "unsupported", "out-of-band"),
     ({"type": "response.create", "response": {"instructions": 3}}, "invalid_value", "response.instructions"),
@@ -226,7 +227,7 @@ def test_bad_events(event, code, needle):
 
 
 @pytest.mark.parametrize("path,value,code,needle", [
-    ("session.output_modalities", ["audio", "text"], "invalid_value", "audio output"),
+    ("session.output_modalities", ["audio", "text"], "invalid_value", "audio comes with its transcript"),
     ("session.output_modalities", "text", "invalid_value", "list"),
     ("session.audio.input.format", {"type": "audio/pcmu"}, "invalid_value", "audio/pcmu"),
     ("session.audio.input.format", {"type": "audio/pcm", "rate": 44100}, "invalid_value", "44100"),

@@ -1,0 +1,150 @@
+"""The Realtime API's audio output: a session's spoken answers (`output_modalities: ["audio"]`).
+
+On a checkpoint with speech output (`model.speech`: Qwen3-Omni or Qwen2.5-Omni converted from a full release with
+its talker) `session.update` takes `output_modalities: ["audio"]`, `audio.output.voice` (one of the checkpoint's
+voices, in any case; the session object echoes it as the checkpoint spells it; none given: the checkpoint's first)
+and `audio.output.format` `{"type": "audio/pcm", "rate": 24000}`; `response.create` may ask for `["audio"]` or
+`["text"]` for one response. A spoken response is one assistant message item whose part is `output_audio`: the text
+as the engine decodes it, as `response.output_audio_transcript.delta`s, then the answer spoken
+(`omnijax.serve.speech_output.speak_pieces`: the talker over the whole answer, the vocoder in chunks of `FIRST_CHUNK`
+codec frames then `CHUNK`, each in a worker thread, never on the event loop) as `response.output_audio.delta`s (base64
+16-bit PCM at 24 kHz, one per vocoder chunk, as it is decoded), then `response.output_audio.done`,
+`response.output_audio_transcript.done`, `conversation.item.done` (the part `{"type": "output_audio", "transcript"}`:
+the server keeps no audio) and `response.done` (`output_modalities` ["audio"], `audio.output` its voice and format).
+`response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled").
+
+The talker's prompt is the text the session fed, in order (every item's and instruction's template rendering, the
+tool results, each response's generation prompt and earlier answers as decoded), through this response's generation
+prompt; the answer spoken is its tokens without a final end-of-turn token; the talker's tokens are capped by
+`ServeOptions.max_speech_tokens`.
+
+Refused by name, the session unchanged: audio output on a checkpoint without a talker (`session.output_modalities`,
+`response.output_modalities`, or `session.audio.output.voice` when only a voice is given), a voice the checkpoint does
+not have (`session.audio.output.voice`, naming its voices), a format other than 24 kHz `audio/pcm` (the codec), audio
+output with duplex or with active tools (`session.output_modalities`); and at `response.create`, a conversation that
+holds image or audio input, or that was resumed from a snapshot (the talker reads the thinker's hidden states at
+media placeholders, which the session does not keep, and a snapshot does not carry the text ids fed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omnijax.serve.realtime import client_events as rte
+from omnijax.serve.realtime import server_events as rse
+from omnijax.serve.speech_output import AudioOutput, speak_pieces
+
+if TYPE_CHECKING:
+    from omnijax.serve.realtime.session import RealtimeSession
+    from omnijax.serve.realtime.tools import ResponseOutput
+
+__all__ = ["SpokenIds", "check_audio_output", "speak_answer"]
+
+log = logging.getLogger("omnijax.serve")
+
+
+class SpokenIds:
+    """The text token ids a session fed, in order (the talker's prompt), or why they cannot be spoken from."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.unspeakable: str | None = None  # why the talker cannot read this conversation
+        self.cancelled = False  # `response.cancel` while the current response speaks
+
+    def fed(self, parts: Sequence[Any], response: bool = False) -> None:
+        """Records the chunks fed: their valid ids, or that the conversation holds media (placeholders);
+        `response`: they are a response's prompt (a new response: not cancelled)."""
+        self.cancelled = self.cancelled and not response
+        for part in parts:
+            if part.embed_mask is not None and np.asarray(part.embed_mask).any():
+                self.unspeakable = ("the conversation holds image or audio input: the talker reads the thinker's "
+                                    "hidden states at media placeholders, which the session does not keep")
+                continue
+            self.ids += [int(t) for t in np.asarray(part.token_ids)[0][np.asarray(part.valid, bool)[0]]]
+
+    def resumed(self) -> None:
+        """The session continues a snapshot, which does not keep the text ids fed."""
+        self.unspeakable = "the session was resumed from a snapshot, which does not keep the text ids fed"
+
+    def answered(self, tokens: Sequence[int]) -> None:
+        """Records a response's tokens as decoded (they are in the cache, the end-of-turn token too)."""
+        self.ids += [int(t) for t in tokens]
+
+
+def check_audio_output(session: RealtimeSession, settings: rte.SessionSettings, eid: str | None,
+                       changes: dict | None = None) -> rte.SessionSettings:
+    """Checks an updated session's audio output against the checkpoint; returns the settings with the voice as the
+    checkpoint spells it (its first voice when audio is asked for without one). Raises `RealtimeEventError`
+    naming the field; changes nothing."""
+    changes = changes or {}
+    audio = "audio" in settings.output_modalities
+    if not audio and settings.output_voice is None:
+        return settings
+    speech, name = session.context.model.speech, session.options.model_name
+    if speech is None:
+        param = ("session.output_modalities" if audio or "output_voice" not in changes
+                 else "session.audio.output.voice")
+        raise rte.RealtimeEventError("unsupported", f"audio output is not supported: model {name!r} has no speech "
+                                     "output (a talker and a vocoder), so it answers in text only; serve a "
+                                     "checkpoint converted from a full release with its talker (Qwen3-Omni's or "
+                                     "Qwen2.5-Omni's), or send output_modalities [\"text\"] and no voice",
+                                     event_id=eid, param=param)
+    voices = {v.lower(): v for v in speech.voices}
+    voice = settings.output_voice or speech.voices[0]
+    if voice.lower() not in voices:
+        raise rte.RealtimeEventError("invalid_value", f"'session.audio.output.voice' {voice!r} is not a voice of "
+                                     f"model {name!r}: its voices are {list(speech.voices)}", event_id=eid,
+                                     param="session.audio.output.voice")
+    if audio and settings.duplex:
+        raise rte.RealtimeEventError("unsupported", "audio output is not supported in duplex sessions (their "
+                                     "answers are text)", event_id=eid, param="session.output_modalities")
+    if audio and settings.tools and settings.tool_choice != "none":
+        raise rte.RealtimeEventError("unsupported", "audio output is not supported with active tools (a call "
+                                     "cannot be spoken): send tool_choice \"none\", or no tools", event_id=eid,
+                                     param="session.output_modalities")
+    return dataclasses.replace(settings, output_voice=voices[voice.lower()])
+
+
+def response_modalities(session: RealtimeSession, asked: tuple | None, eid: str | None
+                        ) -> tuple[tuple, str | None]:
+    """The modalities of a response (`response.output_modalities`, else the session's) and the voice it speaks in
+    (None: text), checked: a spoken one needs a talker and a conversation the talker can read."""
+    modalities = asked if asked is not None else session.settings.output_modalities
+    if "audio" not in modalities:
+        return modalities, None
+    param = "response.output_modalities" if asked is not None else "session.output_modalities"
+    settings = check_audio_output(session, dataclasses.replace(session.settings, output_modalities=modalities), eid)
+    why = session.spoken.unspeakable
+    if why is not None:
+        raise rte.RealtimeEventError("unsupported", f"this response cannot be spoken: {why}; ask for "
+                                     "output_modalities [\"text\"]", event_id=eid, param=param)
+    return modalities, settings.output_voice
+
+
+async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: str, prompt: Sequence[int],
+                       tokens: Sequence[int], rid: str) -> str | None:
+    """Speaks a response's answer `tokens` in `voice` after the talker prompt `prompt`, sending each vocoder chunk as a
+    `response.output_audio.delta` of the response's message item; returns "cancelled" when `response.cancel` stopped
+    it, "failed" when the speech failed (an `error` event said why), else None."""
+    eos = session.conversation.eos
+    answer = list(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
+    message = output.message
+    assert message is not None  # a spoken response's message item is opened at once
+    audio = AudioOutput(voice, "pcm16")
+    try:
+        async for pcm in speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer):
+            if session.spoken.cancelled:
+                return "cancelled"
+            session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),
+                                                         output_index=message.index))
+    except Exception as e:  # noqa: BLE001 - the response ends "failed" and the client is told why
+        log.exception("realtime session=%s: speech failed", session.sid)
+        session.send(rte.error_event("speech_failed", f"the answer could not be spoken: {type(e).__name__}: {e}",
+                                     error_type="server_error"))
+        return "failed"
+    return "cancelled" if session.spoken.cancelled else None
