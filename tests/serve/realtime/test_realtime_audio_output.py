@@ -20,10 +20,14 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is the
 import PIL.Image  # noqa: E402
 from openai.types import realtime as rt  # noqa: E402
 
+import omnijax  # noqa: E402
+from omnijax.chat import SpeakOptions  # noqa: E402
 from omnijax.media.audio import pcm16  # noqa: E402
+from omnijax.models.qwen3_omni import speech as S  # noqa: E402
 from omnijax.serve import speech_output as so  # noqa: E402
 from omnijax.serve.realtime import client_events as rte  # noqa: E402
 from omnijax.serve.realtime.audio_output import check_audio_output  # noqa: E402
+from tests.chat.test_chat_speech import SPEECH_TOKENS, stream_config  # noqa: E402
 from tests.serve import test_chat_completions_audio as cca  # noqa: E402
 
 # the served tiny speaking release and the reference answer, as chat completions' audio tests build them
@@ -31,6 +35,7 @@ served, reference, MAX_TOKENS, QUESTION = cca.served, cca.reference, cca.MAX_TOK
 
 SPOKEN = {"type": "realtime", "output_modalities": ["audio"],
           "audio": {"output": {"voice": "Chelsie", "format": {"type": "audio/pcm", "rate": 24000}}}}
+TURNS = ("Say hello.", "Once more.")
 AUDIO_EVENTS = {"response.output_audio.delta": rt.ResponseAudioDeltaEvent,
                 "response.output_audio.done": rt.ResponseAudioDoneEvent,
                 "response.output_audio_transcript.delta": rt.ResponseAudioTranscriptDeltaEvent,
@@ -133,6 +138,46 @@ def test_a_response_may_ask_for_speech_or_text_itself(served, reference):
     kinds = {e.type for e in events}
     assert "response.output_text.done" in kinds and not any("audio" in k for k in kinds), kinds
     assert events[-1].response.output_modalities == ["text"] and events[-1].response.output[0].content[0].text == text
+
+
+def test_a_second_spoken_turn_reads_the_whole_conversation(served):
+    """The talker's prompt of a later response is every text id the session fed: both responses' PCM equal `speak`
+    of `Chat`'s prompt and answer ids for the same two turns (within 1 LSB). (Qwen3-Omni's talker reads the system
+    and user turns of its prompt, not earlier answers: dropping those from the prompt is not seen here.)"""
+    _, model, _, server = served
+    chat = omnijax.Chat(model, stream_config())
+    want = []
+    for question in TURNS:
+        list(chat.ask(question, max_tokens=MAX_TOKENS, speak=SpeakOptions(voice="chelsie",
+                                                                          max_speech_tokens=SPEECH_TOKENS)))
+        last = chat.last_spoken
+        want.append(pcm16(S.speak(model, np.asarray(last.prompt_ids), np.asarray(last.answer_ids),
+                                  speaker="chelsie", max_new_tokens=SPEECH_TOKENS).pcm).astype(np.int32))
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        got = []
+        async with client.realtime.connect(model="omnijax") as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session=SPOKEN)
+            for question in TURNS:
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": question}]})
+                await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+                chunks = []
+                async for event in conn:
+                    assert event.type != "error", event
+                    if event.type == "response.output_audio.delta":
+                        chunks.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
+                    if event.type == "response.done":
+                        break
+                got.append(np.concatenate(chunks).astype(np.int32))
+        return got
+
+    got = asyncio.run(asyncio.wait_for(run(), 900))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(g - w).max() <= 1
+    assert want[0].shape != want[1].shape or np.abs(want[0] - want[1]).max() > 1  # two different utterances
 
 
 @pytest.mark.parametrize("session, code, param, says", [
