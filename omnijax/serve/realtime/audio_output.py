@@ -22,8 +22,9 @@ Refused by name, the session unchanged: audio output on a checkpoint without a t
 `response.output_modalities`, or `session.audio.output.voice` when only a voice is given), a voice the checkpoint does
 not have (`session.audio.output.voice`, naming its voices), a format other than 24 kHz `audio/pcm` (the codec), audio
 output with duplex or with active tools (`session.output_modalities`); and at `response.create`, a conversation that
-holds image or audio input, or that was resumed from a snapshot (the talker reads the thinker's hidden states at
-media placeholders, which the session does not keep, and a snapshot does not carry the text ids fed).
+holds image or audio input (the talker reads the thinker's hidden states at media placeholders, which the session
+does not keep), or that was resumed from a snapshot written before snapshots kept the text ids fed (`spoken` in its
+meta).
 """
 
 from __future__ import annotations
@@ -67,9 +68,14 @@ class SpokenIds:
                 continue
             self.ids += [int(t) for t in np.asarray(part.token_ids)[0][np.asarray(part.valid, bool)[0]]]
 
-    def resumed(self) -> None:
-        """The session continues a snapshot, which does not keep the text ids fed."""
-        self.unspeakable = "the session was resumed from a snapshot, which does not keep the text ids fed"
+    def restore(self, saved: tuple | None) -> None:
+        """Continues a snapshot's `(ids, unspeakable)` (`resume.meta_of` writes them); None: a snapshot written
+        without them, whose talker prompt is unknown."""
+        if saved is None:
+            self.ids = []
+            self.unspeakable = "the session was resumed from a snapshot that does not keep the text ids fed"
+        else:
+            self.ids, self.unspeakable = list(saved[0]), saved[1]
 
     def answered(self, tokens: Sequence[int]) -> None:
         """Records a response's tokens as decoded (they are in the cache, the end-of-turn token too)."""

@@ -131,6 +131,7 @@ class Restored:
     tokens_since_response: int
     call_ids: tuple = ()
     held_outputs: int = 0  # the last messages: tool results recorded, not yet fed (`tools.flush_outputs`)
+    spoken: tuple | None = None  # (text ids fed, why unspeakable or None): `audio_output.SpokenIds`; None: unknown
 
     def apply(self, session: RealtimeSession) -> None:
         """Continues this conversation in a new session (before its first event)."""
@@ -140,6 +141,7 @@ class Restored:
         session.last_item, session.tokens_since_response = self.last_item, self.tokens_since_response
         session.call_ids = set(self.call_ids)
         session.held_outputs = self.held_outputs
+        session.spoken.restore(self.spoken)
 
 
 def meta_of(session: RealtimeSession) -> dict:
@@ -148,7 +150,8 @@ def meta_of(session: RealtimeSession) -> dict:
             "session_id": session.session_id, "instructions_fed": session.instructions_fed,
             "last_item": session.last_item, "tokens_since_response": session.tokens_since_response,
             "model": session.options.model_name, "call_ids": sorted(session.call_ids),
-            "held_outputs": session.held_outputs}
+            "held_outputs": session.held_outputs,
+            "spoken": {"ids": session.spoken.ids, "unspeakable": session.spoken.unspeakable}}
 
 
 def _fail(field: str, problem: str) -> ResumeRefused:
@@ -298,7 +301,7 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
         ResumeRefused: naming the first field that is missing, of the wrong type or out of range.
     """
     meta = _fields(snapshot.meta, "", ("conversation", "settings", "session_id", "instructions_fed", "last_item",
-                                        "tokens_since_response", "model", "call_ids", "held_outputs"))
+                                        "tokens_since_response", "model", "call_ids", "held_outputs", "spoken"))
     if meta.get("model") != model_name:
         raise ResumeRefused(f"the snapshot is of model {_show(meta.get('model'))}, this server serves {model_name!r}")
     conv = _fields(meta.get("conversation"), "conversation", ("messages", "rendered", "next_unit", "tokens_fed",
@@ -326,13 +329,21 @@ def restored(snapshot: SessionSnapshot, model_name: str) -> Restored:
     tail = len(messages) - next((i + 1 for i in range(len(messages) - 1, -1, -1)
                                  if messages[i].get("role") != "tool"), 0)
     held_outputs = _int(meta.get("held_outputs", 0), "held_outputs", 0, tail)
+    spoken = None  # a snapshot written before spoken answers: the talker's prompt is unknown
+    if meta.get("spoken") is not None:
+        d = _fields(meta["spoken"], "spoken", ("ids", "unspeakable"))
+        ids = d.get("ids")
+        if (not isinstance(ids, list) or len(ids) > TOKENS_LIMIT
+                or not all(type(t) is int and 0 <= t < 2 ** 31 for t in ids)):
+            raise _fail("spoken.ids", f"must be a list of token ids, got {_show(ids)}")
+        spoken = (tuple(ids), _str(d.get("unspeakable"), "spoken.unspeakable", optional=True))
     return Restored(settings=settings_of(meta.get("settings")), conversation=state,
                     session_id=str(_str(meta.get("session_id"), "session_id")),
                     instructions_fed=_str(meta.get("instructions_fed"), "instructions_fed", optional=True),
                     last_item=_str(meta.get("last_item"), "last_item", optional=True),
                     tokens_since_response=_int(meta.get("tokens_since_response"), "tokens_since_response", 0,
                                                TOKENS_LIMIT), call_ids=tuple(call_ids),
-                    held_outputs=held_outputs)
+                    held_outputs=held_outputs, spoken=spoken)
 
 
 # ------------------------------------------------------------------------------------------------- the snapshots

@@ -473,7 +473,6 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
             session = RealtimeSession(ws, context, sid, plan.token)
             if plan.state is not None:
                 plan.state.apply(session)
-                session.spoken.resumed()
             if lease is not None and store is not None:
                 session.snapshots = Snapshotter(session, store, lease)
             await session.run()

@@ -25,6 +25,8 @@ from omnijax.chat import SpeakOptions  # noqa: E402
 from omnijax.media.audio import pcm16  # noqa: E402
 from omnijax.models.qwen3_omni import speech as S  # noqa: E402
 from omnijax.serve import speech_output as so  # noqa: E402
+from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
+from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.realtime import client_events as rte  # noqa: E402
 from omnijax.serve.realtime.audio_output import check_audio_output  # noqa: E402
 from tests.chat.test_chat_speech import SPEECH_TOKENS, stream_config  # noqa: E402
@@ -140,11 +142,10 @@ def test_a_response_may_ask_for_speech_or_text_itself(served, reference):
     assert events[-1].response.output_modalities == ["text"] and events[-1].response.output[0].content[0].text == text
 
 
-def test_a_second_spoken_turn_reads_the_whole_conversation(served):
-    """The talker's prompt of a later response is every text id the session fed: both responses' PCM equal `speak`
-    of `Chat`'s prompt and answer ids for the same two turns (within 1 LSB). (Qwen3-Omni's talker reads the system
-    and user turns of its prompt, not earlier answers: dropping those from the prompt is not seen here.)"""
-    _, model, _, server = served
+@pytest.fixture(scope="module")
+def two_turns(served):
+    """The int32 PCM16 of `speak` on `Chat`'s prompt and answer ids after each of `TURNS`, asked in one `Chat`."""
+    model = served[1]
     chat = omnijax.Chat(model, stream_config())
     want = []
     for question in TURNS:
@@ -153,31 +154,69 @@ def test_a_second_spoken_turn_reads_the_whole_conversation(served):
         last = chat.last_spoken
         want.append(pcm16(S.speak(model, np.asarray(last.prompt_ids), np.asarray(last.answer_ids),
                                   speaker="chelsie", max_new_tokens=SPEECH_TOKENS).pcm).astype(np.int32))
+    assert want[0].shape != want[1].shape or np.abs(want[0] - want[1]).max() > 1  # two different utterances
+    return want
+
+
+async def _spoken_turn(conn, question: str) -> np.ndarray:
+    """Asks `question` in a spoken session; the response's PCM16 (int32) once `response.done` came."""
+    await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": question}]})
+    await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+    chunks = []
+    async for event in conn:
+        assert event.type != "error", event
+        if event.type == "response.output_audio.delta":
+            chunks.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
+        if event.type == "response.done":
+            return np.concatenate(chunks).astype(np.int32)
+    raise AssertionError("the connection closed before response.done")
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.shape == want.shape and int(np.abs(got - want).max()) <= 1
+
+
+def test_a_second_spoken_turn_reads_the_whole_conversation(served, two_turns):
+    """The talker's prompt of a later response is every text id the session fed: both responses' PCM equal `speak`
+    of `Chat`'s prompt and answer ids for the same two turns (within 1 LSB). (Qwen3-Omni's talker reads the system
+    and user turns of its prompt, not earlier answers: dropping those from the prompt is not seen here.)"""
+    server = served[3]
 
     async def run():
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        got = []
         async with client.realtime.connect(model="omnijax") as conn:
             assert (await conn.recv()).type == "session.created"
             await conn.session.update(session=SPOKEN)
-            for question in TURNS:
-                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                    {"type": "input_text", "text": question}]})
-                await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-                chunks = []
-                async for event in conn:
-                    assert event.type != "error", event
-                    if event.type == "response.output_audio.delta":
-                        chunks.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
-                    if event.type == "response.done":
-                        break
-                got.append(np.concatenate(chunks).astype(np.int32))
-        return got
+            return [await _spoken_turn(conn, question) for question in TURNS]
 
     got = asyncio.run(asyncio.wait_for(run(), 900))
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and np.abs(g - w).max() <= 1
-    assert want[0].shape != want[1].shape or np.abs(want[0] - want[1]).max() > 1  # two different utterances
+    assert all(_close(g, w) for g, w in zip(got, two_turns))
+
+
+def test_a_resumed_spoken_session_speaks_on(served, two_turns, tmp_path):
+    """The snapshot keeps the text ids fed (`spoken` in its meta): a spoken session left after its first turn and
+    resumed on a server with snapshots speaks its second turn as one unbroken session does."""
+    model = served[1]
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=8, max_speech_tokens=SPEECH_TOKENS,
+                           snapshot_dir=str(tmp_path / "snapshots"))
+    context = build_context(model, options=options, stream=stream_config(), chunk_tokens=64, buckets=(1, 2),
+                            aimd_target=0)
+
+    async def run(server):
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as conn:
+            token = (await conn.recv()).session.model_extra["omnijax"]["resume_token"]
+            await conn.session.update(session=SPOKEN)
+            first = await _spoken_turn(conn, TURNS[0])
+        async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+            created = await conn.recv()
+            assert created.type == "session.created" and created.session.output_modalities == ["audio"], created
+            return first, await _spoken_turn(conn, TURNS[1])
+
+    with BackgroundServer(context) as server:
+        got = asyncio.run(asyncio.wait_for(run(server), 900))
+    assert all(_close(g, w) for g, w in zip(got, two_turns))
 
 
 @pytest.mark.parametrize("session, code, param, says", [

@@ -40,6 +40,14 @@ def test_what_a_session_writes_comes_back():
     plain = _meta()
     plain["settings"] = dataclasses.asdict(rte.SessionSettings())
     assert restored(_with(plain), "omnijax").settings == rte.SessionSettings()
+    assert state.spoken is None  # a snapshot without the text ids fed: a resumed session cannot speak
+    spoken = _meta()
+    spoken["settings"] = dataclasses.asdict(dataclasses.replace(SETTINGS, output_modalities=("audio",),
+                                                                output_voice="chelsie"))
+    spoken["spoken"] = {"ids": [3, 1, 4, 1, 5], "unspeakable": None}
+    state = restored(_with(spoken), "omnijax")
+    assert state.spoken == ((3, 1, 4, 1, 5), None)
+    assert (state.settings.output_modalities, state.settings.output_voice) == (("audio",), "chelsie")
 
 
 def _set(path: str, value):
@@ -75,6 +83,11 @@ def _set(path: str, value):
     ("settings.duplex", True, "settings.duplex must be false"),
     ("settings.output_modalities", ["video"], "settings.output_modalities"),
     ("settings.output_voice", 5, "settings.output_voice must be a string or null"),
+    ("spoken", [1, 2], "spoken must be an object"),
+    ("spoken", {"ids": [1, -2]}, "spoken.ids must be a list of token ids"),
+    ("spoken", {"ids": [1, True]}, "spoken.ids must be a list of token ids"),
+    ("spoken", {"ids": [1], "unspeakable": 3}, "spoken.unspeakable must be a string or null"),
+    ("spoken", {"ids": [1], "voice": "x"}, "spoken has unknown fields ['voice']"),
     ("settings.instructions", 5, "settings.instructions must be a string"),
     ("settings.colour", "red", "settings has unknown fields ['colour']"),
     ("tokens_since_response", 2 ** 60, "tokens_since_response"),
