@@ -20,7 +20,8 @@ prompt; the answer spoken is its tokens without a final end-of-turn token; the t
 
 Refused by name, the session unchanged: audio output on a checkpoint without a talker (`session.output_modalities`,
 `response.output_modalities`, or `session.audio.output.voice` when only a voice is given), a voice the checkpoint does
-not have (`session.audio.output.voice`, naming its voices), a format other than 24 kHz `audio/pcm` (the codec), audio
+not have (`session.audio.output.voice`, naming its voices), an output format on a checkpoint without a talker
+(`session.audio.output.format`), a format other than 24 kHz `audio/pcm` (the codec), audio
 output with duplex or with active tools (`session.output_modalities`); and at `response.create`, a conversation that
 holds image or audio input (the talker reads the thinker's hidden states at media placeholders, which the session
 does not keep), or that was resumed from a snapshot written before snapshots kept the text ids fed (`spoken` in its
@@ -89,16 +90,16 @@ def check_audio_output(session: RealtimeSession, settings: rte.SessionSettings, 
     naming the field; changes nothing."""
     changes = changes or {}
     audio = "audio" in settings.output_modalities
-    if not audio and settings.output_voice is None:
+    if not audio and settings.output_voice is None and "output_format" not in changes:
         return settings
     speech, name = session.context.model.speech, session.options.model_name
     if speech is None:
-        param = ("session.output_modalities" if audio or "output_voice" not in changes
-                 else "session.audio.output.voice")
+        param = ("session.output_modalities" if audio else "session.audio.output.voice"
+                 if settings.output_voice is not None else "session.audio.output.format")
         raise rte.RealtimeEventError("unsupported", f"audio output is not supported: model {name!r} has no speech "
                                      "output (a talker and a vocoder), so it answers in text only; serve a "
                                      "checkpoint converted from a full release with its talker (Qwen3-Omni's or "
-                                     "Qwen2.5-Omni's), or send output_modalities [\"text\"] and no voice",
+                                     "Qwen2.5-Omni's), or send output_modalities [\"text\"] and no audio.output",
                                      event_id=eid, param=param)
     voices = {v.lower(): v for v in speech.voices}
     voice = settings.output_voice or speech.voices[0]

@@ -94,6 +94,7 @@ class SessionSettings:
     instructions: str = ""
     output_modalities: tuple = ("text",)
     output_voice: Optional[str] = None  # `audio.output.voice` as given (None: the checkpoint's first voice)
+    output_format: str = "audio/pcm"  # `audio.output.format` (16-bit mono at 24 kHz, the only one)
     input_audio_rate: int = 24000
     turn_detection: Optional[ServerVad] = None
     max_output_tokens: Union[int, Literal["inf"]] = "inf"
@@ -328,6 +329,7 @@ def _parse_output(c: Fields, out: Any) -> dict:
         if isinstance(rate, bool) or rate != 24000:
             c.fail("invalid_value", f"'{p}.format.rate' must be 24000 (speech is sent at 24 kHz), got {rate!r}",
                    p + ".format.rate")
+        changes["output_format"] = "audio/pcm"
     return changes
 
 

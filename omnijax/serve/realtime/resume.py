@@ -215,6 +215,8 @@ def settings_of(value: Any) -> rte.SessionSettings:
                         f"{_show(d['output_modalities'])}")
         kw["output_modalities"] = tuple(d["output_modalities"])
     kw["output_voice"] = _str(d.get("output_voice"), "settings.output_voice", optional=True)
+    if d.get("output_format", "audio/pcm") != "audio/pcm":
+        raise _fail("settings.output_format", f"must be 'audio/pcm', got {_show(d['output_format'])}")
     if "input_audio_rate" in d:
         kw["input_audio_rate"] = _int(d["input_audio_rate"], "settings.input_audio_rate", 16000, 24000)
         if kw["input_audio_rate"] not in (16000, 24000):

@@ -55,7 +55,7 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "model": settings.model, "instructions": settings.instructions,
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td},
-                                         "output": {"format": {"type": "audio/pcm", "rate": 24000},
+                                         "output": {"format": {"type": settings.output_format, "rate": 24000},
                                                     "voice": settings.output_voice}},
            "tools": [{"type": "function", **f} for f in settings.tools], "tool_choice": settings.tool_choice,
            "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,

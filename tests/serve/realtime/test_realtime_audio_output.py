@@ -247,7 +247,8 @@ def test_a_checkpoint_without_a_talker_refuses_audio_output(served):
     fake = types.SimpleNamespace(context=types.SimpleNamespace(model=mute),
                                  options=types.SimpleNamespace(model_name="omnijax"))
     for changes, param in (({"output_modalities": ("audio",)}, "session.output_modalities"),
-                           ({"output_voice": "chelsie"}, "session.audio.output.voice")):
+                           ({"output_voice": "chelsie"}, "session.audio.output.voice"),
+                           ({"output_format": "audio/pcm"}, "session.audio.output.format")):
         with pytest.raises(rte.RealtimeEventError) as e:
             check_audio_output(fake, rte.SessionSettings(**changes), None, changes)  # type: ignore[arg-type]
         assert (e.value.code, e.value.param) == ("unsupported", param) and "has no speech output" in e.value.message

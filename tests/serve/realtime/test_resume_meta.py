@@ -83,6 +83,7 @@ def _set(path: str, value):
     ("settings.duplex", True, "settings.duplex must be false"),
     ("settings.output_modalities", ["video"], "settings.output_modalities"),
     ("settings.output_voice", 5, "settings.output_voice must be a string or null"),
+    ("settings.output_format", "audio/pcmu", "settings.output_format must be 'audio/pcm'"),
     ("spoken", [1, 2], "spoken must be an object"),
     ("spoken", {"ids": [1, -2]}, "spoken.ids must be a list of token ids"),
     ("spoken", {"ids": [1, True]}, "spoken.ids must be a list of token ids"),
