@@ -290,3 +290,39 @@ def test_a_conversation_with_an_image_is_not_spoken(served):
     error, done = asyncio.run(asyncio.wait_for(run(), 900))
     assert error.error.param == "session.output_modalities" and "image or audio input" in error.error.message, error
     assert done.response.output_modalities == ["text"] and done.response.status in ("completed", "incomplete")
+
+
+def test_a_cancel_while_speaking_stops_the_speech(served, reference):
+    """`response.cancel` sent when the first audio delta arrives: the next vocoder chunk (7 more talker steps and a
+    vocoder call, far longer than the cancel's trip over loopback) is not sent, the audio and transcript still end
+    (`.done` events), and the response is "cancelled" with its whole transcript."""
+    server = served[3]
+    text, spoken = reference
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session=SPOKEN)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": QUESTION[0]["content"]}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+            events, cancelled = [], False
+            async for event in conn:
+                assert event.type != "error", event
+                events.append(event)
+                if event.type == "response.output_audio.delta" and not cancelled:
+                    await conn.response.cancel()
+                    cancelled = True
+                if event.type == "response.done":
+                    return events
+        raise AssertionError("the connection closed before response.done")
+
+    events = asyncio.run(asyncio.wait_for(run(), 900))
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_audio.delta") == 1, kinds
+    assert kinds[-4:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                          "conversation.item.done", "response.done"], kinds
+    done = events[-1].response
+    assert done.status == "cancelled" and done.status_details.reason == "client_cancelled", done
+    assert events[-3].transcript == text and done.output[0].status == "incomplete"
