@@ -27,6 +27,7 @@ from omnijax.models.qwen2_5_omni.config import HF_NAMES, OmniConfig
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavConfig
 from omnijax.models.qwen2_5_omni.token2wav_dit import DiTConfig
+from omnijax.models.speech import has_speech_components
 
 SPEECH_COMPONENTS = ("talker", "token2wav", "speech")
 
@@ -35,13 +36,8 @@ def load_speech(directory: Path, manifest: Mapping[str, Any], dtype: str | None,
                 omni: OmniConfig) -> speech_lib.Qwen25Speech | None:
     """The speech output a checkpoint converted from a full release holds (None for a thinker-only one). The talker
     takes `dtype`; Token2Wav keeps its stored dtype (transformers runs it in float32 whatever the model's)."""
-    present = [name for name in SPEECH_COMPONENTS if name in manifest]
-    if not present:
+    if not has_speech_components(directory, manifest, SPEECH_COMPONENTS):
         return None
-    if len(present) != len(SPEECH_COMPONENTS):
-        raise checkpoint.CheckpointFormatError(
-            f"{directory / checkpoint.MANIFEST}: speech output entries {present} without "
-            f"{sorted(set(SPEECH_COMPONENTS) - set(present))} (a speech checkpoint has all of {SPEECH_COMPONENTS})")
     stored = TalkerConfig.from_json(manifest["talker"])
     talker = restore_module(directory, "talker", stored, dtype, lambda c: Talker(
         c.replace(decoder=c.decoder.replace(dtype=c.dtype)), rngs=nnx.Rngs(0)))

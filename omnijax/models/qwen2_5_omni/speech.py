@@ -20,7 +20,6 @@ block streaming differs from the one-shot decode).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
 from omnijax.models.qwen2_5_omni.voices import Voice
+from omnijax.models.speech import Utterance
 
 __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "speak"]
 
@@ -100,26 +100,6 @@ class Qwen25Speech:
         bounds = sorted({min(b, len(pcm)) for b in bounds} | {len(pcm)})
         return (pcm[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
-
-@dataclasses.dataclass(frozen=True)
-class Utterance:
-    """A spoken answer.
-
-    Attributes:
-        pcm: `[samples]` float32 waveform at `sample_rate` (`samples_per_token` samples per codec token).
-        codes: `[frames]` int32 codec tokens Token2Wav decoded (the talker's tokens but the last).
-        talker_tokens: `[n]` the talker's tokens, its stop token included when reached.
-        sample_rate: samples per second (24,000).
-    """
-
-    pcm: np.ndarray
-    codes: np.ndarray
-    talker_tokens: np.ndarray
-    sample_rate: int = SAMPLE_RATE
-
-    def pcm16(self) -> np.ndarray:
-        """The waveform as int16 PCM (rounded, clipped to the int16 range)."""
-        return np.clip(np.round(self.pcm * 32767.0), -32768, 32767).astype(np.int16)
 
 
 def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:

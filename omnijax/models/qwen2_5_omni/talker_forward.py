@@ -42,6 +42,7 @@ from omnijax.models.encoders.common import dense
 from omnijax.models.forward import write_chunk
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
+from omnijax.models.speech import talker_cache
 
 __all__ = ["generate_greedy", "init_cache", "talker_chunk", "talker_logits", "talker_params", "talker_prompt",
            "thinker_rows"]
@@ -56,11 +57,7 @@ def talker_params(model: Talker) -> Params:
 
 def init_cache(config: TalkerConfig, batch: int, tokens: int, page_size: int = 64) -> paged_lib.PagedKV:
     """An empty paged cache holding `tokens` talker tokens per sequence."""
-    c = config.decoder
-    pages = -(-tokens // page_size)
-    return paged_lib.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                          num_pages=batch * pages, page_size=page_size, batch=batch, max_pages=pages,
-                          position_axes=3, dtype=c.jnp_dtype)
+    return talker_cache(config.decoder, batch, tokens, page_size)
 
 
 def talker_chunk(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, rows: jax.Array, valid: jax.Array,

@@ -23,6 +23,7 @@ from omnijax.models.qwen3_omni import vision as vision_lib
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+from omnijax.models.speech import has_speech_components
 
 SPEECH_COMPONENTS = ("talker", "code2wav", "speech")
 
@@ -37,13 +38,8 @@ def load_speech(directory: Path, manifest: Mapping[str, Any], dtype: str | None,
                 ids: Qwen3OmniConfig) -> speech_lib.Qwen3Speech | None:
     """The speech output a checkpoint converted from a full release holds (None for a thinker-only one); `ids`: the
     thinker's placeholder ids."""
-    present = [name for name in SPEECH_COMPONENTS if name in manifest]
-    if not present:
+    if not has_speech_components(directory, manifest, SPEECH_COMPONENTS):
         return None
-    if len(present) != len(SPEECH_COMPONENTS):
-        raise checkpoint.CheckpointFormatError(
-            f"{directory / checkpoint.MANIFEST}: speech output entries {present} without "
-            f"{sorted(set(SPEECH_COMPONENTS) - set(present))} (a speech checkpoint has all of {SPEECH_COMPONENTS})")
     talker = restore_module(directory, "talker", TalkerConfig.from_json(manifest["talker"]), dtype, _talker)
     code2wav = restore_module(directory, "code2wav", Code2WavConfig.from_json(manifest["code2wav"]), dtype,
                               lambda c: Code2Wav(c, rngs=nnx.Rngs(0)))

@@ -28,12 +28,12 @@ import numpy as np
 
 from omnijax._checks import JsonConfig
 from omnijax.errors import ConfigError, ConvertError, UnsupportedConfigError
-from omnijax.media.audio import pcm16
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream, decode
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+from omnijax.models.speech import Utterance
 
 __all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
            "has_speech_output", "speak", "speak_streamed", "speech_configs"]
@@ -165,26 +165,6 @@ class Qwen3Speech:
                                          user=t.user_token_id, assistant=t.assistant_token_id,
                                          tts_pad=t.tts_pad_token_id, multimodal=multimodal)
 
-
-@dataclasses.dataclass(frozen=True)
-class Utterance:
-    """A spoken answer.
-
-    Attributes:
-        pcm: `[samples]` float32 waveform in [-1, 1] at `sample_rate`.
-        codes: `[Q, frames]` int32 codec frames (what Code2Wav decoded).
-        talker_tokens: `[n]` the talker's first-codebook tokens, its end-of-speech token included when reached.
-        sample_rate: samples per second (24,000).
-    """
-
-    pcm: np.ndarray
-    codes: np.ndarray
-    talker_tokens: np.ndarray
-    sample_rate: int = SAMPLE_RATE
-
-    def pcm16(self) -> np.ndarray:
-        """The waveform as int16 PCM (rounded, clipped to the int16 range: `omnijax.media.audio.pcm16`)."""
-        return pcm16(self.pcm)
 
 
 def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:

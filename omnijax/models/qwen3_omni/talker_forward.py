@@ -38,6 +38,7 @@ from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, mlp
 from omnijax.models.encoders.common import dense
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+from omnijax.models.speech import talker_cache
 
 __all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "greedy_frames", "init_cache", "predict_codes",
            "predictor_logits", "project_hidden", "project_text", "talker_chunk", "talker_logits", "talker_params",
@@ -102,11 +103,7 @@ def _talker_layers(c: DecoderConfig, params: Params, x: jax.Array, positions: ja
 
 def init_cache(config: TalkerConfig, batch: int, tokens: int, page_size: int = 64) -> paged_lib.PagedKV:
     """An empty paged cache holding `tokens` talker tokens per sequence."""
-    c = config.decoder
-    pages = -(-tokens // page_size)
-    return paged_lib.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                          num_pages=batch * pages, page_size=page_size, batch=batch, max_pages=pages,
-                          position_axes=3, dtype=c.jnp_dtype)
+    return talker_cache(config.decoder, batch, tokens, page_size)
 
 
 def _codec_logits(c: DecoderConfig, params: Params, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
