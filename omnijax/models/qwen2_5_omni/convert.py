@@ -345,9 +345,13 @@ _TALKER_IDS = {"codec_bos_id": "tts_codec_start_token_id", "codec_eos_id": "tts_
 
 
 def has_speech_output(hf_config: Mapping[str, Any]) -> bool:
-    """A full Qwen2.5-Omni config with audio output enabled (transformers' default); thinker-only configs and plain
-    LLMs have none."""
-    return hf_config.get("model_type") == "qwen2_5_omni" and hf_config.get("enable_audio_output", True) is not False
+    """A full Qwen2.5-Omni config with audio output: `enable_audio_output` true, or not set (transformers' default)
+    beside a `talker_config` or `token2wav_config`. A full config with neither of those and no
+    `enable_audio_output` (a hand-written thinker config in the full layout) has none, like thinker-only configs and
+    plain LLMs; its `talker.*` / `token2wav.*` tensors, if any, are skipped with a message."""
+    if hf_config.get("model_type") != "qwen2_5_omni" or hf_config.get("enable_audio_output", True) is False:
+        return False
+    return "enable_audio_output" in hf_config or any(key in hf_config for key in ("talker_config", "token2wav_config"))
 
 
 def talker_config_from_hf(talker: Mapping[str, Any], *, dtype: str = "float32") -> TalkerConfig:

@@ -55,17 +55,6 @@ from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (  # noq
 TOL = 1e-4  # of the signal's peak (waveforms) or range (mels)
 
 
-@pytest.fixture(autouse=True)
-def _unpatched_sdpa(monkeypatch):
-    """transformers' own sdpa attention for the reference DiT. kvpress, once imported anywhere in the process (the
-    selector tests of the same xdist worker), wraps every function of `ALL_ATTENTION_FUNCTIONS` in one that takes
-    `dropout` positionally, which the DiT's attention call does not pass (a TypeError that only showed in the full
-    suite)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", sdpa_attention_forward)
-
 # The release's rates (5, 3, 2, ...) and kernels at tiny widths, two AMP kernel sizes with other dilations.
 TINY_BIGVGAN = dict(mel_dim=8, upsample_initial_channel=32, resblock_kernel_sizes=[3, 5],
                     resblock_dilation_sizes=[[1, 3, 5], [1, 2, 4]], upsample_rates=[5, 3, 2],
