@@ -7,7 +7,6 @@ The reference is `test_talker.seeded_full_model()` saved with `save_pretrained` 
 layout) plus a `spk_dict.pt` written with `torch.save` (reference mels in bfloat16, as the release stores them).
 """
 
-import contextlib
 import json
 import shutil
 import warnings
@@ -25,6 +24,7 @@ from omnijax.models.family import SpeechOutput
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.qwen2_5_omni.voices import VoiceFileError, read_speaker_dict
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+from tests._support.speech_refs import captured_talker, greedy_answer
 from tests.models.qwen2_5_omni import test_talker as T
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -153,33 +153,6 @@ def test_a_release_missing_its_talker_tensors_is_refused_by_name(release, tmp_pa
         assert omnijax.load(out).speech is None
 
 
-@contextlib.contextmanager
-def _captured_talker(full):
-    """Records what transformers' talker `generate` returns inside the full model's `generate`."""
-    seen = []
-    original = full.talker.generate
-
-    def generate(*args, **kwargs):
-        seen.append(original(*args, **kwargs))
-        return seen[-1]
-
-    full.talker.generate = generate
-    try:
-        yield seen
-    finally:
-        del full.talker.generate
-
-
-def _greedy_answer(model, prompt, steps):
-    """omnijax's greedy thinker answer (one-shot forwards), stopping after `<|im_end|>`."""
-    seq = list(prompt)
-    for _ in range(steps):
-        seq.append(int(np.argmax(np.asarray(model(input_ids=np.asarray([seq]))[0, -1]))))
-        if seq[-1] == IM_END:
-            break
-    return np.asarray(seq[len(prompt):])
-
-
 def _torch_noise(shape):
     torch.manual_seed(SEED)
     return torch.randn(list(shape)).numpy()
@@ -189,7 +162,7 @@ def _torch_noise(shape):
 def test_speak_equals_transformers_generate_return_audio(release, model, speaker):
     full = release[0]
     torch.manual_seed(SEED)  # the DiT's torch.randn is the first draw after it (greedy thinker and talker draw none)
-    with _captured_talker(full) as seen, torch.no_grad():
+    with captured_talker(full) as seen, torch.no_grad():
         sequence, wav = full.generate(
             input_ids=torch.as_tensor(PROMPT)[None], speaker=speaker, return_audio=True,
             thinker_max_new_tokens=ANSWER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=IM_END,
@@ -197,7 +170,7 @@ def test_speak_equals_transformers_generate_return_audio(release, model, speaker
     sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
     want_tokens = seen[0][0, len(PROMPT) + 2:].numpy()
 
-    answer = _greedy_answer(model, PROMPT, ANSWER_TOKENS)
+    answer = greedy_answer(model, PROMPT, ANSWER_TOKENS, IM_END)
     np.testing.assert_array_equal(answer, sequence[len(PROMPT):])
     assert len(answer) >= 3, "the answer is too short to have trailing text rows"
     # transformers' talker reads every generated row but the last token's (<|im_end|> when the answer ended)

@@ -6,7 +6,6 @@ The reference is the tiny full model of `test_talker` (seeded talker and thinker
 the signal in range) saved with `save_pretrained`, so every tensor is in the release's layout.
 """
 
-import contextlib
 import json
 import shutil
 
@@ -20,6 +19,7 @@ from omnijax.convert import convert_checkpoint
 from omnijax.errors import ConvertError, MissingTensorError
 from omnijax.models.qwen3_omni import speech as S
 from tests._support import qwen3_omni_models as Q
+from tests._support.speech_refs import captured_talker, greedy_answer
 from tests.models.qwen3_omni import test_talker as T
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -89,36 +89,9 @@ def test_the_converted_release_has_its_speech_output(release, model):
     assert dtypes == {"bfloat16"} and half.talker.config.decoder.dtype == "bfloat16"
 
 
-@contextlib.contextmanager
-def _captured_talker(full):
-    """Records what transformers' talker `generate` returns inside the full model's `generate`."""
-    seen = []
-    original = full.talker.generate
-
-    def generate(*args, **kwargs):
-        seen.append(original(*args, **kwargs))
-        return seen[-1]
-
-    full.talker.generate = generate
-    try:
-        yield seen
-    finally:
-        del full.talker.generate
-
-
-def _greedy_answer(model, prompt, steps):
-    """omnijax's greedy thinker answer (one-shot forwards), stopping after `<|im_end|>`."""
-    seq = list(prompt)
-    for _ in range(steps):
-        seq.append(int(np.argmax(np.asarray(model(input_ids=np.asarray([seq]))[0, -1]))))
-        if seq[-1] == IM_END:
-            break
-    return np.asarray(seq[len(prompt):])
-
-
 def test_speak_equals_transformers_generate_return_audio(release, model):
     full = release[0]
-    with T.greedy_predictor(full.talker.code_predictor), _captured_talker(full) as seen, torch.no_grad():
+    with T.greedy_predictor(full.talker.code_predictor), captured_talker(full) as seen, torch.no_grad():
         sequence, wav = full.generate(
             input_ids=torch.as_tensor(PROMPT)[None], speaker="Ethan", return_audio=True,
             thinker_max_new_tokens=ANSWER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=IM_END,
@@ -126,7 +99,7 @@ def test_speak_equals_transformers_generate_return_audio(release, model):
     sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
     want_codes = torch.stack([h[-1] for h in seen[0].hidden_states if h[-1] is not None], dim=1)[0].T.numpy()
 
-    answer = _greedy_answer(model, PROMPT, ANSWER_TOKENS)
+    answer = greedy_answer(model, PROMPT, ANSWER_TOKENS, IM_END)
     np.testing.assert_array_equal(answer, sequence[len(PROMPT):])
     assert len(answer) >= 4, "the answer is too short to have trailing text rows"
     # transformers' talker reads every generated row but the last token's (<|im_end|> when the answer ended)

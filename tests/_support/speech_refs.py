@@ -1,0 +1,36 @@
+"""What the speech-output tests of both families share around transformers' `generate(return_audio=True)`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def captured_talker(full: Any) -> Iterator[list]:
+    """Records what transformers' talker `generate` returns inside the full model's `generate`."""
+    seen: list = []
+    original = full.talker.generate
+
+    def generate(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    full.talker.generate = generate
+    try:
+        yield seen
+    finally:
+        del full.talker.generate
+
+
+def greedy_answer(model: Any, prompt: Any, steps: int, stop_id: int) -> np.ndarray:
+    """omnijax's greedy thinker answer (one-shot forwards), stopping after `stop_id` (the template's `<|im_end|>`)."""
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(np.argmax(np.asarray(model(input_ids=np.asarray([seq]))[0, -1]))))
+        if seq[-1] == stop_id:
+            break
+    return np.asarray(seq[len(prompt):])
