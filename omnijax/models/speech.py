@@ -15,7 +15,7 @@ from omnijax.kv import paged as paged_lib
 from omnijax.media.audio import pcm16
 from omnijax.models.config import DecoderConfig
 
-__all__ = ["Utterance", "has_speech_components", "talker_cache"]
+__all__ = ["Utterance", "has_speech_components", "talker_cache", "token_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +62,18 @@ def has_speech_components(directory: Path, manifest: Mapping[str, Any], names: S
             f"{directory / checkpoint.MANIFEST}: speech output entries {present} without "
             f"{sorted(set(names) - set(present))} (a speech checkpoint has all of {tuple(names)})")
     return bool(present)
+
+
+def token_ids(name: str, ids: Any, vocab: int) -> np.ndarray:
+    """`ids` as `[n]` int64 token ids, checked: 1-D, integer, each in `[0, vocab)`.
+
+    Raises:
+        ValueError: naming `name` and what is wrong.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} dtype "
+                         f"{arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.int64)

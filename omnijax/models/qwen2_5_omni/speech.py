@@ -32,7 +32,7 @@ from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
 from omnijax.models.qwen2_5_omni.voices import Voice
-from omnijax.models.speech import Utterance
+from omnijax.models.speech import Utterance, token_ids
 
 __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "speak"]
 
@@ -101,17 +101,6 @@ class Qwen25Speech:
         return (pcm[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-
-def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} dtype "
-                         f"{arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-        raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
-    return arr.astype(np.int64)
-
-
 def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
           max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
           noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
@@ -156,7 +145,7 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
             not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be a number > 0, got {repetition_penalty!r}")
     vocab = model.config.vocab_size
-    prompt, answer = _ids("prompt_ids", prompt_ids, vocab), _ids("answer_ids", answer_ids, vocab)
+    prompt, answer = token_ids("prompt_ids", prompt_ids, vocab), token_ids("answer_ids", answer_ids, vocab)
     if answer.size and answer[-1] == speech.im_end_token_id:
         answer = answer[:-1]
     if not answer.size or not prompt.size:

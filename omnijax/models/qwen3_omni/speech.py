@@ -33,7 +33,7 @@ from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream, decode
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
-from omnijax.models.speech import Utterance
+from omnijax.models.speech import Utterance, token_ids
 
 __all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
            "has_speech_output", "speak", "speak_streamed", "speech_configs"]
@@ -166,17 +166,6 @@ class Qwen3Speech:
                                          tts_pad=t.tts_pad_token_id, multimodal=multimodal)
 
 
-
-def _ids(name: str, ids: Any, vocab: int) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} dtype "
-                         f"{arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-        raise ValueError(f"{name} must lie in [0, {vocab}), got range [{arr.min()}, {arr.max()}]")
-    return arr.astype(np.int64)
-
-
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -260,8 +249,8 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     vocab = model.config.vocab_size
-    prompt = _ids("thinker_prompt_ids", thinker_prompt_ids, vocab)
-    answer = _ids("answer_ids", answer_ids, vocab)
+    prompt = token_ids("thinker_prompt_ids", thinker_prompt_ids, vocab)
+    answer = token_ids("answer_ids", answer_ids, vocab)
     tokens = speech.tokens
     if answer.size and answer[-1] == tokens.im_end_token_id:
         answer = answer[:-1]
