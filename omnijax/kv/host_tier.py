@@ -12,6 +12,7 @@ Shapes (L layers, G kv heads, n tokens of a unit, d head dim, A position axes, U
     UnitKV.pos        [A, n] int32   logical positions the keys are rotated at
     UnitKV.span       [n] int8       span kinds; .offset [n] int32 offsets within the span; .order [n] write order
     UnitKV.summary    [L, G, d] float32 mean key per layer and kv head
+    UnitKV.vpos       [n] int64      full-context position (axis 0) of each token, or None when unknown
 
 Summary choice: the mean key per layer and kv head. A query's dot product with it is exactly the mean over the
 unit's tokens of the query's attention logit (the dot product is linear), so the score is "how much, on average,
@@ -58,6 +59,9 @@ class UnitKV:
         offset: `[n]` int32 offsets within the span.
         order: `[n]` int32 write order at eviction time.
         summary: `[L, G, d]` float32 retrieval summary (`summarize`).
+        vpos: `[n]` int64 position (axis 0) each token has in the full-context session (`NoSlide`), which no
+            re-indexing changes; `pos[0] - vpos` is the shift re-indexing applied (uniform over axes). Filled in by
+            `omnijax.streaming.recall_session` (None for a record made without it).
     """
 
     unit: int
@@ -68,6 +72,7 @@ class UnitKV:
     offset: np.ndarray
     order: np.ndarray
     summary: np.ndarray
+    vpos: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -77,7 +82,15 @@ class UnitKV:
     @property
     def nbytes(self) -> int:
         """Host bytes of the record, summary and metadata included."""
-        return sum(int(getattr(self, f.name).nbytes) for f in dataclasses.fields(self) if f.name != "unit")
+        return sum(int(getattr(self, f.name).nbytes) for f in dataclasses.fields(self)
+                   if f.name != "unit" and getattr(self, f.name) is not None)
+
+    def with_vpos(self, vpos: np.ndarray) -> "UnitKV":
+        """This record with its full-context positions `vpos [n]` set (read-only)."""
+        vpos = np.asarray(vpos, np.int64)
+        if vpos.shape != (self.size,):
+            raise ValueError(f"unit {self.unit}: vpos must be [{self.size}], got {vpos.shape}")
+        return dataclasses.replace(self, vpos=_frozen(vpos))
 
 
 def summarize(k: np.ndarray) -> np.ndarray:

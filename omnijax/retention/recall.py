@@ -109,7 +109,8 @@ def recall_positions(units: Sequence[UnitKV], cursor: int) -> tuple[list[np.ndar
 
 def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, seq: int = 0,
                 rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None], interleaved: bool = False,
-                at_original: bool = False) -> tuple[PagedKV, jnp.ndarray]:
+                at_original: bool = False, positions: Sequence[np.ndarray] | None = None,
+                cursor: int | None = None) -> tuple[PagedKV, jnp.ndarray]:
     """Writes `units` into sequence `seq` of the cache at `recall_positions(units, next_pos[seq])`, keys re-rotated
     (or, with `at_original`, at their stored positions, keys as stored and the cursor unchanged: for a policy that
     never re-indexes, module docstring).
@@ -125,6 +126,10 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
         seq: the sequence to recall into.
         rope: `(theta, mrope_section)` of the model, as `omnijax.retention.base.apply` takes it.
         interleaved: Qwen3-Omni's interleaved mrope.
+        at_original: lay the units at their stored positions (see above).
+        positions, cursor: lay unit i at `positions[i]` (`[A, n]`, keys re-rotated to them) and set the cursor to
+            `cursor` instead (both or neither; a caller that re-lays the whole sequence,
+            `omnijax.streaming.recall_session`).
 
     Returns:
         `(kv, next_pos)` with `next_pos[seq]` past the recalled units.
@@ -139,7 +144,13 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
                 u.k.shape[3] != kv.k.shape[4]:
             raise ValueError(f"unit {u.unit}: k {u.k.shape} / pos {u.pos.shape} do not fit the cache's "
                              f"[L, G, n, d] = {kv.k.shape[0], kv.k.shape[3], '*', kv.k.shape[4]} with {A} axes")
-    if at_original:
+    if (positions is None) != (cursor is None) or (positions is not None and at_original):
+        raise ValueError("recall_into: give positions and cursor together, and not with at_original")
+    if positions is not None:
+        if len(positions) != len(units) or any(np.shape(p) != u.pos.shape for p, u in zip(positions, units)):
+            raise ValueError("recall_into: positions must hold one [A, n] array per unit, shaped like its pos")
+        new_pos = [np.asarray(p, np.int32) for p in positions]
+    elif at_original:
         new_pos, cursor = [u.pos for u in units], int(next_pos[seq])
     else:
         new_pos, cursor = recall_positions(units, int(next_pos[seq]))

@@ -16,10 +16,22 @@ written back as cache pages (`omnijax.retention.recall.recall_into`), and the st
 
 Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
 free, so its units come back there with their keys as stored: a question that recalls everything attends over
-exactly the keys and values a full-context (`NoSlide`) cache holds, when no token was written after an eviction. A
-re-indexing policy (StreamingLLM, OmniPick, UnitFIFO, ...) has since shifted the survivors into those positions;
-its units come back after the cursor, keys re-rotated, so the question sees them closer than in a full context and
-its logits differ.
+exactly the keys and values a full-context (`NoSlide`) cache holds, when no token was written after an eviction.
+
+A re-indexing policy (StreamingLLM, OmniPick, UnitFIFO, ...) has since closed the freed positions up, so a recalled
+unit has no free place of its own, and OmniPick makes it worse: it evicts a unit in pieces (its sinks and text budget
+stay, the rest goes; later the rest goes too), so a recalled piece laid after the cursor is cut off from, and out of
+order with, the part of its unit still cached. Recall therefore re-lays the whole sequence: every token's
+full-context position (`UnitKV.vpos`, and the same for every cached token, tracked per write order by `track` from
+each chunk's positions and advance, which no trim changes) is known; the cached tokens and the recalled ones are
+placed where re-indexing would have put them had the policy never evicted the recalled ones (the re-indexing rule
+of `omnijax.retention.base.freed_below` applied to their full-context positions: values covered by none of them are
+closed up), keys of every token that moves re-rotated by its delta exactly as that rule's re-indexing rotates them.
+A recalled piece thus rejoins the cached part of its unit, at its own offset; recalling everything restores the
+full-context positions exactly (logits equal `NoSlide`'s up to the float32 re-rotation of the moved keys). The
+alternative, recalling the whole unit after the cursor and hiding the cached copy, keeps the unit in one piece but
+still moves it after newer units, so the question would read it at a distance it never had; re-laying costs one
+rotation pass over the cache's keys per question and is undone by the release (the release's own re-indexing).
 
 After the answer (`Recall.keep=False`) the recalled tokens still cached are invalidated (the policy's own re-indexing
 and the paging mode's relayout apply, as after a trim) and their records stay in the tier; with `keep=True` they stay
@@ -42,6 +54,7 @@ from omnijax.chunks.chunk import Chunk
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import host_tier
 from omnijax.kv import paged as paged_lib
+from omnijax.kv import rope as rope_lib
 from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.retention import base as retention_base
 from omnijax.retention.recall import Recall, recall_into
@@ -148,6 +161,31 @@ def _release(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi: jax.
     return kv, next_pos
 
 
+def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndarray, int]:
+    """`omnijax.retention.base.freed_below` for one sequence of tokens spanning `[lo, hi]` (int arrays `[n]`) below
+    `cursor`, on host: `(freed values below each token's lo [n], all freed values below the cursor)`."""
+    if lo.size == 0:
+        return np.zeros(0, np.int64), int(cursor)
+    idx = np.argsort(lo, kind="stable")
+    reach = np.maximum.accumulate(hi[idx])
+    before = np.concatenate([[-1], reach[:-1]])
+    freed_sorted = np.cumsum(np.maximum(lo[idx] - before - 1, 0))
+    freed = np.zeros(lo.size, np.int64)
+    freed[idx] = freed_sorted
+    return freed, int(freed_sorted[-1] + max(cursor - int(reach[-1]) - 1, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
+def _shift(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_lib.PagedKV:
+    """Adds `moves [N, P]` to every slot's positions (all axes) and re-rotates its keys by the same delta (all
+    layers; a zero move is an exact identity), as re-indexing does with the opposite sign."""
+    theta, section, interleaved = rope
+    L, N, P, G, d = kv.k.shape
+    angles = rope_lib.rope_angles(moves.reshape(1, N * P), d, theta, section, interleaved)  # [N*P, d/2]
+    k = rope_lib.apply_rope(kv.k.reshape(L, N * P, G, d), angles).reshape(kv.k.shape).astype(kv.k.dtype)
+    return kv.replace(pos=kv.pos + moves[None].astype(kv.pos.dtype), k=k)
+
+
 def room(kv: paged_lib.PagedKV) -> int:
     """Cells a batch-1 cache can still take: open slots of its held pages and the fresh pages its table can list
     (as `omnijax.kv.paged.reserve` finds them)."""
@@ -181,6 +219,37 @@ class RecallSession:
         self._counts = dict(captured_units=0, captured_bytes=0, lost_cells=0, questions=0, recalled_units=0,
                             recalled_cells=0, recalled_bytes=0)
         self.last: RecallReport | None = None
+        # Full-context positions (axis 0) of every token ever written, by write order, and the full-context cursor.
+        self._vpos = np.zeros(0, np.int64)
+        self._cursor = 0
+
+    def start(self, state: StreamState) -> None:
+        """Takes the session's initial state: its cached tokens' positions are their full-context ones."""
+        m = jax.device_get({"valid": state.kv.valid, "order": state.kv.order, "pos": state.kv.pos[0],
+                            "next_order": state.kv.next_order[0], "next_pos": state.next_pos[0]})
+        self._vpos = np.zeros(max(64, int(m["next_order"])), np.int64)
+        self._vpos[m["order"][m["valid"]]] = m["pos"][m["valid"]]
+        self._cursor = int(m["next_pos"])
+
+    def _set_vpos(self, lo: int, values: np.ndarray) -> None:
+        end = lo + len(values)
+        if end > self._vpos.size:
+            self._vpos = np.concatenate([self._vpos, np.zeros(max(end, 2 * self._vpos.size) - self._vpos.size,
+                                                              np.int64)])
+        self._vpos[lo:end] = values
+
+    def track(self, chunk: Chunk, next_pos: int, next_order: int, after: StreamState) -> None:
+        """Records the full-context positions of what one step (from cursor `next_pos` and write order
+        `next_order`) wrote: the chunk's tokens at their positions plus the full-context shift the step started
+        from, its answer's tokens one after the other past the chunk's advance."""
+        end = int(jax.device_get(after.kv.next_order[0]))
+        valid = np.asarray(chunk.valid)[0]
+        shift = self._cursor - next_pos
+        self._set_vpos(next_order, np.asarray(chunk.positions)[0, 0][valid].astype(np.int64) + next_pos + shift)
+        self._cursor += int(np.asarray(chunk.advance)[0])
+        answers = end - next_order - int(valid.sum())
+        self._set_vpos(next_order + int(valid.sum()), self._cursor + np.arange(answers, dtype=np.int64))
+        self._cursor += answers
 
     @property
     def pending(self) -> bool:
@@ -204,6 +273,7 @@ class RecallSession:
             if u.nbytes > self.tier.budget_bytes:
                 self.tier = dataclasses.replace(self.tier, dropped_units=self.tier.dropped_units + 1,
                                                 dropped_bytes=self.tier.dropped_bytes + u.nbytes)
+        fits = [u.with_vpos(self._vpos[u.order]) for u in fits]
         if fits:
             self.tier, report = self.tier.add(*fits)
             self._counts["captured_units"] += len(fits)
@@ -236,8 +306,14 @@ class RecallSession:
         if units:
             lo = int(kv.next_order[0])
             theta, section, interleaved = self.rope
-            kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
-                                       at_original=self.at_original)
+            if self.at_original:
+                kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
+                                           at_original=True)
+            else:
+                kv, positions, cursor = self._relay(kv, units)
+                kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
+                                           positions=positions, cursor=cursor)
+            self._set_vpos(lo, np.concatenate([u.vpos for u in units]))
             self._pending = (lo, lo + sum(u.size for u in units))
             if self.recall_config.keep:
                 self.tier, _ = self.tier.take(chosen)
@@ -249,6 +325,34 @@ class RecallSession:
         self.last = RecallReport(scores=scores, units=tuple(u.unit for u in units),
                                  indices=tuple(int(i) for i in chosen), cells=cells, budget=budget, forced=forced)
         return dataclasses.replace(state, kv=kv, next_pos=next_pos), self.last
+
+    def _relay(self, kv: paged_lib.PagedKV, units: tuple[host_tier.UnitKV, ...]
+               ) -> tuple[paged_lib.PagedKV, list[np.ndarray], int]:
+        """Re-lays the cached tokens for `units` (module docstring, Placement): shifts the cached tokens that move
+        (positions and keys) and returns `(kv, positions of each unit [A, n], cursor)`."""
+        m = jax.device_get({"valid": kv.valid, "order": kv.order, "pos": kv.pos, "table": kv.page_table[0]})
+        N, P = kv.num_pages, kv.page_size
+        owned = np.zeros((N, P), bool)
+        owned[m["table"][m["table"] >= 0]] = True
+        live = np.flatnonzero((m["valid"] & owned).reshape(-1))
+        pos = m["pos"].reshape(m["pos"].shape[0], -1)[:, live].astype(np.int64)  # [A, n] current
+        shift = self._vpos[m["order"].reshape(-1)[live]] - pos[0]  # current -> full-context, uniform over axes
+        parts = [(pos, shift)] + [(u.pos.astype(np.int64), u.vpos - u.pos[0].astype(np.int64)) for u in units]
+        lo = np.concatenate([p.min(axis=0) + s for p, s in parts])
+        hi = np.concatenate([p.max(axis=0) + s for p, s in parts])
+        freed, total = freed_below_1d(lo, hi, self._cursor)
+        delta = np.concatenate([s for _, s in parts]) - freed  # what each token's positions move by
+        n = live.size
+        moves = np.zeros(N * P, np.int32)
+        moves[live] = delta[:n]
+        if moves.any():
+            theta, section, interleaved = self.rope
+            kv = _shift(kv, jnp.asarray(moves.reshape(N, P)), rope=(theta, section, interleaved))
+        positions, at = [], n
+        for u in units:
+            positions.append((u.pos.astype(np.int64) + delta[at:at + u.size][None]).astype(np.int32))
+            at += u.size
+        return kv, positions, self._cursor - total
 
     def release(self, state: StreamState) -> StreamState:
         """After the question's step: invalidates the recalled tokens still cached (`keep=False`), or lets them stay

@@ -181,6 +181,8 @@ class Session:
         device = jax.devices()[0]
         self._params = jax.device_put(self._params, device)
         self.state = jax.device_put(state, device)
+        if self._recall is not None:
+            self._recall.start(self.state)
         # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
         self._unread: collections.deque | None = collections.deque()
 
@@ -208,8 +210,10 @@ class Session:
         if recall is not None and not recall.pending and recall.tier.units and np.asarray(chunk.answer_tokens).any():
             self.state, _ = recall.recall(self.state, self._graphdef, self._params, chunk)
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
+        cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
         if recall is not None:
+            recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():
                 recall.capture(before, self.state.kv)
             self.state = recall.release(self.state)

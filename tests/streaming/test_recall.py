@@ -12,8 +12,8 @@ import pytest
 import omnijax
 from omnijax.chunks.chunk import stack_chunks, text_chunk
 from omnijax.models.config import TINY_OMNI
-from omnijax.retention import SinkWindow, StreamingLLM
-from omnijax.retention.recall import Recall, recall_positions, rerotate
+from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
+from omnijax.retention.recall import Recall, rerotate
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, stream
 
@@ -114,15 +114,51 @@ def test_recalling_everything_answers_like_the_full_context(model, keep, paging)
         assert [u.unit for u in recalled._recall.tier.units][:2] == [0, 2]
 
 
+# OmniPick over the context: only the last chunk's step trims (48 > 40 cells); the two newest units stay whole, the
+# text budget keeps the oldest unit's first 4 tokens: unit 0 is split, 4 tokens cached and 4 evicted.
+OMNIPICK = OmniPick(high_watermark=40, low_watermark=30, recent_units=2, text_budget=4)
+
+
+def _rotate(k, from_pos, to_pos):
+    return np.asarray(rerotate(k, from_pos, to_pos, theta=TINY_OMNI.rope_base, mrope_section=TINY_OMNI.mrope_section))
+
+
+def test_omnipick_recalling_everything_answers_like_the_full_context(model):
+    # The split unit (module constant OMNIPICK) and three whole units come back; the cached part of unit 0, the
+    # system-less sinks and the two recent units move back to their full-context positions.
+    full = _session(model, omnijax.NoSlide())
+    want = _feed_all(full, _context() + [_question()])[-1]
+    without = _feed_all(_session(model, OMNIPICK), _context() + [_question()])[-1]
+    recalled = _session(model, OMNIPICK, Recall(budget=64, top_units=8))
+    _feed_all(recalled, _context())
+    tier = recalled._recall.tier
+    assert [(u.unit, u.size) for u in tier.units] == [(0, 4), (2, 8), (4, 8), (6, 8)]
+    assert int(recalled.state.next_pos[0]) == 20
+    got = recalled.feed(_question())
+    assert recalled._recall.last.cells == 28 and recalled._recall.last.units == (0, 2, 4, 6)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
+    assert np.abs(np.asarray(without.logits) - np.asarray(want.logits)).max() > 1e-3  # the check can fail
+    assert int(np.argmax(got.logits)) == int(want.tokens[0, 0])
+    # Released: the cache holds what OmniPick keeps, at its own positions again (question and answer included).
+    live = _by_order(recalled.state.kv)
+    assert not any(o in live for o in range(48, 48 + 28))
+    assert sorted(int(t[2][0]) for t in live.values()) == list(range(int(recalled.state.next_pos[0])))
+
+
 @pytest.mark.parametrize("policy", [SinkWindow(sink=2, window=12), StreamingLLM(sink_tokens=2, window=12,
-                                                                                high_watermark=16)])
+                                                                                high_watermark=16), OMNIPICK])
 def test_forced_scores_restore_exactly_the_chosen_units(model, policy):
     session = _session(model, policy, Recall(budget=64, top_units=2))
     _feed_all(session, _context())
+    full = _session(model, omnijax.NoSlide())
+    _feed_all(full, _context())
+    full_pos = {o: int(t[2][0]) for o, t in _by_order(full.state.kv).items()}  # same write orders: no answers yet
     tier = session._recall.tier
     U = len(tier.units)
-    assert U >= 4
-    chosen = [1, U - 2]
+    assert U >= (3 if policy is OMNIPICK else 4)
+    chosen = [0, U - 2]
+    if policy is OMNIPICK:
+        assert tier.units[0].unit == 0 and tier.units[0].size == 4  # the evicted piece of the split unit
     scores = np.zeros(U, np.float32)
     scores[chosen] = [5.0, 7.0]
     before = _by_order(session.state.kv)
@@ -134,16 +170,28 @@ def test_forced_scores_restore_exactly_the_chosen_units(model, policy):
     new = {o: after[o] for o in after if o not in before}
     records = [tier.units[i] for i in chosen]
     assert len(new) == sum(u.size for u in records)
-    if policy.reindex:  # laid after the cursor, keys re-rotated
-        positions, end = recall_positions(records, cursor)
-        assert int(session.state.next_pos[0]) == end
+    if policy.reindex:
+        # Oracle: the cached and recalled tokens sit where a re-indexing that had kept the recalled ones puts them:
+        # for contiguous text, the rank of each one's full-context position among them all; the cursor past them.
+        wanted = sorted([full_pos[o] for o in before] + [full_pos[int(o)] for u in records for o in u.order])
+        rank = {p: i for i, p in enumerate(wanted)}
+        positions = [np.broadcast_to([rank[full_pos[int(o)]] for o in u.order], u.pos.shape) for u in records]
+        assert int(session.state.next_pos[0]) == len(wanted)
+        for o, (k, v, p, *meta) in before.items():  # cached tokens moved (keys turned with them) where needed
+            assert (after[o][2] == rank[full_pos[o]]).all()
+            np.testing.assert_allclose(after[o][0], _rotate(k[:, :, None], p[:, None], after[o][2][:, None])[:, :, 0],
+                                       atol=1e-5)
+            np.testing.assert_array_equal(after[o][1], v)
+        if policy is OMNIPICK:  # the split unit's evicted piece rejoins its cached part, right after it
+            assert [int(positions[0][0, o]) for o in range(4)] == [4, 5, 6, 7]
+            assert sorted(int(t[2][0]) for o, t in after.items() if t[3] == 0) == list(range(8))
     else:  # back at their own positions, keys as stored
         positions = [u.pos for u in records]
         assert int(session.state.next_pos[0]) == cursor
     got = sorted(new.items())  # write order = the records laid one after the other, tokens in write order
     i = 0
     for u, pos in zip(records, positions):
-        keys = np.asarray(rerotate(u.k, u.pos, pos, theta=TINY_OMNI.rope_base, mrope_section=TINY_OMNI.mrope_section))
+        keys = _rotate(u.k, u.pos, pos)
         for o in range(u.size):
             k, v, p, unit, span, offset = got[i][1]
             np.testing.assert_array_equal(p, pos[:, o])
