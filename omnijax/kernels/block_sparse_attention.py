@@ -40,6 +40,13 @@ once and passes it as `index=`, so a call is left with the kernel alone (and, wi
 `gather_pages` to lay out a paged cache); `block_sparse_attention_reference` is the two together, and
 `omnijax.kv.attention`'s `impl="reference"` and the tests use the same function rather than copies of it.
 
+int8 pages: with `k_scales=` and `v_scales=` (float32 `[N, P, G]`, or `[L, N, P, G]` beside layer stacks), `k_pages`
+and `v_pages` are int8 codes and the scales are one per token and kv head (`omnijax.kv.quant_kv`'s scheme: a value
+is `code * scale`). The kernel loads a page's codes and its `[P]` scales and dequantises them in the kernel, in
+float32 and then cast to `q.dtype` (the dtype the scores and the value product run in, as for float pages), so what
+it attends to is element for element what `dequantize_pages` gives the reference. Codes travel to the GPU as int8:
+a quarter of float32's bytes, half of bfloat16's, plus 4 bytes per token and kv head.
+
 On GPU the kernel lowers to Triton (`interpret=False`); on CPU run it with `interpret=True` under `jax.jit`. Triton
 wants power-of-two block shapes, and its matrix units want `block_q`, the page size and head_dim of at least 16.
 """
@@ -94,7 +101,7 @@ def validate_shapes(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
 
 
 def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, *, layer=None, block_q=None,
-              num_splits=1, index=None) -> None:
+              num_splits=1, index=None, k_scales=None, v_scales=None) -> None:
     """Static checks shared by the kernel and the reference: shapes, then dtypes and power-of-two sizes."""
     validate_shapes(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer)
     if index is not None:
@@ -108,16 +115,44 @@ def _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, 
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if jnp.dtype(x.dtype) not in _DTYPES:
-            raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
-        raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales go together (int8 pages), got only "
+                         f"{'k_scales' if v_scales is None else 'v_scales'}")
+    if k_scales is not None:
+        _validate_scales(k_pages, v_pages, k_scales, v_scales)
+    else:
+        for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if x.dtype == jnp.int8:
+                raise ValueError(f"{name} is int8: pass its per-token scales as k_scales= and v_scales=")
+            if jnp.dtype(x.dtype) not in _DTYPES:
+                raise ValueError(f"{name} must be float32 or bfloat16 (or int8 with scales), got {x.dtype}")
+        if not (q.dtype == k_pages.dtype == v_pages.dtype):
+            raise ValueError(f"q, k_pages, v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, "
+                             f"{v_pages.dtype}")
     if slot_valid.dtype != jnp.bool_:
         raise ValueError(f"slot_valid must be bool, got {slot_valid.dtype}")
     for name, x in (("page_table", page_table), ("slot_order", slot_order), ("q_order", q_order)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def _validate_scales(k_pages, v_pages, k_scales, v_scales) -> None:
+    """int8 pages: codes int8, scales float32 of the pages' shape without the head dim."""
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype != jnp.int8:
+            raise ValueError(f"{name} must be int8 codes when scales are given, got {x.dtype}")
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x.shape != k_pages.shape[:-1] or x.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32 {tuple(k_pages.shape[:-1])} (the pages' shape without the head "
+                             f"dim), got {x.dtype} {tuple(x.shape)}")
+
+
+def dequantize_pages(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """int8 `codes [..., d]` times float32 `scales [...]`, in float32, cast to `dtype`: what the kernel attends to
+    (`omnijax.kv.quant_kv.dequantize` computes the same)."""
+    return (codes.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -171,8 +206,12 @@ def active_pages(page_table: jax.Array, slot_valid: jax.Array) -> tuple[jax.Arra
     return ids, count
 
 
-def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, scale: float):
+def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, scale: float, ks_ref=None,
+                  vs_ref=None):
     """Online softmax of query rows `q [block_q, d]` over active pages `ids_ref[b, start:stop]` of layer `layer`.
+
+    With `ks_ref`/`vs_ref` (`[L, N, P]` float32 scales of this kv head), `k_ref`/`v_ref` hold int8 codes, dequantised
+    page by page (`dequantize_pages`, to `q.dtype`).
 
     Returns float32 `(acc [block_q, d], m [block_q], l [block_q])`: the unnormalised output, the running row maximum
     (-inf for a row that saw nothing) and the softmax denominator.
@@ -187,6 +226,9 @@ def _attend_pages(ids_ref, b, start, stop, q, qo, layer, k_ref, v_ref, key_ref, 
         live = key != DEAD_KEY
         k = k_ref[layer, page, :, :]  # [P, d]
         v = v_ref[layer, page, :, :]
+        if ks_ref is not None:  # int8 codes: dequantised here, one float32 scale per slot
+            k = dequantize_pages(k, ks_ref[layer, page, :], q.dtype)
+            v = dequantize_pages(v, vs_ref[layer, page, :], q.dtype)
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))  # dead slots may hold NaN
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=exact,
                             preferred_element_type=jnp.float32) * scale  # [block_q, P]
@@ -238,30 +280,35 @@ def _store_rows(o_ref, store_at, value) -> None:
     plgpu.store(o_ref.at[index], value.astype(o_ref.dtype), mask=index[0] < o_ref.shape[0])
 
 
-def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, o_ref, *, scale: float,
-            heads_per_kv: int, block_q: int):
+def _kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, *refs, scale: float,
+            heads_per_kv: int, block_q: int, quantized: bool):
     """One (batch, kv head, query block) program over all of the sequence's active pages.
 
     layer_ref [1]: the layer to read. ids_ref [B, M], count_ref [B]: active page lists (whole arrays).
     qo_ref [B, T]: each query token's write order (whole array). q_ref [T, H, d]: this sequence's queries.
-    k_ref, v_ref [L, N, P, d]: this kv head's pages of every layer. key_ref [N, P]: slot keys. o_ref [T, H, d]: this
-    sequence's output, of which the program writes its rows.
+    k_ref, v_ref [L, N, P, d]: this kv head's pages of every layer. key_ref [N, P]: slot keys. `refs`: with
+    `quantized`, ks_ref, vs_ref [L, N, P] (this kv head's scales) first; then o_ref [T, H, d]: this sequence's
+    output, of which the program writes its rows.
     """
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     layer, q, qo, store_at = _program_inputs(layer_ref, qo_ref, q_ref, k_ref, block_q=block_q,
                                              heads_per_kv=heads_per_kv)
-    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q, qo, layer, k_ref, v_ref, key_ref, scale)
+    acc, _, l = _attend_pages(ids_ref, b, 0, count_ref[b], q, qo, layer, k_ref, v_ref, key_ref, scale, ks_ref,
+                              vs_ref)
     _store_rows(o_ref, store_at, acc / jnp.where(l > 0, l, 1.0)[:, None])  # a row that saw nothing stays zero
 
 
-def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, acc_ref, m_ref, l_ref, *,
-                  scale: float, heads_per_kv: int, block_q: int, num_splits: int):
+def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, key_ref, *refs, scale: float,
+                  heads_per_kv: int, block_q: int, num_splits: int, quantized: bool):
     """One (batch, kv head, query block, split) program over split s of the active pages (split-K).
 
     Split s takes pages [s * c, min((s + 1) * c, count)) of the active list, c = ceil(count / num_splits), and
     writes its rows' unnormalised partial into `acc_ref [T, H, d]`, their row maximum into `m_ref` and their
-    denominator into `l_ref [T, H]` (float32, split s of sequence b); `_merge_splits` combines them.
+    denominator into `l_ref [T, H]` (float32, split s of sequence b); `_merge_splits` combines them. With
+    `quantized`, `refs` start with the scales, as in `_kernel`.
     """
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     b, split = pl.program_id(0), pl.program_id(3)
     layer, q, qo, store_at = _program_inputs(layer_ref, qo_ref, q_ref, k_ref, block_q=block_q,
                                              heads_per_kv=heads_per_kv)
@@ -269,7 +316,7 @@ def _split_kernel(layer_ref, ids_ref, count_ref, qo_ref, q_ref, k_ref, v_ref, ke
     per = (count + num_splits - 1) // num_splits
     start = jnp.minimum(split * per, count)
     acc, m, l = _attend_pages(ids_ref, b, start, jnp.minimum(start + per, count), q, qo, layer, k_ref, v_ref,
-                              key_ref, scale)
+                              key_ref, scale, ks_ref, vs_ref)
     _store_rows(acc_ref, store_at, acc)
     _store_rows(m_ref, store_at, m)
     _store_rows(l_ref, store_at, l)
@@ -290,8 +337,12 @@ def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            slot_valid: jax.Array, slot_order: jax.Array, q_order: jax.Array, *,
                            layer: int | jax.Array | None = None,
                            index: PageIndex | None = None, block_q: int = 16, num_splits: int = 1,
-                           interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                           interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
     """Block-sparse paged flash attention. Returns `[B, T, H, d]` in `q.dtype` (see the module docstring).
+
+    `k_scales`/`v_scales` (float32, the pages' shape without `d`): the pages are int8 codes with one scale per token
+    and kv head, dequantised in the kernel to `q.dtype`.
 
     `layer` (int32 scalar) reads that layer of `[L, N, P, G, d]` stacks; None takes `[N, P, G, d]` pages. `index` is
     `page_index(page_table, slot_valid, slot_order)` when the caller computed it once for many calls (every layer of
@@ -300,9 +351,12 @@ def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     too few programs) and merges their partial softmax results outside the kernel.
     """
     _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer, block_q=block_q,
-              num_splits=num_splits, index=index)
+              num_splits=num_splits, index=index, k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None
+    scales = () if k_scales is None or v_scales is None else (k_scales, v_scales)
     if layer is None:  # one layer: a stack of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        scales = tuple(x[None] for x in scales)
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))  # clamped into the stack by the kernel
     B, T, H, d = q.shape
     L, N, P, G, _ = k_pages.shape
@@ -323,10 +377,10 @@ def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # keys of kv head g, every layer
         pl.BlockSpec((L, N, P, None, d), lambda b, g, i, *_: (0, 0, 0, g, 0)),  # values of kv head g
         pl.BlockSpec((N, P), lambda b, g, i, *_: (0, 0)),  # slot keys
-    ]
+    ] + [pl.BlockSpec((L, N, P, None), lambda b, g, i, *_: (0, 0, 0, g))] * len(scales)  # int8: kv head g's scales
     params = dict(interpret=interpret, name="block_sparse_attention",
                   compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    kernel_args = dict(scale=float(d) ** -0.5, heads_per_kv=R, block_q=block_q)
+    kernel_args = dict(scale=float(d) ** -0.5, heads_per_kv=R, block_q=block_q, quantized=quantized)
     if num_splits == 1:
         return pl.pallas_call(
             functools.partial(_kernel, **kernel_args),
@@ -335,7 +389,7 @@ def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             out_specs=pl.BlockSpec((None, T, H, d), lambda b, g, i: (b, 0, 0, 0)),  # each program its rows
             out_shape=jax.ShapeDtypeStruct((B, T, H, d), q.dtype),
             **params,
-        )(layer, ids, count, q_order, q, k_pages, v_pages, key)
+        )(layer, ids, count, q_order, q, k_pages, v_pages, key, *scales)
     acc, m, l = pl.pallas_call(
         functools.partial(_split_kernel, num_splits=num_splits, **kernel_args),
         grid=(*grid, num_splits),
@@ -347,18 +401,26 @@ def block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    jax.ShapeDtypeStruct((B, num_splits, T, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, num_splits, T, H), jnp.float32)],
         **params,
-    )(layer, ids, count, q_order, q, k_pages, v_pages, key)
+    )(layer, ids, count, q_order, q, k_pages, v_pages, key, *scales)
     return _merge_splits(acc, m, l).astype(q.dtype)
 
 
 @jax.jit
 def block_sparse_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                      slot_valid: jax.Array, slot_order: jax.Array, q_order: jax.Array, *,
-                                     layer: int | jax.Array | None = None) -> jax.Array:
+                                     layer: int | jax.Array | None = None, k_scales: jax.Array | None = None,
+                                     v_scales: jax.Array | None = None) -> jax.Array:
     """`dense_attention` over every page-table entry of each sequence (`gather_pages`), float32 dots at HIGHEST
-    precision: the oracle the kernel is tested against. Returns `[B, T, H, d]` in `q.dtype`."""
-    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer)
+    precision: the oracle the kernel is tested against. Returns `[B, T, H, d]` in `q.dtype`.
+
+    With `k_scales`/`v_scales`, the pages are int8 codes: the gathered entries are dequantised (`dequantize_pages`,
+    to `q.dtype`) before the same `dense_attention`."""
+    _validate(q, k_pages, v_pages, page_table, slot_valid, slot_order, q_order, layer=layer, k_scales=k_scales,
+              v_scales=v_scales)
     g = gather_pages(k_pages, v_pages, page_table, slot_valid, slot_order, layer=layer)
+    if k_scales is not None and v_scales is not None:
+        sg = gather_pages(k_scales[..., None], v_scales[..., None], page_table, slot_valid, slot_order, layer=layer)
+        g = g._replace(k=dequantize_pages(g.k, sg.k[..., 0], q.dtype), v=dequantize_pages(g.v, sg.v[..., 0], q.dtype))
     return dense_attention(q, g.k, g.v, g.live, g.order, q_order, precision=lax.Precision.HIGHEST)
 
 

@@ -25,8 +25,8 @@ rewritten whole on every call, so a step would cost time in proportion to the po
 
 int8 pages (`omnijax.kv.quant_kv.QuantPages`, a pool made with `kv_dtype="int8"`) are dequantised where they are
 read: "xla" dequantises each gathered block of pages inside its loop (codes times per-token, per-head scales, in
-the query's dtype), "reference" dequantises the page-table entries it gathers; "pallas" does not read them yet and
-refuses them.
+the query's dtype), "reference" dequantises the page-table entries it gathers, and "pallas" hands the kernel the
+int8 codes with their scales (`k_scales`/`v_scales`), which it dequantises page by page inside the kernel.
 
 A key slot is visible to a query when the slot holds a live token of the query's sequence (`valid`, reached through
 the page table) and was written no later than the query (`order <= q_order`), which is causal masking that survives
@@ -354,10 +354,14 @@ def attend(q: jax.Array, k_pages: jax.Array | QuantPages, v_pages: jax.Array | Q
         raise ValueError(f"attention mass (score-based retention such as H2O) needs impl='reference', not {impl!r}")
     if impl == "xla":
         return attend_xla(q, k_pages, v_pages, cache, layer=layer)
-    if isinstance(k_pages, QuantPages) or isinstance(v_pages, QuantPages):
-        raise ValueError("impl='pallas' does not read int8 KV pages (kv_dtype='int8') yet; use impl='xla' or "
-                         "'reference'")
     validate(q, k_pages, v_pages, cache, layer)  # impl == "pallas"
+    scales = {}
+    if isinstance(k_pages, QuantPages) != isinstance(v_pages, QuantPages):
+        raise ValueError("impl='pallas' needs keys and values both int8 (QuantPages) or both float, got "
+                         f"{type(k_pages).__name__} and {type(v_pages).__name__}")
+    if isinstance(k_pages, QuantPages) and isinstance(v_pages, QuantPages):  # codes + scales, dequantised in-kernel
+        scales = dict(k_scales=k_pages.scale, v_scales=v_pages.scale)
+        k_pages, v_pages = k_pages.values, v_pages.values
     return block_sparse_attention(q, k_pages, v_pages, cache.page_table, cache.slot_valid, cache.slot_order,
                                   cache.q_order, layer=layer, index=cache.pages,
-                                  interpret=jax.default_backend() == "cpu")
+                                  interpret=jax.default_backend() == "cpu", **scales)

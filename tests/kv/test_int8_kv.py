@@ -75,7 +75,7 @@ def test_write_layer_stores_codes_and_scales_of_each_token_and_head():
     assert int((np.abs(codes[1]).sum(axis=(2, 3)) > 0).sum()) == 9  # only the nine written slots
 
 
-@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_attention_over_int8_pages_equals_attention_over_dequantised_values(impl, seed):
     rng = np.random.default_rng(seed)
@@ -217,16 +217,14 @@ def test_bad_kv_settings_are_refused_by_name():
         paged.init(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=2, page_size=4, kv_dtype="int4")
     with pytest.raises(ValueError, match="kv_dtype"):
         omnijax.StreamConfig(kv_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_dtype='int8' needs impl"):
-        omnijax.StreamConfig(kv_dtype="int8", impl="pallas")
     with pytest.raises(ValueError, match="kv_dtype='int8' does not work with recall"):
         omnijax.StreamConfig(kv_dtype="int8", recall=Recall(budget=8))
     assert omnijax.StreamConfig().kv_dtype == "float"
     kv = paged.init(num_layers=1, num_kv_heads=G, head_dim=D, num_pages=2, page_size=4, kv_dtype="int8")
     view = attention.CacheView(write_slots=np.zeros((1, 1), np.int32), page_table=kv.page_table,
                                slot_valid=kv.valid, slot_order=kv.order, q_order=np.zeros((1, 1), np.int32))
-    with pytest.raises(ValueError, match="pallas.*int8"):
-        attention.attend(jnp.zeros((1, 1, H, D)), kv.k, kv.v, view, impl="pallas", layer=0)
+    with pytest.raises(ValueError, match="pallas.*both int8"):  # int8 keys beside float values
+        attention.attend(jnp.zeros((1, 1, H, D)), kv.k, kv.v.dense(), view, impl="pallas", layer=0)
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +261,22 @@ def test_retention_policies_stream_int8_close_to_float(tiny, policy, impl):
     assert float(jnp.max(jnp.abs(got.logits - ref.logits))) <= 0.02 * span  # the bound of the OmniPick test
     if impl == "xla":  # H2O ranks by attention mass, which int8 keys shift slightly: its evictions may differ
         np.testing.assert_array_equal(np.asarray(got.stats.evicted), np.asarray(ref.stats.evicted))
+
+
+def test_pallas_streams_an_int8_pool_like_xla(tiny):
+    # The kernel (interpreted on CPU) reads the int8 codes and scales that xla dequantises: the same stream, with
+    # re-indexing trims (re-rotated, requantised keys) and answers, gives the same logits and tokens.
+    rng = np.random.default_rng(4)
+    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i, answer_tokens=3 if i % 4 == 3 else 0)
+                           for i in range(8)])
+    common = dict(policy=OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6),
+                  page_size=16, num_pages=8, max_answer_tokens=3, kv_dtype="int8")
+    xla = omnijax.stream(tiny, chunks, impl="xla", **common)
+    pallas = omnijax.stream(tiny, chunks, impl="pallas", **common)
+    assert isinstance(pallas.state.kv.k, QuantPages) and int(np.asarray(xla.stats.evicted).sum()) > 0
+    np.testing.assert_allclose(np.asarray(pallas.logits), np.asarray(xla.logits), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
+    assert (np.asarray(xla.tokens) >= 0).sum() >= 4
 
 
 def test_session_feeds_an_int8_pool_like_stream(tiny):
