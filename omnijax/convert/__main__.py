@@ -33,8 +33,8 @@ def build_parser(prog: str = "omnijax-convert") -> argparse.ArgumentParser:
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                         help="input rows per scale of --quantize (must divide every linear weight's input width)")
     parser.add_argument("--keep-quantized", action="store_true",
-                        help="GGUF only: keep Q8_0 / Q4_0 / Q4_1 weights quantised (repacked, no float round trip); "
-                             "other types are dequantised, or requantised with --quantize, and reported")
+                        help="GGUF only: keep Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights quantised (repacked, no float "
+                             "round trip); other types are dequantised, or requantised with --quantize, and reported")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it exists and is not empty (a DST that is a symbolic link is refused)")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")

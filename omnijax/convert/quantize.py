@@ -10,10 +10,12 @@ precision-sensitive).
   per N input rows (`Int8Grouped(N)`).
 - `--quantize int4`: asymmetric int4 with a scale and an offset per `--group-size` input rows (default 32, GGUF's
   Q4 block) (`Int4Grouped(N)`).
-- `--keep-quantized` (GGUF only): a weight whose GGUF tensors are all Q8_0, or all Q4_0 / Q4_1, is repacked from the
-  file's blocks without a float round trip (`omnijax.convert.gguf_quant`); any other weight is dequantised as
-  without the option and, when `--quantize` is given too, requantised with that scheme. Each weight's fate is
-  reported (a log line and the manifest's `source.quantization`).
+- `--keep-quantized` (GGUF only): a weight whose GGUF tensors (one per layer) all have one of the types Q8_0, Q4_0,
+  Q4_1, Q4_K or Q6_K is repacked from the file's blocks without a float round trip (`omnijax.convert.gguf_quant`:
+  the dequantised repack is gguf's dequantisation bit for bit); any other weight, a stack mixing types across layers
+  included (a Q4_K_M file's Q4_K and Q6_K layers), is dequantised as without the option and, when `--quantize` is
+  given too, requantised with that scheme. Each weight's fate is reported (a log line and the manifest's
+  `source.quantization`).
 
 Dequantising GGUF stays the default: it is the conversion transformers' GGUF loader performs (the tests' oracle), and
 a quantised checkpoint has to be asked for because it changes the model's numbers (float32 logits of a Q4_1 file
@@ -65,7 +67,7 @@ class QuantizeOptions:
     Attributes:
         quantize: "int8", "int4" or None.
         group_size: input rows per scale (None: per channel for int8, 32 for int4).
-        keep_quantized: repack a GGUF's Q8_0 / Q4_0 / Q4_1 weights instead of dequantising them.
+        keep_quantized: repack a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights instead of dequantising them.
     """
 
     quantize: str | None = None
@@ -117,8 +119,8 @@ def check(options: QuantizeOptions, shapes: dict, *, gguf: bool) -> Scheme | Non
     """
     scheme = options.scheme()
     if options.keep_quantized and not gguf:
-        raise ConvertError("--keep-quantized applies to a GGUF source only (its Q8_0 / Q4_0 / Q4_1 blocks); this "
-                           "source is float: use --quantize int8|int4")
+        raise ConvertError("--keep-quantized applies to a GGUF source only (its Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K "
+                           "blocks); this source is float: use --quantize int8|int4")
     for name in QUANTIZABLE:
         shape = _widths(shapes, name)
         if scheme is None or shape is None:
@@ -155,7 +157,8 @@ def _repack_stack(file: Any, name: str, config: DecoderConfig, permuted_qk: bool
     tensors = [t for t in tensors if t is not None]
     types = sorted({t.tensor_type.name for t in tensors})
     if len(types) != 1 or types[0] not in gguf_quant.BLOCK_BYTES:
-        return None, f"GGUF type(s) {types} are not repacked (only Q8_0, Q4_0, Q4_1, one type for all layers)"
+        return None, (f"GGUF type(s) {types} are not repacked (only {', '.join(gguf_quant.BLOCK_BYTES)}, one type "
+                      "for all layers)")
     parts = []
     for t in tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # [..., out, in]

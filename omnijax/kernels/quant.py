@@ -6,7 +6,7 @@ stored as integer codes plus float parameters per group of `g` consecutive rows 
 - `Int8PerChannel()`: symmetric, one scale per output column (a single group of `in` rows): `w = q * scale`,
   `q` int8 in [-127, 127].
 - `Int8Grouped(g)`: symmetric, one scale per `g` input rows and output column (GGUF Q8_0 is `Int8Grouped(32)` with
-  float16 scales).
+  float16 scales; GGUF Q6_K kept quantised is `Int8Grouped(16)`, its 16-value sub-blocks, with float32 scales).
 - `Int4Grouped(g)`: asymmetric, a scale and an offset per group: `w = q * scale + offset`, `q` in [0, 15]. The
   offset is the value code 0 stands for (the group's minimum when `quantize` made it; GGUF Q4_1's `m`; Q4_0's `-8 d`),
   so GGUF's formulas are reproduced bit for bit in float32. Two codes share a byte: within each group, byte row `j`
@@ -26,7 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128)  # what `quantize` offers (`omnijax convert --group-size`)
+INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # 16: GGUF Q6_K's sub-blocks, only ever repacked from a file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,9 @@ class Int8Grouped:
     symmetric = True
 
     def __post_init__(self):
-        if self.size not in GROUP_SIZES:
-            raise ValueError(f"Int8Grouped group size must be one of {GROUP_SIZES}, got {self.size!r}")
+        if self.size not in INT8_GROUP_SIZES:
+            raise ValueError(f"Int8Grouped group size must be one of {GROUP_SIZES}, got {self.size!r} (or 16, the "
+                             "sub-block of a GGUF Q6_K weight kept quantised)")
 
     def group_size(self, rows: int) -> int:
         """The rows one scale covers (`size`)."""

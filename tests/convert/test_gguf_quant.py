@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 blocks repacked into omnijax's quantised weights (`omnijax.convert.gguf_quant`): the
-dequantised repack equals the `gguf` package's own `gguf.quants.dequantize` of the same bytes bit for bit in float32
+"""GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks repacked into omnijax's quantised weights
+(`omnijax.convert.gguf_quant`): the dequantised repack equals the `gguf` package's own `gguf.quants.dequantize` of the same bytes bit for bit in float32
 (Q4_0: but for the sign of an exact zero),
 on random blocks (random codes and random float16 scales, zero, negative, subnormal and large ones included) and on
 blocks gguf's own quantiser wrote; the quantised matmul over the repack matches a float matmul of gguf's output; bad
@@ -16,7 +16,11 @@ from omnijax.kernels import quant as Q
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install 'omnijax[gguf]') is part of the test extras")
 
 TYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+         "Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q4_K": gguf.GGMLQuantizationType.Q4_K,
+         "Q6_K": gguf.GGMLQuantizationType.Q6_K}
+LEGACY = ("Q4_0", "Q4_1", "Q8_0")  # blocks of 32 (the K-quants: super-blocks of 256)
+# where a block's float16 fields sit (the other bytes are codes and, for the K-quants, 6- or 8-bit sub-block scales)
+F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_f16(rng, n):
@@ -27,16 +31,15 @@ def random_f16(rng, n):
 
 
 def random_blocks(kind, shape, seed):
-    """Raw GGUF bytes `[..., out, in // 32 * bytes]` for a tensor of float shape `shape`: random codes, random
-    float16 scale (and min)."""
+    """Raw GGUF bytes `[..., out, in // block * bytes]` for a tensor of float shape `shape`: random codes (and
+    sub-block scales and mins), random float16 scale (and min)."""
     rng = np.random.default_rng(seed)
-    n = int(np.prod(shape)) // 32
-    fields = [random_f16(rng, n).view(np.uint8).reshape(n, 2)]
-    if kind == "Q4_1":
-        fields.append(random_f16(rng, n).view(np.uint8).reshape(n, 2))
-    fields.append(rng.integers(0, 256, size=(n, G.BLOCK_BYTES[kind] - 2 * len(fields)), dtype=np.uint8))
-    raw = np.concatenate(fields, axis=1)
-    return raw.reshape(*shape[:-1], shape[-1] // 32 * G.BLOCK_BYTES[kind])
+    block = G.BLOCK_ELEMENTS[kind]
+    n = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(n, G.BLOCK_BYTES[kind]), dtype=np.uint8)
+    for at in F16_AT[kind]:
+        raw[:, at:at + 2] = random_f16(rng, n).view(np.uint8).reshape(n, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block * G.BLOCK_BYTES[kind])
 
 
 def assert_bit_equal(qw, raw, kind):
@@ -52,7 +55,7 @@ def assert_bit_equal(qw, raw, kind):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("kind", sorted(TYPES))
+@pytest.mark.parametrize("kind", LEGACY)
 @pytest.mark.parametrize("shape", [(8, 32), (96, 576), (3, 40, 128)], ids=str)
 def test_repack_equals_ggufs_dequantisation_bit_for_bit(kind, shape):
     raw = random_blocks(kind, shape, seed=sum(shape))
@@ -63,7 +66,41 @@ def test_repack_equals_ggufs_dequantisation_bit_for_bit(kind, shape):
     assert_bit_equal(qw, raw, kind)
 
 
-@pytest.mark.parametrize("kind", sorted(TYPES))
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", [(8, 256), (40, 768), (3, 5, 512)], ids=str)
+def test_k_quant_repack_equals_ggufs_dequantisation_bit_for_bit(kind, shape):
+    """Q4_K -> int4 groups of 32 with float32 scales d*sc and offsets -(dmin*m); Q6_K -> int8 groups of 16 with
+    float32 scales d*sc: products exact in float32, so equal to gguf's own dequantisation bit for bit, every 6-bit
+    scale/min packing and every 2-bit high part of the random bytes exercised."""
+    raw = random_blocks(kind, shape, seed=sum(shape))
+    qw = G.from_gguf(raw, shape, kind)
+    assert qw.shape == (*shape[:-2], shape[-1], shape[-2])
+    assert qw.scheme == (Q.Int4Grouped(32) if kind == "Q4_K" else Q.Int8Grouped(16))
+    assert qw.scales.dtype == np.float32 and (qw.offsets is None) == (kind == "Q6_K")
+    # bits a value: Q4_K 4 + 2 * 32 / 32 = 6 (the file's 4.5); Q6_K 8 + 32 / 16 = 10 (the file's 6.56)
+    assert qw.nbytes * 8 / np.prod(shape) == (6.0 if kind == "Q4_K" else 10.0)
+    codes = np.asarray(Q.codes(qw))
+    assert codes.min() >= (0 if kind == "Q4_K" else -32) and codes.max() <= (15 if kind == "Q4_K" else 31)
+    assert_bit_equal(qw, raw, kind)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_qmatmul_matches_a_float_matmul_of_ggufs_weights(kind):
+    """gguf-py cannot quantise K-quants, so the blocks are random bytes with realistic float16 scales: the quantised
+    matmul over the repack matches a float64 matmul of gguf's dequantised weight."""
+    rng = np.random.default_rng(2)
+    raw = random_blocks(kind, (96, 512), seed=5)
+    blocks = raw.reshape(-1, G.BLOCK_BYTES[kind])
+    for at in F16_AT[kind]:
+        blocks[:, at:at + 2] = (rng.normal(size=(blocks.shape[0], 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    qw = G.from_gguf(raw, (96, 512), kind)
+    dense = np.asarray(gguf.quants.dequantize(raw, TYPES[kind]), np.float64)
+    x = rng.normal(size=(16, 512)).astype(np.float32)
+    got = np.asarray(jax.jit(Q.qmatmul)(jnp.asarray(x), qw))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=0, atol=1e-5 * np.abs(x).sum(-1).max() * np.abs(dense).max())
+
+
+@pytest.mark.parametrize("kind", LEGACY)
 def test_repack_of_blocks_ggufs_quantiser_wrote(kind):
     """Realistic blocks (gguf's own quantiser over a float weight): bit-equal again, and the quantised matmul over the
     repack matches a float matmul of gguf's dequantised weight."""
@@ -97,7 +134,11 @@ def test_bad_input_is_refused_by_name():
         G.from_gguf_q4_1(np.zeros(60, np.uint8), (2, 48))
     with pytest.raises(ValueError, match="raw_blocks must be uint8"):
         G.from_gguf_q4_0(raw.astype(np.int16), (4, 64))
-    with pytest.raises(ValueError, match="GGUF type 'Q4_K' cannot be repacked without a float round trip"):
-        G.from_gguf(raw, (4, 64), "Q4_K")
+    with pytest.raises(ValueError, match="GGUF type 'Q5_K' cannot be repacked without a float round trip"):
+        G.from_gguf(raw, (4, 64), "Q5_K")
+    with pytest.raises(ValueError, match="Q6_K: the input width 128 is not a multiple of the block size 256"):
+        G.from_gguf(np.zeros(210, np.uint8), (2, 128), "Q6_K")
+    with pytest.raises(ValueError, match="Q4_K: raw_blocks holds 144 bytes; shape \\(2, 256\\) needs 288"):
+        G.from_gguf_q4_k(np.zeros(144, np.uint8), (2, 256))
     with pytest.raises(ValueError, match="shape must be \\[..., out, in\\]"):
         G.from_gguf_q8_0(raw, (272,))

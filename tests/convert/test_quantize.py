@@ -1,5 +1,6 @@
 """`omnijax convert --quantize int8|int4 --group-size N` and `--keep-quantized` (issue 41): the manifest records each
-quantised weight's scheme, the stored arrays round-trip bit for bit, GGUF Q8_0 / Q4_0 / Q4_1 weights kept quantised
+quantised weight's scheme, the stored arrays round-trip bit for bit, GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights kept
+quantised
 equal the float conversion's weights bit for bit and give transformers' logits of the same file (1e-4), other GGUF
 types are dequantised (or requantised) and reported, and every bad option or manifest is refused by name with nothing
 written. The decoder's numbers with quantised weights are in tests/models/test_quantized_decoder.py."""
@@ -144,11 +145,21 @@ def gguf_helpers():
     return test_gguf
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+KEPT_SCHEMES = {
+    "Q8_0": {"scheme": "int8_grouped", "group_size": 32, "scale_dtype": "float16"},
+    "Q4_0": {"scheme": "int4", "group_size": 32, "scale_dtype": "float16", "offset_dtype": "float16"},
+    "Q4_1": {"scheme": "int4", "group_size": 32, "scale_dtype": "float16", "offset_dtype": "float16"},
+    "Q4_K": {"scheme": "int4", "group_size": 32, "scale_dtype": "float32", "offset_dtype": "float32"},
+    "Q6_K": {"scheme": "int8_grouped", "group_size": 16, "scale_dtype": "float32"},
+}
+
+
+@pytest.mark.parametrize("qtype", sorted(KEPT_SCHEMES))
 def test_gguf_blocks_kept_quantized(gguf_helpers, qtype, tmp_path_factory, tmp_path):
     """Llama (q/k rows permuted by llama.cpp) with every matrix in `qtype`, `--keep-quantized`: every linear weight is
-    repacked (manifest: int8_grouped / int4 of 32 with float16 scales), dequantises to the float conversion's weight
-    bit for bit, and the model's logits equal transformers' loading the same file to 1e-4."""
+    repacked (manifest: `KEPT_SCHEMES`; the K-quants' sub-block scales folded into float32 group scales), dequantises
+    to the float conversion's weight bit for bit, and the model's logits equal transformers' loading the same file to
+    1e-4 (the K-quant blocks are random bytes with small float16 scales: gguf-py cannot quantise them)."""
     h = gguf_helpers
     vocab = h.tiny_vocab(tmp_path_factory.mktemp("vocab"))
     path = h.write_gguf(tmp_path / f"tiny-{qtype}.gguf", "llama", h.hf_weights(np.random.default_rng(0), tied=False),
@@ -156,9 +167,7 @@ def test_gguf_blocks_kept_quantized(gguf_helpers, qtype, tmp_path_factory, tmp_p
     flt = convert_checkpoint(path, tmp_path / "float", **QUIET)
     kept = convert_checkpoint(path, tmp_path / "kept", **QUIET, quantize=QuantizeOptions(keep_quantized=True))
     manifest = json.loads((kept / "omnijax.json").read_text())
-    want = {"scheme": "int8_grouped", "group_size": 32, "scale_dtype": "float16"} if qtype == "Q8_0" else \
-        {"scheme": "int4", "group_size": 32, "scale_dtype": "float16", "offset_dtype": "float16"}
-    assert manifest["quantization"] == {f"layers.{n}": want for n in LINEAR}
+    assert manifest["quantization"] == {f"layers.{n}": KEPT_SCHEMES[qtype] for n in LINEAR}
     assert all("repacked from GGUF " + qtype in why for why in manifest["source"]["quantization"].values())
     a, b = omnijax.load(flt), omnijax.load(kept)
     for n in LINEAR:
@@ -172,20 +181,20 @@ def test_gguf_blocks_kept_quantized(gguf_helpers, qtype, tmp_path_factory, tmp_p
 
 
 def test_gguf_other_types_dequantized_or_requantized_and_reported(gguf_helpers, tmp_path_factory, tmp_path):
-    """Q4_K weights are not repacked: with `--keep-quantized` alone they are dequantised (the manifest has no
+    """Q5_K weights are not repacked: with `--keep-quantized` alone they are dequantised (the manifest has no
     quantisation and the report says so); with `--quantize int8` as well they are requantised and reported."""
     h = gguf_helpers
     vocab = h.tiny_vocab(tmp_path_factory.mktemp("vocab"))
-    path = h.write_gguf(tmp_path / "tiny-q4k.gguf", "llama", h.hf_weights(np.random.default_rng(0)), *vocab,
-                        qtype="Q4_K")
+    path = h.write_gguf(tmp_path / "tiny-q5k.gguf", "llama", h.hf_weights(np.random.default_rng(0)), *vocab,
+                        qtype="Q5_K")
     notes: list[str] = []
     out = convert_checkpoint(path, tmp_path / "kept", progress=False, log=notes.append,
                              quantize=QuantizeOptions(keep_quantized=True))
     manifest = json.loads((out / "omnijax.json").read_text())
     assert "quantization" not in manifest
-    assert all("['Q4_K'] are not repacked" in w and w.endswith("dequantised to float")
+    assert all("['Q5_K'] are not repacked" in w and w.endswith("dequantised to float")
                for w in manifest["source"]["quantization"].values())
-    assert any(line.startswith("layers.q_proj: GGUF type(s) ['Q4_K']") for line in notes)
+    assert any(line.startswith("layers.q_proj: GGUF type(s) ['Q5_K']") for line in notes)
     out = convert_checkpoint(path, tmp_path / "requant", **QUIET,
                              quantize=QuantizeOptions("int8", keep_quantized=True))
     manifest = json.loads((out / "omnijax.json").read_text())
