@@ -1,9 +1,9 @@
 """GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks repacked into omnijax's quantised weights
-(`omnijax.convert.gguf_quant`): the dequantised repack equals the `gguf` package's own `gguf.quants.dequantize` of the same bytes bit for bit in float32
-(Q4_0: but for the sign of an exact zero),
-on random blocks (random codes and random float16 scales, zero, negative, subnormal and large ones included) and on
-blocks gguf's own quantiser wrote; the quantised matmul over the repack matches a float matmul of gguf's output; bad
-sizes and unknown types are refused by name."""
+(`omnijax.convert.gguf_quant`): the dequantised repack equals the `gguf` package's own `gguf.quants.dequantize` of
+the same bytes bit for bit in float32 (Q4_0: but for the sign of an exact zero), on random blocks (random codes,
+sub-block scales and mins, and random float16 scales, zero, negative, subnormal and large ones included) and on blocks
+gguf's own quantiser wrote (it writes no K-quants); the quantised matmul over the repack matches a float matmul of
+gguf's output; bad sizes and unknown types are refused by name."""
 
 import jax
 import jax.numpy as jnp
