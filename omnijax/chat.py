@@ -175,7 +175,7 @@ class Chat:
         self.model, self.video_kwargs = model, dict(video_kwargs or {})
         # messages -> templated deltas -> chunks; checks the template variables before anything is built
         self.conversation = Conversation(model, self.tokenizer, template_variables=template_variables)
-        self.config = bind_config(model, config)
+        self.config = bind_config(model, config, allow_recall=True)  # recall: the session holds it over each answer
         self.units_builder = self.conversation.units
         self.session = Session(model, self.config)
         self.units: list[UnitRecord] = []
@@ -284,6 +284,7 @@ class Chat:
             self._record_unit(prepared.unit, "user", text_label(prepared.message["content"]), chunk)
             self.conversation.record(prepared)
             self.text_ids += chunk_ids(chunk)
+            self.session.hold_recall()  # with StreamConfig(recall=...): the question's recall lasts the whole answer
             out = self._feed(chunk, config, "user")
             prompt_ids = tuple(self.text_ids)
             while True:
@@ -302,6 +303,7 @@ class Chat:
             if speak is not None:
                 yield from self._spoken(prompt_ids, generated, stop, speak)
         finally:
+            self.session.release_recall()
             if generated:
                 self.text_ids += generated
                 content = self.conversation.answered(generated, stop)

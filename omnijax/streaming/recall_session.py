@@ -85,6 +85,24 @@ class RecallReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class RecallSnapshot:
+    """What a `Session` snapshot (`Session.snapshot`) carries of its recall beside the state: everything
+    `RecallSession` needs to go on as though never interrupted.
+
+    Attributes:
+        tier: the host tier (immutable; its arrays are read-only and shared, never copied).
+        vpos: `[next_order]` int64 full-context position of every token written so far (read-only).
+        cursor: the full-context position cursor.
+        counts: the running figures of `RecallStats` (name, value).
+    """
+
+    tier: host_tier.HostTier
+    vpos: np.ndarray
+    cursor: int
+    counts: tuple[tuple[str, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class RecallStats:
     """A session's recall figures.
 
@@ -230,6 +248,55 @@ class RecallSession:
         self._vpos = np.zeros(max(64, int(m["next_order"])), np.int64)
         self._vpos[m["order"][m["valid"]]] = m["pos"][m["valid"]]
         self._cursor = int(m["next_pos"])
+
+    def snapshot(self, state: StreamState) -> RecallSnapshot:
+        """The recall side of a snapshot of `state` (refused while a recall awaits its release: the recalled tokens
+        are no part of the session's own content)."""
+        if self._pending is not None:
+            raise ValueError("a recall is in progress (recalled units are cached for a question or a held answer): "
+                             "feed the question, or release_recall(), before a snapshot")
+        end = int(jax.device_get(state.kv.next_order[0]))
+        return RecallSnapshot(tier=self.tier, vpos=host_tier._frozen(self._vpos[:end].copy()), cursor=self._cursor,
+                              counts=tuple(self._counts.items()))
+
+    def restore(self, snapshot: RecallSnapshot, state: StreamState) -> None:
+        """Goes on from `snapshot`, taken together with `state`. A missing or corrupt host tier is refused by name
+        (ValueError) and nothing changes."""
+        if not isinstance(snapshot, RecallSnapshot):
+            raise ValueError(f"the snapshot's host tier is missing: a session with StreamConfig(recall=...) resumes "
+                             f"from Session.snapshot() (its RecallSnapshot), got {type(snapshot).__name__}")
+        tier, what = snapshot.tier, "the snapshot's host tier is corrupt"
+        m = jax.device_get({"valid": state.kv.valid, "order": state.kv.order, "end": state.kv.next_order[0]})
+        L, _, _, G, d = state.kv.k.shape
+        A = state.kv.pos.shape[0]
+        if not isinstance(tier, host_tier.HostTier) or not all(isinstance(u, host_tier.UnitKV) for u in tier.units):
+            raise ValueError(f"{what}: tier must be a HostTier of UnitKV records")
+        vpos = np.asarray(snapshot.vpos)
+        if vpos.dtype != np.int64 or vpos.shape != (int(m["end"]),):
+            raise ValueError(f"{what}: vpos must be int64 [{int(m['end'])}] (one per token the state wrote), got "
+                             f"{vpos.dtype} {vpos.shape}")
+        names = set(self._counts)
+        if {k for k, _ in snapshot.counts} != names or not isinstance(snapshot.cursor, int):
+            raise ValueError(f"{what}: counts must name {sorted(names)} and cursor be an int")
+        for u in tier.units:
+            n = u.size
+            shapes_ok = (u.k.shape == u.v.shape == (L, G, n, d) and u.pos.shape == (A, n) and u.vpos is not None
+                         and u.vpos.shape == (n,) and u.order.shape == (n,) and u.summary.shape == (L, G, d))
+            if not shapes_ok:
+                raise ValueError(f"{what}: unit {u.unit}'s arrays do not fit this model's cache "
+                                 f"(k [L={L}, G={G}, n, d={d}], pos [A={A}, n], vpos, order [n])")
+            if not np.array_equal(u.summary, host_tier.summarize(u.k)):
+                raise ValueError(f"{what}: unit {u.unit}'s summary is not the mean of its keys")
+            if (u.order < 0).any() or (u.order >= int(m["end"])).any():
+                raise ValueError(f"{what}: unit {u.unit} holds write orders the state never wrote")
+        budget = int(self.recall_config.host_bytes)
+        if tier.nbytes > budget:
+            raise ValueError(f"the snapshot's host tier holds {tier.nbytes} bytes, more than Recall(host_bytes="
+                             f"{budget}); resume with a host budget at least that large")
+        self.tier = dataclasses.replace(tier, budget_bytes=budget)
+        self._vpos = np.array(vpos, np.int64)
+        self._cursor = snapshot.cursor
+        self._counts = dict(snapshot.counts)
 
     def _set_vpos(self, lo: int, values: np.ndarray) -> None:
         end = lo + len(values)

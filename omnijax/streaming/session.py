@@ -9,6 +9,7 @@ part of the context. Every setting comes from one `omnijax.StreamConfig`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -25,7 +26,7 @@ from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel, family_of
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.streaming.recall_session import RecallReport, RecallStats, new_recall_session
+from omnijax.streaming.recall_session import RecallReport, RecallSnapshot, RecallStats, new_recall_session
 from omnijax.streaming.step import (
     ChunkOutput,
     StreamResult,
@@ -38,6 +39,19 @@ from omnijax.streaming.step import (
 
 # What streams: a loaded model of any family (its `decoder` runs) or a bare `Decoder`.
 StreamModel = OmniModel | Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSnapshot:
+    """A `Session` copied to host (`Session.snapshot`, `Session.resume`).
+
+    Attributes:
+        state: the `StreamState` as numpy arrays.
+        tier: the recall side (`RecallSnapshot`: host tier, full-context positions, figures); None with recall off.
+    """
+
+    state: StreamState
+    tier: RecallSnapshot | None
 
 
 def model_parts(model: StreamModel) -> tuple[Any, Any]:
@@ -57,12 +71,12 @@ def bind_config(model: StreamModel, config: StreamConfig | None = None, *, allow
                 **fields: Any) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
     filled in from the model's type (`StreamConfig.for_model`). A config with `recall` is refused unless
-    `allow_recall` (only `Session` carries a host tier so far; the other paths would ignore it)."""
+    `allow_recall` (only `Session` and `Chat` carry a host tier so far; the other paths would ignore it)."""
     family = family_of(model)
     bound = StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
     if bound.recall is not None and not allow_recall:
-        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session only so far: stream, Chat, evaluate "
-                         "and the engine would ignore it; use a Session, or recall=None")
+        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session and omnijax.Chat only so far: "
+                         "stream, evaluate and the engine would ignore it; use a Session or a Chat, or recall=None")
     return bound
 
 
@@ -154,7 +168,9 @@ class Session:
         config: the session's settings (`omnijax.StreamConfig`); its fields are also accepted as keywords. The
             pool has `config.num_pages` pages (None: `omnijax.streaming.config.DEFAULT_SESSION_PAGES`).
         batch: sequences of the session's state.
-        state: state to continue from (copied).
+        state: state to continue from (copied). With recall on, a state that holds tokens comes with its host
+            tier: resume it with `Session.resume` (a `SessionSnapshot`), not `state=` alone.
+        tier: the `RecallSnapshot` taken with `state` (`Session.resume` passes it).
 
     Example:
         session = Session(model, StreamConfig(num_pages=64, max_answer_tokens=16))
@@ -162,7 +178,7 @@ class Session:
     """
 
     def __init__(self, model: StreamModel, config: StreamConfig | None = None, *, batch: int = 1,
-                 state: StreamState | None = None, **fields: Any):
+                 state: StreamState | None = None, tier: RecallSnapshot | None = None, **fields: Any):
         self.stream_config = bind_config(model, config, allow_recall=True, **fields)
         self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
@@ -183,6 +199,14 @@ class Session:
         self.state = jax.device_put(state, device)
         if self._recall is not None:
             self._recall.start(self.state)
+            if tier is not None:
+                self._recall.restore(tier, self.state)
+            elif int(np.asarray(self.state.kv.next_order).max()) > 0:
+                raise ValueError("the session's host tier is missing: a state that holds tokens resumes with recall "
+                                 "on only together with its tier (Session.resume(model, session.snapshot()))")
+        elif tier is not None:
+            raise ValueError("tier= was given but recall is off: give StreamConfig(recall=Recall(...))")
+        self._hold = False
         # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
         self._unread: collections.deque | None = collections.deque()
 
@@ -207,7 +231,10 @@ class Session:
         chunk = self._checked(chunk, config)
         self._read_flags(wait=False)
         recall = self._recall
-        if recall is not None and not recall.pending and recall.tier.units and np.asarray(chunk.answer_tokens).any():
+        if recall is not None and recall.pending and self._hold and np.asarray(chunk.valid).any():
+            self.state = recall.release(self.state)  # a held recall ends where new content comes
+        if recall is not None and not recall.pending and recall.tier.units and np.asarray(chunk.answer_tokens).any() \
+                and np.asarray(chunk.valid).any():
             self.state, _ = recall.recall(self.state, self._graphdef, self._params, chunk)
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
@@ -216,7 +243,8 @@ class Session:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():
                 recall.capture(before, self.state.kv)
-            self.state = recall.release(self.state)
+            if not self._hold:
+                self.state = recall.release(self.state)
         if self._unread is not None:
             self._unread.append((out.stats.layout.exhausted, out.stats.layout.dropped))
         return out
@@ -239,6 +267,34 @@ class Session:
         chunk = self._checked(chunk, self._step_config)
         self.state, report = self._recall.recall(self.state, self._graphdef, self._params, chunk, scores)
         return report
+
+    def hold_recall(self) -> None:
+        """Keeps the units the next question recalls cached until `release_recall` (or a later chunk with tokens):
+        the answer's continuation chunks (no tokens, more answer tokens) read them too. `Chat` holds them over each
+        answer. Nothing happens with recall off."""
+        self._hold = self._recall is not None
+
+    def release_recall(self) -> None:
+        """Ends a held recall: the recalled tokens still cached are released (`Recall.keep=False`). Nothing happens
+        with recall off or no recall in progress."""
+        self._hold = False
+        if self._recall is not None:
+            self.state = self._recall.release(self.state)
+
+    def snapshot(self) -> SessionSnapshot:
+        """A host copy of the session to resume later (`Session.resume`): the state and, with recall on, the host
+        tier and its bookkeeping (refused while a recall is in progress)."""
+        tier = None if self._recall is None else self._recall.snapshot(self.state)
+        return SessionSnapshot(state=jax.tree.map(lambda x: np.array(x, copy=True), self.state), tier=tier)
+
+    @classmethod
+    def resume(cls, model: StreamModel, snapshot: SessionSnapshot, config: StreamConfig | None = None,
+               **fields: Any) -> Session:
+        """A session going on from `snapshot` under `config` (the snapshot's own settings: same pool and policy;
+        with recall on, the snapshot must carry its host tier, refused by name when missing or corrupt)."""
+        if not isinstance(snapshot, SessionSnapshot):
+            raise ValueError(f"Session.resume takes a Session.snapshot(), got {type(snapshot).__name__}")
+        return cls(model, config, state=snapshot.state, tier=snapshot.tier, **fields)
 
     def recall_stats(self) -> RecallStats:
         """Stored / dropped / recalled units and bytes so far (`StreamConfig(recall=...)` only)."""
