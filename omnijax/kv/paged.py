@@ -18,6 +18,9 @@ Shapes (L layers, N pages, P page size, G kv heads, d head dim, A position axes,
     score       [N, P] float32    accumulated attention mass the slot received (H2O; zero unless tracked)
     page_table  [B, M] int32      physical pages of each sequence in span order, -1 = none
     page_class  [N] int8          `PageClass` of each page
+    shares      [N] int32         references to the page beyond the first: rows whose page tables share it (n
+                                  choices forked from one prompt, `omnijax.kv.page_sharing`); 0 for a private or free
+                                  page, so every allocator that knows nothing of sharing keeps it right
     seq_slots   [B] int32         high-water mark in page-table space: the entries below it are held
     next_order  [B] int32         tokens ever written per sequence
     free_stack  [N] int32         free page ids; the top `num_free` entries are free
@@ -62,6 +65,7 @@ class PagedKV:
     score: jax.Array
     page_table: jax.Array
     page_class: jax.Array
+    shares: jax.Array
     seq_slots: jax.Array
     next_order: jax.Array
     free_stack: jax.Array
@@ -143,6 +147,7 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
         score=jnp.zeros(shape, jnp.float32),
         page_table=jnp.full((batch, max_pages), -1, jnp.int32),
         page_class=jnp.full((num_pages,), PageClass.FREE, jnp.int8),
+        shares=jnp.zeros((num_pages,), jnp.int32),
         seq_slots=jnp.zeros((batch,), jnp.int32),
         next_order=jnp.zeros((batch,), jnp.int32),
         # Pages are popped from the top of the stack, so page 0 is handed out first.
@@ -380,20 +385,33 @@ def copy_rows(arrays: tuple[Any, ...], src: jax.Array, dst: jax.Array, count: ja
 
 
 def release_pages(kv: PagedKV, pages: jax.Array, *, holding_live: bool = True) -> PagedKV:
-    """Returns pages (`[K]` ids, -1 entries ignored) to the pool: pushed on the free stack, class FREE, slots invalid.
+    """Drops one reference to each listed page (`[K]` ids, -1 entries ignored); a page whose last reference goes
+    returns to the pool: pushed on the free stack once, class FREE, slots invalid.
 
-    The page table is not touched; callers remove the entries they release. `holding_live=False` promises that the
-    pages hold no live slot (so there is nothing to invalidate, and one scatter less).
+    A page shared by several rows (`shares > 0`) stays while a reference is left: it loses one per occurrence in the
+    list. Without sharing every listed page is freed, pushed in list order. The page table is not touched; callers
+    remove the entries they release. `holding_live=False` promises that the pages hold no live slot (so there is
+    nothing to invalidate, and one scatter less).
     """
     pages = pages.astype(jnp.int32)
+    N = kv.num_pages
     ok = pages >= 0
-    rank = jnp.cumsum(ok) - 1
-    dst = jnp.where(ok, kv.num_free + rank, kv.num_pages)
+    target = jnp.where(ok, pages, N)
+    dropped = jnp.zeros((N,), jnp.int32).at[target].add(1, mode="drop")  # references dropped per page
+    left = kv.shares + 1 - dropped
+    gone = (dropped > 0) & (left <= 0)  # [N] pages freed now
+    idx = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    first = jnp.full((N,), pages.shape[0], jnp.int32).at[target].min(idx, mode="drop")
+    at = jnp.clip(pages, 0, N - 1)
+    push = ok & gone[at] & (first[at] == idx)  # each freed page once, at its first listing
+    rank = jnp.cumsum(push) - 1
+    dst = jnp.where(push, kv.num_free + rank, N)
     free_stack = kv.free_stack.at[dst].set(pages, mode="drop")
-    target = jnp.where(ok, pages, kv.num_pages)
+    freed = jnp.where(push, pages, N)
     return kv.replace(
         free_stack=free_stack,
-        num_free=kv.num_free + jnp.sum(ok).astype(jnp.int32),
-        page_class=kv.page_class.at[target].set(PageClass.FREE, mode="drop"),
-        valid=kv.valid.at[target].set(False, mode="drop") if holding_live else kv.valid,
+        num_free=kv.num_free + jnp.sum(push).astype(jnp.int32),
+        page_class=kv.page_class.at[freed].set(PageClass.FREE, mode="drop"),
+        valid=kv.valid.at[freed].set(False, mode="drop") if holding_live else kv.valid,
+        shares=jnp.where(dropped > 0, jnp.maximum(left - 1, 0), kv.shares),
     )

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from omnijax.chunks.spans import SpanKind
 from omnijax.kv import rope as rope_lib
+from omnijax.kv.page_sharing import unshare
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, table_slots
 from omnijax.kv.quant_kv import dense
 from omnijax.registry import Registry
@@ -185,6 +186,11 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     view = sequence_view(kv) if view is None else view
     keep = keep & view.live
     drop = view.live & ~keep
+    delta, total = freed_below(view, keep, next_pos) if reindex else (None, None)
+    shift = keep & (delta > 0) if reindex else jnp.zeros_like(keep)  # survivors whose key is re-rotated
+    # Pages shared with other rows (n choices of one prompt) are copied before they change (`kv.page_sharing`).
+    kv, writable = unshare(kv, drop | shift, evicts=drop)
+    drop, shift = drop & writable, shift & writable
     flat, _ = table_slots(kv)
     N, P = kv.num_pages, kv.page_size
     target = jnp.where(drop, flat, N * P).reshape(-1)
@@ -193,8 +199,7 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     kv = kv.replace(valid=valid)
     if not reindex:
         return kv, next_pos, evicted
-    delta, total = freed_below(view, keep, next_pos)
-    moved = jnp.where(keep & (delta > 0), flat, N * P).reshape(-1)  # only survivors that shift
+    moved = jnp.where(shift, flat, N * P).reshape(-1)  # only survivors that shift
     d = delta.reshape(-1)
     pos = jax.vmap(lambda p: p.reshape(-1).at[moved].add(-d, mode="drop").reshape(N, P))(kv.pos)
     # Re-rotate the shifted keys by -delta (the rotation by a position shift is the rotation at that negative

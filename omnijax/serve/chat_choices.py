@@ -1,10 +1,13 @@
 """Chat completions with `n` choices or `logprobs` (issue 37 item 1): the requests `chat_completions` hands over.
 
-`n` > 1: the prompt is fed once, into the first choice's session; that session is then exported and imported into
-n - 1 more sessions (`EngineWorker.export` / `open(snapshot)`: a copy of its KV pages, not shared pages), and every
-choice decodes its own answer in its own row of the same ticks. Each choice draws with its own key: the request's
-`seed` folded with the choice's index (`Engine.seed_session(sid, seed, i)`; choice 0 of a seeded request equals the
-same request with `n` 1), or a fresh random seed when the request has none.
+`n` > 1: the prompt is fed once, into the first choice's session; n - 1 more sessions are then opened and forked
+from it (`Engine.fork_session`): they share the prompt's full KV pages (counted per page, copied before a row's trim
+changes one, `omnijax.kv.page_sharing`) and copy only its partly filled last page, and every choice decodes its own
+answer in its own row of the same ticks. `SHARE_PAGES = False` serves the choices as before sharing (the first
+session exported and imported into each other one, a copy of every page): the oracle the sharing is checked
+against. Each choice draws with its own key: the request's `seed` folded with the choice's index
+(`Engine.seed_session(sid, seed, i)`; choice 0 of a seeded request equals the same request with `n` 1), or a fresh
+random seed when the request has none.
 
 `logprobs`: each content token's log probability and its `top_logprobs` alternatives, from the raw model
 distribution (the log-softmax of the logits before any sampling setting: vLLM's default, `logprobs_mode`
@@ -33,6 +36,9 @@ from omnijax.serve.openai_wire import completion, completion_chunk, error_body, 
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
+
+# n > 1: fork the prompt's session sharing its full pages (True), or copy it through a snapshot (False; module doc).
+SHARE_PAGES = True
 
 
 def token_entry(tokenizer: Any, token: int, logprob: float) -> dict:
@@ -86,11 +92,16 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
         parts, prompt = await asyncio.to_thread(build_prompt, conversation, req, min(worker.tau, max_tokens))
         prompt_tokens = conversation.tokens_fed
         fed = worker.feed(sids[0], parts)
-        if req.n > 1:  # the prompt is computed once, then copied into the other choices' sessions
+        if req.n > 1:  # the prompt is computed once; the other choices' sessions continue from it
             await fed
-            snapshot = await worker.export(sids[0], {})
-            for _ in range(req.n - 1):
-                sids.append(await stack.enter_async_context(context.session(client, "cc", snapshot)))
+            if SHARE_PAGES:
+                for _ in range(req.n - 1):
+                    sids.append(await stack.enter_async_context(context.session(client, "cc")))
+                await _fork(worker, sids)
+            else:
+                snapshot = await worker.export(sids[0], {})
+                for _ in range(req.n - 1):
+                    sids.append(await stack.enter_async_context(context.session(client, "cc", snapshot)))
         seed = req.seed if req.seed is not None or req.n == 1 else secrets.randbits(63)
         if seed is not None:
             for i, sid in enumerate(sids):
@@ -109,6 +120,19 @@ async def serve_choices(request: Request, context: ServeContext, req: ChatReques
         return await _whole(request, context, req, choices, stack, cid, created, prompt_tokens)
     return StreamingResponse(_events(context, req, choices, stack, cid, created, prompt_tokens),
                              media_type="text/event-stream")
+
+
+async def _fork(worker: Any, sids: list[str], timeout_s: float = 30.0) -> None:
+    """Forks the first session into the others once its prompt is written and nothing decodes in it (as
+    `EngineWorker.export` waits)."""
+    worker.cancel(sids[0])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while worker.busy(sids[0]):
+        if loop.time() > deadline:
+            raise TimeoutError(f"session {sids[0]!r} did not become idle within {timeout_s:g} s")
+        await asyncio.sleep(0.01)
+    await worker.in_engine(lambda: worker.engine.fork_session(sids[0], sids[1:]))
 
 
 def _overloaded(e: Overloaded, context: ServeContext, request: Request) -> Response:

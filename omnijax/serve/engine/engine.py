@@ -41,7 +41,7 @@ from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
-from omnijax.serve.engine.rows import batch_frames, pick_bucket, reset_row, take_rows
+from omnijax.serve.engine.rows import batch_frames, check_fork, fork_rows, pick_bucket, reset_row, take_rows
 from omnijax.serve.engine.telemetry import StallEvent, Telemetry
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
@@ -198,6 +198,7 @@ class TickReport:
 
 # ------------------------------------------------------------------------------------------------- pure helpers
 _reset_row = jax.jit(reset_row, donate_argnums=0)
+_fork_rows = jax.jit(fork_rows, static_argnames=("share",), donate_argnums=0)
 # ------------------------------------------------------------------------------------------------------- engine
 class Engine:
     """Serves many sessions from one shared KV pool, one jitted batched step per `tick()`.
@@ -487,3 +488,20 @@ class Engine:
             raise
         self._unkeyed.pop(session_id, None)  # the snapshot's key replaces the freshly folded one
         self._seen_dropped[session_id] = int(snapshot.dropped)
+
+    def fork_session(self, source: str, targets: list[str], *, share: bool = True) -> tuple[bool, int, int]:
+        """Makes the open, empty sessions `targets` forks of the open session `source` (n choices of one prompt),
+        between ticks: each continues from its cache, cursor, key, logits and penalty history, sharing its full pages
+        when `share` (`omnijax.serve.engine.rows.check_fork`, `omnijax.kv.page_sharing`). Returns `(shared, shared
+        pages, pages copied per target)`. Raises KeyError, ValueError or `NotEnoughPages`, changing nothing."""
+        for s in (source, *targets):
+            self._check_open(s)
+        if source in self._preempted:
+            raise ValueError(f"session {source!r} is preempted (its KV is incomplete); it cannot be forked")
+        self._arrange()
+        self._install_keys()
+        rows = [self._slots[t] for t in targets]
+        share, shared, copied = check_fork(self.state, self._slots[source], rows, self._stream, share)
+        self.state = _fork_rows(self.state, np.int32(self._slots[source]), np.asarray(rows, np.int32), share=share)
+        self._seen_dropped.update({t: self._seen_dropped[source] for t in targets})
+        return share, shared, copied

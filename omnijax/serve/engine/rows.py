@@ -1,6 +1,6 @@
 """The engine's per-row state moves and batching, pure: a leaving session's row reset (`reset_row`), rows re-arranged
-into another bucket (`take_rows`, `pick_bucket`), and the served frames stacked into one `[B, T]` chunk
-(`batch_frames`).
+into another bucket (`take_rows`, `pick_bucket`), rows forked from one row sharing its full pages (`fork_rows`,
+checked by `check_fork`), and the served frames stacked into one `[B, T]` chunk (`batch_frames`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk
+from omnijax.kv import page_sharing
 from omnijax.kv import paged as paged_lib
+from omnijax.serve.engine.snapshot import NotEnoughPages
+from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.step import StreamState
 
 
@@ -31,6 +34,40 @@ def reset_row(state: StreamState, row: int | jax.Array) -> StreamState:
                     dropped=kv.dropped.at[row].set(0))
     return dataclasses.replace(state, kv=kv, next_pos=state.next_pos.at[row].set(0),
                                counts=state.counts.at[row].set(0), seen=state.seen.at[row].set(False))
+
+
+def fork_rows(state: StreamState, src: int | jax.Array, dst: jax.Array, *, share: bool) -> StreamState:
+    """Rows `dst [K]` (empty) become copies of row `src` (pure, jittable; `share` static): its cache through
+    `omnijax.kv.page_sharing.fork_rows` (full pages shared when `share`, the others copied) and its cursor, sampling
+    key, last logits and penalty history. A shared page's reference is dropped when its row is reset (`reset_row`).
+    """
+    kv = page_sharing.fork_rows(state.kv, src, dst, share=share)
+    copy = lambda x: x.at[dst].set(x[src])  # noqa: E731
+    return StreamState(kv=kv, next_pos=copy(state.next_pos), key=copy(state.key),
+                       last_logits=copy(state.last_logits), counts=copy(state.counts), seen=copy(state.seen))
+
+
+def check_fork(state: StreamState, src: int, dst: Sequence[int], stream: StreamConfig, share: bool
+               ) -> tuple[bool, int, int]:
+    """Checks a fork of row `src` into the rows `dst` before it runs; returns `(share, shared pages, copied pages
+    per fork)`, `share` False where `omnijax.kv.page_sharing.shareable` refuses the policy or paging mode.
+
+    Raises ValueError (a destination that is the source, repeated, or holds pages) or
+    `omnijax.serve.engine.snapshot.NotEnoughPages` (the copies need more free pages than the pool has).
+    """
+    table = np.asarray(state.kv.page_table)
+    if src in dst or len(set(dst)) != len(dst):
+        raise ValueError(f"fork destinations {list(dst)} must be distinct rows other than the source row {src}")
+    busy = [r for r in dst if np.any(table[r] >= 0)]
+    if busy:
+        raise ValueError(f"fork destination rows {busy} hold pages; fork into empty rows")
+    share = share and page_sharing.shareable(stream.policy, stream.paging.mode) is None
+    shared, copied = (int(np.sum(x)) for x in jax.device_get(page_sharing.fork_plan(state.kv, src, share=share)))
+    free = int(state.kv.num_free)
+    if copied * len(dst) > free:
+        raise NotEnoughPages(f"{len(dst)} forks copy {copied} pages each ({shared} shared) but the pool has {free} "
+                             f"free")
+    return share, shared, copied
 
 
 def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
