@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -53,6 +54,7 @@ from omnijax.retention import get_policy
 from omnijax.serve import chat_completions as openai_http
 from omnijax.serve import completions as openai_completions
 from omnijax.serve.audio_frames import frame_tokens
+from omnijax.serve.cluster import launch as cluster
 from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
@@ -339,6 +341,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (a request's own seed replaces it)")
     p.add_argument("--warmup-sessions", type=int, default=4, help="compile batch buckets up to this many sessions")
     p.add_argument("--impl", default="xla")
+    p.add_argument("--replicas", type=int, default=1, help="serve N engines (N >= 2: one Ray Serve deployment of N "
+                   "replicas behind one port, sessions routed by resume token, drained on SIGTERM; needs "
+                   "'omnijax[ray]' and a --snapshot-dir every replica sees for sessions to move)")
     return p
 
 
@@ -375,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = frame_samples(args.frame_ms)
     except ValueError as e:
         parser.error(str(e))
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 and not cluster.ray_installed():
+        parser.error(cluster.RAY_MISSING)
     if frame_tokens(samples) < 3:
         parser.error(f"--frame-ms {args.frame_ms:g} gives no audio token: frames must be at least 30 ms")
     if options.api_key is None and not is_loopback(options.host):
@@ -413,31 +422,54 @@ def default_chunk_tokens(model: OmniModel, samples: int) -> int:
 
 
 def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: int) -> int:
-    """Loads the model (or builds the demo one in a temporary folder), warms up and serves until stopped."""
+    """Loads the model (or builds the demo one in a temporary folder), warms up and serves until stopped; with
+    `--replicas` N >= 2, every replica does that (`replica_app`) behind Ray Serve (`omnijax.serve.cluster`)."""
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
+        if args.replicas > 1:
+            return cluster.serve_replicas(args.replicas, functools.partial(replica_app, path, args, options, samples),
+                                          host=options.host, port=options.port,
+                                          max_ongoing=max(args.buckets) + options.max_queued + 8)
         try:
-            model = load(path)
-            duplex = model.family.duplex  # duplex decides on host logits
-            # MiniCPM-o: a duplex unit with a video frame is 77 rows
-            chunk_tokens = args.chunk_tokens or default_chunk_tokens(model, samples)
-            policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
-            # each session (request) may set its own temperature / top_p / seed: one program for all of them
-            decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-            stream = StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
-                                          max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
-            context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
-                                    buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex,
-                                    per_token=args.per_token)
-            realtime_resume.attach_store(context, store)
+            context, summary = _loaded(path, args, options, store, samples)
         except (ValueError, KeyError, TypeError) as e:
             print(f"omnijax serve: error: {e}", file=sys.stderr)
             return 1
-        seconds = warm_up(context, args.warmup_sessions)
-        print(f"omnijax serve: {path}: {policy}, pool {args.pages}x{args.page_size}, B={args.frame_ms:g} ms, "
-              f"T={chunk_tokens}, tau={args.answer_tokens}, {decoding}; warm-up {seconds:.1f} s", flush=True)
+        print(summary, flush=True)
         asyncio.run(serve(context))
     return 0
+
+
+def _loaded(path: str, args: argparse.Namespace, options: ServeOptions, store: Any,
+            samples: int) -> tuple[ServeContext, str]:
+    """The warmed-up context of the checkpoint at `path` for the command line's settings, and its summary line."""
+    model = load(path)
+    duplex = model.family.duplex  # duplex decides on host logits
+    # MiniCPM-o: a duplex unit with a video frame is 77 rows
+    chunk_tokens = args.chunk_tokens or default_chunk_tokens(model, samples)
+    policy = get_policy(args.policy, defaults={"sink_window": dict(sink=args.sink, window=args.window)})
+    # each session (request) may set its own temperature / top_p / seed: one program for all of them
+    decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    stream = StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
+                          max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
+    context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
+                            buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex,
+                            per_token=args.per_token)
+    realtime_resume.attach_store(context, store)
+    seconds = warm_up(context, args.warmup_sessions)
+    return context, (f"omnijax serve: {path}: {policy}, pool {args.pages}x{args.page_size}, B={args.frame_ms:g} "
+                     f"ms, T={chunk_tokens}, tau={args.answer_tokens}, {decoding}; warm-up {seconds:.1f} s")
+
+
+def replica_app(path: str, args: argparse.Namespace, options: ServeOptions,
+                samples: int) -> tuple[ServeContext, Starlette]:
+    """One replica of `--replicas N` (run in the replica's process): the context of `_run`, its snapshot store
+    opened on the shared `--snapshot-dir`, and its Starlette application."""
+    compilation_cache.enable()
+    store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
+    context, summary = _loaded(path, args, options, store, samples)
+    print(summary, flush=True)
+    return context, build_app(context)
 
 
 class _Server(uvicorn.Server):

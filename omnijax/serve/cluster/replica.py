@@ -1,0 +1,139 @@
+"""One replica of `omnijax serve --replicas N`: one engine behind the server's routes, as a Ray Serve deployment class.
+
+`omnijax.serve.cluster.launch` wraps `EngineReplica` with `serve.ingress()` and `serve.deployment(...)`; this module
+itself needs Ray only to learn its replica id. Each replica builds its own `ServeContext` (the model loaded, the
+engine warmed up, the snapshot store opened on the shared `--snapshot-dir`) from the picklable `build` callable the
+launcher passes, and serves the same Starlette application as the single-process server, wrapped in
+`ReplicaSessions`, with two more routes (behind the API key like every other):
+
+- `GET /v1/omnijax/replica`: this replica's id, admission headroom, open sessions, held resume tokens, whether it
+  drains. A `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so it tells which
+  replica holds a session;
+- `POST /v1/omnijax/drain?replica=<id>`: drains that replica (`EngineReplica.drain`) and answers when its sessions'
+  snapshots are on disk.
+
+Routing stats (`record_routing_stats`, read by `omnijax.serve.cluster.router.SessionAwareRouter`): `replica`,
+`headroom` (the AIMD cap, capped by the session limit, minus the sessions open), `sessions`, `draining`, `tokens` and
+`stamp` (a counter that changes with every report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from omnijax.serve.cluster.sessions import ReplicaSessions, query_value
+from omnijax.serve.context import ServeContext
+
+log = logging.getLogger("omnijax.serve")
+DRAIN_PATH = "/v1/omnijax/drain"
+REPLICA_PATH = "/v1/omnijax/replica"
+
+
+def current_replica_id() -> str:
+    """This Ray Serve replica's unique id (RuntimeError outside a replica)."""
+    from ray import serve  # optional: the `omnijax[ray]` extra; only replicas, which Ray Serve runs, call this
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class EngineReplica:
+    """One engine and its routes (module docstring).
+
+    Args:
+        build: returns the replica's `ServeContext` (model loaded, engine warmed up, snapshot store attached) and the
+            server's ASGI application for it (`omnijax.serve.app.replica_app` with its arguments bound).
+        stats_period_s: how often Ray Serve collects routing stats; a drain waits for one report that says so
+            before it ends connections, so routers stop sending sessions here first.
+        drain_timeout_s: how long a drain waits for its connections to end (their snapshots written).
+    """
+
+    def __init__(self, build: Callable[[], tuple[ServeContext, Any]], stats_period_s: float = 1.0,
+                 drain_timeout_s: float = 30.0):
+        self.context, app = build()
+        self.replica_id = current_replica_id()
+        self.stats_period_s, self.drain_timeout_s = float(stats_period_s), float(drain_timeout_s)
+        self.draining = False
+        self.drained: dict | None = None
+        self._stamp = 0
+        self._told_draining: asyncio.Event | None = None
+        app.router.routes.extend([Route(REPLICA_PATH, self._describe_route, methods=["GET"]),
+                                  Route(DRAIN_PATH, self._drain_route, methods=["POST"])])
+        self.sessions = ReplicaSessions(app, self.replica_id)
+        log.info("replica %s ready", self.replica_id)
+
+    def __serve_build_asgi_app__(self) -> ReplicaSessions:
+        return self.sessions
+
+    # ------------------------------------------------------------------------------------------------ state
+    def headroom(self) -> int:
+        """Sessions this replica would still admit now: min(AIMD cap, session limit) minus sessions open (0 while
+        draining)."""
+        worker = self.context.worker
+        cap = worker.max_sessions if worker.admission is None else min(worker.admission.cap, worker.max_sessions)
+        return 0 if self.draining else max(0, cap - len(worker.lanes))
+
+    def describe(self) -> dict:
+        """What `GET /v1/omnijax/replica` answers (module docstring)."""
+        worker = self.context.worker
+        return {"replica": self.replica_id, "headroom": self.headroom(), "sessions": len(worker.lanes),
+                "draining": self.draining, "tokens": self.sessions.tokens(), "opened": worker.stats["opened"]}
+
+    async def record_routing_stats(self) -> dict:
+        """Ray Serve's routing-stats hook (module docstring)."""
+        self._stamp += 1
+        if self.draining and self._told_draining is not None:
+            self._told_draining.set()
+        return {**self.describe(), "stamp": self._stamp}
+
+    # ------------------------------------------------------------------------------------------------ drain
+    async def drain(self, replica_id: str | None = None) -> dict:
+        """Drains this replica: it stops taking sessions and requests (its routing stats say so, and it waits for
+        Ray Serve to collect them once), ends the responses in flight, ends every WebSocket connection after its
+        session's snapshot is written, and answers `{"replica", "tokens": the Realtime sessions snapshotted and
+        closed, "unfinished": connections that did not end within the drain timeout, "seconds"}`. Idempotent.
+
+        Args:
+            replica_id: the replica the caller meant (the router sends the call there); ValueError naming both when
+                it is another.
+        """
+        if replica_id is not None and replica_id != self.replica_id:
+            raise ValueError(f"drain asked for replica {replica_id!r}, but this is replica {self.replica_id!r}")
+        if self.drained is not None:
+            return self.drained
+        began = time.monotonic()
+        self._told_draining = asyncio.Event()
+        self.draining = True
+        log.info("replica %s draining: %d sessions open", self.replica_id, len(self.context.worker.lanes))
+        self.context.worker.begin_shutdown("this replica is draining; retry, or reconnect with your resume token")
+        try:  # the routers learn that this replica drains before its connections end
+            await asyncio.wait_for(self._told_draining.wait(), 3 * self.stats_period_s + 5.0)
+            await asyncio.sleep(min(1.0, self.stats_period_s))  # the controller's broadcast to the routers
+        except TimeoutError:
+            log.warning("replica %s: Ray Serve did not collect routing stats while draining", self.replica_id)
+        tokens, unfinished = await self.sessions.cut_all(self.drain_timeout_s)
+        self.drained = {"replica": self.replica_id, "tokens": tokens, "unfinished": unfinished,
+                        "seconds": round(time.monotonic() - began, 3)}
+        log.info("replica %s drained: %s", self.replica_id, self.drained)
+        return self.drained
+
+    async def _describe_route(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.describe())
+
+    async def _drain_route(self, request: Request) -> JSONResponse:
+        asked = query_value(request.scope, "replica")
+        if not asked:
+            return JSONResponse({"error": {"message": "POST /v1/omnijax/drain needs ?replica=<id> (GET "
+                                           "/v1/omnijax/replica names replicas)", "param": "replica",
+                                           "type": "invalid_request_error"}}, status_code=400)
+        if asked != self.replica_id:  # the router found no live replica of that id
+            return JSONResponse({"error": {"message": f"no replica {asked!r} (this is {self.replica_id!r})",
+                                           "param": "replica", "type": "invalid_request_error"}}, status_code=404)
+        return JSONResponse(await self.drain(asked))
