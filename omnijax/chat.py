@@ -33,12 +33,18 @@ spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speec
 answer's text is decoded (the talker reads the thinker's text rows of the prompt and of the whole answer), the talker
 decodes codec frames one by one and the vocoder (Code2Wav, its streamed decode) turns them into PCM in chunks of
 `first_chunk` frames, then `chunk`, each yielded as soon as its frames are ready (the first after `first_chunk`
-talker steps). The talker's prompt is the text the session was fed (every turn's template
-rendering, earlier answers included; the talker reads the user turns and this answer); the answer spoken is the
-decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`. A conversation with
-media units cannot be spoken yet (the talker reads the thinker's hidden states at media placeholders, which the
-session does not keep), nor a checkpoint without speech output, nor an unknown voice: each is refused at `ask`,
-before anything is fed.
+talker steps). The talker's prompt is what the session was fed (every turn's template rendering, earlier answers
+included, and the media units' ids; the talker reads the user turns and this answer); the answer spoken is the
+decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`.
+
+Media and speech (Qwen3-Omni): a media unit lies in the turn whose `<|im_start|>` precedes it; the talker reads
+`hidden_states[accept_hidden_layer]` at the placeholders of media in user turns (`chat.user(...)` then
+`chat.image(...)`), so the step feeding such a unit taps that layer and the chat keeps those rows (`MediaRows`:
+hidden size x dtype bytes a placeholder, 4 KiB for the 30B release in bfloat16) up to `speech_media_bytes`; cache
+retention does not touch them. Media after a system turn or an answer are not read and keep nothing. Refused by name
+at a spoken `ask`: kept rows past `speech_media_bytes` (then all dropped: one missing unit makes the conversation
+unspeakable), an audiovisual unit in a user turn, and media with a talker that reads every position's last layer
+(Qwen2.5-Omni).
 
 A call refused for bad input (an unknown role, media the checkpoint has no encoder for, a bad video file, a
 template that cannot be followed) raises before anything is fed: the session is unchanged.
@@ -64,6 +70,7 @@ from omnijax.decoding import DecodingStrategy, answer_stop_ids, sampling_keys, s
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
 from omnijax.models.family import OmniModel
+from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.tokenizer import Tokenizer
 from omnijax.plot import SessionTrace
 from omnijax.streaming.config import StreamConfig
@@ -71,6 +78,7 @@ from omnijax.streaming.session import Session, bind_config
 
 DEFAULT_ANSWER_BLOCK = 16
 MEDIA_KINDS = ("image", "audio", "av")
+DEFAULT_SPEECH_MEDIA_BYTES = 64 << 20  # the talker's kept thinker rows at media placeholders (16K bf16 tokens of 2048)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +118,7 @@ class SpokenAnswer:
     answer_ids: tuple[int, ...]
     voice: str
     samples: int
+    media: tuple[MediaRows, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +169,15 @@ class Chat:
         template_variables: chat-template variables of every text turn, over the family's defaults (MiniCPM-o 4.5
             renders its prompts without thinking, `enable_thinking=False`, as its release does; pass
             `{"enable_thinking": True}` for thinking).
+        speech_media_bytes: the most bytes of thinker rows kept for the talker at media placeholders of user turns
+            (see the module's docstring); beyond it spoken answers are refused.
     """
 
     def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,
-                 video_kwargs: Mapping[str, Any] | None = None, template_variables: Mapping[str, Any] | None = None):
+                 video_kwargs: Mapping[str, Any] | None = None, template_variables: Mapping[str, Any] | None = None,
+                 speech_media_bytes: int = DEFAULT_SPEECH_MEDIA_BYTES):
+        if isinstance(speech_media_bytes, bool) or not isinstance(speech_media_bytes, int) or speech_media_bytes < 0:
+            raise ValueError(f"speech_media_bytes must be an int >= 0, got {speech_media_bytes!r}")
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         if self.tokenizer is None:
             raise ValueError("Chat needs a tokenizer: this checkpoint has no tokenizer files (copy tokenizer.json "
@@ -184,6 +198,11 @@ class Chat:
         self._eos = tuple(model.config.eos_token_ids)
         self.text_ids: list[int] = []  # the thinker ids of every text chunk fed and every answer, in order
         self.last_spoken: SpokenAnswer | None = None
+        # what the talker reads: the ids of everything fed (text, media units, answers), the kept media rows
+        self.speech_media_bytes = speech_media_bytes
+        self._speech_ids: list[int] = []
+        self._media_rows: list[MediaRows] = []
+        self._unspeakable: str | None = None
 
     @property
     def messages(self) -> list[dict]:
@@ -265,10 +284,12 @@ class Chat:
             raise ValueError(f"speak: unknown voice {options.voice!r}: this checkpoint's voices are "
                              f"{list(speech.voices)}")
         media = sorted({u.kind for u in self.units if u.kind in MEDIA_KINDS})
-        if media:
-            raise ValueError(f"speak: this conversation holds media units ({', '.join(media)}); spoken answers "
-                             "take text-only conversations for now (the talker reads the thinker's hidden states "
-                             "at media placeholders, which the session does not keep)")
+        if media and getattr(speech, "media_tap", None) is None:
+            raise ValueError(f"speak: this conversation holds media units ({', '.join(media)}); this checkpoint's "
+                             "talker reads the thinker's last-layer states at every position, which the chat does "
+                             "not keep: its spoken answers take text-only conversations")
+        if self._unspeakable is not None:
+            raise ValueError(f"speak: {self._unspeakable}")
         return options
 
     def _answer(self, prepared, config, max_tokens, reseed, speak=None):
@@ -284,9 +305,10 @@ class Chat:
             self._record_unit(prepared.unit, "user", text_label(prepared.message["content"]), chunk)
             self.conversation.record(prepared)
             self.text_ids += chunk_ids(chunk)
+            self._speech_ids += chunk_ids(chunk)
             self.session.hold_recall()  # with StreamConfig(recall=...): the question's recall lasts the whole answer
             out = self._feed(chunk, config, "user")
-            prompt_ids = tuple(self.text_ids)
+            prompt_ids = tuple(self._speech_ids)
             while True:
                 tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
                 generated += tokens
@@ -306,6 +328,7 @@ class Chat:
             self.session.release_recall()
             if generated:
                 self.text_ids += generated
+                self._speech_ids += generated
                 content = self.conversation.answered(generated, stop)
                 self.units.append(UnitRecord(answer_unit, "answer", text_label(content),
                                              {int(SpanKind.RESPONSE): len(generated)}))
@@ -315,15 +338,17 @@ class Chat:
         """The answer `generated` (without a final stop token) spoken: PCM chunks as the vocoder decodes them."""
         answer = tuple(generated[:-1] if generated and generated[-1] in stop else generated)
         samples = 0
+        media = tuple(self._media_rows)
         if answer:
             speech = self.model.speech
             assert speech is not None  # checked at ask()
+            more = {"media": media} if media else {}  # only a talker with a media tap takes them (checked at ask)
             for pcm in speech.speak_chunks(self.model, np.asarray(prompt_ids), np.asarray(answer),
                                            voice=options.voice, max_new_tokens=options.max_speech_tokens,
-                                           first_chunk=options.first_chunk, chunk=options.chunk):
+                                           first_chunk=options.first_chunk, chunk=options.chunk, **more):
                 samples += int(pcm.shape[0])
                 yield pcm
-        self.last_spoken = SpokenAnswer(prompt_ids, answer, options.voice, samples)
+        self.last_spoken = SpokenAnswer(prompt_ids, answer, options.voice, samples, media)
 
     # ------------------------------------------------------------------------------------------------ media units
     def image(self, image: np.ndarray | str | Path) -> None:
@@ -415,22 +440,46 @@ class Chat:
         (chunk,) = self.conversation.message(role, text)  # checks and builds before anything is recorded
         self._record_unit(unit, role, text_label(text), chunk)
         self.text_ids += chunk_ids(chunk)
+        self._speech_ids += chunk_ids(chunk)
         self._feed(chunk, self.config, role)
 
     def _media(self, kind: str, label: str, build) -> None:
         unit = self.conversation.next_unit
         (chunk,) = build()  # raises (bad input, missing encoder) before anything is recorded or fed
         self._record_unit(unit, kind, label, chunk)
-        self._feed(chunk, self.config, kind)
+        media_tap = getattr(self.model.speech, "media_tap", None)
+        tap = None if media_tap is None or self._unspeakable is not None else media_tap(self._speech_ids)
+        if tap is not None and kind == "av":
+            self._unspeakable = (f"unit {unit} ({label}) is an audiovisual unit in a user turn: the talker's "
+                                 "positions for audio in video are not built (the reference does not pass "
+                                 "use_audio_in_video to its talker)")
+            tap = None
+        out = self._feed(chunk, self.config, kind, tap=tap)
+        if tap is not None:
+            self._keep_media_rows(chunk, out.tapped, tap, unit, label)
+        self._speech_ids += chunk_ids(chunk)
+
+    def _keep_media_rows(self, chunk: Chunk, tapped, tap: int, unit: int, label: str) -> None:
+        """Keeps the tapped rows at a media unit's placeholders for the talker, within `speech_media_bytes`."""
+        kept = media_rows(chunk, tapped, tap, len(self._speech_ids), self.model.omni)  # type: ignore[attr-defined]
+        total = kept.nbytes + sum(r.nbytes for r in self._media_rows)
+        if total > self.speech_media_bytes:
+            self._media_rows = []
+            self._unspeakable = (f"the talker's thinker rows at media placeholders of user turns outgrew "
+                                 f"speech_media_bytes={self.speech_media_bytes} at unit {unit} ({label}: {total} "
+                                 "bytes); they were dropped, so this conversation can no longer be spoken (give "
+                                 "Chat a larger speech_media_bytes)")
+            return
+        self._media_rows.append(kept)
 
     def _record_unit(self, unit: int, kind: str, label: str, chunk) -> None:
         span = np.asarray(chunk.span)[np.asarray(chunk.valid, bool)]
         kinds, counts = np.unique(span, return_counts=True)
         self.units.append(UnitRecord(unit, kind, label, {int(k): int(c) for k, c in zip(kinds, counts)}))
 
-    def _feed(self, chunk, config: StreamConfig, label: str):
+    def _feed(self, chunk, config: StreamConfig, label: str, tap: int | None = None):
         started = time.perf_counter()
-        out = self.session.feed(self.units_builder.pad(chunk), decoding=config.decoding)
+        out = self.session.feed(self.units_builder.pad(chunk), decoding=config.decoding, tap=tap)
         layout = out.stats.layout
         retained = int(np.asarray(layout.retained_cells)[0])  # waits for the step
         self.steps.append(StepRecord(label, retained, int(np.asarray(layout.physical_span)[0]),
@@ -482,5 +531,6 @@ def clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-__all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "KeptRow", "SpeakOptions", "SpokenAnswer", "StepRecord",
-           "UnitRecord", "chunk_ids", "format_kept", "kept_by_kind", "template_delta", "text_label"]
+__all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "DEFAULT_SPEECH_MEDIA_BYTES", "KeptRow",
+           "SpeakOptions", "SpokenAnswer", "StepRecord", "UnitRecord", "chunk_ids", "format_kept", "kept_by_kind",
+           "template_delta", "text_label"]

@@ -232,6 +232,15 @@ class Decoder(nnx.Module):
                    k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",
                    track_scores: bool = False, unroll: bool = False, deepstack: jnp.ndarray | None = None
                    ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None]:
+        """`run_layers_tapped` without a tap (the program every caller compiled before the tap existed)."""
+        return self.run_layers_tapped(x, positions, cache, k_pages, v_pages, impl=impl, track_scores=track_scores,
+                                      unroll=unroll, deepstack=deepstack)[:4]
+
+    def run_layers_tapped(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
+                          k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",
+                          track_scores: bool = False, unroll: bool = False, deepstack: jnp.ndarray | None = None,
+                          tap: int | None = None
+                          ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray | None, jnp.ndarray | None]:
         """Runs every layer on a chunk, writing its keys/values into the paged cache and attending over it.
 
         Args:
@@ -247,10 +256,13 @@ class Decoder(nnx.Module):
                 backend-dependent (`bench.omnitide.layer_loop`; on CPU the scan).
             deepstack: optional `[n, B, T, D]` DeepStack features (Qwen3-Omni), zero away from visual tokens: level i
                 is added to the hidden states after layer i, for i < n.
+            tap: static; also return transformers' `hidden_states[tap]` of the chunk (`output_hidden_states`): 0 the
+                input embeddings, k in 1 .. L-1 layer k-1's output (before a DeepStack level is added to it, as
+                transformers records it), L the final-normed output. None (default): no tap, no extra work.
 
         Returns:
-            `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None)` with the chunk's keys and values
-            written into every layer.
+            `(hidden [B, T, D], k_pages, v_pages, mass [N, P] float32 or None, tapped [B, T, D] or None)` with the
+            chunk's keys and values written into every layer.
         """
         c = self.config
         dt = c.jnp_dtype
@@ -261,21 +273,30 @@ class Decoder(nnx.Module):
         # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)
         xs, ffn_of = layer_scan_inputs(c, self.layers.stacked())
 
+        if tap is not None and not 0 <= tap <= c.num_layers:
+            raise ValueError(f"tap must be a hidden_states index in [0, {c.num_layers}], got {tap}")
+        inner = tap is not None and 0 < tap < c.num_layers  # a layer's output rides in the carry
+
         def layer(carry, p):
-            h, k_pages, v_pages, i = carry
+            h, k_pages, v_pages, i = carry[:4]
             q, k, v = layer_qkv(c, p, h, rot)
             k_pages = write_layer(k_pages, cache.write_slots, k, layer=i)
             v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
             attn = attention_lib.attend(q, k_pages, v_pages, cache, impl=impl, with_mass=track_scores, layer=i)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
             h = layer_finish(c, p, h, attn, ffn_of(p))
+            tapped = (jnp.where(i == tap - 1, h, carry[4]),) if inner else ()
             if deepstack is not None:
                 n = deepstack.shape[0]
                 level = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, n - 1), keepdims=False)
                 h = jnp.where(i < n, h + level.astype(dt), h)
-            return (h, k_pages, v_pages, i + 1), mass
+            return (h, k_pages, v_pages, i + 1, *tapped), mass
 
         # The layer number rides in the carry too: scanned as an input, it would be sliced from an array every layer.
-        carry = (x.astype(dt), k_pages, v_pages, jnp.int32(0))
-        (h, k_pages, v_pages, _), mass = jax.lax.scan(layer, carry, xs, unroll=bool(unroll))
-        return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0)
+        x = x.astype(dt)
+        carry = (x, k_pages, v_pages, jnp.int32(0), *((jnp.zeros_like(x),) if inner else ()))
+        carry, mass = jax.lax.scan(layer, carry, xs, unroll=bool(unroll))
+        h, k_pages, v_pages = carry[:3]
+        tapped = None if tap is None else (x if tap == 0 else carry[4] if inner else
+                                           rms_norm(h, self.final_norm[...], c.rms_norm_eps))
+        return h, k_pages, v_pages, None if mass is None else jnp.mean(mass, axis=0), tapped

@@ -1,6 +1,6 @@
 """Writing tokens through every decoder layer: `write_chunk` (one streamed chunk into a paged cache, what
-`omnijax.streaming.chunk_step` runs) and `forward` (a one-shot forward through a temporary cache, what `Model()`
-runs)."""
+`omnijax.streaming.chunk_step` runs; `write_chunk_tapped` also returns one layer's hidden states) and `forward` (a
+one-shot forward through a temporary cache, what `Model()` runs)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,26 @@ def write_chunk(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.
     (Qwen3-Omni) is added after the first n layers (`Decoder.run_layers`).
     Returns `(kv, hidden [B, T, D])`.
     """
+    kv, hidden, _ = write_chunk_tapped(model, kv, x, valid, positions, meta, impl=impl, track_scores=track_scores,
+                                       placement=placement, deepstack=deepstack)
+    return kv, hidden
+
+
+def write_chunk_tapped(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, valid: jax.Array, positions: jax.Array,
+                       meta: paged_lib.SlotMeta, *, impl: str = "xla", track_scores: bool = False,
+                       placement: str = "first_fit", deepstack: jax.Array | None = None, tap: int | None = None
+                       ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array | None]:
+    """`write_chunk`, also returning transformers' `hidden_states[tap]` of the chunk's tokens `[B, T, D]` when the
+    static `tap` asks (`Decoder.run_layers_tapped`; None: no tap, the same program as `write_chunk`).
+    Returns `(kv, hidden [B, T, D], tapped or None)`."""
     kv, slots, q_order = paged_lib.reserve(kv, valid, meta, placement=placement)
     view = attention_lib.CacheView.of(kv, slots, q_order)
-    hidden, k, v, mass = model.run_layers(x, positions, view, kv.k, kv.v, impl=impl, track_scores=track_scores,
-                                          deepstack=deepstack)
+    hidden, k, v, mass, tapped = model.run_layers_tapped(x, positions, view, kv.k, kv.v, impl=impl,
+                                                         track_scores=track_scores, deepstack=deepstack, tap=tap)
     kv = kv.replace(k=k, v=v)
     if mass is not None:
         kv = kv.replace(score=kv.score + mass)
-    return kv, hidden
+    return kv, hidden, tapped
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))

@@ -1,5 +1,6 @@
-"""What the families' speech outputs share: a spoken answer (`Utterance`), a talker's paged cache, and the check
-that a checkpoint holds every component of its speech output or none."""
+"""What the families' speech outputs share: a spoken answer (`Utterance`), the thinker states a talker reads at a
+media unit (`MediaRows`), a talker's paged cache, and the check that a checkpoint holds every component of its speech
+output or none."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from typing import Any
 import numpy as np
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.chunks.chunk import Chunk
 from omnijax.kv import paged as paged_lib
 from omnijax.media.audio import pcm16
 from omnijax.models.config import DecoderConfig
 
-__all__ = ["Utterance", "has_speech_components", "talker_cache", "token_ids"]
+__all__ = ["MediaRows", "Utterance", "has_speech_components", "media_rows", "talker_cache", "token_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,58 @@ class Utterance:
     def pcm16(self) -> np.ndarray:
         """The waveform as int16 PCM (rounded, clipped to the int16 range: `omnijax.media.audio.pcm16`)."""
         return pcm16(self.pcm)
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaRows:
+    """The thinker states a talker reads at one media unit's placeholders, kept from the step that fed the unit
+    (`omnijax.streaming.step.chunk_step(..., tap=layer)`): Qwen3-Omni's talker reads transformers'
+    `hidden_states[accept_hidden_layer]` at the audio / image placeholders of user turns.
+
+    Attributes:
+        positions: `[n]` indices, into the thinker ids handed to the talker, of the unit's placeholders, in order.
+        rows: `[n, Dt]` the states at those placeholders (the thinker's compute dtype).
+        layer: the `hidden_states` index the rows are (checked against the talker's).
+        grid: an image's grid `(t, h, w)` in patches (the talker's own positions need it); None for audio.
+    """
+
+    positions: np.ndarray
+    rows: np.ndarray
+    layer: int
+    grid: tuple[int, int, int] | None = None
+
+    def __post_init__(self):
+        positions, rows = np.asarray(self.positions), np.asarray(self.rows)
+        if positions.ndim != 1 or not np.issubdtype(positions.dtype, np.integer):
+            raise ValueError(f"MediaRows.positions must be 1-D integer indices, got shape {positions.shape} dtype "
+                             f"{positions.dtype}")
+        if rows.ndim != 2 or rows.shape[0] != positions.shape[0]:
+            raise ValueError(f"MediaRows.rows must be [n, D] with n = {positions.shape[0]} positions, got shape "
+                             f"{rows.shape}")
+        if self.grid is not None and (len(self.grid) != 3 or min(self.grid) < 1):
+            raise ValueError(f"MediaRows.grid must be (t, h, w) >= 1, got {self.grid!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows hold (`n * Dt * itemsize`)."""
+        return int(np.asarray(self.rows).nbytes)
+
+
+def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any) -> MediaRows:
+    """A fed media unit's `MediaRows`: the rows of `tapped [1, T', D]` (the step's `hidden_states[layer]` of the
+    chunk, maybe padded past `chunk`'s length) at its placeholders, placed from `start` (the unit's first token in the
+    ids handed to the talker); an image's patch grid from its placeholders' position extents (`(t, h, w)` ids times
+    `omni.spatial_merge_size` for h and w). `omni`: the family's token ids (`placeholder_ids`, `image_token_id`)."""
+    valid = np.asarray(chunk.valid, bool)[0]
+    ids = np.asarray(chunk.token_ids)[0][valid]
+    holes = np.isin(ids, sorted(omni.placeholder_ids))
+    rows = np.asarray(tapped[0, :valid.shape[0]])[valid][holes]
+    grid = None
+    if np.isin(omni.image_token_id, ids[holes]):
+        pos = np.asarray(chunk.positions)[:, 0, :valid.shape[0]][:, valid][:, holes]  # [3, n] (t, h, w)
+        m = omni.spatial_merge_size
+        grid = (len(np.unique(pos[0])), int(np.ptp(pos[1]) + 1) * m, int(np.ptp(pos[2]) + 1) * m)
+    return MediaRows(positions=start + np.flatnonzero(holes), rows=rows, layer=layer, grid=grid)
 
 
 def talker_cache(decoder: DecoderConfig, batch: int, tokens: int, page_size: int = 64) -> paged_lib.PagedKV:

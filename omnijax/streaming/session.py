@@ -95,9 +95,9 @@ _scan = jax.jit(_scan_chunks, static_argnames=_STATIC)
 _scan_owned = jax.jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _step(graphdef, params, state, chunk, *, config):
-    return chunk_step(nnx.merge(graphdef, params), state, chunk, config)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
+def _step(graphdef, params, state, chunk, *, config, tap=None):
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap)
 
 
 def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,
@@ -216,13 +216,14 @@ class Session:
             return getattr(self.stream_config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def feed(self, chunk: Chunk, *, decoding: DecodingStrategy | None = None) -> ChunkOutput:
+    def feed(self, chunk: Chunk, *, decoding: DecodingStrategy | None = None, tap: int | None = None) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
 
         `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per
-        strategy). Returns without waiting for the step. Pool exhaustion is reported in the output's
-        `stats.layout.exhausted` and `stats.layout.dropped`, and warned about once per session by the first `feed`
-        (or `check_pool`) that finds a finished step which dropped tokens.
+        strategy). `tap` (an int: one more compiled step) also returns the chunk's `hidden_states[tap]` as
+        `out.tapped` (`omnijax.streaming.step.chunk_step`). Returns without waiting for the step. Pool exhaustion is
+        reported in the output's `stats.layout.exhausted` and `stats.layout.dropped`, and warned about once per
+        session by the first `feed` (or `check_pool`) that finds a finished step which dropped tokens.
 
         Warns:
             RuntimeWarning: the first time a finished step is found to have dropped tokens (see the class).
@@ -238,7 +239,7 @@ class Session:
             self.state, _ = recall.recall(self.state, self._graphdef, self._params, chunk)
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap)
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():

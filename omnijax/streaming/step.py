@@ -26,7 +26,7 @@ from omnijax.kv import paged as paged_lib
 from omnijax.logits_processors import allowed_tokens
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
-from omnijax.models.forward import write_chunk
+from omnijax.models.forward import write_chunk, write_chunk_tapped
 from omnijax.retention import base as retention_lib
 from omnijax.streaming.config import StreamConfig
 
@@ -77,7 +77,11 @@ class ChunkOutput:
 
     With a per-row strategy, also the raw log probabilities of the answer tokens of rows that ask for them
     (`omnijax.decoding.row_logprobs`): `logprobs [B, tau]` of each chosen token, `top_ids` / `top_logprobs`
-    `[B, tau, MAX_TOP_LOGPROBS]` the most likely alternatives (zeros where not asked); None otherwise."""
+    `[B, tau, MAX_TOP_LOGPROBS]` the most likely alternatives (zeros where not asked); None otherwise.
+
+    `tapped [B, T, D]`: transformers' `hidden_states[tap]` of the chunk's tokens when the step was asked for a tap
+    (`chunk_step(..., tap=k)`; Qwen3-Omni's talker reads layer `accept_hidden_layer` at media placeholders); None
+    otherwise."""
 
     logits: jax.Array
     tokens: jax.Array
@@ -85,6 +89,7 @@ class ChunkOutput:
     logprobs: jax.Array | None = None
     top_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
+    tapped: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +197,7 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
-               answer: bool = True) -> tuple[StreamState, ChunkOutput]:
+               answer: bool = True, tap: int | None = None) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
@@ -202,6 +207,9 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
 
     `config.paging` places new tokens and, after an eviction, re-lays out the survivors (`omnijax.paging.relayout`);
     `config.subblock` is the subblock size it and the statistics use. `config` is static (part of the program).
+
+    `tap` (static; `Decoder.run_layers_tapped`): the output also carries `tapped [B, T, D]`, transformers'
+    `hidden_states[tap]` of the chunk's tokens as the prefill computed them. None (default): the program without it.
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
@@ -212,8 +220,14 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     positions = chunk.positions + next_pos[None, :, None]
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
-    kv, hidden = write_chunk(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
-                         placement=paging.placement, deepstack=chunk.deepstack)
+    if tap is None:
+        kv, hidden = write_chunk(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
+                                 placement=paging.placement, deepstack=chunk.deepstack)
+        tapped = None
+    else:
+        kv, hidden, tapped = write_chunk_tapped(model, kv, x, chunk.valid, positions, meta, impl=impl,
+                                                track_scores=track, placement=paging.placement,
+                                                deepstack=chunk.deepstack, tap=tap)
     attended = layout_lib.layout_stats(kv, subblock)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
@@ -241,9 +255,9 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
                        next_pos=next_pos)
     state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)
     if not getattr(config.decoding, "per_row", False):
-        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats)
+        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, tapped=tapped)
     return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, logprobs=lps[0], top_ids=lps[1],
-                              top_logprobs=lps[2])
+                              top_logprobs=lps[2], tapped=tapped)
 
 
 def _history(state: StreamState, chunk: Chunk) -> tuple[jax.Array, jax.Array]:

@@ -34,3 +34,21 @@ def greedy_answer(model: Any, prompt: Any, steps: int, stop_id: int) -> np.ndarr
         if seq[-1] == stop_id:
             break
     return np.asarray(seq[len(prompt):])
+
+
+@contextlib.contextmanager
+def captured_talker_calls(full: Any) -> Iterator[list]:
+    """Records each call of transformers' talker `generate` inside the full model's `generate`: `(kwargs, result)`
+    (the kwargs hold its `inputs_embeds`, `talker_input_ids`, `trailing_text_hidden`, `image_grid_thw`, ...)."""
+    seen: list = []
+    original = full.talker.generate
+
+    def generate(*args, **kwargs):
+        seen.append((kwargs, original(*args, **kwargs)))
+        return seen[-1][1]
+
+    full.talker.generate = generate
+    try:
+        yield seen
+    finally:
+        del full.talker.generate

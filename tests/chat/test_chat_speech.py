@@ -2,7 +2,7 @@
 release: the text deltas first, then PCM chunks as Code2Wav's streamed decode yields them, their concatenation equal
 to `speech.speak` on the same prompt and answer ids (itself equal to transformers' `generate(return_audio=True)`,
 tests/models/qwen3_omni/test_speech.py); the talker's prompt equal to transformers' own chat-template rendering; the
-refusals (no talker, unknown voice, media in the conversation, bad options) before anything changes.
+refusals (no talker, unknown voice, media rows past their bound, bad options) before anything changes.
 
 The release is `test_talker.seeded_full_model()` with a tiny ChatML tokenizer whose role words and tts tokens are
 single special tokens at the ids the config names (as the release's tokenizer has them), so the talker finds the turns.
@@ -149,11 +149,15 @@ def test_what_cannot_be_spoken_is_refused_before_anything_changes(release):
             SpeakOptions(**bad)
     assert chat.session.state is state and chat.units == units and chat.text_ids == ids
     assert chat.messages == [{"role": "system", "content": SYSTEM}]
-    chat.image(np.zeros((64, 64, 3), np.uint8))
-    state, units = chat.session.state, list(chat.units)
-    with pytest.raises(ValueError, match=r"media units \(image\)"):
-        chat.ask(QUESTION, speak=True)
-    assert chat.session.state is state and chat.units == units and len(chat.messages) == 1
+    # media in a user turn keep the talker's rows within speech_media_bytes (test_chat_speech_media.py); past it the
+    # conversation is refused by name
+    tight = omnijax.Chat(model, stream_config(), speech_media_bytes=0)
+    tight.user(QUESTION)
+    tight.image(np.zeros((64, 64, 3), np.uint8))
+    state, units = tight.session.state, list(tight.units)
+    with pytest.raises(ValueError, match="outgrew speech_media_bytes=0"):
+        tight.ask(QUESTION, speak=True)
+    assert tight.session.state is state and tight.units == units and len(tight.messages) == 1
 
 
 def _cli_args(checkpoint, *more):

@@ -5,8 +5,13 @@ greedy decoding.
 
 What `speak` feeds the talker (`talker_forward.talker_prompt`): the thinker's embedding-layer rows of the prompt's
 user turns and of the answer (system turns and earlier answers are skipped), the `tts_bos` / `tts_eos` / `tts_pad`
-rows, the speaker's codec id. The reference also reads layer `accept_hidden_layer`'s output at audio / image / video
-placeholders; omnijax's thinker does not expose that layer yet, so prompts with placeholders are refused by name.
+rows, the speaker's codec id, and at the audio / image placeholders of user turns the thinker's
+`hidden_states[accept_hidden_layer]` (layer k's output before DeepStack, as transformers records it), given as
+`media` (`omnijax.models.speech.MediaRows`: `omnijax.Chat` keeps them from the step that fed each media unit, a tap
+of the compiled step). The talker's own positions are the thinker-style `get_rope_index` of its input ids (user
+turns and the assistant prefix), with the grids of the images in them (audio and text ids are consecutive). Videos
+in a user turn are refused by name (the reference's talker is not given `use_audio_in_video`). Placeholders outside
+user turns are not read (system turns and earlier answers are skipped), so need no rows.
 
 Decoding is greedy for the talker and its code predictor (the reference samples both by default: top-k 50 and
 temperature 0.9 for the talker, top-k 50 / top-p 0.8 hard-coded for the predictor, and a repetition penalty of 1.05;
@@ -20,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,14 +34,15 @@ import numpy as np
 from omnijax._checks import JsonConfig
 from omnijax.errors import ConfigError, ConvertError, UnsupportedConfigError
 from omnijax.models.family import OmniModel
-from omnijax.models.qwen3_omni import talker_forward
+from omnijax.models.qwen3_omni import positions as positions_lib
+from omnijax.models.qwen3_omni import speech_media, talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream, decode
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
-from omnijax.models.speech import Utterance, token_ids
+from omnijax.models.speech import MediaRows, Utterance, token_ids
 
-__all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "UnknownVoiceError", "Utterance",
-           "has_speech_output", "speak", "speak_streamed", "speech_configs"]
+__all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "TalkerInput", "UnknownVoiceError",
+           "Utterance", "has_speech_output", "speak", "speak_streamed", "speech_configs", "talker_input"]
 
 SAMPLE_RATE = 24_000  # Code2Wav's output rate (1,920 samples per 80 ms codec frame for the release)
 # transformers' generate suppresses the top 1,024 codec ids (the control ids live there), the end of speech excepted.
@@ -150,14 +156,31 @@ class Qwen3Speech:
         """The speaker names of the checkpoint (as its config spells them; matched case-insensitively)."""
         return tuple(name for name, _ in self.talker.config.speakers)
 
+    @property
+    def accept_hidden_layer(self) -> int:
+        """The thinker `hidden_states` index the talker reads at media placeholders."""
+        return self.talker.config.accept_hidden_layer
+
+    def media_tap(self, prefix_ids: Sequence[int]) -> int | None:
+        """The thinker `hidden_states` index to keep at the placeholders of a media unit fed after `prefix_ids`
+        (the thinker ids fed so far): `accept_hidden_layer` when the unit lies in a user turn (the last
+        `<|im_start|>` opens one), else None (the talker skips system turns and earlier answers, and what comes
+        before the first turn)."""
+        ids = np.asarray(prefix_ids).reshape(-1)
+        starts = np.flatnonzero(ids == self.tokens.im_start_token_id)
+        if starts.size and starts[-1] + 1 < ids.size and ids[starts[-1] + 1] == self.tokens.user_token_id:
+            return self.accept_hidden_layer
+        return None
+
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
-                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
+                     media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
         """`speak_streamed(model, prompt_ids, answer_ids, speaker=voice, ...)` of the model these parts belong to
         (the `omnijax.models.family.SpeechOutput` method): float32 PCM chunks at `sample_rate`."""
         if model.speech is not self:
             raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
         return speak_streamed(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
-                              first_chunk=first_chunk, chunk=chunk)
+                              first_chunk=first_chunk, chunk=chunk, media=media)
 
     def chat_tokens(self, multimodal: tuple[int, ...]) -> talker_forward.ChatTokens:
         t = self.tokens
@@ -173,18 +196,20 @@ def _check_positive(name: str, value: Any) -> int:
 
 
 def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
-          max_new_tokens: int = 4096) -> Utterance:
+          max_new_tokens: int = 4096, media: Sequence[MediaRows] = ()) -> Utterance:
     """Speaks a thinker's answer: talker (greedy, its code predictor greedy too), then Code2Wav in one call.
 
     Args:
         model: a loaded Qwen3-Omni checkpoint converted from a full release (`model.speech` set).
         thinker_prompt_ids: `[T0]` the thinker's prompt, chat-templated, ending with the assistant turn's opening
-            (`<|im_start|>assistant\\n`); text only (no audio / image / video placeholders).
+            (`<|im_start|>assistant\\n`); audio / image placeholders in user turns need their `media` rows.
         answer_ids: `[N]` the answer's tokens as the thinker produced them; a trailing `<|im_end|>` is not spoken.
             transformers' generate reads every generated row but the last token's, so to equal it on an answer cut
             short (no `<|im_end|>`) pass the answer without its last token.
         speaker: a voice of the checkpoint (`model.speech.voices`), matched case-insensitively.
         max_new_tokens: talker tokens at most (one per 80 ms frame; the reference's `talker_max_new_tokens`).
+        media: the thinker's `hidden_states[accept_hidden_layer]` at the placeholders of the user turns' media
+            units (`MediaRows`, one per unit; images with their grids).
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens).
@@ -192,10 +217,11 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
     Raises:
         SpeechUnavailableError: the checkpoint has no speech output (names the fix).
         UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
-        ValueError: ids outside the vocabulary, multimodal placeholders in the prompt, an empty answer, a prompt
-            whose last turn is not the assistant's, or a `max_new_tokens` below 1.
+        ValueError: ids outside the vocabulary, placeholders of a user turn without their `media` rows (or rows of
+            another layer, width or place), a video in a user turn, placeholders in the answer, an empty answer, a
+            prompt whose last turn is not the assistant's, or a `max_new_tokens` below 1.
     """
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media)
     tokens: list[int] = []
     decoded = list(frames(tokens=tokens))
     codes = np.stack(decoded, axis=1) if decoded else np.zeros((speech.talker.config.num_code_groups, 0), np.int32)
@@ -205,7 +231,8 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
 
 
 def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
-                   max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+                   max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
+                   media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
     """`speak` streamed, talker and vocoder: every refusal of `speak` is raised at the call (before anything runs);
     then the talker decodes codec frames one by one, and as soon as `first_chunk` frames are ready -- then each
     further `chunk`, then what is left when the speech ends -- Code2Wav decodes them (`code2wav_decode.Code2WavStream`,
@@ -216,7 +243,7 @@ def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *
         As `speak`; ValueError also for a `first_chunk` or `chunk` below 1.
     """
     first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media)
     return _streamed(speech.code2wav, frames(), first_chunk, chunk)
 
 
@@ -232,8 +259,26 @@ def _streamed(code2wav: Code2Wav, frames: Iterator[np.ndarray], first_chunk: int
         yield np.asarray(stream.push(np.stack(ready, axis=1)), np.float32)[0]
 
 
-def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int
-            ) -> tuple[Qwen3Speech, Callable[..., Iterator[np.ndarray]]]:
+class TalkerInput(NamedTuple):
+    """What `speak` hands the talker: `rows [T, D]` its prompt's input embeddings, `positions [3, T]` their M-RoPE
+    positions, `trailing [N, D]` the text rows added one per decoding step."""
+
+    rows: np.ndarray
+    positions: np.ndarray
+    trailing: np.ndarray
+
+
+def talker_input(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
+                 media: Sequence[MediaRows] = ()) -> TalkerInput:
+    """The talker's input `speak(model, thinker_prompt_ids, answer_ids, speaker=speaker, media=media)` builds
+    (checked as `speak` checks it), without running the talker."""
+    _, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, 1, media)
+    _, _, rows, positions, trailing, _ = frames.args
+    return TalkerInput(np.asarray(rows), np.asarray(positions), np.asarray(trailing))
+
+
+def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int,
+            media: Sequence[MediaRows]) -> tuple[Qwen3Speech, functools.partial[Iterator[np.ndarray]]]:
     """Checks a `speak` call and builds the talker's input: (the speech parts, `frames(tokens=list)`, which runs
     the talker greedily, yielding each codec frame `[Q]` as it is decoded: `talker_forward.greedy_frames`)."""
     speech = model.speech
@@ -257,23 +302,25 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
     if not answer.size:
         raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)")
     multimodal = speech.placeholders
-    found = sorted(name for name, i in multimodal.items() if np.isin(i, prompt).any() or np.isin(i, answer).any())
-    if found:
-        raise ValueError(f"the prompt holds multimodal placeholders ({', '.join(found)}): speak() takes text-only "
-                         "prompts until the thinker exposes layer accept_hidden_layer's output, which the talker "
-                         "reads at placeholders")
     sequence = np.concatenate([prompt, answer])
     embed = model.decoder.embed_tokens
     rows = embed(jnp.asarray(sequence, jnp.int32)[None])[0]  # [T, Dt] the thinker's embedding-layer rows
+    read = speech_media.user_turns(prompt, tokens.im_start_token_id, tokens.user_token_id)
+    # hidden_states[accept_hidden_layer] where the talker reads it (user turns' placeholders), embedding rows elsewhere
+    hidden = speech_media.thinker_hidden(rows, sequence, len(prompt), read, multimodal, list(media),
+                                         config.accept_hidden_layer)
     specials = embed(jnp.asarray([[tokens.tts_bos_token_id, tokens.tts_eos_token_id, tokens.tts_pad_token_id]],
                                  jnp.int32))[0]
     params = speech.params
-    # text-only prompts: no row reads layer accept_hidden_layer, so the embedding rows stand in for it
     talker_rows, talker_ids, trailing = talker_forward.talker_prompt(
-        config, params, prompt, sequence, rows, rows, specials, speaker=speaker,
+        config, params, prompt, sequence, rows, hidden, specials, speaker=speaker,
         chat=speech.chat_tokens(tuple(multimodal.values())))
-    T = len(talker_ids)
-    positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only talker ids: consecutive
+    grids = [u.grid for u in sorted(media, key=lambda u: int(np.min(u.positions, initial=len(prompt))))
+             if u.grid is not None]
+    omni = getattr(model, "omni", None)
+    positions = speech_media.talker_positions(
+        talker_ids, config, grids, omni if isinstance(omni, positions_lib.Qwen3OmniConfig) else
+        positions_lib.Qwen3OmniConfig())
     vocab_codec = config.decoder.vocab_size
     suppress = [i for i in range(max(0, vocab_codec - SUPPRESSED_TOP_IDS), vocab_codec)
                 if i != config.codec_eos_token_id]

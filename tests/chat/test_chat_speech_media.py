@@ -1,0 +1,229 @@
+"""Spoken answers of conversations holding media (Qwen3-Omni): the compiled step's static tap of
+`hidden_states[k]` against transformers' `output_hidden_states`, and `Chat.ask(speak=...)` with an image and an
+audio clip in a user turn against transformers' `generate(return_audio=True)`: the thinker's answer, the talker's
+prompt embeddings and positions, its tokens, the codes and the waveform.
+
+The release is the seeded tiny full model of `test_talker` with two changes: the talker config carries the thinker's
+media token ids (as the release's does, so the talker's own positions lay images out; with transformers' defaults the
+tiny talker would see every id as text) and the audio encoder takes 128 mel bins (Chat's audio frontend).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax.chat import SpeakOptions
+from omnijax.convert import convert_checkpoint
+from omnijax.models.qwen3_omni import frontend as F
+from omnijax.models.qwen3_omni import speech as S
+from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+from tests._support import qwen3_omni_models as Q
+from tests._support.speech_refs import captured_talker_calls
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
+transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from tests.chat import test_chat_speech as CS  # noqa: E402  (needs torch)
+from tests.models.qwen3_omni import test_talker as T  # noqa: E402
+
+TTS = T.TTS
+IM_END = TTS["im_end_token_id"]
+MEDIA_IDS = {k: Q.IDS[k] for k in ("audio_token_id", "image_token_id", "video_token_id", "vision_start_token_id",
+                                   "audio_start_token_id", "position_id_per_seconds")}
+SPEECH_TOKENS = 10
+SYSTEM, LOOK, QUESTION = "Be brief.", "Look and listen.", "What was it?"
+LAYER = T.TALKER["accept_hidden_layer"]  # 2 of the thinker's 3 layers: after DeepStack level 1 would be added
+
+
+def media_full_model():
+    """`test_talker.seeded_full_model` with the thinker's media ids in the talker config and 128 mel bins."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    from tests.models.qwen3_omni.test_code2wav import seeded_reference
+
+    torch.manual_seed(0)
+    full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
+        thinker_config=Q.thinker_config(audio_overrides={"num_mel_bins": 128}).to_dict(),
+        talker_config={**T.TALKER, **MEDIA_IDS}, code2wav_config=T.CODE2WAV, enable_audio_output=True,
+        **TTS)).eval()
+    with torch.no_grad():
+        for p in full.talker.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        for p in full.thinker.model.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        full.thinker.lm_head.weight.normal_(0.0, 0.3)
+    full.code2wav.load_state_dict(seeded_reference(T.CODE2WAV).state_dict())
+    return full
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spoken_media")
+    full = media_full_model()
+    full.save_pretrained(root / "hf", safe_serialization=True)
+    write_tiny_tokenizer(root / "hf", vocab_size=Q.TEXT["vocab_size"], special_tokens=CS.SPECIALS,
+                         chat_template=CHATML_TEMPLATE)
+    out = convert_checkpoint(root / "hf", root / "omnijax", progress=False, log=lambda _: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return root, full, omnijax.load(out)
+
+
+IMAGE = F.synthetic_frames(0.5, 2.0, 64, 96, seed=3)[0]  # 64 x 96: grid (1, 4, 6), 6 image tokens
+OTHER = F.synthetic_frames(0.5, 2.0, 64, 96, seed=9)[0]  # same size (see the conversation below)
+PCM = F.tone(1.0, 330.0, seed=5)  # 1 s: 13 audio tokens
+
+
+def _hidden_states(full, ids, images, clip):
+    """transformers' thinker `hidden_states` (all layers) over `ids` with the images and the clip."""
+    pixels = [F.preprocess_image(im) for im in images]
+    mel = F.log_mel(clip)
+    inputs = dict(input_ids=ids[None], attention_mask=np.ones((1, len(ids)), np.int64),
+                  pixel_values=np.concatenate([p for p, _ in pixels]),
+                  image_grid_thw=np.concatenate([g for _, g in pixels]), input_features=mel[None],
+                  feature_attention_mask=np.ones((1, mel.shape[1]), np.int64))
+    with torch.no_grad(), Q.windowed_audio(full.thinker.audio_tower):
+        out = full.thinker(**{k: torch.as_tensor(v) for k, v in inputs.items()}, output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states], inputs
+
+
+def test_the_step_taps_hidden_states_as_transformers_records_them(release):
+    """`Session.feed(chunk, tap=k)` returns transformers' `hidden_states[k]` of the chunk's tokens (k = 0: the
+    input embeddings with the encoders' features; 2: layer 1's output before its DeepStack level; 3 = L: the
+    final-normed output); without a tap the step's output is the same bit for bit and carries none."""
+    _, full, model = release
+    chunks = [F.system(model, [1, 2, 3], unit=0), F.image_chunk(model, IMAGE, unit=1),
+              F.audio_chunk(model, PCM, unit=2), F.text(model, [10, 11, 12], unit=3, answer_tokens=1)]
+    ids = np.concatenate([np.asarray(c.token_ids)[0][np.asarray(c.valid)[0]] for c in chunks])
+    want, _ = _hidden_states(full, ids, [IMAGE], PCM)
+    config = omnijax.StreamConfig(num_pages=16, page_size=16, max_answer_tokens=1)
+    plain = omnijax.Session(model, config)
+    outs = [plain.feed(c) for c in chunks]
+    assert all(o.tapped is None for o in outs)
+    for k in (0, LAYER, Q.TEXT["num_hidden_layers"]):
+        session = omnijax.Session(model, config)
+        rows = []
+        for chunk, out in zip(chunks, outs):
+            tapped = session.feed(chunk, tap=k)
+            np.testing.assert_array_equal(np.asarray(tapped.logits), np.asarray(out.logits))
+            np.testing.assert_array_equal(np.asarray(tapped.tokens), np.asarray(out.tokens))
+            valid = np.asarray(chunk.valid)[0]
+            rows.append(np.asarray(tapped.tapped)[0][valid])
+        got = np.concatenate(rows)
+        assert np.abs(want[k]).max() > 0.05
+        err = np.abs(got - want[k]).max()
+        assert err <= 1e-4 * max(1.0, np.abs(want[k]).max()), f"hidden_states[{k}]: max error {err}"
+    with pytest.raises(ValueError, match=r"tap must be a hidden_states index in \[0, 3\]"):
+        omnijax.Session(model, config).feed(chunks[0], tap=4)
+
+
+def _close(got, want, rel=2e-5):
+    """Within `rel` of the reference's peak (float32 sums in another order)."""
+    peak = np.abs(want).max()
+    assert got.shape == want.shape and peak > 0.05
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * peak)
+
+
+def _media_ids(kind, n):
+    ids = Q.IDS
+    if kind == "image":
+        return [ids["vision_start_token_id"], *[ids["image_token_id"]] * n, ids["vision_end_token_id"]]
+    return [ids["audio_start_token_id"], *[ids["audio_token_id"]] * n, ids["audio_end_token_id"]]
+
+
+def test_a_spoken_answer_about_media_equals_transformers_generate(release):
+    root, full, model = release
+    chat = omnijax.Chat(model, CS.stream_config())
+    chat.system(SYSTEM)
+    chat.image(OTHER)  # after the system turn: the thinker sees it, the talker skips it (no rows kept)
+    chat.user(LOOK)
+    chat.image(IMAGE)  # in the user turn: the talker reads layer 2 at its placeholders
+    chat.audio(PCM)
+    items = list(chat.ask(QUESTION, max_tokens=6, speak=SpeakOptions(max_speech_tokens=SPEECH_TOKENS,
+                                                                       first_chunk=4, chunk=5)))
+    text, chunks = CS.split(items)
+    spoken = chat.last_spoken
+    # the prompt: transformers' own renderings of the turns, the media units' ids between them
+    tokenizer = transformers.AutoTokenizer.from_pretrained(root / "hf")
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LOOK},
+             {"role": "user", "content": QUESTION}]
+    render = [tokenizer.apply_chat_template(turns[:n], add_generation_prompt=n == 3, tokenize=True,
+                                            return_dict=False) for n in (1, 2, 3)]
+    prompt = [*render[0], *_media_ids("image", 6), *render[1][len(render[0]):], *_media_ids("image", 6),
+              *_media_ids("audio", 13), *render[2][len(render[1]):]]
+    assert list(spoken.prompt_ids) == prompt
+    # only the user turn's units keep rows: 6 image + 13 audio placeholders x 64 float32
+    assert [m.grid for m in spoken.media] == [(1, 4, 6), None]
+    assert sum(m.nbytes for m in spoken.media) == 19 * 64 * 4
+
+    ids = np.asarray(prompt)
+    hidden, inputs = _hidden_states(full, ids, [OTHER, IMAGE], PCM)
+    for m in spoken.media:  # the kept rows are transformers' hidden_states[accept_hidden_layer] there
+        _close(m.rows, hidden[LAYER][m.positions])
+    with T.greedy_predictor(full.talker.code_predictor), captured_talker_calls(full) as calls, \
+            Q.windowed_audio(full.thinker.audio_tower), torch.no_grad():
+        sequence, wav = full.generate(
+            **{k: torch.as_tensor(v) for k, v in inputs.items()}, speaker="Ethan", return_audio=True,
+            thinker_max_new_tokens=6, thinker_do_sample=False, thinker_eos_token_id=IM_END,
+            talker_max_new_tokens=SPEECH_TOKENS, talker_do_sample=False, talker_repetition_penalty=1.0)
+    sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
+    (kwargs, result), = calls
+    answer = list(sequence[len(prompt):])
+    ended = answer[-1] == IM_END
+    assert list(spoken.answer_ids) == (answer[:-1] if ended else answer)
+    assert model.tokenizer.decode(answer, skip_special_tokens=True) == text
+    # transformers' talker reads every generated row but the last token's: Chat speaks the whole answer, so when
+    # the answer was cut short (no <|im_end|>) the reference is speak() of the answer less its last token
+    reads = answer[:-1]
+    mine = S.talker_input(model, ids, reads, speaker="Ethan", media=spoken.media)
+    want_rows = kwargs["inputs_embeds"][0].numpy()
+    assert mine.rows.shape == want_rows.shape
+    _close(mine.rows, want_rows)
+    _close(mine.trailing, kwargs["trailing_text_hidden"][0].numpy())
+    talker_ids = kwargs["talker_input_ids"]
+    want_pos = full.talker.get_rope_index(talker_ids, torch.as_tensor(inputs["image_grid_thw"]), None,
+                                          torch.ones_like(talker_ids), False,
+                                          torch.as_tensor([inputs["input_features"].shape[-1]]))[0][:, 0].numpy()
+    np.testing.assert_array_equal(mine.positions, want_pos)
+    assert len(np.unique(want_pos[1])) != len(np.unique(want_pos[0])), "the image layout did not reach positions"
+    want_codes = torch.stack([h[-1] for h in result.hidden_states if h[-1] is not None], dim=1)[0].T.numpy()
+    spoken_ref = S.speak(model, ids, reads, speaker="Ethan", max_new_tokens=SPEECH_TOKENS, media=spoken.media)
+    np.testing.assert_array_equal(spoken_ref.talker_tokens, result.sequences[0].numpy())
+    np.testing.assert_array_equal(spoken_ref.codes, want_codes)
+    peak = np.abs(wav).max()
+    assert peak > 0.05 and spoken_ref.pcm.shape == wav.shape
+    assert np.abs(spoken_ref.pcm - wav).max() <= 1e-4 * peak
+    # Chat's PCM chunks are speak() of its own ids and rows (the reference itself when the answer ended)
+    pcm = np.concatenate(chunks)
+    whole = S.speak(model, ids, list(spoken.answer_ids), speaker="Ethan", max_new_tokens=SPEECH_TOKENS,
+                    media=spoken.media)
+    np.testing.assert_allclose(pcm, whole.pcm, rtol=0, atol=1e-5 * np.abs(whole.pcm).max())
+    if ended:
+        np.testing.assert_allclose(pcm, wav, rtol=0, atol=1e-4 * peak)
+    # without the rows the same prompt is refused by name
+    with pytest.raises(ValueError, match=r"multimodal placeholders \(audio_token_id, image_token_id\) in user turns"):
+        S.speak(model, ids, reads)
+
+
+def test_what_a_media_conversation_cannot_speak_is_refused_before_anything_changes(release):
+    _, _, model = release
+    chat = omnijax.Chat(model, CS.stream_config(), speech_media_bytes=6 * 64 * 4)
+    chat.user(LOOK)
+    chat.image(IMAGE)  # 6 rows: fits
+    assert len(chat._media_rows) == 1
+    chat.audio(PCM)  # 13 more: over the bound, everything dropped
+    assert chat._media_rows == []
+    state, units = chat.session.state, list(chat.units)
+    with pytest.raises(ValueError, match=r"outgrew speech_media_bytes=1536 at unit 2 \(audio 1.0 s: 4864 bytes\)"):
+        chat.ask(QUESTION, speak=True)
+    assert chat.session.state is state and chat.units == units and len(chat.messages) == 1
+    other = omnijax.Chat(model, CS.stream_config())
+    other.user(LOOK)
+    other.av(np.stack([IMAGE] * 2), F.tone(1.0, 330.0, seed=1))  # 1 s at 2 fps
+    with pytest.raises(ValueError, match="audiovisual unit in a user turn"):
+        other.ask(QUESTION, speak=True)
+    with pytest.raises(ValueError, match="speech_media_bytes must be an int >= 0"):
+        omnijax.Chat(model, CS.stream_config(), speech_media_bytes=-1)
