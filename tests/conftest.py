@@ -80,7 +80,7 @@ SLOW_FIRST = (
     "serve/test_warmup_structured.py", "models/qwen2_5_omni/test_speech.py",
     "streaming/test_recall.py",
     "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py", "serve/realtime/test_realtime_audio_output.py",
-    "serve/cluster/test_ray_replicas.py",
+    "serve/cluster/test_ray_replicas.py", "chat/test_chat_speech_media.py",
 )
 
 
