@@ -60,10 +60,14 @@ def third_party_imports() -> list[str]:
                   and n.partition(".")[0] in top)
 
 
-# A fresh interpreter that imports the third-party modules once (stdin: JSON {"preload", "base", "modules",
-# "workers"}), checks that none of our modules came with them, imports the `base` packages (their `__init__`s), then
-# forks one child per module; the child imports that module alone (none of ours but the base is loaded in it) and
-# exits. Prints JSON {module: null or the failure's traceback}.
+# A fresh interpreter that imports the third-party modules once (stdin: JSON {"path", "packages", "preload",
+# "modules", "workers", "timeout"}), checks that none of our modules came with them, then walks the package tree with
+# fork: a child per name directly under the current package imports that name; a child importing a package that holds
+# modules to test then serves as the parent of the names under it, and so on down. So each module is imported in a
+# process where exactly its parent packages are loaded, each imported fresh in its own parent's state: what a fresh
+# interpreter runs for `import a.b.c` (Python imports `a` to its end, then `a.b`, then loads `a.b.c`), its sibling
+# modules and whatever they imported never present. At most `workers` processes import at once (a package's child
+# holds every slot of its parent while it and its subtree run). Prints JSON {module: null or the failure's traceback}.
 FORK_IMPORTS = r"""
 import importlib, json, os, signal, sys, tempfile, traceback
 job = json.load(sys.stdin)
@@ -76,46 +80,81 @@ for name in job["preload"]:
         pass  # `from x import name` where name is not a module
 loaded = sorted(m for m in sys.modules if m.startswith(ours) and m.partition(".")[0] in job["packages"])
 assert not loaded, f"preloading third-party modules imported ours: {loaded}"
-for name in job["base"]:  # a package's own __init__, which importing any of its submodules runs first
-    importlib.import_module(name)
-out, running, queue, results = tempfile.mkdtemp(), {}, list(job["modules"]), {}
-while queue or running:
-    while queue and len(running) < job["workers"]:
-        name = queue.pop(0)
-        report = os.path.join(out, name)
-        pid = os.fork()
-        if pid == 0:
-            signal.alarm(job["timeout"])
-            code = 0
-            try:
-                importlib.import_module(name)
-            except BaseException:
-                code = 1
-                with open(report, "w") as f:
-                    f.write(traceback.format_exc())
-            os._exit(code)
-        running[pid] = (name, report)
-    pid, status = os.wait()
-    name, report = running.pop(pid)
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+wanted = set(job["modules"])
+under = {}  # package ("" above the top-level ones) -> the names directly under it on the way to a wanted module
+for module in wanted:
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        under.setdefault(".".join(parts[:i - 1]), set()).add(".".join(parts[:i]))
+out = tempfile.mkdtemp()
+
+
+def report(name, error):
+    with open(os.path.join(out, name + (".ok" if error is None else ".err")), "w") as f:
+        f.write(error or "")
+
+
+def import_here(name):
+    signal.alarm(job["timeout"])
+    try:
+        importlib.import_module(name)
+        error = None
+    except BaseException:
+        error = traceback.format_exc()
+    signal.alarm(0)
+    return error
+
+
+def visit(package):
+    # the state: `package` (with its parents) imported fresh, nothing else of ours
+    queue = sorted(under.get(package, ()), key=lambda n: (n not in under, n))  # the subpackages first
+    running, free = {}, job["workers"]
+    while queue or running:
+        while queue and (1 if queue[0] not in under else job["workers"]) <= free:
+            name = queue.pop(0)
+            slots = job["workers"] if name in under else 1
+            pid = os.fork()
+            if pid == 0:
+                error = import_here(name)
+                if name in wanted:
+                    report(name, error)
+                if name in under:
+                    if error is None:
+                        visit(name)
+                    else:  # a fresh `import name.x` fails on `name` itself
+                        for m in wanted:
+                            if m.startswith(name + "."):
+                                report(m, error)
+                os._exit(0)
+            running[pid] = slots
+            free -= slots
+        pid, _ = os.wait()
+        free += running.pop(pid)
+
+
+visit("")
+results = {}
+for name in job["modules"]:
+    path = os.path.join(out, name)
+    if os.path.exists(path + ".ok"):
         results[name] = None
-    elif os.path.exists(report):
-        results[name] = open(report).read()
+    elif os.path.exists(path + ".err"):
+        results[name] = open(path + ".err").read()
     else:
-        results[name] = f"killed (wait status {status}; timeout {job['timeout']} s?)"
+        results[name] = f"killed (no report; timeout {job['timeout']} s?)"
 print(json.dumps(results))
 """
 
 
 def import_each_alone(modules: list[str], packages: tuple[str, ...] = PACKAGES, path: tuple[str, ...] = (),
-                      preload: bool = True, base: tuple[str, ...] = ()) -> dict[str, str | None]:
+                      preload: bool = True) -> dict[str, str | None]:
     """module -> None when it imports alone, else its traceback. Each module is imported in its own process where
-    none of our modules is loaded but the `base` packages (forked from one interpreter that preloaded only
-    `third_party_imports()` and `base`: a fresh interpreter per module would spend most of its time importing jax and
-    flax again). `base` holds the top-level package whose submodules are imported: Python runs a package's
-    `__init__` to its end before any of its submodules, so a fresh `import omnijax.x.y` starts from exactly that."""
+    none of our modules is loaded but its parent packages, which a fresh `import` of it runs first (forked down the
+    package tree from one interpreter that preloaded only `third_party_imports()`: a fresh interpreter per module
+    would spend most of its time importing jax and flax again, and every module of a subpackage would import the
+    subpackage's `__init__` again)."""
     job = {"packages": list(packages), "path": list(path), "preload": third_party_imports() if preload else [],
-           "base": list(base), "modules": modules, "workers": WORKERS, "timeout": 120}
+           "modules": modules, "workers": WORKERS, "timeout": 120}
     result = python(FORK_IMPORTS, stdin=json.dumps(job), timeout=600)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -297,11 +336,26 @@ def test_the_import_check_reports_order_dependent_cycles(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("from cyclic import b\nX = 1\n")
     (package / "b.py").write_text("from cyclic.a import X\n")
-    results = import_each_alone(["cyclic.b", "cyclic.a", "cyclic.missing"], packages=("cyclic",),
-                                path=(str(tmp_path),), preload=False)
-    assert results["cyclic.b"] is None
+    # in a subpackage (the tree's deeper levels): the same cycle entered from below, a module that needs a sibling
+    # it does not import (loaded only when that sibling came first), and a package whose `__init__` fails
+    (package / "sub").mkdir()
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "c.py").write_text("import cyclic.a\n")
+    (package / "sub" / "d.py").write_text("import sys\nY = sys.modules['cyclic.sub.e'].Y\n")
+    (package / "sub" / "e.py").write_text("Y = 2\n")
+    (package / "broken").mkdir()
+    (package / "broken" / "__init__.py").write_text("raise RuntimeError('broken package')\n")
+    (package / "broken" / "f.py").write_text("")
+    modules = ["cyclic.b", "cyclic.a", "cyclic.missing", "cyclic.sub.e", "cyclic.sub.d", "cyclic.sub.c",
+               "cyclic.broken.f"]
+    results = import_each_alone(modules, packages=("cyclic",), path=(str(tmp_path),), preload=False)
+    assert sorted(results) == sorted(modules)
+    assert results["cyclic.b"] is None and results["cyclic.sub.e"] is None
     assert "ImportError: cannot import name 'X' from partially initialized module" in results["cyclic.a"]
+    assert "ImportError: cannot import name 'X' from partially initialized module" in results["cyclic.sub.c"]
     assert "ModuleNotFoundError" in results["cyclic.missing"]
+    assert "KeyError: 'cyclic.sub.e'" in results["cyclic.sub.d"]
+    assert "RuntimeError: broken package" in results["cyclic.broken.f"]
 
 
 def test_every_module_imports_alone():
@@ -309,11 +363,7 @@ def test_every_module_imports_alone():
     reported, with its last traceback line."""
     modules = [m for package in PACKAGES for m in MODULES[package]]
     start = time.perf_counter()
-    # The package itself and the deprecated aliases from nothing; the package's submodules after its __init__ (what
-    # a fresh interpreter runs first for them; once, in the forking parent).
-    first = ["omnijax", *(m for package in PACKAGES[1:] for m in MODULES[package])]
-    results = import_each_alone(first)
-    results |= import_each_alone([m for m in MODULES["omnijax"] if m != "omnijax"], base=("omnijax",))
+    results = import_each_alone(modules)
     elapsed = time.perf_counter() - start
     assert sorted(results) == sorted(modules)
     failed = {m: last_line(why) for m, why in results.items() if why is not None}
