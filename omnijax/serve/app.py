@@ -55,6 +55,7 @@ from omnijax.serve import chat_completions as openai_http
 from omnijax.serve import completions as openai_completions
 from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.cluster import launch as cluster
+from omnijax.serve.cluster import replica as cluster_replica
 from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
@@ -464,9 +465,10 @@ def _loaded(path: str, args: argparse.Namespace, options: ServeOptions, store: A
 def replica_app(path: str, args: argparse.Namespace, options: ServeOptions,
                 samples: int) -> tuple[ServeContext, Starlette]:
     """One replica of `--replicas N` (run in the replica's process): the context of `_run`, its snapshot store
-    opened on the shared `--snapshot-dir`, and its Starlette application."""
+    opened on the shared `--snapshot-dir` (cleaned once by `main` before any replica starts), and its Starlette
+    application."""
     compilation_cache.enable()
-    store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
+    store = cluster_replica.shared_store(options) if options.snapshot_dir is not None else None
     context, summary = _loaded(path, args, options, store, samples)
     print(summary, flush=True)
     return context, build_app(context)

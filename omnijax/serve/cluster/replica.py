@@ -7,8 +7,8 @@ launcher passes, and serves the same Starlette application as the single-process
 `ReplicaSessions`, with two more routes (behind the API key like every other):
 
 - `GET /v1/omnijax/replica`: this replica's id, admission headroom, open sessions, held resume tokens, whether it
-  drains. A `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so it tells which
-  replica holds a session;
+  drains, its process id. A `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so
+  it tells which replica holds a session;
 - `POST /v1/omnijax/drain?replica=<id>`: drains that replica (`EngineReplica.drain`) and answers when its sessions'
   snapshots are on disk.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,28 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from omnijax.serve.cluster.sessions import ReplicaSessions, query_value
-from omnijax.serve.context import ServeContext
+from omnijax.serve.context import ServeContext, ServeOptions
+from omnijax.serve.realtime.snapshot_store import SnapshotStore
 
 log = logging.getLogger("omnijax.serve")
 DRAIN_PATH = "/v1/omnijax/drain"
 REPLICA_PATH = "/v1/omnijax/replica"
+
+
+class SharedSnapshotStore(SnapshotStore):
+    """A replica's view of the `--snapshot-dir` every replica shares: the same store, except that opening it removes
+    nothing. A plain store removes the temp folders it finds at open as what a killed write left, but here another
+    replica may be writing one right then (a replica Ray Serve starts to replace a failed one opens its store while
+    the others serve); `omnijax serve --replicas` cleans the directory once, before any replica starts."""
+
+    def _clean(self) -> int:
+        return 0
+
+
+def shared_store(options: ServeOptions) -> SharedSnapshotStore:
+    """The `SharedSnapshotStore` of `options.snapshot_dir` (ValueError when unusable)."""
+    return SharedSnapshotStore(options.snapshot_dir, max_bytes=options.snapshot_max_bytes,
+                               max_age_s=options.snapshot_max_age_s)
 
 
 def current_replica_id() -> str:
@@ -84,7 +102,8 @@ class EngineReplica:
         """What `GET /v1/omnijax/replica` answers (module docstring)."""
         worker = self.context.worker
         return {"replica": self.replica_id, "headroom": self.headroom(), "sessions": len(worker.lanes),
-                "draining": self.draining, "tokens": self.sessions.tokens(), "opened": worker.stats["opened"]}
+                "draining": self.draining, "tokens": self.sessions.tokens(), "opened": worker.stats["opened"],
+                "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook (module docstring)."""
