@@ -42,9 +42,10 @@ Streaming design (what the engine needs next; `talker_forward` has the pieces):
   token's, usually `<|im_end|>`). So the talker can start once the thinker has its first text token, and to equal
   the reference a step must wait for its text row (padding early changes the speech): the talker runs behind the
   thinker, at most at the thinker's token rate while the text lasts (real time needs 12.5 frames a second). The
-  reference also prefixes the user turns (system turns and earlier answers are skipped: `talker_prompt`). Missing
-  today: `Decoder.run_layers` returns only the last layer, so the thinker's chunk step needs a tap of layer
-  `accept_hidden_layer`'s output (at multimodal placeholders only) for the talker to read.
+  reference also prefixes the user turns (system turns and earlier answers are skipped: `talker_prompt`). The
+  layer-`accept_hidden_layer` rows come from the thinker's chunk step itself (`chunk_step(..., tap=k)`, a static
+  option: `Decoder.run_layers_tapped`); `omnijax.Chat` keeps them at the placeholders of user turns' media units
+  (`speech_media`, `omnijax.models.speech.MediaRows`).
 - The talker's KV cache: one decoder over the paged substrate (`omnijax.kv.paged`, mrope positions `[3, B, T]`), one
   token per 80 ms frame plus the prompt (the user turns it reads, and 9 assistant-prefix tokens); bounded by the same
   policies as the thinker's. Decoding positions continue from the prompt's largest position + 1.
