@@ -110,9 +110,9 @@ class SpeakOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SpokenAnswer:
-    """What `ask(..., speak=...)` spoke: the thinker-vocabulary ids of the talker's prompt (the text fed before
-    the answer, ending with the generation prompt) and of the answer spoken, the voice, and the PCM samples
-    yielded."""
+    """What `ask(..., speak=...)` spoke: the thinker-vocabulary ids of the talker's prompt (everything fed before
+    the answer, media units' ids included, ending with the generation prompt) and of the answer spoken, the voice,
+    the PCM samples yielded, and the kept media rows the talker read (`speak(..., media=...)`)."""
 
     prompt_ids: tuple[int, ...]
     answer_ids: tuple[int, ...]
