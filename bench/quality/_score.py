@@ -54,7 +54,8 @@ def _score_chunk(model, kv, next_pos, chunk, targets, config: StreamConfig):
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))
 def _scan(graphdef, params, chunks, targets, *, config: StreamConfig):
     model = nnx.merge(graphdef, params)
-    state = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size)  # in the program
+    state = init_state(model.config, num_pages=config.num_pages, page_size=config.page_size,
+                       kv_dtype=config.kv_dtype)  # in the program
     kv, next_pos = state.kv, state.next_pos
 
     def body(carry, xs):
@@ -67,7 +68,7 @@ def _scan(graphdef, params, chunks, targets, *, config: StreamConfig):
 
 
 def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | None,
-                 page_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+                 page_size: int = 64, kv_dtype: str = "float") -> tuple[np.ndarray, np.ndarray]:
     """Streams `ids[:-1]` in chunks of `chunk` tokens under `policy` and scores every next token `ids[1:]`.
 
     Args:
@@ -77,6 +78,7 @@ def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | Non
         chunk: tokens per streamed chunk.
         cells: the most cells the policy holds after a trim (None: the whole text, full context).
         page_size: slots per KV page.
+        kv_dtype: the pool's storage (`StreamConfig.kv_dtype`: "float" or "int8").
 
     Returns:
         `(nll [N], attended [num_chunks])`: each token's negative log-likelihood (nats) of its successor, and the
@@ -87,7 +89,8 @@ def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | Non
     if n < 1 or chunk < 1:
         raise ValueError(f"score_stream needs at least 2 ids and chunk >= 1, got {ids.shape[0]} ids, chunk {chunk}")
     held = n + chunk if cells is None else cells + 2 * chunk
-    config = StreamConfig(policy=policy, num_pages=-(-held // page_size) + 2, page_size=page_size)
+    config = StreamConfig(policy=policy, num_pages=-(-held // page_size) + 2, page_size=page_size,
+                          kv_dtype=kv_dtype)
     starts = range(0, n, chunk)
     chunks = stack_chunks([pad_chunk(text_chunk(ids[a:min(a + chunk, n)], unit=i + 1), chunk)
                            for i, a in enumerate(starts)])

@@ -20,7 +20,15 @@ variants interleaved round by round (`harness.interleaved`) and each reported as
 ratios to float32, since the machine's speed drifts (also the whole answering feed's ratio, which noise cannot make
 negative as it can the difference). Writes `quantized.json` and `quantized.png`.
 
+`--kv` measures the int8 KV pool (`StreamConfig(kv_dtype="int8")`) against the float pool instead, on the float32
+checkpoint, under each policy of `--kv-policies` (`bench/quality/_stream.policy_at` at `--kv-budget` cells): the
+perplexity of the first `--kv-lengths` tokens of Alice (one scored stream of the longest length per policy and pool:
+a streamed token is scored before any later one is fed, so a prefix's perplexity is the shorter run's), and the
+multi-turn pass key (`_stream.multi_turn`, `--kv-keys` keys per length, the pass-key bench's keys) with each pool.
+Writes `quantized_kv.json`.
+
     .venv/bin/python -m bench.quality.quantized --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/quality/results
+    .venv/bin/python -m bench.quality.quantized --kv --out bench/quality/results
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ from bench import harness
 from bench.quality import _common as common
 
 VARIANTS = ("float32", "int8", "int4_g32", "gguf_kept")
-SMOKE = dict(length=128, chunk=32, decode_tokens=4, prompt=16, rounds=2)
+SMOKE = dict(length=128, chunk=32, decode_tokens=4, prompt=16, rounds=2, kv_lengths=[128, 256], kv_budget=160,
+             kv_keys=1, kv_chunk=64)
+KV_POLICIES = ("no_slide", "omnipick", "sink_window", "unit_fifo", "streaming_llm")
 
 
 def build_parser():
@@ -49,6 +59,12 @@ def build_parser():
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens each timed feed answers")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--kv", action="store_true", help="measure the int8 KV pool against the float pool instead")
+    p.add_argument("--kv-lengths", type=int, nargs="+", default=[1024, 2048], help="--kv: tokens scored / fed")
+    p.add_argument("--kv-budget", type=int, default=512, help="--kv: cells a bounded policy holds")
+    p.add_argument("--kv-keys", type=int, default=3, help="--kv: pass keys per length")
+    p.add_argument("--kv-chunk", type=int, default=128, help="--kv: tokens per pass-key chunk")
+    p.add_argument("--kv-policies", nargs="+", default=["no_slide", "omnipick"], choices=KV_POLICIES)
     return p
 
 
@@ -58,6 +74,10 @@ def check_args(args) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if "float32" not in args.variants:
         raise SystemExit("--variants must include float32 (the reference of every ratio)")
+    for flag in ("kv_lengths", "kv_budget", "kv_keys", "kv_chunk"):
+        value = getattr(args, flag)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
 def convert_variant(source: common.ModelSource, name: str, work: Path) -> Path | None:
@@ -140,6 +160,8 @@ def main(argv=None):
     from bench.quality._score import score_stream
     from omnijax.retention import NoSlide
 
+    if args.kv:
+        return kv_section(args, source, out)
     work = Path(args.work)
     results, models, cases = {}, {}, {}
     for name in args.variants:
@@ -189,6 +211,74 @@ def main(argv=None):
                   rounds=args.rounds, device=_device())
     harness.write_json(out, "quantized", dict(header, table=table, variants=results))
     plot(table, out)
+
+
+def kv_section(args, source: common.ModelSource, out: Path) -> None:
+    """`--kv`: perplexity and multi-turn pass key with a float and an int8 KV pool (module docstring)."""
+    import omnijax
+    from bench.quality import _stream
+    from bench.quality._score import score_stream
+    from bench.quality.perplexity import ppl, text_ids
+
+    model = omnijax.load(source.checkpoint)
+    longest = max(args.kv_lengths)
+    ids = np.asarray(text_ids(source.checkpoint, "alice29.txt", longest))
+    prompts = {(length, i): _stream.multi_turn(model, length, key, args.kv_chunk)
+               for length in args.kv_lengths
+               for i, key in enumerate(common.pass_keys(args.kv_keys, 1000 * length))}  # passkey.py's seed 0 keys
+    rows = []
+    for name in args.kv_policies:
+        policy = _stream.policy_at(name, args.kv_budget)
+        cells = None if name == "no_slide" else args.kv_budget
+        for kv in ("float", "int8"):
+            started = time.perf_counter()
+            nll, _ = score_stream(model, ids, policy, chunk=args.chunk, cells=cells, page_size=args.page_size,
+                                  kv_dtype=kv)
+            row = dict(policy=name, kv_dtype=kv, nll=nll.tolist(), score_seconds=time.perf_counter() - started,
+                       ppl={n: ppl(nll[:n]) for n in args.kv_lengths}, passkey=[])
+            for (length, i), prompt in prompts.items():
+                config = _stream.stream_config(policy, tokens=prompt.tokens, budget=args.kv_budget,
+                                               chunk=args.kv_chunk, page_size=args.page_size).replace(kv_dtype=kv)
+                o = _stream.run_session(model, prompt, config, pad_to=args.kv_chunk)
+                row["passkey"].append(dict(length=length, key_index=i, key=prompt.key, tokens=prompt.tokens,
+                                           answer=o.answer, correct=o.correct, key_cells_kept=o.key_cells_kept,
+                                           key_cells=o.key_cells, peak_cells=o.peak_cells, seconds=o.seconds))
+                print(f"  {name} {kv} pass key L={prompt.tokens} #{i}: {'right' if o.correct else 'wrong'} "
+                      f"({o.answer[:30]!r}), key {o.key_cells_kept}/{o.key_cells} cells", flush=True)
+            print(f"  {name} {kv}: perplexity " + ", ".join(f"{n}: {p:.4f}" for n, p in row["ppl"].items()),
+                  flush=True)
+            rows.append(row)
+    table = kv_table(rows, args.kv_lengths)
+    print(f"\nint8 vs float KV pool, {source.gguf or source.checkpoint}; bounded policies at {args.kv_budget} cells")
+    cols = [("policy", "policy", ""), ("kv", "kv_dtype", "")]
+    for n in args.kv_lengths:
+        cols += [(f"ppl {n}", f"ppl_{n}", ".4f"), (f"d ppl {n}", f"dppl_{n}", "+.4f"),
+                 (f"pass key {n}", f"passkey_{n}", "")]
+    harness.print_table(table, cols + [("answers = float", "same_answers", ""),
+                                       ("max |d nll|", "max_dnll", ".4f")])
+    header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, text="alice29.txt",
+                  lengths=args.kv_lengths, budget=args.kv_budget, chunk=args.chunk, passkey_chunk=args.kv_chunk,
+                  keys=args.kv_keys, device=_device())
+    harness.write_json(out, "quantized_kv", dict(header, table=table, rows=rows))
+
+
+def kv_table(rows: list[dict], lengths: list[int]) -> list[dict]:
+    """One line per (policy, pool): perplexity per length and its change from the float pool, pass keys right per
+    length, answers equal to the float pool's, and the largest per-token NLL change."""
+    base = {r["policy"]: r for r in rows if r["kv_dtype"] == "float"}
+    table = []
+    for r in rows:
+        f = base[r["policy"]]
+        line = dict(policy=r["policy"], kv_dtype=r["kv_dtype"])
+        for n in lengths:
+            keys = [k for k in r["passkey"] if k["length"] == n]
+            line.update({f"ppl_{n}": r["ppl"][n], f"dppl_{n}": r["ppl"][n] - f["ppl"][n],
+                         f"passkey_{n}": f"{sum(k['correct'] for k in keys)}/{len(keys)}"})
+        same = sum(a["answer"] == b["answer"] for a, b in zip(r["passkey"], f["passkey"]))
+        line["same_answers"] = f"{same}/{len(r['passkey'])}"
+        line["max_dnll"] = float(np.max(np.abs(np.asarray(r["nll"]) - np.asarray(f["nll"]))))
+        table.append(line)
+    return table
 
 
 def _device() -> str:
