@@ -202,7 +202,17 @@ def imports_of(module: str, known: set[str]) -> list[tuple[str, int, bool, str]]
     """Every import statement of `module`: `(target, line, inside a function, statement)`, the target resolved to
     the longest known module of our package (or the imported name's top-level package otherwise)."""
     path = module_path(module)
-    tree = ast.parse(path.read_text(), str(path))
+    text = path.read_text()
+    tree = ast.parse(text, str(path))
+    lines = [line.encode() for line in text.splitlines(keepends=True)]
+
+    def statement(node) -> str:  # ast.get_source_segment, without splitting the whole file again for each node
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if first == last:
+            return lines[first][node.col_offset:node.end_col_offset].decode()
+        return b"".join([lines[first][node.col_offset:], *lines[first + 1:last],
+                         lines[last][:node.end_col_offset]]).decode()
+
     nested = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
               for node in ast.walk(fn) if node is not fn}
     found = []
@@ -218,7 +228,7 @@ def imports_of(module: str, known: set[str]) -> list[tuple[str, int, bool, str]]
             target = name
             while target not in known and "." in target:
                 target = target.rpartition(".")[0]
-            found.append((target, node.lineno, id(node) in nested, ast.get_source_segment(path.read_text(), node)))
+            found.append((target, node.lineno, id(node) in nested, statement(node)))
     return found
 
 
