@@ -40,12 +40,10 @@ once and passes it as `index=`, so a call is left with the kernel alone (and, wi
 `gather_pages` to lay out a paged cache); `block_sparse_attention_reference` is the two together, and
 `omnijax.kv.attention`'s `impl="reference"` and the tests use the same function rather than copies of it.
 
-int8 pages: with `k_scales=` and `v_scales=` (float32 `[N, P, G]`, or `[L, N, P, G]` beside layer stacks), `k_pages`
-and `v_pages` are int8 codes and the scales are one per token and kv head (`omnijax.kv.quant_kv`'s scheme: a value
-is `code * scale`). The kernel loads a page's codes and its `[P]` scales and dequantises them in the kernel, in
-float32 and then cast to `q.dtype` (the dtype the scores and the value product run in, as for float pages), so what
-it attends to is element for element what `dequantize_pages` gives the reference. Codes travel to the GPU as int8:
-a quarter of float32's bytes, half of bfloat16's, plus 4 bytes per token and kv head.
+int8 pages: with `k_scales=`/`v_scales=` (float32 `[N, P, G]`, or `[L, N, P, G]` beside stacks), the pages are int8
+codes with one scale per token and kv head (`omnijax.kv.quant_kv`: value = code * scale). The kernel loads a page's
+codes and `[P]` scales and dequantises them in float32, cast to `q.dtype` (`dequantize_pages`, as the reference does),
+so only int8 codes and 4 bytes per token and kv head are read from memory.
 
 On GPU the kernel lowers to Triton (`interpret=False`); on CPU run it with `interpret=True` under `jax.jit`. Triton
 wants power-of-two block shapes, and its matrix units want `block_q`, the page size and head_dim of at least 16.
