@@ -142,3 +142,29 @@ def test_bad_input_is_refused_by_name():
         G.from_gguf_q4_k(np.zeros(144, np.uint8), (2, 256))
     with pytest.raises(ValueError, match="shape must be \\[..., out, in\\]"):
         G.from_gguf_q8_0(raw, (272,))
+
+
+def test_a_stack_mixing_k_quants_is_not_repacked_and_says_why():
+    """A Q4_K_M file stores some layers of a weight in Q6_K and the others in Q4_K: no one scheme holds both exactly
+    (Q4_K needs an offset, Q6_K six bits), so the stack is left to the float path with the reason; one type for all
+    layers is repacked into a stack."""
+    from types import SimpleNamespace
+
+    from omnijax.convert import quantize as convert_quantize
+
+    def tensor(kind, seed):  # a GGUF tensor as the reader gives it: numpy-reversed shape [in, out], raw bytes
+        return SimpleNamespace(tensor_type=SimpleNamespace(name=kind), shape=np.array([256, 8]),
+                               data=random_blocks(kind, (8, 256), seed))
+
+    config = SimpleNamespace(num_layers=2)
+    mixed = SimpleNamespace(tensors={"blk.0.ffn_down.weight": tensor("Q4_K", 0), "blk.1.ffn_down.weight":
+                                     tensor("Q6_K", 1)})
+    qw, why = convert_quantize._repack_stack(mixed, "layers.down_proj", config, False)
+    assert qw is None and "GGUF type(s) ['Q4_K', 'Q6_K'] are not repacked" in why and "one type for all layers" in why
+    same = SimpleNamespace(tensors={"blk.0.ffn_down.weight": tensor("Q6_K", 0), "blk.1.ffn_down.weight":
+                                    tensor("Q6_K", 1)})
+    qw, why = convert_quantize._repack_stack(same, "layers.down_proj", config, False)
+    assert qw.scheme == Q.Int8Grouped(16) and qw.shape == (2, 256, 8) and "repacked from GGUF Q6_K" in why
+    for i in range(2):
+        want = np.asarray(gguf.quants.dequantize(same.tensors[f"blk.{i}.ffn_down.weight"].data, TYPES["Q6_K"]))
+        np.testing.assert_array_equal(np.asarray(Q.dequantize(qw.index(i))).T, want)
