@@ -45,6 +45,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp
 
 from omnijax import compilation_cache
+from omnijax.checkpoint.format import read_manifest_dict
 from omnijax.convert import convert_checkpoint
 from omnijax.decoding import RowSampling
 from omnijax.models.family import OmniModel
@@ -428,6 +429,11 @@ def _run(args: argparse.Namespace, options: ServeOptions, store: Any, samples: i
     with tempfile.TemporaryDirectory(prefix="omnijax-serve-") as tmp:
         path = build_demo_model(tmp) if args.demo_model else args.checkpoint
         if args.replicas > 1:
+            try:
+                read_manifest_dict(path)  # not a checkpoint: refused here, before a Ray cluster starts
+            except ValueError as e:
+                print(f"omnijax serve: error: {e}", file=sys.stderr)
+                return 1
             return cluster.serve_replicas(args.replicas, functools.partial(replica_app, path, args, options, samples),
                                           host=options.host, port=options.port,
                                           max_ongoing=max(args.buckets) + options.max_queued + 8)

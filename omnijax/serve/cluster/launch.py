@@ -111,7 +111,11 @@ def serve_replicas(replicas: int, build: Callable[[], Any], *, host: str, port: 
                                                       request_routing_stats_period_s=stats_period_s),
             graceful_shutdown_timeout_s=drain_timeout_s + 10.0)(serve.ingress()(EngineReplica))
         began = time.perf_counter()
-        serve.run(deployment.bind(build, stats_period_s, drain_timeout_s), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(deployment.bind(build, stats_period_s, drain_timeout_s), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # a replica's constructor failed (the checkpoint, the flags) after Serve's retries
+            print(f"omnijax serve: error: the replicas did not start: {e}", file=sys.stderr)
+            return 1
         ids = replica_ids()
         print(f"omnijax serve: {len(ids)} replicas on Ray Serve ({kind}; {', '.join(ids)}) ready in "
               f"{time.perf_counter() - began:.1f} s", flush=True)

@@ -17,8 +17,8 @@ start-up, a Ray cluster and two model loads, is most of this module's time):
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
 8. SIGTERM drains the replicas and shuts the cluster down.
 
-Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0` or a
-missing Ray are refused before anything loads.
+Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0`, a
+missing Ray or a directory that is no checkpoint are refused before any Ray cluster starts.
 """
 
 import asyncio
@@ -205,10 +205,12 @@ def test_more_replicas_than_the_cluster_has_devices_is_refused_by_name():
     assert re.search(r"--replicas 64 needs 64 CPUs \(one per replica\); the Ray cluster has [0-9]+", proc.stderr)
 
 
-def test_replicas_flag_is_checked_before_anything_loads(monkeypatch, capsys):
+def test_replicas_flag_is_checked_before_anything_loads(monkeypatch, capsys, tmp_path):
     from omnijax.serve import app
     from omnijax.serve.cluster import launch
 
+    assert app.main([str(tmp_path), "--port", "0", "--replicas", "2"]) == 1  # no checkpoint: no Ray cluster started
+    assert f"{tmp_path} is not an omnijax checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         app.main(["--demo-model", "--replicas", "0"])
     assert e.value.code == 2 and "--replicas must be >= 1, got 0" in capsys.readouterr().err
