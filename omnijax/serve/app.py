@@ -54,6 +54,7 @@ from omnijax.models.registry import load
 from omnijax.retention import get_policy
 from omnijax.serve import chat_completions as openai_http
 from omnijax.serve import completions as openai_completions
+from omnijax.serve import launch
 from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.cluster import launch as cluster
 from omnijax.serve.cluster import replica as cluster_replica
@@ -61,20 +62,18 @@ from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.worker import EngineWorker
-from omnijax.serve.launch import port_in_use, terminated_on_sigterm
+from omnijax.serve.launch import API_KEY_ENV, port_in_use, terminated_on_sigterm
 from omnijax.serve.native import session as native
 from omnijax.serve.native.protocol import frame_samples
 from omnijax.serve.openai_wire import error_body
 from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
-from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
 from omnijax.serve.refusal_log import refusals
 from omnijax.serve.structured import JSON_OBJECT, Grammar, compile_format
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
 log = logging.getLogger("omnijax.serve")
-API_KEY_ENV = "OMNIJAX_API_KEY"
 
 
 # Browsers cannot set headers on a WebSocket handshake, so the Realtime API's browser clients send the key as a
@@ -275,83 +274,13 @@ def _json_grammar(context: ServeContext) -> Grammar | None:
 def build_demo_model(directory: str | Path) -> str:
     """Writes the embedded tiny random Qwen2.5-Omni (audio and vision encoders, a tiny tokenizer with the ChatML
     template) and converts it; no download. Returns the converted checkpoint's directory."""
-
-
     hf = demo.write_chat_checkpoint(Path(directory) / "hf")
     return str(convert_checkpoint(hf, Path(directory) / "omnijax", progress=False, log=lambda _: None))
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omnijax serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", nargs="?", help="converted omnijax checkpoint directory (with its tokenizer)")
-    p.add_argument("--demo-model", action="store_true", help="serve the embedded tiny random model (no download)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--allow-unauthenticated", action="store_true", help="serve with no API key on an interface "
-                   "beyond loopback (refused otherwise)")
-    p.add_argument("--model-name", default="omnijax", help="the model id clients use")
-    p.add_argument("--policy", default="sink_window", help="retention policy shared by all sessions, e.g. "
-                   "sink_window, unbounded, omnipick:high_watermark=2500,low_watermark=1800")
-    p.add_argument("--sink", type=int, default=16, help="sink_window's S (unless --policy sets it)")
-    p.add_argument("--window", type=int, default=1024, help="sink_window's W (unless --policy sets it)")
-    p.add_argument("--pages", type=int, default=256, help="shared KV pool pages")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B: input audio frames of B ms")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="per-tick chunk length T (default: the next power "
-                   "of two holding a frame's audio unit, at least 32)")
-    p.add_argument("--answer-tokens", type=int, default=8, help="tau: answer tokens per session per tick")
-    p.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=True,
-                   help="stream chat answers one token at a time (host-driven ticks while an answer decodes; "
-                   "--no-per-token: blocks of tau tokens per tick)")
-    p.add_argument("--aimd-target", type=float, default=0.3,
-                   help="AIMD latency target as a fraction of B (Metronome: 600 ms of a 2 s budget); 0 disables")
-    p.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="engine batch buckets")
-    p.add_argument("--max-sessions-per-client", type=int, default=16)
-    p.add_argument("--max-output-tokens", type=int, default=512, help="the most tokens of one response")
-    p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
-    p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
-    p.add_argument("--max-request-audio-s", type=float, default=600.0, help="most seconds of audio in one chat "
-                   "completion (all its input_audio parts)")
-    p.add_argument("--max-outbox-mb", type=float, default=64.0, help="a WebSocket client with more than this many "
-                   "MiB of server events unread is dropped as a slow consumer")
-    p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
-                   "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
-    p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
-                   "first idle moment: '30s', '2m', '1h' (after that long since its last snapshot) or '5turns', "
-                   "'1turn' (after that many responses); a SIGKILL then loses at most one interval. 0: only when "
-                   "connections end")
-    p.add_argument("--snapshot-max-gb", type=float, default=16.0, help="cap on the snapshot directory's size; the "
-                   "oldest snapshots of closed sessions are evicted to make room (0: no cap)")
-    p.add_argument("--snapshot-max-age", default="7d", help="delete snapshots not written for this long: '3600', "
-                   "'90m', '24h', '7d' (0: never)")
-    p.add_argument("--idle-timeout", type=float, default=600.0, help="close (after snapshotting) a Realtime "
-                   "connection, or a native /session one, whose client sends nothing for this many seconds "
-                   "(0: never)")
-    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion or completion the "
-                   "server cannot admit waits for room before its 429 (0: refused at once)")
-    p.add_argument("--max-queued", type=int, default=64, help="the most requests waiting for room at once")
-    p.add_argument("--max-scored-tokens", type=int, default=2048, help="the most tokens (prompt plus completion) "
-                   "a /v1/completions request's logprobs may score (one full-context forward)")
-    p.add_argument("--max-speech-tokens", type=int, default=4096, help="the talker's tokens at most for one spoken "
-                   "answer (chat completions' and Realtime audio output; >= 1)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
-                   "close (responses in flight end at once) before they are cancelled")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="default temperature of sessions that set none (0: the most likely token)")
-    p.add_argument("--top-p", type=float, default=1.0, help="default top-p of sessions that set none")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (a request's own seed replaces it)")
-    p.add_argument("--warmup-sessions", type=int, default=4, help="compile batch buckets up to this many sessions")
-    p.add_argument("--impl", default="xla")
-    p.add_argument("--replicas", type=int, default=1, help="serve N engines (N >= 2: one Ray Serve deployment of N "
-                   "replicas behind one port, sessions routed by resume token, drained on SIGTERM; needs "
-                   "'omnijax[ray]' and a --snapshot-dir every replica sees for sessions to move)")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     compilation_cache.enable()  # a command line caches its compiled programs (OMNIJAX_COMPILATION_CACHE)
-    parser = _parser()
+    parser = launch.build_parser(__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -375,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,
                                max_scored_tokens=args.max_scored_tokens, max_speech_tokens=args.max_speech_tokens,
                                shutdown_timeout_s=args.shutdown_timeout,
-                               **_snapshot_options(args))
+                               **launch.snapshot_options(args))
         # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots
         # deleted, each logged) before the model loads
         store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
@@ -495,18 +424,6 @@ class _Server(uvicorn.Server):
             log.info("shutting down: ending %d sessions' responses", len(self.context.worker.lanes))
             self.context.worker.begin_shutdown()
         return should_exit
-
-
-def _snapshot_options(args: argparse.Namespace) -> dict:
-    """The `ServeOptions` fields of `--snapshot-every`, `--snapshot-max-gb`, `--snapshot-max-age`, `--idle-timeout`
-    (ValueError naming the flag)."""
-    every_s, every_turns = parse_every(args.snapshot_every)
-    max_age = parse_duration(args.snapshot_max_age, "--snapshot-max-age")
-    if not args.snapshot_max_gb >= 0:
-        raise ValueError(f"--snapshot-max-gb must be >= 0 (0: no cap), got {args.snapshot_max_gb}")
-    return dict(snapshot_every_s=every_s, snapshot_every_turns=every_turns,
-                snapshot_max_bytes=int(args.snapshot_max_gb * 2 ** 30) or None, snapshot_max_age_s=max_age or None,
-                idle_timeout_s=args.idle_timeout)
 
 
 def _uvicorn_server(context: ServeContext) -> uvicorn.Server:

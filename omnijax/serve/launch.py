@@ -1,13 +1,19 @@
-"""What `omnijax serve` does around the server: refuse a busy port before loading anything, and let SIGTERM unwind."""
+"""What `omnijax serve` does around the server: its command line, refusing a busy port before loading anything, and
+letting SIGTERM unwind."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import signal
 import socket
 import threading
 from collections.abc import Iterator
+
+from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
+
+API_KEY_ENV = "OMNIJAX_API_KEY"  # the bearer key when --api-key is not given
 
 
 class _Terminated(Exception):
@@ -58,3 +64,84 @@ def port_in_use(host: str, port: int) -> str | None:
                             f"with --port")
                 return f"cannot listen on {host}:{port}: {e.strerror}"
     return None
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """`omnijax serve`'s command line (`description`: its help's first paragraph)."""
+    p = argparse.ArgumentParser(prog="omnijax serve", description=description)
+    p.add_argument("checkpoint", nargs="?", help="converted omnijax checkpoint directory (with its tokenizer)")
+    p.add_argument("--demo-model", action="store_true", help="serve the embedded tiny random model (no download)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--allow-unauthenticated", action="store_true", help="serve with no API key on an interface "
+                   "beyond loopback (refused otherwise)")
+    p.add_argument("--model-name", default="omnijax", help="the model id clients use")
+    p.add_argument("--policy", default="sink_window", help="retention policy shared by all sessions, e.g. "
+                   "sink_window, unbounded, omnipick:high_watermark=2500,low_watermark=1800")
+    p.add_argument("--sink", type=int, default=16, help="sink_window's S (unless --policy sets it)")
+    p.add_argument("--window", type=int, default=1024, help="sink_window's W (unless --policy sets it)")
+    p.add_argument("--pages", type=int, default=256, help="shared KV pool pages")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B: input audio frames of B ms")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="per-tick chunk length T (default: the next power "
+                   "of two holding a frame's audio unit, at least 32)")
+    p.add_argument("--answer-tokens", type=int, default=8, help="tau: answer tokens per session per tick")
+    p.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream chat answers one token at a time (host-driven ticks while an answer decodes; "
+                   "--no-per-token: blocks of tau tokens per tick)")
+    p.add_argument("--aimd-target", type=float, default=0.3,
+                   help="AIMD latency target as a fraction of B (Metronome: 600 ms of a 2 s budget); 0 disables")
+    p.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="engine batch buckets")
+    p.add_argument("--max-sessions-per-client", type=int, default=16)
+    p.add_argument("--max-output-tokens", type=int, default=512, help="the most tokens of one response")
+    p.add_argument("--max-message-mb", type=float, default=16.0, help="largest WebSocket message or HTTP body")
+    p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
+    p.add_argument("--max-request-audio-s", type=float, default=600.0, help="most seconds of audio in one chat "
+                   "completion (all its input_audio parts)")
+    p.add_argument("--max-outbox-mb", type=float, default=64.0, help="a WebSocket client with more than this many "
+                   "MiB of server events unread is dropped as a slow consumer")
+    p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
+                   "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
+    p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
+                   "first idle moment: '30s', '2m', '1h' (after that long since its last snapshot) or '5turns', "
+                   "'1turn' (after that many responses); a SIGKILL then loses at most one interval. 0: only when "
+                   "connections end")
+    p.add_argument("--snapshot-max-gb", type=float, default=16.0, help="cap on the snapshot directory's size; the "
+                   "oldest snapshots of closed sessions are evicted to make room (0: no cap)")
+    p.add_argument("--snapshot-max-age", default="7d", help="delete snapshots not written for this long: '3600', "
+                   "'90m', '24h', '7d' (0: never)")
+    p.add_argument("--idle-timeout", type=float, default=600.0, help="close (after snapshotting) a Realtime "
+                   "connection, or a native /session one, whose client sends nothing for this many seconds "
+                   "(0: never)")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a chat completion or completion the "
+                   "server cannot admit waits for room before its 429 (0: refused at once)")
+    p.add_argument("--max-queued", type=int, default=64, help="the most requests waiting for room at once")
+    p.add_argument("--max-scored-tokens", type=int, default=2048, help="the most tokens (prompt plus completion) "
+                   "a /v1/completions request's logprobs may score (one full-context forward)")
+    p.add_argument("--max-speech-tokens", type=int, default=4096, help="the talker's tokens at most for one spoken "
+                   "answer (chat completions' and Realtime audio output; >= 1)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
+                   "close (responses in flight end at once) before they are cancelled")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="default temperature of sessions that set none (0: the most likely token)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top-p of sessions that set none")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (a request's own seed replaces it)")
+    p.add_argument("--warmup-sessions", type=int, default=4, help="compile batch buckets up to this many sessions")
+    p.add_argument("--impl", default="xla")
+    p.add_argument("--replicas", type=int, default=1, help="serve N engines (N >= 2: one Ray Serve deployment of N "
+                   "replicas behind one port, sessions routed by resume token, drained on SIGTERM; needs "
+                   "'omnijax[ray]' and a --snapshot-dir every replica sees for sessions to move)")
+    return p
+
+
+def snapshot_options(args: argparse.Namespace) -> dict:
+    """The `ServeOptions` fields of `--snapshot-every`, `--snapshot-max-gb`, `--snapshot-max-age`, `--idle-timeout`
+    (ValueError naming the flag)."""
+    every_s, every_turns = parse_every(args.snapshot_every)
+    max_age = parse_duration(args.snapshot_max_age, "--snapshot-max-age")
+    if not args.snapshot_max_gb >= 0:
+        raise ValueError(f"--snapshot-max-gb must be >= 0 (0: no cap), got {args.snapshot_max_gb}")
+    return dict(snapshot_every_s=every_s, snapshot_every_turns=every_turns,
+                snapshot_max_bytes=int(args.snapshot_max_gb * 2 ** 30) or None, snapshot_max_age_s=max_age or None,
+                idle_timeout_s=args.idle_timeout)
