@@ -16,7 +16,8 @@ side by side. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads ot
 shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs (converted once into
 `<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader + `save_pretrained`); `--smoke`:
 a tiny random llama GGUF, one round, a 16-token answer, and the warm side reads the smoke run's persistent cache
-unprimed (a check that the script runs, not a measurement).
+unprimed (a check that the script runs, not a measurement); the tiny GGUF and its conversions are made once under
+`<out>/smoke_tiny_gguf/` and shared with `load_memory --smoke` (`smoke_models`).
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -122,6 +123,31 @@ def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = No
         (models / name / ".complete").touch()
 
 
+SMOKE_MODELS = "smoke_tiny_gguf"  # under `--out`: the tiny GGUF and both its conversions, shared by smoke runs
+
+
+def smoke_models(out: Path) -> tuple[Path, Path]:
+    """`--smoke`'s tiny random llama GGUF and its two checkpoints (`prepare_models`, omnijax's ChatML template beside
+    each: the tiny GGUF has none), made once under `<out>/smoke_tiny_gguf/` and reused by every peers script's smoke
+    run into the same `--out` (first_token, load_memory; they may run at once: a file lock makes the second wait for
+    the first's conversions instead of converting again). Returns (the GGUF file, the models directory)."""
+    import fcntl
+
+    from bench.peers.convert_gguf import write_tiny_gguf
+    from omnijax.models.chat_templates import CHATML_TEMPLATE
+
+    root = Path(out) / SMOKE_MODELS
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        gguf_path = root / "tiny.gguf"
+        if not (root / ".gguf_complete").exists():
+            write_tiny_gguf(gguf_path)
+            (root / ".gguf_complete").touch()
+        prepare_models(gguf_path, root / "models", CHATML_TEMPLATE)
+    return gguf_path, root / "models"
+
+
 def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -> dict:
     """`side`'s chat turn in a fresh process: seconds from the process's start to each stage."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
@@ -161,16 +187,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="first_token_") as tmp:
         work = Path(tmp)
         if args.smoke and not args.gguf:
-            from bench.peers.convert_gguf import write_tiny_gguf
-            from omnijax.models.chat_templates import CHATML_TEMPLATE
-
-            # the tiny GGUF has no chat template: both sides get omnijax's ChatML one
-            gguf_path, models, template = write_tiny_gguf(work / "tiny.gguf"), work / "models", CHATML_TEMPLATE
+            gguf_path, models = smoke_models(out)  # the tiny GGUF has no chat template: both get omnijax's ChatML
         else:
             from omnijax.demo.smollm2 import find_gguf
 
-            gguf_path, models, template = find_gguf(args.gguf), out / "first_token_model", None
-        prepare_models(gguf_path, models, template)
+            gguf_path, models = find_gguf(args.gguf), out / "first_token_model"
+            prepare_models(gguf_path, models)
         if args.smoke:  # a check, not a measurement: the smoke run's own persistent cache, not primed
             warm_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(work / "warm_cache")
         else:

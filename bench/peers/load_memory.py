@@ -19,7 +19,8 @@ embedding counted once); `load growth` is resident after load minus after import
 `OMP_WAIT_POLICY=PASSIVE`. Default: SmolLM2-135M-Instruct (the Q4_1 GGUF `make smollm2` installs, dequantised to
 float32 by both, each conversion kept under `--cache`, default `~/.cache/omnijax-bench`: omnijax's with
 `omnijax.demo.smollm2.converted`, transformers' `save_pretrained` of its GGUF load); `--smoke`: a tiny random
-llama GGUF, one round, chunk 32.
+llama GGUF, one round, chunk 32, its conversions those `first_token --smoke` makes into the same `--out`
+(`first_token.smoke_models`: made once, whichever runs first).
 
     python -m bench.peers.load_memory --rounds 5 --out bench/peers/results
 """
@@ -32,7 +33,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -114,22 +114,18 @@ def run_worker(side: str, path: Path, args) -> dict:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), loadavg=os.getloadavg()[0])
 
 
-def checkpoints(args, out: Path, tmp: Path) -> tuple[Path, Path]:
+def checkpoints(args, out: Path) -> tuple[Path, Path]:
     """(omnijax checkpoint, transformers checkpoint) of the same GGUF file."""
-    from bench.peers.convert_gguf import write_tiny_gguf
+    from bench.peers.first_token import smoke_models
     from omnijax.demo import smollm2
 
-    if args.smoke and not args.gguf:
-        gguf_path = write_tiny_gguf(tmp / "tiny.gguf")
-        hf, ours = tmp / "hf", tmp / "omnijax"
-        from omnijax.convert import convert_checkpoint
-
-        convert_checkpoint(gguf_path, ours, progress=False, log=lambda line: None)
-    else:
-        gguf_path = smollm2.find_gguf(args.gguf)
-        cache = Path(args.cache).expanduser()
-        hf = cache / "smollm2-hf"
-        ours, _ = smollm2.converted(gguf_path, cache / "smollm2-omnijax", log=lambda line: None)
+    if args.smoke and not args.gguf:  # the tiny GGUF's two conversions, shared with first_token's smoke run
+        _, models = smoke_models(out)
+        return models / "omnijax", models / "hf"
+    gguf_path = smollm2.find_gguf(args.gguf)
+    cache = Path(args.cache).expanduser()
+    hf = cache / "smollm2-hf"
+    ours, _ = smollm2.converted(gguf_path, cache / "smollm2-omnijax", log=lambda line: None)
     if not (hf / "config.json").is_file():
         code = ("import sys, torch, transformers; p, name, dst = sys.argv[1:]; "
                 "m = transformers.AutoModelForCausalLM.from_pretrained(p, gguf_file=name, dtype=torch.float32); "
@@ -154,15 +150,14 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, Path(args.path), args.chunk, args.chunks)))
         return 0
     out = harness.output_dir(args)
-    with tempfile.TemporaryDirectory(prefix="load_memory_") as tmp:
-        ours, hf = checkpoints(args, out, Path(tmp))
-        rows = []
-        for r in range(args.rounds):
-            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
-                row = dict(run_worker(side, ours if side == "omnijax" else hf, args), round=r)
-                rows.append(row)
-                print(f"  round {r + 1}/{args.rounds} {side}: " + ", ".join(
-                    f"{s} {row['rss_mb'][s]:.0f}" for s in STAGES) + f" MB; peak {row['peak_mb']:.0f} MB", flush=True)
+    ours, hf = checkpoints(args, out)
+    rows = []
+    for r in range(args.rounds):
+        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            row = dict(run_worker(side, ours if side == "omnijax" else hf, args), round=r)
+            rows.append(row)
+            print(f"  round {r + 1}/{args.rounds} {side}: " + ", ".join(
+                f"{s} {row['rss_mb'][s]:.0f}" for s in STAGES) + f" MB; peak {row['peak_mb']:.0f} MB", flush=True)
     summary = {}
     for side in SIDES:
         mine = [r for r in rows if r["side"] == side]
