@@ -373,6 +373,57 @@ def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.
     return (np.asarray(best) / (L * Hq * np.sqrt(d))).astype(np.float32)
 
 
+RECALL_SCORINGS = SCORINGS + ("mass",)
+"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two and `score_units_mass`."""
+
+
+def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[L, G, n, d]` float32 keys before RoPE: `k` (rotated at `pos [A, n]`) turned back by `-pos`.
+
+    Args:
+        rope: `(theta, mrope_section, interleaved)` of the model.
+    """
+    from omnijax.kv import rope as rope_lib
+
+    theta, section, interleaved = rope
+    angles = rope_lib.rope_angles(jnp.asarray(-np.asarray(pos, np.int32)), k.shape[-1], theta, section, interleaved)
+    return np.swapaxes(np.asarray(rope_lib.apply_rope(jnp.swapaxes(jnp.asarray(k, jnp.float32), 1, 2), angles)), 1, 2)
+
+
+def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[U]` float32: the attention mass each stored unit would draw from a question, position-free.
+
+    With `a[u, l, h, t, i] = q[l, t, h] . key[u, l, h // (Hq / G), i] / sqrt(d)` over the question's tokens t and the
+    unit's tokens i, queries and keys both taken before RoPE, the score is the mean over l, h and t of
+    `log sum_i exp(a)`: the log of the unnormalised attention mass the unit would receive. Before RoPE, because a
+    stored unit's distance to the question is not the one it will have once recalled (re-indexing policies re-lay
+    it), and RoPE's relative term favours whatever was evicted last: on SmolLM2's multi-turn pass key under OmniPick
+    (35 stored pieces of identical filler turns and the key's turn) "max" ranked the key's piece 11th, "max" on the
+    mean query 15th, this score first. The log-sum-exp grows with a unit's size (as the mass it would draw does).
+
+    Args:
+        tier: the host tier.
+        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
+        rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
+    """
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    queries = np.asarray(queries, np.float32)
+    L, G, _, d = tier.units[0].k.shape
+    if queries.ndim != 4 or queries.shape[0] != L or queries.shape[3] != d or queries.shape[2] % G or \
+            queries.shape[1] < 1:
+        raise ValueError(f"queries must be [L={L}, T>=1, Hq, d={d}] with Hq a multiple of kv heads G={G}, got "
+                         f"{queries.shape}")
+    _, T, Hq, _ = queries.shape
+    grouped = queries.reshape(L, T, G, Hq // G, d)
+    out = []
+    for u in tier.units:
+        a = np.einsum("ltgrd,lgnd->lgrtn", grouped, unrotated(u.k, u.pos, rope), dtype=np.float64) / np.sqrt(d)
+        top = a.max(axis=-1, keepdims=True)
+        out.append(float((np.log(np.exp(a - top).sum(axis=-1)) + top[..., 0]).mean()))
+    return np.asarray(out, np.float32)
+
+
 def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
     """`score_units` token by token, in plain Python loops."""
     out = []

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.kv import rope as rope_lib
-from omnijax.kv.host_tier import SCORINGS, UnitKV
+from omnijax.kv.host_tier import RECALL_SCORINGS, UnitKV
 from omnijax.kv.paged import PagedKV, SlotMeta, append
 
 
@@ -44,16 +44,17 @@ class Recall:
         keep: what happens to recalled units after the answer. False (default): they are released (invalidated in
             the cache) and stay in the tier; True: they stay in the cache as ordinary content, leave the tier, and
             are stored again if the policy evicts them later.
-        scoring: how stored units are ranked against the question (`omnijax.kv.host_tier.score_units`): "max"
-            (default; each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the
-            per-unit summaries alone).
+        scoring: how stored units are ranked against the question: "mass" (default;
+            `omnijax.kv.host_tier.score_units_mass`, the position-free attention mass a unit would draw), "max"
+            (each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the per-unit
+            summaries alone) (`omnijax.kv.host_tier.score_units`).
     """
 
     budget: int
     top_units: int = 8
     host_bytes: int = 1 << 30
     keep: bool = False
-    scoring: str = "max"
+    scoring: str = "mass"
 
     def __post_init__(self):
         for name in ("budget", "top_units", "host_bytes"):
@@ -64,8 +65,8 @@ class Recall:
                     else ""))
         if not isinstance(self.keep, bool):
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"Recall: scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.scoring not in RECALL_SCORINGS:
+            raise ValueError(f"Recall: scoring must be one of {RECALL_SCORINGS}, got {self.scoring!r}")
 
     def check_pool(self, cells: int) -> None:
         """Refuses a recall budget larger than a pool of `cells` cells."""

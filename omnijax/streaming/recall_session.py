@@ -7,11 +7,13 @@ in place); after it, `omnijax.kv.host_tier.capture_evicted` compares the two by 
 token, exactly as it was cached, in the tier (one `UnitKV` record per unit, or per piece of a unit a policy evicted
 in several steps). The copy is one device copy of the cache per chunk; a step that evicted nothing is not read back.
 
-Question time. A chunk that asks for an answer (`answer_tokens > 0`) is a question: before its step, the question's
-queries are computed against the current cache (a forward of the chunk through a throwaway copy of the cache, the
-queries of every layer averaged over its tokens), the stored units are scored (`omnijax.kv.host_tier.score_units`,
-`Recall.scoring`), the best ones within `Recall.budget` cells and `Recall.top_units` units are selected and
-written back as cache pages (`omnijax.retention.recall.recall_into`), and the step answers over them.
+Question time. A chunk with tokens that asks for an answer (`answer_tokens > 0`) is a question: before its step,
+the question's queries are computed against the current cache (a forward of the chunk through a throwaway copy of
+the cache, every layer's queries of every token), the stored units are scored (`Recall.scoring`: by default
+`omnijax.kv.host_tier.score_units_mass` on the queries and keys before RoPE; "max" and "mean" read the queries
+averaged over the question's tokens, `omnijax.kv.host_tier.score_units`), the best ones within `Recall.budget`
+cells and `Recall.top_units` units are selected and written back as cache pages
+(`omnijax.retention.recall.recall_into`), and the step answers over them.
 `Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
 
 Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
@@ -128,18 +130,12 @@ class RecallStats:
     recalled_bytes: int
 
 
-def _mean_queries(q: jax.Array, valid: jax.Array) -> jax.Array:
-    """`[H, d]` float32: the queries `[1, T, H, d]` averaged over the valid tokens of row 0."""
-    w = valid[0].astype(jnp.float32)
-    return jnp.einsum("thd,t->hd", q[0].astype(jnp.float32), w) / jnp.maximum(jnp.sum(w), 1.0)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
 def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, chunk: Chunk, *,
                      impl: str) -> jax.Array:
-    """`[L, H, d]` float32: the rotated queries of every layer for a batch-1 chunk fed at `next_pos`, averaged over
-    its valid tokens. The chunk runs through every layer as the step would write it (attending over the cache and
-    itself), on a copy of the cache that is thrown away."""
+    """`[L, T, H, d]` float32: the rotated queries of every layer for each token of a batch-1 chunk fed at
+    `next_pos` (padding tokens' rows are meaningless: take `chunk.valid`). The chunk runs through every layer as the
+    step would write it (attending over the cache and itself), on a copy of the cache that is thrown away."""
     model = nnx.merge(graphdef, params)
     c = model.config
     x = model.embed_tokens(chunk.token_ids)
@@ -162,7 +158,7 @@ def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos
         if deepstack is not None:
             level = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, deepstack.shape[0] - 1), keepdims=False)
             h = jnp.where(i < deepstack.shape[0], h + level.astype(h.dtype), h)
-        return (h, k_pages, v_pages, i + 1), _mean_queries(q, chunk.valid)
+        return (h, k_pages, v_pages, i + 1), q[0].astype(jnp.float32)
 
     carry = (x.astype(c.jnp_dtype), kv.k, kv.v, jnp.int32(0))
     return jax.lax.scan(layer, carry, xs)[1]
@@ -361,8 +357,17 @@ class RecallSession:
                 raise ValueError(f"scores must be {U} finite numbers, one per stored unit (session.recall_stats()"
                                  f".stored_units), got shape {scores.shape}")
         elif U:
-            query = question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl)
-            scores = host_tier.score_units(self.tier, np.asarray(query), self.recall_config.scoring)
+            q = np.asarray(question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl))
+            valid = np.asarray(chunk.valid)[0]
+            if not valid.any():
+                raise ValueError("recall needs a question with tokens (chunk.valid is all False)")
+            q = q[:, valid]  # [L, T, H, d]
+            if self.recall_config.scoring == "mass":  # queries turned back to before RoPE, as the stored keys
+                pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(jax.device_get(state.next_pos[0]))
+                raw = host_tier.unrotated(np.swapaxes(q, 1, 2), pos, self.rope)
+                scores = host_tier.score_units_mass(self.tier, np.swapaxes(raw, 1, 2), self.rope)
+            else:
+                scores = host_tier.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
         else:
             scores = np.zeros((0,), np.float32)
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))

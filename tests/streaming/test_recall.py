@@ -274,3 +274,44 @@ def test_bad_recall_settings_are_refused_by_name(model):
     with pytest.raises(ValueError, match="already waiting for its question"):
         session.recall(_question())
     assert dataclasses.asdict(session.recall_stats())["questions"] == 1
+
+
+def test_mass_scoring_is_the_attention_mass_before_rope():
+    # Oracle: keys drawn before RoPE and rotated at arbitrary positions; the score read from the rotated records
+    # equals the log-sum-exp over each unit's raw keys, token by token in plain Python, wherever the unit sits.
+    import math
+
+    from omnijax.kv import host_tier
+
+    rng = np.random.default_rng(0)
+    L, G, Hq, d, T = 2, 2, 4, 8, 3
+    rope = (10000.0, None, False)
+    queries = rng.normal(size=(L, T, Hq, d)).astype(np.float32)
+    raws, units = [], []
+    for u, (n, start) in enumerate([(3, 5), (5, 40), (2, 900)]):
+        raw = rng.normal(size=(L, G, n, d)).astype(np.float32)
+        pos = (start + np.arange(n))[None].astype(np.int32)
+        k = np.asarray(rerotate(raw, np.zeros_like(pos), pos, theta=rope[0], mrope_section=None))
+        raws.append(raw)
+        units.append(host_tier.make_unit(u, k, raw, pos, np.zeros(n), np.zeros(n), np.arange(n)))
+    tier = host_tier.HostTier(budget_bytes=1 << 20, units=tuple(units))
+    want = []
+    for raw in raws:
+        total = 0.0
+        for layer in range(L):
+            for h in range(Hq):
+                for t in range(T):
+                    logits = [float(np.dot(queries[layer, t, h].astype(np.float64), raw[layer, h // 2, i]))
+                              / math.sqrt(d) for i in range(raw.shape[2])]
+                    top = max(logits)
+                    total += top + math.log(sum(math.exp(a - top) for a in logits))
+        want.append(total / (L * Hq * T))
+    got = host_tier.score_units_mass(tier, queries, rope)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    moved = [dataclasses.replace(u, pos=u.pos + 1000, k=np.asarray(rerotate(u.k, u.pos, u.pos + 1000, theta=rope[0],
+                                                                              mrope_section=None)))
+             for u in units]
+    np.testing.assert_allclose(host_tier.score_units_mass(dataclasses.replace(tier, units=tuple(moved)), queries,
+                                                          rope), got, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="queries must be"):
+        host_tier.score_units_mass(tier, queries[:, :, :3], rope)
