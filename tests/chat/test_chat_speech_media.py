@@ -227,3 +227,45 @@ def test_what_a_media_conversation_cannot_speak_is_refused_before_anything_chang
         other.ask(QUESTION, speak=True)
     with pytest.raises(ValueError, match="speech_media_bytes must be an int >= 0"):
         omnijax.Chat(model, CS.stream_config(), speech_media_bytes=-1)
+
+
+def test_media_rows_the_talker_cannot_read_are_refused_by_name():
+    """`speech_media.thinker_hidden` checks every kept row against the prompt before the talker runs."""
+    import jax.numpy as jnp
+
+    from omnijax.models.qwen3_omni import speech_media
+    from omnijax.models.speech import MediaRows
+
+    im_start, user, system, image = TTS["im_start_token_id"], TTS["user_token_id"], TTS["system_token_id"], 291
+    prompt = np.asarray([im_start, system, 5, IM_END, 295, image, image, 296,  # an image after the system turn
+                         im_start, user, 6, IM_END, 295, image, image, 296, 7])  # and one in a user turn
+    read = speech_media.user_turns(prompt, im_start, user)
+    assert read.tolist() == [False] * 8 + [True] * 9
+    holes = {"audio_token_id": 290, "image_token_id": image, "video_token_id": 292}
+    embeds = jnp.zeros((len(prompt) + 1, 4))
+    sequence = np.append(prompt, 9)
+
+    def rows(positions, layer=LAYER, width=4):
+        return MediaRows(positions=np.asarray(positions), rows=np.ones((len(positions), width)), layer=layer)
+
+    got = speech_media.thinker_hidden(embeds, sequence, len(prompt), read, holes, [rows([13, 14])], LAYER)
+    assert np.asarray(got)[[13, 14]].tolist() == [[1.0] * 4] * 2 and not np.asarray(got)[5].any()
+    for media, says in (([], r"placeholders \(image_token_id\) in user turns at positions \[13, 14\]"),
+                        ([rows([13])], r"at positions \[14\]"),
+                        ([rows([13, 14], layer=1)], r"holds hidden_states\[1\], the talker reads hidden_states\[2\]"),
+                        ([rows([13, 14], width=3)], "rows are 3 wide, the thinker's hidden size is 4"),
+                        ([rows([5, 6])], r"prompt positions \[5, 6\] that are not placeholders of a user turn"),
+                        ([rows([13, 14]), rows([14])], "already gave")):
+        with pytest.raises(ValueError, match=says):
+            speech_media.thinker_hidden(embeds, sequence, len(prompt), read, holes, media, LAYER)
+    with pytest.raises(ValueError, match="answer_ids holds multimodal placeholders"):
+        speech_media.thinker_hidden(embeds, np.append(prompt, image), len(prompt), read, holes, [rows([13, 14])],
+                                    LAYER)
+    video = prompt.copy()
+    video[[13, 14]] = 292
+    with pytest.raises(ValueError, match="a user turn holds a video"):
+        speech_media.thinker_hidden(embeds, np.append(video, 9), len(prompt), read, holes, [], LAYER)
+    with pytest.raises(ValueError, match=r"MediaRows.rows must be \[n, D\] with n = 2"):
+        MediaRows(positions=np.asarray([1, 2]), rows=np.ones((3, 4)), layer=2)
+    with pytest.raises(ValueError, match="MediaRows.grid"):
+        MediaRows(positions=np.asarray([1]), rows=np.ones((1, 4)), layer=2, grid=(1, 0, 2))
