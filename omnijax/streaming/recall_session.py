@@ -59,6 +59,7 @@ from omnijax.kv import paged as paged_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.retention import base as retention_base
+from omnijax.retention.base import NoSlide
 from omnijax.retention.recall import Recall, recall_into
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.step import StreamState
@@ -173,6 +174,15 @@ def _release(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi: jax.
     kv, next_pos, evicted = retention_base.apply(kv, keep, next_pos, reindex=reindex, rope=rope, view=view)
     kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
     return kv, next_pos
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "rope", "paging", "subblock"))
+def _trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: tuple, paging: Any,
+              subblock: int) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    """The policy's trim (and the paging mode's relayout) as a step runs it, outside a step; `kv` is kept."""
+    kv, next_pos, evicted = retention_base.trim(policy, kv, next_pos, rope=rope)
+    kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
+    return kv, next_pos, evicted
 
 
 def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndarray, int]:
@@ -430,13 +440,28 @@ class RecallSession:
         """After the question's step: invalidates the recalled tokens still cached (`keep=False`), or lets them stay
         (`keep=True`). Either way the recall is over."""
         pending, self._pending = self._pending, None
-        if pending is None or self.recall_config.keep:
+        if pending is None:
             return state
         theta, section, _ = self.rope
-        kv, next_pos = _release(state.kv, state.next_pos, jnp.int32(pending[0]), jnp.int32(pending[1]),
-                                reindex=not self.at_original, rope=(theta, section), paging=self.paging,
-                                subblock=self.subblock)
+        if not self.recall_config.keep:
+            kv, next_pos = _release(state.kv, state.next_pos, jnp.int32(pending[0]), jnp.int32(pending[1]),
+                                    reindex=not self.at_original, rope=(theta, section), paging=self.paging,
+                                    subblock=self.subblock)
+            state = dataclasses.replace(state, kv=kv, next_pos=next_pos)
+        # The steps over the recall ran without trimming (`step_config`): the policy trims now, what it evicts is
+        # stored as after any step.
+        kv, next_pos, evicted = _trim_now(state.kv, state.next_pos, policy=self.policy, rope=(theta, section),
+                                          paging=self.paging, subblock=self.subblock)
+        if np.asarray(evicted).any():
+            self.capture(state.kv, kv)
         return dataclasses.replace(state, kv=kv, next_pos=next_pos)
+
+    def step_config(self, config: StreamConfig) -> StreamConfig:
+        """The config a step runs with: while a recall is in progress (a question, a held answer) the step does not
+        trim (`NoSlide`; one more compiled step), so the policy cannot evict the recalled units, nor the cached
+        part of their units, before the answer is decoded (OmniPick would: its text budget goes oldest token
+        first, and a recalled piece is younger than the rest of its unit); `release` trims afterwards."""
+        return config.replace(policy=NoSlide()) if self._pending is not None else config
 
 
 def new_recall_session(config: StreamConfig, model_config: Any, *, num_pages: int, batch: int) -> RecallSession:

@@ -237,6 +237,8 @@ class Session:
         if recall is not None and not recall.pending and recall.tier.units and np.asarray(chunk.answer_tokens).any() \
                 and np.asarray(chunk.valid).any():
             self.state, _ = recall.recall(self.state, self._graphdef, self._params, chunk)
+        if recall is not None:
+            config = recall.step_config(config)
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap)

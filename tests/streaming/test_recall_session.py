@@ -1,5 +1,5 @@
 """Recall across a session's life (issue 40): a recall held over an answer's continuation chunks reads exactly what a
-recall kept as content reads, `Chat` carries recall that way, and a `Session` snapshot carries the host tier: the
+held recall kept as content reads (the steps over a recall do not trim: the policy trims when it ends), `Chat` carries recall that way, and a `Session` snapshot carries the host tier: the
 resumed session answers exactly as the uninterrupted one, and a missing or corrupt tier is refused by name."""
 
 import dataclasses
@@ -61,6 +61,7 @@ def _live_orders(session):
 def test_a_held_recall_reads_like_a_kept_one_over_the_whole_answer(model):
     chunks = _context() + [_question(), _continuation(), _continuation()]
     kept = _session(model, OMNIPICK, Recall(budget=64, keep=True))
+    kept.hold_recall()  # the steps over a recall do not trim until it ends, kept or not
     want = _outs(kept, chunks)
     held = _session(model, OMNIPICK, Recall(budget=64))
     held.hold_recall()
@@ -73,6 +74,10 @@ def test_a_held_recall_reads_like_a_kept_one_over_the_whole_answer(model):
     assert recalled <= _live_orders(held) | set(range(48, 76)) and held._recall.pending
     held.release_recall()
     assert not held._recall.pending and not recalled & _live_orders(held)
+    kept.release_recall()
+    # kept: ordinary content once the recall ends; what the policy's trim then evicted is stored again
+    stored_again = {int(o) for u in kept._recall.tier.units for o in u.order}
+    assert recalled - _live_orders(kept) and recalled - _live_orders(kept) <= stored_again
     plain = _session(model, OMNIPICK, Recall(budget=64))  # released after the question: the blocks after differ
     loose = _outs(plain, chunks)
     np.testing.assert_array_equal(loose[6][0], want[6][0])
