@@ -46,7 +46,9 @@ BLOCKS = (16, 128)
 # calls): (group, test(opcodes, op_name metadata, shapes)), checked in this order
 GROUPS = (
     ("lm_head (tied embedding) matmul", lambda ops, meta, shapes: "dot" in ops and VOCAB_DIM in shapes),
-    ("weight matmuls (q/k/v/o, MLP)", lambda ops, meta, shapes: "dot" in ops and "->" in meta),
+    ("weights sliced out of the layer stack (copies)", lambda ops, meta, shapes: "dynamic-slice" in ops
+     and "dynamic_slice" in meta and "dot" not in ops),
+    ("weight matmuls (q/k/v/o, MLP)", lambda ops, meta, shapes: "dot" in ops and _rank(shapes) == 2),
     ("attention over the pages", lambda ops, meta, shapes: "dot" in ops or "exponential" in ops),
     ("retention / paging bookkeeping (sort, cumsum)", lambda ops, meta, shapes: "sort" in ops or "cumsum" in meta
      or "argsort" in meta or "reduce-window" in ops),
@@ -54,6 +56,14 @@ GROUPS = (
     ("gathers (embedding, pages)", lambda ops, meta, shapes: "gather" in ops),
     ("copies", lambda ops, meta, shapes: ops <= {"copy", "bitcast", "parameter"}),
 )
+
+
+def _rank(shapes: str) -> int:
+    """The rank of an instruction's result (the first shape of `shapes`)."""
+    m = re.match(r"\w+\[([^\]]*)\]", shapes)
+    return 0 if m is None or not m.group(1) else m.group(1).count(",") + 1
+
+
 VOCAB_DIM = ",49152]"  # set from the model's vocabulary in main()
 
 
