@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.typing import DTypeLike
 
 DEAD_KEY = jnp.iinfo(jnp.int32).max  # key of a dead slot: never <= a query's order
 PAD_ORDER = jnp.iinfo(jnp.int32).min  # order of a padding query row: sees nothing
@@ -147,7 +148,7 @@ def _validate_scales(k_pages, v_pages, k_scales, v_scales) -> None:
                              f"dim), got {x.dtype} {tuple(x.shape)}")
 
 
-def dequantize_pages(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+def dequantize_pages(codes: jax.Array, scales: jax.Array, dtype: DTypeLike) -> jax.Array:
     """int8 `codes [..., d]` times float32 `scales [...]`, in float32, cast to `dtype`: what the kernel attends to
     (`omnijax.kv.quant_kv.dequantize` computes the same)."""
     return (codes.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
