@@ -3,8 +3,9 @@
 
     LLAMA_PYTHON bench/peers/_llama_cpp_worker.py MODEL.gguf PROMPT_FILE TOKENS THREADS [--no-extra-bufts]
 
-Prints one JSON line: the wall-clock times (`time.time()`) of the imports, the load, the first generated token and the last;
-the generated ids; resident memory (`VmRSS`) after the load and at the end, and the process peak (`ru_maxrss`).
+Prints one JSON line: the wall-clock times (`time.time()`) of the imports, the load, the prompt's submission, the
+first generated token and the last; the generated ids; resident memory (`VmRSS`) after the load and at the end, and
+the process peak (`VmHWM`).
 Greedy (top-k 1), through end-of-turn tokens, `TOKENS` tokens after the prompt (the prompt file's text, tokenized
 with special tokens parsed). `--no-extra-bufts` loads without llama.cpp's extra buffer types (weight repacking and
 AMX), for a build whose AMX kernels this machine's kernel refuses (SIGILL at the first batched matmul).
