@@ -62,7 +62,9 @@ def check_fork(state: StreamState, src: int, dst: Sequence[int], stream: StreamC
     if busy:
         raise ValueError(f"fork destination rows {busy} hold pages; fork into empty rows")
     share = share and page_sharing.shareable(stream.policy, stream.paging.mode) is None
-    shared, copied = (int(np.sum(x)) for x in jax.device_get(page_sharing.fork_plan(state.kv, src, share=share)))
+    row = table[src][table[src] >= 0]  # as `page_sharing.fork_plan`, on the host: full pages shared, others copied
+    shared = int(np.sum(np.all(np.asarray(state.kv.valid)[row], axis=1))) if share else 0
+    copied = len(row) - shared
     free = int(state.kv.num_free)
     if copied * len(dst) > free:
         raise NotEnoughPages(f"{len(dst)} forks copy {copied} pages each ({shared} shared) but the pool has {free} "
