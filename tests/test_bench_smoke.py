@@ -44,9 +44,10 @@ GROUPS = sorted(p.parent.name for p in BENCH.glob("*/__init__.py"))
 # "<group>.<script>", run as `python -m bench.<group>.<script>`
 SCRIPTS = sorted(f"{g}.{p.stem}" for g in GROUPS for p in (BENCH / g).glob("*.py") if not p.name.startswith("_"))
 FIRST = "omnitide.attention_kernel"  # writes the smoke layouts that migration_cost, kernel_configs, placement_sim read
-# started first, in this order (the longest, warm or cold); the others follow by name
-SLOW = ("omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.vs_transformers", "metronome.realtime_load",
-        "tidekv.prefill_memory")
+# started first, in this order (the longest, warm or cold; first_token, at ~50 CPU s the longest by far, converts the
+# tiny GGUF that load_memory then reuses); the others follow by name
+SLOW = ("peers.first_token", "omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.convert_gguf",
+        "peers.vs_transformers", "metronome.realtime_load", "tidekv.prefill_memory")
 # Run as `python -m bench.<group>.<script>` in a fresh interpreter: prefill_memory sets XLA_FLAGS before jax starts
 # and gpu_census jax's platform; omnitide_figures ends with `sys.exit(main())`, whose status the command gives.
 OWN_PROCESS = ("tidekv.prefill_memory", "omnitide.gpu_census", "omnitide.omnitide_figures")

@@ -226,7 +226,7 @@ def main(argv=None) -> None:
     p.add_argument("--tau", type=int, default=8, help="answer tokens per tick (serve's --answer-tokens)")
     p.add_argument("--singles", type=int, default=5, help="chats streamed alone per round and mode")
     p.add_argument("--native-s", type=float, default=2.0, help="shortest native session beside the chats (s)")
-    args = harness.parse(p, argv, smoke={"rounds": 1, "tokens": 8, "chats": 2, "singles": 1, "native_s": 0.75})
+    args = harness.parse(p, argv, smoke={"rounds": 1, "tokens": 8, "chats": 1, "singles": 1, "native_s": 0.75})
     out = harness.output_dir(args)
     result = run(args)
     harness.write_json(out, "token_streaming", result)
