@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import PagedKV
 
 
@@ -383,8 +384,6 @@ def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:
     Args:
         rope: `(theta, mrope_section, interleaved)` of the model.
     """
-    from omnijax.kv import rope as rope_lib
-
     theta, section, interleaved = rope
     angles = rope_lib.rope_angles(jnp.asarray(-np.asarray(pos, np.int32)), k.shape[-1], theta, section, interleaved)
     return np.swapaxes(np.asarray(rope_lib.apply_rope(jnp.swapaxes(jnp.asarray(k, jnp.float32), 1, 2), angles)), 1, 2)

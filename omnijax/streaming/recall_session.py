@@ -185,6 +185,12 @@ def _trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: 
     return kv, next_pos, evicted
 
 
+def _read_only(x: np.ndarray) -> np.ndarray:
+    x = np.array(x, copy=True)
+    x.flags.writeable = False
+    return x
+
+
 def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndarray, int]:
     """`omnijax.retention.base.freed_below` for one sequence of tokens spanning `[lo, hi]` (int arrays `[n]`) below
     `cursor`, on host: `(freed values below each token's lo [n], all freed values below the cursor)`."""
@@ -262,7 +268,7 @@ class RecallSession:
             raise ValueError("a recall is in progress (recalled units are cached for a question or a held answer): "
                              "feed the question, or release_recall(), before a snapshot")
         end = int(jax.device_get(state.kv.next_order[0]))
-        return RecallSnapshot(tier=self.tier, vpos=host_tier._frozen(self._vpos[:end].copy()), cursor=self._cursor,
+        return RecallSnapshot(tier=self.tier, vpos=_read_only(self._vpos[:end]), cursor=self._cursor,
                               counts=tuple(self._counts.items()))
 
     def restore(self, snapshot: RecallSnapshot, state: StreamState) -> None:
