@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from omnijax.kv.paged import PagedKV, copy_rows, listed_first, release_pages
 
+_CHUNK = 4  # pages a step of the copy loop moves: a fork or a trim copies a few pages, each a whole page of every layer
 _PAGE_FIELDS = ("valid", "order", "unit", "span", "offset", "score")  # [N, P] slot fields (pos is [A, N, P])
 
 
@@ -53,7 +54,7 @@ def _copy_pages(kv: PagedKV, src: jax.Array, dst: jax.Array, count: jax.Array) -
     """Copies whole pages `src [K]` to `dst [K]` (N: unused entry; the `count` used ones listed first): keys, values
     (int8 codes and scales as they are), every slot field and the page class."""
     N = kv.num_pages
-    k, v = copy_rows((kv.k, kv.v), src, dst, count)
+    k, v = copy_rows((kv.k, kv.v), src, dst, count, chunk=_CHUNK)
     take = jnp.clip(src, 0, N - 1)
     fields = {name: getattr(kv, name).at[dst].set(getattr(kv, name)[take], mode="drop") for name in _PAGE_FIELDS}
     return kv.replace(k=k, v=v, pos=kv.pos.at[:, dst].set(kv.pos[:, take], mode="drop"),
