@@ -78,7 +78,7 @@ SLOW_FIRST = (
     "serve/test_structured.py", "models/qwen3_omni/test_code2wav.py", "models/qwen2_5_omni/test_token2wav.py",
     "models/test_quantized_decoder.py", "convert/test_quantize.py",
     "serve/test_warmup_structured.py", "models/qwen2_5_omni/test_speech.py",
-    "streaming/test_recall.py", "serve/engine/test_n_sharing.py",
+    "streaming/test_recall.py", "streaming/test_recall_session.py", "serve/engine/test_n_sharing.py",
     "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py", "serve/realtime/test_realtime_audio_output.py",
     "serve/cluster/test_ray_replicas.py", "chat/test_chat_speech_media.py",
 )
