@@ -1,6 +1,7 @@
 """Recall across a session's life (issue 40): a recall held over an answer's continuation chunks reads exactly what a
-held recall kept as content reads (the steps over a recall do not trim: the policy trims when it ends), `Chat` carries recall that way, and a `Session` snapshot carries the host tier: the
-resumed session answers exactly as the uninterrupted one, and a missing or corrupt tier is refused by name."""
+held recall kept as content reads (the steps over a recall do not trim: the policy trims when it ends), `Chat`
+carries recall that way, and a `Session` snapshot carries the host tier: the resumed session answers exactly as the
+uninterrupted one, and a missing or corrupt tier is refused by name."""
 
 import dataclasses
 
