@@ -134,6 +134,7 @@ def main(argv=None):
                                            budget=args.budget, recall=args.recall, scoring=args.scoring,
                                            chunk=args.chunk, complete=True, rows=rows))
     print_table(rows)
+    plot(rows, out, tiny=source.tiny)
 
 
 def report(path) -> None:
@@ -157,8 +158,30 @@ def summary(rows) -> list[dict]:
     return out
 
 
+def plot(rows, out, *, tiny: bool) -> None:
+    """`recall.png`: per policy and length, pass-key accuracy (left) and the device cells held at the question as a
+    share of the full context (right), each policy without recall beside itself with recall."""
+    plt = harness.pyplot()
+    table = summary(rows)
+    fig, (acc, share) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['policy']}\n{r['length']}" for r in table]
+    colours = ["tab:orange" if r["policy"].endswith("+recall") else "tab:blue" for r in table]
+    right = [int(r["acc"].split("/")[0]) / max(1, int(r["acc"].split("/")[1])) for r in table]
+    acc.bar(range(len(table)), right, color=colours)
+    acc.set_ylabel("pass keys answered")
+    acc.set_ylim(0, 1.05)
+    share.bar(range(len(table)), [r["share"] for r in table], color=colours)
+    share.set_ylabel("cells at the question / context")
+    for ax in (acc, share):
+        ax.set_xticks(range(len(table)), labels, rotation=60, ha="right", fontsize=7)
+    fig.suptitle("Recall of evicted units" + (" (tiny RANDOM weights: the pipeline, not the numbers)" if tiny else "")
+                 + ": blue without, orange with recall")
+    harness.save_png(fig, out, "recall")
+
+
 def print_table(rows) -> None:
-    harness.print_table(summary(rows), [("policy", "policy", ""), ("length", "length", "d"), ("right", "acc", ""),
+    harness.print_table(summary(rows), [("retention policy (+recall)", "policy", ""), ("length", "length", "d"),
+                                        ("right", "acc", ""),
                                         ("cells at question", "cells", ".0f"), ("of context", "share", ".0%"),
                                         ("recalled cells", "recalled", ".0f"), ("host MB", "host_mb", ".1f"),
                                         ("question s (warm)", "question_s", ".2f")])
