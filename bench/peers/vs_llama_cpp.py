@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
+from bench.peers._llama_cpp_worker import status_mb  # stdlib only: the llama.cpp side runs it too
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "Write a long story about a dragon who learns to paint."
@@ -82,16 +83,6 @@ def prompt_text(tokenizer) -> str:
     """The chat template's rendering of the system prompt and the question, with the generation prompt."""
     return tokenizer.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
                             add_generation_prompt=True)
-
-
-def status_mb(field: str = "VmRSS") -> float:
-    """A memory figure of this process from /proc/self/status, MB (`VmHWM`: the peak resident size since exec;
-    `ru_maxrss` would count the parent's pages this process was forked with)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def omnijax_worker(checkpoint: Path, cache: str, tokens: int, block: int) -> dict:

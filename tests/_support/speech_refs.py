@@ -52,3 +52,17 @@ def captured_talker_calls(full: Any) -> Iterator[list]:
         yield seen
     finally:
         del full.talker.generate
+
+
+def perturb_thinker_and_talker(full: Any) -> None:
+    """Widens a freshly initialised transformers full model's talker, thinker decoder and thinker head (normal(0, 0.3)
+    matrices, vectors nudged by 0.2 noise) so greedy answers and talker codes depend on every weight; call it after
+    `torch.manual_seed`."""
+    import torch
+
+    with torch.no_grad():
+        for p in full.talker.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        for p in full.thinker.model.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
+        full.thinker.lm_head.weight.normal_(0.0, 0.3)

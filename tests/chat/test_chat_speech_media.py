@@ -20,7 +20,7 @@ from omnijax.models.qwen3_omni import frontend as F
 from omnijax.models.qwen3_omni import speech as S
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from tests._support import qwen3_omni_models as Q
-from tests._support.speech_refs import captured_talker_calls
+from tests._support.speech_refs import captured_talker_calls, perturb_thinker_and_talker
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
@@ -49,12 +49,7 @@ def media_full_model():
         thinker_config=Q.thinker_config(audio_overrides={"num_mel_bins": 128}).to_dict(),
         talker_config={**T.TALKER, **MEDIA_IDS}, code2wav_config=T.CODE2WAV, enable_audio_output=True,
         **TTS)).eval()
-    with torch.no_grad():
-        for p in full.talker.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        for p in full.thinker.model.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        full.thinker.lm_head.weight.normal_(0.0, 0.3)
+    perturb_thinker_and_talker(full)
     full.code2wav.load_state_dict(seeded_reference(T.CODE2WAV).state_dict())
     return full
 

@@ -17,6 +17,7 @@ from omnijax.models.qwen2_5_omni import talker_forward as F
 from omnijax.models.qwen2_5_omni.convert import talker_component, talker_config_from_hf
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig, TalkerConfigError, talker_from_params
 from tests._support import hf_models
+from tests._support.speech_refs import perturb_thinker_and_talker
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
@@ -47,12 +48,7 @@ def seeded_full_model():
     full = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(
         thinker_config=hf_models.thinker_config().to_dict(), talker_config=TALKER, token2wav_config=TOKEN2WAV,
         enable_audio_output=True)).eval()
-    with torch.no_grad():
-        for p in full.talker.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        for p in full.thinker.model.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        full.thinker.lm_head.weight.normal_(0.0, 0.3)
+    perturb_thinker_and_talker(full)
     perturbed(full.token2wav.code2wav_dit_model, 1)
     perturbed(full.token2wav.code2wav_bigvgan_model, 0, last="conv_post", gain_last=0.1)
     full.token2wav.eval()

@@ -28,6 +28,7 @@ from omnijax.models.qwen3_omni.talker import (
     talker_from_params,
 )
 from tests._support import qwen3_omni_models as Q
+from tests._support.speech_refs import perturb_thinker_and_talker
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
@@ -72,12 +73,7 @@ def seeded_full_model():
     full = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(
         thinker_config=Q.thinker_config().to_dict(), talker_config=TALKER, code2wav_config=CODE2WAV,
         enable_audio_output=True, **TTS)).eval()
-    with torch.no_grad():
-        for p in full.talker.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        for p in full.thinker.model.parameters():
-            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
-        full.thinker.lm_head.weight.normal_(0.0, 0.3)
+    perturb_thinker_and_talker(full)
     full.code2wav.load_state_dict(seeded_reference(CODE2WAV).state_dict())
     return full
 
