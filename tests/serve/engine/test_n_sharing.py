@@ -10,6 +10,8 @@ it, the free stack = the pages no table names) and closing every session returns
 Tiny decoder, bucket 4; programs: per policy x decoding the step, the fork and the snapshot row write.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -179,6 +181,24 @@ LONG = [{"role": "user", "content": "Tell me about the sea, the tides, the waves
                                     "the wind over the water at night."}]
 
 
+def assert_every_page_returns(engine, timeout_s: float = 20.0) -> None:
+    """Polls the engine's free-page count from this thread until the whole pool is free (AssertionError naming the
+    count after `timeout_s`): the engine's thread may still be resetting a closed session's row (its sessions list
+    is already empty then), and a read of the state it is replacing finds donated buffers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            free = engine.free_pages
+        except RuntimeError:  # the engine thread donated that state while this thread read it
+            free = None
+        if free == engine.config.num_pages:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{free} of {engine.config.num_pages} pages free {timeout_s:g} s after the server "
+                                 f"went idle")
+        time.sleep(0.05)
+
+
 def test_chat_completions_n3_sharing_equals_the_snapshot_copy(monkeypatch):
     """n=3 through the official openai SDK against the demo server (SinkWindow(4, 48), 16-slot pages): sharing
     gives the same choices, tokens and logprobs as the snapshot-copy path, sampled (seeded) and greedy, whole and
@@ -214,7 +234,7 @@ def test_chat_completions_n3_sharing_equals_the_snapshot_copy(monkeypatch):
                         for i in range(3)]
             got[share] = (entries(sampled), entries(greedy), streamed)
             server.wait_idle()  # a response's last chunk goes out before the engine closes its sessions
-            assert engine.free_pages == engine.config.num_pages
+            assert_every_page_returns(engine)
         assert got[True] == got[False]
         assert len({text for _, text, _, _ in got[True][0]}) > 1  # the sampled choices differ
         assert got[True][2] == [text for _, text, _, _ in got[True][0]]
