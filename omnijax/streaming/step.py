@@ -220,14 +220,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     positions = chunk.positions + next_pos[None, :, None]
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
-    if tap is None:
-        kv, hidden = write_chunk(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
-                                 placement=paging.placement, deepstack=chunk.deepstack)
-        tapped = None
-    else:
-        kv, hidden, tapped = write_chunk_tapped(model, kv, x, chunk.valid, positions, meta, impl=impl,
-                                                track_scores=track, placement=paging.placement,
-                                                deepstack=chunk.deepstack, tap=tap)
+    kv, hidden, tapped = write_chunk_tapped(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
+                                            placement=paging.placement, deepstack=chunk.deepstack, tap=tap)
     attended = layout_lib.layout_stats(kv, subblock)
     T = chunk.valid.shape[1]
     last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
