@@ -137,11 +137,32 @@ def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None
     final, out = run(graphdef, params, state, chunks, config=config)
     exhausted = np.asarray(final.kv.exhausted)  # waits for the program: a stream call returns a finished session
     if exhausted.any():
-        warnings.warn(f"the KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
-                      f"{np.asarray(final.kv.dropped)[exhausted].tolist()} token(s) were not cached (see "
-                      f"stats.layout.exhausted and state.kv.dropped); give a larger num_pages or a bounded policy",
-                      RuntimeWarning, stacklevel=2)
+        warn_pool_ran_out(exhausted, np.asarray(final.kv.dropped), num_pages=final.kv.num_pages,
+                          page_size=final.kv.page_size, session=False, stacklevel=2)
     return StreamResult(logits=out.logits, tokens=out.tokens, stats=out.stats, state=final)
+
+
+def warn_pool_ran_out(exhausted: np.ndarray, dropped: np.ndarray, *, num_pages: int, page_size: int, session: bool,
+                      stacklevel: int) -> None:
+    """Warns that a pool dropped tokens, naming the sequences, the counts, the pool's size and the fix.
+
+    The one message of `stream` and `Session` (which warns at its first drop only).
+
+    Args:
+        exhausted: per sequence, whether its pool ran out.
+        dropped: per sequence, how many tokens were not cached.
+        num_pages: pages in the pool.
+        page_size: tokens per page.
+        session: the warning comes from a `Session` (only its first drop is warned about).
+        stacklevel: `warnings.warn`'s stacklevel as seen from the caller (1: the caller's own line).
+    """
+    rows = np.flatnonzero(exhausted)
+    later = (" and later ones will not be either (only this first drop is warned about; see "
+             "out.stats.layout.dropped)" if session else " (see stats.layout.exhausted and state.kv.dropped)")
+    where = "StreamConfig(num_pages=...) or Session(model, num_pages=...)" if session else "StreamConfig(num_pages=...)"
+    warnings.warn(f"the KV pool ran out in sequence(s) {rows.tolist()}: {dropped[rows].tolist()} token(s) were not "
+                  f"cached{later}. The pool holds {num_pages} pages of {page_size} tokens: give a larger num_pages "
+                  f"({where}) or a bounded retention policy", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 class Session:
@@ -329,10 +350,5 @@ class Session:
         exhausted = np.asarray(latest[0])
         if exhausted.any():
             self._unread = None
-            dropped = np.asarray(latest[1])[exhausted].tolist()
-            warnings.warn(f"the session's KV pool ran out in sequence(s) {np.flatnonzero(exhausted).tolist()}: "
-                          f"{dropped} token(s) were not cached and later ones will not be either (only this "
-                          f"first drop is warned about; see out.stats.layout.dropped). The pool holds "
-                          f"{self.state.kv.num_pages} pages of {self.state.kv.page_size} tokens: give a larger "
-                          f"num_pages (StreamConfig(num_pages=...) or Session(model, num_pages=...)) or a bounded "
-                          f"retention policy", RuntimeWarning, stacklevel=3)
+            warn_pool_ran_out(exhausted, np.asarray(latest[1]), num_pages=self.state.kv.num_pages,
+                              page_size=self.state.kv.page_size, session=True, stacklevel=3)

@@ -8,11 +8,11 @@ import warnings
 import numpy as np
 import pytest
 
-from omnijax.chunks.chunk import text_chunk
+from omnijax.chunks.chunk import stack_chunks, text_chunk
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.streaming.session import Session
+from omnijax.streaming.session import Session, stream
 
 WIDTH = 512
 
@@ -75,3 +75,18 @@ def test_session_within_its_pool_never_warns(model):
         assert session.check_pool() is False
     assert drop_warnings(caught) == []
     assert all(int(np.asarray(o.stats.layout.dropped)[0]) == 0 for o in outs)
+
+
+def test_stream_warns_with_the_same_message_and_its_counts(model):
+    """`stream` and `Session` share one warning: the pool's size, the sequence, its dropped count, the fix."""
+    chunks = stack_chunks([text_chunk(np.arange(10, 10 + 100), length=128) for _ in range(3)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = stream(model, chunks, StreamConfig(num_pages=2, page_size=64))  # 128 tokens for 300
+    found = drop_warnings(caught)
+    assert len(found) == 1 and found[0].filename == __file__
+    dropped = int(np.asarray(result.state.kv.dropped)[0])
+    assert dropped == 300 - 128  # independent: the state's own count, the tokens past 2 pages of 64
+    message = str(found[0].message)
+    assert f"[{dropped}] token(s)" in message and "2 pages of 64 tokens" in message
+    assert "StreamConfig(num_pages=...)" in message
