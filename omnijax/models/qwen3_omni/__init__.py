@@ -2,8 +2,8 @@
 
 - `audio.py`: the AuT audio encoder (100-frame chunks, windowed attention over `n_window_infer` frames).
 - `vision.py`: the Qwen3-VL vision encoder and its DeepStack mergers.
-- `positions.py`: the thinker's ids and position rate (`Qwen3OmniConfig`) and `get_rope_index`, one-shot and unit by
-  unit (`StreamPositions`).
+- `config.py`: the thinker's modality ids and position rate (`Qwen3OmniConfig`).
+- `positions.py`: `get_rope_index`, one-shot and unit by unit (`StreamPositions`).
 - `thinker.py`: Hugging Face-style inputs -> placeholder embeddings, DeepStack levels, positions (`Model(...)`).
 - `frontend.py`: raw frames / PCM / images -> ready chunks, as the release's processor prepares them.
 

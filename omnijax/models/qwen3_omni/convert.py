@@ -36,7 +36,7 @@ from omnijax.models.qwen3_omni import audio as audio_lib
 from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
 from omnijax.models.qwen3_omni.code2wav import code2wav_component
-from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+from omnijax.models.qwen3_omni.config import Qwen3OmniConfig
 from omnijax.models.qwen3_omni.talker import talker_components
 
 OMNIJAX_MODEL_TYPES = {"qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni"}

@@ -21,7 +21,7 @@ from omnijax.models.qwen3_omni import convert, frontend, thinker
 from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni import vision as vision_lib
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
-from omnijax.models.qwen3_omni.positions import Qwen3OmniConfig
+from omnijax.models.qwen3_omni.config import Qwen3OmniConfig
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import has_speech_components
 

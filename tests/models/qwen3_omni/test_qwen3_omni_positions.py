@@ -15,6 +15,7 @@ hf = pytest.importorskip("transformers.models.qwen3_omni_moe.modeling_qwen3_omni
                          reason="transformers (the test extra) holds the reference positions")
 
 from omnijax.models.qwen3_omni import positions as qp  # noqa: E402
+from omnijax.models.qwen3_omni.config import Qwen3OmniConfig  # noqa: E402
 
 CFG = qp.Qwen3OmniConfig()
 _HF = hf.Qwen3OmniMoePreTrainedModelForConditionalGeneration
@@ -323,3 +324,8 @@ def test_config_from_hf_and_json():
     assert cfg.boundary_ids == {151652, 151653, 151669, 151670, 151644, 151645}
     with pytest.raises(ValueError, match="distinct"):
         qp.Qwen3OmniConfig(audio_token_id=151655)
+    with pytest.raises(ValueError, match="audio_token_id must be an integer"):  # not truncated to 151675
+        Qwen3OmniConfig.from_hf({"audio_token_id": 151675.5})
+    with pytest.raises(ValueError, match="spatial_merge_size must be an integer"):
+        Qwen3OmniConfig.from_hf({"vision_config": {"spatial_merge_size": 2.5}})
+    assert Qwen3OmniConfig.from_hf({"audio_token_id": 151675.0}).audio_token_id == 151675  # JSON may write 1.0
