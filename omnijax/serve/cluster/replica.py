@@ -30,9 +30,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from omnijax.serve.cluster.lease import LeaseDir
 from omnijax.serve.cluster.sessions import ReplicaSessions, query_value
 from omnijax.serve.context import ServeContext, ServeOptions
-from omnijax.serve.realtime.snapshot_store import SnapshotStore
+from omnijax.serve.realtime.snapshot_store import Lease, SnapshotStore, SnapshotStoreError, TokenInUse
 
 log = logging.getLogger("omnijax.serve")
 DRAIN_PATH = "/v1/omnijax/drain"
@@ -40,19 +41,108 @@ REPLICA_PATH = "/v1/omnijax/replica"
 
 
 class SharedSnapshotStore(SnapshotStore):
-    """A replica's view of the `--snapshot-dir` every replica shares: the same store, except that opening it removes
-    nothing. A plain store removes the temp folders it finds at open as what a killed write left, but here another
-    replica may be writing one right then (a replica Ray Serve starts to replace a failed one opens its store while
-    the others serve); `omnijax serve --replicas` cleans the directory once, before any replica starts."""
+    """A replica's view of the `--snapshot-dir` every replica shares: the same store, plus:
+
+    - opening it removes nothing. A plain store removes the temp folders it finds at open as what a killed write
+      left, but here another replica may be writing one right then (a replica Ray Serve starts to replace a failed
+      one opens its store while the others serve); `omnijax serve --replicas` cleans the directory once, before any
+      replica starts;
+    - a token is leased across replicas too (`omnijax.serve.cluster.lease`): a resume on this replica of a token
+      another replica's connection holds is refused (`TokenInUse`, naming that replica) after `live_grace_s`, or
+      waits for it while that connection closes; a lease whose replica died is broken (at once when its process
+      is gone from this host, else when its heartbeat is `stale_s` old);
+    - the size cap and the expiry see every replica's snapshots (the directory is rescanned before they act) and
+      never evict a token another replica holds.
+
+    Args:
+        root: the shared directory.
+        owner: this replica's id (named in refusals).
+        heartbeat_s, stale_s: of the cross-replica leases (`LeaseDir`).
+        **kwargs: `SnapshotStore`'s.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, owner: str, heartbeat_s: float = 1.0, stale_s: float = 10.0,
+                 lease_host: str | None = None, lease_pid: int | None = None, **kwargs: Any):
+        max_age_s = kwargs.pop("max_age_s", None)
+        if max_age_s is not None and not max_age_s >= 0:
+            raise ValueError(f"max_age_s must be >= 0 (or None), got {max_age_s}")
+        super().__init__(root, **kwargs)  # no expiry yet: it must see the other replicas' leases
+        self.shared = LeaseDir(self.root, owner, heartbeat_s=heartbeat_s, stale_s=stale_s, host=lease_host,
+                               pid=lease_pid)
+        self.max_age_s = max_age_s or None
+        self.expire()
 
     def _clean(self) -> int:
         return 0
 
+    def held(self, token: str) -> bool:
+        """Whether a connection of this replica, or a live one of another, holds the token."""
+        return super().held(token) or self.shared.held_elsewhere(token)
 
-def shared_store(options: ServeOptions) -> SharedSnapshotStore:
-    """The `SharedSnapshotStore` of `options.snapshot_dir` (ValueError when unusable)."""
-    return SharedSnapshotStore(options.snapshot_dir, max_bytes=options.snapshot_max_bytes,
-                               max_age_s=options.snapshot_max_age_s)
+    async def acquire(self, token: str) -> Lease:
+        """`SnapshotStore.acquire`, then the cross-replica lease (class docstring): a holder on another replica
+        that is connected is refused after `live_grace_s` (`write_wait_s` while it closes or its heartbeat is
+        late, until it goes stale)."""
+        lease = await super().acquire(token)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            while True:
+                holder = await asyncio.to_thread(self.shared.take, token, lambda: lease.closing)
+                if holder is None:
+                    return lease
+                waited = loop.time() - start
+                beating = holder.age_s < 2 * self.shared.heartbeat_s
+                if beating and not holder.closing and waited >= self.live_grace_s:
+                    raise TokenInUse(f"this resume token is in use by an open connection on replica {holder.owner}; "
+                                     f"a token resumes one connection at a time (close the other one first)")
+                if waited >= self.write_wait_s + self.shared.stale_s:
+                    raise TokenInUse(f"this resume token is still held by replica {holder.owner} after "
+                                     f"{waited:.0f} s (its connection closing, or its replica unresponsive); "
+                                     f"try again later")
+                await asyncio.sleep(0.05)
+        except BaseException:
+            super().release(lease)
+            raise
+
+    def lease_new(self, token: str) -> Lease:
+        lease = super().lease_new(token)
+        holder = self.shared.take(token, lambda: lease.closing)
+        if holder is not None:  # a fresh random token another replica holds: never, short of a broken generator
+            super().release(lease)
+            raise SnapshotStoreError(f"resume token already leased by replica {holder.owner}")
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        if self._leases.get(lease.token) is lease:
+            self.shared.give_back(lease.token)
+        super().release(lease)
+
+    def _rescan(self) -> None:
+        """Re-reads the directory's snapshots (every replica's writes); a folder another replica removes during the
+        scan makes it look again."""
+        for attempt in range(3):
+            try:
+                return self._scan()
+            except OSError:
+                if attempt == 2:
+                    raise
+
+    def expire(self) -> list[str]:
+        if self.max_age_s is not None:
+            self._rescan()
+        return super().expire()
+
+    def _make_room(self, budget: int, keep: str) -> bool:
+        self._rescan()
+        return super()._make_room(budget, keep)
+
+
+def shared_store(options: ServeOptions, owner: str | None = None) -> SharedSnapshotStore:
+    """The `SharedSnapshotStore` of `options.snapshot_dir` (ValueError when unusable); `owner` defaults to this Ray
+    Serve replica's id."""
+    return SharedSnapshotStore(options.snapshot_dir, owner=owner or current_replica_id(),
+                               max_bytes=options.snapshot_max_bytes, max_age_s=options.snapshot_max_age_s)
 
 
 def current_replica_id() -> str:

@@ -346,7 +346,7 @@ class SnapshotStore:
             for _, t in others:
                 if used <= budget:
                     break
-                if t not in self._leases:
+                if not self.held(t):
                     used -= self._entries[t].bytes
                     self._evict(t, f"to stay under the size cap of {self.max_bytes / 2**20:.1f} MiB"
                                 if self.max_bytes else "size cap")
@@ -358,7 +358,7 @@ class SnapshotStore:
             return []
         now = self.clock()
         with self._lock:
-            old = [t for t, e in self._entries.items() if now - e.written > self.max_age_s and t not in self._leases]
+            old = [t for t, e in self._entries.items() if now - e.written > self.max_age_s and not self.held(t)]
             for t in old:
                 self._evict(t, f"expired: not written for over {self.max_age_s:g} s")
         return old
