@@ -9,7 +9,9 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
 - `predictor_logits`: the code predictor on a whole sequence with head `g` (transformers' predictor forward).
 - `predict_codes`: one frame's residual codebooks 1 .. Q-1, greedy, as one compiled loop over a dense KV buffer.
 - `talker_step`: one frame: the predictor fills the previous token's frame, the frame's embeddings plus a text row
-  become the talker's next input, the talker writes it and returns the next first-codebook logits.
+  become the talker's next input, the talker writes it and returns the next first-codebook logits. `rows_step` /
+  `rows_prefill`: the same over the rows of a cache several sessions share (only active rows write): what the
+  serving engine batches (`omnijax.serve.engine.speech`).
 - `user_prompt`: a user turn's talker rows (projected thinker embedding rows; hidden rows at placeholders).
 - `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
 - `talker_prompt`: a whole conversation's talker input (system turns skipped, user turns, the answer's prefix).
@@ -41,8 +43,8 @@ from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
 
 __all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "greedy_frames", "init_cache", "predict_codes",
-           "predictor_logits", "project_hidden", "project_text", "talker_chunk", "talker_logits", "talker_params",
-           "talker_prompt", "talker_step", "user_prompt"]
+           "predictor_logits", "project_hidden", "project_text", "rows_prefill", "rows_step", "talker_chunk",
+           "talker_logits", "talker_params", "talker_prompt", "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
 
@@ -234,6 +236,21 @@ def predict_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, 
     return _frame_codes(config, params, past_hidden, code0)[0]
 
 
+def rows_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
+              code0: jax.Array, text_row: jax.Array, position: jax.Array, active: jax.Array | None = None
+              ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
+    """`talker_step` traceable (call under jit), over the rows of a shared cache: only the rows where `active [B]`
+    is True write their token (None: every row), so sessions at different steps share one batched call; the other
+    rows' outputs are computed and meaningless."""
+    codes, frame = _frame_codes(config, params, past_hidden, code0)
+    x = (frame + text_row.astype(frame.dtype))[:, None]
+    B = code0.shape[0]
+    pos = jnp.broadcast_to(position.astype(jnp.float32)[None, :, None], (3, B, 1))
+    valid = jnp.ones((B, 1), bool) if active is None else active.astype(bool)[:, None]
+    kv, hidden, logits = talker_chunk(config, params, kv, x, valid, pos)
+    return kv, codes, hidden[:, 0], logits[:, 0]
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
                 code0: jax.Array, text_row: jax.Array, position: jax.Array
@@ -250,12 +267,18 @@ def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, pas
     Returns:
         `(kv, codes [B, Q] of code0's frame, hidden [B, D] final-normed at the new position, logits [B, V])`.
     """
-    codes, frame = _frame_codes(config, params, past_hidden, code0)
-    x = (frame + text_row.astype(frame.dtype))[:, None]
-    B = code0.shape[0]
-    pos = jnp.broadcast_to(position.astype(jnp.float32)[None, :, None], (3, B, 1))
-    kv, hidden, logits = talker_chunk(config, params, kv, x, jnp.ones((B, 1), bool), pos)
-    return kv, codes, hidden[:, 0], logits[:, 0]
+    return rows_step(config, params, kv, past_hidden, code0, text_row, position)
+
+
+def rows_prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, valid: jax.Array,
+                 positions: jax.Array) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    """Prompts written into some rows of a shared cache (traceable): `embeds [B, T, D]`, `valid [B, T]` (a row's
+    prompt left-aligned; rows without one all False), `positions [3, B, T]`. Returns `(kv, hidden [B, D], logits
+    [B, V])` at each row's last valid position (meaningless for rows without a prompt)."""
+    kv, hidden, logits = talker_chunk(config, params, kv, embeds, valid, positions)
+    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+    take = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # noqa: E731
+    return kv, take(hidden), take(logits)
 
 
 @functools.partial(jax.jit, static_argnames="config")

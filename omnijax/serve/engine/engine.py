@@ -21,6 +21,11 @@ then preempts the session (the paper's stall): that frame and every later one co
 `preempted=True`), the tokens not written are counted in `FrameOutput.dropped`, and the telemetry raises
 `pool_exhausted` and `session_preempted` events. A preempted session stays parked, holding its pages, until it is
 closed (closing frees them); its context is incomplete, so it is never resumed.
+
+Speech (`EngineConfig.speech`): `speak` admits an utterance (a thinker prompt and answer) to the speech pool
+(`omnijax.serve.engine.speech.SpeechPool`, its own talker KV pool with pages reserved at admission); every tick then
+runs one batched talker step over the speaking sessions and their due vocoder chunks after the thinker's step, so
+the tick latency (what AIMD admission reads) includes them; the chunks come back in `TickReport.speech`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -36,164 +41,23 @@ import numpy as np
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import folded_keys, seed_of
-from omnijax.retention.baselines import SinkWindow
+from omnijax.models.speech import MediaRows
 from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
+from omnijax.serve.engine.engine_config import DuplicateSession, EngineConfig, FrameOutput, TickReport
 from omnijax.serve.engine.rows import batch_frames, check_fork, fork_rows, pick_bucket, reset_row, take_rows
-from omnijax.serve.engine.telemetry import StallEvent, Telemetry
-from omnijax.streaming.config import StreamConfig
+from omnijax.serve.engine.speech import SpeechPool
+from omnijax.serve.engine.telemetry import Telemetry
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import StreamState, init_state
 
-# Re-exported: the row moves were defined here, and the fused step under this name.
+# Re-exported: the settings and reports (engine_config) and the row moves were defined here, and the fused step under
+# this name.
 __all__ = ["DuplicateSession", "Engine", "EngineConfig", "FrameOutput", "TickReport", "pick_bucket", "reset_row",
            "take_rows"]
 _engine_step = engine_step
-
-
-class DuplicateSession(KeyError, ValueError):
-    """`Engine.open` of a session id that is already open (both a `KeyError` and a `ValueError`)."""
-
-
-def _default_stream() -> StreamConfig:
-    return StreamConfig(policy=SinkWindow(sink=16, window=1024), impl="xla", num_pages=256, max_answer_tokens=4)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static engine settings.
-
-    Attributes:
-        stream: the sessions' settings (`omnijax.StreamConfig`): retention policy (`SinkWindow(sink, window)`
-            bounds each session, `NoSlide()` is the unbounded baseline that walls when the pool saturates), paging,
-            attention impl, page size, pages of the shared pool (`num_pages`, required), subblock, tau
-            (`max_answer_tokens`, the most tokens a frame may ask for) and decoding. Default: `SinkWindow(16,
-            1024)`, "xla", a 256-page pool of 64-slot pages, tau 4.
-        max_pages: page-table width per session (default: the whole pool).
-        chunk_tokens: padded per-tick prefill length T of every session.
-        buckets: allowed batch sizes, ascending; the largest is the most sessions the engine holds.
-        frame_budget_s: the frame budget B (telemetry counts overruns; AIMD targets a fraction of it).
-        return_logits: copy each frame's last-position logits `[V]` to the host.
-        fit_fraction: early share of the trace the telemetry's saturation fit uses.
-        per_token: run ticks host-driven (`omnijax.serve.engine.decode_loop.host_tick`): the answer is decoded one
-            jitted token step at a time from the engine thread, each token handed to `tick(on_token=...)` as soon
-            as it is decoded (per-token streaming). The tokens are those of the fused tick (one program decoding
-            up to tau tokens); a tick costs one dispatch and one copy back per token more. Default False (fused);
-            `tick(per_token=...)` decides per tick, and a tick with a constrained row is always host-driven.
-    """
-
-    stream: StreamConfig = dataclasses.field(default_factory=_default_stream)
-    max_pages: int | None = None
-    chunk_tokens: int = 64
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    frame_budget_s: float = 1.0
-    return_logits: bool = True
-    fit_fraction: float = 0.25
-    per_token: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.per_token, bool):
-            raise ValueError(f"per_token must be True or False, got {self.per_token!r}")
-        if not isinstance(self.stream, StreamConfig):
-            raise TypeError(f"EngineConfig.stream must be an omnijax.StreamConfig, got {self.stream!r}")
-        if self.stream.num_pages is None:
-            raise ValueError("an engine's shared pool needs a size: give StreamConfig(num_pages=...)")
-        buckets = tuple(int(b) for b in self.buckets)
-        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {self.buckets}")
-        object.__setattr__(self, "buckets", buckets)
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.max_pages is not None and self.max_pages < 1:
-            raise ValueError(f"max_pages must be >= 1, got {self.max_pages}")
-        if not self.frame_budget_s > 0:
-            raise ValueError(f"frame_budget_s must be positive, got {self.frame_budget_s}")
-        if not 0 < self.fit_fraction <= 1:
-            raise ValueError(f"fit_fraction must lie in (0, 1], got {self.fit_fraction}")
-
-    @property
-    def num_pages(self) -> int:
-        """Pages of the shared pool (`stream.num_pages`)."""
-        return self.stream.num_pages
-
-    @property
-    def max_answer_tokens(self) -> int:
-        """tau (`stream.max_answer_tokens`)."""
-        return self.stream.max_answer_tokens
-
-
-@dataclasses.dataclass
-class FrameOutput:
-    """One session's result of one tick.
-
-    Attributes:
-        session_id: the session.
-        tokens: answer tokens, chosen by `StreamConfig.decoding` ([] when none were asked, or the session is
-            preempted).
-        logits: last-position logits `[V]` of the frame's chunk (None when preempted or not returned).
-        dropped: tokens of this frame not written to the cache because the pool (or page table) was exhausted;
-            for a preempted session, the whole chunk.
-        preempted: the session is preempted (exhausted KV): this frame and all later ones are empty.
-        asked: answer tokens the frame asked for.
-        tick_s: wall latency of the tick the frame ran in.
-        occupancy: pool pages in use / pool pages after that tick.
-        logprobs: when the frame's sampling row asks for log probabilities (`top_logprobs` >= 0), one entry per
-            token: `(logprob, [(token id, logprob), ...])`, the raw model distribution's log probability of the
-            token and of the `top_logprobs` most likely tokens (`omnijax.decoding.row_logprobs`); else None.
-        complete: the row's token constraint reported `finished()` after its last token (host-driven ticks).
-        error: why the row's token constraint failed it (its `bitmask()` or `accept` raised, or a bad mask); the
-            tokens before are kept.
-    """
-
-    session_id: str
-    tokens: list[int]
-    logits: np.ndarray | None
-    dropped: int
-    preempted: bool
-    asked: int = 0
-    tick_s: float = 0.0
-    occupancy: float = 0.0
-    logprobs: list | None = None
-    complete: bool = False
-    error: str | None = None
-
-
-@dataclasses.dataclass
-class TickReport:
-    """What one tick did.
-
-    Attributes:
-        outputs: a `FrameOutput` per session that had a submitted chunk.
-        latency_s: wall latency of the tick (host batching, the jitted step to `block_until_ready`, copy back).
-        occupancy: pool pages in use / pool pages, after the tick.
-        running: open sessions not preempted (vLLM's "running").
-        waiting: open sessions preempted after exhaustion (parked, waiting for memory that never comes).
-        tokens: answer tokens delivered this tick.
-        events: stall events this tick raised.
-        served: sessions whose chunk ran in the step.
-        queued: chunks still pending after the tick.
-        used_pages, free_pages: pool pages in use / free after the tick.
-        bucket: batch size the step ran at.
-        tick: tick index.
-        per_token: the tick ran host-driven (its tokens went to `on_token` as they were decoded).
-    """
-
-    outputs: dict[str, FrameOutput]
-    latency_s: float
-    occupancy: float
-    running: int
-    waiting: int
-    tokens: int
-    events: list[StallEvent]
-    served: int = 0
-    queued: int = 0
-    used_pages: int = 0
-    free_pages: int = 0
-    bucket: int = 0
-    tick: int = 0
-    per_token: bool = False
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
@@ -237,6 +101,8 @@ class Engine:
         self._seen_dropped: dict[str, int] = {}
         self._opened = 0  # sessions opened so far: the n-th samples with keys folded from the seed and n
         self._unkeyed: dict[str, np.ndarray] = {}  # sessions whose row has not received its sampling key yet
+        # the speaking sessions' talkers and vocoders (`omnijax.serve.engine.speech`), run on every tick
+        self.speech: SpeechPool | None = None if config.speech is None else SpeechPool(model, config.speech)
 
     # ------------------------------------------------------------------------------------------ sessions
     @property
@@ -308,6 +174,24 @@ class Engine:
         if row < self.state.kv.batch:  # a session opened since the last tick has no row yet
             self.state = _reset_row(self.state, np.int32(row))
 
+    def speak(self, speech_id: str, prompt_ids, answer_ids, *, voice: str, max_new_tokens: int,
+              media: Sequence[MediaRows] = ()) -> int:
+        """Admits an utterance to the speech pool between ticks: the thinker's prompt and answer ids spoken with
+        `voice`; its talker steps and vocoder chunks run on the next ticks (`TickReport.speech`). Returns the talker
+        pages reserved. Raises ValueError (no `EngineConfig.speech`), `Overloaded` and the refusals of
+        `omnijax.serve.engine.speech.SpeechPool.open`, changing nothing."""
+        if self.speech is None:
+            raise ValueError("this engine has no speech pool: give EngineConfig(speech=SpeechConfig(...)) with a "
+                             "model that speaks")
+        return self.speech.open(speech_id, prompt_ids, answer_ids, voice=voice, max_new_tokens=max_new_tokens,
+                                media=media)
+
+    def close_speech(self, speech_id: str) -> None:
+        """Drops an utterance from the speech pool (between ticks); its talker pages return. KeyError if unknown."""
+        if self.speech is None:
+            raise KeyError(f"unknown speech {speech_id!r}: this engine has no speech pool")
+        self.speech.close(speech_id)
+
     def submit(self, session_id: str, chunk: Chunk, answer_tokens: int) -> None:
         """Queues one frame's chunk (`[1, T']`, T' <= chunk_tokens) asking for `answer_tokens` answer tokens.
 
@@ -377,7 +261,8 @@ class Engine:
 
     def tick(self, *, per_token: bool | None = None, on_token: OnToken | None = None,
              constraints: Mapping[str, TokenConstraint] | None = None) -> TickReport:
-        """Serves every session with a submitted chunk in one batched step; returns the `TickReport`.
+        """Serves every session with a submitted chunk in one batched step, then the speech pool's talker step and due
+        vocoder chunks (when the engine speaks); returns the `TickReport`.
 
         Args:
             per_token: run this tick host-driven (None: `EngineConfig.per_token`); see `EngineConfig.per_token`.
@@ -431,6 +316,7 @@ class Engine:
             free = int(num_free)
         else:
             free = self.free_pages
+        speech = self.speech.tick() if self.speech is not None else []  # talker step + due vocoder chunks
         latency = time.perf_counter() - t0
         used = self.config.num_pages - free
         empty = [s for s, o in outputs.items() if o.asked > 0 and not o.tokens]
@@ -446,7 +332,8 @@ class Engine:
         return TickReport(outputs=outputs, latency_s=latency, occupancy=used / self.config.num_pages,
                           running=running, waiting=waiting, tokens=n_tokens, events=events, served=len(frames),
                           queued=sum(len(q) for q in self._queue.values()), used_pages=used, free_pages=free,
-                          bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1, per_token=host)
+                          bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1, per_token=host,
+                          speech=speech)
 
     # -------------------------------------------------------------------------------------------- persistence
     def export_session(self, session_id: str, *, meta: dict | None = None) -> snapshot_lib.SessionSnapshot:

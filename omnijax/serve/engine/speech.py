@@ -1,0 +1,438 @@
+"""Speech on the engine's ticks: the talkers of several sessions decode in one batched step per tick, their vocoder
+chunks are scheduled by playback deadline, and admission counts what speaking holds (issue 39 item 4).
+
+A `SpeechPool` (Qwen3-Omni: talker + code predictor + Code2Wav) owns its own paged KV pool, separate from the
+thinker's: each speaking session is a row of one batched talker cache (`talker_forward.rows_prefill` /
+`rows_step`: only active rows write). The batch is a bucket (`SpeechConfig.rows`), the smallest that holds the
+sessions speaking, as the engine's own rows; rows are compacted when sessions end (the pool never moves).
+
+Per `tick()`:
+1. the utterances admitted since the last tick are prefilled together (their talker prompts, left-aligned and padded
+   to a power-of-two length, in one call over the batch; the other rows write nothing);
+2. one batched talker step for every row still decoding: the code predictor fills the previous token's frame (the
+   frame's Q codes come back), the talker writes the frame and picks its next token (greedy, the control ids
+   suppressed, as `omnijax.models.qwen3_omni.speech.speak`); a row ends at the end-of-speech token or at its
+   `max_new_tokens`;
+3. vocoder chunks: a session whose frames fill its next chunk (`first_chunk` frames, then `chunk`; what is left once
+   the talker ended) gets one Code2Wav call with its carried state (`Code2WavStream`, one per session), in order of
+   playback deadline: a first chunk before any other (nothing is playing yet), then the chunk whose audio runs out
+   soonest (the first PCM's time plus the seconds sent). `vocoder_budget_s` bounds the vocoder time of a tick: past
+   it, chunks whose deadline is further than `slack_s` away wait for the next tick; urgent ones still run.
+
+A chunk that leaves after its deadline is sent all the same and reported late (`SpeechChunk.late_s`, the pool's
+`stats["late_chunks"]` / `["late_s"]`): speech is never dropped. Admission reserves each utterance's talker pages up
+front (its prompt plus `max_new_tokens`), so a row can never run out of cache mid-utterance: `open` refuses
+(`Overloaded`, naming the pages or rows) what the pool cannot hold, and the engine's tick latency, which the AIMD
+controller reads, includes the talker steps and vocoder calls.
+
+Each session's codes and PCM equal the same utterance spoken alone (`speak_streamed`): the batched step computes
+every row as the single-session step does, and the vocoder's chunks are the same whatever ran beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.kv import paged as paged_lib
+from omnijax.models.qwen3_omni import speech as speech_lib
+from omnijax.models.qwen3_omni import talker_forward
+from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream
+from omnijax.models.speech import MediaRows
+from omnijax.serve.engine.admission import Overloaded
+
+__all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechConfig:
+    """Static settings of the engine's speech pool.
+
+    Attributes:
+        rows: talker batch sizes, ascending; the largest is the most sessions speaking at once.
+        num_pages: pages of the talker's KV pool (shared by every speaking session).
+        page_size: slots per talker page (a power of two).
+        max_pages: page-table width per row (default: the whole pool): the longest utterance a row holds is
+            `max_pages * page_size` talker tokens, prompt included.
+        first_chunk: codec frames of a session's first vocoder call (80 ms each for the release).
+        chunk: codec frames of each later call.
+        vocoder_budget_s: vocoder seconds per tick after which chunks that are not urgent wait (None: every ready
+            chunk runs in its tick).
+        slack_s: a chunk whose playback deadline is nearer than this is urgent.
+    """
+
+    rows: tuple[int, ...] = (1, 2, 4, 8)
+    num_pages: int = 64
+    page_size: int = 64
+    max_pages: int | None = None
+    first_chunk: int = 4
+    chunk: int = 25
+    vocoder_budget_s: float | None = None
+    slack_s: float = 0.5
+
+    def __post_init__(self):
+        rows = tuple(int(b) for b in self.rows)
+        if not rows or min(rows) < 1 or list(rows) != sorted(set(rows)):
+            raise ValueError(f"SpeechConfig.rows must be distinct positive sizes in ascending order, got {self.rows}")
+        object.__setattr__(self, "rows", rows)
+        for name in ("num_pages", "page_size", "first_chunk", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpeechConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_pages is not None and not 1 <= self.max_pages <= self.num_pages:
+            raise ValueError(f"SpeechConfig.max_pages must lie in [1, num_pages={self.num_pages}], got "
+                             f"{self.max_pages}")
+        if self.vocoder_budget_s is not None and not self.vocoder_budget_s > 0:
+            raise ValueError(f"SpeechConfig.vocoder_budget_s must be positive or None, got {self.vocoder_budget_s}")
+        if not self.slack_s >= 0:
+            raise ValueError(f"SpeechConfig.slack_s must be >= 0, got {self.slack_s}")
+
+
+@dataclasses.dataclass
+class SpeechChunk:
+    """One vocoder call's output for one session.
+
+    Attributes:
+        speech_id: the utterance.
+        pcm: `[samples]` float32 at the model's rate (24 kHz); empty for an utterance that ended without a frame.
+        codes: `[Q, n]` the frames it decoded.
+        start_frame: index of its first frame in the utterance.
+        final: the utterance ended with this chunk (the session left the pool).
+        late_s: seconds past its playback deadline when it was sent (0 when on time, and for a first chunk).
+        first_pcm_s: seconds from `open` to this chunk, for the utterance's first chunk (else None).
+    """
+
+    speech_id: str
+    pcm: np.ndarray
+    codes: np.ndarray
+    start_frame: int
+    final: bool
+    late_s: float = 0.0
+    first_pcm_s: float | None = None
+
+
+@dataclasses.dataclass
+class _Utterance:
+    rows: np.ndarray  # [T, D] talker prompt
+    positions: np.ndarray  # [3, T]
+    trailing: np.ndarray  # [N, D] text rows, one per step
+    max_steps: int  # talker steps at most (max_new_tokens - 1)
+    pages: int  # talker pages reserved
+    stream: Code2WavStream
+    opened_s: float
+    start: int  # position of the first decoded token
+    prefilled: bool = False
+    done: bool = False
+    steps: int = 0
+    token: int = -1
+    hidden: np.ndarray | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    ready: list[np.ndarray] = dataclasses.field(default_factory=list)  # frames not yet vocoded
+    pushed: int = 0  # frames vocoded
+    samples: int = 0  # samples sent
+    first_s: float | None = None  # when the first PCM was sent
+
+
+def _pick(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    return jnp.argmax(jnp.where(banned, -jnp.inf, logits), axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
+def _prefill(config, params, kv, embeds, valid, positions, banned):
+    kv, hidden, logits = talker_forward.rows_prefill(config, params, kv, embeds, valid, positions)
+    return kv, hidden, _pick(logits, banned)
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
+def _step(config, params, kv, hidden, token, text_row, position, active, banned):
+    kv, codes, hidden, logits = talker_forward.rows_step(config, params, kv, hidden, token, text_row, position,
+                                                         active)
+    return kv, codes, hidden, _pick(logits, banned)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_row(kv: paged_lib.PagedKV, row: jax.Array) -> paged_lib.PagedKV:
+    kv = paged_lib.release_pages(kv, kv.page_table[row])
+    return kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
+                      next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
+                      dropped=kv.dropped.at[row].set(0))
+
+
+def _take_rows(kv: paged_lib.PagedKV, rows: np.ndarray) -> paged_lib.PagedKV:
+    """New row i takes old row `rows[i]`, or an empty row where -1 (old rows left out own no pages)."""
+    src, keep = jnp.asarray(np.maximum(rows, 0)), jnp.asarray(rows >= 0)
+
+    def pick(x, fill):
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
+
+    return kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
+                      next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
+                      dropped=pick(kv.dropped, 0))
+
+
+class SpeechPool:
+    """The speaking sessions of an engine (see the module docstring).
+
+    Args:
+        model: a loaded Qwen3-Omni checkpoint with its speech output (`model.speech`).
+        config: `SpeechConfig`.
+        clock: seconds, monotonic (`time.perf_counter` by default; tests may pass their own).
+
+    Raises:
+        omnijax.models.qwen3_omni.speech.SpeechUnavailableError: the model has no Qwen3-Omni speech output.
+    """
+
+    def __init__(self, model: Any, config: SpeechConfig | None = None, *, clock=time.perf_counter):
+        speech = getattr(model, "speech", None)
+        if not isinstance(speech, speech_lib.Qwen3Speech):
+            raise speech_lib.SpeechUnavailableError(
+                f"the engine speaks with Qwen3-Omni's talker, code predictor and Code2Wav; "
+                f"{getattr(model, 'source', None) or 'this model'} has "
+                f"{'no speech output' if speech is None else type(speech).__name__ + ' (not batched on the engine)'}")
+        self.model, self.speech, self.config, self.clock = model, speech, config or SpeechConfig(), clock
+        self.talker = speech.talker.config
+        c = self.config
+        self.max_pages = c.num_pages if c.max_pages is None else c.max_pages
+        self.kv = self._empty(c.rows[0])
+        vocab = self.talker.decoder.vocab_size
+        banned = np.zeros((vocab,), bool)
+        banned[[i for i in range(max(0, vocab - speech_lib.SUPPRESSED_TOP_IDS), vocab)
+                if i != self.talker.codec_eos_token_id]] = True
+        self._banned = jnp.asarray(banned)
+        t = speech.tokens
+        specials = model.decoder.embed_tokens(jnp.asarray([[t.tts_bos_token_id, t.tts_eos_token_id,
+                                                            t.tts_pad_token_id]], jnp.int32))[0]
+        self._pad_row = np.asarray(talker_forward.project_text(self.talker, speech.params, specials)[2])
+        self._utterances: dict[str, _Utterance] = {}
+        self._slots: dict[str, int] = {}
+        self.reserved = 0
+        self.stats = {"opened": 0, "refused": 0, "steps": 0, "frames": 0, "chunks": 0, "late_chunks": 0,
+                      "late_s": 0.0, "talker_s": 0.0, "vocoder_s": 0.0, "deferred": 0}
+
+    def _empty(self, batch: int) -> paged_lib.PagedKV:
+        d = self.talker.decoder
+        return paged_lib.init(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                              num_pages=self.config.num_pages, page_size=self.config.page_size, batch=batch,
+                              max_pages=self.max_pages, position_axes=3, dtype=d.jnp_dtype)
+
+    # ------------------------------------------------------------------------------------------------ sessions
+    @property
+    def sessions(self) -> list[str]:
+        """Utterances in the pool (decoding or with PCM still to send), in admission order."""
+        return list(self._utterances)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a tick has work (an utterance in the pool)."""
+        return bool(self._utterances)
+
+    @property
+    def capacity(self) -> int:
+        """The most utterances at once (the largest row bucket)."""
+        return self.config.rows[-1]
+
+    @property
+    def free_pages(self) -> int:
+        """Talker pages not reserved by an admitted utterance."""
+        return self.config.num_pages - self.reserved
+
+    def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens."""
+        return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
+
+    def open(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
+             media: Sequence[MediaRows] = ()) -> int:
+        """Admits an utterance: the thinker's prompt and answer spoken with `voice` (as `speak_streamed`), between
+        ticks; it starts decoding at the next tick. Returns the talker pages it reserved.
+
+        Raises (each before anything changes):
+            KeyError: `speech_id` is already in the pool.
+            Overloaded: every row is taken, or its pages are more than the pool has free now (both name the
+                numbers): retry later.
+            ValueError: the utterance needs more pages than a row holds at all; every refusal of `speak` (ids,
+                media rows, `max_new_tokens`), `UnknownVoiceError` for a voice the checkpoint lacks.
+        """
+        if speech_id in self._utterances:
+            raise KeyError(f"speech {speech_id!r} is already in the pool")
+        talker_in = speech_lib.talker_input(self.model, prompt_ids, answer_ids, speaker=voice, media=media)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        T = talker_in.rows.shape[0]
+        pages = self.pages_needed(T, max_new_tokens)
+        if pages > self.max_pages:
+            raise ValueError(f"the utterance needs {pages} talker pages ({T} prompt + {max_new_tokens} speech "
+                             f"tokens at {self.config.page_size} a page) but a row holds {self.max_pages}: lower "
+                             f"max_new_tokens or raise SpeechConfig.max_pages")
+        if len(self._utterances) >= self.capacity:
+            self.stats["refused"] += 1
+            raise Overloaded(f"overloaded: {len(self._utterances)} sessions are speaking, the speech pool holds at "
+                             f"most {self.capacity} (SpeechConfig.rows); retry later", cap=self.capacity,
+                             current=len(self._utterances))
+        if pages > self.free_pages:
+            self.stats["refused"] += 1
+            raise Overloaded(f"overloaded: the utterance needs {pages} talker pages and {self.free_pages} of "
+                             f"{self.config.num_pages} are free (the rest reserved by {len(self._utterances)} "
+                             f"speaking sessions); retry later", cap=self.capacity, current=len(self._utterances))
+        self._utterances[speech_id] = _Utterance(
+            rows=np.asarray(talker_in.rows), positions=np.asarray(talker_in.positions),
+            trailing=np.asarray(talker_in.trailing), max_steps=int(max_new_tokens) - 1, pages=pages,
+            stream=Code2WavStream(self.speech.code2wav), opened_s=self.clock(),
+            start=int(np.max(talker_in.positions)) + 1)
+        used = set(self._slots.values())
+        self._slots[speech_id] = next(r for r in range(self.capacity) if r not in used)
+        self.reserved += pages
+        self.stats["opened"] += 1
+        return pages
+
+    def close(self, speech_id: str) -> None:
+        """Drops an utterance (between ticks; what it had not sent is not sent); its pages return. KeyError if
+        unknown."""
+        if speech_id not in self._utterances:
+            raise KeyError(f"unknown speech {speech_id!r}; in the pool: {self.sessions}")
+        u = self._utterances.pop(speech_id)
+        row = self._slots.pop(speech_id)
+        self.reserved -= u.pages
+        if row < self.kv.batch:
+            self.kv = _reset_row(self.kv, np.int32(row))
+
+    def talker_tokens(self, speech_id: str) -> list[int]:
+        """The talker tokens an utterance in the pool has decoded so far."""
+        return list(self._utterances[speech_id].tokens)
+
+    # --------------------------------------------------------------------------------------------------- ticks
+    def _arrange(self) -> None:
+        old = self.kv.batch
+        bucket = next(b for b in self.config.rows if b >= max(1, len(self._slots)))
+        if bucket == old and all(r < bucket for r in self._slots.values()):
+            return
+        placed = {s: r for s, r in self._slots.items() if r < bucket}
+        free = iter(r for r in range(bucket) if r not in set(placed.values()))
+        for s, r in self._slots.items():
+            if r >= bucket:
+                placed[s] = next(free)
+        rows = np.full((bucket,), -1, np.int32)
+        for s, r in placed.items():
+            src = self._slots[s]
+            rows[r] = src if src < old else -1
+        self._slots = placed
+        self.kv = _take_rows(self.kv, rows)
+
+    def tick(self) -> list[SpeechChunk]:
+        """Prefills the utterances admitted since the last tick, runs one batched talker step, then the vocoder
+        chunks that are due (see the module docstring). Returns the chunks sent, in the order they were decoded;
+        utterances whose last chunk went out leave the pool."""
+        if not self._utterances:
+            return []
+        self._arrange()
+        t0 = self.clock()
+        fresh = [s for s, u in self._utterances.items() if not u.prefilled]
+        if fresh:
+            self._prefill(fresh)
+        live = [s for s, u in self._utterances.items() if not u.done]
+        if live:
+            self._step(live)
+        self.stats["talker_s"] += self.clock() - t0
+        return self._vocode()
+
+    def _prefill(self, fresh: list[str]) -> None:
+        B, D = self.kv.batch, self._pad_row.shape[-1]
+        longest = max(self._utterances[s].rows.shape[0] for s in fresh)
+        T = 1 << max(4, (longest - 1).bit_length())  # a power of two >= 16: few compiled shapes
+        embeds = np.zeros((B, T, D), self._pad_row.dtype)
+        valid = np.zeros((B, T), bool)
+        positions = np.zeros((3, B, T), np.float32)
+        for s in fresh:
+            u, r = self._utterances[s], self._slots[s]
+            n = u.rows.shape[0]
+            embeds[r, :n], valid[r, :n], positions[:, r, :n] = u.rows, True, u.positions
+        self.kv, hidden, token = _prefill(self.talker, self.speech.params, self.kv, embeds, valid, positions,
+                                          self._banned)
+        hidden, token = np.asarray(hidden), np.asarray(token)
+        for s in fresh:
+            u, r = self._utterances[s], self._slots[s]
+            u.prefilled, u.hidden, u.token = True, hidden[r], int(token[r])
+            u.tokens.append(u.token)
+            u.done = u.token == self.talker.codec_eos_token_id or u.max_steps == 0
+
+    def _step(self, live: list[str]) -> None:
+        B, D = self.kv.batch, self._pad_row.shape[-1]
+        hidden = np.zeros((B, D), self._pad_row.dtype)
+        token, position = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        text, active = np.zeros((B, D), self._pad_row.dtype), np.zeros((B,), bool)
+        for s in live:
+            u, r = self._utterances[s], self._slots[s]
+            hidden[r], token[r], position[r], active[r] = u.hidden, u.token, u.start + u.steps, True
+            text[r] = u.trailing[u.steps] if u.steps < u.trailing.shape[0] else self._pad_row
+        self.kv, codes, new_hidden, new_token = _step(self.talker, self.speech.params, self.kv, hidden, token, text,
+                                                      position, active, self._banned)
+        codes, new_hidden, new_token = np.asarray(codes), np.asarray(new_hidden), np.asarray(new_token)
+        if bool(np.any(np.asarray(self.kv.exhausted)[active])):  # admission reserves every page: cannot happen
+            raise RuntimeError("the talker's KV pool ran out of pages inside a reserved utterance")
+        self.stats["steps"] += 1
+        for s in live:
+            u, r = self._utterances[s], self._slots[s]
+            u.ready.append(codes[r])
+            u.steps += 1
+            u.hidden, u.token = new_hidden[r], int(new_token[r])
+            u.tokens.append(u.token)
+            u.done = u.token == self.talker.codec_eos_token_id or u.steps >= u.max_steps
+            self.stats["frames"] += 1
+
+    def _due(self, u: _Utterance) -> int:
+        """Frames of the utterance's next vocoder call if one is due now, else 0."""
+        need = self.config.first_chunk if u.pushed == 0 else self.config.chunk
+        if len(u.ready) >= need:
+            return need
+        return len(u.ready) if u.done else 0
+
+    def _deadline(self, u: _Utterance) -> float:
+        """When the audio sent so far runs out (-inf before the first chunk: nothing plays yet)."""
+        if u.first_s is None:
+            return -math.inf
+        return u.first_s + u.samples / self.speech.sample_rate
+
+    def _vocode(self) -> list[SpeechChunk]:
+        out: list[SpeechChunk] = []
+        start = self.clock()
+        budget, slack = self.config.vocoder_budget_s, self.config.slack_s
+        due = sorted(((self._deadline(u), s) for s, u in self._utterances.items() if self._due(u)
+                      or (u.done and not u.ready)), key=lambda x: x[0])
+        for deadline, s in due:
+            u = self._utterances[s]
+            now = self.clock()
+            if budget is not None and out and now - start >= budget and deadline - now > slack:
+                self.stats["deferred"] += 1
+                continue
+            n = self._due(u)
+            if n:
+                frames, u.ready = u.ready[:n], u.ready[n:]
+                codes = np.stack(frames, axis=1)
+                pcm = np.asarray(u.stream.push(codes), np.float32)[0]
+            else:
+                codes, pcm = np.zeros((self.talker.num_code_groups, 0), np.int32), np.zeros((0,), np.float32)
+            now = self.clock()
+            late = 0.0 if u.first_s is None else max(0.0, now - deadline)
+            first = None
+            if u.first_s is None and pcm.size:
+                u.first_s, first = now, now - u.opened_s
+            chunk = SpeechChunk(s, pcm, codes, u.pushed, u.done and not u.ready, late, first)
+            u.pushed += codes.shape[1]
+            u.samples += pcm.size
+            self.stats["chunks"] += 1
+            if late > 0:
+                self.stats["late_chunks"] += 1
+                self.stats["late_s"] += late
+            out.append(chunk)
+            if chunk.final:
+                self.close(s)
+        self.stats["vocoder_s"] += self.clock() - start
+        return out

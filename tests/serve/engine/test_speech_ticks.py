@@ -1,0 +1,114 @@
+"""Speech on the engine's batched ticks (`omnijax.serve.engine.speech`, issue 39 item 4): a seeded random schedule of
+utterances on a tiny converted Qwen3-Omni release, admitted at random ticks beside thinker sessions, each checked
+against the same utterance spoken alone (`speech.speak` / `speak_streamed`, themselves equal to transformers'
+`generate(return_audio=True)` in tests/models/qwen3_omni/test_speech.py): the same talker tokens and codes, the same
+vocoder chunks, PCM within 1e-5. Admission: rows and reserved talker pages refused by name (`Overloaded`), nothing
+changed by a refusal, every page back when the pool empties; late chunks are reported, never dropped.
+
+The release is `test_talker.seeded_full_model()`; its random talker never ends its speech, so every utterance runs
+to its `max_new_tokens`.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax.chunks.chunk import text_chunk
+from omnijax.convert import convert_checkpoint
+from omnijax.models.qwen3_omni import speech as S
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.engine import Engine, EngineConfig
+from omnijax.serve.engine.speech import SpeechConfig
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
+pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
+
+from tests.models.qwen3_omni import test_talker as T  # noqa: E402  (needs torch)
+
+TTS = T.TTS
+IM_START, IM_END, NL = TTS["im_start_token_id"], TTS["im_end_token_id"], 198
+FIRST, CHUNK = 3, 4
+SPEECH = SpeechConfig(rows=(2, 4), num_pages=40, page_size=16, first_chunk=FIRST, chunk=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_speech")
+    T.seeded_full_model().save_pretrained(root / "hf", safe_serialization=True)
+    out = convert_checkpoint(root / "hf", root / "out", progress=False, log=lambda _: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no tokenizer files: token ids in, token ids out
+        return omnijax.load(out)
+
+
+def prompt_ids(rng):
+    """A system turn (the talker skips it), a user turn of 2-4 random words, the assistant's opening."""
+    words = [int(w) for w in rng.integers(10, 200, size=int(rng.integers(2, 5)))]
+    return np.asarray([IM_START, TTS["system_token_id"], NL, 10, 11, IM_END, NL, IM_START, TTS["user_token_id"], NL,
+                       *words, IM_END, NL, IM_START, TTS["assistant_token_id"], NL])
+
+
+def utterances(seed, n):
+    rng = np.random.default_rng(seed)
+    return [dict(speech_id=f"u{i}", prompt_ids=prompt_ids(rng),
+                 answer_ids=rng.integers(10, 200, size=int(rng.integers(2, 7))),
+                 voice=("Ethan", "chelsie")[int(rng.integers(2))], max_new_tokens=int(rng.integers(2, 13)),
+                 at=int(rng.integers(0, 4))) for i in range(n)]
+
+
+def alone(model, u):
+    """The utterance spoken alone: its `Utterance` and its streamed chunks."""
+    args = (model, u["prompt_ids"], u["answer_ids"])
+    kw = dict(speaker=u["voice"], max_new_tokens=u["max_new_tokens"])
+    return S.speak(*args, **kw), list(S.speak_streamed(*args, **kw, first_chunk=FIRST, chunk=CHUNK))
+
+
+def test_a_random_schedule_speaks_as_each_utterance_alone(model):
+    """6 utterances opened at seeded random ticks (refused while the pool is full, then retried) beside two thinker
+    sessions fed every tick: each utterance's talker tokens, codes, chunk sizes and PCM equal it spoken alone."""
+    stream = omnijax.StreamConfig(num_pages=32, page_size=16, max_answer_tokens=2)
+    engine = Engine(model, EngineConfig(stream=stream, chunk_tokens=8, buckets=(2,), speech=SPEECH))
+    pool = engine.speech
+    rng = np.random.default_rng(1)
+    for sid in ("a", "b"):
+        engine.open(sid)
+    plan, got, refused, tick = utterances(3, 6), {}, 0, 0
+    waiting = sorted(plan, key=lambda u: u["at"])
+    while waiting or pool.busy:
+        for u in list(waiting):
+            if u["at"] > tick:
+                break
+            before = (pool.sessions, pool.reserved, int(pool.kv.num_free))
+            try:
+                engine.speak(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
+                             max_new_tokens=u["max_new_tokens"])
+            except Overloaded as e:
+                assert "speech pool holds at most 4" in str(e) or "talker pages" in str(e)
+                assert (pool.sessions, pool.reserved, int(pool.kv.num_free)) == before
+                refused += 1
+                break
+            waiting.remove(u)
+            got[u["speech_id"]] = []
+        for sid in ("a", "b"):
+            engine.submit(sid, text_chunk(rng.integers(10, 200, size=6)), answer_tokens=int(rng.integers(0, 3)))
+        report = engine.tick()
+        assert set(report.outputs) == {"a", "b"}
+        for c in report.speech:
+            got[c.speech_id].append(c)
+        tick += 1
+        assert tick < 60, "the schedule did not finish"
+    assert refused > 0, "the schedule never filled the pool (pick another seed)"
+    assert pool.reserved == 0 and int(pool.kv.num_free) == SPEECH.num_pages
+    for u in plan:
+        ref, chunks = alone(model, u)
+        mine = got[u["speech_id"]]
+        assert mine[-1].final and not any(c.final for c in mine[:-1])
+        codes = np.concatenate([c.codes for c in mine], axis=1)
+        np.testing.assert_array_equal(codes, ref.codes, err_msg=u["speech_id"])
+        assert [c.pcm.size for c in mine if c.pcm.size] == [c.size for c in chunks]
+        pcm = np.concatenate([c.pcm for c in mine])
+        assert pcm.size == ref.pcm.size
+        assert float(np.abs(pcm - np.concatenate(chunks)).max()) <= 1e-5
+        assert float(np.abs(pcm - ref.pcm).max()) <= 1e-5
