@@ -23,13 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omnijax.serve.cluster.replica import EngineReplica
+from omnijax.serve.cluster.replica import APP_NAME, DEPLOYMENT, EngineReplica, replica_ids
 
 log = logging.getLogger("omnijax.serve")
-APP_NAME = "omnijax"
-DEPLOYMENT = "omnijax"
 ROUTER = "omnijax.serve.cluster.router.SessionAwareRouter"
-REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#"
 RAY_MISSING = ("--replicas above 1 runs the replicas on Ray Serve, which is not installed: pip install "
                "'omnijax[ray]'")
 
@@ -44,14 +41,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
-
-
-def replica_ids() -> list[str]:
-    """The ids of the application's replicas that are alive (Ray's named actors)."""
-    import ray  # optional: the `omnijax[ray]` extra
-
-    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
-    return sorted(n[len(REPLICA_ACTOR_PREFIX):] for n in names if n.startswith(REPLICA_ACTOR_PREFIX))
 
 
 def drain_all(timeout_s: float) -> list[dict]:

@@ -9,8 +9,11 @@ launcher passes, and serves the same Starlette application as the single-process
 - `GET /v1/omnijax/replica`: this replica's id, admission headroom, open sessions, held resume tokens, whether it
   drains, its process id. A `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so
   it tells which replica holds a session;
-- `POST /v1/omnijax/drain?replica=<id>`: drains that replica (`EngineReplica.drain`) and answers when its sessions'
-  snapshots are on disk.
+- `POST /v1/omnijax/drain?replica=<id>[&restart=1]`: drains that replica (`EngineReplica.drain`) and answers when
+  its sessions' snapshots are on disk; with `restart=1` the replica's process then exits, and Ray Serve starts a
+  fresh replica in its place (which loads the code and checkpoint installed now: one step of a rolling upgrade,
+  `omnijax.serve.cluster.roll`);
+- `GET /v1/omnijax/replicas`: the ids of the application's replicas alive now (starting ones included).
 
 Routing stats (`record_routing_stats`, read by `omnijax.serve.cluster.router.SessionAwareRouter`): `replica`,
 `headroom` (the AIMD cap, capped by the session limit, minus the sessions open), `sessions`, `draining`, `tokens` and
@@ -38,6 +41,11 @@ from omnijax.serve.realtime.snapshot_store import Lease, SnapshotStore, Snapshot
 log = logging.getLogger("omnijax.serve")
 DRAIN_PATH = "/v1/omnijax/drain"
 REPLICA_PATH = "/v1/omnijax/replica"
+REPLICAS_PATH = "/v1/omnijax/replicas"
+APP_NAME = "omnijax"
+DEPLOYMENT = "omnijax"
+REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#"
+RESTART_EXIT_DELAY_S = 1.0  # after a restart's drain answers: its HTTP response reaches the client first
 
 
 class SharedSnapshotStore(SnapshotStore):
@@ -145,6 +153,14 @@ def shared_store(options: ServeOptions, owner: str | None = None) -> SharedSnaps
                                max_bytes=options.snapshot_max_bytes, max_age_s=options.snapshot_max_age_s)
 
 
+def replica_ids() -> list[str]:
+    """The ids of the application's replicas that are alive (Ray's named actors)."""
+    import ray  # optional: the `omnijax[ray]` extra
+
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
+    return sorted(n[len(REPLICA_ACTOR_PREFIX):] for n in names if n.startswith(REPLICA_ACTOR_PREFIX))
+
+
 def current_replica_id() -> str:
     """This Ray Serve replica's unique id (RuntimeError outside a replica)."""
     from ray import serve  # optional: the `omnijax[ray]` extra; only replicas, which Ray Serve runs, call this
@@ -173,6 +189,7 @@ class EngineReplica:
         self._stamp = 0
         self._told_draining: asyncio.Event | None = None
         app.router.routes.extend([Route(REPLICA_PATH, self._describe_route, methods=["GET"]),
+                                  Route(REPLICAS_PATH, self._replicas_route, methods=["GET"]),
                                   Route(DRAIN_PATH, self._drain_route, methods=["POST"])])
         self.sessions = ReplicaSessions(app, self.replica_id)
         log.info("replica %s ready", self.replica_id)
@@ -203,7 +220,7 @@ class EngineReplica:
         return {**self.describe(), "stamp": self._stamp}
 
     # ------------------------------------------------------------------------------------------------ drain
-    async def drain(self, replica_id: str | None = None) -> dict:
+    async def drain(self, replica_id: str | None = None, restart: bool = False) -> dict:
         """Drains this replica: it stops taking sessions and requests (its routing stats say so, and it waits for
         Ray Serve to collect them once), ends the responses in flight, ends every WebSocket connection after its
         session's snapshot is written, and answers `{"replica", "tokens": the Realtime sessions snapshotted and
@@ -212,11 +229,22 @@ class EngineReplica:
         Args:
             replica_id: the replica the caller meant (the router sends the call there); ValueError naming both when
                 it is another.
+            restart: once drained, end this replica's process (`RESTART_EXIT_DELAY_S` after the answer) so that Ray
+                Serve replaces it with a fresh one; the answer then has `"restart": true`.
         """
         if replica_id is not None and replica_id != self.replica_id:
             raise ValueError(f"drain asked for replica {replica_id!r}, but this is replica {self.replica_id!r}")
-        if self.drained is not None:
-            return self.drained
+        if self.drained is None:
+            await self._drain()
+        assert self.drained is not None
+        if restart and not self.drained.get("restart"):
+            self.drained = {**self.drained, "restart": True}
+            log.warning("replica %s drained for a restart: its process exits in %.1f s; Ray Serve replaces it",
+                        self.replica_id, RESTART_EXIT_DELAY_S)
+            asyncio.get_running_loop().call_later(RESTART_EXIT_DELAY_S, os._exit, 0)
+        return self.drained
+
+    async def _drain(self) -> None:
         began = time.monotonic()
         self._told_draining = asyncio.Event()
         self.draining = True
@@ -231,13 +259,19 @@ class EngineReplica:
         self.drained = {"replica": self.replica_id, "tokens": tokens, "unfinished": unfinished,
                         "seconds": round(time.monotonic() - began, 3)}
         log.info("replica %s drained: %s", self.replica_id, self.drained)
-        return self.drained
 
     async def _describe_route(self, request: Request) -> JSONResponse:
         return JSONResponse(self.describe())
 
+    async def _replicas_route(self, request: Request) -> JSONResponse:
+        return JSONResponse({"replicas": await asyncio.to_thread(replica_ids)})
+
     async def _drain_route(self, request: Request) -> JSONResponse:
         asked = query_value(request.scope, "replica")
+        restart = query_value(request.scope, "restart") or "0"
+        if restart not in ("0", "1"):
+            return JSONResponse({"error": {"message": f"restart is 0 or 1, got {restart!r}", "param": "restart",
+                                           "type": "invalid_request_error"}}, status_code=400)
         if not asked:
             return JSONResponse({"error": {"message": "POST /v1/omnijax/drain needs ?replica=<id> (GET "
                                            "/v1/omnijax/replica names replicas)", "param": "replica",
@@ -245,4 +279,4 @@ class EngineReplica:
         if asked != self.replica_id:  # the router found no live replica of that id
             return JSONResponse({"error": {"message": f"no replica {asked!r} (this is {self.replica_id!r})",
                                            "param": "replica", "type": "invalid_request_error"}}, status_code=404)
-        return JSONResponse(await self.drain(asked))
+        return JSONResponse(await self.drain(asked, restart=restart == "1"))

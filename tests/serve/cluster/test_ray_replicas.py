@@ -1,21 +1,27 @@
 """`omnijax serve --demo-model --replicas 2` as a user runs it: a local Ray cluster (CPU) with two replicas behind
-Ray Serve's proxy on one port, one `--snapshot-dir` both replicas see. One server process serves every check (its
-start-up, a Ray cluster and two model loads, is most of this module's time):
+Ray Serve's proxy on one port, one `--snapshot-dir` both replicas see, `--snapshot-every 2s`. One server process
+serves every check (its start-up, a Ray cluster and two model loads, is most of this module's time):
 
-1. an uninterrupted Realtime session says "First.", "Second.", "Third." (the oracle of the moves);
-2. a second Realtime session says "First." (`--snapshot-every 1turn`: on disk before its `response.done`) and stays on
-   its replica: `GET /v1/omnijax/replica?resume=<token>` (routed like a reconnect with that token) lands on the
-   replica holding it, every time;
-3. a chat completion through the official openai SDK goes to the other replica (more admission headroom: the
+1. a Realtime session says "First." and stays on its replica: `GET /v1/omnijax/replica?resume=<token>` (routed like a
+   reconnect with that token) lands on the replica holding it, every time;
+2. a chat completion through the official openai SDK goes to the other replica (more admission headroom: the
    Realtime session holds one of the first replica's four session slots), named by the `x-omnijax-replica` header;
-4. the holder's process is SIGKILLed (no drain, no last snapshot); the client reconnects with its token, lands on the
-   survivor, and its answer to "Second." equals the uninterrupted session's: the kill lost nothing it had seen;
-5. Ray Serve starts a replacement replica; `POST /v1/omnijax/drain?replica=<survivor>` drains the survivor while the
-   session is open there: it reports the session's token snapshotted, then the connection is closed with 1012;
-6. the client reconnects once more, lands on the replacement, and its answer to "Third." equals the uninterrupted
-   session's, token for token;
+3. the session keeps talking, turn after turn, for 2.5 snapshot intervals; then the holder's process is SIGKILLed
+   (no drain, no last snapshot). The newest snapshot on disk holds the first k turns: the turns lost are those the
+   client saw end after it, and they all ended within one interval (plus one turn and its write) before the kill;
+4. the client reconnects with its token, lands on the survivor (which breaks the dead replica's lease at once),
+   and its answer to turn k continues from the snapshot exactly;
+5. Ray Serve starts a replacement replica; a second connection with the same token sent to the replacement
+   (`?replica=`) while the survivor holds it is refused by name (`resume_failed`, naming the survivor): one token,
+   one replica;
+6. one step of a rolling restart (`omnijax.serve.cluster.roll.restart_one`) drains the survivor while the session is
+   open there (it reports the session's token snapshotted, the connection is closed with 1012), its process exits
+   and Ray Serve replaces it; the client reconnects meanwhile, lands on the first replacement, and its answer to turn
+   k + 1 continues exactly;
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
-8. SIGTERM drains the replicas and shuts the cluster down.
+8. an uninterrupted session, run last, is the oracle: the moved session's every answer and KV cell count equal its
+   own, turn for turn;
+9. SIGTERM drains the replicas and shuts the cluster down.
 
 Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0`, a
 missing Ray or a directory that is no checkpoint are refused before any Ray cluster starts.
@@ -30,21 +36,26 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve")  # the `omnijax[ray]` extra (also in the test extra)
 
+from omnijax.serve.cluster import roll  # noqa: E402
 from omnijax.testing.served import Served  # noqa: E402
 from tests._support.realtime_client import say  # noqa: E402
 
+EVERY_S = 2.0
 # no AIMD (its cap moves with this machine's load): each replica's headroom is 4 sessions (the largest bucket) minus
 # the sessions open on it
 ARGS = ("--replicas", "2", "--frame-ms", "200", "--warmup-sessions", "1", "--aimd-target", "0", "--buckets", "1", "2",
-        "4")
+        "4", "--snapshot-every", f"{EVERY_S:g}s")
 SAY = 8
-TURNS = ("First.", "Second.", "Third.")
+TURNS = ("First.", "Second.", "Third.", "Fourth.", "Fifth.", "Sixth.", "Seventh.", "Eighth.", "Ninth.", "Tenth.",
+         "Eleventh.", "Twelfth.")
+MOST_BEFORE_KILL = len(TURNS) - 2  # the two resumes say the turns after the kept ones
 
 
 def _http(served: Served, path: str, method: str = "GET") -> tuple[dict, dict]:
@@ -66,14 +77,6 @@ def _holder(served: Served, token: str, timeout_s: float = 60.0) -> str:
     again = [_http(served, f"/v1/omnijax/replica?resume={token}")[0] for _ in range(5)]
     assert all(a["replica"] == answer["replica"] and token in a["tokens"] for a in again), (answer, again)
     return answer["replica"]
-
-
-def _wait_idle(served: Served, ids, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while any(_http(served, f"/v1/omnijax/replica?replica={rid}")[0]["sessions"] for rid in ids):
-        assert time.monotonic() < end, "sessions still open"
-        time.sleep(0.2)
-    time.sleep(2.0)  # two routing-stats periods: the router sees both replicas idle
 
 
 def _new_replica(served: Served, known: set, timeout_s: float = 900.0) -> str:
@@ -105,34 +108,44 @@ def _answers_from(served: Served, path: str, replicas: set, timeout_s: float = 9
     return last
 
 
-def test_two_replicas_balance_pin_kill_drain_and_resume_bit_exactly(tmp_path):
-    served = Served(*ARGS, "--snapshot-dir", str(tmp_path / "sessions"), "--snapshot-every", "1turn",
-                    start_timeout_s=900)
+def _kept_turns(snapshots: Path, token: str) -> int:
+    """How many of `TURNS` the newest snapshot of `token` on disk holds (the user messages of its conversation)."""
+    generations = sorted(p for p in (snapshots / token).iterdir() if re.fullmatch(r"[0-9]{12}", p.name))
+    assert generations, f"no snapshot of {token} on disk"
+    text = (generations[-1] / "session.json").read_text()
+    kept = [json.dumps(t) in text for t in TURNS]
+    k = sum(kept)
+    assert kept == [True] * k + [False] * (len(TURNS) - k), kept  # a prefix of the conversation
+    return k
+
+
+def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
+    snapshots = tmp_path / "sessions"
+    served = Served(*ARGS, "--snapshot-dir", str(snapshots), start_timeout_s=900)
     try:
         client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
         ready = [line for line in served.lines if "replicas on Ray Serve" in line]
         assert ready and "2 replicas" in ready[-1], served.log(20)
         ids = re.search(r"\(CPU; ([a-z0-9]+), ([a-z0-9]+)\)", ready[-1]).groups()
 
-        async def uninterrupted() -> list[str]:
-            async with client.realtime.connect(model="omnijax") as conn:
-                await conn.recv()
-                return [(await say(conn, text, SAY))[0] for text in TURNS]
-
-        expected = asyncio.run(uninterrupted())
-        _wait_idle(served, ids)  # the reference session's close (and its last snapshot) is done on its replica
-
         async def pinned_then_killed() -> dict:
-            seen: dict = {}
+            seen: dict = {"said": [], "done": []}
             async with client.realtime.connect(model="omnijax") as conn:
                 created = await conn.recv()
                 seen["token"] = token = created.session.model_extra["omnijax"]["resume_token"]
-                seen["first"] = (await say(conn, TURNS[0], SAY))[0]  # snapshotted before its response.done
+                seen["said"].append(await say(conn, TURNS[0], SAY))
+                seen["done"].append(time.monotonic())
                 seen["holder"] = await asyncio.to_thread(_holder, served, token)
                 raw = await client.chat.completions.with_raw_response.create(
                     model="omnijax", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
                 seen["chat_replica"], seen["chat"] = raw.headers["x-omnijax-replica"], raw.parse()
                 described, _ = await asyncio.to_thread(_http, served, f"/v1/omnijax/replica?replica={seen['holder']}")
+                began = time.monotonic()
+                while len(seen["said"]) < MOST_BEFORE_KILL and (time.monotonic() - began < 2.5 * EVERY_S
+                                                                or len(seen["said"]) < 3):
+                    seen["said"].append(await say(conn, TURNS[len(seen["said"])], SAY))
+                    seen["done"].append(time.monotonic())
+                seen["killed_at"] = time.monotonic()
                 os.kill(described["pid"], signal.SIGKILL)  # no drain, no snapshot at the end
                 try:
                     seen["after_kill"] = await asyncio.wait_for(conn.recv(), 60)
@@ -142,49 +155,55 @@ def test_two_replicas_balance_pin_kill_drain_and_resume_bit_exactly(tmp_path):
 
         seen = asyncio.run(pinned_then_killed())
         token, killed = seen["token"], seen["holder"]
-        assert seen["first"] == expected[0]
         assert seen["chat_replica"] != killed, seen  # the replica without the session had more headroom
         assert seen["chat"].choices[0].message.content is not None and seen["chat"].usage.completion_tokens > 0
         assert "lost" in seen, seen
+        k, n = _kept_turns(snapshots, token), len(seen["said"])
+        turn_s = max(b - a for a, b in zip(seen["done"], seen["done"][1:]))
+        lost_s = seen["killed_at"] - seen["done"][k] if k < n else 0.0  # since the first turn the kill lost ended
+        print(f"--snapshot-every {EVERY_S:g}s, SIGKILL after {n} turns: the disk held {k}; lost {n - k} turns "
+              f"({(n - k) * SAY} tokens at most) that ended in the last {lost_s:.2f} s; longest turn {turn_s:.2f} s")
+        assert 0 < k <= n
+        assert lost_s <= EVERY_S + turn_s + 1.0, (k, n, lost_s, turn_s)  # at most one interval (+ a turn, a write)
         survivor = next(r for r in ids if r != killed)
         _answers_from(served, f"/v1/omnijax/replica?resume={token}", {survivor})  # the router dropped the dead one
 
-        async def resumed_drained() -> dict:
+        async def resumed_rolled() -> dict:
             moved: dict = {}
             async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
                 created = await conn.recv()
                 assert created.type == "session.created", created
-                moved["second"] = (await say(conn, TURNS[1], SAY))[0]
+                moved["after_kill"] = await say(conn, TURNS[k], SAY)
                 moved["on"] = await asyncio.to_thread(_holder, served, token)
                 # Ray Serve replaces the killed replica; new requests go to it (it has more headroom)
                 moved["replacement"] = await asyncio.to_thread(_new_replica, served, {killed, survivor})
-                moved["drain"], _ = await asyncio.to_thread(_http, served,
-                                                            f"/v1/omnijax/drain?replica={survivor}", "POST")
+                async with client.realtime.connect(
+                        model="omnijax", extra_query={"resume": token, "replica": moved["replacement"]}) as twin:
+                    moved["twin"] = await twin.recv()  # the survivor holds the token: refused, not forked
+                roll_step = asyncio.ensure_future(asyncio.to_thread(roll.restart_one, served.base, survivor))
                 try:
-                    moved["after_drain"] = await asyncio.wait_for(conn.recv(), 60)
+                    moved["after_drain"] = await asyncio.wait_for(conn.recv(), 120)
                 except Exception as e:  # noqa: BLE001 - the close the drain sends
                     moved["closed"] = e
-            return moved
-
-        moved = asyncio.run(resumed_drained())
-        # the kill lost nothing the client had seen: the periodic snapshot of its first turn continues exactly
-        assert moved["second"] == expected[1] and moved["on"] == survivor, moved
-        assert moved["drain"]["replica"] == survivor and moved["drain"]["tokens"] == [token], moved["drain"]
-        assert moved["drain"]["unfinished"] == 0
-        assert "1012" in repr(moved.get("closed")), moved  # service restart: reconnect
-
-        async def resumed_again() -> tuple[str, str]:
             async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
                 created = await conn.recv()
                 assert created.type == "session.created", created
-                third = (await say(conn, TURNS[2], SAY))[0]
-                return third, await asyncio.to_thread(_holder, served, token)
+                moved["after_roll"] = await say(conn, TURNS[k + 1], SAY)
+                moved["on_again"] = await asyncio.to_thread(_holder, served, token)
+            moved["roll"] = await roll_step
+            return moved
 
-        third, on = asyncio.run(resumed_again())
-        assert on == moved["replacement"]
-        assert third == expected[2]  # two moves, invisible in the answers
-        drained, _ = _http(served, f"/v1/omnijax/replica?replica={survivor}")
-        assert drained["draining"] and drained["headroom"] == 0 and drained["sessions"] == 0, drained
+        moved = asyncio.run(resumed_rolled())
+        assert moved["on"] == survivor, moved
+        assert moved["twin"].type == "error" and moved["twin"].error.code == "resume_failed", moved["twin"]
+        assert f"in use by an open connection on replica {survivor}" in moved["twin"].error.message, moved["twin"]
+        assert "1012" in repr(moved.get("closed")), moved  # service restart: reconnect
+        assert moved["on_again"] == moved["replacement"], moved
+        report = moved["roll"]
+        assert report["replica"] == survivor and report["drain"]["tokens"] == [token], report
+        assert report["drain"]["unfinished"] == 0 and report["drain"]["restart"] is True, report
+        assert len(report["replacements"]) == 1 and report["replacements"][0] not in (killed, survivor), report
+        assert sorted(roll.replicas(served.base)) == sorted([moved["replacement"], *report["replacements"]])
 
         async def unknown_token():
             async with client.realtime.connect(model="omnijax", extra_query={"resume": "0" * 32}) as conn:
@@ -192,10 +211,22 @@ def test_two_replicas_balance_pin_kill_drain_and_resume_bit_exactly(tmp_path):
 
         refused = asyncio.run(unknown_token())  # no replica has it: refused by name, never a fresh session
         assert refused.type == "error" and refused.error.code == "resume_failed", refused
+
+        async def uninterrupted() -> list[tuple[str, int]]:
+            async with client.realtime.connect(model="omnijax") as conn:
+                await conn.recv()
+                return [await say(conn, text, SAY) for text in TURNS[:k + 2]]
+
+        expected = asyncio.run(uninterrupted())
+        m = min(n, k + 2)
+        assert seen["said"][:m] == expected[:m]  # the turns before the kill, as far as the oracle went
+        # two moves (a kill, a rolling restart), invisible in the answers and the cache
+        assert moved["after_kill"] == expected[k] and moved["after_roll"] == expected[k + 1], (moved, expected)
     finally:
         status = served.stop(180)
     assert status in (0, -signal.SIGTERM), served.log(30)
-    assert any("drained 2 replicas" in line for line in served.log_since(served.instance_start)), served.log(30)
+    assert any(re.search(r"drained [0-9]+ replicas", line)
+               for line in served.log_since(served.instance_start)), served.log(30)
 
 
 def test_more_replicas_than_the_cluster_has_devices_is_refused_by_name():
