@@ -20,7 +20,7 @@ from omnijax.convert import convert_checkpoint
 from omnijax.models.qwen3_omni import speech as S
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax.serve.engine.speech import SpeechConfig
+from omnijax.serve.engine.speech import SpeechConfig, SpeechPool
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
@@ -112,3 +112,106 @@ def test_a_random_schedule_speaks_as_each_utterance_alone(model):
         assert pcm.size == ref.pcm.size
         assert float(np.abs(pcm - np.concatenate(chunks)).max()) <= 1e-5
         assert float(np.abs(pcm - ref.pcm).max()) <= 1e-5
+
+
+def _open(pool, u, **changes):
+    u = {**u, **changes}
+    return pool.open(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
+                     max_new_tokens=u["max_new_tokens"])
+
+
+def test_admission_refuses_by_name_and_changes_nothing(model):
+    """Rows and talker pages are counted at admission: what does not fit is refused naming the numbers (the pool
+    unchanged); closing returns the reserved pages; bad requests and configs are refused before anything changes."""
+    pool = SpeechPool(model, SpeechConfig(rows=(1, 2), num_pages=5, page_size=16, max_pages=4))
+    u = utterances(0, 1)[0] | dict(max_new_tokens=8)
+    state = lambda: (pool.sessions, pool.reserved, pool.free_pages, int(pool.kv.num_free))  # noqa: E731
+    empty = state()
+    with pytest.raises(S.UnknownVoiceError, match="Nobody"):
+        _open(pool, u, voice="Nobody")
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        _open(pool, u, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"needs 5 talker pages .* a row holds 4"):
+        _open(pool, u, max_new_tokens=60)
+    assert state() == empty
+    need = pool.pages_needed(S.talker_input(model, u["prompt_ids"], u["answer_ids"]).rows.shape[0], 8)
+    assert _open(pool, u) == need == 2 and pool.reserved == 2
+    with pytest.raises(KeyError, match="already in the pool"):
+        _open(pool, u)
+    assert _open(pool, u, speech_id="v") == 2
+    full = state()
+    with pytest.raises(Overloaded, match="2 sessions are speaking, the speech pool holds at most 2") as e:
+        _open(pool, u, speech_id="w")
+    assert (e.value.cap, e.value.current) == (2, 2) and state() == full
+    pool.close("v")
+    with pytest.raises(Overloaded, match="needs 4 talker pages and 3 of 5 are free"):
+        _open(pool, u, speech_id="w", max_new_tokens=40)
+    pool.close(u["speech_id"])
+    assert state() == empty and pool.stats["refused"] == 2
+    with pytest.raises(KeyError, match="unknown speech"):
+        pool.close("v")
+    with pytest.raises(S.SpeechUnavailableError, match="no speech output"):
+        SpeechPool(type("Thinker", (), {"speech": None, "source": "thinker-only"})())
+    for bad in (dict(rows=(2, 1)), dict(num_pages=0), dict(chunk=0), dict(max_pages=9, num_pages=4),
+                dict(vocoder_budget_s=0.0)):
+        with pytest.raises(ValueError, match="SpeechConfig"):
+            SpeechConfig(**bad)
+    engine = Engine(model, EngineConfig(stream=omnijax.StreamConfig(num_pages=8, page_size=16), chunk_tokens=8,
+                                        buckets=(1,)))
+    with pytest.raises(ValueError, match="no speech pool"):
+        engine.speak("x", u["prompt_ids"], u["answer_ids"], voice="Ethan", max_new_tokens=4)
+    with pytest.raises(TypeError, match="EngineConfig.speech"):
+        EngineConfig(speech={"rows": (1,)})
+
+
+class _Clock:
+    """A settable clock that moves `step` seconds at every reading."""
+
+    def __init__(self, step):
+        self.now, self.step = 0.0, step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+
+def _drain(pool, clock=None, advance=0.0):
+    got = {s: [] for s in pool.sessions}
+    for _ in range(100):
+        if not pool.busy:
+            return got
+        for c in pool.tick():
+            got[c.speech_id].append(c)
+        if clock is not None:
+            clock.now += advance
+    raise AssertionError("the pool did not drain")
+
+
+@pytest.mark.parametrize("case", ["late", "deferred"])
+def test_late_or_deferred_chunks_are_sent_not_dropped(model, case):
+    """late: every tick takes 10 s, so each chunk after a session's first leaves past its playback deadline: it is
+    sent all the same, flagged `late_s` > 0 and counted. deferred: a vocoder budget of 0.1 us per tick makes every
+    chunk but the first of a tick wait (none is urgent): they go out on later ticks, in deadline order. Either way
+    the utterances equal their lone runs."""
+    clock = _Clock(1e-6)
+    config = SpeechConfig(**{**SPEECH.__dict__, **(dict(vocoder_budget_s=1e-7, slack_s=0.0) if case == "deferred"
+                                                   else {})})
+    pool = SpeechPool(model, config, clock=clock)
+    plan = [u | dict(max_new_tokens=n) for u, n in zip(utterances(5, 3), (9, 6, 12))]
+    for u in plan:
+        _open(pool, u)
+    got = _drain(pool, clock, 10.0 if case == "late" else 0.0)
+    chunks = [c for cs in got.values() for c in cs]
+    if case == "late":
+        assert all(c.late_s > 0 for cs in got.values() for c in cs[1:])
+        assert all(c.late_s == 0 and c.first_pcm_s is not None for cs in got.values() for c in cs[:1])
+        assert pool.stats["late_chunks"] == len(chunks) - len(plan) > 0
+    else:
+        assert pool.stats["deferred"] > 0 and pool.stats["late_chunks"] == 0
+    for u in plan:
+        ref, alone_chunks = alone(model, u)
+        mine = got[u["speech_id"]]
+        np.testing.assert_array_equal(np.concatenate([c.codes for c in mine], axis=1), ref.codes)
+        assert [c.pcm.size for c in mine] == [c.size for c in alone_chunks]
+        assert float(np.abs(np.concatenate([c.pcm for c in mine]) - ref.pcm).max()) <= 1e-5
+    assert pool.reserved == 0 and int(pool.kv.num_free) == config.num_pages
