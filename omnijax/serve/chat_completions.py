@@ -72,9 +72,9 @@ from omnijax.serve.speech_output import (
     audio_message,
     new_audio_id,
     parse_with_audio,
-    prompt_ids,
     speak_pieces,
 )
+from omnijax.serve.speech_output import spoken_prompt as spoken_prompt_of
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -134,7 +134,8 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         parts, prompt = await asyncio.to_thread(build_prompt, conversation, req, min(context.worker.tau, max_tokens),
                                                 context.options.model_name)
         prompt_tokens = conversation.tokens_fed
-        spoken_prompt = prompt_ids([*parts, *prompt.parts]) if audio is not None else None  # the talker's prompt
+        # the talker's prompt (media rows of user turns: their replay starts in a worker thread)
+        spoken_prompt = await spoken_prompt_of(context, [*parts, *prompt.parts]) if audio is not None else None
         if req.seed is not None:
             await context.worker.in_engine(context.worker.engine.seed_session, sid, req.seed)
         context.worker.feed(sid, parts)

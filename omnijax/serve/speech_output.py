@@ -20,15 +20,25 @@ Refused by name (HTTP 400) before anything is fed: audio asked of a checkpoint w
 (`modalities`), `audio` missing or given without the audio modality, a voice the checkpoint does not have
 (`audio.voice`, naming its voices), a custom voice object, a format other than wav / pcm16 (`audio.format`: aac, mp3,
 flac, opus are OpenAI's formats this server does not encode), wav with `stream` (`audio.format`); and what the
-spoken path does not handle yet: image / audio parts in the messages (the talker reads the thinker's hidden states at
-media placeholders), `stop` strings (the spoken tokens would differ from the cut text), active `tools`, several
-choices (`n`) and `logprobs`.
+spoken path does not handle yet: `stop` strings (the spoken tokens would differ from the cut text), active `tools`,
+several choices (`n`) and `logprobs`.
+
+Media: Qwen3-Omni's talker reads the thinker's `hidden_states[accept_hidden_layer]` at the image / audio placeholders
+of user turns (`omnijax.Chat` keeps them from its steps). The engine's batched ticks keep no hidden states, so the
+server recomputes them: `MediaReplay` replays the request's parts through a side `Session` with the engine's stream
+settings, tapping that layer at those units, in a worker thread that starts when the prompt is built and runs beside
+the engine's decoding of the answer (the speech waits for it). The rows and the media queued for a replay are
+capped at `SPEECH_MEDIA_BYTES` (64 MiB) a conversation, past which the request is refused naming `messages`. Media
+outside user turns (before the first, in a system turn) are not read and need no replay. A talker that reads the
+last layer at every position (Qwen2.5-Omni) takes text-only messages: media parts are refused naming the part.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,9 +46,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omnijax.chat import DEFAULT_SPEECH_MEDIA_BYTES
+from omnijax.chunks.builders import concat
+from omnijax.chunks.chunk import pad_chunk
+from omnijax.chunks.spans import SpanKind
 from omnijax.media.audio import pcm16, wav_bytes
+from omnijax.models.frontend import bucket
+from omnijax.models.speech import MediaRows, media_rows
 from omnijax.serve.chat_params import RequestError, check_keys, json_payload
 from omnijax.serve.chat_request import ChatRequest, parse_payload
+from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.session import Session
 
 if TYPE_CHECKING:
     from omnijax.models.family import OmniModel
@@ -118,19 +136,21 @@ def parse_with_audio(body: bytes, context: ServeContext) -> tuple[ChatRequest, A
     req = parse_payload({k: v for k, v in payload.items() if k not in ("modalities", "audio")}, context)
     audio = parse_audio_output(payload, context.model, context.options.model_name)
     if audio is not None:
-        check_spoken_request(req)
+        check_spoken_request(req, context.model)
     return req, audio
 
 
-def check_spoken_request(req: ChatRequest) -> None:
-    """Refuses, naming the field, what a spoken answer does not handle yet (see the module's docstring)."""
+def check_spoken_request(req: ChatRequest, model: OmniModel | None = None) -> None:
+    """Refuses, naming the field, what a spoken answer does not handle yet (see the module's docstring): media
+    parts when the checkpoint's talker has no media tap (`model` None: media refused)."""
+    tap = getattr(model.speech, "media_tap", None) if model is not None else None
     for i, (_, parts) in enumerate(req.messages):
         for j, part in enumerate(parts):
-            if part.kind != "text":
-                raise RequestError(f"'messages[{i}].content[{j}]': audio output takes text-only messages for now "
-                                   "(the talker reads the thinker's hidden states at media placeholders, which the "
-                                   "session does not keep); send [\"text\"] modalities with media",
-                                   code="unsupported", param=f"messages[{i}].content[{j}]")
+            if part.kind != "text" and tap is None:
+                raise RequestError(f"'messages[{i}].content[{j}]': this checkpoint's talker reads the thinker's "
+                                   "last-layer states at every prompt position (Qwen2.5-Omni), which the server "
+                                   "does not keep: its audio output takes text-only messages; send [\"text\"] "
+                                   "modalities with media", code="unsupported", param=f"messages[{i}].content[{j}]")
     if req.n > 1 or req.top_logprobs is not None:
         name = "n" if req.n > 1 else "logprobs"
         raise RequestError(f"'{name}' is not supported with audio output (one spoken answer per request)",
@@ -149,21 +169,74 @@ def prompt_ids(chunks: Sequence[Any]) -> np.ndarray:
     return np.concatenate(ids).astype(np.int64) if ids else np.zeros((0,), np.int64)
 
 
+@dataclass
+class SpokenPrompt:
+    """A chat completion's talker prompt: the ids fed and, when media lie in its user turns, the replay that
+    recomputes their thinker rows (started at once in a worker thread, `spoken_prompt`, while the engine decodes the
+    answer)."""
+
+    ids: np.ndarray
+    replay: MediaReplay | None = None
+    rows: asyncio.Future | None = None
+
+    async def media(self) -> tuple[MediaRows, ...]:
+        """The kept rows (waits for the replay); raises ValueError naming why the prompt cannot be spoken."""
+        if self.replay is None:
+            return ()
+        if self.rows is None:
+            self.rows = asyncio.ensure_future(asyncio.to_thread(self.replay.rows))
+        return await self.rows
+
+
+async def spoken_prompt(context: ServeContext, chunks: Sequence[Any]) -> SpokenPrompt:
+    """The talker prompt of a chat completion's chunks (`prompt_ids`); when media lie in its user turns, their rows'
+    replay (`MediaReplay`) starts now in a worker thread, beside the engine's decoding of the answer.
+
+    Raises:
+        RequestError: the media cannot be spoken about (the rows would pass `SPEECH_MEDIA_BYTES`, or the talker
+            reads what the server does not keep), naming `messages`.
+    """
+    ids = prompt_ids(chunks)
+    if not any(c.embed_mask is not None and np.asarray(c.embed_mask).any() for c in chunks):
+        return SpokenPrompt(ids)  # text only
+    replay = MediaReplay.of(context)
+    await asyncio.to_thread(replay.fed, chunks)
+    if replay.unspeakable is not None:
+        raise RequestError(f"'messages': this conversation cannot be spoken: {replay.unspeakable}; send [\"text\"] "
+                           "modalities", code="unsupported", param="messages")
+    if not replay.needs_replay:
+        return SpokenPrompt(ids)  # media outside user turns only: the talker reads no rows
+    prompt = SpokenPrompt(ids, replay)
+    prompt.rows = asyncio.ensure_future(asyncio.to_thread(replay.rows))
+    prompt.rows.add_done_callback(_retrieved)  # a failed replay is reported where the rows are awaited
+    return prompt
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: str,
-           max_speech_tokens: int) -> Iterator[np.ndarray]:
+           max_speech_tokens: int, media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
     if not len(answer):  # nothing to say (the answer was only its end-of-turn token)
         return iter(())
     speech = model.speech
     assert speech is not None  # checked when the request was parsed
+    more = {"media": tuple(media)} if media else {}  # only a talker with a media tap takes them (checked before)
     return speech.speak_chunks(model, prompt, np.asarray(answer, np.int64), voice=voice,
-                               max_new_tokens=max_speech_tokens, first_chunk=FIRST_CHUNK, chunk=CHUNK)
+                               max_new_tokens=max_speech_tokens, first_chunk=FIRST_CHUNK, chunk=CHUNK, **more)
 
 
-async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.ndarray,
-                       answer: Sequence[int]) -> AsyncIterator[np.ndarray]:
-    """The answer spoken, int16 PCM chunk by chunk; the talker and each vocoder call run in a worker thread."""
+async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
+                       answer: Sequence[int], media: Sequence[MediaRows] = ()) -> AsyncIterator[np.ndarray]:
+    """The answer spoken, int16 PCM chunk by chunk; the replay of media rows, the talker and each vocoder call run in
+    a worker thread. `prompt`: the ids, or a `SpokenPrompt` (its media rows awaited first)."""
+    if isinstance(prompt, SpokenPrompt):
+        media = await prompt.media()
+        prompt = prompt.ids
     chunks = await asyncio.to_thread(_speak, context.model, prompt, answer, audio.voice,
-                                     context.options.max_speech_tokens)
+                                     context.options.max_speech_tokens, media)
     done = object()
     while True:
         pcm = await asyncio.to_thread(next, chunks, done)
@@ -172,8 +245,8 @@ async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.nda
         yield pcm16(pcm)
 
 
-async def audio_message(context: ServeContext, audio: AudioOutput, prompt: np.ndarray, answer: Sequence[int],
-                        transcript: str, created: int) -> dict:
+async def audio_message(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
+                        answer: Sequence[int], transcript: str, created: int) -> dict:
     """The whole response's `message.audio` object."""
     pieces = [p async for p in speak_pieces(context, audio, prompt, answer)]
     samples = np.concatenate(pieces) if pieces else np.zeros((0,), "<i2")
@@ -187,3 +260,191 @@ async def audio_message(context: ServeContext, audio: AudioOutput, prompt: np.nd
 def new_audio_id() -> str:
     """An id for an audio answer (`audio_...`, as OpenAI names them)."""
     return f"audio_{uuid.uuid4().hex}"
+
+
+SPEECH_MEDIA_BYTES = DEFAULT_SPEECH_MEDIA_BYTES  # thinker rows and queued media kept per conversation (64 MiB)
+
+
+class MediaReplay:
+    """The thinker rows a Qwen3-Omni talker reads at the media placeholders of user turns, recomputed off the engine.
+
+    The engine's batched ticks keep no hidden states, so the conversation's parts are queued as the engine is
+    handed them (`fed`, `answered`: host work only) and, when a spoken answer needs rows (`rows`, blocking: run it
+    in a worker thread), replayed in order through a side `omnijax.Session` with the engine's `StreamConfig` (its
+    retention policy, paging, page size; a pool of one session's page-table width), one step per part as the
+    engine ran them, the parts of media in user turns with the step's tap of `accept_hidden_layer`
+    (`Session.feed(tap=)`, what `omnijax.Chat` keeps); a decoded answer is replayed as a response text unit. Nothing
+    is replayed before the first media of a user turn; from then on each replay runs the whole queue, and the side
+    session lives as long as the conversation, so a Realtime session's later media continue it. The rows are what
+    the engine's step computed when both see the same cache: the same parts through the same policy, which holds
+    while the policy evicts nothing before the last media unit (a replayed answer's span kinds and units match the
+    decoded one's; float sums may differ in the last bits).
+
+    Memory: the queued parts (their media embeddings) and the kept rows (hidden size x dtype bytes a placeholder)
+    are capped at `cap` bytes. Past it, with rows needed (kept, or media of a user turn queued), the conversation
+    cannot be spoken (`unspeakable` says why); with none needed yet, the queue is dropped and only media of a later
+    user turn makes it unspeakable (`broken`). The side session's pool is one session's pages more.
+
+    Args:
+        model: the served model; only a talker with a `media_tap` (Qwen3-Omni) reads rows, any other with media in
+            the conversation makes it unspeakable.
+        stream: the engine's `StreamConfig`.
+        pages: the side session's pool in pages.
+        units: the family's unit builder (`Conversation.units`; replayed answers are its response text units).
+        cap: the byte cap above.
+    """
+
+    def __init__(self, model: OmniModel, stream: StreamConfig, pages: int, units: Any = None,
+                 cap: int = SPEECH_MEDIA_BYTES):
+        self.model, self.stream, self.pages, self.units, self.cap = model, stream, int(pages), units, int(cap)
+        self.tap = getattr(model.speech, "media_tap", None)
+        self.ids: list[int] = []  # every id fed, placeholders and answers included: the talker's prompt
+        self.queued: list[tuple[Any, tuple | None, int | None, int]] = []  # not yet replayed: (part, `_compact`'s
+        # shapes, tap, the index of its first id)
+        self.kept: list[MediaRows] = []
+        self.unspeakable: str | None = None  # why no answer of this conversation can be spoken
+        self.broken: str | None = None  # why media of a later user turn could not be replayed
+        self.session: Session | None = None
+        self.answer_unit: int | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, context: ServeContext, units: Any = None) -> MediaReplay:
+        """A replay with the served engine's settings and the cap `SPEECH_MEDIA_BYTES` (read now)."""
+        config = context.worker.engine.config
+        return cls(context.model, config.stream, config.max_pages or config.stream.num_pages, units,
+                   cap=SPEECH_MEDIA_BYTES)
+
+    @property
+    def needs_replay(self) -> bool:
+        """Whether a queued part is media of a user turn (`rows` then replays)."""
+        return any(tap is not None for _, _, tap, _ in self.queued)
+
+    def fed(self, parts: Sequence[Any]) -> None:
+        """Records parts as the engine is handed them (host work only)."""
+        for part in parts:
+            valid = np.asarray(part.valid, bool)[0]
+            ids = [int(t) for t in np.asarray(part.token_ids)[0][valid]]
+            media = part.embed_mask is not None and bool(np.asarray(part.embed_mask)[0][valid].any())
+            tap = self.tap(self.ids) if media and self.tap is not None else None
+            if int(np.asarray(part.answer_tokens)[0]):
+                self.answer_unit = int(np.asarray(part.answer_unit)[0])
+            if media and self.tap is None:
+                self._unspeakable("the conversation holds image or audio input, and this checkpoint's talker reads "
+                                  "the thinker's last-layer states at every position (Qwen2.5-Omni), which the "
+                                  "server does not keep")
+            elif tap is not None and self.broken is not None:
+                self._unspeakable(self.broken)
+            self._queue(part, tap)
+            self.ids += ids
+
+    def answered(self, tokens: Sequence[int]) -> None:
+        """Records a response's tokens as decoded (in the engine's cache, the end-of-turn token too)."""
+        tokens = [int(t) for t in tokens]
+        if tokens and self.units is not None and self.answer_unit is not None:
+            self._queue(self.units.text(tokens, self.answer_unit, SpanKind.RESPONSE), None)
+        elif tokens:
+            self._lose("a response's tokens could not be replayed (no unit builder)")
+        self.ids += tokens
+
+    def restore(self, ids: Sequence[int], unspeakable: str | None) -> None:
+        """Continues a resumed conversation of `ids` (a snapshot keeps the ids, not the parts): its rows and parts
+        are gone, so media of a user turn among the ids make it unspeakable, and so do later ones (`broken`)."""
+        self.ids, self.queued, self.kept, self.session = [int(t) for t in ids], [], [], None
+        self.unspeakable, self.broken = unspeakable, None
+        why = ("the session was resumed from a snapshot, which keeps the ids fed but not the media a replay of the "
+               "talker's thinker rows needs")
+        holes = set(getattr(self.model.omni, "placeholder_ids", ()))  # type: ignore[attr-defined]
+        at = [i for i, t in enumerate(self.ids) if t in holes and (i == 0 or self.ids[i - 1] not in holes)]
+        if any(self.tap is None or self.tap(self.ids[:i]) is not None for i in at):
+            self._unspeakable(why)
+        self._lose(why)
+
+    def _queue(self, part: Any, tap: int | None) -> None:
+        if self.unspeakable is not None or self.broken is not None:
+            return
+        self.queued.append((*_compact(part), tap, len(self.ids)))
+        held = sum(r.nbytes for r in self.kept) + sum(_nbytes(p) for p, _, _, _ in self.queued)
+        if held > self.cap:
+            why = (f"the thinker rows and media kept to replay for the talker ({held} bytes) outgrew the server's "
+                   f"cap of {self.cap} bytes (speech_output.SPEECH_MEDIA_BYTES)")
+            if self.kept or self.needs_replay:
+                self._unspeakable(why)
+            else:
+                self.queued, self.session = [], None
+                self._lose(why)
+
+    def _lose(self, why: str) -> None:
+        self.broken = self.broken or why
+
+    def _unspeakable(self, why: str) -> None:
+        self.unspeakable = self.unspeakable or why
+        self.queued, self.kept, self.session = [], [], None
+
+    def rows(self, prompt_len: int | None = None) -> tuple[MediaRows, ...]:
+        """Replays the queue (nothing while no part of it, nor before it, is media of a user turn); returns the rows
+        kept whose positions lie before `prompt_len` (None: all). Blocking (device work): run it in a worker thread.
+
+        Raises:
+            ValueError: the conversation cannot be spoken (`unspeakable`), naming why.
+        """
+        with self._lock:
+            todo = self.queued if self.session is not None or self.needs_replay else []
+            self.queued = self.queued[len(todo):]
+            if todo and self.session is None:
+                self.session = Session(self.model, self.stream.replace(num_pages=self.pages))
+            group: list[tuple[Any, np.ndarray, int, int]] = []  # the tapped parts of one media unit
+            for part, shapes, tap, start in todo:
+                if self.unspeakable is not None:
+                    break
+                assert self.session is not None
+                part = _expand(part, shapes)
+                quiet = dataclasses.replace(part, answer_tokens=np.zeros_like(np.asarray(part.answer_tokens)))
+                out = self.session.feed(pad_chunk(quiet, bucket(quiet.length)), tap=tap)
+                if group and (tap is None or _unit(part) != _unit(group[-1][0])):
+                    self._keep(group)
+                    group = []
+                if tap is not None:
+                    group.append((part, np.asarray(out.tapped)[0, :part.length], tap, start))
+            if group and self.unspeakable is None:
+                self._keep(group)
+            if self.unspeakable is not None:
+                raise ValueError(self.unspeakable)
+            end = len(self.ids) if prompt_len is None else prompt_len
+            return tuple(r for r in self.kept if len(r.positions) and int(np.max(r.positions)) < end)
+
+    def _keep(self, group: list[tuple[Any, np.ndarray, int, int]]) -> None:
+        """One media unit's rows from its parts (a unit longer than the engine's chunk comes in several)."""
+        rows = np.concatenate([r[np.asarray(p.valid, bool)[0][:r.shape[0]]] for p, r, _, _ in group])
+        whole = concat([p for p, _, _, _ in group])
+        self.kept.append(media_rows(whole, rows[None], group[0][2], group[0][3], self.model.omni))  # type: ignore
+        held = sum(r.nbytes for r in self.kept) + sum(_nbytes(p) for p, _, _, _ in self.queued)
+        if held > self.cap:
+            self._unspeakable(f"the thinker rows kept for the talker ({held} bytes with the media queued) outgrew "
+                              f"the server's cap of {self.cap} bytes (speech_output.SPEECH_MEDIA_BYTES)")
+
+
+def _unit(part: Any) -> int:
+    return int(np.asarray(part.unit)[0, 0])
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes a queued part holds in arrays (a text part's zero embeddings are dropped while queued: `_compact`)."""
+    return sum(int(np.asarray(x).nbytes) for x in (part.embeds, part.deepstack) if x is not None)
+
+
+def _compact(part: Any) -> tuple[Any, tuple | None]:
+    """A part to queue: a part whose embeddings and DeepStack levels are all zero (text) without them, and what
+    `_expand` needs to put them back."""
+    arrays = [x for x in (part.embeds, part.deepstack) if x is not None]
+    if not arrays or any(np.asarray(x).any() for x in arrays):
+        return part, None
+    shapes = tuple(None if x is None else (np.shape(x), np.asarray(x).dtype) for x in (part.embeds, part.deepstack))
+    return dataclasses.replace(part, embeds=None, deepstack=None), shapes
+
+
+def _expand(part: Any, shapes: tuple | None) -> Any:
+    if shapes is None:
+        return part
+    embeds, deepstack = (None if s is None else np.zeros(*s) for s in shapes)
+    return dataclasses.replace(part, embeds=embeds, deepstack=deepstack)

@@ -7,6 +7,7 @@ naming its field, the server serving on.
 
 import base64
 import io
+import types
 import warnings
 
 import numpy as np
@@ -23,6 +24,7 @@ from omnijax.models.qwen3_omni import speech as S  # noqa: E402
 from omnijax.serve import speech_output as so  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.chat_params import RequestError  # noqa: E402
+from omnijax.serve.chat_request import parse_payload  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from tests.chat.test_chat_speech import SPEECH_TOKENS, hf_prompt, spoken_release, stream_config  # noqa: E402
 
@@ -154,16 +156,18 @@ def test_bad_audio_requests_are_refused_by_name(served, fields, param, says):
     assert _ask(server).choices[0].message.content is not None  # the server serves on, text only by default
 
 
-def test_media_parts_with_audio_output_are_refused_by_name(served):
+def test_media_parts_with_a_talker_reading_every_position_are_refused_by_name(served):
+    """A talker without a media tap (Qwen2.5-Omni's reads the thinker's last layer at every position, which the
+    server does not keep) takes text-only messages; Qwen3-Omni's speaks about media (`test_speech_media`)."""
     server = served[3]
     wav = base64.b64encode(wav_bytes(np.zeros(1600, "<i2"), 16000)).decode()
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hear this."},
                                              {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}]
-    with pytest.raises(openai.BadRequestError) as e:
-        _client(server).chat.completions.create(model="omnijax", messages=messages, max_tokens=MAX_TOKENS,
-                                                modalities=["text", "audio"],
-                                                audio={"voice": "ethan", "format": "wav"})
-    assert e.value.body["param"] == "messages[0].content[1]" and "text-only" in e.value.body["message"]
+    req = parse_payload({"model": "omnijax", "messages": messages}, server.context)
+    with pytest.raises(RequestError) as e:
+        so.check_spoken_request(req, types.SimpleNamespace(speech=types.SimpleNamespace()))
+    assert e.value.param == "messages[0].content[1]" and "Qwen2.5-Omni" in str(e.value) and e.value.status == 400
+    so.check_spoken_request(req, server.context.model)  # Qwen3-Omni's talker has a media tap
 
 
 def test_a_checkpoint_without_a_talker_refuses_audio_output(served):

@@ -23,13 +23,21 @@ Refused by name, the session unchanged: audio output on a checkpoint without a t
 not have (`session.audio.output.voice`, naming its voices), an output format on a checkpoint without a talker
 (`session.audio.output.format`), a format other than 24 kHz `audio/pcm` (the codec), audio
 output with duplex or with active tools (`session.output_modalities`); and at `response.create`, a conversation that
-holds image or audio input (the talker reads the thinker's hidden states at media placeholders, which the session
-does not keep), or that was resumed from a snapshot written before snapshots kept the text ids fed (`spoken` in its
-meta).
+cannot be spoken (`SpokenIds.unspeakable`): image or audio input on a talker that reads every position's last layer
+(Qwen2.5-Omni), media rows past `speech_output.SPEECH_MEDIA_BYTES`, media of a user turn in a session resumed from a
+snapshot (snapshots keep the ids fed, not the media a replay needs), or a snapshot written before snapshots kept the
+ids (`spoken` in its meta).
+
+Media (Qwen3-Omni): the talker reads `hidden_states[accept_hidden_layer]` at the placeholders of media in user turns
+(an image item after its text, input audio committed after a user item's text). `SpokenIds` queues what the
+session feeds (`speech_output.MediaReplay`) and a spoken response first replays it through a side `Session` with the
+engine's settings in a worker thread (the engine keeps no hidden states); input audio after a system turn or an
+answer lies outside user turns and needs no replay.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -37,11 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omnijax.models.speech import MediaRows
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
-from omnijax.serve.speech_output import AudioOutput, speak_pieces
+from omnijax.serve.speech_output import AudioOutput, MediaReplay, speak_pieces
 
 if TYPE_CHECKING:
+    from omnijax.serve.context import ServeContext
     from omnijax.serve.realtime.session import RealtimeSession
     from omnijax.serve.realtime.tools import ResponseOutput
 
@@ -51,36 +61,58 @@ log = logging.getLogger("omnijax.serve")
 
 
 class SpokenIds:
-    """The text token ids a session fed, in order (the talker's prompt), or why they cannot be spoken from."""
+    """What a session fed, for its talker: the ids in order (the talker's prompt), the media rows' replay
+    (`omnijax.serve.speech_output.MediaReplay`), or why it cannot be spoken."""
 
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.unspeakable: str | None = None  # why the talker cannot read this conversation
+    def __init__(self, context: ServeContext | None = None, units: Any = None) -> None:
+        speaks = context is not None and context.model.speech is not None
+        self.replay = MediaReplay.of(context, units) if speaks else None  # type: ignore[arg-type]
+        self._ids: list[int] = []  # without a context: text ids only
+        self._unspeakable: str | None = None
         self.cancelled = False  # `response.cancel` while the current response speaks
 
+    @property
+    def ids(self) -> list[int]:
+        """The ids fed, placeholders and answers included."""
+        return self._ids if self.replay is None else self.replay.ids
+
+    @property
+    def unspeakable(self) -> str | None:
+        """Why the talker cannot read this conversation (None: it can)."""
+        return self._unspeakable if self.replay is None else self.replay.unspeakable
+
     def fed(self, parts: Sequence[Any], response: bool = False) -> None:
-        """Records the chunks fed: their valid ids, or that the conversation holds media (placeholders);
-        `response`: they are a response's prompt (a new response: not cancelled)."""
+        """Records the chunks fed (host work only); `response`: they are a response's prompt (a new response: not
+        cancelled)."""
         self.cancelled = self.cancelled and not response
+        if self.replay is not None:
+            self.replay.fed(parts)
+            return
         for part in parts:
             if part.embed_mask is not None and np.asarray(part.embed_mask).any():
-                self.unspeakable = ("the conversation holds image or audio input: the talker reads the thinker's "
-                                    "hidden states at media placeholders, which the session does not keep")
-                continue
-            self.ids += [int(t) for t in np.asarray(part.token_ids)[0][np.asarray(part.valid, bool)[0]]]
+                self._unspeakable = "the conversation holds image or audio input, whose thinker rows are not kept"
+            self._ids += [int(t) for t in np.asarray(part.token_ids)[0][np.asarray(part.valid, bool)[0]]]
 
     def restore(self, saved: tuple | None) -> None:
         """Continues a snapshot's `(ids, unspeakable)` (`resume.meta_of` writes them); None: a snapshot written
         without them, whose talker prompt is unknown."""
-        if saved is None:
-            self.ids = []
-            self.unspeakable = "the session was resumed from a snapshot that does not keep the text ids fed"
+        ids, why = (((), "the session was resumed from a snapshot that does not keep the text ids fed")
+                    if saved is None else (saved[0], saved[1]))
+        if self.replay is not None:
+            self.replay.restore(ids, why)
         else:
-            self.ids, self.unspeakable = list(saved[0]), saved[1]
+            self._ids, self._unspeakable = [int(t) for t in ids], why
 
     def answered(self, tokens: Sequence[int]) -> None:
         """Records a response's tokens as decoded (they are in the cache, the end-of-turn token too)."""
-        self.ids += [int(t) for t in tokens]
+        if self.replay is not None:
+            self.replay.answered(tokens)
+        else:
+            self._ids += [int(t) for t in tokens]
+
+    def media(self, prompt_len: int) -> tuple[MediaRows, ...]:
+        """The media rows the talker reads in the first `prompt_len` ids (blocking: the replay's device work)."""
+        return () if self.replay is None else self.replay.rows(prompt_len)
 
 
 def check_audio_output(session: RealtimeSession, settings: rte.SessionSettings, eid: str | None,
@@ -144,7 +176,8 @@ async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: 
     assert message is not None  # a spoken response's message item is opened at once
     audio = AudioOutput(voice, "pcm16")
     try:
-        async for pcm in speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer):
+        media = await asyncio.to_thread(session.spoken.media, len(prompt))
+        async for pcm in speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer, media):
             if session.spoken.cancelled:
                 return "cancelled"
             session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),

@@ -116,7 +116,7 @@ class RealtimeSession(AudioInput):
         self.item_ids: set[str] = set()  # every item of the conversation (since the connection, and the last one)
         self.call_ids: set[str] = set()  # the ids of the model's function calls (a function_call_output answers one)
         self.held_outputs = 0  # function_call_output messages recorded in the conversation, not yet fed
-        self.spoken = SpokenIds()  # the text ids fed: the talker's prompt (`omnijax.serve.realtime.audio_output`)
+        self.spoken = SpokenIds(context, self.conversation.units)  # the talker's prompt and media rows (`audio_output`)
         self.response_id: str | None = None  # the response in progress (or the last one)
         self.tokens_since_response = 0
         self.response: asyncio.Task | None = None

@@ -256,10 +256,12 @@ def test_a_checkpoint_without_a_talker_refuses_audio_output(served):
     assert check_audio_output(fake, text_only, None, {}) is text_only  # type: ignore[arg-type]
 
 
-def test_a_conversation_with_an_image_is_not_spoken(served):
-    """An image is fed as encoder features at placeholders the talker cannot read: a spoken response is refused
-    naming the modalities, and the session answers in text after it."""
+def test_a_conversation_whose_media_outgrow_the_cap_is_not_spoken(served, monkeypatch):
+    """An image in a user turn needs its thinker rows replayed (`speech_output.MediaReplay`, checked against Chat in
+    `tests/serve/test_speech_media.py`); past the server's byte cap a spoken response is refused naming the
+    modalities and the cap, and the session answers in text after it."""
     server = served[3]
+    monkeypatch.setattr(so, "SPEECH_MEDIA_BYTES", 1000)  # read when the session opens
     png = io.BytesIO()
     PIL.Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
@@ -288,7 +290,7 @@ def test_a_conversation_with_an_image_is_not_spoken(served):
         raise AssertionError("the connection closed early")
 
     error, done = asyncio.run(asyncio.wait_for(run(), 900))
-    assert error.error.param == "session.output_modalities" and "image or audio input" in error.error.message, error
+    assert error.error.param == "session.output_modalities" and "cap of 1000 bytes" in error.error.message, error
     assert done.response.output_modalities == ["text"] and done.response.status in ("completed", "incomplete")
 
 
