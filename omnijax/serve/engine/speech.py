@@ -166,9 +166,11 @@ def _reset_row(kv: paged_lib.PagedKV, row: jax.Array) -> paged_lib.PagedKV:
                       dropped=kv.dropped.at[row].set(0))
 
 
-def _take_rows(kv: paged_lib.PagedKV, rows: np.ndarray) -> paged_lib.PagedKV:
-    """New row i takes old row `rows[i]`, or an empty row where -1 (old rows left out own no pages)."""
-    src, keep = jnp.asarray(np.maximum(rows, 0)), jnp.asarray(rows >= 0)
+@jax.jit
+def _take_rows(kv: paged_lib.PagedKV, rows: jax.Array) -> paged_lib.PagedKV:
+    """New row i takes old row `rows[i]`, or an empty row where -1 (old rows left out own no pages): one compiled
+    program per pair of buckets."""
+    src, keep = jnp.maximum(rows, 0), rows >= 0
 
     def pick(x, fill):
         return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
