@@ -14,8 +14,8 @@ JSON rows and a PNG under `--out`, and a printed table.
 - `python -m bench.harness --smoke-all NAME... --out DIR` (`smoke_all`): several scripts' `--smoke` runs one after
   another in one process, as `python -m NAME --smoke --out DIR` would run each, so they pay the interpreter, the
   imports and jax's start once and share what they compile; each script's output sits between a `SMOKE_BEGIN` and a
-  `SMOKE_END` line (each on a line of its own, the latter with the exit status and seconds), on stdout and stderr
-  alike. A failing script does not stop the others.
+  `SMOKE_END` line (each on a line of its own, the latter with the exit status, seconds and CPU seconds), on stdout
+  and stderr alike. A failing script does not stop the others.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -227,7 +228,14 @@ def print_table(rows: Sequence[Mapping], columns: Sequence[tuple[str, str | Call
 SMOKE_BEGIN = "== smoke begin"
 """`smoke_all`'s line before a script's output: `== smoke begin NAME`."""
 SMOKE_END = "== smoke end"
-"""`smoke_all`'s line after a script's output: `== smoke end NAME rc=N seconds=S`."""
+"""`smoke_all`'s line after a script's output: `== smoke end NAME rc=N seconds=S cpu=C` (C: the CPU seconds of this
+process and of the worker processes the script waited for, while it ran)."""
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that ended and were waited for."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def run_main(name: str, argv: Sequence[str]) -> int:
@@ -272,11 +280,12 @@ def smoke_all(names: Iterable[str], out: str | Path) -> dict[str, int]:
             raise ValueError(f"{name!r} is not a bench script: give bench.<group>.<script>")
         for stream in (sys.stdout, sys.stderr):  # each marker on a line of its own, whatever came before
             print(f"\n{SMOKE_BEGIN} {name}", file=stream, flush=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds()
         codes[name] = run_main(name, ["--smoke", "--out", str(out)])
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
         for stream in (sys.stdout, sys.stderr):
-            print(f"\n{SMOKE_END} {name} rc={codes[name]} seconds={seconds:.1f}", file=stream, flush=True)
+            print(f"\n{SMOKE_END} {name} rc={codes[name]} seconds={seconds:.1f} cpu={cpu:.1f}", file=stream,
+                  flush=True)
     return codes
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import queue
 import re
 import subprocess
@@ -82,12 +83,29 @@ def _env() -> dict[str, str]:
 
 
 def run(script: str, out: Path) -> dict:
-    """`python -m bench.<script> --smoke --out OUT` in its own process."""
+    """`python -m bench.<script> --smoke --out OUT` in its own process (killed after `TIMEOUT_S`); its CPU seconds
+    are the process's own and its waited-for children's (`os.wait4`: the other lanes' processes are not counted)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=_env(), cwd=ROOT)
-    return {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
-            "seconds": time.perf_counter() - start, "process": "own"}
+    proc = subprocess.Popen([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    texts: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda name=name: texts.setdefault(name, getattr(proc, name).read()),
+                                daemon=True) for name in ("stdout", "stderr")]
+    for reader in readers:
+        reader.start()
+    killer = threading.Timer(TIMEOUT_S, proc.kill)
+    killer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        killer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    for reader in readers:
+        reader.join(60)
+    timed_out = time.perf_counter() - start >= TIMEOUT_S and proc.returncode < 0
+    return {"rc": proc.returncode, "stdout": texts.get("stdout", ""),
+            "stderr": texts.get("stderr", "") + (f"\n(killed after {TIMEOUT_S} s)" if timed_out else ""),
+            "seconds": time.perf_counter() - start, "cpu": usage.ru_utime + usage.ru_stime, "process": "own"}
 
 
 class Runner:
@@ -108,18 +126,20 @@ class Runner:
             self.lines[name].put(line)
         self.lines[name].put(None)  # the process ended
 
-    def _until_end(self, name: str, script: str, deadline: float) -> tuple[str, int | None, float | None]:
+    def _until_end(self, name: str, script: str, deadline: float) -> tuple[str, dict[str, str] | None]:
+        """What the runner printed on `name` up to the script's `SMOKE_END` line, and that line's fields (rc,
+        seconds, cpu); None when the script never ended."""
         text = []
         while True:
             try:
                 line = self.lines[name].get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                return "".join(text) + f"\n(no end after {TIMEOUT_S} s)", None, None
+                return "".join(text) + f"\n(no end after {TIMEOUT_S} s)", None
             if line is None:
-                return "".join(text) + f"\n(the runner ended: rc {self.proc.poll()})", None, None
-            if line.startswith(f"{harness.SMOKE_END} bench.{script} "):
-                fields = dict(f.split("=") for f in line.split()[-2:])
-                return "".join(text), int(fields["rc"]), float(fields["seconds"])
+                return "".join(text) + f"\n(the runner ended: rc {self.proc.poll()})", None
+            end = f"{harness.SMOKE_END} bench.{script} "
+            if line.startswith(end):
+                return "".join(text), dict(f.split("=") for f in line[len(end):].split())
             if not line.startswith(f"{harness.SMOKE_BEGIN} bench.{script}"):
                 text.append(line)
 
@@ -128,12 +148,14 @@ class Runner:
         self.proc.stdin.write(f"bench.{script}\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + TIMEOUT_S
-        stdout, rc, seconds = self._until_end("stdout", script, deadline)
-        stderr, _, _ = self._until_end("stderr", script, deadline)
-        if rc is None:  # it hangs or died: the lane starts another runner for its next script
+        stdout, end = self._until_end("stdout", script, deadline)
+        stderr, _ = self._until_end("stderr", script, deadline)
+        if end is None:  # it hangs or died: the lane starts another runner for its next script
             self.close(kill=True)
-        return {"rc": -1 if rc is None else rc, "stdout": stdout, "stderr": stderr,
-                "seconds": time.perf_counter() - start if seconds is None else seconds, "process": "runner"}
+            return {"rc": -1, "stdout": stdout, "stderr": stderr, "seconds": time.perf_counter() - start,
+                    "cpu": float("nan"), "process": "runner"}
+        return {"rc": int(end["rc"]), "stdout": stdout, "stderr": stderr, "seconds": float(end["seconds"]),
+                "cpu": float(end["cpu"]), "process": "runner"}
 
     def close(self, kill: bool = False) -> None:
         if kill:
@@ -186,7 +208,7 @@ def results(tmp_path_factory):
                         done[s] = runner.run(s)
                 except Exception:  # the lane goes on: this script fails with the reason, the others still run
                     done[s] = {"rc": -1, "stdout": "", "stderr": traceback.format_exc(), "seconds": 0.0,
-                               "process": "none"}
+                               "cpu": 0.0, "process": "none"}
                 if s == FIRST:
                     first_done.set()
         finally:
@@ -197,7 +219,8 @@ def results(tmp_path_factory):
         for f in [pool.submit(lane) for _ in range(LANES)]:
             f.result()
     done = {s: done[s] for s in order}
-    print("\nbench smoke seconds: " + ", ".join(f"{s} {r['seconds']:.0f}" for s, r in done.items()))
+    print("\nbench smoke seconds (wall / CPU), longest CPU first: " + ", ".join(
+        f"{s} {r['seconds']:.0f}/{r['cpu']:.0f}" for s, r in sorted(done.items(), key=lambda x: -x[1]["cpu"])))
     return out, done
 
 
