@@ -15,6 +15,10 @@ Parameter placement (`decoder_param_specs`, the stacked layout of `omnijax.model
     lm_head [D, V]                               V over `model`
     embed, norms                                 replicated
 
+A quantised weight (`omnijax.kernels.quant.QuantizedWeight`) follows its float weight's rule in each of its arrays
+(codes, scales, offsets): the expert and output-column axes split alike; an input-row axis (o_proj, down_proj) splits
+only in the arrays whose length there divides by the model axis (a per-channel scale row stays whole).
+
 Multi-host: every process runs the same program on the same host data. `initialize` calls
 `jax.distributed.initialize` from flags or environment variables (before any other JAX call), inputs become global
 arrays with `jax.make_array_from_callback` (each process fills only its addressable shards) and `to_host` gathers
@@ -35,6 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from omnijax.kernels.quant import QuantizedWeight
 from omnijax.models.config import DecoderConfig
 from omnijax.streaming.step import StreamState
 
@@ -183,15 +188,22 @@ def decoder_param_specs(params: Any, config: DecoderConfig, mesh: Mesh | None) -
     experts = m > 1 and config.num_experts % m == 0  # expert parallel: each device holds E / m experts
     rules.update({name: (1, experts) for name in ("expert_gate", "expert_up", "expert_down")})
 
-    def spec(path, leaf):
-        axis, split = rules.get(_leaf_name(path), (0, False))
-        if not split:
+    def one(axis: int, array: Any) -> P:
+        if array.shape[axis] % m:
             return P()
-        dims = [None] * leaf.ndim
+        dims = [None] * array.ndim
         dims[axis] = MODEL
         return P(*dims)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    def spec(path, leaf):
+        axis, split = rules.get(_leaf_name(path), (0, False))
+        if isinstance(leaf, QuantizedWeight):
+            parts = [None if a is None else one(axis, a) if split else P()
+                     for a in (leaf.values, leaf.scales, leaf.offsets)]
+            return QuantizedWeight(*parts, leaf.scheme)
+        return one(axis, leaf) if split else P()
+
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def kv_heads_axis(config: DecoderConfig, mesh: Mesh | None) -> str | None:
