@@ -12,6 +12,9 @@ Every front end (`/v1/realtime`, `/v1/chat/completions`) drives sessions through
   per tick. A response may carry a token constraint (`omnijax.serve.engine.constraint.TokenConstraint`): its ticks
   run host-driven whatever `per_token` says, each token drawn under its mask; the answer completes when it is
   finished.
+- `speak(speech_id, prompt_ids, answer_ids, voice=..., max_new_tokens=...)` admits an utterance to the engine's
+  speech pool (`omnijax.serve.engine.worker_speech`); its `SpeechStream` yields the vocoder chunks as the ticks
+  decode them, and the loop ticks while anything speaks.
 
 A session's chunks are served in the order queued, one per tick; a response holds its session's lane until it ends,
 so what is queued behind it (the next message, audio frames that kept arriving) follows the answer in the cache.
@@ -46,13 +49,15 @@ from omnijax.decoding import answer_stop_ids
 from omnijax.serve.engine.admission import AIMD, Overloaded
 from omnijax.serve.engine.answer import Answer
 from omnijax.serve.engine.constraint import TokenConstraint
+from omnijax.serve.engine.deliver import deliver
 from omnijax.serve.engine.engine import Engine
 from omnijax.serve.engine.snapshot import SessionSnapshot
+from omnijax.serve.engine.worker_speech import SpeakingWorker, SpeechStream
 
 if TYPE_CHECKING:
     from omnijax.conversation import Prompt
 
-__all__ = ["Answer", "EngineWorker"]  # Answer: defined in omnijax.serve.engine.answer
+__all__ = ["Answer", "EngineWorker", "SpeechStream"]  # defined in omnijax.serve.engine.answer / worker_speech
 
 T = TypeVar("T")
 
@@ -75,7 +80,7 @@ class _Lane:
     continuation: object = None  # builds a continuation chunk: (answer_unit, tokens) -> Chunk
 
 
-class EngineWorker:
+class EngineWorker(SpeakingWorker):
     """Serves sessions from an `Engine` (see the module docstring).
 
     Args:
@@ -102,6 +107,7 @@ class EngineWorker:
         self.stop_ids = frozenset(answer_stop_ids(engine.config.stream.decoding, engine.model_config.eos_token_ids))
         self.lanes: dict[str, _Lane] = {}
         self.stats = {"ticks": 0, "tick_errors": 0, "opened": 0, "refused": 0, "tokens": 0}
+        self._init_speech()  # utterances on the engine's speech pool (`speak`: omnijax.serve.engine.worker_speech)
         self.latencies: collections.deque = collections.deque(maxlen=4096)  # per tick, seen from the event loop
         # per tick, the engine thread's own time (submits and the step): a latency far above it is time the tick's
         # result waited for the event loop
@@ -129,6 +135,7 @@ class EngineWorker:
             await self._task
         for lane in self.lanes.values():
             self._fail(lane, "server shutting down")
+        await self._fail_speech("server shutting down")
         self._pool.shutdown(wait=True)
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
@@ -139,6 +146,8 @@ class EngineWorker:
         self._draining = True
         for lane in self.lanes.values():
             self._fail(lane, reason)
+        if self.speaking:
+            asyncio.ensure_future(self._fail_speech(reason))
         self._notify_capacity()
         if self._work is not None:
             self._work.set()
@@ -149,11 +158,12 @@ class EngineWorker:
         return self._draining or self._stopping
 
     def active_sessions(self, now: float | None = None) -> int:
-        """Sessions that count against the AIMD cap: busy, joining, or served within `idle_after_s`."""
+        """Sessions that count against the AIMD cap: busy, joining, or served within `idle_after_s`; and each
+        utterance in the speech pool."""
         now = time.monotonic() if now is None else now
         recent = sum(1 for sid in self.lanes
                      if self.busy(sid) or now - self._last_work.get(sid, -float("inf")) < self.idle_after_s)
-        return recent + self._joining
+        return recent + self._joining + len(self.speaking)
 
     async def wait_capacity(self, timeout_s: float) -> bool:
         """Waits until a session closes, the AIMD cap moves or a session turns idle (True), or `timeout_s` passes
@@ -405,6 +415,8 @@ class EngineWorker:
                     report = self.engine.tick(per_token=False)
                 else:
                     report = self.engine.tick()
+            elif self.speaking:  # no thinker work: the tick runs the talkers and vocoders
+                report = self.engine.tick()
         finally:
             self.compute_s.append(time.perf_counter() - start)
         return report, failed
@@ -415,7 +427,7 @@ class EngineWorker:
             if self._cancelled:  # answers cancelled between ticks report the cells their session holds, too
                 cancelled, self._cancelled = self._cancelled, []
                 await self._finish_with_cells(cancelled)
-            if not plan:
+            if not plan and not self.speaking:
                 self._work.clear()
                 try:
                     await asyncio.wait_for(self._work.wait(), self.recovery_s)
@@ -431,6 +443,7 @@ class EngineWorker:
                 self.stats["tick_errors"] += 1
                 log.exception("tick failed")
                 report, failed = None, {sid: f"tick failed: {type(e).__name__}: {e}" for sid in plan}
+                await self._fail_speech(f"tick failed: {type(e).__name__}: {e}")
             latency = time.perf_counter() - start
             self.stats["ticks"] += 1
             self.latencies.append(latency)
@@ -441,6 +454,7 @@ class EngineWorker:
             if self.admission is not None:
                 self.admission.observe(latency, self.active_sessions(served))
             ended = self._deliver(plan, report, failed)
+            self._deliver_speech(report)
             self._notify_capacity()
             if ended:
                 await self._finish_with_cells(ended)
@@ -454,58 +468,9 @@ class EngineWorker:
             answer._finish(*answer._ending)
 
     def _deliver(self, plan: dict, report, failed: dict) -> list:
-        """Hands each served chunk's result to its feed or answer; returns the answers that ended."""
-        ended = []
-        for sid, (_, asked, item, answer) in plan.items():
-            lane = self.lanes.get(sid)
-            if lane is None:  # closed during the tick
-                continue
-            if sid in failed:
-                if item is not None and item.frame is not None and not item.frame.done():
-                    item.frame.set_exception(RuntimeError(failed[sid]))
-                self._fail(lane, failed[sid])
-                continue
-            out = report.outputs.get(sid)
-            if item is not None and item.frame is not None and not item.frame.done():
-                item.frame.set_result(out)
-            if item is not None and item.fed is not None and not item.fed.done():
-                if out is not None and out.preempted:
-                    item.fed.set_exception(RuntimeError("the session was preempted: the KV pool is exhausted"))
-                else:
-                    item.fed.set_result(None)
-            if answer is None:
-                continue
-            if answer.cancelled:
-                lane.answer = None
-                answer._ending = ("cancelled", "cancelled")
-                ended.append((sid, answer))
-                continue
-            if asked == 0:  # its prompt part was not the last one yet (cannot happen: answers sit on last parts)
-                continue
-            tokens = [] if out is None else [int(t) for t in out.tokens]
-            cut = next((i + 1 for i, t in enumerate(tokens) if t in answer.stop), None)
-            tokens = tokens[:cut] if cut is not None else tokens
-            if not report.per_token:  # a per-token tick pushed each token as it was decoded
-                answer._push(tokens, None if out is None else out.logprobs)
-            self.stats["tokens"] += len(tokens)
-            ending = None
-            if out is None or out.preempted:
-                ending = ("incomplete", "preempted")
-            elif out.error is not None:
-                ending = ("failed", f"the token constraint failed: {out.error}")
-            elif cut is not None or out.complete:
-                ending = ("completed", None)
-            elif answer.remaining <= 0:
-                ending = ("incomplete", "max_output_tokens")
-            elif not tokens:
-                ending = ("incomplete", "no tokens decoded")
-            if ending is None:
-                lane.answer = answer
-            else:
-                lane.answer = None
-                answer._ending = ending
-                ended.append((sid, answer))
-        return ended
+        """Hands each served chunk's result to its feed or answer; returns the answers that ended
+        (`omnijax.serve.engine.deliver.deliver`)."""
+        return deliver(self, plan, report, failed)
 
     def kv_cells(self, sids: list[str]) -> dict[str, int]:
         """In the engine thread: the KV cells each session holds."""

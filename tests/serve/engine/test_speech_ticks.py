@@ -215,3 +215,62 @@ def test_late_or_deferred_chunks_are_sent_not_dropped(model, case):
         assert [c.pcm.size for c in mine] == [c.size for c in alone_chunks]
         assert float(np.abs(np.concatenate([c.pcm for c in mine]) - ref.pcm).max()) <= 1e-5
     assert pool.reserved == 0 and int(pool.kv.num_free) == config.num_pages
+
+
+def test_the_worker_speaks_on_its_ticks_and_counts_speech_in_admission(model):
+    """Through `EngineWorker.speak`: two utterances stream at once beside a thinker session fed meanwhile, each
+    equal to its lone run; while both speak, the AIMD cap of 2 refuses a third utterance and a new session (speech
+    counts as active work); once they end the third speaks; a cancelled utterance ends its stream and frees its
+    pages."""
+    import asyncio
+
+    from omnijax.serve.engine.admission import AIMD
+    from omnijax.serve.engine.worker import EngineWorker
+
+    stream_config = omnijax.StreamConfig(num_pages=32, page_size=16, max_answer_tokens=2)
+    engine = Engine(model, EngineConfig(stream=stream_config, chunk_tokens=8, buckets=(2,), speech=SPEECH))
+    plan = [u | dict(max_new_tokens=n) for u, n in zip(utterances(11, 4), (10, 7, 5, 12))]
+
+    async def speak(worker, u):
+        return await worker.speak(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
+                                  max_new_tokens=u["max_new_tokens"])
+
+    async def collect(stream):
+        return [c async for c in stream]
+
+    async def main():
+        worker = EngineWorker(engine, admission=AIMD(initial_cap=3, frame_budget_s=1e3, window=10_000))
+        await worker.start()
+        try:
+            await worker.open("a")
+            first = [await speak(worker, u) for u in plan[:2]]
+            fed = worker.feed("a", [text_chunk(np.arange(10, 16)), text_chunk(np.arange(20, 26))])
+            with pytest.raises(Overloaded, match="AIMD admission cap 3"):
+                await speak(worker, plan[2])
+            with pytest.raises(Overloaded, match="AIMD admission cap 3"):
+                await worker.open("b")
+            got = await asyncio.gather(*(collect(s) for s in first))
+            await fed
+            late = sum(s.late_chunks for s in first)
+            got.append(await collect(await speak(worker, plan[2])))
+            cancelled = await speak(worker, plan[3])
+            kept = [await cancelled.__anext__()]
+            assert await worker.cancel_speech(plan[3]["speech_id"])
+            kept += [c async for c in cancelled]
+            reserved = await worker.in_engine(lambda: engine.speech.reserved)
+            return got, kept, late, dict(worker.stats), reserved, worker.speaking
+        finally:
+            await worker.close("a")
+            await worker.stop()
+
+    got, kept, late, stats, reserved, speaking = asyncio.run(main())
+    assert reserved == 0 and speaking == {}
+    assert stats["speech_opened"] == 4 and stats["speech_refused"] == 1 and stats["refused"] == 1
+    assert stats["late_chunks"] >= late
+    assert kept and not kept[-1].final  # cancelled after its first chunks: no final chunk
+    for u, mine in zip(plan, got):
+        ref, chunks = alone(model, u)
+        assert mine[-1].final
+        np.testing.assert_array_equal(np.concatenate([c.codes for c in mine], axis=1), ref.codes)
+        assert [c.pcm.size for c in mine] == [c.size for c in chunks]
+        assert float(np.abs(np.concatenate([c.pcm for c in mine]) - ref.pcm).max()) <= 1e-5

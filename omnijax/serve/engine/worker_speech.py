@@ -1,0 +1,148 @@
+"""Spoken answers through the engine worker: `EngineWorker.speak` admits an utterance to the engine's speech pool
+(`omnijax.serve.engine.speech`) and returns a `SpeechStream`, which yields the utterance's vocoder chunks as the
+engine's ticks decode them (the talker steps of every speaking session batched in each tick).
+
+Admission counts speech: an utterance is checked against the AIMD cap with the active sessions (each utterance in
+the pool counts as one, `EngineWorker.active_sessions`), then by the pool (rows, reserved talker pages:
+`Overloaded` naming them), all in the engine's thread between ticks. The worker ticks while any utterance is in the
+pool, with or without thinker work, so the talker keeps its cadence; each tick's latency, what the AIMD controller
+reads, includes the talker step and the vocoder chunks. A chunk past its playback deadline arrives flagged
+(`SpeechChunk.late_s`) and is counted in `stats["late_chunks"]`; a chunk is never dropped. A failed tick or a
+shutdown ends every stream with an error naming why; `cancel_speech` ends one (its pages return).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from omnijax.models.speech import MediaRows
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.speech import SpeechChunk
+
+__all__ = ["SpeakingWorker", "SpeechStream"]
+
+
+class SpeechStream:
+    """One utterance's chunks (`SpeechChunk`: float32 PCM, codes, lateness) in order: `async for chunk in stream`.
+
+    Iteration ends after the chunk marked `final`, or when the utterance is cancelled; it raises RuntimeError
+    (naming why) when the utterance failed (a failed tick, the server shutting down).
+
+    Attributes:
+        speech_id: the utterance.
+        late_chunks: chunks so far that were sent past their playback deadline.
+        error: why the utterance failed, else None.
+    """
+
+    def __init__(self, speech_id: str):
+        self.speech_id = speech_id
+        self.late_chunks = 0
+        self.error: str | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ended = False
+
+    def _push(self, chunk: SpeechChunk) -> None:
+        self.late_chunks += chunk.late_s > 0
+        self._queue.put_nowait(chunk)
+        if chunk.final:
+            self._end(None)
+
+    def _end(self, error: str | None) -> None:
+        if not self._ended:
+            self._ended, self.error = True, error
+            self._queue.put_nowait(None)
+
+    def __aiter__(self) -> "SpeechStream":
+        return self
+
+    async def __anext__(self) -> SpeechChunk:
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # later reads end too
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            raise StopAsyncIteration
+        return item
+
+
+class SpeakingWorker:
+    """The speech half of `omnijax.serve.engine.worker.EngineWorker` (a mixin: it reads the worker's `engine`,
+    `admission`, `stats`, `stopping`, `in_engine` and `_work`)."""
+
+    engine: Any
+    admission: Any
+    stats: dict
+    _work: asyncio.Event | None
+
+    def _init_speech(self) -> None:
+        self.speaking: dict[str, SpeechStream] = {}
+        self.stats.update(speech_opened=0, speech_refused=0, speech_chunks=0, late_chunks=0)
+
+    async def speak(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
+                    media: Sequence[MediaRows] = ()) -> SpeechStream:
+        """Admits an utterance (the thinker's prompt and answer ids, spoken with `voice`) and returns its stream.
+
+        Raises (nothing admitted): `Overloaded` (shutting down, the AIMD cap, the pool's rows or talker pages),
+        ValueError (no speech pool, or a refusal of `Engine.speak`: voice, ids, `max_new_tokens`), KeyError (an id
+        already speaking).
+        """
+        current = self.active_sessions()  # type: ignore[attr-defined]
+        try:
+            if self.stopping:  # type: ignore[attr-defined]
+                raise Overloaded("the server is shutting down", cap=0, current=current)
+            if self.engine.speech is None:
+                raise ValueError("this server's engine has no speech pool (EngineConfig.speech)")
+            if speech_id in self.speaking:
+                raise KeyError(f"speech {speech_id!r} is already speaking")
+            if self.admission is not None:
+                self.admission.check(current)
+            stream = SpeechStream(speech_id)
+            await self.in_engine(functools.partial(  # type: ignore[attr-defined]
+                self.engine.speak, speech_id, prompt_ids, answer_ids, voice=voice, max_new_tokens=max_new_tokens,
+                media=media))
+        except Overloaded:
+            self.stats["speech_refused"] += 1
+            raise
+        self.speaking[speech_id] = stream
+        self.stats["speech_opened"] += 1
+        if self._work is not None:
+            self._work.set()
+        return stream
+
+    async def cancel_speech(self, speech_id: str) -> bool:
+        """Ends an utterance now (its stream stops after the chunks already delivered; its talker pages return);
+        True when it was speaking."""
+        stream = self.speaking.pop(speech_id, None)
+        if stream is None:
+            return False
+        stream._end(None)
+        await self.in_engine(self._close_speech, speech_id)  # type: ignore[attr-defined]
+        return True
+
+    def _close_speech(self, speech_id: str) -> None:
+        try:
+            self.engine.close_speech(speech_id)
+        except KeyError:  # it ended in the tick that ran meanwhile
+            pass
+
+    def _deliver_speech(self, report: Any) -> None:
+        """Hands a tick's vocoder chunks to their streams (on the event loop)."""
+        for chunk in [] if report is None else report.speech:
+            self.stats["speech_chunks"] += 1
+            self.stats["late_chunks"] += chunk.late_s > 0
+            stream = self.speaking.get(chunk.speech_id)
+            if stream is None:  # cancelled meanwhile
+                continue
+            stream._push(chunk)
+            if chunk.final:
+                del self.speaking[chunk.speech_id]
+
+    async def _fail_speech(self, reason: str) -> None:
+        """Ends every stream with `reason` and drops their utterances from the pool."""
+        failed, self.speaking = self.speaking, {}
+        for speech_id, stream in failed.items():
+            stream._end(reason)
+            await self.in_engine(self._close_speech, speech_id)  # type: ignore[attr-defined]
