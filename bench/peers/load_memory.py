@@ -13,13 +13,16 @@ the two alternating round by round; stages are read from `/proc/self/status` (`V
              `session.feed`; transformers: a forward with a `DynamicCache`, `logits_to_keep=1`, inference mode),
              compilation included
     steady   `--chunks` more chunks
+    trimmed  the same, after `malloc_trim(0)` returns the allocator's free heap pages to the system (what the
+             steady state holds in freed compiler and step buffers, not in live data)
 
-`weights` is the bytes of the parameters (omnijax's decoder tree; transformers' `model.parameters()`, a tied
-embedding counted once); `load growth` is resident after load minus after import. torch runs with
-`OMP_WAIT_POLICY=PASSIVE`. Default: SmolLM2-135M-Instruct (the Q4_1 GGUF `make smollm2` installs, dequantised to
-float32 by both, each conversion kept under `--cache`, default `~/.cache/omnijax-bench`: omnijax's with
-`omnijax.demo.smollm2.converted`, transformers' `save_pretrained` of its GGUF load); `--smoke`: a tiny random
-llama GGUF, one round, chunk 32, its conversions those `first_token --smoke` makes into the same `--out`
+Each stage also records `RssAnon` (heap and anonymous maps: omnijax's weights) and `RssFile` (mapped files:
+transformers' safetensors weights) beside `VmRSS`. `weights` is the bytes of the parameters (omnijax's decoder tree;
+transformers' `model.parameters()`, a tied embedding counted once); `load growth` is resident after load minus after
+import. torch runs with `OMP_WAIT_POLICY=PASSIVE`. Default: SmolLM2-135M-Instruct (the Q4_1 GGUF `make smollm2`
+installs, dequantised to float32 by both, each conversion kept under `--cache`, default `~/.cache/omnijax-bench`:
+omnijax's with `omnijax.demo.smollm2.converted`, transformers' `save_pretrained` of its GGUF load); `--smoke`: a
+tiny random llama GGUF, one round, chunk 32, its conversions those `first_token --smoke` makes into the same `--out`
 (`first_token.smoke_models`: made once, whichever runs first).
 
     python -m bench.peers.load_memory --rounds 5 --out bench/peers/results
@@ -28,6 +31,7 @@ llama GGUF, one round, chunk 32, its conversions those `first_token --smoke` mak
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -40,13 +44,14 @@ import numpy as np
 from bench import harness
 
 SIDES = ("omnijax", "transformers")
-STAGES = ("import", "load", "first", "steady")
+STAGES = ("import", "load", "first", "steady", "trimmed")
 
 
 def _status() -> dict:
-    """VmRSS and VmHWM in MB."""
+    """VmRSS, VmHWM, RssAnon (heap and anonymous maps: the weights' buffers) and RssFile (mapped files) in MB."""
     with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
+        fields = dict(line.split(":", 1) for line in status
+                      if line.startswith(("VmRSS", "VmHWM", "RssAnon", "RssFile")))
     return {k: int(v.split()[0]) / 1024 for k, v in fields.items()}
 
 
@@ -99,8 +104,11 @@ def worker(side: str, path: Path, chunk: int, chunks: int) -> dict:
                 if i == 0:
                     stages["first"] = _status()
     stages["steady"] = _status()
+    ctypes.CDLL(None).malloc_trim(0)  # glibc: the freed heap pages go back to the system
+    stages["trimmed"] = _status()
     return {"side": side, "weights_mb": weights / 2 ** 20,
             "rss_mb": {s: stages[s]["VmRSS"] for s in STAGES}, "hwm_mb": {s: stages[s]["VmHWM"] for s in STAGES},
+            "anon_mb": {s: stages[s]["RssAnon"] for s in STAGES}, "file_mb": {s: stages[s]["RssFile"] for s in STAGES},
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -163,6 +171,7 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["side"] == side]
         med = {s: float(np.median([r["rss_mb"][s] for r in mine])) for s in STAGES}
         summary[side] = {"weights_mb": mine[0]["weights_mb"], "rss_mb": med,
+                         "anon_mb": {s: float(np.median([r["anon_mb"][s] for r in mine])) for s in STAGES},
                          "rss_spread_mb": {s: float(np.ptp([r["rss_mb"][s] for r in mine])) for s in STAGES},
                          "peak_mb": float(np.median([r["peak_mb"] for r in mine])),
                          "load_growth_mb": float(np.median([r["rss_mb"]["load"] - r["rss_mb"]["import"]
