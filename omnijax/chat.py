@@ -43,8 +43,9 @@ Media and speech (Qwen3-Omni): a media unit lies in the turn whose `<|im_start|>
 hidden size x dtype bytes a placeholder, 4 KiB for the 30B release in bfloat16) up to `speech_media_bytes`; cache
 retention does not touch them. Media after a system turn or an answer are not read and keep nothing. Refused by name
 at a spoken `ask`: kept rows past `speech_media_bytes` (then all dropped: one missing unit makes the conversation
-unspeakable), an audiovisual unit in a user turn, and media with a talker that reads every position's last layer
-(Qwen2.5-Omni).
+unspeakable), an audiovisual unit in a user turn. Qwen2.5-Omni's talker reads every position's last layer: the chat
+keeps each audio unit's input rows (tap 0, the encoder's features; in any turn) and `speak` recomputes the thinker
+over the conversation with them; an image or audiovisual unit makes its conversation unspeakable.
 
 A call refused for bad input (an unknown role, media the checkpoint has no encoder for, a bad video file, a
 template that cannot be followed) raises before anything is fed: the session is unchanged.
@@ -449,10 +450,10 @@ class Chat:
         self._record_unit(unit, kind, label, chunk)
         media_tap = getattr(self.model.speech, "media_tap", None)
         tap = None if media_tap is None or self._unspeakable is not None else media_tap(self._speech_ids)
-        if tap is not None and kind == "av":
-            self._unspeakable = (f"unit {unit} ({label}) is an audiovisual unit in a user turn: the talker's "
-                                 "positions for audio in video are not built (the reference does not pass "
-                                 "use_audio_in_video to its talker)")
+        if tap is not None and kind not in getattr(self.model.speech, "media_kinds", ("image", "audio")):
+            what = "an audiovisual unit in a user turn" if kind == "av" else f"an {kind} the talker reads"
+            self._unspeakable = (f"unit {unit} ({label}) is {what}: the talker's positions for it are not built "
+                                 "(the Qwen3-Omni reference does not pass use_audio_in_video to its talker)")
             tap = None
         out = self._feed(chunk, self.config, kind, tap=tap)
         if tap is not None:

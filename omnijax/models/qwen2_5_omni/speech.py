@@ -6,8 +6,13 @@ into 24 kHz PCM as transformers' `Qwen2_5OmniForConditionalGeneration.generate(.
 What `speak` feeds the talker (`talker_forward`): per thinker token of the prompt and the answer, the thinker's
 final-normed hidden state plus its embedding; the voice's start token; the codec pad / bos embeddings; after the
 answer the `text_eos` row, then `text_pad` rows. The reference zeroes the embedding rows of audio / image / video
-placeholders and reads the thinker's hidden states over the encoded media; prompts with placeholders are refused
-here (`speak` runs the thinker over text only).
+placeholders and reads the thinker's hidden states over the encoded media. `speak` recomputes those states: one
+thinker forward over prompt and answer (full attention, as the reference), the audio encoder's rows given as `media`
+at the audio placeholders (`omnijax.Chat` keeps them as a unit is fed: hidden size x dtype bytes a placeholder, the
+same as Qwen3-Omni's kept rows; keeping the last layer of every position instead would grow with the whole
+conversation, answers included, and differ from the reference once retention evicts). Audio tokens take consecutive
+positions (the reference's `get_rope_index`), so the text path's positions hold; prompts with image or video
+placeholders are refused (their positions are not built here).
 
 Decoding is greedy, with the reference's repetition penalty (1.05 unless told otherwise: transformers passes it to
 the talker even when `talker_do_sample=False`), its codec-bos suppression and its stop ids (the codec pad and end
@@ -20,7 +25,7 @@ block streaming differs from the one-shot decode).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +37,8 @@ from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
 from omnijax.models.qwen2_5_omni.voices import Voice
-from omnijax.models.speech import Utterance, token_ids
+from omnijax.models.qwen3_omni import speech_media
+from omnijax.models.speech import MediaRows, Utterance, token_ids
 
 __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "speak"]
 
@@ -71,6 +77,14 @@ class Qwen25Speech:
         self.im_end_token_id, self.placeholders = int(im_end_token_id), dict(placeholders)
         self.params = talker_forward.talker_params(talker)
 
+    media_kinds = ("audio",)  # the units `Chat` may feed before a spoken answer (image / video positions: not built)
+
+    def media_tap(self, prefix_ids: Sequence[int]) -> int | None:
+        """The thinker `hidden_states` index to keep at a media unit's placeholders (`omnijax.Chat`): 0, the input
+        rows (the audio encoder's features), wherever the unit lies: this talker reads every prompt position, and
+        `speak` recomputes the thinker's last layer over the whole conversation with them."""
+        return 0
+
     @property
     def voices(self) -> tuple[str, ...]:
         """The speaker names as the release spells them ("Chelsie", "Ethan"); matched case-insensitively."""
@@ -85,7 +99,8 @@ class Qwen25Speech:
         raise UnknownVoiceError(name, self.voices)
 
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
-                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25) -> Iterator[np.ndarray]:
+                     max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
+                     media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
         """`speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=...)`, its waveform yielded in slices
         of `first_chunk` codec tokens' samples, then `chunk` tokens' (the whole utterance is decoded at the call, so
         every refusal is raised before the first slice; the slices concatenated equal `speak(...).pcm`)."""
@@ -94,7 +109,7 @@ class Qwen25Speech:
         for name, value in (("first_chunk", first_chunk), ("chunk", chunk)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        pcm = speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens).pcm
+        pcm = speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens, media=media).pcm
         per = self.token2wav.config.samples_per_token
         bounds = [0, first_chunk * per] + list(range(first_chunk * per + chunk * per, len(pcm), chunk * per))
         bounds = sorted({min(b, len(pcm)) for b in bounds} | {len(pcm)})
@@ -104,12 +119,12 @@ class Qwen25Speech:
 def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
           max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
           noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
-          guidance_scale: float = 0.5, sway: float | None = -1.0) -> Utterance:
+          guidance_scale: float = 0.5, sway: float | None = -1.0, media: Sequence[MediaRows] = ()) -> Utterance:
     """Speaks a thinker's answer: the talker (greedy), then Token2Wav (DiT ODE solve, BigVGAN) in one call.
 
     Args:
         model: a loaded Qwen2.5-Omni checkpoint converted from a full release (`model.speech` set).
-        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text only: no audio / image / video placeholders).
+        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text and audio placeholders, their rows in `media`).
         answer_ids: `[N]` the answer's tokens; a trailing `<|im_end|>` is not spoken. transformers' generate reads
             every generated row but the last token's, so to equal it on an answer cut short (no `<|im_end|>`) pass
             the answer without its last token.
@@ -120,6 +135,8 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
             standard normal from `jax.random.key(seed)`.
         seed: the noise's seed when `noise` is None.
         num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
+        media: the audio encoder's rows at the prompt's audio placeholders (`MediaRows` of `hidden_states[0]`, one
+            per clip; `omnijax.Chat` keeps them from the chunks it feeds): every audio placeholder needs its row.
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
@@ -128,7 +145,8 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     Raises:
         SpeechUnavailableError: the checkpoint has no speech output (names the fix).
         UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
-        ValueError: ids outside the vocabulary, multimodal placeholders, an empty answer or prompt, a
+        ValueError: ids outside the vocabulary, image or video placeholders, an audio placeholder without its row
+            in `media` (or a row elsewhere, of another layer or width), an empty answer or prompt, a
             `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of the wrong shape.
     """
     speech = model.speech
@@ -151,14 +169,21 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     if not answer.size or not prompt.size:
         raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)" if prompt.size else
                          "prompt_ids is empty")
-    found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, prompt).any() or np.isin(i, answer).any())
-    if found:
-        raise ValueError(f"the prompt holds multimodal placeholders ({', '.join(found)}): speak() takes text-only "
-                         "prompts (the talker reads the thinker's hidden states over the encoded media, which "
-                         "speak() does not compute)")
     config, params = speech.talker.config, speech.params
     sequence = np.concatenate([prompt, answer])
-    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence)
+    found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, sequence).any())
+    if set(found) - {"audio_token_id"}:
+        raise ValueError(f"the prompt holds {', '.join(sorted(set(found) - {'audio_token_id'}))} placeholders: the "
+                         "thinker's and the talker's positions for images and videos are not built here; speak() "
+                         "takes text and audio")
+    inputs = None
+    if found or media:  # the audio encoder's rows at every audio placeholder (the answer may hold none)
+        inputs = speech_media.thinker_hidden(model.decoder.embed_tokens(jnp.asarray(sequence[None], jnp.int32))[0],
+                                             sequence, len(prompt), np.ones(len(prompt), bool), speech.placeholders,
+                                             tuple(media), 0)
+    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs)
+    if found:  # the reference hands its talker zeros in place of the placeholders' embedding rows
+        embeds = embeds.at[jnp.asarray(np.flatnonzero(sequence == speech.placeholders["audio_token_id"]))].set(0)
     specials = model.decoder.embed_tokens(jnp.asarray([[voice.bos_token, config.text_eos_id, config.text_pad_id]],
                                                       jnp.int32))[0]
     prefill, trailing = talker_forward.talker_prompt(config, params, embeds, hidden, len(prompt), specials[0],

@@ -105,7 +105,8 @@ def talker_logits(config: TalkerConfig, params: Params, rows: jax.Array, positio
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array,
+                  inputs: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     decoder = nnx.merge(graphdef, state)
     c = decoder.config
     T = ids.shape[0]
@@ -116,16 +117,18 @@ def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array) -> t
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (c.position_axes, 1, T))
     zeros = jnp.zeros((1, T), jnp.int32)
     meta = paged_lib.SlotMeta(pos=positions[0], unit=zeros, span=zeros + int(SpanKind.TEXT), offset=zeros)
-    x = decoder.embed_tokens(ids[None])
+    x = decoder.embed_tokens(ids[None]) if inputs is None else inputs[None].astype(c.jnp_dtype)
     _, hidden = write_chunk(decoder, kv, x, jnp.ones((1, T), bool), positions, meta)
     return x[0], rms_norm(hidden, decoder.final_norm[...], c.rms_norm_eps)[0]
 
 
-def thinker_rows(decoder: Decoder, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """The thinker's embedding-layer rows and final-normed last-layer hidden states of a text sequence `ids [T]`
-    (consecutive positions): `(embeds [T, Dt], hidden [T, Dt])`."""
+def thinker_rows(decoder: Decoder, ids: np.ndarray, inputs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The thinker's embedding-layer rows and final-normed last-layer hidden states of a sequence `ids [T]` at
+    consecutive positions (text, and audio: Qwen2.5-Omni's `get_rope_index` numbers audio tokens consecutively):
+    `(embeds [T, Dt], hidden [T, Dt])`. `inputs [T, Dt]`: the input rows (the embeddings with the audio
+    encoder's features at the placeholders) in place of the token embeddings."""
     graphdef, state = nnx.split(decoder)
-    return _thinker_rows(graphdef, state, jnp.asarray(ids, jnp.int32))
+    return _thinker_rows(graphdef, state, jnp.asarray(ids, jnp.int32), inputs)
 
 
 def talker_prompt(config: TalkerConfig, params: Params, embeds: jax.Array, hidden: jax.Array, prompt_len: int,

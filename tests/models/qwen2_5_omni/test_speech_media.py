@@ -1,0 +1,129 @@
+"""Qwen2.5-Omni speaks about audio: `speech.speak(..., media=...)` recomputes the thinker's last layer over a prompt
+holding an audio clip (the audio encoder's rows at its placeholders) and equals transformers' `generate(input_features=
+..., return_audio=True, talker_do_sample=False)` (the same talker tokens, the waveform within 1e-4 of its peak, the
+DiT's noise drawn from the same torch seed); `Chat` keeps those rows as it feeds the clip (tap 0) and speaks
+`speak()`'s PCM; images and rows that do not fit are refused by name.
+
+The release is `test_speech`'s converted tiny full model (module fixtures `release`, `model`).
+"""
+
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax.chat import SpeakOptions
+from omnijax.convert import convert_checkpoint
+from omnijax.models.encoders.log_mel import log_mel
+from omnijax.models.qwen2_5_omni import frontend as F
+from omnijax.models.qwen2_5_omni import speech as S
+from omnijax.models.speech import MediaRows, media_rows
+from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+from tests._support.speech_refs import captured_talker
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
+from tests.models.qwen2_5_omni import test_talker as T  # noqa: E402
+
+release, model = TS.release, TS.model
+IM_START, IM_END, NL = TS.IM_START, TS.IM_END, TS.NL
+CLIP = F.tone(1.0, 330.0, seed=5)  # 1 s at 16 kHz: 25 audio tokens
+
+
+def _audio(model, start):
+    """The clip's ids and its `MediaRows` (the encoder's rows at its placeholders, placed from `start`)."""
+    chunk = F.audio_chunk(model, CLIP, unit=1)
+    ids = np.asarray(chunk.token_ids)[0][np.asarray(chunk.valid, bool)[0]]
+    return ids, media_rows(chunk, chunk.embeds, 0, start, model.omni)
+
+
+@pytest.mark.parametrize("speaker", ["Chelsie"])
+def test_speak_about_audio_equals_transformers_generate_return_audio(release, model, speaker):
+    full = release[0]
+    head = [IM_START, 10, NL, 11, 12, IM_END, NL, IM_START, 14, NL]
+    ids, rows = _audio(model, len(head))
+    prompt = np.asarray([*head, *ids, 15, 16, IM_END, NL, IM_START, 20, NL])
+    assert rows.rows.shape[0] == 25 and rows.layer == 0 and np.abs(rows.rows).max() > 0.05
+    mel = log_mel(CLIP)
+    torch.manual_seed(TS.SEED)  # the DiT's torch.randn is the first draw after it
+    with captured_talker(full) as seen, torch.no_grad():
+        sequence, wav = full.generate(
+            input_ids=torch.as_tensor(prompt)[None], input_features=torch.as_tensor(mel)[None],
+            feature_attention_mask=torch.ones((1, mel.shape[1]), dtype=torch.long), speaker=speaker,
+            return_audio=True, thinker_max_new_tokens=TS.ANSWER_TOKENS, thinker_do_sample=False,
+            thinker_eos_token_id=IM_END, talker_max_new_tokens=TS.FRAMES, talker_do_sample=False,
+            talker_eos_token_id=T.STOP)
+    sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
+    want_tokens = seen[0][0, len(prompt) + 2:].numpy()
+    answer = sequence[len(prompt):]
+    assert len(answer) >= 3, "the answer is too short to have trailing text rows"
+    spoken = S.speak(model, prompt, answer[:-1], speaker=speaker, max_new_tokens=TS.FRAMES, noise=TS._torch_noise,
+                     media=[rows])
+    np.testing.assert_array_equal(spoken.talker_tokens, want_tokens)
+    assert len(want_tokens) >= 6 and len(set(want_tokens.tolist())) > 2, want_tokens
+    peak = np.abs(wav).max()
+    assert peak > 0.05 and spoken.pcm.shape == wav.shape
+    err = np.abs(spoken.pcm - wav).max()
+    assert err <= 1e-4 * peak, f"max error {err:.3g} > 1e-4 x peak {peak:.3g}"
+    # the clip's rows matter: zero features give other speech
+    blank = MediaRows(positions=rows.positions, rows=np.zeros_like(rows.rows), layer=0)
+    other = S.speak(model, prompt, answer[:-1], speaker=speaker, max_new_tokens=TS.FRAMES, noise=TS._torch_noise,
+                    media=[blank])
+    assert not np.array_equal(other.talker_tokens, want_tokens) or np.abs(other.pcm - wav).max() > 1e-2 * peak
+
+
+def test_media_speak_cannot_take_is_refused_by_name(model):
+    head = [IM_START, 10, NL]
+    ids, rows = _audio(model, len(head))
+    prompt = np.asarray([*head, *ids, IM_END, NL, IM_START, 20, NL])
+    with pytest.raises(ValueError, match=r"placeholders \(audio_token_id\) .* without their thinker states"):
+        S.speak(model, prompt, [5, 6])
+    with pytest.raises(ValueError, match=r"holds hidden_states\[2\], the talker reads hidden_states\[0\]"):
+        S.speak(model, prompt, [5, 6], media=[MediaRows(rows.positions, rows.rows, layer=2)])
+    with pytest.raises(ValueError, match="not placeholders"):
+        S.speak(model, prompt, [5, 6], media=[MediaRows(rows.positions - 1, rows.rows, layer=0)])
+    image = np.asarray([*head, model.omni.vision_start_token_id, model.omni.image_token_id,
+                        model.omni.vision_end_token_id, IM_END, NL, IM_START, 20, NL])
+    with pytest.raises(ValueError, match="image_token_id placeholders: the thinker's and the talker's positions"):
+        S.speak(model, image, [5, 6])
+
+
+def test_chat_keeps_the_audio_rows_and_speaks_about_the_clip(release, tmp_path):
+    """`Chat` feeds the clip with tap 0 and keeps its rows (the encoder's features, also after a system turn: this
+    talker reads every position); its PCM is `speak()` of its ids and rows. An image makes the chat unspeakable,
+    refused at `ask` before anything is fed."""
+    src = tmp_path / "hf"
+    shutil.copytree(release[1] / "single", src)
+    write_tiny_tokenizer(src, vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        chatty = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
+    config = omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=4)
+    chat = omnijax.Chat(chatty, config)
+    chat.system("Be brief.")
+    chat.audio(CLIP)  # after the system turn: read all the same
+    # 3 tokens: the tiny model's 4th answer token here is <|IMAGE|> (295), which an answer cannot speak
+    items = list(chat.ask("What was it?", max_tokens=3, speak=SpeakOptions(
+        voice="chelsie", max_speech_tokens=TS.FRAMES, first_chunk=4, chunk=5)))
+    chunks = [i for i in items if not isinstance(i, str)]
+    spoken = chat.last_spoken
+    assert len(spoken.answer_ids) == 3 and not set(spoken.answer_ids) & set(chatty.omni.placeholder_ids)
+    (kept,) = spoken.media
+    ids, rows = _audio(chatty, int(kept.positions[0]) - 1)
+    np.testing.assert_array_equal(kept.positions, rows.positions)
+    np.testing.assert_allclose(kept.rows, rows.rows, rtol=0, atol=1e-6 * np.abs(rows.rows).max())
+    want = S.speak(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=TS.FRAMES, media=spoken.media)
+    assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
+    np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
+    other = omnijax.Chat(chatty, config)
+    other.user("Look.")
+    other.image(F.synthetic_frames(0.5, 2.0, 56, 84, seed=3)[0])
+    state = other.session.state
+    with pytest.raises(ValueError, match=r"is an image the talker reads: the talker's positions for it"):
+        other.ask("What was it?", speak=True)
+    assert other.session.state is state
