@@ -13,7 +13,11 @@ Resident memory while converting: the source tensor being read plus a few blocks
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import json
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 SAVE_CHUNK_BYTES = 8 * 1024 * 1024  # storage chunk size: bounds the memory one chunk write needs
-IN_FLIGHT_BLOCKS = 1  # blocks written while the next is prepared
+IN_FLIGHT_BLOCKS = 2  # chunk files written while the next block is prepared
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, leading: int) -> tuple[int, ...]:
@@ -41,11 +45,18 @@ def _zarr_dtype(dtype: np.dtype) -> str:
 class StagedArray:
     """One parameter array being written to `path` (a zarr directory), filled by `array[index] = value`.
 
+    TensorStore writes the array's metadata (`.zarray`); the chunks are written here, each straight from the block
+    that holds it (a cast and transposed copy, or a view of the memory-mapped source when neither is needed) into
+    its own file by one `write`: no further copy of the data (TensorStore's write copied every block before writing
+    it, and cost a thread hand-off per chunk). A write covers whole storage chunks: one index of each leading axis,
+    every trailing axis whole, so each chunk is written once, never read back to be completed.
+
     Attributes:
         path: the zarr directory.
         shape: the array's shape.
         dtype: its dtype; written values are cast to it as `astype` casts.
         leading: how many leading axes a write indexes with integers (layers, experts).
+        written: bytes handed to the storage so far (`finish` waits for them).
     """
 
     def __init__(self, path: Path, shape: tuple[int, ...], dtype: Any, leading: int, context: ts.Context,
@@ -57,51 +68,65 @@ class StagedArray:
                 "metadata": {"shape": list(self.shape), "chunks": list(self._chunks),
                              "dtype": _zarr_dtype(self.dtype), "compressor": None, "fill_value": None,
                              "dimension_separator": ".", "order": "C", "filters": None}}
-        self._store = ts.open(spec, create=True, context=context).result()
+        ts.open(spec, create=True, context=context).result()  # writes `.zarray`; nothing else is kept
         self._writes = writes
-        self.written = 0  # bytes handed to the storage so far (`finish` waits for them)
+        self.written = 0
 
     def __setitem__(self, index: tuple[int, ...], value: np.ndarray) -> None:
+        index = tuple(int(i) for i in index)
         value = np.asarray(value)
-        region = self._store[index] if index else self._store
-        if tuple(value.shape) != tuple(region.shape):
+        if len(index) != self.leading or any(not 0 <= i < n for i, n in zip(index, self.shape)):
+            raise ValueError(f"{self.path.name}: a write takes one index of each of the {self.leading} leading axes "
+                             f"of shape {self.shape[:self.leading]}, not {list(index)}")
+        if tuple(value.shape) != self.shape[self.leading:]:
             raise ValueError(f"{self.path.name}{list(index)}: a value of shape {value.shape} for a region of "
-                             f"shape {tuple(region.shape)}")
-        if value.ndim == 0:
-            self._writes.add(region, np.asarray(value, self.dtype))
+                             f"shape {self.shape[self.leading:]}")
+        prefix = "".join(f"{i}." for i in index)
+        trailing_keys = ".0" * (self.ndim - self.leading - 1)
+        if value.ndim == 0:  # one element per chunk: its key is the leading indices alone (a 0-d array's is "0")
+            self._writes.add(self.path / (prefix[:-1] or "0"), np.asarray(value, self.dtype).reshape(1), 0)
             self.written += self.dtype.itemsize
             return
-        axis = len(index)  # the region's first axis is the array's axis `axis`
+        rows = self._chunks[self.leading]  # rows of the first trailing axis per storage chunk
+        chunk_bytes = math.prod(self._chunks) * self.dtype.itemsize
         per_row = max(1, math.prod(value.shape[1:]) * self.dtype.itemsize)
-        step = max(1, SAVE_CHUNK_BYTES // per_row // self._chunks[axis]) * self._chunks[axis] if axis < self.ndim \
-            else value.shape[0]
+        step = max(1, SAVE_CHUNK_BYTES // per_row // rows) * rows
         for start in range(0, value.shape[0], step):
             block = np.ascontiguousarray(value[start:start + step], dtype=self.dtype)  # cast + layout, one block
-            self._writes.add(region[start:start + block.shape[0]], block)
+            for first in range(0, block.shape[0], rows):
+                key = f"{prefix}{(start + first) // rows}{trailing_keys}"
+                self._writes.add(self.path / key, block[first:first + rows], chunk_bytes)
             self.written += block.nbytes
 
     def finish(self) -> None:
-        """Waits until every write handed to the storage so far is on disk (raising the first failure)."""
+        """Waits until every write handed to the storage so far is done (raising the first failure)."""
         self._writes.wait(0)
 
 
 class _Writes:
-    """The writes of one conversion in flight: the next block is cast while earlier ones are written, with at most
-    `IN_FLIGHT_BLOCKS` blocks held."""
+    """The chunk files of one conversion being written by one thread while the next block is cast, with at most
+    `IN_FLIGHT_BLOCKS` chunks waiting (each holds its block, which nothing else writes to)."""
 
     def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnijax-convert-write")
         self._pending: collections.deque = collections.deque()
 
-    def add(self, region: ts.TensorStore, block: np.ndarray) -> None:
-        # TensorStore copies the block before the write returns. Letting it reference the block instead
-        # (`can_reference_source_data_indefinitely`) was ~2x quicker but crashed a test worker with a segmentation
-        # fault in a TensorStore thread during a conversion (twice, not reproducible at will): not worth the time.
-        self._pending.append(region.write(block))
+    def add(self, path: Path, chunk: np.ndarray, size: int) -> None:
+        """Writes `chunk` (C-contiguous) as the file `path`, extended with zeros to `size` bytes (zarr stores an
+        edge chunk at its full size)."""
+        self._pending.append(self._pool.submit(_write_file, path, chunk, size))
         self.wait(IN_FLIGHT_BLOCKS)
 
     def wait(self, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().result()
+
+
+def _write_file(path: Path, chunk: np.ndarray, size: int) -> None:
+    with open(path, "wb") as f:  # (buffered I/O writes a large buffer through, without a copy)
+        f.write(memoryview(chunk.reshape(-1).view(np.uint8)))
+        if size > chunk.nbytes:
+            f.truncate(size)  # reads back as zeros
 
 
 def staged_tree(directory: Path, shapes: dict, leading: dict[str, int], dtype: Any) -> dict:
@@ -118,6 +143,61 @@ def staged_tree(directory: Path, shapes: dict, leading: dict[str, int], dtype: A
 
     directory.mkdir(parents=True, exist_ok=True)
     return build(shapes, "")
+
+
+def write_tree(path: Path, tree: dict) -> None:
+    """Writes a pure-dict array tree as the directory `path` (which must not exist) in orbax's PyTree checkpoint
+    layout, as orbax's `PyTreeCheckpointHandler` writes it without OCDBT (what `StandardCheckpointer` reads): one
+    uncompressed zarr directory per leaf, named by its keys joined with dots, beside orbax's `_METADATA`,
+    `_CHECKPOINT_METADATA` and `commit_success.txt`.
+
+    A `StagedArray` (a conversion's, already written) is moved into place once its writes are done; any other leaf
+    (numpy or jax arrays, memory-maps) is written here the same way, chunk by chunk from where it lies.
+
+    Raises:
+        ValueError: a `StagedArray` not completely written.
+        FileExistsError: `path` exists.
+    """
+    path.mkdir(parents=True)
+    context, writes = ts.Context({"file_io_sync": False}), _Writes()
+    entries = {}
+    for keys, leaf in _keyed_leaves(tree, ()):
+        name = ".".join(keys)
+        if not isinstance(leaf, StagedArray):
+            array = np.asarray(leaf)
+            leaf_path = path / name
+            StagedArray(leaf_path, array.shape, array.dtype, 0, context, writes)[()] = array
+        else:
+            leaf.finish()
+            if leaf.written != math.prod(leaf.shape) * leaf.dtype.itemsize:
+                raise ValueError(f"{path}: staged array {name!r} not completely written ({leaf.written} bytes)")
+            os.replace(leaf.path, path / name)
+        entries[repr(tuple(keys))] = {"key_metadata": [{"key": k, "key_type": _DICT_KEY} for k in keys],
+                                      "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
+    writes.wait(0)
+    started = time.time_ns()
+    (path / "_METADATA").write_text(json.dumps({
+        "tree_metadata": entries, "use_ocdbt": False, "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None}), encoding="utf-8")
+    (path / "_CHECKPOINT_METADATA").write_text(json.dumps({
+        "item_handlers": ORBAX_HANDLER, "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": started,
+        "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}}), encoding="utf-8")
+    (path / "commit_success.txt").write_text(f"Checkpoint commit was successful to {path}", encoding="utf-8")
+
+
+_DICT_KEY = 2  # orbax's key type of a dict key
+ORBAX_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+
+
+def _keyed_leaves(tree: Any, keys: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    if not isinstance(tree, dict):
+        return [(keys, tree)]
+    out = []
+    for k, v in sorted(tree.items()):
+        if not isinstance(k, str) or "." in k:
+            raise ValueError(f"tree key {k!r} at {'.'.join(keys) or 'the root'}: keys are strings without dots")
+        out += _keyed_leaves(v, (*keys, k))
+    return out
 
 
 def leaves(tree: Any) -> list[tuple[str, Any]]:
