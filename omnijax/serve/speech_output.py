@@ -29,8 +29,11 @@ server recomputes them: `MediaReplay` replays the request's parts through a side
 settings, tapping that layer at those units, in a worker thread that starts when the prompt is built and runs beside
 the engine's decoding of the answer (the speech waits for it). The rows and the media queued for a replay are
 capped at `SPEECH_MEDIA_BYTES` (64 MiB) a conversation, past which the request is refused naming `messages`. Media
-outside user turns (before the first, in a system turn) are not read and need no replay. A talker that reads the
-last layer at every position (Qwen2.5-Omni) takes text-only messages: media parts are refused naming the part.
+outside user turns (before the first, in a system turn) are not read and need no replay. Qwen2.5-Omni's talker
+reads every position: its `media_tap` keeps the input rows (tap 0, the encoder's features) of every audio unit and
+`speak` reruns the thinker over the conversation with them (the same replay; not yet exercised through the server);
+units a talker's positions are not built for (`media_kinds`: an image on Qwen2.5-Omni) make the conversation
+unspeakable, refused naming `messages`; a talker without a media tap takes text-only messages (the part named).
 """
 
 from __future__ import annotations
@@ -147,10 +150,10 @@ def check_spoken_request(req: ChatRequest, model: OmniModel | None = None) -> No
     for i, (_, parts) in enumerate(req.messages):
         for j, part in enumerate(parts):
             if part.kind != "text" and tap is None:
-                raise RequestError(f"'messages[{i}].content[{j}]': this checkpoint's talker reads the thinker's "
-                                   "last-layer states at every prompt position (Qwen2.5-Omni), which the server "
-                                   "does not keep: its audio output takes text-only messages; send [\"text\"] "
-                                   "modalities with media", code="unsupported", param=f"messages[{i}].content[{j}]")
+                raise RequestError(f"'messages[{i}].content[{j}]': this checkpoint's talker has no media tap (a "
+                                   "way to keep the thinker states it reads at media placeholders), so its audio "
+                                   "output takes text-only messages; send [\"text\"] modalities with media",
+                                   code="unsupported", param=f"messages[{i}].content[{j}]")
     if req.n > 1 or req.top_logprobs is not None:
         name = "n" if req.n > 1 else "logprobs"
         raise RequestError(f"'{name}' is not supported with audio output (one spoken answer per request)",
@@ -298,6 +301,7 @@ class MediaReplay:
                  cap: int = SPEECH_MEDIA_BYTES):
         self.model, self.stream, self.pages, self.units, self.cap = model, stream, int(pages), units, int(cap)
         self.tap = getattr(model.speech, "media_tap", None)
+        self.omni = getattr(model, "omni", None)  # the family's token ids (placeholders)
         self.ids: list[int] = []  # every id fed, placeholders and answers included: the talker's prompt
         self.queued: list[tuple[Any, tuple | None, int | None, int]] = []  # not yet replayed: (part, `_compact`'s
         # shapes, tap, the index of its first id)
@@ -329,10 +333,14 @@ class MediaReplay:
             tap = self.tap(self.ids) if media and self.tap is not None else None
             if int(np.asarray(part.answer_tokens)[0]):
                 self.answer_unit = int(np.asarray(part.answer_unit)[0])
+            kinds = {k for k, name in (("image", "image_token_id"), ("audio", "audio_token_id"),
+                                       ("video", "video_token_id")) if getattr(self.omni, name, -1) in ids}
             if media and self.tap is None:
-                self._unspeakable("the conversation holds image or audio input, and this checkpoint's talker reads "
-                                  "the thinker's last-layer states at every position (Qwen2.5-Omni), which the "
-                                  "server does not keep")
+                self._unspeakable("the conversation holds image or audio input, and this checkpoint's talker has no "
+                                  "media tap: the server does not keep the thinker states it would read there")
+            elif tap is not None and kinds - set(getattr(self.model.speech, "media_kinds", ("image", "audio"))):
+                self._unspeakable(f"the conversation holds {' and '.join(sorted(kinds))} input the talker reads, "
+                                  "whose talker positions are not built for this checkpoint")
             elif tap is not None and self.broken is not None:
                 self._unspeakable(self.broken)
             self._queue(part, tap)
@@ -354,7 +362,7 @@ class MediaReplay:
         self.unspeakable, self.broken = unspeakable, None
         why = ("the session was resumed from a snapshot, which keeps the ids fed but not the media a replay of the "
                "talker's thinker rows needs")
-        holes = set(getattr(self.model.omni, "placeholder_ids", ()))  # type: ignore[attr-defined]
+        holes = set(getattr(self.omni, "placeholder_ids", ()))
         at = [i for i, t in enumerate(self.ids) if t in holes and (i == 0 or self.ids[i - 1] not in holes)]
         if any(self.tap is None or self.tap(self.ids[:i]) is not None for i in at):
             self._unspeakable(why)
@@ -417,7 +425,7 @@ class MediaReplay:
         """One media unit's rows from its parts (a unit longer than the engine's chunk comes in several)."""
         rows = np.concatenate([r[np.asarray(p.valid, bool)[0][:r.shape[0]]] for p, r, _, _ in group])
         whole = concat([p for p, _, _, _ in group])
-        self.kept.append(media_rows(whole, rows[None], group[0][2], group[0][3], self.model.omni))  # type: ignore
+        self.kept.append(media_rows(whole, rows[None], group[0][2], group[0][3], self.omni))
         held = sum(r.nbytes for r in self.kept) + sum(_nbytes(p) for p, _, _, _ in self.queued)
         if held > self.cap:
             self._unspeakable(f"the thinker rows kept for the talker ({held} bytes with the media queued) outgrew "

@@ -23,10 +23,10 @@ Refused by name, the session unchanged: audio output on a checkpoint without a t
 not have (`session.audio.output.voice`, naming its voices), an output format on a checkpoint without a talker
 (`session.audio.output.format`), a format other than 24 kHz `audio/pcm` (the codec), audio
 output with duplex or with active tools (`session.output_modalities`); and at `response.create`, a conversation that
-cannot be spoken (`SpokenIds.unspeakable`): image or audio input on a talker that reads every position's last layer
-(Qwen2.5-Omni), media rows past `speech_output.SPEECH_MEDIA_BYTES`, media of a user turn in a session resumed from a
-snapshot (snapshots keep the ids fed, not the media a replay needs), or a snapshot written before snapshots kept the
-ids (`spoken` in its meta).
+cannot be spoken (`SpokenIds.unspeakable`): media on a talker without a media tap, or of a kind its positions are
+not built for (an image on Qwen2.5-Omni), media rows past `speech_output.SPEECH_MEDIA_BYTES`, media the talker reads
+in a session resumed from a snapshot (snapshots keep the ids fed, not the media a replay needs), or a snapshot
+written before snapshots kept the ids (`spoken` in its meta).
 
 Media (Qwen3-Omni): the talker reads `hidden_states[accept_hidden_layer]` at the placeholders of media in user turns
 (an image item after its text, input audio committed after a user item's text). `SpokenIds` queues what the

@@ -2,7 +2,8 @@
 holding an audio clip (the audio encoder's rows at its placeholders) and equals transformers' `generate(input_features=
 ..., return_audio=True, talker_do_sample=False)` (the same talker tokens, the waveform within 1e-4 of its peak, the
 DiT's noise drawn from the same torch seed); `Chat` keeps those rows as it feeds the clip (tap 0) and speaks
-`speak()`'s PCM; images and rows that do not fit are refused by name.
+`speak()`'s PCM, and the server's replay (`speech_output.MediaReplay`) keeps the same rows; images and rows that do
+not fit are refused by name.
 
 The release is `test_speech`'s converted tiny full model (module fixtures `release`, `model`).
 """
@@ -15,12 +16,14 @@ import pytest
 
 import omnijax
 from omnijax.chat import SpeakOptions
+from omnijax.conversation import Conversation
 from omnijax.convert import convert_checkpoint
 from omnijax.models.encoders.log_mel import log_mel
 from omnijax.models.qwen2_5_omni import frontend as F
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+from omnijax.serve.speech_output import MediaReplay
 from tests._support.speech_refs import captured_talker
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -32,6 +35,7 @@ from tests.models.qwen2_5_omni import test_talker as T  # noqa: E402
 release, model = TS.release, TS.model
 IM_START, IM_END, NL = TS.IM_START, TS.IM_END, TS.NL
 CLIP = F.tone(1.0, 330.0, seed=5)  # 1 s at 16 kHz: 25 audio tokens
+IMAGE = F.synthetic_frames(0.5, 2.0, 56, 84, seed=3)[0]
 
 
 def _audio(model, start):
@@ -120,9 +124,20 @@ def test_chat_keeps_the_audio_rows_and_speaks_about_the_clip(release, tmp_path):
                    max_new_tokens=TS.FRAMES, media=spoken.media)
     assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
     np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
+    # the server's replay of the same parts (split at 8 tokens) keeps the same rows; an image it cannot speak
+    conversation = Conversation(chatty, chatty.tokenizer, 8)
+    parts = conversation.message("system", "Be brief.") + conversation.audio(CLIP)
+    replay = MediaReplay(chatty, config, 64, conversation.units)
+    replay.fed(parts + conversation.message("user", "What was it?") + conversation.prompt(4).parts)
+    assert replay.ids == list(spoken.prompt_ids) and replay.needs_replay
+    (again,) = replay.rows()
+    np.testing.assert_array_equal(again.positions, kept.positions)
+    np.testing.assert_allclose(again.rows, kept.rows, rtol=0, atol=1e-6 * np.abs(kept.rows).max())
+    replay.fed(conversation.message("user", "Look.") + conversation.image(IMAGE))
+    assert "image input the talker reads" in replay.unspeakable
     other = omnijax.Chat(chatty, config)
     other.user("Look.")
-    other.image(F.synthetic_frames(0.5, 2.0, 56, 84, seed=3)[0])
+    other.image(IMAGE)
     state = other.session.state
     with pytest.raises(ValueError, match=r"is an image the talker reads: the talker's positions for it"):
         other.ask("What was it?", speak=True)
