@@ -374,6 +374,8 @@ def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.
     return (np.asarray(best) / (L * Hq * np.sqrt(d))).astype(np.float32)
 
 
+MASS_BATCH_TOKENS = 4096
+"""Stored tokens `score_units_mass` scores per matmul (its float32 logits take `L * Hq * T * 4` bytes per token)."""
 RECALL_SCORINGS = SCORINGS + ("mass",)
 """What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two and `score_units_mass`."""
 
@@ -414,13 +416,29 @@ def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.nda
         raise ValueError(f"queries must be [L={L}, T>=1, Hq, d={d}] with Hq a multiple of kv heads G={G}, got "
                          f"{queries.shape}")
     _, T, Hq, _ = queries.shape
-    grouped = queries.reshape(L, T, G, Hq // G, d)
-    out = []
-    for u in tier.units:
-        a = np.einsum("ltgrd,lgnd->lgrtn", grouped, unrotated(u.k, u.pos, rope), dtype=np.float64) / np.sqrt(d)
-        top = a.max(axis=-1, keepdims=True)
-        out.append(float((np.log(np.exp(a - top).sum(axis=-1)) + top[..., 0]).mean()))
-    return np.asarray(out, np.float32)
+    r = Hq // G
+    # [L, G, r*T, d]: each kv head's query rows (its r query heads x T tokens), scaled by 1 / sqrt(d)
+    grouped = np.ascontiguousarray(queries.reshape(L, T, G, r, d).transpose(0, 2, 3, 1, 4).reshape(L, G, r * T, d))
+    grouped /= np.float32(np.sqrt(d))
+    out = np.zeros(len(tier.units), np.float64)
+    # Units in batches of about MASS_BATCH_TOKENS tokens: one RoPE undo and one BLAS matmul per batch (the logits
+    # [L, G, r*T, tokens] float32 bound the memory), then a log-sum-exp per unit over its segment of the batch.
+    batch: list[int] = []
+    for i in range(len(tier.units)):
+        batch.append(i)
+        if sum(tier.units[j].size for j in batch) >= MASS_BATCH_TOKENS or i == len(tier.units) - 1:
+            units = [tier.units[j] for j in batch]
+            keys = unrotated(np.concatenate([v.k for v in units], axis=2),
+                             np.concatenate([v.pos for v in units], axis=1), rope)  # [L, G, n, d]
+            a = np.matmul(grouped, np.swapaxes(keys, 2, 3))  # [L, G, r*T, n]
+            starts = np.cumsum([0] + [v.size for v in units[:-1]])
+            top = np.maximum.reduceat(a, starts, axis=-1)  # [L, G, r*T, units]
+            sizes = np.asarray([v.size for v in units])
+            mass = np.add.reduceat(np.exp(a - np.repeat(top, sizes, axis=-1)), starts, axis=-1)
+            lse = np.log(mass.astype(np.float64)) + top
+            out[batch] = lse.reshape(-1, len(units)).mean(axis=0)
+            batch = []
+    return out.astype(np.float32)
 
 
 def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
