@@ -57,7 +57,7 @@ def worker(tool: str, src: Path, dst: Path) -> dict:
         import safetensors.torch
         import torch
         import transformers
-    imported, base = time.perf_counter(), _rss_mb()
+    imported, base, cpu = time.perf_counter(), _rss_mb(), time.process_time()
     if tool.startswith("omnijax"):
         convert_checkpoint(src, dst, dtype="float32", progress=False, log=lambda line: None)
     elif tool == "transformers":
@@ -70,8 +70,8 @@ def worker(tool: str, src: Path, dst: Path) -> dict:
         dst.mkdir(parents=True)
         torch.save(safetensors.torch.load_file(src / "model.safetensors"), dst / "model.pt")
     peak = _peak_mb()
-    return {"import_s": imported - start, "convert_s": time.perf_counter() - imported, "peak_rss_mb": peak,
-            "peak_growth_mb": peak - base}
+    return {"import_s": imported - start, "convert_s": time.perf_counter() - imported,
+            "convert_cpu_s": time.process_time() - cpu, "peak_rss_mb": peak, "peak_growth_mb": peak - base}
 
 
 def write_tiny_gguf(path: Path) -> Path:
@@ -132,14 +132,14 @@ def write_tiny_gguf(path: Path) -> Path:
     return path
 
 
-def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None) -> dict:
-    """`tool`'s conversion in a fresh process (of `gguf_path`, or for the safetensors pair of `work/hf`); its output
-    is removed afterwards, or moved to `keep` when given."""
+def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None, hf: Path | None = None) -> dict:
+    """`tool`'s conversion in a fresh process (of `gguf_path`, or for the safetensors pair of `hf`, default
+    `work/hf`); its output is removed afterwards, or moved to `keep` when given."""
     dst = work / f"{tool}-out"
     shutil.rmtree(dst, ignore_errors=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
-    src = work / "hf" if tool in PAIRS["safetensors"] else gguf_path
+    src = (hf or work / "hf") if tool in PAIRS["safetensors"] else gguf_path
     done = subprocess.run(harness.module_command(__spec__.name, "--worker", tool, "--gguf", src, "--dst", dst),
                           cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - start
@@ -158,6 +158,10 @@ def main(argv=None) -> int:
     p = harness.parser(__doc__)
     p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--rounds", type=int, default=3, help="conversions per tool (alternating)")
+    p.add_argument("--pairs", nargs="+", choices=tuple(PAIRS), default=tuple(PAIRS),
+                   help="which pairs to run (the safetensors pair alone needs --hf)")
+    p.add_argument("--hf", help="transformers' float32 checkpoint of the GGUF file, for the safetensors pair "
+                                "(default: the first round's transformers conversion)")
     p.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)  # one conversion in this process
     p.add_argument("--dst", help=argparse.SUPPRESS)
     args = harness.parse(p, argv, smoke={"rounds": 1})
@@ -166,6 +170,12 @@ def main(argv=None) -> int:
         return 0
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if "gguf" not in args.pairs and not args.hf:
+        p.error("--pairs without gguf needs --hf (the safetensors pair's source is the transformers conversion)")
+    if args.hf and not (Path(args.hf) / "model.safetensors").is_file():
+        p.error(f"--hf {args.hf}: no model.safetensors there")
+    pairs = {pair: PAIRS[pair] for pair in args.pairs}
+    tools = tuple(t for pair in pairs.values() for t in pair)
     out = harness.output_dir(args)
     with tempfile.TemporaryDirectory(prefix="convert_gguf_") as tmp:
         work = Path(tmp)
@@ -178,57 +188,59 @@ def main(argv=None) -> int:
         print(f"{gguf_path.name}: {gguf_path.stat().st_size / 2 ** 20:.1f} MB, {args.rounds} rounds", flush=True)
         # the safetensors pair's source: transformers' float32 checkpoint of the same file, the output of the first
         # round's transformers conversion (the GGUF pair runs first in every round), kept rather than removed
-        hf = work / "hf"
+        hf = Path(args.hf).expanduser() if args.hf else work / "hf"
         rows = []
         for r in range(args.rounds):
-            for pair, tools in PAIRS.items():
-                for tool in (tools if r % 2 == 0 else tools[::-1]):
+            for pair, both in pairs.items():
+                for tool in (both if r % 2 == 0 else both[::-1]):
                     keep = hf if tool == "transformers" and not hf.exists() else None
-                    row = dict(run_one(tool, gguf_path, work, keep), round=r, pair=pair)
+                    row = dict(run_one(tool, gguf_path, work, keep, hf), round=r, pair=pair)
                     rows.append(row)
                     print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.2f} "
-                          f"s converting, peak {row['peak_rss_mb']:.0f} MB (+{row['peak_growth_mb']:.0f} MB)",
-                          flush=True)
+                          f"s converting ({row['convert_cpu_s']:.2f} s CPU), peak {row['peak_rss_mb']:.0f} MB "
+                          f"(+{row['peak_growth_mb']:.0f} MB)", flush=True)
         from safetensors import safe_open
 
         with safe_open(hf / "model.safetensors", framework="numpy") as f:
             largest_mb = max(np.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()) / 2 ** 20
-    keys = ("wall_s", "import_s", "convert_s", "peak_rss_mb", "peak_growth_mb", "output_mb")
+    keys = ("wall_s", "import_s", "convert_s", "convert_cpu_s", "peak_rss_mb", "peak_growth_mb", "output_mb")
     summary = {}
-    for tool in TOOLS:
+    for tool in tools:
         mine = [r for r in rows if r["tool"] == tool]
         summary[tool] = {k: float(np.median([r[k] for r in mine])) for k in keys}
         summary[tool].update(convert_s_p10=float(np.percentile([r["convert_s"] for r in mine], 10)),
                              convert_s_p90=float(np.percentile([r["convert_s"] for r in mine], 90)))
     ratios = {}
-    for pair, (mine, peer) in PAIRS.items():
+    for pair, (mine, peer) in pairs.items():
         # same-round ratios: robust to the machine's speed drifting between rounds
         ratios[pair] = {k: harness.same_round_ratio([r[k] for r in rows if r["tool"] == mine],
                                                     [r[k] for r in rows if r["tool"] == peer])
-                        for k in ("wall_s", "convert_s", "peak_rss_mb")}
-    ratios["safetensors"]["peak_growth_over_largest_tensor"] = summary["omnijax-safetensors"]["peak_growth_mb"] / \
-        largest_mb
-    harness.print_table([dict(tool=t, **summary[t]) for t in TOOLS]
-                        + [dict(tool=f"{PAIRS[p][0]} / {PAIRS[p][1]}", import_s=None, peak_growth_mb=None,
-                                **ratios[p]) for p in PAIRS],
+                        for k in ("wall_s", "convert_s", "convert_cpu_s", "peak_rss_mb")}
+    if "safetensors" in pairs:
+        ratios["safetensors"]["peak_growth_over_largest_tensor"] = \
+            summary["omnijax-safetensors"]["peak_growth_mb"] / largest_mb
+    harness.print_table([dict(tool=t, **summary[t]) for t in tools]
+                        + [dict(tool=f"{pairs[p][0]} / {pairs[p][1]}", import_s=None, peak_growth_mb=None,
+                                **ratios[p]) for p in pairs],
                         [("tool", "tool", ""), ("wall s", "wall_s", ".2f"), ("import s", "import_s", ".2f"),
-                         ("convert s", "convert_s", ".2f"), ("peak MB", "peak_rss_mb", ".2f"),
+                         ("convert s", "convert_s", ".2f"), ("convert CPU s", "convert_cpu_s", ".2f"),
+                         ("peak MB", "peak_rss_mb", ".2f"),
                          ("peak growth MB", "peak_growth_mb", ".0f")])
+    growth = ratios.get("safetensors", {}).get("peak_growth_over_largest_tensor")
     print(f"largest tensor {largest_mb:.0f} MB; omnijax's peak growth converting safetensors: "
-          f"{ratios['safetensors']['peak_growth_over_largest_tensor']:.2f}x it; load average "
-          f"{os.getloadavg()[0]:.1f}")
+          + ("not run" if growth is None else f"{growth:.2f}x it") + f"; load average {os.getloadavg()[0]:.1f}")
     harness.write_json(out, "convert_gguf", {"gguf": str(gguf_path.name), "smoke": bool(args.smoke),
                                              "rounds": args.rounds, "rows": rows, "median": summary,
                                              "largest_tensor_mb": largest_mb, "loadavg": os.getloadavg(),
-                                             "ratio_omnijax_over_transformers": ratios["gguf"],
-                                             "ratio_omnijax_over_torch_save": ratios["safetensors"]})
+                                             "ratio_omnijax_over_transformers": ratios.get("gguf"),
+                                             "ratio_omnijax_over_torch_save": ratios.get("safetensors")})
     plt = harness.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     colors = ["tab:blue", "tab:gray", "tab:cyan", "tab:olive"]
     for ax, key, label in ((axes[0], "convert_s", "conversion time after imports (s)"),
                            (axes[1], "peak_growth_mb", "peak memory growth (MB)")):
-        ax.bar(range(len(TOOLS)), [summary[t][key] for t in TOOLS], color=colors)
-        ax.set_xticks(range(len(TOOLS)), TOOLS, rotation=15, fontsize=7)
+        ax.bar(range(len(tools)), [summary[t][key] for t in tools], color=colors[:len(tools)])
+        ax.set_xticks(range(len(tools)), tools, rotation=15, fontsize=7)
         ax.set_ylabel(label)
     axes[1].axhline(1.5 * largest_mb, color="k", lw=0.8, ls="--", label="1.5x largest tensor")
     axes[1].legend(fontsize=7)
