@@ -82,6 +82,7 @@ SLOW_FIRST = (
     "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py", "serve/realtime/test_realtime_audio_output.py",
     "serve/cluster/test_ray_replicas.py", "chat/test_chat_speech_media.py",
     "kernels/test_block_sparse_attention_int8.py", "serve/engine/test_speech_ticks.py",
+    "serve/test_serve_quantized.py", "eval/test_quantized_expert_parallel.py",
 )
 
 
