@@ -222,3 +222,54 @@ def test_a_resumed_realtime_conversation_with_media_rows_is_unspeakable_by_name(
     resumed.restore(saved)
     resumed.fed(conversation.message("user", LOOK) + conversation.image(CM.IMAGE))
     assert "resumed from a snapshot" in resumed.unspeakable
+
+
+def test_media_after_an_answer_are_replayed_over_the_answer(served):
+    """A Realtime conversation whose image comes in the second turn: the replay feeds the first answer (a response
+    unit of its decoded tokens) before the image, so the rows and the speech equal `Chat`'s, whose first answer was
+    written by its decoding."""
+    model, _, server = served
+    turn = "And this?"
+
+    def feed(chat):
+        chat.system(SYSTEM)
+        list(chat.ask(LOOK, max_tokens=MAX_TOKENS))
+        chat.user(turn)
+        chat.image(CM.IMAGE)
+
+    text, pcm, spoken = _chat_speech(model, feed)
+    assert len(spoken.media) == 1 and len(spoken.prompt_ids) > int(spoken.media[0].positions[0]) > 0
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session={"type": "realtime", "instructions": SYSTEM,
+                                               "output_modalities": ["text"], "audio": {"output": {"voice": VOICE}}})
+            assert (await conn.recv()).type == "session.updated"
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": LOOK}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+            async for event in conn:
+                assert event.type != "error", event
+                if event.type == "response.done":
+                    break
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": turn}, {"type": "input_image", "image_url": _png_url(CM.IMAGE)}]})
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": QUESTION}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS, "output_modalities": ["audio"]})
+            transcript, data = [], []
+            async for event in conn:
+                assert event.type != "error", event
+                if event.type == "response.output_audio_transcript.delta":
+                    transcript.append(event.delta)
+                elif event.type == "response.output_audio.delta":
+                    data.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
+                elif event.type == "response.done":
+                    return "".join(transcript), np.concatenate(data)
+        raise AssertionError("the connection closed before response.done")
+
+    got_text, got = asyncio.run(asyncio.wait_for(run(), 900))
+    assert got_text == text
+    _assert_pcm16(got, pcm)
