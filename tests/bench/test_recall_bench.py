@@ -54,7 +54,7 @@ def test_rows_without_recall_equal_a_plain_session_and_full_recall_equals_full_c
     prompt = (_stream.single_prompt(model, LENGTH, 0.2, key, CHUNK) if mode == "single"
               else _stream.multi_turn(model, LENGTH, key, CHUNK))
     config = _config(model, prompt, "sink_window", BUDGET, 512, 64)
-    plain, on = recall_bench.run_setting(model, prompt, config, CHUNK, warm=True, recall=True)
+    plain, on = recall_bench.run_setting(model, prompt, config, CHUNK, warm=mode == "single", recall=True)
     assert (plain["recall"], on["recall"]) == (False, True)
     cached, answer = _plain(model, prompt, config.replace(recall=None))
     assert plain["cached"] == on["cached"] == cached < plain["fed"]  # the policy evicted, recall changed nothing
