@@ -12,6 +12,8 @@ Each side answers one chat-templated prompt greedily with `--tokens` tokens, thr
     omnijax     a `Session` as `Chat` runs one (OmniPick 512 / 384, 16-token pages, 68 pages, answer blocks of
                 `--block` tokens, the prompt chunk carrying the first block), its compiled steps read from a
                 persistent compilation cache a priming run filled; its first token arrives with the first block;
+    omnijax_stacked  the same with the decoder's layers kept stacked (`omnijax.load` splits them per layer on CPU
+                since issue 38 item 3: `Decoder.split_layers`; this side is the layout before that, for the ratio);
     llama_*     `llama_cpp.Llama(...).generate` (llama-cpp-python, `--llama-python`: a separate interpreter, never
                 the project's venv), `--threads` threads, `OMP_WAIT_POLICY=PASSIVE`.
 
@@ -85,15 +87,21 @@ def prompt_text(tokenizer) -> str:
                             add_generation_prompt=True)
 
 
-def omnijax_worker(checkpoint: Path, cache: str, tokens: int, block: int) -> dict:
-    """One answer through omnijax in this process (the `--worker omnijax` side)."""
+def omnijax_worker(checkpoint: Path, cache: str, tokens: int, block: int, stacked: bool = False) -> dict:
+    """One answer through omnijax in this process (the `--worker omnijax` side); `stacked`: the decoder's layers
+    stay stacked (the `omnijax_stacked` side)."""
     import omnijax
     from omnijax.decoding import Greedy
+    from omnijax.models import model as model_lib
     from omnijax.retention import OmniPick
 
+    if stacked:
+        model_lib.SPLIT_LAYER_BACKENDS = ()  # what restore_module reads: no split on load
     omnijax.enable_compilation_cache(cache)
     marks = {"imported": time.time()}
     model = omnijax.load(checkpoint)
+    if (type(model.decoder.layers).__name__ == "SplitLayers") == stacked:
+        raise SystemExit(f"omnijax worker: layers {type(model.decoder.layers).__name__}, stacked={stacked}")
     marks["loaded"] = time.time()
     rss_loaded = status_mb()
     config = omnijax.StreamConfig(policy=OmniPick(high_watermark=512, low_watermark=384, text_budget=128),
@@ -120,9 +128,10 @@ def run_one(side: str, args, files: dict, work: Path) -> dict:
     """`side` in a fresh process: its marks (seconds from the process's start), ids, memory."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    if side == "omnijax":
+    if side.startswith("omnijax"):
         command = harness.module_command(__spec__.name, "--worker", "--checkpoint", files["omnijax"], "--cache",
-                                         files["cache"], "--tokens", args.tokens, "--block", args.block)
+                                         files["cache"], "--tokens", args.tokens, "--block", args.block,
+                                         *(["--stacked"] if side == "omnijax_stacked" else []))
     else:
         command = [args.llama_python, str(WORKER), str(files[side]), str(files["prompt"]), str(args.tokens),
                    str(args.threads), *(["--no-extra-bufts"] if args.no_extra_bufts else [])]
@@ -155,12 +164,14 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="omnijax's answer block (max_answer_tokens)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--kinds", nargs="+", default=list(LLAMA_KINDS), choices=LLAMA_KINDS, help="llama.cpp GGUFs")
+    p.add_argument("--no-stacked", action="store_true", help="skip the omnijax_stacked side (layers kept stacked)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stacked", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     args = harness.parse(p, argv, smoke={"rounds": 1, "tokens": 8, "block": 4})
     if args.worker:
-        print(json.dumps(omnijax_worker(Path(args.checkpoint), args.cache, args.tokens, args.block)))
+        print(json.dumps(omnijax_worker(Path(args.checkpoint), args.cache, args.tokens, args.block, args.stacked)))
         return 0
     if args.rounds < 1 or args.tokens < 2 or args.block < 1:
         p.error("--rounds and --block must be at least 1, --tokens at least 2")
@@ -187,7 +198,7 @@ def main(argv=None) -> int:
         if args.smoke:  # the smoke run's own cache (a check, not a measurement)
             files["cache"] = os.environ.get("JAX_COMPILATION_CACHE_DIR") or files["cache"]
         files["prompt"].write_text(prompt_text(tokenizer), encoding="utf-8")
-        sides = ["omnijax"]
+        sides = ["omnijax"] + ([] if args.no_stacked else ["omnijax_stacked"])
         if args.llama_python:
             for kind in args.kinds:
                 if kind == "Q4_1":
@@ -202,7 +213,9 @@ def main(argv=None) -> int:
             print("llama.cpp rows skipped: no --llama-python given (an interpreter with llama-cpp-python)")
         if not args.smoke:
             print("priming omnijax's compilation cache", flush=True)
-            run_one("omnijax", args, files, work)
+            for side in sides:
+                if side.startswith("omnijax"):
+                    run_one(side, args, files, work)
         rows = []
         for r in range(args.rounds):
             for side in (sides if r % 2 == 0 else sides[::-1]):

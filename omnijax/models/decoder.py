@@ -25,26 +25,38 @@ dim, I intermediate, V vocab:
 
 Which layers are MoE is `config.sparse_layers`. A decoder of one kind scans every parameter; a mixed one scans the
 attention parameters and picks each layer's MLP from its kind's stack with `lax.cond` (one compiled body either way).
+
+Per-layer storage (`Decoder.split_layers`, what `omnijax.load` does): the stacks are cut into one array per layer and
+parameter (`layers.rows[i].<name>`, each layer holding its own MLP kind's), one copy at a time. The layer loop then
+still runs once in a scan, but each layer's projections run inside `lax.switch` over the layers, every branch reading
+its layer's arrays where they lie. Sliced from a stack instead, XLA:CPU materialises every layer's weights before the
+matmul reads them (`bench/peers/decode_profile.py`: half of SmolLM2's decode time). `stacked()` of split layers
+restacks them (a copy: for the paths that still slice stacks, never the streaming step).
 DeepStack (Qwen3-Omni): `run_layers(..., deepstack=[n, B, T, D])` adds level i to the hidden states after layer i,
 i < n; the levels are zero away from visual tokens, so only those change.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
 from omnijax.models.config import DecoderConfig
-from omnijax.models.layers import linear, new_param, rms_norm
+from omnijax.models.layers import LayerWeight, linear, new_param, rms_norm
 from omnijax.models.moe import moe_ffn
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+# Backends on which `omnijax.load` splits a decoder's layers (`Decoder.split_layers`): measured faster on XLA:CPU
+# (`bench/peers/RESULTS.md`); unmeasured on GPU, where every `lax.switch` is a conditional the step must resolve.
+SPLIT_LAYER_BACKENDS = ("cpu",)
 MOE_MLP = ("router", "expert_gate", "expert_up", "expert_down")
 
 
@@ -153,6 +165,37 @@ class DecoderLayers(nnx.Module):
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
+class LayerParams(nnx.Module):
+    """One decoder layer's parameters (its MLP kind's only), one array per name: a row of `SplitLayers`."""
+
+    def __init__(self, arrays: dict[str, jnp.ndarray]):
+        for name, value in arrays.items():
+            setattr(self, name, nnx.Param(value))
+
+    def params(self) -> dict[str, jnp.ndarray]:
+        """The layer's arrays as a plain dict (what `layer_qkv` / `layer_finish` take)."""
+        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+class SplitLayers(nnx.Module):
+    """All decoder layers' parameters, one `LayerParams` per layer (`Decoder.split_layers`)."""
+
+    def __init__(self, layers: list[dict[str, jnp.ndarray]]):
+        self.rows = nnx.List([LayerParams(arrays) for arrays in layers])
+
+    def per_layer(self) -> tuple[dict[str, jnp.ndarray], ...]:
+        """Each layer's parameters, in layer order."""
+        return tuple(row.params() for row in self.rows)
+
+    def stacked(self) -> dict[str, jnp.ndarray]:
+        """The `DecoderLayers.stacked()` layout rebuilt by stacking the layers (a copy of every weight: for the
+        paths that slice stacks, never the streaming step). Each MLP kind's stack is its layers in layer order."""
+        layers = self.per_layer()
+        names = dict.fromkeys(name for p in layers for name in p)
+        return {name: jax.tree.map(lambda *a: jnp.stack(a), *[p[name] for p in layers if name in p])
+                for name in names}
+
+
 def mlp_rows(config: DecoderConfig) -> tuple[int, ...]:
     """Per layer, its row in the stack of its MLP kind (the dense MLPs' or the MoE layers')."""
     count, rows = {False: 0, True: 0}, []
@@ -204,6 +247,42 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
     return xs, ffn_of
 
 
+def _row(a: jax.Array, row: int) -> jax.Array:
+    """`a[row]` as its own array. On one CPU device through numpy (a copy, no compiled slice per shape: an eager
+    `a[row]` compiled one small program per parameter shape, ~0.5 s each on a loaded machine)."""
+    if a.is_fully_addressable and len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
+        return jnp.asarray(np.array(np.asarray(a)[row]))
+    return a[row]
+
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def split_layer_views(config: DecoderConfig, per_layer: tuple[dict[str, jnp.ndarray], ...]
+                      ) -> tuple[tuple[dict, ...], Callable[[jnp.ndarray], tuple[dict, Callable | None]]]:
+    """How a layer loop over split layers (`SplitLayers.per_layer()`) reads layer `i` (traced).
+
+    Returns:
+        `(per_layer, view)`: `view(i)` is `(p, ffn)`: `p` the layer's parameters for `layer_qkv` / `layer_finish`,
+        its projection weights `LayerWeight`s (each matmul a `lax.switch` whose branches read one layer's array in
+        place, a single product each, so compile time grows little with depth) and its small parameters (norms,
+        biases) sliced from a stack of them built once per call; `ffn` None for a dense decoder (its MLP reads the
+        `LayerWeight`s), else the MLP of the layer's own kind in a `lax.switch` (MoE experts are not sliced).
+    """
+    dense = not any(config.sparse_layers)
+    shared = [n for n in per_layer[0] if all(n in q for q in per_layer) and (dense or n not in DENSE_MLP + MOE_MLP)]
+    small = {n: jnp.stack([q[n] for q in per_layer]) for n in shared if n not in LINEAR}
+
+    def view(i):
+        p = {n: LayerWeight(i, tuple(q[n] for q in per_layer)) for n in shared if n in LINEAR}
+        p.update({n: jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for n, a in small.items()})
+        if dense:
+            return p, None
+        return p, lambda x: jax.lax.switch(i, [functools.partial(mlp, config, q) for q in per_layer], x)
+
+    return per_layer, view
+
+
 class Decoder(nnx.Module):
     """Qwen2-family causal LM over a paged KV cache."""
 
@@ -216,6 +295,27 @@ class Decoder(nnx.Module):
         self.final_norm = new_param((c.hidden_size,), dt, rngs, ones=True)
         if not c.tie_embeddings:
             self.lm_head = new_param((c.hidden_size, c.vocab_size), dt, rngs)
+
+    def split_layers(self) -> Decoder:
+        """Stores the layers one array per layer and parameter (`SplitLayers`) instead of stacked, in place; returns
+        the decoder. Each stack is cut and dropped before the next is read, so at most one stack is held twice (the
+        module must hold the only reference to its stacks for them to be freed). Computes the same values; the
+        decode step stops copying every layer's weights out of the stacks (module docstring). A split decoder
+        stays split."""
+        if isinstance(self.layers, SplitLayers):
+            return self
+        c, stacks = self.config, self.layers
+        layers: list[dict[str, jnp.ndarray]] = [{} for _ in range(c.num_layers)]
+        for name in [n for n, v in vars(stacks).items() if isinstance(v, nnx.Param)]:
+            stack = getattr(stacks, name)[...]
+            for i, p in enumerate(layers):
+                row = layer_rows(c, (name,), i).get(name)
+                if row is not None:
+                    p[name] = jax.tree.map(functools.partial(_row, row=row), stack)
+            delattr(stacks, name)
+            del stack
+        self.layers = SplitLayers(layers)
+        return self
 
     def embed_tokens(self, token_ids: jnp.ndarray) -> jnp.ndarray:
         """`[B, T]` ids -> `[B, T, D]` embeddings in the compute dtype."""
@@ -253,7 +353,8 @@ class Decoder(nnx.Module):
             unroll: unroll the layer scan into straight-line code (static weight slices, no loop; compile time grows
                 with depth). The default scan slices each layer's weights from the stacked arrays, which XLA:GPU
                 does with a device copy per weight; unrolled, its prefill reads them in place. Which is faster is
-                backend-dependent (`bench.omnitide.layer_loop`; on CPU the scan).
+                backend-dependent (`bench.omnitide.layer_loop`; on CPU the scan). Split layers (`split_layers`):
+                the scan picks each layer's own arrays with `lax.switch`; unrolled, a Python loop runs over them.
             deepstack: optional `[n, B, T, D]` DeepStack features (Qwen3-Omni), zero away from visual tokens: level i
                 is added to the hidden states after layer i, for i < n.
             tap: static; also return transformers' `hidden_states[tap]` of the chunk (`output_hidden_states`): 0 the
@@ -271,7 +372,11 @@ class Decoder(nnx.Module):
 
         # The K/V stacks ride in the scan's carry: each layer writes its rows in place and attends to its own pages
         # of the stack. (Scanned as inputs and outputs instead, every call would rewrite both stacks whole.)
-        xs, ffn_of = layer_scan_inputs(c, self.layers.stacked())
+        if isinstance(self.layers, SplitLayers):
+            xs, (per_layer, layer_view) = None, split_layer_views(c, self.layers.per_layer())
+            ffn_of = None
+        else:
+            (xs, ffn_of), per_layer = layer_scan_inputs(c, self.layers.stacked()), None
 
         if tap is not None and not 0 <= tap <= c.num_layers:
             raise ValueError(f"tap must be a hidden_states index in [0, {c.num_layers}], got {tap}")
@@ -279,12 +384,14 @@ class Decoder(nnx.Module):
 
         def layer(carry, p):
             h, k_pages, v_pages, i = carry[:4]
+            # a stack's slice (scanned), a layer's own arrays (unrolled), or every layer's picked by i (split)
+            p, ffn = (p, None if ffn_of is None else ffn_of(p)) if p is not None else layer_view(i)
             q, k, v = layer_qkv(c, p, h, rot)
             k_pages = write_layer(k_pages, cache.write_slots, k, layer=i)
             v_pages = write_layer(v_pages, cache.write_slots, v, layer=i)
             attn = attention_lib.attend(q, k_pages, v_pages, cache, impl=impl, with_mass=track_scores, layer=i)
             attn, mass = attn if track_scores else (attn, None)  # [B, T, H, d], [N, P]
-            h = layer_finish(c, p, h, attn, ffn_of(p))
+            h = layer_finish(c, p, h, attn, ffn)
             tapped = (jnp.where(i == tap - 1, h, carry[4]),) if inner else ()
             if deepstack is not None:
                 n = deepstack.shape[0]
@@ -295,7 +402,14 @@ class Decoder(nnx.Module):
         # The layer number rides in the carry too: scanned as an input, it would be sliced from an array every layer.
         x = x.astype(dt)
         carry = (x, k_pages, v_pages, jnp.int32(0), *((jnp.zeros_like(x),) if inner else ()))
-        carry, mass = jax.lax.scan(layer, carry, xs, unroll=bool(unroll))
+        if per_layer is not None and unroll:  # straight-line code over the layers' own arrays
+            masses = []
+            for p in per_layer:
+                carry, m = layer(carry, p)
+                masses.append(m)
+            mass = None if masses[0] is None else jnp.stack(masses)
+        else:
+            carry, mass = jax.lax.scan(layer, carry, xs, length=c.num_layers, unroll=bool(unroll))
         h, k_pages, v_pages = carry[:3]
         tapped = None if tap is None else (x if tap == 0 else carry[4] if inner else
                                            rms_norm(h, self.final_norm[...], c.rms_norm_eps))

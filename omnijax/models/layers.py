@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -30,13 +33,38 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight, spec: str = "...d,de->...e") -> jnp.ndarray:
+@dataclasses.dataclass(frozen=True)
+class LayerWeight:
+    """One of several layers' weights, picked by a traced layer number inside a layer loop: `linear` runs the
+    product with `lax.switch`, each branch one layer's matmul reading that layer's array where it lies (a slice of
+    a stacked array is copied before the matmul on XLA:CPU). Lives only inside a traced function.
+
+    Attributes:
+        index: int32 scalar, the layer (an index into `weights`).
+        weights: each layer's `[in, out]` weight (float or `QuantizedWeight`), all of one shape and dtype.
+    """
+
+    index: jax.Array
+    weights: tuple[jnp.ndarray | QuantizedWeight, ...]
+
+
+def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight | LayerWeight,
+           spec: str = "...d,de->...e") -> jnp.ndarray:
     """`x [..., in] @ w [in, out]` accumulated in float32 (the result is float32).
 
     A float `w` runs `jnp.einsum(spec, ...)` (the decoder's own contraction strings, so float weights compute as
     before, bit for bit); a `QuantizedWeight` runs `omnijax.kernels.quant.qmatmul`, dequantised to `x.dtype` inside
-    the compiled program (`spec` is then only the contraction of the last axis, which every call site uses).
+    the compiled program (`spec` is then only the contraction of the last axis, which every call site uses); a
+    `LayerWeight` runs the chosen layer's product in a `lax.switch` over the layers.
     """
+    if isinstance(w, LayerWeight):
+        rows = math.prod(x.shape[:-1])
+        if rows == 1 and x.ndim >= 2:
+            # One row (a decode step): XLA:CPU would emit each branch's matrix-vector product as its own LLVM kernel
+            # (~0.1 s of compile each, times layers x projections); two rows go to its precompiled matmul
+            # (`bench/peers/RESULTS.md`: compile 2.9 s vs 17.6 s for 30 layers, run 1.2x the kernel's time).
+            return linear(jnp.concatenate([x, x], axis=0), w, spec)[:1]
+        return jax.lax.switch(w.index, [functools.partial(linear, w=one, spec=spec) for one in w.weights], x)
     if isinstance(w, QuantizedWeight):
         return qmatmul(x, w, preferred_element_type=jnp.float32)
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)

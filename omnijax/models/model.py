@@ -6,13 +6,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
-from omnijax.models.decoder import Decoder
+from omnijax.models.decoder import SPLIT_LAYER_BACKENDS, Decoder
 from omnijax.models.family import FamilyModel
 from omnijax.models.forward import forward
 from omnijax.prefill import tidekv_prefill
@@ -171,7 +172,9 @@ def restore_module(directory: Path, component: str, stored_config: Any, dtype: s
                    build: Callable[[Any], nnx.Module], quantization: dict | None = None) -> nnx.Module:
     """Restores one module: `build(config)` defines it; weights are read leaf by leaf, cast to `dtype` as they are
     read when it differs from the stored one. `quantization` (`checkpoint.read_quantization` of the manifest) names
-    the parameters stored quantised: they are restored as `QuantizedWeight`s, and a `dtype` cast is refused."""
+    the parameters stored quantised: they are restored as `QuantizedWeight`s, and a `dtype` cast is refused.
+    A `Decoder` restored on CPU stores its layers one array per layer (`Decoder.split_layers`: the decode step reads
+    each layer's weights in place instead of copying them out of the stacks; the checkpoint keeps the stacks)."""
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
     cast = dtype if dtype is not None and dtype != stored_config.dtype else None
@@ -187,4 +190,8 @@ def restore_module(directory: Path, component: str, stored_config: Any, dtype: s
     if cast is not None:
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config.replace(dtype=cast))))
     nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, state)
+    if isinstance(module, Decoder) and jax.default_backend() in SPLIT_LAYER_BACKENDS:
+        del state, restored  # the module holds the only references: each stack is freed once it is cut
+        module.split_layers()
+    return module

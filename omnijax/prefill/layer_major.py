@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from omnijax._checks import check_power_of_two
 from omnijax.kv import attention as attention_lib
 from omnijax.models.config import DecoderConfig
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_rows
+from omnijax.models.decoder import Decoder, SplitLayers, chunk_rotation, layer_finish, layer_qkv, layer_rows
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
 
@@ -156,7 +156,9 @@ def _slice_rows(stacked: dict, rows: dict) -> dict:
 def layer_params(model: Decoder, layer: int) -> dict:
     """One layer's parameters sliced out of the stacked arrays (one jitted call: slicing a dozen arrays one eager
     op at a time cost more than a short prompt's whole layer step; the rows are traced, so one compile per MLP
-    kind serves every layer)."""
+    kind serves every layer). Split layers (`Decoder.split_layers`) are the layer's own arrays, no copy."""
+    if isinstance(model.layers, SplitLayers):
+        return model.layers.rows[layer].params()
     stacked = model.layers.stacked()
     rows = layer_rows(model.config, stacked, layer)
     return _slice_rows({k: stacked[k] for k in rows}, {k: jnp.int32(r) for k, r in rows.items()})

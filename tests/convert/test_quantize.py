@@ -171,9 +171,9 @@ def test_gguf_blocks_kept_quantized(gguf_helpers, qtype, tmp_path_factory, tmp_p
     assert all("repacked from GGUF " + qtype in why for why in manifest["source"]["quantization"].values())
     a, b = omnijax.load(flt), omnijax.load(kept)
     for n in LINEAR:
-        qw = getattr(b.decoder.layers, n)[...]
+        qw = b.decoder.layers.stacked()[n]
         assert isinstance(qw, QuantizedWeight)
-        np.testing.assert_array_equal(np.asarray(dequantize(qw)), np.asarray(getattr(a.decoder.layers, n)[...]))
+        np.testing.assert_array_equal(np.asarray(dequantize(qw)), np.asarray(a.decoder.layers.stacked()[n]))
     ids = np.random.default_rng(1).integers(3, h.VOCAB, (1, 24))
     got, ref = np.asarray(b(input_ids=ids)), h.transformers_logits(path, ids)
     assert np.abs(ref).max() > 1.0

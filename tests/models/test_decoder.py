@@ -111,7 +111,7 @@ def test_bfloat16_computes_in_bfloat16(converted, hf_thinker, tokens):
 
     model16 = omnijax.load(converted["bfloat16"])
     assert model16.config.dtype == "bfloat16"
-    assert model16.decoder.layers.q_proj[...].dtype == jnp.bfloat16
+    assert model16.decoder.layers.stacked()["q_proj"].dtype == jnp.bfloat16
     got = np.asarray(model16(input_ids=tokens))
     want32 = _hf_logits(hf_thinker, input_ids=tokens)
     want16 = _hf_logits(hf_thinker.to(torch.bfloat16), input_ids=tokens)

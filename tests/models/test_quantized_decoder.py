@@ -50,7 +50,7 @@ def dequantized_copy(path):
     """The checkpoint at `path` loaded with every quantised parameter replaced by its dequantised float weight (the
     oracle)."""
     reference = omnijax.load(path)
-    for param in vars(reference.decoder.layers).values():
+    for _, param in nnx.iter_graph(reference.decoder.layers):  # stacked or split per layer alike
         if isinstance(param, nnx.Param) and isinstance(param[...], QuantizedWeight):
             param.set_value(dequantize(param[...], reference.config.jnp_dtype))
     return reference
@@ -66,15 +66,15 @@ def test_quantized_checkpoint_equals_its_dequantized_float_model(source, tmp_pat
     assert sorted(entries) == sorted(f"layers.{n}" for n in LINEAR)
     model, flt = omnijax.load(path), omnijax.load(source[1])
     for n in LINEAR:
-        qw = getattr(model.decoder.layers, n)[...]
+        qw = model.decoder.layers.stacked()[n]
         assert isinstance(qw, QuantizedWeight) and qw.scheme == SCHEMES[name]
-        w = np.asarray(getattr(flt.decoder.layers, n)[...])
+        w = np.asarray(flt.decoder.layers.stacked()[n])
         scale = np.repeat(np.asarray(qw.scales), w.shape[-2] // qw.scales.shape[-2], axis=-2)
         assert np.all(np.abs(np.asarray(dequantize(qw)) - w) <= scale / 2 + 1e-6)
         assert qw.nbytes < w.nbytes / (3 if qw.scheme.bits == 8 else 5)
     assert isinstance(model.decoder.embed[...], jax.Array)  # the embedding and the head stay float
     reference = dequantized_copy(path)
-    assert all(isinstance(getattr(reference.decoder.layers, n)[...], jax.Array) for n in LINEAR)
+    assert all(isinstance(reference.decoder.layers.stacked()[n], jax.Array) for n in LINEAR)
     ids = (np.arange(40) * 37 % 500)[None]
     got = _assert_alike(model, reference, ids)
     assert np.abs(got - np.asarray(flt(input_ids=ids))).max() > 1e-3
@@ -112,7 +112,7 @@ def test_quantized_tiny_qwen3_omni_streams_like_its_dequantized_model(tmp_path):
     entries = json.loads((path / "omnijax.json").read_text())["quantization"]
     assert sorted(entries) == sorted(f"layers.{n}" for n in (*LINEAR, "expert_gate", "expert_up", "expert_down"))
     model = omnijax.load(path)
-    assert isinstance(model.decoder.layers.expert_down[...], QuantizedWeight)
+    assert isinstance(model.decoder.layers.stacked()["expert_down"], QuantizedWeight)
     ids = (np.arange(40) * 7 % 280)[None]
     got = _assert_alike(model, dequantized_copy(path), ids)
     assert np.abs(got).max() > 0.1
