@@ -31,7 +31,7 @@ the engine's decoding of the answer (the speech waits for it). The rows and the 
 capped at `SPEECH_MEDIA_BYTES` (64 MiB) a conversation, past which the request is refused naming `messages`. Media
 outside user turns (before the first, in a system turn) are not read and need no replay. Qwen2.5-Omni's talker
 reads every position: its `media_tap` keeps the input rows (tap 0, the encoder's features) of every audio unit and
-`speak` reruns the thinker over the conversation with them (the same replay; not yet exercised through the server);
+`speak` reruns the thinker over the conversation with them (the same replay: `tests/serve/test_speech_media_qwen25.py`);
 units a talker's positions are not built for (`media_kinds`: an image on Qwen2.5-Omni) make the conversation
 unspeakable, refused naming `messages`; a talker without a media tap takes text-only messages (the part named).
 """
