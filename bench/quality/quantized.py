@@ -27,8 +27,19 @@ a streamed token is scored before any later one is fed, so a prefix's perplexity
 multi-turn pass key (`_stream.multi_turn`, `--kv-keys` keys per length, the pass-key bench's keys) with each pool.
 Writes `quantized_kv.json`.
 
+`--accuracy` measures perplexity and pass-key accuracy of int8 / int4 (groups of 32, 64, 128) weights and the kept
+Q4_1 blocks against float32, and llama.cpp's own perplexity on the Q4_1 GGUF and on Q8_0 / F16 GGUFs written from
+the same weights, over the same tokens (`bench/quality/_quant_accuracy.py`). Writes `quantized_accuracy.json` and
+`quantized_accuracy.png`.
+
+`--capacity` runs no model: weight bytes of the 7B and 30B-A3B thinkers with bf16 / int8 / int4 weights and the
+sessions the rest of a 141 GB GPU holds with bf16 or int8 KV (`bench/quality/_quant_capacity.py`). Writes
+`quantized_capacity.json`.
+
     .venv/bin/python -m bench.quality.quantized --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/quality/results
     .venv/bin/python -m bench.quality.quantized --kv --out bench/quality/results
+    .venv/bin/python -m bench.quality.quantized --accuracy --llama-python /tmp/llvenv/bin/python --no-extra-bufts \
+        --out bench/quality/results
 """
 
 from __future__ import annotations
@@ -42,8 +53,10 @@ import numpy as np
 
 from bench import harness
 from bench.quality import _common as common
+from bench.quality import _quant_accuracy, _quant_capacity
 
-VARIANTS = ("float32", "int8", "int4_g32", "gguf_kept")
+VARIANTS = ("float32", "int8", "int4_g32", "gguf_kept")  # the default set of the timed run
+ALL_VARIANTS = VARIANTS + ("int4_g64", "int4_g128")
 SMOKE = dict(length=128, chunk=32, decode_tokens=4, prompt=16, rounds=2, kv_lengths=[128, 256], kv_budget=160,
              kv_keys=1, kv_chunk=64)
 KV_POLICIES = ("no_slide", "omnipick", "sink_window", "unit_fifo", "streaming_llm")
@@ -58,13 +71,15 @@ def build_parser():
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens of each timed feed")
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens each timed feed answers")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS)
     p.add_argument("--kv", action="store_true", help="measure the int8 KV pool against the float pool instead")
     p.add_argument("--kv-lengths", type=int, nargs="+", default=[1024, 2048], help="--kv: tokens scored / fed")
     p.add_argument("--kv-budget", type=int, default=512, help="--kv: cells a bounded policy holds")
     p.add_argument("--kv-keys", type=int, default=3, help="--kv: pass keys per length")
     p.add_argument("--kv-chunk", type=int, default=128, help="--kv: tokens per pass-key chunk")
     p.add_argument("--kv-policies", nargs="+", default=["no_slide", "omnipick"], choices=KV_POLICIES)
+    _quant_accuracy.add_args(p)
+    _quant_capacity.add_args(p)
     return p
 
 
@@ -80,16 +95,19 @@ def check_args(args) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
-def convert_variant(source: common.ModelSource, name: str, work: Path) -> Path | None:
-    """The checkpoint of variant `name` (converted once into `work`), or None where it does not apply (the kept GGUF
-    blocks of a `--smoke` model, which has no GGUF)."""
+def convert_variant(source: common.ModelSource, name: str, work: Path, *, src: Path | None = None) -> Path | None:
+    """The checkpoint of variant `name` (converted once into `work`) from `src` (default: the source's GGUF or
+    Hugging Face folder), or None where it does not apply (kept GGUF blocks of a `--smoke` model, which has no GGUF).
+    `q8_0_kept` and `f16` are `--accuracy`'s conversions of the Q8_0 / F16 GGUFs it writes (`src`)."""
     from omnijax.convert import QuantizeOptions, convert_checkpoint
 
     if name == "float32":
         return source.checkpoint
+    kept = QuantizeOptions(keep_quantized=True)
     options = {"int8": QuantizeOptions("int8"), "int4_g32": QuantizeOptions("int4", 32),
-               "gguf_kept": QuantizeOptions(keep_quantized=True)}[name]
-    src = source.gguf or source.hf
+               "int4_g64": QuantizeOptions("int4", 64), "int4_g128": QuantizeOptions("int4", 128),
+               "gguf_kept": kept, "q8_0_kept": kept, "f16": QuantizeOptions()}[name]
+    src = src or source.gguf or source.hf
     if src is None or (name == "gguf_kept" and source.gguf is None):
         return None
     stat = Path(src).stat()
@@ -102,7 +120,7 @@ def convert_variant(source: common.ModelSource, name: str, work: Path) -> Path |
 
 
 def weight_bytes(model) -> tuple[int, int]:
-    """`(all decoder parameter bytes, linear-weight bytes)` as loaded."""
+    """`(all decoder parameter bytes, linear-weight bytes)` as loaded (stacked or per-layer storage alike)."""
     import jax
     from flax import nnx
 
@@ -110,13 +128,14 @@ def weight_bytes(model) -> tuple[int, int]:
     from omnijax.models.decoder import DENSE_MLP
 
     pure = nnx.to_pure_dict(nnx.state(model.decoder))
-    linear = ("q_proj", "k_proj", "v_proj", "o_proj", *DENSE_MLP)
+    linear = {"q_proj", "k_proj", "v_proj", "o_proj", *DENSE_MLP}
 
     def size(a):
         return a.nbytes if isinstance(a, QuantizedWeight) else int(a.size) * a.dtype.itemsize
 
-    total = sum(size(a) for a in jax.tree.leaves(pure, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
-    lin = sum(size(pure["layers"][k]) for k in linear if k in pure["layers"])
+    flat = jax.tree_util.tree_flatten_with_path(pure, is_leaf=lambda a: isinstance(a, QuantizedWeight))[0]
+    total = sum(size(a) for _, a in flat)
+    lin = sum(size(a) for path, a in flat if linear & {getattr(k, "key", None) for k in path})
     return total, lin
 
 
@@ -152,6 +171,10 @@ def main(argv=None):
     common.quiet_threads()
     out = harness.output_dir(args)
     check_args(args)
+    if sum((args.kv, args.accuracy, args.capacity)) > 1:
+        raise SystemExit("--kv, --accuracy and --capacity are separate runs: give one")
+    if args.capacity:
+        return _quant_capacity.run(args, out)
     source = common.model_source(args)
     from bench.quality.perplexity import ppl, text_ids
 
@@ -162,6 +185,8 @@ def main(argv=None):
 
     if args.kv:
         return kv_section(args, source, out)
+    if args.accuracy:
+        return _quant_accuracy.run(args, source, out, convert_variant, weight_bytes, _device())
     work = Path(args.work)
     results, models, cases = {}, {}, {}
     for name in args.variants:
@@ -293,7 +318,7 @@ def plot(table: list[dict], out: Path) -> None:
     names = [r["variant"] for r in table]
     for ax, key, label in zip(axes, ("ppl", "lin", "ratio"), ("perplexity (1K tokens)", "linear weights (MB)",
                                                               "decode time / float32")):
-        ax.bar(names, [r[key] for r in table], color=["grey", "tab:blue", "tab:orange", "tab:green"][:len(names)])
+        ax.bar(names, [r[key] for r in table], color=[f"C{i}" for i in range(len(names))])
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="y", alpha=0.3)
