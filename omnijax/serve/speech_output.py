@@ -211,11 +211,13 @@ async def spoken_prompt(context: ServeContext, chunks: Sequence[Any]) -> SpokenP
         return SpokenPrompt(ids)  # media outside user turns only: the talker reads no rows
     prompt = SpokenPrompt(ids, replay)
     prompt.rows = asyncio.ensure_future(asyncio.to_thread(replay.rows))
-    prompt.rows.add_done_callback(_retrieved)  # a failed replay is reported where the rows are awaited
+    prompt.rows.add_done_callback(retrieve_exception)  # a failed replay is reported where the rows are awaited
     return prompt
 
 
-def _retrieved(future: asyncio.Future) -> None:
+def retrieve_exception(future: asyncio.Future) -> None:
+    """A done callback marking a background future's exception as seen (it is raised again where its result is
+    read), so asyncio does not log it as never retrieved."""
     if not future.cancelled():
         future.exception()
 

@@ -30,9 +30,10 @@ written before snapshots kept the ids (`spoken` in its meta).
 
 Media (Qwen3-Omni): the talker reads `hidden_states[accept_hidden_layer]` at the placeholders of media in user turns
 (an image item after its text, input audio committed after a user item's text). `SpokenIds` queues what the
-session feeds (`speech_output.MediaReplay`) and a spoken response first replays it through a side `Session` with the
-engine's settings in a worker thread (the engine keeps no hidden states); input audio after a system turn or an
-answer lies outside user turns and needs no replay.
+session feeds (`speech_output.MediaReplay`) and replays it through a side `Session` with the engine's settings in a
+worker thread (the engine keeps no hidden states) as soon as media the talker reads are queued, so a spoken response
+finds their rows ready (it replays what is left first); input audio after a system turn or an answer lies outside
+user turns and needs no replay.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import numpy as np
 from omnijax.models.speech import MediaRows
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
-from omnijax.serve.speech_output import AudioOutput, MediaReplay, speak_pieces
+from omnijax.serve.speech_output import AudioOutput, MediaReplay, retrieve_exception, speak_pieces
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -87,11 +88,23 @@ class SpokenIds:
         self.cancelled = self.cancelled and not response
         if self.replay is not None:
             self.replay.fed(parts)
+            if self.replay.needs_replay and self.replay.unspeakable is None:
+                self._replay_now()
             return
         for part in parts:
             if part.embed_mask is not None and np.asarray(part.embed_mask).any():
                 self._unspeakable = "the conversation holds image or audio input, whose thinker rows are not kept"
             self._ids += [int(t) for t in np.asarray(part.token_ids)[0][np.asarray(part.valid, bool)[0]]]
+
+    def _replay_now(self) -> None:
+        """Media the talker reads were queued: replays them now in a worker thread (on the session's event loop), so
+        a spoken response finds their rows ready; the replay's lock orders it before the response's own call."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no event loop (a direct caller): the response's call replays
+        task = asyncio.ensure_future(asyncio.to_thread(self.replay.rows))  # type: ignore[union-attr]
+        task.add_done_callback(retrieve_exception)  # a failure is raised again where the rows are read
 
     def restore(self, saved: tuple | None) -> None:
         """Continues a snapshot's `(ids, unspeakable)` (`resume.meta_of` writes them); None: a snapshot written
