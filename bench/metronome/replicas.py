@@ -20,8 +20,8 @@ On this 2-core machine the two replicas share the cores the single server had to
 one CPU by Ray), so latency compares poorly; admission is what the row measures. CPU, demo model.
 
 Run: `python -m bench.metronome.replicas [--sessions 8] [--max-sessions 4] [--seconds 20] [--frame-ms 500]
-[--chats 4] [--out bench/out] [--smoke]` (`--smoke`: 3 sessions over engines of 2 for 4 s; its time is the Ray
-cluster's start, ~1-2 min here, not the load).
+[--chats 4] [--configs 1 2] [--out bench/out] [--smoke]` (`--smoke`: 3 sessions over engines of 2 for 4 s; its time
+is the two servers' start-up, 4-10 min on this loaded 2-core machine, not the load).
 """
 
 from __future__ import annotations
@@ -150,14 +150,16 @@ def main(argv=None):
     parser.add_argument("--seconds", type=float, default=20.0, help="streaming time")
     parser.add_argument("--frame-ms", type=float, default=500.0, help="frame budget B")
     parser.add_argument("--chats", type=int, default=4, help="chat completions sent at once after the stream")
+    parser.add_argument("--configs", type=int, nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="replica counts to run")
     args = harness.parse(parser, argv, smoke=dict(sessions=3, max_sessions=2, seconds=4.0, chats=2))
     for name in ("sessions", "max_sessions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     out = harness.output_dir(args)
-    rows = [run_config(n, args) for n in CONFIGS]
+    rows = [run_config(n, args) for n in args.configs]
     harness.print_table(rows, COLUMNS)
-    one = rows[0]["admitted"]
+    one = rows[0]["admitted"] // rows[0]["replicas"]
     projection = {f"{n} GPUs": n * one for n in (1, 2, 8, 64)}
     print(f"projection (one engine per GPU, {one} sessions each at these settings): {projection}")
     harness.write_json(out, "replicas", {"config": vars(args), "rows": rows, "projection": projection}, indent=2)
