@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from omnijax import demo
+from omnijax import compilation_cache, demo
 from omnijax.demo import install, passkey, smollm2
 from omnijax.models.tokenizer import load_tokenizer
 from omnijax.testing import checkpoints
@@ -180,9 +180,10 @@ def test_readme_serve_command_and_openai_client(demo_dir):
         proc.wait(60)
 
 
-def _python(code: str, cwd) -> subprocess.CompletedProcess:
+def _python(code: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs a README Python block as written in a fresh interpreter (nothing this test process imported helps it)."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -212,7 +213,13 @@ def test_readme_convert_and_token_level_quick_start(tmp_path):
               " 'compressed': int(compressed.cache.layers[0].length[0, 0]),"
               " 'result': list(result.tokens.shape), 'answered': bool((result.tokens[-1, 0] >= 0).all()),"
               " 'out': list(out.tokens.shape), 'out_tokens': int((out.tokens[0] >= 0).sum())}))\n")
-    got = json.loads(_python(code + report, tmp_path).stdout.splitlines()[-1])
+    # The block does not turn the persistent compilation cache on (the Chat block above does, through omnijax); jax's
+    # own environment variables point its interpreter at the suite's cache, as every other process the suite starts
+    # reads it, so a warm run loads its ~40 CPU s of compiled programs instead of compiling them again.
+    cache = compilation_cache.cache_dir()  # the suite's (tests/conftest.py), None when turned off
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0") \
+        if cache else None
+    got = json.loads(_python(code + report, tmp_path, env).stdout.splitlines()[-1])
     assert got["answer"] == [1, 8]
     assert got["compressed"] == 64
     assert got["result"] == [2, 1, 16] and got["answered"]
