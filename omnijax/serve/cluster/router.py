@@ -9,7 +9,11 @@ In order:
    with it is open there): a reconnect then meets the lease of that replica's snapshot store, which waits for the
    closing connection's last snapshot instead of reading an older one from the shared directory;
 3. everything else (chat completions, new sessions, a resume token no live replica holds) goes to the live replica
-   with the most admission headroom, less the requests this router sent it since its last report.
+   with the most admission headroom, less the requests this router sent it since its last report and less those it
+   ranked it first for that are not routed yet (ties broken at random). A burst of connections then spreads: without
+   the reservation every request of the burst is ranked before the first is routed, all see the same headroom, and
+   Ray Serve's pick within a rank (the shortest cached queue, the first on a tie) sent most of them to one replica
+   (8 native sessions at once on two replicas of 4: 4/2 admitted, 2 refused; bench/metronome/RESULTS.md).
 
 A draining replica is never chosen by 2 or 3; when every replica drains, requests go to them anyway and are refused
 by name there, rather than waiting here forever.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import collections
 import pickle
+import random
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -26,6 +32,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from omnijax.serve.cluster.sessions import query_value
 
 TARGETED_METHODS = ("drain", "describe")  # deployment-handle methods whose first argument names the replica
+RESERVE_S = 5.0  # a reservation not routed within this long (the request was cancelled) no longer counts
 
 
 def _scope(pending: PendingRequest) -> dict | None:
@@ -63,6 +70,16 @@ class SessionAwareRouter(RequestRouter):
         completed yet."""
         return self.__dict__.setdefault("_omnijax_flying", {})
 
+    @property
+    def _reserved(self) -> dict[str, tuple[str, float]]:
+        """request id -> (the replica this router ranked first for it, when), until the request is routed."""
+        return self.__dict__.setdefault("_omnijax_reserved", {})
+
+    def _room(self, replica: RunningReplica) -> int:
+        """`_headroom` less the requests reserved for the replica."""
+        rid = replica.replica_id.unique_id
+        return self._headroom(replica) - sum(1 for r, _ in self._reserved.values() if r == rid)
+
     def _headroom(self, replica: RunningReplica) -> int:
         """Its reported headroom less the requests sent to it since that report that are still running."""
         stats = replica.routing_stats or {}
@@ -83,10 +100,19 @@ class SessionAwareRouter(RequestRouter):
         holders = [r for r in live if token is not None and token in (r.routing_stats or {}).get("tokens", ())]
         if holders:
             return [holders]
+        now = time.monotonic()
+        for rid, (_, when) in list(self._reserved.items()):
+            if now - when > RESERVE_S:
+                self._reserved.pop(rid, None)
         by_room: dict[int, list[RunningReplica]] = collections.defaultdict(list)
         for replica in live:
-            by_room[self._headroom(replica)].append(replica)
-        return [by_room[room] for room in sorted(by_room, reverse=True)]
+            by_room[self._room(replica)].append(replica)
+        ranks = [by_room[room] for room in sorted(by_room, reverse=True)]
+        first = random.choice(ranks[0])
+        if pending_request is not None:
+            self._reserved[pending_request.metadata.internal_request_id] = (first.replica_id.unique_id, now)
+        rest = [r for r in ranks[0] if r is not first]
+        return [[first], *([rest] if rest else []), *ranks[1:]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
@@ -94,6 +120,8 @@ class SessionAwareRouter(RequestRouter):
         stamp = (replica.routing_stats or {}).get("stamp") if replica is not None else None
         flying = self._flying.setdefault(replica_id.unique_id, {})
         flying[pending_request.metadata.internal_request_id] = stamp
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # counted as flying now
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._flying.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        self._reserved.pop(internal_request_id, None)
