@@ -5,15 +5,18 @@ one after another, each alone (`speak_streamed`, what a server without the pool 
 
 The release is `bench.peers.speech_latency`'s tiny seeded Qwen3-Omni (float32; Code2Wav at the release's 1,920
 samples a frame, 80 ms), saved by transformers and converted by `omnijax convert`. Each utterance speaks a random
-16-token answer to a short templated question, its talker greedy for `--frames` frames (the random talker never
-ends its speech). Both arms run in one process, interleaved round by round (the engine's arm and the serial arm
-alternate first); each arm runs every concurrency once unmeasured first (compilation).
+16-token answer to a short templated question, its talker greedy for at most `--frames` frames (it may end
+earlier: utterance lengths vary; both arms speak the same ones). Both arms run in one process, interleaved round by
+round (the engine's arm and the serial arm alternate first); each round's utterances are spoken once by both arms
+unmeasured first (compilation: every vocoder chunk size and row-bucket move they need).
 
     first_pcm_ms   from the moment the N utterances are handed over (engine: admitted between ticks; serial: the
                    first starts) to each utterance's first PCM chunk; serial utterances wait for the ones before
     rtf_session    (an utterance's last PCM - that moment) / its audio seconds, median over the N
     rtf_wall       wall time of all N / their audio seconds together (the throughput: below 1 keeps up)
-    late           engine chunks sent past their playback deadline (reported, never dropped)
+    wall ratio     median over rounds of engine wall / serial wall for the same utterances in the same round
+    late           chunks sent past their playback deadline (the audio sent so far, playing from the first PCM,
+                   had run out; the engine reports each, `SpeechChunk.late_s`, and drops none)
 
 CPU figures of tiny weights: they show what batching the talker across sessions buys at the tick, not what a GPU
 does at full size (the GPU issue).
@@ -78,18 +81,20 @@ def serial_arm(model, jobs, frames: int) -> dict:
     from omnijax.models.qwen3_omni import speech as speech_lib
 
     start = time.perf_counter()
-    first, last, samples = [], [], []
+    first, last, samples, late = [], [], [], 0
     for prompt, answer in jobs:
         n, seen = 0, None
         for pcm in speech_lib.speak_streamed(model, prompt, answer, speaker="Ethan", max_new_tokens=frames + 1,
                                              first_chunk=FIRST_CHUNK, chunk=CHUNK):
             now = time.perf_counter() - start
+            # the pool's definition: past the moment the audio sent so far runs out (playing from the first PCM)
+            late += seen is not None and now > seen + n / model.speech.sample_rate
             seen = now if seen is None else seen
             n += pcm.size
         first.append(seen)
         last.append(time.perf_counter() - start)
         samples.append(n)
-    return dict(first=first, last=last, samples=samples, wall=time.perf_counter() - start, late=0, ticks=0)
+    return dict(first=first, last=last, samples=samples, wall=time.perf_counter() - start, late=late, ticks=0)
 
 
 def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: int) -> tuple[list[dict], dict]:
@@ -113,6 +118,10 @@ def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: in
     for r in range(rounds):
         for n in concurrency:
             jobs = utterances(n, 1 + r, answer_tokens)
+            # unmeasured first: a talker that ends early leaves a vocoder chunk of a new size (one compile each),
+            # and rows that end early move the engine between row buckets mid-run
+            engine_arm(engine, jobs, frames)
+            serial_arm(model, jobs, frames)
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
                 got = engine_arm(engine, jobs, frames) if arm == "engine" else serial_arm(model, jobs, frames)
                 out.append(dict(got, arm=arm, concurrency=n, round=r))
@@ -143,19 +152,25 @@ def summarise(rows: list[dict], sample_rate: int = 24_000) -> list[dict]:
         engine_row = next(r for r in out if (r["arm"], r["concurrency"]) == ("engine", n))
         engine_row["first_vs_serial"] = engine_row["first_pcm_ms"] / base["first_pcm_ms"]
         engine_row["wall_vs_serial"] = engine_row["rtf_wall"] / base["rtf_wall"]
+        # the same utterances in the same round, robust to the machine's speed drifting between rounds
+        walls = {arm: [r["wall"] for r in sorted((r for r in rows if (r["arm"], r["concurrency"]) == (arm, n)),
+                                                 key=lambda r: r["round"])] for arm in ARMS}
+        engine_row["wall_ratio_same_round"] = harness.same_round_ratio(walls["engine"], walls["serial"])
     return out
 
 
 def plot(summary: list[dict], out: Path) -> None:
     plt = harness.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for arm, style in zip(ARMS, ("o-", "s--")):
+    for i, (arm, style) in enumerate(zip(ARMS, ("o-", "s--"))):
         rows = [s for s in summary if s["arm"] == arm]
         x = [s["concurrency"] for s in rows]
         label = "engine: batched talker ticks" if arm == "engine" else "serial: each alone"
-        a.plot(x, [s["first_pcm_ms"] for s in rows], style, label=label)
-        b.plot(x, [s["rtf_wall"] for s in rows], style, label=label + " (all N)")
-        b.plot(x, [s["rtf_session"] for s in rows], style, alpha=0.4, label=label + " (per session)")
+        a.plot(x, [s["first_pcm_ms"] for s in rows], style, color=f"C{i}", label=label)
+        b.plot(x, [s["rtf_wall"] for s in rows], style, color=f"C{i}", label=label + " (all N)")
+        b.plot(x, [s["rtf_session"] for s in rows], style, color=f"C{i}", alpha=0.35, label=label + " (per session)")
+    for axis in (a, b):
+        axis.set_xticks(sorted({s["concurrency"] for s in summary}))
     a.set_xlabel("utterances at once")
     a.set_ylabel("first PCM, ms after hand-over (median)")
     a.set_title("first audio packet (tiny Qwen3-Omni, CPU)")
@@ -189,7 +204,8 @@ def main(argv=None) -> int:
                                   ("RTF session", "rtf_session", ".2f"), ("RTF all N", "rtf_wall", ".2f"),
                                   ("late", "late", "d"),
                                   ("first vs serial", lambda r: r.get("first_vs_serial"), ".2f"),
-                                  ("RTF vs serial", lambda r: r.get("wall_vs_serial"), ".2f")])
+                                  ("RTF vs serial", lambda r: r.get("wall_vs_serial"), ".2f"),
+                                  ("wall / serial, same round", lambda r: r.get("wall_ratio_same_round"), ".2f")])
     print(f"same samples per utterance in both arms: {checks['same_samples']}; {time.perf_counter() - start:.0f} s")
     harness.write_json(out, "speech_serving", {
         "rounds": args.rounds, "frames": args.frames, "answer_tokens": args.answer_tokens,
