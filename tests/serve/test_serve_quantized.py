@@ -1,7 +1,8 @@
 """`omnijax serve` with a quantised checkpoint (issue 41): the demo chat checkpoint converted with `--quantize int8`
-and `--quantize int4 --group-size 32` is served with its linear weights still quantised, and answers through the
-official openai SDK (whole and streamed) what `omnijax.Chat` answers in process on the same quantised model; the
-`omnijax serve` command line itself loads an int4 checkpoint and answers alike."""
+and `--quantize int4 --group-size 32`, and the tiny Qwen3-Omni MoE thinker with `--quantize int4` (experts too), are
+served with their weights still quantised, and answer through the official openai SDK (whole and streamed) what
+`omnijax.Chat` answers in process on the same quantised model; the `omnijax serve` command line itself loads an int4
+checkpoint and answers alike."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from omnijax.testing import checkpoints as demo  # noqa: E402
 from tests._support import ROOT  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERTS = ("expert_gate", "expert_up", "expert_down")
 OPTIONS = {"int8": QuantizeOptions("int8"), "int4_g32": QuantizeOptions("int4", 32)}
 QUESTION = "Tell me about the quick brown fox."
 
@@ -47,11 +49,27 @@ def _stream_config():
                                 max_answer_tokens=4)
 
 
-@pytest.fixture(scope="module", params=list(OPTIONS))
+@pytest.fixture(scope="module")
+def qwen3_moe_int4(tmp_path_factory):
+    """The tiny Qwen3-Omni thinker (MoE layers of 8 experts beside a dense one) converted with `--quantize int4`:
+    attention, dense MLP and expert stacks quantised."""
+    pytest.importorskip("torch", reason="torch (the test extra) builds the tiny Hugging Face thinker")
+    from tests._support import qwen3_omni_models as Q
+
+    root = tmp_path_factory.mktemp("served_qwen3_int4")
+    src = Q.save_thinker(Q.build_thinker(seed=3, scale=0.3, audio_overrides={"num_mel_bins": 128}), root / "hf")
+    Q.write_tokenizer(src)
+    return convert_checkpoint(src, root / "int4", progress=False, log=lambda _: None, quantize=OPTIONS["int4_g32"])
+
+
+@pytest.fixture(scope="module", params=[*OPTIONS, "qwen3_moe_int4_g32"])
 def served(request, checkpoints):
-    model = omnijax.load(checkpoints[request.param])
-    context = build_context(model, options=ServeOptions(port=0, max_output_tokens=16), stream=_stream_config(),
-                            chunk_tokens=64, buckets=(1, 2), aimd_target=0)
+    path = (request.getfixturevalue("qwen3_moe_int4") if request.param == "qwen3_moe_int4_g32"
+            else checkpoints[request.param])
+    model = omnijax.load(path)
+    frame_ms = 200 if request.param.startswith("qwen3") else 1000  # as test_openai_families serves each family
+    context = build_context(model, options=ServeOptions(port=0, frame_ms=frame_ms, max_output_tokens=16),
+                            stream=_stream_config(), chunk_tokens=64, buckets=(1, 2), aimd_target=0)
     with BackgroundServer(context) as server:
         yield request.param, model, server
 
@@ -65,13 +83,16 @@ def test_the_server_holds_the_weights_quantised(served, checkpoints):
     """What the server runs is the quantised model: every linear weight a `QuantizedWeight` of the manifest's scheme
     (no float copy made at load or warm-up)."""
     name, model, server = served
-    manifest = json.loads((checkpoints[name] / "omnijax.json").read_text())["quantization"]
-    assert sorted(manifest) == sorted(f"layers.{n}" for n in LINEAR)
+    moe = name.startswith("qwen3_moe")
+    linear = (*LINEAR, *EXPERTS) if moe else LINEAR
     found = _linear_leaves(server.context.model)
-    assert sorted(found) == sorted(LINEAR)
+    assert sorted(found) == sorted(linear)
     for n, leaves in found.items():  # stacked over layers, or one per layer (per-layer storage)
         assert leaves and all(isinstance(qw, QuantizedWeight) for qw in leaves), n
         assert {qw.scheme.bits for qw in leaves} == {8 if name == "int8" else 4}, n
+    if not moe:
+        manifest = json.loads((checkpoints[name] / "omnijax.json").read_text())["quantization"]
+        assert sorted(manifest) == sorted(f"layers.{n}" for n in LINEAR)
 
 
 def _linear_leaves(model) -> dict:
@@ -83,7 +104,7 @@ def _linear_leaves(model) -> dict:
     found: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(pure, is_leaf=lambda a: isinstance(a, QuantizedWeight))[0]:
         names = [getattr(k, "key", None) for k in path]
-        for n in LINEAR:
+        for n in (*LINEAR, *EXPERTS):
             if n in names:
                 found.setdefault(n, []).append(leaf)
     return found
