@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--stacked", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
-    args = harness.parse(p, argv, smoke={"rounds": 1, "tokens": 8, "block": 4})
+    args = harness.parse(p, argv, smoke={"rounds": 1, "tokens": 8, "block": 4, "no_stacked": True})
     if args.worker:
         print(json.dumps(omnijax_worker(Path(args.checkpoint), args.cache, args.tokens, args.block, args.stacked)))
         return 0
