@@ -76,7 +76,7 @@ def engine_arm(engine, jobs, frames: int) -> dict:
                 ticks=ticks)
 
 
-def serial_arm(model, jobs, frames: int) -> dict:
+def serial_arm(model, jobs, frames: int, chunk: int = CHUNK) -> dict:
     """The N utterances spoken one after another, each alone (`speak_streamed`)."""
     from omnijax.models.qwen3_omni import speech as speech_lib
 
@@ -85,7 +85,7 @@ def serial_arm(model, jobs, frames: int) -> dict:
     for prompt, answer in jobs:
         n, seen = 0, None
         for pcm in speech_lib.speak_streamed(model, prompt, answer, speaker="Ethan", max_new_tokens=frames + 1,
-                                             first_chunk=FIRST_CHUNK, chunk=CHUNK):
+                                             first_chunk=FIRST_CHUNK, chunk=chunk):
             now = time.perf_counter() - start
             # the pool's definition: past the moment the audio sent so far runs out (playing from the first PCM)
             late += seen is not None and now > seen + n / model.speech.sample_rate
@@ -97,7 +97,8 @@ def serial_arm(model, jobs, frames: int) -> dict:
     return dict(first=first, last=last, samples=samples, wall=time.perf_counter() - start, late=late, ticks=0)
 
 
-def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: int) -> tuple[list[dict], dict]:
+def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: int, chunk: int = CHUNK
+            ) -> tuple[list[dict], dict]:
     import omnijax
     from omnijax.serve.engine.engine import Engine, EngineConfig
     from omnijax.serve.engine.speech import SpeechConfig
@@ -107,13 +108,13 @@ def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: in
         model = omnijax.load(root / "omnijax")
     top = max(concurrency)
     rows = tuple(b for b in (1, 2, 4, 8, 16) if b < top) + (top,)
-    speech = SpeechConfig(rows=rows, num_pages=16 * top, page_size=16, first_chunk=FIRST_CHUNK, chunk=CHUNK)
+    speech = SpeechConfig(rows=rows, num_pages=16 * top, page_size=16, first_chunk=FIRST_CHUNK, chunk=chunk)
     engine = Engine(model, EngineConfig(stream=omnijax.StreamConfig(num_pages=8, page_size=16), chunk_tokens=8,
                                         buckets=(1,), speech=speech))
     out, check, start = [], {}, time.perf_counter()
     for n in (*concurrency, *concurrency):  # warm-up, twice: every shape and every move between row buckets
         engine_arm(engine, utterances(n, 0, answer_tokens), frames)
-        serial_arm(model, utterances(n, 0, answer_tokens), frames)
+        serial_arm(model, utterances(n, 0, answer_tokens), frames, chunk)
     print(f"  warm-up done at {time.perf_counter() - start:.0f} s", flush=True)
     for r in range(rounds):
         for n in concurrency:
@@ -121,9 +122,9 @@ def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: in
             # unmeasured first: a talker that ends early leaves a vocoder chunk of a new size (one compile each),
             # and rows that end early move the engine between row buckets mid-run
             engine_arm(engine, jobs, frames)
-            serial_arm(model, jobs, frames)
+            serial_arm(model, jobs, frames, chunk)
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                got = engine_arm(engine, jobs, frames) if arm == "engine" else serial_arm(model, jobs, frames)
+                got = engine_arm(engine, jobs, frames) if arm == "engine" else serial_arm(model, jobs, frames, chunk)
                 out.append(dict(got, arm=arm, concurrency=n, round=r))
                 check.setdefault((n, r), {})[arm] = got["samples"]
             print(f"  round {r + 1}/{rounds} concurrency {n}: engine "
@@ -189,15 +190,16 @@ def main(argv=None) -> int:
                    help="utterances at once, comma-separated")
     p.add_argument("--frames", type=int, default=50, help="codec frames per utterance (80 ms each)")
     p.add_argument("--answer-tokens", type=int, default=16, help="thinker answer tokens spoken per utterance")
+    p.add_argument("--chunk", type=int, default=CHUNK, help="codec frames of each vocoder call after the first 4")
     args = harness.parse(p, argv, smoke={"rounds": 1, "concurrency": (1, 2), "frames": 4, "answer_tokens": 4})
-    if args.rounds < 1 or args.frames < 1 or args.answer_tokens < 1 or min(args.concurrency) < 1:
-        p.error("--rounds, --frames, --answer-tokens and every --concurrency must be at least 1")
+    if min(args.rounds, args.frames, args.answer_tokens, args.chunk, *args.concurrency) < 1:
+        p.error("--rounds, --frames, --answer-tokens, --chunk and every --concurrency must be at least 1")
     out = harness.output_dir(args)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="speech_serving_") as tmp:
         root = release.build_release(Path(tmp))
         print(f"  release built and converted in {time.perf_counter() - start:.0f} s", flush=True)
-        rows, checks = measure(root, args.concurrency, args.rounds, args.frames, args.answer_tokens)
+        rows, checks = measure(root, args.concurrency, args.rounds, args.frames, args.answer_tokens, args.chunk)
     summary = summarise(rows)
     harness.print_table(summary, [("arm", "arm", ""), ("N", "concurrency", "d"),
                                   ("first PCM ms", "first_pcm_ms", ".0f"), ("p90", "first_pcm_p90_ms", ".0f"),
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
     print(f"same samples per utterance in both arms: {checks['same_samples']}; {time.perf_counter() - start:.0f} s")
     harness.write_json(out, "speech_serving", {
         "rounds": args.rounds, "frames": args.frames, "answer_tokens": args.answer_tokens,
-        "first_chunk": FIRST_CHUNK, "chunk": CHUNK, "summary": summary, "rows": rows, **checks,
+        "first_chunk": FIRST_CHUNK, "chunk": args.chunk, "summary": summary, "rows": rows, **checks,
         "smoke": bool(args.smoke)})
     plot(summary, out)
     return 0
