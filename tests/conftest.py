@@ -76,7 +76,7 @@ SLOW_FIRST = (
     "serve/test_serve_traffic.py", "prefill/test_prefill_kvpress.py", "models/test_moe_expert_parallel.py",
     "serve/test_serve_restarts.py", "serve/test_openai_families.py", "models/test_decoder.py",
     "serve/test_structured.py", "models/qwen3_omni/test_code2wav.py", "models/qwen2_5_omni/test_token2wav.py",
-    "models/test_quantized_decoder.py", "convert/test_quantize.py",
+    "models/test_quantized_decoder.py", "convert/test_quantize.py", "models/test_split_layers.py",
     "serve/test_warmup_structured.py", "models/qwen2_5_omni/test_speech.py",
     "streaming/test_recall.py", "streaming/test_recall_session.py", "serve/engine/test_n_sharing.py",
     "serve/test_chat_completions_audio.py", "chat/test_chat_speech.py", "serve/realtime/test_realtime_audio_output.py",
