@@ -209,6 +209,7 @@ def results(tmp_path_factory):
                 except Exception:  # the lane goes on: this script fails with the reason, the others still run
                     done[s] = {"rc": -1, "stdout": "", "stderr": traceback.format_exc(), "seconds": 0.0,
                                "cpu": 0.0, "process": "none"}
+                print(f"bench smoke: {s} {done[s]['seconds']:.0f} s, CPU {done[s]['cpu']:.0f} s", flush=True)
                 if s == FIRST:
                     first_done.set()
         finally:
