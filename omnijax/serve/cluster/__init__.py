@@ -11,4 +11,7 @@
 - `omnijax.serve.cluster.router.SessionAwareRouter` is the deployment's Ray Serve request router (imported by Ray
   Serve from its dotted path): a request naming a replica goes there, a resume token to the live replica holding it,
   everything else to the live replica with the most admission headroom.
+- `omnijax.serve.cluster.lease.LeaseDir` leases resume tokens across replicas in the shared snapshot directory
+  (`replica.SharedSnapshotStore` uses it), so one token resumes on one replica at a time.
+- `omnijax.serve.cluster.roll` restarts (upgrades) the replicas one at a time through their drain route.
 """
