@@ -10,7 +10,7 @@ import numpy as np
 from omnijax._checks import JsonConfig
 
 
-def count_field(value, name: str, minimum: int = 1) -> int:
+def count_field(value: Any, name: str, minimum: int = 1) -> int:
     """`value` as an int >= `minimum`; anything else (a bool, a fraction, a smaller number) refused naming `name`."""
     if isinstance(value, (bool, np.bool_)) or int(value) != value or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -174,8 +174,8 @@ class Engine:
         if row < self.state.kv.batch:  # a session opened since the last tick has no row yet
             self.state = _reset_row(self.state, np.int32(row))
 
-    def speak(self, speech_id: str, prompt_ids, answer_ids, *, voice: str, max_new_tokens: int,
-              media: Sequence[MediaRows] = ()) -> int:
+    def speak(self, speech_id: str, prompt_ids: Sequence[int], answer_ids: Sequence[int], *, voice: str,
+              max_new_tokens: int, media: Sequence[MediaRows] = ()) -> int:
         """Admits an utterance to the speech pool between ticks: the thinker's prompt and answer ids spoken with
         `voice`; its talker steps and vocoder chunks run on the next ticks (`TickReport.speech`). Returns the talker
         pages reserved. Raises ValueError (no `EngineConfig.speech`), `Overloaded` and the refusals of

@@ -36,7 +36,7 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +192,8 @@ class SpeechPool:
         omnijax.models.qwen3_omni.speech.SpeechUnavailableError: the model has no Qwen3-Omni speech output.
     """
 
-    def __init__(self, model: Any, config: SpeechConfig | None = None, *, clock=time.perf_counter):
+    def __init__(self, model: Any, config: SpeechConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter):
         speech = getattr(model, "speech", None)
         if not isinstance(speech, speech_lib.Qwen3Speech):
             raise speech_lib.SpeechUnavailableError(
