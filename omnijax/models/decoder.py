@@ -248,10 +248,12 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
 
 
 def _row(a: jax.Array, row: int) -> jax.Array:
-    """`a[row]` as its own array. On one CPU device through numpy (a copy, no compiled slice per shape: an eager
-    `a[row]` compiled one small program per parameter shape, ~0.5 s each on a loaded machine)."""
+    """`a[row]` as its own array. On one CPU device, a numpy view of the stack's host buffer handed to jax, which
+    adopts an aligned buffer without copying it: the layers share the stack's memory (a copy per layer held the
+    weights 1.4x over after load, `tests/models/test_load_memory.py`), and no slice program is compiled per
+    parameter shape (an eager `a[row]` compiled one, ~0.5 s each on a loaded machine)."""
     if a.is_fully_addressable and len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu":
-        return jnp.asarray(np.array(np.asarray(a)[row]))
+        return jax.device_put(np.asarray(a)[row], a.sharding)
     return a[row]
 
 
