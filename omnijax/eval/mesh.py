@@ -12,6 +12,7 @@ Parameter placement (`decoder_param_specs`, the stacked layout of `omnijax.model
     o_proj [L, H*d, D]                           H*d over `model` (the partial sums are reduced by XLA)
     gate_proj, up_proj [L, D, I] / down_proj [L, I, D]   I over `model`
     expert_gate, expert_up, expert_down [Lm, E, ...]    E over `model` (expert parallel) when E divides by it
+                                                         (per-layer [E, ...] arrays of a split decoder alike)
     lm_head [D, V]                               V over `model`
     embed, norms                                 replicated
 
@@ -186,7 +187,8 @@ def decoder_param_specs(params: Any, config: DecoderConfig, mesh: Mesh | None) -
              "down_proj": (-2, m > 1 and config.intermediate_size % m == 0),
              "lm_head": (-1, m > 1 and config.vocab_size % m == 0)}
     experts = m > 1 and config.num_experts % m == 0  # expert parallel: each device holds E / m experts
-    rules.update({name: (1, experts) for name in ("expert_gate", "expert_up", "expert_down")})
+    # the expert axis counted from the end: [Lm, E, in, out] stacked, [E, in, out] per layer (split_layers)
+    rules.update({name: (-3, experts) for name in ("expert_gate", "expert_up", "expert_down")})
 
     def one(axis: int, array: Any) -> P:
         if array.shape[axis] % m:

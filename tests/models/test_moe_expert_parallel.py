@@ -175,3 +175,12 @@ def test_expert_specs_follow_divisibility():
         for name in ("expert_gate", "expert_up", "expert_down"):
             assert layers[name] == (P(None, "model", None, None) if split else P()), (model_axis, name)
         assert layers["router"] == P()
+    # a decoder split into per-layer arrays (what omnijax.load gives on CPU): each MoE layer's [E, in, out] splits on E
+    _, split_params = nnx.split(setup.Decoder(setup.CONFIG, rngs=nnx.Rngs(0)).split_layers())
+    mesh = types.SimpleNamespace(shape={"data": 1, "model": 2})
+    rows = nnx.to_pure_dict(distributed.decoder_param_specs(split_params, setup.CONFIG, mesh))["layers"]["rows"]
+    moe_rows = [row for row in rows.values() if "expert_gate" in row]
+    assert len(moe_rows) == sum(setup.CONFIG.sparse_layers) > 0
+    for row in moe_rows:
+        for name in ("expert_gate", "expert_up", "expert_down"):
+            assert row[name] == P("model", None, None), name
