@@ -47,7 +47,10 @@ ARGS = ("--frame-ms", str(FRAME_MS), "--max-output-tokens", "8", "--buckets", "1
 # leaver): its ticks reach the 8 bucket, compiled before it listens so that no tick under the load compiles. After
 # the restart the two conversations resume one at a time: bucket 1.
 LOAD_WARMUP, RESUME_WARMUP = ("--warmup-sessions", "8"), ("--warmup-sessions", "1")
-TURNS, MAX_TOKENS = 3, 8
+# Two turns per conversation under the load (a periodic snapshot after each; the kill after the second), then one
+# more after the resume: every event of three turns (a snapshot replacing an earlier one, a resumed conversation
+# with history) with one tick-paced turn less per conversation.
+TURNS, MAX_TOKENS = 2, 8
 
 
 def _wav(rate: int, seconds: float = 0.1) -> bytes:
