@@ -2,24 +2,22 @@
 --accuracy` with the llama.cpp interpreter (`--llama-python`, a venv holding `llama-cpp-python`; never the
 project's): standard library, numpy and `llama_cpp` only.
 
-    LLAMA_PYTHON bench/quality/_llama_ppl_worker.py MODEL.gguf IDS.json THREADS [--no-extra-bufts]
+    LLAMA_PYTHON -P bench/quality/_llama_ppl_worker.py MODEL.gguf IDS.json THREADS [--no-extra-bufts]
 
-`IDS.json` holds `N + 1` token ids. The first `N` are evaluated in one context (no BOS added, nothing else
-prepended: the ids as given) with every position's logits kept (`logits_all`), and the negative log-likelihood of
-each next id (`ids[1:]`) is taken from a float64 log-softmax of those logits. Prints one JSON line: `nll` (N
-floats), the evaluation's seconds, the library version and the system info. `--no-extra-bufts` loads without
-llama.cpp's extra buffer types (weight repacking and AMX), for a build whose AMX kernels this machine refuses.
+`-P` (Python >= 3.11) keeps the script's folder off `sys.path`: it holds a `selectors.py` that would shadow the
+standard library's. `IDS.json` holds `N + 1` token ids. The first `N` are evaluated in one context (no BOS added,
+nothing else prepended: the ids as given) with every position's logits kept (`logits_all`), and the negative
+log-likelihood of each next id (`ids[1:]`) is taken from a float64 log-softmax of those logits. Prints one JSON
+line: `nll` (N floats), the evaluation's seconds, the library version and the system info. `--no-extra-bufts` loads
+without llama.cpp's extra buffer types (weight repacking and AMX), for a build whose AMX kernels this machine
+refuses.
 """
 
+import json
 import sys
+import time
 
-# this folder holds a `selectors.py` that would shadow the standard library's (imported by subprocess / socket)
-del sys.path[0]  # run as a script: the script's folder
-
-import json  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main(argv: list) -> int:

@@ -113,7 +113,9 @@ def llama_nll(args, gguf_path: Path, ids: list[int], work: Path) -> dict:
     """llama.cpp's per-token NLL of `ids[1:]` (`_llama_ppl_worker.py` in its own process)."""
     ids_file = work / "accuracy_ids.json"
     ids_file.write_text(json.dumps([int(i) for i in ids]))
-    command = [args.llama_python, str(WORKER), str(gguf_path), str(ids_file), str(args.llama_threads),
+    # -P: the script's folder is not put on sys.path (it holds a `selectors.py` that would shadow the standard
+    # library's, which subprocess and socket import)
+    command = [args.llama_python, "-P", str(WORKER), str(gguf_path), str(ids_file), str(args.llama_threads),
                *(["--no-extra-bufts"] if args.no_extra_bufts else [])]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=3600)
