@@ -47,7 +47,15 @@ from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
 from omnijax.serve.engine.engine_config import DuplicateSession, EngineConfig, FrameOutput, TickReport
-from omnijax.serve.engine.rows import batch_frames, check_fork, fork_rows, pick_bucket, reset_row, take_rows
+from omnijax.serve.engine.rows import (
+    batch_frames,
+    check_fork,
+    compact_rows,
+    fork_rows,
+    pick_bucket,
+    reset_row,
+    take_rows,
+)
 from omnijax.serve.engine.speech import SpeechPool
 from omnijax.serve.engine.telemetry import Telemetry
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
@@ -223,18 +231,10 @@ class Engine:
         old = self.state.kv.batch
         bucket = pick_bucket(max(1, len(self._slots)), self.config.buckets)
         assert bucket is not None, "open() admits no more sessions than the largest bucket holds"
-        if bucket == old and all(r < bucket for r in self._slots.values()):
+        moved = compact_rows(self._slots, bucket, old)
+        if moved is None:
             return
-        placed = {s: r for s, r in self._slots.items() if r < bucket}
-        free = iter(r for r in range(bucket) if r not in set(placed.values()))
-        for s, r in self._slots.items():
-            if r >= bucket:
-                placed[s] = next(free)
-        rows = np.full((bucket,), -1, np.int32)
-        for s, r in placed.items():
-            src = self._slots[s]
-            rows[r] = src if src < old else -1
-        self._slots = {s: placed[s] for s in self._slots}
+        self._slots, rows = moved
         self.state = jax.device_put(take_rows(self.state, rows), self._device)
 
     def _install_keys(self) -> None:

@@ -93,6 +93,24 @@ def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamSta
                        seen=pick(state.seen, False))
 
 
+def compact_rows(slots: Mapping[str, int], bucket: int, old_batch: int) -> tuple[dict[str, int], np.ndarray] | None:
+    """Rows for a state moving from `old_batch` rows to `bucket`: sessions already in a row below `bucket` keep it,
+    the others (past the bucket, or opened since and not yet in the state) take the free rows in order. Returns the
+    new slots (in `slots`' order) and, for `take_rows`, each new row's old row (-1: a fresh row), or None when
+    nothing moves (same batch, every session in a row of it)."""
+    if bucket == old_batch and all(r < bucket for r in slots.values()):
+        return None
+    placed = {s: r for s, r in slots.items() if r < bucket}
+    free = iter(r for r in range(bucket) if r not in set(placed.values()))
+    for s, r in slots.items():
+        if r >= bucket:
+            placed[s] = next(free)
+    rows = np.full((bucket,), -1, np.int32)  # [bucket]
+    for s, r in placed.items():
+        rows[r] = slots[s] if slots[s] < old_batch else -1
+    return {s: placed[s] for s in slots}, rows
+
+
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding `n` sessions (None when none does)."""
     return next((b for b in buckets if b >= n), None)

@@ -48,6 +48,7 @@ from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream
 from omnijax.models.speech import MediaRows
 from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.rows import compact_rows
 
 __all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool"]
 
@@ -315,18 +316,10 @@ class SpeechPool:
     def _arrange(self) -> None:
         old = self.kv.batch
         bucket = next(b for b in self.config.rows if b >= max(1, len(self._slots)))
-        if bucket == old and all(r < bucket for r in self._slots.values()):
+        moved = compact_rows(self._slots, bucket, old)
+        if moved is None:
             return
-        placed = {s: r for s, r in self._slots.items() if r < bucket}
-        free = iter(r for r in range(bucket) if r not in set(placed.values()))
-        for s, r in self._slots.items():
-            if r >= bucket:
-                placed[s] = next(free)
-        rows = np.full((bucket,), -1, np.int32)
-        for s, r in placed.items():
-            src = self._slots[s]
-            rows[r] = src if src < old else -1
-        self._slots = placed
+        self._slots, rows = moved
         self.kv = _take_rows(self.kv, rows)
 
     def tick(self) -> list[SpeechChunk]:
