@@ -169,16 +169,21 @@ async def _realtime(server):
         await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": QUESTION}]})
         await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-        transcript, data = [], []
-        async for event in conn:
-            assert event.type != "error", event
-            if event.type == "response.output_audio_transcript.delta":
-                transcript.append(event.delta)
-            elif event.type == "response.output_audio.delta":
-                data.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
-            elif event.type == "response.done":
-                assert event.response.status in ("completed", "incomplete"), event.response
-                return "".join(transcript), np.concatenate(data)
+        return await _spoken_response(conn)
+
+
+async def _spoken_response(conn) -> tuple[str, np.ndarray]:
+    """The transcript and PCM16 of the spoken response in flight, read up to its `response.done`."""
+    transcript, data = [], []
+    async for event in conn:
+        assert event.type != "error", event
+        if event.type == "response.output_audio_transcript.delta":
+            transcript.append(event.delta)
+        elif event.type == "response.output_audio.delta":
+            data.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
+        elif event.type == "response.done":
+            assert event.response.status in ("completed", "incomplete"), event.response
+            return "".join(transcript), np.concatenate(data)
     raise AssertionError("the connection closed before response.done")
 
 
@@ -259,16 +264,7 @@ def test_media_after_an_answer_are_replayed_over_the_answer(served):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": QUESTION}]})
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS, "output_modalities": ["audio"]})
-            transcript, data = [], []
-            async for event in conn:
-                assert event.type != "error", event
-                if event.type == "response.output_audio_transcript.delta":
-                    transcript.append(event.delta)
-                elif event.type == "response.output_audio.delta":
-                    data.append(np.frombuffer(base64.b64decode(event.delta), "<i2"))
-                elif event.type == "response.done":
-                    return "".join(transcript), np.concatenate(data)
-        raise AssertionError("the connection closed before response.done")
+            return await _spoken_response(conn)
 
     got_text, got = asyncio.run(asyncio.wait_for(run(), 900))
     assert got_text == text
