@@ -50,9 +50,14 @@ WORKER = Path(__file__).with_name("_llama_cpp_worker.py")
 
 
 def write_gguf(src: Path, dst: Path, kind: str) -> Path:
-    """`src`'s metadata and tensors, every tensor dequantised to float32, as an F32 or F16 GGUF (1-D tensors stay
-    float32 in F16)."""
+    """`src`'s metadata and tensors, every tensor dequantised to float32, as an F32, F16 or Q8_0 GGUF (F16: 2-D
+    tensors cast to float16; Q8_0: 2-D tensors quantised by the `gguf` package; 1-D tensors stay float32)."""
     import gguf
+
+    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    if kind not in file_types:
+        raise ValueError(f"write_gguf writes {sorted(file_types)}, got {kind!r}")
 
     if dst.exists():
         return dst
@@ -66,10 +71,14 @@ def write_gguf(src: Path, dst: Path, kind: str) -> Path:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == "F32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_types[kind])
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if kind == "Q8_0" and values.ndim > 1:
+            q = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(values, q), raw_dtype=q)
+            continue
         if kind == "F16" and values.ndim > 1:
             values = values.astype(np.float16)
         writer.add_tensor(t.name, values)

@@ -65,39 +65,6 @@ def check_args(args) -> None:
         raise SystemExit("--acc-variants must include float32 (the reference of every delta)")
 
 
-def write_q8_0_gguf(src: Path, dst: Path) -> Path:
-    """`src`'s metadata and tensors as a Q8_0 GGUF: every 2-D tensor dequantised to float32 then quantised to Q8_0
-    by the `gguf` package, 1-D tensors float32."""
-    import gguf
-
-    if dst.exists():
-        return dst
-    reader = gguf.GGUFReader(str(src))
-    tmp = dst.with_name(dst.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = field.types[0]
-        writer.add_key_value(name, field.contents(), vtype,
-                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if values.ndim > 1:
-            q = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(t.name, gguf.quants.quantize(values, q), raw_dtype=q)
-        else:
-            writer.add_tensor(t.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, dst)
-    return dst
-
-
 def llama_gguf(src: Path, kind: str, models: Path) -> Path:
     """The llama.cpp GGUF of `kind` for `src` (written once into `models`)."""
     from bench.peers.vs_llama_cpp import write_gguf
@@ -106,7 +73,7 @@ def llama_gguf(src: Path, kind: str, models: Path) -> Path:
         return src
     models.mkdir(parents=True, exist_ok=True)
     dst = models / f"{src.stem}.{kind}.gguf"
-    return write_q8_0_gguf(src, dst) if kind == "Q8_0" else write_gguf(src, dst, kind)
+    return write_gguf(src, dst, kind)
 
 
 def llama_nll(args, gguf_path: Path, ids: list[int], work: Path) -> dict:
