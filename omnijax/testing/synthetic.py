@@ -43,6 +43,24 @@ def fold_ids(chunk: Chunk, vocab_size: int) -> Chunk:
     return dataclasses.replace(chunk, token_ids=np.asarray(chunk.token_ids) % vocab_size)
 
 
+def eval_sessions(vocab_size: int, count: int = 8) -> list[list[Chunk]]:
+    """`count` unstacked Qwen2.5-Omni sessions of different lengths for evaluation tests: session `s` (seeded with
+    `s`) is a 6-token system unit, then `3 + s % 4` audiovisual units (grid (2, 2, 4), 10 audio tokens, 1 s per
+    grid), each second one followed by a 5-token question answered with 2 tokens; ids folded into `vocab_size`."""
+    def session(units: int, seed: int) -> list[Chunk]:
+        rng = np.random.default_rng(seed)
+        chunks, unit = [qwen.system_unit(rng.integers(0, 200, 6).tolist(), 0)], 1
+        for i in range(units):
+            chunks.append(qwen.audiovisual_unit((2, 2, 4), 10, 1.0, unit))
+            unit += 1
+            if i % 2 == 1:
+                chunks.append(qwen.text_unit(rng.integers(0, 200, 5).tolist(), unit, answer_tokens=2))
+                unit += 2
+        return [fold_ids(c, vocab_size) for c in chunks]
+
+    return [session(3 + s % 4, s) for s in range(count)]
+
+
 def qwen_av_session(num_units: int, *, vocab_size: int, system_tokens: int = 24, question_every: int = 0,
                     seed: int = 0, unit_kind: str = "2s") -> Chunk:
     """System prompt, then `num_units` audiovisual units of kind `unit_kind` (a key of `QWEN_UNITS`); every

@@ -29,12 +29,11 @@ MESHES = [(8, 1), (4, 2), (2, 4)]
 _SETUP = textwrap.dedent("""
     import numpy as np
     from flax import nnx
-    from omnijax.models.qwen2_5_omni import layout as qwen
     from omnijax.models.config import TINY_OMNI
     from omnijax.eval.runner import EvalConfig
     from omnijax.models.decoder import Decoder
     from omnijax.retention import OmniPick
-    from omnijax.testing.synthetic import fold_ids
+    from omnijax.testing.synthetic import eval_sessions
 
     CONFIG = TINY_OMNI.replace(vocab_size=256, intermediate_size=96)
     MODEL = Decoder(CONFIG, rngs=nnx.Rngs(0))
@@ -42,18 +41,7 @@ _SETUP = textwrap.dedent("""
                       text_budget=8), max_answer_tokens=2, page_size=16, num_pages=12,
                       keep_logits=True)
 
-    def session(units, seed):
-        rng = np.random.default_rng(seed)
-        chunks, unit = [qwen.system_unit(rng.integers(0, 200, 6).tolist(), 0)], 1
-        for i in range(units):
-            chunks.append(qwen.audiovisual_unit((2, 2, 4), 10, 1.0, unit))
-            unit += 1
-            if i % 2 == 1:
-                chunks.append(qwen.text_unit(rng.integers(0, 200, 5).tolist(), unit, answer_tokens=2))
-                unit += 2
-        return [fold_ids(c, CONFIG.vocab_size) for c in chunks]
-
-    SESSIONS = [session(3 + s % 4, s) for s in range(8)]
+    SESSIONS = eval_sessions(CONFIG.vocab_size)
 """)
 
 _WORKER = _SETUP + textwrap.dedent("""

@@ -30,9 +30,8 @@ _WORKER = textwrap.dedent(f"""
     from omnijax.kernels.quant import Int4Grouped, Int8PerChannel, QuantizedWeight, dequantize, quantize
     from omnijax.models.config import TINY_OMNI
     from omnijax.models.decoder import Decoder
-    from omnijax.models.qwen2_5_omni import layout as qwen
     from omnijax.retention import OmniPick
-    from omnijax.testing.synthetic import fold_ids
+    from omnijax.testing.synthetic import eval_sessions
 
     CONFIG = TINY_OMNI.replace(num_layers=3, vocab_size=256, num_experts={EXPERTS}, num_experts_per_tok=2,
                                moe_intermediate_size=32, mlp_only_layers=(1,), qkv_bias=False, qk_norm=True,
@@ -43,18 +42,7 @@ _WORKER = textwrap.dedent(f"""
                  "expert_up", "expert_down")
     EXPERT_STACKS = ("expert_gate", "expert_up", "expert_down")
 
-    def session(units, seed):
-        rng = np.random.default_rng(seed)
-        chunks, unit = [qwen.system_unit(rng.integers(0, 200, 6).tolist(), 0)], 1
-        for i in range(units):
-            chunks.append(qwen.audiovisual_unit((2, 2, 4), 10, 1.0, unit))
-            unit += 1
-            if i % 2 == 1:
-                chunks.append(qwen.text_unit(rng.integers(0, 200, 5).tolist(), unit, answer_tokens=2))
-                unit += 2
-        return [fold_ids(c, CONFIG.vocab_size) for c in chunks]
-
-    SESSIONS = [session(3 + s % 4, s) for s in range(8)]
+    SESSIONS = eval_sessions(CONFIG.vocab_size)
 
     def decoders(scheme):
         # the quantised decoder (every linear and expert weight, x4 so logits are far from zero) and its
