@@ -376,8 +376,9 @@ def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.
 
 MASS_BATCH_TOKENS = 4096
 """Stored tokens `score_units_mass` scores per matmul (its float32 logits take `L * Hq * T * 4` bytes per token)."""
-RECALL_SCORINGS = SCORINGS + ("mass",)
-"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two and `score_units_mass`."""
+RECALL_SCORINGS = SCORINGS + ("mass", "two_stage")
+"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two, `score_units_mass` and
+`omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
 
 
 def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:

@@ -47,7 +47,12 @@ class Recall:
         scoring: how stored units are ranked against the question: "mass" (default;
             `omnijax.kv.host_tier.score_units_mass`, the position-free attention mass a unit would draw), "max"
             (each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the per-unit
-            summaries alone) (`omnijax.kv.host_tier.score_units`).
+            summaries alone) (`omnijax.kv.host_tier.score_units`), or "two_stage": "mean" picks `shortlist` units
+            from the summaries, "mass" ranks them, the rest are never recalled
+            (`omnijax.kv.host_tier_two_stage.score_units_two_stage`; with a shortlist covering the whole tier it
+            ranks exactly as "mass").
+        shortlist: units "two_stage" reads the keys of (> 0; unused by the other scorings, refused with them
+            unless left at its default).
     """
 
     budget: int
@@ -55,9 +60,10 @@ class Recall:
     host_bytes: int = 1 << 30
     keep: bool = False
     scoring: str = "mass"
+    shortlist: int = 16
 
     def __post_init__(self):
-        for name in ("budget", "top_units", "host_bytes"):
+        for name in ("budget", "top_units", "host_bytes", "shortlist"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"Recall: {name} must be a positive int, got {value!r}" + (
@@ -67,6 +73,9 @@ class Recall:
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
         if self.scoring not in RECALL_SCORINGS:
             raise ValueError(f"Recall: scoring must be one of {RECALL_SCORINGS}, got {self.scoring!r}")
+        if self.scoring != "two_stage" and self.shortlist != 16:
+            raise ValueError(f"Recall: shortlist={self.shortlist} is read by scoring='two_stage' only, got "
+                             f"scoring={self.scoring!r}")
 
     def check_pool(self, cells: int) -> None:
         """Refuses a recall budget larger than a pool of `cells` cells."""

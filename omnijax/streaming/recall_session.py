@@ -57,6 +57,7 @@ from omnijax.kv import attention as attention_lib
 from omnijax.kv import host_tier
 from omnijax.kv import paged as paged_lib
 from omnijax.kv import rope as rope_lib
+from omnijax.kv.host_tier_two_stage import score_units_two_stage
 from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.retention import base as retention_base
 from omnijax.retention.base import NoSlide
@@ -378,17 +379,21 @@ class RecallSession:
             if not valid.any():
                 raise ValueError("recall needs a question with tokens (chunk.valid is all False)")
             q = q[:, valid]  # [L, T, H, d]
-            if self.recall_config.scoring == "mass":  # queries turned back to before RoPE, as the stored keys
+            scoring = self.recall_config.scoring
+            if scoring in ("mass", "two_stage"):  # queries turned back to before RoPE, as the stored keys
                 pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(jax.device_get(state.next_pos[0]))
-                raw = host_tier.unrotated(np.swapaxes(q, 1, 2), pos, self.rope)
-                scores = host_tier.score_units_mass(self.tier, np.swapaxes(raw, 1, 2), self.rope)
+                raw = np.swapaxes(host_tier.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
+                scores = host_tier.score_units_mass(self.tier, raw, self.rope) if scoring == "mass" else \
+                    score_units_two_stage(self.tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
             else:
                 scores = host_tier.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
         else:
             scores = np.zeros((0,), np.float32)
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))
         budget = max(0, min(self.recall_config.budget, room(state.kv) - need))
-        chosen = host_tier.select_units(scores, self.tier.sizes, budget, self.recall_config.top_units)
+        ranked = np.flatnonzero(np.isfinite(scores))  # "two_stage" scores units off its shortlist -inf
+        chosen = ranked[host_tier.select_units(scores[ranked], self.tier.sizes[ranked], budget,
+                                               self.recall_config.top_units)]
         units = tuple(self.tier.units[i] for i in chosen)
         kv, next_pos = state.kv, state.next_pos
         if units:
