@@ -19,6 +19,7 @@ from omnijax.models.decoder import Decoder
 from omnijax.models.encoders import whisper as audio_lib
 from omnijax.models.model import Model, restore_module
 from omnijax.models.qwen2_5_omni import convert, frontend, thinker
+from omnijax.models.qwen2_5_omni import hf_config as hf_config_lib
 from omnijax.models.qwen2_5_omni import speech as speech_lib
 from omnijax.models.qwen2_5_omni import vision as vision_lib
 from omnijax.models.qwen2_5_omni import voices as voices_lib
@@ -85,7 +86,7 @@ def special_token_ids(manifest: Mapping[str, Any]) -> dict[str, Any]:
 def token_components(hf_config: Mapping[str, Any], directory: Path) -> dict[str, Any]:
     """The `omni` entry converting this source writes: the thinker config's ids, else its tokenizer's, else the
     release's (`OmniConfig.from_hf`, as `convert.convert_params` resolves them); none for a plain Qwen2 / Qwen3 LLM."""
-    key = convert.layout_of(hf_config).thinker_key
+    key = hf_config_lib.layout_of(hf_config).thinker_key
     if key is None:  # a plain LLM
         return {}
     thinker = hf_config.get(key) if key else hf_config
