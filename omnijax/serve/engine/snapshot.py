@@ -41,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from omnijax.kv.quant_kv import QuantPages
+from omnijax.serve.engine.snapshot_paths import local_path
 from omnijax.streaming.step import StreamState
 
 FORMAT = "omnijax-session"
@@ -397,9 +398,10 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
     Raises:
         FileExistsError: `path` exists and `overwrite` is False, or it exists and is not a session snapshot.
         SnapshotError: the snapshot is inconsistent.
+        ValueError: `path` is a URI (`gs://...`): object stores are not supported (`snapshot_paths.local_path`).
     """
     snapshot.check()
-    path = Path(path).absolute()
+    path = local_path(path)
     if path.exists() or path.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{path} already exists; pass overwrite=True to replace the snapshot there")
@@ -460,10 +462,11 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
 
     Raises:
         FileNotFoundError: nothing at `path`.
+        ValueError: `path` is a URI (`snapshot_paths.local_path`).
         SnapshotFormatError: `path` is not a readable session snapshot (no or garbled manifest, another format or
             version, missing or damaged arrays); the message names the path.
     """
-    path = Path(path).absolute()
+    path = local_path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no session snapshot there (the path does not exist)")
     manifest_path = path / MANIFEST

@@ -35,12 +35,14 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from omnijax.serve.engine.snapshot import MANIFEST, SessionSnapshot, load_snapshot, save_snapshot
+from omnijax.serve.engine.snapshot_paths import local_path
 
 log = logging.getLogger("omnijax.serve")
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
@@ -115,7 +117,8 @@ class SnapshotStore:
 
     Args:
         root: the directory; created with mode 0700 when missing, tightened to 0700 (logged) when group or others
-            may read it, refused (ValueError) when that is not possible.
+            may read it, refused (ValueError) when that is not possible, when this process cannot create files in
+            it, or when it is a URI (`gs://...`: `omnijax.serve.engine.snapshot_paths`).
         max_bytes: the cap on the directory's total size (None: none).
         max_age_s: snapshots not written for this long are deleted (None or 0: never).
         write_wait_s: how long `acquire` waits for a closing holder's last write.
@@ -130,7 +133,7 @@ class SnapshotStore:
             raise ValueError(f"max_bytes must be >= 1 (or None for no cap), got {max_bytes}")
         if max_age_s is not None and not max_age_s >= 0:
             raise ValueError(f"max_age_s must be >= 0 (or None), got {max_age_s}")
-        self.root = Path(root).absolute()
+        self.root = local_path(root, "--snapshot-dir")
         self.max_bytes, self.max_age_s = max_bytes, (max_age_s or None)
         self.write_wait_s, self.live_grace_s, self.clock = write_wait_s, live_grace_s, clock
         self._lock = threading.RLock()
@@ -151,6 +154,7 @@ class SnapshotStore:
         except OSError as e:
             raise ValueError(f"--snapshot-dir {self.root}: cannot use it as the snapshot directory: "
                              f"{e.strerror or e}") from e
+        self._probe_write()
         if mode & 0o077:
             try:
                 os.chmod(self.root, 0o700)
@@ -159,6 +163,20 @@ class SnapshotStore:
                                  f"be tightened to 0700 ({e.strerror}); fix its mode or pick another directory") from e
             log.warning("snapshot dir %s was mode %o (other users could list or read sessions): tightened to 700",
                         self.root, mode)
+
+    def _probe_write(self) -> None:
+        """Creates and removes a file in the directory, so one this process cannot write to (a read-only mount,
+        another user's folder, a full disk) is refused when the server starts, not at the first snapshot. The file is
+        named like a temp folder of a killed write (`.*.tmp`), so a kill in between leaves what `_clean` removes."""
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".write-probe.", suffix=".tmp", dir=self.root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(f"--snapshot-dir {self.root} is not writable by this server ({e.strerror or e}): "
+                             f"sessions could not be snapshotted or resumed there; give a directory this server's "
+                             f"user can create files in (with --replicas, one every replica can write), or fix its "
+                             f"permissions or mount") from e
 
     def _clean(self) -> int:
         """Removes the temp folders a killed write left, and moves old-layout snapshots into a generation."""
