@@ -14,10 +14,14 @@ Per `tick()`:
    suppressed, as `omnijax.models.qwen3_omni.speech.speak`); a row ends at the end-of-speech token or at its
    `max_new_tokens`;
 3. vocoder chunks: a session whose frames fill its next chunk (`first_chunk` frames, then `chunk`; what is left once
-   the talker ended) gets one Code2Wav call with its carried state (`Code2WavStream`, one per session), in order of
-   playback deadline: a first chunk before any other (nothing is playing yet), then the chunk whose audio runs out
-   soonest (the first PCM's time plus the seconds sent). `vocoder_budget_s` bounds the vocoder time of a tick: past
-   it, chunks whose deadline is further than `slack_s` away wait for the next tick; urgent ones still run.
+   the talker ended) is due. The due chunks run batched: one Code2Wav call over the sessions' rows, each row on its
+   own carried state (`omnijax.models.qwen3_omni.code2wav_rows`), first chunks in one call and later chunks in
+   another (a first call returns `lag` samples fewer, so it is compiled apart); a short final chunk is padded to the
+   call's length and the padding's samples cut (Code2Wav is causal). The rows are padded to a `rows` bucket. Calls
+   go in order of playback deadline: first chunks before any other (nothing is playing yet), then the call holding
+   the chunk whose audio runs out soonest (the first PCM's time plus the seconds sent). `vocoder_budget_s` bounds
+   the vocoder time of a tick: past it, chunks whose deadline is further than `slack_s` away wait for the next tick;
+   urgent ones still run.
 
 A chunk that leaves after its deadline is sent all the same and reported late (`SpeechChunk.late_s`, the pool's
 `stats["late_chunks"]` / `["late_s"]`): speech is never dropped. Admission reserves each utterance's talker pages up
@@ -26,7 +30,8 @@ front (its prompt plus `max_new_tokens`), so a row can never run out of cache mi
 controller reads, includes the talker steps and vocoder calls.
 
 Each session's codes and PCM equal the same utterance spoken alone (`speak_streamed`): the batched step computes
-every row as the single-session step does, and the vocoder's chunks are the same whatever ran beside them.
+every row as the single-session step does, and each vocoder row is its session's chunk decoded alone (equal up to
+float rounding: within 3.2e-7 of the peak in tests/serve/engine/test_speech_ticks.py).
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.kv import paged as paged_lib
+from omnijax.models.qwen3_omni import code2wav_rows, talker_forward
 from omnijax.models.qwen3_omni import speech as speech_lib
-from omnijax.models.qwen3_omni import talker_forward
-from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream
+from omnijax.models.qwen3_omni.code2wav_decode import Code2WavState, init_state, model_params
 from omnijax.models.speech import MediaRows
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
@@ -127,7 +132,7 @@ class _Utterance:
     trailing: np.ndarray  # [N, D] text rows, one per step
     max_steps: int  # talker steps at most (max_new_tokens - 1)
     pages: int  # talker pages reserved
-    stream: Code2WavStream
+    state: Code2WavState  # the vocoder's carried state (batch of one)
     opened_s: float
     start: int  # position of the first decoded token
     prefilled: bool = False
@@ -215,11 +220,15 @@ class SpeechPool:
         specials = model.decoder.embed_tokens(jnp.asarray([[t.tts_bos_token_id, t.tts_eos_token_id,
                                                             t.tts_pad_token_id]], jnp.int32))[0]
         self._pad_row = np.asarray(talker_forward.project_text(self.talker, speech.params, specials)[2])
+        self._c2w = speech.code2wav.config
+        self._c2w_params = model_params(speech.code2wav)
+        self._fillers = {False: init_state(self._c2w), True: code2wav_rows.started_state(self._c2w)}
         self._utterances: dict[str, _Utterance] = {}
         self._slots: dict[str, int] = {}
         self.reserved = 0
         self.stats = {"opened": 0, "refused": 0, "steps": 0, "frames": 0, "chunks": 0, "late_chunks": 0,
-                      "late_s": 0.0, "talker_s": 0.0, "vocoder_s": 0.0, "deferred": 0}
+                      "late_s": 0.0, "talker_s": 0.0, "vocoder_s": 0.0, "deferred": 0,
+                      "vocoder_calls": 0, "vocoder_rows": 0}
 
     def _empty(self, batch: int) -> paged_lib.PagedKV:
         d = self.talker.decoder
@@ -289,7 +298,7 @@ class SpeechPool:
         self._utterances[speech_id] = _Utterance(
             rows=np.asarray(talker_in.rows), positions=np.asarray(talker_in.positions),
             trailing=np.asarray(talker_in.trailing), max_steps=int(max_new_tokens) - 1, pages=pages,
-            stream=Code2WavStream(self.speech.code2wav), opened_s=self.clock(),
+            state=init_state(self.speech.code2wav.config), opened_s=self.clock(),
             start=int(np.max(talker_in.positions)) + 1)
         used = set(self._slots.values())
         self._slots[speech_id] = next(r for r in range(self.capacity) if r not in used)
@@ -400,29 +409,59 @@ class SpeechPool:
         out: list[SpeechChunk] = []
         start = self.clock()
         budget, slack = self.config.vocoder_budget_s, self.config.slack_s
-        due = sorted(((self._deadline(u), s) for s, u in self._utterances.items() if self._due(u)
-                      or (u.done and not u.ready)), key=lambda x: x[0])
-        for deadline, s in due:
+        pending = sorted(((self._deadline(u), s) for s, u in self._utterances.items() if self._due(u)
+                          or (u.done and not u.ready)), key=lambda x: x[0])
+        while pending:
+            now = self.clock()
+            if budget is not None and out and now - start >= budget:
+                urgent = [p for p in pending if p[0] - now <= slack]
+                self.stats["deferred"] += len(pending) - len(urgent)
+                pending = urgent
+                if not pending:
+                    break
+            started = self._utterances[pending[0][1]].pushed > 0
+            group = [p for p in pending if (self._utterances[p[1]].pushed > 0) == started][:self.capacity]
+            pending = [p for p in pending if p not in group]
+            out.extend(self._vocode_rows(group, started))
+        self.stats["vocoder_s"] += self.clock() - start
+        return out
+
+    def _vocode_rows(self, group: list[tuple[float, str]], started: bool) -> list[SpeechChunk]:
+        """One Code2Wav call for the due chunks of `group` (all first chunks, or all later ones), each row on its
+        own state; a short final chunk is padded to the call's length and its padding's samples cut."""
+        frames = self.config.chunk if started else self.config.first_chunk
+        calls = []
+        for deadline, s in group:
             u = self._utterances[s]
-            now = self.clock()
-            if budget is not None and out and now - start >= budget and deadline - now > slack:
-                self.stats["deferred"] += 1
-                continue
             n = self._due(u)
-            if n:
-                frames, u.ready = u.ready[:n], u.ready[n:]
-                codes = np.stack(frames, axis=1)
-                pcm = np.asarray(u.stream.push(codes), np.float32)[0]
-            else:
-                codes, pcm = np.zeros((self.talker.num_code_groups, 0), np.int32), np.zeros((0,), np.float32)
-            now = self.clock()
+            codes = (np.stack(u.ready[:n], axis=1) if n else np.zeros((self.talker.num_code_groups, 0), np.int32))
+            u.ready = u.ready[n:]
+            calls.append((deadline, s, u, codes))
+        rows = [c for c in calls if c[3].shape[1]]
+        pcm: dict[str, np.ndarray] = {}
+        if rows:
+            bucket = next(b for b in self.config.rows if b >= len(rows))
+            codes = np.stack([code2wav_rows.pad_codes(c[3], frames) for c in rows]
+                             + [np.zeros((self._c2w.num_quantizers, frames), np.int32)] * (bucket - len(rows)))
+            states = [c[2].state for c in rows] + [self._fillers[started]] * (bucket - len(rows))
+            wav, new = code2wav_rows.decode_rows(self._c2w_params, self._c2w, codes, states)
+            self.stats["vocoder_calls"] += 1
+            self.stats["vocoder_rows"] += len(rows)
+            wav = np.asarray(wav, np.float32)
+            for r, (_, s, u, c) in enumerate(rows):
+                u.state = new[r]
+                pcm[s] = wav[r, :code2wav_rows.kept_samples(self._c2w, c.shape[1], started)]
+        out = []
+        now = self.clock()
+        for deadline, s, u, codes in calls:
+            samples = pcm.get(s, np.zeros((0,), np.float32))
             late = 0.0 if u.first_s is None else max(0.0, now - deadline)
             first = None
-            if u.first_s is None and pcm.size:
+            if u.first_s is None and samples.size:
                 u.first_s, first = now, now - u.opened_s
-            chunk = SpeechChunk(s, pcm, codes, u.pushed, u.done and not u.ready, late, first)
+            chunk = SpeechChunk(s, samples, codes, u.pushed, u.done and not u.ready, late, first)
             u.pushed += codes.shape[1]
-            u.samples += pcm.size
+            u.samples += samples.size
             self.stats["chunks"] += 1
             if late > 0:
                 self.stats["late_chunks"] += 1
@@ -430,5 +469,4 @@ class SpeechPool:
             out.append(chunk)
             if chunk.final:
                 self.close(s)
-        self.stats["vocoder_s"] += self.clock() - start
         return out
