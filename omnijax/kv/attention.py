@@ -47,19 +47,19 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-# One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
 from omnijax.kernels.block_sparse_attention import (
     DEAD_KEY,
     PAD_ORDER,
     PageIndex,
     active_pages,  # noqa: F401 (re-exported: the one definition of active pages every page-skipping impl uses)
     block_sparse_attention,
-    dense_attention,
-    gather_pages,
     page_index,
     validate_index,
     validate_shapes,
 )
+
+# One definition of "active pages" for every implementation that skips pages (the kernel module imports jax only).
+from omnijax.kernels.dense_attention import dense_attention, gather_pages
 from omnijax.kv.paged import PagedKV
 from omnijax.kv.quant_kv import QuantPages, dense
 
