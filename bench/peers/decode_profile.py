@@ -17,7 +17,7 @@ decodes all the tokens it asks for:
     bf16      the same continuation step with the weights loaded as bfloat16 (`omnijax.load(dtype="bfloat16")`)
               against float32, interleaved.
 
-`--smoke`: a tiny random llama GGUF converted on the fly, 2 rounds, short answers (a check that the script runs).
+`--smoke`: a tiny random llama GGUF converted on the fly, 1 round, short answers (a check that the script runs).
 
     python -m bench.peers.decode_profile --rounds 5
 """
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None,
                    help="persistent compilation cache directory (default omnijax's; --smoke: the smoke run's)")
     p.add_argument("--skip-bf16", action="store_true", help="leave out the bfloat16 comparison")
-    args = harness.parse(p, argv, smoke={"rounds": 2, "answer_tokens": 32, "profile_steps": 1})
+    args = harness.parse(p, argv, smoke={"rounds": 1, "answer_tokens": 32, "profile_steps": 1})
     if args.rounds < 1 or args.answer_tokens < 1 or args.profile_steps < 1:
         p.error("--rounds, --answer-tokens and --profile-steps must be at least 1")
     out = harness.output_dir(args)

@@ -15,9 +15,10 @@ Both answer "What is the capital of France?" after the same system prompt, greed
 side by side. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process on a
 shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs (converted once into
 `<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader + `save_pretrained`); `--smoke`:
-a tiny random llama GGUF, one round, a 16-token answer, and the warm side reads the smoke run's persistent cache
-unprimed (a check that the script runs, not a measurement); the tiny GGUF and its conversions are made once under
-`<out>/smoke_tiny_gguf/` and shared with `load_memory --smoke` (`smoke_models`).
+a tiny random llama GGUF, one round, a 16-token answer, and both omnijax sides read the smoke run's persistent
+cache, unprimed (a check that the script runs, not a measurement: the cold side loads what the warm one compiled);
+the tiny GGUF and its conversions are made once under `<out>/smoke_tiny_gguf/` and shared with `load_memory --smoke`
+(`smoke_models`).
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -204,6 +205,8 @@ def main(argv=None) -> int:
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
                 cache = warm_cache if side == "omnijax_warm" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
+                if args.smoke and side == "omnijax_cold":  # a check: the cold side loads what the warm one compiled
+                    cache = warm_cache
                 row = dict(run_one(side, models, cache, args.max_tokens), round=r)
                 rows.append(row)
                 print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s "
