@@ -7,8 +7,9 @@ launcher passes, and serves the same Starlette application as the single-process
 `ReplicaSessions`, with two more routes (behind the API key like every other):
 
 - `GET /v1/omnijax/replica`: this replica's id, admission headroom, open sessions, held resume tokens, whether it
-  drains, its process id. A `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so
-  it tells which replica holds a session;
+  drains, the sessions it opened and the admissions it refused since it started, its process id. A
+  `?resume=<token>` or `?replica=<id>` query is routed like a WebSocket carrying it, so it tells which replica holds
+  a session;
 - `POST /v1/omnijax/drain?replica=<id>[&restart=1]`: drains that replica (`EngineReplica.drain`) and answers when
   its sessions' snapshots are on disk; with `restart=1` the replica's process then exits, and Ray Serve starts a
   fresh replica in its place (which loads the code and checkpoint installed now: one step of a rolling upgrade,
@@ -210,7 +211,7 @@ class EngineReplica:
         worker = self.context.worker
         return {"replica": self.replica_id, "headroom": self.headroom(), "sessions": len(worker.lanes),
                 "draining": self.draining, "tokens": self.sessions.tokens(), "opened": worker.stats["opened"],
-                "pid": os.getpid()}
+                "refused": worker.stats["refused"], "pid": os.getpid()}
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook (module docstring)."""

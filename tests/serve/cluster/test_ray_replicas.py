@@ -5,7 +5,7 @@ serves every check (its start-up, a Ray cluster and two model loads, is most of 
 1. a Realtime session says "Turn 0." and stays on its replica: `GET /v1/omnijax/replica?resume=<token>` (routed like a
    reconnect with that token) lands on the replica holding it, every time;
 2. a chat completion through the official openai SDK goes to the other replica (more admission headroom: the
-   Realtime session holds one of the first replica's four session slots), named by the `x-omnijax-replica` header;
+   Realtime session holds one of the first replica's two session slots), named by the `x-omnijax-replica` header;
 3. the session keeps talking, a turn every 0.25 s at most, for 1.5 snapshot intervals, then until a turn ends that
    the newest snapshot on disk lacks; then the holder's process is SIGKILLed (no drain, no last snapshot). The newest
    snapshot holds the first k turns: the turns lost are those the client saw end after it, and they all ended within
@@ -22,7 +22,11 @@ serves every check (its start-up, a Ray cluster and two model loads, is most of 
    k + 1 continues exactly;
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
 8. an uninterrupted session, run last, is the oracle: the moved session's every answer and KV cell count equal its
-   own, turn for turn;
+   own, turn for turn. After its first turn three more sessions fill both replicas (two each, pinned by
+   `?replica=`); then a Realtime session is refused by name (`overloaded`, naming the cap of 2) and a chat completion
+   through the SDK gets a 429 with `Retry-After` after the one-second queue timeout, both routed by headroom; the
+   replicas' open and opened counts are unchanged by the refusals, the oracle's later turns still equal the moved
+   session's, and each filler's first answer equals the oracle's (nothing changed for the admitted sessions);
 9. SIGTERM drains the replicas and shuts the cluster down.
 
 Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0`, a
@@ -30,6 +34,7 @@ missing Ray or a directory that is no checkpoint are refused before any Ray clus
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -50,10 +55,10 @@ from omnijax.testing.served import Served  # noqa: E402
 from tests._support.realtime_client import say  # noqa: E402
 
 EVERY_S = 2.0
-# no AIMD (its cap moves with this machine's load): each replica's headroom is 4 sessions (the largest bucket) minus
-# the sessions open on it
-ARGS = ("--replicas", "2", "--frame-ms", "200", "--warmup-sessions", "1", "--aimd-target", "0", "--buckets", "1", "2",
-        "4", "--snapshot-every", f"{EVERY_S:g}s")
+CAP = 2  # sessions per replica: the largest bucket (no AIMD: its cap moves with this machine's load), so filling
+# both replicas takes four sessions; a chat completion nothing can admit waits one second (--queue-timeout) for room
+ARGS = ("--replicas", "2", "--frame-ms", "200", "--warmup-sessions", "1", "--aimd-target", "0", "--buckets", "1",
+        str(CAP), "--queue-timeout", "1", "--snapshot-every", f"{EVERY_S:g}s")
 SAY = 8
 TURNS = tuple(f"Turn {i}." for i in range(26))  # JSON strings on disk: '"Turn 1."' is not in '"Turn 11."'
 MOST_BEFORE_KILL = len(TURNS) - 2  # the two resumes say the turns after the kept ones
@@ -69,17 +74,18 @@ def _http(served: Served, path: str, method: str = "GET") -> tuple[dict, dict]:
 
 
 def _holder(served: Served, token: str, timeout_s: float = 60.0) -> str:
-    """The replica that holds `token`, once the router knows it (routing stats are reported every second): the first
-    answer that lists the token, then five more routed the same way must all come from that replica."""
-    end = time.monotonic() + timeout_s
-    while True:
+    """The replica that holds `token`, once the router knows it: six answers in a row routed by the token come from
+    the replica that lists it. (Routing stats are reported every second and reach the proxy's router later; under
+    load, the first answer that lists the token can be a headroom pick that happened to land there, and the next
+    ones then went elsewhere.)"""
+    end, streak, answers = time.monotonic() + timeout_s, 0, []
+    while streak < 6:
         answer, _ = _http(served, f"/v1/omnijax/replica?resume={token}")
-        if token in answer["tokens"]:
-            break
-        assert time.monotonic() < end, f"no replica reported {token} within {timeout_s} s: {answer}"
-        time.sleep(0.3)
-    again = [_http(served, f"/v1/omnijax/replica?resume={token}")[0] for _ in range(5)]
-    assert all(a["replica"] == answer["replica"] and token in a["tokens"] for a in again), (answer, again)
+        answers = [*answers[-7:], (answer["replica"], token in answer["tokens"])]
+        same = bool(streak) and answer["replica"] == answers[-2][0]
+        streak = (streak + 1 if same else 1) if token in answer["tokens"] else 0
+        assert time.monotonic() < end, f"requests with {token} not routed to its holder within {timeout_s} s: {answers}"
+        time.sleep(0.3 if not streak else 0.05)
     return answer["replica"]
 
 
@@ -229,12 +235,56 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
         refused = asyncio.run(unknown_token())  # no replica has it: refused by name, never a fresh session
         assert refused.type == "error" and refused.error.code == "resume_failed", refused
 
-        async def uninterrupted() -> list[tuple[str, int]]:
-            async with client.realtime.connect(model="omnijax") as conn:
-                await conn.recv()
-                return [await say(conn, text, SAY) for text in TURNS[:k + 2]]
+        live = [moved["replacement"], *report["replacements"]]
 
-        expected = asyncio.run(uninterrupted())
+        async def full_then_uninterrupted() -> dict:
+            out: dict = {}
+            async with contextlib.AsyncExitStack() as stack:
+                conn = await stack.enter_async_context(client.realtime.connect(model="omnijax"))
+                created = await conn.recv()
+                out["expected"] = [await say(conn, TURNS[0], SAY)]
+                home = await asyncio.to_thread(_holder, served, created.session.model_extra["omnijax"]["resume_token"])
+                fillers = []
+                for rid in [home] * (CAP - 1) + [r for r in live if r != home] * CAP:
+                    filler = await stack.enter_async_context(
+                        client.realtime.connect(model="omnijax", extra_query={"replica": rid}))
+                    created = await filler.recv()
+                    assert created.type == "session.created", (rid, created)
+                    fillers.append(filler)
+                described = lambda: [_http(served, f"/v1/omnijax/replica?replica={r}")[0] for r in live]  # noqa: E731
+                out["full"] = await asyncio.to_thread(described)
+                async with client.realtime.connect(model="omnijax") as extra:  # routed by headroom: none anywhere
+                    out["refused_realtime"] = await extra.recv()
+                began = time.monotonic()
+                # a client of this event loop: `client`'s pooled HTTP connection belongs to an earlier, closed one
+                async with openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0) as fresh:
+                    try:
+                        await fresh.chat.completions.create(model="omnijax", max_tokens=4,
+                                                            messages=[{"role": "user", "content": "Hello"}])
+                    except openai.RateLimitError as e:
+                        out["refused_chat"], out["chat_wait_s"] = e, time.monotonic() - began
+                out["after"] = await asyncio.to_thread(described)
+                out["expected"] += [await say(conn, text, SAY) for text in TURNS[1:k + 2]]
+                out["fillers"] = [await say(filler, TURNS[0], SAY) for filler in fillers]
+            return out
+
+        full = asyncio.run(full_then_uninterrupted())
+        expected = full["expected"]
+        assert [(d["replica"], d["sessions"], d["headroom"]) for d in full["full"]] == [(r, CAP, 0) for r in live], full
+        event = full["refused_realtime"]
+        assert event.type == "error" and event.error.code == "overloaded", event
+        assert f"the server holds at most {CAP}" in event.error.message, event
+        refused = full.get("refused_chat")
+        assert refused is not None and refused.status_code == 429, full
+        assert refused.response.headers["retry-after"] == "1", refused.response.headers
+        assert refused.response.headers["x-omnijax-replica"] in live, refused.response.headers
+        assert "no room came within the queue timeout of 1 s" in refused.message, refused.message
+        assert full["chat_wait_s"] >= 1.0, full["chat_wait_s"]
+        # the refusals opened nothing, closed nothing: the same sessions, the same count of sessions ever opened
+        assert [(d["sessions"], d["opened"]) for d in full["after"]] == [(d["sessions"], d["opened"])
+                                                                          for d in full["full"]], full
+        assert sum(d["refused"] for d in full["after"]) >= sum(d["refused"] for d in full["full"]) + 2, full
+        assert full["fillers"] == [expected[0]] * (2 * CAP - 1), full  # admitted sessions answer as if alone
         m = min(n, k + 2)
         assert seen["said"][:m] == expected[:m]  # the turns before the kill, as far as the oracle went
         # two moves (a kill, a rolling restart), invisible in the answers and the cache
