@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterator, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from omnijax.chat_records import KeptRow, StepRecord, UnitRecord, clock, format_kept, kept_by_kind
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import ChatTemplateError, Conversation, template_delta
@@ -120,40 +121,6 @@ class SpokenAnswer:
     voice: str
     samples: int
     media: tuple[MediaRows, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitRecord:
-    """One fed unit: its id, kind ("system", "user", "answer", "image", "audio", "av"), a short label, and the
-    tokens it fed per span kind (`{SpanKind: count}`)."""
-
-    unit: int
-    kind: str
-    label: str
-    fed: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One step of the session (a fed chunk or an answer block): cache figures after it and its wall time."""
-
-    label: str
-    retained: int
-    physical_span: int
-    active_pages: int
-    latency_ms: float
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptRow:
-    """What the cache holds of one unit's span kind: `kept` of `fed` tokens."""
-
-    unit: int
-    kind: str
-    label: str
-    span: str
-    fed: int
-    kept: int
 
 
 class Chat:
@@ -504,34 +471,6 @@ def text_label(text: str, width: int = 32) -> str:
     return line if len(line) <= width else line[:width - 1] + "…"
 
 
-def format_kept(rows: list[KeptRow]) -> str:
-    """`Chat.kept()` rows as an aligned table."""
-    header = ("unit", "kind", "label", "span", "fed", "kept")
-    table = [header] + [("" if r.unit < 0 else str(r.unit), r.kind, r.label, r.span, str(r.fed), str(r.kept))
-                        for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i in (0, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in table]
-    return "\n".join(lines)
-
-
-def kept_by_kind(rows: list[KeptRow]) -> list[KeptRow]:
-    """`Chat.kept()` rows summed per unit kind and span kind (label: how many units), in order of appearance."""
-    totals: dict[tuple[str, str], list] = {}
-    for r in rows:
-        entry = totals.setdefault((r.kind, r.span), [set(), 0, 0])
-        entry[0].add(r.unit)
-        entry[1] += r.fed
-        entry[2] += r.kept
-    return [KeptRow(-1, kind, f"{len(units)} unit{'s' if len(units) > 1 else ''}", span, fed, kept)
-            for (kind, span), (units, fed, kept) in totals.items()]
-
-
-def clock(seconds: float) -> str:
-    """`M:SS` of a time in seconds."""
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
 __all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "DEFAULT_SPEECH_MEDIA_BYTES", "KeptRow",
-           "SpeakOptions", "SpokenAnswer", "StepRecord", "UnitRecord", "chunk_ids", "format_kept", "kept_by_kind",
-           "template_delta", "text_label"]
+           "SpeakOptions", "SpokenAnswer", "StepRecord", "UnitRecord", "chunk_ids", "clock", "format_kept",
+           "kept_by_kind", "template_delta", "text_label"]

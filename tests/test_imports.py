@@ -176,7 +176,7 @@ LAYERS = (
     ("omnijax.retention", "omnijax.paging", "omnijax.checkpoint"),  # L2: what to keep, where it lives, the format
     ("omnijax.models", "omnijax.prefill"),  # L3: families, decoder, forward; TideKV beside them (Model.prefill)
     ("omnijax.streaming",),  # L4: StreamConfig, chunk_step, stream / Session
-    ("omnijax.conversation", "omnijax.chat", "omnijax.plot", "omnijax.testing"),  # L5: the user layer
+    ("omnijax.conversation", "omnijax.chat", "omnijax.chat_records", "omnijax.plot", "omnijax.testing"),  # L5: users
     ("omnijax.serve", "omnijax.eval", "omnijax.convert", "omnijax.cli", "omnijax.commands", "omnijax.demo",
      "omnijax.distributed", "omnijax.evaluation"),  # L6: applications
     ("omnijax",),  # the package's own __init__: the public surface
