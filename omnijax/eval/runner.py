@@ -42,9 +42,11 @@ from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import folded_keys, seed_of
 from omnijax.eval import mesh as distributed
+from omnijax.eval.recall_eval import run_recall_sessions
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel
 from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.recall_session import RecallStats
 from omnijax.streaming.session import bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import chunk_step, init_state
 
@@ -104,6 +106,7 @@ class SessionResult:
         logits: `[C, V]` float32 last-position logits, or None (`EvalConfig.keep_logits`).
         scores: `[C, K]` float32 log-probabilities of `evaluate(score_ids=...)` at each chunk's last position,
             or None.
+        recall: the session's recall figures under a config with `StreamConfig(recall=...)`, else None.
     """
 
     num_chunks: int
@@ -111,6 +114,7 @@ class SessionResult:
     tokens: np.ndarray
     logits: np.ndarray | None = None
     scores: np.ndarray | None = None
+    recall: RecallStats | None = None
 
     def answers(self) -> dict[int, list[int]]:
         """Chunk index -> its generated tokens, for chunks that generated any."""
@@ -265,12 +269,21 @@ def evaluate(model: OmniModel | Decoder, sessions: Sequence, configs: Sequence[E
             (`SessionResult.scores`), e.g. the option letters of a multiple-choice question.
         progress: draw a tqdm bar over session batches (process 0 only).
 
+    A config with `StreamConfig(recall=Recall(...))` runs its sessions one at a time, each through its own
+    `omnijax.Session` (`omnijax.eval.recall_eval`: recall is host work between steps), on the default device: a
+    mesh is refused with it, `batch_size` does not apply to it (its `ConfigResult.batch_size` is 1), its
+    `compile_s` is 0 (the steps compile inside `wall_s`), and each `SessionResult.recall` holds the figures.
+
     Returns:
         Config name -> `ConfigResult`, in the order of `configs`.
     """
     configs = list(configs)
     if not configs:
         raise ValueError("no configurations to evaluate")
+    recalling = [c.name for c in configs if c.config.recall is not None]
+    if recalling and mesh is not None:
+        raise ValueError(f"config(s) {recalling}: StreamConfig(recall=...) runs each session through a batch-1 "
+                         f"omnijax.Session on the default device; give mesh=None or recall=None")
     if len({c.name for c in configs}) != len(configs):
         raise ValueError(f"config names must be distinct, got {[c.name for c in configs]}")
     graphdef, params = model_parts(model)
@@ -313,9 +326,15 @@ def evaluate(model: OmniModel | Decoder, sessions: Sequence, configs: Sequence[E
         bar = tqdm(total=len(configs) * num_batches, unit="batch", desc="evaluate")
     results = {}
     for cfg in configs:
-        stream_config = bind_config(model, cfg.config)
+        stream_config = bind_config(model, cfg.config, allow_recall=True)
         num_pages = stream_config.num_pages or session_pages_needed(
             chunks, stream_config.max_answer_tokens, stream_config.page_size) + stream_config.paging.extra_pages
+        if stream_config.recall is not None:
+            results[cfg.name] = _recall_result(model, cfg, stream_config.replace(num_pages=num_pages), chunks, own,
+                                               ids, count, shape)
+            if bar is not None:
+                bar.update(num_batches)
+            continue
         static = dict(config=stream_config.replace(num_pages=num_pages), keep_logits=cfg.keep_logits, mesh=mesh)
         if bar is not None:
             bar.set_description(f"evaluate {cfg.name}")
@@ -336,17 +355,35 @@ def evaluate(model: OmniModel | Decoder, sessions: Sequence, configs: Sequence[E
             bar.update(1)
         wall_s = time.perf_counter() - start
         merged = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
-        exhausted = [s for s in range(count) if merged["stats"]["exhausted"][s, :int(own[s])].any()]
-        if exhausted:
-            warnings.warn(f"{cfg.name}: the KV pool ran out in session(s) {exhausted} (their tokens past that point "
-                          f"were not cached; see stats['exhausted'] and stats['dropped']); give a larger num_pages "
-                          f"or a bounded policy", RuntimeWarning, stacklevel=2)
+        _warn_exhausted(cfg.name, merged, own, count, stacklevel=3)
         results[cfg.name] = ConfigResult(
             config=cfg, sessions=[_session_result(merged, s, int(own[s])) for s in range(count)], wall_s=wall_s,
             compile_s=compile_s, num_pages=num_pages, batch_size=batch_size, mesh_shape=shape)
     if bar is not None:
         bar.close()
     return results
+
+
+def _recall_result(model, cfg: EvalConfig, stream_config: StreamConfig, chunks: Chunk, own: np.ndarray,
+                   ids: np.ndarray | None, count: int, shape: dict[str, int]) -> ConfigResult:
+    """One config with recall, its sessions one at a time (`omnijax.eval.recall_eval`)."""
+    start = time.perf_counter()
+    merged, figures = run_recall_sessions(model, chunks, own[:count], stream_config, keep_logits=cfg.keep_logits,
+                                          score_ids=ids)
+    wall_s = time.perf_counter() - start
+    _warn_exhausted(cfg.name, merged, own, count, stacklevel=4)
+    return ConfigResult(config=cfg, sessions=[dataclasses.replace(_session_result(merged, s, int(own[s])),
+                                                                  recall=figures[s]) for s in range(count)],
+                        wall_s=wall_s, compile_s=0.0, num_pages=stream_config.num_pages, batch_size=1,
+                        mesh_shape=shape)
+
+
+def _warn_exhausted(name: str, merged: dict, own: np.ndarray, count: int, *, stacklevel: int) -> None:
+    exhausted = [s for s in range(count) if merged["stats"]["exhausted"][s, :int(own[s])].any()]
+    if exhausted:
+        warnings.warn(f"{name}: the KV pool ran out in session(s) {exhausted} (their tokens past that point "
+                      f"were not cached; see stats['exhausted'] and stats['dropped']); give a larger num_pages "
+                      f"or a bounded policy", RuntimeWarning, stacklevel=stacklevel)
 
 
 def _session_result(merged: dict, s: int, num_chunks: int) -> SessionResult:

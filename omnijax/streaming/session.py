@@ -71,12 +71,13 @@ def bind_config(model: StreamModel, config: StreamConfig | None = None, *, allow
                 **fields: Any) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
     filled in from the model's type (`StreamConfig.for_model`). A config with `recall` is refused unless
-    `allow_recall` (only `Session` and `Chat` carry a host tier so far; the other paths would ignore it)."""
+    `allow_recall` (only `Session`, `Chat` and `evaluate` carry a host tier so far; the others would ignore it)."""
     family = family_of(model)
     bound = StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
     if bound.recall is not None and not allow_recall:
-        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session and omnijax.Chat only so far: "
-                         "stream, evaluate and the engine would ignore it; use a Session or a Chat, or recall=None")
+        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session, omnijax.Chat and omnijax.evaluate "
+                         "only so far: stream and the engine would ignore it; use a Session, a Chat or evaluate, or "
+                         "recall=None")
     return bound
 
 

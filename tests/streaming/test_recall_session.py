@@ -157,12 +157,15 @@ def test_missing_or_corrupt_tier_is_refused_by_name(model):
     assert session.snapshot().tier is not None
 
 
-def test_evaluate_and_engine_still_refuse_recall_by_name(model):
-    from omnijax.eval.runner import EvalConfig, evaluate
+def test_stream_and_engine_still_refuse_recall_by_name(model):
+    from omnijax.serve.engine.engine import Engine
+    from omnijax.serve.engine.engine_config import EngineConfig
 
     config = StreamConfig(policy=STREAMING, num_pages=PAGES, page_size=PAGE, recall=Recall(budget=8))
-    with pytest.raises(ValueError, match="Session and omnijax.Chat only so far: stream, evaluate and the engine"):
-        evaluate(model, [_context()], [EvalConfig("x", config)])
+    with pytest.raises(ValueError, match="omnijax.evaluate only so far: stream and the engine would ignore it"):
+        Engine(model, EngineConfig(config))
+    with pytest.raises(ValueError, match="omnijax.evaluate only so far: stream and the engine would ignore it"):
+        omnijax.stream(model, omnijax.chunks.chunk.stack_chunks(_context()), config)
 
 
 @pytest.fixture(scope="module")
