@@ -69,7 +69,7 @@ def third_party_imports() -> list[str]:
 # modules and whatever they imported never present. At most `workers` processes import at once (a package's child
 # holds every slot of its parent while it and its subtree run). Prints JSON {module: null or the failure's traceback}.
 FORK_IMPORTS = r"""
-import importlib, json, os, signal, sys, tempfile, traceback
+import importlib, importlib.util, json, os, pathlib, py_compile, shutil, signal, sys, tempfile, traceback
 job = json.load(sys.stdin)
 sys.path[:0] = job["path"]
 ours = tuple(p + "." for p in job["packages"]) + tuple(job["packages"])
@@ -80,6 +80,19 @@ for name in job["preload"]:
         pass  # `from x import name` where name is not a module
 loaded = sorted(m for m in sys.modules if m.startswith(ours) and m.partition(".")[0] in job["packages"])
 assert not loaded, f"preloading third-party modules imported ours: {loaded}"
+# Our sources compiled to bytecode once, here, into a folder of this run (not the clone): every child reads it instead
+# of compiling each module it imports again from source, which it otherwise does when bytecode is not written
+# (PYTHONDONTWRITEBYTECODE) or was not written yet. Loading a module's bytecode runs the same code as compiling its
+# source (a source that does not compile is compiled by the child, which reports its SyntaxError).
+sys.pycache_prefix = tempfile.mkdtemp()
+for package in job["packages"]:
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for source in sorted(pathlib.Path(folder).rglob("*.py")):
+            try:
+                py_compile.compile(str(source), doraise=True)
+            except py_compile.PyCompileError:
+                pass
 wanted = set(job["modules"])
 under = {}  # package ("" above the top-level ones) -> the names directly under it on the way to a wanted module
 for module in wanted:
@@ -142,6 +155,8 @@ for name in job["modules"]:
         results[name] = open(path + ".err").read()
     else:
         results[name] = f"killed (no report; timeout {job['timeout']} s?)"
+shutil.rmtree(out, ignore_errors=True)
+shutil.rmtree(sys.pycache_prefix, ignore_errors=True)
 print(json.dumps(results))
 """
 
