@@ -266,7 +266,7 @@ def prepare(args: argparse.Namespace, answer_tokens: int, notices: list[str], pr
             ) -> tuple[list[EvalConfig], Mesh | None, OmniModel, media_lib.TextEncoder]:
     """Configurations, mesh, model and text encoder from `add_common_args`' options (after
     `distributed.initialize`). Raises ValueError for what a user can get wrong (reported without a traceback)."""
-    configs = [sb.parse_config(c, answer_tokens=answer_tokens, page_size=args.page_size) for c in args.configs]
+    configs = sb.configs_from_args(args, answer_tokens)
     mesh = parse_mesh(args.mesh)
     if args.demo:
         model = sb.demo_model(Path(tempfile.mkdtemp(prefix=prefix)))

@@ -26,7 +26,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
@@ -42,21 +42,60 @@ from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel
 from omnijax.models.registry import load
+from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
 
-def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64) -> EvalConfig:
+def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64, recall: Recall | None = None
+                 ) -> EvalConfig:
     """`policy[:key=value,...][+paging]` -> `EvalConfig` named `spec` (`omnijax.StreamConfig.parse`; the policy
-    resolves through `omnijax.retention.get_policy`, where `full` is NoSlide).
+    resolves through `omnijax.retention.get_policy`, where `full` is NoSlide). With `recall`, the config recalls
+    evicted units at each question (`StreamConfig(recall=...)`; `evaluate` runs its sessions one at a time) and is
+    named `"{spec} recall"`.
 
     Example: `omnipick:high_watermark=600,low_watermark=400+tile_skip`.
     """
     try:
-        config = StreamConfig.parse(spec, max_answer_tokens=answer_tokens, page_size=page_size)
+        config = StreamConfig.parse(spec, max_answer_tokens=answer_tokens, page_size=page_size, recall=recall)
     except KeyError as e:  # an unknown policy name: the command line reports ValueErrors
         raise ValueError(e.args[0]) from None
-    return EvalConfig(spec, config)
+    return EvalConfig(spec if recall is None else f"{spec} recall", config)
+
+
+_RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int}
+
+
+def parse_recall(spec: str) -> Recall:
+    """`key=value,...` -> `omnijax.retention.recall.Recall` (the command lines' `--recall`), e.g.
+    `"budget=2048,top_units=8,scoring=two_stage,shortlist=16"`; `keep` takes true / false. An unknown key or a bad
+    value is refused naming it."""
+    fields: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in _RECALL_FIELDS:
+            raise ValueError(f"--recall: {part!r} is not key=value with a key among {sorted(_RECALL_FIELDS)}")
+        kind = _RECALL_FIELDS[key]
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--recall: keep must be true or false, got {value!r}")
+            fields[key] = value.lower() == "true"
+        elif kind is int:
+            if not value.isdigit():
+                raise ValueError(f"--recall: {key} must be a non-negative integer, got {value!r}")
+            fields[key] = int(value)
+        else:
+            fields[key] = value
+    if "budget" not in fields:
+        raise ValueError("--recall needs budget=CELLS (the most cache cells recalled at one question)")
+    return Recall(**fields)
+
+
+def configs_from_args(args: argparse.Namespace, answer_tokens: int) -> list[EvalConfig]:
+    """The configurations `add_run_options`' `--configs`, `--page-size` and `--recall` ask for."""
+    recall = parse_recall(args.recall) if args.recall else None
+    return [parse_config(c, answer_tokens=answer_tokens, page_size=args.page_size, recall=recall)
+            for c in args.configs]
 
 
 def select_videos(videos: Sequence[ann.Video], *, max_videos: int | None = None, max_units: int | None = None,
@@ -178,7 +217,8 @@ def summarize(records: list[dict], results: dict[str, ConfigResult],
             return float(np.mean([r[key] for r in rs])) if rs else float("nan")
 
         stats = {k: np.concatenate([s.stats[k] for s in result.sessions]) for k in result.sessions[0].stats}
-        out[name] = {
+        out[name] = recall_figures(result)
+        out[name] |= {
             "accuracy": {task: {"n": len(rs), "loglik": acc(rs, "correct_loglik"),
                                 "generated": acc(rs, "correct_generated")} for task, rs in sorted(groups.items())},
             "sessions": len(result.sessions), "chunks": int(sum(s.num_chunks for s in result.sessions)),
@@ -196,10 +236,26 @@ def summarize(records: list[dict], results: dict[str, ConfigResult],
     return out
 
 
+def recall_figures(result: ConfigResult) -> dict[str, dict]:
+    """`{"recall": figures summed over the sessions}` for a config with `StreamConfig(recall=...)`, else `{}`."""
+    figures = [s.recall for s in result.sessions if s.recall is not None]
+    if not figures:
+        return {}
+    names = ("questions", "recalled_units", "recalled_cells", "recalled_bytes", "captured_units", "dropped_units",
+             "dropped_bytes", "lost_cells")
+    total = {n: int(sum(getattr(f, n) for f in figures)) for n in names}
+    return {"recall": total | {"max_stored_bytes": int(max(f.stored_bytes for f in figures))}}
+
+
 def time_and_kv_lines(name: str, s: dict) -> list[str]:
     """A configuration's time and KV lines of a report (`summarize`'s figures)."""
     kv = s["kv"]
-    return [f"== {name}: {s['sessions']} sessions, {s['chunks']} chunks, {s['wall_s']:.2f} s "
+    recall = s.get("recall")
+    extra = [] if recall is None else [
+        f"   recall: {recall['questions']} questions, {recall['recalled_units']} units / {recall['recalled_cells']} "
+        f"cells recalled, host tier max {recall['max_stored_bytes'] / 1e6:.1f} MB, dropped "
+        f"{recall['dropped_units']} units, lost {recall['lost_cells']} cells"]
+    return extra + [f"== {name}: {s['sessions']} sessions, {s['chunks']} chunks, {s['wall_s']:.2f} s "
             f"({s['session_s']:.3f} s/session, {s['chunks_per_s']:.1f} chunks/s, compile "
             f"{s['compile_s']:.1f} s), mesh {s['mesh']}",
             f"   KV: retained mean {kv['mean_retained_cells']:.0f} / max {kv['max_retained_cells']}, span max "
@@ -232,6 +288,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--video-root", help="directory the records' video paths are relative to")
     parser.add_argument("--configs", nargs="+", default=["full", "omnipick"], help="policy[:k=v,...][+paging]")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--recall", help="recall evicted units at each question, every config: key=value,... of "
+                                         "omnijax.retention.recall.Recall, e.g. budget=2048,scoring=two_stage")
     parser.add_argument("--max-units", type=int, help="cut each session after this many 2 s units")
     parser.add_argument("--past-end", default="clamp", choices=["clamp", "skip", "error"])
     parser.add_argument("--mesh", help="DATAxMODEL, e.g. 8x1 or 4x2 (default: one device)")
@@ -257,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     notices: list[str] = []
     try:  # what a user can get wrong, the cheap checks first: configurations, annotations, mesh, checkpoint
-        configs = [parse_config(c, answer_tokens=args.answer_tokens, page_size=args.page_size) for c in args.configs]
+        configs = configs_from_args(args, args.answer_tokens)
         videos = select_videos(ann.load_all(args.data, args.files), max_videos=args.max_videos,
                                max_units=args.max_units)
         mesh = None
