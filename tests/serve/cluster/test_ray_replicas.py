@@ -23,10 +23,11 @@ serves every check (its start-up, a Ray cluster and two model loads, is most of 
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
 8. an uninterrupted session, run last, is the oracle: the moved session's every answer and KV cell count equal its
    own, turn for turn. After its first turn three more sessions fill both replicas (two each, pinned by
-   `?replica=`); then a Realtime session is refused by name (`overloaded`, naming the cap of 2) and a chat completion
-   through the SDK gets a 429 with `Retry-After` after the one-second queue timeout, both routed by headroom; the
-   replicas' open and opened counts are unchanged by the refusals, the oracle's later turns still equal the moved
-   session's, and each filler's first answer equals the oracle's (nothing changed for the admitted sessions);
+   `?replica=`); then a Realtime and a native `/session` session are refused by name (`overloaded`, naming the cap
+   of 2; close 1013) and a chat completion through the SDK gets a 429 with `Retry-After` after the one-second queue
+   timeout, all three routed by headroom; the replicas' open and opened counts are unchanged by the refusals, the
+   oracle's later turns still equal the moved session's, and each filler's first answer equals the oracle's
+   (nothing changed for the admitted sessions);
 9. SIGTERM drains the replicas and shuts the cluster down.
 
 Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0`, a
@@ -48,6 +49,7 @@ from pathlib import Path
 import pytest
 
 openai = pytest.importorskip("openai")
+websockets = pytest.importorskip("websockets")
 pytest.importorskip("ray.serve")  # the `omnijax[ray]` extra (also in the test extra)
 
 from omnijax.serve.cluster import roll  # noqa: E402
@@ -244,7 +246,7 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
                 created = await conn.recv()
                 out["expected"] = [await say(conn, TURNS[0], SAY)]
                 home = await asyncio.to_thread(_holder, served, created.session.model_extra["omnijax"]["resume_token"])
-                fillers = []
+                fillers, out["began"] = [], time.monotonic()
                 for rid in [home] * (CAP - 1) + [r for r in live if r != home] * CAP:
                     filler = await stack.enter_async_context(
                         client.realtime.connect(model="omnijax", extra_query={"replica": rid}))
@@ -255,6 +257,12 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
                 out["full"] = await asyncio.to_thread(described)
                 async with client.realtime.connect(model="omnijax") as extra:  # routed by headroom: none anywhere
                     out["refused_realtime"] = await extra.recv()
+                async with websockets.connect(f"{served.ws_url}/session") as native:
+                    await native.send(json.dumps({"type": "hello", "sample_rate": 16000}))
+                    out["refused_native"] = json.loads(await native.recv())
+                    with pytest.raises(websockets.ConnectionClosed) as closed:
+                        await native.recv()
+                    out["native_close"] = closed.value.rcvd.code if closed.value.rcvd else None
                 began = time.monotonic()
                 # a client of this event loop: `client`'s pooled HTTP connection belongs to an earlier, closed one
                 async with openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0) as fresh:
@@ -264,16 +272,25 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
                     except openai.RateLimitError as e:
                         out["refused_chat"], out["chat_wait_s"] = e, time.monotonic() - began
                 out["after"] = await asyncio.to_thread(described)
+                out["refused_at"] = time.monotonic()
                 out["expected"] += [await say(conn, text, SAY) for text in TURNS[1:k + 2]]
+                began = time.monotonic()
                 out["fillers"] = [await say(filler, TURNS[0], SAY) for filler in fillers]
+                out["filler_turns_s"] = time.monotonic() - began
             return out
 
         full = asyncio.run(full_then_uninterrupted())
         expected = full["expected"]
+        print(f"every replica full: filling both and the three refusals took {full['refused_at'] - full['began']:.1f} "
+              f"s (the chat's queue wait {full.get('chat_wait_s', float('nan')):.1f} s), the fillers' turns "
+              f"{full['filler_turns_s']:.1f} s")
         assert [(d["replica"], d["sessions"], d["headroom"]) for d in full["full"]] == [(r, CAP, 0) for r in live], full
         event = full["refused_realtime"]
         assert event.type == "error" and event.error.code == "overloaded", event
         assert f"the server holds at most {CAP}" in event.error.message, event
+        native = full["refused_native"]
+        assert native["type"] == "error" and native["code"] == "overloaded", native
+        assert f"holds at most {CAP}" in native["message"] and full["native_close"] == 1013, full
         refused = full.get("refused_chat")
         assert refused is not None and refused.status_code == 429, full
         assert refused.response.headers["retry-after"] == "1", refused.response.headers
@@ -283,7 +300,7 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
         # the refusals opened nothing, closed nothing: the same sessions, the same count of sessions ever opened
         assert [(d["sessions"], d["opened"]) for d in full["after"]] == [(d["sessions"], d["opened"])
                                                                           for d in full["full"]], full
-        assert sum(d["refused"] for d in full["after"]) >= sum(d["refused"] for d in full["full"]) + 2, full
+        assert sum(d["refused"] for d in full["after"]) >= sum(d["refused"] for d in full["full"]) + 3, full
         assert full["fillers"] == [expected[0]] * (2 * CAP - 1), full  # admitted sessions answer as if alone
         m = min(n, k + 2)
         assert seen["said"][:m] == expected[:m]  # the turns before the kill, as far as the oracle went
