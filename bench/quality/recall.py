@@ -57,6 +57,7 @@ def build_parser():
     p.add_argument("--recall", type=int, default=128, help="recall budget in cells (Recall(budget=...))")
     p.add_argument("--recall-units", type=int, default=8, help="most units one question recalls")
     p.add_argument("--scoring", default="mass", help="Recall(scoring=...)")
+    p.add_argument("--shortlist", type=int, help="Recall(shortlist=...), with --scoring two_stage")
     p.add_argument("--keys", type=int, default=5, help="pass keys (sessions) per (prompt, length)")
     p.add_argument("--depths", type=float, nargs=2, default=[0.1, 0.7], metavar=("FIRST", "LAST"),
                    help="single prompt: key depths spread evenly from FIRST to LAST over the keys")
@@ -191,7 +192,9 @@ def main(argv=None):
 
     model = omnijax.load(source.checkpoint)
     header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, recall=args.recall,
-                  recall_units=args.recall_units, scoring=args.scoring, chunk=args.chunk, page_size=args.page_size)
+                  recall_units=args.recall_units, scoring=args.scoring, shortlist=args.shortlist, chunk=args.chunk,
+                  page_size=args.page_size)
+    shortlist = {} if args.shortlist is None else {"shortlist": args.shortlist}
     rows = []
     path = out / "recall.json"
     if args.resume and path.is_file():
@@ -217,7 +220,7 @@ def main(argv=None):
                     if recall:
                         config = with_recall(config, args.recall, args.recall_units)
                         config = config.replace(recall=Recall(budget=args.recall, top_units=args.recall_units,
-                                                              scoring=args.scoring))
+                                                              scoring=args.scoring, **shortlist))
                     got = run_setting(model, prompt, config, args.chunk, warm=i == 0, recall=recall)
                     for r in got:
                         r.update(mode=mode, length=length, budget=budget, key_index=i, key=prompt.key,

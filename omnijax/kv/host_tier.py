@@ -82,9 +82,24 @@ class UnitKV:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the record, summary and metadata included."""
+        """Bytes of the record, summary and metadata included (host and disk together)."""
         return sum(int(getattr(self, f.name).nbytes) for f in dataclasses.fields(self)
                    if f.name != "unit" and getattr(self, f.name) is not None)
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the keys and values live in spill files (`omnijax.kv.host_tier_disk`), read through memory maps."""
+        return isinstance(self.k, np.memmap)
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes held on disk: the keys and values of a spilled record, else 0."""
+        return int(self.k.nbytes + self.v.nbytes) if self.on_disk else 0
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes held in host memory: `nbytes` less `disk_nbytes`."""
+        return self.nbytes - self.disk_nbytes
 
     def with_vpos(self, vpos: np.ndarray) -> "UnitKV":
         """This record with its full-context positions `vpos [n]` set (read-only)."""
@@ -267,12 +282,15 @@ class HostTier:
         units: stored records, oldest first. A unit evicted in pieces (OmniPick keeps sinks, drops them later) is
             stored as one record per piece, each consistent with its own positions.
         dropped_units, dropped_bytes: running totals of what the budget forced out.
+        spilled_units, spilled_bytes: running totals of records moved to disk (`omnijax.kv.host_tier_disk`).
     """
 
     budget_bytes: int
     units: tuple[UnitKV, ...] = ()
     dropped_units: int = 0
     dropped_bytes: int = 0
+    spilled_units: int = 0
+    spilled_bytes: int = 0
 
     def __post_init__(self):
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
@@ -280,8 +298,13 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held."""
-        return sum(u.nbytes for u in self.units)
+        """Host bytes held (a spilled record's summary and metadata; its keys and values are on disk)."""
+        return sum(u.host_nbytes for u in self.units)
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes of spilled keys and values on disk."""
+        return sum(u.disk_nbytes for u in self.units)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -299,7 +322,7 @@ class HostTier:
                 raise ValueError(f"HostTier: unit {u.unit} needs {u.nbytes} bytes, more than the whole host budget "
                                  f"budget_bytes={self.budget_bytes}")
         units = list(self.units) + list(new)
-        sizes = [u.nbytes for u in units]
+        sizes = [u.host_nbytes for u in units]
         total, first = sum(sizes), 0
         while total > self.budget_bytes:
             total -= sizes[first]

@@ -53,6 +53,12 @@ class Recall:
             ranks exactly as "mass").
         shortlist: units "two_stage" reads the keys of (> 0; unused by the other scorings, refused with them
             unless left at its default).
+        disk_dir: a directory to spill to (`omnijax.kv.host_tier_disk`): when the host budget is full the oldest
+            units' keys and values move to files there (the session's own subdirectory) instead of being dropped,
+            and are recalled from there. None (default): no disk tier, the oldest units are dropped. A directory
+            that cannot be created or written is refused by name when the session starts.
+        disk_bytes: most bytes of spilled keys and values (> 0 with `disk_dir`; 0 without): the oldest spilled units
+            are dropped (and reported) beyond it.
     """
 
     budget: int
@@ -61,6 +67,8 @@ class Recall:
     keep: bool = False
     scoring: str = "mass"
     shortlist: int = 16
+    disk_dir: str | None = None
+    disk_bytes: int = 0
 
     def __post_init__(self):
         for name in ("budget", "top_units", "host_bytes", "shortlist"):
@@ -73,6 +81,12 @@ class Recall:
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
         if self.scoring not in RECALL_SCORINGS:
             raise ValueError(f"Recall: scoring must be one of {RECALL_SCORINGS}, got {self.scoring!r}")
+        if self.disk_dir is not None and (not isinstance(self.disk_dir, str) or not self.disk_dir):
+            raise ValueError(f"Recall: disk_dir must be a directory path (str) or None, got {self.disk_dir!r}")
+        if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, numbers.Integral) or \
+                self.disk_bytes < 0 or (self.disk_dir is None) != (self.disk_bytes == 0):
+            raise ValueError(f"Recall: disk_bytes must be a positive int with disk_dir and 0 without, got "
+                             f"disk_bytes={self.disk_bytes!r}, disk_dir={self.disk_dir!r}")
         if self.scoring != "two_stage" and self.shortlist != 16:
             raise ValueError(f"Recall: shortlist={self.shortlist} is read by scoring='two_stage' only, got "
                              f"scoring={self.scoring!r}")

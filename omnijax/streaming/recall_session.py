@@ -38,6 +38,9 @@ rotation pass over the cache's keys per question and is undone by the release (t
 After the answer (`Recall.keep=False`) the recalled tokens still cached are invalidated (the policy's own re-indexing
 and the paging mode's relayout apply, as after a trim) and their records stay in the tier; with `keep=True` they stay
 cached as ordinary content and leave the tier (a later eviction stores them again). Batch 1 only so far.
+
+Disk. With `Recall(disk_dir=...)` the tier spills instead of dropping when its host budget is full
+(`omnijax.kv.host_tier_disk`): spilled units are scored and recalled from their files, transparently.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from flax import nnx
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.kv import attention as attention_lib
-from omnijax.kv import host_tier
+from omnijax.kv import host_tier, host_tier_disk
 from omnijax.kv import paged as paged_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier_two_stage import score_units_two_stage
@@ -117,6 +120,9 @@ class RecallStats:
         lost_cells: evicted tokens no copy held any more (`omnijax.kv.host_tier.Evicted.lost`).
         questions: recalls run.
         recalled_units, recalled_cells, recalled_bytes: brought back into the cache, all questions together.
+        disk_units, disk_bytes: records whose keys and values are spilled to disk now, and those bytes
+            (`Recall(disk_dir=...)`; `stored_bytes` counts their host part only).
+        spilled_units, spilled_bytes: records ever spilled to disk.
     """
 
     stored_units: int
@@ -130,6 +136,10 @@ class RecallStats:
     recalled_units: int
     recalled_cells: int
     recalled_bytes: int
+    disk_units: int = 0
+    disk_bytes: int = 0
+    spilled_units: int = 0
+    spilled_bytes: int = 0
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
@@ -246,6 +256,8 @@ class RecallSession:
         self.rope = rope
         self.at_original = not bool(getattr(config.policy, "reindex", True))
         self.tier = host_tier.HostTier(budget_bytes=int(self.recall_config.host_bytes))
+        self.disk = None if self.recall_config.disk_dir is None else host_tier_disk.open_disk(
+            self.recall_config.disk_dir, self.recall_config.disk_bytes)
         self._pending: tuple[int, int] | None = None  # write orders [lo, hi) of recalled tokens awaiting release
         self._counts = dict(captured_units=0, captured_bytes=0, lost_cells=0, questions=0, recalled_units=0,
                             recalled_cells=0, recalled_bytes=0)
@@ -306,6 +318,10 @@ class RecallSession:
         if tier.nbytes > budget:
             raise ValueError(f"the snapshot's host tier holds {tier.nbytes} bytes, more than Recall(host_bytes="
                              f"{budget}); resume with a host budget at least that large")
+        if tier.disk_nbytes > self.recall_config.disk_bytes:
+            raise ValueError(f"the snapshot's host tier has {tier.disk_nbytes} bytes spilled to disk, more than "
+                             f"Recall(disk_bytes={self.recall_config.disk_bytes}); resume with a disk tier at least "
+                             f"that large")
         self.tier = dataclasses.replace(tier, budget_bytes=budget)
         self._vpos = np.array(vpos, np.int64)
         self._cursor = snapshot.cursor
@@ -340,6 +356,8 @@ class RecallSession:
         """The figures so far."""
         return RecallStats(stored_units=len(self.tier.units), stored_bytes=self.tier.nbytes,
                            dropped_units=self.tier.dropped_units, dropped_bytes=self.tier.dropped_bytes,
+                           disk_units=sum(u.on_disk for u in self.tier.units), disk_bytes=self.tier.disk_nbytes,
+                           spilled_units=self.tier.spilled_units, spilled_bytes=self.tier.spilled_bytes,
                            **self._counts)
 
     def capture(self, before: paged_lib.PagedKV, after: paged_lib.PagedKV) -> None:
@@ -348,14 +366,16 @@ class RecallSession:
         skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
         got = host_tier.capture_evicted(before, after, skip=skip)
         self._counts["lost_cells"] += len(got.lost)
-        fits = [u for u in got.units if u.nbytes <= self.tier.budget_bytes]
-        for u in got.units:  # a record larger than the whole host budget cannot be stored: reported as dropped
-            if u.nbytes > self.tier.budget_bytes:
+        # A record larger than the whole host budget cannot be stored (reported as dropped), unless it can spill.
+        fits = [u for u in got.units if self.disk is not None or u.nbytes <= self.tier.budget_bytes]
+        for u in got.units:
+            if self.disk is None and u.nbytes > self.tier.budget_bytes:
                 self.tier = dataclasses.replace(self.tier, dropped_units=self.tier.dropped_units + 1,
                                                 dropped_bytes=self.tier.dropped_bytes + u.nbytes)
         fits = [u.with_vpos(self._vpos[u.order]) for u in fits]
         if fits:
-            self.tier, report = self.tier.add(*fits)
+            self.tier, report = self.tier.add(*fits) if self.disk is None else \
+                host_tier_disk.add_spilling(self.tier, self.disk, *fits)
             self._counts["captured_units"] += len(fits)
             self._counts["captured_bytes"] += sum(u.nbytes for u in fits)
             del report  # its drops are in the tier's running totals
@@ -409,7 +429,9 @@ class RecallSession:
             self._set_vpos(lo, np.concatenate([u.vpos for u in units]))
             self._pending = (lo, lo + sum(u.size for u in units))
             if self.recall_config.keep:
-                self.tier, _ = self.tier.take(chosen)
+                self.tier, taken = self.tier.take(chosen)
+                for u in taken:  # cached as content now: a spilled one's files go (a later eviction stores it anew)
+                    host_tier_disk.remove_files(u)
         cells = sum(u.size for u in units)
         self._counts["questions"] += 1
         self._counts["recalled_units"] += len(units)
