@@ -114,6 +114,28 @@ def selectors_table(data: dict) -> str:
     return "\n".join(out)
 
 
+def selectors_cases_table(data: dict) -> str:
+    """One row per (selector, ratio), one column per prompt (length, key depth): omnijax's and kvpress's verdicts
+    (R right, w wrong), the share of identical (layer, KV head) kept sets, and "≠" where the answers differ."""
+    prompts = sorted({(r["length"], r["depth"], r["key"], r["tokens"]) for r in data["rows"]})
+    names = list(dict.fromkeys(r["selector"] for r in data["rows"]))
+    cell = {(r["selector"], r["ratio"], r["length"], r["depth"], r["key"], r["tokens"]): r for r in data["rows"]}
+    head = ["selector", "ratio"] + [f"{n // 1024}K d{d:.1f} ({t:,} tok)" for n, d, _, t in prompts]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sel, ratio in sorted({(r["selector"], r["ratio"]) for r in data["rows"]},
+                             key=lambda k: (names.index(k[0]), k[1])):
+        line = [sel, f"{ratio:.2f}"]
+        for n, d, key, t in prompts:
+            r = cell.get((sel, ratio, n, d, key, t))
+            if r is None:
+                line.append("-")
+                continue
+            verdict = f"{'R' if r['omnijax_right'] else 'w'}/{'R' if r['kvpress_right'] else 'w'}"
+            line.append(f"{verdict} {r['sets_identical']:.2f}" + ("" if r["answers_equal"] else " ≠"))
+        out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
 def perplexity_runs(results: Path) -> list[dict]:
     return [d for p in sorted(results.glob("perplexity_*.json")) if (d := _load(p)) and "configs" in d]
 
@@ -173,6 +195,9 @@ def main(argv=None) -> None:
     if (sel := _load(results / "selectors.json")) is not None:
         print(f"## selectors ({len(sel['rows'])} cases)\n")
         print(selectors_table(sel))
+        print("\nper prompt: omnijax / kvpress verdict (R right, w wrong), share of identical kept sets, "
+              "≠ where the answers differ, - not run\n")
+        print(selectors_cases_table(sel))
     if runs := perplexity_runs(results):
         print("\n## perplexity\n")
         print(perplexity_table(runs))

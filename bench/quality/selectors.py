@@ -54,6 +54,12 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help="each worker keeps the cases a stopped run with the same flags saved under --out")
+    p.add_argument("--tag", default="",
+                   help="names this run's work files under --out (selectors_TAG_cases.json, selectors_TAG_omnijax"
+                        ".json, ...), so runs of other prompts or selectors keep theirs (default: no tag)")
+    p.add_argument("--append", action="store_true",
+                   help="selectors.json keeps the rows of an earlier run under --out for the cases this run does not "
+                        "have (same selector, ratio, length, tokens, depth and key), so runs add up in one table")
     p.add_argument("--collect", action="store_true",
                    help="no new run: the table from the cases both workers of the last run under --out finished")
     p.add_argument("--worker", choices=["omnijax", "kvpress"], help=argparse_hidden())
@@ -123,6 +129,17 @@ def kvpress_floor(ratio: float, S: int, alpha: float = FLOOR, window: int = WIND
     return 0.0 if beyond == 0 or share <= 0 else min(1.0, (beyond + 0.5) / share)
 
 
+def work_file(out: Path, tag: str, name: str) -> Path:
+    """One run's work file under `out`: `selectors_NAME` without a tag, `selectors_TAG_NAME` with one."""
+    return out / (f"selectors_{tag}_{name}" if tag else f"selectors_{name}")
+
+
+def case_id(row: dict) -> tuple:
+    """What names one case across runs: (selector, ratio, length, prompt tokens, depth, key)."""
+    return (row["selector"], float(row["ratio"]), row["length"], row.get("tokens", len(row.get("ids", ()))),
+            float(row["depth"]), row["key"])
+
+
 def budget_of(ratio: float, S: int, selector: str) -> int:
     from omnijax.prefill import kvpress_budget
 
@@ -167,10 +184,10 @@ def omnijax_worker(cases: dict, source: Path, out: Path) -> None:
                 kept[layer, g, index[0, offset[0, g]:offset[0, g] + length[0, g]]] = True
         masks[f"case{i}"] = np.packbits(kept, axis=-1)
         rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
-        _save(out, "omnijax", rows, masks)  # every case as it comes: a stopped run keeps its rows
+        _save(out, "omnijax", rows, masks, cases.get("tag", ""))  # every case as it comes: a stopped run keeps its rows
         print(f"  omnijax [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
               flush=True)
-    _save(out, "omnijax", rows, masks)
+    _save(out, "omnijax", rows, masks, cases.get("tag", ""))
 
 
 def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
@@ -221,8 +238,7 @@ def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
                     continue
                 k = lc.keys[0].numpy()  # [G, n, d]: exact copies of full-cache rows
                 for g in range(k.shape[0]):
-                    match = np.all(k[g][:, None] == full[layer][g][None], axis=-1)
-                    kept[layer, g, match.argmax(axis=1)] = True
+                    kept[layer, g, _row_indices(k[g], full[layer][g])] = True
             generated = []
             for step in range(common.ANSWER_TOKENS):  # at the true positions S, S + 1, ... (the cache is shorter)
                 token = int(logits[0].argmax())
@@ -236,10 +252,33 @@ def kvpress_worker(cases: dict, reference: Path, out: Path) -> None:
         answer = tok.decode(generated, skip_special_tokens=True).strip()
         masks[f"case{i}"] = np.packbits(kept, axis=-1)
         rows.append(dict(case=i, answer=answer, cells=int(kept.sum()), seconds=time.perf_counter() - started))
-        _save(out, "kvpress", rows, masks)
+        _save(out, "kvpress", rows, masks, cases.get("tag", ""))
         print(f"  kvpress [{i + 1}/{len(cases['cases'])}] {case['selector']}@{case['ratio']} S={S}: {answer[:40]!r}",
               flush=True)
-    _save(out, "kvpress", rows, masks)
+    _save(out, "kvpress", rows, masks, cases.get("tag", ""))
+
+
+def _row_indices(kept: np.ndarray, full: np.ndarray) -> np.ndarray:
+    """Where each row of `kept [n, d]` sits in `full [S, d]`: the first row of `full` equal to it element by element
+    (the same answer as comparing every pair, found by the rows' bytes; a row whose bytes match no row of `full`,
+    such as -0.0 against 0.0, falls back to comparing it against every row).
+
+    Raises:
+        ValueError: a kept row equals no row of `full` (the press changed a key, so the kept set is unknown).
+    """
+    first: dict[bytes, int] = {}
+    for i, row in enumerate(np.ascontiguousarray(full)):
+        first.setdefault(row.tobytes(), i)
+    out = np.empty(len(kept), np.int64)
+    for j, row in enumerate(np.ascontiguousarray(kept)):
+        i = first.get(row.tobytes())
+        if i is None:
+            match = np.all(row[None] == full, axis=-1)
+            if not match.any():
+                raise ValueError(f"kept key row {j} equals no row of the uncompressed cache")
+            i = int(match.argmax())
+        out[j] = i
+    return out
 
 
 def _eos(hf) -> set:
@@ -260,7 +299,8 @@ def _text(tokenizer, tokens, eos) -> str:
 
 def _resumed(out: Path, side: str, cases: dict) -> tuple[list, dict]:
     """The rows and kept masks a stopped run of this side saved for the same cases (`--resume`), else none."""
-    rows_path, masks_path = out / f"selectors_{side}.json", out / f"selectors_{side}_kept.npz"
+    tag = cases.get("tag", "")
+    rows_path, masks_path = work_file(out, tag, f"{side}.json"), work_file(out, tag, f"{side}_kept.npz")
     if not cases.get("resume") or not rows_path.is_file() or not masks_path.is_file():
         return [], {}
     rows = json.loads(rows_path.read_text())
@@ -270,9 +310,9 @@ def _resumed(out: Path, side: str, cases: dict) -> tuple[list, dict]:
     return rows, masks
 
 
-def _save(out: Path, side: str, rows, masks) -> None:
-    np.savez_compressed(out / f"selectors_{side}_kept.npz", **masks)
-    (out / f"selectors_{side}.json").write_text(json.dumps(rows))
+def _save(out: Path, side: str, rows, masks, tag: str = "") -> None:
+    np.savez_compressed(work_file(out, tag, f"{side}_kept.npz"), **masks)
+    work_file(out, tag, f"{side}.json").write_text(json.dumps(rows))
 
 
 # ------------------------------------------------------------------------------------------------------ parent
@@ -283,6 +323,25 @@ def agreement(a: np.ndarray, b: np.ndarray, S: int) -> tuple[float, float]:
     same = np.all(a == b, axis=-1)
     inter, union = (a & b).sum(-1), (a | b).sum(-1)
     return float(same.mean()), float(np.mean(inter / np.maximum(union, 1)))
+
+
+def appended(path: Path, rows: list[dict], reference: str, tiny: bool) -> list[dict]:
+    """`--append`: the rows of an earlier `selectors.json` at `path` whose cases this run does not have, then this
+    run's `rows` (none kept when there is no such file).
+
+    Raises:
+        SystemExit: the earlier file was run on other weights (its rows would not compare).
+    """
+    if not path.is_file():
+        return rows
+    old = json.loads(path.read_text())
+    if old.get("model") != reference or bool(old.get("random_weights")) != bool(tiny):
+        raise SystemExit(f"--append: {path} holds rows of {old.get('model')!r}, this run is on {reference!r}; "
+                         "pass another --out")
+    mine = {case_id(r) for r in rows}
+    kept = [r for r in old["rows"] if case_id(r) not in mine]
+    print(f"--append: {len(kept)} rows of {path} kept beside this run's {len(rows)}", flush=True)
+    return kept + rows
 
 
 def run_workers(spec: Path, out: Path) -> None:
@@ -322,7 +381,7 @@ def main(argv=None):
         else:
             kvpress_worker(cases, Path(cases["reference"]), out)
         return
-    spec = out / "selectors_cases.json"
+    spec = work_file(out, args.tag, "cases.json")
     if args.collect:
         if not spec.is_file():
             raise SystemExit(f"--collect: {spec} is missing; run without --collect first")
@@ -342,12 +401,12 @@ def main(argv=None):
             raise SystemExit(f"--resume: {spec} holds other cases than this run's; pass the same flags or another "
                              "--out")
         spec.write_text(json.dumps(dict(checkpoint=str(source.checkpoint), reference=reference, random_weights=tiny,
-                                        resume=args.resume, cases=cases)))
+                                        resume=args.resume, tag=args.tag, cases=cases)))
         print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} "
               "cases per side", flush=True)
         run_workers(spec, out)
-    results = {side: (json.loads((out / f"selectors_{side}.json").read_text()),
-                      np.load(out / f"selectors_{side}_kept.npz")) for side in ("omnijax", "kvpress")}
+    results = {side: (json.loads(work_file(out, args.tag, f"{side}.json").read_text()),
+                      np.load(work_file(out, args.tag, f"{side}_kept.npz"))) for side in ("omnijax", "kvpress")}
     done = min(len(results["omnijax"][0]), len(results["kvpress"][0]))
     if done < len(cases):
         print(f"--collect: {done} of {len(cases)} cases done on both sides; the table has those", flush=True)
@@ -363,13 +422,16 @@ def main(argv=None):
                          kvpress_right=common.contains_key(kp["answer"], case["key"]),
                          omnijax_cells=oj["cells"], kvpress_cells=kp["cells"], sets_identical=same, jaccard=jaccard,
                          answers_equal=oj["answer"] == kp["answer"]))
+    complete = len(rows) == len(json.loads(spec.read_text())["cases"])
+    if args.append:
+        rows = appended(out / "selectors.json", rows, reference, tiny)
     harness.write_json(out, "selectors", dict(model=reference, random_weights=tiny, window=WINDOW,
-                                              pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH,
-                                              complete=len(rows) == len(json.loads(spec.read_text())["cases"]),
+                                              pool_kernel=KERNEL, chunk_length=CHUNK_LENGTH, complete=complete,
                                               rows=rows))
+    names = [s for s in SELECTORS if any(x["selector"] == s for x in rows)]
     table = []
-    for s in args.selectors:
-        for r in sorted(args.ratios):
+    for s in names:
+        for r in sorted({x["ratio"] for x in rows}):
             group = [x for x in rows if x["selector"] == s and x["ratio"] == r]
             if not group:
                 continue
@@ -387,7 +449,7 @@ def main(argv=None):
     plt = harness.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, side in zip(axes, ("omnijax", "kvpress")):
-        for s in args.selectors:
+        for s in names:
             mine = [t for t in table if t["selector"] == s]
             ax.plot([t["ratio"] for t in mine], [t[side] for t in mine], marker="o", label=s)
         ax.set_title(f"{side}: pass-key accuracy")
