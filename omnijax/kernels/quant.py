@@ -12,9 +12,16 @@ stored as integer codes plus float parameters per group of `g` consecutive rows 
   so GGUF's formulas are reproduced bit for bit in float32. Two codes share a byte: within each group, byte row `j`
   holds row `j` in its low nibble and row `j + g/2` in its high nibble (GGUF's own order inside a 32-row block).
 
-`qmatmul(x, qw)` dequantises `out_block` output columns at a time inside the jitted program (only that tile exists in
-float, never the whole weight) and multiplies; `qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle.
-This module imports jax only.
+`qmatmul(x, qw)` picks one of two formulations by the number of activation rows (both inside the jitted program):
+
+- "grouped", for a few float32 rows (a decode step): the codes are contracted group by group and the scale applied
+  after each group's sum, `y = sum_G s_G (x_G . q_G) + sum_G o_G sum(x_G)`. It is written as a multiply-reduce, so
+  XLA fuses the code unpacking (int4: `& 15` and `>> 4`, the two nibbles contracted with the two halves of each
+  group's `x`, never re-interleaved) into the reduction: no float copy of the weight, not even a tile, exists.
+- "dense", for many rows (a prefill chunk): `out_block` output columns are dequantised at a time (only that tile
+  exists in float) and multiplied by the library matmul, which amortises the dequantisation over the rows.
+
+`qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle of both. This module imports jax only.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# The most activation rows `qmatmul(method="auto")` contracts grouped, by code width (above: dense tiles and the
+# library matmul). XLA:CPU, SmolLM2's seven projection shapes x 6 layers, one jitted call per step, ratio to float32's
+# einsum (interleaved, loaded 2-core machine; `bench/quality/RESULTS.md`): int8 grouped 0.67-0.86x at 1-8 rows and
+# 1.08x at 16 (dense 2.1-3.4x); int4 grouped 1.0-1.2x at 1-2 rows, 1.7x at 4-8, 3.7x at 16 (dense 2.1-3.7x).
+GROUPED_ROWS = {8: 16, 4: 8}
+METHODS = ("auto", "grouped", "dense")
 GROUP_SIZES = (32, 64, 128)  # what `quantize` offers (`omnijax convert --group-size`)
 INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # 16: GGUF Q6_K's sub-blocks, only ever repacked from a file
 
@@ -218,20 +231,28 @@ def _tile(qw: QuantizedWeight, start: Any, width: int) -> QuantizedWeight:
 
 
 def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = None,
-            out_block: int | None = 2048) -> jax.Array:
-    """`x [..., in] @ w [in, out]` for a quantised 2-D `w`, dequantised tile by tile inside the program.
+            out_block: int | None = 2048, method: str = "auto") -> jax.Array:
+    """`x [..., in] @ w [in, out]` for a quantised 2-D `w`, dequantised inside the program (module docstring).
 
     Args:
         x: activations `[..., in]` (float).
         qw: a 2-D quantised weight (index a stacked one with `qw.index(i)` first).
         preferred_element_type: the result dtype (as `jnp.matmul`'s); default `x.dtype`.
-        out_block: output columns dequantised at once (the float tile is `[in, out_block]` in `x.dtype`, so a wide
-            weight such as an LM head never exists in float whole); None dequantises the whole weight in one piece
-            (still inside the caller's jit). On CPU one piece was fastest for SmolLM2's 576 x 1536 layers; smaller
-            tiles measured no faster.
+        out_block: the dense formulation's float tile: output columns dequantised at once (`[in, out_block]` in
+            `x.dtype`, so a wide weight such as an LM head never exists in float whole); None dequantises the whole
+            weight in one piece (still inside the caller's jit). On CPU one piece was fastest for SmolLM2's
+            576 x 1536 layers; smaller tiles measured no faster. The grouped formulation makes no float tile at all,
+            so any `out_block` bound holds for it too.
+        method: "grouped" (float32 `x` only: it accumulates in float32, as the reference does for float32), "dense",
+            or "auto": grouped for float32 `x` of at most `GROUPED_ROWS[bits]` rows, else dense.
 
     Returns:
-        `[..., out]` in `preferred_element_type` (accumulated as `jnp.matmul` does for `x.dtype`).
+        `[..., out]` in `preferred_element_type` (accumulated in float32 by the grouped formulation, as `jnp.matmul`
+        does for `x.dtype` by the dense one).
+
+    Raises:
+        ValueError: a stacked weight, a width mismatch, a bad `out_block` or `method`, or "grouped" for non-float32
+            `x`.
     """
     check_quantized(qw)
     if len(qw.shape) != 2:
@@ -241,7 +262,14 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
         raise ValueError(f"x's last axis {x.shape[-1]} does not match the weight's input width {rows}")
     if out_block is not None and (not isinstance(out_block, int) or out_block < 1):
         raise ValueError(f"out_block must be a positive int or None, got {out_block!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "grouped" and x.dtype != jnp.float32:
+        raise ValueError(f"method='grouped' takes float32 x (it accumulates in float32), got {x.dtype}")
     out_type = x.dtype if preferred_element_type is None else preferred_element_type
+    n = math.prod(x.shape[:-1])
+    if method == "grouped" or (method == "auto" and x.dtype == jnp.float32 and n <= GROUPED_ROWS[qw.scheme.bits]):
+        return _grouped(x.reshape(n, rows), qw).reshape(*x.shape[:-1], cols).astype(out_type)
     if out_block is None or out_block >= cols:
         return jnp.matmul(x, dequantize(qw, x.dtype), preferred_element_type=out_type)
     # one tile at a time in a loop (unrolled tiles let XLA fuse them back into one whole float weight); the last
@@ -254,6 +282,30 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=-1)
 
     return jax.lax.fori_loop(0, -(-cols // out_block), tile, out)
+
+
+def _grouped(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """`x [n, in] @ dequantize(qw)` in float32 as multiply-reduces over each group's codes, scaled after the sum.
+
+    One row is contracted as two equal rows: XLA:CPU's reduction over a single row measured ~30x slower than over
+    two (the same fusion, a different loop order).
+    """
+    if x.shape[0] == 1:
+        return _grouped(jnp.concatenate([x, x], axis=0), qw)[:1]
+    rows, cols = qw.shape
+    g = qw.scheme.group_size(rows)
+    xg = x.astype(jnp.float32).reshape(-1, rows // g, g)  # [n, G, g]
+    scales = qw.scales.astype(jnp.float32)  # [G, out]
+    if qw.scheme.bits == 8:
+        q = qw.values.reshape(rows // g, g, cols).astype(jnp.float32)
+        return jnp.sum(jnp.sum(xg[..., None] * q, axis=-2) * scales, axis=-2)
+    p = qw.values.reshape(rows // g, g // 2, cols)  # byte row j: group row j (low nibble) and j + g/2 (high)
+    low, high = (p & 15).astype(jnp.float32), (p >> 4).astype(jnp.float32)
+    dots = jnp.sum(xg[..., : g // 2, None] * low, axis=-2) + jnp.sum(xg[..., g // 2:, None] * high, axis=-2)
+    # the offsets' term: each group's x sum times its offset (a [n, G] x [G, out] product)
+    return jnp.sum(dots * scales, axis=-2) + jnp.einsum("ng,go->no", jnp.sum(xg, axis=-1),
+                                                        qw.offsets.astype(jnp.float32),
+                                                        precision=jax.lax.Precision.HIGHEST)
 
 
 def qmatmul_reference(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = None) -> jax.Array:

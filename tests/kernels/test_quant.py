@@ -69,10 +69,11 @@ def test_qmatmul_equals_dequantise_then_matmul(scheme, batch):
     qw = Q.quantize(w, scheme)
     ref = x @ numpy_dequantize(qw).astype(np.float64)
     scale = np.abs(x).sum(-1, keepdims=True) * np.abs(w).max()
-    for out_block in (None, 64, 2048):  # one piece, tiles (the last one partial), the default
-        got = np.asarray(jax.jit(lambda x, qw, b=out_block: Q.qmatmul(x, qw, out_block=b))(x, qw))
+    # the dense formulation in one piece, in tiles (the last one partial), the default tile; the grouped one; auto
+    for method, out_block in (("dense", None), ("dense", 64), ("dense", 2048), ("grouped", 2048), ("auto", 64)):
+        got = np.asarray(jax.jit(lambda x, qw, b=out_block, m=method: Q.qmatmul(x, qw, out_block=b, method=m))(x, qw))
         assert got.shape == (*batch, 200) and got.dtype == np.float32
-        assert np.abs(got - ref).max() <= 1e-6 * scale.max(), out_block
+        assert np.abs(got - ref).max() <= 1e-6 * scale.max(), (method, out_block)
     np.testing.assert_allclose(np.asarray(Q.qmatmul_reference(jnp.asarray(x), qw)), ref, rtol=0,
                                atol=1e-6 * scale.max())
 
@@ -117,7 +118,7 @@ def test_stacked_weights_and_index():
         one = Q.quantize(w[i], Q.Int4Grouped(32))
         np.testing.assert_array_equal(np.asarray(qw.index(i).values), np.asarray(one.values))
         np.testing.assert_array_equal(np.asarray(qw[i].scales), np.asarray(one.scales))
-        np.testing.assert_allclose(np.asarray(pick(x, qw, i)), np.asarray(Q.qmatmul(x, one)), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(pick(x, qw, i)), np.asarray(Q.qmatmul(x, one)), rtol=1e-5, atol=1e-5)
 
     assert qw[...] is qw
     for bad in (slice(0, 2), (0, 1)):
@@ -137,23 +138,32 @@ def test_stacked_weights_and_index():
 
 
 def test_under_jit_the_weight_is_an_integer_argument_and_no_whole_float_copy_with_tiles():
-    """The compiled program takes the codes (int8 / uint8) and the scales as arguments; with `out_block` tiles its
-    temporaries stay below one float copy of the weight."""
+    """The compiled program takes the codes (int8 / uint8) and the scales as arguments; with `out_block` tiles the
+    dense formulation's temporaries stay below one float copy of the weight, and the grouped one (what `auto` runs
+    for a decode step's rows) makes no float weight at all."""
     w = weight((512, 4096), seed=8)
     qw = Q.quantize(w, Q.Int4Grouped(128))
     x = jnp.ones((1, 512), jnp.float32)
     def tiles(x, qw):
-        return Q.qmatmul(x, qw, out_block=256)
+        return Q.qmatmul(x, qw, out_block=256, method="dense")
     inputs = [(v.aval.dtype, v.aval.shape) for v in jax.make_jaxpr(tiles)(x, qw).jaxpr.invars]
     assert inputs == [(jnp.float32, (1, 512)), (jnp.uint8, (256, 4096)), (jnp.float32, (4, 4096)),
                       (jnp.float32, (4, 4096))], inputs
-    lowered = jax.jit(tiles).lower(x, qw)
     float_copy = w.size * 4
-    tiled = lowered.compile().memory_analysis()
-    whole = jax.jit(lambda x, qw: Q.qmatmul(x, qw, out_block=None)).lower(x, qw).compile().memory_analysis()
-    if tiled is None or whole is None:
-        pytest.fail("this jax build gives no memory analysis of a compiled CPU program")
-    assert tiled.temp_size_in_bytes < float_copy // 4 < whole.temp_size_in_bytes, (tiled, whole)
+
+    def temp(fn, x):
+        analysis = jax.jit(fn).lower(x, qw).compile().memory_analysis()
+        if analysis is None:
+            pytest.fail("this jax build gives no memory analysis of a compiled CPU program")
+        return analysis.temp_size_in_bytes
+
+    tiled = temp(tiles, x)
+    whole = temp(lambda x, qw: Q.qmatmul(x, qw, out_block=None, method="dense"), x)
+    assert tiled < float_copy // 4 < whole, (tiled, whole)
+    for rows in (1, 2, 8):  # auto: grouped up to GROUPED_ROWS[4] rows, whatever out_block says
+        grouped = temp(lambda x, qw: Q.qmatmul(x, qw, out_block=None), jnp.ones((rows, 512), jnp.float32))
+        assert grouped < float_copy // 16, (rows, grouped)
+    assert temp(lambda x, qw: Q.qmatmul(x, qw, out_block=None), jnp.ones((9, 512), jnp.float32)) > float_copy // 4
     assert qw.nbytes < float_copy / 6  # 4 bits a value + 2 float32 per 128 values: 0.53 bytes a value
 
 
@@ -178,6 +188,10 @@ def test_bad_input_is_refused_by_name():
         Q.qmatmul(jnp.ones((1, 64)), Q.quantize(np.ones((2, 64, 8), np.float32), Q.Int4Grouped(32)))
     with pytest.raises(ValueError, match="out_block must be a positive int"):
         Q.qmatmul(jnp.ones((1, 64)), qw, out_block=0)
+    with pytest.raises(ValueError, match=r"method must be one of \('auto', 'grouped', 'dense'\), got 'fused'"):
+        Q.qmatmul(jnp.ones((1, 64)), qw, method="fused")
+    with pytest.raises(ValueError, match="method='grouped' takes float32 x .* got bfloat16"):
+        Q.qmatmul(jnp.ones((1, 64), jnp.bfloat16), qw, method="grouped")
     with pytest.raises(ValueError, match="offsets must have shape"):
         Q.dequantize(Q.QuantizedWeight(qw.values, qw.scales, None, qw.scheme))
     with pytest.raises(ValueError, match="values of Int8Grouped must be int8"):
