@@ -247,6 +247,25 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
     return xs, ffn_of
 
 
+def head_logits(config: DecoderConfig, hidden: jnp.ndarray, final_norm: jnp.ndarray, head: jnp.ndarray
+                ) -> jnp.ndarray:
+    """Final norm and lm head, `[..., D]` -> `[..., V]` float32, with `head` the stored weight
+    (`Decoder.head_weight`). Outside `jit`, a tied head's transpose is a copy of the embedding (108 MB on SmolLM2):
+    run it eagerly under `jax.jit(head_logits, static_argnums=0)` (`last_logits`), where the transpose folds into
+    the product."""
+    h = rms_norm(hidden, final_norm, config.rms_norm_eps)
+    w = head.T if config.tie_embeddings else head
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+_head_logits_jit = jax.jit(head_logits, static_argnums=0)
+
+
+def last_logits(model: Decoder, hidden: jnp.ndarray) -> jnp.ndarray:
+    """`model.logits(hidden)` as one compiled call, for eager callers (no transposed copy of a tied head)."""
+    return _head_logits_jit(model.config, hidden, model.final_norm[...], model.head_weight())
+
+
 def _row(a: jax.Array, row: int) -> jax.Array:
     """`a[row]` as its own array. On one CPU device, a numpy view of the stack's host buffer handed to jax, which
     adopts an aligned buffer without copying it: the layers share the stack's memory (a copy per layer held the
@@ -324,11 +343,12 @@ class Decoder(nnx.Module):
         return jnp.take(self.embed[...], token_ids, axis=0)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
-        """Final norm and lm head: `[..., D]` -> `[..., V]` float32 logits."""
-        c = self.config
-        h = rms_norm(hidden, self.final_norm[...], c.rms_norm_eps)
-        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
+        """Final norm and lm head: `[..., D]` -> `[..., V]` float32 logits (`head_logits`)."""
+        return head_logits(self.config, hidden, self.final_norm[...], self.head_weight())
+
+    def head_weight(self) -> jnp.ndarray:
+        """The lm head's weight as stored: `embed [V, D]` when tied, else `lm_head [D, V]` (`head_logits`)."""
+        return self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
 
     def run_layers(self, x: jnp.ndarray, positions: jnp.ndarray, cache: attention_lib.CacheView,
                    k_pages: jnp.ndarray, v_pages: jnp.ndarray, *, impl: str = "xla",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax.models.config import DecoderConfig
-from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
+from omnijax.models.decoder import Decoder, chunk_rotation, last_logits, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
 from omnijax.prefill.layer_major import (
     PrefillResult,
@@ -100,7 +100,7 @@ def token_major_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, c
     next_pos = jnp.max(jnp.asarray(positions), axis=(0, 2)) + 1 if next_pos is None else next_pos
     cache = CompressedCache.create(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
-    return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)
+    return PrefillResult(cache=cache, logits=last_logits(model, hidden[:, -1]), hidden=hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "budget", "window", "selector"))
@@ -184,4 +184,4 @@ def immediate_eviction_prefill(model: Decoder, x: jax.Array, positions: jax.Arra
     next_pos = jnp.max(positions, axis=(0, 2)) + 1 if next_pos is None else next_pos
     cache = CompressedCache.create(layers=layers, next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
-    return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)
+    return PrefillResult(cache=cache, logits=last_logits(model, hidden[:, -1]), hidden=hidden)

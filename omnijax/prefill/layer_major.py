@@ -33,7 +33,15 @@ import jax.numpy as jnp
 from omnijax._checks import check_power_of_two
 from omnijax.kv import attention as attention_lib
 from omnijax.models.config import DecoderConfig
-from omnijax.models.decoder import Decoder, SplitLayers, chunk_rotation, layer_finish, layer_qkv, layer_rows
+from omnijax.models.decoder import (
+    Decoder,
+    SplitLayers,
+    chunk_rotation,
+    last_logits,
+    layer_finish,
+    layer_qkv,
+    layer_rows,
+)
 from omnijax.prefill.cache import CompressedCache, LayerCache, keep_all, pack
 from omnijax.prefill.selectors import Selector
 
@@ -241,4 +249,4 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
     hidden = bridge[:, :S]
     cache = CompressedCache.create(layers=tuple(layers), next_pos=next_pos.astype(jnp.int32),
                             next_index=jnp.full((B,), S, jnp.int32))
-    return PrefillResult(cache=cache, logits=model.logits(hidden[:, -1]), hidden=hidden)
+    return PrefillResult(cache=cache, logits=last_logits(model, hidden[:, -1]), hidden=hidden)
