@@ -48,6 +48,20 @@ class LayerWeight:
     weights: tuple[jnp.ndarray | QuantizedWeight, ...]
 
 
+def _plain_matmul(w: object, spec: str) -> bool:
+    """Whether `einsum(spec, x, w)` is `_dot_last(x, w)`: a float `[in, out]` weight and a spec contracting x's last
+    axis with w's first, the output x's other axes then w's last (every spec the decoder passes)."""
+    lhs, _, out = spec.replace("...", "").partition("->")
+    x_axes, _, w_axes = lhs.partition(",")
+    return (isinstance(w, jax.Array) and w.ndim == 2 and len(w_axes) == 2 and x_axes[-1:] == w_axes[0]
+            and out == x_axes[:-1] + w_axes[1])
+
+
+def _dot_last(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """`x [..., in] @ w [in, out]` accumulated in float32: the one `dot_general` of `linear`'s einsum."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight | LayerWeight,
            spec: str = "...d,de->...e") -> jnp.ndarray:
     """`x [..., in] @ w [in, out]` accumulated in float32 (the result is float32).
@@ -64,7 +78,10 @@ def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight | LayerWeight,
             # (~0.1 s of compile each, times layers x projections); two rows go to its precompiled matmul
             # (`bench/peers/RESULTS.md`: compile 2.9 s vs 17.6 s for 30 layers, run 1.2x the kernel's time).
             return linear(jnp.concatenate([x, x], axis=0), w, spec)[:1]
-        return jax.lax.switch(w.index, [functools.partial(linear, w=one, spec=spec) for one in w.weights], x)
+        # A float branch is the product's one dot_general (the HLO `jnp.einsum` emits for these last-axis
+        # contractions): tracing layers x projections branches through einsum cost ~2.5x the time per branch.
+        return jax.lax.switch(w.index, [functools.partial(_dot_last, w=one) if _plain_matmul(one, spec)
+                                        else functools.partial(linear, w=one, spec=spec) for one in w.weights], x)
     if isinstance(w, QuantizedWeight):
         return qmatmul(x, w, preferred_element_type=jnp.float32)
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
