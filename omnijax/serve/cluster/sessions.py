@@ -6,9 +6,9 @@ the response still decoding, writes its last snapshot and lets its resume token 
 returned is the client sent close code 1012 ("service restart"), so a client that reconnects at the close finds its
 session's newest snapshot already on disk, on whichever replica the router sends it to.
 
-The middleware also learns each Realtime connection's resume token (the `?resume=` it connected with, or the one the
-server's `session.created` event gave it), which the replica reports to the router, and stamps every HTTP response
-with the replica that served it (`x-omnijax-replica`).
+The middleware also learns each Realtime or native connection's resume token (the `?resume=` it connected with, or
+the one the server's `session.created` event, or native `ready` message, gave it), which the replica reports to the
+router, and stamps every HTTP response with the replica that served it (`x-omnijax-replica`).
 """
 
 from __future__ import annotations
@@ -134,11 +134,12 @@ class ReplicaSessions:
 
 
 def _created_token(text: str) -> str | None:
-    """The resume token of a `session.created` event's text, or None."""
+    """The resume token of a Realtime `session.created` event's text or of a native `/session` `ready`, or None."""
     if '"resume_token"' not in text:
         return None
     try:
-        token = json.loads(text)["session"]["omnijax"]["resume_token"]
+        event = json.loads(text)
+        token = event["resume_token"] if event["type"] == "ready" else event["session"]["omnijax"]["resume_token"]
     except (ValueError, KeyError, TypeError):
         return None
     return token if isinstance(token, str) else None

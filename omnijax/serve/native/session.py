@@ -39,6 +39,14 @@ Errors close that session only, after `{"type": "error", "code": C, "message": .
 and the close are sent if it reads within 10 s). A frame that fails inside the server gets a non-fatal
 `{"type": "error", "code": "internal", "seq": k}`. When the server shuts down, open sessions are closed with 1012.
 
+Resume (with `--snapshot-dir`; `omnijax.serve.native.resume`): `ready` also carries `"resume_token"`, `"resumed"`
+and `"seq"` (the next frame's number). When the connection ends (bye, a disconnect, the idle timeout, a replica's
+drain) the session is snapshotted under its token; `/session?resume=TOKEN` continues it (its engine state and frame
+numbering; a frame received but not yet served when the connection ended is dropped, as a superseded one is), or is
+refused with `resume_failed` (close 1008) naming why: no such snapshot, the token in use, a Realtime snapshot, other
+frame settings or model. A snapshot that fails is reported as `snapshot_failed` before the close. Full-duplex
+sessions do not resume.
+
 Idle timeout (`--idle-timeout`, 0: none): a session whose client sends nothing for that long, with no frame being
 served, gets `{"type": "error", "code": "idle_timeout", ...}` naming the timeout and close 1000 ("idle timeout");
 its engine session is freed.
@@ -49,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -60,6 +69,7 @@ from omnijax.media.image import read_image
 from omnijax.models.minicpmo.duplex import DuplexTokens
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.duplex import DuplexStream, speak_ids
+from omnijax.serve.engine.snapshot import SnapshotError
 from omnijax.serve.native.protocol import (
     CLOSE_ERROR,
     CLOSE_OVERLOADED,
@@ -71,6 +81,7 @@ from omnijax.serve.native.protocol import (
     parse_hello,
     parse_json,
 )
+from omnijax.serve.native.resume import NativePlan, ResumeRefused, native_meta, native_plan
 from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime.duplex import duplex_rule
 from omnijax.serve.refusal_log import refusals
@@ -97,6 +108,8 @@ class NativeSession:
         self.closing: tuple[int, str] | None = None  # set by the pump to end the session
         self.last_active = 0.0  # loop time of the client's last message or the last frame's reply (idle timeout)
         self._stop = asyncio.Event()
+        self.token: str | None = None  # the resume token (with --snapshot-dir; `omnijax.serve.native.resume`)
+        self.resumed = False
 
     async def _receive(self) -> dict | None:
         """The next WebSocket message, or None once the pump ended the session; with an idle timeout
@@ -153,8 +166,11 @@ class NativeSession:
         loop = asyncio.get_running_loop()
         self.last_active = loop.time()
         writer = asyncio.create_task(self._writer())
-        self._reply({"type": "ready", "session": self.sid, "sample_rate": SAMPLE_RATE,
-                     "frame_ms": self.context.options.frame_ms, "frame_samples": self.samples})
+        ready = {"type": "ready", "session": self.sid, "sample_rate": SAMPLE_RATE,
+                 "frame_ms": self.context.options.frame_ms, "frame_samples": self.samples}
+        if self.token is not None:
+            ready.update(resume_token=self.token, resumed=self.resumed, seq=self.seq)
+        self._reply(ready)
         code, reason = 1000, "disconnected"
         try:
             while self.closing is None:
@@ -356,12 +372,21 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
     except ProtocolError as e:
         return await refuse(e.code, str(e))
     try:
-        async with context.session(peer.rsplit(":", 1)[0], "s") as sid:
-            log.info("connect peer=%s session=%s sessions=%d", peer, sid, len(context.worker.lanes))
+        plan = await native_plan(context, ws.query_params.get("resume"), duplex)
+    except ResumeRefused as e:
+        return await refuse("resume_failed", str(e))
+    try:
+        async with context.session(peer.rsplit(":", 1)[0], "s", plan.snapshot) as sid:
+            log.info("connect peer=%s session=%s sessions=%d%s", peer, sid, len(context.worker.lanes),
+                     " (resumed)" if plan.snapshot is not None else "")
             session = (NativeDuplex(ws, context, sid, samples, peer, instructions) if duplex
                        else NativeSession(ws, context, sid, samples, peer))
+            session.token, session.resumed = plan.token, plan.snapshot is not None
+            session.seq, session.unit = plan.seq, plan.unit
             code, reason = await session.run()
             log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
+            if plan.lease is not None and session.outbox.overflow is None:
+                await _save(ws, session, plan)
         # the engine session is closed: a client that does not read can hold only its socket from here on
         if session.outbox.overflow is not None:
             await close_slow_consumer(ws, {"type": "error", "code": "slow_consumer", "message": f"the client does "
@@ -372,5 +397,26 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
                                             else ""), CLOSE_TIMEOUT_S)
         except (RuntimeError, WebSocketDisconnect, asyncio.TimeoutError):  # closed by the peer, or it does not read
             pass
+    except SnapshotError as e:  # the engine refused the snapshot (another model shape, too few free pages)
+        await refuse("resume_failed", str(e))
     except Overloaded as e:
         await refuse("overloaded", str(e), CLOSE_OVERLOADED)
+    finally:
+        if plan.lease is not None and plan.store is not None:
+            plan.store.release(plan.lease)
+
+
+async def _save(ws: WebSocket, session: NativeSession, plan: NativePlan) -> None:
+    """Snapshots an ended session under its token (its engine session still open); a failure is sent to the client
+    (`snapshot_failed`, when it still listens) and logged."""
+    assert plan.store is not None and plan.lease is not None
+    options = session.context.options
+    try:
+        snapshot = await session.worker.export(session.sid, native_meta(session.seq, session.unit, options.frame_ms,
+                                                                        options.model_name))
+        await asyncio.to_thread(plan.store.save, plan.lease, snapshot)
+    except (ValueError, TimeoutError, OSError) as e:  # preempted, a full store or disk: the previous one stays
+        log.warning("native session=%s: snapshot failed: %s", session.sid, e)
+        with contextlib.suppress(Exception):  # the client may be gone
+            await ws.send_text(json.dumps({"type": "error", "code": "snapshot_failed",
+                                           "message": plan.store.public_message(e)}))
