@@ -14,7 +14,7 @@ A mesh is refused by name (the sessions run on the default device). Throughput i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +29,23 @@ from omnijax.streaming.step import init_state
 
 
 def run_recall_sessions(model: StreamModel, chunks: Chunk, own: np.ndarray, config: StreamConfig, *,
-                        keep_logits: bool, score_ids: np.ndarray | None) -> tuple[dict[str, Any], list[RecallStats]]:
+                        keep_logits: bool, score_ids: np.ndarray | None, stat_names: Sequence[str]
+                        ) -> tuple[dict[str, Any], list[RecallStats]]:
     """Runs each of the `len(own)` sessions of `chunks` (`[S, C, 1, T]`, `evaluate`'s padded schedule) through its
     own `Session(model, config)` (`config.recall` set, `config.num_pages` set).
 
     Each chunk's `answer_tokens` is capped at `config.max_answer_tokens`, as `evaluate` caps it.
+
+    Args:
+        model, chunks, own, config: the model, the padded sessions, each one's own chunk count, the settings.
+        keep_logits, score_ids: what to return besides the tokens (as `evaluate` takes them).
+        stat_names: the per-chunk statistics to report (`omnijax.eval.runner.STAT_NAMES`).
 
     Returns:
         `(merged, stats)`: `merged` holds what `evaluate`'s program returns, `{"stats": {name: [S, C]}, "tokens":
         [S, C, tau], "logits": [S, C, V] (keep_logits), "scores": [S, C, K] (score_ids)}` (chunks past a session's
         own count are zeros), and `stats` one `RecallStats` per session.
     """
-    from omnijax.eval.runner import STAT_NAMES  # the runner imports this module: its names at call time
-
     if config.recall is None or config.num_pages is None:
         raise ValueError("run_recall_sessions needs a config with recall and num_pages set")
     decoder_config = graphdef_config(model)
@@ -61,7 +65,7 @@ def run_recall_sessions(model: StreamModel, chunks: Chunk, own: np.ndarray, conf
             chunk = dataclasses.replace(chunk, answer_tokens=np.minimum(np.asarray(chunk.answer_tokens), tau))
             out = session.feed(chunk)
             layout = out.stats.layout
-            stats = {name: getattr(layout, name, None) for name in STAT_NAMES}
+            stats = {name: getattr(layout, name, None) for name in stat_names}
             stats.update(evicted=out.stats.evicted, moved=out.stats.moved, next_pos=out.stats.next_pos)
             got = jax.device_get({"stats": {k: jnp.reshape(v, (-1,))[0] for k, v in stats.items()},
                                   "tokens": out.tokens[0], "logits": out.logits[0]})

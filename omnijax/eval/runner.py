@@ -369,7 +369,7 @@ def _recall_result(model, cfg: EvalConfig, stream_config: StreamConfig, chunks: 
     """One config with recall, its sessions one at a time (`omnijax.eval.recall_eval`)."""
     start = time.perf_counter()
     merged, figures = run_recall_sessions(model, chunks, own[:count], stream_config, keep_logits=cfg.keep_logits,
-                                          score_ids=ids)
+                                          score_ids=ids, stat_names=STAT_NAMES)
     wall_s = time.perf_counter() - start
     _warn_exhausted(cfg.name, merged, own, count, stacklevel=4)
     return ConfigResult(config=cfg, sessions=[dataclasses.replace(_session_result(merged, s, int(own[s])),

@@ -63,7 +63,8 @@ def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64, reca
     return EvalConfig(spec if recall is None else f"{spec} recall", config)
 
 
-_RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int}
+_RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
+                  "disk_dir": str, "disk_bytes": int}
 
 
 def parse_recall(spec: str) -> Recall:

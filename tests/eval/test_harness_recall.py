@@ -33,6 +33,8 @@ def test_recall_options_become_the_configs_recall_setting():
     assert [c.name for c in configs] == ["full recall", f"{POLICY} recall"]
     assert all(c.config.recall == want and c.config.max_answer_tokens == 2 for c in configs)
     assert sb.configs_from_args(parser.parse_args(["--configs", "full"]), 1)[0].config.recall is None
+    assert sb.parse_recall("budget=8,disk_dir=/tmp/spill,disk_bytes=4096") == Recall(budget=8, disk_dir="/tmp/spill",
+                                                                                  disk_bytes=4096)
     assert probes.sb.configs_from_args is sb.configs_from_args  # OVO-Bench's prepare builds its configs so
     for bad, why in (("budget=64,foo=1", "'foo=1' is not key=value with a key among"),
                      ("top_units=2", "needs budget=CELLS"), ("budget=x", "budget must be a non-negative integer"),
