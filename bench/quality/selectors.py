@@ -335,7 +335,8 @@ def appended(path: Path, rows: list[dict], reference: str, tiny: bool) -> list[d
     if not path.is_file():
         return rows
     old = json.loads(path.read_text())
-    if old.get("model") != reference or bool(old.get("random_weights")) != bool(tiny):
+    if (Path(str(old.get("model"))).resolve() != Path(reference).resolve()
+            or bool(old.get("random_weights")) != bool(tiny)):
         raise SystemExit(f"--append: {path} holds rows of {old.get('model')!r}, this run is on {reference!r}; "
                          "pass another --out")
     mine = {case_id(r) for r in rows}
