@@ -1,5 +1,6 @@
 """Spoken sessions on the engine's ticks (issue 39 item 4): N utterances spoken at once by the engine's speech pool
-(one batched talker + code-predictor step per tick, vocoder chunks by playback deadline) against the same N spoken
+(one batched talker + code-predictor step per tick, the due vocoder chunks batched per call, by playback deadline;
+`--vocoder-rows 1`: one session per Code2Wav call) against the same N spoken
 one after another, each alone (`speak_streamed`, what a server without the pool does per request), at concurrency
 1 / 2 / 4: the first PCM after admission and the real-time factor.
 
@@ -97,8 +98,8 @@ def serial_arm(model, jobs, frames: int, chunk: int = CHUNK) -> dict:
     return dict(first=first, last=last, samples=samples, wall=time.perf_counter() - start, late=late, ticks=0)
 
 
-def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: int, chunk: int = CHUNK
-            ) -> tuple[list[dict], dict]:
+def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: int, chunk: int = CHUNK,
+            vocoder_rows: int | None = None) -> tuple[list[dict], dict]:
     import omnijax
     from omnijax.serve.engine.engine import Engine, EngineConfig
     from omnijax.serve.engine.speech import SpeechConfig
@@ -108,7 +109,8 @@ def measure(root: Path, concurrency, rounds: int, frames: int, answer_tokens: in
         model = omnijax.load(root / "omnijax")
     top = max(concurrency)
     rows = tuple(b for b in (1, 2, 4, 8, 16) if b < top) + (top,)
-    speech = SpeechConfig(rows=rows, num_pages=16 * top, page_size=16, first_chunk=FIRST_CHUNK, chunk=chunk)
+    speech = SpeechConfig(rows=rows, num_pages=16 * top, page_size=16, first_chunk=FIRST_CHUNK, chunk=chunk,
+                          vocoder_rows=vocoder_rows)
     engine = Engine(model, EngineConfig(stream=omnijax.StreamConfig(num_pages=8, page_size=16), chunk_tokens=8,
                                         buckets=(1,), speech=speech))
     out, check, start = [], {}, time.perf_counter()
@@ -191,15 +193,20 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=50, help="codec frames per utterance (80 ms each)")
     p.add_argument("--answer-tokens", type=int, default=16, help="thinker answer tokens spoken per utterance")
     p.add_argument("--chunk", type=int, default=CHUNK, help="codec frames of each vocoder call after the first 4")
+    p.add_argument("--vocoder-rows", type=int, default=None,
+                   help="sessions at most in one Code2Wav call of the engine (default: all; 1: one at a time)")
     args = harness.parse(p, argv, smoke={"rounds": 1, "concurrency": (1, 2), "frames": 4, "answer_tokens": 4})
-    if min(args.rounds, args.frames, args.answer_tokens, args.chunk, *args.concurrency) < 1:
-        p.error("--rounds, --frames, --answer-tokens, --chunk and every --concurrency must be at least 1")
+    if min(args.rounds, args.frames, args.answer_tokens, args.chunk, *args.concurrency,
+           args.vocoder_rows or 1) < 1:
+        p.error("--rounds, --frames, --answer-tokens, --chunk, --vocoder-rows and every --concurrency must be at "
+                "least 1")
     out = harness.output_dir(args)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="speech_serving_") as tmp:
         root = release.build_release(Path(tmp))
         print(f"  release built and converted in {time.perf_counter() - start:.0f} s", flush=True)
-        rows, checks = measure(root, args.concurrency, args.rounds, args.frames, args.answer_tokens, args.chunk)
+        rows, checks = measure(root, args.concurrency, args.rounds, args.frames, args.answer_tokens, args.chunk,
+                               args.vocoder_rows)
     summary = summarise(rows)
     harness.print_table(summary, [("arm", "arm", ""), ("N", "concurrency", "d"),
                                   ("first PCM ms", "first_pcm_ms", ".0f"), ("p90", "first_pcm_p90_ms", ".0f"),
@@ -211,7 +218,8 @@ def main(argv=None) -> int:
     print(f"same samples per utterance in both arms: {checks['same_samples']}; {time.perf_counter() - start:.0f} s")
     harness.write_json(out, "speech_serving", {
         "rounds": args.rounds, "frames": args.frames, "answer_tokens": args.answer_tokens,
-        "first_chunk": FIRST_CHUNK, "chunk": args.chunk, "summary": summary, "rows": rows, **checks,
+        "first_chunk": FIRST_CHUNK, "chunk": args.chunk, "vocoder_rows": args.vocoder_rows, "summary": summary,
+        "rows": rows, **checks,
         "smoke": bool(args.smoke)})
     plot(summary, out)
     return 0

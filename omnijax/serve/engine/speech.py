@@ -16,12 +16,12 @@ Per `tick()`:
 3. vocoder chunks: a session whose frames fill its next chunk (`first_chunk` frames, then `chunk`; what is left once
    the talker ended) is due. The due chunks run batched: one Code2Wav call over the sessions' rows, each row on its
    own carried state (`omnijax.models.qwen3_omni.code2wav_rows`), first chunks in one call and later chunks in
-   another (a first call returns `lag` samples fewer, so it is compiled apart); a short final chunk is padded to the
-   call's length and the padding's samples cut (Code2Wav is causal). The rows are padded to a `rows` bucket. Calls
-   go in order of playback deadline: first chunks before any other (nothing is playing yet), then the call holding
-   the chunk whose audio runs out soonest (the first PCM's time plus the seconds sent). `vocoder_budget_s` bounds
-   the vocoder time of a tick: past it, chunks whose deadline is further than `slack_s` away wait for the next tick;
-   urgent ones still run.
+   another (a first call returns `lag` samples fewer, so it is compiled apart); a short final chunk joins a call of
+   the next power-of-two frames, padded and its padding's samples cut (Code2Wav is causal). A call holds at most
+   `vocoder_rows` sessions; its rows are padded to a `rows` bucket. Calls go in order of playback deadline: first
+   chunks before any other (nothing is playing yet), then the call holding the chunk whose audio runs out soonest
+   (the first PCM's time plus the seconds sent). `vocoder_budget_s` bounds the vocoder time of a tick: past it,
+   chunks whose deadline is further than `slack_s` away wait for the next tick; urgent ones still run.
 
 A chunk that leaves after its deadline is sent all the same and reported late (`SpeechChunk.late_s`, the pool's
 `stats["late_chunks"]` / `["late_s"]`): speech is never dropped. Admission reserves each utterance's talker pages up
@@ -70,6 +70,7 @@ class SpeechConfig:
             `max_pages * page_size` talker tokens, prompt included.
         first_chunk: codec frames of a session's first vocoder call (80 ms each for the release).
         chunk: codec frames of each later call.
+        vocoder_rows: sessions at most in one Code2Wav call (None: every row; 1: one session a call, unpadded).
         vocoder_budget_s: vocoder seconds per tick after which chunks that are not urgent wait (None: every ready
             chunk runs in its tick).
         slack_s: a chunk whose playback deadline is nearer than this is urgent.
@@ -81,6 +82,7 @@ class SpeechConfig:
     max_pages: int | None = None
     first_chunk: int = 4
     chunk: int = 25
+    vocoder_rows: int | None = None
     vocoder_budget_s: float | None = None
     slack_s: float = 0.5
 
@@ -96,6 +98,9 @@ class SpeechConfig:
         if self.max_pages is not None and not 1 <= self.max_pages <= self.num_pages:
             raise ValueError(f"SpeechConfig.max_pages must lie in [1, num_pages={self.num_pages}], got "
                              f"{self.max_pages}")
+        if self.vocoder_rows is not None and (isinstance(self.vocoder_rows, bool) or not isinstance(
+                self.vocoder_rows, int) or self.vocoder_rows < 1):
+            raise ValueError(f"SpeechConfig.vocoder_rows must be a positive integer or None, got {self.vocoder_rows!r}")
         if self.vocoder_budget_s is not None and not self.vocoder_budget_s > 0:
             raise ValueError(f"SpeechConfig.vocoder_budget_s must be positive or None, got {self.vocoder_budget_s}")
         if not self.slack_s >= 0:
@@ -223,6 +228,7 @@ class SpeechPool:
         self._c2w = speech.code2wav.config
         self._c2w_params = model_params(speech.code2wav)
         self._fillers = {False: init_state(self._c2w), True: code2wav_rows.started_state(self._c2w)}
+        self._vocoder_rows = min(self.capacity, self.config.vocoder_rows or self.capacity)
         self._utterances: dict[str, _Utterance] = {}
         self._slots: dict[str, int] = {}
         self.reserved = 0
@@ -419,17 +425,24 @@ class SpeechPool:
                 pending = urgent
                 if not pending:
                     break
-            started = self._utterances[pending[0][1]].pushed > 0
-            group = [p for p in pending if (self._utterances[p[1]].pushed > 0) == started][:self.capacity]
+            key = self._call_key(self._utterances[pending[0][1]])
+            group = [p for p in pending if self._call_key(self._utterances[p[1]]) == key][:self._vocoder_rows]
             pending = [p for p in pending if p not in group]
-            out.extend(self._vocode_rows(group, started))
+            out.extend(self._vocode_rows(group, *key))
         self.stats["vocoder_s"] += self.clock() - start
         return out
 
-    def _vocode_rows(self, group: list[tuple[float, str]], started: bool) -> list[SpeechChunk]:
-        """One Code2Wav call for the due chunks of `group` (all first chunks, or all later ones), each row on its
-        own state; a short final chunk is padded to the call's length and its padding's samples cut."""
-        frames = self.config.chunk if started else self.config.first_chunk
+    def _call_key(self, u: _Utterance) -> tuple[bool, int]:
+        """The Code2Wav call an utterance's due chunk joins: (a later call, its frames). A full chunk's frames are
+        `first_chunk` / `chunk`; a shorter last chunk's the next power of two (at most the full chunk), so padding
+        costs less than twice its frames and few lengths compile."""
+        started, n = u.pushed > 0, self._due(u)
+        full = self.config.chunk if started else self.config.first_chunk
+        return started, full if n >= full else min(full, 1 << max(0, n - 1).bit_length())
+
+    def _vocode_rows(self, group: list[tuple[float, str]], started: bool, frames: int) -> list[SpeechChunk]:
+        """One Code2Wav call of `frames` frames for the due chunks of `group` (the same `_call_key`), each row on
+        its own state; a shorter last chunk is padded to the call's length and its padding's samples cut."""
         calls = []
         for deadline, s in group:
             u = self._utterances[s]
@@ -440,7 +453,7 @@ class SpeechPool:
         rows = [c for c in calls if c[3].shape[1]]
         pcm: dict[str, np.ndarray] = {}
         if rows:
-            bucket = next(b for b in self.config.rows if b >= len(rows))
+            bucket = 1 if len(rows) == 1 else next(b for b in self.config.rows if b >= len(rows))
             codes = np.stack([code2wav_rows.pad_codes(c[3], frames) for c in rows]
                              + [np.zeros((self._c2w.num_quantizers, frames), np.int32)] * (bucket - len(rows)))
             states = [c[2].state for c in rows] + [self._fillers[started]] * (bucket - len(rows))
