@@ -16,8 +16,9 @@ stored as integer codes plus float parameters per group of `g` consecutive rows 
 
 - "grouped", for a few float32 rows (a decode step): the codes are contracted group by group and the scale applied
   after each group's sum, `y = sum_G s_G (x_G . q_G) + sum_G o_G sum(x_G)`. It is written as a multiply-reduce, so
-  XLA fuses the code unpacking (int4: `& 15` and `>> 4`, the two nibbles contracted with the two halves of each
-  group's `x`, never re-interleaved) into the reduction: no float copy of the weight, not even a tile, exists.
+  XLA fuses the int8 codes' conversion into the reduction: no float copy of the weight, not even a tile, exists.
+  int4's two nibbles (`& 15`, `>> 4`) are contracted with the two halves of each group's `x`, never re-interleaved;
+  XLA:CPU writes the two nibble planes as bytes before the reduction (one byte a value, still no float weight).
 - "dense", for many rows (a prefill chunk): `out_block` output columns are dequantised at a time (only that tile
   exists in float) and multiplied by the library matmul, which amortises the dequantisation over the rows.
 
@@ -34,10 +35,11 @@ import jax
 import jax.numpy as jnp
 
 # The most activation rows `qmatmul(method="auto")` contracts grouped, by code width (above: dense tiles and the
-# library matmul). XLA:CPU, SmolLM2's seven projection shapes x 6 layers, one jitted call per step, ratio to float32's
-# einsum (interleaved, loaded 2-core machine; `bench/quality/RESULTS.md`): int8 grouped 0.67-0.86x at 1-8 rows and
-# 1.08x at 16 (dense 2.1-3.4x); int4 grouped 1.0-1.2x at 1-2 rows, 1.7x at 4-8, 3.7x at 16 (dense 2.1-3.7x).
-GROUPED_ROWS = {8: 16, 4: 8}
+# library matmul). XLA:CPU, SmolLM2's seven projection shapes x 6 layers per call, CPU time over float32's einsum,
+# interleaved on a loaded 2-core machine (`quantized --matmul`, bench/quality/RESULTS.md): int8 grouped 0.52 / 0.83 /
+# 0.87x at 1 / 2 / 8 rows (dense 1.27 / 2.28 / 1.99x); int4 g32 grouped 0.99 / 1.69x at 1 / 2 rows (dense 1.34 /
+# 2.26x), but 2.24x at 8 rows against dense 1.93x, so int4 stops at 4 rows (1.7x vs 2.3x dense in a first run).
+GROUPED_ROWS = {8: 16, 4: 4}
 METHODS = ("auto", "grouped", "dense")
 GROUP_SIZES = (32, 64, 128)  # what `quantize` offers (`omnijax convert --group-size`)
 INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # 16: GGUF Q6_K's sub-blocks, only ever repacked from a file
