@@ -36,6 +36,9 @@ the same weights, over the same tokens (`bench/quality/_quant_accuracy.py`). Wri
 sessions the rest of a 141 GB GPU holds with bf16 or int8 KV (`bench/quality/_quant_capacity.py`). Writes
 `quantized_capacity.json`.
 
+`--matmul` runs no model either: the CPU time of the quantised matmul against float32's on a layer's projection
+shapes, at decode and prefill row counts (`bench/quality/_quant_matmul.py`). Writes `quantized_matmul.json`.
+
     .venv/bin/python -m bench.quality.quantized --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/quality/results
     .venv/bin/python -m bench.quality.quantized --kv --out bench/quality/results
     .venv/bin/python -m bench.quality.quantized --accuracy --llama-python /tmp/llvenv/bin/python --no-extra-bufts \
@@ -53,12 +56,12 @@ import numpy as np
 
 from bench import harness
 from bench.quality import _common as common
-from bench.quality import _quant_accuracy, _quant_capacity
+from bench.quality import _quant_accuracy, _quant_capacity, _quant_matmul
 
 VARIANTS = ("float32", "int8", "int4_g32", "gguf_kept")  # the default set of the timed run
 ALL_VARIANTS = VARIANTS + ("int4_g64", "int4_g128")
 SMOKE = dict(length=128, chunk=32, decode_tokens=4, prompt=16, rounds=2, kv_lengths=[128, 256], kv_budget=160,
-             kv_keys=1, kv_chunk=64)
+             kv_keys=1, kv_chunk=64, matmul_rows=[1, 8], matmul_layers=1)
 KV_POLICIES = ("no_slide", "omnipick", "sink_window", "unit_fifo", "streaming_llm")
 
 
@@ -80,6 +83,7 @@ def build_parser():
     p.add_argument("--kv-policies", nargs="+", default=["no_slide", "omnipick"], choices=KV_POLICIES)
     _quant_accuracy.add_args(p)
     _quant_capacity.add_args(p)
+    _quant_matmul.add_args(p)
     return p
 
 
@@ -171,10 +175,12 @@ def main(argv=None):
     common.quiet_threads()
     out = harness.output_dir(args)
     check_args(args)
-    if sum((args.kv, args.accuracy, args.capacity)) > 1:
-        raise SystemExit("--kv, --accuracy and --capacity are separate runs: give one")
+    if sum((args.kv, args.accuracy, args.capacity, args.matmul)) > 1:
+        raise SystemExit("--kv, --accuracy, --capacity and --matmul are separate runs: give one")
     if args.capacity:
         return _quant_capacity.run(args, out)
+    if args.matmul:
+        return _quant_matmul.run(args, out)
     source = common.model_source(args)
     from bench.quality.perplexity import ppl, text_ids
 
