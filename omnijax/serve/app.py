@@ -69,6 +69,7 @@ from omnijax.serve.openai_wire import error_body
 from omnijax.serve.realtime import resume as realtime_resume
 from omnijax.serve.realtime import session as realtime
 from omnijax.serve.refusal_log import refusals
+from omnijax.serve.speech_engine import speech_config_for
 from omnijax.serve.structured import JSON_OBJECT, Grammar, compile_format
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
@@ -202,8 +203,10 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
                          "render chat templates and decode text; copy the release's tokenizer files into the "
                          "converted checkpoint")
     budget = options.frame_ms / 1000.0
+    speech = speech_config_for(model, max_speech_tokens=options.max_speech_tokens,  # Qwen3-Omni: its speech pool
+                               context_tokens=stream.num_pages * stream.page_size)
     config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=budget, buckets=tuple(buckets),
-                          return_logits=return_logits, per_token=per_token)
+                          return_logits=return_logits, per_token=per_token, speech=speech)
     engine = Engine(model, config)
     admission = (AIMD(target_fraction=aimd_target, frame_budget_s=budget, max_cap=max(config.buckets))
                  if aimd_target > 0 else None)

@@ -67,6 +67,7 @@ from omnijax.serve.openai_wire import (
     sse,
     usage,
 )
+from omnijax.serve.speech_engine import SpeechOverloaded
 from omnijax.serve.speech_output import (
     AudioOutput,
     audio_message,
@@ -186,9 +187,10 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         if audio is not None and spoken_prompt is not None:
             try:
                 spoken = await audio_message(context, audio, spoken_prompt, _content_tokens(answer), text, created)
-            except ValueError as e:
-                return json_error(RequestError(f"the answer could not be spoken: {e}", status=500,
-                                               code="server_error", kind="server_error"), request=request)
+            except ValueError as e:  # a full speech pool is 429 naming its cap (`speech_engine.SpeechOverloaded`)
+                return json_error(e if isinstance(e, SpeechOverloaded) else RequestError(
+                    f"the answer could not be spoken: {e}", status=500, code="server_error", kind="server_error"),
+                    request=request)
             content = None  # as OpenAI's API answers with audio: the text is the audio's transcript
         out = completion(cid, created, req.model, content, reason, prompt_tokens, text_of.completion_tokens(answer),
                          answer.kv_cells, req.labels.get("metadata"), tool_calls)

@@ -2,10 +2,13 @@
 
 On a checkpoint with speech output (`model.speech`: Qwen3-Omni converted from its full release) the answer is
 decoded as text on the engine's ticks, then spoken: the talker decodes codec frames over the whole answer's text and
-the vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`; `SpeechOutput.speak_chunks`),
-each chunk's work in a worker thread (`asyncio.to_thread`), never on the event loop. The talker's prompt is the
-request's templated text as fed (every message's rendering and the generation prompt); the answer spoken is the
-answer's tokens without the final end-of-turn token; the talker's tokens are capped by
+the vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`). Qwen3-Omni speaks on the
+engine's speech pool (`omnijax.serve.speech_engine`: `EngineWorker.speak`, its talker steps and vocoder chunks batched
+with every other speaking session's on the engine's ticks, admission counting it; a full pool refuses the request by
+name, HTTP 429, before anything is fed); Qwen2.5-Omni, whose Token2Wav has no pool, speaks in worker threads
+(`SpeechOutput.speak_chunks`, each chunk's work in `asyncio.to_thread`). Neither computes on the event loop. The
+talker's prompt is the request's templated text as fed (every message's rendering and the generation prompt); the
+answer spoken is the answer's tokens without the final end-of-turn token; the talker's tokens are capped by
 `ServeOptions.max_speech_tokens`.
 
 As OpenAI's API returns it, the message's `content` is null and the text is the audio's `transcript`:
@@ -43,7 +46,7 @@ import base64
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +61,7 @@ from omnijax.models.frontend import bucket
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.serve.chat_params import RequestError, check_keys, json_payload
 from omnijax.serve.chat_request import ChatRequest, parse_payload
+from omnijax.serve.speech_engine import SpeechOverloaded, pool_full, pool_pieces, speaks_on_pool
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 
@@ -197,8 +201,12 @@ async def spoken_prompt(context: ServeContext, chunks: Sequence[Any]) -> SpokenP
 
     Raises:
         RequestError: the media cannot be spoken about (the rows would pass `SPEECH_MEDIA_BYTES`, or the talker
-            reads what the server does not keep), naming `messages`.
+            reads what the server does not keep), naming `messages`; `SpeechOverloaded` (HTTP 429) when every row
+            of the engine's speech pool speaks (`speech_engine.pool_full`), before anything is fed.
     """
+    full = pool_full(context)
+    if full is not None:
+        raise SpeechOverloaded(f"'modalities': {full}")
     ids = prompt_ids(chunks)
     if not any(c.embed_mask is not None and np.asarray(c.embed_mask).any() for c in chunks):
         return SpokenPrompt(ids)  # text only
@@ -234,12 +242,20 @@ def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: s
 
 
 async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
-                       answer: Sequence[int], media: Sequence[MediaRows] = ()) -> AsyncIterator[np.ndarray]:
-    """The answer spoken, int16 PCM chunk by chunk; the replay of media rows, the talker and each vocoder call run in
-    a worker thread. `prompt`: the ids, or a `SpokenPrompt` (its media rows awaited first)."""
+                       answer: Sequence[int], media: Sequence[MediaRows] = ()) -> AsyncGenerator[np.ndarray, None]:
+    """The answer spoken, int16 PCM chunk by chunk. On an engine with a speech pool (Qwen3-Omni) it is an utterance
+    of the pool (`speech_engine.pool_pieces`: batched on the engine's ticks, admission counted; `SpeechOverloaded`
+    when no room comes within `queue_timeout_s`); otherwise (Qwen2.5-Omni) the talker and each vocoder call run in a
+    worker thread. The replay of media rows runs in a worker thread. `prompt`: the ids, or a `SpokenPrompt` (its
+    media rows awaited first)."""
     if isinstance(prompt, SpokenPrompt):
         media = await prompt.media()
         prompt = prompt.ids
+    if speaks_on_pool(context):  # Qwen3-Omni: an utterance of the engine's speech pool (`speech_engine`)
+        if len(answer):
+            async for pcm in pool_pieces(context, prompt, answer, audio.voice, media):
+                yield pcm16(pcm)
+        return
     chunks = await asyncio.to_thread(_speak, context.model, prompt, answer, audio.voice,
                                      context.options.max_speech_tokens, media)
     done = object()

@@ -7,11 +7,16 @@ and `audio.output.format` `{"type": "audio/pcm", "rate": 24000}`; `response.crea
 `["text"]` for one response. A spoken response is one assistant message item whose part is `output_audio`: the text
 as the engine decodes it, as `response.output_audio_transcript.delta`s, then the answer spoken
 (`omnijax.serve.speech_output.speak_pieces`: the talker over the whole answer, the vocoder in chunks of `FIRST_CHUNK`
-codec frames then `CHUNK`, each in a worker thread, never on the event loop) as `response.output_audio.delta`s (base64
+codec frames then `CHUNK`; Qwen3-Omni as an utterance of the engine's speech pool, batched on its ticks with every
+other speaking session and counted by admission, Qwen2.5-Omni in worker threads; never on the event loop) as
+`response.output_audio.delta`s (base64
 16-bit PCM at 24 kHz, one per vocoder chunk, as it is decoded), then `response.output_audio.done`,
 `response.output_audio_transcript.done`, `conversation.item.done` (the part `{"type": "output_audio", "transcript"}`:
 the server keeps no audio) and `response.done` (`output_modalities` ["audio"], `audio.output` its voice and format).
-`response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled").
+`response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled"; the utterance leaves
+the pool). A `response.create` asking for audio while every row of the speech pool speaks is refused by name
+(`overloaded`, the session unchanged); a pool that fills while the answer is decoded is waited on for up to
+`ServeOptions.queue_timeout_s`, then the response ends "failed" with an `overloaded` error naming the cap.
 
 The talker's prompt is the text the session fed, in order (every item's and instruction's template rendering, the
 tool results, each response's generation prompt and earlier answers as decoded), through this response's generation
@@ -39,6 +44,7 @@ user turns and needs no replay.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -49,6 +55,7 @@ import numpy as np
 from omnijax.models.speech import MediaRows
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
+from omnijax.serve.speech_engine import SpeechOverloaded, pool_full
 from omnijax.serve.speech_output import AudioOutput, MediaReplay, retrieve_exception, speak_pieces
 
 if TYPE_CHECKING:
@@ -175,6 +182,10 @@ def response_modalities(session: RealtimeSession, asked: tuple | None, eid: str 
     if why is not None:
         raise rte.RealtimeEventError("unsupported", f"this response cannot be spoken: {why}; ask for "
                                      "output_modalities [\"text\"]", event_id=eid, param=param)
+    full = pool_full(session.context)
+    if full is not None:  # before anything is fed: the session unchanged
+        raise rte.RealtimeEventError("overloaded", f"this response cannot be spoken now: {full}", event_id=eid,
+                                     param=param)
     return modalities, settings.output_voice
 
 
@@ -190,11 +201,16 @@ async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: 
     audio = AudioOutput(voice, "pcm16")
     try:
         media = await asyncio.to_thread(session.spoken.media, len(prompt))
-        async for pcm in speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer, media):
-            if session.spoken.cancelled:
-                return "cancelled"
-            session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),
-                                                         output_index=message.index))
+        async with contextlib.aclosing(speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer,
+                                                    media)) as pieces:  # closed at once on cancel: the pool frees
+            async for pcm in pieces:
+                if session.spoken.cancelled:
+                    return "cancelled"
+                session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),
+                                                             output_index=message.index))
+    except SpeechOverloaded as e:  # the pool stayed full for queue_timeout_s: named, not spoken
+        session.send(rte.error_event("overloaded", str(e), error_type="server_error"))
+        return "failed"
     except Exception as e:  # noqa: BLE001 - the response ends "failed" and the client is told why
         log.exception("realtime session=%s: speech failed", session.sid)
         session.send(rte.error_event("speech_failed", f"the answer could not be spoken: {type(e).__name__}: {e}",

@@ -164,7 +164,7 @@ def test_admission_refuses_by_name_and_changes_nothing(model):
     with pytest.raises(S.SpeechUnavailableError, match="no speech output"):
         SpeechPool(type("Thinker", (), {"speech": None, "source": "thinker-only"})())
     for bad in (dict(rows=(2, 1)), dict(num_pages=0), dict(chunk=0), dict(max_pages=9, num_pages=4),
-                dict(vocoder_budget_s=0.0)):
+                dict(vocoder_budget_s=0.0), dict(vocoder_rows=0)):
         with pytest.raises(ValueError, match="SpeechConfig"):
             SpeechConfig(**bad)
     engine = Engine(model, EngineConfig(stream=omnijax.StreamConfig(num_pages=8, page_size=16), chunk_tokens=8,

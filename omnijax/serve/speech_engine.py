@@ -1,0 +1,129 @@
+"""The server's spoken answers on the engine's speech pool (Qwen3-Omni; issue 39).
+
+When the served engine has a speech pool (`omnijax.serve.engine.speech.SpeechPool`, built by `build_context` for a
+checkpoint whose speech output is Qwen3-Omni's: `speech_config_for`), chat completions' audio output and Realtime's
+spoken responses speak through `EngineWorker.speak`: each answer is an utterance of the pool, its talker and code
+predictor steps batched with every other speaking session's in the engine's ticks and its vocoder chunks batched
+per tick, so admission counts them (the AIMD cap counts an utterance as an active session; the pool's rows and
+talker pages are reserved up front). Qwen2.5-Omni (Token2Wav) has no pool: its answers are spoken in worker threads
+beside the engine (`speech_output.speak_pieces`' thread path).
+
+Admission, for a route:
+- before anything is fed (chat completions' prompt, Realtime's `response.create`), `pool_full` says whether every row
+  of the pool speaks: the request is refused by name (HTTP 429 `overloaded`, a Realtime `error` event), the
+  conversation unchanged;
+- when the answer is decoded, `pool_pieces` admits it; a pool that filled meanwhile (or whose talker pages or AIMD
+  cap refuse it) is retried each tick for up to `ServeOptions.queue_timeout_s` (as a chat completion waits for an
+  engine row), then refused with `SpeechOverloaded` (HTTP 429, naming the cap).
+An utterance whose stream is closed early (a client gone, `response.cancel`) is cancelled in the pool (its pages
+return). The pool's chunks are float32 PCM; the routes send them as 16-bit PCM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omnijax.models.qwen3_omni.speech import Qwen3Speech
+from omnijax.models.speech import MediaRows
+from omnijax.serve.chat_params import RequestError
+from omnijax.serve.engine.admission import Overloaded
+from omnijax.serve.engine.speech import SpeechConfig
+
+if TYPE_CHECKING:
+    from omnijax.serve.context import ServeContext
+
+__all__ = ["SpeechOverloaded", "pool_full", "pool_pieces", "speaks_on_pool", "speech_config_for"]
+
+_ids = itertools.count()
+
+
+class SpeechOverloaded(RequestError):
+    """A spoken answer the speech pool cannot admit (HTTP 429 `overloaded`, naming the cap)."""
+
+    def __init__(self, message: str, param: str | None = "modalities"):
+        super().__init__(message, status=429, code="overloaded", kind="rate_limit_error", param=param)
+
+
+def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
+                      rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64) -> SpeechConfig | None:
+    """The engine's speech pool for a served model: None unless its speech output is Qwen3-Omni's.
+
+    A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens; the pool
+    holds every row at that length (`num_pages = rows[-1] * max_pages`), so its rows, not its pages, are what fills
+    first. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25).
+    """
+    if not isinstance(getattr(model, "speech", None), Qwen3Speech):
+        return None
+    max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
+    rows = tuple(rows)
+    return SpeechConfig(rows=rows, num_pages=rows[-1] * max_pages, page_size=page_size, max_pages=max_pages)
+
+
+def speaks_on_pool(context: ServeContext) -> bool:
+    """Whether the served engine speaks on its speech pool (else: worker threads)."""
+    return getattr(context.worker.engine, "speech", None) is not None
+
+
+def pool_full(context: ServeContext) -> str | None:
+    """Why a new spoken answer cannot be admitted now (every row of the pool speaks), naming the cap; None: room
+    (or no pool). Read on the event loop: the worker's count of speaking utterances."""
+    pool = getattr(context.worker.engine, "speech", None)
+    if pool is None:
+        return None
+    speaking = len(context.worker.speaking)
+    if speaking < pool.capacity:
+        return None
+    return (f"overloaded: {speaking} answers are being spoken and the engine's speech pool holds at most "
+            f"{pool.capacity} (SpeechConfig.rows); retry later")
+
+
+async def _admit(context: ServeContext, speech_id: str, prompt: np.ndarray, answer: Sequence[int], voice: str,
+                 media: Sequence[MediaRows]) -> Any:
+    worker = context.worker
+    deadline = time.monotonic() + context.options.queue_timeout_s
+    while True:
+        try:
+            return await worker.speak(speech_id, prompt, np.asarray(answer, np.int64), voice=voice,
+                                      max_new_tokens=context.options.max_speech_tokens, media=tuple(media))
+        except Overloaded as e:
+            if worker.stopping or time.monotonic() >= deadline:
+                raise SpeechOverloaded(f"the answer could not be spoken: {e} (waited "
+                                       f"{context.options.queue_timeout_s:g} s for room)") from None
+        await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+async def pool_pieces(context: ServeContext, prompt: np.ndarray, answer: Sequence[int], voice: str,
+                      media: Sequence[MediaRows] = ()) -> AsyncGenerator[np.ndarray, None]:
+    """The answer spoken on the engine's speech pool: float32 PCM per vocoder chunk, as the ticks decode them.
+
+    Raises:
+        SpeechOverloaded: no room within `queue_timeout_s` (nothing was spoken).
+        ValueError: a refusal of the pool (a talker prompt longer than a row holds, a voice the checkpoint lacks),
+            or the utterance failed (a failed tick, the server shutting down), naming why.
+    """
+    speech_id = f"speech-{next(_ids)}"
+    stream = await _admit(context, speech_id, prompt, answer, voice, media)
+    done = False
+    try:
+        while True:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except RuntimeError as e:  # the utterance failed (a failed tick, shutdown): named as the routes name it
+                done = True
+                raise ValueError(str(e)) from None
+            if chunk.pcm.size:
+                yield chunk.pcm
+        done = True
+    finally:
+        if not done:  # closed early (client gone, cancelled): the utterance leaves the pool, its pages return;
+            # shielded: a cancelled caller (a cancel scope cancels every later await) must not leave it unticked there
+            await asyncio.shield(asyncio.ensure_future(context.worker.cancel_speech(speech_id)))
