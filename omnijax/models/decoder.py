@@ -250,12 +250,13 @@ def layer_scan_inputs(config: DecoderConfig, stacked: dict[str, jnp.ndarray]
 def head_logits(config: DecoderConfig, hidden: jnp.ndarray, final_norm: jnp.ndarray, head: jnp.ndarray
                 ) -> jnp.ndarray:
     """Final norm and lm head, `[..., D]` -> `[..., V]` float32, with `head` the stored weight
-    (`Decoder.head_weight`). Outside `jit`, a tied head's transpose is a copy of the embedding (108 MB on SmolLM2):
-    run it eagerly under `jax.jit(head_logits, static_argnums=0)` (`last_logits`), where the transpose folds into
-    the product."""
+    (`Decoder.head_weight`). A tied head contracts the embedding `[V, D]` on its last axis as it lies: written as
+    `embed.T` instead, XLA:CPU copied the transposed table (113 MB on SmolLM2) into every one-row program (a decode
+    step of one sequence, the prefill's last token), and eagerly the transpose was a copy of its own. Run it eagerly
+    through `last_logits` (one compiled call)."""
     h = rms_norm(hidden, final_norm, config.rms_norm_eps)
-    w = head.T if config.tie_embeddings else head
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    spec = "...d,vd->...v" if config.tie_embeddings else "...d,dv->...v"
+    return jnp.einsum(spec, h, head, preferred_element_type=jnp.float32)
 
 
 _head_logits_jit = jax.jit(head_logits, static_argnums=0)
