@@ -218,7 +218,7 @@ def summarize(records: list[dict], results: dict[str, ConfigResult],
             return float(np.mean([r[key] for r in rs])) if rs else float("nan")
 
         stats = {k: np.concatenate([s.stats[k] for s in result.sessions]) for k in result.sessions[0].stats}
-        out[name] = recall_figures(result)
+        out[name] = dict(recall_figures(result))
         out[name] |= {
             "accuracy": {task: {"n": len(rs), "loglik": acc(rs, "correct_loglik"),
                                 "generated": acc(rs, "correct_generated")} for task, rs in sorted(groups.items())},
@@ -237,7 +237,7 @@ def summarize(records: list[dict], results: dict[str, ConfigResult],
     return out
 
 
-def recall_figures(result: ConfigResult) -> dict[str, dict]:
+def recall_figures(result: ConfigResult) -> dict[str, Any]:
     """`{"recall": figures summed over the sessions}` for a config with `StreamConfig(recall=...)`, else `{}`."""
     figures = [s.recall for s in result.sessions if s.recall is not None]
     if not figures:
