@@ -12,14 +12,15 @@ stored as integer codes plus float parameters per group of `g` consecutive rows 
   so GGUF's formulas are reproduced bit for bit in float32. Two codes share a byte: within each group, byte row `j`
   holds row `j` in its low nibble and row `j + g/2` in its high nibble (GGUF's own order inside a 32-row block).
 
-`qmatmul(x, qw)` picks one of two formulations by the number of activation rows (both inside the jitted program):
+`qmatmul(x, qw, method=...)` has two formulations (both inside the jitted program; "auto" picks by the number of
+activation rows, `GROUPED_ROWS`, which is 0 today: always dense, see there):
 
-- "grouped", for a few float32 rows (a decode step): the codes are contracted group by group and the scale applied
+- "grouped", meant for a few float32 rows (a decode step): the codes are contracted group by group and the scale applied
   after each group's sum, `y = sum_G s_G (x_G . q_G) + sum_G o_G sum(x_G)`. It is written as a multiply-reduce, so
   XLA fuses the int8 codes' conversion into the reduction: no float copy of the weight, not even a tile, exists.
   int4's two nibbles (`& 15`, `>> 4`) are contracted with the two halves of each group's `x`, never re-interleaved;
   XLA:CPU writes the two nibble planes as bytes before the reduction (one byte a value, still no float weight).
-- "dense", for many rows (a prefill chunk): `out_block` output columns are dequantised at a time (only that tile
+- "dense": `out_block` output columns are dequantised at a time (only that tile
   exists in float) and multiplied by the library matmul, which amortises the dequantisation over the rows.
 
 `qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle of both. This module imports jax only.
@@ -35,11 +36,12 @@ import jax
 import jax.numpy as jnp
 
 # The most activation rows `qmatmul(method="auto")` contracts grouped, by code width (above: dense tiles and the
-# library matmul). XLA:CPU, SmolLM2's seven projection shapes x 6 layers per call, CPU time over float32's einsum,
-# interleaved on a loaded 2-core machine (`quantized --matmul`, bench/quality/RESULTS.md): int8 grouped 0.52 / 0.83 /
-# 0.87x at 1 / 2 / 8 rows (dense 1.27 / 2.28 / 1.99x); int4 g32 grouped 0.99 / 1.69x at 1 / 2 rows (dense 1.34 /
-# 2.26x), but 2.24x at 8 rows against dense 1.93x, so int4 stops at 4 rows (1.7x vs 2.3x dense in a first run).
-GROUPED_ROWS = {8: 16, 4: 4}
+# library matmul). 0: auto is always dense. The grouped formulation wins alone on XLA:CPU (`quantized --matmul`, CPU
+# time over float32 at 1 / 2 rows: int8 0.52 / 0.83x vs dense 1.27 / 2.28x; int4 g32 0.99 / 1.69x vs 1.34 / 2.26x),
+# but in SmolLM2's decode step, run beside the dense build at the same time, it decoded slower: int8 1.17x vs 0.84x
+# float32, int4 g32 2.46x vs 0.89x (an earlier sequential pair said the opposite for int8: 0.77x vs 1.01x).
+# bench/quality/RESULTS.md has the figures; until a quiet machine settles it, auto stays dense.
+GROUPED_ROWS = {8: 0, 4: 0}
 METHODS = ("auto", "grouped", "dense")
 GROUP_SIZES = (32, 64, 128)  # what `quantize` offers (`omnijax convert --group-size`)
 INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # 16: GGUF Q6_K's sub-blocks, only ever repacked from a file
@@ -246,7 +248,7 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
             576 x 1536 layers; smaller tiles measured no faster. The grouped formulation makes no float tile at all,
             so any `out_block` bound holds for it too.
         method: "grouped" (float32 `x` only: it accumulates in float32, as the reference does for float32), "dense",
-            or "auto": grouped for float32 `x` of at most `GROUPED_ROWS[bits]` rows, else dense.
+            or "auto": grouped for float32 `x` of at most `GROUPED_ROWS[bits]` rows (0 today), else dense.
 
     Returns:
         `[..., out]` in `preferred_element_type` (accumulated in float32 by the grouped formulation, as `jnp.matmul`
