@@ -92,7 +92,7 @@ def rope_of(config) -> tuple:
 
 def measure_scoring(config, args, rng) -> list[dict]:
     """Milliseconds per question of each scoring against host tiers of each `--stored` size."""
-    from omnijax.kv import host_tier
+    from omnijax.kv import host_tier_scoring
     from omnijax.kv.host_tier_two_stage import score_units_two_stage
 
     rows = []
@@ -101,9 +101,9 @@ def measure_scoring(config, args, rng) -> list[dict]:
     rope = rope_of(config)
     for stored in args.stored:
         tier = random_tier(config, stored, args.unit, rng)
-        cases = {"mass": lambda t=tier: host_tier.score_units_mass(t, queries, rope),
-                 "max": lambda t=tier: host_tier.score_units(t, queries.mean(axis=1), "max"),
-                 "mean": lambda t=tier: host_tier.score_units(t, queries.mean(axis=1), "mean"),
+        cases = {"mass": lambda t=tier: host_tier_scoring.score_units_mass(t, queries, rope),
+                 "max": lambda t=tier: host_tier_scoring.score_units(t, queries.mean(axis=1), "max"),
+                 "mean": lambda t=tier: host_tier_scoring.score_units(t, queries.mean(axis=1), "mean"),
                  "two_stage": lambda t=tier: score_units_two_stage(t, queries, queries.mean(axis=1), rope,
                                                                    args.shortlist)}
         cases = {name: run for name, run in cases.items() if name in args.scorings}

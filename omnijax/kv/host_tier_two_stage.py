@@ -1,8 +1,8 @@
 """Two-stage retrieval over a host tier (issue 40): the per-unit summaries pick a shortlist, "mass" ranks it.
 
-"mass" scoring (`omnijax.kv.host_tier.score_units_mass`) reads every stored key for every question: its cost grows
-with the tier (seconds per question at 4K-16K stored tokens on a CPU), while "mean" reads one summary key per layer
-and kv head per unit (milliseconds) but ranks a single salient sentence below recent filler. Two stages keep the
+"mass" scoring (`omnijax.kv.host_tier_scoring.score_units_mass`) reads every stored key for every question: its cost
+grows with the tier (seconds per question at 4K-16K stored tokens on a CPU), while "mean" reads one summary key per
+layer and kv head per unit (milliseconds) but ranks a single salient sentence below recent filler. Two stages keep the
 ranking of "mass" at a cost that no longer grows with the stored keys: "mean" picks the `shortlist` best units from
 the summaries alone, and only those units' keys are read to rank them by their attention mass. Units off the
 shortlist get the score `-inf` (never recalled).
@@ -17,7 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from omnijax.kv.host_tier import HostTier, score_units, score_units_mass
+from omnijax.kv.host_tier import HostTier
+from omnijax.kv.host_tier_scoring import score_units, score_units_mass
 
 
 def shortlist_units(tier: HostTier, query: np.ndarray, shortlist: int) -> np.ndarray:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.kv import rope as rope_lib
-from omnijax.kv.host_tier import RECALL_SCORINGS, UnitKV
+from omnijax.kv.host_tier import UnitKV
+from omnijax.kv.host_tier_scoring import RECALL_SCORINGS
 from omnijax.kv.paged import PagedKV, SlotMeta, append
 
 
@@ -45,10 +46,10 @@ class Recall:
             the cache) and stay in the tier; True: they stay in the cache as ordinary content, leave the tier, and
             are stored again if the policy evicts them later.
         scoring: how stored units are ranked against the question: "mass" (default;
-            `omnijax.kv.host_tier.score_units_mass`, the position-free attention mass a unit would draw), "max"
-            (each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the per-unit
-            summaries alone) (`omnijax.kv.host_tier.score_units`), or "two_stage": "mean" picks `shortlist` units
-            from the summaries, "mass" ranks them, the rest are never recalled
+            `omnijax.kv.host_tier_scoring.score_units_mass`, the position-free attention mass a unit would draw),
+            "max" (each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the per-unit
+            summaries alone) (`omnijax.kv.host_tier_scoring.score_units`), or "two_stage": "mean" picks `shortlist`
+            units from the summaries, "mass" ranks them, the rest are never recalled
             (`omnijax.kv.host_tier_two_stage.score_units_two_stage`; with a shortlist covering the whole tier it
             ranks exactly as "mass").
         shortlist: units "two_stage" reads the keys of (> 0; unused by the other scorings, refused with them

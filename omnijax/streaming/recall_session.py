@@ -10,8 +10,8 @@ in several steps). The copy is one device copy of the cache per chunk; a step th
 Question time. A chunk with tokens that asks for an answer (`answer_tokens > 0`) is a question: before its step,
 the question's queries are computed against the current cache (a forward of the chunk through a throwaway copy of
 the cache, every layer's queries of every token), the stored units are scored (`Recall.scoring`: by default
-`omnijax.kv.host_tier.score_units_mass` on the queries and keys before RoPE; "max" and "mean" read the queries
-averaged over the question's tokens, `omnijax.kv.host_tier.score_units`), the best ones within `Recall.budget`
+`omnijax.kv.host_tier_scoring.score_units_mass` on the queries and keys before RoPE; "max" and "mean" read the queries
+averaged over the question's tokens, `omnijax.kv.host_tier_scoring.score_units`), the best ones within `Recall.budget`
 cells and `Recall.top_units` units are selected and written back as cache pages
 (`omnijax.retention.recall.recall_into`), and the step answers over them.
 `Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
@@ -57,7 +57,7 @@ from flax import nnx
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.kv import attention as attention_lib
-from omnijax.kv import host_tier, host_tier_disk
+from omnijax.kv import host_tier, host_tier_disk, host_tier_scoring
 from omnijax.kv import paged as paged_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier_two_stage import score_units_two_stage
@@ -402,17 +402,17 @@ class RecallSession:
             scoring = self.recall_config.scoring
             if scoring in ("mass", "two_stage"):  # queries turned back to before RoPE, as the stored keys
                 pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(jax.device_get(state.next_pos[0]))
-                raw = np.swapaxes(host_tier.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
-                scores = host_tier.score_units_mass(self.tier, raw, self.rope) if scoring == "mass" else \
+                raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
+                scores = host_tier_scoring.score_units_mass(self.tier, raw, self.rope) if scoring == "mass" else \
                     score_units_two_stage(self.tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
             else:
-                scores = host_tier.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
+                scores = host_tier_scoring.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
         else:
             scores = np.zeros((0,), np.float32)
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))
         budget = max(0, min(self.recall_config.budget, room(state.kv) - need))
         ranked = np.flatnonzero(np.isfinite(scores))  # "two_stage" scores units off its shortlist -inf
-        chosen = ranked[host_tier.select_units(scores[ranked], self.tier.sizes[ranked], budget,
+        chosen = ranked[host_tier_scoring.select_units(scores[ranked], self.tier.sizes[ranked], budget,
                                                self.recall_config.top_units)]
         units = tuple(self.tier.units[i] for i in chosen)
         kv, next_pos = state.kv, state.next_pos

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omnijax.chunks.spans import SpanKind
-from omnijax.kv import attention, host_tier, paged
+from omnijax.kv import attention, host_tier, host_tier_scoring, paged
 from omnijax.kv import rope as rope_lib
 from omnijax.retention import UnitFIFO, base, recall
 
@@ -54,24 +54,24 @@ def test_tier_drops_oldest_first_reports_every_drop_and_refuses_a_unit_over_budg
     assert [u.unit for u in taken] == [3] and 3 not in [u.unit for u in rest.units]
 
 
-@pytest.mark.parametrize("scoring", host_tier.SCORINGS)
+@pytest.mark.parametrize("scoring", host_tier_scoring.SCORINGS)
 @pytest.mark.parametrize("seed", range(4))
 def test_scores_equal_the_attention_logits_over_every_stored_key(seed, scoring):
     rng = np.random.default_rng(seed)
     tier, _ = host_tier.HostTier(budget_bytes=1 << 24).add(*[_unit(rng, u, int(rng.integers(1, 7)))
                                                               for u in range(5)])
     query = rng.standard_normal((L, H, D)).astype(np.float32)
-    got = host_tier.score_units(tier, query, scoring)
-    np.testing.assert_allclose(got, host_tier.score_units_reference(tier, query, scoring), rtol=1e-5, atol=1e-6)
+    got = host_tier_scoring.score_units(tier, query, scoring)
+    np.testing.assert_allclose(got, host_tier_scoring.score_units_reference(tier, query, scoring), rtol=1e-5, atol=1e-6)
     shared = query[0]  # [Hq, d] used at every layer
-    np.testing.assert_allclose(host_tier.score_units(tier, shared, scoring),
-                               host_tier.score_units_reference(tier, shared, scoring), rtol=1e-5, atol=1e-6)
-    other = host_tier.score_units(tier, query, "mean" if scoring == "max" else "max")
+    np.testing.assert_allclose(host_tier_scoring.score_units(tier, shared, scoring),
+                               host_tier_scoring.score_units_reference(tier, shared, scoring), rtol=1e-5, atol=1e-6)
+    other = host_tier_scoring.score_units(tier, query, "mean" if scoring == "max" else "max")
     assert np.abs(got - other).max() > 1e-3  # the two scorings differ
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        host_tier.score_units(tier, query[:, :3], scoring)
+        host_tier_scoring.score_units(tier, query[:, :3], scoring)
     with pytest.raises(ValueError, match="scoring must be one of"):
-        host_tier.score_units(tier, query, "sum")
+        host_tier_scoring.score_units(tier, query, "sum")
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -81,15 +81,15 @@ def test_selection_equals_the_plain_walk_respects_budgets_and_breaks_ties_by_age
     scores = rng.integers(0, 4, U).astype(np.float32)  # few values: many ties
     sizes = rng.integers(1, 9, U)
     budget, top = int(rng.integers(0, 40)), int(rng.integers(0, 6))
-    got = host_tier.select_units(scores, sizes, budget, top)
-    np.testing.assert_array_equal(got, host_tier.select_units_reference(scores, sizes, budget, top))
+    got = host_tier_scoring.select_units(scores, sizes, budget, top)
+    np.testing.assert_array_equal(got, host_tier_scoring.select_units_reference(scores, sizes, budget, top))
     assert sizes[got].sum() <= budget and len(got) <= top
     if len(got):  # every unit ranked above a chosen one is chosen too
         worst = max((-scores[i], i) for i in got)  # ranking key: higher score first, then lower index
         assert all(i in got for i in range(U) if (-scores[i], i) < worst)
-    np.testing.assert_array_equal(host_tier.select_units(np.zeros(3), np.ones(3, int), 2, 5), [0, 1])
+    np.testing.assert_array_equal(host_tier_scoring.select_units(np.zeros(3), np.ones(3, int), 2, 5), [0, 1])
     with pytest.raises(ValueError, match="recall_budget_cells"):
-        host_tier.select_units(scores, sizes, -1, top)
+        host_tier_scoring.select_units(scores, sizes, -1, top)
 
 
 @pytest.mark.parametrize("scheme", list(SECTIONS))
@@ -164,8 +164,8 @@ def test_evict_store_recall_attends_like_a_cache_built_at_the_final_positions(sc
 
     # Question time: score, select, recall.
     query = rng.standard_normal((L, H, D)).astype(np.float32)
-    scores = host_tier.score_units(tier, query)
-    chosen = host_tier.select_units(scores, tier.sizes, 12, 1 if take == "top1" else 2)
+    scores = host_tier_scoring.score_units(tier, query)
+    chosen = host_tier_scoring.select_units(scores, tier.sizes, 12, 1 if take == "top1" else 2)
     assert list(chosen) == ([int(np.argmax(scores))] if take == "top1" else [0, 1])
     tier, units = tier.take(chosen)
     recalled, cursor2 = recall.recall_into(trimmed, units, cursor, rope=(THETA, section))

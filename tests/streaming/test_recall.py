@@ -281,7 +281,7 @@ def test_mass_scoring_is_the_attention_mass_before_rope():
     # equals the log-sum-exp over each unit's raw keys, token by token in plain Python, wherever the unit sits.
     import math
 
-    from omnijax.kv import host_tier
+    from omnijax.kv import host_tier, host_tier_scoring
 
     rng = np.random.default_rng(0)
     L, G, Hq, d, T = 2, 2, 4, 8, 3
@@ -306,12 +306,12 @@ def test_mass_scoring_is_the_attention_mass_before_rope():
                     top = max(logits)
                     total += top + math.log(sum(math.exp(a - top) for a in logits))
         want.append(total / (L * Hq * T))
-    got = host_tier.score_units_mass(tier, queries, rope)
+    got = host_tier_scoring.score_units_mass(tier, queries, rope)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     moved = [dataclasses.replace(u, pos=u.pos + 1000, k=np.asarray(rerotate(u.k, u.pos, u.pos + 1000, theta=rope[0],
                                                                               mrope_section=None)))
              for u in units]
-    np.testing.assert_allclose(host_tier.score_units_mass(dataclasses.replace(tier, units=tuple(moved)), queries,
-                                                          rope), got, rtol=1e-4, atol=1e-4)
+    moved_tier = dataclasses.replace(tier, units=tuple(moved))
+    np.testing.assert_allclose(host_tier_scoring.score_units_mass(moved_tier, queries, rope), got, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="queries must be"):
-        host_tier.score_units_mass(tier, queries[:, :, :3], rope)
+        host_tier_scoring.score_units_mass(tier, queries[:, :, :3], rope)

@@ -9,7 +9,7 @@ import pytest
 
 import omnijax
 from omnijax.chunks.chunk import text_chunk
-from omnijax.kv import host_tier
+from omnijax.kv import host_tier, host_tier_scoring
 from omnijax.kv.host_tier_two_stage import score_units_two_stage, shortlist_units
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import SinkWindow
@@ -38,10 +38,10 @@ def test_two_stage_scores_are_mass_on_the_summaries_shortlist(seed):
     U = len(tier.units)
     queries = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)  # [L, T, Hq, d] before RoPE
     query = rng.normal(size=(2, 4, 8)).astype(np.float32)  # rotated, averaged
-    mass = host_tier.score_units_mass(tier, queries, ROPE)
+    mass = host_tier_scoring.score_units_mass(tier, queries, ROPE)
     for n in (U, U + 5):  # the whole tier: "mass" bit for bit
         np.testing.assert_array_equal(score_units_two_stage(tier, queries, query, ROPE, n), mass)
-    plain = host_tier.score_units_reference(tier, query, "mean")  # token by token, in Python loops
+    plain = host_tier_scoring.score_units_reference(tier, query, "mean")  # token by token, in Python loops
     for n in (1, 3, U - 1):
         want = sorted(range(U), key=lambda i: (-float(plain[i]), i))[:n]
         got = score_units_two_stage(tier, queries, query, ROPE, n)

@@ -1,0 +1,200 @@
+"""Scoring the units a `HostTier` stores against a question's queries, and selecting the ones to recall within a
+budget of cells: `score_units` ("max" / "mean" over the per-unit summaries), `score_units_mass` (every stored key,
+the attention mass each unit would get), and `select_units`; each with its plain-Python `*_reference`.
+
+The store itself is `omnijax.kv.host_tier`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from omnijax.kv import rope as rope_lib
+from omnijax.kv.host_tier import HostTier
+
+
+def _check_query(query: np.ndarray, summaries: np.ndarray) -> np.ndarray:
+    query = np.asarray(query, np.float32)
+    L, G, d = summaries.shape[1:]
+    if query.ndim == 2:
+        query = np.broadcast_to(query, (L,) + query.shape)
+    if query.ndim != 3 or query.shape[0] != L or query.shape[2] != d or query.shape[1] % G:
+        raise ValueError(f"query must be [L={L}, Hq, d={d}] or [Hq, d] with Hq a multiple of kv heads G={G}, "
+                         f"got {query.shape}")
+    return query
+
+
+SCORINGS = ("max", "mean")
+
+
+def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
+    """`[U]` float32 relevance of each stored unit to a question.
+
+    With h's logit over key t of unit u `a[u, l, h, t] = query[l, h] . k[u, l, h // (Hq / G), t] / sqrt(d)`
+    (grouped-query: head h reads kv head h // (Hq / G)):
+
+        "mean": the mean over l, h and t of a, i.e. the question's mean attention logit over the unit's keys, read from
+            the summaries alone (`L * G * d` floats per unit, one einsum for all units).
+        "max": the mean over l and h of the max over t of a: how strongly the unit's most salient token draws each
+            head. It reads every stored key (one einsum per unit, `L * Hq * n * d` multiply-adds), and finds a single
+            salient sentence the mean dilutes: on SmolLM2's multi-turn pass key (SinkWindow 256 cells, 29 stored
+            pieces) "max" ranked the key's unit first where "mean" ranked it eighth, behind recent filler.
+
+    Args:
+        tier: the host tier (U >= 0 units).
+        query: `[L, Hq, d]` the question's (rotated) queries averaged over its tokens, or `[Hq, d]` used at every
+            layer.
+        scoring: one of `SCORINGS`.
+    """
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    summaries = np.stack([u.summary for u in tier.units])  # [U, L, G, d]
+    query = _check_query(query, summaries)
+    L, Hq, d = query.shape
+    G = summaries.shape[2]
+    grouped = query.reshape(L, G, Hq // G, d)
+    if scoring == "mean":
+        logits = np.einsum("lgrd,ulgd->u", grouped, summaries, dtype=np.float64)
+        return (logits / (L * Hq * np.sqrt(d))).astype(np.float32)
+    best = [np.einsum("lgrd,lgnd->lgrn", grouped, u.k.astype(np.float32), dtype=np.float64).max(axis=-1).sum()
+            for u in tier.units]
+    return (np.asarray(best) / (L * Hq * np.sqrt(d))).astype(np.float32)
+
+
+MASS_BATCH_TOKENS = 4096
+"""Stored tokens `score_units_mass` scores per matmul (its float32 logits take `L * Hq * T * 4` bytes per token)."""
+RECALL_SCORINGS = SCORINGS + ("mass", "two_stage")
+"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two, `score_units_mass` and
+`omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
+
+
+def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[L, G, n, d]` float32 keys before RoPE: `k` (rotated at `pos [A, n]`) turned back by `-pos`.
+
+    Args:
+        rope: `(theta, mrope_section, interleaved)` of the model.
+    """
+    theta, section, interleaved = rope
+    angles = rope_lib.rope_angles(jnp.asarray(-np.asarray(pos, np.int32)), k.shape[-1], theta, section, interleaved)
+    return np.swapaxes(np.asarray(rope_lib.apply_rope(jnp.swapaxes(jnp.asarray(k, jnp.float32), 1, 2), angles)), 1, 2)
+
+
+def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[U]` float32: the attention mass each stored unit would draw from a question, position-free.
+
+    With `a[u, l, h, t, i] = q[l, t, h] . key[u, l, h // (Hq / G), i] / sqrt(d)` over the question's tokens t and the
+    unit's tokens i, queries and keys both taken before RoPE, the score is the mean over l, h and t of
+    `log sum_i exp(a)`: the log of the unnormalised attention mass the unit would receive. Before RoPE, because a
+    stored unit's distance to the question is not the one it will have once recalled (re-indexing policies re-lay
+    it), and RoPE's relative term favours whatever was evicted last: on SmolLM2's multi-turn pass key under OmniPick
+    (35 stored pieces of identical filler turns and the key's turn) "max" ranked the key's piece 11th, "max" on the
+    mean query 15th, this score first. The log-sum-exp grows with a unit's size (as the mass it would draw does).
+
+    Args:
+        tier: the host tier.
+        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
+        rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
+    """
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    queries = np.asarray(queries, np.float32)
+    L, G, _, d = tier.units[0].k.shape
+    if queries.ndim != 4 or queries.shape[0] != L or queries.shape[3] != d or queries.shape[2] % G or \
+            queries.shape[1] < 1:
+        raise ValueError(f"queries must be [L={L}, T>=1, Hq, d={d}] with Hq a multiple of kv heads G={G}, got "
+                         f"{queries.shape}")
+    _, T, Hq, _ = queries.shape
+    r = Hq // G
+    # [L, G, r*T, d]: each kv head's query rows (its r query heads x T tokens), scaled by 1 / sqrt(d)
+    grouped = np.ascontiguousarray(queries.reshape(L, T, G, r, d).transpose(0, 2, 3, 1, 4).reshape(L, G, r * T, d))
+    grouped /= np.float32(np.sqrt(d))
+    out = np.zeros(len(tier.units), np.float64)
+    # Units in batches of about MASS_BATCH_TOKENS tokens: one RoPE undo and one BLAS matmul per batch (the logits
+    # [L, G, r*T, tokens] float32 bound the memory), then a log-sum-exp per unit over its segment of the batch.
+    batch: list[int] = []
+    for i in range(len(tier.units)):
+        batch.append(i)
+        if sum(tier.units[j].size for j in batch) >= MASS_BATCH_TOKENS or i == len(tier.units) - 1:
+            units = [tier.units[j] for j in batch]
+            keys = unrotated(np.concatenate([v.k for v in units], axis=2),
+                             np.concatenate([v.pos for v in units], axis=1), rope)  # [L, G, n, d]
+            a = np.matmul(grouped, np.swapaxes(keys, 2, 3))  # [L, G, r*T, n]
+            starts = np.cumsum([0] + [v.size for v in units[:-1]])
+            top = np.maximum.reduceat(a, starts, axis=-1)  # [L, G, r*T, units]
+            sizes = np.asarray([v.size for v in units])
+            mass = np.add.reduceat(np.exp(a - np.repeat(top, sizes, axis=-1)), starts, axis=-1)
+            lse = np.log(mass.astype(np.float64)) + top
+            out[batch] = lse.reshape(-1, len(units)).mean(axis=0)
+            batch = []
+    return out.astype(np.float32)
+
+
+def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
+    """`score_units` token by token, in plain Python loops."""
+    out = []
+    for u in tier.units:
+        L, G, n, d = u.k.shape
+        q = _check_query(query, u.summary[None])
+        Hq = q.shape[1]
+        total = 0.0
+        for layer in range(L):
+            for h in range(Hq):
+                g = h // (Hq // G)
+                logits = [float(np.dot(q[layer, h].astype(np.float64), u.k[layer, g, t].astype(np.float64)))
+                          for t in range(n)]
+                total += max(logits) if scoring == "max" else sum(logits) / n
+        out.append(total / (L * Hq * np.sqrt(d)))
+    return np.asarray(out, np.float32)
+
+
+def _check_select(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int, top_units: int):
+    scores, sizes = np.asarray(scores), np.asarray(sizes)
+    if scores.ndim != 1 or scores.shape != sizes.shape:
+        raise ValueError(f"scores and sizes must both be [U], got {scores.shape} and {sizes.shape}")
+    for name, value in (("recall_budget_cells", recall_budget_cells), ("top_units", top_units)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if np.any(sizes < 1):
+        raise ValueError(f"sizes must be >= 1 cell each, got {sizes.tolist()}")
+    if np.any(np.isnan(scores)):
+        raise ValueError("scores must not hold NaN")
+    return scores, sizes
+
+
+def select_units(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int, top_units: int) -> np.ndarray:
+    """Indices of the units to recall, ascending (storage order, oldest first).
+
+    Units are ranked by score, highest first, ties to the lower index (the older unit); the selection is the longest
+    prefix of that ranking with at most `top_units` units and at most `recall_budget_cells` cells in all. The ranking
+    is honoured strictly: a unit that does not fit stops the selection, so a less relevant unit is never recalled
+    while a more relevant one is left out.
+
+    Args:
+        scores: `[U]` from `score_units`.
+        sizes: `[U]` cells per unit (`HostTier.sizes`).
+        recall_budget_cells: most cells recalled.
+        top_units: most units recalled.
+    """
+    scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
+    rank = np.lexsort((np.arange(scores.size), -scores.astype(np.float64)))
+    cells = np.cumsum(sizes[rank])
+    fits = (cells <= recall_budget_cells) & (np.arange(scores.size) < top_units)
+    count = int(np.argmin(fits)) if not fits.all() else scores.size
+    return np.sort(rank[:count])
+
+
+def select_units_reference(scores: np.ndarray, sizes: np.ndarray, recall_budget_cells: int,
+                           top_units: int) -> np.ndarray:
+    """`select_units` read plainly: walk units best first, stop at the first that breaks a limit."""
+    scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+    taken, cells = [], 0
+    for i in order:
+        if len(taken) == top_units or cells + int(sizes[i]) > recall_budget_cells:
+            break
+        taken.append(i)
+        cells += int(sizes[i])
+    return np.asarray(sorted(taken), np.int64)
