@@ -11,13 +11,11 @@ Full-duplex sessions (MiniCPM-o) do not resume: their streaming audio encoder ke
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import secrets
 from typing import TYPE_CHECKING
 
 from omnijax.serve.engine.snapshot import COUNTER_LIMIT, SessionSnapshot
-from omnijax.serve.realtime.resume import ResumeRefused, store_for
+from omnijax.serve.realtime.resume import ResumeRefused, lease_snapshot
 from omnijax.serve.realtime.snapshot_store import Lease, SnapshotStore
 
 if TYPE_CHECKING:
@@ -69,28 +67,11 @@ async def native_plan(context: ServeContext, token: str | None, duplex: bool) ->
         ResumeRefused: the server does not resume, the session is full duplex, the token is malformed, held by
             another connection or has no readable native snapshot; named without server paths, nothing held.
     """
-    try:
-        store = store_for(context)
-    except ValueError as e:
-        raise ResumeRefused("the server's snapshot directory cannot be used (see the server's log)") from e
-    if duplex:
+    if duplex:  # never snapshotted, so its connection neither leases a token nor reads the snapshot directory
         if token is not None:
             raise ResumeRefused("full-duplex sessions do not resume (their audio encoder's state is not snapshotted)")
         return NativePlan(None, None)
-    if store is None:
-        if token is not None:
-            raise ResumeRefused("this server does not resume sessions: start it with --snapshot-dir")
-        return NativePlan(None, None)
-    if token is None:
-        token = secrets.token_hex(16)
-        return NativePlan(store, token, store.lease_new(token))
-    lease = None
-    try:
-        lease = await store.acquire(token)
-        snapshot = await asyncio.to_thread(store.load, lease)
-        seq, unit = restored_counters(snapshot, context.options.frame_ms, context.options.model_name)
-        return NativePlan(store, token, lease, snapshot, seq, unit)
-    except (ValueError, OSError) as e:  # SnapshotStoreError and ResumeRefused are ValueErrors
-        if lease is not None:
-            store.release(lease)
-        raise ResumeRefused(store.public_message(e)) from e
+    leased = await lease_snapshot(context, token, lambda snapshot: restored_counters(
+        snapshot, context.options.frame_ms, context.options.model_name))
+    seq, unit = leased.checked if leased.checked is not None else (0, 0)
+    return NativePlan(leased.store, leased.token, leased.lease, leased.snapshot, seq, unit)

@@ -32,7 +32,8 @@ import logging
 import secrets
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from omnijax.conversation import Conversation
 from omnijax.serve.engine.snapshot import COUNTER_LIMIT, SessionSnapshot
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from omnijax.serve.realtime.session import RealtimeSession
 
 log = logging.getLogger("omnijax.serve")
+Checked = TypeVar("Checked")  # what a connection's check makes of a snapshot it resumes
 _stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 TOKENS_LIMIT = 2 ** 53  # token counts (usage), as JSON numbers stay exact
 
@@ -95,23 +97,50 @@ async def resume_plan(context: ServeContext, token: str | None) -> ResumePlan:
         ResumeRefused: the server does not resume, the token is malformed, held by another connection or has no
             readable snapshot, or its meta does not check; the message names no server path, nothing stays held.
     """
+    leased = await lease_snapshot(context, token, lambda snapshot: restored(snapshot, context.options.model_name))
+    return ResumePlan(leased.store, leased.token, leased.lease, leased.snapshot, leased.checked)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leased(Generic[Checked]):
+    """A connection's token and lease (None without a store) and, when it resumes, its snapshot and what the
+    connection's own check made of it."""
+
+    store: SnapshotStore | None
+    token: str | None
+    lease: Lease | None = None
+    snapshot: SessionSnapshot | None = None
+    checked: Checked | None = None
+
+
+async def lease_snapshot(context: ServeContext, token: str | None,
+                         check: Callable[[SessionSnapshot], Checked]) -> Leased[Checked]:
+    """What Realtime and native connections share: without `token`, a fresh token and its lease; with it, the
+    token's lease and snapshot, loaded off the event loop and passed through `check` (which raises `ResumeRefused`
+    or another ValueError for a snapshot this connection cannot continue).
+
+    Raises:
+        ResumeRefused: the server does not resume (no or an unusable snapshot directory), the token is malformed,
+            held by another connection, has no readable snapshot or fails `check`; the message names no server
+            path and nothing stays held.
+    """
     try:
         store = store_for(context)
     except ValueError as e:  # an unusable directory (opened at the first connection outside `omnijax serve`)
-        log.error("realtime: the snapshot directory cannot be used: %s", e)
+        log.error("resume: the snapshot directory cannot be used: %s", e)
         raise ResumeRefused("the server's snapshot directory cannot be used (see the server's log)") from e
     if store is None:
         if token is not None:
             raise ResumeRefused("this server does not resume sessions: start it with --snapshot-dir")
-        return ResumePlan(None, None)
+        return Leased(None, None)
     if token is None:
         token = secrets.token_hex(16)
-        return ResumePlan(store, token, store.lease_new(token))
+        return Leased(store, token, store.lease_new(token))
     lease = None
     try:
         lease = await store.acquire(token)
         snapshot = await asyncio.to_thread(store.load, lease)
-        return ResumePlan(store, token, lease, snapshot, restored(snapshot, context.options.model_name))
+        return Leased(store, token, lease, snapshot, check(snapshot))
     except (ValueError, OSError) as e:  # SnapshotStoreError and ResumeRefused are ValueErrors
         if lease is not None:
             store.release(lease)
