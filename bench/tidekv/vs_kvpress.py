@@ -222,7 +222,33 @@ def main(argv=None) -> int:
     harness.write_json(out, "vs_kvpress", {"smoke": bool(args.smoke), "rounds": args.rounds, "calls": args.calls,
                                            "base": args.base,
                                            "ratio": args.ratio, "rows": rows, "table": table})
+    plot(table, out)
     return 0
+
+
+def plot(table: list[dict], out: Path) -> None:
+    """`vs_kvpress.png`: TideKV / kvpress time (wall and CPU) and memory growth of the call per prompt length, with
+    the issue's targets (time <= 1, growth <= 0.5) drawn."""
+    plt = harness.pyplot()
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(9, 3.5))
+    x = [r["length"] for r in table]
+    ax_time.plot(x, [r["wall_ratio"] for r in table], marker="o", label="wall")
+    ax_time.plot(x, [r["cpu_ratio"] for r in table], marker="s", label="CPU")
+    ax_time.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="target <= 1")
+    ax_time.set_title("TideKV / kvpress SnapKV: time of the call", fontsize=9)
+    ax_mem.plot(x, [r["growth_ratio"] for r in table], marker="o", label="call growth")
+    ax_mem.plot(x, [r["transient_ratio"] for r in table], marker="s", label="growth without the kept K/V")
+    ax_mem.axhline(0.5, color="gray", linestyle="--", linewidth=1, label="target <= 0.5")
+    ax_mem.set_title("TideKV / kvpress SnapKV: memory growth", fontsize=9)
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(s) for s in x])
+        ax.minorticks_off()
+        ax.set_xlabel("prompt tokens S")
+        ax.set_ylabel("ratio")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    harness.save_png(fig, out, "vs_kvpress")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 from omnijax._checks import JsonConfig, check_config_fields, int_fields
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, understood_attributes
@@ -20,16 +23,17 @@ __all__ = ["QWEN3_OMNI_30B_A3B_AUDIO", "Qwen3AudioConfig", "Qwen3AudioConfigErro
            "conv_tokens"]
 
 _MODEL_TYPE = "qwen3_omni_moe_audio_encoder"
+Length = TypeVar("Length", int, np.ndarray, "jax.Array")  # a length, or an array of them (host or device)
 _REFERENCE_CHUNK = 100  # frames per chunk hard-coded in the reference's token-count formula
 _REFERENCE_CHUNK_TOKENS = 13
 
 
-def ceil_half(n):
+def ceil_half(n: Length) -> Length:
     """Output length of a kernel-3, stride-2, padding-1 convolution over `n` positions (works on arrays too)."""
     return (n + 1) // 2
 
 
-def conv_tokens(n):
+def conv_tokens(n: Length) -> Length:
     """Tokens three stride-2 convolutions make of `n` frames."""
     return ceil_half(ceil_half(ceil_half(n)))
 

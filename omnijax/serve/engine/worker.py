@@ -295,6 +295,11 @@ class EngineWorker(SpeakingWorker):
         if self.stopping:
             answer._finish("failed", "the server is shutting down")
             return answer
+        if self.tau < 1:  # every frame would ask for 0 tokens and the answer would wait for ever
+            answer._finish("failed", "this server decodes no answers: its StreamConfig has max_answer_tokens=0 "
+                                     "(tau, set for full-duplex serving); serve with --answer-tokens >= 1 (or "
+                                     "StreamConfig(max_answer_tokens >= 1) in build_context)")
+            return answer
         for chunk in prompt.parts[:-1]:
             lane.pending.append(_Item(chunk))
         lane.pending.append(_Item(prompt.parts[-1], answer=answer))

@@ -86,8 +86,8 @@ def test_a_native_session_moves_to_another_server_and_continues_bit_exactly(mode
     assert [seq for seq, _ in expected] == list(range(FRAMES))
     assert any(tokens for _, tokens in expected), expected  # the frames made the model answer something
 
-    shared = tmp_path / "shared"
-    with BackgroundServer(_context(model, shared)) as first:
+    snapshots = tmp_path / "snapshots"
+    with BackgroundServer(_context(model, snapshots)) as first:
         async def before_move():
             ws, ready = await _hello(_url(first))
             async with ws:
@@ -99,7 +99,7 @@ def test_a_native_session_moves_to_another_server_and_continues_bit_exactly(mode
         token, said, code = asyncio.run(before_move())
     assert code == 1000 and said == expected[:MOVE_AT]
 
-    with BackgroundServer(_context(model, shared)) as second:
+    with BackgroundServer(_context(model, snapshots)) as second:
         async def after_move():
             ws, ready = await _hello(_url(second, token))
             async with ws:

@@ -242,3 +242,21 @@ def test_speak_text_drops_the_markers(golden, tmp_path):
     halves = [UnitResult(tokens=t, listened=False, logits=[]) for t in (words[:1], words[1:])]
     assert "".join(speak_text(r, tokenizer, markers, decoder=decoder) for r in halves) + decoder.flush() == \
         "Hello there"
+
+
+def test_a_response_on_a_server_that_decodes_no_answers_fails_at_once_naming_tau(model, engine):
+    """A duplex engine decodes no answers (`max_answer_tokens=0`): a chat-style response asked of it used to wait
+    for ever (every frame asked for 0 tokens); it fails at once, naming the setting, and queues nothing."""
+    from omnijax.chunks.chunk import text_chunk
+    from omnijax.conversation import Prompt
+
+    chunk = text_chunk([1, 2, 3], length=WIDTH, answer_tokens=0)
+
+    async def body(worker):
+        await worker.open("r")
+        answer = worker.respond("r", Prompt(parts=[chunk], answer_unit=1), 4, lambda unit, n: chunk)
+        return answer, list(worker.lanes["r"].pending)
+
+    answer, pending = _serve(engine, body)
+    assert answer.status == "failed" and "max_answer_tokens=0" in answer.reason and "--answer-tokens" in answer.reason
+    assert pending == []
