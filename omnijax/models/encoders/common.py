@@ -36,6 +36,14 @@ HF_PRETRAINED_CONFIG_ATTRIBUTES = frozenset("""
     tokenizer_class prefix task_specific_params bos_token_id eos_token_id pad_token_id sep_token_id
     decoder_start_token_id _attn_implementation _attn_implementation_autoset
 """.split())
+# Generation settings a Hugging Face config may carry (`PretrainedConfig`'s legacy generation attributes): an
+# encoder never generates, so they change nothing it computes.
+HF_GENERATION_CONFIG_ATTRIBUTES = frozenset("""
+    max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature top_k
+    top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate forced_bos_token_id
+    forced_eos_token_id remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+""".split())
 
 
 class ConfigAttributeError(ConfigError, ValueError):

@@ -46,6 +46,7 @@ from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
 from omnijax.kv import rope as rope_lib
 from omnijax.models.encoders.common import (
+    HF_GENERATION_CONFIG_ATTRIBUTES,
     HF_PRETRAINED_CONFIG_ATTRIBUTES,
     ConfigAttributeError,
     StackedLayers,
@@ -167,12 +168,8 @@ _HF_DEFAULTS = dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
                     fullatt_block_indexes=[7, 15, 23, 31])
 # Attributes with no effect on the math: the generic ones, those the reference does not read, generation settings.
-_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
-    tokens_per_second embed_dim in_chans spatial_patch_size max_length min_length do_sample early_stopping
-    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
-    no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores
-    return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
-    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | HF_GENERATION_CONFIG_ATTRIBUTES | frozenset("""
+    tokens_per_second embed_dim in_chans spatial_patch_size
 """.split())
 
 QWEN2_5_OMNI_7B_VISION = VisionConfig(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,

@@ -16,7 +16,12 @@ if TYPE_CHECKING:
     import jax
 
 from omnijax._checks import JsonConfig, check_config_fields, int_fields
-from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES, ConfigAttributeError, understood_attributes
+from omnijax.models.encoders.common import (
+    HF_GENERATION_CONFIG_ATTRIBUTES,
+    HF_PRETRAINED_CONFIG_ATTRIBUTES,
+    ConfigAttributeError,
+    understood_attributes,
+)
 from omnijax.models.encoders.whisper import UnsupportedAudioConfigError, check_whisper_attributes
 
 __all__ = ["QWEN3_OMNI_30B_A3B_AUDIO", "Qwen3AudioConfig", "Qwen3AudioConfigError", "audio_token_count", "ceil_half",
@@ -158,13 +163,9 @@ _HF_DEFAULTS = dict(num_mel_bins=128, d_model=1280, encoder_layers=32, encoder_a
                     encoder_ffn_dim=5120, downsample_hidden_size=480, output_dim=3584, n_window=100,
                     n_window_infer=400, max_source_positions=1500)
 # Checked by `check_whisper_attributes`, without effect at inference, or generic/generation settings.
-_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
+_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | HF_GENERATION_CONFIG_ATTRIBUTES | frozenset("""
     activation_function scale_embedding num_hidden_layers layer_norm_eps dropout attention_dropout activation_dropout
-    conv_chunksize max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty
-    temperature top_k top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size
-    encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores return_dict_in_generate
-    forced_bos_token_id forced_eos_token_id remove_invalid_values exponential_decay_length_penalty suppress_tokens
-    begin_suppress_tokens
+    conv_chunksize
 """.split())
 
 QWEN3_OMNI_30B_A3B_AUDIO = Qwen3AudioConfig()

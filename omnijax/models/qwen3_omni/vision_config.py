@@ -13,6 +13,7 @@ from typing import Any
 from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.errors import UnsupportedConfigError
 from omnijax.models.encoders.common import (
+    HF_GENERATION_CONFIG_ATTRIBUTES,
     HF_PRETRAINED_CONFIG_ATTRIBUTES,
     ConfigAttributeError,
     understood_attributes,
@@ -170,12 +171,8 @@ _HF_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", 
                     in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
                     num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
                     apply_vit_abs_pos_embed=True, image_size=None)
-_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
-    tokens_per_second in_chans spatial_patch_size max_length min_length do_sample early_stopping num_beams
-    num_beam_groups diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
-    no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores
-    return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
-    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+_HF_HARMLESS = HF_PRETRAINED_CONFIG_ATTRIBUTES | HF_GENERATION_CONFIG_ATTRIBUTES | frozenset("""
+    tokens_per_second in_chans spatial_patch_size
 """.split())
 
 QWEN3_OMNI_30B_A3B_VISION = Qwen3VisionConfig()
