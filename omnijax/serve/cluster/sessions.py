@@ -4,7 +4,9 @@ A drain (`ReplicaSessions.cut_all`) makes each open WebSocket's application see 
 returns `websocket.disconnect`), which is exactly what a client's own disconnect does: a Realtime session cancels
 the response still decoding, writes its last snapshot and lets its resume token go. Only when the application has
 returned is the client sent close code 1012 ("service restart"), so a client that reconnects at the close finds its
-session's newest snapshot already on disk, on whichever replica the router sends it to.
+session's newest snapshot already on disk, on whichever replica the router sends it to. An application that closes
+the cut connection itself with a normal close (1000: a native session does, once its snapshot is written) has that
+close sent as 1012 too.
 
 The middleware also learns each Realtime or native connection's resume token (the `?resume=` it connected with, or
 the one the server's `session.created` event, or native `ready` message, gave it), which the replica reports to the
@@ -25,6 +27,7 @@ from urllib.parse import parse_qs
 log = logging.getLogger("omnijax.serve")
 REPLICA_HEADER = "x-omnijax-replica"
 CLOSE_SERVICE_RESTART = 1012  # RFC 6455: the server restarts; the client may reconnect
+DRAINED_REASON = "replica drained; reconnect (with ?resume=<token>) to continue"
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -86,6 +89,10 @@ class ReplicaSessions:
         async def sending(message: Message) -> None:
             nonlocal closed
             kind = message["type"]
+            if kind == "websocket.close" and connection.cut.is_set() and message.get("code", 1000) == 1000:
+                # the application closes normally on the disconnect the drain made up (a native session does, after
+                # its snapshot): the client is told the truth, a restart to reconnect from
+                message = {**message, "code": CLOSE_SERVICE_RESTART, "reason": DRAINED_REASON}
             if kind == "websocket.close" or kind.startswith("websocket.http.response"):
                 closed = True
             elif kind == "websocket.send" and not connection.sniffed and message.get("text"):
@@ -99,8 +106,7 @@ class ReplicaSessions:
             self.connections.discard(connection)
             if connection.cut.is_set() and not closed:
                 with contextlib.suppress(Exception):  # the client may be gone already
-                    await send({"type": "websocket.close", "code": CLOSE_SERVICE_RESTART,
-                                "reason": "replica drained; reconnect (with ?resume=<token>) to continue"})
+                    await send({"type": "websocket.close", "code": CLOSE_SERVICE_RESTART, "reason": DRAINED_REASON})
             connection.done.set()
 
     def _stamped(self, send: Send) -> Send:

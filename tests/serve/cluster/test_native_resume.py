@@ -9,7 +9,6 @@ sends the next (no frame superseded), so the two runs see the same frames."""
 import asyncio
 import json
 
-import numpy as np
 import pytest
 
 websockets = pytest.importorskip("websockets")
@@ -19,6 +18,9 @@ from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
+from tests.serve.cluster.native_client import frames as _frames  # noqa: E402
+from tests.serve.cluster.native_client import hello as _hello  # noqa: E402
+from tests.serve.cluster.native_client import refused as _refused  # noqa: E402
 
 FRAMES = 6
 MOVE_AT = 3
@@ -39,40 +41,6 @@ def _context(model, snapshot_dir):
 def _url(server, resume: str | None = None) -> str:
     base = server.base_url.replace("http://", "ws://").replace("/v1", "/session")
     return base if resume is None else f"{base}?resume={resume}"
-
-
-def _frame(k: int, n: int) -> bytes:
-    t = np.arange(n) / 16000
-    return (3000 * np.sin(2 * np.pi * (220 + 40 * k) * t)).astype("<i2").tobytes()
-
-
-async def _frames(ws, ready: dict, ks) -> list[tuple[int, list[int]]]:
-    """Sends frames `ks` one at a time, each after the previous one's tokens came; returns (seq, tokens) each."""
-    out = []
-    for k in ks:
-        await ws.send(_frame(k, ready["frame_samples"]))
-        while True:
-            reply = json.loads(await ws.recv())
-            assert reply["type"] in ("frame", "late_tokens"), reply
-            if reply["type"] == "late_tokens" or not reply["late"]:
-                out.append((reply["seq"], reply["tokens"]))
-                break
-    return out
-
-
-async def _hello(url: str) -> tuple:
-    ws = await websockets.connect(url)
-    await ws.send(json.dumps({"type": "hello", "sample_rate": 16000}))
-    return ws, json.loads(await ws.recv())
-
-
-async def _refused(url: str) -> tuple[dict, int | None]:
-    ws, first = await _hello(url)
-    try:
-        await ws.recv()
-    except websockets.ConnectionClosed as e:
-        return first, e.rcvd.code if e.rcvd else None
-    raise AssertionError(f"{url} was not closed after {first}")
 
 
 def test_a_native_session_moves_to_another_server_and_continues_bit_exactly(model, tmp_path):
