@@ -11,14 +11,30 @@ unless the process already chose a cache directory itself (`jax.config.update("j
 before importing omnijax), which is left as it is. `OMNIJAX_COMPILATION_CACHE=off` (or `0`, `false`, `none`) turns
 it off. Entries are keyed by the program, the jax/jaxlib version and the backend, so a stale entry is never used;
 delete the directory to reclaim its space.
+
+Beside XLA's cache, the programs omnijax runs most (a session's step and scan, the engine's ticks) are kept whole as
+serialised executables (`CachedJit`, under `<cache dir>/executables/`): a later process loads one without tracing or
+lowering the Python function again, which on a small model was most of a warm start (the SmolLM2 demo spent 44 % of
+its time tracing and 17 % lowering with every program already in XLA's cache). `OMNIJAX_EXECUTABLE_CACHE=off` turns
+that part off alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
+import pickle
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 ENV = "OMNIJAX_COMPILATION_CACHE"
@@ -66,3 +82,265 @@ def cache_dir() -> Path | None:
     """The directory in use, or None."""
     current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a flag jax's stubs omit
     return Path(current) if current else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serialised executables
+
+EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
+EXECUTABLE_FORMAT = 1  # bumped when what a file holds changes
+# jax settings that only say where caches and logs go: they do not change a program, so they are not in its key
+_UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                     "jax_persistent_cache_min_entry_size_bytes", "jax_explain_cache_misses", "jax_log_compiles",
+                     "jax_logging_level", "jax_debug_log_modules", "jax_compilation_cache_max_size",
+                     "jax_raise_persistent_cache_errors", "jax_pprint_use_color", "jax_traceback_filtering")
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def executables_dir() -> Path | None:
+    """Where serialised executables go: `<cache dir>/executables`; None when the cache or this part of it is off."""
+    if os.environ.get(EXECUTABLE_ENV, "").strip().lower() in OFF:
+        return None
+    base = cache_dir()
+    return None if base is None else base / "executables"
+
+
+_process_key: bytes | None = None
+_process_key_lock = threading.Lock()
+
+
+def _source_digest(root: Path) -> bytes:
+    """sha256 over every `.py` file of the package (path and bytes): any edit to omnijax makes new keys."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+    return digest.digest()
+
+
+def process_key() -> bytes:
+    """What every program of this process shares in its key: omnijax's sources, jax and jaxlib's versions, the
+    backend and its devices, XLA's flags, and every jax setting that can change a traced or compiled program."""
+    global _process_key
+    with _process_key_lock:
+        if _process_key is None:
+            import jaxlib  # noqa: PLC0415 - jax's own runtime package; already imported by jax
+
+            devices = jax.devices()
+            settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNKEYED_SETTINGS)
+            parts = (EXECUTABLE_FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend(),
+                     [(d.platform, d.device_kind, d.id) for d in devices], os.environ.get("XLA_FLAGS", ""),
+                     settings, _source_digest(_PACKAGE))
+            _process_key = hashlib.sha256(repr(parts).encode()).digest()
+        return _process_key
+
+
+_array_type: list = []
+
+
+def _signature(leaves: list, device: Any) -> tuple | None:
+    """The avals (shape, dtype, weak type) of the argument leaves, when the executable can take every leaf as it is;
+    None when it cannot (a tracer, a Python scalar, an array placed on another device or sharded over several)."""
+    if not _array_type:
+        _array_type.append(type(jax.device_put(np.zeros((), np.int32), device)))  # jax's concrete array class
+    array_type = _array_type[0]
+    signature = []
+    for leaf in leaves:
+        if type(leaf) is array_type:  # exactly: a tracer is a jax.Array too
+            sharding = leaf.sharding
+            if type(sharding) is not jax.sharding.SingleDeviceSharding or sharding._device is not device:  # noqa: SLF001
+                return None
+            signature.append(leaf.aval)
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            signature.append((leaf.shape, leaf.dtype))
+        else:
+            return None
+    return tuple(signature)
+
+
+def _aval(item: Any) -> Any:
+    """A signature entry as an object with shape, dtype (and weak_type)."""
+    return item if not isinstance(item, tuple) else jax.ShapeDtypeStruct(*item)
+
+
+_device: list = []
+
+
+def _default_device() -> Any:
+    """The device an executable kept here runs on: jax's first."""
+    if not _device:
+        _device.append(jax.devices()[0])
+    return _device[0]
+
+
+# XLA:CPU serialises an executable that it read back from XLA's persistent cache without its kernels (loading such a
+# copy fails with "Function ... not found"), so only freshly compiled programs are kept. Whether a compile in this
+# thread was answered by that cache is told by jax's monitoring event, recorded in the compiling thread.
+XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_xla_hits = threading.local()
+_listening: list = []
+
+
+def _count_xla_hit(event: str, **_: Any) -> None:
+    if event == XLA_CACHE_HIT_EVENT:
+        _xla_hits.count = getattr(_xla_hits, "count", 0) + 1
+
+
+def _xla_hits_in_this_thread() -> int:
+    if not _listening:
+        with _process_key_lock:
+            if not _listening:
+                jax.monitoring.register_event_listener(_count_xla_hit)
+                _listening.append(True)
+    return getattr(_xla_hits, "count", 0)
+
+
+class CachedJit:
+    """`jax.jit(fun, static_argnames=..., donate_argnames=...)` whose compiled programs are also kept on disk as
+    serialised executables and loaded from there by later processes, without tracing `fun` again.
+
+    A call goes to the loaded executable when every array argument sits whole on the default device and the static
+    arguments pickle; otherwise (arguments sharded over a mesh, placed on another device, Python scalars; a program
+    with host callbacks, which does not serialise) it is the plain `jax.jit` call, computing the same thing. The key
+    of a program is `process_key()` (omnijax's sources, jax's version and settings, the devices, `XLA_FLAGS`), the
+    function's name, the pickled static arguments and the arguments' tree, shapes and dtypes, so an executable is
+    never used for a program it was not compiled from. Only programs XLA compiled anew are written (not those read
+    back from XLA's own cache, which do not serialise whole): the run that first compiles a program keeps it, and a
+    run after an edit to omnijax's sources traces as before (XLA's cache answers it) without writing. Files are
+    written atomically; one that cannot be read is compiled again and replaced.
+
+    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and not
+    kept), `plain` calls that went to the plain jit.
+    """
+
+    def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
+                 donate_argnames: str | Iterable[str] = ()):
+        self.fun = fun
+        self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        self.donate_argnames = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
+        self.jitted = jax.jit(fun, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
+        self.signature = inspect.signature(fun)
+        self.name = f"{fun.__module__}.{fun.__qualname__}"
+        self.loaded: dict[Any, Any] = {}  # in-process: key -> executable (or None: run the plain jit)
+        self.lock = threading.Lock()
+        self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
+        self.__doc__ = fun.__doc__
+        self.__wrapped__ = fun
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """`jax.jit(...).lower`, for callers that inspect the program."""
+        return self.jitted.lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        """Programs this function holds in the process: those of the plain jit and those kept here (what
+        `jax.jit(...)._cache_size()` counts for a plain jit)."""
+        return self.jitted._cache_size() + sum(executable is not None for executable in self.loaded.values())  # noqa: SLF001
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict] | None:
+        """(static values by name, dynamic positional args, dynamic keyword args) as `jax.jit` sees them."""
+        static = []
+        params = list(self.signature.parameters)
+        dyn_args = []
+        for index, value in enumerate(args):
+            name = params[index] if index < len(params) else None
+            if name in self.static_argnames:
+                static.append((name, value))
+            else:
+                dyn_args.append(value)
+        dyn_kwargs = {}
+        for name, value in kwargs.items():
+            if name in self.static_argnames:
+                static.append((name, value))
+            else:
+                dyn_kwargs[name] = value
+        return tuple(sorted(static, key=lambda item: item[0])), tuple(dyn_args), dyn_kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        directory = executables_dir()
+        if directory is None or jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # a flag jax's stubs omit
+            return self.jitted(*args, **kwargs)
+        static, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
+        signature = _signature(leaves, _default_device())
+        if signature is None:
+            self.stats["plain"] += 1
+            return self.jitted(*args, **kwargs)
+        try:
+            memory_key = (static, treedef, signature)
+            hash(memory_key)
+        except TypeError:
+            self.stats["plain"] += 1
+            return self.jitted(*args, **kwargs)
+        executable = self.loaded.get(memory_key, False)
+        if executable is False:
+            with self.lock:
+                executable = self.loaded.get(memory_key, False)
+                if executable is False:
+                    executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
+                    self.loaded[memory_key] = executable
+        if executable is None:
+            self.stats["plain"] += 1
+            return self.jitted(*args, **kwargs)
+        return executable(*dyn_args, **dyn_kwargs)
+
+    def _disk_key(self, static: tuple, treedef: Any, signature: tuple) -> str | None:
+        try:
+            static_bytes = pickle.dumps(static, protocol=5)
+        except Exception:  # noqa: BLE001 - an unpicklable static argument: this program is not kept on disk
+            return None
+        if b" at 0x" in static_bytes:  # an object identified by its address in this process only
+            return None
+        digest = hashlib.sha256()
+        for part in (process_key(), self.name.encode(), repr(self.donate_argnames).encode(), static_bytes,
+                     str(treedef).encode(), repr([(a.shape, str(a.dtype), getattr(a, "weak_type", False))
+                                                  for a in map(_aval, signature)]).encode()):
+            digest.update(hashlib.sha256(part).digest())
+        return digest.hexdigest()
+
+    def _load_or_compile(self, directory: Path, static: tuple, treedef: Any, signature: tuple, args: tuple,
+                         kwargs: dict) -> Any:
+        """The executable for these arguments, read from disk or compiled (and written); None when it must run
+        through the plain jit (no disk key, or an executable that does not serialise)."""
+        key = self._disk_key(static, treedef, signature)
+        if key is None:
+            return None
+        path = directory / f"{key}.exe"
+        if path.exists():
+            try:
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                self.stats["loaded"] += 1
+                return executable
+            except Exception as error:  # noqa: BLE001 - a damaged or foreign file: compile again and replace it
+                warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
+                              "compiling the program again", RuntimeWarning, stacklevel=3)
+        hits = _xla_hits_in_this_thread()
+        executable = self.jitted.lower(*args, **kwargs).compile()
+        self.stats["compiled"] += 1
+        if _xla_hits_in_this_thread() != hits:  # read back from XLA's cache: it would not load whole, keep none
+            self.stats["xla_cached"] += 1
+            return executable
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(executable)
+            data = pickle.dumps((payload, in_tree, out_tree), protocol=5)
+        except Exception:  # noqa: BLE001 - host callbacks and the like do not serialise: keep it in memory only
+            return executable
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".partial-")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path)
+        except OSError:
+            Path(temporary).unlink(missing_ok=True)
+        return executable
+
+
+def cached_jit(fun: Callable | None = None, *, static_argnames: str | Iterable[str] = (),
+               donate_argnames: str | Iterable[str] = ()) -> Any:
+    """`CachedJit` as a function or a decorator: `cached_jit(f, static_argnames=...)` or
+    `@cached_jit(static_argnames=...)`."""
+    if fun is None:
+        return lambda f: CachedJit(f, static_argnames=static_argnames, donate_argnames=donate_argnames)
+    return CachedJit(fun, static_argnames=static_argnames, donate_argnames=donate_argnames)

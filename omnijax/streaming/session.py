@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import warnings
 from typing import Any
 
@@ -21,6 +20,7 @@ from flax import nnx
 
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
+from omnijax.compilation_cache import cached_jit
 from omnijax.decoding import DecodingStrategy, seed_of
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
@@ -92,11 +92,13 @@ def _scan_chunks(graphdef, params, state, chunks, *, config):
 # The cache is updated in place (the layers' K/V writes, the trim's re-rotation, a migration's copies) only where
 # the step owns its input state: a state that is not donated is first copied whole. `stream` donates the state it
 # creates and keeps one given to it; `Session` owns its state.
-_scan = jax.jit(_scan_chunks, static_argnames=_STATIC)
-_scan_owned = jax.jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
+# `cached_jit`: kept as serialised executables beside the compilation cache, so a later process loads them without
+# tracing the model again.
+_scan = cached_jit(_scan_chunks, static_argnames=_STATIC)
+_scan_owned = cached_jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
+@cached_jit(static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
 def _step(graphdef, params, state, chunk, *, config, tap=None):
     return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap)
 

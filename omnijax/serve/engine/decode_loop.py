@@ -11,7 +11,6 @@ rows; a row also ends at once when its callback says so (its answer was cancelle
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import jax
@@ -20,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from omnijax.chunks.chunk import Chunk
+from omnijax.compilation_cache import cached_jit
 from omnijax.decoding import MAX_TOP_LOGPROBS, ROW_FIELDS, answer_stop_ids
 from omnijax.paging import migration
 from omnijax.serve.engine.constraint import TokenConstraint, mask_words
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 OnToken = Callable[[str, int, "tuple | None"], bool]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "answer"), donate_argnames=("state",))
+@cached_jit(static_argnames=("graphdef", "config", "answer"), donate_argnames=("state",))
 def engine_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, chunk: Chunk, *,
                 config: StreamConfig, answer: bool = True) -> tuple[StreamState, tuple]:
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
@@ -48,7 +48,7 @@ def engine_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, c
     return dataclasses.replace(state, kv=kv), outputs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+@cached_jit(static_argnames=("graphdef", "config"), donate_argnames=("state",))
 def token_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, history: jax.Array | np.ndarray,
                i: jax.Array | np.integer, active: jax.Array | np.ndarray, unit: jax.Array,
                sampling: jax.Array | None, mask: jax.Array | np.ndarray | None, *,

@@ -1,0 +1,142 @@
+"""`omnijax.compilation_cache.cached_jit`: programs kept as serialised executables and loaded by later processes
+without tracing, computing what `jax.jit` computes; keys that change with the sources, the static arguments and the
+shapes; the plain jit wherever an executable cannot serve the call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from omnijax import compilation_cache
+
+# One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
+# "kept" runs it through cached_jit; each prints how often the Python body was traced, what cached_jit did and the
+# result.
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from omnijax import compilation_cache
+    compilation_cache.enable(sys.argv[1])
+    traced = []
+    def f(x, y, *, scale):
+        traced.append(1)
+        return jnp.tanh(jnp.broadcast_to(x[:, None], (x.shape[0], 16)).sum(1) * scale) + y
+    x, y = jnp.arange(8.0), jnp.ones(8)
+    if sys.argv[2] == "plain":
+        out = jax.jit(f, static_argnames="scale", donate_argnames="y")(x, y, scale=0.5)
+        stats = {}
+    else:
+        kept = compilation_cache.cached_jit(f, static_argnames="scale", donate_argnames="y")
+        out = kept(x, y, scale=0.5)
+        stats = kept.stats
+    print(json.dumps({"traced": len(traced), "stats": stats, "out": out.tolist()}))
+""")
+
+
+def _run(cache: Path, role: str) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNIJAX_EXECUTABLE", "JAX_COMPILATION"))}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), role], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_later_process_loads_the_program_without_tracing(tmp_path):
+    """A process keeps the program, a later one loads it and runs it without tracing, with the plain jit's result.
+    Where XLA's own cache held the program first (a plain jit filled it), nothing is kept: an executable read back
+    from XLA's cache serialises without its kernels, and loading such a copy failed with "Function ... not found"."""
+    kept = _run(tmp_path / "fresh", "kept")
+    loaded = _run(tmp_path / "fresh", "kept")
+    assert kept["traced"] == 1 and kept["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 0}
+    assert loaded["traced"] == 0 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0, "xla_cached": 0}
+    assert len(list((tmp_path / "fresh" / "executables").glob("*.exe"))) == 1
+    plain = _run(tmp_path / "xla", "plain")
+    after_xla = _run(tmp_path / "xla", "kept")
+    assert after_xla["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 1}
+    assert not (tmp_path / "xla" / "executables").exists()
+    for run in (kept, loaded, after_xla):
+        np.testing.assert_array_equal(run["out"], plain["out"])
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """This process's caches pointed at an empty directory for the test, then back at the suite's."""
+    before = compilation_cache.cache_dir()
+    monkeypatch.delenv(compilation_cache.EXECUTABLE_ENV, raising=False)
+    compilation_cache.enable(tmp_path / "cache")
+    yield tmp_path / "cache"
+    if before is None:
+        compilation_cache.disable()
+    else:
+        compilation_cache.enable(before)
+
+
+def _f(x, y, *, power):
+    return x ** power + y
+
+
+def test_keys_follow_static_arguments_shapes_and_donation(cache_dir):
+    kept = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")
+    reference = jax.jit(_f, static_argnames="power")
+    x = jnp.arange(6.0)
+    for power, shape in ((2, 6), (3, 6), (2, 6), (2, 4)):
+        y = jnp.full(shape, 0.5)
+        expected = reference(x[:shape], jnp.full(shape, 0.5), power=power)
+        np.testing.assert_array_equal(kept(x[:shape], y, power=power), expected)
+        assert y.is_deleted()  # donated, as the jit's donate_argnames says
+    assert kept.stats == {"loaded": 0, "compiled": 3, "plain": 0, "xla_cached": 0}
+    assert len(list((cache_dir / "executables").glob("*.exe"))) == 3
+    assert kept._cache_size() == 3
+    fresh = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")  # a new process's view
+    np.testing.assert_array_equal(fresh(x, jnp.full(6, 0.0), power=3), x ** 3)  # weak-typed y, as above
+    assert fresh.stats["loaded"] == 1 and fresh.stats["compiled"] == 0
+
+
+def test_calls_an_executable_cannot_serve_run_the_plain_jit(cache_dir):
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(kept(x, 1.0, power=2), x ** 2 + 1)  # a Python scalar
+    np.testing.assert_array_equal(jax.jit(lambda v: kept(v, v, power=2))(x), x ** 2 + x)  # inside another trace
+    with jax.disable_jit():
+        np.testing.assert_array_equal(kept(x, x, power=2), x ** 2 + x)
+    assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 2, "xla_cached": 0}  # disable_jit is not counted: jit itself is off
+    assert not (cache_dir / "executables").exists()
+
+
+def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    x = jnp.arange(4.0)
+    kept(x, x, power=2)
+    (path,) = (cache_dir / "executables").glob("*.exe")
+    path.write_bytes(b"not an executable")
+    again = compilation_cache.cached_jit(_f, static_argnames="power")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_array_equal(again(x, x, power=2), x ** 2 + x)
+    assert any("unreadable serialised executable" in str(w.message) for w in caught)
+    assert again.stats["compiled"] == 1 and path.read_bytes() != b"not an executable"
+
+
+def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "off")
+    assert compilation_cache.executables_dir() is None
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    kept(jnp.ones(2), jnp.ones(2), power=2)
+    assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0} and not (cache_dir / "executables").exists()
+    package = tmp_path / "package"
+    (package / "sub").mkdir(parents=True)
+    (package / "sub" / "m.py").write_text("x = 1\n")
+    before = compilation_cache._source_digest(package)
+    (package / "sub" / "m.py").write_text("x = 2\n")
+    assert compilation_cache._source_digest(package) != before  # an edited source makes new keys
