@@ -19,20 +19,31 @@ them (the 2-replica row says whether it does).
 On this 2-core machine the two replicas share the cores the single server had to itself (each replica is given
 one CPU by Ray), so latency compares poorly; admission is what the row measures. CPU, demo model.
 
+`--loss EVERY [EVERY ...]` measures issue 42 item 2's other half instead: what a replica that dies without a drain
+loses at each `--snapshot-every` value. For each value, `--loss-kills` times: a fresh single-process server (a
+replica's process runs the same application and snapshot code) with `--snapshot-dir` and `--snapshot-every EVERY`;
+`--loss-sessions` Realtime sessions (the official openai SDK) talk at once, a turn of `--loss-tokens` tokens at most
+every `--pace-s` seconds; the server is SIGKILLed at a random moment, uniform in [`--loss-min-s`, `--loss-max-s`]
+after they began (not aligned with the snapshot schedule); then each session's turns seen are compared with its
+newest snapshot on disk. Reported per value: turns lost (total, the most one session lost) and the conversation
+time lost (from the end of the first lost turn to the kill; mean, max), beside the longest turn.
+
 Run: `python -m bench.metronome.replicas [--sessions 8] [--max-sessions 4] [--seconds 20] [--frame-ms 500]
 [--chats 4] [--configs 1 2] [--out bench/out] [--smoke]` (`--smoke`: 3 sessions over an engine of 2 for 4 s, the
 single server only unless `--configs` says otherwise: its time is a server's start-up, and the Ray cluster's start
 (minutes on a loaded 2-core machine) is what `tests/serve/cluster/test_ray_replicas.py` already pays; `--smoke
---configs 1 2` runs both).
+--configs 1 2` runs both); `python -m bench.metronome.replicas --loss 1turn 3turns 1s 2s 5s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -145,6 +156,126 @@ COLUMNS = [("replicas", "replicas", "d"), ("offered", "sessions", "d"), ("admitt
            ("chats 429", "chats_refused", "d"), ("start s", "start_s", ".0f")]
 
 
+# ------------------------------------------------------------------------------------------------ --loss
+TURN_TEXTS = tuple(f"Turn {i}." for i in range(400))  # JSON strings on disk: '"Turn 1."' is not in '"Turn 11."'
+
+
+def kept_turns(snapshots: Path, token: str) -> int:
+    """How many of a session's turns its newest snapshot on disk holds (its user messages; 0 without a snapshot)."""
+    folder = snapshots / token
+    generations = sorted(p for p in folder.iterdir() if re.fullmatch(r"[0-9]{12}", p.name)) if folder.is_dir() else []
+    if not generations:
+        return 0
+    text = (generations[-1] / "session.json").read_text()
+    kept = [json.dumps(t) in text for t in TURN_TEXTS]
+    k = sum(kept)
+    if kept != [True] * k + [False] * (len(TURN_TEXTS) - k):
+        raise AssertionError(f"the snapshot of {token} holds turns that are not a prefix of the conversation")
+    return k
+
+
+async def _talk(client, pace_s: float, until: float, tokens: int) -> dict:
+    """One Realtime session (official openai SDK): a turn of `tokens` tokens, then another at most every `pace_s`
+    seconds, until the server dies or `until` (monotonic) passes; its token and each turn's end time."""
+    seen: dict = {"done": []}
+    try:
+        async with client.realtime.connect(model="omnijax") as conn:
+            created = await conn.recv()
+            seen["token"] = created.session.model_extra["omnijax"]["resume_token"]
+            while time.monotonic() < until:
+                await asyncio.sleep(max(0.0, (seen["done"] or [0.0])[-1] + pace_s - time.monotonic()))
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": TURN_TEXTS[len(seen["done"])]}]})
+                await conn.response.create(response={"max_output_tokens": tokens})
+                async for event in conn:
+                    if event.type == "error":
+                        raise RuntimeError(f"the server answered an error: {event}")
+                    if event.type == "response.done":
+                        seen["done"].append(time.monotonic())
+                        break
+                else:
+                    break  # the connection ended: the kill
+    except Exception as e:  # noqa: BLE001 - the connection dies with the server
+        seen["ended"] = repr(e)
+    return seen
+
+
+def loss_round(served: Served, snapshots: Path, every: str, args, rng: np.random.Generator) -> list[dict]:
+    """`--sessions` Realtime sessions talk on a fresh server; it is SIGKILLed at a random moment (uniform in
+    [`--loss-min-s`, `--loss-max-s`] after the first session began, so unaligned with the snapshot schedule); each
+    session's turns seen vs held by its newest snapshot on disk."""
+    import openai  # the test extra's client; only this measurement needs it
+
+    served.start(900)
+    kill_after = float(rng.uniform(args.loss_min_s, args.loss_max_s))
+
+    async def run() -> tuple[list[dict], float]:
+        client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
+        began = time.monotonic()
+        until = began + kill_after + 120.0
+        talks = [asyncio.ensure_future(_talk(client, args.pace_s, until, args.loss_tokens))
+                 for _ in range(args.loss_sessions)]
+        await asyncio.sleep(kill_after)
+        killed_at = time.monotonic()
+        served.kill()
+        return list(await asyncio.gather(*talks)), killed_at
+
+    seens, killed_at = asyncio.run(run())
+    rows = []
+    for seen in seens:
+        done = seen["done"]
+        if "token" not in seen or not done:
+            rows.append({"every": every, "turns": 0, "on_disk": 0, "lost": 0, "lost_s": 0.0, "behind_s": None,
+                         "kill_after_s": kill_after})
+            continue
+        k, n = kept_turns(snapshots, seen["token"]), len(done)
+        gaps = np.diff(done)
+        rows.append({"every": every, "turns": n, "on_disk": k, "lost": n - k,
+                     # since the first turn the kill lost ended: the conversation time it took with it
+                     "lost_s": killed_at - done[k] if k < n else 0.0,
+                     "behind_s": killed_at - done[k - 1] if k else None,  # the newest turn on disk ended
+                     "turn_s": float(gaps.max()) if len(gaps) else None, "kill_after_s": kill_after})
+    return rows
+
+
+def run_loss(args, out: Path) -> None:
+    """`--loss`: the turns a SIGKILL loses at each `--snapshot-every` value (module docstring)."""
+    import tempfile
+
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict] = []
+    for every in args.loss:
+        with tempfile.TemporaryDirectory(prefix="omnijax-loss-") as tmp:
+            snapshots = Path(tmp) / "sessions"
+            served = Served("--frame-ms", f"{args.frame_ms:g}", "--aimd-target", "0", "--buckets",
+                            *_buckets(max(2, args.loss_sessions)), "--snapshot-dir", str(snapshots),
+                            "--snapshot-every", every, start_timeout_s=None)
+            try:
+                for _ in range(args.loss_kills):
+                    rows += loss_round(served, snapshots, every, args, rng)
+            finally:
+                served.kill()
+        mine = [r for r in rows if r["every"] == every]
+        print(f"--snapshot-every {every}: lost " + ", ".join(f"{r['lost']}/{r['turns']}" for r in mine)
+              + " turns; seconds lost " + ", ".join(f"{r['lost_s']:.2f}" for r in mine), flush=True)
+    summary = []
+    for every in args.loss:
+        mine = [r for r in rows if r["every"] == every and r["turns"]]
+        lost_s = [r["lost_s"] for r in mine]
+        summary.append({"every": every, "sessions": len(mine), "turns": sum(r["turns"] for r in mine),
+                        "lost": sum(r["lost"] for r in mine), "most_lost": max((r["lost"] for r in mine), default=0),
+                        "lost_s_mean": float(np.mean(lost_s)) if lost_s else None,
+                        "lost_s_max": float(np.max(lost_s)) if lost_s else None,
+                        "turn_s_max": max((r["turn_s"] or 0.0 for r in mine), default=None)})
+    harness.print_table(summary, LOSS_COLUMNS)
+    harness.write_json(out, "replicas_loss", {"config": vars(args), "rows": rows, "summary": summary}, indent=2)
+
+
+LOSS_COLUMNS = [("every", "every", ""), ("sessions", "sessions", "d"), ("turns", "turns", "d"),
+                ("lost", "lost", "d"), ("most lost", "most_lost", "d"), ("lost s mean", "lost_s_mean", ".2f"),
+                ("lost s max", "lost_s_max", ".2f"), ("turn s max", "turn_s_max", ".2f")]
+
+
 def main(argv=None):
     parser = harness.parser(__doc__)
     parser.add_argument("--sessions", type=int, default=8, help="native sessions offered at once")
@@ -154,12 +285,27 @@ def main(argv=None):
     parser.add_argument("--chats", type=int, default=4, help="chat completions sent at once after the stream")
     parser.add_argument("--configs", type=int, nargs="+", default=list(CONFIGS), choices=CONFIGS,
                         help="replica counts to run")
+    parser.add_argument("--loss", nargs="+", default=None, metavar="EVERY",
+                        help="instead: the turns a SIGKILL loses at these --snapshot-every values (1turn, 3turns, "
+                             "2s, ...)")
+    parser.add_argument("--loss-kills", type=int, default=2, help="--loss: kills (server starts) per value")
+    parser.add_argument("--loss-sessions", type=int, default=3, help="--loss: Realtime sessions talking at a kill")
+    parser.add_argument("--loss-min-s", type=float, default=6.0, help="--loss: the earliest kill after the start")
+    parser.add_argument("--loss-max-s", type=float, default=16.0, help="--loss: the latest kill after the start")
+    parser.add_argument("--loss-tokens", type=int, default=8, help="--loss: tokens a turn's answer has")
+    parser.add_argument("--pace-s", type=float, default=0.25, help="--loss: a session's turns start at most this "
+                        "often")
+    parser.add_argument("--seed", type=int, default=0, help="--loss: of the kill times")
     args = harness.parse(parser, argv, smoke=dict(sessions=3, max_sessions=2, seconds=4.0, chats=2,
                                                                  configs=[1]))
-    for name in ("sessions", "max_sessions"):
+    for name in ("sessions", "max_sessions", "loss_kills", "loss_sessions", "loss_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.loss_min_s <= args.loss_max_s:
+        parser.error(f"--loss-min-s must be > 0 and <= --loss-max-s, got {args.loss_min_s}, {args.loss_max_s}")
     out = harness.output_dir(args)
+    if args.loss is not None:
+        return run_loss(args, out)
     rows = [run_config(n, args) for n in args.configs]
     harness.print_table(rows, COLUMNS)
     one = rows[0]["admitted"] // rows[0]["replicas"]

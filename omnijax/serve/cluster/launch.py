@@ -9,7 +9,8 @@ Ray is imported inside these functions only: it is the optional `omnijax[ray]` e
 imports this module without it.
 
 Each replica asks Ray for one GPU when the cluster has GPUs, else one CPU, so `--replicas` above the cluster's
-devices is refused by name before anything is deployed.
+devices is refused by name before anything is deployed; refused so on a cluster it joined, it leaves the Serve
+applications already running there alone (`serve.shutdown` would delete every one of them).
 """
 
 from __future__ import annotations
@@ -85,13 +86,17 @@ def serve_replicas(replicas: int, build: Callable[[], Any], *, host: str, port: 
     ray.init(include_dashboard=False, log_to_driver=True)  # RAY_ADDRESS: join that cluster instead
     if callable(on_sigterm):  # Ray's own handler would end this process without draining the replicas
         signal.signal(signal.SIGTERM, on_sigterm)
+    started = False  # Serve started by this process (only then shut down here: `serve.shutdown` ends every app)
     try:
+        print(f"omnijax serve: Ray cluster at {ray.get_runtime_context().gcs_address} (RAY_ADDRESS to join it)",
+              flush=True)
         resources = ray.cluster_resources()
         kind = "GPU" if resources.get("GPU", 0) >= 1 else "CPU"
         if replicas > int(resources.get(kind, 0)):
             print(f"omnijax serve: error: --replicas {replicas} needs {replicas} {kind}s (one per replica); the Ray "
                   f"cluster has {int(resources.get(kind, 0))}", file=sys.stderr)
             return 1
+        started = True
         serve.start(http_options=HTTPOptions(host=host, port=port))
         deployment = serve.deployment(
             name=DEPLOYMENT, num_replicas=replicas, max_ongoing_requests=max_ongoing,
@@ -122,5 +127,6 @@ def serve_replicas(replicas: int, build: Callable[[], Any], *, host: str, port: 
                   f"{reports}", flush=True)
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if started:
+            serve.shutdown()
+        ray.shutdown()  # a joined cluster lives on: this only disconnects
