@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -125,8 +126,6 @@ def process_key() -> bytes:
     global _process_key
     with _process_key_lock:
         if _process_key is None:
-            import jaxlib  # noqa: PLC0415 - jax's own runtime package; already imported by jax
-
             devices = jax.devices()
             settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNKEYED_SETTINGS)
             parts = (EXECUTABLE_FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend(),
@@ -235,7 +234,8 @@ class CachedJit:
     def _cache_size(self) -> int:
         """Programs this function holds in the process: those of the plain jit and those kept here (what
         `jax.jit(...)._cache_size()` counts for a plain jit)."""
-        return self.jitted._cache_size() + sum(executable is not None for executable in self.loaded.values())  # noqa: SLF001
+        plain = self.jitted._cache_size()  # type: ignore[attr-defined]  # noqa: SLF001 - jax's stubs omit it
+        return plain + sum(executable is not None for executable in self.loaded.values())
 
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict] | None:
         """(static values by name, dynamic positional args, dynamic keyword args) as `jax.jit` sees them."""
