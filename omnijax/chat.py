@@ -28,14 +28,16 @@ no token, `StreamState.last_logits`), so a long answer is the same as one decode
 penalty of `Sampling` sees the tokens of the current block only.
 
 Spoken answers: `ask(text, speak=True)` (or `speak=SpeakOptions(voice="Chelsie")`) on a checkpoint with speech
-output (`model.speech`: Qwen3-Omni converted from its full release) yields the text deltas as above, then the answer
-spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speech.sample_rate`, 24 kHz): once the
-answer's text is decoded (the talker reads the thinker's text rows of the prompt and of the whole answer), the talker
-decodes codec frames one by one and the vocoder (Code2Wav, its streamed decode) turns them into PCM in chunks of
-`first_chunk` frames, then `chunk`, each yielded as soon as its frames are ready (the first after `first_chunk`
-talker steps). The talker's prompt is what the session was fed (every turn's template rendering, earlier answers
-included, and the media units' ids; the talker reads the user turns and this answer); the answer spoken is the
-decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`.
+output (`model.speech`: Qwen3-Omni converted from its full release) yields the text deltas as above and the answer
+spoken, as float32 PCM chunks (`np.ndarray [samples]` in [-1, 1] at `model.speech.sample_rate`, 24 kHz). On
+Qwen3-Omni the talker starts while the thinker still writes (`speech_stream.AnswerSpeech`): its step t reads answer
+token t + 1, so after each decoded block it runs every step the answer so far allows, and PCM chunks come between
+text deltas; the rest runs once the answer ends. It decodes codec frames one by one and the vocoder (Code2Wav, its
+streamed decode) turns them into PCM in chunks of `first_chunk` frames, then `chunk`, each yielded as soon as its
+frames are ready (the first after `first_chunk` talker steps). Qwen2.5-Omni's talker reads the whole answer's last
+layer, so it speaks once the text is done. The talker's prompt is what the session was fed (every turn's template
+rendering, earlier answers included, and the media units' ids; the talker reads the user turns and this answer); the
+answer spoken is the decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`.
 
 Media and speech (Qwen3-Omni): a media unit lies in the turn whose `<|im_start|>` precedes it; the talker reads
 `hidden_states[accept_hidden_layer]` at the placeholders of media in user turns (`chat.user(...)` then
@@ -277,6 +279,7 @@ class Chat:
             self.session.hold_recall()  # with StreamConfig(recall=...): the question's recall lasts the whole answer
             out = self._feed(chunk, config, "user")
             prompt_ids = tuple(self._speech_ids)
+            early = None if speak is None else self._answer_speech(prompt_ids, stop, speak)
             while True:
                 tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
                 generated += tokens
@@ -285,13 +288,15 @@ class Chat:
                     yield delta
                 if not tokens or tokens[-1] in stop or len(generated) >= max_tokens:
                     break
+                if early is not None:  # the talker's steps this much of the answer allows, then the next block
+                    yield from early.push(tokens)
                 out = self._feed(units.continuation(answer_unit, min(block, max_tokens - len(generated))), config,
                                  "answer")
             tail = decoder.flush()
             if tail:
                 yield tail
             if speak is not None:
-                yield from self._spoken(prompt_ids, generated, stop, speak)
+                yield from self._spoken(prompt_ids, generated, stop, speak, early)
         finally:
             self.session.release_recall()
             if generated:
@@ -301,13 +306,27 @@ class Chat:
                 self.units.append(UnitRecord(answer_unit, "answer", text_label(content),
                                              {int(SpanKind.RESPONSE): len(generated)}))
 
+    def _answer_speech(self, prompt_ids: tuple[int, ...], stop: tuple[int, ...], options: SpeakOptions):
+        """The talker that speaks while the answer is written (None where the speech output has none)."""
+        opened = getattr(self.model.speech, "answer_stream", None)
+        if opened is None:
+            return None
+        media = tuple(self._media_rows)
+        return opened(self.model, np.asarray(prompt_ids), voice=options.voice,
+                      max_new_tokens=options.max_speech_tokens, first_chunk=options.first_chunk,
+                      chunk=options.chunk, stop=stop, **({"media": media} if media else {}))
+
     def _spoken(self, prompt_ids: tuple[int, ...], generated: list[int], stop: tuple[int, ...],
-                options: SpeakOptions) -> Iterator[np.ndarray]:
-        """The answer `generated` (without a final stop token) spoken: PCM chunks as the vocoder decodes them."""
+                options: SpeakOptions, early=None) -> Iterator[np.ndarray]:
+        """The answer `generated` (without a final stop token) spoken: PCM chunks as the vocoder decodes them (the
+        rest of `early`'s, when the talker ran while the answer was written)."""
         answer = tuple(generated[:-1] if generated and generated[-1] in stop else generated)
         samples = 0
         media = tuple(self._media_rows)
-        if answer:
+        if early is not None:
+            yield from early.finish(generated[len(early.generated):])
+            samples = early.samples
+        elif answer:
             speech = self.model.speech
             assert speech is not None  # checked at ask()
             more = {"media": media} if media else {}  # only a talker with a media tap takes them (checked at ask)

@@ -2,7 +2,7 @@
 
     omnijax chat CKPT [--policy omnipick --paging tile_skip --pages 96] [--speak out.wav --voice Chelsie]
     omnijax watch CKPT VIDEO --ask "What happened?" [--at 0:50] [--policy omnipick --paging tile_skip]
-                  [--plot out.png]
+                  [--plot out.png] [--speak answers.wav --voice Chelsie]
 
 `chat` reads one message per line from standard input and streams the answer; lines starting with `/` are commands:
 `/image PATH`, `/audio PATH.wav`, `/video PATH`, `/kept` (what the cache holds), `/quit`. `watch` feeds a video's
@@ -15,6 +15,11 @@ file (16-bit mono PCM at the model's rate, 24 kHz), the answers one after the ot
 each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown voice is refused
 before the first message is read; a spoken answer after an `/image`, `/audio` or `/video` is refused (the talker
 reads text-only conversations for now) and the conversation stays as it was.
+
+`watch --speak answers.wav` speaks each answer the same way (all answers in one WAV file, in the order asked). The
+video's units are fed outside the questions' user turns, so Qwen3-Omni's talker reads each question and its answer
+only; a checkpoint whose talker reads every fed unit and cannot read audiovisual ones (Qwen2.5-Omni) is refused,
+with a checkpoint without speech output or an unknown voice, before the video is read.
 """
 
 from __future__ import annotations
@@ -81,13 +86,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--plot", default=None, help="write a PNG of the session's cache and latency")
         parser.add_argument("--silent-video", action="store_true",
                             help="take a video without an audio track (its units carry silence); refused otherwise")
-    else:
-        parser.add_argument("--speak", default=None, metavar="OUT.wav",
-                            help="speak each answer too (a checkpoint with speech output) and write the "
-                                 "conversation's speech to this WAV file")
-        parser.add_argument("--voice", default=None, help="the voice of --speak (default Ethan)")
-        parser.add_argument("--max-speech-tokens", type=int, default=None,
-                            help="the talker's tokens at most per answer, one per 80 ms frame (default 4096)")
+    parser.add_argument("--speak", default=None, metavar="OUT.wav",
+                        help="speak each answer too (a checkpoint with speech output) and write the "
+                             "conversation's speech to this WAV file")
+    parser.add_argument("--voice", default=None, help="the voice of --speak (default Ethan)")
+    parser.add_argument("--max-speech-tokens", type=int, default=None,
+                        help="the talker's tokens at most per answer, one per 80 ms frame (default 4096)")
     return parser
 
 
@@ -210,7 +214,9 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if len(args.at) > len(args.ask):
         raise ValueError(f"{len(args.at)} --at times for {len(args.ask)} --ask questions: each --at goes with the "
                          f"--ask of the same rank")
+    speak = speak_options(args)  # refuses bad settings before the checkpoint is read
     chat = open_chat(args)
+    speech = None if speak is None else _watch_speech(chat, speak, args.speak)
     units = chat.units_builder
     source = units.open_video(args.video, need_audio=not args.silent_video)  # checked up front
     end = source.num_units * units.unit_seconds
@@ -233,7 +239,7 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
             bar.update(1)
         bar.clear()
         out.write(f"[{fed_until * units.unit_seconds:g} s] Q: {question}\nA: ")
-        _answer(chat, question, args.max_tokens, out)
+        _answer(chat, question, args.max_tokens, out, speak, speech)
         bar.refresh()
     bar.close()
     steps = chat.steps
@@ -245,6 +251,19 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.plot:
         out.write(f"wrote {plot.session(chat, args.plot)}\n")
     return 0
+
+
+def _watch_speech(chat: Chat, speak: SpeakOptions, path: str) -> SpeechFile:
+    """The WAV file of `watch --speak`, after checking this chat can speak answers about a video's units."""
+    chat.check_speak(speak)  # a checkpoint without speech output, an unknown voice: before the video is read
+    speech = chat.model.speech
+    assert speech is not None
+    tap = getattr(speech, "media_tap", None)
+    if tap is not None and tap(()) is not None and "av" not in getattr(speech, "media_kinds", ("image", "audio")):
+        raise ValueError("--speak: this checkpoint's talker reads every unit fed, wherever it lies, and cannot read "
+                         "a video's audiovisual units; watch cannot speak its answers (Qwen3-Omni's talker reads "
+                         "only the questions and answers)")
+    return SpeechFile(path, speech.sample_rate)
 
 
 def main(command: str, argv: Sequence[str]) -> int:

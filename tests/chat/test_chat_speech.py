@@ -130,6 +130,70 @@ def test_spoken_answers_stream_the_pcm_speak_gives(release, monkeypatch):
     np.testing.assert_allclose(np.concatenate(chunks), other.pcm, rtol=0, atol=1e-5 * np.abs(other.pcm).max())
 
 
+def test_the_talker_speaks_while_the_thinker_still_writes(release, monkeypatch):
+    """Qwen3-Omni's talker step t reads answer token t + 1 only, so `Chat` runs it after each decoded block: PCM
+    comes before the answer's last block, the talker never runs past what the thinker wrote, and the PCM equals
+    `speak_streamed` on the finished answer."""
+    _, model, _ = release
+    steps = []
+    step = talker_forward.talker_step
+    monkeypatch.setattr(talker_forward, "talker_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    chat = omnijax.Chat(model, stream_config())  # 4 answer tokens a block
+    first, chunk = 2, 3
+    items, at = [], []  # (talker steps, thinker blocks fed) when each PCM chunk came
+    for item in chat.ask(QUESTION, max_tokens=16, speak=SpeakOptions(
+            max_speech_tokens=SPEECH_TOKENS, first_chunk=first, chunk=chunk)):
+        items.append(item)
+        if not isinstance(item, str):
+            at.append((len(steps), len([s for s in chat.steps if s.label in ("user", "answer")])))
+    spoken = chat.last_spoken
+    blocks = len(chat.steps)  # the question's step (its first answer block) and the continuations
+    assert len(spoken.answer_ids) > 2 * 4, "the tiny thinker's answer ended early: nothing to overlap"
+    assert at[0][1] < blocks, "the first PCM chunk came only after the whole answer"
+    # each chunk as soon as its frames are ready, and never a talker step past the tokens written (4 a block)
+    assert [a for a, _ in at] == [first, first + chunk, first + 2 * chunk, SPEECH_TOKENS - 1]
+    assert all(steps_run <= 4 * fed - 1 for steps_run, fed in at[:-1])
+    want = list(S.speak_streamed(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids),
+                                 speaker="Ethan", max_new_tokens=SPEECH_TOKENS, first_chunk=first, chunk=chunk))
+    chunks = [i for i in items if not isinstance(i, str)]
+    assert [c.shape for c in chunks] == [w.shape for w in want] and spoken.samples == sum(c.size for c in chunks)
+    peak = max(np.abs(w).max() for w in want)
+    assert peak > 0.05 and max(np.abs(c - w).max() for c, w in zip(chunks, want)) <= 1e-5 * peak
+
+
+def test_answer_speech_holds_back_what_may_not_be_spoken(release):
+    """`AnswerSpeech` fed one token at a time, the answer ending `<|im_end|>` then a stop id (both dropped), equals
+    `speak_streamed` on the answer without them; refusals name the problem."""
+    root, model, _ = release
+    prompt = np.asarray(hf_prompt(root / "hf", [{"role": "user", "content": QUESTION}]))
+    im_end, stop = TTS["im_end_token_id"], TTS["tts_eos_token_id"]  # any id can be a stop
+    words = [int(t) for t in model.tokenizer.encode("hello there you all")][:6]
+    assert len(words) >= 4
+    stream = model.speech.answer_stream(model, prompt, voice="Chelsie", max_new_tokens=SPEECH_TOKENS,
+                                        first_chunk=3, chunk=4, stop=(stop,))
+    got = []
+    for token in [*words, im_end]:
+        got += stream.push([token])
+        # talker step t reads answer token t + 1: never more steps than tokens certainly spoken, less one
+        assert len(stream.talker_tokens) - 1 <= max(0, len(stream._readable()) - 1)
+    assert stream._readable() == words  # <|im_end|> held back: a stop may follow
+    got += stream.finish([stop])
+    assert stream.answer() == words
+    want = list(S.speak_streamed(model, prompt, np.asarray(words), speaker="Chelsie", max_new_tokens=SPEECH_TOKENS,
+                                 first_chunk=3, chunk=4))
+    assert [g.shape for g in got] == [w.shape for w in want]
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=0,
+                               atol=1e-5 * np.abs(np.concatenate(want)).max())
+    with pytest.raises(ValueError, match="has ended"):
+        stream.push([words[0]])
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, "):
+        model.speech.answer_stream(model, prompt, voice="Ethan").push([model.config.vocab_size])
+    with pytest.raises(S.UnknownVoiceError, match="aiden"):
+        model.speech.answer_stream(model, prompt, voice="aiden")
+    with pytest.raises(ValueError, match="last turn must be the assistant"):
+        model.speech.answer_stream(model, prompt[:-3], voice="Ethan")
+
+
 def test_what_cannot_be_spoken_is_refused_before_anything_changes(release):
     _, model, thinker = release
     mute = omnijax.Chat(thinker, stream_config())

@@ -8,6 +8,7 @@ media token ids (as the release's does, so the talker's own positions lay images
 tiny talker would see every id as text) and the audio encoder takes 128 mel bins (Chat's audio frontend).
 """
 
+import io
 import warnings
 
 import numpy as np
@@ -264,3 +265,47 @@ def test_media_rows_the_talker_cannot_read_are_refused_by_name():
         MediaRows(positions=np.asarray([1, 2]), rows=np.ones((3, 4)), layer=2)
     with pytest.raises(ValueError, match="MediaRows.grid"):
         MediaRows(positions=np.asarray([1]), rows=np.ones((1, 4)), layer=2, grid=(1, 0, 2))
+
+
+def test_watch_speaks_its_answers_about_a_video(release, tmp_path, capsys):
+    """`omnijax watch --speak`: the video's units are fed outside the questions' user turns (Qwen3-Omni's talker
+    reads the questions and answers only); the WAV holds each answer's speech in turn, equal to a `Chat` fed the same
+    units and asked the same with the same settings. Bad speech settings are refused before the video is read."""
+    pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
+    from omnijax import commands
+    from omnijax.media import video
+    from omnijax.media.audio import pcm16, read_wav
+
+    root, _, model = release
+    frames = F.synthetic_frames(2.0, 2.0, 64, 96, seed=4)
+    clip = video.write_clip(tmp_path / "clip.mp4", frames, 2, F.tone(2.0, 330.0, seed=6))
+    out = tmp_path / "answers.wav"
+    args = commands.build_parser("watch").parse_args(
+        [str(root / "omnijax"), str(clip), "--ask", "What?", "--ask", "Then?", "--pages", "64",
+         "--page-size", "16", "--block", "4", "--max-tokens", "6", "--speak", str(out), "--voice", "chelsie",
+         "--max-speech-tokens", str(SPEECH_TOKENS)])
+    args.command = "watch"
+    printed = io.StringIO()
+    assert commands.run_watch(args, printed) == 0
+    lines = printed.getvalue().splitlines()
+    assert [line.startswith("[spoke ") and line.endswith(f" s -> {out}]") for line in lines[:6]] == [
+        False, False, True, False, False, True]
+    # the same through Chat: the video's units, then the two spoken questions
+    chat = omnijax.Chat(model, commands.stream_config(args))
+    options = SpeakOptions(voice="chelsie", max_speech_tokens=SPEECH_TOKENS)
+    pcm = []
+    for unit in chat.units_builder.open_video(clip).units():
+        chat.av(*unit)
+    for question in ("What?", "Then?"):
+        answer = list(chat.ask(question, max_tokens=6, speak=options))
+        assert chat.last_spoken.samples > 0
+        pcm += [a for a in answer if not isinstance(a, str)]
+    samples, rate = read_wav(out)
+    assert rate == 24000 and samples.size == sum(p.size for p in pcm)
+    np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), pcm16(np.concatenate(pcm)))
+    for more, says in ((["--voice", "ethan"], "--voice needs --speak"),
+                       (["--speak", str(tmp_path / "x.wav"), "--voice", "aiden"], "unknown voice 'aiden'")):
+        assert commands.main("watch", [str(root / "omnijax"), str(tmp_path / "missing.mp4"), "--ask", "a",
+                                       *more]) == 1
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "x.wav").exists()

@@ -36,8 +36,8 @@ from omnijax.models.encoders.common import dense, layer_norm
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.code2wav import DILATIONS, KERNEL, Code2Wav, Code2WavConfig
 
-__all__ = ["Code2WavStream", "Code2WavState", "check_codes", "decode", "decode_chunked", "decode_frames",
-           "decode_streamed", "earliest_frame", "init_state", "min_left_context", "model_params"]
+__all__ = ["Code2WavStream", "Code2WavState", "FrameChunks", "check_codes", "decode", "decode_chunked",
+           "decode_frames", "decode_streamed", "earliest_frame", "init_state", "min_left_context", "model_params"]
 
 # ------------------------------------------------------------------------------------------------------- state
 
@@ -312,6 +312,31 @@ class Code2WavStream:
             raise ValueError(f"codes have batch {arr.shape[0]} but the stream was opened for batch {self.batch}")
         wav, self.state = _decode_frames(self._params, jnp.asarray(arr), self.state, self.config)
         return wav
+
+
+class FrameChunks:
+    """Codec frames `[Q]` handed in one at a time (`add`), decoded by a batch-one `Code2WavStream` as soon as
+    `first_chunk` frames are ready, then each further `chunk`; `flush` decodes what is left. The PCM returned,
+    concatenated, equals `decode` on all the frames."""
+
+    def __init__(self, model: Code2Wav, first_chunk: int, chunk: int):
+        self.first_chunk, self.chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
+        self.stream = Code2WavStream(model)
+        self._ready: list[np.ndarray] = []
+
+    def add(self, frame: np.ndarray) -> np.ndarray | None:
+        """Queues one frame; returns a chunk's float32 PCM `[samples]` when a chunk is complete, else None."""
+        self._ready.append(frame)
+        return self.flush() if len(self._ready) == (self.first_chunk if self.stream.frames == 0 else self.chunk) \
+            else None
+
+    def flush(self) -> np.ndarray | None:
+        """Decodes the queued frames (None when none are queued)."""
+        if not self._ready:
+            return None
+        pcm = np.asarray(self.stream.push(np.stack(self._ready, axis=1)), np.float32)[0]
+        self._ready = []
+        return pcm
 
 
 def _schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int, int]]:

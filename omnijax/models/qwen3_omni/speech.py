@@ -13,12 +13,12 @@ turns and the assistant prefix), with the grids of the images in them (audio and
 in a user turn are refused by name (the reference's talker is not given `use_audio_in_video`). Placeholders outside
 user turns are not read (system turns and earlier answers are skipped), so need no rows.
 
-Decoding is greedy for the talker and its code predictor (the reference samples both by default: top-k 50 and
-temperature 0.9 for the talker, top-k 50 / top-p 0.8 hard-coded for the predictor, and a repetition penalty of 1.05;
-none of these is implemented here, so `speak` takes no sampling parameters). Code2Wav decodes the codes in one call
-(the reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming). `speak_streamed`
-(`Qwen3Speech.speak_chunks`, what `omnijax.Chat` and the server call) runs the same talker and hands its codec frames
-to Code2Wav's streamed decode chunk by chunk as they are decoded, yielding each chunk's PCM.
+Decoding is greedy for the talker and its code predictor unless `sampling` is given (`talker_decode.TalkerSampling`):
+then both draw as the reference does by default (top-k 50, temperature 0.9 and a repetition penalty of 1.05 for the
+talker, top-k 50 / top-p 0.8 hard-coded for the predictor), seeded. Code2Wav decodes the codes in one call (the
+reference's `chunked_decode` equals it up to 300 frames; see `code2wav_decode` for streaming). `speak_streamed`
+(`Qwen3Speech.speak_chunks`, what `omnijax.Chat` and the server call) runs the same talker and hands its codec frames to
+Code2Wav's streamed decode chunk by chunk as they are decoded, yielding each chunk's PCM.
 """
 
 from __future__ import annotations
@@ -35,14 +35,17 @@ from omnijax._checks import JsonConfig
 from omnijax.errors import ConfigError, ConvertError, UnsupportedConfigError
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen3_omni import positions as positions_lib
-from omnijax.models.qwen3_omni import speech_media, talker_forward
+from omnijax.models.qwen3_omni import speech_media, talker_decode, talker_forward
 from omnijax.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
-from omnijax.models.qwen3_omni.code2wav_decode import Code2WavStream, decode
+from omnijax.models.qwen3_omni.code2wav_decode import FrameChunks, decode
+from omnijax.models.qwen3_omni.speech_stream import AnswerSpeech
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, Utterance, token_ids
 
-__all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "TalkerInput", "UnknownVoiceError",
-           "Utterance", "has_speech_output", "speak", "speak_streamed", "speech_configs", "talker_input"]
+__all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "TalkerInput", "TalkerSampling",
+           "UnknownVoiceError", "Utterance", "has_speech_output", "speak", "speak_streamed", "speech_configs",
+           "talker_input"]
 
 SAMPLE_RATE = 24_000  # Code2Wav's output rate (1,920 samples per 80 ms codec frame for the release)
 # transformers' generate suppresses the top 1,024 codec ids (the control ids live there), the end of speech excepted.
@@ -174,13 +177,28 @@ class Qwen3Speech:
 
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
                      max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
-                     media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+                     media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
+                     ) -> Iterator[np.ndarray]:
         """`speak_streamed(model, prompt_ids, answer_ids, speaker=voice, ...)` of the model these parts belong to
         (the `omnijax.models.family.SpeechOutput` method): float32 PCM chunks at `sample_rate`."""
         if model.speech is not self:
             raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
         return speak_streamed(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
-                              first_chunk=first_chunk, chunk=chunk, media=media)
+                              first_chunk=first_chunk, chunk=chunk, media=media, sampling=sampling)
+
+    def answer_stream(self, model: OmniModel, prompt_ids: Any, *, voice: str, max_new_tokens: int = 4096,
+                      first_chunk: int = 4, chunk: int = 25, media: Sequence[MediaRows] = (),
+                      stop: Sequence[int] = (), sampling: TalkerSampling | None = None) -> AnswerSpeech:
+        """A `speech_stream.AnswerSpeech`: the answer spoken while the thinker writes it (its tokens pushed as
+        they are decoded), equal to `speak_chunks` on the finished answer."""
+        if model.speech is not self:
+            raise ValueError("answer_stream takes the model whose speech output this is (model.speech)")
+
+        def talker(answer: Sequence[int]) -> functools.partial[Iterator[np.ndarray]]:
+            return _talker(model, prompt_ids, answer, voice, max_new_tokens, media, sampling)[1]
+
+        return AnswerSpeech(model, talker, code2wav=self.code2wav, im_end=self.tokens.im_end_token_id,
+                            stand_in=self.tokens.tts_pad_token_id, first_chunk=first_chunk, chunk=chunk, stop=stop)
 
     def chat_tokens(self, multimodal: tuple[int, ...]) -> talker_forward.ChatTokens:
         t = self.tokens
@@ -196,8 +214,10 @@ def _check_positive(name: str, value: Any) -> int:
 
 
 def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
-          max_new_tokens: int = 4096, media: Sequence[MediaRows] = ()) -> Utterance:
-    """Speaks a thinker's answer: talker (greedy, its code predictor greedy too), then Code2Wav in one call.
+          max_new_tokens: int = 4096, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
+          ) -> Utterance:
+    """Speaks a thinker's answer: talker (greedy, its code predictor greedy too; or both drawn with `sampling`),
+    then Code2Wav in one call.
 
     Args:
         model: a loaded Qwen3-Omni checkpoint converted from a full release (`model.speech` set).
@@ -210,6 +230,8 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
         max_new_tokens: talker tokens at most (one per 80 ms frame; the reference's `talker_max_new_tokens`).
         media: the thinker's `hidden_states[accept_hidden_layer]` at the placeholders of the user turns' media
             units (`MediaRows`, one per unit; images with their grids).
+        sampling: None (greedy, what equals transformers' `generate(talker_do_sample=False)`), or a
+            `TalkerSampling` (the reference's default draws, seeded).
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens).
@@ -221,7 +243,7 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
             another layer, width or place), a video in a user turn, placeholders in the answer, an empty answer, a
             prompt whose last turn is not the assistant's, or a `max_new_tokens` below 1.
     """
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling)
     tokens: list[int] = []
     decoded = list(frames(tokens=tokens))
     codes = np.stack(decoded, axis=1) if decoded else np.zeros((speech.talker.config.num_code_groups, 0), np.int32)
@@ -232,7 +254,8 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
 
 def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
                    max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
-                   media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+                   media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
+                   ) -> Iterator[np.ndarray]:
     """`speak` streamed, talker and vocoder: every refusal of `speak` is raised at the call (before anything runs);
     then the talker decodes codec frames one by one, and as soon as `first_chunk` frames are ready -- then each
     further `chunk`, then what is left when the speech ends -- Code2Wav decodes them (`code2wav_decode.Code2WavStream`,
@@ -243,20 +266,20 @@ def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *
         As `speak`; ValueError also for a `first_chunk` or `chunk` below 1.
     """
     first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling)
     return _streamed(speech.code2wav, frames(), first_chunk, chunk)
 
 
 def _streamed(code2wav: Code2Wav, frames: Iterator[np.ndarray], first_chunk: int, chunk: int
               ) -> Iterator[np.ndarray]:
-    stream, ready = Code2WavStream(code2wav), []
+    chunks = FrameChunks(code2wav, first_chunk, chunk)
     for frame in frames:
-        ready.append(frame)
-        if len(ready) == (first_chunk if stream.frames == 0 else chunk):
-            yield np.asarray(stream.push(np.stack(ready, axis=1)), np.float32)[0]
-            ready = []
-    if ready:
-        yield np.asarray(stream.push(np.stack(ready, axis=1)), np.float32)[0]
+        pcm = chunks.add(frame)
+        if pcm is not None:
+            yield pcm
+    pcm = chunks.flush()
+    if pcm is not None:
+        yield pcm
 
 
 class TalkerInput(NamedTuple):
@@ -278,9 +301,10 @@ def talker_input(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, 
 
 
 def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int,
-            media: Sequence[MediaRows]) -> tuple[Qwen3Speech, functools.partial[Iterator[np.ndarray]]]:
+            media: Sequence[MediaRows], sampling: TalkerSampling | None = None
+            ) -> tuple[Qwen3Speech, functools.partial[Iterator[np.ndarray]]]:
     """Checks a `speak` call and builds the talker's input: (the speech parts, `frames(tokens=list)`, which runs
-    the talker greedily, yielding each codec frame `[Q]` as it is decoded: `talker_forward.greedy_frames`)."""
+    the talker greedily, yielding each codec frame `[Q]` as it is decoded: `talker_decode.greedy_frames`)."""
     speech = model.speech
     if not isinstance(speech, Qwen3Speech):
         raise SpeechUnavailableError(
@@ -293,6 +317,8 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
         raise UnknownVoiceError(speaker, speech.voices)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if sampling is not None and not isinstance(sampling, TalkerSampling):
+        raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(sampling).__name__}")
     vocab = model.config.vocab_size
     prompt = token_ids("thinker_prompt_ids", thinker_prompt_ids, vocab)
     answer = token_ids("answer_ids", answer_ids, vocab)
@@ -325,5 +351,6 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
     suppress = [i for i in range(max(0, vocab_codec - SUPPRESSED_TOP_IDS), vocab_codec)
                 if i != config.codec_eos_token_id]
     pad_row = talker_forward.project_text(config, params, specials)[2]
-    return speech, functools.partial(talker_forward.greedy_frames, config, params, talker_rows, positions, trailing,
-                                     pad_row, max_new_tokens=int(max_new_tokens), suppress=suppress)
+    return speech, functools.partial(talker_decode.greedy_frames, config, params, talker_rows, positions, trailing,
+                                     pad_row, max_new_tokens=int(max_new_tokens), suppress=suppress,
+                                     sampling=sampling)

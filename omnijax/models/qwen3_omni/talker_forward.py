@@ -15,15 +15,13 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
 - `user_prompt`: a user turn's talker rows (projected thinker embedding rows; hidden rows at placeholders).
 - `assistant_prompt`: the talker's assistant-turn prefix and the trailing text rows, as the reference builds them.
 - `talker_prompt`: a whole conversation's talker input (system turns skipped, user turns, the answer's prefix).
-- `generate_greedy`: the reference's talker `generate` under greedy decoding (talker and code predictor);
-  `greedy_frames` yields its codec frames one at a time.
+- The decoding loops over these (greedy and sampled) are in `talker_decode`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from omnijax.chunks.spans import SpanKind
+from omnijax.decoding import Sampling
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.kv.paged import write_layer
@@ -42,9 +41,9 @@ from omnijax.models.layers import rms_norm
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
 
-__all__ = ["ChatTokens", "assistant_prompt", "generate_greedy", "greedy_frames", "init_cache", "predict_codes",
-           "predictor_logits", "project_hidden", "project_text", "rows_prefill", "rows_step", "talker_chunk",
-           "talker_logits", "talker_params", "talker_prompt", "talker_step", "user_prompt"]
+__all__ = ["ChatTokens", "assistant_prompt", "init_cache", "predict_codes", "predictor_logits", "project_hidden",
+           "project_text", "rows_prefill", "rows_step", "talker_chunk", "talker_logits", "talker_params",
+           "talker_prompt", "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
 
@@ -195,9 +194,17 @@ def predictor_logits(config: TalkerConfig, params: Params, embeds: jax.Array, he
     return _head(pred, hidden, head)
 
 
-def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, code0: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-    """Greedy codebooks 1 .. Q-1 of a frame and the sum of its Q codebook embeddings (traceable).
+def _choose(logits: jax.Array, g: jax.Array | int, key: jax.Array | None, sampling: Sampling | None) -> jax.Array:
+    """`[B]` int32: the argmax of `logits [B, V]`, or a draw of `sampling` with keys `key [B]` folded with `g`."""
+    if sampling is None or key is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sampling.select(logits, None, jax.vmap(lambda k: jax.random.fold_in(k, g))(key))
+
+
+def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, code0: jax.Array,
+                 key: jax.Array | None = None, sampling: Sampling | None = None) -> tuple[jax.Array, jax.Array]:
+    """Codebooks 1 .. Q-1 of a frame and the sum of its Q codebook embeddings (traceable): greedy, or drawn by
+    `sampling` with the frame's PRNG keys `key [B]` (codebook g + 1 with `key` folded with g).
 
     Args:
         past_hidden: `[B, D]` the talker's final-normed hidden state at the position that produced `code0`.
@@ -212,7 +219,7 @@ def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, c
     x = jnp.stack([past_hidden.astype(c.jnp_dtype), first], axis=1)  # [B, 2, D]
     keys, values = _empty_buffer(c, B, Q), _empty_buffer(c, B, Q)
     hidden, keys, values = _predictor_layers(c, pred, x, 0, keys, values)
-    code = jnp.argmax(_head(pred, hidden[:, -1], 0), axis=-1).astype(jnp.int32)
+    code = _choose(_head(pred, hidden[:, -1], 0), 0, key, sampling)
     codes = jnp.zeros((B, Q), jnp.int32).at[:, 0].set(code0).at[:, 1].set(code)
     total = first.astype(jnp.float32)
 
@@ -221,7 +228,7 @@ def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, c
         emb = jnp.take(jax.lax.dynamic_index_in_dim(pred["codec_embedding"], g - 1, keepdims=False),
                        codes[:, g], axis=0)  # [B, D]
         hidden, keys, values = _predictor_layers(c, pred, emb[:, None], g + 1, keys, values)
-        nxt = jnp.argmax(_head(pred, hidden[:, 0], g), axis=-1).astype(jnp.int32)
+        nxt = _choose(_head(pred, hidden[:, 0], g), g, key, sampling)
         return codes.at[:, g + 1].set(nxt), keys, values, total + emb.astype(jnp.float32)
 
     codes, _, _, total = jax.lax.fori_loop(1, Q - 1, step, (codes, keys, values, total))
@@ -237,12 +244,13 @@ def predict_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, 
 
 
 def rows_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
-              code0: jax.Array, text_row: jax.Array, position: jax.Array, active: jax.Array | None = None
+              code0: jax.Array, text_row: jax.Array, position: jax.Array, active: jax.Array | None = None,
+              key: jax.Array | None = None, predictor: Sampling | None = None
               ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
     """`talker_step` traceable (call under jit), over the rows of a shared cache: only the rows where `active [B]`
     is True write their token (None: every row), so sessions at different steps share one batched call; the other
     rows' outputs are computed and meaningless."""
-    codes, frame = _frame_codes(config, params, past_hidden, code0)
+    codes, frame = _frame_codes(config, params, past_hidden, code0, key, predictor)
     x = (frame + text_row.astype(frame.dtype))[:, None]
     B = code0.shape[0]
     pos = jnp.broadcast_to(position.astype(jnp.float32)[None, :, None], (3, B, 1))
@@ -251,11 +259,12 @@ def rows_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_
     return kv, codes, hidden[:, 0], logits[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jax.jit, static_argnames=("config", "predictor"))
 def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
-                code0: jax.Array, text_row: jax.Array, position: jax.Array
-                ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
-    """One talker frame, the predictor and the talker fused in one compiled call.
+                code0: jax.Array, text_row: jax.Array, position: jax.Array, key: jax.Array | None = None,
+                predictor: Sampling | None = None) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
+    """One talker frame, the predictor and the talker fused in one compiled call (the predictor greedy, or drawing
+    with `predictor` and the frame's keys `key [B]`).
 
     Args:
         kv: the talker's cache after the previous token.
@@ -267,7 +276,7 @@ def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, pas
     Returns:
         `(kv, codes [B, Q] of code0's frame, hidden [B, D] final-normed at the new position, logits [B, V])`.
     """
-    return rows_step(config, params, kv, past_hidden, code0, text_row, position)
+    return rows_step(config, params, kv, past_hidden, code0, text_row, position, key=key, predictor=predictor)
 
 
 def rows_prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, valid: jax.Array,
@@ -395,56 +404,3 @@ def talker_prompt(config: TalkerConfig, params: Params, prompt_ids: np.ndarray, 
     if trailing is None:
         raise ValueError("the conversation has no assistant turn to speak")
     return jnp.concatenate(rows), np.concatenate(ids), trailing
-
-
-def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,
-                    trailing: jax.Array, tts_pad: jax.Array, *, max_new_tokens: int,
-                    suppress: Sequence[int] = (), page_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """The reference talker's `generate` under greedy decoding, one sequence.
-
-    Args:
-        prompt: `[T, D]` the talker's input embeddings (user parts and `assistant_prompt`).
-        positions: `[3, T]` their mrope positions; decoding continues at `positions.max() + 1`, one per token.
-        trailing: `[N, D]` text rows added at decoding steps 0 .. N-1; `tts_pad [D]` afterwards.
-        max_new_tokens: talker tokens to generate (the reference's count: the prefill's token included).
-        suppress: codec ids never chosen (the reference suppresses its control ids).
-
-    Returns:
-        `(tokens [n] int32, codes [Q, n - 1] int32)`: the talker's tokens, stopping after `codec_eos_token_id`, and
-        the frames of all but the last token (what the reference hands Code2Wav).
-    """
-    tokens: list[int] = []
-    frames = list(greedy_frames(config, params, prompt, positions, trailing, tts_pad, max_new_tokens=max_new_tokens,
-                                suppress=suppress, page_size=page_size, tokens=tokens))
-    codes_out = np.stack(frames, axis=1) if frames else np.zeros((config.num_code_groups, 0), np.int32)
-    return np.asarray(tokens, np.int32), codes_out
-
-
-def greedy_frames(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,
-                  trailing: jax.Array, tts_pad: jax.Array, *, max_new_tokens: int, suppress: Sequence[int] = (),
-                  page_size: int = 64, tokens: list[int] | None = None) -> Iterator[np.ndarray]:
-    """`generate_greedy` one frame at a time: yields each codec frame `[Q]` int32 as soon as its talker step ran
-    (the prefill runs at the first `next`); the talker's tokens are appended to `tokens` when given."""
-    mask = np.zeros((config.decoder.vocab_size,), bool)
-    mask[list(suppress)] = True
-    banned = jnp.asarray(mask)
-
-    def pick(logits):
-        return jnp.argmax(jnp.where(banned, -jnp.inf, logits), axis=-1).astype(jnp.int32)
-
-    tokens = [] if tokens is None else tokens
-    T = prompt.shape[0]
-    kv = init_cache(config, 1, T + max_new_tokens, page_size)
-    kv, hidden, logits = _prefill(config, params, kv, prompt[None], jnp.asarray(positions, jnp.float32)[:, None])
-    token = pick(logits)
-    tokens.append(int(token[0]))
-    start = int(np.max(np.asarray(positions))) + 1
-    for step in range(max_new_tokens - 1):
-        if tokens[-1] == config.codec_eos_token_id:
-            break
-        row = trailing[step] if step < trailing.shape[0] else tts_pad
-        kv, codes, hidden, logits = talker_step(config, params, kv, hidden, token, row[None],
-                                                jnp.asarray([start + step], jnp.int32))
-        token = pick(logits)
-        tokens.append(int(token[0]))
-        yield np.asarray(codes[0])

@@ -19,6 +19,7 @@ from flax import nnx
 
 from omnijax.checkpoint.name_tables import convert_in_memory, param_shapes
 from omnijax.errors import UnsupportedConfigError
+from omnijax.models.qwen3_omni import talker_decode as D
 from omnijax.models.qwen3_omni import talker_forward as F
 from omnijax.models.qwen3_omni.talker import (
     Talker,
@@ -278,8 +279,8 @@ def test_user_prompt(pair):
 
 def test_greedy_generation_equals_transformers(pair):
     """transformers' talker `generate` (greedy; its code predictor made greedy too, it samples by default with
-    top_k=50, top_p=0.8 hard-coded) against `generate_greedy`: the same talker tokens and the same codes, frame by
-    frame."""
+    top_k=50, top_p=0.8 hard-coded) against `talker_decode.generate_greedy`: the same talker tokens and the same
+    codes, frame by frame."""
     full, config, params = pair
     _, embed, specials, prompt, prompt_ids, trailing, pad = _reference_prompt(full, [7, 8, 9])
     with greedy_predictor(full.talker.code_predictor), torch.no_grad():
@@ -292,7 +293,7 @@ def test_greedy_generation_equals_transformers(pair):
     want_codes = torch.stack([h[-1] for h in out.hidden_states if h[-1] is not None], dim=1)[0].T.numpy()
     ours_prompt, ours_trailing = F.assistant_prompt(config, params, embed, "ethan", specials)
     T = ours_prompt.shape[0]
-    tokens, codes = F.generate_greedy(config, params, ours_prompt, np.broadcast_to(np.arange(T), (3, T)),
+    tokens, codes = D.generate_greedy(config, params, ours_prompt, np.broadcast_to(np.arange(T), (3, T)),
                                       ours_trailing, F.project_text(config, params, specials)[2], max_new_tokens=8,
                                       suppress=SUPPRESS)
     assert want_codes.shape[1] >= 4, "fewer than 4 frames: the test would prove little"
@@ -349,7 +350,7 @@ def test_thinker_to_waveform_equals_transformers_generate(pair, saved):
                                           specials.numpy(), speaker="ethan", chat=chat)
     assert len(ids) == 8 + 7 + 9  # two user turns, the answer's 9-row prefix; the system and old answer skipped
     T = len(ids)
-    _, codes = F.generate_greedy(config, params, rows, np.broadcast_to(np.arange(T), (3, T)), trailing,
+    _, codes = D.generate_greedy(config, params, rows, np.broadcast_to(np.arange(T), (3, T)), trailing,
                                  F.project_text(config, params, specials.numpy())[2], max_new_tokens=10,
                                  suppress=SUPPRESS)
     assert codes.shape[1] >= 4, "fewer than 4 frames: the test would prove little"
