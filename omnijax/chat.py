@@ -74,6 +74,7 @@ from omnijax.decoding import DecodingStrategy, answer_stop_ids, sampling_keys, s
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
 from omnijax.models.family import OmniModel
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.tokenizer import Tokenizer
 from omnijax.plot import SessionTrace
@@ -96,16 +97,21 @@ class SpeakOptions:
             `talker_max_new_tokens`, 4,096 by default). A talker that has not ended the speech by then is cut there.
         first_chunk: codec frames of the vocoder's first call (a small one gets the first audio out sooner).
         chunk: codec frames of each later call.
+        sampling: None (greedy talker and code predictor: what equals transformers' `talker_do_sample=False`), or
+            a `TalkerSampling` (Qwen3-Omni: the reference's default draws, seeded; refused by a greedy-only talker).
     """
 
     voice: str = "Ethan"
     max_speech_tokens: int = 4096
     first_chunk: int = 4
     chunk: int = 25
+    sampling: TalkerSampling | None = None
 
     def __post_init__(self):
         if not isinstance(self.voice, str) or not self.voice:
             raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
+        if self.sampling is not None and not isinstance(self.sampling, TalkerSampling):
+            raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(self.sampling).__name__}")
         for name in ("max_speech_tokens", "first_chunk", "chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -260,6 +266,9 @@ class Chat:
                              "not keep: its spoken answers take text-only conversations")
         if self._unspeakable is not None:
             raise ValueError(f"speak: {self._unspeakable}")
+        if options.sampling is not None and getattr(speech, "answer_stream", None) is None:
+            raise ValueError("speak: sampling: this checkpoint's talker decodes greedily only (Qwen2.5-Omni here); "
+                             "leave SpeakOptions.sampling None")
         return options
 
     def _answer(self, prepared, config, max_tokens, reseed, speak=None):
@@ -314,7 +323,8 @@ class Chat:
         media = tuple(self._media_rows)
         return opened(self.model, np.asarray(prompt_ids), voice=options.voice,
                       max_new_tokens=options.max_speech_tokens, first_chunk=options.first_chunk,
-                      chunk=options.chunk, stop=stop, **({"media": media} if media else {}))
+                      chunk=options.chunk, stop=stop, sampling=options.sampling,
+                      **({"media": media} if media else {}))
 
     def _spoken(self, prompt_ids: tuple[int, ...], generated: list[int], stop: tuple[int, ...],
                 options: SpeakOptions, early=None) -> Iterator[np.ndarray]:

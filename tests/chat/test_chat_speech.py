@@ -22,6 +22,7 @@ from omnijax.convert import convert_checkpoint
 from omnijax.media.audio import pcm16, read_wav
 from omnijax.models.qwen3_omni import speech as S
 from omnijax.models.qwen3_omni import talker_forward
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from tests._support import qwen3_omni_models as Q
 
@@ -192,6 +193,28 @@ def test_answer_speech_holds_back_what_may_not_be_spoken(release):
         model.speech.answer_stream(model, prompt, voice="aiden")
     with pytest.raises(ValueError, match="last turn must be the assistant"):
         model.speech.answer_stream(model, prompt[:-3], voice="Ethan")
+
+
+def test_sampled_speech_through_chat_is_the_seeded_speech_of_its_answer(release):
+    """`SpeakOptions(sampling=TalkerSampling(...))`: the spoken answer is `speak_streamed` of the same answer with
+    the same sampling (seeded draws, test_talker_sampling.py), not the greedy speech; a non-sampler is refused."""
+    _, model, _ = release
+    sampling = TalkerSampling(temperature=1.3, seed=4)
+    chat = omnijax.Chat(model, stream_config())
+    options = SpeakOptions(max_speech_tokens=SPEECH_TOKENS, first_chunk=FIRST_CHUNK, chunk=CHUNK, sampling=sampling)
+    chunks = [i for i in chat.ask(QUESTION, max_tokens=6, speak=options) if not isinstance(i, str)]
+    spoken = chat.last_spoken
+    args = (model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids))
+    want = list(S.speak_streamed(*args, max_new_tokens=SPEECH_TOKENS, first_chunk=FIRST_CHUNK, chunk=CHUNK,
+                                 sampling=sampling))
+    assert [c.shape for c in chunks] == [w.shape for w in want]
+    peak = max(np.abs(w).max() for w in want)
+    assert max(np.abs(c - w).max() for c, w in zip(chunks, want)) <= 1e-5 * peak
+    greedy = S.speak(*args, max_new_tokens=SPEECH_TOKENS)
+    drawn = S.speak(*args, max_new_tokens=SPEECH_TOKENS, sampling=sampling)
+    assert not np.array_equal(drawn.codes, greedy.codes[:, :drawn.codes.shape[1]])
+    with pytest.raises(ValueError, match="sampling must be a TalkerSampling"):
+        SpeakOptions(sampling=0.9)
 
 
 def test_what_cannot_be_spoken_is_refused_before_anything_changes(release):
