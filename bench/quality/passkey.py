@@ -186,7 +186,11 @@ def main(argv=None):
           f"budgets = {total} sessions", flush=True)
     rows = resumed_rows(out, args) if args.resume else []
     done_keys = {session_key(r) for r in rows}
-    done, started = len(rows), time.perf_counter()
+    todo = sum((mode, name, budget, plen, depth, i) not in done_keys for name in policies for budget in args.budgets
+               for mode, plen, depth, i in all_prompts)
+    if rows:
+        print(f"--resume: {len(rows)} rows kept, {todo} of the {total} sessions to run", flush=True)
+    done, started = 0, time.perf_counter()
     header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, chunk=args.chunk,
                   budgets=sorted({r["budget"] for r in rows} | set(args.budgets)),
                   lengths=sorted({r["length"] for r in rows} | set(args.lengths)))
@@ -211,7 +215,7 @@ def main(argv=None):
                                      note=_stream.TEXT_ONLY_LIMITS.get(base_name)))
                     # every row as it comes: a run stopped early keeps what it measured (`--resume` goes on)
                     harness.write_json(out, "passkey", dict(header, complete=False, rows=rows))
-                    print(f"  [{done}/{total}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "
+                    print(f"  [{done}/{todo}] {mode} {name}@{budget} L={prompt.tokens} depth={depth:.1f}: "
                           f"{'right' if o.correct else 'wrong'} ({o.answer[:40]!r}), peak {o.peak_cells} cells, key "
                           f"{o.key_cells_kept}/{o.key_cells}, {o.seconds:.1f} s "
                           f"({time.perf_counter() - started:.0f} s)", flush=True)
