@@ -6,7 +6,10 @@ template, the prompt's prefill and the first decoded token. Each worker process 
 clock; the parent starts the clock just before it starts the process, so interpreter start-up counts. Sides:
 
     omnijax_warm   `omnijax.Chat` (OmniPick 512 / 384, 16-token pages, 68 pages, 16-token answer blocks: the README's
-                   chat), its compiled steps loaded from a persistent cache a priming run filled;
+                   chat), its compiled steps loaded from a persistent cache a priming run filled: the session's step
+                   as a serialised executable (`omnijax.compilation_cache.cached_jit`, no tracing);
+    omnijax_traced the same warm cache with `OMNIJAX_EXECUTABLE_CACHE=off`: the step traced and lowered again, then
+                   found in XLA's cache (what every warm start did before the executables were kept);
     omnijax_cold   the same with an empty cache directory (every step compiled in the process);
     transformers   `AutoModelForCausalLM.from_pretrained` of the same weights saved by transformers (float32, sdpa),
                    `apply_chat_template`, then `generate` (greedy) with a streamer that notes the first new token.
@@ -39,7 +42,8 @@ import numpy as np
 
 from bench import harness
 
-SIDES = ("omnijax_warm", "omnijax_cold", "transformers")
+SIDES = ("omnijax_warm", "omnijax_traced", "omnijax_cold", "transformers")
+OURS = SIDES[:3]
 STAGES = ("imported", "loaded", "first_token", "answered")
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
@@ -153,6 +157,9 @@ def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -
     """`side`'s chat turn in a fresh process: seconds from the process's start to each stage."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # each omnijax side names its own cache
+    env.pop("OMNIJAX_EXECUTABLE_CACHE", None)
+    if side == "omnijax_traced":
+        env["OMNIJAX_EXECUTABLE_CACHE"] = "off"
     load = os.getloadavg()[0]
     start = time.time()
     done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
@@ -204,7 +211,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
-                cache = warm_cache if side == "omnijax_warm" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
+                cache = warm_cache if side != "omnijax_cold" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
                 if args.smoke and side == "omnijax_cold":  # a check: the cold side loads what the warm one compiled
                     cache = warm_cache
                 row = dict(run_one(side, models, cache, args.max_tokens), round=r)
@@ -216,7 +223,7 @@ def main(argv=None) -> int:
                for s in SIDES}
     by_round = {(r["round"], r["side"]): r["first_token_s"] for r in rows}
     ratio = {s: float(np.median([by_round[(i, s)] / by_round[(i, "transformers")] for i in range(args.rounds)]))
-             for s in SIDES[:2]}
+             for s in OURS}
     answers = {s: next(r["answer"] for r in rows if r["side"] == s) for s in SIDES}
     harness.print_table([dict(side=s, **summary[s], ratio=ratio.get(s, 1.0)) for s in SIDES],
                         [("side", "side", ""), ("imported s", "imported", ".2f"), ("loaded s", "loaded", ".2f"),
