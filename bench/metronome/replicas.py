@@ -228,12 +228,15 @@ def loss_round(served: Served, snapshots: Path, every: str, args, rng: np.random
             rows.append({"every": every, "turns": 0, "on_disk": 0, "lost": 0, "lost_s": 0.0, "behind_s": None,
                          "kill_after_s": kill_after})
             continue
-        k, n = kept_turns(snapshots, seen["token"]), len(done)
+        # the disk may hold one turn more than the client saw end: with `1turn` a turn's snapshot is written before
+        # its response.done, which the kill can cut off
+        on_disk, n = kept_turns(snapshots, seen["token"]), len(done)
+        k = min(on_disk, n)
         gaps = np.diff(done)
-        rows.append({"every": every, "turns": n, "on_disk": k, "lost": n - k,
+        rows.append({"every": every, "turns": n, "on_disk": on_disk, "lost": n - k,
                      # since the first turn the kill lost ended: the conversation time it took with it
                      "lost_s": killed_at - done[k] if k < n else 0.0,
-                     "behind_s": killed_at - done[k - 1] if k else None,  # the newest turn on disk ended
+                     "behind_s": killed_at - done[k - 1] if k else None,  # the newest turn seen on disk ended
                      "turn_s": float(gaps.max()) if len(gaps) else None, "kill_after_s": kill_after})
     return rows
 

@@ -1,6 +1,7 @@
 """`omnijax serve --demo-model --replicas 2` as a user runs it: a local Ray cluster (CPU) with two replicas behind
-Ray Serve's proxy on one port, one `--snapshot-dir` both replicas see, `--snapshot-every 2s`. One server process
-serves every check (its start-up, a Ray cluster and two model loads, is most of this module's time):
+Ray Serve's proxy on one port, one `--snapshot-dir` both replicas see, `--snapshot-every 2s`. One server process (the
+module's `cluster` fixture: its start-up, a Ray cluster and two model loads, is most of this module's time) serves
+every check:
 
 1. a Realtime session says "Turn 0." and stays on its replica: `GET /v1/omnijax/replica?resume=<token>` (routed like a
    reconnect with that token) lands on the replica holding it, every time;
@@ -11,27 +12,35 @@ serves every check (its start-up, a Ray cluster and two model loads, is most of 
    snapshot holds the first k turns: the turns lost are those the client saw end after it, and they all ended within
    one interval before the kill, plus one turn and one snapshot write (an idle-time snapshot's write, in the
    background, may be cut by the kill too);
+   A native `/session` opened on the holder after the chat (fed one frame) dies with it: native sessions are
+   snapshotted when their connection ends, so its resume is refused by name (`resume_failed`, no snapshot),
+   never started afresh;
 4. the client reconnects with its token, lands on the survivor (which breaks the dead replica's lease at once),
-   and its answer to turn k continues from the snapshot exactly;
+   and its answer to turn k continues from the snapshot exactly; a native `/session` opens beside it on the
+   survivor (`?replica=`) and is fed its first frames;
 5. Ray Serve starts a replacement replica; a second connection with the same token sent to the replacement
    (`?replica=`) while the survivor holds it is refused by name (`resume_failed`, naming the survivor): one token,
    one replica;
-6. one step of a rolling restart (`omnijax.serve.cluster.roll.restart_one`) drains the survivor while the session is
-   open there (it reports the session's token snapshotted, the connection is closed with 1012), its process exits
-   and Ray Serve replaces it; the client reconnects meanwhile, lands on the first replacement, and its answer to turn
-   k + 1 continues exactly;
+6. one step of a rolling restart (`omnijax.serve.cluster.roll.restart_one`) drains the survivor while both sessions
+   are open there (it reports both tokens snapshotted, both connections are closed with 1012), its process exits
+   and Ray Serve replaces it; the Realtime client reconnects meanwhile, lands on the first replacement, and its
+   answer to turn k + 1 continues exactly; the native client reconnects with `/session?resume=<its token>`, routed
+   by Ray Serve's proxy to a live replica, and its frame numbers and tokens continue;
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
 8. an uninterrupted session, run last, is the oracle: the moved session's every answer and KV cell count equal its
    own, turn for turn. After its first turn three more sessions fill both replicas (two each, pinned by
-   `?replica=`); then a Realtime and a native `/session` session are refused by name (`overloaded`, naming the cap
-   of 2; close 1013) and a chat completion through the SDK gets a 429 with `Retry-After` after the one-second queue
-   timeout, all three routed by headroom; the replicas' open and opened counts are unchanged by the refusals, the
-   oracle's later turns still equal the moved session's, and each filler's first answer equals the oracle's
-   (nothing changed for the admitted sessions);
-9. SIGTERM drains the replicas and shuts the cluster down.
+   `?replica=`; one is a native session); then a Realtime and a native `/session` session are refused by name
+   (`overloaded`, naming the cap of 2; close 1013) and a chat completion through the SDK gets a 429 with
+   `Retry-After` after the one-second queue timeout, all three routed by headroom; the replicas' open and opened
+   counts are unchanged by the refusals. Then the oracle's later turns still equal the moved session's, each
+   Realtime filler's first answer equals the oracle's, and the native filler, fed the same frames as the moved
+   native session, gives the same frame numbers and tokens (nothing changed for the admitted sessions, and the
+   native move was bit-exact);
+9. `--replicas 64` joining this cluster (`RAY_ADDRESS`, as on a multi-node cluster) is refused naming the CPUs the
+   cluster has, and leaves the running application serving;
+10. SIGTERM drains the replicas and shuts the cluster down (the fixture's teardown).
 
-Then `--replicas 64` on this machine's local cluster is refused naming the CPUs it has, and `--replicas 0`, a
-missing Ray or a directory that is no checkpoint are refused before any Ray cluster starts.
+`--replicas 0`, a missing Ray or a directory that is no checkpoint are refused before any Ray cluster starts.
 """
 
 import asyncio
@@ -55,6 +64,7 @@ pytest.importorskip("ray.serve")  # the `omnijax[ray]` extra (also in the test e
 from omnijax.serve.cluster import roll  # noqa: E402
 from omnijax.testing.served import Served  # noqa: E402
 from tests._support.realtime_client import say  # noqa: E402
+from tests.serve.cluster import native_client  # noqa: E402
 
 EVERY_S = 2.0
 CAP = 2  # sessions per replica: the largest bucket (no AIMD: its cap moves with this machine's load), so filling
@@ -65,6 +75,7 @@ SAY = 8
 TURNS = tuple(f"Turn {i}." for i in range(26))  # JSON strings on disk: '"Turn 1."' is not in '"Turn 11."'
 MOST_BEFORE_KILL = len(TURNS) - 2  # the two resumes say the turns after the kept ones
 WRITE_S = 2.0  # the longest a snapshot's disk write is allowed here (~0.2 s on a quiet machine; load 30 stretches it)
+NATIVE_FRAMES, NATIVE_MOVE_AT = 4, 2  # the native session's frames, and how many it is fed before its replica drains
 PACE_S = 0.25  # a turn starts at most this often (the client's think time): on a quiet machine a turn takes ~0.1 s,
 # and the turns must outlast the check window below
 
@@ -134,190 +145,270 @@ def _kept_turns(snapshots: Path, token: str) -> int:
     return k
 
 
-def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(tmp_path):
-    snapshots = tmp_path / "sessions"
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The module's server: `(Served, its --snapshot-dir, the first two replicas' ids)`; SIGTERM at the end, which
+    must drain the replicas."""
+    snapshots = tmp_path_factory.mktemp("ray") / "sessions"
+    began = time.monotonic()
     served = Served(*ARGS, "--snapshot-dir", str(snapshots), start_timeout_s=900)
     try:
-        client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
         ready = [line for line in served.lines if "replicas on Ray Serve" in line]
         assert ready and "2 replicas" in ready[-1], served.log(20)
         ids = re.search(r"\(CPU; ([a-z0-9]+), ([a-z0-9]+)\)", ready[-1]).groups()
-
-        async def pinned_then_killed() -> dict:
-            seen: dict = {"said": [], "done": []}
-            async with client.realtime.connect(model="omnijax") as conn:
-                created = await conn.recv()
-                seen["token"] = token = created.session.model_extra["omnijax"]["resume_token"]
-                seen["said"].append(await say(conn, TURNS[0], SAY))
-                seen["done"].append(time.monotonic())
-                seen["holder"] = await asyncio.to_thread(_holder, served, token)
-                raw = await client.chat.completions.with_raw_response.create(
-                    model="omnijax", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
-                seen["chat_replica"], seen["chat"] = raw.headers["x-omnijax-replica"], raw.parse()
-                described, _ = await asyncio.to_thread(_http, served, f"/v1/omnijax/replica?replica={seen['holder']}")
-                began = time.monotonic()
-                while len(seen["said"]) < MOST_BEFORE_KILL:
-                    await asyncio.sleep(max(0.0, seen["done"][-1] + PACE_S - time.monotonic()))
-                    seen["said"].append(await say(conn, TURNS[len(seen["said"])], SAY))
-                    seen["done"].append(time.monotonic())
-                    if time.monotonic() - began >= 1.5 * EVERY_S and len(seen["said"]) >= 3:
-                        # kill when the disk lacks the newest turn (a snapshot was not due at its end): the worst case
-                        if await asyncio.to_thread(_kept_turns, snapshots, token) < len(seen["said"]):
-                            break
-                seen["killed_at"] = time.monotonic()
-                os.kill(described["pid"], signal.SIGKILL)  # no drain, no snapshot at the end
-                try:
-                    seen["after_kill"] = await asyncio.wait_for(conn.recv(), 60)
-                except Exception as e:  # noqa: BLE001 - the connection dies with its replica
-                    seen["lost"] = e
-            return seen
-
-        seen = asyncio.run(pinned_then_killed())
-        token, killed = seen["token"], seen["holder"]
-        assert seen["chat_replica"] != killed, seen  # the replica without the session had more headroom
-        assert seen["chat"].choices[0].message.content is not None and seen["chat"].usage.completion_tokens > 0
-        assert "lost" in seen, seen
-        k, n = _kept_turns(snapshots, token), len(seen["said"])
-        turn_s = max(b - a for a, b in zip(seen["done"], seen["done"][1:]))
-        lost_s = seen["killed_at"] - seen["done"][k] if k < n else 0.0  # since the first turn the kill lost ended
-        behind_s = seen["killed_at"] - seen["done"][k - 1] if k else float("nan")  # the newest turn on disk ended
-        gaps = " ".join(f"{b - a:.2f}" for a, b in zip(seen["done"], seen["done"][1:]))
-        print(f"--snapshot-every {EVERY_S:g}s, SIGKILL after {n} turns: the disk held {k}; lost {n - k} turns "
-              f"({(n - k) * SAY} tokens at most) that ended in the last {lost_s:.2f} s; the newest turn on disk ended "
-              f"{behind_s:.2f} s before the kill; seconds between turns' ends "
-              f"{gaps}")
-        notes = [x for x in served.lines if re.search("snapshot|evict|lease", x)][-30:]
-        assert 0 < k <= n, (k, n, sorted(os.listdir(snapshots)), notes)
-        # at most one interval, one turn, and a background write still in flight at the kill (its time under load)
-        assert lost_s <= EVERY_S + turn_s + WRITE_S, (k, n, lost_s, turn_s)
-        survivor = next(r for r in ids if r != killed)
-        _answers_from(served, f"/v1/omnijax/replica?resume={token}", {survivor})  # the router dropped the dead one
-
-        async def resumed_rolled() -> dict:
-            moved: dict = {}
-            async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
-                created = await conn.recv()
-                assert created.type == "session.created", created
-                moved["after_kill"] = await say(conn, TURNS[k], SAY)
-                moved["on"] = await asyncio.to_thread(_holder, served, token)
-                # Ray Serve replaces the killed replica; new requests go to it (it has more headroom)
-                moved["replacement"] = await asyncio.to_thread(_new_replica, served, {killed, survivor})
-                async with client.realtime.connect(
-                        model="omnijax", extra_query={"resume": token, "replica": moved["replacement"]}) as twin:
-                    moved["twin"] = await twin.recv()  # the survivor holds the token: refused, not forked
-                roll_step = asyncio.ensure_future(asyncio.to_thread(roll.restart_one, served.base, survivor))
-                try:
-                    moved["after_drain"] = await asyncio.wait_for(conn.recv(), 120)
-                except Exception as e:  # noqa: BLE001 - the close the drain sends
-                    moved["closed"] = e
-            async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
-                created = await conn.recv()
-                assert created.type == "session.created", created
-                moved["after_roll"] = await say(conn, TURNS[k + 1], SAY)
-                moved["on_again"] = await asyncio.to_thread(_holder, served, token)
-            moved["roll"] = await roll_step
-            return moved
-
-        moved = asyncio.run(resumed_rolled())
-        assert moved["on"] == survivor, moved
-        assert moved["twin"].type == "error" and moved["twin"].error.code == "resume_failed", moved["twin"]
-        assert f"in use by an open connection on replica {survivor}" in moved["twin"].error.message, moved["twin"]
-        assert "1012" in repr(moved.get("closed")), moved  # service restart: reconnect
-        assert moved["on_again"] == moved["replacement"], moved
-        report = moved["roll"]
-        assert report["replica"] == survivor and report["drain"]["tokens"] == [token], report
-        assert report["drain"]["unfinished"] == 0 and report["drain"]["restart"] is True, report
-        assert len(report["replacements"]) == 1 and report["replacements"][0] not in (killed, survivor), report
-        assert sorted(roll.replicas(served.base)) == sorted([moved["replacement"], *report["replacements"]])
-
-        async def unknown_token():
-            async with client.realtime.connect(model="omnijax", extra_query={"resume": "0" * 32}) as conn:
-                return await conn.recv()
-
-        refused = asyncio.run(unknown_token())  # no replica has it: refused by name, never a fresh session
-        assert refused.type == "error" and refused.error.code == "resume_failed", refused
-
-        live = [moved["replacement"], *report["replacements"]]
-
-        async def full_then_uninterrupted() -> dict:
-            out: dict = {}
-            async with contextlib.AsyncExitStack() as stack:
-                conn = await stack.enter_async_context(client.realtime.connect(model="omnijax"))
-                created = await conn.recv()
-                out["expected"] = [await say(conn, TURNS[0], SAY)]
-                home = await asyncio.to_thread(_holder, served, created.session.model_extra["omnijax"]["resume_token"])
-                fillers, out["began"] = [], time.monotonic()
-                for rid in [home] * (CAP - 1) + [r for r in live if r != home] * CAP:
-                    filler = await stack.enter_async_context(
-                        client.realtime.connect(model="omnijax", extra_query={"replica": rid}))
-                    created = await filler.recv()
-                    assert created.type == "session.created", (rid, created)
-                    fillers.append(filler)
-                described = lambda: [_http(served, f"/v1/omnijax/replica?replica={r}")[0] for r in live]  # noqa: E731
-                out["full"] = await asyncio.to_thread(described)
-                async with client.realtime.connect(model="omnijax") as extra:  # routed by headroom: none anywhere
-                    out["refused_realtime"] = await extra.recv()
-                async with websockets.connect(f"{served.ws_url}/session") as native:
-                    await native.send(json.dumps({"type": "hello", "sample_rate": 16000}))
-                    out["refused_native"] = json.loads(await native.recv())
-                    with pytest.raises(websockets.ConnectionClosed) as closed:
-                        await native.recv()
-                    out["native_close"] = closed.value.rcvd.code if closed.value.rcvd else None
-                began = time.monotonic()
-                # a client of this event loop: `client`'s pooled HTTP connection belongs to an earlier, closed one
-                async with openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0) as fresh:
-                    try:
-                        await fresh.chat.completions.create(model="omnijax", max_tokens=4,
-                                                            messages=[{"role": "user", "content": "Hello"}])
-                    except openai.RateLimitError as e:
-                        out["refused_chat"], out["chat_wait_s"] = e, time.monotonic() - began
-                out["after"] = await asyncio.to_thread(described)
-                out["refused_at"] = time.monotonic()
-                out["expected"] += [await say(conn, text, SAY) for text in TURNS[1:k + 2]]
-                began = time.monotonic()
-                out["fillers"] = [await say(filler, TURNS[0], SAY) for filler in fillers]
-                out["filler_turns_s"] = time.monotonic() - began
-            return out
-
-        full = asyncio.run(full_then_uninterrupted())
-        expected = full["expected"]
-        print(f"every replica full: filling both and the three refusals took {full['refused_at'] - full['began']:.1f} "
-              f"s (the chat's queue wait {full.get('chat_wait_s', float('nan')):.1f} s), the fillers' turns "
-              f"{full['filler_turns_s']:.1f} s")
-        assert [(d["replica"], d["sessions"], d["headroom"]) for d in full["full"]] == [(r, CAP, 0) for r in live], full
-        event = full["refused_realtime"]
-        assert event.type == "error" and event.error.code == "overloaded", event
-        assert f"the server holds at most {CAP}" in event.error.message, event
-        native = full["refused_native"]
-        assert native["type"] == "error" and native["code"] == "overloaded", native
-        assert f"holds at most {CAP}" in native["message"] and full["native_close"] == 1013, full
-        refused = full.get("refused_chat")
-        assert refused is not None and refused.status_code == 429, full
-        assert refused.response.headers["retry-after"] == "1", refused.response.headers
-        assert refused.response.headers["x-omnijax-replica"] in live, refused.response.headers
-        assert "no room came within the queue timeout of 1 s" in refused.message, refused.message
-        assert full["chat_wait_s"] >= 1.0, full["chat_wait_s"]
-        # the refusals opened nothing, closed nothing: the same sessions, the same count of sessions ever opened
-        assert [(d["sessions"], d["opened"]) for d in full["after"]] == [(d["sessions"], d["opened"])
-                                                                          for d in full["full"]], full
-        assert sum(d["refused"] for d in full["after"]) >= sum(d["refused"] for d in full["full"]) + 3, full
-        assert full["fillers"] == [expected[0]] * (2 * CAP - 1), full  # admitted sessions answer as if alone
-        m = min(n, k + 2)
-        assert seen["said"][:m] == expected[:m]  # the turns before the kill, as far as the oracle went
-        # two moves (a kill, a rolling restart), invisible in the answers and the cache
-        assert moved["after_kill"] == expected[k] and moved["after_roll"] == expected[k + 1], (moved, expected)
+        print(f"cluster up in {time.monotonic() - began:.1f} s")
+        yield served, snapshots, ids
     finally:
+        began = time.monotonic()
         status = served.stop(180)
+        print(f"SIGTERM to exit: {time.monotonic() - began:.1f} s")
     assert status in (0, -signal.SIGTERM), served.log(30)
     assert any(re.search(r"drained [0-9]+ replicas", line)
                for line in served.log_since(served.instance_start)), served.log(30)
 
 
-def test_more_replicas_than_the_cluster_has_devices_is_refused_by_name():
+def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
+    served, snapshots, ids = cluster
+    client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
+    phases = [("start", time.monotonic())]
+
+    async def pinned_then_killed() -> dict:
+        seen: dict = {"said": [], "done": []}
+        async with client.realtime.connect(model="omnijax") as conn:
+            created = await conn.recv()
+            seen["token"] = token = created.session.model_extra["omnijax"]["resume_token"]
+            seen["said"].append(await say(conn, TURNS[0], SAY))
+            seen["done"].append(time.monotonic())
+            seen["holder"] = holder = await asyncio.to_thread(_holder, served, token)
+            # the router ranks by headroom as the replicas last reported it (every second; later under load): a
+            # request routed by headroom reaches the other replica three times in a row first
+            other = next(r for r in ids if r != holder)
+            await asyncio.to_thread(_answers_from, served, "/v1/omnijax/replica", {other}, 120.0, 3)
+            raw = await client.chat.completions.with_raw_response.create(
+                model="omnijax", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+            seen["chat_replica"], seen["chat"] = raw.headers["x-omnijax-replica"], raw.parse()
+            described, _ = await asyncio.to_thread(_http, served, f"/v1/omnijax/replica?replica={seen['holder']}")
+            # a native session beside it (snapshotted only when its connection ends: the kill leaves none)
+            native, ready = await native_client.hello(f"{served.ws_url}/session?replica={seen['holder']}")
+            seen["native_token"] = ready["resume_token"]
+            seen["native_frames"] = await native_client.frames(native, ready, range(1))
+            began = time.monotonic()
+            while len(seen["said"]) < MOST_BEFORE_KILL:
+                await asyncio.sleep(max(0.0, seen["done"][-1] + PACE_S - time.monotonic()))
+                seen["said"].append(await say(conn, TURNS[len(seen["said"])], SAY))
+                seen["done"].append(time.monotonic())
+                if time.monotonic() - began >= 1.5 * EVERY_S and len(seen["said"]) >= 3:
+                    # kill when the disk lacks the newest turn (a snapshot was not due at its end): the worst case
+                    if await asyncio.to_thread(_kept_turns, snapshots, token) < len(seen["said"]):
+                        break
+            seen["killed_at"] = time.monotonic()
+            os.kill(described["pid"], signal.SIGKILL)  # no drain, no snapshot at the end
+            try:
+                seen["after_kill"] = await asyncio.wait_for(conn.recv(), 60)
+            except Exception as e:  # noqa: BLE001 - the connection dies with its replica
+                seen["lost"] = e
+            await native.close()
+        return seen
+
+    seen = asyncio.run(pinned_then_killed())
+    phases.append(("pin, chat, talk, kill", time.monotonic()))
+    token, killed = seen["token"], seen["holder"]
+    assert seen["chat_replica"] != killed, seen  # the replica without the session had more headroom
+    assert seen["chat"].choices[0].message.content is not None and seen["chat"].usage.completion_tokens > 0
+    assert "lost" in seen, seen
+    k, n = _kept_turns(snapshots, token), len(seen["said"])
+    turn_s = max(b - a for a, b in zip(seen["done"], seen["done"][1:]))
+    lost_s = seen["killed_at"] - seen["done"][k] if k < n else 0.0  # since the first turn the kill lost ended
+    behind_s = seen["killed_at"] - seen["done"][k - 1] if k else float("nan")  # the newest turn on disk ended
+    gaps = " ".join(f"{b - a:.2f}" for a, b in zip(seen["done"], seen["done"][1:]))
+    print(f"--snapshot-every {EVERY_S:g}s, SIGKILL after {n} turns: the disk held {k}; lost {n - k} turns "
+          f"({(n - k) * SAY} tokens at most) that ended in the last {lost_s:.2f} s; the newest turn on disk ended "
+          f"{behind_s:.2f} s before the kill; seconds between turns' ends {gaps}")
+    notes = [x for x in served.lines if re.search("snapshot|evict|lease", x)][-30:]
+    assert 0 < k <= n, (k, n, sorted(os.listdir(snapshots)), notes)
+    # at most one interval, one turn, and a background write still in flight at the kill (its time under load)
+    assert lost_s <= EVERY_S + turn_s + WRITE_S, (k, n, lost_s, turn_s)
+    survivor = next(r for r in ids if r != killed)
+    _answers_from(served, f"/v1/omnijax/replica?resume={token}", {survivor})  # the router dropped the dead one
+
+    async def resumed_rolled() -> dict:
+        moved: dict = {}
+        # the killed native session's resume: refused by name (the dead replica's lease broken), never started afresh
+        moved["native_lost"] = await native_client.refused(f"{served.ws_url}/session?resume={seen['native_token']}")
+        async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+            created = await conn.recv()
+            assert created.type == "session.created", created
+            moved["after_kill"] = await say(conn, TURNS[k], SAY)
+            moved["on"] = await asyncio.to_thread(_holder, served, token)
+            # a native session in the survivor's other slot, fed its first frames before the move
+            native, ready = await native_client.hello(f"{served.ws_url}/session?replica={survivor}")
+            try:
+                assert ready["type"] == "ready" and ready["resumed"] is False, ready
+                moved["native_token"] = ready["resume_token"]
+                moved["native_before"] = await native_client.frames(native, ready, range(NATIVE_MOVE_AT))
+                # Ray Serve replaces the killed replica; new requests go to it (it has more headroom)
+                moved["replacement"] = await asyncio.to_thread(_new_replica, served, {killed, survivor})
+                async with client.realtime.connect(
+                        model="omnijax", extra_query={"resume": token, "replica": moved["replacement"]}) as twin:
+                    moved["twin"] = await twin.recv()  # the survivor holds the token: refused, not forked
+                roll_step = asyncio.ensure_future(asyncio.to_thread(roll.restart_one, served.base, survivor,
+                                                                    poll_s=0.5))
+                try:
+                    moved["after_drain"] = await asyncio.wait_for(conn.recv(), 120)
+                except Exception as e:  # noqa: BLE001 - the close the drain sends
+                    moved["closed"] = e
+                moved["native_close"] = await native_client.closed_code(native, 120)
+            finally:
+                await native.close()
+        async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
+            created = await conn.recv()
+            assert created.type == "session.created", created
+            moved["after_roll"] = await say(conn, TURNS[k + 1], SAY)
+            moved["on_again"] = await asyncio.to_thread(_holder, served, token)
+        # the native client reconnects with its token alone: no live replica holds it, so the proxy's router sends
+        # it by headroom to a live one, which reads the drained snapshot from the shared directory
+        native, ready = await native_client.hello(f"{served.ws_url}/session?resume={moved['native_token']}")
+        try:
+            moved["native_ready"] = ready
+            assert ready["type"] == "ready", ready
+            moved["native_on"] = await asyncio.to_thread(_holder, served, moved["native_token"])
+            moved["native_after"] = await native_client.frames(native, ready, range(NATIVE_MOVE_AT, NATIVE_FRAMES))
+        finally:
+            await native.close()
+        moved["roll"] = await roll_step
+        return moved
+
+    moved = asyncio.run(resumed_rolled())
+    phases.append(("resume, replacement, roll", time.monotonic()))
+    assert moved["on"] == survivor, moved
+    message, close = moved["native_lost"]
+    assert message["type"] == "error" and message["code"] == "resume_failed", message
+    assert "no snapshot for this resume token" in message["message"] and close == 1008, moved["native_lost"]
+    assert moved["twin"].type == "error" and moved["twin"].error.code == "resume_failed", moved["twin"]
+    assert f"in use by an open connection on replica {survivor}" in moved["twin"].error.message, moved["twin"]
+    assert "1012" in repr(moved.get("closed")), moved  # service restart: reconnect
+    assert moved["native_close"] == 1012, moved  # the native client is told the same
+    assert moved["on_again"] == moved["replacement"], moved
+    report = moved["roll"]
+    assert report["replica"] == survivor, report
+    assert report["drain"]["tokens"] == sorted([token, moved["native_token"]]), report  # both snapshotted
+    assert report["drain"]["unfinished"] == 0 and report["drain"]["restart"] is True, report
+    assert len(report["replacements"]) == 1 and report["replacements"][0] not in (killed, survivor), report
+    live = [moved["replacement"], *report["replacements"]]
+    assert sorted(roll.replicas(served.base)) == sorted(live)
+    ready = moved["native_ready"]
+    assert ready["resumed"] is True and ready["seq"] == NATIVE_MOVE_AT, ready
+    assert ready["resume_token"] == moved["native_token"], ready
+    assert moved["native_on"] in live, moved  # another replica than the one it started on (drained, gone)
+
+    async def unknown_token():
+        async with client.realtime.connect(model="omnijax", extra_query={"resume": "0" * 32}) as conn:
+            return await conn.recv()
+
+    refused = asyncio.run(unknown_token())  # no replica has it: refused by name, never a fresh session
+    assert refused.type == "error" and refused.error.code == "resume_failed", refused
+
+    async def full_then_uninterrupted() -> dict:
+        out: dict = {}
+        async with contextlib.AsyncExitStack() as stack:
+            conn = await stack.enter_async_context(client.realtime.connect(model="omnijax"))
+            created = await conn.recv()
+            out["expected"] = [await say(conn, TURNS[0], SAY)]
+            home = await asyncio.to_thread(_holder, served, created.session.model_extra["omnijax"]["resume_token"])
+            fillers, out["began"] = [], time.monotonic()
+            other = next(r for r in live if r != home)
+            for rid in [home] * (CAP - 1) + [other] * (CAP - 1):
+                filler = await stack.enter_async_context(
+                    client.realtime.connect(model="omnijax", extra_query={"replica": rid}))
+                created = await filler.recv()
+                assert created.type == "session.created", (rid, created)
+                fillers.append(filler)
+            native, native_ready = await native_client.hello(f"{served.ws_url}/session?replica={other}")
+            stack.push_async_callback(native.close)
+            assert native_ready["type"] == "ready", native_ready
+            described = lambda: [_http(served, f"/v1/omnijax/replica?replica={r}")[0] for r in live]  # noqa: E731
+            out["full"] = await asyncio.to_thread(described)
+            async with client.realtime.connect(model="omnijax") as extra:  # routed by headroom: none anywhere
+                out["refused_realtime"] = await extra.recv()
+            out["refused_native"], out["native_close"] = await native_client.refused(f"{served.ws_url}/session")
+            began = time.monotonic()
+            # a client of this event loop: `client`'s pooled HTTP connection belongs to an earlier, closed one
+            async with openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0) as fresh:
+                try:
+                    await fresh.chat.completions.create(model="omnijax", max_tokens=4,
+                                                        messages=[{"role": "user", "content": "Hello"}])
+                except openai.RateLimitError as e:
+                    out["refused_chat"], out["chat_wait_s"] = e, time.monotonic() - began
+            out["after"] = await asyncio.to_thread(described)
+            out["refused_at"] = time.monotonic()
+
+            out["expected"] += [await say(conn, text, SAY) for text in TURNS[1:k + 2]]
+            # one session at a time: turns at once would batch them, and each replica would compile (or load) the
+            # 2-row programs here (177 s once under load, against ~6 s for these one by one)
+            began = time.monotonic()
+            out["fillers"] = [await say(filler, TURNS[0], SAY) for filler in fillers]
+            out["native"] = await native_client.frames(native, native_ready, range(NATIVE_FRAMES))
+            out["talk_s"] = time.monotonic() - began
+        return out
+
+    full = asyncio.run(full_then_uninterrupted())
+    phases.append(("fill, refuse, oracle", time.monotonic()))
+    expected = full["expected"]
+    print(f"every replica full: filling both and the three refusals took {full['refused_at'] - full['began']:.1f} "
+          f"s (the chat's queue wait {full.get('chat_wait_s', float('nan')):.1f} s); the fillers' turns and the "
+          f"native frames {full['talk_s']:.1f} s")
+    assert [(d["replica"], d["sessions"], d["headroom"]) for d in full["full"]] == [(r, CAP, 0) for r in live], full
+    event = full["refused_realtime"]
+    assert event.type == "error" and event.error.code == "overloaded", event
+    assert f"the server holds at most {CAP}" in event.error.message, event
+    native = full["refused_native"]
+    assert native["type"] == "error" and native["code"] == "overloaded", native
+    assert f"holds at most {CAP}" in native["message"] and full["native_close"] == 1013, full
+    refused = full.get("refused_chat")
+    assert refused is not None and refused.status_code == 429, full
+    assert refused.response.headers["retry-after"] == "1", refused.response.headers
+    assert refused.response.headers["x-omnijax-replica"] in live, refused.response.headers
+    assert "no room came within the queue timeout of 1 s" in refused.message, refused.message
+    assert full["chat_wait_s"] >= 1.0, full["chat_wait_s"]
+    # the refusals opened nothing, closed nothing: the same sessions, the same count of sessions ever opened
+    assert [(d["sessions"], d["opened"]) for d in full["after"]] == [(d["sessions"], d["opened"])
+                                                                      for d in full["full"]], full
+    assert sum(d["refused"] for d in full["after"]) >= sum(d["refused"] for d in full["full"]) + 3, full
+    assert full["fillers"] == [expected[0]] * (2 * CAP - 2), full  # admitted sessions answer as if alone
+    m = min(n, k + 2)
+    assert seen["said"][:m] == expected[:m]  # the turns before the kill, as far as the oracle went
+    # two moves (a kill, a rolling restart), invisible in the answers and the cache
+    assert moved["after_kill"] == expected[k] and moved["after_roll"] == expected[k + 1], (moved, expected)
+    # the native session's move through the proxy (a drain, a resume by token): the same frames, the same tokens
+    assert [seq for seq, _ in full["native"]] == list(range(NATIVE_FRAMES)), full["native"]
+    assert any(tokens for _, tokens in full["native"]), full["native"]  # the frames made the model answer
+    assert moved["native_before"] + moved["native_after"] == full["native"], (moved, full["native"])
+    assert seen["native_frames"] == full["native"][:1], (seen["native_frames"], full["native"])
+    print("phases (s): " + ", ".join(f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(phases, phases[1:])))
+
+
+def test_more_replicas_than_the_cluster_has_devices_is_refused_by_name(cluster):
+    """Joins the module's cluster as `RAY_ADDRESS` makes any `omnijax serve` on a multi-node cluster: refused by
+    name, and the application running there keeps serving (the refusal does not shut Ray Serve down). The cluster
+    `ray.init()` started has token authentication on (Ray's default), and a driver joining by an explicit address
+    must turn it on itself (`RAY_AUTH_MODE=token`; the token is this machine's `~/.ray/auth_token`)."""
+    served, _, _ = cluster
+    address = [re.search(r"Ray cluster at (\S+)", line) for line in served.lines]
+    address = [a.group(1) for a in address if a]
+    assert address, served.log(40)
+    before = roll.replicas(served.base)
     proc = subprocess.run([sys.executable, "-m", "omnijax.cli", "serve", "--demo-model", "--port", "0", "--replicas",
-                           "64"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert re.search(r"--replicas 64 needs 64 CPUs \(one per replica\); the Ray cluster has [0-9]+", proc.stderr)
+                           "64"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_ADDRESS": address[-1], "RAY_AUTH_MODE": "token"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"Ray cluster at {address[-1]}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]  # joined it
+    cpus = int(re.search(r"--replicas 64 needs 64 CPUs \(one per replica\); the Ray cluster has ([0-9]+)",
+                         proc.stderr).group(1))
+    assert len(before) <= cpus < 64, (before, cpus)
+    assert sorted(roll.replicas(served.base)) == sorted(before)
+    for rid in before:  # still serving, not draining
+        answer, _ = _http(served, f"/v1/omnijax/replica?replica={rid}")
+        assert answer["replica"] == rid and answer["draining"] is False, answer
 
 
 def test_replicas_flag_is_checked_before_anything_loads(monkeypatch, capsys, tmp_path):
