@@ -256,22 +256,26 @@ class CachedJit:
                 dyn_kwargs[name] = value
         return tuple(sorted(static, key=lambda item: item[0])), tuple(dyn_args), dyn_kwargs
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _kept(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """(the kept executable for these arguments or None for the plain jit, dynamic positional args, dynamic
+        keyword args)."""
         directory = executables_dir()
         if directory is None or jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # a flag jax's stubs omit
-            return self.jitted(*args, **kwargs)
+            return None, (), {}
         static, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        if any(isinstance(value, jax.sharding.Mesh) for _, value in static):  # a program over several devices
+            self.stats["plain"] += 1
+            return None, (), {}
         leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
         signature = _signature(leaves, _default_device())
-        if signature is None:
-            self.stats["plain"] += 1
-            return self.jitted(*args, **kwargs)
         try:
             memory_key = (static, treedef, signature)
             hash(memory_key)
         except TypeError:
+            signature = None
+        if signature is None:
             self.stats["plain"] += 1
-            return self.jitted(*args, **kwargs)
+            return None, (), {}
         executable = self.loaded.get(memory_key, False)
         if executable is False:
             with self.lock:
@@ -281,8 +285,19 @@ class CachedJit:
                     self.loaded[memory_key] = executable
         if executable is None:
             self.stats["plain"] += 1
+        return executable, dyn_args, dyn_kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        executable, dyn_args, dyn_kwargs = self._kept(args, kwargs)
+        if executable is None:
             return self.jitted(*args, **kwargs)
         return executable(*dyn_args, **dyn_kwargs)
+
+    def executable(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled program for these arguments, as `jax.jit(...).lower(...).compile()` returns one: the kept
+        executable (loaded or compiled and kept) where there is one. Call it with the dynamic arguments only."""
+        executable, _, _ = self._kept(args, kwargs)
+        return executable if executable is not None else self.jitted.lower(*args, **kwargs).compile()
 
     def _disk_key(self, static: tuple, treedef: Any, signature: tuple) -> str | None:
         try:

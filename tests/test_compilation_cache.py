@@ -142,3 +142,16 @@ def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
     before = compilation_cache._source_digest(package)
     (package / "sub" / "m.py").write_text("x = 2\n")
     assert compilation_cache._source_digest(package) != before  # an edited source makes new keys
+
+
+def test_executable_hands_out_the_kept_program_and_a_mesh_program_stays_plain(cache_dir):
+    from jax.sharding import Mesh
+
+    kept = compilation_cache.cached_jit(lambda x, *, mesh: x * 2, static_argnames="mesh")
+    x = jnp.arange(3.0)
+    compiled = kept.executable(x, mesh=None)
+    np.testing.assert_array_equal(compiled(x), x * 2)
+    assert kept.stats["compiled"] == 1 and kept.executable(x, mesh=None) is compiled
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("s",))
+    np.testing.assert_array_equal(kept.executable(x, mesh=mesh)(x), x * 2)
+    assert kept.stats["plain"] == 1 and len(list((cache_dir / "executables").glob("*.exe"))) == 1

@@ -25,7 +25,6 @@ chunks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from typing import Any, Sequence
@@ -40,6 +39,7 @@ from tqdm.auto import tqdm
 from omnijax.chunks import builders as adapters
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
+from omnijax.compilation_cache import cached_jit
 from omnijax.decoding import folded_keys, seed_of
 from omnijax.eval import mesh as distributed
 from omnijax.eval.recall_eval import run_recall_sessions
@@ -220,7 +220,7 @@ def session_pages_needed(chunks: Chunk, tau: int, page_size: int) -> int:
 _STATIC = ("graphdef", "config", "keep_logits", "mesh")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@cached_jit(static_argnames=_STATIC)
 def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logits, mesh):
     """`chunks [S, C, 1, T]` -> per-session, per-chunk outputs `[S, C, ...]` (one compiled program per config)."""
     model = nnx.merge(graphdef, params)
@@ -340,7 +340,7 @@ def evaluate(model: OmniModel | Decoder, sessions: Sequence, configs: Sequence[E
             bar.set_description(f"evaluate {cfg.name}")
         start = time.perf_counter()
         first = batch(0)
-        compiled = _run.lower(graphdef, params, first, ids, **static).compile()
+        compiled = _run.executable(graphdef, params, first, ids, **static)  # kept on disk when it can be
         compile_s = time.perf_counter() - start
         outs, pending, start = [], None, time.perf_counter()
         for b in range(num_batches):
