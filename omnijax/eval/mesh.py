@@ -202,7 +202,7 @@ def decoder_param_specs(params: Any, config: DecoderConfig, mesh: Mesh | None) -
         if isinstance(leaf, QuantizedWeight):
             parts = [None if a is None else one(axis, a) if split else P()
                      for a in (leaf.values, leaf.scales, leaf.offsets)]
-            return QuantizedWeight(*parts, leaf.scheme)
+            return QuantizedWeight(*parts, leaf.scheme, leaf.kernel)
         return one(axis, leaf) if split else P()
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -22,18 +22,28 @@ activation rows, `GROUPED_ROWS`, which is 0 today: always dense, see there):
   XLA:CPU writes the two nibble planes as bytes before the reduction (one byte a value, still no float weight).
 - "dense": `out_block` output columns are dequantised at a time (only that tile
   exists in float) and multiplied by the library matmul, which amortises the dequantisation over the rows.
+- "pallas" (int4 only): the Pallas kernel of `omnijax.kernels.int4_matmul` (its program, `int4_pallas`), Triton in
+  a program lowered for cuda and the Pallas interpreter in one lowered for CPU (`jax.lax.platform_dependent`; other
+  platforms have no branch). "auto" never picks it on its own: a weight asks for it with `kernel="pallas"`
+  (`with_kernel`, or `omnijax.models.quant_kernel.set_matmul_kernel` on a loaded model), and then every `qmatmul` of
+  that weight with `method="auto"` runs the kernel. A weight the kernel cannot take (not int4, an output width no
+  block of 16..128 divides) is refused by name, never run another way. Not compiled or timed on a GPU yet: opt-in
+  until it is.
 
-`qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle of both. This module imports jax only.
+`qmatmul_reference(x, qw)` is `x @ dequantize(qw)`, the dense oracle of all three. This module imports jax only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from omnijax.kernels.int4_pallas import int4_pallas
 
 # The most activation rows `qmatmul(method="auto")` contracts grouped, by code width (above: dense tiles and the
 # library matmul). 0: auto is always dense. The grouped formulation wins alone on XLA:CPU (`quantized --matmul`, CPU
@@ -42,7 +52,9 @@ import jax.numpy as jnp
 # float32, int4 g32 2.46x vs 0.89x (an earlier sequential pair said the opposite for int8: 0.77x vs 1.01x).
 # bench/quality/RESULTS.md has the figures; until a quiet machine settles it, auto stays dense.
 GROUPED_ROWS = {8: 0, 4: 0}
-METHODS = ("auto", "grouped", "dense")
+METHODS = ("auto", "grouped", "dense", "pallas")
+KERNELS = ("xla", "pallas")  # `QuantizedWeight.kernel`: what `qmatmul(method="auto")` runs for the weight
+PALLAS_BLOCK_N = (128, 64, 32, 16)  # output columns per Pallas program: the widest of these dividing the width
 GROUP_SIZES = (32, 64, 128)  # what `quantize` offers (`omnijax convert --group-size`)
 INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # 16: GGUF Q6_K's sub-blocks, only ever repacked from a file
 
@@ -107,12 +119,22 @@ class QuantizedWeight:
         scales: float `[..., in // g, out]` (float32 from `quantize`, float16 from GGUF).
         offsets: float `[..., in // g, out]` for int4 (the value of code 0), None for the symmetric schemes.
         scheme: the scheme, which fixes the group size `g`.
+        kernel: what `qmatmul(method="auto")` runs for this weight (static, not stored in a checkpoint): "xla" (the
+            default: the grouped or dense formulation) or "pallas" (the int4 Pallas kernel; Int4Grouped only).
     """
 
     values: Any
     scales: Any
     offsets: Any
     scheme: Scheme
+    kernel: str = "xla"
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"QuantizedWeight kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "pallas" and not isinstance(self.scheme, Int4Grouped):
+            raise ValueError(f"kernel='pallas' is the int4 Pallas matmul: it takes Int4Grouped weights, not "
+                             f"{type(self.scheme).__name__}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -130,7 +152,7 @@ class QuantizedWeight:
         """The weight at index `i` of the leading axis (a layer or an expert of a stack; `i` may be traced)."""
         def take(a):
             return None if a is None else jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-        return QuantizedWeight(take(self.values), take(self.scales), take(self.offsets), self.scheme)
+        return QuantizedWeight(take(self.values), take(self.scales), take(self.offsets), self.scheme, self.kernel)
 
     def __getitem__(self, key: Any) -> QuantizedWeight:
         """`qw[i]` is `qw.index(i)` (an int or a traced scalar on the leading axis); `qw[...]` is `qw` (as
@@ -144,7 +166,26 @@ class QuantizedWeight:
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scales", "offsets"],
-                                 meta_fields=["scheme"])
+                                 meta_fields=["scheme", "kernel"])
+
+
+def with_kernel(tree: Any, kernel: str) -> Any:
+    """`tree` with every `QuantizedWeight` in it set to run `kernel` ("xla" or "pallas"); other leaves unchanged.
+
+    Raises:
+        ValueError: an unknown kernel, or "pallas" where some quantised weight is not `Int4Grouped` (all of them
+            are named; nothing is changed).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]
+    if kernel == "pallas":
+        bad = [f"{jax.tree_util.keystr(path)} ({type(leaf.scheme).__name__})" for path, leaf in found
+               if isinstance(leaf, QuantizedWeight) and not isinstance(leaf.scheme, Int4Grouped)]
+        if bad:
+            raise ValueError(f"kernel='pallas' runs Int4Grouped weights only; these are not: {', '.join(bad)}")
+    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, kernel=kernel) if isinstance(leaf, QuantizedWeight)
+                        else leaf, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def _group(scheme: Scheme, rows: int) -> int:
@@ -231,7 +272,7 @@ def _tile(qw: QuantizedWeight, start: Any, width: int) -> QuantizedWeight:
     """Output columns `[start, start + width)` of a 2-D quantised weight (`start` may be traced)."""
     def cut(a):
         return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, width, axis=-1)
-    return QuantizedWeight(cut(qw.values), cut(qw.scales), cut(qw.offsets), qw.scheme)
+    return QuantizedWeight(cut(qw.values), cut(qw.scales), cut(qw.offsets), qw.scheme, qw.kernel)
 
 
 def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = None,
@@ -248,15 +289,18 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
             576 x 1536 layers; smaller tiles measured no faster. The grouped formulation makes no float tile at all,
             so any `out_block` bound holds for it too.
         method: "grouped" (float32 `x` only: it accumulates in float32, as the reference does for float32), "dense",
-            or "auto": grouped for float32 `x` of at most `GROUPED_ROWS[bits]` rows (0 today), else dense.
+            "pallas" (an Int4Grouped weight only: `omnijax.kernels.int4_matmul`, accumulating in float32), or "auto":
+            "pallas" when the weight's `kernel` is "pallas", else grouped for float32 `x` of at most
+            `GROUPED_ROWS[bits]` rows (0 today), else dense.
 
     Returns:
         `[..., out]` in `preferred_element_type` (accumulated in float32 by the grouped formulation, as `jnp.matmul`
         does for `x.dtype` by the dense one).
 
     Raises:
-        ValueError: a stacked weight, a width mismatch, a bad `out_block` or `method`, or "grouped" for non-float32
-            `x`.
+        ValueError: a stacked weight, a width mismatch, a bad `out_block` or `method`, "grouped" for non-float32
+            `x`, or "pallas" for a weight that is not Int4Grouped or whose output width no block of
+            `PALLAS_BLOCK_N` divides.
     """
     check_quantized(qw)
     if len(qw.shape) != 2:
@@ -272,6 +316,8 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
         raise ValueError(f"method='grouped' takes float32 x (it accumulates in float32), got {x.dtype}")
     out_type = x.dtype if preferred_element_type is None else preferred_element_type
     n = math.prod(x.shape[:-1])
+    if method == "pallas" or (method == "auto" and qw.kernel == "pallas"):
+        return _pallas(x.reshape(n, rows), qw).reshape(*x.shape[:-1], cols).astype(out_type)
     if method == "grouped" or (method == "auto" and x.dtype == jnp.float32 and n <= GROUPED_ROWS[qw.scheme.bits]):
         return _grouped(x.reshape(n, rows), qw).reshape(*x.shape[:-1], cols).astype(out_type)
     if out_block is None or out_block >= cols:
@@ -286,6 +332,24 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, *, preferred_element_type: Any = 
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=-1)
 
     return jax.lax.fori_loop(0, -(-cols // out_block), tile, out)
+
+
+def _pallas(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """`x [n, in] @ dequantize(qw)` in float32 by the int4 Pallas kernel: Triton for cuda, interpreted for CPU."""
+    if not isinstance(qw.scheme, Int4Grouped):
+        raise ValueError(f"method='pallas' is the int4 Pallas matmul: it takes Int4Grouped weights, not "
+                         f"{type(qw.scheme).__name__}")
+    cols = qw.shape[1]
+    block_n = next((b for b in PALLAS_BLOCK_N if cols % b == 0), None)
+    if block_n is None:
+        raise ValueError(f"method='pallas': no block of {PALLAS_BLOCK_N} output columns divides the weight's output "
+                         f"width {cols}")
+    block_m = min(64, max(16, 1 << max(0, x.shape[0] - 1).bit_length()))  # a power of two: 16 for a decode step
+    run = functools.partial(int4_pallas, group=qw.scheme.size, block_m=block_m, block_n=block_n)
+    # picked where the program is lowered (a CPU program interprets the kernel, a cuda one is Triton's); another
+    # platform has no branch, and lowering there fails naming it
+    return jax.lax.platform_dependent(x, qw.values, qw.scales, qw.offsets, cpu=functools.partial(run, interpret=True),
+                                      cuda=run)
 
 
 def _grouped(x: jax.Array, qw: QuantizedWeight) -> jax.Array:

@@ -83,14 +83,20 @@ def moe_ffn(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, dow
         router: `[D, E]`; gate, up: `[E, D, I]`; down: `[E, I, D]` (float, or `QuantizedWeight`s of those shapes:
             the blocked impl dequantises one expert's weight per block, ragged_dot the whole stack).
         top_k: experts per token; norm_topk_prob: renormalise the chosen weights.
-        impl: "ragged_dot" or "blocked" (see the module docstring); None: `default_impl()`.
+        impl: "ragged_dot" or "blocked" (see the module docstring); None: `default_impl()`, or "blocked" when the
+            experts are quantised weights set to the Pallas kernel (`QuantizedWeight.kernel`), which only the blocked
+            impl runs (ragged_dot dequantises the stack; asked for explicitly with such weights it is refused).
 
     Returns:
         `[..., D]` in `x.dtype`. Batchable with `jax.vmap` (see the module docstring).
     """
-    impl = default_impl() if impl is None else impl
+    pallas = any(isinstance(w, QuantizedWeight) and w.kernel == "pallas" for w in (gate, up, down))
+    impl = ("blocked" if pallas else default_impl()) if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"moe_ffn impl must be one of {IMPLS}, got {impl!r}")
+    if pallas and impl == "ragged_dot":
+        raise ValueError("moe_ffn impl='ragged_dot' dequantises the expert stack whole, but the experts are set to "
+                         "the Pallas int4 kernel (kernel='pallas'); use impl='blocked' (or None)")
     return _batchable_ffn(int(top_k), bool(norm_topk_prob), impl)(x, router, gate, up, down)
 
 
