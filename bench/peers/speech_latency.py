@@ -8,6 +8,12 @@ The release is built in code (seeded, float32): a 3-layer MoE thinker (hidden 64
 after the same system prompt, the thinker greedily for `--answer-tokens` tokens at most, then the talker greedily
 (transformers' code predictor made greedy too) for `--frames` frames (the random talker never ends its speech).
 
+omnijax's talker starts while the thinker still writes (after each decoded block of 16 tokens it runs the steps the
+answer so far allows); the arm "omnijax, talker after the text" speaks the same answer only once its text is done
+(`ask` without speech, then `speak_chunks` of the same ids: how `Chat` spoke before), in the same process right after
+each measured overlapped run, and checks it spoke as many samples. An answer of one block (`--answer-tokens` 16 or
+less) cannot overlap; `--answer-tokens 64` shows the difference.
+
 Each side runs in its own process per round, the two alternating round by round, median over `--rounds`. In its
 process a side first answers once unmeasured (compilation; torch's first calls), then answers measured, for each
 first-chunk size in turn (omnijax) or once (transformers). Figures, from the moment `ask` / `generate` is called:
@@ -15,7 +21,8 @@ first-chunk size in turn (omnijax) or once (transformers). Figures, from the mom
     first_pcm_ms   the first PCM chunk (transformers: the waveform, all at once)
     last_pcm_ms    the last one
     audio_s        seconds of speech produced
-    rtf_speech     (last PCM - end of the text) / audio_s: the talker + vocoder alone (omnijax)
+    rtf_speech     (last PCM - end of the text) / audio_s: the talker + vocoder after the text (omnijax; smaller
+                   when the talker ran during the text)
     rtf_total      last_pcm_ms / audio_s: thinker, talker and vocoder
 
 CPU figures of tiny weights: they say where the time goes and how chunking moves the first packet, not what a GPU
@@ -41,6 +48,7 @@ import numpy as np
 from bench import harness
 
 SIDES = ("omnijax", "transformers")
+AFTER_TEXT = "omnijax, talker after the text"  # the arm that waits for the whole answer (Chat before 2b08788)
 SYSTEM, QUESTION = "Be brief.", "Say hello to everyone."
 FIRST_CHUNKS = (1, 4, 10, 25)
 CHUNK = 25
@@ -138,6 +146,10 @@ def _omnijax(root: Path, first_chunks, answer_tokens: int, frames: int, pcm_dir:
                                  last_pcm_ms=(marks["last"] - start) * 1e3,
                                  text_ms=(marks.get("text", start) - start) * 1e3, samples=int(wave.size),
                                  chunks=len(pcm)))
+            after = _after_text(model, config, chat.last_spoken, options, answer_tokens)
+            if measured:
+                assert after.pop("samples_equal"), "the talker after the text spoke other PCM than while it streamed"
+                rows.append(dict(after, first_chunk=first, arm=AFTER_TEXT))
     # what transformers speaks: every answer row but the last token's (the whole answer when it ended)
     from omnijax.models.qwen3_omni import speech as qwen3_speech
 
@@ -149,6 +161,30 @@ def _omnijax(root: Path, first_chunks, answer_tokens: int, frames: int, pcm_dir:
         np.save(pcm_dir / "omnijax_reference.npy", qwen3_speech.speak(
             model, np.asarray(spoken.prompt_ids), np.asarray(reads), max_new_tokens=frames + 1).pcm)
     return rows
+
+
+def _after_text(model, config, spoken, options, answer_tokens: int) -> dict:
+    """The same answer spoken only once its text is done (how `Chat` spoke before its talker ran beside the
+    thinker): `ask` without speech, then `speak_chunks` of the ids the overlapped run spoke (the thinker is greedy,
+    so the same answer)."""
+    import omnijax
+
+    chat = omnijax.Chat(model, config)
+    chat.system(SYSTEM)
+    marks, pcm = {}, []
+    start = time.perf_counter()
+    for _ in chat.ask(QUESTION, max_tokens=answer_tokens):
+        marks["text"] = time.perf_counter()
+    for item in model.speech.speak_chunks(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids),
+                                          voice=options.voice, max_new_tokens=options.max_speech_tokens,
+                                          first_chunk=options.first_chunk, chunk=options.chunk):
+        marks.setdefault("first", time.perf_counter())
+        marks["last"] = time.perf_counter()
+        pcm.append(item)
+    wave = np.concatenate(pcm)
+    return dict(first_pcm_ms=(marks["first"] - start) * 1e3, last_pcm_ms=(marks["last"] - start) * 1e3,
+                text_ms=(marks.get("text", start) - start) * 1e3, samples=int(wave.size), chunks=len(pcm),
+                samples_equal=bool(wave.size == spoken.samples))
 
 
 def _transformers(root: Path, answer_tokens: int, frames: int, pcm_dir: Path) -> list[dict]:
@@ -189,7 +225,7 @@ def run_one(side: str, root: Path, first_chunks, answer_tokens: int, frames: int
                           cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [dict(r, side=side, load_avg=load) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+    return [dict(r, side=r.pop("arm", side), load_avg=load) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def _chunks(text: str) -> tuple[int, ...]:
@@ -262,8 +298,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         group = [r for r in rows if (r["side"], r["first_chunk"]) == (side, first)]
         audio = [r["samples"] / 24_000 for r in group]
         med = {k: float(np.median([r[k] for r in group])) for k in ("first_pcm_ms", "last_pcm_ms", "text_ms")}
-        speech = [(r["last_pcm_ms"] - r["text_ms"]) / 1e3 / a for r, a in zip(group, audio)] if side == "omnijax" \
-            else [float("nan")]
+        speech = [(r["last_pcm_ms"] - r["text_ms"]) / 1e3 / a for r, a in zip(group, audio)] \
+            if side != "transformers" else [float("nan")]
         out.append(dict(side=side, first_chunk=first, **med, audio_s=float(np.median(audio)),
                         rtf_speech=float(np.median(speech)),
                         rtf_total=float(np.median([r["last_pcm_ms"] / 1e3 / a for r, a in zip(group, audio)])),

@@ -58,7 +58,7 @@ from omnijax.serve.engine.worker import EngineWorker
 from omnijax.serve.launch import API_KEY_ENV, port_in_use, terminated_on_sigterm
 from omnijax.serve.native.protocol import frame_samples
 from omnijax.serve.realtime import resume as realtime_resume
-from omnijax.serve.speech_engine import speech_config_for
+from omnijax.serve.speech_engine import speech_config_for, warm_up_pool
 from omnijax.serve.structured import JSON_OBJECT, Grammar, compile_format
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
@@ -106,7 +106,8 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
 
 def warm_up(context: ServeContext, sessions: int, *, structured: bool = True) -> float:
     """Compiles the audio encoder for one frame and the engine's tick for the buckets 1..`sessions` sessions use
-    (dummy sessions, closed afterwards). Progress goes to the `omnijax.serve` logger. Returns the seconds spent.
+    (dummy sessions, closed afterwards), and the speech pool's programs for one speaking session where the engine has
+    one (`speech_engine.warm_up_pool`). Progress goes to the `omnijax.serve` logger. Returns the seconds spent.
 
     With `structured` (what `omnijax serve` does), structured output is made ready too, so that the first
     `response_format` request compiles nothing: llguidance's tokenizer for the served one (its token trie, seconds
@@ -147,6 +148,10 @@ def warm_up(context: ServeContext, sessions: int, *, structured: bool = True) ->
                 engine.close(sid)
             log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
                      time.perf_counter() - t)
+        if engine.speech is not None:  # the speech pool's programs for one speaking session
+            t = time.perf_counter()
+            log.info("warm-up: speech pool ready for talker prompts of %s tokens in %.1f s",
+                     warm_up_pool(engine), time.perf_counter() - t)
     return time.perf_counter() - start
 
 

@@ -39,7 +39,9 @@ from omnijax.serve.engine.speech import SpeechConfig
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
-__all__ = ["SpeechOverloaded", "pool_full", "pool_pieces", "speaks_on_pool", "speech_config_for"]
+__all__ = ["SpeechOverloaded", "pool_full", "pool_pieces", "speaks_on_pool", "speech_config_for", "warm_up_pool"]
+
+WARM_PROMPTS = (16, 32, 64)  # talker prompt buckets warmed (the pool pads prompts to powers of two >= 16)
 
 _ids = itertools.count()
 
@@ -66,6 +68,44 @@ def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int
     max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
     rows = tuple(rows)
     return SpeechConfig(rows=rows, num_pages=min(2, rows[-1]) * max_pages, page_size=page_size, max_pages=max_pages)
+
+
+def warm_up_pool(engine: Any, prompt_tokens: Sequence[int] = WARM_PROMPTS) -> list[int]:
+    """Compiles the engine's speech pool for one speaking session, so that a first spoken request at the usual
+    sizes compiles nothing: per talker prompt bucket in `prompt_tokens`, a throw-away one-row utterance of two
+    frames (the prefill at that length, the talker step), then every one-row Code2Wav call
+    (`SpeechPool.warm_vocoder`: first and later calls, full chunks and each shorter power-of-two tail). Several
+    sessions speaking at once (larger row buckets) still compile when first met. A bucket a row cannot hold is
+    skipped. Call it before serving: the pool must be empty, and it is left empty with its statistics as they were.
+
+    Returns:
+        The prompt buckets warmed (none without a pool).
+
+    Raises:
+        ValueError: the pool is speaking.
+    """
+    pool = getattr(engine, "speech", None)
+    if pool is None:
+        return []
+    if pool.sessions:
+        raise ValueError(f"warm_up_pool: the speech pool is speaking ({pool.sessions}); warm it up before serving")
+    tokens, stats = pool.speech.tokens, dict(pool.stats)
+    text = tokens.tts_pad_token_id  # a plain text id of the thinker's vocabulary
+    sizes = [int(n) for n in prompt_tokens if pool.pages_needed(n, 2) <= pool.max_pages]
+    # the first bucket twice: the pool's fresh cache is not yet a jitted call's output (committed to its device),
+    # and that compiles apart from what every later call gets
+    for n in sizes[:1] + sizes:
+        # a user turn of n - 9 ids, then the assistant's opening: the talker's prompt is n rows (9 of the answer's)
+        user = [tokens.im_start_token_id, tokens.user_token_id, *[text] * max(0, n - 12), tokens.im_end_token_id]
+        prompt = np.asarray([*user, tokens.im_start_token_id, tokens.assistant_token_id, text])
+        speech_id = f"warmup-speech-{n}"
+        pool.open(speech_id, prompt, np.asarray([text]), voice=pool.speech.voices[0], max_new_tokens=2)
+        while speech_id in pool.sessions:
+            pool.tick()
+    pool.warm_vocoder()
+    pool.stats.clear()
+    pool.stats.update(stats)
+    return sizes
 
 
 def speaks_on_pool(context: ServeContext) -> bool:

@@ -323,6 +323,20 @@ class SpeechPool:
         if row < self.kv.batch:
             self.kv = _reset_row(self.kv, np.int32(row))
 
+    def warm_vocoder(self) -> int:
+        """Compiles every one-session Code2Wav call a tick can make (first and later calls, full and each shorter
+        power-of-two length) on zero codes, changing nothing; returns the calls run (the server's warm-up). Later
+        calls continue a first call's returned state, as an utterance's do (a filler state compiles apart)."""
+        calls, later = 0, self._fillers[True]
+        for started, full in ((False, self.config.first_chunk), (True, self.config.chunk)):
+            for frames in sorted({full, *(1 << k for k in range(max(1, full).bit_length()) if 1 << k < full)}):
+                codes = np.zeros((1, self._c2w.num_quantizers, frames), np.int32)
+                state = later if started else self._fillers[False]
+                _, new = code2wav_rows.decode_rows(self._c2w_params, self._c2w, codes, [state])
+                later = later if started else new[0]  # a first call's returned state
+                calls += 1
+        return calls
+
     def talker_tokens(self, speech_id: str) -> list[int]:
         """The talker tokens an utterance in the pool has decoded so far."""
         return list(self._utterances[speech_id].tokens)
