@@ -13,7 +13,9 @@ the cache, every layer's queries of every token), the stored units are scored (`
 `omnijax.kv.host_tier_scoring.score_units_mass` on the queries and keys before RoPE; "max" and "mean" read the queries
 averaged over the question's tokens, `omnijax.kv.host_tier_scoring.score_units`), the best ones within `Recall.budget`
 cells and `Recall.top_units` units are selected and written back as cache pages
-(`omnijax.retention.recall.recall_into`), and the step answers over them.
+(`omnijax.retention.recall.recall_into`), and the step answers over them. The programs this runs outside the step
+(the question's queries, the re-laying shift, the release and the deferred trim) are in
+`omnijax.streaming.recall_ops`.
 `Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
 
 Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
@@ -35,6 +37,16 @@ alternative, recalling the whole unit after the cursor and hiding the cached cop
 still moves it after newer units, so the question would read it at a distance it never had; re-laying costs one
 rotation pass over the cache's keys per question and is undone by the release (the release's own re-indexing).
 
+What recall cannot restore. The recalled keys and values are exactly those cached before the eviction, but a token
+written while its context was evicted was computed without it: from the second layer on, its keys and values are
+not a full-context session's (the first layer's are, as they depend on the token and its position alone). Recalling
+everything therefore equals `NoSlide` only at a question whose cached tokens were all written over their whole
+context: the first question after the step that first evicted, or every chunk when everything is recalled ahead of
+each one (`Session.recall(chunk, scores=...)`). A later question reads the intervening tokens as they were computed
+(on the synthetic audiovisual sessions, 0.01-0.05 in the logits at the second question; with one layer, or with
+recall ahead of every chunk, every question equals `NoSlide` to float32 rounding:
+`tests/streaming/test_recall_questions.py`).
+
 After the answer (`Recall.keep=False`) the recalled tokens still cached are invalidated (the policy's own re-indexing
 and the paging mode's relayout apply, as after a trim) and their records stay in the tier; with `keep=True` they stay
 cached as ordinary content and leave the tier (a later eviction stores them again). Batch 1 only so far.
@@ -46,26 +58,21 @@ Disk. With `Recall(disk_dir=...)` the tier spills instead of dropping when its h
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
-from omnijax.kv import attention as attention_lib
 from omnijax.kv import host_tier, host_tier_disk, host_tier_scoring
 from omnijax.kv import paged as paged_lib
-from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier_two_stage import score_units_two_stage
-from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
-from omnijax.retention import base as retention_base
 from omnijax.retention.base import NoSlide
 from omnijax.retention.recall import Recall, recall_into
+from omnijax.streaming import recall_ops
 from omnijax.streaming.config import StreamConfig
+from omnijax.streaming.recall_ops import freed_below_1d, question_queries, room
 from omnijax.streaming.step import StreamState
 
 
@@ -142,101 +149,10 @@ class RecallStats:
     spilled_bytes: int = 0
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
-def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, chunk: Chunk, *,
-                     impl: str) -> jax.Array:
-    """`[L, T, H, d]` float32: the rotated queries of every layer for each token of a batch-1 chunk fed at
-    `next_pos` (padding tokens' rows are meaningless: take `chunk.valid`). The chunk runs through every layer as the
-    step would write it (attending over the cache and itself), on a copy of the cache that is thrown away."""
-    model = nnx.merge(graphdef, params)
-    c = model.config
-    x = model.embed_tokens(chunk.token_ids)
-    if chunk.embeds is not None:
-        x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
-    positions = chunk.positions + next_pos[None, :, None]
-    meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
-    kv, slots, q_order = paged_lib.reserve(kv, chunk.valid, meta)
-    view = attention_lib.index_pages(attention_lib.CacheView.of(kv, slots, q_order))
-    rot = chunk_rotation(c, positions)
-    xs, ffn_of = layer_scan_inputs(c, model.layers.stacked())
-    deepstack = chunk.deepstack
-
-    def layer(carry, p):
-        h, k_pages, v_pages, i = carry
-        q, k, v = layer_qkv(c, p, h, rot)
-        k_pages = paged_lib.write_layer(k_pages, view.write_slots, k, layer=i)
-        v_pages = paged_lib.write_layer(v_pages, view.write_slots, v, layer=i)
-        h = layer_finish(c, p, h, attention_lib.attend(q, k_pages, v_pages, view, impl=impl, layer=i), ffn_of(p))
-        if deepstack is not None:
-            level = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(i, deepstack.shape[0] - 1), keepdims=False)
-            h = jnp.where(i < deepstack.shape[0], h + level.astype(h.dtype), h)
-        return (h, k_pages, v_pages, i + 1), q[0].astype(jnp.float32)
-
-    carry = (x.astype(c.jnp_dtype), kv.k, kv.v, jnp.int32(0))
-    return jax.lax.scan(layer, carry, xs)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("reindex", "rope", "paging", "subblock"), donate_argnames=("kv",))
-def _release(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi: jax.Array, *, reindex: bool,
-             rope: tuple, paging: Any, subblock: int) -> tuple[paged_lib.PagedKV, jax.Array]:
-    """Invalidates the live tokens with write orders in `[lo, hi)`, as a trim would (re-indexing, relayout)."""
-    view = retention_base.sequence_view(kv)
-    keep = view.live & ~((view.order >= lo) & (view.order < hi))
-    kv, next_pos, evicted = retention_base.apply(kv, keep, next_pos, reindex=reindex, rope=rope, view=view)
-    kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
-    return kv, next_pos
-
-
-@functools.partial(jax.jit, static_argnames=("policy", "rope", "paging", "subblock"))
-def _trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: tuple, paging: Any,
-              subblock: int) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
-    """The policy's trim (and the paging mode's relayout) as a step runs it, outside a step; `kv` is kept."""
-    kv, next_pos, evicted = retention_base.trim(policy, kv, next_pos, rope=rope)
-    kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
-    return kv, next_pos, evicted
-
-
 def _read_only(x: np.ndarray) -> np.ndarray:
     x = np.array(x, copy=True)
     x.flags.writeable = False
     return x
-
-
-def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndarray, int]:
-    """`omnijax.retention.base.freed_below` for one sequence of tokens spanning `[lo, hi]` (int arrays `[n]`) below
-    `cursor`, on host: `(freed values below each token's lo [n], all freed values below the cursor)`."""
-    if lo.size == 0:
-        return np.zeros(0, np.int64), int(cursor)
-    idx = np.argsort(lo, kind="stable")
-    reach = np.maximum.accumulate(hi[idx])
-    before = np.concatenate([[-1], reach[:-1]])
-    freed_sorted = np.cumsum(np.maximum(lo[idx] - before - 1, 0))
-    freed = np.zeros(lo.size, np.int64)
-    freed[idx] = freed_sorted
-    return freed, int(freed_sorted[-1] + max(cursor - int(reach[-1]) - 1, 0))
-
-
-@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
-def _shift(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_lib.PagedKV:
-    """Adds `moves [N, P]` to every slot's positions (all axes) and re-rotates its keys by the same delta (all
-    layers; a zero move is an exact identity), as re-indexing does with the opposite sign."""
-    theta, section, interleaved = rope
-    L, N, P, G, d = kv.k.shape
-    angles = rope_lib.rope_angles(moves.reshape(1, N * P), d, theta, section, interleaved)  # [N*P, d/2]
-    k = rope_lib.apply_rope(kv.k.reshape(L, N * P, G, d), angles).reshape(kv.k.shape).astype(kv.k.dtype)
-    return kv.replace(pos=kv.pos + moves[None].astype(kv.pos.dtype), k=k)
-
-
-def room(kv: paged_lib.PagedKV) -> int:
-    """Cells a batch-1 cache can still take: open slots of its held pages and the fresh pages its table can list
-    (as `omnijax.kv.paged.reserve` finds them)."""
-    m = jax.device_get({"table": kv.page_table[0], "valid": kv.valid, "seq_slots": kv.seq_slots[0],
-                        "free": kv.num_free})
-    P, M = kv.page_size, kv.max_pages
-    held = -(-int(m["seq_slots"]) // P)
-    pages = m["table"][:held]
-    open_slots = int((~m["valid"][pages[pages >= 0]]).sum())
-    return open_slots + min(int(m["free"]), M - held) * P
 
 
 class RecallSession:
@@ -462,7 +378,8 @@ class RecallSession:
         moves[live] = delta[:n]
         if moves.any():
             theta, section, interleaved = self.rope
-            kv = _shift(kv, jnp.asarray(moves.reshape(N, P)), rope=(theta, section, interleaved))
+            kv = recall_ops.shift_positions(kv, jnp.asarray(moves.reshape(N, P)),
+                                            rope=(theta, section, interleaved))
         positions, at = [], n
         for u in units:
             positions.append((u.pos.astype(np.int64) + delta[at:at + u.size][None]).astype(np.int32))
@@ -477,14 +394,14 @@ class RecallSession:
             return state
         theta, section, _ = self.rope
         if not self.recall_config.keep:
-            kv, next_pos = _release(state.kv, state.next_pos, jnp.int32(pending[0]), jnp.int32(pending[1]),
-                                    reindex=not self.at_original, rope=(theta, section), paging=self.paging,
-                                    subblock=self.subblock)
+            kv, next_pos = recall_ops.release_range(
+                state.kv, state.next_pos, jnp.int32(pending[0]), jnp.int32(pending[1]), reindex=not self.at_original,
+                rope=(theta, section), paging=self.paging, subblock=self.subblock)
             state = dataclasses.replace(state, kv=kv, next_pos=next_pos)
         # The steps over the recall ran without trimming (`step_config`): the policy trims now, what it evicts is
         # stored as after any step.
-        kv, next_pos, evicted = _trim_now(state.kv, state.next_pos, policy=self.policy, rope=(theta, section),
-                                          paging=self.paging, subblock=self.subblock)
+        kv, next_pos, evicted = recall_ops.trim_now(state.kv, state.next_pos, policy=self.policy,
+                                                    rope=(theta, section), paging=self.paging, subblock=self.subblock)
         if np.asarray(evicted).any():
             self.capture(state.kv, kv)
         return dataclasses.replace(state, kv=kv, next_pos=next_pos)
