@@ -29,8 +29,10 @@ from tests._support.demo_server import demo_checkpoint  # noqa: E402
 from tests._support.realtime_client import say  # noqa: E402
 from tests._support.served import Served, ServedCheckpoint  # noqa: E402
 
-# 8 answer tokens a tick (the CLI's tau); a Realtime answer is capped at 8 tokens by its response.create (SAY)
-ARGS = ("--frame-ms", "200", "--max-output-tokens", "100000")
+# 8 answer tokens a tick (the CLI's tau); a Realtime answer is capped at 8 tokens by its response.create (SAY). At most
+# three sessions are open at once (two Realtime sessions and a chat): buckets 2 and 4, so each start warms up (traces)
+# one tick, bucket 2 (with the default buckets, `--warmup-sessions 2` traced buckets 1 and 2: a start's largest cost).
+ARGS = ("--frame-ms", "200", "--max-output-tokens", "100000", "--buckets", "2", "4")
 SAY = 8
 
 
@@ -119,11 +121,18 @@ def test_sigkill_loses_at_most_one_interval_and_sigterm_ends_answers_and_snapsho
         client = _open_session_until_the_server_ends(second, open_session, said)
         assert said.wait(300) and "error" not in open_session, (open_session, second.log(20))
         chat: dict = {}
-        body = {"model": "omnijax", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}
+        # `user` makes the server log the request once its session is open (`chat completion session=...`)
+        body = {"model": "omnijax", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000,
+                "user": "sigterm-check"}
+        logged = len(second.lines)
         asker = threading.Thread(target=lambda: chat.setdefault(
             "r", httpx.post(second.base_url + "/chat/completions", json=body, timeout=300)))
         asker.start()
-        time.sleep(3.0)  # the answer is decoding
+        deadline = time.monotonic() + 60
+        while not any("chat completion session=" in x and "sigterm-check" in x for x in second.lines[logged:]):
+            assert time.monotonic() < deadline and asker.is_alive(), ("the chat was never admitted", second.log(20))
+            time.sleep(0.05)
+        time.sleep(1.0)  # five frames: the answer is decoding
         assert asker.is_alive()
         start = time.monotonic()
         second.proc.send_signal(signal.SIGTERM)
