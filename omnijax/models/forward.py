@@ -4,13 +4,12 @@ one-shot forward through a temporary cache, what `Model()` runs)."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.chunks.spans import SpanKind
+from omnijax.compilation_cache import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.models.decoder import Decoder
@@ -49,7 +48,7 @@ def write_chunk_tapped(model: Decoder, kv: paged_lib.PagedKV, x: jax.Array, vali
     return kv, hidden, tapped
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
+@cached_jit(static_argnames=("graphdef", "page_size"))
 def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, valid: jax.Array, positions: jax.Array,
             embeds: jax.Array | None, embed_mask: jax.Array | None, deepstack: jax.Array | None, *,
             page_size: int) -> jax.Array:
