@@ -39,6 +39,14 @@ sessions the rest of a 141 GB GPU holds with bf16 or int8 KV (`bench/quality/_qu
 `--matmul` runs no model either: the CPU time of the quantised matmul against float32's on a layer's projection
 shapes, at decode and prefill row counts (`bench/quality/_quant_matmul.py`). Writes `quantized_matmul.json`.
 
+`--omni` runs a tiny random Qwen3-Omni thinker instead of SmolLM2: top-1 agreement and KL against float32 of int8 /
+int4 g32 / int4 g128 weights and the int8 KV pool over a synthetic audiovisual session, and its greedy answers
+(`bench/quality/_quant_omni.py`). Writes `quantized_omni.json` and `quantized_omni.png`.
+
+`--serve` asks each variant a few questions through `omnijax.Chat` and through the official openai SDK against the
+variant served by `omnijax.serve` (whole and streamed), and records whether the answers agree with each other and
+with float32's (`bench/quality/_quant_serve.py`). Writes `quantized_serve.json` and `quantized_serve.png`.
+
     .venv/bin/python -m bench.quality.quantized --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/quality/results
     .venv/bin/python -m bench.quality.quantized --kv --out bench/quality/results
     .venv/bin/python -m bench.quality.quantized --accuracy --llama-python /tmp/llvenv/bin/python --no-extra-bufts \
@@ -56,12 +64,13 @@ import numpy as np
 
 from bench import harness
 from bench.quality import _common as common
-from bench.quality import _quant_accuracy, _quant_capacity, _quant_matmul
+from bench.quality import _quant_accuracy, _quant_capacity, _quant_matmul, _quant_omni, _quant_serve
 
 VARIANTS = ("float32", "int8", "int4_g32", "gguf_kept")  # the default set of the timed run
 ALL_VARIANTS = VARIANTS + ("int4_g64", "int4_g128")
 SMOKE = dict(length=128, chunk=32, decode_tokens=4, prompt=16, rounds=2, kv_lengths=[128, 256], kv_budget=160,
-             kv_keys=1, kv_chunk=64, matmul_rows=[1, 8], matmul_layers=1)
+             kv_keys=1, kv_chunk=64, matmul_rows=[1, 8], matmul_layers=1, omni_units=3, omni_budget=64,
+             omni_policies=["no_slide"])
 KV_POLICIES = ("no_slide", "omnipick", "sink_window", "unit_fifo", "streaming_llm")
 
 
@@ -84,6 +93,8 @@ def build_parser():
     _quant_accuracy.add_args(p)
     _quant_capacity.add_args(p)
     _quant_matmul.add_args(p)
+    _quant_omni.add_args(p)
+    _quant_serve.add_args(p)
     return p
 
 
@@ -175,13 +186,17 @@ def main(argv=None):
     common.quiet_threads()
     out = harness.output_dir(args)
     check_args(args)
-    if sum((args.kv, args.accuracy, args.capacity, args.matmul)) > 1:
-        raise SystemExit("--kv, --accuracy, --capacity and --matmul are separate runs: give one")
+    if sum((args.kv, args.accuracy, args.capacity, args.matmul, args.omni, args.serve)) > 1:
+        raise SystemExit("--kv, --accuracy, --capacity, --matmul, --omni and --serve are separate runs: give one")
     if args.capacity:
         return _quant_capacity.run(args, out)
     if args.matmul:
         return _quant_matmul.run(args, out)
+    if args.omni:
+        return _quant_omni.run(args, out)
     source = common.model_source(args)
+    if args.serve:
+        return _quant_serve.run(args, source, out, convert_variant)
     from bench.quality.perplexity import ppl, text_ids
 
     ids = text_ids(source.checkpoint, "alice29.txt", args.length)
