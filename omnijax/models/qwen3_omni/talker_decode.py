@@ -106,7 +106,7 @@ class TalkerDecode:
         self.tokens = [] if tokens is None else tokens
         self.step = 0
         kv = talker_forward.init_cache(config, 1, prompt.shape[0] + self.max_new_tokens, page_size)
-        self._kv, self._hidden, logits = talker_forward._prefill(config, params, kv, prompt[None],
+        self._kv, self._hidden, logits = talker_forward.prefill(config, params, kv, prompt[None],
                                                   jnp.asarray(positions, jnp.float32)[:, None])
         self._token = self._pick(logits)
         self._start = int(np.max(np.asarray(positions))) + 1

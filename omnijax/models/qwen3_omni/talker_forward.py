@@ -42,7 +42,7 @@ from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
 
 __all__ = ["ChatTokens", "assistant_prompt", "init_cache", "predict_codes", "predictor_logits", "project_hidden",
-           "project_text", "rows_prefill", "rows_step", "talker_chunk", "talker_logits", "talker_params",
+           "prefill", "project_text", "rows_prefill", "rows_step", "talker_chunk", "talker_logits", "talker_params",
            "talker_prompt", "talker_step", "user_prompt"]
 
 Params = dict[str, Any]
@@ -291,8 +291,10 @@ def rows_prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, em
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, positions: jax.Array
-             ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, positions: jax.Array
+            ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    """A talker prompt `embeds [B, T, D]` at mrope `positions [3, B, T]` written into `kv`; returns `(kv, hidden
+    [B, D], logits [B, V])` at the last position (what a decoding loop starts from)."""
     B, T, _ = embeds.shape
     kv, hidden, logits = talker_chunk(config, params, kv, embeds, jnp.ones((B, T), bool), positions)
     return kv, hidden[:, -1], logits[:, -1]
