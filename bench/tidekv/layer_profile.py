@@ -185,18 +185,10 @@ def main(argv=None) -> int:
     if args.length < 64 or args.steps < 1:
         p.error(f"--length must be at least the observation window (64) and --steps at least 1, got "
                 f"{args.length} and {args.steps}")
-    from bench.peers.first_token import prepare_models, smoke_models
+    from bench.tidekv.vs_kvpress import checkpoints
 
     out = harness.output_dir(args)
-    if args.models:
-        models = Path(args.models)
-    elif args.smoke and not args.gguf:
-        _, models = smoke_models(out)
-    else:
-        from omnijax.demo.smollm2 import find_gguf
-
-        models = out / "vs_kvpress_model"
-        prepare_models(find_gguf(args.gguf), models)
+    models = checkpoints(args, out)
     row = profile(models, args.length, args.steps)
     print(f"S={row['length']} layer step: wall {row['wall_ms']:.0f} ms, CPU {row['cpu_ms']:.0f} ms, cores "
           f"{row['cores']:.2f}, load {row['load_avg']:.1f}; {row['thunks_per_step']:.0f} thunks per step")

@@ -138,6 +138,22 @@ def run_one(side: str, args, models: Path, S: int) -> dict:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load_avg": load}
 
 
+def checkpoints(args, out: Path) -> Path:
+    """The models folder (`omnijax/`, `hf/`) the TideKV scripts read: `--models`, `--smoke`'s tiny GGUF (without
+    `--gguf`), or the GGUF converted once into `<out>/vs_kvpress_model/`."""
+    from bench.peers.first_token import prepare_models, smoke_models
+
+    if args.models:
+        return Path(args.models)
+    if args.smoke and not args.gguf:
+        return smoke_models(out)[1]
+    from omnijax.demo.smollm2 import find_gguf
+
+    models = out / "vs_kvpress_model"
+    prepare_models(find_gguf(args.gguf), models)
+    return models
+
+
 def main(argv=None) -> int:
     p = harness.parser(__doc__)
     p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
@@ -158,18 +174,8 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, Path(args.models), args.length, args.ratio, args.calls, args.seed)))
         return 0
-    from bench.peers.first_token import prepare_models, smoke_models
-
     out = harness.output_dir(args)
-    if args.models:
-        models = Path(args.models)
-    elif args.smoke and not args.gguf:
-        _, models = smoke_models(out)
-    else:
-        from omnijax.demo.smollm2 import find_gguf
-
-        models = out / "vs_kvpress_model"
-        prepare_models(find_gguf(args.gguf), models)
+    models = checkpoints(args, out)
     if args.base and not (Path(args.base) / "omnijax" / "__init__.py").exists():
         p.error(f"--base {args.base} holds no omnijax/ package")
     sides = SIDES + ((BASE,) if args.base else ())
