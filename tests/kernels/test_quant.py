@@ -192,7 +192,8 @@ def test_bad_input_is_refused_by_name():
         Q.qmatmul(jnp.ones((1, 64)), Q.quantize(np.ones((2, 64, 8), np.float32), Q.Int4Grouped(32)))
     with pytest.raises(ValueError, match="out_block must be a positive int"):
         Q.qmatmul(jnp.ones((1, 64)), qw, out_block=0)
-    with pytest.raises(ValueError, match=r"method must be one of \('auto', 'grouped', 'dense', 'pallas'\), got 'fused'"):
+    one_of = r"method must be one of \('auto', 'grouped', 'dense', 'pallas'\), got 'fused'"
+    with pytest.raises(ValueError, match=one_of):
         Q.qmatmul(jnp.ones((1, 64)), qw, method="fused")
     with pytest.raises(ValueError, match="method='grouped' takes float32 x .* got bfloat16"):
         Q.qmatmul(jnp.ones((1, 64), jnp.bfloat16), qw, method="grouped")
