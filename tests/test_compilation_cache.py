@@ -46,6 +46,7 @@ def _run(cache: Path, role: str) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNIJAX_EXECUTABLE", "JAX_COMPILATION"))}
+    env[compilation_cache.EXECUTABLE_ENV] = "on"  # opt-in
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), role], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,7 +74,7 @@ def test_a_later_process_loads_the_program_without_tracing(tmp_path):
 def cache_dir(tmp_path, monkeypatch):
     """This process's caches pointed at an empty directory for the test, then back at the suite's."""
     before = compilation_cache.cache_dir()
-    monkeypatch.delenv(compilation_cache.EXECUTABLE_ENV, raising=False)
+    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
     compilation_cache.enable(tmp_path / "cache")
     yield tmp_path / "cache"
     if before is None:
@@ -130,8 +131,9 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
 
 
 def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
-    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "off")
-    assert compilation_cache.executables_dir() is None
+    for setting in ("off", ""):  # off unless asked for
+        monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, setting)
+        assert compilation_cache.executables_dir() is None
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     kept(jnp.ones(2), jnp.ones(2), power=2)
     assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
