@@ -105,9 +105,10 @@ def executables_dir() -> Path | None:
     """Where serialised executables go: `<cache dir>/executables`; None unless `OMNIJAX_EXECUTABLE_CACHE=on` and the
     compilation cache is on.
 
-    Opt-in for now: one cold run of the test suite aborted inside XLA's own serialisation of a freshly compiled
-    program (jax's cache write, `put_executable_and_time`) in a worker that also loaded kept executables; it did not
-    reproduce alone and is not understood, so nothing keeps executables unless asked to."""
+    Opt-in for now: one cold run of the test suite with them on aborted inside XLA's own serialisation of a freshly
+    compiled program (jax's cache write, `put_executable_and_time`, called from `CachedJit`'s compile); the test
+    alone passed with empty caches, on and off, and the cause is not understood, so nothing keeps executables unless
+    asked to."""
     if os.environ.get(EXECUTABLE_ENV, "").strip().lower() not in ON:
         return None
     base = cache_dir()
