@@ -67,6 +67,7 @@ import numpy as np
 import numpy.typing as npt
 
 from omnijax.chat_records import KeptRow, StepRecord, UnitRecord, clock, format_kept, kept_by_kind
+from omnijax.chat_speech import DEFAULT_SPEECH_MEDIA_BYTES, MEDIA_KINDS, SpeakOptions, SpokenAnswer, check_speak
 from omnijax.chunks.chunk import Chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.conversation import ChatTemplateError, Conversation, template_delta
@@ -74,7 +75,6 @@ from omnijax.decoding import DecodingStrategy, answer_stop_ids, sampling_keys, s
 from omnijax.media.audio import resample
 from omnijax.media.image import read_image
 from omnijax.models.family import OmniModel
-from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.tokenizer import Tokenizer
 from omnijax.plot import SessionTrace
@@ -82,53 +82,6 @@ from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, bind_config
 
 DEFAULT_ANSWER_BLOCK = 16
-MEDIA_KINDS = ("image", "audio", "av")
-DEFAULT_SPEECH_MEDIA_BYTES = 64 << 20  # the talker's kept thinker rows at media placeholders (16K bf16 tokens of 2048)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeakOptions:
-    """How `Chat.ask(..., speak=...)` speaks an answer.
-
-    Attributes:
-        voice: one of the checkpoint's voices (`model.speech.voices`, matched case-insensitively); "Ethan" is the
-            Qwen3-Omni reference's default speaker.
-        max_speech_tokens: the talker's tokens at most (one per 80 ms codec frame; the reference's
-            `talker_max_new_tokens`, 4,096 by default). A talker that has not ended the speech by then is cut there.
-        first_chunk: codec frames of the vocoder's first call (a small one gets the first audio out sooner).
-        chunk: codec frames of each later call.
-        sampling: None (greedy talker and code predictor: what equals transformers' `talker_do_sample=False`), or
-            a `TalkerSampling` (Qwen3-Omni: the reference's default draws, seeded; refused by a greedy-only talker).
-    """
-
-    voice: str = "Ethan"
-    max_speech_tokens: int = 4096
-    first_chunk: int = 4
-    chunk: int = 25
-    sampling: TalkerSampling | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.voice, str) or not self.voice:
-            raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
-        if self.sampling is not None and not isinstance(self.sampling, TalkerSampling):
-            raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(self.sampling).__name__}")
-        for name in ("max_speech_tokens", "first_chunk", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpokenAnswer:
-    """What `ask(..., speak=...)` spoke: the thinker-vocabulary ids of the talker's prompt (everything fed before
-    the answer, media units' ids included, ending with the generation prompt) and of the answer spoken, the voice,
-    the PCM samples yielded, and the kept media rows the talker read (`speak(..., media=...)`)."""
-
-    prompt_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]
-    voice: str
-    samples: int
-    media: tuple[MediaRows, ...] = ()
 
 
 class Chat:
@@ -246,30 +199,7 @@ class Chat:
     def check_speak(self, speak: bool | SpeakOptions) -> SpeakOptions | None:
         """The options `ask(speak=speak)` would speak with (None: not spoken); ValueError naming the problem when
         this chat cannot speak them now (no speech output, an unknown voice, media units in the conversation)."""
-        if speak is False:
-            return None
-        if not isinstance(speak, (bool, SpeakOptions)):
-            raise ValueError(f"speak must be a bool or a SpeakOptions, got {type(speak).__name__}")
-        options = SpeakOptions() if speak is True else speak
-        speech = self.model.speech
-        if speech is None:
-            raise ValueError(f"speak: {self.model.source or 'this checkpoint'} has no speech output (a talker and a "
-                             "vocoder); convert the model's full release (e.g. Qwen3-Omni's, with its talker.* and "
-                             "code2wav.* tensors) to speak")
-        if options.voice.lower() not in {v.lower() for v in speech.voices}:
-            raise ValueError(f"speak: unknown voice {options.voice!r}: this checkpoint's voices are "
-                             f"{list(speech.voices)}")
-        media = sorted({u.kind for u in self.units if u.kind in MEDIA_KINDS})
-        if media and getattr(speech, "media_tap", None) is None:
-            raise ValueError(f"speak: this conversation holds media units ({', '.join(media)}); this checkpoint's "
-                             "talker reads the thinker's last-layer states at every position, which the chat does "
-                             "not keep: its spoken answers take text-only conversations")
-        if self._unspeakable is not None:
-            raise ValueError(f"speak: {self._unspeakable}")
-        if options.sampling is not None and getattr(speech, "answer_stream", None) is None:
-            raise ValueError("speak: sampling: this checkpoint's talker decodes greedily only (Qwen2.5-Omni here); "
-                             "leave SpeakOptions.sampling None")
-        return options
+        return check_speak(self.model, speak, (u.kind for u in self.units), self._unspeakable)
 
     def _answer(self, prepared, config, max_tokens, reseed, speak=None):
         units, block = self.units_builder, config.max_answer_tokens
@@ -501,5 +431,5 @@ def text_label(text: str, width: int = 32) -> str:
 
 
 __all__ = ["Chat", "ChatTemplateError", "DEFAULT_ANSWER_BLOCK", "DEFAULT_SPEECH_MEDIA_BYTES", "KeptRow",
-           "SpeakOptions", "SpokenAnswer", "StepRecord", "UnitRecord", "chunk_ids", "clock", "format_kept",
-           "kept_by_kind", "template_delta", "text_label"]
+           "MEDIA_KINDS", "SpeakOptions", "SpokenAnswer", "StepRecord", "UnitRecord", "check_speak", "chunk_ids",
+           "clock", "format_kept", "kept_by_kind", "template_delta", "text_label"]

@@ -1,0 +1,105 @@
+"""What `Chat.ask(..., speak=...)` takes and leaves: `SpeakOptions` (voice, talker length, vocoder chunks, talker
+sampling), `SpokenAnswer` (what was spoken last, `Chat.last_spoken`), and `check_speak`, the checks a spoken answer
+passes before anything is fed (a checkpoint with speech output, one of its voices, a conversation its talker can
+read). How the talker reads the conversation is told in `omnijax.chat`'s docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from omnijax.models.family import OmniModel
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
+from omnijax.models.speech import MediaRows
+
+MEDIA_KINDS = ("image", "audio", "av")
+DEFAULT_SPEECH_MEDIA_BYTES = 64 << 20  # the talker's kept thinker rows at media placeholders (16K bf16 tokens of 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeakOptions:
+    """How `Chat.ask(..., speak=...)` speaks an answer.
+
+    Attributes:
+        voice: one of the checkpoint's voices (`model.speech.voices`, matched case-insensitively); "Ethan" is the
+            Qwen3-Omni reference's default speaker.
+        max_speech_tokens: the talker's tokens at most (one per 80 ms codec frame; the reference's
+            `talker_max_new_tokens`, 4,096 by default). A talker that has not ended the speech by then is cut there.
+        first_chunk: codec frames of the vocoder's first call (a small one gets the first audio out sooner).
+        chunk: codec frames of each later call.
+        sampling: None (greedy talker and code predictor: what equals transformers' `talker_do_sample=False`), or
+            a `TalkerSampling` (Qwen3-Omni: the reference's default draws, seeded; refused by a greedy-only talker).
+    """
+
+    voice: str = "Ethan"
+    max_speech_tokens: int = 4096
+    first_chunk: int = 4
+    chunk: int = 25
+    sampling: TalkerSampling | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.voice, str) or not self.voice:
+            raise ValueError(f"voice must be a non-empty string, got {self.voice!r}")
+        if self.sampling is not None and not isinstance(self.sampling, TalkerSampling):
+            raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(self.sampling).__name__}")
+        for name in ("max_speech_tokens", "first_chunk", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpokenAnswer:
+    """What `ask(..., speak=...)` spoke: the thinker-vocabulary ids of the talker's prompt (everything fed before
+    the answer, media units' ids included, ending with the generation prompt) and of the answer spoken, the voice,
+    the PCM samples yielded, and the kept media rows the talker read (`speak(..., media=...)`)."""
+
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+    voice: str
+    samples: int
+    media: tuple[MediaRows, ...] = ()
+
+
+def check_speak(model: OmniModel, speak: bool | SpeakOptions, unit_kinds: Iterable[str],
+                unspeakable: str | None) -> SpeakOptions | None:
+    """The options a spoken answer of `model` would use (None: not spoken).
+
+    Args:
+        model: the chat's model (`model.speech` is its speech output, None without one).
+        speak: what `ask(speak=...)` was given.
+        unit_kinds: the kinds of the units the conversation has fed.
+        unspeakable: why the conversation can no longer be spoken (None: it can).
+
+    Raises:
+        ValueError: naming the problem: not a bool or `SpeakOptions`, no speech output, an unknown voice, media units
+            a talker that reads every position's last layer cannot read, an unspeakable conversation, or sampling
+            for a greedy-only talker.
+    """
+    if speak is False:
+        return None
+    if not isinstance(speak, (bool, SpeakOptions)):
+        raise ValueError(f"speak must be a bool or a SpeakOptions, got {type(speak).__name__}")
+    options = SpeakOptions() if speak is True else speak
+    speech = model.speech
+    if speech is None:
+        raise ValueError(f"speak: {model.source or 'this checkpoint'} has no speech output (a talker and a "
+                         "vocoder); convert the model's full release (e.g. Qwen3-Omni's, with its talker.* and "
+                         "code2wav.* tensors) to speak")
+    if options.voice.lower() not in {v.lower() for v in speech.voices}:
+        raise ValueError(f"speak: unknown voice {options.voice!r}: this checkpoint's voices are "
+                         f"{list(speech.voices)}")
+    media = sorted({kind for kind in unit_kinds if kind in MEDIA_KINDS})
+    if media and getattr(speech, "media_tap", None) is None:
+        raise ValueError(f"speak: this conversation holds media units ({', '.join(media)}); this checkpoint's "
+                         "talker reads the thinker's last-layer states at every position, which the chat does "
+                         "not keep: its spoken answers take text-only conversations")
+    if unspeakable is not None:
+        raise ValueError(f"speak: {unspeakable}")
+    if options.sampling is not None and getattr(speech, "answer_stream", None) is None:
+        raise ValueError("speak: sampling: this checkpoint's talker decodes greedily only (Qwen2.5-Omni here); "
+                         "leave SpeakOptions.sampling None")
+    return options
+
+
+__all__ = ["DEFAULT_SPEECH_MEDIA_BYTES", "MEDIA_KINDS", "SpeakOptions", "SpokenAnswer", "check_speak"]
