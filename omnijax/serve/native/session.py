@@ -45,7 +45,10 @@ drain) the session is snapshotted under its token; `/session?resume=TOKEN` conti
 numbering; a frame received but not yet served when the connection ended is dropped, as a superseded one is), or is
 refused with `resume_failed` (close 1008) naming why: no such snapshot, the token in use, a Realtime snapshot, other
 frame settings or model. A snapshot that fails is reported as `snapshot_failed` before the close. Full-duplex
-sessions do not resume.
+sessions do not resume. With `--snapshot-every` (`Nturns`: every N-th served frame; `30s`: seconds) the session is
+also snapshotted periodically, between two frames, its disk write in the background
+(`omnijax.serve.native.snapshots`): a server killed without a drain loses at most the frames served since the last
+snapshot on disk, and a resume continues bit-exactly from that snapshot (`ready`'s `seq` says which frame is next).
 
 Idle timeout (`--idle-timeout`, 0: none): a session whose client sends nothing for that long, with no frame being
 served, gets `{"type": "error", "code": "idle_timeout", ...}` naming the timeout and close 1000 ("idle timeout");
@@ -82,6 +85,7 @@ from omnijax.serve.native.protocol import (
     parse_json,
 )
 from omnijax.serve.native.resume import NativePlan, ResumeRefused, native_meta, native_plan
+from omnijax.serve.native.snapshots import NativeSnapshots
 from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime.duplex import duplex_rule
 from omnijax.serve.refusal_log import refusals
@@ -110,6 +114,7 @@ class NativeSession:
         self._stop = asyncio.Event()
         self.token: str | None = None  # the resume token (with --snapshot-dir; `omnijax.serve.native.resume`)
         self.resumed = False
+        self.snapshots: NativeSnapshots | None = None  # periodic snapshots (--snapshot-every), set by the endpoint
 
     async def _receive(self) -> dict | None:
         """The next WebSocket message, or None once the pump ended the session; with an idle timeout
@@ -127,6 +132,14 @@ class NativeSession:
                     if wait_s <= 0:
                         self._idle_out()
                         return None
+                snap_s = None if self.snapshots is None else self.snapshots.wait_s()
+                if snap_s is not None:  # a time-based snapshot is pending: taken here once due, between frames
+                    if self._busy():  # the pump takes it after its frame; look again soon in case it was not due
+                        snap_s = min(1.0, max(0.02, self.snapshots.every_s / 4))
+                    elif snap_s <= 0:
+                        await self.snapshots.take()
+                        continue
+                    wait_s = snap_s if wait_s is None else min(wait_s, snap_s)
                 done, _ = await asyncio.wait({receive, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
                 if done:
                     self.last_active = loop.time()
@@ -235,6 +248,10 @@ class NativeSession:
                 self.closing = (CLOSE_ERROR, e.code)
                 self._stop.set()
                 return
+            if self.snapshots is not None:  # between frames: nothing of this session is in the engine
+                self.snapshots.served(seq, self.unit)
+                if self.snapshots.due():
+                    await self.snapshots.take()
 
     async def _serve(self, seq: int, pcm: np.ndarray, arrival: float, skipped: int) -> None:
         """One frame: encode, submit, reply on time (see the module docstring)."""
@@ -383,7 +400,16 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
                        else NativeSession(ws, context, sid, samples, peer))
             session.token, session.resumed = plan.token, plan.snapshot is not None
             session.seq, session.unit = plan.seq, plan.unit
+            options = context.options
+            periodic = options.snapshot_every_s or options.snapshot_every_turns
+            if plan.lease is not None and plan.store is not None and periodic:
+                session.snapshots = NativeSnapshots(
+                    sid, context.worker.export, plan.store, plan.lease, every_s=options.snapshot_every_s,
+                    every_turns=options.snapshot_every_turns, frame_ms=options.frame_ms,
+                    model_name=options.model_name, report=lambda message: session.outbox.put(message, force=True))
             code, reason = await session.run()
+            if session.snapshots is not None:  # a periodic write in flight ends before the lease does
+                await session.snapshots.settle()
             log.info("close peer=%s session=%s reason=%s frames=%d", peer, sid, reason, session.seq)
             if plan.lease is not None and session.outbox.overflow is None:
                 await _save(ws, session, plan)
@@ -411,6 +437,8 @@ async def _save(ws: WebSocket, session: NativeSession, plan: NativePlan) -> None
     (`snapshot_failed`, when it still listens) and logged."""
     assert plan.store is not None and plan.lease is not None
     options = session.context.options
+    if session.snapshots is not None:  # generations land in order: the periodic write in flight first
+        await session.snapshots.settle()
     try:
         snapshot = await session.worker.export(session.sid, native_meta(session.seq, session.unit, options.frame_ms,
                                                                         options.model_name))
