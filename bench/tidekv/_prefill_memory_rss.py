@@ -98,13 +98,16 @@ def prime(method: str, model, x, positions, args):
     bridge = jax.ShapeDtypeStruct((1, Sp, cfg.hidden_size), cfg.jnp_dtype)
     pos = jax.ShapeDtypeStruct((cfg.position_axes, 1, Sp), jnp.int32)
     zeros = lambda structs: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), structs)  # noqa: E731
-    if method == "tidekv":
-        lowered = layer_major.layer_step.lower(layer_major.layer_params(model, 0), bridge, pos, config=cfg,
-                                               prompt_len=S, chunk=chunk, page=PAGE, impl="xla",
-                                               selector=SnapKV(window=W), budget=args.budget, window=W, room=0)
-        lowered.compile()
-        fake = lambda p, b, *a, **k: (b, zeros(lowered.out_info[1]))  # noqa: E731
-        with mock.patch.object(layer_major, "layer_step", fake):
+    if method == "tidekv":  # the two programs of a layer step (`layer_major.run_layer`)
+        forward = layer_major.layer_forward.lower(layer_major.layer_params(model, 0), bridge, pos, config=cfg,
+                                                  prompt_len=S, chunk=chunk, page=PAGE, impl="xla", window=W)
+        forward.compile()
+        _, k_buf, v_buf, q_obs = forward.out_info
+        compress = layer_major.layer_compress.lower(k_buf, v_buf, q_obs, prompt_len=S, selector=SnapKV(window=W),
+                                                    budget=args.budget, window=W, room=0)
+        compress.compile()
+        fake = lambda p, b, *a, **k: (b, zeros(compress.out_info))  # noqa: E731
+        with mock.patch.object(layer_major, "run_layer", fake):
             prefill(method, model, x, positions, args)
         return
     lowered = baselines.token_major.lower(model.layers.stacked(), bridge, pos, config=cfg, prompt_len=S, chunk=chunk,
@@ -205,7 +208,7 @@ def method_b(args, *, entry_module: str, worker_xla_flags: str):
         return spawn(mode, S, args, method, entry_module=entry_module, worker_xla_flags=worker_xla_flags)
 
     rows = []
-    big = {"post_oneshot": "token_major", "post_chunked": "token_major", "tidekv": "layer_step"}
+    big = {"post_oneshot": "token_major", "post_chunked": "token_major", "tidekv": "layer_forward"}
     for S in args.rss_seq:
         start = time.perf_counter()
         for method in METHODS:

@@ -6,12 +6,15 @@ full KV released; the chunk outputs, written back over the chunk inputs, are the
 layer. So the uncompressed KV of one layer and the activations of one chunk are the only prompt-sized transients
 (the bridge is `[B, S, D]`, the prompt's hidden states).
 
-Memory is the point, so it is made true by construction: a host loop over layers calls one jitted layer step that
-donates the bridge (updated in place) and returns the layer's packed cache; the layer's full KV lives only inside
-that step. Within the step, a `fori_loop` over chunks attends each chunk to the KV written so far: impl "xla" with
-`attention.attend_contiguous` (blocked dense causal attention over the contiguous buffers: query blocks of up to 512
-rows, key blocks of up to 1,024 slots, only the blocks a row block can see), "reference" and "pallas" through
-`omnijax.kv.attention` on a contiguous paged view (`attend_prefix`).
+Memory is the point, so it is made true by construction: a host loop over layers runs each layer as two jitted
+programs, `layer_forward`, which donates the bridge (updated in place) and returns the layer's full KV, and
+`layer_compress`, which returns the layer's packed cache; the full KV is released as soon as it is packed, so one
+layer's is alive at a time. The split keeps the forward budget-independent: PyramidKV's per-layer budgets compile
+the small compression program once per budget and the forward once. Within the forward, a `fori_loop` over chunks
+attends each chunk to the KV written so far: impl "xla" with `attention.attend_contiguous` (blocked dense causal
+attention over the contiguous buffers: query blocks of up to 512 rows, key blocks of up to 1,024 slots, only the
+blocks a row block can see), "reference" and "pallas" through `omnijax.kv.attention` on a contiguous paged view
+(`attend_prefix`).
 
 Without eviction (`budgets=None`) the bridge equals one-shot prefill's hidden states; eviction never changes them,
 only what the decode cache keeps.
@@ -105,29 +108,31 @@ def padded_length(prompt_len: int, chunk: int, page: int) -> int:
     return -(-prompt_len // step) * step
 
 
-@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector",
-                                             "budget", "window", "room"), donate_argnums=(1,))
-def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
-               chunk: int, page: int, impl: str, selector: Selector | None, budget: int | None, window: int,
-               room: int) -> tuple[jax.Array, LayerCache]:
-    """One layer over the whole prompt, chunk by chunk, then layer-end compression.
+@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"),
+                   donate_argnums=(1,))
+def layer_forward(p: dict, bridge: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
+                  chunk: int, page: int, impl: str, window: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One layer over the whole prompt, chunk by chunk: the budget-independent half of a layer step.
+
+    Compiled once per shape, whatever the layer's budget: PyramidKV's per-layer budgets recompile only
+    `layer_compress`.
 
     Args:
         p: the layer's parameters.
         bridge: `[B, Spad, D]` the layer's input hidden states (donated; returned holding its outputs).
         positions: `[A, B, Spad]` absolute positions.
         prompt_len: S, the real prompt length (rows beyond it are padding, never visible to real tokens).
-        budget: tokens kept per KV head; None keeps every token.
         window: observation-window rows to capture for the selector (0 when it needs none).
-        room: decode capacity per head in the packed cache.
 
     Returns:
-        `(bridge, layer_cache)`.
+        `(bridge, keys [B, Spad, G, d], values [B, Spad, G, d], q_obs [B, max(window, 1), H, d])`: the layer's
+        full KV and its observation-window queries, for `layer_compress`.
     """
     c = config
     B, Spad, _ = bridge.shape
     G, d, H = c.num_kv_heads, c.head_dim, c.num_heads
-    k_buf = jnp.zeros((B, Spad, G, d), c.jnp_dtype)  # the layer's full KV: alive only inside this step
+    k_buf = jnp.zeros((B, Spad, G, d), c.jnp_dtype)  # the layer's full KV: released once it is compressed
     v_buf = jnp.zeros((B, Spad, G, d), c.jnp_dtype)
     q_obs = jnp.zeros((B, max(window, 1), H, d), c.jnp_dtype)
 
@@ -146,14 +151,57 @@ def layer_step(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Deco
         bridge = jax.lax.dynamic_update_slice_in_dim(bridge, layer_finish(c, p, h, attn), start, axis=1)
         return bridge, k_buf, v_buf, q_obs
 
-    bridge, k_buf, v_buf, q_obs = jax.lax.fori_loop(0, -(-prompt_len // chunk), run_chunk,
-                                                    (bridge, k_buf, v_buf, q_obs))
+    return jax.lax.fori_loop(0, -(-prompt_len // chunk), run_chunk, (bridge, k_buf, v_buf, q_obs))
+
+
+@functools.partial(jax.jit, static_argnames=("prompt_len", "selector", "budget", "window", "room"))
+def layer_compress(k_buf: jax.Array, v_buf: jax.Array, q_obs: jax.Array, *, prompt_len: int,
+                   selector: Selector | None, budget: int | None, window: int, room: int) -> LayerCache:
+    """Layer-end compression, the budget-dependent half of a layer step: `selector` picks `budget` prompt tokens
+    per KV head from `layer_forward`'s full KV, packed with `room` decode slots per head.
+
+    Args:
+        k_buf, v_buf: `[B, Spad, G, d]` the layer's full keys and values (rows from `prompt_len` on are padding).
+        q_obs: `[B, W, H, d]` the observation window's queries (read only when `window` > 0).
+        budget: tokens kept per KV head; None keeps every token.
+    """
+    B, G = k_buf.shape[0], k_buf.shape[2]
     keys, values = k_buf[:, :prompt_len], v_buf[:, :prompt_len]
     if budget is None:
         selection = keep_all(B, prompt_len, G)
     else:
         selection = selector.select(q_obs if window else None, keys, budget)
-    return bridge, pack(keys, values, selection, room=room)
+    return pack(keys, values, selection, room=room)
+
+
+def run_layer(p: dict, bridge: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
+              chunk: int, page: int, impl: str, selector: Selector | None, budget: int | None, window: int,
+              room: int) -> tuple[jax.Array, LayerCache]:
+    """One layer step as `tidekv_prefill` runs it: `layer_forward` (donates `bridge`), then `layer_compress` (the
+    layer's full KV is dropped as soon as it is packed).
+
+    Args:
+        p: the layer's parameters.
+        bridge: `[B, Spad, D]` the layer's input hidden states (donated; returned holding its outputs).
+        positions: `[A, B, Spad]` absolute positions.
+        prompt_len: S, the real prompt length (rows beyond it are padding, never visible to real tokens).
+        budget: tokens kept per KV head; None keeps every token.
+        window: observation-window rows to capture for the selector (0 when it needs none).
+        room: decode capacity per head in the packed cache.
+
+    Returns:
+        `(bridge, layer_cache)`.
+    """
+    bridge, k_buf, v_buf, q_obs = layer_forward(p, bridge, positions, config=config, prompt_len=prompt_len,
+                                                chunk=chunk, page=page, impl=impl, window=window)
+    return bridge, layer_compress(k_buf, v_buf, q_obs, prompt_len=prompt_len, selector=selector, budget=budget,
+                                  window=window, room=room)
+
+
+# `run_layer` as one program (the same arithmetic), for ahead-of-time analysis of a whole layer step (compiled
+# memory, profiles). Its budget is static, so each budget compiles the forward again: `tidekv_prefill` runs the two.
+layer_step = jax.jit(run_layer, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector", "budget",
+                                                 "window", "room"), donate_argnums=(1,))
 
 
 @jax.jit
@@ -237,9 +285,9 @@ def tidekv_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, select
     layers = []
     for layer in range(c.num_layers):
         start = time.perf_counter()
-        bridge, cache = layer_step(layer_params(model, layer), bridge, positions, config=c, prompt_len=S,
-                                   chunk=chunk, page=page, impl=impl, selector=selector,
-                                   budget=None if budgets is None else budgets[layer], window=window, room=room)
+        bridge, cache = run_layer(layer_params(model, layer), bridge, positions, config=c, prompt_len=S,
+                                  chunk=chunk, page=page, impl=impl, selector=selector,
+                                  budget=None if budgets is None else budgets[layer], window=window, room=room)
         layers.append(cache)
         if deepstack is not None and layer < deepstack.shape[0]:
             bridge = bridge + deepstack[layer]
