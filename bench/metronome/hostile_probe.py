@@ -48,14 +48,13 @@ from bench.metronome._hostile_cases import (
     Case,
     FetchListener,
     Probe,
-    auth_cases,
     chat_body_cases,
     chat_field_cases,
     chat_media_cases,
     classify,
-    native_cases,
 )
 from bench.metronome._hostile_kill import sigkill_cases
+from bench.metronome._hostile_protocol import auth_cases, native_cases
 from bench.metronome._hostile_realtime import realtime_event_cases, realtime_media_cases, say
 from bench.metronome._hostile_server import AUTH, Busy, Observed, ProbeServer, Realtime, problems, unclosed
 from bench.metronome._hostile_sessions import NoSnapshot, leaked, resume_cases, traffic_cases
