@@ -37,13 +37,11 @@ float rounding: within 3.2e-7 of the peak in tests/serve/engine/test_speech_tick
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,95 +49,36 @@ from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import code2wav_rows, talker_forward
 from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavState, init_state, model_params
-from omnijax.models.speech import MediaRows
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
+from omnijax.models.speech import MediaRows, token_ids
+from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
+from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
 
 __all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool"]
 
 
-@dataclasses.dataclass(frozen=True)
-class SpeechConfig:
-    """Static settings of the engine's speech pool.
-
-    Attributes:
-        rows: talker batch sizes, ascending; the largest is the most sessions speaking at once.
-        num_pages: pages of the talker's KV pool (shared by every speaking session).
-        page_size: slots per talker page (a power of two).
-        max_pages: page-table width per row (default: the whole pool): the longest utterance a row holds is
-            `max_pages * page_size` talker tokens, prompt included.
-        first_chunk: codec frames of a session's first vocoder call (80 ms each for the release).
-        chunk: codec frames of each later call.
-        vocoder_rows: sessions at most in one Code2Wav call (None: every row; 1: one session a call, unpadded).
-        vocoder_budget_s: vocoder seconds per tick after which chunks that are not urgent wait (None: every ready
-            chunk runs in its tick).
-        slack_s: a chunk whose playback deadline is nearer than this is urgent.
-    """
-
-    rows: tuple[int, ...] = (1, 2, 4, 8)
-    num_pages: int = 64
-    page_size: int = 64
-    max_pages: int | None = None
-    first_chunk: int = 4
-    chunk: int = 25
-    vocoder_rows: int | None = None
-    vocoder_budget_s: float | None = None
-    slack_s: float = 0.5
-
-    def __post_init__(self):
-        rows = tuple(int(b) for b in self.rows)
-        if not rows or min(rows) < 1 or list(rows) != sorted(set(rows)):
-            raise ValueError(f"SpeechConfig.rows must be distinct positive sizes in ascending order, got {self.rows}")
-        object.__setattr__(self, "rows", rows)
-        for name in ("num_pages", "page_size", "first_chunk", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SpeechConfig.{name} must be a positive integer, got {value!r}")
-        if self.max_pages is not None and not 1 <= self.max_pages <= self.num_pages:
-            raise ValueError(f"SpeechConfig.max_pages must lie in [1, num_pages={self.num_pages}], got "
-                             f"{self.max_pages}")
-        if self.vocoder_rows is not None and (isinstance(self.vocoder_rows, bool) or not isinstance(
-                self.vocoder_rows, int) or self.vocoder_rows < 1):
-            raise ValueError(f"SpeechConfig.vocoder_rows must be a positive integer or None, got {self.vocoder_rows!r}")
-        if self.vocoder_budget_s is not None and not self.vocoder_budget_s > 0:
-            raise ValueError(f"SpeechConfig.vocoder_budget_s must be positive or None, got {self.vocoder_budget_s}")
-        if not self.slack_s >= 0:
-            raise ValueError(f"SpeechConfig.slack_s must be >= 0, got {self.slack_s}")
-
-
-@dataclasses.dataclass
-class SpeechChunk:
-    """One vocoder call's output for one session.
-
-    Attributes:
-        speech_id: the utterance.
-        pcm: `[samples]` float32 at the model's rate (24 kHz); empty for an utterance that ended without a frame.
-        codes: `[Q, n]` the frames it decoded.
-        start_frame: index of its first frame in the utterance.
-        final: the utterance ended with this chunk (the session left the pool).
-        late_s: seconds past its playback deadline when it was sent (0 when on time, and for a first chunk).
-        first_pcm_s: seconds from `open` to this chunk, for the utterance's first chunk (else None).
-    """
-
-    speech_id: str
-    pcm: np.ndarray
-    codes: np.ndarray
-    start_frame: int
-    final: bool
-    late_s: float = 0.0
-    first_pcm_s: float | None = None
+def _ids(x: Any) -> np.ndarray:
+    """Token ids as given; an empty list as an empty int64 array (numpy reads `[]` as float)."""
+    arr = np.asarray(x)
+    return arr.astype(np.int64) if arr.ndim == 1 and arr.size == 0 else arr
 
 
 @dataclasses.dataclass
 class _Utterance:
     rows: np.ndarray  # [T, D] talker prompt
     positions: np.ndarray  # [3, T]
-    trailing: np.ndarray  # [N, D] text rows, one per step
+    trailing: np.ndarray  # [N, D] text rows, one per step (an open answer's grow with `extend`)
     max_steps: int  # talker steps at most (max_new_tokens - 1)
     pages: int  # talker pages reserved
     state: Code2WavState  # the vocoder's carried state (batch of one)
     opened_s: float
     start: int  # position of the first decoded token
+    ended: bool = True  # the answer's text is whole (an open answer's rows come with `extend`)
+    spoken: int = 0  # answer tokens the trailing rows cover (an open answer)
+    eos_row: np.ndarray | None = None  # the projected `tts_eos` an open answer appends when it ends
+    sampling: TalkerSampling | None = None  # drawn speech (None: greedy)
     prefilled: bool = False
     done: bool = False
     steps: int = 0
@@ -150,45 +89,6 @@ class _Utterance:
     pushed: int = 0  # frames vocoded
     samples: int = 0  # samples sent
     first_s: float | None = None  # when the first PCM was sent
-
-
-def _pick(logits: jax.Array, banned: jax.Array) -> jax.Array:
-    return jnp.argmax(jnp.where(banned, -jnp.inf, logits), axis=-1).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
-def _prefill(config, params, kv, embeds, valid, positions, banned):
-    kv, hidden, logits = talker_forward.rows_prefill(config, params, kv, embeds, valid, positions)
-    return kv, hidden, _pick(logits, banned)
-
-
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
-def _step(config, params, kv, hidden, token, text_row, position, active, banned):
-    kv, codes, hidden, logits = talker_forward.rows_step(config, params, kv, hidden, token, text_row, position,
-                                                         active)
-    return kv, codes, hidden, _pick(logits, banned)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_row(kv: paged_lib.PagedKV, row: jax.Array) -> paged_lib.PagedKV:
-    kv = paged_lib.release_pages(kv, kv.page_table[row])
-    return kv.replace(page_table=kv.page_table.at[row].set(-1), seq_slots=kv.seq_slots.at[row].set(0),
-                      next_order=kv.next_order.at[row].set(0), exhausted=kv.exhausted.at[row].set(False),
-                      dropped=kv.dropped.at[row].set(0))
-
-
-@jax.jit
-def _take_rows(kv: paged_lib.PagedKV, rows: jax.Array) -> paged_lib.PagedKV:
-    """New row i takes old row `rows[i]`, or an empty row where -1 (old rows left out own no pages): one compiled
-    program per pair of buckets."""
-    src, keep = jnp.maximum(rows, 0), rows >= 0
-
-    def pick(x, fill):
-        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
-
-    return kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
-                      next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
-                      dropped=pick(kv.dropped, 0))
 
 
 class SpeechPool:
@@ -268,9 +168,18 @@ class SpeechPool:
         return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
 
     def open(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
-             media: Sequence[MediaRows] = ()) -> int:
+             media: Sequence[MediaRows] = (), writing: bool = False, sampling: TalkerSampling | None = None) -> int:
         """Admits an utterance: the thinker's prompt and answer spoken with `voice` (as `speak_streamed`), between
         ticks; it starts decoding at the next tick. Returns the talker pages it reserved.
+
+        `writing`: the thinker is still writing the answer: `answer_ids` are its tokens so far (the first at least,
+        none that may yet be dropped: a final `<|im_end|>` is not spoken), `extend` adds the rest and ends it. The
+        talker's step t reads answer token t + 1 (or, once the answer ended, `tts_eos` then `tts_pad`), so an open
+        utterance steps as far as its tokens allow and waits (its row inactive) for more; its tokens, codes and PCM
+        are those of the whole answer opened at once (the rows projected in pieces: equal up to float rounding).
+
+        `sampling`: the talker and code predictor draw (`TalkerSampling`, seeded: the draws of `speak_streamed` with
+        the same sampling); None: greedy.
 
         Raises (each before anything changes):
             KeyError: `speech_id` is already in the pool.
@@ -281,7 +190,14 @@ class SpeechPool:
         """
         if speech_id in self._utterances:
             raise KeyError(f"speech {speech_id!r} is already in the pool")
-        talker_in = speech_lib.talker_input(self.model, prompt_ids, answer_ids, speaker=voice, media=media)
+        if sampling is not None and not isinstance(sampling, TalkerSampling):
+            raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(sampling).__name__}")
+        answer = token_ids("answer_ids", _ids(answer_ids), self.model.config.vocab_size)
+        if writing and (not answer.size or answer[-1] == self.speech.tokens.im_end_token_id):
+            raise ValueError("an answer still being written opens with its first token at least, and without a "
+                             "final <|im_end|> (it is not spoken: extend(end=True) ends the answer)")
+        talker_in = speech_lib.talker_input(self.model, prompt_ids, answer[:1] if writing else answer,
+                                            speaker=voice, media=media)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -301,16 +217,63 @@ class SpeechPool:
             raise Overloaded(f"overloaded: the utterance needs {pages} talker pages and {self.free_pages} of "
                              f"{self.config.num_pages} are free (the rest reserved by {len(self._utterances)} "
                              f"speaking sessions); retry later", cap=self.capacity, current=len(self._utterances))
-        self._utterances[speech_id] = _Utterance(
+        trailing = np.asarray(talker_in.trailing)  # a one-token answer's: `tts_eos` alone
+        u = self._utterances[speech_id] = _Utterance(
             rows=np.asarray(talker_in.rows), positions=np.asarray(talker_in.positions),
-            trailing=np.asarray(talker_in.trailing), max_steps=int(max_new_tokens) - 1, pages=pages,
+            trailing=trailing[:0] if writing else trailing, max_steps=int(max_new_tokens) - 1, pages=pages,
             state=init_state(self.speech.code2wav.config), opened_s=self.clock(),
-            start=int(np.max(talker_in.positions)) + 1)
+            start=int(np.max(talker_in.positions)) + 1, ended=not writing, spoken=1, eos_row=trailing[-1],
+            sampling=sampling)
+        if writing and answer.size > 1:
+            u.trailing = self._project(answer[1:])
+            u.spoken = int(answer.size)
         used = set(self._slots.values())
         self._slots[speech_id] = next(r for r in range(self.capacity) if r not in used)
         self.reserved += pages
         self.stats["opened"] += 1
         return pages
+
+    def extend(self, speech_id: str, answer_ids: Any, *, end: bool = False) -> None:
+        """Adds the next tokens of an answer still being written (`open(writing=True)`), between ticks; `end`: the
+        answer is whole (its final `<|im_end|>` not included). An utterance whose talker already ended (its codec end
+        or `max_new_tokens`) takes them and changes nothing.
+
+        Raises (changing nothing): KeyError for an unknown utterance; ValueError for one whose answer was whole
+        already, or ids outside the thinker's vocabulary.
+        """
+        if speech_id not in self._utterances:
+            raise KeyError(f"unknown speech {speech_id!r}; in the pool: {self.sessions}")
+        u = self._utterances[speech_id]
+        if u.ended:
+            raise ValueError(f"speech {speech_id!r}: its answer is whole already (opened whole, or ended by "
+                             "extend(end=True)): nothing more can be added")
+        answer = token_ids("answer_ids", _ids(answer_ids), self.model.config.vocab_size)
+        rows = [u.trailing]
+        if answer.size:
+            rows.append(self._project(answer))
+        if end:
+            assert u.eos_row is not None
+            rows.append(u.eos_row[None])
+        u.trailing = np.concatenate(rows)
+        u.spoken += int(answer.size)
+        u.ended = end
+
+    def _project(self, ids: np.ndarray) -> np.ndarray:
+        """The talker's text rows `[n, D]` of thinker ids (their embedding rows projected, as `talker_input`)."""
+        embeds = self.model.decoder.embed_tokens(jnp.asarray(ids, jnp.int32)[None])[0]
+        return np.asarray(talker_forward.project_text(self.talker, self.speech.params, embeds))
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a tick would do something: an utterance to prefill or whose tokens allow a talker step, or a
+        vocoder chunk due (not: every utterance waits for its answer's next tokens)."""
+        return any(not u.prefilled or self._steps(u) or self._due(u) or (u.done and not u.ready)
+                   for u in self._utterances.values())
+
+    @staticmethod
+    def _steps(u: _Utterance) -> bool:
+        """Whether the talker may step now: not ended, and its next text row known (or the answer whole)."""
+        return not u.done and (u.ended or u.steps < u.trailing.shape[0])
 
     def close(self, speech_id: str) -> None:
         """Drops an utterance (between ticks; what it had not sent is not sent); its pages return. KeyError if
@@ -321,7 +284,7 @@ class SpeechPool:
         row = self._slots.pop(speech_id)
         self.reserved -= u.pages
         if row < self.kv.batch:
-            self.kv = _reset_row(self.kv, np.int32(row))
+            self.kv = steps.reset_row(self.kv, np.int32(row))
 
     def warm_vocoder(self) -> int:
         """Compiles every one-session Code2Wav call a tick can make (first and later calls, full and each shorter
@@ -349,7 +312,7 @@ class SpeechPool:
         if moved is None:
             return
         self._slots, rows = moved
-        self.kv = _take_rows(self.kv, rows)
+        self.kv = steps.take_rows(self.kv, rows)
 
     def tick(self) -> list[SpeechChunk]:
         """Prefills the utterances admitted since the last tick, runs one batched talker step, then the vocoder
@@ -362,7 +325,7 @@ class SpeechPool:
         fresh = [s for s, u in self._utterances.items() if not u.prefilled]
         if fresh:
             self._prefill(fresh)
-        live = [s for s, u in self._utterances.items() if not u.done]
+        live = [s for s, u in self._utterances.items() if u.prefilled and self._steps(u)]
         if live:
             self._step(live)
         self.stats["talker_s"] += self.clock() - t0
@@ -379,16 +342,50 @@ class SpeechPool:
             u, r = self._utterances[s], self._slots[s]
             n = u.rows.shape[0]
             embeds[r, :n], valid[r, :n], positions[:, r, :n] = u.rows, True, u.positions
-        self.kv, hidden, token = _prefill(self.talker, self.speech.params, self.kv, embeds, valid, positions,
-                                          self._banned)
-        hidden, token = np.asarray(hidden), np.asarray(token)
+        self.kv, hidden, logits, token = steps.prefill(self.talker, self.speech.params, self.kv, embeds, valid,
+                                                       positions, self._banned)
+        hidden, token = np.asarray(hidden), np.array(token)
+        for warps, group in self._groups(fresh).items():  # drawn first tokens (token 0 of each row)
+            if warps is not None:
+                seeds, _, history = self._draw_inputs(group)
+                drawn = np.asarray(steps.draw(logits, self._banned, history, seeds, np.zeros((B,), np.int32),
+                                              warp=warps[0]))
+                for s in group:
+                    token[self._slots[s]] = drawn[self._slots[s]]
         for s in fresh:
             u, r = self._utterances[s], self._slots[s]
             u.prefilled, u.hidden, u.token = True, hidden[r], int(token[r])
             u.tokens.append(u.token)
             u.done = u.token == self.talker.codec_eos_token_id or u.max_steps == 0
 
+    def _groups(self, ids: list[str]) -> dict[Any, list[str]]:
+        """Utterances by their draw's static warps (None: greedy), in order: each group steps in its own call."""
+        groups: dict[Any, list[str]] = {}
+        for s in ids:
+            sampling = self._utterances[s].sampling
+            groups.setdefault(None if sampling is None else (sampling.talker, sampling.predictor), []).append(s)
+        return groups
+
+    def _draw_inputs(self, group: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(seeds [B], steps [B], history [B, N])` of a drawing group's rows (the history: each row's talker tokens
+        so far, -1 padded to a power of two >= 16 holding its `max_new_tokens`)."""
+        B = self.kv.batch
+        width = 1 << max(4, max(self._utterances[s].max_steps for s in group).bit_length())
+        seeds, counts = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        history = np.full((B, width), -1, np.int32)
+        for s in group:
+            u, r = self._utterances[s], self._slots[s]
+            assert u.sampling is not None
+            seeds[r], counts[r] = u.sampling.seed, u.steps
+            history[r, :len(u.tokens)] = u.tokens
+        return seeds, counts, history
+
     def _step(self, live: list[str]) -> None:
+        for warps, group in self._groups(live).items():
+            self._step_group(group, warps)
+        self.stats["steps"] += 1
+
+    def _step_group(self, live: list[str], warps: Any) -> None:
         B, D = self.kv.batch, self._pad_row.shape[-1]
         hidden = np.zeros((B, D), self._pad_row.dtype)
         token, position = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
@@ -397,12 +394,14 @@ class SpeechPool:
             u, r = self._utterances[s], self._slots[s]
             hidden[r], token[r], position[r], active[r] = u.hidden, u.token, u.start + u.steps, True
             text[r] = u.trailing[u.steps] if u.steps < u.trailing.shape[0] else self._pad_row
-        self.kv, codes, new_hidden, new_token = _step(self.talker, self.speech.params, self.kv, hidden, token, text,
-                                                      position, active, self._banned)
+        seeds, counts, history = (self._draw_inputs(live) if warps is not None else
+                                  (np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B, 1), np.int32)))
+        self.kv, codes, new_hidden, new_token = steps.step(self.talker, self.speech.params, self.kv, hidden, token,
+                                                           text, position, active, self._banned, seeds, counts,
+                                                           history, warps=warps)
         codes, new_hidden, new_token = np.asarray(codes), np.asarray(new_hidden), np.asarray(new_token)
         if bool(np.any(np.asarray(self.kv.exhausted)[active])):  # admission reserves every page: cannot happen
             raise RuntimeError("the talker's KV pool ran out of pages inside a reserved utterance")
-        self.stats["steps"] += 1
         for s in live:
             u, r = self._utterances[s], self._slots[s]
             u.ready.append(codes[r])

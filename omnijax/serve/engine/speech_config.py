@@ -1,0 +1,82 @@
+"""The speech pool's settings (`SpeechConfig`) and what a tick sends (`SpeechChunk`); the pool itself is
+`omnijax.serve.engine.speech.SpeechPool`, which re-exports both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["SpeechChunk", "SpeechConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechConfig:
+    """Static settings of the engine's speech pool.
+
+    Attributes:
+        rows: talker batch sizes, ascending; the largest is the most sessions speaking at once.
+        num_pages: pages of the talker's KV pool (shared by every speaking session).
+        page_size: slots per talker page (a power of two).
+        max_pages: page-table width per row (default: the whole pool): the longest utterance a row holds is
+            `max_pages * page_size` talker tokens, prompt included.
+        first_chunk: codec frames of a session's first vocoder call (80 ms each for the release).
+        chunk: codec frames of each later call.
+        vocoder_rows: sessions at most in one Code2Wav call (None: every row; 1: one session a call, unpadded).
+        vocoder_budget_s: vocoder seconds per tick after which chunks that are not urgent wait (None: every ready
+            chunk runs in its tick).
+        slack_s: a chunk whose playback deadline is nearer than this is urgent.
+    """
+
+    rows: tuple[int, ...] = (1, 2, 4, 8)
+    num_pages: int = 64
+    page_size: int = 64
+    max_pages: int | None = None
+    first_chunk: int = 4
+    chunk: int = 25
+    vocoder_rows: int | None = None
+    vocoder_budget_s: float | None = None
+    slack_s: float = 0.5
+
+    def __post_init__(self):
+        rows = tuple(int(b) for b in self.rows)
+        if not rows or min(rows) < 1 or list(rows) != sorted(set(rows)):
+            raise ValueError(f"SpeechConfig.rows must be distinct positive sizes in ascending order, got {self.rows}")
+        object.__setattr__(self, "rows", rows)
+        for name in ("num_pages", "page_size", "first_chunk", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpeechConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_pages is not None and not 1 <= self.max_pages <= self.num_pages:
+            raise ValueError(f"SpeechConfig.max_pages must lie in [1, num_pages={self.num_pages}], got "
+                             f"{self.max_pages}")
+        if self.vocoder_rows is not None and (isinstance(self.vocoder_rows, bool) or not isinstance(
+                self.vocoder_rows, int) or self.vocoder_rows < 1):
+            raise ValueError(f"SpeechConfig.vocoder_rows must be a positive integer or None, got {self.vocoder_rows!r}")
+        if self.vocoder_budget_s is not None and not self.vocoder_budget_s > 0:
+            raise ValueError(f"SpeechConfig.vocoder_budget_s must be positive or None, got {self.vocoder_budget_s}")
+        if not self.slack_s >= 0:
+            raise ValueError(f"SpeechConfig.slack_s must be >= 0, got {self.slack_s}")
+
+
+@dataclasses.dataclass
+class SpeechChunk:
+    """One vocoder call's output for one session.
+
+    Attributes:
+        speech_id: the utterance.
+        pcm: `[samples]` float32 at the model's rate (24 kHz); empty for an utterance that ended without a frame.
+        codes: `[Q, n]` the frames it decoded.
+        start_frame: index of its first frame in the utterance.
+        final: the utterance ended with this chunk (the session left the pool).
+        late_s: seconds past its playback deadline when it was sent (0 when on time, and for a first chunk).
+        first_pcm_s: seconds from `open` to this chunk, for the utterance's first chunk (else None).
+    """
+
+    speech_id: str
+    pcm: np.ndarray
+    codes: np.ndarray
+    start_frame: int
+    final: bool
+    late_s: float = 0.0
+    first_pcm_s: float | None = None
