@@ -214,7 +214,8 @@ class Evicted:
     lost: tuple[int, ...]
 
 
-def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = (0, 0)) -> Evicted:
+def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = (0, 0),
+                    shared_pool: bool = False) -> Evicted:
     """The tokens a step evicted, exactly as they were cached when evicted (batch-1 caches).
 
     Tokens are known by their write order (unique in a sequence, kept by re-indexing and migration). Evicted =
@@ -228,17 +229,25 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
         before: a copy of the cache before the step (the step's own input is donated).
         after: the cache after the step.
         skip: `[lo, hi)` write orders not to capture.
+        shared_pool: the caches are one row of a pool other sequences share (a row of the engine's state, its
+            per-row fields sliced to batch 1): other rows' slots carry write orders of their own, so a token the
+            step wrote and evicted is looked for only on the pages the row listed before or after the step; one
+            whose page the step also gave back is counted `lost` (reported, never stored from another row's slot).
     """
     if before.batch != 1 or after.batch != 1:
         raise ValueError(f"capture_evicted takes batch-1 caches, got batch {before.batch} and {after.batch}")
     meta = jax.device_get({"bv": before.valid, "bo": before.order, "bt": before.page_table, "av": after.valid,
-                           "ao": after.order, "first": before.next_order[0], "end": after.next_order[0]})
+                           "ao": after.order, "at": after.page_table, "first": before.next_order[0],
+                           "end": after.next_order[0]})
     N, P = before.num_pages, before.page_size
     table = meta["bt"][0]
     owned = np.zeros((N, P), bool)
     owned[table[table >= 0]] = True
     old_live = (meta["bv"] & owned).reshape(-1)
-    live_after = set(meta["ao"].reshape(-1)[meta["av"].reshape(-1)].tolist())
+    after_table = meta["at"][0]
+    owned_after = np.zeros((N, P), bool)
+    owned_after[after_table[after_table >= 0]] = True
+    live_after = set(meta["ao"].reshape(-1)[(meta["av"] & owned_after).reshape(-1)].tolist())
     lo, hi = skip
 
     def wanted(order: np.ndarray) -> np.ndarray:
@@ -249,7 +258,8 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     new_orders = np.arange(first, end)
     new_orders = new_orders[wanted(new_orders)]
     after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
-    dead_new = np.flatnonzero(~after_valid & (after_order >= first) & (after_order < end))
+    mine = (owned | owned_after).reshape(-1) if shared_pool else np.ones(N * P, bool)
+    dead_new = np.flatnonzero(mine & ~after_valid & (after_order >= first) & (after_order < end))
     dead_new = dead_new[np.isin(after_order[dead_new], new_orders)]
     lost = tuple(sorted(set(new_orders.tolist()) - set(after_order[dead_new].tolist())))
     a, b = _take(before, from_before), _take(after, dead_new)

@@ -174,6 +174,7 @@ class RecallSession:
         self.tier = host_tier.HostTier(budget_bytes=int(self.recall_config.host_bytes))
         self.disk = None if self.recall_config.disk_dir is None else host_tier_disk.open_disk(
             self.recall_config.disk_dir, self.recall_config.disk_bytes)
+        self.shared_pool = False  # a row of the engine's shared pool (`omnijax.kv.host_tier.capture_evicted`)
         self._pending: tuple[int, int] | None = None  # write orders [lo, hi) of recalled tokens awaiting release
         self._counts = dict(captured_units=0, captured_bytes=0, lost_cells=0, questions=0, recalled_units=0,
                             recalled_cells=0, recalled_bytes=0)
@@ -280,7 +281,7 @@ class RecallSession:
         """Stores what the step from `before` (a copy) to `after` evicted (recalled tokens awaiting release, which
         the tier still holds, are left out)."""
         skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
-        got = host_tier.capture_evicted(before, after, skip=skip)
+        got = host_tier.capture_evicted(before, after, skip=skip, shared_pool=self.shared_pool)
         self._counts["lost_cells"] += len(got.lost)
         # A record larger than the whole host budget cannot be stored (reported as dropped), unless it can spill.
         fits = [u for u in got.units if self.disk is not None or u.nbytes <= self.tier.budget_bytes]

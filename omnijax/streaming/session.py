@@ -71,12 +71,12 @@ def bind_config(model: StreamModel, config: StreamConfig | None = None, *, allow
                 **fields: Any) -> StreamConfig:
     """`StreamConfig.of(config, **fields)` as it runs for `model`: settings a policy leaves to the model family are
     filled in from the model's type (`StreamConfig.for_model`). A config with `recall` is refused unless
-    `allow_recall` (only `Session`, `Chat` and `evaluate` carry a host tier so far; the others would ignore it)."""
+    `allow_recall` (`Session`, `Chat`, `evaluate` and the engine carry a host tier; the others would ignore it)."""
     family = family_of(model)
     bound = StreamConfig.of(config, **fields).for_model(family is not None and family.whole_source_image)
     if bound.recall is not None and not allow_recall:
-        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session, omnijax.Chat and omnijax.evaluate "
-                         "only so far: stream and the engine would ignore it; use a Session, a Chat or evaluate, or "
+        raise ValueError("StreamConfig(recall=...) is wired into omnijax.Session, omnijax.Chat, omnijax.evaluate "
+                         "and the serving engine only so far: stream would ignore it; use one of those, or "
                          "recall=None")
     return bound
 

@@ -157,14 +157,9 @@ def test_missing_or_corrupt_tier_is_refused_by_name(model):
     assert session.snapshot().tier is not None
 
 
-def test_stream_and_engine_still_refuse_recall_by_name(model):
-    from omnijax.serve.engine.engine import Engine
-    from omnijax.serve.engine.engine_config import EngineConfig
-
+def test_stream_still_refuses_recall_by_name(model):
     config = StreamConfig(policy=STREAMING, num_pages=PAGES, page_size=PAGE, recall=Recall(budget=8))
-    with pytest.raises(ValueError, match="omnijax.evaluate only so far: stream and the engine would ignore it"):
-        Engine(model, EngineConfig(config))
-    with pytest.raises(ValueError, match="omnijax.evaluate only so far: stream and the engine would ignore it"):
+    with pytest.raises(ValueError, match="and the serving engine only so far: stream would ignore it"):
         omnijax.stream(model, omnijax.chunks.chunk.stack_chunks(_context()), config)
 
 

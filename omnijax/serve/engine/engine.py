@@ -47,6 +47,7 @@ from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
 from omnijax.serve.engine.engine_config import DuplicateSession, EngineConfig, FrameOutput, TickReport
+from omnijax.serve.engine.recall_rows import EngineRecall
 from omnijax.serve.engine.rows import (
     batch_frames,
     check_fork,
@@ -58,6 +59,7 @@ from omnijax.serve.engine.rows import (
 )
 from omnijax.serve.engine.speech import SpeechPool
 from omnijax.serve.engine.telemetry import Telemetry
+from omnijax.streaming.recall_session import RecallStats
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
 from omnijax.streaming.step import StreamState, init_state
 
@@ -71,6 +73,27 @@ _engine_step = engine_step
 # ------------------------------------------------------------------------------------------------- pure helpers
 _reset_row = jax.jit(reset_row, donate_argnums=0)
 _fork_rows = jax.jit(fork_rows, static_argnames=("share",), donate_argnums=0)
+
+
+@dataclasses.dataclass
+class _SideEnd(RowEnd):
+    """How a recall session's frame served on its own ended: `cut` tokens kept (its callback ended it there)."""
+
+    cut: int | None = None
+
+
+def _side_tokens(sid: str, chunk: Chunk, result: tuple, on_token: OnToken | None) -> dict:
+    """Hands the tokens of a frame served on its own (fused, batch 1) to `on_token` one by one after its step, as a
+    host-driven tick would while decoding; a True return ends the frame's answer there."""
+    if on_token is None:
+        return {}
+    asked = int(chunk.answer_tokens[0])
+    toks = [int(t) for t in result[1][0, :asked] if t >= 0]
+    entries = frame_logprobs(chunk, result[6], 0, len(toks)) or [None] * len(toks)
+    for i, (token, entry) in enumerate(zip(toks, entries)):
+        if on_token(sid, token, entry):
+            return {sid: _SideEnd(cut=i + 1)}
+    return {}
 # ------------------------------------------------------------------------------------------------------- engine
 class Engine:
     """Serves many sessions from one shared KV pool, one jitted batched step per `tick()`.
@@ -93,9 +116,13 @@ class Engine:
     def __init__(self, model: StreamModel, config: EngineConfig | None = None):
         config = EngineConfig() if config is None else config
         self.config = config
-        self._stream = bind_config(model, config.stream)
+        bound = bind_config(model, config.stream, allow_recall=True)
+        self._stream = bound.replace(recall=None)  # the steps run without it (recall is host-side around them)
         self._graphdef, params = model_parts(model)
         self.model_config = graphdef_config(model)
+        # recall (issue 40): each session's host tier, worked on between the batched steps
+        self.recall: EngineRecall | None = None if bound.recall is None else EngineRecall(
+            bound, self.model_config, num_pages=config.num_pages, max_pages=config.max_pages)
         self._device = jax.devices()[0]
         self._params = jax.device_put(params, self._device)
         state = init_state(self.model_config, num_pages=config.num_pages, page_size=config.stream.page_size,
@@ -160,6 +187,8 @@ class Engine:
         self._seen_dropped[session_id] = 0
         self._unkeyed[session_id] = np.asarray(folded_keys(seed_of(self._stream.decoding), [self._opened])[0])
         self._opened += 1
+        if self.recall is not None:
+            self.recall.open(session_id)
 
     def seed_session(self, session_id: str, seed: int, index: int = 0) -> None:
         """Gives an open session the sampling keys of `seed` (folded as the `index`-th session of that seed: the
@@ -179,6 +208,8 @@ class Engine:
         del self._queue[session_id], self._seen_dropped[session_id]
         self._unkeyed.pop(session_id, None)
         self._preempted.discard(session_id)
+        if self.recall is not None:
+            self.recall.close(session_id)
         if row < self.state.kv.batch:  # a session opened since the last tick has no row yet
             self.state = _reset_row(self.state, np.int32(row))
 
@@ -252,10 +283,13 @@ class Engine:
         key[rows] = keys
         self.state = dataclasses.replace(self.state, key=jax.device_put(key, self._device))
 
-    def _batch(self, frames: dict[str, Chunk]) -> Chunk:
-        """Stacks the frames of the served sessions into their rows of a `[B, T]` chunk; other rows are empty."""
+    def _batch(self, frames: dict[str, Chunk], rows: Mapping[str, int] | None = None, B: int | None = None
+               ) -> Chunk:
+        """Stacks the frames of the served sessions into their rows of a `[B, T]` chunk; other rows are empty
+        (`rows`, `B`: other rows and batch than the state's, e.g. one session's frame alone)."""
         per_row = getattr(self._stream.decoding, "per_row", False)
-        return batch_frames(frames, self._slots, self.state.kv.batch, self.config.chunk_tokens,
+        return batch_frames(frames, self._slots if rows is None else rows, self.state.kv.batch if B is None else B,
+                            self.config.chunk_tokens,
                             self.model_config.position_axes,
                             np.asarray(self._stream.decoding.rows(1)) if per_row else None)
 
@@ -273,6 +307,9 @@ class Engine:
                 tokens their `bitmask()` allows; the tick runs host-driven.
         """
         constraints = dict(constraints or {})
+        if self.recall is not None and constraints:
+            raise ValueError("constrained decoding (tick(constraints=...)) is not supported with StreamConfig(recall="
+                             "...) yet: a question's steps run on their own, fused; serve without one of the two")
         host = bool(constraints) or (self.config.per_token if per_token is None else bool(per_token))
         start_s = self.telemetry.now()
         t0 = time.perf_counter()
@@ -287,18 +324,29 @@ class Engine:
             outputs[s] = FrameOutput(s, [], None, int(np.sum(c.valid)), True, int(c.answer_tokens[0]))
         newly, dropped = [], {}  # dropped: tokens this tick's writes lost
         table_only = True  # every write drop of this tick hit a full page-table row, none an empty pool
+        served: list[tuple[dict, tuple, Mapping[str, int], dict]] = []  # (frames, result, rows, ends)
+        # recall (issue 40): questions recall between the steps; a session whose recall is in progress runs alone
+        side = {} if self.recall is None else self.recall.prepare(self, frames)
+        for s, c in side.items():
+            result = self.recall.serve(self, s, c, self._batch({s: c}, {s: 0}, 1))
+            served.append(({s: c}, result, {s: 0}, _side_tokens(s, c, result, on_token if host else None)))
         if frames:
             batch = self._batch(frames)
             ends: dict[str, RowEnd] = {}
+            before = None if self.recall is None else self.recall.before_batch(self, frames)
             if host:
                 result, ends = host_tick(self, batch, frames, on_token, constraints)
             else:
                 self.state, result = engine_step(self._graphdef, self._params, self.state, batch,
                                                  config=self._stream)
                 result = jax.device_get(jax.block_until_ready(result))
+            if self.recall is not None:
+                self.recall.after_batch(self, frames, before, result[2])
+            served.append((frames, result, self._slots, ends))
+        for group, result, rows, ends in served:
             logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
-            for s, c in frames.items():
-                r, asked = self._slots[s], int(c.answer_tokens[0])
+            for s, c in group.items():
+                r, asked = rows[s], int(c.answer_tokens[0])
                 lost = int(cum_dropped[r]) - self._seen_dropped[s]
                 self._seen_dropped[s] = int(cum_dropped[r])
                 dropped[s] = lost
@@ -310,12 +358,11 @@ class Engine:
                     continue
                 toks = [int(t) for t in tokens[r, :asked] if t >= 0]
                 end = ends.get(s, RowEnd())
+                toks = toks[:end.cut] if isinstance(end, _SideEnd) else toks
                 outputs[s] = FrameOutput(s, toks, np.asarray(logits[r]) if self.config.return_logits else None,
                                          lost, False, asked, logprobs=frame_logprobs(c, logprobs, r, len(toks)),
                                          complete=end.complete, error=end.error)
-            free = int(num_free)
-        else:
-            free = self.free_pages
+        free = int(served[-1][1][4]) if served else self.free_pages
         speech = self.speech.tick() if self.speech is not None else []  # talker step + due vocoder chunks
         latency = time.perf_counter() - t0
         used = self.config.num_pages - free
@@ -335,6 +382,30 @@ class Engine:
                           bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1, per_token=host,
                           speech=speech)
 
+    # ------------------------------------------------------------------------------------------------ recall
+    def hold_recall(self, session_id: str) -> None:
+        """Keeps the units the session's next question recalls until `release_recall` (or its next chunk with
+        tokens), so the answer's continuation frames read them too (`Session.hold_recall`). Nothing happens without
+        recall. KeyError if unknown."""
+        self._check_open(session_id)
+        if self.recall is not None:
+            self.recall.held.add(session_id)
+
+    def release_recall(self, *session_ids: str) -> None:
+        """Ends the sessions' held recalls (between ticks): their recalled tokens leave the cache, the policy trims
+        (`Session.release_recall`). Unknown sessions and sessions with nothing recalled are skipped."""
+        if self.recall is not None:
+            for sid in session_ids:
+                self.recall.release(self, sid)
+
+    def recall_stats(self, session_id: str) -> RecallStats:
+        """The session's recall figures (`omnijax.streaming.recall_session.RecallStats`: units and bytes stored,
+        dropped and recalled). Raises KeyError (unknown session) or ValueError (recall off)."""
+        self._check_open(session_id)
+        if self.recall is None:
+            raise ValueError("recall is off for this engine: give StreamConfig(recall=Recall(...))")
+        return self.recall.stats(session_id)
+
     # -------------------------------------------------------------------------------------------- persistence
     def export_session(self, session_id: str, *, meta: dict | None = None) -> snapshot_lib.SessionSnapshot:
         """A host copy of an open session's state (`omnijax.serve.engine.snapshot.SessionSnapshot`), between ticks.
@@ -348,7 +419,9 @@ class Engine:
             raise ValueError(f"session {session_id!r} is preempted (its KV is incomplete); it cannot be exported")
         self._arrange()  # a session opened since the last tick gets its row and key here
         self._install_keys()
-        return snapshot_lib.export_row(self.state, self._slots[session_id], meta=meta)
+        tier = None if self.recall is None else self.recall.snapshot(self, session_id)
+        snapshot = snapshot_lib.export_row(self.state, self._slots[session_id], meta=meta)
+        return snapshot if tier is None else dataclasses.replace(snapshot, tier=tier)
 
     def import_session(self, session_id: str, snapshot: snapshot_lib.SessionSnapshot) -> None:
         """Opens `session_id` (like `open`) holding a snapshot's state: its pages, cursor, sampling key and logits.
@@ -363,12 +436,20 @@ class Engine:
         snapshot_lib.check_importable(self.state, snapshot)
         if bool(snapshot.exhausted):
             raise ValueError("the snapshot is of an exhausted (preempted) session; its KV is incomplete")
+        if self.recall is None and snapshot.tier is not None:
+            raise ValueError("the snapshot carries a recall host tier but this engine's StreamConfig has no recall: "
+                             "import it into an engine with StreamConfig(recall=Recall(...))")
+        if self.recall is not None and snapshot.tier is None and int(snapshot.next_order) > 0:
+            raise ValueError("the snapshot's host tier is missing: an engine with StreamConfig(recall=...) imports "
+                             "a session holding tokens only with its tier (Engine.export_session of such an engine)")
         opened = self._opened
         self.open(session_id)
         try:
             self._arrange()
             self._install_keys()
             self.state = snapshot_lib.import_row(self.state, self._slots[session_id], snapshot, donate=True)
+            if self.recall is not None and snapshot.tier is not None:
+                self.recall.restore(self, session_id, snapshot.tier)  # a corrupt tier is refused by name here
         except BaseException:
             self.close(session_id)
             self._opened = opened
@@ -383,6 +464,9 @@ class Engine:
         pages, pages copied per target)`. Raises KeyError, ValueError or `NotEnoughPages`, changing nothing."""
         for s in (source, *targets):
             self._check_open(s)
+        if self.recall is not None:
+            raise ValueError("fork_session is not supported with StreamConfig(recall=...) yet (each fork would need "
+                             "its own copy of the source's host tier); serve n=1, or without recall")
         if source in self._preempted:
             raise ValueError(f"session {source!r} is preempted (its KV is incomplete); it cannot be forked")
         self._arrange()

@@ -143,6 +143,9 @@ class SessionSnapshot:
     meta: dict = dataclasses.field(default_factory=dict)
     counts: np.ndarray | None = None  # None: empty (zeros of the spec's vocabulary)
     seen: np.ndarray | None = None
+    # the session's recall side (`omnijax.streaming.recall_session.RecallSnapshot`: its host tier) when the engine
+    # has StreamConfig(recall=...); in memory only (`save_snapshot` refuses it by name)
+    tier: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "meta", json.loads(_meta_json(self.meta)))
@@ -217,12 +220,25 @@ def _meta_json(meta) -> str:
 
 def _flatten(snapshot: SessionSnapshot):
     children = tuple((jax.tree_util.GetAttrKey(n), getattr(snapshot, n)) for n in ARRAY_FIELDS)
-    return children, (snapshot.spec, _meta_json(snapshot.meta))  # hashable static data
+    return children, (snapshot.spec, _meta_json(snapshot.meta), _Opaque(snapshot.tier))  # hashable static data
+
+
+class _Opaque:
+    """A static pytree field held by identity (the recall tier: immutable, not hashable by value)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 def _unflatten(aux, children) -> SessionSnapshot:
-    spec, meta = aux
-    return SessionSnapshot(**dict(zip(ARRAY_FIELDS, children)), spec=spec, meta=json.loads(meta))
+    spec, meta, tier = aux
+    return SessionSnapshot(**dict(zip(ARRAY_FIELDS, children)), spec=spec, meta=json.loads(meta), tier=tier.value)
 
 
 jax.tree_util.register_pytree_with_keys(SessionSnapshot, _flatten, _unflatten)
@@ -265,6 +281,9 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
         ValueError: `path` is a URI (`gs://...`): object stores are not supported (`snapshot_paths.local_path`).
     """
     snapshot.check()
+    if snapshot.tier is not None:
+        raise ValueError("this snapshot carries a recall host tier (StreamConfig(recall=...)), which is not written "
+                         "to disk yet: keep it in memory (Engine.import_session), or serve without recall")
     path = local_path(path)
     if path.exists() or path.is_symlink():
         if not overwrite:

@@ -288,6 +288,9 @@ class EngineWorker(SpeakingWorker):
         if sampling is not None and not self.per_row:
             raise ValueError(f"per-response sampling needs an engine decoding with omnijax.decoding.RowSampling, "
                              f"not {self.engine.config.stream.decoding!r}")
+        if constraint is not None and self.engine.recall is not None:
+            raise ValueError("constrained decoding is not supported with StreamConfig(recall=...) yet; serve "
+                             "without one of the two")
         if constraint is not None and not isinstance(constraint, TokenConstraint):
             raise ValueError(f"constraint must be an omnijax.serve.engine.constraint.TokenConstraint (bitmask, "
                              f"accept, finished), got {type(constraint).__name__}")
@@ -393,8 +396,10 @@ class EngineWorker(SpeakingWorker):
         (`call_soon_threadsafe`, so every token's push runs before the tick's own result reaches the loop), and a
         cancelled answer's row ends at once."""
         start, failed = time.perf_counter(), {}
-        for sid, (chunk, asked, _, _) in plan.items():
+        for sid, (chunk, asked, _, answer) in plan.items():
             try:
+                if answer is not None:  # recall (issue 40): a question's recall is held over its answer, as Chat's
+                    self.engine.hold_recall(sid)
                 self.engine.submit(sid, chunk, asked)
             except Exception as e:  # noqa: BLE001 - one session's chunk must not stop the tick
                 failed[sid] = f"{type(e).__name__}: {e}"
@@ -467,7 +472,8 @@ class EngineWorker(SpeakingWorker):
 
     async def _finish_with_cells(self, ended: list) -> None:
         """Ends `(sid, answer)` pairs with their `_ending`, each reporting the KV cells its session holds."""
-        cells = await self.in_engine(self.kv_cells, [sid for sid, _ in ended])
+        sids = [sid for sid, _ in ended]
+        cells = await self.in_engine(lambda: self.engine.release_recall(*sids) or self.kv_cells(sids))
         for sid, answer in ended:
             answer.kv_cells = cells.get(sid, 0)
             answer._finish(*answer._ending)
