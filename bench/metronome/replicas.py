@@ -26,13 +26,17 @@ replica's process runs the same application and snapshot code) with `--snapshot-
 every `--pace-s` seconds; the server is SIGKILLed at a random moment, uniform in [`--loss-min-s`, `--loss-max-s`]
 after they began (not aligned with the snapshot schedule); then each session's turns seen are compared with its
 newest snapshot on disk. Reported per value: turns lost (total, the most one session lost) and the conversation
-time lost (from the end of the first lost turn to the kill; mean, max), beside the longest turn.
+time lost (from the end of the first lost turn to the kill; mean, max), beside the longest turn. `--loss-client
+native` does the same with native `/session` clients: each sends a frame of speech-like PCM, waits for its tokens,
+and sends the next one frame budget after the previous one (a real-time client that never has a frame superseded);
+a turn is a served frame (`--snapshot-every 5turns`: every 5th frame), and a frame is lost when the client saw it
+served but the newest snapshot on disk does not hold it (its `seq` >= the snapshot's next frame).
 
 Run: `python -m bench.metronome.replicas [--sessions 8] [--max-sessions 4] [--seconds 20] [--frame-ms 500]
 [--chats 4] [--configs 1 2] [--out bench/out] [--smoke]` (`--smoke`: 3 sessions over an engine of 2 for 4 s, the
 single server only unless `--configs` says otherwise: its time is a server's start-up, and the Ray cluster's start
 (minutes on a loaded 2-core machine) is what `tests/serve/cluster/test_ray_replicas.py` already pays; `--smoke
---configs 1 2` runs both); `python -m bench.metronome.replicas --loss 1turn 3turns 1s 2s 5s`.
+--configs 1 2` runs both); `python -m bench.metronome.replicas --loss 1turn 3turns 1s 2s 5s [--loss-client native]`.
 """
 
 from __future__ import annotations
@@ -200,6 +204,50 @@ async def _talk(client, pace_s: float, until: float, tokens: int) -> dict:
     return seen
 
 
+def kept_frames(snapshots: Path, token: str) -> int:
+    """How many frames of a native session its newest snapshot on disk holds (its meta's next frame; 0 without
+    one)."""
+    folder = snapshots / token
+    generations = sorted(p for p in folder.iterdir() if re.fullmatch(r"[0-9]{12}", p.name)) if folder.is_dir() else []
+    if not generations:
+        return 0
+    return int(json.loads((generations[-1] / "session.json").read_text())["meta"]["native"]["seq"])
+
+
+async def _stream(url: str, frame_s: float, until: float) -> dict:
+    """One native `/session` client: a frame, its tokens, the next frame one budget after the previous one was sent,
+    until the server dies or `until` passes; its token and each frame's reply time (frame k's at index k)."""
+    import websockets  # the serve extra's client; only this measurement needs it
+
+    seen: dict = {"done": []}
+    try:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "hello", "sample_rate": 16000}))
+            ready = json.loads(await ws.recv())
+            if ready.get("type") != "ready":
+                raise RuntimeError(f"the server refused the session: {ready}")
+            seen["token"], n = ready["resume_token"], ready["frame_samples"]
+            pcm = loadgen.speech_like_pcm(n * 400 / 16000)  # 400 frames of speech-like audio, looped
+            sent = time.monotonic()
+            while time.monotonic() < until:
+                k = len(seen["done"])
+                await asyncio.sleep(max(0.0, sent + frame_s - time.monotonic()) if k else 0.0)
+                sent = time.monotonic()
+                await ws.send(pcm[(k % 400) * n:(k % 400 + 1) * n].astype("<i2").tobytes())
+                while True:
+                    reply = json.loads(await ws.recv())
+                    if reply["type"] == "error":
+                        raise RuntimeError(f"the server answered an error: {reply}")
+                    if reply["type"] == "late_tokens" or (reply["type"] == "frame" and not reply["late"]):
+                        if reply["seq"] != k:
+                            raise RuntimeError(f"frame {k} was answered as frame {reply['seq']}")
+                        seen["done"].append(time.monotonic())
+                        break
+    except Exception as e:  # noqa: BLE001 - the connection dies with the server
+        seen["ended"] = repr(e)
+    return seen
+
+
 def loss_round(served: Served, snapshots: Path, every: str, args, rng: np.random.Generator) -> list[dict]:
     """`--sessions` Realtime sessions talk on a fresh server; it is SIGKILLed at a random moment (uniform in
     [`--loss-min-s`, `--loss-max-s`] after the first session began, so unaligned with the snapshot schedule); each
@@ -208,13 +256,18 @@ def loss_round(served: Served, snapshots: Path, every: str, args, rng: np.random
 
     served.start(900)
     kill_after = float(rng.uniform(args.loss_min_s, args.loss_max_s))
+    native = args.loss_client == "native"
 
     async def run() -> tuple[list[dict], float]:
         client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
         began = time.monotonic()
         until = began + kill_after + 120.0
-        talks = [asyncio.ensure_future(_talk(client, args.pace_s, until, args.loss_tokens))
-                 for _ in range(args.loss_sessions)]
+        if native:
+            talks = [asyncio.ensure_future(_stream(f"{served.ws_url}/session", args.frame_ms / 1000, until))
+                     for _ in range(args.loss_sessions)]
+        else:
+            talks = [asyncio.ensure_future(_talk(client, args.pace_s, until, args.loss_tokens))
+                     for _ in range(args.loss_sessions)]
         await asyncio.sleep(kill_after)
         killed_at = time.monotonic()
         served.kill()
@@ -225,15 +278,16 @@ def loss_round(served: Served, snapshots: Path, every: str, args, rng: np.random
     for seen in seens:
         done = seen["done"]
         if "token" not in seen or not done:
-            rows.append({"every": every, "turns": 0, "on_disk": 0, "lost": 0, "lost_s": 0.0, "behind_s": None,
-                         "kill_after_s": kill_after})
+            rows.append({"every": every, "client": args.loss_client, "turns": 0, "on_disk": 0, "lost": 0,
+                         "lost_s": 0.0, "behind_s": None, "kill_after_s": kill_after, "ended": seen.get("ended")})
             continue
         # the disk may hold one turn more than the client saw end: with `1turn` a turn's snapshot is written before
-        # its response.done, which the kill can cut off
-        on_disk, n = kept_turns(snapshots, seen["token"]), len(done)
+        # its response.done, which the kill can cut off (a native frame's after its reply: never more)
+        on_disk = (kept_frames if native else kept_turns)(snapshots, seen["token"])
+        n = len(done)
         k = min(on_disk, n)
         gaps = np.diff(done)
-        rows.append({"every": every, "turns": n, "on_disk": on_disk, "lost": n - k,
+        rows.append({"every": every, "client": args.loss_client, "turns": n, "on_disk": on_disk, "lost": n - k,
                      # since the first turn the kill lost ended: the conversation time it took with it
                      "lost_s": killed_at - done[k] if k < n else 0.0,
                      "behind_s": killed_at - done[k - 1] if k else None,  # the newest turn seen on disk ended
@@ -271,7 +325,8 @@ def run_loss(args, out: Path) -> None:
                         "lost_s_max": float(np.max(lost_s)) if lost_s else None,
                         "turn_s_max": max((r["turn_s"] or 0.0 for r in mine), default=None)})
     harness.print_table(summary, LOSS_COLUMNS)
-    harness.write_json(out, "replicas_loss", {"config": vars(args), "rows": rows, "summary": summary}, indent=2)
+    name = "replicas_loss_native" if args.loss_client == "native" else "replicas_loss"
+    harness.write_json(out, name, {"config": vars(args), "rows": rows, "summary": summary}, indent=2)
 
 
 LOSS_COLUMNS = [("every", "every", ""), ("sessions", "sessions", "d"), ("turns", "turns", "d"),
@@ -292,7 +347,9 @@ def main(argv=None):
                         help="instead: the turns a SIGKILL loses at these --snapshot-every values (1turn, 3turns, "
                              "2s, ...)")
     parser.add_argument("--loss-kills", type=int, default=2, help="--loss: kills (server starts) per value")
-    parser.add_argument("--loss-sessions", type=int, default=3, help="--loss: Realtime sessions talking at a kill")
+    parser.add_argument("--loss-sessions", type=int, default=3, help="--loss: sessions talking at a kill")
+    parser.add_argument("--loss-client", choices=("realtime", "native"), default="realtime",
+                        help="--loss: Realtime sessions (turns) or native /session sessions (a turn is a frame)")
     parser.add_argument("--loss-min-s", type=float, default=6.0, help="--loss: the earliest kill after the start")
     parser.add_argument("--loss-max-s", type=float, default=16.0, help="--loss: the latest kill after the start")
     parser.add_argument("--loss-tokens", type=int, default=8, help="--loss: tokens a turn's answer has")

@@ -57,7 +57,8 @@ class ServeOptions:
             snapshot, or after this many responses (`--snapshot-every 30s` / `5turns`): a snapshot due when a
             response ends is on disk before that response's `response.done` is sent (the client's next event waits
             for it to be taken, not written; ~0.2 s a save on the demo model), one due later is taken when the
-            session is next idle; 0: only when the connection ends.
+            session is next idle; 0: only when the connection ends. Native `/session` sessions too, a served frame
+            counting as a response (`omnijax.serve.native.snapshots`).
         snapshot_max_bytes: the cap on the snapshot directory's total size (oldest unheld sessions are evicted to
             make room; None: no cap).
         snapshot_max_age_s: snapshots not written for this long are deleted (None: kept until resumed or evicted).

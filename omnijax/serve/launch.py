@@ -105,8 +105,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
     p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
                    "first idle moment: '30s', '2m', '1h' (after that long since its last snapshot) or '5turns', "
-                   "'1turn' (after that many responses); a SIGKILL then loses at most one interval. 0: only when "
-                   "connections end")
+                   "'1turn' (after that many responses; for a native /session session, served frames); a SIGKILL "
+                   "then loses at most one interval. 0: only when connections end")
     p.add_argument("--snapshot-max-gb", type=float, default=16.0, help="cap on the snapshot directory's size; the "
                    "oldest snapshots of closed sessions are evicted to make room (0: no cap)")
     p.add_argument("--snapshot-max-age", default="7d", help="delete snapshots not written for this long: '3600', "

@@ -14,6 +14,19 @@ an mtime; listing instead of directory scans; and orbax's arrays written through
 drivers (installed) with etils' `gs://` / `s3://` paths, which need `gcsfs` / `s3fs` (not installed here). A
 FUSE mount of a bucket (gcsfuse, s3fs-fuse) is not a substitute: it offers neither hard links nor atomic renames of
 directories.
+
+Why not built, checked against the installed stack (tensorstore 0.1.86, orbax-checkpoint 0.12.8, etils 1.15.0, no
+network): tensorstore's own kvstores write `memory://` and `file://` URLs offline, but orbax does not reach them:
+every orbax path goes through `etils.epath`, which has no `memory://` or `file://` backend (`epath.Path("memory://x")`
+raises KeyError, so `StandardCheckpointer.save("memory://x/arrays", ...)` does) and imports gcsfs / s3fs for `gs://` /
+`s3://` (ImportError: not installed; adding them adds network clients, and a `gs://` / `s3://` test would need a
+local GCS or S3 emulator, none of which is installed). So no URL scheme is both writable by the snapshot format
+(`omnijax.serve.engine.snapshot_format`, orbax) and testable here, and an object-store location built now would
+ship untested. The way there: write a snapshot's arrays with tensorstore directly (a kvstore spec per location:
+`memory://` / `file://` in tests, `gs://` / `s3://` through tensorstore's gcs / s3 drivers), keep the manifest and the
+commit object as single kvstore writes, and make the lease a conditional kvstore write; the store and the leases
+(`omnijax.serve.realtime.snapshot_store`, `omnijax.serve.cluster.lease`) then talk to that interface instead of
+`pathlib`.
 """
 
 from __future__ import annotations

@@ -12,20 +12,20 @@ every check:
    snapshot holds the first k turns: the turns lost are those the client saw end after it, and they all ended within
    one interval before the kill, plus one turn and one snapshot write (an idle-time snapshot's write, in the
    background, may be cut by the kill too);
-   A native `/session` opened on the holder after the chat (fed one frame) dies with it: native sessions are
-   snapshotted when their connection ends, so its resume is refused by name (`resume_failed`, no snapshot),
-   never started afresh;
+   A native `/session` opened on the holder after the chat (fed one frame) dies with it, after its periodic
+   snapshot (the same `--snapshot-every 2s`, taken by the interval's timer while the client sends nothing) is on
+   disk (the kill waits for it);
 4. the client reconnects with its token, lands on the survivor (which breaks the dead replica's lease at once),
-   and its answer to turn k continues from the snapshot exactly; a native `/session` opens beside it on the
-   survivor (`?replica=`) and is fed its first frames;
+   and its answer to turn k continues from the snapshot exactly; the killed native session reconnects with its
+   token to the survivor (`?resume=&replica=`), continues at frame 1 and is fed its next frame;
 5. Ray Serve starts a replacement replica; a second connection with the same token sent to the replacement
    (`?replica=`) while the survivor holds it is refused by name (`resume_failed`, naming the survivor): one token,
    one replica;
 6. one step of a rolling restart (`omnijax.serve.cluster.roll.restart_one`) drains the survivor while both sessions
    are open there (it reports both tokens snapshotted, both connections are closed with 1012), its process exits
    and Ray Serve replaces it; the Realtime client reconnects meanwhile, lands on the first replacement, and its
-   answer to turn k + 1 continues exactly; the native client reconnects with `/session?resume=<its token>`, routed
-   by Ray Serve's proxy to a live replica, and its frame numbers and tokens continue;
+   answer to turn k + 1 continues exactly; the native client reconnects again with `/session?resume=<its token>`,
+   routed by Ray Serve's proxy to a live replica, and its frame numbers and tokens continue;
 7. a resume token no replica has is refused by name (`resume_failed`), never started afresh;
 8. an uninterrupted session, run last, is the oracle: the moved session's every answer and KV cell count equal its
    own, turn for turn. After its first turn three more sessions fill both replicas (two each, pinned by
@@ -34,8 +34,8 @@ every check:
    `Retry-After` after the one-second queue timeout, all three routed by headroom; the replicas' open and opened
    counts are unchanged by the refusals. Then the oracle's later turns still equal the moved session's, each
    Realtime filler's first answer equals the oracle's, and the native filler, fed the same frames as the moved
-   native session, gives the same frame numbers and tokens (nothing changed for the admitted sessions, and the
-   native move was bit-exact);
+   native session, gives the same frame numbers and tokens (nothing changed for the admitted sessions, and both
+   native moves, from a killed replica's periodic snapshot and by a drain, were bit-exact);
 9. `--replicas 64` joining this cluster (`RAY_ADDRESS`, as on a multi-node cluster) is refused naming the CPUs the
    cluster has, and leaves the running application serving;
 10. SIGTERM drains the replicas and shuts the cluster down (the fixture's teardown).
@@ -145,6 +145,13 @@ def _kept_turns(snapshots: Path, token: str) -> int:
     return k
 
 
+def _native_kept(snapshots: Path, token: str) -> int:
+    """The next frame (`seq`) of the newest native snapshot of `token` on disk (0 without one)."""
+    folder = snapshots / token
+    generations = sorted(p for p in folder.iterdir() if re.fullmatch(r"[0-9]{12}", p.name)) if folder.is_dir() else []
+    return json.loads((generations[-1] / "session.json").read_text())["meta"]["native"]["seq"] if generations else 0
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """The module's server: `(Served, its --snapshot-dir, the first two replicas' ids)`; SIGTERM at the end, which
@@ -188,7 +195,7 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
                 model="omnijax", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
             seen["chat_replica"], seen["chat"] = raw.headers["x-omnijax-replica"], raw.parse()
             described, _ = await asyncio.to_thread(_http, served, f"/v1/omnijax/replica?replica={seen['holder']}")
-            # a native session beside it (snapshotted only when its connection ends: the kill leaves none)
+            # a native session beside it: its periodic snapshot (the interval's timer) is what the kill leaves
             native, ready = await native_client.hello(f"{served.ws_url}/session?replica={seen['holder']}")
             seen["native_token"] = ready["resume_token"]
             seen["native_frames"] = await native_client.frames(native, ready, range(1))
@@ -199,7 +206,8 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
                 seen["done"].append(time.monotonic())
                 if time.monotonic() - began >= 1.5 * EVERY_S and len(seen["said"]) >= 3:
                     # kill when the disk lacks the newest turn (a snapshot was not due at its end): the worst case
-                    if await asyncio.to_thread(_kept_turns, snapshots, token) < len(seen["said"]):
+                    if (await asyncio.to_thread(_kept_turns, snapshots, token) < len(seen["said"])
+                            and await asyncio.to_thread(_native_kept, snapshots, seen["native_token"]) == 1):
                         break
             seen["killed_at"] = time.monotonic()
             os.kill(described["pid"], signal.SIGKILL)  # no drain, no snapshot at the end
@@ -234,19 +242,21 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
 
     async def resumed_rolled() -> dict:
         moved: dict = {}
-        # the killed native session's resume: refused by name (the dead replica's lease broken), never started afresh
-        moved["native_lost"] = await native_client.refused(f"{served.ws_url}/session?resume={seen['native_token']}")
         async with client.realtime.connect(model="omnijax", extra_query={"resume": token}) as conn:
             created = await conn.recv()
             assert created.type == "session.created", created
             moved["after_kill"] = await say(conn, TURNS[k], SAY)
             moved["on"] = await asyncio.to_thread(_holder, served, token)
-            # a native session in the survivor's other slot, fed its first frames before the move
-            native, ready = await native_client.hello(f"{served.ws_url}/session?replica={survivor}")
+            # the killed native session resumes in the survivor's other slot from its periodic snapshot (the dead
+            # replica's lease broken), and is fed its next frames before the roll moves it again
+            native, ready = await native_client.hello(
+                f"{served.ws_url}/session?resume={seen['native_token']}&replica={survivor}")
             try:
-                assert ready["type"] == "ready" and ready["resumed"] is False, ready
+                moved["native_killed_ready"] = ready
+                assert ready["type"] == "ready" and ready["resumed"] is True, ready
                 moved["native_token"] = ready["resume_token"]
-                moved["native_before"] = await native_client.frames(native, ready, range(NATIVE_MOVE_AT))
+                moved["native_before"] = await native_client.frames(native, ready, range(ready["seq"],
+                                                                                          NATIVE_MOVE_AT))
                 # Ray Serve replaces the killed replica; new requests go to it (it has more headroom)
                 moved["replacement"] = await asyncio.to_thread(_new_replica, served, {killed, survivor})
                 async with client.realtime.connect(
@@ -282,9 +292,8 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
     moved = asyncio.run(resumed_rolled())
     phases.append(("resume, replacement, roll", time.monotonic()))
     assert moved["on"] == survivor, moved
-    message, close = moved["native_lost"]
-    assert message["type"] == "error" and message["code"] == "resume_failed", message
-    assert "no snapshot for this resume token" in message["message"] and close == 1008, moved["native_lost"]
+    ready = moved["native_killed_ready"]  # the killed replica's native session: from its periodic snapshot
+    assert ready["seq"] == 1 and ready["resume_token"] == seen["native_token"], ready
     assert moved["twin"].type == "error" and moved["twin"].error.code == "resume_failed", moved["twin"]
     assert f"in use by an open connection on replica {survivor}" in moved["twin"].error.message, moved["twin"]
     assert "1012" in repr(moved.get("closed")), moved  # service restart: reconnect
@@ -383,8 +392,8 @@ def test_two_replicas_balance_pin_kill_roll_and_resume_bit_exactly(cluster):
     # the native session's move through the proxy (a drain, a resume by token): the same frames, the same tokens
     assert [seq for seq, _ in full["native"]] == list(range(NATIVE_FRAMES)), full["native"]
     assert any(tokens for _, tokens in full["native"]), full["native"]  # the frames made the model answer
-    assert moved["native_before"] + moved["native_after"] == full["native"], (moved, full["native"])
-    assert seen["native_frames"] == full["native"][:1], (seen["native_frames"], full["native"])
+    assert seen["native_frames"] + moved["native_before"] + moved["native_after"] == full["native"], (
+        seen, moved, full["native"])
     print("phases (s): " + ", ".join(f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(phases, phases[1:])))
 
 
