@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from omnijax.media.audio import pcm16
 from omnijax.serve.answer_text import AnswerText
 from omnijax.serve.chat_choices import serve_choices
 from omnijax.serve.chat_params import RequestError
@@ -67,7 +68,7 @@ from omnijax.serve.openai_wire import (
     sse,
     usage,
 )
-from omnijax.serve.speech_engine import SpeechOverloaded
+from omnijax.serve.speech_engine import SpeechOverloaded, finish_speech, written_speech
 from omnijax.serve.speech_output import (
     AudioOutput,
     audio_message,
@@ -149,6 +150,9 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
     text_of = AnswerText(decoder, req.stop)
     calls = req.tools.parser() if req.tools is not None and req.tools.active else None  # reads the tool calls
+    # Qwen3-Omni: the talker starts on the engine's speech pool while the answer is still decoded
+    early = None if audio is None or spoken_prompt is None else written_speech(
+        context, spoken_prompt.ids, audio.voice, spoken_prompt.media, stop=answer.stop, sampling=audio.sampling)
     if not req.stream:
         # A client that goes away before the whole answer is ready cancels it (its decoding would hold a batch row
         # and a stopping server for nothing).
@@ -157,16 +161,24 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         try:
             async for tokens in answer:
                 pieces.append(text_of.push(tokens))
+                if early is not None:
+                    early.push(tokens)
                 if calls is not None:
                     calls.push(pieces[-1])
                 if text_of.stopped or calls is not None and calls.done:  # the rest of the answer is not wanted
                     context.worker.cancel(sid)
                     break
             await answer.done
+        except BaseException:
+            if early is not None:
+                await early.aclose()
+            raise
         finally:
             watcher.cancel()
             await session.__aexit__(None, None, None)
         if answer.status == "failed":
+            if early is not None:
+                await early.aclose()
             shutting_down = context.worker.stopping
             return json_error(RequestError(f"the answer failed: {answer.reason}", status=503 if shutting_down
                                             else 500, code="shutting_down" if shutting_down else "server_error",
@@ -186,8 +198,11 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         spoken = None
         if audio is not None and spoken_prompt is not None:
             try:
-                spoken = await audio_message(context, audio, spoken_prompt, _content_tokens(answer), text, created)
+                spoken = await audio_message(context, audio, spoken_prompt, _content_tokens(answer), text, created,
+                                             early=early)
             except ValueError as e:  # a full speech pool is 429 naming its cap (`speech_engine.SpeechOverloaded`)
+                if early is not None:
+                    await early.aclose()
                 return json_error(e if isinstance(e, SpeechOverloaded) else RequestError(
                     f"the answer could not be spoken: {e}", status=500, code="server_error", kind="server_error"),
                     request=request)
@@ -208,6 +223,10 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
             async for tokens in answer:
                 for delta in _deltas(calls, text_of.push(tokens), audio_id=aid):
                     yield sse(completion_chunk(cid, created, req.model, delta))
+                if early is not None:  # the speech decoded so far, between the text deltas
+                    early.push(tokens)
+                    for pcm in early.ready():
+                        yield sse(completion_chunk(cid, created, req.model, _audio_delta(aid, pcm16(pcm))))
                 if text_of.stopped or calls is not None and calls.done:  # the rest of the answer is not wanted
                     context.worker.cancel(sid)
                     break
@@ -219,7 +238,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                 await session.__aexit__(None, None, None)
                 try:
                     async for chunk in _spoken_deltas(context, audio, spoken_prompt, _content_tokens(answer), aid,
-                                                      created):
+                                                      created, early):
                         yield sse(completion_chunk(cid, created, req.model, chunk))
                 except ValueError as e:
                     yield sse(error_body(f"the answer could not be spoken: {e}", kind="server_error"))
@@ -235,6 +254,8 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                                             usage_=usage(prompt_tokens, text_of.completion_tokens(answer))))
             yield "data: [DONE]\n\n"
         finally:
+            if early is not None:
+                await early.aclose()
             if answer.status is None:
                 context.worker.abandon(sid)
             if not released:
@@ -253,12 +274,19 @@ def _deltas(calls, text: str, end: bool = False, audio_id: str | None = None) ->
     return calls.push(text) + (calls.finish() if end else [])
 
 
-async def _spoken_deltas(context, audio: AudioOutput, prompt, answer_ids, audio_id, created):
+async def _spoken_deltas(context, audio: AudioOutput, prompt, answer_ids, audio_id, created, early=None):
     """The streamed audio deltas: `{id, data}` per vocoder chunk (base64 PCM16) as it is decoded, then
-    `{expires_at}`."""
-    async for pcm in speak_pieces(context, audio, prompt, answer_ids):
-        yield {"audio": {"id": audio_id, "data": base64.b64encode(pcm.tobytes()).decode("ascii")}}
+    `{expires_at}`; `early`: the answer spoken while written (its rest)."""
+    pieces = finish_speech(early, answer_ids) if early is not None else speak_pieces(context, audio, prompt,
+                                                                                       answer_ids)
+    async for pcm in pieces:
+        yield _audio_delta(audio_id, pcm)
     yield {"audio": {"expires_at": created}}
+
+
+def _audio_delta(audio_id: str, pcm) -> dict:
+    """A streamed `{id, data}` audio delta of int16 PCM."""
+    return {"audio": {"id": audio_id, "data": base64.b64encode(pcm.tobytes()).decode("ascii")}}
 
 
 def _content_tokens(answer) -> list[int]:

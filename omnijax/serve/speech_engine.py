@@ -22,15 +22,18 @@ return). The pool's chunks are float32 PCM; the routes send them as 16-bit PCM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omnijax.media.audio import pcm16
 from omnijax.models.qwen3_omni.speech import Qwen3Speech
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
 from omnijax.serve.chat_params import RequestError
 from omnijax.serve.engine.admission import Overloaded
@@ -39,7 +42,8 @@ from omnijax.serve.engine.speech import SpeechConfig
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
-__all__ = ["SpeechOverloaded", "pool_full", "pool_pieces", "speaks_on_pool", "speech_config_for", "warm_up_pool"]
+__all__ = ["SpeechOverloaded", "WrittenSpeech", "finish_speech", "pool_full", "pool_pieces", "speaks_on_pool",
+           "speech_config_for", "warm_up_pool", "written_speech"]
 
 WARM_PROMPTS = (16, 32, 64)  # talker prompt buckets warmed (the pool pads prompts to powers of two >= 16)
 
@@ -127,13 +131,14 @@ def pool_full(context: ServeContext) -> str | None:
 
 
 async def _admit(context: ServeContext, speech_id: str, prompt: np.ndarray, answer: Sequence[int], voice: str,
-                 media: Sequence[MediaRows]) -> Any:
+                 media: Sequence[MediaRows], writing: bool = False, sampling: TalkerSampling | None = None) -> Any:
     worker = context.worker
     deadline = time.monotonic() + context.options.queue_timeout_s
     while True:
         try:
             return await worker.speak(speech_id, prompt, np.asarray(answer, np.int64), voice=voice,
-                                      max_new_tokens=context.options.max_speech_tokens, media=tuple(media))
+                                      max_new_tokens=context.options.max_speech_tokens, media=tuple(media),
+                                      writing=writing, sampling=sampling)
         except Overloaded as e:
             if worker.stopping or time.monotonic() >= deadline:
                 raise SpeechOverloaded(f"the answer could not be spoken: {e} (waited "
@@ -142,8 +147,10 @@ async def _admit(context: ServeContext, speech_id: str, prompt: np.ndarray, answ
 
 
 async def pool_pieces(context: ServeContext, prompt: np.ndarray, answer: Sequence[int], voice: str,
-                      media: Sequence[MediaRows] = ()) -> AsyncGenerator[np.ndarray, None]:
-    """The answer spoken on the engine's speech pool: float32 PCM per vocoder chunk, as the ticks decode them.
+                      media: Sequence[MediaRows] = (), *, sampling: TalkerSampling | None = None
+                      ) -> AsyncGenerator[np.ndarray, None]:
+    """The answer spoken on the engine's speech pool: float32 PCM per vocoder chunk, as the ticks decode them
+    (`sampling`: drawn speech; None: greedy).
 
     Raises:
         SpeechOverloaded: no room within `queue_timeout_s` (nothing was spoken).
@@ -151,7 +158,7 @@ async def pool_pieces(context: ServeContext, prompt: np.ndarray, answer: Sequenc
             or the utterance failed (a failed tick, the server shutting down), naming why.
     """
     speech_id = f"speech-{next(_ids)}"
-    stream = await _admit(context, speech_id, prompt, answer, voice, media)
+    stream = await _admit(context, speech_id, prompt, answer, voice, media, sampling=sampling)
     done = False
     try:
         while True:
@@ -169,3 +176,153 @@ async def pool_pieces(context: ServeContext, prompt: np.ndarray, answer: Sequenc
         if not done:  # closed early (client gone, cancelled): the utterance leaves the pool, its pages return;
             # shielded: a cancelled caller (a cancel scope cancels every later await) must not leave it unticked there
             await asyncio.shield(asyncio.ensure_future(context.worker.cancel_speech(speech_id)))
+
+
+def written_speech(context: ServeContext, prompt: np.ndarray, voice: str,
+                   media: Callable[[], Awaitable[Sequence[MediaRows]]] | None = None, *, stop: Collection[int] = (),
+                   sampling: TalkerSampling | None = None) -> WrittenSpeech | None:
+    """The answer spoken while the thinker writes it (`WrittenSpeech`, arguments as there) when the engine speaks on
+    its speech pool (Qwen3-Omni); None otherwise (Qwen2.5-Omni speaks the finished answer, in worker threads)."""
+    if not speaks_on_pool(context):
+        return None
+    return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, sampling=sampling)
+
+
+async def finish_speech(early: WrittenSpeech, answer: Sequence[int]) -> AsyncIterator[np.ndarray]:
+    """The rest of an answer spoken while written, once it is whole (`answer`: as `WrittenSpeech.finish` takes
+    it): int16 PCM chunk by chunk, those already decoded first. Raises as `WrittenSpeech.rest`."""
+    early.finish(answer)
+    for pcm in early.ready():
+        yield pcm16(pcm)
+    async for pcm in early.rest():
+        yield pcm16(pcm)
+
+
+class WrittenSpeech:
+    """An answer spoken on the engine's speech pool while the thinker still writes it (Qwen3-Omni): the talker
+    starts with the answer's first token and reads each later one as the route hands it over, so PCM comes while the
+    text is still being decoded (`SpeechPool.open(writing=True)` / `extend`).
+
+    On the event loop, computing nothing: `push(tokens)` as the answer's tokens arrive, `ready()` for the PCM chunks
+    decoded so far (without waiting), `finish(answer)` with the whole answer spoken (what the finished-answer path
+    speaks: the answer without its final stop token), then `async for pcm in rest()` for the remaining chunks, and
+    `aclose()` always (an utterance left unfinished is cancelled in the pool, its pages return). A task admits the
+    utterance (after the media rows, if any: `media`) and hands the tokens to the engine thread in order; a trailing
+    stop token or `<|im_end|>` (at most two) is held back until the next token shows it was not the end, as it is
+    not spoken at the end. The PCM equals the finished answer spoken on the pool (`pool_pieces`) up to float
+    rounding (the text rows are projected in pieces).
+
+    Args:
+        context: the server's context (its worker's engine has a speech pool).
+        prompt: the talker's prompt ids.
+        voice: a voice of the checkpoint.
+        media: awaited before admission: the thinker rows the talker reads at media placeholders (None: none).
+        stop: the thinker's stop ids (a final one is not spoken).
+        sampling: drawn speech (`TalkerSampling`); None: greedy.
+
+    Errors (admission: `SpeechOverloaded` after `queue_timeout_s`; a refusal of the pool or a failed utterance:
+    ValueError naming why) are raised by `rest()`; `ready()` returns nothing meanwhile.
+    """
+
+    def __init__(self, context: ServeContext, prompt: np.ndarray, voice: str,
+                 media: Callable[[], Awaitable[Sequence[MediaRows]]] | None = None, *, stop: Collection[int] = (),
+                 sampling: TalkerSampling | None = None):
+        speech = context.model.speech
+        assert isinstance(speech, Qwen3Speech)
+        self.context, self.prompt, self.voice, self.media, self.sampling = context, prompt, voice, media, sampling
+        self.speech_id = f"speech-{next(_ids)}"
+        self._im_end = int(speech.tokens.im_end_token_id)
+        self._droppable = frozenset(int(t) for t in stop) | {self._im_end}
+        self._generated: list[int] = []
+        self._sent: list[int] = []  # the tokens handed over (to `_pending` and on to the pool)
+        self._pending: list[int] = []
+        self._ended = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stream: Any = None
+        self._error: BaseException | None = None
+
+    def push(self, tokens: Sequence[int]) -> None:
+        """The answer's next tokens as decoded (event loop; no compute): those certainly spoken go to the talker."""
+        self._generated += [int(t) for t in tokens]
+        held = 0
+        while held < min(2, len(self._generated)) and self._generated[-1 - held] in self._droppable:
+            held += 1
+        self._hand(self._generated[:len(self._generated) - held])
+
+    def finish(self, answer: Sequence[int]) -> None:
+        """The whole answer spoken (a final `<|im_end|>` dropped here); it must extend what was handed over."""
+        whole = [int(t) for t in answer]
+        if whole and whole[-1] == self._im_end:
+            whole = whole[:-1]
+        self._ended = True
+        self._hand(whole)
+
+    def _hand(self, readable: list[int]) -> None:
+        if readable[:len(self._sent)] != self._sent:
+            raise ValueError("WrittenSpeech: the answer given does not continue the tokens already spoken")
+        self._pending += readable[len(self._sent):]
+        self._sent = readable
+        if self._task is None and (self._pending or self._ended) and self._sent:
+            self._task = asyncio.ensure_future(self._feed())
+        self._wake.set()
+
+    async def _feed(self) -> None:
+        try:
+            media = tuple(await self.media()) if self.media is not None else ()
+            first, self._pending = self._pending, []
+            writing = not self._ended
+            self._stream = await _admit(self.context, self.speech_id, self.prompt, first, self.voice, media,
+                                        writing=writing, sampling=self.sampling)
+            while writing:
+                while not self._pending and not self._ended:
+                    self._wake.clear()
+                    await self._wake.wait()
+                tokens, self._pending, end = self._pending, [], self._ended
+                if not await self.context.worker.extend_speech(self.speech_id, tokens, end=end):
+                    return  # the talker ended (its max tokens) or the utterance stopped: the rest is not needed
+                writing = not end
+        except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - raised again by `rest`
+            self._error = e
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    def ready(self) -> list[np.ndarray]:
+        """The PCM chunks (float32) decoded and not yet returned, without waiting."""
+        if self._stream is None or self._error is not None:
+            return []
+        return [c.pcm for c in self._stream.ready() if c.pcm.size]
+
+    async def rest(self) -> AsyncIterator[np.ndarray]:
+        """After `finish`: the remaining PCM chunks as the ticks decode them (nothing when the answer was empty).
+
+        Raises:
+            SpeechOverloaded: no room in the pool within `queue_timeout_s`.
+            ValueError: a refusal of the pool, or the utterance failed (a failed tick, shutdown), naming why.
+        """
+        if not self._ended:
+            raise ValueError("WrittenSpeech.rest: call finish(answer) first")
+        if self._task is not None:
+            await self._task
+        if self._error is not None:
+            raise self._error
+        if self._stream is None:
+            return  # nothing to say
+        while True:
+            try:
+                chunk = await self._stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except RuntimeError as e:  # the utterance failed: named as the routes name it
+                raise ValueError(str(e)) from None
+            if chunk.pcm.size:
+                yield chunk.pcm
+
+    async def aclose(self) -> None:
+        """Ends the feeding task and, if the utterance is still in the pool, cancels it (its pages return)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.speech_id in self.context.worker.speaking:
+            await asyncio.shield(asyncio.ensure_future(self.context.worker.cancel_speech(self.speech_id)))

@@ -58,10 +58,19 @@ from omnijax.chunks.chunk import pad_chunk
 from omnijax.chunks.spans import SpanKind
 from omnijax.media.audio import pcm16, wav_bytes
 from omnijax.models.frontend import bucket
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.serve.chat_params import RequestError, check_keys, json_payload
 from omnijax.serve.chat_request import ChatRequest, parse_payload
-from omnijax.serve.speech_engine import SpeechOverloaded, pool_full, pool_pieces, speaks_on_pool
+from omnijax.serve.speech_engine import (
+    SpeechOverloaded,
+    WrittenSpeech,
+    finish_speech,
+    pool_full,
+    pool_pieces,
+    speaks_on_pool,
+)
+from omnijax.serve.speech_sampling import parse_talker_sampling
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 
@@ -80,10 +89,12 @@ CHUNK = 25  # codec frames of each later call (2 s)
 
 @dataclass(frozen=True)
 class AudioOutput:
-    """A request's audio output: the checkpoint's voice (as the checkpoint spells it) and the format."""
+    """A request's audio output: the checkpoint's voice (as the checkpoint spells it), the format, and the talker's
+    sampling (None: greedy)."""
 
     voice: str
     format: str
+    sampling: TalkerSampling | None = None
 
 
 def parse_audio_output(body: Any, model: OmniModel, model_name: str) -> AudioOutput | None:
@@ -112,7 +123,7 @@ def parse_audio_output(body: Any, model: OmniModel, model_name: str) -> AudioOut
     if not isinstance(audio, dict):
         raise RequestError("'audio' must be an object {\"voice\", \"format\"} when 'modalities' asks for audio",
                            param="audio")
-    check_keys(audio, ("voice", "format"), "audio")
+    check_keys(audio, ("voice", "format", "sampling"), "audio")
     voice, fmt = audio.get("voice"), audio.get("format")
     if isinstance(voice, dict):
         raise RequestError("'audio.voice': custom voices are not supported; send one of the checkpoint's voices "
@@ -130,7 +141,8 @@ def parse_audio_output(body: Any, model: OmniModel, model_name: str) -> AudioOut
     if body.get("stream") is True and fmt != "pcm16":
         raise RequestError(f"'audio.format' {fmt!r} cannot be streamed: streamed audio is \"pcm16\" (as OpenAI's API "
                            "streams it)", code="unsupported", param="audio.format")
-    return AudioOutput(names[voice.lower()], fmt)
+    return AudioOutput(names[voice.lower()], fmt, parse_talker_sampling(audio.get("sampling"), "audio.sampling",
+                                                                        speech))
 
 
 def parse_with_audio(body: bytes, context: ServeContext) -> tuple[ChatRequest, AudioOutput | None]:
@@ -231,12 +243,15 @@ def retrieve_exception(future: asyncio.Future) -> None:
 
 
 def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: str,
-           max_speech_tokens: int, media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+           max_speech_tokens: int, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
+           ) -> Iterator[np.ndarray]:
     if not len(answer):  # nothing to say (the answer was only its end-of-turn token)
         return iter(())
     speech = model.speech
     assert speech is not None  # checked when the request was parsed
-    more = {"media": tuple(media)} if media else {}  # only a talker with a media tap takes them (checked before)
+    more: dict = {"media": tuple(media)} if media else {}  # only a talker with a media tap takes them (checked)
+    if sampling is not None:  # only Qwen3-Omni's talker draws (`speech_sampling` refused it on any other)
+        more["sampling"] = sampling
     return speech.speak_chunks(model, prompt, np.asarray(answer, np.int64), voice=voice,
                                max_new_tokens=max_speech_tokens, first_chunk=FIRST_CHUNK, chunk=CHUNK, **more)
 
@@ -253,11 +268,11 @@ async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.nda
         prompt = prompt.ids
     if speaks_on_pool(context):  # Qwen3-Omni: an utterance of the engine's speech pool (`speech_engine`)
         if len(answer):
-            async for pcm in pool_pieces(context, prompt, answer, audio.voice, media):
+            async for pcm in pool_pieces(context, prompt, answer, audio.voice, media, sampling=audio.sampling):
                 yield pcm16(pcm)
         return
     chunks = await asyncio.to_thread(_speak, context.model, prompt, answer, audio.voice,
-                                     context.options.max_speech_tokens, media)
+                                     context.options.max_speech_tokens, media, audio.sampling)
     done = object()
     while True:
         pcm = await asyncio.to_thread(next, chunks, done)
@@ -267,9 +282,13 @@ async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.nda
 
 
 async def audio_message(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
-                        answer: Sequence[int], transcript: str, created: int) -> dict:
-    """The whole response's `message.audio` object."""
-    pieces = [p async for p in speak_pieces(context, audio, prompt, answer)]
+                        answer: Sequence[int], transcript: str, created: int,
+                        early: WrittenSpeech | None = None) -> dict:
+    """The whole response's `message.audio` object (`early`: the answer spoken while written, its tokens pushed)."""
+    if early is not None:
+        pieces = [p async for p in finish_speech(early, answer)]
+    else:
+        pieces = [p async for p in speak_pieces(context, audio, prompt, answer)]
     samples = np.concatenate(pieces) if pieces else np.zeros((0,), "<i2")
     speech = context.model.speech
     assert speech is not None

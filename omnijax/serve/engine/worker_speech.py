@@ -9,6 +9,12 @@ pool, with or without thinker work, so the talker keeps its cadence; each tick's
 reads, includes the talker step and the vocoder chunks. A chunk past its playback deadline arrives flagged
 (`SpeechChunk.late_s`) and is counted in `stats["late_chunks"]`; a chunk is never dropped. A failed tick or a
 shutdown ends every stream with an error naming why; `cancel_speech` ends one (its pages return).
+
+An answer can be spoken while the thinker still writes it: `speak(..., writing=True)` with its first tokens, then
+`extend_speech` with the next ones as they are decoded and `end=True` once it is whole (the pool's talker steps as far
+as the tokens allow: `SpeechPool.extend`). While an utterance waits for its answer's next tokens and nothing else
+has work, the loop still ticks (an empty tick is cheap: the pool steps no row); that lasts from the thinker's last
+token to the route's `extend_speech(end=True)`, one pass of the event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.speech import SpeechChunk
@@ -55,6 +62,18 @@ class SpeechStream:
             self._ended, self.error = True, error
             self._queue.put_nowait(None)
 
+    def ready(self) -> list[SpeechChunk]:
+        """The chunks that arrived and were not read yet, without waiting (an ended or failed stream: what is left
+        before its end; the end itself is left for `async for`)."""
+        out = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is None:
+                self._queue.put_nowait(None)
+                break
+            out.append(item)
+        return out
+
     def __aiter__(self) -> "SpeechStream":
         return self
 
@@ -82,8 +101,11 @@ class SpeakingWorker:
         self.stats.update(speech_opened=0, speech_refused=0, speech_chunks=0, late_chunks=0)
 
     async def speak(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
-                    media: Sequence[MediaRows] = ()) -> SpeechStream:
+                    media: Sequence[MediaRows] = (), writing: bool = False,
+                    sampling: TalkerSampling | None = None) -> SpeechStream:
         """Admits an utterance (the thinker's prompt and answer ids, spoken with `voice`) and returns its stream.
+        `writing`: the answer is still being written (`answer_ids` its first tokens; `extend_speech` adds the rest);
+        `sampling`: drawn speech (None: greedy); both as `SpeechPool.open` takes them.
 
         Raises (nothing admitted): `Overloaded` (shutting down, the AIMD cap, the pool's rows or talker pages),
         ValueError (no speech pool, or a refusal of `Engine.speak`: voice, ids, `max_new_tokens`), KeyError (an id
@@ -101,8 +123,8 @@ class SpeakingWorker:
                 self.admission.check(current)
             stream = SpeechStream(speech_id)
             await self.in_engine(functools.partial(  # type: ignore[attr-defined]
-                self.engine.speak, speech_id, prompt_ids, answer_ids, voice=voice, max_new_tokens=max_new_tokens,
-                media=media))
+                self.engine.speech.open, speech_id, prompt_ids, answer_ids, voice=voice,
+                max_new_tokens=max_new_tokens, media=media, writing=writing, sampling=sampling))
         except Overloaded:
             self.stats["speech_refused"] += 1
             raise
@@ -111,6 +133,25 @@ class SpeakingWorker:
         if self._work is not None:
             self._work.set()
         return stream
+
+    async def extend_speech(self, speech_id: str, answer_ids: Any, *, end: bool = False) -> bool:
+        """Adds the next tokens of an answer spoken while written (`speak(writing=True)`); `end`: it is whole.
+        Returns False when the utterance is no longer speaking (its talker ended, it was cancelled or failed): the
+        tokens are not needed. Raises ValueError for what `SpeechPool.extend` refuses (ids, an answer whole already).
+        """
+        if speech_id not in self.speaking:
+            return False
+        spoken = await self.in_engine(self._extend, speech_id, answer_ids, end)  # type: ignore[attr-defined]
+        if self._work is not None:
+            self._work.set()
+        return spoken
+
+    def _extend(self, speech_id: str, answer_ids: Any, end: bool) -> bool:
+        try:
+            self.engine.speech.extend(speech_id, answer_ids, end=end)
+        except KeyError:  # it ended in the tick that ran meanwhile
+            return False
+        return True
 
     async def cancel_speech(self, speech_id: str) -> bool:
         """Ends an utterance now (its stream stops after the chunks already delivered; its talker pages return);

@@ -46,16 +46,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omnijax.media.audio import pcm16
 from omnijax.models.speech import MediaRows
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
-from omnijax.serve.speech_engine import SpeechOverloaded, pool_full
+from omnijax.serve.speech_engine import SpeechOverloaded, WrittenSpeech, finish_speech, pool_full, written_speech
 from omnijax.serve.speech_output import AudioOutput, MediaReplay, retrieve_exception, speak_pieces
 
 if TYPE_CHECKING:
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from omnijax.serve.realtime.session import RealtimeSession
     from omnijax.serve.realtime.tools import ResponseOutput
 
-__all__ = ["SpokenIds", "check_audio_output", "speak_answer"]
+__all__ = ["SpokenIds", "answer_and_speech", "check_audio_output", "speak_answer"]
 
 log = logging.getLogger("omnijax.serve")
 
@@ -189,25 +191,67 @@ def response_modalities(session: RealtimeSession, asked: tuple | None, eid: str 
     return modalities, settings.output_voice
 
 
-async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: str, prompt: Sequence[int],
-                       tokens: Sequence[int], rid: str) -> str | None:
-    """Speaks a response's answer `tokens` in `voice` after the talker prompt `prompt`, sending each vocoder chunk as a
-    `response.output_audio.delta` of the response's message item; returns "cancelled" when `response.cancel` stopped
-    it, "failed" when the speech failed (an `error` event said why), else None."""
-    eos = session.conversation.eos
-    answer = list(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
+async def answer_and_speech(session: RealtimeSession, answer: Any, output: ResponseOutput, decoder: Any,
+                            voice: str | None, prompt: Sequence[int] | None, rid: str) -> tuple[str, Any, str]:
+    """Streams a response's answer (its text deltas through `output`) and, when it is spoken (`voice`), its speech:
+    on the engine's speech pool (Qwen3-Omni) the talker starts with the answer's first token and each vocoder chunk
+    goes out as it is decoded, between the transcript deltas (`speech_engine.WrittenSpeech`); otherwise
+    (Qwen2.5-Omni) once the text is whole. Records the answer in the conversation and the talker's ids. Returns the
+    response's `(status, reason, tail)` (`tail`: text still to send)."""
+    early = None
+    if voice is not None:
+        early = written_speech(session.context, np.asarray(prompt or [], np.int64), voice,
+                               functools.partial(asyncio.to_thread, session.spoken.media, len(prompt or [])),
+                               stop=session.conversation.eos)
+    try:
+        async for tokens in answer:
+            output.push(decoder.push(tokens))
+            if early is not None and not session.spoken.cancelled:
+                early.push(tokens)
+                for pcm in early.ready():
+                    _send_pcm(session, output, rid, pcm16(pcm))
+        await answer.done
+        session.conversation.answered(answer.tokens)
+        session.spoken.answered(answer.tokens)
+        status, reason, tail = answer.status, answer.reason, decoder.flush()
+        if voice is not None and status != "cancelled":
+            output.push(tail)
+            tail, ended = "", await speak_answer(session, output, voice, prompt or [], answer.tokens, rid, early)
+            if ended is not None:
+                status, reason = ended, "cancelled" if ended == "cancelled" else None
+        return status, reason, tail
+    finally:
+        if early is not None:
+            await early.aclose()
+
+
+def _send_pcm(session: RealtimeSession, output: ResponseOutput, rid: str, pcm: np.ndarray) -> None:
     message = output.message
     assert message is not None  # a spoken response's message item is opened at once
+    session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),
+                                                 output_index=message.index))
+
+
+async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: str, prompt: Sequence[int],
+                       tokens: Sequence[int], rid: str, early: WrittenSpeech | None = None) -> str | None:
+    """Speaks a response's answer `tokens` in `voice` after the talker prompt `prompt` (`early`: the rest of the
+    answer spoken while written), sending each vocoder chunk as a `response.output_audio.delta` of the response's
+    message item; returns "cancelled" when `response.cancel` stopped it, "failed" when the speech failed (an `error`
+    event said why), else None."""
+    eos = session.conversation.eos
+    answer = list(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
     audio = AudioOutput(voice, "pcm16")
     try:
-        media = await asyncio.to_thread(session.spoken.media, len(prompt))
-        async with contextlib.aclosing(speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer,
-                                                    media)) as pieces:  # closed at once on cancel: the pool frees
+        if early is not None:
+            pieces = finish_speech(early, answer)
+        else:
+            media = await asyncio.to_thread(session.spoken.media, len(prompt))
+            pieces = speak_pieces(session.context, audio, np.asarray(prompt, np.int64), answer, media)
+        async with contextlib.aclosing(pieces):  # closed at once on cancel: the pool frees
             async for pcm in pieces:
                 if session.spoken.cancelled:
                     return "cancelled"
-                session.send(rse.response_output_audio_delta(rid, message.item["id"], pcm.astype("<i2").tobytes(),
-                                                             output_index=message.index))
+                _send_pcm(session, output, rid, pcm)
     except SpeechOverloaded as e:  # the pool stayed full for queue_timeout_s: named, not spoken
         session.send(rte.error_event("overloaded", str(e), error_type="server_error"))
         return "failed"

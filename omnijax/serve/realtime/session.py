@@ -72,7 +72,7 @@ from omnijax.serve.outbox import Outbox, close_slow_consumer
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.realtime.audio_input import AudioInput
-from omnijax.serve.realtime.audio_output import SpokenIds, check_audio_output, response_modalities, speak_answer
+from omnijax.serve.realtime.audio_output import SpokenIds, answer_and_speech, check_audio_output, response_modalities
 from omnijax.serve.realtime.duplex import DuplexRealtime
 from omnijax.serve.realtime.resume import ResumeRefused, Snapshotter, resume_plan
 from omnijax.serve.realtime.sampling import check_sampling, duplex_penalties, session_row
@@ -420,17 +420,7 @@ class RealtimeSession(AudioInput):
         tools = tools_of(self.settings)
         output = ResponseOutput(self, rid, tools.parser() if tools.active else None, spoken)  # message, calls
         decoder = self.context.tokenizer.stream_decoder(skip_special_tokens=True)
-        async for tokens in answer:
-            output.push(decoder.push(tokens))
-        await answer.done
-        self.conversation.answered(answer.tokens)
-        self.spoken.answered(answer.tokens)
-        status, reason, tail = answer.status, answer.reason, decoder.flush()
-        if spoken and status != "cancelled":
-            output.push(tail)
-            tail, ended = "", await speak_answer(self, output, voice, talker_prompt or [], answer.tokens, rid)
-            if ended is not None:
-                status, reason = ended, "cancelled" if ended == "cancelled" else None
+        status, reason, tail = await answer_and_speech(self, answer, output, decoder, voice, talker_prompt, rid)
         items = output.finish(tail, status == "completed")
         reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(reason, reason)
         done = rse.response_done(rid, status=status, output=items, input_tokens=input_tokens,

@@ -22,7 +22,9 @@ from omnijax.serve.engine.speech import SpeechConfig, SpeechPool
 pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
 
-from tests.serve.engine.test_speech_ticks import IM_END, model, prompt_ids  # noqa: E402,F401  (the fixture)
+from tests.serve.engine import test_speech_ticks as ticks  # noqa: E402
+
+IM_END, prompt_ids, model = ticks.IM_END, ticks.prompt_ids, ticks.model  # `model`: the module's fixture
 
 FIRST, CHUNK = 3, 4
 SPEECH = SpeechConfig(rows=(1, 2, 4), num_pages=40, page_size=16, first_chunk=FIRST, chunk=CHUNK)
@@ -47,7 +49,7 @@ def _run(pool, ids, feed=None):
     return chunks, seen
 
 
-def _close(model, chunks, whole):
+def _close(chunks, whole):
     pcm = np.concatenate([c.pcm for c in chunks])
     want = np.concatenate(list(whole))
     assert pcm.shape == want.shape
@@ -74,7 +76,7 @@ def test_an_answer_spoken_while_written_equals_it_spoken_whole(model):
     utterance = S.speak(model, prompt, np.asarray(answer), **kw)
     whole = S.speak_streamed(model, prompt, np.asarray(answer), first_chunk=FIRST, chunk=CHUNK, **kw)
     assert np.array_equal(np.concatenate([c.codes for c in chunks["w"]], axis=1), utterance.codes)
-    assert _close(model, chunks["w"], whole) < 1e-5
+    assert _close(chunks["w"], whole) < 1e-5
     assert not pool.sessions and pool.reserved == 0
 
 
@@ -94,7 +96,7 @@ def test_sampled_speech_on_the_pool_is_the_seeded_speech_alone(model):
         codes[s] = np.concatenate([c.codes for c in chunks[s]], axis=1)
         assert np.array_equal(codes[s], utterance.codes), s
         whole = S.speak_streamed(model, *args[s], first_chunk=FIRST, chunk=CHUNK, **kw)
-        assert _close(model, chunks[s], whole) < 1e-5, s
+        assert _close(chunks[s], whole) < 1e-5, s
     greedy = S.speak(model, *args["a"], speaker="chelsie", max_new_tokens=10)
     assert not np.array_equal(codes["a"], greedy.codes), "the draw spoke the greedy speech"
     other = S.speak(model, *args["a"], speaker="chelsie", max_new_tokens=10, sampling=TalkerSampling(seed=4))

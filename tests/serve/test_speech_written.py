@@ -1,0 +1,205 @@
+"""Speech on the server routes while the thinker still writes (issue 39): on a served tiny Qwen3-Omni release whose
+engine decodes one answer token a tick (tau 1), the speech pool's talker starts with the answer's first token, so
+through the official `openai` SDK
+
+- a streamed chat completion's first `delta.audio.data` comes before its last `delta.audio.transcript`, a Realtime
+  response's first `response.output_audio.delta` before its last `response.output_audio_transcript.delta`;
+- the PCM16 of both, and of a whole chat completion, equals the finished answer spoken alone (`speech.speak` on the
+  prompt transformers renders and the answer `omnijax.Chat` decodes) within 1 LSB (tests/serve/engine/
+  test_speech_writing.py checks the float PCM within 1e-5 of the peak);
+- `audio.sampling` draws the speech `speak(..., sampling=TalkerSampling(...))` draws, seeded (two requests with one
+  seed speak the same PCM, another seed other PCM); an unknown or out-of-range field is refused with HTTP 400 naming
+  it, the server serving on;
+- the event loop computes nothing: the pool's `open` and `extend` (the text rows' projection) run off the thread that
+  pushes the tokens (the event loop's).
+"""
+
+import asyncio
+import base64
+import io
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
+pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+import omnijax  # noqa: E402
+from omnijax.chat import SpeakOptions  # noqa: E402
+from omnijax.media.audio import pcm16, read_wav  # noqa: E402
+from omnijax.models.qwen3_omni import speech as S  # noqa: E402
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling  # noqa: E402
+from omnijax.serve import speech_engine  # noqa: E402
+from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
+from omnijax.serve.context import ServeOptions  # noqa: E402
+from omnijax.serve.engine.speech import SpeechPool  # noqa: E402
+from tests.chat.test_chat_speech import hf_prompt, spoken_release  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Say hello."}]
+MAX_TOKENS, SPEECH_TOKENS = 16, 20
+AUDIO = {"voice": "Chelsie", "format": "pcm16"}
+
+
+def _stream():
+    return omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("written_speech")
+    full, _ = spoken_release(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model = omnijax.load(full)
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=MAX_TOKENS, max_speech_tokens=SPEECH_TOKENS)
+    context = build_context(model, options=options, stream=_stream(), chunk_tokens=64, buckets=(1, 2),
+                            aimd_target=0)
+    with BackgroundServer(context) as server:
+        yield root, model, server
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """`Chat`'s greedy answer (text, ids) and the talker prompt transformers renders."""
+    root, model, _ = served
+    chat = omnijax.Chat(model, _stream())
+    items = list(chat.ask(QUESTION[0]["content"], max_tokens=MAX_TOKENS,
+                          speak=SpeakOptions(voice="Chelsie", max_speech_tokens=SPEECH_TOKENS)))
+    text = "".join(i for i in items if isinstance(i, str))
+    answer = np.asarray(chat.last_spoken.answer_ids)
+    assert answer.size >= 12, "the answer is too short for the talker to speak before it ends"
+    return text, np.asarray(hf_prompt(root / "hf", QUESTION)), answer
+
+
+def _want(model, reference, sampling=None):
+    _, prompt, answer = reference
+    spoken = S.speak(model, prompt, answer, speaker="Chelsie", max_new_tokens=SPEECH_TOKENS, sampling=sampling)
+    assert np.abs(spoken.pcm).max() > 0.05
+    return pcm16(spoken.pcm).astype(np.int32)
+
+
+def _close(got, want):
+    assert got.shape == want.shape
+    assert int(np.abs(got - want).max()) <= 1
+
+
+async def _streamed(server, audio):
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                                  modalities=["text", "audio"], audio=audio, stream=True)
+    kinds, transcript, data = [], [], []
+    async for chunk in stream:
+        delta = chunk.choices[0].delta.audio if chunk.choices else None
+        if delta is not None and delta.transcript:
+            kinds.append("text")
+            transcript.append(delta.transcript)
+        if delta is not None and delta.data:
+            kinds.append("audio")
+            data.append(np.frombuffer(base64.b64decode(delta.data), "<i2"))
+    return kinds, "".join(transcript), np.concatenate(data).astype(np.int32)
+
+
+def test_streamed_chat_speech_starts_before_the_text_ends(served, reference, monkeypatch):
+    _, model, server = served
+    threads = {"push": set(), "pool": set()}
+    push, opened, extend = speech_engine.WrittenSpeech.push, SpeechPool.open, SpeechPool.extend
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(speech_engine.WrittenSpeech, "push", spy("push", push))
+    monkeypatch.setattr(SpeechPool, "open", spy("pool", opened))
+    monkeypatch.setattr(SpeechPool, "extend", spy("pool", extend))
+    kinds, text, pcm = asyncio.run(asyncio.wait_for(_streamed(server, AUDIO), 600))
+    assert text == reference[0]
+    first_audio, last_text = kinds.index("audio"), len(kinds) - 1 - kinds[::-1].index("text")
+    assert first_audio < last_text, kinds
+    _close(pcm, _want(model, reference))
+    assert threads["push"] and threads["pool"] and not threads["push"] & threads["pool"], threads
+
+
+def test_whole_chat_speech_equals_the_finished_answer(served, reference):
+    _, model, server = served
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    response = client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                              modalities=["text", "audio"], audio=AUDIO | {"format": "wav"})
+    samples, _ = read_wav(io.BytesIO(base64.b64decode(response.choices[0].message.audio.data)))
+    assert response.choices[0].message.audio.transcript == reference[0]
+    _close(np.round(samples * 32768).astype(np.int32), _want(model, reference))
+
+
+def test_realtime_speech_starts_before_the_text_ends(served, reference):
+    _, model, server = served
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                               "audio": {"output": {"voice": "Chelsie"}}})
+            assert (await conn.recv()).type == "session.updated"
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": QUESTION[0]["content"]}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+            events = []
+            async for event in conn:
+                assert event.type != "error", event
+                events.append(event)
+                if event.type == "response.done":
+                    return events
+
+    events = asyncio.run(asyncio.wait_for(run(), 600))
+    kinds = [e.type for e in events]
+    first_audio = kinds.index("response.output_audio.delta")
+    last_text = len(kinds) - 1 - kinds[::-1].index("response.output_audio_transcript.delta")
+    assert first_audio < last_text, kinds
+    assert "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta") == reference[0]
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
+                          if e.type == "response.output_audio.delta"]).astype(np.int32)
+    _close(pcm, _want(model, reference))
+    assert events[-1].response.status in ("completed", "incomplete")
+
+
+def test_audio_sampling_draws_the_seeded_speech(served, reference):
+    """`audio.sampling` (an omnijax extension): the streamed speech (spoken while written) and the whole one are
+    `speak(..., sampling=TalkerSampling(...))`'s, seeded; another seed speaks other speech, none the greedy one."""
+    _, model, server = served
+    drawn = {"seed": 3, "temperature": 0.8, "top_k": 30}
+    kinds, _, pcm = asyncio.run(asyncio.wait_for(_streamed(server, AUDIO | {"sampling": drawn}), 600))
+    want = _want(model, reference, TalkerSampling(**drawn))
+    _close(pcm, want)
+    assert want.shape != _want(model, reference).shape or np.abs(want - _want(model, reference)).max() > 100
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    other = client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                           modalities=["text", "audio"], audio=AUDIO | {"sampling": {"seed": 4}})
+    got = np.frombuffer(base64.b64decode(other.choices[0].message.audio.data), "<i2").astype(np.int32)
+    want4 = _want(model, reference, TalkerSampling(seed=4))
+    _close(got, want4)
+    assert want4.shape != want.shape or np.abs(want4 - want).max() > 100
+
+
+@pytest.mark.parametrize("sampling, param, says", [
+    ({"temprature": 0.5}, "audio.sampling.temprature", "did you mean 'temperature'"),
+    ({"temperature": 0}, "audio.sampling.temperature", "temperature"),
+    ({"top_p": 1.5}, "audio.sampling.top_p", "top_p"),
+    ({"top_k": 2.5}, "audio.sampling.top_k", "an integer"),
+    ({"seed": -1}, "audio.sampling.seed", "[0, 2147483647]"),
+    ({"seed": True}, "audio.sampling.seed", "an integer"),
+    (0.9, "audio.sampling", "must be an object"),
+])
+def test_bad_audio_sampling_is_refused_by_name(served, sampling, param, says):
+    _, _, server = served
+    engine = server.context.worker.engine
+    before = list(engine.sessions)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                       modalities=["text", "audio"], audio=AUDIO | {"sampling": sampling})
+    body = e.value.body
+    assert e.value.status_code == 400 and body["param"] == param and says in body["message"], body
+    assert list(engine.sessions) == before and not engine.speech.sessions
