@@ -258,7 +258,7 @@ def test_bad_recall_settings_are_refused_by_name(model):
                           recall=Recall(budget=8))
     with pytest.raises(ValueError, match="batch-1 sessions only"):
         Session(model, config, batch=2)
-    with pytest.raises(ValueError, match="wired into omnijax.Session, omnijax.Chat and omnijax.evaluate only"):
+    with pytest.raises(ValueError, match="omnijax.evaluate and the serving engine only so far: stream"):
         stream(model, stack_chunks(_context()), config)
     with pytest.raises(ValueError, match="recall is off"):
         _session(model, SinkWindow(sink=2, window=12)).recall(_question())

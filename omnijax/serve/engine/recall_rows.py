@@ -84,6 +84,10 @@ class EngineRecall:
     def __init__(self, config: StreamConfig, model_config: Any, *, num_pages: int, max_pages: int | None):
         if config.recall is None:
             raise ValueError("EngineRecall needs StreamConfig(recall=Recall(...))")
+        if config.paging.mode != "native":
+            raise ValueError(f"StreamConfig(recall=...) on the engine runs with paging mode 'native' only so far "
+                             f"(the other modes move a row's slots in the shared pool, untested with a row's tier), "
+                             f"got paging mode {config.paging.mode!r}")
         # A session recalls into its own page-table row: the budget is checked against what one row can list.
         new_recall_session(config, model_config, num_pages=min(num_pages, max_pages or num_pages), batch=1)
         self.config, self.model_config = config, model_config

@@ -5,6 +5,7 @@ recall figures, are equal; a second session served in the same ticks on a seeded
 engine snapshot carries the tier, and the resumed session answers as the uninterrupted one; a missing or corrupt
 tier, and what the engine does not support with recall yet, are refused by name and change nothing."""
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 
 import omnijax
 from omnijax.chunks.chunk import pad_chunk, text_chunk
+from omnijax.conversation import Prompt
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.snapshot import save_snapshot
+from omnijax.serve.engine.worker import EngineWorker
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 
@@ -207,5 +210,75 @@ def test_a_missing_or_corrupt_tier_and_unsupported_uses_are_refused_by_name(mode
         engine.fork_session("a", ["b"])
     with pytest.raises(ValueError, match="constrained decoding .* is not supported with StreamConfig\\(recall"):
         engine.tick(constraints={"a": object()})
+    with pytest.raises(ValueError, match="on the engine runs with paging mode 'native' only so far"):
+        Engine(model, EngineConfig(stream=config.replace(paging="eager"), chunk_tokens=T))
     with pytest.raises(ValueError, match="recall is off for this engine"):
         plain.open("x") or plain.recall_stats("x")
+
+
+def _oracle_answer(session, question, max_tokens, stop):
+    """What `Chat` does for one answer: the question's recall held over the answer's continuation chunks."""
+    session.hold_recall()
+    tokens, chunk = [], question
+    while True:
+        asked = min(TAU, max_tokens - len(tokens))
+        _, new = _feed_session(session, dataclasses.replace(chunk, answer_tokens=np.asarray([asked], np.int32)),
+                               False, False)
+        cut = next((i + 1 for i, t in enumerate(new) if t in stop), None)
+        tokens += new[:cut] if cut is not None else new
+        if cut is not None or len(tokens) >= max_tokens or not new:
+            break
+        chunk = _continuation(0, int(np.asarray(question.answer_unit)[0]))
+    session.release_recall()
+    return tokens
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_worker_holds_each_answers_recall_as_chat_does(model, per_token):
+    """Two sessions over one `EngineWorker`: context fed, a question answered over continuations, more context, a
+    second question; every answer equals the batch-1 Session's held over that answer (`Chat`'s way)."""
+    config = _config(POLICIES["omnipick"])
+    engine = Engine(model, EngineConfig(stream=config, chunk_tokens=T, buckets=(1, 2, 4), per_token=per_token))
+    max_tokens = 8
+    plans = {sid: (_context(seed), _question(seed + 1, 101), _context(seed + 2, 20)[:3], _question(seed + 3, 111))
+             for sid, seed in (("a", 0), ("b", 30))}
+
+    async def body(worker):
+        async def one(sid):
+            first, q1, more, q2 = plans[sid]
+            await worker.open(sid)
+            answers = []
+            for context, question in ((first, q1), (more, q2)):
+                await worker.feed(sid, context)
+                unit = int(np.asarray(question.answer_unit)[0])
+                answer = worker.respond(sid, Prompt(parts=[question], answer_unit=unit), max_tokens,
+                                        lambda u, n: _continuation(0, u))
+                await answer.done
+                answers.append(list(answer.tokens))
+            return answers
+        got = dict(zip(plans, await asyncio.gather(*(one(sid) for sid in plans))))
+        return got, worker.stop_ids, {sid: engine.recall_stats(sid) for sid in plans}
+
+    got, stop, stats = _serve(engine, body)
+    for sid, (first, q1, more, q2) in plans.items():
+        session = Session(model, config)
+        want = []
+        for context, question in ((first, q1), (more, q2)):
+            for c in context:
+                _feed_session(session, c, False, False)
+            want.append(_oracle_answer(session, question, max_tokens, stop))
+        assert got[sid] == want and all(want), (sid, got[sid], want)
+        assert stats[sid] == session.recall_stats() and stats[sid].questions == 2 and stats[sid].recalled_cells
+
+
+def _serve(engine, body):
+    async def main():
+        worker = EngineWorker(engine)
+        await worker.start()
+        try:
+            return await body(worker)
+        finally:
+            for sid in list(worker.lanes):
+                await worker.close(sid)
+            await worker.stop()
+    return asyncio.run(main())
