@@ -133,13 +133,13 @@ class NativeSession:
                         self._idle_out()
                         return None
                 snap_s = None if self.snapshots is None else self.snapshots.wait_s()
-                if snap_s is not None:  # a time-based snapshot is pending: taken here once due, between frames
+                if snap_s is not None:  # a snapshot is pending: taken here once due, between frames
                     if self._busy():  # the pump takes it after its frame; look again soon in case it was not due
-                        snap_s = min(1.0, max(0.02, self.snapshots.every_s / 4))
-                    elif snap_s <= 0:
+                        snap_s = min(1.0, max(0.05, self.snapshots.every_s / 4))
+                    elif self.snapshots.due():
                         await self.snapshots.take()
                         continue
-                    wait_s = snap_s if wait_s is None else min(wait_s, snap_s)
+                    wait_s = max(0.02, snap_s) if wait_s is None else min(wait_s, max(0.02, snap_s))
                 done, _ = await asyncio.wait({receive, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
                 if done:
                     self.last_active = loop.time()

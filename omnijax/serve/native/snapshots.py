@@ -4,9 +4,13 @@ killed without a drain loses at most the last interval of a native session, not 
 The interval has Realtime's syntax and meaning (`omnijax.serve.realtime.snapshot_store.parse_every`), with a served
 frame as the native session's turn:
 
-- `Nturns`: after every N-th served frame;
+- `Nturns`: after the N-th frame served since the previous snapshot was taken;
 - `30s`: after the first frame served 30 s or more after the previous snapshot was taken, or, when the client sends
   nothing, as soon as the interval has passed (the connection's receive loop wakes for it).
+
+One write is on its way to disk at a time: a snapshot that falls due while the previous one is still being written
+is taken at the first moment between frames after that write ended (a frame never waits for a disk write, and at
+most one export waits in memory), so on a slow disk the snapshots come as often as the disk takes them.
 
 A snapshot is only ever taken between two frames: after a frame's reply is queued and before the next frame goes to
 the engine (the session has at most one frame in the engine, see `omnijax.serve.native.session`), so the engine
@@ -15,7 +19,7 @@ says `seq` = the served frame's number + 1 and the audio unit the next frame is 
 continues from there bit-exactly (the frames after it give the tokens an uninterrupted session gives).
 
 The export runs in the engine's thread; its disk write runs in a worker thread in the background while the next
-frames are served. One write is in flight at a time, in order; a write that fails is reported to the client as a
+frames are served. A write that fails is reported to the client as a
 non-fatal `{"type": "error", "code": "snapshot_failed"}` and the token's previous snapshot stays (the next interval
 tries again). The connection's last snapshot (at its end, `omnijax.serve.native.session`) waits for the write in
 flight, so generations land in order.
@@ -58,6 +62,7 @@ class NativeSnapshots:
         self.every_s, self.every_turns = float(every_s), int(every_turns)
         self.frame_ms, self.model_name, self.report = frame_ms, model_name, report
         self.frames = 0  # frames served by this connection
+        self.frames_taken = 0  # `frames` when the last snapshot was taken
         self.state: tuple[int, int] | None = None  # (seq, unit) after the last served frame; None: nothing new
         self.last_take = time.monotonic()  # when the last snapshot was taken (exported), or the connection began
         self.taken = self.written = self.failed = 0
@@ -73,19 +78,31 @@ class NativeSnapshots:
         self.frames += 1
         self.state = (seq + 1, unit)
 
-    def due(self) -> bool:
-        """Whether a snapshot is due now (something was served since the last one, and its frame or time came)."""
-        if self.state is None or not self.enabled:
-            return False
+    def _came(self) -> bool:
+        """Whether the interval came (frames or seconds since the last snapshot was taken)."""
         if self.every_turns:
-            return self.frames % self.every_turns == 0
+            return self.frames - self.frames_taken >= self.every_turns
         return time.monotonic() - self.last_take >= self.every_s
 
+    def writing(self) -> bool:
+        """Whether a write is on its way to disk."""
+        return self._saving is not None and not self._saving.done()
+
+    def due(self) -> bool:
+        """Whether a snapshot is to be taken now: something was served since the last one, its interval came, and
+        no write is in flight."""
+        return self.state is not None and self.enabled and self._came() and not self.writing()
+
     def wait_s(self) -> float | None:
-        """Seconds until a time-based snapshot falls due (<= 0: due now); None when none is pending."""
-        if self.state is None or not self.every_s:
+        """How long the connection may wait before looking at `due` again (> 0 unless due now); None when nothing
+        will fall due without another frame."""
+        if self.state is None or not self.enabled:
             return None
-        return self.last_take + self.every_s - time.monotonic()
+        if self._came():
+            return 0.0 if not self.writing() else 0.05  # taken once the write in flight ends
+        if not self.every_s:
+            return None
+        return max(0.0, self.last_take + self.every_s - time.monotonic())
 
     async def take(self) -> bool:
         """Exports the session (the caller makes sure no frame is in the engine) and starts its write after the one
@@ -93,7 +110,7 @@ class NativeSnapshots:
         if self.state is None:
             return False
         seq, unit = self.state
-        self.state, self.last_take = None, time.monotonic()  # a failure is retried at the next interval
+        self.state, self.last_take, self.frames_taken = None, time.monotonic(), self.frames  # a failure: next interval
         try:
             snapshot = await self.export(self.sid, native_meta(seq, unit, self.frame_ms, self.model_name))
         except Exception as e:  # noqa: BLE001 - the engine's export (preempted, a timeout): said, the session goes on
@@ -101,7 +118,7 @@ class NativeSnapshots:
                          f"{self.store.public_message(e)[:200]})")
             return False
         self.taken += 1
-        previous = self._saving
+        previous = self._saving  # the connection's last snapshot may follow a periodic one still being written
         self._saving = asyncio.ensure_future(self._write(previous, snapshot, seq))
         return True
 

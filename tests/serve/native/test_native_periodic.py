@@ -12,6 +12,7 @@ fed the same frames, one at a time: no frame is superseded).
 import asyncio
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.engine.snapshot import load_snapshot  # noqa: E402
+from omnijax.serve.realtime.resume import store_for  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
 from tests.serve.cluster.native_client import frame as _frame  # noqa: E402
 from tests.serve.cluster.native_client import frames as _frames  # noqa: E402
@@ -101,7 +103,11 @@ def test_a_killed_server_loses_only_the_frames_after_the_last_periodic_snapshot(
             ws, ready = await _hello(server.native_url)
             async with ws:
                 token = ready["resume_token"]
-                said = await _frames(ws, ready, range(fed))
+                said = []
+                for k in range(fed):  # with frames, each snapshot on disk before the frame that makes the next due
+                    said += await _frames(ws, ready, [k])
+                    if turns and (k + 1) % 2 == 0 and k + 1 < kept:
+                        await _until_on_disk(snapshots, token, k + 1)
                 waited = await _until_on_disk(snapshots, token, kept)
                 shutil.copytree(snapshots, killed)  # what a SIGKILL at this moment leaves on disk
                 said += await _frames(ws, ready, range(fed, FRAMES))  # the connection goes on, unaware
@@ -139,3 +145,33 @@ def test_a_failed_periodic_write_is_reported_and_the_session_goes_on(model, expe
     for error in errors:
         assert error["code"] == "snapshot_failed" and "full" in error["message"], error
         assert str(tmp_path) not in error["message"], error  # no server path goes to the client
+
+
+def test_frames_never_wait_for_a_slow_disk_and_writes_do_not_pile_up(model, expected, tmp_path):
+    """`1turn` on a store whose first write is held up (a disk that stalls): the frames after it are served as fast
+    as before (none waits for the write), no further snapshot is exported while the write is in flight (at most one
+    export waits in memory, not one per frame), and once the write ends the newest state is taken and written by
+    itself, though the client sends nothing more: the disk then holds every frame served."""
+    context = _context(model, tmp_path / "s", snapshot_every_turns=1)
+    store, release, saves = store_for(context), threading.Event(), []
+    save = store.save
+
+    def stalling_save(lease, snapshot):
+        saves.append(snapshot.meta["native"]["seq"])
+        assert release.wait(120), "the test never released the stalled write"
+        return save(lease, snapshot)
+
+    store.save = stalling_save
+    with BackgroundServer(context) as server:
+        async def run():
+            ws, ready = await _hello(server.native_url)
+            async with ws:
+                said = await _frames(ws, ready, range(4))  # a hang here: a frame waited for the stalled write
+                stalled = list(saves)
+                release.set()
+                await _until_on_disk(tmp_path / "s", ready["resume_token"], 4)
+                return said, stalled, list(saves)
+        said, stalled, after = asyncio.run(run())
+    assert said == expected[:4], (said, expected)
+    assert stalled == [1], stalled  # frame 0's snapshot, stalled; nothing exported behind it
+    assert after == [1, 4], after  # then the newest state alone (frames 1-3 in one snapshot)
