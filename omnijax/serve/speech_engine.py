@@ -188,7 +188,7 @@ def written_speech(context: ServeContext, prompt: np.ndarray, voice: str,
     return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, sampling=sampling)
 
 
-async def finish_speech(early: WrittenSpeech, answer: Sequence[int]) -> AsyncIterator[np.ndarray]:
+async def finish_speech(early: WrittenSpeech, answer: Sequence[int]) -> AsyncGenerator[np.ndarray, None]:
     """The rest of an answer spoken while written, once it is whole (`answer`: as `WrittenSpeech.finish` takes
     it): int16 PCM chunk by chunk, those already decoded first. Raises as `WrittenSpeech.rest`."""
     early.finish(answer)

@@ -1,12 +1,15 @@
 """Chat completions' audio output: `modalities: ["text", "audio"]` with `audio: {"voice", "format"}`.
 
 On a checkpoint with speech output (`model.speech`: Qwen3-Omni converted from its full release) the answer is
-decoded as text on the engine's ticks, then spoken: the talker decodes codec frames over the whole answer's text and
-the vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`). Qwen3-Omni speaks on the
+decoded as text on the engine's ticks and spoken: the talker decodes codec frames over the answer's text and the
+vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`). Qwen3-Omni speaks on the
 engine's speech pool (`omnijax.serve.speech_engine`: `EngineWorker.speak`, its talker steps and vocoder chunks batched
 with every other speaking session's on the engine's ticks, admission counting it; a full pool refuses the request by
-name, HTTP 429, before anything is fed); Qwen2.5-Omni, whose Token2Wav has no pool, speaks in worker threads
-(`SpeechOutput.speak_chunks`, each chunk's work in `asyncio.to_thread`). Neither computes on the event loop. The
+name, HTTP 429, before anything is fed), and its talker starts with the answer's first token, reading each later one
+as the thinker decodes it (`speech_engine.WrittenSpeech`), so audio comes while the text is still written;
+Qwen2.5-Omni, whose Token2Wav has no pool, speaks the finished answer in worker threads (`SpeechOutput.speak_chunks`,
+each chunk's work in `asyncio.to_thread`). `audio.sampling` draws the speech (`omnijax.serve.speech_sampling`;
+Qwen3-Omni only); without it the talker is greedy. Neither computes on the event loop. The
 talker's prompt is the request's templated text as fed (every message's rendering and the generation prompt); the
 answer spoken is the answer's tokens without the final end-of-turn token; the talker's tokens are capped by
 `ServeOptions.max_speech_tokens`.
@@ -15,7 +18,8 @@ As OpenAI's API returns it, the message's `content` is null and the text is the 
 - whole: `choices[0].message.audio = {id, data, expires_at, transcript}`, `data` the base64 of a WAV file (16-bit
   mono PCM at the model's rate, 24 kHz) for `format` "wav", of raw 16-bit little-endian PCM for "pcm16";
 - streamed (`format` "pcm16" only, as OpenAI streams audio): `delta.audio = {id, transcript}` per text piece as it is
-  decoded, then `{id, data}` per vocoder chunk (base64 PCM16) as it is decoded, then `{expires_at}` last.
+  decoded and `{id, data}` per vocoder chunk (base64 PCM16) as it is decoded (on Qwen3-Omni between the text pieces,
+  the rest after them), then `{expires_at}` last.
 The server keeps no audio: `expires_at` is the response's creation time, and an assistant message that refers to an
 earlier audio answer (`messages[i].audio`) is refused.
 

@@ -10,13 +10,17 @@ through the official `openai` SDK
 - `audio.sampling` draws the speech `speak(..., sampling=TalkerSampling(...))` draws, seeded (two requests with one
   seed speak the same PCM, another seed other PCM); an unknown or out-of-range field is refused with HTTP 400 naming
   it, the server serving on;
+- `session.audio.output.sampling` does the same for a Realtime session (echoed in its session object, kept by its
+  snapshots; an unknown field refused by an error event naming it);
 - the event loop computes nothing: the pool's `open` and `extend` (the text rows' projection) run off the thread that
   pushes the tokens (the event loop's).
 """
 
 import asyncio
 import base64
+import dataclasses
 import io
+import json
 import threading
 import warnings
 
@@ -36,6 +40,9 @@ from omnijax.serve import speech_engine  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.engine.speech import SpeechPool  # noqa: E402
+from omnijax.serve.realtime import client_events as rte  # noqa: E402
+from omnijax.serve.realtime.resume import ResumeRefused  # noqa: E402
+from omnijax.serve.realtime.resume_meta import settings_of  # noqa: E402
 from tests.chat.test_chat_speech import hf_prompt, spoken_release  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Say hello."}]
@@ -203,3 +210,52 @@ def test_bad_audio_sampling_is_refused_by_name(served, sampling, param, says):
     body = e.value.body
     assert e.value.status_code == 400 and body["param"] == param and says in body["message"], body
     assert list(engine.sessions) == before and not engine.speech.sessions
+
+
+async def _realtime(server, output: dict, bad: dict | None = None):
+    """A Realtime session: `bad` (an `audio.output`) first, its error kept; then `output` and one spoken
+    response. Returns (the error, the session.updated session, the response's events)."""
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    async with client.realtime.connect(model="omnijax") as conn:
+        assert (await conn.recv()).type == "session.created"
+        error = None
+        if bad is not None:
+            await conn.session.update(session={"type": "realtime", "audio": {"output": bad}})
+            error = await conn.recv()
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "audio": {"output": output}})
+        updated = await conn.recv()
+        assert updated.type == "session.updated", updated
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": QUESTION[0]["content"]}]})
+        await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+        events = []
+        async for event in conn:
+            assert event.type != "error", event
+            events.append(event)
+            if event.type == "response.done":
+                return error, updated.session, events
+    raise AssertionError("the connection closed before response.done")
+
+
+def test_realtime_audio_output_sampling_draws_the_seeded_speech(served, reference):
+    """`session.audio.output.sampling` (the omnijax extension): echoed in the session, the response's speech is
+    `speak(..., sampling=...)`'s; an unknown field is refused with an error event naming it, changing nothing."""
+    _, model, server = served
+    drawn = {"seed": 3, "temperature": 0.8, "top_k": 30}
+    error, session, events = asyncio.run(asyncio.wait_for(_realtime(
+        server, {"voice": "Chelsie", "sampling": drawn}, bad={"sampling": {"seed": 3, "top_kk": 4}}), 600))
+    assert error.type == "error" and error.error.param == "session.audio.output.sampling.top_kk", error
+    assert session.audio.output.model_extra["sampling"] == drawn
+    pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
+                          if e.type == "response.output_audio.delta"]).astype(np.int32)
+    _close(pcm, _want(model, reference, TalkerSampling(**drawn)))
+
+
+def test_a_snapshot_keeps_the_talker_sampling():
+    """`settings.output_sampling` round-trips through a snapshot's JSON meta; a bad one is refused naming it."""
+    settings = rte.SessionSettings(output_modalities=("audio",), output_sampling=(("seed", 3), ("top_k", 30)))
+    assert settings_of(json.loads(json.dumps(dataclasses.asdict(settings)))) == settings
+    for bad in ([["seed", "3"]], [["top_kk", 3]], [["temperature", 0]]):
+        with pytest.raises(ResumeRefused, match="settings.output_sampling"):
+            settings_of(dataclasses.asdict(settings) | {"output_sampling": bad})

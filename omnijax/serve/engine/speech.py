@@ -280,11 +280,12 @@ class SpeechPool:
         unknown."""
         if speech_id not in self._utterances:
             raise KeyError(f"unknown speech {speech_id!r}; in the pool: {self.sessions}")
-        u = self._utterances.pop(speech_id)
-        row = self._slots.pop(speech_id)
-        self.reserved -= u.pages
-        if row < self.kv.batch:
+        row = self._slots[speech_id]
+        if row < self.kv.batch:  # first: a reader that sees the utterance gone sees the cache it left
             self.kv = steps.reset_row(self.kv, np.int32(row))
+        u = self._utterances.pop(speech_id)
+        del self._slots[speech_id]
+        self.reserved -= u.pages
 
     def warm_vocoder(self) -> int:
         """Compiles every one-session Code2Wav call a tick can make (first and later calls, full and each shorter

@@ -5,12 +5,13 @@ its talker) `session.update` takes `output_modalities: ["audio"]`, `audio.output
 voices, in any case; the session object echoes it as the checkpoint spells it; none given: the checkpoint's first)
 and `audio.output.format` `{"type": "audio/pcm", "rate": 24000}`; `response.create` may ask for `["audio"]` or
 `["text"]` for one response. A spoken response is one assistant message item whose part is `output_audio`: the text
-as the engine decodes it, as `response.output_audio_transcript.delta`s, then the answer spoken
-(`omnijax.serve.speech_output.speak_pieces`: the talker over the whole answer, the vocoder in chunks of `FIRST_CHUNK`
-codec frames then `CHUNK`; Qwen3-Omni as an utterance of the engine's speech pool, batched on its ticks with every
-other speaking session and counted by admission, Qwen2.5-Omni in worker threads; never on the event loop) as
-`response.output_audio.delta`s (base64
-16-bit PCM at 24 kHz, one per vocoder chunk, as it is decoded), then `response.output_audio.done`,
+as the engine decodes it, as `response.output_audio_transcript.delta`s, and the answer spoken (the vocoder in chunks
+of `FIRST_CHUNK` codec frames then `CHUNK`; never on the event loop) as `response.output_audio.delta`s (base64 16-bit
+PCM at 24 kHz, one per vocoder chunk, as it is decoded): on Qwen3-Omni an utterance of the engine's speech pool,
+batched on its ticks with every other speaking session and counted by admission, whose talker starts with the
+answer's first token (`speech_engine.WrittenSpeech`: audio deltas come between the transcript deltas, the rest after
+them); on Qwen2.5-Omni the finished answer, in worker threads (`speech_output.speak_pieces`). Then
+`response.output_audio.done`,
 `response.output_audio_transcript.done`, `conversation.item.done` (the part `{"type": "output_audio", "transcript"}`:
 the server keeps no audio) and `response.done` (`output_modalities` ["audio"], `audio.output` its voice and format).
 `response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled"; the utterance leaves
@@ -54,11 +55,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omnijax.media.audio import pcm16
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
+from omnijax.serve.chat_params import RequestError
 from omnijax.serve.realtime import client_events as rte
 from omnijax.serve.realtime import server_events as rse
 from omnijax.serve.speech_engine import SpeechOverloaded, WrittenSpeech, finish_speech, pool_full, written_speech
 from omnijax.serve.speech_output import AudioOutput, MediaReplay, retrieve_exception, speak_pieces
+from omnijax.serve.speech_sampling import parse_talker_sampling
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -144,12 +148,14 @@ def check_audio_output(session: RealtimeSession, settings: rte.SessionSettings, 
     naming the field; changes nothing."""
     changes = changes or {}
     audio = "audio" in settings.output_modalities
-    if not audio and settings.output_voice is None and "output_format" not in changes:
+    sampled = settings.output_sampling is not None
+    if not audio and settings.output_voice is None and "output_format" not in changes and not sampled:
         return settings
     speech, name = session.context.model.speech, session.options.model_name
     if speech is None:
         param = ("session.output_modalities" if audio else "session.audio.output.voice"
-                 if settings.output_voice is not None else "session.audio.output.format")
+                 if settings.output_voice is not None else "session.audio.output.sampling" if sampled
+                 else "session.audio.output.format")
         raise rte.RealtimeEventError("unsupported", f"audio output is not supported: model {name!r} has no speech "
                                      "output (a talker and a vocoder), so it answers in text only; serve a "
                                      "checkpoint converted from a full release with its talker (Qwen3-Omni's or "
@@ -168,7 +174,18 @@ def check_audio_output(session: RealtimeSession, settings: rte.SessionSettings, 
         raise rte.RealtimeEventError("unsupported", "audio output is not supported with active tools (a call "
                                      "cannot be spoken): send tool_choice \"none\", or no tools", event_id=eid,
                                      param="session.output_modalities")
+    talker_sampling(settings, speech, eid)
     return dataclasses.replace(settings, output_voice=voices[voice.lower()])
+
+
+def talker_sampling(settings: rte.SessionSettings, speech: Any, eid: str | None = None) -> TalkerSampling | None:
+    """The talker's sampling of `session.audio.output.sampling` (None: greedy), checked against the checkpoint
+    (`omnijax.serve.speech_sampling`); `RealtimeEventError` naming the field."""
+    try:
+        return parse_talker_sampling(None if settings.output_sampling is None else dict(settings.output_sampling),
+                                     "session.audio.output.sampling", speech)
+    except RequestError as e:
+        raise rte.RealtimeEventError(e.code, str(e), event_id=eid, param=e.param) from None
 
 
 def response_modalities(session: RealtimeSession, asked: tuple | None, eid: str | None
@@ -202,7 +219,8 @@ async def answer_and_speech(session: RealtimeSession, answer: Any, output: Respo
     if voice is not None:
         early = written_speech(session.context, np.asarray(prompt or [], np.int64), voice,
                                functools.partial(asyncio.to_thread, session.spoken.media, len(prompt or [])),
-                               stop=session.conversation.eos)
+                               stop=session.conversation.eos,
+                               sampling=talker_sampling(session.settings, session.context.model.speech))
     try:
         async for tokens in answer:
             output.push(decoder.push(tokens))
@@ -240,7 +258,7 @@ async def speak_answer(session: RealtimeSession, output: ResponseOutput, voice: 
     event said why), else None."""
     eos = session.conversation.eos
     answer = list(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
-    audio = AudioOutput(voice, "pcm16")
+    audio = AudioOutput(voice, "pcm16", talker_sampling(session.settings, session.context.model.speech))
     try:
         if early is not None:
             pieces = finish_speech(early, answer)

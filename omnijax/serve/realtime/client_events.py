@@ -95,6 +95,8 @@ class SessionSettings:
     output_modalities: tuple = ("text",)
     output_voice: Optional[str] = None  # `audio.output.voice` as given (None: the checkpoint's first voice)
     output_format: str = "audio/pcm"  # `audio.output.format` (16-bit mono at 24 kHz, the only one)
+    output_sampling: Optional[tuple] = None  # `audio.output.sampling` ((field, value), ...): the talker's draws,
+    # checked against the checkpoint by the session (`audio_output.check_audio_output`); None: greedy
     input_audio_rate: int = 24000
     turn_detection: Optional[ServerVad] = None
     max_output_tokens: Union[int, Literal["inf"]] = "inf"
@@ -330,6 +332,11 @@ def _parse_output(c: Fields, out: Any) -> dict:
             c.fail("invalid_value", f"'{p}.format.rate' must be 24000 (speech is sent at 24 kHz), got {rate!r}",
                    p + ".format.rate")
         changes["output_format"] = "audio/pcm"
+    if "sampling" in out:  # an omnijax extension (`omnijax.serve.speech_sampling`); null: greedy again
+        value = out["sampling"]
+        if value is not None:
+            value = tuple(c.obj(value, p + ".sampling").items())
+        changes["output_sampling"] = value
     return changes
 
 

@@ -34,7 +34,7 @@ FIELDS: dict[str, tuple[tuple, dict]] = {
     "session.truncation": (("type", "retention_ratio", "token_limits"), {}),
     "session.truncation.token_limits": (("post_instructions",), {}),
     "session.audio": (("input", "output"), {}),
-    "session.audio.output": (("format", "voice", "speed"),
+    "session.audio.output": (("format", "voice", "speed", "sampling"),
                              {"speed": ((1.0, 1), "the speech is sent at the talker's own pace")}),
     "session.audio.output.format": (("type", "rate"), {}),
     "session.audio.input": (("format", "turn_detection", "transcription", "noise_reduction"),

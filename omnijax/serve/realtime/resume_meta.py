@@ -14,8 +14,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from omnijax.conversation import Conversation
+from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.serve.engine.snapshot import COUNTER_LIMIT, SessionSnapshot
 from omnijax.serve.realtime import client_events as rte
+from omnijax.serve.speech_sampling import FIELDS
 from omnijax.serve.tool_calls import ToolError, check_function, check_functions
 
 if TYPE_CHECKING:
@@ -100,6 +102,21 @@ def _show(value: Any) -> str:
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
+def _sampling(value: Any) -> tuple:
+    """A snapshot's `settings.output_sampling`: `[[field, value], ...]` of `TalkerSampling`'s fields."""
+    where = "settings.output_sampling"
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and p[0] in FIELDS and isinstance(p[1], (int, float))
+            and not isinstance(p[1], bool) for p in value):
+        raise _fail(where, f"must be a list of [field, number] pairs of {list(FIELDS)}, got {_show(value)}")
+    pairs = tuple((str(k), v) for k, v in value)
+    try:
+        TalkerSampling(**dict(pairs))
+    except (TypeError, ValueError) as e:
+        raise _fail(where, str(e)) from None
+    return pairs
+
+
 def _fields(value: Any, field: str, allowed: tuple[str, ...]) -> dict:
     if not isinstance(value, dict):
         raise _fail(field, f"must be an object, got {_show(value)}")
@@ -125,6 +142,8 @@ def settings_of(value: Any) -> rte.SessionSettings:
                         f"{_show(d['output_modalities'])}")
         kw["output_modalities"] = tuple(d["output_modalities"])
     kw["output_voice"] = _str(d.get("output_voice"), "settings.output_voice", optional=True)
+    if d.get("output_sampling") is not None:
+        kw["output_sampling"] = _sampling(d["output_sampling"])
     if d.get("output_format", "audio/pcm") != "audio/pcm":
         raise _fail("settings.output_format", f"must be 'audio/pcm', got {_show(d['output_format'])}")
     if "input_audio_rate" in d:

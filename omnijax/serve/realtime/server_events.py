@@ -56,7 +56,9 @@ def session_object(settings: SessionSettings, session_id: Optional[str] = None) 
            "output_modalities": list(settings.output_modalities), "max_output_tokens": settings.max_output_tokens,
            "truncation": tr, "audio": {"input": {"format": fmt, "turn_detection": td},
                                          "output": {"format": {"type": settings.output_format, "rate": 24000},
-                                                    "voice": settings.output_voice}},
+                                                    "voice": settings.output_voice,
+                                                    **({"sampling": dict(settings.output_sampling)}
+                                                       if settings.output_sampling is not None else {})}},
            "tools": [{"type": "function", **f} for f in settings.tools], "tool_choice": settings.tool_choice,
            "omnijax": {"input_audio_rate": settings.input_audio_rate, "duplex": settings.duplex,
                        **{k: getattr(settings, k) for k in SAMPLING
