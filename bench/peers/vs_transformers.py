@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
+from bench.peers._vs_transformers_rows import POLICY_SPECS, SIDES, agreement, plot, print_tables, stream_rows
 
 HF_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -63,11 +64,9 @@ INIT_STD = 0.08  # std of every weight matrix (norm weights stay 1)
 CKPT_DIR = f"vs_transformers_ckpt_std{INIT_STD}"  # a changed init builds a new checkpoint
 PAGE_SIZE = 64
 TORCH_THREADS = 2
-SIDES = ("omnijax", "transformers")
 SECTIONS = ("full", "bounded", "prefill")
 FULL_HISTORIES = (256, 1024, 2048, 4096, 8192)
 BOUNDED_HISTORIES = (8192, 16384, 32768)
-POLICY_SPECS = {"no_slide": "no_slide", "omnipick": "omnipick", "sink_window": "sink_window:sink=16,window=2048"}
 SNAPKV = dict(compression_ratio=0.75, window_size=64, kernel_size=5)
 VERSIONS: dict[str, str] = {}  # package versions the workers ran with
 LOADS: list[float] = []  # the 1-minute load average as each worker started
@@ -346,37 +345,6 @@ def alternating_rounds(args, kind: str) -> list[dict]:
              for side in (SIDES if r % 2 == 0 else SIDES[::-1])} for r in range(args.rounds)]
 
 
-def agreement(mine: list, peer: list) -> dict:
-    """Max |omnijax - transformers| over rounds of one set of last-token logits, and transformers' largest |logit|."""
-    return {"logits_max_diff": max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(mine, peer)),
-            "logits_max_abs": float(np.max(np.abs(peer[0])))}
-
-
-def stream_rows(section: str, rounds: list[dict], name: str | None) -> list[dict]:
-    """JSON rows of a streaming section: transformers' and (policy `name`, or every policy) omnijax's per history."""
-    peer = [r["transformers"] for r in rounds]
-    histories = peer[0]["histories"]
-    assert all(r["omnijax"]["histories"] == histories for r in rounds), "the sides measured different histories"
-    mine = {name: [r["omnijax"] for r in rounds]} if name else {
-        p: [r["omnijax"]["policies"][p] for r in rounds] for p in POLICY_SPECS}
-    rows = []
-    for j, h in enumerate(histories):
-        peer_ms = [p["ms"][j] for p in peer]
-        rows.append({"section": section, "history": h, "side": "transformers", "policy": "full",
-                     **harness.stats(peer_ms), "ms_rounds": peer_ms,
-                     "stream_ms": float(np.median([p["stream_ms"][j] for p in peer]))})
-        for policy, runs in mine.items():
-            ms = [m["ms"][j] for m in runs]
-            row = {"section": section, "history": h, "side": "omnijax", "policy": policy, **harness.stats(ms),
-                   "ms_rounds": ms, "stream_ms": float(np.median([m["stream_ms"][j] for m in runs])),
-                   "ratio": harness.same_round_ratio(ms, peer_ms), "cells": runs[0]["cells"][j],
-                   "pool_pages": runs[0].get("pool_pages")}
-            if policy == "no_slide":  # the same computation as transformers': the logits must agree
-                row.update(agreement([m["logits"][j] for m in runs], [p["logits"][j] for p in peer]))
-            rows.append(row)
-    return rows
-
-
 def prefill_rows(args) -> list[dict]:
     """Runs the prefill workers (the side order alternating over lengths and rounds) and returns their JSON rows."""
     rows = []
@@ -402,73 +370,6 @@ def prefill_rows(args) -> list[dict]:
                 row.update(agreement([g["logits"] for g in got], [p["logits"] for p in peer]))
             rows.append(row)
     return rows
-
-
-def pick(rows, section, side, policy=None):
-    return [r for r in rows if r["section"] == section and r["side"] == side and policy in (None, r["policy"])]
-
-
-def print_tables(rows) -> None:
-    """One table per section, a line per history or prompt length."""
-    def peer(key, field="median", section="full"):  # transformers' figure beside an omnijax row
-        return lambda r: {t.get(key): t[field] for t in pick(rows, section, "transformers")}[r[key]]
-
-    ms, ratio, diff = ".1f", ".3f", ".2e"
-    print("\nfull context: per-chunk ms (median over rounds); ratio = omnijax / transformers (same-round median)")
-    harness.print_table(pick(rows, "full", "omnijax"), [
-        ("history", "history", "d"), ("omnijax ms", "median", ms), ("transformers ms", peer("history"), ms),
-        ("ratio", "ratio", ratio), ("logits diff", "logits_max_diff", diff), ("|logits|", "logits_max_abs", diff)])
-    print("\nbounded: per-chunk ms; ratio = omnijax policy / transformers with its full history; cells attended")
-    columns = [("history", "history", "d"), ("transformers ms", peer("history", section="bounded"), ms)]
-    for name in POLICY_SPECS:
-        def of(field, name=name):
-            return lambda r: next(o[field] for o in pick(rows, "bounded", "omnijax", name)
-                                  if o["history"] == r["history"])
-        columns += [(f"{name} ms", of("median"), ms), ("ratio", of("ratio"), ratio), ("cells", of("cells"), "d")]
-    harness.print_table(pick(rows, "bounded", "omnijax", "no_slide"), columns + [
-        ("no_slide logits diff", "logits_max_diff", diff)])
-    print("\nprefill to 25 % per KV head: ms of the warm call (cold: the first); RSS MiB, delta = peak - after load")
-    harness.print_table(pick(rows, "prefill", "omnijax"), [
-        ("S", "length", "d"), ("kvpress ms", peer("length", section="prefill"), ".0f"), ("omnijax ms", "median", ".0f"),
-        ("ratio", "ratio", ratio), ("kvpress cold", peer("length", "cold_ms", "prefill"), ".0f"),
-        ("omnijax cold", "cold_ms", ".0f"), ("kvpress RSS", peer("length", "rss_peak_mib", "prefill"), ".0f"),
-        ("delta", peer("length", "rss_delta_mib", "prefill"), ".0f"), ("omnijax RSS", "rss_peak_mib", ".0f"),
-        ("delta", "rss_delta_mib", ".0f"), ("delta ratio", "rss_delta_ratio", ratio),
-        ("logits diff", "logits_max_diff", diff), ("kept/head", "kept_per_head", ".0f")])
-
-
-def plot(rows, out: Path) -> None:
-    """Three panels: full-context and bounded per-chunk ms against history, prefill time and RSS delta against S."""
-    fig, (full_ax, bounded_ax, prefill_ax) = harness.pyplot().subplots(1, 3, figsize=(16, 4.5))
-    colors = {"omnijax": "tab:blue", "transformers": "tab:orange"}
-    lines = [(full_ax, pick(rows, "full", side), side, "os"[i], colors[side]) for i, side in enumerate(SIDES)]
-    lines.append((bounded_ax, pick(rows, "bounded", "transformers"), "transformers (full history)", "s", "black"))
-    lines += [(bounded_ax, pick(rows, "bounded", "omnijax", name), f"omnijax {spec}", marker, color)
-              for (name, spec), marker, color in zip(POLICY_SPECS.items(), "o^v", ("tab:blue", "tab:green", "tab:red"))]
-    for ax, got, label, marker, color in lines:
-        ax.plot([r["history"] for r in got], [r["median"] for r in got], marker=marker, color=color, label=label)
-    memory_ax = prefill_ax.twinx()
-    for side, label in zip(SIDES, ("omnijax TideKV", "kvpress SnapKV")):
-        got = pick(rows, "prefill", side)
-        x = [r["length"] for r in got]
-        prefill_ax.plot(x, [r["median"] / 1e3 for r in got], marker="o", color=colors[side], label=f"{label}: time")
-        memory_ax.plot(x, [r["rss_delta_mib"] for r in got], marker="s", markerfacecolor="none", linestyle="--",
-                       color=colors[side], label=f"{label}: RSS delta")
-    for ax, title in ((full_ax, "full context"), (bounded_ax, "bounded policies vs transformers' full history")):
-        ax.set(title=title, xlabel="history before the chunk (tokens)", ylabel="ms per chunk")
-        ax.legend(fontsize=8)
-    prefill_ax.set(title="prefill to 25 % per KV head", xlabel="prompt tokens S", ylabel="warm call (s)")
-    memory_ax.set_ylabel("peak RSS - RSS after load (MiB)")
-    for ax in (prefill_ax, memory_ax):
-        ax.set_ylim(bottom=0)
-    for ax in (full_ax, bounded_ax, prefill_ax):
-        x = sorted({int(v) for line in ax.get_lines() for v in line.get_xdata()})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [f"{v // 1024}K" if v >= 1024 else str(v) for v in x])
-        ax.minorticks_off()
-    (h1, l1), (h2, l2) = prefill_ax.get_legend_handles_labels(), memory_ax.get_legend_handles_labels()
-    prefill_ax.legend(h1 + h2, l1 + l2, fontsize=7)
-    harness.save_png(fig, out, "vs_transformers")
 
 
 def main(argv=None):

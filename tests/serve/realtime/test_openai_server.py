@@ -15,21 +15,20 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import omnijax  # noqa: E402
-from omnijax.decoding import Greedy, RowSampling  # noqa: E402
-from omnijax.retention import SinkWindow  # noqa: E402
+from omnijax.decoding import RowSampling  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
-
-KEY = "test-key"
-TAU = 8
-
-
-def _stream_config(decoding=None):
-    """The server's settings; it decodes with RowSampling (as `omnijax serve` does: per-request temperature, top-p
-    and seed; greedy by default), `omnijax.Chat`'s oracle with Greedy."""
-    return omnijax.StreamConfig(policy=SinkWindow(sink=16, window=2048), num_pages=96, page_size=16,
-                                max_answer_tokens=TAU, decoding=decoding or Greedy())
+from tests._support.openai_server import (  # noqa: E402
+    KEY,
+    chat_answer,
+    pcm_b64,
+    response_text,
+    sdk_async_client,
+    sdk_client,
+    stream_config,
+    until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,70 +40,30 @@ def model(tmp_path_factory):
 def server(model):
     options = ServeOptions(port=0, api_key=KEY, frame_ms=200, max_output_tokens=24, max_audio_buffer_s=2.0,
                            max_sessions_per_client=8)
-    context = build_context(model, options=options, stream=_stream_config(RowSampling()), chunk_tokens=32,
+    context = build_context(model, options=options, stream=stream_config(RowSampling()), chunk_tokens=32,
                             buckets=(1, 2, 4),
                             aimd_target=0)
     with BackgroundServer(context) as running:
         yield running
 
 
-def _client(server, key=KEY, **kwargs):
-    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, **kwargs)
-
-
-def _async_client(server, key=KEY):
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key=key, max_retries=0)
-
-
-def _chat_answer(model, system, user, max_tokens):
-    chat = omnijax.Chat(model, _stream_config())
-    if system:
-        chat.system(system)
-    return "".join(chat.ask(user, max_tokens=max_tokens))
-
-
-async def _until(conn, kind, seen=None):
-    """Events up to and including the first of type `kind`."""
-    events = []
-    async for event in conn:
-        events.append(event)
-        if seen is not None:
-            seen.append(event.type)
-        if event.type == kind:
-            return events
-    raise AssertionError(f"the connection closed before {kind}")
-
-
-def _response_text(events):
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    done = next(e for e in events if e.type == "response.output_text.done").text
-    final = next(e for e in events if e.type == "response.done").response
-    assert deltas == done == final.output[0].content[0].text
-    return done, final
-
-
-def _pcm_b64(seconds, rate=24000, amplitude=8000):
-    t = np.arange(int(seconds * rate)) / rate
-    return base64.b64encode((amplitude * np.sin(2 * np.pi * 220 * t)).astype("<i2").tobytes()).decode()
-
-
 def test_models_and_api_key(server):
-    assert [m.id for m in _client(server).models.list()] == ["omnijax"]
-    served = _client(server).models.retrieve("omnijax")  # was a 404
+    assert [m.id for m in sdk_client(server).models.list()] == ["omnijax"]
+    served = sdk_client(server).models.retrieve("omnijax")  # was a 404
     assert (served.id, served.object, served.owned_by) == ("omnijax", "model", "omnijax")
     with pytest.raises(openai.NotFoundError, match="does not exist") as missing:
-        _client(server).models.retrieve("gpt-4o")
+        sdk_client(server).models.retrieve("gpt-4o")
     assert missing.value.code == "model_not_found"
     with pytest.raises(openai.AuthenticationError):
-        _client(server, key="wrong").models.retrieve("omnijax")
+        sdk_client(server, key="wrong").models.retrieve("omnijax")
     with pytest.raises(openai.AuthenticationError):
-        _client(server, key="wrong").models.list()
+        sdk_client(server, key="wrong").models.list()
     with pytest.raises(openai.AuthenticationError):
-        _client(server, key="wrong").chat.completions.create(model="omnijax", messages=[{"role": "user",
+        sdk_client(server, key="wrong").chat.completions.create(model="omnijax", messages=[{"role": "user",
                                                                                           "content": "hi"}])
 
     async def realtime_with_wrong_key():
-        async with _async_client(server, key="wrong").realtime.connect(model="omnijax") as conn:
+        async with sdk_async_client(server, key="wrong").realtime.connect(model="omnijax") as conn:
             await conn.recv()
 
     with pytest.raises(Exception, match="401"):
@@ -132,13 +91,13 @@ def test_a_browser_authenticates_with_the_key_subprotocol(server):
 
 def test_chat_completions_whole_and_streamed_equal_chat(server, model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe the scene."}]
-    client = _client(server)
+    client = sdk_client(server)
     whole = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=12)
     stream = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    expected = chat_answer(model, "Be brief.", "Describe the scene.", 12)
     assert whole.choices[0].message.content == streamed
     assert streamed.rstrip("\n") == expected.rstrip("\n") or expected.startswith(streamed)
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens <= 12
@@ -154,7 +113,7 @@ def test_stop_strings_cut_the_answer_whole_and_streamed(server):
     """`stop` (what lm-eval and LangChain send): the answer ends before the first stop string to complete, which is
     never returned, with finish_reason "stop", whole and streamed alike; the openai SDK's own client sends it."""
     server.wait_idle()
-    client = _client(server)
+    client = sdk_client(server)
     messages = [{"role": "user", "content": "Tell me a story."}]
     full = client.chat.completions.create(model="omnijax", messages=messages, max_tokens=16)
     text = full.choices[0].message.content
@@ -181,7 +140,7 @@ def test_per_request_sampling_reproduces_from_its_seed(server):
     """Each request draws with its own temperature / top-p in the one batched program; a seed reproduces it, and
     temperature 0 is the greedy answer."""
     server.wait_idle()
-    client = _client(server)
+    client = sdk_client(server)
     messages = [{"role": "user", "content": "Tell me a story."}]
 
     def ask(**kwargs):
@@ -197,7 +156,7 @@ def test_per_request_sampling_reproduces_from_its_seed(server):
 
 def test_realtime_text_then_audio_then_image(server, model):
     async def scenario():
-        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+        async with sdk_async_client(server).realtime.connect(model="omnijax") as conn:
             created = await conn.recv()
             assert created.type == "session.created"
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
@@ -207,11 +166,11 @@ def test_realtime_text_then_audio_then_image(server, model):
                                                       "content": [{"type": "input_text",
                                                                    "text": "Describe the scene."}]})
             await conn.response.create()
-            first = await _until(conn, "response.done")
-            await conn.input_audio_buffer.append(audio=_pcm_b64(0.5))  # 2 frames of 200 ms and a 100 ms tail
+            first = await until(conn, "response.done")
+            await conn.input_audio_buffer.append(audio=pcm_b64(0.5))  # 2 frames of 200 ms and a 100 ms tail
             await conn.input_audio_buffer.commit()
             await conn.response.create(response={"max_output_tokens": 5})
-            second = await _until(conn, "response.done")
+            second = await until(conn, "response.done")
             from PIL import Image
             png = io.BytesIO()
             Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), np.uint8)).save(png, "PNG")
@@ -219,23 +178,23 @@ def test_realtime_text_then_audio_then_image(server, model):
             await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "And now?"}]})
             await conn.response.create()
-            third = await _until(conn, "response.done")
+            third = await until(conn, "response.done")
             return first, second, third
 
     first, second, third = asyncio.run(scenario())
-    text, final = _response_text(first)
+    text, final = response_text(first)
     assert final.status in ("completed", "incomplete") and final.usage.output_tokens <= 12
-    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    expected = chat_answer(model, "Be brief.", "Describe the scene.", 12)
     assert text.rstrip("\n") == expected.rstrip("\n") or expected.startswith(text)
     kinds = [e.type for e in second]
     assert kinds[:3] == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
-    _, final2 = _response_text(second)
+    _, final2 = response_text(second)
     assert final2.usage.output_tokens <= 5 and final2.usage.input_tokens > 3 * 7  # 3 audio frames and a prompt
     user = third[0]
     assert user.type == "conversation.item.added" and user.item.role == "user"
     assert [c.type for c in user.item.content] == ["input_image", "input_text"]
     assert any(e.type == "conversation.item.done" and e.item.id == user.item.id for e in third)
-    _response_text(third)
+    response_text(third)
     cells = [next(e for e in events if e.type == "response.done").model_extra["omnijax"]["kv_cells"]
              for events in (first, second, third)]
     assert cells[0] == final.usage.total_tokens and cells[0] < cells[1] < cells[2]  # nothing evicted yet
@@ -243,7 +202,7 @@ def test_realtime_text_then_audio_then_image(server, model):
 
 def test_malformed_events_get_errors_while_another_session_streams(server):
     async def scenario():
-        client = _async_client(server)
+        client = sdk_async_client(server)
         async with client.realtime.connect(model="omnijax") as good, \
                 client.realtime.connect(model="omnijax") as bad:
             await good.recv(), await bad.recv()
@@ -252,16 +211,16 @@ def test_malformed_events_get_errors_while_another_session_streams(server):
             await good.response.create()
             await bad.send({"type": "no.such.event"})
             await bad.send({"type": "input_audio_buffer.append", "audio": "not base64!"})
-            await bad.send({"type": "input_audio_buffer.append", "audio": _pcm_b64(3.0)})  # over the 2 s cap
+            await bad.send({"type": "input_audio_buffer.append", "audio": pcm_b64(3.0)})  # over the 2 s cap
             await bad.send({"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}})
             await bad.send({"type": "response.cancel"})
             errors = [(await bad.recv()) for _ in range(5)]
-            answered = await _until(good, "response.done")
+            answered = await until(good, "response.done")
             # the refused session still works
             await bad.conversation.item.create(item={"type": "message", "role": "user",
                                                      "content": [{"type": "input_text", "text": "Hi"}]})
             await bad.response.create(response={"max_output_tokens": 3})
-            after = await _until(bad, "response.done")
+            after = await until(bad, "response.done")
             return errors, answered, after
 
     errors, answered, after = asyncio.run(scenario())
@@ -269,23 +228,23 @@ def test_malformed_events_get_errors_while_another_session_streams(server):
     assert [e.error.code for e in errors] == ["unknown_event", "invalid_value", "buffer_too_large", "unsupported",
                                               "response_cancel_not_active"]
     assert "--policy unbounded" in errors[3].error.message
-    _response_text(answered)
-    assert _response_text(after)[1].usage.output_tokens <= 3
+    response_text(answered)
+    assert response_text(after)[1].usage.output_tokens <= 3
 
 
 def test_cancel_ends_the_response_and_overload_is_refused(server):
     server.wait_idle()
 
     async def scenario():
-        client = _async_client(server)
+        client = sdk_async_client(server)
         async with client.realtime.connect(model="omnijax") as conn:
             await conn.recv()
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "Talk a lot."}]})
             await conn.response.create(response={"max_output_tokens": 24})
-            await _until(conn, "response.created")
+            await until(conn, "response.created")
             await conn.response.cancel()
-            cancelled = await _until(conn, "response.done")
+            cancelled = await until(conn, "response.done")
             # fill the engine (largest bucket 4): three more sessions, then a fifth is refused
             others = [client.realtime.connect(model="omnijax") for _ in range(3)]
             opened = [await o.__aenter__() for o in others]
@@ -319,16 +278,16 @@ def test_server_vad_commits_and_answers_a_spoken_turn(server):
     server.wait_idle()
 
     async def scenario():
-        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+        async with sdk_async_client(server).realtime.connect(model="omnijax") as conn:
             await conn.recv()
             await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
                 "type": "server_vad", "silence_duration_ms": 400}}}, "max_output_tokens": 4})
             updated = await conn.recv()
             assert updated.session.audio.input.turn_detection.type == "server_vad"
             silence = base64.b64encode(np.zeros(int(0.6 * 24000), "<i2").tobytes()).decode()
-            await conn.input_audio_buffer.append(audio=_pcm_b64(0.6))  # three 200 ms frames of tone
+            await conn.input_audio_buffer.append(audio=pcm_b64(0.6))  # three 200 ms frames of tone
             await conn.input_audio_buffer.append(audio=silence)  # then 400 ms of silence ends the turn
-            return await _until(conn, "response.done")
+            return await until(conn, "response.done")
 
     events = asyncio.run(scenario())
     kinds = [e.type for e in events]
@@ -338,7 +297,7 @@ def test_server_vad_commits_and_answers_a_spoken_turn(server):
     assert started.audio_start_ms == 0 and stopped.audio_end_ms == 1000  # tone 0-600 ms, silence to 1000 ms
     assert started.item_id == stopped.item_id == committed.item_id
     assert "response.created" in kinds
-    _, final = _response_text(events)
+    _, final = response_text(events)
     assert final.usage.output_tokens <= 4
 
 
@@ -358,9 +317,9 @@ def test_chat_completion_with_an_image_and_audio(server, model):
                                                           + base64.b64encode(png.getvalue()).decode()}},
                {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
                                                        "format": "wav"}}]
-    text_only = _client(server).chat.completions.create(
+    text_only = sdk_client(server).chat.completions.create(
         model="omnijax", messages=[{"role": "user", "content": content[:1]}], max_tokens=3)
-    whole = _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": content}],
+    whole = sdk_client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": content}],
                                                     max_tokens=3)
     from omnijax.models.frontend import units_for
     units = units_for(model)  # the image unit and the audio unit the server feeds after the text turn
@@ -369,7 +328,7 @@ def test_chat_completion_with_an_image_and_audio(server, model):
     assert media > 10 and whole.usage.prompt_tokens == text_only.usage.prompt_tokens + media
     assert whole.usage.completion_tokens <= 3 and whole.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="could not be decoded"):
-        _client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": [
+        sdk_client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
 
 
@@ -380,13 +339,13 @@ def test_caps_on_sessions_per_client_and_body_size(server):
     options = context.options
     context.options = dataclasses.replace(options, max_sessions_per_client=1, max_message_bytes=2000)
     try:
-        big = _client(server)
+        big = sdk_client(server)
         with pytest.raises(openai.APIStatusError) as e:
             big.chat.completions.create(model="omnijax", messages=[{"role": "user", "content": "x" * 3000}])
         assert e.value.status_code == 413 and "over the server's cap of 2000" in str(e.value)
 
         async def two_sessions():
-            client = _async_client(server)
+            client = sdk_async_client(server)
             async with client.realtime.connect(model="omnijax") as first, \
                     client.realtime.connect(model="omnijax") as second:
                 return await first.recv(), await second.recv()
@@ -405,7 +364,7 @@ def test_realtime_session_sampling_extension(server, model):
     server.wait_idle()
 
     async def answer(sampling):
-        async with _async_client(server).realtime.connect(model="omnijax") as conn:
+        async with sdk_async_client(server).realtime.connect(model="omnijax") as conn:
             await conn.recv()
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
                                                "omnijax": sampling})
@@ -414,13 +373,13 @@ def test_realtime_session_sampling_extension(server, model):
             await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_text", "text": "Describe the scene."}]})
             await conn.response.create(response={"max_output_tokens": 12})
-            return _response_text(await _until(conn, "response.done"))[0], updated
+            return response_text(await until(conn, "response.done"))[0], updated
 
     sampled, updated = asyncio.run(answer({"temperature": 1.5, "top_p": 0.95, "seed": 11}))
     assert updated.session.model_extra["omnijax"]["seed"] == 11
     again, _ = asyncio.run(answer({"temperature": 1.5, "top_p": 0.95, "seed": 11}))
     greedy, _ = asyncio.run(answer({"temperature": 0}))
-    expected = _chat_answer(model, "Be brief.", "Describe the scene.", 12)
+    expected = chat_answer(model, "Be brief.", "Describe the scene.", 12)
     assert sampled == again and greedy.rstrip("\n") == expected.rstrip("\n") and sampled != greedy
 
 
@@ -450,13 +409,13 @@ def test_media_is_encoded_off_the_event_loop(server, monkeypatch):
     audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(),
                                                     "format": "wav"}}
     heard = {}
-    spoken = threading.Thread(target=lambda: heard.setdefault("reply", _client(server).chat.completions.create(
+    spoken = threading.Thread(target=lambda: heard.setdefault("reply", sdk_client(server).chat.completions.create(
         model="omnijax", messages=[{"role": "user", "content": [audio]}], max_tokens=2)))
     spoken.start()
     try:
         assert entered.wait(60), "the audio request never reached its encoder"
-        assert [m.id for m in _client(server, timeout=20).models.list().data] == ["omnijax"]
-        other = _client(server, timeout=60).chat.completions.create(
+        assert [m.id for m in sdk_client(server, timeout=20).models.list().data] == ["omnijax"]
+        other = sdk_client(server, timeout=60).chat.completions.create(
             model="omnijax", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert other.choices[0].finish_reason in ("stop", "length") and not heard
     finally:
@@ -493,7 +452,7 @@ def test_a_wrong_model_or_item_placement_is_refused_and_changes_nothing(server, 
         raise AssertionError(f"closed before {kinds}")
 
     async def scenario():
-        client = _async_client(server)
+        client = sdk_async_client(server)
         async with client.realtime.connect(model="gpt-4o-realtime-preview") as wrong:
             connect_refused = await wrong.recv()
         seen = {}
