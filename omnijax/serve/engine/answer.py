@@ -23,6 +23,8 @@ class Answer:
         reason: why it is not completed ("max_output_tokens", "cancelled", "preempted", or an error message).
         answer_unit: the unit id of the answer.
         kv_cells: the session's cached cells when it ended.
+        recall: with `StreamConfig(recall=...)`, the session's recall figures when it ended
+            (`omnijax.streaming.recall_session.RecallStats`: units and bytes stored, dropped and recalled); else None.
         logprobs: when its sampling row asks for them, one `(logprob, [(token id, logprob), ...])` per token of
             `tokens` (`omnijax.serve.engine.engine.FrameOutput.logprobs`); else an empty list.
         constraint: the `TokenConstraint` its tokens are drawn under, or None.
@@ -38,6 +40,7 @@ class Answer:
         self.status: str | None = None
         self.reason: str | None = None
         self.kv_cells = 0
+        self.recall = None
         self.cancelled = False
         self._ending: tuple | None = None  # (status, reason) once the worker decided, before kv_cells are read
         self._deltas: asyncio.Queue = asyncio.Queue()

@@ -398,6 +398,14 @@ class Engine:
             for sid in session_ids:
                 self.recall.release(self, sid)
 
+    def end_recalls(self, session_ids: list[str]) -> dict[str, RecallStats]:
+        """Ends the sessions' answers for recall (`release_recall`) and returns the recall figures of those still
+        open (none without recall)."""
+        self.release_recall(*session_ids)
+        if self.recall is None:
+            return {}
+        return {s: self.recall.stats(s) for s in session_ids if s in self._slots and s in self.recall.sessions}
+
     def recall_stats(self, session_id: str) -> RecallStats:
         """The session's recall figures (`omnijax.streaming.recall_session.RecallStats`: units and bytes stored,
         dropped and recalled). Raises KeyError (unknown session) or ValueError (recall off)."""

@@ -473,9 +473,9 @@ class EngineWorker(SpeakingWorker):
     async def _finish_with_cells(self, ended: list) -> None:
         """Ends `(sid, answer)` pairs with their `_ending`, each reporting the KV cells its session holds."""
         sids = [sid for sid, _ in ended]
-        cells = await self.in_engine(lambda: self.engine.release_recall(*sids) or self.kv_cells(sids))
+        figures, cells = await self.in_engine(lambda: (self.engine.end_recalls(sids), self.kv_cells(sids)))
         for sid, answer in ended:
-            answer.kv_cells = cells.get(sid, 0)
+            answer.kv_cells, answer.recall = cells.get(sid, 0), figures.get(sid)
             answer._finish(*answer._ending)
 
     def _deliver(self, plan: dict, report, failed: dict) -> list:

@@ -255,6 +255,7 @@ def test_the_worker_holds_each_answers_recall_as_chat_does(model, per_token):
                                         lambda u, n: _continuation(0, u))
                 await answer.done
                 answers.append(list(answer.tokens))
+                assert answer.recall is not None and answer.recall.questions == len(answers)
             return answers
         got = dict(zip(plans, await asyncio.gather(*(one(sid) for sid in plans))))
         return got, worker.stop_ids, {sid: engine.recall_stats(sid) for sid in plans}
