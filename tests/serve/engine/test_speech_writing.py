@@ -65,14 +65,18 @@ def test_an_answer_spoken_while_written_equals_it_spoken_whole(model):
     kw = dict(speaker="Ethan", max_new_tokens=14)
     pool.open("w", prompt, answer[:1], voice="Ethan", max_new_tokens=14, writing=True)
     pieces = {0: answer[1:3], 3: answer[3:4], 4: [], 7: answer[4:8], 11: answer[8:]}
+    work = []
 
     def feed(tick):
+        work.append(pool.has_work)  # before the piece: False while the talker waits and no chunk is due
         if tick in pieces:
             pool.extend("w", pieces[tick], end=tick == 11)
     chunks, seen = _run(pool, ["w"], feed)
     # talker tokens after each tick: the prefill's and step 0's first, then one a tick while answer token t + 1 is
     # written (step t reads it), waiting at ticks 2 and 4-6 for the next piece
     assert seen["w"][:12] == [2, 3, 3, 4, 4, 4, 4, 5, 6, 7, 8, 9], seen["w"]
+    # work before each tick: the prefill, step 1, then waiting (no chunk due: the first went out in tick 3)
+    assert work[:9] == [True, True, False, False, False, False, False, False, True], work
     utterance = S.speak(model, prompt, np.asarray(answer), **kw)
     whole = S.speak_streamed(model, prompt, np.asarray(answer), first_chunk=FIRST, chunk=CHUNK, **kw)
     assert np.array_equal(np.concatenate([c.codes for c in chunks["w"]], axis=1), utterance.codes)
