@@ -9,10 +9,12 @@ sessions speaking, as the engine's own rows; rows are compacted when sessions en
 Per `tick()`:
 1. the utterances admitted since the last tick are prefilled together (their talker prompts, left-aligned and padded
    to a power-of-two length, in one call over the batch; the other rows write nothing);
-2. one batched talker step for every row still decoding: the code predictor fills the previous token's frame (the
-   frame's Q codes come back), the talker writes the frame and picks its next token (greedy, the control ids
-   suppressed, as `omnijax.models.qwen3_omni.speech.speak`); a row ends at the end-of-speech token or at its
-   `max_new_tokens`;
+2. one batched talker step for every row still decoding (`SpeechConfig.steps_per_tick` steps at most, each over the
+   rows that can step): the code predictor fills the previous token's frame (the frame's Q codes come back), the
+   talker writes the frame and picks its next token (greedy, the control ids suppressed, as
+   `omnijax.models.qwen3_omni.speech.speak`, or drawn: `TalkerSampling`, rows of one setting per call); a row ends at
+   the end-of-speech token or at its `max_new_tokens`; a row whose answer is still being written (`open(writing=True)`)
+   steps only as far as its text allows;
 3. vocoder chunks: a session whose frames fill its next chunk (`first_chunk` frames, then `chunk`; what is left once
    the talker ended) is due. The due chunks run batched: one Code2Wav call over the sessions' rows, each row on its
    own carried state (`omnijax.models.qwen3_omni.code2wav_rows`), first chunks in one call and later chunks in
@@ -235,12 +237,9 @@ class SpeechPool:
 
     def extend(self, speech_id: str, answer_ids: Any, *, end: bool = False) -> None:
         """Adds the next tokens of an answer still being written (`open(writing=True)`), between ticks; `end`: the
-        answer is whole (its final `<|im_end|>` not included). An utterance whose talker already ended (its codec end
-        or `max_new_tokens`) takes them and changes nothing.
-
-        Raises (changing nothing): KeyError for an unknown utterance; ValueError for one whose answer was whole
-        already, or ids outside the thinker's vocabulary.
-        """
+        answer is whole (without its final `<|im_end|>`). An utterance whose talker already ended takes them and
+        changes nothing. Raises (changing nothing) KeyError for an unknown utterance, ValueError for an answer whole
+        already or ids outside the thinker's vocabulary."""
         if speech_id not in self._utterances:
             raise KeyError(f"unknown speech {speech_id!r}; in the pool: {self.sessions}")
         u = self._utterances[speech_id]
@@ -326,8 +325,10 @@ class SpeechPool:
         fresh = [s for s, u in self._utterances.items() if not u.prefilled]
         if fresh:
             self._prefill(fresh)
-        live = [s for s, u in self._utterances.items() if u.prefilled and self._steps(u)]
-        if live:
+        for _ in range(self.config.steps_per_tick):  # `SpeechConfig.steps_per_tick` batched steps at most
+            live = [s for s, u in self._utterances.items() if u.prefilled and self._steps(u)]
+            if not live:
+                break
             self._step(live)
         self.stats["talker_s"] += self.clock() - t0
         return self._vocode()

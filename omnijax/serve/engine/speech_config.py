@@ -26,6 +26,9 @@ class SpeechConfig:
         vocoder_budget_s: vocoder seconds per tick after which chunks that are not urgent wait (None: every ready
             chunk runs in its tick).
         slack_s: a chunk whose playback deadline is nearer than this is urgent.
+        steps_per_tick: batched talker steps a tick runs at most, each over the rows that can step (1: one frame a
+            tick per session; more lets a talker catch up with an answer decoded several tokens a tick, at the cost
+            of a longer tick).
     """
 
     rows: tuple[int, ...] = (1, 2, 4, 8)
@@ -37,13 +40,14 @@ class SpeechConfig:
     vocoder_rows: int | None = None
     vocoder_budget_s: float | None = None
     slack_s: float = 0.5
+    steps_per_tick: int = 1
 
     def __post_init__(self):
         rows = tuple(int(b) for b in self.rows)
         if not rows or min(rows) < 1 or list(rows) != sorted(set(rows)):
             raise ValueError(f"SpeechConfig.rows must be distinct positive sizes in ascending order, got {self.rows}")
         object.__setattr__(self, "rows", rows)
-        for name in ("num_pages", "page_size", "first_chunk", "chunk"):
+        for name in ("num_pages", "page_size", "first_chunk", "chunk", "steps_per_tick"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SpeechConfig.{name} must be a positive integer, got {value!r}")

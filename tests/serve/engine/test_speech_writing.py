@@ -12,6 +12,8 @@ tiny converted Qwen3-Omni release of tests/serve/engine/test_speech_ticks.py.
   `<|im_end|>`, a sampling that is not a `TalkerSampling`.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -82,6 +84,29 @@ def test_an_answer_spoken_while_written_equals_it_spoken_whole(model):
     assert np.array_equal(np.concatenate([c.codes for c in chunks["w"]], axis=1), utterance.codes)
     assert _close(chunks["w"], whole) < 1e-5
     assert not pool.sessions and pool.reserved == 0
+
+
+def test_several_steps_a_tick_catch_up_with_the_text(model):
+    """`SpeechConfig.steps_per_tick` 3: a tick runs up to 3 batched steps, each as far as the text allows; the speech
+    is the same."""
+    rng = np.random.default_rng(6)
+    prompt, answer = prompt_ids(rng), [int(t) for t in rng.integers(10, 200, size=9)]
+    pool = SpeechPool(model, dataclasses.replace(SPEECH, steps_per_tick=3))
+    pool.open("w", prompt, answer[:1], voice="Ethan", max_new_tokens=14, writing=True)
+    pieces = {0: (answer[1:5], False), 2: (answer[5:], True)}
+
+    def feed(tick):
+        if tick in pieces:
+            pool.extend("w", pieces[tick][0], end=pieces[tick][1])
+    chunks, seen = _run(pool, ["w"], feed)
+    assert seen["w"][:4] == [4, 5, 8, 11], seen["w"]  # 3 steps, 1 (waiting for token 5), 3, 3
+    kw = dict(speaker="Ethan", max_new_tokens=14)
+    utterance = S.speak(model, prompt, np.asarray(answer), **kw)
+    assert np.array_equal(np.concatenate([c.codes for c in chunks["w"]], axis=1), utterance.codes)
+    whole = S.speak_streamed(model, prompt, np.asarray(answer), first_chunk=FIRST, chunk=CHUNK, **kw)
+    assert _close(chunks["w"], whole) < 1e-5
+    with pytest.raises(ValueError, match="steps_per_tick"):
+        SpeechConfig(steps_per_tick=0)
 
 
 def test_sampled_speech_on_the_pool_is_the_seeded_speech_alone(model):
