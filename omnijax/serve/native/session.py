@@ -136,8 +136,8 @@ class NativeSession:
                 if snap_s is not None:  # a snapshot is pending: taken here once due, between frames
                     if self._busy():  # the pump takes it after its frame; look again soon in case it was not due
                         snap_s = min(1.0, max(0.05, self.snapshots.every_s / 4))
-                    elif self.snapshots.due():
-                        await self.snapshots.take()
+                    elif self.snapshots.due():  # the pump takes it: a frame arriving meanwhile waits in `latest`
+                        self._start_pump(loop)
                         continue
                     wait_s = max(0.02, snap_s) if wait_s is None else min(wait_s, max(0.02, snap_s))
                 done, _ = await asyncio.wait({receive, stop}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
@@ -148,6 +148,10 @@ class NativeSession:
             for task in (receive, stop):
                 if not task.done():
                     task.cancel()
+
+    def _start_pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.pump = asyncio.create_task(self._pump())
+        self.pump.add_done_callback(lambda _: setattr(self, "last_active", loop.time()))
 
     def _busy(self) -> bool:
         """Whether a frame is being served (a session waiting for its answer is not idle)."""
@@ -193,8 +197,7 @@ class NativeSession:
                 if message.get("bytes") is not None:
                     self._on_frame(decode_frame(message["bytes"], self.samples), loop.time())
                     if self.pump is None or self.pump.done():
-                        self.pump = asyncio.create_task(self._pump())
-                        self.pump.add_done_callback(lambda _: setattr(self, "last_active", loop.time()))
+                        self._start_pump(loop)
                     continue
                 text = parse_json(message.get("text") or "")
                 check_fields(text)
@@ -236,9 +239,13 @@ class NativeSession:
                                            f"bye)")
 
     async def _pump(self) -> None:
-        """Serves the session's latest frame until none is waiting; a reply that cannot be queued (slow consumer)
-        ends the session."""
-        while self.latest is not None:
+        """Serves the session's latest frame until none is waiting, taking a periodic snapshot between two frames
+        when one is due; a reply that cannot be queued (slow consumer) ends the session."""
+        while True:
+            if self.snapshots is not None and self.snapshots.due():  # nothing of this session is in the engine
+                await self.snapshots.take()
+            if self.latest is None:
+                return
             (seq, pcm, arrival), skipped = self.latest, self.skipped
             self.latest, self.skipped = None, 0
             try:
@@ -248,10 +255,8 @@ class NativeSession:
                 self.closing = (CLOSE_ERROR, e.code)
                 self._stop.set()
                 return
-            if self.snapshots is not None:  # between frames: nothing of this session is in the engine
+            if self.snapshots is not None:
                 self.snapshots.served(seq, self.unit)
-                if self.snapshots.due():
-                    await self.snapshots.take()
 
     async def _serve(self, seq: int, pcm: np.ndarray, arrival: float, skipped: int) -> None:
         """One frame: encode, submit, reply on time (see the module docstring)."""
