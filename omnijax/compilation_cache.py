@@ -28,6 +28,8 @@ import pickle
 import tempfile
 import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -105,14 +107,28 @@ def executables_dir() -> Path | None:
     """Where serialised executables go: `<cache dir>/executables`; None unless `OMNIJAX_EXECUTABLE_CACHE=on` and the
     compilation cache is on.
 
-    Opt-in for now: one cold run of the test suite with them on aborted inside XLA's own serialisation of a freshly
-    compiled program (jax's cache write, `put_executable_and_time`, called from `CachedJit`'s compile); the test
-    alone passed with empty caches, on and off, and the cause is not understood, so nothing keeps executables unless
-    asked to."""
+    Opt-in for now. A cold run of the test suite with them on once aborted inside XLA's serialisation of a freshly
+    compiled program. The cause: every executable held in memory keeps memory mappings of its code, and `CachedJit`
+    held every program it loaded or compiled for the life of the process, through the suite's `jax.clear_caches()`
+    between modules, until the worker neared the kernel's limit on mappings (`vm.max_map_count`) and XLA could not
+    map the next program's code. Each function now holds at most `CachedJit.MAX_PROGRAMS` programs and
+    `clear_in_memory()` drops them with jax's caches."""
     if os.environ.get(EXECUTABLE_ENV, "").strip().lower() not in ON:
         return None
     base = cache_dir()
     return None if base is None else base / "executables"
+
+
+_instances: weakref.WeakSet = weakref.WeakSet()  # every CachedJit of the process, for clear_in_memory
+
+
+def clear_in_memory() -> None:
+    """Drops every compiled program held in memory: jax's caches (`jax.clear_caches()`) and the executables each
+    `CachedJit` loaded or compiled. A later call loads its program again (from `<cache dir>/executables`, or XLA's
+    cache). A long-running process that has run many shapes calls it to give back the programs' memory mappings."""
+    jax.clear_caches()
+    for cached in list(_instances):
+        cached.clear()
 
 
 _process_key: bytes | None = None
@@ -220,7 +236,12 @@ class CachedJit:
 
     Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and not
     kept), `plain` calls that went to the plain jit.
+
+    In memory a function holds at most `MAX_PROGRAMS` programs, the least recently used dropped first (every program
+    held keeps memory mappings of its code); `clear()` drops them all, `clear_in_memory()` those of every function.
     """
+
+    MAX_PROGRAMS = 256
 
     def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
                  donate_argnames: str | Iterable[str] = ()):
@@ -230,11 +251,18 @@ class CachedJit:
         self.jitted = jax.jit(fun, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
         self.signature = inspect.signature(fun)
         self.name = f"{fun.__module__}.{fun.__qualname__}"
-        self.loaded: dict[Any, Any] = {}  # in-process: key -> executable (or None: run the plain jit)
+        self.loaded: OrderedDict[Any, Any] = OrderedDict()  # key -> executable (or None: the plain jit), LRU order
         self.lock = threading.Lock()
         self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
+        _instances.add(self)
+
+    def clear(self) -> None:
+        """Drops the programs this function holds in memory (not those on disk, nor the plain jit's: see
+        `clear_in_memory`)."""
+        with self.lock:
+            self.loaded.clear()
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.jit(...).lower`, for callers that inspect the program."""
@@ -285,13 +313,15 @@ class CachedJit:
         if signature is None:
             self.stats["plain"] += 1
             return None, (), {}
-        executable = self.loaded.get(memory_key, False)
-        if executable is False:
-            with self.lock:
-                executable = self.loaded.get(memory_key, False)
-                if executable is False:
-                    executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
-                    self.loaded[memory_key] = executable
+        with self.lock:
+            executable = self.loaded.get(memory_key, False)
+            if executable is False:
+                executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
+                self.loaded[memory_key] = executable
+                while len(self.loaded) > self.MAX_PROGRAMS:
+                    self.loaded.popitem(last=False)  # the least recently used
+            else:
+                self.loaded.move_to_end(memory_key)
         if executable is None:
             self.stats["plain"] += 1
         return executable, dyn_args, dyn_kwargs

@@ -35,11 +35,13 @@ def _release_compiled_programs(request):
     Every compiled XLA:CPU program keeps memory mappings of its code for as long as it is cached. One process
     running the whole suite would otherwise approach the kernel's per-process limit (`vm.max_map_count`, 65,530 by
     default), where compiling or serialising the next program crashes the process. Later modules that need a
-    program again reload it from the persistent cache.
+    program again reload it from the persistent cache. The executables `omnijax.compilation_cache.CachedJit` holds
+    (with `OMNIJAX_EXECUTABLE_CACHE=on`) are dropped with jax's caches: kept past `jax.clear_caches()`, they took a
+    worker to that limit once.
     """
     xla_flags.quick_compile(xla_flags.wants_quick_compile(_relative(request.path)))
     yield
-    jax.clear_caches()
+    compilation_cache.clear_in_memory()
 
 
 # The quick tier (`make test-fast`, `pytest -m fast`): what checks the logic of a layer without compiling a whole

@@ -157,3 +157,33 @@ def test_executable_hands_out_the_kept_program_and_a_mesh_program_stays_plain(ca
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("s",))
     np.testing.assert_array_equal(kept.executable(x, mesh=mesh)(x), x * 2)
     assert kept.stats["plain"] == 1 and len(list((cache_dir / "executables").glob("*.exe"))) == 1
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def test_held_programs_are_bounded_and_given_back_with_their_mappings(cache_dir):
+    """Every program held in memory keeps mappings of its code. A function holds at most `MAX_PROGRAMS` (the least
+    recently used dropped, then loaded again from disk without compiling), and `clear_in_memory` gives every held
+    program's mappings back, as the suite does between modules: held past `jax.clear_caches()`, they once took a
+    worker to the kernel's limit on mappings (`vm.max_map_count`), where XLA aborted serialising the next program."""
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    kept.MAX_PROGRAMS = 4
+    for n in range(1, 7):
+        kept(jnp.ones(n), jnp.ones(n), power=2)
+    assert len(kept.loaded) == 4 and kept.stats["compiled"] == 6
+    np.testing.assert_array_equal(kept(jnp.arange(1.0), jnp.ones(1), power=2), [1.0])  # dropped: read back
+    assert kept.stats["compiled"] == 6 and kept.stats["loaded"] == 1
+
+    compilation_cache.clear_in_memory()
+    held = compilation_cache.cached_jit(_f, static_argnames="power")
+    before = _mappings()
+    for n in range(1, 25):
+        held(jnp.ones(n), jnp.ones(n), power=3)
+    grown = _mappings() - before
+    assert grown >= 24  # several mappings per program held
+    compilation_cache.clear_in_memory()
+    assert len(held.loaded) == 0 and len(kept.loaded) == 0
+    assert _mappings() - before < grown / 4
