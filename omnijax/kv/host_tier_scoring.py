@@ -7,7 +7,9 @@ The store itself is `omnijax.kv.host_tier`.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+
+import jax
 import numpy as np
 
 from omnijax.kv import rope as rope_lib
@@ -71,15 +73,33 @@ RECALL_SCORINGS = SCORINGS + ("mass", "two_stage")
 `omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
 
 
+@functools.partial(jax.jit, static_argnames=("rope",))
+def _unrotate(k: jax.Array, pos: jax.Array, *, rope: tuple) -> jax.Array:
+    theta, section, interleaved = rope
+    return rope_lib.apply_rope(k, rope_lib.rope_angles(-pos, k.shape[-1], theta, section, interleaved))
+
+
+def _bucket(n: int) -> int:
+    """The padded token count a RoPE undo of `n` tokens runs at (a power of two, at least 16): one compiled
+    program per bucket, where eager operations compiled a dozen programs for every new count of tokens (every
+    question, as the tier and the questions' lengths change)."""
+    return max(16, 1 << max(0, n - 1).bit_length())
+
+
 def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:
     """`[L, G, n, d]` float32 keys before RoPE: `k` (rotated at `pos [A, n]`) turned back by `-pos`.
 
     Args:
         rope: `(theta, mrope_section, interleaved)` of the model.
     """
+    L, G, n, d = k.shape
+    padded = np.zeros((L, _bucket(n), G, d), np.float32)  # [L, n', G, d], tokens past n are zeros at position 0
+    padded[:, :n] = np.swapaxes(np.asarray(k, np.float32), 1, 2)
+    at = np.zeros((np.shape(pos)[0], padded.shape[1]), np.int32)
+    at[:, :n] = np.asarray(pos, np.int32)
     theta, section, interleaved = rope
-    angles = rope_lib.rope_angles(jnp.asarray(-np.asarray(pos, np.int32)), k.shape[-1], theta, section, interleaved)
-    return np.swapaxes(np.asarray(rope_lib.apply_rope(jnp.swapaxes(jnp.asarray(k, jnp.float32), 1, 2), angles)), 1, 2)
+    out = _unrotate(padded, at, rope=(theta, None if section is None else tuple(section), bool(interleaved)))
+    return np.swapaxes(np.asarray(out)[:, :n], 1, 2)
 
 
 def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
