@@ -13,6 +13,8 @@ from omnijax.models.family import family_for
 from omnijax.models.tokenizer import MINICPMO_4_5_TEMPLATE
 from tests._support import tiny_omni
 
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): chat-template defaults, tiny checkpoint
+
 RELEASE_STYLE = MINICPMO_4_5_TEMPLATE.replace("{%- if not (enable_thinking is defined and enable_thinking) %}",
                                               "{%- if enable_thinking is defined and enable_thinking is false %}")
 QUESTION = [{"role": "user", "content": "Describe it."}]

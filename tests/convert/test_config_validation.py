@@ -35,7 +35,8 @@ from omnijax.testing import checkpoints as demo
 from tests._support import DATA
 from tests._support import ROOT as REPO
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files:UserWarning")
+pytestmark = [pytest.mark.fast,  # the quick tier (`make test-fast`): the config checks, no compile
+              pytest.mark.filterwarnings("ignore:.*has no tokenizer files:UserWarning")]
 QUIET = dict(progress=False, log=lambda message: None)
 VOCAB = 256
 LLAMA = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,

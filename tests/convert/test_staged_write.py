@@ -14,6 +14,8 @@ import pytest
 from omnijax.checkpoint import staged
 from omnijax.checkpoint.format import _save_tree
 
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): the staged checkpoint write
+
 
 def tree():
     rng = np.random.default_rng(0)

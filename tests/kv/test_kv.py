@@ -12,6 +12,8 @@ from omnijax.kv import attention, paged
 from omnijax.kv.paged import PageClass
 from tests._support import kv_ops as ops
 
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): the paged cache against its plain-Python twins
+
 G, D, H = 2, 8, 4  # kv heads, head dim, query heads
 
 

@@ -3,9 +3,12 @@ setting, and give what the package's eager functions give."""
 
 import jax
 import numpy as np
+import pytest
 
 from omnijax.kv import paged
 from tests._support import kv_ops as ops
+
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): the paged cache ops reused
 
 
 def test_one_program_per_shape_and_the_eager_result():

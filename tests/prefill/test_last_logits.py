@@ -13,6 +13,8 @@ import pytest
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder, head_logits, last_logits
 
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): the last-position logits on a tiny decoder
+
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_equal_the_plain_product(tied):

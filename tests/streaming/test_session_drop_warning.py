@@ -14,6 +14,8 @@ from omnijax.models.decoder import Decoder
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
 from omnijax.streaming.session import Session, stream
 
+pytestmark = pytest.mark.fast  # the quick tier (`make test-fast`): a Session on a tiny decoder warns of dropped tokens
+
 WIDTH = 512
 
 
