@@ -12,7 +12,7 @@ import pytest
 
 import omnijax
 from omnijax.models.qwen3_omni import code2wav_rows
-from omnijax.serve.engine import speech as pool_lib
+from omnijax.serve.engine import speech_steps
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.speech import SpeechConfig
 from omnijax.serve.speech_engine import warm_up_pool
@@ -25,7 +25,7 @@ FIRST, CHUNK = 5, 6
 
 
 def _compiled():
-    return (pool_lib._prefill._cache_size(), pool_lib._step._cache_size(), code2wav_rows._rows._cache_size())
+    return (speech_steps.prefill._cache_size(), speech_steps.step._cache_size(), code2wav_rows._rows._cache_size())
 
 
 def test_a_warmed_pool_speaks_a_first_utterance_without_compiling(model):
