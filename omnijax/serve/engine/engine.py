@@ -469,18 +469,23 @@ class Engine:
         """Makes the open, empty sessions `targets` forks of the open session `source` (n choices of one prompt),
         between ticks: each continues from its cache, cursor, key, logits and penalty history, sharing its full pages
         when `share` (`omnijax.serve.engine.rows.check_fork`, `omnijax.kv.page_sharing`). Returns `(shared, shared
-        pages, pages copied per target)`. Raises KeyError, ValueError or `NotEnoughPages`, changing nothing."""
+        pages, pages copied per target)`. Raises KeyError, ValueError or `NotEnoughPages`, changing nothing.
+
+        With recall, every fork takes a copy of the source's host tier (immutable: shared, not copied) and no page
+        is shared (recall re-lays and releases a row's cached tokens in place, outside the step's copy-on-write)."""
         for s in (source, *targets):
             self._check_open(s)
-        if self.recall is not None:
-            raise ValueError("fork_session is not supported with StreamConfig(recall=...) yet (each fork would need "
-                             "its own copy of the source's host tier); serve n=1, or without recall")
         if source in self._preempted:
             raise ValueError(f"session {source!r} is preempted (its KV is incomplete); it cannot be forked")
         self._arrange()
         self._install_keys()
         rows = [self._slots[t] for t in targets]
-        share, shared, copied = check_fork(self.state, self._slots[source], rows, self._stream, share)
+        tier = None if self.recall is None else self.recall.snapshot(self, source)  # refused while recalling
+        share, shared, copied = check_fork(self.state, self._slots[source], rows, self._stream,
+                                           share and tier is None)
         self.state = _fork_rows(self.state, np.int32(self._slots[source]), np.asarray(rows, np.int32), share=share)
+        if self.recall is not None:
+            for t in targets:
+                self.recall.restore(self, t, tier)
         self._seen_dropped.update({t: self._seen_dropped[source] for t in targets})
         return share, shared, copied

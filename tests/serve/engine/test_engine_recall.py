@@ -205,15 +205,30 @@ def test_a_missing_or_corrupt_tier_and_unsupported_uses_are_refused_by_name(mode
         plain.import_session("a", snapshot)
     assert plain.sessions == []
 
-    engine.open("b")
-    with pytest.raises(ValueError, match="fork_session is not supported with StreamConfig\\(recall"):
-        engine.fork_session("a", ["b"])
     with pytest.raises(ValueError, match="constrained decoding .* is not supported with StreamConfig\\(recall"):
         engine.tick(constraints={"a": object()})
     with pytest.raises(ValueError, match="on the engine runs with paging mode 'native' only so far"):
         Engine(model, EngineConfig(stream=config.replace(paging="eager"), chunk_tokens=T))
     with pytest.raises(ValueError, match="recall is off for this engine"):
         plain.open("x") or plain.recall_stats("x")
+
+
+def test_forks_of_a_recall_session_each_carry_its_tier_and_answer_as_its_resumed_session(model):
+    config = _config(POLICIES["streamingllm"])
+    engine = Engine(model, EngineConfig(stream=config, chunk_tokens=T, buckets=(1, 2, 4)))
+    for sid in ("a", "b", "c"):
+        engine.open(sid)
+    source = Session(model, config)
+    for c in _context(0):
+        _feed_session(source, c, False, False)
+    _run_engine(engine, {"a": [(c, False, False) for c in _context(0)]}, [("a",)] * len(SIZES))
+    assert engine.fork_session("a", ["b", "c"])[0] is False  # nothing shared under recall
+    questions = {"a": _question(1), "b": _question(2), "c": _question(3)}
+    got = _run_engine(engine, {s: [(q, False, False)] for s, q in questions.items()}, [("a", "b", "c")])
+    for sid, q in questions.items():
+        fork = Session.resume(model, source.snapshot(), config)
+        _assert_same(got[sid], [_feed_session(fork, q, False, False)], f"fork {sid}")
+        assert engine.recall_stats(sid) == fork.recall_stats() and fork.recall_stats().recalled_cells > 0
 
 
 def _oracle_answer(session, question, max_tokens, stop):
