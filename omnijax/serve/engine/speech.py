@@ -267,7 +267,7 @@ class SpeechPool:
         """Whether a tick would do something: an utterance to prefill or whose tokens allow a talker step, or a
         vocoder chunk due (not: every utterance waits for its answer's next tokens)."""
         return any(not u.prefilled or self._steps(u) or self._due(u) or (u.done and not u.ready)
-                   for u in self._utterances.values())
+                   for u in list(self._utterances.values()))  # a copy: the worker reads it beside the engine thread
 
     @staticmethod
     def _steps(u: _Utterance) -> bool:

@@ -425,7 +425,7 @@ class EngineWorker(SpeakingWorker):
                     report = self.engine.tick(per_token=False)
                 else:
                     report = self.engine.tick()
-            elif self.speaking:  # no thinker work: the tick runs the talkers and vocoders
+            elif self._speech_due():  # no thinker work: the tick runs the talkers and vocoders (speech: worker_speech)
                 report = self.engine.tick()
         finally:
             self.compute_s.append(time.perf_counter() - start)
@@ -437,7 +437,7 @@ class EngineWorker(SpeakingWorker):
             if self._cancelled:  # answers cancelled between ticks report the cells their session holds, too
                 cancelled, self._cancelled = self._cancelled, []
                 await self._finish_with_cells(cancelled)
-            if not plan and not self.speaking:
+            if not plan and not self._speech_due():  # an answer spoken while written may wait for text (worker_speech)
                 self._work.clear()
                 try:
                     await asyncio.wait_for(self._work.wait(), self.recovery_s)

@@ -12,9 +12,9 @@ shutdown ends every stream with an error naming why; `cancel_speech` ends one (i
 
 An answer can be spoken while the thinker still writes it: `speak(..., writing=True)` with its first tokens, then
 `extend_speech` with the next ones as they are decoded and `end=True` once it is whole (the pool's talker steps as far
-as the tokens allow: `SpeechPool.extend`). While an utterance waits for its answer's next tokens and nothing else
-has work, the loop still ticks (an empty tick is cheap: the pool steps no row); that lasts from the thinker's last
-token to the route's `extend_speech(end=True)`, one pass of the event loop.
+as the tokens allow: `SpeechPool.extend`). While every utterance waits for its answer's next tokens (no talker step
+possible, no vocoder chunk due: `SpeechPool.has_work` False) and the thinker has no work, the loop waits instead of
+ticking (`_speech_due`); `speak` and `extend_speech` wake it.
 """
 
 from __future__ import annotations
@@ -152,6 +152,12 @@ class SpeakingWorker:
         except KeyError:  # it ended in the tick that ran meanwhile
             return False
         return True
+
+    def _speech_due(self) -> bool:
+        """Whether the speech pool gives a tick work (read on the event loop between ticks: a stale False is woken
+        by the `speak` / `extend_speech` that changed it)."""
+        pool = self.engine.speech
+        return bool(self.speaking) and pool is not None and pool.has_work
 
     async def cancel_speech(self, speech_id: str) -> bool:
         """Ends an utterance now (its stream stops after the chunks already delivered; its talker pages return);
