@@ -26,7 +26,7 @@ batched steps):
 A session's answers are therefore those of a batch-1 `Session` with the same config fed the same (padded) chunks,
 with `hold_recall` where the engine's session is held (the worker holds each response's recall over its answer and
 releases it when the answer ends, as `Chat` does). Snapshots carry the tier (`Engine.export_session` /
-`import_session`), in memory only: writing one with a tier to disk is refused by name. A fork
+`import_session`; on disk beside the arrays, `omnijax.serve.engine.snapshot_tier`). A fork
 (`Engine.fork_session`) takes the source's tier and shares no page with it.
 """
 

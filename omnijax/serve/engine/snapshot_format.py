@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 
 from omnijax.kv.quant_kv import QuantPages
 from omnijax.serve.engine.snapshot_paths import local_path
+from omnijax.serve.engine.snapshot_tier import TIER_FILE, read_tier, write_tier
 from omnijax.streaming.step import StreamState
 
 FORMAT = "omnijax-session"
@@ -144,7 +145,7 @@ class SessionSnapshot:
     counts: np.ndarray | None = None  # None: empty (zeros of the spec's vocabulary)
     seen: np.ndarray | None = None
     # the session's recall side (`omnijax.streaming.recall_session.RecallSnapshot`: its host tier) when the engine
-    # has StreamConfig(recall=...); in memory only (`save_snapshot` refuses it by name)
+    # has StreamConfig(recall=...); written beside the arrays (`omnijax.serve.engine.snapshot_tier`)
     tier: Any = None
 
     def __post_init__(self):
@@ -281,9 +282,9 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
         ValueError: `path` is a URI (`gs://...`): object stores are not supported (`snapshot_paths.local_path`).
     """
     snapshot.check()
-    if snapshot.tier is not None:
-        raise ValueError("this snapshot carries a recall host tier (StreamConfig(recall=...)), which is not written "
-                         "to disk yet: keep it in memory (Engine.import_session), or serve without recall")
+    if snapshot.tier is not None and any(u.on_disk for u in snapshot.tier.tier.units):
+        raise ValueError("the snapshot's host tier has units spilled to disk (Recall(disk_dir=...)), which a snapshot "
+                         "on disk does not carry yet; keep it in memory")
     path = local_path(path)
     if path.exists() or path.is_symlink():
         if not overwrite:
@@ -293,7 +294,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = snapshot.arrays()
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "spec": dataclasses.asdict(snapshot.spec),
-                "meta": snapshot.meta,
+                "meta": snapshot.meta, **({} if snapshot.tier is None else {"recall_tier": TIER_FILE}),
                 "arrays": {n: {"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for n, a in arrays.items()}}
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
@@ -301,6 +302,8 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
         with _ORBAX_LOCK, ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / ARRAYS_DIR, stored)
             checkpointer.wait_until_finished()
+        if snapshot.tier is not None:  # the recall side (`omnijax.serve.engine.snapshot_tier`)
+            write_tier(tmp / TIER_FILE, snapshot.tier)
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         _fsync_tree(tmp)  # every file and folder on disk before the rename makes the snapshot visible
@@ -370,6 +373,7 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
                   for n in ARRAY_FIELDS}
         missing = ("counts", "seen") if version == 1 else ()
         meta = manifest.get("meta", {})
+        tier_file = manifest.get("recall_tier")
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise SnapshotFormatError(f"{manifest_path}: cannot read the snapshot manifest: {e}") from e
     arrays = {n: np.zeros(shape, dtype) for n, (shape, dtype) in layout.items()
@@ -388,7 +392,11 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
     except Exception as e:  # orbax and TensorStore raise many types for missing or damaged files
         raise SnapshotFormatError(f"{arrays_path}: cannot read the snapshot's arrays ({_brief(e)})") from e
     try:
-        snapshot = SessionSnapshot(**arrays, spec=spec, meta=meta)
+        tier = None if tier_file is None else read_tier(path / TIER_FILE)
+    except ValueError as e:
+        raise SnapshotFormatError(f"{path}: the snapshot's recall host tier is missing or corrupt: {e}") from e
+    try:
+        snapshot = SessionSnapshot(**arrays, spec=spec, meta=meta, tier=tier)
         snapshot.check()
     except (TypeError, SnapshotError) as e:
         raise SnapshotFormatError(f"{path}: {e}") from e

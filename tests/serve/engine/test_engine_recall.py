@@ -18,7 +18,8 @@ from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax.serve.engine.snapshot import save_snapshot
+from omnijax.serve.engine.snapshot import SnapshotFormatError, load_snapshot, save_snapshot
+from omnijax.serve.engine.snapshot_tier import TIER_FILE
 from omnijax.serve.engine.worker import EngineWorker
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
@@ -152,7 +153,8 @@ def test_an_engine_session_with_recall_answers_as_a_batch1_session_alone_and_bes
     assert both.recall_stats("a") == stats
 
 
-def test_an_engine_snapshot_carries_the_tier_and_the_resumed_session_answers_as_the_uninterrupted_one(model):
+def test_an_engine_snapshot_carries_the_tier_and_the_resumed_session_answers_as_the_uninterrupted_one(model,
+                                                                                                     tmp_path):
     config = _config(POLICIES["omnipick"])
     script = _script(0)
     cut = 10  # after the held question's release and some context
@@ -169,7 +171,10 @@ def test_an_engine_snapshot_carries_the_tier_and_the_resumed_session_answers_as_
     fresh.open("other")  # another session in the pool: the resumed one takes other pages
     fresh.submit("other", _context(9)[0], 0)
     fresh.tick()
-    fresh.import_session("a", snapshot)
+    save_snapshot(tmp_path / "a", snapshot)  # the tier goes to disk beside the arrays
+    loaded = load_snapshot(tmp_path / "a")
+    assert [u.unit for u in loaded.tier.tier.units] == [u.unit for u in snapshot.tier.tier.units]
+    fresh.import_session("a", loaded)
     assert fresh.recall_stats("a") == stats
     rest = _run_engine(fresh, {"a": script[cut:]}, [("a",)] * (len(script) - cut))["a"]
     _assert_same(first + rest, want, "resumed")
@@ -197,9 +202,14 @@ def test_a_missing_or_corrupt_tier_and_unsupported_uses_are_refused_by_name(mode
         engine.import_session("b", dataclasses.replace(snapshot, tier=bad_tier))
     assert engine.free_pages == free and engine.sessions == sessions  # nothing changed
 
-    with pytest.raises(ValueError, match="not written to disk yet"):
-        save_snapshot(tmp_path / "s", snapshot)
-    assert not (tmp_path / "s").exists()
+    save_snapshot(tmp_path / "s", snapshot)
+    (tmp_path / "s" / TIER_FILE).unlink()
+    with pytest.raises(SnapshotFormatError, match="recall host tier is missing or corrupt"):
+        load_snapshot(tmp_path / "s")
+    save_snapshot(tmp_path / "t", dataclasses.replace(snapshot, tier=bad_tier))
+    with pytest.raises(ValueError, match="summary is not the mean of its keys"):  # found when the session resumes
+        engine.import_session("b", load_snapshot(tmp_path / "t"))
+    assert engine.free_pages == free and engine.sessions == sessions
     plain = Engine(model, EngineConfig(stream=config.replace(recall=None), chunk_tokens=T, buckets=(1, 2)))
     with pytest.raises(ValueError, match="carries a recall host tier but this engine"):
         plain.import_session("a", snapshot)
