@@ -26,6 +26,10 @@ Speech (`EngineConfig.speech`): `speak` admits an utterance (a thinker prompt an
 (`omnijax.serve.engine.speech.SpeechPool`, its own talker KV pool with pages reserved at admission); every tick then
 runs one batched talker step over the speaking sessions and their due vocoder chunks after the thinker's step, so
 the tick latency (what AIMD admission reads) includes them; the chunks come back in `TickReport.speech`.
+
+Recall (`EngineConfig.stream.recall`, issue 40): every session keeps its own host tier, worked on between the
+batched steps through a batch-1 view of its row (`omnijax.serve.engine.recall_rows`); `hold_recall`,
+`release_recall`, `recall_stats`; snapshots and forks carry the tier.
 """
 
 from __future__ import annotations
