@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from omnijax import compilation_cache, demo
-from omnijax.demo import install, passkey, smollm2
+from omnijax.demo import install, omni, passkey, smollm2
 from omnijax.models.tokenizer import load_tokenizer
 from omnijax.testing import checkpoints
-from tests._support import real_model
+from tests._support import real_model, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -42,11 +42,22 @@ DEMO_ARGS = ["--exchanges", str(EXCHANGES), "--budget", str(BUDGET), "--units", 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """A working directory holding what `make demo` leaves in `demo_out/` (the converted SmolLM2 linked from the
-    test cache), and what the demo printed."""
+    test cache), and what the demo printed. The demo's omni part compiles with the suite's quick settings, as the
+    README commands on tiny models do (`_compile_bound_env`); its SmolLM2 part with this module's own."""
     cwd = tmp_path_factory.mktemp("readme")
     ckpt = real_model.checkpoint()
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    run_omni = omni.run
+
+    def omni_compiling_quickly(*args, **kwargs):  # the demo's omni part: a tiny random model, compile-bound
+        xla_flags.quick_compile(True)
+        try:
+            return run_omni(*args, **kwargs)
+        finally:
+            xla_flags.quick_compile(False)  # this module's setting (execution-bound: SmolLM2)
+
+    with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(omni, "run", omni_compiling_quickly)
         assert demo.main(["--out", str(cwd / "demo_out"), "--model-dir", str(ckpt), *DEMO_ARGS]) == 0
     (cwd / "demo_out" / "smollm2").symlink_to(ckpt, target_is_directory=True)
     return cwd, printed.getvalue(), ckpt
@@ -102,9 +113,18 @@ def _commands(prefix):
     return [line for line in re.findall(r"^(.*\.venv/bin/omnijax .*)$", README, flags=re.M) if prefix in line]
 
 
-def _run(line, cwd):
+def _run(line, cwd, env: dict[str, str] | None = None):
     line = line.replace(".venv/bin/omnijax", shlex.quote(str(BIN / "omnijax")))
-    return subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _compile_bound_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a README command that compiles more than it runs (`watch` on the demo's tiny random omni
+    model, the token-level quick start on a tiny checkpoint): the suite's quick compile settings, as in every module
+    but the execution-bound ones (tests/_support/xla_flags.py). This module is execution-bound for SmolLM2's 30
+    layers, which decode ~4x slower without LLVM optimisation; the tiny models' programs compile ~3x quicker with it
+    off and run for milliseconds. The commands run as written: only how XLA compiles them changes."""
+    return dict(os.environ if environ is None else environ, **{xla_flags.JAX_ENV: "1"})
 
 
 def _shown(command):
@@ -122,7 +142,7 @@ def test_readme_chat_command_prints_what_the_readme_shows(demo_dir):
 
 def test_readme_watch_command(demo_dir):
     (watch,) = _commands(" watch ")
-    done = _run(watch, demo_dir)
+    done = _run(watch, demo_dir, _compile_bound_env())
     assert done.returncode == 0, done.stderr
     shown = _shown(watch).splitlines()
     got = done.stdout.splitlines()
@@ -218,8 +238,8 @@ def test_readme_convert_and_token_level_quick_start(tmp_path):
     # reads it, so a warm run loads its ~40 CPU s of compiled programs instead of compiling them again.
     cache = compilation_cache.cache_dir()  # the suite's (tests/conftest.py), None when turned off
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0") \
-        if cache else None
-    got = json.loads(_python(code + report, tmp_path, env).stdout.splitlines()[-1])
+        if cache else dict(os.environ)
+    got = json.loads(_python(code + report, tmp_path, _compile_bound_env(env)).stdout.splitlines()[-1])
     assert got["answer"] == [1, 8]
     assert got["compressed"] == 64
     assert got["result"] == [2, 1, 16] and got["answered"]
