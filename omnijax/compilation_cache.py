@@ -15,8 +15,8 @@ delete the directory to reclaim its space.
 Beside XLA's cache, the programs omnijax runs most (a session's step and scan, the engine's ticks) are kept whole as
 serialised executables (`CachedJit`, under `<cache dir>/executables/`): a later process loads one without tracing or
 lowering the Python function again, which on a small model was most of a warm start (the SmolLM2 demo spent 44 % of
-its time tracing and 17 % lowering with every program already in XLA's cache). It is opt-in:
-`OMNIJAX_EXECUTABLE_CACHE=on` (see `executables_dir` for why).
+its time tracing and 17 % lowering with every program already in XLA's cache). `OMNIJAX_EXECUTABLE_CACHE=off` turns
+that part off (XLA's cache stays on).
 """
 
 from __future__ import annotations
@@ -100,20 +100,17 @@ _UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_comp
 _PACKAGE = Path(__file__).resolve().parent
 
 
-ON = ("on", "1", "true", "yes")
-
 
 def executables_dir() -> Path | None:
-    """Where serialised executables go: `<cache dir>/executables`; None unless `OMNIJAX_EXECUTABLE_CACHE=on` and the
-    compilation cache is on.
+    """Where serialised executables go: `<cache dir>/executables`; None when the compilation cache is off or
+    `OMNIJAX_EXECUTABLE_CACHE=off` (or `0`, `false`, `none`, `no`).
 
-    Opt-in for now. A cold run of the test suite with them on once aborted inside XLA's serialisation of a freshly
-    compiled program. The cause: every executable held in memory keeps memory mappings of its code, and `CachedJit`
-    held every program it loaded or compiled for the life of the process, through the suite's `jax.clear_caches()`
-    between modules, until the worker neared the kernel's limit on mappings (`vm.max_map_count`) and XLA could not
-    map the next program's code. Each function now holds at most `CachedJit.MAX_PROGRAMS` programs and
-    `clear_in_memory()` drops them with jax's caches."""
-    if os.environ.get(EXECUTABLE_ENV, "").strip().lower() not in ON:
+    Every executable held in memory keeps memory mappings of its code. `CachedJit` once held every program it loaded
+    or compiled for the life of the process, past `jax.clear_caches()`, and a test-suite worker neared the kernel's
+    limit on mappings (`vm.max_map_count`, 65,530) until XLA aborted mapping the next program's code while
+    serialising it. A function now holds at most `CachedJit.MAX_PROGRAMS` programs, and `clear_in_memory()` drops
+    them with jax's caches."""
+    if os.environ.get(EXECUTABLE_ENV, "").strip().lower() in OFF:
         return None
     base = cache_dir()
     return None if base is None else base / "executables"

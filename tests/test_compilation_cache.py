@@ -46,7 +46,6 @@ def _run(cache: Path, role: str) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNIJAX_EXECUTABLE", "JAX_COMPILATION"))}
-    env[compilation_cache.EXECUTABLE_ENV] = "on"  # opt-in
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), role], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -131,7 +130,10 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
 
 
 def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
-    for setting in ("off", ""):  # off unless asked for
+    for setting in ("", "on"):  # on unless turned off
+        monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, setting)
+        assert compilation_cache.executables_dir() == cache_dir / "executables"
+    for setting in ("off", "0", "False"):
         monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, setting)
         assert compilation_cache.executables_dir() is None
     kept = compilation_cache.cached_jit(_f, static_argnames="power")

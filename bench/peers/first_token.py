@@ -7,9 +7,9 @@ clock; the parent starts the clock just before it starts the process, so interpr
 
     omnijax_warm   `omnijax.Chat` (OmniPick 512 / 384, 16-token pages, 68 pages, 16-token answer blocks: the README's
                    chat), its compiled steps found in the persistent cache a priming run filled (the step is traced
-                   and lowered, then loaded from XLA's cache);
-    omnijax_kept   the same with `OMNIJAX_EXECUTABLE_CACHE=on`: the step loaded as a serialised executable
-                   (`omnijax.compilation_cache.cached_jit`), not traced;
+                   and lowered, then loaded from XLA's cache; `OMNIJAX_EXECUTABLE_CACHE=off`);
+    omnijax_kept   the same as a user's process runs it (kept executables on, the default): the step loaded as a
+                   serialised executable (`omnijax.compilation_cache.cached_jit`), not traced;
     omnijax_cold   the same with an empty cache directory (every step compiled in the process);
     transformers   `AutoModelForCausalLM.from_pretrained` of the same weights saved by transformers (float32, sdpa),
                    `apply_chat_template`, then `generate` (greedy) with a streamer that notes the first new token.
@@ -157,9 +157,8 @@ def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -
     """`side`'s chat turn in a fresh process: seconds from the process's start to each stage."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # each omnijax side names its own cache
-    env.pop("OMNIJAX_EXECUTABLE_CACHE", None)
-    if side == "omnijax_kept":
-        env["OMNIJAX_EXECUTABLE_CACHE"] = "on"
+    # omnijax_kept (and omnijax_cold) run as a user's process does, kept executables on; omnijax_warm without them
+    env["OMNIJAX_EXECUTABLE_CACHE"] = "on" if side != "omnijax_warm" else "off"
     load = os.getloadavg()[0]
     start = time.time()
     done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
