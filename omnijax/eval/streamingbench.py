@@ -42,7 +42,7 @@ from omnijax.eval.runner import ConfigResult, EvalConfig, evaluate
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel
 from omnijax.models.registry import load
-from omnijax.retention.recall import Recall
+from omnijax.retention.recall import Recall, parse_recall  # noqa: F401  (parse_recall: this module's name kept)
 from omnijax.streaming.config import StreamConfig
 from omnijax.testing import checkpoints as demo
 
@@ -61,35 +61,6 @@ def parse_config(spec: str, *, answer_tokens: int = 1, page_size: int = 64, reca
     except KeyError as e:  # an unknown policy name: the command line reports ValueErrors
         raise ValueError(e.args[0]) from None
     return EvalConfig(spec if recall is None else f"{spec} recall", config)
-
-
-_RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
-                  "disk_dir": str, "disk_bytes": int}
-
-
-def parse_recall(spec: str) -> Recall:
-    """`key=value,...` -> `omnijax.retention.recall.Recall` (the command lines' `--recall`), e.g.
-    `"budget=2048,top_units=8,scoring=two_stage,shortlist=16"`; `keep` takes true / false. An unknown key or a bad
-    value is refused naming it."""
-    fields: dict[str, Any] = {}
-    for part in filter(None, spec.split(",")):
-        key, eq, value = part.partition("=")
-        if not eq or key not in _RECALL_FIELDS:
-            raise ValueError(f"--recall: {part!r} is not key=value with a key among {sorted(_RECALL_FIELDS)}")
-        kind = _RECALL_FIELDS[key]
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise ValueError(f"--recall: keep must be true or false, got {value!r}")
-            fields[key] = value.lower() == "true"
-        elif kind is int:
-            if not value.isdigit():
-                raise ValueError(f"--recall: {key} must be a non-negative integer, got {value!r}")
-            fields[key] = int(value)
-        else:
-            fields[key] = value
-    if "budget" not in fields:
-        raise ValueError("--recall needs budget=CELLS (the most cache cells recalled at one question)")
-    return Recall(**fields)
 
 
 def configs_from_args(args: argparse.Namespace, answer_tokens: int) -> list[EvalConfig]:

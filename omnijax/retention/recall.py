@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,35 @@ class Recall:
         if self.budget > cells:
             raise ValueError(f"Recall: budget ({self.budget} cells) is larger than the KV pool ({cells} cells: "
                              f"num_pages x page_size); lower Recall(budget=...) or give more num_pages")
+
+
+_RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
+                  "disk_dir": str, "disk_bytes": int}
+
+
+def parse_recall(spec: str) -> Recall:
+    """`key=value,...` -> `Recall` (the command lines' `--recall`: `omnijax serve`, the eval harnesses), e.g.
+    `"budget=2048,top_units=8,scoring=two_stage,shortlist=16"`; `keep` takes true / false. An unknown key or a bad
+    value is refused naming it."""
+    fields: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in _RECALL_FIELDS:
+            raise ValueError(f"--recall: {part!r} is not key=value with a key among {sorted(_RECALL_FIELDS)}")
+        kind = _RECALL_FIELDS[key]
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--recall: keep must be true or false, got {value!r}")
+            fields[key] = value.lower() == "true"
+        elif kind is int:
+            if not value.isdigit():
+                raise ValueError(f"--recall: {key} must be a non-negative integer, got {value!r}")
+            fields[key] = int(value)
+        else:
+            fields[key] = value
+    if "budget" not in fields:
+        raise ValueError("--recall needs budget=CELLS (the most cache cells recalled at one question)")
+    return Recall(**fields)
 
 
 def rerotate(k: jnp.ndarray, from_pos: jnp.ndarray, to_pos: jnp.ndarray, *, theta: float | rope_lib.ScaledTheta,

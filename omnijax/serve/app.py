@@ -208,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # deleted, each logged) before the model loads
         store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
         samples = frame_samples(args.frame_ms)
+        launch.recall_option(args)  # a bad --recall is refused before the model loads
     except ValueError as e:
         parser.error(str(e))
     if args.replicas < 1:
@@ -286,13 +287,15 @@ def _loaded(path: str, args: argparse.Namespace, options: ServeOptions, store: A
     # each session (request) may set its own temperature / top_p / seed: one program for all of them
     decoding = RowSampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     stream = StreamConfig(policy=policy, num_pages=args.pages, page_size=args.page_size,
-                          max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding)
+                          max_answer_tokens=args.answer_tokens, impl=args.impl, decoding=decoding,
+                          recall=launch.recall_option(args))
     context = build_context(model, options=options, stream=stream, chunk_tokens=chunk_tokens,
                             buckets=args.buckets, aimd_target=args.aimd_target, return_logits=duplex,
                             per_token=args.per_token)
     realtime_resume.attach_store(context, store)
-    seconds = warm_up(context, args.warmup_sessions)
-    return context, (f"omnijax serve: {path}: {policy}, pool {args.pages}x{args.page_size}, B={args.frame_ms:g} "
+    seconds = warm_up(context, args.warmup_sessions, structured=stream.recall is None)  # recall refuses grammars
+    return context, (f"omnijax serve: {path}: {policy}" + (f", {stream.recall}" if stream.recall else "") +
+                     f", pool {args.pages}x{args.page_size}, B={args.frame_ms:g} "
                      f"ms, T={chunk_tokens}, tau={args.answer_tokens}, {decoding}; warm-up {seconds:.1f} s")
 
 

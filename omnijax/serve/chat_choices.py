@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 import uuid
@@ -176,6 +177,9 @@ async def _whole(request, context, req: ChatRequest, choices: list, stack, cid: 
                      metadata=req.labels.get("metadata"))
     kv = [c.answer.kv_cells for c in choices]
     out["omnijax"] = {"kv_cells": int(kv[0]), "choices_kv_cells": [int(k) for k in kv]}
+    if choices[0].answer.recall is not None:  # StreamConfig(recall=...): each choice's RecallStats, as kv_cells
+        recalls = [dataclasses.asdict(c.answer.recall) for c in choices]
+        out["omnijax"].update(recall=recalls[0], choices_recall=recalls)
     out["choices"] = [{"index": i, "message": {"role": "assistant", "content": text},
                        "finish_reason": c.text.finish_reason(c.answer),
                        "logprobs": None if req.top_logprobs is None else

@@ -208,7 +208,7 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
                     request=request)
             content = None  # as OpenAI's API answers with audio: the text is the audio's transcript
         out = completion(cid, created, req.model, content, reason, prompt_tokens, text_of.completion_tokens(answer),
-                         answer.kv_cells, req.labels.get("metadata"), tool_calls)
+                         answer.kv_cells, req.labels.get("metadata"), tool_calls, recall=answer.recall)
         if spoken is not None:
             out["choices"][0]["message"]["audio"] = spoken
         return JSONResponse(out)

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
+from omnijax.retention.recall import Recall, parse_recall
 from omnijax.serve.realtime.snapshot_store import parse_duration, parse_every
 
 API_KEY_ENV = "OMNIJAX_API_KEY"  # the bearer key when --api-key is not given
@@ -81,6 +82,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "sink_window, unbounded, omnipick:high_watermark=2500,low_watermark=1800")
     p.add_argument("--sink", type=int, default=16, help="sink_window's S (unless --policy sets it)")
     p.add_argument("--window", type=int, default=1024, help="sink_window's W (unless --policy sets it)")
+    p.add_argument("--recall", default=None, help="recall evicted units at each question (issue 40: every session "
+                   "keeps a host tier): key=value,... of omnijax.retention.recall.Recall, e.g. budget=256 or "
+                   "budget=512,top_units=4,scoring=two_stage (budget: cells, at most --pages x --page-size)")
     p.add_argument("--pages", type=int, default=256, help="shared KV pool pages")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--frame-ms", type=float, default=1000.0, help="frame budget B: input audio frames of B ms")
@@ -145,3 +149,20 @@ def snapshot_options(args: argparse.Namespace) -> dict:
     return dict(snapshot_every_s=every_s, snapshot_every_turns=every_turns,
                 snapshot_max_bytes=int(args.snapshot_max_gb * 2 ** 30) or None, snapshot_max_age_s=max_age or None,
                 idle_timeout_s=args.idle_timeout)
+
+
+def recall_option(args: argparse.Namespace) -> Recall | None:
+    """`--recall` as the sessions' `Recall` (None without it), refused by name (ValueError starting "--recall") where
+    the engine would refuse it once the model is loaded: a budget over the pool's `--pages` x `--page-size` cells;
+    and a disk tier with `--snapshot-dir` (a snapshot of a tier with spilled units is refused)."""
+    if args.recall is None:
+        return None
+    try:
+        recall = parse_recall(args.recall)
+        recall.check_pool(args.pages * args.page_size)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("--recall") else f"--recall: {e}") from None
+    if recall.disk_dir is not None and args.snapshot_dir is not None:
+        raise ValueError("--recall: disk_dir does not work with --snapshot-dir yet (a session's snapshot refuses a "
+                         "host tier with units spilled to disk); drop disk_dir or --snapshot-dir")
+    return recall

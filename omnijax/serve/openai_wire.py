@@ -4,9 +4,10 @@ an answer whose client went away."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -32,9 +33,10 @@ def error_body(message: str, *, kind: str = "invalid_request_error", code: str |
 
 def completion(cid: str, created: int, model: str, text: str | None, finish_reason: str, prompt_tokens: int,
                completion_tokens: int, kv_cells: int | None = None, metadata: dict | None = None,
-               tool_calls: list[dict] | None = None) -> dict:
-    """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field; the request's `metadata`, when
-    it had one, echoed back; the message's `tool_calls` when the answer made calls)."""
+               tool_calls: list[dict] | None = None, recall: Any = None) -> dict:
+    """A `chat.completion` object (omnijax's KV cells in the extra `"omnijax"` field, and with `recall` (the answer's
+    `omnijax.streaming.recall_session.RecallStats`) its fields as `"omnijax": {"recall": {...}}`; the request's
+    `metadata`, when it had one, echoed back; the message's `tool_calls` when the answer made calls)."""
     message: dict = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -43,6 +45,8 @@ def completion(cid: str, created: int, model: str, text: str | None, finish_reas
            "usage": usage(prompt_tokens, completion_tokens)}
     if kv_cells is not None:
         out["omnijax"] = {"kv_cells": int(kv_cells)}
+    if recall is not None:
+        out.setdefault("omnijax", {})["recall"] = dataclasses.asdict(recall)
     if metadata is not None:
         out["metadata"] = metadata
     return out

@@ -234,7 +234,7 @@ def response_done(response_id: str, *, status: str = "completed", output: Option
                   input_tokens: int = 0, output_tokens: int = 0, kv_cells: Optional[int] = None,
                   reason: Optional[str] = None, max_output_tokens: Union[int, str] = "inf",
                   conversation_id: Optional[str] = None, modalities: tuple = ("text",),
-                  voice: Optional[str] = None) -> dict:
+                  voice: Optional[str] = None, recall: Any = None) -> dict:
     """Builds ``response.done``.
 
     Args:
@@ -248,6 +248,8 @@ def response_done(response_id: str, *, status: str = "completed", output: Option
         max_output_tokens: The limit used.
         conversation_id: The conversation the output was added to.
         modalities: ``("text",)`` or ``("audio",)`` (then ``voice``, the voice it spoke in).
+        recall: omnijax extension: the answer's recall figures (``RecallStats``, with ``StreamConfig(recall=...)``),
+            sent beside ``kv_cells`` as ``"omnijax": {"recall": {...}}``.
     """
     resp = _response(response_id, status, list(output or []), max_output_tokens, conversation_id, modalities, voice)
     resp["usage"] = {"input_tokens": int(input_tokens), "output_tokens": int(output_tokens),
@@ -257,4 +259,6 @@ def response_done(response_id: str, *, status: str = "completed", output: Option
     ev = server_event("response.done", response=resp)
     if kv_cells is not None:
         ev["omnijax"] = {"kv_cells": int(kv_cells)}
+    if recall is not None:
+        ev.setdefault("omnijax", {})["recall"] = dataclasses.asdict(recall)
     return ev

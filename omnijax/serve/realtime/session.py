@@ -424,7 +424,7 @@ class RealtimeSession(AudioInput):
         items = output.finish(tail, status == "completed")
         reason = {"cancelled": "client_cancelled", "max_output_tokens": "max_output_tokens"}.get(reason, reason)
         done = rse.response_done(rid, status=status, output=items, input_tokens=input_tokens,
-                                 output_tokens=len(answer.tokens), kv_cells=answer.kv_cells,
+                                 output_tokens=len(answer.tokens), kv_cells=answer.kv_cells, recall=answer.recall,
                                  reason=reason if status != "completed" else None, max_output_tokens=limit,
                                  modalities=modalities, voice=voice)
         if metadata is not None:
