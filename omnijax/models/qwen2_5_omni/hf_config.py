@@ -218,25 +218,27 @@ def default_eos(vocab_size: Any) -> tuple[int, ...]:
 
 # -------------------------------------------------------------------------------------------------- speech output
 
-# Talker config attributes with no effect on what omnijax computes: training / bookkeeping, and the multimodal
-# position settings (`speech.speak` refuses prompts with placeholders, whose positions they would set).
+# Talker config attributes with no effect on what omnijax computes: training / bookkeeping, the end markers and the
+# audio-in-video chunking (its `get_rope_index` never reads the end markers; `speech.speak` refuses videos).
 _TALKER_INERT = HF_PRETRAINED_CONFIG_ATTRIBUTES | frozenset("""
-    max_position_embeddings use_cache attention_dropout sliding_window max_window_layers position_id_per_seconds
-    seconds_per_chunk audio_start_token_id audio_end_token_id vision_start_token_id vision_end_token_id
-    spatial_merge_size
+    max_position_embeddings use_cache attention_dropout sliding_window max_window_layers
+    seconds_per_chunk audio_end_token_id vision_end_token_id
 """.split())
 _TALKER_READ = frozenset("""
     vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim
     hidden_act rms_norm_eps rope_parameters rope_scaling rope_theta use_sliding_window layer_types embedding_size
     attention_bias mlp_bias tts_text_start_token_id tts_text_end_token_id tts_text_pad_token_id
     tts_codec_start_token_id tts_codec_end_token_id tts_codec_pad_token_id tts_codec_mask_token_id
-    audio_token_index image_token_index video_token_index
+    audio_token_index image_token_index video_token_index audio_start_token_id vision_start_token_id
+    spatial_merge_size position_id_per_seconds
 """.split())
 _TALKER_IDS = {"codec_bos_id": "tts_codec_start_token_id", "codec_eos_id": "tts_codec_end_token_id",
                "codec_pad_id": "tts_codec_pad_token_id", "codec_mask_id": "tts_codec_mask_token_id",
                "text_bos_id": "tts_text_start_token_id", "text_eos_id": "tts_text_end_token_id",
                "text_pad_id": "tts_text_pad_token_id", "audio_token_id": "audio_token_index",
-               "image_token_id": "image_token_index", "video_token_id": "video_token_index"}
+               "image_token_id": "image_token_index", "video_token_id": "video_token_index",
+               "audio_start_token_id": "audio_start_token_id", "vision_start_token_id": "vision_start_token_id",
+               "spatial_merge_size": "spatial_merge_size", "position_id_per_seconds": "position_id_per_seconds"}
 
 
 def has_speech_output(hf_config: Mapping[str, Any]) -> bool:

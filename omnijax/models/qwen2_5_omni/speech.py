@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.models.family import OmniModel
+from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
@@ -40,7 +41,8 @@ from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.qwen3_omni import speech_media
 from omnijax.models.speech import MediaRows, Utterance, token_ids
 
-__all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "speak"]
+__all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "rope_positions",
+           "speak"]
 
 SAMPLE_RATE = 24_000  # BigVGAN's output rate (480 samples per codec token for the release)
 
@@ -116,6 +118,47 @@ class Qwen25Speech:
         return (pcm[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
 
+def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: int, image: int,
+                   grids: Sequence[tuple[int, int, int]], spatial_merge_size: int, position_id_per_seconds: int, *,
+                   what: str, strict: bool = True) -> np.ndarray:
+    """`[3, T]` TMRoPE positions of `ids` as transformers' `get_rope_index` lays them out, media groups found by
+    their start marker (`audio_start` then `audio` placeholders; `vision_start` then `image` placeholders, laid out
+    on the next of `grids`, in order): the thinker's with the thinker config's ids, the talker's with its own.
+
+    Raises:
+        ValueError: an image group without its grid or not filling its grid's placeholders, grids left over
+            (`strict`: the talker's reference skips groups its config's ids do not mark, and so unused grids).
+    """
+    T, segments, text, i, images = len(ids), [], 0, 0, list(grids)
+    while i < T:
+        tok, nxt = int(ids[i]), int(ids[i + 1]) if i + 1 < T else None
+        if (tok == vision_start and nxt == image) or (tok == audio_start and nxt == audio):
+            if text:
+                segments.append(tmrope.text_positions(text))
+                text = 0
+            if tok == audio_start:
+                n = int(np.argmax(np.append(ids[i + 1:] != audio, True)))
+                seg = tmrope.audio_positions(n)
+            elif not images:
+                raise ValueError(f"{what} holds an image group at {i} without its grid (MediaRows.grid)")
+            else:
+                seg = tmrope.image_positions(images.pop(0), spatial_merge_size=spatial_merge_size,
+                                             position_id_per_seconds=position_id_per_seconds)
+                n = seg.positions.shape[1] - 2
+                if i + n + 1 >= T or not (ids[i + 1:i + 1 + n] == image).all() or ids[i + 1 + n] == image:
+                    raise ValueError(f"{what} has an image group at {i} that does not fill its grid's {n} "
+                                     "placeholders")
+            segments.append(seg)
+            i += seg.positions.shape[1]
+        else:
+            text, i = text + 1, i + 1
+    if text:
+        segments.append(tmrope.text_positions(text))
+    if images and strict:
+        raise ValueError(f"{what} holds fewer image groups than the media's grids ({len(images)} left over)")
+    return tmrope.place(segments)[0]
+
+
 def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
           max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
           noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
@@ -172,24 +215,37 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     config, params = speech.talker.config, speech.params
     sequence = np.concatenate([prompt, answer])
     found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, sequence).any())
-    if set(found) - {"audio_token_id"}:
-        raise ValueError(f"the prompt holds {', '.join(sorted(set(found) - {'audio_token_id'}))} placeholders: the "
-                         "thinker's and the talker's positions for images and videos are not built here; speak() "
-                         "takes text and audio")
-    inputs = None
-    if found or media:  # the audio encoder's rows at every audio placeholder (the answer may hold none)
+    if "video_token_id" in found:
+        raise ValueError("the prompt holds video_token_id placeholders: the thinker's and the talker's positions for "
+                         "videos are not built here; speak() takes text, audio and images")
+    inputs, positions = None, None
+    if found or media:  # the encoders' rows at every audio / image placeholder (the answer may hold none)
         inputs = speech_media.thinker_hidden(model.decoder.embed_tokens(jnp.asarray(sequence[None], jnp.int32))[0],
                                              sequence, len(prompt), np.ones(len(prompt), bool), speech.placeholders,
                                              tuple(media), 0)
-    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs)
-    if found:  # the reference hands its talker zeros in place of the placeholders' embedding rows
-        embeds = embeds.at[jnp.asarray(np.flatnonzero(sequence == speech.placeholders["audio_token_id"]))].set(0)
+        grids = [u.grid for u in sorted(media, key=lambda u: int(np.min(u.positions, initial=len(sequence))))
+                 if u.grid is not None]
+        omni = model.omni  # type: ignore[attr-defined]
+        positions = rope_positions(sequence, omni.audio_start_token_id, omni.audio_token_id,
+                                   omni.vision_start_token_id, omni.image_token_id, grids,
+                                   model.vision.config.spatial_merge_size,  # type: ignore[attr-defined]
+                                   omni.position_id_per_seconds, what="the thinker's prompt")
+    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
+    holes = np.flatnonzero(np.isin(sequence, [speech.placeholders[n] for n in found]))
+    if holes.size:  # the reference hands its talker zeros in place of the placeholders' embedding rows
+        embeds = embeds.at[jnp.asarray(holes)].set(0)
     specials = model.decoder.embed_tokens(jnp.asarray([[voice.bos_token, config.text_eos_id, config.text_pad_id]],
                                                       jnp.int32))[0]
     prefill, trailing = talker_forward.talker_prompt(config, params, embeds, hidden, len(prompt), specials[0],
                                                      specials[1])
     T = prefill.shape[0]
-    positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only ids: consecutive
+    if positions is None:
+        positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only ids: consecutive
+    else:  # the talker's own get_rope_index over prompt, voice start, first answer token, with its config's ids
+        positions = rope_positions(np.concatenate([prompt, [voice.bos_token], answer[:1]]), config.audio_start_token_id,
+                                   config.audio_token_id, config.vision_start_token_id, config.image_token_id, grids,
+                                   config.spatial_merge_size, config.position_id_per_seconds,
+                                   what="the talker's input", strict=False)
     talker_ids = [config.codec_mask_id] * len(prompt) + [config.codec_pad_id, config.codec_bos_id]
     tokens = talker_forward.generate_greedy(
         config, params, prefill, positions, trailing, specials[2], prompt_ids=talker_ids,

@@ -54,6 +54,10 @@ class TalkerConfig(JsonConfig):
             (`pad`) the answer's rows (`tts_text_*_token_id`; each voice brings its own start token).
         audio_token_id, image_token_id, video_token_id: the thinker's placeholders (the reference zeroes their
             embedding rows and gives them TMRoPE positions).
+        audio_start_token_id, vision_start_token_id: the markers the talker's own `get_rope_index` finds media
+            groups by (a placeholder run not behind its marker is numbered as text, as the reference does).
+        spatial_merge_size, position_id_per_seconds: the talker's TMRoPE layout of an image group (its own config
+            values, the thinker's in the release).
         dtype: compute and parameter dtype name.
     """
 
@@ -69,10 +73,15 @@ class TalkerConfig(JsonConfig):
     audio_token_id: int = 151646
     image_token_id: int = 151655
     video_token_id: int = 151656
+    audio_start_token_id: int = 151647
+    vision_start_token_id: int = 151652
+    spatial_merge_size: int = 2
+    position_id_per_seconds: int = 25
     dtype: str = "float32"
 
     def __post_init__(self):
-        check_config_fields(self, TalkerConfigError, positive=("embedding_size",))
+        check_config_fields(self, TalkerConfigError, positive=("embedding_size", "spatial_merge_size",
+                                                                    "position_id_per_seconds"))
         if self.decoder.mrope_section is None or self.decoder.mrope_interleaved:
             raise TalkerConfigError("rope_parameters.mrope_section", self.decoder.mrope_section,
                                     "the talker uses 3-axis TMRoPE (not interleaved): an mrope_section is required")
@@ -84,7 +93,7 @@ class TalkerConfig(JsonConfig):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.decoder.vocab_size:
                 raise TalkerConfigError(name, value, f"must be a codec id in [0, {self.decoder.vocab_size})")
         for name in ("text_bos_id", "text_eos_id", "text_pad_id", "audio_token_id", "image_token_id",
-                     "video_token_id"):
+                     "video_token_id", "audio_start_token_id", "vision_start_token_id"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TalkerConfigError(name, value, "must be a non-negative thinker token id")

@@ -105,8 +105,8 @@ def talker_logits(config: TalkerConfig, params: Params, rows: jax.Array, positio
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array,
-                  inputs: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, inputs: jax.Array | None,
+                  positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     decoder = nnx.merge(graphdef, state)
     c = decoder.config
     T = ids.shape[0]
@@ -114,7 +114,8 @@ def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array,
     pages = -(-T // page)
     kv = paged_lib.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_pages=pages,
                         page_size=page, batch=1, max_pages=pages, position_axes=c.position_axes, dtype=c.jnp_dtype)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (c.position_axes, 1, T))
+    positions = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (c.position_axes, 1, T)) if positions is None
+                 else positions.astype(jnp.int32)[:, None])
     zeros = jnp.zeros((1, T), jnp.int32)
     meta = paged_lib.SlotMeta(pos=positions[0], unit=zeros, span=zeros + int(SpanKind.TEXT), offset=zeros)
     x = decoder.embed_tokens(ids[None]) if inputs is None else inputs[None].astype(c.jnp_dtype)
@@ -122,13 +123,15 @@ def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array,
     return x[0], rms_norm(hidden, decoder.final_norm[...], c.rms_norm_eps)[0]
 
 
-def thinker_rows(decoder: Decoder, ids: np.ndarray, inputs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The thinker's embedding-layer rows and final-normed last-layer hidden states of a sequence `ids [T]` at
-    consecutive positions (text, and audio: Qwen2.5-Omni's `get_rope_index` numbers audio tokens consecutively):
-    `(embeds [T, Dt], hidden [T, Dt])`. `inputs [T, Dt]`: the input rows (the embeddings with the audio
-    encoder's features at the placeholders) in place of the token embeddings."""
+def thinker_rows(decoder: Decoder, ids: np.ndarray, inputs: jax.Array | None = None,
+                 positions: np.ndarray | None = None) -> tuple[jax.Array, jax.Array]:
+    """The thinker's embedding-layer rows and final-normed last-layer hidden states of a sequence `ids [T]`:
+    `(embeds [T, Dt], hidden [T, Dt])`. `inputs [T, Dt]`: the input rows (the embeddings with the encoders'
+    features at the placeholders) in place of the token embeddings. `positions [3, T]`: the TMRoPE positions
+    (None: consecutive, as `get_rope_index` numbers text and audio)."""
     graphdef, state = nnx.split(decoder)
-    return _thinker_rows(graphdef, state, jnp.asarray(ids, jnp.int32), inputs)
+    return _thinker_rows(graphdef, state, jnp.asarray(ids, jnp.int32), inputs,
+                         None if positions is None else jnp.asarray(positions, jnp.int32))
 
 
 def talker_prompt(config: TalkerConfig, params: Params, embeds: jax.Array, hidden: jax.Array, prompt_len: int,

@@ -2,8 +2,8 @@
 holding an audio clip (the audio encoder's rows at its placeholders) and equals transformers' `generate(input_features=
 ..., return_audio=True, talker_do_sample=False)` (the same talker tokens, the waveform within 1e-4 of its peak, the
 DiT's noise drawn from the same torch seed); `Chat` keeps those rows as it feeds the clip (tap 0) and speaks
-`speak()`'s PCM, and the server's replay (`speech_output.MediaReplay`) keeps the same rows; images and rows that do
-not fit are refused by name.
+`speak()`'s PCM, and the server's replay (`speech_output.MediaReplay`) keeps the same rows; videos and rows that do
+not fit are refused by name (images: `test_speech_media_image`).
 
 The release is `test_speech`'s converted tiny full model (module fixtures `release`, `model`).
 """
@@ -92,8 +92,16 @@ def test_media_speak_cannot_take_is_refused_by_name(model):
         S.speak(model, prompt, [5, 6], media=[MediaRows(rows.positions - 1, rows.rows, layer=0)])
     image = np.asarray([*head, model.omni.vision_start_token_id, model.omni.image_token_id,
                         model.omni.vision_end_token_id, IM_END, NL, IM_START, 20, NL])
-    with pytest.raises(ValueError, match="image_token_id placeholders: the thinker's and the talker's positions"):
+    with pytest.raises(ValueError, match=r"placeholders \(image_token_id\) .* without their thinker states"):
         S.speak(model, image, [5, 6])
+    with pytest.raises(ValueError, match="image group at 3 without its grid"):
+        S.speak(model, image, [5, 6], media=[MediaRows(np.asarray([4]), rows.rows[:1], layer=0)])
+    with pytest.raises(ValueError, match="image group at 3 that does not fill its grid's 6 placeholders"):
+        S.speak(model, image, [5, 6], media=[MediaRows(np.asarray([4]), rows.rows[:1], layer=0, grid=(1, 4, 6))])
+    video = np.where(image == model.omni.image_token_id, model.omni.video_token_id, image)
+    with pytest.raises(ValueError, match="video_token_id placeholders: the thinker's and the talker's positions for "
+                                         "videos are not built"):
+        S.speak(model, video, [5, 6])
 
 
 def test_chat_keeps_the_audio_rows_and_speaks_about_the_clip(release, tmp_path):
