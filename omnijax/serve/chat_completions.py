@@ -115,6 +115,9 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
         req, audio = await asyncio.to_thread(parse_with_audio, body, context)
     except RequestError as e:
         return json_error(e, request=request)
+    if req.grammar is not None and context.worker.engine.recall is not None:  # refused before anything is fed
+        return json_error(RequestError("response_format (constrained decoding) is not supported by a server with "
+                                       "--recall yet", param="response_format"), request=request)
     if req.n > 1 or req.top_logprobs is not None:  # several choices, or log probabilities
         return await serve_choices(request, context, req)
     client = request.client.host if request.client else "?"

@@ -2,13 +2,15 @@
 (what `omnijax serve` runs once its arguments pass), serve the demo checkpoint; a chat completion through the official
 `openai` SDK answers as a batch-1 `omnijax.Session` with the same `StreamConfig` (recall included) fed the same
 chunks, its recall held over the answer as the worker and `Chat` hold it, and the response carries that session's
-`RecallStats` beside `kv_cells` (`"omnijax": {"recall": {...}}`); so does a Realtime `response.done`. Bad `--recall`
-values are refused by name before any model loads."""
+`RecallStats` beside `kv_cells` (`"omnijax": {"recall": {...}}`; each choice's with n = 2); so does a Realtime
+`response.done`. Bad `--recall` values are refused by name before any model loads, and `response_format` (which the
+engine cannot constrain with recall yet) per request, naming the field."""
 
 import asyncio
 import dataclasses
 
 import numpy as np
+import openai
 import pytest
 
 from omnijax.chunks.chunk import pad_chunk
@@ -80,6 +82,19 @@ def test_a_chat_completion_answers_as_a_recall_session_and_carries_its_recall_fi
         [t for t in tokens if t not in context.worker.stop_ids], skip_special_tokens=True)
     assert got.usage.completion_tokens == len(tokens) > 0
     assert got.model_extra["omnijax"]["kv_cells"] > 0
+    # n = 2 (forks of the prompt's session, each with its tier; greedy): each choice reports its own figures
+    two = sdk_client(server).chat.completions.create(
+        model="omnijax", messages=[{"role": r, "content": t} for r, t in messages], max_tokens=MAX_TOKENS, n=2)
+    assert [c.message.content for c in two.choices] == [got.choices[0].message.content] * 2
+    assert two.model_extra["omnijax"]["choices_recall"] == [figures] * 2 == [two.model_extra["omnijax"]["recall"]] * 2
+
+
+def test_response_format_is_refused_by_name_with_recall(served):
+    _, server = served
+    with pytest.raises(openai.BadRequestError, match="--recall") as refused:
+        sdk_client(server).chat.completions.create(model="omnijax", messages=[{"role": "user", "content": "hi"}],
+                                                   response_format={"type": "json_object"})
+    assert refused.value.param == "response_format"
 
 
 def test_a_realtime_response_done_carries_the_recall_figures(served):
