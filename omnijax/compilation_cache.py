@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import os
 import pickle
 import tempfile
@@ -37,6 +38,8 @@ from typing import Any
 import jax
 import jaxlib
 import numpy as np
+from jax._src import compilation_cache as xla_cache_entries  # private: reads the entry of a cache hit (see below)
+from jax._src.lib import _jax, xla_client
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
@@ -196,11 +199,15 @@ def _default_device() -> Any:
 
 
 # XLA:CPU serialises an executable that it read back from XLA's persistent cache without its kernels (loading such a
-# copy fails with "Function ... not found"), so only freshly compiled programs are kept. Whether a compile in this
-# thread was answered by that cache is told by jax's monitoring event, recorded in the compiling thread.
+# copy fails with "Function ... not found"). Such a program is kept from the cache entry itself instead: the bytes
+# XLA wrote when it compiled the program anew, kernels included. Whether a compile in this thread was answered by
+# that cache is told by jax's monitoring event; the entry's bytes by a wrapper around jax's cache read, which keeps
+# them only while this thread compiles for a CachedJit.
 XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _xla_hits = threading.local()
 _listening: list = []
+_entries = threading.local()  # .wanted: this thread compiles for a CachedJit; .last: the entry that answered
+_reading: list = []  # [True] once jax's cache read is wrapped, [False] when this jax offers no such read
 
 
 def _count_xla_hit(event: str, **_: Any) -> None:
@@ -217,6 +224,62 @@ def _xla_hits_in_this_thread() -> int:
     return getattr(_xla_hits, "count", 0)
 
 
+def _read_entries() -> bool:
+    """Wraps jax's persistent-cache read so that a hit while this thread compiles for a CachedJit leaves the entry's
+    serialised executable in `_entries.last`. False when this jax has no such read (its hits are then not kept)."""
+    if not _reading:
+        with _process_key_lock:
+            if not _reading:
+                names = ("get_executable_and_time", "_get_cache", "decompress_executable",
+                         "extract_executable_and_time")
+                if not all(hasattr(xla_cache_entries, name) for name in names):
+                    _reading.append(False)
+                else:
+                    read = xla_cache_entries.get_executable_and_time
+
+                    def read_keeping_the_entry(cache_key: str, compile_options: Any, backend: Any,
+                                               executable_devices: Any) -> Any:
+                        found = read(cache_key, compile_options, backend, executable_devices)
+                        if found[0] is not None and getattr(_entries, "wanted", False):
+                            raw = xla_cache_entries._get_cache(backend).get(cache_key)  # noqa: SLF001
+                            if raw is not None:
+                                entry, _ = xla_cache_entries.extract_executable_and_time(
+                                    xla_cache_entries.decompress_executable(raw))
+                                _entries.last = entry
+                        return found
+
+                    xla_cache_entries.get_executable_and_time = read_keeping_the_entry
+                    _reading.append(True)
+    return _reading[0]
+
+
+class _EntryPickler(serialize_executable._JaxPjrtPickler):  # noqa: SLF001 - jax's own pickler for executables
+    """jax's executable pickler, writing given bytes (a cache entry's serialised executable) for the executable."""
+
+    def __init__(self, file: Any, entry: bytes):
+        super().__init__(file)
+        self.entry = entry
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (xla_client.LoadedExecutable, _jax.Executable)):
+            return ("exec", self.entry)
+        return super().persistent_id(obj)
+
+
+def _serialize(compiled: Any, entry: bytes | None) -> tuple[bytes, Any, Any]:
+    """`serialize_executable.serialize(compiled)`, or with `entry` (the XLA cache entry that answered the compile)
+    written for the executable, in the same format, so that `deserialize_and_load` reads either."""
+    if entry is None:
+        return serialize_executable.serialize(compiled)
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)  # noqa: SLF001
+    if unloaded is None or compiled._params.const_args:  # noqa: SLF001 - what serialize() refuses, refused alike
+        raise ValueError("this executable does not serialise")
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+    with io.BytesIO() as file:
+        _EntryPickler(file, entry).dump((unloaded, args_info_flat, compiled._no_kwargs))  # noqa: SLF001
+        return file.getvalue(), in_tree, compiled.out_tree
+
+
 class CachedJit:
     """`jax.jit(fun, static_argnames=..., donate_argnames=...)` whose compiled programs are also kept on disk as
     serialised executables and loaded from there by later processes, without tracing `fun` again.
@@ -226,13 +289,13 @@ class CachedJit:
     with host callbacks, which does not serialise) it is the plain `jax.jit` call, computing the same thing. The key
     of a program is `process_key()` (omnijax's sources, jax's version and settings, the devices, `XLA_FLAGS`), the
     function's name, the pickled static arguments and the arguments' tree, shapes and dtypes, so an executable is
-    never used for a program it was not compiled from. Only programs XLA compiled anew are written (not those read
-    back from XLA's own cache, which do not serialise whole): the run that first compiles a program keeps it, and a
-    run after an edit to omnijax's sources traces as before (XLA's cache answers it) without writing. Files are
-    written atomically; one that cannot be read is compiled again and replaced.
+    never used for a program it was not compiled from. A program XLA compiles anew is serialised as it is; one XLA's
+    own cache answers (after an edit to omnijax's sources, say) is kept from that cache entry, since XLA:CPU
+    serialises a program it read back without its kernels. Files are written atomically; one that cannot be read is
+    compiled again and replaced.
 
-    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and not
-    kept), `plain` calls that went to the plain jit.
+    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache), `plain`
+    calls that went to the plain jit.
 
     In memory a function holds at most `MAX_PROGRAMS` programs, the least recently used dropped first (every program
     held keeps memory mappings of its code); `clear()` drops them all, `clear_in_memory()` those of every function.
@@ -366,14 +429,23 @@ class CachedJit:
             except Exception as error:  # noqa: BLE001 - a damaged or foreign file: compile again and replace it
                 warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
                               "compiling the program again", RuntimeWarning, stacklevel=3)
+        lowered = self.jitted.lower(*args, **kwargs)
+        reading = _read_entries()
         hits = _xla_hits_in_this_thread()
-        executable = self.jitted.lower(*args, **kwargs).compile()
-        self.stats["compiled"] += 1
-        if _xla_hits_in_this_thread() != hits:  # read back from XLA's cache: it would not load whole, keep none
-            self.stats["xla_cached"] += 1
-            return executable
+        _entries.wanted, _entries.last = True, None
         try:
-            payload, in_tree, out_tree = serialize_executable.serialize(executable)
+            executable = lowered.compile()
+        finally:
+            entry, _entries.wanted, _entries.last = _entries.last, False, None
+        self.stats["compiled"] += 1
+        if _xla_hits_in_this_thread() != hits:  # read back from XLA's cache: kept from its entry, if read
+            self.stats["xla_cached"] += 1
+            if not reading or entry is None:
+                return executable
+        else:
+            entry = None
+        try:
+            payload, in_tree, out_tree = _serialize(executable, entry)
             data = pickle.dumps((payload, in_tree, out_tree), protocol=5)
         except Exception:  # noqa: BLE001 - host callbacks and the like do not serialise: keep it in memory only
             return executable

@@ -54,8 +54,10 @@ def _run(cache: Path, role: str) -> dict:
 
 def test_a_later_process_loads_the_program_without_tracing(tmp_path):
     """A process keeps the program, a later one loads it and runs it without tracing, with the plain jit's result.
-    Where XLA's own cache held the program first (a plain jit filled it), nothing is kept: an executable read back
-    from XLA's cache serialises without its kernels, and loading such a copy failed with "Function ... not found"."""
+    Where XLA's own cache held the program first (a plain jit filled it, as a run before an edit to the sources
+    does), the program is kept from that cache entry: an executable read back from XLA's cache serialises without
+    its kernels (loading such a copy failed with "Function ... not found"), the entry has them, and a later process
+    loads and runs it."""
     kept = _run(tmp_path / "fresh", "kept")
     loaded = _run(tmp_path / "fresh", "kept")
     assert kept["traced"] == 1 and kept["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 0}
@@ -64,8 +66,11 @@ def test_a_later_process_loads_the_program_without_tracing(tmp_path):
     plain = _run(tmp_path / "xla", "plain")
     after_xla = _run(tmp_path / "xla", "kept")
     assert after_xla["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 1}
-    assert not (tmp_path / "xla" / "executables").exists()
-    for run in (kept, loaded, after_xla):
+    assert len(list((tmp_path / "xla" / "executables").glob("*.exe"))) == 1
+    from_entry = _run(tmp_path / "xla", "kept")
+    assert from_entry["traced"] == 0 and from_entry["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
+                                                                 "xla_cached": 0}
+    for run in (kept, loaded, after_xla, from_entry):
         np.testing.assert_array_equal(run["out"], plain["out"])
 
 
