@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from omnijax.decoding import Sampling
 from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import talker_forward
+from omnijax.models.qwen3_omni.talker import TalkerConfig
 from omnijax.models.qwen3_omni.talker_decode import talker_scores
+from omnijax.models.qwen3_omni.talker_forward import Params
 
 __all__ = ["draw", "pick", "prefill", "reset_row", "step", "take_rows"]
 
@@ -50,15 +52,19 @@ def draw(logits: jax.Array, banned: jax.Array, history: jax.Array, seeds: jax.Ar
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
-def prefill(config, params, kv, embeds, valid, positions, banned):
+def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, valid: jax.Array,
+            positions: jax.Array, banned: jax.Array
+            ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
     """The talker prompts of the rows where `valid`: `(kv, hidden [B, D], logits [B, V], greedy token [B])`."""
     kv, hidden, logits = talker_forward.rows_prefill(config, params, kv, embeds, valid, positions)
     return kv, hidden, logits, pick(logits, banned)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "warps"), donate_argnums=(2,))
-def step(config, params, kv, hidden, token, text_row, position, active, banned, seeds, steps, history, *,
-         warps: Warps | None = None):
+def step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, hidden: jax.Array, token: jax.Array,
+         text_row: jax.Array, position: jax.Array, active: jax.Array, banned: jax.Array, seeds: jax.Array,
+         steps: jax.Array, history: jax.Array, *, warps: Warps | None = None
+         ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
     """One talker frame of the `active` rows: `(kv, codes [B, Q], hidden, next token [B])`. Greedy when `warps` is
     None (`seeds`, `steps`, `history` unused); else the code predictor draws frame `steps[b]` and the talker token
     `steps[b] + 1` of each row (keys from `seeds [B]`, the penalty over `history [B, N]`)."""
