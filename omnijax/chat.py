@@ -388,7 +388,8 @@ class Chat:
 
     def _keep_media_rows(self, chunk: Chunk, tapped, tap: int, unit: int, label: str) -> None:
         """Keeps the tapped rows at a media unit's placeholders for the talker, within `speech_media_bytes`."""
-        kept = media_rows(chunk, tapped, tap, len(self._speech_ids), self.model.omni)  # type: ignore[attr-defined]
+        kept = media_rows(chunk, tapped, tap, len(self._speech_ids), self.model.omni,  # type: ignore[attr-defined]
+                          getattr(self.model.speech, "spatial_merge_size", None))
         total = kept.nbytes + sum(r.nbytes for r in self._media_rows)
         if total > self.speech_media_bytes:
             self._media_rows = []

@@ -77,11 +77,13 @@ class MediaRows:
         return int(np.asarray(self.rows).nbytes)
 
 
-def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any) -> MediaRows:
+def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any,
+               spatial_merge_size: int | None = None) -> MediaRows:
     """A fed media unit's `MediaRows`: the rows of `tapped [1, T', D]` (the step's `hidden_states[layer]` of the
     chunk, maybe padded past `chunk`'s length) at its placeholders, placed from `start` (the unit's first token in the
     ids handed to the talker); an image's patch grid from its placeholders' position extents (`(t, h, w)` ids times
-    `omni.spatial_merge_size` for h and w). `omni`: the family's token ids (`placeholder_ids`, `image_token_id`)."""
+    the merge size for h and w: `spatial_merge_size`, else `omni.spatial_merge_size`, Qwen3-Omni's). `omni`: the
+    family's token ids (`placeholder_ids`, `image_token_id`)."""
     valid = np.asarray(chunk.valid, bool)[0]
     ids = np.asarray(chunk.token_ids)[0][valid]
     holes = np.isin(ids, sorted(omni.placeholder_ids))
@@ -89,7 +91,7 @@ def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any) -> 
     grid = None
     if np.isin(omni.image_token_id, ids[holes]):
         pos = np.asarray(chunk.positions)[:, 0, :valid.shape[0]][:, valid][:, holes]  # [3, n] (t, h, w)
-        m = omni.spatial_merge_size
+        m = omni.spatial_merge_size if spatial_merge_size is None else int(spatial_merge_size)
         grid = (len(np.unique(pos[0])), int(np.ptp(pos[1]) + 1) * m, int(np.ptp(pos[2]) + 1) * m)
     return MediaRows(positions=start + np.flatnonzero(holes), rows=rows, layer=layer, grid=grid)
 

@@ -466,7 +466,8 @@ class MediaReplay:
         """One media unit's rows from its parts (a unit longer than the engine's chunk comes in several)."""
         rows = np.concatenate([r[np.asarray(p.valid, bool)[0][:r.shape[0]]] for p, r, _, _ in group])
         whole = concat([p for p, _, _, _ in group])
-        self.kept.append(media_rows(whole, rows[None], group[0][2], group[0][3], self.omni))
+        self.kept.append(media_rows(whole, rows[None], group[0][2], group[0][3], self.omni,
+                                    getattr(self.model.speech, "spatial_merge_size", None)))
         held = sum(r.nbytes for r in self.kept) + sum(_nbytes(p) for p, _, _, _ in self.queued)
         if held > self.cap:
             self._unspeakable(f"the thinker rows kept for the talker ({held} bytes with the media queued) outgrew "

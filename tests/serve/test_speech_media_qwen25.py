@@ -1,8 +1,9 @@
 """Qwen2.5-Omni speaks about audio through `omnijax serve`: a chat completion with an audio clip in a user turn and
 `modalities: ["text", "audio"]` (official `openai` SDK) answers with the PCM `omnijax.Chat` speaks for the same
 conversation (its talker reads every position: the server's replay keeps the clip's input rows, `speak` reruns the
-thinker with them; `tests/models/qwen2_5_omni/test_speech_media.py` checks that against transformers), and an image
-is refused naming `messages`.
+thinker with them; `tests/models/qwen2_5_omni/test_speech_media.py` checks that against transformers), and the same
+for an image (its vision rows kept with their grid; `test_speech_media_image` checks `speak` with an image against
+transformers).
 """
 
 import base64
@@ -79,8 +80,20 @@ def test_a_chat_completion_speaks_about_a_clip_as_chat_does(served):
     got = np.frombuffer(base64.b64decode(message.audio.data), "<i2").astype(np.int32)
     want = pcm16(pcm).astype(np.int32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1
+    # an image: the replay keeps the vision rows with their grid, and the route speaks as Chat does
+    chat = omnijax.Chat(model, _config())
+    chat.system(SYSTEM)
+    chat.user(HEAR)
+    chat.image(TM.IMAGE)
+    items = list(chat.ask(QUESTION, max_tokens=MAX_TOKENS, speak=SpeakOptions(
+        voice="Chelsie", max_speech_tokens=TS.FRAMES, first_chunk=so.FIRST_CHUNK, chunk=so.CHUNK)))
+    pcm = np.concatenate([i for i in items if not isinstance(i, str)])
+    assert chat.last_spoken.media[0].grid is not None and np.abs(pcm).max() > 0.05
     image = {"type": "image_url", "image_url": {"url": _png_url(TM.IMAGE)}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="omnijax", messages=_messages(image), max_tokens=MAX_TOKENS,
-                                       modalities=["text", "audio"], audio={"voice": "chelsie", "format": "pcm16"})
-    assert e.value.body["param"] == "messages" and "image input the talker reads" in e.value.body["message"]
+    message = client.chat.completions.create(model="omnijax", messages=_messages(image), max_tokens=MAX_TOKENS,
+                                             modalities=["text", "audio"],
+                                             audio={"voice": "chelsie", "format": "pcm16"}).choices[0].message
+    assert message.audio.transcript == "".join(i for i in items if isinstance(i, str))
+    got = np.frombuffer(base64.b64decode(message.audio.data), "<i2").astype(np.int32)
+    want = pcm16(pcm).astype(np.int32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1

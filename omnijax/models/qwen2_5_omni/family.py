@@ -71,6 +71,8 @@ def load(directory: Path, manifest: Mapping[str, Any], decoder: Decoder, dtype: 
     except (TypeError, ValueError, KeyError) as e:
         raise checkpoint.CheckpointFormatError(f"{directory / checkpoint.MANIFEST}: {e}") from e
     model = Model(decoder, model_type=manifest["model_type"], source=str(directory), omni=omni, **encoders)
+    if speech is not None and "vision" in encoders:  # an image's rows kept for the talker need the vision merge
+        speech.spatial_merge_size = vision_lib.VisionConfig.from_json(manifest["vision"]).spatial_merge_size
     model.speech = speech
     return model
 

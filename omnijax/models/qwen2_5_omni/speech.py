@@ -11,8 +11,14 @@ thinker forward over prompt and answer (full attention, as the reference), the a
 at the audio placeholders (`omnijax.Chat` keeps them as a unit is fed: hidden size x dtype bytes a placeholder, the
 same as Qwen3-Omni's kept rows; keeping the last layer of every position instead would grow with the whole
 conversation, answers included, and differ from the reference once retention evicts). Audio tokens take consecutive
-positions (the reference's `get_rope_index`), so the text path's positions hold; prompts with image or video
-placeholders are refused (their positions are not built here).
+positions (the reference's `get_rope_index`), so the text path's positions hold. An image's rows (the vision
+encoder's, with their `grid`) are placed at the thinker's TMRoPE image layout (`rope_positions`), and the talker's
+own positions are laid out over its input ids with the talker config's ids, as the reference's talker
+`get_rope_index` does (the release's talker ids are the thinker's). Video placeholders are refused (their positions,
+audio-in-video interleaving included, are not built here).
+
+`omnijax.Chat` keeps an image's rows (tap 0, the vision encoder's) with its patch grid (`media_rows` with the vision
+merge size this output holds) as it keeps an audio clip's.
 
 Decoding is greedy, with the reference's repetition penalty (1.05 unless told otherwise: transformers passes it to
 the talker even when `talker_do_sample=False`), its codec-bos suppression and its stop ids (the codec pad and end
@@ -79,12 +85,14 @@ class Qwen25Speech:
         self.im_end_token_id, self.placeholders = int(im_end_token_id), dict(placeholders)
         self.params = talker_forward.talker_params(talker)
 
-    media_kinds = ("audio",)  # the units `Chat` may feed before a spoken answer (image / video positions: not built)
+    media_kinds = ("audio", "image")  # the units `Chat` may feed before a spoken answer (video positions: not built)
+    # the vision encoder's merge size (set at load when the checkpoint has one): `media_rows` reads an image's grid
+    spatial_merge_size: int | None = None
 
     def media_tap(self, prefix_ids: Sequence[int]) -> int | None:
         """The thinker `hidden_states` index to keep at a media unit's placeholders (`omnijax.Chat`): 0, the input
-        rows (the audio encoder's features), wherever the unit lies: this talker reads every prompt position, and
-        `speak` recomputes the thinker's last layer over the whole conversation with them."""
+        rows (the audio / vision encoder's features), wherever the unit lies: this talker reads every prompt
+        position, and `speak` recomputes the thinker's last layer over the whole conversation with them."""
         return 0
 
     @property
@@ -167,7 +175,8 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
 
     Args:
         model: a loaded Qwen2.5-Omni checkpoint converted from a full release (`model.speech` set).
-        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text and audio placeholders, their rows in `media`).
+        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text, audio and image placeholders, their rows in
+            `media`).
         answer_ids: `[N]` the answer's tokens; a trailing `<|im_end|>` is not spoken. transformers' generate reads
             every generated row but the last token's, so to equal it on an answer cut short (no `<|im_end|>`) pass
             the answer without its last token.
@@ -178,8 +187,9 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
             standard normal from `jax.random.key(seed)`.
         seed: the noise's seed when `noise` is None.
         num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
-        media: the audio encoder's rows at the prompt's audio placeholders (`MediaRows` of `hidden_states[0]`, one
-            per clip; `omnijax.Chat` keeps them from the chunks it feeds): every audio placeholder needs its row.
+        media: the encoders' rows at the prompt's audio and image placeholders (`MediaRows` of `hidden_states[0]`,
+            one per clip or image, an image's with its patch `grid`; `omnijax.Chat` keeps them from the chunks it
+            feeds): every placeholder needs its row.
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
@@ -188,8 +198,9 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     Raises:
         SpeechUnavailableError: the checkpoint has no speech output (names the fix).
         UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
-        ValueError: ids outside the vocabulary, image or video placeholders, an audio placeholder without its row
-            in `media` (or a row elsewhere, of another layer or width), an empty answer or prompt, a
+        ValueError: ids outside the vocabulary, video placeholders, an audio or image placeholder without its row
+            in `media` (or a row elsewhere, of another layer or width), an image without its grid or not filling
+            it, an empty answer or prompt, a
             `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of the wrong shape.
     """
     speech = model.speech

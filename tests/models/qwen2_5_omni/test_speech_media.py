@@ -2,8 +2,8 @@
 holding an audio clip (the audio encoder's rows at its placeholders) and equals transformers' `generate(input_features=
 ..., return_audio=True, talker_do_sample=False)` (the same talker tokens, the waveform within 1e-4 of its peak, the
 DiT's noise drawn from the same torch seed); `Chat` keeps those rows as it feeds the clip (tap 0) and speaks
-`speak()`'s PCM, and the server's replay (`speech_output.MediaReplay`) keeps the same rows; videos and rows that do
-not fit are refused by name (images: `test_speech_media_image`).
+`speak()`'s PCM, and the server's replay (`speech_output.MediaReplay`) keeps the same rows (an image's too, with its
+grid); videos and rows that do not fit are refused by name (speak() with an image: `test_speech_media_image`).
 
 The release is `test_speech`'s converted tiny full model (module fixtures `release`, `model`).
 """
@@ -104,10 +104,10 @@ def test_media_speak_cannot_take_is_refused_by_name(model):
         S.speak(model, video, [5, 6])
 
 
-def test_chat_keeps_the_audio_rows_and_speaks_about_the_clip(release, tmp_path):
+def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_path):
     """`Chat` feeds the clip with tap 0 and keeps its rows (the encoder's features, also after a system turn: this
-    talker reads every position); its PCM is `speak()` of its ids and rows. An image makes the chat unspeakable,
-    refused at `ask` before anything is fed."""
+    talker reads every position); its PCM is `speak()` of its ids and rows. An image's rows are kept with its grid
+    the same way, by `Chat` and by the server's replay."""
     src = tmp_path / "hf"
     shutil.copytree(release[1] / "single", src)
     write_tiny_tokenizer(src, vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
@@ -141,12 +141,33 @@ def test_chat_keeps_the_audio_rows_and_speaks_about_the_clip(release, tmp_path):
     (again,) = replay.rows()
     np.testing.assert_array_equal(again.positions, kept.positions)
     np.testing.assert_allclose(again.rows, kept.rows, rtol=0, atol=1e-6 * np.abs(kept.rows).max())
-    replay.fed(conversation.message("user", "Look.") + conversation.image(IMAGE))
-    assert "image input the talker reads" in replay.unspeakable
-    other = omnijax.Chat(chatty, config)
-    other.user("Look.")
-    other.image(IMAGE)
-    state = other.session.state
-    with pytest.raises(ValueError, match=r"is an image the talker reads: the talker's positions for it"):
-        other.ask("What was it?", speak=True)
-    assert other.session.state is state
+    # an image: Chat keeps the vision encoder's rows with the patch grid, and speaks speak()'s PCM of them
+    # (speak() with an image equals transformers: test_speech_media_image)
+    seeing = omnijax.Chat(chatty, config)
+    seeing.user("Look.")
+    seeing.image(IMAGE)
+    chunks = [i for i in seeing.ask("What was it?", max_tokens=3, speak=SpeakOptions(
+        voice="chelsie", max_speech_tokens=TS.FRAMES, first_chunk=4, chunk=5)) if not isinstance(i, str)]
+    spoken = seeing.last_spoken
+    (kept,) = spoken.media
+    image = F.image_chunk(chatty, IMAGE, unit=1)
+    valid = np.asarray(image.valid, bool)[0]
+    holes = np.asarray(image.token_ids)[0][valid] == chatty.omni.image_token_id
+    assert kept.grid == (1, 4, 6) and kept.layer == 0 and len(kept.positions) == 6
+    np.testing.assert_array_equal(np.asarray(spoken.prompt_ids)[kept.positions], chatty.omni.image_token_id)
+    want_rows = np.asarray(image.embeds)[0][:valid.shape[0]][valid][holes]
+    np.testing.assert_allclose(kept.rows, want_rows, rtol=0, atol=1e-6 * np.abs(want_rows).max())
+    want = S.speak(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=TS.FRAMES, media=spoken.media)
+    assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
+    np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
+    # the server's replay keeps the same image rows and grid
+    conversation = Conversation(chatty, chatty.tokenizer, 8)
+    parts = conversation.message("user", "Look.") + conversation.image(IMAGE)
+    replay = MediaReplay(chatty, config, 64, conversation.units)
+    replay.fed(parts + conversation.message("user", "What was it?") + conversation.prompt(4).parts)
+    assert replay.ids == list(spoken.prompt_ids) and replay.unspeakable is None
+    (again,) = replay.rows()
+    assert again.grid == kept.grid
+    np.testing.assert_array_equal(again.positions, kept.positions)
+    np.testing.assert_allclose(again.rows, kept.rows, rtol=0, atol=1e-6 * np.abs(kept.rows).max())
