@@ -88,7 +88,7 @@ SLOW_FIRST = (
     "serve/test_speech_media.py", "models/qwen2_5_omni/test_speech_media.py", "bench/test_recall_bench.py",
     "serve/test_speech_media_qwen25.py", "kv/test_int8_kv_matrix.py",
     "eval/test_evaluate_recall.py", "streaming/test_recall_questions.py", "serve/engine/test_engine_recall.py",
-    "serve/test_speech_written.py", "serve/engine/test_speech_writing.py",
+    "serve/test_speech_written.py", "serve/engine/test_speech_writing.py", "serve/test_serve_recall.py",
 )
 
 
