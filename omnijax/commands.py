@@ -15,7 +15,7 @@ file (16-bit mono PCM at the model's rate, 24 kHz), the answers one after the ot
 each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown voice is refused
 before the first message is read. Units fed with `/image`, `/audio` or `/video` lie before the question's turn, so
 Qwen3-Omni's talker does not read them (it reads the questions and answers); Qwen2.5-Omni's reads every unit and
-cannot read images or video, so a spoken answer after one is refused by name and the conversation stays as it was.
+cannot read video, so a spoken answer after one is refused by name and the conversation stays as it was.
 
 `watch --speak answers.wav` speaks each answer the same way (all answers in one WAV file, in the order asked). The
 video's units are fed outside the questions' user turns, so Qwen3-Omni's talker reads each question and its answer
