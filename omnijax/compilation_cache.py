@@ -26,10 +26,12 @@ import inspect
 import io
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 import warnings
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -94,7 +96,8 @@ def cache_dir() -> Path | None:
 # Serialised executables
 
 EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
-EXECUTABLE_FORMAT = 1  # bumped when what a file holds changes
+EXECUTABLE_FORMAT = 2  # bumped when what a file holds changes (2: zlib-compressed, a folder per source version)
+KEEP_VERSIONS = 3  # folders of executables kept: those of the most recently used sources and settings
 # jax settings that only say where caches and logs go: they do not change a program, so they are not in its key
 _UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                      "jax_persistent_cache_min_entry_size_bytes", "jax_explain_cache_misses", "jax_log_compiles",
@@ -280,6 +283,40 @@ def _serialize(compiled: Any, entry: bytes | None) -> tuple[bytes, Any, Any]:
         return file.getvalue(), in_tree, compiled.out_tree
 
 
+_pruned: set = set()
+_prune_lock = threading.Lock()
+
+
+def _version_dir(base: Path) -> Path:
+    """`base/<process key>`: the executables of this process's sources and settings. The first call of a process
+    marks the folder used and removes all but the `KEEP_VERSIONS` most recently used folders beside it (every edit
+    to omnijax's sources makes a new one, so without this a developer's or CI's cache would only grow)."""
+    folder = base / process_key().hex()[:16]
+    if folder in _pruned:
+        return folder
+    with _prune_lock:
+        if folder not in _pruned:
+            _pruned.add(folder)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                os.utime(folder)
+                used = []
+                for entry in base.iterdir():
+                    try:
+                        if entry.is_dir():
+                            used.append((entry.stat().st_mtime, entry))
+                        elif entry.suffix == ".exe":  # a flat file of the first format
+                            entry.unlink()
+                    except OSError:  # removed meanwhile by another process
+                        continue
+                for _, old in sorted(used, reverse=True)[KEEP_VERSIONS:]:
+                    if old != folder:
+                        shutil.rmtree(old, ignore_errors=True)
+            except OSError:  # an unwritable cache: programs are compiled and not kept
+                pass
+    return folder
+
+
 class CachedJit:
     """`jax.jit(fun, static_argnames=..., donate_argnames=...)` whose compiled programs are also kept on disk as
     serialised executables and loaded from there by later processes, without tracing `fun` again.
@@ -419,13 +456,16 @@ class CachedJit:
         key = self._disk_key(static, treedef, signature)
         if key is None:
             return None
+        directory = _version_dir(directory)
         path = directory / f"{key}.exe"
         if path.exists():
             try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                payload, in_tree, out_tree = pickle.loads(zlib.decompress(path.read_bytes()))
                 executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
                 self.stats["loaded"] += 1
                 return executable
+            except FileNotFoundError:  # removed meanwhile (another process pruned its folder): compile it
+                pass
             except Exception as error:  # noqa: BLE001 - a damaged or foreign file: compile again and replace it
                 warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
                               "compiling the program again", RuntimeWarning, stacklevel=3)
@@ -446,7 +486,7 @@ class CachedJit:
             entry = None
         try:
             payload, in_tree, out_tree = _serialize(executable, entry)
-            data = pickle.dumps((payload, in_tree, out_tree), protocol=5)
+            data = zlib.compress(pickle.dumps((payload, in_tree, out_tree), protocol=5), 1)
         except Exception:  # noqa: BLE001 - host callbacks and the like do not serialise: keep it in memory only
             return executable
         directory.mkdir(parents=True, exist_ok=True)

@@ -62,11 +62,11 @@ def test_a_later_process_loads_the_program_without_tracing(tmp_path):
     loaded = _run(tmp_path / "fresh", "kept")
     assert kept["traced"] == 1 and kept["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 0}
     assert loaded["traced"] == 0 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0, "xla_cached": 0}
-    assert len(list((tmp_path / "fresh" / "executables").glob("*.exe"))) == 1
+    assert len(list((tmp_path / "fresh" / "executables").glob("*/*.exe"))) == 1
     plain = _run(tmp_path / "xla", "plain")
     after_xla = _run(tmp_path / "xla", "kept")
     assert after_xla["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 1}
-    assert len(list((tmp_path / "xla" / "executables").glob("*.exe"))) == 1
+    assert len(list((tmp_path / "xla" / "executables").glob("*/*.exe"))) == 1
     from_entry = _run(tmp_path / "xla", "kept")
     assert from_entry["traced"] == 0 and from_entry["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
                                                                  "xla_cached": 0}
@@ -101,7 +101,7 @@ def test_keys_follow_static_arguments_shapes_and_donation(cache_dir):
         np.testing.assert_array_equal(kept(x[:shape], y, power=power), expected)
         assert y.is_deleted()  # donated, as the jit's donate_argnames says
     assert kept.stats == {"loaded": 0, "compiled": 3, "plain": 0, "xla_cached": 0}
-    assert len(list((cache_dir / "executables").glob("*.exe"))) == 3
+    assert len(list((cache_dir / "executables").glob("*/*.exe"))) == 3
     assert kept._cache_size() == 3
     fresh = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")  # a new process's view
     np.testing.assert_array_equal(fresh(x, jnp.full(6, 0.0), power=3), x ** 3)  # weak-typed y, as above
@@ -124,7 +124,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     x = jnp.arange(4.0)
     kept(x, x, power=2)
-    (path,) = (cache_dir / "executables").glob("*.exe")
+    (path,) = (cache_dir / "executables").glob("*/*.exe")
     path.write_bytes(b"not an executable")
     again = compilation_cache.cached_jit(_f, static_argnames="power")
     with warnings.catch_warnings(record=True) as caught:
@@ -163,7 +163,7 @@ def test_executable_hands_out_the_kept_program_and_a_mesh_program_stays_plain(ca
     assert kept.stats["compiled"] == 1 and kept.executable(x, mesh=None) is compiled
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("s",))
     np.testing.assert_array_equal(kept.executable(x, mesh=mesh)(x), x * 2)
-    assert kept.stats["plain"] == 1 and len(list((cache_dir / "executables").glob("*.exe"))) == 1
+    assert kept.stats["plain"] == 1 and len(list((cache_dir / "executables").glob("*/*.exe"))) == 1
 
 
 def _mappings() -> int:
@@ -194,3 +194,23 @@ def test_held_programs_are_bounded_and_given_back_with_their_mappings(cache_dir)
     compilation_cache.clear_in_memory()
     assert len(held.loaded) == 0 and len(kept.loaded) == 0
     assert _mappings() - before < grown / 4
+
+
+def test_old_source_versions_are_pruned_and_files_are_compressed(cache_dir):
+    """Every edit to omnijax's sources makes a new folder of executables; the first use in a process keeps the
+    `KEEP_VERSIONS` most recently used folders (its own among them) and removes the rest and first-format files."""
+    base = cache_dir / "executables"
+    for age, name in enumerate(("aaaa", "bbbb", "cccc", "dddd")):
+        (base / name).mkdir(parents=True)
+        (base / name / "x.exe").write_bytes(b"old")
+        os.utime(base / name, (1_000_000 + age, 1_000_000 + age))  # dddd the most recent of them
+    (base / "flat.exe").write_bytes(b"first format")
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    np.testing.assert_array_equal(kept(jnp.arange(3.0), jnp.ones(3), power=2), jnp.arange(3.0) ** 2 + 1)
+    own = base / compilation_cache.process_key().hex()[:16]
+    assert sorted(p.name for p in base.iterdir()) == sorted([own.name, "cccc", "dddd"])
+    (path,) = own.glob("*.exe")
+    import pickle
+    import zlib
+
+    assert len(pickle.loads(zlib.decompress(path.read_bytes()))) == 3  # (payload, in_tree, out_tree)
