@@ -461,7 +461,10 @@ class CachedJit:
         if path.exists():
             try:
                 payload, in_tree, out_tree = pickle.loads(zlib.decompress(path.read_bytes()))
-                executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                # on the one device it was compiled for: by default the load would span every device of the
+                # process, and a process with several then expects a shard per device
+                executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                       execution_devices=[_default_device()])
                 self.stats["loaded"] += 1
                 return executable
             except FileNotFoundError:  # removed meanwhile (another process pruned its folder): compile it

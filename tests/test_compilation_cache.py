@@ -42,10 +42,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache: Path, role: str) -> dict:
+def _run(cache: Path, role: str, devices: int = 1) -> dict:
     import json
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNIJAX_EXECUTABLE", "JAX_COMPILATION"))}
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), role], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -214,3 +215,14 @@ def test_old_source_versions_are_pruned_and_files_are_compressed(cache_dir):
     import zlib
 
     assert len(pickle.loads(zlib.decompress(path.read_bytes()))) == 3  # (payload, in_tree, out_tree)
+
+
+def test_a_process_with_several_devices_loads_a_single_device_program(tmp_path):
+    """In a process with several devices (the suite's sharded tests force 8 CPU devices), a kept single-device program
+    loads onto the one device it was compiled for: loaded onto every device, its call wanted a shard per device
+    ("Expected args to execute_sharded_on_local_devices to have 2 shards")."""
+    kept = _run(tmp_path, "kept", devices=2)
+    loaded = _run(tmp_path, "kept", devices=2)
+    assert kept["stats"]["compiled"] == 1 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
+                                                                  "xla_cached": 0}
+    np.testing.assert_array_equal(loaded["out"], kept["out"])

@@ -6,7 +6,8 @@ program handed to the backend, persistent-cache hits included) counted while the
 the engine's jitted programs (`engine_step`, `token_step`); and the llguidance tokenizer cache's misses. The engine
 here has its own shapes (one bucket of 3 rows, fused ticks; the control's, 5), so its masked one-token program exists
 in no other test's cache: the warm-up's own growth of `token_step`'s cache shows that it compiled that program, and
-the control (a server warmed up without structured output) shows the same request compiling it.
+the control (a server warmed up without structured output) shows the same request compiling it (or loading it from
+the kept executables of an earlier run).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def test_without_the_structured_warm_up_the_request_compiles_the_masked_step():
 
     context = _context(5)
     warm_up(context, 5, structured=False)
-    warmed = _sizes()
+    warmed, loads = _sizes(), token_step.stats["loaded"]
     _, compiled = _json_request(context)
     after = _sizes()
-    assert compiled >= 1 and after[1] - warmed[1] == 1, (warmed, after, compiled)
+    # the program is compiled, or loaded from the kept executables a run before compiled (omnijax.compilation_cache)
+    fetched = compiled + token_step.stats["loaded"] - loads
+    assert fetched >= 1 and after[1] - warmed[1] == 1, (warmed, after, compiled, loads)
