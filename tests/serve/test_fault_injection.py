@@ -3,7 +3,9 @@ sessions having conversations, a chat completions client, a native `/session` st
 budget — while one client sends hostile inputs (WAV headers claiming 4e9 Hz and 0 Hz, a PNG header claiming
 20000x20000, seed 2**64, 1,001 messages, bad JSON, an over-size body; over chat completions and over Realtime), one
 Realtime client sends `response.create` and never reads, and one disconnects mid-response. The server snapshots
-Realtime sessions periodically (`--snapshot-every 1turn`); once each conversation's last turn is on disk, the process
+open sessions periodically (`--snapshot-every 2s`: a time interval, as docs/serving.md advises where native sessions
+stream, whose every served frame counts as a turn; `1turn` is tested in test_realtime_durable and
+test_snapshot_turn_boundary); once each conversation's last turn is on disk, the process
 is SIGKILLed with the conversations still connected, restarted on the same --snapshot-dir, and each resumes with its
 token.
 
@@ -49,7 +51,7 @@ ARGS = ("--frame-ms", str(FRAME_MS), "--max-output-tokens", "8", "--buckets", "1
 # mostly tracing the warm-up tick of each bucket (each about a quarter of the first server's start with four), and
 # the sessions still move between buckets as they come and go.
 LOAD_WARMUP, RESUME_WARMUP = ("--warmup-sessions", "8"), ("--warmup-sessions", "1")
-# Two turns per conversation under the load (a periodic snapshot after each; the kill after the second), then one
+# Two turns per conversation under the load (periodic snapshots; the kill once the second is on disk), then one
 # more after the resume: every event of three turns (a snapshot replacing an earlier one, a resumed conversation
 # with history) with one tick-paced turn less per conversation.
 TURNS, MAX_TOKENS = 2, 8
@@ -223,7 +225,7 @@ def _alone_stream(served: Served) -> tuple[omnijax.StreamConfig, int]:
 def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
     snapshots = tmp_path / "sessions"
     first = ServedCheckpoint(demo_checkpoint(), *ARGS, *LOAD_WARMUP, "--snapshot-dir", str(snapshots),
-                             "--snapshot-every", "1turn")
+                             "--snapshot-every", "2s")
     rng = np.random.default_rng(8)
 
     async def load():

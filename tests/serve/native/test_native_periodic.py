@@ -25,6 +25,7 @@ from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.engine.snapshot import load_snapshot  # noqa: E402
+from omnijax.serve.engine.snapshot_format import SnapshotFormatError  # noqa: E402
 from omnijax.serve.realtime.resume import store_for  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
 from tests.serve.cluster.native_client import frame as _frame  # noqa: E402
@@ -62,10 +63,23 @@ def _context(model, snapshot_dir=None, **options):
     return build_context(model, options=options, stream=stream, chunk_tokens=32, buckets=(1, 2), aimd_target=0)
 
 
+def _generations(snapshots: Path, token: str) -> list[Path]:
+    return sorted(p for p in (snapshots / token).glob("[0-9]" * 12) if p.is_dir())
+
+
 def _on_disk(snapshots: Path, token: str) -> int | None:
-    """The `seq` (next frame) of the token's newest complete generation on disk, None without one."""
-    generations = sorted(p for p in (snapshots / token).glob("[0-9]" * 12) if p.is_dir())
-    return None if not generations else load_snapshot(generations[-1]).meta["native"]["seq"]
+    """The `seq` (next frame) of the token's newest complete generation on disk, None without one. The store removes
+    the older generations once a new one is durable, so a generation read while a newer one lands can vanish under
+    the reader: it is read again from the newer one (any other unreadable generation fails the test)."""
+    while True:
+        generations = _generations(snapshots, token)
+        if not generations:
+            return None
+        try:
+            return load_snapshot(generations[-1]).meta["native"]["seq"]
+        except (SnapshotFormatError, FileNotFoundError):
+            if _generations(snapshots, token)[-1:] == generations[-1:]:
+                raise  # not replaced: a damaged snapshot
 
 
 async def _until_on_disk(snapshots: Path, token: str, seq: int, timeout_s: float = 60.0) -> float:
