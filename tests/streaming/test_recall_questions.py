@@ -6,7 +6,8 @@ token written after an eviction (and not under a recall) holds keys and values c
 So the oracle "recalling everything equals the full-context session" is tested where it is exact:
 
 - recalling everything ahead of every chunk (each chunk then runs over the whole context): every chunk's logits and
-  answers equal `NoSlide`'s, question after question, under OmniPick, SinkWindow and StreamingLLM;
+  answers equal `NoSlide`'s, question after question, under OmniPick, SinkWindow, StreamingLLM, TokenSliding and
+  UnitFIFO;
 - recall at the questions alone with a one-layer model (every key and value depends on its token and position only):
   every question equals `NoSlide`'s;
 - at the second question of the two-layer session, after the recall, the cache holds every full-context position;
@@ -22,7 +23,7 @@ from flax import nnx
 
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
-from omnijax.retention import NoSlide, OmniPick, SinkWindow, StreamingLLM
+from omnijax.retention import NoSlide, OmniPick, SinkWindow, StreamingLLM, TokenSliding, UnitFIFO
 from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
@@ -35,6 +36,9 @@ POLICIES = {
     "sinkwindow": SinkWindow(sink=6, window=16),
     "streamingllm": StreamingLLM(sink_tokens=4, window=16, high_watermark=24),
 }
+# More policies for the every-chunk oracle: recall composes with any retention policy.
+EVERY_CHUNK = {**POLICIES, "tokensliding": TokenSliding(window=16, high_watermark=24),
+               "unitfifo": UnitFIFO(high_watermark=24, low_watermark=16)}
 EVERYTHING = Recall(budget=128, top_units=64)
 
 
@@ -75,10 +79,10 @@ def _assert_recalled_everything(session, stored):
     assert stored > 0 and report.cells > 0 and len(report.units) == stored
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(EVERY_CHUNK))
 def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(model, chunks, name):
-    full, bounded = _session(model, NoSlide()), _session(model, POLICIES[name])
-    recalled = _session(model, POLICIES[name], EVERYTHING)
+    full, bounded = _session(model, NoSlide()), _session(model, EVERY_CHUNK[name])
+    recalled = _session(model, EVERY_CHUNK[name], EVERYTHING)
     questions = recalls = 0
     for chunk in chunks:
         stored = recalled.recall_stats().stored_units

@@ -20,9 +20,9 @@ from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.snapshot import SnapshotFormatError, load_snapshot, save_snapshot
 from omnijax.serve.engine.snapshot_tier import TIER_FILE
-from omnijax.serve.engine.worker import EngineWorker
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
+from tests._support.engine_worker import on_worker
 
 T, TAU, PAGES, PAGE = 10, 3, 64, 8
 POLICIES = {
@@ -285,7 +285,7 @@ def test_the_worker_holds_each_answers_recall_as_chat_does(model, per_token):
         got = dict(zip(plans, await asyncio.gather(*(one(sid) for sid in plans))))
         return got, worker.stop_ids, {sid: engine.recall_stats(sid) for sid in plans}
 
-    got, stop, stats = _serve(engine, body)
+    got, stop, stats = on_worker(engine, body)
     for sid, (first, q1, more, q2) in plans.items():
         session = Session(model, config)
         want = []
@@ -296,15 +296,3 @@ def test_the_worker_holds_each_answers_recall_as_chat_does(model, per_token):
         assert got[sid] == want and all(want), (sid, got[sid], want)
         assert stats[sid] == session.recall_stats() and stats[sid].questions == 2 and stats[sid].recalled_cells
 
-
-def _serve(engine, body):
-    async def main():
-        worker = EngineWorker(engine)
-        await worker.start()
-        try:
-            return await body(worker)
-        finally:
-            for sid in list(worker.lanes):
-                await worker.close(sid)
-            await worker.stop()
-    return asyncio.run(main())

@@ -22,11 +22,11 @@ from omnijax.models.minicpmo.duplex import DuplexDecodeRule, DuplexTokens, UnitR
 from omnijax.retention.base import NoSlide
 from omnijax.serve.engine.duplex import UNIT_SAMPLES, DuplexStream, rows_chunks, speak_text
 from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax.serve.engine.worker import EngineWorker
 from omnijax.serve.loadgen import speech_like_pcm
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.duplex import DuplexSession
 from tests._support import DATA
+from tests._support.engine_worker import on_worker
 
 GOLDEN = DATA / "minicpmo45"
 PAGE_SIZE, SESSION_PAGES, WIDTH = 32, 16, 128  # 512 cached rows per session; a unit with a frame is 77 rows
@@ -103,19 +103,6 @@ async def _cursor(worker, sid):
     return await worker.in_engine(lambda: int(np.asarray(engine.state.next_pos)[engine.slot(sid)]))
 
 
-def _serve(engine, body):
-    """Runs `body(worker)` on a fresh worker over `engine`, closing every session it opened."""
-    async def main():
-        worker = EngineWorker(engine)
-        await worker.start()
-        try:
-            return await body(worker)
-        finally:
-            for sid in list(worker.lanes):
-                await worker.close(sid)
-            await worker.stop()
-    return asyncio.run(main())
-
 
 def _assert_same(got, want):
     results, decoded, positions = want
@@ -134,7 +121,7 @@ def test_a_stream_through_the_worker_is_the_duplex_session(model, golden, engine
         stream, results = await _run(model, golden, worker, "a", conv)
         return stream, results, await _cursor(worker, "a")
 
-    got = _serve(engine, body)
+    got = on_worker(engine, body)
     _assert_same(got, want)
     results = want[0]
     assert results[0].listened and not results[0].tokens  # force_listen
@@ -170,7 +157,7 @@ def test_two_streams_share_the_ticks_and_each_is_its_own_session(model, golden, 
         batched = sum(1 for t in worker.engine.telemetry.records if t.served == 2)
         return (sa, ra, await _cursor(worker, "a")), (sb, rb, await _cursor(worker, "b")), batched
 
-    got_a, got_b, batched = _serve(engine, body)
+    got_a, got_b, batched = on_worker(engine, body)
     assert batched >= 4  # the two streams' chunks ran in shared ticks
     _assert_same(got_a, want_a)
     _assert_same(got_b, want_b)
@@ -210,7 +197,7 @@ def test_refusals_feed_nothing(model, golden, engine, first):
             await stream.prepare(conv["prefix"], conv["suffix"])
         return result
 
-    result = _serve(engine, body)
+    result = on_worker(engine, body)
     np.testing.assert_allclose(result.logits[0], want[0][0].logits[0], atol=1e-5, rtol=0)
     assert result.listened == want[0][0].listened
 
@@ -257,6 +244,6 @@ def test_a_response_on_a_server_that_decodes_no_answers_fails_at_once_naming_tau
         answer = worker.respond("r", Prompt(parts=[chunk], answer_unit=1), 4, lambda unit, n: chunk)
         return answer, list(worker.lanes["r"].pending)
 
-    answer, pending = _serve(engine, body)
+    answer, pending = on_worker(engine, body)
     assert answer.status == "failed" and "max_answer_tokens=0" in answer.reason and "--answer-tokens" in answer.reason
     assert pending == []
