@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from omnijax.serve.engine.duplex import AnswerPenalties, DuplexStream
-from tests.serve.engine.test_serve_duplex import _inputs, _serve, engine, golden, model  # noqa: F401 - fixtures
+from tests._support.engine_worker import on_worker
+from tests.serve.engine.test_serve_duplex import _inputs, engine, golden, model  # noqa: F401 - fixtures
 
 PRESENCE, FREQUENCY = 1.5, 1.0  # exact in float32, so Python's arithmetic rounds to the stream's
 UNITS = 6
@@ -82,7 +83,7 @@ def test_penalties_count_the_answer_across_units(model, golden, engine, listen):
         await stream.prepare(conv["prefix"], conv["suffix"], conv["ref"])
         return stream, [await stream.step(p, f) for p, f in zip(conv["pcm"], conv["frames"])]
 
-    stream, results = _serve(engine, body)
+    stream, results = on_worker(engine, body)
     kw = dict(max_speak_tokens=speak, force_listen=force)
     want = _walk(results, rule, tokens, **kw)
     got = _actual(results, tokens, **kw)
