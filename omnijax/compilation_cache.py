@@ -410,15 +410,20 @@ class CachedJit:
         if signature is None:
             self.stats["plain"] += 1
             return None, (), {}
-        with self.lock:
-            executable = self.loaded.get(memory_key, False)
-            if executable is False:
-                executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
-                self.loaded[memory_key] = executable
-                while len(self.loaded) > self.MAX_PROGRAMS:
-                    self.loaded.popitem(last=False)  # the least recently used
-            else:
+        executable = self.loaded.get(memory_key, False)
+        if executable is not False:  # held: no lock, so a call never waits behind another shape's compile
+            try:
                 self.loaded.move_to_end(memory_key)
+            except KeyError:  # dropped meanwhile by a compile of another shape; the executable in hand still runs
+                pass
+        else:
+            with self.lock:
+                executable = self.loaded.get(memory_key, False)
+                if executable is False:
+                    executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
+                    self.loaded[memory_key] = executable
+                    while len(self.loaded) > self.MAX_PROGRAMS:
+                        self.loaded.popitem(last=False)  # the least recently used
         if executable is None:
             self.stats["plain"] += 1
         return executable, dyn_args, dyn_kwargs
@@ -473,7 +478,7 @@ class CachedJit:
                 warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
                               "compiling the program again", RuntimeWarning, stacklevel=3)
         lowered = self.jitted.lower(*args, **kwargs)
-        reading = _read_entries()
+        _read_entries()
         hits = _xla_hits_in_this_thread()
         _entries.wanted, _entries.last = True, None
         try:
@@ -483,7 +488,7 @@ class CachedJit:
         self.stats["compiled"] += 1
         if _xla_hits_in_this_thread() != hits:  # read back from XLA's cache: kept from its entry, if read
             self.stats["xla_cached"] += 1
-            if not reading or entry is None:
+            if entry is None:  # the entry was not read (a jax without the read this module wraps)
                 return executable
         else:
             entry = None
