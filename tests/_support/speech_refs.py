@@ -66,3 +66,14 @@ def perturb_thinker_and_talker(full: Any) -> None:
         for p in full.thinker.model.parameters():
             p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.2)
         full.thinker.lm_head.weight.normal_(0.0, 0.3)
+
+
+def assert_speaks_as_transformers(spoken: Any, want_tokens: np.ndarray, wav: np.ndarray) -> None:
+    """`spoken` (a `speak` result) drew transformers' talker tokens `want_tokens` (enough of them, not all one id)
+    and its PCM equals transformers' waveform `wav` within 1e-4 of its peak."""
+    np.testing.assert_array_equal(spoken.talker_tokens, want_tokens)
+    assert len(want_tokens) >= 6 and len(set(want_tokens.tolist())) > 2, want_tokens
+    peak = np.abs(wav).max()
+    assert peak > 0.05 and spoken.pcm.shape == wav.shape
+    err = np.abs(spoken.pcm - wav).max()
+    assert err <= 1e-4 * peak, f"max error {err:.3g} > 1e-4 x peak {peak:.3g}"

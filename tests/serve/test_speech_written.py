@@ -142,25 +142,7 @@ def test_whole_chat_speech_equals_the_finished_answer(served, reference):
 
 def test_realtime_speech_starts_before_the_text_ends(served, reference):
     _, model, server = served
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        async with client.realtime.connect(model="omnijax") as conn:
-            assert (await conn.recv()).type == "session.created"
-            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
-                                               "audio": {"output": {"voice": "Chelsie"}}})
-            assert (await conn.recv()).type == "session.updated"
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": QUESTION[0]["content"]}]})
-            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-            events = []
-            async for event in conn:
-                assert event.type != "error", event
-                events.append(event)
-                if event.type == "response.done":
-                    return events
-
-    events = asyncio.run(asyncio.wait_for(run(), 600))
+    _, _, events = asyncio.run(asyncio.wait_for(_realtime(server, {"voice": "Chelsie"}), 600))
     kinds = [e.type for e in events]
     first_audio = kinds.index("response.output_audio.delta")
     last_text = len(kinds) - 1 - kinds[::-1].index("response.output_audio_transcript.delta")
