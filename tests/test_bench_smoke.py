@@ -420,6 +420,26 @@ def test_quality_selectors_collect_tables_the_finished_cases(tmp_path):
         selectors.main(["--collect", "--out", str(tmp_path)])
 
 
+def test_quality_selectors_skip_done_runs_only_new_cases(tmp_path):
+    """selectors --skip-done drops the cases selectors.json already has (a case is its selector, ratio, length,
+    tokens, depth and key: another key, depth or token count is new), and is refused without --append."""
+    import json
+
+    from bench.quality import selectors
+
+    def case(sel="snapkv", ratio=0.5, key="12345", depth=0.5, n=40):
+        return dict(length=32, depth=depth, key=key, ids=list(range(n)), selector=sel, ratio=ratio)
+
+    planned = [case(), case(key="54321"), case(depth=0.1), case(n=41), case(sel="keydiff"), case(ratio=0.25)]
+    assert selectors.not_done(planned, tmp_path / "selectors.json") == planned  # no table yet: every case runs
+    old = [dict(selector="snapkv", ratio=0.5, length=32, tokens=40, depth=0.5, key="12345"),
+           dict(selector="keydiff", ratio=0.5, length=32, tokens=40, depth=0.5, key="12345")]
+    (tmp_path / "selectors.json").write_text(json.dumps(dict(rows=old)))
+    assert selectors.not_done(planned, tmp_path / "selectors.json") == [planned[i] for i in (1, 2, 3, 5)]
+    with pytest.raises(SystemExit, match="--skip-done .* pass --append too"):
+        selectors.main(["--skip-done", "--out", str(tmp_path)])
+
+
 def test_smoke_runner_reports_each_script_and_refuses_other_modules(tmp_path):
     """`python -m bench.harness --smoke-all` refuses a module outside the bench groups by name, before running
     anything; `run_main` gives the status `python -m` would (an exception: 1 with its traceback; SystemExit's code)."""

@@ -60,6 +60,10 @@ def build_parser():
     p.add_argument("--append", action="store_true",
                    help="selectors.json keeps the rows of an earlier run under --out for the cases this run does not "
                         "have (same selector, ratio, length, tokens, depth and key), so runs add up in one table")
+    p.add_argument("--skip-done", action="store_true",
+                   help="with --append: cases --out's selectors.json already has (same selector, ratio, length, "
+                        "tokens, depth and key) are not run again, so a run with more --keys or --depths adds only "
+                        "the new cases")
     p.add_argument("--collect", action="store_true",
                    help="no new run: the table from the cases both workers of the last run under --out finished")
     p.add_argument("--worker", choices=["omnijax", "kvpress"], help=argparse_hidden())
@@ -138,6 +142,15 @@ def case_id(row: dict) -> tuple:
     """What names one case across runs: (selector, ratio, length, prompt tokens, depth, key)."""
     return (row["selector"], float(row["ratio"]), row["length"], row.get("tokens", len(row.get("ids", ()))),
             float(row["depth"]), row["key"])
+
+
+def not_done(cases: list[dict], path: Path) -> list[dict]:
+    """`--skip-done`: the `cases` whose case (`case_id`) has no row in the `selectors.json` at `path` (all of them
+    when there is no such file)."""
+    if not path.is_file():
+        return cases
+    done = {case_id(r) for r in json.loads(path.read_text())["rows"]}
+    return [c for c in cases if case_id(c) not in done]
 
 
 def budget_of(ratio: float, S: int, selector: str) -> int:
@@ -382,6 +395,9 @@ def main(argv=None):
         else:
             kvpress_worker(cases, Path(cases["reference"]), out)
         return
+    if args.skip_done and not args.append:
+        raise SystemExit("--skip-done keeps the earlier rows only with --append (without it selectors.json would hold "
+                         "this run's cases alone): pass --append too")
     spec = work_file(out, args.tag, "cases.json")
     if args.collect:
         if not spec.is_file():
@@ -398,6 +414,12 @@ def main(argv=None):
         prompts = make_prompts(source.checkpoint, args)
         # ratio-major (the first ratio of --ratios for every selector first): a run stopped early has whole ratios
         cases = [dict(p, selector=s, ratio=r) for r in args.ratios for s in args.selectors for p in prompts]
+        if args.skip_done:
+            planned, cases = len(cases), not_done(cases, out / "selectors.json")
+            print(f"--skip-done: {planned - len(cases)} of {planned} cases already in {out / 'selectors.json'}",
+                  flush=True)
+            if not cases:
+                raise SystemExit("--skip-done: every case of this run is already in selectors.json; nothing to run")
         if args.resume and spec.is_file() and json.loads(spec.read_text())["cases"] != cases:
             raise SystemExit(f"--resume: {spec} holds other cases than this run's; pass the same flags or another "
                              "--out")
