@@ -89,6 +89,7 @@ SLOW_FIRST = (
     "serve/test_speech_media_qwen25.py", "kv/test_int8_kv_matrix.py",
     "eval/test_evaluate_recall.py", "streaming/test_recall_questions.py", "serve/engine/test_engine_recall.py",
     "serve/test_speech_written.py", "serve/engine/test_speech_writing.py", "serve/test_serve_recall.py",
+    "serve/cluster/test_object_store_resume.py", "serve/cluster/test_kv_leases.py",
 )
 
 

@@ -207,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots
         # deleted, each logged) before the model loads
         store = realtime_resume.open_store(options) if options.snapshot_dir is not None else None
+        if args.replicas > 1 and store is not None and str(store.root).startswith("memory://"):
+            raise ValueError(f"--snapshot-dir {options.snapshot_dir} is this process's memory, which the replicas "
+                             f"(other processes) cannot share; give gs://, s3://, file:/// or a shared directory")
         samples = frame_samples(args.frame_ms)
         launch.recall_option(args)  # a bad --recall is refused before the model loads
     except ValueError as e:

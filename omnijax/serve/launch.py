@@ -106,7 +106,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-outbox-mb", type=float, default=64.0, help="a WebSocket client with more than this many "
                    "MiB of server events unread is dropped as a slow consumer")
     p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
-                   "SIGTERM) so clients resume them with their token (created, or tightened to, mode 0700)")
+                   "SIGTERM) so clients resume them with their token: a directory (created, or tightened to, mode "
+                   "0700), or an object store through tensorstore: gs://BUCKET/PREFIX, s3://BUCKET/PREFIX, "
+                   "file:///PATH")
     p.add_argument("--snapshot-every", default="0", help="also snapshot each Realtime session periodically, at its "
                    "first idle moment: '30s', '2m', '1h' (after that long since its last snapshot) or '5turns', "
                    "'1turn' (after that many responses; for a native /session session, served frames); a SIGKILL "

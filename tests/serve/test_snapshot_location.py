@@ -4,9 +4,10 @@ starts with `--replicas`), without a model and without Ray:
 - a directory this server cannot write to (another user's folder, a read-only mount) is refused naming the path and
   what to do, and nothing is created or changed in it; without the write probe it was accepted and every session's
   first snapshot failed later;
-- an object-store URI (`gs://...`, `s3://...`, `memory://...`) is refused naming its scheme (the store needs atomic
-  directory renames and hard-link leases; `omnijax.serve.engine.snapshot_paths`), by the store and by
-  `save_snapshot` / `load_snapshot`; before, `Path("gs://b/x")` silently wrote into a local folder `gs:/b/x`.
+- a URL is never a local folder: an object-store URL (`gs://...`) that cannot be written is refused naming it (here:
+  no network), one of an unknown scheme naming the scheme, and `save_snapshot` / `load_snapshot` (directories) refuse
+  every URL; before, `Path("gs://b/x")` silently wrote into a local folder `gs:/b/x`. (What the store does with a URL
+  it can write: tests/serve/realtime/test_snapshot_object_store.py.)
 
 The unwritable directory is real: one this test's user cannot write (mode 0555). Root writes anywhere whatever the
 mode, so as root the checks run with the effective uid of `nobody` (65534) for their duration.
@@ -93,23 +94,30 @@ def test_the_command_line_refuses_it_before_the_model_loads_and_before_ray(monke
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"--snapshot-dir {target} is not writable by this server" in err, err
             assert "not an omnijax checkpoint" not in err and "Ray" not in err, err
-    with pytest.raises(SystemExit) as e:
-        app.main([str(missing), "--port", "0", "--snapshot-dir", "gs://bucket/sessions", "--replicas", "2"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "--snapshot-dir 'gs://bucket/sessions' is a gs:// URI" in err, err
+    for url, named in (("gs://omnijax-no-such-bucket/sessions", "--snapshot-dir gs://omnijax-no-such-bucket/sessions/ "
+                                                             "cannot be written by this server"),
+                       ("http://host/sessions", "--snapshot-dir 'http://host/sessions' is a http:// URL, which is "
+                                                "not a snapshot location"),
+                       ("memory://sessions", "--snapshot-dir memory://sessions is this process's memory, which the "
+                                             "replicas (other processes) cannot share")):
+        with pytest.raises(SystemExit) as e:
+            app.main([str(missing), "--port", "0", "--snapshot-dir", url, "--replicas", "2"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and named in err, err
+        assert "not an omnijax checkpoint" not in err and "Ray cluster" not in err, err
 
 
-@pytest.mark.parametrize("uri", ["gs://bucket/sessions", "s3://bucket/sessions", "memory://sessions"])
-def test_object_store_uris_are_refused_by_scheme_not_written_as_local_folders(uri, tmp_path, monkeypatch):
+@pytest.mark.parametrize("uri", ["gs://omnijax-no-such-bucket/sessions", "s3://omnijax-no-such-bucket/sessions",
+                                 "ftp://host/sessions"])
+def test_urls_are_never_written_as_local_folders(uri, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # Path(uri) is relative: a silent local write would land here
     scheme = uri.split("://")[0]
     with pytest.raises(ValueError) as e:
-        SnapshotStore(uri)
-    assert f"--snapshot-dir {uri!r} is a {scheme}:// URI" in str(e.value), e.value
-    assert "hard-link leases" in str(e.value) and "NFS" in str(e.value), e.value
-    with pytest.raises(ValueError, match=re.escape(f"the snapshot path {uri + '/one'!r} is a {scheme}:// URI")):
+        SnapshotStore(uri, probe_timeout_s=20.0)  # unreachable here (gs, s3), or not a location (ftp)
+    assert "cannot be written by this server" in str(e.value) or "is a ftp:// URL" in str(e.value), e.value
+    with pytest.raises(ValueError, match=re.escape(f"the snapshot path {uri + '/one'!r} is a {scheme}:// URL")):
         save_snapshot(f"{uri}/one", _snap())
-    with pytest.raises(ValueError, match=f"is a {scheme}:// URI"):
+    with pytest.raises(ValueError, match=f"is a {scheme}:// URL"):
         load_snapshot(f"{uri}/one")
     assert os.listdir(tmp_path) == []  # no folder named after the scheme
     local = save_snapshot(tmp_path / "one", _snap())  # a plain path still works, relative or not

@@ -34,10 +34,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from omnijax.serve.cluster.kv_lease import KvLeases
 from omnijax.serve.cluster.lease import LeaseDir
 from omnijax.serve.cluster.sessions import ReplicaSessions, query_value
 from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.realtime.snapshot_store import Lease, SnapshotStore, SnapshotStoreError, TokenInUse
+from omnijax.serve.realtime.snapshot_store_kv import KvStorage
 
 log = logging.getLogger("omnijax.serve")
 DRAIN_PATH = "/v1/omnijax/drain"
@@ -56,7 +58,8 @@ class SharedSnapshotStore(SnapshotStore):
       left, but here another replica may be writing one right then (a replica Ray Serve starts to replace a failed
       one opens its store while the others serve); `omnijax serve --replicas` cleans the directory once, before any
       replica starts;
-    - a token is leased across replicas too (`omnijax.serve.cluster.lease`): a resume on this replica of a token
+    - a token is leased across replicas too (`omnijax.serve.cluster.lease`; in an object store
+      `omnijax.serve.cluster.kv_lease`): a resume on this replica of a token
       another replica's connection holds is refused (`TokenInUse`, naming that replica) after `live_grace_s`, or
       waits for it while that connection closes; a lease whose replica died is broken (at once when its process
       is gone from this host, else when its heartbeat is `stale_s` old);
@@ -76,8 +79,9 @@ class SharedSnapshotStore(SnapshotStore):
         if max_age_s is not None and not max_age_s >= 0:
             raise ValueError(f"max_age_s must be >= 0 (or None), got {max_age_s}")
         super().__init__(root, **kwargs)  # no expiry yet: it must see the other replicas' leases
-        self.shared = LeaseDir(self.root, owner, heartbeat_s=heartbeat_s, stale_s=stale_s, host=lease_host,
-                               pid=lease_pid)
+        leases = KvLeases if isinstance(self.storage, KvStorage) else LeaseDir  # an object store, or a directory
+        where = self.storage.location if isinstance(self.storage, KvStorage) else self.root
+        self.shared = leases(where, owner, heartbeat_s=heartbeat_s, stale_s=stale_s, host=lease_host, pid=lease_pid)
         self.max_age_s = max_age_s or None
         self.expire()
 

@@ -19,7 +19,9 @@ Shapes (L layers, E saved pages, P page size, G kv heads, d head dim, A position
                                       (`StreamState.counts` / `seen`: the history per-row penalties read)
 
 On disk a snapshot is a directory: `session.json` (format, spec, meta, the shape and dtype of every array) and
-`arrays/`, an orbax checkpoint of the non-empty arrays.
+`arrays/`, an orbax checkpoint of the non-empty arrays. In an object store it is one object of the same manifest and
+the raw arrays (`omnijax.serve.engine.snapshot_blob`, read and checked by the same `read_manifest` and
+`SessionSnapshot.check`).
 """
 
 from __future__ import annotations
@@ -252,6 +254,38 @@ def refuse_int8_pool(state: StreamState) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- disk
+def manifest_of(snapshot: SessionSnapshot) -> dict:
+    """The manifest of a snapshot (`session.json` of a directory; the header of `snapshot_blob`): format, version,
+    spec, meta, the shape and dtype of every array, and whether a recall tier comes with it."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "spec": dataclasses.asdict(snapshot.spec),
+            "meta": snapshot.meta, **({} if snapshot.tier is None else {"recall_tier": TIER_FILE}),
+            "arrays": {n: {"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name}
+                       for n, a in snapshot.arrays().items()}}
+
+
+def read_manifest(manifest: Any) -> tuple[SnapshotSpec, dict[str, tuple[tuple[int, ...], Any]], tuple[str, ...],
+                                          dict, str | None]:
+    """`(spec, layout, missing, meta, tier_file)` of a manifest: `layout` maps every array field to its shape and
+    dtype, `missing` names the fields an older version did not store (empty when read).
+
+    Raises:
+        ValueError, TypeError, KeyError, AttributeError: not this format, a version not readable, a field malformed.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"format is not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"format_version {version!r} is not one of {READABLE_VERSIONS}")
+    spec = SnapshotSpec(**manifest["spec"])
+    fields = dict(manifest["arrays"])
+    if version == 1:  # before the penalty history: empty, as a session that never wrote a token has it
+        V = spec.vocab_size
+        fields.update(counts={"shape": [V], "dtype": "int32"}, seen={"shape": [V], "dtype": "bool"})
+    layout = {n: (tuple(int(x) for x in fields[n]["shape"]), jnp.dtype(fields[n]["dtype"])) for n in ARRAY_FIELDS}
+    missing = ("counts", "seen") if version == 1 else ()
+    return spec, layout, missing, manifest.get("meta", {}), manifest.get("recall_tier")
+
+
 def _is_snapshot_dir(path: Path) -> bool:
     try:
         return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
@@ -279,7 +313,8 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
     Raises:
         FileExistsError: `path` exists and `overwrite` is False, or it exists and is not a session snapshot.
         SnapshotError: the snapshot is inconsistent.
-        ValueError: `path` is a URI (`gs://...`): object stores are not supported (`snapshot_paths.local_path`).
+        ValueError: `path` is a URL (`gs://...`): a snapshot directory is a local path (`snapshot_paths.local_path`;
+            the snapshot store writes object-store URLs as one object per snapshot, `snapshot_blob`).
     """
     snapshot.check()
     if snapshot.tier is not None and any(u.on_disk for u in snapshot.tier.tier.units):
@@ -293,9 +328,7 @@ def save_snapshot(path: str | os.PathLike, snapshot: SessionSnapshot, *, overwri
             raise FileExistsError(f"{path} exists and is not a session snapshot; refusing to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = snapshot.arrays()
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "spec": dataclasses.asdict(snapshot.spec),
-                "meta": snapshot.meta, **({} if snapshot.tier is None else {"recall_tier": TIER_FILE}),
-                "arrays": {n: {"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for n, a in arrays.items()}}
+    manifest = manifest_of(snapshot)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         stored = {n: np.asarray(a) for n, a in arrays.items() if a.size}  # orbax refuses zero-size arrays
@@ -348,7 +381,7 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
 
     Raises:
         FileNotFoundError: nothing at `path`.
-        ValueError: `path` is a URI (`snapshot_paths.local_path`).
+        ValueError: `path` is a URL (`snapshot_paths.local_path`).
         SnapshotFormatError: `path` is not a readable session snapshot (no or garbled manifest, another format or
             version, missing or damaged arrays); the message names the path.
     """
@@ -359,21 +392,7 @@ def load_snapshot(path: str | os.PathLike) -> SessionSnapshot:
     if not manifest_path.is_file():
         raise SnapshotFormatError(f"{path} is not a session snapshot: {MANIFEST} is missing")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError(f"format is not {FORMAT!r}")
-        version = manifest.get("format_version")
-        if version not in READABLE_VERSIONS:
-            raise ValueError(f"format_version {version!r} is not one of {READABLE_VERSIONS}")
-        spec = SnapshotSpec(**manifest["spec"])
-        if version == 1:  # before the penalty history: empty, as a session that never wrote a token has it
-            V = spec.vocab_size
-            manifest["arrays"].update(counts={"shape": [V], "dtype": "int32"}, seen={"shape": [V], "dtype": "bool"})
-        layout = {n: (tuple(manifest["arrays"][n]["shape"]), jnp.dtype(manifest["arrays"][n]["dtype"]))
-                  for n in ARRAY_FIELDS}
-        missing = ("counts", "seen") if version == 1 else ()
-        meta = manifest.get("meta", {})
-        tier_file = manifest.get("recall_tier")
+        spec, layout, missing, meta, tier_file = read_manifest(json.loads(manifest_path.read_text(encoding="utf-8")))
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise SnapshotFormatError(f"{manifest_path}: cannot read the snapshot manifest: {e}") from e
     arrays = {n: np.zeros(shape, dtype) for n, (shape, dtype) in layout.items()

@@ -1,60 +1,83 @@
-"""Where session snapshots may live: a local (or mounted) POSIX directory, never an object-store URI.
+"""Where session snapshots may live: a local (or mounted) POSIX directory, or an object store through a tensorstore
+kvstore URL (`gs://bucket/prefix`, `s3://bucket/prefix`; `memory://prefix` and `file:///path` for tests and
+emulation).
 
-`omnijax.serve.engine.snapshot` writes a snapshot as a directory made visible by one atomic rename, and
-`omnijax.serve.realtime.snapshot_store` / `omnijax.serve.cluster.lease` keep generations whole and a resume token
-single-owner with renames, hard links (an atomic create of a lease) and modification times (its heartbeat). An
-object store (`gs://`, `s3://`) has no atomic directory rename and no hard links, so those guarantees would not
-hold there. `pathlib.Path("gs://bucket/x")` would silently become the local folder `gs:/bucket/x`, so a URI is refused
-by name instead (`local_path`).
+A directory holds snapshots as directories (`omnijax.serve.engine.snapshot_format`: orbax arrays and a manifest, made
+visible by one atomic rename) and leases as hard-linked files with an mtime heartbeat (`omnijax.serve.cluster.lease`).
+An object store has no atomic directory rename and no hard links, so a URL location is written differently, through
+tensorstore's kvstore API directly (`omnijax.serve.engine.snapshot_kv`): one object per snapshot generation (atomic
+visibility is the store's own single-object write; `omnijax.serve.engine.snapshot_blob` is its encoding), leases as
+objects created and renewed with generation preconditions (`omnijax.serve.cluster.kv_lease`).
 
-What object stores would need (not built): a generation made visible by a commit object written last (one atomic
-single-object write) rather than a rename; a lease created with a create-only precondition (GCS
-`ifGenerationMatch=0`, S3 `If-None-Match: *`) and renewed with a generation precondition instead of a hard link and
-an mtime; listing instead of directory scans; and orbax's arrays written through tensorstore's `gcs` / `s3` kvstore
-drivers (installed) with etils' `gs://` / `s3://` paths, which need `gcsfs` / `s3fs` (not installed here). A
-FUSE mount of a bucket (gcsfuse, s3fs-fuse) is not a substitute: it offers neither hard links nor atomic renames of
-directories.
-
-Why not built, checked against the installed stack (tensorstore 0.1.86, orbax-checkpoint 0.12.8, etils 1.15.0, no
-network): tensorstore's own kvstores write `memory://` and `file://` URLs offline, but orbax does not reach them:
-every orbax path goes through `etils.epath`, which has no `memory://` or `file://` backend (`epath.Path("memory://x")`
-raises KeyError, so `StandardCheckpointer.save("memory://x/arrays", ...)` does) and imports gcsfs / s3fs for `gs://` /
-`s3://` (ImportError: not installed; adding them adds network clients, and a `gs://` / `s3://` test would need a
-local GCS or S3 emulator, none of which is installed). So no URL scheme is both writable by the snapshot format
-(`omnijax.serve.engine.snapshot_format`, orbax) and testable here, and an object-store location built now would
-ship untested. The way there: write a snapshot's arrays with tensorstore directly (a kvstore spec per location:
-`memory://` / `file://` in tests, `gs://` / `s3://` through tensorstore's gcs / s3 drivers), keep the manifest and the
-commit object as single kvstore writes, and make the lease a conditional kvstore write; the store and the leases
-(`omnijax.serve.realtime.snapshot_store`, `omnijax.serve.cluster.lease`) then talk to that interface instead of
-`pathlib`.
+`pathlib.Path("gs://bucket/x")` would silently become the local folder `gs:/bucket/x`: every URL is told apart here
+(`location`) and an unknown scheme is refused by name, listing the accepted ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
 
 URI_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-OBJECT_STORE_UNSUPPORTED = (
-    "snapshots live in a local or mounted POSIX directory only (atomic directory renames, hard-link leases and "
-    "modification times keep them whole and single-owner; object stores have none of them, and the installed "
-    "stack has no gs:// or s3:// filesystem for orbax: etils needs gcsfs or s3fs); give a directory path, for "
-    "replicas one on a filesystem every replica mounts (NFS, CephFS, EFS, Filestore)")
+# The URL schemes a snapshot location accepts, and tensorstore's kvstore driver for each.
+KV_SCHEMES = {"gs": "gcs", "s3": "s3", "file": "file", "memory": "memory"}
+ACCEPTED = ("a directory path, or a tensorstore kvstore URL: gs://BUCKET/PREFIX, s3://BUCKET/PREFIX, file:///PATH, "
+            "memory://PREFIX (one process only: tests)")
 
 
-def local_path(path: str | os.PathLike, what: str = "the snapshot path") -> Path:
-    """`path` as an absolute local `Path`.
+@dataclasses.dataclass(frozen=True)
+class KvUrl:
+    """A kvstore URL location: `url` (normalised to end in `/`), its `scheme` and tensorstore `driver`."""
+
+    url: str
+    scheme: str
+    driver: str
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def location(path: str | os.PathLike, what: str = "the snapshot location") -> Path | KvUrl:
+    """A snapshot location: an absolute local `Path`, or a `KvUrl` for a kvstore URL.
 
     Args:
-        path: a directory path.
+        path: a directory path or a URL (module docstring).
         what: how an error names it (a flag, for a command line's errors).
 
     Raises:
-        ValueError: `path` is a URI (`gs://...`, `s3://...`, `memory://...`), naming its scheme.
+        ValueError: a URL of a scheme not accepted (named, with the accepted forms), or one without a bucket.
+    """
+    text = os.fspath(path)
+    m = URI_RE.match(text) if isinstance(text, str) else None
+    if not m:
+        return Path(text).absolute()
+    scheme = m.group(1).lower()
+    if scheme not in KV_SCHEMES:
+        raise ValueError(f"{what} {text!r} is a {m.group(1)}:// URL, which is not a snapshot location; give "
+                         f"{ACCEPTED}")
+    rest = text[m.end():]
+    if scheme in ("gs", "s3") and not rest.split("/", 1)[0]:
+        raise ValueError(f"{what} {text!r} names no bucket; give {scheme}://BUCKET/PREFIX")
+    if scheme == "file" and not rest.startswith("/"):
+        raise ValueError(f"{what} {text!r}: a file:// URL takes an absolute path (file:///PATH)")
+    url = f"{scheme}://{rest}"
+    return KvUrl(url if url.endswith("/") else url + "/", scheme, KV_SCHEMES[scheme])
+
+
+def local_path(path: str | os.PathLike, what: str = "the snapshot path") -> Path:
+    """`path` as an absolute local `Path` (what `save_snapshot` / `load_snapshot` write and read: a directory).
+
+    Raises:
+        ValueError: `path` is a URL (`gs://...`, `memory://...`), naming its scheme: a snapshot *directory* cannot
+            live there (`omnijax.serve.realtime.snapshot_store.SnapshotStore` takes kvstore URLs, and
+            `omnijax.serve.engine.snapshot_blob` encodes one snapshot as one object).
     """
     text = os.fspath(path)
     m = URI_RE.match(text) if isinstance(text, str) else None
     if m:
-        raise ValueError(f"{what} {text!r} is a {m.group(1)}:// URI: {OBJECT_STORE_UNSUPPORTED}")
+        raise ValueError(f"{what} {text!r} is a {m.group(1)}:// URL, but a snapshot directory is a local or mounted "
+                         f"POSIX path (atomic renames); for an object store give the URL to the snapshot store "
+                         f"(--snapshot-dir), which writes each snapshot as one object")
     return Path(text).absolute()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +26,9 @@ _UNIT_FIELDS = ("k", "v", "pos", "span", "offset", "order", "summary", "vpos")
 _TIER_COUNTS = ("budget_bytes", "dropped_units", "dropped_bytes", "spilled_units", "spilled_bytes")
 
 
-def write_tier(path: Path, snapshot: RecallSnapshot) -> None:
-    """Writes `snapshot` to the file `path` (ValueError, before writing anything, for a tier with spilled units)."""
+def write_tier(path: Path | BinaryIO, snapshot: RecallSnapshot) -> None:
+    """Writes `snapshot` to the file `path`, or into a binary file object (ValueError, before writing anything, for
+    a tier with spilled units)."""
     tier = snapshot.tier
     if any(u.on_disk for u in tier.units):
         raise ValueError("the snapshot's host tier has units spilled to disk (Recall(disk_dir=...)), which a snapshot "
@@ -41,12 +43,16 @@ def write_tier(path: Path, snapshot: RecallSnapshot) -> None:
                        if getattr(u, name) is not None})
         for name in ("k", "v"):  # raw bytes: .npz has no bfloat16
             arrays[f"u{i}_{name}"] = np.ascontiguousarray(arrays[f"u{i}_{name}"]).view(np.uint8)
+    if not isinstance(path, (str, Path)):  # a file object (`omnijax.serve.engine.snapshot_blob`)
+        np.savez(path, **arrays)
+        return
     with open(path, "wb") as f:
         np.savez(f, **arrays)
 
 
-def read_tier(path: Path) -> RecallSnapshot:
-    """Reads a tier written by `write_tier`; ValueError naming what is missing or malformed."""
+def read_tier(path: Path | BinaryIO) -> RecallSnapshot:
+    """Reads a tier written by `write_tier` (a file, or a binary file object); ValueError naming what is missing or
+    malformed."""
     try:
         with np.load(path, allow_pickle=False) as z:
             files = {name: np.array(z[name]) for name in z.files}

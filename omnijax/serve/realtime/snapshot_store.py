@@ -9,7 +9,11 @@ Layout: the directory (mode 0700) holds one folder per resume token, and in it o
 A generation appears whole (written beside it as `.<name>.*.tmp`, synced, renamed), so a reader sees the newest
 complete one, never a partial write; a SIGKILL at any moment leaves at worst a temp folder, removed (and logged) when
 the next server opens the directory. A folder of the older layout (`<dir>/<token>/session.json`) is moved into a
-generation when the store opens.
+generation when the store opens. (`DirStorage` reads and writes this layout.)
+
+Object stores: `--snapshot-dir gs://bucket/prefix` (or `s3://`, `file:///`, `memory://`) keeps the same generations,
+each one object written through tensorstore's kvstore API (`omnijax.serve.realtime.snapshot_store_kv.KvStorage`);
+the leases, caps and expiry below are the same.
 
 Leases: a token is held by at most one connection at a time (`acquire`). A second connection with a token whose
 holder is still connected is refused (`TokenInUse`) after a short grace (`live_grace_s`, in case the holder's
@@ -42,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnijax.serve.engine.snapshot import MANIFEST, SessionSnapshot, load_snapshot, save_snapshot
-from omnijax.serve.engine.snapshot_paths import local_path
+from omnijax.serve.engine.snapshot_paths import location
+from omnijax.serve.realtime.snapshot_store_kv import KvStorage
 
 log = logging.getLogger("omnijax.serve")
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
@@ -112,40 +117,20 @@ class _Entry:
     written: float  # wall-clock time of the newest generation
 
 
-class SnapshotStore:
-    """The snapshot directory of a server (module docstring).
+class DirStorage:
+    """Snapshots in a local or mounted POSIX directory (the module docstring's layout): each generation a
+    `save_snapshot` directory. `SnapshotStore` keeps the leases, caps and expiry; this class only reads and writes.
+    `omnijax.serve.realtime.snapshot_store_kv.KvStorage` is the same interface over an object store.
 
     Args:
-        root: the directory; created with mode 0700 when missing, tightened to 0700 (logged) when group or others
-            may read it, refused (ValueError) when that is not possible, when this process cannot create files in
-            it, or when it is a URI (`gs://...`: `omnijax.serve.engine.snapshot_paths`).
-        max_bytes: the cap on the directory's total size (None: none).
-        max_age_s: snapshots not written for this long are deleted (None or 0: never).
-        write_wait_s: how long `acquire` waits for a closing holder's last write.
-        live_grace_s: how long `acquire` waits for a connected holder to start closing before `TokenInUse`.
-        clock: wall-clock seconds (tests).
+        root: the directory.
     """
 
-    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, max_age_s: float | None = None,
-                 write_wait_s: float = 30.0, live_grace_s: float = 1.0,
-                 clock: Callable[[], float] = time.time):
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1 (or None for no cap), got {max_bytes}")
-        if max_age_s is not None and not max_age_s >= 0:
-            raise ValueError(f"max_age_s must be >= 0 (or None), got {max_age_s}")
-        self.root = local_path(root, "--snapshot-dir")
-        self.max_bytes, self.max_age_s = max_bytes, (max_age_s or None)
-        self.write_wait_s, self.live_grace_s, self.clock = write_wait_s, live_grace_s, clock
-        self._lock = threading.RLock()
-        self._leases: dict[str, Lease] = {}
-        self._entries: dict[str, _Entry] = {}
-        self._secure_root()
-        self.cleaned = self._clean()
-        self._scan()
-        self.expire()
+    def __init__(self, root: Path):
+        self.root = root
 
-    # ------------------------------------------------------------------------------------------------ opening
-    def _secure_root(self) -> None:
+    def open(self) -> None:
+        """Creates the directory (0700), tightens a readable one, and refuses one this process cannot write."""
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             mode = stat.S_IMODE(self.root.stat().st_mode)
@@ -167,7 +152,7 @@ class SnapshotStore:
     def _probe_write(self) -> None:
         """Creates and removes a file in the directory, so one this process cannot write to (a read-only mount,
         another user's folder, a full disk) is refused when the server starts, not at the first snapshot. The file is
-        named like a temp folder of a killed write (`.*.tmp`), so a kill in between leaves what `_clean` removes."""
+        named like a temp folder of a killed write (`.*.tmp`), so a kill in between leaves what `clean` removes."""
         try:
             fd, probe = tempfile.mkstemp(prefix=".write-probe.", suffix=".tmp", dir=self.root)
             os.close(fd)
@@ -178,7 +163,7 @@ class SnapshotStore:
                              f"user can create files in (with --replicas, one every replica can write), or fix its "
                              f"permissions or mount") from e
 
-    def _clean(self) -> int:
+    def clean(self) -> int:
         """Removes the temp folders a killed write left, and moves old-layout snapshots into a generation."""
         removed = 0
         for p in list(self.root.iterdir()):  # the older layout: <token>/session.json, moved via .<token>.migrating
@@ -189,7 +174,7 @@ class SnapshotStore:
             if m:
                 folder = self.root / m.group(1)
                 folder.mkdir(mode=0o700, exist_ok=True)
-                if not self._generations(m.group(1)):
+                if not self.generations(m.group(1)):
                     os.rename(p, folder / f"{0:012d}")
                     log.info("snapshot dir: moved the snapshot of %s... into the generation layout", m.group(1)[:8])
         for folder in [self.root] + [p for p in self.root.iterdir() if p.is_dir() and TOKEN_RE.fullmatch(p.name)]:
@@ -205,25 +190,120 @@ class SnapshotStore:
             log.warning("snapshot dir: cleaned %d temp folder(s) of interrupted writes", removed)
         return removed
 
-    def _scan(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            for p in self.root.iterdir():
-                if p.is_dir() and TOKEN_RE.fullmatch(p.name):
-                    gens = self._generations(p.name)
-                    if gens:
-                        self._entries[p.name] = _Entry(_tree_bytes(p), gens[-1].stat().st_mtime)
+    def scan(self) -> dict[str, tuple[int, float]]:
+        """Every token with a snapshot: its bytes and the time of its newest generation."""
+        found = {}
+        for p in self.root.iterdir():
+            if p.is_dir() and TOKEN_RE.fullmatch(p.name):
+                gens = self.generations(p.name)
+                if gens:
+                    found[p.name] = (_tree_bytes(p), gens[-1].stat().st_mtime)
+        return found
 
-    # ------------------------------------------------------------------------------------------------ queries
-    def _generations(self, token: str) -> list[Path]:
-        folder = self.root / token
+    def generations(self, token: str) -> list[Path]:
+        """The token's generations, oldest first."""
         try:
-            return sorted(p for p in folder.iterdir() if GENERATION_RE.fullmatch(p.name) and p.is_dir())
+            return sorted(p for p in (self.root / token).iterdir() if GENERATION_RE.fullmatch(p.name) and p.is_dir())
         except OSError:
             return []
 
-    def latest(self, token: str) -> Path | None:
-        """The newest generation of a token, or None."""
+    @staticmethod
+    def number(generation: Path) -> int:
+        """A generation's number."""
+        return int(generation.name)
+
+    def write(self, token: str, number: int, snapshot: SessionSnapshot, now: float) -> Path:
+        """Writes generation `number` of `token` (synced to disk, folder included, before it returns)."""
+        folder = self.root / token
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return save_snapshot(folder / f"{number:012d}", snapshot)
+
+    @staticmethod
+    def read(generation: Path) -> SessionSnapshot:
+        """The snapshot of a generation (OSError, ValueError)."""
+        return load_snapshot(generation)
+
+    @staticmethod
+    def drop(generation: Path) -> None:
+        """Deletes one generation."""
+        shutil.rmtree(generation, ignore_errors=True)
+
+    def remove(self, token: str) -> None:
+        """Deletes every generation of a token."""
+        shutil.rmtree(self.root / token, ignore_errors=True)
+
+    def token_bytes(self, token: str) -> int:
+        """The bytes a token's snapshots take."""
+        return _tree_bytes(self.root / token)
+
+
+def open_storage(root: str | os.PathLike, *, probe_timeout_s: float | None = None) -> DirStorage | KvStorage:
+    """The storage of a snapshot location: `DirStorage` for a directory path, `KvStorage` for a kvstore URL
+    (`omnijax.serve.engine.snapshot_paths.location`); opened (created, checked writable), not yet cleaned.
+
+    Raises:
+        ValueError: the location cannot be used (named: an unknown URL scheme, an unwritable directory, an
+            unreachable bucket).
+    """
+    where = location(root, "--snapshot-dir")
+    if isinstance(where, Path):
+        storage = DirStorage(where)
+        storage.open()
+        return storage
+    return KvStorage.open(where, probe_timeout_s=probe_timeout_s)
+
+
+class SnapshotStore:
+    """The snapshot store of a server: a directory, or an object store (module docstring).
+
+    Args:
+        root: the directory; created with mode 0700 when missing, tightened to 0700 (logged) when group or others
+            may read it, refused (ValueError) when that is not possible or when this process cannot create files in
+            it. Or a kvstore URL (`gs://bucket/prefix`, `s3://...`, `file:///...`, `memory://...`:
+            `omnijax.serve.realtime.snapshot_store_kv`), refused (ValueError) when it cannot be written.
+        max_bytes: the cap on the directory's total size (None: none).
+        max_age_s: snapshots not written for this long are deleted (None or 0: never).
+        write_wait_s: how long `acquire` waits for a closing holder's last write.
+        live_grace_s: how long `acquire` waits for a connected holder to start closing before `TokenInUse`.
+        clock: wall-clock seconds (tests).
+        probe_timeout_s: how long opening an object-store location may take to write its probe (default
+            `omnijax.serve.engine.snapshot_kv.PROBE_TIMEOUT_S`).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, max_age_s: float | None = None,
+                 write_wait_s: float = 30.0, live_grace_s: float = 1.0,
+                 clock: Callable[[], float] = time.time, probe_timeout_s: float | None = None):
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 (or None for no cap), got {max_bytes}")
+        if max_age_s is not None and not max_age_s >= 0:
+            raise ValueError(f"max_age_s must be >= 0 (or None), got {max_age_s}")
+        self.max_bytes, self.max_age_s = max_bytes, (max_age_s or None)
+        self.write_wait_s, self.live_grace_s, self.clock = write_wait_s, live_grace_s, clock
+        self._lock = threading.RLock()
+        self._leases: dict[str, Lease] = {}
+        self._entries: dict[str, _Entry] = {}
+        self.storage = open_storage(root, probe_timeout_s=probe_timeout_s)
+        self.root = self.storage.root  # a Path, or the URL (a str)
+        self.cleaned = self._clean()
+        self._scan()
+        self.expire()
+
+    # ------------------------------------------------------------------------------------------------ opening
+    def _clean(self) -> int:
+        """Removes what killed writes left (`DirStorage.clean`); the number removed."""
+        return self.storage.clean()
+
+    def _scan(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._entries.update({token: _Entry(*found) for token, found in self.storage.scan().items()})
+
+    # ------------------------------------------------------------------------------------------------ queries
+    def _generations(self, token: str) -> list:
+        return self.storage.generations(token)
+
+    def latest(self, token: str) -> Path | str | None:
+        """The newest generation of a token (a directory, or an object's URL), or None."""
         gens = self._generations(self._check(token))
         return gens[-1] if gens else None
 
@@ -246,6 +326,7 @@ class SnapshotStore:
         """`error`'s text for a client: the store's path and any other absolute path replaced."""
         text = str(error) or type(error).__name__
         text = text.replace(str(self.root), "<snapshot dir>")
+        text = re.sub(r"\b(?:gs|s3|file|memory)://\S*", "<snapshot store>", text)
         return re.sub(r"(?<![\w.<>])/(?:[\w.@+-]+/)*[\w.@+-]+", "<path>", text)
 
     # ------------------------------------------------------------------------------------------------- leases
@@ -301,11 +382,11 @@ class SnapshotStore:
         if path is None:
             raise SnapshotStoreError("no snapshot for this resume token (never written, or expired or evicted)")
         try:
-            return load_snapshot(path)
+            return self.storage.read(path)
         except (OSError, ValueError) as e:
             raise SnapshotStoreError(f"the snapshot cannot be read: {self.public_message(e)}") from e
 
-    def save(self, lease: Lease, snapshot: SessionSnapshot) -> Path:
+    def save(self, lease: Lease, snapshot: SessionSnapshot) -> Path | str:
         """Writes a new generation of the leased token, then deletes the older ones (module docstring).
 
         Raises:
@@ -326,19 +407,16 @@ class SnapshotStore:
                                     f"{self.max_bytes / 2**20:.1f} MiB; the session's previous snapshot, if any, "
                                     f"stays")
         gens = self._generations(token)
-        number = int(gens[-1].name) + 1 if gens else 0
-        folder = self.root / token
-        path = folder / f"{number:012d}"
+        number = self.storage.number(gens[-1]) + 1 if gens else 0
         try:
-            folder.mkdir(mode=0o700, exist_ok=True)
-            save_snapshot(path, snapshot)  # synced to disk, folder included, before it returns
+            path = self.storage.write(token, number, snapshot, self.clock())  # durable before it returns
         except (OSError, ValueError) as e:
             log.warning("snapshot write of %s... failed: %s", token[:8], e)
             raise SnapshotStoreError(f"the session snapshot could not be written: {self.public_message(e)}") from e
         for old in gens:  # the new generation is durable: the older ones go
-            shutil.rmtree(old, ignore_errors=True)
+            self.storage.drop(old)
         with self._lock:
-            self._entries[token] = _Entry(_tree_bytes(folder), self.clock())
+            self._entries[token] = _Entry(self.storage.token_bytes(token), self.clock())
             if self.max_bytes is not None and not self._make_room(self.max_bytes, keep=token):
                 log.warning("snapshot dir holds %.1f MiB, over its cap of %.1f MiB: only held sessions are left",
                             self.total_bytes() / 2**20, self.max_bytes / 2**20)
@@ -352,7 +430,7 @@ class SnapshotStore:
     # ------------------------------------------------------------------------------------------------ eviction
     def _evict(self, token: str, why: str) -> None:
         entry = self._entries.pop(token, None)
-        shutil.rmtree(self.root / token, ignore_errors=True)
+        self.storage.remove(token)
         log.warning("snapshot dir: evicted the session %s... (%s; %d KiB)", token[:8], why,
                     (entry.bytes if entry else 0) // 1024)
 
