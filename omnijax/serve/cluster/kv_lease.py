@@ -2,19 +2,27 @@
 `memory://...`): what `omnijax.serve.cluster.lease.LeaseDir` does with files, done with conditional kvstore writes
 (`omnijax.serve.engine.snapshot_kv`), for `SharedSnapshotStore` over a `KvStorage`. Same interface, same rules:
 
-    <url>.leases/<token>     {"owner", "host", "pid", "id", "since", "beat", "closing"}: who holds it
+    <url>.leases/<token>     {"owner", "host", "pid", "id", "since", "beat", "closing"}: who holds it, or
+                             {"released": true, ...}: nobody (given back)
 
-- **Taking** is a create-only write (tensorstore's `if_equal` on the generation of a missing key: GCS
-  `ifGenerationMatch=0`, S3 `If-None-Match: *`, the file driver's lock): of two replicas racing for a token exactly
-  one creates the object; the other reads the winner.
+Every change is one conditional write of the whole object, never a conditional delete: tensorstore's `if_equal`
+becomes GCS `ifGenerationMatch` (atomic for writes and deletes), S3 `If-None-Match: *` / `If-Match` on the PUT
+(atomic on AWS; its conditional *delete* is a HEAD then a DELETE, which another replica's write can slip between), and
+the file driver's lock file (atomic across processes).
+
+- **Taking**: a create-only write when there is no object (the generation of a missing key), else a
+  compare-and-swap over a released or stale lease's generation: of two replicas racing for a token exactly one
+  write succeeds; the other reads the winner.
 - **Heartbeat**: each replica's daemon thread rewrites the leases it holds every `heartbeat_s` (`beat`: its own
   clock's time) and at once when the connection starts closing (`closing`), each a compare-and-swap on the
   generation it last wrote; a swap that fails means the lease was broken as stale by another replica (logged, let go).
+- **Giving back**: a compare-and-swap to a released record; one that fails leaves the lease to whoever broke it.
 - **Stale leases** are broken: a holder on this host whose process is gone at once; any holder whose `beat` is older
-  than `stale_s`. Breaking is a delete conditioned on the generation that was judged stale, so a lease renewed or
-  retaken in between is never removed. Clocks: the age is the local clock minus the holder's `beat`, so nodes' clocks
-  must agree to well within `stale_s` (as for `LeaseDir`'s mtimes).
+  than `stale_s`. Breaking is the taking compare-and-swap itself, on the generation judged stale, so a lease renewed
+  or retaken in between is never overwritten. Clocks: the age is the local clock minus the holder's `beat`, so nodes'
+  clocks must agree to well within `stale_s` (as for `LeaseDir`'s mtimes).
 - GCS allows one write per second to one object: on `gs://` the heartbeat is at least `GCS_MIN_HEARTBEAT_S`.
+- Lease objects stay after they are given back (one small object per token that was ever resumed).
 
 A `memory://` location is one process's memory: leases there are seen by the stores of that process only (tests).
 Replicas in several processes need `gs://`, `s3://` or `file://` (one path every process sees).
@@ -82,6 +90,8 @@ class KvLeases:
             return None, generation
         try:
             got = json.loads(data.decode("utf-8"))
+            if got.get("released"):
+                return None, generation
             owner, host, pid, lid = str(got["owner"]), str(got["host"]), int(got["pid"]), str(got["id"])
             beat, closing = float(got["beat"]), bool(got["closing"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # written whole: damaged by hand
@@ -114,29 +124,23 @@ class KvLeases:
             token: the resume token.
             closing: tells whether the connection this lease is for is closing (read by the heartbeat).
         """
-        for _ in range(3):  # a stale lease broken, then taken; a race lost to another breaker: look again
+        for _ in range(3):  # a race lost to another taker or breaker: look again
+            holder, seen = self._read(token)
+            if holder is not None and not holder.stale:
+                return holder
             lid = secrets.token_hex(8)
             record = self._record(lid, self.clock(), False)
-            generation = self.location.create(self._key(token), json.dumps(record).encode("utf-8"))
+            generation = self.location.write(self._key(token), json.dumps(record).encode("utf-8"), if_equal=seen)
             if generation is not None:
                 with self._lock:
                     self._mine[token] = [lid, closing, generation, record]
+                if holder is not None:
+                    log.warning("lease of %s... held by replica %s (pid %d on %s, heartbeat %.1f s ago) broken: %s",
+                                token[:8], holder.owner, holder.pid, holder.host, holder.age_s,
+                                "its process is gone" if holder.age_s <= self.stale_s else "stale")
                 return None
-            holder, seen = self._read(token)
-            if holder is None:
-                continue  # released meanwhile
-            if not holder.stale:
-                return holder
-            self._break(token, holder, seen)
         holder = self.holder(token)
         return holder if holder is not None else Holder("?", "?", 0, "?", True, 0.0, False)
-
-    def _break(self, token: str, stale: Holder, generation: bytes) -> None:
-        if self.location.delete(self._key(token), if_equal=generation):
-            log.warning("lease of %s... held by replica %s (pid %d on %s, heartbeat %.1f s ago) broken: %s",
-                        token[:8], stale.owner, stale.pid, stale.host, stale.age_s,
-                        "its process is gone" if stale.age_s <= self.stale_s else "stale")
-        # else: renewed, released or broken by another replica in between: the caller looks again
 
     def give_back(self, token: str) -> None:
         """Ends this replica's lease on the token (idempotent; a lease broken meanwhile is left to its new
@@ -144,7 +148,10 @@ class KvLeases:
         with self._io:
             with self._lock:
                 mine = self._mine.pop(token, None)
-            if mine is not None and not self.location.delete(self._key(token), if_equal=mine[2]):
+            if mine is None:
+                return
+            released = {"released": True, "owner": self.owner, "id": mine[0], "at": self.clock()}
+            if self.location.write(self._key(token), json.dumps(released).encode("utf-8"), if_equal=mine[2]) is None:
                 log.info("lease of %s... was broken before it was given back: left to its new holder", token[:8])
 
     def close(self) -> None:
