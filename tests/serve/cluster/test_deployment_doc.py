@@ -2,7 +2,8 @@
 launcher validation (`prepare_config` + `validate_config`, what `ray up` runs first; the Ray the `ray` extra pins),
 the KubeRay manifest is consistent with itself and with the command it documents (KubeRay's schema is not installed
 here: only its shape is checked), and every `omnijax serve` command line on the page parses with the server's own
-argument parser, its `--snapshot-every` included."""
+argument parser, its `--snapshot-every` included, and its `--snapshot-dir` (two shared directories, one object-store
+URL) is a location the server accepts."""
 
 import re
 import shlex
@@ -13,6 +14,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from omnijax.serve import launch  # noqa: E402
+from omnijax.serve.engine import snapshot_paths  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "deployment.md"
 
@@ -70,8 +72,11 @@ def test_the_kuberay_manifest_agrees_with_itself_and_the_command():
 
 def test_every_documented_serve_command_parses():
     commands = _serve_commands()
-    assert len(commands) == 2, commands  # the machines' and the Kubernetes one
+    assert len(commands) == 3, commands  # the machines', the Kubernetes one and the object store's
+    kinds = []
     for command in commands:
         args = launch.build_parser("serve").parse_args(command)
         assert args.replicas >= 2 and args.host == "0.0.0.0" and args.api_key == "KEY", command
         assert launch.snapshot_options(args)["snapshot_every_s"] == 30.0, command
+        kinds.append(type(snapshot_paths.location(args.snapshot_dir)).__name__)  # a path or a kvstore URL
+    assert sorted(kinds) == ["KvUrl", "PosixPath", "PosixPath"], kinds
