@@ -221,7 +221,7 @@ class Chat:
             prompt_ids = tuple(self._speech_ids)
             early = None if speak is None else self._answer_speech(prompt_ids, stop, speak)
             while True:
-                tokens = [int(t) for t in np.asarray(out.tokens[0]) if t >= 0]
+                tokens = [int(t) for t in np.asarray(out.tokens)[0] if t >= 0]
                 generated += tokens
                 delta = decoder.push(tokens)
                 if delta:

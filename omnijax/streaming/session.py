@@ -98,6 +98,20 @@ _scan = cached_jit(_scan_chunks, static_argnames=_STATIC)
 _scan_owned = cached_jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=("state",))
 
 
+# A session's empty state as one program: built eagerly, its ~25 `jnp` constructors (zeros and fulls of every field,
+# the page stack's arange, the sampling keys' split) each compiled a program of their own (one per shape and dtype)
+# before a new process's first step; kept like the step, so a later process loads it untraced. The seed is an
+# argument (an int32 array: the keys equal `sampling_keys(seed, batch)`'s, which also keeps the low 32 bits), so
+# every seed runs the same program.
+_empty_state = cached_jit(init_state, static_argnames=("config", "num_pages", "page_size", "batch", "max_pages",
+                                                       "start_pos", "kv_dtype"))
+
+
+def _seed_array(seed: int) -> np.ndarray:
+    """`seed` as the int32 array `_empty_state` takes (its low 32 bits, as `jax.random.key` keeps them)."""
+    return np.asarray(np.int64(seed)).astype(np.int32)
+
+
 @cached_jit(static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
 def _step(graphdef, params, state, chunk, *, config, tap=None):
     return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap)
@@ -213,9 +227,9 @@ class Session:
         self._step_config = self.stream_config.replace(recall=None)
         self._recall = None if self.stream_config.recall is None else new_recall_session(
             self.stream_config, self.config, num_pages=num_pages, batch=batch)
-        state = jax.tree.map(jnp.copy, state) if state is not None else init_state(
+        state = jax.tree.map(jnp.copy, state) if state is not None else _empty_state(
             self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
-            seed=seed_of(self.stream_config.decoding), kv_dtype=self.stream_config.kv_dtype)
+            seed=_seed_array(seed_of(self.stream_config.decoding)), kv_dtype=self.stream_config.kv_dtype)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]
@@ -281,7 +295,8 @@ class Session:
                             stacked=False, decoding=config.decoding)
         if chunk.token_ids.shape[0] != self.state.kv.batch:
             raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
-        return jax.tree.map(jnp.asarray, chunk)
+        # on the device as it is (`jnp.asarray` of a numpy array compiles a program per shape and dtype)
+        return jax.device_put(chunk)
 
     def recall(self, chunk: Chunk, *, scores: np.ndarray | None = None) -> RecallReport:
         """Brings stored units back for the question `chunk` before it is fed (`StreamConfig(recall=...)`;
