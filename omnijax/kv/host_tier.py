@@ -133,6 +133,37 @@ def make_unit(unit: int, k: np.ndarray, v: np.ndarray, pos: np.ndarray, span: np
                   order=_frozen(np.asarray(order, np.int32)), summary=_frozen(summarize(k)))
 
 
+def split_blocks(u: UnitKV, block: int) -> list[UnitKV]:
+    """`u` cut into recall blocks of at most `block` tokens: a token with write order o falls in block `o // block`
+    (the grid of the stream's write orders, so the pieces of a unit evicted in different steps land on the same
+    grid), one record per block that holds tokens, in write order. Each block keeps the unit id, its tokens' arrays
+    (contiguous copies, read-only) and `vpos`; its summary is the mean of its own keys. A unit within one block is
+    returned as it is.
+
+    Why: a stored record is the smallest thing recall can score and bring back. A long text unit (a 128-token
+    chunk of a single prompt, a whole user turn) holds one salient sentence among filler, and recalling it whole
+    costs every one of its cells; blocks let a question bring back the part that draws its attention.
+
+    Args:
+        u: the record.
+        block: most tokens per block (> 0).
+    """
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    grid = np.asarray(u.order, np.int64) // int(block)
+    if grid[0] == grid[-1]:
+        return [u]
+    cuts = np.flatnonzero(np.diff(grid)) + 1
+    out = []
+    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [u.size]])):
+        k = u.k[:, :, lo:hi]
+        out.append(dataclasses.replace(
+            u, k=_frozen(k), v=_frozen(u.v[:, :, lo:hi]), pos=_frozen(u.pos[:, lo:hi]), span=_frozen(u.span[lo:hi]),
+            offset=_frozen(u.offset[lo:hi]), order=_frozen(u.order[lo:hi]), summary=_frozen(summarize(k)),
+            vpos=None if u.vpos is None else _frozen(u.vpos[lo:hi])))
+    return out
+
+
 def evicted_slots(before: PagedKV, after: PagedKV) -> np.ndarray:
     """`[N, P]` bool: slots live in `before` and not in `after` (a trim's evictions; call it before any migration,
     which moves survivors between slots)."""

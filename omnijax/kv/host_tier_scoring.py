@@ -1,6 +1,7 @@
 """Scoring the units a `HostTier` stores against a question's queries, and selecting the ones to recall within a
 budget of cells: `score_units` ("max" / "mean" over the per-unit summaries), `score_units_mass` (every stored key,
-the attention mass each unit would get), and `select_units`; each with its plain-Python `*_reference`.
+the attention mass each unit would get), `score_units_peak` (the strongest preference any one head shows for a
+unit), and `select_units`; each with its plain-Python `*_reference`.
 
 The store itself is `omnijax.kv.host_tier`.
 """
@@ -68,9 +69,9 @@ def score_units(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.
 
 MASS_BATCH_TOKENS = 4096
 """Stored tokens `score_units_mass` scores per matmul (its float32 logits take `L * Hq * T * 4` bytes per token)."""
-RECALL_SCORINGS = SCORINGS + ("mass", "two_stage")
-"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two, `score_units_mass` and
-`omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
+RECALL_SCORINGS = SCORINGS + ("mass", "peak", "two_stage")
+"""What `omnijax.retention.recall.Recall(scoring=...)` takes: `score_units`' two, `score_units_mass`,
+`score_units_peak` and `omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
 
 
 @functools.partial(jax.jit, static_argnames=("rope",))
@@ -102,36 +103,34 @@ def unrotated(k: np.ndarray, pos: np.ndarray, rope: tuple) -> np.ndarray:
     return np.swapaxes(np.asarray(out)[:, :n], 1, 2)
 
 
-def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
-    """`[U]` float32: the attention mass each stored unit would draw from a question, position-free.
-
-    With `a[u, l, h, t, i] = q[l, t, h] . key[u, l, h // (Hq / G), i] / sqrt(d)` over the question's tokens t and the
-    unit's tokens i, queries and keys both taken before RoPE, the score is the mean over l, h and t of
-    `log sum_i exp(a)`: the log of the unnormalised attention mass the unit would receive. Before RoPE, because a
-    stored unit's distance to the question is not the one it will have once recalled (re-indexing policies re-lay
-    it), and RoPE's relative term favours whatever was evicted last: on SmolLM2's multi-turn pass key under OmniPick
-    (35 stored pieces of identical filler turns and the key's turn) "max" ranked the key's piece 11th, "max" on the
-    mean query 15th, this score first. The log-sum-exp grows with a unit's size (as the mass it would draw does).
-
-    Args:
-        tier: the host tier.
-        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
-        rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
-    """
-    if not tier.units:
-        return np.zeros((0,), np.float32)
+def _check_queries(tier: HostTier, queries: np.ndarray) -> np.ndarray:
     queries = np.asarray(queries, np.float32)
     L, G, _, d = tier.units[0].k.shape
     if queries.ndim != 4 or queries.shape[0] != L or queries.shape[3] != d or queries.shape[2] % G or \
             queries.shape[1] < 1:
         raise ValueError(f"queries must be [L={L}, T>=1, Hq, d={d}] with Hq a multiple of kv heads G={G}, got "
                          f"{queries.shape}")
-    _, T, Hq, _ = queries.shape
+    return queries
+
+
+def unit_log_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[L * Hq * T, U]` float64: for each query row (layer, query head, question token) the log of the unnormalised
+    attention mass each stored unit would draw, `log sum_i exp(a[u, l, h, t, i])` (the logits of
+    `score_units_mass`), queries and keys before RoPE. Rows are ordered (layer, kv head, head within it, token).
+
+    Args:
+        tier: the host tier (U >= 1 units).
+        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
+        rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
+    """
+    queries = _check_queries(tier, queries)
+    L, T, Hq, d = queries.shape
+    G = tier.units[0].k.shape[1]
     r = Hq // G
     # [L, G, r*T, d]: each kv head's query rows (its r query heads x T tokens), scaled by 1 / sqrt(d)
     grouped = np.ascontiguousarray(queries.reshape(L, T, G, r, d).transpose(0, 2, 3, 1, 4).reshape(L, G, r * T, d))
     grouped /= np.float32(np.sqrt(d))
-    out = np.zeros(len(tier.units), np.float64)
+    out = np.zeros((L * G * r * T, len(tier.units)), np.float64)
     # Units in batches of about MASS_BATCH_TOKENS tokens: one RoPE undo and one BLAS matmul per batch (the logits
     # [L, G, r*T, tokens] float32 bound the memory), then a log-sum-exp per unit over its segment of the batch.
     batch: list[int] = []
@@ -146,10 +145,61 @@ def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.nda
             top = np.maximum.reduceat(a, starts, axis=-1)  # [L, G, r*T, units]
             sizes = np.asarray([v.size for v in units])
             mass = np.add.reduceat(np.exp(a - np.repeat(top, sizes, axis=-1)), starts, axis=-1)
-            lse = np.log(mass.astype(np.float64)) + top
-            out[batch] = lse.reshape(-1, len(units)).mean(axis=0)
+            out[:, batch] = (np.log(mass.astype(np.float64)) + top).reshape(-1, len(units))
             batch = []
-    return out.astype(np.float32)
+    return out
+
+
+def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[U]` float32: the attention mass each stored unit would draw from a question, position-free.
+
+    With `a[u, l, h, t, i] = q[l, t, h] . key[u, l, h // (Hq / G), i] / sqrt(d)` over the question's tokens t and the
+    unit's tokens i, queries and keys both taken before RoPE, the score is the mean over l, h and t of
+    `log sum_i exp(a)`: the log of the unnormalised attention mass the unit would receive (`unit_log_mass`). Before
+    RoPE, because a stored unit's distance to the question is not the one it will have once recalled (re-indexing
+    policies re-lay it), and RoPE's relative term favours whatever was evicted last: on SmolLM2's multi-turn pass key
+    under OmniPick (35 stored pieces of identical filler turns and the key's turn) "max" ranked the key's piece 11th,
+    "max" on the mean query 15th, this score first. The log-sum-exp grows with a unit's size (as the mass it would
+    draw does). Averaged over every head, a unit most heads read a little outranks one a few heads read strongly
+    (`score_units_peak` ranks by those).
+
+    Args:
+        tier: the host tier.
+        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
+        rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
+    """
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    return unit_log_mass(tier, queries, rope).mean(axis=0).astype(np.float32)
+
+
+def score_units_peak(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+    """`[U]` float32: the strongest preference any one head shows for each stored unit over the average stored unit
+    (position-free, as `score_units_mass`).
+
+    With `m[l, h, t, u]` the log attention mass of `unit_log_mass` (query row: layer l, query head h, question token
+    t), each row is centred over the units (`m - mean_u m`: how much more than the average unit the row reads u, in
+    log mass), averaged over the question's tokens, and the score is its maximum over layers and heads.
+
+    Why not the mean over heads ("mass"): a few heads read a pass key's sentence strongly (retrieval heads), while
+    most heads read the tokens right after the stream's first ones (the system prompt, a document's opening: the
+    model's secondary attention sinks) a little more than anything else. Averaged over every head, those openings
+    outrank the sentence the question is about. Measured on SmolLM2's single-prompt pass key (1K tokens, key at
+    depth 0.7, SinkWindow / StreamingLLM / OmniPick at 128 cells, stored records cut into 16-64-token blocks and
+    whole units): "mass", the mean attention share and the largest share over heads ranked the key's block 2nd-8th
+    behind the openings; this score ranked it 1st in all twelve cases.
+
+    Args:
+        tier: the host tier.
+        queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
+        rope: `(theta, mrope_section, interleaved)` of the model.
+    """
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    lse = unit_log_mass(tier, queries, rope)  # [L * Hq * T, U], rows (layer, kv head, head within it, token)
+    T = np.shape(queries)[1]
+    lift = (lse - lse.mean(axis=1, keepdims=True)).reshape(-1, T, lse.shape[1]).mean(axis=1)  # [L * Hq, U]
+    return lift.max(axis=0).astype(np.float32)
 
 
 def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:

@@ -48,7 +48,10 @@ class Recall:
         scoring: how stored units are ranked against the question: "mass" (default;
             `omnijax.kv.host_tier_scoring.score_units_mass`, the position-free attention mass a unit would draw),
             "max" (each head's strongest logit over a unit's tokens) or "mean" (the mean logit, from the per-unit
-            summaries alone) (`omnijax.kv.host_tier_scoring.score_units`), or "two_stage": "mean" picks `shortlist`
+            summaries alone) (`omnijax.kv.host_tier_scoring.score_units`), "peak" (the strongest preference
+            any one head shows for the unit over the average stored unit, `score_units_peak`: the heads that read
+            one sentence strongly decide, not the many that read the stream's opening a little more than the rest),
+            or "two_stage": "mean" picks `shortlist`
             units from the summaries, "mass" ranks them, the rest are never recalled
             (`omnijax.kv.host_tier_two_stage.score_units_two_stage`; with a shortlist covering the whole tier it
             ranks exactly as "mass").
@@ -60,6 +63,11 @@ class Recall:
             that cannot be created or written is refused by name when the session starts.
         disk_bytes: most bytes of spilled keys and values (> 0 with `disk_dir`; 0 without): the oldest spilled units
             are dropped (and reported) beyond it.
+        block: most tokens per stored record (> 0), or None (default): one record per unit (or per piece of a unit
+            evicted in several steps). With a block size, every evicted unit is cut into blocks on the grid of
+            write orders (`omnijax.kv.host_tier.split_blocks`) that are stored, scored and recalled each on its own,
+            so a question brings back the part of a long unit that draws its attention rather than the whole unit
+            (`budget` then counts the blocks' cells, `top_units` the blocks).
     """
 
     budget: int
@@ -70,6 +78,7 @@ class Recall:
     shortlist: int = 16
     disk_dir: str | None = None
     disk_bytes: int = 0
+    block: int | None = None
 
     def __post_init__(self):
         for name in ("budget", "top_units", "host_bytes", "shortlist"):
@@ -78,6 +87,10 @@ class Recall:
                 raise ValueError(f"Recall: {name} must be a positive int, got {value!r}" + (
                     " (a host tier of zero bytes cannot store what recall brings back)" if name == "host_bytes"
                     else ""))
+        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, numbers.Integral)
+                                       or self.block <= 0):
+            raise ValueError(f"Recall: block must be a positive int (tokens per stored record) or None (whole "
+                             f"units), got {self.block!r}")
         if not isinstance(self.keep, bool):
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
         if self.scoring not in RECALL_SCORINGS:
@@ -100,7 +113,7 @@ class Recall:
 
 
 _RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
-                  "disk_dir": str, "disk_bytes": int}
+                  "disk_dir": str, "disk_bytes": int, "block": int}
 
 
 def parse_recall(spec: str) -> Recall:

@@ -5,7 +5,9 @@ Capture. The compiled step stays the one `chunk_step` every path runs (compiled 
 program as without recall). Before each step the session copies the cache (the step's input is donated and updated
 in place); after it, `omnijax.kv.host_tier.capture_evicted` compares the two by write order and stores every evicted
 token, exactly as it was cached, in the tier (one `UnitKV` record per unit, or per piece of a unit a policy evicted
-in several steps). The copy is one device copy of the cache per chunk; a step that evicted nothing is not read back.
+in several steps; with `Recall(block=B)` each record is cut into blocks of the write-order grid,
+`omnijax.kv.host_tier.split_blocks`, stored, scored and recalled on their own). The copy is one device copy of
+the cache per chunk; a step that evicted nothing is not read back.
 
 Question time. A chunk with tokens that asks for an answer (`answer_tokens > 0`) is a question: before its step,
 the question's queries are computed against the current cache (a forward of the chunk through a throwaway copy of
@@ -283,9 +285,11 @@ class RecallSession:
         skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
         got = host_tier.capture_evicted(before, after, skip=skip, shared_pool=self.shared_pool)
         self._counts["lost_cells"] += len(got.lost)
+        block = self.recall_config.block
+        records = [b for u in got.units for b in host_tier.split_blocks(u, block)] if block else list(got.units)
         # A record larger than the whole host budget cannot be stored (reported as dropped), unless it can spill.
-        fits = [u for u in got.units if self.disk is not None or u.nbytes <= self.tier.budget_bytes]
-        for u in got.units:
+        fits = [u for u in records if self.disk is not None or u.nbytes <= self.tier.budget_bytes]
+        for u in records:
             if self.disk is None and u.nbytes > self.tier.budget_bytes:
                 self.tier = dataclasses.replace(self.tier, dropped_units=self.tier.dropped_units + 1,
                                                 dropped_bytes=self.tier.dropped_bytes + u.nbytes)
@@ -317,11 +321,16 @@ class RecallSession:
                 raise ValueError("recall needs a question with tokens (chunk.valid is all False)")
             q = q[:, valid]  # [L, T, H, d]
             scoring = self.recall_config.scoring
-            if scoring in ("mass", "two_stage"):  # queries turned back to before RoPE, as the stored keys
+            if scoring in ("mass", "peak", "two_stage"):  # queries turned back to before RoPE, as the stored keys
                 pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(jax.device_get(state.next_pos[0]))
                 raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
-                scores = host_tier_scoring.score_units_mass(self.tier, raw, self.rope) if scoring == "mass" else \
-                    score_units_two_stage(self.tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
+                if scoring == "two_stage":
+                    scores = score_units_two_stage(self.tier, raw, q.mean(axis=1), self.rope,
+                                                   self.recall_config.shortlist)
+                else:
+                    score = host_tier_scoring.score_units_mass if scoring == "mass" else \
+                        host_tier_scoring.score_units_peak
+                    scores = score(self.tier, raw, self.rope)
             else:
                 scores = host_tier_scoring.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
         else:
