@@ -1,12 +1,15 @@
-"""The server's spoken answers on the engine's speech pool (Qwen3-Omni; issue 39).
+"""The server's spoken answers on the engine's speech pool (Qwen3-Omni, Qwen2.5-Omni; issue 39).
 
-When the served engine has a speech pool (`omnijax.serve.engine.speech.SpeechPool`, built by `build_context` for a
-checkpoint whose speech output is Qwen3-Omni's: `speech_config_for`), chat completions' audio output and Realtime's
-spoken responses speak through `EngineWorker.speak`: each answer is an utterance of the pool, its talker and code
-predictor steps batched with every other speaking session's in the engine's ticks and its vocoder chunks batched
-per tick, so admission counts them (the AIMD cap counts an utterance as an active session; the pool's rows and
-talker pages are reserved up front). Qwen2.5-Omni (Token2Wav) has no pool: its answers are spoken in worker threads
-beside the engine (`speech_output.speak_pieces`' thread path).
+When the served engine has a speech pool (`omnijax.serve.engine.speech.SpeechPool` for Qwen3-Omni,
+`omnijax.serve.engine.speech_qwen25.Qwen25SpeechPool` for Qwen2.5-Omni, built by `build_context` for a checkpoint
+with speech output: `speech_config_for`), chat completions' audio output and Realtime's spoken responses speak
+through `EngineWorker.speak`: each answer is an utterance of the pool, its talker steps batched with every other
+speaking session's in the engine's ticks and its vocoder calls run in the ticks, so admission counts them (the AIMD
+cap counts an utterance as an active session; the pool's rows and talker pages are reserved up front). Qwen3-Omni's
+talker starts while the answer is written (`WrittenSpeech`); Qwen2.5-Omni's reads the thinker's final hidden state
+of every answer token (recomputed with the media rows by `Qwen25SpeechPool.prepare`, in a worker thread before
+admission), so it speaks the finished answer (`pool_pieces`). An engine built without a pool speaks in worker
+threads beside it (`speech_output.speak_pieces`' thread path).
 
 Admission, for a route:
 - before anything is fed (chat completions' prompt, Realtime's `response.create`), `pool_full` says whether every row
@@ -32,12 +35,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omnijax.media.audio import pcm16
+from omnijax.models.qwen2_5_omni.speech import Qwen25Speech
 from omnijax.models.qwen3_omni.speech import Qwen3Speech
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
 from omnijax.serve.chat_params import RequestError
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.speech import SpeechConfig
+from omnijax.serve.engine.speech_qwen25 import Qwen25SpeechPool
 
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
@@ -59,7 +64,7 @@ class SpeechOverloaded(RequestError):
 
 def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
                       rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64) -> SpeechConfig | None:
-    """The engine's speech pool for a served model: None unless its speech output is Qwen3-Omni's.
+    """The engine's speech pool for a served model: None unless it has a speech output (Qwen3-Omni's, Qwen2.5-Omni's).
 
     A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens
     (`max_pages`); the pool holds two such rows (`num_pages = 2 * max_pages`, allocated when the engine starts), so
@@ -67,7 +72,7 @@ def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int
     `max_speech_tokens`); long conversations may fill the pages first, which a route waits on, then refuses naming
     them. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25).
     """
-    if not isinstance(getattr(model, "speech", None), Qwen3Speech):
+    if not isinstance(getattr(model, "speech", None), (Qwen3Speech, Qwen25Speech)):
         return None
     max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
     rows = tuple(rows)
@@ -93,23 +98,29 @@ def warm_up_pool(engine: Any, prompt_tokens: Sequence[int] = WARM_PROMPTS) -> li
         return []
     if pool.sessions:
         raise ValueError(f"warm_up_pool: the speech pool is speaking ({pool.sessions}); warm it up before serving")
-    tokens, stats = pool.speech.tokens, dict(pool.stats)
-    text = tokens.tts_pad_token_id  # a plain text id of the thinker's vocabulary
+    stats = dict(pool.stats)
     sizes = [int(n) for n in prompt_tokens if pool.pages_needed(n, 2) <= pool.max_pages]
     # the first bucket twice: the pool's fresh cache is not yet a jitted call's output (committed to its device),
     # and that compiles apart from what every later call gets
     for n in sizes[:1] + sizes:
-        # a user turn of n - 9 ids, then the assistant's opening: the talker's prompt is n rows (9 of the answer's)
-        user = [tokens.im_start_token_id, tokens.user_token_id, *[text] * max(0, n - 12), tokens.im_end_token_id]
-        prompt = np.asarray([*user, tokens.im_start_token_id, tokens.assistant_token_id, text])
+        prompt, answer = pool.warm_ids(n) if isinstance(pool, Qwen25SpeechPool) else _warm_ids(pool, n)
         speech_id = f"warmup-speech-{n}"
-        pool.open(speech_id, prompt, np.asarray([text]), voice=pool.speech.voices[0], max_new_tokens=2)
+        pool.open(speech_id, prompt, answer, voice=pool.speech.voices[0], max_new_tokens=2)
         while speech_id in pool.sessions:
             pool.tick()
     pool.warm_vocoder()
     pool.stats.clear()
     pool.stats.update(stats)
     return sizes
+
+
+def _warm_ids(pool: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Omni's warm-up utterance: a user turn of n - 9 ids, then the assistant's opening: the talker's prompt is
+    n rows (9 of the answer's)."""
+    tokens = pool.speech.tokens
+    text = tokens.tts_pad_token_id  # a plain text id of the thinker's vocabulary
+    user = [tokens.im_start_token_id, tokens.user_token_id, *[text] * max(0, n - 12), tokens.im_end_token_id]
+    return np.asarray([*user, tokens.im_start_token_id, tokens.assistant_token_id, text]), np.asarray([text])
 
 
 def speaks_on_pool(context: ServeContext) -> bool:
@@ -133,12 +144,17 @@ def pool_full(context: ServeContext) -> str | None:
 async def _admit(context: ServeContext, speech_id: str, prompt: np.ndarray, answer: Sequence[int], voice: str,
                  media: Sequence[MediaRows], writing: bool = False, sampling: TalkerSampling | None = None) -> Any:
     worker = context.worker
+    pool = worker.engine.speech
+    more = {}
+    if isinstance(pool, Qwen25SpeechPool):  # its talker input (a thinker forward) built here, off the engine's thread
+        more["prepared"] = await asyncio.to_thread(pool.prepare, prompt, np.asarray(answer, np.int64), voice=voice,
+                                                   media=tuple(media))
     deadline = time.monotonic() + context.options.queue_timeout_s
     while True:
         try:
             return await worker.speak(speech_id, prompt, np.asarray(answer, np.int64), voice=voice,
                                       max_new_tokens=context.options.max_speech_tokens, media=tuple(media),
-                                      writing=writing, sampling=sampling)
+                                      writing=writing, sampling=sampling, **more)
         except Overloaded as e:
             if worker.stopping or time.monotonic() >= deadline:
                 raise SpeechOverloaded(f"the answer could not be spoken: {e} (waited "
@@ -182,8 +198,9 @@ def written_speech(context: ServeContext, prompt: np.ndarray, voice: str,
                    media: Callable[[], Awaitable[Sequence[MediaRows]]] | None = None, *, stop: Collection[int] = (),
                    sampling: TalkerSampling | None = None) -> WrittenSpeech | None:
     """The answer spoken while the thinker writes it (`WrittenSpeech`, arguments as there) when the engine speaks on
-    its speech pool (Qwen3-Omni); None otherwise (Qwen2.5-Omni speaks the finished answer, in worker threads)."""
-    if not speaks_on_pool(context):
+    its speech pool and the talker can start early (Qwen3-Omni); None otherwise (Qwen2.5-Omni speaks the finished
+    answer: on the pool, `pool_pieces`, or in worker threads without one)."""
+    if not speaks_on_pool(context) or not isinstance(context.model.speech, Qwen3Speech):
         return None
     return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, sampling=sampling)
 

@@ -7,8 +7,8 @@ engine's speech pool (`omnijax.serve.speech_engine`: `EngineWorker.speak`, its t
 with every other speaking session's on the engine's ticks, admission counting it; a full pool refuses the request by
 name, HTTP 429, before anything is fed), and its talker starts with the answer's first token, reading each later one
 as the thinker decodes it (`speech_engine.WrittenSpeech`), so audio comes while the text is still written;
-Qwen2.5-Omni, whose Token2Wav has no pool, speaks the finished answer in worker threads (`SpeechOutput.speak_chunks`,
-each chunk's work in `asyncio.to_thread`). `audio.sampling` draws the speech (`omnijax.serve.speech_sampling`;
+Qwen2.5-Omni speaks the finished answer on its pool (`engine.speech_qwen25`; an engine without a pool: in worker
+threads, `SpeechOutput.speak_chunks`). `audio.sampling` draws the speech (`omnijax.serve.speech_sampling`;
 Qwen3-Omni only); without it the talker is greedy. Neither computes on the event loop. The
 talker's prompt is the request's templated text as fed (every message's rendering and the generation prompt); the
 answer spoken is the answer's tokens without the final end-of-turn token; the talker's tokens are capped by
@@ -262,15 +262,14 @@ def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: s
 
 async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
                        answer: Sequence[int], media: Sequence[MediaRows] = ()) -> AsyncGenerator[np.ndarray, None]:
-    """The answer spoken, int16 PCM chunk by chunk. On an engine with a speech pool (Qwen3-Omni) it is an utterance
-    of the pool (`speech_engine.pool_pieces`: batched on the engine's ticks, admission counted; `SpeechOverloaded`
-    when no room comes within `queue_timeout_s`); otherwise (Qwen2.5-Omni) the talker and each vocoder call run in a
-    worker thread. The replay of media rows runs in a worker thread. `prompt`: the ids, or a `SpokenPrompt` (its
-    media rows awaited first)."""
+    """The answer spoken, int16 PCM chunk by chunk. On an engine with a speech pool it is an utterance of the pool
+    (`speech_engine.pool_pieces`: batched on the engine's ticks, admission counted; `SpeechOverloaded` when no room
+    comes within `queue_timeout_s`); otherwise the talker and each vocoder call run in a worker thread. The replay
+    of media rows runs in a worker thread. `prompt`: the ids, or a `SpokenPrompt` (its media rows awaited first)."""
     if isinstance(prompt, SpokenPrompt):
         media = await prompt.media()
         prompt = prompt.ids
-    if speaks_on_pool(context):  # Qwen3-Omni: an utterance of the engine's speech pool (`speech_engine`)
+    if speaks_on_pool(context):  # an utterance of the engine's speech pool (`speech_engine`)
         if len(answer):
             async for pcm in pool_pieces(context, prompt, answer, audio.voice, media, sampling=audio.sampling):
                 yield pcm16(pcm)

@@ -14,6 +14,13 @@ through the official `openai` SDK
   snapshots; an unknown field refused by an error event naming it);
 - the event loop computes nothing: the pool's `open` and `extend` (the text rows' projection) run off the thread that
   pushes the tokens (the event loop's).
+
+The same routes on a served tiny Qwen2.5-Omni release (the fixtures are parametrized by family): its engine speaks on
+its own pool (`Qwen25SpeechPool`: the talker batched on the ticks, Token2Wav once the talker ended), the finished
+answer (its talker reads the thinker's hidden state of every answer token), so every audio delta follows the last
+transcript delta; the PCM16 of the streamed and whole chat completions and of a Realtime response equals
+`speech.speak` of the finished answer within 1 LSB; the talker input (a thinker forward) is built in a worker thread
+and the pool's `open` runs on the engine's, neither on the event loop.
 """
 
 import asyncio
@@ -28,36 +35,54 @@ import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
+torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
 import omnijax  # noqa: E402
 from omnijax.chat import SpeakOptions  # noqa: E402
+from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.media.audio import pcm16, read_wav  # noqa: E402
+from omnijax.models.qwen2_5_omni import speech as S25  # noqa: E402
 from omnijax.models.qwen3_omni import speech as S  # noqa: E402
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling  # noqa: E402
+from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer  # noqa: E402
 from omnijax.serve import speech_engine  # noqa: E402
+from omnijax.serve import speech_output as so  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
 from omnijax.serve.engine.speech import SpeechPool  # noqa: E402
+from omnijax.serve.engine.speech_qwen25 import Qwen25SpeechPool  # noqa: E402
 from omnijax.serve.realtime import client_events as rte  # noqa: E402
 from omnijax.serve.realtime.resume import ResumeRefused  # noqa: E402
 from omnijax.serve.realtime.resume_meta import settings_of  # noqa: E402
 from tests.chat.test_chat_speech import hf_prompt, spoken_release  # noqa: E402
+from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
+from tests.models.qwen2_5_omni import test_talker as T25  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Say hello."}]
+QUESTION25 = [{"role": "user", "content": "Hi"}]  # its tiny release's greedy answer holds no media placeholder
 MAX_TOKENS, SPEECH_TOKENS = 16, 20
 AUDIO = {"voice": "Chelsie", "format": "pcm16"}
+QWEN3 = "qwen3_omni"
 
 
 def _stream():
     return omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=1)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("written_speech")
-    full, _ = spoken_release(root)
+def spoken_release25(root):
+    """The seeded tiny Qwen2.5-Omni release (`root / "hf"`, with its voices and the tiny tokenizer), converted."""
+    full = T25.seeded_full_model()
+    full.save_pretrained(root / "hf", safe_serialization=True)
+    torch.save(TS._voices(full), root / "hf" / "spk_dict.pt")
+    write_tiny_tokenizer(root / "hf", vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
+    return convert_checkpoint(root / "hf", root / "out", progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module", params=[QWEN3, "qwen2_5_omni"])
+def served(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"written_speech_{request.param}")
+    full = spoken_release(root)[0] if request.param == QWEN3 else spoken_release25(root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = omnijax.load(full)
@@ -73,19 +98,37 @@ def reference(served):
     """`Chat`'s greedy answer (text, ids) and the talker prompt transformers renders."""
     root, model, _ = served
     chat = omnijax.Chat(model, _stream())
-    items = list(chat.ask(QUESTION[0]["content"], max_tokens=MAX_TOKENS,
+    items = list(chat.ask(_question(model)[0]["content"], max_tokens=MAX_TOKENS,
                           speak=SpeakOptions(voice="Chelsie", max_speech_tokens=SPEECH_TOKENS)))
     text = "".join(i for i in items if isinstance(i, str))
     answer = np.asarray(chat.last_spoken.answer_ids)
     assert answer.size >= 12, "the answer is too short for the talker to speak before it ends"
-    return text, np.asarray(hf_prompt(root / "hf", QUESTION)), answer
+    return text, np.asarray(hf_prompt(root / "hf", _question(model))), answer
+
+
+def _early(model) -> bool:
+    """Whether the family's talker starts while the answer is written (Qwen3-Omni) or speaks it finished."""
+    return isinstance(model.speech, S.Qwen3Speech)
+
+
+def _question(model) -> list:
+    return QUESTION if _early(model) else QUESTION25
 
 
 def _want(model, reference, sampling=None):
     _, prompt, answer = reference
-    spoken = S.speak(model, prompt, answer, speaker="Chelsie", max_new_tokens=SPEECH_TOKENS, sampling=sampling)
-    assert np.abs(spoken.pcm).max() > 0.05
+    more = {} if sampling is None else {"sampling": sampling}  # only Qwen3-Omni's talker draws
+    speak = S.speak if _early(model) else S25.speak
+    spoken = speak(model, prompt, answer, speaker="Chelsie", max_new_tokens=SPEECH_TOKENS, **more)
+    assert np.abs(spoken.pcm).max() > 0.05 and len(spoken.talker_tokens) >= 6
     return pcm16(spoken.pcm).astype(np.int32)
+
+
+def _ordered(kinds: list, audio: str, text: str, early: bool) -> None:
+    """Spoken while written (`early`): the first audio delta before the last transcript delta; else every audio
+    delta after the last transcript delta (the finished answer spoken)."""
+    first_audio, last_text = kinds.index(audio), len(kinds) - 1 - kinds[::-1].index(text)
+    assert (first_audio < last_text) if early else (first_audio > last_text), kinds
 
 
 def _close(got, want):
@@ -95,8 +138,9 @@ def _close(got, want):
 
 async def _streamed(server, audio):
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-    stream = await client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
-                                                  modalities=["text", "audio"], audio=audio, stream=True)
+    stream = await client.chat.completions.create(model="omnijax", messages=_question(server.context.model),
+                                                  max_tokens=MAX_TOKENS, modalities=["text", "audio"], audio=audio,
+                                                  stream=True)
     kinds, transcript, data = [], [], []
     async for chunk in stream:
         delta = chunk.choices[0].delta.audio if chunk.choices else None
@@ -109,44 +153,44 @@ async def _streamed(server, audio):
     return kinds, "".join(transcript), np.concatenate(data).astype(np.int32)
 
 
-def test_streamed_chat_speech_starts_before_the_text_ends(served, reference, monkeypatch):
+def test_streamed_chat_speech_order_and_pcm(served, reference, monkeypatch):
     _, model, server = served
-    threads = {"push": set(), "pool": set()}
-    push, opened, extend = speech_engine.WrittenSpeech.push, SpeechPool.open, SpeechPool.extend
+    threads: dict = {"loop": set(), "pool": set(), "prepare": set()}
 
     def spy(name, fn):
         def wrapped(*args, **kwargs):
             threads[name].add(threading.get_ident())
             return fn(*args, **kwargs)
         return wrapped
-    monkeypatch.setattr(speech_engine.WrittenSpeech, "push", spy("push", push))
-    monkeypatch.setattr(SpeechPool, "open", spy("pool", opened))
-    monkeypatch.setattr(SpeechPool, "extend", spy("pool", extend))
+    monkeypatch.setattr(speech_engine.WrittenSpeech, "push", spy("loop", speech_engine.WrittenSpeech.push))
+    monkeypatch.setattr(so, "pool_full", spy("loop", so.pool_full))  # the spoken prompt's check, on the event loop
+    for pool in (SpeechPool, Qwen25SpeechPool):
+        monkeypatch.setattr(pool, "open", spy("pool", pool.open))
+    monkeypatch.setattr(SpeechPool, "extend", spy("pool", SpeechPool.extend))
+    monkeypatch.setattr(Qwen25SpeechPool, "prepare", spy("prepare", Qwen25SpeechPool.prepare))
     kinds, text, pcm = asyncio.run(asyncio.wait_for(_streamed(server, AUDIO), 600))
     assert text == reference[0]
-    first_audio, last_text = kinds.index("audio"), len(kinds) - 1 - kinds[::-1].index("text")
-    assert first_audio < last_text, kinds
+    _ordered(kinds, "audio", "text", _early(model))
     _close(pcm, _want(model, reference))
-    assert threads["push"] and threads["pool"] and not threads["push"] & threads["pool"], threads
+    assert threads["loop"] and threads["pool"] and not threads["loop"] & threads["pool"], threads
+    assert bool(threads["prepare"]) != _early(model) and not threads["prepare"] & (threads["loop"] | threads["pool"])
 
 
 def test_whole_chat_speech_equals_the_finished_answer(served, reference):
     _, model, server = served
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-    response = client.chat.completions.create(model="omnijax", messages=QUESTION, max_tokens=MAX_TOKENS,
+    response = client.chat.completions.create(model="omnijax", messages=_question(model), max_tokens=MAX_TOKENS,
                                               modalities=["text", "audio"], audio=AUDIO | {"format": "wav"})
     samples, _ = read_wav(io.BytesIO(base64.b64decode(response.choices[0].message.audio.data)))
     assert response.choices[0].message.audio.transcript == reference[0]
     _close(np.round(samples * 32768).astype(np.int32), _want(model, reference))
 
 
-def test_realtime_speech_starts_before_the_text_ends(served, reference):
+def test_realtime_speech_order_and_pcm(served, reference):
     _, model, server = served
     _, _, events = asyncio.run(asyncio.wait_for(_realtime(server, {"voice": "Chelsie"}), 600))
-    kinds = [e.type for e in events]
-    first_audio = kinds.index("response.output_audio.delta")
-    last_text = len(kinds) - 1 - kinds[::-1].index("response.output_audio_transcript.delta")
-    assert first_audio < last_text, kinds
+    _ordered([e.type for e in events], "response.output_audio.delta", "response.output_audio_transcript.delta",
+             _early(model))
     assert "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta") == reference[0]
     pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
                           if e.type == "response.output_audio.delta"]).astype(np.int32)
@@ -154,6 +198,22 @@ def test_realtime_speech_starts_before_the_text_ends(served, reference):
     assert events[-1].response.status in ("completed", "incomplete")
 
 
+def test_an_unknown_voice_is_refused_by_name(served):
+    """A voice the checkpoint lacks: HTTP 400 naming `audio.voice` and the checkpoint's voices, nothing fed or
+    spoken."""
+    _, model, server = served
+    engine = server.context.worker.engine
+    before = list(engine.sessions)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="omnijax", messages=_question(model), max_tokens=MAX_TOKENS,
+                                       modalities=["text", "audio"], audio=AUDIO | {"voice": "aiden"})
+    body = e.value.body
+    assert body["param"] == "audio.voice" and str(list(model.speech.voices)) in body["message"], body
+    assert list(engine.sessions) == before and not engine.speech.sessions
+
+
+@pytest.mark.parametrize("served", [QWEN3], indirect=True)  # only its talker draws
 def test_audio_sampling_draws_the_seeded_speech(served, reference):
     """`audio.sampling` (an omnijax extension): the streamed speech (spoken while written) and the whole one are
     `speak(..., sampling=TalkerSampling(...))`'s, seeded; another seed speaks other speech, none the greedy one."""
@@ -172,6 +232,7 @@ def test_audio_sampling_draws_the_seeded_speech(served, reference):
     assert want4.shape != want.shape or np.abs(want4 - want).max() > 100
 
 
+@pytest.mark.parametrize("served", [QWEN3], indirect=True)  # only its talker draws
 @pytest.mark.parametrize("sampling, param, says", [
     ({"temprature": 0.5}, "audio.sampling.temprature", "did you mean 'temperature'"),
     ({"temperature": 0}, "audio.sampling.temperature", "temperature"),
@@ -209,7 +270,7 @@ async def _realtime(server, output: dict, bad: dict | None = None):
         updated = await conn.recv()
         assert updated.type == "session.updated", updated
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-            {"type": "input_text", "text": QUESTION[0]["content"]}]})
+            {"type": "input_text", "text": _question(server.context.model)[0]["content"]}]})
         await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
         events = []
         async for event in conn:
@@ -220,6 +281,7 @@ async def _realtime(server, output: dict, bad: dict | None = None):
     raise AssertionError("the connection closed before response.done")
 
 
+@pytest.mark.parametrize("served", [QWEN3], indirect=True)  # only its talker draws
 def test_realtime_audio_output_sampling_draws_the_seeded_speech(served, reference):
     """`session.audio.output.sampling` (the omnijax extension): echoed in the session, the response's speech is
     `speak(..., sampling=...)`'s; an unknown field is refused with an error event naming it, changing nothing."""

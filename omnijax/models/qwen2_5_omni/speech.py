@@ -32,7 +32,7 @@ block streaming differs from the one-shot decode).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,8 @@ from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.qwen3_omni import speech_media
 from omnijax.models.speech import MediaRows, Utterance, token_ids
 
-__all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "UnknownVoiceError", "Utterance", "rope_positions",
-           "speak"]
+__all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "TalkerInput", "UnknownVoiceError", "Utterance",
+           "rope_positions", "speak", "talker_input"]
 
 SAMPLE_RATE = 24_000  # BigVGAN's output rate (480 samples per codec token for the release)
 
@@ -167,6 +167,70 @@ def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: 
     return tmrope.place(segments)[0]
 
 
+class TalkerInput(NamedTuple):
+    """What the talker decodes from (`talker_input`), as `speak` feeds `talker_forward.generate_greedy`.
+
+    Attributes:
+        rows: `[T, Dt]` the prefill rows (`talker_forward.talker_prompt`).
+        positions: `[3, T]` their TMRoPE positions; decoding continues at `positions.max() + 1`, one per token.
+        trailing: `[N, Dt]` the rows decoding steps 0 .. N-1 add (answer rows 1 .., then `text_eos`).
+        text_pad: `[Dt]` the row every later step adds.
+        prompt_ids: the talker's input ids of the prefill (what the repetition penalty reads besides the tokens).
+    """
+
+    rows: jax.Array
+    positions: np.ndarray
+    trailing: jax.Array
+    text_pad: jax.Array
+    prompt_ids: list[int]
+
+
+def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice: Voice,
+                 media: Sequence[MediaRows] = ()) -> TalkerInput:
+    """The talker's input for a checked prompt and answer (ids in the vocabulary, both non-empty, the answer
+    without its final `<|im_end|>`) spoken with `voice` (`speak`'s arguments checked, which calls it; the engine's
+    speech pool calls it too). Raises ValueError as `speak` names it (video placeholders, media rows that do not
+    fit)."""
+    speech = model.speech
+    assert isinstance(speech, Qwen25Speech)
+    config, params = speech.talker.config, speech.params
+    sequence = np.concatenate([prompt, answer])
+    found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, sequence).any())
+    if "video_token_id" in found:
+        raise ValueError("the prompt holds video_token_id placeholders: the thinker's and the talker's positions for "
+                         "videos are not built here; speak() takes text, audio and images")
+    inputs, positions = None, None
+    if found or media:  # the encoders' rows at every audio / image placeholder (the answer may hold none)
+        inputs = speech_media.thinker_hidden(model.decoder.embed_tokens(jnp.asarray(sequence[None], jnp.int32))[0],
+                                             sequence, len(prompt), np.ones(len(prompt), bool), speech.placeholders,
+                                             tuple(media), 0)
+        grids = [u.grid for u in sorted(media, key=lambda u: int(np.min(u.positions, initial=len(sequence))))
+                 if u.grid is not None]
+        omni = model.omni  # type: ignore[attr-defined]
+        positions = rope_positions(sequence, omni.audio_start_token_id, omni.audio_token_id,
+                                   omni.vision_start_token_id, omni.image_token_id, grids,
+                                   model.vision.config.spatial_merge_size,  # type: ignore[attr-defined]
+                                   omni.position_id_per_seconds, what="the thinker's prompt")
+    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
+    holes = np.flatnonzero(np.isin(sequence, [speech.placeholders[n] for n in found]))
+    if holes.size:  # the reference hands its talker zeros in place of the placeholders' embedding rows
+        embeds = embeds.at[jnp.asarray(holes)].set(0)
+    specials = model.decoder.embed_tokens(jnp.asarray([[voice.bos_token, config.text_eos_id, config.text_pad_id]],
+                                                      jnp.int32))[0]
+    prefill, trailing = talker_forward.talker_prompt(config, params, embeds, hidden, len(prompt), specials[0],
+                                                     specials[1])
+    T = prefill.shape[0]
+    if positions is None:
+        positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only ids: consecutive
+    else:  # the talker's own get_rope_index over prompt, voice start, first answer token, with its config's ids
+        positions = rope_positions(np.concatenate([prompt, [voice.bos_token], answer[:1]]), config.audio_start_token_id,
+                                   config.audio_token_id, config.vision_start_token_id, config.image_token_id, grids,
+                                   config.spatial_merge_size, config.position_id_per_seconds,
+                                   what="the talker's input", strict=False)
+    talker_ids = [config.codec_mask_id] * len(prompt) + [config.codec_pad_id, config.codec_bos_id]
+    return TalkerInput(prefill, np.asarray(positions), trailing, specials[2], talker_ids)
+
+
 def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
           max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
           noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
@@ -223,45 +287,12 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     if not answer.size or not prompt.size:
         raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)" if prompt.size else
                          "prompt_ids is empty")
-    config, params = speech.talker.config, speech.params
-    sequence = np.concatenate([prompt, answer])
-    found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, sequence).any())
-    if "video_token_id" in found:
-        raise ValueError("the prompt holds video_token_id placeholders: the thinker's and the talker's positions for "
-                         "videos are not built here; speak() takes text, audio and images")
-    inputs, positions = None, None
-    if found or media:  # the encoders' rows at every audio / image placeholder (the answer may hold none)
-        inputs = speech_media.thinker_hidden(model.decoder.embed_tokens(jnp.asarray(sequence[None], jnp.int32))[0],
-                                             sequence, len(prompt), np.ones(len(prompt), bool), speech.placeholders,
-                                             tuple(media), 0)
-        grids = [u.grid for u in sorted(media, key=lambda u: int(np.min(u.positions, initial=len(sequence))))
-                 if u.grid is not None]
-        omni = model.omni  # type: ignore[attr-defined]
-        positions = rope_positions(sequence, omni.audio_start_token_id, omni.audio_token_id,
-                                   omni.vision_start_token_id, omni.image_token_id, grids,
-                                   model.vision.config.spatial_merge_size,  # type: ignore[attr-defined]
-                                   omni.position_id_per_seconds, what="the thinker's prompt")
-    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
-    holes = np.flatnonzero(np.isin(sequence, [speech.placeholders[n] for n in found]))
-    if holes.size:  # the reference hands its talker zeros in place of the placeholders' embedding rows
-        embeds = embeds.at[jnp.asarray(holes)].set(0)
-    specials = model.decoder.embed_tokens(jnp.asarray([[voice.bos_token, config.text_eos_id, config.text_pad_id]],
-                                                      jnp.int32))[0]
-    prefill, trailing = talker_forward.talker_prompt(config, params, embeds, hidden, len(prompt), specials[0],
-                                                     specials[1])
-    T = prefill.shape[0]
-    if positions is None:
-        positions = np.broadcast_to(np.arange(T), (3, T))  # get_rope_index over text-only ids: consecutive
-    else:  # the talker's own get_rope_index over prompt, voice start, first answer token, with its config's ids
-        positions = rope_positions(np.concatenate([prompt, [voice.bos_token], answer[:1]]), config.audio_start_token_id,
-                                   config.audio_token_id, config.vision_start_token_id, config.image_token_id, grids,
-                                   config.spatial_merge_size, config.position_id_per_seconds,
-                                   what="the talker's input", strict=False)
-    talker_ids = [config.codec_mask_id] * len(prompt) + [config.codec_pad_id, config.codec_bos_id]
+    talker = talker_input(model, prompt, answer, voice, media)
+    config = speech.talker.config
     tokens = talker_forward.generate_greedy(
-        config, params, prefill, positions, trailing, specials[2], prompt_ids=talker_ids,
-        max_new_tokens=int(max_new_tokens), repetition_penalty=float(repetition_penalty),
-        suppress=[config.codec_bos_id])
+        config, speech.params, talker.rows, talker.positions, talker.trailing, talker.text_pad,
+        prompt_ids=talker.prompt_ids, max_new_tokens=int(max_new_tokens),
+        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id])
     codes = tokens[:-1]
     if not codes.size:
         return Utterance(pcm=np.zeros((0,), np.float32), codes=codes, talker_tokens=tokens)

@@ -23,7 +23,7 @@ then preempts the session (the paper's stall): that frame and every later one co
 closed (closing frees them); its context is incomplete, so it is never resumed.
 
 Speech (`EngineConfig.speech`): `speak` admits an utterance (a thinker prompt and answer) to the speech pool
-(`omnijax.serve.engine.speech.SpeechPool`, its own talker KV pool with pages reserved at admission); every tick then
+(`speech_qwen25.speech_pool`: Qwen3-Omni's or Qwen2.5-Omni's; own talker KV pool, pages reserved up front); each tick
 runs one batched talker step over the speaking sessions and their due vocoder chunks after the thinker's step, so
 the tick latency (what AIMD admission reads) includes them; the chunks come back in `TickReport.speech`.
 
@@ -61,7 +61,7 @@ from omnijax.serve.engine.rows import (
     reset_row,
     take_rows,
 )
-from omnijax.serve.engine.speech import SpeechPool
+from omnijax.serve.engine.speech_qwen25 import AnyPool, speech_pool
 from omnijax.serve.engine.telemetry import Telemetry
 from omnijax.streaming.recall_session import RecallStats
 from omnijax.streaming.session import StreamModel, bind_config, graphdef_config, model_parts
@@ -141,7 +141,7 @@ class Engine:
         self._opened = 0  # sessions opened so far: the n-th samples with keys folded from the seed and n
         self._unkeyed: dict[str, np.ndarray] = {}  # sessions whose row has not received its sampling key yet
         # the speaking sessions' talkers and vocoders (`omnijax.serve.engine.speech`), run on every tick
-        self.speech: SpeechPool | None = None if config.speech is None else SpeechPool(model, config.speech)
+        self.speech: AnyPool | None = None if config.speech is None else speech_pool(model, config.speech)
 
     # ------------------------------------------------------------------------------------------ sessions
     @property

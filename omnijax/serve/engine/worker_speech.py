@@ -102,10 +102,11 @@ class SpeakingWorker:
 
     async def speak(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
                     media: Sequence[MediaRows] = (), writing: bool = False,
-                    sampling: TalkerSampling | None = None) -> SpeechStream:
+                    sampling: TalkerSampling | None = None, prepared: Any = None) -> SpeechStream:
         """Admits an utterance (the thinker's prompt and answer ids, spoken with `voice`) and returns its stream.
         `writing`: the answer is still being written (`answer_ids` its first tokens; `extend_speech` adds the rest);
-        `sampling`: drawn speech (None: greedy); both as `SpeechPool.open` takes them.
+        `sampling`: drawn speech (None: greedy); both as `SpeechPool.open` takes them. `prepared`: a Qwen2.5-Omni
+        pool's talker input built off the engine's thread (`Qwen25SpeechPool.prepare`).
 
         Raises (nothing admitted): `Overloaded` (shutting down, the AIMD cap, the pool's rows or talker pages),
         ValueError (no speech pool, or a refusal of `Engine.speak`: voice, ids, `max_new_tokens`), KeyError (an id
@@ -122,9 +123,10 @@ class SpeakingWorker:
             if self.admission is not None:
                 self.admission.check(current)
             stream = SpeechStream(speech_id)
+            more = {} if prepared is None else {"prepared": prepared}
             await self.in_engine(functools.partial(  # type: ignore[attr-defined]
                 self.engine.speech.open, speech_id, prompt_ids, answer_ids, voice=voice,
-                max_new_tokens=max_new_tokens, media=media, writing=writing, sampling=sampling))
+                max_new_tokens=max_new_tokens, media=media, writing=writing, sampling=sampling, **more))
         except Overloaded:
             self.stats["speech_refused"] += 1
             raise

@@ -7,11 +7,10 @@ and `audio.output.format` `{"type": "audio/pcm", "rate": 24000}`; `response.crea
 `["text"]` for one response. A spoken response is one assistant message item whose part is `output_audio`: the text
 as the engine decodes it, as `response.output_audio_transcript.delta`s, and the answer spoken (the vocoder in chunks
 of `FIRST_CHUNK` codec frames then `CHUNK`; never on the event loop) as `response.output_audio.delta`s (base64 16-bit
-PCM at 24 kHz, one per vocoder chunk, as it is decoded): on Qwen3-Omni an utterance of the engine's speech pool,
-batched on its ticks with every other speaking session and counted by admission, whose talker starts with the
-answer's first token (`speech_engine.WrittenSpeech`: audio deltas come between the transcript deltas, the rest after
-them); on Qwen2.5-Omni the finished answer, in worker threads (`speech_output.speak_pieces`). Then
-`response.output_audio.done`,
+PCM at 24 kHz, one per vocoder chunk, as it is decoded): an utterance of the engine's speech pool, batched on its
+ticks with every other speaking session and counted by admission; on Qwen3-Omni its talker starts with the answer's
+first token (`speech_engine.WrittenSpeech`: audio deltas come between the transcript deltas, the rest after them),
+on Qwen2.5-Omni it speaks the finished answer (`speech_output.speak_pieces`). Then `response.output_audio.done`,
 `response.output_audio_transcript.done`, `conversation.item.done` (the part `{"type": "output_audio", "transcript"}`:
 the server keeps no audio) and `response.done` (`output_modalities` ["audio"], `audio.output` its voice and format).
 `response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled"; the utterance leaves
