@@ -46,9 +46,9 @@ hidden size x dtype bytes a placeholder, 4 KiB for the 30B release in bfloat16) 
 retention does not touch them. Media after a system turn or an answer are not read and keep nothing. Refused by name
 at a spoken `ask`: kept rows past `speech_media_bytes` (then all dropped: one missing unit makes the conversation
 unspeakable), an audiovisual unit in a user turn. Qwen2.5-Omni's talker reads every position's last layer: the chat
-keeps each audio and image unit's input rows (tap 0, the encoder's features, an image's with its patch grid; in any
-turn) and `speak` recomputes the thinker over the conversation with them; a video or audiovisual unit makes its
-conversation unspeakable.
+keeps each audio, image and audiovisual unit's input rows (tap 0, the encoders' features, an image's with its patch
+grid, an audiovisual unit's with the positions it was fed at; in any turn) and `speak` recomputes the thinker over the
+conversation with them.
 
 A call refused for bad input (an unknown role, media the checkpoint has no encoder for, a bad video file, a
 template that cannot be followed) raises before anything is fed: the session is unchanged.

@@ -9,18 +9,18 @@
 audiovisual units with a progress bar, asks each question at its time (`--at`, default the end), and prints the
 answers and the cache's statistics. `omnijax.cli` dispatches to `main` here.
 
-`chat --speak out.wav` (a checkpoint with speech output: Qwen3-Omni converted from its full release) also speaks each
-answer (`Chat.ask(..., speak=...)`, `--voice`, default Ethan) and writes the whole conversation's speech to one WAV
-file (16-bit mono PCM at the model's rate, 24 kHz), the answers one after the other; the file is rewritten after
-each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown voice is refused
-before the first message is read. Units fed with `/image`, `/audio` or `/video` lie before the question's turn, so
-Qwen3-Omni's talker does not read them (it reads the questions and answers); Qwen2.5-Omni's reads every unit and
-cannot read video, so a spoken answer after one is refused by name and the conversation stays as it was.
+`chat --speak out.wav` (a checkpoint with speech output: Qwen3-Omni or Qwen2.5-Omni converted from its full release)
+also speaks each answer (`Chat.ask(..., speak=...)`, `--voice`, default Ethan) and writes the whole conversation's
+speech to one WAV file (16-bit mono PCM at the model's rate, 24 kHz), the answers one after the other; the file is
+rewritten after each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown
+voice is refused before the first message is read. Units fed with `/image`, `/audio` or `/video` lie before the
+question's turn, so Qwen3-Omni's talker does not read them (it reads the questions and answers); Qwen2.5-Omni's reads
+every unit, a video's audiovisual units included (kept with the positions they were fed at).
 
 `watch --speak answers.wav` speaks each answer the same way (all answers in one WAV file, in the order asked). The
 video's units are fed outside the questions' user turns, so Qwen3-Omni's talker reads each question and its answer
-only; a checkpoint whose talker reads every fed unit and cannot read audiovisual ones (Qwen2.5-Omni) is refused,
-with a checkpoint without speech output or an unknown voice, before the video is read.
+only; Qwen2.5-Omni's reads the video's units too. A checkpoint without speech output, an unknown voice, or a talker
+that reads every fed unit but cannot read audiovisual ones is refused before the video is read.
 """
 
 from __future__ import annotations

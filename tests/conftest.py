@@ -90,6 +90,7 @@ SLOW_FIRST = (
     "eval/test_evaluate_recall.py", "streaming/test_recall_questions.py", "serve/engine/test_engine_recall.py",
     "serve/test_speech_written.py", "serve/engine/test_speech_writing.py", "serve/test_serve_recall.py",
     "serve/cluster/test_object_store_resume.py", "serve/cluster/test_kv_leases.py",
+    "models/qwen2_5_omni/test_speech_media_video.py", "chat/test_watch_speak_qwen25.py",
 )
 
 

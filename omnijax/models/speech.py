@@ -53,12 +53,16 @@ class MediaRows:
         rows: `[n, Dt]` the states at those placeholders (the thinker's compute dtype).
         layer: the `hidden_states` index the rows are (checked against the talker's).
         grid: an image's grid `(t, h, w)` in patches (the talker's own positions need it); None for audio.
+        layout: a video or audiovisual unit's TMRoPE positions `[3, n]` over all of its tokens (markers included),
+            relative to its first token, as the unit was fed (Qwen2.5-Omni reruns its thinker and lays its talker's
+            positions out with them); None for other units.
     """
 
     positions: np.ndarray
     rows: np.ndarray
     layer: int
     grid: tuple[int, int, int] | None = None
+    layout: np.ndarray | None = None
 
     def __post_init__(self):
         positions, rows = np.asarray(self.positions), np.asarray(self.rows)
@@ -70,6 +74,10 @@ class MediaRows:
                              f"{rows.shape}")
         if self.grid is not None and (len(self.grid) != 3 or min(self.grid) < 1):
             raise ValueError(f"MediaRows.grid must be (t, h, w) >= 1, got {self.grid!r}")
+        layout = None if self.layout is None else np.asarray(self.layout)
+        if layout is not None and (layout.ndim != 2 or layout.shape[0] != 3 or not layout.shape[1]
+                                   or not np.issubdtype(layout.dtype, np.integer)):
+            raise ValueError(f"MediaRows.layout must be [3, n] integer positions, got shape {layout.shape}")
 
     @property
     def nbytes(self) -> int:
@@ -82,8 +90,9 @@ def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any,
     """A fed media unit's `MediaRows`: the rows of `tapped [1, T', D]` (the step's `hidden_states[layer]` of the
     chunk, maybe padded past `chunk`'s length) at its placeholders, placed from `start` (the unit's first token in the
     ids handed to the talker); an image's patch grid from its placeholders' position extents (`(t, h, w)` ids times
-    the merge size for h and w: `spatial_merge_size`, else `omni.spatial_merge_size`, Qwen3-Omni's). `omni`: the
-    family's token ids (`placeholder_ids`, `image_token_id`)."""
+    the merge size for h and w: `spatial_merge_size`, else `omni.spatial_merge_size`, Qwen3-Omni's); a video's
+    (or audiovisual unit's) positions over all of its tokens, relative to its first (`MediaRows.layout`). `omni`: the
+    family's token ids (`placeholder_ids`, `image_token_id`, `video_token_id`)."""
     valid = np.asarray(chunk.valid, bool)[0]
     ids = np.asarray(chunk.token_ids)[0][valid]
     holes = np.isin(ids, sorted(omni.placeholder_ids))
@@ -93,7 +102,11 @@ def media_rows(chunk: Chunk, tapped: Any, layer: int, start: int, omni: Any,
         pos = np.asarray(chunk.positions)[:, 0, :valid.shape[0]][:, valid][:, holes]  # [3, n] (t, h, w)
         m = omni.spatial_merge_size if spatial_merge_size is None else int(spatial_merge_size)
         grid = (len(np.unique(pos[0])), int(np.ptp(pos[1]) + 1) * m, int(np.ptp(pos[2]) + 1) * m)
-    return MediaRows(positions=start + np.flatnonzero(holes), rows=rows, layer=layer, grid=grid)
+    layout = None
+    if np.isin(getattr(omni, "video_token_id", -1), ids[holes]):
+        pos = np.asarray(chunk.positions)[:, 0, :valid.shape[0]][:, valid]  # [3, n] every token of the unit
+        layout = (pos - pos[:, :1]).astype(np.int32)
+    return MediaRows(positions=start + np.flatnonzero(holes), rows=rows, layer=layer, grid=grid, layout=layout)
 
 
 def talker_cache(decoder: DecoderConfig, batch: int, tokens: int, page_size: int = 64) -> paged_lib.PagedKV:

@@ -14,11 +14,13 @@ conversation, answers included, and differ from the reference once retention evi
 positions (the reference's `get_rope_index`), so the text path's positions hold. An image's rows (the vision
 encoder's, with their `grid`) are placed at the thinker's TMRoPE image layout (`rope_positions`), and the talker's
 own positions are laid out over its input ids with the talker config's ids, as the reference's talker
-`get_rope_index` does (the release's talker ids are the thinker's). Video placeholders are refused (their positions,
-audio-in-video interleaving included, are not built here).
+`get_rope_index` does (the release's talker ids are the thinker's). A video or audiovisual unit's rows (the vision and
+audio encoders', audio-in-video interleaved) are placed at the positions the unit was fed with (`MediaRows.layout`:
+`omnijax.Chat` feeds a unit at transformers' `use_audio_in_video` layout), for the thinker and, as the reference
+passes `use_audio_in_video` and the video grids to its talker, for the talker's own layout.
 
 `omnijax.Chat` keeps an image's rows (tap 0, the vision encoder's) with its patch grid (`media_rows` with the vision
-merge size this output holds) as it keeps an audio clip's.
+merge size this output holds) as it keeps an audio clip's, and an audiovisual unit's with its layout.
 
 Decoding is greedy, with the reference's repetition penalty (1.05 unless told otherwise: transformers passes it to
 the talker even when `talker_do_sample=False`), its codec-bos suppression and its stop ids (the codec pad and end
@@ -85,7 +87,7 @@ class Qwen25Speech:
         self.im_end_token_id, self.placeholders = int(im_end_token_id), dict(placeholders)
         self.params = talker_forward.talker_params(talker)
 
-    media_kinds = ("audio", "image")  # the units `Chat` may feed before a spoken answer (video positions: not built)
+    media_kinds = ("audio", "image", "av")  # the units `Chat` may feed before a spoken answer
     # the vision encoder's merge size (set at load when the checkpoint has one): `media_rows` reads an image's grid
     spatial_merge_size: int | None = None
 
@@ -128,19 +130,35 @@ class Qwen25Speech:
 
 def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: int, image: int,
                    grids: Sequence[tuple[int, int, int]], spatial_merge_size: int, position_id_per_seconds: int, *,
-                   what: str, strict: bool = True) -> np.ndarray:
+                   what: str, strict: bool = True, video: int | None = None,
+                   layouts: Sequence[np.ndarray] = ()) -> np.ndarray:
     """`[3, T]` TMRoPE positions of `ids` as transformers' `get_rope_index` lays them out, media groups found by
     their start marker (`audio_start` then `audio` placeholders; `vision_start` then `image` placeholders, laid out
-    on the next of `grids`, in order): the thinker's with the thinker config's ids, the talker's with its own.
+    on the next of `grids`, in order; `vision_start` then `video` placeholders or `audio_start` (a video with its
+    audio), laid out as the next of `layouts` says, the unit's positions as fed, `MediaRows.layout`): the thinker's
+    with the thinker config's ids, the talker's with its own.
 
     Raises:
-        ValueError: an image group without its grid or not filling its grid's placeholders, grids left over
-            (`strict`: the talker's reference skips groups its config's ids do not mark, and so unused grids).
+        ValueError: an image group without its grid or not filling its grid's placeholders, a video group without
+            its layout or longer than the ids, grids or layouts left over (`strict`: the talker's reference skips
+            groups its config's ids do not mark, and so unused ones).
     """
-    T, segments, text, i, images = len(ids), [], 0, 0, list(grids)
+    T, segments, text, i, images, videos = len(ids), [], 0, 0, list(grids), [np.asarray(x) for x in layouts]
     while i < T:
         tok, nxt = int(ids[i]), int(ids[i + 1]) if i + 1 < T else None
-        if (tok == vision_start and nxt == image) or (tok == audio_start and nxt == audio):
+        if video is not None and tok == vision_start and nxt in (video, audio_start):
+            if text:
+                segments.append(tmrope.text_positions(text))
+                text = 0
+            if not videos:
+                raise ValueError(f"{what} holds a video group at {i} without its layout (MediaRows.layout)")
+            layout = videos.pop(0)
+            if i + layout.shape[1] > T:
+                raise ValueError(f"{what} has a video group at {i} whose layout ({layout.shape[1]} tokens) runs past "
+                                 "its end")
+            segments.append(tmrope.Segment(layout, int(layout[0, -1]) + 1))  # the next starts past its eos marker
+            i += layout.shape[1]
+        elif (tok == vision_start and nxt == image) or (tok == audio_start and nxt == audio):
             if text:
                 segments.append(tmrope.text_positions(text))
                 text = 0
@@ -164,6 +182,8 @@ def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: 
         segments.append(tmrope.text_positions(text))
     if images and strict:
         raise ValueError(f"{what} holds fewer image groups than the media's grids ({len(images)} left over)")
+    if videos and strict:
+        raise ValueError(f"{what} holds fewer video groups than the media's layouts ({len(videos)} left over)")
     return tmrope.place(segments)[0]
 
 
@@ -189,28 +209,29 @@ def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice
                  media: Sequence[MediaRows] = ()) -> TalkerInput:
     """The talker's input for a checked prompt and answer (ids in the vocabulary, both non-empty, the answer
     without its final `<|im_end|>`) spoken with `voice` (`speak`'s arguments checked, which calls it; the engine's
-    speech pool calls it too). Raises ValueError as `speak` names it (video placeholders, media rows that do not
-    fit)."""
+    speech pool calls it too). Raises ValueError as `speak` names it (media rows that do not fit)."""
     speech = model.speech
     assert isinstance(speech, Qwen25Speech)
     config, params = speech.talker.config, speech.params
     sequence = np.concatenate([prompt, answer])
     found = sorted(n for n, i in speech.placeholders.items() if np.isin(i, sequence).any())
-    if "video_token_id" in found:
-        raise ValueError("the prompt holds video_token_id placeholders: the thinker's and the talker's positions for "
-                         "videos are not built here; speak() takes text, audio and images")
     inputs, positions = None, None
-    if found or media:  # the encoders' rows at every audio / image placeholder (the answer may hold none)
+    if found or media:  # the encoders' rows at every audio / image / video placeholder (the answer may hold none)
+        # (keyed "video", not "video_token_id": Qwen3-Omni's check refuses videos its reference's talker cannot lay
+        # out; this reference passes use_audio_in_video and the video grids to its talker)
+        holders = {("video" if n == "video_token_id" else n): i for n, i in speech.placeholders.items()}
         inputs = speech_media.thinker_hidden(model.decoder.embed_tokens(jnp.asarray(sequence[None], jnp.int32))[0],
-                                             sequence, len(prompt), np.ones(len(prompt), bool), speech.placeholders,
+                                             sequence, len(prompt), np.ones(len(prompt), bool), holders,
                                              tuple(media), 0)
-        grids = [u.grid for u in sorted(media, key=lambda u: int(np.min(u.positions, initial=len(sequence))))
-                 if u.grid is not None]
+        ordered = sorted(media, key=lambda u: int(np.min(u.positions, initial=len(sequence))))
+        grids = [u.grid for u in ordered if u.grid is not None]
+        layouts = [np.asarray(u.layout) for u in ordered if u.layout is not None]
         omni = model.omni  # type: ignore[attr-defined]
         positions = rope_positions(sequence, omni.audio_start_token_id, omni.audio_token_id,
                                    omni.vision_start_token_id, omni.image_token_id, grids,
                                    model.vision.config.spatial_merge_size,  # type: ignore[attr-defined]
-                                   omni.position_id_per_seconds, what="the thinker's prompt")
+                                   omni.position_id_per_seconds, what="the thinker's prompt",
+                                   video=omni.video_token_id, layouts=layouts)
     embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
     holes = np.flatnonzero(np.isin(sequence, [speech.placeholders[n] for n in found]))
     if holes.size:  # the reference hands its talker zeros in place of the placeholders' embedding rows
@@ -226,7 +247,8 @@ def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice
         positions = rope_positions(np.concatenate([prompt, [voice.bos_token], answer[:1]]), config.audio_start_token_id,
                                    config.audio_token_id, config.vision_start_token_id, config.image_token_id, grids,
                                    config.spatial_merge_size, config.position_id_per_seconds,
-                                   what="the talker's input", strict=False)
+                                   what="the talker's input", strict=False, video=config.video_token_id,
+                                   layouts=layouts)
     talker_ids = [config.codec_mask_id] * len(prompt) + [config.codec_pad_id, config.codec_bos_id]
     return TalkerInput(prefill, np.asarray(positions), trailing, specials[2], talker_ids)
 
@@ -251,9 +273,9 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
             standard normal from `jax.random.key(seed)`.
         seed: the noise's seed when `noise` is None.
         num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
-        media: the encoders' rows at the prompt's audio and image placeholders (`MediaRows` of `hidden_states[0]`,
-            one per clip or image, an image's with its patch `grid`; `omnijax.Chat` keeps them from the chunks it
-            feeds): every placeholder needs its row.
+        media: the encoders' rows at the prompt's audio, image and video placeholders (`MediaRows` of
+            `hidden_states[0]`, one per clip, image or audiovisual unit, an image's with its patch `grid`, a video's
+            with its `layout`; `omnijax.Chat` keeps them from the chunks it feeds): every placeholder needs its row.
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
@@ -262,10 +284,10 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     Raises:
         SpeechUnavailableError: the checkpoint has no speech output (names the fix).
         UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
-        ValueError: ids outside the vocabulary, video placeholders, an audio or image placeholder without its row
-            in `media` (or a row elsewhere, of another layer or width), an image without its grid or not filling
-            it, an empty answer or prompt, a
-            `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of the wrong shape.
+        ValueError: ids outside the vocabulary, a media placeholder without its row in `media` (or a row
+            elsewhere, of another layer or width), an image without its grid or not filling it, a video without its
+            layout, an empty answer or prompt, a `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of
+            the wrong shape.
     """
     speech = model.speech
     if not isinstance(speech, Qwen25Speech):
