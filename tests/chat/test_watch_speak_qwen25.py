@@ -1,8 +1,8 @@
 """`omnijax watch --speak` on a converted tiny Qwen2.5-Omni release: its talker reads every unit fed, the video's
 audiovisual units included (their encoder rows kept with the positions they were fed at, `MediaRows.layout`), so
 each answer is spoken about the video. Run through the CLI's `main`: the WAV holds each answer's speech in turn,
-equal (PCM16 within 1 LSB) to `speech.speak()` of the prompt, answer and media rows a `Chat` fed the same units and asked the same
-questions speaks (`Chat.last_spoken`); `speak()` with a video equals transformers' `generate(...,
+equal (PCM16 within 1 LSB) to `speech.speak()` of the prompt, answer and media rows a `Chat` fed the same units and
+asked the same questions speaks (`Chat.last_spoken`); `speak()` with a video equals transformers' `generate(...,
 use_audio_in_video=True, return_audio=True)` (tests/models/qwen2_5_omni/test_speech_media_video.py). A voice the
 checkpoint lacks and a thinker-only checkpoint are refused by name before the video is read.
 """
