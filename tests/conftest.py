@@ -91,6 +91,8 @@ SLOW_FIRST = (
     "serve/test_speech_written.py", "serve/engine/test_speech_writing.py", "serve/test_serve_recall.py",
     "serve/cluster/test_object_store_resume.py", "serve/cluster/test_kv_leases.py",
     "models/qwen2_5_omni/test_speech_media_video.py", "chat/test_watch_speak_qwen25.py",
+    "serve/engine/test_engine_recall_in_place.py", "serve/engine/test_engine_recall_warmup.py",
+    "serve/engine/test_engine_recall_async.py",
 )
 
 

@@ -218,6 +218,29 @@ def _gather(kv: PagedKV, at: jax.Array) -> dict[str, jax.Array]:
             "span": kv.span.reshape(-1)[at], "offset": kv.offset.reshape(-1)[at], "order": kv.order.reshape(-1)[at]}
 
 
+def warm_gathers(kv: PagedKV, max_tokens: int) -> int:
+    """Compiles the gather every capture runs (`capture_evicted`, `save_slots`) for each power-of-two token bucket
+    up to `max_tokens` (reading slot 0 of `kv`; nothing changes): a server's warm-up. Returns the buckets run."""
+    buckets = [1 << k for k in range(max(0, int(max_tokens) - 1).bit_length() + 1)]
+    for n in buckets:
+        jax.block_until_ready(_gather(kv, jnp.asarray(np.zeros(n, np.int32))))  # as `_take` calls it
+    return len(buckets)
+
+
+def _pick(saved: Saved, index: np.ndarray) -> dict[str, np.ndarray]:
+    """The tokens at positions `index` of `saved` on host (one gather per array, at a power-of-two bucket)."""
+    n = index.size
+    at = np.zeros(1 << max(0, (n - 1).bit_length()), np.int32)
+    at[:n] = index
+    got = jax.device_get(_pick_device(saved.tokens, jnp.asarray(at)))
+    return {f: x[:, :n] if f in ("k", "v", "pos") else x[:n] for f, x in got.items()}
+
+
+@jax.jit
+def _pick_device(tokens: dict, at: jax.Array) -> dict:
+    return {f: x[:, at] if f in ("k", "v", "pos") else x[at] for f, x in tokens.items()}
+
+
 def _group(host: dict[str, np.ndarray]) -> list[UnitKV]:
     """Tokens (as `_take` returns them) grouped into one `UnitKV` per unit id, units oldest first (by their oldest
     token's write order), tokens in write order."""
@@ -245,8 +268,44 @@ class Evicted:
     lost: tuple[int, ...]
 
 
+def metadata_copy(kv: PagedKV) -> PagedKV:
+    """`kv` with a device copy of every field but its pages (`k`, `v`, which stay `kv`'s own): what an in-place
+    capture (`capture_evicted(..., in_place=True)`) needs of the cache before a step that is donated and updated
+    in place (a few bytes per slot; the pages are not copied, and may be deleted by the donation)."""
+    return kv.replace(**{f.name: jnp.copy(getattr(kv, f.name)) for f in dataclasses.fields(kv)
+                         if f.name not in ("k", "v")})
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Tokens gathered on device before a step (`save_slots`), for an in-place capture (`capture_evicted(...,
+    saved=...)`) to read those the step overwrote.
+
+    Attributes:
+        slots: `[n]` flat slot indices (page * P + offset), ascending.
+        tokens: the gathered fields (device arrays, padded to a power of two of tokens).
+    """
+
+    slots: np.ndarray
+    tokens: dict
+
+
+def save_slots(kv: PagedKV, row: int) -> Saved:
+    """The live tokens of row `row` of `kv`, gathered on device (only that row's slots are read; nothing leaves the
+    device): what an in-place capture of a step that may overwrite slots it evicted (its answer tokens refill the
+    holes) reads them from."""
+    m = jax.device_get({"table": kv.page_table[row], "valid": kv.valid})
+    N, P = kv.num_pages, kv.page_size
+    owned = np.zeros((N, P), bool)
+    owned[m["table"][m["table"] >= 0]] = True
+    flat = np.flatnonzero((owned & m["valid"]).reshape(-1))
+    at = np.zeros(1 << max(0, (flat.size - 1).bit_length()), np.int32)
+    at[:flat.size] = flat
+    return Saved(slots=flat, tokens=_gather(kv, jnp.asarray(at)))
+
+
 def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = (0, 0),
-                    shared_pool: bool = False) -> Evicted:
+                    shared_pool: bool = False, in_place: bool = False, saved: Saved | None = None) -> Evicted:
     """The tokens a step evicted, exactly as they were cached when evicted (batch-1 caches).
 
     Tokens are known by their write order (unique in a sequence, kept by re-indexing and migration). Evicted =
@@ -264,6 +323,12 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
             per-row fields sliced to batch 1): other rows' slots carry write orders of their own, so a token the
             step wrote and evicted is looked for only on the pages the row listed before or after the step; one
             whose page the step also gave back is counted `lost` (reported, never stored from another row's slot).
+        in_place: the step updated the cache in place, so `before` holds the metadata before it
+            (`metadata_copy`) but its pages are `after`'s: a token live before is read from its slot in `after`
+            while the slot still holds it (invalid, same write order), else from `saved` when that has it, else it
+            is `lost` (reported). A step that writes nothing after its trim (no answer tokens) overwrites no slot
+            it evicted.
+        saved: with `in_place`, tokens gathered before the step (`save_slots`).
     """
     if before.batch != 1 or after.batch != 1:
         raise ValueError(f"capture_evicted takes batch-1 caches, got batch {before.batch} and {after.batch}")
@@ -286,15 +351,28 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
 
     from_before = np.flatnonzero(old_live & wanted(meta["bo"].reshape(-1)))
     first, end = int(meta["first"]), int(meta["end"])
+    gone: list[int] = []
+    from_saved = {f: x[:, :0] if f in ("k", "v", "pos") else x[:0] for f, x in _take(after, np.zeros(0, int)).items()}
+    if in_place:  # `before`'s pages are `after`'s: a slot a later write of the step took no longer holds its token
+        before = before.replace(k=after.k, v=after.v)
+        bo = meta["bo"].reshape(-1)
+        intact = ~meta["av"].reshape(-1)[from_before] & (meta["ao"].reshape(-1)[from_before] == bo[from_before])
+        taken, from_before = from_before[~intact], from_before[intact]
+        known = np.zeros(0, int) if saved is None else saved.slots
+        hit = np.isin(taken, known)
+        gone = bo[taken[~hit]].tolist()
+        if hit.any():
+            from_saved = _pick(saved, np.searchsorted(known, taken[hit]))
     new_orders = np.arange(first, end)
     new_orders = new_orders[wanted(new_orders)]
     after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
     mine = (owned | owned_after).reshape(-1) if shared_pool else np.ones(N * P, bool)
     dead_new = np.flatnonzero(mine & ~after_valid & (after_order >= first) & (after_order < end))
     dead_new = dead_new[np.isin(after_order[dead_new], new_orders)]
-    lost = tuple(sorted(set(new_orders.tolist()) - set(after_order[dead_new].tolist())))
+    lost = tuple(sorted((set(new_orders.tolist()) - set(after_order[dead_new].tolist())) | set(gone)))
     a, b = _take(before, from_before), _take(after, dead_new)
-    host = {f: np.concatenate([a[f], b[f]], axis=1 if f in ("k", "v", "pos") else 0) for f in _FIELDS}
+    host = {f: np.concatenate([a[f], from_saved[f], b[f]], axis=1 if f in ("k", "v", "pos") else 0)
+            for f in _FIELDS}
     return Evicted(units=tuple(_group(host)) if host["unit"].size else (), lost=lost)
 
 

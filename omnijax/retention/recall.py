@@ -20,7 +20,6 @@ the question then sees exactly the keys a full-context cache holds.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from typing import Any, Sequence
 
@@ -177,7 +176,7 @@ def recall_positions(units: Sequence[UnitKV], cursor: int) -> tuple[list[np.ndar
 def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, seq: int = 0,
                 rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None], interleaved: bool = False,
                 at_original: bool = False, positions: Sequence[np.ndarray] | None = None,
-                cursor: int | None = None) -> tuple[PagedKV, jnp.ndarray]:
+                cursor: int | None = None, donate: bool = False) -> tuple[PagedKV, jnp.ndarray]:
     """Writes `units` into sequence `seq` of the cache at `recall_positions(units, next_pos[seq])`, keys re-rotated
     (or, with `at_original`, at their stored positions, keys as stored and the cursor unchanged: for a policy that
     never re-indexes, module docstring).
@@ -197,6 +196,7 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
         positions, cursor: lay unit i at `positions[i]` (`[A, n]`, keys re-rotated to them) and set the cursor to
             `cursor` instead (both or neither; a caller that re-lays the whole sequence,
             `omnijax.streaming.recall_session`).
+        donate: `kv` is donated and written in place (its pages are not copied; do not use it afterwards).
 
     Returns:
         `(kv, next_pos)` with `next_pos[seq]` past the recalled units.
@@ -229,15 +229,32 @@ def recall_into(kv: PagedKV, units: Sequence[UnitKV], next_pos: jnp.ndarray, *, 
         x = np.concatenate(parts, axis=axis)
         return np.pad(x, [(0, pad - T) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)])
 
-    kv = _write(kv, cat([u.k for u in units], 2), cat([u.v for u in units], 2), cat([u.pos for u in units], 1),
-                cat(new_pos, 1), cat([np.full(u.size, u.unit, np.int32) for u in units], 0),
-                cat([u.span for u in units], 0), cat([u.offset for u in units], 0), np.arange(pad) < T,
-                jnp.int32(seq), rope=(rope[0], rope[1], interleaved), turn=not at_original)
+    write = _write_in_place if donate else _write
+    kv = write(kv, cat([u.k for u in units], 2), cat([u.v for u in units], 2), cat([u.pos for u in units], 1),
+               cat(new_pos, 1), cat([np.full(u.size, u.unit, np.int32) for u in units], 0),
+               cat([u.span for u in units], 0), cat([u.offset for u in units], 0), np.arange(pad) < T,
+               jnp.int32(seq), rope=(rope[0], rope[1], interleaved), turn=not at_original)
     return kv, jnp.asarray(next_pos).at[seq].set(cursor)
 
 
-@functools.partial(jax.jit, static_argnames=("rope", "turn"))
-def _write(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid, seq, *, rope, turn: bool) -> PagedKV:
+def warm_writes(kv: PagedKV, max_tokens: int, *, rope: tuple[float | rope_lib.ScaledTheta, tuple[int, int, int] | None],
+                interleaved: bool = False, turn: bool = True) -> PagedKV:
+    """Compiles `recall_into(..., donate=True)`'s write for each power-of-two bucket of recalled tokens up to
+    `max_tokens` by writing no token (none valid) into the donated `kv`, which comes back holding what it held: a
+    server's warm-up. `turn`: the keys are re-rotated (False: a policy that recalls at the stored positions)."""
+    L, _, _, G, d = kv.k.shape
+    A = kv.pos.shape[0]
+    for k in range(max(0, int(max_tokens) - 1).bit_length() + 1):
+        n = 1 << k
+        zeros = np.zeros((L, G, n, d), kv.k.dtype)
+        kv = _write_in_place(kv, zeros, zeros, np.zeros((A, n), np.int32), np.zeros((A, n), np.int32),
+                             np.zeros(n, np.int32), np.zeros(n, np.int8), np.zeros(n, np.int32), np.zeros(n, bool),
+                             jnp.int32(0), rope=(rope[0], rope[1], interleaved), turn=turn)
+    return kv
+
+
+def _write_tokens(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid, seq, *, rope,
+                  turn: bool) -> PagedKV:
     """`recall_into`'s device part: `k, v [L, G, T, d]` re-rotated from `from_pos` to `to_pos` (`turn`) and appended
     to sequence `seq` where `valid [T]`."""
     theta, section, interleaved = rope
@@ -257,3 +274,7 @@ def _write(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid, seq, 
     token_valid = rows[:, None] & valid[None, :]
     kv, _ = append(kv, batched(k), batched(v), token_valid, meta)
     return kv
+
+
+_write = jax.jit(_write_tokens, static_argnames=("rope", "turn"))
+_write_in_place = jax.jit(_write_tokens, static_argnames=("rope", "turn"), donate_argnames=("kv",))

@@ -54,6 +54,7 @@ from omnijax.serve.cluster import replica as cluster_replica
 from omnijax.serve.context import ServeContext, ServeOptions
 from omnijax.serve.engine.admission import AIMD
 from omnijax.serve.engine.engine import Engine, EngineConfig
+from omnijax.serve.engine.recall_warmup import warm_up_recall
 from omnijax.serve.engine.worker import EngineWorker
 from omnijax.serve.launch import API_KEY_ENV, port_in_use, terminated_on_sigterm
 from omnijax.serve.native.protocol import frame_samples
@@ -106,7 +107,8 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
 
 def warm_up(context: ServeContext, sessions: int, *, structured: bool = True) -> float:
     """Compiles the audio encoder for one frame and the engine's tick for the buckets 1..`sessions` sessions use
-    (dummy sessions, closed afterwards), and the speech pool's programs for one speaking session where the engine has
+    (dummy sessions, closed afterwards), the recall programs for those buckets where the sessions recall
+    (`recall_warmup.warm_up_recall`), and the speech pool's programs for one speaking session where the engine has
     one (`speech_engine.warm_up_pool`). Progress goes to the `omnijax.serve` logger. Returns the seconds spent.
 
     With `structured` (what `omnijax serve` does), structured output is made ready too, so that the first
@@ -148,6 +150,9 @@ def warm_up(context: ServeContext, sessions: int, *, structured: bool = True) ->
                 engine.close(sid)
             log.info("warm-up: engine tick for bucket %d (%d/%d) ready in %.1f s", b, k, len(buckets),
                      time.perf_counter() - t)
+        if engine.recall is not None:  # the recall programs, so that a session's first question compiles nothing
+            t = time.perf_counter()
+            log.info("warm-up: recall ready (%s) in %.1f s", warm_up_recall(engine, buckets), time.perf_counter() - t)
         if engine.speech is not None:  # the speech pool's programs for one speaking session
             t = time.perf_counter()
             log.info("warm-up: speech pool ready for talker prompts of %s tokens in %.1f s",

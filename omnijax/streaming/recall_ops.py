@@ -28,6 +28,24 @@ def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos
     """`[L, T, H, d]` float32: the rotated queries of every layer for each token of a batch-1 chunk fed at
     `next_pos` (padding tokens' rows are meaningless: take `chunk.valid`). The chunk runs through every layer as the
     step would write it (attending over the cache and itself), on a copy of the cache that is thrown away."""
+    return _question(graphdef, params, kv, next_pos, chunk, impl)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("kv",))
+def question_queries_in_place(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array,
+                              chunk: Chunk, *, impl: str) -> tuple[jax.Array, paged_lib.PagedKV]:
+    """`question_queries` without a copy of the cache: `(queries, kv)`. The chunk's keys and values are written
+    into the donated cache in place, in the slots the step would write them to (open slots of the sequence's pages
+    and free pages, none of which holds a live token), and every other field is returned as it came, so the cache
+    holds what it held (a freed slot's contents are dirty by contract: every reader masks by `valid`). The
+    engine's recall (`omnijax.serve.engine.recall_rows`) runs this on a row of its shared pool."""
+    q, k, v = _question(graphdef, params, kv, next_pos, chunk, impl)
+    return q, kv.replace(k=k, v=v)
+
+
+def _question(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, chunk: Chunk,
+              impl: str) -> tuple[jax.Array, Any, Any]:
+    """The question's forward: `(queries [L, T, H, d], k pages, v pages)` with the chunk written into the pages."""
     model = nnx.merge(graphdef, params)
     c = model.config
     x = model.embed_tokens(chunk.token_ids)
@@ -53,7 +71,8 @@ def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos
         return (h, k_pages, v_pages, i + 1), q[0].astype(jnp.float32)
 
     carry = (x.astype(c.jnp_dtype), kv.k, kv.v, jnp.int32(0))
-    return jax.lax.scan(layer, carry, xs)[1]
+    (_, k_pages, v_pages, _), q = jax.lax.scan(layer, carry, xs)
+    return q, k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("reindex", "rope", "paging", "subblock"), donate_argnames=("kv",))
@@ -67,13 +86,20 @@ def release_range(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi:
     return kv, next_pos
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "rope", "paging", "subblock"))
-def trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: tuple, paging: Any,
-             subblock: int) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
-    """The policy's trim (and the paging mode's relayout) as a step runs it, outside a step; `kv` is kept."""
+def _trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: tuple, paging: Any,
+              subblock: int) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    """The policy's trim (and the paging mode's relayout) as a step runs it, outside a step."""
     kv, next_pos, evicted = retention_base.trim(policy, kv, next_pos, rope=rope)
     kv, _ = paging_lib.relayout(paging, kv, evicted, subblock)
     return kv, next_pos, evicted
+
+
+trim_now = jax.jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"))
+"""`_trim_now` with `kv` kept (a batch-1 `Session` reads the evicted tokens from it)."""
+trim_now_in_place = jax.jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"),
+                            donate_argnames=("kv",))
+"""`_trim_now` on a donated `kv`, updated in place (the engine: the evicted tokens stay in their slots, read from
+the result, `omnijax.kv.host_tier.capture_evicted(..., in_place=True)`)."""
 
 
 def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndarray, int]:
@@ -99,6 +125,24 @@ def shift_positions(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> 
     angles = rope_lib.rope_angles(moves.reshape(1, N * P), d, theta, section, interleaved)  # [N*P, d/2]
     k = rope_lib.apply_rope(kv.k.reshape(L, N * P, G, d), angles).reshape(kv.k.shape).astype(kv.k.dtype)
     return kv.replace(pos=kv.pos + moves[None].astype(kv.pos.dtype), k=k)
+
+
+@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
+def shift_row(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_lib.PagedKV:
+    """`shift_positions` on the pages of row 0's page table only (`moves [N, P]` must be zero elsewhere), in place:
+    the row's pages are gathered, shifted and scattered back, so a row of a shared pool costs its own pages, not
+    the pool's (the engine's recall, `omnijax.serve.engine.recall_rows`)."""
+    theta, section, interleaved = rope
+    L, N, P, G, d = kv.k.shape
+    table = kv.page_table[0]
+    at = jnp.where(table >= 0, table, N)  # [M]; a missing entry reads page N-1 (clipped) and writes nowhere
+    row_moves = moves[jnp.minimum(at, N - 1)] * (table >= 0)[:, None]  # [M, P]
+    M = table.shape[0]
+    angles = rope_lib.rope_angles(row_moves.reshape(1, M * P), d, theta, section, interleaved)  # [M*P, d/2]
+    rows = kv.k[:, jnp.minimum(at, N - 1)].reshape(L, M * P, G, d)
+    k = rope_lib.apply_rope(rows, angles).reshape(L, M, P, G, d).astype(kv.k.dtype)
+    pos = kv.pos.at[:, at].add(row_moves[None].astype(kv.pos.dtype), mode="drop")
+    return kv.replace(pos=pos, k=kv.k.at[:, at].set(k, mode="drop"))
 
 
 def room(kv: paged_lib.PagedKV) -> int:

@@ -177,6 +177,8 @@ class RecallSession:
         self.disk = None if self.recall_config.disk_dir is None else host_tier_disk.open_disk(
             self.recall_config.disk_dir, self.recall_config.disk_bytes)
         self.shared_pool = False  # a row of the engine's shared pool (`omnijax.kv.host_tier.capture_evicted`)
+        # the engine's: every program runs on the donated cache in place, reading the row's pages only
+        self.in_place = False
         self._pending: tuple[int, int] | None = None  # write orders [lo, hi) of recalled tokens awaiting release
         self._counts = dict(captured_units=0, captured_bytes=0, lost_cells=0, questions=0, recalled_units=0,
                             recalled_cells=0, recalled_bytes=0)
@@ -279,11 +281,14 @@ class RecallSession:
                            spilled_units=self.tier.spilled_units, spilled_bytes=self.tier.spilled_bytes,
                            **self._counts)
 
-    def capture(self, before: paged_lib.PagedKV, after: paged_lib.PagedKV) -> None:
-        """Stores what the step from `before` (a copy) to `after` evicted (recalled tokens awaiting release, which
-        the tier still holds, are left out)."""
+    def capture(self, before: paged_lib.PagedKV, after: paged_lib.PagedKV, *, in_place: bool = False,
+                saved: host_tier.Saved | None = None) -> None:
+        """Stores what the step from `before` (a copy; with `in_place` its metadata only, and `saved`:
+        `omnijax.kv.host_tier.capture_evicted`) to `after` evicted (recalled tokens awaiting release, which the tier
+        still holds, are left out)."""
         skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
-        got = host_tier.capture_evicted(before, after, skip=skip, shared_pool=self.shared_pool)
+        got = host_tier.capture_evicted(before, after, skip=skip, shared_pool=self.shared_pool, in_place=in_place,
+                                        saved=saved)
         self._counts["lost_cells"] += len(got.lost)
         block = self.recall_config.block
         records = [b for u in got.units for b in host_tier.split_blocks(u, block)] if block else list(got.units)
@@ -301,38 +306,62 @@ class RecallSession:
             self._counts["captured_bytes"] += sum(u.nbytes for u in fits)
             del report  # its drops are in the tier's running totals
 
+    def queries(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk
+                ) -> tuple[StreamState, jax.Array]:
+        """The question's device part: `(state, queries [L, T, H, d])` of `chunk` against the cache (dispatched, not
+        waited for; with `in_place` the cache is donated and comes back holding what it held, no copy made)."""
+        if not np.asarray(chunk.valid)[0].any():
+            raise ValueError("recall needs a question with tokens (chunk.valid is all False)")
+        if not self.in_place:
+            return state, question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl)
+        q, kv = recall_ops.question_queries_in_place(graphdef, params, state.kv, state.next_pos, chunk,
+                                                     impl=self.impl)
+        return dataclasses.replace(state, kv=kv), q
+
+    def score(self, q: np.ndarray, chunk: Chunk, next_pos: int, tier: host_tier.HostTier | None = None
+              ) -> np.ndarray:
+        """The question's host part: `[U]` scores of the stored units (`tier`, default the session's) from the
+        question's queries `q [L, T, H, d]` (`queries`) fed at cursor `next_pos`. Reads nothing else of the session
+        (the engine runs it off its thread, `omnijax.serve.engine.recall_rows`)."""
+        tier = self.tier if tier is None else tier
+        if not tier.units:
+            return np.zeros((0,), np.float32)
+        valid = np.asarray(chunk.valid)[0]
+        q = np.asarray(q)[:, valid]  # [L, T, H, d]
+        scoring = self.recall_config.scoring
+        if scoring in ("mass", "peak", "two_stage"):  # queries turned back to before RoPE, as the stored keys
+            pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(next_pos)
+            raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
+            if scoring == "two_stage":
+                return score_units_two_stage(tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
+            score = host_tier_scoring.score_units_mass if scoring == "mass" else host_tier_scoring.score_units_peak
+            return score(tier, raw, self.rope)
+        return host_tier_scoring.score_units(tier, q.mean(axis=1), self.recall_config.scoring)
+
     def recall(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk,
-               scores: np.ndarray | None = None) -> tuple[StreamState, RecallReport]:
-        """Scores the stored units against `chunk` (or takes `scores [U]`), selects within the budgets and writes
-        the chosen units into the cache. Returns the new state and the report."""
+               scores: np.ndarray | None = None, *, computed: np.ndarray | None = None
+               ) -> tuple[StreamState, RecallReport]:
+        """Scores the stored units against `chunk` (or takes `scores [U]`, forced, or `computed`, what `score`
+        gave for this question and the tier as it is), selects within the budgets and writes the chosen units into
+        the cache. Returns the new state and the report."""
         if self._pending is not None:
             raise ValueError("a recall is already waiting for its question: feed the question first")
         U = len(self.tier.units)
         forced = scores is not None
-        if forced:
+        if computed is not None:
+            scores = np.asarray(computed, np.float32)
+            if scores.shape != (U,):
+                raise ValueError(f"computed scores must be [{U}] (the tier changed since they were computed?), got "
+                                 f"{scores.shape}")
+        elif forced:
             scores = np.asarray(scores, np.float32)
             if scores.shape != (U,) or not np.all(np.isfinite(scores)):
                 raise ValueError(f"scores must be {U} finite numbers, one per stored unit (session.recall_stats()"
                                  f".stored_units), got shape {scores.shape}")
         elif U:
-            q = np.asarray(question_queries(graphdef, params, state.kv, state.next_pos, chunk, impl=self.impl))
-            valid = np.asarray(chunk.valid)[0]
-            if not valid.any():
-                raise ValueError("recall needs a question with tokens (chunk.valid is all False)")
-            q = q[:, valid]  # [L, T, H, d]
-            scoring = self.recall_config.scoring
-            if scoring in ("mass", "peak", "two_stage"):  # queries turned back to before RoPE, as the stored keys
-                pos = np.asarray(chunk.positions)[:, 0][:, valid] + int(jax.device_get(state.next_pos[0]))
-                raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
-                if scoring == "two_stage":
-                    scores = score_units_two_stage(self.tier, raw, q.mean(axis=1), self.rope,
-                                                   self.recall_config.shortlist)
-                else:
-                    score = host_tier_scoring.score_units_mass if scoring == "mass" else \
-                        host_tier_scoring.score_units_peak
-                    scores = score(self.tier, raw, self.rope)
-            else:
-                scores = host_tier_scoring.score_units(self.tier, q.mean(axis=1), self.recall_config.scoring)
+            next_pos = int(jax.device_get(state.next_pos[0]))
+            state, q = self.queries(state, graphdef, params, chunk)
+            scores = self.score(q, chunk, next_pos)
         else:
             scores = np.zeros((0,), np.float32)
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))
@@ -347,11 +376,11 @@ class RecallSession:
             theta, section, interleaved = self.rope
             if self.at_original:
                 kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
-                                           at_original=True)
+                                           at_original=True, donate=self.in_place)
             else:
                 kv, positions, cursor = self._relay(kv, units)
                 kv, next_pos = recall_into(kv, units, next_pos, rope=(theta, section), interleaved=interleaved,
-                                           positions=positions, cursor=cursor)
+                                           positions=positions, cursor=cursor, donate=self.in_place)
             self._set_vpos(lo, np.concatenate([u.vpos for u in units]))
             self._pending = (lo, lo + sum(u.size for u in units))
             if self.recall_config.keep:
@@ -388,8 +417,8 @@ class RecallSession:
         moves[live] = delta[:n]
         if moves.any():
             theta, section, interleaved = self.rope
-            kv = recall_ops.shift_positions(kv, jnp.asarray(moves.reshape(N, P)),
-                                            rope=(theta, section, interleaved))
+            shift = recall_ops.shift_row if self.in_place else recall_ops.shift_positions
+            kv = shift(kv, jnp.asarray(moves.reshape(N, P)), rope=(theta, section, interleaved))
         positions, at = [], n
         for u in units:
             positions.append((u.pos.astype(np.int64) + delta[at:at + u.size][None]).astype(np.int32))
@@ -410,10 +439,12 @@ class RecallSession:
             state = dataclasses.replace(state, kv=kv, next_pos=next_pos)
         # The steps over the recall ran without trimming (`step_config`): the policy trims now, what it evicts is
         # stored as after any step.
-        kv, next_pos, evicted = recall_ops.trim_now(state.kv, state.next_pos, policy=self.policy,
-                                                    rope=(theta, section), paging=self.paging, subblock=self.subblock)
+        before = host_tier.metadata_copy(state.kv) if self.in_place else state.kv
+        trim = recall_ops.trim_now_in_place if self.in_place else recall_ops.trim_now
+        kv, next_pos, evicted = trim(state.kv, state.next_pos, policy=self.policy, rope=(theta, section),
+                                     paging=self.paging, subblock=self.subblock)
         if np.asarray(evicted).any():
-            self.capture(state.kv, kv)
+            self.capture(before, kv, in_place=self.in_place)
         return dataclasses.replace(state, kv=kv, next_pos=next_pos)
 
     def step_config(self, config: StreamConfig) -> StreamConfig:

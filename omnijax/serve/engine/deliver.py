@@ -1,11 +1,54 @@
 """What an engine worker's tick hands back to its sessions (`deliver`, `EngineWorker._deliver`): each served chunk's
-result to its feed, frame or answer, and which answers ended and why."""
+result to its feed, frame or answer, and which answers ended and why; and the questions the engine is still scoring
+for their recall (`keep_recalling`, `watch_scoring`, `end_recalling`: issue 40)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-__all__ = ["deliver"]
+import numpy as np
+
+__all__ = ["deliver", "end_recalling", "keep_recalling", "kv_cells", "watch_scoring"]
+
+
+def keep_recalling(worker: Any, plan: dict, report: Any, failed: dict) -> dict:
+    """The plan's entries served by this tick. A question the engine is still scoring (`TickReport.recalling`) is
+    kept in `worker._recalling` (it was submitted; the next plans carry it unsubmitted, and its session gets nothing
+    else) until a tick serves it."""
+    waiting = () if report is None else report.recalling
+    for sid in plan:
+        if sid in waiting and sid in worker.lanes and sid not in failed:
+            worker._recalling[sid] = plan[sid]
+        else:
+            worker._recalling.pop(sid, None)
+    return {sid: entry for sid, entry in plan.items() if sid not in worker._recalling}
+
+
+def watch_scoring(worker: Any) -> bool:
+    """Whether one of the engine's scoring jobs has ended (its question lands at the next tick); each of the others
+    wakes the worker's loop when it ends."""
+    futures = [] if worker.engine.recall is None else worker.engine.recall.futures()
+    loop = asyncio.get_running_loop()
+    for future in futures:
+        if id(future) not in worker._watched:
+            worker._watched.add(id(future))
+            future.add_done_callback(lambda f: (worker._watched.discard(id(f)), loop.call_soon_threadsafe(
+                worker._work.set)))
+    return any(future.done() for future in futures)
+
+
+def end_recalling(worker: Any, sid: str, reason: str) -> None:
+    """Fails the question a closed session was waiting to have scored (its feed, frame and answer)."""
+    entry = worker._recalling.pop(sid, None)
+    if entry is None:
+        return
+    _, _, item, answer = entry
+    for future in () if item is None else (item.fed, item.frame):
+        if future is not None and not future.done():
+            future.set_exception(RuntimeError(reason))
+    if answer is not None:
+        answer._finish("failed", reason)
 
 
 def deliver(worker: Any, plan: dict, report: Any, failed: dict) -> list:
@@ -61,3 +104,19 @@ def deliver(worker: Any, plan: dict, report: Any, failed: dict) -> list:
             answer._ending = ending
             ended.append((sid, answer))
     return ended
+
+
+def kv_cells(engine: Any, sids: list[str]) -> dict[str, int]:
+    """In the engine thread: the KV cells each open session of `engine` holds."""
+    kv = engine.state.kv
+    table = np.asarray(kv.page_table)
+    valid = np.asarray(kv.valid)
+    cells = {}
+    for sid in sids:
+        try:
+            row = engine.slot(sid)
+        except KeyError:
+            continue
+        pages = table[row][table[row] >= 0] if row < table.shape[0] else []
+        cells[sid] = int(valid[pages].sum()) if len(pages) else 0
+    return cells

@@ -28,8 +28,9 @@ runs one batched talker step over the speaking sessions and their due vocoder ch
 the tick latency (what AIMD admission reads) includes them; the chunks come back in `TickReport.speech`.
 
 Recall (`EngineConfig.stream.recall`, issue 40): every session keeps its own host tier, worked on between the
-batched steps through a batch-1 view of its row (`omnijax.serve.engine.recall_rows`); `hold_recall`,
-`release_recall`, `recall_stats`; snapshots and forks carry the tier.
+batched steps through a batch-1 view of its row, in place (`omnijax.serve.engine.recall_rows`); a question is scored
+off the engine thread while the other sessions tick on (`TickReport.recalling`); `hold_recall`, `release_recall`,
+`recall_stats`; snapshots and forks carry the tier.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.constraint import TokenConstraint
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs, host_tick
 from omnijax.serve.engine.engine_config import DuplicateSession, EngineConfig, FrameOutput, TickReport
-from omnijax.serve.engine.recall_rows import EngineRecall
+from omnijax.serve.engine.recall_rows import EngineRecall, SideEnd, side_tokens
 from omnijax.serve.engine.rows import (
     batch_frames,
     check_fork,
@@ -79,25 +80,6 @@ _reset_row = jax.jit(reset_row, donate_argnums=0)
 _fork_rows = jax.jit(fork_rows, static_argnames=("share",), donate_argnums=0)
 
 
-@dataclasses.dataclass
-class _SideEnd(RowEnd):
-    """How a recall session's frame served on its own ended: `cut` tokens kept (its callback ended it there)."""
-
-    cut: int | None = None
-
-
-def _side_tokens(sid: str, chunk: Chunk, result: tuple, on_token: OnToken | None) -> dict:
-    """Hands the tokens of a frame served on its own (fused, batch 1) to `on_token` one by one after its step, as a
-    host-driven tick would while decoding; a True return ends the frame's answer there."""
-    if on_token is None:
-        return {}
-    asked = int(chunk.answer_tokens[0])
-    toks = [int(t) for t in result[1][0, :asked] if t >= 0]
-    entries = frame_logprobs(chunk, result[6], 0, len(toks)) or [None] * len(toks)
-    for i, (token, entry) in enumerate(zip(toks, entries)):
-        if on_token(sid, token, entry):
-            return {sid: _SideEnd(cut=i + 1)}
-    return {}
 # ------------------------------------------------------------------------------------------------------- engine
 class Engine:
     """Serves many sessions from one shared KV pool, one jitted batched step per `tick()`.
@@ -320,8 +302,9 @@ class Engine:
         self._arrange()
         self._install_keys()
         frames, parked = {}, {}
+        scoring = {} if self.recall is None else self.recall.scoring  # questions being scored wait at their queue
         for s, q in self._queue.items():
-            if q:
+            if q and s not in scoring:
                 (parked if s in self._preempted else frames)[s] = q.popleft()
         outputs: dict[str, FrameOutput] = {}
         for s, c in parked.items():  # preempted: the frame comes back empty, its chunk is not written
@@ -330,10 +313,12 @@ class Engine:
         table_only = True  # every write drop of this tick hit a full page-table row, none an empty pool
         served: list[tuple[dict, tuple, Mapping[str, int], dict]] = []  # (frames, result, rows, ends)
         # recall (issue 40): questions recall between the steps; a session whose recall is in progress runs alone
-        side = {} if self.recall is None else self.recall.prepare(self, frames)
-        for s, c in side.items():
-            result = self.recall.serve(self, s, c, self._batch({s: c}, {s: 0}, 1))
-            served.append(({s: c}, result, {s: 0}, _side_tokens(s, c, result, on_token if host else None)))
+        def alone(side: dict[str, Chunk]) -> None:
+            for s, c in side.items():
+                result = self.recall.serve(self, s, c, self._batch({s: c}, {s: 0}, 1))
+                served.append(({s: c}, result, {s: 0}, side_tokens(s, c, result, on_token if host else None)))
+
+        alone({} if self.recall is None else self.recall.prepare(self, frames))  # questions go to their scoring
         if frames:
             batch = self._batch(frames)
             ends: dict[str, RowEnd] = {}
@@ -347,6 +332,7 @@ class Engine:
             if self.recall is not None:
                 self.recall.after_batch(self, frames, before, result[2])
             served.append((frames, result, self._slots, ends))
+        alone({} if self.recall is None else self.recall.land(self))  # questions whose scores are ready
         for group, result, rows, ends in served:
             logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
             for s, c in group.items():
@@ -362,7 +348,7 @@ class Engine:
                     continue
                 toks = [int(t) for t in tokens[r, :asked] if t >= 0]
                 end = ends.get(s, RowEnd())
-                toks = toks[:end.cut] if isinstance(end, _SideEnd) else toks
+                toks = toks[:end.cut] if isinstance(end, SideEnd) else toks
                 outputs[s] = FrameOutput(s, toks, np.asarray(logits[r]) if self.config.return_logits else None,
                                          lost, False, asked, logprobs=frame_logprobs(c, logprobs, r, len(toks)),
                                          complete=end.complete, error=end.error)
@@ -384,7 +370,7 @@ class Engine:
                           running=running, waiting=waiting, tokens=n_tokens, events=events, served=len(frames),
                           queued=sum(len(q) for q in self._queue.values()), used_pages=used, free_pages=free,
                           bucket=self.state.kv.batch, tick=len(self.telemetry.records) - 1, per_token=host,
-                          speech=speech)
+                          speech=speech, recalling=tuple(scoring))
 
     # ------------------------------------------------------------------------------------------------ recall
     def hold_recall(self, session_id: str) -> None:

@@ -147,6 +147,8 @@ class TickReport:
         tick: tick index.
         per_token: the tick ran host-driven (its tokens went to `on_token` as they were decoded).
         speech: the speech pool's vocoder chunks this tick sent (`SpeechChunk`, in the order decoded).
+        recalling: sessions whose question waits for its recall's scores after this tick (no output yet: it is
+            served in a later tick, and nothing else of the session before it; `StreamConfig(recall=...)`).
     """
 
     outputs: dict[str, FrameOutput]
@@ -164,3 +166,4 @@ class TickReport:
     tick: int = 0
     per_token: bool = False
     speech: list[SpeechChunk] = dataclasses.field(default_factory=list)
+    recalling: tuple[str, ...] = ()

@@ -49,7 +49,7 @@ from omnijax.decoding import answer_stop_ids
 from omnijax.serve.engine.admission import AIMD, Overloaded
 from omnijax.serve.engine.answer import Answer
 from omnijax.serve.engine.constraint import TokenConstraint
-from omnijax.serve.engine.deliver import deliver
+from omnijax.serve.engine.deliver import deliver, end_recalling, keep_recalling, kv_cells, watch_scoring
 from omnijax.serve.engine.engine import Engine
 from omnijax.serve.engine.snapshot import SessionSnapshot
 from omnijax.serve.engine.worker_speech import SpeakingWorker, SpeechStream
@@ -121,6 +121,8 @@ class EngineWorker(SpeakingWorker):
         self._last_work: dict[str, float] = {}  # sid -> monotonic time its last chunk was served
         self._capacity_waiters: set[asyncio.Future] = set()
         self._cancelled: list = []  # (sid, answer) cancelled between ticks, to end with their cells
+        self._recalling: dict[str, tuple] = {}  # questions the engine scores (`deliver.keep_recalling`)
+        self._watched: set = set()  # their scoring jobs, whose end wakes the loop (`deliver.watch_scoring`)
 
     async def start(self) -> None:
         self._work = asyncio.Event()
@@ -228,6 +230,7 @@ class EngineWorker(SpeakingWorker):
         if lane is None:
             return
         self._fail(lane, "session closed")
+        end_recalling(self, sid, "session closed")
         self._notify_capacity()
         # Shielded: a caller cancelled meanwhile (a client disconnect) must not leave the engine's slot taken.
         await asyncio.shield(asyncio.ensure_future(self.in_engine(self._close_engine, sid)))
@@ -315,6 +318,7 @@ class EngineWorker(SpeakingWorker):
         lane = self._lane(sid)
         answers = [item.answer for item in lane.pending if item.answer is not None]
         answers += [lane.answer] if lane.answer is not None else []
+        answers += [self._recalling[sid][3]] if sid in self._recalling and self._recalling[sid][3] else []
         for answer in answers:
             answer.cancelled = True
         self._work.set()
@@ -341,7 +345,7 @@ class EngineWorker(SpeakingWorker):
     def busy(self, sid: str) -> bool:
         """Whether the session has chunks queued or a response decoding."""
         lane = self.lanes.get(sid)
-        return lane is not None and (bool(lane.pending) or lane.answer is not None)
+        return lane is not None and (bool(lane.pending) or lane.answer is not None or sid in self._recalling)
 
     def _lane(self, sid: str) -> _Lane:
         if sid not in self.lanes:
@@ -371,6 +375,9 @@ class EngineWorker(SpeakingWorker):
             return dataclasses.replace(chunk, sampling=np.asarray(answer.sampling, np.float32)[None])
 
         for sid, lane in self.lanes.items():
+            if sid in self._recalling:  # submitted already: the engine serves it once its scores are ready
+                plan[sid] = self._recalling[sid]
+                continue
             if lane.answer is not None and lane.answer.cancelled:  # between ticks: ends once its cells are read
                 lane.answer._ending = ("cancelled", "cancelled")
                 self._cancelled.append((sid, lane.answer))
@@ -397,6 +404,8 @@ class EngineWorker(SpeakingWorker):
         cancelled answer's row ends at once."""
         start, failed = time.perf_counter(), {}
         for sid, (chunk, asked, _, answer) in plan.items():
+            if sid in self._recalling:
+                continue
             try:
                 if answer is not None:  # recall (issue 40): a question's recall is held over its answer, as Chat's
                     self.engine.hold_recall(sid)
@@ -437,7 +446,8 @@ class EngineWorker(SpeakingWorker):
             if self._cancelled:  # answers cancelled between ticks report the cells their session holds, too
                 cancelled, self._cancelled = self._cancelled, []
                 await self._finish_with_cells(cancelled)
-            if not plan and not self._speech_due():  # an answer spoken while written may wait for text (worker_speech)
+            idle = all(sid in self._recalling for sid in plan) and not watch_scoring(self)
+            if idle and not self._speech_due():  # an answer spoken while written may wait for text (worker_speech)
                 self._work.clear()
                 try:
                     await asyncio.wait_for(self._work.wait(), self.recovery_s)
@@ -480,20 +490,9 @@ class EngineWorker(SpeakingWorker):
 
     def _deliver(self, plan: dict, report, failed: dict) -> list:
         """Hands each served chunk's result to its feed or answer; returns the answers that ended
-        (`omnijax.serve.engine.deliver.deliver`)."""
-        return deliver(self, plan, report, failed)
+        (`omnijax.serve.engine.deliver.deliver`). A question the engine is still scoring is kept for a later tick."""
+        return deliver(self, keep_recalling(self, plan, report, failed), report, failed)
 
     def kv_cells(self, sids: list[str]) -> dict[str, int]:
-        """In the engine thread: the KV cells each session holds."""
-        kv = self.engine.state.kv
-        table = np.asarray(kv.page_table)
-        valid = np.asarray(kv.valid)
-        cells = {}
-        for sid in sids:
-            try:
-                row = self.engine.slot(sid)
-            except KeyError:
-                continue
-            pages = table[row][table[row] >= 0] if row < table.shape[0] else []
-            cells[sid] = int(valid[pages].sum()) if len(pages) else 0
-        return cells
+        """In the engine thread: the KV cells each session holds (`omnijax.serve.engine.deliver.kv_cells`)."""
+        return kv_cells(self.engine, sids)

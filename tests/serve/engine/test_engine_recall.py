@@ -6,6 +6,7 @@ engine snapshot carries the tier, and the resumed session answers as the uninter
 tier, and what the engine does not support with recall yet, are refused by name and change nothing."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -86,26 +87,36 @@ def _submit(engine, sid, chunk, hold):
 
 
 def _run_engine(engine, scripts, schedule):
-    """Feeds each session's script one frame per tick where `schedule[i]` serves it; returns each session's
-    (logits, tokens) per frame."""
+    """Feeds each session's script one frame per tick where `schedule[i]` serves it (a question waiting for its
+    recall's scores, `TickReport.recalling`, is waited for: its session gets no frame until it is answered), then
+    ticks until every frame is answered; returns each session's (logits, tokens) per frame."""
     got = {sid: [] for sid in scripts}
     at = {sid: 0 for sid in scripts}
-    for serve in schedule:
-        pending = {}
+    inflight: dict = {}  # sid -> release after its frame
+    for serve in list(schedule) + [tuple(scripts)] * 200:
+        if all(at[sid] == len(scripts[sid]) for sid in scripts) and not inflight:
+            break
+        if inflight and all(sid in engine.recall.scoring for sid in inflight) and \
+                not any(sid not in inflight and at[sid] < len(scripts[sid]) for sid in serve):
+            concurrent.futures.wait(engine.recall.futures(), 60, concurrent.futures.FIRST_COMPLETED)  # nothing to do
         for sid in serve:
-            if at[sid] < len(scripts[sid]):
+            if sid not in inflight and at[sid] < len(scripts[sid]):
                 chunk, hold, release = scripts[sid][at[sid]]
                 _submit(engine, sid, chunk, hold)
-                pending[sid] = release
+                inflight[sid] = release
                 at[sid] += 1
         report = engine.tick()
-        for sid, release in pending.items():
+        for sid, release in list(inflight.items()):
+            if sid in report.recalling:
+                assert sid not in report.outputs
+                continue
             out = report.outputs[sid]
             assert not out.preempted and out.dropped == 0
             got[sid].append((out.logits, out.tokens))
+            del inflight[sid]
             if release:
                 engine.release_recall(sid)
-    assert all(at[sid] == len(scripts[sid]) for sid in scripts)
+    assert all(at[sid] == len(scripts[sid]) for sid in scripts) and not inflight
     return got
 
 
