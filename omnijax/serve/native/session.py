@@ -433,8 +433,8 @@ async def native_endpoint(ws: WebSocket, context: ServeContext) -> None:
     except Overloaded as e:
         await refuse("overloaded", str(e), CLOSE_OVERLOADED)
     finally:
-        if plan.lease is not None and plan.store is not None:
-            plan.store.release(plan.lease)
+        if plan.lease is not None and plan.store is not None:  # off the event loop: a shared lease is a file
+            await asyncio.to_thread(plan.store.release, plan.lease)
 
 
 async def _save(ws: WebSocket, session: NativeSession, plan: NativePlan) -> None:

@@ -129,7 +129,8 @@ async def lease_snapshot(context: ServeContext, token: str | None,
         return Leased(None, None)
     if token is None:
         token = secrets.token_hex(16)
-        return Leased(store, token, store.lease_new(token))
+        # off the event loop: a shared store's lease is a write every replica sees (a file, a bucket's object)
+        return Leased(store, token, await asyncio.to_thread(store.lease_new, token))
     lease = None
     try:
         lease = await store.acquire(token)
@@ -137,7 +138,7 @@ async def lease_snapshot(context: ServeContext, token: str | None,
         return Leased(store, token, lease, snapshot, check(snapshot))
     except (ValueError, OSError) as e:  # SnapshotStoreError and ResumeRefused are ValueErrors
         if lease is not None:
-            store.release(lease)
+            await asyncio.to_thread(store.release, lease)
         raise ResumeRefused(store.public_message(e)) from e
 
 
@@ -149,14 +150,16 @@ class Snapshotter:
         session: the `RealtimeSession`.
         store: the server's `SnapshotStore`.
         lease: the connection's lease on its token.
+        resumed: the connection resumed the token's snapshot (so one is on the store).
     """
 
-    def __init__(self, session: RealtimeSession, store: SnapshotStore, lease: Lease):
+    def __init__(self, session: RealtimeSession, store: SnapshotStore, lease: Lease, *, resumed: bool):
         self.session, self.store, self.lease = session, store, lease
         options = session.options
         self.every_s, self.every_turns = options.snapshot_every_s, options.snapshot_every_turns
         self.version = 0  # bumped by every change (`touch`); `saved` is the version last written
-        self.saved = -1 if not store.latest(lease.token) else 0
+        # a resumed session's snapshot is on the store already (it was just read): nothing to write until it changes
+        self.saved = 0 if resumed else -1
         self.turns = 0
         self.turn_due = False
         self.last_write = time.monotonic()  # when the last write was taken (exported)

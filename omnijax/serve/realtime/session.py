@@ -464,7 +464,7 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
             if plan.state is not None:
                 plan.state.apply(session)
             if lease is not None and store is not None:
-                session.snapshots = Snapshotter(session, store, lease)
+                session.snapshots = Snapshotter(session, store, lease, resumed=snapshot is not None)
             await session.run()
             slow = session.outbox.overflow
             log.info("realtime close session=%s", sid)
@@ -473,8 +473,8 @@ async def realtime_endpoint(ws: WebSocket, context: ServeContext) -> None:
     except Overloaded as e:
         await _refuse(ws, client, "overloaded", str(e))
     finally:
-        if lease is not None and store is not None:
-            store.release(lease)
+        if lease is not None and store is not None:  # off the event loop: a shared lease is a file or an object
+            await asyncio.to_thread(store.release, lease)
     if slow is not None:  # the engine session and the lease are released first: this may wait for the client
         message = f"the client does not read what the server sends: {slow}; the connection is closed"
         refusals.refuse("slow_consumer", client, "realtime refuse peer=%s session=%s reason=slow_consumer: %s",
