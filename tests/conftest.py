@@ -93,6 +93,7 @@ SLOW_FIRST = (
     "models/qwen2_5_omni/test_speech_media_video.py", "chat/test_watch_speak_qwen25.py",
     "serve/engine/test_engine_recall_in_place.py", "serve/engine/test_engine_recall_warmup.py",
     "serve/engine/test_engine_recall_async.py",
+    "models/qwen2_5_omni/test_token2wav_stream.py", "models/qwen2_5_omni/test_speech_stream.py",
 )
 
 

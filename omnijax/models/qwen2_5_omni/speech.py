@@ -26,9 +26,12 @@ Decoding is greedy, with the reference's repetition penalty (1.05 unless told ot
 the talker even when `talker_do_sample=False`), its codec-bos suppression and its stop ids (the codec pad and end
 ids: the reference's hard-coded `talker_eos_token_id=[8292, 8294]` are the release's). Token2Wav solves its ODE from
 an initial noise the reference draws with `torch.randn` inside: `speak` takes it from `noise` (a function of the
-shape) or draws it from `seed`. Token2Wav is not streamed here: `speak_chunks` (the `SpeechOutput` method `Chat` and
-the server call) decodes the utterance whole and yields it in slices (`token2wav.sample_mel_chunked` measures why
-block streaming differs from the one-shot decode).
+shape) or draws it from `seed`. `speak` decodes the codes in one Token2Wav call (the reference's); `speak_chunks` (the
+`SpeechOutput` method `Chat` calls) streams it as the talker decodes (`spoken_chunks`: the talker's tokens one at a
+time, `talker_forward.greedy_tokens`, each handed to a `token2wav_stream.Token2WavStream` at once, so PCM comes out
+while the talker still decodes; `speak_streamed` collects it). The talker is `speak`'s; Token2Wav equals `speak`'s
+where the look-ahead covers the utterance and otherwise differs by what a finite look-ahead changes (measured in
+`token2wav_stream`).
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
+from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2WavStreaming, frame_noise, talker_pcm
 from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.qwen3_omni import speech_media
 from omnijax.models.speech import MediaRows, Utterance, token_ids
 
 __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "TalkerInput", "UnknownVoiceError", "Utterance",
-           "rope_positions", "speak", "talker_input"]
+           "checked_request", "rope_positions", "speak", "speak_streamed", "spoken_chunks", "talker_input"]
 
 SAMPLE_RATE = 24_000  # BigVGAN's output rate (480 samples per codec token for the release)
 
@@ -113,19 +117,19 @@ class Qwen25Speech:
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
                      max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
                      media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
-        """`speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=...)`, its waveform yielded in slices
-        of `first_chunk` codec tokens' samples, then `chunk` tokens' (the whole utterance is decoded at the call, so
-        every refusal is raised before the first slice; the slices concatenated equal `speak(...).pcm`)."""
+        """The answer spoken as `speak` does, Token2Wav streamed (`spoken_chunks`): PCM chunks as the
+        talker's codes complete them, the DiT solved in chunks of `first_chunk` then `chunk` codec tokens rounded
+        up to whole DiT blocks, with `self.streaming`'s look-ahead. Every refusal is raised at the call."""
         if model.speech is not self:
             raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
-        for name, value in (("first_chunk", first_chunk), ("chunk", chunk)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        pcm = speak(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens, media=media).pcm
-        per = self.token2wav.config.samples_per_token
-        bounds = [0, first_chunk * per] + list(range(first_chunk * per + chunk * per, len(pcm), chunk * per))
-        bounds = sorted({min(b, len(pcm)) for b in bounds} | {len(pcm)})
-        return (pcm[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+        streaming = Token2WavStreaming.for_tokens(self.token2wav.config.dit, first_chunk, chunk,
+                                                  right_blocks=self.streaming.right_blocks,
+                                                  vocoder_right=self.streaming.vocoder_right)
+        return spoken_chunks(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
+                             streaming=streaming, media=media)
+
+    # the stream's look-ahead and vocoder context (`speak_chunks`' chunk sizes come from its arguments)
+    streaming: Token2WavStreaming = Token2WavStreaming()
 
 
 def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: int, image: int,
@@ -253,42 +257,10 @@ def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice
     return TalkerInput(prefill, np.asarray(positions), trailing, specials[2], talker_ids)
 
 
-def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
-          max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
-          noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
-          guidance_scale: float = 0.5, sway: float | None = -1.0, media: Sequence[MediaRows] = ()) -> Utterance:
-    """Speaks a thinker's answer: the talker (greedy), then Token2Wav (DiT ODE solve, BigVGAN) in one call.
-
-    Args:
-        model: a loaded Qwen2.5-Omni checkpoint converted from a full release (`model.speech` set).
-        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text, audio and image placeholders, their rows in
-            `media`).
-        answer_ids: `[N]` the answer's tokens; a trailing `<|im_end|>` is not spoken. transformers' generate reads
-            every generated row but the last token's, so to equal it on an answer cut short (no `<|im_end|>`) pass
-            the answer without its last token.
-        speaker: a voice of the checkpoint (`model.speech.voices`; exact, else case-insensitive).
-        max_new_tokens: talker tokens at most (the reference's `talker_max_new_tokens`).
-        repetition_penalty: the talker's repetition penalty (transformers' `talker_repetition_penalty`, 1.05).
-        noise: `noise((1, frames, mel_dim))` -> the ODE's initial state (the reference's `torch.randn` draw); None:
-            standard normal from `jax.random.key(seed)`.
-        seed: the noise's seed when `noise` is None.
-        num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
-        media: the encoders' rows at the prompt's audio, image and video placeholders (`MediaRows` of
-            `hidden_states[0]`, one per clip, image or audiovisual unit, an image's with its patch `grid`, a video's
-            with its `layout`; `omnijax.Chat` keeps them from the chunks it feeds): every placeholder needs its row.
-
-    Returns:
-        The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
-        the talker stopped at once.
-
-    Raises:
-        SpeechUnavailableError: the checkpoint has no speech output (names the fix).
-        UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
-        ValueError: ids outside the vocabulary, a media placeholder without its row in `media` (or a row
-            elsewhere, of another layer or width), an image without its grid or not filling it, a video without its
-            layout, an empty answer or prompt, a `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of
-            the wrong shape.
-    """
+def checked_request(model: OmniModel, prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int,
+                    repetition_penalty: float) -> tuple[Qwen25Speech, Voice, np.ndarray, np.ndarray]:
+    """`speak`'s checks of its arguments: `(speech, voice, prompt, answer)`, the answer without a final
+    `<|im_end|>`. Raises what `speak` names (no speech output, an unknown voice, bad ids or limits)."""
     speech = model.speech
     if not isinstance(speech, Qwen25Speech):
         raise SpeechUnavailableError(
@@ -309,6 +281,48 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
     if not answer.size or not prompt.size:
         raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)" if prompt.size else
                          "prompt_ids is empty")
+    return speech, voice, prompt, answer
+
+
+def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
+          max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
+          noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
+          guidance_scale: float = 0.5, sway: float | None = -1.0, media: Sequence[MediaRows] = ()) -> Utterance:
+    """Speaks a thinker's answer: the talker (greedy), then Token2Wav (DiT ODE solve, BigVGAN) in one call.
+
+    Args:
+        model: a loaded Qwen2.5-Omni checkpoint converted from a full release (`model.speech` set).
+        prompt_ids: `[T0]` the thinker's prompt, chat-templated (text, audio and image placeholders, their rows in
+            `media`).
+        answer_ids: `[N]` the answer's tokens; a trailing `<|im_end|>` is not spoken. transformers' generate reads
+            every generated row but the last token's, so to equal it on an answer cut short (no `<|im_end|>`) pass
+            the answer without its last token.
+        speaker: a voice of the checkpoint (`model.speech.voices`; exact, else case-insensitive).
+        max_new_tokens: talker tokens at most (the reference's `talker_max_new_tokens`).
+        repetition_penalty: the talker's repetition penalty (transformers' `talker_repetition_penalty`, 1.05).
+        noise: `noise((1, frames, mel_dim))` -> the ODE's initial state (the reference's `torch.randn` draw); None:
+            standard normal drawn per DiT block from `seed` (`token2wav_stream.frame_noise`, what the streamed
+            decode draws).
+        seed: the noise's seed when `noise` is None.
+        num_steps, guidance_scale, sway: Token2Wav's ODE settings (the reference's defaults).
+        media: the encoders' rows at the prompt's audio, image and video placeholders (`MediaRows` of
+            `hidden_states[0]`, one per clip, image or audiovisual unit, an image's with its patch `grid`, a video's
+            with its `layout`; `omnijax.Chat` keeps them from the chunks it feeds): every placeholder needs its row.
+
+    Returns:
+        The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
+        the talker stopped at once.
+
+    Raises:
+        SpeechUnavailableError: the checkpoint has no speech output (names the fix).
+        UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
+        ValueError: ids outside the vocabulary, a media placeholder without its row in `media` (or a row
+            elsewhere, of another layer or width), an image without its grid or not filling it, a video without its
+            layout, an empty answer or prompt, a `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of
+            the wrong shape.
+    """
+    speech, voice, prompt, answer = checked_request(model, prompt_ids, answer_ids, speaker, max_new_tokens,
+                                                    repetition_penalty)
     talker = talker_input(model, prompt, answer, voice, media)
     config = speech.talker.config
     tokens = talker_forward.generate_greedy(
@@ -320,10 +334,61 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
         return Utterance(pcm=np.zeros((0,), np.float32), codes=codes, talker_tokens=tokens)
     dit = speech.token2wav.config.dit
     shape = (1, int(codes.size) * dit.repeats, dit.mel_dim)
-    initial = (np.asarray(jax.random.normal(jax.random.key(seed), shape, jnp.float32)) if noise is None
+    initial = (frame_noise(seed, 0, shape[1], block=dit.block_size, mel_dim=dit.mel_dim) if noise is None
                else np.asarray(noise(shape), np.float32))
     if initial.shape != shape:
         raise ValueError(f"noise returned shape {initial.shape}, expected {shape}")
     pcm = synthesize(speech.token2wav, codes[None], voice.conditioning[None], voice.reference_mel[None], initial,
                      num_steps=num_steps, guidance_scale=guidance_scale, sway=sway)
     return Utterance(pcm=np.asarray(pcm, np.float32)[0], codes=codes, talker_tokens=tokens)
+
+
+def _streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str, max_new_tokens: int,
+              repetition_penalty: float, streaming: Token2WavStreaming, seed: int, num_steps: int,
+              guidance_scale: float, sway: float | None, media: Sequence[MediaRows]
+              ) -> tuple[Iterator[int], Token2WavStream]:
+    speech, voice, prompt, answer = checked_request(model, prompt_ids, answer_ids, speaker, max_new_tokens,
+                                                    repetition_penalty)
+    if not isinstance(streaming, Token2WavStreaming):
+        raise ValueError(f"streaming must be a Token2WavStreaming, got {type(streaming).__name__}")
+    talker = talker_input(model, prompt, answer, voice, media)
+    config = speech.talker.config
+    tokens = talker_forward.greedy_tokens(
+        config, speech.params, talker.rows, talker.positions, talker.trailing, talker.text_pad,
+        prompt_ids=talker.prompt_ids, max_new_tokens=int(max_new_tokens),
+        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id])
+    stream = Token2WavStream(speech.token2wav, voice.conditioning, voice.reference_mel, streaming=streaming,
+                             seed=seed, num_steps=num_steps, guidance_scale=guidance_scale, sway=sway)
+    return tokens, stream
+
+
+def spoken_chunks(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
+                  max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
+                  streaming: Token2WavStreaming = Token2WavStreaming(), seed: int = 0, num_steps: int = 10,
+                  guidance_scale: float = 0.5, sway: float | None = -1.0,
+                  media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+    """The answer spoken, PCM chunks (float32, 24 kHz) yielded as the talker's codes complete them (module
+    docstring). Arguments as `speak` (no `noise`: the stream draws `seed`'s per DiT block, as `speak` does by
+    default); `streaming`: the chunking and look-ahead. Every refusal `speak` names is raised at the call; the
+    thinker rows and the talker's prefill are computed at the call too, the talker steps and Token2Wav as the
+    iterator is read."""
+    tokens, stream = _streamed(model, prompt_ids, answer_ids, speaker=speaker, max_new_tokens=max_new_tokens,
+                               repetition_penalty=repetition_penalty, streaming=streaming, seed=seed,
+                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media)
+    return talker_pcm(tokens, stream)
+
+
+def speak_streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
+                   max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
+                   streaming: Token2WavStreaming = Token2WavStreaming(), seed: int = 0, num_steps: int = 10,
+                   guidance_scale: float = 0.5, sway: float | None = -1.0,
+                   media: Sequence[MediaRows] = ()) -> Utterance:
+    """`spoken_chunks` collected into an `Utterance` (the PCM concatenated, the codes, the talker's tokens)."""
+    tokens, stream = _streamed(model, prompt_ids, answer_ids, speaker=speaker, max_new_tokens=max_new_tokens,
+                               repetition_penalty=repetition_penalty, streaming=streaming, seed=seed,
+                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media)
+    seen: list[int] = []
+    chunks = list(talker_pcm(tokens, stream, seen))
+    talker = np.asarray(seen, np.int32)
+    pcm = np.concatenate(chunks) if chunks else np.zeros((0,), np.float32)
+    return Utterance(pcm=pcm.astype(np.float32), codes=talker[:-1], talker_tokens=talker)

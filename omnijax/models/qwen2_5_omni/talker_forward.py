@@ -25,7 +25,7 @@ continued one per step.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,8 +44,8 @@ from omnijax.models.layers import rms_norm
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
 
-__all__ = ["generate_greedy", "init_cache", "talker_chunk", "talker_logits", "talker_params", "talker_prompt",
-           "thinker_rows"]
+__all__ = ["generate_greedy", "greedy_tokens", "init_cache", "talker_chunk", "talker_logits", "talker_params",
+           "talker_prompt", "thinker_rows"]
 
 Params = dict[str, Any]
 
@@ -185,6 +185,33 @@ def _pick(logits: np.ndarray, seen: np.ndarray, penalty: float, banned: np.ndarr
     return int(np.argmax(scores))
 
 
+def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
+                  trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
+                  repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64
+                  ) -> Iterator[int]:
+    """`generate_greedy`'s tokens one at a time, each yielded as soon as it is chosen (the spoken path hands the
+    codes to Token2Wav while the talker goes on). Arguments as `generate_greedy`."""
+    V = config.decoder.vocab_size
+    banned = np.zeros((V,), bool)
+    banned[list(suppress)] = True
+    seen = np.zeros((V,), bool)
+    seen[np.asarray(prompt_ids, np.int64)] = True
+    T = prefill.shape[0]
+    kv = init_cache(config, 1, T + max_new_tokens, page_size)
+    kv, logits = _prefill(config, params, kv, prefill, jnp.asarray(positions, jnp.int32))
+    token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
+    yield token
+    start = int(np.max(positions)) + 1
+    for step in range(max_new_tokens - 1):
+        if token in config.stop_ids:
+            return
+        seen[token] = True
+        row = trailing[step] if step < trailing.shape[0] else text_pad
+        kv, logits = _step(config, params, kv, jnp.int32(token), row, jnp.int32(start + step))
+        token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
+        yield token
+
+
 def generate_greedy(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
                     trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
                     repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64
@@ -204,21 +231,7 @@ def generate_greedy(config: TalkerConfig, params: Params, prefill: jax.Array, po
     Returns:
         `tokens [n] int32`: the generated codec tokens, ending with a stop id (`config.stop_ids`) when one came.
     """
-    V = config.decoder.vocab_size
-    banned = np.zeros((V,), bool)
-    banned[list(suppress)] = True
-    seen = np.zeros((V,), bool)
-    seen[np.asarray(prompt_ids, np.int64)] = True
-    T = prefill.shape[0]
-    kv = init_cache(config, 1, T + max_new_tokens, page_size)
-    kv, logits = _prefill(config, params, kv, prefill, jnp.asarray(positions, jnp.int32))
-    tokens = [_pick(np.asarray(logits), seen, repetition_penalty, banned)]
-    start = int(np.max(positions)) + 1
-    for step in range(max_new_tokens - 1):
-        if tokens[-1] in config.stop_ids:
-            break
-        seen[tokens[-1]] = True
-        row = trailing[step] if step < trailing.shape[0] else text_pad
-        kv, logits = _step(config, params, kv, jnp.int32(tokens[-1]), row, jnp.int32(start + step))
-        tokens.append(_pick(np.asarray(logits), seen, repetition_penalty, banned))
-    return np.asarray(tokens, np.int32)
+    return np.asarray(list(greedy_tokens(config, params, prefill, positions, trailing, text_pad,
+                                         prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                         repetition_penalty=repetition_penalty, suppress=suppress,
+                                         page_size=page_size)), np.int32)

@@ -13,16 +13,9 @@ voice, broadcast to every frame) and its reference mel (`[T_ref, M]`, `ref_mel`,
 `synthesize` chains both (`[B, samples]` out; the reference squeezes the batch, and supports batch 1 only).
 `token2wav_components` are the conversion tables of both halves (the converter's "token2wav" component).
 
-Streaming note: the DiT's attention is block-restricted (`block_size` frames a block), so output block b reads
-input blocks b - n_back .. b + n_ahead where n_back / n_ahead count the layers with look-back / look-ahead; every
-ODE step re-reads them, and the ECAPA statistics pool over the whole reference only (fixed per voice). A streamed
-decode of the first blocks therefore needs n_ahead blocks of future codes, and equals the one-shot decode only where
-it sees the same context: `sample_mel_chunked` solves each chunk on a window of look-back / look-ahead blocks.
-Measured on a tiny random-weight DiT (4 layers, one look-ahead and two look-back layers, 24 blocks, chunks of 2,
-10 steps): with all past blocks as left context the error falls geometrically with the look-ahead window (0 / 1 / 2
-blocks: ~2.5e-2 / ~1e-3 / ~2e-5 of the mel's range); a bounded left context (4 to 12 blocks) leaves ~2.5e-2
-whatever the look-ahead, as the look-back layers chain back through all 36 evaluations. How fast trained weights
-forget is not measured here.
+Streaming: `solve_window` solves new frames beside past frames whose ODE states are held, what
+`token2wav_stream.Token2WavStream` runs block by block as the talker decodes (its docstring tells what equals the
+one-shot decode and what is measured).
 """
 
 from __future__ import annotations
@@ -45,8 +38,8 @@ from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 from omnijax.models.qwen2_5_omni.bigvgan import BigVGAN, BigVGANConfig, bigvgan_component, vocode, vocode_params
 from omnijax.models.qwen2_5_omni.token2wav_dit import DiT, DiTConfig, dit_component, dit_forward, dit_params
 
-__all__ = ["Token2Wav", "Token2WavConfig", "sample_mel", "sample_mel_chunked", "synthesize", "time_grid",
-           "token2wav_components"]
+__all__ = ["Token2Wav", "Token2WavConfig", "sample_mel", "solve_window", "synthesize",
+           "time_grid", "token2wav_components"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +107,57 @@ def time_grid(num_steps: int, sway: float | None) -> jax.Array:
     return t
 
 
+def solve_window(params: Mapping[str, Any], config: DiTConfig, past: jax.Array, noise: jax.Array,
+                 conditioning: jax.Array, reference_mel: jax.Array, codes: jax.Array, *, num_steps: int,
+                 guidance_scale: float, sway: float | None, keep_stages: bool, offset: jax.Array | int = 0
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """The ODE solve of new frames beside `P` past frames whose states are given (traceable; `sample_mel` and the
+    streamed decode, `token2wav_stream`, call it under jit).
+
+    Every velocity evaluation runs the DiT over `[past, new]`; the past frames' states at each RK4 stage are taken
+    from `past` (what their own solve fed the DiT there), not evolved, and only the new frames' velocities are used.
+
+    Args:
+        past: `[num_steps - 1, 4, B, P, M]` the past frames' state at each step's four stage inputs (P may be 0).
+        noise: `[B, N, M]` the new frames' initial state.
+        codes: `[B, (P + N) / repeats]` the codec tokens of past and new frames.
+        keep_stages: also return the new frames' stage inputs (`[num_steps - 1, 4, B, N, M]`), else None.
+        offset: the utterance position of the first past frame (`dit_forward`'s: the DiT's RoPE is not relative).
+
+    Returns:
+        `(x1 [B, N, M] the new frames at t = 1, stages or None)`.
+    """
+    if num_steps < 2:
+        raise ValueError(f"num_steps must be >= 2 (one ODE step), got {num_steps}")
+    B, N, _ = noise.shape
+    P = past.shape[3]
+    speaker = jnp.broadcast_to(jnp.asarray(conditioning, jnp.float32)[:, None], (B, P + N, conditioning.shape[-1]))
+
+    def velocity(t: jax.Array, x: jax.Array, held: jax.Array) -> jax.Array:
+        x = jnp.concatenate([held, x], axis=1)
+        if guidance_scale < 1e-5:
+            return dit_forward(params, config, x, reference_mel, speaker, codes, t, apply_cfg=False,
+                               offset=offset)[:, P:]
+        out = dit_forward(params, config, x, reference_mel, speaker, codes, t, apply_cfg=True, offset=offset)
+        guided, null = out[:B, P:], out[B:, P:]
+        return guided + (guided - null) * guidance_scale
+
+    def step(x: jax.Array, inputs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array | None]:
+        t0, t1, held = inputs
+        dt = t1 - t0
+        k1 = velocity(t0, x, held[0])  # Kutta's 3/8 rule, as the reference's RungeKutta4ODESolver
+        s2 = x + dt * k1 * (1 / 3)
+        k2 = velocity(t0 + dt * (1 / 3), s2, held[1])
+        s3 = x + dt * (k2 - k1 * (1 / 3))
+        k3 = velocity(t0 + dt * (2 / 3), s3, held[2])
+        s4 = x + dt * (k1 - k2 + k3)
+        k4 = velocity(t1, s4, held[3])
+        return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8, jnp.stack([x, s2, s3, s4]) if keep_stages else None
+
+    t = time_grid(num_steps, sway)
+    return jax.lax.scan(step, jnp.asarray(noise, jnp.float32), (t[:-1], t[1:], jnp.asarray(past, jnp.float32)))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "guidance_scale", "sway"))
 def sample_mel(params: Mapping[str, Any], config: DiTConfig, noise: jax.Array, conditioning: jax.Array,
                reference_mel: jax.Array, codes: jax.Array, *, num_steps: int = 10, guidance_scale: float = 0.5,
@@ -136,27 +180,10 @@ def sample_mel(params: Mapping[str, Any], config: DiTConfig, noise: jax.Array, c
     """
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 (one ODE step), got {num_steps}")
-    B, T, _ = noise.shape
-    speaker = jnp.broadcast_to(jnp.asarray(conditioning, jnp.float32)[:, None], (B, T, conditioning.shape[-1]))
-
-    def velocity(t: jax.Array, x: jax.Array) -> jax.Array:
-        if guidance_scale < 1e-5:
-            return dit_forward(params, config, x, reference_mel, speaker, codes, t, apply_cfg=False)
-        out = dit_forward(params, config, x, reference_mel, speaker, codes, t, apply_cfg=True)
-        guided, null = out[:B], out[B:]
-        return guided + (guided - null) * guidance_scale
-
-    def step(x: jax.Array, interval: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        t0, t1 = interval
-        dt = t1 - t0
-        k1 = velocity(t0, x)
-        k2 = velocity(t0 + dt * (1 / 3), x + dt * k1 * (1 / 3))
-        k3 = velocity(t0 + dt * (2 / 3), x + dt * (k2 - k1 * (1 / 3)))
-        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-        return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8, None
-
-    t = time_grid(num_steps, sway)
-    mel, _ = jax.lax.scan(step, jnp.asarray(noise, jnp.float32), (t[:-1], t[1:]))
+    B, _, M = noise.shape
+    past = jnp.zeros((num_steps - 1, 4, B, 0, M), jnp.float32)
+    mel, _ = solve_window(params, config, past, noise, conditioning, reference_mel, codes, num_steps=num_steps,
+                          guidance_scale=guidance_scale, sway=sway, keep_stages=False)
     return mel.transpose(0, 2, 1)
 
 
@@ -197,38 +224,3 @@ def synthesize(model: Token2Wav, codes: Any, conditioning: Any, reference_mel: A
     mel = sample_mel(dit_params(model.dit), c.dit, noise, conditioning, reference_mel, codes, num_steps=num_steps,
                      guidance_scale=guidance_scale, sway=sway)
     return vocode(vocode_params(model.bigvgan), c.bigvgan, mel)
-
-
-def sample_mel_chunked(params: Mapping[str, Any], config: DiTConfig, noise: Any, conditioning: Any,
-                       reference_mel: Any, codes: Any, *, chunk_blocks: int, left_blocks: int, right_blocks: int,
-                       num_steps: int = 10, guidance_scale: float = 0.5, sway: float | None = -1.0) -> np.ndarray:
-    """`sample_mel` streamed in DiT blocks: each chunk of `chunk_blocks` blocks is solved on its own window of
-    `left_blocks` blocks before it and `right_blocks` after it (clipped to the sequence; the same per-frame noise as
-    the one-shot solve), and only its own frames are kept. Chunk k can be emitted once the codes of
-    `right_blocks` blocks past it are known.
-
-    Not equal to `sample_mel` by construction: every one of the `4 (num_steps - 1)` velocity evaluations widens the
-    one-shot dependency by the look-back / look-ahead layers' blocks, so a window shorter than the whole sequence
-    changes the solution (measured in tests/models/qwen2_5_omni/test_token2wav.py). Windows start on block
-    boundaries, so the block mask is the one-shot's restricted to the window, and RoPE (relative) is unchanged.
-
-    Returns:
-        `[B, M, T]` mel, the chunks' frames concatenated.
-    """
-    noise, codes = np.asarray(noise, np.float32), np.asarray(codes)
-    bs, rep = config.block_size, config.repeats
-    if bs % rep:
-        raise ValueError(f"block_size {bs} is not a whole number of tokens (repeats {rep}): chunks cannot align")
-    for name, value, low in (("chunk_blocks", chunk_blocks, 1), ("left_blocks", left_blocks, 0),
-                             ("right_blocks", right_blocks, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    T = noise.shape[1]
-    out = []
-    for start in range(0, T, chunk_blocks * bs):
-        end = min(start + chunk_blocks * bs, T)
-        lo, hi = max(start - left_blocks * bs, 0), min(end + right_blocks * bs, T)
-        mel = sample_mel(params, config, noise[:, lo:hi], conditioning, reference_mel, codes[:, lo // rep:hi // rep],
-                         num_steps=num_steps, guidance_scale=guidance_scale, sway=sway)
-        out.append(np.asarray(mel)[:, :, start - lo:end - lo])
-    return np.concatenate(out, axis=2)

@@ -335,7 +335,8 @@ def _block(x: jax.Array, p: Mapping[str, jax.Array], temb: jax.Array, cos: jax.A
 @functools.partial(jax.jit, static_argnames=("config", "apply_cfg", "drop_audio_conditioning", "drop_code"))
 def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, reference_mel: jax.Array,
                 speaker: jax.Array, codes: jax.Array, time: jax.Array, *, apply_cfg: bool = True,
-                drop_audio_conditioning: bool = False, drop_code: bool = False) -> jax.Array:
+                drop_audio_conditioning: bool = False, drop_code: bool = False,
+                offset: jax.Array | int = 0) -> jax.Array:
     """One velocity prediction, what the reference's `forward` returns (pure, jitted per shape).
 
     Args:
@@ -349,6 +350,9 @@ def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, refe
         apply_cfg: also predict the unconditioned half (zeroed reference and speaker, codes dropped): `[2B, T, M]`.
         drop_audio_conditioning: without `apply_cfg`, zero the reference mel and speaker.
         drop_code: without `apply_cfg`, drop the codes (all index 0).
+        offset: the position of `x`'s first frame in the utterance (a window of a streamed decode starts there;
+            traced). It matters: the reference's RoPE rotates the two halves of a pair by different frequencies, so
+            attention scores are not a function of relative position alone.
 
     Returns:
         `[B, T, M]` (`[2B, T, M]` with `apply_cfg`: conditioned rows first) float32 velocities.
@@ -374,7 +378,7 @@ def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, refe
     h = jnp.concatenate([x, jnp.broadcast_to(cond[:, None], (*x.shape[:2], c.enc_dim)), code_rows, speaker], -1)
     h = dense(h, params["in_proj"], params["in_proj_bias"], _F32)  # [B', T, D]
     inv = 1.0 / c.rope_theta ** (jnp.arange(0, c.head_dim, 2, dtype=_F32) / c.head_dim)
-    angles = jnp.arange(T, dtype=_F32)[:, None] * inv[None]
+    angles = (jnp.asarray(offset, _F32) + jnp.arange(T, dtype=_F32))[:, None] * inv[None]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, hd]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     blocks = jnp.arange(T) // c.block_size

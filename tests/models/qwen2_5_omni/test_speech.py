@@ -22,6 +22,7 @@ from omnijax.convert import convert_checkpoint
 from omnijax.errors import MissingTensorError
 from omnijax.models.family import SpeechOutput
 from omnijax.models.qwen2_5_omni import speech as S
+from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
 from omnijax.models.qwen2_5_omni.voices import VoiceFileError, read_speaker_dict
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from tests._support.speech_refs import captured_talker, greedy_answer
@@ -183,13 +184,15 @@ def test_speak_equals_transformers_generate_return_audio(release, model, speaker
     assert spoken.pcm.shape == wav.shape and spoken.pcm.dtype == np.float32
     err = np.abs(spoken.pcm - wav).max()
     assert err <= 1e-4 * peak, f"max error {err:.3g} > 1e-4 x peak {peak:.3g}"
-    # the SpeechOutput method: the same waveform, sliced (4 codec tokens' samples, then 5)
+    # the SpeechOutput method: the same talker, Token2Wav streamed (test_speech_stream: equal to speak() where the
+    # look-ahead covers the utterance)
     chunks = list(model.speech.speak_chunks(model, PROMPT, answer[:-1], voice=speaker.lower(),
                                             max_new_tokens=FRAMES, first_chunk=4, chunk=5))
-    per = model.speech.token2wav.config.samples_per_token
-    assert [len(c) for c in chunks[:2]] == [4 * per, 5 * per]
-    pcm = S.speak(model, PROMPT, answer[:-1], speaker=speaker, max_new_tokens=FRAMES).pcm
-    np.testing.assert_array_equal(np.concatenate(chunks), pcm)
+    streamed = S.speak_streamed(
+        model, PROMPT, answer[:-1], speaker=speaker, max_new_tokens=FRAMES,
+        streaming=Token2WavStreaming.for_tokens(model.speech.token2wav.config.dit, 4, 5))
+    np.testing.assert_array_equal(streamed.talker_tokens, want_tokens)
+    np.testing.assert_array_equal(np.concatenate(chunks), streamed.pcm)
 
 
 def test_bad_speech_requests_are_refused(release, model):
@@ -232,7 +235,8 @@ SPECIALS = {"<|audio_pad|>": 290, "<|audio_start|>": 291, "<|audio_end|>": 292, 
 
 def test_spoken_answers_through_chat(release, tmp_path):
     """`Chat.ask(..., speak=...)` on the converted release (with a tiny ChatML tokenizer): the text first, then PCM
-    slices (4 codec tokens' samples, then 5) whose concatenation is `speak` of the conversation's ids."""
+    chunks whose concatenation is `speak` of the conversation's ids, Token2Wav streamed in chunks of 4 then 5 codec
+    tokens (rounded up to DiT blocks)."""
     src = tmp_path / "hf"
     shutil.copytree(release[1] / "single", src)
     write_tiny_tokenizer(src, vocab_size=300, special_tokens=SPECIALS, chat_template=CHATML_TEMPLATE)
@@ -247,10 +251,11 @@ def test_spoken_answers_through_chat(release, tmp_path):
     chunks = [i for i in items if not isinstance(i, str)]
     spoken = chat.last_spoken
     assert spoken.answer_ids and list(spoken.prompt_ids[:1]) == [IM_START]
-    want = S.speak(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
-                   max_new_tokens=FRAMES)
+    want = S.speak_streamed(  # speak() with Token2Wav streamed as the options say (test_speech_stream)
+        model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie", max_new_tokens=FRAMES,
+        streaming=Token2WavStreaming.for_tokens(model.speech.token2wav.config.dit, 4, 5))
     per = model.speech.token2wav.config.samples_per_token
-    assert want.codes.size > 4 and [c.shape[0] for c in chunks[:1]] == [4 * per]
+    assert want.codes.size > 4 and sum(c.shape[0] for c in chunks) == want.codes.size * per
     assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
     np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
     assert spoken.samples == want.pcm.shape[0]

@@ -22,6 +22,7 @@ from omnijax.convert import convert_checkpoint
 from omnijax.models.encoders.log_mel import log_mel
 from omnijax.models.qwen2_5_omni import frontend as F
 from omnijax.models.qwen2_5_omni import speech as S
+from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
 from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
 from omnijax.serve.speech_output import MediaReplay
@@ -37,6 +38,10 @@ release, model = TS.release, TS.model
 IM_START, IM_END, NL = TS.IM_START, TS.IM_END, TS.NL
 CLIP = F.tone(1.0, 330.0, seed=5)  # 1 s at 16 kHz: 25 audio tokens
 IMAGE = F.synthetic_frames(0.5, 2.0, 56, 84, seed=3)[0]
+
+
+def STREAMING(model):  # noqa: N802 - what Chat's SpeakOptions(first_chunk=4, chunk=5) streams Token2Wav with
+    return Token2WavStreaming.for_tokens(model.speech.token2wav.config.dit, 4, 5)
 
 
 def _audio(model, start):
@@ -104,8 +109,8 @@ def test_media_speak_cannot_take_is_refused_by_name(model):
 
 def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_path):
     """`Chat` feeds the clip with tap 0 and keeps its rows (the encoder's features, also after a system turn: this
-    talker reads every position); its PCM is `speak()` of its ids and rows. An image's rows are kept with its grid
-    the same way, by `Chat` and by the server's replay."""
+    talker reads every position); its PCM is `speak_streamed()`'s of its ids and rows (`speak()` with Token2Wav
+    streamed). An image's rows are kept with its grid the same way, by `Chat` and by the server's replay."""
     src = tmp_path / "hf"
     shutil.copytree(release[1] / "single", src)
     write_tiny_tokenizer(src, vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
@@ -126,8 +131,9 @@ def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_
     ids, rows = _audio(chatty, int(kept.positions[0]) - 1)
     np.testing.assert_array_equal(kept.positions, rows.positions)
     np.testing.assert_allclose(kept.rows, rows.rows, rtol=0, atol=1e-6 * np.abs(rows.rows).max())
-    want = S.speak(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
-                   max_new_tokens=TS.FRAMES, media=spoken.media)
+    want = S.speak_streamed(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids),
+                                        speaker="Chelsie", max_new_tokens=TS.FRAMES, media=spoken.media,
+                                        streaming=STREAMING(chatty))
     assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
     np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
     # the server's replay of the same parts (split at 8 tokens) keeps the same rows; an image it cannot speak
@@ -139,7 +145,7 @@ def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_
     (again,) = replay.rows()
     np.testing.assert_array_equal(again.positions, kept.positions)
     np.testing.assert_allclose(again.rows, kept.rows, rtol=0, atol=1e-6 * np.abs(kept.rows).max())
-    # an image: Chat keeps the vision encoder's rows with the patch grid, and speaks speak()'s PCM of them
+    # an image: Chat keeps the vision encoder's rows with the patch grid, and speaks speak_streamed()'s PCM of them
     # (speak() with an image equals transformers: test_speech_media_image)
     seeing = omnijax.Chat(chatty, config)
     seeing.user("Look.")
@@ -155,8 +161,9 @@ def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_
     np.testing.assert_array_equal(np.asarray(spoken.prompt_ids)[kept.positions], chatty.omni.image_token_id)
     want_rows = np.asarray(image.embeds)[0][:valid.shape[0]][valid][holes]
     np.testing.assert_allclose(kept.rows, want_rows, rtol=0, atol=1e-6 * np.abs(want_rows).max())
-    want = S.speak(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
-                   max_new_tokens=TS.FRAMES, media=spoken.media)
+    want = S.speak_streamed(chatty, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids),
+                                        speaker="Chelsie", max_new_tokens=TS.FRAMES, media=spoken.media,
+                                        streaming=STREAMING(chatty))
     assert np.abs(want.pcm).max() > 0.05, "the waveform is (near) silent: the test would prove nothing"
     np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
     # the server's replay keeps the same image rows and grid

@@ -25,7 +25,6 @@ from omnijax.models.qwen2_5_omni.token2wav import (
     Token2Wav,
     Token2WavConfig,
     sample_mel,
-    sample_mel_chunked,
     synthesize,
     time_grid,
     token2wav_components,
@@ -275,41 +274,6 @@ def test_token2wav_refuses_bad_input(token2wav_pair):
         synthesize(model, codes, cond[:, :3], ref_mel, noise)
     with pytest.raises(ValueError, match="reference mel has 2 frames"):
         synthesize(model, codes, cond, ref_mel[:, :2], noise)
-
-
-# --------------------------------------------------------------------------------------------- chunked (streamed)
-
-
-def test_chunked_sampling_error_is_measured(token2wav_pair):
-    """Block-streamed solving equals the one-shot solve when each window covers the sequence, and otherwise differs
-    by construction (every velocity evaluation widens the dependency by the look-back / look-ahead blocks). Measured
-    on these random weights, 24 blocks, chunks of 2: with all past blocks as left context, the error falls
-    geometrically with the look-ahead (right 0 / 1 / 2 blocks: ~2.5e-2 / ~1e-3 / ~2e-5 of the mel's range), while
-    a bounded left context leaves ~2.5e-2 whatever the look-ahead (the two look-back layers chain back across all
-    36 evaluations)."""
-    _, model = token2wav_pair
-    c = model.config.dit
-    rng = np.random.default_rng(5)
-    n = 48  # 96 frames = 24 blocks
-    codes = rng.integers(0, c.num_embeds + 1, (1, n))
-    cond = rng.normal(size=(1, c.enc_emb_dim)).astype(np.float32)
-    ref_mel = rng.normal(-3.0, 1.5, (1, 21, c.mel_dim)).astype(np.float32)
-    noise = rng.normal(size=(1, 2 * n, c.mel_dim)).astype(np.float32)
-    params = dit_params(model.dit)
-    one = np.asarray(sample_mel(params, c, noise, cond, ref_mel, codes))
-
-    def err(left, right):
-        mel = sample_mel_chunked(params, c, noise, cond, ref_mel, codes, chunk_blocks=2, left_blocks=left,
-                                 right_blocks=right)
-        return np.abs(mel - one).max() / (one.max() - one.min())
-
-    assert err(24, 24) <= TOL  # whole-sequence windows: the one-shot solve
-    full_left = [err(24, right) for right in (0, 1, 2)]
-    assert full_left[0] > 10 * full_left[1] > 100 * full_left[2]
-    assert full_left[2] <= TOL
-    assert err(8, 2) > 100 * full_left[2]  # truncated look-back: not equal by construction
-    with pytest.raises(ValueError, match="left_blocks"):
-        sample_mel_chunked(params, c, noise, cond, ref_mel, codes, chunk_blocks=2, left_blocks=-1, right_blocks=0)
 
 
 def test_token2wav_config_and_bfloat16_storage(token2wav_pair):
