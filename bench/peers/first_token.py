@@ -15,13 +15,16 @@ clock; the parent starts the clock just before it starts the process, so interpr
                    `apply_chat_template`, then `generate` (greedy) with a streamer that notes the first new token.
 
 Both answer "What is the capital of France?" after the same system prompt, greedily, and the answers are printed
-side by side. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow the other process on a
-shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs (converted once into
-`<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader + `save_pretrained`); `--smoke`:
-a tiny random llama GGUF, one round, a 16-token answer, and both omnijax sides read the smoke run's persistent
-cache, unprimed (a check that the script runs, not a measurement: the cold side loads what the warm one compiled);
-the tiny GGUF and its conversions are made once under `<out>/smoke_tiny_gguf/` and shared with `load_memory --smoke`
-(`smoke_models`).
+side by side. Beside the wall clock each stage records the worker's CPU seconds (every thread of the process: what
+the machine spent, less sensitive than the wall to other processes on a shared machine), and the omnijax sides count
+the programs handed to XLA before the first token and how many of them XLA's cache answered (kept executables,
+loaded whole, are not among them). torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow
+the other process on a shared machine). Default model: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs
+(converted once into `<out>/first_token_model/`, by `omnijax convert` and by transformers' GGUF loader +
+`save_pretrained`); `--smoke`: a tiny random llama GGUF, one round, a 16-token answer, and both omnijax sides read
+the smoke run's persistent cache, unprimed (a check that the script runs, not a measurement: the cold side loads
+what the warm one compiled); the tiny GGUF and its conversions are made once under `<out>/smoke_tiny_gguf/` and
+shared with `load_memory --smoke` (`smoke_models`).
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -50,14 +53,28 @@ QUESTION = "What is the capital of France?"
 MAX_TOKENS = 32  # the answer's length (--max-tokens)
 
 
+def _mark(marks: dict, stage: str) -> None:
+    """Notes `stage`'s wall clock (`marks[stage]`) and the process's CPU seconds so far (`marks[stage + "_cpu"]`)."""
+    marks[stage] = time.time()
+    marks[stage + "_cpu"] = time.process_time()
+
+
 def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
+    import jax
+
     import omnijax
     from omnijax.retention import OmniPick
 
+    handed, hits = [], []  # programs handed to XLA (compiled, or read from its cache); of those, read from its cache
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: handed.append(duration)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
     omnijax.enable_compilation_cache(cache)
-    marks["imported"] = time.time()
+    _mark(marks, "imported")
     model = omnijax.load(model_dir)
-    marks["loaded"] = time.time()
+    _mark(marks, "loaded")
     config = omnijax.StreamConfig(policy=OmniPick(high_watermark=512, low_watermark=384, text_budget=128),
                                   page_size=16, num_pages=68, max_answer_tokens=16)
     chat = omnijax.Chat(model, config)
@@ -65,7 +82,9 @@ def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
     answer = []
     for delta in chat.ask(QUESTION, max_tokens=max_tokens):
         if delta and "first_token" not in marks:
-            marks["first_token"] = time.time()
+            _mark(marks, "first_token")
+            marks["xla_programs_before_first_token"] = len(handed)
+            marks["xla_cache_hits_before_first_token"] = len(hits)
         answer.append(delta)
     return "".join(answer)
 
@@ -74,11 +93,11 @@ def _transformers(model_dir: Path, marks: dict, max_tokens: int) -> str:
     import torch
     import transformers
 
-    marks["imported"] = time.time()
+    _mark(marks, "imported")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                               attn_implementation="sdpa").eval()
-    marks["loaded"] = time.time()
+    _mark(marks, "loaded")
 
     class FirstToken:  # generate's streamer: the first put() is the prompt, the second the first new token
         calls = 0
@@ -86,7 +105,7 @@ def _transformers(model_dir: Path, marks: dict, max_tokens: int) -> str:
         def put(self, value):
             self.calls += 1
             if self.calls == 2:
-                marks["first_token"] = time.time()
+                _mark(marks, "first_token")
 
         def end(self):
             pass
@@ -105,7 +124,7 @@ def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) ->
         answer = _transformers(models / "hf", marks, max_tokens)
     else:
         answer = _omnijax(models / "omnijax", cache, marks, max_tokens)
-    marks["answered"] = time.time()
+    _mark(marks, "answered")
     return {"marks": marks, "answer": answer}
 
 
@@ -168,8 +187,10 @@ def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
+    marks = row["marks"]
     return {"side": side, "load_avg": load, "answer": row["answer"], "exit_s": exited - start,
-            **{f"{k}_s": row["marks"][k] - start for k in STAGES}}
+            **{f"{k}_s": marks[k] - start for k in STAGES}, **{f"{k}_cpu_s": marks[k + "_cpu"] for k in STAGES},
+            **{k: marks.get(k) for k in ("xla_programs_before_first_token", "xla_cache_hits_before_first_token")}}
 
 
 def main(argv=None) -> int:
@@ -215,25 +236,35 @@ def main(argv=None) -> int:
                     cache = warm_cache
                 row = dict(run_one(side, models, cache, args.max_tokens), round=r)
                 rows.append(row)
-                print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s "
-                      f"(imported {row['imported_s']:.2f}, loaded {row['loaded_s']:.2f}), load avg "
-                      f"{row['load_avg']:.1f}", flush=True)
+                print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s, "
+                      f"{row['first_token_cpu_s']:.2f} CPU s (imported {row['imported_s']:.2f}, loaded "
+                      f"{row['loaded_s']:.2f}; XLA programs before it: {row['xla_programs_before_first_token']}, "
+                      f"{row['xla_cache_hits_before_first_token']} from XLA's cache), "
+                      f"load avg {row['load_avg']:.1f}", flush=True)
     summary = {s: {k: float(np.median([r[f"{k}_s"] for r in rows if r["side"] == s])) for k in STAGES}
                for s in SIDES}
-    by_round = {(r["round"], r["side"]): r["first_token_s"] for r in rows}
-    ratio = {s: float(np.median([by_round[(i, s)] / by_round[(i, "transformers")] for i in range(args.rounds)]))
-             for s in OURS}
+    cpu = {s: float(np.median([r["first_token_cpu_s"] for r in rows if r["side"] == s])) for s in SIDES}
+    by_round = {(r["round"], r["side"]): r for r in rows}
+
+    def ratios(key: str) -> dict:  # same-round ratios over transformers, median
+        return {s: float(np.median([by_round[(i, s)][key] / by_round[(i, "transformers")][key]
+                                    for i in range(args.rounds)])) for s in OURS}
+
+    ratio, cpu_ratio = ratios("first_token_s"), ratios("first_token_cpu_s")
     answers = {s: next(r["answer"] for r in rows if r["side"] == s) for s in SIDES}
-    harness.print_table([dict(side=s, **summary[s], ratio=ratio.get(s, 1.0)) for s in SIDES],
+    harness.print_table([dict(side=s, **summary[s], ratio=ratio.get(s, 1.0), cpu=cpu[s],
+                             cpu_ratio=cpu_ratio.get(s, 1.0)) for s in SIDES],
                         [("side", "side", ""), ("imported s", "imported", ".2f"), ("loaded s", "loaded", ".2f"),
                          ("first token s", "first_token", ".2f"), ("answered s", "answered", ".2f"),
-                         ("first token / transformers", "ratio", ".2f")])
+                         ("first token / transformers", "ratio", ".2f"), ("CPU s to first token", "cpu", ".2f"),
+                         ("CPU / transformers", "cpu_ratio", ".2f")])
     for s in SIDES:
         print(f"  {s}: {answers[s]!r}")
     harness.write_json(out, "first_token", {
         "gguf": gguf_path.name, "smoke": bool(args.smoke), "rounds": args.rounds, "max_tokens": args.max_tokens,
         "question": QUESTION,
-        "rows": rows, "median_s": summary, "first_token_ratio_over_transformers": ratio, "answers": answers})
+        "rows": rows, "median_s": summary, "first_token_ratio_over_transformers": ratio,
+        "first_token_cpu_s": cpu, "first_token_cpu_ratio_over_transformers": cpu_ratio, "answers": answers})
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     left = np.zeros(len(SIDES))
