@@ -23,15 +23,19 @@ Per `tick()`:
    then the greedy pick of `talker_forward.generate_greedy` (the repetition penalty over the row's talker input ids
    and tokens, the codec bos suppressed); a row ends at a stop id (`TalkerConfig.stop_ids`) or at its
    `max_new_tokens`;
-3. Token2Wav (DiT ODE solve, BigVGAN) over each ended row's codes (its tokens but the last), one call per
-   utterance with the initial noise `speak` draws (`jax.random.normal(key(0))`), its waveform sent in slices of
-   `first_chunk` codec tokens' samples, then `chunk` tokens' (as `Qwen25Speech.speak_chunks` slices it), the last
-   slice final. Utterances whose talker ended in the same tick are decoded in admission order.
+3. Token2Wav streamed per utterance (`token2wav_stream.Token2WavStream`, the stream `Qwen25Speech.speak_chunks`
+   runs for `Chat`, with `first_chunk` / `chunk` codec tokens rounded up to DiT blocks and the speech output's
+   look-ahead): a talker token is pushed as a code once the next one shows it was not the last (the reference drops
+   the last), and the PCM chunks the push completes are sent; once the talker ended the stream's rest is sent, the
+   last chunk final. So audio comes while the talker still decodes. Chunks past their playback deadline (the first
+   PCM's time plus the seconds sent) are sent all the same and counted late (`SpeechChunk.late_s`,
+   `stats["late_chunks"]`).
 
 Admission reserves each utterance's talker pages up front (its prompt plus `max_new_tokens`): `open` refuses
 (`Overloaded`, naming the pages or rows) what the pool cannot hold, and the engine's tick latency, which the AIMD
-controller reads, includes the talker steps and Token2Wav calls. Each session's tokens and PCM equal `speak()` of
-the same answer (greedy talker, seed 0): the batched step computes every row as the single-sequence step does.
+controller reads, includes the talker steps and Token2Wav calls. Each session's tokens and PCM equal
+`speech.speak_streamed` of the same answer with the same streaming (`Chat`'s; greedy talker, seed 0): the
+batched step computes every row as the single-sequence step does.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen2_5_omni import speech as speech_lib
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import TalkerConfig
-from omnijax.models.qwen2_5_omni.token2wav import synthesize
+from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2WavStreaming
 from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.speech import MediaRows, token_ids
 from omnijax.serve.engine import speech_steps as steps
@@ -97,9 +101,13 @@ class _Utterance:
     pages: int
     opened_s: float
     start: int  # position of the first decoding step
+    stream: Token2WavStream  # its Token2Wav
     prefilled: bool = False
     done: bool = False
     tokens: list[int] = dataclasses.field(default_factory=list)
+    pushed: int = 0  # codes handed to the stream
+    samples: int = 0  # PCM samples sent
+    first_s: float | None = None  # when the first PCM was sent
 
 
 def _pick(logits: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array) -> jax.Array:
@@ -140,8 +148,8 @@ class Qwen25SpeechPool:
 
     Args:
         model: a loaded Qwen2.5-Omni checkpoint with its speech output (`model.speech`).
-        config: `SpeechConfig` (`first_chunk` / `chunk`: codec tokens of the PCM slices sent; `vocoder_*` and
-            `slack_s` are not read: Token2Wav decodes an utterance in one call).
+        config: `SpeechConfig` (`first_chunk` / `chunk`: the stream's chunks in codec tokens, rounded up to DiT
+            blocks; `vocoder_*` and `slack_s` are not read: each utterance's stream runs what its codes complete).
         clock: seconds, monotonic.
 
     Raises:
@@ -168,6 +176,10 @@ class Qwen25SpeechPool:
         banned[self.talker.codec_bos_id] = True
         self._banned = jnp.asarray(banned)
         self._penalty = jnp.float32(REPETITION_PENALTY)
+        look = speech.streaming  # the speech output's look-ahead (what `speak_chunks` streams with)
+        self.streaming = Token2WavStreaming.for_tokens(speech.token2wav.config.dit, c.first_chunk, c.chunk,
+                                                       right_blocks=look.right_blocks,
+                                                       vocoder_right=look.vocoder_right)
         self._utterances: dict[str, _Utterance] = {}
         self._slots: dict[str, int] = {}
         self.reserved = 0
@@ -290,7 +302,9 @@ class Qwen25SpeechPool:
         self._utterances[speech_id] = _Utterance(
             rows=np.asarray(talker.rows, np.float32), positions=np.asarray(talker.positions, np.int32),
             trailing=trailing, seen=seen, voice=prepared.voice, max_new_tokens=int(max_new_tokens), pages=pages,
-            opened_s=self.clock(), start=int(np.max(talker.positions)) + 1)
+            opened_s=self.clock(), start=int(np.max(talker.positions)) + 1,
+            stream=Token2WavStream(self.speech.token2wav, prepared.voice.conditioning, prepared.voice.reference_mel,
+                                   streaming=self.streaming))
         used = set(self._slots.values())
         self._slots[speech_id] = next(r for r in range(self.capacity) if r not in used)
         self.reserved += pages
@@ -316,7 +330,7 @@ class Qwen25SpeechPool:
         self.reserved -= u.pages
 
     def warm_vocoder(self) -> int:
-        """Nothing to compile ahead: Token2Wav's one call per utterance compiles per code length. Returns 0."""
+        """Nothing is compiled ahead here (the warm-up's utterances run the stream's first chunk). Returns 0."""
         return 0
 
     def warm_ids(self, prompt_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -404,36 +418,41 @@ class Qwen25SpeechPool:
         self.stats["frames"] += len(live)
 
     def _vocode(self) -> list[SpeechChunk]:
+        """Hands each utterance's new codes to its stream (a token is a code once the next one came; the last is
+        dropped) and sends the PCM chunks that completes; an ended talker's stream is finished."""
         out: list[SpeechChunk] = []
         start = self.clock()
-        for s in [s for s, u in self._utterances.items() if u.done]:
-            u = self._utterances[s]
-            codes = np.asarray(u.tokens[:-1], np.int32)
-            pcm = self._synthesize(codes, u.voice) if codes.size else np.zeros((0,), np.float32)
+        for s, u in list(self._utterances.items()):
+            codes = u.tokens[u.pushed:len(u.tokens) - 1]  # every token but the last is a code
+            if not codes and not u.done:
+                continue
+            pcm = u.stream.push(codes) if codes else []
+            u.pushed += len(codes)
+            if u.done:
+                pcm += u.stream.finish()
+            self.stats["vocoder_calls"] += 1
+            self.stats["vocoder_rows"] += 1
             now = self.clock()
-            per = self.speech.token2wav.config.samples_per_token
-            bounds = [0, self.config.first_chunk * per] + list(range((self.config.first_chunk + self.config.chunk)
-                                                                     * per, len(pcm), self.config.chunk * per))
-            bounds = sorted({min(b, len(pcm)) for b in bounds} | {len(pcm)})
-            pieces = list(zip(bounds[:-1], bounds[1:])) or [(0, 0)]
-            for i, (a, b) in enumerate(pieces):
-                out.append(SpeechChunk(s, pcm[a:b], codes[None, a // per:b // per], a // per,
-                                       i == len(pieces) - 1, 0.0, now - u.opened_s if i == 0 else None))
+            chunks = [p for p in pcm if p.size] or ([np.zeros((0,), np.float32)] if u.done else [])
+            for i, p in enumerate(chunks):
+                deadline = None if u.first_s is None else u.first_s + u.samples / self.speech.sample_rate
+                late = 0.0 if deadline is None else max(0.0, now - deadline)
+                first = None
+                if u.first_s is None and p.size:
+                    u.first_s, first = now, now - u.opened_s
+                final = u.done and i == len(chunks) - 1
+                step = np.asarray(codes if i == 0 else [], np.int32)[None]
+                out.append(SpeechChunk(s, np.asarray(p, np.float32), step, u.pushed - len(codes) if i == 0 else
+                                       u.pushed, final, late, first))
+                u.samples += p.size
                 self.stats["chunks"] += 1
-            self.close(s)
+                if late > 0:
+                    self.stats["late_chunks"] += 1
+                    self.stats["late_s"] += late
+            if u.done:
+                self.close(s)
         self.stats["vocoder_s"] += self.clock() - start
         return out
-
-    def _synthesize(self, codes: np.ndarray, voice: Voice) -> np.ndarray:
-        """Token2Wav over an utterance's codes with `speak`'s initial noise (seed 0)."""
-        dit = self.speech.token2wav.config.dit
-        shape = (1, int(codes.size) * dit.repeats, dit.mel_dim)
-        noise = np.asarray(jax.random.normal(jax.random.key(0), shape, jnp.float32))
-        pcm = synthesize(self.speech.token2wav, codes[None], voice.conditioning[None], voice.reference_mel[None],
-                         noise)
-        self.stats["vocoder_calls"] += 1
-        self.stats["vocoder_rows"] += 1
-        return np.asarray(pcm, np.float32)[0]
 
 
 AnyPool = SpeechPool | Qwen25SpeechPool  # an engine's speech pool, of either family
