@@ -92,7 +92,7 @@ SLOW_FIRST = (
     "serve/cluster/test_object_store_resume.py", "serve/cluster/test_kv_leases.py",
     "models/qwen2_5_omni/test_speech_media_video.py", "chat/test_watch_speak_qwen25.py",
     "serve/engine/test_engine_recall_in_place.py", "serve/engine/test_engine_recall_warmup.py",
-    "serve/engine/test_engine_recall_async.py",
+    "serve/engine/test_engine_recall_async.py", "streaming/test_recall_blocks.py",
     "models/qwen2_5_omni/test_token2wav_stream.py", "models/qwen2_5_omni/test_speech_stream.py",
 )
 
