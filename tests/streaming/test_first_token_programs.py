@@ -83,10 +83,11 @@ def test_a_chat_compiles_two_programs_before_its_first_token(model, empty_cache)
     assert isinstance(rest, str)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float", "int8"])
 @pytest.mark.parametrize("seed", [0, 7, -5, 2**31, 2**32 + 7])
-def test_the_empty_state_program_equals_the_eager_state(model, seed):
+def test_the_empty_state_program_equals_the_eager_state(model, seed, kv_dtype):
     config = model.decoder.config
-    shape = dict(num_pages=12, page_size=16, batch=2, kv_dtype="float")
+    shape = dict(num_pages=12, page_size=16, batch=2, kv_dtype=kv_dtype)
     jitted = session_lib._empty_state(config, seed=session_lib._seed_array(seed), **shape)
     eager = init_state(config, seed=seed, **shape)
     assert jax.tree.structure(jitted) == jax.tree.structure(eager)
