@@ -6,8 +6,8 @@ token written after an eviction (and not under a recall) holds keys and values c
 So the oracle "recalling everything equals the full-context session" is tested where it is exact:
 
 - recalling everything ahead of every chunk (each chunk then runs over the whole context): every chunk's logits and
-  answers equal `NoSlide`'s, question after question, under OmniPick, SinkWindow, StreamingLLM, TokenSliding and
-  UnitFIFO;
+  answers equal `NoSlide`'s, question after question, under OmniPick, SinkWindow, StreamingLLM, TokenSliding,
+  UnitFIFO, H2O, StreamMem, InfiniPot-V and StreamingVLM;
 - recall at the questions alone with a one-layer model (every key and value depends on its token and position only):
   every question equals `NoSlide`'s;
 - at the second question of the two-layer session, after the recall, the cache holds every full-context position;
@@ -23,7 +23,18 @@ from flax import nnx
 
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
-from omnijax.retention import NoSlide, OmniPick, SinkWindow, StreamingLLM, TokenSliding, UnitFIFO
+from omnijax.retention import (
+    H2O,
+    InfiniPotV,
+    NoSlide,
+    OmniPick,
+    SinkWindow,
+    StreamingLLM,
+    StreamingVLM,
+    StreamMem,
+    TokenSliding,
+    UnitFIFO,
+)
 from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
@@ -36,9 +47,16 @@ POLICIES = {
     "sinkwindow": SinkWindow(sink=6, window=16),
     "streamingllm": StreamingLLM(sink_tokens=4, window=16, high_watermark=24),
 }
-# More policies for the every-chunk oracle: recall composes with any retention policy.
+# More policies for the every-chunk oracle: recall composes with any retention policy, those that score by
+# attention too (H2O by the attention mass its reference attention accumulates; StreamMem and InfiniPot-V by key and
+# value features; StreamingVLM by per-modality windows). A step over a recall runs without trimming (`NoSlide`), so
+# H2O accumulates no attention mass in it; the policy trims after the release.
 EVERY_CHUNK = {**POLICIES, "tokensliding": TokenSliding(window=16, high_watermark=24),
-               "unitfifo": UnitFIFO(high_watermark=24, low_watermark=16)}
+               "unitfifo": UnitFIFO(high_watermark=24, low_watermark=16),
+               "h2o": H2O(heavy=8, recent=8, high_watermark=24), "streammem": StreamMem(budget=16, num_proxies=4),
+               "infinipotv": InfiniPotV(budget=16, recent_units=1),
+               "streamingvlm": StreamingVLM(sink=4, text_window=8, vision_window=8)}
+IMPL = {"h2o": "reference"}  # the attention that accumulates H2O's scores
 EVERYTHING = Recall(budget=128, top_units=64)
 
 
@@ -60,9 +78,9 @@ def chunks():
     return session
 
 
-def _session(model, policy, recall=None):
+def _session(model, policy, recall=None, impl="xla"):
     return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=2,
-                                       recall=recall))
+                                       recall=recall, impl=impl))
 
 
 def _is_question(chunk):
@@ -81,8 +99,9 @@ def _assert_recalled_everything(session, stored):
 
 @pytest.mark.parametrize("name", sorted(EVERY_CHUNK))
 def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(model, chunks, name):
-    full, bounded = _session(model, NoSlide()), _session(model, EVERY_CHUNK[name])
-    recalled = _session(model, EVERY_CHUNK[name], EVERYTHING)
+    impl = IMPL.get(name, "xla")
+    full, bounded = _session(model, NoSlide(), impl=impl), _session(model, EVERY_CHUNK[name], impl=impl)
+    recalled = _session(model, EVERY_CHUNK[name], EVERYTHING, impl=impl)
     questions = recalls = 0
     for chunk in chunks:
         stored = recalled.recall_stats().stored_units
