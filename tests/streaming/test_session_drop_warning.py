@@ -63,7 +63,11 @@ def test_drop_is_found_without_an_explicit_wait(model):
     session = Session(model, StreamConfig(num_pages=2, page_size=64))  # 128 tokens
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(Session._MAX_UNREAD + 2):  # feed waits for the oldest step once this many are unread
+        # The second step is the first to drop (200 tokens > 128). `feed` reads the flags of finished steps and,
+        # past `_MAX_UNREAD` unread ones, waits for the oldest: the (_MAX_UNREAD + 3)-th feed finds 10 unread and
+        # must wait for the first two, whether or not the device kept up (with one feed fewer the second step was
+        # read only if it had finished, which a loaded machine does not promise).
+        for _ in range(Session._MAX_UNREAD + 3):
             session.feed(text_chunk(np.arange(10, 10 + 100), length=128))
     found = drop_warnings(caught)
     assert len(found) == 1 and "(StreamConfig(num_pages=...)" in str(found[0].message)
