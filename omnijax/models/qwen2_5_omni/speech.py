@@ -126,10 +126,13 @@ class Qwen25Speech:
                                                   right_blocks=self.streaming.right_blocks,
                                                   vocoder_right=self.streaming.vocoder_right)
         return spoken_chunks(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
-                             streaming=streaming, media=media)
+                             streaming=streaming, media=media, talker_kv=self.talker_kv)
 
     # the stream's look-ahead and vocoder context (`speak_chunks`' chunk sizes come from its arguments)
     streaming: Token2WavStreaming = Token2WavStreaming()
+    # the talker's KV policy on the spoken path (None: unbounded, the reference's; a `retention.SinkWindow` bounds
+    # it: `talker_forward.greedy_tokens`)
+    talker_kv: Any = None
 
 
 def rope_positions(ids: np.ndarray, audio_start: int, audio: int, vision_start: int, image: int,
@@ -345,7 +348,7 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
 
 def _streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str, max_new_tokens: int,
               repetition_penalty: float, streaming: Token2WavStreaming, seed: int, num_steps: int,
-              guidance_scale: float, sway: float | None, media: Sequence[MediaRows]
+              guidance_scale: float, sway: float | None, media: Sequence[MediaRows], talker_kv: Any
               ) -> tuple[Iterator[int], Token2WavStream]:
     speech, voice, prompt, answer = checked_request(model, prompt_ids, answer_ids, speaker, max_new_tokens,
                                                     repetition_penalty)
@@ -356,7 +359,7 @@ def _streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: st
     tokens = talker_forward.greedy_tokens(
         config, speech.params, talker.rows, talker.positions, talker.trailing, talker.text_pad,
         prompt_ids=talker.prompt_ids, max_new_tokens=int(max_new_tokens),
-        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id])
+        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id], policy=talker_kv)
     stream = Token2WavStream(speech.token2wav, voice.conditioning, voice.reference_mel, streaming=streaming,
                              seed=seed, num_steps=num_steps, guidance_scale=guidance_scale, sway=sway)
     return tokens, stream
@@ -366,15 +369,17 @@ def spoken_chunks(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker
                   max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
                   streaming: Token2WavStreaming = Token2WavStreaming(), seed: int = 0, num_steps: int = 10,
                   guidance_scale: float = 0.5, sway: float | None = -1.0,
-                  media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+                  media: Sequence[MediaRows] = (), talker_kv: Any = None) -> Iterator[np.ndarray]:
     """The answer spoken, PCM chunks (float32, 24 kHz) yielded as the talker's codes complete them (module
     docstring). Arguments as `speak` (no `noise`: the stream draws `seed`'s per DiT block, as `speak` does by
-    default); `streaming`: the chunking and look-ahead. Every refusal `speak` names is raised at the call; the
+    default); `streaming`: the chunking and look-ahead; `talker_kv`: the talker's KV policy (None: unbounded;
+    `talker_forward.greedy_tokens`). Every refusal `speak` names is raised at the call; the
     thinker rows and the talker's prefill are computed at the call too, the talker steps and Token2Wav as the
     iterator is read."""
     tokens, stream = _streamed(model, prompt_ids, answer_ids, speaker=speaker, max_new_tokens=max_new_tokens,
                                repetition_penalty=repetition_penalty, streaming=streaming, seed=seed,
-                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media)
+                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media,
+                               talker_kv=talker_kv)
     return talker_pcm(tokens, stream)
 
 
@@ -382,11 +387,12 @@ def speak_streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speake
                    max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
                    streaming: Token2WavStreaming = Token2WavStreaming(), seed: int = 0, num_steps: int = 10,
                    guidance_scale: float = 0.5, sway: float | None = -1.0,
-                   media: Sequence[MediaRows] = ()) -> Utterance:
+                   media: Sequence[MediaRows] = (), talker_kv: Any = None) -> Utterance:
     """`spoken_chunks` collected into an `Utterance` (the PCM concatenated, the codes, the talker's tokens)."""
     tokens, stream = _streamed(model, prompt_ids, answer_ids, speaker=speaker, max_new_tokens=max_new_tokens,
                                repetition_penalty=repetition_penalty, streaming=streaming, seed=seed,
-                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media)
+                               num_steps=num_steps, guidance_scale=guidance_scale, sway=sway, media=media,
+                               talker_kv=talker_kv)
     seen: list[int] = []
     chunks = list(talker_pcm(tokens, stream, seen))
     talker = np.asarray(seen, np.int32)

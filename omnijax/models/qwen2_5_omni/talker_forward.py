@@ -24,6 +24,7 @@ continued one per step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from flax import nnx
 
 from omnijax.chunks.spans import SpanKind
 from omnijax.kv import attention as attention_lib
+from omnijax.kv import layout
 from omnijax.kv import paged as paged_lib
 from omnijax.kv.paged import write_layer
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv
@@ -43,9 +45,10 @@ from omnijax.models.forward import write_chunk
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
+from omnijax.retention import base as retention_base
 
-__all__ = ["generate_greedy", "greedy_tokens", "init_cache", "talker_chunk", "talker_logits", "talker_params",
-           "talker_prompt", "thinker_rows"]
+__all__ = ["MIN_TALKER_WINDOW", "TalkerKVReport", "generate_greedy", "greedy_tokens", "init_cache", "talker_chunk",
+           "talker_logits", "talker_params", "talker_prompt", "thinker_rows"]
 
 Params = dict[str, Any]
 
@@ -185,38 +188,112 @@ def _pick(logits: np.ndarray, seen: np.ndarray, penalty: float, banned: np.ndarr
     return int(np.argmax(scores))
 
 
+MIN_TALKER_WINDOW = 2  # the newest cells a bounded talker keeps at least: its last step's row and the one before
+
+
+@dataclasses.dataclass
+class TalkerKVReport:
+    """What a bounded talker cache did (`greedy_tokens(..., report=...)`), updated as tokens are decoded.
+
+    Attributes:
+        retained: live cells after each write and trim (the prefill's first, then one per step).
+        evicted: cells the policy dropped in all.
+        capacity: cells the cache was built with (its pages x page size): memory does not grow past it.
+        exhausted: a write found no room (sticky; the talker's later rows were not kept).
+        dropped: rows not written because of exhaustion.
+    """
+
+    retained: list[int] = dataclasses.field(default_factory=list)
+    evicted: int = 0
+    capacity: int = 0
+    exhausted: bool = False
+    dropped: int = 0
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy"))
+def _trim(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array
+          ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
+    c = config.decoder
+    kv, _, evicted = retention_base.trim(policy, kv, next_pos, rope=(c.rope_base, c.mrope_section))
+    return kv, evicted[0], layout.layout_stats(kv).retained_cells[0]
+
+
+def _bounded_capacity(policy: Any, prefill_rows: int, page_size: int) -> int:
+    """Cells a bounded talker cache is built with: the prefill's rows or the budget plus one step's row, whichever
+    is more, rounded up to whole pages (holes the policy leaves are refilled, so it never needs more)."""
+    budget = getattr(policy, "budget", None)
+    if isinstance(budget, bool) or not isinstance(budget, int) or getattr(policy, "reindex", None) is None:
+        raise ValueError(f"the talker's KV policy must be a retention policy with a cell budget (e.g. SinkWindow), "
+                         f"got {policy!r}")
+    window = getattr(policy, "window", budget)
+    if window < MIN_TALKER_WINDOW:
+        raise ValueError(f"the talker's KV policy keeps {window} newest cells; the talker needs at least "
+                         f"{MIN_TALKER_WINDOW} (MIN_TALKER_WINDOW: its last step's row and the one before)")
+    return -(-max(prefill_rows, budget + 1) // page_size) * page_size
+
+
 def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
                   trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
-                  repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64
-                  ) -> Iterator[int]:
+                  repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64,
+                  policy: Any = None, report: TalkerKVReport | None = None) -> Iterator[int]:
     """`generate_greedy`'s tokens one at a time, each yielded as soon as it is chosen (the spoken path hands the
-    codes to Token2Wav while the talker goes on). Arguments as `generate_greedy`."""
+    codes to Token2Wav while the talker goes on). Arguments as `generate_greedy`, and:
+
+    Args:
+        policy: None (the cache holds the prefill and every step: what equals the reference), or a retention
+            policy with a cell budget (`omnijax.retention.SinkWindow(sink, window)`, as the thinker's): the cache
+            is built for the budget (`_bounded_capacity`) and trimmed after the prefill and after every step, so
+            its memory stays bounded over any length of speech.
+        report: a `TalkerKVReport` filled as tokens are decoded (cells retained, evicted, exhaustion).
+
+    Raises:
+        ValueError: a policy without a budget, or keeping fewer than `MIN_TALKER_WINDOW` newest cells.
+    """
     V = config.decoder.vocab_size
     banned = np.zeros((V,), bool)
     banned[list(suppress)] = True
     seen = np.zeros((V,), bool)
     seen[np.asarray(prompt_ids, np.int64)] = True
     T = prefill.shape[0]
-    kv = init_cache(config, 1, T + max_new_tokens, page_size)
+    cells = T + max_new_tokens if policy is None else _bounded_capacity(policy, T, page_size)
+    kv = init_cache(config, 1, cells, page_size)
+    if report is not None:
+        report.capacity = kv.num_pages * kv.page_size
+
+    def trimmed(kv: paged_lib.PagedKV, next_pos: int) -> paged_lib.PagedKV:
+        if policy is not None:
+            kv, evicted, retained = _trim(config, policy, kv, jnp.asarray([next_pos], jnp.int32))
+        if report is not None:
+            if policy is not None:
+                report.evicted += int(evicted)
+                report.retained.append(int(retained))
+            else:
+                report.retained.append(int(layout.layout_stats(kv).retained_cells[0]))
+            report.exhausted, report.dropped = bool(kv.exhausted[0]), int(kv.dropped[0])
+        return kv
+
     kv, logits = _prefill(config, params, kv, prefill, jnp.asarray(positions, jnp.int32))
+    start = int(np.max(positions)) + 1
+    kv = trimmed(kv, start)
     token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
     yield token
-    start = int(np.max(positions)) + 1
     for step in range(max_new_tokens - 1):
         if token in config.stop_ids:
             return
         seen[token] = True
         row = trailing[step] if step < trailing.shape[0] else text_pad
         kv, logits = _step(config, params, kv, jnp.int32(token), row, jnp.int32(start + step))
+        kv = trimmed(kv, start + step + 1)
         token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
         yield token
 
 
 def generate_greedy(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
                     trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
-                    repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64
-                    ) -> np.ndarray:
-    """The reference talker's `generate` under greedy decoding, one sequence.
+                    repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64,
+                    policy: Any = None, report: TalkerKVReport | None = None) -> np.ndarray:
+    """The reference talker's `generate` under greedy decoding, one sequence (`policy` / `report`: a bounded
+    cache, as `greedy_tokens`).
 
     Args:
         prefill: `[T, Dt]` the prefill rows (`talker_prompt`); positions `[3, T]` theirs; decoding continues at
@@ -234,4 +311,4 @@ def generate_greedy(config: TalkerConfig, params: Params, prefill: jax.Array, po
     return np.asarray(list(greedy_tokens(config, params, prefill, positions, trailing, text_pad,
                                          prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                          repetition_penalty=repetition_penalty, suppress=suppress,
-                                         page_size=page_size)), np.int32)
+                                         page_size=page_size, policy=policy, report=report)), np.int32)
