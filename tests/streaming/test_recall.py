@@ -235,7 +235,10 @@ def test_recall_off_runs_the_same_program_bit_for_bit(model):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     ref = stream(model, stack_chunks(chunks), StreamConfig(policy=SinkWindow(sink=2, window=12), num_pages=PAGES,
                                                            page_size=PAGE, max_answer_tokens=4))
-    np.testing.assert_array_equal(np.asarray(ref.logits[-1]), np.asarray(off[-1].logits))
+    # `stream` scans the chunks in one program, Session runs one step program per chunk: the same arithmetic, but
+    # XLA:CPU may fuse the two programs differently on another CPU (7e-8 apart on one machine), so it is 1e-5 here;
+    # the off/on comparison above is what must be bit for bit (the same step program).
+    np.testing.assert_allclose(np.asarray(ref.logits[-1]), np.asarray(off[-1].logits), rtol=0, atol=1e-5)
 
 
 def test_bad_recall_settings_are_refused_by_name(model):
