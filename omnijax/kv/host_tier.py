@@ -367,7 +367,11 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     new_orders = new_orders[wanted(new_orders)]
     after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
     mine = (owned | owned_after).reshape(-1) if shared_pool else np.ones(N * P, bool)
-    dead_new = np.flatnonzero(mine & ~after_valid & (after_order >= first) & (after_order < end))
+    # A slot the step did not write keeps the order it had (a freed page's dirty slots carry another session's
+    # orders, which may fall in this step's range): only slots whose order changed hold this step's tokens (one
+    # rewritten with the very order it held is counted lost, never read from a stale slot).
+    written = after_order != meta["bo"].reshape(-1)
+    dead_new = np.flatnonzero(mine & written & ~after_valid & (after_order >= first) & (after_order < end))
     dead_new = dead_new[np.isin(after_order[dead_new], new_orders)]
     lost = tuple(sorted((set(new_orders.tolist()) - set(after_order[dead_new].tolist())) | set(gone)))
     a, b = _take(before, from_before), _take(after, dead_new)
