@@ -16,7 +16,7 @@ through the official `openai` SDK
   pushes the tokens (the event loop's).
 
 The same routes on a served tiny Qwen2.5-Omni release (the fixtures are parametrized by family): its engine speaks on
-its own pool (`Qwen25SpeechPool`: the talker batched on the ticks, Token2Wav once the talker ended), the finished
+its own pool (`Qwen25SpeechPool`: the talker batched on the ticks, Token2Wav streamed as it decodes), the finished
 answer (its talker reads the thinker's hidden state of every answer token), so every audio delta follows the last
 transcript delta; the PCM16 of the streamed and whole chat completions and of a Realtime response equals
 `speech.speak` of the finished answer within 1 LSB; the talker input (a thinker forward) is built in a worker thread
