@@ -27,6 +27,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -187,8 +188,19 @@ def same_round_ratio(a, b) -> float:
 
 
 def write_json(out: Path, stem: str, obj, *, indent: int | None = 1) -> Path:
+    """Writes `obj` to OUT/STEM.json atomically (a temporary file beside it, then renamed over it): a run killed
+    mid-write leaves the previous file whole, which the resumable tables (`--append`, `--skip-done`) read back."""
     path = Path(out) / f"{stem}.json"
-    path.write_text(json.dumps(obj, indent=indent))
+    text = json.dumps(obj, indent=indent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".json.tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     print(f"wrote {path}", flush=True)
     return path
 
