@@ -86,6 +86,12 @@ class Token2WavStreaming:
         return cls(first_blocks=-(-int(first_chunk) // per), chunk_blocks=-(-int(chunk) // per), **more)
 
 
+# Input samples each side that one anti-aliased activation reads, by its filters' taps: 2x up (12 taps, 15 trimmed),
+# SnakeBeta, 2x down (12 taps, pad 5 / 6) reads 5. Worked out for the architecture's 12 taps only (bigvgan.FILTER_TAPS
+# is fixed by it), so another count has no entry.
+_ACTIVATION_REACH = {12: 5}
+
+
 @functools.lru_cache(maxsize=32)
 def vocoder_reach(config: BigVGANConfig) -> tuple[int, int]:
     """`(left, right)`: the mel frames BigVGAN reads before / after the frame of any output sample (the receptive
@@ -94,9 +100,7 @@ def vocoder_reach(config: BigVGANConfig) -> tuple[int, int]:
     Traced backwards from one output sample: conv_post and the last anti-aliased activation, then per stage (last
     first) the AMP blocks' reach (the widest of the averaged blocks) and the transposed convolution's input range,
     then conv_pre."""
-    if FILTER_TAPS != 12:  # the activation's +-5 below is worked out for the 12-tap filters
-        raise NotImplementedError(f"vocoder_reach assumes 12-tap anti-aliasing filters, not {FILTER_TAPS}")
-    act = 5  # 2x up (12 taps, 15 trimmed), SnakeBeta, 2x down (12 taps, pad 5 / 6): input samples each side
+    act = _ACTIVATION_REACH[FILTER_TAPS]  # input samples each side of one anti-aliased activation
     half = (7 - 1) // 2  # conv_pre and conv_post (kernel 7)
     amp = max(sum(2 * act + (d + 1) * (k - 1) // 2 for d in dil)
               for k, dil in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes))
