@@ -58,7 +58,7 @@ from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
 from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
 
-__all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool"]
+__all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool", "TalkerPages"]
 
 
 def _ids(x: Any) -> np.ndarray:
@@ -93,7 +93,50 @@ class _Utterance:
     first_s: float | None = None  # when the first PCM was sent
 
 
-class SpeechPool:
+class TalkerPages:
+    """What both families' speech pools share: the talker's paged KV pool (`_empty`), its page reservations and the
+    utterances in it. A pool sets `config` (`SpeechConfig`), `talker` (its talker config, with `decoder`),
+    `max_pages`, `reserved` and `_utterances` (speech id -> utterance, in admission order)."""
+
+    config: SpeechConfig
+    talker: Any
+    max_pages: int
+    reserved: int
+    _utterances: dict
+
+    def _empty(self, batch: int) -> paged_lib.PagedKV:
+        d = self.talker.decoder
+        return paged_lib.init(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                              num_pages=self.config.num_pages, page_size=self.config.page_size, batch=batch,
+                              max_pages=self.max_pages, position_axes=3, dtype=d.jnp_dtype)
+
+    # ------------------------------------------------------------------------------------------------ sessions
+    @property
+    def sessions(self) -> list[str]:
+        """Utterances in the pool (decoding or with PCM still to send), in admission order."""
+        return list(self._utterances)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a tick has work (an utterance in the pool)."""
+        return bool(self._utterances)
+
+    @property
+    def capacity(self) -> int:
+        """The most utterances at once (the largest row bucket)."""
+        return self.config.rows[-1]
+
+    @property
+    def free_pages(self) -> int:
+        """Talker pages not reserved by an admitted utterance."""
+        return self.config.num_pages - self.reserved
+
+    def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens."""
+        return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
+
+
+class SpeechPool(TalkerPages):
     """The speaking sessions of an engine (see the module docstring).
 
     Args:
@@ -137,37 +180,6 @@ class SpeechPool:
         self.stats = {"opened": 0, "refused": 0, "steps": 0, "frames": 0, "chunks": 0, "late_chunks": 0,
                       "late_s": 0.0, "talker_s": 0.0, "vocoder_s": 0.0, "deferred": 0,
                       "vocoder_calls": 0, "vocoder_rows": 0}
-
-    def _empty(self, batch: int) -> paged_lib.PagedKV:
-        d = self.talker.decoder
-        return paged_lib.init(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                              num_pages=self.config.num_pages, page_size=self.config.page_size, batch=batch,
-                              max_pages=self.max_pages, position_axes=3, dtype=d.jnp_dtype)
-
-    # ------------------------------------------------------------------------------------------------ sessions
-    @property
-    def sessions(self) -> list[str]:
-        """Utterances in the pool (decoding or with PCM still to send), in admission order."""
-        return list(self._utterances)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a tick has work (an utterance in the pool)."""
-        return bool(self._utterances)
-
-    @property
-    def capacity(self) -> int:
-        """The most utterances at once (the largest row bucket)."""
-        return self.config.rows[-1]
-
-    @property
-    def free_pages(self) -> int:
-        """Talker pages not reserved by an admitted utterance."""
-        return self.config.num_pages - self.reserved
-
-    def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens."""
-        return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
 
     def open(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
              media: Sequence[MediaRows] = (), writing: bool = False, sampling: TalkerSampling | None = None) -> int:

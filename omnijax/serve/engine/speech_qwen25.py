@@ -60,7 +60,7 @@ from omnijax.models.speech import MediaRows, token_ids
 from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
-from omnijax.serve.engine.speech import SpeechPool
+from omnijax.serve.engine.speech import SpeechPool, TalkerPages
 from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
 
 __all__ = ["AnyPool", "PreparedSpeech", "Qwen25SpeechPool", "REPETITION_PENALTY", "speech_pool"]
@@ -143,7 +143,7 @@ def _step(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, token: jax.A
     return kv, _pick(logits[:, 0], seen, banned, penalty)
 
 
-class Qwen25SpeechPool:
+class Qwen25SpeechPool(TalkerPages):
     """The speaking sessions of an engine serving Qwen2.5-Omni (see the module docstring).
 
     Args:
@@ -187,41 +187,11 @@ class Qwen25SpeechPool:
                       "late_s": 0.0, "talker_s": 0.0, "vocoder_s": 0.0, "deferred": 0, "vocoder_calls": 0,
                       "vocoder_rows": 0}
 
-    def _empty(self, batch: int) -> paged_lib.PagedKV:
-        d = self.talker.decoder
-        return paged_lib.init(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                              num_pages=self.config.num_pages, page_size=self.config.page_size, batch=batch,
-                              max_pages=self.max_pages, position_axes=3, dtype=d.jnp_dtype)
-
     # ------------------------------------------------------------------------------------------------ sessions
-    @property
-    def sessions(self) -> list[str]:
-        """Utterances in the pool (decoding or with PCM still to send), in admission order."""
-        return list(self._utterances)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a tick has work (an utterance in the pool)."""
-        return bool(self._utterances)
-
-    @property
-    def capacity(self) -> int:
-        """The most utterances at once (the largest row bucket)."""
-        return self.config.rows[-1]
-
-    @property
-    def free_pages(self) -> int:
-        """Talker pages not reserved by an admitted utterance."""
-        return self.config.num_pages - self.reserved
-
     @property
     def has_work(self) -> bool:
         """Whether a tick would do something (an utterance in the pool: finished answers always step)."""
         return bool(self._utterances)
-
-    def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens."""
-        return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
 
     def prepare(self, prompt_ids: Any, answer_ids: Any, *, voice: str, media: Sequence[MediaRows] = ()
                 ) -> PreparedSpeech:
