@@ -19,6 +19,11 @@ from omnijax.retention.recall import Recall
 from tests._support import kv_ops as ops
 
 G, D, H = 2, 16, 4  # kv heads, head dim, query heads
+# The streams of this module and tests/kv/test_int8_kv_matrix.py share one shape (12 chunks of 10 tokens, 16 pages of
+# 8, subblock 4) so that their programs compile once per suite; the OmniPick streams also share tau 4.
+CHUNKS = 12
+OMNIPICK_STREAM = dict(policy=OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6),
+                       page_size=8, num_pages=16, subblock=4, max_answer_tokens=4)
 
 
 def _np_quantize(x):
@@ -178,11 +183,9 @@ def test_streamed_session_with_int8_kv_is_close_to_float():
     model = omnijax.Decoder(TINY_OMNI)
     rng = np.random.default_rng(0)
     chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i, answer_tokens=4 if i % 3 == 2 else 0)
-                           for i in range(12)])
-    policy = OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)  # re-indexes: re-rotation
-    common = dict(policy=policy, page_size=8, num_pages=16, max_answer_tokens=4)
-    ref = omnijax.stream(model, chunks, **common)
-    got = omnijax.stream(model, chunks, kv_dtype="int8", **common)
+                           for i in range(CHUNKS)])
+    ref = omnijax.stream(model, chunks, **OMNIPICK_STREAM)  # OmniPick re-indexes: re-rotation
+    got = omnijax.stream(model, chunks, kv_dtype="int8", **OMNIPICK_STREAM)
     assert isinstance(got.state.kv.k, QuantPages) and not isinstance(ref.state.kv.k, QuantPages)
     np.testing.assert_array_equal(np.asarray(got.stats.evicted), np.asarray(ref.stats.evicted))  # trims did run
     assert int(np.asarray(ref.stats.evicted).sum()) > 0
@@ -237,23 +240,23 @@ def test_every_paging_mode_streams_int8_like_int8_native(tiny):
     # the int8 native layout holds (as float pools do, tests/paging/test_paging.py).
     from omnijax.paging import PAGING_MODES, Paging
 
-    policy = OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6)
     rng = np.random.default_rng(1)
-    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(14)])
-    common = dict(policy=policy, page_size=8, num_pages=16, subblock=4, kv_dtype="int8")
+    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(CHUNKS)])
+    common = dict(OMNIPICK_STREAM, kv_dtype="int8")
     native = omnijax.stream(tiny, chunks, **common)
+    assert int(np.asarray(native.stats.evicted).sum()) > 0  # trims ran
     for mode in PAGING_MODES[1:]:
         other = omnijax.stream(tiny, chunks, paging=Paging(mode), **common)
         np.testing.assert_allclose(np.asarray(other.logits), np.asarray(native.logits), atol=1e-5, rtol=0)
         assert int(np.asarray(other.stats.moved).sum()) > 0, mode
 
 
-@pytest.mark.parametrize("policy,impl", [(SinkWindow(sink=4, window=20), "xla"),
-                                         (H2O(heavy=8, recent=16, high_watermark=40), "reference")])
+@pytest.mark.parametrize("policy,impl", [(SinkWindow(sink=4, window=30), "xla"),  # the matrix module's policies
+                                         (H2O(heavy=10, recent=20, high_watermark=40), "reference")])
 def test_retention_policies_stream_int8_close_to_float(tiny, policy, impl):
     rng = np.random.default_rng(2)
-    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(10)])
-    common = dict(policy=policy, page_size=8, num_pages=16, impl=impl)
+    chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i) for i in range(CHUNKS)])
+    common = dict(policy=policy, page_size=8, num_pages=16, subblock=4, impl=impl)
     ref = omnijax.stream(tiny, chunks, **common)
     got = omnijax.stream(tiny, chunks, kv_dtype="int8", **common)
     assert int(np.asarray(ref.stats.evicted).sum()) > 0
@@ -268,9 +271,8 @@ def test_pallas_streams_an_int8_pool_like_xla(tiny):
     # re-indexing trims (re-rotated, requantised keys) and answers, gives the same logits and tokens.
     rng = np.random.default_rng(4)
     chunks = stack_chunks([text_chunk(rng.integers(0, 300, 10), unit=i, answer_tokens=3 if i % 4 == 3 else 0)
-                           for i in range(8)])
-    common = dict(policy=OmniPick(high_watermark=40, low_watermark=25, recent_units=1, text_budget=6),
-                  page_size=16, num_pages=8, max_answer_tokens=3, kv_dtype="int8")
+                           for i in range(CHUNKS)])
+    common = dict(OMNIPICK_STREAM, kv_dtype="int8")
     xla = omnijax.stream(tiny, chunks, impl="xla", **common)
     pallas = omnijax.stream(tiny, chunks, impl="pallas", **common)
     assert isinstance(pallas.state.kv.k, QuantPages) and int(np.asarray(xla.stats.evicted).sum()) > 0
