@@ -14,6 +14,7 @@ from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 from omnijax.testing.synthetic import eval_sessions
+from tests._support import recall_setup
 
 CONFIG = TINY_OMNI.replace(vocab_size=256, intermediate_size=96)
 PAGES, PAGE = 24, 8
@@ -36,8 +37,10 @@ def _config(policy, recall, tau=2):
 
 
 def _alone(model, config, chunks):
+    """A batch-1 `Session` fed `chunks`, each padded to the session's longest (18 tokens: one compiled step per
+    policy, shared with test_recall_questions)."""
     session = Session(model, config)
-    outs = [session.feed(c) for c in chunks]
+    outs = [session.feed(c) for c in recall_setup.padded(chunks)]
     return (np.stack([np.asarray(o.logits[0]) for o in outs]), np.stack([np.asarray(o.tokens[0]) for o in outs]),
             session.recall_stats())
 

@@ -10,36 +10,36 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks.chunk import stack_chunks, text_chunk
+from omnijax.chunks.chunk import stack_chunks
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall, rerotate
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, stream
+from tests._support import recall_setup
+from tests._support.recall_setup import PAGE, PAGES, TAU
 
-PAGES, PAGE = 16, 8
-# Context chunks (unit 2i each): 48 tokens. SinkWindow(2, 38) first trims in the last context chunk's step, after
-# its prefill: every cached key and value was computed over the whole context, as in the full-context session.
-SIZES = (8, 8, 8, 8, 6, 10)
+# Context chunks (recall_setup.SIZES tokens, unit 2i each, padded to recall_setup.T): 48 tokens. SinkWindow(2, 38)
+# first trims in the last context chunk's step, after its prefill: every cached key and value was computed over the
+# whole context, as in the full-context session.
 
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 def _context(seed=0):
-    rng = np.random.default_rng(seed)
-    return [text_chunk(rng.integers(3, 290, n), unit=2 * i) for i, n in enumerate(SIZES)]
+    return recall_setup.context(seed)
 
 
 def _question(seed=0, answer=3):
-    return text_chunk(np.random.default_rng(100 + seed).integers(3, 290, 5), unit=100, answer_tokens=answer)
+    return recall_setup.question(100 + seed, answer=answer)
 
 
 def _session(model, policy, recall=None, paging="native"):
     return Session(model, StreamConfig(policy=policy, paging=paging, num_pages=PAGES, page_size=PAGE,
-                                       max_answer_tokens=4, recall=recall))
+                                       max_answer_tokens=TAU, recall=recall))
 
 
 def _feed_all(session, chunks):
@@ -62,7 +62,7 @@ def test_captured_units_hold_exactly_what_each_step_cached(model, paging):
     # its state and takes the chunk: it holds every token as the step computed it, before the step's trim.
     plain, held = _session(model, SinkWindow(sink=2, window=6), paging=paging), {}
     for chunk in _context():
-        shadow = Session(model, StreamConfig(num_pages=PAGES, page_size=PAGE, max_answer_tokens=4),
+        shadow = Session(model, StreamConfig(num_pages=PAGES, page_size=PAGE, max_answer_tokens=TAU),
                          state=plain.state)
         shadow.feed(chunk)
         held.update(_by_order(shadow.state.kv))
@@ -234,7 +234,7 @@ def test_recall_off_runs_the_same_program_bit_for_bit(model):
         np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     ref = stream(model, stack_chunks(chunks), StreamConfig(policy=SinkWindow(sink=2, window=12), num_pages=PAGES,
-                                                           page_size=PAGE, max_answer_tokens=4))
+                                                           page_size=PAGE, max_answer_tokens=TAU))
     # `stream` scans the chunks in one program, Session runs one step program per chunk: the same arithmetic, but
     # XLA:CPU may fuse the two programs differently on another CPU (7e-8 apart on one machine), so it is 1e-5 here;
     # the off/on comparison above is what must be bit for bit (the same step program).

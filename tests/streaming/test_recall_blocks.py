@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks.chunk import text_chunk
 from omnijax.kv import host_tier, host_tier_scoring
 from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall, parse_recall, rerotate
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
+from tests._support import recall_setup
+from tests._support.recall_setup import PAGE, PAGES, TAU
 
-PAGES, PAGE = 16, 8
-SIZES = (8, 8, 8, 8, 6, 10)  # 48 context tokens, unit 2i each; each policy below first trims in the last step
+# recall_setup.context(): 48 context tokens, unit 2i each; each policy below first trims in the last step
 POLICIES = {
     "sink_window": SinkWindow(sink=2, window=38),
     "streaming_llm": StreamingLLM(sink_tokens=2, window=30, high_watermark=40),
@@ -32,26 +32,21 @@ BLOCK = 3
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
-
-
-def _context(seed=0):
-    rng = np.random.default_rng(seed)
-    return [text_chunk(rng.integers(3, 290, n), unit=2 * i) for i, n in enumerate(SIZES)]
+    return recall_setup.decoder()
 
 
 def _question(seed=0):
-    return text_chunk(np.random.default_rng(100 + seed).integers(3, 290, 5), unit=100, answer_tokens=3)
+    return recall_setup.question(100 + seed)
 
 
 def _session(model, policy, recall=None):
-    return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=4,
+    return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=TAU,
                                        recall=recall))
 
 
 def _fed(model, policy, recall=None):
     session = _session(model, policy, recall)
-    for chunk in _context():
+    for chunk in recall_setup.context():
         session.feed(chunk)
     return session
 

@@ -8,36 +8,31 @@ import os
 import numpy as np
 import pytest
 
-import omnijax
-from omnijax.chunks.chunk import text_chunk
 from omnijax.kv import host_tier_disk
-from omnijax.models.config import TINY_OMNI
 from omnijax.retention import SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
-
-PAGES, PAGE = 16, 8
-SIZES = (8, 8, 8, 8, 6, 10)
+from tests._support import recall_setup
+from tests._support.recall_setup import PAGE, PAGES, TAU
 
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 def _context():
-    rng = np.random.default_rng(0)
-    return [text_chunk(rng.integers(3, 290, n), unit=2 * i) for i, n in enumerate(SIZES)]
+    return recall_setup.context(0)
 
 
 def _question(seed=100):
-    return text_chunk(np.random.default_rng(seed).integers(3, 290, 5), unit=100 + seed, answer_tokens=3)
+    return recall_setup.question(seed, unit=100 + seed)
 
 
 def _session(model, recall, policy=None):
     return Session(model, StreamConfig(policy=policy or SinkWindow(sink=2, window=12), num_pages=PAGES,
-                                       page_size=PAGE, max_answer_tokens=4, recall=recall))
+                                       page_size=PAGE, max_answer_tokens=TAU, recall=recall))
 
 
 def _fed(session, chunks):
@@ -102,7 +97,7 @@ def test_a_snapshot_with_spilled_units_resumes_exactly(model, tmp_path, keep):
     later = [_question(100), _question(101)]
     want = _fed(first, later)
     resumed = Session.resume(model, snap, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE,
-                                                       max_answer_tokens=4, recall=recall))
+                                                       max_answer_tokens=TAU, recall=recall))
     got = _fed(resumed, later)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))

@@ -9,33 +9,29 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax.chunks.chunk import text_chunk
 from omnijax.kv import host_tier
-from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, StreamingLLM
 from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, SessionSnapshot
-from tests._support import tiny_omni
+from tests._support import recall_setup, tiny_omni
+from tests._support.recall_setup import PAGE, PAGES, TAU
 
-PAGES, PAGE = 16, 8
-SIZES = (8, 8, 8, 8, 6, 10)
 OMNIPICK = OmniPick(high_watermark=40, low_watermark=30, recent_units=2, text_budget=4)
 STREAMING = StreamingLLM(sink_tokens=2, window=12, high_watermark=16)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 def _context(seed=0):
-    rng = np.random.default_rng(seed)
-    return [text_chunk(rng.integers(3, 290, n), length=10, unit=2 * i) for i, n in enumerate(SIZES)]
+    return recall_setup.context(seed)
 
 
 def _question():
-    return text_chunk(np.random.default_rng(100).integers(3, 290, 5), length=10, unit=100, answer_tokens=3)
+    return recall_setup.question(100)
 
 
 def _continuation():
@@ -46,7 +42,7 @@ def _continuation():
 
 
 def _session(model, policy, recall=None, **kw):
-    return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=4,
+    return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=TAU,
                                        recall=recall), **kw)
 
 
@@ -99,7 +95,7 @@ def test_resumed_session_answers_like_the_uninterrupted_one(model, policy):
     stored = len(snap.tier.tier.units)
     want = _outs(through, context[5:] + rest)
     resumed = Session.resume(model, snap, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE,
-                                                       max_answer_tokens=4, recall=Recall(budget=64, top_units=3)))
+                                                       max_answer_tokens=TAU, recall=Recall(budget=64, top_units=3)))
     got = _outs(resumed, context[5:] + rest)
     for (a, ta), (b, tb) in zip(want, got):
         np.testing.assert_array_equal(a, b)
@@ -111,7 +107,7 @@ def test_resumed_session_answers_like_the_uninterrupted_one(model, policy):
     # Oracle that the tier and its positions matter: the same state resumed with the tier emptied answers otherwise.
     empty = dataclasses.replace(snap.tier, tier=host_tier.HostTier(budget_bytes=1 << 30))
     other = Session.resume(model, SessionSnapshot(state=snap.state, tier=empty),
-                           StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=4,
+                           StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=TAU,
                                         recall=Recall(budget=64, top_units=3)))
     if stored:
         assert np.abs(_outs(other, context[5:] + rest)[1][0] - want[1][0]).max() > 1e-4
@@ -126,7 +122,7 @@ def test_missing_or_corrupt_tier_is_refused_by_name(model):
     assert units
 
     def resume(tier, **kw):
-        config = StreamConfig(policy=STREAMING, num_pages=PAGES, page_size=PAGE, max_answer_tokens=4,
+        config = StreamConfig(policy=STREAMING, num_pages=PAGES, page_size=PAGE, max_answer_tokens=TAU,
                               recall=kw.pop("recall", recall))
         return Session.resume(model, SessionSnapshot(state=snap.state, tier=tier), config)
 

@@ -7,15 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-import omnijax
-from omnijax.chunks.chunk import text_chunk
 from omnijax.kv import host_tier, host_tier_scoring
 from omnijax.kv.host_tier_two_stage import score_units_two_stage, shortlist_units
-from omnijax.models.config import TINY_OMNI
 from omnijax.retention import SinkWindow
 from omnijax.retention.recall import Recall, rerotate
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
+from tests._support import recall_setup
+from tests._support.recall_setup import PAGE, PAGES, TAU
 
 ROPE = (10000.0, None, False)
 
@@ -52,30 +51,17 @@ def test_two_stage_scores_are_mass_on_the_summaries_shortlist(seed):
         shortlist_units(tier, query, 0)
 
 
-PAGES, PAGE = 16, 8
-SIZES = (8, 8, 8, 8, 6, 10)
-
-
-def _context():
-    rng = np.random.default_rng(0)
-    return [text_chunk(rng.integers(3, 290, n), unit=2 * i) for i, n in enumerate(SIZES)]
-
-
-def _question():
-    return text_chunk(np.random.default_rng(100).integers(3, 290, 5), unit=100, answer_tokens=3)
-
-
 def _run(model, recall):
     session = Session(model, StreamConfig(policy=SinkWindow(sink=2, window=12), num_pages=PAGES, page_size=PAGE,
-                                          max_answer_tokens=4, recall=recall))
-    for chunk in _context():
+                                          max_answer_tokens=TAU, recall=recall))
+    for chunk in recall_setup.context(0):
         session.feed(chunk)
-    out = session.feed(_question())
+    out = session.feed(recall_setup.question(100))
     return session, out
 
 
 def test_a_session_with_a_whole_tier_shortlist_recalls_and_answers_as_mass():
-    model = omnijax.Decoder(TINY_OMNI)
+    model = recall_setup.decoder()
     mass, want = _run(model, Recall(budget=16, top_units=2))
     whole, got = _run(model, Recall(budget=16, top_units=2, scoring="two_stage", shortlist=64))
     assert len(mass._recall.tier.units) >= 4 and mass._recall.last.units

@@ -12,10 +12,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-import omnijax
 from omnijax.chunks.chunk import pad_chunk, text_chunk
 from omnijax.conversation import Prompt
-from omnijax.models.config import TINY_OMNI
 from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
 from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
@@ -23,6 +21,7 @@ from omnijax.serve.engine.snapshot import SnapshotFormatError, load_snapshot, sa
 from omnijax.serve.engine.snapshot_tier import TIER_FILE
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
+from tests._support import recall_setup
 from tests._support.engine_worker import on_worker
 
 T, TAU, PAGES, PAGE = 10, 3, 64, 8
@@ -36,7 +35,7 @@ SIZES = (8, 8, 8, 8, 6, 10)
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 def _config(policy, recall=Recall(budget=64, top_units=8)):

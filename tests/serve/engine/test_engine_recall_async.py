@@ -14,12 +14,11 @@ import threading
 import numpy as np
 import pytest
 
-import omnijax
 from omnijax.conversation import Prompt
-from omnijax.models.config import TINY_OMNI
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.streaming.recall_session import RecallSession
 from omnijax.streaming.session import Session
+from tests._support import recall_setup
 from tests._support.engine_worker import on_worker
 from tests.serve.engine.test_engine_recall import (
     POLICIES,
@@ -38,7 +37,7 @@ B_TICKS = 3  # ticks of session b while a's question is held
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 @pytest.fixture

@@ -22,23 +22,22 @@ import omnijax
 from omnijax.chunks.chunk import text_chunk
 from omnijax.kv import host_tier
 from omnijax.models.config import TINY_OMNI
-from omnijax.retention import OmniPick, StreamingLLM
+from omnijax.retention import OmniPick
 from omnijax.retention import recall as recall_lib
-from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.recall_rows import row_view
 from omnijax.streaming import recall_ops
-from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import graphdef_config, model_parts
+from tests._support import recall_setup
+from tests.serve.engine.test_engine_recall import PAGE, POLICIES, T, _config
 from tests.streaming.test_stream_in_place import _instructions, _size
 
-N_PAGES, PAGE, T = 37, 8, 10
-POLICY = StreamingLLM(sink_tokens=2, window=12, high_watermark=16)
+N_PAGES = 37  # the HLO check's pool: a prime page count, so no other array has the K/V stack's size
 
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
 def _copies(hlo: str) -> list:
@@ -88,9 +87,8 @@ def test_the_recall_programs_update_the_pool_in_place(model):
 
 
 def test_a_question_tick_keeps_the_pools_buffers(model):
-    config = StreamConfig(policy=POLICY, num_pages=N_PAGES, page_size=PAGE, max_answer_tokens=3, impl="xla",
-                          recall=Recall(budget=64, top_units=8))
-    engine = Engine(model, EngineConfig(stream=config, chunk_tokens=T, buckets=(1, 2)))
+    # test_engine_recall's settings under the same StreamingLLM (its programs compile once per suite)
+    engine = Engine(model, EngineConfig(stream=_config(POLICIES["streamingllm"]), chunk_tokens=T, buckets=(1, 2, 4)))
     engine.open("a")
     engine.open("b")
     engine.submit("a", text_chunk([5, 6, 7], length=T, unit=0), 0)
@@ -115,8 +113,7 @@ def test_a_question_tick_keeps_the_pools_buffers(model):
 def test_an_in_place_capture_reads_what_answer_tokens_overwrote_from_the_saved_slots(model):
     """A step whose answer refills the holes its trim left: read in place alone, the overwritten tokens are lost
     (reported); with the row's live slots saved before the step, the capture equals one from a copy of the cache."""
-    config = StreamConfig(policy=POLICY, num_pages=N_PAGES, page_size=PAGE, max_answer_tokens=3, impl="xla")
-    session = omnijax.Session(model, config)
+    session = omnijax.Session(model, _config(POLICIES["streamingllm"], recall=None))
     rng = np.random.default_rng(1)
     for i in range(2):
         session.feed(text_chunk(rng.integers(3, 290, 8), length=T, unit=2 * i))

@@ -1,9 +1,11 @@
 """An engine with recall warmed up (`recall_warmup.warm_up_recall`, what `omnijax serve` runs) answers a session's
 first question without compiling anything: no program is handed to XLA from the question's submit to its answer
-(jax's own compile events, counted from any thread, the recall executor's too). Control: the same question on an
-engine that was not warmed compiles programs (so the count can fail). Pool shapes no other module uses keep the
-programs new to this process; the warm-up leaves no session open and the pool as it was, and is refused by name
-without recall or with sessions open."""
+(jax's own compile events, counted from any thread, the recall executor's too; a program loaded from the persistent
+compilation cache counts too). Control: the same question on an engine of the same settings that was not warmed,
+after the process dropped every compiled program it held (as the suite does between modules), compiles or loads
+programs (so the count can fail). The settings are `test_engine_recall`'s (its programs compile once per suite); the
+warm-up leaves no session open and the pool as it was, and is refused by name without recall or with sessions
+open."""
 
 from __future__ import annotations
 
@@ -14,18 +16,15 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-import omnijax
+from omnijax import compilation_cache
 from omnijax.chunks.chunk import text_chunk
-from omnijax.models.config import TINY_OMNI
-from omnijax.retention import OmniPick
-from omnijax.retention.recall import Recall
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.recall_warmup import warm_up_recall
 from omnijax.streaming.config import StreamConfig
+from tests._support import recall_setup
+from tests.serve.engine.test_engine_recall import PAGE, POLICIES, T, _config
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-T, PAGE = 12, 8
-POLICY = OmniPick(high_watermark=44, low_watermark=30, recent_units=2, text_budget=4)
 
 
 class _Compiles:
@@ -49,13 +48,11 @@ class _Compiles:
 
 @pytest.fixture(scope="module")
 def model():
-    return omnijax.Decoder(TINY_OMNI)
+    return recall_setup.decoder()
 
 
-def _engine(model, pages):
-    config = StreamConfig(policy=POLICY, num_pages=pages, page_size=PAGE, max_answer_tokens=3, impl="xla",
-                          recall=Recall(budget=40, top_units=4))
-    return Engine(model, EngineConfig(stream=config, chunk_tokens=T, buckets=(1, 2)))
+def _engine(model):
+    return Engine(model, EngineConfig(stream=_config(POLICIES["omnipick"]), chunk_tokens=T, buckets=(1, 2, 4)))
 
 
 def _first_question(engine) -> tuple[int, list[int]]:
@@ -78,7 +75,8 @@ def _first_question(engine) -> tuple[int, list[int]]:
 
 
 def test_a_first_question_after_warm_up_compiles_nothing(model):
-    engine = _engine(model, 41)
+    compilation_cache.clear_in_memory()  # nothing of the settings in memory: the warm-up compiles or loads it all
+    engine = _engine(model)
     free = engine.free_pages
     warmed = warm_up_recall(engine, [1])
     assert warmed["questions"] == 1 and warmed["writes"] == 7 and warmed["gathers"] >= 9, warmed
@@ -86,14 +84,16 @@ def test_a_first_question_after_warm_up_compiles_nothing(model):
     compiled, tokens = _first_question(engine)
     assert compiled == 0 and tokens, compiled
 
-    # control: not warmed (another pool size, so no program of it exists yet), the same question compiles
-    cold = _engine(model, 43)
+    # control: not warmed, the process's programs dropped (so none of these settings is in memory), the same
+    # question compiles or loads programs
+    compilation_cache.clear_in_memory()
+    cold = _engine(model)
     compiled, cold_tokens = _first_question(cold)
     assert compiled > 0 and cold_tokens == tokens, compiled
 
 
 def test_warm_up_is_refused_without_recall_or_with_sessions_open(model):
-    engine = _engine(model, 41)
+    engine = _engine(model)
     engine.open("x")
     with pytest.raises(ValueError, match="runs before serving; sessions are open"):
         warm_up_recall(engine, [1])

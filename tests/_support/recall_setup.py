@@ -1,0 +1,45 @@
+"""The recall tests' shared setup (issue 40): one tiny decoder, one pool, one chunk length and one answer length.
+
+Every distinct (program, static settings, shapes) is an XLA compile of its own. Chunks of 5, 6, 8 and 10 tokens
+compiled a session step, a question forward and a capture per length and per policy; padded to `T` they share one,
+and the modules that use these settings share their programs through the persistent compilation cache (compiled by
+the first module a worker runs, loaded by the others).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import omnijax
+from omnijax.chunks.chunk import Chunk, pad_chunk, text_chunk
+from omnijax.models.config import TINY_OMNI
+
+PAGES, PAGE = 16, 8  # a session's pool: 128 cells
+T = 10  # every chunk's token axis (padding tokens are invalid: nothing is written for them)
+TAU = 4  # max_answer_tokens
+SIZES = (8, 8, 8, 8, 6, 10)  # the context chunks' tokens (unit 2i each): 48 in all
+
+
+@functools.cache
+def decoder() -> omnijax.Decoder:
+    """The tiny decoder every recall module streams (built once per process; no test writes to it)."""
+    return omnijax.Decoder(TINY_OMNI)
+
+
+def context(seed: int = 0, units: int = 0) -> list[Chunk]:
+    """Six text chunks of `SIZES` random tokens (units `units + 2 i`), each padded to `T`."""
+    rng = np.random.default_rng(seed)
+    return [text_chunk(rng.integers(3, 290, n), length=T, unit=units + 2 * i) for i, n in enumerate(SIZES)]
+
+
+def question(seed: int, unit: int = 100, answer: int = 3) -> Chunk:
+    """Five random tokens (unit `unit`) asking for `answer` tokens, padded to `T`."""
+    return text_chunk(np.random.default_rng(seed).integers(3, 290, 5), length=T, unit=unit, answer_tokens=answer)
+
+
+def padded(chunks: list[Chunk]) -> list[Chunk]:
+    """`chunks` padded to the longest one's length: one program per session step instead of one per length."""
+    longest = max(c.length for c in chunks)
+    return [pad_chunk(c, longest) for c in chunks]
