@@ -20,6 +20,7 @@ pytest.importorskip("websockets", reason="websockets (the `serve` and `test` ext
 
 import omnijax  # noqa: E402
 from omnijax.convert import QuantizeOptions, convert_checkpoint  # noqa: E402
+from omnijax.decoding import RowSampling  # noqa: E402
 from omnijax.kernels.quant import QuantizedWeight  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
@@ -49,6 +50,13 @@ def _stream_config():
                                 max_answer_tokens=4)
 
 
+# The engine as `test_the_command_line_serves_an_int4_checkpoint` starts `omnijax serve` (`--pages 32 --page-size 16
+# --answer-tokens 4 --chunk-tokens 64 --buckets 1 2 --no-per-token`, its default decoding), so that the command line's
+# process finds the int4 engine's programs in the persistent compilation cache instead of compiling them again.
+SERVE_DECODING = RowSampling(temperature=0.0, top_p=1.0, seed=0)
+CHUNK_TOKENS, BUCKETS = 64, (1, 2)
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe_int4(tmp_path_factory):
     """The tiny Qwen3-Omni thinker (MoE layers of 8 experts beside a dense one) converted with `--quantize int4`:
@@ -69,7 +77,8 @@ def served(request, checkpoints):
     model = omnijax.load(path)
     frame_ms = 200 if request.param.startswith("qwen3") else 1000  # as test_openai_families serves each family
     context = build_context(model, options=ServeOptions(port=0, frame_ms=frame_ms, max_output_tokens=16),
-                            stream=_stream_config(), chunk_tokens=64, buckets=(1, 2), aimd_target=0)
+                            stream=_stream_config().replace(decoding=SERVE_DECODING), chunk_tokens=CHUNK_TOKENS,
+                            buckets=BUCKETS, aimd_target=0)
     with BackgroundServer(context) as server:
         yield request.param, model, server
 
@@ -150,9 +159,10 @@ def test_the_command_line_serves_an_int4_checkpoint(checkpoints):
     chat completion through the SDK with `Chat`'s greedy answer under the same settings."""
     path, port = checkpoints["int4_g32"], _free_port()
     command = [sys.executable, "-m", "omnijax.cli", "serve", str(path), "--port", str(port), "--pages", "32",
-               "--page-size", "16", "--answer-tokens", "4", "--buckets", "1", "--warmup-sessions", "1",
-               "--aimd-target", "0"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+               "--page-size", "16", "--answer-tokens", "4", "--chunk-tokens", str(CHUNK_TOKENS), "--buckets",
+               *map(str, BUCKETS), "--no-per-token", "--warmup-sessions", "1", "--aimd-target", "0"]
+    # the test process's matmul precision, so that the served programs are the ones the fixture above compiled
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_DEFAULT_MATMUL_PRECISION="highest")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
         lines, deadline = [], time.monotonic() + 600
@@ -169,9 +179,7 @@ def test_the_command_line_serves_an_int4_checkpoint(checkpoints):
         got = client.chat.completions.create(model="omnijax", messages=[{"role": "user", "content": QUESTION}],
                                              max_tokens=12)
         model = omnijax.load(path)
-        chat = omnijax.Chat(model, omnijax.StreamConfig(policy=SinkWindow(sink=16, window=1024), num_pages=32,
-                                                        page_size=16, max_answer_tokens=4))
-        assert got.choices[0].message.content == "".join(chat.ask(QUESTION, max_tokens=12))
+        assert got.choices[0].message.content == _chat_answer(model, 12)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
