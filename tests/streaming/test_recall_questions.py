@@ -39,6 +39,7 @@ from omnijax.retention.recall import Recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 from omnijax.testing.synthetic import eval_sessions
+from tests._support import recall_setup
 
 CONFIG = TINY_OMNI.replace(vocab_size=256, intermediate_size=96)
 PAGES, PAGE = 24, 8
@@ -72,10 +73,27 @@ def one_layer():
 
 @pytest.fixture(scope="module")
 def chunks():
-    """System prompt, 4 audiovisual units, a question (answered with 2 tokens) after the 2nd and the 4th."""
-    session = eval_sessions(CONFIG.vocab_size, count=2)[1]
+    """System prompt, 4 audiovisual units, a question (answered with 2 tokens) after the 2nd and the 4th, every chunk
+    padded to the longest (18 tokens): one compiled step per policy, as `evaluate` pads them."""
+    session = recall_setup.padded(eval_sessions(CONFIG.vocab_size, count=2)[1])
     assert [c for c, chunk in enumerate(session) if np.asarray(chunk.answer_tokens).any()] == [3, 6]
+    assert {c.length for c in session} == {18} and [int(np.asarray(c.valid).sum()) for c in session[:4]] == [6, 18,
+                                                                                                         18, 5]
     return session
+
+
+@pytest.fixture(scope="module")
+def full_context(model, chunks):
+    """`NoSlide`'s (logits, tokens) at every chunk, per attention implementation (the full-context oracle, run once
+    for all the policies)."""
+    cache = {}
+
+    def run(impl):
+        if impl not in cache:
+            full = _session(model, NoSlide(), impl=impl)
+            cache[impl] = [(np.asarray(o.logits), np.asarray(o.tokens)) for o in map(full.feed, chunks)]
+        return cache[impl]
+    return run
 
 
 def _session(model, policy, recall=None, impl="xla"):
@@ -98,25 +116,26 @@ def _assert_recalled_everything(session, stored):
 
 
 @pytest.mark.parametrize("name", sorted(EVERY_CHUNK))
-def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(model, chunks, name):
+def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(model, chunks, full_context,
+                                                                                        name):
     impl = IMPL.get(name, "xla")
-    full, bounded = _session(model, NoSlide(), impl=impl), _session(model, EVERY_CHUNK[name], impl=impl)
+    bounded = _session(model, EVERY_CHUNK[name], impl=impl)
     recalled = _session(model, EVERY_CHUNK[name], EVERYTHING, impl=impl)
     questions = recalls = 0
-    for chunk in chunks:
+    for chunk, (want_logits, want_tokens) in zip(chunks, full_context(impl), strict=True):
         stored = recalled.recall_stats().stored_units
         recalls += stored > 0
         if stored and not _is_question(chunk):  # a question recalls by itself, by its computed scores
             recalled.recall(chunk, scores=np.ones(stored, np.float32))
-        want, got, without = full.feed(chunk), recalled.feed(chunk), bounded.feed(chunk)
+        got, without = recalled.feed(chunk), bounded.feed(chunk)
         if stored:
             _assert_recalled_everything(recalled, stored)
-        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_allclose(np.asarray(got.logits), want_logits, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.tokens), want_tokens)
         if _is_question(chunk):
             questions += 1
             # Power: the same policy without recall reads another context at each question.
-            assert np.abs(np.asarray(without.logits) - np.asarray(want.logits)).max() > 1e-3
+            assert np.abs(np.asarray(without.logits) - want_logits).max() > 1e-3
     stats = recalled.recall_stats()
     assert questions == 2 and stats.lost_cells == 0 and stats.dropped_units == 0
     assert stats.questions == recalls >= 3  # both questions and at least one context chunk ran over a recall
