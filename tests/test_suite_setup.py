@@ -42,13 +42,20 @@ def test_this_process_and_its_workers_use_the_flags():
 
 def test_llvm_optimisation_is_off_but_in_execution_bound_modules():
     assert xla_flags.wants_quick_compile("paging/test_paging.py", {})
-    assert not xla_flags.wants_quick_compile("serve/engine/test_serve_engine.py", {})
+    assert xla_flags.wants_quick_compile("serve/engine/test_serve_engine.py", {})
+    assert not xla_flags.wants_quick_compile("serve/test_fault_injection.py", {})
     assert not xla_flags.wants_quick_compile("streaming/test_endurance.py", {})
     assert not xla_flags.wants_quick_compile("paging/test_paging.py", {xla_flags.QUICK_ENV: "0"})
     # This module compiles quickly, and the subprocesses it starts would too.
     quick = xla_flags.wants_quick_compile("test_suite_setup.py")
     assert jax.config.read("jax_disable_most_optimizations") is quick
     assert os.environ[xla_flags.JAX_ENV] == ("1" if quick else "0")
+
+
+def test_the_execution_bound_modules_exist():
+    """Each execution-bound entry names a test module that exists (a renamed one would silently compile quickly)."""
+    tests_dir = Path(__file__).parent
+    assert [m for m in xla_flags.EXECUTION_BOUND if not (tests_dir / m).is_file()] == []
 
 
 def test_the_slow_first_table_names_existing_modules_and_make_test_keeps_its_order():

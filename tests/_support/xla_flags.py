@@ -25,13 +25,19 @@ BASE_ENV = "OMNIJAX_TEST_BASE_XLA_FLAGS"  # XLA_FLAGS as they were before apply(
 QUICK_ENV = "OMNIJAX_TEST_QUICK_COMPILE"  # "0": never turn LLVM optimisation off
 JAX_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # how a subprocess's jax reads `jax_disable_most_optimizations`
 
-# Test modules (paths under tests/) whose programs run long enough, or against a frame budget, that they keep LLVM
-# optimisation: the servers answering in real time, the hour-long sessions, and the real-model modules (SmolLM2-135M's
-# 30 layers decode ~4x slower without it, and they compile only a few programs). Not tests/test_bench_smoke.py: its
-# `--smoke` scripts check that a script runs, they measure nothing, and run with the quick settings whatever this
-# says (its `_env`); in its own process it only builds and streams a tiny random Llama, a compile-bound check.
-EXECUTION_BOUND = ("serve/", "streaming/test_endurance.py", "convert/test_gguf_smollm2.py", "test_readme_and_demo.py")
-
+# Test modules (paths under tests/) whose programs run long enough, or against a clock, that they keep LLVM
+# optimisation: the servers whose tests assert a latency, a frame cadence or how many frames a tick batched (a tick
+# ~3x slower changes those figures), the hour-long sessions, and the real-model modules (SmolLM2-135M's 30 layers
+# decode ~4x slower without it, and they compile only a few programs). Every other serving module compiles quickly:
+# its tests compare answers with an oracle, however long a tick takes (serve/test_speech_written.py cold: 202 CPU s
+# with optimisation, 123 s without; warm 52 s without). Not tests/test_bench_smoke.py: its `--smoke` scripts check
+# that a script runs, they measure nothing, and run with the quick settings whatever this says (its `_env`).
+EXECUTION_BOUND = (
+    "serve/test_fault_injection.py", "serve/test_serve_traffic.py", "serve/test_serve_slow_consumer.py",
+    "serve/test_serve_server.py", "serve/test_serve_restarts.py", "serve/engine/test_per_token.py",
+    "serve/realtime/test_realtime_churn.py", "serve/native/test_native_periodic.py", "serve/cluster/test_ray_replicas.py",
+    "streaming/test_endurance.py", "convert/test_gguf_smollm2.py", "test_readme_and_demo.py",
+)
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> str:
     """Appends the test flags to `environ["XLA_FLAGS"]` (once: a child that applies them again changes nothing).
@@ -53,7 +59,7 @@ def test_flags(environ: Mapping[str, str] = os.environ) -> str:
 
 def wants_quick_compile(module: str, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the test module at `module` (a path relative to tests/, `/`-separated) compiles quickly."""
-    return environ.get(QUICK_ENV, "1") != "0" and not module.startswith(EXECUTION_BOUND)
+    return environ.get(QUICK_ENV, "1") != "0" and module not in EXECUTION_BOUND
 
 
 def quick_compile(on: bool, environ: MutableMapping[str, str] = os.environ) -> None:
