@@ -40,14 +40,15 @@ FIRST_CHUNK, CHUNK = 4, 5  # vocoder calls of 4, 5 and 2 frames
 SYSTEM, QUESTION, AGAIN = "Be brief.", "Say hello.", "Once more."
 
 
-def spoken_release(root):
+def spoken_release(root, *, thinker: bool = True):
     """`(full, thinker-only)` converted checkpoints of the seeded tiny release, each with the tiny tokenizer (the
-    transformers source directories are `root / "hf"` and `root / "hf_thinker"`)."""
+    transformers source directories are `root / "hf"` and `root / "hf_thinker"`); `thinker=False`: `(full,)`."""
     full = T.seeded_full_model()
     full.save_pretrained(root / "hf", safe_serialization=True)
-    full.thinker.save_pretrained(root / "hf_thinker", safe_serialization=True)
+    if thinker:
+        full.thinker.save_pretrained(root / "hf_thinker", safe_serialization=True)
     out = []
-    for name in ("hf", "hf_thinker"):
+    for name in ("hf", "hf_thinker")[:2 if thinker else 1]:
         write_tiny_tokenizer(root / name, vocab_size=Q.TEXT["vocab_size"], special_tokens=SPECIALS,
                              chat_template=CHATML_TEMPLATE)
         out.append(convert_checkpoint(root / name, root / f"{name}_omnijax", progress=False, log=lambda _: None))

@@ -39,7 +39,7 @@ torch = pytest.importorskip("torch", reason="torch (the test extra) builds the t
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
 import omnijax  # noqa: E402
-from omnijax.chat import SpeakOptions  # noqa: E402
+from omnijax.chunks.spans import SpanKind  # noqa: E402
 from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.media.audio import pcm16, read_wav  # noqa: E402
 from omnijax.models.qwen2_5_omni import speech as S25  # noqa: E402
@@ -55,7 +55,7 @@ from omnijax.serve.engine.speech_qwen25 import Qwen25SpeechPool  # noqa: E402
 from omnijax.serve.realtime import client_events as rte  # noqa: E402
 from omnijax.serve.realtime.resume import ResumeRefused  # noqa: E402
 from omnijax.serve.realtime.resume_meta import settings_of  # noqa: E402
-from tests.chat.test_chat_speech import hf_prompt, spoken_release  # noqa: E402
+from tests.chat.test_chat_speech import hf_prompt, spoken_release, stream_config  # noqa: E402
 from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
 from tests.models.qwen2_5_omni import test_talker as T25  # noqa: E402
 
@@ -82,7 +82,7 @@ def spoken_release25(root):
 @pytest.fixture(scope="module", params=[QWEN3, "qwen2_5_omni"])
 def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"written_speech_{request.param}")
-    full = spoken_release(root)[0] if request.param == QWEN3 else spoken_release25(root)
+    full = spoken_release(root, thinker=False)[0] if request.param == QWEN3 else spoken_release25(root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = omnijax.load(full)
@@ -95,15 +95,18 @@ def served(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(served):
-    """`Chat`'s greedy answer (text, ids) and the talker prompt transformers renders."""
+    """`Chat`'s greedy answer (text, ids) and the talker prompt transformers renders. The ids are what a spoken
+    answer speaks (`Chat.last_spoken.answer_ids`): the decoded tokens without a final end-of-turn token. Chat decodes
+    without speaking (the speech is `_want`'s, alone) and in blocks of 4 tokens, `test_chat_speech`'s settings (its
+    compiled step for the Qwen3-Omni release; greedy tokens do not depend on the block size)."""
     root, model, _ = served
-    chat = omnijax.Chat(model, _stream())
-    items = list(chat.ask(_question(model)[0]["content"], max_tokens=MAX_TOKENS,
-                          speak=SpeakOptions(voice="Chelsie", max_speech_tokens=SPEECH_TOKENS)))
-    text = "".join(i for i in items if isinstance(i, str))
-    answer = np.asarray(chat.last_spoken.answer_ids)
+    chat = omnijax.Chat(model, stream_config())
+    items = list(chat.ask(_question(model)[0]["content"], max_tokens=MAX_TOKENS))
+    assert all(isinstance(i, str) for i in items) and chat.units[-1].kind == "answer"
+    generated = chat.text_ids[len(chat.text_ids) - chat.units[-1].fed[int(SpanKind.RESPONSE)]:]
+    answer = np.asarray(generated[:-1] if generated[-1] in model.config.eos_token_ids else generated)
     assert answer.size >= 12, "the answer is too short for the talker to speak before it ends"
-    return text, np.asarray(hf_prompt(root / "hf", _question(model))), answer
+    return "".join(items), np.asarray(hf_prompt(root / "hf", _question(model))), answer
 
 
 def _early(model) -> bool:

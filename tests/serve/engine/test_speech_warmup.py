@@ -3,8 +3,9 @@ a first spoken utterance of one session compiles nothing (the pool's prefill, ta
 already hold its shapes), the pool is left empty with its pages free and its statistics as they were, and a pool
 that is speaking is refused by name.
 
-Chunk sizes no other test uses (5 frames, then 6) make the vocoder shapes new to this process, so the warm-up is
-seen compiling them and the utterance after it is seen compiling nothing. The release is `test_speech_ticks`'s.
+The release, the engine and the pool settings are `test_speech_ticks`'s, so the programs compile once per suite (the
+persistent cache holds them); each module starts with empty in-memory caches (tests/conftest.py), so the warm-up is
+still seen adding the vocoder programs to this process and the utterance after it is seen adding nothing.
 """
 
 import numpy as np
@@ -14,14 +15,13 @@ import omnijax
 from omnijax.models.qwen3_omni import code2wav_rows
 from omnijax.serve.engine import speech_steps
 from omnijax.serve.engine.engine import Engine, EngineConfig
-from omnijax.serve.engine.speech import SpeechConfig
 from omnijax.serve.speech_engine import warm_up_pool
 
 pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 from tests.serve.engine import test_speech_ticks as ticks  # noqa: E402  (needs torch)
 
 model = ticks.model  # the module's converted tiny Qwen3-Omni release (a fixture)
-FIRST, CHUNK = 5, 6
+FIRST, CHUNK = ticks.FIRST, ticks.CHUNK
 
 
 def _compiled():
@@ -29,9 +29,10 @@ def _compiled():
 
 
 def test_a_warmed_pool_speaks_a_first_utterance_without_compiling(model):
-    stream = omnijax.StreamConfig(num_pages=16, page_size=16, max_answer_tokens=2)
-    speech = SpeechConfig(rows=(1, 2), num_pages=16, page_size=16, first_chunk=FIRST, chunk=CHUNK)
-    engine = Engine(model, EngineConfig(stream=stream, chunk_tokens=8, buckets=(1,), speech=speech))
+    # test_speech_ticks's engine and pool settings: the programs the warm-up compiles are that module's
+    stream = omnijax.StreamConfig(num_pages=32, page_size=16, max_answer_tokens=2)
+    speech = ticks.SPEECH
+    engine = Engine(model, EngineConfig(stream=stream, chunk_tokens=8, buckets=(2,), speech=speech))
     pool = engine.speech
     stats = dict(pool.stats)
     before = _compiled()

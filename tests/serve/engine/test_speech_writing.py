@@ -28,8 +28,8 @@ from tests.serve.engine import test_speech_ticks as ticks  # noqa: E402
 
 IM_END, prompt_ids, model = ticks.IM_END, ticks.prompt_ids, ticks.model  # `model`: the module's fixture
 
-FIRST, CHUNK = 3, 4
-SPEECH = SpeechConfig(rows=(1, 2, 4), num_pages=40, page_size=16, first_chunk=FIRST, chunk=CHUNK)
+# test_speech_ticks's pool settings: the same compiled pool programs (row buckets 2 and 4, 40 pages of 16)
+FIRST, CHUNK, SPEECH = ticks.FIRST, ticks.CHUNK, ticks.SPEECH
 
 
 def _run(pool, ids, feed=None):
