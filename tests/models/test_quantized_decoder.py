@@ -5,6 +5,7 @@ tolerance; a mixed dense/MoE decoder with quantised experts likewise (both MoE i
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -88,10 +89,11 @@ def _assert_alike(model, reference, ids):
     config = configs(128)["NoSlide"]
     units = units_for(model)
     streamed = []
+    half = ids.shape[1] // 2  # two units padded alike: one compiled step per model
     for m in (model, reference):
         session = omnijax.Session(m, config)
-        out = session.feed(units.pad(units.text(ids[0, :24], 0, SpanKind.TEXT, answer_tokens=4)))
-        out2 = session.feed(units.pad(units.text(ids[0, 24:], 1, SpanKind.TEXT, answer_tokens=4)))
+        out = session.feed(units.pad(units.text(ids[0, :half], 0, SpanKind.TEXT, answer_tokens=4)))
+        out2 = session.feed(units.pad(units.text(ids[0, half:], 1, SpanKind.TEXT, answer_tokens=4)))
         streamed.append((np.asarray(out.logits), np.asarray(out2.logits), np.asarray(out2.tokens)))
     np.testing.assert_allclose(streamed[0][0], streamed[1][0], atol=1e-4, rtol=0)
     np.testing.assert_allclose(streamed[0][1], streamed[1][1], atol=1e-4, rtol=0)
@@ -141,12 +143,20 @@ def _moe_decoder(scheme):
     return config, graphdef, state
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames="impl")
+def _moe_forward(graphdef, params, ids, valid, positions, *, impl):
+    """`forward` traced once per `impl` (a static argument: `forward` reads `moe_lib.default_impl()` while tracing,
+    so a trace keyed without it would serve the other impl's program); the plain function, jitted here."""
+    return forward.__wrapped__(graphdef, params, ids, valid, positions, None, None, None, page_size=8)
+
+
 @pytest.mark.parametrize("impl", moe_lib.IMPLS)
 @pytest.mark.parametrize("scheme", [Int8PerChannel(), Int4Grouped(32)], ids=["int8", "int4"])
 def test_quantized_moe_experts_equal_dequantized(impl, scheme, monkeypatch):
     """A mixed dense/MoE decoder with quantised experts (per-expert dequantisation in the blocked impl, the whole
     stack in ragged_dot's) gives the dequantised float decoder's logits to 1e-4."""
-    monkeypatch.setattr(moe_lib, "default_impl", lambda: impl)
+    traced = []
+    monkeypatch.setattr(moe_lib, "default_impl", lambda: traced.append(impl) or impl)
     config, graphdef, state = _moe_decoder(scheme)
     dense = jax.tree.map(lambda a: dequantize(a) if isinstance(a, QuantizedWeight) else a, state,
                          is_leaf=lambda a: isinstance(a, QuantizedWeight))
@@ -155,10 +165,8 @@ def test_quantized_moe_experts_equal_dequantized(impl, scheme, monkeypatch):
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, B, T))
     valid = jnp.ones((B, T), bool)
 
-    def run(params):
-        return np.asarray(jax.jit(forward, static_argnums=0, static_argnames="page_size")(
-            graphdef, params, ids, valid, positions, None, None, None, page_size=8))
-
-    got, want = run(state), run(dense)
+    got = np.asarray(_moe_forward(graphdef, state, ids, valid, positions, impl=impl))
+    assert traced, f"the quantised decoder was not traced with impl={impl!r}"  # its own program, not another impl's
+    want = np.asarray(_moe_forward(graphdef, dense, ids, valid, positions, impl=impl))
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
