@@ -45,6 +45,8 @@ from jax._src.lib import _jax, xla_client
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from omnijax.source_keys import SourceGraph, node_modules, strings_in_pickle
+
 ENV = "OMNIJAX_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "none", "no")
 
@@ -96,8 +98,9 @@ def cache_dir() -> Path | None:
 # Serialised executables
 
 EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
-EXECUTABLE_FORMAT = 2  # bumped when what a file holds changes (2: zlib-compressed, a folder per source version)
-KEEP_VERSIONS = 3  # folders of executables kept: those of the most recently used sources and settings
+EXECUTABLE_FORMAT = 3  # bumped when what a file holds changes (3: keyed by the sources the function can reach)
+KEEP_VERSIONS = 3  # folders of executables kept: those of the most recently used jax versions and settings
+KEEP_BYTES = 2 << 30  # a folder's executables past this size: the least recently used removed (`_version_dir`)
 # jax settings that only say where caches and logs go: they do not change a program, so they are not in its key
 _UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                      "jax_persistent_cache_min_entry_size_bytes", "jax_explain_cache_misses", "jax_log_compiles",
@@ -138,19 +141,10 @@ _process_key: bytes | None = None
 _process_key_lock = threading.Lock()
 
 
-def _source_digest(root: Path) -> bytes:
-    """sha256 over every `.py` file of the package (path and bytes): any edit to omnijax makes new keys."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(b"\0")
-        digest.update(path.read_bytes())
-    return digest.digest()
-
-
 def process_key() -> bytes:
-    """What every program of this process shares in its key: omnijax's sources, jax and jaxlib's versions, the
-    backend and its devices, XLA's flags, and every jax setting that can change a traced or compiled program."""
+    """What every program of this process shares in its key: jax and jaxlib's versions, the backend and its devices,
+    XLA's flags, and every jax setting that can change a traced or compiled program. omnijax's sources are not in
+    it: each function's key holds the sources it can reach (`SourceGraph`)."""
     global _process_key
     with _process_key_lock:
         if _process_key is None:
@@ -158,9 +152,21 @@ def process_key() -> bytes:
             settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNKEYED_SETTINGS)
             parts = (EXECUTABLE_FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend(),
                      [(d.platform, d.device_kind, d.id) for d in devices], os.environ.get("XLA_FLAGS", ""),
-                     settings, _source_digest(_PACKAGE))
+                     settings)
             _process_key = hashlib.sha256(repr(parts).encode()).digest()
         return _process_key
+
+
+_graph: list = []
+
+
+def source_graph() -> SourceGraph:
+    """omnijax's `SourceGraph`, read once per process."""
+    if not _graph:
+        with _process_key_lock:
+            if not _graph:
+                _graph.append(SourceGraph(_PACKAGE, "omnijax"))
+    return _graph[0]
 
 
 _array_type: list = []
@@ -288,9 +294,10 @@ _prune_lock = threading.Lock()
 
 
 def _version_dir(base: Path) -> Path:
-    """`base/<process key>`: the executables of this process's sources and settings. The first call of a process
-    marks the folder used and removes all but the `KEEP_VERSIONS` most recently used folders beside it (every edit
-    to omnijax's sources makes a new one, so without this a developer's or CI's cache would only grow)."""
+    """`base/<process key>`: the executables of this process's jax version and settings. The first call of a process
+    marks the folder used and removes all but the `KEEP_VERSIONS` most recently used folders beside it, and in its
+    own folder the least recently used executables past `KEEP_BYTES` (an edit to omnijax's sources makes new keys for
+    the programs that reach it, so without this a developer's or CI's cache would only grow)."""
     folder = base / process_key().hex()[:16]
     if folder in _pruned:
         return folder
@@ -312,9 +319,28 @@ def _version_dir(base: Path) -> Path:
                 for _, old in sorted(used, reverse=True)[KEEP_VERSIONS:]:
                     if old != folder:
                         shutil.rmtree(old, ignore_errors=True)
+                _bound_size(folder, KEEP_BYTES)
             except OSError:  # an unwritable cache: programs are compiled and not kept
                 pass
     return folder
+
+
+def _bound_size(folder: Path, limit: int) -> None:
+    """Removes the least recently used executables of `folder` (by modification time, which a load renews) until
+    the rest hold at most `limit` bytes."""
+    files = []
+    for entry in folder.glob("*.exe"):
+        try:
+            stat = entry.stat()
+        except OSError:  # removed meanwhile by another process
+            continue
+        files.append((stat.st_mtime, stat.st_size, entry))
+    total = sum(size for _, size, _ in files)
+    for _, size, entry in sorted(files, key=lambda item: item[0]):
+        if total <= limit:
+            break
+        entry.unlink(missing_ok=True)
+        total -= size
 
 
 class CachedJit:
@@ -324,7 +350,8 @@ class CachedJit:
     A call goes to the loaded executable when every array argument sits whole on the default device and the static
     arguments pickle; otherwise (arguments sharded over a mesh, placed on another device, Python scalars; a program
     with host callbacks, which does not serialise) it is the plain `jax.jit` call, computing the same thing. The key
-    of a program is `process_key()` (omnijax's sources, jax's version and settings, the devices, `XLA_FLAGS`), the
+    of a program is `process_key()` (jax's version and settings, the devices, `XLA_FLAGS`), the omnijax sources its
+    tracing can reach (`SourceGraph`: its module's imports, its static arguments' classes, its pytree nodes), the
     function's name, the pickled static arguments and the arguments' tree, shapes and dtypes, so an executable is
     never used for a program it was not compiled from. A program XLA compiles anew is serialised as it is; one XLA's
     own cache answers (after an edit to omnijax's sources, say) is kept from that cache entry, since XLA:CPU
@@ -440,6 +467,22 @@ class CachedJit:
         executable, _, _ = self._kept(args, kwargs)
         return executable if executable is not None else self.jitted.lower(*args, **kwargs).compile()
 
+    def _sources(self, static_bytes: bytes, treedef: Any) -> bytes:
+        """The digest of the sources this program's tracing can run: the function's module, the modules of the
+        classes and functions its static arguments hold, and those of the pytree nodes of its arguments, each with
+        every module it imports (`SourceGraph`); a function defined outside omnijax adds its own file's bytes."""
+        graph = source_graph()
+        names = {self.fun.__module__, *strings_in_pickle(static_bytes), *node_modules(treedef)}
+        roots = graph.modules_of(name for name in names if name.startswith("omnijax"))
+        digest = graph.digest(roots)
+        if not self.fun.__module__.startswith("omnijax"):
+            try:
+                own = Path(inspect.getsourcefile(self.fun) or "").read_bytes()
+            except (OSError, TypeError):
+                own = b""
+            digest = hashlib.sha256(digest + own).digest()
+        return digest
+
     def _disk_key(self, static: tuple, treedef: Any, signature: tuple) -> str | None:
         try:
             static_bytes = pickle.dumps(static, protocol=5)
@@ -448,9 +491,10 @@ class CachedJit:
         if b" at 0x" in static_bytes:  # an object identified by its address in this process only
             return None
         digest = hashlib.sha256()
-        for part in (process_key(), self.name.encode(), repr(self.donate_argnames).encode(), static_bytes,
-                     str(treedef).encode(), repr([(a.shape, str(a.dtype), getattr(a, "weak_type", False))
-                                                  for a in map(_aval, signature)]).encode()):
+        for part in (process_key(), self._sources(static_bytes, treedef), self.name.encode(),
+                     repr(self.donate_argnames).encode(), static_bytes, str(treedef).encode(),
+                     repr([(a.shape, str(a.dtype), getattr(a, "weak_type", False))
+                           for a in map(_aval, signature)]).encode()):
             digest.update(hashlib.sha256(part).digest())
         return digest.hexdigest()
 
@@ -471,6 +515,10 @@ class CachedJit:
                 executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                        execution_devices=[_default_device()])
                 self.stats["loaded"] += 1
+                try:
+                    os.utime(path)  # used: the size bound removes the least recently used first
+                except OSError:
+                    pass
                 return executable
             except FileNotFoundError:  # removed meanwhile (another process pruned its folder): compile it
                 pass

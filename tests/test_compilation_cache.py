@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import compilation_cache
+from omnijax import compilation_cache, source_keys
 
 # One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
 # "kept" runs it through cached_jit; each prints how often the Python body was traced, what cached_jit did and the
@@ -135,7 +135,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
     assert again.stats["compiled"] == 1 and path.read_bytes() != b"not an executable"
 
 
-def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
+def test_the_off_switch(cache_dir, monkeypatch):
     for setting in ("", "on"):  # on unless turned off
         monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, setting)
         assert compilation_cache.executables_dir() == cache_dir / "executables"
@@ -146,12 +146,6 @@ def test_the_off_switch_and_the_source_digest(cache_dir, monkeypatch, tmp_path):
     kept(jnp.ones(2), jnp.ones(2), power=2)
     assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
     assert not (cache_dir / "executables").exists()
-    package = tmp_path / "package"
-    (package / "sub").mkdir(parents=True)
-    (package / "sub" / "m.py").write_text("x = 1\n")
-    before = compilation_cache._source_digest(package)
-    (package / "sub" / "m.py").write_text("x = 2\n")
-    assert compilation_cache._source_digest(package) != before  # an edited source makes new keys
 
 
 def test_executable_hands_out_the_kept_program_and_a_mesh_program_stays_plain(cache_dir):
@@ -226,3 +220,72 @@ def test_a_process_with_several_devices_loads_a_single_device_program(tmp_path):
     assert kept["stats"]["compiled"] == 1 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
                                                                   "xla_cached": 0}
     np.testing.assert_array_equal(loaded["out"], kept["out"])
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+def test_a_functions_key_holds_the_sources_it_reaches_and_no_others(tmp_path):
+    """`SourceGraph.digest` follows module-level and function-level imports (absolute, relative, parenthesised over
+    lines), module names written as strings and parent packages; an edit to a module the roots do not reach leaves
+    the digest as it was, an edit to one they reach changes it."""
+    files = {
+        "__init__.py": "_PUBLIC = {'X': ('pkg.lazy', 'X')}\n",  # a lazy table: strings in an __init__, not followed
+        "lazy.py": "X = 1\n",
+        "a.py": "from pkg.b import (\n    g,\n    h,\n)\nfrom . import sub\n",
+        "b.py": "def g():\n    from pkg.sub.deep import k\n    return k\nh = 'pkg.named'\n",
+        "named.py": "y = 1\n",
+        "sub/__init__.py": "",
+        "sub/deep.py": "import pkg.leaf as leaf\nk = 2\n",
+        "leaf.py": "z = 3\n",
+        "other.py": "import pkg.a\n",
+    }
+    root = _package(tmp_path, files)
+
+    def digest():
+        return source_keys.SourceGraph(root, "pkg").digest(["pkg.a"])
+
+    before = digest()
+    for unreached in ("lazy.py", "other.py"):
+        (root / unreached).write_text((root / unreached).read_text() + "# edited\n")
+        assert digest() == before, unreached
+    for reached in ("b.py", "named.py", "sub/deep.py", "leaf.py", "sub/__init__.py", "__init__.py"):
+        (root / reached).write_text((root / reached).read_text() + "# edited\n")
+        after = digest()
+        assert after != before, reached
+        before = after
+    graph = source_keys.SourceGraph(root, "pkg")
+    assert graph.modules_of(["pkg.sub.deep.k", "pkg.nothing", "numpy"]) == {"pkg.sub.deep", "pkg"}
+
+
+def test_static_arguments_and_pytree_nodes_name_their_modules():
+    """The modules a program's key follows beyond its function's: those of the classes its static arguments pickle
+    and of its arguments' pytree nodes."""
+    import pickle
+
+    from omnijax.retention import SinkWindow
+    from omnijax.streaming.session import StreamConfig
+
+    static = (("config", StreamConfig(policy=SinkWindow(sink=2, window=12))),)
+    names = source_keys.strings_in_pickle(pickle.dumps(static, protocol=5))
+    graph = compilation_cache.source_graph()
+    modules = graph.modules_of(n for n in names if n.startswith("omnijax"))
+    assert {SinkWindow.__module__, StreamConfig.__module__} <= modules
+    from omnijax.kv.paged import PagedKV
+
+    fields = {f.name: None for f in __import__("dataclasses").fields(PagedKV)}
+    treedef = jax.tree.structure(({"x": np.zeros(2)}, [PagedKV(**fields)]), is_leaf=lambda x: x is None)
+    assert PagedKV.__module__ in source_keys.node_modules(treedef)
+
+
+def test_a_folder_past_its_size_loses_the_least_recently_used_executables(tmp_path):
+    for age, name in enumerate("abcd"):
+        (tmp_path / f"{name}.exe").write_bytes(b"x" * 100)
+        os.utime(tmp_path / f"{name}.exe", (1_000_000 + age, 1_000_000 + age))
+    compilation_cache._bound_size(tmp_path, 250)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.exe", "d.exe"]

@@ -35,8 +35,9 @@ JAX_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # how a subprocess's jax reads `jax_
 EXECUTION_BOUND = (
     "serve/test_fault_injection.py", "serve/test_serve_traffic.py", "serve/test_serve_slow_consumer.py",
     "serve/test_serve_server.py", "serve/test_serve_restarts.py", "serve/engine/test_per_token.py",
-    "serve/realtime/test_realtime_churn.py", "serve/native/test_native_periodic.py", "serve/cluster/test_ray_replicas.py",
-    "streaming/test_endurance.py", "convert/test_gguf_smollm2.py", "test_readme_and_demo.py",
+    "serve/realtime/test_realtime_churn.py", "serve/native/test_native_periodic.py",
+    "serve/cluster/test_ray_replicas.py", "streaming/test_endurance.py", "convert/test_gguf_smollm2.py",
+    "test_readme_and_demo.py",
 )
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> str:
