@@ -44,11 +44,11 @@ def _config(policy, decoding, num_pages=NUM_PAGES, **fields):
     return EngineConfig(stream=stream, chunk_tokens=T, buckets=(4,), return_logits=True)
 
 
-def _prompt(engine, rng_seed=0):
+def _prompt(engine, rng_seed=0, length=PROMPT):
     rng = np.random.default_rng(rng_seed)
-    ids = rng.integers(0, TINY_OMNI.vocab_size, PROMPT)
+    ids = rng.integers(0, TINY_OMNI.vocab_size, length)
     engine.open("c0")
-    for u, at in enumerate(range(0, PROMPT, T)):
+    for u, at in enumerate(range(0, length, T)):
         engine.submit("c0", text_chunk(ids[at:at + T], unit=u), 0)
         engine.tick()
 
@@ -160,12 +160,14 @@ def test_score_policies_and_migrating_paging_copy_every_page(decoder, fields):
 
 
 def test_fork_refusals_change_nothing(decoder):
-    engine = Engine(decoder, _config(NoSlide(), Greedy(), num_pages=6))
-    _prompt(engine)
+    # the module's pool (its NoSlide programs compiled above) filled by a prompt of 37 full pages and a partial one
+    engine = Engine(decoder, _config(NoSlide(), Greedy()))
+    _prompt(engine, length=(NUM_PAGES - 3) * P + 5)
     for s in ("c1", "c2", "c3"):
         engine.open(s)
     engine.tick()
     free, table = engine.free_pages, np.asarray(engine.state.kv.page_table).copy()
+    assert free == 2
     with pytest.raises(NotEnoughPages, match="copy 1 pages each"):
         engine.fork_session("c0", ["c1", "c2", "c3"])  # 3 partial copies, 2 free pages
     with pytest.raises(ValueError, match="distinct rows other than the source"):
