@@ -27,6 +27,11 @@ QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 
                  "<|audio_bos|>": 151647, "<|audio_eos|>": 151648, "<|vision_bos|>": 151652,
                  "<|vision_eos|>": 151653, "<|IMAGE|>": 151655, "<|VIDEO|>": 151656}
 SMALL = {"min_pixels": 56 * 56}
+# The chats of the tiny Qwen2.5-Omni model share one stream shape (tau 4 over 16 pages, as `omnijax chat` runs below
+# with `--block 4 --pages 16`), and the video chats another (tau 4 over 32 pages, as `omnijax watch` runs with
+# `--block 4 --pages 32`): their programs compile once.
+CONFIG = omnijax.StreamConfig(max_answer_tokens=4, num_pages=16)
+VIDEO_CONFIG = CONFIG.replace(num_pages=32)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +86,7 @@ def _same(a, b):
 
 
 def test_ask_streams_what_stream_generates_for_the_templated_prompt(model, hf_tokenizer):
-    config = omnijax.StreamConfig(max_answer_tokens=4, num_pages=16)
+    config = CONFIG
     chat = Chat(model, config)
     fed = _spy(chat)
     chat.system("You are a brief assistant.")
@@ -105,7 +110,7 @@ def test_ask_streams_what_stream_generates_for_the_templated_prompt(model, hf_to
 
 
 def test_multi_turn_cache_holds_the_template_rendering(model, hf_tokenizer):
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=8, num_pages=16))
+    chat = Chat(model, CONFIG)
     fed = _spy(chat)
     chat.system("You answer questions.")
     first = "".join(chat.ask("What is 2 + 2?", max_tokens=6))
@@ -123,7 +128,7 @@ def test_multi_turn_cache_holds_the_template_rendering(model, hf_tokenizer):
     tail = rendered[len(chat.conversation.rendered):]
     assert rendered.startswith(chat.conversation.rendered) and tail in ("\n", "<|im_end|>\n")
     # Sampling with a seed reproduces the answer.
-    again = Chat(model, omnijax.StreamConfig(max_answer_tokens=8, num_pages=16))
+    again = Chat(model, CONFIG)
     again.system("You answer questions.")
     assert "".join(again.ask("What is 2 + 2?", max_tokens=6)) == first
     again.user("And one more thing.")
@@ -156,7 +161,7 @@ def test_media_units_and_kept_rows(model):
 
 
 def test_refused_calls_leave_the_session_unchanged(model, tmp_path):
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16))
+    chat = Chat(model, CONFIG)
     chat.system("Hello.")
     before = _state(chat)
     bad = [
@@ -177,13 +182,13 @@ def test_refused_calls_leave_the_session_unchanged(model, tmp_path):
         assert _same(_state(chat), before), words
     blind = copy.copy(model)
     blind.vision = None
-    chat = Chat(blind, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16))
+    chat = Chat(blind, CONFIG)
     before = _state(chat)
     with pytest.raises(MissingEncoderError, match="no vision encoder"):
         chat.image(np.zeros((56, 56, 3), np.uint8))
     assert _same(_state(chat), before)
     # One answer at a time: the conversation waits until the streamed answer is consumed or closed.
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=2, num_pages=16))
+    chat = Chat(model, CONFIG)
     answer = chat.ask("Count.", max_tokens=6)
     with pytest.raises(RuntimeError, match="still being streamed"):
         chat.user("wait")
@@ -197,7 +202,7 @@ def test_templates_that_rewrite_earlier_turns(model, tmp_path):
     write_tiny_tokenizer(tmp_path / "qwen3", vocab_size=151_700, special_tokens=QWEN_SPECIALS,
                          chat_template=MINICPMO_4_5_TEMPLATE)
     tokenizer = omnijax.models.tokenizer.Tokenizer.from_directory(tmp_path / "qwen3")
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16), tokenizer=tokenizer)
+    chat = Chat(model, CONFIG, tokenizer=tokenizer)
     fed = _spy(chat)
     list(chat.ask("One?", max_tokens=3))
     list(chat.ask("Two?", max_tokens=3))
@@ -208,7 +213,7 @@ def test_templates_that_rewrite_earlier_turns(model, tmp_path):
     numbered = "{% for m in messages %}[{{ messages | length }}]{{ m['content'] }}{% endfor %}"
     write_tiny_tokenizer(tmp_path / "numbered", vocab_size=151_700, special_tokens=QWEN_SPECIALS,
                          chat_template=numbered)
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16),
+    chat = Chat(model, CONFIG,
                 tokenizer=omnijax.models.tokenizer.Tokenizer.from_directory(tmp_path / "numbered"))
     chat.user("a")
     before = _state(chat)
@@ -221,7 +226,7 @@ def test_minicpmo_chat_answers_like_stream(tmp_path):
     src = tiny_omni.minicpmo_source(tmp_path)
     model = omnijax.load(convert_checkpoint(src, tmp_path / "omnijax", progress=False, log=lambda _: None))
     assert model.tokens.unit_start == 1930 and model.tokenizer is not None
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=16))
+    chat = Chat(model, CONFIG)
     fed = _spy(chat)
     text = "".join(chat.ask("Describe it.", max_tokens=6))
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Describe it."}])
@@ -289,7 +294,7 @@ def test_video_feeds_the_frontends_chunks_of_the_files_units(model, tmp_path):
     pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
     from omnijax.media import video
     path = _clip(tmp_path)
-    chat = Chat(model, omnijax.StreamConfig(max_answer_tokens=4, num_pages=32), video_kwargs=SMALL)
+    chat = Chat(model, VIDEO_CONFIG, video_kwargs=SMALL)
     fed = _spy(chat)
     progress = []
     assert chat.video(path, start=2.0, progress=lambda done, total: progress.append((done, total))) == 2
@@ -318,7 +323,7 @@ def test_watch_command_line(checkpoint, tmp_path, capsys):
     from omnijax import cli
     path = _clip(tmp_path)
     code = cli.main(["watch", str(checkpoint), str(path), "--ask", "What?", "--at", "0:02", "--ask", "Then?",
-                     "--pages", "32", "--max-tokens", "3", "--plot", str(tmp_path / "watch.png")])
+                     "--pages", "32", "--block", "4", "--max-tokens", "3", "--plot", str(tmp_path / "watch.png")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[2 s] Q: What?" in out and "[6 s] Q: Then?" in out and "KV:" in out
@@ -333,7 +338,7 @@ def test_watch_reads_up_to_its_last_question_and_takes_a_silent_video_when_told(
     pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test extra installs it)")
     from omnijax import cli
     from omnijax.media import video
-    args = ["--ask", "What?", "--at", "0:02", "--pages", "32", "--max-tokens", "3"]
+    args = ["--ask", "What?", "--at", "0:02", "--pages", "32", "--block", "4", "--max-tokens", "3"]
     assert cli.main(["watch", str(checkpoint), str(_clip(tmp_path)), *args]) == 0
     captured = capsys.readouterr()
     assert "[2 s] Q: What?" in captured.out and "1/1" in captured.err and "1/3" not in captured.err
@@ -355,7 +360,7 @@ def test_watch_answers_at_the_decoded_end_of_a_file_cut_short(checkpoint, tmp_pa
     whole = video.VideoFile.units
     monkeypatch.setattr(video.VideoFile, "units", lambda self: iter(list(whole(self))[:1]))  # 1 of 3 units decode
     code = cli.main(["watch", str(checkpoint), str(_clip(tmp_path)), "--ask", "What?", "--pages", "32",
-                     "--max-tokens", "3"])
+                     "--block", "4", "--max-tokens", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "[2 s] Q: What?" in out and "KV:" in out
