@@ -176,7 +176,8 @@ def _signature(leaves: list, device: Any) -> tuple | None:
     """The avals (shape, dtype, weak type) of the argument leaves, when the executable can take every leaf as it is;
     None when it cannot (a tracer, a Python scalar, an array placed on another device or sharded over several)."""
     if not _array_type:
-        _array_type.append(type(jax.device_put(np.zeros((), np.int32), device)))  # jax's concrete array class
+        with jax.ensure_compile_time_eval():  # a first call inside a trace must not record the tracer's class
+            _array_type.append(type(jax.device_put(np.zeros((), np.int32), device)))  # jax's concrete array class
     array_type = _array_type[0]
     signature = []
     for leaf in leaves:

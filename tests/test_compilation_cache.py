@@ -289,3 +289,16 @@ def test_a_folder_past_its_size_loses_the_least_recently_used_executables(tmp_pa
         os.utime(tmp_path / f"{name}.exe", (1_000_000 + age, 1_000_000 + age))
     compilation_cache._bound_size(tmp_path, 250)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.exe", "d.exe"]
+
+
+def test_a_first_call_inside_a_trace_runs_the_plain_jit_and_later_calls_keep_the_program(cache_dir, monkeypatch):
+    """The concrete array class `_signature` compares leaves with is learnt on first use: learnt inside a trace it
+    was the tracer's class, and a later call with a tracer then read its sharding and failed."""
+    monkeypatch.setattr(compilation_cache, "_array_type", [])
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    inside = jax.jit(lambda x: kept(x, x, power=2))(jnp.arange(3.0))  # traced: the plain jit
+    np.testing.assert_array_equal(inside, jnp.arange(3.0) ** 2 + jnp.arange(3.0))
+    assert kept.stats["plain"] == 1
+    np.testing.assert_array_equal(jax.jit(lambda x: kept(x, x, power=2))(jnp.ones(3)), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(kept(jnp.ones(3), jnp.ones(3), power=2), [2.0, 2.0, 2.0])
+    assert kept.stats["compiled"] == 1 and kept.stats["plain"] == 2
