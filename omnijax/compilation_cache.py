@@ -473,7 +473,10 @@ class CachedJit:
         classes and functions its static arguments hold, and those of the pytree nodes of its arguments, each with
         every module it imports (`SourceGraph`); a function defined outside omnijax adds its own file's bytes."""
         graph = source_graph()
-        names = {self.fun.__module__, *strings_in_pickle(static_bytes), *node_modules(treedef)}
+        strings = strings_in_pickle(static_bytes)
+        if strings is None:  # the static arguments' classes are not known: every module of the package
+            strings = set(graph.files)
+        names = {self.fun.__module__, *strings, *node_modules(treedef)}
         roots = graph.modules_of(name for name in names if name.startswith("omnijax"))
         digest = graph.digest(roots)
         if not self.fun.__module__.startswith("omnijax"):

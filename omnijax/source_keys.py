@@ -107,8 +107,9 @@ class SourceGraph:
             return self.closures[key]
 
 
-def strings_in_pickle(data: bytes) -> set[str]:
-    """Every string a pickle holds: among them the modules of the classes and functions it references."""
+def strings_in_pickle(data: bytes) -> set[str] | None:
+    """Every string a pickle holds: among them the modules of the classes and functions it references. None when
+    `pickletools` cannot walk the stream (the caller must then assume every module)."""
     found: set[str] = set()
     try:
         for opcode, arg, _ in pickletools.genops(data):
@@ -117,7 +118,7 @@ def strings_in_pickle(data: bytes) -> set[str]:
             if opcode.name in ("GLOBAL", "INST") and isinstance(arg, str):
                 found.add(arg.split(" ")[0])
     except Exception:  # noqa: BLE001 - a stream genops cannot walk: its strings are not known
-        pass
+        return None
     return found
 
 

@@ -276,6 +276,7 @@ def test_static_arguments_and_pytree_nodes_name_their_modules():
     graph = compilation_cache.source_graph()
     modules = graph.modules_of(n for n in names if n.startswith("omnijax"))
     assert {SinkWindow.__module__, StreamConfig.__module__} <= modules
+    assert source_keys.strings_in_pickle(b"not a pickle") is None  # unknown: the caller keys every module
     from omnijax.kv.paged import PagedKV
 
     fields = {f.name: None for f in __import__("dataclasses").fields(PagedKV)}
