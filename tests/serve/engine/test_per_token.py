@@ -223,7 +223,12 @@ def test_a_native_session_keeps_its_cadence_while_chats_stream(served):
 
     served.wait_idle()
     client_row, rows, chats = asyncio.run(scenario())
-    assert client_row["admitted"] and client_row["error"] is None and client_row["received"] == len(rows) >= 8
+    assert client_row["admitted"] and client_row["error"] is None and client_row["received"] == len(rows)
+    # cadence: every frame answered or superseded by a later one (none lost), and at least half answered. Not a count
+    # of replies: on 2 cores shared with the suite's other worker a tick can outlast a frame, and a frame arriving
+    # while the previous one waits supersedes it (7 of 12 answered once under load; 12 of 12 on a quiet machine)
+    assert client_row["received"] + sum(r["skipped"] for r in rows) == client_row["sent"] == 12, client_row
+    assert client_row["received"] >= client_row["sent"] / 2, client_row
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
     # a frame asks for tau tokens; the demo model may end a frame's answer early with its end token
     assert all((1 <= r["tokens"] <= SERVED_TAU and not r["empty"]) or (r["late"] and r["empty"]) for r in rows)
