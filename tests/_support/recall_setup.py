@@ -43,3 +43,18 @@ def padded(chunks: list[Chunk]) -> list[Chunk]:
     """`chunks` padded to the longest one's length: one program per session step instead of one per length."""
     longest = max(c.length for c in chunks)
     return [pad_chunk(c, longest) for c in chunks]
+
+
+def by_order(kv) -> dict:
+    """{write order: (k [L, G, d], v, pos [A], unit, span, offset)} of the live slots of a batch-1 cache (int8
+    pages dequantised)."""
+    import jax
+
+    from omnijax.kv.quant_kv import dense
+    h = jax.device_get({"k": dense(kv.k), "v": dense(kv.v), **{f: getattr(kv, f) for f in (
+        "pos", "unit", "span", "offset", "order", "valid")}})
+    out = {}
+    for p, s in zip(*np.nonzero(h["valid"])):
+        out[int(h["order"][p, s])] = (h["k"][:, p, s], h["v"][:, p, s], h["pos"][:, p, s], int(h["unit"][p, s]),
+                                      int(h["span"][p, s]), int(h["offset"][p, s]))
+    return out
