@@ -94,7 +94,7 @@ SLOW_FIRST = (
     "serve/engine/test_engine_recall_in_place.py", "serve/engine/test_engine_recall_warmup.py",
     "serve/engine/test_engine_recall_async.py", "streaming/test_recall_blocks.py",
     "models/qwen2_5_omni/test_token2wav_stream.py", "models/qwen2_5_omni/test_speech_stream.py",
-    "models/qwen2_5_omni/test_talker_kv.py",
+    "models/qwen2_5_omni/test_talker_kv.py", "chat/test_chat_speak_qwen25.py",
 )
 
 
