@@ -25,6 +25,15 @@ the big arrays are shared between the old and the new tier, never copied, and ar
 made, so sharing them is safe. A mutable store would save nothing (no array is copied either way) and lose snapshots
 for free.
 
+int8 pools (`StreamConfig(kv_dtype="int8")`, `omnijax.kv.quant_kv`): a record holds the evicted keys and values
+dequantised (`q * scale`, in the model's dtype), not the codes and scales. Scoring, block cuts, disk spill and
+snapshots then read one kind of record whatever the pool, and recall writes them back through the pool's own
+quantising write: with a float32 model a token recalled at its own positions gets back exactly the codes it had
+(requantising `q * s` finds the same absmax, so the same scale up to rounding, and `q * s / s` rounds back to `q`);
+a re-rotated key is requantised with a fresh scale, as re-indexing requantises the keys it turns. The cost is host
+bytes: a record holds `d` values of the model's dtype per token and head where the pool held `d + 4` bytes (about
+3.9x the device bytes for float32, 1.9x for bfloat16).
+
 Bounding: `budget_bytes` caps the bytes of all stored records (`UnitKV.nbytes`). When an added unit does not fit, the
 oldest stored units are dropped first until it does; every drop is listed in the returned `TierReport` and counted
 in the tier's running totals. A unit larger than the whole budget is refused with a ValueError naming it.
@@ -38,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kv import quant_kv
 from omnijax.kv.paged import PagedKV
 
 
@@ -209,9 +219,8 @@ def _take(kv: PagedKV, flat: np.ndarray) -> dict[str, np.ndarray]:
 
 @jax.jit
 def _gather(kv: PagedKV, at: jax.Array) -> dict[str, jax.Array]:
-    k, v = kv.k, kv.v
-    if not isinstance(k, jax.Array) or not isinstance(v, jax.Array):
-        raise ValueError(f"the host tier stores float KV pages only, got {type(k).__name__} pages (a quantized cache)")
+    # int8 pages (`QuantPages`) are read dequantised, in the model's dtype (module docstring, "int8 pools").
+    k, v = quant_kv.dense(kv.k), quant_kv.dense(kv.v)
     L, N, P, G, d = k.shape
     return {"k": k.reshape(L, N * P, G, d)[:, at], "v": v.reshape(L, N * P, G, d)[:, at],
             "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, at], "unit": kv.unit.reshape(-1)[at],

@@ -47,8 +47,8 @@ class StreamConfig:
             (the default) runs exactly as without it. Wired into `Session` only so far (`stream`, `Chat`,
             `evaluate` and the engine refuse it rather than ignore it).
         kv_dtype: storage of the KV pool: "float" (the default: the model's dtype, as always) or "int8" (int8
-            codes with a float32 scale per token and KV head, dequantised on read by every impl: `omnijax.kv.quant_kv`);
-            int8 needs no recall.
+            codes with a float32 scale per token and KV head, dequantised on read by every impl: `omnijax.kv.quant_kv`;
+            with recall the host tier holds what it evicts dequantised, `omnijax.kv.host_tier`).
     """
 
     policy: Any = dataclasses.field(default_factory=_default_policy)
@@ -80,9 +80,6 @@ class StreamConfig:
             raise ValueError(f"max_answer_tokens must be an int >= 0, got {self.max_answer_tokens!r}")
         check_decoding(self.decoding)
         check_kv_dtype(self.kv_dtype)
-        if self.kv_dtype == "int8" and self.recall is not None:
-            raise ValueError("kv_dtype='int8' does not work with recall yet (the host tier copies float pages); give "
-                             "recall=None or kv_dtype='float'")
         if self.recall is not None:
             if not isinstance(self.recall, Recall):
                 raise TypeError(f"recall must be an omnijax.retention.recall.Recall or None, got "

@@ -17,7 +17,9 @@ from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import paged as paged_lib
+from omnijax.kv import quant_kv
 from omnijax.kv import rope as rope_lib
+from omnijax.kv.quant_kv import QuantPages
 from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.retention import base as retention_base
 
@@ -123,8 +125,19 @@ def shift_positions(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> 
     theta, section, interleaved = rope
     L, N, P, G, d = kv.k.shape
     angles = rope_lib.rope_angles(moves.reshape(1, N * P), d, theta, section, interleaved)  # [N*P, d/2]
-    k = rope_lib.apply_rope(kv.k.reshape(L, N * P, G, d), angles).reshape(kv.k.shape).astype(kv.k.dtype)
+    k = _turn(kv.k.reshape(L, N * P, G, d), angles, moves.reshape(N * P) != 0).reshape(kv.k.shape)
     return kv.replace(pos=kv.pos + moves[None].astype(kv.pos.dtype), k=k)
+
+
+def _turn(k: jax.Array | QuantPages, angles: jax.Array, moved: jax.Array) -> jax.Array | QuantPages:
+    """Keys `[L, S, G, d]` rotated by `angles [S, d/2]` where `moved [S]`. Float keys: every slot turned (a zero
+    angle is an exact identity). int8 keys (`QuantPages`): the moved slots dequantised, turned in float32 and
+    requantised with fresh scales, as re-indexing does; the others keep their codes and scales bit for bit."""
+    if not isinstance(k, QuantPages):
+        return rope_lib.apply_rope(k, angles).astype(k.dtype)
+    turned = QuantPages.of(rope_lib.apply_rope(k.dense(jnp.float32), angles), k.dtype)
+    return QuantPages(jnp.where(moved[None, :, None, None], turned.values, k.values),
+                      jnp.where(moved[None, :, None], turned.scale, k.scale), k.dtype_name)
 
 
 @functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
@@ -140,9 +153,9 @@ def shift_row(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_
     M = table.shape[0]
     angles = rope_lib.rope_angles(row_moves.reshape(1, M * P), d, theta, section, interleaved)  # [M*P, d/2]
     rows = kv.k[:, jnp.minimum(at, N - 1)].reshape(L, M * P, G, d)
-    k = rope_lib.apply_rope(rows, angles).reshape(L, M, P, G, d).astype(kv.k.dtype)
+    k = _turn(rows, angles, row_moves.reshape(M * P) != 0).reshape(L, M, P, G, d)
     pos = kv.pos.at[:, at].add(row_moves[None].astype(kv.pos.dtype), mode="drop")
-    return kv.replace(pos=pos, k=kv.k.at[:, at].set(k, mode="drop"))
+    return kv.replace(pos=pos, k=quant_kv.set_rows(kv.k, at, k))
 
 
 def room(kv: paged_lib.PagedKV) -> int:
