@@ -440,11 +440,14 @@ class RecallSession:
         # The steps over the recall ran without trimming (`step_config`): the policy trims now, what it evicts is
         # stored as after any step.
         before = host_tier.metadata_copy(state.kv) if self.in_place else state.kv
+        # In place, a relayout other than native's moves survivors into the trim's holes: the live tokens are
+        # gathered first, so what it overwrites is read from there (`host_tier.capture_evicted`'s `saved`).
+        saved = host_tier.save_slots(state.kv, 0) if self.in_place and self.paging.mode != "native" else None
         trim = recall_ops.trim_now_in_place if self.in_place else recall_ops.trim_now
         kv, next_pos, evicted = trim(state.kv, state.next_pos, policy=self.policy, rope=(theta, section),
                                      paging=self.paging, subblock=self.subblock)
         if np.asarray(evicted).any():
-            self.capture(before, kv, in_place=self.in_place)
+            self.capture(before, kv, in_place=self.in_place, saved=saved)
         return dataclasses.replace(state, kv=kv, next_pos=next_pos)
 
     def step_config(self, config: StreamConfig) -> StreamConfig:

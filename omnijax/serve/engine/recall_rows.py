@@ -31,10 +31,14 @@ Nothing copies the pool. The steps update it in place; what a step evicts is rea
 (`capture_evicted(..., in_place=True)`: eviction leaves a slot's contents, and a copy of the slots' metadata taken
 before the step tells which token each held), except where the row's answer tokens refilled holes the step's trim
 left: a row asking for answer tokens has its live tokens gathered on device first (`host_tier.save_slots`, its own
-slots only). Every recall program reads and writes the row's own pages: the question's forward writes its keys into
-the slots the step would use and leaves the metadata as it was (`recall_ops.question_queries_in_place`), the
-re-laying shift gathers and scatters the row's pages (`recall_ops.shift_row`), the recalled units are appended in
-place (`recall_into(..., donate=True)`) and the release trims in place (`recall_ops.trim_now_in_place`).
+slots only). Under a paging mode other than `native` (`tile_skip`, `ordered_suffix`, `eager`) the step's relayout
+moves survivors into those holes and gives emptied pages back to the shared pool, where another row's answer may
+take them in the same step: every served recall row's live tokens are gathered first (one device gather of the row's
+tokens per tick), and the release's trim does the same (`RecallSession.release`). Every recall program reads and
+writes the row's own pages: the question's forward writes its keys into the slots the step would use and leaves the
+metadata as it was (`recall_ops.question_queries_in_place`), the re-laying shift gathers and scatters the row's
+pages (`recall_ops.shift_row`), the recalled units are appended in place (`recall_into(..., donate=True)`) and the
+release trims in place (`recall_ops.trim_now_in_place`).
 
 A session's answers are therefore those of a batch-1 `Session` with the same config fed the same (padded) chunks,
 with `hold_recall` where the engine's session is held (the worker holds each response's recall over its answer and
@@ -147,10 +151,6 @@ class EngineRecall:
     def __init__(self, config: StreamConfig, model_config: Any, *, num_pages: int, max_pages: int | None):
         if config.recall is None:
             raise ValueError("EngineRecall needs StreamConfig(recall=Recall(...))")
-        if config.paging.mode != "native":
-            raise ValueError(f"StreamConfig(recall=...) on the engine runs with paging mode 'native' only so far "
-                             f"(the other modes move a row's slots in the shared pool, untested with a row's tier), "
-                             f"got paging mode {config.paging.mode!r}")
         # A session recalls into its own page-table row: the budget is checked against what one row can list.
         new_recall_session(config, model_config, num_pages=min(num_pages, max_pages or num_pages), batch=1)
         self.config, self.model_config = config, model_config
@@ -291,8 +291,9 @@ class EngineRecall:
             return None
         rows = np.asarray([engine._slots[s] for s in sids])
         cursors = jax.device_get((engine.state.next_pos[rows], engine.state.kv.next_order[rows]))
+        relays = self.config.paging.mode != "native"  # its relayout moves survivors into the holes of a trim
         saved = {s: host_tier.save_slots(engine.state.kv, engine._slots[s]) for s in sids
-                 if np.asarray(frames[s].answer_tokens).any()}
+                 if relays or np.asarray(frames[s].answer_tokens).any()}
         return sids, host_tier.metadata_copy(engine.state.kv), cursors, saved
 
     def after_batch(self, engine: Any, frames: dict[str, Chunk], before: tuple | None, exhausted: np.ndarray) -> None:

@@ -3,7 +3,8 @@ carries its own host tier. Oracle: a batch-1 `omnijax.Session` with the same con
 holding its recall where the engine's session holds it): every frame's logits (1e-5) and answer tokens, and the
 recall figures, are equal; a second session served in the same ticks on a seeded schedule changes none of it; an
 engine snapshot carries the tier, and the resumed session answers as the uninterrupted one; a missing or corrupt
-tier, and what the engine does not support with recall yet, are refused by name and change nothing."""
+tier, and what the engine does not support with recall yet, are refused by name and change nothing (paging other
+than native and int8 pools: test_engine_recall_paging)."""
 
 import asyncio
 import concurrent.futures
@@ -227,8 +228,6 @@ def test_a_missing_or_corrupt_tier_and_unsupported_uses_are_refused_by_name(mode
 
     with pytest.raises(ValueError, match="constrained decoding .* is not supported with StreamConfig\\(recall"):
         engine.tick(constraints={"a": object()})
-    with pytest.raises(ValueError, match="on the engine runs with paging mode 'native' only so far"):
-        Engine(model, EngineConfig(stream=config.replace(paging="eager"), chunk_tokens=T))
     with pytest.raises(ValueError, match="recall is off for this engine"):
         plain.open("x") or plain.recall_stats("x")
 
