@@ -27,9 +27,10 @@ Per `tick()`:
    runs for `Chat`, with `first_chunk` / `chunk` codec tokens rounded up to DiT blocks and the speech output's
    look-ahead): a talker token is pushed as a code once the next one shows it was not the last (the reference drops
    the last), and the PCM chunks the push completes are sent; once the talker ended the stream's rest is sent, the
-   last chunk final. So audio comes while the talker still decodes. Chunks past their playback deadline (the first
-   PCM's time plus the seconds sent) are sent all the same and counted late (`SpeechChunk.late_s`,
-   `stats["late_chunks"]`).
+   last chunk final. So audio comes while the talker still decodes. A chunk's `codes` are those pushed since the
+   previous chunk (a push may complete no PCM), so an utterance's chunks name every code once, in order. Chunks
+   past their playback deadline (the first PCM's time plus the seconds sent) are sent all the same and counted late
+   (`SpeechChunk.late_s`, `stats["late_chunks"]`).
 
 Admission reserves each utterance's talker pages up front (its prompt plus `max_new_tokens`): `open` refuses
 (`Overloaded`, naming the pages or rows) what the pool cannot hold, and the engine's tick latency, which the AIMD
@@ -106,6 +107,7 @@ class _Utterance:
     done: bool = False
     tokens: list[int] = dataclasses.field(default_factory=list)
     pushed: int = 0  # codes handed to the stream
+    reported: int = 0  # codes named by a sent chunk (`SpeechChunk.codes`; a push may complete no PCM)
     samples: int = 0  # PCM samples sent
     first_s: float | None = None  # when the first PCM was sent
 
@@ -411,9 +413,10 @@ class Qwen25SpeechPool(TalkerPages):
                 if u.first_s is None and p.size:
                     u.first_s, first = now, now - u.opened_s
                 final = u.done and i == len(chunks) - 1
-                step = np.asarray(codes if i == 0 else [], np.int32)[None]
-                out.append(SpeechChunk(s, np.asarray(p, np.float32), step, u.pushed - len(codes) if i == 0 else
-                                       u.pushed, final, late, first))
+                # the codes handed to the stream since the last chunk sent (a push that completed no PCM included)
+                step = np.asarray(u.tokens[u.reported:u.pushed], np.int32)[None]
+                out.append(SpeechChunk(s, np.asarray(p, np.float32), step, u.reported, final, late, first))
+                u.reported = u.pushed
                 u.samples += p.size
                 self.stats["chunks"] += 1
                 if late > 0:
