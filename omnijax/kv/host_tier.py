@@ -42,6 +42,7 @@ in the tier's running totals. A unit larger than the whole budget is refused wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,9 +90,10 @@ class UnitKV:
         """Tokens (cache cells) of the unit."""
         return int(self.k.shape[2])
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of the record, summary and metadata included (host and disk together)."""
+        """Bytes of the record, summary and metadata included (host and disk together; computed once: the record is
+        immutable, and a tier sums it over every stored record at each add)."""
         return sum(int(getattr(self, f.name).nbytes) for f in dataclasses.fields(self)
                    if f.name != "unit" and getattr(self, f.name) is not None)
 
@@ -281,8 +283,15 @@ def metadata_copy(kv: PagedKV) -> PagedKV:
     """`kv` with a device copy of every field but its pages (`k`, `v`, which stay `kv`'s own): what an in-place
     capture (`capture_evicted(..., in_place=True)`) needs of the cache before a step that is donated and updated
     in place (a few bytes per slot; the pages are not copied, and may be deleted by the donation)."""
-    return kv.replace(**{f.name: jnp.copy(getattr(kv, f.name)) for f in dataclasses.fields(kv)
-                         if f.name not in ("k", "v")})
+    return kv.replace(**_copy_fields({f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)
+                                      if f.name not in ("k", "v")}))
+
+
+@jax.jit
+def _copy_fields(fields: dict) -> dict:
+    """Device copies of `fields`, one program (not one dispatch per field): a jitted output never aliases an input
+    that is not donated."""
+    return {name: jnp.copy(x) for name, x in fields.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,8 +351,8 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     if before.batch != 1 or after.batch != 1:
         raise ValueError(f"capture_evicted takes batch-1 caches, got batch {before.batch} and {after.batch}")
     meta = jax.device_get({"bv": before.valid, "bo": before.order, "bt": before.page_table, "av": after.valid,
-                           "ao": after.order, "at": after.page_table, "first": before.next_order[0],
-                           "end": after.next_order[0]})
+                           "ao": after.order, "at": after.page_table, "first": before.next_order,
+                           "end": after.next_order})  # whole arrays: indexing them on device dispatches a gather
     N, P = before.num_pages, before.page_size
     table = meta["bt"][0]
     owned = np.zeros((N, P), bool)
@@ -359,7 +368,7 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
         return ~np.isin(order, list(live_after)) & ~((order >= lo) & (order < hi))
 
     from_before = np.flatnonzero(old_live & wanted(meta["bo"].reshape(-1)))
-    first, end = int(meta["first"]), int(meta["end"])
+    first, end = int(meta["first"][0]), int(meta["end"][0])
     gone: list[int] = []
     from_saved = {f: x[:, :0] if f in ("k", "v", "pos") else x[:0] for f, x in _take(after, np.zeros(0, int)).items()}
     if in_place:  # `before`'s pages are `after`'s: a slot a later write of the step took no longer holds its token

@@ -44,8 +44,8 @@ class StreamConfig:
         max_answer_tokens: tau, the most tokens any chunk may ask its answer for (0: no answers).
         decoding: decoding strategy of answers (`omnijax.decoding`, e.g. `Greedy()`).
         recall: question-time recall of evicted units from a host tier (`omnijax.retention.recall.Recall`); None
-            (the default) runs exactly as without it. Wired into `Session` only so far (`stream`, `Chat`,
-            `evaluate` and the engine refuse it rather than ignore it).
+            (the default) runs exactly as without it. Carried by `Session`, `Chat`, `evaluate` and the engine, under
+            every paging mode and with either `kv_dtype` (`stream` refuses it rather than ignore it).
         kv_dtype: storage of the KV pool: "float" (the default: the model's dtype, as always) or "int8" (int8
             codes with a float32 scale per token and KV head, dequantised on read by every impl: `omnijax.kv.quant_kv`;
             with recall the host tier holds what it evicts dequantised, `omnijax.kv.host_tier`).

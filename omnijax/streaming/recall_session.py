@@ -53,6 +53,12 @@ After the answer (`Recall.keep=False`) the recalled tokens still cached are inva
 and the paging mode's relayout apply, as after a trim) and their records stay in the tier; with `keep=True` they stay
 cached as ordinary content and leave the tier (a later eviction stores them again). Batch 1 only so far.
 
+Paging and int8. Capture, re-laying and release go by write order and page table, never by slot place, so every
+paging mode composes: a relayout (`tile_skip`, `ordered_suffix`, `eager`) that moves survivors and gives emptied
+pages back changes where tokens sit, not what is stored or restored (`tests/streaming/test_recall_paging.py`). With
+`kv_dtype="int8"` the tier holds the evicted tokens dequantised and recall writes them back through the pool's
+quantising write (`omnijax.kv.host_tier`, "int8 pools"; `tests/streaming/test_recall_int8.py`).
+
 Disk. With `Recall(disk_dir=...)` the tier spills instead of dropping when its host budget is full
 (`omnijax.kv.host_tier_disk`): spilled units are scored and recalled from their files, transparently.
 """
@@ -259,7 +265,7 @@ class RecallSession:
         """Records the full-context positions of what one step (from cursor `next_pos` and write order
         `next_order`) wrote: the chunk's tokens at their positions plus the full-context shift the step started
         from, its answer's tokens one after the other past the chunk's advance."""
-        end = int(jax.device_get(after.kv.next_order[0]))
+        end = int(jax.device_get(after.kv.next_order)[0])
         valid = np.asarray(chunk.valid)[0]
         shift = self._cursor - next_pos
         self._set_vpos(next_order, np.asarray(chunk.positions)[0, 0][valid].astype(np.int64) + next_pos + shift)

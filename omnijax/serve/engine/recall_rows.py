@@ -290,7 +290,8 @@ class EngineRecall:
         if not sids:
             return None
         rows = np.asarray([engine._slots[s] for s in sids])
-        cursors = jax.device_get((engine.state.next_pos[rows], engine.state.kv.next_order[rows]))
+        next_pos, next_order = jax.device_get((engine.state.next_pos, engine.state.kv.next_order))
+        cursors = (next_pos[rows], next_order[rows])  # indexed on host: no gather program dispatched
         relays = self.config.paging.mode != "native"  # its relayout moves survivors into the holes of a trim
         saved = {s: host_tier.save_slots(engine.state.kv, engine._slots[s]) for s in sids
                  if relays or np.asarray(frames[s].answer_tokens).any()}
