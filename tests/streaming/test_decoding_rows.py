@@ -16,6 +16,13 @@ from omnijax.serve.engine.engine import Engine, EngineConfig
 ROWS = [(0.0, 1.0), (0.7, 0.9), (1.3, 1.0), (1.0, 0.5), (0.2, 0.999)]
 
 
+# The strategies' methods as the step programs call them: jitted (each strategy is a static argument), so the 20
+# trials below run a few compiled programs instead of lowering every primitive, and every `lax.cond` over new closures,
+# op by op (an eager run lowered `cond` 284 times).
+_select = jax.jit(lambda strategy, *args, **kw: strategy.select(*args, **kw), static_argnums=0)
+_warp = jax.jit(lambda strategy, *args, **kw: strategy.warp(*args, **kw), static_argnums=0)
+
+
 def test_each_row_draws_as_sampling_with_its_settings():
     rng = np.random.default_rng(0)
     B, V = len(ROWS), 64
@@ -25,19 +32,19 @@ def test_each_row_draws_as_sampling_with_its_settings():
         logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
         history = rng.integers(-1, V, size=(B, 6)).astype(np.int32)
         keys = jax.random.wrap_key_data(sampling_keys(trial, B))
-        got = np.asarray(strategy.select(logits, history, keys, row=rows))
+        got = np.asarray(_select(strategy, logits, history, keys, row=rows))
         for b, (t, p) in enumerate(ROWS):
             if t == 0:
-                want = Greedy().select(strategy.warp(logits[b:b + 1], history[b:b + 1], rows[b:b + 1]))
+                want = _select(Greedy(), _warp(strategy, logits[b:b + 1], history[b:b + 1], rows[b:b + 1]))
             else:
-                want = Sampling(temperature=t, top_p=p, top_k=20, repetition_penalty=1.3).select(
-                    logits[b:b + 1], history[b:b + 1], keys[b:b + 1])
+                want = _select(Sampling(temperature=t, top_p=p, top_k=20, repetition_penalty=1.3),
+                               logits[b:b + 1], history[b:b + 1], keys[b:b + 1])
             assert int(got[b]) == int(np.asarray(want)[0]), (trial, b)
-        scores = np.asarray(strategy.warp(logits, history, rows))
+        scores = np.asarray(_warp(strategy, logits, history, rows))
         for b, (t, p) in enumerate(ROWS):
             if t > 0:
-                ref = np.asarray(Sampling(temperature=t, top_p=p, top_k=20, repetition_penalty=1.3).warp(
-                    logits[b:b + 1], history[b:b + 1]))[0]
+                ref = np.asarray(_warp(Sampling(temperature=t, top_p=p, top_k=20, repetition_penalty=1.3),
+                                       logits[b:b + 1], history[b:b + 1]))[0]
                 # the same ops; XLA:CPU may round a division 1 ulp apart between batch shapes
                 assert np.array_equal(np.isinf(scores[b]), np.isinf(ref))
                 np.testing.assert_allclose(scores[b], ref, rtol=1e-6)
