@@ -10,7 +10,8 @@ JSON rows and a PNG under `--out`, and a printed table.
   `stats` summarises one column (median and percentiles), `same_round_ratio` compares two.
 - `write_json`, `save_png` (matplotlib, Agg backend) print one `wrote PATH` line per file: the smoke test reads them.
 - `module_command(name, ...)`, `checkout_env()`: a script's worker processes run `python -m bench.<group>.<script>`
-  with `cwd=ROOT` (the repository root), or with `cwd` another checkout whose library is to be measured.
+  with `cwd=ROOT` (the repository root), or with `cwd` another checkout whose library is to be measured;
+  `run_worker(command, inline=args.smoke)` runs one, in this process for a `--smoke` check.
 - `python -m bench.harness --smoke-all NAME... --out DIR` (`smoke_all`): several scripts' `--smoke` runs one after
   another in one process, as `python -m NAME --smoke --out DIR` would run each, so they pay the interpreter, the
   imports and jax's start once and share what they compile; each script's output sits between a `SMOKE_BEGIN` and a
@@ -21,11 +22,14 @@ JSON rows and a PNG under `--out`, and a printed table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +69,10 @@ def smoke_setup() -> None:
     loads its programs instead of compiling them again. It is set through jax's own environment variables, so a
     script's worker processes (started without `--smoke`) share it unless they choose a cache themselves, and a
     process that has not imported jax yet (a parent that only starts workers) need not import it here. A measured
-    run leaves the process as it is (compile times are part of some figures)."""
+    run leaves the process as it is (compile times are part of some figures). torch's OpenMP threads are made to wait
+    passively (`OMP_WAIT_POLICY`, unless set; read when torch is imported): a smoke run's workers run in its own
+    process (`run_worker`), where spinning threads would burn the cores its jax compilations need."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     setting = os.environ.get("OMNIJAX_COMPILATION_CACHE", "").strip()
     if setting.lower() in ("off", "0", "false", "none", "no"):
         return
@@ -96,6 +103,36 @@ def module_command(name: str, *args) -> list[str]:
     if not name.startswith("bench."):
         raise ValueError(f"{name!r} is not a bench module: run the script as `python -m bench.<group>.<script>`")
     return [sys.executable, "-m", name, *map(str, args)]
+
+
+def run_worker(command: Sequence[str], *, inline: bool = False, env: Mapping[str, str] | None = None,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Runs a script's worker, a `module_command` (`python -m bench.<group>.<script> --worker ...`), and returns
+    what it printed and its exit status.
+
+    Args:
+        command: the `module_command` list.
+        inline: run the module's `main` in this process (`run_main`), its stdout and stderr captured, instead of a
+            fresh interpreter: for `--smoke` runs, which check that the script works and measure nothing, so a
+            worker's process isolation buys them nothing while its interpreter start and imports cost seconds
+            (torch and transformers alone ~6 CPU s). The worker still parses its command line and prints the result
+            the parent reads. `env` is then not applied (the worker runs in this process's environment).
+        env: the worker process's environment (default: this process's).
+        timeout: seconds before the worker process is killed (not for `inline`).
+
+    Returns:
+        A `subprocess.CompletedProcess` with text `stdout` and `stderr`.
+    """
+    command = [str(c) for c in command]
+    if not inline:
+        return subprocess.run(command, cwd=ROOT, env=None if env is None else dict(env), capture_output=True,
+                              text=True, timeout=timeout)
+    if command[:2] != [sys.executable, "-m"] or len(command) < 3:
+        raise ValueError(f"{command[:3]} is not a module_command: an inline worker runs a bench module's main")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_main(command[2], command[3:])
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 
 def checkout_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -46,10 +46,11 @@ GROUPS = sorted(p.parent.name for p in BENCH.glob("*/__init__.py"))
 # "<group>.<script>", run as `python -m bench.<group>.<script>`
 SCRIPTS = sorted(f"{g}.{p.stem}" for g in GROUPS for p in (BENCH / g).glob("*.py") if not p.name.startswith("_"))
 FIRST = "omnitide.attention_kernel"  # writes the smoke layouts that migration_cost, kernel_configs, placement_sim read
-# started first, in this order (the longest, warm or cold; first_token, at ~50 CPU s the longest by far, converts the
-# tiny GGUF that load_memory then reuses); the others follow by name
-SLOW = ("peers.first_token", "omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.convert_gguf",
-        "peers.vs_transformers", "metronome.realtime_load", "tidekv.prefill_memory")
+# started first, in this order (the longest, warm or cold; first_token, at ~40 CPU s the longest by far, converts the
+# tiny GGUF that convert_gguf, load_memory and vs_kvpress then reuse: they follow by name, once its conversions are
+# done rather than waiting for them); the others follow by name
+SLOW = ("peers.first_token", "omnitide.omnitide_figures", FIRST, "metronome.serve_cliff", "peers.vs_transformers",
+        "metronome.realtime_load", "tidekv.prefill_memory")
 # Run as `python -m bench.<group>.<script>` in a fresh interpreter: prefill_memory sets XLA_FLAGS before jax starts
 # and gpu_census jax's platform; omnitide_figures ends with `sys.exit(main())`, whose status the command gives.
 OWN_PROCESS = ("tidekv.prefill_memory", "omnitide.gpu_census", "omnitide.omnitide_figures")
@@ -82,8 +83,12 @@ def _env() -> dict[str, str]:
     """The scripts' environment: the suite's quick-to-compile settings (tests/_support/xla_flags.py: its XLA flags and
     LLVM optimisation off, unless `OMNIJAX_TEST_QUICK_COMPILE=0`). A smoke run checks that a script runs, it measures
     nothing, and on these tiny models most of its CPU is XLA compiling: decode_profile --smoke with an empty cache
-    took 0.46x the CPU seconds of the production settings (33 vs 73 s) and 1.1x warm (15 vs 14 s)."""
+    took 0.46x the CPU seconds of the production settings (33 vs 73 s) and 1.1x warm (15 vs 14 s). torch's OpenMP
+    threads wait passively (`OMP_WAIT_POLICY`, as the scripts' own torch workers do): a smoke run's workers run
+    inside the runner (`harness.run_worker`), whose later scripts' jax threads share the cores with them."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if env.get(xla_flags.QUICK_ENV, "1") != "0":
         env[xla_flags.JAX_ENV] = "1"
     return env
@@ -450,6 +455,20 @@ def test_smoke_runner_reports_each_script_and_refuses_other_modules(tmp_path):
     assert harness.run_main("bench.quality.passkey", ["--bogus-flag"]) == 2  # argparse's own exit status
     with pytest.raises(ValueError, match="'tests.conftest' is not a bench script"):
         harness.smoke_all(["tests.conftest"], tmp_path)
+
+
+def test_inline_worker_runs_the_command_in_process():
+    """`harness.run_worker(..., inline=True)` (a smoke run's workers) gives what the worker's fresh process gives:
+    its exit status and what it printed (here argparse's refusal of a bad flag, and its help on stdout with status
+    0); a command that is not a bench module's is refused by name."""
+    bad = harness.module_command("bench.quality.passkey", "--bogus-flag")
+    inline, fresh = harness.run_worker(bad, inline=True), harness.run_worker(bad, env=_env(), timeout=120)
+    assert inline.returncode == fresh.returncode == 2, (inline, fresh)
+    assert "unrecognized arguments: --bogus-flag" in inline.stderr and "--bogus-flag" in fresh.stderr
+    helped = harness.run_worker(harness.module_command("bench.quality.passkey", "--help"), inline=True)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage:") and "--smoke" in helped.stdout, helped
+    with pytest.raises(ValueError, match="is not a module_command"):
+        harness.run_worker(["git", "status"], inline=True)
 
 
 def test_gpu_checks_syntax():

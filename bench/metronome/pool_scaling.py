@@ -25,7 +25,8 @@ rounded up to pages of 64 slots (as `qwen3_omni_moe` counts). Page and per-sessi
 
 Run: `python -m bench.metronome.pool_scaling [--pages 64 256 1024 2048] [--compare DIR] [--small] [--kv-dtype int8]
 [--capacity [--pool-gb 141]] [--out bench/out] [--smoke]`. Each worker is this module run with `--worker PAGES` in
-a fresh process whose working directory is the checkout measured (this repository, or `--compare DIR`), so that
+a fresh process whose working directory is the checkout measured (this repository, or `--compare DIR`; `--smoke`, a
+check of this checkout that measures nothing, runs it in the script's own process), so that
 checkout's `omnijax` is the one imported.
 """
 
@@ -122,13 +123,18 @@ def worker(pages: int, repeats: int, small: bool = False, kv_dtype: str = "float
     return {**row, "tick_ms": float(np.median(ticks[2:]))}
 
 
-def run_worker(root: Path, pages: int, repeats: int, small: bool = False, kv_dtype: str = "float") -> dict:
+def run_worker(root: Path, pages: int, repeats: int, small: bool = False, kv_dtype: str = "float",
+               inline: bool = False) -> dict:
     """Runs `worker` in a fresh `python -m` process started in the checkout `root`, which supplies its `omnijax`
-    (`harness.checkout_env`), and returns its row."""
+    (`harness.checkout_env`), and returns its row; `inline` (a `--smoke` check of this checkout): in this process
+    (`harness.run_worker`)."""
     cmd = harness.module_command(__spec__.name, "--worker", pages, "--repeats", repeats,
                                  *(["--small"] if small else []),
                                  *(["--kv-dtype", kv_dtype] if kv_dtype != "float" else []))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=harness.checkout_env(), cwd=root)
+    if inline and Path(root).resolve() != harness.ROOT:
+        raise ValueError(f"an inline worker measures this checkout, not {root}")
+    done = (harness.run_worker(cmd, inline=True) if inline else
+            subprocess.run(cmd, capture_output=True, text=True, env=harness.checkout_env(), cwd=root))
     if done.returncode:
         raise RuntimeError(f"worker for {root} at {pages} pages failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -237,7 +243,8 @@ def main(argv=None):
     for pages in args.pages:
         for label, root in libraries.items():
             row = {"library": label, "kv_dtype": args.kv_dtype,
-                   **run_worker(root, pages, args.repeats, args.small, args.kv_dtype)}
+                   **run_worker(root, pages, args.repeats, args.small, args.kv_dtype,
+                                inline=args.smoke and root == harness.ROOT)}
             rows.append(row)
             print(f"  {label:>24} {pages:>5} pages: chunk {row['chunk_ms']:8.1f} ms, "
                   f"{row['token_ms']:8.1f} ms/token, tick {row['tick_ms']:8.1f} ms, "

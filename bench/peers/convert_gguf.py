@@ -12,7 +12,9 @@ user waits for), the imports' time, the conversion's own time after them, the pr
 (`ru_maxrss`) and its growth over the resident memory after the imports (the conversion's own peak, compared with the
 largest tensor). All write float32. torch runs with `OMP_WAIT_POLICY=PASSIVE` (its spinning threads otherwise slow
 the other process on a shared machine). Default: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs;
-`--smoke` writes a tiny random llama GGUF (two layers, byte-level tokenizer) and runs one round.
+`--smoke` converts a tiny random llama GGUF (two layers, byte-level tokenizer), one round: the peers' shared one
+(`first_token.smoke_models`), whose GGUF pair of conversions, made once by this script's `run_one` for the peers
+scripts' smoke runs into the same `--out`, are that round's rows.
 
     python -m bench.peers.convert_gguf --rounds 5
 """
@@ -154,6 +156,20 @@ def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None, hf
     return {"tool": tool, "wall_s": wall, "output_mb": size / 2 ** 20, **row}
 
 
+def smoke_conversions(out: Path) -> tuple[Path, dict[str, dict], Path]:
+    """`--smoke` without `--gguf`: the peers' shared tiny GGUF (`first_token.smoke_models`, made once under `out`),
+    the rows of the two conversions its smoke models were made by (`run_one` in fresh processes, as this script's
+    own rounds run; a tool is absent when its row is not there) and transformers' conversion of it (the safetensors
+    pair's source). A smoke run then converts that file once for all the peers scripts."""
+    from bench.peers.first_token import CONVERSION_ROW, smoke_models
+
+    gguf_path, models = smoke_models(out)
+    made = {tool: json.loads((models / CONVERSION_ROW.format(name)).read_text())
+            for name, tool in (("omnijax", "omnijax"), ("hf", "transformers"))
+            if (models / CONVERSION_ROW.format(name)).is_file()}
+    return gguf_path, made, models / "hf"
+
+
 def main(argv=None) -> int:
     p = harness.parser(__doc__)
     p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
@@ -179,8 +195,11 @@ def main(argv=None) -> int:
     out = harness.output_dir(args)
     with tempfile.TemporaryDirectory(prefix="convert_gguf_") as tmp:
         work = Path(tmp)
+        made: dict[str, dict] = {}  # --smoke: tool -> the row of a conversion the peers' smoke models were made by
+        first_hf = work / "hf"
         if args.smoke and not args.gguf:
-            gguf_path = write_tiny_gguf(work / "tiny.gguf")
+            gguf_path, made, smoke_hf = smoke_conversions(out)
+            first_hf = smoke_hf if "transformers" in made else first_hf
         else:
             from omnijax.demo.smollm2 import find_gguf
 
@@ -188,13 +207,14 @@ def main(argv=None) -> int:
         print(f"{gguf_path.name}: {gguf_path.stat().st_size / 2 ** 20:.1f} MB, {args.rounds} rounds", flush=True)
         # the safetensors pair's source: transformers' float32 checkpoint of the same file, the output of the first
         # round's transformers conversion (the GGUF pair runs first in every round), kept rather than removed
-        hf = Path(args.hf).expanduser() if args.hf else work / "hf"
+        hf = Path(args.hf).expanduser() if args.hf else first_hf
         rows = []
         for r in range(args.rounds):
             for pair, both in pairs.items():
                 for tool in (both if r % 2 == 0 else both[::-1]):
                     keep = hf if tool == "transformers" and not hf.exists() else None
-                    row = dict(run_one(tool, gguf_path, work, keep, hf), round=r, pair=pair)
+                    row = made.pop(tool) if tool in made else run_one(tool, gguf_path, work, keep, hf)
+                    row = dict(row, round=r, pair=pair)
                     rows.append(row)
                     print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.2f} "
                           f"s converting ({row['convert_cpu_s']:.2f} s CPU), peak {row['peak_rss_mb']:.0f} MB "

@@ -128,20 +128,24 @@ def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) ->
     return {"marks": marks, "answer": answer}
 
 
+CONVERSION_ROW = "{}.conversion.json"  # beside `models/<name>/`: the row `convert_gguf.run_one` measured making it
+
+
 def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = None) -> None:
-    """Both checkpoints of `gguf_path` under `models/` (`omnijax/`, `hf/`), each made once (a fresh process), with
-    `chat_template` written beside each when given."""
+    """Both checkpoints of `gguf_path` under `models/` (`omnijax/`, `hf/`), each made once by
+    `convert_gguf.run_one` (a fresh `convert_gguf --worker` process), with `chat_template` written beside each when
+    given. What each conversion measured is kept beside it (`CONVERSION_ROW`): `convert_gguf --smoke` takes its GGUF
+    pair's rows from there instead of converting the same tiny file again."""
+    from bench.peers.convert_gguf import run_one
+
+    models.mkdir(parents=True, exist_ok=True)
     for name, convert in (("omnijax", "omnijax"), ("hf", "transformers")):
         if (models / name / ".complete").exists():
             continue
         shutil.rmtree(models / name, ignore_errors=True)
         print(f"converting {gguf_path.name} for {convert} into {models / name}", flush=True)
-        command = harness.module_command("bench.peers.convert_gguf", "--worker", convert, "--gguf", gguf_path,
-                                         "--dst", models / name)
-        done = subprocess.run(command, cwd=harness.ROOT, capture_output=True, text=True, timeout=1800,
-                              env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false"))
-        if done.returncode != 0:
-            raise SystemExit(f"converting for {convert} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        row = run_one(convert, gguf_path, models, keep=models / name)
+        (models / CONVERSION_ROW.format(name)).write_text(json.dumps(row))
         if chat_template is not None:
             (models / name / "chat_template.jinja").write_text(chat_template)
         (models / name / ".complete").touch()

@@ -23,7 +23,8 @@ import. torch runs with `OMP_WAIT_POLICY=PASSIVE`. Default: SmolLM2-135M-Instruc
 installs, dequantised to float32 by both, each conversion kept under `--cache`, default `~/.cache/omnijax-bench`:
 omnijax's with `omnijax.demo.smollm2.converted`, transformers' `save_pretrained` of its GGUF load); `--smoke`: a
 tiny random llama GGUF, one round, chunk 32, its conversions those `first_token --smoke` makes into the same `--out`
-(`first_token.smoke_models`: made once, whichever runs first).
+(`first_token.smoke_models`: made once, whichever runs first), each worker run in the script's own process (a check
+that the script works: its memory figures are then the parent's, not a fresh process's).
 
     python -m bench.peers.load_memory --rounds 5 --out bench/peers/results
 """
@@ -114,9 +115,10 @@ def worker(side: str, path: Path, chunk: int, chunks: int) -> dict:
 
 def run_worker(side: str, path: Path, args) -> dict:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--path", path, "--chunk",
-                                                 args.chunk, "--chunks", args.chunks),
-                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    # --smoke (a check, its figures meaningless): the worker runs in this process (`harness.run_worker`)
+    done = harness.run_worker(harness.module_command(__spec__.name, "--worker", side, "--path", path, "--chunk",
+                                                     args.chunk, "--chunks", args.chunks),
+                              inline=args.smoke, env=env, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), loadavg=os.getloadavg()[0])

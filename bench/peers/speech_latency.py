@@ -14,7 +14,8 @@ answer so far allows); the arm "omnijax, talker after the text" speaks the same 
 each measured overlapped run, and checks it spoke as many samples. An answer of one block (`--answer-tokens` 16 or
 less) cannot overlap; `--answer-tokens 64` shows the difference.
 
-Each side runs in its own process per round, the two alternating round by round, median over `--rounds`. In its
+Each side runs in its own process per round, the two alternating round by round, median over `--rounds` (`--smoke`, a
+check that measures nothing: one round, each side's worker in the script's own process, `harness.run_worker`). In its
 process a side first answers once unmeasured (compilation; torch's first calls), then answers measured, for each
 first-chunk size in turn (omnijax) or once (transformers). Figures, from the moment `ask` / `generate` is called:
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -216,13 +216,16 @@ def _transformers(root: Path, answer_tokens: int, frames: int, pcm_dir: Path) ->
     return rows
 
 
-def run_one(side: str, root: Path, first_chunks, answer_tokens: int, frames: int, pcm_dir: Path) -> list[dict]:
+def run_one(side: str, root: Path, first_chunks, answer_tokens: int, frames: int, pcm_dir: Path,
+            inline: bool = False) -> list[dict]:
+    """`side`'s worker in a fresh process (`inline`, a `--smoke` check: in this one, `harness.run_worker`)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     load = os.getloadavg()[0]
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--root", root, "--first-chunks",
-                                                 ",".join(map(str, first_chunks)), "--answer-tokens", answer_tokens,
-                                                 "--frames", frames, "--pcm-dir", pcm_dir),
-                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    done = harness.run_worker(harness.module_command(__spec__.name, "--worker", side, "--root", root,
+                                                     "--first-chunks", ",".join(map(str, first_chunks)),
+                                                     "--answer-tokens", answer_tokens, "--frames", frames,
+                                                     "--pcm-dir", pcm_dir),
+                              inline=inline, env=env, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [dict(r, side=r.pop("arm", side), load_avg=load) for r in json.loads(done.stdout.strip().splitlines()[-1])]
@@ -261,7 +264,8 @@ def main(argv=None) -> int:
         root = build_release(Path(tmp))
         for r in range(args.rounds):
             for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
-                got = run_one(side, root, args.first_chunks, args.answer_tokens, args.frames, Path(tmp))
+                got = run_one(side, root, args.first_chunks, args.answer_tokens, args.frames, Path(tmp),
+                              inline=args.smoke)
                 rows += [dict(g, round=r) for g in got]
                 print(f"  round {r + 1}/{args.rounds} {side}: " + ", ".join(
                     f"first PCM {g['first_pcm_ms']:.0f} ms" + (f" (first chunk {g['first_chunk']})"

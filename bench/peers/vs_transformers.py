@@ -36,8 +36,8 @@ left it measures at max / 2 and max).
 
 Run: `python -m bench.peers.vs_transformers [--rounds 3] [--out bench/out] [--smoke]` (defaults: `--chunk 256 --full-max
 8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --prefill-rounds 1`; `--smoke`: chunk 64, full 256,
-bounded 512, prefill 512, one round, `--omp-passive`, and each side's measurements in one worker process, its
-checkpoint worker's); writes `<out>/vs_transformers.{json,png}`.
+bounded 512, prefill 512, one round, `--omp-passive`, and each side's measurements in one worker, its checkpoint
+worker's, run in the script's own process: `harness.run_worker`); writes `<out>/vs_transformers.{json,png}`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import importlib.metadata
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -309,7 +308,8 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "", extr
     load = os.getloadavg()[0]  # other processes competing for the cores show here
     LOADS.append(load)
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=harness.ROOT)
+    # --smoke (a check that measures nothing): the worker runs in this process, its command line and JSON as ever
+    done = harness.run_worker(cmd, inline=args.smoke, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         raise RuntimeError(f"worker {kind} {side} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"

@@ -136,13 +136,19 @@ def transformers_worker(spec: dict, out: Path) -> None:
 
 def start_check(args, source: common.ModelSource, ids: list[int], out: Path):
     """Starts the transformers worker on the first `--check-tokens` tokens; None when there is nothing to check
-    against (a `--checkpoint` run: no weights transformers loads) or the check is off."""
+    against (a `--checkpoint` run: no weights transformers loads) or the check is off. `--smoke` (a check that
+    measures nothing) runs it to its end in this process (`harness.run_worker`) instead of beside omnijax's scoring."""
     n = min(args.check_tokens, args.length)
     if n == 0 or source.reference is None:
         return None
     spec = out / "perplexity_check.json"
     spec.write_text(json.dumps(dict(reference=source.reference, ids=ids[:n + 1])))
     command = harness.module_command(__spec__.name, "--worker", "transformers", "--ids", spec, "--out", out)
+    if args.smoke:
+        done = harness.run_worker(command, inline=True)
+        print(done.stdout, end="", flush=True)
+        print(done.stderr, end="", file=sys.stderr, flush=True)
+        return done
     return subprocess.Popen(command, cwd=harness.ROOT)
 
 
@@ -150,7 +156,7 @@ def finish_check(worker, full_nll: np.ndarray | None, out: Path) -> dict:
     """Waits for the transformers worker and compares its perplexity with omnijax's full-context one."""
     if worker is None:
         return dict(ran=False, why="no transformers reference (--checkpoint run or --check-tokens 0)")
-    if worker.wait() != 0:
+    if (worker.wait() if isinstance(worker, subprocess.Popen) else worker.returncode) != 0:
         raise SystemExit(f"the transformers check worker exited {worker.returncode} (its traceback is above)")
     theirs = np.asarray(json.loads((out / "perplexity_transformers.json").read_text())["nll"])
     if full_nll is None:

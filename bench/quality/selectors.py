@@ -358,10 +358,21 @@ def appended(path: Path, rows: list[dict], reference: str, tiny: bool) -> list[d
     return kept + rows
 
 
-def run_workers(spec: Path, out: Path) -> None:
+def run_workers(spec: Path, out: Path, inline: bool = False) -> None:
     """Runs the two sides' workers at the same time (their own processes; each is mostly single-threaded while it
-    imports and compiles) and waits for both; one failing stops the other."""
+    imports and compiles) and waits for both; one failing stops the other. `inline` (a `--smoke` check): one after
+    the other in this process (`harness.run_worker`), what they print passed on."""
     started = time.perf_counter()
+    if inline:
+        for side in ("omnijax", "kvpress"):
+            done = harness.run_worker(harness.module_command(__spec__.name, "--worker", side, "--cases", spec, "--out",
+                                                             out), inline=True)
+            print(done.stdout, end="", flush=True)
+            print(done.stderr, end="", file=sys.stderr, flush=True)
+            if done.returncode != 0:
+                raise SystemExit(f"the {side} worker exited {done.returncode} (its traceback is above)")
+            print(f"{side}: {time.perf_counter() - started:.0f} s", flush=True)
+        return
     workers = {side: subprocess.Popen(harness.module_command(__spec__.name, "--worker", side, "--cases", spec,
                                                              "--out", out), cwd=harness.ROOT)
                for side in ("omnijax", "kvpress")}
@@ -427,7 +438,7 @@ def main(argv=None):
                                         resume=args.resume, tag=args.tag, cases=cases)))
         print(f"{len(prompts)} prompts x {len(args.selectors)} selectors x {len(args.ratios)} ratios = {len(cases)} "
               "cases per side", flush=True)
-        run_workers(spec, out)
+        run_workers(spec, out, inline=args.smoke)
     results = {side: (json.loads(work_file(out, args.tag, f"{side}.json").read_text()),
                       np.load(work_file(out, args.tag, f"{side}_kept.npz"))) for side in ("omnijax", "kvpress")}
     done = min(len(results["omnijax"][0]), len(results["kvpress"][0]))

@@ -15,7 +15,7 @@ head_dim 64), random float32 inputs, a prompt of S tokens cut into chunks of 2,0
                  worker process on one thread (torch and JAX never share a process), when torch is installed.
 
 Outputs `attention_cost.json` and a PNG of the layer variants and the parts model. `--smoke`: S = 2,048, one round
-(a check that the script runs, not a measurement).
+(a check that the script runs, not a measurement: the torch worker runs in the script's own process).
 
     python -m bench.tidekv.attention_cost --lengths 4096 8192 --rounds 3
 """
@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import resource
-import subprocess
 
 import numpy as np
 
@@ -160,10 +159,10 @@ def main(argv=None) -> int:
     for S in args.lengths:
         row = {"length": S, "load_avg": os.getloadavg()[0], **jax_side(S, args.rounds, blocks)}
         if importlib.util.find_spec("torch") is not None:
-            done = subprocess.run(harness.module_command(__spec__.name, "--worker", "torch", "--length", S,
-                                                         "--rounds", args.rounds),
-                                  cwd=harness.ROOT, capture_output=True, text=True, timeout=1800,
-                                  env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+            # --smoke (a check that measures nothing): the torch worker runs in this process
+            done = harness.run_worker(harness.module_command(__spec__.name, "--worker", "torch", "--length", S,
+                                                             "--rounds", args.rounds),
+                                      inline=args.smoke, timeout=1800, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
             if done.returncode != 0:
                 raise SystemExit(f"torch worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
             row.update(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -24,8 +24,9 @@ it imports `DIR/omnijax` (an older version, e.g. `git archive <commit> omnijax |
 this repository's comes through `PYTHONPATH`), interleaved with the other two: before / after figures of a change.
 
 `--smoke`: the tiny random llama GGUF of `bench.peers.first_token.smoke_models`, S = 256, one round, one warm call
-(a check that the script runs, not a measurement). `--models DIR`: a folder holding `omnijax/` and `hf/` checkpoints
-already converted (each with a `.complete` marker) instead of converting.
+(a check that the script runs, not a measurement: each worker runs in the script's own process). `--models DIR`: a
+folder holding `omnijax/` and `hf/` checkpoints already converted (each with a `.complete` marker) instead of
+converting.
 """
 
 from __future__ import annotations
@@ -129,10 +130,12 @@ def run_one(side: str, args, models: Path, S: int) -> dict:
     if side == BASE:
         env, cwd = harness.checkout_env(env), Path(args.base).resolve()
     load = os.getloadavg()[0]
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--models", Path(models).resolve(),
-                                                 "--length", S, "--ratio", args.ratio, "--calls", args.calls,
-                                                 "--seed", args.seed),
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
+    command = harness.module_command(__spec__.name, "--worker", side, "--models", Path(models).resolve(), "--length",
+                                     S, "--ratio", args.ratio, "--calls", args.calls, "--seed", args.seed)
+    if args.smoke and side != BASE:  # a check that measures nothing: the worker runs in this process
+        done = harness.run_worker(command, inline=True)
+    else:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{side} S={S} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load_avg": load}
