@@ -4,7 +4,9 @@ the talker, the code predictor and Code2Wav on CPU for `bench.peers.speech_laten
 script's), a Code2Wav chunk sweep (first call 2 / 4 / 8 frames, then 10 / 25 / 50 a call: first packet against RTF),
 and beside them the full-size analytic budget of Qwen3-Omni-30B-A3B (`bench.peers._speech_budget`: FLOPs and bytes
 per audio second where the released shapes are known offline, the report's per-frame figures where not) projected
-to a first packet and RTF at a stated accelerator, against the report's 234 ms / 0.47.
+to a first packet and RTF at a stated accelerator, against the report's 234 ms / 0.47. Then Qwen2.5-Omni's stages
+(`bench.peers._speech_stages_qwen25`: thinker, talker, Token2Wav's DiT and BigVGAN, and the first packet, on a tiny
+seeded release at the release's codec rates, 50 tokens an audio second; `--qwen25-frames` codec tokens).
 
 Each stage runs alone, once unmeasured (compilation), then `--rounds` times measured (medians):
 
@@ -38,6 +40,7 @@ import numpy as np
 
 from bench import harness
 from bench.peers import _speech_budget as budget_lib
+from bench.peers import _speech_stages_qwen25 as qwen25
 from bench.peers import speech_latency as release
 
 FIRST_CHUNKS, CHUNKS = (2, 4, 8), (10, 25, 50)
@@ -218,8 +221,12 @@ def main(argv=None) -> int:
     p.add_argument("--accelerator", choices=sorted(budget_lib.ACCELERATORS), default="H100",
                    help="the analytic budget's accelerator (peak and bandwidth; efficiencies 40%% / 60%%)")
     p.add_argument("--prompt-tokens", type=int, default=100, help="the analytic budget's cold-start prompt")
+    p.add_argument("--qwen25-frames", type=int, default=250,
+                   help="Qwen2.5-Omni codec tokens of speech (20 ms each; 0 skips its stages)")
     args = harness.parse(p, argv, smoke={"rounds": 1, "frames": 10, "answer_tokens": 4, "first_chunks": (4,),
-                                         "chunks": (10,)})
+                                         "chunks": (10,), "qwen25_frames": 30})
+    if args.qwen25_frames < 0:
+        p.error(f"--qwen25-frames must be at least 0, got {args.qwen25_frames}")
     for name in ("rounds", "frames", "answer_tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -248,10 +255,30 @@ def main(argv=None) -> int:
                                         ("first packet ms", "first_packet_ms", ".0f"),
                                         ("RTF", "rtf", ".2f")])
     print(f"report: first packet {budget_lib.REPORT['first_packet_ms']:.0f} ms, RTF {budget_lib.REPORT['rtf']}")
-    harness.write_json(out, "speech_stages", {"cpu_stages": stages, "cpu_sweep": sweep, "cpu": detail,
-                                              "full_size": full, "rounds": args.rounds, "smoke": bool(args.smoke)})
+    table = {"cpu_stages": stages, "cpu_sweep": sweep, "cpu": detail, "full_size": full, "rounds": args.rounds,
+             "smoke": bool(args.smoke)}
+    if args.qwen25_frames:
+        table["qwen2_5_omni"] = qwen2_5_stages(args)
+    harness.write_json(out, "speech_stages", table)
     plot(sweep, full, out)
     return 0
+
+
+def qwen2_5_stages(args) -> dict:
+    """Qwen2.5-Omni's stage rows and details (`_speech_stages_qwen25.measure`), printed."""
+    load = np_load()
+    with tempfile.TemporaryDirectory(prefix="speech_stages25_") as tmp:
+        rows, detail = qwen25.measure(Path(tmp), args.rounds, args.qwen25_frames, args.answer_tokens)
+    detail["load_avg"] = [*load, *np_load()]
+    print(f"\nQwen2.5-Omni, CPU, tiny release at the release's codec rates: {detail['frames']} codec tokens "
+          f"({detail['audio_s']:.2f} s of audio), answer of {detail['answer_tokens']} tokens, Token2Wav chunks "
+          f"{detail['first_chunk']} then {detail['chunk']} tokens, load {detail['load_avg']}")
+    harness.print_table(rows, [("stage", "stage", ""), ("clock", "clock", ""), ("s", "seconds", ".3f"),
+                               ("ms / 20 ms token", "ms_per_token", ".2f"), ("RTF", "rtf", ".3f")])
+    print(f"first packet (serial: answer + talker + DiT + BigVGAN calls before the first PCM) "
+          f"{detail['first_packet_ms']:.0f} ms; talker prefill {detail['talker_prefill_ms']:.1f} ms; "
+          f"{detail['dit_calls']} DiT solves, {detail['bigvgan_calls']} BigVGAN calls")
+    return {"cpu_stages": rows, "cpu": detail}
 
 
 def np_load() -> list[float]:
