@@ -18,6 +18,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 VENV_CACHE ?= $(HOME)/.cache/omnijax/venvs
+ifeq ($(shell test -d $(VENV) && test ! -L $(VENV) && echo inside),inside)
+VENV_CACHE :=  # a clone whose .venv is a directory of its own keeps it
+endif
 ifneq ($(strip $(VENV_CACHE)),)
 VENV_HOME := $(VENV_CACHE)/$(shell (cat pyproject.toml; $(PYTHON) -VV) | sha256sum | cut -c1-16)
 # the installs run by the environment's own interpreter at its real path (its scripts' first lines name that path,
@@ -25,7 +28,8 @@ VENV_HOME := $(VENV_CACHE)/$(shell (cat pyproject.toml; $(PYTHON) -VV) | sha256s
 PIP := $(if $(shell command -v flock),flock $(VENV_HOME).lock )$(VENV_HOME)/bin/python -m pip
 # a stamp already in the kept environment means that step is done (its key covers pyproject.toml)
 DONE = [ -e $@ ] ||
-BASE_DEPS :=
+# .venv linking to another key's environment (pyproject.toml changed) is linked again
+BASE_DEPS := $(if $(filter $(VENV_HOME),$(shell readlink $(VENV))),,relink)
 else
 VENV_HOME := $(VENV)
 PIP := $(PY) -m pip
@@ -38,13 +42,13 @@ HERE = $(PY) -I -c 'import importlib.util as u, sys; s = u.find_spec("omnijax");
 	sys.exit(s is None or not s.origin.startswith("$(CURDIR)/"))' 2>/dev/null || \
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
-.PHONY: demo test test-fast smollm2 clean
+.PHONY: demo test test-fast smollm2 clean relink
 
 SMOLLM2_DIR := $(VENV)/share/omnijax
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 $(VENV)/.base: $(BASE_DEPS)
-	test -e $(VENV) || { mkdir -p $(VENV_HOME) && ln -s $(VENV_HOME) $(VENV); }
+	test -d $(VENV) && test ! -L $(VENV) || { mkdir -p $(VENV_HOME) && ln -sfn $(VENV_HOME) $(VENV); }
 	test -x $(VENV_HOME)/bin/python || $(PYTHON) -m venv $(VENV_HOME)
 	$(DONE) $(PIP) install --quiet "setuptools>=68" -e .
 	touch $@
