@@ -150,7 +150,12 @@ def test_an_engine_session_with_recall_answers_as_a_batch1_session_alone_and_bes
     _assert_same(got["a"], want, f"{name} alone")
     assert alone.recall_stats("a") == stats
 
-    # beside a second recall session on a seeded schedule (some ticks serve one, some both)
+    _beside_another(model, config, script, want, stats, name)
+
+
+def _beside_another(model, config, script, want, stats, name: str) -> None:
+    """Session "a" (`script`, whose batch-1 answers are `want` and recall figures `stats`) beside a second recall
+    session on a seeded schedule (some ticks serve one, some both): both answer as batch-1 sessions."""
     other = _script(50)
     _, want_b = _oracle(model, config, other)
     rng = np.random.default_rng(7)

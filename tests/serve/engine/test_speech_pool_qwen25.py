@@ -33,6 +33,7 @@ pytest.importorskip("torch", reason="torch (the test extra) builds the transform
 pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
 
 from tests._support.qwen25_speech import spoken_release25  # noqa: E402
+from tests._support.step_clock import StepClock  # noqa: E402
 
 IM_START, IM_END, NL = 298, 299, 198
 SEED = 4  # its talkers end at 12 tokens (the limit), 17 (stop id 60) and 24 (the limit): three lengths, both ends
@@ -89,17 +90,6 @@ def alone(model, config):
     return out
 
 
-class _Clock:
-    """A settable clock that moves `step` seconds at every reading."""
-
-    def __init__(self, step):
-        self.now, self.step = 0.0, step
-
-    def __call__(self):
-        self.now += self.step
-        return self.now
-
-
 def _open(pool, u, **changes):
     u = {**u, **changes}
     return pool.open(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
@@ -115,7 +105,7 @@ def test_a_seeded_schedule_speaks_as_each_utterance_alone(model, config, alone, 
     """tick_s 0: no chunk is late. tick_s 10: every tick takes 10 s, so each chunk after an utterance's first leaves
     past its playback deadline: sent all the same, flagged and counted, never dropped. Either way each utterance's
     talker tokens, chunk sizes and PCM equal its lone run."""
-    clock = _Clock(1e-6)
+    clock = StepClock(1e-6)
     pool = Qwen25SpeechPool(model, config, clock=clock)
     plan = utterances(SEED)
     got, tick, rows = {u["speech_id"]: [] for u in plan}, 0, []

@@ -26,6 +26,7 @@ from omnijax.serve.engine.speech import SpeechConfig, SpeechPool
 torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
 
+from tests._support.step_clock import StepClock  # noqa: E402
 from tests.models.qwen3_omni import test_talker as T  # noqa: E402  (needs torch)
 
 TTS = T.TTS
@@ -175,17 +176,6 @@ def test_admission_refuses_by_name_and_changes_nothing(model):
         EngineConfig(speech={"rows": (1,)})
 
 
-class _Clock:
-    """A settable clock that moves `step` seconds at every reading."""
-
-    def __init__(self, step):
-        self.now, self.step = 0.0, step
-
-    def __call__(self):
-        self.now += self.step
-        return self.now
-
-
 def _drain(pool, clock=None, advance=0.0):
     got = {s: [] for s in pool.sessions}
     for _ in range(100):
@@ -204,7 +194,7 @@ def test_late_or_deferred_chunks_are_sent_not_dropped(model, case):
     sent all the same, flagged `late_s` > 0 and counted. deferred: a vocoder budget of 0.1 us per tick makes every
     Code2Wav call but the first of a tick wait (no later chunk is urgent): the chunks go out on later ticks, in
     deadline order. Either way the utterances equal their lone runs."""
-    clock = _Clock(1e-6)
+    clock = StepClock(1e-6)
     config = SpeechConfig(**{**SPEECH.__dict__, **(dict(vocoder_budget_s=1e-7, slack_s=0.0) if case == "deferred"
                                                    else {})})
     pool = SpeechPool(model, config, clock=clock)
