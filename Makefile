@@ -69,6 +69,9 @@ $(VENV)/.smollm2: $(VENV)/.base
 
 smollm2: $(VENV)/.smollm2
 
+# always out of date: makes .venv/.base run again when .venv must be linked (BASE_DEPS)
+relink:
+
 demo: $(VENV)/.demo $(VENV)/.smollm2
 	@$(HERE)
 	$(PY) -m omnijax.demo
