@@ -116,7 +116,8 @@ def run_worker(command: Sequence[str], *, inline: bool = False, env: Mapping[str
             fresh interpreter: for `--smoke` runs, which check that the script works and measure nothing, so a
             worker's process isolation buys them nothing while its interpreter start and imports cost seconds
             (torch and transformers alone ~6 CPU s). The worker still parses its command line and prints the result
-            the parent reads. `env` is then not applied (the worker runs in this process's environment).
+            the parent reads. `env` then replaces `os.environ` for the call (a variable a library read when it was
+            imported, such as OpenMP's, keeps the value it was read with).
         env: the worker process's environment (default: this process's).
         timeout: seconds before the worker process is killed (not for `inline`).
 
@@ -130,8 +131,17 @@ def run_worker(command: Sequence[str], *, inline: bool = False, env: Mapping[str
     if command[:2] != [sys.executable, "-m"] or len(command) < 3:
         raise ValueError(f"{command[:3]} is not a module_command: an inline worker runs a bench module's main")
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run_main(command[2], command[3:])
+    saved = dict(os.environ)
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_main(command[2], command[3:])
+    finally:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(saved)
     return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 

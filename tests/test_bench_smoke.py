@@ -471,6 +471,30 @@ def test_inline_worker_runs_the_command_in_process():
         harness.run_worker(["git", "status"], inline=True)
 
 
+def test_inline_worker_runs_under_the_given_environment(monkeypatch):
+    """An inline worker's `env` is the environment its main sees, and the process's own comes back after it (even
+    when the main raises)."""
+    seen = []
+
+    def main(name, argv):
+        seen.append((name, argv, os.environ.get("OMNIJAX_BENCH_PROBE")))
+        if argv == ["--fail"]:
+            raise RuntimeError("failed")
+        return 0
+
+    monkeypatch.setattr(harness, "run_main", main)
+    monkeypatch.delenv("OMNIJAX_BENCH_PROBE", raising=False)
+    env = dict(os.environ, OMNIJAX_BENCH_PROBE="on")
+    done = harness.run_worker(harness.module_command("bench.quality.passkey", "--x"), inline=True, env=env)
+    assert done.returncode == 0 and seen == [("bench.quality.passkey", ["--x"], "on")]
+    assert "OMNIJAX_BENCH_PROBE" not in os.environ
+    with pytest.raises(RuntimeError, match="failed"):
+        harness.run_worker(harness.module_command("bench.quality.passkey", "--fail"), inline=True, env=env)
+    assert "OMNIJAX_BENCH_PROBE" not in os.environ
+    harness.run_worker(harness.module_command("bench.quality.passkey", "--y"), inline=True)  # no env: as it is
+    assert seen[-1] == ("bench.quality.passkey", ["--y"], None)
+
+
 def test_gpu_checks_syntax():
     done = subprocess.run(["bash", "-n", str(BENCH / "gpu_checks.sh")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
