@@ -394,14 +394,15 @@ class BackgroundServer:
 
     def wait_idle(self, timeout_s: float = 20.0) -> None:
         """Waits until every session is closed, in the worker and in the engine (closing follows a client's
-        disconnect, and the engine frees a slot between ticks, after the worker has let the session go); TimeoutError
-        naming the sessions still open after `timeout_s`."""
+        disconnect, and the engine frees a slot between ticks, after the worker has let the session go; the client's
+        per-address count drops on the event loop after that); TimeoutError naming the sessions still open after
+        `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        worker = self.context.worker
-        while worker.lanes or worker.engine.sessions:
+        worker, per_client = self.context.worker, self.context.per_client
+        while worker.lanes or worker.engine.sessions or per_client:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"sessions still open after {timeout_s:g} s: worker {list(worker.lanes)}, "
-                                   f"engine {list(worker.engine.sessions)}")
+                                   f"engine {list(worker.engine.sessions)}, per client {dict(per_client)}")
             time.sleep(0.05)
 
     @property
