@@ -150,7 +150,40 @@ def unit_log_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarra
     return out
 
 
-def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+def window_members(tier: HostTier, window: int) -> list[np.ndarray]:
+    """Per stored record i, the records of the recall window that starts at it: i and the records that follow it
+    token by token (a record whose first write order is one past the previous one's last), at most `window` in
+    all, fewer where such a run ends. With `window=1` every record is its own window.
+
+    Why: with `Recall(block=B)` the write-order grid can cut a sentence in two, and the half the question scores
+    lower stays in the tier (SmolLM2's pass key, RESULTS.md). A window of two B-token blocks is a 2B-token record
+    at a B-token stride, so every sentence of at most B + 1 tokens lies whole in one window.
+
+    Args:
+        tier: the host tier.
+        window: most records per window (> 0).
+    """
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    first = {int(u.order[0]): i for i, u in enumerate(tier.units)}
+    following = [first.get(int(u.order[-1]) + 1, -1) for u in tier.units]
+    out = []
+    for i in range(len(tier.units)):
+        members = [i]
+        while len(members) < window and following[members[-1]] >= 0 and following[members[-1]] not in members:
+            members.append(following[members[-1]])
+        out.append(np.asarray(members, np.int64))
+    return out
+
+
+def window_log_mass(lse: np.ndarray, members: list[np.ndarray]) -> np.ndarray:
+    """`[R, U]` log attention mass of each window (`window_members`) from the records' `[R, U]` (`unit_log_mass`):
+    masses add, so a window's is the log-sum-exp of its records' (what scoring the window's tokens as one record
+    gives)."""
+    return np.stack([np.logaddexp.reduce(lse[:, m], axis=1) for m in members], axis=1) if members else lse
+
+
+def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple, window: int = 1) -> np.ndarray:
     """`[U]` float32: the attention mass each stored unit would draw from a question, position-free.
 
     With `a[u, l, h, t, i] = q[l, t, h] . key[u, l, h // (Hq / G), i] / sqrt(d)` over the question's tokens t and the
@@ -167,13 +200,15 @@ def score_units_mass(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.nda
         tier: the host tier.
         queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
         rope: `(theta, mrope_section, interleaved)` of the model (to turn the stored keys back).
+        window: score the window of records starting at each record (`window_members`) instead of the record.
     """
     if not tier.units:
         return np.zeros((0,), np.float32)
-    return unit_log_mass(tier, queries, rope).mean(axis=0).astype(np.float32)
+    lse = window_log_mass(unit_log_mass(tier, queries, rope), window_members(tier, window))
+    return lse.mean(axis=0).astype(np.float32)
 
 
-def score_units_peak(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.ndarray:
+def score_units_peak(tier: HostTier, queries: np.ndarray, rope: tuple, window: int = 1) -> np.ndarray:
     """`[U]` float32: the strongest preference any one head shows for each stored unit over the average stored unit
     (position-free, as `score_units_mass`).
 
@@ -193,10 +228,12 @@ def score_units_peak(tier: HostTier, queries: np.ndarray, rope: tuple) -> np.nda
         tier: the host tier.
         queries: `[L, T, Hq, d]` the question's queries before RoPE, its T valid tokens.
         rope: `(theta, mrope_section, interleaved)` of the model.
+        window: score the window of records starting at each record (`window_members`), centred over the windows.
     """
     if not tier.units:
         return np.zeros((0,), np.float32)
     lse = unit_log_mass(tier, queries, rope)  # [L * Hq * T, U], rows (layer, kv head, head within it, token)
+    lse = window_log_mass(lse, window_members(tier, window))
     T = np.shape(queries)[1]
     lift = (lse - lse.mean(axis=1, keepdims=True)).reshape(-1, T, lse.shape[1]).mean(axis=1)  # [L * Hq, U]
     return lift.max(axis=0).astype(np.float32)
@@ -268,3 +305,24 @@ def select_units_reference(scores: np.ndarray, sizes: np.ndarray, recall_budget_
         taken.append(i)
         cells += int(sizes[i])
     return np.asarray(sorted(taken), np.int64)
+
+
+def select_windows(scores: np.ndarray, sizes: np.ndarray, members: list[np.ndarray], recall_budget_cells: int,
+                   top_units: int) -> np.ndarray:
+    """Indices of the records to recall, ascending: windows (`window_members`; `scores[i]` is the score of the
+    window starting at record i) are walked best first, ties to the lower index, and each adds its records not
+    taken yet; the walk stops at the first window whose new records would pass `recall_budget_cells` cells or
+    `top_units` records (the ranking honoured strictly, as `select_units`). With one-record windows this is
+    `select_units`."""
+    scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
+    if len(members) != scores.size:
+        raise ValueError(f"members must hold one window per record ({scores.size}), got {len(members)}")
+    taken = np.zeros(scores.size, bool)
+    cells = 0
+    for i in np.lexsort((np.arange(scores.size), -scores.astype(np.float64))):
+        new = [int(j) for j in members[i] if not taken[j]]
+        if taken.sum() + len(new) > top_units or cells + int(sizes[new].sum()) > recall_budget_cells:
+            break
+        taken[new] = True
+        cells += int(sizes[new].sum())
+    return np.flatnonzero(taken)

@@ -67,6 +67,12 @@ class Recall:
             write orders (`omnijax.kv.host_tier.split_blocks`) that are stored, scored and recalled each on its own,
             so a question brings back the part of a long unit that draws its attention rather than the whole unit
             (`budget` then counts the blocks' cells, `top_units` the blocks).
+        window: records scored and recalled together (> 0; default 1, each record alone). With `window=W` the
+            question scores, for every stored record, the run of up to W records that follow one another token by
+            token from it (`omnijax.kv.host_tier_scoring.window_members`: their attention mass summed), and
+            recalls the best windows' records (`select_windows`; `top_units` still counts records). With
+            `block=B` a window of 2 is a 2B-token record at a B-token stride: a sentence the block grid cuts comes
+            back whole at the cost of one more block. "mass" and "peak" scoring only.
     """
 
     budget: int
@@ -78,6 +84,7 @@ class Recall:
     disk_dir: str | None = None
     disk_bytes: int = 0
     block: int | None = None
+    window: int = 1
 
     def __post_init__(self):
         for name in ("budget", "top_units", "host_bytes", "shortlist"):
@@ -90,6 +97,12 @@ class Recall:
                                        or self.block <= 0):
             raise ValueError(f"Recall: block must be a positive int (tokens per stored record) or None (whole "
                              f"units), got {self.block!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, numbers.Integral) or self.window <= 0:
+            raise ValueError(f"Recall: window must be a positive int (records scored together), got "
+                             f"{self.window!r}")
+        if self.window > 1 and self.scoring not in ("mass", "peak"):
+            raise ValueError(f"Recall: window={self.window} sums the attention mass of neighbouring records, which "
+                             f"scoring 'mass' and 'peak' compute; got scoring={self.scoring!r}")
         if not isinstance(self.keep, bool):
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
         if self.scoring not in RECALL_SCORINGS:
@@ -112,7 +125,7 @@ class Recall:
 
 
 _RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
-                  "disk_dir": str, "disk_bytes": int, "block": int}
+                  "disk_dir": str, "disk_bytes": int, "block": int, "window": int}
 
 
 def parse_recall(spec: str) -> Recall:

@@ -341,7 +341,7 @@ class RecallSession:
             if scoring == "two_stage":
                 return score_units_two_stage(tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
             score = host_tier_scoring.score_units_mass if scoring == "mass" else host_tier_scoring.score_units_peak
-            return score(tier, raw, self.rope)
+            return score(tier, raw, self.rope, window=self.recall_config.window)
         return host_tier_scoring.score_units(tier, q.mean(axis=1), self.recall_config.scoring)
 
     def recall(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk,
@@ -373,8 +373,13 @@ class RecallSession:
         need = int(np.asarray(chunk.valid).sum()) + int(np.asarray(chunk.answer_tokens).max(initial=0))
         budget = max(0, min(self.recall_config.budget, room(state.kv) - need))
         ranked = np.flatnonzero(np.isfinite(scores))  # "two_stage" scores units off its shortlist -inf
-        chosen = ranked[host_tier_scoring.select_units(scores[ranked], self.tier.sizes[ranked], budget,
-                                               self.recall_config.top_units)]
+        if self.recall_config.window > 1 and not forced:  # scores rank windows of records (Recall.window)
+            chosen = host_tier_scoring.select_windows(
+                scores, self.tier.sizes, host_tier_scoring.window_members(self.tier, self.recall_config.window),
+                budget, self.recall_config.top_units)
+        else:
+            chosen = ranked[host_tier_scoring.select_units(scores[ranked], self.tier.sizes[ranked], budget,
+                                                           self.recall_config.top_units)]
         units = tuple(self.tier.units[i] for i in chosen)
         kv, next_pos = state.kv, state.next_pos
         if units:
