@@ -147,7 +147,7 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
                     try:
                         mask[r] = _mask_of(c, words)
                     except Exception as e:  # noqa: BLE001 - the row fails, the tick goes on
-                        ends[rows[r]] = RowEnd(error=f"{type(e).__name__}: {e}")
+                        ends[rows[r]] = RowEnd(error=f"the token constraint failed: {type(e).__name__}: {e}")
                         active[r] = False
         if not active.any():
             break
@@ -172,7 +172,7 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
                         ends[rows[r]] = RowEnd(complete=True)
                         end = True
                 except Exception as e:  # noqa: BLE001 - the row fails, the tick goes on
-                    ends[rows[r]] = RowEnd(error=f"{type(e).__name__}: {e}")
+                    ends[rows[r]] = RowEnd(error=f"the token constraint failed: {type(e).__name__}: {e}")
                     end = True
             if r in rows and not bool(exhausted[r]) and on_token is not None and on_token(rows[r], t, entry):
                 end = True

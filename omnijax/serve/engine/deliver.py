@@ -69,6 +69,8 @@ def deliver(worker: Any, plan: dict, report: Any, failed: dict) -> list:
         if item is not None and item.fed is not None and not item.fed.done():
             if out is not None and out.preempted:
                 item.fed.set_exception(RuntimeError("the session was preempted: the KV pool is exhausted"))
+            elif out is not None and not out.written:  # a question whose recall failed: not written
+                item.fed.set_exception(RuntimeError(out.error))
             else:
                 item.fed.set_result(None)
         if answer is None:
@@ -90,7 +92,7 @@ def deliver(worker: Any, plan: dict, report: Any, failed: dict) -> list:
         if out is None or out.preempted:
             ending = ("incomplete", "preempted")
         elif out.error is not None:
-            ending = ("failed", f"the token constraint failed: {out.error}")
+            ending = ("failed", out.error)
         elif cut is not None or out.complete:
             ending = ("completed", None)
         elif answer.remaining <= 0:

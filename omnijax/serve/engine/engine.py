@@ -333,6 +333,8 @@ class Engine:
                 self.recall.after_batch(self, frames, before, result[2])
             served.append((frames, result, self._slots, ends))
         alone({} if self.recall is None else self.recall.land(self))  # questions whose scores are ready
+        for s, (c, why) in ({} if self.recall is None else self.recall.take_failures()).items():
+            outputs[s] = FrameOutput(s, [], None, 0, False, int(c.answer_tokens[0]), error=why, written=False)
         for group, result, rows, ends in served:
             logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
             for s, c in group.items():

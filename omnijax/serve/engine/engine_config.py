@@ -111,8 +111,10 @@ class FrameOutput:
             token: `(logprob, [(token id, logprob), ...])`, the raw model distribution's log probability of the
             token and of the `top_logprobs` most likely tokens (`omnijax.decoding.row_logprobs`); else None.
         complete: the row's token constraint reported `finished()` after its last token (host-driven ticks).
-        error: why the row's token constraint failed it (its `bitmask()` or `accept` raised, or a bad mask); the
-            tokens before are kept.
+        error: why the frame failed: the row's token constraint (its `bitmask()` or `accept` raised, or a bad mask;
+            the tokens before are kept), or the scoring of a question's recall raised (`written` is False).
+        written: the frame's chunk was written to the session's cache (False: a question whose recall failed, the
+            session left as it was before it; a preempted frame says so by `preempted`).
     """
 
     session_id: str
@@ -126,6 +128,7 @@ class FrameOutput:
     logprobs: list | None = None
     complete: bool = False
     error: str | None = None
+    written: bool = True
 
 
 @dataclasses.dataclass

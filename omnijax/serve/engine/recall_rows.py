@@ -22,7 +22,9 @@ Per tick (`EngineRecall`, called by `omnijax.serve.engine.engine.Engine.tick` in
   the one compiled program every tick runs; the recall's steps are one more program, compiled once.
 - After the batched step, each question whose scores are ready lands: its units are selected and written into its
   row (`RecallSession.recall` with the computed scores), and it is served on its own as above. A question whose
-  scores are not ready yet stays for a later tick (`TickReport.recalling`).
+  scores are not ready yet stays for a later tick (`TickReport.recalling`). A question whose scoring raised fails
+  alone: its frame comes back with `FrameOutput.error` naming the cause and `written=False` (the question is not
+  written; the row and the tier are as before it), and the tick serves every other row as usual.
 - The other recall sessions run in the batched step; each such row's evictions are captured into its tier
   afterwards (`omnijax.kv.host_tier.capture_evicted`, `shared_pool=True`: a token a step wrote and evicted on a page
   the step also gave back is counted in `lost_cells`, never read from another row's slot).
@@ -158,6 +160,7 @@ class EngineRecall:
         self.sessions: dict[str, RecallSession] = {}
         self.held: set[str] = set()
         self.scoring: dict[str, Scoring] = {}  # questions whose scores are being computed off the engine thread
+        self.failures: dict[str, tuple[Chunk, str]] = {}  # questions whose scoring raised (`land`), until reported
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
@@ -174,8 +177,14 @@ class EngineRecall:
         self.sessions[sid] = session
         return session
 
+    def take_failures(self) -> dict[str, tuple[Chunk, str]]:
+        """The questions whose scoring raised since the last call: {session id: (frame, why)} (`land`)."""
+        failures, self.failures = self.failures, {}
+        return failures
+
     def close(self, sid: str) -> None:
         self.sessions.pop(sid, None)
+        self.failures.pop(sid, None)
         self.held.discard(sid)
         job = self.scoring.pop(sid, None)
         if job is not None:
@@ -248,7 +257,10 @@ class EngineRecall:
 
     def land(self, engine: Any) -> dict[str, Chunk]:
         """Between the steps: recalls for each question whose scores are ready (into its row, as `Session.feed`
-        does before the question's step). Returns their frames, to be served on their own."""
+        does before the question's step). Returns their frames, to be served on their own.
+
+        A question whose scoring raised fails alone (`failures`): its frame is not written, its row and tier stay
+        as they were before it (the queries' forward wrote no slot metadata), and the other sessions are served."""
         ready = {}
         for sid, job in list(self.scoring.items()):
             if not job.future.done():
@@ -257,6 +269,13 @@ class EngineRecall:
             session = self.sessions[sid]
             if session.tier is not job.tier:
                 raise RuntimeError(f"session {sid!r}: its host tier changed while its question was scored")
+            error = job.future.exception()
+            if error is not None:
+                self.failures[sid] = (job.chunk, f"recall failed: scoring the question against the session's host "
+                                                 f"tier ({len(job.tier.units)} stored records) raised "
+                                                 f"{type(error).__name__}: {error}; the question was not written "
+                                                 f"and the session is as it was before it")
+                continue
             scores = job.future.result()
             question = jax.tree.map(jnp.asarray, job.chunk)
             self.apply(engine, sid, lambda view: session.recall(view, engine._graphdef, engine._params, question,
