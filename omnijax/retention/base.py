@@ -156,7 +156,7 @@ def freed_below(view: SequenceView, keep: jax.Array, next_pos: jax.Array) -> tup
         lo_k = jnp.where(keep_b, lo_b, big)
         idx = jnp.argsort(lo_k)
         lo_s, hi_s, keep_s = lo_k[idx], jnp.where(keep_b, hi_b, -1)[idx], keep_b[idx]
-        reach = jax.lax.associative_scan(jnp.maximum, hi_s)  # covered extent up to and including k
+        reach = jax.lax.cummax(hi_s)  # covered extent up to and including k
         before = jnp.concatenate([jnp.array([-1], reach.dtype), reach[:-1]])  # extent before k
         gap = jnp.where(keep_s, jnp.maximum(lo_s - before - 1, 0), 0)
         freed_before = jnp.cumsum(gap)  # freed values below lo of survivor k
