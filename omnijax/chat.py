@@ -255,7 +255,7 @@ class Chat:
         return opened(self.model, np.asarray(prompt_ids), voice=options.voice,
                       max_new_tokens=options.max_speech_tokens, first_chunk=options.first_chunk,
                       chunk=options.chunk, stop=stop, sampling=options.sampling,
-                      **({"media": media} if media else {}))
+                      **({"media": media} if media else {}), **_bounded(options))
 
     def _spoken(self, prompt_ids: tuple[int, ...], generated: list[int], stop: tuple[int, ...],
                 options: SpeakOptions, early=None) -> Iterator[np.ndarray]:
@@ -271,6 +271,7 @@ class Chat:
             speech = self.model.speech
             assert speech is not None  # checked at ask()
             more = {"media": media} if media else {}  # only a talker with a media tap takes them (checked at ask)
+            more.update(_bounded(options))
             for pcm in speech.speak_chunks(self.model, np.asarray(prompt_ids), np.asarray(answer),
                                            voice=options.voice, max_new_tokens=options.max_speech_tokens,
                                            first_chunk=options.first_chunk, chunk=options.chunk, **more):
@@ -419,6 +420,11 @@ class Chat:
                           f"cached; give a larger num_pages (now {self.session.state.kv.num_pages}) or a bounded "
                           f"policy", RuntimeWarning, stacklevel=3)
         return out
+
+
+def _bounded(options: SpeakOptions) -> dict:
+    """The talker KV keyword of `options` (none when unbounded, the speech output's own default)."""
+    return {} if options.talker_kv is None else {"talker_kv": options.talker_kv}
 
 
 def chunk_ids(chunk: Chunk) -> list[int]:

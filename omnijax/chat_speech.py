@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
+from omnijax.models.talker_kv import DEFAULT_TALKER_SINK, talker_policy
+from omnijax.retention.baselines import SinkWindow
 
 MEDIA_KINDS = ("image", "audio", "av")
 DEFAULT_SPEECH_MEDIA_BYTES = 64 << 20  # the talker's kept thinker rows at media placeholders (16K bf16 tokens of 2048)
@@ -29,6 +31,12 @@ class SpeakOptions:
         chunk: codec frames of each later call.
         sampling: None (greedy talker and code predictor: what equals transformers' `talker_do_sample=False`), or
             a `TalkerSampling` (Qwen3-Omni: the reference's default draws, seeded; refused by a greedy-only talker).
+        talker_window: None (the talker's KV holds its prompt and every token: what equals transformers), or the
+            newest talker KV cells kept (>= `MIN_TALKER_WINDOW`) beside `talker_sink` pinned oldest ones: the
+            talker's cache is built for `talker_sink + talker_window` cells and trimmed after its prefill and every
+            step (`omnijax.models.talker_kv`), so a long spoken answer holds bounded memory (other speech than the
+            unbounded talker's once cells are dropped).
+        talker_sink: the oldest talker cells kept with `talker_window` (the prompt's opening).
     """
 
     voice: str = "Ethan"
@@ -36,6 +44,8 @@ class SpeakOptions:
     first_chunk: int = 4
     chunk: int = 25
     sampling: TalkerSampling | None = None
+    talker_window: int | None = None
+    talker_sink: int = DEFAULT_TALKER_SINK
 
     def __post_init__(self):
         if not isinstance(self.voice, str) or not self.voice:
@@ -46,6 +56,12 @@ class SpeakOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        talker_policy(self.talker_window, self.talker_sink)  # refuses a window or sink the talker cannot run with
+
+    @property
+    def talker_kv(self) -> SinkWindow | None:
+        """The talker's KV policy (`talker_window` / `talker_sink`; None: unbounded)."""
+        return talker_policy(self.talker_window, self.talker_sink)
 
 
 @dataclasses.dataclass(frozen=True)

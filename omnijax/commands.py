@@ -38,6 +38,7 @@ from omnijax.chat import Chat, SpeakOptions, clock, format_kept, kept_by_kind
 from omnijax.decoding import Greedy, Sampling
 from omnijax.media.audio import pcm16, read_wav, wav_bytes
 from omnijax.models.registry import load
+from omnijax.models.talker_kv import talker_policy
 from omnijax.retention import get_policy
 from omnijax.streaming.config import StreamConfig
 
@@ -93,6 +94,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--voice", default=None, help="the voice of --speak (default Ethan)")
     parser.add_argument("--max-speech-tokens", type=int, default=None,
                         help="the talker's tokens at most per answer, one per 80 ms frame (default 4096)")
+    parser.add_argument("--talker-window", type=int, default=None, metavar="CELLS",
+                        help="bound the talker's KV cache of --speak: keep its newest CELLS cells (>= 2) beside "
+                             "its 4 oldest (default: unbounded, what equals transformers)")
     return parser
 
 
@@ -118,10 +122,11 @@ def open_chat(args: argparse.Namespace) -> Chat:
 
 
 def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
-    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens` (None without `--speak`)."""
+    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens`, `--talker-window` (None without
+    `--speak`)."""
     speak = getattr(args, "speak", None)
     if speak is None:
-        for flag in ("voice", "max_speech_tokens"):
+        for flag in ("voice", "max_speech_tokens", "talker_window"):
             if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --speak OUT.wav")
         return None
@@ -129,7 +134,9 @@ def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
         raise ValueError(f"--speak writes a WAV file: give a path ending in .wav, got {speak!r}")
     settings = {k: v for k, v in (("voice", args.voice), ("max_speech_tokens", args.max_speech_tokens))
                 if v is not None}
-    return SpeakOptions(**settings)
+    window = getattr(args, "talker_window", None)
+    talker_policy(window, what="--talker-window")  # refused naming the flag
+    return SpeakOptions(**settings, talker_window=window)
 
 
 class SpeechFile:

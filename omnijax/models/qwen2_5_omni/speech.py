@@ -52,6 +52,7 @@ from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2
 from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.qwen3_omni import speech_media
 from omnijax.models.speech import MediaRows, Utterance, token_ids
+from omnijax.models.talker_kv import bounded_capacity
 
 __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "TalkerInput", "UnknownVoiceError", "Utterance",
            "checked_request", "rope_positions", "speak", "speak_streamed", "spoken_chunks", "talker_input"]
@@ -116,17 +117,20 @@ class Qwen25Speech:
 
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
                      max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
-                     media: Sequence[MediaRows] = ()) -> Iterator[np.ndarray]:
+                     media: Sequence[MediaRows] = (), talker_kv: Any = None) -> Iterator[np.ndarray]:
         """The answer spoken as `speak` does, Token2Wav streamed (`spoken_chunks`): PCM chunks as the
         talker's codes complete them, the DiT solved in chunks of `first_chunk` then `chunk` codec tokens rounded
-        up to whole DiT blocks, with `self.streaming`'s look-ahead. Every refusal is raised at the call."""
+        up to whole DiT blocks, with `self.streaming`'s look-ahead; the talker's KV bounded by `talker_kv` (a
+        retention policy with a cell budget, `omnijax.models.talker_kv.talker_policy`), else by `self.talker_kv`.
+        Every refusal is raised at the call."""
         if model.speech is not self:
             raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
         streaming = Token2WavStreaming.for_tokens(self.token2wav.config.dit, first_chunk, chunk,
                                                   right_blocks=self.streaming.right_blocks,
                                                   vocoder_right=self.streaming.vocoder_right)
         return spoken_chunks(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
-                             streaming=streaming, media=media, talker_kv=self.talker_kv)
+                             streaming=streaming, media=media,
+                             talker_kv=self.talker_kv if talker_kv is None else talker_kv)
 
     # the stream's look-ahead and vocoder context (`speak_chunks`' chunk sizes come from its arguments)
     streaming: Token2WavStreaming = Token2WavStreaming()
@@ -290,7 +294,8 @@ def checked_request(model: OmniModel, prompt_ids: Any, answer_ids: Any, speaker:
 def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = "Chelsie",
           max_new_tokens: int = 4096, repetition_penalty: float = 1.05,
           noise: Callable[[tuple[int, int, int]], Any] | None = None, seed: int = 0, num_steps: int = 10,
-          guidance_scale: float = 0.5, sway: float | None = -1.0, media: Sequence[MediaRows] = ()) -> Utterance:
+          guidance_scale: float = 0.5, sway: float | None = -1.0, media: Sequence[MediaRows] = (),
+          talker_kv: Any = None) -> Utterance:
     """Speaks a thinker's answer: the talker (greedy), then Token2Wav (DiT ODE solve, BigVGAN) in one call.
 
     Args:
@@ -311,6 +316,9 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
         media: the encoders' rows at the prompt's audio, image and video placeholders (`MediaRows` of
             `hidden_states[0]`, one per clip, image or audiovisual unit, an image's with its patch `grid`, a video's
             with its `layout`; `omnijax.Chat` keeps them from the chunks it feeds): every placeholder needs its row.
+        talker_kv: None (the talker's cache holds its prompt and every token: what equals the reference), or a
+            retention policy with a cell budget (`omnijax.models.talker_kv.talker_policy(window)`):
+            `talker_forward.greedy_tokens`.
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens); no samples when
@@ -322,16 +330,18 @@ def speak(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: str = 
         ValueError: ids outside the vocabulary, a media placeholder without its row in `media` (or a row
             elsewhere, of another layer or width), an image without its grid or not filling it, a video without its
             layout, an empty answer or prompt, a `max_new_tokens` below 1, a `repetition_penalty` not > 0, noise of
-            the wrong shape.
+            the wrong shape, a `talker_kv` without a cell budget or keeping fewer than `MIN_TALKER_WINDOW` cells.
     """
     speech, voice, prompt, answer = checked_request(model, prompt_ids, answer_ids, speaker, max_new_tokens,
                                                     repetition_penalty)
+    if talker_kv is not None:
+        bounded_capacity(talker_kv, 0, 1)
     talker = talker_input(model, prompt, answer, voice, media)
     config = speech.talker.config
     tokens = talker_forward.generate_greedy(
         config, speech.params, talker.rows, talker.positions, talker.trailing, talker.text_pad,
         prompt_ids=talker.prompt_ids, max_new_tokens=int(max_new_tokens),
-        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id])
+        repetition_penalty=float(repetition_penalty), suppress=[config.codec_bos_id], policy=talker_kv)
     codes = tokens[:-1]
     if not codes.size:
         return Utterance(pcm=np.zeros((0,), np.float32), codes=codes, talker_tokens=tokens)
@@ -354,6 +364,8 @@ def _streamed(model: OmniModel, prompt_ids: Any, answer_ids: Any, *, speaker: st
                                                     repetition_penalty)
     if not isinstance(streaming, Token2WavStreaming):
         raise ValueError(f"streaming must be a Token2WavStreaming, got {type(streaming).__name__}")
+    if talker_kv is not None:
+        bounded_capacity(talker_kv, 0, 1)  # refused by name now, not at the iterator's first read
     talker = talker_input(model, prompt, answer, voice, media)
     config = speech.talker.config
     tokens = talker_forward.greedy_tokens(

@@ -45,6 +45,7 @@ from omnijax.models.forward import write_chunk
 from omnijax.models.layers import rms_norm
 from omnijax.models.qwen2_5_omni.talker import Talker, TalkerConfig
 from omnijax.models.speech import talker_cache
+from omnijax.models.talker_kv import MIN_TALKER_WINDOW, bounded_capacity
 from omnijax.retention import base as retention_base
 
 __all__ = ["MIN_TALKER_WINDOW", "TalkerKVReport", "generate_greedy", "greedy_tokens", "init_cache", "talker_chunk",
@@ -188,9 +189,6 @@ def _pick(logits: np.ndarray, seen: np.ndarray, penalty: float, banned: np.ndarr
     return int(np.argmax(scores))
 
 
-MIN_TALKER_WINDOW = 2  # the newest cells a bounded talker keeps at least: its last step's row and the one before
-
-
 @dataclasses.dataclass
 class TalkerKVReport:
     """What a bounded talker cache did (`greedy_tokens(..., report=...)`), updated as tokens are decoded.
@@ -218,20 +216,6 @@ def _trim(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: ja
     return kv, evicted[0], layout.layout_stats(kv).retained_cells[0]
 
 
-def _bounded_capacity(policy: Any, prefill_rows: int, page_size: int) -> int:
-    """Cells a bounded talker cache is built with: the prefill's rows or the budget plus one step's row, whichever
-    is more, rounded up to whole pages (holes the policy leaves are refilled, so it never needs more)."""
-    budget = getattr(policy, "budget", None)
-    if isinstance(budget, bool) or not isinstance(budget, int) or getattr(policy, "reindex", None) is None:
-        raise ValueError(f"the talker's KV policy must be a retention policy with a cell budget (e.g. SinkWindow), "
-                         f"got {policy!r}")
-    window = getattr(policy, "window", budget)
-    if window < MIN_TALKER_WINDOW:
-        raise ValueError(f"the talker's KV policy keeps {window} newest cells; the talker needs at least "
-                         f"{MIN_TALKER_WINDOW} (MIN_TALKER_WINDOW: its last step's row and the one before)")
-    return -(-max(prefill_rows, budget + 1) // page_size) * page_size
-
-
 def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
                   trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
                   repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64,
@@ -242,8 +226,8 @@ def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, posi
     Args:
         policy: None (the cache holds the prefill and every step: what equals the reference), or a retention
             policy with a cell budget (`omnijax.retention.SinkWindow(sink, window)`, as the thinker's): the cache
-            is built for the budget (`_bounded_capacity`) and trimmed after the prefill and after every step, so
-            its memory stays bounded over any length of speech.
+            is built for the budget (`talker_kv.bounded_capacity`) and trimmed after the prefill and after every
+            step, so its memory stays bounded over any length of speech.
         report: a `TalkerKVReport` filled as tokens are decoded (cells retained, evicted, exhaustion).
 
     Raises:
@@ -255,7 +239,7 @@ def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, posi
     seen = np.zeros((V,), bool)
     seen[np.asarray(prompt_ids, np.int64)] = True
     T = prefill.shape[0]
-    cells = T + max_new_tokens if policy is None else _bounded_capacity(policy, T, page_size)
+    cells = T + max_new_tokens if policy is None else bounded_capacity(policy, T, page_size)
     kv = init_cache(config, 1, cells, page_size)
     if report is not None:
         report.capacity = kv.num_pages * kv.page_size

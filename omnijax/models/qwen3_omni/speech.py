@@ -42,6 +42,7 @@ from omnijax.models.qwen3_omni.speech_stream import AnswerSpeech
 from omnijax.models.qwen3_omni.talker import Talker, TalkerConfig
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, Utterance, token_ids
+from omnijax.models.talker_kv import bounded_capacity
 
 __all__ = ["SAMPLE_RATE", "Qwen3Speech", "SpeechTokens", "SpeechUnavailableError", "TalkerInput", "TalkerSampling",
            "UnknownVoiceError", "Utterance", "has_speech_output", "speak", "speak_streamed", "speech_configs",
@@ -177,25 +178,28 @@ class Qwen3Speech:
 
     def speak_chunks(self, model: OmniModel, prompt_ids: Any, answer_ids: Any, *, voice: str,
                      max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
-                     media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
-                     ) -> Iterator[np.ndarray]:
+                     media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None,
+                     talker_kv: Any = None) -> Iterator[np.ndarray]:
         """`speak_streamed(model, prompt_ids, answer_ids, speaker=voice, ...)` of the model these parts belong to
         (the `omnijax.models.family.SpeechOutput` method): float32 PCM chunks at `sample_rate`."""
         if model.speech is not self:
             raise ValueError("speak_chunks takes the model whose speech output this is (model.speech)")
         return speak_streamed(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
-                              first_chunk=first_chunk, chunk=chunk, media=media, sampling=sampling)
+                              first_chunk=first_chunk, chunk=chunk, media=media, sampling=sampling,
+                              talker_kv=talker_kv)
 
     def answer_stream(self, model: OmniModel, prompt_ids: Any, *, voice: str, max_new_tokens: int = 4096,
                       first_chunk: int = 4, chunk: int = 25, media: Sequence[MediaRows] = (),
-                      stop: Sequence[int] = (), sampling: TalkerSampling | None = None) -> AnswerSpeech:
+                      stop: Sequence[int] = (), sampling: TalkerSampling | None = None,
+                      talker_kv: Any = None) -> AnswerSpeech:
         """A `speech_stream.AnswerSpeech`: the answer spoken while the thinker writes it (its tokens pushed as
         they are decoded), equal to `speak_chunks` on the finished answer."""
         if model.speech is not self:
             raise ValueError("answer_stream takes the model whose speech output this is (model.speech)")
+        _checked_policy(talker_kv)
 
         def talker(answer: Sequence[int]) -> functools.partial[Iterator[np.ndarray]]:
-            return _talker(model, prompt_ids, answer, voice, max_new_tokens, media, sampling)[1]
+            return _talker(model, prompt_ids, answer, voice, max_new_tokens, media, sampling, talker_kv)[1]
 
         return AnswerSpeech(model, talker, code2wav=self.code2wav, im_end=self.tokens.im_end_token_id,
                             stand_in=self.tokens.tts_pad_token_id, first_chunk=first_chunk, chunk=chunk, stop=stop)
@@ -213,9 +217,15 @@ def _check_positive(name: str, value: Any) -> int:
     return int(value)
 
 
+def _checked_policy(talker_kv: Any) -> None:
+    """Refuses (ValueError, by name) a talker KV policy the talker cannot run with (`talker_kv.bounded_capacity`)."""
+    if talker_kv is not None:
+        bounded_capacity(talker_kv, 0, 1)
+
+
 def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
-          max_new_tokens: int = 4096, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
-          ) -> Utterance:
+          max_new_tokens: int = 4096, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None,
+          talker_kv: Any = None) -> Utterance:
     """Speaks a thinker's answer: talker (greedy, its code predictor greedy too; or both drawn with `sampling`),
     then Code2Wav in one call.
 
@@ -232,6 +242,9 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
             units (`MediaRows`, one per unit; images with their grids).
         sampling: None (greedy, what equals transformers' `generate(talker_do_sample=False)`), or a
             `TalkerSampling` (the reference's default draws, seeded).
+        talker_kv: None (the talker's cache holds its prompt and every token: what equals the reference), or a
+            retention policy with a cell budget (`omnijax.models.talker_kv.talker_policy(window)`): the cache is
+            built for it and trimmed after the prefill and every step (`talker_decode.TalkerDecode`).
 
     Returns:
         The `Utterance` (float32 PCM at 24 kHz, `pcm16()` for int16, the codes and talker tokens).
@@ -241,9 +254,11 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
         UnknownVoiceError: `speaker` is not one of the checkpoint's voices (names them).
         ValueError: ids outside the vocabulary, placeholders of a user turn without their `media` rows (or rows of
             another layer, width or place), a video in a user turn, placeholders in the answer, an empty answer, a
-            prompt whose last turn is not the assistant's, or a `max_new_tokens` below 1.
+            prompt whose last turn is not the assistant's, a `max_new_tokens` below 1, or a `talker_kv` without a
+            cell budget or keeping fewer than `MIN_TALKER_WINDOW` newest cells.
     """
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling,
+                             talker_kv)
     tokens: list[int] = []
     decoded = list(frames(tokens=tokens))
     codes = np.stack(decoded, axis=1) if decoded else np.zeros((speech.talker.config.num_code_groups, 0), np.int32)
@@ -254,8 +269,8 @@ def speak(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker
 
 def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, speaker: str = "Ethan",
                    max_new_tokens: int = 4096, first_chunk: int = 4, chunk: int = 25,
-                   media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
-                   ) -> Iterator[np.ndarray]:
+                   media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None,
+                   talker_kv: Any = None) -> Iterator[np.ndarray]:
     """`speak` streamed, talker and vocoder: every refusal of `speak` is raised at the call (before anything runs);
     then the talker decodes codec frames one by one, and as soon as `first_chunk` frames are ready -- then each
     further `chunk`, then what is left when the speech ends -- Code2Wav decodes them (`code2wav_decode.Code2WavStream`,
@@ -266,7 +281,8 @@ def speak_streamed(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *
         As `speak`; ValueError also for a `first_chunk` or `chunk` below 1.
     """
     first_chunk, chunk = _check_positive("first_chunk", first_chunk), _check_positive("chunk", chunk)
-    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling)
+    speech, frames = _talker(model, thinker_prompt_ids, answer_ids, speaker, max_new_tokens, media, sampling,
+                             talker_kv)
     return _streamed(speech.code2wav, frames(), first_chunk, chunk)
 
 
@@ -301,7 +317,7 @@ def talker_input(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, *, 
 
 
 def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker: str, max_new_tokens: int,
-            media: Sequence[MediaRows], sampling: TalkerSampling | None = None
+            media: Sequence[MediaRows], sampling: TalkerSampling | None = None, talker_kv: Any = None
             ) -> tuple[Qwen3Speech, functools.partial[Iterator[np.ndarray]]]:
     """Checks a `speak` call and builds the talker's input: (the speech parts, `frames(tokens=list)`, which runs
     the talker greedily, yielding each codec frame `[Q]` as it is decoded: `talker_decode.greedy_frames`)."""
@@ -319,6 +335,7 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if sampling is not None and not isinstance(sampling, TalkerSampling):
         raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(sampling).__name__}")
+    _checked_policy(talker_kv)
     vocab = model.config.vocab_size
     prompt = token_ids("thinker_prompt_ids", thinker_prompt_ids, vocab)
     answer = token_ids("answer_ids", answer_ids, vocab)
@@ -353,4 +370,4 @@ def _talker(model: OmniModel, thinker_prompt_ids: Any, answer_ids: Any, speaker:
     pad_row = talker_forward.project_text(config, params, specials)[2]
     return speech, functools.partial(talker_decode.greedy_frames, config, params, talker_rows, positions, trailing,
                                      pad_row, max_new_tokens=int(max_new_tokens), suppress=suppress,
-                                     sampling=sampling)
+                                     sampling=sampling, policy=talker_kv)

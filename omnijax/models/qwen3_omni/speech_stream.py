@@ -147,4 +147,4 @@ class AnswerSpeech:
         config, params, rows, positions, trailing, pad_row = frames.args
         self._eos_row, self._pad_row = trailing[-1], pad_row  # trailing of a one-token answer: tts_eos alone
         self._decode = talker_decode.TalkerDecode(config, params, rows, positions, **{
-            k: frames.keywords[k] for k in ("max_new_tokens", "suppress", "sampling")})
+            k: frames.keywords[k] for k in ("max_new_tokens", "suppress", "sampling", "policy")})

@@ -16,10 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.decoding import Sampling
+from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.talker import TalkerConfig
+from omnijax.models.talker_kv import bounded_capacity
+from omnijax.retention import base as retention_base
 
-__all__ = ["TalkerDecode", "TalkerSampling", "generate_greedy", "greedy_frames", "talker_scores"]
+__all__ = ["TalkerDecode", "TalkerSampling", "generate_greedy", "greedy_frames", "talker_scores", "trim_talker"]
 
 Params = dict[str, Any]
 
@@ -80,6 +83,16 @@ def _draw(logits: jax.Array, banned: jax.Array, history: jax.Array, key: jax.Arr
     return jax.random.categorical(key, talker_scores(logits, banned, history, sampling)[0])[None].astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "policy"))
+def trim_talker(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array,
+                active: jax.Array | None = None) -> tuple[paged_lib.PagedKV, jax.Array]:
+    """The talker's cache trimmed by `policy` (`omnijax.models.talker_kv`; positions kept, so `next_pos [B]` is
+    unchanged); `active [B]`: the rows that wrote (default all). Returns `(kv, evicted [B])`."""
+    c = config.decoder
+    kv, _, evicted = retention_base.trim(policy, kv, next_pos, rope=(c.rope_base, c.mrope_section), active=active)
+    return kv, evicted
+
+
 class TalkerDecode:
     """The reference talker's decoding of one sequence, one step at a time, the text rows handed in by the caller
     (what `greedy_frames` and a talker that runs while the thinker still writes its answer both step): greedy, or
@@ -88,12 +101,14 @@ class TalkerDecode:
     The prefill runs at construction; `advance(row)` runs one `talker_step` with the text row of step `step`
     (`trailing[step]`, or the projected `tts_pad` past the trailing rows) and returns the codec frame `[Q]` int32
     of the previous token. `done`: the talker ended the speech (`codec_eos_token_id`) or reached `max_new_tokens`.
-    `tokens` holds the talker's tokens so far (the prefill's first).
+    `tokens` holds the talker's tokens so far (the prefill's first). `policy`: None (the cache holds the prompt and
+    every step: what equals the reference), or a retention policy with a cell budget (`talker_kv.talker_policy`):
+    the cache is built for its budget and trimmed after the prefill and after every step.
     """
 
     def __init__(self, config: TalkerConfig, params: Params, prompt: jax.Array, positions: Any, *,
                  max_new_tokens: int, suppress: Sequence[int] = (), page_size: int = 64,
-                 tokens: list[int] | None = None, sampling: TalkerSampling | None = None):
+                 tokens: list[int] | None = None, sampling: TalkerSampling | None = None, policy: Any = None):
         mask = np.zeros((config.decoder.vocab_size,), bool)
         mask[list(suppress)] = True
         self._banned = jnp.asarray(mask)
@@ -105,11 +120,19 @@ class TalkerDecode:
             self._history = np.full((1, self.max_new_tokens), -1, np.int32)
         self.tokens = [] if tokens is None else tokens
         self.step = 0
-        kv = talker_forward.init_cache(config, 1, prompt.shape[0] + self.max_new_tokens, page_size)
+        self.policy = policy
+        T = prompt.shape[0]
+        cells = T + self.max_new_tokens if policy is None else bounded_capacity(policy, T, page_size)
+        kv = talker_forward.init_cache(config, 1, cells, page_size)
         self._kv, self._hidden, logits = talker_forward.prefill(config, params, kv, prompt[None],
                                                   jnp.asarray(positions, jnp.float32)[:, None])
         self._token = self._pick(logits)
         self._start = int(np.max(np.asarray(positions))) + 1
+        self._trim(self._start)
+
+    def _trim(self, next_pos: int) -> None:
+        if self.policy is not None:
+            self._kv, _ = trim_talker(self.config, self.policy, self._kv, jnp.asarray([next_pos], jnp.int32))
 
     def _pick(self, logits: jax.Array) -> jax.Array:
         if self.sampling is None:
@@ -135,6 +158,7 @@ class TalkerDecode:
         position = jnp.asarray([self._start + self.step], jnp.int32)
         self._kv, codes, self._hidden, logits = talker_forward.talker_step(
             self.config, self.params, self._kv, self._hidden, self._token, row[None], position, **more)
+        self._trim(self._start + self.step + 1)
         self._token = self._pick(logits)
         self.step += 1
         return np.asarray(codes[0])
@@ -165,12 +189,13 @@ def generate_greedy(config: TalkerConfig, params: Params, prompt: jax.Array, pos
 
 def greedy_frames(config: TalkerConfig, params: Params, prompt: jax.Array, positions: jax.Array,
                   trailing: jax.Array, tts_pad: jax.Array, *, max_new_tokens: int, suppress: Sequence[int] = (),
-                  page_size: int = 64, tokens: list[int] | None = None, sampling: TalkerSampling | None = None
-                  ) -> Iterator[np.ndarray]:
+                  page_size: int = 64, tokens: list[int] | None = None, sampling: TalkerSampling | None = None,
+                  policy: Any = None) -> Iterator[np.ndarray]:
     """`generate_greedy` one frame at a time: yields each codec frame `[Q]` int32 as soon as its talker step ran
     (the prefill runs at the first `next`); the talker's tokens are appended to `tokens` when given. With
-    `sampling`, talker and code predictor draw instead (`TalkerSampling`)."""
+    `sampling`, talker and code predictor draw instead (`TalkerSampling`); `policy`: a bounded talker cache
+    (`TalkerDecode`)."""
     run = TalkerDecode(config, params, prompt, positions, max_new_tokens=max_new_tokens, suppress=suppress,
-                       page_size=page_size, tokens=tokens, sampling=sampling)
+                       page_size=page_size, tokens=tokens, sampling=sampling, policy=policy)
     while not run.done:
         yield run.advance(trailing[run.step] if run.step < trailing.shape[0] else tts_pad)

@@ -1,0 +1,118 @@
+"""A bounded talker KV on Qwen2.5-Omni, where users reach it: `SpeakOptions(talker_window=...)` and `omnijax chat
+--speak --talker-window CELLS` on the seeded tiny release the CLI and server speech tests build
+(`tests/_support/qwen25_speech.py`; the shapes of tests/chat/test_chat_speak_qwen25.py).
+
+The oracle is transformers' own talker (`generate(..., return_audio=True)`, greedy) with its decoder's attention
+mask hiding exactly the cells omnijax's `SinkWindow(sink, window)` trim has dropped (`tests/_support/talker_mask.py`):
+the same talker tokens and the same waveform (1e-4 of the peak, the DiT's noise drawn from the same torch seed) as
+`speak(talker_kv=...)`, other tokens than the unbounded talker's. Through `Chat` and the CLI the bounded speech
+equals `speak(talker_kv=...)` of the turn's ids (PCM16 within 1 LSB). Bad windows are refused by name.
+"""
+
+import io
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax import commands
+from omnijax.chat import SpeakOptions
+from omnijax.media.audio import pcm16, read_wav
+from omnijax.models.qwen2_5_omni import speech as S
+from omnijax.models.talker_kv import talker_policy
+from omnijax.retention import SinkWindow
+from tests._support.speech_refs import captured_talker, greedy_answer
+from tests._support.talker_mask import hidden_cells
+
+torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
+pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
+
+from tests._support.qwen25_speech import spoken_release25  # noqa: E402
+from tests.chat import test_chat_speak_qwen25 as CQ  # noqa: E402
+from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
+from tests.models.qwen2_5_omni import test_talker as T  # noqa: E402
+
+SINK, WINDOW = 4, 6  # 10 cells: the talker's prompt (22 rows) is longer, so every step reads a trimmed cache
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("window25")
+    out = spoken_release25(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return root, omnijax.load(out)
+
+
+def test_a_bounded_talker_speaks_as_transformers_with_the_dropped_cells_masked(release):
+    root, model = release
+    full = T.seeded_full_model()
+    full.load_speakers(root / "hf" / "spk_dict.pt")
+    torch.manual_seed(TS.SEED)  # the DiT's torch.randn is the first draw after it
+    with captured_talker(full) as seen, hidden_cells(full.talker.model, SINK, WINDOW) as hid, torch.no_grad():
+        sequence, wav = full.generate(
+            input_ids=torch.as_tensor(TS.PROMPT)[None], speaker="Ethan", return_audio=True,
+            thinker_max_new_tokens=TS.ANSWER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=TS.IM_END,
+            talker_max_new_tokens=TS.FRAMES, talker_do_sample=False, talker_eos_token_id=T.STOP)
+    sequence, wav = sequence[0].numpy(), wav.reshape(-1).numpy()
+    want_tokens = seen[0][0, len(TS.PROMPT) + 2:].numpy()
+    assert len(hid) >= 8 and min(hid) > 0, hid  # every step hid cells: the prompt is past the budget
+    answer = greedy_answer(model, TS.PROMPT, TS.ANSWER_TOKENS, TS.IM_END)
+    np.testing.assert_array_equal(answer, sequence[len(TS.PROMPT):])
+    policy = SinkWindow(sink=SINK, window=WINDOW)
+    spoken = S.speak(model, TS.PROMPT, answer[:-1], speaker="Ethan", max_new_tokens=TS.FRAMES,
+                     noise=TS._torch_noise, talker_kv=policy)
+    np.testing.assert_array_equal(spoken.talker_tokens, want_tokens)
+    assert len(want_tokens) >= 6 and len(set(want_tokens.tolist())) > 2, want_tokens
+    peak = np.abs(wav).max()
+    assert peak > 0.05 and spoken.pcm.shape == wav.shape
+    assert np.abs(spoken.pcm - wav).max() <= 1e-4 * peak
+    # the streamed path takes the same bound (what Chat and the server speak through)
+    streamed = S.speak_streamed(model, TS.PROMPT, answer[:-1], speaker="Ethan", max_new_tokens=TS.FRAMES,
+                                talker_kv=policy)
+    np.testing.assert_array_equal(streamed.talker_tokens, want_tokens)
+    # the unbounded talker decodes other tokens: the dropped cells mattered
+    free = S.speak_streamed(model, TS.PROMPT, answer[:-1], speaker="Ethan", max_new_tokens=TS.FRAMES)
+    assert not np.array_equal(free.talker_tokens, want_tokens)
+
+
+def test_chat_and_the_cli_speak_with_a_talker_window(release, tmp_path, capsys, monkeypatch):
+    root, model = release
+    out = tmp_path / "spoken.wav"
+    argv = [str(root / "out"), *CQ.STREAM, "--max-tokens", str(CQ.MAX_TOKENS), "--speak", str(out), "--voice",
+            "chelsie", "--max-speech-tokens", str(CQ.SPEECH_TOKENS), "--talker-window", str(WINDOW)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{CQ.QUESTIONS[0]}\n"))
+    assert commands.main("chat", argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out.splitlines()
+    chat = omnijax.Chat(model, commands.stream_config(commands.build_parser("chat").parse_args(argv)))
+    options = SpeakOptions(voice="chelsie", max_speech_tokens=CQ.SPEECH_TOKENS, talker_window=WINDOW)
+    text = "".join(x for x in chat.ask(CQ.QUESTIONS[0], max_tokens=CQ.MAX_TOKENS, speak=options)
+                   if isinstance(x, str))
+    assert printed[0] == text
+    spoken = chat.last_spoken
+    want = S.speak(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=CQ.SPEECH_TOKENS, talker_kv=talker_policy(WINDOW))
+    free = S.speak(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Chelsie",
+                   max_new_tokens=CQ.SPEECH_TOKENS)
+    assert want.codes.size >= 6 and np.abs(want.pcm).max() > 0.05
+    assert not np.array_equal(want.talker_tokens, free.talker_tokens)
+    samples, rate = read_wav(out)
+    assert rate == 24000
+    got, ref = np.round(samples * 32768).astype(np.int32), pcm16(want.pcm).astype(np.int32)
+    assert got.shape == ref.shape and int(np.abs(got - ref).max()) <= 1  # float rounding: within 1 LSB
+
+
+@pytest.mark.parametrize("window", [0, 1, -3])
+def test_a_window_the_talker_cannot_run_with_is_refused_by_name(release, tmp_path, capsys, monkeypatch, window):
+    root, model = release
+    with pytest.raises(ValueError, match=f"talker_window {window}: .*at least 2"):
+        SpeakOptions(talker_window=window)
+    with pytest.raises(ValueError, match="talker's KV policy"):
+        model.speech.speak_chunks(model, TS.PROMPT, [5, 6], voice="Ethan", talker_kv="sink_window")
+    bad = tmp_path / "bad.wav"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n"))
+    status = commands.main("chat", [str(root / "out"), "--speak", str(bad), "--talker-window", str(window)])
+    assert status == 1 and f"--talker-window {window}" in capsys.readouterr().err and not bad.exists()
+    assert sys.stdin.read() == "Say hello.\n"  # no message read
