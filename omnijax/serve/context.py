@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from omnijax.conversation import Conversation
 from omnijax.models.family import OmniModel
+from omnijax.models.talker_kv import talker_policy
 from omnijax.serve.audio_frames import AudioFrameEncoder
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.prompt_scores import PromptScorer
@@ -74,6 +75,8 @@ class ServeOptions:
             (snapshots included) before their handlers are cancelled.
         max_speech_tokens: the talker's tokens at most for one spoken answer (chat completions' audio output, one
             per 80 ms codec frame for Qwen3-Omni; the reference's `talker_max_new_tokens`).
+        talker_window: None (the talker's KV holds its prompt and every token), or the newest talker KV cells
+            kept beside its 4 oldest (`omnijax.models.talker_kv`): the speech pool's rows and the thread path alike.
     """
 
     host: str = "127.0.0.1"
@@ -100,12 +103,14 @@ class ServeOptions:
     max_scored_tokens: int = 2048
     shutdown_timeout_s: float = 30.0
     max_speech_tokens: int = 4096
+    talker_window: int | None = None
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
                      "max_outbox_bytes", "max_scored_tokens", "max_speech_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        talker_policy(self.talker_window, what="talker_window (--talker-window)")  # refused by name
         if not 0 <= self.decode_wait_fraction <= 1:
             raise ValueError(f"decode_wait_fraction must lie in [0, 1], got {self.decode_wait_fraction}")
         if not 0 < self.max_request_audio_s < float("inf"):

@@ -127,6 +127,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "a /v1/completions request's logprobs may score (one full-context forward)")
     p.add_argument("--max-speech-tokens", type=int, default=4096, help="the talker's tokens at most for one spoken "
                    "answer (chat completions' and Realtime audio output; >= 1)")
+    p.add_argument("--talker-window", type=int, default=None, metavar="CELLS", help="bound each spoken answer's "
+                   "talker KV: keep its newest CELLS cells (>= 2) beside its 4 oldest, so a speech pool row "
+                   "reserves that many pages whatever --max-speech-tokens (default: unbounded, what equals "
+                   "transformers)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
                    "close (responses in flight end at once) before they are cancelled")
     p.add_argument("--temperature", type=float, default=0.0,

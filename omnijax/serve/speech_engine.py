@@ -63,20 +63,23 @@ class SpeechOverloaded(RequestError):
 
 
 def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
-                      rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64) -> SpeechConfig | None:
+                      rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64,
+                      talker_window: int | None = None) -> SpeechConfig | None:
     """The engine's speech pool for a served model: None unless it has a speech output (Qwen3-Omni's, Qwen2.5-Omni's).
 
     A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens
     (`max_pages`); the pool holds two such rows (`num_pages = 2 * max_pages`, allocated when the engine starts), so
     with the usual short talker prompts its rows fill before its pages (an utterance reserves its prompt plus
     `max_speech_tokens`); long conversations may fill the pages first, which a route waits on, then refuses naming
-    them. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25).
+    them. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25). `talker_window`: the talker rows'
+    bounded KV (`SpeechConfig.talker_window`; an utterance then reserves its prompt or the window's pages).
     """
     if not isinstance(getattr(model, "speech", None), (Qwen3Speech, Qwen25Speech)):
         return None
     max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
     rows = tuple(rows)
-    return SpeechConfig(rows=rows, num_pages=min(2, rows[-1]) * max_pages, page_size=page_size, max_pages=max_pages)
+    return SpeechConfig(rows=rows, num_pages=min(2, rows[-1]) * max_pages, page_size=page_size, max_pages=max_pages,
+                        talker_window=talker_window)
 
 
 def warm_up_pool(engine: Any, prompt_tokens: Sequence[int] = WARM_PROMPTS) -> list[int]:

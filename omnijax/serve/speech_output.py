@@ -64,6 +64,7 @@ from omnijax.media.audio import pcm16, wav_bytes
 from omnijax.models.frontend import bucket
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, media_rows
+from omnijax.models.talker_kv import talker_policy
 from omnijax.serve.chat_params import RequestError, check_keys, json_payload
 from omnijax.serve.chat_request import ChatRequest, parse_payload
 from omnijax.serve.speech_engine import (
@@ -247,8 +248,8 @@ def retrieve_exception(future: asyncio.Future) -> None:
 
 
 def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: str,
-           max_speech_tokens: int, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None
-           ) -> Iterator[np.ndarray]:
+           max_speech_tokens: int, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None,
+           talker_window: int | None = None) -> Iterator[np.ndarray]:
     if not len(answer):  # nothing to say (the answer was only its end-of-turn token)
         return iter(())
     speech = model.speech
@@ -256,6 +257,8 @@ def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: s
     more: dict = {"media": tuple(media)} if media else {}  # only a talker with a media tap takes them (checked)
     if sampling is not None:  # only Qwen3-Omni's talker draws (`speech_sampling` refused it on any other)
         more["sampling"] = sampling
+    if talker_window is not None:  # `ServeOptions.talker_window`
+        more["talker_kv"] = talker_policy(talker_window)
     return speech.speak_chunks(model, prompt, np.asarray(answer, np.int64), voice=voice,
                                max_new_tokens=max_speech_tokens, first_chunk=FIRST_CHUNK, chunk=CHUNK, **more)
 
@@ -275,7 +278,8 @@ async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.nda
                 yield pcm16(pcm)
         return
     chunks = await asyncio.to_thread(_speak, context.model, prompt, answer, audio.voice,
-                                     context.options.max_speech_tokens, media, audio.sampling)
+                                     context.options.max_speech_tokens, media, audio.sampling,
+                                     context.options.talker_window)
     done = object()
     while True:
         pcm = await asyncio.to_thread(next, chunks, done)

@@ -53,6 +53,7 @@ from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavState, init_state, model_params
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, token_ids
+from omnijax.models.talker_kv import bounded_capacity
 from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
@@ -132,8 +133,21 @@ class TalkerPages:
         return self.config.num_pages - self.reserved
 
     def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens."""
+        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens; with a bounded
+        talker (`SpeechConfig.talker_window`) its prompt or the budget plus one step's row, whichever is more."""
+        policy = self.config.talker_kv
+        if policy is not None:
+            return bounded_capacity(policy, int(prompt_tokens), self.config.page_size) // self.config.page_size
         return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
+
+    def _trim(self, ids: list[str], next_pos: np.ndarray) -> None:
+        """The rows of `ids` trimmed by the talker's KV policy after a write (nothing when unbounded)."""
+        policy = self.config.talker_kv
+        if policy is None:
+            return
+        active = np.zeros((self.kv.batch,), bool)
+        active[[self._slots[s] for s in ids]] = True
+        self.kv = steps.trim(self.talker, policy, self.kv, np.asarray(next_pos, np.int32), active)
 
 
 class SpeechPool(TalkerPages):
@@ -358,6 +372,10 @@ class SpeechPool(TalkerPages):
             embeds[r, :n], valid[r, :n], positions[:, r, :n] = u.rows, True, u.positions
         self.kv, hidden, logits, token = steps.prefill(self.talker, self.speech.params, self.kv, embeds, valid,
                                                        positions, self._banned)
+        starts = np.zeros((B,), np.int32)
+        for s in fresh:
+            starts[self._slots[s]] = self._utterances[s].start
+        self._trim(fresh, starts)
         hidden, token = np.asarray(hidden), np.array(token)
         for warps, group in self._groups(fresh).items():  # drawn first tokens (token 0 of each row)
             if warps is not None:
@@ -413,6 +431,7 @@ class SpeechPool(TalkerPages):
         self.kv, codes, new_hidden, new_token = steps.step(self.talker, self.speech.params, self.kv, hidden, token,
                                                            text, position, active, self._banned, seeds, counts,
                                                            history, warps=warps)
+        self._trim(live, position + 1)
         codes, new_hidden, new_token = np.asarray(codes), np.asarray(new_hidden), np.asarray(new_token)
         if bool(np.any(np.asarray(self.kv.exhausted)[active])):  # admission reserves every page: cannot happen
             raise RuntimeError("the talker's KV pool ran out of pages inside a reserved utterance")

@@ -7,6 +7,9 @@ import dataclasses
 
 import numpy as np
 
+from omnijax.models.talker_kv import DEFAULT_TALKER_SINK, talker_policy
+from omnijax.retention.baselines import SinkWindow
+
 __all__ = ["SpeechChunk", "SpeechConfig"]
 
 
@@ -29,6 +32,11 @@ class SpeechConfig:
         steps_per_tick: batched talker steps a tick runs at most, each over the rows that can step (1: one frame a
             tick per session; more lets a talker catch up with an answer decoded several tokens a tick, at the cost
             of a longer tick).
+        talker_window: None (each talker row holds its prompt and every token: what equals transformers), or the
+            newest talker KV cells a row keeps beside `talker_sink` oldest ones (`omnijax.models.talker_kv`): rows
+            are trimmed after their prefill and every step, and an utterance reserves the pages of its prompt or
+            of `talker_sink + talker_window + 1` cells, whichever is more, whatever its `max_new_tokens`.
+        talker_sink: the oldest talker cells kept with `talker_window`.
     """
 
     rows: tuple[int, ...] = (1, 2, 4, 8)
@@ -41,6 +49,8 @@ class SpeechConfig:
     vocoder_budget_s: float | None = None
     slack_s: float = 0.5
     steps_per_tick: int = 1
+    talker_window: int | None = None
+    talker_sink: int = DEFAULT_TALKER_SINK
 
     def __post_init__(self):
         rows = tuple(int(b) for b in self.rows)
@@ -61,6 +71,12 @@ class SpeechConfig:
             raise ValueError(f"SpeechConfig.vocoder_budget_s must be positive or None, got {self.vocoder_budget_s}")
         if not self.slack_s >= 0:
             raise ValueError(f"SpeechConfig.slack_s must be >= 0, got {self.slack_s}")
+        talker_policy(self.talker_window, self.talker_sink, what="SpeechConfig.talker_window")
+
+    @property
+    def talker_kv(self) -> SinkWindow | None:
+        """The talker rows' KV policy (None: unbounded)."""
+        return talker_policy(self.talker_window, self.talker_sink)
 
 
 @dataclasses.dataclass

@@ -364,6 +364,10 @@ class Qwen25SpeechPool(TalkerPages):
             rows[r, :n], valid[r, :n], positions[:, r, :n] = u.rows, True, u.positions
         self.kv, token = _prefill(self.talker, self.speech.params, self.kv, rows, valid, positions,
                                   self._seen(fresh), self._banned, self._penalty)
+        starts = np.zeros((B,), np.int32)
+        for s in fresh:
+            starts[self._slots[s]] = self._utterances[s].start
+        self._trim(fresh, starts)
         token = np.asarray(token)
         for s in fresh:
             self._utterances[s].prefilled = True
@@ -381,6 +385,7 @@ class Qwen25SpeechPool(TalkerPages):
             text[r] = u.trailing[min(k, u.trailing.shape[0] - 1)]  # the answer's rows, text_eos, then text_pad
         self.kv, new = _step(self.talker, self.speech.params, self.kv, token, text, position, active,
                              self._seen(live), self._banned, self._penalty)
+        self._trim(live, position + 1)
         if bool(np.any(np.asarray(self.kv.exhausted)[active])):  # admission reserves every page: cannot happen
             raise RuntimeError("the talker's KV pool ran out of pages inside a reserved utterance")
         new = np.asarray(new)

@@ -11,6 +11,7 @@ step in separate calls of a tick, each writing only its own rows.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,9 @@ from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.talker import TalkerConfig
 from omnijax.models.qwen3_omni.talker_decode import talker_scores
 from omnijax.models.qwen3_omni.talker_forward import Params
+from omnijax.retention import base as retention_base
 
-__all__ = ["draw", "pick", "prefill", "reset_row", "step", "take_rows"]
+__all__ = ["draw", "pick", "prefill", "reset_row", "step", "take_rows", "trim"]
 
 Warps = tuple[Sampling, Sampling]  # (the talker's first-codebook warp, the code predictor's)
 
@@ -74,6 +76,17 @@ def step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, hidden: ja
                                                          else warps[1])
     nxt = pick(logits, banned) if warps is None else _draw(logits, banned, history, seeds, steps + 1, warps[0])
     return kv, codes, hidden, nxt
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy"), donate_argnums=(2,))
+def trim(config: Any, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, active: jax.Array
+         ) -> paged_lib.PagedKV:
+    """The `active [B]` rows trimmed by the talker's KV policy (`SpeechConfig.talker_kv`; either family's talker
+    config, `next_pos [B]` each row's next position), the others untouched: what that utterance's cache alone is
+    trimmed to after the same write."""
+    d = config.decoder
+    kv, _, _ = retention_base.trim(policy, kv, next_pos, rope=(d.rope_base, d.mrope_section), active=active)
+    return kv
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
