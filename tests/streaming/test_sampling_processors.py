@@ -312,7 +312,7 @@ def test_a_version_1_snapshot_loads_with_an_empty_history(tmp_path):
     old = snapshot_lib.load_snapshot(path)
     assert not old.counts.any() and not old.seen.any() and old.counts.shape == (TINY_OMNI.vocab_size,)
     np.testing.assert_array_equal(old.k, snap.k)
-    manifest["format_version"] = 3
+    manifest["format_version"] = 4
     (path / snapshot_lib.MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(snapshot_lib.SnapshotFormatError, match="format_version 3"):
+    with pytest.raises(snapshot_lib.SnapshotFormatError, match="format_version 4"):
         snapshot_lib.load_snapshot(path)

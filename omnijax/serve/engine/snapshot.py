@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kv.quant_kv import QuantPages
 from omnijax.serve.engine.snapshot_format import (
     ARRAY_FIELDS,
     ARRAYS_DIR,
@@ -25,6 +26,7 @@ from omnijax.serve.engine.snapshot_format import (
     MANIFEST,
     PAGE_AXES,
     READABLE_VERSIONS,
+    SCALE_FIELDS,
     STATE_ROW_FIELDS,
     NotEnoughPages,
     SessionSnapshot,
@@ -33,19 +35,28 @@ from omnijax.serve.engine.snapshot_format import (
     SnapshotMismatch,
     SnapshotSpec,
     load_snapshot,
-    refuse_int8_pool,
     save_snapshot,
 )
 from omnijax.streaming.step import StreamState
 
 __all__ = ["ARRAY_FIELDS", "ARRAYS_DIR", "COUNTER_LIMIT", "FORMAT", "FORMAT_VERSION", "KV_ROW_FIELDS", "MANIFEST",
-           "PAGE_AXES", "READABLE_VERSIONS", "STATE_ROW_FIELDS", "NotEnoughPages", "SessionSnapshot", "SnapshotError",
-           "SnapshotFormatError", "SnapshotMismatch", "SnapshotSpec", "check_importable", "export_row", "import_row",
-           "load_snapshot", "save_snapshot"]
+           "PAGE_AXES", "READABLE_VERSIONS", "SCALE_FIELDS", "STATE_ROW_FIELDS", "NotEnoughPages", "SessionSnapshot",
+           "SnapshotError", "SnapshotFormatError", "SnapshotMismatch", "SnapshotSpec", "check_importable", "export_row",
+           "import_row", "load_snapshot", "save_snapshot"]
+
+
+def _page_fields(kv) -> dict[str, tuple[jax.Array, int]]:
+    """{snapshot field: (the pool's array, its page axis)}: `PAGE_AXES`, an int8 pool's k / v as their int8 codes
+    and their scales as `k_scale` / `v_scale` (`omnijax.kv.quant_kv.QuantPages`)."""
+    out = {name: (getattr(kv, name), axis) for name, axis in PAGE_AXES.items()}
+    for scale, name in SCALE_FIELDS.items():
+        pages = getattr(kv, name)
+        if isinstance(pages, QuantPages):
+            out[name], out[scale] = (pages.values, 1), (pages.scale, 1)
+    return out
 
 
 def _check_row(state: StreamState, row: int) -> int:
-    refuse_int8_pool(state)
     B = state.kv.batch
     if isinstance(row, bool) or not 0 <= int(row) < B:
         raise IndexError(f"row {row!r} is out of range for a state of batch {B}")
@@ -69,7 +80,7 @@ def export_row(state: StreamState, row: int, *, meta: dict | None = None) -> Ses
     table = np.asarray(jax.device_get(kv.page_table[row]))  # [M]
     entries = np.flatnonzero(table >= 0).astype(np.int32)  # [E]
     pages = jnp.asarray(table[entries])  # [E] physical ids, table order
-    got = {name: jnp.take(getattr(kv, name), pages, axis=axis) for name, axis in PAGE_AXES.items()}
+    got = {name: jnp.take(field, pages, axis=axis) for name, (field, axis) in _page_fields(kv).items()}
     got.update({name: getattr(kv, name)[row] for name in KV_ROW_FIELDS})
     got.update({name: getattr(state, name)[row] for name in STATE_ROW_FIELDS})
     host = {name: np.array(x, copy=True) for name, x in jax.device_get(got).items()}
@@ -93,8 +104,7 @@ def check_importable(state: StreamState, snapshot: SessionSnapshot, row: int | N
         raise SnapshotMismatch("the session snapshot was taken from another pool or model: " + ", ".join(diff))
     kv, E = state.kv, snapshot.num_pages
     bad = []
-    for name, axis in PAGE_AXES.items():
-        field = getattr(kv, name)
+    for name, (field, axis) in _page_fields(kv).items():
         shape = field.shape[:axis] + (E,) + field.shape[axis + 1:]
         got = getattr(snapshot, name)
         if tuple(got.shape) != shape or got.dtype != field.dtype:
@@ -132,9 +142,11 @@ def _write_row(state: StreamState, row, entries, live, pages: dict, values: dict
     popped = kv.free_stack[jnp.clip(kv.num_free - 1 - jnp.arange(n), 0, N - 1)]  # stack top first, as `reserve`
     ids = jnp.where(live, popped, N)  # [E'] new page of each entry; N (out of range) writes nothing
     new = {}
-    for name, axis in PAGE_AXES.items():
-        field = getattr(kv, name)
+    for name, (field, axis) in _page_fields(kv).items():
         new[name] = field.at[(slice(None),) * axis + (ids,)].set(pages[name].astype(field.dtype), mode="drop")
+    for scale, name in SCALE_FIELDS.items():  # an int8 pool: its codes and scales back into one QuantPages
+        if scale in new:
+            new[name] = QuantPages(new[name], new.pop(scale), getattr(kv, name).dtype_name)
     table_row = jnp.full((M,), -1, jnp.int32).at[jnp.where(live, entries, M)].set(ids, mode="drop")  # [M]
     new["page_table"] = kv.page_table.at[row].set(table_row)
     new.update({name: getattr(kv, name).at[row].set(values[name]) for name in KV_ROW_FIELDS})
@@ -173,7 +185,8 @@ def import_row(state: StreamState, row: int, snapshot: SessionSnapshot, *, donat
 
     entries = padded(np.asarray(snapshot.entries, np.int32), 0)
     live = np.arange(size) < E
-    pages = {name: padded(np.asarray(getattr(snapshot, name)), axis) for name, axis in PAGE_AXES.items()}
+    pages = {name: padded(np.asarray(getattr(snapshot, name)), axis) for name, (_, axis) in
+             _page_fields(state.kv).items()}
     values = {name: np.asarray(getattr(snapshot, name)) for name in KV_ROW_FIELDS + STATE_ROW_FIELDS}
     write = _write_donated if donate else _write
     return write(state, np.int32(row), entries, live, pages, values)

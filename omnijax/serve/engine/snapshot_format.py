@@ -10,7 +10,8 @@ taken from (`SnapshotSpec`), and free-form JSON metadata (`meta`) for the caller
 Shapes (L layers, E saved pages, P page size, G kv heads, d head dim, A position axes, V vocabulary):
 
     entries     [E] int32             page-table position of each saved page (ascending)
-    k, v        [L, E, P, G, d]       keys (post-RoPE) and values, in the pool's dtype
+    k, v        [L, E, P, G, d]       keys (post-RoPE) and values, in the pool's dtype (int8 codes for an int8 pool)
+    k_scale, v_scale [L, E, P, G]     float32 scales of an int8 pool (`omnijax.kv.quant_kv.QuantPages`); [0] else
     valid       [E, P] bool           and pos [A, E, P], order, unit, span, offset, score [E, P], page_class [E]
     seq_slots, next_order, dropped, next_pos   [] int32;   exhausted [] bool
     key         [2] uint32            sampling key data
@@ -47,8 +48,9 @@ from omnijax.serve.engine.snapshot_tier import TIER_FILE, read_tier, write_tier
 from omnijax.streaming.step import StreamState
 
 FORMAT = "omnijax-session"
-FORMAT_VERSION = 2  # 2 added `counts` and `seen`; a version-1 snapshot loads with both empty (no penalty history)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2 added `counts` and `seen` (a version-1 snapshot loads with both empty: no penalty history);
+# 3 added int8 pools (`SnapshotSpec.kv_dtype`, `k_scale` / `v_scale`; an older snapshot is of a float pool)
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "session.json"
 ARRAYS_DIR = "arrays"
 
@@ -57,7 +59,8 @@ PAGE_AXES = {"k": 1, "v": 1, "valid": 0, "pos": 1, "order": 0, "unit": 0, "span"
              "page_class": 0}
 KV_ROW_FIELDS = ("seq_slots", "next_order", "exhausted", "dropped")  # per-row fields of `PagedKV`
 STATE_ROW_FIELDS = ("next_pos", "key", "last_logits", "counts", "seen")  # per-row fields of `StreamState`
-ARRAY_FIELDS = ("entries",) + tuple(PAGE_AXES) + KV_ROW_FIELDS + STATE_ROW_FIELDS
+SCALE_FIELDS = {"k_scale": "k", "v_scale": "v"}  # an int8 pool's per-token scales (page axis 1), of its k and v
+ARRAY_FIELDS = ("entries",) + tuple(PAGE_AXES) + KV_ROW_FIELDS + STATE_ROW_FIELDS + tuple(SCALE_FIELDS)
 # The largest counter (positions, tokens written, units) a snapshot may hold: far beyond any real session, far enough
 # below the int32 limit that the session can go on counting; a larger one is a damaged or tampered snapshot.
 COUNTER_LIMIT = 2 ** 30
@@ -90,16 +93,16 @@ class SnapshotSpec:
     position_axes: int
     vocab_size: int
     dtype: str
+    kv_dtype: str = "float"  # the pool's storage (`StreamConfig.kv_dtype`): "float" (`dtype`) or "int8"
 
     @classmethod
     def of_state(cls, state: StreamState) -> "SnapshotSpec":
         """The spec of a batched state (its pool's shape and dtype, its logits' vocabulary)."""
         kv = state.kv
-        refuse_int8_pool(state)
         L, _, P, G, d = kv.k.shape
         return cls(page_size=int(P), num_layers=int(L), num_kv_heads=int(G), head_dim=int(d),
                    position_axes=int(kv.pos.shape[0]), vocab_size=int(state.last_logits.shape[-1]),
-                   dtype=jnp.dtype(kv.k.dtype).name)
+                   dtype=jnp.dtype(kv.k.dtype).name, kv_dtype="int8" if isinstance(kv.k, QuantPages) else "float")
 
     def mismatches(self, target: "SnapshotSpec") -> list[str]:
         """`"<field> <snapshot's> (target: <target's>)"` for every field that differs."""
@@ -110,8 +113,9 @@ class SnapshotSpec:
 def _page_shape(spec: SnapshotSpec, name: str, count: int) -> tuple[int, ...]:
     """Expected shape of a page field of `count` saved pages."""
     L, P, G, d, A = spec.num_layers, spec.page_size, spec.num_kv_heads, spec.head_dim, spec.position_axes
-    return {"k": (L, count, P, G, d), "v": (L, count, P, G, d), "pos": (A, count, P),
-            "page_class": (count,)}.get(name, (count, P))
+    scales = (L, count, P, G) if spec.kv_dtype == "int8" else (0,)
+    return {"k": (L, count, P, G, d), "v": (L, count, P, G, d), "pos": (A, count, P), "page_class": (count,),
+            "k_scale": scales, "v_scale": scales}.get(name, (count, P))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,6 +150,8 @@ class SessionSnapshot:
     meta: dict = dataclasses.field(default_factory=dict)
     counts: np.ndarray | None = None  # None: empty (zeros of the spec's vocabulary)
     seen: np.ndarray | None = None
+    k_scale: np.ndarray | None = None  # None: none (a float pool's snapshot)
+    v_scale: np.ndarray | None = None
     # the session's recall side (`omnijax.streaming.recall_session.RecallSnapshot`: its host tier) when the engine
     # has StreamConfig(recall=...); written beside the arrays (`omnijax.serve.engine.snapshot_tier`)
     tier: Any = None
@@ -157,6 +163,9 @@ class SessionSnapshot:
             object.__setattr__(self, "counts", np.zeros((V,), np.int32))
         if self.seen is None:
             object.__setattr__(self, "seen", np.zeros((V,), bool))
+        for name in SCALE_FIELDS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros((0,), np.float32))
 
     @property
     def num_pages(self) -> int:
@@ -175,16 +184,22 @@ class SessionSnapshot:
     def check(self) -> None:
         """Refuses a snapshot whose arrays do not agree with each other and with its spec (`SnapshotError`)."""
         spec, E = self.spec, self.num_pages
-        want = {name: _page_shape(spec, name, E) for name in PAGE_AXES}
+        want = {name: _page_shape(spec, name, E) for name in tuple(PAGE_AXES) + tuple(SCALE_FIELDS)}
         want.update(entries=(E,), last_logits=(spec.vocab_size,), counts=(spec.vocab_size,), seen=(spec.vocab_size,),
                     **{name: () for name in KV_ROW_FIELDS + ("next_pos",)})
         bad = [f"{n} {tuple(np.shape(getattr(self, n)))} (expected {w})" for n, w in want.items()
                if tuple(np.shape(getattr(self, n))) != w]
         if np.ndim(self.key) != 1:
             bad.append(f"key {tuple(np.shape(self.key))} (expected one row of key data)")
+        if spec.kv_dtype not in ("float", "int8"):
+            bad.append(f"kv_dtype {spec.kv_dtype!r} (expected 'float' or 'int8')")
+        stored = "int8" if spec.kv_dtype == "int8" else spec.dtype
         for name in ("k", "v"):
-            if jnp.dtype(getattr(self, name).dtype).name != spec.dtype:
-                bad.append(f"{name} dtype {getattr(self, name).dtype} (spec: {spec.dtype})")
+            if jnp.dtype(getattr(self, name).dtype).name != stored:
+                bad.append(f"{name} dtype {getattr(self, name).dtype} (spec: {stored})")
+        for name in SCALE_FIELDS:
+            if jnp.dtype(getattr(self, name).dtype).name != "float32":
+                bad.append(f"{name} dtype {getattr(self, name).dtype} (expected float32)")
         if bad:
             raise SnapshotError("inconsistent session snapshot: " + "; ".join(bad))
         entries = np.asarray(self.entries)
@@ -247,12 +262,6 @@ def _unflatten(aux, children) -> SessionSnapshot:
 jax.tree_util.register_pytree_with_keys(SessionSnapshot, _flatten, _unflatten)
 
 
-def refuse_int8_pool(state: StreamState) -> None:
-    """Refuses a state whose KV pool is int8 (`StreamConfig.kv_dtype='int8'`): snapshots do not carry one yet."""
-    if isinstance(state.kv.k, QuantPages):
-        raise ValueError("session snapshots do not carry an int8 KV pool (StreamConfig.kv_dtype='int8') yet")
-
-
 # ------------------------------------------------------------------------------------------------------- disk
 def manifest_of(snapshot: SessionSnapshot) -> dict:
     """The manifest of a snapshot (`session.json` of a directory; the header of `snapshot_blob`): format, version,
@@ -281,8 +290,10 @@ def read_manifest(manifest: Any) -> tuple[SnapshotSpec, dict[str, tuple[tuple[in
     if version == 1:  # before the penalty history: empty, as a session that never wrote a token has it
         V = spec.vocab_size
         fields.update(counts={"shape": [V], "dtype": "int32"}, seen={"shape": [V], "dtype": "bool"})
+    if version < 3:  # before int8 pools: a float pool's snapshot, no scales
+        fields.update({n: {"shape": [0], "dtype": "float32"} for n in SCALE_FIELDS})
     layout = {n: (tuple(int(x) for x in fields[n]["shape"]), jnp.dtype(fields[n]["dtype"])) for n in ARRAY_FIELDS}
-    missing = ("counts", "seen") if version == 1 else ()
+    missing = (("counts", "seen") if version == 1 else ()) + (tuple(SCALE_FIELDS) if version < 3 else ())
     return spec, layout, missing, manifest.get("meta", {}), manifest.get("recall_tier")
 
 

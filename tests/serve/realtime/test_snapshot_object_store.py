@@ -112,7 +112,7 @@ def test_a_damaged_truncated_foreign_or_newer_object_is_refused_by_name_and_vers
     flipped[-5] ^= 0x40
     cases = [(bytes(flipped), "checksum does not match"), (data[:-7], "truncated or damaged"),
              (data[:30], "truncated"), (b"PK\x03\x04" + data[4:], "not a session snapshot object"),
-             (_reheader(data, lambda h: h.update(format_version=3)), "format_version 3 is not one of (1, 2)"),
+             (_reheader(data, lambda h: h.update(format_version=4)), "format_version 4 is not one of (1, 2, 3)"),
              (_reheader(data, lambda h: h.update(format="other")), "format is not 'omnijax-session'"),
              (_reheader(data, lambda h: h["arrays"]["k"].update(shape=[2, 3, 4, 2, 9])), "array k holds")]
     for bad, named in cases:
