@@ -311,9 +311,15 @@ def select_windows(scores: np.ndarray, sizes: np.ndarray, members: list[np.ndarr
                    top_units: int) -> np.ndarray:
     """Indices of the records to recall, ascending: windows (`window_members`; `scores[i]` is the score of the
     window starting at record i) are walked best first, ties to the lower index, and each adds its records not
-    taken yet; the walk stops at the first window whose new records would pass `recall_budget_cells` cells or
-    `top_units` records (the ranking honoured strictly, as `select_units`). With one-record windows this is
-    `select_units`."""
+    taken yet, in write order, while they fit within `recall_budget_cells` cells and `top_units` records; the walk
+    stops at the first window not taken whole (the ranking honoured strictly, as `select_units`: nothing of a
+    lower window comes back while part of a higher one is left out). With one-record windows this is
+    `select_units`.
+
+    Why a window's first records are taken when the whole does not fit: the budget is then filled by the best
+    window left. Measured on SmolLM2's single-prompt pass key (SinkWindow, 128 cells, `Recall(budget=64, block=16,
+    window=2)`, key at depth 0.4): the two best windows (the key sentence's, 48 cells) alone answered wrong; with
+    the first 16 of the third (the instruction at the prompt's start) the answer was right."""
     scores, sizes = _check_select(scores, sizes, recall_budget_cells, top_units)
     if len(members) != scores.size:
         raise ValueError(f"members must hold one window per record ({scores.size}), got {len(members)}")
@@ -321,8 +327,9 @@ def select_windows(scores: np.ndarray, sizes: np.ndarray, members: list[np.ndarr
     cells = 0
     for i in np.lexsort((np.arange(scores.size), -scores.astype(np.float64))):
         new = [int(j) for j in members[i] if not taken[j]]
-        if taken.sum() + len(new) > top_units or cells + int(sizes[new].sum()) > recall_budget_cells:
-            break
-        taken[new] = True
-        cells += int(sizes[new].sum())
+        for j in new:
+            if taken.sum() + 1 > top_units or cells + int(sizes[j]) > recall_budget_cells:
+                return np.flatnonzero(taken)
+            taken[j] = True
+            cells += int(sizes[j])
     return np.flatnonzero(taken)

@@ -117,6 +117,20 @@ class Recall:
             raise ValueError(f"Recall: shortlist={self.shortlist} is read by scoring='two_stage' only, got "
                              f"scoring={self.scoring!r}")
 
+    @classmethod
+    def preset(cls, budget: int = 64, **fields: Any) -> "Recall":
+        """The recommended setting: `budget` cells (default 64) recalled as 16-token blocks scored in windows of two
+        by "peak" (`PRESET`), other `fields` as given (e.g. `host_bytes`, `keep`).
+
+        Measured on SmolLM2-135M (`bench/quality/RESULTS.md`, `recall_window.json`): with 128 device cells + 64
+        recalled, SinkWindow, StreamingLLM and OmniPick answer the multi-turn pass key (1K tokens) 3/3 as the full
+        context does, and the single-prompt pass key 2/3, 3/3 and 3/3 against the full context's 2/3, at 16-22 % of
+        the context's cells: the issue's goal (full-context accuracy at <= 25 % of the cells) on both prompts for all
+        three. Whole units ("mass") cost a unit's every cell and missed the single prompt; 32-token blocks missed the
+        single prompt and 16-token blocks the multi-turn one under OmniPick, each where the block grid cut the key
+        sentence; windows of two 16-token blocks bring a cut sentence back whole."""
+        return cls(budget=budget, **{**PRESET, **fields})
+
     def check_pool(self, cells: int) -> None:
         """Refuses a recall budget larger than a pool of `cells` cells."""
         if self.budget > cells:
@@ -124,16 +138,24 @@ class Recall:
                              f"num_pages x page_size); lower Recall(budget=...) or give more num_pages")
 
 
+PRESET = {"block": 16, "window": 2, "scoring": "peak"}
+"""`Recall.preset`'s fields beside its budget (`omnijax serve --recall preset`)."""
+
 _RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
                   "disk_dir": str, "disk_bytes": int, "block": int, "window": int}
 
 
 def parse_recall(spec: str) -> Recall:
     """`key=value,...` -> `Recall` (the command lines' `--recall`: `omnijax serve`, the eval harnesses), e.g.
-    `"budget=2048,top_units=8,scoring=two_stage,shortlist=16"`; `keep` takes true / false. An unknown key or a bad
-    value is refused naming it."""
+    `"budget=2048,top_units=8,scoring=two_stage,shortlist=16"`; `keep` takes true / false. The word `preset` starts
+    from `Recall.preset` (budget 64 unless given; `"preset,budget=128"`). An unknown key or a bad value is refused
+    naming it."""
     fields: dict[str, Any] = {}
-    for part in filter(None, spec.split(",")):
+    parts = [p for p in spec.split(",") if p]
+    if "preset" in parts:
+        parts.remove("preset")
+        fields.update(PRESET, budget=64)
+    for part in parts:
         key, eq, value = part.partition("=")
         if not eq or key not in _RECALL_FIELDS:
             raise ValueError(f"--recall: {part!r} is not key=value with a key among {sorted(_RECALL_FIELDS)}")

@@ -77,11 +77,13 @@ def _merged(tier, members):
 def _select_reference(scores, sizes, members, budget, top_units):
     taken, cells = [], 0
     for i in sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i)):
-        new = [j for j in members[i] if j not in taken]
-        if len(taken) + len(new) > top_units or cells + sum(int(sizes[j]) for j in new) > budget:
-            break
-        taken += new
-        cells += sum(int(sizes[j]) for j in new)
+        for j in members[i]:
+            if j in taken:
+                continue
+            if len(taken) + 1 > top_units or cells + int(sizes[j]) > budget:
+                return sorted(taken)
+            taken.append(j)
+            cells += int(sizes[j])
     return sorted(taken)
 
 
@@ -170,9 +172,12 @@ def test_recalling_every_window_answers_like_the_full_context(model, name):
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
 
 
-def test_window_setting_is_parsed_and_refused_by_name():
+def test_window_setting_and_the_preset_are_parsed_and_refused_by_name():
     assert parse_recall("budget=64,block=16,window=2,scoring=peak") == Recall(budget=64, block=16, window=2,
-                                                                              scoring="peak")
+                                                                              scoring="peak") == Recall.preset()
+    assert parse_recall("preset,budget=128,keep=true") == Recall.preset(128, keep=True) == Recall(
+        budget=128, block=16, window=2, scoring="peak", keep=True)
+    assert parse_recall("preset") == Recall.preset()
     assert Recall(budget=8).window == 1
     for bad in (0, -1, True, 2.5):
         with pytest.raises(ValueError, match="window must be a positive int"):
