@@ -99,7 +99,8 @@ def cache_dir() -> Path | None:
 
 EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
 EXECUTABLE_FORMAT = 3  # bumped when what a file holds changes (3: keyed by the sources the function can reach)
-KEEP_VERSIONS = 3  # folders of executables kept: those of the most recently used jax versions and settings
+KEEP_VERSIONS = 6  # folders of executables kept: those of the most recently used jax versions and settings (the
+# test suite alone uses three or four: LLVM optimisation on and off, subprocesses with production flags)
 KEEP_BYTES = 2 << 30  # a folder's executables past this size: the least recently used removed (`_version_dir`)
 # jax settings that only say where caches and logs go: they do not change a program, so they are not in its key
 _UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
@@ -137,24 +138,42 @@ def clear_in_memory() -> None:
         cached.clear()
 
 
-_process_key: bytes | None = None
+_process_parts: list = []  # (format, versions, backend, devices): fixed for the life of the process
+_process_keys: dict = {}  # (the settings' values, XLA_FLAGS) -> the process key under them
 _process_key_lock = threading.Lock()
 
 
+def _settings_now() -> tuple:
+    """Every jax setting's current value, in the table's order (hashable; ~25 us): what a program compiled now was
+    compiled under."""
+    values = tuple(jax.config.values.values())
+    try:
+        hash(values)
+    except TypeError:  # a setting holding an unhashable value
+        values = tuple(repr(v) for v in values)
+    return values
+
+
 def process_key() -> bytes:
-    """What every program of this process shares in its key: jax and jaxlib's versions, the backend and its devices,
-    XLA's flags, and every jax setting that can change a traced or compiled program. omnijax's sources are not in
-    it: each function's key holds the sources it can reach (`SourceGraph`)."""
-    global _process_key
+    """What every program compiled under the current settings shares in its key: jax and jaxlib's versions, the
+    backend and its devices, XLA's flags, and every jax setting that can change a traced or compiled program, as
+    they are now (a process may change a setting between calls: the test suite turns LLVM optimisation off and on
+    module by module with `jax_disable_most_optimizations`; a key taken once per process gave the later modules the
+    first module's executables, and other keys in the next run). omnijax's sources are not in it: each function's
+    key holds the sources it can reach (`SourceGraph`)."""
+    now = (_settings_now(), os.environ.get("XLA_FLAGS", ""))
+    key = _process_keys.get(now)
+    if key is not None:
+        return key
     with _process_key_lock:
-        if _process_key is None:
+        if not _process_parts:
             devices = jax.devices()
-            settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNKEYED_SETTINGS)
-            parts = (EXECUTABLE_FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend(),
-                     [(d.platform, d.device_kind, d.id) for d in devices], os.environ.get("XLA_FLAGS", ""),
-                     settings)
-            _process_key = hashlib.sha256(repr(parts).encode()).digest()
-        return _process_key
+            _process_parts.append((EXECUTABLE_FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend(),
+                                   [(d.platform, d.device_kind, d.id) for d in devices]))
+        settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if k not in _UNKEYED_SETTINGS)
+        key = hashlib.sha256(repr((*_process_parts[0], now[1], settings)).encode()).digest()
+        _process_keys[now] = key
+        return key
 
 
 _graph: list = []
@@ -431,7 +450,7 @@ class CachedJit:
         leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
         signature = _signature(leaves, _default_device())
         try:
-            memory_key = (static, treedef, signature)
+            memory_key = (static, treedef, signature, _settings_now())  # a program per settings, as jax.jit
             hash(memory_key)
         except TypeError:
             signature = None

@@ -109,6 +109,30 @@ def test_keys_follow_static_arguments_shapes_and_donation(cache_dir):
     assert fresh.stats["loaded"] == 1 and fresh.stats["compiled"] == 0
 
 
+def test_a_setting_changed_between_calls_gets_programs_of_its_own(cache_dir):
+    """A jax setting changed between two calls (the suite turns LLVM optimisation off and on module by module; a
+    user may change matmul precision) keys the programs compiled after it apart, in memory and on disk: the process
+    key was once taken at the first call and kept, so later settings reused (and were stored under) the first one's."""
+    kept = compilation_cache.cached_jit(_f, static_argnames="power")
+    x = jnp.arange(4.0)
+    before = compilation_cache.process_key()
+    np.testing.assert_array_equal(kept(x, x, power=2), x ** 2 + x)
+    flag = "jax_disable_most_optimizations"
+    was = jax.config.values[flag]
+    try:
+        jax.config.update(flag, not was)
+        after = compilation_cache.process_key()
+        np.testing.assert_array_equal(kept(x, x, power=2), x ** 2 + x)
+    finally:
+        jax.config.update(flag, was)
+    assert after != before and compilation_cache.process_key() == before
+    assert kept.stats["compiled"] == 2 and kept.stats["loaded"] == 0  # the second call did not reuse the first's
+    folders = sorted(p.name for p in (cache_dir / "executables").iterdir())
+    assert folders == sorted([before.hex()[:16], after.hex()[:16]])
+    np.testing.assert_array_equal(kept(x, x, power=2), x ** 2 + x)  # back under the first setting: held, no compile
+    assert kept.stats["compiled"] == 2
+
+
 def test_calls_an_executable_cannot_serve_run_the_plain_jit(cache_dir):
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     x = jnp.arange(4.0)
@@ -195,15 +219,16 @@ def test_old_source_versions_are_pruned_and_files_are_compressed(cache_dir):
     """Every edit to omnijax's sources makes a new folder of executables; the first use in a process keeps the
     `KEEP_VERSIONS` most recently used folders (its own among them) and removes the rest and first-format files."""
     base = cache_dir / "executables"
-    for age, name in enumerate(("aaaa", "bbbb", "cccc", "dddd")):
+    names = [f"{chr(ord('a') + i) * 4}" for i in range(compilation_cache.KEEP_VERSIONS + 1)]  # the last the newest
+    for age, name in enumerate(names):
         (base / name).mkdir(parents=True)
         (base / name / "x.exe").write_bytes(b"old")
-        os.utime(base / name, (1_000_000 + age, 1_000_000 + age))  # dddd the most recent of them
+        os.utime(base / name, (1_000_000 + age, 1_000_000 + age))
     (base / "flat.exe").write_bytes(b"first format")
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     np.testing.assert_array_equal(kept(jnp.arange(3.0), jnp.ones(3), power=2), jnp.arange(3.0) ** 2 + 1)
     own = base / compilation_cache.process_key().hex()[:16]
-    assert sorted(p.name for p in base.iterdir()) == sorted([own.name, "cccc", "dddd"])
+    assert sorted(p.name for p in base.iterdir()) == sorted([own.name, *names[-(compilation_cache.KEEP_VERSIONS - 1):]])
     (path,) = own.glob("*.exe")
     import pickle
     import zlib
