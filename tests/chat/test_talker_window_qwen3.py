@@ -6,10 +6,12 @@ The oracle is transformers' own talker (`generate(..., return_audio=True)`, gree
 its decoder's attention mask hiding exactly the cells omnijax's `SinkWindow(sink, window)` trim has dropped
 (`tests/_support/talker_mask.py`): the same codes and the same waveform (1e-4 of the peak) as `speak(talker_kv=...)`,
 and other codes than the unbounded talker's, so the trim is exercised. Through `Chat` (the talker speaking while the
-thinker writes) and the CLI the bounded speech equals `speak(talker_kv=...)` of the turn's ids. A window the talker
+thinker writes) and the CLI the bounded speech equals `speak(talker_kv=...)` of the turn's ids; on the server's speech
+pool (`SpeechConfig(talker_window=...)`) each batched utterance equals its bounded talker alone. A window the talker
 cannot run with (0, 1, negative, not an int) is refused by name before anything is fed, read or written.
 """
 
+import dataclasses
 import io
 import warnings
 
@@ -19,11 +21,14 @@ import pytest
 import omnijax
 from omnijax import commands
 from omnijax.chat import SpeakOptions
+from omnijax.kv import layout
 from omnijax.media.audio import pcm16, read_wav
 from omnijax.models.qwen3_omni import speech as S
 from omnijax.models.talker_kv import talker_policy
 from omnijax.retention import SinkWindow
+from omnijax.serve.engine.speech import SpeechPool
 from tests._support.speech_refs import captured_talker, greedy_answer
+from tests._support.step_clock import StepClock
 from tests._support.talker_mask import hidden_cells
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -32,6 +37,7 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is the
 from tests.chat import test_chat_speech as CS  # noqa: E402
 from tests.models.qwen3_omni import test_speech as TS  # noqa: E402
 from tests.models.qwen3_omni import test_talker as T  # noqa: E402
+from tests.serve.engine import test_speech_ticks as P3  # noqa: E402
 
 SINK, WINDOW = 4, 5  # 9 cells: the talker's prompt is longer, so its prefill is trimmed and every step after it
 
@@ -102,6 +108,53 @@ def test_chat_and_the_cli_speak_with_a_talker_window(release, tmp_path):
     samples, rate = read_wav(out)
     assert rate == 24000
     np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), pcm16(pcm))
+
+
+def run_pool(pool, plan):
+    """Opens each utterance at its tick (`at`) and ticks until the pool empties: `{speech_id: chunks}`, and the most
+    live cells any talker row held after a tick."""
+    got, tick, most = {u["speech_id"]: [] for u in plan}, 0, 0
+    waiting = list(plan)
+    while waiting or pool.busy:
+        for u in [u for u in waiting if u["at"] <= tick]:
+            pool.open(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
+                      max_new_tokens=u["max_new_tokens"])
+            waiting.remove(u)
+        for c in pool.tick():
+            got[c.speech_id].append(c)
+        most = max(most, int(np.max(np.asarray(layout.layout_stats(pool.kv).retained_cells))))
+        tick += 1
+        assert tick < 60, "the schedule did not finish"
+    assert pool.reserved == 0 and int(pool.kv.num_free) == pool.config.num_pages
+    return got, most
+
+
+def test_the_speech_pool_speaks_each_utterance_as_its_bounded_talker_alone(release):
+    """test_speech_ticks' pool (rows 2 / 4, pages of 16, vocoder chunks 3 then 4) with `talker_window`: three
+    utterances opened on ticks 0, 1, 2, batched: each one's codes those of `speak(talker_kv=...)` alone, its PCM
+    within 1e-6 of the peak of its lone streamed chunks; the rows trimmed to the budget; the window's pages
+    reserved whatever `max_new_tokens`."""
+    _, model = release
+    config = dataclasses.replace(P3.SPEECH, talker_window=WINDOW)
+    policy = config.talker_kv
+    pool = SpeechPool(model, config, clock=StepClock(1e-6))
+    plan = [u | dict(at=i) for i, u in enumerate(P3.utterances(3, 3))]
+    got, most = run_pool(pool, plan)
+    assert most <= policy.budget
+    differ = 0
+    for u in plan:
+        args, kw = (model, u["prompt_ids"], u["answer_ids"]), dict(speaker=u["voice"],
+                                                                   max_new_tokens=u["max_new_tokens"])
+        ref = S.speak(*args, **kw, talker_kv=policy)
+        chunks = list(S.speak_streamed(*args, **kw, first_chunk=P3.FIRST, chunk=P3.CHUNK, talker_kv=policy))
+        mine = got[u["speech_id"]]
+        np.testing.assert_array_equal(np.concatenate([c.codes for c in mine], axis=1), ref.codes,
+                                      err_msg=u["speech_id"])
+        assert [c.pcm.size for c in mine if c.pcm.size] == [c.size for c in chunks]
+        P3.assert_same_pcm(np.concatenate([c.pcm for c in mine]), np.concatenate(chunks), u["speech_id"])
+        differ += not np.array_equal(S.speak(*args, **kw).codes, ref.codes)
+    assert differ > 0, "no utterance was long enough for the window to change its codes"
+    assert pool.pages_needed(12, 10_000) == 1 and SpeechPool(model, P3.SPEECH).pages_needed(12, 10_000) == 626
 
 
 @pytest.mark.parametrize("window", [0, 1, -3, True, "8"])
