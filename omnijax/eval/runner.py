@@ -236,7 +236,7 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
 
     def session(state, session_chunks):
         def body(s, chunk):
-            s, out = chunk_step(model, s, chunk, config)
+            s, out = chunk_step(model, s, chunk, config, shared_pages=False)  # one row per session: none shared
             layout = out.stats.layout
             stats = {name: getattr(layout, name, None) for name in STAT_NAMES}
             stats.update(evicted=out.stats.evicted, moved=out.stats.moved, next_pos=out.stats.next_pos)

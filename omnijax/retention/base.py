@@ -169,7 +169,7 @@ def freed_below(view: SequenceView, keep: jax.Array, next_pos: jax.Array) -> tup
 
 
 def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, rope: tuple[float, tuple | None],
-          view: SequenceView | None = None) -> tuple[PagedKV, jax.Array, jax.Array]:
+          view: SequenceView | None = None, shared_pages: bool = True) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Applies a keep mask `[B, S]` (page-table order) to the cache.
 
     Args:
@@ -179,6 +179,10 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
         reindex: close the freed position gaps, re-rotating cached keys.
         rope: `(theta, mrope_section)` of the model, for re-rotation.
         view: `sequence_view(kv)` when the caller has it already.
+        shared_pages: (static) the cache may hold pages shared between rows (an engine's forked rows): they are
+            copied before they change. False for a cache no row shares a page of (a `Session`'s, `stream`'s,
+            `evaluate`'s: they never fork rows), whose program then has no copy-on-write (a third of compiling a
+            trim).
 
     Returns:
         `(kv, next_pos, evicted [B] int32)`.
@@ -189,8 +193,9 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
     delta, total = freed_below(view, keep, next_pos) if reindex else (None, None)
     shift = keep & (delta > 0) if reindex else jnp.zeros_like(keep)  # survivors whose key is re-rotated
     # Pages shared with other rows (n choices of one prompt) are copied before they change (`kv.page_sharing`).
-    kv, writable = unshare(kv, drop | shift, evicts=drop)
-    drop, shift = drop & writable, shift & writable
+    if shared_pages:
+        kv, writable = unshare(kv, drop | shift, evicts=drop)
+        drop, shift = drop & writable, shift & writable
     flat, _ = table_slots(kv)
     N, P = kv.num_pages, kv.page_size
     target = jnp.where(drop, flat, N * P).reshape(-1)
@@ -216,12 +221,12 @@ def apply(kv: PagedKV, keep: jax.Array, next_pos: jax.Array, *, reindex: bool, r
 
 
 def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tuple[float, tuple | None],
-         active: jax.Array | None = None) -> tuple[PagedKV, jax.Array, jax.Array]:
+         active: jax.Array | None = None, shared_pages: bool = True) -> tuple[PagedKV, jax.Array, jax.Array]:
     """Runs a policy inside the compiled program: `lax.cond` on any sequence triggering, then plan and apply.
 
     `active [B]` bool: the sequences this step fed (default all); the others are never trimmed, so a sequence that
     sat out a batched step (a server's idle session) keeps exactly what it would have kept run alone.
-    Returns `(kv, next_pos, evicted [B] int32)`.
+    `shared_pages` (static): see `apply`. Returns `(kv, next_pos, evicted [B] int32)`.
     """
     view = sequence_view(kv)
     fire = policy.trigger(view)
@@ -231,7 +236,7 @@ def trim(policy: RetentionPolicy, kv: PagedKV, next_pos: jax.Array, *, rope: tup
     def run(kv, next_pos):
         plan = policy.plan(view, slot_features(kv)) if getattr(policy, "needs_kv", False) else policy.plan(view)
         keep = jnp.where(fire[:, None], plan, view.live)
-        return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope, view=view)
+        return apply(kv, keep, next_pos, reindex=policy.reindex, rope=rope, view=view, shared_pages=shared_pages)
 
     def skip(kv, next_pos):
         return kv, next_pos, jnp.zeros(next_pos.shape, jnp.int32)

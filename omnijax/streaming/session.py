@@ -86,7 +86,8 @@ _STATIC = ("graphdef", "config")
 
 def _scan_chunks(graphdef, params, state, chunks, *, config):
     model = nnx.merge(graphdef, params)
-    return jax.lax.scan(lambda state, chunk: chunk_step(model, state, chunk, config), state, chunks)
+    return jax.lax.scan(lambda state, chunk: chunk_step(model, state, chunk, config, shared_pages=False), state,
+                        chunks)
 
 
 # The cache is updated in place (the layers' K/V writes, the trim's re-rotation, a migration's copies) only where
@@ -114,7 +115,7 @@ def _seed_array(seed: int) -> np.ndarray:
 
 @cached_jit(static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
 def _step(graphdef, params, state, chunk, *, config, tap=None):
-    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap)
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False)
 
 
 def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,

@@ -197,7 +197,8 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
-               answer: bool = True, tap: int | None = None) -> tuple[StreamState, ChunkOutput]:
+               answer: bool = True, tap: int | None = None,
+               shared_pages: bool = True) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
@@ -210,6 +211,10 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
 
     `tap` (static; `Decoder.run_layers_tapped`): the output also carries `tapped [B, T, D]`, transformers'
     `hidden_states[tap]` of the chunk's tokens as the prefill computed them. None (default): the program without it.
+
+    `shared_pages` (static; `omnijax.retention.base.apply`): the state's rows may share pages (the engine forks
+    rows), so a trim copies a shared page before it changes; `Session`, `stream` and `evaluate`, which never fork
+    rows, pass False and compile no copy-on-write (they refuse a given state that shares pages).
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
@@ -232,7 +237,8 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     # A row this chunk feeds nothing (no token, no answer, no advance: a server's idle session) is not trimmed.
     fed = jnp.any(chunk.valid, axis=1) | (chunk.answer_tokens > 0) | (chunk.advance != 0)  # [B]
     kv, next_pos, evicted = retention_lib.trim(
-        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed)
+        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed,
+        shared_pages=shared_pages)
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     tau = config.max_answer_tokens
     lps = _empty_logprobs(kv.batch, tau)
@@ -279,7 +285,9 @@ def init_state(config: DecoderConfig, *, num_pages: int, page_size: int = 64, ba
 
 
 def check_state(state: StreamState, config: DecoderConfig) -> None:
-    """Refuses a state whose cache was not made for this decoder: layers, kv heads, head dim, position axes, dtype.
+    """Refuses a state whose cache was not made for this decoder (layers, kv heads, head dim, position axes, dtype),
+    and one whose rows share pages (`omnijax.kv.page_sharing`: an engine's forked rows), which `stream` and `Session`
+    trim without copying a shared page first (`chunk_step`'s `shared_pages=False`).
 
     A wrong layer count would not fail by itself: the layer loop clamps its index into the cache.
     """
@@ -292,6 +300,11 @@ def check_state(state: StreamState, config: DecoderConfig) -> None:
         diff = ", ".join(f"{n} {g} (model: {w})" for n, g, w in zip(names, got, want) if g != w)
         raise ValueError(f"the given state's cache was not made for this model: {diff}; build it with "
                          f"omnijax.init_state(model.config, ...)")
+    shared = int(jax.device_get(jnp.sum(kv.shares > 0)))
+    if shared:
+        raise ValueError(f"the given state's rows share {shared} page(s) (forked rows of a serving engine); a stream "
+                         f"or Session trims without copying shared pages: take one row out first (the engine's "
+                         f"export_row copies a row's own pages)")
 
 
 def pages_needed(chunks: Chunk, max_answer_tokens: int, page_size: int) -> int:
