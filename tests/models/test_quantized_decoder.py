@@ -32,6 +32,9 @@ OPTIONS = {"int8": QuantizeOptions("int8"), "int8_g64": QuantizeOptions("int8", 
            "int4_g32": QuantizeOptions("int4"), "int4_g128": QuantizeOptions("int4", 128)}
 SCHEMES = {"int8": Int8PerChannel(), "int8_g64": Int8Grouped(64), "int4_g32": Int4Grouped(32),
            "int4_g128": Int4Grouped(128)}
+# The oracle's dequantisation (and the in-memory MoE weights' quantisation) as one program per shape and scheme: op
+# by op, each call lowered its ten-odd primitives afresh per shape (~350 lowerings in this module).
+_dequantize = jax.jit(dequantize, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def dequantized_copy(path):
     reference = omnijax.load(path)
     for _, param in nnx.iter_graph(reference.decoder.layers):  # stacked or split per layer alike
         if isinstance(param, nnx.Param) and isinstance(param[...], QuantizedWeight):
-            param.set_value(dequantize(param[...], reference.config.jnp_dtype))
+            param.set_value(_dequantize(param[...], reference.config.jnp_dtype))
     return reference
 
 
@@ -71,7 +74,7 @@ def test_quantized_checkpoint_equals_its_dequantized_float_model(source, tmp_pat
         assert isinstance(qw, QuantizedWeight) and qw.scheme == SCHEMES[name]
         w = np.asarray(flt.decoder.layers.stacked()[n])
         scale = np.repeat(np.asarray(qw.scales), w.shape[-2] // qw.scales.shape[-2], axis=-2)
-        assert np.all(np.abs(np.asarray(dequantize(qw)) - w) <= scale / 2 + 1e-6)
+        assert np.all(np.abs(np.asarray(_dequantize(qw, jnp.float32)) - w) <= scale / 2 + 1e-6)
         assert qw.nbytes < w.nbytes / (3 if qw.scheme.bits == 8 else 5)
     assert isinstance(model.decoder.embed[...], jax.Array)  # the embedding and the head stay float
     reference = dequantized_copy(path)
@@ -127,20 +130,35 @@ def test_load_refuses_a_dtype_cast_of_quantized_weights(source, tmp_path):
         omnijax.load(path, dtype="bfloat16")
 
 
-def _moe_decoder(scheme):
-    """A random mixed decoder (layers 0 and 2 dense, 1 and 3 MoE of 4 experts, top 2) with every linear and expert
-    weight quantised in memory."""
+@functools.cache
+def _moe_float():
+    """The random mixed decoder (layers 0 and 2 dense, 1 and 3 MoE of 4 experts, top 2) in float, initialised once
+    (op by op): `(config, decoder)`; callers copy it."""
     config = DecoderConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                            num_kv_heads=2, head_dim=16, rope_theta=1e4, mrope_section=None, rms_norm_eps=1e-6,
                            qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                            decoder_sparse_step=2, norm_topk_prob=True, dtype="float32")
-    decoder = Decoder(config, rngs=nnx.Rngs(3))
-    graphdef, state = nnx.split(decoder)
+    return config, Decoder(config, rngs=nnx.Rngs(3))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_x10(w, scheme):
+    return quantize(w * 10, scheme)  # x10: logits far from zero
+
+
+@functools.cache
+def _moe_decoder(scheme):
+    """`_moe_float`'s decoder with every linear and expert weight quantised in memory, and its dequantised float
+    twin (the oracle): `(config, graphdef, state, dense)`, built once per scheme (the tests only read them)."""
+    config, decoder = _moe_float()
+    graphdef, state = nnx.split(nnx.clone(decoder))
     pure = nnx.to_pure_dict(state)
     for n in (*LINEAR, "expert_gate", "expert_up", "expert_down"):
-        pure["layers"][n] = quantize(pure["layers"][n] * 10, scheme)  # x10: logits far from zero
+        pure["layers"][n] = _quantize_x10(pure["layers"][n], scheme)
     nnx.replace_by_pure_dict(state, pure)
-    return config, graphdef, state
+    dense = jax.tree.map(lambda a: _dequantize(a, jnp.float32) if isinstance(a, QuantizedWeight) else a, state,
+                         is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    return config, graphdef, state, dense
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="impl")
@@ -157,9 +175,7 @@ def test_quantized_moe_experts_equal_dequantized(impl, scheme, monkeypatch):
     stack in ragged_dot's) gives the dequantised float decoder's logits to 1e-4."""
     traced = []
     monkeypatch.setattr(moe_lib, "default_impl", lambda: traced.append(impl) or impl)
-    config, graphdef, state = _moe_decoder(scheme)
-    dense = jax.tree.map(lambda a: dequantize(a) if isinstance(a, QuantizedWeight) else a, state,
-                         is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    config, graphdef, state, dense = _moe_decoder(scheme)
     B, T = 2, 12
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 96, (B, T)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, B, T))

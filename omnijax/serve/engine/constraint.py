@@ -55,6 +55,6 @@ def pack_allowed(allowed: Iterable[int], vocab_size: int) -> np.ndarray:
 
 def unpack_allowed(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     """The boolean `[..., vocab_size]` allowed-token array of bitmask(s) `[..., ceil(V / 32)]` (numpy reference)."""
-    words = np.asarray(mask, np.int32).view(np.uint32)
-    bits = (words[..., :, None] >> np.arange(32, dtype=np.uint32)) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
+    words = np.ascontiguousarray(mask, "<i4")  # each word's bytes least significant first, whatever the machine
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # bit j of word w at 32 * w + j
+    return bits[..., :vocab_size].view(bool)
