@@ -22,7 +22,6 @@ import pytest
 import omnijax
 from omnijax import commands
 from omnijax.chat import SpeakOptions
-from omnijax.kv import layout
 from omnijax.media.audio import pcm16, read_wav
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.qwen2_5_omni import talker_forward as TF
@@ -33,6 +32,7 @@ from omnijax.serve.context import ServeOptions
 from omnijax.serve.engine.speech import SpeechConfig
 from omnijax.serve.engine.speech_qwen25 import Qwen25SpeechPool
 from omnijax.serve.speech_engine import speech_config_for
+from tests._support.speech_pool_schedule import run_pool
 from tests._support.speech_refs import captured_talker, greedy_answer
 from tests._support.talker_mask import hidden_cells
 
@@ -119,25 +119,6 @@ def test_chat_and_the_cli_speak_with_a_talker_window(release, tmp_path, capsys, 
     assert rate == 24000
     got, ref = np.round(samples * 32768).astype(np.int32), pcm16(want.pcm).astype(np.int32)
     assert got.shape == ref.shape and int(np.abs(got - ref).max()) <= 1  # float rounding: within 1 LSB
-
-
-def run_pool(pool, plan):
-    """Opens each utterance at its tick (`at`) and ticks until the pool empties: `{speech_id: chunks}`, and the most
-    live cells any talker row held after a tick."""
-    got, tick, most = {u["speech_id"]: [] for u in plan}, 0, 0
-    waiting = list(plan)
-    while waiting or pool.busy:
-        for u in [u for u in waiting if u["at"] <= tick]:
-            pool.open(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
-                      max_new_tokens=u["max_new_tokens"])
-            waiting.remove(u)
-        for c in pool.tick():
-            got[c.speech_id].append(c)
-        most = max(most, int(np.max(np.asarray(layout.layout_stats(pool.kv).retained_cells))))
-        tick += 1
-        assert tick < 60, "the schedule did not finish"
-    assert pool.reserved == 0 and int(pool.kv.num_free) == pool.config.num_pages
-    return got, most
 
 
 def test_the_speech_pool_speaks_each_utterance_as_its_bounded_talker_alone(release):

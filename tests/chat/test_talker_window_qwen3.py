@@ -21,12 +21,12 @@ import pytest
 import omnijax
 from omnijax import commands
 from omnijax.chat import SpeakOptions
-from omnijax.kv import layout
 from omnijax.media.audio import pcm16, read_wav
 from omnijax.models.qwen3_omni import speech as S
 from omnijax.models.talker_kv import talker_policy
 from omnijax.retention import SinkWindow
 from omnijax.serve.engine.speech import SpeechPool
+from tests._support.speech_pool_schedule import run_pool
 from tests._support.speech_refs import captured_talker, greedy_answer
 from tests._support.step_clock import StepClock
 from tests._support.talker_mask import hidden_cells
@@ -108,25 +108,6 @@ def test_chat_and_the_cli_speak_with_a_talker_window(release, tmp_path):
     samples, rate = read_wav(out)
     assert rate == 24000
     np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), pcm16(pcm))
-
-
-def run_pool(pool, plan):
-    """Opens each utterance at its tick (`at`) and ticks until the pool empties: `{speech_id: chunks}`, and the most
-    live cells any talker row held after a tick."""
-    got, tick, most = {u["speech_id"]: [] for u in plan}, 0, 0
-    waiting = list(plan)
-    while waiting or pool.busy:
-        for u in [u for u in waiting if u["at"] <= tick]:
-            pool.open(u["speech_id"], u["prompt_ids"], u["answer_ids"], voice=u["voice"],
-                      max_new_tokens=u["max_new_tokens"])
-            waiting.remove(u)
-        for c in pool.tick():
-            got[c.speech_id].append(c)
-        most = max(most, int(np.max(np.asarray(layout.layout_stats(pool.kv).retained_cells))))
-        tick += 1
-        assert tick < 60, "the schedule did not finish"
-    assert pool.reserved == 0 and int(pool.kv.num_free) == pool.config.num_pages
-    return got, most
 
 
 def test_the_speech_pool_speaks_each_utterance_as_its_bounded_talker_alone(release):
