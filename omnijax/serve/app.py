@@ -203,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                max_message_bytes=int(args.max_message_mb * 2 ** 20),
                                max_audio_buffer_s=args.max_audio_buffer_s,
                                max_request_audio_s=args.max_request_audio_s,
+                               max_request_video_s=args.max_request_video_s,
                                max_outbox_bytes=int(args.max_outbox_mb * 2 ** 20),
                                max_sessions_per_client=args.max_sessions_per_client,
                                max_output_tokens=args.max_output_tokens, snapshot_dir=args.snapshot_dir,

@@ -1,7 +1,8 @@
 """The chat-completions request: a JSON body parsed and checked into a `ChatRequest` (every refusal a `RequestError`
 naming the field; nothing changed), and its messages fed to a conversation as chunks (`build_prompt`).
 
-Pure but for `build_prompt`, which templates into the given `Conversation` (images and audio through its encoders),
+Pure but for `build_prompt`, which templates into the given `Conversation` (images, audio and video through its
+encoders; a video is decoded there, by the reader `omnijax.Chat.video` uses, into the family's audiovisual units),
 and `parse_body`, which compiles a `response_format` for the served tokenizer (`omnijax.serve.structured`; blocking:
 the route runs it in a worker thread).
 The routes that serve a request are `omnijax.serve.chat_completions` (one choice) and `omnijax.serve.chat_choices`
@@ -14,6 +15,8 @@ import base64
 import binascii
 import dataclasses
 import io
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,6 +25,8 @@ from omnijax.conversation import ChatTemplateError, Conversation, check_template
 from omnijax.decoding import DecodingStrategy
 from omnijax.media.audio import read_wav, resample
 from omnijax.media.image import read_image
+from omnijax.media.video import VideoError
+from omnijax.models.frontend import require_encoder
 from omnijax.serve.chat_params import (
     RequestError,
     check_detail,
@@ -40,8 +45,8 @@ from omnijax.stop_strings import check_stops
 if TYPE_CHECKING:
     from omnijax.serve.context import ServeContext
 
-__all__ = ["MAX_MESSAGES", "MAX_PARTS", "ROLES", "ChatRequest", "Part", "build_prompt", "check_decoding",
-           "parse_body", "parse_chat_request", "parse_payload", "response_grammar"]
+__all__ = ["MAX_MESSAGES", "MAX_PARTS", "MAX_VIDEO_BYTES", "ROLES", "ChatRequest", "Part", "build_prompt",
+           "check_decoding", "parse_body", "parse_chat_request", "parse_payload", "response_grammar"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -50,16 +55,21 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # 213 s of templating): messages in the conversation, and content parts across all of them.
 MAX_MESSAGES = 1_000
 MAX_PARTS = 256
+# The largest video file one `video_url` part may carry, refused by name before anything decodes it (the body cap,
+# `--max-message-mb`, bounds its base64 too); its length is capped after the header is read (`--max-request-video-s`).
+MAX_VIDEO_BYTES = 8 * 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One content part: `kind` "text" (`text`), "image" (`data`: file bytes) or "audio" (`pcm` 16 kHz float)."""
+    """One content part: `kind` "text" (`text`), "image" / "video" (`data`: file bytes) or "audio" (`pcm` 16 kHz
+    float); `param` names it in the request (`messages[i].content[j]`) for a refusal after parsing."""
 
     kind: str
     text: str = ""
     data: bytes = b""
     pcm: np.ndarray | None = None
+    param: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +91,7 @@ class ChatRequest:
     extras: tuple = ()  # per message: its tool fields as the chat template takes them (`tool_calls`, `tool_call_id`)
     response_format: ResponseFormat | None = None  # json_object / json_schema (`omnijax.serve.structured`); None: text
     grammar: Grammar | None = None  # `response_format` compiled for the served tokenizer (`parse_body`)
+    max_video_s: float | None = None  # seconds of video all `video_url` parts may hold together (None: no cap)
 
 
 class _AudioBudget:
@@ -134,7 +145,7 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise RequestError(f"'{param}' must be a content part object with a 'type'", param=param)
     kind = part["type"]
-    if kind in ("text", "image_url", "input_audio"):
+    if kind in ("text", "image_url", "input_audio", "video_url"):
         check_keys(part, ("type", kind), param)
     if kind == "text":
         if not isinstance(part.get("text"), str):
@@ -158,15 +169,39 @@ def _part(part, param: str, budget: _AudioBudget | None = None) -> Part:
             raise RequestError(f"'{param}.input_audio.format' must be \"wav\" (16-bit PCM), got "
                                f"{audio.get('format')!r}", param=param + ".input_audio.format", code="unsupported")
         return Part("audio", pcm=_wav(_b64(audio.get("data"), param + ".input_audio.data"), param, budget))
-    raise RequestError(f"'{param}.type' {kind!r} is not supported (text, image_url, input_audio)",
+    if kind == "video_url":
+        video = part.get("video_url")
+        if isinstance(video, dict):
+            check_keys(video, ("url",), param + ".video_url")
+        url = video.get("url") if isinstance(video, dict) else video
+        where = param + ".video_url.url"
+        if not isinstance(url, str) or not url.startswith("data:video/") or ";base64," not in url:
+            raise RequestError(f"'{where}' must be a base64 data:video/... URL (the server never fetches from the "
+                               f"network)", param=where, code="unsupported")
+        encoded = url.split(";base64,", 1)[1]
+        if len(encoded) * 3 // 4 > MAX_VIDEO_BYTES + 2:  # refused before the base64 is decoded
+            raise RequestError(f"'{where}': the video file is about {len(encoded) * 3 // 4} bytes, over the "
+                               f"{MAX_VIDEO_BYTES} bytes one video part may carry (MAX_VIDEO_BYTES); send a shorter "
+                               f"or smaller clip", param=where, code="video_too_large")
+        data = _b64(encoded, where)
+        if len(data) > MAX_VIDEO_BYTES:
+            raise RequestError(f"'{where}': the video file is {len(data)} bytes, over the {MAX_VIDEO_BYTES} bytes "
+                               f"one video part may carry (MAX_VIDEO_BYTES); send a shorter or smaller clip",
+                               param=where, code="video_too_large")
+        if not data:
+            raise RequestError(f"'{where}': the video file is empty", param=where)
+        return Part("video", data=data, param=where)
+    raise RequestError(f"'{param}.type' {kind!r} is not supported (text, image_url, input_audio, video_url)",
                        param=param + ".type", code="unsupported")
 
 
 def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy,
-                       max_audio_s: float | None = None, vocab_size: int | None = None) -> ChatRequest:
+                       max_audio_s: float | None = None, vocab_size: int | None = None,
+                       max_video_s: float | None = None) -> ChatRequest:
     """Validates a chat-completions request body (a dict) against what the server runs; raises `RequestError`.
     `max_audio_s` caps the seconds of audio of all its `input_audio` parts together (None: no cap); `vocab_size`
-    bounds the `logit_bias` token ids (None: no vocabulary given, ids below 2**24)."""
+    bounds the `logit_bias` token ids (None: no vocabulary given, ids below 2**24); `max_video_s` caps the seconds of
+    all its `video_url` parts together, checked when `build_prompt` opens them (None: no cap)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -229,12 +264,12 @@ def parse_chat_request(body: Any, *, model_name: str, decoding: DecodingStrategy
                                param=param + ".content")
         role = ROLES[message["role"]]
         if role != "user" and any(p.kind != "text" for p in parts):
-            raise RequestError(f"'{param}': images and audio go in user messages", param=param + ".content")
+            raise RequestError(f"'{param}': images, audio and video go in user messages", param=param + ".content")
         extras.append(_tool_fields(message_extras, message, role, param, call_ids))
         parsed.append((role, parts))
     return ChatRequest(tuple(parsed), limit, stream, include_usage, model, sampling, seed, labels, stop,
                        n=n, top_logprobs=top_logprobs,
-                       tools=tools, extras=tuple(extras), response_format=response_format)
+                       tools=tools, extras=tuple(extras), response_format=response_format, max_video_s=max_video_s)
 
 
 def _tool_fields(check, *args):
@@ -272,7 +307,8 @@ def parse_payload(payload: Any, context: ServeContext) -> ChatRequest:
     req = parse_chat_request(payload, model_name=context.options.model_name,
                              decoding=context.worker.engine.config.stream.decoding,
                              vocab_size=context.worker.engine.model_config.vocab_size,
-                             max_audio_s=context.options.max_request_audio_s)
+                             max_audio_s=context.options.max_request_audio_s,
+                             max_video_s=context.options.max_request_video_s)
     if req.response_format is None:
         return req
     return dataclasses.replace(req, grammar=response_grammar(req.response_format, context))
@@ -294,12 +330,12 @@ def response_grammar(fmt: ResponseFormat, context: ServeContext) -> Grammar:
 
 def build_prompt(conversation: Conversation, req: ChatRequest, answer_tokens: int,
                  model_name: str = "") -> tuple[list, Any]:
-    """The request's messages as chunks (templates, images and audio through the encoders), then the response's
+    """The request's messages as chunks (templates; images, audio and video through the encoders), then the response's
     generation prompt asking for `answer_tokens`. Tools, tool calls and tool results need a template that renders
     tools (else a `RequestError` naming `tools` or the message, and the model). Tool results in a row are fed
     together: Qwen's templates put them in one user turn, so one's rendering changes once the next follows."""
     _set_tools(conversation, req, model_name)
-    parts = []
+    parts, video_s = [], [0.0]
     messages = list(zip(req.messages, req.extras or ({},) * len(req.messages)))
     for m, ((role, content), extras) in enumerate(messages):
         last = max((i for i, p in enumerate(content) if p.kind == "text"), default=-1)
@@ -314,9 +350,45 @@ def build_prompt(conversation: Conversation, req: ChatRequest, answer_tokens: in
                 parts += conversation.message(role, p.text, **more)
             elif p.kind == "image":
                 parts += conversation.image(read_image(p.data))
+            elif p.kind == "video":
+                parts += _video(conversation, p, req.max_video_s, video_s)
             else:
                 parts += conversation.audio(p.pcm)
     return parts, conversation.prompt(answer_tokens)
+
+
+def _video(conversation: Conversation, part: Part, cap_s: float | None, used_s: list) -> list:
+    """A video file's audiovisual units as `omnijax.Chat.video` feeds them (the family's unit length, frame rate and
+    frames per unit; the sound recorded with the frames, required), their seconds added to `used_s[0]` and checked
+    against `cap_s` before any unit is decoded. Anything unreadable is a `RequestError` naming the part."""
+    require_encoder(conversation.units.model, "vision")  # before any decoding: the same refusal as an image's
+
+    units = conversation.units
+    with tempfile.TemporaryDirectory(prefix="omnijax-video-") as folder:
+        path = os.path.join(folder, "video")
+        with open(path, "wb") as f:
+            f.write(part.data)
+        try:
+            source = units.open_video(path)
+            seconds = source.num_units * units.unit_seconds
+            used_s[0] += seconds
+            if cap_s is not None and used_s[0] > cap_s:
+                raise RequestError(f"'{part.param}': the request's video runs {used_s[0]:g} s so far "
+                                   f"({source.num_units} units of {units.unit_seconds:g} s at {units.fps:g} frames "
+                                   f"a second), over the "
+                                   f"{cap_s:g} s one request may carry (--max-request-video-s); send a shorter clip",
+                                   param=part.param, code="video_too_long")
+            chunks = []
+            for frames, pcm in source.units():
+                chunks += conversation.av(frames, pcm)
+            return chunks
+        except (VideoError, ImportError) as e:
+            reason = str(e).replace(path, "the video").split("; an audiovisual unit needs")[0]
+            if "no audio track" in reason:
+                reason += ("; an audiovisual unit needs the sound recorded with the frames (as omnijax.Chat.video "
+                           "does by default): send the clip with its audio track")
+            raise RequestError(f"'{part.param}' could not be decoded as a video: {reason}", param=part.param,
+                               code="invalid_video") from None
 
 
 def _set_tools(conversation, req: ChatRequest, model_name: str) -> None:

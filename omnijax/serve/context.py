@@ -49,6 +49,8 @@ class ServeOptions:
             it is dropped as a slow consumer (`omnijax.serve.outbox`; one event alone may pass it).
         max_request_audio_s: the most seconds of audio one chat completion may carry (all its `input_audio` parts),
             refused by name before any is resampled or encoded.
+        max_request_video_s: the most seconds of video one chat completion may carry (all its `video_url` parts, in
+            whole units of the family), refused by name once each file's header is read, before its frames decode.
         decode_wait_fraction: a native frame's reply waits at most this fraction of B after the frame arrived
             (Metronome's worker: 0.8 B); a tick still running then gives an empty reply on time, marked `late`,
             and its tokens follow in a `late_tokens` message. 0 waits for the tick however long it takes.
@@ -91,6 +93,7 @@ class ServeOptions:
     max_outbox: int = 1024
     max_outbox_bytes: int = 64 * 2 ** 20
     max_request_audio_s: float = 600.0
+    max_request_video_s: float = 120.0
     decode_wait_fraction: float = 0.8
     snapshot_dir: str | None = None
     snapshot_every_s: float = 0.0
@@ -116,6 +119,9 @@ class ServeOptions:
         if not 0 < self.max_request_audio_s < float("inf"):
             raise ValueError(f"max_request_audio_s must be a positive number of seconds, got "
                              f"{self.max_request_audio_s}")
+        if not 0 < self.max_request_video_s < float("inf"):
+            raise ValueError(f"max_request_video_s must be a positive number of seconds, got "
+                             f"{self.max_request_video_s}")
         if not self.frame_ms > 0 or not self.max_audio_buffer_s > 0:
             raise ValueError(f"frame_ms and max_audio_buffer_s must be positive, got {self.frame_ms}, "
                              f"{self.max_audio_buffer_s}")

@@ -103,6 +103,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-audio-buffer-s", type=float, default=60.0, help="most seconds of audio held unfed")
     p.add_argument("--max-request-audio-s", type=float, default=600.0, help="most seconds of audio in one chat "
                    "completion (all its input_audio parts)")
+    p.add_argument("--max-request-video-s", type=float, default=120.0, help="most seconds of video in one chat "
+                   "completion (all its video_url parts)")
     p.add_argument("--max-outbox-mb", type=float, default=64.0, help="a WebSocket client with more than this many "
                    "MiB of server events unread is dropped as a slow consumer")
     p.add_argument("--snapshot-dir", default=None, help="snapshot Realtime sessions here when they end (and on "
