@@ -128,7 +128,9 @@ class Recall:
         the context's cells: the issue's goal (full-context accuracy at <= 25 % of the cells) on both prompts for all
         three. Whole units ("mass") cost a unit's every cell and missed the single prompt; 32-token blocks missed the
         single prompt and 16-token blocks the multi-turn one under OmniPick, each where the block grid cut the key
-        sentence; windows of two 16-token blocks bring a cut sentence back whole."""
+        sentence; windows of two 16-token blocks bring a cut sentence back whole. At 2K tokens it meets the goal on
+        the single prompt under OmniPick and StreamingLLM only: the multi-turn prompt's first-turn opening and the
+        assistant's acknowledgement outrank the key's windows within 64 cells (`recall_window_2k.json`)."""
         return cls(budget=budget, **{**PRESET, **fields})
 
     def check_pool(self, cells: int) -> None:
