@@ -28,9 +28,10 @@ JAX_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # how a subprocess's jax reads `jax_
 # Test modules (paths under tests/) whose programs run long enough, or against a clock, that they keep LLVM
 # optimisation: the servers whose tests assert a latency, a frame cadence or how many frames a tick batched (a tick
 # ~3x slower changes those figures), the hour-long sessions, and the real-model modules (SmolLM2-135M's 30 layers
-# decode ~4x slower without it, and they compile only a few programs), and serve/test_structured.py, whose demo server
-# samples some 1,000 tokens over a 152K vocabulary (warm, 40 CPU s quick-compiled, 23 s optimised; 13 s more to
-# compile cold). Every other serving module compiles quickly:
+# decode ~4x slower without it, and they compile only a few programs), and the modules whose servers decode many
+# ticks over the demo model's 152K vocabulary: serve/test_structured.py (some 1,000 sampled tokens; warm, 40 CPU s
+# quick-compiled, 23 s optimised, 13 s more to compile cold) and the scripted tool servers' (test_openai_tools.py 66
+# -> 38 CPU s, realtime/test_realtime_tools.py 35 -> 24 s). Every other serving module compiles quickly:
 # its tests compare answers with an oracle, however long a tick takes (serve/test_speech_written.py cold: 202 CPU s
 # with optimisation, 123 s without; warm 52 s without). Not tests/test_bench_smoke.py: its `--smoke` scripts check
 # that a script runs, they measure nothing, and run with the quick settings whatever this says (its `_env`).
@@ -39,7 +40,8 @@ EXECUTION_BOUND = (
     "serve/test_serve_server.py", "serve/test_serve_restarts.py", "serve/engine/test_per_token.py",
     "serve/realtime/test_realtime_churn.py", "serve/native/test_native_periodic.py",
     "serve/cluster/test_ray_replicas.py", "streaming/test_endurance.py", "convert/test_gguf_smollm2.py",
-    "test_readme_and_demo.py", "serve/test_structured.py",
+    "test_readme_and_demo.py", "serve/test_structured.py", "serve/test_openai_tools.py",
+    "serve/realtime/test_realtime_tools.py",
 )
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> str:
