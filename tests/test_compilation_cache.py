@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import compilation_cache, source_keys
+from omnijax import compilation_cache, kept_executables, source_keys
 
 # One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
 # "kept" runs it through cached_jit; each prints how often the Python body was traced, what cached_jit did and the
@@ -313,14 +313,14 @@ def test_a_folder_past_its_size_loses_the_least_recently_used_executables(tmp_pa
     for age, name in enumerate("abcd"):
         (tmp_path / f"{name}.exe").write_bytes(b"x" * 100)
         os.utime(tmp_path / f"{name}.exe", (1_000_000 + age, 1_000_000 + age))
-    compilation_cache._bound_size(tmp_path, 250)
+    kept_executables._bound_size(tmp_path, 250)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.exe", "d.exe"]
 
 
 def test_a_first_call_inside_a_trace_runs_the_plain_jit_and_later_calls_keep_the_program(cache_dir, monkeypatch):
     """The concrete array class `_signature` compares leaves with is learnt on first use: learnt inside a trace it
     was the tracer's class, and a later call with a tracer then read its sharding and failed."""
-    monkeypatch.setattr(compilation_cache, "_array_type", [])
+    monkeypatch.setattr(kept_executables, "_array_type", [])
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     inside = jax.jit(lambda x: kept(x, x, power=2))(jnp.arange(3.0))  # traced: the plain jit
     np.testing.assert_array_equal(inside, jnp.arange(3.0) ** 2 + jnp.arange(3.0))
