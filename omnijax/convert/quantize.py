@@ -142,9 +142,13 @@ def _read_layer(leaf: Any, index: int) -> np.ndarray:
     return np.asarray(leaf[index])
 
 
+# One program per (row shape, scheme), compiled once: op by op, each new shape lowered and compiled a dozen.
+_quantize_row = jax.jit(quantize, static_argnums=1)
+
+
 def _quantize_stack(leaf: Any, scheme: Scheme) -> QuantizedWeight:
     """A stacked float weight `[L, ..., in, out]` quantised one leading row at a time into host arrays."""
-    parts = [quantize(jax.numpy.asarray(_read_layer(leaf, i)), scheme) for i in range(leaf.shape[0])]
+    parts = [_quantize_row(jax.numpy.asarray(_read_layer(leaf, i)), scheme) for i in range(leaf.shape[0])]
     stack = [None if parts[0].offsets is None else np.stack([np.asarray(p.offsets) for p in parts])]
     return QuantizedWeight(np.stack([np.asarray(p.values) for p in parts]),
                            np.stack([np.asarray(p.scales) for p in parts]), stack[0], scheme)
