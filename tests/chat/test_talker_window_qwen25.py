@@ -41,6 +41,7 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is the
 
 from tests._support.qwen25_speech import spoken_release25  # noqa: E402
 from tests._support.step_clock import StepClock  # noqa: E402
+from tests._support.unpatched_attention import transformers_own_sdpa  # noqa: E402
 from tests.chat import test_chat_speak_qwen25 as CQ  # noqa: E402
 from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
 from tests.models.qwen2_5_omni import test_talker as T  # noqa: E402
@@ -58,7 +59,8 @@ def release(tmp_path_factory):
         return root, omnijax.load(out)
 
 
-def test_a_bounded_talker_speaks_as_transformers_with_the_dropped_cells_masked(release):
+def test_a_bounded_talker_speaks_as_transformers_with_the_dropped_cells_masked(release, monkeypatch):
+    transformers_own_sdpa(monkeypatch)  # kvpress, if a test of this worker imported it, breaks the DiT's attention
     root, model = release
     full = T.seeded_full_model()
     full.load_speakers(root / "hf" / "spk_dict.pt")

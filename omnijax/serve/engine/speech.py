@@ -97,13 +97,16 @@ class _Utterance:
 class TalkerPages:
     """What both families' speech pools share: the talker's paged KV pool (`_empty`), its page reservations and the
     utterances in it. A pool sets `config` (`SpeechConfig`), `talker` (its talker config, with `decoder`),
-    `max_pages`, `reserved` and `_utterances` (speech id -> utterance, in admission order)."""
+    `max_pages`, `reserved`, `_utterances` (speech id -> utterance, in admission order), `kv` (the pool) and `_slots`
+    (speech id -> its row)."""
 
     config: SpeechConfig
     talker: Any
     max_pages: int
     reserved: int
     _utterances: dict
+    kv: paged_lib.PagedKV
+    _slots: dict[str, int]
 
     def _empty(self, batch: int) -> paged_lib.PagedKV:
         d = self.talker.decoder
@@ -145,7 +148,7 @@ class TalkerPages:
         policy = self.config.talker_kv
         if policy is None:
             return
-        active = np.zeros((self.kv.batch,), bool)
+        active = np.zeros((self.kv.batch,), np.bool_)
         active[[self._slots[s] for s in ids]] = True
         self.kv = steps.trim(self.talker, policy, self.kv, np.asarray(next_pos, np.int32), active)
 
