@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
@@ -300,7 +301,7 @@ def check_state(state: StreamState, config: DecoderConfig) -> None:
         diff = ", ".join(f"{n} {g} (model: {w})" for n, g, w in zip(names, got, want) if g != w)
         raise ValueError(f"the given state's cache was not made for this model: {diff}; build it with "
                          f"omnijax.init_state(model.config, ...)")
-    shared = int(jax.device_get(jnp.sum(kv.shares > 0)))
+    shared = int(np.count_nonzero(np.asarray(jax.device_get(kv.shares))))  # on the host: no program compiled
     if shared:
         raise ValueError(f"the given state's rows share {shared} page(s) (forked rows of a serving engine); a stream "
                          f"or Session trims without copying shared pages: take one row out first (the engine's "

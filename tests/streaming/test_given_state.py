@@ -4,6 +4,8 @@ by name, and the state given is left as it was."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +39,7 @@ def _forked() -> omnijax.StreamState:
     kv, _ = paged_lib.append(kv, values, values, jnp.asarray([[True] * T, [False] * T]), meta)
     kv = page_sharing.fork_rows(kv, 0, jnp.asarray([1]), share=True)
     assert int(jnp.sum(kv.shares > 0)) == 1
-    return state.__class__(kv=kv, next_pos=state.next_pos, key=state.key, last_logits=state.last_logits,
-                           counts=state.counts, seen=state.seen)
+    return dataclasses.replace(state, kv=kv)
 
 
 def test_a_state_whose_rows_share_pages_is_refused(model):
