@@ -34,12 +34,14 @@ controller reads, includes the talker steps and vocoder calls.
 Each session's codes and PCM equal the same utterance spoken alone (`speak_streamed`): the batched step computes
 every row as the single-session step does, and each vocoder row is its session's chunk decoded alone (equal up to
 float rounding: within 3.2e-7 of the peak in tests/serve/engine/test_speech_ticks.py).
+
+The talker pages both families' pools share (reservations, the bounded talker's trim) are `speech_pages.TalkerPages`;
+step 3's chunk scheduling and batched Code2Wav calls are `speech_vocode.Code2WavChunks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -47,25 +49,19 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import code2wav_rows, talker_forward
 from omnijax.models.qwen3_omni import speech as speech_lib
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavState, init_state, model_params
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows, token_ids
-from omnijax.models.talker_kv import bounded_capacity
 from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
 from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
+from omnijax.serve.engine.speech_pages import TalkerPages, given_ids
+from omnijax.serve.engine.speech_vocode import Code2WavChunks
 
 __all__ = ["SpeechChunk", "SpeechConfig", "SpeechPool", "TalkerPages"]
-
-
-def _ids(x: Any) -> np.ndarray:
-    """Token ids as given; an empty list as an empty int64 array (numpy reads `[]` as float)."""
-    arr = np.asarray(x)
-    return arr.astype(np.int64) if arr.ndim == 1 and arr.size == 0 else arr
 
 
 @dataclasses.dataclass
@@ -94,66 +90,7 @@ class _Utterance:
     first_s: float | None = None  # when the first PCM was sent
 
 
-class TalkerPages:
-    """What both families' speech pools share: the talker's paged KV pool (`_empty`), its page reservations and the
-    utterances in it. A pool sets `config` (`SpeechConfig`), `talker` (its talker config, with `decoder`),
-    `max_pages`, `reserved`, `_utterances` (speech id -> utterance, in admission order), `kv` (the pool) and `_slots`
-    (speech id -> its row)."""
-
-    config: SpeechConfig
-    talker: Any
-    max_pages: int
-    reserved: int
-    _utterances: dict
-    kv: paged_lib.PagedKV
-    _slots: dict[str, int]
-
-    def _empty(self, batch: int) -> paged_lib.PagedKV:
-        d = self.talker.decoder
-        return paged_lib.init(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                              num_pages=self.config.num_pages, page_size=self.config.page_size, batch=batch,
-                              max_pages=self.max_pages, position_axes=3, dtype=d.jnp_dtype)
-
-    # ------------------------------------------------------------------------------------------------ sessions
-    @property
-    def sessions(self) -> list[str]:
-        """Utterances in the pool (decoding or with PCM still to send), in admission order."""
-        return list(self._utterances)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a tick has work (an utterance in the pool)."""
-        return bool(self._utterances)
-
-    @property
-    def capacity(self) -> int:
-        """The most utterances at once (the largest row bucket)."""
-        return self.config.rows[-1]
-
-    @property
-    def free_pages(self) -> int:
-        """Talker pages not reserved by an admitted utterance."""
-        return self.config.num_pages - self.reserved
-
-    def pages_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Talker pages an utterance reserves: its prompt and `max_new_tokens` decoded tokens; with a bounded
-        talker (`SpeechConfig.talker_window`) its prompt or the budget plus one step's row, whichever is more."""
-        policy = self.config.talker_kv
-        if policy is not None:
-            return bounded_capacity(policy, int(prompt_tokens), self.config.page_size) // self.config.page_size
-        return -(-(int(prompt_tokens) + int(max_new_tokens)) // self.config.page_size)
-
-    def _trim(self, ids: list[str], next_pos: np.ndarray) -> None:
-        """The rows of `ids` trimmed by the talker's KV policy after a write (nothing when unbounded)."""
-        policy = self.config.talker_kv
-        if policy is None:
-            return
-        active = np.zeros((self.kv.batch,), np.bool_)
-        active[[self._slots[s] for s in ids]] = True
-        self.kv = steps.trim(self.talker, policy, self.kv, np.asarray(next_pos, np.int32), active)
-
-
-class SpeechPool(TalkerPages):
+class SpeechPool(Code2WavChunks, TalkerPages):
     """The speaking sessions of an engine (see the module docstring).
 
     Args:
@@ -223,7 +160,7 @@ class SpeechPool(TalkerPages):
             raise KeyError(f"speech {speech_id!r} is already in the pool")
         if sampling is not None and not isinstance(sampling, TalkerSampling):
             raise ValueError(f"sampling must be a TalkerSampling or None (greedy), got {type(sampling).__name__}")
-        answer = token_ids("answer_ids", _ids(answer_ids), self.model.config.vocab_size)
+        answer = token_ids("answer_ids", given_ids(answer_ids), self.model.config.vocab_size)
         if writing and (not answer.size or answer[-1] == self.speech.tokens.im_end_token_id):
             raise ValueError("an answer still being written opens with its first token at least, and without a "
                              "final <|im_end|> (it is not spoken: extend(end=True) ends the answer)")
@@ -275,7 +212,7 @@ class SpeechPool(TalkerPages):
         if u.ended:
             raise ValueError(f"speech {speech_id!r}: its answer is whole already (opened whole, or ended by "
                              "extend(end=True)): nothing more can be added")
-        answer = token_ids("answer_ids", _ids(answer_ids), self.model.config.vocab_size)
+        answer = token_ids("answer_ids", given_ids(answer_ids), self.model.config.vocab_size)
         rows = [u.trailing]
         if answer.size:
             rows.append(self._project(answer))
@@ -314,20 +251,6 @@ class SpeechPool(TalkerPages):
         u = self._utterances.pop(speech_id)
         del self._slots[speech_id]
         self.reserved -= u.pages
-
-    def warm_vocoder(self) -> int:
-        """Compiles every one-session Code2Wav call a tick can make (first and later calls, full and each shorter
-        power-of-two length) on zero codes, changing nothing; returns the calls run (the server's warm-up). Later
-        calls continue a first call's returned state, as an utterance's do (a filler state compiles apart)."""
-        calls, later = 0, self._fillers[True]
-        for started, full in ((False, self.config.first_chunk), (True, self.config.chunk)):
-            for frames in sorted({full, *(1 << k for k in range(max(1, full).bit_length()) if 1 << k < full)}):
-                codes = np.zeros((1, self._c2w.num_quantizers, frames), np.int32)
-                state = later if started else self._fillers[False]
-                _, new = code2wav_rows.decode_rows(self._c2w_params, self._c2w, codes, [state])
-                later = later if started else new[0]  # a first call's returned state
-                calls += 1
-        return calls
 
     def talker_tokens(self, speech_id: str) -> list[int]:
         """The talker tokens an utterance in the pool has decoded so far."""
@@ -446,89 +369,3 @@ class SpeechPool(TalkerPages):
             u.tokens.append(u.token)
             u.done = u.token == self.talker.codec_eos_token_id or u.steps >= u.max_steps
             self.stats["frames"] += 1
-
-    def _due(self, u: _Utterance) -> int:
-        """Frames of the utterance's next vocoder call if one is due now, else 0."""
-        need = self.config.first_chunk if u.pushed == 0 else self.config.chunk
-        if len(u.ready) >= need:
-            return need
-        return len(u.ready) if u.done else 0
-
-    def _deadline(self, u: _Utterance) -> float:
-        """When the audio sent so far runs out (-inf before the first chunk: nothing plays yet)."""
-        if u.first_s is None:
-            return -math.inf
-        return u.first_s + u.samples / self.speech.sample_rate
-
-    def _vocode(self) -> list[SpeechChunk]:
-        out: list[SpeechChunk] = []
-        start = self.clock()
-        budget, slack = self.config.vocoder_budget_s, self.config.slack_s
-        pending = sorted(((self._deadline(u), s) for s, u in self._utterances.items() if self._due(u)
-                          or (u.done and not u.ready)), key=lambda x: x[0])
-        while pending:
-            now = self.clock()
-            if budget is not None and out and now - start >= budget:
-                urgent = [p for p in pending if p[0] - now <= slack]
-                self.stats["deferred"] += len(pending) - len(urgent)
-                pending = urgent
-                if not pending:
-                    break
-            key = self._call_key(self._utterances[pending[0][1]])
-            group = [p for p in pending if self._call_key(self._utterances[p[1]]) == key][:self._vocoder_rows]
-            pending = [p for p in pending if p not in group]
-            out.extend(self._vocode_rows(group, *key))
-        self.stats["vocoder_s"] += self.clock() - start
-        return out
-
-    def _call_key(self, u: _Utterance) -> tuple[bool, int]:
-        """The Code2Wav call an utterance's due chunk joins: (a later call, its frames). A full chunk's frames are
-        `first_chunk` / `chunk`; a shorter last chunk's the next power of two (at most the full chunk), so padding
-        costs less than twice its frames and few lengths compile."""
-        started, n = u.pushed > 0, self._due(u)
-        full = self.config.chunk if started else self.config.first_chunk
-        return started, full if n >= full else min(full, 1 << max(0, n - 1).bit_length())
-
-    def _vocode_rows(self, group: list[tuple[float, str]], started: bool, frames: int) -> list[SpeechChunk]:
-        """One Code2Wav call of `frames` frames for the due chunks of `group` (the same `_call_key`), each row on
-        its own state; a shorter last chunk is padded to the call's length and its padding's samples cut."""
-        calls = []
-        for deadline, s in group:
-            u = self._utterances[s]
-            n = self._due(u)
-            codes = (np.stack(u.ready[:n], axis=1) if n else np.zeros((self.talker.num_code_groups, 0), np.int32))
-            u.ready = u.ready[n:]
-            calls.append((deadline, s, u, codes))
-        rows = [c for c in calls if c[3].shape[1]]
-        pcm: dict[str, np.ndarray] = {}
-        if rows:
-            bucket = 1 if len(rows) == 1 else next(b for b in self.config.rows if b >= len(rows))
-            codes = np.stack([code2wav_rows.pad_codes(c[3], frames) for c in rows]
-                             + [np.zeros((self._c2w.num_quantizers, frames), np.int32)] * (bucket - len(rows)))
-            states = [c[2].state for c in rows] + [self._fillers[started]] * (bucket - len(rows))
-            wav, new = code2wav_rows.decode_rows(self._c2w_params, self._c2w, codes, states)
-            self.stats["vocoder_calls"] += 1
-            self.stats["vocoder_rows"] += len(rows)
-            wav = np.asarray(wav, np.float32)
-            for r, (_, s, u, c) in enumerate(rows):
-                u.state = new[r]
-                pcm[s] = wav[r, :code2wav_rows.kept_samples(self._c2w, c.shape[1], started)]
-        out = []
-        now = self.clock()
-        for deadline, s, u, codes in calls:
-            samples = pcm.get(s, np.zeros((0,), np.float32))
-            late = 0.0 if u.first_s is None else max(0.0, now - deadline)
-            first = None
-            if u.first_s is None and samples.size:
-                u.first_s, first = now, now - u.opened_s
-            chunk = SpeechChunk(s, samples, codes, u.pushed, u.done and not u.ready, late, first)
-            u.pushed += codes.shape[1]
-            u.samples += samples.size
-            self.stats["chunks"] += 1
-            if late > 0:
-                self.stats["late_chunks"] += 1
-                self.stats["late_s"] += late
-            out.append(chunk)
-            if chunk.final:
-                self.close(s)
-        return out

@@ -61,8 +61,9 @@ from omnijax.models.speech import MediaRows, token_ids
 from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
-from omnijax.serve.engine.speech import SpeechPool, TalkerPages
+from omnijax.serve.engine.speech import SpeechPool
 from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
+from omnijax.serve.engine.speech_pages import TalkerPages
 
 __all__ = ["AnyPool", "PreparedSpeech", "Qwen25SpeechPool", "REPETITION_PENALTY", "speech_pool"]
 
