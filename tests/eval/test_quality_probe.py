@@ -42,9 +42,11 @@ def test_scorer_equals_its_plain_reading():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from omnijax.serve.app import build_demo_model
-    return omnijax.load(build_demo_model(tmp_path_factory.mktemp("probe")))
+def model():
+    """The demo model (`build_demo_model`), written, converted and loaded once per process and shared with the
+    serving tests of the same worker (read only: `_rigged` loads its own copy from `model.source`)."""
+    from tests._support.demo_server import demo_model
+    return demo_model()
 
 
 def _rigged(model, token: int):
@@ -91,7 +93,10 @@ def test_known_answers_give_the_expected_curve_and_recall(model):
     assert set(row["texts"]["q0"]) == {"x"}
 
 
-def test_command_line_smoke(tmp_path, capsys):
+def test_command_line_smoke(tmp_path, capsys, monkeypatch):
+    from tests._support.demo_server import demo_checkpoint
+    built = []  # --demo-model's checkpoint: the one build_demo_model wrote for this process, not a second conversion
+    monkeypatch.setattr(qp, "build_demo_model", lambda folder: built.append(folder) or demo_checkpoint())
     out = tmp_path / "probe"
     assert qp.main(["--demo-model", "--sessions", "2", "--seconds", "2", "--segment-s", "1", "--frame-ms", "500",
                     "--tau", "2", "--conditions", "unbounded", "sink_window:sink=0,window=32", "--out",
@@ -99,6 +104,6 @@ def test_command_line_smoke(tmp_path, capsys):
     data = json.loads((out / "quality_probe.json").read_text())
     assert [r["condition"] for r in data["rows"]] == ["unbounded", "sink_window:sink=0,window=32"]
     assert all(len(r["answering_by_age"]) == 2 for r in data["rows"]) and (out / "quality_probe.png").stat().st_size
-    assert "wrote" in capsys.readouterr().out
+    assert "wrote" in capsys.readouterr().out and len(built) == 1
     with pytest.raises(SystemExit):
         qp.main(["--sessions", "2"])  # neither a checkpoint nor --demo-model
