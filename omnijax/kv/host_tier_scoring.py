@@ -239,6 +239,75 @@ def score_units_peak(tier: HostTier, queries: np.ndarray, rope: tuple, window: i
     return lift.max(axis=0).astype(np.float32)
 
 
+def _window_score(rows: np.ndarray, T: int, base: np.ndarray | None) -> float:
+    """One window's score from its log masses `rows [L * Hq * T]`: "peak" (`base` the mean over windows per row:
+    the largest per-head lift, averaged over the question's tokens) or "mass" (`base` None: the mean)."""
+    if base is None:
+        return float(rows.mean())
+    return float((rows - base).reshape(-1, T).mean(axis=1).max())
+
+
+def rank_windows_marginal(lse: np.ndarray, members: list[np.ndarray], T: int, scoring: str) -> np.ndarray:
+    """`[U]` float64 scores that rank windows by what each adds: a greedy walk takes, round by round, the window
+    whose records not yet taken score best ("peak" centred against every whole window's mean, as
+    `score_units_peak`; "mass" their mean log mass, as `score_units_mass`), and gives it that score. A window
+    whose every record a better one took first scores -inf (it would add nothing).
+
+    `select_windows` over these scores recalls what the greedy walk takes, in its order, until the budget stops
+    it: the picked scores never rise (a window's untaken records only shrink), so the walk's order is the score
+    order. Why: a window overlapping one already taken otherwise keeps the score of its better half. Measured on
+    SmolLM2's 2K multi-turn pass key (`Recall.preset()`, OmniPick and SinkWindow, three keys each): by whole
+    windows, the first turn's opening `[32, 64)` ranked 1st and `[48, 80)` 2nd on the strength of their shared
+    `[48, 64)`, so the second added 16 cells holding one key token, the acknowledgement came 3rd and the 64-cell
+    budget was spent before `[80, 96)` (the number); ranked by what they add, `[80, 96)` comes back (16 of the key
+    sentence's 25 tokens, the number among them) in all six.
+
+    Args:
+        lse: `[L * Hq * T, U]` the records' log masses (`unit_log_mass`), rows (layer, kv head, head, token).
+        members: per record, the window starting at it (`window_members`).
+        T: the question's tokens.
+        scoring: "peak" or "mass".
+    """
+    if scoring not in ("peak", "mass"):
+        raise ValueError(f"scoring must be 'peak' or 'mass', got {scoring!r}")
+    W = len(members)
+    base = window_log_mass(lse, members).mean(axis=1) if scoring == "peak" and W else None
+    holders: list[list[int]] = [[] for _ in range(lse.shape[1])]  # record -> windows holding it
+    for i, m in enumerate(members):
+        for j in m:
+            holders[int(j)].append(i)
+    taken = np.zeros(lse.shape[1], bool)
+    current = np.asarray([_window_score(np.logaddexp.reduce(lse[:, m], axis=1), T, base) for m in members])
+    out = np.full(W, -np.inf)
+    open_ = np.ones(W, bool)
+    while open_.any():
+        # best open window, ties to the lower index (as select_windows walks them)
+        i = int(np.flatnonzero(open_)[np.argmax(current[open_])])
+        out[i], open_[i] = current[i], False
+        new = [int(j) for j in members[i] if not taken[j]]
+        taken[new] = True
+        for w in {w for j in new for w in holders[j]}:
+            if not open_[w]:
+                continue
+            left = [int(j) for j in members[w] if not taken[j]]
+            if left:
+                current[w] = _window_score(np.logaddexp.reduce(lse[:, left], axis=1), T, base)
+            else:
+                open_[w] = False  # adds nothing: -inf
+    return out
+
+
+def score_windows_marginal(tier: HostTier, queries: np.ndarray, rope: tuple, window: int,
+                           scoring: str = "peak") -> np.ndarray:
+    """`[U]` float32: `rank_windows_marginal` of the question's `queries [L, T, Hq, d]` (before RoPE) over the
+    windows of `window` records (`window_members`) of `tier`: what `Recall(window=W)` ranks by with "peak" or
+    "mass" scoring. The best window's score is `score_units_peak`'s (`score_units_mass`'s) best."""
+    if not tier.units:
+        return np.zeros((0,), np.float32)
+    lse = unit_log_mass(tier, queries, rope)
+    return rank_windows_marginal(lse, window_members(tier, window), np.shape(queries)[1], scoring).astype(np.float32)
+
+
 def score_units_reference(tier: HostTier, query: np.ndarray, scoring: str = "mean") -> np.ndarray:
     """`score_units` token by token, in plain Python loops."""
     out = []

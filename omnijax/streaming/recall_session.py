@@ -340,8 +340,11 @@ class RecallSession:
             raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, self.rope), 1, 2)
             if scoring == "two_stage":
                 return score_units_two_stage(tier, raw, q.mean(axis=1), self.rope, self.recall_config.shortlist)
+            if self.recall_config.window > 1:  # windows ranked by what each adds (`rank_windows_marginal`)
+                return host_tier_scoring.score_windows_marginal(tier, raw, self.rope, self.recall_config.window,
+                                                                scoring)
             score = host_tier_scoring.score_units_mass if scoring == "mass" else host_tier_scoring.score_units_peak
-            return score(tier, raw, self.rope, window=self.recall_config.window)
+            return score(tier, raw, self.rope)
         return host_tier_scoring.score_units(tier, q.mean(axis=1), self.recall_config.scoring)
 
     def recall(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk,

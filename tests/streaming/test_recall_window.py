@@ -153,7 +153,10 @@ def test_a_question_recalls_the_best_windows_records(model):
     want_scores = host_tier_scoring.score_units_peak(_merged(tier, members), raw, rs.rope)
 
     report = session.recall(question)
-    np.testing.assert_allclose(report.scores, want_scores, rtol=1e-4, atol=1e-5)
+    # windows are ranked by what each adds (test_recall_marginal): the best scores as the whole window, none more
+    finite = np.isfinite(report.scores)
+    assert report.scores.max() == pytest.approx(want_scores.max(), rel=1e-4, abs=1e-5)
+    assert np.all(report.scores[finite] <= want_scores[finite] + 1e-5)
     want = _select_reference(report.scores, tier.sizes, [m.tolist() for m in members], 9, 8)
     assert list(report.indices) == want and report.cells == tier.sizes[want].sum() > 0
     best = int(np.argmax(report.scores))
