@@ -60,6 +60,7 @@ def build_parser():
     p.add_argument("--shortlist", type=int, help="Recall(shortlist=...), with --scoring two_stage")
     p.add_argument("--block", type=int, help="Recall(block=...): tokens per stored record (default: whole units)")
     p.add_argument("--window", type=int, default=1, help="Recall(window=...): records scored and recalled together")
+    p.add_argument("--placement", default="own", help="Recall(placement=...): own / compact")
     p.add_argument("--keys", type=int, default=5, help="pass keys (sessions) per (prompt, length)")
     p.add_argument("--depths", type=float, nargs=2, default=[0.1, 0.7], metavar=("FIRST", "LAST"),
                    help="single prompt: key depths spread evenly from FIRST to LAST over the keys")
@@ -195,7 +196,8 @@ def main(argv=None):
     model = omnijax.load(source.checkpoint)
     header = dict(model=str(source.gguf or source.checkpoint), random_weights=source.tiny, recall=args.recall,
                   recall_units=args.recall_units, scoring=args.scoring, shortlist=args.shortlist, block=args.block,
-                  window=args.window if args.window > 1 else None, chunk=args.chunk,
+                  window=args.window if args.window > 1 else None,
+                  placement=args.placement if args.placement != "own" else None, chunk=args.chunk,
                   page_size=args.page_size)
     shortlist = {} if args.shortlist is None else {"shortlist": args.shortlist}
     rows = []
@@ -224,7 +226,8 @@ def main(argv=None):
                         config = with_recall(config, args.recall, args.recall_units)
                         config = config.replace(recall=Recall(budget=args.recall, top_units=args.recall_units,
                                                               scoring=args.scoring, block=args.block,
-                                                              window=args.window, **shortlist))
+                                                              window=args.window, placement=args.placement,
+                                                              **shortlist))
                     got = run_setting(model, prompt, config, args.chunk, warm=i == 0, recall=recall)
                     for r in got:
                         r.update(mode=mode, length=length, budget=budget, key_index=i, key=prompt.key,

@@ -72,7 +72,17 @@ class Recall:
             token from it (`omnijax.kv.host_tier_scoring.window_members`: their attention mass summed), and
             recalls the best windows' records (`select_windows`; `top_units` still counts records). With
             `block=B` a window of 2 is a 2B-token record at a B-token stride: a sentence the block grid cuts comes
-            back whole at the cost of one more block. "mass" and "peak" scoring only.
+            back whole at the cost of one more block. "mass" and "peak" scoring only. Windows are ranked by what
+            each adds (`omnijax.kv.host_tier_scoring.rank_windows_marginal`): a window overlapping a better one
+            scores by its records not taken yet.
+        placement: where a policy that never re-indexes (`reindex = False`: SinkWindow) lays recalled units.
+            "own" (default): at their own positions (no re-rotation; the question reads them at their full-context
+            distance). "compact": re-laid as for a re-indexing policy (`omnijax.streaming.recall_session`,
+            Placement): the positions nothing cached or recalled covers are closed up, the cached tokens' keys
+            re-rotated, so the question reads the recalled units at the distance a re-indexing policy gives them;
+            the release's re-indexing closes their positions again, so the cache stays compacted afterwards.
+            Re-indexing policies always re-lay (the setting changes nothing for them). Recalling everything equals
+            the full context either way.
     """
 
     budget: int
@@ -85,6 +95,7 @@ class Recall:
     disk_bytes: int = 0
     block: int | None = None
     window: int = 1
+    placement: str = "own"
 
     def __post_init__(self):
         for name in ("budget", "top_units", "host_bytes", "shortlist"):
@@ -103,6 +114,8 @@ class Recall:
         if self.window > 1 and self.scoring not in ("mass", "peak"):
             raise ValueError(f"Recall: window={self.window} sums the attention mass of neighbouring records, which "
                              f"scoring 'mass' and 'peak' compute; got scoring={self.scoring!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"Recall: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if not isinstance(self.keep, bool):
             raise ValueError(f"Recall: keep must be a bool, got {self.keep!r}")
         if self.scoring not in RECALL_SCORINGS:
@@ -133,6 +146,10 @@ class Recall:
         assistant's acknowledgement outrank the key's windows within 64 cells (`recall_window_2k.json`)."""
         return cls(budget=budget, **{**PRESET, **fields})
 
+    def at_own_positions(self, policy: Any) -> bool:
+        """Whether units recalled under `policy` come back at their own positions (`placement`)."""
+        return self.placement == "own" and not bool(getattr(policy, "reindex", True))
+
     def check_pool(self, cells: int) -> None:
         """Refuses a recall budget larger than a pool of `cells` cells."""
         if self.budget > cells:
@@ -140,11 +157,14 @@ class Recall:
                              f"num_pages x page_size); lower Recall(budget=...) or give more num_pages")
 
 
+PLACEMENTS = ("own", "compact")
+"""What `Recall(placement=...)` takes."""
 PRESET = {"block": 16, "window": 2, "scoring": "peak"}
 """`Recall.preset`'s fields beside its budget (`omnijax serve --recall preset`)."""
 
 _RECALL_FIELDS = {"budget": int, "top_units": int, "host_bytes": int, "keep": bool, "scoring": str, "shortlist": int,
-                  "disk_dir": str, "disk_bytes": int, "block": int, "window": int}
+                  "disk_dir": str, "disk_bytes": int, "block": int, "window": int,
+                  "placement": str}
 
 
 def parse_recall(spec: str) -> Recall:

@@ -178,7 +178,7 @@ class RecallSession:
         self.policy, self.paging, self.subblock = config.policy, config.paging, config.subblock
         self.impl = config.impl
         self.rope = rope
-        self.at_original = not bool(getattr(config.policy, "reindex", True))
+        self.at_original = self.recall_config.at_own_positions(config.policy)
         self.tier = host_tier.HostTier(budget_bytes=int(self.recall_config.host_bytes))
         self.disk = None if self.recall_config.disk_dir is None else host_tier_disk.open_disk(
             self.recall_config.disk_dir, self.recall_config.disk_bytes)

@@ -61,7 +61,7 @@ def warm_up_recall(engine: Any, buckets: Sequence[int]) -> dict[str, int]:
             for sid in ids:
                 engine.close(sid)
     theta, section, interleaved = c.rope_base, c.mrope_section, c.mrope_interleaved
-    at_original = not bool(getattr(engine.config.stream.policy, "reindex", True))
+    at_original = recall.config.recall.at_own_positions(engine.config.stream.policy)
     kv = warm_writes(engine.state.kv, recall.config.recall.budget, rope=(theta, section), interleaved=interleaved,
                      turn=not at_original)
     engine.state = dataclasses.replace(engine.state, kv=kv)
