@@ -24,7 +24,8 @@ the other process on a shared machine). Default model: the SmolLM2-135M-Instruct
 `save_pretrained`); `--smoke`: a tiny random llama GGUF, one round, a 16-token answer, and both omnijax sides read
 the smoke run's persistent cache, unprimed (a check that the script runs, not a measurement: the cold side loads
 what the warm one compiled); the tiny GGUF and its conversions are made once under `<out>/smoke_tiny_gguf/` and
-shared with `load_memory --smoke` (`smoke_models`).
+shared with `load_memory --smoke` (`smoke_models`); each side's worker then runs inside the smoke run's own process
+(`run_one(inline=True)`), not a fresh one.
 
     python -m bench.peers.first_token --rounds 5
 """
@@ -35,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,15 +62,29 @@ def _mark(marks: dict, stage: str) -> None:
 def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
     import jax
 
+    handed, hits = [], []  # programs handed to XLA (compiled, or read from its cache); of those, read from its cache
+
+    def compiled(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            handed.append(duration)
+
+    def hit(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    jax.monitoring.register_event_listener(hit)
+    try:  # removed after the turn: a --smoke run's worker runs inside a process that goes on (`run_one`)
+        return _omnijax_turn(model_dir, cache, marks, max_tokens, handed, hits)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled)
+        jax.monitoring.unregister_event_listener(hit)
+
+
+def _omnijax_turn(model_dir: Path, cache: str, marks: dict, max_tokens: int, handed: list, hits: list) -> str:
     import omnijax
     from omnijax.retention import OmniPick
 
-    handed, hits = [], []  # programs handed to XLA (compiled, or read from its cache); of those, read from its cache
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **_: handed.append(duration)
-        if event == "/jax/core/compile/backend_compile_duration" else None)
-    jax.monitoring.register_event_listener(
-        lambda event, **_: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
     omnijax.enable_compilation_cache(cache)
     _mark(marks, "imported")
     model = omnijax.load(model_dir)
@@ -176,24 +190,30 @@ def smoke_models(out: Path) -> tuple[Path, Path]:
     return gguf_path, root / "models"
 
 
-def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -> dict:
-    """`side`'s chat turn in a fresh process: seconds from the process's start to each stage."""
+def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, *, inline: bool = False) -> dict:
+    """`side`'s chat turn in a fresh process: seconds from the process's start to each stage.
+
+    `inline` (`--smoke`, a check that the script runs): the worker runs in this process (`harness.run_worker`), so
+    the four sides do not each pay an interpreter and the imports (torch and transformers alone ~6 CPU s); its
+    stages then count from the call and its CPU seconds from this process's at the call."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # each omnijax side names its own cache
     # omnijax_kept (and omnijax_cold) run as a user's process does, kept executables on; omnijax_warm without them
     env["OMNIJAX_EXECUTABLE_CACHE"] = "on" if side != "omnijax_warm" else "off"
     load = os.getloadavg()[0]
+    cpu_start = time.process_time() if inline else 0.0
     start = time.time()
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
-                                                 cache, "--max-tokens", max_tokens),
-                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    done = harness.run_worker(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
+                                                     cache, "--max-tokens", max_tokens),
+                              inline=inline, env=env, timeout=1800)
     exited = time.time()
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     marks = row["marks"]
     return {"side": side, "load_avg": load, "answer": row["answer"], "exit_s": exited - start,
-            **{f"{k}_s": marks[k] - start for k in STAGES}, **{f"{k}_cpu_s": marks[k + "_cpu"] for k in STAGES},
+            **{f"{k}_s": marks[k] - start for k in STAGES},
+            **{f"{k}_cpu_s": marks[k + "_cpu"] - cpu_start for k in STAGES},
             **{k: marks.get(k) for k in ("xla_programs_before_first_token", "xla_cache_hits_before_first_token")}}
 
 
@@ -238,7 +258,7 @@ def main(argv=None) -> int:
                 cache = warm_cache if side != "omnijax_cold" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
                 if args.smoke and side == "omnijax_cold":  # a check: the cold side loads what the warm one compiled
                     cache = warm_cache
-                row = dict(run_one(side, models, cache, args.max_tokens), round=r)
+                row = dict(run_one(side, models, cache, args.max_tokens, inline=args.smoke), round=r)
                 rows.append(row)
                 print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s, "
                       f"{row['first_token_cpu_s']:.2f} CPU s (imported {row['imported_s']:.2f}, loaded "
