@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +26,8 @@ from omnijax.kernels.quant import QuantizedWeight  # noqa: E402
 from omnijax.retention import SinkWindow  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
-from omnijax.testing import checkpoints as demo  # noqa: E402
 from tests._support import ROOT  # noqa: E402
+from tests._support.demo_server import demo_checkpoint  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
@@ -36,10 +37,13 @@ QUESTION = "Tell me about the quick brown fox."
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """The demo chat source converted float, int8 and int4 g32: name -> directory."""
+    """The demo chat source converted float, int8 and int4 g32: name -> directory. The float one is the process's
+    demo checkpoint (`build_demo_model`, converted once per process and shared with the other serving modules); the
+    quantised ones convert its source."""
     root = tmp_path_factory.mktemp("served_quantized")
-    hf = demo.write_chat_checkpoint(root / "hf")
-    out = {"float": convert_checkpoint(hf, root / "float", progress=False, log=lambda _: None)}
+    flt = Path(demo_checkpoint())
+    hf = flt.parent / "hf"  # where build_demo_model wrote the source (demo.write_chat_checkpoint)
+    out = {"float": flt}
     for name, options in OPTIONS.items():
         out[name] = convert_checkpoint(hf, root / name, progress=False, log=lambda _: None, quantize=options)
     return out
