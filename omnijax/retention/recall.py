@@ -141,9 +141,12 @@ class Recall:
         the context's cells: the issue's goal (full-context accuracy at <= 25 % of the cells) on both prompts for all
         three. Whole units ("mass") cost a unit's every cell and missed the single prompt; 32-token blocks missed the
         single prompt and 16-token blocks the multi-turn one under OmniPick, each where the block grid cut the key
-        sentence; windows of two 16-token blocks bring a cut sentence back whole. At 2K tokens it meets the goal on
-        the single prompt under OmniPick and StreamingLLM only: the multi-turn prompt's first-turn opening and the
-        assistant's acknowledgement outrank the key's windows within 64 cells (`recall_window_2k.json`)."""
+        sentence; windows of two 16-token blocks bring a cut sentence back whole. At 2K tokens, with windows ranked by
+        what each adds (`recall_marginal_2k.json`), it meets the goal on both prompts under OmniPick and
+        StreamingLLM and on the single prompt under SinkWindow; SinkWindow misses the multi-turn prompt by one key
+        (0/3 vs 1/3), the number recalled at its own positions ~1,900 behind the question. With
+        `placement="compact"` SinkWindow answered both 2K prompts 3/3 from the same fed states (not yet measured
+        at 1K, so not the preset's default)."""
         return cls(budget=budget, **{**PRESET, **fields})
 
     def at_own_positions(self, policy: Any) -> bool:
