@@ -260,7 +260,8 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="+", default=None, help="categories (or case id prefixes) to run")
     p.add_argument("--warmup-sessions", type=int, default=8, help="the server's --warmup-sessions")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    args = harness.parse(p, argv, smoke={"warmup_sessions": 2})
+    # --smoke: the server warms one engine bucket (a second, warmed, cost ~50 CPU s of the smoke run's ~160)
+    args = harness.parse(p, argv, smoke={"warmup_sessions": 1})
     cases = all_cases()
     if args.only:
         cases = [c for c in cases if any(c.category == o or c.id.startswith(o) for o in args.only)]
