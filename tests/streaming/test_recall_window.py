@@ -176,10 +176,10 @@ def test_recalling_every_window_answers_like_the_full_context(model, name):
 
 
 def test_window_setting_and_the_preset_are_parsed_and_refused_by_name():
-    assert parse_recall("budget=64,block=16,window=2,scoring=peak") == Recall(budget=64, block=16, window=2,
-                                                                              scoring="peak") == Recall.preset()
+    assert parse_recall("budget=64,block=16,window=2,scoring=peak,placement=compact") == Recall(
+        budget=64, block=16, window=2, scoring="peak", placement="compact") == Recall.preset()
     assert parse_recall("preset,budget=128,keep=true") == Recall.preset(128, keep=True) == Recall(
-        budget=128, block=16, window=2, scoring="peak", keep=True)
+        budget=128, block=16, window=2, scoring="peak", placement="compact", keep=True)
     assert parse_recall("preset") == Recall.preset()
     assert Recall(budget=8).window == 1
     for bad in (0, -1, True, 2.5):
