@@ -34,11 +34,8 @@ Qwen3-Omni the talker starts while the thinker still writes (`speech_stream.Answ
 token t + 1, so after each decoded block it runs every step the answer so far allows, and PCM chunks come between
 text deltas; the rest runs once the answer ends. It decodes codec frames one by one and the vocoder (Code2Wav, its
 streamed decode) turns them into PCM in chunks of `first_chunk` frames, then `chunk`, each yielded as soon as its
-frames are ready (the first after `first_chunk` talker steps). Qwen2.5-Omni's talker starts while the thinker writes
-too (`omnijax.models.qwen2_5_omni.speech_stream.AnswerSpeech`): its step t reads answer token t + 1's last-layer
-state, which the thinker, being causal, gives from the answer so far (rerun over the prompt and the answer at each
-decoded block); its speech equals the finished answer's bit for bit where that module's docstring says, and may
-otherwise differ from it by float rounding. The talker's prompt is what the session was fed (every turn's template
+frames are ready (the first after `first_chunk` talker steps). Qwen2.5-Omni's talker reads the whole answer's last
+layer, so it speaks once the text is done. The talker's prompt is what the session was fed (every turn's template
 rendering, earlier answers included, and the media units' ids; the talker reads the user turns and this answer); the
 answer spoken is the decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`.
 

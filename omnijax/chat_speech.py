@@ -112,8 +112,7 @@ def check_speak(model: OmniModel, speak: bool | SpeakOptions, unit_kinds: Iterab
                          "not keep: its spoken answers take text-only conversations")
     if unspeakable is not None:
         raise ValueError(f"speak: {unspeakable}")
-    if options.sampling is not None and (getattr(speech, "greedy_only", False)
-                                         or getattr(speech, "answer_stream", None) is None):
+    if options.sampling is not None and getattr(speech, "answer_stream", None) is None:
         raise ValueError("speak: sampling: this checkpoint's talker decodes greedily only (Qwen2.5-Omni here); "
                          "leave SpeakOptions.sampling None")
     return options

@@ -27,8 +27,7 @@ the talker even when `talker_do_sample=False`), its codec-bos suppression and it
 ids: the reference's hard-coded `talker_eos_token_id=[8292, 8294]` are the release's). Token2Wav solves its ODE from
 an initial noise the reference draws with `torch.randn` inside: `speak` takes it from `noise` (a function of the
 shape) or draws it from `seed`. `speak` decodes the codes in one Token2Wav call (the reference's); `speak_chunks` (the
-`SpeechOutput` method; `Chat` runs `answer_stream`, the same speech started while the answer is written,
-`speech_stream.AnswerSpeech`) streams it as the talker decodes (`spoken_chunks`: the talker's tokens one at a
+`SpeechOutput` method `Chat` calls) streams it as the talker decodes (`spoken_chunks`: the talker's tokens one at a
 time, `talker_forward.greedy_tokens`, each handed to a `token2wav_stream.Token2WavStream` at once, so PCM comes out
 while the talker still decodes; `speak_streamed` collects it). The talker is `speak`'s; Token2Wav equals `speak`'s
 where the look-ahead covers the utterance and otherwise differs by what a finite look-ahead changes (measured in
@@ -47,7 +46,6 @@ import numpy as np
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import talker_forward
-from omnijax.models.qwen2_5_omni.speech_stream import AnswerSpeech
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2WavStreaming, frame_noise, talker_pcm
@@ -60,7 +58,6 @@ __all__ = ["SAMPLE_RATE", "Qwen25Speech", "SpeechUnavailableError", "TalkerInput
            "checked_request", "rope_positions", "speak", "speak_streamed", "spoken_chunks", "talker_input"]
 
 SAMPLE_RATE = 24_000  # BigVGAN's output rate (480 samples per codec token for the release)
-REPETITION_PENALTY = 1.05  # the talker's (transformers passes it even when `talker_do_sample=False`)
 
 
 class SpeechUnavailableError(ValueError):
@@ -134,37 +131,6 @@ class Qwen25Speech:
         return spoken_chunks(model, prompt_ids, answer_ids, speaker=voice, max_new_tokens=max_new_tokens,
                              streaming=streaming, media=media,
                              talker_kv=self.talker_kv if talker_kv is None else talker_kv)
-
-    def answer_stream(self, model: OmniModel, prompt_ids: Any, *, voice: str, max_new_tokens: int = 4096,
-                      first_chunk: int = 4, chunk: int = 25, media: Sequence[MediaRows] = (),
-                      stop: Sequence[int] = (), sampling: Any = None, talker_kv: Any = None) -> AnswerSpeech:
-        """A `speech_stream.AnswerSpeech`: the answer spoken while the thinker writes it (its tokens pushed as
-        they are decoded), as `speak_chunks` speaks the finished answer (when bit for bit: that module's docstring).
-        `sampling` must be None (this talker decodes greedily only; ValueError otherwise); every other refusal of
-        `speak_chunks` about the prompt, voice, media rows and limits is raised at the call (checked with a stand-in
-        first answer token)."""
-        if model.speech is not self:
-            raise ValueError("answer_stream takes the model whose speech output this is (model.speech)")
-        if sampling is not None:
-            raise ValueError("sampling: the Qwen2.5-Omni talker decodes greedily only; leave it None")
-        stand_in = np.asarray([self.talker.config.text_pad_id])  # a thinker id that is no media placeholder
-        _, found, prompt, _ = checked_request(model, prompt_ids, stand_in, voice, max_new_tokens, REPETITION_PENALTY)
-        policy = self.talker_kv if talker_kv is None else talker_kv
-        if policy is not None:
-            bounded_capacity(policy, 0, 1)
-        streaming = Token2WavStreaming.for_tokens(self.token2wav.config.dit, first_chunk, chunk,
-                                                  right_blocks=self.streaming.right_blocks,
-                                                  vocoder_right=self.streaming.vocoder_right)
-        media = tuple(media)
-        talker_input(model, prompt, stand_in, found, media)  # the media rows fit
-
-        def rows(answer: np.ndarray) -> TalkerInput:
-            return talker_input(model, prompt, answer, found, media)
-
-        return AnswerSpeech(model, rows, voice=found, max_new_tokens=int(max_new_tokens), streaming=streaming,
-                            stop=stop, policy=policy, repetition_penalty=REPETITION_PENALTY)
-
-    greedy_only = True  # no drawn speech (`omnijax.chat_speech.check_speak` refuses `SpeakOptions.sampling`)
 
     # the stream's look-ahead and vocoder context (`speak_chunks`' chunk sizes come from its arguments)
     streaming: Token2WavStreaming = Token2WavStreaming()

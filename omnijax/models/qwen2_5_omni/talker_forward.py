@@ -108,25 +108,22 @@ def talker_logits(config: TalkerConfig, params: Params, rows: jax.Array, positio
     return talker_chunk(config, params, kv, rows, jnp.ones((B, T), bool), positions)[1]
 
 
-THINKER_PAGE = 64  # `thinker_rows` runs whole pages of this many tokens (its cache's and its input's length)
-
-
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, inputs: jax.Array | None,
-                  positions: jax.Array | None, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     decoder = nnx.merge(graphdef, state)
     c = decoder.config
-    T = ids.shape[0]  # whole pages: the tokens past the valid ones are padding (not written, never attended)
-    pages = T // THINKER_PAGE
+    T = ids.shape[0]
+    page = 64
+    pages = -(-T // page)
     kv = paged_lib.init(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_pages=pages,
-                        page_size=THINKER_PAGE, batch=1, max_pages=pages, position_axes=c.position_axes,
-                        dtype=c.jnp_dtype)
+                        page_size=page, batch=1, max_pages=pages, position_axes=c.position_axes, dtype=c.jnp_dtype)
     positions = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (c.position_axes, 1, T)) if positions is None
                  else positions.astype(jnp.int32)[:, None])
     zeros = jnp.zeros((1, T), jnp.int32)
     meta = paged_lib.SlotMeta(pos=positions[0], unit=zeros, span=zeros + int(SpanKind.TEXT), offset=zeros)
     x = decoder.embed_tokens(ids[None]) if inputs is None else inputs[None].astype(c.jnp_dtype)
-    _, hidden = write_chunk(decoder, kv, x, valid[None], positions, meta)
+    _, hidden = write_chunk(decoder, kv, x, jnp.ones((1, T), bool), positions, meta)
     return x[0], rms_norm(hidden, decoder.final_norm[...], c.rms_norm_eps)[0]
 
 
@@ -135,24 +132,10 @@ def thinker_rows(decoder: Decoder, ids: np.ndarray, inputs: jax.Array | None = N
     """The thinker's embedding-layer rows and final-normed last-layer hidden states of a sequence `ids [T]`:
     `(embeds [T, Dt], hidden [T, Dt])`. `inputs [T, Dt]`: the input rows (the embeddings with the encoders'
     features at the placeholders) in place of the token embeddings. `positions [3, T]`: the TMRoPE positions
-    (None: consecutive, as `get_rope_index` numbers text and audio).
-
-    The forward runs over whole pages of `THINKER_PAGE` tokens, the rest padding: every sequence of one page count
-    runs one program over one cache shape, and (the thinker being causal) a prefix's rows equalled those of every
-    longer sequence of as many pages bit for bit wherever measured on CPU; of more pages, not always (rows of 100
-    tokens against 129: 3.3e-6 apart; `speech_stream.AnswerSpeech` reads prefixes as the answer grows)."""
+    (None: consecutive, as `get_rope_index` numbers text and audio)."""
     graphdef, state = nnx.split(decoder)
-    T = int(np.shape(ids)[0])
-    pad = -(-T // THINKER_PAGE) * THINKER_PAGE - T
-    ids = np.pad(np.asarray(ids, np.int32), (0, pad))
-    if inputs is not None:
-        inputs = jnp.pad(jnp.asarray(inputs), ((0, pad), (0, 0)))
-    if positions is not None:
-        positions = np.pad(np.asarray(positions, np.int32), ((0, 0), (0, pad)), mode="edge")
-    embeds, hidden = _thinker_rows(graphdef, state, jnp.asarray(ids), inputs,
-                                   None if positions is None else jnp.asarray(positions),
-                                   jnp.asarray(np.arange(T + pad) < T))
-    return embeds[:T], hidden[:T]
+    return _thinker_rows(graphdef, state, jnp.asarray(ids, jnp.int32), inputs,
+                         None if positions is None else jnp.asarray(positions, jnp.int32))
 
 
 def talker_prompt(config: TalkerConfig, params: Params, embeds: jax.Array, hidden: jax.Array, prompt_len: int,
