@@ -16,12 +16,11 @@ from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 from tests._support import recall_setup
 from tests._support.recall_setup import PAGE, PAGES, TAU
-from tests.streaming.test_recall_window import _members_reference, _tier
 
 
 def _log_mass(tier, records, queries):
     """`[L, Hq, T]` log attention mass of `records` taken as one record: explicit dot products over the raw keys
-    (`_tier` stores them as the values), each query head reading its kv head."""
+    (`recall_setup.random_tier` stores them as the values), each query head reading its kv head."""
     L, T, Hq, d = queries.shape
     G = tier.units[0].k.shape[1]
     keys = np.concatenate([tier.units[j].v for j in records], axis=2).astype(np.float64)  # [L, G, n, d]
@@ -69,18 +68,18 @@ def _greedy_reference(tier, members, queries, scoring, budget=None, top_units=No
 @pytest.mark.parametrize("seed", range(3))
 def test_marginal_window_scores_are_the_plain_greedy_walk(seed):
     rng = np.random.default_rng(seed)
-    tier = _tier(rng, [(0, [3, 2, 3, 2]), (30, [3, 1])], L=2, G=1, d=8)
+    tier = recall_setup.random_tier(rng, [(0, [3, 2, 3, 2]), (30, [3, 1])], L=2, G=1, d=8)
     queries = rng.normal(size=(2, 2, 2, 8)).astype(np.float32)
     for window in (1, 2, 3):
         members = host_tier_scoring.window_members(tier, window)
-        assert [m.tolist() for m in members] == _members_reference(tier, window)
+        assert [m.tolist() for m in members] == recall_setup.window_members_reference(tier, window)
         for scoring in ("peak", "mass"):
-            got = host_tier_scoring.score_windows_marginal(tier, queries, recall_setup_rope(), window, scoring)
+            got = host_tier_scoring.score_windows_marginal(tier, queries, recall_setup.ROPE, window, scoring)
             want, _ = _greedy_reference(tier, [m.tolist() for m in members], queries, scoring)
             assert np.array_equal(np.isinf(got), np.isinf(want)), (window, scoring)
             np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
             # the best window scores as the whole-window scoring's best; one-record windows are that scoring
-            plain = getattr(host_tier_scoring, f"score_units_{scoring}")(tier, queries, recall_setup_rope(),
+            plain = getattr(host_tier_scoring, f"score_units_{scoring}")(tier, queries, recall_setup.ROPE,
                                                                           window=window)
             assert got.max() == pytest.approx(plain.max(), abs=1e-5)
             if window == 1:
@@ -92,19 +91,15 @@ def test_marginal_window_scores_are_the_plain_greedy_walk(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_selection_over_marginal_scores_is_the_walk_stopped_by_the_budget(seed):
     rng = np.random.default_rng(100 + seed)
-    tier = _tier(rng, [(0, list(rng.integers(1, 4, size=4))), (20, [2, 3])], L=1, G=1, d=8)
+    tier = recall_setup.random_tier(rng, [(0, list(rng.integers(1, 4, size=4))), (20, [2, 3])], L=1, G=1, d=8)
     queries = rng.normal(size=(1, 2, 2, 8)).astype(np.float32)
     members = host_tier_scoring.window_members(tier, 2)
-    scores = host_tier_scoring.score_windows_marginal(tier, queries, recall_setup_rope(), 2)
+    scores = host_tier_scoring.score_windows_marginal(tier, queries, recall_setup.ROPE, 2)
     for budget, top in ((int(rng.integers(1, 12)), 8), (1000, 2), (1000, 1000)):
         got = host_tier_scoring.select_windows(scores, tier.sizes, members, budget, top)
         _, want = _greedy_reference(tier, [m.tolist() for m in members], queries, "peak", budget, top)
         assert got.tolist() == want, (budget, top)
     assert host_tier_scoring.select_windows(scores, tier.sizes, members, 1000, 1000).size == len(tier.units)
-
-
-def recall_setup_rope():
-    return (10000.0, None, False)
 
 
 def test_a_session_question_ranks_windows_by_what_they_add():
@@ -117,12 +112,7 @@ def test_a_session_question_ranks_windows_by_what_they_add():
         session.feed(chunk)
     question = recall_setup.question(100)
     rs = session._recall
-    next_pos = int(np.asarray(session.state.next_pos)[0])
-    _, q = rs.queries(session.state, session._graphdef, session._params, question)
-    valid = np.asarray(question.valid)[0]
-    q = np.asarray(q)[:, valid]
-    pos = np.asarray(question.positions)[:, 0][:, valid] + next_pos
-    raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, rs.rope), 1, 2)
+    raw = recall_setup.question_queries(session, question)
     tier = rs.tier
     members = host_tier_scoring.window_members(tier, 2)
     want = host_tier_scoring.rank_windows_marginal(host_tier_scoring.unit_log_mass(tier, raw, rs.rope), members,

@@ -13,7 +13,7 @@ import pytest
 import omnijax
 from omnijax.kv import host_tier, host_tier_scoring
 from omnijax.retention import OmniPick, SinkWindow
-from omnijax.retention.recall import Recall, parse_recall, rerotate
+from omnijax.retention.recall import Recall, parse_recall
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session
 from tests._support import recall_setup
@@ -24,43 +24,12 @@ POLICIES = {
     "sink_window": SinkWindow(sink=2, window=38),
     "omnipick": OmniPick(high_watermark=40, low_watermark=30, recent_units=2, text_budget=4),
 }
-ROPE = (10000.0, None, False)
+ROPE = recall_setup.ROPE
 
 
 @pytest.fixture(scope="module")
 def model():
     return recall_setup.decoder()
-
-
-def _tier(rng, runs, L=2, G=2, d=8):
-    """A tier of records cut from runs of consecutive write orders (each run `(first order, sizes)`), stored in a
-    shuffled order, keys rotated at positions equal to their orders."""
-    records = []
-    for first, sizes in runs:
-        for n in sizes:
-            orders = np.arange(first, first + n)
-            raw = rng.normal(size=(L, G, n, d)).astype(np.float32)
-            pos = orders[None].astype(np.int32)
-            k = np.asarray(rerotate(raw, np.zeros_like(pos), pos, theta=ROPE[0], mrope_section=None))
-            records.append(host_tier.make_unit(len(records), k, raw, pos, np.zeros(n), np.zeros(n), orders))
-            first += n
-    order = rng.permutation(len(records))
-    return host_tier.HostTier(budget_bytes=1 << 24, units=tuple(records[i] for i in order))
-
-
-def _members_reference(tier, window):
-    """The plain walk: from each record, follow the record whose first write order is one past the last one's."""
-    out = []
-    for u in tier.units:
-        members, last = [tier.units.index(u)], int(u.order[-1])
-        while len(members) < window:
-            nxt = [j for j, v in enumerate(tier.units) if int(v.order[0]) == last + 1]
-            if not nxt:
-                break
-            members.append(nxt[0])
-            last = int(tier.units[nxt[0]].order[-1])
-        out.append(members)
-    return out
 
 
 def _merged(tier, members):
@@ -91,11 +60,11 @@ def _select_reference(scores, sizes, members, budget, top_units):
 def test_window_scores_are_the_scores_of_the_windows_tokens_as_one_record(seed):
     rng = np.random.default_rng(seed)
     # three runs of records, one a lone record; a gap between runs (orders 20-29 never stored)
-    tier = _tier(rng, [(0, [3, 3, 2, 3]), (30, [3, 1]), (50, [2])])
+    tier = recall_setup.random_tier(rng, [(0, [3, 3, 2, 3]), (30, [3, 1]), (50, [2])])
     queries = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
     for window in (1, 2, 3):
         members = host_tier_scoring.window_members(tier, window)
-        assert [m.tolist() for m in members] == _members_reference(tier, window)
+        assert [m.tolist() for m in members] == recall_setup.window_members_reference(tier, window)
         merged = _merged(tier, members)
         for name in ("mass", "peak"):
             score = getattr(host_tier_scoring, f"score_units_{name}")
@@ -110,7 +79,7 @@ def test_window_scores_are_the_scores_of_the_windows_tokens_as_one_record(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_window_selection_is_the_plain_walk_and_one_record_windows_select_units(seed):
     rng = np.random.default_rng(seed)
-    tier = _tier(rng, [(0, list(rng.integers(1, 5, size=int(rng.integers(2, 7))))), (40, [2, 4])])
+    tier = recall_setup.random_tier(rng, [(0, list(rng.integers(1, 5, size=int(rng.integers(2, 7))))), (40, [2, 4])])
     U = len(tier.units)
     scores = rng.normal(size=U).astype(np.float32)
     scores[rng.integers(U)] = scores[0]  # a tie
@@ -141,12 +110,7 @@ def test_a_question_recalls_the_best_windows_records(model):
     twin = _fed(model, POLICIES["omnipick"], recall)  # the oracle's queries, from the same fed state
     question = recall_setup.question(100)
     rs = twin._recall
-    next_pos = int(np.asarray(twin.state.next_pos)[0])
-    _, q = rs.queries(twin.state, twin._graphdef, twin._params, question)
-    valid = np.asarray(question.valid)[0]
-    q = np.asarray(q)[:, valid]
-    pos = np.asarray(question.positions)[:, 0][:, valid] + next_pos
-    raw = np.swapaxes(host_tier_scoring.unrotated(np.swapaxes(q, 1, 2), pos, rs.rope), 1, 2)
+    raw = recall_setup.question_queries(twin, question)
     tier = session._recall.tier
     members = host_tier_scoring.window_members(tier, 2)
     assert any(len(m) == 2 for m in members)
