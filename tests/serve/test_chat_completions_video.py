@@ -24,14 +24,11 @@ pytest.importorskip("av", reason="PyAV writes and reads the test clip (the test 
 import httpx  # noqa: E402
 
 import omnijax  # noqa: E402
-from omnijax.decoding import RowSampling  # noqa: E402
 from omnijax.media import video  # noqa: E402
 from omnijax.models.qwen2_5_omni import frontend  # noqa: E402
 from omnijax.serve import chat_request  # noqa: E402
-from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
-from omnijax.serve.context import ServeOptions  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
-from tests._support.openai_server import KEY, sdk_client, stream_config  # noqa: E402
+from tests._support.openai_server import KEY, sdk_client, stream_config, tiny_server  # noqa: E402
 
 WATCH, QUESTION, MAX_TOKENS = "Watch this.", "What happens?", 6
 
@@ -43,11 +40,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    options = ServeOptions(port=0, api_key=KEY, frame_ms=200, max_output_tokens=24, max_audio_buffer_s=2.0,
-                           max_sessions_per_client=8)
-    context = build_context(model, options=options, stream=stream_config(RowSampling()), chunk_tokens=32,
-                            buckets=(1, 2, 4), aimd_target=0)
-    with BackgroundServer(context) as running:
+    with tiny_server(model) as running:
         yield running
 
 

@@ -15,9 +15,6 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import omnijax  # noqa: E402
-from omnijax.decoding import RowSampling  # noqa: E402
-from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
-from omnijax.serve.context import ServeOptions  # noqa: E402
 from tests._support import tiny_omni  # noqa: E402
 from tests._support.openai_server import (  # noqa: E402
     KEY,
@@ -26,7 +23,7 @@ from tests._support.openai_server import (  # noqa: E402
     response_text,
     sdk_async_client,
     sdk_client,
-    stream_config,
+    tiny_server,
     until,
 )
 
@@ -38,12 +35,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    options = ServeOptions(port=0, api_key=KEY, frame_ms=200, max_output_tokens=24, max_audio_buffer_s=2.0,
-                           max_sessions_per_client=8)
-    context = build_context(model, options=options, stream=stream_config(RowSampling()), chunk_tokens=32,
-                            buckets=(1, 2, 4),
-                            aimd_target=0)
-    with BackgroundServer(context) as running:
+    with tiny_server(model) as running:
         yield running
 
 
