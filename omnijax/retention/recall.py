@@ -31,6 +31,7 @@ from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier import UnitKV
 from omnijax.kv.host_tier_scoring import RECALL_SCORINGS
 from omnijax.kv.paged import PagedKV, SlotMeta, append
+from omnijax.retention.base import RetentionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +151,9 @@ class Recall:
         at 1K (`recall_marginal_1k.json`)."""
         return cls(budget=budget, **{**PRESET, **fields})
 
-    def at_own_positions(self, policy: Any) -> bool:
+    def at_own_positions(self, policy: RetentionPolicy) -> bool:
         """Whether units recalled under `policy` come back at their own positions (`placement`)."""
-        return self.placement == "own" and not bool(getattr(policy, "reindex", True))
+        return self.placement == "own" and not policy.reindex
 
     def check_pool(self, cells: int) -> None:
         """Refuses a recall budget larger than a pool of `cells` cells."""
