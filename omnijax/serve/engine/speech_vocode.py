@@ -35,9 +35,7 @@ class Code2WavChunks:
     _c2w_params: Any
     _fillers: dict[bool, Any]
     _vocoder_rows: int
-
-    def close(self, speech_id: str) -> None:  # the pool's
-        raise NotImplementedError
+    close: Callable[[str], None]  # the pool's `SpeechPool.close`
 
     def warm_vocoder(self) -> int:
         """Compiles every one-session Code2Wav call a tick can make (first and later calls, full and each shorter
