@@ -37,7 +37,8 @@ from omnijax.source_keys import SourceGraph, node_modules, strings_in_pickle
 OFF = ("off", "0", "false", "none", "no")  # values of OMNIJAX_COMPILATION_CACHE / OMNIJAX_EXECUTABLE_CACHE: off
 
 EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
-EXECUTABLE_FORMAT = 3  # bumped when what a file holds changes (3: keyed by the sources the function can reach)
+EXECUTABLE_FORMAT = 4  # bumped when what a file holds changes (3: keyed by the sources the function can reach;
+# 4: none written from jax's in-memory cache, which wrote copies without kernels under 3)
 KEEP_VERSIONS = 6  # folders of executables kept: those of the most recently used jax versions and settings (the
 # test suite alone uses three or four: LLVM optimisation on and off, subprocesses with production flags)
 KEEP_BYTES = 2 << 30  # a folder's executables past this size: the least recently used removed (`_version_dir`)
@@ -171,8 +172,16 @@ def _default_device() -> Any:
 # XLA wrote when it compiled the program anew, kernels included. Whether a compile in this thread was answered by
 # that cache is told by jax's monitoring event; the entry's bytes by a wrapper around jax's cache read, which keeps
 # them only while this thread compiles for a CachedJit.
+#
+# A compile can also be answered by neither: `lower()` hands back the module jax lowered before, and jax's in-memory
+# compilation cache then returns the program it already holds, perhaps one read back from XLA's cache by another
+# call (the plain jit, another CachedJit of the same function, another thread). No event tells which, so a program
+# is kept only on positive evidence: this thread's compile ran jax's backend compile (its duration event) and, when
+# XLA's cache answered, the entry was read. A program from the in-memory cache runs and is not written.
 XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's dispatch.BACKEND_COMPILE_EVENT
 _xla_hits = threading.local()
+_backend_compiles = threading.local()
 _listening: list = []
 _entries = threading.local()  # .wanted: this thread compiles for a CachedJit; .last: the entry that answered
 _reading: list = []  # [True] once jax's cache read is wrapped, [False] when this jax offers no such read
@@ -183,13 +192,20 @@ def _count_xla_hit(event: str, **_: Any) -> None:
         _xla_hits.count = getattr(_xla_hits, "count", 0) + 1
 
 
-def _xla_hits_in_this_thread() -> int:
+def _count_backend_compile(event: str, duration: float, **_: Any) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+        _backend_compiles.count = getattr(_backend_compiles, "count", 0) + 1
+
+
+def _compiles_in_this_thread() -> tuple[int, int]:
+    """(XLA cache hits, backend compiles) counted in this thread so far."""
     if not _listening:
         with _process_key_lock:
             if not _listening:
                 jax.monitoring.register_event_listener(_count_xla_hit)
+                jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
                 _listening.append(True)
-    return getattr(_xla_hits, "count", 0)
+    return getattr(_xla_hits, "count", 0), getattr(_backend_compiles, "count", 0)
 
 
 def _read_entries() -> bool:
@@ -314,11 +330,12 @@ class CachedJit:
     function's name, the pickled static arguments and the arguments' tree, shapes and dtypes, so an executable is
     never used for a program it was not compiled from. A program XLA compiles anew is serialised as it is; one XLA's
     own cache answers (after an edit to omnijax's sources, say) is kept from that cache entry, since XLA:CPU
-    serialises a program it read back without its kernels. Files are written atomically; one that cannot be read is
-    compiled again and replaced.
+    serialises a program it read back without its kernels; one jax's in-memory cache answers is run and not written
+    (it may be such a copy). Files are written atomically; one that cannot be read is removed, compiled again and
+    replaced.
 
-    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache), `plain`
-    calls that went to the plain jit.
+    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and
+    `reused` by jax's in-memory cache, not written), `plain` calls that went to the plain jit.
 
     In memory a function holds at most `MAX_PROGRAMS` programs, the least recently used dropped first (every program
     held keeps memory mappings of its code); `clear()` drops them all, `clear_in_memory()` those of every function.
@@ -336,7 +353,7 @@ class CachedJit:
         self.name = f"{fun.__module__}.{fun.__qualname__}"
         self.loaded: OrderedDict[Any, Any] = OrderedDict()  # key -> executable (or None: the plain jit), LRU order
         self.lock = threading.Lock()
-        self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
+        self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0}
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
         _instances.add(self)
@@ -484,19 +501,24 @@ class CachedJit:
                 return executable
             except FileNotFoundError:  # removed meanwhile (another process pruned its folder): compile it
                 pass
-            except Exception as error:  # noqa: BLE001 - a damaged or foreign file: compile again and replace it
+            except Exception as error:  # noqa: BLE001 - a damaged or foreign file: removed, compiled again
                 warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
                               "compiling the program again", RuntimeWarning, stacklevel=3)
+                path.unlink(missing_ok=True)  # replaced below unless jax's in-memory cache answers the compile
         lowered = self.jitted.lower(*args, **kwargs)
         _read_entries()
-        hits = _xla_hits_in_this_thread()
+        hits, compiles = _compiles_in_this_thread()
         _entries.wanted, _entries.last = True, None
         try:
             executable = lowered.compile()
         finally:
             entry, _entries.wanted, _entries.last = _entries.last, False, None
         self.stats["compiled"] += 1
-        if _xla_hits_in_this_thread() != hits:  # read back from XLA's cache: kept from its entry, if read
+        hits_now, compiles_now = _compiles_in_this_thread()
+        if compiles_now == compiles:  # jax's in-memory cache answered: perhaps a copy without kernels (see above)
+            self.stats["reused"] += 1
+            return executable
+        if hits_now != hits:  # read back from XLA's cache: kept from its entry, if read
             self.stats["xla_cached"] += 1
             if entry is None:  # the entry was not read (a jax without the read this module wraps)
                 return executable

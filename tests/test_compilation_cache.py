@@ -19,8 +19,8 @@ import pytest
 from omnijax import compilation_cache, kept_executables, source_keys
 
 # One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
-# "kept" runs it through cached_jit; each prints how often the Python body was traced, what cached_jit did and the
-# result.
+# "kept" runs it through cached_jit, "plain-then-kept" both in one process; each prints how often the Python body
+# was traced, what cached_jit did and the result.
 SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp
@@ -31,15 +31,20 @@ SCRIPT = textwrap.dedent("""
         traced.append(1)
         return jnp.tanh(jnp.broadcast_to(x[:, None], (x.shape[0], 16)).sum(1) * scale) + y
     x, y = jnp.arange(8.0), jnp.ones(8)
-    if sys.argv[2] == "plain":
+    if sys.argv[2] in ("plain", "plain-then-kept"):
         out = jax.jit(f, static_argnames="scale", donate_argnames="y")(x, y, scale=0.5)
         stats = {}
-    else:
+    if sys.argv[2] == "plain-then-kept":
+        y = jnp.ones(8)
+    if sys.argv[2] != "plain":
         kept = compilation_cache.cached_jit(f, static_argnames="scale", donate_argnames="y")
         out = kept(x, y, scale=0.5)
         stats = kept.stats
     print(json.dumps({"traced": len(traced), "stats": stats, "out": out.tolist()}))
 """)
+
+
+NONE = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0}  # CachedJit.stats before a call
 
 
 def _run(cache: Path, role: str, devices: int = 1) -> dict:
@@ -61,23 +66,42 @@ def test_a_later_process_loads_the_program_without_tracing(tmp_path):
     loads and runs it."""
     kept = _run(tmp_path / "fresh", "kept")
     loaded = _run(tmp_path / "fresh", "kept")
-    assert kept["traced"] == 1 and kept["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 0}
-    assert loaded["traced"] == 0 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0, "xla_cached": 0}
+    assert kept["traced"] == 1 and kept["stats"] == dict(NONE, compiled=1)
+    assert loaded["traced"] == 0 and loaded["stats"] == dict(NONE, loaded=1)
     assert len(list((tmp_path / "fresh" / "executables").glob("*/*.exe"))) == 1
     plain = _run(tmp_path / "xla", "plain")
     after_xla = _run(tmp_path / "xla", "kept")
-    assert after_xla["stats"] == {"loaded": 0, "compiled": 1, "plain": 0, "xla_cached": 1}
+    assert after_xla["stats"] == dict(NONE, compiled=1, xla_cached=1)
     assert len(list((tmp_path / "xla" / "executables").glob("*/*.exe"))) == 1
     from_entry = _run(tmp_path / "xla", "kept")
-    assert from_entry["traced"] == 0 and from_entry["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
-                                                                 "xla_cached": 0}
+    assert from_entry["traced"] == 0 and from_entry["stats"] == dict(NONE, loaded=1)
     for run in (kept, loaded, after_xla, from_entry):
+        np.testing.assert_array_equal(run["out"], plain["out"])
+
+
+def test_a_program_from_jaxs_memory_is_not_written(tmp_path):
+    """A CachedJit compile answered by jax's in-memory cache (the plain jit ran the same program first in this
+    process, reading it back from XLA's cache) is run and not written: the program held may be a read-back copy
+    without its kernels, and a file written from it made every later process fail with "Function ... not found"
+    (CI at b40b7b4: `Session`'s empty state, in three subprocesses). A later process keeps the program from XLA's
+    cache entry, and the one after loads it and runs."""
+    plain = _run(tmp_path, "plain")
+    both = _run(tmp_path, "plain-then-kept")
+    assert both["stats"] == dict(NONE, compiled=1, reused=1)
+    assert not list((tmp_path / "executables").glob("*/*.exe"))
+    after = _run(tmp_path, "kept")
+    assert after["stats"] == dict(NONE, compiled=1, xla_cached=1)
+    loaded = _run(tmp_path, "kept")
+    assert loaded["stats"] == dict(NONE, loaded=1) and loaded["traced"] == 0
+    for run in (both, after, loaded):
         np.testing.assert_array_equal(run["out"], plain["out"])
 
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """This process's caches pointed at an empty directory for the test, then back at the suite's."""
+    """This process's caches pointed at an empty directory for the test, then back at the suite's. Programs held in
+    memory are dropped first: a compile jax's in-memory cache answers is not written."""
+    compilation_cache.clear_in_memory()
     before = compilation_cache.cache_dir()
     monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
     compilation_cache.enable(tmp_path / "cache")
@@ -101,7 +125,7 @@ def test_keys_follow_static_arguments_shapes_and_donation(cache_dir):
         expected = reference(x[:shape], jnp.full(shape, 0.5), power=power)
         np.testing.assert_array_equal(kept(x[:shape], y, power=power), expected)
         assert y.is_deleted()  # donated, as the jit's donate_argnames says
-    assert kept.stats == {"loaded": 0, "compiled": 3, "plain": 0, "xla_cached": 0}
+    assert kept.stats == dict(NONE, compiled=3)
     assert len(list((cache_dir / "executables").glob("*/*.exe"))) == 3
     assert kept._cache_size() == 3
     fresh = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")  # a new process's view
@@ -141,11 +165,11 @@ def test_calls_an_executable_cannot_serve_run_the_plain_jit(cache_dir):
     with jax.disable_jit():
         np.testing.assert_array_equal(kept(x, x, power=2), x ** 2 + x)
     # disable_jit is not counted among the plain calls: jit itself is off
-    assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 2, "xla_cached": 0}
+    assert kept.stats == dict(NONE, plain=2)
     assert not (cache_dir / "executables").exists()
 
 
-def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
+def test_a_damaged_file_is_removed_and_replaced(cache_dir):
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     x = jnp.arange(4.0)
     kept(x, x, power=2)
@@ -156,7 +180,13 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache_dir):
         warnings.simplefilter("always")
         np.testing.assert_array_equal(again(x, x, power=2), x ** 2 + x)
     assert any("unreadable serialised executable" in str(w.message) for w in caught)
-    assert again.stats["compiled"] == 1 and path.read_bytes() != b"not an executable"
+    # this process's jax held the program, which is run and not written (it may lack its kernels): the damaged
+    # file is removed, and the next compile through XLA's cache writes the program from the cache entry
+    assert again.stats == dict(NONE, compiled=1, reused=1) and not path.exists()
+    jax.clear_caches()
+    third = compilation_cache.cached_jit(_f, static_argnames="power")
+    np.testing.assert_array_equal(third(x, x, power=2), x ** 2 + x)
+    assert third.stats == dict(NONE, compiled=1, xla_cached=1) and path.read_bytes() != b"not an executable"
 
 
 def test_the_off_switch(cache_dir, monkeypatch):
@@ -168,7 +198,7 @@ def test_the_off_switch(cache_dir, monkeypatch):
         assert compilation_cache.executables_dir() is None
     kept = compilation_cache.cached_jit(_f, static_argnames="power")
     kept(jnp.ones(2), jnp.ones(2), power=2)
-    assert kept.stats == {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0}
+    assert kept.stats == NONE
     assert not (cache_dir / "executables").exists()
 
 
@@ -242,8 +272,7 @@ def test_a_process_with_several_devices_loads_a_single_device_program(tmp_path):
     ("Expected args to execute_sharded_on_local_devices to have 2 shards")."""
     kept = _run(tmp_path, "kept", devices=2)
     loaded = _run(tmp_path, "kept", devices=2)
-    assert kept["stats"]["compiled"] == 1 and loaded["stats"] == {"loaded": 1, "compiled": 0, "plain": 0,
-                                                                  "xla_cached": 0}
+    assert kept["stats"]["compiled"] == 1 and loaded["stats"] == dict(NONE, loaded=1)
     np.testing.assert_array_equal(loaded["out"], kept["out"])
 
 

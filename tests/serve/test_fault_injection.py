@@ -277,11 +277,12 @@ def test_a_mixed_load_survives_hostile_clients_and_a_sigkill(tmp_path):
     arrivals, skipped, latency = (np.asarray(x) for x in zip(*replies))
     assert len(replies) + skipped.sum() == frames and len(replies) >= frames / 3, (frames, replies)
     assert np.median(latency) <= 0.8 * FRAME_MS + 300 and latency.max() <= 2.5 * FRAME_MS, replies
-    # spacing: one gap may reach 8 B (the cold suite's compiles on the shared cores once held a reply 2.03 s, 4.06 B,
-    # behind the previous one), every other stays under 4 B; a server computing on its event loop stalls at each of
-    # the load's requests, not once
+    # spacing: two gaps may reach 8 B (the cold suite's compiles on the shared cores once held a reply 2.03 s, 4.06 B,
+    # behind the previous one; CI at b40b7b4 had two, 2.41 s and 2.12 s), every other stays under 4 B; a server
+    # computing on its event loop stalls at each of the load's requests (4 turns, 3 chats, the leaver's, the hostile
+    # ones), not once or twice
     gaps = np.sort(np.diff(arrivals))[::-1]
-    assert gaps[0] < 8 * FRAME_MS / 1000 and gaps[1] < 4 * FRAME_MS / 1000, replies
+    assert gaps[0] < 8 * FRAME_MS / 1000 and gaps[1] < 8 * FRAME_MS / 1000 and gaps[2] < 4 * FRAME_MS / 1000, replies
     assert sent >= 50
 
     second = ServedCheckpoint(demo_checkpoint(), *ARGS, *RESUME_WARMUP, "--snapshot-dir", str(snapshots))
