@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import io
 import os
 import pickle
 import shutil
@@ -28,10 +27,9 @@ from typing import Any
 import jax
 import jaxlib
 import numpy as np
-from jax._src import compilation_cache as xla_cache_entries  # private: reads the entry of a cache hit (see below)
-from jax._src.lib import _jax, xla_client
 from jax.experimental import serialize_executable
 
+from omnijax.compile_origin import XLA_CACHE_HIT_EVENT, serialize, watch_compile  # noqa: F401 - the event, re-exported
 from omnijax.source_keys import SourceGraph, node_modules, strings_in_pickle
 
 OFF = ("off", "0", "false", "none", "no")  # values of OMNIJAX_COMPILATION_CACHE / OMNIJAX_EXECUTABLE_CACHE: off
@@ -131,9 +129,11 @@ def source_graph() -> SourceGraph:
 _array_type: list = []
 
 
-def _signature(leaves: list, device: Any) -> tuple | None:
+def _signature(leaves: list, device: Any, abstract: bool = False) -> tuple | None:
     """The avals (shape, dtype, weak type) of the argument leaves, when the executable can take every leaf as it is;
-    None when it cannot (a tracer, a Python scalar, an array placed on another device or sharded over several)."""
+    None when it cannot (a tracer, a Python scalar, an array placed on another device or sharded over several).
+    `abstract`: a `jax.ShapeDtypeStruct` on `device` (or with no sharding) stands for an array of its shape (for
+    `CachedJit.precompile` and `CachedJit.ready`, which run nothing)."""
     if not _array_type:
         with jax.ensure_compile_time_eval():  # a first call inside a trace must not record the tracer's class
             _array_type.append(type(jax.device_put(np.zeros((), np.int32), device)))  # jax's concrete array class
@@ -147,9 +147,23 @@ def _signature(leaves: list, device: Any) -> tuple | None:
             signature.append(leaf.aval)
         elif isinstance(leaf, (np.ndarray, np.generic)):
             signature.append((leaf.shape, leaf.dtype))
+        elif abstract and isinstance(leaf, jax.ShapeDtypeStruct):
+            sharding = leaf.sharding
+            if sharding is not None and (type(sharding) is not jax.sharding.SingleDeviceSharding
+                                         or sharding._device is not device):  # noqa: SLF001
+                return None
+            signature.append(jax.core.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type))
         else:
             return None
     return tuple(signature)
+
+
+def abstract_arguments(tree: Any) -> Any:
+    """`tree` with every array leaf replaced by a `jax.ShapeDtypeStruct` of its shape, dtype, weak type and device:
+    what `CachedJit.precompile` takes from another thread while the arrays themselves are donated to a call."""
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding,
+                                                          weak_type=leaf.aval.weak_type)
+                        if isinstance(leaf, jax.Array) else leaf, tree)
 
 
 def _aval(item: Any) -> Any:
@@ -165,103 +179,6 @@ def _default_device() -> Any:
     if not _device:
         _device.append(jax.devices()[0])
     return _device[0]
-
-
-# XLA:CPU serialises an executable that it read back from XLA's persistent cache without its kernels (loading such a
-# copy fails with "Function ... not found"). Such a program is kept from the cache entry itself instead: the bytes
-# XLA wrote when it compiled the program anew, kernels included. Whether a compile in this thread was answered by
-# that cache is told by jax's monitoring event; the entry's bytes by a wrapper around jax's cache read, which keeps
-# them only while this thread compiles for a CachedJit.
-#
-# A compile can also be answered by neither: `lower()` hands back the module jax lowered before, and jax's in-memory
-# compilation cache then returns the program it already holds, perhaps one read back from XLA's cache by another
-# call (the plain jit, another CachedJit of the same function, another thread). No event tells which, so a program
-# is kept only on positive evidence: this thread's compile ran jax's backend compile (its duration event) and, when
-# XLA's cache answered, the entry was read. A program from the in-memory cache runs and is not written.
-XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's dispatch.BACKEND_COMPILE_EVENT
-_xla_hits = threading.local()
-_backend_compiles = threading.local()
-_listening: list = []
-_entries = threading.local()  # .wanted: this thread compiles for a CachedJit; .last: the entry that answered
-_reading: list = []  # [True] once jax's cache read is wrapped, [False] when this jax offers no such read
-
-
-def _count_xla_hit(event: str, **_: Any) -> None:
-    if event == XLA_CACHE_HIT_EVENT:
-        _xla_hits.count = getattr(_xla_hits, "count", 0) + 1
-
-
-def _count_backend_compile(event: str, duration: float, **_: Any) -> None:
-    if event == BACKEND_COMPILE_EVENT:
-        _backend_compiles.count = getattr(_backend_compiles, "count", 0) + 1
-
-
-def _compiles_in_this_thread() -> tuple[int, int]:
-    """(XLA cache hits, backend compiles) counted in this thread so far."""
-    if not _listening:
-        with _process_key_lock:
-            if not _listening:
-                jax.monitoring.register_event_listener(_count_xla_hit)
-                jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
-                _listening.append(True)
-    return getattr(_xla_hits, "count", 0), getattr(_backend_compiles, "count", 0)
-
-
-def _read_entries() -> bool:
-    """Wraps jax's persistent-cache read so that a hit while this thread compiles for a CachedJit leaves the entry's
-    serialised executable in `_entries.last`. False when this jax has no such read (its hits are then not kept)."""
-    if not _reading:
-        with _process_key_lock:
-            if not _reading:
-                names = ("get_executable_and_time", "_get_cache", "decompress_executable",
-                         "extract_executable_and_time")
-                if not all(hasattr(xla_cache_entries, name) for name in names):
-                    _reading.append(False)
-                else:
-                    read = xla_cache_entries.get_executable_and_time
-
-                    def read_keeping_the_entry(cache_key: str, compile_options: Any, backend: Any,
-                                               executable_devices: Any) -> Any:
-                        found = read(cache_key, compile_options, backend, executable_devices)
-                        if found[0] is not None and getattr(_entries, "wanted", False):
-                            raw = xla_cache_entries._get_cache(backend).get(cache_key)  # noqa: SLF001
-                            if raw is not None:
-                                entry, _ = xla_cache_entries.extract_executable_and_time(
-                                    xla_cache_entries.decompress_executable(raw))
-                                _entries.last = entry
-                        return found
-
-                    xla_cache_entries.get_executable_and_time = read_keeping_the_entry
-                    _reading.append(True)
-    return _reading[0]
-
-
-class _EntryPickler(serialize_executable._JaxPjrtPickler):  # noqa: SLF001 - jax's own pickler for executables
-    """jax's executable pickler, writing given bytes (a cache entry's serialised executable) for the executable."""
-
-    def __init__(self, file: Any, entry: bytes):
-        super().__init__(file)
-        self.entry = entry
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (xla_client.LoadedExecutable, _jax.Executable)):
-            return ("exec", self.entry)
-        return super().persistent_id(obj)
-
-
-def _serialize(compiled: Any, entry: bytes | None) -> tuple[bytes, Any, Any]:
-    """`serialize_executable.serialize(compiled)`, or with `entry` (the XLA cache entry that answered the compile)
-    written for the executable, in the same format, so that `deserialize_and_load` reads either."""
-    if entry is None:
-        return serialize_executable.serialize(compiled)
-    unloaded = getattr(compiled._executable, "_unloaded_executable", None)  # noqa: SLF001
-    if unloaded is None or compiled._params.const_args:  # noqa: SLF001 - what serialize() refuses, refused alike
-        raise ValueError("this executable does not serialise")
-    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
-    with io.BytesIO() as file:
-        _EntryPickler(file, entry).dump((unloaded, args_info_flat, compiled._no_kwargs))  # noqa: SLF001
-        return file.getvalue(), in_tree, compiled.out_tree
 
 
 _pruned: set = set()
@@ -393,26 +310,73 @@ class CachedJit:
                 dyn_kwargs[name] = value
         return tuple(sorted(static, key=lambda item: item[0])), tuple(dyn_args), dyn_kwargs
 
-    def _kept(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-        """(the kept executable for these arguments or None for the plain jit, dynamic positional args, dynamic
-        keyword args)."""
+    def _keys(self, args: tuple, kwargs: dict, abstract: bool = False) -> tuple | None:
+        """(memory key, static values, tree, signature, dynamic positional args, dynamic keyword args) of a call, or
+        None when the call goes to the plain jit (no cache directory, jit off, a mesh, arguments an executable
+        cannot take as they are)."""
         directory = executables_dir()
         if directory is None or jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # a flag jax's stubs omit
-            return None, (), {}
+            return None
         static, dyn_args, dyn_kwargs = self._split(args, kwargs)
         if any(isinstance(value, jax.sharding.Mesh) for _, value in static):  # a program over several devices
-            self.stats["plain"] += 1
-            return None, (), {}
+            return None
         leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
-        signature = _signature(leaves, _default_device())
+        signature = _signature(leaves, _default_device(), abstract)
         try:
             memory_key = (static, treedef, signature, _settings_now())  # a program per settings, as jax.jit
             hash(memory_key)
         except TypeError:
             signature = None
         if signature is None:
-            self.stats["plain"] += 1
+            return None
+        return memory_key, static, treedef, signature, dyn_args, dyn_kwargs
+
+    def ready(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether a call with these arguments (arrays, or `jax.ShapeDtypeStruct`s standing for them) would run
+        without compiling or tracing: its program is held in memory or kept on disk. Runs nothing."""
+        keys = self._keys(args, kwargs, abstract=True)
+        if keys is None:
+            return False
+        memory_key, static, treedef, signature = keys[:4]
+        if self.loaded.get(memory_key) is not None:
+            return True
+        key = self._disk_key(static, treedef, signature)
+        directory = executables_dir()
+        return key is not None and directory is not None and (_version_dir(directory) / f"{key}.exe").exists()
+
+    def precompile(self, *args: Any, **kwargs: Any) -> bool:
+        """Loads or compiles the program for these arguments and holds it, without running it: a later call with
+        arrays of these shapes starts at once. Leaves may be `jax.ShapeDtypeStruct`s (`abstract_arguments`), so
+        another thread can compile while the arrays themselves are donated to calls. Returns False when such a
+        call would go to the plain jit (nothing is kept for it)."""
+        keys = self._keys(args, kwargs, abstract=True)
+        if keys is None:
+            return False
+        memory_key, static, treedef, signature = keys[:4]
+        directory = executables_dir()
+        if directory is None:
+            return False
+        with self.lock:
+            if self.loaded.get(memory_key, False) is False:
+                executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
+                self._hold(memory_key, executable)
+        return self.loaded.get(memory_key) is not None
+
+    def _hold(self, memory_key: Any, executable: Any) -> None:
+        self.loaded[memory_key] = executable
+        while len(self.loaded) > self.MAX_PROGRAMS:
+            self.loaded.popitem(last=False)  # the least recently used
+
+    def _kept(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """(the kept executable for these arguments or None for the plain jit, dynamic positional args, dynamic
+        keyword args)."""
+        keys = self._keys(args, kwargs)
+        if keys is None:
+            if executables_dir() is not None and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
+                self.stats["plain"] += 1
             return None, (), {}
+        memory_key, static, treedef, signature, dyn_args, dyn_kwargs = keys
+        directory = executables_dir()
         executable = self.loaded.get(memory_key, False)
         if executable is not False:  # held: no lock, so a call never waits behind another shape's compile
             try:
@@ -424,9 +388,7 @@ class CachedJit:
                 executable = self.loaded.get(memory_key, False)
                 if executable is False:
                     executable = self._load_or_compile(directory, static, treedef, signature, args, kwargs)
-                    self.loaded[memory_key] = executable
-                    while len(self.loaded) > self.MAX_PROGRAMS:
-                        self.loaded.popitem(last=False)  # the least recently used
+                    self._hold(memory_key, executable)
         if executable is None:
             self.stats["plain"] += 1
         return executable, dyn_args, dyn_kwargs
@@ -506,26 +468,18 @@ class CachedJit:
                               "compiling the program again", RuntimeWarning, stacklevel=3)
                 path.unlink(missing_ok=True)  # replaced below unless jax's in-memory cache answers the compile
         lowered = self.jitted.lower(*args, **kwargs)
-        _read_entries()
-        hits, compiles = _compiles_in_this_thread()
-        _entries.wanted, _entries.last = True, None
-        try:
+        with watch_compile() as origin:
             executable = lowered.compile()
-        finally:
-            entry, _entries.wanted, _entries.last = _entries.last, False, None
         self.stats["compiled"] += 1
-        hits_now, compiles_now = _compiles_in_this_thread()
-        if compiles_now == compiles:  # jax's in-memory cache answered: perhaps a copy without kernels (see above)
+        if origin.source == "memory":  # jax's in-memory cache answered: perhaps a copy without kernels
             self.stats["reused"] += 1
             return executable
-        if hits_now != hits:  # read back from XLA's cache: kept from its entry, if read
+        if origin.source == "xla_cache":  # read back from XLA's cache: kept from its entry, if read
             self.stats["xla_cached"] += 1
-            if entry is None:  # the entry was not read (a jax without the read this module wraps)
+            if origin.entry is None:  # the entry was not read (a jax without the read compile_origin wraps)
                 return executable
-        else:
-            entry = None
         try:
-            payload, in_tree, out_tree = _serialize(executable, entry)
+            payload, in_tree, out_tree = serialize(executable, origin.entry)
             data = zlib.compress(pickle.dumps((payload, in_tree, out_tree), protocol=5), 1)
         except Exception:  # noqa: BLE001 - host callbacks and the like do not serialise: keep it in memory only
             return executable

@@ -357,3 +357,25 @@ def test_a_first_call_inside_a_trace_runs_the_plain_jit_and_later_calls_keep_the
     np.testing.assert_array_equal(jax.jit(lambda x: kept(x, x, power=2))(jnp.ones(3)), [2.0, 2.0, 2.0])
     np.testing.assert_array_equal(kept(jnp.ones(3), jnp.ones(3), power=2), [2.0, 2.0, 2.0])
     assert kept.stats["compiled"] == 1 and kept.stats["plain"] == 2
+
+
+def test_a_program_compiled_ahead_from_shapes_serves_the_call(cache_dir):
+    """`precompile` from `abstract_arguments` (shapes only, as another thread compiles while the arrays are donated
+    to calls) holds the program the later call runs without compiling; `ready` says so before and after, and a
+    fresh function finds it on disk."""
+    kept = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")
+    x, y = jnp.arange(4.0), jnp.ones(4)
+    shapes = kept_executables.abstract_arguments((x, y))
+    assert not kept.ready(*shapes, power=3)
+    assert kept.precompile(*shapes, power=3) and kept.ready(*shapes, power=3) and kept.ready(x, y, power=3)
+    assert kept.stats == dict(NONE, compiled=1)
+    np.testing.assert_array_equal(kept(x, y, power=3), x ** 3 + 1)
+    assert kept.stats == dict(NONE, compiled=1) and y.is_deleted()  # the held program ran, donating y
+    assert not kept.ready(*shapes, power=2)
+    other = compilation_cache.cached_jit(_f, static_argnames="power", donate_argnames="y")
+    assert other.ready(*shapes, power=3)  # kept on disk, and runs as a program compiled from arrays does
+    np.testing.assert_array_equal(other(x, jnp.ones(4), power=3), x ** 3 + 1)
+    assert other.stats == dict(NONE, loaded=1)
+    on_mesh = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",)), jax.sharding.PartitionSpec()))
+    assert not kept.precompile(on_mesh, on_mesh, power=3) and not kept.ready(on_mesh, on_mesh, power=3)
