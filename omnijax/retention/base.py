@@ -92,6 +92,8 @@ class RetentionPolicy(Protocol):
     name: ClassVar[str]
     reindex: ClassVar[bool]
     # Optional ClassVar `needs_scores = True`: the stream then accumulates attention mass into `kv.score`.
+    # Optional method `max_untrimmed_cells() -> int`: retained cells up to which `trigger` is False for every
+    # sequence, whatever the slots hold (a bound; `untrimmed_capacity`). Every policy omnijax ships has it.
 
     def trigger(self, view: SequenceView) -> jax.Array:
         """`[B]` bool: trim these sequences now."""
@@ -106,6 +108,17 @@ ALIASES = {"full": "no_slide", "unbounded": "no_slide"}
 REGISTRY: Registry[RetentionPolicy] = Registry("retention policy", RetentionPolicy, aliases=ALIASES,
                                                hint="omnijax.retention.get_policy")
 register = REGISTRY.register
+
+
+NEVER_TRIMS = 2 ** 31 - 1  # `max_untrimmed_cells` of a policy that never trims (cell counts are int32)
+
+
+def untrimmed_capacity(policy: RetentionPolicy) -> int:
+    """Retained cells up to which `policy` never trims (its `max_untrimmed_cells()`; 0 for a policy without one, which
+    may trim at any size). A stream whose cells stay within it can run a program without the trim
+    (`omnijax.streaming.step.chunk_step(..., trim=False)`) and compute exactly what the trimming one does."""
+    bound = getattr(policy, "max_untrimmed_cells", None)
+    return 0 if bound is None else int(bound())
 
 
 def check_policy(policy: Any) -> RetentionPolicy:
@@ -259,6 +272,10 @@ class NoSlide:
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return jnp.zeros(view.retained.shape, bool)
+
+    def max_untrimmed_cells(self) -> int:
+        """Never trims: `NEVER_TRIMS`."""
+        return NEVER_TRIMS
 
     def plan(self, view: SequenceView) -> jax.Array:
         return view.live

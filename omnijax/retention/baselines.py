@@ -110,6 +110,10 @@ class TokenSliding:
     def trigger(self, view: SequenceView) -> jax.Array:
         return _over(view, self.high_watermark)
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the high watermark."""
+        return self.high_watermark
+
     def plan(self, view: SequenceView) -> jax.Array:
         return _newest(view, self.window)
 
@@ -151,6 +155,10 @@ class StreamingLLM:
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return _over(view, self.high_watermark)
+
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the high watermark."""
+        return self.high_watermark
 
     def plan(self, view: SequenceView) -> jax.Array:
         return _sinks_and_window(view, self.sink_tokens, self.window)
@@ -198,6 +206,10 @@ class H2O:
     def trigger(self, view: SequenceView) -> jax.Array:
         return _over(view, self.high_watermark)
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the high watermark."""
+        return self.high_watermark
+
     def plan(self, view: SequenceView) -> jax.Array:
         B, S = view.live.shape
         recent = _newest(view, self.recent)
@@ -242,6 +254,10 @@ class SinkWindow:
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return _over(view, self.sink + self.window)
+
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: sink + window."""
+        return self.sink + self.window
 
     def plan(self, view: SequenceView) -> jax.Array:
         return _sinks_and_window(view, self.sink, self.window)

@@ -105,6 +105,10 @@ class InfiniPotV:
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.budget
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the budget."""
+        return self.budget
+
     def plan(self, view: SequenceView, features: SlotFeatures) -> jax.Array:
         return jax.vmap(self._plan_one)(view.live, view.unit, view.span, view.offset, features.key,
                                         features.value_norm)
@@ -159,6 +163,10 @@ class StreamMem:
 
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.budget
+
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the budget."""
+        return self.budget
 
     def plan(self, view: SequenceView, features: SlotFeatures) -> jax.Array:
         return jax.vmap(self._plan_one)(view.live, view.span, view.order, features.key)

@@ -159,6 +159,13 @@ class StreamingVLM:
         """Trims whenever the plan would drop a live token."""
         return jnp.any(view.live & ~self.plan(view), axis=1)
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: a group no larger than its window (text: with its
+        sinks) loses nothing, and no group holds more cells than are retained."""
+        text = self.text_window + (self.sink if self.text_sink else 0)
+        media = [self.vision_window] if self.audio_window is None else [self.vision_window, self.audio_window]
+        return min(text, *media)
+
     def plan(self, view: SequenceView) -> jax.Array:
         group = self._groups(view)
         from_oldest, from_newest = group_ranks(group, view.order, 3)
@@ -230,6 +237,12 @@ class OmniMemBudgets:
         for g in range(3):
             over = over | (jnp.sum(group == g, axis=1) > windows[g])
         return over
+
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the smallest budget (no modality holds more cells than
+        are retained)."""
+        budgets = [self.visual_budget, self.audio_budget] + ([] if self.text_budget is None else [self.text_budget])
+        return min(budgets)
 
     def plan(self, view: SequenceView) -> jax.Array:
         group = self._groups(view)

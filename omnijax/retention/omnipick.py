@@ -88,6 +88,10 @@ class OmniPick:
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.high_watermark
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the high watermark."""
+        return self.high_watermark
+
     def plan(self, view: SequenceView) -> jax.Array:
         units = unit_ranks(view)
         span, offset = view.span, view.offset

@@ -119,6 +119,10 @@ class UnitFIFO:
     def trigger(self, view: SequenceView) -> jax.Array:
         return view.retained > self.high_watermark
 
+    def max_untrimmed_cells(self) -> int:
+        """Retained cells up to which `trigger` never fires: the high watermark."""
+        return self.high_watermark
+
     def plan(self, view: SequenceView) -> jax.Array:
         units = unit_ranks(view)
         return drop_oldest_units(view, units, units.member, self.low_watermark)
