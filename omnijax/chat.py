@@ -34,10 +34,13 @@ Qwen3-Omni the talker starts while the thinker still writes (`speech_stream.Answ
 token t + 1, so after each decoded block it runs every step the answer so far allows, and PCM chunks come between
 text deltas; the rest runs once the answer ends. It decodes codec frames one by one and the vocoder (Code2Wav, its
 streamed decode) turns them into PCM in chunks of `first_chunk` frames, then `chunk`, each yielded as soon as its
-frames are ready (the first after `first_chunk` talker steps). Qwen2.5-Omni's talker reads the whole answer's last
-layer, so it speaks once the text is done. The talker's prompt is what the session was fed (every turn's template
-rendering, earlier answers included, and the media units' ids; the talker reads the user turns and this answer); the
-answer spoken is the decoded tokens without a final end-of-turn token. What was spoken last is `Chat.last_spoken`.
+frames are ready (the first after `first_chunk` talker steps). Qwen2.5-Omni's talker reads every answer token's last
+layer: by default it speaks once the text is done (one thinker forward over prompt and answer, equal to
+transformers); with `SpeakOptions(early_start=True)` the step returns each answer token's row as it decodes it and
+the talker starts after the first block (`omnijax.models.qwen2_5_omni.speech_stream`). The talker's prompt is
+what the session was fed (every turn's template rendering, earlier answers included, and the media units' ids;
+the talker reads the user turns and this answer); the answer spoken is the decoded tokens without a final
+end-of-turn token. What was spoken last is `Chat.last_spoken`.
 
 Media and speech (Qwen3-Omni): a media unit lies in the turn whose `<|im_start|>` precedes it; the talker reads
 `hidden_states[accept_hidden_layer]` at the placeholders of media in user turns (`chat.user(...)` then
@@ -217,11 +220,14 @@ class Chat:
             self.text_ids += chunk_ids(chunk)
             self._speech_ids += chunk_ids(chunk)
             self.session.hold_recall()  # with StreamConfig(recall=...): the question's recall lasts the whole answer
-            out = self._feed(chunk, config, "user")
+            # Qwen2.5-Omni's early start reads each answer token's row as the step computed it
+            rows = speak is not None and speak.early_start and hasattr(self.model.speech, "tapped_answer_stream")
+            out = self._feed(chunk, config, "user", tap_answer=rows)
             prompt_ids = tuple(self._speech_ids)
             early = None if speak is None else self._answer_speech(prompt_ids, stop, speak)
             while True:
                 tokens = [int(t) for t in np.asarray(out.tokens)[0] if t >= 0]
+                more = (np.asarray(out.answer_rows)[0][:len(tokens)],) if rows else ()
                 generated += tokens
                 delta = decoder.push(tokens)
                 if delta:
@@ -229,14 +235,14 @@ class Chat:
                 if not tokens or tokens[-1] in stop or len(generated) >= max_tokens:
                     break
                 if early is not None:  # the talker's steps this much of the answer allows, then the next block
-                    yield from early.push(tokens)
+                    yield from early.push(tokens, *more)
                 out = self._feed(units.continuation(answer_unit, min(block, max_tokens - len(generated))), config,
-                                 "answer")
+                                 "answer", tap_answer=rows)
             tail = decoder.flush()
             if tail:
                 yield tail
             if speak is not None:
-                yield from self._spoken(prompt_ids, generated, stop, speak, early)
+                yield from self._spoken(prompt_ids, generated, stop, speak, early, *more)
         finally:
             self.session.release_recall()
             if generated:
@@ -247,8 +253,11 @@ class Chat:
                                              {int(SpanKind.RESPONSE): len(generated)}))
 
     def _answer_speech(self, prompt_ids: tuple[int, ...], stop: tuple[int, ...], options: SpeakOptions):
-        """The talker that speaks while the answer is written (None where the speech output has none)."""
+        """The talker that speaks while the answer is written (None where the speech output has none, or
+        Qwen2.5-Omni's without `options.early_start`)."""
         opened = getattr(self.model.speech, "answer_stream", None)
+        if opened is None and options.early_start:
+            opened = getattr(self.model.speech, "tapped_answer_stream", None)
         if opened is None:
             return None
         media = tuple(self._media_rows)
@@ -258,14 +267,15 @@ class Chat:
                       **({"media": media} if media else {}), **_bounded(options))
 
     def _spoken(self, prompt_ids: tuple[int, ...], generated: list[int], stop: tuple[int, ...],
-                options: SpeakOptions, early=None) -> Iterator[np.ndarray]:
+                options: SpeakOptions, early=None, *rows) -> Iterator[np.ndarray]:
         """The answer `generated` (without a final stop token) spoken: PCM chunks as the vocoder decodes them (the
-        rest of `early`'s, when the talker ran while the answer was written)."""
+        rest of `early`'s, when the talker ran while the answer was written; `rows`: the last block's answer rows,
+        which a talker reading the step's rows takes)."""
         answer = tuple(generated[:-1] if generated and generated[-1] in stop else generated)
         samples = 0
         media = tuple(self._media_rows)
         if early is not None:
-            yield from early.finish(generated[len(early.generated):])
+            yield from early.finish(generated[len(early.generated):], *rows)
             samples = early.samples
         elif answer:
             speech = self.model.speech
@@ -407,9 +417,10 @@ class Chat:
         kinds, counts = np.unique(span, return_counts=True)
         self.units.append(UnitRecord(unit, kind, label, {int(k): int(c) for k, c in zip(kinds, counts)}))
 
-    def _feed(self, chunk, config: StreamConfig, label: str, tap: int | None = None):
+    def _feed(self, chunk, config: StreamConfig, label: str, tap: int | None = None, tap_answer: bool = False):
         started = time.perf_counter()
-        out = self.session.feed(self.units_builder.pad(chunk), decoding=config.decoding, tap=tap)
+        out = self.session.feed(self.units_builder.pad(chunk), decoding=config.decoding, tap=tap,
+                                **({"tap_answer": True} if tap_answer else {}))
         layout = out.stats.layout
         retained = int(np.asarray(layout.retained_cells)[0])  # waits for the step
         self.steps.append(StepRecord(label, retained, int(np.asarray(layout.physical_span)[0]),

@@ -37,6 +37,12 @@ class SpeakOptions:
             step (`omnijax.models.talker_kv`), so a long spoken answer holds bounded memory (other speech than the
             unbounded talker's once cells are dropped).
         talker_sink: the oldest talker cells kept with `talker_window` (the prompt's opening).
+        early_start: Qwen2.5-Omni: the talker starts after the answer's first block instead of after the answer,
+            reading each answer token's row as the streamed step computed it (`chunk_step(..., tap_answer=True)`,
+            `omnijax.models.qwen2_5_omni.speech_stream`): no second thinker pass, the same speech whether the
+            talker runs early or at the end, and the same codes as the default path unless rounding (the chunked
+            stream against one full forward) flips a talker choice. False (default): the finish-first path, one
+            thinker forward over prompt and answer, equal to transformers. Qwen3-Omni's talker always starts early.
     """
 
     voice: str = "Ethan"
@@ -46,6 +52,7 @@ class SpeakOptions:
     sampling: TalkerSampling | None = None
     talker_window: int | None = None
     talker_sink: int = DEFAULT_TALKER_SINK
+    early_start: bool = False
 
     def __post_init__(self):
         if not isinstance(self.voice, str) or not self.voice:
@@ -56,6 +63,8 @@ class SpeakOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.early_start, bool):
+            raise ValueError(f"early_start must be a bool, got {self.early_start!r}")
         talker_policy(self.talker_window, self.talker_sink)  # refuses a window or sink the talker cannot run with
 
     @property

@@ -113,9 +113,10 @@ def _seed_array(seed: int) -> np.ndarray:
     return np.asarray(np.int64(seed)).astype(np.int32)
 
 
-@cached_jit(static_argnames=(*_STATIC, "tap"), donate_argnames=("state",))
-def _step(graphdef, params, state, chunk, *, config, tap=None):
-    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False)
+@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",))
+def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
+                      tap_answer=tap_answer)
 
 
 def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,
@@ -255,12 +256,14 @@ class Session:
             return getattr(self.stream_config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def feed(self, chunk: Chunk, *, decoding: DecodingStrategy | None = None, tap: int | None = None) -> ChunkOutput:
+    def feed(self, chunk: Chunk, *, decoding: DecodingStrategy | None = None, tap: int | None = None,
+             tap_answer: bool = False) -> ChunkOutput:
         """Runs one chunk (`[B, T]` fields, no leading chunk axis) and advances the session state.
 
         `decoding` decodes this chunk's answer with another strategy than the config's (one more compiled step per
         strategy). `tap` (an int: one more compiled step) also returns the chunk's `hidden_states[tap]` as
-        `out.tapped` (`omnijax.streaming.step.chunk_step`). Returns without waiting for the step. Pool exhaustion is
+        `out.tapped` (`omnijax.streaming.step.chunk_step`); `tap_answer` (one more compiled step) the answer
+        tokens' final-normed rows as `out.answer_rows`. Returns without waiting for the step. Pool exhaustion is
         reported in the output's `stats.layout.exhausted` and `stats.layout.dropped`, and warned about once per
         session by the first `feed` (or `check_pool`) that finds a finished step which dropped tokens.
 
@@ -280,7 +283,8 @@ class Session:
             config = recall.step_config(config)
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap)
+        more = {"tap_answer": True} if tap_answer else {}  # (the kept program's key unchanged without it)
+        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap, **more)
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():

@@ -28,6 +28,7 @@ from omnijax.logits_processors import allowed_tokens
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.forward import write_chunk, write_chunk_tapped
+from omnijax.models.layers import rms_norm
 from omnijax.retention import base as retention_lib
 from omnijax.streaming.config import StreamConfig
 
@@ -82,7 +83,11 @@ class ChunkOutput:
 
     `tapped [B, T, D]`: transformers' `hidden_states[tap]` of the chunk's tokens when the step was asked for a tap
     (`chunk_step(..., tap=k)`; Qwen3-Omni's talker reads layer `accept_hidden_layer` at media placeholders); None
-    otherwise."""
+    otherwise.
+
+    `answer_rows [B, tau, D]` (model dtype): the final-normed last-layer row of each answer token as the answer loop
+    fed it (row i: the token at `tokens[:, i]`; zeros where none), when the step was asked for them
+    (`chunk_step(..., tap_answer=True)`; Qwen2.5-Omni's talker reads them); None otherwise."""
 
     logits: jax.Array
     tokens: jax.Array
@@ -91,6 +96,7 @@ class ChunkOutput:
     top_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
     tapped: jax.Array | None = None
+    answer_rows: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,16 @@ def decode_token(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key
     Returns `(kv, next_pos, key, logits, token [B], counts, seen, logprobs)`, `logprobs` the `(chosen [B], top ids,
     top logprobs [B, K])` of rows that ask for them (`omnijax.decoding.row_logprobs`; zeros unless per-row).
     """
+    return _decode(model, kv, next_pos, key, logits, active, i, history, unit, config, track_scores, sampling, counts,
+                   seen, mask)[:8]
+
+
+def _decode(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key: jax.Array, logits: jax.Array,
+            active: jax.Array, i: jax.Array | int, history: jax.Array, unit: jax.Array, config: StreamConfig,
+            track_scores: bool, sampling: jax.Array | None, counts: jax.Array | None, seen: jax.Array | None,
+            mask: jax.Array | None = None) -> tuple:
+    """`decode_token`, also returning the token's last-layer hidden state `[B, D]` before the final norm (the row
+    its logits were computed from; the answer loop's `tap_answer` keeps it final-normed)."""
     if counts is None or seen is None:
         raise ValueError("decode_token needs the token history: counts [B, V] int32 and seen [B, V] bool")
     B, V = logits.shape
@@ -151,9 +167,10 @@ def decode_token(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key
                               offset=jnp.broadcast_to(jnp.asarray(i, jnp.int32), (B, 1)))
     kv, hidden = write_chunk(model, kv, x, active[:, None], pos, meta, impl=config.impl, track_scores=track_scores,
                              placement=config.paging.placement)
-    logits = jnp.where(active[:, None], model.logits(hidden[:, 0]), logits)  # finished rows keep theirs
+    keep, last = active[:, None], hidden[:, 0]  # (in this order: the program without the tap is unchanged)
+    logits = jnp.where(keep, model.logits(last), logits)  # finished rows keep theirs
     next_pos = next_pos + active.astype(jnp.int32)
-    return kv, next_pos, key, logits, token, counts, seen, lps
+    return kv, next_pos, key, logits, token, counts, seen, lps, last
 
 
 def answer_stops(model: Decoder, config: StreamConfig) -> jax.Array:
@@ -162,7 +179,7 @@ def answer_stops(model: Decoder, config: StreamConfig) -> jax.Array:
 
 
 def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config: StreamConfig, track_scores: bool,
-            sampling=None, counts=None, seen=None):
+            sampling=None, counts=None, seen=None, tap_answer: bool = False):
     """Decodes up to `count[b]` tokens with `config.decoding` (a `lax.while_loop` of `decode_token`); every
     generated token is fed back into the cache.
 
@@ -170,7 +187,10 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
     each row with its `sampling [B, ROW_WIDTH]` settings and its history (`counts`, `seen` `[B, V]`, updated with
     every token decoded) and returns the raw log probabilities rows ask for. Returns `(kv, next_pos, key, tokens,
     last_logits [B, V], counts, seen, logprobs)`, `last_logits` being the logits after each row's last fed token and
-    `logprobs` `(chosen [B, tau], top ids, top logprobs [B, tau, K])` (zeros unless per-row)."""
+    `logprobs` `(chosen [B, tau], top ids, top logprobs [B, tau, K])` (zeros unless per-row).
+
+    `tap_answer` (static): also returns `rows [B, tau, D]`, each fed token's final-normed last-layer row (zeros where
+    no token), as a ninth element."""
     B, max_tokens = next_pos.shape[0], config.max_answer_tokens
     eos = answer_stops(model, config)
     tokens0 = jnp.full((B, max_tokens), -1, jnp.int32)
@@ -180,26 +200,37 @@ def _answer(model: Decoder, kv, next_pos, key, first_logits, count, unit, config
         return (i < max_tokens) & jnp.any(active)
 
     def body(carry):
-        i, kv, next_pos, key, logits, active, tokens, counts, seen, lps = carry
-        kv, next_pos, key, logits, token, counts, seen, lp = decode_token(
+        i, kv, next_pos, key, logits, active, tokens, counts, seen, lps = carry[:10]
+        kv, next_pos, key, logits, token, counts, seen, lp, hidden = _decode(
             model, kv, next_pos, key, logits, active, i, tokens, unit, config, track_scores, sampling, counts, seen)
         lps = tuple(whole.at[:, i].set(one) for whole, one in zip(lps, lp))
         tokens = tokens.at[:, i].set(jnp.where(active, token, -1))
+        rows = () if not tap_answer else (
+            carry[10].at[:, i].set(jnp.where(active[:, None], _final_normed(model, hidden), 0)),)
         stop = jnp.any(token[:, None] == eos[None, :], axis=-1)
         active = active & ~stop & (i + 1 < count)
-        return i + 1, kv, next_pos, key, logits, active, tokens, counts, seen, lps
+        return i + 1, kv, next_pos, key, logits, active, tokens, counts, seen, lps, *rows
 
     if sampling is None and getattr(config.decoding, "per_row", False):
         sampling = config.decoding.rows(B)
     carry = (jnp.asarray(0), kv, next_pos, key, first_logits, count > 0, tokens0, counts, seen,
-             _empty_logprobs(B, max_tokens))
-    _, kv, next_pos, key, logits, _, tokens, counts, seen, lps = jax.lax.while_loop(cond, body, carry)
-    return kv, next_pos, key, tokens, logits, counts, seen, lps
+             _empty_logprobs(B, max_tokens), *((_empty_rows(model, B, max_tokens),) if tap_answer else ()))
+    _, kv, next_pos, key, logits, _, tokens, counts, seen, lps, *rows = jax.lax.while_loop(cond, body, carry)
+    return (kv, next_pos, key, tokens, logits, counts, seen, lps, *rows)
+
+
+def _final_normed(model: Decoder, hidden: jax.Array) -> jax.Array:
+    """`hidden [..., D]` after the decoder's final norm (transformers' last `hidden_states` entry)."""
+    return rms_norm(hidden, model.final_norm[...], model.config.rms_norm_eps)
+
+
+def _empty_rows(model: Decoder, B: int, tau: int) -> jax.Array:
+    return jnp.zeros((B, tau, model.config.hidden_size), model.config.jnp_dtype)
 
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
                answer: bool = True, tap: int | None = None,
-               shared_pages: bool = True) -> tuple[StreamState, ChunkOutput]:
+               shared_pages: bool = True, tap_answer: bool = False) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
@@ -216,6 +247,10 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     `shared_pages` (static; `omnijax.retention.base.apply`): the state's rows may share pages (the engine forks
     rows), so a trim copies a shared page before it changes; `Session`, `stream` and `evaluate`, which never fork
     rows, pass False and compile no copy-on-write (they refuse a given state that shares pages).
+
+    `tap_answer` (static): the output also carries `answer_rows [B, tau, D]`, each answer token's final-normed
+    last-layer row as the answer loop computed it (what Qwen2.5-Omni's talker reads per answer token, so speech can
+    start before the answer ends without running the thinker again). False (default): the program without it.
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
@@ -243,22 +278,27 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
     tau = config.max_answer_tokens
     lps = _empty_logprobs(kv.batch, tau)
+    answer_rows = None
     if tau > 0 and answer:
         count = jnp.minimum(chunk.answer_tokens, tau)
-        kv, next_pos, key, tokens, last_logits, counts, seen, lps = jax.lax.cond(
+        none = (_empty_rows(model, kv.batch, tau),) if tap_answer else ()
+        kv, next_pos, key, tokens, last_logits, counts, seen, lps, *rows = jax.lax.cond(
             jnp.any(count > 0),
             lambda: _answer(model, kv, next_pos, key, logits, count, chunk.answer_unit, config, track,
-                            chunk.sampling, counts, seen),
-            lambda: (kv, next_pos, key, jnp.full((kv.batch, tau), -1, jnp.int32), logits, counts, seen, lps))
+                            chunk.sampling, counts, seen, tap_answer),
+            lambda: (kv, next_pos, key, jnp.full((kv.batch, tau), -1, jnp.int32), logits, counts, seen, lps, *none))
+        answer_rows = rows[0] if tap_answer else None
     else:
         tokens, last_logits = jnp.full((kv.batch, tau), -1, jnp.int32), logits
+        if tap_answer:
+            answer_rows = _empty_rows(model, kv.batch, tau)
     stats = ChunkStats(layout=layout_lib.layout_stats(kv, subblock), attended=attended, evicted=evicted, moved=moved,
                        next_pos=next_pos)
     state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)
     if not getattr(config.decoding, "per_row", False):
-        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, tapped=tapped)
+        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, tapped=tapped, answer_rows=answer_rows)
     return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, logprobs=lps[0], top_ids=lps[1],
-                              top_logprobs=lps[2], tapped=tapped)
+                              top_logprobs=lps[2], tapped=tapped, answer_rows=answer_rows)
 
 
 def _history(state: StreamState, chunk: Chunk) -> tuple[jax.Array, jax.Array]:

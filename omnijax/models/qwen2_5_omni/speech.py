@@ -31,7 +31,8 @@ shape) or draws it from `seed`. `speak` decodes the codes in one Token2Wav call 
 time, `talker_forward.greedy_tokens`, each handed to a `token2wav_stream.Token2WavStream` at once, so PCM comes out
 while the talker still decodes; `speak_streamed` collects it). The talker is `speak`'s; Token2Wav equals `speak`'s
 where the look-ahead covers the utterance and otherwise differs by what a finite look-ahead changes (measured in
-`token2wav_stream`).
+`token2wav_stream`). `Qwen25Speech.tapped_answer_stream` (`omnijax.Chat` with `SpeakOptions(early_start=True)`)
+starts the talker while the answer is written, from the answer rows the streamed step computed (`speech_stream`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import numpy as np
 from omnijax.models.family import OmniModel
 from omnijax.models.qwen2_5_omni import positions as tmrope
 from omnijax.models.qwen2_5_omni import talker_forward
+from omnijax.models.qwen2_5_omni.speech_stream import AnswerSpeech
 from omnijax.models.qwen2_5_omni.talker import Talker
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, synthesize
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2WavStreaming, frame_noise, talker_pcm
@@ -132,6 +134,36 @@ class Qwen25Speech:
                              streaming=streaming, media=media,
                              talker_kv=self.talker_kv if talker_kv is None else talker_kv)
 
+    def tapped_answer_stream(self, model: OmniModel, prompt_ids: Any, *, voice: str, max_new_tokens: int = 4096,
+                             first_chunk: int = 4, chunk: int = 25, stop: Sequence[int] = (),
+                             media: Sequence[MediaRows] = (), talker_kv: Any = None,
+                             sampling: Any = None) -> AnswerSpeech:
+        """A `speech_stream.AnswerSpeech`: the answer spoken while the thinker writes it, from the rows the stream
+        computed (`chunk_step(..., tap_answer=True)`; `omnijax.Chat` with `SpeakOptions(early_start=True)`), the
+        talker and Token2Wav as `speak_chunks`'. Refusals of the prompt, voice, limits, chunks and KV policy are
+        raised at the call, those of the media rows at the first block; `sampling` must be None (greedy only)."""
+        if model.speech is not self:
+            raise ValueError("tapped_answer_stream takes the model whose speech output this is (model.speech)")
+        if sampling is not None:
+            raise ValueError("sampling: this checkpoint's talker decodes greedily only (Qwen2.5-Omni); pass None")
+        taken = {int(i) for i in self.placeholders.values()} | {self.im_end_token_id}
+        stand_in = next(i for i in range(model.config.vocab_size) if i not in taken)  # a plain text id
+        _, spoken, prompt, _ = checked_request(model, prompt_ids, [stand_in], voice, max_new_tokens, 1.05)
+        policy = self.talker_kv if talker_kv is None else talker_kv
+        if policy is not None:
+            bounded_capacity(policy, 0, 1)  # refused by name now
+        streaming = Token2WavStreaming.for_tokens(self.token2wav.config.dit, first_chunk, chunk,
+                                                  right_blocks=self.streaming.right_blocks,
+                                                  vocoder_right=self.streaming.vocoder_right)
+        stream = Token2WavStream(self.token2wav, spoken.conditioning, spoken.reference_mel, streaming=streaming)
+        rows = tuple(media)
+
+        def prepare(first: np.ndarray, answer_rows: tuple[jax.Array, jax.Array]) -> TalkerInput:
+            return talker_input(model, prompt, first, spoken, rows, answer_rows=answer_rows)
+
+        return AnswerSpeech(model, prepare, stream, max_new_tokens=int(max_new_tokens), policy=policy,
+                            droppable=(*stop, self.im_end_token_id), placeholders=tuple(self.placeholders.values()))
+
     # the stream's look-ahead and vocoder context (`speak_chunks`' chunk sizes come from its arguments)
     streaming: Token2WavStreaming = Token2WavStreaming()
     # the talker's KV policy on the spoken path (None: unbounded, the reference's; a `retention.SinkWindow` bounds
@@ -217,10 +249,15 @@ class TalkerInput(NamedTuple):
 
 
 def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice: Voice,
-                 media: Sequence[MediaRows] = ()) -> TalkerInput:
+                 media: Sequence[MediaRows] = (), answer_rows: tuple[jax.Array, jax.Array] | None = None
+                 ) -> TalkerInput:
     """The talker's input for a checked prompt and answer (ids in the vocabulary, both non-empty, the answer
     without its final `<|im_end|>`) spoken with `voice` (`speak`'s arguments checked, which calls it; the engine's
-    speech pool calls it too). Raises ValueError as `speak` names it (media rows that do not fit)."""
+    speech pool calls it too). Raises ValueError as `speak` names it (media rows that do not fit).
+
+    `answer_rows`: `(embeds, hidden)` `[len(answer), Dt]` the answer's thinker rows as the stream computed them
+    (`speech_stream.AnswerSpeech`): the thinker forward then runs over the prompt only. None: over prompt and
+    answer (`thinker_rows`, what equals the reference)."""
     speech = model.speech
     assert isinstance(speech, Qwen25Speech)
     config, params = speech.talker.config, speech.params
@@ -243,7 +280,14 @@ def talker_input(model: OmniModel, prompt: np.ndarray, answer: np.ndarray, voice
                                    model.vision.config.spatial_merge_size,  # type: ignore[attr-defined]
                                    omni.position_id_per_seconds, what="the thinker's prompt",
                                    video=omni.video_token_id, layouts=layouts)
-    embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
+    if answer_rows is None:
+        embeds, hidden = talker_forward.thinker_rows(model.decoder, sequence, inputs, positions)
+    else:  # the prompt's rows from one forward over it; the answer's as the stream computed them
+        P = len(prompt)
+        embeds, hidden = talker_forward.thinker_rows(model.decoder, prompt, None if inputs is None else inputs[:P],
+                                                     None if positions is None else positions[:, :P])
+        embeds = jnp.concatenate([embeds, jnp.asarray(answer_rows[0], embeds.dtype)])
+        hidden = jnp.concatenate([hidden, jnp.asarray(answer_rows[1], hidden.dtype)])
     holes = np.flatnonzero(np.isin(sequence, [speech.placeholders[n] for n in found]))
     if holes.size:  # the reference hands its talker zeros in place of the placeholders' embedding rows
         embeds = embeds.at[jnp.asarray(holes)].set(0)

@@ -48,8 +48,8 @@ from omnijax.models.speech import talker_cache
 from omnijax.models.talker_kv import MIN_TALKER_WINDOW, bounded_capacity
 from omnijax.retention import base as retention_base
 
-__all__ = ["MIN_TALKER_WINDOW", "TalkerKVReport", "generate_greedy", "greedy_tokens", "init_cache", "talker_chunk",
-           "talker_logits", "talker_params", "talker_prompt", "thinker_rows"]
+__all__ = ["MIN_TALKER_WINDOW", "TalkerDecode", "TalkerKVReport", "generate_greedy", "greedy_tokens", "init_cache",
+           "talker_chunk", "talker_logits", "talker_params", "talker_prompt", "thinker_rows"]
 
 Params = dict[str, Any]
 
@@ -216,12 +216,73 @@ def _trim(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: ja
     return kv, evicted[0], layout.layout_stats(kv).retained_cells[0]
 
 
+class TalkerDecode:
+    """The greedy talker of `greedy_tokens`, advanced one step at a time by its caller: built with the prefill (the
+    first token chosen at once, `tokens[0]`), then `step(row)` per later token with the row that step adds. The
+    early-starting spoken answer (`speech_stream.AnswerSpeech`) steps it as the thinker's rows arrive;
+    `greedy_tokens` steps it with every row known: the same calls, so the same tokens.
+
+    Args (as `greedy_tokens`'): the prefill rows `[T, Dt]` and their positions `[3, T]`, the limits, penalty,
+    suppressed ids, page size, KV policy and report.
+    """
+
+    def __init__(self, config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray, *,
+                 prompt_ids: Sequence[int], max_new_tokens: int, repetition_penalty: float = 1.05,
+                 suppress: Sequence[int] = (), page_size: int = 64, policy: Any = None,
+                 report: TalkerKVReport | None = None):
+        V = config.decoder.vocab_size
+        self.config, self.params, self.policy, self.report = config, params, policy, report
+        self.max_new_tokens, self.penalty = int(max_new_tokens), float(repetition_penalty)
+        self.banned = np.zeros((V,), bool)
+        self.banned[list(suppress)] = True
+        self.seen = np.zeros((V,), bool)
+        self.seen[np.asarray(prompt_ids, np.int64)] = True
+        T = prefill.shape[0]
+        cells = T + max_new_tokens if policy is None else bounded_capacity(policy, T, page_size)
+        kv = init_cache(config, 1, cells, page_size)
+        if report is not None:
+            report.capacity = kv.num_pages * kv.page_size
+        kv, logits = _prefill(config, params, kv, prefill, jnp.asarray(positions, jnp.int32))
+        self.start = int(np.max(positions)) + 1
+        self.kv = self._trimmed(kv, self.start)
+        self.tokens: list[int] = [_pick(np.asarray(logits), self.seen, self.penalty, self.banned)]
+
+    @property
+    def done(self) -> bool:
+        """The last token is a stop id, or `max_new_tokens` were chosen."""
+        return self.tokens[-1] in self.config.stop_ids or len(self.tokens) >= self.max_new_tokens
+
+    def step(self, row: jax.Array) -> int:
+        """Feeds the last token with `row [Dt]` (the step's trailing row, or `text_pad`) and returns the next."""
+        if self.done:
+            raise ValueError("the talker has ended (a stop id or max_new_tokens): no further step")
+        step, token = len(self.tokens) - 1, self.tokens[-1]
+        self.seen[token] = True
+        kv, logits = _step(self.config, self.params, self.kv, jnp.int32(token), row, jnp.int32(self.start + step))
+        self.kv = self._trimmed(kv, self.start + step + 1)
+        self.tokens.append(_pick(np.asarray(logits), self.seen, self.penalty, self.banned))
+        return self.tokens[-1]
+
+    def _trimmed(self, kv: paged_lib.PagedKV, next_pos: int) -> paged_lib.PagedKV:
+        policy, report = self.policy, self.report
+        if policy is not None:
+            kv, evicted, retained = _trim(self.config, policy, kv, jnp.asarray([next_pos], jnp.int32))
+        if report is not None:
+            if policy is not None:
+                report.evicted += int(evicted)
+                report.retained.append(int(retained))
+            else:
+                report.retained.append(int(layout.layout_stats(kv).retained_cells[0]))
+            report.exhausted, report.dropped = bool(kv.exhausted[0]), int(kv.dropped[0])
+        return kv
+
+
 def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
                   trailing: jax.Array, text_pad: jax.Array, *, prompt_ids: Sequence[int], max_new_tokens: int,
                   repetition_penalty: float = 1.05, suppress: Sequence[int] = (), page_size: int = 64,
                   policy: Any = None, report: TalkerKVReport | None = None) -> Iterator[int]:
     """`generate_greedy`'s tokens one at a time, each yielded as soon as it is chosen (the spoken path hands the
-    codes to Token2Wav while the talker goes on). Arguments as `generate_greedy`, and:
+    codes to Token2Wav while the talker goes on; `TalkerDecode` steps). Arguments as `generate_greedy`, and:
 
     Args:
         policy: None (the cache holds the prefill and every step: what equals the reference), or a retention
@@ -233,43 +294,13 @@ def greedy_tokens(config: TalkerConfig, params: Params, prefill: jax.Array, posi
     Raises:
         ValueError: a policy without a budget, or keeping fewer than `MIN_TALKER_WINDOW` newest cells.
     """
-    V = config.decoder.vocab_size
-    banned = np.zeros((V,), bool)
-    banned[list(suppress)] = True
-    seen = np.zeros((V,), bool)
-    seen[np.asarray(prompt_ids, np.int64)] = True
-    T = prefill.shape[0]
-    cells = T + max_new_tokens if policy is None else bounded_capacity(policy, T, page_size)
-    kv = init_cache(config, 1, cells, page_size)
-    if report is not None:
-        report.capacity = kv.num_pages * kv.page_size
-
-    def trimmed(kv: paged_lib.PagedKV, next_pos: int) -> paged_lib.PagedKV:
-        if policy is not None:
-            kv, evicted, retained = _trim(config, policy, kv, jnp.asarray([next_pos], jnp.int32))
-        if report is not None:
-            if policy is not None:
-                report.evicted += int(evicted)
-                report.retained.append(int(retained))
-            else:
-                report.retained.append(int(layout.layout_stats(kv).retained_cells[0]))
-            report.exhausted, report.dropped = bool(kv.exhausted[0]), int(kv.dropped[0])
-        return kv
-
-    kv, logits = _prefill(config, params, kv, prefill, jnp.asarray(positions, jnp.int32))
-    start = int(np.max(positions)) + 1
-    kv = trimmed(kv, start)
-    token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
-    yield token
-    for step in range(max_new_tokens - 1):
-        if token in config.stop_ids:
-            return
-        seen[token] = True
-        row = trailing[step] if step < trailing.shape[0] else text_pad
-        kv, logits = _step(config, params, kv, jnp.int32(token), row, jnp.int32(start + step))
-        kv = trimmed(kv, start + step + 1)
-        token = _pick(np.asarray(logits), seen, repetition_penalty, banned)
-        yield token
+    decode = TalkerDecode(config, params, prefill, positions, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                          repetition_penalty=repetition_penalty, suppress=suppress, page_size=page_size,
+                          policy=policy, report=report)
+    yield decode.tokens[0]
+    while not decode.done:
+        step = len(decode.tokens) - 1
+        yield decode.step(trailing[step] if step < trailing.shape[0] else text_pad)
 
 
 def generate_greedy(config: TalkerConfig, params: Params, prefill: jax.Array, positions: np.ndarray,
