@@ -97,7 +97,7 @@ SLOW_FIRST = (
     "models/qwen2_5_omni/test_talker_kv.py", "chat/test_chat_speak_qwen25.py",
     "serve/engine/test_engine_recall_paging.py", "streaming/test_recall_int8.py", "streaming/test_recall_paging.py",
     "serve/engine/test_speech_pool_qwen25.py", "chat/test_talker_window_qwen3.py", "chat/test_talker_window_qwen25.py",
-    "serve/engine/test_engine_snapshot_int8.py", "chat/test_chat_speak_early_qwen25.py",
+    "serve/engine/test_engine_snapshot_int8.py",
 )
 
 

@@ -25,7 +25,9 @@ from omnijax.decoding import DecodingStrategy, seed_of
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel, family_of
+from omnijax.retention.base import untrimmed_capacity
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
+from omnijax.streaming.quick_start import QuickStart
 from omnijax.streaming.recall_session import RecallReport, RecallSnapshot, RecallStats, new_recall_session
 from omnijax.streaming.step import (
     ChunkOutput,
@@ -117,6 +119,14 @@ def _seed_array(seed: int) -> np.ndarray:
 def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
     return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
                       tap_answer=tap_answer)
+
+
+# A session's first step without the trim (`omnijax.streaming.quick_start`), its own function so that its compile
+# never waits behind the full step's, which another thread compiles meanwhile.
+@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",))
+def _untrimmed_step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
+    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
+                      tap_answer=tap_answer, trim=False)
 
 
 def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,
@@ -211,6 +221,12 @@ class Session:
         state: state to continue from (copied). With recall on, a state that holds tokens comes with its host
             tier: resume it with `Session.resume` (a `SessionSnapshot`), not `state=` alone.
         tier: the `RecallSnapshot` taken with `state` (`Session.resume` passes it).
+        quick_start: run the first step without the retention policy's trim while the full step compiles in
+            another thread, when the first chunk fits what the policy holds untrimmed and the full step is not
+            already compiled or kept (`omnijax.streaming.quick_start`; the same results, a shorter wait for the
+            first token of a new process). `Chat` turns it on when recall is off. Refused with `state` or recall.
+            The session's `quick_start` is then its `QuickStart` (what the first step ran; `wait()` joins the
+            compile), None without.
 
     Example:
         session = Session(model, StreamConfig(num_pages=64, max_answer_tokens=16))
@@ -218,8 +234,12 @@ class Session:
     """
 
     def __init__(self, model: StreamModel, config: StreamConfig | None = None, *, batch: int = 1,
-                 state: StreamState | None = None, tier: RecallSnapshot | None = None, **fields: Any):
+                 state: StreamState | None = None, tier: RecallSnapshot | None = None, quick_start: bool = False,
+                 **fields: Any):
         self.stream_config = bind_config(model, config, allow_recall=True, **fields)
+        if quick_start and (state is not None or self.stream_config.recall is not None):
+            raise ValueError("quick_start runs a new session's first step untrimmed; it does not combine with "
+                             f"{'state=' if state is not None else 'recall'} (leave quick_start False)")
         self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
         if state is not None:
@@ -247,6 +267,8 @@ class Session:
         elif tier is not None:
             raise ValueError("tier= was given but recall is off: give StreamConfig(recall=Recall(...))")
         self._hold = False
+        # the first step without the trim while the full one compiles (a session that starts empty, no recall)
+        self.quick_start = QuickStart(_step, untrimmed_capacity(self._step_config.policy)) if quick_start else None
         # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
         self._unread: collections.deque | None = collections.deque()
 
@@ -271,7 +293,7 @@ class Session:
             RuntimeWarning: the first time a finished step is found to have dropped tokens (see the class).
         """
         config = self._step_config if decoding is None else self._step_config.replace(decoding=decoding)
-        chunk = self._checked(chunk, config)
+        chunk, quick = self._checked(chunk, config), self.quick_start
         self._read_flags(wait=False)
         recall = self._recall
         if recall is not None and recall.pending and self._hold and np.asarray(chunk.valid).any():
@@ -284,7 +306,11 @@ class Session:
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         more = {"tap_answer": True} if tap_answer else {}  # (the kept program's key unchanged without it)
-        self.state, out = _step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap, **more)
+        step = _step
+        if quick is not None and quick.untrimmed is None and quick.first_step_untrimmed(
+                chunk, (self._graphdef, self._params, self.state, chunk), dict(config=config, tap=tap, **more)):
+            step = _untrimmed_step
+        self.state, out = step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap, **more)
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():

@@ -230,7 +230,8 @@ def _empty_rows(model: Decoder, B: int, tau: int) -> jax.Array:
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
                answer: bool = True, tap: int | None = None,
-               shared_pages: bool = True, tap_answer: bool = False) -> tuple[StreamState, ChunkOutput]:
+               shared_pages: bool = True, tap_answer: bool = False, trim: bool = True
+               ) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
@@ -247,6 +248,11 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     `shared_pages` (static; `omnijax.retention.base.apply`): the state's rows may share pages (the engine forks
     rows), so a trim copies a shared page before it changes; `Session`, `stream` and `evaluate`, which never fork
     rows, pass False and compile no copy-on-write (they refuse a given state that shares pages).
+
+    `trim` (static): False compiles the step without the retention policy's trim and the paging mode's relayout
+    (`evicted` and `moved` are zero). It computes what the full step does only while the policy cannot trigger:
+    retained cells within `omnijax.retention.base.untrimmed_capacity(policy)` after the chunk is written
+    (`omnijax.streaming.quick_start`: a session's first step, while the full step compiles).
 
     `tap_answer` (static): the output also carries `answer_rows [B, tau, D]`, each answer token's final-normed
     last-layer row as the answer loop computed it (what Qwen2.5-Omni's talker reads per answer token, so speech can
@@ -272,10 +278,13 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     next_pos = next_pos + chunk.advance
     # A row this chunk feeds nothing (no token, no answer, no advance: a server's idle session) is not trimmed.
     fed = jnp.any(chunk.valid, axis=1) | (chunk.answer_tokens > 0) | (chunk.advance != 0)  # [B]
-    kv, next_pos, evicted = retention_lib.trim(
-        policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed,
-        shared_pages=shared_pages)
-    kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
+    if trim:
+        kv, next_pos, evicted = retention_lib.trim(
+            policy, kv, next_pos, rope=(model.config.rope_base, model.config.mrope_section), active=fed,
+            shared_pages=shared_pages)
+        kv, moved = paging_lib.relayout(paging, kv, evicted, subblock)
+    else:  # what both do when the policy does not trigger (the caller knows it cannot: see `trim` above)
+        evicted = moved = jnp.zeros(next_pos.shape, jnp.int32)
     tau = config.max_answer_tokens
     lps = _empty_logprobs(kv.batch, tau)
     answer_rows = None

@@ -1,0 +1,102 @@
+"""`Session(quick_start=True)` (`omnijax.streaming.quick_start`): a new session's first step runs without the trim
+while another thread compiles the full step, and the session computes exactly what the full step computes.
+
+Oracle: the same chunks through a session without quick start (the full step only), bit for bit: every output's
+logits, tokens and statistics and the final state, across a first step that fits the policy's untrimmed capacity
+and later steps that trim. The programs are counted (`CachedJit.stats`) in an empty compilation cache."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import omnijax
+from omnijax import compilation_cache
+from omnijax.chunks import text_chunk
+from omnijax.retention import OmniPick
+from omnijax.retention.base import untrimmed_capacity
+from omnijax.retention.recall import Recall
+from omnijax.streaming import session as session_lib
+from tests._support import tiny_omni
+
+POLICY = OmniPick(high_watermark=40, low_watermark=28, text_budget=8)
+CONFIG = omnijax.StreamConfig(policy=POLICY, page_size=16, num_pages=8, max_answer_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return omnijax.load(tiny_omni.checkpoint(tmp_path_factory.mktemp("quick_start"), tokenizer=True))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty compilation cache and no program held in memory, then the suite's cache again."""
+    before = compilation_cache.cache_dir()
+    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
+    compilation_cache.enable(tmp_path / "cache")
+    compilation_cache.clear_in_memory()
+    yield tmp_path / "cache"
+    if before is None:
+        compilation_cache.disable()
+    else:
+        compilation_cache.enable(before)
+
+
+def _chunks(vocab: int, sizes: list[int]) -> list:
+    rng = np.random.default_rng(3)
+    return [text_chunk(rng.integers(10, vocab, n), length=24, unit=i, answer_tokens=4) for i, n in enumerate(sizes)]
+
+
+def _run(model, chunks, **kwargs):
+    session = omnijax.Session(model, CONFIG, **kwargs)
+    outs = [jax.device_get(session.feed(chunk)) for chunk in chunks]
+    return session, outs, jax.device_get(session.state)
+
+
+def _stats(fn):
+    return dict(fn.stats)
+
+
+def test_the_first_step_runs_untrimmed_and_every_step_equals_the_full_program(model, empty_cache):
+    assert untrimmed_capacity(POLICY) == 40
+    chunks = _chunks(model.decoder.config.vocab_size, [20, 24, 24, 24])  # 20 (+4 answered) fits 40; the later ones trim
+    full, untrimmed = _stats(session_lib._step), _stats(session_lib._untrimmed_step)
+    quick, got, got_state = _run(model, chunks, quick_start=True)
+    assert quick.quick_start.untrimmed is True and quick.quick_start.wait() and not quick.quick_start.errors
+    assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1
+    # the full step was compiled once, in the worker thread, while the first step ran; the later steps ran it
+    assert session_lib._step.stats["compiled"] == full["compiled"] + 1
+    evicted = [int(np.asarray(out.stats.evicted).sum()) for out in got]
+    assert evicted[0] == 0 and sum(evicted[1:]) > 0, evicted  # the first step could not trim; later ones did
+    _, want, want_state = _run(model, chunks)  # the full step from the start (held: nothing compiles)
+    assert session_lib._step.stats["compiled"] == full["compiled"] + 1
+    assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1
+    for a, b in zip(got, want):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(x, y)
+    for x, y in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_full_step_from_the_start_when_kept_or_when_the_first_chunk_could_trim(model, empty_cache):
+    vocab = model.decoder.config.vocab_size
+    untrimmed = _stats(session_lib._untrimmed_step)
+    _run(model, _chunks(vocab, [20]))  # keeps the full step for this shape
+    _run(model, _chunks(vocab, [20]), quick_start=True)  # ready: no untrimmed step
+    assert session_lib._untrimmed_step.stats == untrimmed
+    small = omnijax.StreamConfig(policy=OmniPick(high_watermark=16, low_watermark=12, text_budget=4), page_size=16,
+                                 num_pages=8, max_answer_tokens=4)
+    session = omnijax.Session(model, small, quick_start=True)
+    session.feed(_chunks(vocab, [20])[0])  # 20 cells > 16: the trim may fire in the first step
+    assert session_lib._untrimmed_step.stats == untrimmed
+
+
+def test_quick_start_is_refused_with_a_given_state_or_recall(model):
+    session = omnijax.Session(model, CONFIG)
+    with pytest.raises(ValueError, match="quick_start .* state="):
+        omnijax.Session(model, CONFIG, state=session.state, quick_start=True)
+    with pytest.raises(ValueError, match="quick_start .* recall"):
+        omnijax.Session(model, CONFIG.replace(recall=Recall(budget=16)), quick_start=True)
+    chat = omnijax.Chat(model, CONFIG.replace(recall=Recall(budget=16)))  # Chat turns it off with recall
+    assert chat.session.quick_start is None
