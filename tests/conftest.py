@@ -2,6 +2,7 @@
 cache, and compiled programs released after each test module."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Quick-to-compile XLA flags for this process and every subprocess it starts (tests/_support/xla_flags.py):
@@ -41,6 +42,9 @@ def _release_compiled_programs(request):
     """
     xla_flags.quick_compile(xla_flags.wants_quick_compile(_relative(request.path)))
     yield
+    started = sys.modules.get("omnijax.streaming.quick_start")  # (only a module that ran a session imported it)
+    if started is not None:
+        started.wait_all()  # a chat's full step compiling in another thread ends under this module's settings
     compilation_cache.clear_in_memory()
 
 
@@ -97,7 +101,7 @@ SLOW_FIRST = (
     "models/qwen2_5_omni/test_talker_kv.py", "chat/test_chat_speak_qwen25.py",
     "serve/engine/test_engine_recall_paging.py", "streaming/test_recall_int8.py", "streaming/test_recall_paging.py",
     "serve/engine/test_speech_pool_qwen25.py", "chat/test_talker_window_qwen3.py", "chat/test_talker_window_qwen25.py",
-    "serve/engine/test_engine_snapshot_int8.py",
+    "serve/engine/test_engine_snapshot_int8.py", "chat/test_chat_speak_early_qwen25.py",
 )
 
 

@@ -22,6 +22,21 @@ import numpy as np
 from omnijax.chunks import Chunk
 from omnijax.kept_executables import CachedJit, abstract_arguments
 
+_workers: list[threading.Thread] = []  # every compile a QuickStart started, for `wait_all`
+_workers_lock = threading.Lock()
+
+
+def wait_all(timeout: float | None = None) -> bool:
+    """Waits for every full-step compile a `QuickStart` started in this process; True when none is left running.
+    A caller about to change jax's settings or drop compiled programs (`compilation_cache.clear_in_memory`) calls
+    it first, so no compile spans the change (the test suite does, between modules)."""
+    with _workers_lock:
+        running = [worker for worker in _workers if worker.is_alive()]
+        _workers[:] = running
+    for worker in running:
+        worker.join(timeout)
+    return not any(worker.is_alive() for worker in running)
+
 
 class QuickStart:
     """Decides whether a session's first step runs untrimmed (`first_step_untrimmed`), and compiles the full step in
@@ -52,6 +67,8 @@ class QuickStart:
         shapes, kw_shapes = abstract_arguments((args, kwargs))
         self.worker = threading.Thread(target=self._compile, args=(shapes, kw_shapes), daemon=True,
                                        name="omnijax-full-step-compile")
+        with _workers_lock:
+            _workers.append(self.worker)
         self.worker.start()
         return True
 

@@ -17,6 +17,7 @@ from omnijax.chunks import text_chunk
 from omnijax.retention import OmniPick
 from omnijax.retention.base import untrimmed_capacity
 from omnijax.retention.recall import Recall
+from omnijax.streaming import quick_start
 from omnijax.streaming import session as session_lib
 from tests._support import tiny_omni
 
@@ -64,6 +65,7 @@ def test_the_first_step_runs_untrimmed_and_every_step_equals_the_full_program(mo
     full, untrimmed = _stats(session_lib._step), _stats(session_lib._untrimmed_step)
     quick, got, got_state = _run(model, chunks, quick_start=True)
     assert quick.quick_start.untrimmed is True and quick.quick_start.wait() and not quick.quick_start.errors
+    assert quick_start.wait_all() and not quick.quick_start.worker.is_alive()
     assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1
     # the full step was compiled once, in the worker thread, while the first step ran; the later steps ran it
     assert session_lib._step.stats["compiled"] == full["compiled"] + 1
