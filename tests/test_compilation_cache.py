@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from omnijax import compilation_cache, kept_executables, source_keys
+from tests._support.empty_cache import empty_compilation_cache
 
 # One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
 # "kept" runs it through cached_jit, "plain-then-kept" both in one process; each prints how often the Python body
@@ -101,15 +102,8 @@ def test_a_program_from_jaxs_memory_is_not_written(tmp_path):
 def cache_dir(tmp_path, monkeypatch):
     """This process's caches pointed at an empty directory for the test, then back at the suite's. Programs held in
     memory are dropped first: a compile jax's in-memory cache answers is not written."""
-    compilation_cache.clear_in_memory()
-    before = compilation_cache.cache_dir()
-    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
-    compilation_cache.enable(tmp_path / "cache")
-    yield tmp_path / "cache"
-    if before is None:
-        compilation_cache.disable()
-    else:
-        compilation_cache.enable(before)
+    with empty_compilation_cache(tmp_path / "cache", monkeypatch) as path:
+        yield path
 
 
 def _f(x, y, *, power):

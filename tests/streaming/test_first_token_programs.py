@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax import compilation_cache
 from omnijax.decoding import sampling_keys
 from omnijax.retention import OmniPick
 from omnijax.streaming import session as session_lib
 from omnijax.streaming.step import init_state
 from tests._support import tiny_omni
+from tests._support.empty_cache import empty_compilation_cache
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +35,8 @@ def model(tmp_path_factory):
 def empty_cache(tmp_path, monkeypatch):
     """An empty compilation cache (XLA's and the kept executables) and no program held in memory, then the suite's
     cache again."""
-    before = compilation_cache.cache_dir()
-    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
-    compilation_cache.enable(tmp_path / "cache")
-    compilation_cache.clear_in_memory()
-    yield tmp_path / "cache"
-    if before is None:
-        compilation_cache.disable()
-    else:
-        compilation_cache.enable(before)
+    with empty_compilation_cache(tmp_path / "cache", monkeypatch) as path:
+        yield path
 
 
 class _Compiles(logging.Handler):

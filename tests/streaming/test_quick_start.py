@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import omnijax
-from omnijax import compilation_cache
 from omnijax.chunks import text_chunk
 from omnijax.retention import OmniPick
 from omnijax.retention.base import untrimmed_capacity
@@ -20,6 +19,7 @@ from omnijax.retention.recall import Recall
 from omnijax.streaming import quick_start
 from omnijax.streaming import session as session_lib
 from tests._support import tiny_omni
+from tests._support.empty_cache import empty_compilation_cache
 
 POLICY = OmniPick(high_watermark=40, low_watermark=28, text_budget=8)
 CONFIG = omnijax.StreamConfig(policy=POLICY, page_size=16, num_pages=8, max_answer_tokens=4)
@@ -33,15 +33,8 @@ def model(tmp_path_factory):
 @pytest.fixture
 def empty_cache(tmp_path, monkeypatch):
     """An empty compilation cache and no program held in memory, then the suite's cache again."""
-    before = compilation_cache.cache_dir()
-    monkeypatch.setenv(compilation_cache.EXECUTABLE_ENV, "on")
-    compilation_cache.enable(tmp_path / "cache")
-    compilation_cache.clear_in_memory()
-    yield tmp_path / "cache"
-    if before is None:
-        compilation_cache.disable()
-    else:
-        compilation_cache.enable(before)
+    with empty_compilation_cache(tmp_path / "cache", monkeypatch) as path:
+        yield path
 
 
 def _chunks(vocab: int, sizes: list[int]) -> list:
