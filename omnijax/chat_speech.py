@@ -39,9 +39,11 @@ class SpeakOptions:
         talker_sink: the oldest talker cells kept with `talker_window` (the prompt's opening).
         early_start: Qwen2.5-Omni: the talker starts after the answer's first block instead of after the answer,
             reading each answer token's row as the streamed step computed it (`chunk_step(..., tap_answer=True)`,
-            `omnijax.models.qwen2_5_omni.speech_stream`): no second thinker pass, the same speech whether the
-            talker runs early or at the end, and the same codes as the default path unless rounding (the chunked
-            stream against one full forward) flips a talker choice. False (default): the finish-first path, one
+            `omnijax.models.qwen2_5_omni.speech_stream`): no second thinker pass over the answer, the same speech
+            whether the talker runs early or at the end, and the same codes as the default path unless rounding
+            (the chunked stream against one full forward) flips a talker choice or the thinker's policy trims
+            during the answer (the answer's rows are then those of the bounded cache the text was written from:
+            other speech than the default's full-attention rows). False (default): the finish-first path, one
             thinker forward over prompt and answer, equal to transformers. Qwen3-Omni's talker always starts early.
     """
 
