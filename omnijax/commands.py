@@ -15,7 +15,9 @@ speech to one WAV file (16-bit mono PCM at the model's rate, 24 kHz), the answer
 rewritten after each answer, so it is whole whenever the chat stops. A checkpoint without speech output or an unknown
 voice is refused before the first message is read. Units fed with `/image`, `/audio` or `/video` lie before the
 question's turn, so Qwen3-Omni's talker does not read them (it reads the questions and answers); Qwen2.5-Omni's reads
-every unit, a video's audiovisual units included (kept with the positions they were fed at).
+every unit, a video's audiovisual units included (kept with the positions they were fed at). `--early-start`
+(Qwen2.5-Omni) starts its talker after each answer's first block instead of after the answer
+(`SpeakOptions.early_start`).
 
 `watch --speak answers.wav` speaks each answer the same way (all answers in one WAV file, in the order asked). The
 video's units are fed outside the questions' user turns, so Qwen3-Omni's talker reads each question and its answer
@@ -97,6 +99,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--talker-window", type=int, default=None, metavar="CELLS",
                         help="bound the talker's KV cache of --speak: keep its newest CELLS cells (>= 2) beside "
                              "its 4 oldest (default: unbounded, what equals transformers)")
+    parser.add_argument("--early-start", action="store_true",
+                        help="Qwen2.5-Omni: start speaking after the answer's first block, from the rows the stream "
+                             "computed (SpeakOptions.early_start; Qwen3-Omni's talker always starts with the answer)")
     return parser
 
 
@@ -122,13 +127,15 @@ def open_chat(args: argparse.Namespace) -> Chat:
 
 
 def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
-    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens`, `--talker-window` (None without
-    `--speak`)."""
+    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens`, `--talker-window`, `--early-start` (None
+    without `--speak`)."""
     speak = getattr(args, "speak", None)
     if speak is None:
         for flag in ("voice", "max_speech_tokens", "talker_window"):
             if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --speak OUT.wav")
+        if getattr(args, "early_start", False):
+            raise ValueError("--early-start needs --speak OUT.wav")
         return None
     if not str(speak).lower().endswith(".wav"):
         raise ValueError(f"--speak writes a WAV file: give a path ending in .wav, got {speak!r}")
@@ -136,7 +143,7 @@ def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
                 if v is not None}
     window = getattr(args, "talker_window", None)
     talker_policy(window, what="--talker-window")  # refused naming the flag
-    return SpeakOptions(**settings, talker_window=window)
+    return SpeakOptions(**settings, talker_window=window, early_start=bool(getattr(args, "early_start", False)))
 
 
 class SpeechFile:

@@ -47,11 +47,14 @@ def _main(argv, lines, monkeypatch):
     return commands.main("chat", argv)
 
 
-def test_chat_speak_writes_each_answer_spoken_as_speak_does(release, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("early", [[], ["--early-start"]], ids=["finish_first", "early_start"])
+def test_chat_speak_writes_each_answer_spoken_as_speak_does(release, tmp_path, capsys, monkeypatch, early):
+    """Also with `--early-start` (the talker fed each block's rows as the stream computed them): the same speech
+    as one-shot `speak()` of the answer, within 1 LSB (on these weights the codes agree)."""
     root, model = release
     out = tmp_path / "spoken.wav"
     argv = [str(root / "out"), *STREAM, "--max-tokens", str(MAX_TOKENS), "--speak", str(out), "--voice", "chelsie",
-            "--max-speech-tokens", str(SPEECH_TOKENS)]
+            "--max-speech-tokens", str(SPEECH_TOKENS), *early]
     assert _main(argv, QUESTIONS, monkeypatch) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 * len(QUESTIONS), printed

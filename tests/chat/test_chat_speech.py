@@ -278,6 +278,7 @@ def test_chat_cli_writes_the_conversation_speech_to_a_wav(release, tmp_path):
     ("hf_thinker_omnijax", ["--speak", "x.wav"], "has no speech output"),
     ("hf_omnijax", ["--speak", "x.wav", "--voice", "aiden"], "unknown voice 'aiden'"),
     ("hf_omnijax", ["--voice", "ethan"], "--voice needs --speak"),
+    ("hf_omnijax", ["--early-start"], "--early-start needs --speak"),
     ("hf_omnijax", ["--speak", "x.mp3"], "ending in .wav"),
 ])
 def test_chat_cli_refuses_what_it_cannot_speak(release, tmp_path, capsys, checkpoint, more, says):
