@@ -39,6 +39,7 @@ def _score_chunk(model, kv, next_pos, chunk, targets, config: StreamConfig):
     positions = chunk.positions + next_pos[None, :, None]
     meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     kv, hidden = write_chunk(model, kv, x, chunk.valid, positions, meta, impl=config.impl,
+                             track_scores=getattr(config.policy, "needs_scores", False),  # H2O, as chunk_step
                              placement=config.paging.placement)
     attended = layout_lib.layout_stats(kv, config.subblock).retained_cells  # history + this chunk
     logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # [B, T, V] float32
@@ -68,7 +69,7 @@ def _scan(graphdef, params, chunks, targets, *, config: StreamConfig):
 
 
 def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | None,
-                 page_size: int = 64, kv_dtype: str = "float") -> tuple[np.ndarray, np.ndarray]:
+                 page_size: int = 64, kv_dtype: str = "float", impl: str = "xla") -> tuple[np.ndarray, np.ndarray]:
     """Streams `ids[:-1]` in chunks of `chunk` tokens under `policy` and scores every next token `ids[1:]`.
 
     Args:
@@ -79,6 +80,8 @@ def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | Non
         cells: the most cells the policy holds after a trim (None: the whole text, full context).
         page_size: slots per KV page.
         kv_dtype: the pool's storage (`StreamConfig.kv_dtype`: "float" or "int8").
+        impl: the attention (`StreamConfig.impl`); a policy with `needs_scores` (H2O) needs "reference", the one
+            that computes the attention mass it accumulates.
 
     Returns:
         `(nll [N], attended [num_chunks])`: each token's negative log-likelihood (nats) of its successor, and the
@@ -90,7 +93,7 @@ def score_stream(model, ids: np.ndarray, policy, *, chunk: int, cells: int | Non
         raise ValueError(f"score_stream needs at least 2 ids and chunk >= 1, got {ids.shape[0]} ids, chunk {chunk}")
     held = n + chunk if cells is None else cells + 2 * chunk
     config = StreamConfig(policy=policy, num_pages=-(-held // page_size) + 2, page_size=page_size,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, impl=impl)
     starts = range(0, n, chunk)
     chunks = stack_chunks([pad_chunk(text_chunk(ids[a:min(a + chunk, n)], unit=i + 1), chunk)
                            for i, a in enumerate(starts)])

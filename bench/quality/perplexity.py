@@ -13,15 +13,29 @@ forward with every position scored, since the step returns the last position's l
     window_abs   SinkWindow(sink=0, window=W): the newest W tokens, original positions kept
     sinks_abs    SinkWindow(sink=S, window=W - S): the first S tokens pinned, original positions kept
 
-(S = `--sinks`, 4 by default.) A token in chunk c attends to between W and W + chunk - 1 cells once the window is
-full. Check: transformers (in its own process) scores the first `--check-tokens` tokens with the same weights, and
+(S = `--sinks`, 4 by default.) The retention policies of the pass-key bench are configurations too, each built at a
+budget of W cells by the same builder (`bench/quality/_stream.policy_at`: the watermark policies trim past W down to
+3W/4, the fixed-budget ones hold W):
+
+    no_slide omnipick unit_fifo token_sliding streaming_llm h2o sink_window streaming_vlm infinipot_v streammem
+
+(`--configs policies` names all ten.) Text is one TEXT unit per chunk (`_score.score_stream`), which is what the
+unit-structured policies (OmniPick, UnitFIFO, StreamingVLM) see. `no_slide` is the `full` configuration's policy and
+is not scored twice when `full` runs. InfiniPot-V compresses visual spans only and keeps every text cell (its
+row says so). A bounded configuration holds at most W cells after each trim, so a chunk's forward attends to at
+most W + chunk cells (history and chunk); the run refuses to write a table where one attended more. H2O runs on the
+reference attention (the one that computes the attention mass it ranks by).
+
+Check: transformers (in its own process) scores the first `--check-tokens` tokens with the same weights, and
 its full-context perplexity must equal omnijax's within 1e-3 relative.
 
 Prints a table (perplexity per position bucket, overall, and past the window), writes `perplexity.json` (the
-per-token log-likelihoods of every configuration, the check) and `perplexity.png` (perplexity against position).
+per-token log-likelihoods of every configuration, the check), `perplexity.png` (perplexity against position) and
+`perplexity_bars.png` (overall and past-window perplexity per configuration).
 
     .venv/bin/python -m bench.quality.perplexity --gguf SmolLM2-135M-Instruct.Q4_1.gguf
     .venv/bin/python -m bench.quality.perplexity --length 8192 --window 1024 --chunk 128 --configs full window sinks
+    .venv/bin/python -m bench.quality.perplexity --configs full window sinks policies --resume
 """
 
 from __future__ import annotations
@@ -37,8 +51,11 @@ import numpy as np
 
 from bench import harness
 from bench.quality import _common as common
+from bench.quality import _stream
 
-CONFIGS = ("full", "window", "sinks", "window_abs", "sinks_abs")
+ABLATION = ("full", "window", "sinks", "window_abs", "sinks_abs")
+CONFIGS = ABLATION + _stream.POLICIES
+UNBOUNDED = ("full", "no_slide") + tuple(_stream.TEXT_ONLY_LIMITS)
 TEXTS = ("alice29.txt", "asyoulik.txt")
 CHECK_RTOL = 1e-3
 SMOKE = dict(length=256, window=64, chunk=32, bucket=64, check_tokens=128)
@@ -53,7 +70,10 @@ def build_parser():
     p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens of `sinks` / `sinks_abs`")
     p.add_argument("--chunk", type=int, default=64, help="tokens per streamed chunk")
     p.add_argument("--bucket", type=int, default=256, help="tokens per position bucket of the table and plot")
-    p.add_argument("--configs", nargs="+", default=["full", "window", "sinks"], choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=["full", "window", "sinks"], choices=CONFIGS + ("policies",),
+                   help="configurations to score, in order ('policies': the ten retention policies)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the configurations OUT/perplexity.json already holds for the same settings")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--check-tokens", type=int, default=512,
                    help="tokens transformers scores for the check (0: no check)")
@@ -77,12 +97,27 @@ def check_args(args) -> None:
         raise SystemExit(f"--sinks must be in [0, --window), got {args.sinks} with --window {args.window}")
     if args.check_tokens < 0:
         raise SystemExit(f"--check-tokens must be >= 0, got {args.check_tokens}")
+    if args.window < 4 and set(args.configs) & set(_stream.POLICIES):
+        raise SystemExit(f"--window {args.window}: the retention policies need a budget of at least 4 cells")
+
+
+def expand_configs(names: list[str]) -> list[str]:
+    """`names` with `policies` replaced by the ten policy names, each name once, in order."""
+    out: list[str] = []
+    for name in names:
+        for n in (_stream.POLICIES if name == "policies" else (name,)):
+            if n not in out:
+                out.append(n)
+    return out
 
 
 def policy_for(name: str, window: int, sinks: int):
-    """The retention policy of configuration `name` (see the module docstring)."""
+    """The retention policy of configuration `name` (see the module docstring): a retention policy's name builds it
+    at a budget of `window` cells (`_stream.policy_at`)."""
     from omnijax import retention as r
 
+    if name in _stream.POLICIES:
+        return _stream.policy_at(name, window)
     make = {"full": lambda: r.NoSlide(),
             "window": lambda: r.StreamingLLM(sink_tokens=0, window=window, high_watermark=window),
             "sinks": lambda: r.StreamingLLM(sink_tokens=sinks, window=window - sinks, high_watermark=window),
@@ -190,23 +225,85 @@ def print_table(results: dict, args) -> list[dict]:
 
 def plot(results: dict, args, out: Path) -> None:
     plt = harness.pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5 if len(results) <= 5 else 10.0, 4.2))
     cuts = buckets(args.length, args.bucket)
-    for name, r in results.items():
-        nll = np.asarray(r["nll"])
+    colours = plt.get_cmap("tab20").colors
+    for i, (name, labels) in enumerate(equal_groups(results).items()):
+        nll = np.asarray(results[name]["nll"])
         # the *_abs pair dashed: `window_abs` lies on `window` (relative RoPE distances are the same in both)
-        ax.plot([(a + b) / 2 for a, b in cuts], [ppl(nll[a:b]) for a, b in cuts], marker="o", label=name,
-                ls="--" if name.endswith("_abs") else "-", ms=4 if name.endswith("_abs") else 6)
+        ax.plot([(a + b) / 2 for a, b in cuts], [ppl(nll[a:b]) for a, b in cuts], marker="o", label=" = ".join(labels),
+                ls="--" if name.endswith("_abs") else "-", ms=4 if name.endswith("_abs") else 6,
+                color=colours[i % len(colours)])
     ax.axvline(args.window, color="grey", ls=":", lw=1, label=f"window ({args.window} cells)")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("token position")
     ax.set_ylabel(f"perplexity per {args.bucket} tokens")
-    ax.set_title(f"{args.text}: full context vs window without / with {args.sinks} sinks")
+    ax.set_title(f"{args.text}: full context vs window without / with {args.sinks} sinks" if
+                 set(results) <= set(ABLATION) else f"{args.text}: retention policies at {args.window} cells")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
     harness.save_png(fig, out, "perplexity")
+
+
+def equal_groups(results: dict) -> dict[str, list[str]]:
+    """Configurations whose per-token log-likelihoods are equal, grouped under the first of them (one line each)."""
+    groups: dict[str, list[str]] = {}
+    for name, r in results.items():
+        same = next((g for g in groups if results[g]["nll"] == r["nll"]), None)
+        groups.setdefault(same or name, []).append(name)
+    return groups
+
+
+def resumed(out: Path, settings: dict, names: list[str]) -> dict:
+    """The configurations of `names` that OUT/perplexity.json holds for the same `settings` (empty when there is
+    no file).
+
+    Raises:
+        SystemExit: the file was written with other settings (naming them), so its rows cannot join this run.
+    """
+    path = out / "perplexity.json"
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    differ = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    if differ:
+        raise SystemExit(f"--resume: {path} was written with other settings {differ} (its value, this run's); give "
+                         "another --out or the same settings")
+    kept = {k: v for k, v in old["configs"].items() if k in names}
+    print(f"--resume: {', '.join(kept) or 'nothing'} kept from {path}", flush=True)
+    return kept
+
+
+def check_budget(results: dict, args) -> None:
+    """Refuses a bounded configuration that attended more than `--window` retained cells plus its chunk."""
+    limit = args.window + args.chunk
+    over = {k: r["max_attended"] for k, r in results.items() if k not in UNBOUNDED and r["max_attended"] > limit}
+    if over:
+        raise SystemExit(f"configurations held more than --window {args.window} cells after a trim (most cells a "
+                         f"chunk attended, limit {limit}): {over}")
+
+
+def plot_bars(table: list[dict], args, out: Path) -> None:
+    """`perplexity_bars.png`: each configuration's perplexity overall and past the window, side by side."""
+    plt = harness.pyplot()
+    names = [row["config"] for row in table]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4.2))
+    x = np.arange(len(names))
+    for i, (key, label) in enumerate((("all", "all tokens"), ("past window", f"past token {args.window}"))):
+        values = [row[key] if row[key] is not None else np.nan for row in table]
+        bars = ax.bar(x + (i - 0.5) * 0.4, values, 0.4, label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=6)
+    ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"{args.text}, {args.length} tokens: bounded configurations hold {args.window} cells "
+                 f"(chunks of {args.chunk})")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylim(0, 1.15 * max(row["all"] for row in table))
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+    harness.save_png(fig, out, "perplexity_bars")
 
 
 def header(args, source: common.ModelSource) -> dict:
@@ -222,6 +319,7 @@ def main(argv=None):
     if args.worker:
         transformers_worker(json.loads(Path(args.ids).read_text()), out)
         return
+    args.configs = expand_configs(args.configs)
     check_args(args)
     source = common.model_source(args)
     ids = text_ids(source.checkpoint, args.text, args.length)
@@ -231,15 +329,22 @@ def main(argv=None):
         from bench.quality._score import score_stream
 
         model = omnijax.load(source.checkpoint)
-        results = {}
+        results = resumed(out, header(args, source), args.configs) if args.resume else {}
         for name in args.configs:
+            if name in results:
+                continue
+            if name == "no_slide" and "full" in results:  # the same policy, the same program: not scored twice
+                results[name] = dict(results["full"], same_as="full")
+                continue
+            policy = policy_for(name, args.window, args.sinks)
             started = time.perf_counter()
-            cells = None if name == "full" else args.window
-            nll, attended = score_stream(model, np.asarray(ids), policy_for(name, args.window, args.sinks),
-                                         chunk=args.chunk, cells=cells, page_size=args.page_size)
+            nll, attended = score_stream(model, np.asarray(ids), policy, chunk=args.chunk,
+                                         cells=None if name in UNBOUNDED else args.window, page_size=args.page_size,
+                                         impl="reference" if getattr(policy, "needs_scores", False) else "xla")
             seconds = time.perf_counter() - started
             results[name] = dict(nll=nll.tolist(), attended=attended.tolist(), max_attended=int(attended.max()),
-                                 ppl=ppl(nll), seconds=seconds)
+                                 ppl=ppl(nll), seconds=seconds, policy=repr(policy),
+                                 note=_stream.TEXT_ONLY_LIMITS.get(name))
             print(f"  {name}: perplexity {ppl(nll):.3f} over {len(nll)} tokens, at most {int(attended.max())} cells "
                   f"attended, {seconds:.1f} s", flush=True)
             # each configuration as it comes: a run stopped early keeps the ones it finished
@@ -248,6 +353,7 @@ def main(argv=None):
         if worker is not None:
             worker.kill()
         raise
+    check_budget(results, args)
     full = np.asarray(results["full"]["nll"]) if "full" in results else None
     check = finish_check(worker, full, out)
     if check["ran"]:
@@ -260,6 +366,8 @@ def main(argv=None):
     harness.write_json(out, "perplexity", dict(header(args, source), complete=True, check=check, table=table,
                                                configs=results))
     plot(results, args, out)
+    if len(results) > 1:
+        plot_bars(table, args, out)
     if check["ran"] and not check["passed"]:
         raise SystemExit(f"the check failed: omnijax's full-context perplexity differs from transformers' by "
                          f"{check['rel_diff']:.2e} relative (limit {CHECK_RTOL:g})")
