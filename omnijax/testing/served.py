@@ -73,11 +73,14 @@ class Served:
             ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(timeout_s) or proc.poll() is not None:
+        # the pump also sets `ready` when the output ends: a server that exited before listening (its stdout closed
+        # a moment before the process is reaped, so `poll()` may not see the exit yet) is told by the missing line
+        listening = ready.wait(timeout_s) and proc.poll() is None
+        line = next((x for x in reversed(self.lines[self.instance_start:]) if "listening on" in x), None)
+        if not listening or line is None:
             proc.kill()
             proc.wait(60)
-            raise RuntimeError("omnijax serve did not start:\n" + self.log(30))
-        line = next(x for x in reversed(self.lines) if "listening on" in x)
+            raise RuntimeError(f"omnijax serve did not start (exit status {proc.returncode}):\n" + self.log(30))
         match = re.search(r"(http://[^\s/]+:[0-9]+)", line)
         if match is None:
             raise RuntimeError(f"omnijax serve's listening line names no address: {line!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import sys
@@ -83,6 +84,12 @@ def serve_replicas(replicas: int, build: Callable[[], Any], *, host: str, port: 
         raise ValueError(f"serve_replicas needs 2 or more replicas, got {replicas}")
     port = port or free_port(host)
     on_sigterm = signal.getsignal(signal.SIGTERM)
+    # Ray Serve's proxy must answer its readiness check within 5 s by default, three times in a row; on a loaded
+    # 2-core machine (the test suite beside it) it missed, Serve replaced it and the start failed. A cluster this
+    # process starts inherits these (one set by the user wins; a joined cluster keeps its own).
+    for name, seconds in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
+                          ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
+        os.environ.setdefault(name, seconds)
     ray.init(include_dashboard=False, log_to_driver=True)  # RAY_ADDRESS: join that cluster instead
     if callable(on_sigterm):  # Ray's own handler would end this process without draining the replicas
         signal.signal(signal.SIGTERM, on_sigterm)
