@@ -349,11 +349,11 @@ def main(argv=None):
                   f"attended, {seconds:.1f} s", flush=True)
             # each configuration as it comes: a run stopped early keeps the ones it finished
             harness.write_json(out, "perplexity", dict(header(args, source), complete=False, configs=results))
+        check_budget(results, args)
     except BaseException:
         if worker is not None:
             worker.kill()
         raise
-    check_budget(results, args)
     full = np.asarray(results["full"]["nll"]) if "full" in results else None
     check = finish_check(worker, full, out)
     if check["ran"]:

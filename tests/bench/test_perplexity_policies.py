@@ -5,7 +5,8 @@ The scorer (`bench/quality/_score.py`) must compute what `chunk_step` computes u
 H2O ranks cells by the attention mass the stream accumulates, so a scorer that did not track it would evict by
 recency alone and score another cache. Oracle: a `Session` fed the same chunks under the same H2O policy (the step
 tracks the mass itself); each chunk's last token scored by the scorer equals the log-likelihood the session's last
-logits give it, and the cells the session holds never pass the budget. The resume rule is checked in plain Python.
+logits give it, and the cells the session holds never pass the budget. The resume rule and the budget refusal are
+checked in plain Python.
 """
 
 import json
@@ -54,3 +55,15 @@ def test_configs_and_resume(tmp_path):
     assert ppl_bench.resumed(tmp_path / "none", settings, ["full"]) == {}
     with pytest.raises(SystemExit, match="window"):
         ppl_bench.resumed(tmp_path, dict(settings, window=128), ["full"])
+
+
+def test_budget_refusal():
+    """A bounded configuration that attended more than window + chunk cells is refused by name; the unbounded ones
+    (full, no_slide, InfiniPot-V on text) may attend everything."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(window=256, chunk=64)
+    fine = {"full": {"max_attended": 2048}, "infinipot_v": {"max_attended": 2048}, "h2o": {"max_attended": 320}}
+    ppl_bench.check_budget(fine, args)
+    with pytest.raises(SystemExit, match="omnipick"):
+        ppl_bench.check_budget(dict(fine, omnipick={"max_attended": 321}), args)
