@@ -104,7 +104,7 @@ class Chat:
             `{"enable_thinking": True}` for thinking).
         speech_media_bytes: the most bytes of thinker rows kept for the talker at media placeholders of user turns
             (see the module's docstring); beyond it spoken answers are refused.
-        quick_start: the session's first step runs without the retention policy's trim while the full step compiles
+        quick_start: the session's first steps run without the retention policy's trim while the full step compiles
             in another thread (`Session(quick_start=True)`: the same answers, an earlier first token in a process
             whose compiled steps are not kept yet). Off with recall, which it does not combine with.
     """

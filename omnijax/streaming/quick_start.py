@@ -1,15 +1,16 @@
-"""A session's first step without the trim, while its full step compiles in another thread (`QuickStart`).
+"""A session's first steps without the trim, while its full step compiles in another thread (`QuickStart`).
 
-From an empty compilation cache, a new process's first token waits for XLA to compile the step. The retention
-policy's trim is about a fifth of that compile (SmolLM2-135M with OmniPick 512 / 384: 19.3 against 24.9 CPU s from
-`load` to the first token, medians of three), and a session's first step cannot trim when its chunk holds no more
-cells than the policy keeps untrimmed (`omnijax.retention.base.untrimmed_capacity`). The first step then runs
-`chunk_step(..., trim=False)`, which computes what the full step computes whenever the trim does not fire (the
-trim is a `lax.cond` that passes the cache through; logits and tokens bit-equal on SmolLM2 and in
-`tests/streaming/test_quick_start.py`), and a worker thread compiles the full step meanwhile
-(`CachedJit.precompile` from the arguments' shapes: the arrays themselves are donated to the first step). Every
-later step runs the full step, waiting for that compile where it has not ended. A process that finds the full step
-kept (`CachedJit.ready`: held, or on disk as a serialised executable) runs it from the first step.
+From an empty compilation cache, a new process's first token waits for XLA to compile the step, and the retention
+policy's trim is part of that compile. A session's steps cannot trim while no row holds more cells than the policy
+keeps untrimmed (`omnijax.retention.base.untrimmed_capacity`; a chat's system prompt and first question): those
+steps run `chunk_step(..., trim=False)`, which computes what the full step computes whenever the trim does not fire
+(the trim is a `lax.cond` that passes the cache through; logits and tokens bit-equal on SmolLM2 and in
+`tests/streaming/test_quick_start.py`). After each such step, once its outputs are computed, a worker thread
+compiles the full step for its arguments (`CachedJit.precompile` from their shapes: the arrays themselves are
+donated to the steps); started before, it competed with the step for the cores. A step whose full program is ready
+(`CachedJit.ready`: held, or kept on disk as a serialised executable) runs it, and so does every step once the cells
+may exceed the capacity, waiting for the worker's compile where it has not ended. Without kept executables there is
+no quick start (a worker could not hold the full step for the next call).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import jax
 import numpy as np
 
 from omnijax.chunks import Chunk
-from omnijax.kept_executables import CachedJit, abstract_arguments
+from omnijax.kept_executables import CachedJit, abstract_arguments, executables_dir
 
 _workers: list[threading.Thread] = []  # every compile a QuickStart started, for `wait_all`
 _workers_lock = threading.Lock()
@@ -39,48 +41,67 @@ def wait_all(timeout: float | None = None) -> bool:
 
 
 class QuickStart:
-    """Decides whether a session's first step runs untrimmed (`first_step_untrimmed`), and compiles the full step in
-    a worker thread when it does.
+    """Decides, step by step, whether a session's step runs untrimmed (`untrimmed_step`), and compiles the full step
+    in a worker thread after each untrimmed one (`compile_after`).
+
+    A step may run untrimmed while no row can hold more cells than the policy keeps untrimmed: `held` bounds the
+    cells any row holds (every chunk's tokens and every answer's asked tokens, summed from the empty session; trims
+    only lower it, and none can have happened while it stays within the capacity).
 
     Args:
         full: the session's full step (`CachedJit`; the trimming program).
         capacity: retained cells the policy holds without trimming (`untrimmed_capacity`).
+        answer_cap: the most answer tokens a step writes (`StreamConfig.max_answer_tokens`).
     """
 
-    def __init__(self, full: CachedJit, capacity: int):
+    def __init__(self, full: CachedJit, capacity: int, answer_cap: int):
         self.full = full
         self.capacity = capacity
-        self.untrimmed: bool | None = None  # what the first step ran (None: not run yet)
-        self.worker: threading.Thread | None = None
-        self.errors: list[BaseException] = []  # what the worker's compile raised (the step then compiles itself)
+        self.answer_cap = answer_cap
+        self.held = 0  # a bound on the cells any row holds
+        self.untrimmed_steps = 0  # steps run untrimmed so far
+        self.workers: list[threading.Thread] = []
+        self._shapes: tuple | None = None  # the last untrimmed step's full-step arguments, as shapes
+        self.errors: list[BaseException] = []  # what a worker's compile raised (the step then compiles itself)
 
-    def first_step_untrimmed(self, chunk: Chunk, args: tuple, kwargs: dict) -> bool:
-        """True when the first step should run without the trim: its chunk's cells fit the capacity (the session
-        starts empty) and the full step is not ready. The full step's compile then starts in a worker thread, from
-        the shapes of `args` / `kwargs` (the full step's arguments for this chunk)."""
-        if self.untrimmed is not None:
-            raise RuntimeError("first_step_untrimmed decides the first step only; it was decided already")
-        cells = int(np.asarray(chunk.valid).sum(axis=1).max(initial=0))
-        self.untrimmed = cells <= self.capacity and not self.full.ready(*args, **kwargs)
-        if not self.untrimmed:
-            return False
-        shapes, kw_shapes = abstract_arguments((args, kwargs))
-        self.worker = threading.Thread(target=self._compile, args=(shapes, kw_shapes), daemon=True,
-                                       name="omnijax-full-step-compile")
+    def untrimmed_step(self, chunk: Chunk, args: tuple, kwargs: dict) -> bool:
+        """Whether this step runs without the trim: after its chunk no row can hold more cells than the capacity,
+        kept executables are on, and the full step for these arguments (`args` / `kwargs`, its arguments for this
+        chunk) is not ready (held, or kept on disk). Counts the chunk's cells and asked answer tokens in `held`."""
+        valid, asked = np.asarray(chunk.valid), np.asarray(chunk.answer_tokens)
+        cells = int(valid.sum(axis=1).max(initial=0))
+        answer = int(np.minimum(asked, self.answer_cap).max(initial=0))
+        # without kept executables (`OMNIJAX_EXECUTABLE_CACHE=off`, no cache directory) a worker could not hold the
+        # full step for the next call: an untrimmed step would only add a program
+        untrimmed = (self.held + cells <= self.capacity and executables_dir() is not None
+                     and not self.full.ready(*args, **kwargs))
+        self.held += cells + answer
+        self._shapes = abstract_arguments((args, kwargs)) if untrimmed else None
+        self.untrimmed_steps += untrimmed
+        return untrimmed
+
+    def compile_after(self, outputs: Any) -> None:
+        """Compiles the full step for the last untrimmed step's arguments in a worker thread, once `outputs` (that
+        step's) are computed: started at once, it took one of a 2-core machine's cores from the step's own run."""
+        if self._shapes is None:
+            return
+        worker = threading.Thread(target=self._compile, args=(outputs, *self._shapes), daemon=True,
+                                  name="omnijax-full-step-compile")
+        self._shapes = None
+        self.workers.append(worker)
         with _workers_lock:
-            _workers.append(self.worker)
-        self.worker.start()
-        return True
+            _workers.append(worker)
+        worker.start()
 
-    def _compile(self, args: Any, kwargs: Any) -> None:
+    def _compile(self, outputs: Any, args: Any, kwargs: Any) -> None:
         try:
-            self.full.precompile(*args, **kwargs)
+            jax.block_until_ready(outputs)
+            self.full.precompile(*args, **kwargs)  # held already (an earlier worker's): returns at once
         except BaseException as error:  # noqa: BLE001 - the next step compiles the full step itself and raises
             self.errors.append(error)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits for the worker's compile (if one started); True when none is running."""
-        if self.worker is not None:
-            self.worker.join(timeout)
-            return not self.worker.is_alive()
-        return True
+        """Waits for the workers' compiles; True when none is running."""
+        for worker in self.workers:
+            worker.join(timeout)
+        return not any(worker.is_alive() for worker in self.workers)

@@ -121,7 +121,7 @@ def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False)
                       tap_answer=tap_answer)
 
 
-# A session's first step without the trim (`omnijax.streaming.quick_start`), its own function so that its compile
+# A session's first steps without the trim (`omnijax.streaming.quick_start`), its own function so that its compile
 # never waits behind the full step's, which another thread compiles meanwhile.
 @cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",))
 def _untrimmed_step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
@@ -221,12 +221,12 @@ class Session:
         state: state to continue from (copied). With recall on, a state that holds tokens comes with its host
             tier: resume it with `Session.resume` (a `SessionSnapshot`), not `state=` alone.
         tier: the `RecallSnapshot` taken with `state` (`Session.resume` passes it).
-        quick_start: run the first step without the retention policy's trim while the full step compiles in
-            another thread, when the first chunk fits what the policy holds untrimmed and the full step is not
+        quick_start: run the first steps without the retention policy's trim while the full step compiles in
+            another thread, as long as the cells fed fit what the policy holds untrimmed and the full step is not
             already compiled or kept (`omnijax.streaming.quick_start`; the same results, a shorter wait for the
             first token of a new process). `Chat` turns it on when recall is off. Refused with `state` or recall.
-            The session's `quick_start` is then its `QuickStart` (what the first step ran; `wait()` joins the
-            compile), None without.
+            The session's `quick_start` is then its `QuickStart` (`untrimmed_steps`; `wait()` joins the
+            compiles), None without.
 
     Example:
         session = Session(model, StreamConfig(num_pages=64, max_answer_tokens=16))
@@ -238,7 +238,7 @@ class Session:
                  **fields: Any):
         self.stream_config = bind_config(model, config, allow_recall=True, **fields)
         if quick_start and (state is not None or self.stream_config.recall is not None):
-            raise ValueError("quick_start runs a new session's first step untrimmed; it does not combine with "
+            raise ValueError("quick_start runs a new session's first steps untrimmed; it does not combine with "
                              f"{'state=' if state is not None else 'recall'} (leave quick_start False)")
         self._graphdef, self._params = model_parts(model)
         self.config = graphdef_config(model)
@@ -267,8 +267,9 @@ class Session:
         elif tier is not None:
             raise ValueError("tier= was given but recall is off: give StreamConfig(recall=Recall(...))")
         self._hold = False
-        # the first step without the trim while the full one compiles (a session that starts empty, no recall)
-        self.quick_start = QuickStart(_step, untrimmed_capacity(self._step_config.policy)) if quick_start else None
+        # the first steps without the trim while the full one compiles (a session that starts empty, no recall)
+        self.quick_start = QuickStart(_step, untrimmed_capacity(self._step_config.policy),
+                                      self._step_config.max_answer_tokens) if quick_start else None
         # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
         self._unread: collections.deque | None = collections.deque()
 
@@ -307,10 +308,12 @@ class Session:
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         more = {"tap_answer": True} if tap_answer else {}  # (the kept program's key unchanged without it)
         step = _step
-        if quick is not None and quick.untrimmed is None and quick.first_step_untrimmed(
+        if quick is not None and quick.untrimmed_step(
                 chunk, (self._graphdef, self._params, self.state, chunk), dict(config=config, tap=tap, **more)):
             step = _untrimmed_step
         self.state, out = step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap, **more)
+        if step is _untrimmed_step:
+            quick.compile_after(out)  # the full step, once this step's outputs are computed
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():

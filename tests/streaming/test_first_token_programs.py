@@ -74,7 +74,7 @@ def test_a_chat_compiles_two_programs_before_its_first_token(model, empty_cache)
     on_path = [name for name in before_first if name != "jit(_step)"]
     assert sorted(on_path) == ["jit(_untrimmed_step)", "jit(init_state)"], before_first
     quick = chat.session.quick_start
-    assert quick.untrimmed is True and quick.wait() and not quick.errors  # the worker's compile ran
+    assert quick.untrimmed_steps >= 1 and quick.wait() and not quick.errors  # the workers' compiles ran
     assert session_lib._step.stats["compiled"] == kept_step["compiled"] + 1
     # compiled here (the cache is empty) and kept like the step
     assert session_lib._empty_state.stats["compiled"] == kept_before["compiled"] + 1

@@ -57,8 +57,8 @@ def test_the_first_step_runs_untrimmed_and_every_step_equals_the_full_program(mo
     chunks = _chunks(model.decoder.config.vocab_size, [20, 24, 24, 24])  # 20 (+4 answered) fits 40; the later ones trim
     full, untrimmed = _stats(session_lib._step), _stats(session_lib._untrimmed_step)
     quick, got, got_state = _run(model, chunks, quick_start=True)
-    assert quick.quick_start.untrimmed is True and quick.quick_start.wait() and not quick.quick_start.errors
-    assert quick_start.wait_all() and not quick.quick_start.worker.is_alive()
+    assert quick.quick_start.untrimmed_steps == 1 and quick.quick_start.wait() and not quick.quick_start.errors
+    assert quick_start.wait_all() and not any(w.is_alive() for w in quick.quick_start.workers)
     assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1
     # the full step was compiled once, in the worker thread, while the first step ran; the later steps ran it
     assert session_lib._step.stats["compiled"] == full["compiled"] + 1
@@ -72,6 +72,21 @@ def test_the_first_step_runs_untrimmed_and_every_step_equals_the_full_program(mo
             np.testing.assert_array_equal(x, y)
     for x, y in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_steps_run_untrimmed_while_the_cells_fit_and_the_full_step_is_not_ready(model, empty_cache):
+    """A chat's system prompt and first question both fit: the second step also runs untrimmed while the worker
+    compiles, and a step once the full step is held runs it."""
+    vocab = model.decoder.config.vocab_size
+    session = omnijax.Session(model, CONFIG, quick_start=True)
+    first, second, third = _chunks(vocab, [6, 6, 6])
+    session.feed(first)
+    session.feed(second)  # 6 + 4 + 6 <= 40; the worker may or may not have ended: either program computes the same
+    assert 1 <= session.quick_start.untrimmed_steps <= 2 and session.quick_start.held == 20
+    assert session.quick_start.wait() and not session.quick_start.errors
+    before = session.quick_start.untrimmed_steps
+    session.feed(third)  # fits too, but the full step is held now: it runs
+    assert session.quick_start.untrimmed_steps == before and session.quick_start.held == 30
 
 
 def test_the_full_step_from_the_start_when_kept_or_when_the_first_chunk_could_trim(model, empty_cache):
