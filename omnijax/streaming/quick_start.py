@@ -85,7 +85,9 @@ class QuickStart:
         step's) are computed: started at once, it took one of a 2-core machine's cores from the step's own run."""
         if self._shapes is None:
             return
-        worker = threading.Thread(target=self._compile, args=(outputs, *self._shapes), daemon=True,
+        # not a daemon: a process that ends while XLA compiles in a daemon thread aborts ("terminate called after
+        # throwing an instance of ''": the first_token bench's kept side); the interpreter waits for this one
+        worker = threading.Thread(target=self._compile, args=(outputs, *self._shapes), daemon=False,
                                   name="omnijax-full-step-compile")
         self._shapes = None
         self.workers.append(worker)

@@ -7,6 +7,11 @@ and later steps that trim. The programs are counted (`CachedJit.stats`) in an em
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -26,8 +31,13 @@ CONFIG = omnijax.StreamConfig(policy=POLICY, page_size=16, num_pages=8, max_answ
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return omnijax.load(tiny_omni.checkpoint(tmp_path_factory.mktemp("quick_start"), tokenizer=True))
+def checkpoint(tmp_path_factory):
+    return tiny_omni.checkpoint(tmp_path_factory.mktemp("quick_start"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return omnijax.load(checkpoint)
 
 
 @pytest.fixture
@@ -110,3 +120,32 @@ def test_quick_start_is_refused_with_a_given_state_or_recall(model):
         omnijax.Session(model, CONFIG.replace(recall=Recall(budget=16)), quick_start=True)
     chat = omnijax.Chat(model, CONFIG.replace(recall=Recall(budget=16)))  # Chat turns it off with recall
     assert chat.session.quick_start is None
+
+
+# A process that ends right after its first step, its full step still compiling in the worker.
+EXITS_EARLY = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import omnijax
+    from omnijax.chunks import text_chunk
+    from omnijax.retention import OmniPick
+    omnijax.enable_compilation_cache(sys.argv[2])
+    model = omnijax.load(sys.argv[1])
+    config = omnijax.StreamConfig(policy=OmniPick(high_watermark=40, low_watermark=28, text_budget=8), page_size=16,
+                                  num_pages=8, max_answer_tokens=4)
+    session = omnijax.Session(model, config, quick_start=True)
+    out = session.feed(text_chunk(np.arange(10, 20), length=24, answer_tokens=4))
+    print(session.quick_start.untrimmed_steps, np.asarray(out.tokens).tolist(), flush=True)
+""")
+
+
+def test_a_process_ending_while_the_full_step_compiles_waits_for_it(checkpoint, tmp_path):
+    """The worker is not a daemon: a process that ended while XLA compiled in a daemon thread aborted (SIGABRT,
+    "terminate called after throwing an instance of ''"). It exits cleanly, with the full step kept for the next."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIJAX_EXECUTABLE")}
+    done = subprocess.run([sys.executable, "-c", EXITS_EARLY, str(checkpoint), str(tmp_path / "cache")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == "1"
+    kept = list((tmp_path / "cache" / "executables").glob("*/*.exe"))
+    assert len(kept) >= 3, kept  # the empty state, the untrimmed step and the worker's full step
