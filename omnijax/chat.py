@@ -105,13 +105,14 @@ class Chat:
         speech_media_bytes: the most bytes of thinker rows kept for the talker at media placeholders of user turns
             (see the module's docstring); beyond it spoken answers are refused.
         quick_start: the session's first steps run without the retention policy's trim while the full step compiles
-            in another thread (`Session(quick_start=True)`: the same answers, an earlier first token in a process
-            whose compiled steps are not kept yet). Off with recall, which it does not combine with.
+            in another thread (`Session(quick_start=True)`: the same answers). Off by default: on SmolLM2 it has not
+            yet brought the first token of a process with an empty cache sooner (`omnijax.streaming.quick_start`).
+            Refused with recall.
     """
 
     def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,
                  video_kwargs: Mapping[str, Any] | None = None, template_variables: Mapping[str, Any] | None = None,
-                 speech_media_bytes: int = DEFAULT_SPEECH_MEDIA_BYTES, quick_start: bool = True):
+                 speech_media_bytes: int = DEFAULT_SPEECH_MEDIA_BYTES, quick_start: bool = False):
         if isinstance(speech_media_bytes, bool) or not isinstance(speech_media_bytes, int) or speech_media_bytes < 0:
             raise ValueError(f"speech_media_bytes must be an int >= 0, got {speech_media_bytes!r}")
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
@@ -127,7 +128,7 @@ class Chat:
         self.conversation = Conversation(model, self.tokenizer, template_variables=template_variables)
         self.config = bind_config(model, config, allow_recall=True)  # recall: the session holds it over each answer
         self.units_builder = self.conversation.units
-        self.session = Session(model, self.config, quick_start=quick_start and self.config.recall is None)
+        self.session = Session(model, self.config, quick_start=quick_start)
         self.units: list[UnitRecord] = []
         self.steps: list[StepRecord] = []
         self._pending = None  # the iterator of an answer being streamed

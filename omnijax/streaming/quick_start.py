@@ -11,6 +11,13 @@ donated to the steps); started before, it competed with the step for the cores. 
 (`CachedJit.ready`: held, or kept on disk as a serialised executable) runs it, and so does every step once the cells
 may exceed the capacity, waiting for the worker's compile where it has not ended. Without kept executables there is
 no quick start (a worker could not hold the full step for the next call).
+
+Measured (`bench/peers/first_token.py`, SmolLM2-135M, OmniPick 512 / 384, 2026-12-07): compiling the step untrimmed
+takes 5.2-6.6 s against 6.9-7.6 s for the full step, but the first token of a process with an empty cache did not
+come sooner (with the worker started at once: 18.8-24.3 s against transformers' 7.0-8.9 s; the chat's system prompt
+ran untrimmed and its question waited for the worker's full step), and one run of the bench's kept side, with
+quick start in the priming process before it, aborted at exit ("terminate called after throwing an instance of ''")
+and was not reproduced alone. So `Chat` leaves it off by default.
 """
 
 from __future__ import annotations

@@ -223,8 +223,9 @@ class Session:
         tier: the `RecallSnapshot` taken with `state` (`Session.resume` passes it).
         quick_start: run the first steps without the retention policy's trim while the full step compiles in
             another thread, as long as the cells fed fit what the policy holds untrimmed and the full step is not
-            already compiled or kept (`omnijax.streaming.quick_start`; the same results, a shorter wait for the
-            first token of a new process). `Chat` turns it on when recall is off. Refused with `state` or recall.
+            already compiled or kept (`omnijax.streaming.quick_start`: the same results; meant to shorten a new
+            process's wait for its first token, not yet shown on SmolLM2). `Chat(quick_start=True)` passes it
+            on. Refused with `state` or recall.
             The session's `quick_start` is then its `QuickStart` (`untrimmed_steps`; `wait()` joins the
             compiles), None without.
 

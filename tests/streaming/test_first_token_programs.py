@@ -1,5 +1,5 @@
 """What a new process compiles before a chat's first token: the session's empty state and its first step, two
-programs (the first step without the trim: `Session(quick_start=True)`, which `Chat` turns on).
+programs (with `Chat(quick_start=True)`, the first step without the trim).
 
 With an empty compilation cache every program on the way to the first token is compiled in the process. Built
 eagerly, the empty state's ~25 `jnp` constructors each compiled a program of their own, `jnp.asarray` of a chunk's
@@ -60,7 +60,7 @@ def test_a_chat_compiles_two_programs_before_its_first_token(model, empty_cache)
         with jax.log_compiles(True):
             chat = omnijax.Chat(model, omnijax.StreamConfig(
                 policy=OmniPick(high_watermark=64, low_watermark=48, text_budget=16), page_size=16, num_pages=12,
-                max_answer_tokens=4))
+                max_answer_tokens=4), quick_start=True)
             chat.system("You are a helpful assistant.")
             answer = chat.ask("What is the capital of France?", max_tokens=4)
             first = next(answer)

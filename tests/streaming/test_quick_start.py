@@ -118,8 +118,9 @@ def test_quick_start_is_refused_with_a_given_state_or_recall(model):
         omnijax.Session(model, CONFIG, state=session.state, quick_start=True)
     with pytest.raises(ValueError, match="quick_start .* recall"):
         omnijax.Session(model, CONFIG.replace(recall=Recall(budget=16)), quick_start=True)
-    chat = omnijax.Chat(model, CONFIG.replace(recall=Recall(budget=16)))  # Chat turns it off with recall
-    assert chat.session.quick_start is None
+    assert omnijax.Chat(model, CONFIG).session.quick_start is None  # off by default
+    with pytest.raises(ValueError, match="quick_start .* recall"):
+        omnijax.Chat(model, CONFIG.replace(recall=Recall(budget=16)), quick_start=True)
 
 
 # A process that ends right after its first step, its full step still compiling in the worker.
