@@ -59,7 +59,7 @@ def _mark(marks: dict, stage: str) -> None:
     marks[stage + "_cpu"] = time.process_time()
 
 
-def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
+def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int, quick_start: bool = False) -> str:
     import jax
 
     handed, hits = [], []  # programs handed to XLA (compiled, or read from its cache); of those, read from its cache
@@ -75,13 +75,14 @@ def _omnijax(model_dir: Path, cache: str, marks: dict, max_tokens: int) -> str:
     jax.monitoring.register_event_duration_secs_listener(compiled)
     jax.monitoring.register_event_listener(hit)
     try:  # removed after the turn: a --smoke run's worker runs inside a process that goes on (`run_one`)
-        return _omnijax_turn(model_dir, cache, marks, max_tokens, handed, hits)
+        return _omnijax_turn(model_dir, cache, marks, max_tokens, handed, hits, quick_start)
     finally:
         jax.monitoring.unregister_event_duration_listener(compiled)
         jax.monitoring.unregister_event_listener(hit)
 
 
-def _omnijax_turn(model_dir: Path, cache: str, marks: dict, max_tokens: int, handed: list, hits: list) -> str:
+def _omnijax_turn(model_dir: Path, cache: str, marks: dict, max_tokens: int, handed: list, hits: list,
+                  quick_start: bool = False) -> str:
     import omnijax
     from omnijax.retention import OmniPick
 
@@ -91,7 +92,7 @@ def _omnijax_turn(model_dir: Path, cache: str, marks: dict, max_tokens: int, han
     _mark(marks, "loaded")
     config = omnijax.StreamConfig(policy=OmniPick(high_watermark=512, low_watermark=384, text_budget=128),
                                   page_size=16, num_pages=68, max_answer_tokens=16)
-    chat = omnijax.Chat(model, config)
+    chat = omnijax.Chat(model, config, quick_start=quick_start)
     chat.system(SYSTEM)
     answer = []
     for delta in chat.ask(QUESTION, max_tokens=max_tokens):
@@ -131,13 +132,13 @@ def _transformers(model_dir: Path, marks: dict, max_tokens: int) -> str:
     return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS) -> dict:
+def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, quick_start: bool = False) -> dict:
     """One chat turn in this process; returns the wall-clock time of each stage and the answer."""
     marks: dict[str, float] = {}
     if side == "transformers":
         answer = _transformers(models / "hf", marks, max_tokens)
     else:
-        answer = _omnijax(models / "omnijax", cache, marks, max_tokens)
+        answer = _omnijax(models / "omnijax", cache, marks, max_tokens, quick_start)
     _mark(marks, "answered")
     return {"marks": marks, "answer": answer}
 
@@ -190,7 +191,8 @@ def smoke_models(out: Path) -> tuple[Path, Path]:
     return gguf_path, root / "models"
 
 
-def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, *, inline: bool = False) -> dict:
+def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, *, inline: bool = False,
+            quick_start: bool = False) -> dict:
     """`side`'s chat turn in a fresh process: seconds from the process's start to each stage.
 
     `inline` (`--smoke`, a check that the script runs): the worker runs in this process (`harness.run_worker`), so
@@ -204,7 +206,8 @@ def run_one(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, *
     cpu_start = time.process_time() if inline else 0.0
     start = time.time()
     done = harness.run_worker(harness.module_command(__spec__.name, "--worker", side, "--models", models, "--cache",
-                                                     cache, "--max-tokens", max_tokens),
+                                                     cache, "--max-tokens", max_tokens,
+                                                     *(["--quick-start"] if quick_start else [])),
                               inline=inline, env=env, timeout=1800)
     exited = time.time()
     if done.returncode != 0:
@@ -221,6 +224,9 @@ def main(argv=None) -> int:
     p = harness.parser(__doc__)
     p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--rounds", type=int, default=5, help="runs per side (alternating order)")
+    p.add_argument("--quick-start", action="store_true",
+                   help="the omnijax sides' Chat runs its first steps untrimmed while the full step compiles "
+                        "(Chat(quick_start=True), omnijax.streaming.quick_start)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)  # one chat turn in this process
     p.add_argument("--models", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.worker:
-        print(json.dumps(worker(args.worker, Path(args.models), args.cache, args.max_tokens)))
+        print(json.dumps(worker(args.worker, Path(args.models), args.cache, args.max_tokens, args.quick_start)))
         return 0
     out = harness.output_dir(args)
     with tempfile.TemporaryDirectory(prefix="first_token_") as tmp:
@@ -250,7 +256,8 @@ def main(argv=None) -> int:
         else:
             warm_cache = str(work / "warm_cache")
             print("priming the warm cache", flush=True)
-            run_one("omnijax_kept", models, warm_cache, args.max_tokens)  # fills both caches: XLA compiles anew
+            run_one("omnijax_kept", models, warm_cache, args.max_tokens,  # fills both caches: XLA compiles anew
+                    quick_start=args.quick_start)
         rows = []
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
@@ -258,7 +265,8 @@ def main(argv=None) -> int:
                 cache = warm_cache if side != "omnijax_cold" else tempfile.mkdtemp(dir=work, prefix="cold_cache_")
                 if args.smoke and side == "omnijax_cold":  # a check: the cold side loads what the warm one compiled
                     cache = warm_cache
-                row = dict(run_one(side, models, cache, args.max_tokens, inline=args.smoke), round=r)
+                row = dict(run_one(side, models, cache, args.max_tokens, inline=args.smoke,
+                                   quick_start=args.quick_start), round=r)
                 rows.append(row)
                 print(f"  round {r + 1}/{args.rounds} {side:13s} first token {row['first_token_s']:.2f} s, "
                       f"{row['first_token_cpu_s']:.2f} CPU s (imported {row['imported_s']:.2f}, loaded "
@@ -286,6 +294,7 @@ def main(argv=None) -> int:
         print(f"  {s}: {answers[s]!r}")
     harness.write_json(out, "first_token", {
         "gguf": gguf_path.name, "smoke": bool(args.smoke), "rounds": args.rounds, "max_tokens": args.max_tokens,
+        "quick_start": args.quick_start,
         "question": QUESTION,
         "rows": rows, "median_s": summary, "first_token_ratio_over_transformers": ratio,
         "first_token_cpu_s": cpu, "first_token_cpu_ratio_over_transformers": cpu_ratio, "answers": answers})
