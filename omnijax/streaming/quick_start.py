@@ -12,12 +12,12 @@ donated to the steps); started before, it competed with the step for the cores. 
 may exceed the capacity, waiting for the worker's compile where it has not ended. Without kept executables there is
 no quick start (a worker could not hold the full step for the next call).
 
-Measured (`bench/peers/first_token.py`, SmolLM2-135M, OmniPick 512 / 384, 2026-12-07): compiling the step untrimmed
-takes 5.2-6.6 s against 6.9-7.6 s for the full step, but the first token of a process with an empty cache did not
-come sooner (with the worker started at once: 18.8-24.3 s against transformers' 7.0-8.9 s; the chat's system prompt
-ran untrimmed and its question waited for the worker's full step), and one run of the bench's kept side, with
-quick start in the priming process before it, aborted at exit ("terminate called after throwing an instance of ''")
-and was not reproduced alone. So `Chat` leaves it off by default.
+Measured (`bench/peers/first_token.py --quick-start` against the default, SmolLM2-135M, OmniPick 512 / 384, back to
+back on 2 cores, 2026-12-07): the untrimmed step compiles in 5.2-6.6 s against 6.9-7.6 s for the full step; a
+process with an empty cache reached its first token in 15.1-17.2 s / 20.2-22.8 CPU s with quick start against
+16.1-17.3 s / 22.0-23.8 CPU s without (about 2 CPU s, the wall within noise). One bench run of the kept side, after
+a priming process that used quick start, aborted at exit ("terminate called after throwing an instance of ''") and
+was not reproduced since. So `Chat` leaves it off by default.
 """
 
 from __future__ import annotations
