@@ -313,12 +313,14 @@ class CachedJit:
     def _keys(self, args: tuple, kwargs: dict, abstract: bool = False) -> tuple | None:
         """(memory key, static values, tree, signature, dynamic positional args, dynamic keyword args) of a call, or
         None when the call goes to the plain jit (no cache directory, jit off, a mesh, arguments an executable
-        cannot take as they are)."""
+        cannot take as they are). A call (not `abstract`) that the plain jit serves for its mesh or its arguments
+        counts in `stats["plain"]`."""
         directory = executables_dir()
         if directory is None or jax.config.jax_disable_jit:  # type: ignore[attr-defined]  # a flag jax's stubs omit
             return None
         static, dyn_args, dyn_kwargs = self._split(args, kwargs)
         if any(isinstance(value, jax.sharding.Mesh) for _, value in static):  # a program over several devices
+            self.stats["plain"] += not abstract
             return None
         leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
         signature = _signature(leaves, _default_device(), abstract)
@@ -328,6 +330,7 @@ class CachedJit:
         except TypeError:
             signature = None
         if signature is None:
+            self.stats["plain"] += not abstract
             return None
         return memory_key, static, treedef, signature, dyn_args, dyn_kwargs
 
@@ -372,8 +375,6 @@ class CachedJit:
         keyword args)."""
         keys = self._keys(args, kwargs)
         if keys is None:
-            if executables_dir() is not None and not jax.config.jax_disable_jit:  # type: ignore[attr-defined]
-                self.stats["plain"] += 1
             return None, (), {}
         memory_key, static, treedef, signature, dyn_args, dyn_kwargs = keys
         directory = executables_dir()
