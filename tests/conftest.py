@@ -102,6 +102,7 @@ SLOW_FIRST = (
     "serve/engine/test_engine_recall_paging.py", "streaming/test_recall_int8.py", "streaming/test_recall_paging.py",
     "serve/engine/test_speech_pool_qwen25.py", "chat/test_talker_window_qwen3.py", "chat/test_talker_window_qwen25.py",
     "serve/engine/test_engine_snapshot_int8.py", "chat/test_chat_speak_early_qwen25.py",
+    "serve/engine/test_speech_early_qwen25.py",
 )
 
 

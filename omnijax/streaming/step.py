@@ -117,9 +117,8 @@ def _empty_logprobs(B: int, tau: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 def decode_token(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key: jax.Array, logits: jax.Array,
                  active: jax.Array, i: jax.Array | int, history: jax.Array, unit: jax.Array, config: StreamConfig,
                  track_scores: bool, sampling: jax.Array | None = None, counts: jax.Array | None = None,
-                 seen: jax.Array | None = None, mask: jax.Array | None = None
-                 ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array,
-                            tuple[jax.Array, jax.Array, jax.Array]]:
+                 seen: jax.Array | None = None, mask: jax.Array | None = None, tap_answer: bool = False
+                 ) -> tuple:
     """One answer token for every row (the body of the fused answer loop, and the host-driven engine's step).
 
     Rows draw from `logits [B, V]` (the logits after each row's last fed token) with `config.decoding`; `active [B]`
@@ -133,9 +132,12 @@ def decode_token(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key
 
     Returns `(kv, next_pos, key, logits, token [B], counts, seen, logprobs)`, `logprobs` the `(chosen [B], top ids,
     top logprobs [B, K])` of rows that ask for them (`omnijax.decoding.row_logprobs`; zeros unless per-row).
+    `tap_answer` (static): a ninth element, the token's final-normed last-layer row `[B, D]` (what
+    `chunk_step(..., tap_answer=True)` keeps per answer token); False: the program without it.
     """
-    return _decode(model, kv, next_pos, key, logits, active, i, history, unit, config, track_scores, sampling, counts,
-                   seen, mask)[:8]
+    out = _decode(model, kv, next_pos, key, logits, active, i, history, unit, config, track_scores, sampling, counts,
+                  seen, mask)
+    return out[:8] if not tap_answer else (*out[:8], _final_normed(model, out[8]))
 
 
 def _decode(model: Decoder, kv: paged_lib.PagedKV, next_pos: jax.Array, key: jax.Array, logits: jax.Array,

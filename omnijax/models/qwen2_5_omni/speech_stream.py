@@ -36,7 +36,33 @@ from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream
 from omnijax.models.speech import token_ids
 
-__all__ = ["AnswerSpeech"]
+__all__ = ["AnswerSpeech", "answer_talker_rows"]
+
+
+def answer_talker_rows(model: OmniModel, tokens: Any, rows: Any, placeholders: Sequence[int] = ()
+                       ) -> tuple[np.ndarray, jax.Array, jax.Array, jax.Array]:
+    """Answer tokens and their final-normed thinker rows (`ChunkOutput.answer_rows`, `FrameOutput.answer_rows`),
+    checked, as the talker reads them: `(ids [n], embeds [n, Dt], hidden [n, Dt], talker rows [n, Dt] float32)`, the
+    talker row of a token its final-normed row plus its embedding (`talker_forward.talker_prompt`'s sum; the
+    embedding recomputed from the id, `Decoder.embed_tokens`). `AnswerSpeech` and the engine's speech pool
+    (`omnijax.serve.engine.speech_qwen25`) both compute them here, so their talkers read the same values.
+
+    Raises:
+        ValueError: ids outside the vocabulary, rows not `[n, hidden_size]`, a media placeholder id (`placeholders`)
+            in the answer.
+    """
+    ids = token_ids("tokens", np.asarray(list(tokens), np.int64), model.config.vocab_size)
+    width = model.config.hidden_size
+    if rows is None or len(np.shape(rows)) != 2 or np.shape(rows) != (ids.size, width):
+        raise ValueError(f"rows must be [{ids.size}, {width}] (each token's final-normed row, "
+                         f"ChunkOutput.answer_rows), got {None if rows is None else np.shape(rows)}")
+    held = {int(i) for i in placeholders} & {int(t) for t in ids}
+    if held:
+        raise ValueError(f"the answer holds multimodal placeholder ids {sorted(held)}; an answer is text")
+    decoder = model.decoder
+    embeds = decoder.embed_tokens(jnp.asarray(ids[None], jnp.int32))[0]
+    hidden = jnp.asarray(rows, decoder.config.jnp_dtype)
+    return ids, embeds, hidden, (hidden + embeds).astype(jnp.float32)  # as talker_forward.talker_prompt sums them
 
 
 class AnswerSpeech:
@@ -102,22 +128,12 @@ class AnswerSpeech:
     def _add(self, tokens: Sequence[int], rows: Any) -> None:
         if self._finished:
             raise ValueError("this answer has ended (finish was called): nothing more can be added")
-        ids = token_ids("tokens", np.asarray(list(tokens), np.int64), self._model.config.vocab_size)
-        if not ids.size:
+        if not len(tokens):
             return
-        width = self._model.config.hidden_size
-        if rows is None or np.shape(rows)[-2:] != (ids.size, width) or len(np.shape(rows)) != 2:
-            raise ValueError(f"rows must be [{ids.size}, {width}] (each token's final-normed row, "
-                             f"ChunkOutput.answer_rows), got {None if rows is None else np.shape(rows)}")
-        held = self._placeholders & {int(t) for t in ids}
-        if held:
-            raise ValueError(f"the answer holds multimodal placeholder ids {sorted(held)}; an answer is text")
-        decoder = self._model.decoder
-        embeds = decoder.embed_tokens(jnp.asarray(ids[None], jnp.int32))[0]
-        hidden = jnp.asarray(rows, decoder.config.jnp_dtype)
+        ids, embeds, hidden, talker_rows = answer_talker_rows(self._model, tokens, rows, self._placeholders)
         if self._first is None:
             self._first = (embeds[:1], hidden[:1])
-        self._rows += list((hidden + embeds).astype(jnp.float32))  # as talker_forward.talker_prompt sums them
+        self._rows += list(talker_rows)
         self.generated += [int(t) for t in ids]
 
     def _run(self) -> Iterator[np.ndarray]:

@@ -33,42 +33,48 @@ if TYPE_CHECKING:
 OnToken = Callable[[str, int, "tuple | None"], bool]
 
 
-@cached_jit(static_argnames=("graphdef", "config", "answer"), donate_argnames=("state",))
+@cached_jit(static_argnames=("graphdef", "config", "answer", "tap_answer"), donate_argnames=("state",))
 def engine_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, chunk: Chunk, *,
-                config: StreamConfig, answer: bool = True) -> tuple[StreamState, tuple]:
+                config: StreamConfig, answer: bool = True, tap_answer: bool = False) -> tuple[StreamState, tuple]:
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
     dropped [B], num_free [], table_full [B], logprobs))`, `logprobs` the step's `(chosen, top ids, top logprobs)`
-    (None unless the strategy is per-row). `answer=False`: the prefill of a host-driven tick (no answer tokens)."""
+    (None unless the strategy is per-row). `answer=False`: the prefill of a host-driven tick (no answer tokens).
+    `tap_answer` (static): an eighth output, `answer_rows [B, tau, D]`, each answer token's final-normed
+    last-layer row (`chunk_step(..., tap_answer=True)`: what Qwen2.5-Omni's talker reads); False: the program
+    without it (pass it only when True: the kept program's key is then unchanged)."""
     model = nnx.merge(graphdef, params)
-    state, out = chunk_step(model, state, chunk, config, answer=answer)
+    state, out = chunk_step(model, state, chunk, config, answer=answer, **({"tap_answer": True} if tap_answer else {}))
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
     logprobs = None if out.logprobs is None else (out.logprobs, out.top_ids, out.top_logprobs)
     outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full, logprobs)
+    if tap_answer:
+        outputs += (out.answer_rows,)
     return dataclasses.replace(state, kv=kv), outputs
 
 
-@cached_jit(static_argnames=("graphdef", "config"), donate_argnames=("state",))
+@cached_jit(static_argnames=("graphdef", "config", "tap_answer"), donate_argnames=("state",))
 def token_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, history: jax.Array | np.ndarray,
                i: jax.Array | np.integer, active: jax.Array | np.ndarray, unit: jax.Array,
                sampling: jax.Array | None, mask: jax.Array | np.ndarray | None, *,
-               config: StreamConfig) -> tuple[StreamState, tuple]:
+               config: StreamConfig, tap_answer: bool = False) -> tuple[StreamState, tuple]:
     """One answer token for every row of the bucket (`decode_token`; only `active [B]` rows advance), in place.
 
     `history [B, tau]` int32: the tick's answer tokens so far (-1 = none); `i`: the token's index in the tick;
     `unit [B]`: the answer units; `sampling [B, ROW_WIDTH]` (None unless per-row); `mask [B, ceil(V / 32)]` int32
     or None (a program without it). Returns `(state, (token [B], logprobs, exhausted [B], dropped [B], num_free []))`,
-    `logprobs` `(chosen [B], top ids, top logprobs [B, K])`.
+    `logprobs` `(chosen [B], top ids, top logprobs [B, K])`; `tap_answer` (static): a sixth output, the token's
+    final-normed last-layer row `[B, D]` (`decode_token(..., tap_answer=True)`; pass it only when True).
     """
     model = nnx.merge(graphdef, params)
     if sampling is None and getattr(config.decoding, "per_row", False):
         sampling = config.decoding.rows(active.shape[0])
     track = getattr(config.policy, "needs_scores", False)
-    kv, next_pos, key, logits, token, counts, seen, lps = decode_token(
+    kv, next_pos, key, logits, token, counts, seen, lps, *row = decode_token(
         model, state.kv, state.next_pos, state.key, state.last_logits, active, i, history, unit, config, track,
-        sampling, state.counts, state.seen, mask)
+        sampling, state.counts, state.seen, mask, **({"tap_answer": True} if tap_answer else {}))
     state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=logits, counts=counts, seen=seen)
-    return state, (token, lps, kv.exhausted, kv.dropped, kv.num_free)
+    return state, (token, lps, kv.exhausted, kv.dropped, kv.num_free, *row)
 
 
 def frame_logprobs(chunk: Chunk, logprobs: tuple | None, row: int, n: int) -> list | None:
@@ -114,10 +120,12 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     `on_token(sid, token, logprob entry)` (a row whose callback returns True ends now); a row with a constraint
     draws under its `bitmask()`, then `accept`s the token (a stop token too), and ends once `finished()`.
 
-    Returns `(result, ends)`: `result` as the fused step's host copy (`engine_step`'s outputs), `ends` the rows that
-    ended early by their constraint ({sid: `RowEnd`}).
+    Returns `(result, ends)`: `result` as the fused step's host copy (`engine_step`'s outputs; with
+    `engine.taps_answer`, its eighth, each token's final-normed row `[B, tau, D]`), `ends` the rows that ended early
+    by their constraint ({sid: `RowEnd`}).
     """
     graphdef, params, config = engine._graphdef, engine._params, engine._stream
+    tap = {"tap_answer": True} if engine.taps_answer else {}  # (static; the programs without it unchanged)
     engine.state, pre = engine_step(graphdef, params, engine.state, batch, config=config, answer=False)
     logits, _, exhausted, dropped, num_free, table_full, _ = jax.device_get(jax.block_until_ready(pre))
     B, tau = batch.answer_tokens.shape[0], config.max_answer_tokens
@@ -137,6 +145,7 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     # copied to the device once per tick, not once per token
     sampling = None if batch.sampling is None else jax.device_put(np.asarray(batch.sampling, np.float32))
     unit = jax.device_put(np.asarray(batch.answer_unit, np.int32))
+    rows = np.zeros((B, tau, engine.model_config.hidden_size), np.float32) if tap else None
     stepped = False
     for i in range(tau):
         mask = None
@@ -152,11 +161,13 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
         if not active.any():
             break
         engine.state, out = token_step(graphdef, params, engine.state, tokens, np.int32(i), active, unit, sampling,
-                                       mask, config=config)
-        token, lps, exhausted, dropped, num_free = jax.device_get(out)
+                                       mask, config=config, **tap)
+        token, lps, exhausted, dropped, num_free, *row = jax.device_get(out)
         for r in np.flatnonzero(active):
             t = int(token[r])
             tokens[r, i] = t
+            if rows is not None:
+                rows[r, i] = row[0][r]
             entry = None
             if logprobs is not None:
                 for whole, one in zip(logprobs, lps):
@@ -181,4 +192,5 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
         stepped = True
     if stepped:  # [B] after the last write (the fused step reads it after its answer too)
         table_full = np.all(np.asarray(engine.state.kv.page_table) >= 0, axis=1)
-    return (logits, tokens, exhausted, dropped, num_free, table_full, logprobs), ends
+    result = (logits, tokens, exhausted, dropped, num_free, table_full, logprobs)
+    return (result if rows is None else (*result, rows)), ends

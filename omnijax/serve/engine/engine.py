@@ -124,6 +124,12 @@ class Engine:
         self._unkeyed: dict[str, np.ndarray] = {}  # sessions whose row has not received its sampling key yet
         # the speaking sessions' talkers and vocoders (`omnijax.serve.engine.speech`), run on every tick
         self.speech: AnyPool | None = None if config.speech is None else speech_pool(model, config.speech)
+        # the decode programs return each answer token's final-normed row (`FrameOutput.answer_rows`): the rows
+        # a Qwen2.5-Omni talker reads to speak an answer still being written (`SpeechConfig.early_start`)
+        self.taps_answer = bool(getattr(self.speech, "reads_rows", False))
+        if self.taps_answer and self.recall is not None:
+            raise ValueError("SpeechConfig(early_start=True) (answer rows for Qwen2.5-Omni's early speech) is not "
+                             "supported with StreamConfig(recall=...) yet: serve without one of the two")
 
     # ------------------------------------------------------------------------------------------ sessions
     @property
@@ -327,7 +333,8 @@ class Engine:
                 result, ends = host_tick(self, batch, frames, on_token, constraints)
             else:
                 self.state, result = engine_step(self._graphdef, self._params, self.state, batch,
-                                                 config=self._stream)
+                                                 config=self._stream,
+                                                 **({"tap_answer": True} if self.taps_answer else {}))
                 result = jax.device_get(jax.block_until_ready(result))
             if self.recall is not None:
                 self.recall.after_batch(self, frames, before, result[2])
@@ -336,7 +343,8 @@ class Engine:
         for s, (c, why) in ({} if self.recall is None else self.recall.take_failures()).items():
             outputs[s] = FrameOutput(s, [], None, 0, False, int(c.answer_tokens[0]), error=why, written=False)
         for group, result, rows, ends in served:
-            logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result
+            logits, tokens, exhausted, cum_dropped, num_free, table_full, logprobs = result[:7]
+            tapped = result[7] if len(result) > 7 else None  # `taps_answer`: [B, tau, D]
             for s, c in group.items():
                 r, asked = rows[s], int(c.answer_tokens[0])
                 lost = int(cum_dropped[r]) - self._seen_dropped[s]
@@ -353,7 +361,9 @@ class Engine:
                 toks = toks[:end.cut] if isinstance(end, SideEnd) else toks
                 outputs[s] = FrameOutput(s, toks, np.asarray(logits[r]) if self.config.return_logits else None,
                                          lost, False, asked, logprobs=frame_logprobs(c, logprobs, r, len(toks)),
-                                         complete=end.complete, error=end.error)
+                                         complete=end.complete, error=end.error,
+                                         answer_rows=None if tapped is None else np.asarray(
+                                             tapped[r, :len(toks)], np.float32))
         free = int(served[-1][1][4]) if served else self.free_pages
         speech = self.speech.tick() if self.speech is not None else []  # talker step + due vocoder chunks
         latency = time.perf_counter() - t0

@@ -115,6 +115,8 @@ class FrameOutput:
             the tokens before are kept), or the scoring of a question's recall raised (`written` is False).
         written: the frame's chunk was written to the session's cache (False: a question whose recall failed, the
             session left as it was before it; a preempted frame says so by `preempted`).
+        answer_rows: `[len(tokens), D]` float32, each token's final-normed last-layer row, when the engine taps them
+            (`Engine.taps_answer`: a Qwen2.5-Omni speech pool with `SpeechConfig(early_start=True)`); else None.
     """
 
     session_id: str
@@ -129,6 +131,7 @@ class FrameOutput:
     complete: bool = False
     error: str | None = None
     written: bool = True
+    answer_rows: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -37,6 +37,11 @@ class SpeechConfig:
             are trimmed after their prefill and every step, and an utterance reserves the pages of its prompt or
             of `talker_sink + talker_window + 1` cells, whichever is more, whatever its `max_new_tokens`.
         talker_sink: the oldest talker cells kept with `talker_window`.
+        early_start: Qwen2.5-Omni: speak an answer while the thinker writes it. The engine's decode programs then
+            return each answer token's final-normed last-layer row (`FrameOutput.answer_rows`), and the pool opens
+            answers still being written (`Qwen25SpeechPool.open(writing=True)`, `extend(..., rows=...)`). False
+            (default): the pool speaks finished answers and the programs are those without the rows. Qwen3-Omni's
+            talker reads embedding rows and starts while the answer is written either way (not read there).
     """
 
     rows: tuple[int, ...] = (1, 2, 4, 8)
@@ -51,6 +56,7 @@ class SpeechConfig:
     steps_per_tick: int = 1
     talker_window: int | None = None
     talker_sink: int = DEFAULT_TALKER_SINK
+    early_start: bool = False
 
     def __post_init__(self):
         rows = tuple(int(b) for b in self.rows)
@@ -72,6 +78,8 @@ class SpeechConfig:
         if not self.slack_s >= 0:
             raise ValueError(f"SpeechConfig.slack_s must be >= 0, got {self.slack_s}")
         talker_policy(self.talker_window, self.talker_sink, what="SpeechConfig.talker_window")
+        if not isinstance(self.early_start, bool):
+            raise ValueError(f"SpeechConfig.early_start must be True or False, got {self.early_start!r}")
 
     @property
     def talker_kv(self) -> SinkWindow | None:

@@ -1,5 +1,6 @@
-"""Qwen2.5-Omni speech on the engine's ticks: the talkers of several sessions decode in one batched step per tick,
-Token2Wav runs once an utterance's talker ended, and admission counts what speaking holds (issue 39 item 4). The
+"""Qwen2.5-Omni speech on the engine's ticks: the talkers of several sessions decode in one batched step per tick
+(`speech_qwen25_steps`), Token2Wav streams each utterance's codes, and admission counts what speaking holds (issue 39
+item 4). The
 Qwen3-Omni pool is `omnijax.serve.engine.speech.SpeechPool`; `speech_pool` builds the one a model's speech output
 takes, both with the same interface (`open`, `tick`, `close`, `has_work`, `sessions`, `capacity`, ...).
 
@@ -10,9 +11,14 @@ batched talker cache (`talker_forward.talker_chunk` over the rows: only active r
 An utterance's talker input (`omnijax.models.qwen2_5_omni.speech.talker_input`: the thinker rerun over prompt and
 answer, full attention, the media rows at their placeholders) is built by `prepare`, which the server runs in a worker
 thread before admission, so the engine's thread only prefills and steps the talker. The talker reads the thinker's
-final hidden state of every answer token, which the engine's batched ticks do not keep: a Qwen2.5-Omni answer is
-spoken once it is whole (`open(writing=True)` is refused; Qwen3-Omni's talker reads embedding rows and starts while
-the answer is written).
+final-normed last-layer row of every answer token. By default the answer is spoken once it is whole (those rows
+recomputed by `prepare`). With `SpeechConfig(early_start=True)` an answer is spoken while the thinker writes it: the
+engine's decode programs return each answer token's row as they computed it (`FrameOutput.answer_rows`), `prepare(...,
+writing=True)` runs the thinker over the prompt alone, `open(writing=True)` admits the utterance and `extend(ids,
+rows=..., end=...)` hands it each tick's tokens and rows (`speech_stream.answer_talker_rows`, what
+`speech_stream.AnswerSpeech` reads for `Chat`). Its prefill waits for the first answer token's row (it ends the
+prefill), and its talker step k for answer row k + 1 (or the answer's end: then `text_eos`, then `text_pad`): a row
+that has read every answer row so far waits, inactive in the batched step, as Qwen3-Omni's pool does.
 
 Per `tick()`:
 1. the utterances admitted since the last tick are prefilled together (their talker prompts, left-aligned and padded
@@ -42,28 +48,26 @@ batched step computes every row as the single-sequence step does.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen2_5_omni import speech as speech_lib
-from omnijax.models.qwen2_5_omni import talker_forward
+from omnijax.models.qwen2_5_omni.speech_stream import answer_talker_rows
 from omnijax.models.qwen2_5_omni.talker import TalkerConfig
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStream, Token2WavStreaming
 from omnijax.models.qwen2_5_omni.voices import Voice
 from omnijax.models.speech import MediaRows, token_ids
+from omnijax.serve.engine import speech_qwen25_steps as talker_steps
 from omnijax.serve.engine import speech_steps as steps
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.rows import compact_rows
 from omnijax.serve.engine.speech import SpeechPool
 from omnijax.serve.engine.speech_config import SpeechChunk, SpeechConfig
-from omnijax.serve.engine.speech_pages import TalkerPages
+from omnijax.serve.engine.speech_pages import TalkerPages, given_ids
 
 __all__ = ["AnyPool", "PreparedSpeech", "Qwen25SpeechPool", "REPETITION_PENALTY", "speech_pool"]
 
@@ -83,20 +87,25 @@ def speech_pool(model: Any, config: SpeechConfig) -> AnyPool:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedSpeech:
-    """An utterance's checked talker input (`Qwen25SpeechPool.prepare`), ready for `open`."""
+    """An utterance's checked talker input (`Qwen25SpeechPool.prepare`), ready for `open`. `writing`: an answer
+    still being written (no answer ids; the prefill's last row, the first answer token's, a stand-in until `extend`
+    gives it)."""
 
     prompt_ids: np.ndarray
     answer_ids: np.ndarray
     voice: Voice
     media: tuple[MediaRows, ...]
     talker: speech_lib.TalkerInput
+    writing: bool = False
 
 
 @dataclasses.dataclass
 class _Utterance:
-    rows: np.ndarray  # [T, Dt] talker prefill rows
+    rows: np.ndarray  # [T, Dt] talker prefill rows (an open answer's last one set by its first token)
     positions: np.ndarray  # [3, T]
-    trailing: np.ndarray  # [N, Dt] text rows of decoding steps 0 .. N-1
+    trailing: np.ndarray  # [N, Dt] answer rows 1 .. read by decoding steps 0 .. N-1 (an open answer's grow)
+    eos_row: np.ndarray  # [Dt] text_eos: the step after the answer's rows
+    pad_row: np.ndarray  # [Dt] text_pad: every later step
     seen: np.ndarray  # [V] bool: the talker's input ids so far (the repetition penalty's)
     voice: Voice
     max_new_tokens: int
@@ -104,6 +113,8 @@ class _Utterance:
     opened_s: float
     start: int  # position of the first decoding step
     stream: Token2WavStream  # its Token2Wav
+    ended: bool = True  # the answer is whole (an open answer: once extend(end=True))
+    started: bool = True  # the prefill's rows are known (an open answer: once its first token came)
     prefilled: bool = False
     done: bool = False
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -111,39 +122,6 @@ class _Utterance:
     reported: int = 0  # codes named by a sent chunk (`SpeechChunk.codes`; a push may complete no PCM)
     samples: int = 0  # PCM samples sent
     first_s: float | None = None  # when the first PCM was sent
-
-
-def _pick(logits: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array) -> jax.Array:
-    """`[B]` int32: `talker_forward.generate_greedy`'s choice per row (traceable): the repetition penalty on the ids
-    `seen` (negative logits multiplied, positive ones divided), the `banned` ids at -inf, then argmax."""
-    scores = logits.astype(jnp.float32)
-    scores = jnp.where(seen, jnp.where(scores < 0, scores * penalty, scores / penalty), scores)
-    return jnp.argmax(jnp.where(banned, -jnp.inf, scores), axis=-1).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
-def _prefill(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, rows: jax.Array, valid: jax.Array,
-             positions: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array
-             ) -> tuple[paged_lib.PagedKV, jax.Array]:
-    """The talker prompts of the rows where `valid [B, T]` (left-aligned `rows [B, T, Dt]`, `positions [3, B, T]`):
-    `(kv, first token [B])`."""
-    kv, logits = talker_forward.talker_chunk(config, params, kv, rows, valid, positions)
-    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
-    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-    return kv, _pick(logits, seen, banned, penalty)
-
-
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
-def _step(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, token: jax.Array, text_row: jax.Array,
-          position: jax.Array, active: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array
-          ) -> tuple[paged_lib.PagedKV, jax.Array]:
-    """One talker token of the `active [B]` rows (`token [B]` the last one, `text_row [B, Dt]`, `position [B]`):
-    `(kv, next token [B])` (meaningless for inactive rows, which write nothing)."""
-    x = params["codec_embedding"][token].astype(jnp.float32) + text_row.astype(jnp.float32)
-    B = token.shape[0]
-    pos = jnp.broadcast_to(position.astype(jnp.int32)[None, :, None], (3, B, 1))
-    kv, logits = talker_forward.talker_chunk(config, params, kv, x[:, None], active[:, None], pos)
-    return kv, _pick(logits[:, 0], seen, banned, penalty)
 
 
 class Qwen25SpeechPool(TalkerPages):
@@ -159,7 +137,12 @@ class Qwen25SpeechPool(TalkerPages):
         SpeechUnavailableError: the model has no Qwen2.5-Omni speech output.
     """
 
-    writes_early = False  # the talker reads the thinker's hidden state of each answer token: finished answers only
+    @property
+    def reads_rows(self) -> bool:
+        """Whether the engine's decode programs must return answer rows (`SpeechConfig.early_start`)."""
+        return self.config.early_start
+
+    writes_early = reads_rows  # an answer may be opened while it is written (with its rows)
 
     def __init__(self, model: Any, config: SpeechConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter):
@@ -193,64 +176,103 @@ class Qwen25SpeechPool(TalkerPages):
     # ------------------------------------------------------------------------------------------------ sessions
     @property
     def has_work(self) -> bool:
-        """Whether a tick would do something (an utterance in the pool: finished answers always step)."""
-        return bool(self._utterances)
+        """Whether a tick would do something: an utterance to prefill (its first answer row known) or whose rows
+        allow a talker step, codes to vocode, or an ended one (not: every utterance waits for its answer's rows)."""
+        return any((u.started or u.done) if not u.prefilled else
+                   (u.done or self._steps(u) or u.pushed < len(u.tokens) - 1)
+                   for u in list(self._utterances.values()))  # a copy: the worker reads it beside the engine thread
 
-    def prepare(self, prompt_ids: Any, answer_ids: Any, *, voice: str, media: Sequence[MediaRows] = ()
-                ) -> PreparedSpeech:
+    @staticmethod
+    def _steps(u: _Utterance) -> bool:
+        """Whether the talker may step now: not ended, and its next text row known (or the answer whole)."""
+        return not u.done and (u.ended or len(u.tokens) - 1 < u.trailing.shape[0])
+
+    def prepare(self, prompt_ids: Any, answer_ids: Any, *, voice: str, media: Sequence[MediaRows] = (),
+                writing: bool = False) -> PreparedSpeech:
         """Checks an utterance and builds its talker input (`speech.talker_input`: one thinker forward over prompt
-        and answer). Pure and thread-safe: the server runs it in a worker thread, off the engine's.
+        and answer). Pure and thread-safe: the server runs it in a worker thread, off the engine's. `writing`: an
+        answer the thinker is still writing (`SpeechConfig.early_start`): `answer_ids` empty, the forward over the
+        prompt alone (the answer's rows come with `extend`).
 
         Raises:
             UnknownVoiceError: a voice the checkpoint lacks (naming its voices).
-            ValueError: what `speak` refuses (ids, an empty prompt or answer, video placeholders, media rows).
+            ValueError: what `speak` refuses (ids, an empty prompt or answer, video placeholders, media rows);
+                `writing` without `SpeechConfig.early_start` or with answer ids.
         """
         vocab = self.model.config.vocab_size
-        prompt, answer = token_ids("prompt_ids", prompt_ids, vocab), token_ids("answer_ids", answer_ids, vocab)
-        if answer.size and answer[-1] == self.speech.im_end_token_id:
+        prompt, answer = token_ids("prompt_ids", prompt_ids, vocab), token_ids("answer_ids", given_ids(answer_ids),
+                                                                               vocab)
+        if writing:
+            self._check_writing()
+            if answer.size:
+                raise ValueError("prepare(writing=True) takes the prompt alone (answer_ids empty): the answer's "
+                                 "tokens and rows come with open / extend")
+        elif answer.size and answer[-1] == self.speech.im_end_token_id:
             answer = answer[:-1]
-        if not answer.size or not prompt.size:
+        if not prompt.size or not (answer.size or writing):
             raise ValueError("answer_ids holds no text to speak (empty, or only <|im_end|>)" if prompt.size else
                              "prompt_ids is empty")
         found = self.speech.voice(voice)
         media = tuple(media)
-        return PreparedSpeech(prompt, answer, found, media,
-                              speech_lib.talker_input(self.model, prompt, answer, found, media))
+        if not writing:
+            return PreparedSpeech(prompt, answer, found, media,
+                                  speech_lib.talker_input(self.model, prompt, answer, found, media))
+        # the prompt's rows from one forward over it (as `AnswerSpeech`); the first answer token a stand-in (a plain
+        # text id: the talker's positions are those of any text token there), its rows zeros until `extend`
+        taken = {int(i) for i in self.speech.placeholders.values()} | {self.speech.im_end_token_id}
+        stand_in = np.asarray([next(i for i in range(vocab) if i not in taken)])
+        zeros = jnp.zeros((1, self.model.config.hidden_size), self.model.decoder.config.jnp_dtype)
+        talker = speech_lib.talker_input(self.model, prompt, stand_in, found, media, answer_rows=(zeros, zeros))
+        return PreparedSpeech(prompt, answer, found, media, talker, writing=True)
+
+    def _check_writing(self) -> None:
+        if not self.config.early_start:
+            raise ValueError("Qwen2.5-Omni's talker reads the thinker's final-normed row of every answer token, which "
+                             "the engine returns only with SpeechConfig(early_start=True): give it, or open the "
+                             "finished answer (writing=False)")
 
     def open(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
              media: Sequence[MediaRows] = (), writing: bool = False, sampling: Any = None,
-             prepared: PreparedSpeech | None = None) -> int:
+             prepared: PreparedSpeech | None = None, rows: Any = None) -> int:
         """Admits an utterance: the thinker's prompt and whole answer spoken with `voice` (as `speak`), between
         ticks; it starts decoding at the next tick. Returns the talker pages it reserved. `prepared`: its talker
         input built already by `prepare` with these ids, voice and media (else built here, on the caller's thread).
 
+        `writing` (`SpeechConfig.early_start`): the thinker is still writing the answer: `answer_ids` are its tokens
+        so far (none at all is fine) with their `rows` (`FrameOutput.answer_rows`; `prepared` by `prepare(...,
+        writing=True)`), `extend` adds the rest and ends it. Its talker tokens, codes and PCM are those of
+        `speech_stream.AnswerSpeech` fed the same rows.
+
         Raises (each before anything changes):
             KeyError: `speech_id` is already in the pool.
             Overloaded: every row is taken, or its pages are more than the pool has free now: retry later.
-            ValueError: `writing` (the talker reads each answer token's thinker hidden state: speak the finished
-                answer), `sampling` (the talker is greedy), the utterance needs more pages than a row holds, a
-                `prepared` input of other ids, voice or media; every refusal of `prepare`.
+            ValueError: `writing` without `SpeechConfig.early_start`, `sampling` (the talker is greedy), the
+                utterance needs more pages than a row holds, a `prepared` input of other ids, voice or media, or not
+                prepared for `writing` as asked; every refusal of `prepare` and `extend`.
         """
         if speech_id in self._utterances:
             raise KeyError(f"speech {speech_id!r} is already in the pool")
         if writing:
-            raise ValueError("Qwen2.5-Omni's talker reads the thinker's final hidden state of every answer token, "
-                             "which the engine does not keep while it writes: open the finished answer "
-                             "(writing=False)")
+            self._check_writing()
         if sampling is not None:
-            raise ValueError("Qwen2.5-Omni's talker on the speech pool is greedy (as speak()): sampling must be None")
+            raise ValueError("Qwen2.5-Omni's talker on the speech pool is greedy (as speak()): sampling must be None"
+                             + (" (an answer spoken while written too)" if writing else ""))
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        first = token_ids("answer_ids", given_ids(answer_ids), self.model.config.vocab_size)
         if prepared is None:
-            prepared = self.prepare(prompt_ids, answer_ids, voice=voice, media=media)
+            prepared = self.prepare(prompt_ids, () if writing else answer_ids, voice=voice, media=media,
+                                    writing=writing)
         else:
-            again = token_ids("answer_ids", answer_ids, self.model.config.vocab_size)
-            again = again[:-1] if again.size and again[-1] == self.speech.im_end_token_id else again
-            if (not np.array_equal(prepared.prompt_ids, np.asarray(prompt_ids)) or
-                    not np.array_equal(prepared.answer_ids, again) or prepared.voice is not self.speech.voice(voice)
-                    or len(prepared.media) != len(tuple(media))):
-                raise ValueError("open: `prepared` was built for other ids, voice or media than these")
+            again = first if writing or not first.size or first[-1] != self.speech.im_end_token_id else first[:-1]
+            if (not np.array_equal(prepared.prompt_ids, np.asarray(prompt_ids)) or prepared.writing != writing or
+                    not np.array_equal(prepared.answer_ids, again[:0] if writing else again) or
+                    prepared.voice is not self.speech.voice(voice) or len(prepared.media) != len(tuple(media))):
+                raise ValueError("open: `prepared` was built for other ids, voice or media than these (or not for "
+                                 f"writing={writing}: prepare(..., writing={writing}))")
+        if writing and first.size:
+            answer_talker_rows(self.model, first, rows, self.speech.placeholders.values())  # refused by name now
         talker = prepared.talker
         T = talker.rows.shape[0]
         pages = self.pages_needed(T, max_new_tokens)
@@ -270,25 +292,50 @@ class Qwen25SpeechPool(TalkerPages):
                              f"speaking sessions); retry later", cap=self.capacity, current=len(self._utterances))
         seen = np.zeros((self.talker.decoder.vocab_size,), bool)
         seen[np.asarray(talker.prompt_ids, np.int64)] = True
-        trailing = np.concatenate([np.asarray(talker.trailing, np.float32),
-                                   np.asarray(talker.text_pad, np.float32)[None]])
+        trailing = np.asarray(talker.trailing, np.float32)  # answer rows 1 .., then text_eos
         self._utterances[speech_id] = _Utterance(
-            rows=np.asarray(talker.rows, np.float32), positions=np.asarray(talker.positions, np.int32),
-            trailing=trailing, seen=seen, voice=prepared.voice, max_new_tokens=int(max_new_tokens), pages=pages,
-            opened_s=self.clock(), start=int(np.max(talker.positions)) + 1,
+            rows=np.array(talker.rows, np.float32), positions=np.asarray(talker.positions, np.int32),
+            trailing=trailing[:0] if writing else trailing[:-1], eos_row=trailing[-1],
+            pad_row=np.asarray(talker.text_pad, np.float32), seen=seen, voice=prepared.voice,
+            max_new_tokens=int(max_new_tokens), pages=pages, opened_s=self.clock(),
+            start=int(np.max(talker.positions)) + 1,
             stream=Token2WavStream(self.speech.token2wav, prepared.voice.conditioning, prepared.voice.reference_mel,
-                                   streaming=self.streaming))
+                                   streaming=self.streaming), ended=not writing, started=not writing)
         used = set(self._slots.values())
         self._slots[speech_id] = next(r for r in range(self.capacity) if r not in used)
         self.reserved += pages
         self.stats["opened"] += 1
+        if writing and first.size:
+            self.extend(speech_id, first, rows=rows)
         return pages
 
-    def extend(self, speech_id: str, answer_ids: Any, *, end: bool = False) -> None:
-        """Refused: a Qwen2.5-Omni utterance is opened with its whole answer (ValueError; KeyError if unknown)."""
+    def extend(self, speech_id: str, answer_ids: Any, *, end: bool = False, rows: Any = None) -> None:
+        """Adds the next tokens of an answer still being written (`open(writing=True)`) with their `rows`
+        (`[n, hidden_size]`, `FrameOutput.answer_rows`), between ticks; `end`: the answer is whole (a final
+        `<|im_end|>` is not spoken). The first token's row ends the talker's prefill; each later one is a talker
+        step's text row. An utterance whose talker already ended takes them and changes nothing. Raises (changing
+        nothing) KeyError for an unknown utterance, ValueError for an answer whole already (opened whole, or ended),
+        ids outside the vocabulary or media placeholders, rows of another shape."""
         if speech_id not in self._utterances:
             raise KeyError(f"unknown speech {speech_id!r}; in the pool: {self.sessions}")
-        raise ValueError(f"speech {speech_id!r}: its answer is whole already (Qwen2.5-Omni speaks finished answers)")
+        u = self._utterances[speech_id]
+        if u.ended:
+            raise ValueError(f"speech {speech_id!r}: its answer is whole already (opened whole, or ended by "
+                             "extend(end=True)): nothing more can be added")
+        ids = token_ids("answer_ids", given_ids(answer_ids), self.model.config.vocab_size)
+        if end and ids.size and ids[-1] == self.speech.im_end_token_id:
+            ids, rows = ids[:-1], None if rows is None else np.asarray(rows)[:-1]
+        if ids.size:
+            _, _, _, text = answer_talker_rows(self.model, ids, rows, self.speech.placeholders.values())
+            text = np.asarray(text)
+            if not u.started:  # the prefill's last row: the first answer token's, with the codec bos
+                bos = self.speech.params["codec_embedding"][self.talker.codec_bos_id].astype(jnp.float32)
+                u.rows[-1] = np.asarray(jnp.asarray(text[0]) + bos)  # as talker_forward.talker_prompt adds it
+                u.started, text = True, text[1:]
+            u.trailing = np.concatenate([u.trailing, text])
+        u.ended = bool(end)
+        if end and not u.started:  # ended without a token: nothing to speak (its stream ends, silent)
+            u.done = True
 
     def close(self, speech_id: str) -> None:
         """Drops an utterance (between ticks; what it had not sent is not sent); its pages return. KeyError if
@@ -337,11 +384,11 @@ class Qwen25SpeechPool(TalkerPages):
             return []
         self._arrange()
         t0 = self.clock()
-        fresh = [s for s, u in self._utterances.items() if not u.prefilled]
+        fresh = [s for s, u in self._utterances.items() if not u.prefilled and u.started]
         if fresh:
             self._prefill(fresh)
-        for _ in range(self.config.steps_per_tick):
-            live = [s for s, u in self._utterances.items() if u.prefilled and not u.done]
+        for _ in range(self.config.steps_per_tick):  # each over the rows whose next text row is known
+            live = [s for s, u in self._utterances.items() if u.prefilled and self._steps(u)]
             if not live:
                 break
             self._step(live)
@@ -363,7 +410,7 @@ class Qwen25SpeechPool(TalkerPages):
             u, r = self._utterances[s], self._slots[s]
             n = u.rows.shape[0]
             rows[r, :n], valid[r, :n], positions[:, r, :n] = u.rows, True, u.positions
-        self.kv, token = _prefill(self.talker, self.speech.params, self.kv, rows, valid, positions,
+        self.kv, token = talker_steps.prefill(self.talker, self.speech.params, self.kv, rows, valid, positions,
                                   self._seen(fresh), self._banned, self._penalty)
         starts = np.zeros((B,), np.int32)
         for s in fresh:
@@ -383,8 +430,9 @@ class Qwen25SpeechPool(TalkerPages):
             u.seen[u.tokens[-1]] = True
             k = len(u.tokens) - 1  # the decoding step
             token[r], position[r], active[r] = u.tokens[-1], u.start + k, True
-            text[r] = u.trailing[min(k, u.trailing.shape[0] - 1)]  # the answer's rows, text_eos, then text_pad
-        self.kv, new = _step(self.talker, self.speech.params, self.kv, token, text, position, active,
+            n = u.trailing.shape[0]  # the answer's rows, text_eos, then text_pad
+            text[r] = u.trailing[k] if k < n else u.eos_row if k == n else u.pad_row
+        self.kv, new = talker_steps.step(self.talker, self.speech.params, self.kv, token, text, position, active,
                              self._seen(live), self._banned, self._penalty)
         self._trim(live, position + 1)
         if bool(np.any(np.asarray(self.kv.exhausted)[active])):  # admission reserves every page: cannot happen
