@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import quant_kv
 from omnijax.kv.paged import PagedKV
 
@@ -219,7 +220,7 @@ def _take(kv: PagedKV, flat: np.ndarray) -> dict[str, np.ndarray]:
     return {f: x[:, :n] if f in ("k", "v", "pos") else x[:n] for f, x in got.items()}
 
 
-@jax.jit
+@cached_jit
 def _gather(kv: PagedKV, at: jax.Array) -> dict[str, jax.Array]:
     # int8 pages (`QuantPages`) are read dequantised, in the model's dtype (module docstring, "int8 pools").
     k, v = quant_kv.dense(kv.k), quant_kv.dense(kv.v)
@@ -247,7 +248,7 @@ def _pick(saved: Saved, index: np.ndarray) -> dict[str, np.ndarray]:
     return {f: x[:, :n] if f in ("k", "v", "pos") else x[:n] for f, x in got.items()}
 
 
-@jax.jit
+@cached_jit
 def _pick_device(tokens: dict, at: jax.Array) -> dict:
     return {f: x[:, at] if f in ("k", "v", "pos") else x[at] for f, x in tokens.items()}
 
@@ -287,7 +288,7 @@ def metadata_copy(kv: PagedKV) -> PagedKV:
                                       if f.name not in ("k", "v")}))
 
 
-@jax.jit
+@cached_jit
 def _copy_fields(fields: dict) -> dict:
     """Device copies of `fields`, one program (not one dispatch per field): a jitted output never aliases an input
     that is not donated."""

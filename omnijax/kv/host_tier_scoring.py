@@ -8,11 +8,10 @@ The store itself is `omnijax.kv.host_tier`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier import HostTier
 
@@ -74,7 +73,7 @@ RECALL_SCORINGS = SCORINGS + ("mass", "peak", "two_stage")
 `score_units_peak` and `omnijax.kv.host_tier_two_stage.score_units_two_stage`."""
 
 
-@functools.partial(jax.jit, static_argnames=("rope",))
+@cached_jit(static_argnames=("rope",))
 def _unrotate(k: jax.Array, pos: jax.Array, *, rope: tuple) -> jax.Array:
     theta, section, interleaved = rope
     return rope_lib.apply_rope(k, rope_lib.rope_angles(-pos, k.shape[-1], theta, section, interleaved))

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.paged import write_layer
@@ -259,7 +260,7 @@ def head_logits(config: DecoderConfig, hidden: jnp.ndarray, final_norm: jnp.ndar
     return jnp.einsum(spec, h, head, preferred_element_type=jnp.float32)
 
 
-_head_logits_jit = jax.jit(head_logits, static_argnums=0)
+_head_logits_jit = cached_jit(head_logits, static_argnames="config")
 
 
 def last_logits(model: Decoder, hidden: jnp.ndarray) -> jnp.ndarray:

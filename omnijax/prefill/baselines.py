@@ -10,12 +10,12 @@ chunks see only what earlier selections kept; its hidden states drift from the u
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from omnijax.kept_executables import cached_jit
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder, chunk_rotation, last_logits, layer_finish, layer_qkv, layer_scan_inputs
 from omnijax.prefill.cache import CompressedCache, from_heads, keep_all, pack
@@ -30,7 +30,7 @@ from omnijax.prefill.layer_major import (
 from omnijax.prefill.selectors import RecentTokens, Selector, topk_scores
 
 
-@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"))
+@cached_jit(static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"))
 def token_major(params: dict, x: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
                  chunk: int, page: int, impl: str, window: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """All chunks through all layers. Returns `(hidden [B, Spad, D], keys, values [L, B, Spad, G, d],
@@ -103,7 +103,7 @@ def token_major_prefill(model: Decoder, x: jax.Array, positions: jax.Array, *, c
     return PrefillResult(cache=cache, logits=last_logits(model, hidden[:, -1]), hidden=hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "budget", "window", "selector"))
+@cached_jit(static_argnames=("config", "budget", "window", "selector"))
 def _immediate_chunk(params: dict, h: jax.Array, positions: jax.Array, start: jax.Array, cache_k: jax.Array,
                      cache_v: jax.Array, cache_index: jax.Array, *, config: DecoderConfig, budget: int, window: int,
                      selector: Selector):

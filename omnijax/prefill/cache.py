@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from omnijax.decoding import DecodingStrategy, Greedy, check_decoding, sampling_keys, seed_of, split_keys
+from omnijax.kept_executables import cached_jit
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder, chunk_rotation, layer_finish, layer_qkv, layer_slice
 
@@ -190,7 +191,7 @@ def _grow_layer(layer: LayerCache, extra: int) -> LayerCache:
                       length=layer.length)
 
 
-@functools.partial(jax.jit, static_argnames=("extra",))
+@cached_jit(static_argnames=("extra",))
 def _grow(cache: CompressedCache, *, extra: int) -> CompressedCache:
     return dataclasses.replace(cache, layers=tuple(_grow_layer(layer, extra) for layer in cache.layers))
 
@@ -268,7 +269,7 @@ def decode_step(model: Decoder, cache: CompressedCache, token: jax.Array) -> tup
                                    dropped=cache.dropped + lost.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "decoding"))
+@cached_jit(static_argnames=("graphdef", "steps", "decoding"))
 def _decode(graphdef, params, cache: CompressedCache, first_logits: jax.Array, key: jax.Array, *, steps: int,
             decoding):
     model = nnx.merge(graphdef, params)
@@ -317,7 +318,7 @@ def greedy(model: Decoder, cache: CompressedCache, first_logits: jax.Array, step
     return _run_decode(model, cache, first_logits, steps, Greedy(), "greedy")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@cached_jit(static_argnames=("graphdef",))
 def _force(graphdef, params, cache: CompressedCache, tokens: jax.Array):
     model = nnx.merge(graphdef, params)
 

@@ -23,7 +23,6 @@ only what the decode cache keeps.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import sys
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from omnijax._checks import check_power_of_two
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import (
@@ -108,8 +108,7 @@ def padded_length(prompt_len: int, chunk: int, page: int) -> int:
     return -(-prompt_len // step) * step
 
 
-@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"),
-                   donate_argnums=(1,))
+@cached_jit(static_argnames=("config", "prompt_len", "chunk", "page", "impl", "window"), donate_argnames="bridge")
 def layer_forward(p: dict, bridge: jax.Array, positions: jax.Array, *, config: DecoderConfig, prompt_len: int,
                   chunk: int, page: int, impl: str, window: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -154,7 +153,7 @@ def layer_forward(p: dict, bridge: jax.Array, positions: jax.Array, *, config: D
     return jax.lax.fori_loop(0, -(-prompt_len // chunk), run_chunk, (bridge, k_buf, v_buf, q_obs))
 
 
-@functools.partial(jax.jit, static_argnames=("prompt_len", "selector", "budget", "window", "room"))
+@cached_jit(static_argnames=("prompt_len", "selector", "budget", "window", "room"))
 def layer_compress(k_buf: jax.Array, v_buf: jax.Array, q_obs: jax.Array, *, prompt_len: int,
                    selector: Selector | None, budget: int | None, window: int, room: int) -> LayerCache:
     """Layer-end compression, the budget-dependent half of a layer step: `selector` picks `budget` prompt tokens
@@ -200,11 +199,11 @@ def run_layer(p: dict, bridge: jax.Array, positions: jax.Array, *, config: Decod
 
 # `run_layer` as one program (the same arithmetic), for ahead-of-time analysis of a whole layer step (compiled
 # memory, profiles). Its budget is static, so each budget compiles the forward again: `tidekv_prefill` runs the two.
-layer_step = jax.jit(run_layer, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector", "budget",
-                                                 "window", "room"), donate_argnums=(1,))
+layer_step = cached_jit(run_layer, static_argnames=("config", "prompt_len", "chunk", "page", "impl", "selector",
+                                                   "budget", "window", "room"), donate_argnames="bridge")
 
 
-@jax.jit
+@cached_jit
 def _slice_rows(stacked: dict, rows: dict) -> dict:
     return {name: value[rows[name]] for name, value in stacked.items()}
 

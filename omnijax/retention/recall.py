@@ -23,10 +23,10 @@ import dataclasses
 import numbers
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import rope as rope_lib
 from omnijax.kv.host_tier import UnitKV
 from omnijax.kv.host_tier_scoring import RECALL_SCORINGS
@@ -338,5 +338,5 @@ def _write_tokens(kv: PagedKV, k, v, from_pos, to_pos, unit, span, offset, valid
     return kv
 
 
-_write = jax.jit(_write_tokens, static_argnames=("rope", "turn"))
-_write_in_place = jax.jit(_write_tokens, static_argnames=("rope", "turn"), donate_argnames=("kv",))
+_write = cached_jit(_write_tokens, static_argnames=("rope", "turn"))
+_write_in_place = cached_jit(_write_tokens, static_argnames=("rope", "turn"), donate_argnames=("kv",))

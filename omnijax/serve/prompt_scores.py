@@ -14,7 +14,6 @@ The values are the raw distribution (before temperature or top-p, as vLLM return
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.models.forward import forward
 from omnijax.streaming.session import model_parts
 
@@ -51,7 +51,7 @@ def bucket_length(n: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "page_size"))
+@cached_jit(static_argnames=("graphdef", "page_size"))
 def _score(graphdef: Any, params: Any, ids: jax.Array, valid: jax.Array, positions: jax.Array, *,
            page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`[1, L]` ids -> (log p(ids[i+1] | ids[:i+1]) `[L]`, top ids `[L, TOP_K]`, top log p `[L, TOP_K]`), the

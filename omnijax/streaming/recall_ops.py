@@ -5,7 +5,6 @@ the host form of the re-indexing rule, and the room a batch-1 cache has left."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -15,6 +14,7 @@ from flax import nnx
 
 from omnijax import paging as paging_lib
 from omnijax.chunks.chunk import Chunk
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.kv import quant_kv
@@ -24,7 +24,7 @@ from omnijax.models.decoder import chunk_rotation, layer_finish, layer_qkv, laye
 from omnijax.retention import base as retention_base
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
+@cached_jit(static_argnames=("graphdef", "impl"))
 def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, chunk: Chunk, *,
                      impl: str) -> jax.Array:
     """`[L, T, H, d]` float32: the rotated queries of every layer for each token of a batch-1 chunk fed at
@@ -33,7 +33,7 @@ def question_queries(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos
     return _question(graphdef, params, kv, next_pos, chunk, impl)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "impl"), donate_argnames=("kv",))
+@cached_jit(static_argnames=("graphdef", "impl"), donate_argnames=("kv",))
 def question_queries_in_place(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.Array,
                               chunk: Chunk, *, impl: str) -> tuple[jax.Array, paged_lib.PagedKV]:
     """`question_queries` without a copy of the cache: `(queries, kv)`. The chunk's keys and values are written
@@ -77,7 +77,7 @@ def _question(graphdef: Any, params: Any, kv: paged_lib.PagedKV, next_pos: jax.A
     return q, k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("reindex", "rope", "paging", "subblock"), donate_argnames=("kv",))
+@cached_jit(static_argnames=("reindex", "rope", "paging", "subblock"), donate_argnames=("kv",))
 def release_range(kv: paged_lib.PagedKV, next_pos: jax.Array, lo: jax.Array, hi: jax.Array, *, reindex: bool,
                   rope: tuple, paging: Any, subblock: int) -> tuple[paged_lib.PagedKV, jax.Array]:
     """Invalidates the live tokens with write orders in `[lo, hi)`, as a trim would (re-indexing, relayout)."""
@@ -96,9 +96,9 @@ def _trim_now(kv: paged_lib.PagedKV, next_pos: jax.Array, *, policy: Any, rope: 
     return kv, next_pos, evicted
 
 
-trim_now = jax.jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"))
+trim_now = cached_jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"))
 """`_trim_now` with `kv` kept (a batch-1 `Session` reads the evicted tokens from it)."""
-trim_now_in_place = jax.jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"),
+trim_now_in_place = cached_jit(_trim_now, static_argnames=("policy", "rope", "paging", "subblock"),
                             donate_argnames=("kv",))
 """`_trim_now` on a donated `kv`, updated in place (the engine: the evicted tokens stay in their slots, read from
 the result, `omnijax.kv.host_tier.capture_evicted(..., in_place=True)`)."""
@@ -118,7 +118,7 @@ def freed_below_1d(lo: np.ndarray, hi: np.ndarray, cursor: int) -> tuple[np.ndar
     return freed, int(freed_sorted[-1] + max(cursor - int(reach[-1]) - 1, 0))
 
 
-@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
+@cached_jit(static_argnames=("rope",), donate_argnames=("kv",))
 def shift_positions(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_lib.PagedKV:
     """Adds `moves [N, P]` to every slot's positions (all axes) and re-rotates its keys by the same delta (all
     layers; a zero move is an exact identity), as re-indexing does with the opposite sign."""
@@ -140,7 +140,7 @@ def _turn(k: jax.Array | QuantPages, angles: jax.Array, moved: jax.Array) -> jax
                       jnp.where(moved[None, :, None], turned.scale, k.scale), k.dtype_name)
 
 
-@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("kv",))
+@cached_jit(static_argnames=("rope",), donate_argnames=("kv",))
 def shift_row(kv: paged_lib.PagedKV, moves: jax.Array, *, rope: tuple) -> paged_lib.PagedKV:
     """`shift_positions` on the pages of row 0's page table only (`moves [N, P]` must be zero elsewhere), in place:
     the row's pages are gathered, shifted and scattered back, so a row of a shared pool costs its own pages, not

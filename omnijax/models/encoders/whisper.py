@@ -38,7 +38,6 @@ MiniCPM-o's Whisper encoder too (`omnijax.models.minicpmo.audio`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +51,7 @@ from jax.typing import DTypeLike
 from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import (
     StackedLayers,
     dense,
@@ -365,7 +365,7 @@ class AudioEncoder(nnx.Module):
         return dense(h, self.proj[...], self.proj_bias[...], dt)  # [P, O]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@cached_jit(static_argnames=("graphdef",))
 def _encode_chunks(graphdef, params, chunks, num_frames):
     return nnx.merge(graphdef, params).encode_chunks(chunks, num_frames)
 

@@ -44,7 +44,6 @@ the same Whisper layers.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -55,6 +54,7 @@ from flax import nnx
 
 from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
 from omnijax.errors import MissingTensorError
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import dense, layer_norm, linear_rules, module_from_pure_dict, norm_rules
 from omnijax.models.encoders.whisper import (
     WHISPER_CONV_RULES,
@@ -236,7 +236,7 @@ class AudioEncoder(nnx.Module):
         return result
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "collect"))
+@cached_jit(static_argnames=("graphdef", "collect"))
 def _encode_offline(graphdef, params, features, mel_lengths, valid_mel, collect):
     return nnx.merge(graphdef, params).encode_offline(features, mel_lengths, valid_mel, collect=collect)
 

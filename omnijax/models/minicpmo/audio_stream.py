@@ -5,7 +5,6 @@ The offline encoder, its config and its weights live in `omnijax.models.minicpmo
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.kept_executables import cached_jit
 from omnijax.models.minicpmo.audio import (
     MASK_VALUE,
     AudioConfig,
@@ -52,7 +52,7 @@ class AudioStreamState:
         return int(self.keys.shape[2])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "drop_front", "keep", "collect"))
+@cached_jit(static_argnames=("graphdef", "drop_front", "keep", "collect"))
 def _stream_step(graphdef, params, features, keys, values, past, drop_front, keep, collect):
     encoder = nnx.merge(graphdef, params)
     c = encoder.config

@@ -39,7 +39,6 @@ P = C * p * p, N = (image_size / p)**2, E = embed_dim, K = D, Q = query_num:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -55,6 +54,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from omnijax.checkpoint.name_tables import Component, Rule, convert_in_memory
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import (
     StackedLayers,
     dense,
@@ -233,7 +233,7 @@ class MiniCPMVision(nnx.Module):
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_intermediates"))
+@cached_jit(static_argnames=("graphdef", "return_intermediates"))
 def _encode(graphdef, params, patches, plan, return_intermediates):
     return nnx.merge(graphdef, params)(patches, plan, return_intermediates=return_intermediates)
 

@@ -33,7 +33,6 @@ transformers numbers its `resblocks`) and unit u:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +45,7 @@ from flax import nnx
 from omnijax._checks import JsonConfig, check_config_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import (
     HF_PRETRAINED_CONFIG_ATTRIBUTES,
     ConfigAttributeError,
@@ -268,7 +268,7 @@ def mel_to_input(mel: jax.Array) -> jax.Array:
     return jnp.clip(2 * (db + 115) / 115 - 1, -1.0, 1.0)
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@cached_jit(static_argnames="config")
 def vocode(params: Mapping[str, Any], config: BigVGANConfig, mel: jax.Array) -> jax.Array:
     """Mel `[B, M, T]` -> waveform `[B, T * hop]` (float32, clamped to [-1, 1]); pure, jitted per shape.
 

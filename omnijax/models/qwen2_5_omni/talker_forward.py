@@ -25,7 +25,6 @@ continued one per step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from omnijax.chunks.spans import SpanKind
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import layout
 from omnijax.kv import paged as paged_lib
@@ -99,7 +99,7 @@ def talker_chunk(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, ro
     return kv.replace(k=k, v=v), logits
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size"))
+@cached_jit(static_argnames=("config", "page_size"))
 def talker_logits(config: TalkerConfig, params: Params, rows: jax.Array, positions: jax.Array, *,
                   page_size: int = 64) -> jax.Array:
     """One-shot talker forward: input rows `[B, T, Dt]`, positions `[3, B, T]` -> codec logits `[B, T, V]`."""
@@ -108,7 +108,7 @@ def talker_logits(config: TalkerConfig, params: Params, rows: jax.Array, positio
     return talker_chunk(config, params, kv, rows, jnp.ones((B, T), bool), positions)[1]
 
 
-@functools.partial(jax.jit, static_argnames="graphdef")
+@cached_jit(static_argnames="graphdef")
 def _thinker_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, inputs: jax.Array | None,
                   positions: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     decoder = nnx.merge(graphdef, state)
@@ -162,14 +162,14 @@ def talker_prompt(config: TalkerConfig, params: Params, embeds: jax.Array, hidde
     return prefill, jnp.concatenate([rows[prompt_len + 1:], text_eos.astype(jnp.float32)[None]])
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def _prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, rows: jax.Array, positions: jax.Array
              ) -> tuple[paged_lib.PagedKV, jax.Array]:
     kv, logits = talker_chunk(config, params, kv, rows[None], jnp.ones((1, rows.shape[0]), bool), positions[:, None])
     return kv, logits[0, -1]
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def _step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, token: jax.Array, row: jax.Array,
           position: jax.Array) -> tuple[paged_lib.PagedKV, jax.Array]:
     x = params["codec_embedding"][token].astype(jnp.float32) + row.astype(jnp.float32)
@@ -208,7 +208,7 @@ class TalkerKVReport:
     dropped: int = 0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy"))
+@cached_jit(static_argnames=("config", "policy"))
 def _trim(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array
           ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
     c = config.decoder

@@ -21,7 +21,6 @@ one-shot decode and what is measured).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from flax import nnx
 from omnijax._checks import JsonConfig
 from omnijax.checkpoint.name_tables import Component
 from omnijax.errors import UnsupportedConfigError
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import HF_PRETRAINED_CONFIG_ATTRIBUTES
 from omnijax.models.qwen2_5_omni.bigvgan import BigVGAN, BigVGANConfig, bigvgan_component, vocode, vocode_params
 from omnijax.models.qwen2_5_omni.token2wav_dit import DiT, DiTConfig, dit_component, dit_forward, dit_params
@@ -158,7 +158,7 @@ def solve_window(params: Mapping[str, Any], config: DiTConfig, past: jax.Array, 
     return jax.lax.scan(step, jnp.asarray(noise, jnp.float32), (t[:-1], t[1:], jnp.asarray(past, jnp.float32)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "guidance_scale", "sway"))
+@cached_jit(static_argnames=("config", "num_steps", "guidance_scale", "sway"))
 def sample_mel(params: Mapping[str, Any], config: DiTConfig, noise: jax.Array, conditioning: jax.Array,
                reference_mel: jax.Array, codes: jax.Array, *, num_steps: int = 10, guidance_scale: float = 0.5,
                sway: float | None = -1.0) -> jax.Array:

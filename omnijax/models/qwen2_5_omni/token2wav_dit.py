@@ -38,7 +38,6 @@ enc_dim + emb_dim + E, ECAPA channels C_0..C_n (n = len(enc_channels) - 1), Res2
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +49,7 @@ from flax import nnx
 from omnijax._checks import JsonConfig, check_config_fields, int_fields
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import (
     HF_PRETRAINED_CONFIG_ATTRIBUTES,
     ConfigAttributeError,
@@ -332,7 +332,7 @@ def _block(x: jax.Array, p: Mapping[str, jax.Array], temb: jax.Array, cos: jax.A
     return x + gate_m * h
 
 
-@functools.partial(jax.jit, static_argnames=("config", "apply_cfg", "drop_audio_conditioning", "drop_code"))
+@cached_jit(static_argnames=("config", "apply_cfg", "drop_audio_conditioning", "drop_code"))
 def dit_forward(params: Mapping[str, Any], config: DiTConfig, x: jax.Array, reference_mel: jax.Array,
                 speaker: jax.Array, codes: jax.Array, time: jax.Array, *, apply_cfg: bool = True,
                 drop_audio_conditioning: bool = False, drop_code: bool = False,

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.models.qwen2_5_omni.bigvgan import FILTER_TAPS, BigVGANConfig, vocode, vocode_params
 from omnijax.models.qwen2_5_omni.token2wav import Token2Wav, solve_window
 from omnijax.models.qwen2_5_omni.token2wav_dit import DiTConfig, dit_params
@@ -118,7 +119,7 @@ def vocoder_reach(config: BigVGANConfig) -> tuple[int, int]:
     return left, right
 
 
-@functools.partial(jax.jit, static_argnames=("block", "mel_dim"))
+@cached_jit(static_argnames=("block", "mel_dim"))
 def _blocks_noise(key: jax.Array, first: jax.Array, count: jax.Array, *, block: int, mel_dim: int) -> jax.Array:
     return jax.vmap(lambda b: jax.random.normal(jax.random.fold_in(key, b), (block, mel_dim), jnp.float32))(
         first + jnp.arange(count.shape[0]))
@@ -138,7 +139,7 @@ def frame_noise(seed: int, start: int, stop: int, *, block: int, mel_dim: int) -
     return np.asarray(draw).reshape(1, -1, mel_dim)[:, start - first * block:stop - first * block]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "guidance_scale", "sway"))
+@cached_jit(static_argnames=("config", "num_steps", "guidance_scale", "sway"))
 def _solve(params: Mapping[str, Any], config: DiTConfig, past: jax.Array, noise: jax.Array, conditioning: jax.Array,
            reference_mel: jax.Array, codes: jax.Array, *, num_steps: int, guidance_scale: float,
            sway: float | None, offset: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -44,6 +44,7 @@ from flax import nnx
 from omnijax._checks import DTYPES, JsonConfig
 from omnijax.checkpoint.name_tables import Component, Rule
 from omnijax.errors import UnsupportedConfigError
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import rope as rope_lib
 from omnijax.models.encoders.common import (
     HF_GENERATION_CONFIG_ATTRIBUTES,
@@ -350,7 +351,7 @@ class VisionEncoder(nnx.Module):
         return self.merger(h, c.merge_unit)[plan.reverse_index]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@cached_jit(static_argnames=("graphdef",))
 def _encode(graphdef, params, pixel_values, plan):
     return nnx.merge(graphdef, params)(pixel_values, plan)
 

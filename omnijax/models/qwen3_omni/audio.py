@@ -50,7 +50,6 @@ The sinusoidal position table is computed from the config, not stored (it is not
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +60,7 @@ import numpy.typing as npt
 from flax import nnx
 
 from omnijax.checkpoint.name_tables import Component, Rule
+from omnijax.kept_executables import cached_jit
 from omnijax.models.encoders.common import (
     StackedLayers,
     dense,
@@ -279,7 +279,7 @@ class Qwen3AudioEncoder(nnx.Module):
         return dense(h, self.proj2[...], self.proj2_bias[...], dt)  # [N * 13, O]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@cached_jit(static_argnames=("graphdef",))
 def _encode_chunks(graphdef, params, chunks, conv_frames, token_valid):
     return nnx.merge(graphdef, params).encode_chunks(chunks, conv_frames, token_valid)
 

@@ -22,7 +22,6 @@ each decoder block's transposed conv: bounded, whatever the length (`Code2WavSta
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv.rope import apply_rope, rope_angles
 from omnijax.models.encoders.common import dense, layer_norm
 from omnijax.models.layers import rms_norm
@@ -218,7 +218,7 @@ def decode_frames(params: Mapping[str, Any], config: Code2WavConfig, codes: jax.
     return wav, Code2WavState(position=state.position + n, keys=keys, values=values, carries=new, started=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@cached_jit(static_argnames=("config",))
 def _decode_frames(params, codes, state, config):
     return decode_frames(params, config, codes, state)
 

@@ -13,7 +13,6 @@ and only the state after it -- which a final chunk does not need -- reads the pa
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.models.qwen3_omni.code2wav import Code2WavConfig, output_length
 from omnijax.models.qwen3_omni.code2wav_decode import Code2WavState, decode_frames, init_state
 
@@ -45,7 +45,7 @@ def pad_codes(codes: np.ndarray, frames: int) -> np.ndarray:
     return np.concatenate([codes, np.zeros((Q, frames - n), codes.dtype)], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@cached_jit(static_argnames=("config",))
 def _rows(params: Mapping[str, Any], codes: jax.Array, states: tuple[Code2WavState, ...], config: Code2WavConfig):
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)  # each leaf gains a leading row axis
     wav, new = jax.vmap(lambda c, s: decode_frames(params, config, c, s))(codes[:, None], stacked)

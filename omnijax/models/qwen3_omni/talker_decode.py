@@ -7,7 +7,6 @@ sampled decoding: the talker's first codebook and the code predictor's residual 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.decoding import Sampling
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.talker import TalkerConfig
@@ -77,13 +77,13 @@ def talker_scores(logits: jax.Array, banned: jax.Array, history: jax.Array, samp
     return sampling.warp(jnp.where(banned, -jnp.inf, logits), history)
 
 
-@functools.partial(jax.jit, static_argnames="sampling")
+@cached_jit(static_argnames="sampling")
 def _draw(logits: jax.Array, banned: jax.Array, history: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """`[1]` int32: a draw from `talker_scores` with `key` (one PRNG key)."""
     return jax.random.categorical(key, talker_scores(logits, banned, history, sampling)[0])[None].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy"))
+@cached_jit(static_argnames=("config", "policy"))
 def trim_talker(config: TalkerConfig, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array,
                 active: jax.Array | None = None) -> tuple[paged_lib.PagedKV, jax.Array]:
     """The talker's cache trimmed by `policy` (`omnijax.models.talker_kv`; positions kept, so `next_pos [B]` is

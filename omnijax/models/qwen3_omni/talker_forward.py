@@ -21,7 +21,6 @@ parameter tree (`talker_params`) and the static `TalkerConfig`, jit-compiled.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -31,6 +30,7 @@ from flax import nnx
 
 from omnijax.chunks.spans import SpanKind
 from omnijax.decoding import Sampling
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention as attention_lib
 from omnijax.kv import paged as paged_lib
 from omnijax.kv.paged import write_layer
@@ -58,13 +58,13 @@ def _resize(p: Params, x: jax.Array, dtype) -> jax.Array:
     return dense(h, p["fc2"], p["fc2_bias"], dtype)
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def project_text(config: TalkerConfig, params: Params, thinker_embeds: jax.Array) -> jax.Array:
     """`text_projection` of thinker embedding-layer rows `[..., Dt]` -> `[..., D]`."""
     return _resize(params["text_projection"], thinker_embeds, config.jnp_dtype)
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def project_hidden(config: TalkerConfig, params: Params, thinker_hidden: jax.Array) -> jax.Array:
     """`hidden_projection` of thinker layer-`accept_hidden_layer` rows `[..., Dt]` -> `[..., D]`."""
     return _resize(params["hidden_projection"], thinker_hidden, config.jnp_dtype)
@@ -135,7 +135,7 @@ def talker_chunk(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, em
     return kv.replace(k=k, v=v), normed, logits
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size"))
+@cached_jit(static_argnames=("config", "page_size"))
 def talker_logits(config: TalkerConfig, params: Params, embeds: jax.Array, positions: jax.Array, *,
                   page_size: int = 64) -> jax.Array:
     """One-shot talker forward: `embeds [B, T, D]`, `positions [3, B, T]` -> codec logits `[B, T, V]` float32."""
@@ -184,7 +184,7 @@ def _head(params: Params, hidden: jax.Array, g: jax.Array | int) -> jax.Array:
     return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def predictor_logits(config: TalkerConfig, params: Params, embeds: jax.Array, head: int | jax.Array) -> jax.Array:
     """The code predictor on a whole sequence `embeds [B, T, D]` (positions 0 .. T-1), logits of head `head`
     (codebook `head + 1`) at every position: `[B, T, Vp]` float32."""
@@ -236,7 +236,7 @@ def _frame_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, c
     return codes, (total + last.astype(jnp.float32)).astype(config.jnp_dtype)
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def predict_codes(config: TalkerConfig, params: Params, past_hidden: jax.Array, code0: jax.Array) -> jax.Array:
     """A frame's Q codes `[B, Q]` int32: `code0 [B]` and the predictor's greedy codebooks 1 .. Q-1 given the talker's
     final-normed hidden state `past_hidden [B, D]` at the position that produced `code0`."""
@@ -259,7 +259,7 @@ def rows_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_
     return kv, codes, hidden[:, 0], logits[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "predictor"))
+@cached_jit(static_argnames=("config", "predictor"))
 def talker_step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, past_hidden: jax.Array,
                 code0: jax.Array, text_row: jax.Array, position: jax.Array, key: jax.Array | None = None,
                 predictor: Sampling | None = None) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
@@ -290,7 +290,7 @@ def rows_prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, em
     return kv, take(hidden), take(logits)
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, positions: jax.Array
             ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array]:
     """A talker prompt `embeds [B, T, D]` at mrope `positions [3, B, T]` written into `kv`; returns `(kv, hidden
@@ -303,7 +303,7 @@ def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds:
 # --------------------------------------------------------------------------------------------- prompt, generate
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@cached_jit(static_argnames="config")
 def user_prompt(config: TalkerConfig, params: Params, thinker_embeds: jax.Array, thinker_hidden: jax.Array,
                 multimodal: jax.Array) -> jax.Array:
     """The talker input of a user turn, as the reference's `_get_talker_user_parts` builds it: per token, the

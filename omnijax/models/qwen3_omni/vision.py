@@ -49,6 +49,7 @@ import numpy.typing as npt
 from flax import nnx
 
 from omnijax.checkpoint.name_tables import Component, Rule
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import rope as rope_lib
 from omnijax.models.encoders.common import (
     StackedLayers,
@@ -273,7 +274,7 @@ class Qwen3VisionEncoder(nnx.Module):
         return embeds, feats[np.argsort(c.deepstack_visual_indexes)]  # in block order, as the reference lists them
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
+@cached_jit(static_argnames=("graphdef",))
 def _encode(graphdef, params, pixel_values, plan):
     return nnx.merge(graphdef, params)(pixel_values, plan)
 

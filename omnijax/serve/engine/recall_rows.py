@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import host_tier
 from omnijax.kv import paged as paged_lib
 from omnijax.serve.engine.decode_loop import OnToken, RowEnd, engine_step, frame_logprobs
@@ -94,12 +95,12 @@ def put_row(state: StreamState, row: int, view: StreamState) -> StreamState:
 
 
 # The row moves as programs of the row index (one per batch bucket, whichever row), not eager slices (one per row).
-@jax.jit
+@cached_jit
 def _slice(fields: dict, row: jax.Array) -> dict:
     return {n: jax.lax.dynamic_slice_in_dim(x, row, 1) for n, x in fields.items()}
 
 
-@jax.jit
+@cached_jit
 def _put(fields: dict, rows: dict, row: jax.Array) -> dict:
     return {n: jax.lax.dynamic_update_slice_in_dim(x, rows[n].astype(x.dtype), row, 0) for n, x in fields.items()}
 

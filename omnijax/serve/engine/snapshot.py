@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv.quant_kv import QuantPages
 from omnijax.serve.engine.snapshot_format import (
     ARRAY_FIELDS,
@@ -155,8 +156,8 @@ def _write_row(state: StreamState, row, entries, live, pages: dict, values: dict
     return StreamState(kv=kv.replace(**new), **rows)
 
 
-_write = jax.jit(_write_row)
-_write_donated = jax.jit(_write_row, donate_argnums=0)
+_write = cached_jit(_write_row)
+_write_donated = cached_jit(_write_row, donate_argnames="state")
 
 
 def import_row(state: StreamState, row: int, snapshot: SessionSnapshot, *, donate: bool = False) -> StreamState:

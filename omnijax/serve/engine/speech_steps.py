@@ -10,13 +10,13 @@ step in separate calls of a tick, each writing only its own rows.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from omnijax.decoding import Sampling
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen3_omni import talker_forward
 from omnijax.models.qwen3_omni.talker import TalkerConfig
@@ -45,7 +45,7 @@ def _draw(logits: jax.Array, banned: jax.Array, history: jax.Array, seeds: jax.A
     return jax.vmap(jax.random.categorical)(_keys(seeds, 0, counts), scores).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="warp")
+@cached_jit(static_argnames="warp")
 def draw(logits: jax.Array, banned: jax.Array, history: jax.Array, seeds: jax.Array, counts: jax.Array, *,
          warp: Sampling) -> jax.Array:
     """`[B]` int32: talker token `counts[b]` of each row drawn from `logits [B, V]` (suppressed, then `warp` with
@@ -53,7 +53,7 @@ def draw(logits: jax.Array, banned: jax.Array, history: jax.Array, seeds: jax.Ar
     return _draw(logits, banned, history, seeds, counts, warp)
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
+@cached_jit(static_argnames="config", donate_argnames="kv")
 def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds: jax.Array, valid: jax.Array,
             positions: jax.Array, banned: jax.Array
             ) -> tuple[paged_lib.PagedKV, jax.Array, jax.Array, jax.Array]:
@@ -62,7 +62,7 @@ def prefill(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, embeds:
     return kv, hidden, logits, pick(logits, banned)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "warps"), donate_argnums=(2,))
+@cached_jit(static_argnames=("config", "warps"), donate_argnames="kv")
 def step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, hidden: jax.Array, token: jax.Array,
          text_row: jax.Array, position: jax.Array, active: jax.Array, banned: jax.Array, seeds: jax.Array,
          steps: jax.Array, history: jax.Array, *, warps: Warps | None = None
@@ -78,7 +78,7 @@ def step(config: TalkerConfig, params: Params, kv: paged_lib.PagedKV, hidden: ja
     return kv, codes, hidden, nxt
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy"), donate_argnums=(2,))
+@cached_jit(static_argnames=("config", "policy"), donate_argnames="kv")
 def trim(config: Any, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, active: jax.Array
          ) -> paged_lib.PagedKV:
     """The `active [B]` rows trimmed by the talker's KV policy (`SpeechConfig.talker_kv`; either family's talker
@@ -89,7 +89,7 @@ def trim(config: Any, policy: Any, kv: paged_lib.PagedKV, next_pos: jax.Array, a
     return kv
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@cached_jit(donate_argnames="kv")
 def reset_row(kv: paged_lib.PagedKV, row: jax.Array) -> paged_lib.PagedKV:
     """Row `row` emptied, its pages released."""
     kv = paged_lib.release_pages(kv, kv.page_table[row])
@@ -98,7 +98,7 @@ def reset_row(kv: paged_lib.PagedKV, row: jax.Array) -> paged_lib.PagedKV:
                       dropped=kv.dropped.at[row].set(0))
 
 
-@jax.jit
+@cached_jit
 def take_rows(kv: paged_lib.PagedKV, rows: jax.Array) -> paged_lib.PagedKV:
     """New row i takes old row `rows[i]`, or an empty row where -1 (old rows left out own no pages): one compiled
     program per pair of buckets."""
