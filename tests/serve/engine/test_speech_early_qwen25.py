@@ -18,7 +18,8 @@ a seeded schedule (the second opened a tick later):
 - without the flag, the engine's programs (`engine_step`, its prefill-only form, `token_step`) lower to the text of
   the programs as they were before the tap existed (their bodies kept here as twins);
 - refused by name, the pool unchanged: writing without `early_start`, sampling, an extend after the end, rows of
-  another shape, a placeholder id, a whole-answer preparation opened as writing.
+  another shape, a placeholder id, a whole-answer preparation opened as writing; an answer ended without a token
+  ends its stream silent.
 """
 
 import dataclasses
@@ -301,4 +302,10 @@ def test_what_early_speech_cannot_take_is_refused_by_name(model):
     with pytest.raises(ValueError, match="whole already"):
         pool.extend("w", [7], rows=np.zeros((1, width), np.float32))
     pool.close("w")
+    assert not pool.sessions and pool.reserved == 0
+    # an answer that ended without a token: nothing to speak, its stream ends with one empty final chunk
+    pool.open("e", prompt, [], voice="Ethan", max_new_tokens=8, writing=True)
+    pool.extend("e", [], end=True)
+    assert pool.has_work
+    assert [(c.speech_id, c.final, c.pcm.size) for c in pool.tick()] == [("e", True, 0)]
     assert not pool.sessions and pool.reserved == 0
