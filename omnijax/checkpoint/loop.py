@@ -15,7 +15,7 @@ import tqdm
 
 from omnijax.checkpoint import name_tables as tables
 from omnijax.checkpoint.name_tables import Component
-from omnijax.checkpoint.safetensors import SafetensorsCheckpoint
+from omnijax.checkpoint.safetensors import ReadBuffer, SafetensorsCheckpoint
 from omnijax.checkpoint.staged import staged_tree
 from omnijax.errors import TensorError
 
@@ -53,12 +53,42 @@ def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Compone
         leading = {rule.path.replace("/", "."): len(c.leading(rule)) for rule in c.active_rules()}
         trees[c.name] = staged_tree(staging_dir / c.name, tables.param_shapes(c), leading, target)
     source_dtypes = collections.Counter()
+    buffer = ReadBuffer()
     for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
         if name in plan.assign:
             source_dtypes[ckpt.info(name).dtype] += 1
-            # read() memory-maps just this tensor; fill casts and writes it in blocks into its final storage
-            tables.fill(trees, name, ckpt.read(name), plan)
+            # fill casts and writes the tensor in blocks into its final storage
+            tables.fill(trees, name, _source(ckpt, name, plan.assign[name][1], target, buffer), plan)
     return trees, plan, source_dtypes
+
+
+def _source(ckpt: SafetensorsCheckpoint, name: str, rule: tables.Rule, target: np.dtype,
+            buffer: ReadBuffer) -> np.ndarray:
+    """The tensor `name` as `fill` takes it: read into `buffer` when `fill` copies it anyway (a transform that is not
+    a C-ordered view, or a cast), so the copy reads from memory that transposes quickly (see `ReadBuffer`);
+    otherwise memory-mapped, written to its storage as it lies. The buffer's contents are never handed on: the
+    copies `fill` makes are complete when it returns, and the next tensor may overwrite it. Other sources (a GGUF
+    file's dequantised tensors, already in memory) are read as they read."""
+    if not isinstance(ckpt, SafetensorsCheckpoint):
+        return ckpt.read(name)
+    info = ckpt.info(name)
+    if info.np_dtype == target and tables.TRANSFORMS[rule.transform](_layout(info)).flags.c_contiguous:
+        # written as it lies: a small tensor is read into its own array (cheaper than mapping it), a large one mapped
+        return ckpt.read_into(name, np.empty(info.shape, info.np_dtype)) if info.nbytes <= _SMALL_BYTES \
+            else ckpt.read(name)
+    return ckpt.read_into(name, buffer.array(info.shape, info.np_dtype))
+
+
+def _layout(info) -> np.ndarray:
+    """A read-only array with the strides of the C-ordered tensor `info` over one element (never read): what a
+    transform does to its layout, without memory of its size."""
+    strides = [info.np_dtype.itemsize] if info.shape else []
+    for n in reversed(info.shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return np.lib.stride_tricks.as_strided(np.empty(1, info.np_dtype), info.shape, strides, writeable=False)
+
+
+_SMALL_BYTES = 1 << 20
 
 
 def log_skipped(skipped: dict[str, int], speech_prefixes: Sequence[str], log: Callable[[str], None]) -> None:

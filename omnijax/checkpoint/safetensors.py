@@ -4,8 +4,8 @@ A safetensors file is an 8-byte little-endian header length N, N bytes of JSON d
 `shape`, `data_offsets` relative to the end of the header) and an optional `__metadata__` string map, then the raw
 little-endian tensor bytes, packed without gaps. This module parses and validates the header itself so that a
 truncated or corrupt file fails with a `CheckpointError` naming the file (and the tensor, where one is to blame)
-before any tensor is used, and reads one tensor at a time through a memory map of just that tensor's bytes: a
-checkpoint is never loaded whole.
+before any tensor is used, and reads one tensor at a time, through a memory map of just that tensor's bytes or into a
+reused buffer (`ReadBuffer`): a checkpoint is never loaded whole.
 
 A checkpoint directory holds either one `model.safetensors` or the shards listed by `model.safetensors.index.json`
 (`{"weight_map": {tensor name: shard file name}}`). When both exist the single file is used, as transformers does.
@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,6 +193,72 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return flat.reshape(info.shape)
 
 
+class ReadBuffer:
+    """One reusable host buffer that tensors are read into with `pread` (`read_tensor_into`), for a caller that
+    copies each tensor elsewhere (transposed, cast) before reading the next.
+
+    Why not the memory map `read_tensor` gives: transposing a weight straight out of mapped file pages walks its
+    columns across hundreds of 4 KiB pages per row (TLB misses, and a page fault on each first touch); read into
+    this buffer, an anonymous mapping that asks for transparent huge pages, the same transposes of SmolLM2-135M's
+    linear weights took 0.28 CPU s against 0.34-0.40 s (median of 5 each, interleaved). The buffer grows to the
+    largest tensor read into it and is reused; it is only as large as that tensor.
+    """
+
+    def __init__(self):
+        self._map: mmap.mmap | None = None
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A C-ordered array of `shape` and `dtype` on the buffer (its contents undefined; valid until the next
+        call, which may reuse or replace the memory)."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        if self._map is None or len(self._map) < nbytes:
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: huge pages where the system allows them
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(self._map, dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+
+def read_tensor_into(info: TensorInfo, out: np.ndarray, fd: int | None = None) -> np.ndarray:
+    """Reads one tensor's bytes into `out` (C-contiguous, of the tensor's shape and dtype, e.g. from
+    `ReadBuffer.array`) with `pread`; returns `out`.
+
+    Args:
+        info: the tensor.
+        out: where its bytes go.
+        fd: an open read-only descriptor of `info.path` (opened and closed here when None).
+
+    Raises:
+        ValueError: `out` is not a writeable C-contiguous array of the tensor's shape and dtype.
+        CheckpointError: the file cannot be read or ends before the tensor does.
+    """
+    if out.shape != info.shape or out.dtype != info.np_dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{info.name}: reading into a {out.dtype} array of shape {out.shape} (C-contiguous "
+                         f"{out.flags.c_contiguous}, writeable {out.flags.writeable}); the tensor needs a writeable "
+                         f"C-contiguous {info.np_dtype} array of shape {info.shape}")
+    if info.nbytes == 0:
+        return out
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    try:
+        own = fd is None
+        fd = os.open(info.path, os.O_RDONLY) if fd is None else fd
+        try:
+            done = 0
+            while done < info.nbytes:  # one call reads at most ~2 GiB on Linux
+                n = os.preadv(fd, [view[done:]], info.offset + done)
+                if n == 0:
+                    raise CheckpointError(f"file ends {info.nbytes - done} bytes before the tensor's end (truncated "
+                                          "since its header was read?)", path=info.path, tensor=info.name)
+                done += n
+        finally:
+            if own:
+                os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"cannot read tensor bytes: {e.strerror or e}", path=info.path, tensor=info.name) from e
+    return out
+
+
 def _read_index(index_path: Path) -> dict[str, str]:
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -207,6 +275,11 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
+def _close_all(fds: dict[Path, int]) -> None:
+    while fds:
+        os.close(fds.popitem()[1])
+
+
 class SafetensorsCheckpoint:
     """A Hugging Face safetensors checkpoint directory (single file or sharded), validated on construction.
 
@@ -218,6 +291,8 @@ class SafetensorsCheckpoint:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        self._fds: dict[Path, int] = {}  # file -> descriptor `read_into` keeps open
+        weakref.finalize(self, _close_all, self._fds)
         single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
         self._tensors: dict[str, TensorInfo] = {}
         if single.is_file():
@@ -263,6 +338,22 @@ class SafetensorsCheckpoint:
     def read(self, name: str) -> np.ndarray:
         """One tensor, memory-mapped (see `read_tensor`)."""
         return read_tensor(self._tensors[name])
+
+    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+        """One tensor read into `out` (see `read_tensor_into`), through a descriptor of its file kept open until
+        the checkpoint is collected or `close`d (opening the file per tensor cost more than reading a small one)."""
+        info = self._tensors[name]
+        fd = self._fds.get(info.path)
+        if fd is None:
+            try:
+                fd = self._fds[info.path] = os.open(info.path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"cannot open: {e.strerror or e}", path=info.path, tensor=name) from e
+        return read_tensor_into(info, out, fd)
+
+    def close(self) -> None:
+        """Closes the descriptors `read_into` opened (a later `read_into` opens them again)."""
+        _close_all(self._fds)
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yields `(name, array)` one tensor at a time."""
