@@ -5,12 +5,12 @@ of the rows admitted since the last tick and one talker step over the rows that 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import paged as paged_lib
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.talker import TalkerConfig
@@ -26,7 +26,7 @@ def pick(logits: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Arr
     return jnp.argmax(jnp.where(banned, -jnp.inf, scores), axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
+@cached_jit(static_argnames="config", donate_argnames="kv")
 def prefill(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, rows: jax.Array, valid: jax.Array,
              positions: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array
              ) -> tuple[paged_lib.PagedKV, jax.Array]:
@@ -38,7 +38,7 @@ def prefill(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, rows: jax.
     return kv, pick(logits, seen, banned, penalty)
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(2,))
+@cached_jit(static_argnames="config", donate_argnames="kv")
 def step(config: TalkerConfig, params: Any, kv: paged_lib.PagedKV, token: jax.Array, text_row: jax.Array,
           position: jax.Array, active: jax.Array, seen: jax.Array, banned: jax.Array, penalty: jax.Array
           ) -> tuple[paged_lib.PagedKV, jax.Array]:
