@@ -9,6 +9,7 @@ cache itself is `omnijax.compilation_cache`, which re-exports the names here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -251,6 +252,10 @@ class CachedJit:
     (it may be such a copy). Files are written atomically; one that cannot be read is removed, compiled again and
     replaced.
 
+    `fun` must be a plain function (a bound method, a `functools.partial` or a callable object is refused: its
+    key would not hold their state). Values a closure captures are not in the key either: capture only what does not
+    change the program.
+
     Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and
     `reused` by jax's in-memory cache, not written), `plain` calls that went to the plain jit.
 
@@ -262,6 +267,12 @@ class CachedJit:
 
     def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
                  donate_argnames: str | Iterable[str] = ()):
+        if inspect.ismethod(fun) or isinstance(fun, functools.partial) or not inspect.isfunction(fun):
+            # the key names the function and hashes its sources, not the state a bound method, a partial or a
+            # callable object carries: two such objects of different state would share each other's programs
+            raise TypeError(f"cached_jit takes a plain function, not {type(fun).__name__} {fun!r}: its key does not "
+                            "hold a bound object's or a partial's state; pass that state as an argument (static if "
+                            "hashable) or use jax.jit")
         self.fun = fun
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.donate_argnames = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)

@@ -4,6 +4,7 @@ shapes; the plain jit wherever an executable cannot serve the call."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -373,3 +374,22 @@ def test_a_program_compiled_ahead_from_shapes_serves_the_call(cache_dir):
     on_mesh = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",)), jax.sharding.PartitionSpec()))
     assert not kept.precompile(on_mesh, on_mesh, power=3) and not kept.ready(on_mesh, on_mesh, power=3)
+
+
+class _Scaled:
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, x):
+        return x * self.scale
+
+    def apply(self, x):
+        return x * self.scale
+
+
+def test_a_bound_method_a_partial_or_a_callable_object_is_refused():
+    """Their state (the bound object, the partial's arguments) is not in a kept program's key: two of different state
+    would load each other's programs, so `cached_jit` refuses them by name, before anything is compiled."""
+    for fun in (_Scaled(2.0).apply, functools.partial(_f, power=2), _Scaled(3.0)):
+        with pytest.raises(TypeError, match="cached_jit takes a plain function"):
+            compilation_cache.cached_jit(fun)
