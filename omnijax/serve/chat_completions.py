@@ -153,9 +153,11 @@ async def chat_completions(request: Request, context: ServeContext) -> Response:
     decoder = context.tokenizer.stream_decoder(skip_special_tokens=True)
     text_of = AnswerText(decoder, req.stop)
     calls = req.tools.parser() if req.tools is not None and req.tools.active else None  # reads the tool calls
-    # Qwen3-Omni: the talker starts on the engine's speech pool while the answer is still decoded
+    # Qwen3-Omni (Qwen2.5-Omni served with speak_early: reading the answer's rows): the talker starts on the
+    # engine's speech pool while the answer is still decoded
     early = None if audio is None or spoken_prompt is None else written_speech(
-        context, spoken_prompt.ids, audio.voice, spoken_prompt.media, stop=answer.stop, sampling=audio.sampling)
+        context, spoken_prompt.ids, audio.voice, spoken_prompt.media, stop=answer.stop, sampling=audio.sampling,
+        rows=answer.rows)
     if not req.stream:
         # A client that goes away before the whole answer is ready cancels it (its decoding would hold a batch row
         # and a stopping server for nothing).

@@ -79,6 +79,10 @@ class ServeOptions:
             per 80 ms codec frame for Qwen3-Omni; the reference's `talker_max_new_tokens`).
         talker_window: None (the talker's KV holds its prompt and every token), or the newest talker KV cells
             kept beside its 4 oldest (`omnijax.models.talker_kv`): the speech pool's rows and the thread path alike.
+        speak_early: Qwen2.5-Omni: chat completions' audio output speaks the answer while it is written (the speech
+            pool built with `SpeechConfig(early_start=True)`; the engine's decode programs then also return each
+            answer token's row, and recall is refused). False: the finished answer is spoken. Qwen3-Omni's always
+            speaks while written.
     """
 
     host: str = "127.0.0.1"
@@ -107,6 +111,7 @@ class ServeOptions:
     shutdown_timeout_s: float = 30.0
     max_speech_tokens: int = 4096
     talker_window: int | None = None
+    speak_early: bool = False
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
@@ -114,6 +119,8 @@ class ServeOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         talker_policy(self.talker_window, what="talker_window (--talker-window)")  # refused by name
+        if not isinstance(self.speak_early, bool):
+            raise ValueError(f"speak_early must be True or False, got {self.speak_early!r}")
         if not 0 <= self.decode_wait_fraction <= 1:
             raise ValueError(f"decode_wait_fraction must lie in [0, 1], got {self.decode_wait_fraction}")
         if not 0 < self.max_request_audio_s < float("inf"):

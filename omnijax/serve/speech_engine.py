@@ -8,8 +8,12 @@ speaking session's in the engine's ticks and its vocoder calls run in the ticks,
 cap counts an utterance as an active session; the pool's rows and talker pages are reserved up front). Qwen3-Omni's
 talker starts while the answer is written (`WrittenSpeech`); Qwen2.5-Omni's reads the thinker's final hidden state
 of every answer token (recomputed with the media rows by `Qwen25SpeechPool.prepare`, in a worker thread before
-admission), so it speaks the finished answer (`pool_pieces`). An engine built without a pool speaks in worker
-threads beside it (`speech_output.speak_pieces`' thread path).
+admission), so it speaks the finished answer (`pool_pieces`), unless the server runs with
+`ServeOptions(speak_early=True)` (`--speak-early`): its pool is then built with `SpeechConfig(early_start=True)`, the
+engine's decode programs return each answer token's row (`Answer.rows`), and chat completions' audio output speaks
+the answer while it is written (`WrittenSpeech` given the rows; `prepare` runs over the prompt alone). Realtime's
+responses and drawn speech (`audio.sampling`) still speak the finished answer there. An engine built without a pool
+speaks in worker threads beside it (`speech_output.speak_pieces`' thread path).
 
 Admission, for a route:
 - before anything is fed (chat completions' prompt, Realtime's `response.create`), `pool_full` says whether every row
@@ -64,7 +68,7 @@ class SpeechOverloaded(RequestError):
 
 def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
                       rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64,
-                      talker_window: int | None = None) -> SpeechConfig | None:
+                      talker_window: int | None = None, early_start: bool = False) -> SpeechConfig | None:
     """The engine's speech pool for a served model: None unless it has a speech output (Qwen3-Omni's, Qwen2.5-Omni's).
 
     A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens
@@ -73,13 +77,16 @@ def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int
     `max_speech_tokens`); long conversations may fill the pages first, which a route waits on, then refuses naming
     them. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25). `talker_window`: the talker rows'
     bounded KV (`SpeechConfig.talker_window`; an utterance then reserves its prompt or the window's pages).
+    `early_start`: Qwen2.5-Omni's pool speaks answers while they are written (`SpeechConfig.early_start`; Qwen3-Omni's
+    always can, the flag changes nothing there).
     """
     if not isinstance(getattr(model, "speech", None), (Qwen3Speech, Qwen25Speech)):
         return None
     max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
     rows = tuple(rows)
     return SpeechConfig(rows=rows, num_pages=min(2, rows[-1]) * max_pages, page_size=page_size, max_pages=max_pages,
-                        talker_window=talker_window)
+                        talker_window=talker_window,
+                        early_start=bool(early_start) and isinstance(model.speech, Qwen25Speech))
 
 
 def warm_up_pool(engine: Any, prompt_tokens: Sequence[int] = WARM_PROMPTS) -> list[int]:
@@ -151,7 +158,7 @@ async def _admit(context: ServeContext, speech_id: str, prompt: np.ndarray, answ
     more = {}
     if isinstance(pool, Qwen25SpeechPool):  # its talker input (a thinker forward) built here, off the engine's thread
         more["prepared"] = await asyncio.to_thread(pool.prepare, prompt, np.asarray(answer, np.int64), voice=voice,
-                                                   media=tuple(media))
+                                                   media=tuple(media), writing=writing)
     deadline = time.monotonic() + context.options.queue_timeout_s
     while True:
         try:
@@ -199,13 +206,21 @@ async def pool_pieces(context: ServeContext, prompt: np.ndarray, answer: Sequenc
 
 def written_speech(context: ServeContext, prompt: np.ndarray, voice: str,
                    media: Callable[[], Awaitable[Sequence[MediaRows]]] | None = None, *, stop: Collection[int] = (),
-                   sampling: TalkerSampling | None = None) -> WrittenSpeech | None:
+                   sampling: TalkerSampling | None = None, rows: Sequence[np.ndarray] | None = None
+                   ) -> WrittenSpeech | None:
     """The answer spoken while the thinker writes it (`WrittenSpeech`, arguments as there) when the engine speaks on
-    its speech pool and the talker can start early (Qwen3-Omni); None otherwise (Qwen2.5-Omni speaks the finished
-    answer: on the pool, `pool_pieces`, or in worker threads without one)."""
-    if not speaks_on_pool(context) or not isinstance(context.model.speech, Qwen3Speech):
+    its speech pool and the talker can start early: Qwen3-Omni's always; Qwen2.5-Omni's when its pool reads the
+    engine's rows (`SpeechConfig(early_start=True)`, `ServeOptions.speak_early`), the route hands them over (`rows`:
+    the answer's `Answer.rows`) and the speech is greedy (`sampling` None). None otherwise: the finished answer is
+    spoken (on the pool, `pool_pieces`, or in worker threads without one)."""
+    if not speaks_on_pool(context):
         return None
-    return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, sampling=sampling)
+    if isinstance(context.model.speech, Qwen3Speech):
+        return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, sampling=sampling)
+    pool = context.worker.engine.speech
+    if not getattr(pool, "reads_rows", False) or rows is None or sampling is not None:
+        return None
+    return WrittenSpeech(context, np.asarray(prompt, np.int64), voice, media, stop=stop, rows=rows)
 
 
 async def finish_speech(early: WrittenSpeech, answer: Sequence[int]) -> AsyncGenerator[np.ndarray, None]:
@@ -219,9 +234,12 @@ async def finish_speech(early: WrittenSpeech, answer: Sequence[int]) -> AsyncGen
 
 
 class WrittenSpeech:
-    """An answer spoken on the engine's speech pool while the thinker still writes it (Qwen3-Omni): the talker
-    starts with the answer's first token and reads each later one as the route hands it over, so PCM comes while the
-    text is still being decoded (`SpeechPool.open(writing=True)` / `extend`).
+    """An answer spoken on the engine's speech pool while the thinker still writes it: the talker starts with the
+    answer's first token and reads each later one as the route hands it over, so PCM comes while the text is still
+    being decoded (`SpeechPool.open(writing=True)` / `extend`). Qwen2.5-Omni's talker reads each token's thinker row
+    too (`rows`, `Qwen25SpeechPool.extend(..., rows=)`): a token is handed over once its row has arrived, and the
+    utterance is admitted on the prompt alone (`prepare(writing=True)`) when this object is made, so that it is in
+    the pool by the answer's first token (an answer ended without a token ends it silent).
 
     On the event loop, computing nothing: `push(tokens)` as the answer's tokens arrive, `ready()` for the PCM chunks
     decoded so far (without waiting), `finish(answer)` with the whole answer spoken (what the finished-answer path
@@ -239,6 +257,8 @@ class WrittenSpeech:
         media: awaited before admission: the thinker rows the talker reads at media placeholders (None: none).
         stop: the thinker's stop ids (a final one is not spoken).
         sampling: drawn speech (`TalkerSampling`); None: greedy.
+        rows: Qwen2.5-Omni: the answer's rows as they arrive (`Answer.rows`, one `[D]` row per token, read as it
+            grows); None for Qwen3-Omni.
 
     Errors (admission: `SpeechOverloaded` after `queue_timeout_s`; a refusal of the pool or a failed utterance:
     ValueError naming why) are raised by `rest()`; `ready()` returns nothing meanwhile.
@@ -246,12 +266,14 @@ class WrittenSpeech:
 
     def __init__(self, context: ServeContext, prompt: np.ndarray, voice: str,
                  media: Callable[[], Awaitable[Sequence[MediaRows]]] | None = None, *, stop: Collection[int] = (),
-                 sampling: TalkerSampling | None = None):
+                 sampling: TalkerSampling | None = None, rows: Sequence[np.ndarray] | None = None):
         speech = context.model.speech
-        assert isinstance(speech, Qwen3Speech)
+        assert isinstance(speech, Qwen3Speech) or rows is not None and isinstance(speech, Qwen25Speech)
         self.context, self.prompt, self.voice, self.media, self.sampling = context, prompt, voice, media, sampling
         self.speech_id = f"speech-{next(_ids)}"
-        self._im_end = int(speech.tokens.im_end_token_id)
+        self._rows, self._given = rows, 0  # (Qwen2.5-Omni) the answer's rows; how many went to the pool
+        self._im_end = int(speech.tokens.im_end_token_id if isinstance(speech, Qwen3Speech)
+                           else speech.im_end_token_id)
         self._droppable = frozenset(int(t) for t in stop) | {self._im_end}
         self._generated: list[int] = []
         self._sent: list[int] = []  # the tokens handed over (to `_pending` and on to the pool)
@@ -261,6 +283,8 @@ class WrittenSpeech:
         self._task: asyncio.Task | None = None
         self._stream: Any = None
         self._error: BaseException | None = None
+        if rows is not None:  # Qwen2.5-Omni: admitted on the prompt alone at once, beside the answer's first tick
+            self._task = asyncio.ensure_future(self._feed())
 
     def push(self, tokens: Sequence[int]) -> None:
         """The answer's next tokens as decoded (event loop; no compute): those certainly spoken go to the talker."""
@@ -268,13 +292,19 @@ class WrittenSpeech:
         held = 0
         while held < min(2, len(self._generated)) and self._generated[-1 - held] in self._droppable:
             held += 1
-        self._hand(self._generated[:len(self._generated) - held])
+        readable = len(self._generated) - held
+        if self._rows is not None:  # a token waits for its row (a per-token tick sends rows after its tokens)
+            readable = min(readable, len(self._rows))
+        self._hand(self._generated[:readable])
 
     def finish(self, answer: Sequence[int]) -> None:
         """The whole answer spoken (a final `<|im_end|>` dropped here); it must extend what was handed over."""
         whole = [int(t) for t in answer]
         if whole and whole[-1] == self._im_end:
             whole = whole[:-1]
+        if self._rows is not None and len(self._rows) < len(whole):
+            raise ValueError(f"WrittenSpeech.finish: the rows of {len(whole) - len(self._rows)} of the answer's "
+                             f"{len(whole)} tokens have not arrived (the answer was cut mid-tick)")
         self._ended = True
         self._hand(whole)
 
@@ -290,8 +320,11 @@ class WrittenSpeech:
     async def _feed(self) -> None:
         try:
             media = tuple(await self.media()) if self.media is not None else ()
-            first, self._pending = self._pending, []
-            writing = not self._ended
+            # Qwen2.5-Omni: opened on the prompt alone, every token (with its row) handed over by `extend`
+            first: list[int] = []
+            if self._rows is None:
+                first, self._pending = self._pending, []
+            writing = self._rows is not None or not self._ended
             self._stream = await _admit(self.context, self.speech_id, self.prompt, first, self.voice, media,
                                         writing=writing, sampling=self.sampling)
             while writing:
@@ -299,7 +332,11 @@ class WrittenSpeech:
                     self._wake.clear()
                     await self._wake.wait()
                 tokens, self._pending, end = self._pending, [], self._ended
-                if not await self.context.worker.extend_speech(self.speech_id, tokens, end=end):
+                more = {}
+                if self._rows is not None and tokens:
+                    more["rows"] = np.stack(self._rows[self._given:self._given + len(tokens)])
+                    self._given += len(tokens)
+                if not await self.context.worker.extend_speech(self.speech_id, tokens, end=end, **more):
                     return  # the talker ended (its max tokens) or the utterance stopped: the rest is not needed
                 writing = not end
         except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - raised again by `rest`

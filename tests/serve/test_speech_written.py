@@ -15,12 +15,18 @@ through the official `openai` SDK
 - the event loop computes nothing: the pool's `open` and `extend` (the text rows' projection) run off the thread that
   pushes the tokens (the event loop's).
 
-The same routes on a served tiny Qwen2.5-Omni release (the fixtures are parametrized by family): its engine speaks on
-its own pool (`Qwen25SpeechPool`: the talker batched on the ticks, Token2Wav streamed as it decodes), the finished
-answer (its talker reads the thinker's hidden state of every answer token), so every audio delta follows the last
-transcript delta; the PCM16 of the streamed and whole chat completions and of a Realtime response equals
-`speech.speak` of the finished answer within 1 LSB; the talker input (a thinker forward) is built in a worker thread
-and the pool's `open` runs on the engine's, neither on the event loop.
+The same routes on a served tiny Qwen2.5-Omni release (the fixtures are parametrized by family), served with
+`ServeOptions(speak_early=True)`: its engine speaks on its own pool (`Qwen25SpeechPool` with
+`SpeechConfig(early_start=True)`: the talker batched on the ticks, Token2Wav streamed as it decodes), its talker
+reading each answer token's thinker row as the engine's decode programs return it (`Answer.rows`). So chat
+completions speak while the answer is written (a streamed one's first `delta.audio.data` before its last
+`delta.audio.transcript`), while a Realtime response still speaks the finished answer (every audio delta after the last
+transcript delta; Token2Wav served without look-ahead, so that the first PCM needs only the talker's first 4 codes);
+the PCM16 of the streamed and whole chat completions and of the Realtime response equals `speak_chunks` of the
+finished answer (streamed as the pool streams it) within 1 LSB, and the streamed chat's equals the Realtime route's (the
+finish-first path on the same pool: one thinker forward over prompt and answer) bit for bit. The talker input (a
+thinker forward over the prompt, or prompt and answer) is built in a worker thread and the pool's `open` / `extend`
+run on the engine's, neither on the event loop.
 """
 
 import asyncio
@@ -42,7 +48,7 @@ import omnijax  # noqa: E402
 from omnijax.chunks.spans import SpanKind  # noqa: E402
 from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.media.audio import pcm16, read_wav  # noqa: E402
-from omnijax.models.qwen2_5_omni import speech as S25  # noqa: E402
+from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming  # noqa: E402
 from omnijax.models.qwen3_omni import speech as S  # noqa: E402
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling  # noqa: E402
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer  # noqa: E402
@@ -64,6 +70,7 @@ QUESTION25 = [{"role": "user", "content": "Hi"}]  # its tiny release's greedy an
 MAX_TOKENS, SPEECH_TOKENS = 16, 20
 AUDIO = {"voice": "Chelsie", "format": "pcm16"}
 QWEN3 = "qwen3_omni"
+PCM: dict = {}  # (family, route) -> the PCM16 a test received, for the routes' comparison
 
 
 def _stream():
@@ -86,7 +93,12 @@ def served(request, tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = omnijax.load(full)
-    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=MAX_TOKENS, max_speech_tokens=SPEECH_TOKENS)
+    if request.param != QWEN3:
+        # no Token2Wav look-ahead: PCM once the talker has `first_chunk` codes (with the default, the first chunk
+        # of this tiny release needs more codes than its talker reads from a 16-token answer)
+        model.speech.streaming = Token2WavStreaming(right_blocks=0, vocoder_right=0)
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=MAX_TOKENS, max_speech_tokens=SPEECH_TOKENS,
+                           speak_early=request.param != QWEN3)
     context = build_context(model, options=options, stream=_stream(), chunk_tokens=64, buckets=(1, 2),
                             aimd_target=0)
     with BackgroundServer(context) as server:
@@ -109,20 +121,30 @@ def reference(served):
     return "".join(items), np.asarray(hf_prompt(root / "hf", _question(model))), answer
 
 
-def _early(model) -> bool:
-    """Whether the family's talker starts while the answer is written (Qwen3-Omni) or speaks it finished."""
+def _early(model, route: str = "chat") -> bool:
+    """Whether the route's talker starts while the answer is written (Qwen3-Omni's; Qwen2.5-Omni's chat completions,
+    served with `speak_early`) or speaks it finished (Qwen2.5-Omni's Realtime responses)."""
+    return isinstance(model.speech, S.Qwen3Speech) or route == "chat"
+
+
+def _qwen3(model) -> bool:
     return isinstance(model.speech, S.Qwen3Speech)
 
 
 def _question(model) -> list:
-    return QUESTION if _early(model) else QUESTION25
+    return QUESTION if _qwen3(model) else QUESTION25
 
 
 def _want(model, reference, sampling=None):
     _, prompt, answer = reference
     more = {} if sampling is None else {"sampling": sampling}  # only Qwen3-Omni's talker draws
-    speak = S.speak if _early(model) else S25.speak
-    spoken = speak(model, prompt, answer, speaker="Chelsie", max_new_tokens=SPEECH_TOKENS, **more)
+    if not _qwen3(model):  # Token2Wav streamed as the served pool streams it (`speak_chunks`, held equal to
+        # transformers in tests/models/qwen2_5_omni/test_speech.py), the server's chunks (4 codes, then 25)
+        pcm = np.concatenate(list(model.speech.speak_chunks(model, prompt, answer, voice="Chelsie",
+                                                            max_new_tokens=SPEECH_TOKENS, first_chunk=4, chunk=25)))
+        assert np.abs(pcm).max() > 0.05
+        return pcm16(pcm).astype(np.int32)
+    spoken = S.speak(model, prompt, answer, speaker="Chelsie", max_new_tokens=SPEECH_TOKENS, **more)
     assert np.abs(spoken.pcm).max() > 0.05 and len(spoken.talker_tokens) >= 6
     return pcm16(spoken.pcm).astype(np.int32)
 
@@ -169,14 +191,16 @@ def test_streamed_chat_speech_order_and_pcm(served, reference, monkeypatch):
     monkeypatch.setattr(so, "pool_full", spy("loop", so.pool_full))  # the spoken prompt's check, on the event loop
     for pool in (SpeechPool, Qwen25SpeechPool):
         monkeypatch.setattr(pool, "open", spy("pool", pool.open))
-    monkeypatch.setattr(SpeechPool, "extend", spy("pool", SpeechPool.extend))
+    for pool in (SpeechPool, Qwen25SpeechPool):
+        monkeypatch.setattr(pool, "extend", spy("pool", pool.extend))
     monkeypatch.setattr(Qwen25SpeechPool, "prepare", spy("prepare", Qwen25SpeechPool.prepare))
     kinds, text, pcm = asyncio.run(asyncio.wait_for(_streamed(server, AUDIO), 600))
+    PCM[_qwen3(model), "chat"] = pcm
     assert text == reference[0]
     _ordered(kinds, "audio", "text", _early(model))
     _close(pcm, _want(model, reference))
     assert threads["loop"] and threads["pool"] and not threads["loop"] & threads["pool"], threads
-    assert bool(threads["prepare"]) != _early(model) and not threads["prepare"] & (threads["loop"] | threads["pool"])
+    assert bool(threads["prepare"]) != _qwen3(model) and not threads["prepare"] & (threads["loop"] | threads["pool"])
 
 
 def test_whole_chat_speech_equals_the_finished_answer(served, reference):
@@ -193,12 +217,27 @@ def test_realtime_speech_order_and_pcm(served, reference):
     _, model, server = served
     _, _, events = asyncio.run(asyncio.wait_for(_realtime(server, {"voice": "Chelsie"}), 600))
     _ordered([e.type for e in events], "response.output_audio.delta", "response.output_audio_transcript.delta",
-             _early(model))
+             _early(model, "realtime"))
     assert "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta") == reference[0]
     pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
                           if e.type == "response.output_audio.delta"]).astype(np.int32)
+    PCM[_qwen3(model), "realtime"] = pcm
     _close(pcm, _want(model, reference))
     assert events[-1].response.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)  # the family whose routes differ
+def test_speech_spoken_early_equals_the_finish_first_route(served, reference, monkeypatch):
+    """Qwen2.5-Omni served with `speak_early`: the streamed chat completion's speech (the talker reading the rows
+    the decode programs return) equals the Realtime response's (the finished answer: one thinker forward over prompt
+    and answer) bit for bit; both as the tests above received them (run here when those did not run)."""
+    if (False, "chat") not in PCM:
+        test_streamed_chat_speech_order_and_pcm(served, reference, monkeypatch)
+    if (False, "realtime") not in PCM:
+        test_realtime_speech_order_and_pcm(served, reference)
+    chat, realtime = PCM[False, "chat"], PCM[False, "realtime"]
+    assert chat.shape == realtime.shape and np.abs(chat).max() > 1000
+    np.testing.assert_array_equal(chat, realtime)
 
 
 def test_an_unknown_voice_is_refused_by_name(served):

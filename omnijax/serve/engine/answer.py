@@ -28,6 +28,9 @@ class Answer:
         logprobs: when its sampling row asks for them, one `(logprob, [(token id, logprob), ...])` per token of
             `tokens` (`omnijax.serve.engine.engine.FrameOutput.logprobs`); else an empty list.
         constraint: the `TokenConstraint` its tokens are drawn under, or None.
+        rows: when the engine taps the answer's rows (`Engine.taps_answer`: a Qwen2.5-Omni speech pool that speaks
+            answers while they are written), each token's final-normed last-layer row `[D]` float32, one per token
+            of `tokens` (they arrive with the tick's result, after the tokens of a per-token tick); else empty.
     """
 
     def __init__(self, max_tokens: int, stop: frozenset, answer_unit: int, sampling: np.ndarray | None = None,
@@ -37,6 +40,7 @@ class Answer:
         self.constraint = constraint
         self.tokens: list[int] = []
         self.logprobs: list = []
+        self.rows: list[np.ndarray] = []
         self.status: str | None = None
         self.reason: str | None = None
         self.kv_cells = 0
@@ -55,6 +59,9 @@ class Answer:
         self.logprobs += (logprobs or [])[:len(tokens)]
         if tokens:
             self._deltas.put_nowait(tokens)
+
+    def _push_rows(self, rows: np.ndarray) -> None:
+        self.rows.extend(np.asarray(rows, np.float32))
 
     def _finish(self, status: str, reason: str | None = None) -> None:
         if self.status is None:

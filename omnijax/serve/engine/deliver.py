@@ -87,6 +87,8 @@ def deliver(worker: Any, plan: dict, report: Any, failed: dict) -> list:
         tokens = tokens[:cut] if cut is not None else tokens
         if not report.per_token:  # a per-token tick pushed each token as it was decoded
             answer._push(tokens, None if out is None else out.logprobs)
+        if out is not None and out.answer_rows is not None:  # the rows of the tokens kept (a per-token tick too)
+            answer._push_rows(out.answer_rows[:len(tokens)])
         worker.stats["tokens"] += len(tokens)
         ending = None
         if out is None or out.preempted:

@@ -136,21 +136,22 @@ class SpeakingWorker:
             self._work.set()
         return stream
 
-    async def extend_speech(self, speech_id: str, answer_ids: Any, *, end: bool = False) -> bool:
-        """Adds the next tokens of an answer spoken while written (`speak(writing=True)`); `end`: it is whole.
+    async def extend_speech(self, speech_id: str, answer_ids: Any, *, end: bool = False, rows: Any = None) -> bool:
+        """Adds the next tokens of an answer spoken while written (`speak(writing=True)`); `end`: it is whole;
+        `rows`: their thinker rows `[n, D]` (a Qwen2.5-Omni pool: `Qwen25SpeechPool.extend`; None for Qwen3-Omni's).
         Returns False when the utterance is no longer speaking (its talker ended, it was cancelled or failed): the
         tokens are not needed. Raises ValueError for what `SpeechPool.extend` refuses (ids, an answer whole already).
         """
         if speech_id not in self.speaking:
             return False
-        spoken = await self.in_engine(self._extend, speech_id, answer_ids, end)  # type: ignore[attr-defined]
+        spoken = await self.in_engine(self._extend, speech_id, answer_ids, end, rows)  # type: ignore[attr-defined]
         if self._work is not None:
             self._work.set()
         return spoken
 
-    def _extend(self, speech_id: str, answer_ids: Any, end: bool) -> bool:
+    def _extend(self, speech_id: str, answer_ids: Any, end: bool, rows: Any = None) -> bool:
         try:
-            self.engine.speech.extend(speech_id, answer_ids, end=end)
+            self.engine.speech.extend(speech_id, answer_ids, end=end, **({} if rows is None else {"rows": rows}))
         except KeyError:  # it ended in the tick that ran meanwhile
             return False
         return True
