@@ -252,9 +252,9 @@ class CachedJit:
     (it may be such a copy). Files are written atomically; one that cannot be read is removed, compiled again and
     replaced.
 
-    `fun` must be a plain function (a bound method, a `functools.partial` or a callable object is refused: its
-    key would not hold their state). Values a closure captures are not in the key either: capture only what does not
-    change the program.
+    `fun` must be a plain named function (a bound method, a `functools.partial`, a callable object or a lambda is
+    refused: its key would not hold their state, and a module's lambdas share one name). Values a closure captures
+    are not in the key either: capture only what does not change the program.
 
     Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and
     `reused` by jax's in-memory cache, not written), `plain` calls that went to the plain jit.
@@ -267,12 +267,14 @@ class CachedJit:
 
     def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
                  donate_argnames: str | Iterable[str] = ()):
-        if inspect.ismethod(fun) or isinstance(fun, functools.partial) or not inspect.isfunction(fun):
+        if inspect.ismethod(fun) or isinstance(fun, functools.partial) or not inspect.isfunction(fun) \
+                or fun.__name__ == "<lambda>":
             # the key names the function and hashes its sources, not the state a bound method, a partial or a
-            # callable object carries: two such objects of different state would share each other's programs
-            raise TypeError(f"cached_jit takes a plain function, not {type(fun).__name__} {fun!r}: its key does not "
-                            "hold a bound object's or a partial's state; pass that state as an argument (static if "
-                            "hashable) or use jax.jit")
+            # callable object carries (two such objects of different state would share each other's programs), and
+            # every lambda of a module has the same name
+            raise TypeError(f"cached_jit takes a plain named function, not {type(fun).__name__} {fun!r}: its key "
+                            "names the function and holds no bound object's or partial's state; define a function "
+                            "taking that state as an argument (static if hashable), or use jax.jit")
         self.fun = fun
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.donate_argnames = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
@@ -420,11 +422,13 @@ class CachedJit:
     def _sources(self, static_bytes: bytes, treedef: Any) -> bytes:
         """The digest of the sources this program's tracing can run: the function's module, the modules of the
         classes and functions its static arguments hold, and those of the pytree nodes of its arguments, each with
-        every module it imports (`SourceGraph`); a function defined outside omnijax adds its own file's bytes."""
+        every module it imports (`SourceGraph`). A function defined outside omnijax (a test's, a script's) may call
+        any of omnijax's modules, which its own imports do not tell: every module of the package, and its own
+        file's bytes."""
         graph = source_graph()
         strings = strings_in_pickle(static_bytes)
-        if strings is None:  # the static arguments' classes are not known: every module of the package
-            strings = set(graph.files)
+        if strings is None or not self.fun.__module__.startswith("omnijax"):
+            strings = set(graph.files)  # the static arguments' classes or the calls are not known: every module
         names = {self.fun.__module__, *strings, *node_modules(treedef)}
         roots = graph.modules_of(name for name in names if name.startswith("omnijax"))
         digest = graph.digest(roots)

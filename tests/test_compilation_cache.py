@@ -200,7 +200,10 @@ def test_the_off_switch(cache_dir, monkeypatch):
 def test_executable_hands_out_the_kept_program_and_a_mesh_program_stays_plain(cache_dir):
     from jax.sharding import Mesh
 
-    kept = compilation_cache.cached_jit(lambda x, *, mesh: x * 2, static_argnames="mesh")
+    def double(x, *, mesh):
+        return x * 2
+
+    kept = compilation_cache.cached_jit(double, static_argnames="mesh")
     x = jnp.arange(3.0)
     compiled = kept.executable(x, mesh=None)
     np.testing.assert_array_equal(compiled(x), x * 2)
@@ -387,9 +390,30 @@ class _Scaled:
         return x * self.scale
 
 
-def test_a_bound_method_a_partial_or_a_callable_object_is_refused():
-    """Their state (the bound object, the partial's arguments) is not in a kept program's key: two of different state
-    would load each other's programs, so `cached_jit` refuses them by name, before anything is compiled."""
-    for fun in (_Scaled(2.0).apply, functools.partial(_f, power=2), _Scaled(3.0)):
-        with pytest.raises(TypeError, match="cached_jit takes a plain function"):
+def test_a_bound_method_a_partial_a_callable_object_or_a_lambda_is_refused():
+    """Their state (the bound object, the partial's arguments) is not in a kept program's key, and a module's lambdas
+    share one name: two of them would load each other's programs, so `cached_jit` refuses them by name, before
+    anything is compiled."""
+    for fun in (_Scaled(2.0).apply, functools.partial(_f, power=2), _Scaled(3.0), lambda x: x):
+        with pytest.raises(TypeError, match="cached_jit takes a plain named function"):
             compilation_cache.cached_jit(fun)
+
+
+def test_a_function_outside_omnijax_is_keyed_by_every_module_of_the_package(monkeypatch):
+    """A test's or a script's function may call any omnijax module its own imports do not name, so its programs'
+    keys follow every module of the package (and its file); an omnijax function's follow only what it reaches."""
+    import pickle
+
+    from omnijax import kept_executables
+    from omnijax.kv import paged
+
+    graph = kept_executables.source_graph()
+    asked = []
+    digest = graph.digest
+    monkeypatch.setattr(graph, "digest", lambda roots: (asked.append(set(roots)), digest(roots))[1])
+    static = pickle.dumps((("power", 2),), protocol=5)
+    treedef = jax.tree.structure(((np.zeros(2), np.zeros(2)), {}))
+    compilation_cache.cached_jit(_f, static_argnames="power")._sources(static, treedef)
+    assert asked[-1] == set(graph.files)
+    compilation_cache.cached_jit(paged.release_pages)._sources(pickle.dumps((), protocol=5), treedef)
+    assert paged.__name__ in asked[-1] and asked[-1] < set(graph.files)

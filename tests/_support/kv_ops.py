@@ -3,33 +3,33 @@
 Called eagerly, `omnijax.kv.paged.reserve`, `append`, `attend` and friends dispatch op by op: every primitive of
 their bodies is its own XLA program, compiled again for each new shape. A test of a few appends and one attention
 paid for hundreds of tiny programs (tests/kv/test_kv.py: 1,912 programs, cold and warm alike in tracing and
-lowering). The wrappers below run the very same package functions under `jax.jit`, so a test compiles one program
-per operation and shape; `write_and_attend` does a chunk's whole "write layer 0, attend" in one program.
+lowering). The wrappers below run the very same package functions under `jax.jit` (as `cached_jit`, so a later run
+loads each program without tracing it), so a test compiles one program per operation and shape; `write_and_attend`
+does a chunk's whole "write layer 0, attend" in one program.
 
 `SlotMeta` is a plain dataclass (not a pytree), so the wrappers take and rebuild it around the jitted call.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention, layout, paged
 from omnijax.kv.paged import PagedKV, SlotMeta
 
-init = jax.jit(paged.init, static_argnames=("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
+init = cached_jit(paged.init, static_argnames=("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
                                             "batch", "max_pages", "position_axes", "dtype"))
 """`paged.init`, one program per shape (its argument checks run before tracing, as in the package)."""
 
-release_pages = jax.jit(paged.release_pages, static_argnames=("holding_live",))
-layout_stats = jax.jit(layout.layout_stats, static_argnames=("subblock",))
-write_layer = jax.jit(paged.write_layer)
-listed_first = jax.jit(paged.listed_first, static_argnames=("none",))
+release_pages = cached_jit(paged.release_pages, static_argnames=("holding_live",))
+layout_stats = cached_jit(layout.layout_stats, static_argnames=("subblock",))
+write_layer = cached_jit(paged.write_layer)
+listed_first = cached_jit(paged.listed_first, static_argnames=("none",))
 
 
-@functools.partial(jax.jit, static_argnames=("placement",))
+@cached_jit(static_argnames=("placement",))
 def _reserve(kv: PagedKV, token_valid: jax.Array, pos: jax.Array, unit: jax.Array, span: jax.Array,
              offset: jax.Array, placement: str) -> tuple[PagedKV, jax.Array, jax.Array]:
     return paged.reserve(kv, token_valid, SlotMeta(pos=pos, unit=unit, span=span, offset=offset),
@@ -42,7 +42,7 @@ def reserve(kv: PagedKV, token_valid: jax.Array | np.ndarray, meta: SlotMeta, *,
     return _reserve(kv, token_valid, meta.pos, meta.unit, meta.span, meta.offset, placement=placement)
 
 
-@jax.jit
+@cached_jit
 def _append(kv: PagedKV, k_new: jax.Array, v_new: jax.Array, token_valid: jax.Array, pos: jax.Array,
             unit: jax.Array, span: jax.Array, offset: jax.Array) -> tuple[PagedKV, jax.Array]:
     return paged.append(kv, k_new, v_new, token_valid, SlotMeta(pos=pos, unit=unit, span=span, offset=offset))
@@ -54,11 +54,11 @@ def append(kv: PagedKV, k_new: jax.Array | np.ndarray, v_new: jax.Array | np.nda
     return _append(kv, k_new, v_new, token_valid, meta.pos, meta.unit, meta.span, meta.offset)
 
 
-attend = jax.jit(attention.attend, static_argnames=("impl", "with_mass"))
+attend = cached_jit(attention.attend, static_argnames=("impl", "with_mass"))
 """`attention.attend`, compiled per implementation (its shape checks run while tracing, so they still raise)."""
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "with_mass"))
+@cached_jit(static_argnames=("impl", "with_mass"))
 def write_and_attend(kv: PagedKV, slots: jax.Array, q_order: jax.Array, q: jax.Array, k_new: jax.Array,
                      v_new: jax.Array, *, impl: str,
                      with_mass: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -70,7 +70,7 @@ def write_and_attend(kv: PagedKV, slots: jax.Array, q_order: jax.Array, q: jax.A
     return attention.attend(q, k_pages, v_pages, view, impl=impl, with_mass=with_mass)
 
 
-@functools.partial(jax.jit, static_argnames=("precision",))
+@cached_jit(static_argnames=("precision",))
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, key_order: jax.Array,
                     q_order: jax.Array, *, precision: jax.lax.Precision | None = None) -> jax.Array:
     """The shared oracle `attention.dense_attention`, compiled."""
@@ -95,6 +95,6 @@ def meta(B: int, T: int, start: int = 0, axes: int = 1) -> SlotMeta:
     return SlotMeta(pos=pos, unit=z, span=z, offset=z)
 
 
-active_pages = jax.jit(attention.active_pages)
-index_pages = jax.jit(attention.index_pages)
-copy_rows = jax.jit(paged.copy_rows, static_argnames=("chunk", "transform"))
+active_pages = cached_jit(attention.active_pages)
+index_pages = cached_jit(attention.index_pages)
+copy_rows = cached_jit(paged.copy_rows, static_argnames=("chunk", "transform"))

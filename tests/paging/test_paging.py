@@ -3,7 +3,6 @@ placement and promotion; every mode streams exactly like native while shortening
 a plain-Python planner on random layouts: `test_omnipage_plans.py`.)"""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 import omnijax
 from omnijax.chunks.chunk import pad_chunk, stack_chunks, text_chunk
 from omnijax.chunks.spans import SpanKind
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import attention, paged
 from omnijax.kv.paged import PageClass
 from omnijax.models.config import TINY_OMNI
@@ -28,21 +28,21 @@ def model():
 
 # The cache operations under test run here as one compiled program each, as they do inside the streaming step: run
 # op by op they would compile hundreds of one-operation programs per test.
-_view = jax.jit(base.sequence_view)
-_compact = jax.jit(eager.compact)
-_eager_plan = jax.jit(eager.plan)
-_apply_plan = jax.jit(migration.apply_plan, static_argnames="chunk")
-_plan_tile_skip = jax.jit(omnipage.plan_tile_skip, static_argnums=1)
-_plan_ordered_suffix = jax.jit(omnipage.plan_ordered_suffix, static_argnums=1)
-_tile_skip = jax.jit(omnipage.tile_skip, static_argnums=1)
-_ordered_suffix = jax.jit(omnipage.ordered_suffix, static_argnums=1)
-_layout_stats = jax.jit(omnijax.kv.layout_stats, static_argnums=1)
+_view = cached_jit(base.sequence_view)
+_compact = cached_jit(eager.compact)
+_eager_plan = cached_jit(eager.plan)
+_apply_plan = cached_jit(migration.apply_plan, static_argnames="chunk")
+_plan_tile_skip = cached_jit(omnipage.plan_tile_skip, static_argnames="subblock")
+_plan_ordered_suffix = cached_jit(omnipage.plan_ordered_suffix, static_argnames="min_pages")
+_tile_skip = cached_jit(omnipage.tile_skip, static_argnames="subblock")
+_ordered_suffix = cached_jit(omnipage.ordered_suffix, static_argnames="min_pages")
+_layout_stats = cached_jit(omnijax.kv.layout_stats, static_argnames="subblock")
 _reserve = jax.jit(lambda kv, token_valid, meta, placement: paged.reserve(kv, token_valid, paged.SlotMeta(*meta),
                                                                           placement=placement),
                    static_argnames="placement")
 
 
-@functools.partial(jax.jit, static_argnames=("num_layers", "num_pages", "page_size", "position_axes"))
+@cached_jit(static_argnames=("num_layers", "num_pages", "page_size", "position_axes"))
 def _filled(free_stack, k, v, meta, keep, *, num_layers, num_pages, page_size, position_axes):
     """A cache on the pool order `free_stack` holding one sequence of `k`/`v` `[L, 1, n, G, d]` with slot metadata
     `meta` (the `SlotMeta` fields as a tuple), then only the slots of `keep [1, M * P]` (page-table order) that are
@@ -56,7 +56,7 @@ def _filled(free_stack, k, v, meta, keep, *, num_layers, num_pages, page_size, p
     return kv
 
 
-@functools.partial(jax.jit, static_argnames="impl")
+@cached_jit(static_argnames="impl")
 def _attend_all(q, cache, q_order, impl="xla"):
     """Layer 1's attention of `q [1, T, H, d]` at write order `q_order` over the whole cache."""
     view = attention.CacheView(write_slots=jnp.full(q.shape[:2], -1, jnp.int32), page_table=cache.page_table,
