@@ -3,11 +3,13 @@ kept on disk between test processes: building it imports torch and transformers 
 model (about 12 CPU s of a test module's setup); the kept copy is converted afresh each time, so what omnijax reads
 is always its current converter's output.
 
-The kept release (`config.json`, the safetensors, `spk_dict.pt`) lives under the suite's cache directory
-(`OMNIJAX_TEST_JAX_CACHE`'s parent, as tests/conftest.py places it: ~/.cache/omnijax-tests/) in a folder named by a
-hash of what decides its bytes: the sources that build it (the seeded model, its perturbations, the voices, the
-tiny configs) and the torch and transformers versions installed. Anything else rebuilds it. A copy is written to a
-temporary folder and renamed into place, so a reader never sees half of one.
+`kept_release25` copies it to the caller's folder (so a test may read `root / "hf"` as transformers would), and
+writes the tiny tokenizer there when asked. The kept release (`config.json`, the safetensors, `spk_dict.pt`) lives
+under the suite's cache directory (`OMNIJAX_TEST_JAX_CACHE`'s parent, as tests/conftest.py places it:
+~/.cache/omnijax-tests/) in a folder named by a hash of what decides its bytes: the sources that build it (the
+seeded model, its perturbations, the voices, the tiny configs) and the torch and transformers versions installed.
+Anything else rebuilds it. A copy is written to a temporary folder and renamed into place, so a reader never sees
+half of one.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def _cache_root() -> Path:
     return Path(jax_cache).resolve().parent / "releases"
 
 
-def kept_release25(root: Path) -> Path:
-    """`spoken_release25(root, tokenizer=False)`'s converted release under `root / "out"`, its transformers half
-    taken from the kept copy when one matches `release_key()` (else built, which needs torch and transformers,
-    and kept)."""
+def kept_release25(root: Path, *, tokenizer: bool = False) -> Path:
+    """`spoken_release25(root, tokenizer=tokenizer)`'s release: its transformers half under `root / "hf"`, converted
+    to `root / "out"` (returned). The transformers half is a copy of the kept one when one matches `release_key()`
+    (else built, which needs torch and transformers, and kept); `tokenizer` writes the tiny ChatML tokenizer into
+    the copy (its specials are `tests/models/qwen2_5_omni/test_speech.SPECIALS`, which imports torch)."""
     kept = _cache_root() / f"qwen25-speech-{release_key()}"
     if not (kept / "config.json").is_file():
         import pytest
@@ -68,4 +71,10 @@ def kept_release25(root: Path) -> Path:
             staging.rename(kept)
         except OSError:  # another process kept it first: theirs has the same bytes
             shutil.rmtree(staging, ignore_errors=True)
-    return convert_checkpoint(kept, root / "out", progress=False, log=lambda _: None)
+    shutil.copytree(kept, root / "hf")
+    if tokenizer:
+        from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer
+        from tests.models.qwen2_5_omni.test_speech import SPECIALS
+
+        write_tiny_tokenizer(root / "hf", vocab_size=300, special_tokens=SPECIALS, chat_template=CHATML_TEMPLATE)
+    return convert_checkpoint(root / "hf", root / "out", progress=False, log=lambda _: None)
