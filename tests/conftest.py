@@ -41,6 +41,11 @@ def _release_compiled_programs(request):
     worker to that limit once.
     """
     xla_flags.quick_compile(xla_flags.wants_quick_compile(_relative(request.path)))
+    torch = sys.modules.get("torch")  # (imported by the modules whose oracle is transformers, kvpress, ...)
+    if torch is not None:
+        # One intra-op thread: the oracles run tiny tensors, and with two threads on two busy cores every op waited
+        # for the other thread to be scheduled (a 32-wide linear + conv + pad: 35x the CPU seconds at load ~6).
+        torch.set_num_threads(1)
     yield
     started = sys.modules.get("omnijax.streaming.quick_start")  # (only a module that ran a session imported it)
     if started is not None:
