@@ -6,10 +6,9 @@ DiT's noise drawn from the same torch seed); `Chat` keeps those rows as it feeds
 grid); a video without its rows or layout and rows that do not fit are refused by name (speak() with an image:
 `test_speech_media_image`, with a video: `test_speech_media_video`).
 
-The release is `test_speech`'s converted tiny full model (module fixtures `release`, `model`).
+The release is `test_speech`'s tiny full model, saved single-file with the tiny ChatML tokenizer and converted once.
 """
 
-import shutil
 import warnings
 
 import numpy as np
@@ -34,10 +33,29 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is the
 from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
 from tests.models.qwen2_5_omni import test_talker as T  # noqa: E402
 
-release, model = TS.release, TS.model
 IM_START, IM_END, NL = TS.IM_START, TS.IM_END, TS.NL
 CLIP = F.tone(1.0, 330.0, seed=5)  # 1 s at 16 kHz: 25 audio tokens
 IMAGE = F.synthetic_frames(0.5, 2.0, 56, 84, seed=3)[0]
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """`test_speech`'s release saved single-file with its voices and the tiny ChatML tokenizer, converted once:
+    transformers' model (its voices loaded) and the converted directory."""
+    full = T.seeded_full_model()
+    src = tmp_path_factory.mktemp("speech25_media") / "hf"
+    full.save_pretrained(src, safe_serialization=True)
+    torch.save(TS._voices(full), src / "spk_dict.pt")
+    full.load_speakers(src / "spk_dict.pt")
+    write_tiny_tokenizer(src, vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
+    return full, convert_checkpoint(src, src.parent / "out", progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def model(release):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return omnijax.load(release[1])
 
 
 def STREAMING(model):  # noqa: N802 - what Chat's SpeakOptions(first_chunk=4, chunk=5) streams Token2Wav with
@@ -107,16 +125,11 @@ def test_media_speak_cannot_take_is_refused_by_name(model):
         S.speak(model, video, [5, 6], media=[MediaRows(np.asarray([4]), rows.rows[:1], layer=0)])
 
 
-def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(release, tmp_path):
+def test_chat_keeps_the_audio_and_image_rows_and_speaks_about_them(model):
     """`Chat` feeds the clip with tap 0 and keeps its rows (the encoder's features, also after a system turn: this
     talker reads every position); its PCM is `speak_streamed()`'s of its ids and rows (`speak()` with Token2Wav
     streamed). An image's rows are kept with its grid the same way, by `Chat` and by the server's replay."""
-    src = tmp_path / "hf"
-    shutil.copytree(release[1] / "single", src)
-    write_tiny_tokenizer(src, vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        chatty = omnijax.load(convert_checkpoint(src, tmp_path / "out", progress=False, log=lambda _: None))
+    chatty = model  # with its tokenizer
     config = omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=4)
     chat = omnijax.Chat(chatty, config)
     chat.system("Be brief.")

@@ -6,11 +6,12 @@ peak); the first PCM chunk comes out before the talker's last code; the chunks' 
 import numpy as np
 import pytest
 
+import omnijax
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
+from tests._support.qwen25_speech import spoken_release25
 from tests.models.qwen2_5_omni import test_speech as TS
-from tests.models.qwen2_5_omni.test_speech import model, release  # noqa: F401  (the fixtures)
 
 pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 
@@ -18,7 +19,15 @@ ANSWER = np.asarray([40, 24, 67])  # the tiny talker runs to the limit on it (Et
 LONG = 48  # talker tokens at most
 
 
-def test_streamed_speech_equals_speak_with_the_whole_look_ahead(model):  # noqa: F811
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """`test_speech`'s converted release (single file, its voices), without the other layouts that module checks."""
+    out = spoken_release25(tmp_path_factory.mktemp("speech25_stream"), tokenizer=False)
+    with pytest.warns(UserWarning, match="no tokenizer files"):  # token ids in, token ids out
+        return omnijax.load(out)
+
+
+def test_streamed_speech_equals_speak_with_the_whole_look_ahead(model):
     want = S.speak(model, TS.PROMPT, ANSWER, speaker="Ethan", max_new_tokens=LONG, seed=7)
     assert len(want.codes) == LONG - 1 and np.abs(want.pcm).max() > 0.05, len(want.codes)
     whole = S.speak_streamed(model, TS.PROMPT, ANSWER, speaker="Ethan", max_new_tokens=LONG, seed=7,
@@ -34,7 +43,7 @@ def test_streamed_speech_equals_speak_with_the_whole_look_ahead(model):  # noqa:
     print("default look-ahead: max PCM error / peak", np.abs(near.pcm - want.pcm).max() / peak)
 
 
-def test_the_first_chunk_comes_before_the_last_code(model, monkeypatch):  # noqa: F811
+def test_the_first_chunk_comes_before_the_last_code(model, monkeypatch):
     steps = []
     step = talker_forward._step
     monkeypatch.setattr(talker_forward, "_step", lambda *a: steps.append(1) or step(*a))
@@ -53,7 +62,7 @@ def test_the_first_chunk_comes_before_the_last_code(model, monkeypatch):  # noqa
     np.testing.assert_array_equal(np.concatenate(chunks), want.pcm)
 
 
-def test_refusals_come_at_the_call(model):  # noqa: F811
+def test_refusals_come_at_the_call(model):
     with pytest.raises(S.UnknownVoiceError, match="Chelsie"):
         model.speech.speak_chunks(model, TS.PROMPT, ANSWER, voice="nobody")
     with pytest.raises(ValueError, match="first_chunk"):

@@ -31,8 +31,26 @@ def _voice(model, seed: int = 5):
             rng.normal(-3.0, 1.5, (21, c.mel_dim)).astype(np.float32))
 
 
+_STREAMS: dict = {}  # the streams already run: the default settings' stream two tests read
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_streams():
+    yield
+    _STREAMS.clear()
+
+
 def _stream(model, codes, cond, ref, streaming, *, keep_mel=False):
-    """Pushes the codes one at a time; returns the stream, its chunks, and how many codes each chunk waited for."""
+    """Pushes the codes one at a time; returns the stream, its chunks, and how many codes each chunk waited for.
+    A stream of the same model, inputs and settings is run once per module (the stream is finished: it is only
+    read)."""
+    key = (id(model), codes.tobytes(), cond.tobytes(), ref.tobytes(), streaming, keep_mel)
+    if key not in _STREAMS:
+        _STREAMS[key] = (model, _run_stream(model, codes, cond, ref, streaming, keep_mel=keep_mel))
+    return _STREAMS[key][1]
+
+
+def _run_stream(model, codes, cond, ref, streaming, *, keep_mel):
     stream = Token2WavStream(model, cond, ref, streaming=streaming, seed=3, keep_mel=keep_mel)
     chunks, pushed = [], []
     for i, code in enumerate(codes):

@@ -164,11 +164,11 @@ def test_streamed_text_equals_one_shot_and_greedy_equals_generate(model, hf):
     assert np.asarray(result.tokens[-1, 0]).tolist()[:5] == out[0, 20:].numpy().tolist()
 
 
-def test_conversion_full_single_equals_thinker_sharded(converted):
+def test_conversion_full_single_equals_thinker_sharded(converted, model):
     import jax
     from flax import nnx
 
-    a, b = omnijax.load(converted["full"]), omnijax.load(converted["sharded"])
+    a, b = model, omnijax.load(converted["sharded"])  # (`model` is the full single-file conversion, loaded)
     assert len(list((converted["root"] / "thinker").glob("*.safetensors"))) > 1
     for x, y in ((a.decoder, b.decoder), (a.audio, b.audio), (a.vision, b.vision)):
         jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(x)), nnx.to_pure_dict(nnx.state(y)))
@@ -327,7 +327,7 @@ def test_tidekv_prefill_with_deepstack_equals_the_forward_and_compresses(model):
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_speech_tensors_of_a_release_without_audio_output_are_skipped_with_a_message(converted, tmp_path):
+def test_speech_tensors_of_a_release_without_audio_output_are_skipped_with_a_message(converted, model, tmp_path):
     """A full release with audio output (the default) has its talker and Code2Wav converted (`test_speech`); one
     whose config sets `enable_audio_output` false converts its thinker only, and one line says how many speech
     tensors were skipped and why. The thinker-only and audio-less conversions load as before, without speech."""
@@ -349,6 +349,6 @@ def test_speech_tensors_of_a_release_without_audio_output_are_skipped_with_a_mes
     assert any("skipped 3 speech-output tensors" in line and "talker.: 2" in line and "code2wav.: 1" in line
                and "enable_audio_output false" in line for line in said), said
     loaded = omnijax.load(out)
-    assert loaded.config == omnijax.load(converted["full"]).config and loaded.speech is None
+    assert loaded.config == model.config and loaded.speech is None  # `model`: converted["full"] loaded
     assert json.loads((out / "omnijax.json").read_text())["source"]["speech_output"] is False
     assert omnijax.load(converted["sharded"]).speech is None  # a thinker-only release
