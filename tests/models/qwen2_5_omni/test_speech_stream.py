@@ -10,7 +10,7 @@ import omnijax
 from omnijax.models.qwen2_5_omni import speech as S
 from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
-from tests._support.qwen25_speech import spoken_release25
+from tests._support.qwen25_release_cache import kept_release25
 from tests.models.qwen2_5_omni import test_speech as TS
 
 pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
@@ -21,8 +21,9 @@ LONG = 48  # talker tokens at most
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """`test_speech`'s converted release (single file, its voices), without the other layouts that module checks."""
-    out = spoken_release25(tmp_path_factory.mktemp("speech25_stream"), tokenizer=False)
+    """`test_speech`'s converted release (single file, its voices), without the other layouts that module checks;
+    its transformers half kept between runs (`qwen25_release_cache`), converted afresh."""
+    out = kept_release25(tmp_path_factory.mktemp("speech25_stream"))
     with pytest.warns(UserWarning, match="no tokenizer files"):  # token ids in, token ids out
         return omnijax.load(out)
 
