@@ -36,11 +36,7 @@ from omnijax.models.qwen2_5_omni import talker_forward as TF
 from omnijax.models.qwen2_5_omni.speech import talker_input
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
 from omnijax.streaming.step import chunk_step
-
-pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
-pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
-
-from tests._support.qwen25_speech import spoken_release25  # noqa: E402
+from tests._support.qwen25_release_cache import kept_release25
 
 # one user turn of 108 tokens (one program fewer than a system turn before it); greedy: 24 text tokens, no
 # placeholder, no stop
@@ -54,7 +50,7 @@ ROWS_TOL = 1e-5  # the answer rows against one full forward (measured 5.5e-6, th
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    out = spoken_release25(tmp_path_factory.mktemp("early25"))
+    out = kept_release25(tmp_path_factory.mktemp("early25"), tokenizer=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = omnijax.load(out)

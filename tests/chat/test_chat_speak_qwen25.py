@@ -24,7 +24,7 @@ from omnijax.models.qwen2_5_omni import speech as S
 pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
-from tests._support.qwen25_speech import spoken_release25  # noqa: E402
+from tests._support.qwen25_release_cache import kept_release25  # noqa: E402
 from tests.models.qwen2_5_omni import test_speech as TS  # noqa: E402
 
 QUESTIONS = ("Say hello.", "Once more.")
@@ -36,7 +36,7 @@ STREAM = ["--pages", "64", "--page-size", "16", "--block", "4"]
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat25")
-    out = spoken_release25(root)
+    out = kept_release25(root, tokenizer=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return root, omnijax.load(out)

@@ -39,7 +39,7 @@ from tests._support.talker_mask import hidden_cells
 torch = pytest.importorskip("torch", reason="torch (the test extra) runs the transformers reference")
 pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
 
-from tests._support.qwen25_speech import spoken_release25  # noqa: E402
+from tests._support.qwen25_release_cache import kept_release25  # noqa: E402
 from tests._support.step_clock import StepClock  # noqa: E402
 from tests._support.unpatched_attention import transformers_own_sdpa  # noqa: E402
 from tests.chat import test_chat_speak_qwen25 as CQ  # noqa: E402
@@ -53,7 +53,7 @@ SINK, WINDOW = 4, 6  # 10 cells: the talker's prompt (22 rows) is longer, so eve
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("window25")
-    out = spoken_release25(root)
+    out = kept_release25(root, tokenizer=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return root, omnijax.load(out)

@@ -28,12 +28,8 @@ from omnijax.models.qwen2_5_omni import talker_forward
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.speech_qwen25 import REPETITION_PENALTY, Qwen25SpeechPool
 from omnijax.serve.speech_engine import speech_config_for
-
-pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
-pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
-
-from tests._support.qwen25_speech import spoken_release25  # noqa: E402
-from tests._support.step_clock import StepClock  # noqa: E402
+from tests._support.qwen25_release_cache import kept_release25
+from tests._support.step_clock import StepClock
 
 IM_START, IM_END, NL = 298, 299, 198
 SEED = 4  # its talkers end at 12 tokens (the limit), 17 (stop id 60) and 24 (the limit): three lengths, both ends
@@ -41,7 +37,7 @@ SEED = 4  # its talkers end at 12 tokens (the limit), 17 (stop id 60) and 24 (th
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    out = spoken_release25(tmp_path_factory.mktemp("pool25"), tokenizer=False)
+    out = kept_release25(tmp_path_factory.mktemp("pool25"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no tokenizer files: token ids in, token ids out
         return omnijax.load(out)
