@@ -145,7 +145,7 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     # copied to the device once per tick, not once per token
     sampling = None if batch.sampling is None else jax.device_put(np.asarray(batch.sampling, np.float32))
     unit = jax.device_put(np.asarray(batch.answer_unit, np.int32))
-    rows = np.zeros((B, tau, engine.model_config.hidden_size), np.float32) if tap else None
+    answer_rows = np.zeros((B, tau, engine.model_config.hidden_size), np.float32) if tap else None
     stepped = False
     for i in range(tau):
         mask = None
@@ -166,8 +166,8 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
         for r in np.flatnonzero(active):
             t = int(token[r])
             tokens[r, i] = t
-            if rows is not None:
-                rows[r, i] = row[0][r]
+            if answer_rows is not None:
+                answer_rows[r, i] = row[0][r]
             entry = None
             if logprobs is not None:
                 for whole, one in zip(logprobs, lps):
@@ -193,4 +193,4 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     if stepped:  # [B] after the last write (the fused step reads it after its answer too)
         table_full = np.all(np.asarray(engine.state.kv.page_table) >= 0, axis=1)
     result = (logits, tokens, exhausted, dropped, num_free, table_full, logprobs)
-    return (result if rows is None else (*result, rows)), ends
+    return (result if answer_rows is None else (*result, answer_rows)), ends
