@@ -128,8 +128,9 @@ class Engine:
         # a Qwen2.5-Omni talker reads to speak an answer still being written (`SpeechConfig.early_start`)
         self.taps_answer = bool(getattr(self.speech, "reads_rows", False))
         if self.taps_answer and self.recall is not None:
-            raise ValueError("SpeechConfig(early_start=True) (answer rows for Qwen2.5-Omni's early speech) is not "
-                             "supported with StreamConfig(recall=...) yet: serve without one of the two")
+            raise ValueError("SpeechConfig(early_start=True) (`omnijax serve --speak-early`: answer rows for "
+                             "Qwen2.5-Omni's early speech) is not supported with StreamConfig(recall=...) "
+                             "(`--recall`) yet: serve without one of the two")
 
     # ------------------------------------------------------------------------------------------ sessions
     @property

@@ -37,6 +37,7 @@ from omnijax.chunks.chunk import text_chunk
 from omnijax.models.qwen2_5_omni import talker_forward as TF
 from omnijax.models.qwen2_5_omni.token2wav_stream import Token2WavStreaming
 from omnijax.paging import migration
+from omnijax.retention.recall import Recall
 from omnijax.serve.engine import decode_loop
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.speech_config import SpeechConfig
@@ -259,6 +260,9 @@ def test_what_early_speech_cannot_take_is_refused_by_name(model):
     with pytest.raises(ValueError, match=r"SpeechConfig\(early_start=True\)"):
         plain.prepare(prompt, [], voice="Ethan", writing=True)
     assert not plain.reads_rows and not plain.sessions
+    recalling = dataclasses.replace(ENGINE, stream=dataclasses.replace(ENGINE.stream, recall=Recall(budget=64)))
+    with pytest.raises(ValueError, match=r"--speak-early.* not supported with StreamConfig\(recall=...\) \(`--rec"):
+        Engine(model, recalling)
     pool = Qwen25SpeechPool(model, SPEECH)
     assert pool.reads_rows
     with pytest.raises(ValueError, match="greedy .*sampling must be None .*written"):
