@@ -9,7 +9,6 @@ cache itself is `omnijax.compilation_cache`, which re-exports the names here.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import os
@@ -267,8 +266,7 @@ class CachedJit:
 
     def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
                  donate_argnames: str | Iterable[str] = ()):
-        if inspect.ismethod(fun) or isinstance(fun, functools.partial) or not inspect.isfunction(fun) \
-                or fun.__name__ == "<lambda>":
+        if not inspect.isfunction(fun) or fun.__name__ == "<lambda>":  # (a bound method or a partial is no function)
             # the key names the function and hashes its sources, not the state a bound method, a partial or a
             # callable object carries (two such objects of different state would share each other's programs), and
             # every lambda of a module has the same name
