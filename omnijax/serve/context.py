@@ -79,10 +79,10 @@ class ServeOptions:
             per 80 ms codec frame for Qwen3-Omni; the reference's `talker_max_new_tokens`).
         talker_window: None (the talker's KV holds its prompt and every token), or the newest talker KV cells
             kept beside its 4 oldest (`omnijax.models.talker_kv`): the speech pool's rows and the thread path alike.
-        speak_early: Qwen2.5-Omni: chat completions' audio output speaks the answer while it is written (the speech
-            pool built with `SpeechConfig(early_start=True)`; the engine's decode programs then also return each
-            answer token's row, and recall is refused). False: the finished answer is spoken. Qwen3-Omni's always
-            speaks while written.
+        speak_early: Qwen2.5-Omni: chat completions' audio output and Realtime's spoken responses speak the answer
+            while it is written (the speech pool built with `SpeechConfig(early_start=True)`; the engine's decode
+            programs then also return each answer token's row, and recall is refused). False: the finished answer is
+            spoken. Qwen3-Omni's always speaks while written.
     """
 
     host: str = "127.0.0.1"

@@ -133,9 +133,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "talker KV: keep its newest CELLS cells (>= 2) beside its 4 oldest, so a speech pool row "
                    "reserves that many pages whatever --max-speech-tokens (default: unbounded, what equals "
                    "transformers)")
-    p.add_argument("--speak-early", action="store_true", help="Qwen2.5-Omni: chat completions' audio output speaks "
-                   "the answer while it is written (the decode programs also return each answer token's row; "
-                   "refused with --recall); default: the finished answer is spoken")
+    p.add_argument("--speak-early", action="store_true", help="Qwen2.5-Omni: chat completions' audio output and "
+                   "Realtime's spoken responses speak the answer while it is written (the decode programs also "
+                   "return each answer token's row; refused with --recall); default: the finished answer is spoken")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds connections get to "
                    "close (responses in flight end at once) before they are cancelled")
     p.add_argument("--temperature", type=float, default=0.0,

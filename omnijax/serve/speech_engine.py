@@ -10,10 +10,11 @@ talker starts while the answer is written (`WrittenSpeech`); Qwen2.5-Omni's read
 of every answer token (recomputed with the media rows by `Qwen25SpeechPool.prepare`, in a worker thread before
 admission), so it speaks the finished answer (`pool_pieces`), unless the server runs with
 `ServeOptions(speak_early=True)` (`--speak-early`): its pool is then built with `SpeechConfig(early_start=True)`, the
-engine's decode programs return each answer token's row (`Answer.rows`), and chat completions' audio output speaks
-the answer while it is written (`WrittenSpeech` given the rows; `prepare` runs over the prompt alone). Realtime's
-responses and drawn speech (`audio.sampling`) still speak the finished answer there. An engine built without a pool
-speaks in worker threads beside it (`speech_output.speak_pieces`' thread path).
+engine's decode programs return each answer token's row (`Answer.rows`), and chat completions' audio output and
+Realtime's spoken responses speak the answer while it is written (`WrittenSpeech` given the rows; `prepare` runs over
+the prompt alone). Qwen2.5-Omni's talker draws nothing (`audio.sampling` is refused on it, `speech_sampling`), so
+its speech is greedy on every path. An engine built without a pool speaks in worker threads beside it
+(`speech_output.speak_pieces`' thread path).
 
 Admission, for a route:
 - before anything is fed (chat completions' prompt, Realtime's `response.create`), `pool_full` says whether every row

@@ -15,21 +15,21 @@ through the official `openai` SDK
 - `session.audio.output.sampling` does the same for a Realtime session (echoed in its session object, kept by its
   snapshots; an unknown field refused by an error event naming it);
 - the event loop computes nothing: the pool's `open` and `extend` (the text rows' projection) run off the thread that
-  pushes the tokens (the event loop's).
+  pushes the tokens (the event loop's), for both routes.
 
 The same routes on a served tiny Qwen2.5-Omni release (the fixtures are parametrized by family), served with
 `ServeOptions(speak_early=True)`: its engine speaks on its own pool (`Qwen25SpeechPool` with
 `SpeechConfig(early_start=True)`: the talker batched on the ticks, Token2Wav streamed as it decodes), its talker
 reading each answer token's thinker row as the engine's decode programs return it (`Answer.rows`). So chat
-completions speak while the answer is written (as above; the test holds the engine's ticks from the request until
-the utterance is open in the pool, so a slow thinker forward over the prompt cannot let the answer end first),
-while a Realtime response still speaks the finished answer (every audio delta after the last
-transcript delta; Token2Wav served without look-ahead, so that the first PCM needs only the talker's first 4 codes);
+completions and Realtime responses speak while the answer is written (as above; the tests hold the engine's ticks
+from the utterance's creation until it is open in the pool, so a slow thinker forward over the prompt cannot let the
+answer end first; Token2Wav served without look-ahead, so that the first PCM needs only the talker's first 4 codes);
 the PCM16 of the streamed and whole chat completions and of the Realtime response equals `speak_chunks` of the
-finished answer (streamed as the pool streams it) within 1 LSB, and the streamed chat's equals the Realtime route's (the
-finish-first path on the same pool: one thinker forward over prompt and answer) bit for bit. The talker input (a
-thinker forward over the prompt, or prompt and answer) is built in a worker thread and the pool's `open` / `extend`
-run on the engine's, neither on the event loop.
+finished answer (streamed as the pool streams it) within 1 LSB, and the streamed chat's and the Realtime response's
+equal the finish-first path on the same pool (`speech_engine.pool_pieces` of the finished answer, run on the
+server's event loop: one thinker forward over prompt and answer) bit for bit. The talker input (a thinker forward
+over the prompt) is built in a worker thread and the pool's `open` / `extend` run on the engine's, neither on the
+event loop. Its talker draws nothing: `audio.sampling` and `session.audio.output.sampling` are refused by name.
 """
 
 import asyncio
@@ -114,12 +114,6 @@ def reference(served):
     answer = np.asarray(generated[:-1] if generated[-1] in model.config.eos_token_ids else generated)
     assert answer.size >= 12, "the answer is too short for the talker to speak before it ends"
     return "".join(items), np.asarray(hf_prompt(root / "hf", _question(model))), answer
-
-
-def _early(model, route: str = "chat") -> bool:
-    """Whether the route's talker starts while the answer is written (Qwen3-Omni's; Qwen2.5-Omni's chat completions,
-    served with `speak_early`) or speaks it finished (Qwen2.5-Omni's Realtime responses)."""
-    return isinstance(model.speech, S.Qwen3Speech) or route == "chat"
 
 
 def _qwen3(model) -> bool:
@@ -219,6 +213,33 @@ def _hold_ticks_until_open(monkeypatch) -> None:
     monkeypatch.setattr(Qwen25SpeechPool, "open", gated_open)
 
 
+def _spy_threads(monkeypatch) -> dict:
+    """The threads that pushed an answer's tokens to its `WrittenSpeech` ("loop": the event loop's), ran the pools'
+    `open` / `extend` ("pool") and Qwen2.5-Omni's `prepare` ("prepare"), as sets of thread ids (`_computed_off_loop`
+    checks them)."""
+    threads: dict = {"loop": set(), "pool": set(), "prepare": set()}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(speech_engine.WrittenSpeech, "push", spy("loop", speech_engine.WrittenSpeech.push))
+    monkeypatch.setattr(so, "pool_full", spy("loop", so.pool_full))  # the spoken prompt's check, on the event loop
+    for pool in (SpeechPool, Qwen25SpeechPool):
+        monkeypatch.setattr(pool, "open", spy("pool", pool.open))
+        monkeypatch.setattr(pool, "extend", spy("pool", pool.extend))
+    monkeypatch.setattr(Qwen25SpeechPool, "prepare", spy("prepare", Qwen25SpeechPool.prepare))
+    return threads
+
+
+def _computed_off_loop(threads: dict, model) -> None:
+    """The pool's `open` / `extend` ran on a thread other than the event loop's, and Qwen2.5-Omni's `prepare` (only
+    its) on neither."""
+    assert threads["loop"] and threads["pool"] and not threads["loop"] & threads["pool"], threads
+    assert bool(threads["prepare"]) != _qwen3(model) and not threads["prepare"] & (threads["loop"] | threads["pool"])
+
+
 def _spoken_while_written(kinds: list, log: list) -> None:
     """The order of a streamed chat's deltas, checked on what the server recorded (`_record_route`), not on timing:
     the first PCM chunk reached the route before the answer's last tokens did (the talker ran beside the thinker:
@@ -244,27 +265,13 @@ def test_streamed_chat_speech_order_and_pcm(served, reference, monkeypatch):
     log = _record_route(monkeypatch)
     if not _qwen3(model):
         _hold_ticks_until_open(monkeypatch)
-    threads: dict = {"loop": set(), "pool": set(), "prepare": set()}
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            threads[name].add(threading.get_ident())
-            return fn(*args, **kwargs)
-        return wrapped
-    monkeypatch.setattr(speech_engine.WrittenSpeech, "push", spy("loop", speech_engine.WrittenSpeech.push))
-    monkeypatch.setattr(so, "pool_full", spy("loop", so.pool_full))  # the spoken prompt's check, on the event loop
-    for pool in (SpeechPool, Qwen25SpeechPool):
-        monkeypatch.setattr(pool, "open", spy("pool", pool.open))
-    for pool in (SpeechPool, Qwen25SpeechPool):
-        monkeypatch.setattr(pool, "extend", spy("pool", pool.extend))
-    monkeypatch.setattr(Qwen25SpeechPool, "prepare", spy("prepare", Qwen25SpeechPool.prepare))
+    threads = _spy_threads(monkeypatch)
     kinds, text, pcm = asyncio.run(asyncio.wait_for(_streamed(server, AUDIO), 600))
     PCM[_qwen3(model), "chat"] = pcm
     assert text == reference[0]
     _spoken_while_written(kinds, log)
     _close(pcm, _want(model, reference))
-    assert threads["loop"] and threads["pool"] and not threads["loop"] & threads["pool"], threads
-    assert bool(threads["prepare"]) != _qwen3(model) and not threads["prepare"] & (threads["loop"] | threads["pool"])
+    _computed_off_loop(threads, model)
 
 
 def test_whole_chat_speech_equals_the_finished_answer(served, reference):
@@ -277,31 +284,48 @@ def test_whole_chat_speech_equals_the_finished_answer(served, reference):
     _close(np.round(samples * 32768).astype(np.int32), _want(model, reference))
 
 
-def test_realtime_speech_order_and_pcm(served, reference):
+def test_realtime_speech_order_and_pcm(served, reference, monkeypatch):
+    """A Realtime response speaks while its answer is written (Qwen2.5-Omni: served with `speak_early`, the talker
+    reading the answer's rows): its first audio delta comes before its last transcript delta, its PCM16 is the
+    finished answer's within 1 LSB, and the event loop computes nothing."""
     _, model, server = served
+    if not _qwen3(model):
+        _hold_ticks_until_open(monkeypatch)
+    threads = _spy_threads(monkeypatch)
     _, _, events = asyncio.run(asyncio.wait_for(_realtime(server, {"voice": "Chelsie"}), 600))
     _ordered([e.type for e in events], "response.output_audio.delta", "response.output_audio_transcript.delta",
-             _early(model, "realtime"))
+             True)
     assert "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta") == reference[0]
     pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
                           if e.type == "response.output_audio.delta"]).astype(np.int32)
     PCM[_qwen3(model), "realtime"] = pcm
     _close(pcm, _want(model, reference))
     assert events[-1].response.status in ("completed", "incomplete")
+    _computed_off_loop(threads, model)
 
 
-@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)  # the family whose routes differ
-def test_speech_spoken_early_equals_the_finish_first_route(served, reference, monkeypatch):
-    """Qwen2.5-Omni served with `speak_early`: the streamed chat completion's speech (the talker reading the rows
-    the decode programs return) equals the Realtime response's (the finished answer: one thinker forward over prompt
-    and answer) bit for bit; both as the tests above received them (run here when those did not run)."""
+async def _collect(pieces) -> np.ndarray:
+    return np.concatenate([pcm16(p) async for p in pieces]).astype(np.int32)
+
+
+@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)  # the family with two paths on one pool
+def test_speech_spoken_early_equals_the_finish_first_path(served, reference, monkeypatch):
+    """Qwen2.5-Omni served with `speak_early`: the streamed chat completion's and the Realtime response's speech (the
+    talker reading the rows the decode programs return, as the tests above received it; run here when those did not
+    run) equal the finished answer spoken on the same pool (`speech_engine.pool_pieces`, on the server's event loop:
+    the talker input from one thinker forward over prompt and answer) bit for bit."""
+    _, model, server = served
     if (False, "chat") not in PCM:
         test_streamed_chat_speech_order_and_pcm(served, reference, monkeypatch)
     if (False, "realtime") not in PCM:
-        test_realtime_speech_order_and_pcm(served, reference)
-    chat, realtime = PCM[False, "chat"], PCM[False, "realtime"]
-    assert chat.shape == realtime.shape and np.abs(chat).max() > 1000
-    np.testing.assert_array_equal(chat, realtime)
+        test_realtime_speech_order_and_pcm(served, reference, monkeypatch)
+    _, prompt, answer = reference
+    loop = server.context.worker._task.get_loop()  # the server's (the worker's futures and events live there)
+    finished = asyncio.run_coroutine_threadsafe(_collect(speech_engine.pool_pieces(
+        server.context, prompt, [int(t) for t in answer], "Chelsie")), loop).result(600)
+    assert np.abs(finished).max() > 1000
+    for route in ("chat", "realtime"):
+        np.testing.assert_array_equal(PCM[False, route], finished, err_msg=route)
 
 
 def test_an_unknown_voice_is_refused_by_name(served):
@@ -400,6 +424,43 @@ def test_realtime_audio_output_sampling_draws_the_seeded_speech(served, referenc
     pcm = np.concatenate([np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
                           if e.type == "response.output_audio.delta"]).astype(np.int32)
     _close(pcm, _want(model, reference, TalkerSampling(**drawn)))
+
+
+async def _realtime_refusal(server, output: dict):
+    """A Realtime session's `session.update` with `audio.output` `output`: (the error event, the session object a
+    later `session.update` without it returns)."""
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    async with client.realtime.connect(model="omnijax") as conn:
+        assert (await conn.recv()).type == "session.created"
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "audio": {"output": output}})
+        error = await conn.recv()
+        await conn.session.update(session={"type": "realtime"})
+        return error, (await conn.recv()).session
+
+
+@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)  # its talker draws nothing
+def test_talker_sampling_is_refused_by_name_on_qwen25(served):
+    """Qwen2.5-Omni's talker decodes greedily only (on the pool, early or finish-first, and in `Chat`): a chat
+    completion's `audio.sampling` is refused with HTTP 400 (`unsupported`, naming it), a Realtime session's
+    `session.audio.output.sampling` with an error event naming it, the session's settings unchanged; nothing fed or
+    spoken."""
+    _, _, server = served
+    engine = server.context.worker.engine
+    before = list(engine.sessions)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="omnijax", messages=QUESTION25, max_tokens=MAX_TOKENS,
+                                       modalities=["text", "audio"], audio=AUDIO | {"sampling": {"seed": 3}})
+    body = e.value.body
+    assert body["param"] == "audio.sampling" and body["code"] == "unsupported", body
+    assert "greedily only" in body["message"], body
+    error, session = asyncio.run(asyncio.wait_for(_realtime_refusal(
+        server, {"voice": "Chelsie", "sampling": {"seed": 3}}), 120))
+    assert error.type == "error" and error.error.param == "session.audio.output.sampling", error
+    assert "greedily only" in error.error.message and session.output_modalities == ["text"], (error, session)
+    server.wait_idle()
+    assert list(engine.sessions) == before and not engine.speech.sessions
 
 
 def test_a_snapshot_keeps_the_talker_sampling():

@@ -10,7 +10,10 @@ of `FIRST_CHUNK` codec frames then `CHUNK`; never on the event loop) as `respons
 PCM at 24 kHz, one per vocoder chunk, as it is decoded): an utterance of the engine's speech pool, batched on its
 ticks with every other speaking session and counted by admission; on Qwen3-Omni its talker starts with the answer's
 first token (`speech_engine.WrittenSpeech`: audio deltas come between the transcript deltas, the rest after them),
-on Qwen2.5-Omni it speaks the finished answer (`speech_output.speak_pieces`). Then `response.output_audio.done`,
+and so does Qwen2.5-Omni's on a server run with `ServeOptions(speak_early=True)` (`--speak-early`: its talker reads
+each answer token's thinker row as the engine's decode programs return it, `Answer.rows`, and the utterance is
+admitted on the talker prompt alone when the response starts); otherwise Qwen2.5-Omni speaks the finished answer
+(`speech_output.speak_pieces`). Then `response.output_audio.done`,
 `response.output_audio_transcript.done`, `conversation.item.done` (the part `{"type": "output_audio", "transcript"}`:
 the server keeps no audio) and `response.done` (`output_modalities` ["audio"], `audio.output` its voice and format).
 `response.cancel` while it speaks stops after the vocoder chunk in progress (status "cancelled"; the utterance leaves
@@ -210,16 +213,18 @@ def response_modalities(session: RealtimeSession, asked: tuple | None, eid: str 
 async def answer_and_speech(session: RealtimeSession, answer: Any, output: ResponseOutput, decoder: Any,
                             voice: str | None, prompt: Sequence[int] | None, rid: str) -> tuple[str, Any, str]:
     """Streams a response's answer (its text deltas through `output`) and, when it is spoken (`voice`), its speech:
-    on the engine's speech pool (Qwen3-Omni) the talker starts with the answer's first token and each vocoder chunk
-    goes out as it is decoded, between the transcript deltas (`speech_engine.WrittenSpeech`); otherwise
-    (Qwen2.5-Omni) once the text is whole. Records the answer in the conversation and the talker's ids. Returns the
-    response's `(status, reason, tail)` (`tail`: text still to send)."""
+    on the engine's speech pool (Qwen3-Omni; Qwen2.5-Omni served with `speak_early`, reading the answer's rows)
+    the talker starts with the answer's first token and each vocoder chunk goes out as it is decoded, between the
+    transcript deltas (`speech_engine.WrittenSpeech`); otherwise (Qwen2.5-Omni) once the text is whole. Records
+    the answer in the conversation and the talker's ids. Returns the response's `(status, reason, tail)` (`tail`:
+    text still to send)."""
     early = None
     if voice is not None:
         early = written_speech(session.context, np.asarray(prompt or [], np.int64), voice,
                                functools.partial(asyncio.to_thread, session.spoken.media, len(prompt or [])),
                                stop=session.conversation.eos,
-                               sampling=talker_sampling(session.settings, session.context.model.speech))
+                               sampling=talker_sampling(session.settings, session.context.model.speech),
+                               rows=answer.rows)
     try:
         async for tokens in answer:
             output.push(decoder.push(tokens))
