@@ -3,7 +3,9 @@
 conversation (its talker reads every position: the server's replay keeps the clip's input rows, `speak` reruns the
 thinker with them; `tests/models/qwen2_5_omni/test_speech_media.py` checks that against transformers), and the same
 for an image (its vision rows kept with their grid; `test_speech_media_image` checks `speak` with an image against
-transformers).
+transformers). Served both ways: speaking the finished answer (the default) and with `ServeOptions(speak_early=True)`,
+where the utterance is admitted on the prompt and its media rows alone (`Qwen25SpeechPool.prepare(writing=True)`) and
+the talker reads each answer token's row as the engine decodes it; both equal `Chat`'s finish-first PCM within 1 LSB.
 """
 
 import base64
@@ -22,6 +24,7 @@ from omnijax.chat import SpeakOptions  # noqa: E402
 from omnijax.convert import convert_checkpoint  # noqa: E402
 from omnijax.media.audio import pcm16, wav_bytes  # noqa: E402
 from omnijax.models.tokenizer import CHATML_TEMPLATE, write_tiny_tokenizer  # noqa: E402
+from omnijax.serve import chat_completions, speech_engine  # noqa: E402
 from omnijax.serve import speech_output as so  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.context import ServeOptions  # noqa: E402
@@ -38,15 +41,16 @@ def _config():
     return omnijax.StreamConfig(num_pages=64, page_size=16, max_answer_tokens=4)
 
 
-@pytest.fixture(scope="module")
-def served(release, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["finish_first", "speak_early"])
+def served(release, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("served25")
     shutil.copytree(release[1] / "single", root / "hf")
     write_tiny_tokenizer(root / "hf", vocab_size=300, special_tokens=TS.SPECIALS, chat_template=CHATML_TEMPLATE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = omnijax.load(convert_checkpoint(root / "hf", root / "out", progress=False, log=lambda _: None))
-    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=8, max_speech_tokens=TS.FRAMES)
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=8, max_speech_tokens=TS.FRAMES,
+                           speak_early=request.param)
     context = build_context(model, options=options, stream=_config(), chunk_tokens=64, buckets=(1, 2), aimd_target=0)
     with BackgroundServer(context) as server:
         yield model, server
@@ -57,8 +61,11 @@ def _messages(media: dict) -> list:
             {"role": "user", "content": QUESTION}]
 
 
-def test_a_chat_completion_speaks_about_a_clip_as_chat_does(served):
+def test_a_chat_completion_speaks_about_a_clip_as_chat_does(served, monkeypatch):
     model, server = served
+    early: list = []  # what each request's route spoke with: a WrittenSpeech (speak_early) or None (finish-first)
+    written = speech_engine.written_speech
+    monkeypatch.setattr(chat_completions, "written_speech", lambda *a, **k: early.append(written(*a, **k)) or early[-1])
     chat = omnijax.Chat(model, _config())
     chat.system(SYSTEM)
     chat.user(HEAR)
@@ -97,3 +104,4 @@ def test_a_chat_completion_speaks_about_a_clip_as_chat_does(served):
     got = np.frombuffer(base64.b64decode(message.audio.data), "<i2").astype(np.int32)
     want = pcm16(pcm).astype(np.int32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1
+    assert len(early) == 2 and all((e is not None) == server.context.options.speak_early for e in early), early
