@@ -328,6 +328,44 @@ def test_speech_spoken_early_equals_the_finish_first_path(served, reference, mon
         np.testing.assert_array_equal(PCM[False, route], finished, err_msg=route)
 
 
+@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)  # its utterances open at the answer's start
+def test_a_speak_cancelled_while_its_utterance_opens_leaves_the_pool(served, monkeypatch):
+    """An utterance's admission cancelled (a client gone, `response.cancel`) while the engine's thread runs the
+    pool's `open`: the open completes there, and the utterance it opened for an answer still written (which nobody
+    would extend or end: it would hold its row and pages for ever) leaves the pool."""
+    _, _, server = served
+    worker = server.context.worker
+    pool = worker.engine.speech
+    started, release, opened = threading.Event(), threading.Event(), []
+    open_ = Qwen25SpeechPool.open
+
+    def held_open(self, *args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        out = open_(self, *args, **kwargs)
+        opened.append("opening" in self.sessions)
+        return out
+    monkeypatch.setattr(Qwen25SpeechPool, "open", held_open)
+    prompt, _ = pool.warm_ids(16)
+
+    async def cancel_while_opening():
+        task = asyncio.ensure_future(worker.speak("opening", prompt, [], voice="Chelsie", max_new_tokens=8,
+                                                  writing=True))
+        assert await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = asyncio.get_running_loop().time() + 10
+        while (not opened or "opening" in pool.sessions) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+
+    loop = worker._task.get_loop()  # the server's (the worker's futures live there)
+    asyncio.run_coroutine_threadsafe(cancel_while_opening(), loop).result(120)
+    assert opened == [True]  # the open ran after the cancel, and opened the utterance
+    assert "opening" not in pool.sessions and "opening" not in worker.speaking and pool.reserved == 0
+
+
 def test_an_unknown_voice_is_refused_by_name(served):
     """A voice the checkpoint lacks: HTTP 400 naming `audio.voice` and the checkpoint's voices, nothing fed or
     spoken."""

@@ -98,6 +98,7 @@ class SpeakingWorker:
 
     def _init_speech(self) -> None:
         self.speaking: dict[str, SpeechStream] = {}
+        self._closing: set[asyncio.Future] = set()  # utterances opened for a cancelled `speak`, leaving the pool
         self.stats.update(speech_opened=0, speech_refused=0, speech_chunks=0, late_chunks=0)
 
     async def speak(self, speech_id: str, prompt_ids: Any, answer_ids: Any, *, voice: str, max_new_tokens: int,
@@ -124,9 +125,17 @@ class SpeakingWorker:
                 self.admission.check(current)
             stream = SpeechStream(speech_id)
             more = {} if prepared is None else {"prepared": prepared}
-            await self.in_engine(functools.partial(  # type: ignore[attr-defined]
+            opening = asyncio.ensure_future(self.in_engine(functools.partial(  # type: ignore[attr-defined]
                 self.engine.speech.open, speech_id, prompt_ids, answer_ids, voice=voice,
-                max_new_tokens=max_new_tokens, media=media, writing=writing, sampling=sampling, **more))
+                max_new_tokens=max_new_tokens, media=media, writing=writing, sampling=sampling, **more)))
+            try:
+                await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # cancelled (a client gone, `response.cancel`) while the engine's thread opens it: the open runs on,
+                # and nobody would hold its stream, so the utterance leaves the pool once opened (one spoken while
+                # written would otherwise wait for its answer's tokens for ever, holding its row and pages)
+                opening.add_done_callback(functools.partial(self._drop_opened, speech_id))
+                raise
         except Overloaded:
             self.stats["speech_refused"] += 1
             raise
@@ -155,6 +164,13 @@ class SpeakingWorker:
         except KeyError:  # it ended in the tick that ran meanwhile
             return False
         return True
+
+    def _drop_opened(self, speech_id: str, opening: asyncio.Future) -> None:
+        """(Event loop) An utterance opened for a `speak` cancelled meanwhile leaves the pool (its pages return)."""
+        if not opening.cancelled() and opening.exception() is None:  # opened (a refusal opened nothing)
+            closing = asyncio.ensure_future(self.in_engine(self._close_speech, speech_id))  # type: ignore[attr-defined]
+            self._closing.add(closing)  # held until done
+            closing.add_done_callback(self._closing.discard)
 
     def _speech_due(self) -> bool:
         """Whether the speech pool gives a tick work (read on the event loop between ticks: a stale False is woken
