@@ -366,6 +366,50 @@ def test_a_speak_cancelled_while_its_utterance_opens_leaves_the_pool(served, mon
     assert "opening" not in pool.sessions and "opening" not in worker.speaking and pool.reserved == 0
 
 
+@pytest.mark.parametrize("served", ["qwen2_5_omni"], indirect=True)
+def test_a_realtime_response_cancelled_while_spoken_early_leaves_the_pool(served, reference):
+    """`response.cancel` at the first transcript delta of a Realtime response spoken while written (its utterance
+    opened when the response started, waiting for the answer's rows): the response ends "cancelled" before its
+    answer does, and the utterance has left the speech pool by `response.done` (no row, page or stream left; it
+    would otherwise wait for the rest of its answer for ever)."""
+    _, _, server = served
+    worker = server.context.worker
+    pool = worker.engine.speech
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="omnijax") as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                               "audio": {"output": {"voice": "Chelsie"}}})
+            assert (await conn.recv()).type == "session.updated"
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": QUESTION25[0]["content"]}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+            types, sent = [], False
+            async for event in conn:
+                types.append(event.type)
+                if event.type == "response.output_audio_transcript.delta" and not sent:
+                    await conn.response.cancel()
+                    sent = True
+                if event.type == "response.done":
+                    return types, event.response.status
+        raise AssertionError("the connection closed before response.done")
+
+    left: list = []
+    real = speech_engine.WrittenSpeech.aclose
+
+    async def aclose(self):  # what the pool still holds once the response's speech is closed
+        await real(self)
+        left.append((list(pool.sessions), pool.reserved, list(worker.speaking)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(speech_engine.WrittenSpeech, "aclose", aclose)
+        types, status = asyncio.run(asyncio.wait_for(run(), 600))
+    assert status == "cancelled", types
+    assert types.count("response.output_audio_transcript.delta") < len(reference[2]), types  # cut short
+    assert left == [([], 0, [])], left
+
+
 def test_an_unknown_voice_is_refused_by_name(served):
     """A voice the checkpoint lacks: HTTP 400 naming `audio.voice` and the checkpoint's voices, nothing fed or
     spoken."""
