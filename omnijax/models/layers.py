@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -72,14 +71,12 @@ def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight | LayerWeight,
     `LayerWeight` runs the chosen layer's product in a `lax.switch` over the layers.
     """
     if isinstance(w, LayerWeight):
-        rows = math.prod(x.shape[:-1])
-        if rows == 1 and x.ndim >= 2:
-            # One row (a decode step): XLA:CPU would emit each branch's matrix-vector product as its own LLVM kernel
-            # (~0.1 s of compile each, times layers x projections); two rows go to its precompiled matmul
-            # (`bench/peers/RESULTS.md`: compile 2.9 s vs 17.6 s for 30 layers, run 1.2x the kernel's time).
-            return linear(jnp.concatenate([x, x], axis=0), w, spec)[:1]
         # A float branch is the product's one dot_general (the HLO `jnp.einsum` emits for these last-axis
         # contractions): tracing layers x projections branches through einsum cost ~2.5x the time per branch.
+        # One row (a decode step) stays one row: XLA:CPU emits each branch's matrix-vector product as its own
+        # kernel, which streams the weights ~1.6x faster than its library matmul runs the row padded to two (SmolLM2
+        # decode: 38.8 vs 61.2 CPU ms per token), for ~5 CPU s more compile per step program
+        # (`bench/peers/RESULTS.md`, decode_profile.py).
         return jax.lax.switch(w.index, [functools.partial(_dot_last, w=one) if _plain_matmul(one, spec)
                                         else functools.partial(linear, w=one, spec=spec) for one in w.weights], x)
     if isinstance(w, QuantizedWeight):

@@ -158,6 +158,24 @@ def _weight_slices(decoder: Decoder) -> list[str]:
             if "dynamic-slice" in line and any(f"= {s}" in line for s in shapes)]
 
 
+def test_split_one_row_decode_equals_the_stacked_and_stays_one_row():
+    """A greedy answer decodes one row at a time: the split loop's products stay one row (no row padded to two, the
+    layout before), and the answer's tokens and logits are the stacked decoder's bit for bit."""
+    stacked, split = _pair("dense")
+    c = split.config
+    tokens = _ids(c)[0]
+    runs = [omnijax.stream(d, split_text(tokens, 2, answer_tokens=6), page_size=4, max_answer_tokens=6)
+            for d in (stacked, split)]
+    assert (np.asarray(runs[0].tokens) >= 0).sum() == 6
+    np.testing.assert_array_equal(np.asarray(runs[1].tokens), np.asarray(runs[0].tokens))
+    np.testing.assert_array_equal(np.asarray(runs[1].state.last_logits), np.asarray(runs[0].state.last_logits))
+    graphdef, params = nnx.split(split)
+    text = forward.lower(graphdef, params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool),
+                         jnp.zeros((1, 1, 1), jnp.int32), None, None, None, page_size=4).compile().as_text()
+    products = [line for line in text.splitlines() if " dot(" in line and f",{c.hidden_size}]" in line]
+    assert products and not [line for line in products if "= f32[2," in line], products
+
+
 def test_split_decode_step_reads_each_layers_weights_in_place():
     stacked, split = _pair("dense")
     assert _weight_slices(stacked)  # the stacked scan copies weights out of the stacks (what the split removes)
