@@ -7,7 +7,10 @@ the pool counts as one, `EngineWorker.active_sessions`), then by the pool (rows,
 `Overloaded` naming them), all in the engine's thread between ticks. The worker ticks while any utterance is in the
 pool, with or without thinker work, so the talker keeps its cadence; each tick's latency, what the AIMD controller
 reads, includes the talker step and the vocoder chunks. A chunk past its playback deadline arrives flagged
-(`SpeechChunk.late_s`) and is counted in `stats["late_chunks"]`; a chunk is never dropped. A failed tick or a
+(`SpeechChunk.late_s`) and is counted in `stats["late_chunks"]` and its stream's `late_chunks` / `max_late_s`; an
+utterance that ends (or is cancelled) with late chunks is reported in the server log (a warning on the
+`omnijax.serve` logger naming the utterance, how many chunks were late and by how much); a chunk is never dropped.
+A failed tick or a
 shutdown ends every stream with an error naming why; `cancel_speech` ends one (its pages return).
 
 An answer can be spoken while the thinker still writes it: `speak(..., writing=True)` with its first tokens, then
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +35,8 @@ from omnijax.serve.engine.speech import SpeechChunk
 
 __all__ = ["SpeakingWorker", "SpeechStream"]
 
+log = logging.getLogger("omnijax.serve")
+
 
 class SpeechStream:
     """One utterance's chunks (`SpeechChunk`: float32 PCM, codes, lateness) in order: `async for chunk in stream`.
@@ -40,19 +46,26 @@ class SpeechStream:
 
     Attributes:
         speech_id: the utterance.
+        chunks: chunks delivered so far.
         late_chunks: chunks so far that were sent past their playback deadline.
+        max_late_s: the most seconds any of them was late (0.0 while none was).
         error: why the utterance failed, else None.
     """
 
     def __init__(self, speech_id: str):
         self.speech_id = speech_id
+        self.chunks = 0
         self.late_chunks = 0
+        self.max_late_s = 0.0
         self.error: str | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ended = False
 
     def _push(self, chunk: SpeechChunk) -> None:
-        self.late_chunks += chunk.late_s > 0
+        self.chunks += 1
+        if chunk.late_s > 0:
+            self.late_chunks += 1
+            self.max_late_s = max(self.max_late_s, float(chunk.late_s))
         self._queue.put_nowait(chunk)
         if chunk.final:
             self._end(None)
@@ -185,6 +198,7 @@ class SpeakingWorker:
         if stream is None:
             return False
         stream._end(None)
+        _report_late(stream, "cancelled")
         await self.in_engine(self._close_speech, speech_id)  # type: ignore[attr-defined]
         return True
 
@@ -205,6 +219,7 @@ class SpeakingWorker:
             stream._push(chunk)
             if chunk.final:
                 del self.speaking[chunk.speech_id]
+                _report_late(stream, "ended")
 
     async def _fail_speech(self, reason: str) -> None:
         """Ends every stream with `reason` and drops their utterances from the pool."""
@@ -212,3 +227,11 @@ class SpeakingWorker:
         for speech_id, stream in failed.items():
             stream._end(reason)
             await self.in_engine(self._close_speech, speech_id)  # type: ignore[attr-defined]
+
+
+def _report_late(stream: SpeechStream, how: str) -> None:
+    """Logs a warning for an utterance that `how` ("ended", "cancelled") after sending chunks past their playback
+    deadline: the listener heard gaps, so the operator is told (the chunks themselves were all sent)."""
+    if stream.late_chunks:
+        log.warning("speech %s %s with %d of its %d chunks sent past their playback deadline (the latest %.3f s late)",
+                    stream.speech_id, how, stream.late_chunks, stream.chunks, stream.max_late_s)

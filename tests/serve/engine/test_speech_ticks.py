@@ -10,6 +10,8 @@ The release is `test_talker.seeded_full_model()`; its random talker never ends i
 to its `max_new_tokens`.
 """
 
+import logging
+import types
 import warnings
 
 import numpy as np
@@ -22,6 +24,7 @@ from omnijax.models.qwen3_omni import speech as S
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.engine import Engine, EngineConfig
 from omnijax.serve.engine.speech import SpeechConfig, SpeechPool
+from omnijax.serve.engine.worker_speech import SpeakingWorker, SpeechStream
 
 torch = pytest.importorskip("torch", reason="torch (the test extra) builds the transformers release")
 pytest.importorskip("transformers", reason="transformers (the test extra) builds the release")
@@ -188,12 +191,23 @@ def _drain(pool, clock=None, advance=0.0):
     raise AssertionError("the pool did not drain")
 
 
+class _SpeechHalf(SpeakingWorker):
+    """The worker's speech half alone: handing a tick's chunks to their streams (`_deliver_speech`) needs no
+    engine."""
+
+    def __init__(self):
+        self.stats, self._work = {}, None
+        self._init_speech()
+
+
 @pytest.mark.parametrize("case", ["late", "deferred"])
-def test_late_or_deferred_chunks_are_sent_not_dropped(model, case):
+def test_late_or_deferred_chunks_are_sent_not_dropped(model, case, caplog):
     """late: every tick takes 10 s, so each chunk after a session's first leaves past its playback deadline: it is
-    sent all the same, flagged `late_s` > 0 and counted. deferred: a vocoder budget of 0.1 us per tick makes every
-    Code2Wav call but the first of a tick wait (no later chunk is urgent): the chunks go out on later ticks, in
-    deadline order. Either way the utterances equal their lone runs."""
+    sent all the same, flagged `late_s` > 0 and counted, and the worker that hands the chunks to their streams
+    reports each utterance that ended late in the server log (how many chunks, the latest by how much). deferred: a
+    vocoder budget of 0.1 us per tick makes every Code2Wav call but the first of a tick wait (no later chunk is
+    urgent): the chunks go out on later ticks, in deadline order, none late, nothing reported. Either way the
+    utterances equal their lone runs."""
     clock = StepClock(1e-6)
     config = SpeechConfig(**{**SPEECH.__dict__, **(dict(vocoder_budget_s=1e-7, slack_s=0.0) if case == "deferred"
                                                    else {})})
@@ -219,6 +233,24 @@ def test_late_or_deferred_chunks_are_sent_not_dropped(model, case):
         assert [c.pcm.size for c in mine] == [c.size for c in alone_chunks]
         assert_same_pcm(np.concatenate([c.pcm for c in mine]), ref.pcm, u["speech_id"])
     assert pool.reserved == 0 and int(pool.kv.num_free) == config.num_pages
+
+    worker = _SpeechHalf()
+    worker.speaking.update({s: SpeechStream(s) for s in got})
+    streams = dict(worker.speaking)
+    with caplog.at_level(logging.WARNING, logger="omnijax.serve"):
+        for c in chunks:
+            worker._deliver_speech(types.SimpleNamespace(speech=[c]))
+    assert worker.speaking == {} and worker.stats["late_chunks"] == pool.stats["late_chunks"]
+    said = sorted(r.getMessage() for r in caplog.records if r.name == "omnijax.serve")
+    want = []
+    for s, cs in got.items():
+        late = [c.late_s for c in cs if c.late_s > 0]
+        assert (streams[s].chunks, streams[s].late_chunks, streams[s].max_late_s) == (len(cs), len(late),
+                                                                                      max(late, default=0.0))
+        if late:
+            want.append(f"speech {s} ended with {len(late)} of its {len(cs)} chunks sent past their playback "
+                        f"deadline (the latest {max(late):.3f} s late)")
+    assert said == sorted(want) and (len(want) == len(plan) if case == "late" else not want), said
 
 
 def test_the_worker_speaks_on_its_ticks_and_counts_speech_in_admission(model):
