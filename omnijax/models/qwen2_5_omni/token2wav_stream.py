@@ -96,7 +96,8 @@ _ACTIVATION_REACH = {12: 5}
 @functools.lru_cache(maxsize=32)
 def vocoder_reach(config: BigVGANConfig) -> tuple[int, int]:
     """`(left, right)`: the mel frames BigVGAN reads before / after the frame of any output sample (the receptive
-    field of `bigvgan.vocode`, from its convolutions' kernels, dilations and strides; (28, 28) for the release).
+    field of `bigvgan.vocode`, from its convolutions' kernels, dilations and strides; (34, 34) for the release, a
+    bound: 28 measured).
 
     Traced backwards from one output sample: conv_post and the last anti-aliased activation, then per stage (last
     first) the AMP blocks' reach (the widest of the averaged blocks) and the transposed convolution's input range,
