@@ -17,7 +17,10 @@ voice is refused before the first message is read. Units fed with `/image`, `/au
 question's turn, so Qwen3-Omni's talker does not read them (it reads the questions and answers); Qwen2.5-Omni's reads
 every unit, a video's audiovisual units included (kept with the positions they were fed at). `--early-start`
 (Qwen2.5-Omni) starts its talker after each answer's first block instead of after the answer
-(`SpeakOptions.early_start`).
+(`SpeakOptions.early_start`). `--speech-first-chunk FRAMES` / `--speech-chunk FRAMES` set the vocoder's chunks
+(`SpeakOptions.first_chunk` / `chunk`, default 4 then 25 codec frames); the streamed vocoders carry their state from
+call to call, so any chunk of at least 1 frame gives the same speech, and a smaller one is refused before the
+checkpoint is read.
 
 `watch --speak answers.wav` speaks each answer the same way (all answers in one WAV file, in the order asked). The
 video's units are fed outside the questions' user turns, so Qwen3-Omni's talker reads each question and its answer
@@ -99,6 +102,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--talker-window", type=int, default=None, metavar="CELLS",
                         help="bound the talker's KV cache of --speak: keep its newest CELLS cells (>= 2) beside "
                              "its 4 oldest (default: unbounded, what equals transformers)")
+    parser.add_argument("--speech-first-chunk", type=int, default=None, metavar="FRAMES",
+                        help="codec frames of the vocoder's first call of each spoken answer (>= 1; default 4: "
+                             "320 ms for Qwen3-Omni; Qwen2.5-Omni rounds up to whole DiT blocks of 12)")
+    parser.add_argument("--speech-chunk", type=int, default=None, metavar="FRAMES",
+                        help="codec frames of each later vocoder call (>= 1; default 25), as --speech-first-chunk")
     parser.add_argument("--early-start", action="store_true",
                         help="Qwen2.5-Omni: start speaking after the answer's first block, from the rows the stream "
                              "computed (SpeakOptions.early_start; Qwen3-Omni's talker always starts with the answer)")
@@ -127,11 +135,11 @@ def open_chat(args: argparse.Namespace) -> Chat:
 
 
 def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
-    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens`, `--talker-window`, `--early-start` (None
-    without `--speak`)."""
+    """The `SpeakOptions` of `--speak`, `--voice`, `--max-speech-tokens`, `--talker-window`, `--speech-first-chunk`,
+    `--speech-chunk`, `--early-start` (None without `--speak`)."""
     speak = getattr(args, "speak", None)
     if speak is None:
-        for flag in ("voice", "max_speech_tokens", "talker_window"):
+        for flag in ("voice", "max_speech_tokens", "talker_window", "speech_first_chunk", "speech_chunk"):
             if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --speak OUT.wav")
         if getattr(args, "early_start", False):
@@ -139,8 +147,13 @@ def speak_options(args: argparse.Namespace) -> SpeakOptions | None:
         return None
     if not str(speak).lower().endswith(".wav"):
         raise ValueError(f"--speak writes a WAV file: give a path ending in .wav, got {speak!r}")
-    settings = {k: v for k, v in (("voice", args.voice), ("max_speech_tokens", args.max_speech_tokens))
-                if v is not None}
+    settings = {k: v for k, v in (("voice", args.voice), ("max_speech_tokens", args.max_speech_tokens),
+                                  ("first_chunk", getattr(args, "speech_first_chunk", None)),
+                                  ("chunk", getattr(args, "speech_chunk", None))) if v is not None}
+    for flag in ("speech_first_chunk", "speech_chunk"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:  # the streamed vocoders carry their state: any chunk >= 1 works
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1 codec frame, got {value}")
     window = getattr(args, "talker_window", None)
     talker_policy(window, what="--talker-window")  # refused naming the flag
     return SpeakOptions(**settings, talker_window=window, early_start=bool(getattr(args, "early_start", False)))

@@ -97,7 +97,8 @@ def build_context(model: OmniModel, *, options: ServeOptions, stream: StreamConf
     budget = options.frame_ms / 1000.0
     speech = speech_config_for(model, max_speech_tokens=options.max_speech_tokens,  # Qwen3-Omni: its speech pool
                                context_tokens=stream.num_pages * stream.page_size,
-                               talker_window=options.talker_window, early_start=options.speak_early)
+                               talker_window=options.talker_window, early_start=options.speak_early,
+                               first_chunk=options.speech_first_chunk, chunk=options.speech_chunk)
     config = EngineConfig(stream, chunk_tokens=chunk_tokens, frame_budget_s=budget, buckets=tuple(buckets),
                           return_logits=return_logits, per_token=per_token, speech=speech)
     engine = Engine(model, config)
@@ -210,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                queue_timeout_s=args.queue_timeout, max_queued=args.max_queued,
                                max_scored_tokens=args.max_scored_tokens, max_speech_tokens=args.max_speech_tokens,
                                talker_window=args.talker_window, speak_early=args.speak_early,
+                               speech_first_chunk=args.speech_first_chunk, speech_chunk=args.speech_chunk,
                                shutdown_timeout_s=args.shutdown_timeout,
                                **launch.snapshot_options(args))
         # the snapshot directory is opened (0700, temp folders of killed writes removed, expired snapshots

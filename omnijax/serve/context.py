@@ -83,6 +83,10 @@ class ServeOptions:
             while it is written (the speech pool built with `SpeechConfig(early_start=True)`; the engine's decode
             programs then also return each answer token's row, and recall is refused). False: the finished answer is
             spoken. Qwen3-Omni's always speaks while written.
+        speech_first_chunk, speech_chunk: codec frames of the vocoder's first call of each spoken answer, then of
+            each later call (`SpeakOptions.first_chunk` / `chunk`; 4 then 25 by default; Qwen2.5-Omni rounds them up
+            to whole DiT blocks): the speech pool's (`SpeechConfig.first_chunk` / `chunk`) and the thread path's.
+            At least 1: the streamed vocoders carry their state from call to call, so any size gives the same PCM.
     """
 
     host: str = "127.0.0.1"
@@ -112,6 +116,8 @@ class ServeOptions:
     max_speech_tokens: int = 4096
     talker_window: int | None = None
     speak_early: bool = False
+    speech_first_chunk: int = 4
+    speech_chunk: int = 25
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",
@@ -119,6 +125,11 @@ class ServeOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         talker_policy(self.talker_window, what="talker_window (--talker-window)")  # refused by name
+        for name in ("speech_first_chunk", "speech_chunk"):  # the streamed vocoders carry their state: any >= 1
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an int of at least 1 codec frame, "
+                                 f"got {value!r}")
         if not isinstance(self.speak_early, bool):
             raise ValueError(f"speak_early must be True or False, got {self.speak_early!r}")
         if not 0 <= self.decode_wait_fraction <= 1:

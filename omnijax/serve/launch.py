@@ -133,6 +133,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "talker KV: keep its newest CELLS cells (>= 2) beside its 4 oldest, so a speech pool row "
                    "reserves that many pages whatever --max-speech-tokens (default: unbounded, what equals "
                    "transformers)")
+    p.add_argument("--speech-first-chunk", type=int, default=4, metavar="FRAMES", help="codec frames of the "
+                   "vocoder's first call of each spoken answer (>= 1; 320 ms of speech for Qwen3-Omni; Qwen2.5-Omni "
+                   "rounds up to whole DiT blocks of 12)")
+    p.add_argument("--speech-chunk", type=int, default=25, metavar="FRAMES", help="codec frames of each later "
+                   "vocoder call (>= 1), as --speech-first-chunk")
     p.add_argument("--speak-early", action="store_true", help="Qwen2.5-Omni: chat completions' audio output and "
                    "Realtime's spoken responses speak the answer while it is written (the decode programs also "
                    "return each answer token's row; refused with --recall); default: the finished answer is spoken")

@@ -69,14 +69,16 @@ class SpeechOverloaded(RequestError):
 
 def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
                       rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64,
-                      talker_window: int | None = None, early_start: bool = False) -> SpeechConfig | None:
+                      talker_window: int | None = None, early_start: bool = False, first_chunk: int = 4,
+                      chunk: int = 25) -> SpeechConfig | None:
     """The engine's speech pool for a served model: None unless it has a speech output (Qwen3-Omni's, Qwen2.5-Omni's).
 
     A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens
     (`max_pages`); the pool holds two such rows (`num_pages = 2 * max_pages`, allocated when the engine starts), so
     with the usual short talker prompts its rows fill before its pages (an utterance reserves its prompt plus
     `max_speech_tokens`); long conversations may fill the pages first, which a route waits on, then refuses naming
-    them. The vocoder's chunks are the routes' (`first_chunk` 4 frames, then 25). `talker_window`: the talker rows'
+    them. The vocoder's chunks: `first_chunk` frames, then `chunk` (`ServeOptions.speech_first_chunk` /
+    `speech_chunk`, 4 then 25 by default). `talker_window`: the talker rows'
     bounded KV (`SpeechConfig.talker_window`; an utterance then reserves its prompt or the window's pages).
     `early_start`: Qwen2.5-Omni's pool speaks answers while they are written (`SpeechConfig.early_start`; Qwen3-Omni's
     always can, the flag changes nothing there).
@@ -86,7 +88,7 @@ def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int
     max_pages = math.ceil((int(context_tokens) + int(max_speech_tokens)) / page_size)
     rows = tuple(rows)
     return SpeechConfig(rows=rows, num_pages=min(2, rows[-1]) * max_pages, page_size=page_size, max_pages=max_pages,
-                        talker_window=talker_window,
+                        talker_window=talker_window, first_chunk=first_chunk, chunk=chunk,
                         early_start=bool(early_start) and isinstance(model.speech, Qwen25Speech))
 
 

@@ -2,7 +2,8 @@
 
 On a checkpoint with speech output (`model.speech`: Qwen3-Omni converted from its full release) the answer is
 decoded as text on the engine's ticks and spoken: the talker decodes codec frames over the answer's text and the
-vocoder decodes them in chunks as they are ready (`FIRST_CHUNK` frames, then `CHUNK`). Qwen3-Omni speaks on the
+vocoder decodes them in chunks as they are ready (`ServeOptions.speech_first_chunk` frames, then `speech_chunk`:
+`--speech-first-chunk` / `--speech-chunk`, by default `FIRST_CHUNK` then `CHUNK`). Qwen3-Omni speaks on the
 engine's speech pool (`omnijax.serve.speech_engine`: `EngineWorker.speak`, its talker steps and vocoder chunks batched
 with every other speaking session's on the engine's ticks, admission counting it; a full pool refuses the request by
 name, HTTP 429, before anything is fed), and its talker starts with the answer's first token, reading each later one
@@ -88,8 +89,8 @@ __all__ = ["CHUNK", "FIRST_CHUNK", "FORMATS", "AudioOutput", "audio_message", "c
 
 FORMATS = ("wav", "pcm16")
 OPENAI_FORMATS = ("wav", "aac", "mp3", "flac", "opus", "pcm16")
-FIRST_CHUNK = 4  # codec frames of the vocoder's first call (320 ms of speech for Qwen3-Omni)
-CHUNK = 25  # codec frames of each later call (2 s)
+FIRST_CHUNK = 4  # default codec frames of the vocoder's first call (320 ms of speech for Qwen3-Omni; ServeOptions')
+CHUNK = 25  # default codec frames of each later call (2 s)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,8 @@ def retrieve_exception(future: asyncio.Future) -> None:
 
 def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: str,
            max_speech_tokens: int, media: Sequence[MediaRows] = (), sampling: TalkerSampling | None = None,
-           talker_window: int | None = None) -> Iterator[np.ndarray]:
+           talker_window: int | None = None, first_chunk: int = FIRST_CHUNK,
+           chunk: int = CHUNK) -> Iterator[np.ndarray]:
     if not len(answer):  # nothing to say (the answer was only its end-of-turn token)
         return iter(())
     speech = model.speech
@@ -260,7 +262,7 @@ def _speak(model: OmniModel, prompt: np.ndarray, answer: Sequence[int], voice: s
     if talker_window is not None:  # `ServeOptions.talker_window`
         more["talker_kv"] = talker_policy(talker_window)
     return speech.speak_chunks(model, prompt, np.asarray(answer, np.int64), voice=voice,
-                               max_new_tokens=max_speech_tokens, first_chunk=FIRST_CHUNK, chunk=CHUNK, **more)
+                               max_new_tokens=max_speech_tokens, first_chunk=first_chunk, chunk=chunk, **more)
 
 
 async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.ndarray | SpokenPrompt,
@@ -279,7 +281,8 @@ async def speak_pieces(context: ServeContext, audio: AudioOutput, prompt: np.nda
         return
     chunks = await asyncio.to_thread(_speak, context.model, prompt, answer, audio.voice,
                                      context.options.max_speech_tokens, media, audio.sampling,
-                                     context.options.talker_window)
+                                     context.options.talker_window, context.options.speech_first_chunk,
+                                     context.options.speech_chunk)
     done = object()
     while True:
         pcm = await asyncio.to_thread(next, chunks, done)

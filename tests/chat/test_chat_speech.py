@@ -274,15 +274,63 @@ def test_chat_cli_writes_the_conversation_speech_to_a_wav(release, tmp_path):
     np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), want)
 
 
+def test_chat_cli_speaks_in_the_vocoder_chunks_its_flags_give(release, tmp_path, monkeypatch):
+    root, model, _ = release
+    first, later = 2, 3  # not the defaults (4, 25): with 11 frames, calls of 2, 3, 3 and 3 frames
+    out = tmp_path / "chunked.wav"
+    args = _cli_args(root / "hf_omnijax", "--speak", str(out), "--max-speech-tokens", str(SPEECH_TOKENS),
+                     "--speech-first-chunk", str(first), "--speech-chunk", str(later))
+    args.command = "chat"
+    written = []  # each answer's PCM chunks as the CLI hands them to its WAV file
+    add = commands.SpeechFile.add
+    monkeypatch.setattr(commands.SpeechFile, "add",
+                        lambda self, chunks: written.append(list(chunks)) or add(self, chunks))
+    assert commands.run_chat(args, io.StringIO(f"{QUESTION}\n"), io.StringIO()) == 0
+    (chunks,) = written
+    # the Python path with the same options yields the same chunks
+    chat = omnijax.Chat(model, commands.stream_config(args))
+    want_chunks = [i for i in chat.ask(QUESTION, max_tokens=6, speak=SpeakOptions(
+        max_speech_tokens=SPEECH_TOKENS, first_chunk=first, chunk=later)) if not isinstance(i, str)]
+    assert [c.shape for c in chunks] == [c.shape for c in want_chunks]
+    for got, want in zip(chunks, want_chunks):
+        np.testing.assert_array_equal(got, want)
+    # ... in vocoder calls of `first` frames, then `later`: the flags reached the vocoder
+    spoken = chat.last_spoken
+    one_shot = S.speak(model, np.asarray(spoken.prompt_ids), np.asarray(spoken.answer_ids), speaker="Ethan",
+                       max_new_tokens=SPEECH_TOKENS)
+    frames, F = one_shot.codes.shape[1], model.speech.code2wav.config.samples_per_frame
+    assert frames == SPEECH_TOKENS - 1, "the tiny talker ended its speech: the chunk schedule below assumes not"
+    sizes = [c.shape[0] for c in chunks]
+    lag = first * F - sizes[0]
+    assert 0 <= lag < F and len(sizes) == 1 + -(-(frames - first) // later)
+    assert all(n == later * F for n in sizes[1:-1]) and 0 < sizes[-1] <= later * F
+    # ... whose concatenation is the one-shot decode, and the file holds it
+    pcm, peak = np.concatenate(chunks), np.abs(one_shot.pcm).max()
+    assert peak > 0.05 and pcm.shape == one_shot.pcm.shape and np.abs(pcm - one_shot.pcm).max() <= 1e-4 * peak
+    samples, _ = read_wav(out)
+    np.testing.assert_array_equal(np.round(samples * 32768).astype(np.int16), pcm16(pcm))
+
+
 @pytest.mark.parametrize("checkpoint, more, says", [
     ("hf_thinker_omnijax", ["--speak", "x.wav"], "has no speech output"),
     ("hf_omnijax", ["--speak", "x.wav", "--voice", "aiden"], "unknown voice 'aiden'"),
     ("hf_omnijax", ["--voice", "ethan"], "--voice needs --speak"),
     ("hf_omnijax", ["--early-start"], "--early-start needs --speak"),
     ("hf_omnijax", ["--speak", "x.mp3"], "ending in .wav"),
+    ("hf_omnijax", ["--speak", "x.wav", "--speech-first-chunk", "0"], "--speech-first-chunk must be at least 1"),
+    ("hf_omnijax", ["--speak", "x.wav", "--speech-chunk", "-2"], "--speech-chunk must be at least 1"),
+    ("hf_omnijax", ["--speech-chunk", "5"], "--speech-chunk needs --speak"),
 ])
 def test_chat_cli_refuses_what_it_cannot_speak(release, tmp_path, capsys, checkpoint, more, says):
     checkpoint = release[0] / checkpoint
     status = commands.main("chat", [str(checkpoint), *[str(tmp_path / m) if m.startswith("x.") else m for m in more]])
     assert status == 1 and says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_watch_refuses_a_vocoder_chunk_below_one_frame_before_the_video_is_read(release, tmp_path, capsys):
+    video = tmp_path / "never-read.mp4"  # absent: a refusal after the checkpoint or the video was read would say so
+    status = commands.main("watch", [str(release[0] / "hf_omnijax"), str(video), "--ask", QUESTION, "--speak",
+                                     str(tmp_path / "x.wav"), "--speech-first-chunk", "0"])
+    assert status == 1 and "--speech-first-chunk must be at least 1 codec frame, got 0" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

@@ -21,6 +21,7 @@ import omnijax  # noqa: E402
 from omnijax.chat import SpeakOptions  # noqa: E402
 from omnijax.media.audio import pcm16, read_wav, wav_bytes  # noqa: E402
 from omnijax.models.qwen3_omni import speech as S  # noqa: E402
+from omnijax.serve import app  # noqa: E402
 from omnijax.serve import speech_output as so  # noqa: E402
 from omnijax.serve.app import BackgroundServer, build_context  # noqa: E402
 from omnijax.serve.chat_params import RequestError  # noqa: E402
@@ -30,6 +31,7 @@ from tests.chat.test_chat_speech import SPEECH_TOKENS, hf_prompt, spoken_release
 
 QUESTION = [{"role": "user", "content": "Say hello."}]
 MAX_TOKENS = 6
+FIRST, LATER = 3, 4  # the server's vocoder chunks (--speech-first-chunk / --speech-chunk), not the defaults (4, 25)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def served(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model, mute = omnijax.load(full), omnijax.load(thinker)
-    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=8, max_speech_tokens=SPEECH_TOKENS)
+    options = ServeOptions(port=0, frame_ms=200, max_output_tokens=8, max_speech_tokens=SPEECH_TOKENS,
+                           speech_first_chunk=FIRST, speech_chunk=LATER)
     context = build_context(model, options=options, stream=stream_config(), chunk_tokens=64, buckets=(1, 2),
                             aimd_target=0)
     with BackgroundServer(context) as server:
@@ -117,11 +120,14 @@ def test_streamed_audio_arrives_chunk_by_chunk(served, reference):
             expiry.append(audio.expires_at)
     assert "".join(transcript) == text and len(ids) == 1 and len(expiry) == 1
     assert finish in ("stop", "length")
-    # the vocoder's calls: FIRST_CHUNK frames, then the rest (CHUNK is larger than what is left)
+    # the vocoder's calls: the server's FIRST frames, then LATER each (the last one what is left)
     F = model.speech.code2wav.config.samples_per_frame
     frames = spoken.codes.shape[1]
-    lag = so.FIRST_CHUNK * F - data[0].shape[0]
-    assert 0 <= lag < F and [d.shape[0] for d in data] == [so.FIRST_CHUNK * F - lag, (frames - so.FIRST_CHUNK) * F]
+    lag = FIRST * F - data[0].shape[0]
+    rest = frames - FIRST - LATER * ((frames - FIRST - 1) // LATER)
+    assert frames > FIRST + LATER, "too few frames to see the later chunks"
+    assert 0 <= lag < F and [d.shape[0] for d in data] == \
+        [FIRST * F - lag] + [LATER * F] * ((frames - FIRST - 1) // LATER) + [rest * F]
     got = np.concatenate(data).astype(np.int32)
     assert np.abs(got - pcm16(spoken.pcm).astype(np.int32)).max() <= 1
 
@@ -168,6 +174,16 @@ def test_media_parts_with_a_talker_without_a_media_tap_are_refused_by_name(serve
         so.check_spoken_request(req, types.SimpleNamespace(speech=types.SimpleNamespace()))
     assert e.value.param == "messages[0].content[1]" and "has no media tap" in str(e.value) and e.value.status == 400
     so.check_spoken_request(req, server.context.model)  # Qwen3-Omni's talker has a media tap
+
+
+@pytest.mark.parametrize("flag, value", [("--speech-first-chunk", 0), ("--speech-chunk", -1)])
+def test_a_vocoder_chunk_below_one_frame_is_refused_by_name_before_the_model_loads(tmp_path, capsys, flag, value):
+    field = flag[2:].replace("-", "_")
+    with pytest.raises(ValueError, match=rf"{field} \({flag}\) must be an int of at least 1 codec frame, got {value}"):
+        ServeOptions(**{field: value})
+    with pytest.raises(SystemExit) as e:  # tmp_path holds no checkpoint: a refusal after loading would say so
+        app.main([str(tmp_path), flag, str(value)])
+    assert e.value.code == 2 and f"({flag}) must be an int of at least 1 codec frame" in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_a_talker_refuses_audio_output(served):

@@ -6,7 +6,7 @@ voices, in any case; the session object echoes it as the checkpoint spells it; n
 and `audio.output.format` `{"type": "audio/pcm", "rate": 24000}`; `response.create` may ask for `["audio"]` or
 `["text"]` for one response. A spoken response is one assistant message item whose part is `output_audio`: the text
 as the engine decodes it, as `response.output_audio_transcript.delta`s, and the answer spoken (the vocoder in chunks
-of `FIRST_CHUNK` codec frames then `CHUNK`; never on the event loop) as `response.output_audio.delta`s (base64 16-bit
+of `--speech-first-chunk` frames then `--speech-chunk`; never on the event loop) as `output_audio.delta`s (base64 16-bit
 PCM at 24 kHz, one per vocoder chunk, as it is decoded): an utterance of the engine's speech pool, batched on its
 ticks with every other speaking session and counted by admission; on Qwen3-Omni its talker starts with the answer's
 first token (`speech_engine.WrittenSpeech`: audio deltas come between the transcript deltas, the rest after them),
