@@ -3,8 +3,9 @@ the talker, the code predictor and Code2Wav on CPU for `bench.peers.speech_laten
 (saved by transformers, converted by `omnijax convert`; its end-to-end first PCM against transformers is that
 script's), a Code2Wav chunk sweep (first call 2 / 4 / 8 frames, then 10 / 25 / 50 a call: first packet against RTF),
 and beside them the full-size analytic budget of Qwen3-Omni-30B-A3B (`bench.peers._speech_budget`: FLOPs and bytes
-per audio second where the released shapes are known offline, the report's per-frame figures where not) projected
-to a first packet and RTF at a stated accelerator, against the report's 234 ms / 0.47. Then Qwen2.5-Omni's stages
+per audio second of every stage from the release's widths, the report's per-frame figures beside them) projected to
+a first packet and RTF at a stated accelerator, every stage at its roofline and every stage at the report's rates,
+against the report's 234 ms / 0.47. Then Qwen2.5-Omni's stages
 (`bench.peers._speech_stages_qwen25`: thinker, talker, Token2Wav's DiT and BigVGAN, and the first packet, on a tiny
 seeded release at the release's codec rates, 50 tokens an audio second; `--qwen25-frames` codec tokens).
 
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     stages, sweep, detail = measure(args)
     detail["load_avg"] = [*detail["load_avg"], *np_load()]
     full = budget_lib.budget(budget_lib.ACCELERATORS[args.accelerator], prompt_tokens=args.prompt_tokens,
-                             first_chunks=args.first_chunks)
+                             first_chunks=args.first_chunks, chunk=VOCODER_ROW[1])
     print(f"\nCPU, tiny release: {detail['frames']} frames ({detail['audio_s']:.2f} s of audio), answer of "
           f"{detail['answer_tokens']} tokens, load {detail['load_avg']}")
     harness.print_table(stages, [("stage", "stage", ""), ("clock", "clock", ""),
@@ -250,8 +251,9 @@ def main(argv=None) -> int:
           f"prefill {full['prefill_ms']:.1f} ms):")
     harness.print_table(full["stages"], [("stage", "stage", ""), ("GFLOP / audio s", _gflop, ""),
                                          ("GB / audio s", _gbyte, ""), ("ms / frame", "ms_per_frame", ".2f"),
-                                         ("RTF", "rtf", ".3f"), ("source", "source", "")])
-    harness.print_table(full["sweep"], [("thinker", "thinker", ""), ("first", "first_chunk", "d"),
+                                         ("RTF", "rtf", ".4f"), ("report ms / frame", "report_ms_per_frame", ".1f"),
+                                         ("report RTF", "report_rtf", ".3f"), ("source", "source", "")])
+    harness.print_table(full["sweep"], [("stages at", "thinker", ""), ("first", "first_chunk", "d"),
                                         ("first packet ms", "first_packet_ms", ".0f"),
                                         ("RTF", "rtf", ".2f")])
     print(f"report: first packet {budget_lib.REPORT['first_packet_ms']:.0f} ms, RTF {budget_lib.REPORT['rtf']}")
@@ -314,7 +316,8 @@ def plot(sweep: list[dict], full: dict, out: Path) -> None:
     for i, thinker in enumerate(dict.fromkeys(s["thinker"] for s in full["sweep"])):
         rows = [s for s in full["sweep"] if s["thinker"] == thinker]
         b.plot([s["rtf"] for s in rows], [s["first_packet_ms"] for s in rows], "o-", color=f"C{i}",
-               label=f"projection, thinker {thinker}")
+               label=f"projection, every stage at its {thinker}" if thinker == "roofline"
+               else f"projection, every stage at the {thinker}")
         for s in rows:
             b.annotate(f"{s['first_chunk']}", (s["rtf"], s["first_packet_ms"]), textcoords="offset points",
                        xytext=(4, 4), fontsize=8)
