@@ -18,7 +18,7 @@ Score definition (SnapKV as published), all in float32 (bfloat16 inputs are upca
     scores[b, g, j] = mean_r pooled[b, g * R + r, j]                  -> [B, G, S - W]
 
 Every function returns `(indices [B, G, k] int32 ascending, scores [B, G, k] float32 in the same order)`.
-Ties prefer the lower key index (the order `lax.top_k` gives on the dense scores): the running top-k keeps earlier
+Ties prefer the lower key index (the order `lax.top_k` gives on the dense scores): a running top-k keeps earlier
 (lower-index) entries before a new block's entries in the merge, and `lax.top_k` keeps the earlier of equal values.
 
 Three implementations share `_validate`:
@@ -26,8 +26,11 @@ Three implementations share `_validate`:
 * `streaming_topk_reference` / `snapkv_scores_reference`: dense, materialises `[B, G, R, W, S]` (the oracle).
 * `streaming_topk_blockwise`: pure jnp, two `lax.scan`s over key blocks. Pass 1 streams a running max m and sum
   Z = sum exp(logit - m) per (batch, head, query). Pass 2 recomputes each block's logits plus a halo of
-  pool_kernel // 2 keys each side, normalises with (m, Z), pools, averages the group's heads and merges into a running
-  top-k carried by the scan. Temporaries are O(B H W (block_size + pool_kernel) + B G (k + block_size)).
+  pool_kernel // 2 keys each side, normalises with (m, Z), pools and averages the group's heads into the block's
+  scores. When k + block_size is under a quarter of the prefix, each block merges into a running top-k carried by
+  the scan: temporaries O(B H W (block_size + pool_kernel) + B G (k + block_size)), independent of S. For a larger
+  k (prefill keeps S / 2) one `lax.top_k` over the `[B, G, S - W]` scores picks the k: temporaries O(B G S) more,
+  one float per prefix key and KV head, which the merge's O(k) was already of the order of.
 * `streaming_topk`: Pallas (Triton on GPU, `interpret=True` on CPU). Pass 1 is one kernel, grid (batch, kv head,
   row block), that loops over key blocks with `lax.fori_loop` (flash-attention style) and writes m, Z. Pass 2 is a
   kernel called once per key block from a `lax.scan`: grid (batch, kv head, row block), it recomputes the block's and
@@ -211,20 +214,28 @@ def streaming_topk_blockwise(q_obs: jax.Array, keys: jax.Array, *, k: int, block
     (m, z), _ = lax.scan(pass1, init, jnp.arange(pl.cdiv(S, bs)) * bs)
     inv_z = 1.0 / z
 
-    # Pass 2: per prefix block (+ halo), normalised column means, pooling, group mean, running top-k merge.
-    def pass2(carry, j0):
-        run_s, run_i = carry
+    # Pass 2: per prefix block (+ halo), normalised column means, pooling, group mean: the block's scores.
+    def block_scores(j0):
         pos = j0 - h + jnp.arange(bs + 2 * h)  # block plus halo, absolute
         valid = (pos >= 0) & (pos < Sp)  # prefix keys are visible to every window query
         p = jnp.exp(logits_at(pos) - m[..., None]) * inv_z[..., None]
         col = jnp.where(valid, jnp.mean(p, axis=3), 0.0)  # [B, G, R, bs + 2h]; zeros = pooling padding
         pooled = _avg_pool(col, pool_kernel)  # [B, G, R, bs]
-        blk = jnp.mean(pooled, axis=2)  # [B, G, bs]
-        idx = j0 + jnp.arange(bs)
-        blk = jnp.where(idx < Sp, blk, -jnp.inf)
-        return _merge_topk(run_s, run_i, blk, idx, k), None
+        return jnp.mean(pooled, axis=2)  # [B, G, bs]
 
-    (vals, idx), _ = lax.scan(pass2, _init_topk(B, G, k, S), jnp.arange(pl.cdiv(Sp, bs)) * bs)
+    starts = jnp.arange(pl.cdiv(Sp, bs)) * bs
+    if 4 * (k + bs) < Sp:  # a few of many: a running top-k merged per block, temporaries O(k + block_size)
+        def merge(carry, j0):
+            idx = j0 + jnp.arange(bs)
+            return _merge_topk(*carry, jnp.where(idx < Sp, block_scores(j0), -jnp.inf), idx, k), None
+
+        (vals, idx), _ = lax.scan(merge, _init_topk(B, G, k, S), starts)
+        return _finalize(idx, vals)
+    # A large share (prefill keeps S / 2): the running merge would hold O(S) entries anyway and run a top-k over
+    # k + block_size of them once per block, 1.3x / 1.7x this whole function at 8K / 16K keys (k = S / 2; bench
+    # tidekv RESULTS, 2026-12-07); one top-k over the `[B, G, S - W]` scores picks the same entries.
+    _, blocks = lax.scan(lambda carry, j0: (carry, block_scores(j0)), None, starts)  # [n, B, G, bs]
+    vals, idx = lax.top_k(blocks.transpose(1, 2, 0, 3).reshape(B, G, -1)[..., :Sp], k)
     return _finalize(idx, vals)
 
 

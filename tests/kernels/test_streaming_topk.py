@@ -64,7 +64,9 @@ def check(got, q, k, kk, pool_kernel):
 
 
 # (seed, B, S, W, G, R, d, dtype, ks, blockwise block, pallas block, pool_kernel). S is never a multiple of the
-# blocks. Seeds are ones whose k-th/(k+1)-th score gap is well above the tolerance (`check` asserts it).
+# blocks. Seeds are ones whose k-th/(k+1)-th score gap is well above the tolerance (`check` asserts it). The
+# blockwise path merges a running top-k when 4 (k + block) < S - W (s300 k=1, the pool7 case) and takes one top-k
+# of the whole score row otherwise (the other ks): both are checked here.
 CASES = {
     "s300_w8_gqa4": (0, 2, 300, 8, 2, 4, 16, jnp.float32, (1, 17, 292), 64, 64, 5),
     "s517_w32_mha": (0, 1, 517, 32, 2, 1, 16, jnp.float32, (17,), 128, 128, 5),
