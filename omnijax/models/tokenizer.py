@@ -393,10 +393,26 @@ def write_tiny_tokenizer(directory: str | Path, *, vocab_size: int, special_toke
     Returns:
         The directory.
     """
+    ids = list(special_tokens.values())
+    if len(set(ids)) != len(ids) or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"special token ids must be distinct ints in [0, {vocab_size}), got {dict(special_tokens)}")
+    text, config_text = _tiny_tokenizer_files(vocab_size, tuple(special_tokens.items()), chat_template,
+                                              None if corpus is None else tuple(corpus), eos_token)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / TOKENIZER_FILE).write_text(text, encoding="utf-8")
+    (directory / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+    return directory
+
+
+@functools.lru_cache(maxsize=8)
+def _tiny_tokenizer_files(vocab_size: int, special_tokens: tuple[tuple[str, int], ...], chat_template: str | None,
+                          corpus: tuple[str, ...] | None, eos_token: str | None) -> tuple[str, str]:
+    """`write_tiny_tokenizer`'s two files' text (`tokenizer.json`, `tokenizer_config.json`). Training and filling
+    the vocabulary's gaps up to a 152K-id special token takes a second or two, and the result depends only on the
+    arguments, so a process that writes the same tokenizer again reuses it."""
     specials = dict(special_tokens)
     ids = list(specials.values())
-    if len(set(ids)) != len(ids) or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
-        raise ValueError(f"special token ids must be distinct ints in [0, {vocab_size}), got {specials}")
     limit = min([vocab_size, *ids])
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     if limit <= len(alphabet):
@@ -432,8 +448,4 @@ def write_tiny_tokenizer(directory: str | Path, *, vocab_size: int, special_toke
         config["eos_token"] = eos_token
     if chat_template is not None:
         config["chat_template"] = chat_template
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    (directory / CONFIG_FILE).write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
-    return directory
+    return text, json.dumps(config, ensure_ascii=False, indent=2)
