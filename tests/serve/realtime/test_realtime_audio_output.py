@@ -118,11 +118,15 @@ def test_a_spoken_response_streams_its_transcript_then_its_speech(served, refere
     assert done.response.status in ("completed", "incomplete") and done.response.output[0].content[0].transcript == text
     chunks = [np.frombuffer(base64.b64decode(e.delta), "<i2") for e in events
               if e.type == "response.output_audio.delta"]
-    # one delta per vocoder call: FIRST_CHUNK frames, then the rest (CHUNK is more than what is left)
+    # one delta per vocoder call: the server's first chunk, then its later chunks, the last what is left
+    # (`--speech-first-chunk` / `--speech-chunk` of the served fixture, not the defaults)
     F = model.speech.code2wav.config.samples_per_frame
-    frames = spoken.codes.shape[1]
-    lag = so.FIRST_CHUNK * F - chunks[0].shape[0]
-    assert 0 <= lag < F and [c.shape[0] for c in chunks] == [so.FIRST_CHUNK * F - lag, (frames - so.FIRST_CHUNK) * F]
+    frames, first, later = spoken.codes.shape[1], cca.FIRST, cca.LATER
+    lag = first * F - chunks[0].shape[0]
+    full = (frames - first - 1) // later
+    assert frames > first + later, "too few frames to see the later chunks"
+    assert 0 <= lag < F and [c.shape[0] for c in chunks] == \
+        [first * F - lag] + [later * F] * full + [(frames - first - later * full) * F]
     got, want = np.concatenate(chunks).astype(np.int32), pcm16(spoken.pcm).astype(np.int32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1
 
