@@ -1,5 +1,5 @@
 """Shared test setup: CPU only, quick-to-compile XLA flags, float32 matmuls at full precision, a persistent compilation
-cache, and compiled programs released when a worker holds many of them."""
+cache, and compiled programs released after each test module."""
 
 import os
 import sys
@@ -31,23 +31,16 @@ compilation_cache.enable()
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs(request):
     """Compiles the module's programs quickly unless it is execution-bound (`xla_flags.EXECUTION_BOUND`), and drops
-    the in-memory compilation caches when they grow large or the module's compile setting differs from the last's.
+    the in-memory compilation caches when its tests are done.
 
-    Programs stay in memory from one module to the next, so a later module that runs the same program (the tiny
-    models' sessions, encoders, engines) neither traces, lowers nor loads it again. They are dropped (`_release`)
-    when the process holds many memory mappings or much memory: every compiled XLA:CPU program keeps mappings of
-    its code for as long as it is cached, and near the kernel's per-process limit (`vm.max_map_count`, 65,530 by
-    default) compiling or serialising the next program crashes the process; the executables
-    `omnijax.compilation_cache.CachedJit` holds count too (kept past `jax.clear_caches()`, they took a worker to that
-    limit once). They are also dropped before a module whose LLVM setting differs from the one they were compiled
-    under: jax's in-memory caches do not key on `jax_disable_most_optimizations`, so an execution-bound module would
-    otherwise run a program compiled without optimisation (or a quick module hold an optimised one it never asked
-    for). Later modules that need a dropped program load it from the persistent cache.
+    Every compiled XLA:CPU program keeps memory mappings of its code for as long as it is cached. One process
+    running the whole suite would otherwise approach the kernel's per-process limit (`vm.max_map_count`, 65,530 by
+    default), where compiling or serialising the next program crashes the process. Later modules that need a
+    program again reload it from the persistent cache. The executables `omnijax.compilation_cache.CachedJit` holds
+    (with `OMNIJAX_EXECUTABLE_CACHE=on`) are dropped with jax's caches: kept past `jax.clear_caches()`, they took a
+    worker to that limit once.
     """
-    quick = xla_flags.wants_quick_compile(_relative(request.path))
-    if quick is not jax.config.read("jax_disable_most_optimizations"):
-        _release()
-    xla_flags.quick_compile(quick)
+    xla_flags.quick_compile(xla_flags.wants_quick_compile(_relative(request.path)))
     torch = sys.modules.get("torch")  # (imported by the modules whose oracle is transformers, kvpress, ...)
     if torch is not None:
         # One intra-op thread: the oracles run tiny tensors, and with two threads on two busy cores every op waited
@@ -57,37 +50,6 @@ def _release_compiled_programs(request):
     started = sys.modules.get("omnijax.streaming.quick_start")  # (only a module that ran a session imported it)
     if started is not None:
         started.wait_all()  # a chat's full step compiling in another thread ends under this module's settings
-    if _mappings() > MAX_MAPPINGS or _resident_bytes() > MAX_RESIDENT_BYTES:
-        _release()
-
-
-# When the programs held in memory are dropped after a module: past a third of the kernel's default limit on memory
-# mappings (a module compiles up to a few thousand programs, ~7 mappings each), or past this much resident memory
-# (two workers share the machine's memory with the subprocesses their tests start).
-MAX_MAPPINGS = 22_000
-MAX_RESIDENT_BYTES = 5 << 30
-
-
-def _mappings() -> int:
-    """The memory mappings this process holds (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            return maps.read().count(b"\n")
-    except OSError:
-        return 0
-
-
-def _resident_bytes() -> int:
-    """This process's resident memory (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _release() -> None:
-    """Drops every program held in memory: jax's caches and each `CachedJit`'s executables."""
     compilation_cache.clear_in_memory()
 
 
