@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from omnijax.serve.engine.worker import EngineWorker
 
 
+FIRST_CHUNK = 4  # default codec frames of the vocoder's first call of a spoken answer (320 ms for Qwen3-Omni)
+CHUNK = 25  # default codec frames of each later call (2 s)
+
+
 def model_not_found(asked: object, served: str) -> str:
     """The message every route gives a request naming another model than the served one (code
     `model_not_found`)."""
@@ -116,8 +120,8 @@ class ServeOptions:
     max_speech_tokens: int = 4096
     talker_window: int | None = None
     speak_early: bool = False
-    speech_first_chunk: int = 4
-    speech_chunk: int = 25
+    speech_first_chunk: int = FIRST_CHUNK
+    speech_chunk: int = CHUNK
 
     def __post_init__(self):
         for name in ("max_message_bytes", "max_sessions_per_client", "max_output_tokens", "max_outbox",

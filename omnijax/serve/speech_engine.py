@@ -45,6 +45,7 @@ from omnijax.models.qwen3_omni.speech import Qwen3Speech
 from omnijax.models.qwen3_omni.talker_decode import TalkerSampling
 from omnijax.models.speech import MediaRows
 from omnijax.serve.chat_params import RequestError
+from omnijax.serve.context import CHUNK, FIRST_CHUNK
 from omnijax.serve.engine.admission import Overloaded
 from omnijax.serve.engine.speech import SpeechConfig
 from omnijax.serve.engine.speech_qwen25 import Qwen25SpeechPool
@@ -69,8 +70,8 @@ class SpeechOverloaded(RequestError):
 
 def speech_config_for(model: Any, *, max_speech_tokens: int, context_tokens: int,
                       rows: Sequence[int] = (1, 2, 4, 8), page_size: int = 64,
-                      talker_window: int | None = None, early_start: bool = False, first_chunk: int = 4,
-                      chunk: int = 25) -> SpeechConfig | None:
+                      talker_window: int | None = None, early_start: bool = False,
+                      first_chunk: int = FIRST_CHUNK, chunk: int = CHUNK) -> SpeechConfig | None:
     """The engine's speech pool for a served model: None unless it has a speech output (Qwen3-Omni's, Qwen2.5-Omni's).
 
     A row holds a talker prompt of up to `context_tokens` tokens plus `max_speech_tokens` speech tokens

@@ -68,6 +68,7 @@ from omnijax.models.speech import MediaRows, media_rows
 from omnijax.models.talker_kv import talker_policy
 from omnijax.serve.chat_params import RequestError, check_keys, json_payload
 from omnijax.serve.chat_request import ChatRequest, parse_payload
+from omnijax.serve.context import CHUNK, FIRST_CHUNK  # ServeOptions' defaults, named here too
 from omnijax.serve.speech_engine import (
     SpeechOverloaded,
     WrittenSpeech,
@@ -89,8 +90,6 @@ __all__ = ["CHUNK", "FIRST_CHUNK", "FORMATS", "AudioOutput", "audio_message", "c
 
 FORMATS = ("wav", "pcm16")
 OPENAI_FORMATS = ("wav", "aac", "mp3", "flac", "opus", "pcm16")
-FIRST_CHUNK = 4  # default codec frames of the vocoder's first call (320 ms of speech for Qwen3-Omni; ServeOptions')
-CHUNK = 25  # default codec frames of each later call (2 s)
 
 
 @dataclass(frozen=True)
