@@ -43,11 +43,11 @@ class _Compiles(logging.Handler):
             self.names[m.group(1)] += 1
 
 
-class _Builds(Counter):
-    """Programs built by name: compile records, plus kept executables of the layer programs loaded from disk."""
+class _Builds:
+    """Programs built by name (`builds[name]`): compile records, plus kept executables of the layer programs loaded
+    from disk; `clear()` starts the count again."""
 
     def __init__(self, compiled: Counter):
-        super().__init__()
         self.compiled = compiled
         self.clear()
 
@@ -55,11 +55,14 @@ class _Builds(Counter):
         self.compiled.clear()
         self.loads_before = {name: fn.stats["loaded"] for name, fn in _KEPT.items()}
 
-    def __missing__(self, name: str) -> int:
-        return self.compiled[name] + (_KEPT[name].stats["loaded"] - self.loads_before[name] if name in _KEPT else 0)
+    def loads(self, name: str) -> int:
+        return _KEPT[name].stats["loaded"] - self.loads_before[name] if name in _KEPT else 0
+
+    def __getitem__(self, name: str) -> int:
+        return self.compiled[name] + self.loads(name)
 
     def __repr__(self) -> str:
-        return f"compiled {dict(self.compiled)}, kept loads { {n: self[n] - self.compiled[n] for n in _KEPT} }"
+        return f"compiled {dict(self.compiled)}, kept loads { {name: self.loads(name) for name in _KEPT} }"
 
 
 @pytest.fixture
