@@ -18,21 +18,15 @@ from tests._support import DATA
 GOLDEN_MINICPMO = DATA / "minicpmo45" / "checkpoint"
 
 
-def minicpmo_llm():
-    """MiniCPM-o 4.5's LLM (Qwen3 mode, 1D positions): the converted tiny release checkpoint of the golden vectors."""
+def minicpmo_llm_config():
+    """MiniCPM-o 4.5's LLM config (Qwen3 mode: qk-norm, 1D positions), read from the tiny release checkpoint of the
+    golden vectors."""
     import json
 
-    from flax import nnx
-    from safetensors.numpy import load_file
-
-    from omnijax.checkpoint.name_tables import convert_in_memory
     from omnijax.models.minicpmo import convert as minicpmo
-    config = minicpmo.config_from_hf(json.loads((GOLDEN_MINICPMO / "config.json").read_text()))
-    tensors = {k: v for k, v in load_file(GOLDEN_MINICPMO / "model.safetensors").items() if k.startswith("llm.")}
-    params = convert_in_memory(tensors, [minicpmo.decoder_component(config)], strip_prefix="")["decoder"]
-    graphdef, state = nnx.split(omnijax.Decoder(config))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
-    return nnx.merge(graphdef, state)
+    return minicpmo.config_from_hf(json.loads((GOLDEN_MINICPMO / "config.json").read_text()))
+
+
 HIGH, LOW = 2500, 1800
 
 
@@ -57,12 +51,15 @@ def _flat_after_first_trim(result, chunk_tokens):
 
 @pytest.mark.parametrize("layout", ["qwen2_5_omni", "minicpmo_4_5"])
 def test_one_hour_session_is_flat_under_omnipick(layout):
+    # One decoder layer: OmniPick reads slot metadata only, so retained cells, span, cursor and evictions do not
+    # depend on the layers or their weights (1 vs 2 layers: identical stats over 600 units of either layout, at half
+    # the CPU time); the layers' arithmetic is checked against transformers by the model tests.
     if layout == "qwen2_5_omni":
-        model = omnijax.Decoder(TINY_OMNI)
+        model = omnijax.Decoder(TINY_OMNI.replace(num_layers=1))
         chunks = synthetic.qwen_av_session(1800, vocab_size=TINY_OMNI.vocab_size, question_every=30)  # 2 s units
         policy = OmniPick(high_watermark=HIGH, low_watermark=LOW)
     else:
-        model = minicpmo_llm()
+        model = omnijax.Decoder(minicpmo_llm_config().replace(num_layers=1))
         # 1 s units without slices (slices pad every chunk of the stacked session to their length; their retention is
         # covered by the policy tests).
         chunks = synthetic.minicpm_duplex_session(3600, vocab_size=model.config.vocab_size, slices_every=0)
