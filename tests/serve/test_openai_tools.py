@@ -16,7 +16,9 @@ USER = {"role": "user", "content": "What is the weather in Paris?"}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tools")) as server:
+    # One row per tick: the SDK's client sends one request at a time (streams are read to their end), so a second
+    # row would only decode the 152K-wide lm_head for nothing.
+    with tool_server(tmp_path_factory.mktemp("tools"), buckets=(1,)) as server:
         yield openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
 
 

@@ -25,9 +25,11 @@ WEATHER = {"type": "function", "function": {
 
 
 @contextlib.contextmanager
-def tool_server(directory: Path, **options: Any) -> Iterator[Any]:
+def tool_server(directory: Path, *, buckets: tuple[int, ...] = (2,), **options: Any) -> Iterator[Any]:
     """Serves a copy of the demo checkpoint (written under `directory`) with the tools template and scripted
-    answers (`SCRIPTS`); `options` are `ServeOptions` fields. Yields the `BackgroundServer`."""
+    answers (`SCRIPTS`); `buckets` are the engine's batch buckets ((1,) for a client that sends one request at a
+    time: each tick then decodes one row of the 152K-wide lm_head, not two); `options` are `ServeOptions` fields.
+    Yields the `BackgroundServer`."""
     import omnijax
     from omnijax.retention import SinkWindow
     from omnijax.serve.app import BackgroundServer, build_context
@@ -41,6 +43,6 @@ def tool_server(directory: Path, **options: Any) -> Iterator[Any]:
     stream = omnijax.StreamConfig(policy=SinkWindow(4, 508), num_pages=96, page_size=16, max_answer_tokens=TAU,
                                   decoding=decoding)
     context = build_context(model, options=ServeOptions(**{"port": 0, "frame_ms": 250.0, **options}), stream=stream,
-                            chunk_tokens=64, buckets=(2,), aimd_target=0)
+                            chunk_tokens=64, buckets=buckets, aimd_target=0)
     with BackgroundServer(context) as server:
         yield server
