@@ -64,10 +64,11 @@ def transformers_logprobs() -> Callable[[Sequence[int]], np.ndarray]:
 
 @contextlib.contextmanager
 def demo_server(directory: Path | None = None, *, decoding: Any = None, structured_warmup: bool = False,
-                **options: Any) -> Iterator[Any]:
-    """Serves the demo checkpoint: SinkWindow(4, 48) over a 32 x 16 pool, tau 2, T 8, one batch bucket of 4, no
-    AIMD, warmed up for 4 sessions; `options` are `ServeOptions` fields (port 0 and a 250 ms frame budget unless
-    given); `decoding` replaces the engine's decoding strategy. Yields the `BackgroundServer`.
+                buckets: tuple[int, ...] = (4,), **options: Any) -> Iterator[Any]:
+    """Serves the demo checkpoint: SinkWindow(4, 48) over a 32 x 16 pool, tau 2, T 8, one batch bucket of 4 (unless
+    `buckets` says otherwise), no AIMD, warmed up for the largest bucket's sessions; `options` are `ServeOptions`
+    fields (port 0 and a 250 ms frame budget unless given); `decoding` replaces the engine's decoding strategy.
+    Yields the `BackgroundServer`.
 
     Args:
         directory: where to write the demo checkpoint; None (the usual): the one this process shares
@@ -76,6 +77,8 @@ def demo_server(directory: Path | None = None, *, decoding: Any = None, structur
         structured_warmup: also make structured output ready at start (what `omnijax serve` does; off here: it
             costs every server a tokenizer build and a tick, and the first `response_format` request of a test
             then compiles its program as before; tests/serve/test_warmup_structured.py tests the warm-up itself).
+        buckets: the engine's batch buckets ((1,) for a client that sends one request at a time: every tick then
+            decodes one row of the 152K-wide lm_head, not four).
         **options: `ServeOptions` fields.
     """
     import omnijax
@@ -88,7 +91,7 @@ def demo_server(directory: Path | None = None, *, decoding: Any = None, structur
     if decoding is not None:
         stream = stream.replace(decoding=decoding)
     context = build_context(model, options=ServeOptions(**{"port": 0, "frame_ms": FRAME_MS, **options}),
-                            stream=stream, chunk_tokens=8, buckets=(4,), aimd_target=0)
-    warm_up(context, 4, structured=structured_warmup)
+                            stream=stream, chunk_tokens=8, buckets=buckets, aimd_target=0)
+    warm_up(context, max(buckets), structured=structured_warmup)
     with BackgroundServer(context) as server:
         yield server

@@ -1,7 +1,9 @@
 """langchain-openai's `ChatOpenAI` against `omnijax serve` (issue 37 item 7): invoke, stream, `stop`, and tool
 calling through `bind_tools`. The plain answers come from the demo model (per-request sampling, temperature 0), the
 tool calls from the scripted server (`tests.serve.tool_server`: temperature 0 answers with text then one call,
-temperature 1 in words, temperature 2 with two calls), each started once for this module."""
+temperature 1 in words, temperature 2 with two calls), each started once for this module. LangChain sends one
+request at a time (streams are read to their end), so both engines decode one row per tick (`buckets=(1,)`): more
+rows would only decode the 152K-wide lm_head for nothing."""
 
 from __future__ import annotations
 
@@ -30,14 +32,14 @@ def llm():
     """`ChatOpenAI` on the demo model with per-request sampling (RowSampling, as `omnijax serve` runs)."""
     from omnijax.decoding import RowSampling
 
-    with demo_server(decoding=RowSampling(), max_output_tokens=64) as server:
+    with demo_server(decoding=RowSampling(), max_output_tokens=64, buckets=(1,)) as server:
         yield _chat(server.base_url)
 
 
 @pytest.fixture(scope="module")
 def tools_url(tmp_path_factory):
     """The scripted server's base URL."""
-    with tool_server(tmp_path_factory.mktemp("tools")) as server:
+    with tool_server(tmp_path_factory.mktemp("tools"), buckets=(1,)) as server:
         yield server.base_url
 
 
