@@ -92,7 +92,9 @@ def served(lm_eval_process):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(chat_completions, "chat_completions", counter.wrap("chat", chat_completions.chat_completions))
         patch.setattr(completions, "completions", counter.wrap("completions", completions.completions))
-        with demo_server(decoding=RowSampling(), max_output_tokens=64) as server:
+        # Two rows per tick (not the default four): lm-eval runs two requests at once (num_concurrent 2) and the
+        # tests' own requests come one at a time, so more rows would only decode the 152K-wide lm_head for nothing.
+        with demo_server(decoding=RowSampling(), max_output_tokens=64, buckets=(2,)) as server:
             server.counter = counter
             yield server
 
