@@ -3,26 +3,36 @@ calling through `bind_tools`. The plain answers come from the demo model (per-re
 tool calls from the scripted server (`tests.serve.tool_server`: temperature 0 answers with text then one call,
 temperature 1 in words, temperature 2 with two calls), each started once for this module. LangChain sends one
 request at a time (streams are read to their end), so both engines decode one row per tick (`buckets=(1,)`): more
-rows would only decode the 152K-wide lm_head for nothing."""
+rows would only decode the 152K-wide lm_head for nothing.
+
+LangChain is imported by the tests that use it, not when the module is collected: every xdist worker collects every
+module, and langchain-openai with what it imports (langchain-core, langsmith, aiohttp) costs ~0.9 CPU s that only the
+worker running these tests needs."""
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
 import pytest
 
-pytest.importorskip("langchain_openai", reason="langchain-openai (the `test` extra) is the client under test")
+if importlib.util.find_spec("langchain_openai") is None:  # as pytest.importorskip, without importing it
+    pytest.skip("langchain-openai (the `test` extra) is the client under test", allow_module_level=True)
 pytest.importorskip("websockets", reason="websockets (the `serve` and `test` extras) runs the server")
-
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage  # noqa: E402
-from langchain_openai import ChatOpenAI  # noqa: E402
 
 from tests._support.demo_server import demo_server  # noqa: E402
 from tests.serve.tool_server import WEATHER, tool_server  # noqa: E402
+
+if TYPE_CHECKING:
+    from langchain_openai import ChatOpenAI
 
 QUESTION = "Tell me about the weather in Paris."
 MAX_TOKENS = 16
 
 
 def _chat(base_url: str, **kwargs) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(model="omnijax", base_url=base_url, api_key="unused", max_retries=0, timeout=300,
                       **{"temperature": 0, "max_tokens": MAX_TOKENS, **kwargs})
 
@@ -56,6 +66,8 @@ def test_invoke_stream_and_stop(llm):
     """invoke gives an AIMessage with the answer, its finish reason and usage; stream's chunks join to the same
     answer (temperature 0) and, asked for, its usage; `invoke(..., stop=[s])` ends before the first `s` of the
     unstopped answer, streamed too."""
+    from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
+
     whole = llm.invoke([HumanMessage(QUESTION)])
     assert isinstance(whole, AIMessage) and isinstance(whole.content, str) and whole.content
     assert whole.response_metadata["finish_reason"] == "length"
@@ -97,6 +109,8 @@ def test_bind_tools_parses_the_call(tools_url):
 def test_two_calls_and_the_tool_result_round_trip(tools_url):
     """Two calls in one answer come back as two tool_calls; LangChain's history with the AIMessage and a
     ToolMessage per call is accepted, and the model's answer in words comes back as plain content."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
     two = _chat(tools_url, max_tokens=200, temperature=2).bind_tools([WEATHER]).invoke(QUESTION)
     assert [c["args"]["city"] for c in two.tool_calls] == ["Paris", "Oslo"]
     assert len({c["id"] for c in two.tool_calls}) == 2

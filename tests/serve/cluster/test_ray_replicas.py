@@ -45,6 +45,7 @@ every check:
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -59,7 +60,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 websockets = pytest.importorskip("websockets")
-pytest.importorskip("ray.serve")  # the `omnijax[ray]` extra (also in the test extra)
+# the `omnijax[ray]` extra (also in the test extra); as pytest.importorskip("ray.serve"), without importing Ray Serve
+# when the module is collected: every xdist worker collects it, and the tests run Ray in subprocesses only (~1.2 CPU s)
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray Serve (the `ray` and `test` extras) is not installed", allow_module_level=True)
 
 from omnijax.serve.cluster import roll  # noqa: E402
 from omnijax.testing.served import Served  # noqa: E402

@@ -3,28 +3,38 @@ cluster: the router is Ray Serve's own `RequestRouter` subclass, given stand-in 
 a replica reports) and real `PendingRequest`s, as Ray Serve's proxy and handles would give them. Checked against
 what the module docstring promises, case by case: a named replica, the holder of a resume token, the most headroom
 (the AIMD cap, capped by the session limit, less open sessions, less requests in flight since the last report, less
-reservations), a burst spread by reservations, draining replicas skipped unless all drain."""
+reservations), a burst spread by reservations, draining replicas skipped unless all drain.
+
+Ray Serve (and the router module, which imports it) is imported by the first test, not when the module is collected:
+every xdist worker collects every module, and `import ray.serve` costs ~1.2 CPU s that only the worker running these
+tests needs (`_ray`)."""
 
 import asyncio
+import functools
+import importlib.util
 import pickle
 import types
 from dataclasses import dataclass
 
 import pytest
 
-pytest.importorskip("ray.serve")
+if importlib.util.find_spec("ray") is None:  # as pytest.importorskip("ray.serve"), without importing Ray Serve
+    pytest.skip("Ray Serve (the `ray` and `test` extras) is not installed", allow_module_level=True)
 
-from ray.serve._private.common import (  # noqa: E402
-    DeploymentHandleSource,
-    DeploymentID,
-    ReplicaID,
-    RequestMetadata,
-)
-from ray.serve.request_router import PendingRequest  # noqa: E402
+from omnijax.serve.cluster.replica import EngineReplica  # noqa: E402  (imports no Ray)
 
-from omnijax.serve.cluster import router as router_module  # noqa: E402
-from omnijax.serve.cluster.replica import EngineReplica  # noqa: E402
-from omnijax.serve.cluster.router import SessionAwareRouter  # noqa: E402
+
+@functools.cache
+def _ray() -> types.SimpleNamespace:
+    """Ray Serve's names the tests use, the router module and the deployment its stand-in replicas belong to."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from omnijax.serve.cluster import router
+
+    return types.SimpleNamespace(DeploymentHandleSource=DeploymentHandleSource, ReplicaID=ReplicaID,
+                                 RequestMetadata=RequestMetadata, PendingRequest=PendingRequest, router=router,
+                                 deployment=DeploymentID(name="omnijax", app_name="omnijax"))
 
 
 @dataclass
@@ -44,25 +54,24 @@ def loop():
     loop.close()
 
 
-DEPLOYMENT = DeploymentID(name="omnijax", app_name="omnijax")
-
-
-def _router() -> SessionAwareRouter:
-    return SessionAwareRouter(DEPLOYMENT, DeploymentHandleSource.PROXY)
+def _router():
+    ray = _ray()
+    return ray.router.SessionAwareRouter(ray.deployment, ray.DeploymentHandleSource.PROXY)
 
 
 def _replica(rid: str, headroom: int, stamp: int = 1, draining: bool = False, tokens=()):
     stats = {"replica": rid, "headroom": headroom, "stamp": stamp, "draining": draining, "tokens": list(tokens)}
-    return types.SimpleNamespace(replica_id=ReplicaID(rid, DEPLOYMENT), routing_stats=stats)
+    return types.SimpleNamespace(replica_id=_ray().ReplicaID(rid, _ray().deployment), routing_stats=stats)
 
 
-def _request(n: int, query: str = "", method: str = "__call__", args=None) -> PendingRequest:
+def _request(n: int, query: str = "", method: str = "__call__", args=None):
     if args is None:
         scope = {"type": "websocket", "path": "/session", "query_string": query.encode()}
         args = [pickle.dumps(ProxyRequest(scope))]
-    return PendingRequest(args=args, kwargs={}, metadata=RequestMetadata(request_id=f"r{n}",
-                                                                         internal_request_id=f"i{n}",
-                                                                         call_method=method))
+    ray = _ray()
+    return ray.PendingRequest(args=args, kwargs={}, metadata=ray.RequestMetadata(request_id=f"r{n}",
+                                                                                 internal_request_id=f"i{n}",
+                                                                                 call_method=method))
 
 
 def _ranks(router, replicas, request) -> list[list[str]]:
@@ -94,6 +103,7 @@ def test_a_burst_ranked_before_any_is_routed_is_spread_by_reservations(monkeypat
     assert all(len(first) == 1 for first in firsts)
     assert sorted(first[0] for first in firsts) == ["a", "a", "b", "b"]  # 2 / 2, not 4 / 0
     assert (router._room(a), router._room(b)) == (0, 0)
+    router_module = _ray().router
     now = router_module.time.monotonic()
     monkeypatch.setattr(router_module.time, "monotonic", lambda: now + router_module.RESERVE_S + 1)
     _ranks(router, [a, b], _request(9))  # reservations older than RESERVE_S (requests cancelled) are dropped
