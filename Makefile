@@ -44,6 +44,12 @@ HERE = $(PY) -I -c 'import importlib.util as u, sys; s = u.find_spec("omnijax");
 
 .PHONY: demo test test-fast smollm2 clean relink
 
+# How make test and make test-fast run pytest (the reasons below, beside `test`). -p no:langsmith_plugin: langsmith (a
+# dependency of langchain-openai, for the LangChain client test) registers a pytest plugin by entry point that every
+# pytest process would import at start-up (~1.3 CPU s each) and no test uses. Set here rather than in pyproject.toml's
+# pytest options, whose content keys the kept environment: an edit there builds a new one.
+PYTEST_ARGS := -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 -p no:langsmith_plugin
+
 SMOLLM2_DIR := $(VENV)/share/omnijax
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -85,12 +91,11 @@ demo: $(VENV)/.demo $(VENV)/.smollm2
 # with loadfile scheduling and a restarted worker, the run otherwise waits forever with both workers idle.
 test: $(VENV)/.test $(VENV)/.smollm2
 	@$(HERE)
-	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
-		--max-worker-restart 0
+	OMNIJAX_SMOLLM2_GGUF=$(abspath $(SMOLLM2_GGUF)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.test
 	@$(HERE)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 -m fast
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m fast
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache
