@@ -18,8 +18,11 @@ from tests._support import recall_setup
 
 CONFIG = TINY_OMNI.replace(vocab_size=256, intermediate_size=96)
 PAGES, PAGE = 24, 8
-OMNIPICK = OmniPick(high_watermark=48, low_watermark=36, recent_units=1, text_budget=4)
 TIGHT = OmniPick(high_watermark=24, low_watermark=16, recent_units=1, text_budget=4)  # evicts before the question
+# The policies of the first test are test_recall_questions' SinkWindow and OmniPick (TIGHT): the batch-1 step of each
+# (the evaluate runner steps a recall session by it too) compiles once per suite, and TIGHT's batched program without
+# recall is the one the full-context test below runs as its bounded session.
+POLICIES = [SinkWindow(sink=6, window=16), TIGHT]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def _alone(model, config, chunks):
             session.recall_stats())
 
 
-@pytest.mark.parametrize("policy", [SinkWindow(sink=6, window=40), OMNIPICK])
+@pytest.mark.parametrize("policy", POLICIES, ids=["sinkwindow", "omnipick"])
 def test_evaluate_with_recall_equals_each_session_run_alone(model, sessions, policy):
     config = _config(policy, Recall(budget=64, top_units=4))
     res = evaluate(model, sessions, [EvalConfig("r", config, keep_logits=True),
@@ -85,5 +88,5 @@ def test_recall_with_a_mesh_is_refused_by_name(model, sessions):
     from omnijax.eval import mesh as distributed
 
     with pytest.raises(ValueError, match=r"config\(s\) \['r'\]: StreamConfig\(recall=...\) runs each session"):
-        evaluate(model, sessions, [EvalConfig("r", _config(OMNIPICK, Recall(budget=64)))],
+        evaluate(model, sessions, [EvalConfig("r", _config(TIGHT, Recall(budget=64)))],
                  mesh=distributed.make_mesh(1, 1), progress=False)
