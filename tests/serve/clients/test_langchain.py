@@ -2,8 +2,9 @@
 calling through `bind_tools`. The plain answers come from the demo model (per-request sampling, temperature 0), the
 tool calls from the scripted server (`tests.serve.tool_server`: temperature 0 answers with text then one call,
 temperature 1 in words, temperature 2 with two calls), each started once for this module. LangChain sends one
-request at a time (streams are read to their end), so both engines decode one row per tick (`buckets=(1,)`): more
-rows would only decode the 152K-wide lm_head for nothing.
+request at a time (streams are read to their end), so the engines decode few rows per tick: more rows would only
+decode the 152K-wide lm_head for nothing. The tool server decodes one (`buckets=(1,)`, test_openai_tools' tick), the
+demo server two (`buckets=(2,)`: test_lm_eval's tick, so that a cold run compiles one program for both, not two).
 
 LangChain is imported by the tests that use it, not when the module is collected: every xdist worker collects every
 module, and langchain-openai with what it imports (langchain-core, langsmith, aiohttp) costs ~0.9 CPU s that only the
@@ -42,7 +43,7 @@ def llm():
     """`ChatOpenAI` on the demo model with per-request sampling (RowSampling, as `omnijax serve` runs)."""
     from omnijax.decoding import RowSampling
 
-    with demo_server(decoding=RowSampling(), max_output_tokens=64, buckets=(1,)) as server:
+    with demo_server(decoding=RowSampling(), max_output_tokens=64, buckets=(2,)) as server:
         yield _chat(server.base_url)
 
 
