@@ -19,6 +19,7 @@ from omnijax.models.config import TINY_OMNI
 from omnijax.retention.baselines import SinkWindow
 from omnijax.serve.engine.constraint import TokenConstraint, pack_allowed, unpack_allowed
 from omnijax.serve.engine.engine import Engine, EngineConfig
+from tests._support import xla_flags
 
 T, TAU, V = 8, 6, TINY_OMNI.vocab_size
 
@@ -26,6 +27,20 @@ T, TAU, V = 8, 6, TINY_OMNI.vocab_size
 @pytest.fixture(scope="module")
 def decoder():
     return omnijax.Decoder(TINY_OMNI)
+
+
+@pytest.fixture
+def quick():
+    """The engine tests compare two engines' tokens, never a time, so their programs compile quickly (LLVM
+    optimisation off, `tests._support.xla_flags.quick_compile`) although this module is execution-bound for its
+    served cadence test: cold, the fused, prefill and token programs of the tiny decoder took most of the module's
+    compile time optimised."""
+    import jax
+
+    before = bool(jax.config.values["jax_disable_most_optimizations"])
+    xla_flags.quick_compile(True)
+    yield
+    xla_flags.quick_compile(before)
 
 
 def _config(decoding, per_token=False):
@@ -69,11 +84,14 @@ def _run(decoder, config, stop_probe=False, ticks=5):
 
 @pytest.mark.parametrize("decoding", [RowSampling(seed=5), Sampling(temperature=0.8, repetition_penalty=1.5, seed=2)],
                          ids=["row_sampling", "sampling"])
-def test_host_driven_ticks_draw_the_fused_tokens(decoder, decoding):
+def test_host_driven_ticks_draw_the_fused_tokens(quick, decoder, decoding):
     """Greedy and seeded sampled rows with penalties, several asked counts, a stop token mid-answer: the host-driven
     engine's tokens and log probabilities equal the fused engine's, and on_token saw each token as decoded."""
-    probe, _ = _run(decoder, _config(decoding))
-    # a stop id that the fused run decodes mid-answer, so that some row stops early below
+    # The probe runs host-driven: its prefill and token programs hold no stop id (the host checks stops), so the
+    # stop run below reuses them, where a fused probe would compile a fused program of its own (no stop) that no
+    # assertion reads. It draws what the fused tick draws (asserted below, with the stop).
+    probe, _ = _run(decoder, _config(decoding, per_token=True))
+    # a stop id that the probe decodes mid-answer, so that some row stops early below
     stop = next(toks[1] for ticks in probe.values() for toks, _ in ticks if len(toks) >= 4)
     decoding = dataclasses.replace(decoding, stop=(stop,))
     fused, none_streamed = _run(decoder, _config(decoding))
@@ -109,7 +127,7 @@ class _Digits:
         return len(self.seen) > self.n
 
 
-def test_constraints_mask_the_draw_and_end_the_row(decoder):
+def test_constraints_mask_the_draw_and_end_the_row(quick, decoder):
     """A constrained row draws only what its bitmask allows and ends when its constraint is finished (complete);
     an unconstrained row of the same tick draws what the fused engine draws; a constraint that raises fails its row
     only, naming the error."""
