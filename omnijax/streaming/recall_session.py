@@ -21,8 +21,10 @@ cells and `Recall.top_units` units are selected and written back as cache pages
 `Session.recall(chunk, scores=...)` does the same ahead of `feed`, optionally with forced scores.
 
 Placement. A policy that never re-indexes (`reindex = False`: SinkWindow) leaves every evicted unit's own positions
-free, so its units come back there with their keys as stored: a question that recalls everything attends over
-exactly the keys and values a full-context (`NoSlide`) cache holds, when no token was written after an eviction.
+free, so with `Recall(placement="own")` (the default) its units come back there with their keys as stored: a
+question that recalls everything attends over exactly the keys and values a full-context (`NoSlide`) cache holds,
+when no token was written after an eviction. With `placement="compact"` (`Recall.preset`'s) it is re-laid as a
+re-indexing policy is (next paragraph).
 
 A re-indexing policy (StreamingLLM, OmniPick, UnitFIFO, ...) has since closed the freed positions up, so a recalled
 unit has no free place of its own, and OmniPick makes it worse: it evicts a unit in pieces (its sinks and text budget
@@ -130,7 +132,8 @@ class RecallStats:
 
     Attributes:
         stored_units, stored_bytes: records held by the tier now, and their host bytes.
-        captured_units, captured_bytes: records ever stored.
+        captured_units, captured_bytes: records ever captured: stored, or dropped at once when one is larger than
+            the whole host budget (counted in `dropped_units` too).
         dropped_units, dropped_bytes: records the host budget forced out (oldest first).
         lost_cells: evicted tokens no copy held any more (`omnijax.kv.host_tier.Evicted.lost`).
         questions: recalls run.
@@ -298,18 +301,19 @@ class RecallSession:
         self._counts["lost_cells"] += len(got.lost)
         block = self.recall_config.block
         records = [b for u in got.units for b in host_tier.split_blocks(u, block)] if block else list(got.units)
-        # A record larger than the whole host budget cannot be stored (reported as dropped), unless it can spill.
+        records = [u.with_vpos(self._vpos[u.order]) for u in records]  # sized as stored (vpos included)
+        self._counts["captured_units"] += len(records)
+        self._counts["captured_bytes"] += sum(u.nbytes for u in records)
+        # A record larger than the whole host budget cannot be stored: captured, then dropped at once (reported as
+        # the budget's other drops are), unless it can spill.
         fits = [u for u in records if self.disk is not None or u.nbytes <= self.tier.budget_bytes]
         for u in records:
             if self.disk is None and u.nbytes > self.tier.budget_bytes:
                 self.tier = dataclasses.replace(self.tier, dropped_units=self.tier.dropped_units + 1,
                                                 dropped_bytes=self.tier.dropped_bytes + u.nbytes)
-        fits = [u.with_vpos(self._vpos[u.order]) for u in fits]
         if fits:
             self.tier, report = self.tier.add(*fits) if self.disk is None else \
                 host_tier_disk.add_spilling(self.tier, self.disk, *fits)
-            self._counts["captured_units"] += len(fits)
-            self._counts["captured_bytes"] += sum(u.nbytes for u in fits)
             del report  # its drops are in the tier's running totals
 
     def queries(self, state: StreamState, graphdef: Any, params: Any, chunk: Chunk

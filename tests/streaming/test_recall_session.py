@@ -153,6 +153,31 @@ def test_missing_or_corrupt_tier_is_refused_by_name(model):
     assert session.snapshot().tier is not None
 
 
+def test_records_larger_than_the_host_budget_are_reported_dropped_never_silently_lost(model):
+    # Oracle: the same session with a roomy tier, whose stored records are exactly what this one captures. A host
+    # budget one byte short of the smallest record stores none of them: each is captured and dropped at once, and
+    # the figures say so (some records fit the budget without their full-context positions, which are stored too).
+    probe = _session(model, STREAMING, Recall(budget=64))
+    _outs(probe, _context())
+    records = probe._recall.tier.units
+    assert len(records) >= 2 and probe.recall_stats().dropped_units == 0
+    budget = min(u.nbytes for u in records) - 1
+    assert any(u.nbytes - u.vpos.nbytes <= budget for u in records)
+    session = _session(model, STREAMING, Recall(budget=64, host_bytes=budget))
+    plain = _session(model, STREAMING)
+    for chunk in _context():
+        session.feed(chunk)
+        plain.feed(chunk)
+    stats, want = session.recall_stats(), probe.recall_stats()
+    assert stats.stored_units == stats.stored_bytes == 0
+    assert (stats.dropped_units, stats.dropped_bytes) == (len(records), sum(u.nbytes for u in records))
+    assert (stats.captured_units, stats.captured_bytes) == (want.captured_units, want.captured_bytes)
+    assert stats.captured_units == stats.stored_units + stats.dropped_units
+    got, without = session.feed(_question()), plain.feed(_question())  # nothing stored: the plain session's answer
+    assert session._recall.last is None and session.recall_stats().questions == 0
+    np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(without.logits))
+
+
 def test_stream_still_refuses_recall_by_name(model):
     config = StreamConfig(policy=STREAMING, num_pages=PAGES, page_size=PAGE, recall=Recall(budget=8))
     with pytest.raises(ValueError, match="and the serving engine only so far: stream would ignore it"):

@@ -12,6 +12,7 @@ spilled to disk (`Recall(disk_dir=...)`) is not written yet (refused by name).
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -56,7 +57,8 @@ def read_tier(path: Path | BinaryIO) -> RecallSnapshot:
     try:
         with np.load(path, allow_pickle=False) as z:
             files = {name: np.array(z[name]) for name in z.files}
-    except (OSError, ValueError, EOFError) as e:
+    # A truncated or damaged .npz raises zipfile.BadZipFile (not a file, or a member's CRC-32 does not match).
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: not a readable recall tier ({type(e).__name__}: {e})") from e
     try:
         header = json.loads(files.pop("header").tobytes().decode("utf-8"))
