@@ -1,8 +1,11 @@
-"""Recall under the `ordered_suffix` paging mode (issue 40): OmniPage's suffix packing moves survivors between
-slots and gives emptied pages back, and recall still restores exactly what it says it restores. The oracles are the
-native-layout ones (`tests/streaming/test_recall.py`): with a budget that recalls everything the question's logits
-equal the full-context (`NoSlide`) session's to 1e-5; with scores forced to a chosen set exactly that set comes
-back, at the positions the native layout gives it, keys as stored (re-rotated only where the policy re-indexes)."""
+"""Recall under the paging modes that re-lay the cache (issue 40): `ordered_suffix` (OmniPage's suffix packing),
+`eager` (compaction after every trim) and `tile_skip` move survivors between slots or give emptied pages back, and
+recall still restores exactly what it says it restores. The oracles are the native-layout ones
+(`tests/streaming/test_recall.py`, which runs native and, for recalling everything, `tile_skip`): with a budget that
+recalls everything the question's logits equal the full-context (`NoSlide`) session's to 1e-5; with scores forced to
+a chosen set exactly that set comes back, at the positions the native layout gives it, keys as stored (re-rotated
+only where the policy re-indexes). `ordered_suffix` runs three policies; `eager` and `tile_skip` run OmniPick, the
+policy that evicts units in pieces and re-indexes, so the hardest placement."""
 
 import numpy as np
 import pytest
@@ -18,6 +21,8 @@ from tests._support import recall_setup
 from tests._support.recall_setup import PAGE, PAGES, TAU, by_order
 
 SUFFIX = Paging(mode="ordered_suffix")
+EAGER = Paging(mode="eager")
+TILE = Paging(mode="tile_skip")
 OMNIPICK = OmniPick(high_watermark=40, low_watermark=30, recent_units=2, text_budget=4)
 
 
@@ -36,7 +41,7 @@ def _feed(session, chunks):
 
 
 def _assert_relaid(outs, session):
-    """The layout is not the native one: the suffix packing moved survivors, or emptied pages were given back (the
+    """The layout is not the native one: the relayout moved survivors, or emptied pages were given back (the
     native layout never shortens its page table: 48 slots written hold 6 pages)."""
     moved = sum(int(np.asarray(o.stats.moved).sum()) for o in outs)
     listed = int((np.asarray(session.state.kv.page_table[0]) >= 0).sum())
@@ -52,10 +57,12 @@ def full(model):
     return session.feed(recall_setup.question(100)), before
 
 
-@pytest.mark.parametrize("policy", [SinkWindow(sink=2, window=38), OMNIPICK], ids=["sinkwindow", "omnipick"])
-def test_recalling_everything_under_ordered_suffix_answers_like_the_full_context(model, full, policy):
+@pytest.mark.parametrize("policy, paging", [(SinkWindow(sink=2, window=38), SUFFIX), (OMNIPICK, SUFFIX),
+                                            (OMNIPICK, EAGER)],
+                         ids=["sinkwindow-ordered_suffix", "omnipick-ordered_suffix", "omnipick-eager"])
+def test_recalling_everything_under_a_relayout_answers_like_the_full_context(model, full, policy, paging):
     want, _ = full
-    recalled = _session(model, policy, Recall(budget=64, top_units=8))
+    recalled = _session(model, policy, Recall(budget=64, top_units=8), paging=paging)
     _assert_relaid(_feed(recalled, recall_setup.context()), recalled)
     stats = recalled.recall_stats()
     assert stats.lost_cells == 0 and stats.dropped_units == 0
@@ -64,7 +71,7 @@ def test_recalling_everything_under_ordered_suffix_answers_like_the_full_context
     got = recalled.feed(recall_setup.question(100))
     assert recalled._recall.last.cells == evicted
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
-    without = _feed(_session(model, policy), recall_setup.context() + [recall_setup.question(100)])[-1]
+    without = _feed(_session(model, policy, paging=paging), recall_setup.context() + [recall_setup.question(100)])[-1]
     assert np.abs(np.asarray(without.logits) - np.asarray(want.logits)).max() > 1e-3  # the check can fail
     live = by_order(recalled.state.kv)  # released: no recalled token left, the positions closed up again
     assert not any(o in live for o in range(48, 48 + evicted))
@@ -74,14 +81,16 @@ def _rotate(k, from_pos, to_pos):
     return np.asarray(rerotate(k, from_pos, to_pos, theta=TINY_OMNI.rope_base, mrope_section=TINY_OMNI.mrope_section))
 
 
-@pytest.mark.parametrize("policy", [SinkWindow(sink=2, window=12),
-                                    StreamingLLM(sink_tokens=2, window=12, high_watermark=16), OMNIPICK],
-                         ids=["sinkwindow", "streamingllm", "omnipick"])
-def test_forced_scores_under_ordered_suffix_restore_exactly_the_chosen_units(model, policy):
+@pytest.mark.parametrize("policy, paging", [(SinkWindow(sink=2, window=12), SUFFIX),
+                                            (StreamingLLM(sink_tokens=2, window=12, high_watermark=16), SUFFIX),
+                                            (OMNIPICK, SUFFIX), (OMNIPICK, EAGER), (OMNIPICK, TILE)],
+                         ids=["sinkwindow-ordered_suffix", "streamingllm-ordered_suffix", "omnipick-ordered_suffix",
+                              "omnipick-eager", "omnipick-tile_skip"])
+def test_forced_scores_under_a_relayout_restore_exactly_the_chosen_units(model, policy, paging):
     # Oracle: the native-layout session with the same forced scores, whose capture and restoration
     # tests/streaming/test_recall.py checks against the full-context cache: the same records, then the same tokens,
-    # positions, keys and values after the recall, whatever slots the suffix packing put them in.
-    suffix = _session(model, policy, Recall(budget=64, top_units=2))
+    # positions, keys and values after the recall, whatever slots the relayout put them in.
+    suffix = _session(model, policy, Recall(budget=64, top_units=2), paging=paging)
     _assert_relaid(_feed(suffix, recall_setup.context()), suffix)
     native = _session(model, policy, Recall(budget=64, top_units=2), paging="native")
     _feed(native, recall_setup.context())
