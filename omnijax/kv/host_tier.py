@@ -18,7 +18,10 @@ Summary choice: the mean key per layer and kv head. A query's dot product with i
 unit's tokens of the query's attention logit (the dot product is linear), so the score is "how much, on average,
 this question attends to the unit", at `L * G * d` floats per unit (1/n of its keys) and one einsum for all units.
 The mean dilutes a single salient sentence, though: `score_units(..., "max")` reads every stored key instead (each
-head's strongest logit over the unit's tokens), which is what `Recall` uses by default (measured in `score_units`).
+head's strongest logit over the unit's tokens; measured in `score_units`), and so do the scores `Recall` ranks by:
+`score_units_mass` (its default, the attention mass a unit would draw, before RoPE) and `score_units_peak`
+(`Recall.preset`'s, the strongest preference one head shows for a unit), both in `host_tier_scoring`. The summaries
+serve "mean" and the shortlist of "two_stage" (`omnijax.kv.host_tier_two_stage`), which read no key.
 
 Immutability: `HostTier` is a frozen dataclass holding a tuple of `UnitKV`. `add` returns a new tier with a new tuple;
 the big arrays are shared between the old and the new tier, never copied, and are marked read-only when a record is

@@ -10,8 +10,9 @@ Placement (`recall_positions`): the recalled units are laid after the position c
 shifted uniformly on every axis so its lowest position lands on the cursor; the cursor then moves past its highest.
 A uniform shift keeps a TMRoPE unit's internal t/h/w geometry and audio-video alignment, like the re-indexing rule.
 A policy that never re-indexes (SinkWindow: positions keep growing) leaves every evicted unit's own positions free and
-consistent with the current indexing, so its units come back there (`at_original=True`): no re-rotation at all, and
-the question then sees exactly the keys a full-context cache holds.
+consistent with the current indexing, so with `Recall(placement="own")` (the default) its units come back there
+(`at_original=True`): no re-rotation at all, and the question then sees exactly the keys a full-context cache holds.
+`placement="compact"` (`Recall.preset`'s) re-lays them next to the cache as for a re-indexing policy instead.
 
 `Recall` is the setting `omnijax.StreamConfig(recall=...)` takes (what `omnijax.Session` does with it:
 `omnijax.streaming.recall_session`).
@@ -134,21 +135,17 @@ class Recall:
     @classmethod
     def preset(cls, budget: int = 64, **fields: Any) -> "Recall":
         """The recommended setting: `budget` cells (default 64) recalled as 16-token blocks scored in windows of two
-        by "peak" (`PRESET`), other `fields` as given (e.g. `host_bytes`, `keep`).
+        by "peak" and laid next to the cache (`PRESET`), other `fields` as given (e.g. `host_bytes`, `keep`).
 
-        Measured on SmolLM2-135M (`bench/quality/RESULTS.md`, `recall_window.json`): with 128 device cells + 64
-        recalled, SinkWindow, StreamingLLM and OmniPick answer the multi-turn pass key (1K tokens) 3/3 as the full
-        context does, and the single-prompt pass key 2/3, 3/3 and 3/3 against the full context's 2/3, at 16-22 % of
-        the context's cells: the issue's goal (full-context accuracy at <= 25 % of the cells) on both prompts for all
-        three. Whole units ("mass") cost a unit's every cell and missed the single prompt; 32-token blocks missed the
-        single prompt and 16-token blocks the multi-turn one under OmniPick, each where the block grid cut the key
-        sentence; windows of two 16-token blocks bring a cut sentence back whole. At 2K tokens, with windows ranked by
-        what each adds (`recall_marginal_2k.json`), it meets the goal on both prompts under OmniPick and
-        StreamingLLM and on the single prompt under SinkWindow; SinkWindow misses the multi-turn prompt by one key
-        (0/3 vs 1/3), the number recalled at its own positions ~1,900 behind the question. With
-        `placement="compact"` (the preset's since) SinkWindow answers both 2K prompts 3/3 at 9-10 % of the cells
-        (`recall_preset_2k.json`), so the preset meets the goal for all three policies on both prompts at 2K, and
-        at 1K (`recall_marginal_1k.json`)."""
+        Measured on SmolLM2-135M (`bench/quality/RESULTS.md`, "Recall of evicted units"): with 128 device cells + 64
+        recalled, SinkWindow, StreamingLLM and OmniPick answer the multi-turn and the single-prompt pass key at the
+        full context's accuracy or better, the issue's goal, at 15-22 % of the context's cells at 1K tokens
+        (`recall_marginal_1k.json`) and at 7-10 % at 2K (`recall_preset_2k.json`). Why these fields: whole units
+        ("mass") cost a unit's every cell and missed the single prompt; 32-token blocks missed the single prompt and
+        16-token blocks the multi-turn one under OmniPick, each where the block grid cut the key sentence, which
+        windows of two blocks bring back whole; windows ranked whole spent the 2K budget on overlapping pairs (they
+        are ranked by what each adds); at its own positions (`placement="own"`) SinkWindow missed the 2K multi-turn
+        prompt, the number recalled ~1,900 positions behind the question."""
         return cls(budget=budget, **{**PRESET, **fields})
 
     def at_own_positions(self, policy: RetentionPolicy) -> bool:
