@@ -61,7 +61,7 @@ def third_party_imports() -> list[str]:
 # modules and whatever they imported never present. At most `workers` processes import at once (a package's child
 # holds every slot of its parent while it and its subtree run). Prints JSON {module: null or the failure's traceback}.
 FORK_IMPORTS = r"""
-import importlib, importlib.util, json, os, pathlib, py_compile, shutil, signal, sys, tempfile, traceback
+import gc, importlib, importlib.util, json, os, pathlib, py_compile, shutil, signal, sys, tempfile, traceback
 job = json.load(sys.stdin)
 sys.path[:0] = job["path"]
 ours = tuple(p + "." for p in job["packages"]) + tuple(job["packages"])
@@ -118,6 +118,11 @@ def visit(package):
         while queue and (1 if queue[0] not in under else job["workers"]) <= free:
             name = queue.pop(0)
             slots = job["workers"] if name in under else 1
+            # The objects this process holds (the preloaded packages, the parent packages) moved out of the
+            # collector's reach before the fork: a child's collections would otherwise walk every inherited object
+            # and write its header, copying most of the parent's heap page by page into every child (2.1 M page
+            # faults over the whole walk; 32 -> 16 CPU s). What a child imports, and so what it reports, is the same.
+            gc.freeze()
             pid = os.fork()
             if pid == 0:
                 error = import_here(name)
