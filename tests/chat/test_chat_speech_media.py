@@ -16,6 +16,7 @@ import pytest
 
 import omnijax
 from omnijax.chat import SpeakOptions
+from omnijax.chunks.chunk import pad_chunk
 from omnijax.convert import convert_checkpoint
 from omnijax.models.qwen3_omni import frontend as F
 from omnijax.models.qwen3_omni import speech as S
@@ -93,6 +94,9 @@ def test_the_step_taps_hidden_states_as_transformers_records_them(release):
     _, full, model = release
     chunks = [F.system(model, [1, 2, 3], unit=0), F.image_chunk(model, IMAGE, unit=1),
               F.audio_chunk(model, PCM, unit=2), F.text(model, [10, 11, 12], unit=3, answer_tokens=1)]
+    # padded to the longest (invalid tokens write nothing): one step program per tap, not one per tap and length
+    longest = max(c.length for c in chunks)
+    chunks = [pad_chunk(c, longest) for c in chunks]
     ids = np.concatenate([np.asarray(c.token_ids)[0][np.asarray(c.valid)[0]] for c in chunks])
     want, _ = _hidden_states(full, ids, [IMAGE], PCM)
     config = omnijax.StreamConfig(num_pages=16, page_size=16, max_answer_tokens=1)
