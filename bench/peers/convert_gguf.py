@@ -14,7 +14,8 @@ largest tensor). All write float32. torch runs with `OMP_WAIT_POLICY=PASSIVE` (i
 the other process on a shared machine). Default: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs;
 `--smoke` converts a tiny random llama GGUF (two layers, byte-level tokenizer), one round: the peers' shared one
 (`first_token.smoke_models`), whose GGUF pair of conversions, made once by this script's `run_one` for the peers
-scripts' smoke runs into the same `--out`, are that round's rows.
+scripts' smoke runs into the same `--out`, are that round's rows; a smoke run's conversions run their `--worker`
+inside its own process (`run_one(inline=True)`), not a fresh one.
 
     python -m bench.peers.convert_gguf --rounds 5
 """
@@ -26,7 +27,6 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -134,16 +134,22 @@ def write_tiny_gguf(path: Path) -> Path:
     return path
 
 
-def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None, hf: Path | None = None) -> dict:
+def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None, hf: Path | None = None, *,
+            inline: bool = False) -> dict:
     """`tool`'s conversion in a fresh process (of `gguf_path`, or for the safetensors pair of `hf`, default
-    `work/hf`); its output is removed afterwards, or moved to `keep` when given."""
+    `work/hf`); its output is removed afterwards, or moved to `keep` when given.
+
+    `inline` (`--smoke`, a check that the script runs): the worker runs in this process (`harness.run_worker`), its
+    command line and JSON row as ever, so a smoke run's four conversions do not each pay an interpreter and the
+    imports (~2.5 CPU s for omnijax's, ~6 for torch and transformers'); its import seconds and peak memory are then
+    this process's, not a conversion's."""
     dst = work / f"{tool}-out"
     shutil.rmtree(dst, ignore_errors=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     src = (hf or work / "hf") if tool in PAIRS["safetensors"] else gguf_path
-    done = subprocess.run(harness.module_command(__spec__.name, "--worker", tool, "--gguf", src, "--dst", dst),
-                          cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    done = harness.run_worker(harness.module_command(__spec__.name, "--worker", tool, "--gguf", src, "--dst", dst),
+                              inline=inline, env=env, timeout=None if inline else 1800)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{tool} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -158,8 +164,8 @@ def run_one(tool: str, gguf_path: Path, work: Path, keep: Path | None = None, hf
 
 def smoke_conversions(out: Path) -> tuple[Path, dict[str, dict], Path]:
     """`--smoke` without `--gguf`: the peers' shared tiny GGUF (`first_token.smoke_models`, made once under `out`),
-    the rows of the two conversions its smoke models were made by (`run_one` in fresh processes, as this script's
-    own rounds run; a tool is absent when its row is not there) and transformers' conversion of it (the safetensors
+    the rows of the two conversions its smoke models were made by (`run_one`, inline as this script's own smoke
+    round runs; a tool is absent when its row is not there) and transformers' conversion of it (the safetensors
     pair's source). A smoke run then converts that file once for all the peers scripts."""
     from bench.peers.first_token import CONVERSION_ROW, smoke_models
 
@@ -213,7 +219,8 @@ def main(argv=None) -> int:
             for pair, both in pairs.items():
                 for tool in (both if r % 2 == 0 else both[::-1]):
                     keep = hf if tool == "transformers" and not hf.exists() else None
-                    row = made.pop(tool) if tool in made else run_one(tool, gguf_path, work, keep, hf)
+                    row = (made.pop(tool) if tool in made
+                           else run_one(tool, gguf_path, work, keep, hf, inline=args.smoke))
                     row = dict(row, round=r, pair=pair)
                     rows.append(row)
                     print(f"  round {r + 1}/{args.rounds} {tool}: {row['wall_s']:.1f} s wall, {row['convert_s']:.2f} "

@@ -146,11 +146,12 @@ def worker(side: str, models: Path, cache: str, max_tokens: int = MAX_TOKENS, qu
 CONVERSION_ROW = "{}.conversion.json"  # beside `models/<name>/`: the row `convert_gguf.run_one` measured making it
 
 
-def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = None) -> None:
+def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = None, *, inline: bool = False) -> None:
     """Both checkpoints of `gguf_path` under `models/` (`omnijax/`, `hf/`), each made once by
-    `convert_gguf.run_one` (a fresh `convert_gguf --worker` process), with `chat_template` written beside each when
-    given. What each conversion measured is kept beside it (`CONVERSION_ROW`): `convert_gguf --smoke` takes its GGUF
-    pair's rows from there instead of converting the same tiny file again."""
+    `convert_gguf.run_one` (a fresh `convert_gguf --worker` process; `inline`, for the smoke models: in this
+    process), with `chat_template` written beside each when given. What each conversion measured is kept beside it
+    (`CONVERSION_ROW`): `convert_gguf --smoke` takes its GGUF pair's rows from there instead of converting the same
+    tiny file again."""
     from bench.peers.convert_gguf import run_one
 
     models.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ def prepare_models(gguf_path: Path, models: Path, chat_template: str | None = No
             continue
         shutil.rmtree(models / name, ignore_errors=True)
         print(f"converting {gguf_path.name} for {convert} into {models / name}", flush=True)
-        row = run_one(convert, gguf_path, models, keep=models / name)
+        row = run_one(convert, gguf_path, models, keep=models / name, inline=inline)
         (models / CONVERSION_ROW.format(name)).write_text(json.dumps(row))
         if chat_template is not None:
             (models / name / "chat_template.jinja").write_text(chat_template)
@@ -187,7 +188,7 @@ def smoke_models(out: Path) -> tuple[Path, Path]:
         if not (root / ".gguf_complete").exists():
             write_tiny_gguf(gguf_path)
             (root / ".gguf_complete").touch()
-        prepare_models(gguf_path, root / "models", CHATML_TEMPLATE)
+        prepare_models(gguf_path, root / "models", CHATML_TEMPLATE, inline=True)  # smoke models: a check
     return gguf_path, root / "models"
 
 

@@ -22,7 +22,8 @@ token after the load (prompt prefill + first token) and from process start, resi
 the end, and the process peak. Ratios are omnijax / llama.cpp in the same round, medians over `--rounds`; the load
 average is recorded with every process. Without `--llama-python` the llama.cpp rows are skipped, saying so.
 
-`--smoke`: a tiny random llama GGUF, one round, 8 tokens (a check that the script runs).
+`--smoke`: a tiny random llama GGUF, one round, 8 tokens, omnijax's worker inside the script's own process (a check
+that the script runs).
 
     python -m bench.peers.vs_llama_cpp --llama-python /tmp/llvenv2/bin/python --rounds 5
 """
@@ -134,7 +135,10 @@ def omnijax_worker(checkpoint: Path, cache: str, tokens: int, block: int, stacke
 
 
 def run_one(side: str, args, files: dict, work: Path) -> dict:
-    """`side` in a fresh process: its marks (seconds from the process's start), ids, memory."""
+    """`side` in a fresh process: its marks (seconds from the process's start), ids, memory. With `--smoke` (a
+    check that the script runs) the `omnijax` side's worker runs in this process (`harness.run_worker`), its command
+    line and JSON as ever, sparing an interpreter and the imports; its memory figures are then this process's
+    (`omnijax_stacked` changes how the process loads a model, so it keeps its own)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if side.startswith("omnijax"):
@@ -146,7 +150,10 @@ def run_one(side: str, args, files: dict, work: Path) -> dict:
                    str(args.threads), *(["--no-extra-bufts"] if args.no_extra_bufts else [])]
     load = os.getloadavg()[0]
     start = time.time()
-    done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if args.smoke and side == "omnijax":
+        done = harness.run_worker(command, inline=True, env=env)
+    else:
+        done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
