@@ -89,6 +89,35 @@ def smoke_setup() -> None:
         compilation_cache.enable(chosen)
 
 
+SMOKE_DEMO_MODEL = "smoke_demo_model"
+"""Under a smoke run's `--out`: the demo checkpoint `smoke_demo_model` builds once for every script."""
+
+
+def smoke_demo_model(out: str | Path) -> str:
+    """`omnijax.serve.app.build_demo_model`'s checkpoint for a `--smoke` run, built once under
+    `<out>/smoke_demo_model/` and shared by the smoke runs into the same `--out` (serve_cliff, token_streaming,
+    realtime_load; they may run at once, in one process or several: a file lock makes a second wait for the first's
+    build instead of building again). A measured run builds its own (`build_demo_model` into a temporary directory),
+    as before; a smoke run loads this one, which spares each script the build (random weights written, converted:
+    ~2 CPU s, ~5 s in a process that has not yet trained the tiny tokenizer).
+
+    Returns:
+        The converted checkpoint's directory (what `build_demo_model` returns).
+    """
+    import fcntl
+
+    from omnijax.serve.app import build_demo_model
+
+    root = Path(out) / SMOKE_DEMO_MODEL
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / ".complete"  # holds the checkpoint's directory, written once it is whole
+        if not done.exists():
+            done.write_text(build_demo_model(root / "model"))
+        return done.read_text()
+
+
 def module_command(name: str, *args) -> list[str]:
     """The command that runs the bench module `name` in a fresh interpreter: `python -m name *args`.
 

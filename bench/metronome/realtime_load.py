@@ -32,7 +32,8 @@ flight, its audio chunk, its response prompt), so frame latency runs near 3x the
 
 Run: `python -m bench.metronome.realtime_load [--clients 10] [--frame-ms 1000] [--seconds 60] [--pages N]
 [--page-size 16] [--arrival-s 1] [--out bench/out/realtime_load] [--quick | --smoke]` (`--quick` and `--smoke`: 2
-clients for 3 s of 500 ms frames, SinkWindow(4, 64), one bucket of 2, a pool of one window per session: about 15 s).
+clients for 3 s of 500 ms frames, SinkWindow(4, 64), one bucket of 2, a pool of one window per session: about 15 s;
+`--smoke` loads the demo checkpoint the smoke run's scripts share, `harness.smoke_demo_model`).
 """
 
 from __future__ import annotations
@@ -330,8 +331,11 @@ def main(argv=None):
     args = harness.parse(parser, argv, smoke=QUICK)
     out = harness.output_dir(args)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="realtime-load-") as tmp:
-        model = omnijax.load(build_demo_model(tmp))
+    if args.smoke:  # a check: the demo checkpoint the smoke run's scripts share
+        model = omnijax.load(harness.smoke_demo_model(out))
+    else:
+        with tempfile.TemporaryDirectory(prefix="realtime-load-") as tmp:
+            model = omnijax.load(build_demo_model(tmp))
     chunk_tokens = max(32, bucket(frame_tokens(frame_samples(args.frame_ms), model)))
     per_session = math.ceil((args.sink + args.window + chunk_tokens + args.tau) / args.page_size) + 2
     if args.pages is None:

@@ -29,7 +29,7 @@ Three parts:
 Run: `python -m bench.metronome.serve_cliff [--runs 8] [--sessions 8] [--ticks 48] [--no-websocket] [--out bench/out]
 [--smoke]`
 (`--smoke`: one short run of 2 sessions per policy, one calibration tick per bucket, a 6-tick ramp over buckets 2
-and 4, no WebSocket part.)
+and 4, no WebSocket part, the demo checkpoint the smoke run's scripts share: `harness.smoke_demo_model`.)
 """
 
 from __future__ import annotations
@@ -425,8 +425,11 @@ def main(argv=None):
     out = harness.output_dir(args)
     t_run = time.perf_counter()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = omnijax.load(srv.build_demo_model(tmp))
+    if args.smoke:  # a check: the demo checkpoint the smoke run's scripts share
+        model = omnijax.load(harness.smoke_demo_model(out))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = omnijax.load(srv.build_demo_model(tmp))
     samples = srv.frame_samples(args.frame_ms)
     T = srv.frame_tokens(samples)
     bank = frame_bank(model, args.frame_ms, 16, T)

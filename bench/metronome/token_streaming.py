@@ -19,7 +19,8 @@ host-driven, in interleaved rounds (`harness.interleaved`), and when the host-dr
 (the engine's share of time to first token: the fused tick hands over all its tokens at its end).
 
 Run: `python -m bench.metronome.token_streaming [--rounds 6] [--singles 5] [--tokens 32] [--chats 4] [--tau 8]
-[--out bench/out] [--smoke]`
+[--out bench/out] [--smoke]` (`--smoke` loads the demo checkpoint the smoke run's scripts share,
+`harness.smoke_demo_model`)
 """
 
 from __future__ import annotations
@@ -40,17 +41,20 @@ FRAME_MS = 250.0
 MODES = ("per_token", "per_tick")
 
 
-def build_server(tau: int, sessions: int = 8):
-    """The demo checkpoint served in-process (see the module docstring), warmed up for `sessions` sessions."""
+def build_server(tau: int, sessions: int = 8, checkpoint: str | None = None):
+    """The demo checkpoint served in-process (see the module docstring), warmed up for `sessions` sessions;
+    `checkpoint`: an already built demo checkpoint (a smoke run's shared one) instead of building one."""
     import omnijax
     from omnijax.decoding import RowSampling
     from omnijax.retention import SinkWindow
     from omnijax.serve.app import BackgroundServer, build_context, build_demo_model, warm_up
     from omnijax.serve.context import ServeOptions
 
-    folder = tempfile.mkdtemp(prefix="omnijax-bench-demo-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the checkpoint (~90 MB) goes with the process
-    model = omnijax.load(build_demo_model(folder))
+    if checkpoint is None:
+        folder = tempfile.mkdtemp(prefix="omnijax-bench-demo-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the checkpoint (~90 MB) goes with the process
+        checkpoint = build_demo_model(folder)
+    model = omnijax.load(checkpoint)
     stream = omnijax.StreamConfig(policy=SinkWindow(16, 1024), num_pages=256, page_size=64, max_answer_tokens=tau,
                                   decoding=RowSampling(seed=0))
     context = build_context(model, options=ServeOptions(port=0, frame_ms=FRAME_MS, max_output_tokens=4096),
@@ -156,7 +160,8 @@ def run(args) -> dict:
 
     samples = {m: {"ttft_ms": [], "gap_ms": [], "tokens_per_s": [], "frame_latency_ms": [], "frame_rtt_ms": [],
                    "frames": 0, "frames_late": 0, "tick_ms": []} for m in MODES}
-    with build_server(args.tau, args.chats + 1) as server:
+    shared = harness.smoke_demo_model(args.out) if args.smoke else None  # a check: the smoke run's shared model
+    with build_server(args.tau, args.chats + 1, shared) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0)
 
         async def rounds():
