@@ -27,6 +27,7 @@ from omnijax.retention import (
     H2O,
     InfiniPotV,
     NoSlide,
+    OmniMemBudgets,
     OmniPick,
     SinkWindow,
     StreamingLLM,
@@ -50,13 +51,14 @@ POLICIES = {
 }
 # More policies for the every-chunk oracle: recall composes with any retention policy, those that score by
 # attention too (H2O by the attention mass its reference attention accumulates; StreamMem and InfiniPot-V by key and
-# value features; StreamingVLM by per-modality windows). A step over a recall runs without trimming (`NoSlide`), so
-# H2O accumulates no attention mass in it; the policy trims after the release.
+# value features; StreamingVLM by per-modality windows; OmniMemBudgets by per-modality budgets). A step over a recall
+# runs without trimming (`NoSlide`), so H2O accumulates no attention mass in it; the policy trims after the release.
 EVERY_CHUNK = {**POLICIES, "tokensliding": TokenSliding(window=16, high_watermark=24),
                "unitfifo": UnitFIFO(high_watermark=24, low_watermark=16),
                "h2o": H2O(heavy=8, recent=8, high_watermark=24), "streammem": StreamMem(budget=16, num_proxies=4),
                "infinipotv": InfiniPotV(budget=16, recent_units=1),
-               "streamingvlm": StreamingVLM(sink=4, text_window=8, vision_window=8)}
+               "streamingvlm": StreamingVLM(sink=4, text_window=8, vision_window=8),
+               "omnimem": OmniMemBudgets(visual_budget=8, audio_budget=4, text_budget=8)}
 IMPL = {"h2o": "reference"}  # the attention that accumulates H2O's scores
 EVERYTHING = Recall(budget=128, top_units=64)
 
