@@ -18,7 +18,7 @@ USER = {"role": "user", "content": "What is the weather in Paris?"}
 def client(tmp_path_factory):
     # One row per tick: the SDK's client sends one request at a time (streams are read to their end), so a second
     # row would only decode the 152K-wide lm_head for nothing.
-    with tool_server(tmp_path_factory.mktemp("tools"), buckets=(1,)) as server:
+    with tool_server(tmp_path_factory.mktemp("tools")) as server:
         yield openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
 
 

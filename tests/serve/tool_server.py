@@ -25,10 +25,11 @@ WEATHER = {"type": "function", "function": {
 
 
 @contextlib.contextmanager
-def tool_server(directory: Path, *, buckets: tuple[int, ...] = (2,), **options: Any) -> Iterator[Any]:
+def tool_server(directory: Path, *, buckets: tuple[int, ...] = (1,), **options: Any) -> Iterator[Any]:
     """Serves a copy of the demo checkpoint (written under `directory`) with the tools template and scripted
-    answers (`SCRIPTS`); `buckets` are the engine's batch buckets ((1,) for a client that sends one request at a
-    time: each tick then decodes one row of the 152K-wide lm_head, not two); `options` are `ServeOptions` fields.
+    answers (`SCRIPTS`); `buckets` are the engine's batch buckets (default (1,): the tool tests' clients send one
+    request at a time, so each tick decodes one row of the 152K-wide lm_head, not two); `options` are `ServeOptions`
+    fields.
     Yields the `BackgroundServer`."""
     import omnijax
     from omnijax.retention import SinkWindow

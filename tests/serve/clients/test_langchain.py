@@ -50,7 +50,7 @@ def llm():
 @pytest.fixture(scope="module")
 def tools_url(tmp_path_factory):
     """The scripted server's base URL."""
-    with tool_server(tmp_path_factory.mktemp("tools"), buckets=(1,)) as server:
+    with tool_server(tmp_path_factory.mktemp("tools")) as server:
         yield server.base_url
 
 
