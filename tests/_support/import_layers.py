@@ -4,6 +4,7 @@ statement of a module (`imports_of`), and `import_each_alone`, which imports eac
 only its parent packages are loaded."""
 
 import ast
+import functools
 import json
 import pkgutil
 import subprocess
@@ -27,6 +28,20 @@ def discover(package: str) -> list[str]:
 MODULES = {package: discover(package) for package in PACKAGES}
 
 
+def parsed(path: Path) -> tuple[str, ast.Module]:
+    """`(source, syntax tree)` of a file, parsed once per process and version of the file: the discovery, layer,
+    private-name and kernel checks and the import walk's preload list all read every module (~0.6 CPU s a pass).
+    Callers must not change the tree."""
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _parsed(path: str, mtime_ns: int, size: int) -> tuple[str, ast.Module]:
+    text = Path(path).read_text()
+    return text, ast.parse(text, path)
+
+
 def python(code: str, *args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter started in the repository root."""
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
@@ -39,7 +54,7 @@ def third_party_imports() -> list[str]:
     found = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.Module(body=[n for n in ast.parse(path.read_text()).body
+            for node in ast.walk(ast.Module(body=[n for n in parsed(path)[1].body
                                                   if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                         ast.ClassDef))], type_ignores=[])):
                 if isinstance(node, ast.Import):
@@ -216,8 +231,7 @@ def imports_of(module: str, known: set[str]) -> list[tuple[str, int, bool, str]]
     """Every import statement of `module`: `(target, line, inside a function, statement)`, the target resolved to
     the longest known module of our package (or the imported name's top-level package otherwise)."""
     path = module_path(module)
-    text = path.read_text()
-    tree = ast.parse(text, str(path))
+    text, tree = parsed(path)
     lines = [line.encode() for line in text.splitlines(keepends=True)]
 
     def statement(node) -> str:  # ast.get_source_segment, without splitting the whole file again for each node
@@ -267,7 +281,7 @@ def layer_violations(modules: list[str]) -> list[str]:
         if source is None:
             problems.append(f"{module}: in no layer of LAYERS")
             continue
-        lines = module_path(module).read_text().splitlines()
+        lines = parsed(module_path(module))[0].splitlines()
         for target, line, nested, statement in imports_of(module, known):
             where = f"{module}:{line} `{statement}`"
             top = target.partition(".")[0]
