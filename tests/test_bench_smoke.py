@@ -7,9 +7,12 @@ they start after it ends). Most run inside a few smoke runners (`python -m bench
 which takes script names on its stdin and calls each script's `main` in turn), so the interpreter, the imports and
 jax's start are paid once per runner rather than once per script; `OWN_PROCESS` run exactly as the command line
 reads, each in its own interpreter: those that change the process at import (XLA flags, jax's platform) and a few
-more, so the documented command form stays tested. Three lanes run at a time, each taking the next script (the
-longest first): most of a script's time is single-threaded (tracing, compilation) and some of it waits (worker
-processes starting, `realtime_load`'s real-time clients), so a third lane keeps both cores busy. `--smoke` runs use
+more, so the documented command form stays tested. Two lanes run at a time, each taking the next script (the
+longest first), one lane preferring the scripts that import torch, transformers or kvpress (`imports_torch`) and the
+other the rest, so those imports (~6 CPU s a process) are paid in one runner rather than in each: a lane takes from
+the other's queue only when its own is empty. A third lane (there were three) kept the cores busier while a lane
+waited, but its runner paid the imports once more, and inside the suite the other pytest worker keeps the cores busy
+anyway. `--smoke` runs use
 the persistent compilation cache (`OMNIJAX_COMPILATION_CACHE`, which tests/conftest.py points at the suite's), so a
 warm run mostly loads programs, and compile with the suite's quick settings (`_env`): they are checks, not
 measurements. `bench/harness.py` prints `wrote PATH` for every output file; a script passes when
@@ -54,7 +57,7 @@ SLOW = ("peers.first_token", "omnitide.omnitide_figures", FIRST, "metronome.serv
 # Run as `python -m bench.<group>.<script>` in a fresh interpreter: prefill_memory sets XLA_FLAGS before jax starts
 # and gpu_census jax's platform; omnitide_figures ends with `sys.exit(main())`, whose status the command gives.
 OWN_PROCESS = ("tidekv.prefill_memory", "omnitide.gpu_census", "omnitide.omnitide_figures")
-LANES = 3
+LANES = 2  # the first prefers the `imports_torch` scripts, the others the rest
 OPTIONAL = ("kvpress", "torch")  # packages a script may need; it is skipped, naming them, when they are absent
 TIMEOUT_S = 600
 
@@ -68,6 +71,32 @@ def needs(script: str) -> list[str]:
     missing = [m for m in OPTIONAL if re.search(rf"^\s*(import|from) {m}\b", text, re.M)
                and importlib.util.find_spec(m) is None]
     return missing
+
+
+HEAVY = re.compile(r"^\s*(import|from) (torch|transformers|kvpress)\b", re.M)
+
+
+def _bench_imports(module: str) -> set[str]:
+    """The bench modules `module` imports (at its top or inside a function)."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench."):
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("bench.")}
+    return {m for m in found if (ROOT / (m.replace(".", "/") + ".py")).is_file()}
+
+
+def imports_torch(script: str) -> bool:
+    """Whether the script or a bench module it reaches imports torch, transformers or kvpress somewhere: a
+    scheduling hint (which lane prefers it), not a promise that its smoke run does."""
+    seen, todo = set(), [f"bench.{script}"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += _bench_imports(module)
+    return any(HEAVY.search((ROOT / (m.replace(".", "/") + ".py")).read_text()) for m in seen)
 
 
 def changes_the_process_at_import(script: str) -> bool:
@@ -190,25 +219,30 @@ def results(tmp_path_factory):
     readers = {s for s in runnable if "layouts_path" in source(s) and s != FIRST}
     # decided here, before the lanes start: ast.parse is not thread-safe (CPython 3.11 raises SystemError)
     alone = {s for s in runnable if s in OWN_PROCESS or changes_the_process_at_import(s)}
-    # the longest first, the layout readers last (each waits for FIRST's layouts)
+    torchy = {s for s in runnable if imports_torch(s)}
+    # the longest first, the layout readers last (each waits for FIRST's layouts); two queues: lane 0 prefers the
+    # scripts that import torch (`imports_torch`), the other lanes the rest
     first = [s for s in SLOW if s in runnable]
     order = first + sorted(s for s in runnable if s not in readers and s not in first) + sorted(readers)
-    todo: queue.Queue = queue.Queue()
+    queues: tuple[queue.Queue, queue.Queue] = (queue.Queue(), queue.Queue())
     for s in order:
-        todo.put(s)
+        queues[0 if s in torchy else 1].put(s)
     done: dict[str, dict] = {}
     first_done = threading.Event()
     if FIRST not in runnable:
         first_done.set()
 
-    def lane() -> None:
+    def lane(mine: int) -> None:
         runner = None
         try:
             while True:
                 try:
-                    s = todo.get_nowait()
+                    s = queues[mine].get_nowait()
                 except queue.Empty:
-                    return
+                    try:  # its own queue is done: it helps with the other's
+                        s = queues[1 - mine].get_nowait()
+                    except queue.Empty:
+                        return
                 if s in readers:
                     first_done.wait(2 * TIMEOUT_S)
                 try:
@@ -231,7 +265,7 @@ def results(tmp_path_factory):
                 runner.close()
 
     with ThreadPoolExecutor(max_workers=LANES) as pool:
-        for f in [pool.submit(lane) for _ in range(LANES)]:
+        for f in [pool.submit(lane, min(i, 1)) for i in range(LANES)]:
             f.result()
     done = {s: done[s] for s in order}
     print("\nbench smoke seconds (wall / CPU), longest CPU first: " + ", ".join(
