@@ -2,6 +2,7 @@
 optimisation is off in every module but the execution-bound ones; the benchmarks get the settings from before."""
 
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -66,6 +67,9 @@ def test_the_slow_first_table_names_existing_modules_and_make_test_keeps_its_ord
     tests_dir = Path(conftest.__file__).parent
     assert [m for m in conftest.SLOW_FIRST if not (tests_dir / m).is_file()] == []
     assert len(set(conftest.SLOW_FIRST)) == len(conftest.SLOW_FIRST)
-    recipe = (tests_dir.parent / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
+    makefile = (tests_dir.parent / "Makefile").read_text()
+    recipe = makefile.split("\ntest:")[1].split("\n\n")[0]
+    # the recipe's `$(PYTEST_ARGS)`, as make expands it (a `NAME := value` line of the Makefile)
+    recipe = recipe.replace("$(PYTEST_ARGS)", re.search(r"^PYTEST_ARGS :=(.*)$", makefile, re.M).group(1))
     assert "--dist loadfile --no-loadscope-reorder" in recipe, recipe
     assert "--max-worker-restart 0" in recipe, recipe  # a crashed worker fails the run instead of hanging it
