@@ -118,6 +118,22 @@ def smoke_demo_model(out: str | Path) -> str:
         return done.read_text()
 
 
+def demo_model(out: str | Path, smoke: bool) -> Any:
+    """`omnijax.serve.app.build_demo_model`'s model, loaded: for a `--smoke` run the checkpoint the smoke run's
+    scripts share (`smoke_demo_model(out)`), otherwise one built into a temporary directory, removed once loaded.
+
+    Returns:
+        What `omnijax.load` returns for it.
+    """
+    import omnijax
+    from omnijax.serve.app import build_demo_model
+
+    if smoke:
+        return omnijax.load(smoke_demo_model(out))
+    with tempfile.TemporaryDirectory(prefix="omnijax-bench-demo-") as tmp:
+        return omnijax.load(build_demo_model(tmp))
+
+
 def module_command(name: str, *args) -> list[str]:
     """The command that runs the bench module `name` in a fresh interpreter: `python -m name *args`.
 

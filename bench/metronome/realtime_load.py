@@ -45,7 +45,6 @@ import json
 import logging
 import math
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -54,7 +53,7 @@ import omnijax
 from bench import harness
 from omnijax.models.frontend import bucket
 from omnijax.retention import NoSlide, SinkWindow
-from omnijax.serve.app import BackgroundServer, build_context, build_demo_model, warm_up
+from omnijax.serve.app import BackgroundServer, build_context, warm_up
 from omnijax.serve.audio_frames import frame_tokens
 from omnijax.serve.context import ServeOptions
 from omnijax.serve.loadgen import speech_like_pcm
@@ -331,11 +330,7 @@ def main(argv=None):
     args = harness.parse(parser, argv, smoke=QUICK)
     out = harness.output_dir(args)
     start = time.perf_counter()
-    if args.smoke:  # a check: the demo checkpoint the smoke run's scripts share
-        model = omnijax.load(harness.smoke_demo_model(out))
-    else:
-        with tempfile.TemporaryDirectory(prefix="realtime-load-") as tmp:
-            model = omnijax.load(build_demo_model(tmp))
+    model = harness.demo_model(out, args.smoke)  # a smoke run's: the checkpoint its scripts share
     chunk_tokens = max(32, bucket(frame_tokens(frame_samples(args.frame_ms), model)))
     per_session = math.ceil((args.sink + args.window + chunk_tokens + args.tau) / args.page_size) + 2
     if args.pages is None:

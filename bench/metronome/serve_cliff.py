@@ -39,12 +39,10 @@ import dataclasses
 import math
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-import omnijax
 from bench import harness
 from omnijax import StreamConfig
 from omnijax.retention import NoSlide, SinkWindow
@@ -425,11 +423,7 @@ def main(argv=None):
     out = harness.output_dir(args)
     t_run = time.perf_counter()
 
-    if args.smoke:  # a check: the demo checkpoint the smoke run's scripts share
-        model = omnijax.load(harness.smoke_demo_model(out))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = omnijax.load(srv.build_demo_model(tmp))
+    model = harness.demo_model(out, args.smoke)  # a smoke run's: the checkpoint its scripts share
     samples = srv.frame_samples(args.frame_ms)
     T = srv.frame_tokens(samples)
     bank = frame_bank(model, args.frame_ms, 16, T)

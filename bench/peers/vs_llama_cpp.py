@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -150,10 +149,8 @@ def run_one(side: str, args, files: dict, work: Path) -> dict:
                    str(args.threads), *(["--no-extra-bufts"] if args.no_extra_bufts else [])]
     load = os.getloadavg()[0]
     start = time.time()
-    if args.smoke and side == "omnijax":
-        done = harness.run_worker(command, inline=True, env=env)
-    else:
-        done = subprocess.run(command, cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    inline = args.smoke and side == "omnijax"
+    done = harness.run_worker(command, inline=inline, env=env, timeout=None if inline else 1800)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
