@@ -415,14 +415,16 @@ def test_an_unknown_voice_is_refused_by_name(served):
     spoken."""
     _, model, server = served
     engine = server.context.worker.engine
-    before = list(engine.sessions)
+    # An earlier test's Realtime session may still be closing on the engine (it leaves after its socket does), so
+    # what is checked is that this request opened nothing, not that the engine is empty.
+    before, speaking = set(engine.sessions), set(engine.speech.sessions)
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="omnijax", messages=_question(model), max_tokens=MAX_TOKENS,
                                        modalities=["text", "audio"], audio=AUDIO | {"voice": "aiden"})
     body = e.value.body
     assert body["param"] == "audio.voice" and str(list(model.speech.voices)) in body["message"], body
-    assert list(engine.sessions) == before and not engine.speech.sessions
+    assert set(engine.sessions) <= before and set(engine.speech.sessions) <= speaking
 
 
 @pytest.mark.parametrize("served", [QWEN3], indirect=True)  # only its talker draws
