@@ -16,6 +16,7 @@ from omnijax.checkpoint import format as checkpoint
 from omnijax.models.decoder import SPLIT_LAYER_BACKENDS, Decoder
 from omnijax.models.family import FamilyModel
 from omnijax.models.forward import forward
+from omnijax.models.layers import abstract_module
 from omnijax.prefill import tidekv_prefill
 from omnijax.prefill.layer_major import PrefillResult
 
@@ -176,7 +177,7 @@ def restore_module(directory: Path, component: str, stored_config: Any, dtype: s
     A `Decoder` restored on CPU stores its layers one array per layer (`Decoder.split_layers`: the decode step reads
     each layer's weights in place instead of copying them out of the stacks; the checkpoint keeps the stacks)."""
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config)))
+    graphdef, state = nnx.split(abstract_module(lambda: build(stored_config)))
     cast = dtype if dtype is not None and dtype != stored_config.dtype else None
     quantization = quantization or {}
     if quantization and cast is not None:
@@ -188,7 +189,7 @@ def restore_module(directory: Path, component: str, stored_config: Any, dtype: s
     restored = checkpoint.as_quantized(checkpoint.load_params(directory, abstract, component, dtype=cast),
                                        quantization)
     if cast is not None:
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build(stored_config.replace(dtype=cast))))
+        graphdef, state = nnx.split(abstract_module(lambda: build(stored_config.replace(dtype=cast))))
     nnx.replace_by_pure_dict(state, restored)
     module = nnx.merge(graphdef, state)
     if isinstance(module, Decoder) and jax.default_backend() in SPLIT_LAYER_BACKENDS:

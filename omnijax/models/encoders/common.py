@@ -21,6 +21,7 @@ from jax.typing import DTypeLike
 
 from omnijax.checkpoint.name_tables import Rule
 from omnijax.errors import ConfigError
+from omnijax.models.layers import abstract_module
 
 __all__ = ["ConfigAttributeError", "HF_PRETRAINED_CONFIG_ATTRIBUTES", "StackedLayers", "dense", "layer_norm",
            "linear_rules", "module_from_pure_dict", "norm_rules", "understood_attributes"]
@@ -118,7 +119,7 @@ def module_from_pure_dict(build: Callable[[], nnx.Module], params: Mapping[str, 
                           missing_message: str = "{what} {name} is missing") -> nnx.Module:
     """The module `build()` makes, holding `params` (a pure-dict tree shaped like `nnx.to_pure_dict` of it).
 
-    `build` runs abstractly (`nnx.eval_shape`), so no random initial values are drawn. Leaves are cast to `dtype`.
+    `build` runs abstractly (`abstract_module`), so no initial values are drawn. Leaves are cast to `dtype`.
 
     Args:
         build: makes the module (e.g. `lambda: AudioEncoder(config, rngs=nnx.Rngs(0))`).
@@ -132,7 +133,7 @@ def module_from_pure_dict(build: Callable[[], nnx.Module], params: Mapping[str, 
         missing_error: a leaf of the module is missing from `params` (named by its `/`-separated path).
         ValueError: a leaf has another shape than the module's.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    graphdef, state = nnx.split(abstract_module(build))
 
     def fetch(path, expected):
         keys = [getattr(k, "key", k) for k in path]
