@@ -1,11 +1,11 @@
 """Structured output for chat completions: `response_format` `json_object` / `json_schema` by constrained decoding.
 
 A request's `response_format` is parsed by `parse_response_format` (pure; a `FormatError` names the field), compiled
-against the served model's tokenizer by `compile_format` (a `Grammar`, cached per schema), and each response draws
-under a fresh `JsonConstraint` (`Grammar.constraint()`), the `omnijax.serve.engine.constraint.TokenConstraint` the
-engine asks before every token for the bitmask of the tokens that keep the output a prefix of a document the schema
-accepts; the model's end-of-answer tokens are allowed exactly when the document may end there, and the row stops
-(finish_reason "stop") once the document is complete.
+against the served model's tokenizer by `compile_format` (a `Grammar`, cached per schema and tokenizer content), and
+each response draws under a fresh `JsonConstraint` (`Grammar.constraint()`), the
+`omnijax.serve.engine.constraint.TokenConstraint` the engine asks before every token for the bitmask of the tokens
+that keep the output a prefix of a document the schema accepts; the model's end-of-answer tokens are allowed exactly
+when the document may end there, and the row stops (finish_reason "stop") once the document is complete.
 
 The grammar library is llguidance (Microsoft, MIT; a structured-output backend of vLLM, SGLang and llama.cpp;
 1.9.1 is its newest of 80+ PyPI releases), pinned in the `serve` and `test` extras and imported when a format is
@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import re
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -180,16 +182,59 @@ def _piece_bytes(piece: str, steps: list[dict]) -> bytes:
     return out if isinstance(out, bytes) else out.encode()
 
 
+_DIGESTS: weakref.WeakKeyDictionary[Tokenizer, str] = weakref.WeakKeyDictionary()
+_DIGESTS_LOCK = threading.Lock()
+
+
+class _Keyed:
+    """A tokenizer as a cache key: equal to (and hashed as) any tokenizer whose backend serialises to the same
+    `tokenizer.json` text (its SHA-256, computed once per `Tokenizer` object), so that every `Tokenizer` read from
+    the same files, in any server or caller of this process, shares one token table, one llguidance tokenizer and
+    one compiled matcher per schema. What is cached from it (token bytes, special ids, the trie, the encoder the
+    grammar calls) is a function of that serialisation alone; `tokenizer` is the first object seen, kept for
+    building. A backend changed after its first use here (`add_tokens`, ...) is outside this contract, as it is for
+    `Tokenizer.vocab_size`."""
+
+    __slots__ = ("digest", "tokenizer")
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        with _DIGESTS_LOCK:
+            digest = _DIGESTS.get(tokenizer)
+        if digest is None:  # ~0.05 s for a 152K vocabulary, outside the lock
+            digest = hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
+            with _DIGESTS_LOCK:
+                _DIGESTS[tokenizer] = digest
+        self.digest = digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Keyed) and other.digest == self.digest
+
+
 def token_bytes(tokenizer: Tokenizer, vocab_size: int = 0) -> tuple[list[bytes], frozenset[int]]:
     """`(bytes of every id below the tokenizer's size or `vocab_size`, the special ids)`: what each token writes into
     the output, read from `tokenizer.json`'s vocabulary through its decoder's per-token steps (byte-level BPE,
     SentencePiece's byte fallback and meta-space); added tokens are their text; ids without a token are empty (never
     allowed). Checked against the tokenizer's own decoding of every token that is whole UTF-8.
 
+    The table (~1 s for a 152K vocabulary) is built once per process for each `tokenizer.json` content and width
+    (the last 4 kept); each call returns its own list.
+
     Raises:
         ValueError: a decoder whose tokens cannot be mapped to bytes, or a token whose mapped bytes differ from its
             decoding.
     """
+    table, specials = _token_table(_Keyed(tokenizer), int(vocab_size))
+    return list(table), specials
+
+
+@functools.lru_cache(maxsize=4)
+def _token_table(key: _Keyed, vocab_size: int) -> tuple[tuple[bytes, ...], frozenset[int]]:
+    """`token_bytes` of `key`'s tokenizer, built (and checked) once per tokenizer content and width."""
+    tokenizer = key.tokenizer
     backend = tokenizer.backend
     steps = _decoder_steps(json.loads(backend.to_str()).get("decoder"))
     unknown = {s.get("type") for s in steps} - {"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"}
@@ -210,7 +255,7 @@ def token_bytes(tokenizer: Tokenizer, vocab_size: int = 0) -> tuple[list[bytes],
     if wrong:
         raise ValueError(f"structured output: {len(wrong)} tokens of {tokenizer.source or 'this tokenizer'} decode "
                          f"differently from their vocabulary entries, e.g. {wrong[:3]}")
-    return out, specials
+    return tuple(out), specials
 
 
 def _utf8(data: bytes) -> bool:
@@ -245,18 +290,19 @@ def _llguidance() -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
-    """llguidance's tokenizer (its token trie; ~0.5 s for 49K tokens, ~1 s for 152K), once per served tokenizer."""
+def _ll_tokenizer(key: _Keyed, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer (its token trie; ~0.5 s for 49K tokens, ~1 s for 152K), once per tokenizer content."""
     llguidance = _llguidance()
-    wrapper = llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab_size, stop_ids[0]))
+    wrapper = llguidance.TokenizerWrapper(_Vocabulary(key.tokenizer, vocab_size, stop_ids[0]))
     return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(stop_ids))
 
 
 @functools.lru_cache(maxsize=128)
-def _compiled(tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...], schema: str) -> Any:
-    """The schema's matcher at the start of a document (`llguidance.LLMatcher`), compiled once per schema."""
+def _compiled(key: _Keyed, vocab_size: int, stop_ids: tuple[int, ...], schema: str) -> Any:
+    """The schema's matcher at the start of a document (`llguidance.LLMatcher`), compiled once per schema and
+    tokenizer content."""
     llguidance = _llguidance()
-    ll = _ll_tokenizer(tokenizer, vocab_size, stop_ids)
+    ll = _ll_tokenizer(key, vocab_size, stop_ids)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     error = llguidance.LLMatcher.validate_grammar(grammar, ll)
     if error:
@@ -283,7 +329,8 @@ class Grammar:
 
 
 def compile_format(fmt: ResponseFormat, tokenizer: Tokenizer, vocab_size: int, stop_ids: Iterable[int]) -> Grammar:
-    """Compiles `fmt` for a model's tokenizer (cached per schema; blocking: call it from a worker thread).
+    """Compiles `fmt` for a model's tokenizer (cached per schema and tokenizer content; blocking: call it from a
+    worker thread).
 
     Args:
         fmt: the parsed `response_format`.
@@ -298,7 +345,7 @@ def compile_format(fmt: ResponseFormat, tokenizer: Tokenizer, vocab_size: int, s
     stops = tuple(sorted({int(t) for t in stop_ids}))
     if not stops:
         raise ValueError("structured output needs at least one stop token to end the document")
-    return Grammar(fmt, _compiled(tokenizer, int(vocab_size), stops, fmt.schema), int(vocab_size))
+    return Grammar(fmt, _compiled(_Keyed(tokenizer), int(vocab_size), stops, fmt.schema), int(vocab_size))
 
 
 class JsonConstraint:

@@ -219,6 +219,41 @@ def test_schemas_llguidance_cannot_compile_name_the_schema(served, schema, says)
     assert e.value.param == "response_format.json_schema.schema" and says in str(e.value), str(e.value)
 
 
+def test_tokenizer_tables_are_shared_by_content_only(tmp_path):
+    """The token tables, llguidance tokenizers and compiled matchers are cached per tokenizer content: two
+    `Tokenizer` objects read from the same files share one build (the caches' own miss counts); a tokenizer whose
+    files differ by one special token gets its own table, which holds that token; a caller's list is its own; the
+    tables kept are bounded. Oracle for a shared table: the same table built again, uncached, from the other
+    object."""
+    from omnijax.models.tokenizer import Tokenizer, write_tiny_tokenizer
+    from omnijax.serve import structured
+
+    def read(name: str, specials: dict[str, int]) -> Tokenizer:
+        folder = write_tiny_tokenizer(tmp_path / name, vocab_size=300, special_tokens=specials, chat_template=None)
+        return Tokenizer.from_directory(folder)
+
+    base = {"<|im_end|>": 297}
+    one, two, other = read("a", base), read("b", base), read("c", {**base, "<|x|>": 299})
+    tables, tries = structured._token_table.cache_info().misses, structured._ll_tokenizer.cache_info().misses
+    fmt = parse_response_format({"type": "json_object"})
+    first = compile_format(fmt, one, 300, [297])
+    second = compile_format(fmt, two, 300, [297])
+    assert second._matcher is first._matcher  # one compiled matcher for the same content
+    assert structured._ll_tokenizer.cache_info().misses == tries + 1
+    mine, specials = token_bytes(two, 300)
+    assert structured._token_table.cache_info().misses == tables + 1  # built for `one`'s trie, reused for `two`
+    fresh = structured._token_table.__wrapped__(structured._Keyed(two), 300)  # built again, uncached, for `two`
+    assert (mine, specials) == (list(fresh[0]), fresh[1])
+    assert mine[297] == b"<|im_end|>" and specials == {297} and mine[299] == b""  # no token 299 in these files
+    mine[0] = b"changed"
+    assert token_bytes(one, 300)[0][0] == one.decode([0]).encode() != b"changed"  # the cached table is untouched
+    theirs, their_specials = token_bytes(other, 300)
+    assert structured._token_table.cache_info().misses == tables + 2
+    assert theirs[299] == b"<|x|>" and their_specials == {297, 299}
+    assert compile_format(fmt, other, 300, [297])._matcher is not first._matcher
+    assert structured._token_table.cache_info().currsize <= structured._token_table.cache_info().maxsize == 4
+
+
 # Through the official openai SDK against the demo server (random weights: the answers are garbage, but constrained).
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -236,7 +271,8 @@ def server():
     from omnijax.decoding import RowSampling
     from tests._support.demo_server import demo_server
 
-    with demo_server(decoding=RowSampling(seed=7)) as running:
+    # two rows: the clients below send one request at a time, with at most n=2 choices
+    with demo_server(decoding=RowSampling(seed=7), buckets=(2,)) as running:
         running.client = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
         yield running
 
