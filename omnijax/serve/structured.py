@@ -243,8 +243,15 @@ def _token_table(key: _Keyed, vocab_size: int) -> tuple[tuple[bytes, ...], froze
                          f"bytes: its decoder has {sorted(map(str, unknown))}")
     added = backend.get_added_tokens_decoder()
     out = [b""] * max(tokenizer.vocab_size, vocab_size)
-    for piece, i in backend.get_vocab(with_added_tokens=False).items():
-        out[i] = _piece_bytes(piece, steps)
+    vocab = backend.get_vocab(with_added_tokens=False)
+    if [step.get("type") for step in steps] == ["ByteLevel"] and _BYTES.keys() >= set("".join(vocab)):
+        # byte-level BPE alone (Qwen's, SmolLM2's, GPT-2's) and every piece in its alphabet: `_piece_bytes`' own
+        # ByteLevel step, without its per-piece checks (~3x faster on 152K pieces)
+        for piece, i in vocab.items():
+            out[i] = piece.translate(_TO_LATIN1).encode("latin-1")
+    else:
+        for piece, i in vocab.items():
+            out[i] = _piece_bytes(piece, steps)
     for i, token in added.items():
         out[i] = token.content.encode()
     specials = frozenset(i for i, t in added.items() if t.special)

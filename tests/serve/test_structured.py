@@ -219,6 +219,35 @@ def test_schemas_llguidance_cannot_compile_name_the_schema(served, schema, says)
     assert e.value.param == "response_format.json_schema.schema" and says in str(e.value), str(e.value)
 
 
+def test_token_bytes_of_a_sentencepiece_style_tokenizer():
+    """The decoders besides byte-level BPE (Llama 2's and Mistral's kind: `▁` for a space, `<0xNN>` byte-fallback
+    tokens, fused, the first space stripped): named pieces map to their bytes, and random sequences of tokens (byte
+    tokens in whole UTF-8 pairs) concatenate to what the tokenizer decodes."""
+    import tokenizers
+
+    from omnijax.models.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("\u2581hello", "\u2581world", "\u2581", "ello", "wor", "ld", "h", "é", "\u2581{", "}"):
+        vocab[piece] = len(vocab)
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    D = tokenizers.decoders
+    backend.decoder = D.Sequence([D.Replace("\u2581", " "), D.ByteFallback(), D.Fuse(), D.Strip(" ", 1, 0)])
+    tokenizer = Tokenizer(backend)
+    tokens, specials = token_bytes(tokenizer)
+    assert specials == {0, 1, 2} and len(tokens) == len(vocab)
+    named = (tokens[vocab["\u2581hello"]], tokens[vocab["<0x41>"]], tokens[vocab["é"]])
+    assert named == (b" hello", b"A", "é".encode())
+    units = [[vocab[p]] for p in vocab if not p.startswith("<")] + [[vocab["<0xC3>"], vocab["<0xA9>"]],
+                                                                    [vocab["<0x41>"]], [vocab["<0x0A>"]]]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = [i for k in rng.integers(len(units), size=6) for i in units[k]]
+        text = b"".join(tokens[i] for i in ids).decode()
+        assert tokenizer.decode(ids) == (text[1:] if text.startswith(" ") else text), ids
+
+
 def test_tokenizer_tables_are_shared_by_content_only(tmp_path):
     """The token tables, llguidance tokenizers and compiled matchers are cached per tokenizer content: two
     `Tokenizer` objects read from the same files share one build (the caches' own miss counts); a tokenizer whose
