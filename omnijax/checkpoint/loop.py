@@ -1,10 +1,15 @@
 """The conversion loop every model type shares: validate the whole checkpoint against its components' tables (from
 headers only), then write every tensor, transformed and cast, straight into its parameter's storage
-(`omnijax.checkpoint.staged`), so resident memory stays near the largest single tensor whatever the model size."""
+(`omnijax.checkpoint.staged`), so resident memory stays near the largest single tensor whatever the model size.
+
+The main thread reads tensors (into a few reused buffers, `_ReadBuffers`) and hands their blocks over; the writer
+threads of `omnijax.checkpoint.staged.ChunkWrites` transpose, cast and write them, so on a machine with a free core
+the transposes overlap the reads and each other."""
 
 from __future__ import annotations
 
 import collections
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +21,7 @@ import tqdm
 from omnijax.checkpoint import name_tables as tables
 from omnijax.checkpoint.name_tables import Component
 from omnijax.checkpoint.safetensors import ReadBuffer, SafetensorsCheckpoint
-from omnijax.checkpoint.staged import staged_tree
+from omnijax.checkpoint.staged import IN_FLIGHT_BLOCKS, ChunkWrites, FileBytes, staged_tree
 from omnijax.errors import TensorError
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -48,35 +53,80 @@ def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Compone
                               f"{', '.join(FLOAT_SOURCE_DTYPES)}")
     target = NP_DTYPES[dtype]
     staging_dir.mkdir(parents=True, exist_ok=True)
-    trees = {}
+    trees, writes = {}, ChunkWrites()  # one set of writer threads for every component
     for c in components:
         leading = {rule.path.replace("/", "."): len(c.leading(rule)) for rule in c.active_rules()}
-        trees[c.name] = staged_tree(staging_dir / c.name, tables.param_shapes(c), leading, target)
+        trees[c.name] = staged_tree(staging_dir / c.name, tables.param_shapes(c), leading, target, writes)
     source_dtypes = collections.Counter()
-    buffer = ReadBuffer()
-    for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
-        if name in plan.assign:
-            source_dtypes[ckpt.info(name).dtype] += 1
-            # fill casts and writes the tensor in blocks into its final storage
-            tables.fill(trees, name, _source(ckpt, name, plan.assign[name][1], target, buffer), plan)
+    buffers = _ReadBuffers(writes)
+    try:
+        for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
+            if name in plan.assign:
+                source_dtypes[ckpt.info(name).dtype] += 1
+                # fill hands the tensor's blocks to the writer threads, which cast and write them into its storage
+                tables.fill(trees, name, _source(ckpt, name, plan.assign[name][1], target, buffers), plan)
+                buffers.handed_over()
+        writes.wait(0)
+    except BaseException:
+        writes.abandon()  # no file is written after the caller has removed the staging directory
+        raise
     return trees, plan, source_dtypes
 
 
 def _source(ckpt: SafetensorsCheckpoint, name: str, rule: tables.Rule, target: np.dtype,
-            buffer: ReadBuffer) -> np.ndarray:
-    """The tensor `name` as `fill` takes it: read into `buffer` when `fill` copies it anyway (a transform that is not
-    a C-ordered view, or a cast), so the copy reads from memory that transposes quickly (see `ReadBuffer`);
-    otherwise memory-mapped, written to its storage as it lies. The buffer's contents are never handed on: the
-    copies `fill` makes are complete when it returns, and the next tensor may overwrite it. Other sources (a GGUF
-    file's dequantised tensors, already in memory) are read as they read."""
+            buffers: _ReadBuffers) -> np.ndarray | FileBytes:
+    """The tensor `name` as `fill` takes it, read-only (its blocks are then cast and copied by the writer threads,
+    which it must outlive unchanged): read into one of `buffers` when `fill` copies it anyway (a transform that is
+    not a C-ordered view, or a cast), so the copy reads from memory that transposes quickly (see `ReadBuffer`);
+    otherwise memory-mapped, written to its storage as it lies. Other sources (a GGUF file's dequantised tensors,
+    already in memory) are read as they read."""
     if not isinstance(ckpt, SafetensorsCheckpoint):
         return ckpt.read(name)
     info = ckpt.info(name)
     if info.np_dtype == target and tables.TRANSFORMS[rule.transform](_layout(info)).flags.c_contiguous:
-        # written as it lies: a small tensor is read into its own array (cheaper than mapping it), a large one mapped
-        return ckpt.read_into(name, np.empty(info.shape, info.np_dtype)) if info.nbytes <= _SMALL_BYTES \
-            else ckpt.read(name)
-    return ckpt.read_into(name, buffer.array(info.shape, info.np_dtype))
+        # written as it lies: a small tensor is read into its own array (cheaper than mapping it), a large one
+        # copied file to file by the kernel (on Linux; elsewhere mapped and written from the mapping)
+        if info.nbytes > _SMALL_BYTES:
+            if _KERNEL_COPY and rule.transform is None:
+                return FileBytes(info.path, info.offset, info.shape, info.np_dtype)
+            return ckpt.read(name)
+        array = ckpt.read_into(name, np.empty(info.shape, info.np_dtype))
+    else:
+        array = ckpt.read_into(name, buffers.array(info.shape, info.np_dtype))
+    array.flags.writeable = False  # unchanged until written: the buffer is reused only after its writes are done
+    return array
+
+
+# Read buffers: one per block the writer threads may hold, plus the one being read. A tensor larger than
+# `_ALONE_BYTES` is read alone (the writes of the others finished and their buffers dropped), so the buffers hold at
+# most max(the largest tensor read, their count x `_ALONE_BYTES`).
+_READ_BUFFERS = IN_FLIGHT_BLOCKS + 1
+_ALONE_BYTES = 32 << 20
+
+
+class _ReadBuffers:
+    """`ReadBuffer`s used in turn, each reused only once the writer threads are done with the blocks handed over
+    from it (`ChunkWrites.mark` / `wait_for`)."""
+
+    def __init__(self, writes: ChunkWrites):
+        self._writes = writes
+        self._buffers = [ReadBuffer() for _ in range(_READ_BUFFERS)]
+        self._marks = [0] * _READ_BUFFERS
+        self._turn = 0
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The next buffer as an array of `shape` and `dtype`, once the blocks of its previous tensor are written."""
+        self._turn = (self._turn + 1) % len(self._buffers)
+        if math.prod(shape) * np.dtype(dtype).itemsize > _ALONE_BYTES:
+            self._writes.wait(0)
+            self._buffers = [b if i == self._turn else ReadBuffer() for i, b in enumerate(self._buffers)]
+        else:
+            self._writes.wait_for(self._marks[self._turn])
+        return self._buffers[self._turn].array(shape, dtype)
+
+    def handed_over(self) -> None:
+        """Records that the last tensor read has been handed to the writer threads."""
+        self._marks[self._turn] = self._writes.mark()
 
 
 def _layout(info) -> np.ndarray:
@@ -89,6 +139,10 @@ def _layout(info) -> np.ndarray:
 
 
 _SMALL_BYTES = 1 << 20
+# os.sendfile copies a file into a file on Linux only (elsewhere its destination must be a socket): the SmolLM2
+# embedding's 108 MB took 0.035 s of CPU copied so, against 0.07 s mapped and written from the mapping (which also
+# made the mapped pages resident in this process)
+_KERNEL_COPY = sys.platform.startswith("linux")
 
 
 def log_skipped(skipped: dict[str, int], speech_prefixes: Sequence[str], log: Callable[[str], None]) -> None:

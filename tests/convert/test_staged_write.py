@@ -72,7 +72,7 @@ def test_orbax_restores_what_is_written_and_writes_the_same_metadata(tmp_path):
 
 def test_staged_writes_refuse_what_is_not_a_whole_leading_row(tmp_path):
     context = staged.ts.Context({"file_io_sync": False})
-    array = staged.StagedArray(tmp_path / "a", (2, 4, 3), np.float32, 1, context, staged._Writes())
+    array = staged.StagedArray(tmp_path / "a", (2, 4, 3), np.float32, 1, context, staged.ChunkWrites())
     with pytest.raises(ValueError, match=r"one index of each of the 1 leading axes of shape \(2,\), not \[\]"):
         array[()] = np.zeros((2, 4, 3), np.float32)
     with pytest.raises(ValueError, match=r"not \[2\]"):
