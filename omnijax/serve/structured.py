@@ -242,8 +242,9 @@ def _token_table(key: _Keyed, vocab_size: int) -> tuple[tuple[bytes, ...], froze
         raise ValueError(f"structured output cannot map the tokens of {tokenizer.source or 'this tokenizer'} to "
                          f"bytes: its decoder has {sorted(map(str, unknown))}")
     added = backend.get_added_tokens_decoder()
-    out = [b""] * max(tokenizer.vocab_size, vocab_size)
     vocab = backend.get_vocab(with_added_tokens=False)
+    # `tokenizer.vocab_size` (1 + the largest id, ordinary or added) from the dictionary at hand, not a second one
+    out = [b""] * max(1 + max([*vocab.values(), *added], default=-1), vocab_size)
     if [step.get("type") for step in steps] == ["ByteLevel"] and _BYTES.keys() >= set("".join(vocab)):
         # byte-level BPE alone (Qwen's, SmolLM2's, GPT-2's) and every piece in its alphabet: `_piece_bytes`' own
         # ByteLevel step, without its per-piece checks (~3x faster on 152K pieces)
