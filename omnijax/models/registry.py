@@ -13,6 +13,7 @@ from pathlib import Path
 from flax import nnx
 
 from omnijax.checkpoint import format as checkpoint
+from omnijax.heap import trim_heap
 from omnijax.models.config import DecoderConfig, validate_config
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import FAMILIES, Family, OmniModel, family_for
@@ -81,6 +82,7 @@ def _with_tokenizer(model, directory: Path):
     """Sets `model.tokenizer` from the directory's tokenizer files; warns once when there are none."""
 
     tokenizer = load_tokenizer(directory)
+    trim_heap()  # parsing tokenizer.json frees ~34 MB (SmolLM2's) that glibc would otherwise keep resident
     defaults = model.family.template_defaults
     # every rendering (Chat, the server's routes, duplex, evaluation) gets the family's template variables, e.g.
     # MiniCPM-o 4.5's enable_thinking=False, unless its caller passes its own

@@ -22,6 +22,7 @@ from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.compilation_cache import cached_jit
 from omnijax.decoding import DecodingStrategy, seed_of
+from omnijax.heap import trim_heap
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel, family_of
@@ -108,6 +109,11 @@ _scan_owned = cached_jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=
 # every seed runs the same program.
 _empty_state = cached_jit(init_state, static_argnames=("config", "num_pages", "page_size", "batch", "max_pages",
                                                        "start_pos", "kv_dtype"))
+
+
+def _programs(function: Any) -> int:
+    """The programs a `cached_jit` function holds in this process (grows when a call compiles or loads one)."""
+    return function._cache_size()
 
 
 def _seed_array(seed: int) -> np.ndarray:
@@ -250,14 +256,21 @@ class Session:
         self._step_config = self.stream_config.replace(recall=None)
         self._recall = None if self.stream_config.recall is None else new_recall_session(
             self.stream_config, self.config, num_pages=num_pages, batch=batch)
-        state = jax.tree.map(jnp.copy, state) if state is not None else _empty_state(
-            self.config, num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
-            seed=_seed_array(seed_of(self.stream_config.decoding)), kv_dtype=self.stream_config.kv_dtype)
         # Commit inputs to the device once: a step's outputs are committed, and feeding uncommitted arrays to the
         # first call would otherwise compile the step a second time on the second call.
         device = jax.devices()[0]
         self._params = jax.device_put(self._params, device)
-        self.state = jax.device_put(state, device)
+        self._empty: dict[str, Any] | None = dict(
+            num_pages=num_pages, page_size=self.stream_config.page_size, batch=batch,
+            seed=_seed_array(seed_of(self.stream_config.decoding)), kv_dtype=self.stream_config.kv_dtype)
+        self._state: StreamState | None = None
+        if state is not None or self._recall is not None or quick_start:
+            self.state = jax.device_put(jax.tree.map(jnp.copy, state), device) if state is not None \
+                else self._new_state()
+        else:  # the pool is allocated by the first `feed` once its step has compiled (`_compile_before_pool`), or by
+            # the first read of `session.state`; its shapes are traced now (no program, no memory), so a pool
+            # `init_state` refuses is refused here
+            self._shapes = _empty_state.jitted.eval_shape(self.config, **self._empty)
         if self._recall is not None:
             self._recall.start(self.state)
             if tier is not None:
@@ -273,6 +286,42 @@ class Session:
                                       self._step_config.max_answer_tokens) if quick_start else None
         # the exhaustion flags (sticky) of steps not yet read, oldest first; None once a drop has been warned about
         self._unread: collections.deque | None = collections.deque()
+
+    @property
+    def state(self) -> StreamState:
+        """The session's `StreamState` (its KV pool allocated on first use: see `feed`)."""
+        if self._state is None:
+            self._state = self._new_state()
+        return self._state
+
+    @state.setter
+    def state(self, value: StreamState) -> None:
+        self._state = value
+
+    def _new_state(self) -> StreamState:
+        """The empty state: its program's compile memory is given back before the pool is used."""
+        assert self._empty is not None
+        programs = _programs(_empty_state)
+        state = _empty_state(self.config, **self._empty)
+        if _programs(_empty_state) != programs:
+            trim_heap()
+        self._empty = None
+        return jax.device_put(state, jax.devices()[0])
+
+    def _compile_before_pool(self, step: Any, args: tuple, kwargs: dict) -> None:
+        """A new session's first `feed`: compiles its step against the shapes of the state, gives the compiler's
+        freed memory back to the system (`omnijax.heap.trim_heap`), then allocates the pool. The process's peak is
+        the larger of the compile's and the pool's, not their sum (SmolLM2-135M: a 107 MB pool beside a compile
+        that peaks ~140 MB above the weights). A step already compiled in this process is not traced again."""
+        if _programs(step) == 0:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device,
+                                                                   weak_type=a.weak_type), self._shapes)
+            args = (*args[:2], abstract, *args[3:])
+            if not step.precompile(*args, **kwargs):  # (no kept executables: jax's own cache holds it)
+                step.jitted.lower(*args, **kwargs).compile()
+            trim_heap()
+        self._state = self._new_state()
 
     def __getattr__(self, name):
         # The settings read as attributes (`session.policy`, `session.max_answer_tokens`, ...).
@@ -309,12 +358,18 @@ class Session:
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         more = {"tap_answer": True} if tap_answer else {}  # (the kept program's key unchanged without it)
         step = _step
+        if self._state is None:
+            self._compile_before_pool(step, (self._graphdef, self._params, None, chunk),
+                                      dict(config=config, tap=tap, **more))
+        programs = _programs(step)
         if quick is not None and quick.untrimmed_step(
                 chunk, (self._graphdef, self._params, self.state, chunk), dict(config=config, tap=tap, **more)):
             step = _untrimmed_step
         self.state, out = step(self._graphdef, self._params, self.state, chunk, config=config, tap=tap, **more)
         if step is _untrimmed_step:
             quick.compile_after(out)  # the full step, once this step's outputs are computed
+        elif _programs(step) != programs:
+            trim_heap()  # this call compiled a step: the compiler's freed memory goes back to the system
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():
@@ -328,8 +383,9 @@ class Session:
     def _checked(self, chunk: Chunk, config: StreamConfig) -> Chunk:
         chunks_lib.validate(chunk, self.config, max_answer_tokens=self.stream_config.max_answer_tokens,
                             stacked=False, decoding=config.decoding)
-        if chunk.token_ids.shape[0] != self.state.kv.batch:
-            raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {self.state.kv.batch}")
+        batch = self._empty["batch"] if self._state is None and self._empty is not None else self.state.kv.batch
+        if chunk.token_ids.shape[0] != batch:
+            raise ValueError(f"chunk batch {chunk.token_ids.shape[0]} != session batch {batch}")
         # on the device as it is (`jnp.asarray` of a numpy array compiles a program per shape and dtype)
         return jax.device_put(chunk)
 

@@ -198,6 +198,7 @@ LAYERS = (
     ("omnijax._checks", "omnijax._deprecation", "omnijax._version", "omnijax.errors", "omnijax.registry",
      "omnijax.decoding", "omnijax.logits_processors", "omnijax.stop_strings",
      "omnijax.compilation_cache", "omnijax.kept_executables", "omnijax.compile_origin", "omnijax.source_keys",
+     "omnijax.heap",
      "omnijax.kernels",
      "omnijax.chunks", "omnijax.media"),  # L0: no model, no cache
     ("omnijax.kv",),  # L1: the paged cache and attention over it
