@@ -24,6 +24,9 @@ from omnijax.models.decoder import Decoder
 from omnijax.streaming.session import Session
 
 PAGES, PAGE_SIZE, WIDTH = 7, 16, 24
+if len(sys.argv) > 1:  # a cache directory: the step is kept as a serialised executable there
+    from omnijax.compilation_cache import enable
+    enable(sys.argv[1])
 config = TINY_OMNI.replace(num_layers=2)
 pool_shape = (config.num_layers, PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim)
 compiles = []  # at each backend compile of a session's program: its name, and whether a pool array is alive
@@ -50,15 +53,19 @@ eager.state  # the pool first, then the step (already compiled above)
 want = run(eager)
 print(json.dumps({"pool_at_start": pool_at_start, "compiles": first, "after": compiles[len(first):],
                   "same": all(np.array_equal(a, b) for a, b in zip(got, want)),
-                  "shape": list(deferred.state.kv.k.shape)}))
+                  "shape": list(deferred.state.kv.k.shape), "logits": got[-1][0, :8].tolist()}))
 """
 
 
-def test_the_step_compiles_before_the_pool_exists_and_only_once():
-    run = subprocess.run([sys.executable, "-c", _RUN], capture_output=True, text=True, timeout=600,
+def _run(*args: str) -> dict:
+    run = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMNIJAX_COMPILATION_CACHE": "off"})
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_the_step_compiles_before_the_pool_exists_and_only_once():
+    got = _run()
     assert got["pool_at_start"] is False  # a new session holds no pool until its first feed
     # the step first, with no pool alive (before this change: the empty state at construction, then the step beside
     # the pool), then the empty state; each once: the step compiled against the state's shapes is the one the call
@@ -67,3 +74,12 @@ def test_the_step_compiles_before_the_pool_exists_and_only_once():
     assert got["after"] == []  # the second session compiles nothing
     assert got["same"]  # the same logits as the session whose pool was allocated first
     assert got["shape"][1] == 7
+
+
+def test_with_kept_executables_the_step_compiled_before_the_pool_is_the_one_kept(tmp_path):
+    """With the compilation cache on, the step compiled against the state's shapes is the executable kept on disk:
+    compiled once in the first process, loaded (nothing compiled) by the next, with the same logits."""
+    first, second = _run(str(tmp_path)), _run(str(tmp_path))
+    assert first["compiles"] == [["jit(_step)", False], ["jit(init_state)", False]], first
+    assert second["compiles"] == [] and second["pool_at_start"] is False
+    assert first["same"] and second["same"] and first["logits"] == second["logits"]
