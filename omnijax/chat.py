@@ -104,10 +104,12 @@ class Chat:
             `{"enable_thinking": True}` for thinking).
         speech_media_bytes: the most bytes of thinker rows kept for the talker at media placeholders of user turns
             (see the module's docstring); beyond it spoken answers are refused.
-        quick_start: the session's first steps run without the retention policy's trim while the full step compiles
-            in another thread (`Session(quick_start=True)`: the same answers). Off by default: on SmolLM2 it has not
-            yet brought the first token of a process with an empty cache sooner (`omnijax.streaming.quick_start`).
-            Refused with recall.
+        quick_start: the session's first steps run without the retention policy's trim, in a program compiled
+            quickly (LLVM optimisation off), while the full step compiles in another thread
+            (`Session(quick_start=True)`: the same answers, logits to float32 rounding). For a new process with an
+            empty compilation cache: SmolLM2's first token ~2x sooner (`bench/peers/RESULTS.md`, first_token). Off
+            by default: two programs compiled instead of one, and the process exits once the worker's compile has
+            ended (`omnijax.streaming.quick_start`). Refused with recall.
     """
 
     def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,

@@ -20,7 +20,7 @@ import warnings
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +251,10 @@ class CachedJit:
     (it may be such a copy). Files are written atomically; one that cannot be read is removed, compiled again and
     replaced.
 
+    `compiler_options` (by platform, e.g. `{"cpu": {"xla_backend_optimization_level": 0}}`): XLA options every
+    program of this function compiles with on that platform (`jax.stages.Lowered.compile`'s); they are in its key.
+    A call the plain jit serves (above) compiles without them: the same computation, XLA's default code.
+
     `fun` must be a plain named function (a bound method, a `functools.partial`, a callable object or a lambda is
     refused: its key would not hold their state, and a module's lambdas share one name). Values a closure captures
     are not in the key either: capture only what does not change the program.
@@ -265,7 +269,8 @@ class CachedJit:
     MAX_PROGRAMS = 256
 
     def __init__(self, fun: Callable, *, static_argnames: str | Iterable[str] = (),
-                 donate_argnames: str | Iterable[str] = ()):
+                 donate_argnames: str | Iterable[str] = (),
+                 compiler_options: Mapping[str, Mapping[str, Any]] | None = None):
         if not inspect.isfunction(fun) or fun.__name__ == "<lambda>":  # (a bound method or a partial is no function)
             # the key names the function and hashes its sources, not the state a bound method, a partial or a
             # callable object carries (two such objects of different state would share each other's programs), and
@@ -278,6 +283,7 @@ class CachedJit:
         self.donate_argnames = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
         self.jitted = jax.jit(fun, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
         self.signature = inspect.signature(fun)
+        self.compiler_options = {platform: dict(options) for platform, options in (compiler_options or {}).items()}
         self.name = f"{fun.__module__}.{fun.__qualname__}"
         self.loaded: OrderedDict[Any, Any] = OrderedDict()  # key -> executable (or None: the plain jit), LRU order
         self.lock = threading.Lock()
@@ -438,6 +444,10 @@ class CachedJit:
             digest = hashlib.sha256(digest + own).digest()
         return digest
 
+    def _options(self) -> dict[str, Any]:
+        """The XLA options of this platform's compiles (`compiler_options`; none for another platform)."""
+        return self.compiler_options.get(_default_device().platform, {}) if self.compiler_options else {}
+
     def _disk_key(self, static: tuple, treedef: Any, signature: tuple) -> str | None:
         try:
             static_bytes = pickle.dumps(static, protocol=5)
@@ -446,7 +456,9 @@ class CachedJit:
         if b" at 0x" in static_bytes:  # an object identified by its address in this process only
             return None
         digest = hashlib.sha256()
-        for part in (process_key(), self._sources(static_bytes, treedef), self.name.encode(),
+        options = self._options()
+        keyed_options = (repr(sorted(options.items())).encode(),) if options else ()  # none: the key as before
+        for part in (*keyed_options, process_key(), self._sources(static_bytes, treedef), self.name.encode(),
                      repr(self.donate_argnames).encode(), static_bytes, str(treedef).encode(),
                      repr([(a.shape, str(a.dtype), getattr(a, "weak_type", False))
                            for a in map(_aval, signature)]).encode()):
@@ -482,8 +494,9 @@ class CachedJit:
                               "compiling the program again", RuntimeWarning, stacklevel=3)
                 path.unlink(missing_ok=True)  # replaced below unless jax's in-memory cache answers the compile
         lowered = self.jitted.lower(*args, **kwargs)
+        options = self._options()
         with watch_compile() as origin:
-            executable = lowered.compile()
+            executable = lowered.compile(compiler_options=options) if options else lowered.compile()
         self.stats["compiled"] += 1
         if origin.source == "memory":  # jax's in-memory cache answered: perhaps a copy without kernels
             self.stats["reused"] += 1
@@ -509,9 +522,12 @@ class CachedJit:
 
 
 def cached_jit(fun: Callable | None = None, *, static_argnames: str | Iterable[str] = (),
-               donate_argnames: str | Iterable[str] = ()) -> Any:
+               donate_argnames: str | Iterable[str] = (),
+               compiler_options: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
     """`CachedJit` as a function or a decorator: `cached_jit(f, static_argnames=...)` or
     `@cached_jit(static_argnames=...)`."""
     if fun is None:
-        return lambda f: CachedJit(f, static_argnames=static_argnames, donate_argnames=donate_argnames)
-    return CachedJit(fun, static_argnames=static_argnames, donate_argnames=donate_argnames)
+        return lambda f: CachedJit(f, static_argnames=static_argnames, donate_argnames=donate_argnames,
+                                   compiler_options=compiler_options)
+    return CachedJit(fun, static_argnames=static_argnames, donate_argnames=donate_argnames,
+                     compiler_options=compiler_options)

@@ -414,3 +414,24 @@ def test_a_function_outside_omnijax_is_keyed_by_every_module_of_the_package(monk
     assert asked[-1] == set(graph.files)
     compilation_cache.cached_jit(paged.release_pages)._sources(pickle.dumps((), protocol=5), treedef)
     assert paged.__name__ in asked[-1] and asked[-1] < set(graph.files)
+
+
+def test_compiler_options_reach_xla_key_the_program_and_apply_on_their_platform_only(cache_dir):
+    """`compiler_options` (by platform) are XLA's: one it does not know is refused by XLA itself, so they reach the
+    compile; a program compiled with them computes what the plain jit does and is kept under a key of its own; options
+    for another platform leave the key as it is without them."""
+    platform = jax.devices()[0].platform
+    x, y = jnp.arange(6.0), jnp.full(6, 0.5)
+    bad = compilation_cache.cached_jit(_f, static_argnames="power", compiler_options={platform: {"no_such_option": 1}})
+    with pytest.raises(Exception, match="no_such_option"):
+        bad(x, y, power=2)
+    quick = compilation_cache.cached_jit(_f, static_argnames="power",
+                                         compiler_options={platform: {"xla_backend_optimization_level": 0}})
+    plain = compilation_cache.cached_jit(_f, static_argnames="power")
+    other = compilation_cache.cached_jit(_f, static_argnames="power",
+                                         compiler_options={"no_such_platform": {"no_such_option": 1}})
+    for kept in (quick, plain, other):
+        np.testing.assert_array_equal(kept(x, y, power=2), x ** 2 + 0.5)
+    assert quick.stats["compiled"] == plain.stats["compiled"] == 1
+    assert other.stats["compiled"] == 0 and other.stats["loaded"] == 1  # plain's program: the same key
+    assert len(list((cache_dir / "executables").glob("*/*.exe"))) == 2  # quick's and plain's

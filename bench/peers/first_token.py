@@ -226,8 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", help="the GGUF file (default: the installed SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--rounds", type=int, default=5, help="runs per side (alternating order)")
     p.add_argument("--quick-start", action="store_true",
-                   help="the omnijax sides' Chat runs its first steps untrimmed while the full step compiles "
-                        "(Chat(quick_start=True), omnijax.streaming.quick_start)")
+                   help="the omnijax sides' Chat runs its first steps untrimmed, compiled quickly, while the full "
+                        "step compiles (Chat(quick_start=True), omnijax.streaming.quick_start)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)  # one chat turn in this process
     p.add_argument("--models", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -17,6 +18,7 @@ from jax.typing import DTypeLike
 from omnijax.kernels.quant import QuantizedWeight, qmatmul
 
 _shapes_only = contextvars.ContextVar("omnijax_shapes_only", default=False)
+_padded_rows = contextvars.ContextVar("omnijax_padded_rows", default=False)
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 
 
@@ -72,6 +74,21 @@ class LayerWeight:
     weights: tuple[jnp.ndarray | QuantizedWeight, ...]
 
 
+@contextlib.contextmanager
+def padded_one_row_products() -> Iterator[None]:
+    """While tracing inside it, a one-row product over per-layer weights (`LayerWeight`: a decode step) is padded to
+    two rows, so XLA:CPU runs its precompiled library matmul instead of emitting a matrix-vector kernel per layer
+    and projection: the quick-compile program of `omnijax.streaming.quick_start` (SmolLM2-135M's step, LLVM
+    optimisation off: 3.1 vs 5.0 CPU s to compile, ~1.2x the run time). The products equal the unpadded ones up to
+    float32 rounding. Read at trace time only: a function traced inside it is its own jit (no inner `jax.jit`
+    between it and `linear`, whose cached trace would not know the setting)."""
+    token = _padded_rows.set(True)
+    try:
+        yield
+    finally:
+        _padded_rows.reset(token)
+
+
 def _plain_matmul(w: object, spec: str) -> bool:
     """Whether `einsum(spec, x, w)` is `_dot_last(x, w)`: a float `[in, out]` weight and a spec contracting x's last
     axis with w's first, the output x's other axes then w's last (every spec the decoder passes)."""
@@ -101,7 +118,10 @@ def linear(x: jnp.ndarray, w: jnp.ndarray | QuantizedWeight | LayerWeight,
         # One row (a decode step) stays one row: XLA:CPU emits each branch's matrix-vector product as its own
         # kernel, which streams the weights ~1.6x faster than its library matmul runs the row padded to two (SmolLM2
         # decode: 38.8 vs 61.2 CPU ms per token), for ~5 CPU s more compile per step program
-        # (`bench/peers/RESULTS.md`, decode_profile.py).
+        # (`bench/peers/RESULTS.md`, decode_profile.py). Inside `padded_one_row_products` (a quick compile) it is
+        # padded to two rows: the library matmul, nothing emitted per branch.
+        if _padded_rows.get() and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1:
+            return linear(jnp.concatenate([x, x], axis=0), w, spec)[:1]
         return jax.lax.switch(w.index, [functools.partial(_dot_last, w=one) if _plain_matmul(one, spec)
                                         else functools.partial(linear, w=one, spec=spec) for one in w.weights], x)
     if isinstance(w, QuantizedWeight):

@@ -1,27 +1,35 @@
-"""A session's first steps without the trim, while its full step compiles in another thread (`QuickStart`).
+"""A session's first steps without the trim and compiled quickly, while its full step compiles in another thread
+(`QuickStart`).
 
-From an empty compilation cache, a new process's first token waits for XLA to compile the step, and the retention
-policy's trim is part of that compile. A session's steps cannot trim while no row holds more cells than the policy
-keeps untrimmed (`omnijax.retention.base.untrimmed_capacity`; a chat's system prompt and first question): those
-steps run `chunk_step(..., trim=False)`, which computes what the full step computes whenever the trim does not fire
-(the trim is a `lax.cond` that passes the cache through; logits and tokens bit-equal on SmolLM2 and in
-`tests/streaming/test_quick_start.py`). After each such step, once its outputs are computed, a worker thread
-compiles the full step for its arguments (`CachedJit.precompile` from their shapes: the arrays themselves are
-donated to the steps); started before, it competed with the step for the cores. A step whose full program is ready
+From an empty compilation cache, a new process's first token waits for XLA to compile the step: on SmolLM2-135M
+(30 split layers) ~2 CPU s tracing, ~1 s lowering and ~10.6 CPU s of XLA:CPU compile, most of it LLVM optimising
+and emitting a matrix-vector kernel for each layer's one-row products (a decode step). A session's steps cannot trim
+while no row holds more cells than the policy keeps untrimmed (`omnijax.retention.base.untrimmed_capacity`; a chat's
+system prompt and first question): those steps run `chunk_step(..., trim=False)`, which computes what the full step
+computes whenever the trim does not fire (the trim is a `lax.cond` that passes the cache through), and that program
+is compiled for a quick start rather than speed (`QUICK_COMPILE`: LLVM's optimisation and XLA:CPU's fusion emitters
+off; its one-row products padded to two rows, `omnijax.models.layers.padded_one_row_products`, so XLA:CPU calls its
+library matmul instead of emitting a kernel per layer and projection): 3.1 instead of 10.6 CPU s to compile the
+SmolLM2 step, ~1.5x its run time. Its code differs, not its computation: tokens equal, logits and cached
+keys / values to float32 rounding (`tests/streaming/test_quick_start.py`; SmolLM2's answers equal in the bench).
+
+After each such step, once its outputs are computed, a worker thread at the lowest scheduling priority compiles the
+full step for its arguments (`CachedJit.precompile` from their shapes: the arrays themselves are donated to the
+steps); started before, it competed with the step for the cores. A step whose full program is ready
 (`CachedJit.ready`: held, or kept on disk as a serialised executable) runs it, and so does every step once the cells
 may exceed the capacity, waiting for the worker's compile where it has not ended. Without kept executables there is
-no quick start (a worker could not hold the full step for the next call).
+no quick start (a worker could not hold the full step for the next call). A process that ends while the worker
+compiles waits for it (the full step is then kept for the next process).
 
-Measured (`bench/peers/first_token.py --quick-start` against the default, SmolLM2-135M, OmniPick 512 / 384, back to
-back on 2 cores, 2026-12-07): the untrimmed step compiles in 5.2-6.6 s against 6.9-7.6 s for the full step; a
-process with an empty cache reached its first token in 15.1-17.2 s / 20.2-22.8 CPU s with quick start against
-16.1-17.3 s / 22.0-23.8 CPU s without (about 2 CPU s, the wall within noise). One bench run of the kept side, after
-a priming process that used quick start, aborted at exit ("terminate called after throwing an instance of ''") and
-was not reproduced since. So `Chat` leaves it off by default.
+Measured: see `bench/peers/RESULTS.md` (first_token, `--quick-start`). Off by default in `Chat` and `Session`: a
+session that starts with it compiles two programs instead of one (the test suite's sessions would compile twice),
+its results differ from the default's by float32 rounding, and its process exits only once the worker's compile has
+ended; a new process that wants its first token sooner asks for it (`Chat(quick_start=True)`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -30,6 +38,12 @@ import numpy as np
 
 from omnijax.chunks import Chunk
 from omnijax.kept_executables import CachedJit, abstract_arguments, executables_dir
+
+# How the untrimmed step compiles, by platform (`CachedJit`'s `compiler_options`): on XLA:CPU without LLVM's
+# optimisation and fusion emitters (the test suite's quick settings, `tests/_support/xla_flags.py`); its one-row
+# products are padded to the library matmul (`omnijax.models.layers.padded_one_row_products`) at trace time.
+QUICK_COMPILE = {"cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                         "xla_cpu_use_fusion_emitters": False}}
 
 _workers: list[threading.Thread] = []  # every compile a QuickStart started, for `wait_all`
 _workers_lock = threading.Lock()
@@ -45,6 +59,16 @@ def wait_all(timeout: float | None = None) -> bool:
     for worker in running:
         worker.join(timeout)
     return not any(worker.is_alive() for worker in running)
+
+
+def _lower_priority() -> None:
+    """Gives the calling thread (a worker) the lowest scheduling priority (Linux: a thread's own nice value, 19), so
+    the session's next steps, which run the untrimmed program meanwhile, are not slowed by its compile on a machine
+    with few cores; where that is not possible it runs at the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or refused: the same compile, at the process's priority
+        pass
 
 
 class QuickStart:
@@ -103,6 +127,7 @@ class QuickStart:
         worker.start()
 
     def _compile(self, outputs: Any, args: Any, kwargs: Any) -> None:
+        _lower_priority()
         try:
             jax.block_until_ready(outputs)
             self.full.precompile(*args, **kwargs)  # held already (an earlier worker's): returns at once

@@ -26,9 +26,10 @@ from omnijax.heap import trim_heap
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
 from omnijax.models.family import OmniModel, family_of
+from omnijax.models.layers import padded_one_row_products
 from omnijax.retention.base import untrimmed_capacity
 from omnijax.streaming.config import DEFAULT_SESSION_PAGES, StreamConfig
-from omnijax.streaming.quick_start import QuickStart
+from omnijax.streaming.quick_start import QUICK_COMPILE, QuickStart
 from omnijax.streaming.recall_session import RecallReport, RecallSnapshot, RecallStats, new_recall_session
 from omnijax.streaming.step import (
     ChunkOutput,
@@ -128,11 +129,13 @@ def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False)
 
 
 # A session's first steps without the trim (`omnijax.streaming.quick_start`), its own function so that its compile
-# never waits behind the full step's, which another thread compiles meanwhile.
-@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",))
+# never waits behind the full step's, which another thread compiles meanwhile; compiled quickly (`QUICK_COMPILE`:
+# LLVM optimisation off, one-row products padded to the library matmul).
+@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",), compiler_options=QUICK_COMPILE)
 def _untrimmed_step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
-    return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
-                      tap_answer=tap_answer, trim=False)
+    with padded_one_row_products():
+        return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
+                          tap_answer=tap_answer, trim=False)
 
 
 def stream(model: StreamModel, chunks: Chunk, config: StreamConfig | None = None, *,
@@ -229,9 +232,9 @@ class Session:
         tier: the `RecallSnapshot` taken with `state` (`Session.resume` passes it).
         quick_start: run the first steps without the retention policy's trim while the full step compiles in
             another thread, as long as the cells fed fit what the policy holds untrimmed and the full step is not
-            already compiled or kept (`omnijax.streaming.quick_start`: the same results; meant to shorten a new
-            process's wait for its first token, not yet shown on SmolLM2). `Chat(quick_start=True)` passes it
-            on. Refused with `state` or recall.
+            already compiled or kept, in a program compiled quickly (`omnijax.streaming.quick_start`: the same
+            tokens, logits to float32 rounding; a new process's first token from an empty compilation cache ~2x
+            sooner on SmolLM2). `Chat(quick_start=True)` passes it on. Refused with `state` or recall.
             The session's `quick_start` is then its `QuickStart` (`untrimmed_steps`; `wait()` joins the
             compiles), None without.
 

@@ -7,6 +7,8 @@ on CPU. The oracle is the same weights in the stacked layout (itself checked aga
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,9 @@ from omnijax.models import registry  # noqa: F401 - registers the families save_
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder, DecoderLayers, SplitLayers, layer_rows
 from omnijax.models.forward import forward, write_chunk_tapped
+from omnijax.models.layers import padded_one_row_products
 from omnijax.retention import H2O
+from omnijax.streaming.step import chunk_step, init_state
 
 CONFIGS = {
     "dense": DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -174,6 +178,41 @@ def test_split_one_row_decode_equals_the_stacked_and_stays_one_row():
                          jnp.zeros((1, 1, 1), jnp.int32), None, None, None, page_size=4).compile().as_text()
     products = [line for line in text.splitlines() if " dot(" in line and f",{c.hidden_size}]" in line]
     assert products and not [line for line in products if "= f32[2," in line], products
+
+
+def test_padded_one_row_products_pad_the_decode_rows_and_keep_the_answer():
+    """Inside `padded_one_row_products` (what the quick-compile step of `omnijax.streaming.quick_start` traces
+    under), a one-row product over split layers runs padded to two rows (XLA:CPU's library matmul); the answer's
+    tokens are the unpadded step's and its logits agree to float32 rounding. Each side is a function of its own, so
+    neither reuses the other's trace."""
+    _, split = _pair("dense")
+    c = split.config
+    graphdef, params = nnx.split(split)
+    config = omnijax.StreamConfig(page_size=4, num_pages=16, max_answer_tokens=6)
+    chunk = split_text(_ids(c)[0], 1, answer_tokens=6)
+    chunk = jax.tree.map(lambda a: a[0], chunk)  # the one chunk, [1, T]
+    state = init_state(c, num_pages=16, page_size=4)
+
+    def unpadded(params, state, chunk):
+        return chunk_step(nnx.merge(graphdef, params), state, chunk, config, shared_pages=False)
+
+    def padded(params, state, chunk):
+        with padded_one_row_products():
+            return chunk_step(nnx.merge(graphdef, params), state, chunk, config, shared_pages=False)
+
+    outs, texts = [], []
+    for fn in (unpadded, padded):
+        lowered = jax.jit(fn).lower(params, state, chunk)
+        texts.append(lowered.compile().as_text())
+        outs.append(jax.jit(fn)(params, state, chunk)[1])
+    # the decode's products over the layers' weights (the lm_head's, vocabulary-wide, is no LayerWeight): one row,
+    # or padded to two
+    rows = [{int(m[1]) for m in re.finditer(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", text)
+             if int(m[1]) <= 2 and int(m[2]) != c.vocab_size} for text in texts]
+    assert rows == [{1}, {2}], rows
+    assert (np.asarray(outs[0].tokens) >= 0).sum() == 6
+    np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
+    np.testing.assert_allclose(np.asarray(outs[1].logits), np.asarray(outs[0].logits), rtol=1e-5, atol=1e-5)
 
 
 def test_split_decode_step_reads_each_layers_weights_in_place():

@@ -1,9 +1,12 @@
-"""`Session(quick_start=True)` (`omnijax.streaming.quick_start`): a new session's first step runs without the trim
-while another thread compiles the full step, and the session computes exactly what the full step computes.
+"""`Session(quick_start=True)` (`omnijax.streaming.quick_start`): a new session's first step runs without the trim,
+compiled quickly (`QUICK_COMPILE`: LLVM optimisation off, one-row products padded), while another thread compiles
+the full step, and the session computes what the full step computes.
 
-Oracle: the same chunks through a session without quick start (the full step only), bit for bit: every output's
-logits, tokens and statistics and the final state, across a first step that fits the policy's untrimmed capacity
-and later steps that trim. The programs are counted (`CachedJit.stats`) in an empty compilation cache."""
+Oracle: the same chunks through a session without quick start (the full step only): every output's tokens and
+statistics and the final state's integer and boolean fields equal, its logits and cached keys and values to float32
+rounding (the quick program's code differs, not its computation), across a first step that fits the policy's
+untrimmed capacity and later steps that trim. The programs are counted (`CachedJit.stats`) in an empty compilation
+cache."""
 
 from __future__ import annotations
 
@@ -77,11 +80,20 @@ def test_the_first_step_runs_untrimmed_and_every_step_equals_the_full_program(mo
     _, want, want_state = _run(model, chunks)  # the full step from the start (held: nothing compiles)
     assert session_lib._step.stats["compiled"] == full["compiled"] + 1
     assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1
+    assert session_lib._untrimmed_step.compiler_options == quick_start.QUICK_COMPILE
     for a, b in zip(got, want):
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        _same(a, b)
+    _same(got_state, want_state)
+
+
+def _same(got, want) -> None:
+    """Integer and boolean leaves equal; float leaves (logits, keys, values, attention mass) to float32 rounding."""
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(y.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+        else:
             np.testing.assert_array_equal(x, y)
-    for x, y in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-        np.testing.assert_array_equal(x, y)
 
 
 def test_steps_run_untrimmed_while_the_cells_fit_and_the_full_step_is_not_ready(model, empty_cache):
