@@ -64,6 +64,20 @@ def _check_row(state: StreamState, row: int) -> int:
     return int(row)
 
 
+def _read_row(state: StreamState, row, pages) -> dict:
+    """The arrays of row `row`'s snapshot: the pool's pages `pages [E']` along each page field's page axis, and the
+    row's bookkeeping, cursor, key and last logits. One program per padded length `E'` (not one gather program per
+    field and session length, as eager `jnp.take` calls compiled)."""
+    kv = state.kv
+    got = {name: jnp.take(field, pages, axis=axis) for name, (field, axis) in _page_fields(kv).items()}
+    got.update({name: getattr(kv, name)[row] for name in KV_ROW_FIELDS})
+    got.update({name: getattr(state, name)[row] for name in STATE_ROW_FIELDS})
+    return got
+
+
+_read = cached_jit(_read_row)
+
+
 def export_row(state: StreamState, row: int, *, meta: dict | None = None) -> SessionSnapshot:
     """Copies sequence `row` of a batched state to the host (the state is not changed).
 
@@ -80,11 +94,13 @@ def export_row(state: StreamState, row: int, *, meta: dict | None = None) -> Ses
     kv = state.kv
     table = np.asarray(jax.device_get(kv.page_table[row]))  # [M]
     entries = np.flatnonzero(table >= 0).astype(np.int32)  # [E]
-    pages = jnp.asarray(table[entries])  # [E] physical ids, table order
-    got = {name: jnp.take(field, pages, axis=axis) for name, (field, axis) in _page_fields(kv).items()}
-    got.update({name: getattr(kv, name)[row] for name in KV_ROW_FIELDS})
-    got.update({name: getattr(state, name)[row] for name in STATE_ROW_FIELDS})
-    host = {name: np.array(x, copy=True) for name, x in jax.device_get(got).items()}
+    E = len(entries)
+    pages = np.zeros(1 << max(E - 1, 0).bit_length(), np.int32)  # [E'] E padded to a power of two, as `import_row`
+    pages[:E] = table[entries]  # physical ids, table order; the padding reads page 0, dropped below
+    axes = {name: axis for name, (_, axis) in _page_fields(kv).items()}
+    got = jax.device_get(_read(state, np.int32(row), pages))
+    host = {name: np.array(x[(slice(None),) * axes[name] + (slice(0, E),)] if name in axes else x, copy=True)
+            for name, x in got.items()}
     snapshot = SessionSnapshot(entries=entries, **host, spec=SnapshotSpec.of_state(state), meta=meta or {})
     snapshot.check()
     return snapshot

@@ -321,3 +321,30 @@ def test_counters_out_of_range_are_refused(tmp_path):
             dataclasses.replace(good, **change).check()
     path = save_snapshot(tmp_path / "ok", good)
     assert int(load_snapshot(path).next_pos) == 4
+
+
+def test_export_compiles_one_program_per_padded_length():
+    """`export_row` reads a row's pages with one program per power-of-two page count (as `import_row` writes them),
+    not a gather per field and per session length: rows of 3 and 4 pages share one program and one of 5 adds one;
+    each snapshot holds exactly its row's pages (the pool's own arrays at the table's page ids)."""
+    state = init_state(TINY_OMNI, num_pages=NUM_PAGES, page_size=P, batch=3, max_pages=8)
+    kv, rng = state.kv, np.random.default_rng(5)
+    table = np.full((3, 8), -1, np.int32)
+    table[0, :3], table[1, [0, 2, 3, 6]], table[2, :5] = [9, 4, 1], [2, 7, 11, 0], [3, 5, 6, 8, 10]
+    used = table[table >= 0]
+    kv = kv.replace(k=jax.numpy.asarray(rng.normal(size=kv.k.shape), kv.k.dtype), page_table=table,
+                    valid=kv.valid.at[used].set(True), seq_slots=kv.seq_slots.at[:].set([3 * P, 7 * P, 5 * P]),
+                    next_order=kv.next_order.at[:].set([3 * P, 7 * P, 5 * P]),
+                    free_stack=jax.numpy.asarray([*sorted(set(range(NUM_PAGES)) - set(used.tolist()), reverse=True),
+                                                  *used.tolist()], np.int32), num_free=NUM_PAGES - len(used))
+    state = dataclasses.replace(state, kv=kv)
+    programs = snapshot_lib._read._cache_size()
+    three, four = export_row(state, 0), export_row(state, 1)
+    assert snapshot_lib._read._cache_size() <= programs + 1  # 3 and 4 pages: one program (4 rows read)
+    five = export_row(state, 2)
+    assert snapshot_lib._read._cache_size() <= programs + 2
+    for snap, row in ((three, 0), (four, 1), (five, 2)):
+        entries = np.flatnonzero(table[row] >= 0)
+        assert np.array_equal(snap.entries, entries) and snap.num_pages == len(entries)
+        assert np.array_equal(snap.k, np.asarray(kv.k)[:, table[row, entries]])
+        assert np.array_equal(snap.valid, np.asarray(kv.valid)[table[row, entries]])
