@@ -30,4 +30,4 @@ def test_abstract_module_is_the_eval_shape_build_without_draws(monkeypatch):
         assert got == want, name
         assert not drawn, f"{name}: abstract_module drew {len(drawn)} parameters"
     # outside it, parameters are drawn again (the setting does not leak)
-    assert float(abs(layers.new_param((4,), "float32", nnx.Rngs(0)).value).sum()) > 0
+    assert float(abs(layers.new_param((4,), "float32", nnx.Rngs(0))[...]).sum()) > 0
