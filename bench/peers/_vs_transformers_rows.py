@@ -1,6 +1,7 @@
 """`bench.peers.vs_transformers`' rows and what it shows of them: the JSON rows of a streaming section from its
-workers' results (`stream_rows`, with the last-token logits' agreement where both sides compute the same thing), the
-tables it prints and its three-panel figure. Pure functions of the rows: no worker, no torch, no JAX."""
+workers' results (`stream_rows`, with the last-token logits' agreement where both sides compute the same thing and,
+per omnijax row, the same-round ratios' spread and each round's load average: `rounds_figures`), the tables it prints
+and its three-panel figure. Pure functions of the rows: no worker, no torch, no JAX."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def agreement(mine: list, peer: list) -> dict:
             "logits_max_abs": float(np.max(np.abs(peer[0])))}
 
 
+def rounds_figures(mine, peer, rounds: list[dict], prefix: str = "") -> dict:
+    """The same-round ratios of `mine` / `peer` (one value a round): `{prefix}ratio` (their median), `_rounds`,
+    `_min`, `_max`, `_p10`, `_p90`; and `load_rounds`, each round's 1 / 5 / 15-minute load averages as each side's
+    worker started (`rounds`: `[{side: worker result with "load"}]`)."""
+    ratios = np.asarray(mine, float) / np.asarray(peer, float)
+    key = f"{prefix}ratio"
+    return {key: float(np.median(ratios)), f"{key}_rounds": ratios.tolist(), f"{key}_min": float(ratios.min()),
+            f"{key}_max": float(ratios.max()), f"{key}_p10": float(np.percentile(ratios, 10)),
+            f"{key}_p90": float(np.percentile(ratios, 90)),
+            "load_rounds": [{side: r[side].get("load") for side in SIDES} for r in rounds]}
+
+
 def stream_rows(section: str, rounds: list[dict], name: str | None) -> list[dict]:
     """JSON rows of a streaming section: transformers' and (policy `name`, or every policy) omnijax's per history."""
     peer = [r["transformers"] for r in rounds]
@@ -37,7 +50,7 @@ def stream_rows(section: str, rounds: list[dict], name: str | None) -> list[dict
             ms = [m["ms"][j] for m in runs]
             row = {"section": section, "history": h, "side": "omnijax", "policy": policy, **harness.stats(ms),
                    "ms_rounds": ms, "stream_ms": float(np.median([m["stream_ms"][j] for m in runs])),
-                   "ratio": harness.same_round_ratio(ms, peer_ms), "cells": runs[0]["cells"][j],
+                   **rounds_figures(ms, peer_ms, rounds), "cells": runs[0]["cells"][j],
                    "pool_pages": runs[0].get("pool_pages")}
             if policy == "no_slide":  # the same computation as transformers': the logits must agree
                 row.update(agreement([m["logits"][j] for m in runs], [p["logits"][j] for p in peer]))
@@ -55,27 +68,39 @@ def print_tables(rows) -> None:
         return lambda r: {t.get(key): t[field] for t in pick(rows, section, "transformers")}[r[key]]
 
     ms, ratio, diff = ".1f", ".3f", ".2e"
+
+    def spread(prefix=""):  # the same-round ratios' min-max
+        return lambda r: f"{r[f'{prefix}ratio_min']:.3f}-{r[f'{prefix}ratio_max']:.3f}"
+
+    def load(r):  # the 1-minute load averages the row's workers started at, lowest-highest
+        got = [side[0] for rnd in r["load_rounds"] for side in rnd.values() if side]
+        return f"{min(got):.1f}-{max(got):.1f}" if got else None
     print("\nfull context: per-chunk ms (median over rounds); ratio = omnijax / transformers (same-round median)")
     harness.print_table(pick(rows, "full", "omnijax"), [
         ("history", "history", "d"), ("omnijax ms", "median", ms), ("transformers ms", peer("history"), ms),
-        ("ratio", "ratio", ratio), ("logits diff", "logits_max_diff", diff), ("|logits|", "logits_max_abs", diff)])
+        ("ratio", "ratio", ratio), ("min-max", spread(), "s"), ("logits diff", "logits_max_diff", diff),
+        ("|logits|", "logits_max_abs", diff), ("load", load, "s")])
     print("\nbounded: per-chunk ms; ratio = omnijax policy / transformers with its full history; cells attended")
     columns = [("history", "history", "d"), ("transformers ms", peer("history", section="bounded"), ms)]
     for name in POLICY_SPECS:
         def of(field, name=name):
             return lambda r: next(o[field] for o in pick(rows, "bounded", "omnijax", name)
                                   if o["history"] == r["history"])
-        columns += [(f"{name} ms", of("median"), ms), ("ratio", of("ratio"), ratio), ("cells", of("cells"), "d")]
+        columns += [(f"{name} ms", of("median"), ms), ("ratio", of("ratio"), ratio),
+                    ("min-max", lambda r, of=of: f"{of('ratio_min')(r):.3f}-{of('ratio_max')(r):.3f}", "s"),
+                    ("cells", of("cells"), "d")]
     harness.print_table(pick(rows, "bounded", "omnijax", "no_slide"), columns + [
-        ("no_slide logits diff", "logits_max_diff", diff)])
+        ("no_slide logits diff", "logits_max_diff", diff), ("load", load, "s")])
     print("\nprefill to 25 % per KV head: ms of the warm call (cold: the first); RSS MiB, delta = peak - after load")
     harness.print_table(pick(rows, "prefill", "omnijax"), [
         ("S", "length", "d"), ("kvpress ms", peer("length", section="prefill"), ".0f"), ("omnijax ms", "median", ".0f"),
-        ("ratio", "ratio", ratio), ("kvpress cold", peer("length", "cold_ms", "prefill"), ".0f"),
+        ("ratio", "ratio", ratio), ("min-max", spread(), "s"),
+        ("kvpress cold", peer("length", "cold_ms", "prefill"), ".0f"),
         ("omnijax cold", "cold_ms", ".0f"), ("kvpress RSS", peer("length", "rss_peak_mib", "prefill"), ".0f"),
         ("delta", peer("length", "rss_delta_mib", "prefill"), ".0f"), ("omnijax RSS", "rss_peak_mib", ".0f"),
         ("delta", "rss_delta_mib", ".0f"), ("delta ratio", "rss_delta_ratio", ratio),
-        ("logits diff", "logits_max_diff", diff), ("kept/head", "kept_per_head", ".0f")])
+        ("peak ratio", "rss_peak_ratio", ratio), ("min-max", spread("rss_peak_"), "s"),
+        ("logits diff", "logits_max_diff", diff), ("kept/head", "kept_per_head", ".0f"), ("load", load, "s")])
 
 
 def plot(rows, out: Path) -> None:

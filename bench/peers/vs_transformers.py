@@ -11,9 +11,13 @@ share a process, the parent imports neither. torch runs on 2 threads with `attn_
 CPU as it comes; both compute the last token's logits only (transformers: `logits_to_keep=1`). Tokens are random
 ids (seeded) in text chunks of `--chunk` tokens (chunk i is unit i). Rounds alternate the sides (even rounds run
 omnijax first); tables give medians over rounds, `ratio` the median of same-round omnijax / transformers (below 1:
-omnijax is faster or smaller). Run it on an idle machine: while another process is busy on the cores, torch's
-spinning OpenMP threads run many times slower (`--omp-passive` sets `OMP_WAIT_POLICY=PASSIVE` for its workers; the
-load average at each worker's start is printed and kept in the JSON).
+omnijax is faster or smaller), each omnijax row with the spread of those ratios (`ratio_min` / `ratio_max`,
+`ratio_p10` / `ratio_p90`, every round's in `ratio_rounds`). The transformers / kvpress workers run with
+`OMP_WAIT_POLICY=PASSIVE` by default: while another process is busy on the cores, torch's spinning OpenMP threads run
+many times slower (`--omp-active` sets `OMP_WAIT_POLICY=ACTIVE` instead, to see that; `--omp-passive`, the default,
+is kept for old command lines). `os.getloadavg()` at each worker's start is printed and kept in the JSON: per row and
+round in `load_rounds` (1 / 5 / 15-minute averages per side), all of them in `load_averages`; the OpenMP wait policy
+in `omp_wait_policy`.
 
 Sections (histories are the tokens before the chunk; those above a section's maximum are dropped, and with none
 left it measures at max / 2 and max).
@@ -32,12 +36,14 @@ left it measures at max / 2 and max).
               selector=SnapKV(), budgets=S // 4)` (TideKV: layer-major, compressed at each layer's end). A fresh
               process per side and S (`--prefill-rounds` each) calls twice and times the second call (`cold`: the
               first, with JAX's compilation); peak RSS is `ru_maxrss` after both calls, `delta` its excess over the
-              RSS right after loading the model (JAX's compiler memory included).
+              RSS right after loading the model (JAX's compiler memory included). `rss_peak_ratio` and
+              `rss_delta_ratio`: same-round omnijax / kvpress of the peak and of the delta, with their spread.
 
-Run: `python -m bench.peers.vs_transformers [--rounds 3] [--out bench/out] [--smoke]` (defaults: `--chunk 256 --full-max
-8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --prefill-rounds 1`; `--smoke`: chunk 64, full 256,
-bounded 512, prefill 512, one round, `--omp-passive`, and each side's measurements in one worker, its checkpoint
-worker's, run in the script's own process: `harness.run_worker`); writes `<out>/vs_transformers.{json,png}`.
+Run: `python -m bench.peers.vs_transformers [--rounds 5] [--prefill-rounds 5] [--out bench/out] [--smoke]` (defaults:
+`--chunk 256 --full-max 8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --rounds 5 --prefill-rounds 5`,
+the bench's bar for a headline figure: a median of >= 5 interleaved rounds; `--smoke`: chunk 64, full 256, bounded
+512, prefill 512, one round, and each side's measurements in one worker, its checkpoint worker's, run in the script's
+own process: `harness.run_worker`); writes `<out>/vs_transformers.{json,png}`.
 """
 
 from __future__ import annotations
@@ -54,7 +60,15 @@ from pathlib import Path
 import numpy as np
 
 from bench import harness
-from bench.peers._vs_transformers_rows import POLICY_SPECS, SIDES, agreement, plot, print_tables, stream_rows
+from bench.peers._vs_transformers_rows import (
+    POLICY_SPECS,
+    SIDES,
+    agreement,
+    plot,
+    print_tables,
+    rounds_figures,
+    stream_rows,
+)
 
 HF_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -68,7 +82,7 @@ FULL_HISTORIES = (256, 1024, 2048, 4096, 8192)
 BOUNDED_HISTORIES = (8192, 16384, 32768)
 SNAPKV = dict(compression_ratio=0.75, window_size=64, kernel_size=5)
 VERSIONS: dict[str, str] = {}  # package versions the workers ran with
-LOADS: list[float] = []  # the 1-minute load average as each worker started
+LOADS: list[list[float]] = []  # the 1 / 5 / 15-minute load averages as each worker started
 PREFETCHED: dict[str, dict] = {}  # --smoke: side -> kind ("prefill <S>" for a prefill) -> its `every` worker's result
 
 
@@ -300,12 +314,12 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "", extr
     the side's one `every` worker left, if it has one)."""
     key = f"{kind} {length}" if length else kind
     if key in PREFETCHED.get(side, {}):
-        return PREFETCHED[side].pop(key)
+        return PREFETCHED[side].pop(key)  # its "load": its `every` worker's
     cmd = harness.module_command(__spec__.name, "--worker", kind, "--side", side, "--out", Path(args.out).resolve(),
                                  "--chunk", args.chunk, "--full-max", args.full_max, "--bounded-max", args.bounded_max,
                                  "--inner", args.inner, "--seed", args.seed, "--length", length, *extra)
-    env = dict(os.environ, **({"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive and side == "transformers" else {}))
-    load = os.getloadavg()[0]  # other processes competing for the cores show here
+    env = dict(os.environ, **({"OMP_WAIT_POLICY": omp_wait_policy(args)} if side == "transformers" else {}))
+    load = [round(v, 2) for v in os.getloadavg()]  # other processes competing for the cores show here
     LOADS.append(load)
     start = time.perf_counter()
     # --smoke (a check that measures nothing): the worker runs in this process, its command line and JSON as ever
@@ -315,10 +329,28 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "", extr
         raise RuntimeError(f"worker {kind} {side} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
                            f"{done.stderr[-6000:]}")
     print(f"  {kind} {side}{f' S={length}' if length else ''}{note}: {time.perf_counter() - start:.1f} s "
-          f"(load average {load:.2f} before)", flush=True)
+          f"(load average {load[0]:.2f} before)", flush=True)
     result = json.loads(lines[-1])
     VERSIONS.update(result.pop("versions"))
+    result["load"] = load
+    if kind == "every":  # --smoke: its measurements' rows show the load it started at
+        for got in result.values():
+            if isinstance(got, dict):
+                got["load"] = load
     return result
+
+
+def machine() -> dict:
+    """The CPU the figures were taken on: its model name (`/proc/cpuinfo`) and the cores this process may use."""
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
+             if line.startswith("model name")]
+    return {"cpu": names[0] if names else None, "cores": len(os.sched_getaffinity(0))}
+
+
+def omp_wait_policy(args) -> str:
+    """`OMP_WAIT_POLICY` for the transformers / kvpress workers: PASSIVE unless `--omp-active`."""
+    return "ACTIVE" if args.omp_active else "PASSIVE"
 
 
 def ensure_checkpoint(args) -> str:
@@ -364,9 +396,10 @@ def prefill_rows(args) -> list[dict]:
                 row[key.replace("_kib", "_mib")] = float(np.median([g[key] for g in got])) / 1024
             if side == "omnijax":
                 peer = [run["transformers"] for run in runs]
-                row["ratio"] = harness.same_round_ratio(ms, [p["ms"] for p in peer])
-                row["rss_delta_ratio"] = harness.same_round_ratio([g["rss_delta_kib"] for g in got],
-                                                                  [p["rss_delta_kib"] for p in peer])
+                row.update(rounds_figures(ms, [p["ms"] for p in peer], runs))
+                for key in ("rss_peak", "rss_delta"):
+                    row.update(rounds_figures([g[f"{key}_kib"] for g in got], [p[f"{key}_kib"] for p in peer], runs,
+                                              prefix=f"{key}_"))
                 row.update(agreement([g["logits"] for g in got], [p["logits"] for p in peer]))
             rows.append(row)
     return rows
@@ -380,20 +413,25 @@ def main(argv=None):
     parser.add_argument("--bounded-max", type=int, default=32768, help="longest history of the bounded section")
     parser.add_argument("--prefill", type=int, nargs="+", default=[8192, 16384, 32768], help="prompt lengths")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the streaming sections")
-    parser.add_argument("--prefill-rounds", type=int, default=1, help="fresh processes per side and prompt length")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the streaming sections")
+    parser.add_argument("--prefill-rounds", type=int, default=5, help="fresh processes per side and prompt length")
     parser.add_argument("--inner", type=int, default=3, help="re-feeds of each bounded checkpoint chunk")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    parser.add_argument("--omp-passive", action="store_true",
-                        help="OMP_WAIT_POLICY=PASSIVE for the transformers workers: torch's spinning OpenMP threads "
-                             "run many times slower while another process competes for the cores")
+    omp = parser.add_mutually_exclusive_group()
+    omp.add_argument("--omp-active", action="store_true",
+                     help="OMP_WAIT_POLICY=ACTIVE for the transformers / kvpress workers instead of the default "
+                          "PASSIVE: torch's spinning OpenMP threads run many times slower while another process "
+                          "competes for the cores")
+    omp.add_argument("--omp-passive", action="store_true",
+                     help="OMP_WAIT_POLICY=PASSIVE for the transformers / kvpress workers (the default; kept for "
+                          "old command lines)")
     parser.add_argument("--worker", choices=["checkpoint", "full", "bounded", "prefill", "every"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # `every`: build the checkpoint
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     args = harness.parse(parser, argv, smoke=dict(chunk=64, full_max=256, bounded_max=512, prefill=[512], rounds=1,
-                                                  inner=1, omp_passive=True))
+                                                  prefill_rounds=1, inner=1))
     if args.worker:
         return worker(args)
     out = harness.output_dir(args)
@@ -417,6 +455,7 @@ def main(argv=None):
     harness.write_json(out, "vs_transformers", {
         "model": HF_CONFIG, "checkpoint": checkpoint, "page_size": PAGE_SIZE, "torch_threads": TORCH_THREADS,
         "policies": POLICY_SPECS, "kvpress": SNAPKV, "versions": VERSIONS, "load_averages": LOADS,
+        "omp_wait_policy": omp_wait_policy(args), "machine": machine(),
         "settings": settings, "runtime_s": runtime, "rows": rows})
     plot(rows, out)
 
