@@ -58,7 +58,11 @@ def convert_components(ckpt: SafetensorsCheckpoint, components: Sequence[Compone
         leading = {rule.path.replace("/", "."): len(c.leading(rule)) for rule in c.active_rules()}
         trees[c.name] = staged_tree(staging_dir / c.name, tables.param_shapes(c), leading, target, writes)
     source_dtypes = collections.Counter()
-    buffers = _ReadBuffers(writes)
+    # the buffers together hold at most the largest tensor read (and never more than `_READ_BUFFERS` x
+    # `_ALONE_BYTES`): a tensor over a buffer's share of it is read alone
+    largest = max((ckpt.info(n).nbytes for n in plan.assign), default=0) \
+        if isinstance(ckpt, SafetensorsCheckpoint) else 0  # other sources are never read into the buffers
+    buffers = _ReadBuffers(writes, alone_bytes=min(_ALONE_BYTES, largest // _READ_BUFFERS))
     try:
         for name in tqdm.tqdm(names, desc="converting", unit="tensor", file=sys.stderr, disable=not progress):
             if name in plan.assign:
@@ -97,9 +101,10 @@ def _source(ckpt: SafetensorsCheckpoint, name: str, rule: tables.Rule, target: n
     return array
 
 
-# Read buffers: one per block the writer threads may hold, plus the one being read. A tensor larger than
-# `_ALONE_BYTES` is read alone (the writes of the others finished and their buffers dropped), so the buffers hold at
-# most max(the largest tensor read, their count x `_ALONE_BYTES`).
+# Read buffers: one per block the writer threads may hold, plus the one being read. A tensor larger than the
+# buffers' share (`_ReadBuffers`' `alone_bytes`: `_ALONE_BYTES`, or less so that the buffers together stay within the
+# largest tensor of the checkpoint) is read alone (the writes of the others finished and their buffers dropped), so
+# the buffers hold at most the largest tensor read: a checkpoint of equal-sized tensors is read one at a time.
 _READ_BUFFERS = IN_FLIGHT_BLOCKS + 1
 _ALONE_BYTES = 32 << 20
 
@@ -108,8 +113,9 @@ class _ReadBuffers:
     """`ReadBuffer`s used in turn, each reused only once the writer threads are done with the blocks handed over
     from it (`ChunkWrites.mark` / `wait_for`)."""
 
-    def __init__(self, writes: ChunkWrites):
+    def __init__(self, writes: ChunkWrites, alone_bytes: int = _ALONE_BYTES):
         self._writes = writes
+        self._alone_bytes = alone_bytes
         self._buffers = [ReadBuffer() for _ in range(_READ_BUFFERS)]
         self._marks = [0] * _READ_BUFFERS
         self._turn = 0
@@ -117,7 +123,7 @@ class _ReadBuffers:
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The next buffer as an array of `shape` and `dtype`, once the blocks of its previous tensor are written."""
         self._turn = (self._turn + 1) % len(self._buffers)
-        if math.prod(shape) * np.dtype(dtype).itemsize > _ALONE_BYTES:
+        if math.prod(shape) * np.dtype(dtype).itemsize > self._alone_bytes:
             self._writes.wait(0)
             self._buffers = [b if i == self._turn else ReadBuffer() for i, b in enumerate(self._buffers)]
         else:
