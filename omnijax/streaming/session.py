@@ -114,7 +114,7 @@ _empty_state = cached_jit(init_state, static_argnames=("config", "num_pages", "p
 
 def _programs(function: Any) -> int:
     """The programs a `cached_jit` function holds in this process (grows when a call compiles or loads one)."""
-    return function._cache_size()
+    return function.programs()
 
 
 def _seed_array(seed: int) -> np.ndarray:
