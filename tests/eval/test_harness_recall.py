@@ -4,12 +4,14 @@ questions and reports the figures; with a budget nothing fits, its answers equal
 
 import argparse
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 from flax import nnx
 
 from omnijax.eval import annotations as ann
+from omnijax.eval import ovobench as ovo
 from omnijax.eval import probes
 from omnijax.eval import streamingbench as sb
 from omnijax.models.config import TINY_OMNI
@@ -64,3 +66,22 @@ def test_streamingbench_run_recalls_at_its_questions_and_reports_it():
         np.testing.assert_allclose(a["loglik"], b["loglik"], atol=1e-5)
         assert a["generated"] == b["generated"]
     assert "recall: " in sb.format_summary(report)
+
+
+def test_the_ovobench_command_line_takes_recall_and_reports_its_figures(tmp_path, capsys):
+    # One backward-tracing (EPM) question at 4 s on the demo model: SinkWindow(4, 16) has evicted by then, so with
+    # --recall the question recalls within its budget, the figures say so and the config is named "... recall"
+    # (without --recall a config has no recall setting: test_recall_options_become_the_configs_recall_setting).
+    data, out = tmp_path / "ovo.json", tmp_path / "report.json"
+    data.write_text(json.dumps([{"id": 0, "task": "EPM", "video": "ego/a.mp4", "realtime": 3.2, "question": "Who?",
+                                 "answer": "x", "options": ["p", "q", "r", "s"], "gt": 0}]))
+    policy = "sink_window:sink=4,window=16"
+    assert ovo.main(["--data", str(data), "--demo", "--configs", policy, "--page-size", "16", "--answer-tokens", "2",
+                     "--recall", "budget=256,top_units=4", "--out", str(out)]) == 0
+    report, printed = json.loads(out.read_text()), capsys.readouterr().out
+    summary = report["summary"][f"{policy} recall"]
+    figures = summary["recall"]
+    assert list(report["summary"]) == [f"{policy} recall"] and summary["kv"]["evicted"] > 0
+    assert figures["questions"] == 1 and figures["captured_units"] > 0 and figures["dropped_units"] == 0
+    assert 0 < figures["recalled_cells"] <= 256 and 0 < figures["recalled_units"] <= 4
+    assert "recall: 1 questions" in printed and [r["key"] for r in report["records"]] == ["0"]
