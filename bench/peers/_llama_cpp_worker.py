@@ -4,7 +4,8 @@
     LLAMA_PYTHON bench/peers/_llama_cpp_worker.py MODEL.gguf PROMPT_FILE TOKENS THREADS [--no-extra-bufts]
 
 Prints one JSON line: the wall-clock times (`time.time()`) of the imports, the load, the prompt's submission, the
-first generated token and the last; the generated ids; resident memory (`VmRSS`) after the load and at the end, and
+first generated token and the last; the process's CPU seconds (`time.process_time()`, every thread's) at the first
+and the last generated token; the generated ids; resident memory (`VmRSS`) after the load and at the end, and
 the process peak (`VmHWM`).
 Greedy (top-k 1), through end-of-turn tokens, `TOKENS` tokens after the prompt (the prompt file's text, tokenized
 with special tokens parsed). `--no-extra-bufts` loads without llama.cpp's extra buffer types (weight repacking and
@@ -45,15 +46,17 @@ def main(argv: list) -> int:
     marks["loaded"] = time.time()
     rss_loaded = status_mb()
     prompt = llm.tokenize(open(prompt_file, encoding="utf-8").read().encode("utf-8"), add_bos=False, special=True)
-    ids, times = [], []
+    ids, times, cpu = [], [], []
     marks["prompt"] = time.time()
     for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
         times.append(time.time())
+        cpu.append(time.process_time())
         ids.append(int(token))
         if len(ids) >= tokens:
             break
     marks["first_token"], marks["last_token"] = times[0], times[-1]
-    out = {"marks": marks, "prompt_tokens": len(prompt), "ids": ids,
+    out = {"marks": marks, "cpu_marks": {"first_token": cpu[0], "last_token": cpu[-1]},
+           "prompt_tokens": len(prompt), "ids": ids,
            "text": llm.detokenize(ids).decode("utf-8", "replace"), "rss_loaded_mb": rss_loaded,
            "rss_end_mb": status_mb(), "peak_mb": status_mb("VmHWM"),
            "system_info": llama_cpp.llama_print_system_info().decode(), "version": llama_cpp.__version__}

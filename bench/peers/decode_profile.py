@@ -201,7 +201,9 @@ def group_of(ops: set, meta: str, shapes: str) -> str:
 
 
 def profile(bench: Bench, block: int, steps: int, work: Path) -> dict:
-    """Per-thunk times of `steps` continuation steps of `block` tokens under `jax.profiler`, grouped."""
+    """Per-thunk times of `steps` continuation steps of `block` tokens under `jax.profiler`, grouped; before the
+    trace, the same steps untraced: wall and the process's CPU seconds (every thread's) per token, and the rate the
+    weights stream at (every parameter is read once per token: the layers' products and the tied lm_head)."""
     import jax
 
     from omnijax.streaming import session as session_lib
@@ -213,6 +215,12 @@ def profile(bench: Bench, block: int, steps: int, work: Path) -> dict:
                                        config=session._step_config).compile()
     ops = hlo_ops(compiled.as_text())
     bench.continuation(block, block)  # warm
+    bench.reset(block)
+    untraced, cpu_started, started = 0, time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        untraced += bench.continuation(block, block)
+    untraced_wall, untraced_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    weights = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(session._params))
     trace_dir = work / "trace"
     decoded = 0
     bench.reset(block)
@@ -238,6 +246,10 @@ def profile(bench: Bench, block: int, steps: int, work: Path) -> dict:
             "source": ops[n][1].split()[0][-90:] if ops[n][1].split() else "",
             "ms_per_token": ms / decoded} for n, ms in sorted(leaves.items(), key=lambda kv: -kv[1])[:25]]
     return {"block": block, "steps": steps, "tokens": decoded, "wall_ms_per_token": 1e3 * wall / decoded,
+            "untraced": {"wall_ms_per_token": 1e3 * untraced_wall / untraced,
+                         "cpu_ms_per_token": 1e3 * untraced_cpu / untraced, "weights_mb": weights / 1e6,
+                         "weights_gb_per_wall_s": weights * untraced / untraced_wall / 1e9,
+                         "weights_gb_per_cpu_s": weights * untraced / untraced_cpu / 1e9},
             "thunk_ms_per_token": sum(leaves.values()) / decoded,
             "groups_ms_per_token": {g: ms / decoded for g, ms in groups.most_common()}, "top_ops": top,
             "cost_analysis": _cost(compiled)}
@@ -312,6 +324,10 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     print(f"profile of block-16 continuation steps: {prof['wall_ms_per_token']:.1f} ms / token wall, "
           f"{prof['thunk_ms_per_token']:.1f} in thunks")
+    u = prof["untraced"]
+    print(f"untraced: {u['wall_ms_per_token']:.1f} ms / token wall, {u['cpu_ms_per_token']:.1f} CPU ms; "
+          f"{u['weights_mb']:.0f} MB of weights a token at {u['weights_gb_per_wall_s']:.1f} GB / s of wall, "
+          f"{u['weights_gb_per_cpu_s']:.1f} GB / CPU s")
     for g, ms in prof["groups_ms_per_token"].items():
         print(f"  {g:45s} {ms:7.2f} ms / token")
     for row in prof["top_ops"][:10]:

@@ -17,7 +17,8 @@ Each side answers one chat-templated prompt greedily with `--tokens` tokens, thr
     llama_*     `llama_cpp.Llama(...).generate` (llama-cpp-python, `--llama-python`: a separate interpreter, never
                 the project's venv), `--threads` threads, `OMP_WAIT_POLICY=PASSIVE`.
 
-Figures per process: decode ms per token after the first token ((last - first) / (tokens - 1)), time to the first
+Figures per process: decode ms per token after the first token ((last - first) / (tokens - 1)), wall and the
+process's CPU (every thread's: the work done, steadier than the wall on a loaded machine), time to the first
 token after the load (prompt prefill + first token) and from process start, resident memory after the load and at
 the end, and the process peak. Ratios are omnijax / llama.cpp in the same round, medians over `--rounds`; the load
 average is recorded with every process. Without `--llama-python` the llama.cpp rows are skipped, saying so.
@@ -120,15 +121,16 @@ def omnijax_worker(checkpoint: Path, cache: str, tokens: int, block: int, stacke
     chat.system(SYSTEM)
     marks["prompt"] = time.time()
     ids_before = len(chat.text_ids)
-    blocks = []
+    blocks, cpu = [], []
     for _ in chat.ask(QUESTION, max_tokens=tokens):
         blocks.append(time.time())
+        cpu.append(time.process_time())
     ids = chat.text_ids[ids_before:]
     ids = ids[len(ids) - tokens:]
     marks["first_token"], marks["last_token"] = blocks[0], blocks[-1]
     # the first block's tokens all arrive together: decode time is the rest over the tokens after that block
     first_block = min(block, tokens)
-    return {"marks": marks, "ids": [int(i) for i in ids],
+    return {"marks": marks, "cpu_marks": {"first_token": cpu[0], "last_token": cpu[-1]}, "ids": [int(i) for i in ids],
             "text": model.tokenizer.decode(ids), "rss_loaded_mb": rss_loaded, "rss_end_mb": status_mb(),
             "peak_mb": status_mb("VmHWM"), "first_block": first_block}
 
@@ -154,12 +156,13 @@ def run_one(side: str, args, files: dict, work: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{side} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    marks = row.pop("marks")
+    marks, cpu = row.pop("marks"), row.pop("cpu_marks")
     first_block = row.pop("first_block", 1)
     # the workers' marks are wall-clock times: from `start` (just before the process started) on
     decoded = args.tokens - first_block
     return {"side": side, "load_avg": load, **row,
             "decode_ms_per_token": 1e3 * (marks["last_token"] - marks["first_token"]) / max(decoded, 1),
+            "decode_cpu_ms_per_token": 1e3 * (cpu["last_token"] - cpu["first_token"]) / max(decoded, 1),
             "ttft_after_load_s": marks["first_token"] - marks["prompt"],
             "first_token_from_start_s": marks["first_token"] - start, "load_s": marks["loaded"] - marks["imported"]}
 
@@ -234,28 +237,31 @@ def main(argv=None) -> int:
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 row = dict(run_one(side, args, files, work), round=r)
                 rows.append(row)
-                print(f"  round {r + 1}/{args.rounds} {side:11s} {row['decode_ms_per_token']:7.1f} ms/token, "
+                print(f"  round {r + 1}/{args.rounds} {side:11s} {row['decode_ms_per_token']:7.1f} ms/token "
+                      f"({row['decode_cpu_ms_per_token']:.1f} CPU), "
                       f"first token {row['ttft_after_load_s']:.2f} s after load, rss {row['rss_end_mb']:.0f} MB, "
                       f"load avg {row['load_avg']:.1f}", flush=True)
     return report(args, sides, rows, out, src)
 
 
 def report(args, sides, rows, out: Path, src: Path) -> int:
-    keys = ("decode_ms_per_token", "ttft_after_load_s", "first_token_from_start_s", "rss_loaded_mb", "rss_end_mb",
-            "peak_mb")
+    keys = ("decode_ms_per_token", "decode_cpu_ms_per_token", "ttft_after_load_s", "first_token_from_start_s",
+            "rss_loaded_mb", "rss_end_mb", "peak_mb")
     summary = {s: {k: float(np.median([r[k] for r in rows if r["side"] == s])) for k in keys} for s in sides}
     spread = {s: {k: [float(np.percentile([r[k] for r in rows if r["side"] == s], q)) for q in (10, 90)]
                   for k in keys} for s in sides}
     by = {(r["round"], r["side"]): r for r in rows}
     ratios = {s: {k: float(np.median([by[(i, "omnijax")][k] / by[(i, s)][k] for i in range(args.rounds)]))
                   for k in keys} for s in sides if s != "omnijax"}
-    harness.print_table([dict(side=s, **summary[s], ratio=ratios.get(s, {}).get("decode_ms_per_token", 1.0))
-                         for s in sides],
+    harness.print_table([dict(side=s, **summary[s], ratio=ratios.get(s, {}).get("decode_ms_per_token", 1.0),
+                              cpu_ratio=ratios.get(s, {}).get("decode_cpu_ms_per_token", 1.0)) for s in sides],
                         [("side", "side", ""), ("ms / token", "decode_ms_per_token", ".1f"),
+                         ("CPU ms / token", "decode_cpu_ms_per_token", ".1f"),
                          ("TTFT after load s", "ttft_after_load_s", ".2f"),
                          ("first token from start s", "first_token_from_start_s", ".2f"),
                          ("RSS loaded MB", "rss_loaded_mb", ".0f"), ("RSS end MB", "rss_end_mb", ".0f"),
-                         ("peak MB", "peak_mb", ".0f"), ("omnijax / side (decode)", "ratio", ".2f")])
+                         ("peak MB", "peak_mb", ".0f"), ("omnijax / side (decode)", "ratio", ".2f"),
+                         ("(decode CPU)", "cpu_ratio", ".2f")])
     answers = {s: next(r["text"] for r in rows if r["side"] == s) for s in sides}
     ids = {s: next(r["ids"] for r in rows if r["side"] == s) for s in sides}
     agree = {s: int(next((i for i, (a, b) in enumerate(zip(ids["omnijax"], ids[s])) if a != b),

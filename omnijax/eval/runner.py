@@ -236,7 +236,8 @@ def _run(graphdef, params, chunks, score_ids, *, config: StreamConfig, keep_logi
 
     def session(state, session_chunks):
         def body(s, chunk):
-            s, out = chunk_step(model, s, chunk, config, shared_pages=False)  # one row per session: none shared
+            # one row per session: none shared; vmapped, so no conditional prefill (it would select the whole cache)
+            s, out = chunk_step(model, s, chunk, config, shared_pages=False, skip_empty=False)
             layout = out.stats.layout
             stats = {name: getattr(layout, name, None) for name in STAT_NAMES}
             stats.update(evicted=out.stats.evicted, moved=out.stats.moved, next_pos=out.stats.next_pos)

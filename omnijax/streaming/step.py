@@ -232,7 +232,7 @@ def _empty_rows(model: Decoder, B: int, tau: int) -> jax.Array:
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
                answer: bool = True, tap: int | None = None,
-               shared_pages: bool = True, tap_answer: bool = False, trim: bool = True
+               shared_pages: bool = True, tap_answer: bool = False, trim: bool = True, skip_empty: bool = True
                ) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
@@ -259,24 +259,40 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     `tap_answer` (static): the output also carries `answer_rows [B, tau, D]`, each answer token's final-normed
     last-layer row as the answer loop computed it (what Qwen2.5-Omni's talker reads per answer token, so speech can
     start before the answer ends without running the thinker again). False (default): the program without it.
+
+    `skip_empty` (static): a chunk with no valid token in any row (a continuation chunk) skips the prefill (the pass
+    through every layer and the lm_head, which would write nothing: its logits are the state's) under a
+    `lax.cond`; it computes exactly what the pass does. False: the pass always runs, with no conditional, for a
+    caller that vmaps the step (`omnijax.evaluate`), where the conditional would become a select over the whole
+    cache. Ignored with `tap` (the pass then always runs).
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
     counts, seen = _history(state, chunk)
-    x = model.embed_tokens(chunk.token_ids)
-    if chunk.embeds is not None:
-        x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
-    positions = chunk.positions + next_pos[None, :, None]
-    meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
     track = getattr(policy, "needs_scores", False)
-    kv, hidden, tapped = write_chunk_tapped(model, kv, x, chunk.valid, positions, meta, impl=impl, track_scores=track,
-                                            placement=paging.placement, deepstack=chunk.deepstack, tap=tap)
+
+    def prefill(kv):
+        x = model.embed_tokens(chunk.token_ids)
+        if chunk.embeds is not None:
+            x = jnp.where(chunk.embed_mask[..., None], chunk.embeds.astype(x.dtype), x)
+        positions = chunk.positions + next_pos[None, :, None]
+        meta = paged_lib.SlotMeta(pos=positions, unit=chunk.unit, span=chunk.span, offset=chunk.offset)
+        kv, hidden, tapped = write_chunk_tapped(model, kv, x, chunk.valid, positions, meta, impl=impl,
+                                                track_scores=track, placement=paging.placement,
+                                                deepstack=chunk.deepstack, tap=tap)
+        T = chunk.valid.shape[1]
+        last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
+        logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
+        # A sequence with no token in this chunk continues from where it stopped (e.g. the rest of a long answer).
+        return kv, jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits), tapped
+
+    if skip_empty and tap is None:
+        # A chunk with no token at all (a continuation: the rest of a long answer) writes nothing and keeps the
+        # state's logits: skip its pass through every layer and the lm_head, a token's worth of weight reads.
+        kv, logits, tapped = jax.lax.cond(jnp.any(chunk.valid), prefill, lambda kv: (kv, state.last_logits, None), kv)
+    else:
+        kv, logits, tapped = prefill(kv)
     attended = layout_lib.layout_stats(kv, subblock)
-    T = chunk.valid.shape[1]
-    last = jnp.max(jnp.where(chunk.valid, jnp.arange(T)[None], 0), axis=1)  # [B]
-    logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])  # [B, V]
-    # A sequence with no token in this chunk continues from where it stopped (e.g. the rest of a long answer).
-    logits = jnp.where(jnp.any(chunk.valid, axis=1)[:, None], logits, state.last_logits)
     next_pos = next_pos + chunk.advance
     # A row this chunk feeds nothing (no token, no answer, no advance: a server's idle session) is not trimmed.
     fed = jnp.any(chunk.valid, axis=1) | (chunk.answer_tokens > 0) | (chunk.advance != 0)  # [B]
