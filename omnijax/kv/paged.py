@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Callable
 
 import jax
@@ -129,6 +130,16 @@ def init(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, p
     max_pages = num_pages if max_pages is None else max_pages
     if max_pages <= 0:
         raise ValueError(f"max_pages must be positive, got {max_pages}")
+    return _empty(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+                  page_size=page_size, batch=batch, max_pages=max_pages, position_axes=position_axes,
+                  dtype=jnp.dtype(dtype), kv_dtype=kv_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size",
+                                              "batch", "max_pages", "position_axes", "dtype", "kv_dtype"))
+def _empty(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, batch: int,
+           max_pages: int, position_axes: int, dtype: jnp.dtype, kv_dtype: str) -> PagedKV:
+    """`init`'s cache, built by one compiled program (eagerly, each of its ~20 fills was a program of its own)."""
     shape = (num_pages, page_size)
     kv_shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omnijax.chunks.chunk import Chunk
+from omnijax.kept_executables import cached_jit
 from omnijax.kv import page_sharing
 from omnijax.kv import paged as paged_lib
 from omnijax.serve.engine.snapshot import NotEnoughPages
@@ -75,22 +76,32 @@ def check_fork(state: StreamState, src: int, dst: Sequence[int], stream: StreamC
 def take_rows(state: StreamState, rows: Sequence[int] | np.ndarray) -> StreamState:
     """Re-arranges the per-row state: new row i takes old row `rows[i]`, or a fresh empty row where it is -1.
 
-    Grows or shrinks the batch (`len(rows)` is the new batch). The pool is untouched, so old rows left out must
-    own no pages (reset them first).
+    Grows or shrinks the batch (`len(rows)` is the new batch). The pool is untouched (its arrays pass through as
+    they are), so old rows left out must own no pages (reset them first). The per-row fields move in one compiled
+    program per pair of batch sizes (`_pick_rows`), not an eager gather per field.
     """
     rows = np.asarray(rows, np.int32)  # [B_new]
-    src, keep = jnp.asarray(np.maximum(rows, 0)), jnp.asarray(rows >= 0)
     kv = state.kv
+    fields = (kv.page_table, kv.seq_slots, kv.next_order, kv.exhausted, kv.dropped, state.next_pos, state.key,
+              state.last_logits, state.counts, state.seen)
+    (page_table, seq_slots, next_order, exhausted, dropped, next_pos, key, last_logits, counts,
+     seen) = _pick_rows(fields, rows)
+    kv = kv.replace(page_table=page_table, seq_slots=seq_slots, next_order=next_order, exhausted=exhausted,
+                    dropped=dropped)
+    return StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)
 
-    def pick(x, fill):
-        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
 
-    kv = kv.replace(page_table=pick(kv.page_table, -1), seq_slots=pick(kv.seq_slots, 0),
-                    next_order=pick(kv.next_order, 0), exhausted=pick(kv.exhausted, False),
-                    dropped=pick(kv.dropped, 0))
-    return StreamState(kv=kv, next_pos=pick(state.next_pos, 0), key=pick(state.key, 0),
-                       last_logits=pick(state.last_logits, 0), counts=pick(state.counts, 0),
-                       seen=pick(state.seen, False))
+# what a fresh row holds in each of `take_rows`' fields, in its order
+_FRESH = (-1, 0, 0, False, 0, 0, 0, 0, 0, False)
+
+
+@cached_jit
+def _pick_rows(fields: tuple[jax.Array, ...], rows: jax.Array) -> tuple[jax.Array, ...]:
+    """`fields` (each `[B_old, ...]`) re-arranged to `rows [B_new]`: row i takes old row `rows[i]`, or the field's
+    fresh value (`_FRESH`) where `rows[i]` is -1."""
+    src, keep = jnp.maximum(rows, 0), rows >= 0
+    return tuple(jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], jnp.asarray(fill, x.dtype))
+                 for x, fill in zip(fields, _FRESH))
 
 
 def compact_rows(slots: Mapping[str, int], bucket: int, old_batch: int) -> tuple[dict[str, int], np.ndarray] | None:
