@@ -14,6 +14,7 @@ from tests.serve.engine.test_engine_recall import POLICIES, _beside_another, _co
 
 CASES = {"omnipick-ordered_suffix": ("omnipick", Paging(mode="ordered_suffix"), "float"),
          "streamingllm-eager": ("streamingllm", Paging(mode="eager"), "float"),
+         "sinkwindow-tile_skip": ("sinkwindow", Paging(mode="tile_skip"), "float"),
          "omnipick-int8": ("omnipick", Paging(), "int8")}
 
 
