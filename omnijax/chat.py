@@ -106,10 +106,11 @@ class Chat:
             (see the module's docstring); beyond it spoken answers are refused.
         quick_start: the session's first steps run without the retention policy's trim, in a program compiled
             quickly (LLVM optimisation off), while the full step compiles in another thread
-            (`Session(quick_start=True)`: the same answers, logits to float32 rounding). For a new process with an
-            empty compilation cache: SmolLM2's first token ~2x sooner (`bench/peers/RESULTS.md`, first_token). Off
-            by default: two programs compiled instead of one, and the process exits once the worker's compile has
-            ended (`omnijax.streaming.quick_start`). Refused with recall.
+            (`Session(quick_start=True)`: the same answers, logits to float32 rounding), started once the first
+            answer block is out. For a new process with an empty compilation cache: SmolLM2's first token ~2x
+            sooner (`bench/peers/RESULTS.md`, first_token). On in `omnijax chat`; off by default here: two programs
+            compiled instead of one where the full step is not kept yet, and the process exits once the worker's
+            compile has ended (`omnijax.streaming.quick_start` gives the measured reasons). Refused with recall.
     """
 
     def __init__(self, model: OmniModel, config: StreamConfig | None = None, *, tokenizer: Tokenizer | None = None,

@@ -13,18 +13,24 @@ library matmul instead of emitting a kernel per layer and projection): 3.1 inste
 SmolLM2 step, ~1.5x its run time. Its code differs, not its computation: tokens equal, logits and cached
 keys / values to float32 rounding (`tests/streaming/test_quick_start.py`; SmolLM2's answers equal in the bench).
 
-After each such step, once its outputs are computed, a worker thread at the lowest scheduling priority compiles the
-full step for its arguments (`CachedJit.precompile` from their shapes: the arrays themselves are donated to the
-steps); started before, it competed with the step for the cores. A step whose full program is ready
-(`CachedJit.ready`: held, or kept on disk as a serialised executable) runs it, and so does every step once the cells
-may exceed the capacity, waiting for the worker's compile where it has not ended. Without kept executables there is
-no quick start (a worker could not hold the full step for the next call). A process that ends while the worker
-compiles waits for it (the full step is then kept for the next process).
+Once an untrimmed step that decodes an answer has computed its outputs (the first answer block is out), or after the
+second untrimmed step without one (`DEFER_STEPS`), a worker thread at the lowest scheduling priority compiles the
+full step for that step's arguments (`CachedJit.precompile` from their shapes: the arrays themselves are donated to
+the steps). Started after every step, as before, the worker of a chat's system-prompt step traced and compiled the
+full step while the question's step ran. A step whose full program is ready (`CachedJit.ready`: held, or kept on
+disk as a serialised executable) runs it, and so does every step once the cells may exceed the capacity, waiting for
+the worker's compile where it has not ended (or compiling it, where no worker has started). Without kept executables
+there is no quick start (a worker could not hold the full step for the next call). A process that ends while the
+worker compiles waits for it (the full step is then kept for the next process).
 
-Measured: see `bench/peers/RESULTS.md` (first_token, `--quick-start`). Off by default in `Chat` and `Session`: a
-session that starts with it compiles two programs instead of one (the test suite's sessions would compile twice),
-its results differ from the default's by float32 rounding, and its process exits only once the worker's compile has
-ended; a new process that wants its first token sooner asks for it (`Chat(quick_start=True)`).
+Measured: see `bench/peers/RESULTS.md` (first_token, `--quick-start`). On by default in `omnijax chat` (always a
+fresh process; `--no-quick-start`), off by default in `Chat` and `Session`: a session that starts with it compiles
+two programs instead of one where its full step is not kept yet (a test suite's sessions with an empty cache), its
+results differ from the default's by float32 rounding (greedy tokens of a tiny random model can flip where two
+logits tie that closely; the suite compares them with transformers'), it refuses recall, and its process exits only
+once the worker's compile has ended (on SmolLM2 at load 9 on 2 cores, ~60 s from start against ~15 s to the first
+token; ~10 CPU s of compile at nice 19). A new process that wants its first token sooner asks for it
+(`Chat(quick_start=True)`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ from omnijax.kept_executables import CachedJit, abstract_arguments, executables_
 # products are padded to the library matmul (`omnijax.models.layers.padded_one_row_products`) at trace time.
 QUICK_COMPILE = {"cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                          "xla_cpu_use_fusion_emitters": False}}
+
+# Untrimmed steps without an answer after which the full step's compile starts all the same (a chat's system prompt
+# is its first step and the question its second: the worker starts after the question's answer block, not between
+# them; a stream of media units starts it after its second unit).
+DEFER_STEPS = 2
 
 _workers: list[threading.Thread] = []  # every compile a QuickStart started, for `wait_all`
 _workers_lock = threading.Lock()
@@ -93,6 +104,7 @@ class QuickStart:
         self.untrimmed_steps = 0  # steps run untrimmed so far
         self.workers: list[threading.Thread] = []
         self._shapes: tuple | None = None  # the last untrimmed step's full-step arguments, as shapes
+        self._answers = False  # whether the last untrimmed step decodes an answer
         self.errors: list[BaseException] = []  # what a worker's compile raised (the step then compiles itself)
 
     def untrimmed_step(self, chunk: Chunk, args: tuple, kwargs: dict) -> bool:
@@ -108,13 +120,16 @@ class QuickStart:
                      and not self.full.ready(*args, **kwargs))
         self.held += cells + answer
         self._shapes = abstract_arguments((args, kwargs)) if untrimmed else None
+        self._answers = answer > 0
         self.untrimmed_steps += untrimmed
         return untrimmed
 
     def compile_after(self, outputs: Any) -> None:
         """Compiles the full step for the last untrimmed step's arguments in a worker thread, once `outputs` (that
-        step's) are computed: started at once, it took one of a 2-core machine's cores from the step's own run."""
-        if self._shapes is None:
+        step's) are computed: started at once, it took one of a 2-core machine's cores from the step's own run.
+        Deferred (nothing started) after an untrimmed step that decodes no answer, unless it is the
+        `DEFER_STEPS`-th: the next untrimmed step's worker compiles the full step for its own arguments."""
+        if self._shapes is None or (not self._answers and self.untrimmed_steps < DEFER_STEPS):
             return
         # not a daemon: a process that ends while XLA compiles in a daemon thread aborts ("terminate called after
         # throwing an instance of ''": the first_token bench's kept side); the interpreter waits for this one

@@ -107,9 +107,10 @@ _scan_owned = cached_jit(_scan_chunks, static_argnames=_STATIC, donate_argnames=
 # the page stack's arange, the sampling keys' split) each compiled a program of their own (one per shape and dtype)
 # before a new process's first step; kept like the step, so a later process loads it untraced. The seed is an
 # argument (an int32 array: the keys equal `sampling_keys(seed, batch)`'s, which also keeps the low 32 bits), so
-# every seed runs the same program.
+# every seed runs the same program. Compiled quickly (`QUICK_COMPILE`: fills, an iota and the keys' integer hash, the
+# same values at any optimisation level), as it is compiled before a new process's first step: 0.5 s of it before.
 _empty_state = cached_jit(init_state, static_argnames=("config", "num_pages", "page_size", "batch", "max_pages",
-                                                       "start_pos", "kv_dtype"))
+                                                       "start_pos", "kv_dtype"), compiler_options=QUICK_COMPILE)
 
 
 def _programs(function: Any) -> int:

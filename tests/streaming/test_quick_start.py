@@ -124,6 +124,73 @@ def test_the_full_step_from_the_start_when_kept_or_when_the_first_chunk_could_tr
     assert session_lib._untrimmed_step.stats == untrimmed
 
 
+def test_the_full_step_compiles_once_a_step_has_answered(model, empty_cache):
+    """The worker starts after an untrimmed step that decodes an answer (its block is out), or after the
+    `DEFER_STEPS`-th untrimmed step without one: a chat's system prompt starts none, so the question's step does not
+    share the cores with it. The session computes what the full step computes, and runs it once it is held."""
+    vocab, rng = model.decoder.config.vocab_size, np.random.default_rng(5)
+    silent = [text_chunk(rng.integers(10, vocab, 6), length=32, unit=i) for i in range(2)]  # no answer asked
+    session = omnijax.Session(model, CONFIG, quick_start=True)
+    quick = session.quick_start
+    session.feed(silent[0])
+    assert quick.untrimmed_steps == 1 and quick.workers == []  # deferred
+    session.feed(silent[1])  # the second without an answer: started all the same
+    assert quick.untrimmed_steps == 2 and len(quick.workers) == quick_start.DEFER_STEPS - 1
+    assert quick.wait() and not quick.errors
+
+    system, question, later = (text_chunk(rng.integers(10, vocab, n), length=24, unit=i, answer_tokens=a)
+                               for i, (n, a) in enumerate([(8, 0), (8, 4), (24, 4)]))
+    full, untrimmed = _stats(session_lib._step), _stats(session_lib._untrimmed_step)
+    chat = omnijax.Session(model, CONFIG, quick_start=True)
+    quick = chat.quick_start
+    got = [jax.device_get(chat.feed(system))]
+    assert quick.untrimmed_steps == 1 and quick.workers == []  # the system prompt: nothing compiles behind it
+    got.append(jax.device_get(chat.feed(question)))
+    assert quick.untrimmed_steps == 2 and len(quick.workers) == 1  # the answer is out: the full step compiles
+    assert quick.wait() and not quick.errors
+    assert session_lib._untrimmed_step.stats["compiled"] == untrimmed["compiled"] + 1  # one shape, both steps
+    assert session_lib._step.stats["compiled"] == full["compiled"] + 1  # in the worker
+    got.append(jax.device_get(chat.feed(later)))  # 8 + 12 + 24 > 40 cells: the full step (held) runs and trims
+    assert quick.untrimmed_steps == 2 and len(quick.workers) == 1
+    assert session_lib._step.stats["compiled"] == full["compiled"] + 1
+    assert int(np.asarray(got[-1].stats.evicted).sum()) > 0
+    _, want, want_state = _run(model, [system, question, later])  # the full step from the start
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    _same(jax.device_get(chat.state), want_state)
+
+
+def _chat_args(checkpoint, *flags: str):
+    from omnijax import commands  # (L6: the command line)
+
+    args = commands.build_parser("chat").parse_args(
+        [str(checkpoint), "--policy", "omnipick:high_watermark=40,low_watermark=28,text_budget=8", "--page-size",
+         "16", "--pages", "8", "--block", "4", "--max-tokens", "8", *flags])
+    args.command = "chat"
+    return commands, args
+
+
+def test_omnijax_chat_starts_quickly_by_default_with_the_same_answers(checkpoint, empty_cache):
+    """`omnijax chat` (always a fresh process) runs with quick start unless `--no-quick-start`, and answers the
+    same as without it."""
+    import io
+
+    commands, args = _chat_args(checkpoint)
+    assert args.quick_start is True
+    assert commands.open_chat(args).session.quick_start is not None
+    _, off = _chat_args(checkpoint, "--no-quick-start")
+    assert commands.open_chat(off).session.quick_start is None
+    lines = "Hello there\nAnd again, please\n"
+    untrimmed = _stats(session_lib._untrimmed_step)
+    quick_out = io.StringIO()
+    assert commands.run_chat(args, stdin=io.StringIO(lines), out=quick_out) == 0  # first: the cache is empty
+    assert quick_start.wait_all()
+    assert session_lib._untrimmed_step.stats["compiled"] > untrimmed["compiled"]  # it did start quickly
+    full_out = io.StringIO()
+    assert commands.run_chat(off, stdin=io.StringIO(lines), out=full_out) == 0
+    assert quick_out.getvalue().strip() and quick_out.getvalue() == full_out.getvalue()  # both answers, as printed
+
+
 def test_quick_start_is_refused_with_a_given_state_or_recall(model):
     session = omnijax.Session(model, CONFIG)
     with pytest.raises(ValueError, match="quick_start .* state="):
