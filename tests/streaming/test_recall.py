@@ -12,7 +12,17 @@ import pytest
 import omnijax
 from omnijax.chunks.chunk import stack_chunks
 from omnijax.models.config import TINY_OMNI
-from omnijax.retention import OmniPick, SinkWindow, StreamingLLM
+from omnijax.retention import (
+    H2O,
+    OmniMemBudgets,
+    OmniPick,
+    SinkWindow,
+    StreamingLLM,
+    StreamingVLM,
+    StreamMem,
+    TokenSliding,
+    UnitFIFO,
+)
 from omnijax.retention.recall import Recall, rerotate
 from omnijax.streaming.config import StreamConfig
 from omnijax.streaming.session import Session, stream
@@ -37,9 +47,9 @@ def _question(seed=0, answer=3):
     return recall_setup.question(100 + seed, answer=answer)
 
 
-def _session(model, policy, recall=None, paging="native"):
+def _session(model, policy, recall=None, paging="native", impl="xla"):
     return Session(model, StreamConfig(policy=policy, paging=paging, num_pages=PAGES, page_size=PAGE,
-                                       max_answer_tokens=TAU, recall=recall))
+                                       max_answer_tokens=TAU, recall=recall, impl=impl))
 
 
 def _feed_all(session, chunks):
@@ -145,17 +155,27 @@ def test_omnipick_recalling_everything_answers_like_the_full_context(model):
     assert sorted(int(t[2][0]) for t in live.values()) == list(range(int(recalled.state.next_pos[0])))
 
 
-@pytest.mark.parametrize("policy", [SinkWindow(sink=2, window=12), StreamingLLM(sink_tokens=2, window=12,
-                                                                                high_watermark=16), OMNIPICK])
+# Every retention policy that evicts text (InfiniPot-V compresses visual spans only: its forced scores are checked
+# on an audiovisual session, tests/streaming/test_recall_questions.py). H2O with the attention that accumulates its
+# scores.
+FORCED = [SinkWindow(sink=2, window=12), StreamingLLM(sink_tokens=2, window=12, high_watermark=16), OMNIPICK,
+          TokenSliding(window=12, high_watermark=16), UnitFIFO(high_watermark=16, low_watermark=12),
+          H2O(heavy=4, recent=8, high_watermark=16), StreamMem(budget=12, num_proxies=4),
+          StreamingVLM(sink=2, text_window=10, vision_window=8),
+          OmniMemBudgets(visual_budget=8, audio_budget=4, text_budget=12)]
+
+
+@pytest.mark.parametrize("policy", FORCED, ids=[type(p).name for p in FORCED])
 def test_forced_scores_restore_exactly_the_chosen_units(model, policy):
-    session = _session(model, policy, Recall(budget=64, top_units=2))
+    impl = "reference" if isinstance(policy, H2O) else "xla"
+    session = _session(model, policy, Recall(budget=64, top_units=2), impl=impl)
     _feed_all(session, _context())
     full = _session(model, omnijax.NoSlide())
     _feed_all(full, _context())
     full_pos = {o: int(t[2][0]) for o, t in _by_order(full.state.kv).items()}  # same write orders: no answers yet
     tier = session._recall.tier
     U = len(tier.units)
-    assert U >= (3 if policy is OMNIPICK else 4)
+    assert U >= (3 if policy is OMNIPICK or policy not in FORCED[:2] else 4)
     chosen = [0, U - 2]
     if policy is OMNIPICK:
         assert tier.units[0].unit == 0 and tier.units[0].size == 4  # the evicted piece of the split unit

@@ -7,7 +7,9 @@ So the oracle "recalling everything equals the full-context session" is tested w
 
 - recalling everything ahead of every chunk (each chunk then runs over the whole context): every chunk's logits and
   answers equal `NoSlide`'s, question after question, under OmniPick, SinkWindow, StreamingLLM, TokenSliding,
-  UnitFIFO, H2O, StreamMem, InfiniPot-V and StreamingVLM;
+  UnitFIFO, H2O, StreamMem, InfiniPot-V, StreamingVLM and OmniMemBudgets, each under every paging mode (native,
+  tile_skip, ordered_suffix, eager) but the pairs of `RELAYOUT_LOSES`, where a relayout overwrites tokens a step
+  wrote and evicted before they are captured (reported lost: an open gap of issue 40);
 - recall at the questions alone with a one-layer model (every key and value depends on its token and position only):
   every question equals `NoSlide`'s;
 - at the second question of the two-layer session, after the recall, the cache holds every full-context position;
@@ -23,8 +25,10 @@ from flax import nnx
 
 from omnijax.models.config import TINY_OMNI
 from omnijax.models.decoder import Decoder
+from omnijax.paging import MODES
 from omnijax.retention import (
     H2O,
+    REGISTRY,
     InfiniPotV,
     NoSlide,
     OmniMemBudgets,
@@ -60,6 +64,17 @@ EVERY_CHUNK = {**POLICIES, "tokensliding": TokenSliding(window=16, high_watermar
                "streamingvlm": StreamingVLM(sink=4, text_window=8, vision_window=8),
                "omnimem": OmniMemBudgets(visual_budget=8, audio_budget=4, text_budget=8)}
 IMPL = {"h2o": "reference"}  # the attention that accumulates H2O's scores
+PAGINGS = ["native", "tile_skip", "ordered_suffix", "eager"]  # every paging mode (omnijax.paging.MODES)
+# (policy, paging) pairs where a step writes tokens and evicts them in the same step and its relayout then moves
+# survivors into those tokens' slots: `host_tier.capture_evicted` reads such tokens from their dead slots only, so
+# they are lost (reported in RecallStats.lost_cells, 2-8 cells on this session) and recalling everything cannot equal
+# the full context (issue 40, open: measured 2026-12-07; every other pair recalls exactly, lost_cells 0).
+RELAYOUT_LOSES = {("h2o", "tile_skip"), ("h2o", "ordered_suffix"), ("omnimem", "tile_skip"), ("omnimem", "eager"),
+                  ("sinkwindow", "tile_skip"), ("sinkwindow", "eager"), ("streamingllm", "tile_skip"),
+                  ("streamingllm", "ordered_suffix"), ("streamingvlm", "tile_skip"), ("streamingvlm", "eager"),
+                  ("streammem", "tile_skip"), ("streammem", "ordered_suffix"), ("streammem", "eager"),
+                  ("tokensliding", "tile_skip"), ("tokensliding", "ordered_suffix")}
+EXACT = [(name, paging) for name in sorted(EVERY_CHUNK) for paging in PAGINGS if (name, paging) not in RELAYOUT_LOSES]
 EVERYTHING = Recall(budget=128, top_units=64)
 
 
@@ -98,9 +113,9 @@ def full_context(model, chunks):
     return run
 
 
-def _session(model, policy, recall=None, impl="xla"):
-    return Session(model, StreamConfig(policy=policy, num_pages=PAGES, page_size=PAGE, max_answer_tokens=2,
-                                       recall=recall, impl=impl))
+def _session(model, policy, recall=None, impl="xla", paging="native"):
+    return Session(model, StreamConfig(policy=policy, paging=paging, num_pages=PAGES, page_size=PAGE,
+                                       max_answer_tokens=2, recall=recall, impl=impl))
 
 
 def _is_question(chunk):
@@ -117,12 +132,15 @@ def _assert_recalled_everything(session, stored):
     assert stored > 0 and report.cells > 0 and len(report.units) == stored
 
 
-@pytest.mark.parametrize("name", sorted(EVERY_CHUNK))
+@pytest.mark.parametrize("name, paging", EXACT, ids=[f"{n}-{p}" for n, p in EXACT])
 def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(model, chunks, full_context,
-                                                                                        name):
+                                                                                        name, paging):
+    # Under every paging mode too: a relayout (tile_skip, ordered_suffix, eager) moves survivors and gives emptied
+    # pages back, so the capture and the recall run on another physical layout; the oracle is the same NoSlide session
+    # (which never evicts, so never relays out).
     impl = IMPL.get(name, "xla")
-    bounded = _session(model, EVERY_CHUNK[name], impl=impl)
-    recalled = _session(model, EVERY_CHUNK[name], EVERYTHING, impl=impl)
+    bounded = _session(model, EVERY_CHUNK[name], impl=impl, paging=paging)
+    recalled = _session(model, EVERY_CHUNK[name], EVERYTHING, impl=impl, paging=paging)
     questions = recalls = 0
     for chunk, (want_logits, want_tokens) in zip(chunks, full_context(impl), strict=True):
         stored = recalled.recall_stats().stored_units
@@ -141,6 +159,27 @@ def test_recalling_everything_before_every_chunk_equals_the_full_context_at_ever
     stats = recalled.recall_stats()
     assert questions == 2 and stats.lost_cells == 0 and stats.dropped_units == 0
     assert stats.questions == recalls >= 3  # both questions and at least one context chunk ran over a recall
+
+
+def test_the_every_chunk_oracle_runs_every_paging_mode_and_registered_policy():
+    assert sorted(PAGINGS) == sorted(MODES.names())
+    assert set(EXACT) | RELAYOUT_LOSES == {(n, p) for n in EVERY_CHUNK for p in PAGINGS}
+    registered = {type(p).name for p in EVERY_CHUNK.values()}
+    # OfficialUnitWindow is UnitFIFO with other default watermarks (the same plan): UnitFIFO's case stands for it.
+    assert registered | {"official_unit_window", "no_slide"} == set(REGISTRY.names())
+
+
+def test_tokens_a_relayout_overwrote_before_their_capture_are_reported_lost(model, chunks):
+    # One pair of RELAYOUT_LOSES: StreamingLLM(4, 16) under tile_skip. The third chunk (18 tokens) evicts 2 of its own
+    # tokens in its step and tile_skip's migration reuses their slots: they are counted lost, never stored from a
+    # stale slot, and the same session under native paging loses none.
+    lost = {}
+    for paging in ("tile_skip", "native"):
+        session = _session(model, POLICIES["streamingllm"], EVERYTHING, paging=paging)
+        for chunk in chunks[:3]:
+            session.feed(chunk)
+        lost[paging] = session.recall_stats().lost_cells
+    assert lost == {"tile_skip": 2, "native": 0}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -199,3 +238,48 @@ def test_the_second_question_differs_only_through_tokens_written_after_an_evicti
             np.testing.assert_allclose(np.asarray(got_out.logits), np.asarray(want_out.logits), atol=1e-5)
         if c == 6:
             assert np.abs(np.asarray(got_out.logits) - np.asarray(want_out.logits)).max() > 1e-3
+
+
+def test_forced_scores_under_infinipot_v_restore_exactly_the_chosen_visual_records(model, chunks):
+    # InfiniPot-V compresses visual spans only, so its forced-scores oracle runs here, on the audiovisual session
+    # (tests/streaming/test_recall.py's runs the text-evicting policies). It never re-indexes: the chosen records
+    # come back at their own positions, which are the full-context session's positions of the same write orders
+    # (the NoSlide session fed the same chunks; answers have fixed lengths, so write orders line up), keys as stored.
+    policy = EVERY_CHUNK["infinipotv"]
+    assert not policy.reindex
+    session = _session(model, policy, Recall(budget=128, top_units=2))
+    full = _session(model, NoSlide())
+    for chunk in chunks[:6]:
+        session.feed(chunk)
+        full.feed(chunk)
+    full_pos = {o: t[2] for o, t in recall_setup.by_order(full.state.kv).items()}
+    tier = session._recall.tier
+    U = len(tier.units)
+    assert U >= 3
+    chosen = [0, U - 2]
+    scores = np.zeros(U, np.float32)
+    scores[chosen] = [5.0, 7.0]
+    before = recall_setup.by_order(session.state.kv)
+    report = session.recall(chunks[6], scores=scores)
+    assert report.forced and report.indices == tuple(chosen)
+    after = recall_setup.by_order(session.state.kv)
+    for o, (k, v, p, *meta) in before.items():  # the cache is untouched
+        np.testing.assert_array_equal(after[o][0], k)
+        np.testing.assert_array_equal(after[o][2], p)
+    records = [tier.units[i] for i in chosen]
+    new = sorted(o for o in after if o not in before)  # recalled tokens take new write orders, records laid
+    assert len(new) == sum(u.size for u in records)      # one after the other, tokens in their write order
+    visual = 0
+    at = iter(new)
+    for u in records:
+        for i, o in enumerate(int(o) for o in u.order):
+            k, v, p, unit, span, offset = after[next(at)]
+            np.testing.assert_array_equal(p, u.pos[:, i])
+            np.testing.assert_array_equal(p, full_pos[o])
+            np.testing.assert_array_equal(k, u.k[:, :, i])
+            np.testing.assert_array_equal(v, u.v[:, :, i])
+            assert (unit, span, offset) == (u.unit, int(u.span[i]), int(u.offset[i]))
+            visual += span in policy.visual_kinds
+    assert visual == len(new)  # what InfiniPot-V evicted and this recall restored is visual
+    session.feed(chunks[6])  # answers over them, then releases them
+    assert not set(new) & set(recall_setup.by_order(session.state.kv))
