@@ -13,7 +13,6 @@ import hashlib
 import inspect
 import os
 import pickle
-import shutil
 import tempfile
 import threading
 import warnings
@@ -29,17 +28,16 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+from omnijax import kept_folders
 from omnijax.compile_origin import XLA_CACHE_HIT_EVENT, serialize, watch_compile  # noqa: F401 - the event, re-exported
-from omnijax.source_keys import SourceGraph, node_modules, strings_in_pickle
+from omnijax.kept_folders import KEEP_BYTES, KEEP_VERSIONS, PROGRAMS_DIR  # noqa: F401 - re-exported
+from omnijax.source_keys import SourceGraph, node_modules, strings_in_pickle, traced_program_digest
 
 OFF = ("off", "0", "false", "none", "no")  # values of OMNIJAX_COMPILATION_CACHE / OMNIJAX_EXECUTABLE_CACHE: off
 
 EXECUTABLE_ENV = "OMNIJAX_EXECUTABLE_CACHE"
 EXECUTABLE_FORMAT = 4  # bumped when what a file holds changes (3: keyed by the sources the function can reach;
 # 4: none written from jax's in-memory cache, which wrote copies without kernels under 3)
-KEEP_VERSIONS = 6  # folders of executables kept: those of the most recently used jax versions and settings (the
-# test suite alone uses three or four: LLVM optimisation on and off, subprocesses with production flags)
-KEEP_BYTES = 2 << 30  # a folder's executables past this size: the least recently used removed (`_version_dir`)
 # jax settings that only say where caches and logs go: they do not change a program, so they are not in its key
 _UNKEYED_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                      "jax_persistent_cache_min_entry_size_bytes", "jax_explain_cache_misses", "jax_log_compiles",
@@ -181,58 +179,10 @@ def _default_device() -> Any:
     return _device[0]
 
 
-_pruned: set = set()
-_prune_lock = threading.Lock()
-
-
 def _version_dir(base: Path) -> Path:
-    """`base/<process key>`: the executables of this process's jax version and settings. The first call of a process
-    marks the folder used and removes all but the `KEEP_VERSIONS` most recently used folders beside it, and in its
-    own folder the least recently used executables past `KEEP_BYTES` (an edit to omnijax's sources makes new keys for
-    the programs that reach it, so without this a developer's or CI's cache would only grow)."""
-    folder = base / process_key().hex()[:16]
-    if folder in _pruned:
-        return folder
-    with _prune_lock:
-        if folder not in _pruned:
-            _pruned.add(folder)
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                os.utime(folder)
-                used = []
-                for entry in base.iterdir():
-                    try:
-                        if entry.is_dir():
-                            used.append((entry.stat().st_mtime, entry))
-                        elif entry.suffix == ".exe":  # a flat file of the first format
-                            entry.unlink()
-                    except OSError:  # removed meanwhile by another process
-                        continue
-                for _, old in sorted(used, reverse=True)[KEEP_VERSIONS:]:
-                    if old != folder:
-                        shutil.rmtree(old, ignore_errors=True)
-                _bound_size(folder, KEEP_BYTES)
-            except OSError:  # an unwritable cache: programs are compiled and not kept
-                pass
-    return folder
-
-
-def _bound_size(folder: Path, limit: int) -> None:
-    """Removes the least recently used executables of `folder` (by modification time, which a load renews) until
-    the rest hold at most `limit` bytes."""
-    files = []
-    for entry in folder.glob("*.exe"):
-        try:
-            stat = entry.stat()
-        except OSError:  # removed meanwhile by another process
-            continue
-        files.append((stat.st_mtime, stat.st_size, entry))
-    total = sum(size for _, size, _ in files)
-    for _, size, entry in sorted(files, key=lambda item: item[0]):
-        if total <= limit:
-            break
-        entry.unlink(missing_ok=True)
-        total -= size
+    """`base/<process key>`: the executables of this process's jax version and settings (`kept_folders.version_dir`
+    prunes the older folders beside it and bounds its size on a process's first use)."""
+    return kept_folders.version_dir(base, process_key().hex()[:16])
 
 
 class CachedJit:
@@ -259,8 +209,13 @@ class CachedJit:
     refused: its key would not hold their state, and a module's lambdas share one name). Values a closure captures
     are not in the key either: capture only what does not change the program.
 
-    Stats (`stats`): `loaded` from disk, `compiled` here (of which `xla_cached` answered by XLA's cache and
-    `reused` by jax's in-memory cache, not written), `plain` calls that went to the plain jit.
+    A program whose source key misses (an edit to a module it reaches) is traced, and found by the traced program's
+    digest where an earlier process kept the same program (`source_keys.traced_program_digest`): loaded without
+    lowering or compiling it, and linked under the new source key. After an edit, most programs trace as before.
+
+    Stats (`stats`): `loaded` from disk (of which `retraced` found by the traced program after its source key
+    missed), `compiled` here (of which `xla_cached` answered by XLA's cache and `reused` by jax's in-memory cache,
+    not written), `plain` calls that went to the plain jit.
 
     In memory a function holds at most `MAX_PROGRAMS` programs, the least recently used dropped first (every program
     held keeps memory mappings of its code); `clear()` drops them all, `clear_in_memory()` those of every function.
@@ -287,7 +242,7 @@ class CachedJit:
         self.name = f"{fun.__module__}.{fun.__qualname__}"
         self.loaded: OrderedDict[Any, Any] = OrderedDict()  # key -> executable (or None: the plain jit), LRU order
         self.lock = threading.Lock()
-        self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0}
+        self.stats = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0, "retraced": 0}
         self.__doc__ = fun.__doc__
         self.__wrapped__ = fun
         _instances.add(self)
@@ -472,32 +427,29 @@ class CachedJit:
     def _load_or_compile(self, directory: Path, static: tuple, treedef: Any, signature: tuple, args: tuple,
                          kwargs: dict) -> Any:
         """The executable for these arguments, read from disk or compiled (and written); None when it must run
-        through the plain jit (no disk key, or an executable that does not serialise)."""
+        through the plain jit (no disk key, or an executable that does not serialise).
+
+        Read by its source key without tracing; else traced, and read by the traced program's digest
+        (`source_keys.traced_program_digest`: an edit to a module the function reaches that leaves its program as
+        it was, as most edits do for most programs), then linked under the new source key; else lowered, compiled
+        and written under both keys (one file, two links)."""
         key = self._disk_key(static, treedef, signature)
         if key is None:
             return None
         directory = _version_dir(directory)
         path = directory / f"{key}.exe"
-        if path.exists():
-            try:
-                payload, in_tree, out_tree = pickle.loads(zlib.decompress(path.read_bytes()))
-                # on the one device it was compiled for: by default the load would span every device of the
-                # process, and a process with several then expects a shard per device
-                executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                       execution_devices=[_default_device()])
-                self.stats["loaded"] += 1
-                try:
-                    os.utime(path)  # used: the size bound removes the least recently used first
-                except OSError:
-                    pass
+        executable = self._read(path)
+        if executable is not None:
+            return executable
+        traced = self.jitted.trace(*args, **kwargs)
+        by_program = self._program_path(directory, traced)
+        if by_program is not None:
+            executable = self._read(by_program)
+            if executable is not None:
+                self.stats["retraced"] += 1
+                kept_folders.link(by_program, path)  # the next process loads it by its source key, without tracing
                 return executable
-            except FileNotFoundError:  # removed meanwhile (another process pruned its folder): compile it
-                pass
-            except Exception as error:  # noqa: BLE001 - a damaged or foreign file: removed, compiled again
-                warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
-                              "compiling the program again", RuntimeWarning, stacklevel=3)
-                path.unlink(missing_ok=True)  # replaced below unless jax's in-memory cache answers the compile
-        lowered = self.jitted.lower(*args, **kwargs)
+        lowered = traced.lower()
         options = self._options()
         with watch_compile() as origin:
             executable = lowered.compile(compiler_options=options) if options else lowered.compile()
@@ -522,7 +474,46 @@ class CachedJit:
             os.replace(temporary, path)
         except OSError:
             Path(temporary).unlink(missing_ok=True)
+            return executable
+        if by_program is not None:
+            kept_folders.link(path, by_program)
         return executable
+
+    def _read(self, path: Path) -> Any:
+        """The executable kept at `path`, loaded for the default device; None when there is none. A damaged or
+        foreign file is removed (with a warning) and None returned, so the caller compiles it again."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # none, or removed meanwhile (another process pruned its folder)
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(zlib.decompress(data))
+            # on the one device it was compiled for: by default the load would span every device of the process,
+            # and a process with several then expects a shard per device
+            executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                   execution_devices=[_default_device()])
+        except Exception as error:  # noqa: BLE001 - a damaged or foreign file: removed, compiled again
+            warnings.warn(f"{path}: unreadable serialised executable ({type(error).__name__}: {error}); "
+                          "compiling the program again", RuntimeWarning, stacklevel=4)
+            path.unlink(missing_ok=True)  # replaced unless jax's in-memory cache answers the compile
+            return None
+        self.stats["loaded"] += 1
+        try:
+            os.utime(path)  # used: the size bound removes the least recently used first
+        except OSError:
+            pass
+        return executable
+
+    def _program_path(self, directory: Path, traced: Any) -> Path | None:
+        """Where the program `traced` lowers to is kept by its digest (`PROGRAMS_DIR` of the version folder): the
+        traced program, this function's compiler options for the platform and the process key (jax's settings
+        and versions); None when the program has no digest a later process shares."""
+        program = traced_program_digest(traced)
+        if program is None:
+            return None
+        options = self._options()
+        digest = hashlib.sha256(program + process_key() + repr(sorted(options.items())).encode()).hexdigest()
+        return directory / PROGRAMS_DIR / f"{digest}.exe"
 
 
 def cached_jit(fun: Callable | None = None, *, static_argnames: str | Iterable[str] = (),

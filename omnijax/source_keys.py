@@ -1,8 +1,11 @@
-"""What a kept program's key holds of omnijax's sources: the modules its tracing can reach, read from the sources.
+"""What a kept program's keys hold: the omnijax sources its tracing can reach, read from the sources
+(`SourceGraph`), and, once traced, the traced program itself (`traced_program_digest`).
 
 `omnijax.compilation_cache.CachedJit` keys every program by the bytes of the modules its function imports
 (transitively, at module and function level), of the classes its static arguments hold and of its arguments' pytree
-nodes, so an edit elsewhere in the package leaves it loadable.
+nodes, so an edit elsewhere in the package leaves it loadable without tracing. An edit the function's modules do
+reach changes that key; the program it traces may still be the same, and its second key, the traced program's
+digest, then finds it without lowering or compiling it again.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 # `import a.b`, `from a.b import c, d` (parenthesised over lines too), relative forms included
 _IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)|import[ \t]+([^\n]+))", re.M)
@@ -133,3 +138,32 @@ def node_modules(treedef: Any) -> set[str]:
             found.add(getattr(data[0], "__module__", "") or "")
         todo.extend(node.children())
     return found
+
+
+def traced_program_digest(traced: Any) -> bytes | None:
+    """sha256 of what a traced jit call lowers from: its jaxpr (printed, every nested jaxpr and primitive parameter
+    included), the values of the constants it closes over, its argument and result trees and its arguments' avals
+    (with weak types) and donation. Two calls with one digest lower to one program under the same jax settings and
+    compiler options (which the caller keys apart). None when the printed jaxpr names an object by its address in
+    this process (a callback's function: such a program has no digest a later process shares), and for a program
+    with a Pallas kernel, whose printed grid mapping leaves out the blocks' index maps (two kernels that read
+    different blocks print alike).
+
+    Args:
+        traced: `jax.jit(f).trace(*args)`'s `jax.stages.Traced`.
+    """
+    jaxpr = traced.jaxpr  # ClosedJaxpr
+    text = str(jaxpr)
+    if " at 0x" in text or "pallas_call[" in text:
+        return None
+    digest = hashlib.sha256(text.encode())
+    for part in (str(traced.in_tree), str(traced.out_tree), repr(traced.in_avals), repr(traced.donate_argnums)):
+        digest.update(b"\0" + part.encode())
+    for const in jaxpr.consts:
+        if hasattr(const, "shape") and hasattr(const, "dtype"):
+            value = np.asarray(const)
+            digest.update(f"\0{value.dtype}{value.shape}".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        else:
+            digest.update(b"\0" + repr(const).encode())
+    return digest.digest()

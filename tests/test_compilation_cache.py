@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from omnijax import compilation_cache, kept_executables, source_keys
+from omnijax import compilation_cache, kept_executables, kept_folders, source_keys
 from tests._support.empty_cache import empty_compilation_cache
 
 # One script, three roles: "plain" compiles the function with jax.jit only (XLA's persistent cache then holds it),
@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-NONE = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0}  # CachedJit.stats before a call
+NONE = {"loaded": 0, "compiled": 0, "plain": 0, "xla_cached": 0, "reused": 0, "retraced": 0}  # stats before a call
 
 
 def _run(cache: Path, role: str, devices: int = 1) -> dict:
@@ -71,6 +71,106 @@ def test_a_later_process_loads_the_program_without_tracing(tmp_path):
     assert len(list((tmp_path / "fresh" / "executables").glob("*/*.exe"))) == 1
     np.testing.assert_array_equal(kept["out"], loaded["out"])
     np.testing.assert_allclose(kept["out"], np.tanh(np.arange(8.0) * 16 * 0.5) + 1, rtol=1e-6)
+
+
+# A script run from its own file: a function outside omnijax has its file's bytes in its source key, so editing the
+# file is an edit to the sources the program reaches.
+EDITED = textwrap.dedent("""
+    import json, sys
+    import jax.numpy as jnp
+    from omnijax import compilation_cache
+    compilation_cache.enable(sys.argv[1])
+    traced = []
+    def f(x, *, scale):
+        traced.append(1)
+        return jnp.tanh(x * scale) + OFFSET
+    OFFSET = 1.0
+    kept = compilation_cache.cached_jit(f, static_argnames="scale")
+    out = kept(jnp.arange(8.0), scale=0.5)
+    print(json.dumps({"traced": len(traced), "stats": kept.stats, "out": out.tolist()}))
+    # edit 0
+""")
+
+
+def _run_file(script: Path, cache: Path) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMNIJAX_EXECUTABLE", "JAX_COMPILATION"))}
+    done = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_edit_that_leaves_the_program_as_it_was_loads_it_by_the_traced_program(tmp_path):
+    """After an edit to the sources a program reaches (its source key changes), a later process traces it and finds
+    the program an earlier process kept by the traced program's digest: loaded, not lowered or compiled, and linked
+    under the new source key (the process after loads it without tracing). An edit that changes the program (a
+    constant the function reads) compiles the new program: the digest holds what the trace computes."""
+    script, cache = tmp_path / "edited.py", tmp_path / "cache"
+    script.write_text(EDITED)
+    first = _run_file(script, cache)
+    assert first["stats"] == dict(NONE, compiled=1) and first["traced"] == 1
+    script.write_text(EDITED.replace("# edit 0", "# edit 1"))
+    edited = _run_file(script, cache)
+    assert edited["stats"] == dict(NONE, loaded=1, retraced=1) and edited["traced"] == 1
+    after = _run_file(script, cache)
+    assert after["stats"] == dict(NONE, loaded=1) and after["traced"] == 0
+    for run in (edited, after):
+        np.testing.assert_array_equal(run["out"], first["out"])
+    folder = next((cache / "executables").iterdir())
+    names = [*folder.glob("*.exe"), *(folder / kept_executables.PROGRAMS_DIR).glob("*.exe")]
+    assert len(names) == 3 and len({p.stat().st_ino for p in names}) == 1  # one file, three names
+
+    script.write_text(EDITED.replace("OFFSET = 1.0", "OFFSET = 2.0"))
+    changed = _run_file(script, cache)
+    assert changed["stats"] == dict(NONE, compiled=1) and changed["traced"] == 1
+    np.testing.assert_allclose(changed["out"], np.tanh(np.arange(8.0) * 0.5) + 2.0, rtol=1e-6)
+
+
+def test_the_traced_program_digest_holds_constants_avals_and_trees():
+    """Two traces share a digest only when they lower to one program: closed-over constants of other values, a weak
+    type, another argument tree or another donation each give another digest; a function named by its address in
+    the jaxpr (a callback) gives none, and so does a Pallas kernel: its printed grid mapping leaves out the index
+    maps, so two kernels reading different blocks print alike."""
+    digest = lambda f, *args, **jit: source_keys.traced_program_digest(jax.jit(f, **jit).trace(*args))  # noqa: E731
+    x = jnp.arange(4.0)
+    table, other = np.arange(4.0), np.arange(4.0) + np.eye(4)[3]
+    base = digest(lambda v: v + jnp.asarray(table), x)
+    assert base is not None and base == digest(lambda v: v + jnp.asarray(table), x)
+    assert digest(lambda v: v + jnp.asarray(other), x) != base
+    assert digest(lambda v: v * 2, x) != digest(lambda v: v * 2, np.float32(1.0)) != digest(lambda v: v * 2, 1.0)
+    assert digest(lambda v: v[0] * 2, (x,)) != digest(lambda v: v * 2, x)
+    assert digest(lambda v: v * 2, x, donate_argnums=0) != digest(lambda v: v * 2, x)
+    callback = lambda v: jax.pure_callback(lambda a: np.sin(a), jax.ShapeDtypeStruct(v.shape, v.dtype), v)  # noqa: E731
+    assert digest(callback, x) is None
+    from jax.experimental import pallas as pl
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def kernel(block):  # the first block (block 0 every step) or each step's own
+        spec = pl.BlockSpec((4,), (lambda i: (0,)) if block == "first" else (lambda i: (i,)))
+        return lambda v: pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(4,),
+                                        in_specs=[spec], out_specs=pl.BlockSpec((4,), lambda i: (i,)),
+                                        interpret=True)(v)
+
+    first, own = (jax.jit(kernel(b)).trace(jnp.arange(16.0)) for b in ("first", "own"))
+    assert str(first.jaxpr) == str(own.jaxpr)  # why: the printed jaxprs are equal, the programs are not
+    assert source_keys.traced_program_digest(first) is None and source_keys.traced_program_digest(own) is None
+
+
+def test_the_size_bound_counts_a_file_with_several_names_once(tmp_path):
+    folder = tmp_path / "v"
+    (folder / kept_executables.PROGRAMS_DIR).mkdir(parents=True)
+    (folder / "a.exe").write_bytes(b"x" * 100)
+    os.link(folder / "a.exe", folder / kept_executables.PROGRAMS_DIR / "p.exe")
+    (folder / "b.exe").write_bytes(b"y" * 100)
+    os.utime(folder / "b.exe", (1, 1))  # the least recently used
+    kept_folders.bound_size(folder, 200)  # 200 bytes held under three names: nothing to remove
+    assert {p.name for p in folder.rglob("*.exe")} == {"a.exe", "p.exe", "b.exe"}
+    kept_folders.bound_size(folder, 150)  # the oldest file goes, the twice-named one stays
+    assert {p.name for p in folder.rglob("*.exe")} == {"a.exe", "p.exe"}
 
 
 def test_a_program_from_jaxs_memory_is_not_written(tmp_path):
@@ -337,7 +437,7 @@ def test_a_folder_past_its_size_loses_the_least_recently_used_executables(tmp_pa
     for age, name in enumerate("abcd"):
         (tmp_path / f"{name}.exe").write_bytes(b"x" * 100)
         os.utime(tmp_path / f"{name}.exe", (1_000_000 + age, 1_000_000 + age))
-    kept_executables._bound_size(tmp_path, 250)
+    kept_folders.bound_size(tmp_path, 250)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.exe", "d.exe"]
 
 
