@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from omnijax.kept_executables import cached_jit
 from omnijax.kernels.quant import QuantizedWeight, qmatmul
 
 _shapes_only = contextvars.ContextVar("omnijax_shapes_only", default=False)
@@ -49,7 +50,16 @@ def new_param(shape: Sequence[int], dtype: DTypeLike, rngs: nnx.Rngs, *, ones: b
         return nnx.Param(jnp.ones(shape, dtype))
     if zeros or _shapes_only.get():
         return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+    return nnx.Param(_normal(jax.random.key_data(rngs.params()), shape=tuple(shape), dtype=jnp.dtype(dtype), std=std))
+
+
+@cached_jit(static_argnames=("shape", "dtype", "std"))
+def _normal(key_data: jax.Array, *, shape: tuple[int, ...], dtype: jnp.dtype, std: float) -> jax.Array:
+    """`std * N(0, 1)` of `shape` drawn in float32 with the key `key_data` (`jax.random.key_data`), cast to `dtype`:
+    one kept program per shape, where eagerly the draw, the scale and the cast were each a program of their own,
+    traced and lowered again after every `jax.clear_caches()` (the test suite's tiny models draw hundreds)."""
+    drawn = jax.lax.optimization_barrier(jax.random.normal(jax.random.wrap_key_data(key_data), shape, jnp.float32))
+    return (std * drawn).astype(dtype)  # (the barrier: the draw as eager, unfused with the scale, to the bit)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:

@@ -4,6 +4,7 @@ and dtypes, and traces no random draw (what made it cost most of a small model's
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from omnijax.models import layers
@@ -31,3 +32,18 @@ def test_abstract_module_is_the_eval_shape_build_without_draws(monkeypatch):
         assert not drawn, f"{name}: abstract_module drew {len(drawn)} parameters"
     # outside it, parameters are drawn again (the setting does not leak)
     assert float(abs(layers.new_param((4,), "float32", nnx.Rngs(0))[...]).sum()) > 0
+
+
+def test_a_drawn_parameter_is_the_eager_draw_to_the_bit():
+    """`new_param` draws in one kept program per shape (`layers._normal`); its values are the eager
+    `std * N(0, 1)` cast to the dtype, bit for bit (the tiny models' weights every test builds stay as they were)."""
+    import numpy as np
+
+    ours, eager = nnx.Rngs(3), nnx.Rngs(3)
+    for shape, dtype in (((4, 8), jnp.float32), ((3,), jnp.bfloat16), ((2, 5, 7), jnp.float32),
+                         ((151, 96), jnp.bfloat16), ((1000,), jnp.float32)):
+        for std in (0.02, 0.3):
+            drawn = layers.new_param(shape, dtype, ours, std=std)[...]
+            expected = (std * jax.random.normal(eager.params(), shape, jnp.float32)).astype(dtype)
+            assert drawn.dtype == expected.dtype and drawn.shape == shape
+            np.testing.assert_array_equal(np.asarray(drawn, np.float32), np.asarray(expected, np.float32))

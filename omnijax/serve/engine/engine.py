@@ -46,6 +46,7 @@ import numpy as np
 from omnijax.chunks import chunk as chunks_lib
 from omnijax.chunks.chunk import Chunk
 from omnijax.decoding import folded_keys, seed_of
+from omnijax.kept_executables import cached_jit
 from omnijax.models.speech import MediaRows
 from omnijax.serve.engine import snapshot as snapshot_lib
 from omnijax.serve.engine.admission import Overloaded
@@ -76,8 +77,9 @@ _engine_step = engine_step
 
 
 # ------------------------------------------------------------------------------------------------- pure helpers
-_reset_row = jax.jit(reset_row, donate_argnums=0)
-_fork_rows = jax.jit(fork_rows, static_argnames=("share",), donate_argnums=0)
+# kept programs (`cached_jit`): a later process (or a test module after `jax.clear_caches()`) loads them untraced
+_reset_row = cached_jit(reset_row, donate_argnames="state")
+_fork_rows = cached_jit(fork_rows, static_argnames=("share",), donate_argnames="state")
 
 
 # ------------------------------------------------------------------------------------------------------- engine
