@@ -327,7 +327,8 @@ def save_slots(kv: PagedKV, row: int) -> Saved:
 
 
 def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = (0, 0),
-                    shared_pool: bool = False, in_place: bool = False, saved: Saved | None = None) -> Evicted:
+                    shared_pool: bool = False, in_place: bool = False, saved: Saved | None = None,
+                    written: dict | None = None, row: int = 0) -> Evicted:
     """The tokens a step evicted, exactly as they were cached when evicted (batch-1 caches).
 
     Tokens are known by their write order (unique in a sequence, kept by re-indexing and migration). Evicted =
@@ -335,7 +336,8 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     nowhere in `after`; orders in `[skip[0], skip[1])` are left out (recalled tokens the tier still holds). A token
     live in `before` is read there (its key as rotated at eviction). A token the step wrote and evicted is read from
     its slot in `after`, which still holds it when invalid and still carrying its order (eviction neither clears
-    nor re-rotates a dropped slot; any later write of the step sets the slot's order); otherwise it is `lost`.
+    nor re-rotates a dropped slot; any later write of the step sets the slot's order), else it is `lost`; with
+    `written`, from the step's record of it, whatever took its slot since (a survivor a relayout moved, an answer).
 
     Args:
         before: a copy of the cache before the step (the step's own input is donated).
@@ -351,6 +353,7 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
             is `lost` (reported). A step that writes nothing after its trim (no answer tokens) overwrites no slot
             it evicted.
         saved: with `in_place`, tokens gathered before the step (`save_slots`).
+        written, row: the step's `ChunkOutput.written` (its chunk's tokens before its trim) and this cache's row.
     """
     if before.batch != 1 or after.batch != 1:
         raise ValueError(f"capture_evicted takes batch-1 caches, got batch {before.batch} and {after.batch}")
@@ -387,6 +390,12 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
             from_saved = _pick(saved, np.searchsorted(known, taken[hit]))
     new_orders = np.arange(first, end)
     new_orders = new_orders[wanted(new_orders)]
+    from_written = {f: x[:, :0] if f in ("k", "v", "pos") else x[:0] for f, x in from_saved.items()}
+    if written is not None:  # the step's own record, not slots a later write of the step may have taken
+        rec = {f: x[:, row] if f in ("k", "v", "pos") else x[row] for f, x in jax.device_get(written).items()}
+        hit = np.flatnonzero(np.isin(rec["order"], new_orders) & (rec["order"] >= 0))
+        from_written = {f: x[:, hit] if f in ("k", "v", "pos") else x[hit] for f, x in rec.items()}
+        new_orders = new_orders[~np.isin(new_orders, rec["order"][hit])]
     after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
     mine = (owned | owned_after).reshape(-1) if shared_pool else np.ones(N * P, bool)
     # A slot the step did not write keeps the order it had (a freed page's dirty slots carry another session's
@@ -397,7 +406,7 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     dead_new = dead_new[np.isin(after_order[dead_new], new_orders)]
     lost = tuple(sorted((set(new_orders.tolist()) - set(after_order[dead_new].tolist())) | set(gone)))
     a, b = _take(before, from_before), _take(after, dead_new)
-    host = {f: np.concatenate([a[f], from_saved[f], b[f]], axis=1 if f in ("k", "v", "pos") else 0)
+    host = {f: np.concatenate([a[f], from_saved[f], from_written[f], b[f]], axis=1 if f in ("k", "v", "pos") else 0)
             for f in _FIELDS}
     return Evicted(units=tuple(_group(host)) if host["unit"].size else (), lost=lost)
 

@@ -1,13 +1,15 @@
 """What `omnijax.Session` does with `StreamConfig(recall=Recall(...))` (issue 40): capture what retention evicts into
 a host tier, and bring the relevant units back when a question comes.
 
-Capture. The compiled step stays the one `chunk_step` every path runs (compiled with `recall=None`, so the same
-program as without recall). Before each step the session copies the cache (the step's input is donated and updated
-in place); after it, `omnijax.kv.host_tier.capture_evicted` compares the two by write order and stores every evicted
+Capture. The compiled step stays the one `chunk_step` every path runs (compiled with `recall=None` and
+`keep_written=True`: the program without recall plus a record of the chunk's tokens as the prefill cached them,
+`ChunkOutput.written`). Before each step the session copies the cache (the step's input is donated and updated in
+place); after it, `omnijax.kv.host_tier.capture_evicted` compares the two by write order and stores every evicted
 token, exactly as it was cached, in the tier (one `UnitKV` record per unit, or per piece of a unit a policy evicted
 in several steps; with `Recall(block=B)` each record is cut into blocks of the write-order grid,
-`omnijax.kv.host_tier.split_blocks`, stored, scored and recalled on their own). The copy is one device copy of
-the cache per chunk; a step that evicted nothing is not read back.
+`omnijax.kv.host_tier.split_blocks`, stored, scored and recalled on their own). A token the step wrote and evicted
+is read from the step's record: its slot may since hold a survivor the relayout moved there, or an answer token.
+The copy is one device copy of the cache per chunk; a step that evicted nothing is not read back.
 
 Question time. A chunk with tokens that asks for an answer (`answer_tokens > 0`) is a question: before its step,
 the question's queries are computed against the current cache (a forward of the chunk through a throwaway copy of
@@ -291,13 +293,13 @@ class RecallSession:
                            **self._counts)
 
     def capture(self, before: paged_lib.PagedKV, after: paged_lib.PagedKV, *, in_place: bool = False,
-                saved: host_tier.Saved | None = None) -> None:
+                saved: host_tier.Saved | None = None, written: dict | None = None, row: int = 0) -> None:
         """Stores what the step from `before` (a copy; with `in_place` its metadata only, and `saved`:
         `omnijax.kv.host_tier.capture_evicted`) to `after` evicted (recalled tokens awaiting release, which the tier
-        still holds, are left out)."""
+        still holds, are left out; `written`, `row`: the step's record of its chunk's tokens and this row of it)."""
         skip = self._pending if self._pending is not None and not self.recall_config.keep else (0, 0)
         got = host_tier.capture_evicted(before, after, skip=skip, shared_pool=self.shared_pool, in_place=in_place,
-                                        saved=saved)
+                                        saved=saved, written=written, row=row)
         self._counts["lost_cells"] += len(got.lost)
         block = self.recall_config.block
         records = [b for u in got.units for b in host_tier.split_blocks(u, block)] if block else list(got.units)

@@ -123,10 +123,10 @@ def _seed_array(seed: int) -> np.ndarray:
     return np.asarray(np.int64(seed)).astype(np.int32)
 
 
-@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer"), donate_argnames=("state",))
-def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False):
+@cached_jit(static_argnames=(*_STATIC, "tap", "tap_answer", "keep_written"), donate_argnames=("state",))
+def _step(graphdef, params, state, chunk, *, config, tap=None, tap_answer=False, keep_written=False):
     return chunk_step(nnx.merge(graphdef, params), state, chunk, config, tap=tap, shared_pages=False,
-                      tap_answer=tap_answer)
+                      tap_answer=tap_answer, keep_written=keep_written)
 
 
 # A session's first steps without the trim (`omnijax.streaming.quick_start`), its own function so that its compile
@@ -361,6 +361,8 @@ class Session:
         before = None if recall is None else jax.tree.map(jnp.copy, self.state.kv)
         cursor = None if recall is None else jax.device_get((self.state.next_pos[0], self.state.kv.next_order[0]))
         more = {"tap_answer": True} if tap_answer else {}  # (the kept program's key unchanged without it)
+        if recall is not None:  # what the step writes and evicts, as cached before its trim and relayout
+            more["keep_written"] = True
         step = _step
         if self._state is None:
             self._compile_before_pool(step, (self._graphdef, self._params, None, chunk),
@@ -377,7 +379,7 @@ class Session:
         if recall is not None:
             recall.track(chunk, int(cursor[0]), int(cursor[1]), self.state)
             if np.asarray(out.stats.evicted).any():
-                recall.capture(before, self.state.kv)
+                recall.capture(before, self.state.kv, written=out.written)
             if not self._hold:
                 self.state = recall.release(self.state)
         if self._unread is not None:

@@ -24,6 +24,7 @@ from omnijax.decoding import (
 )
 from omnijax.kv import layout as layout_lib
 from omnijax.kv import paged as paged_lib
+from omnijax.kv import quant_kv
 from omnijax.logits_processors import allowed_tokens
 from omnijax.models.config import DecoderConfig
 from omnijax.models.decoder import Decoder
@@ -87,7 +88,10 @@ class ChunkOutput:
 
     `answer_rows [B, tau, D]` (model dtype): the final-normed last-layer row of each answer token as the answer loop
     fed it (row i: the token at `tokens[:, i]`; zeros where none), when the step was asked for them
-    (`chunk_step(..., tap_answer=True)`; Qwen2.5-Omni's talker reads them); None otherwise."""
+    (`chunk_step(..., tap_answer=True)`; Qwen2.5-Omni's talker reads them); None otherwise.
+
+    `written`: the chunk's tokens as the prefill cached them, before the trim (`chunk_step(..., keep_written=True)`,
+    `written_tokens`: what a recall capture reads the tokens the step wrote and evicted from); None otherwise."""
 
     logits: jax.Array
     tokens: jax.Array
@@ -97,6 +101,7 @@ class ChunkOutput:
     top_logprobs: jax.Array | None = None
     tapped: jax.Array | None = None
     answer_rows: jax.Array | None = None
+    written: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +237,8 @@ def _empty_rows(model: Decoder, B: int, tau: int) -> jax.Array:
 
 def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamConfig,
                answer: bool = True, tap: int | None = None,
-               shared_pages: bool = True, tap_answer: bool = False, trim: bool = True, skip_empty: bool = True
-               ) -> tuple[StreamState, ChunkOutput]:
+               shared_pages: bool = True, tap_answer: bool = False, trim: bool = True, skip_empty: bool = True,
+               keep_written: bool = False) -> tuple[StreamState, ChunkOutput]:
     """One streaming step (the `lax.scan` body): prefill, last logits, retention, paging, optional answer.
 
     With `answer=False` (static) the step stops before the answer: its tokens are all -1 and `last_logits` are the
@@ -265,6 +270,11 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     `lax.cond`; it computes exactly what the pass does. False: the pass always runs, with no conditional, for a
     caller that vmaps the step (`omnijax.evaluate`), where the conditional would become a select over the whole
     cache. Ignored with `tap` (the pass then always runs).
+
+    `keep_written` (static): the output also carries `written`, the chunk's tokens as the prefill cached them, before
+    the trim and the relayout (`written_tokens`). A recall session (`omnijax.streaming.recall_session`) reads the
+    tokens the step wrote and evicted from it: after the step their slots may hold survivors a relayout moved there,
+    or answer tokens. False (default): the program without it.
     """
     policy, paging, impl, subblock = config.policy, config.paging, config.impl, config.subblock
     kv, next_pos, key = state.kv, state.next_pos, state.key
@@ -293,6 +303,7 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
     else:
         kv, logits, tapped = prefill(kv)
     attended = layout_lib.layout_stats(kv, subblock)
+    written = written_tokens(kv, state.kv.next_order, chunk.valid.shape[1]) if keep_written else None
     next_pos = next_pos + chunk.advance
     # A row this chunk feeds nothing (no token, no answer, no advance: a server's idle session) is not trimmed.
     fed = jnp.any(chunk.valid, axis=1) | (chunk.answer_tokens > 0) | (chunk.advance != 0)  # [B]
@@ -323,9 +334,35 @@ def chunk_step(model: Decoder, state: StreamState, chunk: Chunk, config: StreamC
                        next_pos=next_pos)
     state = StreamState(kv=kv, next_pos=next_pos, key=key, last_logits=last_logits, counts=counts, seen=seen)
     if not getattr(config.decoding, "per_row", False):
-        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, tapped=tapped, answer_rows=answer_rows)
+        return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, tapped=tapped, answer_rows=answer_rows,
+                                  written=written)
     return state, ChunkOutput(logits=logits, tokens=tokens, stats=stats, logprobs=lps[0], top_ids=lps[1],
-                              top_logprobs=lps[2], tapped=tapped, answer_rows=answer_rows)
+                              top_logprobs=lps[2], tapped=tapped, answer_rows=answer_rows, written=written)
+
+
+def written_tokens(kv: paged_lib.PagedKV, first_order: jax.Array, T: int) -> dict[str, jax.Array]:
+    """The tokens each row wrote from write order `first_order [B]` on (at most `T`: a chunk's), as cached in `kv`:
+    `k`, `v` `[L, B, T, G, d]` (int8 pages dequantised), `pos [A, B, T]`, `unit`, `span`, `offset`, `order [B, T]`,
+    entry t holding the token of order `first_order + t` (`order` -1 where none is live). Found by write order
+    through each row's page table, so a row reads its own pages only (the engine's rows share a pool)."""
+    N, P = kv.num_pages, kv.page_size
+    flat, exists = paged_lib.table_slots(kv)  # [B, S]
+    B = flat.shape[0]
+    rank = kv.order.reshape(-1)[flat] - first_order[:, None]
+    mine = exists & kv.valid.reshape(-1)[flat] & (rank >= 0) & (rank < T)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], flat.shape)
+    at = jnp.full((B, T), -1, jnp.int32).at[rows, jnp.where(mine, rank, T)].set(flat, mode="drop")  # [B, T]
+    take = jnp.maximum(at, 0).reshape(-1)
+
+    def pages(x):  # [L, N, P, G, d] -> [L, B, T, G, d]
+        L, G, d = x.shape[0], x.shape[3], x.shape[4]
+        return quant_kv.dense(quant_kv.take_rows(x.reshape(L, N * P, G, d), take)).reshape(L, B, T, G, d)
+
+    out = {"k": pages(kv.k), "v": pages(kv.v), "pos": kv.pos.reshape(kv.pos.shape[0], -1)[:, take].reshape(-1, B, T)}
+    for f in ("unit", "span", "offset", "order"):
+        out[f] = getattr(kv, f).reshape(-1)[take].reshape(B, T)
+    out["order"] = jnp.where(at >= 0, out["order"], -1)
+    return out
 
 
 def _history(state: StreamState, chunk: Chunk) -> tuple[jax.Array, jax.Array]:

@@ -33,23 +33,32 @@ if TYPE_CHECKING:
 OnToken = Callable[[str, int, "tuple | None"], bool]
 
 
-@cached_jit(static_argnames=("graphdef", "config", "answer", "tap_answer"), donate_argnames=("state",))
+@cached_jit(static_argnames=("graphdef", "config", "answer", "tap_answer", "keep_written"),
+            donate_argnames=("state",))
 def engine_step(graphdef: nnx.GraphDef, params: nnx.State, state: StreamState, chunk: Chunk, *,
-                config: StreamConfig, answer: bool = True, tap_answer: bool = False) -> tuple[StreamState, tuple]:
+                config: StreamConfig, answer: bool = True, tap_answer: bool = False, keep_written: bool = False
+                ) -> tuple[StreamState, tuple]:
     """chunk_step + drop_empty_entries. Returns `(state, (logits [B, V], tokens [B, tau], exhausted [B],
     dropped [B], num_free [], table_full [B], logprobs))`, `logprobs` the step's `(chosen, top ids, top logprobs)`
     (None unless the strategy is per-row). `answer=False`: the prefill of a host-driven tick (no answer tokens).
     `tap_answer` (static): an eighth output, `answer_rows [B, tau, D]`, each answer token's final-normed
     last-layer row (`chunk_step(..., tap_answer=True)`: what Qwen2.5-Omni's talker reads); False: the program
-    without it (pass it only when True: the kept program's key is then unchanged)."""
+    without it (pass it only when True: the kept program's key is then unchanged). `keep_written` (static; the
+    same): a last output, the chunk's tokens as cached before the trim (`chunk_step(..., keep_written=True)`: what
+    a recall session's capture reads the tokens the tick wrote and evicted from)."""
     model = nnx.merge(graphdef, params)
-    state, out = chunk_step(model, state, chunk, config, answer=answer, **({"tap_answer": True} if tap_answer else {}))
+    more = {"tap_answer": True} if tap_answer else {}
+    if keep_written:
+        more["keep_written"] = True
+    state, out = chunk_step(model, state, chunk, config, answer=answer, **more)
     table_full = jnp.all(state.kv.page_table >= 0, axis=1)  # [B] before empty entries leave the table
     kv = migration.drop_empty_entries(state.kv)
     logprobs = None if out.logprobs is None else (out.logprobs, out.top_ids, out.top_logprobs)
     outputs = (out.logits, out.tokens, kv.exhausted, kv.dropped, kv.num_free, table_full, logprobs)
     if tap_answer:
         outputs += (out.answer_rows,)
+    if keep_written:
+        outputs += (out.written,)
     return dataclasses.replace(state, kv=kv), outputs
 
 
@@ -114,7 +123,8 @@ def _mask_of(constraint: TokenConstraint, words: int) -> np.ndarray:
 
 
 def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_token: OnToken | None,
-              constraints: Mapping[str, TokenConstraint]) -> tuple[tuple, dict[str, RowEnd]]:
+              constraints: Mapping[str, TokenConstraint], keep_written: bool = False
+              ) -> tuple[tuple, dict[str, RowEnd]]:
     """Runs one tick host-driven on `engine` (its state is replaced): the prefill program, then `token_step` once
     per answer token while any row is active. After each token every active served row's token goes to
     `on_token(sid, token, logprob entry)` (a row whose callback returns True ends now); a row with a constraint
@@ -122,12 +132,15 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
 
     Returns `(result, ends)`: `result` as the fused step's host copy (`engine_step`'s outputs; with
     `engine.taps_answer`, its eighth, each token's final-normed row `[B, tau, D]`), `ends` the rows that ended early
-    by their constraint ({sid: `RowEnd`}).
+    by their constraint ({sid: `RowEnd`}). `keep_written`: `result` ends with the prefill's record of the chunk's
+    tokens (`engine_step(..., keep_written=True)`).
     """
     graphdef, params, config = engine._graphdef, engine._params, engine._stream
     tap = {"tap_answer": True} if engine.taps_answer else {}  # (static; the programs without it unchanged)
-    engine.state, pre = engine_step(graphdef, params, engine.state, batch, config=config, answer=False)
-    logits, _, exhausted, dropped, num_free, table_full, _ = jax.device_get(jax.block_until_ready(pre))
+    keep = {"keep_written": True} if keep_written else {}  # (static; the program without it unchanged)
+    engine.state, pre = engine_step(graphdef, params, engine.state, batch, config=config, answer=False, **keep)
+    written = pre[7] if keep_written else None
+    logits, _, exhausted, dropped, num_free, table_full, _ = jax.device_get(jax.block_until_ready(pre[:7]))
     B, tau = batch.answer_tokens.shape[0], config.max_answer_tokens
     rows = {engine._slots[s]: s for s in frames}
     count = np.minimum(np.asarray(batch.answer_tokens), tau)
@@ -193,4 +206,5 @@ def host_tick(engine: Engine, batch: Chunk, frames: Mapping[str, Chunk], on_toke
     if stepped:  # [B] after the last write (the fused step reads it after its answer too)
         table_full = np.all(np.asarray(engine.state.kv.page_table) >= 0, axis=1)
     result = (logits, tokens, exhausted, dropped, num_free, table_full, logprobs)
-    return (result if answer_rows is None else (*result, answer_rows)), ends
+    result = result if answer_rows is None else (*result, answer_rows)
+    return (result if written is None else (*result, written)), ends

@@ -332,15 +332,19 @@ class Engine:
             batch = self._batch(frames)
             ends: dict[str, RowEnd] = {}
             before = None if self.recall is None else self.recall.before_batch(self, frames)
+            keep = self.recall is not None  # the step keeps its chunk's record for the capture (static)
             if host:
-                result, ends = host_tick(self, batch, frames, on_token, constraints)
+                result, ends = host_tick(self, batch, frames, on_token, constraints, keep_written=keep)
             else:
+                more = {"tap_answer": True} if self.taps_answer else {}
+                if keep:
+                    more["keep_written"] = True
                 self.state, result = engine_step(self._graphdef, self._params, self.state, batch,
-                                                 config=self._stream,
-                                                 **({"tap_answer": True} if self.taps_answer else {}))
+                                                 config=self._stream, **more)
                 result = jax.device_get(jax.block_until_ready(result))
             if self.recall is not None:
-                self.recall.after_batch(self, frames, before, result[2])
+                result, written = result[:-1], jax.device_get(result[-1])
+                self.recall.after_batch(self, frames, before, result[2], written)
             served.append((frames, result, self._slots, ends))
         alone({} if self.recall is None else self.recall.land(self))  # questions whose scores are ready
         for s, (c, why) in ({} if self.recall is None else self.recall.take_failures()).items():

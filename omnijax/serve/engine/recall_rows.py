@@ -26,8 +26,9 @@ Per tick (`EngineRecall`, called by `omnijax.serve.engine.engine.Engine.tick` in
   alone: its frame comes back with `FrameOutput.error` naming the cause and `written=False` (the question is not
   written; the row and the tier are as before it), and the tick serves every other row as usual.
 - The other recall sessions run in the batched step; each such row's evictions are captured into its tier
-  afterwards (`omnijax.kv.host_tier.capture_evicted`, `shared_pool=True`: a token a step wrote and evicted on a page
-  the step also gave back is counted in `lost_cells`, never read from another row's slot).
+  afterwards (`omnijax.kv.host_tier.capture_evicted`, `shared_pool=True`; a token the step wrote and evicted is read
+  from the step's record of its chunk, `ChunkOutput.written`, which an engine with recall compiles its batched step
+  with: its slot may since hold a survivor the relayout moved, or another row's token on a page given back).
 
 Nothing copies the pool. The steps update it in place; what a step evicts is read from its slot afterwards
 (`capture_evicted(..., in_place=True)`: eviction leaves a slot's contents, and a copy of the slots' metadata taken
@@ -317,8 +318,11 @@ class EngineRecall:
                  if relays or np.asarray(frames[s].answer_tokens).any()}
         return sids, host_tier.metadata_copy(engine.state.kv), cursors, saved
 
-    def after_batch(self, engine: Any, frames: dict[str, Chunk], before: tuple | None, exhausted: np.ndarray) -> None:
-        """After the batched step: tracks each served recall row's positions and stores what the step evicted."""
+    def after_batch(self, engine: Any, frames: dict[str, Chunk], before: tuple | None, exhausted: np.ndarray,
+                    written: dict | None = None) -> None:
+        """After the batched step: tracks each served recall row's positions and stores what the step evicted
+        (`written`: the step's record of its chunk's tokens, `ChunkOutput.written`, host arrays; a token the step
+        wrote and evicted is read from there)."""
         if before is None:
             return
         sids, kv, (next_pos, next_order), saved = before
@@ -329,4 +333,4 @@ class EngineRecall:
             session = self.sessions[sid]
             after = row_view(engine.state, row)
             session.track(frames[sid], int(next_pos[i]), int(next_order[i]), after)
-            session.capture(kv_row(kv, row), after.kv, in_place=True, saved=saved.get(sid))
+            session.capture(kv_row(kv, row), after.kv, in_place=True, saved=saved.get(sid), written=written, row=row)
