@@ -66,8 +66,8 @@ EVERY_CHUNK = {**POLICIES, "tokensliding": TokenSliding(window=16, high_watermar
                "omnimem": OmniMemBudgets(visual_budget=8, audio_budget=4, text_budget=8)}
 IMPL = {"h2o": "reference"}  # the attention that accumulates H2O's scores
 PAGINGS = ["native", "tile_skip", "ordered_suffix", "eager"]  # every paging mode (omnijax.paging.MODES)
-# Paging mode by paging mode: the programs a mode's cases compiled are dropped before the next mode's (`paging_group`).
-EXACT = [(name, paging) for paging in PAGINGS for name in sorted(EVERY_CHUNK)]
+EXACT = [(name, paging) for name in sorted(EVERY_CHUNK) for paging in PAGINGS]
+GROUP = 5  # policies whose cases keep their programs in memory together (`program_group`)
 EVERYTHING = Recall(budget=128, top_units=64)
 
 
@@ -121,16 +121,19 @@ def without_recall(model, chunks):
 
 
 @pytest.fixture(scope="module")
-def paging_group():
-    """Called with each oracle case's paging mode: drops the compiled programs in memory when the mode changes.
-    Forty (policy, paging) cases hold a step program each, beyond what one process keeps mapped
-    (`vm.max_map_count`: tests/conftest.py's `_release_compiled_programs`, which does this per module)."""
+def program_group():
+    """Called with each oracle case's policy: drops the compiled programs in memory before the next `GROUP`
+    policies' cases. Forty (policy, paging) cases, each with its own step and trim programs, hold more than one
+    process keeps mapped (`vm.max_map_count`, tests/conftest.py's `_release_compiled_programs`, which does this
+    per module: the whole module in one go crashed serialising an executable); twenty cases at a time share the
+    programs of a paging mode and an attention implementation (the steps over a recall, the question's forward)."""
     last = []
 
-    def enter(paging):
-        if last and last[-1] != paging:
+    def enter(name):
+        group = sorted(EVERY_CHUNK).index(name) // GROUP
+        if last and last[-1] != group:
             compilation_cache.clear_in_memory()
-        last.append(paging)
+        last.append(group)
     return enter
 
 
@@ -155,12 +158,12 @@ def _assert_recalled_everything(session, stored):
 
 @pytest.mark.parametrize("name, paging", EXACT, ids=[f"{n}-{p}" for n, p in EXACT])
 def test_recalling_everything_before_every_chunk_equals_the_full_context_at_every_chunk(
-        model, chunks, full_context, without_recall, paging_group, name, paging):
+        model, chunks, full_context, without_recall, program_group, name, paging):
     # Under every paging mode too: a relayout (tile_skip, ordered_suffix, eager) moves survivors and gives emptied
     # pages back, so the capture and the recall run on another physical layout, and it may move survivors into the
     # slots of tokens the step wrote and evicted (the capture reads those from the step's record); the oracle is the
     # same NoSlide session (which never evicts, so never relays out).
-    paging_group(paging)
+    program_group(name)
     impl = IMPL.get(name, "xla")
     recalled = _session(model, EVERY_CHUNK[name], EVERYTHING, impl=impl, paging=paging)
     questions = recalls = 0
