@@ -76,7 +76,8 @@ def _relative(path) -> str:
 # few-test modules (bench scripts, the README, the linters, serving restarts) for the end, one worker running them
 # while the other idled. Entries that no longer exist fail tests/test_suite_setup.py.
 SLOW_FIRST = (
-    "test_bench_smoke.py", "test_readme_and_demo.py", "test_imports.py", "test_lint.py", "chat/test_chat.py",
+    "test_bench_smoke.py", "test_readme_and_demo.py", "test_imports.py", "test_lint.py",
+    "streaming/test_recall_questions.py", "chat/test_chat.py",
     "eval/test_evaluate.py", "streaming/test_sampling.py", "serve/realtime/test_realtime_churn.py",
     "retention/test_retention_streaming_baselines.py", "models/qwen3_omni/test_qwen3_omni_model.py",
     "streaming/test_decoding_rows.py", "streaming/test_endurance.py", "serve/test_fault_injection.py",
@@ -96,7 +97,7 @@ SLOW_FIRST = (
     "serve/test_serve_quantized.py", "eval/test_quantized_expert_parallel.py",
     "serve/test_speech_media.py", "models/qwen2_5_omni/test_speech_media.py", "bench/test_recall_bench.py",
     "serve/test_speech_media_qwen25.py", "kv/test_int8_kv_matrix.py",
-    "eval/test_evaluate_recall.py", "streaming/test_recall_questions.py", "serve/engine/test_engine_recall.py",
+    "eval/test_evaluate_recall.py", "serve/engine/test_engine_recall.py",
     "serve/test_speech_written.py", "serve/engine/test_speech_writing.py", "serve/test_serve_recall.py",
     "serve/cluster/test_object_store_resume.py", "serve/cluster/test_kv_leases.py",
     "models/qwen2_5_omni/test_speech_media_video.py", "chat/test_watch_speak_qwen25.py",
