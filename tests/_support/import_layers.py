@@ -197,7 +197,8 @@ def last_line(text: str) -> str:
 LAYERS = (
     ("omnijax._checks", "omnijax._deprecation", "omnijax._version", "omnijax.errors", "omnijax.registry",
      "omnijax.decoding", "omnijax.logits_processors", "omnijax.stop_strings",
-     "omnijax.compilation_cache", "omnijax.kept_executables", "omnijax.kept_folders", "omnijax.compile_origin", "omnijax.source_keys",
+     "omnijax.compilation_cache", "omnijax.kept_executables", "omnijax.kept_folders", "omnijax.compile_origin",
+     "omnijax.source_keys",
      "omnijax.heap",
      "omnijax.kernels",
      "omnijax.chunks", "omnijax.media"),  # L0: no model, no cache
