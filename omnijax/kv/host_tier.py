@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -247,13 +248,17 @@ def _pick(saved: Saved, index: np.ndarray) -> dict[str, np.ndarray]:
     n = index.size
     at = np.zeros(1 << max(0, (n - 1).bit_length()), np.int32)
     at[:n] = index
-    got = jax.device_get(_pick_device(saved.tokens, jnp.asarray(at)))
-    return {f: x[:, :n] if f in ("k", "v", "pos") else x[:n] for f, x in got.items()}
+    return _along_tokens(jax.device_get(_pick_device(saved.tokens, jnp.asarray(at))), slice(n))
 
 
 @cached_jit
 def _pick_device(tokens: dict, at: jax.Array) -> dict:
-    return {f: x[:, at] if f in ("k", "v", "pos") else x[at] for f, x in tokens.items()}
+    return _along_tokens(tokens, at)
+
+
+def _along_tokens(tokens: dict, index: Any) -> dict:
+    """`tokens` (as `_take` returns them) indexed on their token axis: `k`, `v`, `pos`'s second, the others' first."""
+    return {f: x[:, index] if f in ("k", "v", "pos") else x[index] for f, x in tokens.items()}
 
 
 def _group(host: dict[str, np.ndarray]) -> list[UnitKV]:
@@ -377,7 +382,7 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
     from_before = np.flatnonzero(old_live & wanted(meta["bo"].reshape(-1)))
     first, end = int(meta["first"][0]), int(meta["end"][0])
     gone: list[int] = []
-    from_saved = {f: x[:, :0] if f in ("k", "v", "pos") else x[:0] for f, x in _take(after, np.zeros(0, int)).items()}
+    from_saved = _take(after, np.zeros(0, int))
     if in_place:  # `before`'s pages are `after`'s: a slot a later write of the step took no longer holds its token
         before = before.replace(k=after.k, v=after.v)
         bo = meta["bo"].reshape(-1)
@@ -390,11 +395,11 @@ def capture_evicted(before: PagedKV, after: PagedKV, *, skip: tuple[int, int] = 
             from_saved = _pick(saved, np.searchsorted(known, taken[hit]))
     new_orders = np.arange(first, end)
     new_orders = new_orders[wanted(new_orders)]
-    from_written = {f: x[:, :0] if f in ("k", "v", "pos") else x[:0] for f, x in from_saved.items()}
+    from_written = _along_tokens(from_saved, slice(0))
     if written is not None:  # the step's own record, not slots a later write of the step may have taken
-        rec = {f: x[:, row] if f in ("k", "v", "pos") else x[row] for f, x in jax.device_get(written).items()}
+        rec = _along_tokens(jax.device_get(written), row)  # this row's [L, T, G, d], [A, T], [T]
         hit = np.flatnonzero(np.isin(rec["order"], new_orders) & (rec["order"] >= 0))
-        from_written = {f: x[:, hit] if f in ("k", "v", "pos") else x[hit] for f, x in rec.items()}
+        from_written = _along_tokens(rec, hit)
         new_orders = new_orders[~np.isin(new_orders, rec["order"][hit])]
     after_order, after_valid = meta["ao"].reshape(-1), meta["av"].reshape(-1)
     mine = (owned | owned_after).reshape(-1) if shared_pool else np.ones(N * P, bool)
