@@ -1,6 +1,7 @@
 """`bench.peers.vs_transformers`' rows and what it shows of them: the JSON rows of a streaming section from its
 workers' results (`stream_rows`, with the last-token logits' agreement where both sides compute the same thing and,
-per omnijax row, the same-round ratios' spread and each round's load average: `rounds_figures`), the tables it prints
+per omnijax row, the same-round ratios' spread, of the wall and of the workers' CPU seconds, and each round's load
+average: `rounds_figures`), the tables it prints
 and its three-panel figure. Pure functions of the rows: no worker, no torch, no JAX."""
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def stream_rows(section: str, rounds: list[dict], name: str | None) -> list[dict
         p: [r["omnijax"]["policies"][p] for r in rounds] for p in POLICY_SPECS}
     rows = []
     for j, h in enumerate(histories):
-        peer_ms = [p["ms"][j] for p in peer]
+        peer_ms, peer_cpu = [p["ms"][j] for p in peer], [p["cpu_ms"][j] for p in peer]
         rows.append({"section": section, "history": h, "side": "transformers", "policy": "full",
-                     **harness.stats(peer_ms), "ms_rounds": peer_ms,
-                     "stream_ms": float(np.median([p["stream_ms"][j] for p in peer]))})
+                     **harness.stats(peer_ms), "ms_rounds": peer_ms, "cpu_ms": float(np.median(peer_cpu)),
+                     "cpu_ms_rounds": peer_cpu, "stream_ms": float(np.median([p["stream_ms"][j] for p in peer]))})
         for policy, runs in mine.items():
-            ms = [m["ms"][j] for m in runs]
+            ms, cpu = [m["ms"][j] for m in runs], [m["cpu_ms"][j] for m in runs]
             row = {"section": section, "history": h, "side": "omnijax", "policy": policy, **harness.stats(ms),
-                   "ms_rounds": ms, "stream_ms": float(np.median([m["stream_ms"][j] for m in runs])),
-                   **rounds_figures(ms, peer_ms, rounds), "cells": runs[0]["cells"][j],
+                   "ms_rounds": ms, "cpu_ms": float(np.median(cpu)), "cpu_ms_rounds": cpu,
+                   "stream_ms": float(np.median([m["stream_ms"][j] for m in runs])),
+                   **rounds_figures(cpu, peer_cpu, rounds, prefix="cpu_"), **rounds_figures(ms, peer_ms, rounds),
+                   "cells": runs[0]["cells"][j],
                    "pool_pages": runs[0].get("pool_pages")}
             if policy == "no_slide":  # the same computation as transformers': the logits must agree
                 row.update(agreement([m["logits"][j] for m in runs], [p["logits"][j] for p in peer]))
@@ -78,7 +81,9 @@ def print_tables(rows) -> None:
     print("\nfull context: per-chunk ms (median over rounds); ratio = omnijax / transformers (same-round median)")
     harness.print_table(pick(rows, "full", "omnijax"), [
         ("history", "history", "d"), ("omnijax ms", "median", ms), ("transformers ms", peer("history"), ms),
-        ("ratio", "ratio", ratio), ("min-max", spread(), "s"), ("logits diff", "logits_max_diff", diff),
+        ("ratio", "ratio", ratio), ("min-max", spread(), "s"), ("CPU ms", "cpu_ms", ms),
+        ("transformers CPU", peer("history", "cpu_ms"), ms), ("CPU ratio", "cpu_ratio", ratio),
+        ("min-max", spread("cpu_"), "s"), ("logits diff", "logits_max_diff", diff),
         ("|logits|", "logits_max_abs", diff), ("load", load, "s")])
     print("\nbounded: per-chunk ms; ratio = omnijax policy / transformers with its full history; cells attended")
     columns = [("history", "history", "d"), ("transformers ms", peer("history", section="bounded"), ms)]
@@ -88,7 +93,7 @@ def print_tables(rows) -> None:
                                   if o["history"] == r["history"])
         columns += [(f"{name} ms", of("median"), ms), ("ratio", of("ratio"), ratio),
                     ("min-max", lambda r, of=of: f"{of('ratio_min')(r):.3f}-{of('ratio_max')(r):.3f}", "s"),
-                    ("cells", of("cells"), "d")]
+                    ("CPU ratio", of("cpu_ratio"), ratio), ("cells", of("cells"), "d")]
     harness.print_table(pick(rows, "bounded", "omnijax", "no_slide"), columns + [
         ("no_slide logits diff", "logits_max_diff", diff), ("load", load, "s")])
     print("\nprefill to 25 % per KV head: ms of the warm call (cold: the first); RSS MiB, delta = peak - after load")
@@ -103,8 +108,9 @@ def print_tables(rows) -> None:
         ("logits diff", "logits_max_diff", diff), ("kept/head", "kept_per_head", ".0f"), ("load", load, "s")])
 
 
-def plot(rows, out: Path) -> None:
-    """Three panels: full-context and bounded per-chunk ms against history, prefill time and RSS delta against S."""
+def plot(rows, out: Path, name: str = "vs_transformers") -> None:
+    """Three panels: full-context and bounded per-chunk ms against history, prefill time and RSS delta against S;
+    saved as `out/<name>.png`."""
     fig, (full_ax, bounded_ax, prefill_ax) = harness.pyplot().subplots(1, 3, figsize=(16, 4.5))
     colors = {"omnijax": "tab:blue", "transformers": "tab:orange"}
     lines = [(full_ax, pick(rows, "full", side), side, "os"[i], colors[side]) for i, side in enumerate(SIDES)]
@@ -134,4 +140,4 @@ def plot(rows, out: Path) -> None:
         ax.minorticks_off()
     (h1, l1), (h2, l2) = prefill_ax.get_legend_handles_labels(), memory_ax.get_legend_handles_labels()
     prefill_ax.legend(h1 + h2, l1 + l2, fontsize=7)
-    harness.save_png(fig, out, "vs_transformers")
+    harness.save_png(fig, out, name)

@@ -1,15 +1,25 @@
-"""omnijax against Hugging Face transformers (and kvpress for prefill compression) on the same tiny Qwen2 weights:
-per-chunk streaming latency with the full context and with bounded retention policies to 32K, and compressed
-prefill's time and peak memory, each side in its own processes.
+"""omnijax against Hugging Face transformers (and kvpress for prefill compression) on the same weights (a tiny seeded
+Qwen2, or with `--model smollm2` the real SmolLM2-135M-Instruct): per-chunk streaming latency with the full context
+and with bounded retention policies to 32K, and compressed prefill's time and peak memory, each side in its own
+processes.
 
 Set-up. A tiny Qwen2 (vocab 1024, hidden 256, intermediate 512, 4 layers, 8 query / 2 KV heads, head dim 32, RoPE
 theta 1e6, float32, weight matrices drawn with std `INIT_STD` = 0.08 after `torch.manual_seed(0)`, sharper attention
 than the default 0.02) is saved under `<out>/vs_transformers_ckpt_std0.08/hf` and converted into `.../omnijax`
-(both reused when present). Every measurement is a
-fresh worker process of this script (`--worker KIND --side SIDE`, one JSON line on stdout): torch and JAX never
-share a process, the parent imports neither. torch runs on 2 threads with `attn_implementation="sdpa"`, JAX on the
-CPU as it comes; both compute the last token's logits only (transformers: `logits_to_keep=1`). Tokens are random
-ids (seeded) in text chunks of `--chunk` tokens (chunk i is unit i). Rounds alternate the sides (even rounds run
+(both reused when present). `--model smollm2`: the SmolLM2-135M-Instruct Q4_1 GGUF `make smollm2` installs
+(`--gguf` another file), converted once into `<out>/vs_transformers_model/` (`omnijax/`, `hf/`, float32, by
+`first_token.prepare_models` as first_token and vs_kvpress do; `--smoke`: the peers' tiny random llama GGUF of
+`first_token.smoke_models`); writes `<out>/vs_transformers_smollm2.{json,png}`. Its widths (30 layers, hidden 576,
+9 query / 3 KV heads of 64) make a chunk many times the tiny model's compute: on the 2-core machine (load ~5) a
+`full` round to 8K took ~5 min (each worker streams 8K twice: omnijax ~140 s, transformers ~170 s), so its
+`bounded` section runs at `--bounded-max 8192` (the 8K point only: to 32K, ~16x the attention of 8K for
+transformers and NoSlide, a round would take over half an hour). Every measurement is a fresh worker process of this
+script (`--worker KIND --side SIDE`, one JSON line on stdout): torch and JAX never share a process, the parent
+imports neither. torch runs on 2 threads with `attn_implementation="sdpa"`, JAX on the CPU as it comes; both compute
+the last token's logits only (transformers: `logits_to_keep=1`). Tokens are random ids (seeded, over the model's
+vocabulary) in text chunks of `--chunk` tokens (chunk i is unit i). Each timed feed also records the worker
+process's CPU seconds (`time.process_time`, every thread): `cpu_ms` beside `ms`, and the same-round `cpu_ratio` with
+its spread, steadier than the wall when other processes share the cores. Rounds alternate the sides (even rounds run
 omnijax first); tables give medians over rounds, `ratio` the median of same-round omnijax / transformers (below 1:
 omnijax is faster or smaller), each omnijax row with the spread of those ratios (`ratio_min` / `ratio_max`,
 `ratio_p10` / `ratio_p90`, every round's in `ratio_rounds`). The transformers / kvpress workers run with
@@ -43,7 +53,8 @@ Run: `python -m bench.peers.vs_transformers [--rounds 5] [--prefill-rounds 5] [-
 `--chunk 256 --full-max 8192 --bounded-max 32768 --prefill 8192 16384 32768 --inner 3 --rounds 5 --prefill-rounds 5`,
 the bench's bar for a headline figure: a median of >= 5 interleaved rounds; `--smoke`: chunk 64, full 256, bounded
 512, prefill 512, one round, and each side's measurements in one worker, its checkpoint worker's, run in the script's
-own process: `harness.run_worker`); writes `<out>/vs_transformers.{json,png}`.
+own process: `harness.run_worker`); writes `<out>/vs_transformers.{json,png}`. On the real model:
+`python -m bench.peers.vs_transformers --model smollm2 --sections full bounded --bounded-max 8192 --rounds 5`.
 """
 
 from __future__ import annotations
@@ -69,18 +80,26 @@ from bench.peers._vs_transformers_rows import (
     rounds_figures,
     stream_rows,
 )
+from bench.peers._vs_transformers_stream import (
+    PAGE_SIZE,
+    TORCH_THREADS,
+    load_omnijax,
+    load_transformers,
+    omnijax_stream,
+    transformers_stream,
+)
 
 HF_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                  tie_word_embeddings=False, max_position_embeddings=65536)
 INIT_STD = 0.08  # std of every weight matrix (norm weights stay 1)
 CKPT_DIR = f"vs_transformers_ckpt_std{INIT_STD}"  # a changed init builds a new checkpoint
-PAGE_SIZE = 64
-TORCH_THREADS = 2
 SECTIONS = ("full", "bounded", "prefill")
 FULL_HISTORIES = (256, 1024, 2048, 4096, 8192)
 BOUNDED_HISTORIES = (8192, 16384, 32768)
 SNAPKV = dict(compression_ratio=0.75, window_size=64, kernel_size=5)
+MODELS = ("tiny", "smollm2")  # --model: the seeded tiny Qwen2 (the default), or SmolLM2-135M-Instruct from its GGUF
+SMOLLM2_DIR = "vs_transformers_model"  # under --out: the GGUF's omnijax/ and hf/ conversions
 VERSIONS: dict[str, str] = {}  # package versions the workers ran with
 LOADS: list[list[float]] = []  # the 1 / 5 / 15-minute load averages as each worker started
 PREFETCHED: dict[str, dict] = {}  # --smoke: side -> kind ("prefill <S>" for a prefill) -> its `every` worker's result
@@ -93,9 +112,15 @@ def checkpoints(defaults, longest: int, chunk: int) -> list[int]:
     return sorted({h - h % chunk for h in kept})
 
 
-def stream_ids(tokens: int, seed: int) -> np.ndarray:
-    """The random token ids both sides stream (the same numpy draw in every worker)."""
-    return np.random.default_rng(seed).integers(0, HF_CONFIG["vocab_size"], tokens)
+def stream_ids(tokens: int, seed: int, ckpt: Path) -> np.ndarray:
+    """The random token ids both sides stream (the same numpy draw in every worker), over the vocabulary of the
+    checkpoint's transformers config."""
+    return np.random.default_rng(seed).integers(0, hf_config(ckpt)["vocab_size"], tokens)
+
+
+def hf_config(ckpt: Path) -> dict:
+    """The transformers checkpoint's `config.json` (`ckpt/hf/`)."""
+    return json.loads((ckpt / "hf" / "config.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -118,97 +143,10 @@ def build_checkpoint(args, side: str, ckpt: Path) -> dict:
     return {"saved": str(ckpt / "hf")}
 
 
-def load_transformers(hf_dir: Path):
-    """`(torch, DynamicCache, model)`: the checkpoint in float32 with SDPA attention, torch on 2 threads."""
-    import torch
-    import transformers
-
-    torch.set_num_threads(TORCH_THREADS)
-    model = transformers.Qwen2ForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=torch.float32)
-    return torch, transformers.DynamicCache, model.eval()
-
-
-def record(got: dict, stream_ms: float, replays: list[float], **values) -> None:
-    """Appends a checkpoint's figures: its ms (the replays' median, or the in-stream ms without replays)."""
-    for key, value in dict(values, stream_ms=stream_ms, ms=float(np.median(replays or [stream_ms]))).items():
-        got.setdefault(key, []).append(value)
-
-
-def omnijax_stream(model, chunks, histories, chunk: int, *, inner: int = 0, **fields) -> dict:
-    """Feeds `chunks` into a new `Session(model, page_size=64, impl="xla", **fields)`; at each history in
-    `histories` records the feed's ms, the last-token logits, the cells attended and, with `inner`, the median ms of
-    `inner` re-feeds of the chunk from a copy of the state before it (the recorded ms then)."""
-    import jax
-    import jax.numpy as jnp
-
-    import omnijax
-
-    session = omnijax.Session(model, page_size=PAGE_SIZE, impl="xla", **fields)
-    got = {}
-    for i, piece in enumerate(chunks):
-        at_checkpoint = i * chunk in histories
-        saved = jax.tree.map(jnp.copy, session.state) if at_checkpoint and inner else None
-        start = time.perf_counter()
-        result = session.feed(piece)
-        jax.block_until_ready(result.logits)
-        ms = 1e3 * (time.perf_counter() - start)
-        if not at_checkpoint:
-            continue
-        replays = []
-        for _ in range(inner):
-            replay = omnijax.Session(model, session.stream_config, state=saved)
-            start = time.perf_counter()
-            jax.block_until_ready(replay.feed(piece).logits)
-            replays.append(1e3 * (time.perf_counter() - start))
-        record(got, ms, replays, logits=np.asarray(result.logits[0]).tolist(),
-               cells=int(result.stats.attended.retained_cells[0]))
-    kv = session.state.kv
-    if bool(np.asarray(kv.exhausted).any()):
-        raise RuntimeError(f"the KV pool of {kv.num_pages} pages ran out under {session.stream_config.policy}: "
-                           f"{int(np.asarray(kv.dropped).sum())} token(s) were not cached")
-    return got
-
-
-def transformers_stream(torch, cache, model, ids, histories, chunk: int, *, inner: int = 0) -> dict:
-    """The same as `omnijax_stream` for transformers; re-feeds crop the cache back to the history first."""
-    got = {}
-
-    def feed(piece):
-        start = time.perf_counter()
-        out = model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return 1e3 * (time.perf_counter() - start), out.logits[0, -1]
-
-    with torch.inference_mode():
-        for i in range(len(ids) // chunk):
-            piece = torch.as_tensor(ids[None, i * chunk:(i + 1) * chunk])
-            ms, logits = feed(piece)
-            if i * chunk not in histories:
-                continue
-            replays = []
-            for _ in range(inner):
-                cache.crop(i * chunk)
-                replays.append(feed(piece)[0])
-            record(got, ms, replays, logits=logits.tolist())
-    return got
-
-
-def load_omnijax(omnijax_dir: Path, ids=None, chunk: int = 0):
-    """The converted model and, with `ids`, their text chunks of `chunk` tokens as device arrays (chunk i: unit i)."""
-    import jax
-    import jax.numpy as jnp
-
-    import omnijax
-    from omnijax.chunks.chunk import text_chunk
-
-    chunks = [] if ids is None else [jax.tree.map(jnp.asarray, text_chunk(ids[i:i + chunk], unit=i // chunk))
-                                     for i in range(0, len(ids), chunk)]
-    return omnijax.load(omnijax_dir), chunks
-
-
 def full_worker(args, side: str, ckpt: Path) -> dict:
     """Full context: two passes of the stream, the second one's checkpoints."""
     histories = checkpoints(FULL_HISTORIES, args.full_max, args.chunk)
-    ids = stream_ids(histories[-1] + args.chunk, args.seed)
+    ids = stream_ids(histories[-1] + args.chunk, args.seed, ckpt)
     if side == "omnijax":
         model, chunks = load_omnijax(ckpt / "omnijax", ids, args.chunk)
         pages = len(ids) // PAGE_SIZE + 2
@@ -222,7 +160,7 @@ def full_worker(args, side: str, ckpt: Path) -> dict:
 def bounded_worker(args, side: str, ckpt: Path) -> dict:
     """Bounded: one pass per omnijax policy (transformers: its full history), checkpoints re-fed `--inner` times."""
     histories = checkpoints(BOUNDED_HISTORIES, args.bounded_max, args.chunk)
-    ids = stream_ids(histories[-1] + args.chunk, args.seed)
+    ids = stream_ids(histories[-1] + args.chunk, args.seed, ckpt)
     if side == "transformers":
         torch, cache_cls, model = load_transformers(ckpt / "hf")
         return {"histories": histories, **transformers_stream(torch, cache_cls(), model, ids, histories, args.chunk,
@@ -244,7 +182,7 @@ def bounded_worker(args, side: str, ckpt: Path) -> dict:
 def prefill_worker(args, side: str, ckpt: Path) -> dict:
     """Prefill of `--length` tokens compressed to 25 % per KV head, called twice: times, peak RSS, logits."""
     S = args.length
-    ids = stream_ids(S, args.seed + 1)[None]
+    ids = stream_ids(S, args.seed + 1, ckpt)[None]
     if side == "omnijax":
         import jax
 
@@ -299,7 +237,7 @@ def every_worker(args, side: str, ckpt: Path) -> dict:
 
 def worker(args) -> None:
     """Runs one measurement (`every`: all of a side's) and prints its result as one JSON line."""
-    ckpt = Path(args.out) / CKPT_DIR
+    ckpt = Path(args.models)
     run = {"checkpoint": build_checkpoint, "full": full_worker, "bounded": bounded_worker, "prefill": prefill_worker,
            "every": every_worker}
     result = run[args.worker](args, args.side, ckpt)
@@ -316,6 +254,7 @@ def run_worker(args, kind: str, side: str, length: int = 0, note: str = "", extr
     if key in PREFETCHED.get(side, {}):
         return PREFETCHED[side].pop(key)  # its "load": its `every` worker's
     cmd = harness.module_command(__spec__.name, "--worker", kind, "--side", side, "--out", Path(args.out).resolve(),
+                                 "--models", Path(args.models).resolve(),
                                  "--chunk", args.chunk, "--full-max", args.full_max, "--bounded-max", args.bounded_max,
                                  "--inner", args.inner, "--seed", args.seed, "--length", length, *extra)
     env = dict(os.environ, **({"OMP_WAIT_POLICY": omp_wait_policy(args)} if side == "transformers" else {}))
@@ -353,22 +292,40 @@ def omp_wait_policy(args) -> str:
     return "ACTIVE" if args.omp_active else "PASSIVE"
 
 
-def ensure_checkpoint(args) -> str:
-    """Builds the transformers checkpoint and its omnijax conversion unless both are there already; with `--smoke`,
-    one `every` worker per side (transformers first) then also runs all of that side's measurements (`PREFETCHED`)."""
-    ckpt = Path(args.out) / CKPT_DIR
-    built = not (ckpt / "hf" / "model.safetensors").exists()
-    build = {"transformers": built, "omnijax": built or not (ckpt / "omnijax" / "omnijax.json").exists()}
+def ensure_checkpoint(args) -> dict:
+    """Builds the transformers checkpoint and its omnijax conversion unless both are there already (`--model
+    smollm2`: converts the GGUF, `first_token.prepare_models`) and sets `args.models` to their folder; with
+    `--smoke`, one `every` worker per side (transformers first) then also runs all of that side's measurements
+    (`PREFETCHED`). Returns what the JSON says of the model."""
+    if args.model == "smollm2":
+        from bench.peers.first_token import prepare_models, smoke_models
+
+        if args.smoke and not args.gguf:
+            gguf_path, ckpt = smoke_models(Path(args.out))
+        else:
+            from omnijax.demo.smollm2 import find_gguf
+
+            gguf_path, ckpt = find_gguf(args.gguf), Path(args.out) / SMOLLM2_DIR
+            prepare_models(gguf_path, ckpt)
+        build = {side: False for side in SIDES}
+        model = {"gguf": str(gguf_path), "hf_config": hf_config(ckpt)}
+    else:
+        ckpt = Path(args.out) / CKPT_DIR
+        built = not (ckpt / "hf" / "model.safetensors").exists()
+        build = {"transformers": built, "omnijax": built or not (ckpt / "omnijax" / "omnijax.json").exists()}
+        model = {"tiny": HF_CONFIG}
+    args.models = str(ckpt)
+    model["checkpoint"] = str(ckpt)
     if args.smoke:
         for side in SIDES[::-1]:
             extra = ["--sections", *args.sections, "--prefill", *args.prefill] + (["--build"] if build[side] else [])
             PREFETCHED[side] = run_worker(args, "every", side, note=" (every measurement, --smoke)", extra=extra)
-        return str(ckpt)
+        return model
     if build["transformers"]:
         run_worker(args, "checkpoint", "transformers")
     if build["omnijax"]:
         run_worker(args, "checkpoint", "omnijax")
-    return str(ckpt)
+    return model
 
 
 def alternating_rounds(args, kind: str) -> list[dict]:
@@ -417,6 +374,9 @@ def main(argv=None):
     parser.add_argument("--prefill-rounds", type=int, default=5, help="fresh processes per side and prompt length")
     parser.add_argument("--inner", type=int, default=3, help="re-feeds of each bounded checkpoint chunk")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    parser.add_argument("--model", choices=MODELS, default="tiny",
+                        help="tiny: the seeded tiny Qwen2 (the default); smollm2: SmolLM2-135M-Instruct from its GGUF")
+    parser.add_argument("--gguf", help="--model smollm2: the GGUF file (default: the installed Q4_1)")
     omp = parser.add_mutually_exclusive_group()
     omp.add_argument("--omp-active", action="store_true",
                      help="OMP_WAIT_POLICY=ACTIVE for the transformers / kvpress workers instead of the default "
@@ -429,15 +389,18 @@ def main(argv=None):
                         help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # `every`: build the checkpoint
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--models", help=argparse.SUPPRESS)  # a worker's checkpoint folder (omnijax/, hf/)
     parser.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
     args = harness.parse(parser, argv, smoke=dict(chunk=64, full_max=256, bounded_max=512, prefill=[512], rounds=1,
                                                   prefill_rounds=1, inner=1))
+    if args.gguf and args.model != "smollm2":
+        parser.error("--gguf goes with --model smollm2")
     if args.worker:
         return worker(args)
     out = harness.output_dir(args)
     start = time.perf_counter()
     print("checkpoint", flush=True)
-    checkpoint = ensure_checkpoint(args)
+    model = ensure_checkpoint(args)
     rows = []
     if "full" in args.sections:
         print(f"full context to {args.full_max} ({args.rounds} rounds)", flush=True)
@@ -451,13 +414,14 @@ def main(argv=None):
     print_tables(rows)
     runtime = time.perf_counter() - start
     print(f"total runtime {runtime:.0f} s")
-    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "side", "length", "build")}
-    harness.write_json(out, "vs_transformers", {
-        "model": HF_CONFIG, "checkpoint": checkpoint, "page_size": PAGE_SIZE, "torch_threads": TORCH_THREADS,
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "side", "length", "build", "models")}
+    name = "vs_transformers" if args.model == "tiny" else f"vs_transformers_{args.model}"
+    harness.write_json(out, name, {
+        "model": model, "checkpoint": model["checkpoint"], "page_size": PAGE_SIZE, "torch_threads": TORCH_THREADS,
         "policies": POLICY_SPECS, "kvpress": SNAPKV, "versions": VERSIONS, "load_averages": LOADS,
         "omp_wait_policy": omp_wait_policy(args), "machine": machine(),
         "settings": settings, "runtime_s": runtime, "rows": rows})
-    plot(rows, out)
+    plot(rows, out, name)
 
 
 if __name__ == "__main__":
