@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
-KEEP_VERSIONS = 6  # folders of executables kept: those of the most recently used jax versions and settings (the
-# test suite alone uses three or four: LLVM optimisation on and off, subprocesses with production flags)
+KEEP_VERSIONS = 16  # folders of executables kept past a day unused: the most recently used jax versions and settings
+# (one run of the test suite uses seven or more -- LLVM optimisation on and off, subprocesses with production flags, 8
+# devices, the benchmarks' settings -- and with six kept, its first-used folder was removed during every run)
+KEEP_UNUSED_SECONDS = 24 * 3600  # a folder used more recently than this is never removed (a running process's)
 PROGRAMS_DIR = "programs"  # a version folder's executables by traced program (`kept_executables.CachedJit`): more
 # names of its files kept by source key
 KEEP_BYTES = 2 << 30  # a folder's executables past this size: the least recently used removed (`version_dir`)
@@ -22,8 +25,9 @@ _prune_lock = threading.Lock()
 def version_dir(base: Path, name: str) -> Path:
     """`base/name`: the executables of one jax version and its settings (`kept_executables.process_key`). The first
     call of a process marks the folder used and removes all but the `KEEP_VERSIONS` most recently used folders beside
-    it, and in its own folder the least recently used executables past `KEEP_BYTES` (an edit to omnijax's sources
-    makes new keys for the programs that reach it, so without this a developer's or CI's cache would only grow)."""
+    it that are unused for `KEEP_UNUSED_SECONDS` (one in use by a running process stays), and in its own folder the
+    least recently used executables past `KEEP_BYTES` (an edit to omnijax's sources makes new keys for the programs
+    that reach it, so without this a developer's or CI's cache would only grow)."""
     folder = base / name
     if folder in _pruned:
         return folder
@@ -42,8 +46,9 @@ def version_dir(base: Path, name: str) -> Path:
                             entry.unlink()
                     except OSError:  # removed meanwhile by another process
                         continue
-                for _, old in sorted(used, reverse=True)[KEEP_VERSIONS:]:
-                    if old != folder:
+                stale = time.time() - KEEP_UNUSED_SECONDS
+                for mtime, old in sorted(used, reverse=True)[KEEP_VERSIONS:]:
+                    if old != folder and mtime < stale:
                         shutil.rmtree(old, ignore_errors=True)
                 bound_size(folder, KEEP_BYTES)
             except OSError:  # an unwritable cache: programs are compiled and not kept

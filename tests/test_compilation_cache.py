@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -340,9 +341,10 @@ def test_held_programs_are_bounded_and_given_back_with_their_mappings(cache_dir)
     assert _mappings() - before < grown / 4
 
 
-def test_old_source_versions_are_pruned_and_files_are_compressed(cache_dir):
-    """Every edit to omnijax's sources makes a new folder of executables; the first use in a process keeps the
-    `KEEP_VERSIONS` most recently used folders (its own among them) and removes the rest and first-format files."""
+def test_old_settings_folders_are_pruned_and_files_are_compressed(cache_dir):
+    """Each jax version and settings has its folder of executables; the first use in a process keeps the
+    `KEEP_VERSIONS` most recently used folders (its own among them) and removes the rest that went unused for
+    `KEEP_UNUSED_SECONDS` (a folder used within that time, as a running process's, stays), and first-format files."""
     base = cache_dir / "executables"
     names = [f"{chr(ord('a') + i) * 4}" for i in range(compilation_cache.KEEP_VERSIONS + 1)]  # the last the newest
     for age, name in enumerate(names):
@@ -354,6 +356,14 @@ def test_old_source_versions_are_pruned_and_files_are_compressed(cache_dir):
     np.testing.assert_array_equal(kept(jnp.arange(3.0), jnp.ones(3), power=2), jnp.arange(3.0) ** 2 + 1)
     own = base / compilation_cache.process_key().hex()[:16]
     assert sorted(p.name for p in base.iterdir()) == sorted([own.name, *names[-(compilation_cache.KEEP_VERSIONS - 1):]])
+    # past the count, but each used within KEEP_UNUSED_SECONDS (by a process still running, perhaps): all kept
+    busy = cache_dir / "busy"
+    recent = time.time() - kept_folders.KEEP_UNUSED_SECONDS / 2
+    for age, name in enumerate(names):
+        (busy / name).mkdir(parents=True)
+        os.utime(busy / name, (recent + age, recent + age))
+    kept_folders.version_dir(busy, "newest")
+    assert sorted(p.name for p in busy.iterdir()) == sorted([*names, "newest"])
     (path,) = own.glob("*.exe")
     import pickle
     import zlib
