@@ -113,6 +113,8 @@ def process_key() -> bytes:
 
 
 _graph: list = []
+# the keeping machinery: no traced code runs in these modules, and nearly every module imports them (`SourceGraph`)
+_MACHINERY = ("omnijax.compilation_cache", "omnijax.kept_executables", "omnijax.kept_folders", "omnijax.source_keys")
 
 
 def source_graph() -> SourceGraph:
@@ -120,7 +122,7 @@ def source_graph() -> SourceGraph:
     if not _graph:
         with _process_key_lock:
             if not _graph:
-                _graph.append(SourceGraph(_PACKAGE, "omnijax"))
+                _graph.append(SourceGraph(_PACKAGE, "omnijax", unkeyed=_MACHINERY))
     return _graph[0]
 
 

@@ -32,9 +32,15 @@ class SourceGraph:
 
     A package's `__init__` is part of every module below it (it runs first), but the names it only lists as strings
     (a lazy table of public names) are not followed: a traced function reaches code through imports.
+
+    `unkeyed` names modules that no traced code runs (the keeping machinery itself, which nearly every module imports
+    to make its programs kept): they are left out of every digest, and their imports are not followed, so an edit
+    there keeps every program loadable. A change to how executables are serialised or loaded bumps
+    `kept_executables.EXECUTABLE_FORMAT` instead, which is in every key.
     """
 
-    def __init__(self, root: Path, package: str):
+    def __init__(self, root: Path, package: str, unkeyed: Iterable[str] = ()):
+        self.unkeyed = frozenset(unkeyed)
         self.files: dict[str, Path] = {}
         for path in root.rglob("*.py"):
             parts = (package, *path.relative_to(root).with_suffix("").parts)
@@ -99,7 +105,7 @@ class SourceGraph:
             todo = [parent for root in key for parent in self._with_parents(root)]
             while todo:
                 module = todo.pop()
-                if module in seen:
+                if module in seen or module in self.unkeyed:
                     continue
                 seen.add(module)
                 if module not in self.imports:

@@ -422,6 +422,26 @@ def test_a_functions_key_holds_the_sources_it_reaches_and_no_others(tmp_path):
     assert graph.modules_of(["pkg.sub.deep.k", "pkg.nothing", "numpy"]) == {"pkg.sub.deep", "pkg"}
 
 
+def test_the_keeping_machinery_is_in_no_key(tmp_path):
+    """Modules named `unkeyed` (omnijax's compilation cache, kept executables, their folders and source keys, which
+    nearly every module imports and no traced code runs) are left out of every digest, with what only they import:
+    an edit there keeps every program loadable; an edit to a module reached otherwise still changes the key."""
+    root = _package(tmp_path, {"__init__.py": "", "a.py": "import pkg.cache\nimport pkg.model\n",
+                               "cache.py": "import pkg.folders\n", "folders.py": "", "model.py": ""})
+
+    def digest():
+        return source_keys.SourceGraph(root, "pkg", unkeyed=("pkg.cache", "pkg.folders")).digest(["pkg.a"])
+
+    before = digest()
+    for unkeyed in ("cache.py", "folders.py"):
+        (root / unkeyed).write_text((root / unkeyed).read_text() + "# edited\n")
+        assert digest() == before, unkeyed
+    (root / "model.py").write_text("# edited\n")
+    assert digest() != before
+    assert set(compilation_cache.source_graph().unkeyed) == {
+        "omnijax.compilation_cache", "omnijax.kept_executables", "omnijax.kept_folders", "omnijax.source_keys"}
+
+
 def test_static_arguments_and_pytree_nodes_name_their_modules():
     """The modules a program's key follows beyond its function's: those of the classes its static arguments pickle
     and of its arguments' pytree nodes."""
